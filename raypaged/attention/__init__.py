@@ -1,0 +1,1 @@
+"""Paged attention: metadata built by the model runner and the ops that use it."""

@@ -1,0 +1,105 @@
+"""Paged attention in plain torch: the CPU backend and the reference for the CUDA kernels.
+
+Cache layout per layer: ``key_cache``/``value_cache`` are
+``[num_blocks, block_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from raypaged.attention.metadata import AttentionMetadata
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] long, negative = skip
+) -> None:
+    """Write each token's K/V into its slot."""
+    num_kv_heads, head_dim = key.shape[1:]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_seqs, max_blocks] block ids -> [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]."""
+    gathered = cache[block_tables]
+    num_seqs, max_blocks, block_size = gathered.shape[:3]
+    return gathered.view(num_seqs, max_blocks * block_size, *cache.shape[2:])
+
+
+def paged_attention_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] long
+    context_lens: torch.Tensor,  # [num_seqs] long
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """One query token per sequence attending to its first ``context_lens[i]`` cached tokens."""
+    keys = gather_blocks(key_cache, block_tables).transpose(1, 2)  # [S, Hkv, T, D]
+    values = gather_blocks(value_cache, block_tables).transpose(1, 2)
+    max_len = keys.shape[2]
+    visible = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]  # [S, T]
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2),  # [S, H, 1, D]
+        keys,
+        values,
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,  # [query_len, num_heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,  # [num_blocks] long
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+    """Causal attention of the last ``query_len`` positions of a sequence over its cached context."""
+    query_len = query.shape[0]
+    keys = gather_blocks(key_cache, block_ids[None])[0, :context_len].transpose(0, 1)  # [Hkv, L, D]
+    values = gather_blocks(value_cache, block_ids[None])[0, :context_len].transpose(0, 1)
+    if query_len == context_len:
+        mask, causal = None, True
+    else:
+        query_pos = torch.arange(context_len - query_len, context_len, device=query.device)
+        mask = torch.arange(context_len, device=query.device)[None, :] <= query_pos[:, None]
+        causal = False
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention for a flattened step: batched decodes, then one call per prefill span."""
+    out = torch.empty_like(query)
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        out[:num_decodes] = paged_attention_decode(
+            query[:num_decodes], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+    for span in meta.prefills:
+        end = span.query_start + span.query_len
+        out[span.query_start:end] = paged_attention_prefill(
+            query[span.query_start:end], key_cache, value_cache, span.block_ids, span.context_len, scale
+        )
+    return out

@@ -1,0 +1,120 @@
+"""Engine configuration: validated at construction, with messages a user understands."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
+
+from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
+from raypaged.model.layers import rope_parameters
+from raypaged.model.llama import SUPPORTED_ARCHITECTURES
+
+logger = logging.getLogger("raypaged")
+
+_DTYPES = {
+    "auto": "auto",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
+_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A local model folder for ``model`` (None or the default model's id → the cached default)."""
+    if model is None or model == DEFAULT_MODEL:
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        raise ValueError(
+            f"model {model!r} is not a local Hugging Face model folder (no config.json there); "
+            "models cannot be downloaded from a hub at run time"
+        )
+    return path
+
+
+@dataclass
+class EngineConfig:
+    """Everything needed to start an engine. ``None`` fields are resolved from the model."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    kv_cache_space: float | None = None  # GiB of KV cache (CPU)
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0
+    device: str = "auto"
+    model_path: Path = field(init=False)
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size not in _BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {_BLOCK_SIZES}, got {self.block_size}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.kv_cache_space is not None and self.kv_cache_space <= 0:
+            raise ValueError(f"kv_cache_space must be a positive number of GiB, got {self.kv_cache_space}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}")
+        self.model_path = resolve_model_path(self.model)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self._check_architecture()
+        self.max_model_len = self._resolve_max_model_len()
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(8192, self.max_num_seqs)
+        if self.served_model_name is None:
+            self.served_model_name = DEFAULT_MODEL if self.model is None else self.model
+
+    def _check_architecture(self) -> None:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"model architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        rope_parameters(self.hf_config)
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.hf_config.max_position_embeddings
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and getattr(self.hf_config, "use_sliding_window", True) and window < limit:
+            limit = window  # attention here is full-context: stay inside the window
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}"
+            )
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        return self.max_model_len
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_dtype(self) -> str:
+        """A torch dtype name: ``auto`` keeps the checkpoint's, but half on CPU becomes float32."""
+        dtype = _DTYPES[self.dtype]
+        if dtype != "auto":
+            return dtype
+        checkpoint = str(getattr(self.hf_config, "dtype", None) or "float32").replace("torch.", "")
+        if self.resolved_device == "cpu":
+            return "float32" if checkpoint == "float16" else checkpoint
+        return "float16" if checkpoint == "float32" else checkpoint

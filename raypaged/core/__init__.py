@@ -1,0 +1,1 @@
+"""Driver-side scheduling state: requests, blocks, the scheduler. Imports no torch."""

@@ -1,0 +1,65 @@
+"""The typed boundary between the driver and the workers.
+
+Per step the driver sends one :class:`SchedulerOutput` to every worker and
+gets one :class:`ModelRunnerOutput` back. A request's prompt, sampling params
+and block table travel once (``NewRequestData``); afterwards only deltas do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raypaged.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker has not seen (or must rebuild after preemption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the worker already holds: only what changed since its last step."""
+
+    request_id: str
+    new_token_ids: list[int]  # output tokens the worker has not seen yet
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # request id -> tokens to compute this step, in batch order
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # requests the worker must forget: finished, aborted or preempted since the last step
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float  # log-probability under the model's raw distribution
+    top_logprobs: dict[int, float] | None  # the sampled token plus the top-N, when asked
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # request id -> the token sampled for it; requests mid-prefill are absent
+    sampled: dict[str, SampledToken] = field(default_factory=dict)

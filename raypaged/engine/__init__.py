@@ -1,0 +1,1 @@
+"""The engine: tokenization, the scheduler/executor step loop, detokenization."""

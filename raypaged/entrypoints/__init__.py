@@ -1,0 +1,1 @@
+"""User-facing entry points: the Python API and the command line."""

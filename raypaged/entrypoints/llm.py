@@ -1,0 +1,142 @@
+"""The offline Python API: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from raypaged.config import EngineConfig
+from raypaged.engine.llm_engine import LLMEngine
+from raypaged.outputs import RequestOutput
+from raypaged.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+_PROGRESS_MIN_PROMPTS = 16
+
+
+class LLM:
+    """An engine for offline batches, vLLM-compatible.
+
+    ``model`` is a local Hugging Face folder (Llama, Mistral, Qwen2 families) or
+    ``None`` for the bundled SmolLM2-135M-Instruct.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        kv_cache_space: float | None = None,
+        num_gpu_blocks_override: int | None = None,
+        seed: int = 0,
+        device: str = "auto",
+    ) -> None:
+        self.llm_engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                kv_cache_space=kv_cache_space,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+                seed=seed,
+                device=device,
+            )
+        )
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt is a string or ``{"prompt_token_ids": [...]}``. One
+        ``SamplingParams`` applies to all prompts, or pass one per prompt. Every
+        prompt is validated before any runs: a bad one raises ``ValueError``.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        engine = self.llm_engine
+        resolved = [_prompt_input(p) for p in prompts]
+        request_ids = []
+        try:
+            for (text, token_ids), params in zip(resolved, params_list):
+                request_ids.append(engine.add_request(text, params, prompt_token_ids=token_ids))
+        except ValueError:
+            engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm and len(prompts) >= _PROGRESS_MIN_PROMPTS)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, using the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.llm_engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            if not conversation:
+                raise ValueError("messages must not be empty")
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not show_progress)
+        try:
+            while len(finished) < len(request_ids):
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([rid for rid in request_ids if rid not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+    def stats(self) -> dict[str, int | float]:
+        """Engine counters: blocks total/free, running/waiting requests, preemptions."""
+        return self.llm_engine.stats()
+
+
+def _prompt_input(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of a prompt; either may be None."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
+        token_ids = prompt.get("prompt_token_ids")
+        return prompt.get("prompt"), None if token_ids is None else list(token_ids)
+    raise ValueError(f"a prompt must be a string or a dict with prompt_token_ids, got {type(prompt).__name__}")

@@ -1,0 +1,1 @@
+"""Executors drive the workers: in-process now, Ray actors for tensor parallelism."""

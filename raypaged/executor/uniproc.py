@@ -1,0 +1,21 @@
+"""Runs the single worker in the driver's own process."""
+
+from __future__ import annotations
+
+from raypaged.config import EngineConfig
+from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.worker.worker import Worker
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+        self.worker = Worker(config, eos_token_id)
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

@@ -1,0 +1,1 @@
+"""Decoder-only model code computing over the flattened tokens of a step."""

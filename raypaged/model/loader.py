@@ -1,0 +1,31 @@
+"""Build a model from a Hugging Face folder of safetensors files."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import PretrainedConfig
+
+from raypaged.model.llama import LlamaForCausalLM
+
+
+def iter_checkpoint(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {model_path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_path: Path, hf_config: PretrainedConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_config, max_positions)
+    model.load_weights(iter_checkpoint(model_path))
+    return model.to(dtype=dtype).eval()

@@ -1,0 +1,1 @@
+"""Worker side: model weights, KV cache tensors, forward passes, sampling."""

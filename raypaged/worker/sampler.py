@@ -1,0 +1,115 @@
+"""Pick one token per sequence from its logits.
+
+Order: penalties and ``min_tokens`` masking on the raw logits, then greedy
+argmax or temperature → top-k → top-p → min-p → a draw. Logprobs are those of
+the raw model distribution. A seeded request draws from a generator seeded by
+``(seed, number of tokens generated so far)``, so its tokens do not depend on
+what else is in the batch, nor on preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raypaged.core.outputs import SampledToken
+from raypaged.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingInput:
+    """What the sampler needs to know of one sequence."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None
+
+
+def sample(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator) -> list[SampledToken]:
+    """``logits``: [num_seqs, vocab]; returns one token per row."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _apply_penalties(logits.clone(), inputs)
+
+    token_ids = torch.empty(len(inputs), dtype=torch.long)
+    greedy = [i for i, s in enumerate(inputs) if s.params.greedy]
+    sampled = [i for i, s in enumerate(inputs) if not s.params.greedy]
+    if greedy:
+        token_ids[greedy] = logits[greedy].argmax(dim=-1)
+    if sampled:
+        probs = _warped_probs(logits[sampled], [inputs[i].params for i in sampled])
+        token_ids[sampled] = _draw(probs, [inputs[i] for i in sampled], generator)
+
+    results = []
+    token_list = token_ids.tolist()
+    chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    max_top = max((s.params.logprobs or 0) for s in inputs)
+    if max_top:
+        top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for i, s in enumerate(inputs):
+        top = None
+        if s.params.logprobs is not None:
+            top = {token_list[i]: chosen[i]}
+            for j in range(s.params.logprobs):
+                top.setdefault(top_ids[i][j], top_values[i][j])
+        results.append(SampledToken(token_list[i], chosen[i], top))
+    return results
+
+
+def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    for i, s in enumerate(inputs):
+        p = s.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(s.prompt_token_ids) | set(s.output_token_ids)), dtype=torch.long)
+            values = logits[i, seen]
+            logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and s.output_token_ids:
+            counts = torch.bincount(torch.tensor(s.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if len(s.output_token_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids)
+            if s.eos_token_id is not None and not p.ignore_eos:
+                banned.append(s.eos_token_id)
+            if banned:
+                logits[i, banned] = float("-inf")
+    return logits
+
+
+def _warped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    logits = logits / temperature[:, None]
+    if any(p.top_k is not None or p.top_p < 1.0 for p in params):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k or vocab for p in params])
+        drop = torch.arange(vocab)[None, :] >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= top_p[:, None]
+        drop[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _draw(probs: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator) -> torch.Tensor:
+    """Gumbel-style draw: argmax(p / E) with E ~ Exp(1) is a sample from p."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, s in enumerate(inputs) if s.params.seed is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1]).exponential_(generator=generator)
+    for i, s in enumerate(inputs):
+        if s.params.seed is not None:
+            row_gen = torch.Generator().manual_seed(hash((s.params.seed, len(s.output_token_ids))) & 0x7FFF_FFFF_FFFF_FFFF)
+            noise[i].exponential_(generator=row_gen)
+    return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,57 @@
+"""One model shard: weights, KV cache and the model runner."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
+from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.model.llama import head_dim_of
+from raypaged.model.loader import load_model
+from raypaged.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("raypaged")
+
+_GIB = 1 << 30
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+        self.config = config
+        self.device = torch.device(config.resolved_device)
+        self.dtype = getattr(torch, config.resolved_dtype)
+        self.eos_token_id = eos_token_id
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model_path, config.hf_config, config.max_model_len, self.dtype, self.device)
+        self.runner: ModelRunner | None = None
+
+    def bytes_per_block(self) -> int:
+        hf = self.config.hf_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * hf.num_hidden_layers * self.config.block_size * hf.num_key_value_heads * head_dim_of(hf) * elem
+
+    def determine_num_blocks(self) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        space = self.config.kv_cache_space or DEFAULT_CPU_KV_CACHE_SPACE_GIB
+        return max(1, int(space * _GIB) // self.bytes_per_block())
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        hf = self.config.hf_config
+        shape = (hf.num_hidden_layers, 2, num_blocks, self.config.block_size, hf.num_key_value_heads, head_dim_of(hf))
+        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(hf.num_hidden_layers)]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            num_blocks,
+            self.config.block_size,
+            num_blocks * self.bytes_per_block() / _GIB,
+        )
+        self.runner = ModelRunner(
+            self.model, kv_caches, self.config.block_size, self.eos_token_id, self.config.seed, self.device
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
