@@ -1,0 +1,306 @@
+"""W6 of docs BENCHMARKS.md: offline batch generation, raypaged against transformers.
+
+Every system gets the same prompt token ids (uniform 50-200 tokens drawn from the
+tokenizer's ordinary vocabulary with a seeded RNG), generates exactly 100 tokens
+greedily, in fp32, on the same weights and torch thread count, in one process:
+
+    python benchmarks/offline_throughput.py --quick
+    python benchmarks/offline_throughput.py --systems raypaged,hf-static --threads 2
+
+Writes benchmarks/results/offline_throughput.{json,png} and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from raypaged.model.default_model import default_model_dir
+
+MAX_TOKENS = 100
+PROMPT_LEN = (50, 200)
+SYSTEMS = {
+    "raypaged": "raypaged `LLM.generate`",
+    "hf-single": "transformers `generate`, one request at a time",
+    "hf-static": "transformers `generate`, static batches of {batch}",
+}
+RESULTS_DIR = Path(__file__).parent / "results"
+MATMUL_SHAPES = ((256, 576, 1536), (2048, 2048, 2048))  # (m, k, n): a decode-sized one and a large one
+
+Prompts = list[list[int]]
+
+
+@dataclass
+class SystemResult:
+    system: str
+    label: str
+    requests: int
+    generated_tokens: int
+    run_seconds: list[float]
+    peak_rss_mib: float  # process peak so far: systems run in order, so later ones include earlier ones
+    extra: dict[str, float | int | str] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> list[float]:
+        return [self.generated_tokens / s for s in self.run_seconds]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.tokens_per_s)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="32 prompts, 4 one-at-a-time, 1 repeat")
+    parser.add_argument("--num-prompts", type=int, help="prompts for raypaged and static batches (256; 32 quick)")
+    parser.add_argument("--single-prompts", type=int, help="subset run one at a time (32; 4 quick)")
+    parser.add_argument("--repeats", type=int, help="timed runs per system (3; 1 quick)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--batch-size", type=int, default=16, help="static batch size of hf-static")
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="raypaged kv_cache_space")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {list(SYSTEMS)}")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.num_prompts = args.num_prompts or (32 if args.quick else 256)
+    args.single_prompts = min(args.single_prompts or (4 if args.quick else 32), args.num_prompts)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
+    return args
+
+
+def build_prompts(model_dir: Path, count: int, seed: int) -> Prompts:
+    """Token ids drawn uniformly from the vocabulary minus special/added tokens; lengths uniform 50-200."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    special = set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)
+    ordinary = np.array([i for i in range(len(tokenizer)) if i not in special])
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(PROMPT_LEN[0], PROMPT_LEN[1] + 1, size=count)
+    return [rng.choice(ordinary, size=int(n)).tolist() for n in lengths]
+
+
+def timed_runs(run: Callable[[], Prompts], repeats: int) -> tuple[list[float], Prompts]:
+    """Wall seconds of each run and the generated token ids of the last one."""
+    seconds, outputs = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outputs = run()
+        seconds.append(time.perf_counter() - start)
+    return seconds, outputs
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def check_lengths(system: str, outputs: Prompts) -> int:
+    bad = [len(o) for o in outputs if len(o) != MAX_TOKENS]
+    if bad:
+        raise RuntimeError(f"{system}: {len(bad)} outputs are not {MAX_TOKENS} tokens long (e.g. {bad[0]})")
+    return len(outputs) * MAX_TOKENS
+
+
+def bench_raypaged(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> tuple[SystemResult, Prompts]:
+    from raypaged import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_space=args.kv_cache_gib)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def run(batch: Prompts, sampling: SamplingParams) -> Prompts:
+        requests = [{"prompt_token_ids": p} for p in batch]
+        return [o.outputs[0].token_ids for o in llm.generate(requests, sampling, use_tqdm=False)]
+
+    run(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    seconds, outputs = timed_runs(lambda: run(prompts, params), args.repeats)
+    hf = llm.llm_engine.config.hf_config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4
+    blocks = int(llm.stats()["num_gpu_blocks_total"])
+    extra = {
+        "kv_cache_blocks": blocks,
+        "kv_cache_gib": blocks * llm.llm_engine.config.block_size * kv_bytes_per_token / 2**30,
+        "kv_gib_if_all_live": sum(len(p) + MAX_TOKENS for p in prompts) * kv_bytes_per_token / 2**30,
+        "preemptions": int(llm.stats()["num_preemptions"]),
+    }
+    result = SystemResult("raypaged", SYSTEMS["raypaged"], len(prompts), check_lengths("raypaged", outputs),
+                          seconds, peak_rss_mib(), extra)
+    return result, outputs
+
+
+def hf_generate(model: torch.nn.Module, batch: Prompts, pad_id: int, max_new_tokens: int) -> Prompts:
+    """Greedy generate on a left-padded batch; exactly ``max_new_tokens`` new tokens per row."""
+    width = max(map(len, batch))
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(batch):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt):] = 1
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, pad_token_id=pad_id,
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+    return out[:, width:].tolist()
+
+
+def bench_hf(model: torch.nn.Module, prompts: Prompts, batch_size: int, system: str,
+             args: argparse.Namespace) -> tuple[SystemResult, Prompts]:
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+
+    def run() -> Prompts:
+        return [tokens for batch in batches for tokens in hf_generate(model, batch, pad_id, MAX_TOKENS)]
+
+    hf_generate(model, prompts[:min(2, batch_size)], pad_id, 8)
+    seconds, outputs = timed_runs(run, args.repeats)
+    label = SYSTEMS[system].format(batch=batch_size)
+    result = SystemResult(system, label, len(prompts), check_lengths(system, outputs), seconds, peak_rss_mib(),
+                          {"batch_size": batch_size})
+    return result, outputs
+
+
+def matmul_gflops(m: int, k: int, n: int, min_seconds: float = 1.0) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    iters, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < min_seconds:
+        a @ b
+        iters += 1
+    return 2 * m * k * n * iters / elapsed / 1e9
+
+
+def count_parameters(model_dir: Path) -> int:
+    """Unique parameters in the checkpoint (tied embeddings counted once, as the lm_head matmul)."""
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return sum(int(np.prod(f.get_slice(name).get_shape())) for name in f.keys())
+
+
+def cpu_ceiling(params: int) -> list[dict[str, float | str]]:
+    rows = []
+    for m, k, n in MATMUL_SHAPES:
+        gflops = matmul_gflops(m, k, n)
+        rows.append({"shape": f"[{m} x {k}] @ [{k} x {n}]", "gflops": gflops, "tokens_per_s": gflops * 1e9 / (2 * params)})
+    return rows
+
+
+def machine_info(threads: int) -> dict[str, str | int]:
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
+    return {"cpu": model or platform.processor(), "nproc": os.cpu_count() or 0, "torch": torch.__version__,
+            "threads": threads, "python": platform.python_version()}
+
+
+def agreement(reference: Prompts, outputs: Prompts) -> str:
+    """How many of the prompts both ran came out with identical tokens."""
+    same = sum(a == b for a, b in zip(reference, outputs))
+    return f"{same}/{min(len(reference), len(outputs))}"
+
+
+def markdown_table(results: list[SystemResult]) -> str:
+    base = next((r.median for r in results if r.system == "raypaged"), None)
+    lines = ["| system | requests | generated tokens | tokens/s (median) | spread (min–max) | ratio to raypaged (raypaged ÷ this) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        ratio = f"{base / r.median:.2f}" if base else "n/a"
+        lines.append(f"| {r.label} | {r.requests} | {r.generated_tokens} | {r.median:.1f} | "
+                     f"{min(r.tokens_per_s):.1f}–{max(r.tokens_per_s):.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[SystemResult], ceiling: list[dict], info: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    medians = [r.median for r in results]
+    errors = [[r.median - min(r.tokens_per_s) for r in results], [max(r.tokens_per_s) - r.median for r in results]]
+    ax.bar([f"{r.system}\n({r.requests} req)" for r in results], medians, yerr=errors, capsize=6,
+           color=["tab:green" if r.system == "raypaged" else "tab:gray" for r in results])
+    for i, value in enumerate(medians):
+        ax.annotate(f"{value:.1f}", (i, value), ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")
+    best = max(ceiling, key=lambda c: c["tokens_per_s"])
+    ax.axhline(best["tokens_per_s"], ls="--", color="tab:red", label=f"CPU ceiling ({best['gflops']:.0f} GFLOP/s)")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(f"W6 offline batch, fp32, {info['threads']} threads, {info['cpu']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model_dir = default_model_dir()
+    prompts = build_prompts(model_dir, args.num_prompts, args.seed)
+    results: list[SystemResult] = []
+    outputs: dict[str, Prompts] = {}
+    if "raypaged" in args.systems:
+        result, outputs["raypaged"] = bench_raypaged(model_dir, prompts, args)
+        results.append(result)
+    if {"hf-single", "hf-static"} & set(args.systems):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        if "hf-single" in args.systems:
+            result, outputs["hf-single"] = bench_hf(model, prompts[:args.single_prompts], 1, "hf-single", args)
+            results.append(result)
+        if "hf-static" in args.systems:
+            result, outputs["hf-static"] = bench_hf(model, prompts, args.batch_size, "hf-static", args)
+            results.append(result)
+    for r in results:
+        if r.system != "raypaged" and "raypaged" in outputs:
+            r.extra["same_tokens_as_raypaged"] = agreement(outputs["raypaged"], outputs[r.system])
+    params = count_parameters(model_dir)
+    ceiling = cpu_ceiling(params)
+    info = machine_info(args.threads)
+    by_name = {r.system: r for r in results}
+    report = {
+        "workload": {"id": "W6", "prompt_len": PROMPT_LEN, "max_tokens": MAX_TOKENS, "greedy": True, "dtype": "float32",
+                     "seed": args.seed, "num_prompts": args.num_prompts, "single_prompts": args.single_prompts,
+                     "repeats": args.repeats, "quick": args.quick, "model": str(model_dir), "parameters": params},
+        "machine": info,
+        "cpu_ceiling": ceiling,
+        "systems": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "median_tokens_per_s": r.median} for r in results],
+        "ratios_raypaged_over": {r.system: by_name["raypaged"].median / r.median
+                                 for r in results if "raypaged" in by_name and r.system != "raypaged"},
+        "wall_seconds": time.perf_counter() - started,
+    }
+    if "raypaged" in by_name:
+        report["raypaged_fraction_of_ceiling"] = {c["shape"]: by_name["raypaged"].median / c["tokens_per_s"] for c in ceiling}
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "offline_throughput.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(results, ceiling, info, RESULTS_DIR / "offline_throughput.png")
+    print(f"\nW6 offline batch: {info['cpu']}, {info['nproc']} CPUs, {args.threads} threads, torch {info['torch']}, "
+          f"fp32, {params / 1e6:.1f}M parameters, prompts {PROMPT_LEN[0]}–{PROMPT_LEN[1]} tokens, "
+          f"{MAX_TOKENS} generated each, {args.repeats} timed run(s) per system\n")
+    print(markdown_table(results))
+    for c in ceiling:
+        line = f"\nCPU ceiling {c['shape']}: {c['gflops']:.1f} GFLOP/s → {c['tokens_per_s']:.0f} tokens/s"
+        if "raypaged" in by_name:
+            line += f"; raypaged at {by_name['raypaged'].median / c['tokens_per_s']:.1%} of it"
+        print(line, end="")
+    print()
+    for r in results:
+        print(f"{r.system}: peak RSS so far {r.peak_rss_mib:.0f} MiB; {r.extra}")
+    print(f"wall time {report['wall_seconds']:.0f} s; wrote {RESULTS_DIR}/offline_throughput.json and .png")
+
+
+if __name__ == "__main__":
+    main()

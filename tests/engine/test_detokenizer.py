@@ -1,0 +1,45 @@
+import pytest
+from transformers import AutoTokenizer
+
+from raypaged.engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    "Emoji split across tokens: 🦙🚀👩‍👩‍👧 done.",
+    "中文分词测试，日本語のテキスト、한국어 텍스트.",
+    "  leading spaces\n\tand\ttabs  and   runs of   spaces",
+    "<|im_start|>assistant\nspecial tokens<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_by_token_deltas_are_valid_and_add_up(tokenizer, text):
+    prompt_ids = tokenizer("Say:")["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    deltas = [detok.add_tokens([token]) for token in ids]
+    deltas.append(detok.flush())
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_split_character_is_held_back_until_complete(tokenizer):
+    ids = tokenizer("🦙", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 1  # byte-level BPE splits this emoji
+    detok = IncrementalDetokenizer(tokenizer, [])
+    assert [detok.add_tokens([t]) for t in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.add_tokens(ids[-1:]) == "🦙"
+
+
+def test_flush_gives_what_an_unfinished_character_left(tokenizer):
+    ids = tokenizer("a🦙", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, [])
+    text = "".join(detok.add_tokens([t]) for t in ids[:-1])
+    assert text == "a"
+    rest = detok.flush()
+    assert rest == tokenizer.decode(ids[1:-1]) and rest.endswith("\ufffd")
