@@ -1,4 +1,4 @@
-"""W6 of docs BENCHMARKS.md: offline batch generation, raypaged against transformers.
+"""Workload W6 of BENCHMARKS.md: offline batch generation, raypaged against transformers.
 
 Every system gets the same prompt token ids (uniform 50-200 tokens drawn from the
 tokenizer's ordinary vocabulary with a seeded RNG), generates exactly 100 tokens
@@ -13,6 +13,7 @@ Writes benchmarks/results/offline_throughput.{json,png} and prints a Markdown ta
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -80,6 +81,8 @@ def parse_args() -> argparse.Namespace:
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error("the plot needs matplotlib: pip install -e '.[bench]'")
     return args
 
 
@@ -174,7 +177,7 @@ def bench_hf(model: torch.nn.Module, prompts: Prompts, batch_size: int, system: 
 
 def matmul_gflops(m: int, k: int, n: int, min_seconds: float = 1.0) -> float:
     a, b = torch.randn(m, k), torch.randn(k, n)
-    a @ b
+    a @ b  # warm-up
     iters, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < min_seconds:
         a @ b
@@ -189,17 +192,15 @@ def count_parameters(model_dir: Path) -> int:
 
 
 def cpu_ceiling(params: int) -> list[dict[str, float | str]]:
-    rows = []
-    for m, k, n in MATMUL_SHAPES:
-        gflops = matmul_gflops(m, k, n)
-        rows.append({"shape": f"[{m} x {k}] @ [{k} x {n}]", "gflops": gflops, "tokens_per_s": gflops * 1e9 / (2 * params)})
-    return rows
+    """Decode needs about 2 x params FLOPs per token, so tokens/s <= GFLOP/s * 1e9 / (2 * params)."""
+    gflops = {f"[{m} x {k}] @ [{k} x {n}]": matmul_gflops(m, k, n) for m, k, n in MATMUL_SHAPES}
+    return [{"shape": shape, "gflops": g, "tokens_per_s": g * 1e9 / (2 * params)} for shape, g in gflops.items()]
 
 
 def machine_info(threads: int) -> dict[str, str | int]:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
-    return {"cpu": model or platform.processor(), "nproc": os.cpu_count() or 0, "torch": torch.__version__,
+    return {"cpu": model or platform.processor(), "nproc": len(os.sched_getaffinity(0)), "torch": torch.__version__,
             "threads": threads, "python": platform.python_version()}
 
 
@@ -211,8 +212,8 @@ def agreement(reference: Prompts, outputs: Prompts) -> str:
 
 def markdown_table(results: list[SystemResult]) -> str:
     base = next((r.median for r in results if r.system == "raypaged"), None)
-    lines = ["| system | requests | generated tokens | tokens/s (median) | spread (min–max) | ratio to raypaged (raypaged ÷ this) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| system | requests | generated tokens | tokens/s (median) | spread (min–max) "
+             "| ratio to raypaged (raypaged ÷ this) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         ratio = f"{base / r.median:.2f}" if base else "n/a"
         lines.append(f"| {r.label} | {r.requests} | {r.generated_tokens} | {r.median:.1f} | "
@@ -243,14 +244,24 @@ def plot(results: list[SystemResult], ceiling: list[dict], info: dict, path: Pat
     plt.close(fig)
 
 
-def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    model_dir = default_model_dir()
-    prompts = build_prompts(model_dir, args.num_prompts, args.seed)
-    results: list[SystemResult] = []
-    outputs: dict[str, Prompts] = {}
+def print_report(results: list[SystemResult], ceiling: list[dict], report: dict) -> None:
+    info, load = report["machine"], report["workload"]
+    print(f"\nW6 offline batch: {info['cpu']}, {info['nproc']} CPUs, {info['threads']} threads, torch {info['torch']}, "
+          f"fp32, {load['parameters'] / 1e6:.1f}M parameters, prompts {PROMPT_LEN[0]}–{PROMPT_LEN[1]} tokens, "
+          f"{MAX_TOKENS} generated each, {load['repeats']} timed run(s) per system\n")
+    print(markdown_table(results) + "\n")
+    raypaged = next((r for r in results if r.system == "raypaged"), None)
+    for c in ceiling:
+        share = f"; raypaged at {raypaged.median / c['tokens_per_s']:.1%} of it" if raypaged else ""
+        print(f"CPU ceiling {c['shape']}: {c['gflops']:.1f} GFLOP/s → {c['tokens_per_s']:.0f} tokens/s{share}")
+    for r in results:
+        print(f"{r.system}: peak process RSS so far {r.peak_rss_mib:.0f} MiB; {r.extra}")
+    print(f"wall time {report['wall_seconds']:.0f} s; wrote {RESULTS_DIR}/offline_throughput.json and .png")
+
+
+def run_systems(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> list[SystemResult]:
+    """Each chosen system in turn (raypaged first, so its peak RSS holds no transformers model)."""
+    results, outputs = [], {}
     if "raypaged" in args.systems:
         result, outputs["raypaged"] = bench_raypaged(model_dir, prompts, args)
         results.append(result)
@@ -258,48 +269,48 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        if "hf-single" in args.systems:
-            result, outputs["hf-single"] = bench_hf(model, prompts[:args.single_prompts], 1, "hf-single", args)
-            results.append(result)
-        if "hf-static" in args.systems:
-            result, outputs["hf-static"] = bench_hf(model, prompts, args.batch_size, "hf-static", args)
-            results.append(result)
+        for system, batch_size, subset in (("hf-single", 1, prompts[:args.single_prompts]),
+                                           ("hf-static", args.batch_size, prompts)):
+            if system in args.systems:
+                result, outputs[system] = bench_hf(model, subset, batch_size, system, args)
+                results.append(result)
     for r in results:
         if r.system != "raypaged" and "raypaged" in outputs:
             r.extra["same_tokens_as_raypaged"] = agreement(outputs["raypaged"], outputs[r.system])
-    params = count_parameters(model_dir)
-    ceiling = cpu_ceiling(params)
-    info = machine_info(args.threads)
-    by_name = {r.system: r for r in results}
+    return results
+
+
+def build_report(results: list[SystemResult], ceiling: list[dict], params: int, model_dir: Path,
+                 args: argparse.Namespace) -> dict:
+    raypaged = next((r for r in results if r.system == "raypaged"), None)
     report = {
         "workload": {"id": "W6", "prompt_len": PROMPT_LEN, "max_tokens": MAX_TOKENS, "greedy": True, "dtype": "float32",
                      "seed": args.seed, "num_prompts": args.num_prompts, "single_prompts": args.single_prompts,
                      "repeats": args.repeats, "quick": args.quick, "model": str(model_dir), "parameters": params},
-        "machine": info,
+        "machine": machine_info(args.threads),
         "cpu_ceiling": ceiling,
         "systems": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "median_tokens_per_s": r.median} for r in results],
-        "ratios_raypaged_over": {r.system: by_name["raypaged"].median / r.median
-                                 for r in results if "raypaged" in by_name and r.system != "raypaged"},
-        "wall_seconds": time.perf_counter() - started,
     }
-    if "raypaged" in by_name:
-        report["raypaged_fraction_of_ceiling"] = {c["shape"]: by_name["raypaged"].median / c["tokens_per_s"] for c in ceiling}
+    if raypaged:
+        report["ratios_raypaged_over"] = {r.system: raypaged.median / r.median for r in results if r is not raypaged}
+        report["raypaged_fraction_of_ceiling"] = {c["shape"]: raypaged.median / c["tokens_per_s"] for c in ceiling}
+    return report
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model_dir = default_model_dir()
+    results = run_systems(model_dir, build_prompts(model_dir, args.num_prompts, args.seed), args)
+    params = count_parameters(model_dir)
+    ceiling = cpu_ceiling(params)
+    report = build_report(results, ceiling, params, model_dir, args)
+    report["wall_seconds"] = time.perf_counter() - started
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "offline_throughput.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(results, ceiling, info, RESULTS_DIR / "offline_throughput.png")
-    print(f"\nW6 offline batch: {info['cpu']}, {info['nproc']} CPUs, {args.threads} threads, torch {info['torch']}, "
-          f"fp32, {params / 1e6:.1f}M parameters, prompts {PROMPT_LEN[0]}–{PROMPT_LEN[1]} tokens, "
-          f"{MAX_TOKENS} generated each, {args.repeats} timed run(s) per system\n")
-    print(markdown_table(results))
-    for c in ceiling:
-        line = f"\nCPU ceiling {c['shape']}: {c['gflops']:.1f} GFLOP/s → {c['tokens_per_s']:.0f} tokens/s"
-        if "raypaged" in by_name:
-            line += f"; raypaged at {by_name['raypaged'].median / c['tokens_per_s']:.1%} of it"
-        print(line, end="")
-    print()
-    for r in results:
-        print(f"{r.system}: peak RSS so far {r.peak_rss_mib:.0f} MiB; {r.extra}")
-    print(f"wall time {report['wall_seconds']:.0f} s; wrote {RESULTS_DIR}/offline_throughput.json and .png")
+    plot(results, ceiling, report["machine"], RESULTS_DIR / "offline_throughput.png")
+    print_report(results, ceiling, report)
 
 
 if __name__ == "__main__":
