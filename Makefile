@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is PagedAttention? Answer in two sentences.
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench protos clean
 
 install: $(VENV)/.installed
 
@@ -16,7 +16,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 serve: install
-	$(VENV)/bin/raypaged generate --chat --max-tokens 128 --prompt "$(PROMPT)"
+	$(VENV)/bin/raypaged serve
+
+protos: install
+	$(PY) -m raypaged.serving.protogen
 
 test: install
 	$(PY) -m pytest -q tests

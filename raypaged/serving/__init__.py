@@ -1,0 +1,1 @@
+"""Serving: the async engine, the gRPC engine server and the OpenAI-compatible HTTP gateway."""

@@ -1,0 +1,269 @@
+"""The engine for services: asyncio callers, one engine thread.
+
+``LLMEngine`` is synchronous and not thread-safe, so every call on it happens on
+one thread. Coroutines queue adds and aborts as commands; the thread applies them
+between steps, runs ``step()`` while any request is unfinished, and hands each
+step's outputs to the per-request asyncio queues in one ``call_soon_threadsafe``.
+An abort is applied before the next step, so its KV blocks are free within one
+step's time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from raypaged.config import EngineConfig
+from raypaged.engine.llm_engine import LLMEngine
+from raypaged.outputs import RequestOutput
+from raypaged.sampling_params import SamplingParams
+
+logger = logging.getLogger("raypaged")
+
+
+class EngineObserver(Protocol):
+    """Told on the engine thread about every step's outputs and every abort (for metrics)."""
+
+    def on_outputs(self, outputs: list[RequestOutput], arrival_times: dict[str, float], now: float) -> None: ...
+
+    def on_abort(self, request_ids: list[str]) -> None: ...
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (a step failed, or the engine was shut down)."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    prompt_token_ids: list[int] | None
+    priority: int
+    accepted: concurrent.futures.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+    done: concurrent.futures.Future
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One request's outputs, read by the coroutine that added it."""
+
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+_END = object()  # queued after an abort or an engine failure: the stream ends
+
+
+class AsyncLLMEngine:
+    """Adds from any number of coroutines; ``generate`` yields cumulative ``RequestOutput`` s."""
+
+    def __init__(self, engine: LLMEngine, observer: EngineObserver | None = None) -> None:
+        self.engine = engine
+        self.config: EngineConfig = engine.config
+        self._observer = observer
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats: dict[str, int | float] = engine.stats()
+        self._active: set[str] = set()  # engine thread only: requests added and not yet finished
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.config.served_model_name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def stats(self) -> dict[str, int | float]:
+        """The engine's counters as of its last step or command."""
+        return dict(self._stats)
+
+    # ---- asyncio side ----------------------------------------------------------
+    async def add_request(
+        self,
+        prompt: str | None,
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``."""
+        self._check_alive()
+        self._loop = asyncio.get_running_loop()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._streams[request_id] = _Stream()
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add(request_id, prompt, params, prompt_token_ids, priority, accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            if accepted.done() and not accepted.cancelled() and accepted.exception() is None:
+                self._abort_nowait([request_id])  # cancelled just after the engine took it
+            raise
+        return request_id
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of an added request until it finishes; ends early if it is aborted.
+
+        Leaving the iteration before the request finished (a cancelled consumer)
+        aborts it.
+        """
+        stream = self._streams[request_id]
+        finished = False
+        try:
+            while True:
+                item = await stream.outputs.get()
+                if item is _END:
+                    self._check_alive()
+                    return
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._abort_nowait([request_id])
+
+    async def generate(
+        self,
+        prompt: str | None,
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """``add_request`` then ``stream``: the request's cumulative outputs, last one finished."""
+        request_id = await self.add_request(prompt, params, request_id, prompt_token_ids, priority)
+        async for output in self.stream(request_id):
+            yield output
+
+    async def abort(self, request_ids: list[str]) -> int:
+        """Abort requests (running or queued); returns how many were unfinished. Their streams end."""
+        if not self.is_running:
+            return 0
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Abort(list(request_ids), done))
+        return await asyncio.wrap_future(done)
+
+    def _abort_nowait(self, request_ids: list[str]) -> None:
+        self._commands.put(_Abort(list(request_ids), concurrent.futures.Future()))
+
+    def shutdown(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"engine {self.config.served_model_name} has failed: {self.error}")
+        if not self._thread.is_alive():
+            raise EngineDeadError(f"engine {self.config.served_model_name} is shut down")
+
+    # ---- engine thread -----------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                command = self._next_command(block=not busy)
+                while command is not None:
+                    self._apply(command)
+                    command = self._next_command(block=False)
+                if self._stopping:
+                    break
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._publish(outputs)
+                self._stats = engine.stats()
+        except BaseException as exc:  # a failed step: every stream ends with the error
+            logger.exception("engine %s failed", self.config.served_model_name)
+            self.error = exc
+        self._end_all()
+
+    def _next_command(self, block: bool) -> _Add | _Abort | None:
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return None
+        if command is None:
+            self._stopping = True
+        return command
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        engine = self.engine
+        if isinstance(command, _Add):
+            if not command.accepted.set_running_or_notify_cancel():
+                return  # the caller was cancelled before the engine saw the request
+            kwargs = {"priority": command.priority} if command.priority else {}
+            try:
+                engine.add_request(
+                    command.prompt, command.params, command.request_id, command.prompt_token_ids, **kwargs
+                )
+            except ValueError as exc:
+                command.accepted.set_exception(exc)
+            else:
+                self._active.add(command.request_id)
+                command.accepted.set_result(None)
+        else:
+            unfinished = [rid for rid in command.request_ids if rid in self._active]
+            engine.abort_request(unfinished)
+            self._active.difference_update(unfinished)
+            for request_id in unfinished:
+                self._push(request_id, _END)
+            if unfinished:
+                logger.info("aborted requests %s", ", ".join(unfinished))
+                if self._observer is not None:
+                    self._observer.on_abort(unfinished)
+            if command.done.set_running_or_notify_cancel():
+                command.done.set_result(len(unfinished))
+        self._stats = engine.stats()
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self._active.difference_update(o.request_id for o in outputs if o.finished)
+        if self._observer is not None:
+            arrivals = {o.request_id: s.arrival_time for o in outputs if (s := self._streams.get(o.request_id))}
+            self._observer.on_outputs(outputs, arrivals, time.monotonic())
+        if outputs and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.outputs.put_nowait(output)
+
+    def _push(self, request_id: str, item: object) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+
+    def _end_all(self) -> None:
+        while True:  # fail commands still queued
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
+                command.accepted.set_exception(EngineDeadError("engine stopped"))
+            elif isinstance(command, _Abort) and command.done.set_running_or_notify_cancel():
+                command.done.set_result(0)
+        for request_id in list(self._streams):
+            self._push(request_id, _END)

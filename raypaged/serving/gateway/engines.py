@@ -1,0 +1,89 @@
+"""The gateway's view of its engines: one gRPC channel per engine address, routes by model name."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.core import Metric
+
+from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.proto import generate_pb2 as pb
+from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
+
+_PROBE_TIMEOUT_S = 2.0
+
+
+class EngineRoutes:
+    """``targets`` maps each served model name to the ``host:port`` of the engine serving it."""
+
+    def __init__(self, targets: dict[str, str]) -> None:
+        if not targets:
+            raise ValueError("the gateway needs at least one engine (--engine NAME=host:port)")
+        self.targets = dict(targets)
+        self._stubs: dict[str, pb_grpc.TextGenerationServiceStub] = {}  # made on the serving loop
+        self._info: dict[str, pb.ModelInfo] = {}
+
+    def _stub(self, address: str) -> pb_grpc.TextGenerationServiceStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = pb_grpc.TextGenerationServiceStub(grpc.aio.insecure_channel(address))
+        return stub
+
+    def _all_stubs(self) -> dict[str, pb_grpc.TextGenerationServiceStub]:
+        return {address: self._stub(address) for address in sorted(set(self.targets.values()))}
+
+    def resolve(self, model: str | None) -> tuple[str, pb_grpc.TextGenerationServiceStub]:
+        """The served name and stub for a request's ``model`` (omitted: the only model)."""
+        if not model:
+            if len(self.targets) > 1:
+                raise APIError(400, f"model is required; served models: {', '.join(self.targets)}", "model")
+            model = next(iter(self.targets))
+        address = self.targets.get(model)
+        if address is None:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+        return model, self._stub(address)
+
+    async def model_info(self, model: str) -> pb.ModelInfo | None:
+        """The engine's description of ``model`` (cached), or ``None`` while it is unreachable."""
+        if model not in self._info:
+            _, stub = self.resolve(model)
+            try:
+                response = await stub.Info(pb.InfoRequest(), timeout=_PROBE_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                return None
+            self._info.update({m.name: m for m in response.models})
+        return self._info.get(model)
+
+    async def health(self) -> str | None:
+        """``None`` when every engine serves, else why not."""
+        async def probe(address: str, stub: pb_grpc.TextGenerationServiceStub) -> str | None:
+            try:
+                response = await stub.Health(pb.HealthRequest(), timeout=_PROBE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                return f"engine {address} unreachable: {exc.code().name}"
+            if response.status != pb.SERVING_STATUS_SERVING:
+                return f"engine {address} not serving: {response.message}"
+            return None
+
+        problems = await asyncio.gather(*(probe(a, s) for a, s in self._all_stubs().items()))
+        found = [p for p in problems if p]
+        return "; ".join(found) if found else None
+
+    async def metric_families(self) -> list[Metric]:
+        """Every reachable engine's metrics, families of the same name merged."""
+        async def scrape(stub: pb_grpc.TextGenerationServiceStub) -> str:
+            try:
+                return (await stub.Metrics(pb.MetricsRequest(), timeout=_PROBE_TIMEOUT_S)).prometheus_text
+            except grpc.aio.AioRpcError:
+                return ""
+
+        merged: dict[str, Metric] = {}
+        for text in await asyncio.gather(*(scrape(s) for s in self._all_stubs().values())):
+            for family in text_string_to_metric_families(text):
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        return list(merged.values())

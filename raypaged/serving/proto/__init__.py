@@ -1,0 +1,1 @@
+"""Stubs generated from protos/raypaged/v1/*.proto by ``make protos``; do not edit."""

@@ -1,0 +1,95 @@
+"""Real servers on loopback: an engine server (gRPC) and the HTTP gateway, in a background event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from raypaged.config import EngineConfig
+from raypaged.serving.engine_server import EngineServer
+from raypaged.serving.launch import Gateway, GatewayOptions
+from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
+from tests.conftest import make_tiny_model
+
+
+class BackgroundLoop:
+    """An asyncio loop on its own thread; ``run(coro)`` waits for a result from test code."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class Stack:
+    """An engine server and a gateway in front of it; ``url`` is the gateway's base URL."""
+
+    def __init__(self, configs: list[EngineConfig], **gateway_options: Any) -> None:
+        self.background = BackgroundLoop()
+        self.engine_server = EngineServer(configs)
+        self.grpc_port = self.background.run(self.engine_server.start("127.0.0.1", 0))
+        address = f"127.0.0.1:{self.grpc_port}"
+        options = GatewayOptions(port=0, log_level="warning", **gateway_options)
+        self.gateway = Gateway({name: address for name in self.engine_server.models}, options)
+        self._serving = asyncio.run_coroutine_threadsafe(self.gateway.serve(), self.background.loop)
+        self.url = f"http://127.0.0.1:{self.gateway.port}"
+        self._wait_started()
+
+    def _wait_started(self) -> None:
+        for _ in range(200):
+            if self.gateway.server.started:
+                return
+            threading.Event().wait(0.05)
+        raise RuntimeError("gateway did not start")
+
+    def engine(self, name: str | None = None):
+        models = self.engine_server.models
+        return (models[name] if name else next(iter(models.values()))).engine
+
+    def grpc_stub(self) -> pb_grpc.TextGenerationServiceStub:
+        return pb_grpc.TextGenerationServiceStub(grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}"))
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=120, **kwargs)
+
+    def close(self) -> None:
+        self.gateway.stop()
+        self._serving.result(timeout=30)
+        self.background.run(self.engine_server.stop())
+        self.background.close()
+
+
+def _with_chat_template(path: Path, smollm2_dir: Path) -> Path:
+    shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
+    return _with_chat_template(make_tiny_model(tmp_path_factory.mktemp("tiny"), smollm2_dir), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory, smollm2_dir) -> Path:
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_qwen"), smollm2_dir, arch="qwen2")
+    return _with_chat_template(path, smollm2_dir)
+
+
+def tiny_config(model_dir: Path, name: str, **overrides: Any) -> EngineConfig:
+    settings: dict[str, Any] = {"num_gpu_blocks_override": 64, "max_model_len": 256, **overrides}
+    return EngineConfig(model=str(model_dir), served_model_name=name, **settings)
