@@ -3,14 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import inspect
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from raypaged import envs
 
+if TYPE_CHECKING:
+    from raypaged.config import EngineConfig
+    from raypaged.serving.launch import GatewayOptions
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+# flags whose engine field may be missing from this build: (dest, default when not given)
+_OPTIONAL_ENGINE_FLAGS = {
+    "tensor_parallel_size": 1,
+    "gpu_memory_utilization": 0.9,
+    "swap_space": None,
+    "enable_prefix_caching": None,
+    "scheduling_policy": "fcfs",
+    "preemption_mode": None,
+    "ray_address": None,
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) -> None:
+    if many_models:
+        parser.add_argument("--model", action="append", default=None,
+                            help="local Hugging Face model folder; repeat to serve several (default: SmolLM2-135M-Instruct)")
+        parser.add_argument("--served-model-name", action="append", default=None,
+                            help="name clients use for the model; one per --model (default: the --model value)")
+    else:
+        parser.add_argument("--model", default=None,
+                            help="local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", help="auto, half, float16, bfloat16, float, float32")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -20,12 +46,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU shards) per model")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of GPU memory for weights, activations and KV cache")
+    parser.add_argument("--swap-space", type=float, default=None,
+                        help="GiB of CPU memory for swapped-out KV blocks (default: 4 on CUDA, 0 on CPU)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse KV blocks of shared prompt prefixes (default: on)")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                        help="admission order: arrival, or request priority (lower first)")
+    parser.add_argument("--preemption-mode", default=None, choices=["swap", "recompute"],
+                        help="what a preempted request's KV blocks do (default: the engine's choice)")
+    parser.add_argument("--ray-address", default=None, help="Ray cluster to join (default: a local one)")
     parser.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model,
+def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | None) -> dict:
+    """Keyword arguments for ``LLM``/``EngineConfig`` (whose names are ``accepted``).
+
+    A flag whose field this build lacks is an error when set to anything but its default.
+    """
+    kwargs = dict(
+        model=model,
         dtype=args.dtype,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
@@ -36,6 +78,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         device=args.device,
     )
+    for dest, default in _OPTIONAL_ENGINE_FLAGS.items():
+        value = getattr(args, dest)
+        if dest in accepted:
+            if value is not None:
+                kwargs[dest] = value
+        elif value != default:
+            raise ValueError(f"--{dest.replace('_', '-')} is not available in this build of the engine")
+    return kwargs
 
 
 def configure_logging(level: str) -> None:
@@ -46,7 +96,7 @@ def configure_logging(level: str) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from raypaged import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args, set(inspect.signature(LLM).parameters), args.model))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.sampling_seed
     )
@@ -62,6 +112,72 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
+    """One ``EngineConfig`` per ``--model`` (none given: the default model)."""
+    from raypaged.config import EngineConfig
+
+    models = args.model or [None]
+    names = args.served_model_name or [None] * len(models)
+    if len(names) != len(models):
+        raise ValueError(
+            f"give one --served-model-name per --model ({len(models)} models, {len(names)} names), or none"
+        )
+    accepted = {f.name for f in dataclasses.fields(EngineConfig) if f.init}
+    return [
+        EngineConfig(served_model_name=name, **engine_kwargs(args, accepted, model))
+        for model, name in zip(models, names)
+    ]
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--api-key", default=None, help="require this key as 'Authorization: Bearer KEY'")
+    parser.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
+    parser.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+
+
+def gateway_options(args: argparse.Namespace) -> GatewayOptions:
+    from raypaged.serving.launch import GatewayOptions
+
+    return GatewayOptions(
+        host=args.host, port=args.port, api_key=args.api_key, tenants_file=args.tenants,
+        log_requests=not args.disable_log_requests, log_level=args.log_level,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from raypaged.serving.launch import run_serve
+
+    options = gateway_options(args)
+    options_check(options)
+    asyncio.run(run_serve(engine_configs(args), args.grpc_host, args.grpc_port, options))
+    return 0
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from raypaged.serving.launch import run_engine
+
+    asyncio.run(run_engine(engine_configs(args), args.grpc_host, args.grpc_port))
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from raypaged.serving.launch import parse_engine_targets, run_gateway
+
+    options = gateway_options(args)
+    options_check(options)
+    asyncio.run(run_gateway(parse_engine_targets(args.engine), options))
+    return 0
+
+
+def options_check(options: GatewayOptions) -> None:
+    """Reads the tenants file now, so a bad one fails before any model loads."""
+    from raypaged.serving.gateway.tenants import Tenants
+
+    Tenants.from_args(options.api_key, options.tenants_file)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raypaged", description="PagedAttention LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +190,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="engines, their gRPC server and the OpenAI-compatible HTTP gateway")
+    add_engine_args(serve, many_models=True)
+    add_gateway_args(serve)
+    serve.add_argument("--grpc-host", default="127.0.0.1", help="gRPC address to listen on")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = a free one)")
+    serve.set_defaults(func=cmd_serve)
+
+    engine = sub.add_parser("engine", help="engines behind the gRPC service only")
+    add_engine_args(engine, many_models=True)
+    engine.add_argument("--grpc-host", default="127.0.0.1", help="gRPC address to listen on")
+    engine.add_argument("--grpc-port", type=int, default=50051, help="gRPC port")
+    engine.set_defaults(func=cmd_engine)
+
+    gateway = sub.add_parser("gateway", help="the HTTP gateway in front of running engines")
+    gateway.add_argument("--engine", action="append", required=True, metavar="NAME=HOST:PORT",
+                         help="a served model name and the engine serving it (repeatable)")
+    add_gateway_args(gateway)
+    gateway.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
+    gateway.set_defaults(func=cmd_gateway)
     return parser
 
 
@@ -82,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         return args.func(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 0
 
 
 if __name__ == "__main__":
