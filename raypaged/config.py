@@ -24,6 +24,7 @@ _DTYPES = {
 }
 _BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
+DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -54,6 +55,10 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     seed: int = 0
     device: str = "auto"
+    enable_prefix_caching: bool = True
+    swap_space: float | None = None  # GiB of CPU blocks for swapping (default: 4 on CUDA, 0 on CPU)
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str | None = None  # None: swap groups sharing blocks when CPU blocks exist, else recompute
     model_path: Path = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
@@ -66,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.kv_cache_space is not None and self.kv_cache_space <= 0:
             raise ValueError(f"kv_cache_space must be a positive number of GiB, got {self.kv_cache_space}")
+        if self.swap_space is not None and self.swap_space < 0:
+            raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}")
         self.model_path = resolve_model_path(self.model)
@@ -107,6 +114,13 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_swap_space(self) -> float:
+        """GiB of CPU swap: on the CPU device the KV pool already lives in host memory, so none by default."""
+        if self.swap_space is not None:
+            return self.swap_space
+        return DEFAULT_GPU_SWAP_SPACE_GIB if self.resolved_device == "cuda" else 0.0
 
     @property
     def resolved_dtype(self) -> str:

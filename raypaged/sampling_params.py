@@ -13,11 +13,13 @@ class SamplingParams:
 
     Invariants after construction: ``temperature >= 0``; ``0 < top_p <= 1``;
     ``top_k`` is ``None`` or ``>= 1``; ``0 <= min_p <= 1``; ``max_tokens`` is
-    ``None`` (fill the context) or ``>= 1``; ``0 <= min_tokens <= max_tokens``.
+    ``None`` (fill the context) or ``>= 1``; ``0 <= min_tokens <= max_tokens``;
+    ``n >= 1`` and ``best_of`` is ``None`` or ``>= n``.
     ``temperature == 0`` means greedy (argmax after penalties).
     """
 
     n: int = 1
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
@@ -46,8 +48,10 @@ class SamplingParams:
             self.temperature = 0.0
 
     def _validate(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n={self.n}, got {self.best_of}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -74,6 +78,11 @@ class SamplingParams:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences run: ``best_of`` if given, else ``n``."""
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:

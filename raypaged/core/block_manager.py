@@ -1,8 +1,17 @@
-"""The global pool of KV-cache blocks and every request's block table."""
+"""The global pool of KV-cache blocks and every sequence's block table.
+
+Blocks are shared by reference count: a forked sequence (parallel sampling, a
+beam) shares all of its parent's blocks, and full blocks are shared across
+requests through the prefix cache. A shared block is never written: the first
+write into a shared, partly filled block copies it first (copy-on-write).
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+BlockKey = tuple[int | None, tuple[int, ...]]  # (hash of the parent block's key, this block's token ids)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -12,53 +21,106 @@ def cdiv(a: int, b: int) -> int:
 class BlockPool:
     """Physical block ids ``0 .. num_blocks-1`` with reference counts.
 
-    Allocation takes ids from the front of the free queue; freed ids join its
-    back, so a freed block is reused as late as possible.
-    Invariant: a block is in the free queue exactly when its ref count is 0.
+    Free blocks wait in LRU order: allocation takes the least recently freed
+    first, so a freed block that is still in the prefix cache survives as long
+    as possible. With ``enable_caching`` a full block may carry a key; a free
+    keyed block can be revived by a cache hit until it is reallocated.
+    Invariant: a block is in the free list exactly when its ref count is 0.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
-        self._free_ids: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._key_of: dict[int, BlockKey] = {}
+        self._cached: dict[BlockKey, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_ids)
+        return len(self._free)
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        return list(self._free)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        if num_blocks > len(self._free_ids):
-            raise ValueError(f"cannot allocate {num_blocks} blocks, {len(self._free_ids)} free")
-        block_ids = [self._free_ids.popleft() for _ in range(num_blocks)]
-        for block_id in block_ids:
+        if num_blocks > len(self._free):
+            raise ValueError(f"cannot allocate {num_blocks} blocks, {len(self._free)} free")
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            key = self._key_of.pop(block_id, None)
+            if key is not None:
+                del self._cached[key]  # evicted from the prefix cache
             self.ref_counts[block_id] = 1
+            block_ids.append(block_id)
         return block_ids
 
+    def incref(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self.ref_counts[block_id] += 1
+
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching 0 become free."""
+        """Drop one reference from each block; blocks reaching 0 join the free list's back."""
         for block_id in block_ids:
             count = self.ref_counts[block_id]
             if count < 1:
                 raise RuntimeError(f"double free of block {block_id}")
             self.ref_counts[block_id] = count - 1
             if count == 1:
-                self._free_ids.append(block_id)
+                self._free[block_id] = None
+
+    def lookup(self, key: BlockKey) -> int | None:
+        return self._cached.get(key)
+
+    def cache(self, block_id: int, key: BlockKey) -> None:
+        """Key a full block; the first block holding a key keeps it."""
+        if key not in self._cached and block_id not in self._key_of:
+            self._cached[key] = block_id
+            self._key_of[block_id] = key
+
+
+@dataclass(slots=True)
+class BlockTable:
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[BlockKey] = field(default_factory=list)  # keys of the leading full blocks, in order
+
+
+@dataclass(slots=True)
+class Allocation:
+    new_block_ids: list[int]
+    copies: list[tuple[int, int]]  # (src, dst) block copies to run before this step's writes
+    replaced: list[tuple[int, int]]  # (index in the table, new block id): where a copy took a shared block's place
 
 
 class KVCacheManager:
-    """Block tables of requests over one :class:`BlockPool`.
+    """Block tables of sequences over one :class:`BlockPool`.
 
-    ``allocate_slots`` grows a request's table on demand to cover its computed
-    tokens plus the tokens of this step, or returns ``None`` when the pool
-    cannot (the scheduler then preempts). ``free`` releases a table at once.
+    ``allocate_slots`` grows a table on demand, copying a shared last block
+    before it is written, or returns ``None`` when the pool cannot (the
+    scheduler then preempts). ``free`` releases a table at once. With prefix
+    caching, ``computed_prefix`` finds the longest run of cached full blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self.tables: dict[str, BlockTable] = {}
+        self.swapped: dict[str, BlockTable] = {}  # tables of swapped-out sequences, in CPU block ids
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.pool.enable_caching
 
     @property
     def num_blocks(self) -> int:
@@ -72,40 +134,165 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        return {seq_id: table.block_ids for seq_id, table in self.tables.items()}
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return self.block_tables.get(request_id, [])
+    def get_block_ids(self, seq_id: str) -> list[int]:
+        table = self.tables.get(seq_id)
+        return table.block_ids if table else []
 
-    def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> list[int] | None:
-        """Blocks newly added so that the table holds ``num_computed_tokens +
-        num_new_tokens`` tokens, or ``None`` (nothing changed) if too few are free."""
-        table = self.block_tables.setdefault(request_id, [])
-        num_needed = self.num_blocks_for(num_computed_tokens + num_new_tokens) - len(table)
-        if num_needed <= 0:
-            return []
-        if num_needed > self.pool.num_free_blocks:
-            if not table:
-                del self.block_tables[request_id]
+    def _block_keys(self, token_ids: list[int], num_blocks: int, known: list[BlockKey]) -> list[BlockKey]:
+        keys = list(known)
+        bs = self.block_size
+        for i in range(len(keys), num_blocks):
+            parent = hash(keys[-1]) if keys else None
+            keys.append((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+        return keys
+
+    def computed_prefix(self, seq_id: str, token_ids: list[int]) -> int:
+        """Attach the longest cached run of full blocks to a new sequence's table.
+
+        Returns the number of tokens they hold (at least one token is always left
+        to compute, so a fully cached prompt still yields logits).
+        """
+        if not self.enable_prefix_caching or seq_id in self.tables:
+            return 0
+        num_full = (len(token_ids) - 1) // self.block_size
+        keys = self._block_keys(token_ids, num_full, [])
+        hits = []
+        for key in keys:
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += len(hits) * self.block_size
+        if hits:
+            self.pool.incref(hits)
+            self.tables[seq_id] = BlockTable(hits, keys[:len(hits)])
+        return len(hits) * self.block_size
+
+    def allocate_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> Allocation | None:
+        """Make room for tokens ``num_computed .. num_computed+num_new`` of a sequence.
+
+        Returns the blocks added (and copies to run), or ``None`` with nothing
+        changed if the pool is short.
+        """
+        table = self.tables.get(seq_id) or BlockTable()
+        bs = self.block_size
+        total = num_computed_tokens + num_new_tokens
+        num_needed = self.num_blocks_for(total) - len(table.block_ids)
+        write_index = num_computed_tokens // bs
+        cow = (
+            num_computed_tokens % bs != 0
+            and write_index < len(table.block_ids)
+            and self.pool.ref_counts[table.block_ids[write_index]] > 1
+        )
+        if max(num_needed, 0) + cow > self.pool.num_free_blocks:
             return None
-        new_block_ids = self.pool.allocate(num_needed)
-        table.extend(new_block_ids)
-        return new_block_ids
+        self.tables[seq_id] = table
+        allocation = Allocation([], [], [])
+        if cow:
+            [dst] = self.pool.allocate(1)
+            src = table.block_ids[write_index]
+            self.pool.free([src])
+            table.block_ids[write_index] = dst
+            allocation.copies.append((src, dst))
+            allocation.replaced.append((write_index, dst))
+        if num_needed > 0:
+            allocation.new_block_ids = self.pool.allocate(num_needed)
+            table.block_ids.extend(allocation.new_block_ids)
+        return allocation
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks, last block first (it is reused first)."""
-        table = self.block_tables.pop(request_id, None)
+    def cache_blocks(
+        self, seq_id: str, prompt_token_ids: list[int], output_token_ids: list[int], num_computed_tokens: int
+    ) -> None:
+        """Offer the sequence's full, computed blocks to the prefix cache."""
+        table = self.tables.get(seq_id)
+        num_full = num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or table is None or num_full <= len(table.keys):
+            return
+        start = len(table.keys)
+        table.keys = self._block_keys(prompt_token_ids + output_token_ids, num_full, table.keys)
+        for i in range(start, num_full):
+            self.pool.cache(table.block_ids[i], table.keys[i])
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (ref count +1 each)."""
+        parent = self.tables.get(parent_id) or BlockTable()
+        self.pool.incref(parent.block_ids)
+        self.tables[child_id] = BlockTable(list(parent.block_ids), list(parent.keys))
+
+    def free(self, seq_id: str) -> None:
+        """Release the sequence's blocks, last block first (evicted first); swapped ones too."""
+        table = self.tables.pop(seq_id, None)
         if table:
-            self.pool.free(table[::-1])
+            self.pool.free(table.block_ids[::-1])
+        swapped = self.swapped.pop(seq_id, None)
+        if swapped:
+            self.cpu_pool.free(swapped.block_ids)
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_blocks if self.cpu_pool else 0
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_free_blocks if self.cpu_pool else 0
+
+    def swap_out(self, seq_ids: list[str]) -> list[tuple[int, int]] | None:
+        """Move the sequences' blocks to CPU, keeping blocks they share shared.
+
+        Returns the (device block, cpu block) copies to run, or ``None`` with
+        nothing changed if the CPU pool is too small.
+        """
+        return _move_tables(self.tables, self.swapped, self.pool, self.cpu_pool, seq_ids)
+
+    def swap_in(self, seq_ids: list[str]) -> list[tuple[int, int]] | None:
+        """Bring swapped sequences back; returns (cpu block, device block) copies or ``None``."""
+        return _move_tables(self.swapped, self.tables, self.cpu_pool, self.pool, seq_ids)
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if ref counts disagree with the block tables."""
-        expected = [0] * self.pool.num_blocks
-        for table in self.block_tables.values():
-            for block_id in table:
-                expected[block_id] += 1
-        assert expected == self.pool.ref_counts, "ref counts disagree with block tables"
-        free_ids = list(self.pool._free_ids)
-        assert len(set(free_ids)) == len(free_ids), "a block is free twice"
-        assert sorted(free_ids) == [b for b, c in enumerate(expected) if c == 0], "free queue != unreferenced blocks"
+        """Raise ``AssertionError`` if ref counts disagree with the block tables (device and CPU)."""
+        _check_pool(self.pool, self.tables)
+        if self.cpu_pool:
+            _check_pool(self.cpu_pool, self.swapped)
+
+
+def _check_pool(pool: BlockPool, tables: dict[str, BlockTable]) -> None:
+    expected = [0] * pool.num_blocks
+    for table in tables.values():
+        for block_id in table.block_ids:
+            expected[block_id] += 1
+    assert expected == pool.ref_counts, "ref counts disagree with block tables"
+    free_ids = pool.free_block_ids
+    assert sorted(free_ids) == [b for b, c in enumerate(expected) if c == 0], "free list != unreferenced blocks"
+
+
+def _move_tables(
+    src_tables: dict[str, BlockTable],
+    dst_tables: dict[str, BlockTable],
+    src_pool: BlockPool,
+    dst_pool: BlockPool | None,
+    seq_ids: list[str],
+) -> list[tuple[int, int]] | None:
+    """Re-home tables from one pool to another; a block shared within them stays one block."""
+    distinct = list(dict.fromkeys(b for seq_id in seq_ids for b in src_tables[seq_id].block_ids))
+    if dst_pool is None or len(distinct) > dst_pool.num_free_blocks:
+        return None
+    mapping = dict(zip(distinct, dst_pool.allocate(len(distinct))))
+    for seq_id in seq_ids:
+        table = src_tables.pop(seq_id)
+        moved = [mapping[b] for b in table.block_ids]
+        dst_tables[seq_id] = BlockTable(moved, table.keys)
+        src_pool.free(table.block_ids[::-1])
+    for dst in mapping.values():
+        dst_pool.ref_counts[dst] = 0
+    for seq_id in seq_ids:
+        for dst in dst_tables[seq_id].block_ids:
+            dst_pool.ref_counts[dst] += 1
+    return list(mapping.items())

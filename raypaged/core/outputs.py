@@ -22,6 +22,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    sample_index: int = 0
 
 
 @dataclass(slots=True)
@@ -30,8 +31,19 @@ class CachedRequestData:
 
     request_id: str
     new_token_ids: list[int]  # output tokens the worker has not seen yet
-    new_block_ids: list[int]
+    new_block_ids: list[int]  # appended to the block table
     num_computed_tokens: int
+    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)  # (table index, block id) after copy-on-write
+
+
+@dataclass(slots=True, frozen=True)
+class BlockOp:
+    """Copy one whole block: ``copy`` device→device (copy-on-write), ``swap_out``
+    device→CPU, ``swap_in`` CPU→device."""
+
+    kind: str
+    src: int
+    dst: int
 
 
 @dataclass(slots=True)
@@ -40,8 +52,10 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     # request id -> tokens to compute this step, in batch order
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    # requests the worker must forget: finished, aborted or preempted since the last step
+    # requests the worker must forget: finished, aborted, preempted or swapped out since the last step
     finished_request_ids: set[str] = field(default_factory=set)
+    # block copies to run, in this order, before the step's forward
+    block_ops: list[BlockOp] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -49,7 +63,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens
+        return not (self.num_scheduled_tokens or self.block_ops)
 
 
 @dataclass(slots=True)

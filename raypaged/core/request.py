@@ -13,6 +13,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -32,6 +33,21 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """Sequences sampled from one prompt (``n``/``best_of``).
+
+    Only the first sequence is scheduled at first; once it has computed
+    ``fork_at`` tokens (all of the prompt but its last token) the others are
+    forked from it, sharing its blocks, and each computes the last prompt token
+    and samples on its own.
+    """
+
+    group_id: str
+    fork_at: int
+    pending_children: list["Request"] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -56,6 +72,9 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    priority: int = 0  # lower runs first under the priority policy
+    sample_index: int = 0  # which sample of its group: seeds a distinct random stream
+    group: SequenceGroup | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

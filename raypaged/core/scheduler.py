@@ -1,23 +1,28 @@
 """Iteration-level (continuous) batching over a paged KV cache.
 
 Every step ``schedule()`` picks the batch under one token budget: running
-requests first (decodes, or the next chunk of a long prefill), then waiting
-requests in FCFS order while blocks and ``max_num_seqs`` allow. When the pool
-runs dry the newest running request is preempted: its blocks are freed and it
-goes back to the front of the queue, to be recomputed from its tokens.
+sequences first (decodes, or the next chunk of a long prefill), then swapped-out
+sequences back in, then waiting ones in policy order while blocks and
+``max_num_seqs`` allow. When the pool runs dry a victim is preempted — the
+newest sequence (FCFS) or the lowest-priority one — either swapped out to CPU
+blocks (its whole group, so shared blocks stay shared) or freed to be
+recomputed from its tokens at the front of the queue.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections import deque
 from dataclasses import dataclass
 
 from raypaged.core.block_manager import KVCacheManager
-from raypaged.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from raypaged.core.outputs import BlockOp, CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus
 
 logger = logging.getLogger("raypaged")
+
+POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = (None, "swap", "recompute")
 
 
 @dataclass(slots=True, frozen=True)
@@ -25,28 +30,52 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
+    policy: str = "fcfs"
+    preemption_mode: str | None = None  # None: swap groups that share blocks when CPU blocks exist
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be swap, recompute or None, got {self.preemption_mode!r}")
 
 
 class Scheduler:
-    """Owns the waiting queue, the running batch and the KV block tables."""
+    """Owns the waiting queue, the running batch, swapped sequences and the block tables."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}  # every live sequence, by id
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[list[Request]] = []  # sequences swapped out together
         self.num_preemptions = 0
-        # requests the workers must forget at the next step
-        self._forget_ids: set[str] = set()
+        self.num_swap_outs = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._forget_ids: set[str] = set()  # the workers drop these at the next step
+        self._unsent_ids: set[str] = set()  # running sequences the workers do not hold yet
+        self._out: SchedulerOutput = SchedulerOutput()  # the step being scheduled
+        self._budget = 0  # tokens left in it
 
     # ---- queue management -------------------------------------------------
+    def _queue_key(self, request: Request) -> tuple:
+        return (request.priority, request.arrival_time) if self.config.policy == "priority" else ()
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.config.policy == "priority":
+            keys = [self._queue_key(r) for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, self._queue_key(request)), request)
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
@@ -57,27 +86,38 @@ class Scheduler:
                 f"only has {self.kv.num_blocks}; raise kv_cache_space or num_gpu_blocks_override"
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
-        """Finish (stop, abort) requests wherever they are; frees their blocks now."""
+        """Finish (stop, abort) sequences wherever they are; frees their blocks now."""
         finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
-            if request is None or request.status.finished:
+            if request is None:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self._remove_swapped(request)
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
             finished.append(request)
         return finished
 
+    def _remove_swapped(self, request: Request) -> None:
+        for entry in self.swapped:
+            if request in entry:
+                entry.remove(request)
+        self.swapped = [entry for entry in self.swapped if entry]
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if request.group is not None and request.group.pending_children:
+            request.group.pending_children.clear()  # the first sequence ended before the fork
         self.kv.free(request.request_id)
         self._forget_ids.add(request.request_id)
+        self._unsent_ids.discard(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -85,101 +125,228 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[Request] = []
+        self._out = out = SchedulerOutput()
+        self._budget = self.config.max_num_batched_tokens
         preempted = False
 
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        for request in list(self.running):
+            if self._budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = self._num_new_tokens(request, self._budget)
+            if num_new == 0:
+                continue
             if self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.num_blocks:
                 logger.warning("request %s outgrew the whole KV cache; finishing it", request.request_id)
-                self.running.pop(index)
+                self.running.remove(request)
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
                 continue
-            while (new_block_ids := self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
+            while request.status == RequestStatus.RUNNING and not self._allocate(request, num_new):
+                self._preempt(self._pick_victim())
                 preempted = True
-                if victim is request:
-                    break
-            if new_block_ids is None:
-                break
-            first_new_output = max(request.num_computed_tokens, request.num_prompt_tokens) - request.num_prompt_tokens
-            last_new_output = request.num_computed_tokens + num_new - request.num_prompt_tokens
-            out.cached_requests.append(
-                CachedRequestData(
-                    request_id=request.request_id,
-                    new_token_ids=request.output_token_ids[first_new_output:max(first_new_output, last_new_output)],
-                    new_block_ids=new_block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
-            out.num_scheduled_tokens[request.request_id] = num_new
-            budget -= num_new
-            scheduled.append(request)
-            index += 1
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if not preempted:
+            self._swap_in()
+        # swapped-out sequences go back before any new one is admitted
+        admitting = not preempted and not self.swapped
+        while admitting and self.waiting and self._budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_block_ids = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
-            if new_block_ids is None:
+            if not self._admit(request):
+                if self._preempt_for(request):
+                    continue  # a lower-priority sequence made room: try again
                 logger.debug(
                     "No free blocks available for request %s (%d free); it waits",
                     request.request_id,
                     self.kv.num_free_blocks,
                 )
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.new_requests.append(
-                NewRequestData(
-                    request_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=list(self.kv.get_block_ids(request.request_id)),
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
-            out.num_scheduled_tokens[request.request_id] = num_new
-            budget -= num_new
 
         out.finished_request_ids = self._forget_ids
         self._forget_ids = set()
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "step: %d tokens, running=%d waiting=%d, blocks used=%d free=%d",
+                "step: %d tokens, running=%d waiting=%d swapped=%d, blocks used=%d free=%d, cpu blocks free=%d",
                 out.total_num_scheduled_tokens,
                 len(self.running),
                 len(self.waiting),
+                sum(len(entry) for entry in self.swapped),
                 self.kv.num_blocks - self.kv.num_free_blocks,
                 self.kv.num_free_blocks,
+                self.kv.num_free_cpu_blocks,
             )
         return out
 
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self._forget_ids.add(request.request_id)
-        self.waiting.appendleft(request)
-        logger.warning(
-            "No free blocks available: preempted request %s (recompute, %d tokens)",
-            request.request_id,
-            request.num_tokens,
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        group = request.group
+        if group is not None and group.pending_children:
+            num_new = min(num_new, group.fork_at - request.num_computed_tokens)
+        return num_new
+
+    def _allocate(self, request: Request, num_new: int) -> bool:
+        """Reserve blocks and record the request in this step's output; False if the pool is short."""
+        allocation = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
+        if allocation is None:
+            return False
+        out = self._out
+        out.block_ops.extend(BlockOp("copy", src, dst) for src, dst in allocation.copies)
+        if request.request_id in self._unsent_ids:
+            self._unsent_ids.discard(request.request_id)
+            out.new_requests.append(self._new_request_data(request))
+        else:
+            first = max(request.num_computed_tokens, request.num_prompt_tokens) - request.num_prompt_tokens
+            last = request.num_computed_tokens + num_new - request.num_prompt_tokens
+            out.cached_requests.append(
+                CachedRequestData(
+                    request_id=request.request_id,
+                    new_token_ids=request.output_token_ids[first:max(first, last)],
+                    new_block_ids=allocation.new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                    replaced_block_ids=allocation.replaced,
+                )
+            )
+        out.num_scheduled_tokens[request.request_id] = num_new
+        self._budget -= num_new
+        return True
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=list(self.kv.get_block_ids(request.request_id)),
+            num_computed_tokens=request.num_computed_tokens,
+            sample_index=request.sample_index,
         )
 
+    def _admit(self, request: Request) -> bool:
+        """Move the head of the queue into the batch if its blocks fit."""
+        num_cached = self.kv.computed_prefix(request.request_id, request.all_token_ids)
+        request.num_computed_tokens = num_cached
+        num_new = self._num_new_tokens(request, self._budget)
+        if num_new == 0:  # the prefix its group shares is all cached: fork right away
+            self._maybe_fork(request)
+            num_new = self._num_new_tokens(request, self._budget)
+        self._unsent_ids.add(request.request_id)
+        if not self._allocate(request, num_new):
+            self._unsent_ids.discard(request.request_id)
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
+            return False
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if self.kv.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
+        return True
+
+    def _maybe_fork(self, request: Request) -> None:
+        """Fork the group's other samples off its first sequence once the shared prefix is computed."""
+        group = request.group
+        if group is None or not group.pending_children or request.num_computed_tokens < group.fork_at:
+            return
+        for child in group.pending_children:
+            self.kv.fork(request.request_id, child.request_id)
+            child.num_computed_tokens = request.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.requests[child.request_id] = child
+            self.running.append(child)
+            self._unsent_ids.add(child.request_id)
+        group.pending_children.clear()
+
+    # ---- preemption and swapping -------------------------------------------
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt_for(self, waiting: Request) -> bool:
+        """Priority policy: preempt a running sequence of lower priority than ``waiting``."""
+        if self.config.policy != "priority" or not self.running:
+            return False
+        victim = self._pick_victim()
+        if victim.priority <= waiting.priority:
+            return False  # only a strictly more urgent request may displace a running one
+        self._preempt(victim)
+        return True
+
+    def _preempt(self, victim: Request) -> None:
+        group = [victim]
+        if victim.group is not None:
+            group = [r for r in self.running if r.group is victim.group]
+        mode = self.config.preemption_mode
+        shares_blocks = len(group) > 1
+        if mode == "swap" or (mode is None and shares_blocks):
+            copies = self.kv.swap_out([r.request_id for r in group])
+            if copies is not None:
+                self._out.block_ops.extend(BlockOp("swap_out", src, dst) for src, dst in copies)
+                for request in group:
+                    self._drop_from_batch(request)
+                    request.status = RequestStatus.SWAPPED
+                self.swapped.append(group)
+                self.num_preemptions += 1
+                self.num_swap_outs += 1
+                logger.warning(
+                    "No free blocks available: swapped out %s (%d blocks to CPU)",
+                    ", ".join(r.request_id for r in group),
+                    len(copies),
+                )
+                return
+        self._drop_from_batch(victim)
+        self.kv.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(victim, front=True)
+        logger.warning(
+            "No free blocks available: preempted request %s (recompute, %d tokens)",
+            victim.request_id,
+            victim.num_tokens,
+        )
+
+    def _drop_from_batch(self, request: Request) -> None:
+        """Take a running sequence out of the batch, and out of this step's output if it was in."""
+        self.running.remove(request)
+        self._forget_ids.add(request.request_id)
+        self._unsent_ids.discard(request.request_id)
+        out = self._out
+        num_scheduled = out.num_scheduled_tokens.pop(request.request_id, None)
+        if num_scheduled is not None:
+            self._budget += num_scheduled
+            out.new_requests = [d for d in out.new_requests if d.request_id != request.request_id]
+            out.cached_requests = [d for d in out.cached_requests if d.request_id != request.request_id]
+
+    def _swap_in(self) -> None:
+        """Bring swapped groups back, oldest first, while blocks for their next token exist."""
+        while self.swapped and self._budget > 0:
+            group = self.swapped[0]
+            if len(self.running) + len(group) > self.config.max_num_seqs or len(group) > self._budget:
+                break
+            distinct = {b for r in group for b in self.kv.swapped[r.request_id].block_ids}
+            if len(distinct) + len(group) > self.kv.num_free_blocks:
+                break
+            copies = self.kv.swap_in([r.request_id for r in group])
+            self._out.block_ops.extend(BlockOp("swap_in", src, dst) for src, dst in copies)
+            self.swapped.pop(0)
+            for request in group:
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                self._unsent_ids.add(request.request_id)
+                num_new = self._num_new_tokens(request, self._budget)
+                if num_new:
+                    self._allocate(request, num_new)
+
+    # ---- results ------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish what stopped.
 
-        Returns the requests that received a token this step (finished ones included).
+        Returns the sequences that received a token this step (finished ones included).
         """
         updated = []
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -187,6 +354,10 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted while the step ran
             request.num_computed_tokens += num_tokens
+            self.kv.cache_blocks(
+                request_id, request.prompt_token_ids, request.output_token_ids, request.num_computed_tokens
+            )
+            self._maybe_fork(request)
             sampled = runner_output.sampled.get(request_id)
             if sampled is None:
                 continue
@@ -202,8 +373,14 @@ class Scheduler:
         return {
             "num_gpu_blocks_total": self.kv.num_blocks,
             "num_gpu_blocks_free": self.kv.num_free_blocks,
+            "num_cpu_blocks_total": self.kv.num_cpu_blocks,
+            "num_cpu_blocks_free": self.kv.num_free_cpu_blocks,
             "kv_cache_usage": self.kv.usage,
             "num_requests_running": len(self.running),
             "num_requests_waiting": len(self.waiting),
+            "num_requests_swapped": sum(len(entry) for entry in self.swapped),
             "num_preemptions": self.num_preemptions,
+            "num_swap_outs": self.num_swap_outs,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
         }

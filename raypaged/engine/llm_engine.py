@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from raypaged.config import EngineConfig
 from raypaged.core.block_manager import KVCacheManager
-from raypaged.core.request import Request, RequestStatus
+from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from raypaged.engine.detokenizer import IncrementalDetokenizer
 from raypaged.executor.uniproc import UniProcExecutor
@@ -25,15 +25,29 @@ logger = logging.getLogger("raypaged")
 
 
 @dataclass(slots=True)
-class _RequestState:
-    """Engine-side view of a request: its text as it streams out."""
+class _SeqState:
+    """Engine-side view of one sequence: its text as it streams out."""
 
     request: Request
-    prompt: str | None
     detokenizer: IncrementalDetokenizer
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """A user request: one sequence, or ``best_of`` of them sharing the prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_SeqState]
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.seqs)
 
 
 class LLMEngine:
@@ -42,17 +56,21 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.eos_token_id = self._eos_token_id()
         self.executor = UniProcExecutor(config, self.eos_token_id)
-        num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(num_blocks)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
-            ),
-            KVCacheManager(num_blocks, config.block_size),
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            policy=config.scheduling_policy,
+            preemption_mode=config.preemption_mode,
         )
-        self._states: dict[str, _RequestState] = {}
+        num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(num_blocks, num_cpu_blocks)
+        self.scheduler = Scheduler(
+            scheduler_config,
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks),
+        )
+        self._states: dict[str, _RequestState] = {}  # by request id
+        self._seq_states: dict[str, tuple[_RequestState, _SeqState]] = {}  # by sequence id
         self._ids = itertools.count()
 
     def _eos_token_id(self) -> int | None:
@@ -71,6 +89,7 @@ class LLMEngine:
         sampling_params: SamplingParams,
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> str:
         """Validate and queue one request; returns its id. Bad input raises ``ValueError``.
 
@@ -79,6 +98,8 @@ class LLMEngine:
         """
         if request_id is None:
             request_id = str(next(self._ids))
+        if request_id in self._states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("either prompt or prompt_token_ids is required")
@@ -98,16 +119,47 @@ class LLMEngine:
             )
         room = max_len - len(prompt_token_ids)
         max_tokens = room if sampling_params.max_tokens is None else min(sampling_params.max_tokens, room)
-        request = Request(request_id, prompt_token_ids, sampling_params, max_tokens, self.eos_token_id)
-        self.scheduler.add_request(request)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params.skip_special_tokens)
-        self._states[request_id] = _RequestState(request, prompt, detok)
+        num_samples = sampling_params.num_samples
+        seqs = [
+            Request(
+                request_id if i == 0 else f"{request_id}#{i}",
+                prompt_token_ids,
+                sampling_params,
+                max_tokens,
+                self.eos_token_id,
+                priority=priority,
+                sample_index=i,
+            )
+            for i in range(num_samples)
+        ]
+        fork_at = len(prompt_token_ids) - 1
+        if num_samples > 1 and fork_at > 0:
+            group = SequenceGroup(request_id, fork_at, seqs[1:])
+            for seq in seqs:
+                seq.group = group
+            self.scheduler.add_request(seqs[0])
+        else:
+            for seq in seqs:
+                self.scheduler.add_request(seq)
+        state = _RequestState(request_id, prompt, prompt_token_ids, sampling_params, [])
+        for seq in seqs:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params.skip_special_tokens)
+            seq_state = _SeqState(seq, detok)
+            state.seqs.append(seq_state)
+            self._seq_states[seq.request_id] = (state, seq_state)
+        self._states[request_id] = state
         return request_id
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        """Abort requests (all their sequences); their blocks are free when this returns."""
         for request_id in request_ids:
-            self._states.pop(request_id, None)
+            state = self._states.pop(request_id, None)
+            if state is None:
+                continue
+            seq_ids = [seq.request.request_id for seq in state.seqs]
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            for seq_id in seq_ids:
+                self._seq_states.pop(seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -118,50 +170,62 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs = []
+        touched: dict[str, _RequestState] = {}
         for request in updated:
-            state = self._states[request.request_id]
-            self._process_token(state)
+            state, seq = self._seq_states[request.request_id]
+            self._process_token(seq)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
             outputs.append(self._make_output(state))
-            if state.finish_reason is not None:
-                del self._states[request.request_id]
+            if state.finished:
+                del self._states[state.request_id]
+                for seq in state.seqs:
+                    self._seq_states.pop(seq.request.request_id, None)
         return outputs
 
-    def _process_token(self, state: _RequestState) -> None:
-        """Detokenize the newest token; a stop string found in the text finishes the request."""
-        request = state.request
+    def _process_token(self, seq: _SeqState) -> None:
+        """Detokenize the newest token; a stop string found in the text finishes the sequence."""
+        request = seq.request
         params = request.sampling_params
-        searched = max(0, len(state.text) - params.max_stop_len + 1)
-        state.text += state.detokenizer.add_tokens(request.output_token_ids[-1:])
+        searched = max(0, len(seq.text) - params.max_stop_len + 1)
+        seq.text += seq.detokenizer.add_tokens(request.output_token_ids[-1:])
         if request.status.finished:
-            state.text += state.detokenizer.flush()
-        cut = _find_stop(state.text, params.stop, searched)
+            seq.text += seq.detokenizer.flush()
+        cut = _find_stop(seq.text, params.stop, searched)
         if cut is not None:
-            state.text, state.stop_reason = cut
-            state.finish_reason = "stop"
+            seq.text, seq.stop_reason = cut
+            seq.finish_reason = "stop"
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         elif request.status.finished:
-            state.finish_reason = request.status.finish_reason
-            state.stop_reason = request.stop_reason
+            seq.finish_reason = request.status.finish_reason
+            seq.stop_reason = request.stop_reason
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
-        request = state.request
-        wants_logprobs = request.sampling_params.logprobs is not None
-        completion = CompletionOutput(
-            index=0,
-            text=state.text,
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=request.cumulative_logprob,
-            logprobs=list(request.output_logprobs) if wants_logprobs else None,
-            finish_reason=state.finish_reason,
-            stop_reason=state.stop_reason,
-        )
+        wants_logprobs = state.params.logprobs is not None
+        completions = [
+            CompletionOutput(
+                index=seq.request.sample_index,
+                text=seq.text,
+                token_ids=list(seq.request.output_token_ids),
+                cumulative_logprob=seq.request.cumulative_logprob,
+                logprobs=list(seq.request.output_logprobs) if wants_logprobs else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in state.seqs
+        ]
+        finished = state.finished
+        if finished and state.params.num_samples > state.params.n:
+            completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[: state.params.n]
+            for rank, completion in enumerate(completions):
+                completion.index = rank
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=state.request_id,
             prompt=state.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=state.finish_reason is not None,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
         )
 
     def stats(self) -> dict[str, int | float]:

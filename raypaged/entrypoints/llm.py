@@ -35,6 +35,10 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         seed: int = 0,
         device: str = "auto",
+        enable_prefix_caching: bool = True,
+        swap_space: float | None = None,
+        scheduling_policy: str = "fcfs",
+        preemption_mode: str | None = None,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -48,6 +52,10 @@ class LLM:
                 num_gpu_blocks_override=num_gpu_blocks_override,
                 seed=seed,
                 device=device,
+                enable_prefix_caching=enable_prefix_caching,
+                swap_space=swap_space,
+                scheduling_policy=scheduling_policy,
+                preemption_mode=preemption_mode,
             )
         )
 
@@ -59,12 +67,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string or ``{"prompt_token_ids": [...]}``. One
-        ``SamplingParams`` applies to all prompts, or pass one per prompt. Every
-        prompt is validated before any runs: a bad one raises ``ValueError``.
+        ``SamplingParams`` applies to all prompts, or pass one per prompt;
+        ``priority`` (one per prompt, lower first) matters under
+        ``scheduling_policy="priority"``. Every prompt is validated before any
+        runs: a bad one raises ``ValueError``.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -79,12 +90,15 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
         resolved = [_prompt_input(p) for p in prompts]
         request_ids = []
         try:
-            for (text, token_ids), params in zip(resolved, params_list):
-                request_ids.append(engine.add_request(text, params, prompt_token_ids=token_ids))
+            for (text, token_ids), params, prio in zip(resolved, params_list, priorities):
+                request_ids.append(engine.add_request(text, params, prompt_token_ids=token_ids, priority=prio))
         except ValueError:
             engine.abort_request(request_ids)
             raise
@@ -128,7 +142,8 @@ class LLM:
         return [finished[rid] for rid in request_ids]
 
     def stats(self) -> dict[str, int | float]:
-        """Engine counters: blocks total/free, running/waiting requests, preemptions."""
+        """Engine counters: device and CPU blocks total/free, running/waiting/swapped
+        sequences, preemptions, prefix cache queries and hits (in tokens)."""
         return self.llm_engine.stats()
 
 

@@ -11,11 +11,11 @@ class UniProcExecutor:
     def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
         self.worker = Worker(config, eos_token_id)
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self) -> tuple[int, int]:
         return self.worker.determine_num_blocks()
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks, num_cpu_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

@@ -16,7 +16,7 @@ from raypaged.attention.metadata import AttentionMetadata
 from raypaged.attention.torch_ops import paged_attention, reshape_and_cache
 from raypaged.model.layers import RMSNorm, RotaryEmbedding
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+LayerKVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -53,7 +53,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:  # x: [num_tokens, hidden]
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
@@ -91,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -106,7 +106,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 

@@ -14,6 +14,7 @@ import torch
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.sampling_params import SamplingParams
+from raypaged.worker.cache import KVCache
 from raypaged.worker.sampler import SamplingInput, sample
 
 
@@ -25,6 +26,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    sample_index: int = 0
 
     def token_at(self, position: int) -> int:
         num_prompt = len(self.prompt_token_ids)
@@ -48,14 +50,14 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        cache: KVCache,
         block_size: int,
         eos_token_id: int | None,
         seed: int,
         device: torch.device,
     ) -> None:
         self.model = model
-        self.kv_caches = kv_caches
+        self.cache = cache
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.device = device
@@ -73,10 +75,13 @@ class ModelRunner:
                 new.sampling_params,
                 list(new.block_ids),
                 new.num_computed_tokens,
+                new.sample_index,
             )
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
             state.output_token_ids.extend(cached.new_token_ids)
+            for index, block_id in cached.replaced_block_ids:
+                state.block_ids[index] = block_id
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -133,15 +138,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
-        if so.is_empty:
+        self.cache.run_block_ops(so.block_ops)
+        if not so.num_scheduled_tokens:
             return ModelRunnerOutput()
         step = self.prepare_inputs(so)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        hidden = self.model(step.input_ids, step.positions, self.cache.layers, step.meta)
         if not step.sampled_request_ids:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[step.sample_indices]).cpu()
         inputs = [
-            SamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.eos_token_id)
+            SamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.eos_token_id, s.sample_index)
             for s in (self.requests[rid] for rid in step.sampled_request_ids)
         ]
         tokens = sample(logits, inputs, self.generator)

@@ -25,6 +25,7 @@ class SamplingInput:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_id: int | None
+    sample_index: int = 0  # samples of one request (n > 1) draw distinct streams
 
 
 def sample(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator) -> list[SampledToken]:
@@ -110,6 +111,7 @@ def _draw(probs: torch.Tensor, inputs: list[SamplingInput], generator: torch.Gen
         noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1]).exponential_(generator=generator)
     for i, s in enumerate(inputs):
         if s.params.seed is not None:
-            row_gen = torch.Generator().manual_seed(hash((s.params.seed, len(s.output_token_ids))) & 0x7FFF_FFFF_FFFF_FFFF)
+            stream = (s.params.seed, len(s.output_token_ids)) + ((s.sample_index,) if s.sample_index else ())
+            row_gen = torch.Generator().manual_seed(hash(stream) & 0x7FFF_FFFF_FFFF_FFFF)
             noise[i].exponential_(generator=row_gen)
     return (probs / noise).argmax(dim=-1)

@@ -10,6 +10,7 @@ from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.model.llama import head_dim_of
 from raypaged.model.loader import load_model
+from raypaged.worker.cache import KVCache
 from raypaged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("raypaged")
@@ -32,25 +33,28 @@ class Worker:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * hf.num_hidden_layers * self.config.block_size * hf.num_key_value_heads * head_dim_of(hf) * elem
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device blocks, CPU swap blocks) this worker can hold."""
+        per_block = self.bytes_per_block()
+        num_cpu_blocks = int(self.config.resolved_swap_space * _GIB) // per_block
         if self.config.num_gpu_blocks_override is not None:
-            return self.config.num_gpu_blocks_override
+            return self.config.num_gpu_blocks_override, num_cpu_blocks
         space = self.config.kv_cache_space or DEFAULT_CPU_KV_CACHE_SPACE_GIB
-        return max(1, int(space * _GIB) // self.bytes_per_block())
+        return max(1, int(space * _GIB) // per_block), num_cpu_blocks
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         hf = self.config.hf_config
-        shape = (hf.num_hidden_layers, 2, num_blocks, self.config.block_size, hf.num_key_value_heads, head_dim_of(hf))
-        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(hf.num_hidden_layers)]
+        block_shape = (self.config.block_size, hf.num_key_value_heads, head_dim_of(hf))
+        cache = KVCache(hf.num_hidden_layers, num_blocks, num_cpu_blocks, block_shape, self.dtype, self.device)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            "KV cache: %d blocks of %d tokens (%.2f GiB), %d CPU swap blocks",
             num_blocks,
             self.config.block_size,
             num_blocks * self.bytes_per_block() / _GIB,
+            num_cpu_blocks,
         )
         self.runner = ModelRunner(
-            self.model, kv_caches, self.config.block_size, self.eos_token_id, self.config.seed, self.device
+            self.model, cache, self.config.block_size, self.eos_token_id, self.config.seed, self.device
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

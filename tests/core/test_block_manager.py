@@ -10,6 +10,7 @@ def test_pool_allocates_from_the_front_and_reuses_freed_blocks_last():
     pool.free([1, 0])
     assert pool.ref_counts == [0, 0, 0, 0]
     assert pool.allocate(4) == [2, 3, 1, 0]
+    assert pool.free_block_ids == []
 
 
 def test_pool_rejects_overallocation_and_double_free():
@@ -27,13 +28,13 @@ def test_pool_rejects_overallocation_and_double_free():
 def test_allocate_slots_grows_on_demand_one_block_per_block_size_tokens():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     # a 5-token prompt needs 2 blocks
-    assert kv.allocate_slots("a", 0, 5) == [0, 1]
+    assert kv.allocate_slots("a", 0, 5).new_block_ids == [0, 1]
     # decode tokens 6..8 fit the second block: nothing new
-    assert kv.allocate_slots("a", 5, 1) == []
-    assert kv.allocate_slots("a", 6, 1) == []
-    assert kv.allocate_slots("a", 7, 1) == []
+    assert kv.allocate_slots("a", 5, 1).new_block_ids == []
+    assert kv.allocate_slots("a", 6, 1).new_block_ids == []
+    assert kv.allocate_slots("a", 7, 1).new_block_ids == []
     # token 9 opens block 3
-    assert kv.allocate_slots("a", 8, 1) == [2]
+    assert kv.allocate_slots("a", 8, 1).new_block_ids == [2]
     assert kv.get_block_ids("a") == [0, 1, 2]
     assert kv.num_free_blocks == 5
     kv.check_invariants()
@@ -41,7 +42,7 @@ def test_allocate_slots_grows_on_demand_one_block_per_block_size_tokens():
 
 def test_allocate_slots_returns_none_and_changes_nothing_when_the_pool_is_short():
     kv = KVCacheManager(num_blocks=3, block_size=4)
-    assert kv.allocate_slots("a", 0, 8) == [0, 1]
+    assert kv.allocate_slots("a", 0, 8).new_block_ids == [0, 1]
     assert kv.allocate_slots("b", 0, 8) is None
     assert "b" not in kv.block_tables
     assert kv.allocate_slots("a", 8, 5) is None  # would need 2 more blocks, 1 is free
@@ -58,7 +59,7 @@ def test_free_releases_everything_last_block_first():
     assert kv.pool.ref_counts == [0, 0, 0, 1, 0, 0]
     assert kv.num_free_blocks == 5
     # free queue: 4, 5, then a's blocks in reverse
-    assert kv.allocate_slots("c", 0, 10) == [4, 5, 2, 1, 0]
+    assert kv.allocate_slots("c", 0, 10).new_block_ids == [4, 5, 2, 1, 0]
     kv.free("b")
     kv.free("c")
     kv.free("never-allocated")
@@ -71,5 +72,5 @@ def test_check_invariants_catches_a_corrupted_ref_count():
     kv = KVCacheManager(num_blocks=2, block_size=2)
     kv.allocate_slots("a", 0, 1)
     kv.pool.ref_counts[0] = 2
-    with pytest.raises(AssertionError, match="ref counts disagree"):
+    with pytest.raises(AssertionError, match="ref counts disagree with block tables"):
         kv.check_invariants()

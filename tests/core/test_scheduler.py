@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
-from raypaged.core.request import Request, RequestStatus
+from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from raypaged.sampling_params import SamplingParams
 
@@ -212,4 +212,174 @@ def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size,
         run_step(s)
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == num_blocks
+    s.kv.check_invariants()
+
+
+# ---- sharing: groups, swap, prefix caching, priorities -----------------------------------
+
+
+def make_group(request_id: str, num_prompt: int, num_samples: int, max_tokens: int = 8) -> list[Request]:
+    """What the engine builds for n/best_of: the first sequence carries the others to fork."""
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=num_samples)
+    prompt = list(range(1, num_prompt + 1))
+    seqs = [
+        Request(request_id if i == 0 else f"{request_id}#{i}", prompt, params, max_tokens, EOS, sample_index=i)
+        for i in range(num_samples)
+    ]
+    group = SequenceGroup(request_id, num_prompt - 1, seqs[1:])
+    for seq in seqs:
+        seq.group = group
+    return seqs
+
+
+def test_a_group_prefills_once_then_forks_and_copies_the_shared_last_block():
+    s = make_scheduler(num_blocks=16, block_size=4)
+    seqs = make_group("g", 10, 3)
+    s.add_request(seqs[0])
+    out = run_step(s)
+    assert out.num_scheduled_tokens == {"g": 9}  # all of the prompt but its last token
+    assert s.kv.get_block_ids("g") == [0, 1, 2]
+    # forked: three sequences share blocks 0-2
+    assert [r.request_id for r in s.running] == ["g", "g#1", "g#2"]
+    assert s.kv.pool.ref_counts[:3] == [3, 3, 3]
+    out = run_step(s)
+    assert out.num_scheduled_tokens == {"g": 1, "g#1": 1, "g#2": 1}
+    assert [d.request_id for d in out.new_requests] == ["g#1", "g#2"]
+    assert [(d.sample_index, d.num_computed_tokens, d.block_ids) for d in out.new_requests] == [(1, 9, [0, 1, 4]), (2, 9, [0, 1, 2])]
+    # position 9 sits in shared block 2: the first two writers copy it, the last owns it
+    assert [(op.kind, op.src, op.dst) for op in out.block_ops] == [("copy", 2, 3), ("copy", 2, 4)]
+    assert s.kv.get_block_ids("g") == [0, 1, 3]
+    assert s.kv.get_block_ids("g#2") == [0, 1, 2]
+    assert s.kv.pool.ref_counts[:5] == [3, 3, 1, 1, 1]
+    assert all(len(r.output_token_ids) == 1 for r in s.running)
+    s.kv.check_invariants()
+
+
+def test_swap_mode_moves_a_whole_group_to_cpu_and_back():
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption_mode=None),
+        KVCacheManager(num_blocks=8, block_size=4, num_cpu_blocks=8),
+    )
+    seqs = make_group("g", 4, 2, max_tokens=12)
+    s.add_request(seqs[0])
+    s.add_request(make_request("late", 8, max_tokens=12))
+    run_step(s)  # g prefills 3 tokens (block 0), late prefills 8 (blocks 1, 2)
+    run_step(s)  # g and g#1 compute position 3 (copy of block 0 for one of them)
+    for _ in range(6):
+        run_step(s)
+        if s.num_swap_outs:
+            break
+    assert s.num_swap_outs == 1
+    assert s.stats()["num_requests_swapped"] == 2
+    assert {r.request_id for r in s.swapped[0]} == {"g", "g#1"}
+    assert all(r.status == RequestStatus.SWAPPED for r in s.swapped[0])
+    s.kv.check_invariants()
+    for _ in range(100):
+        if not s.has_unfinished_requests():
+            break
+        run_step(s)
+    assert not s.has_unfinished_requests()
+    assert s.kv.num_free_blocks == 8 and s.kv.num_free_cpu_blocks == 8
+
+
+def test_recompute_mode_never_swaps():
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption_mode="recompute"),
+        KVCacheManager(num_blocks=6, block_size=4, num_cpu_blocks=8),
+    )
+    s.add_request(make_group("g", 4, 3, max_tokens=12)[0])
+    for _ in range(100):
+        if not s.has_unfinished_requests():
+            break
+        run_step(s)
+    assert s.num_preemptions > 0 and s.num_swap_outs == 0
+    assert s.kv.num_free_blocks == 6
+
+
+def test_prefix_cache_hit_skips_the_shared_prefill():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=128), KVCacheManager(32, 4, enable_prefix_caching=True))
+    s.add_request(make_request("a", 20, max_tokens=2))
+    run_step(s)
+    b = Request("b", list(range(1, 17)) + [99, 98, 97], SamplingParams(temperature=0), 2, EOS)
+    s.add_request(b)
+    out = run_step(s)
+    assert out.num_scheduled_tokens["b"] == 3  # 16 cached tokens (4 blocks) skipped
+    [new] = [d for d in out.new_requests if d.request_id == "b"]
+    assert new.num_computed_tokens == 16
+    assert new.block_ids[:4] == [0, 1, 2, 3]  # a's blocks (a has just finished; they stay cached)
+    stats = s.stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (39, 16)
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, policy="priority"), KVCacheManager(4, 4)
+    )
+    low = make_request("low", 8, max_tokens=20)
+    low.priority = 5
+    s.add_request(low)
+    run_step(s)
+    high = make_request("high", 8, max_tokens=2)
+    high.priority = 0
+    mid = make_request("mid", 4, max_tokens=2)
+    mid.priority = 1
+    s.add_request(mid)
+    s.add_request(high)
+    assert [r.request_id for r in s.waiting] == ["high", "mid"]
+    out = run_step(s)
+    # high cannot fit beside low: low (lower priority) is preempted for it
+    assert "high" in out.num_scheduled_tokens and "low" not in out.num_scheduled_tokens
+    assert low.status == RequestStatus.PREEMPTED and s.num_preemptions == 1
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority, got 'lifo'"):
+        SchedulerConfig(policy="lifo")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "group", "step", "step", "step", "abort"]),
+            st.integers(1, 30),
+            st.integers(1, 10),
+        ),
+        max_size=60,
+    ),
+    st.integers(6, 24),
+    st.sampled_from([2, 4]),
+    st.sampled_from([None, "swap", "recompute"]),
+    st.sampled_from(["fcfs", "priority"]),
+    st.booleans(),
+)
+def test_random_sharing_workloads_never_leak_or_double_free(ops, num_blocks, block_size, mode, policy, caching):
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, policy=policy, preemption_mode=mode),
+        KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, num_cpu_blocks=num_blocks // 2),
+    )
+    next_id = 0
+    for op, size, max_tokens in ops:
+        if op in ("add", "group"):
+            seqs = make_group(str(next_id), size, 3, max_tokens) if op == "group" and size > 1 else [make_request(str(next_id), size, max_tokens)]
+            for seq in seqs:
+                seq.priority = size % 3
+            try:
+                s.add_request(seqs[0])
+            except ValueError:
+                assert s.kv.num_blocks_for(size + 1) > num_blocks
+            next_id += 1
+        elif op == "abort" and s.requests:
+            victim = sorted(s.requests)[size % len(s.requests)]
+            s.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+        else:
+            run_step(s, token_id=size % 7 + 1)
+        s.kv.check_invariants()
+        live = set(s.requests)
+        assert set(s.kv.tables) <= live and set(s.kv.swapped) <= live
+        assert all(r.status == RequestStatus.RUNNING for r in s.running)
+    for _ in range(10_000):
+        if not s.has_unfinished_requests():
+            break
+        run_step(s)
+    assert not s.has_unfinished_requests()
+    assert s.kv.num_free_blocks == num_blocks
+    assert s.kv.num_free_cpu_blocks == num_blocks // 2
     s.kv.check_invariants()
