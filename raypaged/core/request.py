@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from raypaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from raypaged.core.beam_search import BeamGroup
 
 
 class RequestStatus(enum.Enum):
@@ -75,6 +79,7 @@ class Request:
     priority: int = 0  # lower runs first under the priority policy
     sample_index: int = 0  # which sample of its group: seeds a distinct random stream
     group: SequenceGroup | None = None
+    beam: BeamGroup | None = None  # set on every live beam of a beam search
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from raypaged.core.beam_search import BeamGroup
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.outputs import BlockOp, CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus
@@ -251,13 +252,17 @@ class Scheduler:
         if group is None or not group.pending_children or request.num_computed_tokens < group.fork_at:
             return
         for child in group.pending_children:
-            self.kv.fork(request.request_id, child.request_id)
-            child.num_computed_tokens = request.num_computed_tokens
-            child.status = RequestStatus.RUNNING
-            self.requests[child.request_id] = child
-            self.running.append(child)
-            self._unsent_ids.add(child.request_id)
+            self._adopt_fork(request, child)
         group.pending_children.clear()
+
+    def _adopt_fork(self, parent: Request, child: Request) -> None:
+        """Run ``child`` from now on, sharing every block of ``parent``."""
+        self.kv.fork(parent.request_id, child.request_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+        self._unsent_ids.add(child.request_id)
 
     # ---- preemption and swapping -------------------------------------------
     def _pick_victim(self) -> Request:
@@ -281,7 +286,8 @@ class Scheduler:
             group = [r for r in self.running if r.group is victim.group]
         mode = self.config.preemption_mode
         shares_blocks = len(group) > 1
-        if mode == "swap" or (mode is None and shares_blocks):
+        # beams fork and drop every step: they are recomputed, never swapped
+        if victim.beam is None and (mode == "swap" or (mode is None and shares_blocks)):
             copies = self.kv.swap_out([r.request_id for r in group])
             if copies is not None:
                 self._out.block_ops.extend(BlockOp("swap_out", src, dst) for src, dst in copies)
@@ -299,6 +305,8 @@ class Scheduler:
                 return
         self._drop_from_batch(victim)
         self.kv.free(victim.request_id)
+        if victim.beam is not None:
+            victim.beam.candidates.pop(victim.request_id, None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -346,9 +354,11 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish what stopped.
 
-        Returns the sequences that received a token this step (finished ones included).
+        Returns the sequences that received a token this step (finished ones
+        included); beams are advanced by their group instead.
         """
         updated = []
+        beam_groups: dict[int, BeamGroup] = {}
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -361,13 +371,54 @@ class Scheduler:
             sampled = runner_output.sampled.get(request_id)
             if sampled is None:
                 continue
+            if request.beam is not None:
+                request.beam.candidates[request_id] = sampled.top_logprobs
+                beam_groups[id(request.beam)] = request.beam
+                continue
             request.append_output_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
             status = request.check_stop()
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
             updated.append(request)
+        for beam_group in beam_groups.values():
+            if beam_group.ready():
+                self._beam_step(beam_group)
         return updated
+
+    def _beam_step(self, group: BeamGroup) -> None:
+        """Keep the best continuations: fork beams chosen more than once, free the others."""
+        chosen: dict[str, list] = {}
+        for continuation in group.select():
+            chosen.setdefault(continuation.parent.request_id, []).append(continuation)
+        survivors = []
+        for beam in group.beams:
+            picks = chosen.get(beam.request_id)
+            if not picks:
+                self.running.remove(beam)
+                self._finish(beam, RequestStatus.FINISHED_ABORTED)
+                continue
+            for pick in picks[1:]:
+                child = replace(
+                    beam,
+                    request_id=f"{group.group_id}#{group.next_index}",
+                    output_token_ids=list(beam.output_token_ids),
+                    output_logprobs=[],
+                )
+                group.next_index += 1
+                self._adopt_fork(beam, child)
+                child.append_output_token(pick.token_id, pick.logprob, None)
+                survivors.append(child)
+            beam.append_output_token(picks[0].token_id, picks[0].logprob, None)
+            survivors.append(beam)
+        group.beams = survivors
+        num_generated = survivors[0].num_output_tokens if survivors else 0
+        if not survivors or num_generated >= survivors[0].max_tokens or group.should_stop(num_generated):
+            group.hypotheses = group.results()
+            for beam in survivors:
+                self.running.remove(beam)
+                self._finish(beam, RequestStatus.FINISHED_LENGTH)
+            group.done = True
 
     def stats(self) -> dict[str, int | float]:
         return {

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer
 
 from raypaged.config import EngineConfig
+from raypaged.core.beam_search import BeamGroup, BeamSearchParams
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
@@ -71,6 +72,7 @@ class LLMEngine:
         )
         self._states: dict[str, _RequestState] = {}  # by request id
         self._seq_states: dict[str, tuple[_RequestState, _SeqState]] = {}  # by sequence id
+        self._beam_states: dict[str, tuple[_RequestState, BeamGroup]] = {}  # beam searches by request id
         self._ids = itertools.count()
 
     def _eos_token_id(self) -> int | None:
@@ -83,22 +85,13 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
-    def add_request(
-        self,
-        prompt: str | None,
-        sampling_params: SamplingParams,
-        request_id: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        priority: int = 0,
-    ) -> str:
-        """Validate and queue one request; returns its id. Bad input raises ``ValueError``.
-
-        ``prompt_token_ids``, when given, are used as they are (``prompt`` is then
-        only reported back); otherwise ``prompt`` is tokenized.
-        """
+    def _validate_prompt(
+        self, request_id: str | None, prompt: str | None, prompt_token_ids: list[int] | None
+    ) -> tuple[str, list[int]]:
+        """A fresh request id and the prompt's token ids; bad input raises ``ValueError``."""
         if request_id is None:
             request_id = str(next(self._ids))
-        if request_id in self._states:
+        if request_id in self._states or request_id in self._beam_states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
             if prompt is None:
@@ -117,7 +110,23 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate within "
                 f"max_model_len {max_len}"
             )
-        room = max_len - len(prompt_token_ids)
+        return request_id, prompt_token_ids
+
+    def add_request(
+        self,
+        prompt: str | None,
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue one request; returns its id. Bad input raises ``ValueError``.
+
+        ``prompt_token_ids``, when given, are used as they are (``prompt`` is then
+        only reported back); otherwise ``prompt`` is tokenized.
+        """
+        request_id, prompt_token_ids = self._validate_prompt(request_id, prompt, prompt_token_ids)
+        room = self.config.max_model_len - len(prompt_token_ids)
         max_tokens = room if sampling_params.max_tokens is None else min(sampling_params.max_tokens, room)
         num_samples = sampling_params.num_samples
         seqs = [
@@ -150,9 +159,47 @@ class LLMEngine:
         self._states[request_id] = state
         return request_id
 
+    def add_beam_search(
+        self,
+        prompt: str | None,
+        params: BeamSearchParams,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
+        """Queue a beam search; its output (beams best first) comes when it finishes."""
+        request_id, prompt_token_ids = self._validate_prompt(request_id, prompt, prompt_token_ids)
+        max_tokens = min(params.max_tokens, self.config.max_model_len - len(prompt_token_ids))
+        # each beam proposes its 2 * beam_width best next tokens; the group decides
+        beam_params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2 * params.beam_width, ignore_eos=True)
+        group = BeamGroup(request_id, params, self.eos_token_id)
+        first = Request(request_id, prompt_token_ids, beam_params, max_tokens, self.eos_token_id, beam=group)
+        group.beams.append(first)
+        self.scheduler.add_request(first)
+        self._beam_states[request_id] = (_RequestState(request_id, prompt, prompt_token_ids, beam_params, []), group)
+        return request_id
+
+    def _beam_output(self, state: _RequestState, group: BeamGroup) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=rank,
+                text=self.tokenizer.decode(hyp.token_ids, skip_special_tokens=True),
+                token_ids=hyp.token_ids,
+                cumulative_logprob=hyp.cumulative_logprob,
+                logprobs=None,
+                finish_reason=hyp.finish_reason,
+            )
+            for rank, hyp in enumerate(group.hypotheses)
+        ]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished=True)
+
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests (all their sequences); their blocks are free when this returns."""
         for request_id in request_ids:
+            beam = self._beam_states.pop(request_id, None)
+            if beam is not None:
+                group = beam[1]
+                self.scheduler.finish_requests([b.request_id for b in group.beams], RequestStatus.FINISHED_ABORTED)
+                group.done = True
             state = self._states.pop(request_id, None)
             if state is None:
                 continue
@@ -182,6 +229,10 @@ class LLMEngine:
                 del self._states[state.request_id]
                 for seq in state.seqs:
                     self._seq_states.pop(seq.request.request_id, None)
+        for request_id, (state, group) in list(self._beam_states.items()):
+            if group.done:
+                outputs.append(self._beam_output(state, group))
+                del self._beam_states[request_id]
         return outputs
 
     def _process_token(self, seq: _SeqState) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from raypaged.config import EngineConfig
+from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import SamplingParams
@@ -103,6 +104,25 @@ class LLM:
             engine.abort_request(request_ids)
             raise
         return self._run(request_ids, use_tqdm and len(prompts) >= _PROGRESS_MIN_PROMPTS)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """Beam search for every prompt; each output's ``outputs`` are the beams, best score first.
+
+        Beams are forked sequences sharing their blocks (the prompt is stored once).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for text, token_ids in (_prompt_input(p) for p in prompts):
+                request_ids.append(engine.add_beam_search(text, params, prompt_token_ids=token_ids))
+        except ValueError:
+            engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm and len(request_ids) >= _PROGRESS_MIN_PROMPTS)
 
     def chat(
         self,
