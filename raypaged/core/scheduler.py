@@ -121,6 +121,31 @@ class Scheduler:
         self._unsent_ids.discard(request.request_id)
         del self.requests[request.request_id]
 
+    def reset_after_worker_loss(self) -> None:
+        """The workers' KV caches are gone: recompute every live sequence from its tokens.
+
+        Every block table (device and swapped) is freed and the block pools start
+        over empty, prefix-cache keys included (their contents are lost);
+        running then swapped sequences, in that order, go back to the front of
+        the waiting queue with ``num_computed_tokens = 0``. The new workers hold
+        nothing, so nothing is left for them to forget.
+        """
+        in_flight = self.running + [request for group in self.swapped for request in group]
+        kv = self.kv
+        self.kv = KVCacheManager(kv.num_blocks, kv.block_size, kv.enable_prefix_caching, kv.num_cpu_blocks)
+        self.running = []
+        self.swapped = []
+        for request in reversed(in_flight):
+            if request.beam is not None:
+                request.beam.candidates.pop(request.request_id, None)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.num_preemptions += 1
+            self._enqueue(request, front=True)
+        self._forget_ids.clear()
+        self._unsent_ids.clear()
+        logger.warning("workers restarted: %d in-flight sequences will be recomputed", len(in_flight))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
