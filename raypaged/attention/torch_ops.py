@@ -68,9 +68,19 @@ def paged_attention_prefill(
     scale: float,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal attention of the last ``query_len`` positions of a sequence over its cached context."""
-    query_len = query.shape[0]
-    keys = gather_blocks(key_cache, block_ids[None])[0, :context_len].transpose(0, 1)  # [Hkv, L, D]
-    values = gather_blocks(value_cache, block_ids[None])[0, :context_len].transpose(0, 1)
+    keys = gather_blocks(key_cache, block_ids[None])[0, :context_len]
+    values = gather_blocks(value_cache, block_ids[None])[0, :context_len]
+    return prefill_attention(query, keys, values, scale)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [query_len, num_heads, head_dim], the last query_len positions
+    keys: torch.Tensor,  # [context_len, num_kv_heads, head_dim]
+    values: torch.Tensor,  # [context_len, num_kv_heads, head_dim]
+    scale: float,
+) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+    """Causal SDPA of a sequence's newest ``query_len`` positions over its whole (gathered) context."""
+    query_len, context_len = query.shape[0], keys.shape[0]
     if query_len == context_len:
         mask, causal = None, True
     else:
@@ -78,7 +88,13 @@ def paged_attention_prefill(
         mask = torch.arange(context_len, device=query.device)[None, :] <= query_pos[:, None]
         causal = False
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        query.transpose(0, 1),
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
     )
     return out.transpose(0, 1)
 
