@@ -1,0 +1,52 @@
+// Shared device helpers for raypaged kernels. No CUDA headers are included, so the
+// same text compiles under nvcc (CI) and NVRTC (cupy.RawModule at run time).
+#ifndef RAYPAGED_COMMON_CUH
+#define RAYPAGED_COMMON_CUH
+
+struct half_t { unsigned short bits; };  // IEEE fp16 storage
+struct bf16_t { unsigned short bits; };  // bfloat16 storage
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(half_t x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  return f;
+}
+__device__ __forceinline__ float to_float(bf16_t x) { return __uint_as_float(((unsigned)x.bits) << 16); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ half_t from_float<half_t>(float x) {
+  half_t h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+  return h;
+}
+template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
+  bf16_t h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+  return h;
+}
+
+// Element i of a 16-byte vector held as four 32-bit words, widened to fp32 (register-only:
+// no address is taken, so nothing goes through local memory).
+template <typename T> __device__ __forceinline__ float element(const unsigned* words, int i);
+template <> __device__ __forceinline__ float element<float>(const unsigned* words, int i) {
+  return __uint_as_float(words[i]);
+}
+template <> __device__ __forceinline__ float element<half_t>(const unsigned* words, int i) {
+  return to_float(half_t{(unsigned short)(words[i >> 1] >> ((i & 1) * 16))});
+}
+template <> __device__ __forceinline__ float element<bf16_t>(const unsigned* words, int i) {
+  return to_float(bf16_t{(unsigned short)(words[i >> 1] >> ((i & 1) * 16))});
+}
+
+// One 16-byte load of 16 / sizeof(T) elements, widened to fp32.
+template <typename T>
+__device__ __forceinline__ void load_vec16(const T* __restrict__ src, float* dst) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < int(16 / sizeof(T)); ++i) dst[i] = element<T>(words, i);
+}
+
+#endif  // RAYPAGED_COMMON_CUH

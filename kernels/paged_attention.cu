@@ -1,0 +1,231 @@
+// paged_attention: decode attention (one query token per sequence) over a paged KV cache.
+//
+// Cache: [num_blocks, block_size, num_kv_heads, D]; query/out: [num_seqs, num_heads, D];
+// query head h reads KV head h / group (GQA/MQA; group = num_heads / num_kv_heads).
+// One thread block per (kv head, sequence, partition) handles all `group` query heads of
+// that KV head, so each K row is loaded once (16-byte loads, `LANES` threads per row)
+// and each V row once per 4 query heads.
+//   v1: grid (num_kv_heads, num_seqs, 1): one partition spans the context; writes out.
+//   v2: grid (num_kv_heads, num_seqs, max_partitions): each partition writes its
+//       normalised partial output, max logit and exp-sum; v2_reduce merges them.
+// Dynamic shared memory (floats): q [group*D] + acc [group*D] + probs [group*partition]
+// + max/sum [2*group]. Launch bounds: 128 threads, 4 blocks per SM (<= 128 registers).
+#include "common.cuh"
+
+constexpr int NUM_THREADS = 128;
+constexpr int WARP_SIZE = 32;
+constexpr int HEADS_PER_V_PASS = 4;
+constexpr float NEG_LARGE = -3.0e38f;
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int m = WARP_SIZE / 2; m > 0; m >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int m = WARP_SIZE / 2; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// Element offset of token t's row (for KV head 0) in a cache through the block table.
+__device__ __forceinline__ long long token_offset(const long long* __restrict__ table, int t, int block_size,
+                                                  long long token_stride) {
+  return (table[t / block_size] * block_size + t % block_size) * token_stride;
+}
+
+template <typename T, int D, bool PARTITIONED>
+__device__ __forceinline__ void attention_partition(
+    T* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_max,
+    float* __restrict__ partial_sum, const T* __restrict__ query, const T* __restrict__ key_cache,
+    const T* __restrict__ value_cache, const long long* __restrict__ block_tables,
+    const long long* __restrict__ context_lens, float scale, int num_kv_heads, int group, int block_size,
+    int max_blocks, int partition_size) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int ROW_VECS = D / VEC;  // 16-byte vectors per K/V row
+  constexpr int LANES = ROW_VECS <= 8 ? 8 : (ROW_VECS <= 16 ? 16 : 32);
+  constexpr int ROWS = NUM_THREADS / LANES;  // tokens in flight per block
+  const int kv_head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
+  const int num_parts = gridDim.z;
+  const int context_len = int(context_lens[seq]);
+  const int start = part * partition_size;
+  if (start >= context_len) return;
+  const int n = min(partition_size, context_len - start);
+  const int num_heads = num_kv_heads * group;
+  const int head0 = kv_head * group;
+
+  extern __shared__ float smem[];
+  float* q_s = smem;                             // [group][D], pre-scaled
+  float* acc_s = q_s + group * D;                // [group][D]
+  float* prob_s = acc_s + group * D;             // [group][partition_size]
+  float* max_s = prob_s + group * partition_size;  // [group]
+  float* sum_s = max_s + group;                  // [group]
+
+  const T* q = query + ((long long)seq * num_heads + head0) * D;
+  for (int i = threadIdx.x; i < group * D; i += NUM_THREADS) {
+    q_s[i] = to_float(q[i]) * scale;
+    acc_s[i] = 0.0f;
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % LANES, row = threadIdx.x / LANES;
+  const bool active = lane < ROW_VECS;
+  const long long* table = block_tables + (long long)seq * max_blocks;
+  const long long token_stride = (long long)num_kv_heads * D;
+  const long long head_offset = (long long)kv_head * D + lane * VEC;
+
+  // logits: each K row loaded once, dotted with every query head of the group
+  for (int t0 = 0; t0 < n; t0 += ROWS) {
+    const int t = t0 + row;
+    float k[VEC];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) k[v] = 0.0f;
+    if (t < n && active) load_vec16(key_cache + token_offset(table, start + t, block_size, token_stride) + head_offset, k);
+    for (int g = 0; g < group; ++g) {
+      float dot = 0.0f;
+      if (active) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) dot += q_s[g * D + lane * VEC + v] * k[v];
+      }
+#pragma unroll
+      for (int m = LANES / 2; m > 0; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+      if (lane == 0 && t < n) prob_s[g * partition_size + t] = dot;
+    }
+  }
+  __syncthreads();
+
+  // softmax numerators in place, one warp per query head
+  const int warp = threadIdx.x / WARP_SIZE, warp_lane = threadIdx.x % WARP_SIZE;
+  for (int g = warp; g < group; g += NUM_THREADS / WARP_SIZE) {
+    float* p = prob_s + g * partition_size;
+    float m = NEG_LARGE;
+    for (int i = warp_lane; i < n; i += WARP_SIZE) m = fmaxf(m, p[i]);
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int i = warp_lane; i < n; i += WARP_SIZE) {
+      const float e = expf(p[i] - m);
+      p[i] = e;
+      s += e;
+    }
+    s = warp_sum(s);
+    if (warp_lane == 0) {
+      max_s[g] = m;
+      sum_s[g] = s;
+    }
+  }
+  __syncthreads();
+
+  // probs @ V: each V row loaded once per HEADS_PER_V_PASS query heads
+  for (int g0 = 0; g0 < group; g0 += HEADS_PER_V_PASS) {
+    float acc[HEADS_PER_V_PASS][VEC];
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_V_PASS; ++h)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[h][v] = 0.0f;
+    for (int t = row; active && t < n; t += ROWS) {
+      float val[VEC];
+      load_vec16(value_cache + token_offset(table, start + t, block_size, token_stride) + head_offset, val);
+#pragma unroll
+      for (int h = 0; h < HEADS_PER_V_PASS; ++h) {
+        if (g0 + h < group) {
+          const float p = prob_s[(g0 + h) * partition_size + t];
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[h][v] += p * val[v];
+        }
+      }
+    }
+    if (active) {
+#pragma unroll
+      for (int h = 0; h < HEADS_PER_V_PASS; ++h) {
+        if (g0 + h < group) {
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) atomicAdd(&acc_s[(g0 + h) * D + lane * VEC + v], acc[h][v]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < group * D; i += NUM_THREADS) {
+    const int g = i / D;
+    const long long head_row = (long long)seq * num_heads + head0 + g;
+    const float o = acc_s[i] / sum_s[g];
+    if (PARTITIONED) {
+      partial_out[(head_row * num_parts + part) * D + i % D] = o;
+    } else {
+      out[head_row * D + i % D] = from_float<T>(o);
+    }
+  }
+  if (PARTITIONED && threadIdx.x < group) {
+    const long long idx = ((long long)seq * num_heads + head0 + threadIdx.x) * num_parts + part;
+    partial_max[idx] = max_s[threadIdx.x];
+    partial_sum[idx] = sum_s[threadIdx.x];
+  }
+}
+
+// grid (num_heads, num_seqs), NUM_THREADS threads, shared memory: max_partitions floats.
+template <typename T, int D>
+__device__ __forceinline__ void reduce_partitions(T* __restrict__ out, const float* __restrict__ partial_out,
+                                                  const float* __restrict__ partial_max,
+                                                  const float* __restrict__ partial_sum,
+                                                  const long long* __restrict__ context_lens, int num_parts,
+                                                  int partition_size) {
+  const int head = blockIdx.x, seq = blockIdx.y, num_heads = gridDim.x;
+  const int n = int((context_lens[seq] + partition_size - 1) / partition_size);
+  const long long base = ((long long)seq * num_heads + head) * num_parts;
+  extern __shared__ float weight_s[];  // [num_parts]
+  float m = NEG_LARGE;
+  for (int p = 0; p < n; ++p) m = fmaxf(m, partial_max[base + p]);
+  float total = 0.0f;
+  for (int p = 0; p < n; ++p) total += partial_sum[base + p] * expf(partial_max[base + p] - m);
+  for (int p = threadIdx.x; p < n; p += NUM_THREADS) weight_s[p] = partial_sum[base + p] * expf(partial_max[base + p] - m) / total;
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += NUM_THREADS) {
+    float o = 0.0f;
+    for (int p = 0; p < n; ++p) o += weight_s[p] * partial_out[(base + p) * D + d];
+    out[((long long)seq * num_heads + head) * D + d] = from_float<T>(o);
+  }
+}
+
+#define DECODE_ARGS                                                                                        \
+  const T *__restrict__ query, const T *__restrict__ key_cache, const T *__restrict__ value_cache,       \
+      const long long *__restrict__ block_tables, const long long *__restrict__ context_lens, float scale, \
+      int num_kv_heads, int group, int block_size, int max_blocks, int partition_size
+#define DECODE_PASS \
+  query, key_cache, value_cache, block_tables, context_lens, scale, num_kv_heads, group, block_size, max_blocks, \
+      partition_size
+
+#define DEFINE_DECODE(TYPE, NAME, D)                                                                            \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, 4)                                                    \
+      paged_attention_v1_##NAME##_##D(TYPE* __restrict__ out, DECODE_ARGS) {                                   \
+    attention_partition<T, D, false>(out, nullptr, nullptr, nullptr, DECODE_PASS);                             \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, 4) paged_attention_v2_##NAME##_##D(                   \
+      float* __restrict__ partial_out, float* __restrict__ partial_max, float* __restrict__ partial_sum,      \
+      DECODE_ARGS) {                                                                                           \
+    attention_partition<T, D, true>(nullptr, partial_out, partial_max, partial_sum, DECODE_PASS);              \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, 4) paged_attention_v2_reduce_##NAME##_##D(            \
+      TYPE* __restrict__ out, const float* __restrict__ partial_out, const float* __restrict__ partial_max,   \
+      const float* __restrict__ partial_sum, const long long* __restrict__ context_lens, int num_parts,       \
+      int partition_size) {                                                                                    \
+    reduce_partitions<T, D>(out, partial_out, partial_max, partial_sum, context_lens, num_parts,               \
+                            partition_size);                                                                   \
+  }
+
+#define DEFINE_DECODE_ALL_HEADS(TYPE, NAME) \
+  DEFINE_DECODE(TYPE, NAME, 64)             \
+  DEFINE_DECODE(TYPE, NAME, 80)             \
+  DEFINE_DECODE(TYPE, NAME, 96)             \
+  DEFINE_DECODE(TYPE, NAME, 128)
+
+#define T float
+DEFINE_DECODE_ALL_HEADS(float, f32)
+#undef T
+#define T half_t
+DEFINE_DECODE_ALL_HEADS(half_t, f16)
+#undef T
+#define T bf16_t
+DEFINE_DECODE_ALL_HEADS(bf16_t, bf16)
+#undef T

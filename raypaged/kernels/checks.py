@@ -1,0 +1,74 @@
+"""Argument checks for the CUDA kernel wrappers: pure tensor metadata, no device work.
+
+Every check raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape,
+layout, alignment or device) naming the argument, so the wrappers fail before cupy is
+imported or a kernel is launched and the checks can be tested on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_SIZES = (64, 80, 96, 128)
+BLOCK_SIZES = (8, 16, 32)
+
+
+def check_tensor(name: str, tensor: object, dtypes: Sequence[torch.dtype], ndim: int) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}; got {tensor.dtype}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None]) -> None:
+    """``expected`` entries of None accept any size."""
+    if any(want is not None and got != want for got, want in zip(tensor.shape, expected)):
+        shown = ", ".join("*" if want is None else str(want) for want in expected)
+        raise ValueError(f"{name} must have shape ({shown}{',' if len(expected) == 1 else ''}), "
+                         f"got {tuple(tensor.shape)}")
+
+
+def check_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {tensor.stride()} for shape {tuple(tensor.shape)})")
+
+
+def check_aligned(name: str, tensor: torch.Tensor) -> None:
+    """The kernels use 16-byte vector loads and stores."""
+    if tensor.data_ptr() % 16:
+        raise ValueError(f"{name} must start on a 16-byte boundary (it is a view at an unaligned offset)")
+
+
+def check_same_dtype(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    if len({t.dtype for t in tensors}) > 1:
+        found = ", ".join(f"{n}={t.dtype}" for n, t in zip(names, tensors))
+        raise TypeError(f"{', '.join(names)} must share one dtype; got {found}")
+
+
+def check_head_size(name: str, head_size: int) -> None:
+    if head_size not in HEAD_SIZES:
+        raise ValueError(f"{name} head size {head_size} is not supported; kernels exist for {HEAD_SIZES}")
+
+
+def check_block_size(name: str, block_size: int) -> None:
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"{name} block size {block_size} is not supported; use one of {BLOCK_SIZES}")
+
+
+def check_cuda(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.device:
+    """All tensors on one CUDA device; returns it."""
+    devices = {t.device for t in tensors}
+    for name, tensor in zip(names, tensors):
+        if tensor.device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device, got {tensor.device}")
+    if len(devices) > 1:
+        found = ", ".join(f"{n}={t.device}" for n, t in zip(names, tensors))
+        raise ValueError(f"{', '.join(names)} must be on the same CUDA device; got {found}")
+    return devices.pop()

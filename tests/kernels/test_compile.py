@@ -1,0 +1,59 @@
+"""Every kernels/*.cu compiles with nvcc for sm_80 and sm_90 without warnings or spills,
+exports the kernels the wrappers launch, and kernels/README.md's resource table is current."""
+
+import functools
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+_spec = importlib.util.spec_from_file_location("resource_report", KERNEL_DIR / "resource_report.py")
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+SOURCES = [path.name for path in report.sources()]
+
+
+@functools.cache
+def resources(name: str) -> dict:
+    return report.compile_resources(KERNEL_DIR / name)  # one nvcc run covers both archs
+
+
+def all_resources() -> dict:
+    usage = {}
+    for name in SOURCES:
+        usage.update(resources(name))
+    return usage
+
+
+def test_every_kernel_source_is_covered():
+    assert SOURCES == ["copy_blocks.cu", "paged_attention.cu", "reshape_and_cache.cu"]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_compiles_for_sm80_and_sm90_without_warnings_or_spills(source):
+    usage = resources(source)  # raises on any warning
+    kernels = {kernel for kernel, _ in usage}
+    assert set(usage) == {(kernel, arch) for kernel in kernels for arch in report.ARCHS}
+    for (kernel, arch), used in usage.items():
+        assert used["spill_stores"] == used["spill_loads"] == 0, (kernel, arch, used)
+        assert used["registers"] <= 128, (kernel, arch, used)  # keeps 4 warps x 4 blocks per SM possible
+
+
+def test_exports_every_kernel_the_wrappers_launch():
+    kernels = {kernel for kernel, _ in all_resources()}
+    expected = {"copy_blocks", "reshape_and_cache"}
+    for dtype in ("f32", "f16", "bf16"):
+        for head_size in (64, 80, 96, 128):
+            for variant in ("v1", "v2", "v2_reduce"):
+                expected.add(f"paged_attention_{variant}_{dtype}_{head_size}")
+    assert kernels == expected
+
+
+def test_readme_resource_table_is_current():
+    assert report.readme_table(KERNEL_DIR / "README.md") == report.markdown_table(all_resources()), (
+        "run: python kernels/resource_report.py --write"
+    )
