@@ -27,7 +27,7 @@ def _source(name: str) -> str:
 
 
 @functools.cache
-def _module(name: str, device_index: int, compute_capability: tuple[int, int]):
+def _module(name: str, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
@@ -39,7 +39,7 @@ def _module(name: str, device_index: int, compute_capability: tuple[int, int]):
 def function(file_name: str, kernel_name: str, device: torch.device):
     """The compiled kernel ``kernel_name`` from ``kernels/<file_name>`` for ``device``."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _module(file_name, index, torch.cuda.get_device_capability(index)).get_function(kernel_name)
+    return _module(file_name, index).get_function(kernel_name)
 
 
 def as_cupy(tensor: torch.Tensor):
