@@ -180,6 +180,9 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     check_same_dtype(("src", "dst"), (src, dst))
     if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
         raise ValueError(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must match except in num_blocks")
+    block_bytes = src[0, 0, 0].numel() * src.element_size()
+    if block_bytes % 16:
+        raise ValueError(f"src blocks of {block_bytes} bytes are not a multiple of 16")
     check_tensor("block_mapping", block_mapping, LONG, 2)
     check_shape("block_mapping", block_mapping, (None, 2))
     check_contiguous("block_mapping", block_mapping)
@@ -192,7 +195,6 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     device = check_cuda([n for n, _ in on_device] + ["block_mapping"], [t for _, t in on_device] + [block_mapping])
     if block_mapping.shape[0] == 0:
         return
-    block_bytes = src[0, 0, 0].numel() * src.element_size()
     block_vecs = block_bytes // 16
     kernel = loader.function("copy_blocks.cu", "copy_blocks", device)
     args = (_pool_pointer(dst), _pool_pointer(src), loader.as_cupy(block_mapping), np.int64(src.shape[2] * block_vecs),

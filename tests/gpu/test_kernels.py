@@ -27,8 +27,9 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def poison_allocator(num_bytes: int) -> None:
-    """Leave NaN-filled memory in torch's caching allocator, where the next outputs come from."""
-    torch.full((num_bytes // 4 + 1024,), float("nan"), device="cuda")
+    """Free a block of 0xFF bytes (NaN in fp32, fp16 and bf16) of exactly the next output's
+    size: torch's caching allocator hands that block to the wrapper's output allocation."""
+    torch.full((num_bytes,), 255, dtype=torch.uint8, device="cuda")
 
 
 def random_layout(rng: random.Random, num_seqs: int, block_size: int, max_context: int, min_context: int = 1):
@@ -61,7 +62,7 @@ def decode_case(dtype, head_size, block_size, num_heads, num_kv_heads, partition
     ref = torch_ops.paged_attention_decode(
         query.float(), key_cache.float(), value_cache.float(), block_tables, context_lens, scale
     )
-    poison_allocator(query.numel() * 4 * 64)
+    poison_allocator(query.numel() * query.element_size())
     out = kernels.paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
                                          partition_size=partition_size)
     assert not out.isnan().any(), "an output element was not written"
@@ -138,7 +139,7 @@ def test_copy_blocks_copy_on_write_and_swap_round_trip(dtype):
 def test_gather_blocks_matches_torch(dtype):
     key_cache, _ = random_cache(dtype, 16, 4, 96)
     block_tables, _ = random_layout(random.Random(2), 5, 16, 200)
-    poison_allocator(block_tables.numel() * 16 * 4 * 96 * 4)
+    poison_allocator(block_tables.numel() * key_cache[0].numel() * key_cache.element_size())
     assert torch.equal(kernels.gather_blocks(key_cache, block_tables), torch_ops.gather_blocks(key_cache, block_tables))
 
 

@@ -120,6 +120,8 @@ def pools(num_blocks=NUM_BLOCKS, dtype=torch.float16):
         (pools(), pools(4), torch.zeros(1, 3, dtype=torch.long), ValueError, r"block_mapping must have shape \(\*, 2\)"),
         (pools(), pools(4), torch.zeros(1, 2, dtype=torch.long), ValueError, "src is a CPU tensor but not in pinned"),
         (pools()[0], pools()[0], torch.zeros(1, 2, dtype=torch.long), ValueError, "src must have 6 dimensions"),
+        (torch.zeros(2, 2, 4, 1, 1, 3), torch.zeros(2, 2, 4, 1, 1, 3), torch.zeros(1, 2, dtype=torch.long), ValueError,
+         "src blocks of 12 bytes are not a multiple of 16"),
     ],
 )
 def test_copy_blocks_rejects(src, dst, mapping, error, message):
