@@ -20,7 +20,7 @@ _AS_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat1
 DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
-def _source(name: str) -> str:
+def kernel_source(name: str) -> str:
     """The .cu text with common.cuh inlined, so cupy's source-keyed cache sees header edits."""
     text = (KERNEL_DIR / name).read_text()
     return text.replace(_INCLUDE, (KERNEL_DIR / "common.cuh").read_text())
@@ -31,7 +31,7 @@ def _module(name: str, device_index: int):
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=_source(name), options=("-std=c++17",))
+        module = cupy.RawModule(code=kernel_source(name), options=("-std=c++17",))
         module.compile()
     return module
 
