@@ -15,6 +15,7 @@
 constexpr int NUM_THREADS = 128;
 constexpr int WARP_SIZE = 32;
 constexpr int HEADS_PER_V_PASS = 4;
+constexpr int ROWS_UNROLL = 4;  // K/V rows each thread loads before using them
 constexpr float NEG_LARGE = -3.0e38f;
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -75,22 +76,32 @@ __device__ __forceinline__ void attention_partition(
   const long long token_stride = (long long)num_kv_heads * D;
   const long long head_offset = (long long)kv_head * D + lane * VEC;
 
-  // logits: each K row loaded once, dotted with every query head of the group
-  for (int t0 = 0; t0 < n; t0 += ROWS) {
-    const int t = t0 + row;
-    float k[VEC];
+  // logits: each K row loaded once, dotted with every query head of the group;
+  // ROWS_UNROLL rows per thread are loaded before any is reduced, to keep loads in flight
+  for (int t0 = 0; t0 < n; t0 += ROWS * ROWS_UNROLL) {
+    float k[ROWS_UNROLL][VEC];
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) k[v] = 0.0f;
-    if (t < n && active) load_vec16(key_cache + token_offset(table, start + t, block_size, token_stride) + head_offset, k);
-    for (int g = 0; g < group; ++g) {
-      float dot = 0.0f;
-      if (active) {
+    for (int u = 0; u < ROWS_UNROLL; ++u) {
+      const int t = t0 + u * ROWS + row;
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) dot += q_s[g * D + lane * VEC + v] * k[v];
+      for (int v = 0; v < VEC; ++v) k[u][v] = 0.0f;
+      if (t < n && active) {
+        load_vec16(key_cache + token_offset(table, start + t, block_size, token_stride) + head_offset, k[u]);
       }
+    }
+    for (int g = 0; g < group; ++g) {
 #pragma unroll
-      for (int m = LANES / 2; m > 0; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
-      if (lane == 0 && t < n) prob_s[g * partition_size + t] = dot;
+      for (int u = 0; u < ROWS_UNROLL; ++u) {
+        const int t = t0 + u * ROWS + row;
+        float dot = 0.0f;
+        if (active) {
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) dot += q_s[g * D + lane * VEC + v] * k[u][v];
+        }
+#pragma unroll
+        for (int m = LANES / 2; m > 0; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+        if (lane == 0 && t < n) prob_s[g * partition_size + t] = dot;
+      }
     }
   }
   __syncthreads();
@@ -123,15 +134,25 @@ __device__ __forceinline__ void attention_partition(
     for (int h = 0; h < HEADS_PER_V_PASS; ++h)
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[h][v] = 0.0f;
-    for (int t = row; active && t < n; t += ROWS) {
-      float val[VEC];
-      load_vec16(value_cache + token_offset(table, start + t, block_size, token_stride) + head_offset, val);
+    for (int t0 = row; active && t0 < n; t0 += ROWS * ROWS_UNROLL) {
+      float val[ROWS_UNROLL][VEC];
 #pragma unroll
-      for (int h = 0; h < HEADS_PER_V_PASS; ++h) {
-        if (g0 + h < group) {
-          const float p = prob_s[(g0 + h) * partition_size + t];
+      for (int u = 0; u < ROWS_UNROLL; ++u) {
+        const int t = t0 + u * ROWS;
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) acc[h][v] += p * val[v];
+        for (int v = 0; v < VEC; ++v) val[u][v] = 0.0f;
+        if (t < n) load_vec16(value_cache + token_offset(table, start + t, block_size, token_stride) + head_offset, val[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < ROWS_UNROLL; ++u) {
+        const int t = t0 + u * ROWS;
+#pragma unroll
+        for (int h = 0; h < HEADS_PER_V_PASS; ++h) {
+          if (t < n && g0 + h < group) {
+            const float p = prob_s[(g0 + h) * partition_size + t];
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[h][v] += p * val[u][v];
+          }
         }
       }
     }
