@@ -116,7 +116,8 @@ def main() -> int:
     print(f"decode at >= {FLOOR_TARGET:.0%} of the floor: {'PASS' if decode_ok else 'FAIL'}")
 
     prefill = prefill_gather_share()
-    print(f"\nprefill {prefill['query_len']} tokens over {prefill['context_len']}: gather {prefill['gather_ms']:.3f} ms, "
+    print(f"\nprefill {prefill['query_len']} tokens over {prefill['context_len']}: "
+          f"gather {prefill['gather_ms']:.3f} ms, "
           f"SDPA {prefill['sdpa_ms']:.3f} ms, gather share {prefill['gather_share']:.0%}")
     print("\nW1 end to end vs transformers: PENDING - the CUDA model runner is not integrated yet "
           "(kernels/README.md, 'Not done yet')")

@@ -141,7 +141,9 @@ __device__ __forceinline__ void attention_partition(
         const int t = t0 + u * ROWS;
 #pragma unroll
         for (int v = 0; v < VEC; ++v) val[u][v] = 0.0f;
-        if (t < n) load_vec16(value_cache + token_offset(table, start + t, block_size, token_stride) + head_offset, val[u]);
+        if (t < n) {
+          load_vec16(value_cache + token_offset(table, start + t, block_size, token_stride) + head_offset, val[u]);
+        }
       }
 #pragma unroll
       for (int u = 0; u < ROWS_UNROLL; ++u) {
@@ -200,7 +202,9 @@ __device__ __forceinline__ void reduce_partitions(T* __restrict__ out, const flo
   for (int p = 0; p < n; ++p) m = fmaxf(m, partial_max[base + p]);
   float total = 0.0f;
   for (int p = 0; p < n; ++p) total += partial_sum[base + p] * expf(partial_max[base + p] - m);
-  for (int p = threadIdx.x; p < n; p += NUM_THREADS) weight_s[p] = partial_sum[base + p] * expf(partial_max[base + p] - m) / total;
+  for (int p = threadIdx.x; p < n; p += NUM_THREADS) {
+    weight_s[p] = partial_sum[base + p] * expf(partial_max[base + p] - m) / total;
+  }
   __syncthreads();
   for (int d = threadIdx.x; d < D; d += NUM_THREADS) {
     float o = 0.0f;

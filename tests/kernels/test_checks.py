@@ -5,7 +5,13 @@ import sys
 import pytest
 import torch
 
-from raypaged.kernels import copy_blocks, gather_blocks, paged_attention_decode, paged_attention_prefill, reshape_and_cache
+from raypaged.kernels import (
+    copy_blocks,
+    gather_blocks,
+    paged_attention_decode,
+    paged_attention_prefill,
+    reshape_and_cache,
+)
 from raypaged.kernels.ops import decode_partition_size, shared_bytes_limit_tokens
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, NUM_HEADS = 8, 16, 2, 64, 8
@@ -117,7 +123,8 @@ def pools(num_blocks=NUM_BLOCKS, dtype=torch.float16):
     [
         (pools(), pools(dtype=torch.float32), torch.zeros(1, 2, dtype=torch.long), TypeError, "src, dst must share"),
         (pools(), pools()[:1], torch.zeros(1, 2, dtype=torch.long), ValueError, "must match except in num_blocks"),
-        (pools(), pools(4), torch.zeros(1, 3, dtype=torch.long), ValueError, r"block_mapping must have shape \(\*, 2\)"),
+        (pools(), pools(4), torch.zeros(1, 3, dtype=torch.long), ValueError,
+         r"block_mapping must have shape \(\*, 2\)"),
         (pools(), pools(4), torch.zeros(1, 2, dtype=torch.long), ValueError, "src is a CPU tensor but not in pinned"),
         (pools()[0], pools()[0], torch.zeros(1, 2, dtype=torch.long), ValueError, "src must have 6 dimensions"),
         (torch.zeros(2, 2, 4, 1, 1, 3), torch.zeros(2, 2, 4, 1, 1, 3), torch.zeros(1, 2, dtype=torch.long), ValueError,
