@@ -10,7 +10,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
 from raypaged.model.layers import rope_parameters
-from raypaged.model.llama import SUPPORTED_ARCHITECTURES
+from raypaged.model.llama import SUPPORTED_ARCHITECTURES, check_tensor_parallel
 
 logger = logging.getLogger("raypaged")
 
@@ -25,6 +25,7 @@ _DTYPES = {
 _BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
 DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD")
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -59,6 +60,10 @@ class EngineConfig:
     swap_space: float | None = None  # GiB of CPU blocks for swapping (default: 4 on CUDA, 0 on CPU)
     scheduling_policy: str = "fcfs"
     preemption_mode: str | None = None  # None: swap groups sharing blocks when CPU blocks exist, else recompute
+    tensor_parallel_size: int = 1  # shards (Ray actors) per model
+    ray_address: str | None = None  # "auto", "ray://host:port", a GCS address; None: a local Ray when one is needed
+    placement_strategy: str = "STRICT_PACK"  # Ray placement group strategy of the shards
+    enable_recovery: bool = True  # restart a dead shard group and recompute in-flight requests
     model_path: Path = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
@@ -75,9 +80,16 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}"
+            )
         self.model_path = resolve_model_path(self.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self._check_architecture()
+        check_tensor_parallel(self.hf_config, self.tensor_parallel_size)
         self.max_model_len = self._resolve_max_model_len()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
@@ -106,6 +118,11 @@ class EngineConfig:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         return self.max_model_len
+
+    @property
+    def uses_ray(self) -> bool:
+        """Shards run as Ray actors: more than one, or a Ray cluster was named."""
+        return self.tensor_parallel_size > 1 or self.ray_address is not None
 
     @property
     def resolved_device(self) -> str:

@@ -18,6 +18,7 @@ from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from raypaged.engine.detokenizer import IncrementalDetokenizer
+from raypaged.executor.ray_executor import RayExecutor, WorkerDiedError
 from raypaged.executor.uniproc import UniProcExecutor
 from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.sampling_params import SamplingParams
@@ -56,7 +57,10 @@ class LLMEngine:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.eos_token_id = self._eos_token_id()
-        self.executor = UniProcExecutor(config, self.eos_token_id)
+        self.executor: UniProcExecutor | RayExecutor = (
+            RayExecutor(config, self.eos_token_id) if config.uses_ray else UniProcExecutor(config, self.eos_token_id)
+        )
+        self._worker_error: WorkerDiedError | None = None  # set when a shard died with recovery off
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -213,9 +217,21 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for each request that got a token."""
+        """Run one iteration; returns an output for each request that got a token.
+
+        A shard that dies mid-step is replaced and every in-flight sequence is
+        recomputed from its tokens (this step then returns no outputs); with
+        ``enable_recovery=False`` every request is aborted and the
+        :class:`WorkerDiedError` is raised, now and on every later step.
+        """
+        if self._worker_error is not None:
+            raise self._worker_error
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except WorkerDiedError as err:
+            self._recover_from(err)
+            return []
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         touched: dict[str, _RequestState] = {}
         for request in updated:
@@ -234,6 +250,23 @@ class LLMEngine:
                 outputs.append(self._beam_output(state, group))
                 del self._beam_states[request_id]
         return outputs
+
+    def _recover_from(self, err: WorkerDiedError) -> None:
+        if not self.config.enable_recovery:
+            logger.error("%s; recovery is off: aborting every request", err)
+            self._worker_error = err
+            self.abort_request(list(self._states) + list(self._beam_states))
+            self.executor.shutdown()
+            raise err
+        num_in_flight = len(self.scheduler.running) + sum(len(g) for g in self.scheduler.swapped)
+        logger.error("%s; restarting the shard group, recomputing %d in-flight sequences", err, num_in_flight)
+        self.executor.restart()
+        self.scheduler.reset_after_worker_loss()
+
+    def shutdown(self) -> None:
+        """Release the workers (Ray actors and their placement group); the engine is unusable after."""
+        if isinstance(self.executor, RayExecutor):
+            self.executor.shutdown()
 
     def _process_token(self, seq: _SeqState) -> None:
         """Detokenize the newest token; a stop string found in the text finishes the sequence."""

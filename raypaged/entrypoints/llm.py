@@ -21,7 +21,9 @@ class LLM:
     """An engine for offline batches, vLLM-compatible.
 
     ``model`` is a local Hugging Face folder (Llama, Mistral, Qwen2 families) or
-    ``None`` for the bundled SmolLM2-135M-Instruct.
+    ``None`` for the bundled SmolLM2-135M-Instruct. ``tensor_parallel_size > 1``
+    (or a ``ray_address``) runs the shards as Ray actors; call ``shutdown()`` to
+    release them.
     """
 
     def __init__(
@@ -40,6 +42,10 @@ class LLM:
         swap_space: float | None = None,
         scheduling_policy: str = "fcfs",
         preemption_mode: str | None = None,
+        tensor_parallel_size: int = 1,
+        ray_address: str | None = None,
+        placement_strategy: str = "STRICT_PACK",
+        enable_recovery: bool = True,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -57,8 +63,16 @@ class LLM:
                 swap_space=swap_space,
                 scheduling_policy=scheduling_policy,
                 preemption_mode=preemption_mode,
+                tensor_parallel_size=tensor_parallel_size,
+                ray_address=ray_address,
+                placement_strategy=placement_strategy,
+                enable_recovery=enable_recovery,
             )
         )
+
+    def shutdown(self) -> None:
+        """Release the shard actors and their placement group (nothing to do in-process)."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

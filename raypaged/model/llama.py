@@ -2,6 +2,9 @@
 
 No padding: ``input_ids`` and ``positions`` are ``[num_tokens]`` for all the
 sequences of the step together; attention reads K/V through block tables.
+Under tensor parallelism each rank holds its heads' share of QKV and O, its
+share of gate/up and down, and its slice of the vocabulary; ``load_weights``
+takes only that share of every checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from transformers import PretrainedConfig
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.attention.torch_ops import paged_attention, reshape_and_cache
 from raypaged.model.layers import RMSNorm, RotaryEmbedding
+from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
 
 LayerKVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -34,11 +38,35 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def num_kv_heads_per_rank(config: PretrainedConfig, tp_size: int) -> int:
+    """KV heads each rank holds: an even split, or one replicated head when there are fewer heads than ranks."""
+    return max(1, config.num_key_value_heads // tp_size)
+
+
+def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
+    """Raise ``ValueError`` unless heads, KV heads and the MLP split evenly over ``tp_size`` ranks."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % tp_size:
+        raise ValueError(f"the model's num_attention_heads {heads} is not divisible by tensor_parallel_size {tp_size}")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(
+            f"the model's num_key_value_heads {kv_heads} and tensor_parallel_size {tp_size} "
+            "must divide one another"
+        )
+    if config.intermediate_size % tp_size:
+        raise ValueError(
+            f"the model's intermediate_size {config.intermediate_size} is not divisible by "
+            f"tensor_parallel_size {tp_size}"
+        )
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = num_kv_heads_per_rank(config, tp.size)
+        self.q_head_start = tp.rank * self.num_heads
+        self.kv_head_start = tp.rank * config.num_key_value_heads // tp.size
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
         qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
@@ -49,8 +77,13 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads * self.head_dim,
         ]
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.shard_sizes), bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp)
         self.rotary = rotary
+
+    def fused_rows(self, shard: int) -> tuple[int, int, int]:
+        """(first checkpoint row, offset in ``qkv_proj``, rows) of q (0), k (1) or v (2) on this rank."""
+        first_head = self.q_head_start if shard == 0 else self.kv_head_start
+        return first_head * self.head_dim, sum(self.shard_sizes[:shard]), self.shard_sizes[shard]
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
@@ -68,14 +101,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.first_row, self.intermediate_size = tp.chunk(config.intermediate_size)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp)
+
+    def fused_rows(self, shard: int) -> tuple[int, int, int]:
+        """(first checkpoint row, offset in ``gate_up_proj``, rows) of gate (0) or up (1) on this rank."""
+        return self.first_row, shard * self.intermediate_size, self.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -83,10 +120,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, rotary, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -98,11 +135,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TensorParallel) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -115,15 +152,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
+        check_tensor_parallel(config, tp.size)
         self.config = config
-        self.model = LlamaModel(config, max_positions)
+        self.model = LlamaModel(config, max_positions, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
@@ -131,11 +169,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in, fusing q/k/v and gate/up; every parameter must be filled."""
+        """Copy this rank's share of the checkpoint tensors in, fusing q/k/v and gate/up;
+        every parameter must be filled."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
         for name, tensor in weights:
@@ -144,16 +183,22 @@ class LlamaForCausalLM(nn.Module):
             for piece, (fused, shard) in _STACKED.items():
                 if piece in name:
                     target = name.replace(piece, fused)
-                    param = params[target]
-                    sizes = self._shard_sizes(target)
-                    start = sum(sizes[:shard])
-                    param.data[start:start + sizes[shard]].copy_(tensor)
+                    owner = self.get_submodule(target.rsplit(".", 2)[0])
+                    first_row, offset, num_rows = owner.fused_rows(shard)
+                    params[target].data[offset:offset + num_rows].copy_(tensor[first_row:first_row + num_rows])
                     filled.add(f"{target}#{shard}")
                     break
             else:
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                params[name].data.copy_(tensor)
+                module_name, param_name = name.rsplit(".", 1)
+                owner = self.get_submodule(module_name)
+                if isinstance(owner, RowParallelLinear):
+                    owner.load_shard(param_name, tensor)
+                elif isinstance(owner, VocabParallelEmbedding):
+                    owner.load_shard(tensor)
+                else:
+                    params[name].data.copy_(tensor)
                 filled.add(name)
         expected = set()
         for name in params:
@@ -166,9 +211,3 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - filled)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-
-    def _shard_sizes(self, fused_name: str) -> list[int]:
-        module = self.get_submodule(fused_name.rsplit(".", 2)[0])
-        if isinstance(module, LlamaAttention):
-            return module.shard_sizes
-        return [module.intermediate_size, module.intermediate_size]

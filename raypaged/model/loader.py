@@ -10,6 +10,7 @@ from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from raypaged.model.llama import LlamaForCausalLM
+from raypaged.model.parallel import TensorParallel
 
 
 def iter_checkpoint(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -23,9 +24,15 @@ def iter_checkpoint(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model_path: Path, hf_config: PretrainedConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+    model_path: Path,
+    hf_config: PretrainedConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel = TensorParallel(),
 ) -> LlamaForCausalLM:
+    """This rank's shard of the model: each checkpoint tensor is read, sliced and dropped in turn."""
     with torch.device(device):
-        model = LlamaForCausalLM(hf_config, max_positions)
+        model = LlamaForCausalLM(hf_config, max_positions, tp)
     model.load_weights(iter_checkpoint(model_path))
     return model.to(dtype=dtype).eval()

@@ -197,6 +197,7 @@ class AsyncLLMEngine:
             logger.exception("engine %s failed", self.config.served_model_name)
             self.error = exc
         self._end_all()
+        engine.shutdown()
 
     def _next_command(self, block: bool) -> _Add | _Abort | None:
         try:

@@ -55,8 +55,11 @@ class ModelRunner:
         eos_token_id: int | None,
         seed: int,
         device: torch.device,
+        samples: bool = True,
     ) -> None:
+        """``samples``: this rank samples and reports tokens (rank 0); the others only run the forward."""
         self.model = model
+        self.samples = samples
         self.cache = cache
         self.block_size = block_size
         self.eos_token_id = eos_token_id
@@ -145,7 +148,9 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, self.cache.layers, step.meta)
         if not step.sampled_request_ids:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[step.sample_indices]).cpu()
+        logits = self.model.compute_logits(hidden[step.sample_indices]).cpu()  # a collective under TP
+        if not self.samples:
+            return ModelRunnerOutput()
         inputs = [
             SamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.eos_token_id, s.sample_index)
             for s in (self.requests[rid] for rid in step.sampled_request_ids)

@@ -1,0 +1,173 @@
+"""Runs one worker per tensor-parallel shard as Ray actors in one placement group.
+
+Every step goes through one call path: ``execute_model.remote`` on each shard
+actor, rank 0's output kept. (Ray Compiled Graphs were measured against this on
+CPU and were slower per step; see docs/distributed.md.) A shard whose actor dies
+surfaces as :class:`WorkerDiedError`; ``restart()`` replaces the whole shard
+group with an empty KV cache of the same size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raypaged.config import EngineConfig
+from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.model.parallel import TensorParallel
+from raypaged.worker.worker import Worker
+
+logger = logging.getLogger("raypaged")
+
+_PLACEMENT_TIMEOUT_S = 120.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A shard's Ray actor died (node loss, OOM kill, ``ray.kill``)."""
+
+    def __init__(self, rank: int, actor_id: str, cause: BaseException) -> None:
+        super().__init__(f"worker rank {rank} (Ray actor {actor_id}) died: {type(cause).__name__}")
+        self.rank = rank
+        self.actor_id = actor_id
+
+
+class WorkerActor:
+    """The body of one shard actor: a :class:`Worker` once ``start`` has run."""
+
+    def __init__(self) -> None:
+        self.worker: Worker | None = None
+
+    def rendezvous_address(self) -> str:
+        """A ``tcp://ip:port`` on this node for the shard group's process group (rank 0 is asked)."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def start(self, config: EngineConfig, eos_token_id: int | None, tp: TensorParallel, init_method: str) -> None:
+        self.worker = Worker(config, eos_token_id, tp, init_method)
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks, num_cpu_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+
+def connect_ray(config: EngineConfig) -> None:
+    """Join ``config.ray_address``, or start a local Ray (enough CPUs for the CPU shards) if none runs."""
+    if ray.is_initialized():
+        return
+    if config.ray_address is not None:
+        ray.init(address=config.ray_address, log_to_driver=True)
+        return
+    num_cpus = None
+    if config.resolved_device == "cpu":
+        num_cpus = max(os.cpu_count() or 1, config.tensor_parallel_size)
+    ray.init(num_cpus=num_cpus, include_dashboard=False)
+
+
+class RayExecutor:
+    """The shard group of one engine: ``tensor_parallel_size`` actors, rank 0 samples."""
+
+    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.workers: list[ray.actor.ActorHandle] = []
+        self.placement_group: PlacementGroup | None = None
+        self.num_blocks: tuple[int, int] | None = None  # (device, CPU) once the cache exists
+        connect_ray(config)
+        self._start_workers()
+
+    # ---- lifecycle -------------------------------------------------------------
+    def _start_workers(self) -> None:
+        config = self.config
+        size = config.tensor_parallel_size
+        on_gpu = config.resolved_device == "cuda"
+        bundle = {"GPU": 1} if on_gpu else {"CPU": 1}
+        self.placement_group = placement_group([bundle] * size, strategy=config.placement_strategy)
+        try:
+            ray.get(self.placement_group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+        except GetTimeoutError:
+            self.shutdown()
+            raise RuntimeError(
+                f"Ray could not place {size} shards of {bundle} with {config.placement_strategy} within "
+                f"{_PLACEMENT_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}"
+            ) from None
+        actor_class = ray.remote(WorkerActor)
+        self.workers = [
+            actor_class.options(
+                num_cpus=0 if on_gpu else 1,
+                num_gpus=1 if on_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank
+                ),
+            ).remote()
+            for rank in range(size)
+        ]
+        init_method = ray.get(self.workers[0].rendezvous_address.remote())
+        self._call_all(
+            [
+                worker.start.remote(config, self.eos_token_id, TensorParallel(rank, size), init_method)
+                for rank, worker in enumerate(self.workers)
+            ]
+        )
+        logger.info("started %d shard actors (%s, %s)", size, config.placement_strategy, "GPU" if on_gpu else "CPU")
+
+    def restart(self) -> None:
+        """Replace the whole shard group (survivors are stuck in collectives with the dead one)."""
+        self.shutdown()
+        self._start_workers()
+        if self.num_blocks is not None:
+            self.initialize_cache(*self.num_blocks)
+
+    def shutdown(self) -> None:
+        """Kill every shard actor and free the placement group; idempotent."""
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+    def worker_node_ids(self) -> list[str]:
+        """The Ray node of each shard, by rank."""
+        return self._call_all([worker.node_id.remote() for worker in self.workers])
+
+    # ---- the executor interface -------------------------------------------------
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """The minimum over shards of (device blocks, CPU swap blocks)."""
+        counts = self._call_all([worker.determine_num_blocks.remote() for worker in self.workers])
+        return min(c[0] for c in counts), min(c[1] for c in counts)
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self._call_all([worker.initialize_cache.remote(num_blocks, num_cpu_blocks) for worker in self.workers])
+        self.num_blocks = (num_blocks, num_cpu_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call_all([worker.execute_model.remote(scheduler_output) for worker in self.workers])[0]
+
+    def _call_all(self, refs: list[ray.ObjectRef]) -> list:
+        """Every shard's result, by rank; a dead shard raises :class:`WorkerDiedError` at once,
+        without waiting for the survivors (they may be blocked in a collective with it)."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except RayActorError as err:
+                rank = refs.index(ready[0])
+                raise WorkerDiedError(rank, self.workers[rank]._actor_id.hex(), err) from err
+        return ray.get(refs)

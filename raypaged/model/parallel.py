@@ -1,0 +1,104 @@
+"""Tensor parallelism: the shard group of one worker and the layers that talk across it.
+
+Column-parallel linears are plain ``nn.Linear`` with their output rows sharded at
+load; the layers here are the ones that communicate: row-parallel linears (one
+all-reduce), the vocab-parallel embedding (one all-reduce) and the vocab-parallel
+LM head (one all-gather of logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """This worker's place in its shard group (the default torch.distributed group when ``size > 1``)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, size * d]
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def chunk(self, total: int) -> tuple[int, int]:
+        """(start, length) of this rank's even share of ``total`` (which the size divides)."""
+        length = total // self.size
+        return self.rank * length, length
+
+
+def vocab_shard(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
+    """(start, length) of this rank's vocabulary rows; the vocabulary is padded to a multiple of the size."""
+    length = -(-vocab_size // tp.size)
+    return tp.rank * length, length
+
+
+def shard_rows(tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Rows ``start:start+length`` of a checkpoint tensor, zero-padded past its end."""
+    rows = tensor[start:start + length]
+    if rows.shape[0] == length:
+        return rows
+    pad = torch.zeros((length - rows.shape[0], *tensor.shape[1:]), dtype=tensor.dtype)
+    return torch.cat([rows, pad])
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_shard @ W_shard^T) + b``: input features sharded, the bias added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features / size]
+        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load_shard(self, param_name: str, tensor: torch.Tensor) -> None:
+        if param_name == "bias":
+            self.bias.data.copy_(tensor)
+            return
+        start, length = self.tp.chunk(tensor.shape[1])
+        self.weight.data.copy_(tensor[:, start:start + length])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a slice of the vocabulary's rows; tokens outside it embed to zero before the all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.vocab_start, num_rows = vocab_shard(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(num_rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        if self.tp.size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = nn.functional.embedding(local.masked_fill(~inside, 0), self.weight)
+        out.masked_fill_(~inside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+    def load_shard(self, tensor: torch.Tensor) -> None:
+        self.weight.data.copy_(shard_rows(tensor, self.vocab_start, self.weight.shape[0]))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
+        """The LM head (tied, or one of its own sharded the same way): gathered from every rank."""
+        local = nn.functional.linear(hidden, self.weight)  # [num_seqs, vocab / size]
+        return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]

@@ -1,0 +1,84 @@
+"""Tensor parallelism over Ray actors on CPU (gloo): the same greedy tokens as one shard."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig
+
+from raypaged import LLM, SamplingParams
+from raypaged.config import EngineConfig
+from raypaged.executor.ray_executor import RayExecutor
+from raypaged.executor.uniproc import UniProcExecutor
+from raypaged.model.llama import check_tensor_parallel
+from tests.distributed.conftest import TINY_PARAMS, TINY_PROMPTS, greedy_tokens
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tiny_llama_tp_matches_tp1(ray_session, tiny_llama, tiny_reference, tp):
+    llm = LLM(model=str(tiny_llama), device="cpu", tensor_parallel_size=tp, num_gpu_blocks_override=128)
+    try:
+        executor = llm.llm_engine.executor
+        assert isinstance(executor, RayExecutor) and len(executor.workers) == tp
+        assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
+        stats = llm.stats()
+        assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"] == 128
+    finally:
+        llm.shutdown()
+
+
+def test_tp1_stays_in_process(tiny_llama):
+    llm = LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=8)
+    assert isinstance(llm.llm_engine.executor, UniProcExecutor)
+
+
+def test_kv_cache_is_sized_by_the_smallest_shard(ray_session, tiny_llama):
+    """Each tp=2 shard holds 1 of the 2 KV heads: 1 GiB of cache per shard is twice the blocks of tp=1."""
+    config = EngineConfig(model=str(tiny_llama), device="cpu", tensor_parallel_size=2, kv_cache_space=0.001)
+    executor = RayExecutor(config, eos_token_id=2)
+    try:
+        # 2 layers x K,V x 16 tokens x 1 KV head x 8 dims x 4 bytes = 2048 bytes per block and shard
+        assert executor.determine_num_blocks() == ((1 << 30) // 1000 // 2048, 0)
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_matches_tp1(ray_session, smollm2_dir):
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "The three primary colors are",
+        "Water boils at",
+        "My favourite programming language is",
+        "In 1969, astronauts",
+        "The quick brown fox",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    reference = greedy_tokens(
+        LLM(model=str(smollm2_dir), dtype="float32", device="cpu", num_gpu_blocks_override=64), prompts, params
+    )
+    llm = LLM(
+        model=str(smollm2_dir), dtype="float32", device="cpu", tensor_parallel_size=3, num_gpu_blocks_override=64
+    )
+    try:
+        assert greedy_tokens(llm, prompts, params) == reference
+    finally:
+        llm.shutdown()
+
+
+def test_heads_not_divisible_fail_at_start(smollm2_dir):
+    with pytest.raises(ValueError, match=r"^the model's num_attention_heads 9 is not divisible by tensor_parallel_size 2$"):
+        LLM(model=str(smollm2_dir), device="cpu", tensor_parallel_size=2)
+
+
+def test_kv_heads_must_divide_or_be_divided():
+    config = LlamaConfig(hidden_size=768, num_attention_heads=12, num_key_value_heads=3, intermediate_size=144)
+    check_tensor_parallel(config, 4 * 3)  # 12 heads, 3 KV heads replicated 4 times
+    with pytest.raises(ValueError, match=r"num_key_value_heads 3 and tensor_parallel_size 2 must divide one another"):
+        check_tensor_parallel(config, 2)
+
+
+def test_bad_placement_strategy(tiny_llama):
+    with pytest.raises(ValueError, match="placement_strategy must be one of STRICT_PACK, PACK, SPREAD, got 'TIGHT'"):
+        EngineConfig(model=str(tiny_llama), device="cpu", placement_strategy="TIGHT")
