@@ -1,0 +1,42 @@
+"""Run by test_multinode.py in its own process: a 2-node ``ray.cluster_utils.Cluster``
+(1 CPU per node), tp=2 with SPREAD; prints the nodes and the greedy tokens as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import ray
+from ray.cluster_utils import Cluster
+
+from raypaged import LLM
+from tests.distributed.conftest import TINY_PARAMS, TINY_PROMPTS, greedy_tokens
+
+
+def main(model: str) -> None:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    try:
+        llm = LLM(
+            model=model,
+            device="cpu",
+            tensor_parallel_size=2,
+            placement_strategy="SPREAD",
+            ray_address=cluster.address,
+            num_gpu_blocks_override=128,
+        )
+        result = {
+            "cluster_nodes": sorted(node["NodeID"] for node in ray.nodes() if node["Alive"]),
+            "worker_nodes": llm.llm_engine.executor.worker_node_ids(),
+            "tokens": greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS),
+        }
+        llm.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
