@@ -2,7 +2,8 @@
 
 Sends the ``SchedulerOutput`` of a 16-sequence decode step to ``tp`` actors and
 waits for rank 0's ``ModelRunnerOutput``: plain ``actor.method.remote`` calls
-(as ``RayExecutor`` makes them) against a Ray Compiled Graph of the same calls.
+collected by ``call_all`` (``RayExecutor``'s path) against a Ray Compiled Graph
+of the same calls.
 
     python benchmarks/ray_step_overhead.py --tp 2 --steps 500
 """
@@ -17,6 +18,7 @@ import ray
 from ray.dag import InputNode, MultiOutputNode
 
 from raypaged.core.outputs import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput
+from raypaged.executor.ray_executor import call_all
 
 
 class NoOpShard:
@@ -51,13 +53,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--num-seqs", type=int, default=16)
     args = parser.parse_args()
-    ray.init(num_cpus=max(args.tp, 2), include_dashboard=False)
+    ray.init(address="local", num_cpus=max(args.tp, 2), include_dashboard=False)
     shard = ray.remote(num_cpus=1)(NoOpShard)
     actors = [shard.remote(rank) for rank in range(args.tp)]
     so = decode_step(args.num_seqs)
 
     def plain(step: SchedulerOutput) -> ModelRunnerOutput:
-        return ray.get([a.execute_model.remote(step) for a in actors])[0]
+        return call_all([a.execute_model.remote(step) for a in actors], actors)[0]
 
     plain_times = time_steps(plain, so, args.steps)
     with InputNode() as step_input:

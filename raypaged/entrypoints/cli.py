@@ -25,6 +25,7 @@ _OPTIONAL_ENGINE_FLAGS = {
     "scheduling_policy": "fcfs",
     "preemption_mode": None,
     "ray_address": None,
+    "placement_strategy": "STRICT_PACK",
 }
 
 
@@ -57,7 +58,10 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
                         help="admission order: arrival, or request priority (lower first)")
     parser.add_argument("--preemption-mode", default=None, choices=["swap", "recompute"],
                         help="what a preempted request's KV blocks do (default: the engine's choice)")
-    parser.add_argument("--ray-address", default=None, help="Ray cluster to join (default: a local one)")
+    parser.add_argument("--ray-address", default=None,
+                        help="Ray cluster to join: auto, ray://host:port or host:port (default: a local one)")
+    parser.add_argument("--placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"],
+                        help="Ray placement of the tensor-parallel shards: one node, or spread over nodes")
     parser.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
 
 

@@ -67,7 +67,8 @@ class WorkerActor:
 
 
 def connect_ray(config: EngineConfig) -> None:
-    """Join ``config.ray_address``, or start a local Ray (enough CPUs for the CPU shards) if none runs."""
+    """Join ``config.ray_address``, or start a new local Ray (enough CPUs for the CPU shards) unless
+    this process is already connected."""
     if ray.is_initialized():
         return
     if config.ray_address is not None:
@@ -76,7 +77,7 @@ def connect_ray(config: EngineConfig) -> None:
     num_cpus = None
     if config.resolved_device == "cpu":
         num_cpus = max(os.cpu_count() or 1, config.tensor_parallel_size)
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
 
 
 class RayExecutor:
@@ -160,14 +161,19 @@ class RayExecutor:
         return self._call_all([worker.execute_model.remote(scheduler_output) for worker in self.workers])[0]
 
     def _call_all(self, refs: list[ray.ObjectRef]) -> list:
-        """Every shard's result, by rank; a dead shard raises :class:`WorkerDiedError` at once,
-        without waiting for the survivors (they may be blocked in a collective with it)."""
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(ready[0])
-            except RayActorError as err:
-                rank = refs.index(ready[0])
-                raise WorkerDiedError(rank, self.workers[rank]._actor_id.hex(), err) from err
-        return ray.get(refs)
+        return call_all(refs, self.workers)
+
+
+def call_all(refs: list[ray.ObjectRef], workers: list[ray.actor.ActorHandle]) -> list:
+    """Every shard's result, by rank (``refs[rank]`` is a call on ``workers[rank]``); a dead
+    shard raises :class:`WorkerDiedError` at once, without waiting for the survivors (they
+    may be blocked in a collective with it)."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except RayActorError as err:
+            rank = refs.index(ready[0])
+            raise WorkerDiedError(rank, workers[rank]._actor_id.hex(), err) from err
+    return ray.get(refs)

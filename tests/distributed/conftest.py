@@ -16,7 +16,7 @@ RAY_NUM_CPUS = 8  # logical CPUs: enough for a tp=4 placement group on a 2-core 
 
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
-    ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -1,0 +1,79 @@
+"""Offline batch generation on a Ray cluster: prompts JSONL in, outputs JSONL out.
+
+Each input line is ``{"prompt": "..."}`` or ``{"prompt_token_ids": [...]}``, with an
+optional ``"id"`` (default: the line number). Each output line, in input order:
+``{"id", "prompt", "text", "token_ids", "finish_reason"}``. Submit it with
+``submit_batch.sh``, or run it anywhere that can reach the cluster:
+
+    python deploy/ray/batch_generate.py --input prompts.jsonl --output outputs.jsonl \\
+        --ray-address auto --tensor-parallel-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from raypaged import LLM, SamplingParams
+
+
+def read_prompts(path: Path) -> tuple[list[str], list[dict]]:
+    ids, prompts = [], []
+    for number, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        ids.append(str(record.get("id", number)))
+        prompt = {k: record[k] for k in ("prompt", "prompt_token_ids") if k in record}
+        if not prompt:
+            raise ValueError(f"{path}:{number + 1}: a line needs prompt or prompt_token_ids")
+        prompts.append(prompt)
+    return ids, prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", type=Path, required=True, help="prompts, one JSON object a line")
+    parser.add_argument("--output", type=Path, required=True, help="where the outputs JSONL is written")
+    parser.add_argument("--model", default=None, help="local Hugging Face model folder on every node")
+    parser.add_argument("--ray-address", default="auto", help="the cluster to join (default: auto)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    ids, prompts = read_prompts(args.input)
+    llm = LLM(
+        model=args.model,
+        device=args.device,
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        ray_address=args.ray_address,
+        placement_strategy=args.placement_strategy,
+    )
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    with args.output.open("w") as out:
+        for request_id, output in zip(ids, outputs):
+            completion = output.outputs[0]
+            record = {
+                "id": request_id,
+                "prompt": output.prompt,
+                "text": completion.text,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+            }
+            out.write(json.dumps(record) + "\n")
+    print(f"wrote {len(outputs)} outputs to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
