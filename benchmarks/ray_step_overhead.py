@@ -2,8 +2,8 @@
 
 Sends the ``SchedulerOutput`` of a 16-sequence decode step to ``tp`` actors and
 waits for rank 0's ``ModelRunnerOutput``: plain ``actor.method.remote`` calls
-collected by ``call_all`` (``RayExecutor``'s path) against a Ray Compiled Graph
-of the same calls.
+collected by ``call_all`` (``RayExecutor``'s setup path) against a Ray Compiled
+Graph of the same calls (its per-step path).
 
     python benchmarks/ray_step_overhead.py --tp 2 --steps 500
 """

@@ -1,10 +1,11 @@
 """Runs one worker per tensor-parallel shard as Ray actors in one placement group.
 
-Every step goes through one call path: ``execute_model.remote`` on each shard
-actor, rank 0's output kept. (Ray Compiled Graphs were measured against this on
-CPU and were slower per step; see docs/distributed.md.) A shard whose actor dies
-surfaces as :class:`WorkerDiedError`; ``restart()`` replaces the whole shard
-group with an empty KV cache of the same size.
+Setup calls (load, profile, cache) are plain actor calls; every step then goes
+through one Ray Compiled Graph that hands the ``SchedulerOutput`` to all shards
+and returns rank 0's ``ModelRunnerOutput`` (measured faster per step than plain
+``actor.method.remote`` calls; see docs/distributed.md). A shard whose actor
+dies surfaces as :class:`WorkerDiedError`; ``restart()`` replaces the whole
+shard group with an empty KV cache of the same size.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import os
 import socket
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.dag import InputNode, MultiOutputNode
+from ray.dag.compiled_dag_node import CompiledDAG
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -26,6 +29,7 @@ from raypaged.worker.worker import Worker
 logger = logging.getLogger("raypaged")
 
 _PLACEMENT_TIMEOUT_S = 120.0
+_PROBE_TIMEOUT_S = 5.0  # a dead actor answers a probe with an error at once
 
 
 class WorkerDiedError(RuntimeError):
@@ -88,7 +92,9 @@ class RayExecutor:
         self.eos_token_id = eos_token_id
         self.workers: list[ray.actor.ActorHandle] = []
         self.placement_group: PlacementGroup | None = None
+        self.node_ids: list[str] = []  # the Ray node of each shard, by rank
         self.num_blocks: tuple[int, int] | None = None  # (device, CPU) once the cache exists
+        self._step_graph: CompiledDAG | None = None  # compiled once the cache exists
         connect_ray(config)
         self._start_workers()
 
@@ -125,6 +131,7 @@ class RayExecutor:
                 for rank, worker in enumerate(self.workers)
             ]
         )
+        self.node_ids = self._call_all([worker.node_id.remote() for worker in self.workers])
         logger.info("started %d shard actors (%s, %s)", size, config.placement_strategy, "GPU" if on_gpu else "CPU")
 
     def restart(self) -> None:
@@ -136,6 +143,7 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         """Kill every shard actor and free the placement group; idempotent."""
+        self._teardown_step_graph()
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
@@ -143,9 +151,13 @@ class RayExecutor:
             remove_placement_group(self.placement_group)
             self.placement_group = None
 
-    def worker_node_ids(self) -> list[str]:
-        """The Ray node of each shard, by rank."""
-        return self._call_all([worker.node_id.remote() for worker in self.workers])
+    def _teardown_step_graph(self) -> None:
+        if self._step_graph is not None:
+            graph, self._step_graph = self._step_graph, None
+            try:
+                graph.teardown()
+            except RayActorError:
+                pass  # a dead shard cannot be told to stop; its actor is killed next
 
     # ---- the executor interface -------------------------------------------------
     def determine_num_blocks(self) -> tuple[int, int]:
@@ -156,9 +168,30 @@ class RayExecutor:
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self._call_all([worker.initialize_cache.remote(num_blocks, num_cpu_blocks) for worker in self.workers])
         self.num_blocks = (num_blocks, num_cpu_blocks)
+        with InputNode() as scheduler_output:
+            graph = MultiOutputNode([worker.execute_model.bind(scheduler_output) for worker in self.workers])
+        self._step_graph = graph.experimental_compile()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call_all([worker.execute_model.remote(scheduler_output) for worker in self.workers])[0]
+        try:
+            return ray.get(self._step_graph.execute(scheduler_output))[0]
+        except (RayActorError, RayChannelError) as err:  # the graph reports a dead shard either way
+            raise self._dead_worker(err) from err
+
+    def _dead_worker(self, cause: Exception) -> WorkerDiedError:
+        """Name the shard that died: with the graph torn down, every actor is probed; a dead one
+        answers with an error at once (survivors may stay silent, blocked in a collective with it)."""
+        self._teardown_step_graph()
+        probes = [worker.node_id.remote() for worker in self.workers]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=_PROBE_TIMEOUT_S)
+        for rank, probe in enumerate(probes):
+            if probe in ready:
+                try:
+                    ray.get(probe)
+                except RayActorError:
+                    return WorkerDiedError(rank, self.workers[rank]._actor_id.hex(), cause)
+        silent = next((rank for rank, probe in enumerate(probes) if probe not in ready), 0)
+        return WorkerDiedError(silent, self.workers[silent]._actor_id.hex(), cause)
 
     def _call_all(self, refs: list[ray.ObjectRef]) -> list:
         return call_all(refs, self.workers)

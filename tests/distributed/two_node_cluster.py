@@ -28,7 +28,7 @@ def main(model: str) -> None:
         )
         result = {
             "cluster_nodes": sorted(node["NodeID"] for node in ray.nodes() if node["Alive"]),
-            "worker_nodes": llm.llm_engine.executor.worker_node_ids(),
+            "worker_nodes": llm.llm_engine.executor.node_ids,
             "tokens": greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS),
         }
         llm.shutdown()
