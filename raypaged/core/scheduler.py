@@ -103,6 +103,7 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
+            self._settle_beam(request.beam)
             finished.append(request)
         return finished
 
@@ -116,6 +117,9 @@ class Scheduler:
         request.status = status
         if request.group is not None and request.group.pending_children:
             request.group.pending_children.clear()  # the first sequence ended before the fork
+        if request.beam is not None and request in request.beam.beams:
+            request.beam.beams.remove(request)
+            request.beam.candidates.pop(request.request_id, None)
         self.kv.free(request.request_id)
         self._forget_ids.add(request.request_id)
         self._unsent_ids.discard(request.request_id)
@@ -167,9 +171,10 @@ class Scheduler:
                 logger.warning("request %s outgrew the whole KV cache; finishing it", request.request_id)
                 self.running.remove(request)
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
+                self._settle_beam(request.beam)
                 continue
             while request.status == RequestStatus.RUNNING and not self._allocate(request, num_new):
-                self._preempt(self._pick_victim())
+                self._preempt(self._pick_victim(request))
                 preempted = True
 
         if not preempted:
@@ -190,6 +195,8 @@ class Scheduler:
                 )
                 break
 
+        if not out.num_scheduled_tokens and not out.block_ops and self.waiting:
+            self._break_stall(self.waiting[0])
         out.finished_request_ids = self._forget_ids
         self._forget_ids = set()
         if logger.isEnabledFor(logging.DEBUG):
@@ -290,10 +297,18 @@ class Scheduler:
         self._unsent_ids.add(child.request_id)
 
     # ---- preemption and swapping -------------------------------------------
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self, needy: Request | None = None) -> Request:
+        """The sequence to preempt: newest (FCFS) or least urgent (priority).
+
+        Never a sibling beam of ``needy``: beams wait for each other, so preempting
+        one for another would only trade places; ``needy`` itself may be chosen.
+        """
+        pool = self.running
+        if needy is not None and needy.beam is not None:
+            pool = [r for r in self.running if r.beam is not needy.beam or r is needy]
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(pool, key=lambda r: (r.priority, r.arrival_time))
+        return pool[-1]
 
     def _preempt_for(self, waiting: Request) -> bool:
         """Priority policy: preempt a running sequence of lower priority than ``waiting``."""
@@ -311,8 +326,11 @@ class Scheduler:
             group = [r for r in self.running if r.group is victim.group]
         mode = self.config.preemption_mode
         shares_blocks = len(group) > 1
-        # beams fork and drop every step: they are recomputed, never swapped
-        if victim.beam is None and (mode == "swap" or (mode is None and shares_blocks)):
+        # beams fork and drop every step: they are recomputed, never swapped; and a
+        # group that is the whole batch is not swapped either (it would come back to
+        # the same shortage): its newest sequence is recomputed alone
+        swap = mode == "swap" or (mode is None and shares_blocks)
+        if swap and victim.beam is None and len(group) < len(self.running):
             copies = self.kv.swap_out([r.request_id for r in group])
             if copies is not None:
                 self._out.block_ops.extend(BlockOp("swap_out", src, dst) for src, dst in copies)
@@ -356,13 +374,20 @@ class Scheduler:
             out.cached_requests = [d for d in out.cached_requests if d.request_id != request.request_id]
 
     def _swap_in(self) -> None:
-        """Bring swapped groups back, oldest first, while blocks for their next token exist."""
+        """Bring swapped groups back, oldest first, while blocks for their next token exist.
+
+        When nothing else runs a group comes back as soon as its blocks fit, so a
+        group larger than the batch limits or short of spare blocks still progresses.
+        """
         while self.swapped and self._budget > 0:
             group = self.swapped[0]
-            if len(self.running) + len(group) > self.config.max_num_seqs or len(group) > self._budget:
+            num_blocks = len({b for r in group for b in self.kv.swapped[r.request_id].block_ids})
+            free = self.kv.num_free_blocks
+            if self.running and (
+                len(self.running) + len(group) > self.config.max_num_seqs or num_blocks + len(group) > free
+            ):
                 break
-            distinct = {b for r in group for b in self.kv.swapped[r.request_id].block_ids}
-            if len(distinct) + len(group) > self.kv.num_free_blocks:
+            if num_blocks > free:
                 break
             copies = self.kv.swap_in([r.request_id for r in group])
             self._out.block_ops.extend(BlockOp("swap_in", src, dst) for src, dst in copies)
@@ -417,7 +442,7 @@ class Scheduler:
         for continuation in group.select():
             chosen.setdefault(continuation.parent.request_id, []).append(continuation)
         survivors = []
-        for beam in group.beams:
+        for beam in list(group.beams):
             picks = chosen.get(beam.request_id)
             if not picks:
                 self.running.remove(beam)
@@ -444,6 +469,37 @@ class Scheduler:
                 self.running.remove(beam)
                 self._finish(beam, RequestStatus.FINISHED_LENGTH)
             group.done = True
+
+    def _break_stall(self, head: Request) -> None:
+        """Nothing could run although a request waits: it can never fit, so end it.
+
+        This is a beam search whose beams together need more blocks than the cache
+        has (the waiting beam needs blocks its siblings hold while they wait for it),
+        or a sequence that outgrew the cache while preempted.
+        """
+        group = head.beam
+        stalled = [head] if group is None else [r for r in self.requests.values() if r.beam is group]
+        logger.warning(
+            "request %s cannot fit in the KV cache (%d blocks); finishing it with what it has",
+            head.request_id if group is None else group.group_id,
+            self.kv.num_blocks,
+        )
+        if group is not None:
+            group.hypotheses = group.results()
+            group.done = True
+        for request in stalled:
+            (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+
+    def _settle_beam(self, group: BeamGroup | None) -> None:
+        """After a beam ended from outside (abort, cache exhausted): finish or advance its group."""
+        if group is None or group.done:
+            return
+        if not group.beams:
+            group.hypotheses = group.results()
+            group.done = True
+        elif group.ready():
+            self._beam_step(group)
 
     def stats(self) -> dict[str, int | float]:
         return {

@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raypaged.core.beam_search import BeamGroup, BeamSearchParams
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
@@ -26,13 +27,15 @@ def make_request(request_id: str, num_prompt: int, max_tokens: int = 8) -> Reque
 
 
 def run_step(scheduler: Scheduler, token_id: int = 7) -> SchedulerOutput:
-    """Schedule, then sample ``token_id`` for every request that reached its last token."""
+    """Schedule, then sample ``token_id`` for every request that reached its last token
+    (beams also propose ``token_id + 1 .. token_id + 3``)."""
     out = scheduler.schedule()
     sampled = {}
     for request_id, n in out.num_scheduled_tokens.items():
         request = scheduler.requests[request_id]
         if request.num_computed_tokens + n == request.num_tokens:
-            sampled[request_id] = SampledToken(token_id, -0.5, None)
+            top = {token_id + i: -0.5 - i - len(request.output_token_ids) % 3 for i in range(4)} if request.beam else None
+            sampled[request_id] = SampledToken(token_id, -0.5, top)
     scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled))
     return out
 
@@ -173,48 +176,6 @@ def test_a_request_outgrowing_the_whole_cache_finishes_with_length():
     assert s.kv.num_free_blocks == 2
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.sampled_from(["add", "step", "step", "step", "abort"]),
-            st.integers(1, 40),
-            st.integers(1, 12),
-        ),
-        max_size=60,
-    ),
-    st.integers(4, 24),
-    st.sampled_from([1, 2, 4, 16]),
-    st.integers(1, 40),
-)
-def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size, budget):
-    s = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=6, budget=budget)
-    next_id = 0
-    for op, size, max_tokens in ops:
-        if op == "add":
-            try:
-                s.add_request(make_request(str(next_id), size, max_tokens))
-            except ValueError:
-                assert s.kv.num_blocks_for(size + 1) > num_blocks
-            next_id += 1
-        elif op == "abort" and s.requests:
-            victim = sorted(s.requests)[size % len(s.requests)]
-            s.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
-        else:
-            run_step(s, token_id=size)
-        s.kv.check_invariants()
-        used = sum(len(t) for t in s.kv.block_tables.values())
-        assert used + s.kv.num_free_blocks == num_blocks
-        assert set(s.kv.block_tables) <= {r.request_id for r in s.running}
-    for _ in range(10_000):
-        if not s.has_unfinished_requests():
-            break
-        run_step(s)
-    assert not s.has_unfinished_requests()
-    assert s.kv.num_free_blocks == num_blocks
-    s.kv.check_invariants()
-
-
 # ---- sharing: groups, swap, prefix caching, priorities -----------------------------------
 
 
@@ -338,27 +299,35 @@ def test_priority_policy_admits_and_preempts_by_priority():
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["add", "group", "step", "step", "step", "abort"]),
+            st.sampled_from(["add", "group", "beam", "step", "step", "step", "abort"]),
             st.integers(1, 30),
             st.integers(1, 10),
         ),
         max_size=60,
     ),
-    st.integers(6, 24),
-    st.sampled_from([2, 4]),
+    st.integers(4, 24),
+    st.sampled_from([1, 2, 4, 16]),
+    st.integers(1, 40),
     st.sampled_from([None, "swap", "recompute"]),
     st.sampled_from(["fcfs", "priority"]),
     st.booleans(),
 )
-def test_random_sharing_workloads_never_leak_or_double_free(ops, num_blocks, block_size, mode, policy, caching):
+def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size, budget, mode, policy, caching):
+    """Random adds (single or n=3 groups), steps and aborts; every step keeps the pools consistent."""
     s = Scheduler(
-        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, policy=policy, preemption_mode=mode),
+        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, policy=policy, preemption_mode=mode),
         KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, num_cpu_blocks=num_blocks // 2),
     )
     next_id = 0
     for op, size, max_tokens in ops:
-        if op in ("add", "group"):
-            seqs = make_group(str(next_id), size, 3, max_tokens) if op == "group" and size > 1 else [make_request(str(next_id), size, max_tokens)]
+        if op in ("add", "group", "beam"):
+            if op == "group" and size > 1:
+                seqs = make_group(str(next_id), size, 3, max_tokens)
+            else:
+                seqs = [make_request(str(next_id), size, max_tokens)]
+            if op == "beam":
+                seqs[0].beam = BeamGroup(str(next_id), BeamSearchParams(beam_width=2, max_tokens=max_tokens), EOS)
+                seqs[0].beam.beams.append(seqs[0])
             for seq in seqs:
                 seq.priority = size % 3
             try:
@@ -372,6 +341,8 @@ def test_random_sharing_workloads_never_leak_or_double_free(ops, num_blocks, blo
         else:
             run_step(s, token_id=size % 7 + 1)
         s.kv.check_invariants()
+        used = {b for table in s.kv.block_tables.values() for b in table}
+        assert len(used) + s.kv.num_free_blocks == num_blocks
         live = set(s.requests)
         assert set(s.kv.tables) <= live and set(s.kv.swapped) <= live
         assert all(r.status == RequestStatus.RUNNING for r in s.running)
