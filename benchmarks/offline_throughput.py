@@ -14,33 +14,24 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
-import platform
-import resource
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors import safe_open
+from common import (MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, count_parameters, machine_info,
+                    peak_rss_mib, pyplot, write_json)
 
 from raypaged.model.default_model import default_model_dir
 
-MAX_TOKENS = 100
-PROMPT_LEN = (50, 200)
 SYSTEMS = {
     "raypaged": "raypaged `LLM.generate`",
     "hf-single": "transformers `generate`, one request at a time",
     "hf-static": "transformers `generate`, static batches of {batch}",
 }
-RESULTS_DIR = Path(__file__).parent / "results"
 MATMUL_SHAPES = ((256, 576, 1536), (2048, 2048, 2048))  # (m, k, n): a decode-sized one and a large one
-
-Prompts = list[list[int]]
 
 
 @dataclass
@@ -86,18 +77,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def build_prompts(model_dir: Path, count: int, seed: int) -> Prompts:
-    """Token ids drawn uniformly from the vocabulary minus special/added tokens; lengths uniform 50-200."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    special = set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)
-    ordinary = np.array([i for i in range(len(tokenizer)) if i not in special])
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(PROMPT_LEN[0], PROMPT_LEN[1] + 1, size=count)
-    return [rng.choice(ordinary, size=int(n)).tolist() for n in lengths]
-
-
 def timed_runs(run: Callable[[], Prompts], repeats: int) -> tuple[list[float], Prompts]:
     """Wall seconds of each run and the generated token ids of the last one."""
     seconds, outputs = [], []
@@ -106,10 +85,6 @@ def timed_runs(run: Callable[[], Prompts], repeats: int) -> tuple[list[float], P
         outputs = run()
         seconds.append(time.perf_counter() - start)
     return seconds, outputs
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def check_lengths(system: str, outputs: Prompts) -> int:
@@ -185,23 +160,10 @@ def matmul_gflops(m: int, k: int, n: int, min_seconds: float = 1.0) -> float:
     return 2 * m * k * n * iters / elapsed / 1e9
 
 
-def count_parameters(model_dir: Path) -> int:
-    """Unique parameters in the checkpoint (tied embeddings counted once, as the lm_head matmul)."""
-    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        return sum(int(np.prod(f.get_slice(name).get_shape())) for name in f.keys())
-
-
 def cpu_ceiling(params: int) -> list[dict[str, float | str]]:
     """Decode needs about 2 x params FLOPs per token, so tokens/s <= GFLOP/s * 1e9 / (2 * params)."""
     gflops = {f"[{m} x {k}] @ [{k} x {n}]": matmul_gflops(m, k, n) for m, k, n in MATMUL_SHAPES}
     return [{"shape": shape, "gflops": g, "tokens_per_s": g * 1e9 / (2 * params)} for shape, g in gflops.items()]
-
-
-def machine_info(threads: int) -> dict[str, str | int]:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
-    return {"cpu": model or platform.processor(), "nproc": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "threads": threads, "python": platform.python_version()}
 
 
 def agreement(reference: Prompts, outputs: Prompts) -> str:
@@ -222,11 +184,7 @@ def markdown_table(results: list[SystemResult]) -> str:
 
 
 def plot(results: list[SystemResult], ceiling: list[dict], info: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     medians = [r.median for r in results]
     errors = [[r.median - min(r.tokens_per_s) for r in results], [max(r.tokens_per_s) - r.median for r in results]]
@@ -307,8 +265,7 @@ def main() -> None:
     ceiling = cpu_ceiling(params)
     report = build_report(results, ceiling, params, model_dir, args)
     report["wall_seconds"] = time.perf_counter() - started
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / "offline_throughput.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json("offline_throughput", report)
     plot(results, ceiling, report["machine"], RESULTS_DIR / "offline_throughput.png")
     print_report(results, ceiling, report)
 
