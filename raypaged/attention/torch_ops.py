@@ -87,16 +87,17 @@ def prefill_attention(
         query_pos = torch.arange(context_len - query_len, context_len, device=query.device)
         mask = torch.arange(context_len, device=query.device)[None, :] <= query_pos[:, None]
         causal = False
+    # 4-D inputs: torch's fused CPU kernel; 3-D ones fall back to the ~6x slower math path
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1),
-        keys.transpose(0, 1),
-        values.transpose(0, 1),
+        query.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
         attn_mask=mask,
         is_causal=causal,
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(
