@@ -465,7 +465,7 @@ class Scheduler:
         num_generated = survivors[0].num_output_tokens if survivors else 0
         if not survivors or num_generated >= survivors[0].max_tokens or group.should_stop(num_generated):
             group.hypotheses = group.results()
-            for beam in survivors:
+            for beam in list(survivors):  # _finish takes each out of group.beams (this list)
                 self.running.remove(beam)
                 self._finish(beam, RequestStatus.FINISHED_LENGTH)
             group.done = True
