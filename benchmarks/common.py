@@ -5,6 +5,8 @@ The scripts run as ``python benchmarks/NAME.py``, so this module is imported as 
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -38,6 +40,17 @@ def build_prompts(model_dir: Path, count: int, seed: int, length: tuple[int, int
     rng = np.random.default_rng(seed)
     lengths = rng.integers(length[0], length[1] + 1, size=count)
     return [rng.choice(ordinary, size=int(n)).tolist() for n in lengths]
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, systems: dict | None = None) -> None:
+    """Split ``args.systems`` (comma-separated) against ``systems``; the plot needs matplotlib."""
+    if systems is not None:
+        args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        unknown = set(args.systems) - set(systems)
+        if unknown:
+            parser.error(f"unknown systems {sorted(unknown)}; choose from {list(systems)}")
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error("the plot needs matplotlib: pip install -e '.[bench]'")
 
 
 def peak_rss_mib() -> float:

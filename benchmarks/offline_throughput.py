@@ -13,7 +13,6 @@ Writes benchmarks/results/offline_throughput.{json,png} and prints a Markdown ta
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from common import (MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, count_parameters, machine_info,
+from common import (check_args, MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, count_parameters, machine_info,
                     peak_rss_mib, pyplot, write_json)
 
 from raypaged.model.default_model import default_model_dir
@@ -68,12 +67,7 @@ def parse_args() -> argparse.Namespace:
     args.num_prompts = args.num_prompts or (32 if args.quick else 256)
     args.single_prompts = min(args.single_prompts or (4 if args.quick else 32), args.num_prompts)
     args.repeats = args.repeats or (1 if args.quick else 3)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(args.systems) - set(SYSTEMS)
-    if unknown:
-        parser.error(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
-    if importlib.util.find_spec("matplotlib") is None:
-        parser.error("the plot needs matplotlib: pip install -e '.[bench]'")
+    check_args(parser, args, SYSTEMS)
     return args
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 import psutil
 import torch
-from common import (CONTENTION_NOTE, MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, load_average,
+from common import (check_args, CONTENTION_NOTE, MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, load_average,
                     machine_info, percentile, pyplot, write_json)
 
 from raypaged.model.default_model import default_model_dir
@@ -119,12 +119,7 @@ def parse_args() -> argparse.Namespace:
         args.requests = [max(c, 20 if c <= 10 else 30) for c in args.concurrency]
     else:
         args.requests = [3 * c for c in args.concurrency]
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(args.systems) - set(SYSTEMS)
-    if unknown:
-        parser.error(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
-    if importlib.util.find_spec("matplotlib") is None:
-        parser.error("the plot needs matplotlib: pip install -e '.[bench]'")
+    check_args(parser, args, SYSTEMS)
     return args
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import math
 import statistics
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import (CONTENTION_NOTE, MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, load_average,
+from common import (check_args, CONTENTION_NOTE, MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, load_average,
                     machine_info, ordinary_token_ids, percentile, pyplot, write_json)
 
 from raypaged import LLM, SamplingParams
@@ -60,8 +59,7 @@ def parse_args() -> argparse.Namespace:
     args.w4_requests = args.w4_requests or (6 if q else 48)
     args.w4_concurrency = args.w4_concurrency or (3 if q else 8)
     args.w4_tokens = args.w4_tokens or (8 if q else 32)
-    if importlib.util.find_spec("matplotlib") is None:
-        parser.error("the plot needs matplotlib: pip install -e '.[bench]'")
+    check_args(parser, args)
     return args
 
 
