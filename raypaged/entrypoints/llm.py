@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -110,14 +111,11 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
         resolved = [_prompt_input(p) for p in prompts]
-        request_ids = []
-        try:
-            for (text, token_ids), params, prio in zip(resolved, params_list, priorities):
-                request_ids.append(engine.add_request(text, params, prompt_token_ids=token_ids, priority=prio))
-        except ValueError:
-            engine.abort_request(request_ids)
-            raise
-        return self._run(request_ids, use_tqdm and len(prompts) >= _PROGRESS_MIN_PROMPTS)
+        submissions = [
+            partial(engine.add_request, text, params, prompt_token_ids=token_ids, priority=prio)
+            for (text, token_ids), params, prio in zip(resolved, params_list, priorities)
+        ]
+        return self._submit_and_run(submissions, use_tqdm)
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = True
@@ -129,14 +127,11 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         engine = self.llm_engine
-        request_ids = []
-        try:
-            for text, token_ids in (_prompt_input(p) for p in prompts):
-                request_ids.append(engine.add_beam_search(text, params, prompt_token_ids=token_ids))
-        except ValueError:
-            engine.abort_request(request_ids)
-            raise
-        return self._run(request_ids, use_tqdm and len(request_ids) >= _PROGRESS_MIN_PROMPTS)
+        submissions = [
+            partial(engine.add_beam_search, text, params, prompt_token_ids=token_ids)
+            for text, token_ids in (_prompt_input(p) for p in prompts)
+        ]
+        return self._submit_and_run(submissions, use_tqdm)
 
     def chat(
         self,
@@ -156,6 +151,17 @@ class LLM:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _submit_and_run(self, submissions: list[Callable[[], str]], use_tqdm: bool) -> list[RequestOutput]:
+        """Queue every request, all or none (a bad one aborts those already queued), then run them."""
+        request_ids: list[str] = []
+        try:
+            for submit in submissions:
+                request_ids.append(submit())
+        except ValueError:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm and len(request_ids) >= _PROGRESS_MIN_PROMPTS)
 
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         engine = self.llm_engine
