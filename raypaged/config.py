@@ -64,6 +64,8 @@ class EngineConfig:
     ray_address: str | None = None  # "auto", "ray://host:port", a GCS address; None: a local Ray when one is needed
     placement_strategy: str = "STRICT_PACK"  # Ray placement group strategy of the shards
     enable_recovery: bool = True  # restart a dead shard group and recompute in-flight requests
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device's memory for weights, activations and KV
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     model_path: Path = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
@@ -80,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:

@@ -26,6 +26,7 @@ _OPTIONAL_ENGINE_FLAGS = {
     "preemption_mode": None,
     "ray_address": None,
     "placement_strategy": "STRICT_PACK",
+    "enforce_eager": False,
 }
 
 
@@ -50,6 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU shards) per model")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory for weights, activations and KV cache")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     parser.add_argument("--swap-space", type=float, default=None,
                         help="GiB of CPU memory for swapped-out KV blocks (default: 4 on CUDA, 0 on CPU)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

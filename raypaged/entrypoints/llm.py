@@ -47,6 +47,8 @@ class LLM:
         ray_address: str | None = None,
         placement_strategy: str = "STRICT_PACK",
         enable_recovery: bool = True,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -68,6 +70,8 @@ class LLM:
                 ray_address=ray_address,
                 placement_strategy=placement_strategy,
                 enable_recovery=enable_recovery,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
             )
         )
 
