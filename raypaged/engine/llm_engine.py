@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
@@ -18,10 +19,12 @@ from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from raypaged.engine.detokenizer import IncrementalDetokenizer
-from raypaged.executor.ray_executor import RayExecutor, WorkerDiedError
 from raypaged.executor.uniproc import UniProcExecutor
 from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from raypaged.executor.ray_executor import RayExecutor, WorkerDiedError
 
 logger = logging.getLogger("raypaged")
 
@@ -57,9 +60,16 @@ class LLMEngine:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.eos_token_id = self._eos_token_id()
-        self.executor: UniProcExecutor | RayExecutor = (
-            RayExecutor(config, self.eos_token_id) if config.uses_ray else UniProcExecutor(config, self.eos_token_id)
-        )
+        self.executor: UniProcExecutor | RayExecutor
+        # errors of a lost shard that recovery handles; Ray is imported only when shards are Ray actors
+        self._shard_lost: tuple[type[BaseException], ...] = ()
+        if config.uses_ray:
+            from raypaged.executor.ray_executor import RayExecutor, WorkerDiedError
+
+            self.executor = RayExecutor(config, self.eos_token_id)
+            self._shard_lost = (WorkerDiedError,)
+        else:
+            self.executor = UniProcExecutor(config, self.eos_token_id)
         self._worker_error: WorkerDiedError | None = None  # set when a shard died with recovery off
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -229,7 +239,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
-        except WorkerDiedError as err:
+        except self._shard_lost as err:
             self._recover_from(err)
             return []
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -265,7 +275,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the workers (Ray actors and their placement group); the engine is unusable after."""
-        if isinstance(self.executor, RayExecutor):
+        if not isinstance(self.executor, UniProcExecutor):
             self.executor.shutdown()
 
     def _process_token(self, seq: _SeqState) -> None:
