@@ -66,6 +66,8 @@ class EngineConfig:
     enable_recovery: bool = True  # restart a dead shard group and recompute in-flight requests
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device's memory for weights, activations and KV
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    attention_backend: str = "auto"  # auto (CUDA kernels where they run, else torch), torch, cuda
+    load_format: str = "auto"  # auto: the folder's safetensors; dummy: random weights (benchmarks, no checkpoint)
     model_path: Path = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
@@ -82,6 +84,10 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}")
+        if self.attention_backend not in ("auto", "torch", "cuda"):
+            raise ValueError(f"attention_backend must be auto, torch or cuda, got {self.attention_backend!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:

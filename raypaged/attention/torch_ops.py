@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raypaged.attention.metadata import AttentionMetadata
 
 
 def reshape_and_cache(
@@ -98,25 +97,3 @@ def prefill_attention(
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
-
-
-def paged_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention for a flattened step: batched decodes, then one call per prefill span."""
-    out = torch.empty_like(query)
-    num_decodes = meta.num_decode_tokens
-    if num_decodes:
-        out[:num_decodes] = paged_attention_decode(
-            query[:num_decodes], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale
-        )
-    for span in meta.prefills:
-        end = span.query_start + span.query_len
-        out[span.query_start:end] = paged_attention_prefill(
-            query[span.query_start:end], key_cache, value_cache, span.block_ids, span.context_len, scale
-        )
-    return out

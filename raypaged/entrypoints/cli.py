@@ -27,6 +27,8 @@ _OPTIONAL_ENGINE_FLAGS = {
     "ray_address": None,
     "placement_strategy": "STRICT_PACK",
     "enforce_eager": False,
+    "attention_backend": "auto",
+    "load_format": "auto",
 }
 
 
@@ -53,6 +55,10 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
                         help="fraction of GPU memory for weights, activations and KV cache")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda"],
+                        help="paged attention: the CUDA kernels where they run (auto), or torch")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights of the model folder's shape (benchmarks; no checkpoint read)")
     parser.add_argument("--swap-space", type=float, default=None,
                         help="GiB of CPU memory for swapped-out KV blocks (default: 4 on CUDA, 0 on CPU)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

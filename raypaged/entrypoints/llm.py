@@ -49,6 +49,8 @@ class LLM:
         enable_recovery: bool = True,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        attention_backend: str = "auto",
+        load_format: str = "auto",
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -72,6 +74,8 @@ class LLM:
                 enable_recovery=enable_recovery,
                 gpu_memory_utilization=gpu_memory_utilization,
                 enforce_eager=enforce_eager,
+                attention_backend=attention_backend,
+                load_format=load_format,
             )
         )
 

@@ -15,8 +15,6 @@ import torch
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 _INCLUDE = '#include "common.cuh"'
-# cupy has no bfloat16: tensors cross as same-width integers (zero-copy views)
-_AS_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
@@ -42,11 +40,13 @@ def function(file_name: str, kernel_name: str, device: torch.device):
     return _module(file_name, index).get_function(kernel_name)
 
 
-def as_cupy(tensor: torch.Tensor):
-    """Zero-copy cupy view of a CUDA tensor through ``__cuda_array_interface__``."""
-    import cupy
+def device_pointer(tensor: torch.Tensor) -> np.uint64:
+    """A CUDA tensor as a kernel argument: its device address, passed by value (zero-copy).
 
-    return cupy.asarray(tensor.view(_AS_INT.get(tensor.dtype, tensor.dtype)))
+    No cupy array is built: that costs microseconds per argument on every launch, and the
+    wrappers have already checked dtype, shape, contiguity and device.
+    """
+    return np.uint64(tensor.data_ptr())
 
 
 def host_device_pointer(tensor: torch.Tensor) -> np.uint64:
@@ -61,6 +61,15 @@ def launch(kernel, device: torch.device, grid: tuple[int, ...], block: tuple[int
     """Run ``kernel`` on torch's current stream of ``device``."""
     import cupy
 
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _external_stream(torch.cuda.current_stream(index).cuda_stream, index)
+    with cupy.cuda.Device(index), stream:
         kernel(grid, block, args, shared_mem=shared_mem)
+
+
+@functools.cache
+def _external_stream(pointer: int, device_index: int):
+    """cupy's handle on one of torch's streams (also a capturing one, under CUDA graphs)."""
+    import cupy
+
+    return cupy.cuda.ExternalStream(pointer, device_index)

@@ -74,8 +74,8 @@ def reshape_and_cache(
     row_vecs = row_bytes // 16
     kernel = loader.function("reshape_and_cache.cu", "reshape_and_cache", device)
     threads = min(COPY_THREADS, -(-row_vecs // 32) * 32)
-    args = (loader.as_cupy(key), loader.as_cupy(value), loader.as_cupy(key_cache), loader.as_cupy(value_cache),
-            loader.as_cupy(slot_mapping), np.int64(key.stride(0) * key.element_size() // 16),
+    args = (loader.device_pointer(key), loader.device_pointer(value), loader.device_pointer(key_cache), loader.device_pointer(value_cache),
+            loader.device_pointer(slot_mapping), np.int64(key.stride(0) * key.element_size() // 16),
             np.int64(value.stride(0) * value.element_size() // 16), np.int32(row_vecs))
     loader.launch(kernel, device, (key.shape[0],), (threads,), args)
 
@@ -144,23 +144,23 @@ def paged_attention_decode(
     num_parts = -(-max_context // partition_size)
     shared = 4 * (2 * group * head_size + group * partition_size + 2 * group)
     suffix = f"{loader.DTYPE_SUFFIX[query.dtype]}_{head_size}"
-    common = (loader.as_cupy(query), loader.as_cupy(key_cache), loader.as_cupy(value_cache),
-              loader.as_cupy(block_tables), loader.as_cupy(context_lens), np.float32(scale), np.int32(num_kv_heads),
+    common = (loader.device_pointer(query), loader.device_pointer(key_cache), loader.device_pointer(value_cache),
+              loader.device_pointer(block_tables), loader.device_pointer(context_lens), np.float32(scale), np.int32(num_kv_heads),
               np.int32(group), np.int32(block_size), np.int32(max_blocks), np.int32(partition_size))
     if num_parts == 1:
         kernel = loader.function("paged_attention.cu", f"paged_attention_v1_{suffix}", device)
-        loader.launch(kernel, device, (num_kv_heads, num_seqs, 1), (NUM_THREADS,), (loader.as_cupy(out), *common),
+        loader.launch(kernel, device, (num_kv_heads, num_seqs, 1), (NUM_THREADS,), (loader.device_pointer(out), *common),
                       shared)
         return out
     partial_out = torch.empty(num_seqs, num_heads, num_parts, head_size, dtype=torch.float32, device=device)
     partial_max = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=device)
     partial_sum = torch.empty_like(partial_max)
-    partials = tuple(loader.as_cupy(t) for t in (partial_out, partial_max, partial_sum))
+    partials = tuple(loader.device_pointer(t) for t in (partial_out, partial_max, partial_sum))
     kernel = loader.function("paged_attention.cu", f"paged_attention_v2_{suffix}", device)
     loader.launch(kernel, device, (num_kv_heads, num_seqs, num_parts), (NUM_THREADS,), (*partials, *common), shared)
     reduce = loader.function("paged_attention.cu", f"paged_attention_v2_reduce_{suffix}", device)
     loader.launch(reduce, device, (num_heads, num_seqs), (NUM_THREADS,),
-                  (loader.as_cupy(out), *partials, loader.as_cupy(context_lens), np.int32(num_parts),
+                  (loader.device_pointer(out), *partials, loader.device_pointer(context_lens), np.int32(num_parts),
                    np.int32(partition_size)), 4 * num_parts)
     return out
 
@@ -197,13 +197,13 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         return
     block_vecs = block_bytes // 16
     kernel = loader.function("copy_blocks.cu", "copy_blocks", device)
-    args = (_pool_pointer(dst), _pool_pointer(src), loader.as_cupy(block_mapping), np.int64(src.shape[2] * block_vecs),
+    args = (_pool_pointer(dst), _pool_pointer(src), loader.device_pointer(block_mapping), np.int64(src.shape[2] * block_vecs),
             np.int64(dst.shape[2] * block_vecs), np.int32(block_vecs))
     loader.launch(kernel, device, (block_mapping.shape[0], src.shape[0] * src.shape[1]), (COPY_THREADS,), args)
 
 
 def _pool_pointer(pool: torch.Tensor):
-    return loader.as_cupy(pool) if pool.is_cuda else loader.host_device_pointer(pool)
+    return loader.device_pointer(pool) if pool.is_cuda else loader.host_device_pointer(pool)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

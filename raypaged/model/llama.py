@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from raypaged.attention.metadata import AttentionMetadata
-from raypaged.attention.torch_ops import paged_attention, reshape_and_cache
+from raypaged.attention.backend import TORCH, AttentionBackend
 from raypaged.model.layers import RMSNorm, RotaryEmbedding
 from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
 
@@ -79,6 +79,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.shard_sizes), bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp)
         self.rotary = rotary
+        self.attn_backend: AttentionBackend = TORCH
 
     def fused_rows(self, shard: int) -> tuple[int, int, int]:
         """(first checkpoint row, offset in ``qkv_proj``, rows) of q (0), k (1) or v (2) on this rank."""
@@ -95,8 +96,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         key_cache, value_cache = kv_cache
-        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, meta, self.scale)
+        out = self.attn_backend.forward(q, k, v, key_cache, value_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -167,6 +167,10 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.attn_backend = backend
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head

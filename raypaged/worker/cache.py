@@ -19,16 +19,23 @@ class KVCache:
         block_shape: tuple[int, int, int],  # block_size, kv_heads, head_dim
         dtype: torch.dtype,
         device: torch.device,
+        use_kernels: bool = False,
     ) -> None:
+        """``use_kernels``: block copies and swaps run as the ``copy_blocks`` CUDA kernel, one launch
+        per run of same-kind ops, reading and writing pinned host blocks directly."""
         # zeros: masked-out slots of a partly filled block are read (weight 0) and must be finite
         self.device_blocks = torch.zeros((num_layers, 2, num_blocks, *block_shape), dtype=dtype, device=device)
         self.cpu_blocks = torch.empty(
             (num_layers, 2, num_cpu_blocks, *block_shape), dtype=dtype, pin_memory=device.type == "cuda"
         )
         self.layers = [(self.device_blocks[i, 0], self.device_blocks[i, 1]) for i in range(num_layers)]
+        self.use_kernels = use_kernels
 
     def run_block_ops(self, ops: list[BlockOp]) -> None:
         """Whole-block copies in order: ``copy`` on device, ``swap_out`` to CPU, ``swap_in`` back."""
+        if self.use_kernels:
+            self._run_with_kernels(ops)
+            return
         for op in ops:
             if op.kind == "copy":
                 self.device_blocks[:, :, op.dst].copy_(self.device_blocks[:, :, op.src])
@@ -38,3 +45,24 @@ class KVCache:
                 self.device_blocks[:, :, op.dst].copy_(self.cpu_blocks[:, :, op.src], non_blocking=True)
             else:
                 raise ValueError(f"unknown block op {op.kind!r}")
+
+    def _run_with_kernels(self, ops: list[BlockOp]) -> None:
+        from raypaged import kernels
+
+        pools = {
+            "copy": (self.device_blocks, self.device_blocks),
+            "swap_out": (self.device_blocks, self.cpu_blocks),
+            "swap_in": (self.cpu_blocks, self.device_blocks),
+        }
+        start = 0
+        while start < len(ops):  # runs of one kind keep their order relative to the other kinds
+            kind = ops[start].kind
+            if kind not in pools:
+                raise ValueError(f"unknown block op {kind!r}")
+            end = start
+            while end < len(ops) and ops[end].kind == kind:
+                end += 1
+            mapping = torch.tensor([(op.src, op.dst) for op in ops[start:end]], dtype=torch.long)
+            src, dst = pools[kind]
+            kernels.copy_blocks(src, dst, mapping.to(self.device_blocks.device))
+            start = end

@@ -15,7 +15,8 @@ from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.sampling_params import SamplingParams
 from raypaged.worker.cache import KVCache
-from raypaged.worker.sampler import SamplingInput, sample
+from raypaged.worker.cuda_graphs import DecodeGraphs
+from raypaged.worker.sampler import SamplingInput, greedy_on_device, sample
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class ModelRunner:
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
+        self.graphs: DecodeGraphs | None = None
 
     def update_states(self, so: SchedulerOutput) -> None:
         for request_id in so.finished_request_ids:
@@ -89,14 +91,18 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        """Flatten the step: decodes (one token) first, then prefill spans."""
+        """Flatten the step: decodes (one token) first, then prefill spans.
+
+        Every index list is packed into one host tensor and sent to the device in a
+        single copy; the step's tensors are contiguous slices of it.
+        """
         order = sorted(so.num_scheduled_tokens, key=lambda rid: so.num_scheduled_tokens[rid] != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
+        spans: list[tuple[int, int, int, list[int]]] = []
         sample_indices: list[int] = []
         sampled_ids: list[str] = []
         bs = self.block_size
@@ -106,37 +112,54 @@ class ModelRunner:
             start = state.num_computed_tokens
             end = start + num_new
             query_start = len(input_ids)
+            block_ids = state.block_ids
             for pos in range(start, end):
                 input_ids.append(state.token_at(pos))
                 positions.append(pos)
-                slots.append(state.block_ids[pos // bs] * bs + pos % bs)
+                slots.append(block_ids[pos // bs] * bs + pos % bs)
             num_blocks = -(-end // bs)
             if num_new == 1:
-                decode_tables.append(state.block_ids[:num_blocks])
+                decode_tables.append(block_ids[:num_blocks])
                 decode_lens.append(end)
             else:
-                block_ids = torch.tensor(state.block_ids[:num_blocks], dtype=torch.long, device=self.device)
-                prefills.append(PrefillSpan(query_start, num_new, end, block_ids))
+                spans.append((query_start, num_new, end, block_ids[:num_blocks]))
             if end == state.num_tokens:  # the last known token: its logits give the next one
                 sample_indices.append(len(input_ids) - 1)
                 sampled_ids.append(request_id)
         max_blocks = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-        as_long = dict(dtype=torch.long, device=self.device)
+        pieces = [input_ids, positions, slots, decode_lens, sample_indices]
+        pieces += [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+        pieces += [span[3] for span in spans]
+        flat = torch.tensor([x for piece in pieces for x in piece], dtype=torch.long)
+        if self.device.type != "cpu":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        parts = iter(flat.split([len(piece) for piece in pieces]))
+        input_ids_t, positions_t, slots_t, lens_t, sample_t = (next(parts) for _ in range(5))
+        num_decodes = len(decode_tables)
+        tables_t = flat[sum(map(len, pieces[:5])):][: num_decodes * max_blocks].view(num_decodes, max_blocks)
+        for _ in range(num_decodes):
+            next(parts)
+        prefills = [PrefillSpan(q0, n, end, next(parts)) for q0, n, end, _ in spans]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, **as_long),
-            num_decode_tokens=len(decode_tables),
-            decode_block_tables=torch.tensor(padded, **as_long).view(len(padded), max_blocks),
-            decode_context_lens=torch.tensor(decode_lens, **as_long),
+            slot_mapping=slots_t,
+            num_decode_tokens=num_decodes,
+            decode_block_tables=tables_t,
+            decode_context_lens=lens_t,
             prefills=prefills,
         )
         return StepInputs(
-            input_ids=torch.tensor(input_ids, **as_long),
-            positions=torch.tensor(positions, **as_long),
+            input_ids=input_ids_t,
+            positions=positions_t,
             meta=meta,
-            sample_indices=torch.tensor(sample_indices, **as_long),
+            sample_indices=sample_t,
             sampled_request_ids=sampled_ids,
         )
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Record CUDA graphs of the decode-only forward for a ladder of batch sizes."""
+        self.graphs = DecodeGraphs(self.model, self.cache.layers, max_num_seqs, -(-max_model_len // self.block_size),
+                                   self.device)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -145,15 +168,21 @@ class ModelRunner:
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput()
         step = self.prepare_inputs(so)
-        hidden = self.model(step.input_ids, step.positions, self.cache.layers, step.meta)
+        meta = step.meta
+        if self.graphs is not None and not meta.prefills and self.graphs.fits(meta.num_decode_tokens):
+            hidden = self.graphs.run(step.input_ids, step.positions, meta)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.cache.layers, meta)
         if not step.sampled_request_ids:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[step.sample_indices]).cpu()  # a collective under TP
+        logits = self.model.compute_logits(hidden[step.sample_indices])  # a collective under TP
         if not self.samples:
             return ModelRunnerOutput()
         inputs = [
             SamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.eos_token_id, s.sample_index)
             for s in (self.requests[rid] for rid in step.sampled_request_ids)
         ]
-        tokens = sample(logits, inputs, self.generator)
+        tokens = greedy_on_device(logits, inputs) if logits.is_cuda else None
+        if tokens is None:
+            tokens = sample(logits.cpu(), inputs, self.generator)
         return ModelRunnerOutput(sampled=dict(zip(step.sampled_request_ids, tokens)))

@@ -60,6 +60,27 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.G
     return results
 
 
+def greedy_on_device(logits: torch.Tensor, inputs: list[SamplingInput]) -> list[SampledToken] | None:
+    """``sample`` for a batch that is all plain greedy (no penalties, no min_tokens mask in force,
+    no top logprobs), computed where the logits are so only two numbers per row cross to the
+    host; ``None`` when any row needs the general path."""
+    for s in inputs:
+        p = s.params
+        if (
+            not p.greedy
+            or p.logprobs is not None
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty
+            or p.frequency_penalty
+            or len(s.output_token_ids) < p.min_tokens
+        ):
+            return None
+    logits = logits.float()
+    token_ids = logits.argmax(dim=-1)
+    chosen = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).squeeze(1)
+    return [SampledToken(t, lp, None) for t, lp in zip(token_ids.tolist(), chosen.tolist())]
+
+
 def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
     vocab = logits.shape[-1]
     for i, s in enumerate(inputs):

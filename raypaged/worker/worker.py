@@ -8,6 +8,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from raypaged.attention.backend import select_backend
+from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.model.llama import head_dim_of, num_kv_heads_per_rank
@@ -44,9 +46,15 @@ class Worker:
                 backend, init_method=init_method, rank=tp.rank, world_size=tp.size, timeout=_COLLECTIVE_TIMEOUT
             )
         torch.manual_seed(config.seed)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index if self.device.index is not None else 0)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = load_model(
-            config.model_path, config.hf_config, config.max_model_len, self.dtype, self.device, tp
+            config.model_path, config.hf_config, config.max_model_len, self.dtype, self.device, tp,
+            config.load_format, config.seed,
         )
+        self.attn_backend = select_backend(config.attention_backend, self.device, head_dim_of(config.hf_config))
+        self.model.set_attention_backend(self.attn_backend)
         self.runner: ModelRunner | None = None
 
     def bytes_per_block(self) -> int:
@@ -56,18 +64,78 @@ class Worker:
         return 2 * hf.num_hidden_layers * self.config.block_size * num_kv_heads * head_dim_of(hf) * elem
 
     def determine_num_blocks(self) -> tuple[int, int]:
-        """(device blocks, CPU swap blocks) this worker can hold."""
+        """(device blocks, CPU swap blocks) this worker can hold.
+
+        On CUDA the device blocks fill what ``gpu_memory_utilization`` of the device leaves
+        after the weights, the peak activations of a profiled worst-case step, and memory
+        held outside torch (cupy, NCCL, the CUDA context); on CPU ``kv_cache_space`` GiB.
+        """
         per_block = self.bytes_per_block()
         num_cpu_blocks = int(self.config.resolved_swap_space * _GIB) // per_block
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override, num_cpu_blocks
+        if self.device.type == "cuda":
+            kv_bytes = self.profile_free_device_memory()
+            if kv_bytes < per_block:
+                raise ValueError(
+                    f"no device memory is left for the KV cache: gpu_memory_utilization "
+                    f"{self.config.gpu_memory_utilization} of the device is used by the weights and activations "
+                    f"(raise --gpu-memory-utilization, or lower --max-num-batched-tokens)"
+                )
+            return kv_bytes // per_block, num_cpu_blocks
         space = self.config.kv_cache_space or DEFAULT_CPU_KV_CACHE_SPACE_GIB
         return max(1, int(space * _GIB) // per_block), num_cpu_blocks
+
+    @torch.inference_mode()
+    def profile_free_device_memory(self) -> int:
+        """Bytes the KV cache may take: run the largest step the scheduler can send (a
+        ``max_num_batched_tokens`` prefill split into up to ``max_num_seqs`` prompts, logits
+        for each) and see how much memory it peaked at."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len)
+        num_seqs = min(self.config.max_num_seqs, num_tokens)
+        hf = self.config.hf_config
+        # a one-block cache: every slot is -1 (nothing written), every span a whole prompt (nothing read)
+        block = torch.zeros((1, self.config.block_size, num_kv_heads_per_rank(hf, self.tp.size), head_dim_of(hf)),
+                            dtype=self.dtype, device=self.device)
+        layers = [(block, block)] * hf.num_hidden_layers
+        lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        starts = [sum(lengths[:i]) for i in range(num_seqs)]
+        no_blocks = torch.zeros(0, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros((0, 0), dtype=torch.long, device=self.device),
+            decode_context_lens=no_blocks,
+            prefills=[PrefillSpan(start, n, n, no_blocks) for start, n in zip(starts, lengths)],
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        hidden = self.model(input_ids, positions, layers, meta)
+        last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=self.device)
+        self.model.compute_logits(hidden[last]).float().log_softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        del hidden, layers, block
+        torch.cuda.empty_cache()
+        budget = int(total * self.config.gpu_memory_utilization) - peak - max(0, outside_torch)
+        logger.info(
+            "device memory: %.2f GiB total, %.2f GiB peak in torch (weights + a %d-token step), %.2f GiB outside "
+            "torch: %.2f GiB for the KV cache at gpu_memory_utilization %.2f",
+            total / _GIB, peak / _GIB, num_tokens, max(0, outside_torch) / _GIB, max(0, budget) / _GIB,
+            self.config.gpu_memory_utilization,
+        )
+        return max(0, budget)
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         hf = self.config.hf_config
         block_shape = (self.config.block_size, num_kv_heads_per_rank(hf, self.tp.size), head_dim_of(hf))
-        cache = KVCache(hf.num_hidden_layers, num_blocks, num_cpu_blocks, block_shape, self.dtype, self.device)
+        cache = KVCache(hf.num_hidden_layers, num_blocks, num_cpu_blocks, block_shape, self.dtype, self.device,
+                        use_kernels=self.attn_backend.name == "cuda")
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB), %d CPU swap blocks",
             num_blocks,
@@ -84,6 +152,11 @@ class Worker:
             self.device,
             samples=self.tp.rank == 0,
         )
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            if self.tp.size > 1:
+                logger.info("CUDA graphs are off under tensor parallelism; decode steps run eagerly")
+            else:
+                self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -1,0 +1,107 @@
+"""Which paged-attention implementation a model runs: plain torch, or the CUDA kernels.
+
+Both implement the same three operations on the same cache layout
+(``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer), and one driver,
+:meth:`AttentionBackend.forward`, runs a flattened step through either: the step's
+K/V are written to their slots, the single-token decodes attend in one batched
+call, and each prefill span attends on its own. A span with nothing cached before
+it (a whole prompt) attends over its own fresh K/V, with no gather from the cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from raypaged.attention import torch_ops
+from raypaged.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger("raypaged")
+
+BACKENDS = ("auto", "torch", "cuda")
+CUDA_HEAD_SIZES = (64, 80, 96, 128)  # kernels/paged_attention.cu instantiations
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    reshape_and_cache: Callable[..., None]
+    decode: Callable[..., torch.Tensor]  # paged_attention_decode(query, key_cache, value_cache, tables, lens, scale)
+    paged_prefill: Callable[..., torch.Tensor]  # (query, key_cache, value_cache, block_ids, context_len, scale)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], this step's
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        self.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes == query.shape[0] and not meta.prefills:
+            return self.decode(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
+                               scale)
+        out = torch.empty_like(query)
+        if num_decodes:
+            out[:num_decodes] = self.decode(
+                query[:num_decodes], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            )
+        for span in meta.prefills:
+            end = span.query_start + span.query_len
+            q = query[span.query_start:end]
+            if span.context_len == span.query_len:  # nothing cached before it: its own K/V are the context
+                out[span.query_start:end] = torch_ops.prefill_attention(
+                    q, key[span.query_start:end], value[span.query_start:end], scale
+                )
+            else:
+                out[span.query_start:end] = self.paged_prefill(
+                    q, key_cache, value_cache, span.block_ids, span.context_len, scale
+                )
+        return out
+
+
+TORCH = AttentionBackend(
+    "torch", torch_ops.reshape_and_cache, torch_ops.paged_attention_decode, torch_ops.paged_attention_prefill
+)
+
+
+def cuda_backend() -> AttentionBackend:
+    from raypaged import kernels
+
+    return AttentionBackend(
+        "cuda", kernels.reshape_and_cache, kernels.paged_attention_decode, kernels.paged_attention_prefill
+    )
+
+
+def cuda_unsupported_reason(device: torch.device, head_size: int) -> str | None:
+    """Why the CUDA kernels cannot run this model here, or None when they can."""
+    if device.type != "cuda":
+        return f"the device is {device.type}"
+    if importlib.util.find_spec("cupy") is None:
+        return "cupy is not installed (pip install 'raypaged[cuda]')"
+    if head_size not in CUDA_HEAD_SIZES:
+        return f"head size {head_size} has no kernel (supported: {', '.join(map(str, CUDA_HEAD_SIZES))})"
+    return None
+
+
+def select_backend(name: str, device: torch.device, head_size: int) -> AttentionBackend:
+    """``auto``: the CUDA kernels wherever they can run, else torch; ``cuda`` insists."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "torch":
+        return TORCH
+    reason = cuda_unsupported_reason(device, head_size)
+    if reason is None:
+        return cuda_backend()
+    if name == "cuda":
+        raise ValueError(f"attention_backend 'cuda' cannot run: {reason}")
+    if device.type == "cuda":
+        logger.warning("paged attention runs in torch, not the CUDA kernels: %s", reason)
+    return TORCH

@@ -1,0 +1,111 @@
+"""CUDA graphs of the decode-only forward pass.
+
+A decode step launches a few kernels per layer for one token per sequence, so on a
+GPU its time goes to launch overhead rather than to arithmetic. For each batch size
+of a ladder (1, 2, 4, then multiples of 8 up to ``max_num_seqs``) the whole forward is
+recorded once into a graph that reads static input buffers; a step copies its inputs
+into those buffers, pads the batch to the next recorded size and replays the graph.
+
+Padding rows write nowhere (slot -1) and attend over one token of block 0, so they
+cost a little work and change nothing. The block-table buffer is as wide as
+``max_model_len`` needs, so the same graph serves every context length. All graphs
+share one memory pool, recorded largest first, as PyTorch recommends.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from raypaged.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger("raypaged")
+
+
+def batch_size_ladder(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to and including ``max_num_seqs`` (also when it is not a multiple of 8)."""
+    sizes = [n for n in (1, 2, 4) if n < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = batch_size_ladder(max_num_seqs)
+        n = self.sizes[-1]
+        as_long = dict(dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(n, **as_long)
+        self.positions = torch.zeros(n, **as_long)
+        self.slot_mapping = torch.full((n,), -1, **as_long)
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), **as_long)
+        self.context_lens = torch.ones(n, **as_long)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _meta(self, batch: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            num_decode_tokens=batch,
+            decode_block_tables=self.block_tables[:batch],
+            decode_context_lens=self.context_lens[:batch],
+            prefills=[],
+        )
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        started = time.monotonic()
+        free_before = torch.cuda.mem_get_info()[0]
+        pool = None
+        for batch in reversed(self.sizes):
+            # warm up on a side stream: lazy initialisation (kernel compiles, cuBLAS handles) stays out of the graph
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(batch)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[batch] = self._forward(batch)
+            pool = graph.pool()
+            self.graphs[batch] = graph
+        torch.cuda.synchronize()
+        logger.info(
+            "captured CUDA graphs for %d decode batch sizes (1-%d) in %.1f s, %.2f GiB",
+            len(self.sizes), self.sizes[-1], time.monotonic() - started,
+            (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
+        )
+
+    def fits(self, batch: int) -> bool:
+        return 0 < batch <= self.sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The decode forward of ``len(input_ids)`` sequences: [batch, hidden] (a view into the graph's output)."""
+        batch = input_ids.shape[0]
+        padded = self.sizes[bisect.bisect_left(self.sizes, batch)]
+        width = meta.decode_block_tables.shape[1]
+        self.input_ids[:batch].copy_(input_ids)
+        self.positions[:batch].copy_(positions)
+        self.slot_mapping[:batch].copy_(meta.slot_mapping)
+        self.block_tables[:batch, :width].copy_(meta.decode_block_tables)
+        self.context_lens[:batch].copy_(meta.decode_context_lens)
+        if padded > batch:
+            self.slot_mapping[batch:padded].fill_(-1)
+            self.context_lens[batch:padded].fill_(1)
+            self.block_tables[batch:padded, 0].fill_(0)
+        self.graphs[padded].replay()
+        return self.outputs[padded][:batch]
