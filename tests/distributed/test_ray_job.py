@@ -1,28 +1,36 @@
-"""The deploy/ray batch example against a cluster started with ``ray start --head``.
+"""The deploy/ray examples against a ``ray start --head`` cluster with its dashboard (job server).
 
-``ray job submit`` needs the Ray dashboard (``ray[default]``), which this
-environment does not install; the test runs the job's entry script itself as
-the job would, with ``--ray-address`` naming the started cluster.
+The cluster is separate from the session's Ray instance: its own temp dir, its own
+free ports, its own process group, stopped with it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ray.dashboard.modules.job.cli import job_cli_group
+from ray.job_submission import JobStatus, JobSubmissionClient
 
 from raypaged import LLM, SamplingParams
+from raypaged.entrypoints.cli import build_parser, engine_configs
 
 ROOT = Path(__file__).resolve().parents[2]
-RAY = Path(sys.executable).with_name("ray")
+VENV_BIN = Path(sys.executable).parent
+RAY = VENV_BIN / "ray"
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "Water boils at"]
 MAX_TOKENS = 12
 
@@ -33,62 +41,97 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def clean_env() -> dict[str, str]:
-    """No inherited cluster address; no token auth between this cluster and its one job (loopback only)."""
+def cluster_env() -> dict[str, str]:
+    """No inherited cluster address; no token auth between this cluster and its jobs (loopback only);
+    this venv first on PATH, so the job's ``python`` is the one raypaged is installed in."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "disabled"
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     return env
 
 
+def wait_for(ready, what: str, head: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert head.poll() is None, f"ray start exited while waiting for {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.25)
+
+
+def dashboard_up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/api/version", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 @pytest.fixture
-def head_address(tmp_path) -> Iterator[str]:
-    """A ``ray start --head --block`` cluster of 2 CPUs on free ports, stopped with its process group."""
-    port = free_port()
+def dashboard_url() -> Iterator[str]:
+    """A ``ray start --head --block`` cluster of 2 CPUs with its dashboard on a free port; its URL."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="rpjob-", dir="/tmp"))  # short: Ray's socket paths live under it
+    log = temp_dir / "head.log"
+    dashboard_port = free_port()
+    ports = {
+        flag: free_port()
+        for flag in ("port", "ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                     "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port")
+    }
     head = subprocess.Popen(
         [
-            str(RAY), "start", "--head", "--block", "--disable-usage-stats", "--include-dashboard=false",
-            "--num-cpus=2", "--node-ip-address=127.0.0.1", f"--port={port}", f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
+            str(RAY), "start", "--head", "--block", "--disable-usage-stats", "--num-cpus=2",
+            "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+            *(f"--{flag}={port}" for flag, port in ports.items()),
         ],
-        env=clean_env(),
-        stdout=(tmp_path / "head.log").open("w"),
+        env=cluster_env(),
+        stdout=log.open("w"),
         stderr=subprocess.STDOUT,
-        start_new_session=True,
+        start_new_session=True,  # its own process group: every process of this cluster, and nothing else
     )
-    address = f"127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{dashboard_port}"
     try:
-        deadline = time.monotonic() + 60
-        while "Ray runtime started" not in (tmp_path / "head.log").read_text():
-            assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()
-            time.sleep(0.5)
-        yield address
+        wait_for(lambda: "Ray runtime started" in log.read_text(), "Ray runtime", head, log)
+        wait_for(lambda: dashboard_up(url), "dashboard", head, log)
+        yield url
     finally:
-        os.killpg(head.pid, signal.SIGTERM)  # the head, its GCS, raylet and workers: this session only
+        head.send_signal(signal.SIGTERM)  # `ray start --block` drains and stops its processes (about 3 s)
         try:
-            head.wait(timeout=5)
+            head.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)  # whatever of this cluster is left
+        except ProcessLookupError:
+            pass
+        head.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_batch_job_writes_outputs_jsonl(head_address, tiny_llama, tmp_path):
+def run_script(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(ROOT / "deploy" / "ray" / script), *args],
+        cwd=ROOT,
+        env=cluster_env() | env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_ray_job_submit_batch_writes_outputs_jsonl(dashboard_url, tiny_llama, tmp_path):
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
     outputs_file = tmp_path / "out" / "outputs.jsonl"
-    job = subprocess.run(
-        [
-            sys.executable, "deploy/ray/batch_generate.py", "--input", str(prompts_file), "--output",
-            str(outputs_file), "--model", str(tiny_llama), "--device", "cpu", "--ray-address", head_address,
-            "--tensor-parallel-size", "2", "--max-tokens", str(MAX_TOKENS),
-        ],
-        cwd=ROOT,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    job = run_script(
+        "submit_batch.sh", str(prompts_file), str(outputs_file), "--device", "cpu", "--max-tokens", str(MAX_TOKENS),
+        RAY_DASHBOARD=dashboard_url, TP="2", MODEL=str(tiny_llama),
     )
-    assert job.returncode == 0, job.stderr[-3000:]
-    assert f"wrote 4 outputs to {outputs_file}" in job.stdout
+    log = job.stdout + job.stderr
+    assert job.returncode == 0, log[-4000:]
+    [submission_id] = re.findall(r"Job '(raysubmit_\w+)' succeeded", log)
+    assert f"wrote 4 outputs to {outputs_file}" in log
+    assert JobSubmissionClient(dashboard_url).get_job_status(submission_id) == JobStatus.SUCCEEDED
     records = [json.loads(line) for line in outputs_file.read_text().splitlines()]
     assert [r["id"] for r in records] == ["p0", "p1", "p2", "p3"]
     assert [r["prompt"] for r in records] == PROMPTS
@@ -98,3 +141,25 @@ def test_batch_job_writes_outputs_jsonl(head_address, tiny_llama, tmp_path):
     assert [r["token_ids"] for r in records] == [o.outputs[0].token_ids for o in reference]
     assert [r["text"] for r in records] == [o.outputs[0].text for o in reference]
     assert [r["finish_reason"] for r in records] == [o.outputs[0].finish_reason for o in reference]
+
+
+def test_submit_server_command_parses(tiny_llama):
+    script = ROOT / "deploy" / "ray" / "submit_server.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    printed = run_script(
+        "submit_server.sh", "--max-num-seqs", "8",
+        DRY_RUN="1", RAY_DASHBOARD="http://10.0.0.5:8265", TP="2", PORT="8123", MODEL=str(tiny_llama),
+    )
+    assert printed.returncode == 0, printed.stderr
+    argv = shlex.split(printed.stdout)
+    assert argv[:3] == ["ray", "job", "submit"]
+    submit = job_cli_group.commands["submit"].make_context("submit", argv[3:]).params  # Ray's own CLI parser
+    assert (submit["address"], submit["no_wait"]) == ("http://10.0.0.5:8265", True)
+    entrypoint = list(submit["entrypoint"])
+    assert entrypoint[0] == "raypaged"
+    args = build_parser().parse_args(entrypoint[1:])
+    assert (args.command, args.model, args.host, args.port) == ("serve", [str(tiny_llama)], "0.0.0.0", 8123)
+    [config] = engine_configs(args)  # the same validation `raypaged serve` runs before loading
+    assert (config.tensor_parallel_size, config.ray_address, config.placement_strategy, config.max_num_seqs) == (
+        2, "auto", "STRICT_PACK", 8
+    )
