@@ -87,8 +87,11 @@ def parse_raypaged(argv: list[str]) -> argparse.Namespace:
     message on a flag this build refuses.
     """
     assert argv and argv[0] == "raypaged", f"not a raypaged command line: {argv}"
+    parser = build_parser()
+    for sub in [parser, *_subcommand_parsers(parser)]:
+        sub.allow_abbrev = False  # a renamed flag must not pass as a prefix of its new name
     try:
-        args = build_parser().parse_args(argv[1:])
+        args = parser.parse_args(argv[1:])
     except SystemExit as exc:  # argparse printed why to stderr
         raise AssertionError(f"raypaged rejects {shlex.join(argv)}") from exc
     if hasattr(args, "tensor_parallel_size"):
@@ -96,6 +99,17 @@ def parse_raypaged(argv: list[str]) -> argparse.Namespace:
         for model in args.model or [None]:
             engine_kwargs(args, accepted, model)
     return args
+
+
+def _subcommand_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [sub for action in actions for sub in action.choices.values()]
+
+
+def raypaged_flags() -> set[str]:
+    """Every option string of every ``raypaged`` sub-command."""
+    parser = build_parser()
+    return {option for sub in _subcommand_parsers(parser) for action in sub._actions for option in action.option_strings}
 
 
 def drain_timeout_s(args: argparse.Namespace) -> float:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import re
 
-from raypaged.entrypoints.cli import build_parser
-from tests.deploy.common import REPO
+from tests.deploy.common import REPO, raypaged_flags
 
 OPERATIONS = REPO / "docs" / "operations.md"
 # server flags being added alongside these docs
@@ -15,17 +14,8 @@ OTHER_TOOLS_FLAGS = {"--rm", "--gpus", "--health-cmd", "--for", "--timeout", "--
                      "--block"}
 
 
-def _raypaged_flags() -> set[str]:
-    flags = set()
-    parser = build_parser()
-    for action in parser._subparsers._group_actions:
-        for sub in action.choices.values():
-            flags |= {option for a in sub._actions for option in a.option_strings}
-    return flags
-
-
 def test_operations_names_only_existing_flags():
-    known = _raypaged_flags() | PENDING_FLAGS | OTHER_TOOLS_FLAGS
+    known = raypaged_flags() | PENDING_FLAGS | OTHER_TOOLS_FLAGS
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", OPERATIONS.read_text()))
     assert named - known == set()
 
