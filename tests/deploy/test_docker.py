@@ -85,6 +85,7 @@ def test_cuda_image_serves_the_mounted_model_with_the_cuda_extra():
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(dep.startswith("cupy-cuda13x") for dep in extras["cuda"])
     assert 'pip install -e ".[cuda]"' in _runs(path)
+    assert "nvidia-ml-py==" in _runs(path), "raypaged/serving/metrics.py reads GPU utilization through NVML"
 
 
 def test_cpu_image_serves_the_default_model():
