@@ -14,3 +14,28 @@ def cache_dir() -> Path:
 def log_level() -> str:
     """Default log level of the ``raypaged`` logger: ``$RAYPAGED_LOG_LEVEL`` or ``info``."""
     return os.environ.get("RAYPAGED_LOG_LEVEL", "info")
+
+
+def _positive(name: str, parse: type[int] | type[float]) -> int | float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = parse(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"${name} must be a positive {parse.__name__}, got {raw!r}")
+    return value
+
+
+def cpu_threads_per_shard() -> int | None:
+    """Torch/OpenMP/MKL threads of every CPU shard actor: ``$RAYPAGED_CPU_THREADS_PER_SHARD``, or
+    ``None`` for the default, max(1, cores of the shard's node // shards placed on that node)."""
+    return _positive("RAYPAGED_CPU_THREADS_PER_SHARD", int)
+
+
+def step_timeout_s() -> float:
+    """Seconds the driver waits for one step of a Ray shard group before treating the group as
+    lost (a hung shard): ``$RAYPAGED_STEP_TIMEOUT_S`` or 120."""
+    return _positive("RAYPAGED_STEP_TIMEOUT_S", float) or 120.0

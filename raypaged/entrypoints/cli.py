@@ -142,20 +142,38 @@ def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
     ]
 
 
+def add_drain_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM/SIGINT: how long in-flight requests may run before they are aborted")
+
+
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument("--api-key", default=None, help="require this key as 'Authorization: Bearer KEY'")
+    parser.add_argument("--auth-exempt-paths", default="/health,/metrics", metavar="PATHS",
+                        help="comma-separated paths open without a key when keys are set ('' protects every path)")
     parser.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
+    parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024, metavar="BYTES",
+                        help="larger request bodies are refused with 413")
     parser.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    add_drain_arg(parser)
 
 
 def gateway_options(args: argparse.Namespace) -> GatewayOptions:
+    from raypaged.serving.gateway.guard import check_exempt_paths
     from raypaged.serving.launch import GatewayOptions
 
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout:g}")
+    exempt = tuple(p.strip() for p in args.auth_exempt_paths.split(",") if p.strip())
+    check_exempt_paths(exempt)
     return GatewayOptions(
         host=args.host, port=args.port, api_key=args.api_key, tenants_file=args.tenants,
         log_requests=not args.disable_log_requests, log_level=args.log_level,
+        max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, auth_exempt_paths=exempt,
     )
 
 
@@ -171,7 +189,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_engine(args: argparse.Namespace) -> int:
     from raypaged.serving.launch import run_engine
 
-    asyncio.run(run_engine(engine_configs(args), args.grpc_host, args.grpc_port))
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout:g}")
+    asyncio.run(run_engine(engine_configs(args), args.grpc_host, args.grpc_port, args.drain_timeout))
     return 0
 
 
@@ -215,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(engine, many_models=True)
     engine.add_argument("--grpc-host", default="127.0.0.1", help="gRPC address to listen on")
     engine.add_argument("--grpc-port", type=int, default=50051, help="gRPC port")
+    add_drain_arg(engine)
     engine.set_defaults(func=cmd_engine)
 
     gateway = sub.add_parser("gateway", help="the HTTP gateway in front of running engines")

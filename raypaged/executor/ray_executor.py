@@ -4,70 +4,50 @@ Setup calls (load, profile, cache) are plain actor calls; every step then goes
 through one Ray Compiled Graph that hands the ``SchedulerOutput`` to all shards
 and returns rank 0's ``ModelRunnerOutput`` (measured faster per step than plain
 ``actor.method.remote`` calls; see docs/distributed.md). A shard whose actor
-dies surfaces as :class:`WorkerDiedError`; ``restart()`` replaces the whole
-shard group with an empty KV cache of the same size.
+dies surfaces as :class:`WorkerDiedError`, one that returns no step within
+``$RAYPAGED_STEP_TIMEOUT_S`` as :class:`WorkerStalledError` (a
+``WorkerDiedError``: the group is lost either way); ``restart()`` replaces the
+whole shard group with an empty KV cache of the same size.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
+import time
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
 from ray.dag.compiled_dag_node import CompiledDAG
-from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError
+from ray.util.placement_group import (PlacementGroup, placement_group, placement_group_table,
+                                      remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raypaged import envs
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.executor.step_times import StepTimes
+from raypaged.executor.worker_actor import WorkerActor
 from raypaged.model.parallel import TensorParallel
-from raypaged.worker.worker import Worker
 
 logger = logging.getLogger("raypaged")
 
 _PLACEMENT_TIMEOUT_S = 120.0
-_PROBE_TIMEOUT_S = 5.0  # a dead actor answers a probe with an error at once
+_PROBE_TIMEOUT_S = 5.0  # a dead actor answers a probe with an error at once, a live one within ms
 
 
 class WorkerDiedError(RuntimeError):
-    """A shard's Ray actor died (node loss, OOM kill, ``ray.kill``)."""
+    """A shard's Ray actor died (node loss, OOM kill, ``ray.kill``): the shard group is lost."""
 
-    def __init__(self, rank: int, actor_id: str, cause: BaseException) -> None:
-        super().__init__(f"worker rank {rank} (Ray actor {actor_id}) died: {type(cause).__name__}")
+    def __init__(self, rank: int, actor_id: str, cause: BaseException | None, reason: str | None = None) -> None:
+        super().__init__(f"worker rank {rank} (Ray actor {actor_id}) {reason or f'died: {type(cause).__name__}'}")
         self.rank = rank
         self.actor_id = actor_id
 
 
-class WorkerActor:
-    """The body of one shard actor: a :class:`Worker` once ``start`` has run."""
-
-    def __init__(self) -> None:
-        self.worker: Worker | None = None
-
-    def rendezvous_address(self) -> str:
-        """A ``tcp://ip:port`` on this node for the shard group's process group (rank 0 is asked)."""
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def start(self, config: EngineConfig, eos_token_id: int | None, tp: TensorParallel, init_method: str) -> None:
-        self.worker = Worker(config, eos_token_id, tp, init_method)
-
-    def determine_num_blocks(self) -> tuple[int, int]:
-        return self.worker.determine_num_blocks()
-
-    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks, num_cpu_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+class WorkerStalledError(WorkerDiedError):
+    """A shard is alive but returned no step within the step timeout: the group is treated as lost."""
 
 
 def connect_ray(config: EngineConfig) -> None:
@@ -90,10 +70,13 @@ class RayExecutor:
     def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
         self.config = config
         self.eos_token_id = eos_token_id
+        self.step_timeout_s = envs.step_timeout_s()
+        self.cpu_threads_override = envs.cpu_threads_per_shard()  # None: the node's cores over its shards
         self.workers: list[ray.actor.ActorHandle] = []
         self.placement_group: PlacementGroup | None = None
         self.node_ids: list[str] = []  # the Ray node of each shard, by rank
         self.num_blocks: tuple[int, int] | None = None  # (device, CPU) once the cache exists
+        self.step_times = StepTimes()
         self._step_graph: CompiledDAG | None = None  # compiled once the cache exists
         connect_ray(config)
         self._start_workers()
@@ -113,6 +96,7 @@ class RayExecutor:
                 f"Ray could not place {size} shards of {bundle} with {config.placement_strategy} within "
                 f"{_PLACEMENT_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}"
             ) from None
+        bundle_nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]  # bundle index -> node
         actor_class = ray.remote(WorkerActor)
         self.workers = [
             actor_class.options(
@@ -121,7 +105,9 @@ class RayExecutor:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
                 ),
-            ).remote()
+            ).remote(
+                None if on_gpu else list(bundle_nodes.values()).count(bundle_nodes[rank]), self.cpu_threads_override
+            )
             for rank in range(size)
         ]
         init_method = ray.get(self.workers[0].rendezvous_address.remote())
@@ -135,7 +121,7 @@ class RayExecutor:
         logger.info("started %d shard actors (%s, %s)", size, config.placement_strategy, "GPU" if on_gpu else "CPU")
 
     def restart(self) -> None:
-        """Replace the whole shard group (survivors are stuck in collectives with the dead one)."""
+        """Replace the whole shard group (survivors are stuck in collectives with the lost one)."""
         self.shutdown()
         self._start_workers()
         if self.num_blocks is not None:
@@ -144,12 +130,15 @@ class RayExecutor:
     def shutdown(self) -> None:
         """Kill every shard actor and free the placement group; idempotent."""
         self._teardown_step_graph()
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
-        self.workers = []
+        self._kill_workers()
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None
+
+    def _kill_workers(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []
 
     def _teardown_step_graph(self) -> None:
         if self._step_graph is not None:
@@ -170,13 +159,20 @@ class RayExecutor:
         self.num_blocks = (num_blocks, num_cpu_blocks)
         with InputNode() as scheduler_output:
             graph = MultiOutputNode([worker.execute_model.bind(scheduler_output) for worker in self.workers])
-        self._step_graph = graph.experimental_compile()
+        self._step_graph = graph.experimental_compile(_submit_timeout=self.step_timeout_s)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Rank 0's output of one step on every shard; a shard that died or hung raises
+        :class:`WorkerDiedError` / :class:`WorkerStalledError`."""
+        start = time.perf_counter()
         try:
-            return ray.get(self._step_graph.execute(scheduler_output))[0]
+            results = ray.get(self._step_graph.execute(scheduler_output), timeout=self.step_timeout_s)
+        except RayChannelTimeoutError as err:  # before RayChannelError: it is one
+            raise self._stalled_worker(err) from err
         except (RayActorError, RayChannelError) as err:  # the graph reports a dead shard either way
             raise self._dead_worker(err) from err
+        self.step_times.add(time.perf_counter() - start, max(seconds for _, seconds in results))
+        return results[0][0]
 
     def _dead_worker(self, cause: Exception) -> WorkerDiedError:
         """Name the shard that died: with the graph torn down, every actor is probed; a dead one
@@ -192,6 +188,26 @@ class RayExecutor:
                     return WorkerDiedError(rank, self.workers[rank]._actor_id.hex(), cause)
         silent = next((rank for rank, probe in enumerate(probes) if probe not in ready), 0)
         return WorkerDiedError(silent, self.workers[silent]._actor_id.hex(), cause)
+
+    def _stalled_worker(self, cause: Exception) -> WorkerStalledError:
+        """Name the shard that holds the step up: the first one busy outside a collective (the others
+        wait for it inside one), else the first that does not answer, else rank 0. The group's actors
+        are then killed (a hung shard would block the graph's teardown) and the graph torn down."""
+        probes = [worker.step_activity.remote() for worker in self.workers]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=_PROBE_TIMEOUT_S)
+        activity = []
+        for probe in probes:
+            try:
+                activity.append(ray.get(probe) if probe in ready else "silent")
+            except RayActorError:
+                activity.append("dead")
+        rank = next((r for state in ("busy", "silent", "dead") for r, a in enumerate(activity) if a == state), 0)
+        states = ", ".join(f"rank {r} {a}" for r, a in enumerate(activity))
+        reason = f"stalled: no step result within {self.step_timeout_s:g} s ({states})"
+        error = WorkerStalledError(rank, self.workers[rank]._actor_id.hex(), cause, reason)
+        self._kill_workers()
+        self._teardown_step_graph()
+        return error
 
     def _call_all(self, refs: list[ray.ObjectRef]) -> list:
         return call_all(refs, self.workers)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.executor.step_times import StepTimes
 from raypaged.worker.worker import Worker
 
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
         self.worker = Worker(config, eos_token_id)
+        self.step_times = StepTimes()
 
     def determine_num_blocks(self) -> tuple[int, int]:
         return self.worker.determine_num_blocks()
@@ -18,4 +22,8 @@ class UniProcExecutor:
         self.worker.initialize_cache(num_blocks, num_cpu_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+        start = time.perf_counter()
+        output = self.worker.execute_model(scheduler_output)
+        elapsed = time.perf_counter() - start
+        self.step_times.add(elapsed, elapsed)
+        return output

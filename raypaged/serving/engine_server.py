@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -12,21 +15,52 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.serving.async_engine import AsyncLLMEngine, EngineDeadError
+from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS
 from raypaged.serving.metrics import ServerMetrics
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
 from raypaged.serving.protocol import DeltaTracker, chat_prompt_ids, sampling_params_from_proto
 
 logger = logging.getLogger("raypaged")
+T = TypeVar("T")
 
 
 @dataclass
 class ServedModel:
-    """One model: its engine and a tokenizer of its own for the asyncio side."""
+    """One model: its engine and a tokenizer of its own for the asyncio side.
+
+    Prompts are tokenized on one thread of the model's own (``off_loop``), never on
+    the event loop or the engine thread, so a huge prompt stalls neither streams nor steps.
+    """
 
     name: str
     engine: AsyncLLMEngine
     tokenizer: PreTrainedTokenizerBase
+    _tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenizer"))
+    _max_token_bytes: int | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        # Without a normalizer, every token stands for at most this many bytes of the text.
+        if self.tokenizer.is_fast and self.tokenizer.backend_tokenizer.normalizer is None:
+            self._max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    async def prompt_ids(self, text: str) -> list[int]:
+        """The text's token ids as the engine would make them; a text that cannot fit is refused untokenized."""
+        max_len = self.engine.config.max_model_len
+        if self._max_token_bytes is not None:
+            min_tokens = -(-len(text.encode()) // self._max_token_bytes)
+            if min_tokens >= max_len:
+                raise ValueError(
+                    f"prompt has at least {min_tokens} tokens, which leaves no room to generate within "
+                    f"max_model_len {max_len}"
+                )
+        return await self.off_loop(lambda: self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def info(self) -> pb.ModelInfo:
         config = self.engine.config
@@ -73,7 +107,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             model = self._model(request.model)
             engine = model.engine
             params = sampling_params_from_proto(request)
-            text, token_ids = _prompt(model, request)
+            text, token_ids = await _prompt(model, request)
             request_id = await engine.add_request(text, params, request.request_id or None, token_ids, request.priority)
         except _Abort as exc:
             await context.abort(exc.code, str(exc))
@@ -101,10 +135,12 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         try:
             model = self._model(request.model)
             if request.HasField("messages"):
-                token_ids = chat_prompt_ids(model.tokenizer, request.messages)
+                token_ids = await model.off_loop(chat_prompt_ids, model.tokenizer, request.messages)
             else:
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                token_ids = model.tokenizer(request.text, add_special_tokens=add_special)["input_ids"]
+                token_ids = await model.off_loop(
+                    lambda: model.tokenizer(request.text, add_special_tokens=add_special)["input_ids"]
+                )
         except _Abort as exc:
             await context.abort(exc.code, str(exc))
         except ValueError as exc:
@@ -143,14 +179,15 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         return pb.MetricsResponse(models=stats, prometheus_text=self.metrics.exposition())
 
 
-def _prompt(model: ServedModel, request: pb.GenerateRequest) -> tuple[str | None, list[int] | None]:
+async def _prompt(model: ServedModel, request: pb.GenerateRequest) -> tuple[str | None, list[int]]:
+    """The prompt's text (when it is one) and token ids."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        return request.text, None
+        return request.text, await model.prompt_ids(request.text)
     if kind == "token_ids":
         return None, list(request.token_ids.ids)
     if kind == "messages":
-        return None, chat_prompt_ids(model.tokenizer, request.messages)
+        return None, await model.off_loop(chat_prompt_ids, model.tokenizer, request.messages)
     raise ValueError("a prompt is required: text, token_ids or messages")
 
 
@@ -179,7 +216,7 @@ class EngineServer:
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0 = a free port); returns the bound port."""
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
         pb_grpc.add_TextGenerationServiceServicer_to_server(EngineServicer(self.models, self.metrics), self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
@@ -193,3 +230,4 @@ class EngineServer:
             await self._server.stop(grace)
         for model in self.models.values():
             model.engine.shutdown()
+            model.close()

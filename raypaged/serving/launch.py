@@ -1,32 +1,49 @@
-"""Running the servers: the engine server, the gateway, or both in one process (``raypaged serve``)."""
+"""Running the servers: the engine server, the gateway, or both in one process (``raypaged serve``).
+
+SIGTERM or SIGINT starts a graceful shutdown: the gateway drains (see
+``gateway/drain.py``) and then stops; an engine server stops taking new calls
+and gives running ones the drain timeout before cancelling them. A second
+signal during a gateway's drain ends its in-flight requests at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import uvicorn
 
 from raypaged.config import EngineConfig
 from raypaged.serving.engine_server import EngineServer
 from raypaged.serving.gateway.app import DEFAULT_MAX_BODY_BYTES, build_app
+from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
+from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS
 from raypaged.serving.gateway.tenants import Tenants
 
 logger = logging.getLogger("raypaged")
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+_CLOSE_CONNECTIONS_S = 5.0  # after a drain: for responses still being written
 
 
 @dataclass
 class GatewayOptions:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     tenants_file: str | None = None
     log_requests: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    auth_exempt_paths: tuple[str, ...] = DEFAULT_AUTH_EXEMPT_PATHS
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -55,41 +72,85 @@ def parse_engine_targets(specs: list[str]) -> dict[str, str]:
     return targets
 
 
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the gateway drains before it stops."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def on_shutdown_signals(callback: Callable[[], object]) -> None:
+    """Call ``callback`` on the running loop at each SIGTERM or SIGINT (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, callback)
+
+
 class Gateway:
-    """The HTTP gateway on a bound socket; ``serve()`` runs until ``stop()`` or a signal."""
+    """The HTTP gateway on a bound socket; ``serve()`` runs until ``shutdown()``, ``stop()`` or a signal."""
 
     def __init__(self, targets: dict[str, str], options: GatewayOptions) -> None:
         tenants = Tenants.from_args(options.api_key, options.tenants_file)
-        app = build_app(EngineRoutes(targets), tenants, options.max_body_bytes, options.log_requests)
+        self.drain = Drain(options.drain_timeout_s)
+        app = build_app(
+            EngineRoutes(targets), tenants, options.max_body_bytes, options.log_requests, self.drain,
+            options.auth_exempt_paths,
+        )
         self.socket = listen(options.host, options.port)
         self.port = self.socket.getsockname()[1]
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, log_level=options.log_level, access_log=options.log_requests, lifespan="off")
-        )
+        self.server = _Server(uvicorn.Config(
+            app, log_level=options.log_level, access_log=options.log_requests, lifespan="off",
+            timeout_graceful_shutdown=_CLOSE_CONNECTIONS_S,
+        ))
+        self._shutdown: asyncio.Task | None = None
 
-    async def serve(self) -> None:
+    async def serve(self, handle_signals: bool = False) -> None:
+        """Serve until stopped; with ``handle_signals``, SIGTERM/SIGINT drain and stop it."""
+        if handle_signals:
+            on_shutdown_signals(self.begin_shutdown)
         logger.info("HTTP gateway on %s", self.socket.getsockname())
         await self.server.serve(sockets=[self.socket])
 
+    def begin_shutdown(self) -> None:
+        """Drain then stop (on the serving loop); called again during the drain, end in-flight requests now."""
+        if self._shutdown is None:
+            logger.info("shutdown requested")
+            self._shutdown = asyncio.ensure_future(self.shutdown())
+        else:
+            logger.info("shutdown requested again: ending in-flight requests now")
+            self.drain.expire()
+
+    async def shutdown(self) -> None:
+        """Drain (``/health`` and new requests 503; in-flight ones finish or are ended), then stop serving."""
+        await self.drain.run()
+        self.stop()
+
     def stop(self) -> None:
+        """Stop at once, without draining."""
         self.server.should_exit = True
 
 
-async def run_engine(configs: list[EngineConfig], host: str, grpc_port: int) -> None:
+async def run_engine(configs: list[EngineConfig], host: str, grpc_port: int, drain_timeout_s: float) -> None:
+    """The engine server until SIGTERM/SIGINT; then running calls get ``drain_timeout_s`` before they are cancelled."""
     server = EngineServer(configs)
     await server.start(host, grpc_port)
+    stopping = asyncio.Event()
+    on_shutdown_signals(stopping.set)
     try:
-        await asyncio.Event().wait()
+        await stopping.wait()
+        logger.info("shutdown requested: finishing running calls within %g s", drain_timeout_s)
     finally:
-        await server.stop()
+        await server.stop(grace=drain_timeout_s)
 
 
 async def run_gateway(targets: dict[str, str], options: GatewayOptions) -> None:
-    await Gateway(targets, options).serve()
+    await Gateway(targets, options).serve(handle_signals=True)
 
 
 async def run_serve(configs: list[EngineConfig], grpc_host: str, grpc_port: int, options: GatewayOptions) -> None:
-    """Engines, their gRPC server and a gateway in front of it, in one process."""
+    """Engines, their gRPC server and a gateway in front of it, in one process; the gateway drains first."""
     server = EngineServer(configs)
     port = await server.start(grpc_host, grpc_port)
     address = f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"

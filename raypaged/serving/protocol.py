@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -20,6 +21,10 @@ FINISH_REASONS = {
 def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
     """The request's ``SamplingParams``; bad values raise ``ValueError`` naming the field."""
     sampling, stopping = request.sampling, request.stopping
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
     kwargs: dict = dict(
         n=sampling.n or 1,
         temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,

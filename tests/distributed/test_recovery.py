@@ -1,15 +1,24 @@
-"""A shard actor killed in the middle of a batch: recomputed transparently, or a clear error."""
+"""A shard actor killed or hung in the middle of a batch: recomputed transparently, or a clear error."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import ray
 
 from raypaged import LLM
-from raypaged.executor.ray_executor import WorkerDiedError
+from raypaged.executor.ray_executor import WorkerDiedError, WorkerStalledError
 from tests.distributed.conftest import TINY_PARAMS, TINY_PROMPTS
 
-KILL_AFTER_STEPS = 4
+FAULT_AFTER_STEPS = 4
+STEP_TIMEOUT_S = 4  # a tiny-Llama step takes milliseconds; a hung shard is declared lost after this
+STALL_S = 600.0  # longer than any test: the stalled actor is killed, not waited for
+
+
+@pytest.fixture(autouse=True)
+def short_step_timeout(monkeypatch) -> None:
+    monkeypatch.setenv("RAYPAGED_STEP_TIMEOUT_S", str(STEP_TIMEOUT_S))
 
 
 def start_tp2(tiny_llama, enable_recovery: bool) -> LLM:
@@ -35,13 +44,23 @@ def kill_rank_1(llm: LLM) -> str:
     return worker._actor_id.hex()
 
 
+def stall_rank_1(llm: LLM) -> str:
+    """Rank 1's next step sleeps before its forward; rank 0 waits for it in the first all-reduce."""
+    worker = llm.llm_engine.executor.workers[1]
+    ray.get(worker.stall_next_step.remote(STALL_S))
+    return worker._actor_id.hex()
+
+
 def assert_all_blocks_free(llm: LLM) -> None:
     stats = llm.stats()
     assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"] == 128
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
 
 
-def test_killed_worker_is_replaced_and_requests_finish_unchanged(ray_session, tiny_llama, tiny_reference):
+@pytest.mark.parametrize("fault", [kill_rank_1, stall_rank_1])
+def test_lost_worker_is_replaced_and_requests_finish_unchanged(
+    ray_session, tiny_llama, tiny_reference, fault: Callable[[LLM], str]
+):
     llm = start_tp2(tiny_llama, enable_recovery=True)
     try:
         engine = llm.llm_engine
@@ -50,8 +69,9 @@ def test_killed_worker_is_replaced_and_requests_finish_unchanged(ray_session, ti
         finished = {}
         step = 0
         while engine.has_unfinished_requests():
-            if step == KILL_AFTER_STEPS:
-                dead_actor = kill_rank_1(llm)
+            if step == FAULT_AFTER_STEPS:
+                lost_actor = fault(llm)
+                old_actors = [w._actor_id.hex() for w in engine.executor.workers]
             for output in engine.step():
                 tokens = output.outputs[0].token_ids
                 assert tokens[: len(streamed.get(output.request_id, []))] == streamed.get(output.request_id, [])
@@ -60,26 +80,38 @@ def test_killed_worker_is_replaced_and_requests_finish_unchanged(ray_session, ti
                     finished[output.request_id] = tokens
             step += 1
         assert [finished[rid] for rid in request_ids] == tiny_reference
-        assert dead_actor not in {w._actor_id.hex() for w in engine.executor.workers}
+        new_actors = [w._actor_id.hex() for w in engine.executor.workers]
+        assert lost_actor in old_actors and not set(old_actors) & set(new_actors) and len(new_actors) == 2
         assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def fail_after_fault(tiny_llama, fault: Callable[[LLM], str], expected: type[WorkerDiedError], message: str) -> None:
+    llm = start_tp2(tiny_llama, enable_recovery=False)
+    try:
+        engine = llm.llm_engine
+        add_all(llm)
+        for _ in range(FAULT_AFTER_STEPS):
+            engine.step()
+        lost_actor = fault(llm)
+        with pytest.raises(expected, match="^" + message.format(actor=lost_actor) + "$"):
+            engine.step()
+        assert not engine.has_unfinished_requests()
+        assert_all_blocks_free(llm)
+        assert engine.executor.workers == []  # the survivor was released too
+        with pytest.raises(expected, match="worker rank 1"):
+            engine.step()
     finally:
         llm.shutdown()
 
 
 def test_without_recovery_requests_fail_naming_the_dead_worker(ray_session, tiny_llama):
-    llm = start_tp2(tiny_llama, enable_recovery=False)
-    try:
-        engine = llm.llm_engine
-        add_all(llm)
-        for _ in range(KILL_AFTER_STEPS):
-            engine.step()
-        dead_actor = kill_rank_1(llm)
-        with pytest.raises(WorkerDiedError, match=rf"^worker rank 1 \(Ray actor {dead_actor}\) died: "):
-            engine.step()
-        assert not engine.has_unfinished_requests()
-        assert_all_blocks_free(llm)
-        assert engine.executor.workers == []  # the survivor was released too
-        with pytest.raises(WorkerDiedError, match="worker rank 1"):
-            engine.step()
-    finally:
-        llm.shutdown()
+    fail_after_fault(tiny_llama, kill_rank_1, WorkerDiedError, r"worker rank 1 \(Ray actor {actor}\) died: \w+")
+
+
+def test_without_recovery_requests_fail_naming_the_stalled_worker(ray_session, tiny_llama):
+    fail_after_fault(
+        tiny_llama, stall_rank_1, WorkerStalledError,
+        r"worker rank 1 \(Ray actor {actor}\) stalled: no step result within 4 s \(rank 0 collective, rank 1 busy\)",
+    )

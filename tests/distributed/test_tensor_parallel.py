@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import ray
 from transformers import LlamaConfig
 
 from raypaged import LLM, SamplingParams
 from raypaged.config import EngineConfig
 from raypaged.executor.ray_executor import RayExecutor
 from raypaged.executor.uniproc import UniProcExecutor
+from raypaged.executor.worker_actor import node_cores
 from raypaged.model.llama import check_tensor_parallel
 from tests.distributed.conftest import TINY_PARAMS, TINY_PROMPTS, greedy_tokens
 
@@ -19,11 +21,42 @@ def test_tiny_llama_tp_matches_tp1(ray_session, tiny_llama, tiny_reference, tp):
     try:
         executor = llm.llm_engine.executor
         assert isinstance(executor, RayExecutor) and len(executor.workers) == tp
+        assert shard_threads(executor) == [expected_threads(max(1, CORES // tp))] * tp
         assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
         stats = llm.stats()
         assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"] == 128
     finally:
         llm.shutdown()
+
+
+CORES = node_cores()  # one node: every shard of the session's Ray shares this machine's cores
+
+
+def expected_threads(n: int) -> dict[str, int | str]:
+    return {"torch_threads": n, "OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
+
+
+def shard_threads(executor: RayExecutor) -> list[dict]:
+    return ray.get([worker.thread_settings.remote() for worker in executor.workers])
+
+
+@pytest.mark.parametrize(("tp", "override", "threads"), [(1, None, CORES), (2, "3", 3)])
+def test_cpu_shards_split_the_cores(ray_session, tiny_llama, monkeypatch, tp, override, threads):
+    """Default: the node's cores over its shards (Ray alone would give each num_cpus=1 actor one thread);
+    $RAYPAGED_CPU_THREADS_PER_SHARD overrides."""
+    if override is not None:
+        monkeypatch.setenv("RAYPAGED_CPU_THREADS_PER_SHARD", override)
+    executor = RayExecutor(EngineConfig(model=str(tiny_llama), device="cpu", tensor_parallel_size=tp), eos_token_id=2)
+    try:
+        assert shard_threads(executor) == [expected_threads(threads)] * tp
+    finally:
+        executor.shutdown()
+
+
+def test_bad_thread_override(ray_session, tiny_llama, monkeypatch):
+    monkeypatch.setenv("RAYPAGED_CPU_THREADS_PER_SHARD", "0")
+    with pytest.raises(ValueError, match=r"^\$RAYPAGED_CPU_THREADS_PER_SHARD must be a positive int, got '0'$"):
+        RayExecutor(EngineConfig(model=str(tiny_llama), device="cpu", tensor_parallel_size=2), eos_token_id=2)
 
 
 def test_tp1_stays_in_process(tiny_llama):

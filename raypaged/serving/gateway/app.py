@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
@@ -14,9 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
+from starlette.types import Receive, Scope, Send
 
+from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import APIError, from_grpc, install_handlers
+from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, Guard
 from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape
 from raypaged.serving.gateway.schemas import (
     ChatCompletionRequest,
@@ -39,20 +43,35 @@ def build_app(
     tenants: Tenants,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_requests: bool = True,
+    drain: Drain | None = None,
+    auth_exempt_paths: tuple[str, ...] = DEFAULT_AUTH_EXEMPT_PATHS,
 ) -> FastAPI:
+    """The gateway's routes; ``drain`` (one per gateway) refuses and ends requests at shutdown."""
+    if max_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be at least 1, got {max_body_bytes}")
+    drain = drain or Drain(0)
     app = FastAPI(title="raypaged", docs_url=None, redoc_url=None)
     install_handlers(app)
+    app.add_middleware(Guard, tenants=tenants, drain=drain, exempt_paths=auth_exempt_paths)
 
-    async def parse(http: Request, body_type: type[Body]) -> Body:
+    async def read_body(http: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed ``max_body_bytes``."""
         declared = http.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
             raise APIError(413, f"request body of {declared} bytes exceeds the limit of {max_body_bytes} bytes")
-        raw = await http.body()
-        if len(raw) > max_body_bytes:
-            raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise APIError(413, f"request body exceeds the limit of {max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def parse(http: Request, body_type: type[Body]) -> Body:
+        raw = await read_body(http)
         try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            data = json.loads(raw, parse_constant=_no_constant)
+        except (UnicodeDecodeError, ValueError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}") from None
         try:
             return body_type.model_validate(data)
@@ -62,7 +81,18 @@ def build_app(
             raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
 
     async def generate(http: Request, body_type: type[CompletionRequest] | type[ChatCompletionRequest]) -> Response:
-        gate = tenants.authenticate(http.headers.get("authorization"))
+        slot = _Slot(http.state.tenant_gate, drain)
+        try:
+            return await generate_in(slot, http, body_type)
+        except BaseException:
+            slot.release()
+            raise
+
+    async def generate_in(
+        slot: _Slot, http: Request, body_type: type[CompletionRequest] | type[ChatCompletionRequest]
+    ) -> Response:
+        """Answers the request; ``slot`` is released when the response (or its stream) ends."""
+        gate = slot.gate
         body = await parse(http, body_type)
         chat = body_type is ChatCompletionRequest
         if not chat and body.echo:
@@ -78,38 +108,39 @@ def build_app(
         except (ValueError, TypeError) as exc:  # a value the wire format cannot hold
             raise APIError(400, str(exc)) from None
         shape = ResponseShape(chat, model, body.n, num_logprobs is not None)
-        await gate.admit()
+        await slot.admit()
+        if drain.expired.is_set():
+            raise drain.expiry_error()
         calls = [stub.Generate(r) for r in requests]
         try:
             for call in calls:  # the first message says the engine accepted the request
                 await call.read()
         except BaseException:
             _cancel(calls)
-            gate.release()
             raise
         if log_requests:
             logger.info("request %s: model=%s tenant=%s prompts=%d n=%d stream=%s", shape.id, model,
                         gate.tenant.name, len(prompts), body.n, body.stream)
         if body.stream:
             writer = ChunkWriter(shape, len(prompts), body.include_usage)
-            return StreamingResponse(_sse(calls, writer, gate), media_type="text/event-stream")
+            return _EventStream(_sse(calls, writer, slot, drain), lambda: (_cancel(calls), slot.release()))
         try:
-            return JSONResponse(await _unless_disconnected(http, _collect(calls, Accumulator(shape, len(prompts)))))
+            work = _collect(calls, Accumulator(shape, len(prompts)), drain)
+            return JSONResponse(await _unless_disconnected(http, work))
         finally:
             _cancel(calls)
-            gate.release()
+            slot.release()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
     async def completions(http: Request) -> Response:
         return await generate(http, CompletionRequest)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat_completions(http: Request) -> Response:
         return await generate(http, ChatCompletionRequest)
 
     @app.get("/v1/models")
-    async def models(http: Request) -> dict:
-        tenants.authenticate(http.headers.get("authorization"))
+    async def models() -> dict:
         cards = []
         for name in routes.targets:
             info = await routes.model_info(name)
@@ -121,6 +152,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if drain.draining:
+            return drain.refusal().response()
         problem = await routes.health()
         if problem is not None:
             return APIError(503, problem).response()
@@ -133,9 +166,8 @@ def build_app(
         registry.register(_Families(families))
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_body_doc(TokenizeBody))
     async def tokenize(http: Request) -> dict:
-        tenants.authenticate(http.headers.get("authorization"))
         body = await parse(http, TokenizeBody)
         model, stub = routes.resolve(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -150,15 +182,75 @@ def build_app(
         return {"count": len(response.token_ids), "max_model_len": response.max_model_len,
                 "tokens": list(response.token_ids)}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeBody))
     async def detokenize(http: Request) -> dict:
-        tenants.authenticate(http.headers.get("authorization"))
         body = await parse(http, DetokenizeBody)
         model, stub = routes.resolve(body.model)
         response = await stub.Detokenize(pb.DetokenizeRequest(model=model, token_ids=body.tokens))
         return {"prompt": response.text}
 
+    _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeBody, DetokenizeBody])
     return app
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events; ``cleanup`` runs however the response ends, even before its first event."""
+
+    def __init__(self, events: AsyncIterator[str], cleanup: Callable[[], object]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
+
+
+class _Slot:
+    """A request's place at the gateway: counted by the drain, then holding a tenant slot once admitted."""
+
+    def __init__(self, gate: TenantGate, drain: Drain) -> None:
+        self.gate = gate
+        self._drain = drain
+        self._admitted = False
+        self._released = False
+        drain.enter()
+
+    async def admit(self) -> None:
+        await self.gate.admit()
+        self._admitted = True
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._admitted:
+            self.gate.release()
+        self._drain.leave()
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _body_doc(body_type: type[BaseModel]) -> dict:
+    """OpenAPI text for a route that parses its JSON body itself (so the size limit comes first)."""
+    ref = {"$ref": f"#/components/schemas/{body_type.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _add_body_schemas(app: FastAPI, body_types: list[type[BaseModel]]) -> None:
+    """Adds the request bodies' JSON schemas to the app's OpenAPI components."""
+    _, top = models_json_schema([(t, "validation") for t in body_types], ref_template="#/components/schemas/{model}")
+    plain_openapi = app.openapi
+
+    def openapi() -> dict:
+        document = plain_openapi()
+        document.setdefault("components", {}).setdefault("schemas", {}).update(top["$defs"])
+        return document
+
+    app.openapi = openapi
 
 
 class _Families:
@@ -176,9 +268,14 @@ def _cancel(calls: list[grpc.aio.UnaryStreamCall]) -> None:
         call.cancel()
 
 
-async def _responses(calls: list[grpc.aio.UnaryStreamCall]) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
-    """Every call's responses as they come, tagged with the call's index; cancels them all when left."""
-    queue: asyncio.Queue[tuple[int, pb.GenerateResponse | grpc.aio.AioRpcError | None]] = asyncio.Queue()
+async def _responses(
+    calls: list[grpc.aio.UnaryStreamCall], drain: Drain
+) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """Every call's responses as they come, tagged with the call's index; cancels them all when left.
+
+    Raises the drain's expiry error if the drain timeout expires first.
+    """
+    queue: asyncio.Queue[tuple[int, pb.GenerateResponse | Exception | None]] = asyncio.Queue()
 
     async def pump(index: int, call: grpc.aio.UnaryStreamCall) -> None:
         try:
@@ -188,14 +285,19 @@ async def _responses(calls: list[grpc.aio.UnaryStreamCall]) -> AsyncIterator[tup
             queue.put_nowait((index, exc))
         queue.put_nowait((index, None))
 
+    async def expire() -> None:
+        await drain.expired.wait()
+        queue.put_nowait((-1, drain.expiry_error()))
+
     tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(calls)]
+    tasks.append(asyncio.create_task(expire()))
     try:
         remaining = len(calls)
         while remaining:
             index, item = await queue.get()
             if item is None:
                 remaining -= 1
-            elif isinstance(item, grpc.aio.AioRpcError):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield index, item
@@ -205,8 +307,8 @@ async def _responses(calls: list[grpc.aio.UnaryStreamCall]) -> AsyncIterator[tup
         _cancel(calls)
 
 
-async def _collect(calls: list[grpc.aio.UnaryStreamCall], accumulator: Accumulator) -> dict:
-    async with contextlib.aclosing(_responses(calls)) as responses:
+async def _collect(calls: list[grpc.aio.UnaryStreamCall], accumulator: Accumulator, drain: Drain) -> dict:
+    async with contextlib.aclosing(_responses(calls, drain)) as responses:
         async for index, response in responses:
             accumulator.add(index, response)
     return accumulator.body()
@@ -230,12 +332,14 @@ def _event(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _sse(calls: list[grpc.aio.UnaryStreamCall], writer: ChunkWriter, gate: TenantGate) -> AsyncIterator[str]:
+async def _sse(
+    calls: list[grpc.aio.UnaryStreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain
+) -> AsyncIterator[str]:
     """The stream's server-sent events, ending in ``data: [DONE]``; leaving it early aborts the requests."""
     try:
         for chunk in writer.role_chunks():
             yield _event(chunk)
-        async with contextlib.aclosing(_responses(calls)) as responses:
+        async with contextlib.aclosing(_responses(calls, drain)) as responses:
             async for index, response in responses:
                 for chunk in writer.chunks(index, response):
                     yield _event(chunk)
@@ -243,7 +347,9 @@ async def _sse(calls: list[grpc.aio.UnaryStreamCall], writer: ChunkWriter, gate:
             yield _event(usage_chunk)
     except grpc.aio.AioRpcError as exc:
         yield _event(from_grpc(exc).body())
+    except APIError as exc:
+        yield _event(exc.body())
     finally:
         _cancel(calls)
-        gate.release()
+        slot.release()
     yield _event("[DONE]")

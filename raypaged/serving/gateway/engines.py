@@ -8,6 +8,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.core import Metric
 
+from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, RECONNECT_OPTIONS
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
@@ -28,7 +29,8 @@ class EngineRoutes:
     def _stub(self, address: str) -> pb_grpc.TextGenerationServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
-            stub = self._stubs[address] = pb_grpc.TextGenerationServiceStub(grpc.aio.insecure_channel(address))
+            channel = grpc.aio.insecure_channel(address, options=MESSAGE_SIZE_OPTIONS + RECONNECT_OPTIONS)
+            stub = self._stubs[address] = pb_grpc.TextGenerationServiceStub(channel)
         return stub
 
     def _all_stubs(self) -> dict[str, pb_grpc.TextGenerationServiceStub]:

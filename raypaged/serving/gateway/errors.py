@@ -28,20 +28,23 @@ _GRPC_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 503,
     grpc.StatusCode.CANCELLED: 503,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
 }
 
 
 class APIError(Exception):
     """An error answered as ``status`` with an OpenAI-shaped body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code  # None: the status's usual code
 
     def body(self) -> dict:
         error_type, code = _TYPES.get(self.status, ("invalid_request_error", None))
+        code = self.code or code
         return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": code}}
 
     def response(self) -> JSONResponse:
@@ -56,6 +59,8 @@ def from_grpc(exc: grpc.aio.AioRpcError) -> APIError:
         return APIError(500, "the engine failed on this request")
     if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         return APIError(503, f"the engine is unavailable: {exc.details()}")
+    if status == 413:
+        return APIError(413, f"the request is too large for the engine: {exc.details()}")
     return APIError(status, exc.details() or "bad request", "model" if status == 404 else None)
 
 

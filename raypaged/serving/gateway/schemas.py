@@ -10,7 +10,11 @@ from raypaged.serving.proto import generate_pb2 as pb
 
 from raypaged.serving.gateway.errors import APIError
 
-Unsigned = Annotated[int, Field(ge=0)]
+# integer bounds of the gRPC fields the values travel in
+_UINT32_MAX = 2**32 - 1
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+Unsigned = Annotated[int, Field(ge=0, le=_UINT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -18,9 +22,12 @@ class StreamOptions(BaseModel):
 
 
 class _GenerationBody(BaseModel):
-    """Fields shared by completions and chat completions; unknown fields are ignored (as vLLM does)."""
+    """Fields shared by completions and chat completions; unknown fields are ignored (as vLLM does).
 
-    model_config = ConfigDict(extra="ignore")
+    Numbers must be finite and fit the gRPC fields they travel in.
+    """
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -29,21 +36,21 @@ class _GenerationBody(BaseModel):
     top_p: float | None = None
     max_tokens: Unsigned | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-_INT64_MAX - 1, le=_INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=_INT32_MAX)
     min_p: float = 0.0
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: Unsigned = 0
     stop_token_ids: list[Unsigned] | None = None
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=-_INT32_MAX - 1, le=_INT32_MAX)
 
     @property
     def include_usage(self) -> bool:
