@@ -1,0 +1,117 @@
+"""Reliability suite: real servers (processes, HTTP, gRPC, Ray) under load, faults and bad input.
+
+Sizes are bounded for CI; ``--soak`` (``pytest tests/reliability --soak``) runs the larger ones.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+
+from tests.serving.conftest import tiny_model_dir  # noqa: F401  (a session fixture of this folder too)
+
+RAY_NUM_CPUS = 8  # logical CPUs, as in tests/distributed
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="reliability tests at soak sizes (minutes), not the CI sizes")
+
+
+@pytest.fixture(scope="session")
+def soak(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--soak", default=False))
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """The session's one local Ray instance (shared with tests/distributed when both run)."""
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """``raypaged <command> ...`` as a child process, its log in ``log_path``."""
+
+    def __init__(self, command: str, args: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "raypaged.entrypoints.cli", command, *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_http_ready(self, url: str, headers: dict | None = None, within_s: float = 180) -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"server exited with {self.process.returncode}:\n{self.log()}"
+            try:
+                if httpx.get(f"{url}/health", headers=headers, timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready within {within_s} s:\n{self.log()}")
+
+    def wait_log(self, text: str, within_s: float = 180) -> None:
+        deadline = time.monotonic() + within_s
+        while text not in self.log():
+            assert self.process.poll() is None, f"server exited with {self.process.returncode}:\n{self.log()}"
+            assert time.monotonic() < deadline, f"{text!r} not logged within {within_s} s:\n{self.log()}"
+            time.sleep(0.2)
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.process.send_signal(sig)
+
+    def wait(self, within_s: float = 60) -> int:
+        return self.process.wait(timeout=within_s)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        self._log.close()
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[str]:
+    """The data of each server-sent event."""
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[len("data: "):]
+
+
+def stream_text_and_tail(events: list[str]) -> tuple[str, list[dict]]:
+    """A completions stream's text, and its JSON events (the last ones tell how it ended)."""
+    import json
+
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    return text, chunks

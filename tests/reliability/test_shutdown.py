@@ -1,0 +1,85 @@
+"""``raypaged serve`` as a process: SIGTERM drains in-flight streams and exits 0; keys and prompts stay out of its log."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+
+from tests.reliability.conftest import ServerProcess, free_port, sse_events, stream_text_and_tail
+
+API_KEY = "sk-never-in-logs-5b1f"
+SECRET_PROMPT = "zebra quartz mangrove"  # a prompt no log line may contain
+NUM_STREAMS = 8
+MAX_TOKENS = 400
+DRAINING = {"error": {
+    "message": "the server is draining: it is shutting down and accepts no new requests",
+    "type": "server_error", "param": None, "code": "server_draining",
+}}
+
+
+def test_sigterm_drains_streams_refuses_new_requests_and_exits_0(tmp_path, tiny_model_dir):
+    port, grpc_port = free_port(), free_port()
+    server = ServerProcess("serve", [
+        "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--port", str(port),
+        "--grpc-port", str(grpc_port), "--num-gpu-blocks-override", "256", "--max-model-len", "512",
+        "--api-key", API_KEY, "--disable-log-requests", "--log-level", "debug",
+    ], tmp_path / "serve.log")
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        server.wait_http_ready(url)  # /health needs no key by default
+        listening = {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)  # gRPC listens on a v4-mapped socket
+                     for c in psutil.Process(server.pid).net_connections("tcp") if c.status == "LISTEN"}
+        assert listening == {("127.0.0.1", port), ("127.0.0.1", grpc_port)}  # loopback only by default
+
+        events: list[list[str]] = [[] for _ in range(NUM_STREAMS)]
+        started = [threading.Event() for _ in range(NUM_STREAMS)]
+
+        def stream(i: int) -> None:
+            body = {"model": "tiny", "prompt": f"{SECRET_PROMPT} {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth, timeout=60) as response:
+                assert response.status_code == 200
+                for event in sse_events(response.iter_lines()):
+                    events[i].append(event)
+                    started[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(NUM_STREAMS)]
+        for thread in threads:
+            thread.start()
+        for event in started:
+            assert event.wait(60)
+        server.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while (health := httpx.get(f"{url}/health", timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        refused = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "late"}, headers=auth, timeout=5)
+        models = httpx.get(f"{url}/v1/models", headers=auth, timeout=5)
+        still_streaming = sum(t.is_alive() for t in threads)
+        assert (health.status_code, health.json()) == (503, DRAINING)
+        assert (refused.status_code, refused.json()) == (503, DRAINING)
+        assert (models.status_code, models.json()) == (503, DRAINING)
+        assert still_streaming > 0  # the refusals above happened while streams were running
+
+        for thread in threads:
+            thread.join(timeout=60)
+        for i in range(NUM_STREAMS):
+            text, chunks = stream_text_and_tail(events[i])
+            assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+            assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+        assert server.wait(within_s=60) == 0
+        log = server.log()
+        assert f"draining: {NUM_STREAMS} requests in flight, waiting up to 30 s for them" in log
+        assert "drained" in log and "aborting" not in log
+    finally:
+        server.close()
+    assert API_KEY not in log
+    assert SECRET_PROMPT not in log and "zebra" not in log
+    assert "request cmpl-" not in log  # --disable-log-requests: no line per request
+    json.dumps(log)  # readable text
