@@ -6,8 +6,16 @@ greedily, in fp32, on the same weights and torch thread count, in one process:
 
     python benchmarks/offline_throughput.py --quick
     python benchmarks/offline_throughput.py --systems raypaged,hf-static --threads 2
+    python benchmarks/offline_throughput.py --quick --systems raypaged --tensor-parallel-size 1,3 \
+        --name offline_throughput_tp
 
-Writes benchmarks/results/offline_throughput.{json,png} and prints a Markdown table.
+``--tensor-parallel-size 1,3`` runs raypaged at each size: 1 in this process, N > 1 as N Ray
+CPU shards (threads per shard: max(1, cores // N) unless $RAYPAGED_CPU_THREADS_PER_SHARD), with
+the same total KV cache. For each it reports the per-step driver overhead: the wall time of
+``generate`` minus the slowest shard's time in its ``execute_model``, per step, and the part of it
+spent inside the executor (for Ray shards: the compiled graph's send and return).
+
+Writes benchmarks/results/NAME.{json,png} (NAME: offline_throughput) and prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -20,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from common import (check_args, MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, count_parameters, machine_info,
-                    peak_rss_mib, pyplot, write_json)
+from common import (check_args, MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, count_parameters,
+                    load_average, machine_info, peak_rss_mib, pyplot, write_json)
 
 from raypaged.model.default_model import default_model_dir
 
@@ -60,10 +68,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="timed runs per system (3; 1 quick)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--batch-size", type=int, default=16, help="static batch size of hf-static")
-    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="raypaged kv_cache_space")
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="raypaged KV cache (split over the shards)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {list(SYSTEMS)}")
+    parser.add_argument("--tensor-parallel-size", default="1", help="comma-separated sizes raypaged runs at (1,3)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="raypaged's device")
+    parser.add_argument("--name", default="offline_throughput", help="results file stem under benchmarks/results/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    try:
+        args.tensor_parallel_size = [int(tp) for tp in args.tensor_parallel_size.split(",")]
+    except ValueError:
+        parser.error(f"--tensor-parallel-size takes comma-separated integers, got {args.tensor_parallel_size!r}")
+    if min(args.tensor_parallel_size) < 1:
+        parser.error("--tensor-parallel-size values must be at least 1")
     args.num_prompts = args.num_prompts or (32 if args.quick else 256)
     args.single_prompts = min(args.single_prompts or (4 if args.quick else 32), args.num_prompts)
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -88,31 +105,58 @@ def check_lengths(system: str, outputs: Prompts) -> int:
     return len(outputs) * MAX_TOKENS
 
 
-def bench_raypaged(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> tuple[SystemResult, Prompts]:
+def raypaged_system(tp: int) -> str:
+    return "raypaged" if tp == 1 else f"raypaged-tp{tp}"
+
+
+def bench_raypaged(model_dir: Path, prompts: Prompts, tp: int,
+                   args: argparse.Namespace) -> tuple[SystemResult, Prompts]:
     from raypaged import LLM, SamplingParams
 
-    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_space=args.kv_cache_gib)
+    llm = LLM(model=str(model_dir), dtype="float32", device=args.device, kv_cache_space=args.kv_cache_gib / tp,
+              tensor_parallel_size=tp)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    executor = llm.llm_engine.executor
 
     def run(batch: Prompts, sampling: SamplingParams) -> Prompts:
         requests = [{"prompt_token_ids": p} for p in batch]
         return [o.outputs[0].token_ids for o in llm.generate(requests, sampling, use_tqdm=False)]
 
-    run(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    seconds, outputs = timed_runs(lambda: run(prompts, params), args.repeats)
+    try:
+        run(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        executor.step_times.reset()
+        seconds, outputs = timed_runs(lambda: run(prompts, params), args.repeats)
+        times = executor.step_times
+        stats = llm.stats()
+        threads = [args.threads] if tp == 1 else [s["torch_threads"] for s in executor_thread_settings(executor)]
+    finally:
+        llm.shutdown()
     hf = llm.llm_engine.config.hf_config
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv_bytes_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4
-    blocks = int(llm.stats()["num_gpu_blocks_total"])
+    blocks = int(stats["num_gpu_blocks_total"])
     extra = {
+        "tensor_parallel_size": tp,
+        "threads_per_shard": "/".join(map(str, threads)),
+        "steps": times.num_steps,
+        "forward_ms_per_step": 1e3 * times.worker_s / times.num_steps,
+        "driver_overhead_ms_per_step": 1e3 * (sum(seconds) - times.worker_s) / times.num_steps,
+        "executor_overhead_ms_per_step": 1e3 * (times.executor_s - times.worker_s) / times.num_steps,
         "kv_cache_blocks": blocks,
         "kv_cache_gib": blocks * llm.llm_engine.config.block_size * kv_bytes_per_token / 2**30,
         "kv_gib_if_all_live": sum(len(p) + MAX_TOKENS for p in prompts) * kv_bytes_per_token / 2**30,
-        "preemptions": int(llm.stats()["num_preemptions"]),
+        "preemptions": int(stats["num_preemptions"]),
     }
-    result = SystemResult("raypaged", SYSTEMS["raypaged"], len(prompts), check_lengths("raypaged", outputs),
-                          seconds, peak_rss_mib(), extra)
+    system = raypaged_system(tp)
+    label = SYSTEMS["raypaged"] + ("" if tp == 1 else f", tp {tp} ({tp} Ray CPU shards)")
+    result = SystemResult(system, label, len(prompts), check_lengths(system, outputs), seconds, peak_rss_mib(), extra)
     return result, outputs
+
+
+def executor_thread_settings(executor) -> list[dict]:
+    import ray
+
+    return ray.get([worker.thread_settings.remote() for worker in executor.workers])
 
 
 def hf_generate(model: torch.nn.Module, batch: Prompts, pad_id: int, max_new_tokens: int) -> Prompts:
@@ -183,7 +227,7 @@ def plot(results: list[SystemResult], ceiling: list[dict], info: dict, path: Pat
     medians = [r.median for r in results]
     errors = [[r.median - min(r.tokens_per_s) for r in results], [max(r.tokens_per_s) - r.median for r in results]]
     ax.bar([f"{r.system}\n({r.requests} req)" for r in results], medians, yerr=errors, capsize=6,
-           color=["tab:green" if r.system == "raypaged" else "tab:gray" for r in results])
+           color=["tab:green" if r.system.startswith("raypaged") else "tab:gray" for r in results])
     for i, value in enumerate(medians):
         ax.annotate(f"{value:.1f}", (i, value), ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")
     best = max(ceiling, key=lambda c: c["tokens_per_s"])
@@ -196,27 +240,44 @@ def plot(results: list[SystemResult], ceiling: list[dict], info: dict, path: Pat
     plt.close(fig)
 
 
+def tp_table(results: list[SystemResult]) -> str:
+    """raypaged at each tensor-parallel size: throughput and where a step's time goes."""
+    lines = ["| tp | threads per shard | tokens/s (median) | steps | shard forward ms/step "
+             "| driver overhead ms/step | of which executor (Ray) ms/step |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        if r.system.startswith("raypaged"):
+            e = r.extra
+            lines.append(f"| {e['tensor_parallel_size']} | {e['threads_per_shard']} | {r.median:.1f} | {e['steps']} | "
+                         f"{e['forward_ms_per_step']:.1f} | {e['driver_overhead_ms_per_step']:.2f} | "
+                         f"{e['executor_overhead_ms_per_step']:.2f} |")
+    return "\n".join(lines)
+
+
 def print_report(results: list[SystemResult], ceiling: list[dict], report: dict) -> None:
     info, load = report["machine"], report["workload"]
     print(f"\nW6 offline batch: {info['cpu']}, {info['nproc']} CPUs, {info['threads']} threads, torch {info['torch']}, "
           f"fp32, {load['parameters'] / 1e6:.1f}M parameters, prompts {PROMPT_LEN[0]}–{PROMPT_LEN[1]} tokens, "
           f"{MAX_TOKENS} generated each, {load['repeats']} timed run(s) per system\n")
     print(markdown_table(results) + "\n")
+    print(tp_table(results) + "\n")
     raypaged = next((r for r in results if r.system == "raypaged"), None)
     for c in ceiling:
         share = f"; raypaged at {raypaged.median / c['tokens_per_s']:.1%} of it" if raypaged else ""
         print(f"CPU ceiling {c['shape']}: {c['gflops']:.1f} GFLOP/s → {c['tokens_per_s']:.0f} tokens/s{share}")
     for r in results:
         print(f"{r.system}: peak process RSS so far {r.peak_rss_mib:.0f} MiB; {r.extra}")
-    print(f"wall time {report['wall_seconds']:.0f} s; wrote {RESULTS_DIR}/offline_throughput.json and .png")
+    print(f"load average {report['load_average']}; wall time {report['wall_seconds']:.0f} s; "
+          f"wrote {RESULTS_DIR}/{report['name']}.json and .png")
 
 
 def run_systems(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> list[SystemResult]:
     """Each chosen system in turn (raypaged first, so its peak RSS holds no transformers model)."""
     results, outputs = [], {}
     if "raypaged" in args.systems:
-        result, outputs["raypaged"] = bench_raypaged(model_dir, prompts, args)
-        results.append(result)
+        for tp in args.tensor_parallel_size:
+            result, outputs[raypaged_system(tp)] = bench_raypaged(model_dir, prompts, tp, args)
+            results.append(result)
     if {"hf-single", "hf-static"} & set(args.systems):
         from transformers import AutoModelForCausalLM
 
@@ -238,7 +299,10 @@ def build_report(results: list[SystemResult], ceiling: list[dict], params: int, 
     report = {
         "workload": {"id": "W6", "prompt_len": PROMPT_LEN, "max_tokens": MAX_TOKENS, "greedy": True, "dtype": "float32",
                      "seed": args.seed, "num_prompts": args.num_prompts, "single_prompts": args.single_prompts,
-                     "repeats": args.repeats, "quick": args.quick, "model": str(model_dir), "parameters": params},
+                     "repeats": args.repeats, "quick": args.quick, "model": str(model_dir), "parameters": params,
+                     "tensor_parallel_sizes": args.tensor_parallel_size},
+        "name": args.name,
+        "load_average": load_average(),
         "machine": machine_info(args.threads),
         "cpu_ceiling": ceiling,
         "systems": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "median_tokens_per_s": r.median} for r in results],
@@ -259,8 +323,8 @@ def main() -> None:
     ceiling = cpu_ceiling(params)
     report = build_report(results, ceiling, params, model_dir, args)
     report["wall_seconds"] = time.perf_counter() - started
-    write_json("offline_throughput", report)
-    plot(results, ceiling, report["machine"], RESULTS_DIR / "offline_throughput.png")
+    write_json(args.name, report)
+    plot(results, ceiling, report["machine"], RESULTS_DIR / f"{args.name}.png")
     print_report(results, ceiling, report)
 
 
