@@ -161,6 +161,16 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or seq_id in self.tables:
             return 0
+        keys, hits = self._cached_run(token_ids)
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += len(hits) * self.block_size
+        if hits:
+            self.pool.incref(hits)
+            self.tables[seq_id] = BlockTable(hits, keys[:len(hits)])
+        return len(hits) * self.block_size
+
+    def _cached_run(self, token_ids: list[int]) -> tuple[list[BlockKey], list[int]]:
+        """Keys of the full blocks a prefix hit may cover, and the cached blocks of the leading run."""
         num_full = (len(token_ids) - 1) // self.block_size
         keys = self._block_keys(token_ids, num_full, [])
         hits = []
@@ -169,12 +179,11 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += len(hits) * self.block_size
-        if hits:
-            self.pool.incref(hits)
-            self.tables[seq_id] = BlockTable(hits, keys[:len(hits)])
-        return len(hits) * self.block_size
+        return keys, hits
+
+    def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
+        """The blocks ``computed_prefix`` would attach to a new sequence of these tokens (changes nothing)."""
+        return self._cached_run(token_ids)[1] if self.enable_prefix_caching else []
 
     def allocate_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> Allocation | None:
         """Make room for tokens ``num_computed .. num_computed+num_new`` of a sequence.
@@ -255,6 +264,47 @@ class KVCacheManager:
     def swap_in(self, seq_ids: list[str]) -> list[tuple[int, int]] | None:
         """Bring swapped sequences back; returns (cpu block, device block) copies or ``None``."""
         return _move_tables(self.swapped, self.tables, self.cpu_pool, self.pool, seq_ids)
+
+    def num_blocks_to_swap_in(self, plan: list[tuple[str, int, int]]) -> int:
+        """Device blocks that swapping a group in and then writing its next tokens takes.
+
+        ``plan`` holds ``(seq_id, num_computed_tokens, num_new_tokens)`` of every
+        swapped sequence of the group, in the order they are scheduled: shared
+        blocks come back once, and a shared, partly filled block is copied by
+        every writer but the last (as ``allocate_slots`` does).
+        """
+        tables = [self.swapped[seq_id] for seq_id, _, _ in plan]
+        refs: dict[int, int] = {}
+        for table in tables:
+            for block_id in table.block_ids:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        total = len(refs)
+        for (_, num_computed, num_new), table in zip(plan, tables):
+            if num_new == 0:
+                continue
+            total += max(self.num_blocks_for(num_computed + num_new) - len(table.block_ids), 0)
+            write_index = num_computed // self.block_size
+            if num_computed % self.block_size and write_index < len(table.block_ids):
+                block_id = table.block_ids[write_index]
+                if refs[block_id] > 1:
+                    refs[block_id] -= 1
+                    total += 1
+        return total
+
+    def num_blocks_to_hold(self, held_seq_ids: list[str], token_ids: list[list[int]]) -> int:
+        """Device blocks that some sequences' tables plus others recomputed from scratch take.
+
+        The held tables count once per distinct block; each recomputed sequence
+        needs a block per ``block_size`` tokens, less the leading blocks its
+        prefix-cache hit finds among the held ones (an upper bound: it does not
+        count on the recomputed sequences sharing blocks with each other).
+        """
+        held = {b for seq_id in held_seq_ids for b in self.get_block_ids(seq_id)}
+        total = len(held)
+        for ids in token_ids:
+            hits = self.cached_prefix_blocks(ids)
+            total += self.num_blocks_for(len(ids)) - sum(1 for block_id in hits if block_id in held)
+        return total
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if ref counts disagree with the block tables (device and CPU)."""

@@ -180,23 +180,11 @@ class Scheduler:
         if not preempted:
             self._swap_in()
         # swapped-out sequences go back before any new one is admitted
-        admitting = not preempted and not self.swapped
-        while admitting and self.waiting and self._budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
-            request = self.waiting[0]
-            if not self._admit(request):
-                if self._preempt_for(request):
-                    continue  # a lower-priority sequence made room: try again
-                logger.debug(
-                    "No free blocks available for request %s (%d free); it waits",
-                    request.request_id,
-                    self.kv.num_free_blocks,
-                )
-                break
+        if not preempted and not self.swapped:
+            self._admit_waiting()
 
-        if not out.num_scheduled_tokens and not out.block_ops and self.waiting:
-            self._break_stall(self.waiting[0])
+        if not out.num_scheduled_tokens and not out.block_ops and (self.waiting or self.swapped):
+            self._resolve_stall()
         out.finished_request_ids = self._forget_ids
         self._forget_ids = set()
         if logger.isEnabledFor(logging.DEBUG):
@@ -211,6 +199,22 @@ class Scheduler:
                 self.kv.num_free_cpu_blocks,
             )
         return out
+
+    def _admit_waiting(self) -> None:
+        """Admit waiting sequences in policy order while the batch and the pool have room."""
+        while self.waiting and self._budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            if not self._admit(request):
+                if self._preempt_for(request):
+                    continue  # a lower-priority sequence made room: try again
+                logger.debug(
+                    "No free blocks available for request %s (%d free); it waits",
+                    request.request_id,
+                    self.kv.num_free_blocks,
+                )
+                break
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -311,14 +315,40 @@ class Scheduler:
         return pool[-1]
 
     def _preempt_for(self, waiting: Request) -> bool:
-        """Priority policy: preempt a running sequence of lower priority than ``waiting``."""
+        """Priority policy: preempt a running sequence of lower priority than ``waiting``.
+
+        Only when preempting every one of lower priority would make room for it:
+        otherwise the victims would lose their place for nothing (and a group
+        swapped in would be swapped out again at once, step after step).
+        """
         if self.config.policy != "priority" or not self.running:
             return False
         victim = self._pick_victim()
         if victim.priority <= waiting.priority:
             return False  # only a strictly more urgent request may displace a running one
+        if not self._room_after_preempting(waiting):
+            return False
         self._preempt(victim)
         return True
+
+    def _room_after_preempting(self, waiting: Request) -> bool:
+        """Would ``waiting`` be admitted once every running sequence of lower priority is gone?"""
+        victims = [r for r in self.running if r.priority > waiting.priority]
+        if len(self.running) - len(victims) >= self.config.max_num_seqs:
+            return False
+        refs: dict[int, int] = {}
+        for request in victims:
+            for block_id in self.kv.get_block_ids(request.request_id):
+                refs[block_id] = refs.get(block_id, 0) + 1
+        ref_counts = self.kv.pool.ref_counts
+        num_freed = sum(1 for block_id, n in refs.items() if ref_counts[block_id] == n)
+        hits = self.kv.cached_prefix_blocks(waiting.all_token_ids)
+        num_cached = len(hits) * self.kv.block_size
+        num_new = min(waiting.num_tokens - num_cached, self._budget)
+        if waiting.group is not None and waiting.group.pending_children:
+            num_new = max(min(num_new, waiting.group.fork_at - num_cached), 0)
+        kept = sum(1 for block_id in hits if ref_counts[block_id] > refs.get(block_id, 0))
+        return self.kv.num_blocks_for(num_cached + num_new) - kept <= self.kv.num_free_blocks + num_freed
 
     def _preempt(self, victim: Request) -> None:
         group = [victim]
@@ -374,20 +404,28 @@ class Scheduler:
             out.cached_requests = [d for d in out.cached_requests if d.request_id != request.request_id]
 
     def _swap_in(self) -> None:
-        """Bring swapped groups back, oldest first, while blocks for their next token exist.
+        """Bring swapped groups back, oldest first, while they can run this very step.
 
-        When nothing else runs a group comes back as soon as its blocks fit, so a
-        group larger than the batch limits or short of spare blocks still progresses.
+        Beside running sequences a group comes back only if its blocks and the
+        blocks its next tokens take fit, so it is scheduled as it returns (a group
+        that came back without room would be swapped out again at once, for
+        ever). When nothing else runs it comes back as soon as its blocks fit, so
+        a group larger than the batch limits or short of spare blocks still
+        progresses (its newest sequences are recomputed if it must shrink).
         """
         while self.swapped and self._budget > 0:
             group = self.swapped[0]
-            num_blocks = len({b for r in group for b in self.kv.swapped[r.request_id].block_ids})
-            free = self.kv.num_free_blocks
-            if self.running and (
-                len(self.running) + len(group) > self.config.max_num_seqs or num_blocks + len(group) > free
-            ):
-                break
-            if num_blocks > free:
+            if self.running:
+                if len(self.running) + len(group) > self.config.max_num_seqs:
+                    break
+                plan, budget = [], self._budget
+                for request in group:
+                    num_new = self._num_new_tokens(request, budget)
+                    budget -= num_new
+                    plan.append((request.request_id, request.num_computed_tokens, num_new))
+                if self.kv.num_blocks_to_swap_in(plan) > self.kv.num_free_blocks:
+                    break
+            elif len({b for r in group for b in self.kv.swapped[r.request_id].block_ids}) > self.kv.num_free_blocks:
                 break
             copies = self.kv.swap_in([r.request_id for r in group])
             self._out.block_ops.extend(BlockOp("swap_in", src, dst) for src, dst in copies)
@@ -469,6 +507,38 @@ class Scheduler:
                 self.running.remove(beam)
                 self._finish(beam, RequestStatus.FINISHED_LENGTH)
             group.done = True
+
+    def _resolve_stall(self) -> None:
+        """Nothing ran this step although sequences wait: give the pool to the most urgent.
+
+        Every running sequence is then idle (a beam waiting for a sibling that was
+        preempted), holding blocks that the oldest swapped group or the head of
+        the queue needs, while they wait behind it: neither could ever move. The
+        oldest swapped group, else the head of the queue (with the beams of its
+        search), gets the pool: every other running sequence is preempted and it
+        comes back now. Only a head that cannot fit even then is finished.
+        """
+        if self.swapped:
+            for victim in self.running[::-1]:
+                if victim.status == RequestStatus.RUNNING:
+                    self._preempt(victim)
+            self._swap_in()
+            return
+        head = self.waiting[0]
+        unit = [head] if head.beam is None else [r for r in self.requests.values() if r.beam is head.beam]
+        held = [r.request_id for r in unit if r.status == RequestStatus.RUNNING]
+        recomputed = [r.all_token_ids for r in unit if r.status != RequestStatus.RUNNING]
+        if len(unit) > self.config.max_num_seqs or self.kv.num_blocks_to_hold(held, recomputed) > self.kv.num_blocks:
+            self._break_stall(head)
+            return
+        for victim in self.running[::-1]:
+            if victim.status == RequestStatus.RUNNING and victim not in unit:
+                self._preempt(victim)
+        if self.config.policy == "fcfs":  # the preempted went to the front: the head goes first still
+            self.waiting = [r for r in self.waiting if r in unit] + [r for r in self.waiting if r not in unit]
+        self._admit_waiting()
+        if head.status != RequestStatus.RUNNING:
+            self._break_stall(head)  # alone in the pool and still short: it never fits
 
     def _break_stall(self, head: Request) -> None:
         """Nothing could run although a request waits: it can never fit, so end it.

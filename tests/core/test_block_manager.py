@@ -74,3 +74,37 @@ def test_check_invariants_catches_a_corrupted_ref_count():
     kv.pool.ref_counts[0] = 2
     with pytest.raises(AssertionError, match="ref counts disagree with block tables"):
         kv.check_invariants()
+
+
+def test_blocks_to_swap_in_count_shared_blocks_once_and_every_copy_but_the_last():
+    kv = KVCacheManager(num_blocks=8, block_size=4, num_cpu_blocks=8)
+    kv.allocate_slots("a", 0, 6)  # blocks 0, 1; block 1 partly filled
+    kv.fork("a", "b")
+    kv.fork("a", "c")
+    assert kv.swap_out(["a", "b", "c"]) is not None
+    # decode: a and b copy the shared, partly filled block; c, its last writer, keeps it
+    assert kv.num_blocks_to_swap_in([("a", 6, 1), ("b", 6, 1), ("c", 6, 1)]) == 2 + 2
+    # c not scheduled this step: a and b both copy (c still holds the block)
+    assert kv.num_blocks_to_swap_in([("a", 6, 1), ("b", 6, 1), ("c", 6, 0)]) == 2 + 2
+    assert kv.num_blocks_to_swap_in([("a", 6, 1), ("b", 6, 0), ("c", 6, 0)]) == 2 + 1
+    # a chunk past the block end grows the table too
+    assert kv.num_blocks_to_swap_in([("a", 6, 7), ("b", 6, 0), ("c", 6, 0)]) == 2 + 1 + 2
+    [copies] = [kv.swap_in(["a", "b", "c"])]
+    assert len(copies) == 2
+    assert [kv.allocate_slots(s, 6, 1).copies != [] for s in "abc"] == [True, True, False]
+    assert kv.num_free_blocks == 8 - 4
+
+
+def test_blocks_to_hold_a_recomputed_sequence_reuse_only_cached_blocks_still_held():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    tokens = list(range(1, 11))
+    kv.allocate_slots("a", 0, 10)  # 3 blocks, 2 of them full
+    kv.cache_blocks("a", tokens, [], 10)
+    # b recomputes the same 10 tokens: its 2 leading full blocks are a's, the third is new
+    assert kv.num_blocks_to_hold(["a"], [tokens]) == 3 + 1
+    assert kv.num_blocks_to_hold([], [tokens]) == 3  # a's blocks would not be held: counted
+    assert kv.num_blocks_to_hold(["a"], [tokens, [9] + tokens]) == 3 + 1 + 3
+    nocache = KVCacheManager(num_blocks=16, block_size=4)
+    nocache.allocate_slots("a", 0, 10)
+    assert nocache.num_blocks_to_hold(["a"], [tokens]) == 3 + 3
+    assert kv.cached_prefix_blocks(tokens) == [0, 1] and nocache.cached_prefix_blocks(tokens) == []

@@ -295,29 +295,15 @@ def test_priority_policy_admits_and_preempts_by_priority():
         SchedulerConfig(policy="lifo")
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.sampled_from(["add", "group", "beam", "step", "step", "step", "abort"]),
-            st.integers(1, 30),
-            st.integers(1, 10),
-        ),
-        max_size=60,
-    ),
-    st.integers(4, 24),
-    st.sampled_from([1, 2, 4, 16]),
-    st.integers(1, 40),
-    st.sampled_from([None, "swap", "recompute"]),
-    st.sampled_from(["fcfs", "priority"]),
-    st.booleans(),
-)
-def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size, budget, mode, policy, caching):
-    """Random adds (single or n=3 groups), steps and aborts; every step keeps the pools consistent."""
+def run_workload(ops, num_blocks, block_size, budget, mode, policy, caching) -> tuple[Scheduler, dict[str, Request]]:
+    """Random adds (single, n=3 groups or beam searches), steps and aborts; every step keeps the
+    pools consistent, and then every request finishes. Returns the scheduler and every sequence
+    it ran, by id."""
     s = Scheduler(
         SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, policy=policy, preemption_mode=mode),
         KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, num_cpu_blocks=num_blocks // 2),
     )
+    seen: dict[str, Request] = {}
     next_id = 0
     for op, size, max_tokens in ops:
         if op in ("add", "group", "beam"):
@@ -340,6 +326,7 @@ def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size,
             s.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
         else:
             run_step(s, token_id=size % 7 + 1)
+        seen.update(s.requests)
         s.kv.check_invariants()
         used = {b for table in s.kv.block_tables.values() for b in table}
         assert len(used) + s.kv.num_free_blocks == num_blocks
@@ -350,7 +337,125 @@ def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size,
         if not s.has_unfinished_requests():
             break
         run_step(s)
+        seen.update(s.requests)
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == num_blocks
     assert s.kv.num_free_cpu_blocks == num_blocks // 2
     s.kv.check_invariants()
+    return s, seen
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "group", "beam", "step", "step", "step", "abort"]),
+            st.integers(1, 30),
+            st.integers(1, 10),
+        ),
+        max_size=60,
+    ),
+    st.integers(4, 24),
+    st.sampled_from([1, 2, 4, 16]),
+    st.integers(1, 40),
+    st.sampled_from([None, "swap", "recompute"]),
+    st.sampled_from(["fcfs", "priority"]),
+    st.booleans(),
+)
+def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size, budget, mode, policy, caching):
+    """Random workloads: the pools stay consistent at every step and every request finishes."""
+    run_workload(ops, num_blocks, block_size, budget, mode, policy, caching)
+
+
+def test_a_swapped_group_and_an_idle_beam_do_not_livelock():
+    """Found by the random workloads: a swapped sequence older than a beam search whose
+    running beam waits, holding blocks, for its preempted sibling. The swapped sequence
+    used to come back without room for its next chunk and be swapped out again, every
+    step, for ever (and the sibling could not be admitted while a group was swapped)."""
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=29, preemption_mode="swap"),
+        KVCacheManager(11, 4, num_cpu_blocks=5),
+    )
+    group = make_group("0", 29, 3, max_tokens=5)
+    s.add_request(group[0])
+    beam = make_request("1", 16, max_tokens=5)
+    beam.beam = BeamGroup("1", BeamSearchParams(beam_width=2, max_tokens=5), EOS)
+    beam.beam.beams.append(beam)
+    s.add_request(beam)
+    steps = []
+    for _ in range(100):
+        if not s.has_unfinished_requests():
+            break
+        steps.append(run_step(s))
+        s.kv.check_invariants()
+    assert [out.num_scheduled_tokens for out in steps] == (
+        [{"0": 28, "1": 1}] + [{"0": 1}] * 5
+        + [{"1": 16, "0#1": 13}, {"1": 1}, {"0#1": 16}] + [{"0#1": 1}] * 4
+        + [{"1": 17, "1#1": 12}, {"1#1": 5}] + [{"1": 1, "1#1": 1}] * 3
+        + [{"0#2": 29}] + [{"0#2": 1}] * 4
+    )
+    # step 7: 1#1 (a beam) is recomputed and 0#1 swapped out; at step 8 nothing could run
+    # (0#1 does not fit beside beam 1, whose sibling waits behind the swapped 0#1): the
+    # idle beam is recomputed and 0#1, the older, comes back with its 16 tokens
+    assert [(op.kind, op.src, op.dst) for op in steps[7].block_ops] == [
+        ("swap_out", 6, 0), ("swap_out", 5, 1), ("swap_out", 4, 2), ("swap_out", 3, 3)
+    ]
+    assert steps[7].finished_request_ids == {"0#1", "1#1"}
+    assert [(op.kind, op.src, op.dst) for op in steps[8].block_ops] == [
+        ("swap_in", 0, 1), ("swap_in", 1, 0), ("swap_in", 2, 3), ("swap_in", 3, 4)
+    ]
+    assert steps[8].finished_request_ids == {"1"}
+    assert [d.request_id for d in steps[8].new_requests] == ["0#1"]
+    assert sum(len(out.block_ops) for out in steps) == 8  # swapped out once, in once
+    assert (s.num_preemptions, s.num_swap_outs) == (6, 1)
+    assert [(r.status, r.output_token_ids, r.num_preemptions) for r in group] == [
+        (RequestStatus.FINISHED_LENGTH, [7] * 5, 0),
+        (RequestStatus.FINISHED_LENGTH, [7] * 5, 1),
+        (RequestStatus.FINISHED_LENGTH, [7] * 5, 1),
+    ]
+    assert beam.beam.done
+    assert [(h.token_ids, h.finish_reason) for h in beam.beam.hypotheses] == [
+        ([7, 7, 7, 7, 7], "length"), ([8, 7, 7, 7, 7], "length")
+    ]
+    assert s.kv.num_free_blocks == 11 and s.kv.num_free_cpu_blocks == 5
+
+
+def test_priority_never_preempts_for_a_request_that_would_not_fit_anyway():
+    """Found by the random workloads: a swapped group came back and was swapped out again in
+    the same step, for ever, to make room for a waiting beam that did not fit even then."""
+    ops = [
+        ("add", 11, 10), ("beam", 23, 10), ("group", 10, 7), ("add", 12, 1), ("add", 1, 1),
+        ("add", 11, 10), ("add", 1, 1), ("step", 1, 1), ("add", 1, 1), ("step", 1, 1),
+        ("step", 1, 1), ("abort", 1, 1), ("add", 1, 1), ("add", 1, 1), ("add", 1, 1),
+        ("add", 3, 5), ("add", 1, 1), ("add", 27, 10), ("add", 6, 9), ("beam", 25, 6),
+        ("add", 1, 1), ("add", 1, 1),
+    ]
+    s, seen = run_workload(ops, 23, 2, 37, "swap", "priority", False)
+    assert (s.num_preemptions, s.num_swap_outs) == (18, 7)
+    # every request but the aborted one got all its tokens, except beam search 15: its two
+    # beams need 28 blocks of the 23 once one is recomputed, so it ends with what it has
+    cut = {rid: (r.status, r.num_output_tokens) for rid, r in seen.items() if r.num_output_tokens < r.max_tokens}
+    assert cut == {
+        "1": (RequestStatus.FINISHED_ABORTED, 0),
+        "15": (RequestStatus.FINISHED_LENGTH, 2),
+        "15#1": (RequestStatus.FINISHED_LENGTH, 2),
+    }
+
+
+def test_a_beam_search_that_no_longer_fits_is_finished_not_retried_for_ever():
+    """A preempted beam, recomputed without sharing its sibling's blocks, needs 40 of the 24
+    blocks: when nothing else can run the search is finished with what it has, once, rather
+    than readmitted to compute a chunk and be preempted again, step after step."""
+    ops = [
+        ("abort", 10, 7), ("step", 1, 1), ("add", 1, 1), ("beam", 17, 6), ("add", 1, 4), ("add", 11, 1),
+        ("add", 1, 1), ("add", 1, 1), ("step", 1, 1), ("add", 8, 1), ("abort", 11, 1), ("add", 1, 1),
+        ("add", 1, 1),
+    ]
+    s, seen = run_workload(ops, 24, 1, 38, None, "priority", True)
+    assert (s.num_preemptions, s.num_swap_outs) == (1, 0)
+    cut = {rid: (r.status, r.num_output_tokens) for rid, r in seen.items() if r.num_output_tokens < r.max_tokens}
+    assert cut == {
+        "1": (RequestStatus.FINISHED_LENGTH, 3),
+        "1#1": (RequestStatus.FINISHED_ABORTED, 1),
+        "1#2": (RequestStatus.FINISHED_LENGTH, 3),
+    }
