@@ -73,6 +73,10 @@ def build_app(
             data = json.loads(raw, parse_constant=_no_constant)
         except (UnicodeDecodeError, ValueError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        try:  # "\ud800" escapes parse, but no UTF-8 text (nor the engine) can hold them
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise APIError(400, "request body is not valid JSON: a string holds an unpaired UTF-16 surrogate") from None
         try:
             return body_type.model_validate(data)
         except ValidationError as exc:
