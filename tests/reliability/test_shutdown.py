@@ -83,3 +83,33 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits_0(tmp_path, tiny_
     assert SECRET_PROMPT not in log and "zebra" not in log
     assert "request cmpl-" not in log  # --disable-log-requests: no line per request
     json.dumps(log)  # readable text
+
+
+def test_requests_left_at_the_drain_timeout_end_with_an_error_and_free_their_blocks(tiny_model_dir):
+    from tests.serving.conftest import Stack, tiny_config
+
+    stack = Stack([tiny_config(tiny_model_dir, "tiny")], drain_timeout_s=0.2)
+    try:
+        body = {"model": "tiny", "prompt": "long", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        streams = []
+        with stack.client() as client:
+            for _ in range(4):
+                response = client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
+                events = sse_events(response.iter_lines())
+                next(events)
+                streams.append((response, events))
+            stack.background.run(stack.gateway.shutdown())
+            for response, events in streams:
+                rest = list(events)
+                response.close()
+                assert rest[-1] == "[DONE]"
+                assert json.loads(rest[-2]) == {"error": {
+                    "message": "the server shut down before this request finished (drain timeout 0.2 s)",
+                    "type": "server_error", "param": None, "code": "server_draining"}}
+        deadline = time.monotonic() + 10
+        while (stats := stack.engine().stats())["num_gpu_blocks_free"] != stats["num_gpu_blocks_total"]:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.02)
+        assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+    finally:
+        stack.close()
