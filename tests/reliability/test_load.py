@@ -9,7 +9,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import httpx
