@@ -2,12 +2,16 @@
 
     python benchmarks/gpu_check.py [--json results.json]
 
-1. runs tests/gpu (every kernel against the torch reference);
+1. runs tests/gpu (every kernel against the torch reference; the CUDA model runner
+   against transformers on the same device);
 2. times paged_attention_decode (v1 and v2) at batch 256 x context 2048 with Llama-2-7B
    attention shapes (32 heads, head 128, fp16, block 16) against the memory floor:
    bytes of K/V read / measured device-to-device copy bandwidth (target: >= 70%);
 3. times the prefill path's block gather against its SDPA call (the gather's share);
-4. W1 end to end against transformers: pending until the CUDA model runner exists.
+4. W1 end to end on a Llama-2-7B-shaped model with random fp16 weights (no download):
+   closed-loop clients at each concurrency, prompts of 50-200 tokens, exactly 100 generated
+   tokens each, through the engine's own loop (no HTTP: the serving packages are not needed),
+   against transformers ``generate`` with static batches of the same size on the same GPU.
 Finishes in well under 8 minutes on one H200-class GPU.
 """
 
@@ -15,15 +19,21 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
+import logging
+import random
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from raypaged import kernels
+from raypaged.attention import torch_ops
 from raypaged.attention.torch_ops import prefill_attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +85,25 @@ def decode_vs_floor(bandwidth: float) -> dict:
     for name, partition_size in (("v1 (default)", None), ("v2 (512-token partitions)", 512)):
         seconds = seconds_per_call(functools.partial(decode, partition_size))
         rows[name] = dict(ms=seconds * 1e3, floor_ms=floor_s * 1e3, of_floor=floor_s / seconds)
-    return dict(kv_bytes=kv_bytes, copy_bandwidth_gbs=bandwidth / 1e9, kernels=rows)
+    # the kernel's compile-time knobs, on the one instantiation used here; each checked against torch
+    few = slice(0, 16)
+    reference = torch_ops.paged_attention_decode(query[few], key_cache, value_cache, block_tables[few],
+                                                 context_lens[few], HEAD_SIZE**-0.5).float()
+    tuning = {}
+    for unroll in (4, 8, 16):
+        for min_blocks in (2, 4):
+            defines = ("RP_TUNING_F16_128_ONLY", f"RP_ROWS_UNROLL={unroll}", f"RP_MIN_BLOCKS={min_blocks}")
+            name = f"rows_unroll={unroll}, min_blocks={min_blocks}"
+            try:
+                out = kernels.paged_attention_decode(query[few], key_cache, value_cache, block_tables[few],
+                                                     context_lens[few], HEAD_SIZE**-0.5, None, defines)
+                error = ((out.float() - reference).abs().max() / reference.abs().max()).item()
+                seconds = seconds_per_call(lambda: kernels.paged_attention_decode(
+                    query, key_cache, value_cache, block_tables, context_lens, HEAD_SIZE**-0.5, None, defines))
+                tuning[name] = dict(ms=seconds * 1e3, of_floor=floor_s / seconds, rel_error=error)
+            except Exception as err:  # a variant that fails to build or run is reported, not fatal
+                tuning[name] = dict(error=f"{type(err).__name__}: {err}")
+    return dict(kv_bytes=kv_bytes, copy_bandwidth_gbs=bandwidth / 1e9, kernels=rows, tuning=tuning)
 
 
 def prefill_gather_share(query_len: int = 512) -> dict:
@@ -94,17 +122,140 @@ def prefill_gather_share(query_len: int = 512) -> dict:
                 gather_share=gather_s / (gather_s + sdpa_s))
 
 
+def w1_workload(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(50, 200))] for _ in range(num_requests)]
+
+
+def raypaged_w1(model_dir: Path, concurrencies: list[int], requests_per_level, enforce_eager: bool,
+                device: str = "cuda") -> dict:
+    """Generated tokens/s of the engine, closed loop: a finished request is replaced at once."""
+    from raypaged import LLM, SamplingParams
+
+    started = time.monotonic()
+    llm = LLM(str(model_dir), load_format="dummy", dtype="float16" if device == "cuda" else "float32", device=device,
+              gpu_memory_utilization=0.5, max_model_len=4096, enforce_eager=enforce_eager,
+              kv_cache_space=None if device == "cuda" else 0.5)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    engine = llm.llm_engine
+    stats = engine.stats()
+    result: dict = dict(startup_s=time.monotonic() - started, kv_blocks=stats["num_gpu_blocks_total"], levels={})
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    vocab = engine.config.hf_config.vocab_size
+    warm = w1_workload(8, vocab, seed=99)
+    for ids in warm:
+        engine.add_request(None, params, prompt_token_ids=ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for concurrency in concurrencies:
+        prompts = w1_workload(requests_per_level(concurrency), vocab, seed=concurrency)
+        pending = list(prompts)
+        in_flight: dict[str, float] = {}
+        latencies: list[float] = []
+        generated = 0
+        sync()
+        t0 = time.perf_counter()
+        steps = 0
+        while pending or in_flight:
+            while pending and len(in_flight) < concurrency:
+                request_id = engine.add_request(None, params, prompt_token_ids=pending.pop())
+                in_flight[request_id] = time.perf_counter()
+            for out in engine.step():
+                if out.finished:
+                    latencies.append(time.perf_counter() - in_flight.pop(out.request_id))
+                    generated += len(out.outputs[0].token_ids)
+            steps += 1
+        elapsed = time.perf_counter() - t0
+        latencies.sort()
+        result["levels"][concurrency] = dict(
+            requests=len(prompts), generated_tokens=generated, seconds=elapsed, tokens_per_s=generated / elapsed,
+            steps=steps, ms_per_step=1e3 * elapsed / steps, p50_latency_s=latencies[len(latencies) // 2],
+            p99_latency_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        )
+        print(f"  raypaged ({'eager' if enforce_eager else 'CUDA graphs'}) concurrency {concurrency}: "
+              f"{generated / elapsed:,.0f} tok/s, {1e3 * elapsed / steps:.1f} ms/step", flush=True)
+    result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / (1 << 30) if device == "cuda" else None
+    result["preemptions"] = engine.stats()["num_preemptions"]
+    del llm, engine
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def transformers_w1(model_dir: Path, concurrencies: list[int], requests_per_level, device: str = "cuda") -> dict:
+    """transformers ``generate`` on static batches of ``concurrency`` requests (left padding)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float16 if device == "cuda" else None).eval()
+    result: dict = {}
+    for concurrency in concurrencies:
+        prompts = w1_workload(requests_per_level(concurrency), config.vocab_size, seed=concurrency)
+        generated = 0
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for start in range(0, len(prompts), concurrency):
+            batch = prompts[start:start + concurrency]
+            width = max(map(len, batch))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=100,
+                                     min_new_tokens=100, eos_token_id=None, pad_token_id=0)
+            generated += (out.shape[1] - width) * len(batch)
+        elapsed = time.perf_counter() - t0
+        result[concurrency] = dict(generated_tokens=generated, seconds=elapsed, tokens_per_s=generated / elapsed)
+        print(f"  transformers static batches of {concurrency}: {generated / elapsed:,.0f} tok/s", flush=True)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def end_to_end(concurrencies: list[int]) -> dict:
+    from raypaged.model.synthetic import write_synthetic_model
+
+    def requests_per_level(concurrency: int) -> int:
+        return 2 * concurrency
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_synthetic_model(Path(tmp) / "llama2-7b-shape")
+        out = dict(model="Llama-2-7B shape, random fp16 weights", concurrencies=concurrencies,
+                   requests_per_level="2 x concurrency")
+        for key, fn in (
+            ("raypaged", lambda: raypaged_w1(model_dir, concurrencies, requests_per_level, enforce_eager=False)),
+            ("raypaged_eager", lambda: raypaged_w1(model_dir, concurrencies[-1:], requests_per_level, True)),
+            ("transformers", lambda: transformers_w1(model_dir, concurrencies, requests_per_level)),
+        ):
+            try:
+                out[key] = fn()
+            except Exception:  # one failing system must not hide the others' numbers
+                out[key] = dict(error=traceback.format_exc())
+                print(out[key]["error"], flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument("--concurrency", default="10,30,50,80", help="W1 concurrency levels")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/gpu first")
     args = parser.parse_args()
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("raypaged").setLevel(logging.INFO)  # KV sizing and CUDA graph capture lines
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; nothing to check")
         return 1
     started = time.monotonic()
     print(f"device: {torch.cuda.get_device_name()}")
-    tests_passed = run_gpu_tests()
-    print(f"tests/gpu: {'PASS' if tests_passed else 'FAIL'}")
+    tests_passed = True if args.skip_tests else run_gpu_tests()
+    print(f"tests/gpu: {'skipped' if args.skip_tests else 'PASS' if tests_passed else 'FAIL'}", flush=True)
 
     decode = decode_vs_floor(copy_bandwidth())
     print(f"\ndecode, batch {BATCH} x context {CONTEXT}, {NUM_HEADS} heads x {HEAD_SIZE}, fp16, block {BLOCK_SIZE}: "
@@ -112,6 +263,13 @@ def main() -> int:
     print("| kernel | ms | memory floor ms | of floor |\n|---|---|---|---|")
     for name, row in decode["kernels"].items():
         print(f"| {name} | {row['ms']:.3f} | {row['floor_ms']:.3f} | {row['of_floor']:.0%} |")
+    print("\ncompile-time knobs (f16, head 128, v1 as chosen for this batch):\n| knobs | ms | of floor | rel. error |\n"
+          "|---|---|---|---|")
+    for name, row in decode["tuning"].items():
+        if "error" in row:
+            print(f"| {name} | {row['error']} | | |")
+        else:
+            print(f"| {name} | {row['ms']:.3f} | {row['of_floor']:.0%} | {row['rel_error']:.1e} |")
     decode_ok = decode["kernels"]["v1 (default)"]["of_floor"] >= FLOOR_TARGET
     print(f"decode at >= {FLOOR_TARGET:.0%} of the floor: {'PASS' if decode_ok else 'FAIL'}")
 
@@ -119,13 +277,30 @@ def main() -> int:
     print(f"\nprefill {prefill['query_len']} tokens over {prefill['context_len']}: "
           f"gather {prefill['gather_ms']:.3f} ms, "
           f"SDPA {prefill['sdpa_ms']:.3f} ms, gather share {prefill['gather_share']:.0%}")
-    print("\nW1 end to end vs transformers: PENDING - the CUDA model runner is not integrated yet "
-          "(kernels/README.md, 'Not done yet')")
+    print("\nW1 end to end, Llama-2-7B shape, random fp16 weights:", flush=True)
+    e2e = end_to_end([int(c) for c in args.concurrency.split(",")])
+    print_w1_table(e2e)
     print(f"\ngpu_check finished in {time.monotonic() - started:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(dict(tests_passed=tests_passed, decode=decode, prefill=prefill,
-                                             end_to_end="pending"), indent=2))
-    return 0 if tests_passed and decode_ok else 1
+                                             end_to_end=e2e), indent=2))
+    return 0 if tests_passed and decode_ok and "error" not in e2e["raypaged"] else 1
+
+
+def print_w1_table(e2e: dict) -> None:
+    ours, theirs = e2e.get("raypaged", {}), e2e.get("transformers", {})
+    if "levels" not in ours or "error" in theirs:
+        print("W1: a system failed (see above)")
+        return
+    print("| concurrency | raypaged tok/s | ms/step | p50 / p99 latency s | transformers static tok/s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for concurrency, row in ours["levels"].items():
+        peer = theirs[concurrency]["tokens_per_s"]
+        print(f"| {concurrency} | {row['tokens_per_s']:,.0f} | {row['ms_per_step']:.1f} | "
+              f"{row['p50_latency_s']:.2f} / {row['p99_latency_s']:.2f} | {peer:,.0f} | "
+              f"{row['tokens_per_s'] / peer:.2f}x |")
+    print(f"startup {ours['startup_s']:.0f} s, {ours['kv_blocks']} KV blocks, peak {ours['peak_memory_gib']:.1f} GiB, "
+          f"preemptions {ours['preemptions']}")
 
 
 if __name__ == "__main__":

@@ -40,13 +40,10 @@ template <> __device__ __forceinline__ float element<bf16_t>(const unsigned* wor
   return to_float(bf16_t{(unsigned short)(words[i >> 1] >> ((i & 1) * 16))});
 }
 
-// One 16-byte load of 16 / sizeof(T) elements, widened to fp32.
+// One 16-byte load, kept raw (four registers) until its elements are used.
 template <typename T>
-__device__ __forceinline__ void load_vec16(const T* __restrict__ src, float* dst) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
-  const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < int(16 / sizeof(T)); ++i) dst[i] = element<T>(words, i);
+__device__ __forceinline__ uint4 load_raw16(const T* __restrict__ src) {
+  return *reinterpret_cast<const uint4*>(src);
 }
 
 #endif  // RAYPAGED_COMMON_CUH

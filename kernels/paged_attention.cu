@@ -12,10 +12,19 @@
 // + max/sum [2*group]. Launch bounds: 128 threads, 4 blocks per SM (<= 128 registers).
 #include "common.cuh"
 
+// Tuning knobs (benchmarks/gpu_check.py times alternatives with -D on one instantiation):
+// K/V rows each thread loads (raw 16-byte vectors, widened only when used) before using them,
+// and the blocks per SM the register budget must allow.
+#ifndef RP_ROWS_UNROLL
+#define RP_ROWS_UNROLL 4
+#endif
+#ifndef RP_MIN_BLOCKS
+#define RP_MIN_BLOCKS 4
+#endif
 constexpr int NUM_THREADS = 128;
 constexpr int WARP_SIZE = 32;
 constexpr int HEADS_PER_V_PASS = 4;
-constexpr int ROWS_UNROLL = 4;  // K/V rows each thread loads before using them
+constexpr int ROWS_UNROLL = RP_ROWS_UNROLL;
 constexpr float NEG_LARGE = -3.0e38f;
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -79,14 +88,13 @@ __device__ __forceinline__ void attention_partition(
   // logits: each K row loaded once, dotted with every query head of the group;
   // ROWS_UNROLL rows per thread are loaded before any is reduced, to keep loads in flight
   for (int t0 = 0; t0 < n; t0 += ROWS * ROWS_UNROLL) {
-    float k[ROWS_UNROLL][VEC];
+    uint4 k[ROWS_UNROLL];
 #pragma unroll
     for (int u = 0; u < ROWS_UNROLL; ++u) {
       const int t = t0 + u * ROWS + row;
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) k[u][v] = 0.0f;
+      k[u] = make_uint4(0u, 0u, 0u, 0u);
       if (t < n && active) {
-        load_vec16(key_cache + token_offset(table, start + t, block_size, token_stride) + head_offset, k[u]);
+        k[u] = load_raw16(key_cache + token_offset(table, start + t, block_size, token_stride) + head_offset);
       }
     }
     for (int g = 0; g < group; ++g) {
@@ -95,8 +103,9 @@ __device__ __forceinline__ void attention_partition(
         const int t = t0 + u * ROWS + row;
         float dot = 0.0f;
         if (active) {
+          const unsigned words[4] = {k[u].x, k[u].y, k[u].z, k[u].w};
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) dot += q_s[g * D + lane * VEC + v] * k[u][v];
+          for (int v = 0; v < VEC; ++v) dot += q_s[g * D + lane * VEC + v] * element<T>(words, v);
         }
 #pragma unroll
         for (int m = LANES / 2; m > 0; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
@@ -135,25 +144,25 @@ __device__ __forceinline__ void attention_partition(
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[h][v] = 0.0f;
     for (int t0 = row; active && t0 < n; t0 += ROWS * ROWS_UNROLL) {
-      float val[ROWS_UNROLL][VEC];
+      uint4 val[ROWS_UNROLL];
 #pragma unroll
       for (int u = 0; u < ROWS_UNROLL; ++u) {
         const int t = t0 + u * ROWS;
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) val[u][v] = 0.0f;
+        val[u] = make_uint4(0u, 0u, 0u, 0u);
         if (t < n) {
-          load_vec16(value_cache + token_offset(table, start + t, block_size, token_stride) + head_offset, val[u]);
+          val[u] = load_raw16(value_cache + token_offset(table, start + t, block_size, token_stride) + head_offset);
         }
       }
 #pragma unroll
       for (int u = 0; u < ROWS_UNROLL; ++u) {
         const int t = t0 + u * ROWS;
+        const unsigned words[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
 #pragma unroll
         for (int h = 0; h < HEADS_PER_V_PASS; ++h) {
           if (t < n && g0 + h < group) {
             const float p = prob_s[(g0 + h) * partition_size + t];
 #pragma unroll
-            for (int v = 0; v < VEC; ++v) acc[h][v] += p * val[u][v];
+            for (int v = 0; v < VEC; ++v) acc[h][v] += p * element<T>(words, v);
           }
         }
       }
@@ -222,16 +231,16 @@ __device__ __forceinline__ void reduce_partitions(T* __restrict__ out, const flo
       partition_size
 
 #define DEFINE_DECODE(TYPE, NAME, D)                                                                            \
-  extern "C" __global__ void __launch_bounds__(NUM_THREADS, 4)                                                    \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, RP_MIN_BLOCKS)                                                    \
       paged_attention_v1_##NAME##_##D(TYPE* __restrict__ out, DECODE_ARGS) {                                   \
     attention_partition<T, D, false>(out, nullptr, nullptr, nullptr, DECODE_PASS);                             \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(NUM_THREADS, 4) paged_attention_v2_##NAME##_##D(                   \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, RP_MIN_BLOCKS) paged_attention_v2_##NAME##_##D(                   \
       float* __restrict__ partial_out, float* __restrict__ partial_max, float* __restrict__ partial_sum,      \
       DECODE_ARGS) {                                                                                           \
     attention_partition<T, D, true>(nullptr, partial_out, partial_max, partial_sum, DECODE_PASS);              \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(NUM_THREADS, 4) paged_attention_v2_reduce_##NAME##_##D(            \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, RP_MIN_BLOCKS) paged_attention_v2_reduce_##NAME##_##D(            \
       TYPE* __restrict__ out, const float* __restrict__ partial_out, const float* __restrict__ partial_max,   \
       const float* __restrict__ partial_sum, const long long* __restrict__ context_lens, int num_parts,       \
       int partition_size) {                                                                                    \
@@ -245,6 +254,11 @@ __device__ __forceinline__ void reduce_partitions(T* __restrict__ out, const flo
   DEFINE_DECODE(TYPE, NAME, 96)             \
   DEFINE_DECODE(TYPE, NAME, 128)
 
+#ifdef RP_TUNING_F16_128_ONLY  // one instantiation, for quick timing of the knobs above
+#define T half_t
+DEFINE_DECODE(half_t, f16, 128)
+#undef T
+#else
 #define T float
 DEFINE_DECODE_ALL_HEADS(float, f32)
 #undef T
@@ -254,3 +268,4 @@ DEFINE_DECODE_ALL_HEADS(half_t, f16)
 #define T bf16_t
 DEFINE_DECODE_ALL_HEADS(bf16_t, bf16)
 #undef T
+#endif

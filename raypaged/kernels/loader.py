@@ -25,19 +25,21 @@ def kernel_source(name: str) -> str:
 
 
 @functools.cache
-def _module(name: str, device_index: int):
+def _module(name: str, device_index: int, defines: tuple[str, ...] = ()):
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=kernel_source(name), options=("-std=c++17",))
+        options = ("-std=c++17", *(f"-D{d}" for d in defines))
+        module = cupy.RawModule(code=kernel_source(name), options=options)
         module.compile()
     return module
 
 
-def function(file_name: str, kernel_name: str, device: torch.device):
-    """The compiled kernel ``kernel_name`` from ``kernels/<file_name>`` for ``device``."""
+def function(file_name: str, kernel_name: str, device: torch.device, defines: tuple[str, ...] = ()):
+    """The compiled kernel ``kernel_name`` from ``kernels/<file_name>`` for ``device``;
+    ``defines`` (``NAME=VALUE``) set a source's compile-time knobs (benchmarks)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _module(file_name, index).get_function(kernel_name)
+    return _module(file_name, index, tuple(defines)).get_function(kernel_name)
 
 
 def device_pointer(tensor: torch.Tensor) -> np.uint64:
@@ -50,10 +52,11 @@ def device_pointer(tensor: torch.Tensor) -> np.uint64:
 
 
 def host_device_pointer(tensor: torch.Tensor) -> np.uint64:
-    """The device-side address of a pinned host tensor (mapped under unified addressing)."""
-    import cupy
-
-    return np.uint64(cupy.cuda.runtime.hostGetDevicePointer(tensor.data_ptr(), 0))
+    """The device-side address of a pinned host tensor: under unified virtual addressing
+    (every 64-bit CUDA platform) page-locked host memory is mapped at its host address."""
+    if not tensor.is_pinned():
+        raise ValueError("only pinned host memory is visible to the device")
+    return np.uint64(tensor.data_ptr())
 
 
 def launch(kernel, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,

@@ -106,6 +106,7 @@ def paged_attention_decode(
     context_lens: torch.Tensor,  # [num_seqs] long, each >= 1
     scale: float,
     partition_size: int | None = None,  # tokens per thread block; None picks v1 or v2
+    defines: tuple[str, ...] = (),  # compile-time knobs of paged_attention.cu (benchmarks/gpu_check.py)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its first ``context_lens[i]`` cached tokens."""
     _check_cache_pair(key_cache, value_cache)
@@ -148,7 +149,7 @@ def paged_attention_decode(
               loader.device_pointer(block_tables), loader.device_pointer(context_lens), np.float32(scale), np.int32(num_kv_heads),
               np.int32(group), np.int32(block_size), np.int32(max_blocks), np.int32(partition_size))
     if num_parts == 1:
-        kernel = loader.function("paged_attention.cu", f"paged_attention_v1_{suffix}", device)
+        kernel = loader.function("paged_attention.cu", f"paged_attention_v1_{suffix}", device, defines)
         loader.launch(kernel, device, (num_kv_heads, num_seqs, 1), (NUM_THREADS,), (loader.device_pointer(out), *common),
                       shared)
         return out
@@ -156,9 +157,9 @@ def paged_attention_decode(
     partial_max = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=device)
     partial_sum = torch.empty_like(partial_max)
     partials = tuple(loader.device_pointer(t) for t in (partial_out, partial_max, partial_sum))
-    kernel = loader.function("paged_attention.cu", f"paged_attention_v2_{suffix}", device)
+    kernel = loader.function("paged_attention.cu", f"paged_attention_v2_{suffix}", device, defines)
     loader.launch(kernel, device, (num_kv_heads, num_seqs, num_parts), (NUM_THREADS,), (*partials, *common), shared)
-    reduce = loader.function("paged_attention.cu", f"paged_attention_v2_reduce_{suffix}", device)
+    reduce = loader.function("paged_attention.cu", f"paged_attention_v2_reduce_{suffix}", device, defines)
     loader.launch(reduce, device, (num_heads, num_seqs), (NUM_THREADS,),
                   (loader.device_pointer(out), *partials, loader.device_pointer(context_lens), np.int32(num_parts),
                    np.int32(partition_size)), 4 * num_parts)

@@ -52,6 +52,7 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, **as_long)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
 
     def _meta(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -108,4 +109,5 @@ class DecodeGraphs:
             self.context_lens[batch:padded].fill_(1)
             self.block_tables[batch:padded, 0].fill_(0)
         self.graphs[padded].replay()
+        self.replays += 1
         return self.outputs[padded][:batch]

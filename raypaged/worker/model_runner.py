@@ -16,7 +16,7 @@ from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.sampling_params import SamplingParams
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
-from raypaged.worker.sampler import SamplingInput, greedy_on_device, sample
+from raypaged.worker.sampler import SamplingInput, greedy_fast_path, sample
 
 
 @dataclass(slots=True)
@@ -182,7 +182,7 @@ class ModelRunner:
             SamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.eos_token_id, s.sample_index)
             for s in (self.requests[rid] for rid in step.sampled_request_ids)
         ]
-        tokens = greedy_on_device(logits, inputs) if logits.is_cuda else None
+        tokens = greedy_fast_path(logits, inputs)
         if tokens is None:
             tokens = sample(logits.cpu(), inputs, self.generator)
         return ModelRunnerOutput(sampled=dict(zip(step.sampled_request_ids, tokens)))

@@ -60,10 +60,11 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.G
     return results
 
 
-def greedy_on_device(logits: torch.Tensor, inputs: list[SamplingInput]) -> list[SampledToken] | None:
+def greedy_fast_path(logits: torch.Tensor, inputs: list[SamplingInput]) -> list[SampledToken] | None:
     """``sample`` for a batch that is all plain greedy (no penalties, no min_tokens mask in force,
-    no top logprobs), computed where the logits are so only two numbers per row cross to the
-    host; ``None`` when any row needs the general path."""
+    no top logprobs): the same tokens and logprobs with no copy of the logits, computed where
+    they are (on a GPU only two numbers per row cross to the host); ``None`` when any row
+    needs the general path."""
     for s in inputs:
         p = s.params
         if (

@@ -49,6 +49,9 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index if self.device.index is not None else 0)
             self.device = torch.device("cuda", torch.cuda.current_device())
+            # what this process held before this worker: other engines' memory is not this worker's footprint
+            self._torch_baseline = torch.cuda.memory_allocated(self.device)
+            self._outside_baseline = self._memory_outside_torch()
         self.model = load_model(
             config.model_path, config.hf_config, config.max_model_len, self.dtype, self.device, tp,
             config.load_format, config.seed,
@@ -117,19 +120,24 @@ class Worker:
         last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=self.device)
         self.model.compute_logits(hidden[last]).float().log_softmax(-1)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self._torch_baseline
+        outside_torch = max(0, self._memory_outside_torch() - self._outside_baseline)  # cupy modules, cuBLAS, NCCL
         del hidden, layers, block
         torch.cuda.empty_cache()
-        budget = int(total * self.config.gpu_memory_utilization) - peak - max(0, outside_torch)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - outside_torch
+        budget = min(budget, free - (256 << 20))  # never more than is free now (other processes, other engines)
         logger.info(
             "device memory: %.2f GiB total, %.2f GiB peak in torch (weights + a %d-token step), %.2f GiB outside "
             "torch: %.2f GiB for the KV cache at gpu_memory_utilization %.2f",
-            total / _GIB, peak / _GIB, num_tokens, max(0, outside_torch) / _GIB, max(0, budget) / _GIB,
+            total / _GIB, peak / _GIB, num_tokens, outside_torch / _GIB, max(0, budget) / _GIB,
             self.config.gpu_memory_utilization,
         )
         return max(0, budget)
+
+    def _memory_outside_torch(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return (total - free) - torch.cuda.memory_reserved(self.device)
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         hf = self.config.hf_config
@@ -155,6 +163,8 @@ class Worker:
         if self.device.type == "cuda" and not self.config.enforce_eager:
             if self.tp.size > 1:
                 logger.info("CUDA graphs are off under tensor parallelism; decode steps run eagerly")
+            elif self.attn_backend.name != "cuda":  # torch's reshape_and_cache syncs, which capture forbids
+                logger.info("CUDA graphs need the cuda attention backend; decode steps run eagerly")
             else:
                 self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
 
