@@ -267,7 +267,7 @@ def print_report(results: list[SystemResult], ceiling: list[dict], report: dict)
         print(f"CPU ceiling {c['shape']}: {c['gflops']:.1f} GFLOP/s → {c['tokens_per_s']:.0f} tokens/s{share}")
     for r in results:
         print(f"{r.system}: peak process RSS so far {r.peak_rss_mib:.0f} MiB; {r.extra}")
-    print(f"load average {report['load_average']}; wall time {report['wall_seconds']:.0f} s; "
+    print(f"load average at start {report['load_average']['start']}, at end {report['load_average']['end']}; wall time {report['wall_seconds']:.0f} s; "
           f"wrote {RESULTS_DIR}/{report['name']}.json and .png")
 
 
@@ -302,7 +302,7 @@ def build_report(results: list[SystemResult], ceiling: list[dict], params: int, 
                      "repeats": args.repeats, "quick": args.quick, "model": str(model_dir), "parameters": params,
                      "tensor_parallel_sizes": args.tensor_parallel_size},
         "name": args.name,
-        "load_average": load_average(),
+        "load_average": {"start": args.load_at_start, "end": load_average()},
         "machine": machine_info(args.threads),
         "cpu_ceiling": ceiling,
         "systems": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "median_tokens_per_s": r.median} for r in results],
@@ -317,6 +317,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
+    args.load_at_start = load_average()  # above the core count: other work competed for the CPUs
     model_dir = default_model_dir()
     results = run_systems(model_dir, build_prompts(model_dir, args.num_prompts, args.seed), args)
     params = count_parameters(model_dir)

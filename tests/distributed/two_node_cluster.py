@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import ray
@@ -14,6 +15,7 @@ from tests.distributed.conftest import TINY_PARAMS, TINY_PROMPTS, greedy_tokens
 
 
 def main(model: str) -> None:
+    os.environ["RAYPAGED_CPU_THREADS_PER_SHARD"] = "1"  # both simulated nodes share this machine's cores
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
