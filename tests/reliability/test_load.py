@@ -161,14 +161,10 @@ def test_killed_client_aborts_its_request_and_frees_its_blocks(server):
     client = subprocess.Popen([sys.executable, "-c", CLIENT, server.url], stdout=subprocess.PIPE, text=True)
     try:
         assert client.stdout.readline() == "streaming\n"
-        deadline = time.monotonic() + 5
-        while server.stats()["num_requests_running"] != 1:  # stats follow the step that streamed the token
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        client.send_signal(signal.SIGKILL)
+        client.send_signal(signal.SIGKILL)  # at its first token: 500 tokens take far longer
         client.wait(timeout=10)
         server.wait_idle(within_s=10)
-        assert server.process.log().count("aborted requests") == aborted_before + 1
+        assert server.process.log().count("aborted requests") == aborted_before + 1  # aborted, not finished
     finally:
         client.kill()
         client.wait(timeout=10)
