@@ -1,6 +1,7 @@
 // paged_attention: decode attention (one query token per sequence) over a paged KV cache.
 //
-// Cache: [num_blocks, block_size, num_kv_heads, D]; query/out: [num_seqs, num_heads, D];
+// Cache: [num_blocks, num_kv_heads, block_size, D] (one KV head's tokens of a block are
+// contiguous: block_size * D elements); query/out: [num_seqs, num_heads, D];
 // query head h reads KV head h / group (GQA/MQA; group = num_heads / num_kv_heads).
 // One thread block per (kv head, sequence, partition) handles all `group` query heads of
 // that KV head, so each K row is loaded once (16-byte loads, `LANES` threads per row)
@@ -41,8 +42,8 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 // Element offset of token t's row (for KV head 0) in a cache through the block table.
 __device__ __forceinline__ long long token_offset(const long long* __restrict__ table, int t, int block_size,
-                                                  long long token_stride) {
-  return (table[t / block_size] * block_size + t % block_size) * token_stride;
+                                                  long long block_stride, int row_stride) {
+  return table[t / block_size] * block_stride + (long long)(t % block_size) * row_stride;
 }
 
 template <typename T, int D, bool PARTITIONED>
@@ -82,8 +83,8 @@ __device__ __forceinline__ void attention_partition(
   const int lane = threadIdx.x % LANES, row = threadIdx.x / LANES;
   const bool active = lane < ROW_VECS;
   const long long* table = block_tables + (long long)seq * max_blocks;
-  const long long token_stride = (long long)num_kv_heads * D;
-  const long long head_offset = (long long)kv_head * D + lane * VEC;
+  const long long block_stride = (long long)num_kv_heads * block_size * D;
+  const long long head_offset = (long long)kv_head * block_size * D + lane * VEC;
 
   // logits: each K row loaded once, dotted with every query head of the group;
   // ROWS_UNROLL rows per thread are loaded before any is reduced, to keep loads in flight
@@ -94,7 +95,7 @@ __device__ __forceinline__ void attention_partition(
       const int t = t0 + u * ROWS + row;
       k[u] = make_uint4(0u, 0u, 0u, 0u);
       if (t < n && active) {
-        k[u] = load_raw16(key_cache + token_offset(table, start + t, block_size, token_stride) + head_offset);
+        k[u] = load_raw16(key_cache + token_offset(table, start + t, block_size, block_stride, D) + head_offset);
       }
     }
     for (int g = 0; g < group; ++g) {
@@ -150,7 +151,7 @@ __device__ __forceinline__ void attention_partition(
         const int t = t0 + u * ROWS;
         val[u] = make_uint4(0u, 0u, 0u, 0u);
         if (t < n) {
-          val[u] = load_raw16(value_cache + token_offset(table, start + t, block_size, token_stride) + head_offset);
+          val[u] = load_raw16(value_cache + token_offset(table, start + t, block_size, block_stride, D) + head_offset);
         }
       }
 #pragma unroll

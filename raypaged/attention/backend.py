@@ -1,7 +1,7 @@
 """Which paged-attention implementation a model runs: plain torch, or the CUDA kernels.
 
 Both implement the same three operations on the same cache layout
-(``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer), and one driver,
+(``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer), and one driver,
 :meth:`AttentionBackend.forward`, runs a flattened step through either: the step's
 K/V are written to their slots, the single-token decodes attend in one batched
 call, and each prefill span attends on its own. A span with nothing cached before

@@ -1,7 +1,8 @@
 """Paged attention in plain torch: the CPU backend and the reference for the CUDA kernels.
 
 Cache layout per layer: ``key_cache``/``value_cache`` are
-``[num_blocks, block_size, num_kv_heads, head_dim]``.
+``[num_blocks, num_kv_heads, block_size, head_dim]``: one KV head's tokens of a block are
+contiguous, so the CUDA decode kernel reads each (block, head) as one run of memory.
 """
 
 from __future__ import annotations
@@ -18,20 +19,26 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] long, negative = skip
 ) -> None:
-    """Write each token's K/V into its slot."""
-    num_kv_heads, head_dim = key.shape[1:]
+    """Write each token's K/V into its slot (block = slot // block_size, offset = slot % block_size)."""
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    block_size = key_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[blocks, :, offsets] = key  # the two index tensors broadcast to [tokens]: rows are [heads, dim]
+    value_cache[blocks, :, offsets] = value
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[num_seqs, max_blocks] block ids -> [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]."""
-    gathered = cache[block_tables]
-    num_seqs, max_blocks, block_size = gathered.shape[:3]
-    return gathered.view(num_seqs, max_blocks * block_size, *cache.shape[2:])
+    return gather_heads_first(cache, block_tables).transpose(1, 2)
+
+
+def gather_heads_first(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_seqs, max_blocks] block ids -> [num_seqs, num_kv_heads, max_blocks * block_size, head_dim]."""
+    gathered = cache[block_tables]  # [S, MB, H, bs, D]
+    num_seqs, max_blocks, num_kv_heads, block_size, head_dim = gathered.shape
+    return gathered.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
 
 
 def paged_attention_decode(
@@ -43,8 +50,8 @@ def paged_attention_decode(
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its first ``context_lens[i]`` cached tokens."""
-    keys = gather_blocks(key_cache, block_tables).transpose(1, 2)  # [S, Hkv, T, D]
-    values = gather_blocks(value_cache, block_tables).transpose(1, 2)
+    keys = gather_heads_first(key_cache, block_tables)  # [S, Hkv, T, D]
+    values = gather_heads_first(value_cache, block_tables)
     max_len = keys.shape[2]
     visible = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]  # [S, T]
     out = F.scaled_dot_product_attention(

@@ -2,7 +2,7 @@
 
 Each wrapper checks its arguments (``checks``) before importing cupy or touching a
 device, allocates its outputs with torch and launches on torch's current stream.
-Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Cache layout per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _check_cache_pair(key_cache: object, value_cache: object) -> None:
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_contiguous(name, cache)
         check_aligned(name, cache)
-    check_block_size("key_cache", key_cache.shape[1])
+    check_block_size("key_cache", key_cache.shape[2])
 
 
 def reshape_and_cache(
@@ -51,7 +51,7 @@ def reshape_and_cache(
 ) -> None:
     """Write each token's K/V into its slot (block_id * block_size + offset)."""
     _check_cache_pair(key_cache, value_cache)
-    num_kv_heads, head_dim = key_cache.shape[2:]
+    num_kv_heads, block_size, head_dim = key_cache.shape[1:]
     for name, rows in (("key", key), ("value", value)):
         check_tensor(name, rows, FLOAT_DTYPES, 3)
         check_shape(name, rows, (None, num_kv_heads, head_dim))
@@ -64,19 +64,20 @@ def reshape_and_cache(
     check_tensor("slot_mapping", slot_mapping, LONG, 1)
     check_shape("slot_mapping", slot_mapping, (key.shape[0],))
     check_contiguous("slot_mapping", slot_mapping)
-    row_bytes = num_kv_heads * head_dim * key.element_size()
-    if row_bytes % 16:
-        raise ValueError(f"key_cache rows of {row_bytes} bytes are not a multiple of 16")
+    head_bytes = head_dim * key.element_size()
+    if head_bytes % 16:
+        raise ValueError(f"key_cache heads of {head_bytes} bytes are not a multiple of 16")
     device = check_cuda(("key", "value", "key_cache", "value_cache", "slot_mapping"),
                         (key, value, key_cache, value_cache, slot_mapping))
     if key.shape[0] == 0:
         return
-    row_vecs = row_bytes // 16
+    head_vecs = head_bytes // 16
     kernel = loader.function("reshape_and_cache.cu", "reshape_and_cache", device)
-    threads = min(COPY_THREADS, -(-row_vecs // 32) * 32)
-    args = (loader.device_pointer(key), loader.device_pointer(value), loader.device_pointer(key_cache), loader.device_pointer(value_cache),
-            loader.device_pointer(slot_mapping), np.int64(key.stride(0) * key.element_size() // 16),
-            np.int64(value.stride(0) * value.element_size() // 16), np.int32(row_vecs))
+    threads = min(COPY_THREADS, -(-(num_kv_heads * head_vecs) // 32) * 32)
+    args = (loader.device_pointer(key), loader.device_pointer(value), loader.device_pointer(key_cache),
+            loader.device_pointer(value_cache), loader.device_pointer(slot_mapping),
+            np.int64(key.stride(0) * key.element_size() // 16), np.int64(value.stride(0) * value.element_size() // 16),
+            np.int32(num_kv_heads), np.int32(head_vecs), np.int32(block_size))
     loader.launch(kernel, device, (key.shape[0],), (threads,), args)
 
 
@@ -113,7 +114,7 @@ def paged_attention_decode(
     check_tensor("query", query, FLOAT_DTYPES, 3)
     check_same_dtype(("query", "key_cache"), (query, key_cache))
     num_seqs, num_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads = key_cache.shape[1]
     check_head_size("query", head_size)
     check_shape("key_cache", key_cache, (None, None, None, head_size))
     if num_heads % num_kv_heads:
@@ -137,7 +138,7 @@ def paged_attention_decode(
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    block_size, max_blocks = key_cache.shape[1], block_tables.shape[1]
+    block_size, max_blocks = key_cache.shape[2], block_tables.shape[1]
     max_context = max_blocks * block_size  # an upper bound known without a device sync
     if partition_size is None:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -169,7 +170,7 @@ def paged_attention_decode(
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """``dst[:, :, d] = src[:, :, s]`` for each (s, d) row of ``block_mapping``.
 
-    ``src``/``dst``: ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (their
+    ``src``/``dst``: ``[num_layers, 2, num_blocks, kv_heads, block_size, head_dim]`` (their
     num_blocks may differ). Copy-on-write: src is dst. Swap out/in: one side is a pinned
     CPU tensor, read or written through its mapped device address. ``block_mapping``:
     ``[num_pairs, 2]`` long on the CUDA device.
@@ -214,11 +215,13 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     check_contiguous("cache", cache)
     check_cuda(("cache", "block_tables"), (cache, block_tables))
     num_seqs, max_blocks = block_tables.shape
+    num_kv_heads, block_size, head_dim = cache.shape[1:]
     out = torch.empty(num_seqs * max_blocks, *cache.shape[1:], dtype=cache.dtype, device=cache.device)
     flat_ids = block_tables.reshape(-1)
     mapping = torch.stack((flat_ids, torch.arange(flat_ids.numel(), device=flat_ids.device)), dim=1)
     copy_blocks(cache[None, None], out[None, None], mapping)
-    return out.view(num_seqs, max_blocks * cache.shape[1], *cache.shape[2:])
+    out = out.view(num_seqs, max_blocks, num_kv_heads, block_size, head_dim).transpose(2, 3)
+    return out.reshape(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
 
 
 def paged_attention_prefill(
@@ -236,9 +239,9 @@ def paged_attention_prefill(
     check_same_dtype(("query", "key_cache"), (query, key_cache))
     check_shape("query", query, (None, None, key_cache.shape[3]))
     check_tensor("block_ids", block_ids, LONG, 1)
-    if not query.shape[0] <= context_len <= block_ids.shape[0] * key_cache.shape[1]:
+    if not query.shape[0] <= context_len <= block_ids.shape[0] * key_cache.shape[2]:
         raise ValueError(f"context_len {context_len} must cover the {query.shape[0]} query tokens and fit in "
-                         f"{block_ids.shape[0]} blocks of {key_cache.shape[1]}")
+                         f"{block_ids.shape[0]} blocks of {key_cache.shape[2]}")
     check_cuda(("query", "key_cache", "value_cache", "block_ids"), (query, key_cache, value_cache, block_ids))
     keys = gather_blocks(key_cache, block_ids[None])[0, :context_len]
     values = gather_blocks(value_cache, block_ids[None])[0, :context_len]

@@ -20,7 +20,7 @@ from raypaged.attention.backend import TORCH, AttentionBackend
 from raypaged.model.layers import RMSNorm, RotaryEmbedding
 from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
 
-LayerKVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+LayerKVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

@@ -8,7 +8,7 @@ from raypaged.core.outputs import BlockOp
 
 
 class KVCache:
-    """``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` on the device, the
+    """``[layers, 2, num_blocks, kv_heads, block_size, head_dim]`` on the device, the
     same with ``num_cpu_blocks`` in host memory (pinned on CUDA) for swapping."""
 
     def __init__(
@@ -16,7 +16,7 @@ class KVCache:
         num_layers: int,
         num_blocks: int,
         num_cpu_blocks: int,
-        block_shape: tuple[int, int, int],  # block_size, kv_heads, head_dim
+        block_shape: tuple[int, int, int],  # kv_heads, block_size, head_dim
         dtype: torch.dtype,
         device: torch.device,
         use_kernels: bool = False,

@@ -101,7 +101,7 @@ class Worker:
         num_seqs = min(self.config.max_num_seqs, num_tokens)
         hf = self.config.hf_config
         # a one-block cache: every slot is -1 (nothing written), every span a whole prompt (nothing read)
-        block = torch.zeros((1, self.config.block_size, num_kv_heads_per_rank(hf, self.tp.size), head_dim_of(hf)),
+        block = torch.zeros((1, num_kv_heads_per_rank(hf, self.tp.size), self.config.block_size, head_dim_of(hf)),
                             dtype=self.dtype, device=self.device)
         layers = [(block, block)] * hf.num_hidden_layers
         lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
@@ -141,7 +141,7 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         hf = self.config.hf_config
-        block_shape = (self.config.block_size, num_kv_heads_per_rank(hf, self.tp.size), head_dim_of(hf))
+        block_shape = (num_kv_heads_per_rank(hf, self.tp.size), self.config.block_size, head_dim_of(hf))
         cache = KVCache(hf.num_hidden_layers, num_blocks, num_cpu_blocks, block_shape, self.dtype, self.device,
                         use_kernels=self.attn_backend.name == "cuda")
         logger.info(

@@ -28,7 +28,7 @@ def test_mixed_decode_and_prefill_step_matches_dense(seed):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     # stale garbage everywhere: only slots inside each context may be read
-    key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) * 100
+    key_cache = torch.randn(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM) * 100
     value_cache = torch.randn_like(key_cache) * 100
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
@@ -79,9 +79,11 @@ def test_mixed_decode_and_prefill_step_matches_dense(seed):
 
 
 def test_reshape_and_cache_writes_exact_slots():
-    key_cache = torch.zeros(4, 2, 1, 1)
-    value_cache = torch.zeros(4, 2, 1, 1)
-    key = torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1)
+    # 4 blocks x 2 KV heads x block size 2 x head dim 1: slot 5 = block 2, offset 1
+    key_cache = torch.zeros(4, 2, 2, 1)
+    value_cache = torch.zeros(4, 2, 2, 1)
+    key = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]]).view(3, 2, 1)
     reshape_and_cache(key, -key, key_cache, value_cache, torch.tensor([5, -1, 0]))
-    assert key_cache.flatten().tolist() == [3.0, 0, 0, 0, 0, 1.0, 0, 0]
-    assert value_cache.flatten().tolist() == [-3.0, 0, 0, 0, 0, -1.0, 0, 0]
+    # per block: head 0's two slots, then head 1's
+    assert key_cache.flatten().tolist() == [3.0, 0, 30.0, 0] + [0] * 4 + [0, 1.0, 0, 10.0] + [0] * 4
+    assert value_cache.flatten().tolist() == [-3.0, 0, -30.0, 0] + [0] * 4 + [0, -1.0, 0, -10.0] + [0] * 4

@@ -46,7 +46,7 @@ def random_layout(rng: random.Random, num_seqs: int, block_size: int, max_contex
 
 
 def random_cache(dtype, block_size, num_kv_heads, head_size):
-    shape = (NUM_BLOCKS, block_size, num_kv_heads, head_size)
+    shape = (NUM_BLOCKS, num_kv_heads, block_size, head_size)
     return torch.randn(shape, dtype=dtype, device="cuda"), torch.randn(shape, dtype=dtype, device="cuda")
 
 
@@ -96,7 +96,7 @@ def test_reshape_and_cache_writes_its_slots_only(dtype):
     key, value = qkv[:, :num_kv_heads], qkv[:, num_kv_heads:2 * num_kv_heads]  # strided rows, as from a fused qkv
     slots = torch.randperm(NUM_BLOCKS * 16, device="cuda")[:num_tokens]
     slots[::5] = -1  # padding
-    key_cache = torch.full((NUM_BLOCKS, 16, num_kv_heads, head_size), float("nan"), dtype=dtype, device="cuda")
+    key_cache = torch.full((NUM_BLOCKS, num_kv_heads, 16, head_size), float("nan"), dtype=dtype, device="cuda")
     value_cache = key_cache.clone()
     ref_key, ref_value = key_cache.clone(), value_cache.clone()
     torch_ops.reshape_and_cache(key, value, ref_key, ref_value, slots)
@@ -107,7 +107,7 @@ def test_reshape_and_cache_writes_its_slots_only(dtype):
 
 
 def kv_pool(num_blocks, dtype, device, fill=None):
-    shape = (3, 2, num_blocks, 8, 2, 64)
+    shape = (3, 2, num_blocks, 2, 8, 64)  # [layers, K/V, blocks, kv heads, block size, head dim]
     if fill is None:
         return torch.randn(shape, dtype=dtype, device=device)
     return torch.full(shape, fill, dtype=dtype, device=device, pin_memory=device == "cpu")

@@ -18,7 +18,7 @@ NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, NUM_HEADS = 8, 16, 2, 64, 8
 
 
 def cache(dtype=torch.float16, **shape):
-    dims = dict(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE)
+    dims = dict(num_blocks=NUM_BLOCKS, kv_heads=NUM_KV_HEADS, block_size=BLOCK_SIZE, head_size=HEAD_SIZE)
     dims.update(shape)
     return torch.zeros(*dims.values(), dtype=dtype)
 
@@ -65,7 +65,7 @@ def no_cupy_import():
         (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), TypeError, "block_tables must have dtype"),
         (dict(query=torch.zeros(3, NUM_HEADS, 48, dtype=torch.float16)), ValueError, "head size 48 is not supported"),
         (dict(key_cache=cache(block_size=4), value_cache=cache(block_size=4)), ValueError, "block size 4"),
-        (dict(value_cache=cache(kv_heads=4)), ValueError, r"value_cache must have shape \(8, 16, 2, 64\)"),
+        (dict(value_cache=cache(kv_heads=4)), ValueError, r"value_cache must have shape \(8, 2, 16, 64\)"),
         (dict(query=torch.zeros(3, 3, HEAD_SIZE, dtype=torch.float16)), ValueError, "not a multiple of key_cache's 2"),
         (dict(block_tables=torch.zeros(2, 4, dtype=torch.long)), ValueError, r"block_tables must have shape \(3, \*\)"),
         (dict(context_lens=torch.ones(3, 1, dtype=torch.long)), ValueError, "context_lens must have 1 dimensions"),
@@ -74,7 +74,7 @@ def no_cupy_import():
         (dict(key_cache=cache().transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
          "key_cache must be contiguous"),
         (dict(key_cache=torch.zeros(NUM_BLOCKS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_SIZE + 1, dtype=torch.float16)[1:]
-              .view(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)), ValueError, "key_cache must start on a 16-byte"),
+              .view(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)), ValueError, "key_cache must start on a 16-byte"),
         (dict(scale="0.1"), TypeError, "scale must be a float, got str"),
         (dict(), ValueError, "query must be on a CUDA device, got cpu"),
     ],
@@ -115,7 +115,7 @@ def test_reshape_and_cache_accepts_rows_strided_out_of_a_fused_qkv():
 
 
 def pools(num_blocks=NUM_BLOCKS, dtype=torch.float16):
-    return torch.zeros(2, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype)
+    return torch.zeros(2, 2, num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, dtype=dtype)
 
 
 @pytest.mark.parametrize(
