@@ -192,8 +192,8 @@ class RayExecutor:
     def _stalled_worker(self, cause: Exception) -> WorkerStalledError:
         """Name the shard that holds the step up: the first one busy outside a collective (the others
         wait for it inside one), else the first that does not answer, else the first dead one, else
-        rank 0. The group's actors
-        are then killed (a hung shard would block the graph's teardown) and the graph torn down."""
+        rank 0. The group's actors are then killed (a hung shard would block the graph's teardown)
+        and the graph torn down."""
         probes = [worker.step_activity.remote() for worker in self.workers]
         ready, _ = ray.wait(probes, num_returns=len(probes), timeout=_PROBE_TIMEOUT_S)
         activity = []
