@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -48,6 +49,10 @@ class SamplingParams:
             self.temperature = 0.0
 
     def _validate(self) -> None:
+        for name in ("temperature", "repetition_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.best_of is not None and self.best_of < self.n:

@@ -151,6 +151,12 @@ class _StatsCollector(Collector):
         if self._device == "cuda":
             import torch
 
-            return torch.cuda.utilization() / 100.0, float(torch.cuda.memory_reserved())
+            if not torch.cuda.is_available():  # a driver on a GPU-less Ray head: the shards hold the devices
+                return float("nan"), float("nan")
+            try:
+                utilization = torch.cuda.utilization() / 100.0
+            except Exception:  # no NVML (nvidia-ml-py missing): unknown, and the other metrics still export
+                utilization = float("nan")
+            return utilization, float(torch.cuda.memory_reserved())
         cores = psutil.cpu_count() or 1
         return self._process.cpu_percent(None) / (100.0 * cores), float(self._process.memory_info().rss)

@@ -159,6 +159,8 @@ def test_logprobs_are_the_models_log_softmax(smollm2_llm, hf_smollm2):
         ({"min_p": 2.0}, r"min_p must be in \[0, 1\], got 2.0"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens must be less than or equal to max_tokens=2, got 5"),
         ({"repetition_penalty": 0.0}, "repetition_penalty must be greater than zero, got 0.0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number, got inf"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, message):
