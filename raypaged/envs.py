@@ -16,6 +16,12 @@ def log_level() -> str:
     return os.environ.get("RAYPAGED_LOG_LEVEL", "info")
 
 
+def api_key() -> str | None:
+    """The gateway's API key when ``--api-key`` is not given: ``$RAYPAGED_API_KEY`` (keeps the key
+    out of the process list), or ``None`` for no key."""
+    return os.environ.get("RAYPAGED_API_KEY") or None
+
+
 def _positive(name: str, parse: type[int] | type[float]) -> int | float | None:
     raw = os.environ.get(name)
     if raw is None or raw == "":

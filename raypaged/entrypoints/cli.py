@@ -150,7 +150,8 @@ def add_drain_arg(parser: argparse.ArgumentParser) -> None:
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
-    parser.add_argument("--api-key", default=None, help="require this key as 'Authorization: Bearer KEY'")
+    parser.add_argument("--api-key", default=None,
+                        help="require this key as 'Authorization: Bearer KEY' (default: $RAYPAGED_API_KEY)")
     parser.add_argument("--auth-exempt-paths", default="/health,/metrics", metavar="PATHS",
                         help="comma-separated paths open without a key when keys are set ('' protects every path)")
     parser.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
@@ -171,7 +172,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
     exempt = tuple(p.strip() for p in args.auth_exempt_paths.split(",") if p.strip())
     check_exempt_paths(exempt)
     return GatewayOptions(
-        host=args.host, port=args.port, api_key=args.api_key, tenants_file=args.tenants,
+        host=args.host, port=args.port, api_key=args.api_key or envs.api_key(), tenants_file=args.tenants,
         log_requests=not args.disable_log_requests, log_level=args.log_level,
         max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, auth_exempt_paths=exempt,
     )
