@@ -145,6 +145,8 @@ def raypaged_w1(model_dir: Path, concurrencies: list[int], requests_per_level, e
     warm = w1_workload(8, vocab, seed=99)
     for ids in warm:
         engine.add_request(None, params, prompt_token_ids=ids)
+    engine.step()  # the prefill; then profile a few decode steps of the 8 requests
+    result["decode_step_profile"] = profile_decode_steps(engine, 20, device)
     while engine.has_unfinished_requests():
         engine.step()
     for concurrency in concurrencies:
@@ -181,6 +183,21 @@ def raypaged_w1(model_dir: Path, concurrencies: list[int], requests_per_level, e
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def profile_decode_steps(engine, steps: int, device: str) -> str:
+    """Where the time of a decode step goes, host and device: torch profiler, top ops by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+    wall_ms = 1e3 * (time.perf_counter() - start) / steps
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
+    print(f"  decode step at batch 8, profiled: {wall_ms:.1f} ms/step (profiler on)\n{table}", flush=True)
+    return table
 
 
 def transformers_w1(model_dir: Path, concurrencies: list[int], requests_per_level, device: str = "cuda") -> dict:
