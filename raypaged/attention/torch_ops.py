@@ -36,9 +36,11 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 
 def gather_heads_first(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[num_seqs, max_blocks] block ids -> [num_seqs, num_kv_heads, max_blocks * block_size, head_dim]."""
-    gathered = cache[block_tables]  # [S, MB, H, bs, D]
-    num_seqs, max_blocks, num_kv_heads, block_size, head_dim = gathered.shape
-    return gathered.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
+    # one gather, heads leading ([H, S, MB, bs, D]); the permute back and the merge of
+    # MB and bs are then views, not a second copy
+    gathered = cache.transpose(0, 1)[:, block_tables]
+    num_kv_heads, num_seqs, max_blocks, block_size, head_dim = gathered.shape
+    return gathered.permute(1, 0, 2, 3, 4).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
 
 
 def paged_attention_decode(
