@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,27 @@ import torch
 from raypaged.model.default_model import default_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+RAY_NUM_CPUS = 8  # logical CPUs: enough for a tp=4 placement group on a 2-core machine
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="tests/reliability at soak sizes (minutes), not the CI sizes")
+
+
+@pytest.fixture(scope="session")
+def soak(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--soak"))
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """The test session's one local Ray instance (tests/distributed, tests/reliability)."""
+    import ray
+
+    ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 
 from raypaged import LLM, SamplingParams
 from tests.conftest import make_tiny_model
-
-RAY_NUM_CPUS = 8  # logical CPUs: enough for a tp=4 placement group on a 2-core machine
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, smollm2_dir) -> Path:

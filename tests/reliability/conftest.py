@@ -1,6 +1,6 @@
 """Reliability suite: real servers (processes, HTTP, gRPC, Ray) under load, faults and bad input.
 
-Sizes are bounded for CI; ``--soak`` (``pytest tests/reliability --soak``) runs the larger ones.
+Sizes are bounded for CI; ``--soak`` (an option of tests/conftest.py) runs the larger ones.
 """
 
 from __future__ import annotations
@@ -15,34 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
-import ray
 
 from tests.serving.conftest import tiny_model_dir  # noqa: F401  (a session fixture of this folder too)
-
-RAY_NUM_CPUS = 8  # logical CPUs, as in tests/distributed
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--soak", action="store_true", default=False,
-                     help="reliability tests at soak sizes (minutes), not the CI sizes")
-
-
-@pytest.fixture(scope="session")
-def soak(request: pytest.FixtureRequest) -> bool:
-    return bool(request.config.getoption("--soak", default=False))
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    """The session's one local Ray instance (shared with tests/distributed when both run)."""
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
 
 def free_port() -> int:
     with socket.socket() as sock:
