@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+# a link to the repository's kernels/ in a checkout, the sources themselves in an installed wheel
+KERNEL_DIR = Path(__file__).parent / "cuda"
 _INCLUDE = '#include "common.cuh"'
 DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
