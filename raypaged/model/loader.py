@@ -39,18 +39,17 @@ def load_model(
     [-1e-3, 1e-3] (norm weights are 1), built directly in ``dtype`` on the device, so a
     7B-shaped model is ready in seconds for benchmarks.
     """
-    if load_format == "dummy":
-        with torch.device(device):
-            model = LlamaForCausalLM(hf_config, max_positions, tp).to(dtype)
-        generator = torch.Generator(device=device).manual_seed(seed + tp.rank)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    param.uniform_(-1e-3, 1e-3, generator=generator)
-        return model.eval()
     with torch.device(device):
         model = LlamaForCausalLM(hf_config, max_positions, tp)
-    model.load_weights(iter_checkpoint(model_path))
-    return model.to(dtype=dtype).eval()
+    if load_format != "dummy":
+        model.load_weights(iter_checkpoint(model_path))
+        return model.to(dtype=dtype).eval()
+    model.to(dtype=dtype)
+    generator = torch.Generator(device=device).manual_seed(seed + tp.rank)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.uniform_(-1e-3, 1e-3, generator=generator)
+    return model.eval()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from raypaged.core.outputs import BlockOp
@@ -54,15 +56,9 @@ class KVCache:
             "swap_out": (self.device_blocks, self.cpu_blocks),
             "swap_in": (self.cpu_blocks, self.device_blocks),
         }
-        start = 0
-        while start < len(ops):  # runs of one kind keep their order relative to the other kinds
-            kind = ops[start].kind
+        for kind, run in itertools.groupby(ops, key=lambda op: op.kind):  # runs keep their order
             if kind not in pools:
                 raise ValueError(f"unknown block op {kind!r}")
-            end = start
-            while end < len(ops) and ops[end].kind == kind:
-                end += 1
-            mapping = torch.tensor([(op.src, op.dst) for op in ops[start:end]], dtype=torch.long)
+            mapping = torch.tensor([(op.src, op.dst) for op in run], dtype=torch.long)
             src, dst = pools[kind]
             kernels.copy_blocks(src, dst, mapping.to(self.device_blocks.device))
-            start = end

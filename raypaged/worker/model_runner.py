@@ -7,6 +7,7 @@ dropped when the scheduler says so.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -127,23 +128,18 @@ class ModelRunner:
                 sample_indices.append(len(input_ids) - 1)
                 sampled_ids.append(request_id)
         max_blocks = max((len(t) for t in decode_tables), default=0)
-        pieces = [input_ids, positions, slots, decode_lens, sample_indices]
-        pieces += [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-        pieces += [span[3] for span in spans]
-        flat = torch.tensor([x for piece in pieces for x in piece], dtype=torch.long)
+        tables = [block for t in decode_tables for block in t + [0] * (max_blocks - len(t))]
+        pieces = [input_ids, positions, slots, decode_lens, sample_indices, tables, *(span[3] for span in spans)]
+        flat = torch.tensor(list(itertools.chain.from_iterable(pieces)), dtype=torch.long)
         if self.device.type != "cpu":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
-        parts = iter(flat.split([len(piece) for piece in pieces]))
-        input_ids_t, positions_t, slots_t, lens_t, sample_t = (next(parts) for _ in range(5))
+        input_ids_t, positions_t, slots_t, lens_t, sample_t, tables_t, *span_blocks = flat.split(list(map(len, pieces)))
         num_decodes = len(decode_tables)
-        tables_t = flat[sum(map(len, pieces[:5])):][: num_decodes * max_blocks].view(num_decodes, max_blocks)
-        for _ in range(num_decodes):
-            next(parts)
-        prefills = [PrefillSpan(q0, n, end, next(parts)) for q0, n, end, _ in spans]
+        prefills = [PrefillSpan(q0, n, end, ids) for (q0, n, end, _), ids in zip(spans, span_blocks)]
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             num_decode_tokens=num_decodes,
-            decode_block_tables=tables_t,
+            decode_block_tables=tables_t.view(num_decodes, max_blocks),
             decode_context_lens=lens_t,
             prefills=prefills,
         )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 from datetime import timedelta
 
 import torch
@@ -56,15 +58,20 @@ class Worker:
             config.model_path, config.hf_config, config.max_model_len, self.dtype, self.device, tp,
             config.load_format, config.seed,
         )
-        self.attn_backend = select_backend(config.attention_backend, self.device, head_dim_of(config.hf_config))
+        self.attn_backend = select_backend(
+            config.attention_backend, self.device, head_dim_of(config.hf_config), config.block_size
+        )
         self.model.set_attention_backend(self.attn_backend)
         self.runner: ModelRunner | None = None
 
-    def bytes_per_block(self) -> int:
+    def block_shape(self) -> tuple[int, int, int]:
+        """One layer's K (or V) block on this rank: (kv_heads, block_size, head_dim)."""
         hf = self.config.hf_config
+        return num_kv_heads_per_rank(hf, self.tp.size), self.config.block_size, head_dim_of(hf)
+
+    def bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        num_kv_heads = num_kv_heads_per_rank(hf, self.tp.size)
-        return 2 * hf.num_hidden_layers * self.config.block_size * num_kv_heads * head_dim_of(hf) * elem
+        return 2 * self.config.hf_config.num_hidden_layers * math.prod(self.block_shape()) * elem
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) this worker can hold.
@@ -101,11 +108,10 @@ class Worker:
         num_seqs = min(self.config.max_num_seqs, num_tokens)
         hf = self.config.hf_config
         # a one-block cache: every slot is -1 (nothing written), every span a whole prompt (nothing read)
-        block = torch.zeros((1, num_kv_heads_per_rank(hf, self.tp.size), self.config.block_size, head_dim_of(hf)),
-                            dtype=self.dtype, device=self.device)
+        block = torch.zeros((1, *self.block_shape()), dtype=self.dtype, device=self.device)
         layers = [(block, block)] * hf.num_hidden_layers
         lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        starts = [sum(lengths[:i]) for i in range(num_seqs)]
+        starts = [0, *itertools.accumulate(lengths[:-1])]
         no_blocks = torch.zeros(0, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
@@ -141,8 +147,7 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         hf = self.config.hf_config
-        block_shape = (num_kv_heads_per_rank(hf, self.tp.size), self.config.block_size, head_dim_of(hf))
-        cache = KVCache(hf.num_hidden_layers, num_blocks, num_cpu_blocks, block_shape, self.dtype, self.device,
+        cache = KVCache(hf.num_hidden_layers, num_blocks, num_cpu_blocks, self.block_shape(), self.dtype, self.device,
                         use_kernels=self.attn_backend.name == "cuda")
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB), %d CPU swap blocks",
