@@ -19,11 +19,12 @@ import torch
 
 from raypaged.attention import torch_ops
 from raypaged.attention.metadata import AttentionMetadata
+from raypaged.kernels.checks import BLOCK_SIZES as CUDA_BLOCK_SIZES
+from raypaged.kernels.checks import HEAD_SIZES as CUDA_HEAD_SIZES
 
 logger = logging.getLogger("raypaged")
 
 BACKENDS = ("auto", "torch", "cuda")
-CUDA_HEAD_SIZES = (64, 80, 96, 128)  # kernels/paged_attention.cu instantiations
 
 
 @dataclass(frozen=True)
@@ -80,24 +81,26 @@ def cuda_backend() -> AttentionBackend:
     )
 
 
-def cuda_unsupported_reason(device: torch.device, head_size: int) -> str | None:
+def cuda_unsupported_reason(device: torch.device, head_size: int, block_size: int) -> str | None:
     """Why the CUDA kernels cannot run this model here, or None when they can."""
     if device.type != "cuda":
         return f"the device is {device.type}"
-    if importlib.util.find_spec("cupy") is None:
-        return "cupy is not installed (pip install 'raypaged[cuda]')"
     if head_size not in CUDA_HEAD_SIZES:
         return f"head size {head_size} has no kernel (supported: {', '.join(map(str, CUDA_HEAD_SIZES))})"
+    if block_size not in CUDA_BLOCK_SIZES:
+        return f"block size {block_size} has no kernel (supported: {', '.join(map(str, CUDA_BLOCK_SIZES))})"
+    if importlib.util.find_spec("cupy") is None:
+        return "cupy is not installed (pip install 'raypaged[cuda]')"
     return None
 
 
-def select_backend(name: str, device: torch.device, head_size: int) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, head_size: int, block_size: int) -> AttentionBackend:
     """``auto``: the CUDA kernels wherever they can run, else torch; ``cuda`` insists."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "torch":
         return TORCH
-    reason = cuda_unsupported_reason(device, head_size)
+    reason = cuda_unsupported_reason(device, head_size, block_size)
     if reason is None:
         return cuda_backend()
     if name == "cuda":
