@@ -8,6 +8,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
+from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
 from raypaged.model.layers import rope_parameters
 from raypaged.model.llama import SUPPORTED_ARCHITECTURES, check_tensor_parallel
@@ -68,6 +69,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     attention_backend: str = "auto"  # auto (CUDA kernels where they run, else torch), torch, cuda
     load_format: str = "auto"  # auto: the folder's safetensors; dummy: random weights (benchmarks, no checkpoint)
+    limits: InputLimits = field(default_factory=InputLimits)  # per-request caps (--max-logprobs ...)
     model_path: Path = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 

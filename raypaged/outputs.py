@@ -12,7 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None  # per generated token: token id -> logprob
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     @property
@@ -27,3 +27,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # tokens sampled for this request so far, over all its sequences (best_of counts every sample once)
+    num_generated_tokens: int = 0
+    # set when the engine ended this request alone because handling it failed (finished, finish_reason "error")
+    error: str | None = None

@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from raypaged import envs
+from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
 
 if TYPE_CHECKING:
     from raypaged.config import EngineConfig
@@ -71,7 +72,30 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
                         help="Ray cluster to join: auto, ray://host:port or host:port (default: a local one)")
     parser.add_argument("--placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"],
                         help="Ray placement of the tensor-parallel shards: one node, or spread over nodes")
+    add_limit_args(parser)
     parser.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
+
+
+_LIMIT_HELP = {
+    "max_logprobs": "most top logprobs one token may ask for",
+    "max_num_samples": "largest n and best_of of one request",
+    "max_stop_strings": "most stop strings of one request",
+    "max_stop_string_chars": "most characters of one stop string",
+    "max_stop_token_ids": "most stop_token_ids of one request",
+    "max_chat_messages": "most messages of one chat request",
+    "max_prompt_chars": f"most characters of prompt text before tokenization (default {PROMPT_CHARS_PER_TOKEN} x max-model-len)",
+}
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``InputLimits`` field: larger requests are refused with 400 / INVALID_ARGUMENT."""
+    defaults = InputLimits()
+    for f in dataclasses.fields(InputLimits):
+        parser.add_argument(flag(f.name), type=int, default=getattr(defaults, f.name), help=_LIMIT_HELP[f.name])
+
+
+def input_limits(args: argparse.Namespace) -> InputLimits:
+    return InputLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(InputLimits)})
 
 
 def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | None) -> dict:
@@ -91,6 +115,8 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
         seed=args.seed,
         device=args.device,
     )
+    if "limits" in accepted:
+        kwargs["limits"] = input_limits(args)
     for dest, default in _OPTIONAL_ENGINE_FLAGS.items():
         value = getattr(args, dest)
         if dest in accepted:

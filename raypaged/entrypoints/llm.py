@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.llm_engine import LLMEngine
+from raypaged.inputs.limits import InputLimits
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class LLM:
         enforce_eager: bool = False,
         attention_backend: str = "auto",
         load_format: str = "auto",
+        limits: InputLimits | None = None,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -76,6 +78,7 @@ class LLM:
                 enforce_eager=enforce_eager,
                 attention_backend=attention_backend,
                 load_format=load_format,
+                limits=limits or InputLimits(),
             )
         )
 

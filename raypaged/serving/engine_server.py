@@ -106,7 +106,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         try:
             model = self._model(request.model)
             engine = model.engine
-            params = sampling_params_from_proto(request)
+            params = sampling_params_from_proto(request, engine.config.limits)
             text, token_ids = await _prompt(model, request)
             request_id = await engine.add_request(text, params, request.request_id or None, token_ids, request.priority)
         except _Abort as exc:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from raypaged.inputs.limits import InputLimits, check_stop_counts
 from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.sampling_params import SamplingParams
 from raypaged.serving.proto import generate_pb2 as pb
@@ -18,9 +19,13 @@ FINISH_REASONS = {
 }
 
 
-def sampling_params_from_proto(request: pb.GenerateRequest) -> SamplingParams:
-    """The request's ``SamplingParams``; bad values raise ``ValueError`` naming the field."""
+def sampling_params_from_proto(request: pb.GenerateRequest, limits: InputLimits) -> SamplingParams:
+    """The request's ``SamplingParams``; bad values raise ``ValueError`` naming the field.
+
+    The stop lists' sizes are checked before they are copied out of the message.
+    """
     sampling, stopping = request.sampling, request.stopping
+    check_stop_counts(len(stopping.stop_sequences), len(stopping.stop_token_ids), limits)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = getattr(sampling, name)
         if not math.isfinite(value):
