@@ -80,6 +80,7 @@ class Request:
     sample_index: int = 0  # which sample of its group: seeds a distinct random stream
     group: SequenceGroup | None = None
     beam: BeamGroup | None = None  # set on every live beam of a beam search
+    cache_salt: str | None = None  # prefix-cache namespace: only equal salts share cached blocks
 
     @property
     def num_prompt_tokens(self) -> int:
