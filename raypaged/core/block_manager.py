@@ -2,20 +2,35 @@
 
 Blocks are shared by reference count: a forked sequence (parallel sampling, a
 beam) shares all of its parent's blocks, and full blocks are shared across
-requests through the prefix cache. A shared block is never written: the first
-write into a shared, partly filled block copies it first (copy-on-write).
+requests of one cache salt through the prefix cache. A shared block is never
+written: the first write into a shared, partly filled block copies it first
+(copy-on-write).
 """
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from hashlib import sha256
 
-BlockKey = tuple[int | None, tuple[int, ...]]  # (hash of the parent block's key, this block's token ids)
+BlockKey = bytes  # sha256 digest of (the parent block's key, this block's token ids as little-endian int64)
+
+_UNSALTED_ROOT: BlockKey = sha256(b"").digest()
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def root_key(cache_salt: str | None) -> BlockKey:
+    """The parent key of a sequence's first block: one fixed root without a salt, the salt's digest with one.
+
+    ``b"salt:"`` keeps every salt, the empty one included, off the unsalted root.
+    """
+    if cache_salt is None:
+        return _UNSALTED_ROOT
+    return sha256(b"salt:" + cache_salt.encode()).digest()
 
 
 class BlockPool:
@@ -89,6 +104,7 @@ class BlockPool:
 class BlockTable:
     block_ids: list[int] = field(default_factory=list)
     keys: list[BlockKey] = field(default_factory=list)  # keys of the leading full blocks, in order
+    cache_salt: str | None = None  # the prefix-cache namespace the keys chain from (see ``root_key``)
 
 
 @dataclass(slots=True)
@@ -105,12 +121,21 @@ class KVCacheManager:
     before it is written, or returns ``None`` when the pool cannot (the
     scheduler then preempts). ``free`` releases a table at once. With prefix
     caching, ``computed_prefix`` finds the longest run of cached full blocks.
+
+    A full block's key is ``sha256(parent key + its token ids packed as
+    little-endian int64)``, the first block's parent being ``root_key`` of the
+    sequence's cache salt, so a key stands for the salt and every token up to
+    the block's end. Sequences share cached blocks only under the same salt
+    (``None`` being one salt of its own). A hit is trusted on the digest alone:
+    a sha256 collision is not a practical concern, so no token ids are kept to
+    confirm it.
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
     ) -> None:
         self.block_size = block_size
+        self._pack_block = struct.Struct(f"<{block_size}q").pack
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.tables: dict[str, BlockTable] = {}
@@ -145,34 +170,38 @@ class KVCacheManager:
         table = self.tables.get(seq_id)
         return table.block_ids if table else []
 
-    def _block_keys(self, token_ids: list[int], num_blocks: int, known: list[BlockKey]) -> list[BlockKey]:
+    def _block_keys(
+        self, token_ids: list[int], num_blocks: int, known: list[BlockKey], cache_salt: str | None
+    ) -> list[BlockKey]:
+        """``known`` extended to the keys of the first ``num_blocks`` blocks of ``token_ids``."""
         keys = list(known)
+        key = keys[-1] if keys else root_key(cache_salt)
         bs = self.block_size
         for i in range(len(keys), num_blocks):
-            parent = hash(keys[-1]) if keys else None
-            keys.append((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+            key = sha256(key + self._pack_block(*token_ids[i * bs:(i + 1) * bs])).digest()
+            keys.append(key)
         return keys
 
-    def computed_prefix(self, seq_id: str, token_ids: list[int]) -> int:
-        """Attach the longest cached run of full blocks to a new sequence's table.
+    def computed_prefix(self, seq_id: str, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Start a new sequence's table with the longest cached run of its full blocks under ``cache_salt``.
 
         Returns the number of tokens they hold (at least one token is always left
-        to compute, so a fully cached prompt still yields logits).
+        to compute, so a fully cached prompt still yields logits). The table
+        remembers the salt: later ``cache_blocks`` calls extend the same chain.
         """
         if not self.enable_prefix_caching or seq_id in self.tables:
             return 0
-        keys, hits = self._cached_run(token_ids)
+        keys, hits = self._cached_run(token_ids, cache_salt)
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += len(hits) * self.block_size
-        if hits:
-            self.pool.incref(hits)
-            self.tables[seq_id] = BlockTable(hits, keys[:len(hits)])
+        self.pool.incref(hits)
+        self.tables[seq_id] = BlockTable(hits, keys[:len(hits)], cache_salt)
         return len(hits) * self.block_size
 
-    def _cached_run(self, token_ids: list[int]) -> tuple[list[BlockKey], list[int]]:
+    def _cached_run(self, token_ids: list[int], cache_salt: str | None) -> tuple[list[BlockKey], list[int]]:
         """Keys of the full blocks a prefix hit may cover, and the cached blocks of the leading run."""
         num_full = (len(token_ids) - 1) // self.block_size
-        keys = self._block_keys(token_ids, num_full, [])
+        keys = self._block_keys(token_ids, num_full, [], cache_salt)
         hits = []
         for key in keys:
             block_id = self.pool.lookup(key)
@@ -181,9 +210,9 @@ class KVCacheManager:
             hits.append(block_id)
         return keys, hits
 
-    def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
+    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
         """The blocks ``computed_prefix`` would attach to a new sequence of these tokens (changes nothing)."""
-        return self._cached_run(token_ids)[1] if self.enable_prefix_caching else []
+        return self._cached_run(token_ids, cache_salt)[1] if self.enable_prefix_caching else []
 
     def allocate_slots(self, seq_id: str, num_computed_tokens: int, num_new_tokens: int) -> Allocation | None:
         """Make room for tokens ``num_computed .. num_computed+num_new`` of a sequence.
@@ -226,15 +255,15 @@ class KVCacheManager:
         if not self.enable_prefix_caching or table is None or num_full <= len(table.keys):
             return
         start = len(table.keys)
-        table.keys = self._block_keys(prompt_token_ids + output_token_ids, num_full, table.keys)
+        table.keys = self._block_keys(prompt_token_ids + output_token_ids, num_full, table.keys, table.cache_salt)
         for i in range(start, num_full):
             self.pool.cache(table.block_ids[i], table.keys[i])
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """The child shares every block of the parent (ref count +1 each)."""
+        """The child shares every block of the parent (ref count +1 each) and its cache salt."""
         parent = self.tables.get(parent_id) or BlockTable()
         self.pool.incref(parent.block_ids)
-        self.tables[child_id] = BlockTable(list(parent.block_ids), list(parent.keys))
+        self.tables[child_id] = BlockTable(list(parent.block_ids), list(parent.keys), parent.cache_salt)
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks, last block first (evicted first); swapped ones too."""
@@ -291,18 +320,21 @@ class KVCacheManager:
                     total += 1
         return total
 
-    def num_blocks_to_hold(self, held_seq_ids: list[str], token_ids: list[list[int]]) -> int:
+    def num_blocks_to_hold(
+        self, held_seq_ids: list[str], token_ids: list[list[int]], cache_salt: str | None = None
+    ) -> int:
         """Device blocks that some sequences' tables plus others recomputed from scratch take.
 
         The held tables count once per distinct block; each recomputed sequence
-        needs a block per ``block_size`` tokens, less the leading blocks its
-        prefix-cache hit finds among the held ones (an upper bound: it does not
-        count on the recomputed sequences sharing blocks with each other).
+        (all of one request, so of one ``cache_salt``) needs a block per
+        ``block_size`` tokens, less the leading blocks its prefix-cache hit finds
+        among the held ones (an upper bound: it does not count on the recomputed
+        sequences sharing blocks with each other).
         """
         held = {b for seq_id in held_seq_ids for b in self.get_block_ids(seq_id)}
         total = len(held)
         for ids in token_ids:
-            hits = self.cached_prefix_blocks(ids)
+            hits = self.cached_prefix_blocks(ids, cache_salt)
             total += self.num_blocks_for(len(ids)) - sum(1 for block_id in hits if block_id in held)
         return total
 
@@ -338,7 +370,7 @@ def _move_tables(
     for seq_id in seq_ids:
         table = src_tables.pop(seq_id)
         moved = [mapping[b] for b in table.block_ids]
-        dst_tables[seq_id] = BlockTable(moved, table.keys)
+        dst_tables[seq_id] = BlockTable(moved, table.keys, table.cache_salt)
         src_pool.free(table.block_ids[::-1])
     for dst in mapping.values():
         dst_pool.ref_counts[dst] = 0

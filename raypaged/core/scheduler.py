@@ -262,7 +262,7 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         """Move the head of the queue into the batch if its blocks fit."""
-        num_cached = self.kv.computed_prefix(request.request_id, request.all_token_ids)
+        num_cached = self.kv.computed_prefix(request.request_id, request.all_token_ids, request.cache_salt)
         request.num_computed_tokens = num_cached
         num_new = self._num_new_tokens(request, self._budget)
         if num_new == 0:  # the prefix its group shares is all cached: fork right away
@@ -342,7 +342,7 @@ class Scheduler:
                 refs[block_id] = refs.get(block_id, 0) + 1
         ref_counts = self.kv.pool.ref_counts
         num_freed = sum(1 for block_id, n in refs.items() if ref_counts[block_id] == n)
-        hits = self.kv.cached_prefix_blocks(waiting.all_token_ids)
+        hits = self.kv.cached_prefix_blocks(waiting.all_token_ids, waiting.cache_salt)
         num_cached = len(hits) * self.kv.block_size
         num_new = min(waiting.num_tokens - num_cached, self._budget)
         if waiting.group is not None and waiting.group.pending_children:
