@@ -14,6 +14,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None  # per generated token: token id -> logprob
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    finish_message: str | None = None  # set when the engine ended it on its own (it outgrew the KV cache ...)
 
     @property
     def finished(self) -> bool:

@@ -77,3 +77,5 @@ class SampledToken:
 class ModelRunnerOutput:
     # request id -> the token sampled for it; requests mid-prefill are absent
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # request id -> why sampling its row failed (that request alone ends with an error)
+    failed: dict[str, str] = field(default_factory=dict)

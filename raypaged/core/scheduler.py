@@ -27,6 +27,14 @@ PREEMPTION_MODES = (None, "swap", "recompute")
 
 
 @dataclass(slots=True, frozen=True)
+class EndedRequest:
+    """A sequence the scheduler finished on its own, and why (for the client)."""
+
+    request: Request
+    message: str
+
+
+@dataclass(slots=True, frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -63,6 +71,7 @@ class Scheduler:
         self._unsent_ids: set[str] = set()  # running sequences the workers do not hold yet
         self._out: SchedulerOutput = SchedulerOutput()  # the step being scheduled
         self._budget = 0  # tokens left in it
+        self._ended: list[EndedRequest] = []  # ended by the scheduler itself, not yet told to the engine
 
     # ---- queue management -------------------------------------------------
     def _queue_key(self, request: Request) -> tuple:
@@ -168,9 +177,13 @@ class Scheduler:
             if num_new == 0:
                 continue
             if self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.num_blocks:
-                logger.warning("request %s outgrew the whole KV cache; finishing it", request.request_id)
+                message = (
+                    f"request {request.request_id} outgrew the whole KV cache ({self.kv.num_blocks} blocks of "
+                    f"{self.kv.block_size} tokens) at {request.num_tokens} tokens; finished with what it has"
+                )
+                logger.warning("%s", message)
                 self.running.remove(request)
-                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                self._end(request, message)
                 self._settle_beam(request.beam)
                 continue
             while request.status == RequestStatus.RUNNING and not self._allocate(request, num_new):
@@ -528,7 +541,7 @@ class Scheduler:
         unit = [head] if head.beam is None else [r for r in self.requests.values() if r.beam is head.beam]
         held = [r.request_id for r in unit if r.status == RequestStatus.RUNNING]
         recomputed = [r.all_token_ids for r in unit if r.status != RequestStatus.RUNNING]
-        if len(unit) > self.config.max_num_seqs or self.kv.num_blocks_to_hold(held, recomputed) > self.kv.num_blocks:
+        if len(unit) > self.config.max_num_seqs or self.kv.num_blocks_to_hold(held, recomputed, head.cache_salt) > self.kv.num_blocks:
             self._break_stall(head)
             return
         for victim in self.running[::-1]:
@@ -549,17 +562,28 @@ class Scheduler:
         """
         group = head.beam
         stalled = [head] if group is None else [r for r in self.requests.values() if r.beam is group]
-        logger.warning(
-            "request %s cannot fit in the KV cache (%d blocks); finishing it with what it has",
-            head.request_id if group is None else group.group_id,
-            self.kv.num_blocks,
+        message = (
+            f"request {head.request_id if group is None else group.group_id} cannot fit in the KV cache "
+            f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens); finished with what it has"
         )
+        logger.warning("%s", message)
         if group is not None:
             group.hypotheses = group.results()
             group.done = True
         for request in stalled:
             (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
-            self._finish(request, RequestStatus.FINISHED_LENGTH)
+            self._end(request, message)
+
+    def _end(self, request: Request, message: str) -> None:
+        """Finish a sequence the scheduler gives up on; the engine hears of it from ``take_ended``."""
+        self._finish(request, RequestStatus.FINISHED_LENGTH)
+        if request.beam is None:  # a beam search reports through its group (done, with hypotheses)
+            self._ended.append(EndedRequest(request, message))
+
+    def take_ended(self) -> list[EndedRequest]:
+        """Sequences ended by the scheduler itself (outgrew the pool, stall broken) since the last call."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def _settle_beam(self, group: BeamGroup | None) -> None:
         """After a beam ended from outside (abort, cache exhausted): finish or advance its group."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from transformers import AutoTokenizer
 
@@ -20,6 +21,7 @@ from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from raypaged.engine.detokenizer import IncrementalDetokenizer
 from raypaged.executor.uniproc import UniProcExecutor
+from raypaged.inputs.limits import InputError, check_prompt_ids, check_sampling, check_text
 from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.sampling_params import SamplingParams
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from raypaged.executor.ray_executor import RayExecutor, WorkerDiedError
 
 logger = logging.getLogger("raypaged")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -38,6 +41,7 @@ class _SeqState:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    finish_message: str | None = None  # why the scheduler ended it (outgrew the KV cache, ...)
 
 
 @dataclass(slots=True)
@@ -49,10 +53,11 @@ class _RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[_SeqState]
+    error: str | None = None  # handling this request failed: it ended alone, with this message
 
     @property
     def finished(self) -> bool:
-        return all(seq.finish_reason is not None for seq in self.seqs)
+        return self.error is not None or all(seq.finish_reason is not None for seq in self.seqs)
 
 
 class LLMEngine:
@@ -79,6 +84,11 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
         )
         num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
+        try:
+            _check_pool_holds_one_sequence(num_blocks, config)
+        except ValueError:
+            self.shutdown()
+            raise
         self.executor.initialize_cache(num_blocks, num_cpu_blocks)
         self.scheduler = Scheduler(
             scheduler_config,
@@ -87,7 +97,8 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}  # by request id
         self._seq_states: dict[str, tuple[_RequestState, _SeqState]] = {}  # by sequence id
         self._beam_states: dict[str, tuple[_RequestState, BeamGroup]] = {}  # beam searches by request id
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # request ids for callers that give none
+        self._seq_numbers = itertools.count()  # internal sequence ids: "<n>:<request id>", never a user's id
 
     def _eos_token_id(self) -> int | None:
         eos = getattr(self.config.hf_config, "eos_token_id", None)
@@ -102,29 +113,22 @@ class LLMEngine:
     def _validate_prompt(
         self, request_id: str | None, prompt: str | None, prompt_token_ids: list[int] | None
     ) -> tuple[str, list[int]]:
-        """A fresh request id and the prompt's token ids; bad input raises ``ValueError``."""
+        """A fresh request id and the prompt's token ids; bad input raises ``ValueError``
+        (the input gate's ``InputError``), sizes checked before tokenizing or copying."""
         if request_id is None:
             request_id = str(next(self._ids))
         if request_id in self._states or request_id in self._beam_states:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InputError("request_id", f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
             if prompt is None:
-                raise ValueError("either prompt or prompt_token_ids is required")
+                raise InputError("prompt", "either prompt or prompt_token_ids is required")
+            check_text("prompt", len(prompt), self.config.limits, self.config.max_model_len)
             prompt_token_ids = self.tokenize(prompt)
-        prompt_token_ids = list(prompt_token_ids)
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.config.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[0]}")
-        max_len = self.config.max_model_len
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate within "
-                f"max_model_len {max_len}"
-            )
-        return request_id, prompt_token_ids
+        check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, self.config.max_model_len)
+        return request_id, list(prompt_token_ids)
+
+    def _seq_id(self, request_id: str) -> str:
+        return f"{next(self._seq_numbers)}:{request_id}"
 
     def add_request(
         self,
@@ -133,31 +137,36 @@ class LLMEngine:
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
         """Validate and queue one request; returns its id. Bad input raises ``ValueError``.
 
         ``prompt_token_ids``, when given, are used as they are (``prompt`` is then
-        only reported back); otherwise ``prompt`` is tokenized.
+        only reported back); otherwise ``prompt`` is tokenized. Requests with
+        different ``cache_salt`` never share prefix-cache blocks.
         """
+        check_sampling(sampling_params, self.config.hf_config.vocab_size, self.config.limits)
         request_id, prompt_token_ids = self._validate_prompt(request_id, prompt, prompt_token_ids)
         room = self.config.max_model_len - len(prompt_token_ids)
         max_tokens = room if sampling_params.max_tokens is None else min(sampling_params.max_tokens, room)
         num_samples = sampling_params.num_samples
+        seq_id = self._seq_id(request_id)
         seqs = [
             Request(
-                request_id if i == 0 else f"{request_id}#{i}",
+                seq_id if i == 0 else f"{seq_id}#{i}",
                 prompt_token_ids,
                 sampling_params,
                 max_tokens,
                 self.eos_token_id,
                 priority=priority,
                 sample_index=i,
+                cache_salt=cache_salt,
             )
             for i in range(num_samples)
         ]
         fork_at = len(prompt_token_ids) - 1
         if num_samples > 1 and fork_at > 0:
-            group = SequenceGroup(request_id, fork_at, seqs[1:])
+            group = SequenceGroup(seq_id, fork_at, seqs[1:])
             for seq in seqs:
                 seq.group = group
             self.scheduler.add_request(seqs[0])
@@ -185,8 +194,9 @@ class LLMEngine:
         max_tokens = min(params.max_tokens, self.config.max_model_len - len(prompt_token_ids))
         # each beam proposes its 2 * beam_width best next tokens; the group decides
         beam_params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2 * params.beam_width, ignore_eos=True)
-        group = BeamGroup(request_id, params, self.eos_token_id)
-        first = Request(request_id, prompt_token_ids, beam_params, max_tokens, self.eos_token_id, beam=group)
+        seq_id = self._seq_id(request_id)
+        group = BeamGroup(seq_id, params, self.eos_token_id)
+        first = Request(seq_id, prompt_token_ids, beam_params, max_tokens, self.eos_token_id, beam=group)
         group.beams.append(first)
         self.scheduler.add_request(first)
         self._beam_states[request_id] = (_RequestState(request_id, prompt, prompt_token_ids, beam_params, []), group)
@@ -244,17 +254,28 @@ class LLMEngine:
             return []
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         touched: dict[str, _RequestState] = {}
+        for ended in self.scheduler.take_ended():
+            state, seq = self._seq_states[ended.request.request_id]
+            self._guarded(state, "ending", self._end_seq, seq, ended.message)
+            touched[state.request_id] = state
+        for seq_id, message in runner_output.failed.items():
+            if (found := self._seq_states.get(seq_id)) is not None:
+                self._fail(found[0], message)
+                touched[found[0].request_id] = found[0]
         for request in updated:
             state, seq = self._seq_states[request.request_id]
-            self._process_token(seq)
+            if state.error is None:
+                self._guarded(state, "detokenizing or stop matching", self._process_token, seq)
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
-            outputs.append(self._make_output(state))
+            output = None if state.error else self._guarded(state, "building the output", self._make_output, state)
+            if state.error is not None:
+                output = self._error_output(state)
+            if output is not None:
+                outputs.append(output)
             if state.finished:
-                del self._states[state.request_id]
-                for seq in state.seqs:
-                    self._seq_states.pop(seq.request.request_id, None)
+                self._forget(state)
         for request_id, (state, group) in list(self._beam_states.items()):
             if group.done:
                 outputs.append(self._beam_output(state, group))
@@ -278,6 +299,48 @@ class LLMEngine:
         if not isinstance(self.executor, UniProcExecutor):
             self.executor.shutdown()
 
+    def _guarded(self, state: _RequestState, doing: str, call: Callable[..., T], *args: object) -> T | None:
+        """``call(*args)`` for one request; if it raises, that request alone fails (``_fail``)."""
+        try:
+            return call(*args)
+        except Exception as exc:
+            logger.exception("request %s: %s failed; ending it alone", state.request_id, doing)
+            self._fail(state, f"{doing} failed: {type(exc).__name__}: {exc}")
+            return None
+
+    def _fail(self, state: _RequestState, message: str) -> None:
+        """End a request whose handling failed: its sequences are aborted (blocks freed) and it
+        is reported once, finished, with ``error`` set; the other requests go on."""
+        if state.error is not None:
+            return
+        state.error = message
+        self.scheduler.finish_requests([seq.request.request_id for seq in state.seqs], RequestStatus.FINISHED_ABORTED)
+        for seq in state.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+
+    def _error_output(self, state: _RequestState) -> RequestOutput:
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[],
+            finished=True,
+            num_generated_tokens=sum(seq.request.num_output_tokens for seq in state.seqs),
+            error=state.error,
+        )
+
+    def _forget(self, state: _RequestState) -> None:
+        del self._states[state.request_id]
+        for seq in state.seqs:
+            self._seq_states.pop(seq.request.request_id, None)
+
+    def _end_seq(self, seq: _SeqState, message: str) -> None:
+        """A sequence the scheduler ended on its own: its held-back text and the reason."""
+        seq.text += seq.detokenizer.flush()
+        seq.finish_reason = seq.request.status.finish_reason
+        seq.finish_message = message
+
     def _process_token(self, seq: _SeqState) -> None:
         """Detokenize the newest token; a stop string found in the text finishes the sequence."""
         request = seq.request
@@ -295,7 +358,13 @@ class LLMEngine:
             seq.finish_reason = request.status.finish_reason
             seq.stop_reason = request.stop_reason
 
-    def _make_output(self, state: _RequestState) -> RequestOutput:
+    def _make_output(self, state: _RequestState) -> RequestOutput | None:
+        """The request's cumulative output; ``None`` for an unfinished ``best_of`` request, whose
+        samples are ranked (and shown) only once all have finished."""
+        finished = state.finished
+        ranked = state.params.num_samples > state.params.n
+        if ranked and not finished:
+            return None
         wants_logprobs = state.params.logprobs is not None
         completions = [
             CompletionOutput(
@@ -306,11 +375,11 @@ class LLMEngine:
                 logprobs=list(seq.request.output_logprobs) if wants_logprobs else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
+                finish_message=seq.finish_message,
             )
             for seq in state.seqs
         ]
-        finished = state.finished
-        if finished and state.params.num_samples > state.params.n:
+        if ranked:
             completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[: state.params.n]
             for rank, completion in enumerate(completions):
                 completion.index = rank
@@ -320,10 +389,23 @@ class LLMEngine:
             prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
             finished=finished,
+            num_generated_tokens=sum(seq.request.num_output_tokens for seq in state.seqs),
         )
 
     def stats(self) -> dict[str, int | float]:
         return self.scheduler.stats()
+
+
+def _check_pool_holds_one_sequence(num_blocks: int, config: EngineConfig) -> None:
+    """One sequence of ``max_model_len`` tokens must fit the KV pool, or it could never finish."""
+    needed = -(-config.max_model_len // config.block_size)
+    if needed > num_blocks:
+        raise ValueError(
+            f"the KV cache has {num_blocks} blocks of {config.block_size} tokens ({num_blocks * config.block_size} "
+            f"tokens), but one sequence of max_model_len {config.max_model_len} needs {needed} blocks; raise "
+            "--kv-cache-space (CPU), --gpu-memory-utilization (CUDA) or --num-gpu-blocks-override, or lower "
+            "--max-model-len"
+        )
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[str, str] | None:

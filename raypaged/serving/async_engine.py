@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,6 +41,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped (a step failed, or the engine was shut down)."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended this request alone: handling it failed (the message says how)."""
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -48,6 +52,7 @@ class _Add:
     params: SamplingParams
     prompt_token_ids: list[int] | None
     priority: int
+    cache_salt: str | None
     accepted: concurrent.futures.Future
 
 
@@ -101,8 +106,13 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``."""
+        """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``.
+
+        A caller cancelled at any point, even while the engine thread is adding the
+        request, leaves nothing running: an abort is queued behind the add.
+        """
         self._check_alive()
         self._loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
@@ -110,13 +120,15 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._streams[request_id] = _Stream()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, prompt_token_ids, priority, accepted))
+        self._commands.put(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, accepted))
         try:
             await asyncio.wrap_future(accepted)
         except BaseException:
             self._streams.pop(request_id, None)
-            if accepted.done() and not accepted.cancelled() and accepted.exception() is None:
-                self._abort_nowait([request_id])  # cancelled just after the engine took it
+            if not (accepted.done() and not accepted.cancelled() and accepted.exception() is not None):
+                # not refused by the engine: it may hold the request (added, or being added right now);
+                # commands run in order, so this abort comes after the add
+                self._abort_nowait([request_id])
             raise
         return request_id
 
@@ -135,6 +147,8 @@ class AsyncLLMEngine:
                     self._check_alive()
                     return
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return
@@ -150,9 +164,10 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``add_request`` then ``stream``: the request's cumulative outputs, last one finished."""
-        request_id = await self.add_request(prompt, params, request_id, prompt_token_ids, priority)
+        request_id = await self.add_request(prompt, params, request_id, prompt_token_ids, priority, cache_salt)
         async for output in self.stream(request_id):
             yield output
 
@@ -213,10 +228,14 @@ class AsyncLLMEngine:
         if isinstance(command, _Add):
             if not command.accepted.set_running_or_notify_cancel():
                 return  # the caller was cancelled before the engine saw the request
-            kwargs = {"priority": command.priority} if command.priority else {}
             try:
                 engine.add_request(
-                    command.prompt, command.params, command.request_id, command.prompt_token_ids, **kwargs
+                    command.prompt,
+                    command.params,
+                    command.request_id,
+                    command.prompt_token_ids,
+                    priority=command.priority,
+                    cache_salt=command.cache_salt,
                 )
             except ValueError as exc:
                 command.accepted.set_exception(exc)
@@ -231,19 +250,26 @@ class AsyncLLMEngine:
                 self._push(request_id, _END)
             if unfinished:
                 logger.info("aborted requests %s", ", ".join(unfinished))
-                if self._observer is not None:
-                    self._observer.on_abort(unfinished)
+                self._observe(lambda observer: observer.on_abort(unfinished))
             if command.done.set_running_or_notify_cancel():
                 command.done.set_result(len(unfinished))
         self._stats = engine.stats()
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         self._active.difference_update(o.request_id for o in outputs if o.finished)
-        if self._observer is not None:
-            arrivals = {o.request_id: s.arrival_time for o in outputs if (s := self._streams.get(o.request_id))}
-            self._observer.on_outputs(outputs, arrivals, time.monotonic())
+        arrivals = {o.request_id: s.arrival_time for o in outputs if (s := self._streams.get(o.request_id))}
+        self._observe(lambda observer: observer.on_outputs(outputs, arrivals, time.monotonic()))
         if outputs and self._loop is not None:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _observe(self, call: Callable[[EngineObserver], None]) -> None:
+        """Tell the observer; a failing observer is logged and never stops the engine."""
+        if self._observer is None:
+            return
+        try:
+            call(self._observer)
+        except Exception:
+            logger.exception("metrics observer of engine %s failed; the engine goes on", self.config.served_model_name)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -57,7 +57,7 @@ class RequestObserver:
 
     def on_outputs(self, outputs: list[RequestOutput], arrival_times: dict[str, float], now: float) -> None:
         for output in outputs:
-            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            num_tokens = output.num_generated_tokens  # never decreases: every sampled token counts once
             progress = self._progress.get(output.request_id)
             if progress is None:
                 arrival = arrival_times.get(output.request_id, now)

@@ -67,6 +67,29 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: pb.ChatMessage
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def stop_holdback(text: str, stops: list[str]) -> int:
+    """How many characters at the end of ``text`` could begin a stop string (0 when none could).
+
+    For each stop string only the prefixes ending in the text's last character
+    are compared, so the cost stays near one ``rfind`` per stop string.
+    """
+    if not text or not stops:
+        return 0
+    last = text[-1]
+    held = 0
+    for stop in stops:
+        end = min(len(stop) - 1, len(text))  # a whole stop string would have been cut already
+        while end > held:
+            end = stop.rfind(last, 0, end) + 1  # the longest prefix stop[:end] ending in `last`
+            if end <= held:
+                break
+            if text.endswith(stop[:end]):
+                held = end
+                break
+            end -= 1
+    return held
+
+
 @dataclass(slots=True)
 class _Sent:
     num_chars: int = 0
@@ -78,9 +101,11 @@ class _Sent:
 class DeltaTracker:
     """Turns a request's cumulative outputs into ``GenerateResponse`` deltas.
 
-    While a completion runs, the last ``max_stop_len - 1`` characters are held
-    back: a stop string completed by a later token is cut from text that must
-    not have been sent yet.
+    While a completion runs, text that could be the start of a stop string is
+    held back (the longest end of the text that is a stop string's beginning,
+    so at most the longest stop string's length minus one character): a stop
+    string completed by a later token is cut from text that must not have been
+    sent yet.
     """
 
     request_id: str
@@ -91,10 +116,7 @@ class DeltaTracker:
 
     def response(self, output: RequestOutput) -> pb.GenerateResponse:
         deltas = [self._delta(c) for c in output.outputs if not self._sent.setdefault(c.index, _Sent()).done]
-        self._usage = pb.Usage(
-            prompt_tokens=len(output.prompt_token_ids),
-            completion_tokens=sum(len(c.token_ids) for c in output.outputs),
-        )
+        self._usage = pb.Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_generated_tokens)
         return pb.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=output.finished, usage=self._usage)
 
     def aborted(self) -> pb.GenerateResponse:
@@ -106,7 +128,7 @@ class DeltaTracker:
     def _delta(self, completion: CompletionOutput) -> pb.CompletionDelta:
         sent = self._sent[completion.index]
         finished = completion.finish_reason is not None
-        holdback = 0 if finished else max(self.params.max_stop_len - 1, 0)
+        holdback = 0 if finished else stop_holdback(completion.text, self.params.stop)
         visible = len(completion.text) - holdback
         text = completion.text[sent.num_chars:visible] if visible > sent.num_chars else ""
         new_ids = completion.token_ids[sent.num_tokens:]
@@ -117,6 +139,8 @@ class DeltaTracker:
             delta.finish_reason = FINISH_REASONS[completion.finish_reason]
             if completion.stop_reason is not None:
                 delta.stop_reason = str(completion.stop_reason)
+            if completion.finish_message is not None:
+                delta.finish_message = completion.finish_message
             sent.done = True
         sent.num_chars += len(text)
         sent.num_tokens = len(completion.token_ids)

@@ -8,6 +8,7 @@ dropped when the scheduler says so.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ from raypaged.sampling_params import SamplingParams
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
 from raypaged.worker.sampler import SamplingInput, greedy_fast_path, sample
+
+logger = logging.getLogger("raypaged")
 
 
 @dataclass(slots=True)
@@ -178,7 +181,21 @@ class ModelRunner:
             SamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.eos_token_id, s.sample_index)
             for s in (self.requests[rid] for rid in step.sampled_request_ids)
         ]
-        tokens = greedy_fast_path(logits, inputs)
-        if tokens is None:
-            tokens = sample(logits.cpu(), inputs, self.generator)
+        try:
+            tokens = greedy_fast_path(logits, inputs)
+            if tokens is None:
+                tokens = sample(logits.cpu(), inputs, self.generator)
+        except Exception:  # one row's parameters broke the batch: find it, sample the others
+            return self._sample_rows(logits.cpu(), inputs, step.sampled_request_ids)
         return ModelRunnerOutput(sampled=dict(zip(step.sampled_request_ids, tokens)))
+
+    def _sample_rows(self, logits: torch.Tensor, inputs: list[SamplingInput], request_ids: list[str]) -> ModelRunnerOutput:
+        """Sample row by row; a row that raises is reported in ``failed``, the others get their tokens."""
+        out = ModelRunnerOutput()
+        for row, (request_id, row_input) in enumerate(zip(request_ids, inputs)):
+            try:
+                out.sampled[request_id] = sample(logits[row:row + 1], [row_input], self.generator)[0]
+            except Exception as exc:
+                logger.exception("sampling failed for request %s", request_id)
+                out.failed[request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+        return out

@@ -60,7 +60,7 @@ def test_bad_thread_override(ray_session, tiny_llama, monkeypatch):
 
 
 def test_tp1_stays_in_process(tiny_llama):
-    llm = LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=8)
+    llm = LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=8, max_model_len=128)
     assert isinstance(llm.llm_engine.executor, UniProcExecutor)
 
 
@@ -89,10 +89,10 @@ def test_smollm2_tp3_matches_tp1(ray_session, smollm2_dir):
     ]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     reference = greedy_tokens(
-        LLM(model=str(smollm2_dir), dtype="float32", device="cpu", num_gpu_blocks_override=64), prompts, params
+        LLM(model=str(smollm2_dir), dtype="float32", device="cpu", num_gpu_blocks_override=64, max_model_len=1024), prompts, params
     )
     llm = LLM(
-        model=str(smollm2_dir), dtype="float32", device="cpu", tensor_parallel_size=3, num_gpu_blocks_override=64
+        model=str(smollm2_dir), dtype="float32", device="cpu", tensor_parallel_size=3, num_gpu_blocks_override=64, max_model_len=1024
     )
     try:
         assert greedy_tokens(llm, prompts, params) == reference

@@ -10,7 +10,7 @@ def run_cli(*args, stdin=None):
 
 def test_generate_chat_answers_on_the_default_model(smollm2_dir):
     result = run_cli(
-        "generate", "--model", str(smollm2_dir), "--num-gpu-blocks-override", "64", "--chat",
+        "generate", "--model", str(smollm2_dir), "--num-gpu-blocks-override", "64", "--max-model-len", "1024", "--chat",
         "--prompt", "What is the capital of France?", "--max-tokens", "20",
     )
     assert result.returncode == 0, result.stderr
@@ -21,7 +21,7 @@ def test_generate_chat_answers_on_the_default_model(smollm2_dir):
 
 def test_prompts_from_stdin_and_debug_step_logs(smollm2_dir):
     result = run_cli(
-        "generate", "--model", str(smollm2_dir), "--num-gpu-blocks-override", "64", "--max-tokens", "3",
+        "generate", "--model", str(smollm2_dir), "--num-gpu-blocks-override", "64", "--max-model-len", "1024", "--max-tokens", "3",
         "--log-level", "debug", stdin="Hello there\nThe sky is\n",
     )
     assert result.returncode == 0, result.stderr

@@ -43,7 +43,7 @@ def test_greedy_batch_equals_transformers(smollm2_llm, hf_references):
 
 
 def test_tiny_pool_preempts_recomputes_and_frees_everything(smollm2_dir, hf_references):
-    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=20, block_size=16)
+    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=20, block_size=16, max_model_len=320)
     outputs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == hf_references
     stats = llm.stats()
@@ -173,7 +173,7 @@ def test_bad_prompts_are_refused_before_anything_runs(smollm2_llm):
         smollm2_llm.generate(["fine", ""], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="prompt has 8192 tokens, which leaves no room to generate within max_model_len 8192"):
         smollm2_llm.generate({"prompt_token_ids": [5] * 8192})
-    with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, 49152\), got 49152"):
+    with pytest.raises(ValueError, match=r"prompt must be token ids in \[0, 49152\), got 49152"):
         smollm2_llm.generate({"prompt_token_ids": [5, 49152]})
     stats = smollm2_llm.stats()
     assert stats["num_requests_waiting"] == 0 and stats["num_gpu_blocks_free"] == 1024

@@ -37,7 +37,7 @@ def long_prompt(smollm2_llm):
 
 
 def test_parallel_samples_store_the_prompt_once(smollm2_dir, long_prompt):
-    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=200, enable_prefix_caching=False)
+    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=200, max_model_len=3200, enable_prefix_caching=False)
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=32, ignore_eos=True)
     [output], seen = run_tracking(llm, [{"prompt_token_ids": long_prompt}], params)
     peak = max(200 - s["num_gpu_blocks_free"] for s in seen)
@@ -69,14 +69,14 @@ def test_prefix_cache_hits_and_gives_the_same_tokens(smollm2_dir, smollm2_llm, l
     first = {"prompt_token_ids": system + [1018, 253, 2000]}
     second = {"prompt_token_ids": system + [6391, 30, 18, 5, 905]}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=128)
+    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=128, max_model_len=2048)
     llm.generate(first, params)
     before = llm.stats()
     [cached] = llm.generate(second, params)
     after = llm.stats()
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 10 * BLOCK
     assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 10 * BLOCK + 10
-    uncached_llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=128, enable_prefix_caching=False)
+    uncached_llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=128, max_model_len=2048, enable_prefix_caching=False)
     [uncached] = uncached_llm.generate(second, params)
     assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
     assert uncached_llm.stats()["prefix_cache_hits"] == 0
@@ -87,7 +87,7 @@ def test_swapping_under_pressure_changes_no_output(smollm2_dir, smollm2_llm):
     sampled = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=48, ignore_eos=True)
     sampled_ref = smollm2_llm.generate(PROMPTS[2], sampled)[0]
 
-    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=24, swap_space=0.1, preemption_mode="swap")
+    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=24, max_model_len=384, swap_space=0.1, preemption_mode="swap")
     outputs, seen = run_tracking(llm, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in greedy_refs]
     assert max(s["num_requests_swapped"] for s in seen) > 0
@@ -95,7 +95,7 @@ def test_swapping_under_pressure_changes_no_output(smollm2_dir, smollm2_llm):
     assert final["num_gpu_blocks_free"] == 24 and final["num_cpu_blocks_free"] == final["num_cpu_blocks_total"] > 0
 
     # default rules: a group sharing blocks is swapped as a whole, single sequences recomputed
-    auto = LLM(model=str(smollm2_dir), num_gpu_blocks_override=14, swap_space=0.1)
+    auto = LLM(model=str(smollm2_dir), num_gpu_blocks_override=14, max_model_len=224, swap_space=0.1)
     outputs, seen = run_tracking(auto, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], sampled)
     assert [c.token_ids for c in outputs[0].outputs] == [c.token_ids for c in sampled_ref.outputs]
     assert max(s["num_requests_swapped"] for s in seen) > 0
@@ -108,7 +108,7 @@ def test_chunked_prefill_runs_beside_decodes_and_changes_no_output(smollm2_dir, 
     short = [{"prompt_token_ids": long_prompt[i * 10:i * 10 + 12]} for i in range(8)]
     reference = smollm2_llm.generate(short + [{"prompt_token_ids": long_prompt}], params)
 
-    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=128, max_num_batched_tokens=64, enable_prefix_caching=False)
+    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=128, max_model_len=2048, max_num_batched_tokens=64, enable_prefix_caching=False)
     engine = llm.llm_engine
     steps = []
     real_schedule = engine.scheduler.schedule
@@ -137,7 +137,7 @@ def test_chunked_prefill_runs_beside_decodes_and_changes_no_output(smollm2_dir, 
 
 
 def test_priority_scheduling_serves_the_urgent_request_first(smollm2_dir, long_prompt):
-    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=8, scheduling_policy="priority")
+    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=8, max_model_len=128, scheduling_policy="priority")
     engine = llm.llm_engine
     slow = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     low = [engine.add_request(None, slow, prompt_token_ids=long_prompt[i * 32:(i + 1) * 32], priority=10) for i in range(4)]

@@ -86,7 +86,8 @@ def hf_first_logprobs(model_dir, prompts, dtype):
 def engine(model_dir, **kwargs):
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("gpu_memory_utilization", 0.3)
-    return LLM(str(model_dir), device="cuda", max_model_len=2048, **kwargs)
+    kwargs.setdefault("max_model_len", 2048)
+    return LLM(str(model_dir), device="cuda", **kwargs)
 
 
 def runner(llm):
@@ -137,7 +138,7 @@ def test_half_precision_logprobs_match_transformers(model_dir, prompts, dtype):
 
 def test_swap_through_copy_blocks_kernel_keeps_outputs(model_dir, prompts, reference):
     """A pool too small for the batch: groups swap out to pinned host blocks and back."""
-    llm = engine(model_dir, num_gpu_blocks_override=26, swap_space=0.05, preemption_mode="swap",
+    llm = engine(model_dir, num_gpu_blocks_override=26, max_model_len=416, swap_space=0.05, preemption_mode="swap",
                  enforce_eager=False)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, n=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:5]], params, use_tqdm=False)

@@ -1,0 +1,153 @@
+"""Per-request fault isolation in the engine: one request's failure ends it alone.
+
+Sixteen greedy requests run together; one of them is made to fail in sampling, in
+detokenizing or in stop matching. That one ends with an error, the other fifteen
+return exactly the tokens of an undisturbed run, every block is free afterwards
+and the engine serves the next request.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from raypaged import LLM, SamplingParams
+from raypaged.core.block_manager import KVCacheManager
+from raypaged.engine import detokenizer, llm_engine
+from raypaged.worker import sampler
+from tests.serving.conftest import tiny_model_dir  # noqa: F401  (session fixture)
+
+NUM_REQUESTS = 16
+VICTIM = 5
+PROMPTS = [f"request number {i} says" for i in range(NUM_REQUESTS)]
+PLAIN = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    engine = LLM(model=str(tiny_model_dir), num_gpu_blocks_override=128, max_model_len=256)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PLAIN)]
+
+
+def run_with_victim(llm: LLM, victim_params: SamplingParams) -> list:
+    params = [PLAIN] * NUM_REQUESTS
+    params[VICTIM] = victim_params
+    return llm.generate(PROMPTS, params, use_tqdm=False)
+
+
+def assert_only_the_victim_failed(llm: LLM, outputs: list, undisturbed: list[list[int]], message: str) -> None:
+    victim = outputs[VICTIM]
+    assert victim.finished and victim.error == message
+    others = [o.outputs[0].token_ids for i, o in enumerate(outputs) if i != VICTIM]
+    assert others == [ids for i, ids in enumerate(undisturbed) if i != VICTIM]
+    assert all(o.error is None for i, o in enumerate(outputs) if i != VICTIM)
+    stats = llm.stats()
+    assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
+    assert (stats["num_requests_running"], stats["num_requests_waiting"]) == (0, 0)
+    again = llm.generate(PROMPTS[:1], PLAIN, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == undisturbed[0]
+
+
+def test_a_sampling_failure_ends_that_request_alone(llm, undisturbed, monkeypatch):
+    real = sampler._apply_penalties
+
+    def failing(logits, inputs):
+        if any(s.params.repetition_penalty == 1.5 for s in inputs):
+            raise RuntimeError("injected sampling fault")
+        return real(logits, inputs)
+
+    monkeypatch.setattr(sampler, "_apply_penalties", failing)
+    victim = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5)
+    outputs = run_with_victim(llm, victim)
+    assert_only_the_victim_failed(llm, outputs, undisturbed, "sampling failed: RuntimeError: injected sampling fault")
+
+
+def test_a_detokenizer_failure_ends_that_request_alone(llm, undisturbed, monkeypatch):
+    real = detokenizer.IncrementalDetokenizer.add_tokens
+
+    def failing(self, new_token_ids):
+        if not self.skip_special_tokens:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer fault")
+        return real(self, new_token_ids)
+
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "add_tokens", failing)
+    victim = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, skip_special_tokens=False)
+    outputs = run_with_victim(llm, victim)
+    assert_only_the_victim_failed(
+        llm, outputs, undisturbed,
+        "detokenizing or stop matching failed: UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in "
+        "position 0: injected detokenizer fault",
+    )
+
+
+def test_a_stop_matching_failure_ends_that_request_alone(llm, undisturbed, monkeypatch):
+    real = llm_engine._find_stop
+
+    def failing(text, stops, start):
+        if "VICTIM" in stops:
+            raise IndexError("injected stop-matching fault")
+        return real(text, stops, start)
+
+    monkeypatch.setattr(llm_engine, "_find_stop", failing)
+    victim = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["VICTIM"])
+    outputs = run_with_victim(llm, victim)
+    assert_only_the_victim_failed(
+        llm, outputs, undisturbed, "detokenizing or stop matching failed: IndexError: injected stop-matching fault"
+    )
+
+
+def test_a_request_outgrowing_the_pool_is_reported_not_lost(llm, undisturbed):
+    engine = llm.llm_engine
+    real_kv = engine.scheduler.kv
+    engine.scheduler.kv = KVCacheManager(2, real_kv.block_size)  # a pool of 32 tokens for this test
+    try:
+        [output] = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                                use_tqdm=False)
+    finally:
+        engine.scheduler.kv = real_kv
+    [completion] = output.outputs
+    assert output.finished and output.error is None
+    assert completion.finish_reason == "length"
+    num_prompt = len(output.prompt_token_ids)
+    assert len(completion.token_ids) == 33 - num_prompt  # 32 tokens fill the pool; the 33rd was sampled
+    assert completion.token_ids[:12] == undisturbed[0]
+    seq_id = completion.finish_message.split()[1]
+    assert completion.finish_message == (
+        f"request {seq_id} outgrew the whole KV cache (2 blocks of 16 tokens) at 33 tokens; finished with what it has"
+    )
+    assert seq_id.endswith(f":{output.request_id}")
+
+
+def test_best_of_returns_exactly_n_ranked_choices_and_counts_every_sample(llm):
+    params = SamplingParams(temperature=1.0, n=2, best_of=4, max_tokens=6, ignore_eos=True, seed=3)
+    [ranked] = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    samples = llm.generate(
+        PROMPTS[:1], SamplingParams(temperature=1.0, n=4, max_tokens=6, ignore_eos=True, seed=3), use_tqdm=False
+    )[0]
+    assert [c.index for c in ranked.outputs] == [0, 1]
+    best = sorted(samples.outputs, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
+    assert [c.token_ids for c in ranked.outputs] == [c.token_ids for c in best]
+    assert ranked.num_generated_tokens == 4 * 6
+
+
+def test_user_ids_never_collide_with_sample_ids(llm):
+    engine = llm.llm_engine
+    engine.add_request("first", SamplingParams(temperature=0, max_tokens=3), request_id="x#1")
+    engine.add_request("second", SamplingParams(temperature=0, max_tokens=3, n=2), request_id="x")
+    with pytest.raises(ValueError, match="request_id 'x' is already in use"):
+        engine.add_request("third", PLAIN, request_id="x")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert sorted(finished) == ["x", "x#1"]
+    assert [len(c.token_ids) for c in finished["x"].outputs] == [3, 3]
+    assert [len(c.token_ids) for c in finished["x#1"].outputs] == [3]
+    stats = llm.stats()
+    assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]

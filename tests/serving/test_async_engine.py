@@ -1,0 +1,84 @@
+"""AsyncLLMEngine: a cancel that arrives while the engine thread adds the request still aborts it;
+a failing metrics observer never stops the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from raypaged.engine.llm_engine import LLMEngine
+from raypaged.sampling_params import SamplingParams
+from raypaged.serving.async_engine import AsyncLLMEngine
+from tests.serving.conftest import tiny_config
+
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm_engine(tiny_model_dir):
+    return LLMEngine(tiny_config(tiny_model_dir, "tiny"))
+
+
+def test_a_cancel_while_the_engine_adds_the_request_aborts_it(llm_engine, monkeypatch):
+    inside_add = threading.Event()
+    release_add = threading.Event()
+    real_add = llm_engine.add_request
+
+    def slow_add(*args, **kwargs):
+        result = real_add(*args, **kwargs)
+        inside_add.set()
+        release_add.wait(10)  # the request is in the scheduler; the caller is cancelled now
+        return result
+
+    monkeypatch.setattr(llm_engine, "add_request", slow_add)
+
+    async def scenario() -> dict:
+        engine = AsyncLLMEngine(llm_engine)
+        try:
+            task = asyncio.ensure_future(engine.add_request("cancel me", LONG, request_id="r1"))
+            await asyncio.get_running_loop().run_in_executor(None, inside_add.wait, 10)
+            task.cancel()
+            await asyncio.sleep(0)
+            release_add.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await engine.abort(["unrelated"]) == 0  # commands run in order: the add and its abort ran
+            assert not llm_engine.has_unfinished_requests()
+            return engine.stats()
+        finally:
+            engine.shutdown()
+
+    stats = asyncio.run(scenario())
+    assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
+
+
+class _FailingObserver:
+    def on_outputs(self, outputs, arrival_times, now) -> None:
+        raise ValueError("Counters can only be incremented by non-negative amounts.")
+
+    def on_abort(self, request_ids) -> None:
+        raise KeyError("observer fault")
+
+
+def test_a_failing_observer_never_stops_the_engine(tiny_model_dir):
+    reference = LLMEngine(tiny_config(tiny_model_dir, "tiny"))
+
+    async def scenario() -> list[list[int]]:
+        engine = AsyncLLMEngine(reference, observer=_FailingObserver())
+        try:
+            texts = []
+            for prompt in ("one", "two"):
+                async for output in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=5)):
+                    last = output
+                texts.append(last.outputs[0].token_ids)
+            await engine.add_request("aborted", LONG, request_id="gone")
+            assert await engine.abort(["gone"]) == 1
+            assert engine.is_running
+            return texts
+        finally:
+            engine.shutdown()
+
+    tokens = asyncio.run(scenario())
+    assert [len(t) for t in tokens] == [5, 5]
