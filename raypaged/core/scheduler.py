@@ -11,7 +11,6 @@ recomputed from its tokens at the front of the queue.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from dataclasses import dataclass, replace
 
@@ -19,6 +18,7 @@ from raypaged.core.beam_search import BeamGroup
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.outputs import BlockOp, CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus
+from raypaged.core.waiting_queue import WaitingQueue
 
 logger = logging.getLogger("raypaged")
 
@@ -60,7 +60,7 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}  # every live sequence, by id
-        self.waiting: list[Request] = []
+        self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.swapped: list[list[Request]] = []  # sequences swapped out together
         self.num_preemptions = 0
@@ -74,17 +74,8 @@ class Scheduler:
         self._ended: list[EndedRequest] = []  # ended by the scheduler itself, not yet told to the engine
 
     # ---- queue management -------------------------------------------------
-    def _queue_key(self, request: Request) -> tuple:
-        return (request.priority, request.arrival_time) if self.config.policy == "priority" else ()
-
     def _enqueue(self, request: Request, front: bool = False) -> None:
-        if self.config.policy == "priority":
-            keys = [self._queue_key(r) for r in self.waiting]
-            self.waiting.insert(bisect.bisect_right(keys, self._queue_key(request)), request)
-        elif front:
-            self.waiting.insert(0, request)
-        else:
-            self.waiting.append(request)
+        self.waiting.push(request, front)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -218,7 +209,7 @@ class Scheduler:
         while self.waiting and self._budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]
+            request = self.waiting.head()
             if not self._admit(request):
                 if self._preempt_for(request):
                     continue  # a lower-priority sequence made room: try again
@@ -537,7 +528,7 @@ class Scheduler:
                     self._preempt(victim)
             self._swap_in()
             return
-        head = self.waiting[0]
+        head = self.waiting.head()
         unit = [head] if head.beam is None else [r for r in self.requests.values() if r.beam is head.beam]
         held = [r.request_id for r in unit if r.status == RequestStatus.RUNNING]
         recomputed = [r.all_token_ids for r in unit if r.status != RequestStatus.RUNNING]
@@ -548,7 +539,7 @@ class Scheduler:
             if victim.status == RequestStatus.RUNNING and victim not in unit:
                 self._preempt(victim)
         if self.config.policy == "fcfs":  # the preempted went to the front: the head goes first still
-            self.waiting = [r for r in self.waiting if r in unit] + [r for r in self.waiting if r not in unit]
+            self.waiting.move_to_front([r for r in self.waiting if r in unit])
         self._admit_waiting()
         if head.status != RequestStatus.RUNNING:
             self._break_stall(head)  # alone in the pool and still short: it never fits

@@ -122,7 +122,7 @@ def test_preemption_frees_the_newest_and_requeues_it_at_the_front():
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
     assert out.finished_request_ids == {"c"}  # the workers drop their copy of c
     assert s.num_preemptions == 1
-    c = s.waiting[0]
+    c = s.waiting.head()
     assert (c.request_id, c.status, c.num_computed_tokens, c.output_token_ids) == ("c", RequestStatus.PREEMPTED, 0, [7])
     assert s.kv.get_block_ids("a") == [0, 3]
     assert s.kv.get_block_ids("b") == [1, 2]

@@ -31,11 +31,11 @@ def test_a_waiting_sequence_that_can_never_fit_is_ended_by_the_stall_breaker():
     a.output_token_ids = [7, 7]  # as if preempted after growing past the pool
     a.status = RequestStatus.PREEMPTED
     s.requests["a"] = a
-    s.waiting.append(a)
+    s.waiting.push(a)
     out = s.schedule()
     assert out.num_scheduled_tokens == {}
     [ended] = s.take_ended()
     assert ended.request is a and a.status == RequestStatus.FINISHED_LENGTH
     assert ended.message == "request a cannot fit in the KV cache (2 blocks of 2 tokens); finished with what it has"
-    assert s.waiting == [] and not s.has_unfinished_requests()
+    assert list(s.waiting) == [] and not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == 2

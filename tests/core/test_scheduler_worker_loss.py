@@ -18,7 +18,7 @@ def test_reset_requeues_in_flight_in_order_and_frees_every_block():
     assert s.running == [] and s.swapped == []
     assert [r.request_id for r in s.waiting] == ["a", "b", "c"]
     assert [r.num_computed_tokens for r in s.waiting] == [0, 0, 0]
-    assert [r.status for r in s.waiting[:2]] == [RequestStatus.PREEMPTED] * 2
+    assert [r.status for r in list(s.waiting)[:2]] == [RequestStatus.PREEMPTED] * 2
     assert s.kv.num_free_blocks == 16 and s.kv.block_tables == {}
 
     out = s.schedule()
