@@ -1,9 +1,33 @@
-"""raypaged: PagedAttention and continuous batching LLM serving."""
+"""raypaged: PagedAttention and continuous batching LLM serving.
 
-from raypaged.core.beam_search import BeamSearchParams
-from raypaged.entrypoints.llm import LLM
-from raypaged.outputs import CompletionOutput, RequestOutput
-from raypaged.sampling_params import SamplingParams
+The public names load on first use, so ``import raypaged`` (and the torch-free
+``raypaged.core`` and ``raypaged.config``) stays cheap.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raypaged.core.beam_search import BeamSearchParams
+    from raypaged.entrypoints.llm import LLM
+    from raypaged.outputs import CompletionOutput, RequestOutput
+    from raypaged.sampling_params import SamplingParams
+
+_EXPORTS = {
+    "LLM": "raypaged.entrypoints.llm",
+    "SamplingParams": "raypaged.sampling_params",
+    "BeamSearchParams": "raypaged.core.beam_search",
+    "RequestOutput": "raypaged.outputs",
+    "CompletionOutput": "raypaged.outputs",
+}
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'raypaged' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

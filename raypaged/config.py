@@ -6,12 +6,13 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoConfig, PretrainedConfig
+from typing import TYPE_CHECKING
 
 from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
-from raypaged.model.layers import rope_parameters
-from raypaged.model.llama import SUPPORTED_ARCHITECTURES, check_tensor_parallel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger("raypaged")
 
@@ -98,6 +99,10 @@ class EngineConfig:
             raise ValueError(
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}"
             )
+        from transformers import AutoConfig  # importing this module loads neither transformers nor torch
+
+        from raypaged.model.llama import check_tensor_parallel
+
         self.model_path = resolve_model_path(self.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self._check_architecture()
@@ -109,6 +114,9 @@ class EngineConfig:
             self.served_model_name = DEFAULT_MODEL if self.model is None else self.model
 
     def _check_architecture(self) -> None:
+        from raypaged.model.layers import rope_parameters
+        from raypaged.model.llama import SUPPORTED_ARCHITECTURES
+
         archs = getattr(self.hf_config, "architectures", None) or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise ValueError(
