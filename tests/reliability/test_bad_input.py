@@ -7,6 +7,7 @@ good request streaming beside them keeps its exact tokens.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import httpx
@@ -118,7 +119,18 @@ BAD_REQUESTS = [
      "max_tokens: Input should be a valid integer, unable to parse string as an integer", "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400,
      "max_tokens: Input should be less than or equal to 4294967295", "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "n": 10**6}, 400, "n: Input should be less than or equal to 128", "n"),
+    ("/v1/completions", {"prompt": "x", "n": 10**6}, 400,
+     "n has 1000000 samples, more than the limit of 128 (--max-num-samples)", "n"),
+    ("/v1/completions", {"prompt": "x", "n": 2**32}, 400, "n: Input should be less than or equal to 4294967295", "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400,
+     "logprobs 21 is more than the limit of 20 (--max-logprobs, at most the vocabulary size 49152)", "logprobs"),
+    ("/v1/completions", {"prompt": ["x"] * 1025}, 400,
+     "prompt has 1025 prompts, more than the limit of 1024 (--max-prompts-per-request)", "prompt"),
+    ("/v1/completions", {"prompt": [[5]] * 1025}, 400,
+     "prompt has 1025 prompts, more than the limit of 1024 (--max-prompts-per-request)", "prompt"),
+    ("/v1/completions", b"[" * 100_000, 400, "request body is not valid JSON: it nests too deeply", None),
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "request body is not valid JSON: it nests too deeply", None),
     ("/v1/completions", {"prompt": "x", "seed": 2**70}, 400,
      "seed: Input should be less than or equal to 9223372036854775807", "seed"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be non-negative, got -1.0", None),
@@ -127,17 +139,17 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0", None),
     ("/v1/completions", {"prompt": "x", "min_tokens": 100, "max_tokens": 3}, 400,
      "min_tokens must be less than or equal to max_tokens=3, got 100", None),
-    ("/v1/completions", {"prompt": ""}, 400, "prompt must not be empty", None),
-    ("/v1/completions", {"prompt": [[]]}, 400, "prompt must not be empty", None),
-    ("/v1/completions", {"prompt": [10**6]}, 400, "prompt_token_ids must be in [0, 49152), got 1000000", None),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt must not be empty", "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, 400, "prompt must not be empty", "prompt"),
+    ("/v1/completions", {"prompt": [10**6]}, 400, "prompt must be token ids in [0, 49152), got 1000000", "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages must not be empty", "messages"),
     ("/v1/completions", {"prompt": "x" * 10_000_000}, 400,
-     "prompt has at least 61729 tokens, which leaves no room to generate within max_model_len 64", None),
+     "prompt has 10000000 characters, more than the limit of 2048 (--max-prompt-chars) before tokenization", "prompt"),
     ("/detokenize", {"tokens": [2**33]}, 400, "tokens.0: Input should be less than or equal to 4294967295", "tokens.0"),
 ]
 
 
-def test_bad_requests_get_exact_4xx_and_leave_a_good_request_unchanged(stack, good_text):
+def test_bad_requests_get_exact_4xx_and_leave_a_good_request_unchanged(stack, good_text, caplog):
     traffic = GoodTraffic(stack.url)
     try:
         with stack.client() as client:
@@ -159,5 +171,6 @@ def test_bad_requests_get_exact_4xx_and_leave_a_good_request_unchanged(stack, go
     finally:
         texts = traffic.stop()
     assert texts and all(t == good_text for t in texts)
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]  # no traceback, no 500
     stats = stack.engine().stats()
     assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]

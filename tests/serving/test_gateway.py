@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from raypaged import LLM, SamplingParams
 from raypaged.serving.launch import Gateway, GatewayOptions, listen
 from raypaged.serving.proto import generate_pb2 as pb
+from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
 from tests.serving.conftest import Stack, tiny_config
 
 FLOOD, CALM = "sk-flood", "sk-calm"
@@ -130,7 +131,8 @@ def test_unreachable_engine_is_503(stack):
 
 
 def test_flooding_tenant_queues_behind_its_limit_and_cannot_starve_another(stack):
-    body = {"model": "tiny", "prompt": "flood", "stream": True, **LONG}
+    body = {"model": "tiny", "prompt": "flood", "stream": True, **LONG, "max_tokens": 250}
+    flood_gate = stack.gateway.tenants.tenant_for(f"Bearer {FLOOD}")
     with stack.client(headers={"Authorization": f"Bearer {FLOOD}"}) as flood, stack.client(
         headers={"Authorization": f"Bearer {CALM}"}
     ) as calm:
@@ -142,7 +144,10 @@ def test_flooding_tenant_queues_behind_its_limit_and_cannot_starve_another(stack
                 target=lambda: (flood.post("/v1/completions", json={**body, "stream": False}), queued_done.set())
             )
             queued.start()
-            time.sleep(0.3)  # the second waits in the tenant's queue at the gateway
+            deadline = time.monotonic() + 5
+            while flood_gate.num_queued == 0:  # the second waits in the tenant's queue at the gateway
+                assert time.monotonic() < deadline, "the second request was not queued"
+                time.sleep(0.002)
             assert_error(flood.post("/v1/completions", json=body), 429, "requests", "rate_limit_exceeded",
                          "tenant flood has 1 requests running and 1 queued")
             answer = calm.post("/v1/completions", json={"model": "tiny", "prompt": "calm", "max_tokens": 3})
@@ -237,8 +242,9 @@ def test_tokenize_and_detokenize(client):
     assert client.post("/detokenize", json={"model": "tiny", "tokens": [19556, 905]}).json() == {"prompt": "Hello world"}
     chat = client.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] > 5
-    assert_error(client.post("/detokenize", json={"model": "tiny", "tokens": [10**6]}), 400,
-                 "invalid_request_error", None, "token ids must be in [0, 49152)")
+    refused = client.post("/detokenize", json={"model": "tiny", "tokens": [10**6]})
+    assert_error(refused, 400, "invalid_request_error", None, "tokens must be token ids in [0, 49152), got 1000000")
+    assert refused.json()["error"]["param"] == "tokens"
 
 
 def scrape(client) -> dict[tuple[str, tuple], float]:
@@ -282,3 +288,187 @@ def test_metrics_parse_and_move_under_load(stack, client):
     assert after[("raypaged:gpu_memory_usage_bytes", label)] > 100e6
     assert max(s[("raypaged:gpu_utilization", label)] for s in during) > 0
     assert ("raypaged:num_requests_running", (("model_name", "tiny"),)) in after
+
+
+def test_a_request_holds_one_tenant_slot_per_prompt(stack):
+    with stack.client(headers={"Authorization": f"Bearer {FLOOD}"}) as flood:
+        assert_error(flood.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "max_tokens": 2}),
+                     429, "requests", "rate_limit_exceeded",
+                     "the request has 2 prompts, more than tenant flood's max_concurrent_requests 1")
+        answer = flood.post("/v1/completions", json={"model": "tiny", "prompt": ["a"], "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+
+
+def test_one_failed_prompt_fails_the_whole_request_and_frees_the_others(stack, client):
+    body = {"model": "tiny", "prompt": [[5] * 10, [5] * 300], **LONG}
+    for stream in (False, True):
+        response = client.post("/v1/completions", json={**body, "stream": stream})
+        assert_error(response, 400, "invalid_request_error", None, "prompt has 300 tokens")
+        assert response.json()["error"]["param"] == "prompt"
+    wait_all_blocks_free(stack, "tiny", within_s=1.0)
+
+
+def sse_chunks(response) -> list[dict]:
+    events = [line[len("data: "):] for line in response.text.splitlines() if line]
+    assert events[-1] == "[DONE]", events
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_best_of_returns_the_best_of_its_samples_streamed_or_not(client):
+    sampling = {"model": "tiny", "prompt": "Pick one", "max_tokens": 6, "ignore_eos": True, "temperature": 1.0,
+                "seed": 7}
+    samples = client.post("/v1/completions", json={**sampling, "n": 3, "logprobs": 0}).json()["choices"]
+    assert len({c["text"] for c in samples}) == 3  # three different samples to choose from
+    best = max(samples, key=lambda c: sum(c["logprobs"]["token_logprobs"]))
+    whole = client.post("/v1/completions", json={**sampling, "best_of": 3}).json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [(0, best["text"], "length")]
+    assert whole["usage"]["completion_tokens"] == 3 * 6  # every sampled token counts once
+    chunks = sse_chunks(client.post("/v1/completions", json={**sampling, "best_of": 3, "stream": True}))
+    assert {c["index"] for chunk in chunks for c in chunk["choices"]} == {0}
+    assert "".join(c["choices"][0]["text"] for c in chunks) == best["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Pick"}], "max_tokens": 4, "ignore_eos": True,
+            "temperature": 1.0, "seed": 7}
+    chat_whole = client.post("/v1/chat/completions", json={**chat, "n": 2, "best_of": 4}).json()
+    assert [c["index"] for c in chat_whole["choices"]] == [0, 1]
+    chat_chunks = sse_chunks(client.post("/v1/chat/completions", json={**chat, "n": 2, "best_of": 4, "stream": True}))
+    for index in (0, 1):
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chat_chunks
+                       if c["choices"][0]["index"] == index)
+        assert text == chat_whole["choices"][index]["message"]["content"]
+
+
+class FakeEngine(pb_grpc.TextGenerationServiceServicer):
+    """An engine server that answers by prompt text and records what each call carried.
+
+    ``ok``: two deltas, then finished. ``hang``: accepted, then waits until cancelled.
+    ``refuse:CODE:message``: refused with that status before accepting (``INVALID_ARGUMENT``
+    names the field ``stop``). ``fail:CODE:message``: one delta, then that status.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, str], int]] = []  # (method, metadata, priority)
+        self.num_cancelled = 0
+
+    def _record(self, method: str, context, priority: int = 0) -> None:
+        self.calls.append((method, dict(context.invocation_metadata()), priority))
+
+    async def Generate(self, request, context):
+        self._record("Generate", context, request.priority)
+        verb, _, rest = request.text.partition(":")
+        code, _, message = rest.partition(":")
+        if verb == "refuse":
+            if code == "INVALID_ARGUMENT":
+                context.set_trailing_metadata((("raypaged-param", "stop"),))
+            await context.abort(grpc.StatusCode[code], message)
+        yield pb.GenerateResponse(request_id="fake")
+        if verb == "hang":
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.num_cancelled += 1
+                raise
+        yield pb.GenerateResponse(request_id="fake", outputs=[pb.CompletionDelta(index=0, token_ids=[1], text="a")],
+                                  usage=pb.Usage(prompt_tokens=1, completion_tokens=1))
+        if verb == "fail":
+            await context.abort(grpc.StatusCode[code], message)
+        yield pb.GenerateResponse(request_id="fake", finished=True, usage=pb.Usage(prompt_tokens=1, completion_tokens=2),
+                                  outputs=[pb.CompletionDelta(index=0, token_ids=[2], text="b",
+                                                              finish_reason=pb.FINISH_REASON_LENGTH)])
+
+    async def Tokenize(self, request, context):
+        self._record("Tokenize", context)
+        return pb.TokenizeResponse(token_ids=[1, 2], max_model_len=8)
+
+    async def Detokenize(self, request, context):
+        self._record("Detokenize", context)
+        return pb.DetokenizeResponse(text="ab")
+
+
+@pytest.fixture(scope="module")
+def fake(stack):
+    """A gateway (no keys) in front of a ``FakeEngine``, on the stack's loop: (engine, HTTP client)."""
+    engine = FakeEngine()
+
+    async def start():
+        server = grpc.aio.server()
+        pb_grpc.add_TextGenerationServiceServicer_to_server(engine, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = stack.background.run(start())
+    gateway = Gateway({"fake": f"127.0.0.1:{port}"}, GatewayOptions(port=0, log_level="warning"))
+    serving = asyncio.run_coroutine_threadsafe(gateway.serve(), stack.background.loop)
+    while not gateway.server.started:
+        time.sleep(0.02)
+    with httpx.Client(base_url=f"http://127.0.0.1:{gateway.port}", timeout=30) as client:
+        yield engine, client
+    stack.background.loop.call_soon_threadsafe(gateway.stop)
+    serving.result(timeout=30)
+    stack.background.run(server.stop(None))
+
+
+def openai_error(message: str, error_type: str, code: str | None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+@pytest.mark.parametrize(("prompt", "status", "body"), [
+    ("refuse:INVALID_ARGUMENT:stop has 70 stop strings", 400,
+     openai_error("stop has 70 stop strings", "invalid_request_error", None, "stop")),
+    ("refuse:UNAUTHENTICATED:Missing API key", 401, openai_error("Missing API key", "invalid_request_error",
+                                                                 "invalid_api_key")),
+    ("refuse:RESOURCE_EXHAUSTED:tenant t has 1 requests running", 429,
+     openai_error("tenant t has 1 requests running", "requests", "rate_limit_exceeded")),
+    ("refuse:RESOURCE_EXHAUSTED:Received message larger than max (9 vs. 8)", 413,
+     openai_error("the request is too large for the engine: Received message larger than max (9 vs. 8)",
+                  "invalid_request_error", "request_too_large")),
+    ("refuse:INTERNAL:the engine failed on request r1: step raised", 500,
+     openai_error("the engine failed on request r1: step raised", "server_error", "internal_error")),
+    ("refuse:UNKNOWN:secret detail", 500, openai_error("the engine failed on this request", "server_error",
+                                                       "internal_error")),
+])
+def test_engine_statuses_become_http_errors(fake, prompt, status, body):
+    _, client = fake
+    response = client.post("/v1/completions", json={"prompt": prompt})
+    assert (response.status_code, response.json()) == (status, body)
+
+
+def test_an_engine_error_mid_stream_is_one_error_event_then_done(fake):
+    _, client = fake
+    response = client.post("/v1/completions", json={"prompt": "fail:INTERNAL:boom", "stream": True})
+    events = [line for line in response.text.splitlines() if line]
+    assert response.status_code == 200 and len(events) == 3 and events[-1] == "data: [DONE]"
+    assert json.loads(events[0][len("data: "):])["choices"][0]["text"] == "a"
+    assert json.loads(events[1][len("data: "):]) == openai_error("boom", "server_error", "internal_error")
+
+
+def test_a_failed_prompt_ends_the_request_and_cancels_its_other_prompts(fake):
+    engine, client = fake
+    before = engine.num_cancelled
+    response = client.post("/v1/completions", json={"prompt": ["hang", "fail:INTERNAL:boom"]})
+    assert (response.status_code, response.json()) == (500, openai_error("boom", "server_error", "internal_error"))
+    deadline = time.monotonic() + 5
+    while engine.num_cancelled == before:
+        assert time.monotonic() < deadline, "the other prompt's call was not cancelled"
+        time.sleep(0.02)
+    ok = client.post("/v1/completions", json={"prompt": ["ok", "ok"]}).json()
+    assert [(c["index"], c["text"]) for c in ok["choices"]] == [(0, "ab"), (1, "ab")]
+
+
+def test_engine_calls_carry_the_clients_authorization_and_own_priority(fake):
+    engine, client = fake
+    engine.calls.clear()
+    headers = {"Authorization": "Bearer sk-client"}
+    assert client.post("/v1/completions", json={"prompt": "ok", "priority": 5}, headers=headers).status_code == 200
+    assert client.post("/tokenize", json={"prompt": "ok"}, headers=headers).status_code == 200
+    assert client.post("/detokenize", json={"tokens": [1]}, headers=headers).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "ok", "priority": -3}).status_code == 200
+    assert [(method, metadata.get("authorization"), priority) for method, metadata, priority in engine.calls] == [
+        ("Generate", "Bearer sk-client", 5), ("Tokenize", "Bearer sk-client", 0),
+        ("Detokenize", "Bearer sk-client", 0), ("Generate", None, -3)]
+    response = client.post("/v1/completions", json={"prompt": "ok"}, headers={"Authorization": b"Bearer \xe9"})
+    assert (response.status_code, response.json()) == (401, openai_error(
+        "Incorrect API key provided: the Authorization header must be printable ASCII", "invalid_request_error",
+        "invalid_api_key"))
+    assert len(engine.calls) == 4

@@ -83,3 +83,14 @@ def test_n_2_returns_two_choices_like_llm_generate(client, smollm2_llm):
     assert [c.index for c in completion.choices] == [0, 1]
     assert [c.text for c in completion.choices] == [c.text for c in sorted(expected, key=lambda c: c.index)]
     assert completion.usage.completion_tokens == sum(len(c.token_ids) for c in expected)
+
+
+def test_best_of_gives_the_n_best_like_llm_generate_streamed_or_not(client, smollm2_llm):
+    sampling = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.8, "seed": 3, "best_of": 3}
+    expected = smollm2_llm.generate(PROMPT, SamplingParams(temperature=0.8, max_tokens=8, seed=3, best_of=3))[0].outputs
+    completion = client.completions.create(**sampling)
+    assert [(c.index, c.text, c.finish_reason) for c in completion.choices] == [
+        (0, expected[0].text, expected[0].finish_reason)]
+    chunks = list(client.completions.create(**sampling, stream=True))
+    assert {c.choices[0].index for c in chunks} == {0}
+    assert "".join(c.choices[0].text for c in chunks) == expected[0].text

@@ -15,12 +15,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
+from raypaged.inputs.limits import check_count
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import APIError, from_grpc, install_handlers
-from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, Guard
+from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, Guard, HostCheck, host_check_needed
 from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape
 from raypaged.serving.gateway.schemas import (
     ChatCompletionRequest,
@@ -34,6 +36,7 @@ from raypaged.serving.proto import generate_pb2 as pb
 logger = logging.getLogger("raypaged")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
 _DISCONNECT_POLL_S = 0.2
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -45,14 +48,32 @@ def build_app(
     log_requests: bool = True,
     drain: Drain | None = None,
     auth_exempt_paths: tuple[str, ...] = DEFAULT_AUTH_EXEMPT_PATHS,
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    bind_host: str = "127.0.0.1",
+    allowed_hosts: tuple[str, ...] | None = None,
+    allowed_origins: tuple[str, ...] = (),
+    allowed_methods: tuple[str, ...] = ("*",),
+    allowed_headers: tuple[str, ...] = ("*",),
+    allow_credentials: bool = False,
 ) -> FastAPI:
-    """The gateway's routes; ``drain`` (one per gateway) refuses and ends requests at shutdown."""
+    """The gateway's routes; ``drain`` (one per gateway) refuses and ends requests at shutdown.
+
+    Middleware, outermost first: the ``Host`` check (see ``guard.py``; ``bind_host`` is the
+    listening address), CORS (only with ``allowed_origins``), then the ``Guard``.
+    """
     if max_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {max_body_bytes}")
+    if max_prompts_per_request < 1:
+        raise ValueError(f"--max-prompts-per-request must be at least 1, got {max_prompts_per_request}")
     drain = drain or Drain(0)
     app = FastAPI(title="raypaged", docs_url=None, redoc_url=None)
     install_handlers(app)
     app.add_middleware(Guard, tenants=tenants, drain=drain, exempt_paths=auth_exempt_paths)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=allowed_methods,
+                           allow_headers=allowed_headers, allow_credentials=allow_credentials)
+    if host_check_needed(bind_host, allowed_hosts):
+        app.add_middleware(HostCheck, allowed_hosts=allowed_hosts or ())
 
     async def read_body(http: Request) -> bytes:
         """The body, refused with 413 as soon as it is known to exceed ``max_body_bytes``."""
@@ -70,19 +91,9 @@ def build_app(
     async def parse(http: Request, body_type: type[Body]) -> Body:
         raw = await read_body(http)
         try:
-            data = json.loads(raw, parse_constant=_no_constant)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}") from None
-        try:  # "\ud800" escapes parse, but no UTF-8 text (nor the engine) can hold them
-            json.dumps(data, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise APIError(400, "request body is not valid JSON: a string holds an unpaired UTF-16 surrogate") from None
-        try:
-            return body_type.model_validate(data)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
+            return _parse_json(raw, body_type)
+        except RecursionError:  # json and pydantic recurse once per level of nesting
+            raise APIError(400, "request body is not valid JSON: it nests too deeply") from None
 
     async def generate(http: Request, body_type: type[CompletionRequest] | type[ChatCompletionRequest]) -> Response:
         slot = _Slot(http.state.tenant_gate, drain)
@@ -102,20 +113,21 @@ def build_app(
         if not chat and body.echo:
             raise APIError(400, "echo is not supported", "echo")
         model, stub = routes.resolve(body.model)
+        check_count("prompt", body.num_prompts, max_prompts_per_request, "max_prompts_per_request", "prompts")
         prompts = body.prompts()
         num_logprobs = body.num_logprobs
-        priority = gate.tenant.priority + body.priority
         try:
             requests = [
-                body.generate_request(model, p, num_logprobs, body.resolved_max_tokens, priority) for p in prompts
+                body.generate_request(model, p, num_logprobs, body.resolved_max_tokens, body.priority) for p in prompts
             ]
         except (ValueError, TypeError) as exc:  # a value the wire format cannot hold
             raise APIError(400, str(exc)) from None
         shape = ResponseShape(chat, model, body.n, num_logprobs is not None)
-        await slot.admit()
+        metadata = _metadata(http)
+        await slot.admit(len(prompts))
         if drain.expired.is_set():
             raise drain.expiry_error()
-        calls = [stub.Generate(r) for r in requests]
+        calls = [stub.Generate(r, metadata=metadata) for r in requests]
         try:
             for call in calls:  # the first message says the engine accepted the request
                 await call.read()
@@ -182,7 +194,7 @@ def build_app(
             request.messages.CopyFrom(pb.ChatMessages(messages=turns))
         else:
             request.text = body.prompt
-        response = await stub.Tokenize(request)
+        response = await stub.Tokenize(request, metadata=_metadata(http))
         return {"count": len(response.token_ids), "max_model_len": response.max_model_len,
                 "tokens": list(response.token_ids)}
 
@@ -190,7 +202,8 @@ def build_app(
     async def detokenize(http: Request) -> dict:
         body = await parse(http, DetokenizeBody)
         model, stub = routes.resolve(body.model)
-        response = await stub.Detokenize(pb.DetokenizeRequest(model=model, token_ids=body.tokens))
+        request = pb.DetokenizeRequest(model=model, token_ids=body.tokens)
+        response = await stub.Detokenize(request, metadata=_metadata(http))
         return {"prompt": response.text}
 
     _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeBody, DetokenizeBody])
@@ -212,30 +225,58 @@ class _EventStream(StreamingResponse):
 
 
 class _Slot:
-    """A request's place at the gateway: counted by the drain, then holding a tenant slot once admitted."""
+    """A request's place at the gateway: counted by the drain, then holding one tenant slot per prompt once admitted."""
 
     def __init__(self, gate: TenantGate, drain: Drain) -> None:
         self.gate = gate
         self._drain = drain
-        self._admitted = False
+        self._num_slots = 0  # tenant slots held
         self._released = False
         drain.enter()
 
-    async def admit(self) -> None:
-        await self.gate.admit()
-        self._admitted = True
+    async def admit(self, num_slots: int) -> None:
+        await self.gate.admit(num_slots=num_slots)
+        self._num_slots = num_slots
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
-        if self._admitted:
-            self.gate.release()
+        if self._num_slots:
+            self.gate.release(num_slots=self._num_slots)
         self._drain.leave()
+
+
+def _parse_json(raw: bytes, body_type: type[Body]) -> Body:
+    """``raw`` as a ``body_type``; anything else is a 400 naming what is wrong."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    try:  # "\ud800" escapes parse, but no UTF-8 text (nor the engine) can hold them
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise APIError(400, "request body is not valid JSON: a string holds an unpaired UTF-16 surrogate") from None
+    try:
+        return body_type.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
 
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _metadata(http: Request) -> tuple[tuple[str, str], ...] | None:
+    """gRPC metadata for the engine calls made for ``http``: the client's ``Authorization``, when sent."""
+    authorization = http.state.authorization
+    if authorization is None:
+        return None
+    if not all(" " <= c <= "~" for c in authorization):  # all that gRPC metadata can carry
+        raise APIError(401, "Incorrect API key provided: the Authorization header must be printable ASCII")
+    return (("authorization", authorization),)
 
 
 def _body_doc(body_type: type[BaseModel]) -> dict:

@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from raypaged.inputs.limits import InputError
+
 logger = logging.getLogger("raypaged")
 
 _TYPES = {
@@ -18,18 +20,23 @@ _TYPES = {
     404: ("invalid_request_error", "model_not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
     429: ("requests", "rate_limit_exceeded"),
     500: ("server_error", "internal_error"),
     503: ("server_error", "engine_unavailable"),
 }
 _GRPC_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.INTERNAL: 500,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 503,
     grpc.StatusCode.CANCELLED: 503,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
 }
+PARAM_METADATA_KEY = "raypaged-param"  # trailing metadata of an INVALID_ARGUMENT: the request field at fault
+_MESSAGE_TOO_LARGE = "larger than max"  # gRPC's RESOURCE_EXHAUSTED details for a message over the size limit
 
 
 class APIError(Exception):
@@ -52,22 +59,46 @@ class APIError(Exception):
 
 
 def from_grpc(exc: grpc.aio.AioRpcError) -> APIError:
-    """The HTTP error for a failed engine call: bad input stays 400/404, a lost engine is 503."""
-    status = _GRPC_STATUS.get(exc.code(), 500)
-    if status == 500:
-        logger.error("engine call failed: %s %s", exc.code(), exc.details())
+    """The HTTP error for a failed engine call, keeping the engine's message.
+
+    Bad input is 400 (``param`` from the ``raypaged-param`` trailing metadata), a
+    refused key 401, a tenant limit 429 (a message over gRPC's size limit 413), a
+    request the engine failed on 500, a lost engine 503.
+    """
+    code, details = exc.code(), exc.details() or ""
+    status = _GRPC_STATUS.get(code)
+    if status is None:
+        logger.error("engine call failed: %s %s", code, details)
         return APIError(500, "the engine failed on this request")
-    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        return APIError(503, f"the engine is unavailable: {exc.details()}")
-    if status == 413:
-        return APIError(413, f"the request is too large for the engine: {exc.details()}")
-    return APIError(status, exc.details() or "bad request", "model" if status == 404 else None)
+    if status == 503:
+        return APIError(503, f"the engine is unavailable: {details}")
+    if status == 429 and _MESSAGE_TOO_LARGE in details:
+        return APIError(413, f"the request is too large for the engine: {details}")
+    if status == 500:  # the engine has logged why
+        return APIError(500, details or "the engine failed on this request")
+    param = "model" if status == 404 else _param(exc) if status == 400 else None
+    return APIError(status, details or "bad request", param)
+
+
+def from_input_error(exc: InputError) -> APIError:
+    return APIError(400, str(exc), exc.param)
+
+
+def _param(exc: grpc.aio.AioRpcError) -> str | None:
+    for key, value in exc.trailing_metadata() or ():
+        if key == PARAM_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return None
 
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(InputError)
+    async def _input_error(request: Request, exc: InputError) -> JSONResponse:
+        return from_input_error(exc).response()
 
     @app.exception_handler(grpc.aio.AioRpcError)
     async def _rpc_error(request: Request, exc: grpc.aio.AioRpcError) -> JSONResponse:

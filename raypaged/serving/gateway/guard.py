@@ -1,12 +1,23 @@
-"""What every HTTP request passes before a route: the API key, then the drain.
+"""What every HTTP request passes before a route: its Host, the API key, the drain, a JSON body.
 
-With keys configured, every path needs one except ``exempt_paths`` (by default
-``/health`` and ``/metrics``; an empty set protects those too). The caller's
-tenant gate is left in ``request.state.tenant_gate``. While the gateway drains,
-everything but ``/health`` and ``/metrics`` is refused with 503.
+``HostCheck`` (outermost, every path) refuses a ``Host`` header that is not
+allowed, which stops DNS rebinding: on a loopback bind only loopback names
+(``localhost``, ``127.x.y.z``, ``::1``) and ``--allowed-hosts`` pass; elsewhere
+the check runs only when ``--allowed-hosts`` is given.
+
+``Guard``: with keys configured, every path needs one except ``exempt_paths``
+(by default ``/health`` and ``/metrics``; an empty set protects those too). The
+caller's tenant gate is left in ``request.state.tenant_gate`` and its
+``Authorization`` header (``None`` when absent) in ``request.state.authorization``.
+While the gateway drains, everything but ``/health`` and ``/metrics`` is
+refused with 503. A POST whose ``Content-Type`` is not JSON is refused with 415,
+so no HTML form or other cross-site "simple" request can reach a route; a POST
+without a ``Content-Type`` is read as JSON.
 """
 
 from __future__ import annotations
+
+import ipaddress
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -17,6 +28,7 @@ from raypaged.serving.gateway.tenants import Tenants
 DEFAULT_AUTH_EXEMPT_PATHS = ("/health", "/metrics")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _OPEN_WHILE_DRAINING = ("/health", "/metrics")
+ANY_HOST = "*"
 
 
 def check_exempt_paths(paths: tuple[str, ...]) -> None:
@@ -28,8 +40,71 @@ def check_exempt_paths(paths: tuple[str, ...]) -> None:
             raise ValueError(f"--auth-exempt-paths cannot include {path}: generation always needs a key when keys are set")
 
 
+def host_name(host: str) -> str:
+    """The name part of a ``Host`` header or address: no port, no IPv6 brackets, lower case."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.removesuffix(".")
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, an address in 127.0.0.0/8, or ``::1`` (``host`` as :func:`host_name` gives it)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_check_needed(bind_host: str, allowed_hosts: tuple[str, ...] | None) -> bool:
+    """Loopback binds always check the ``Host`` header; others only when ``--allowed-hosts`` is given."""
+    if allowed_hosts is not None and ANY_HOST in allowed_hosts:
+        return False
+    return allowed_hosts is not None or is_loopback(host_name(bind_host))
+
+
+class HostCheck:
+    """ASGI middleware: a request's ``Host`` must be a loopback name or one of ``allowed_hosts``."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: tuple[str, ...]) -> None:
+        self.app = app
+        self.allowed_hosts = frozenset(host_name(h) for h in allowed_hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            problem = self.refusal(_header(scope, b"host"))
+            if problem is not None:
+                await problem.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, host: str | None) -> APIError | None:
+        if host is None:
+            return APIError(400, "the request has no Host header; send the host it was addressed to",
+                            code="host_not_allowed")
+        name = host_name(host)
+        if is_loopback(name) or name in self.allowed_hosts:
+            return None
+        return APIError(
+            400, f"Host {host!r} is not allowed: only loopback names (localhost, 127.0.0.1, [::1]) and the hosts "
+            f"given to --allowed-hosts may address this server (it guards against DNS rebinding)",
+            code="host_not_allowed",
+        )
+
+
+def is_json(content_type: str) -> bool:
+    """``application/json`` or any ``*/*+json``, parameters such as ``charset`` ignored."""
+    media_type = content_type.partition(";")[0].strip().lower()
+    kind, slash, subtype = media_type.partition("/")
+    return bool(kind and slash) and (media_type == "application/json" or subtype.endswith("+json"))
+
+
 class Guard:
-    """ASGI middleware: authentication, then refusal while draining."""
+    """ASGI middleware: authentication, then refusal while draining, then a POST body must be JSON."""
 
     def __init__(self, app: ASGIApp, tenants: Tenants, drain: Drain, exempt_paths: tuple[str, ...]) -> None:
         check_exempt_paths(exempt_paths)
@@ -43,15 +118,29 @@ class Guard:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
+        authorization = _header(scope, b"authorization")
+        state = scope.setdefault("state", {})
+        state["authorization"] = authorization
         try:
             if path not in self.exempt_paths:
-                headers = dict(scope["headers"])
-                authorization = headers.get(b"authorization")
-                gate = self.tenants.authenticate(authorization.decode("latin-1") if authorization is not None else None)
-                scope.setdefault("state", {})["tenant_gate"] = gate
+                state["tenant_gate"] = self.tenants.authenticate(authorization)
             if self.drain.draining and path not in _OPEN_WHILE_DRAINING:
                 raise self.drain.refusal()
+            content_type = _header(scope, b"content-type")
+            if scope["method"] == "POST" and content_type is not None and not is_json(content_type):
+                raise APIError(
+                    415, f"Content-Type {content_type!r} is not supported: send the body as JSON with "
+                    f"'Content-Type: application/json'",
+                )
         except APIError as exc:
             await exc.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    """The first ``name`` header of the request (lower-case ``name``), ``None`` when absent."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None

@@ -30,8 +30,8 @@ class _GenerationBody(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    best_of: int | None = Field(None, ge=1, le=128)
+    n: int = Field(1, ge=1, le=_UINT32_MAX)  # the engine caps n and best_of (--max-num-samples)
+    best_of: int | None = Field(None, ge=1, le=_UINT32_MAX)
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: Unsigned | None = None
@@ -59,11 +59,11 @@ class _GenerationBody(BaseModel):
     def generate_request(
         self, model: str, prompt: dict, num_logprobs: int | None, max_tokens: int | None, priority: int
     ) -> pb.GenerateRequest:
-        """``prompt`` is one of ``{"text": ...}``, ``{"token_ids": ...}``, ``{"messages": ...}``."""
-        if self.best_of is not None and self.best_of < self.n:
-            raise APIError(400, f"best_of must be greater than or equal to n, got n={self.n}, best_of={self.best_of}", "best_of")
-        if self.stream and self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of cannot be used with stream", "best_of")
+        """``prompt`` is one of ``{"text": ...}``, ``{"token_ids": ...}``, ``{"messages": ...}``.
+
+        The engine checks the values (and answers a ``best_of`` request, streamed or not, with
+        its ``n`` best samples only once they are finished).
+        """
         sampling = pb.SamplingParameters(
             n=self.n,
             top_k=self.top_k or 0,
@@ -92,8 +92,14 @@ class _GenerationBody(BaseModel):
 
 class CompletionRequest(_GenerationBody):
     prompt: str | list[str] | list[Unsigned] | list[list[Unsigned]]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
     echo: bool = False
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts in the body (one engine request each), known without building them."""
+        prompt = self.prompt
+        return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
 
     def prompts(self) -> list[dict]:
         """One ``GenerateRequest`` prompt per prompt of the body."""
@@ -140,8 +146,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationBody):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
     max_completion_tokens: Unsigned | None = None
+
+    @property
+    def num_prompts(self) -> int:
+        return 1  # a conversation is one prompt
 
     def prompts(self) -> list[dict]:
         if not self.messages:
