@@ -1,9 +1,20 @@
-"""The engine server: one or more models, each an ``AsyncLLMEngine``, behind the gRPC service."""
+"""The engine server: one or more models, each an ``AsyncLLMEngine``, behind the gRPC service.
+
+Callers authenticate as on HTTP, with metadata ``authorization: Bearer KEY`` (see
+``gateway/tenants.py``); ``Health``, ``Info`` and ``Metrics`` stay open. With keys,
+each tenant's request ids live in their own namespace (the engine sees
+``TENANT/ID``; the open server's ids are used as they are), its requests hold
+its gate's slots while they run, and its prefix-cache blocks are salted with its
+name unless ``share_prefix_cache``. Every prompt's size is checked (``inputs/limits.py``)
+before it is tokenized, rendered or copied.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,8 +25,19 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine
-from raypaged.serving.async_engine import AsyncLLMEngine, EngineDeadError
+from raypaged.inputs.limits import (
+    InputError,
+    check_count,
+    check_messages,
+    check_prompt_ids,
+    check_text,
+    check_token_ids,
+)
+from raypaged.outputs import RequestOutput
+from raypaged.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS
+from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.gateway.tenants import AuthError, TenantGate, Tenants
 from raypaged.serving.metrics import ServerMetrics
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
@@ -23,6 +45,8 @@ from raypaged.serving.protocol import DeltaTracker, chat_prompt_ids, sampling_pa
 
 logger = logging.getLogger("raypaged")
 T = TypeVar("T")
+PARAM_METADATA_KEY = "raypaged-param"  # trailing metadata: the request field an INVALID_ARGUMENT is about
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass
@@ -56,9 +80,10 @@ class ServedModel:
         if self._max_token_bytes is not None:
             min_tokens = -(-len(text.encode()) // self._max_token_bytes)
             if min_tokens >= max_len:
-                raise ValueError(
+                raise InputError(
+                    "prompt",
                     f"prompt has at least {min_tokens} tokens, which leaves no room to generate within "
-                    f"max_model_len {max_len}"
+                    f"max_model_len {max_len}",
                 )
         return await self.off_loop(lambda: self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
@@ -83,10 +108,71 @@ class _Abort(Exception):
         self.code = code
 
 
+# what ends a call early, and its status (the first matching type); APIError here is a tenant's 429
+_STATUS_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (AuthError, grpc.StatusCode.UNAUTHENTICATED),
+    (APIError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (RequestFailedError, grpc.StatusCode.INTERNAL),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+]
+_REFUSED = (_Abort, *(kind for kind, _ in _STATUS_CODES))
+
+
+async def _refuse(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """End the call with the status ``exc`` stands for; an ``InputError``'s field goes in the trailing metadata."""
+    code = exc.code if isinstance(exc, _Abort) else next(c for kind, c in _STATUS_CODES if isinstance(exc, kind))
+    param = exc.param if isinstance(exc, InputError) else None
+    if param:
+        context.set_trailing_metadata(((PARAM_METADATA_KEY, param),))
+    await context.abort(code, str(exc))  # raises
+
+
+class _Hold:
+    """A ``Generate`` call's request id (in the server's in-flight set) and, once admitted, its tenant slot.
+
+    ``let_go()`` gives both up, once, and only after the engine has let go of the request too:
+    the id may be reused from then on and never meets this request's late outputs.
+    """
+
+    def __init__(
+        self, in_flight: set[tuple[str, str]], key: tuple[str, str], gate: TenantGate, engine: AsyncLLMEngine
+    ) -> None:
+        self._in_flight = in_flight
+        self._key = key
+        self._gate = gate
+        self._engine = engine
+        self._admitted = False
+        self._done = False
+        in_flight.add(key)
+
+    async def admit(self) -> None:
+        await self._gate.admit()
+        self._admitted = True
+
+    async def let_go(self, in_engine: bool) -> None:
+        """``in_engine``: the request may still be in the engine (it is aborted, and waited for)."""
+        if self._done:
+            return
+        self._done = True
+        if self._admitted:
+            self._gate.release()
+        try:
+            if in_engine:
+                await self._engine.abort([self._key[1]])
+        finally:
+            self._in_flight.discard(self._key)
+
+
 class EngineServicer(pb_grpc.TextGenerationServiceServicer):
-    def __init__(self, models: dict[str, ServedModel], metrics: ServerMetrics) -> None:
+    def __init__(
+        self, models: dict[str, ServedModel], metrics: ServerMetrics, tenants: Tenants, share_prefix_cache: bool
+    ) -> None:
         self.models = models
         self.metrics = metrics
+        self.tenants = tenants
+        self.share_prefix_cache = share_prefix_cache
+        self._in_flight: set[tuple[str, str]] = set()  # (model, engine request id) of every running Generate
 
     def _model(self, name: str) -> ServedModel:
         if not name:
@@ -100,65 +186,104 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             )
         return model
 
+    def _caller(self, context: grpc.aio.ServicerContext) -> TenantGate:
+        """The calling tenant's gate, from metadata ``authorization: Bearer KEY``; ``AuthError`` when refused."""
+        metadata = dict(context.invocation_metadata() or ())
+        return self.tenants.tenant_for(metadata.get("authorization"))
+
+    def _engine_id(self, gate: TenantGate, request_id: str) -> str:
+        """The engine's id of a caller's request id: tenants never see each other's ids."""
+        return request_id if self.tenants.is_open else f"{gate.tenant.name}/{request_id}"
+
+    def _cache_salt(self, gate: TenantGate) -> str | None:
+        return None if self.tenants.is_open or self.share_prefix_cache else gate.tenant.name
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            gate = self._caller(context)
             model = self._model(request.model)
             engine = model.engine
             params = sampling_params_from_proto(request, engine.config.limits)
-            text, token_ids = await _prompt(model, request)
-            request_id = await engine.add_request(text, params, request.request_id or None, token_ids, request.priority)
-        except _Abort as exc:
-            await context.abort(exc.code, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        yield pb.GenerateResponse(request_id=request_id)
-        tracker = DeltaTracker(request_id, params, model.tokenizer)
-        finished = False
+            priority = gate.tenant.engine_priority(request.priority)
+            _check_prompt_size(model, request)
+            request_id = request.request_id or uuid.uuid4().hex
+            key = (model.name, self._engine_id(gate, request_id))
+            if key in self._in_flight:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        hold = _Hold(self._in_flight, key, gate, engine)
         try:
-            async for output in engine.stream(request_id):
-                finished = output.finished
-                yield tracker.response(output)
-        except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        if not finished:
-            yield tracker.aborted()
+            try:
+                await hold.admit()
+                text, token_ids = await _prompt(model, request)
+                await engine.add_request(text, params, key[1], token_ids, priority, cache_salt=self._cache_salt(gate))
+            except _REFUSED as exc:
+                await hold.let_go(in_engine=False)
+                await _refuse(context, exc)
+            yield pb.GenerateResponse(request_id=request_id)
+            tracker = DeltaTracker(request_id, params, model.tokenizer)
+            last: RequestOutput | None = None
+            error: Exception | None = None
+            async with contextlib.aclosing(engine.stream(key[1])) as outputs:
+                try:
+                    async for output in outputs:
+                        if output.finished:
+                            last = output
+                            break
+                        yield tracker.response(output)
+                except (EngineDeadError, RequestFailedError) as exc:
+                    error = exc
+            # before the caller hears the end: from then on it may reuse the id, and the tenant its slot
+            await hold.let_go(in_engine=last is None)
+            if error is not None:
+                await _refuse(context, error)
+            yield tracker.aborted() if last is None else tracker.response(last)
+        finally:
+            await hold.let_go(in_engine=True)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        ids = list(request.request_ids)
+        """Aborts the caller's own requests; another tenant's ids are not found."""
+        try:
+            gate = self._caller(context)
+        except AuthError as exc:
+            await _refuse(context, exc)
+        ids = [self._engine_id(gate, request_id) for request_id in request.request_ids]
         return pb.AbortResponse(num_aborted=sum([await m.engine.abort(ids) for m in self.models.values()]))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
+            self._caller(context)
             model = self._model(request.model)
+            config = model.engine.config
             if request.HasField("messages"):
+                _check_conversation(request.messages, config)
                 token_ids = await model.off_loop(chat_prompt_ids, model.tokenizer, request.messages)
             else:
+                check_text("prompt", len(request.text), config.limits, config.max_model_len)
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 token_ids = await model.off_loop(
                     lambda: model.tokenizer(request.text, add_special_tokens=add_special)["input_ids"]
                 )
-        except _Abort as exc:
-            await context.abort(exc.code, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.TokenizeResponse(token_ids=token_ids, max_model_len=model.engine.config.max_model_len)
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        return pb.TokenizeResponse(token_ids=token_ids, max_model_len=config.max_model_len)
 
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
         try:
+            self._caller(context)
             model = self._model(request.model)
-        except _Abort as exc:
-            await context.abort(exc.code, str(exc))
-        vocab_size = len(model.tokenizer)
-        bad = [t for t in request.token_ids if t >= vocab_size]
-        if bad:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must be in [0, {vocab_size}), got {bad[0]}")
-        return pb.DetokenizeResponse(text=model.tokenizer.decode(list(request.token_ids)))
+            config = model.engine.config
+            check_count("tokens", len(request.token_ids), config.max_model_len, "max_model_len", "ids")
+            token_ids = list(request.token_ids)
+            check_token_ids("tokens", token_ids, config.hf_config.vocab_size)
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        return pb.DetokenizeResponse(text=await model.off_loop(model.tokenizer.decode, token_ids))
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         return pb.InfoResponse(models=[m.info() for m in self.models.values()])
@@ -179,25 +304,52 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         return pb.MetricsResponse(models=stats, prometheus_text=self.metrics.exposition())
 
 
+def _check_conversation(messages: pb.ChatMessages, config: EngineConfig) -> None:
+    """A conversation's turns and characters within the limits; the characters are only counted for few turns."""
+    turns = messages.messages
+    num_chars = sum(len(m.role) + len(m.content) for m in turns) if len(turns) <= config.limits.max_chat_messages else 0
+    check_messages(len(turns), num_chars, config.limits, config.max_model_len)
+
+
+def _check_prompt_size(model: ServedModel, request: pb.GenerateRequest) -> None:
+    """The prompt within the limits, before it is tokenized, rendered or copied."""
+    config = model.engine.config
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        check_text("prompt", len(request.text), config.limits, config.max_model_len)
+    elif kind == "messages":
+        _check_conversation(request.messages, config)
+    elif kind == "token_ids":
+        check_prompt_ids(request.token_ids.ids, config.hf_config.vocab_size, config.max_model_len)
+    else:
+        raise InputError("prompt", "a prompt is required: text, token_ids or messages")
+
+
 async def _prompt(model: ServedModel, request: pb.GenerateRequest) -> tuple[str | None, list[int]]:
-    """The prompt's text (when it is one) and token ids."""
+    """The prompt's text (when it is one) and token ids; its size is already checked."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
         return request.text, await model.prompt_ids(request.text)
     if kind == "token_ids":
         return None, list(request.token_ids.ids)
-    if kind == "messages":
-        return None, await model.off_loop(chat_prompt_ids, model.tokenizer, request.messages)
-    raise ValueError("a prompt is required: text, token_ids or messages")
+    return None, await model.off_loop(chat_prompt_ids, model.tokenizer, request.messages)
 
 
 class EngineServer:
-    """Starts an engine per config and serves them all over gRPC on one port."""
+    """Starts an engine per config and serves them all over gRPC on one port.
 
-    def __init__(self, configs: list[EngineConfig]) -> None:
+    ``tenants`` (default: none, an open server) authenticates callers and holds each to its
+    limits; ``share_prefix_cache`` lets all tenants share prefix-cache blocks.
+    """
+
+    def __init__(
+        self, configs: list[EngineConfig], tenants: Tenants | None = None, share_prefix_cache: bool = False
+    ) -> None:
         names = [c.served_model_name for c in configs]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be distinct, got {names}")
+        self.tenants = tenants if tenants is not None else Tenants([])
+        self.share_prefix_cache = share_prefix_cache
         engines = {c.served_model_name: LLMEngine(c) for c in configs}
         device = configs[0].resolved_device
         self.metrics = ServerMetrics({name: self._stats_of(name) for name in engines}, device)
@@ -217,12 +369,15 @@ class EngineServer:
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0 = a free port); returns the bound port."""
         self._server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
-        pb_grpc.add_TextGenerationServiceServicer_to_server(EngineServicer(self.models, self.metrics), self._server)
+        servicer = EngineServicer(self.models, self.metrics, self.tenants, self.share_prefix_cache)
+        pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"cannot listen for gRPC on {host}:{port}")
         await self._server.start()
         logger.info("gRPC engine server on %s:%d serving %s", host, bound, ", ".join(self.models))
+        if self.tenants.is_open and host not in _LOOPBACK:
+            logger.warning("gRPC on %s:%d takes calls without an API key; set --api-key or --tenants", host, bound)
         return bound
 
     async def stop(self, grace: float = 1.0) -> None:

@@ -124,6 +124,20 @@ def test_container_runs_a_valid_raypaged_serve(server):
 
 
 @pytest.mark.parametrize("server", _server_containers(), ids=lambda s: s[0])
+def test_grpc_beyond_loopback_only_with_an_api_key_from_a_secret(server):
+    _, _, container = server
+    args = parse_raypaged(container_raypaged_argv(container))
+    if args.grpc_host in ("127.0.0.1", "localhost", "::1") or args.tenants:
+        return
+    assert args.api_key is None, "a key on the command line is visible to anyone who can list pods"
+    sources = {item["name"]: item.get("valueFrom", {}) for item in container.get("env", [])}
+    secret = sources.get("RAYPAGED_API_KEY", {}).get("secretKeyRef")
+    assert secret is not None and secret.get("optional") is not True, (
+        f"--grpc-host {args.grpc_host} needs --tenants or RAYPAGED_API_KEY from a Secret"
+    )
+
+
+@pytest.mark.parametrize("server", _server_containers(), ids=lambda s: s[0])
 def test_probes_ask_for_health_on_the_served_port(server):
     _, _, container = server
     args = parse_raypaged(container_raypaged_argv(container))
@@ -246,7 +260,7 @@ def test_ray_container_scripts_run_under_bash(role, tmp_path):
     _stub(tmp_path, "ray", f'echo "ray $*" >> {log}')
     _stub(tmp_path, "python", f'echo "python" >> {log}')
     _stub(tmp_path, "raypaged", f'echo "raypaged $*" >> {log}')
-    env = {item["name"]: item["value"] for item in container.get("env", [])}
+    env = {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
     env.update(PATH=f"{tmp_path}:/usr/bin:/bin", KUBERAY_GEN_RAY_START_CMD="ray start  --block  --port=6379 ")
     result = subprocess.run(container["command"] + container["args"], env=env, capture_output=True, text=True,
                             timeout=30)
