@@ -173,6 +173,11 @@ def add_drain_arg(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM/SIGINT: how long in-flight requests may run before they are aborted")
 
 
+def add_share_prefix_cache_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--share-prefix-cache", action="store_true",
+                        help="with API keys: all tenants share prefix-cache blocks (default: each only its own)")
+
+
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -184,23 +189,64 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024, metavar="BYTES",
                         help="larger request bodies are refused with 413")
     parser.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    parser.add_argument("--max-prompts-per-request", type=int, default=1024, metavar="N",
+                        help="completions requests with more prompts are refused with 400")
+    parser.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                        help="comma-separated Host names served besides localhost, 127.x.y.z and ::1 ('*': any); "
+                             "a loopback --host serves only loopback names without it (against DNS rebinding)")
+    parser.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                        help='CORS origins, a JSON list (\'["https://a.example"]\') or comma-separated '
+                             "(default: no CORS)")
+    parser.add_argument("--allowed-methods", default=None, metavar="METHODS",
+                        help='CORS methods with --allowed-origins, as that flag (default: \'["*"]\')')
+    parser.add_argument("--allowed-headers", default=None, metavar="HEADERS",
+                        help='CORS request headers with --allowed-origins, as that flag (default: \'["*"]\')')
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     add_drain_arg(parser)
 
 
 def gateway_options(args: argparse.Namespace) -> GatewayOptions:
+    import json
+
     from raypaged.serving.gateway.guard import check_exempt_paths
     from raypaged.serving.launch import GatewayOptions
 
+    def names(flag_name: str, value: str) -> tuple[str, ...]:
+        """A JSON list of strings (as vLLM takes it) or a comma-separated list."""
+        if not value.strip().startswith("["):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise ValueError(f"{flag_name} takes a JSON list of strings or a comma-separated list, got {value!r}")
+        return tuple(parsed)
+
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
+    if args.max_prompts_per_request < 1:
+        raise ValueError(f"--max-prompts-per-request must be at least 1, got {args.max_prompts_per_request}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout:g}")
     exempt = tuple(p.strip() for p in args.auth_exempt_paths.split(",") if p.strip())
     check_exempt_paths(exempt)
+    origins = names("--allowed-origins", args.allowed_origins) if args.allowed_origins is not None else ()
+    cors_flags = {"--allowed-methods": args.allowed_methods, "--allowed-headers": args.allowed_headers,
+                  "--allow-credentials": args.allow_credentials or None}
+    for cors_flag, value in cors_flags.items():
+        if value is not None and not origins:
+            raise ValueError(f"{cors_flag} needs --allowed-origins (without it the server sends no CORS headers)")
     return GatewayOptions(
         host=args.host, port=args.port, api_key=args.api_key or envs.api_key(), tenants_file=args.tenants,
         log_requests=not args.disable_log_requests, log_level=args.log_level,
         max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, auth_exempt_paths=exempt,
+        max_prompts_per_request=args.max_prompts_per_request,
+        allowed_hosts=names("--allowed-hosts", args.allowed_hosts) if args.allowed_hosts is not None else None,
+        allowed_origins=origins,
+        allowed_methods=names("--allowed-methods", args.allowed_methods or '["*"]'),
+        allowed_headers=names("--allowed-headers", args.allowed_headers or '["*"]'),
+        allow_credentials=args.allow_credentials,
     )
 
 
@@ -209,16 +255,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = gateway_options(args)
     options_check(options)
-    asyncio.run(run_serve(engine_configs(args), args.grpc_host, args.grpc_port, options))
+    asyncio.run(run_serve(engine_configs(args), args.grpc_host, args.grpc_port, options, args.share_prefix_cache))
     return 0
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
+    from raypaged.serving.gateway.tenants import Tenants
     from raypaged.serving.launch import run_engine
 
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout:g}")
-    asyncio.run(run_engine(engine_configs(args), args.grpc_host, args.grpc_port, args.drain_timeout))
+    tenants = Tenants.from_args(args.api_key or envs.api_key(), args.tenants)  # a bad file fails before models load
+    asyncio.run(run_engine(
+        engine_configs(args), args.grpc_host, args.grpc_port, args.drain_timeout, tenants, args.share_prefix_cache
+    ))
     return 0
 
 
@@ -232,7 +282,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def options_check(options: GatewayOptions) -> None:
-    """Reads the tenants file now, so a bad one fails before any model loads."""
+    """Reads the tenants file now, so a bad one fails before any model loads (``serve``'s gRPC server reads it too)."""
     from raypaged.serving.gateway.tenants import Tenants
 
     Tenants.from_args(options.api_key, options.tenants_file)
@@ -256,12 +306,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_args(serve)
     serve.add_argument("--grpc-host", default="127.0.0.1", help="gRPC address to listen on")
     serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = a free one)")
+    add_share_prefix_cache_arg(serve)
     serve.set_defaults(func=cmd_serve)
 
     engine = sub.add_parser("engine", help="engines behind the gRPC service only")
     add_engine_args(engine, many_models=True)
     engine.add_argument("--grpc-host", default="127.0.0.1", help="gRPC address to listen on")
     engine.add_argument("--grpc-port", type=int, default=50051, help="gRPC port")
+    engine.add_argument("--api-key", default=None,
+                        help="require this key as gRPC metadata 'authorization: Bearer KEY' "
+                             "(default: $RAYPAGED_API_KEY); Health, Info and Metrics stay open")
+    engine.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
+    add_share_prefix_cache_arg(engine)
     add_drain_arg(engine)
     engine.set_defaults(func=cmd_engine)
 

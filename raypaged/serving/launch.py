@@ -21,7 +21,7 @@ import uvicorn
 
 from raypaged.config import EngineConfig
 from raypaged.serving.engine_server import EngineServer
-from raypaged.serving.gateway.app import DEFAULT_MAX_BODY_BYTES, build_app
+from raypaged.serving.gateway.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, build_app
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS
@@ -35,6 +35,9 @@ _CLOSE_CONNECTIONS_S = 5.0  # after a drain: for responses still being written
 
 @dataclass
 class GatewayOptions:
+    """The gateway's flags. ``allowed_hosts``: ``Host`` names served besides loopback ones (``None``: the
+    flag is not given; ``("*",)``: any); ``allowed_origins`` empty: no CORS at all."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = field(default=None, repr=False)
@@ -44,6 +47,12 @@ class GatewayOptions:
     log_level: str = "info"
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     auth_exempt_paths: tuple[str, ...] = DEFAULT_AUTH_EXEMPT_PATHS
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    allowed_hosts: tuple[str, ...] | None = None
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -92,11 +101,14 @@ class Gateway:
     """The HTTP gateway on a bound socket; ``serve()`` runs until ``shutdown()``, ``stop()`` or a signal."""
 
     def __init__(self, targets: dict[str, str], options: GatewayOptions) -> None:
-        tenants = Tenants.from_args(options.api_key, options.tenants_file)
+        self.tenants = Tenants.from_args(options.api_key, options.tenants_file)
         self.drain = Drain(options.drain_timeout_s)
         app = build_app(
-            EngineRoutes(targets), tenants, options.max_body_bytes, options.log_requests, self.drain,
-            options.auth_exempt_paths,
+            EngineRoutes(targets), self.tenants, options.max_body_bytes, options.log_requests, self.drain,
+            options.auth_exempt_paths, options.max_prompts_per_request, bind_host=options.host,
+            allowed_hosts=options.allowed_hosts, allowed_origins=options.allowed_origins,
+            allowed_methods=options.allowed_methods, allowed_headers=options.allowed_headers,
+            allow_credentials=options.allow_credentials,
         )
         self.socket = listen(options.host, options.port)
         self.port = self.socket.getsockname()[1]
@@ -132,9 +144,12 @@ class Gateway:
         self.server.should_exit = True
 
 
-async def run_engine(configs: list[EngineConfig], host: str, grpc_port: int, drain_timeout_s: float) -> None:
+async def run_engine(
+    configs: list[EngineConfig], host: str, grpc_port: int, drain_timeout_s: float, tenants: Tenants,
+    share_prefix_cache: bool = False,
+) -> None:
     """The engine server until SIGTERM/SIGINT; then running calls get ``drain_timeout_s`` before they are cancelled."""
-    server = EngineServer(configs)
+    server = EngineServer(configs, tenants, share_prefix_cache)
     await server.start(host, grpc_port)
     stopping = asyncio.Event()
     on_shutdown_signals(stopping.set)
@@ -149,9 +164,17 @@ async def run_gateway(targets: dict[str, str], options: GatewayOptions) -> None:
     await Gateway(targets, options).serve(handle_signals=True)
 
 
-async def run_serve(configs: list[EngineConfig], grpc_host: str, grpc_port: int, options: GatewayOptions) -> None:
-    """Engines, their gRPC server and a gateway in front of it, in one process; the gateway drains first."""
-    server = EngineServer(configs)
+async def run_serve(
+    configs: list[EngineConfig], grpc_host: str, grpc_port: int, options: GatewayOptions,
+    share_prefix_cache: bool = False,
+) -> None:
+    """Engines, their gRPC server and a gateway in front of it, in one process; the gateway drains first.
+
+    The gRPC server takes the gateway's keys and tenants, with gates of its own (the gateway's
+    calls carry their client's key, so each request holds one slot at each of the two).
+    """
+    tenants = Tenants.from_args(options.api_key, options.tenants_file)
+    server = EngineServer(configs, tenants, share_prefix_cache)
     port = await server.start(grpc_host, grpc_port)
     address = f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"
     try:
