@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT = "\ufffd"
@@ -9,11 +10,14 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
+    """Turns a growing list of token ids into text deltas, O(1) per token.
 
-    Text is decoded over a short window (``prefix_offset:``) and compared with
-    the decoding of the window's already-emitted part; a delta that ends in a
-    replacement character is held back until the next token completes it.
+    Fast tokenizers stream through ``tokenizers``' ``DecodeStream`` (seeded with the
+    prompt's last tokens, so the first output token gets its context, such as a
+    leading space); others decode a short window (``prefix_offset:``) and compare it
+    with the decoding of its already-emitted part. Either way a token that ends
+    inside a UTF-8 character emits nothing until the next token completes it;
+    ``flush`` gives what is still held (as replacement characters).
     """
 
     def __init__(
@@ -21,23 +25,39 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        # a few prompt tokens give the first output token its context (leading spaces)
-        self.token_ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._stream = DecodeStream(context, skip_special_tokens) if tokenizer.is_fast else None
+        self._held: list[int] = []  # streamed tokens whose text the stream still holds
+        # the window decoder's state (slow tokenizers)
+        self.token_ids: list[int] = context
         self.prefix_offset = 0
-        self.read_offset = len(self.token_ids)
-        self.text = ""
+        self.read_offset = len(context)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
-        self.token_ids.extend(new_token_ids)
-        return self._emit(final=False)
+        if self._stream is None:
+            self.token_ids.extend(new_token_ids)
+            return self._emit(final=False)
+        backend = self.tokenizer.backend_tokenizer
+        pieces = []
+        for token_id in new_token_ids:
+            piece = self._stream.step(backend, token_id)
+            if piece is None:
+                self._held.append(token_id)
+            else:
+                self._held.clear()
+                pieces.append(piece)
+        return "".join(pieces)
 
     def flush(self) -> str:
         """At the end of generation: whatever is held back, replacement characters included."""
-        return self._emit(final=True)
+        if self._stream is None:
+            return self._emit(final=True)
+        held, self._held = self._held, []
+        return self._decode(held) if held else ""
 
     def _emit(self, final: bool) -> str:
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
@@ -47,5 +67,4 @@ class IncrementalDetokenizer:
         delta = full_text[len(prefix_text):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
-        self.text += delta
         return delta

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from transformers import AutoTokenizer
@@ -20,6 +19,14 @@ from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from raypaged.engine.detokenizer import IncrementalDetokenizer
+from raypaged.engine.output_processor import (
+    RequestState,
+    SeqState,
+    end_seq,
+    error_output,
+    make_output,
+    process_token,
+)
 from raypaged.executor.uniproc import UniProcExecutor
 from raypaged.inputs.limits import InputError, check_prompt_ids, check_sampling, check_text
 from raypaged.outputs import CompletionOutput, RequestOutput
@@ -30,34 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("raypaged")
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class _SeqState:
-    """Engine-side view of one sequence: its text as it streams out."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    finish_message: str | None = None  # why the scheduler ended it (outgrew the KV cache, ...)
-
-
-@dataclass(slots=True)
-class _RequestState:
-    """A user request: one sequence, or ``best_of`` of them sharing the prompt."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[_SeqState]
-    error: str | None = None  # handling this request failed: it ended alone, with this message
-
-    @property
-    def finished(self) -> bool:
-        return self.error is not None or all(seq.finish_reason is not None for seq in self.seqs)
 
 
 class LLMEngine:
@@ -94,9 +73,9 @@ class LLMEngine:
             scheduler_config,
             KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks),
         )
-        self._states: dict[str, _RequestState] = {}  # by request id
-        self._seq_states: dict[str, tuple[_RequestState, _SeqState]] = {}  # by sequence id
-        self._beam_states: dict[str, tuple[_RequestState, BeamGroup]] = {}  # beam searches by request id
+        self._states: dict[str, RequestState] = {}  # by request id
+        self._seq_states: dict[str, tuple[RequestState, SeqState]] = {}  # by sequence id
+        self._beam_states: dict[str, tuple[RequestState, BeamGroup]] = {}  # beam searches by request id
         self._ids = itertools.count()  # request ids for callers that give none
         self._seq_numbers = itertools.count()  # internal sequence ids: "<n>:<request id>", never a user's id
 
@@ -173,10 +152,10 @@ class LLMEngine:
         else:
             for seq in seqs:
                 self.scheduler.add_request(seq)
-        state = _RequestState(request_id, prompt, prompt_token_ids, sampling_params, [])
+        state = RequestState(request_id, prompt, prompt_token_ids, sampling_params, [])
         for seq in seqs:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params.skip_special_tokens)
-            seq_state = _SeqState(seq, detok)
+            seq_state = SeqState(seq, detok)
             state.seqs.append(seq_state)
             self._seq_states[seq.request_id] = (state, seq_state)
         self._states[request_id] = state
@@ -199,10 +178,10 @@ class LLMEngine:
         first = Request(seq_id, prompt_token_ids, beam_params, max_tokens, self.eos_token_id, beam=group)
         group.beams.append(first)
         self.scheduler.add_request(first)
-        self._beam_states[request_id] = (_RequestState(request_id, prompt, prompt_token_ids, beam_params, []), group)
+        self._beam_states[request_id] = (RequestState(request_id, prompt, prompt_token_ids, beam_params, []), group)
         return request_id
 
-    def _beam_output(self, state: _RequestState, group: BeamGroup) -> RequestOutput:
+    def _beam_output(self, state: RequestState, group: BeamGroup) -> RequestOutput:
         completions = [
             CompletionOutput(
                 index=rank,
@@ -253,10 +232,10 @@ class LLMEngine:
             self._recover_from(err)
             return []
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        touched: dict[str, _RequestState] = {}
+        touched: dict[str, RequestState] = {}
         for ended in self.scheduler.take_ended():
             state, seq = self._seq_states[ended.request.request_id]
-            self._guarded(state, "ending", self._end_seq, seq, ended.message)
+            self._guarded(state, "ending", end_seq, seq, ended.message)
             touched[state.request_id] = state
         for seq_id, message in runner_output.failed.items():
             if (found := self._seq_states.get(seq_id)) is not None:
@@ -265,13 +244,14 @@ class LLMEngine:
         for request in updated:
             state, seq = self._seq_states[request.request_id]
             if state.error is None:
-                self._guarded(state, "detokenizing or stop matching", self._process_token, seq)
+                if self._guarded(state, "detokenizing or stop matching", process_token, seq):
+                    self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
-            output = None if state.error else self._guarded(state, "building the output", self._make_output, state)
+            output = None if state.error else self._guarded(state, "building the output", make_output, state)
             if state.error is not None:
-                output = self._error_output(state)
+                output = error_output(state)
             if output is not None:
                 outputs.append(output)
             if state.finished:
@@ -299,7 +279,7 @@ class LLMEngine:
         if not isinstance(self.executor, UniProcExecutor):
             self.executor.shutdown()
 
-    def _guarded(self, state: _RequestState, doing: str, call: Callable[..., T], *args: object) -> T | None:
+    def _guarded(self, state: RequestState, doing: str, call: Callable[..., T], *args: object) -> T | None:
         """``call(*args)`` for one request; if it raises, that request alone fails (``_fail``)."""
         try:
             return call(*args)
@@ -308,7 +288,7 @@ class LLMEngine:
             self._fail(state, f"{doing} failed: {type(exc).__name__}: {exc}")
             return None
 
-    def _fail(self, state: _RequestState, message: str) -> None:
+    def _fail(self, state: RequestState, message: str) -> None:
         """End a request whose handling failed: its sequences are aborted (blocks freed) and it
         is reported once, finished, with ``error`` set; the other requests go on."""
         if state.error is not None:
@@ -319,78 +299,10 @@ class LLMEngine:
             if seq.finish_reason is None:
                 seq.finish_reason = "error"
 
-    def _error_output(self, state: _RequestState) -> RequestOutput:
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=[],
-            finished=True,
-            num_generated_tokens=sum(seq.request.num_output_tokens for seq in state.seqs),
-            error=state.error,
-        )
-
-    def _forget(self, state: _RequestState) -> None:
+    def _forget(self, state: RequestState) -> None:
         del self._states[state.request_id]
         for seq in state.seqs:
             self._seq_states.pop(seq.request.request_id, None)
-
-    def _end_seq(self, seq: _SeqState, message: str) -> None:
-        """A sequence the scheduler ended on its own: its held-back text and the reason."""
-        seq.text += seq.detokenizer.flush()
-        seq.finish_reason = seq.request.status.finish_reason
-        seq.finish_message = message
-
-    def _process_token(self, seq: _SeqState) -> None:
-        """Detokenize the newest token; a stop string found in the text finishes the sequence."""
-        request = seq.request
-        params = request.sampling_params
-        searched = max(0, len(seq.text) - params.max_stop_len + 1)
-        seq.text += seq.detokenizer.add_tokens(request.output_token_ids[-1:])
-        if request.status.finished:
-            seq.text += seq.detokenizer.flush()
-        cut = _find_stop(seq.text, params.stop, searched)
-        if cut is not None:
-            seq.text, seq.stop_reason = cut
-            seq.finish_reason = "stop"
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-        elif request.status.finished:
-            seq.finish_reason = request.status.finish_reason
-            seq.stop_reason = request.stop_reason
-
-    def _make_output(self, state: _RequestState) -> RequestOutput | None:
-        """The request's cumulative output; ``None`` for an unfinished ``best_of`` request, whose
-        samples are ranked (and shown) only once all have finished."""
-        finished = state.finished
-        ranked = state.params.num_samples > state.params.n
-        if ranked and not finished:
-            return None
-        wants_logprobs = state.params.logprobs is not None
-        completions = [
-            CompletionOutput(
-                index=seq.request.sample_index,
-                text=seq.text,
-                token_ids=list(seq.request.output_token_ids),
-                cumulative_logprob=seq.request.cumulative_logprob,
-                logprobs=list(seq.request.output_logprobs) if wants_logprobs else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                finish_message=seq.finish_message,
-            )
-            for seq in state.seqs
-        ]
-        if ranked:
-            completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[: state.params.n]
-            for rank, completion in enumerate(completions):
-                completion.index = rank
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_generated_tokens=sum(seq.request.num_output_tokens for seq in state.seqs),
-        )
 
     def stats(self) -> dict[str, int | float]:
         return self.scheduler.stats()
@@ -406,15 +318,3 @@ def _check_pool_holds_one_sequence(num_blocks: int, config: EngineConfig) -> Non
             "--kv-cache-space (CPU), --gpu-memory-utilization (CUDA) or --num-gpu-blocks-override, or lower "
             "--max-model-len"
         )
-
-
-def _find_stop(text: str, stops: list[str], start: int) -> tuple[str, str] | None:
-    """The text cut before the earliest stop string found at or after ``start``, and that string."""
-    best = None
-    for stop in stops:
-        index = text.find(stop, start)
-        if index != -1 and (best is None or index < best[0]):
-            best = (index, stop)
-    if best is None:
-        return None
-    return text[: best[0]], best[1]

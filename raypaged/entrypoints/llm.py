@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -13,7 +14,7 @@ from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.inputs.limits import InputLimits
 from raypaged.outputs import RequestOutput
-from raypaged.sampling_params import SamplingParams
+from raypaged.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
 _PROGRESS_MIN_PROMPTS = 16
@@ -122,6 +123,8 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
         resolved = [_prompt_input(p) for p in prompts]
+        # only the finished output is read: the engine builds nothing for the steps in between
+        params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         submissions = [
             partial(engine.add_request, text, params, prompt_token_ids=token_ids, priority=prio)
             for (text, token_ids), params, prio in zip(resolved, params_list, priorities)

@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 from raypaged.inputs.limits import InputLimits, check_stop_counts
 from raypaged.outputs import CompletionOutput, RequestOutput
-from raypaged.sampling_params import SamplingParams
+from raypaged.sampling_params import RequestOutputKind, SamplingParams
 from raypaged.serving.proto import generate_pb2 as pb
 
 FINISH_REASONS = {
@@ -47,6 +47,7 @@ def sampling_params_from_proto(request: pb.GenerateRequest, limits: InputLimits)
         ignore_eos=stopping.ignore_eos,
         logprobs=request.logprobs if request.HasField("logprobs") else None,
         skip_special_tokens=stopping.skip_special_tokens if stopping.HasField("skip_special_tokens") else True,
+        output_kind=RequestOutputKind.DELTA,  # a stream: each response carries what is new
     )
     if sampling.HasField("best_of"):
         kwargs["best_of"] = sampling.best_of
@@ -67,83 +68,42 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: pb.ChatMessage
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def stop_holdback(text: str, stops: list[str]) -> int:
-    """How many characters at the end of ``text`` could begin a stop string (0 when none could).
-
-    For each stop string only the prefixes ending in the text's last character
-    are compared, so the cost stays near one ``rfind`` per stop string.
-    """
-    if not text or not stops:
-        return 0
-    last = text[-1]
-    held = 0
-    for stop in stops:
-        end = min(len(stop) - 1, len(text))  # a whole stop string would have been cut already
-        while end > held:
-            end = stop.rfind(last, 0, end) + 1  # the longest prefix stop[:end] ending in `last`
-            if end <= held:
-                break
-            if text.endswith(stop[:end]):
-                held = end
-                break
-            end -= 1
-    return held
-
-
-@dataclass(slots=True)
-class _Sent:
-    num_chars: int = 0
-    num_tokens: int = 0
-    done: bool = False
-
-
 @dataclass
 class DeltaTracker:
-    """Turns a request's cumulative outputs into ``GenerateResponse`` deltas.
+    """Turns a request's ``DELTA`` outputs into ``GenerateResponse`` messages.
 
-    While a completion runs, text that could be the start of a stop string is
-    held back (the longest end of the text that is a stop string's beginning,
-    so at most the longest stop string's length minus one character): a stop
-    string completed by a later token is cut from text that must not have been
-    sent yet.
+    The engine already holds back text that could begin a stop string, so each
+    output converts as it is; the tracker remembers which completions ended.
     """
 
     request_id: str
     params: SamplingParams
     tokenizer: PreTrainedTokenizerBase
-    _sent: dict[int, _Sent] = field(default_factory=dict)
+    _done: set[int] = field(default_factory=set)
     _usage: pb.Usage = field(default_factory=pb.Usage)
 
     def response(self, output: RequestOutput) -> pb.GenerateResponse:
-        deltas = [self._delta(c) for c in output.outputs if not self._sent.setdefault(c.index, _Sent()).done]
+        deltas = [self._delta(c) for c in output.outputs if c.index not in self._done]
         self._usage = pb.Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_generated_tokens)
         return pb.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=output.finished, usage=self._usage)
 
     def aborted(self) -> pb.GenerateResponse:
         """The last message of a request aborted by someone else: every unfinished completion ends."""
-        indices = [i for i in range(self.params.n) if not self._sent.get(i, _Sent()).done]
+        indices = [i for i in range(self.params.n) if i not in self._done]
         deltas = [pb.CompletionDelta(index=i, finish_reason=pb.FINISH_REASON_ABORT) for i in indices]
         return pb.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=True, usage=self._usage)
 
     def _delta(self, completion: CompletionOutput) -> pb.CompletionDelta:
-        sent = self._sent[completion.index]
-        finished = completion.finish_reason is not None
-        holdback = 0 if finished else stop_holdback(completion.text, self.params.stop)
-        visible = len(completion.text) - holdback
-        text = completion.text[sent.num_chars:visible] if visible > sent.num_chars else ""
-        new_ids = completion.token_ids[sent.num_tokens:]
-        delta = pb.CompletionDelta(index=completion.index, token_ids=new_ids, text=text)
+        delta = pb.CompletionDelta(index=completion.index, token_ids=completion.token_ids, text=completion.text)
         if completion.logprobs is not None:
-            self._add_logprobs(delta, new_ids, completion.logprobs[sent.num_tokens:])
-        if finished:
+            self._add_logprobs(delta, completion.token_ids, completion.logprobs)
+        if completion.finish_reason is not None:
             delta.finish_reason = FINISH_REASONS[completion.finish_reason]
             if completion.stop_reason is not None:
                 delta.stop_reason = str(completion.stop_reason)
             if completion.finish_message is not None:
                 delta.finish_message = completion.finish_message
-            sent.done = True
-        sent.num_chars += len(text)
-        sent.num_tokens = len(completion.token_ids)
+            self._done.add(completion.index)
         return delta
 
     def _add_logprobs(self, delta: pb.CompletionDelta, token_ids: list[int], logprobs: list[dict[int, float]]) -> None:

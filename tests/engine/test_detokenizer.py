@@ -17,29 +17,55 @@ def tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
+@pytest.fixture(params=["stream", "window"])
+def make_detokenizer(request):
+    """Both decoders: ``DecodeStream`` (fast tokenizers) and the window decoder (the others)."""
+
+    def make(tokenizer, prompt_ids, skip_special_tokens=True):
+        detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        if request.param == "window":
+            detok._stream = None
+        return detok
+
+    return make
+
+
 @pytest.mark.parametrize("text", TEXTS)
-def test_token_by_token_deltas_are_valid_and_add_up(tokenizer, text):
+def test_token_by_token_deltas_are_valid_and_add_up(tokenizer, make_detokenizer, text):
     prompt_ids = tokenizer("Say:")["input_ids"]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    detok = make_detokenizer(tokenizer, prompt_ids)
     deltas = [detok.add_tokens([token]) for token in ids]
     deltas.append(detok.flush())
     assert all("\ufffd" not in d for d in deltas)
-    assert "".join(deltas) == detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_a_split_character_is_held_back_until_complete(tokenizer):
+def test_a_split_character_is_held_back_until_complete(tokenizer, make_detokenizer):
     ids = tokenizer("🦙", add_special_tokens=False)["input_ids"]
     assert len(ids) > 1  # byte-level BPE splits this emoji
-    detok = IncrementalDetokenizer(tokenizer, [])
+    detok = make_detokenizer(tokenizer, [])
     assert [detok.add_tokens([t]) for t in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.add_tokens(ids[-1:]) == "🦙"
 
 
-def test_flush_gives_what_an_unfinished_character_left(tokenizer):
+def test_flush_gives_what_an_unfinished_character_left(tokenizer, make_detokenizer):
     ids = tokenizer("a🦙", add_special_tokens=False)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, [])
+    detok = make_detokenizer(tokenizer, [])
     text = "".join(detok.add_tokens([t]) for t in ids[:-1])
     assert text == "a"
     rest = detok.flush()
     assert rest == tokenizer.decode(ids[1:-1]) and rest.endswith("\ufffd")
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_ids_decode_as_the_whole_sequence_does(tokenizer, make_detokenizer, skip_special_tokens):
+    import random
+
+    rng = random.Random(0)
+    prompt = tokenizer("Context:")["input_ids"]
+    for _ in range(20):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        detok = make_detokenizer(tokenizer, prompt, skip_special_tokens)
+        text = "".join(detok.add_tokens([t]) for t in ids) + detok.flush()
+        assert text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -12,7 +12,7 @@ import pytest
 
 from raypaged import LLM, SamplingParams
 from raypaged.core.block_manager import KVCacheManager
-from raypaged.engine import detokenizer, llm_engine
+from raypaged.engine import detokenizer, output_processor
 from raypaged.worker import sampler
 from tests.serving.conftest import tiny_model_dir  # noqa: F401  (session fixture)
 
@@ -86,14 +86,14 @@ def test_a_detokenizer_failure_ends_that_request_alone(llm, undisturbed, monkeyp
 
 
 def test_a_stop_matching_failure_ends_that_request_alone(llm, undisturbed, monkeypatch):
-    real = llm_engine._find_stop
+    real = output_processor.find_stop
 
     def failing(text, stops, start):
         if "VICTIM" in stops:
             raise IndexError("injected stop-matching fault")
         return real(text, stops, start)
 
-    monkeypatch.setattr(llm_engine, "_find_stop", failing)
+    monkeypatch.setattr(output_processor, "find_stop", failing)
     victim = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["VICTIM"])
     outputs = run_with_victim(llm, victim)
     assert_only_the_victim_failed(

@@ -262,16 +262,16 @@ FAULT = "detokenizing or stop matching failed: RuntimeError: injected fault"
 
 
 def test_a_request_whose_handling_fails_gets_an_error_on_every_api(stack, canary_text, monkeypatch):
-    from raypaged.engine import llm_engine
+    from raypaged.engine import output_processor
 
-    real = llm_engine._find_stop
+    real = output_processor.find_stop
 
     def failing(text, stops, start):
         if "VICTIM" in stops:
             raise RuntimeError("injected fault")
         return real(text, stops, start)
 
-    monkeypatch.setattr(llm_engine, "_find_stop", failing)
+    monkeypatch.setattr(output_processor, "find_stop", failing)
     victim = {"model": "tiny", "prompt": "hi", "max_tokens": 8, "stop": ["VICTIM"]}
     with stack.client() as client:
         response = client.post("/v1/completions", json=victim)
