@@ -53,6 +53,7 @@ class _Add:
     prompt_token_ids: list[int] | None
     priority: int
     cache_salt: str | None
+    stream: _Stream
     accepted: concurrent.futures.Future
 
 
@@ -84,7 +85,9 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: dict[str, int | float] = engine.stats()
-        self._active: set[str] = set()  # engine thread only: requests added and not yet finished
+        # engine thread only: requests added and not yet finished, and the stream each was added with
+        # (outputs go to that stream object, so a later request reusing the id never gets them)
+        self._active: dict[str, _Stream] = {}
         self._stopping = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.config.served_model_name}", daemon=True)
@@ -118,13 +121,14 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self._streams[request_id] = _Stream()
+        stream = self._streams[request_id] = _Stream()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, accepted))
+        self._commands.put(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, stream, accepted))
         try:
             await asyncio.wrap_future(accepted)
         except BaseException:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             if not (accepted.done() and not accepted.cancelled() and accepted.exception() is not None):
                 # not refused by the engine: it may hold the request (added, or being added right now);
                 # commands run in order, so this abort comes after the add
@@ -153,7 +157,8 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             if not finished:
                 self._abort_nowait([request_id])
 
@@ -240,14 +245,13 @@ class AsyncLLMEngine:
             except ValueError as exc:
                 command.accepted.set_exception(exc)
             else:
-                self._active.add(command.request_id)
+                self._active[command.request_id] = command.stream
                 command.accepted.set_result(None)
         else:
             unfinished = [rid for rid in command.request_ids if rid in self._active]
             engine.abort_request(unfinished)
-            self._active.difference_update(unfinished)
             for request_id in unfinished:
-                self._push(request_id, _END)
+                self._push(self._active.pop(request_id), _END)
             if unfinished:
                 logger.info("aborted requests %s", ", ".join(unfinished))
                 self._observe(lambda observer: observer.on_abort(unfinished))
@@ -256,11 +260,14 @@ class AsyncLLMEngine:
         self._stats = engine.stats()
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        self._active.difference_update(o.request_id for o in outputs if o.finished)
-        arrivals = {o.request_id: s.arrival_time for o in outputs if (s := self._streams.get(o.request_id))}
+        routed = [(self._active.get(o.request_id), o) for o in outputs]
+        for output in outputs:
+            if output.finished:
+                self._active.pop(output.request_id, None)
+        arrivals = {o.request_id: s.arrival_time for s, o in routed if s is not None}
         self._observe(lambda observer: observer.on_outputs(outputs, arrivals, time.monotonic()))
         if outputs and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
+            self._loop.call_soon_threadsafe(self._deliver, routed)
 
     def _observe(self, call: Callable[[EngineObserver], None]) -> None:
         """Tell the observer; a failing observer is logged and never stops the engine."""
@@ -271,15 +278,13 @@ class AsyncLLMEngine:
         except Exception:
             logger.exception("metrics observer of engine %s failed; the engine goes on", self.config.served_model_name)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
+    def _deliver(self, routed: list[tuple[_Stream | None, RequestOutput]]) -> None:
+        for stream, output in routed:
             if stream is not None:
                 stream.outputs.put_nowait(output)
 
-    def _push(self, request_id: str, item: object) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None and self._loop is not None:
+    def _push(self, stream: _Stream, item: object) -> None:
+        if self._loop is not None:
             self._loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
 
     def _end_all(self) -> None:
@@ -292,5 +297,5 @@ class AsyncLLMEngine:
                 command.accepted.set_exception(EngineDeadError("engine stopped"))
             elif isinstance(command, _Abort) and command.done.set_running_or_notify_cancel():
                 command.done.set_result(0)
-        for request_id in list(self._streams):
-            self._push(request_id, _END)
+        for stream in list(self._streams.values()):
+            self._push(stream, _END)

@@ -82,3 +82,24 @@ def test_a_failing_observer_never_stops_the_engine(tiny_model_dir):
 
     tokens = asyncio.run(scenario())
     assert [len(t) for t in tokens] == [5, 5]
+
+
+def test_a_reused_id_never_gets_the_old_requests_outputs(tiny_model_dir):
+    reference = LLMEngine(tiny_config(tiny_model_dir, "tiny"))
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        engine = AsyncLLMEngine(reference)
+        try:
+            await engine.add_request("first request", LONG, request_id="same")
+            first = engine.stream("same")
+            await first.__anext__()  # it runs
+            await first.aclose()  # leaving early aborts it; its late outputs may still be on their way
+            outputs = [o async for o in engine.generate("second request", short, request_id="same")]
+            alone = [o async for o in engine.generate("second request", short, request_id="other")]
+            return outputs[-1].outputs[0].token_ids, alone[-1].outputs[0].token_ids
+        finally:
+            engine.shutdown()
+
+    reused, alone = asyncio.run(scenario())
+    assert reused == alone and len(reused) == 4
