@@ -15,6 +15,7 @@ import pytest
 
 from raypaged.config import EngineConfig
 from raypaged.serving.engine_server import EngineServer
+from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.launch import Gateway, GatewayOptions
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
 from tests.conftest import make_tiny_model
@@ -40,11 +41,12 @@ class Stack:
     """An engine server and a gateway in front of it; ``url`` is the gateway's base URL."""
 
     def __init__(self, configs: list[EngineConfig], **gateway_options: Any) -> None:
+        """The engine server gets the gateway's keys and tenants, as ``raypaged serve`` gives them."""
         self.background = BackgroundLoop()
-        self.engine_server = EngineServer(configs)
+        options = GatewayOptions(port=0, log_level="warning", **gateway_options)
+        self.engine_server = EngineServer(configs, Tenants.from_args(options.api_key, options.tenants_file))
         self.grpc_port = self.background.run(self.engine_server.start("127.0.0.1", 0))
         address = f"127.0.0.1:{self.grpc_port}"
-        options = GatewayOptions(port=0, log_level="warning", **gateway_options)
         self.gateway = Gateway({name: address for name in self.engine_server.models}, options)
         self._serving = asyncio.run_coroutine_threadsafe(self.gateway.serve(), self.background.loop)
         self.url = f"http://127.0.0.1:{self.gateway.port}"

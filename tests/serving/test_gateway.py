@@ -30,6 +30,7 @@ tenants:
     priority: -1
 """
 LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
+CALM_KEY = (("authorization", f"Bearer {CALM}"),)  # gRPC metadata: the engine server checks the same keys
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_grpc_client_streams_and_cancelling_frees_blocks(stack):
         model="tiny", text="stream me", sampling=pb.SamplingParameters(n=1, temperature=0),
         stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True),
     )
-    call = stub.Generate(request)
+    call = stub.Generate(request, metadata=CALM_KEY)
     accepted = next(call)
     assert accepted.request_id and not accepted.outputs
     tokens = []
@@ -181,10 +182,11 @@ def test_grpc_client_streams_and_cancelling_frees_blocks(stack):
 def test_abort_rpc_ends_the_stream_with_finish_reason_abort(stack):
     stub = stack.grpc_stub()
     call = stub.Generate(pb.GenerateRequest(model="tiny", request_id="to-abort", text="x",
-                                            stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True)))
+                                            stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True)),
+                       metadata=CALM_KEY)
     assert next(call).request_id == "to-abort"
     next(call)
-    assert stub.Abort(pb.AbortRequest(request_ids=["to-abort", "unknown"])).num_aborted == 1
+    assert stub.Abort(pb.AbortRequest(request_ids=["to-abort", "unknown"]), metadata=CALM_KEY).num_aborted == 1
     last = list(call)[-1]
     assert last.finished and [d.finish_reason for d in last.outputs] == [pb.FINISH_REASON_ABORT]
     wait_all_blocks_free(stack, "tiny", within_s=1.0)
@@ -193,10 +195,14 @@ def test_abort_rpc_ends_the_stream_with_finish_reason_abort(stack):
 def test_grpc_errors_use_status_codes(stack):
     stub = stack.grpc_stub()
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(pb.GenerateRequest(model="nope", text="x")))
+        list(stub.Generate(pb.GenerateRequest(model="tiny", text="x")))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(model="nope", text="x"), metadata=CALM_KEY))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(pb.GenerateRequest(model="tiny", text="x", sampling=pb.SamplingParameters(top_p=2))))
+        list(stub.Generate(pb.GenerateRequest(model="tiny", text="x", sampling=pb.SamplingParameters(top_p=2)),
+                           metadata=CALM_KEY))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p must be in (0, 1]" in err.value.details()
     info = stub.Info(pb.InfoRequest())
     assert [(m.name, m.block_size, m.max_model_len, m.tensor_parallel_size, m.num_gpu_blocks) for m in info.models] == [
