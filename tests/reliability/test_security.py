@@ -268,3 +268,36 @@ def test_cors_only_for_allowed_origins(stack):
     finally:
         stack.background.loop.call_soon_threadsafe(gateway.stop)
         serving.result(timeout=30)
+
+
+CROSS_SITE = "cross-site request refused (Origin {!r}): list the origin in --allowed-origins to serve browser pages from it"
+
+
+def test_cross_site_posts_are_refused_unless_the_origin_is_allowed(stack):
+    body = {"prompt": "x", "max_tokens": 1}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with stack.client() as client:
+        for headers, origin in (
+            ({"Origin": "https://evil.example"}, "https://evil.example"),
+            ({"Origin": "null"}, "null"),
+            ({"Origin": "http://localhost:3000"}, "http://localhost:3000"),  # same site, another port
+            ({"Sec-Fetch-Site": "cross-site"}, None),  # no-cors fetch without Origin or Content-Type
+        ):
+            response = client.post("/v1/completions", json=body, headers={**auth, **headers})
+            assert response.status_code == 403, response.text
+            assert response.json()["error"] == {"message": CROSS_SITE.format(origin), "type": "invalid_request_error",
+                                                "param": None, "code": "cross_site_request"}
+        same = f"http://127.0.0.1:{stack.url.rsplit(':', 1)[1]}"
+        for headers in ({"Origin": same, "Sec-Fetch-Site": "same-origin"}, {"Sec-Fetch-Site": "none"}, {}):
+            assert client.post("/v1/completions", json=body, headers={**auth, **headers}).status_code == 200
+
+    gateway, serving = extra_gateway(stack, api_key=KEY, allowed_origins=("https://a.example",))
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{gateway.port}", timeout=30) as client:
+            allowed = {**auth, "Origin": "https://a.example", "Sec-Fetch-Site": "cross-site"}
+            assert client.post("/v1/completions", json=body, headers=allowed).status_code == 200
+            other = {**auth, "Origin": "https://b.example"}
+            assert client.post("/v1/completions", json=body, headers=other).status_code == 403
+    finally:
+        stack.background.loop.call_soon_threadsafe(gateway.stop)
+        serving.result(timeout=30)

@@ -68,7 +68,8 @@ def build_app(
     drain = drain or Drain(0)
     app = FastAPI(title="raypaged", docs_url=None, redoc_url=None)
     install_handlers(app)
-    app.add_middleware(Guard, tenants=tenants, drain=drain, exempt_paths=auth_exempt_paths)
+    app.add_middleware(Guard, tenants=tenants, drain=drain, exempt_paths=auth_exempt_paths,
+                       allowed_origins=allowed_origins)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=allowed_methods,
                            allow_headers=allowed_headers, allow_credentials=allow_credentials)

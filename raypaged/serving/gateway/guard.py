@@ -12,7 +12,10 @@ caller's tenant gate is left in ``request.state.tenant_gate`` and its
 While the gateway drains, everything but ``/health`` and ``/metrics`` is
 refused with 503. A POST whose ``Content-Type`` is not JSON is refused with 415,
 so no HTML form or other cross-site "simple" request can reach a route; a POST
-without a ``Content-Type`` is read as JSON.
+without a ``Content-Type`` is read as JSON. A POST that a browser marks as
+cross-site (``Sec-Fetch-Site: cross-site``, or an ``Origin`` that is neither the
+server's own nor one of ``--allowed-origins``) is refused with 403, which also
+stops the no-preflight requests a page can send without a ``Content-Type``.
 """
 
 from __future__ import annotations
@@ -106,12 +109,16 @@ def is_json(content_type: str) -> bool:
 class Guard:
     """ASGI middleware: authentication, then refusal while draining, then a POST body must be JSON."""
 
-    def __init__(self, app: ASGIApp, tenants: Tenants, drain: Drain, exempt_paths: tuple[str, ...]) -> None:
+    def __init__(
+        self, app: ASGIApp, tenants: Tenants, drain: Drain, exempt_paths: tuple[str, ...],
+        allowed_origins: tuple[str, ...] = (),
+    ) -> None:
         check_exempt_paths(exempt_paths)
         self.app = app
         self.tenants = tenants
         self.drain = drain
         self.exempt_paths = frozenset(exempt_paths)
+        self.allowed_origins = frozenset(o.rstrip("/") for o in allowed_origins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -126,16 +133,40 @@ class Guard:
                 state["tenant_gate"] = self.tenants.authenticate(authorization)
             if self.drain.draining and path not in _OPEN_WHILE_DRAINING:
                 raise self.drain.refusal()
-            content_type = _header(scope, b"content-type")
-            if scope["method"] == "POST" and content_type is not None and not is_json(content_type):
-                raise APIError(
-                    415, f"Content-Type {content_type!r} is not supported: send the body as JSON with "
-                    f"'Content-Type: application/json'",
-                )
+            if scope["method"] == "POST":
+                self._check_post(scope)
         except APIError as exc:
             await exc.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+    def _check_post(self, scope: Scope) -> None:
+        origin = _header(scope, b"origin")
+        allowed = "*" in self.allowed_origins or (origin is not None and origin.rstrip("/") in self.allowed_origins)
+        if not allowed and _cross_site(origin, _header(scope, b"host"), _header(scope, b"sec-fetch-site")):
+            raise APIError(
+                403, f"cross-site request refused (Origin {origin!r}): list the origin in --allowed-origins "
+                f"to serve browser pages from it",
+                code="cross_site_request",
+            )
+        content_type = _header(scope, b"content-type")
+        if content_type is not None and not is_json(content_type):
+            raise APIError(
+                415, f"Content-Type {content_type!r} is not supported: send the body as JSON with "
+                f"'Content-Type: application/json'",
+            )
+
+
+def _cross_site(origin: str | None, host: str | None, fetch_site: str | None) -> bool:
+    """A browser says the request comes from another site: by ``Sec-Fetch-Site``, or an ``Origin`` whose
+    host is not the one the request was addressed to (``Origin: null`` included)."""
+    if fetch_site is not None and fetch_site.strip().lower() == "cross-site":
+        return True
+    if origin is None:
+        return False
+    _, sep, rest = origin.partition("://")
+    return not sep or host is None or rest.rstrip("/").lower() != host.strip().lower()
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
