@@ -361,6 +361,7 @@ class EngineServer:
             )
             for name, engine in engines.items()
         }
+        self.servicer = EngineServicer(self.models, self.metrics, self.tenants, self.share_prefix_cache)
         self._server: grpc.aio.Server | None = None
 
     def _stats_of(self, name: str):
@@ -369,8 +370,7 @@ class EngineServer:
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0 = a free port); returns the bound port."""
         self._server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
-        servicer = EngineServicer(self.models, self.metrics, self.tenants, self.share_prefix_cache)
-        pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, self._server)
+        pb_grpc.add_TextGenerationServiceServicer_to_server(self.servicer, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"cannot listen for gRPC on {host}:{port}")

@@ -26,6 +26,7 @@ from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS
 from raypaged.serving.gateway.tenants import Tenants
+from raypaged.serving.inprocess import InProcessStub
 
 logger = logging.getLogger("raypaged")
 
@@ -58,7 +59,9 @@ class GatewayOptions:
 def listen(host: str, port: int) -> socket.socket:
     """A bound TCP socket (port 0 = a free one), for uvicorn to serve on."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it
+    # every response after the first on a kept-alive connection waits ~40 ms for a delayed ACK
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -100,11 +103,14 @@ def on_shutdown_signals(callback: Callable[[], object]) -> None:
 class Gateway:
     """The HTTP gateway on a bound socket; ``serve()`` runs until ``shutdown()``, ``stop()`` or a signal."""
 
-    def __init__(self, targets: dict[str, str], options: GatewayOptions) -> None:
+    def __init__(
+        self, targets: dict[str, str], options: GatewayOptions, local: dict[str, InProcessStub] | None = None
+    ) -> None:
+        """``local``: in-process stubs of engine servers in this process, by their address in ``targets``."""
         self.tenants = Tenants.from_args(options.api_key, options.tenants_file)
         self.drain = Drain(options.drain_timeout_s)
         app = build_app(
-            EngineRoutes(targets), self.tenants, options.max_body_bytes, options.log_requests, self.drain,
+            EngineRoutes(targets, local), self.tenants, options.max_body_bytes, options.log_requests, self.drain,
             options.auth_exempt_paths, options.max_prompts_per_request, bind_host=options.host,
             allowed_hosts=options.allowed_hosts, allowed_origins=options.allowed_origins,
             allowed_methods=options.allowed_methods, allowed_headers=options.allowed_headers,
@@ -160,8 +166,10 @@ async def run_engine(
         await server.stop(grace=drain_timeout_s)
 
 
-async def run_gateway(targets: dict[str, str], options: GatewayOptions) -> None:
-    await Gateway(targets, options).serve(handle_signals=True)
+async def run_gateway(
+    targets: dict[str, str], options: GatewayOptions, local: dict[str, InProcessStub] | None = None
+) -> None:
+    await Gateway(targets, options, local).serve(handle_signals=True)
 
 
 async def run_serve(
@@ -170,14 +178,16 @@ async def run_serve(
 ) -> None:
     """Engines, their gRPC server and a gateway in front of it, in one process; the gateway drains first.
 
-    The gRPC server takes the gateway's keys and tenants, with gates of its own (the gateway's
-    calls carry their client's key, so each request holds one slot at each of the two).
+    The gateway reaches the engines in process (``serving/inprocess.py``: the gRPC server's own
+    handlers, no socket); the gRPC server serves external clients. It takes the gateway's keys
+    and tenants, with gates of its own (the gateway's calls carry their client's key, so each
+    request holds one slot at each of the two).
     """
     tenants = Tenants.from_args(options.api_key, options.tenants_file)
     server = EngineServer(configs, tenants, share_prefix_cache)
     port = await server.start(grpc_host, grpc_port)
     address = f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"
     try:
-        await run_gateway({name: address for name in server.models}, options)
+        await run_gateway({name: address for name in server.models}, options, {address: InProcessStub(server.servicer)})
     finally:
         await server.stop()

@@ -16,6 +16,7 @@ import pytest
 from raypaged.config import EngineConfig
 from raypaged.serving.engine_server import EngineServer
 from raypaged.serving.gateway.tenants import Tenants
+from raypaged.serving.inprocess import InProcessStub
 from raypaged.serving.launch import Gateway, GatewayOptions
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
 from tests.conftest import make_tiny_model
@@ -40,14 +41,16 @@ class BackgroundLoop:
 class Stack:
     """An engine server and a gateway in front of it; ``url`` is the gateway's base URL."""
 
-    def __init__(self, configs: list[EngineConfig], **gateway_options: Any) -> None:
-        """The engine server gets the gateway's keys and tenants, as ``raypaged serve`` gives them."""
+    def __init__(self, configs: list[EngineConfig], in_process: bool = True, **gateway_options: Any) -> None:
+        """As ``raypaged serve``: the engine server gets the gateway's keys and tenants, and the gateway
+        reaches it in process (``in_process=False``: over gRPC, as ``raypaged gateway`` does)."""
         self.background = BackgroundLoop()
         options = GatewayOptions(port=0, log_level="warning", **gateway_options)
         self.engine_server = EngineServer(configs, Tenants.from_args(options.api_key, options.tenants_file))
         self.grpc_port = self.background.run(self.engine_server.start("127.0.0.1", 0))
         address = f"127.0.0.1:{self.grpc_port}"
-        self.gateway = Gateway({name: address for name in self.engine_server.models}, options)
+        local = {address: InProcessStub(self.engine_server.servicer)} if in_process else None
+        self.gateway = Gateway({name: address for name in self.engine_server.models}, options, local)
         self._serving = asyncio.run_coroutine_threadsafe(self.gateway.serve(), self.background.loop)
         self.url = f"http://127.0.0.1:{self.gateway.port}"
         self._wait_started()

@@ -10,6 +10,7 @@ from prometheus_client.core import Metric
 
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, RECONNECT_OPTIONS
 from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.inprocess import InProcessStub
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
 
@@ -17,26 +18,31 @@ _PROBE_TIMEOUT_S = 2.0
 
 
 class EngineRoutes:
-    """``targets`` maps each served model name to the ``host:port`` of the engine serving it."""
+    """``targets`` maps each served model name to the ``host:port`` of the engine serving it.
 
-    def __init__(self, targets: dict[str, str]) -> None:
+    ``local`` maps addresses of engine servers in this process to their in-process stubs
+    (``raypaged serve``); every other address is reached over gRPC.
+    """
+
+    def __init__(self, targets: dict[str, str], local: dict[str, InProcessStub] | None = None) -> None:
         if not targets:
             raise ValueError("the gateway needs at least one engine (--engine NAME=host:port)")
         self.targets = dict(targets)
-        self._stubs: dict[str, pb_grpc.TextGenerationServiceStub] = {}  # made on the serving loop
+        self._stubs: dict[str, pb_grpc.TextGenerationServiceStub | InProcessStub] = dict(local or {})
         self._info: dict[str, pb.ModelInfo] = {}
 
-    def _stub(self, address: str) -> pb_grpc.TextGenerationServiceStub:
+    def _stub(self, address: str) -> pb_grpc.TextGenerationServiceStub | InProcessStub:
+        """The stub of ``address``; gRPC channels are made on first use, on the serving loop."""
         stub = self._stubs.get(address)
         if stub is None:
             channel = grpc.aio.insecure_channel(address, options=MESSAGE_SIZE_OPTIONS + RECONNECT_OPTIONS)
             stub = self._stubs[address] = pb_grpc.TextGenerationServiceStub(channel)
         return stub
 
-    def _all_stubs(self) -> dict[str, pb_grpc.TextGenerationServiceStub]:
+    def _all_stubs(self) -> dict[str, pb_grpc.TextGenerationServiceStub | InProcessStub]:
         return {address: self._stub(address) for address in sorted(set(self.targets.values()))}
 
-    def resolve(self, model: str | None) -> tuple[str, pb_grpc.TextGenerationServiceStub]:
+    def resolve(self, model: str | None) -> tuple[str, pb_grpc.TextGenerationServiceStub | InProcessStub]:
         """The served name and stub for a request's ``model`` (omitted: the only model)."""
         if not model:
             if len(self.targets) > 1:

@@ -1,0 +1,130 @@
+"""The gateway's link to an engine server in the same process (``raypaged serve``).
+
+``InProcessStub`` offers the stub methods the gateway calls and runs the engine
+server's own handlers directly: the same authentication, input gate, tenant
+holds, ids and messages as over gRPC, with no socket, HTTP/2 framing or protobuf
+encoding on the token path. A ``Generate`` handler runs in a task of its own, as
+gRPC runs it, so cancelling the call cancels the handler (which aborts the
+request in the engine and frees its tenant slot). A handler that ends the call
+with a status (``context.abort``) comes out as the ``grpc.aio.AioRpcError`` a gRPC
+client would have seen, trailing metadata included, so the gateway maps both links
+the same way. gRPC stays the external API and the link to remote engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from raypaged.serving.proto import generate_pb2 as pb
+from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
+
+Metadata = tuple[tuple[str, str], ...]
+Response = TypeVar("Response")
+_END = object()
+
+
+class _Ended(Exception):
+    """A handler ended its call with a status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Metadata) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.trailing = trailing
+
+    def rpc_error(self) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(*self.trailing), self.details)
+
+
+class _Context:
+    """What the handlers use of a ``grpc.aio.ServicerContext``."""
+
+    def __init__(self, metadata: Metadata | None) -> None:
+        self._metadata = tuple(metadata or ())
+        self._trailing: Metadata = ()
+
+    def invocation_metadata(self) -> Metadata:
+        return self._metadata
+
+    def set_trailing_metadata(self, metadata: Metadata) -> None:
+        self._trailing = tuple(metadata)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Ended(code, details, self._trailing)
+
+
+class _StreamCall:
+    """A server-streaming call: ``read()`` gives each response, then ``grpc.aio.EOF``."""
+
+    def __init__(self, responses: AsyncIterator[pb.GenerateResponse]) -> None:
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._task = asyncio.ensure_future(self._pump(responses))
+
+    async def _pump(self, responses: AsyncIterator[pb.GenerateResponse]) -> None:
+        try:
+            async for response in responses:
+                self._queue.put_nowait(response)
+        except _Ended as ended:
+            self._queue.put_nowait(ended.rpc_error())
+        except Exception as exc:  # a handler bug: the call fails as gRPC fails it, UNKNOWN
+            self._queue.put_nowait(grpc.aio.AioRpcError(
+                grpc.StatusCode.UNKNOWN, grpc.aio.Metadata(), grpc.aio.Metadata(), f"{type(exc).__name__}: {exc}"
+            ))
+        self._queue.put_nowait(_END)
+
+    async def read(self) -> pb.GenerateResponse | object:
+        item = await self._queue.get()
+        if item is _END:
+            self._queue.put_nowait(_END)  # later reads see the end too
+            return grpc.aio.EOF
+        if isinstance(item, grpc.aio.AioRpcError):
+            raise item
+        return item
+
+    def cancel(self) -> bool:
+        return self._task.cancel()
+
+
+def _unary_method(name: str) -> Callable[..., Awaitable[object]]:
+    """A stub method that runs the servicer's unary handler ``name``."""
+
+    async def call(self: InProcessStub, request: object, metadata: Metadata | None = None,
+                   timeout: float | None = None) -> object:
+        return await _unary(getattr(self._servicer, name), request, metadata, timeout)
+
+    call.__name__ = name
+    return call
+
+
+class InProcessStub:
+    """The ``TextGenerationServiceStub`` calls of the gateway, answered by ``servicer`` in this process."""
+
+    def __init__(self, servicer: pb_grpc.TextGenerationServiceServicer) -> None:
+        self._servicer = servicer
+
+    def Generate(self, request: pb.GenerateRequest, metadata: Metadata | None = None) -> _StreamCall:
+        return _StreamCall(self._servicer.Generate(request, _Context(metadata)))
+
+    Abort = _unary_method("Abort")
+    Tokenize = _unary_method("Tokenize")
+    Detokenize = _unary_method("Detokenize")
+    Info = _unary_method("Info")
+    Health = _unary_method("Health")
+    Metrics = _unary_method("Metrics")
+
+
+async def _unary(
+    handler: Callable[[object, _Context], Awaitable[Response]], request: object, metadata: Metadata | None,
+    timeout: float | None,
+) -> Response:
+    """One unary handler call; past ``timeout`` it fails ``DEADLINE_EXCEEDED``, as over gRPC."""
+    try:
+        return await asyncio.wait_for(handler(request, _Context(metadata)), timeout)
+    except _Ended as ended:
+        raise ended.rpc_error() from None
+    except TimeoutError:
+        raise _Ended(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ()).rpc_error() from None
