@@ -85,15 +85,20 @@ def test_a_detokenizer_failure_ends_that_request_alone(llm, undisturbed, monkeyp
     )
 
 
-def test_a_stop_matching_failure_ends_that_request_alone(llm, undisturbed, monkeypatch):
+def fail_stop_matching(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    """Stop matching raises ``error`` for every request with the stop string ``VICTIM``."""
     real = output_processor.find_stop
 
     def failing(text, stops, start):
         if "VICTIM" in stops:
-            raise IndexError("injected stop-matching fault")
+            raise error
         return real(text, stops, start)
 
     monkeypatch.setattr(output_processor, "find_stop", failing)
+
+
+def test_a_stop_matching_failure_ends_that_request_alone(llm, undisturbed, monkeypatch):
+    fail_stop_matching(monkeypatch, IndexError("injected stop-matching fault"))
     victim = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["VICTIM"])
     outputs = run_with_victim(llm, victim)
     assert_only_the_victim_failed(

@@ -131,8 +131,8 @@ def test_priority_outside_the_tenants_range_is_invalid_and_names_the_field(serve
     request = pb.GenerateRequest(text="Hello", priority=priority, **GREEDY)
     assert_refused(
         lambda: list(server.stub.Generate(request, metadata=key(B))), grpc.StatusCode.INVALID_ARGUMENT,
-        f"priority {priority} is outside [0, 1000000], the range of tenant b (min_request_priority, "
-        "max_request_priority in the tenants file)", "priority",
+        f"priority {priority} is outside [0, 1000000], the range of tenant b: a request may only lower its "
+        "priority (min_request_priority and max_request_priority of a tenant in --tenants set the range)", "priority",
     )
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from raypaged import LLM, SamplingParams
 from raypaged.serving.proto import generate_pb2 as pb
+from tests.engine.test_isolation import fail_stop_matching
 from tests.reliability.test_bad_input import assert_openai_error
 from tests.serving.conftest import Stack, tiny_config
 
@@ -262,16 +263,7 @@ FAULT = "detokenizing or stop matching failed: RuntimeError: injected fault"
 
 
 def test_a_request_whose_handling_fails_gets_an_error_on_every_api(stack, canary_text, monkeypatch):
-    from raypaged.engine import output_processor
-
-    real = output_processor.find_stop
-
-    def failing(text, stops, start):
-        if "VICTIM" in stops:
-            raise RuntimeError("injected fault")
-        return real(text, stops, start)
-
-    monkeypatch.setattr(output_processor, "find_stop", failing)
+    fail_stop_matching(monkeypatch, RuntimeError("injected fault"))
     victim = {"model": "tiny", "prompt": "hi", "max_tokens": 8, "stop": ["VICTIM"]}
     with stack.client() as client:
         response = client.post("/v1/completions", json=victim)

@@ -68,7 +68,8 @@ class Tenant:
             raise InputError(
                 "priority",
                 f"priority {priority} is outside [{self.min_request_priority}, {self.max_request_priority}], the "
-                f"range of tenant {self.name} (min_request_priority, max_request_priority in the tenants file)",
+                f"range of tenant {self.name}: a request may only lower its priority (min_request_priority and "
+                f"max_request_priority of a tenant in --tenants set the range)",
             )
         return self.priority + priority
 
