@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
+from raypaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -28,6 +29,9 @@ _BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
 DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD")
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+# generation-config fields that become sampling defaults (max_new_tokens is SamplingParams' max_tokens)
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -41,6 +45,39 @@ def resolve_model_path(model: str | None) -> Path:
             "models cannot be downloaded from a hub at run time"
         )
     return path
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """The checkpoint's recommended sampling values (``--generation-config``, then
+    ``--override-generation-config``). They fill only what a request leaves unset; ``None``
+    keeps ``SamplingParams``' own default. Invariant: together they make valid ``SamplingParams``."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None  # the generation config's max_new_tokens
+
+    @classmethod
+    def from_generation_config(cls, values: dict[str, Any]) -> GenerationDefaults:
+        """The defaults among a generation config's fields; invalid values raise ``ValueError``."""
+        chosen = {key: value for key, value in values.items() if key in GENERATION_DEFAULT_KEYS and value is not None}
+        defaults = cls(**{("max_tokens" if key == "max_new_tokens" else key): value for key, value in chosen.items()})
+        try:
+            defaults.sampling_params()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the generation config's sampling defaults {chosen} are invalid: {exc}") from None
+        return defaults
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The defaults in force, by ``SamplingParams`` field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with these defaults (vLLM's ``LLM.get_default_sampling_params``)."""
+        return SamplingParams(**self.as_dict())
 
 
 @dataclass
@@ -71,8 +108,12 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (CUDA kernels where they run, else torch), torch, cuda
     load_format: str = "auto"  # auto: the folder's safetensors; dummy: random weights (benchmarks, no checkpoint)
     limits: InputLimits = field(default_factory=InputLimits)  # per-request caps (--max-logprobs ...)
+    generation_config: str = "auto"  # auto: the model folder's generation_config.json; vllm: no defaults; a folder
+    override_generation_config: dict[str, Any] | None = None  # sampling defaults over the generation config's
     model_path: Path = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    generation_defaults: GenerationDefaults = field(init=False)
+    generation_eos_token_ids: tuple[int, ...] = field(init=False)  # the generation config's eos_token_id
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -99,12 +140,14 @@ class EngineConfig:
             raise ValueError(
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}"
             )
+        self._check_generation_config_args()
         from transformers import AutoConfig  # importing this module loads neither transformers nor torch
 
         from raypaged.model.llama import check_tensor_parallel
 
         self.model_path = resolve_model_path(self.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.generation_defaults, self.generation_eos_token_ids = self._read_generation_config()
         self._check_architecture()
         check_tensor_parallel(self.hf_config, self.tensor_parallel_size)
         self.max_model_len = self._resolve_max_model_len()
@@ -112,6 +155,47 @@ class EngineConfig:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         if self.served_model_name is None:
             self.served_model_name = DEFAULT_MODEL if self.model is None else self.model
+
+    def _check_generation_config_args(self) -> None:
+        mode = self.generation_config
+        if mode not in GENERATION_CONFIG_MODES and not Path(mode).expanduser().is_dir():
+            raise ValueError(
+                f"--generation-config must be auto, vllm or a folder holding generation_config.json, got {mode!r}"
+            )
+        override = self.override_generation_config
+        if override is None:
+            return
+        if not isinstance(override, dict):
+            raise ValueError(f"--override-generation-config must be a JSON object, got {override!r}")
+        unknown = [key for key in override if key not in GENERATION_DEFAULT_KEYS]
+        if unknown:
+            raise ValueError(
+                f"--override-generation-config: unknown field {unknown[0]!r}; "
+                f"allowed: {', '.join(GENERATION_DEFAULT_KEYS)}"
+            )
+
+    def _read_generation_config(self) -> tuple[GenerationDefaults, tuple[int, ...]]:
+        """(sampling defaults, EOS ids) as vLLM reads them: ``auto`` and ``vllm`` read the model
+        folder's generation_config.json (a missing one is empty), ``vllm`` keeping only its EOS ids;
+        a folder's must be there. The override adds to or replaces the defaults in every mode."""
+        from transformers import GenerationConfig
+
+        mode = self.generation_config
+        folder = self.model_path if mode in GENERATION_CONFIG_MODES else Path(mode).expanduser()
+        path = folder / "generation_config.json"
+        values: dict[str, Any] = {}
+        if path.is_file():
+            try:
+                values = GenerationConfig.from_pretrained(folder).to_diff_dict()
+            except OSError as exc:
+                raise ValueError(f"{path} cannot be read: {exc}") from None
+        elif mode not in GENERATION_CONFIG_MODES:
+            raise ValueError(f"--generation-config {mode!r} holds no generation_config.json")
+        eos = values.get("eos_token_id")
+        eos_ids = () if eos is None else tuple([eos] if isinstance(eos, int) else eos)
+        sampling = {} if mode == "vllm" else values
+        defaults = GenerationDefaults.from_generation_config({**sampling, **(self.override_generation_config or {})})
+        return defaults, eos_ids
 
     def _check_architecture(self) -> None:
         from raypaged.model.layers import rope_parameters

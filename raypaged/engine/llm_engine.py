@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
 from transformers import AutoTokenizer
@@ -43,7 +44,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.eos_token_id = self._eos_token_id()
+        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the EOS; the others stop too
+        logger.info(
+            "generation config %s: EOS token ids %s, sampling defaults %s",
+            config.generation_config, list(self.eos_token_ids), config.generation_defaults.as_dict() or "none",
+        )
         self.executor: UniProcExecutor | RayExecutor
         # errors of a lost shard that recovery handles; Ray is imported only when shards are Ray actors
         self._shard_lost: tuple[type[BaseException], ...] = ()
@@ -79,11 +85,24 @@ class LLMEngine:
         self._ids = itertools.count()  # request ids for callers that give none
         self._seq_numbers = itertools.count()  # internal sequence ids: "<n>:<request id>", never a user's id
 
-    def _eos_token_id(self) -> int | None:
-        eos = getattr(self.config.hf_config, "eos_token_id", None)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return eos if eos is not None else self.tokenizer.eos_token_id
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation, without repeats: config.json's ``eos_token_id`` (an int or
+        a list), the generation config's, then the tokenizer's. The first is the EOS."""
+        found = getattr(self.config.hf_config, "eos_token_id", None)
+        ids = [found] if isinstance(found, int) else list(found or [])
+        ids += self.config.generation_eos_token_ids
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(dict.fromkeys(ids))
+
+    def _with_eos_stops(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the EOS ids after the first among its stop tokens, as vLLM adds a generation
+        config's extra EOS ids to ``stop_token_ids``: such a stop reports its id as ``stop_reason`` and
+        ``min_tokens`` bans it. ``ignore_eos`` ignores every EOS id, as in vLLM."""
+        extra = [token_id for token_id in self.eos_token_ids[1:] if token_id not in params.stop_token_ids]
+        if params.ignore_eos or not extra:
+            return params
+        return replace(params, stop_token_ids=params.stop_token_ids + extra)
 
     # ---- requests ----------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -130,11 +149,12 @@ class LLMEngine:
         max_tokens = room if sampling_params.max_tokens is None else min(sampling_params.max_tokens, room)
         num_samples = sampling_params.num_samples
         seq_id = self._seq_id(request_id)
+        seq_params = self._with_eos_stops(sampling_params)
         seqs = [
             Request(
                 seq_id if i == 0 else f"{seq_id}#{i}",
                 prompt_token_ids,
-                sampling_params,
+                seq_params,
                 max_tokens,
                 self.eos_token_id,
                 priority=priority,

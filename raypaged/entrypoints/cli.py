@@ -72,6 +72,13 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
                         help="Ray cluster to join: auto, ray://host:port or host:port (default: a local one)")
     parser.add_argument("--placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"],
                         help="Ray placement of the tensor-parallel shards: one node, or spread over nodes")
+    parser.add_argument("--generation-config", default="auto",
+                        help="sampling defaults and extra EOS ids: auto (the model folder's generation_config.json), "
+                             "vllm (no sampling defaults) or a folder holding a generation_config.json")
+    parser.add_argument("--override-generation-config", default=None,
+                        help="JSON object of sampling defaults over the generation config's, e.g. "
+                             '\'{"temperature": 0.5}\' (temperature, top_p, top_k, min_p, repetition_penalty, '
+                             "max_new_tokens)")
     add_limit_args(parser)
     parser.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
 
@@ -114,7 +121,17 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         seed=args.seed,
         device=args.device,
+        generation_config=args.generation_config,
     )
+    if args.override_generation_config is not None:
+        import json
+
+        try:
+            kwargs["override_generation_config"] = json.loads(args.override_generation_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"--override-generation-config takes a JSON object, got {args.override_generation_config!r} ({exc})"
+            ) from None
     if "limits" in accepted:
         kwargs["limits"] = input_limits(args)
     for dest, default in _OPTIONAL_ENGINE_FLAGS.items():

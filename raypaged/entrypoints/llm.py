@@ -54,6 +54,8 @@ class LLM:
         attention_backend: str = "auto",
         load_format: str = "auto",
         limits: InputLimits | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -80,6 +82,8 @@ class LLM:
                 attention_backend=attention_backend,
                 load_format=load_format,
                 limits=limits or InputLimits(),
+                generation_config=generation_config,
+                override_generation_config=override_generation_config,
             )
         )
 
@@ -89,6 +93,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's generation-config defaults (``generation_config``,
+        then ``override_generation_config``); ``SamplingParams()`` when there are none."""
+        return self.llm_engine.config.generation_defaults.sampling_params()
 
     def generate(
         self,
@@ -103,13 +112,14 @@ class LLM:
         ``SamplingParams`` applies to all prompts, or pass one per prompt;
         ``priority`` (one per prompt, lower first) matters under
         ``scheduling_policy="priority"``. Every prompt is validated before any
-        runs: a bad one raises ``ValueError``.
+        runs: a bad one raises ``ValueError``. Without ``sampling_params`` the
+        model's defaults apply (``get_default_sampling_params()``).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from raypaged.config import GenerationDefaults
 from raypaged.inputs.limits import InputLimits, check_stop_counts
 from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
@@ -19,10 +21,14 @@ FINISH_REASONS = {
 }
 
 
-def sampling_params_from_proto(request: pb.GenerateRequest, limits: InputLimits) -> SamplingParams:
+def sampling_params_from_proto(
+    request: pb.GenerateRequest, limits: InputLimits, defaults: GenerationDefaults = GenerationDefaults()
+) -> SamplingParams:
     """The request's ``SamplingParams``; bad values raise ``ValueError`` naming the field.
 
-    The stop lists' sizes are checked before they are copied out of the message.
+    The stop lists' sizes are checked before they are copied out of the message. ``defaults`` (the
+    model's generation config) fill the optional fields the request leaves unset: temperature,
+    top_p, repetition_penalty and max_tokens (top_k and min_p have no "unset" in the message).
     """
     sampling, stopping = request.sampling, request.stopping
     check_stop_counts(len(stopping.stop_sequences), len(stopping.stop_token_ids), limits)
@@ -32,15 +38,15 @@ def sampling_params_from_proto(request: pb.GenerateRequest, limits: InputLimits)
             raise ValueError(f"{name} must be a finite number, got {value}")
     kwargs: dict = dict(
         n=sampling.n or 1,
-        temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
-        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+        temperature=_set_or(sampling, "temperature", defaults.temperature, 1.0),
+        top_p=_set_or(sampling, "top_p", defaults.top_p, 1.0),
         top_k=sampling.top_k or None,
         min_p=sampling.min_p,
-        repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
+        repetition_penalty=_set_or(sampling, "repetition_penalty", defaults.repetition_penalty, 1.0),
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
         seed=sampling.seed if sampling.HasField("seed") else None,
-        max_tokens=stopping.max_tokens if stopping.HasField("max_tokens") else None,
+        max_tokens=_set_or(stopping, "max_tokens", defaults.max_tokens, None),
         min_tokens=stopping.min_tokens,
         stop=list(stopping.stop_sequences),
         stop_token_ids=list(stopping.stop_token_ids),
@@ -55,6 +61,13 @@ def sampling_params_from_proto(request: pb.GenerateRequest, limits: InputLimits)
         return SamplingParams(**kwargs)
     except TypeError as exc:  # a field this engine build does not know
         raise ValueError(str(exc)) from None
+
+
+def _set_or(message: Any, name: str, default: float | None, fallback: float | None) -> Any:
+    """An optional field's value if the client set it, else the model's default, else the engine's."""
+    if message.HasField(name):
+        return getattr(message, name)
+    return fallback if default is None else default
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: pb.ChatMessages) -> list[int]:
