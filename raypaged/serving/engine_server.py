@@ -205,13 +205,13 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             gate = self._caller(context)
             model = self._model(request.model)
             engine = model.engine
-            params = sampling_params_from_proto(request, engine.config.limits)
+            params = sampling_params_from_proto(request, engine.config.limits, engine.config.generation_defaults)
             priority = gate.tenant.engine_priority(request.priority)
             _check_prompt_size(model, request)
             request_id = request.request_id or uuid.uuid4().hex
             key = (model.name, self._engine_id(gate, request_id))
             if key in self._in_flight:
-                raise ValueError(f"request_id {request_id!r} is already in use")
+                raise InputError("request_id", f"request_id {request_id!r} is already in use")
         except _REFUSED as exc:
             await _refuse(context, exc)
         hold = _Hold(self._in_flight, key, gate, engine)
