@@ -82,6 +82,9 @@ def greedy_fast_path(logits: torch.Tensor, inputs: list[SamplingInput]) -> list[
     return [SampledToken(t, lp, None) for t, lp in zip(token_ids.tolist(), chosen.tolist())]
 
 
+_TOP_P_CANDIDATES = 1024
+
+
 def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
     vocab = logits.shape[-1]
     for i, s in enumerate(inputs):
@@ -105,24 +108,49 @@ def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch
 def _warped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
     logits = logits / temperature[:, None]
-    if any(p.top_k is not None or p.top_p < 1.0 for p in params):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k or vocab for p in params])
-        drop = torch.arange(vocab)[None, :] >= top_k[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before >= top_p[:, None]
-        drop[:, 0] = False
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    with_k = [i for i, p in enumerate(params) if p.top_k is not None]
+    only_p = [i for i, p in enumerate(params) if p.top_k is None and p.top_p < 1.0]
+    for rows in (with_k, only_p):  # rows with neither keep every token and pay nothing
+        if rows:
+            logits[rows] = _top_k_top_p(logits[rows], [params[i] for i in rows])
     probs = logits.softmax(dim=-1)
     min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
     if bool((min_p > 0).any()):
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``logits`` [rows, vocab] with every token outside each row's top-k, then top-p, set to -inf.
+
+    When every row has a top-k, only the largest k columns are ranked (``topk``), not the
+    whole vocabulary: top-p after top-k only ever looks at those. Rows with top-p alone rank
+    their ``_TOP_P_CANDIDATES`` likeliest tokens, and sort the whole vocabulary only when
+    those hold less than ``top_p`` of the mass (a token past them could then be kept).
+    """
+    vocab = logits.shape[-1]
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    if all(p.top_k is not None for p in params):
+        width = min(max(p.top_k for p in params), vocab)
+        ranked, order = logits.topk(width, dim=-1)  # descending
+        ranked_probs = None  # top-p renormalizes over each row's top-k
+    else:  # top-p alone: rank the likeliest tokens; the whole vocabulary only if they fall short of top_p
+        ranked, order = logits.topk(min(_TOP_P_CANDIDATES, vocab), dim=-1)
+        ranked_probs = (ranked - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        if not bool((ranked_probs.sum(dim=-1) >= top_p).all()):
+            ranked, order = logits.sort(dim=-1, descending=True)
+            ranked_probs = None
+        width = ranked.shape[-1]
+    top_k = torch.tensor([min(p.top_k or vocab, width) for p in params])
+    drop = torch.arange(width)[None, :] >= top_k[:, None]
+    ranked = ranked.masked_fill(drop, float("-inf"))
+    if ranked_probs is None:
+        ranked_probs = ranked.softmax(dim=-1)
+    mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    return torch.full_like(logits, float("-inf")).scatter(1, order, ranked.masked_fill(drop, float("-inf")))
 
 
 def _draw(probs: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator) -> torch.Tensor:

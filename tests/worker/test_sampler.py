@@ -1,4 +1,4 @@
-"""The greedy fast path gives exactly what the general sampler gives, and steps aside when it cannot."""
+"""The sampler: the greedy fast path equals the general one, and top-k/top-p rows equal a full sort of each row."""
 
 import pytest
 import torch
@@ -38,3 +38,54 @@ def test_greedy_fast_path_equals_sample():
 def test_greedy_fast_path_declines_what_it_cannot_do(params):
     batch = inputs(SamplingParams(temperature=0.0), 2) + inputs(params, 1)
     assert greedy_fast_path(torch.zeros(3, 50), batch) is None
+
+
+def reference_warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row, the plain way: temperature, sort the whole vocabulary, top-k, top-p, min-p."""
+    row = logits / p.temperature
+    ranked, order = row.sort(descending=True)
+    keep = torch.ones_like(ranked, dtype=torch.bool)
+    if p.top_k is not None:
+        keep[p.top_k:] = False
+    probs = ranked.masked_fill(~keep, float("-inf")).softmax(-1)
+    keep &= (probs.cumsum(-1) - probs) < p.top_p
+    keep[0] = True
+    warped = torch.full_like(row, float("-inf"))
+    warped[order[keep]] = ranked[keep]
+    out = warped.softmax(-1)
+    if p.min_p:
+        out = out.masked_fill(out < p.min_p * out.max(), 0.0)
+    return out
+
+
+def test_top_k_and_top_p_rows_equal_a_full_sort_of_each_row():
+    from raypaged.worker.sampler import _warped_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, 500) * 3
+    params = [
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.0, top_k=40, top_p=0.8),
+        SamplingParams(temperature=1.3),
+        SamplingParams(temperature=0.9, top_p=0.5),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_k=600, min_p=0.1),  # k past the vocabulary: every token
+        SamplingParams(temperature=0.5, top_p=0.95, min_p=0.05),
+    ]
+    warped = _warped_probs(logits.clone(), params)
+    for row, p in enumerate(params):
+        assert torch.allclose(warped[row], reference_warp(logits[row], p), atol=1e-6), p
+    assert (warped[0] > 0).sum() == 5 and (warped[4] > 0).sum() == 1
+
+
+def test_top_p_alone_ranks_the_whole_vocabulary_only_when_the_likeliest_fall_short():
+    from raypaged.worker import sampler
+
+    torch.manual_seed(1)
+    peaked = torch.randn(3, 5000) * 8  # the likeliest 1024 tokens hold almost all the mass
+    flat = torch.randn(3, 5000) * 0.01  # they hold about a fifth: the full sort runs
+    params = [SamplingParams(temperature=1.0, top_p=q) for q in (0.5, 0.9, 0.99)]
+    for logits in (peaked, flat):
+        warped = sampler._warped_probs(logits.clone(), params)
+        for row, p in enumerate(params):
+            assert torch.allclose(warped[row], reference_warp(logits[row], p), atol=1e-6)
