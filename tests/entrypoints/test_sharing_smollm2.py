@@ -123,16 +123,18 @@ def test_chunked_prefill_runs_beside_decodes_and_changes_no_output(smollm2_dir, 
     while len(steps) < 2:
         engine.step()  # the 8 short prompts are decoding
     long_id = engine.add_request(None, params, prompt_token_ids=long_prompt)
+    # the scheduler knows sequences by the engine's own ids
+    seq = {rid: engine._states[rid].seqs[0].request.request_id for rid in short_ids + [long_id]}
     results = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 results[output.request_id] = output
-    chunk_steps = [s for s in steps if s.get(long_id, 1) > 1]
+    chunk_steps = [s for s in steps if s.get(seq[long_id], 1) > 1]
     # 500 prompt tokens in chunks that fit the budget beside the 8 decodes
     assert len(chunk_steps) >= 500 // 64
-    assert all(s[long_id] == 64 - 8 for s in chunk_steps[:-1])
-    assert all(all(s.get(rid) == 1 for rid in short_ids) for s in chunk_steps[:5])
+    assert all(s[seq[long_id]] == 64 - 8 for s in chunk_steps[:-1])
+    assert all(all(s.get(seq[rid]) == 1 for rid in short_ids) for s in chunk_steps[:5])
     assert [results[i].outputs[0].token_ids for i in short_ids + [long_id]] == [o.outputs[0].token_ids for o in reference]
 
 

@@ -119,7 +119,7 @@ def test_an_in_flight_duplicate_id_of_one_tenant_is_invalid(server):
     assert next(first).request_id == "dup"
     again = pb.GenerateRequest(request_id="dup", text="Hello", **GREEDY)
     assert_refused(lambda: list(server.stub.Generate(again, metadata=key(A))), grpc.StatusCode.INVALID_ARGUMENT,
-                   "request_id 'dup' is already in use")
+                   "request_id 'dup' is already in use", "request_id")
     assert server.stub.Abort(pb.AbortRequest(request_ids=["dup"]), metadata=key(A)).num_aborted == 1
     assert tokens(first)[1] == pb.FINISH_REASON_ABORT
     ids, reason = tokens(server.stub.Generate(again, metadata=key(A)))  # free once its call has ended
