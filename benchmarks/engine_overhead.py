@@ -7,7 +7,8 @@ model (forward and logits), sample, update (scheduler bookkeeping), output
 (detokenizing, stop strings, building outputs). Reported in microseconds per
 sequence-step. A second measurement runs 32 sequences for 4,000 tokens and
 compares the output phase over the first and the last 100 steps: a cost that
-grows with the generation shows up there.
+grows with the generation shows up there. Requests ask for ``DELTA`` outputs, as the
+servers do.
 
     python benchmarks/engine_overhead.py            # batches 1..512, 4,000-token run
     python benchmarks/engine_overhead.py --quick    # batches 1, 32, 256; 1,000-token run
@@ -31,7 +32,7 @@ from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.model.default_model import default_model_dir
 from raypaged.model.synthetic import write_synthetic_model
-from raypaged.sampling_params import SamplingParams
+from raypaged.sampling_params import RequestOutputKind, SamplingParams
 from raypaged.worker import model_runner as model_runner_module
 
 PHASES = ("schedule", "prepare", "model", "sample", "update", "output")
@@ -104,7 +105,8 @@ def add_requests(engine: LLMEngine, num_seqs: int, max_tokens: int, stop: list[s
     generator = torch.Generator().manual_seed(0)
     for i in range(num_seqs):
         prompt = torch.randint(100, 40000, (PROMPT_LEN,), generator=generator).tolist()
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=stop)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=stop,
+                                output_kind=RequestOutputKind.DELTA)  # what the servers ask for
         engine.add_request(None, params, request_id=f"r{i}", prompt_token_ids=prompt)
 
 
