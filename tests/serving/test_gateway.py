@@ -478,3 +478,22 @@ def test_engine_calls_carry_the_clients_authorization_and_own_priority(fake):
         "Incorrect API key provided: the Authorization header must be printable ASCII", "invalid_request_error",
         "invalid_api_key"))
     assert len(engine.calls) == 4
+
+
+def test_vllm_probe_and_model_endpoints(stack, client):
+    from raypaged import __version__
+
+    assert client.get("/ping").status_code == 200
+    assert client.get("/version").json() == {"version": __version__}
+    listed = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
+    assert client.get("/v1/models/tiny-qwen").json() == listed["tiny-qwen"]
+    missing = client.get("/v1/models/nope")
+    assert (missing.status_code, missing.json()["error"]["message"]) == (404, "The model `nope` does not exist.")
+
+
+def test_retry_after_on_429_and_503():
+    from raypaged.serving.gateway.errors import APIError
+
+    assert APIError(429, "busy").response().headers["retry-after"] == "1"
+    assert APIError(503, "down").response().headers["retry-after"] == "1"
+    assert "retry-after" not in APIError(400, "bad").response().headers

@@ -19,6 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
 from raypaged.inputs.limits import check_count
+from raypaged import __version__
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import APIError, from_grpc, install_handlers
@@ -156,18 +157,26 @@ def build_app(
     async def chat_completions(http: Request) -> Response:
         return await generate(http, ChatCompletionRequest)
 
+    async def card(name: str) -> dict:
+        """A served model as OpenAI's (and vLLM's) model object."""
+        info = await routes.model_info(name)
+        card = {"id": name, "object": "model", "created": 0, "owned_by": "raypaged", "root": name}
+        if info is not None:
+            card["max_model_len"] = info.max_model_len
+        return card
+
     @app.get("/v1/models")
     async def models() -> dict:
-        cards = []
-        for name in routes.targets:
-            info = await routes.model_info(name)
-            card = {"id": name, "object": "model", "created": 0, "owned_by": "raypaged", "root": name}
-            if info is not None:
-                card["max_model_len"] = info.max_model_len
-            cards.append(card)
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [await card(name) for name in routes.targets]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        if model not in routes.targets:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+        return await card(model)
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's (and SageMaker's) name for the same probe
     async def health() -> Response:
         if drain.draining:
             return drain.refusal().response()
@@ -175,6 +184,10 @@ def build_app(
         if problem is not None:
             return APIError(503, problem).response()
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -39,6 +39,9 @@ PARAM_METADATA_KEY = "raypaged-param"  # trailing metadata of an INVALID_ARGUMEN
 _MESSAGE_TOO_LARGE = "larger than max"  # gRPC's RESOURCE_EXHAUSTED details for a message over the size limit
 
 
+RETRY_AFTER_S = "1"
+
+
 class APIError(Exception):
     """An error answered as ``status`` with an OpenAI-shaped body."""
 
@@ -55,7 +58,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        """The error as a response; 429 and 503 tell the client when to retry (``Retry-After``, seconds)."""
+        headers = {"Retry-After": RETRY_AFTER_S} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def from_grpc(exc: grpc.aio.AioRpcError) -> APIError:
