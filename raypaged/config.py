@@ -85,7 +85,9 @@ class EngineConfig:
     """Everything needed to start an engine. ``None`` fields are resolved from the model."""
 
     model: str | None = None
-    served_model_name: str | None = None
+    # the name clients use; a list gives the model several (vLLM's --served-model-name a b): the first
+    # is its name, the others (``served_model_aliases``) reach it too
+    served_model_name: str | list[str] | None = None
     dtype: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None
@@ -110,6 +112,7 @@ class EngineConfig:
     limits: InputLimits = field(default_factory=InputLimits)  # per-request caps (--max-logprobs ...)
     generation_config: str = "auto"  # auto: the model folder's generation_config.json; vllm: no defaults; a folder
     override_generation_config: dict[str, Any] | None = None  # sampling defaults over the generation config's
+    served_model_aliases: tuple[str, ...] = field(init=False, default=())
     model_path: Path = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     generation_defaults: GenerationDefaults = field(init=False)
@@ -153,8 +156,18 @@ class EngineConfig:
         self.max_model_len = self._resolve_max_model_len()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
+        if isinstance(self.served_model_name, (list, tuple)):
+            names = [str(n) for n in self.served_model_name]
+            if not names or not all(names) or len(set(names)) != len(names):
+                raise ValueError(f"served_model_name must be distinct, non-empty names, got {names}")
+            self.served_model_name, self.served_model_aliases = names[0], tuple(names[1:])
         if self.served_model_name is None:
             self.served_model_name = DEFAULT_MODEL if self.model is None else self.model
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name the model answers to, its own first."""
+        return (self.served_model_name, *self.served_model_aliases)
 
     def _check_generation_config_args(self) -> None:
         mode = self.generation_config

@@ -37,8 +37,11 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
     if many_models:
         parser.add_argument("--model", action="append", default=None,
                             help="local Hugging Face model folder; repeat to serve several (default: SmolLM2-135M-Instruct)")
-        parser.add_argument("--served-model-name", action="append", default=None,
-                            help="name clients use for the model; one per --model (default: the --model value)")
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                            help="the model, as vLLM's positional argument (the same as a first --model)")
+        parser.add_argument("--served-model-name", action="append", nargs="+", default=None, metavar="NAME",
+                            help="names clients use for the model (several: all reach it, the first is its own); "
+                                 "one such flag per --model (default: the --model value)")
     else:
         parser.add_argument("--model", default=None,
                             help="local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
@@ -172,12 +175,13 @@ def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
     """One ``EngineConfig`` per ``--model`` (none given: the default model)."""
     from raypaged.config import EngineConfig
 
-    models = args.model or [None]
+    models = ([args.model_tag] if args.model_tag else []) + (args.model or []) or [None]
     names = args.served_model_name or [None] * len(models)
     if len(names) != len(models):
         raise ValueError(
             f"give one --served-model-name per --model ({len(models)} models, {len(names)} names), or none"
         )
+    names = [group if group is None or len(group) > 1 else group[0] for group in names]
     accepted = {f.name for f in dataclasses.fields(EngineConfig) if f.init}
     return [
         EngineConfig(served_model_name=name, **engine_kwargs(args, accepted, model))

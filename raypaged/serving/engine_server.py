@@ -166,9 +166,12 @@ class _Hold:
 
 class EngineServicer(pb_grpc.TextGenerationServiceServicer):
     def __init__(
-        self, models: dict[str, ServedModel], metrics: ServerMetrics, tenants: Tenants, share_prefix_cache: bool
+        self, models: dict[str, ServedModel], metrics: ServerMetrics, tenants: Tenants, share_prefix_cache: bool,
+        served_names: dict[str, str] | None = None,
     ) -> None:
+        """``served_names`` maps every name a model answers to (its aliases too) to its own name."""
         self.models = models
+        self.served_names = served_names or {name: name for name in models}
         self.metrics = metrics
         self.tenants = tenants
         self.share_prefix_cache = share_prefix_cache
@@ -179,10 +182,11 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             if len(self.models) == 1:
                 return next(iter(self.models.values()))
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"model is required; served models: {', '.join(self.models)}")
-        model = self.models.get(name)
+        model = self.models.get(self.served_names.get(name, ""))
         if model is None:
             raise _Abort(
-                grpc.StatusCode.NOT_FOUND, f"the model {name!r} does not exist; served models: {', '.join(self.models)}"
+                grpc.StatusCode.NOT_FOUND,
+                f"the model {name!r} does not exist; served models: {', '.join(self.served_names)}",
             )
         return model
 
@@ -286,7 +290,12 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         return pb.DetokenizeResponse(text=await model.off_loop(model.tokenizer.decode, token_ids))
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        return pb.InfoResponse(models=[m.info() for m in self.models.values()])
+        infos = []
+        for name, own in self.served_names.items():  # an alias is listed as a model of its own
+            info = self.models[own].info()
+            info.name = name
+            infos.append(info)
+        return pb.InfoResponse(models=infos)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         failed = [name for name, m in self.models.items() if not m.engine.is_running]
@@ -345,9 +354,11 @@ class EngineServer:
     def __init__(
         self, configs: list[EngineConfig], tenants: Tenants | None = None, share_prefix_cache: bool = False
     ) -> None:
-        names = [c.served_model_name for c in configs]
+        names = [name for c in configs for name in c.served_model_names]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be distinct, got {names}")
+        # every name a client may use -> the model's own name
+        self.served_names = {name: c.served_model_name for c in configs for name in c.served_model_names}
         self.tenants = tenants if tenants is not None else Tenants([])
         self.share_prefix_cache = share_prefix_cache
         engines = {c.served_model_name: LLMEngine(c) for c in configs}
@@ -361,7 +372,9 @@ class EngineServer:
             )
             for name, engine in engines.items()
         }
-        self.servicer = EngineServicer(self.models, self.metrics, self.tenants, self.share_prefix_cache)
+        self.servicer = EngineServicer(
+            self.models, self.metrics, self.tenants, self.share_prefix_cache, self.served_names
+        )
         self._server: grpc.aio.Server | None = None
 
     def _stats_of(self, name: str):

@@ -188,6 +188,7 @@ async def run_serve(
     port = await server.start(grpc_host, grpc_port)
     address = f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"
     try:
-        await run_gateway({name: address for name in server.models}, options, {address: InProcessStub(server.servicer)})
+        targets = {name: address for name in server.served_names}
+        await run_gateway(targets, options, {address: InProcessStub(server.servicer)})
     finally:
         await server.stop()

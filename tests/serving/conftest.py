@@ -50,7 +50,7 @@ class Stack:
         self.grpc_port = self.background.run(self.engine_server.start("127.0.0.1", 0))
         address = f"127.0.0.1:{self.grpc_port}"
         local = {address: InProcessStub(self.engine_server.servicer)} if in_process else None
-        self.gateway = Gateway({name: address for name in self.engine_server.models}, options, local)
+        self.gateway = Gateway({name: address for name in self.engine_server.served_names}, options, local)
         self._serving = asyncio.run_coroutine_threadsafe(self.gateway.serve(), self.background.loop)
         self.url = f"http://127.0.0.1:{self.gateway.port}"
         self._wait_started()

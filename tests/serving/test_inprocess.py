@@ -88,3 +88,37 @@ def test_the_http_socket_is_tcp_so_responses_are_not_delayed():
         assert sock.proto == socket.IPPROTO_TCP
     finally:
         sock.close()
+
+
+def test_a_model_with_several_served_names_answers_to_each(tiny_model_dir):
+    from raypaged.entrypoints.cli import build_parser, engine_configs
+
+    args = build_parser().parse_args(
+        ["serve", str(tiny_model_dir), "--served-model-name", "first", "second", "--max-model-len", "256",
+         "--num-gpu-blocks-override", "64"]
+    )
+    [config] = engine_configs(args)
+    assert (config.model, config.served_model_name, config.served_model_aliases) == (
+        str(tiny_model_dir), "first", ("second",))
+    stack = Stack([config])
+    try:
+        with stack.client() as client:
+            assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["first", "second"]
+            assert client.get("/v1/models/second").json()["max_model_len"] == 256
+            texts = [client.post("/v1/completions", json=dict(GREEDY, model=name)).json()["choices"][0]["text"]
+                     for name in ("first", "second")]
+            assert texts[0] == texts[1]
+    finally:
+        stack.close()
+
+
+def test_a_positional_model_and_served_name_groups_parse_as_vllm_does(tiny_model_dir):
+    from raypaged.entrypoints.cli import build_parser, engine_configs
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", str(tiny_model_dir), "--model", str(tiny_model_dir), "--served-model-name", "a",
+                              "--served-model-name", "b", "c", "--max-model-len", "256"])
+    configs = engine_configs(args)
+    assert [(c.served_model_name, c.served_model_aliases) for c in configs] == [("a", ()), ("b", ("c",))]
+    with pytest.raises(ValueError, match=r"served_model_name must be distinct, non-empty names, got \['a', 'a'\]"):
+        engine_configs(parser.parse_args(["serve", str(tiny_model_dir), "--served-model-name", "a", "a"]))
