@@ -29,7 +29,7 @@ from raypaged.engine.output_processor import (
     process_token,
 )
 from raypaged.executor.uniproc import UniProcExecutor
-from raypaged.inputs.limits import InputError, check_prompt_ids, check_sampling, check_text
+from raypaged.inputs.limits import InputError, check_context, check_prompt_ids, check_sampling, check_text
 from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.sampling_params import SamplingParams
 
@@ -145,8 +145,8 @@ class LLMEngine:
         """
         check_sampling(sampling_params, self.config.hf_config.vocab_size, self.config.limits)
         request_id, prompt_token_ids = self._validate_prompt(request_id, prompt, prompt_token_ids)
-        room = self.config.max_model_len - len(prompt_token_ids)
-        max_tokens = room if sampling_params.max_tokens is None else min(sampling_params.max_tokens, room)
+        check_context(len(prompt_token_ids), sampling_params.max_tokens, self.config.max_model_len)
+        max_tokens = sampling_params.max_tokens or self.config.max_model_len - len(prompt_token_ids)
         num_samples = sampling_params.num_samples
         seq_id = self._seq_id(request_id)
         seq_params = self._with_eos_stops(sampling_params)

@@ -88,6 +88,17 @@ def check_prompt_ids(token_ids: Sequence[int], vocab_size: int, max_model_len: i
     check_token_ids("prompt", token_ids, vocab_size)
 
 
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """A prompt plus the tokens asked for must fit the context (vLLM's wording); ``None`` fills what is left."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise InputError(
+            "max_tokens",
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion.",
+        )
+
+
 def check_text(param: str, num_chars: int, limits: InputLimits, max_model_len: int) -> None:
     """Text to tokenize (a prompt, or a conversation's characters) within ``--max-prompt-chars``."""
     limit = limits.prompt_chars(max_model_len)

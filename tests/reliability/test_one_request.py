@@ -112,6 +112,10 @@ CASES = [
     Case("a cross-site text/plain POST", b'{"prompt": "hi"}', 415, None, headers={"Content-Type": "text/plain"}),
     Case("a foreign Host header", {"prompt": "hi", "max_tokens": 4}, 400, None,
          headers={"Content-Type": "application/json", "Host": "attacker.example"}),
+    Case("more tokens than the context holds", {"prompt": "hi", "max_tokens": 100}, 400,
+         f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested 101 tokens "
+         "(1 in the messages, 100 in the completion). Please reduce the length of the messages or completion.",
+         grpc_fields={"stopping": {"max_tokens": 100}}, params={"max_tokens": 100}),
     Case("best_of 3 with n 1", {"prompt": "hi", "max_tokens": 5, "best_of": 3, "n": 1, "ignore_eos": True}, 200,
          grpc_fields={"sampling": {"best_of": 3, "n": 1}, "stopping": {"max_tokens": 5, "ignore_eos": True}},
          grpc_code=None, params={"best_of": 3, "n": 1, "max_tokens": 5, "ignore_eos": True}),
