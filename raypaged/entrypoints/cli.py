@@ -54,7 +54,7 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU shards) per model")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (or CPU shards) per model")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory for weights, activations and KV cache")
     parser.add_argument("--enforce-eager", action="store_true",
@@ -83,7 +83,33 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
                              '\'{"temperature": 0.5}\' (temperature, top_p, top_k, min_p, repetition_penalty, '
                              "max_new_tokens)")
     add_limit_args(parser)
+    add_vllm_args(parser)
     parser.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
+
+
+def add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    """Flags vLLM command lines carry: each is honoured, or refused by name in ``check_vllm_args``."""
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM command lines: only built-in architectures run, never a model's code")
+    parser.add_argument("--quantization", "-q", default=None, help="not supported yet: refused unless omitted")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype); others are refused")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="on: long prefills are always chunked within --max-num-batched-tokens")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="accepted for vLLM command lines: raypaged logs no periodic stats (see /metrics)")
+
+
+def check_vllm_args(args: argparse.Namespace) -> None:
+    """Refuse, by name, what a vLLM command line asks for and this engine cannot do."""
+    if args.quantization is not None:
+        raise ValueError(f"--quantization {args.quantization} is not supported: raypaged runs unquantized "
+                         "fp32/fp16/bf16 weights only")
+    if args.kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported: the KV cache keeps the model's "
+                         "dtype (auto)")
+    if args.enable_chunked_prefill is False:
+        raise ValueError("--no-enable-chunked-prefill is not supported: long prefills are always chunked within "
+                         "--max-num-batched-tokens")
 
 
 _LIMIT_HELP = {
@@ -113,6 +139,7 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
 
     A flag whose field this build lacks is an error when set to anything but its default.
     """
+    check_vllm_args(args)
     kwargs = dict(
         model=model,
         dtype=args.dtype,
