@@ -26,7 +26,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._stream = DecodeStream(context, skip_special_tokens) if tokenizer.is_fast else None
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) if tokenizer.is_fast else None
         self._held: list[int] = []  # streamed tokens whose text the stream still holds
         # the window decoder's state (slow tokenizers)
         self.token_ids: list[int] = context
