@@ -75,16 +75,21 @@ def check_token_ids(param: str, token_ids: Sequence[int], vocab_size: int) -> No
             raise InputError(param, f"{param} must be token ids in [0, {vocab_size}), got {token_id}")
 
 
-def check_prompt_ids(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
-    """A prompt that leaves room for at least one generated token, with every id in the vocabulary."""
-    if not token_ids:
+def check_prompt_len(num_tokens: int, max_model_len: int) -> None:
+    """A prompt of ``num_tokens`` that leaves room for at least one generated token."""
+    if num_tokens == 0:
         raise InputError("prompt", "prompt must not be empty")
-    if len(token_ids) >= max_model_len:
+    if num_tokens >= max_model_len:
         raise InputError(
             "prompt",
-            f"prompt has {len(token_ids)} tokens, which leaves no room to generate within max_model_len "
+            f"prompt has {num_tokens} tokens, which leaves no room to generate within max_model_len "
             f"{max_model_len} (--max-model-len)",
         )
+
+
+def check_prompt_ids(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """A prompt that leaves room for at least one generated token, with every id in the vocabulary."""
+    check_prompt_len(len(token_ids), max_model_len)
     check_token_ids("prompt", token_ids, vocab_size)
 
 

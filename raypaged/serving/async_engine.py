@@ -129,10 +129,9 @@ class AsyncLLMEngine:
         except BaseException:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
-            if not (accepted.done() and not accepted.cancelled() and accepted.exception() is not None):
-                # not refused by the engine: it may hold the request (added, or being added right now);
-                # commands run in order, so this abort comes after the add
-                self._abort_nowait([request_id])
+            refused = accepted.done() and not accepted.cancelled() and accepted.exception() is not None
+            if not refused:  # the engine may hold it (added, or being added right now); commands run
+                self._abort_nowait([request_id])  # in order, so this abort comes after the add
             raise
         return request_id
 

@@ -29,13 +29,13 @@ from raypaged.inputs.limits import (
     InputError,
     check_count,
     check_messages,
-    check_prompt_ids,
+    check_prompt_len,
     check_text,
     check_token_ids,
 )
 from raypaged.outputs import RequestOutput
 from raypaged.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
-from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS
+from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tenants import AuthError, TenantGate, Tenants
 from raypaged.serving.metrics import ServerMetrics
@@ -45,7 +45,6 @@ from raypaged.serving.protocol import DeltaTracker, chat_prompt_ids, sampling_pa
 
 logger = logging.getLogger("raypaged")
 T = TypeVar("T")
-PARAM_METADATA_KEY = "raypaged-param"  # trailing metadata: the request field an INVALID_ARGUMENT is about
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -329,7 +328,7 @@ def _check_prompt_size(model: ServedModel, request: pb.GenerateRequest) -> None:
     elif kind == "messages":
         _check_conversation(request.messages, config)
     elif kind == "token_ids":
-        check_prompt_ids(request.token_ids.ids, config.hf_config.vocab_size, config.max_model_len)
+        check_prompt_len(len(request.token_ids.ids), config.max_model_len)  # the engine checks the ids
     else:
         raise InputError("prompt", "a prompt is required: text, token_ids or messages")
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS
-from raypaged.serving.engine_server import PARAM_METADATA_KEY
+from raypaged.serving.channel import PARAM_METADATA_KEY
 from raypaged.serving.gateway.tenants import DEFAULT_MAX_REQUEST_PRIORITY
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raypaged.inputs.limits import InputError
+from raypaged.serving.channel import PARAM_METADATA_KEY
 
 logger = logging.getLogger("raypaged")
 
@@ -35,7 +36,6 @@ _GRPC_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 503,
     grpc.StatusCode.CANCELLED: 503,
 }
-PARAM_METADATA_KEY = "raypaged-param"  # trailing metadata of an INVALID_ARGUMENT: the request field at fault
 _MESSAGE_TOO_LARGE = "larger than max"  # gRPC's RESOURCE_EXHAUSTED details for a message over the size limit
 
 

@@ -89,7 +89,7 @@ class TenantGate:
 
     async def admit(self, num_slots: int = 1) -> None:
         limit = self.tenant.max_concurrent_requests
-        if self._num_free is None or limit is None:
+        if self._num_free is None or limit is None:  # no limit (both None together)
             return
         if num_slots > limit:
             raise APIError(
