@@ -1,10 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over the flattened tokens of a step.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the flattened tokens of a step.
 
 No padding: ``input_ids`` and ``positions`` are ``[num_tokens]`` for all the
 sequences of the step together; attention reads K/V through block tables.
 Under tensor parallelism each rank holds its heads' share of QKV and O, its
 share of gate/up and down, and its slice of the vocabulary; ``load_weights``
-takes only that share of every checkpoint tensor.
+takes only that share of every checkpoint tensor. Qwen3's per-head q/k norms
+(``head_dim`` weights) are the same on every rank: each holds them whole.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabPara
 
 LayerKVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # checkpoint name piece -> (fused parameter name piece, shard index)
 _STACKED = {
@@ -77,6 +78,10 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads * self.head_dim,
         ]
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.shard_sizes), bias=qkv_bias)
+        # Qwen3: RMSNorm over each head's head_dim features of q and k, before rotary
+        has_qk_norm = config.model_type == "qwen3"
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp)
         self.rotary = rotary
         self.attn_backend: AttentionBackend = TORCH
@@ -94,6 +99,8 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         key_cache, value_cache = kv_cache
         out = self.attn_backend.forward(q, k, v, key_cache, value_cache, meta, self.scale)
