@@ -2,8 +2,9 @@
 
 import pytest
 
-from raypaged import LLM, SamplingParams
-from tests.conftest import hf_greedy, make_tiny_model
+from raypaged import LLM
+from tests.conftest import make_tiny_model
+from tests.model.conftest import assert_batch_greedy_matches_transformers
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -29,19 +30,8 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_greedy_tokens_match_transformers(variant, tmp_path, smollm2_dir):
-    from transformers import AutoModelForCausalLM
-
     arch, overrides = VARIANTS[variant]
-    path = make_tiny_model(tmp_path, smollm2_dir, arch, **overrides)
-    prompts = [[1, 5, 9, 300], list(range(100, 190)), [42] * 20, list(range(3000, 3077, 7))]
-    llm = LLM(model=str(path), num_gpu_blocks_override=64, block_size=8)
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    )
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
-    for prompt, output in zip(prompts, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(hf, prompt, 40)
-    assert llm.stats()["num_gpu_blocks_free"] == 64
+    assert_batch_greedy_matches_transformers(make_tiny_model(tmp_path, smollm2_dir, arch, **overrides))
 
 
 def test_unsupported_rope_type_is_a_clear_error(tmp_path, smollm2_dir):
