@@ -34,17 +34,18 @@ GENERATION_CONFIG_MODES = ("auto", "vllm")
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
-def resolve_model_path(model: str | None) -> Path:
-    """A local model folder for ``model`` (None or the default model's id → the cached default)."""
-    if model is None or model == DEFAULT_MODEL:
+def resolve_model_path(
+    model: str | None, revision: str | None = None, download_dir: str | None = None, what: str = "model",
+    weights: bool = True,
+) -> Path:
+    """A local folder for ``model``: a folder as given, a Hugging Face Hub id's cached snapshot (see
+    ``model/hub.py``: ``what`` names the flag in its errors, ``weights=False`` fetches no weights), or,
+    for ``None`` or the default model's id without a revision or download folder, the bundled default model."""
+    if model is None or (model == DEFAULT_MODEL and revision is None and download_dir is None):
         return default_model_dir()
-    path = Path(model).expanduser()
-    if not (path / "config.json").exists():
-        raise ValueError(
-            f"model {model!r} is not a local Hugging Face model folder (no config.json there); "
-            "models cannot be downloaded from a hub at run time"
-        )
-    return path
+    from raypaged.model.hub import resolve_model_files
+
+    return resolve_model_files(model, revision, download_dir, what, weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,12 @@ class GenerationDefaults:
 class EngineConfig:
     """Everything needed to start an engine. ``None`` fields are resolved from the model."""
 
-    model: str | None = None
+    model: str | None = None  # a local folder or a Hugging Face Hub id (org/name)
+    revision: str | None = None  # the Hub id's branch, tag or commit (default: main)
+    download_dir: str | None = None  # the Hub cache folder to use instead of $HF_HUB_CACHE
+    # a tokenizer apart from the model's (a folder or Hub id) and its revision (default: --revision)
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
     # the name clients use; a list gives the model several (vLLM's --served-model-name a b): the first
     # is its name, the others (``served_model_aliases``) reach it too
     served_model_name: str | list[str] | None = None
@@ -114,6 +120,7 @@ class EngineConfig:
     override_generation_config: dict[str, Any] | None = None  # sampling defaults over the generation config's
     served_model_aliases: tuple[str, ...] = field(init=False, default=())
     model_path: Path = field(init=False)
+    tokenizer_path: Path = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     generation_defaults: GenerationDefaults = field(init=False)
     generation_eos_token_ids: tuple[int, ...] = field(init=False)  # the generation config's eos_token_id
@@ -148,7 +155,8 @@ class EngineConfig:
 
         from raypaged.model.llama import check_tensor_parallel
 
-        self.model_path = resolve_model_path(self.model)
+        self.model_path = resolve_model_path(self.model, self.revision, self.download_dir)
+        self.tokenizer_path = self._resolve_tokenizer_path()
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.generation_defaults, self.generation_eos_token_ids = self._read_generation_config()
         self._check_architecture()
@@ -168,6 +176,22 @@ class EngineConfig:
     def served_model_names(self) -> tuple[str, ...]:
         """Every name the model answers to, its own first."""
         return (self.served_model_name, *self.served_model_aliases)
+
+    def _resolve_tokenizer_path(self) -> Path:
+        """The tokenizer's folder: the model's unless ``tokenizer``/``tokenizer_revision`` name another,
+        which is resolved (so a typo says so) and then refused: the engine reads the model folder's."""
+        if self.tokenizer is None and self.tokenizer_revision is None:
+            return self.model_path
+        name = self.model if self.tokenizer is None else self.tokenizer
+        revision = self.revision if self.tokenizer_revision is None else self.tokenizer_revision
+        path = resolve_model_path(name, revision, self.download_dir, what="tokenizer", weights=False)
+        if path.resolve() != self.model_path.resolve():
+            at = f" at revision {revision}" if revision is not None else ""
+            raise ValueError(
+                f"the tokenizer {name}{at} ({path}) is not the model's ({self.model_path}): raypaged reads the "
+                "tokenizer in the model's folder, so --tokenizer and --tokenizer-revision may only name the model"
+            )
+        return path
 
     def _check_generation_config_args(self) -> None:
         mode = self.generation_config

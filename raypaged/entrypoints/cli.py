@@ -36,7 +36,8 @@ _OPTIONAL_ENGINE_FLAGS = {
 def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) -> None:
     if many_models:
         parser.add_argument("--model", action="append", default=None,
-                            help="local Hugging Face model folder; repeat to serve several (default: SmolLM2-135M-Instruct)")
+                            help="local model folder or Hugging Face Hub id (org/name); repeat to serve several "
+                                 "(default: SmolLM2-135M-Instruct)")
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                             help="the model, as vLLM's positional argument (the same as a first --model)")
         parser.add_argument("--served-model-name", action="append", nargs="+", default=None, metavar="NAME",
@@ -44,7 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
                                  "one such flag per --model (default: the --model value)")
     else:
         parser.add_argument("--model", default=None,
-                            help="local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+                            help="local model folder or Hugging Face Hub id (org/name) (default: SmolLM2-135M-Instruct)")
+    add_hub_args(parser)
     parser.add_argument("--dtype", default="auto", help="auto, half, float16, bfloat16, float, float32")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -85,6 +87,18 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
     add_limit_args(parser)
     add_vllm_args(parser)
     parser.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
+
+
+def add_hub_args(parser: argparse.ArgumentParser) -> None:
+    """Where a Hugging Face Hub id's files come from (see ``model/hub.py``)."""
+    parser.add_argument("--revision", default=None,
+                        help="branch, tag or commit of a Hub id (default: main); not for local folders")
+    parser.add_argument("--download-dir", default=None,
+                        help="Hugging Face cache folder for Hub ids (default: $HF_HUB_CACHE, ~/.cache/huggingface/hub)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the tokenizer's folder or Hub id; only the model's own is supported (default: the model)")
+    parser.add_argument("--tokenizer-revision", default=None,
+                        help="branch, tag or commit of --tokenizer (default: --revision)")
 
 
 def add_vllm_args(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +156,10 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
     check_vllm_args(args)
     kwargs = dict(
         model=model,
+        revision=args.revision,
+        download_dir=args.download_dir,
+        tokenizer=args.tokenizer,
+        tokenizer_revision=args.tokenizer_revision,
         dtype=args.dtype,
         block_size=args.block_size,
         max_model_len=args.max_model_len,

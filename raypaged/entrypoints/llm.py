@@ -23,8 +23,9 @@ _PROGRESS_MIN_PROMPTS = 16
 class LLM:
     """An engine for offline batches, vLLM-compatible.
 
-    ``model`` is a local Hugging Face folder (Llama, Mistral, Qwen2 families) or
-    ``None`` for the bundled SmolLM2-135M-Instruct. ``tensor_parallel_size > 1``
+    ``model`` is a local Hugging Face folder (Llama, Mistral, Qwen2 families), a
+    Hugging Face Hub id resolved through the Hugging Face cache (``revision``,
+    ``download_dir``; see ``model/hub.py``), or ``None`` for the bundled SmolLM2-135M-Instruct. ``tensor_parallel_size > 1``
     (or a ``ray_address``) runs the shards as Ray actors; call ``shutdown()`` to
     release them.
     """
@@ -32,6 +33,10 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
+        revision: str | None = None,
+        download_dir: str | None = None,
+        tokenizer: str | None = None,
+        tokenizer_revision: str | None = None,
         dtype: str = "auto",
         block_size: int = 16,
         max_model_len: int | None = None,
@@ -60,6 +65,10 @@ class LLM:
         self.llm_engine = LLMEngine(
             EngineConfig(
                 model=model,
+                revision=revision,
+                download_dir=download_dir,
+                tokenizer=tokenizer,
+                tokenizer_revision=tokenizer_revision,
                 dtype=dtype,
                 block_size=block_size,
                 max_model_len=max_model_len,

@@ -1,0 +1,90 @@
+"""Where a model's files are: a local folder, or a Hugging Face Hub id resolved through the standard cache.
+
+A Hub id (``org/name``) becomes a snapshot folder of the Hugging Face cache
+(``$HF_HUB_CACHE``, by default ``$HF_HOME/hub``; ``--download-dir`` replaces it),
+downloaded with ``huggingface_hub`` when missing. Only what raypaged reads is
+fetched: the config, the generation config, the tokenizer files and the
+safetensors weights. With ``HF_HUB_OFFLINE=1`` nothing is downloaded and the
+cached snapshot of the revision (``refs/<branch or tag>``, or a commit hash) is used.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+logger = logging.getLogger("raypaged")
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+)
+MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES)
+
+
+def resolve_model_files(
+    name: str, revision: str | None, download_dir: str | None, what: str = "model", weights: bool = True
+) -> Path:
+    """A local folder for ``name``: the folder itself when it exists (it must hold a config.json), else the
+    Hub snapshot of ``revision`` (default ``main``) under ``download_dir`` or the Hugging Face cache.
+
+    ``what`` names the flag in messages (``model``, ``tokenizer``); ``weights=False`` fetches the config
+    and tokenizer files only. Every failure is a ``ValueError`` naming ``name`` and what to change.
+    """
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{what} {name!r} is not a Hugging Face model folder (no config.json there)")
+        for flag, value in ((f"--{what}-revision" if what != "model" else "--revision", revision),
+                            ("--download-dir", download_dir)):
+            if value is not None:
+                raise ValueError(f"{flag} {value} applies to Hugging Face Hub ids, but {what} {name!r} is a "
+                                 "local folder")
+        return path
+    return _snapshot(name, revision, download_dir, what, MODEL_FILES if weights else ("config.json", *TOKENIZER_FILES))
+
+
+def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, what: str, patterns: tuple[str, ...]) -> Path:
+    """The cached snapshot folder of ``repo_id`` at ``revision``, downloading it where the network allows."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    cache = Path(download_dir).expanduser() if download_dir is not None else Path(constants.HF_HUB_CACHE)
+    at = f" at revision {revision!r}" if revision is not None else ""
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        folder = snapshot_download(
+            repo_id, revision=revision, cache_dir=cache, allow_patterns=list(patterns), local_files_only=offline
+        )
+    except HFValidationError:
+        raise ValueError(f"{what} {repo_id!r} is neither a local folder nor a Hugging Face Hub id (org/name)") from None
+    except LocalEntryNotFoundError as exc:
+        if offline:
+            raise ValueError(
+                f"{what} {repo_id!r}{at} is not a local folder and not in the Hugging Face cache {cache} "
+                "(HF_HUB_OFFLINE=1: nothing is downloaded); unset HF_HUB_OFFLINE to download it, or give its "
+                "local folder"
+            ) from None
+        raise ValueError(
+            f"{what} {repo_id!r}{at} is not in the Hugging Face cache {cache} and could not be downloaded "
+            f"({str(exc).splitlines()[0]})"
+        ) from None
+    except GatedRepoError:
+        raise ValueError(f"{what} {repo_id!r} is gated on the Hugging Face Hub: accept its terms on the Hub "
+                         "and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"{what} {repo_id!r} is neither a local folder nor a model on the Hugging Face Hub "
+                         "(private models need HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"{what} {repo_id!r} has no revision {revision!r} on the Hugging Face Hub") from None
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{what} {repo_id!r}{at}: its snapshot {path} holds no config.json")
+    logger.info("%s %s%s: %s", what, repo_id, at, path)
+    return path
