@@ -11,11 +11,14 @@ import sys
 from typing import TYPE_CHECKING
 
 from raypaged import envs
+from raypaged.entrypoints.config_file import CONFIG_FLAG, ArgumentParser
 from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
 
 if TYPE_CHECKING:
     from raypaged.config import EngineConfig
     from raypaged.serving.launch import GatewayOptions
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 # flags whose engine field may be missing from this build: (dest, default when not given)
 _OPTIONAL_ENGINE_FLAGS = {
@@ -54,7 +57,10 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     parser.add_argument("--kv-cache-space", type=float, default=None, help="GiB of KV cache on CPU (default 4)")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="engine-wide random seed: requests without their own seed draw from a generator "
+                             "seeded with it, so the same requests in the same order sample the same tokens on "
+                             "every run")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (or CPU shards) per model")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -111,6 +117,8 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                         help="on: long prefills are always chunked within --max-num-batched-tokens")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="accepted for vLLM command lines: raypaged logs no periodic stats (see /metrics)")
+    parser.add_argument("--max-num-partial-prefills", type=int, default=1,
+                        help="prompts being prefilled in chunks at once: 1 (the only value the scheduler runs)")
 
 
 def check_vllm_args(args: argparse.Namespace) -> None:
@@ -124,6 +132,10 @@ def check_vllm_args(args: argparse.Namespace) -> None:
     if args.enable_chunked_prefill is False:
         raise ValueError("--no-enable-chunked-prefill is not supported: long prefills are always chunked within "
                          "--max-num-batched-tokens")
+    if args.max_num_partial_prefills != 1:
+        raise ValueError(f"--max-num-partial-prefills {args.max_num_partial_prefills} is not supported: the scheduler "
+                         "chunks one prompt at a time (a prompt cut at the step's --max-num-batched-tokens is its "
+                         "last; the prompts behind it wait for the next step), which is --max-num-partial-prefills 1")
 
 
 _LIMIT_HELP = {
@@ -247,14 +259,23 @@ def add_share_prefix_cache_arg(parser: argparse.ArgumentParser) -> None:
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
-    parser.add_argument("--api-key", default=None,
-                        help="require this key as 'Authorization: Bearer KEY' (default: $RAYPAGED_API_KEY)")
+    add_api_key_arg(parser, "require one of these keys as 'Authorization: Bearer KEY' (repeatable; default: "
+                            "$RAYPAGED_API_KEY)")
     parser.add_argument("--auth-exempt-paths", default="/health,/metrics", metavar="PATHS",
                         help="comma-separated paths open without a key when keys are set ('' protects every path)")
     parser.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
     parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024, metavar="BYTES",
                         help="larger request bodies are refused with 413")
     parser.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    parser.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
+                        help="log level of the HTTP server, uvicorn (default: --log-level)")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no uvicorn access-log line per HTTP request")
+    parser.add_argument("--ssl-keyfile", default=None, help="private key (PEM) for HTTPS, with --ssl-certfile")
+    parser.add_argument("--ssl-certfile", default=None, help="certificate chain (PEM): serve HTTPS instead of HTTP")
+    parser.add_argument("--root-path", default="",
+                        help="the path prefix of a path-routing proxy in front (FastAPI's root_path): routes answer "
+                             "under it as well as without it")
     parser.add_argument("--max-prompts-per-request", type=int, default=1024, metavar="N",
                         help="completions requests with more prompts are refused with 400")
     parser.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
@@ -269,6 +290,20 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help='CORS request headers with --allowed-origins, as that flag (default: \'["*"]\')')
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     add_drain_arg(parser)
+
+
+def add_api_key_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY", help=help_text)
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ``--api-key`` keys (any one is accepted), else ``$RAYPAGED_API_KEY``; none: no key needed."""
+    if args.api_key is None:
+        key = envs.api_key()
+        return (key,) if key else ()
+    if not all(args.api_key):
+        raise ValueError("--api-key takes non-empty keys")
+    return tuple(args.api_key)
 
 
 def gateway_options(args: argparse.Namespace) -> GatewayOptions:
@@ -304,8 +339,10 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         if value is not None and not origins:
             raise ValueError(f"{cors_flag} needs --allowed-origins (without it the server sends no CORS headers)")
     return GatewayOptions(
-        host=args.host, port=args.port, api_key=args.api_key or envs.api_key(), tenants_file=args.tenants,
+        host=args.host, port=args.port, api_key=api_keys(args), tenants_file=args.tenants,
         log_requests=not args.disable_log_requests, log_level=args.log_level,
+        uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
         max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, auth_exempt_paths=exempt,
         max_prompts_per_request=args.max_prompts_per_request,
         allowed_hosts=names("--allowed-hosts", args.allowed_hosts) if args.allowed_hosts is not None else None,
@@ -326,12 +363,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    from raypaged.serving.gateway.tenants import Tenants
+    from raypaged.serving.gateway.guard import tenants_for
     from raypaged.serving.launch import run_engine
 
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout:g}")
-    tenants = Tenants.from_args(args.api_key or envs.api_key(), args.tenants)  # a bad file fails before models load
+    tenants = tenants_for(api_keys(args), args.tenants)  # a bad file fails before models load
     asyncio.run(run_engine(
         engine_configs(args), args.grpc_host, args.grpc_port, args.drain_timeout, tenants, args.share_prefix_cache
     ))
@@ -349,13 +386,19 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 def options_check(options: GatewayOptions) -> None:
     """Reads the tenants file now, so a bad one fails before any model loads (``serve``'s gRPC server reads it too)."""
-    from raypaged.serving.gateway.tenants import Tenants
+    from raypaged.serving.gateway.guard import tenants_for
 
-    Tenants.from_args(options.api_key, options.tenants_file)
+    tenants_for(options.api_keys, options.tenants_file)
+
+
+def add_config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(CONFIG_FLAG, metavar="FILE.yaml",
+                        help="YAML mapping of this command's flags (long names without --) to values; the command "
+                             "line wins over the file")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raypaged", description="PagedAttention LLM engine")
+    parser = ArgumentParser(prog="raypaged", description="PagedAttention LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation for prompts given as flags or on stdin")
     add_engine_args(gen)
@@ -365,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
+    add_config_arg(gen)
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="engines, their gRPC server and the OpenAI-compatible HTTP gateway")
@@ -373,18 +417,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-host", default="127.0.0.1", help="gRPC address to listen on")
     serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = a free one)")
     add_share_prefix_cache_arg(serve)
+    add_config_arg(serve)
     serve.set_defaults(func=cmd_serve)
 
     engine = sub.add_parser("engine", help="engines behind the gRPC service only")
     add_engine_args(engine, many_models=True)
     engine.add_argument("--grpc-host", default="127.0.0.1", help="gRPC address to listen on")
     engine.add_argument("--grpc-port", type=int, default=50051, help="gRPC port")
-    engine.add_argument("--api-key", default=None,
-                        help="require this key as gRPC metadata 'authorization: Bearer KEY' "
-                             "(default: $RAYPAGED_API_KEY); Health, Info and Metrics stay open")
+    add_api_key_arg(engine, "require one of these keys as gRPC metadata 'authorization: Bearer KEY' (repeatable; "
+                            "default: $RAYPAGED_API_KEY); Health, Info and Metrics stay open")
     engine.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
     add_share_prefix_cache_arg(engine)
     add_drain_arg(engine)
+    add_config_arg(engine)
     engine.set_defaults(func=cmd_engine)
 
     gateway = sub.add_parser("gateway", help="the HTTP gateway in front of running engines")
@@ -392,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a served model name and the engine serving it (repeatable)")
     add_gateway_args(gateway)
     gateway.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
+    add_config_arg(gateway)
     gateway.set_defaults(func=cmd_gateway)
     return parser
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from raypaged.serving.engine_server import EngineServer
 from raypaged.serving.gateway.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, build_app
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
-from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS
+from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, tenants_for
 from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.inprocess import InProcessStub
 
@@ -36,16 +37,22 @@ _CLOSE_CONNECTIONS_S = 5.0  # after a drain: for responses still being written
 
 @dataclass
 class GatewayOptions:
-    """The gateway's flags. ``allowed_hosts``: ``Host`` names served besides loopback ones (``None``: the
-    flag is not given; ``("*",)``: any); ``allowed_origins`` empty: no CORS at all."""
+    """The gateway's flags. ``api_key``: one key, or several of which any one is accepted;
+    ``allowed_hosts``: ``Host`` names served besides loopback ones (``None``: the flag is not
+    given; ``("*",)``: any); ``allowed_origins`` empty: no CORS at all; ``ssl_certfile``: HTTPS."""
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
     tenants_file: str | None = None
     log_requests: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
+    uvicorn_log_level: str | None = None  # None: log_level
+    access_log: bool = True  # uvicorn's line per HTTP request
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    root_path: str = ""  # a path-routing proxy's prefix (FastAPI's root_path)
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     auth_exempt_paths: tuple[str, ...] = DEFAULT_AUTH_EXEMPT_PATHS
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -54,6 +61,26 @@ class GatewayOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+
+    def __post_init__(self) -> None:
+        if self.root_path and not self.root_path.startswith("/"):
+            raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
+        self.root_path = self.root_path.rstrip("/")
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile (the certificate to serve HTTPS with)")
+        if self.ssl_certfile is not None:
+            try:  # now, not when uvicorn starts after the models have loaded
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"--ssl-certfile {self.ssl_certfile} with --ssl-keyfile {self.ssl_keyfile}: "
+                                 f"not a usable certificate and key ({exc})") from None
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted key (none: no key is needed)."""
+        if self.api_key is None:
+            return ()
+        return (self.api_key,) if isinstance(self.api_key, str) else self.api_key
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -107,7 +134,7 @@ class Gateway:
         self, targets: dict[str, str], options: GatewayOptions, local: dict[str, InProcessStub] | None = None
     ) -> None:
         """``local``: in-process stubs of engine servers in this process, by their address in ``targets``."""
-        self.tenants = Tenants.from_args(options.api_key, options.tenants_file)
+        self.tenants = tenants_for(options.api_keys, options.tenants_file)
         self.drain = Drain(options.drain_timeout_s)
         app = build_app(
             EngineRoutes(targets, local), self.tenants, options.max_body_bytes, options.log_requests, self.drain,
@@ -116,11 +143,13 @@ class Gateway:
             allowed_methods=options.allowed_methods, allowed_headers=options.allowed_headers,
             allow_credentials=options.allow_credentials,
         )
+        app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones
         self.socket = listen(options.host, options.port)
         self.port = self.socket.getsockname()[1]
         self.server = _Server(uvicorn.Config(
-            app, log_level=options.log_level, access_log=options.log_requests, lifespan="off",
-            timeout_graceful_shutdown=_CLOSE_CONNECTIONS_S,
+            app, log_level=options.uvicorn_log_level or options.log_level, access_log=options.access_log,
+            lifespan="off", timeout_graceful_shutdown=_CLOSE_CONNECTIONS_S, ssl_keyfile=options.ssl_keyfile,
+            ssl_certfile=options.ssl_certfile,
         ))
         self._shutdown: asyncio.Task | None = None
 
@@ -183,7 +212,7 @@ async def run_serve(
     and tenants, with gates of its own (the gateway's calls carry their client's key, so each
     request holds one slot at each of the two).
     """
-    tenants = Tenants.from_args(options.api_key, options.tenants_file)
+    tenants = tenants_for(options.api_keys, options.tenants_file)
     server = EngineServer(configs, tenants, share_prefix_cache)
     port = await server.start(grpc_host, grpc_port)
     address = f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"

@@ -5,7 +5,8 @@ allowed, which stops DNS rebinding: on a loopback bind only loopback names
 (``localhost``, ``127.x.y.z``, ``::1``) and ``--allowed-hosts`` pass; elsewhere
 the check runs only when ``--allowed-hosts`` is given.
 
-``Guard``: with keys configured, every path needs one except ``exempt_paths``
+``Guard``: with keys configured (``--api-key`` takes several: any one is accepted,
+all as tenant ``default``), every path needs one except ``exempt_paths``
 (by default ``/health`` and ``/metrics``; an empty set protects those too). The
 caller's tenant gate is left in ``request.state.tenant_gate`` and its
 ``Authorization`` header (``None`` when absent) in ``request.state.authorization``.
@@ -16,22 +17,40 @@ without a ``Content-Type`` is read as JSON. A POST that a browser marks as
 cross-site (``Sec-Fetch-Site: cross-site``, or an ``Origin`` that is neither the
 server's own nor one of ``--allowed-origins``) is refused with 403, which also
 stops the no-preflight requests a page can send without a ``Content-Type``.
+Paths are read as the routes match them: without the ``--root-path`` prefix.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.errors import APIError
-from raypaged.serving.gateway.tenants import Tenants
+from raypaged.serving.gateway.tenants import Tenant, Tenants, load_tenants
 
 DEFAULT_AUTH_EXEMPT_PATHS = ("/health", "/metrics")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _OPEN_WHILE_DRAINING = ("/health", "/metrics")
 ANY_HOST = "*"
+
+
+def tenants_for(api_keys: tuple[str, ...], tenants_file: str | None) -> Tenants:
+    """The tenants of a ``--tenants`` file, and the ``--api-key`` keys as one more tenant, ``default``."""
+    tenants = load_tenants(Path(tenants_file)) if tenants_file else []
+    if api_keys:
+        tenants.append(Tenant("default", api_keys=api_keys))
+    return Tenants(tenants)
+
+
+def route_path(scope: Scope) -> str:
+    """The path a route matches: ``scope["path"]`` less the app's ``root_path`` when it starts with it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
 
 
 def check_exempt_paths(paths: tuple[str, ...]) -> None:
@@ -124,7 +143,7 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
+        path = route_path(scope)
         authorization = _header(scope, b"authorization")
         state = scope.setdefault("state", {})
         state["authorization"] = authorization
