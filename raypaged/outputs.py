@@ -22,6 +22,48 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """A request's timeline and shape as the engine saw them (vLLM's ``RequestOutput.metrics``).
+
+    Times are ``time.monotonic()`` seconds of the engine's process: compare them with
+    each other, never with wall-clock time. ``None`` until the stage is reached. Each
+    output carries its own copy, true as of that output's step.
+    """
+
+    arrival_time: float  # queued in the engine
+    n: int  # completions asked for
+    max_tokens: int  # tokens each sequence may generate (resolved against max_model_len)
+    first_scheduled_time: float | None = None  # first admitted into a batch
+    first_token_time: float | None = None  # its first sampled token (any sequence)
+    last_token_time: float | None = None  # its newest sampled token (any sequence)
+    max_num_generation_tokens: int = 0  # tokens of its longest sequence so far
+
+    @property
+    def queue_time(self) -> float | None:
+        """Queued until first scheduled."""
+        return _interval(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled until the first token."""
+        return _interval(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        """The first token until the newest."""
+        return _interval(self.first_token_time, self.last_token_time)
+
+    @property
+    def inference_time(self) -> float | None:
+        """First scheduled until the newest token: prefill plus decode."""
+        return _interval(self.first_scheduled_time, self.last_token_time)
+
+
+def _interval(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -32,3 +74,4 @@ class RequestOutput:
     num_generated_tokens: int = 0
     # set when the engine ended this request alone because handling it failed (finished, finish_reason "error")
     error: str | None = None
+    metrics: RequestMetrics | None = None  # None for beam searches

@@ -61,6 +61,9 @@ class Request:
     ``num_computed_tokens`` counts tokens whose K/V sit in the cache; it drops to
     0 on preemption (the request is recomputed from ``all_token_ids``).
     ``max_tokens`` is already resolved against ``max_model_len``.
+    ``first_scheduled_time`` is stamped (``time.monotonic()``) the first time
+    ``status`` becomes ``RUNNING`` (admitted, forked or swapped in) and never
+    moves after, so a preempted request keeps its first queue exit.
     """
 
     request_id: str
@@ -74,13 +77,24 @@ class Request:
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
     num_preemptions: int = 0
-    status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     priority: int = 0  # lower runs first under the priority policy
     sample_index: int = 0  # which sample of its group: seeds a distinct random stream
     group: SequenceGroup | None = None
     beam: BeamGroup | None = None  # set on every live beam of a beam search
     cache_salt: str | None = None  # prefix-cache namespace: only equal salts share cached blocks
+    first_scheduled_time: float | None = field(default=None, init=False)
+    _status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+
+    @property
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @status.setter
+    def status(self, status: RequestStatus) -> None:
+        if status is RequestStatus.RUNNING and self.first_scheduled_time is None:
+            self.first_scheduled_time = time.monotonic()
+        self._status = status
 
     @property
     def num_prompt_tokens(self) -> int:

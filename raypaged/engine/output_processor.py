@@ -12,16 +12,19 @@ the request's ``output_kind``:
 - ``FINAL_ONLY``: one cumulative output, when the request finishes (``LLM.generate``).
 
 A ``best_of > n`` request is shown only when it finishes: its ``n`` best samples
-by cumulative logprob, as indices ``0..n-1``.
+by cumulative logprob, as indices ``0..n-1``. Every output carries the request's
+``RequestMetrics`` as of its step: each sequence stamps its first and newest token
+times as they are processed, whatever the output kind.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from raypaged.core.request import Request
 from raypaged.engine.detokenizer import IncrementalDetokenizer
-from raypaged.outputs import CompletionOutput, RequestOutput
+from raypaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -38,6 +41,8 @@ class SeqState:
     num_sent_tokens: int = 0  # DELTA outputs: tokens, logprobs and characters already sent
     num_sent_chars: int = 0
     done: bool = False  # its last output was sent
+    first_token_time: float | None = None  # time.monotonic() when its first and newest tokens were processed
+    last_token_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +73,9 @@ def process_token(seq: SeqState) -> bool:
     """
     request = seq.request
     params = request.sampling_params
+    seq.last_token_time = time.monotonic()
+    if seq.first_token_time is None:
+        seq.first_token_time = seq.last_token_time
     searched = max(0, len(seq.text) - params.max_stop_len + 1)
     seq.text += seq.detokenizer.add_tokens(request.output_token_ids[-1:])
     if request.status.finished:
@@ -113,6 +121,7 @@ def make_output(state: RequestState) -> RequestOutput | None:
         outputs=completions,
         finished=finished,
         num_generated_tokens=state.num_generated_tokens,
+        metrics=request_metrics(state),
     )
 
 
@@ -125,6 +134,24 @@ def error_output(state: RequestState) -> RequestOutput:
         finished=True,
         num_generated_tokens=state.num_generated_tokens,
         error=state.error,
+        metrics=request_metrics(state),
+    )
+
+
+def request_metrics(state: RequestState) -> RequestMetrics:
+    """The request's timeline as of now, over all its sequences (a new object: O(sequences))."""
+    first = state.seqs[0].request
+    scheduled = [seq.request.first_scheduled_time for seq in state.seqs if seq.request.first_scheduled_time is not None]
+    first_tokens = [seq.first_token_time for seq in state.seqs if seq.first_token_time is not None]
+    last_tokens = [seq.last_token_time for seq in state.seqs if seq.last_token_time is not None]
+    return RequestMetrics(
+        arrival_time=first.arrival_time,
+        n=state.params.n,
+        max_tokens=first.max_tokens,
+        first_scheduled_time=min(scheduled, default=None),
+        first_token_time=min(first_tokens, default=None),
+        last_token_time=max(last_tokens, default=None),
+        max_num_generation_tokens=max(seq.request.num_output_tokens for seq in state.seqs),
     )
 
 

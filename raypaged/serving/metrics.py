@@ -1,28 +1,58 @@
-"""Prometheus metrics of an engine server, named ``raypaged:*`` and labelled by ``model_name``.
+"""Prometheus metrics of an engine server: vLLM V1's set, named ``raypaged:*`` by default.
 
-Latency histograms and token counters are fed from the engine thread after every
-step; gauges and engine counters are read from each engine's stats at scrape time.
+Names, types, label names (``model_name``, ``engine``) and bucket bounds are vLLM's, so a
+``prefix="vllm:"`` registry serves dashboards, autoscalers and gateways written for vLLM
+unchanged. Request histograms and token counters are fed from the engine thread after
+every step (``RequestObserver``); gauges, engine counters and ``cache_config_info`` are
+read from each engine's stats at scrape time. Process metrics (``process_*``,
+``python_*``) are unprefixed, as in vLLM. Each served model is one engine: ``engine="0"``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from raypaged.outputs import RequestOutput
 
+if TYPE_CHECKING:
+    from raypaged.config import EngineConfig
+
 disable_created_metrics()  # no *_created series: the gateway re-exposes engine metrics as parsed text
 
 PREFIX = "raypaged:"
-LABEL = "model_name"
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+LABELS = ("model_name", "engine")
+ENGINE_INDEX = "0"  # vLLM numbers the engines of a model; raypaged runs one per served model
+FINISH_REASONS = ("stop", "length", "abort", "error")
+_PREFIX_PATTERN = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*:")
+_UNKNOWN_MAX_MODEL_LEN = 1 << 20  # token-count buckets when no engine config is given
+
+# vLLM's bucket bounds
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                      20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 
 # (metric suffix, help, stats key) read from engine stats at scrape time
 _GAUGES = (
@@ -33,78 +63,191 @@ _GAUGES = (
 )
 _COUNTERS = (
     ("num_preemptions", "Preemptions of running requests.", "num_preemptions"),
-    ("prefix_cache_hits", "Prompt blocks found in the prefix cache.", "prefix_cache_hits"),
+    ("prefix_cache_queries", "Prefix-cache queries, in prompt tokens looked up.", "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prefix-cache hits, in prompt tokens found cached.", "prefix_cache_hits"),
 )
+# (metric suffix, help): seconds per request, observed when it finishes
+_REQUEST_TIMES = (
+    ("e2e_request_latency_seconds", "Seconds from arrival to the last token."),
+    ("request_queue_time_seconds", "Seconds queued before first scheduled."),
+    ("request_prefill_time_seconds", "Seconds from first scheduled to the first token."),
+    ("request_decode_time_seconds", "Seconds from the first token to the last."),
+    ("request_inference_time_seconds", "Seconds from first scheduled to the last token."),
+)
+
+
+def size_buckets(max_value: int) -> tuple[int, ...]:
+    """vLLM's 1-2-5 series up to ``max_value``: 1, 2, 5, 10, 20, 50, ..."""
+    bounds = []
+    magnitude = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * magnitude > max_value:
+                return tuple(bounds)
+            bounds.append(step * magnitude)
+        magnitude *= 10
 
 
 @dataclass(slots=True)
 class _Progress:
-    arrival_time: float
-    last_time: float
+    arrival_time: float  # when the server got it
+    last_time: float  # when its previous output came
     num_tokens: int = 0
 
 
 class RequestObserver:
-    """Feeds one model's latency histograms and token counters from its engine's outputs."""
+    """Feeds one model's request histograms and token counters from its engine's outputs."""
 
     def __init__(self, metrics: ServerMetrics, model_name: str) -> None:
-        self._ttft = metrics.ttft.labels(model_name)
-        self._itl = metrics.itl.labels(model_name)
-        self._e2e = metrics.e2e.labels(model_name)
-        self._prompt_tokens = metrics.prompt_tokens.labels(model_name)
-        self._generation_tokens = metrics.generation_tokens.labels(model_name)
+        labels = (model_name, ENGINE_INDEX)
+        self._ttft = metrics.ttft.labels(*labels)
+        self._itl = metrics.itl.labels(*labels)
+        self._tpot = metrics.tpot.labels(*labels)
+        self._request_tpot = metrics.request_tpot.labels(*labels)
+        self._iteration_tokens = metrics.iteration_tokens.labels(*labels)
+        self._prompt_tokens = metrics.prompt_tokens.labels(*labels)
+        self._generation_tokens = metrics.generation_tokens.labels(*labels)
+        self._request_prompt_tokens = metrics.request_prompt_tokens.labels(*labels)
+        self._request_generation_tokens = metrics.request_generation_tokens.labels(*labels)
+        self._max_generation_tokens = metrics.request_max_num_generation_tokens.labels(*labels)
+        self._params_n = metrics.request_params_n.labels(*labels)
+        self._params_max_tokens = metrics.request_params_max_tokens.labels(*labels)
+        self._times = {suffix: histogram.labels(*labels) for suffix, histogram in metrics.request_times.items()}
+        self._success = {reason: metrics.request_success.labels(*labels, reason) for reason in FINISH_REASONS}
         self._progress: dict[str, _Progress] = {}
 
     def on_outputs(self, outputs: list[RequestOutput], arrival_times: dict[str, float], now: float) -> None:
+        """One step's outputs; ``now`` is when the step ended, ``arrival_times`` when the server got each."""
+        num_step_tokens = 0  # vLLM's iteration tokens: prompts whose prefill ended, plus new tokens
         for output in outputs:
-            num_tokens = output.num_generated_tokens  # never decreases: every sampled token counts once
             progress = self._progress.get(output.request_id)
             if progress is None:
                 arrival = arrival_times.get(output.request_id, now)
                 self._ttft.observe(now - arrival)
                 self._prompt_tokens.inc(len(output.prompt_token_ids))
+                num_step_tokens += len(output.prompt_token_ids)
                 progress = self._progress[output.request_id] = _Progress(arrival, now)
             else:
                 self._itl.observe(now - progress.last_time)
+                self._tpot.observe(now - progress.last_time)
                 progress.last_time = now
-            self._generation_tokens.inc(num_tokens - progress.num_tokens)
-            progress.num_tokens = num_tokens
+            num_new = output.num_generated_tokens - progress.num_tokens  # every sampled token counts once
+            self._generation_tokens.inc(num_new)
+            num_step_tokens += num_new
+            progress.num_tokens = output.num_generated_tokens
             if output.finished:
-                self._e2e.observe(now - progress.arrival_time)
                 del self._progress[output.request_id]
+                self._finished(output, now - progress.arrival_time)
+        if num_step_tokens:
+            self._iteration_tokens.observe(num_step_tokens)
 
     def on_abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._progress.pop(request_id, None)
+            self._success["abort"].inc()
+
+    def _finished(self, output: RequestOutput, e2e: float) -> None:
+        self._success[_finish_reason(output)].inc()
+        self._request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self._request_generation_tokens.observe(output.num_generated_tokens)
+        self._times["e2e_request_latency_seconds"].observe(e2e)
+        metrics = output.metrics
+        if metrics is None:  # a beam search: no timeline
+            return
+        self._max_generation_tokens.observe(metrics.max_num_generation_tokens)
+        self._params_n.observe(metrics.n)
+        self._params_max_tokens.observe(metrics.max_tokens)
+        intervals = (
+            ("request_queue_time_seconds", metrics.queue_time),
+            ("request_prefill_time_seconds", metrics.prefill_time),
+            ("request_decode_time_seconds", metrics.decode_time),
+            ("request_inference_time_seconds", metrics.inference_time),
+        )
+        for suffix, seconds in intervals:
+            if seconds is not None:
+                self._times[suffix].observe(seconds)
+        if metrics.decode_time is not None and metrics.max_num_generation_tokens > 1:
+            self._request_tpot.observe(metrics.decode_time / (metrics.max_num_generation_tokens - 1))
+
+
+def _finish_reason(output: RequestOutput) -> str:
+    """Why a finished request ended: its first completion's reason, ``error`` when it failed."""
+    if output.error is not None or not output.outputs:
+        return "error"
+    reason = output.outputs[0].finish_reason
+    assert reason is not None, f"request {output.request_id} finished without a finish reason"
+    return reason
 
 
 class ServerMetrics:
     """The registry of one engine server: per-request histograms plus stats read at scrape time.
 
-    ``stats_sources`` maps each served model name to a function returning its
-    engine's stats (``LLMEngine.stats()`` keys; missing keys read as 0).
+    ``stats_sources`` maps each served model name to a function returning its engine's
+    ``LLMEngine.stats()`` (every key read must be there); ``configs`` maps the same names
+    to their ``EngineConfig``: ``cache_config_info`` and the token-count buckets, 1-2-5 up
+    to the largest ``max_model_len`` (without configs: no ``cache_config_info`` series and
+    buckets up to 2**20). ``prefix`` starts every metric name: ``raypaged:``, ``vllm:`` ...
     """
 
-    def __init__(self, stats_sources: dict[str, Callable[[], dict[str, int | float]]], device: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = [LABEL]
-        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prefilled prompt tokens.", labels, registry=self.registry)
-        self.generation_tokens = Counter(
-            f"{PREFIX}generation_tokens", "Generated tokens.", labels, registry=self.registry
+    def __init__(
+        self,
+        stats_sources: dict[str, Callable[[], dict[str, int | float]]],
+        device: str,
+        prefix: str = PREFIX,
+        configs: Mapping[str, EngineConfig] | None = None,
+    ) -> None:
+        if not _PREFIX_PATTERN.fullmatch(prefix):
+            raise ValueError(
+                f"metric prefix {prefix!r} is not a Prometheus name followed by ':'; --metrics-prefix takes a "
+                "name of letters, digits and underscores, like vllm"
+            )
+        self.prefix = prefix
+        self.registry = registry = CollectorRegistry()
+        configs = configs or {}
+        max_len = max((c.max_model_len for c in configs.values()), default=_UNKNOWN_MAX_MODEL_LEN)
+
+        def counter(suffix: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{prefix}{suffix}", doc, LABELS + extra, registry=registry)
+
+        def histogram(suffix: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"{prefix}{suffix}", doc, LABELS, buckets=buckets, registry=registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.request_success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens per engine step: prompts whose prefill ended plus new tokens.",
+            _ITERATION_BUCKETS,
         )
-        self.ttft = Histogram(
-            f"{PREFIX}time_to_first_token_seconds", "Seconds from arrival to the first token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        self.ttft = histogram("time_to_first_token_seconds", "Seconds from arrival to the first token.", _TTFT_BUCKETS)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Seconds between a request's consecutive steps.", _TOKEN_GAP_BUCKETS
         )
-        self.itl = Histogram(
-            f"{PREFIX}inter_token_latency_seconds", "Seconds between a request's consecutive steps.", labels,
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "Seconds between a request's consecutive steps (vLLM's older name).",
+            _TOKEN_GAP_BUCKETS,
         )
-        self.e2e = Histogram(
-            f"{PREFIX}e2e_request_latency_seconds", "Seconds from arrival to the last token.", labels,
-            buckets=_E2E_BUCKETS, registry=self.registry,
+        self.request_tpot = histogram(
+            "request_time_per_output_token_seconds", "Per finished request: decode seconds per token after the first.",
+            _TOKEN_GAP_BUCKETS,
         )
-        self.registry.register(_StatsCollector(stats_sources, device))
+        self.request_times = {suffix: histogram(suffix, doc, _REQUEST_BUCKETS) for suffix, doc in _REQUEST_TIMES}
+        sizes = size_buckets(max_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.", sizes)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request, all its sequences.", sizes
+        )
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Tokens of the longest sequence of each finished request.", sizes
+        )
+        self.request_params_n = histogram("request_params_n", "The n of each finished request.", _PARAMS_N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens of each finished request, resolved.", sizes
+        )
+        registry.register(_StatsCollector(prefix, stats_sources, configs, device))
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
 
     def observer(self, model_name: str) -> RequestObserver:
         return RequestObserver(self, model_name)
@@ -114,38 +257,63 @@ class ServerMetrics:
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats_sources: dict[str, Callable[[], dict[str, int | float]]], device: str) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        stats_sources: dict[str, Callable[[], dict[str, int | float]]],
+        configs: Mapping[str, EngineConfig],
+        device: str,
+    ) -> None:
+        self._prefix = prefix
         self._sources = stats_sources
+        self._configs = configs
         self._device = device
         self._process = psutil.Process(os.getpid())
         self._process.cpu_percent(None)  # starts the measuring interval
 
     def collect(self) -> Iterator[Metric]:
+        prefix = self._prefix
         stats = {name: source() for name, source in self._sources.items()}
         for suffix, doc, key in _GAUGES:
-            family = GaugeMetricFamily(f"{PREFIX}{suffix}", doc, labels=[LABEL])
+            family = GaugeMetricFamily(f"{prefix}{suffix}", doc, labels=LABELS)
             for name, values in stats.items():
-                family.add_metric([name], float(values.get(key, 0)))
+                family.add_metric([name, ENGINE_INDEX], float(values[key]))
             yield family
         for suffix, doc, key in _COUNTERS:
-            family = CounterMetricFamily(f"{PREFIX}{suffix}", doc, labels=[LABEL])
+            counter = CounterMetricFamily(f"{prefix}{suffix}", doc, labels=LABELS)
             for name, values in stats.items():
-                family.add_metric([name], float(values.get(key, 0)))
-            yield family
+                counter.add_metric([name, ENGINE_INDEX], float(values[key]))
+            yield counter
+        yield self._cache_config(stats)
         utilization, memory = self._device_usage()
         util_family = GaugeMetricFamily(
-            f"{PREFIX}gpu_utilization", "Device utilization (0 to 1); on CPU the process's share of all cores.",
-            labels=[LABEL],
+            f"{prefix}gpu_utilization", "Device utilization (0 to 1); on CPU the process's share of all cores.",
+            labels=LABELS,
         )
         memory_family = GaugeMetricFamily(
-            f"{PREFIX}gpu_memory_usage_bytes", "Device memory in use; on CPU the process's resident memory.",
-            labels=[LABEL],
+            f"{prefix}gpu_memory_usage_bytes", "Device memory in use; on CPU the process's resident memory.",
+            labels=LABELS,
         )
         for name in stats:
-            util_family.add_metric([name], utilization)
-            memory_family.add_metric([name], memory)
+            util_family.add_metric([name, ENGINE_INDEX], utilization)
+            memory_family.add_metric([name, ENGINE_INDEX], memory)
         yield util_family
         yield memory_family
+
+    def _cache_config(self, stats: dict[str, dict[str, int | float]]) -> GaugeMetricFamily:
+        """1 per model, its KV-cache configuration in the labels (vLLM's ``cache_config_info``)."""
+        keys = ("block_size", "enable_prefix_caching", "gpu_memory_utilization", "num_gpu_blocks",
+                "num_gpu_blocks_override", "num_cpu_blocks", "swap_space")
+        family = GaugeMetricFamily(
+            f"{self._prefix}cache_config_info", "KV-cache configuration of each model, in its labels.",
+            labels=LABELS + keys,
+        )
+        for name, config in self._configs.items():
+            values = (config.block_size, config.enable_prefix_caching, config.gpu_memory_utilization,
+                      int(stats[name]["num_gpu_blocks_total"]), config.num_gpu_blocks_override,
+                      int(stats[name]["num_cpu_blocks_total"]), config.resolved_swap_space)
+            family.add_metric([name, ENGINE_INDEX, *map(str, values)], 1.0)
+        return family
 
     def _device_usage(self) -> tuple[float, float]:
         if self._device == "cuda":

@@ -9,6 +9,8 @@ import promql_parser
 import pytest
 import yaml
 
+from raypaged.core.block_manager import KVCacheManager
+from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from raypaged.serving.metrics import PREFIX, ServerMetrics
 from tests.deploy.common import MONITORING_DIR
 
@@ -19,10 +21,11 @@ _RATE_FUNCTIONS = {"rate", "irate", "increase"}
 
 
 def _families() -> dict[str, str]:
-    """Name -> type of every ``raypaged:`` family a real server registry exports."""
-    metrics = ServerMetrics({"m": lambda: {}}, device="cpu")
-    families = {family.name: family.type for family in metrics.registry.collect()}
-    assert families and all(name.startswith(PREFIX) for name in families)
+    """Name -> type of every ``raypaged:`` family a real server registry exports (not the process metrics)."""
+    stats = Scheduler(SchedulerConfig(), KVCacheManager(8, 16, True)).stats()
+    metrics = ServerMetrics({"m": lambda: stats}, device="cpu")
+    families = {family.name: family.type for family in metrics.registry.collect() if family.name.startswith(PREFIX)}
+    assert len(families) > 20
     return families
 
 
@@ -122,7 +125,7 @@ def test_every_exported_metric_has_a_panel():
 def test_a_new_metric_without_a_panel_is_caught(monkeypatch):
     from raypaged.serving import metrics
 
-    monkeypatch.setattr(metrics, "_GAUGES", metrics._GAUGES + (("num_new_thing", "A new gauge.", "new"),))
+    monkeypatch.setattr(metrics, "_GAUGES", metrics._GAUGES + (("num_new_thing", "A new gauge.", "num_gpu_blocks_free"),))
     with pytest.raises(AssertionError, match="raypaged:num_new_thing"):
         test_every_exported_metric_has_a_panel()
 

@@ -263,7 +263,7 @@ def scrape(client) -> dict[tuple[str, tuple], float]:
 
 
 def test_metrics_parse_and_move_under_load(stack, client):
-    label = (("model_name", "tiny-qwen"),)
+    label = (("engine", "0"), ("model_name", "tiny-qwen"))
     before = scrape(client)
     body = {"model": "tiny-qwen", "prompt": [7] * 60, "max_tokens": 120, "ignore_eos": True, "stream": True}
     threads = [threading.Thread(target=lambda: client.post("/v1/completions", json=body)) for _ in range(3)]
@@ -293,7 +293,7 @@ def test_metrics_parse_and_move_under_load(stack, client):
     assert after[("raypaged:num_requests_swapped", label)] == 0
     assert after[("raypaged:gpu_memory_usage_bytes", label)] > 100e6
     assert max(s[("raypaged:gpu_utilization", label)] for s in during) > 0
-    assert ("raypaged:num_requests_running", (("model_name", "tiny"),)) in after
+    assert ("raypaged:num_requests_running", (("engine", "0"), ("model_name", "tiny"))) in after
 
 
 def test_a_request_holds_one_tenant_slot_per_prompt(stack):
