@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
 from raypaged.sampling_params import SamplingParams
+from raypaged.structured.config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -118,6 +119,8 @@ class EngineConfig:
     limits: InputLimits = field(default_factory=InputLimits)  # per-request caps (--max-logprobs ...)
     generation_config: str = "auto"  # auto: the model folder's generation_config.json; vllm: no defaults; a folder
     override_generation_config: dict[str, Any] | None = None  # sampling defaults over the generation config's
+    # grammar engine of structured outputs (--structured-outputs-config)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     served_model_aliases: tuple[str, ...] = field(init=False, default=())
     model_path: Path = field(init=False)
     tokenizer_path: Path = field(init=False)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -15,6 +17,70 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything generated so far
     DELTA = 1  # only what is new since the previous output
     FINAL_ONLY = 2  # a single output, when the request finishes
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's names): exactly one of
+
+    - ``json``: a JSON schema (a dict or its JSON text) the output must validate against;
+    - ``regex``: a regular expression the whole output must match;
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: an EBNF (GBNF) grammar whose ``root`` rule the output must derive;
+    - ``json_object``: any JSON object;
+    - ``structural_tag``: xgrammar's structural tag (JSON text): free text with tagged,
+      constrained segments (tool calls).
+
+    ``disable_any_whitespace`` and ``disable_additional_properties`` (JSON only) override the
+    server's ``--structured-outputs-config`` for this request when set.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs need exactly one of json, regex, choice, grammar, json_object or "
+                f"structural_tag, got {given or 'none'}"
+            )
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured outputs: choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json", "regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, dict) if name == "json" else str):
+                raise ValueError(f"structured outputs: {name} must be a string, got {type(value).__name__}")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured outputs: whitespace_pattern is not supported by the xgrammar backend")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: the schema's JSON, the regex, the grammar, the choices' JSON."""
+        value = getattr(self, self.kind)
+        if self.kind in ("json", "choice"):
+            return value if isinstance(value, str) else json.dumps(value)
+        return "" if value is True else value
+
+    @property
+    def num_chars(self) -> int:
+        return len(self.spec)
 
 
 @dataclass(slots=True)
@@ -46,6 +112,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -8,8 +8,12 @@ and block table travel once (``NewRequestData``); afterwards only deltas do.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from raypaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -47,6 +51,16 @@ class BlockOp:
 
 
 @dataclass(slots=True)
+class GrammarBitmask:
+    """The tokens each constrained request may sample this step: row ``i`` of ``bitmask``
+    ([len(request_ids), ceil(vocab / 32)] int32, bit ``t % 32`` of word ``t // 32`` set = token
+    ``t`` allowed) belongs to ``request_ids[i]``."""
+
+    request_ids: list[str]
+    bitmask: torch.Tensor
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
@@ -56,6 +70,8 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     # block copies to run, in this order, before the step's forward
     block_ops: list[BlockOp] = field(default_factory=list)
+    # token masks of the constrained requests that sample this step (structured outputs)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamGroup, BeamSearchParams
 from raypaged.core.block_manager import KVCacheManager
+from raypaged.core.outputs import GrammarBitmask, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from raypaged.engine.detokenizer import IncrementalDetokenizer
@@ -31,9 +32,13 @@ from raypaged.engine.output_processor import (
 from raypaged.executor.uniproc import UniProcExecutor
 from raypaged.inputs.limits import InputError, check_context, check_prompt_ids, check_sampling, check_text
 from raypaged.outputs import CompletionOutput, RequestOutput
-from raypaged.sampling_params import SamplingParams
+from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
+from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
+from raypaged.structured.backend import GrammarBackend
 
 if TYPE_CHECKING:
+    import xgrammar
+
     from raypaged.executor.ray_executor import RayExecutor, WorkerDiedError
 
 logger = logging.getLogger("raypaged")
@@ -82,6 +87,10 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}  # by request id
         self._seq_states: dict[str, tuple[RequestState, SeqState]] = {}  # by sequence id
         self._beam_states: dict[str, tuple[RequestState, BeamGroup]] = {}  # beam searches by request id
+        self.grammars = GrammarBackend(
+            self.tokenizer, config.hf_config.vocab_size, self.eos_token_ids, config.structured_outputs_config
+        )
+        self._matchers: dict[str, xgrammar.GrammarMatcher] = {}  # constrained sequences' grammar states, by sequence id
         self._ids = itertools.count()  # request ids for callers that give none
         self._seq_numbers = itertools.count()  # internal sequence ids: "<n>:<request id>", never a user's id
 
@@ -125,6 +134,12 @@ class LLMEngine:
         check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, self.config.max_model_len)
         return request_id, list(prompt_token_ids)
 
+    def compile_grammar(self, structured: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """The constraint's grammar, its size checked first; thread-safe (servers call it off the
+        engine thread, so ``add_request`` then finds it cached). Raises ``InputError``."""
+        check_text(STRUCTURED_PARAM, structured.num_chars, self.config.limits, self.config.max_model_len)
+        return self.grammars.compile(structured)
+
     def _seq_id(self, request_id: str) -> str:
         return f"{next(self._seq_numbers)}:{request_id}"
 
@@ -148,6 +163,9 @@ class LLMEngine:
         check_context(len(prompt_token_ids), sampling_params.max_tokens, self.config.max_model_len)
         max_tokens = sampling_params.max_tokens or self.config.max_model_len - len(prompt_token_ids)
         num_samples = sampling_params.num_samples
+        grammar = None
+        if (structured := sampling_params.structured_outputs) is not None:
+            grammar = self.compile_grammar(structured)  # cached when a server compiled it off the engine thread
         seq_id = self._seq_id(request_id)
         seq_params = self._with_eos_stops(sampling_params)
         seqs = [
@@ -178,6 +196,8 @@ class LLMEngine:
             seq_state = SeqState(seq, detok)
             state.seqs.append(seq_state)
             self._seq_states[seq.request_id] = (state, seq_state)
+            if grammar is not None:
+                self._matchers[seq.request_id] = self.grammars.matcher(grammar)
         self._states[request_id] = state
         return request_id
 
@@ -230,6 +250,7 @@ class LLMEngine:
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             for seq_id in seq_ids:
                 self._seq_states.pop(seq_id, None)
+                self._matchers.pop(seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -246,6 +267,8 @@ class LLMEngine:
         if self._worker_error is not None:
             raise self._worker_error
         scheduler_output = self.scheduler.schedule()
+        if self._matchers:
+            scheduler_output.grammar_bitmask = self._grammar_bitmask(scheduler_output)
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except self._shard_lost as err:
@@ -263,6 +286,8 @@ class LLMEngine:
                 touched[found[0].request_id] = found[0]
         for request in updated:
             state, seq = self._seq_states[request.request_id]
+            if state.error is None and (matcher := self._matchers.get(request.request_id)) is not None:
+                self._guarded(state, "advancing the grammar", self._advance_grammar, matcher, request)
             if state.error is None:
                 if self._guarded(state, "detokenizing or stop matching", process_token, seq):
                     self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
@@ -281,6 +306,33 @@ class LLMEngine:
                 outputs.append(self._beam_output(state, group))
                 del self._beam_states[request_id]
         return outputs
+
+    def _grammar_bitmask(self, so: SchedulerOutput) -> GrammarBitmask | None:
+        """Masks of the constrained sequences that sample this step (their last known token is
+        computed now); a matcher that fails ends its request alone."""
+        requests = self.scheduler.requests
+        request_ids = [
+            rid for rid, num_new in so.num_scheduled_tokens.items()
+            if rid in self._matchers and requests[rid].num_computed_tokens + num_new == requests[rid].num_tokens
+        ]
+        if not request_ids:
+            return None
+        bitmask = self.grammars.allocate_bitmask(len(request_ids))
+        filled = []
+        for request_id in request_ids:
+            state = self._seq_states[request_id][0]
+            fill = self._matchers[request_id].fill_next_token_bitmask
+            if state.error is None and self._guarded(state, "filling the grammar mask", _filled, fill, bitmask, len(filled)):
+                filled.append(request_id)
+        return GrammarBitmask(filled, bitmask[: len(filled)]) if filled else None
+
+    def _advance_grammar(self, matcher: xgrammar.GrammarMatcher, request: Request) -> None:
+        """Feed the sampled token to the sequence's grammar; a complete output ends the sequence."""
+        token_id = request.output_token_ids[-1]
+        if not matcher.accept_token(token_id):
+            raise RuntimeError(f"the grammar refused token {token_id}")
+        if matcher.is_terminated() and not request.status.finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _recover_from(self, err: WorkerDiedError) -> None:
         if not self.config.enable_recovery:
@@ -323,9 +375,15 @@ class LLMEngine:
         del self._states[state.request_id]
         for seq in state.seqs:
             self._seq_states.pop(seq.request.request_id, None)
+            self._matchers.pop(seq.request.request_id, None)
 
     def stats(self) -> dict[str, int | float]:
         return self.scheduler.stats()
+
+
+def _filled(fill: Callable[[object, int], bool], bitmask: object, row: int) -> bool:
+    fill(bitmask, row)
+    return True
 
 
 def _check_pool_holds_one_sequence(num_blocks: int, config: EngineConfig) -> None:

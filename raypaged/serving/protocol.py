@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from raypaged.config import GenerationDefaults
 from raypaged.inputs.limits import InputLimits, check_stop_counts
 from raypaged.outputs import CompletionOutput, RequestOutput
-from raypaged.sampling_params import RequestOutputKind, SamplingParams
+from raypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from raypaged.serving.proto import generate_pb2 as pb
 
 FINISH_REASONS = {
@@ -57,10 +57,22 @@ def sampling_params_from_proto(
     )
     if sampling.HasField("best_of"):
         kwargs["best_of"] = sampling.best_of
+    if request.HasField("structured"):
+        kwargs["structured_outputs"] = structured_from_proto(request.structured)
     try:
         return SamplingParams(**kwargs)
     except TypeError as exc:  # a field this engine build does not know
         raise ValueError(str(exc)) from None
+
+
+def structured_from_proto(message: pb.StructuredOutput) -> StructuredOutputsParams:
+    """The request's constraint; one with no kind set raises ``ValueError``."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured: set one of json_schema, regex, choice, grammar, json_object, structural_tag")
+    value = list(message.choice.choices) if kind == "choice" else getattr(message, kind)
+    whitespace = message.disable_any_whitespace if message.HasField("disable_any_whitespace") else None
+    return StructuredOutputsParams(**{"json" if kind == "json_schema" else kind: value}, disable_any_whitespace=whitespace)
 
 
 def _set_or(message: Any, name: str, default: float | None, fallback: float | None) -> Any:

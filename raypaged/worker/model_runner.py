@@ -18,7 +18,7 @@ from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.sampling_params import SamplingParams
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
-from raypaged.worker.sampler import SamplingInput, greedy_fast_path, sample
+from raypaged.worker.sampler import SamplingInput, apply_token_bitmask, greedy_fast_path, sample
 
 logger = logging.getLogger("raypaged")
 
@@ -177,6 +177,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.sample_indices])  # a collective under TP
         if not self.samples:
             return ModelRunnerOutput()
+        if (grammar := so.grammar_bitmask) is not None:
+            row_of = {request_id: row for row, request_id in enumerate(step.sampled_request_ids)}
+            apply_token_bitmask(logits, grammar.bitmask, [row_of[request_id] for request_id in grammar.request_ids])
         inputs = [
             SamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.eos_token_id, s.sample_index)
             for s in (self.requests[rid] for rid in step.sampled_request_ids)

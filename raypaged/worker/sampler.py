@@ -60,6 +60,17 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.G
     return results
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, every token of ``logits[rows[i]]`` that row ``i`` of ``bitmask``
+    disallows. ``logits``: [num_seqs, vocab]; ``bitmask``: [len(rows), ceil(vocab / 32)] int32."""
+    vocab = logits.shape[-1]
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(len(rows), -1)[:, :vocab].bool()
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 def greedy_fast_path(logits: torch.Tensor, inputs: list[SamplingInput]) -> list[SampledToken] | None:
     """``sample`` for a batch that is all plain greedy (no penalties, no min_tokens mask in force,
     no top logprobs): the same tokens and logprobs with no copy of the logits, computed where

@@ -52,10 +52,10 @@ class ResponseShape:
             return {"content": [
                 {
                     "token": text,
-                    "logprob": logprob,
+                    "logprob": _finite(logprob),
                     "bytes": list(text.encode()),
                     "top_logprobs": [
-                        {"token": t, "logprob": lp, "bytes": list(t.encode())}
+                        {"token": t, "logprob": _finite(lp), "bytes": list(t.encode())}
                         for t, lp in zip(top.token_texts, top.logprobs)
                     ],
                 }
@@ -67,8 +67,10 @@ class ResponseShape:
             text_offset += len(text)
         return {
             "tokens": list(delta.token_texts),
-            "token_logprobs": list(delta.logprobs),
-            "top_logprobs": [dict(zip(top.token_texts, top.logprobs)) for top in delta.top_logprobs],
+            "token_logprobs": [_finite(lp) for lp in delta.logprobs],
+            "top_logprobs": [
+                {t: _finite(lp) for t, lp in zip(top.token_texts, top.logprobs)} for top in delta.top_logprobs
+            ],
             "text_offset": offsets,
         }
 
@@ -180,3 +182,10 @@ class ChunkWriter:
 
     def _null_usage(self) -> dict:
         return {"usage": None} if self.include_usage else {}
+
+
+_MIN_LOGPROB = -9999.0  # JSON has no -Infinity: a token the grammar (or a mask) ruled out reports this, as vLLM
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)

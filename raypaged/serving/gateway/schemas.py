@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +20,101 @@ Unsigned = Annotated[int, Field(ge=0, le=_UINT32_MAX)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class LegacyStructure(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    begin: str
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    end: str
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``, plus vLLM's ``structural_tag`` (xgrammar's ``format``, or the
+    older ``structures`` and ``triggers``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[LegacyStructure] | None = None
+    triggers: list[str] | None = None
+
+    def structured(self) -> pb.StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return pb.StructuredOutput(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.json_schema is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            return pb.StructuredOutput(json_schema=json.dumps(self.json_schema.json_schema))
+        if self.format is not None:
+            return pb.StructuredOutput(structural_tag=json.dumps({"type": "structural_tag", "format": self.format}))
+        if self.structures is None or self.triggers is None:
+            raise APIError(400, "response_format structural_tag needs format, or structures and triggers", "response_format")
+        tags = [
+            {"begin": s.begin, "content": {"type": "json_schema", "json_schema": s.json_schema or {}}, "end": s.end}
+            for s in self.structures
+        ]
+        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": self.triggers, "tags": tags}}
+        return pb.StructuredOutput(structural_tag=json.dumps(tag))
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's ``structured_outputs``: one kind of constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_fallback: bool = False  # there is no fallback backend: honoured either way
+
+    def structured(self) -> pb.StructuredOutput:
+        if self.whitespace_pattern is not None:
+            raise APIError(400, "structured_outputs.whitespace_pattern is not supported by the xgrammar backend",
+                           "structured_outputs")
+        kinds = {
+            "json_schema": self.json_ if isinstance(self.json_, str) or self.json_ is None else json.dumps(self.json_),
+            "regex": self.regex,
+            "choice": None if self.choice is None else pb.StructuredChoices(choices=self.choice),
+            "grammar": self.grammar,
+            "json_object": self.json_object or None,
+            "structural_tag": self.structural_tag,
+        }
+        given = {k: v for k, v in kinds.items() if v is not None}
+        if len(given) != 1:
+            names = [("json" if k == "json_schema" else k) for k in given] or "none"
+            raise APIError(
+                400,
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object or "
+                f"structural_tag, got {names}",
+                "structured_outputs",
+            )
+        message = pb.StructuredOutput(**given)
+        if self.disable_any_whitespace is not None:
+            message.disable_any_whitespace = self.disable_any_whitespace
+        return message
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class _GenerationBody(BaseModel):
@@ -51,6 +147,43 @@ class _GenerationBody(BaseModel):
     stop_token_ids: list[Unsigned] | None = None
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-_INT32_MAX - 1, le=_INT32_MAX)
+    # structured outputs: OpenAI's, vLLM's, and vLLM's older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+
+    def structured(self) -> pb.StructuredOutput | None:
+        """The body's constraint (at most one of the ways to give one), or ``None``."""
+        guided = {name: getattr(self, name) for name in _GUIDED if getattr(self, name) is not None}
+        given = [name for name in ("response_format", "structured_outputs") if getattr(self, name) is not None]
+        given += list(guided)
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        if len(given) > 1:
+            raise APIError(400, f"give one structured output constraint, got {', '.join(given)}", given[1])
+        if self.guided_whitespace_pattern is not None:
+            raise APIError(400, "guided_whitespace_pattern is not supported by the xgrammar backend",
+                           "guided_whitespace_pattern")
+        if self.guided_decoding_backend not in (None, "xgrammar", "auto"):
+            raise APIError(
+                400,
+                f"guided_decoding_backend {self.guided_decoding_backend!r} is not supported; this server "
+                "decodes structured outputs with xgrammar",
+                "guided_decoding_backend",
+            )
+        if self.response_format is not None and given:
+            return self.response_format.structured()
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured()
+        if not guided:
+            return None
+        kind, value = next(iter(guided.items()))
+        return StructuredOutputsBody.model_validate({kind.removeprefix("guided_"): value}).structured()
 
     @property
     def include_usage(self) -> bool:
@@ -85,6 +218,8 @@ class _GenerationBody(BaseModel):
         if max_tokens is not None:
             stopping.max_tokens = max_tokens
         request = pb.GenerateRequest(model=model, sampling=sampling, stopping=stopping, priority=priority, **prompt)
+        if (structured := self.structured()) is not None:
+            request.structured.CopyFrom(structured)
         if num_logprobs is not None:
             request.logprobs = num_logprobs
         return request

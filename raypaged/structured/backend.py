@@ -1,0 +1,126 @@
+"""xgrammar behind one small interface: compile a request's constraint (cached), make a matcher,
+fill the token bitmasks of a step.
+
+A compiled grammar is immutable and shared by every request with the same constraint; a
+matcher is one sequence's position in it (advanced with each sampled token). Compiling is
+thread-safe: servers compile off the engine thread, and the engine then finds it cached.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from raypaged.inputs.limits import InputError
+from raypaged.sampling_params import StructuredOutputsParams
+from raypaged.structured.config import StructuredOutputsConfig
+
+if TYPE_CHECKING:
+    import torch
+    import xgrammar
+    from transformers import PreTrainedTokenizerBase
+
+# xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: "
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+PARAM = "structured_outputs"
+
+
+class GrammarBackend:
+    """One model's grammar compiler. ``stop_token_ids`` are the ids that end generation: the
+    grammar allows them exactly where its output is complete."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        config: StructuredOutputsConfig,
+    ) -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._compiler: xgrammar.GrammarCompiler | None = None  # built on first use: most servers never need it
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, ...], xgrammar.CompiledGrammar] = OrderedDict()
+
+    def _xgr_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of ``params`` (from the cache when it was compiled before); a
+        constraint that does not compile raises ``InputError`` with the compiler's message."""
+        any_whitespace = not (
+            self.config.disable_any_whitespace if params.disable_any_whitespace is None else params.disable_any_whitespace
+        )
+        key = (params.kind, params.spec, str(any_whitespace))
+        with self._lock:
+            if (found := self._cache.get(key)) is not None:
+                self._cache.move_to_end(key)
+                return found
+        compiled = self._compile(params, any_whitespace)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams, any_whitespace: bool) -> xgrammar.CompiledGrammar:
+        compiler = self._xgr_compiler()
+        kind, spec = params.kind, params.spec
+        whitespace = {"any_whitespace": any_whitespace, "max_whitespace_cnt": self.config.max_whitespace if any_whitespace else None}
+        try:
+            if kind == "json":
+                _check_json(spec, "json")
+                return compiler.compile_json_schema(spec, **whitespace)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', **whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(spec)
+            if kind == "choice":
+                alternatives = " | ".join(_ebnf_string(choice) for choice in params.choice or ())
+                return compiler.compile_grammar(f"root ::= {alternatives}")
+            if kind == "grammar":
+                return compiler.compile_grammar(spec)
+            _check_json(spec, "structural_tag")
+            return compiler.compile_structural_tag(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            if isinstance(exc, InputError):
+                raise
+            message = _LOCATION.sub("", str(exc).strip())
+            raise InputError(PARAM, f"structured outputs: the {kind} constraint does not compile: {message}") from None
+
+    def matcher(self, compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+    def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, ceil(vocab / 32)] int32, a set bit = an allowed token."""
+        import xgrammar as xgr
+
+        return xgr.allocate_token_bitmask(num_rows, self._vocab_size)
+
+
+def _check_json(spec: str, kind: str) -> None:
+    try:
+        json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise InputError(PARAM, f"structured outputs: {kind} is not valid JSON: {exc}") from None
+
+
+def _ebnf_string(text: str) -> str:
+    """``text`` as an EBNF string literal (JSON's escapes are the grammar's)."""
+    return json.dumps(text, ensure_ascii=False)

@@ -1,0 +1,61 @@
+"""The server's structured-outputs settings (vLLM's ``--structured-outputs-config``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+BACKENDS = ("xgrammar",)
+_BACKEND_ALIASES = {"auto": "xgrammar"}  # vLLM's auto picks xgrammar where it can
+_KNOWN_UNSUPPORTED = ("guidance", "outlines", "lm-format-enforcer")
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsConfig:
+    """``backend``: the grammar engine (``xgrammar``; vLLM's ``auto`` means it).
+    ``disable_any_whitespace``: JSON outputs are compact (one space after ``:`` and ``,``), so a
+    small model cannot loop on whitespace; ``False`` allows free whitespace, up to
+    ``max_whitespace`` characters between two tokens of JSON (``None``: unbounded, as vLLM).
+    ``cache_size``: compiled grammars kept, least recently used dropped first."""
+
+    backend: str = "xgrammar"
+    disable_any_whitespace: bool = True
+    max_whitespace: int | None = 4
+    cache_size: int = 256
+
+    def __post_init__(self) -> None:
+        backend = _BACKEND_ALIASES.get(self.backend, self.backend)
+        if backend not in BACKENDS:
+            extra = " (not built into raypaged)" if backend in _KNOWN_UNSUPPORTED else ""
+            raise ValueError(
+                f"structured outputs backend {self.backend!r} is not supported{extra}; supported: "
+                f"{', '.join(BACKENDS + tuple(_BACKEND_ALIASES))}"
+            )
+        object.__setattr__(self, "backend", backend)
+        if self.max_whitespace is not None and self.max_whitespace < 1:
+            raise ValueError(f"structured outputs max_whitespace must be at least 1, got {self.max_whitespace}")
+        if self.cache_size < 1:
+            raise ValueError(f"structured outputs cache_size must be at least 1, got {self.cache_size}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | None, backend: str | None = None) -> StructuredOutputsConfig:
+        """From ``--structured-outputs-config`` (a JSON object or a dict) and the older
+        ``--guided-decoding-backend`` (which sets ``backend``); unknown keys are refused by name."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--structured-outputs-config is not valid JSON: {exc}") from None
+        if not isinstance(value, (dict, type(None))):
+            raise ValueError(f"--structured-outputs-config must be a JSON object, got {value!r}")
+        values = dict(value or {})
+        known = {f.name for f in fields(cls)}
+        unknown = [key for key in values if key not in known]
+        if unknown:
+            raise ValueError(
+                f"--structured-outputs-config: unknown field {unknown[0]!r}; allowed: {', '.join(sorted(known))}"
+            )
+        if backend is not None:
+            values["backend"] = backend
+        return cls(**values)
