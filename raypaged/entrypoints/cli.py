@@ -48,7 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
                                  "one such flag per --model (default: the --model value)")
     else:
         parser.add_argument("--model", default=None,
-                            help="local model folder or Hugging Face Hub id (org/name) (default: SmolLM2-135M-Instruct)")
+                            help="local model folder or Hugging Face Hub id (org/name) "
+                                 "(default: SmolLM2-135M-Instruct)")
     add_hub_args(parser)
     parser.add_argument("--dtype", default="auto", help="auto, half, float16, bfloat16, float, float32")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

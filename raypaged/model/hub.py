@@ -19,7 +19,9 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
     "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
 )
-MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES)
+MODEL_FILES = (
+    "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES,
+)
 
 
 def resolve_model_files(
@@ -44,7 +46,9 @@ def resolve_model_files(
     return _snapshot(name, revision, download_dir, what, MODEL_FILES if weights else ("config.json", *TOKENIZER_FILES))
 
 
-def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, what: str, patterns: tuple[str, ...]) -> Path:
+def _snapshot(
+    repo_id: str, revision: str | None, download_dir: str | None, what: str, patterns: tuple[str, ...]
+) -> Path:
     """The cached snapshot folder of ``repo_id`` at ``revision``, downloading it where the network allows."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
