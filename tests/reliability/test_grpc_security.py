@@ -296,7 +296,7 @@ def test_tenants_file_priority_range(tmp_path):
 def test_engine_flags_for_keys_tenants_and_prefix_cache_sharing(tmp_path, capsys):
     parser = build_parser()
     args = parser.parse_args(["engine", "--api-key", A, "--tenants", "t.yaml", "--share-prefix-cache"])
-    assert (args.api_key, args.tenants, args.share_prefix_cache) == (A, "t.yaml", True)
+    assert (args.api_key, args.tenants, args.share_prefix_cache) == ([A], "t.yaml", True)
     assert parser.parse_args(["serve"]).share_prefix_cache is False
     bad = tmp_path / "tenants.yaml"
     bad.write_text("tenants:\n  - name: t\n    max_request_priority: -1\n")

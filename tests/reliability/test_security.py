@@ -56,10 +56,10 @@ def test_defaults_bind_loopback_and_protect_all_but_health_and_metrics():
 def test_api_key_from_the_environment_stays_out_of_the_process_list(monkeypatch):
     parser = build_parser()
     monkeypatch.setenv("RAYPAGED_API_KEY", KEY)
-    assert gateway_options(parser.parse_args(["serve"])).api_key == KEY
-    assert gateway_options(parser.parse_args(["serve", "--api-key", "sk-flag"])).api_key == "sk-flag"  # the flag wins
+    assert gateway_options(parser.parse_args(["serve"])).api_keys == (KEY,)
+    assert gateway_options(parser.parse_args(["serve", "--api-key", "sk-flag"])).api_keys == ("sk-flag",)  # the flag wins
     monkeypatch.setenv("RAYPAGED_API_KEY", "")
-    assert gateway_options(parser.parse_args(["serve"])).api_key is None
+    assert gateway_options(parser.parse_args(["serve"])).api_keys == ()
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -112,8 +112,6 @@ def build_app(
         gate = slot.gate
         body = await parse(http, body_type)
         chat = body_type is ChatCompletionRequest
-        if not chat and body.echo:
-            raise APIError(400, "echo is not supported", "echo")
         model, stub = routes.resolve(body.model)
         check_count("prompt", body.num_prompts, max_prompts_per_request, "max_prompts_per_request", "prompts")
         prompts = body.prompts()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raypaged.serving.proto import generate_pb2 as pb
 
 from raypaged.serving.gateway.errors import APIError
+
+logger = logging.getLogger("raypaged")
 
 # integer bounds of the gRPC fields the values travel in
 _UINT32_MAX = 2**32 - 1
@@ -20,6 +23,7 @@ Unsigned = Annotated[int, Field(ge=0, le=_UINT32_MAX)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False  # usage only in the last chunk
 
 
 class JsonSchemaFormat(BaseModel):
@@ -116,6 +120,58 @@ class StructuredOutputsBody(BaseModel):
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
+# Request fields of vLLM's (and OpenAI's) API that this server does not implement yet: a request may
+# send them only with a value that asks for nothing (these, null, or an empty list or object).
+_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "echo": (False,),
+    "suffix": ("",),
+    "logit_bias": (),
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": (),
+    "include_stop_str_in_output": (False,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "return_tokens_as_token_ids": (False,),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "logits_processors": (),
+    "prompt_embeds": (),
+    "tools": (),
+    "tool_choice": ("none", "auto"),
+    "functions": (),
+    "function_call": ("none", "auto"),
+    "chat_template": (),
+    "chat_template_kwargs": (),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "documents": (),
+    "mm_processor_kwargs": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "request_id": (),
+    "cache_salt": (),
+    "prediction": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "reasoning_effort": (),
+}
+_MAX_LOGGED_FIELDS = 256  # distinct unknown field names logged; a flood of made-up names logs no more
+_logged_fields: set[str] = set()
+
+
+def _check_extra_fields(extra: dict[str, Any] | None) -> None:
+    """Fields the body model does not declare: a known one this server cannot honour is a 400
+    naming it; an unknown one is logged once per name and ignored (as vLLM does)."""
+    for name, value in (extra or {}).items():
+        if name in _UNSUPPORTED:
+            if value is None or value in ({}, []) or value in _UNSUPPORTED[name]:
+                continue
+            raise APIError(400, f"{name} is not supported by this server; send the request without it", name)
+        if name not in _logged_fields and len(_logged_fields) < _MAX_LOGGED_FIELDS:
+            _logged_fields.add(name)
+            logger.warning("request field %r is not part of the API and is ignored", name[:64])
+
 
 class _GenerationBody(BaseModel):
     """Fields shared by completions and chat completions; unknown fields are ignored (as vLLM does).
@@ -123,7 +179,7 @@ class _GenerationBody(BaseModel):
     Numbers must be finite and fit the gRPC fields they travel in.
     """
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=_UINT32_MAX)  # the engine caps n and best_of (--max-num-samples)
@@ -185,6 +241,11 @@ class _GenerationBody(BaseModel):
         kind, value = next(iter(guided.items()))
         return StructuredOutputsBody.model_validate({kind.removeprefix("guided_"): value}).structured()
 
+    @model_validator(mode="after")
+    def _extra_fields(self) -> _GenerationBody:
+        _check_extra_fields(self.model_extra)
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
@@ -228,7 +289,7 @@ class _GenerationBody(BaseModel):
 class CompletionRequest(_GenerationBody):
     prompt: str | list[str] | list[Unsigned] | list[list[Unsigned]]
     logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
-    echo: bool = False
+    add_special_tokens: Literal[True] = True  # prompts are tokenized with the BOS (as vLLM's default)
 
     @property
     def num_prompts(self) -> int:
@@ -263,11 +324,22 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+_UNSUPPORTED_IN_MESSAGES = ("name", "tool_calls", "tool_call_id", "function_call")
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _extra_fields(self) -> ChatMessage:
+        for name, value in (self.model_extra or {}).items():
+            if name in _UNSUPPORTED_IN_MESSAGES and value not in (None, "", [], {}):
+                raise APIError(400, f"messages: {name} is not supported by this server; send messages without it",
+                               "messages")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -283,6 +355,7 @@ class ChatCompletionRequest(_GenerationBody):
     logprobs: bool = False
     top_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
     max_completion_tokens: Unsigned | None = None
+    add_special_tokens: Literal[False] = False  # the chat template writes the special tokens (as vLLM's default)
 
     @property
     def num_prompts(self) -> int:

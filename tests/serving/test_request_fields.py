@@ -1,0 +1,81 @@
+"""vLLM and OpenAI request fields this server does not implement are refused by name, never ignored;
+fields of no API are logged once and ignored, as vLLM does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tests.serving.conftest import Stack, tiny_config
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def http(tiny_model_dir):
+    stack = Stack([tiny_config(tiny_model_dir, "tiny")])
+    with stack.client() as client:
+        yield client
+    stack.close()
+
+
+@pytest.mark.parametrize(("body", "field", "value"), [
+    (COMPLETION, "echo", True),
+    (COMPLETION, "logit_bias", {"5": 10}),
+    (COMPLETION, "prompt_logprobs", 1),
+    (COMPLETION, "suffix", "end"),
+    (COMPLETION, "use_beam_search", True),
+    (COMPLETION, "include_stop_str_in_output", True),
+    (COMPLETION, "truncate_prompt_tokens", 4),
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    (CHAT, "tool_choice", "required"),
+    (CHAT, "chat_template_kwargs", {"enable_thinking": False}),
+    (CHAT, "continue_final_message", True),
+    (CHAT, "bad_words", ["no"]),
+])
+def test_a_known_field_it_cannot_honour_is_a_400_naming_it(http, body, field, value):
+    answer = http.post("/v1/chat/completions" if body is CHAT else "/v1/completions", json={**body, field: value})
+    assert answer.status_code == 400
+    assert answer.json()["error"] == {
+        "message": f"{field} is not supported by this server; send the request without it",
+        "type": "invalid_request_error", "param": field, "code": None,
+    }
+
+
+@pytest.mark.parametrize(("body", "field", "value"), [
+    (COMPLETION, "echo", False), (COMPLETION, "logit_bias", {}), (COMPLETION, "length_penalty", 1.0),
+    (CHAT, "tools", []), (CHAT, "tool_choice", "none"), (CHAT, "add_generation_prompt", True),
+    (CHAT, "bad_words", None),
+])
+def test_the_same_fields_asking_for_nothing_are_accepted(http, body, field, value):
+    answer = http.post("/v1/chat/completions" if body is CHAT else "/v1/completions", json={**body, field: value})
+    assert answer.status_code == 200, answer.text
+
+
+def test_messages_keep_no_field_silently(http):
+    message = {"role": "user", "content": "hi", "name": "ann"}
+    answer = http.post("/v1/chat/completions", json={**CHAT, "messages": [message]})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == "messages: name is not supported by this server; send messages without it"
+
+
+@pytest.mark.parametrize(("body", "path", "field", "value", "message"), [
+    (COMPLETION, "/v1/completions", "add_special_tokens", False, "add_special_tokens: Input should be True"),
+    (CHAT, "/v1/chat/completions", "add_special_tokens", True, "add_special_tokens: Input should be False"),
+    (CHAT, "/v1/chat/completions", "stream_options", {"continuous_usage_stats": True},
+     "stream_options.continuous_usage_stats: Input should be False"),
+])
+def test_settings_only_honoured_at_their_default(http, body, path, field, value, message):
+    answer = http.post(path, json={**body, field: value})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == message
+
+
+def test_a_field_of_no_api_is_logged_once_and_ignored(http, caplog):
+    with caplog.at_level(logging.WARNING, logger="raypaged"):
+        for _ in range(3):
+            assert http.post("/v1/completions", json={**COMPLETION, "made_up_field": 1}).status_code == 200
+    logged = [r.getMessage() for r in caplog.records if "made_up_field" in r.getMessage()]
+    assert logged == ["request field 'made_up_field' is not part of the API and is ignored"]
