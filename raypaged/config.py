@@ -120,7 +120,7 @@ class EngineConfig:
     generation_config: str = "auto"  # auto: the model folder's generation_config.json; vllm: no defaults; a folder
     override_generation_config: dict[str, Any] | None = None  # sampling defaults over the generation config's
     # grammar engine of structured outputs (--structured-outputs-config)
-    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] = field(default_factory=StructuredOutputsConfig)
     served_model_aliases: tuple[str, ...] = field(init=False, default=())
     model_path: Path = field(init=False)
     tokenizer_path: Path = field(init=False)
@@ -129,6 +129,8 @@ class EngineConfig:
     generation_eos_token_ids: tuple[int, ...] = field(init=False)  # the generation config's eos_token_id
 
     def __post_init__(self) -> None:
+        if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):  # vLLM's dict form
+            self.structured_outputs_config = StructuredOutputsConfig.parse(self.structured_outputs_config)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.block_size not in _BLOCK_SIZES:

@@ -48,7 +48,7 @@ T = TypeVar("T")
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
         self.eos_token_ids = self._eos_token_ids()
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the EOS; the others stop too
         logger.info(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from raypaged import envs
 from raypaged.entrypoints.config_file import CONFIG_FLAG, ArgumentParser
 from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
+from raypaged.structured.config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     from raypaged.config import EngineConfig
@@ -91,6 +92,11 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
                         help="JSON object of sampling defaults over the generation config's, e.g. "
                              '\'{"temperature": 0.5}\' (temperature, top_p, top_k, min_p, repetition_penalty, '
                              "max_new_tokens)")
+    parser.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                        help='structured outputs as vLLM\'s: \'{"backend": "xgrammar", "disable_any_whitespace": '
+                             'true, "max_whitespace": 4, "cache_size": 256}\' (backend xgrammar or auto)')
+    parser.add_argument("--guided-decoding-backend", default=None, metavar="NAME",
+                        help="vLLM's older spelling of the structured outputs backend: xgrammar or auto")
     add_limit_args(parser)
     add_vllm_args(parser)
     parser.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
@@ -195,6 +201,9 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
             ) from None
     if "limits" in accepted:
         kwargs["limits"] = input_limits(args)
+    kwargs["structured_outputs_config"] = StructuredOutputsConfig.parse(
+        args.structured_outputs_config, args.guided_decoding_backend
+    )
     for dest, default in _OPTIONAL_ENGINE_FLAGS.items():
         value = getattr(args, dest)
         if dest in accepted:
@@ -250,6 +259,12 @@ def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
 def add_drain_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM/SIGINT: how long in-flight requests may run before they are aborted")
+
+
+def add_metrics_prefix_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-prefix", default="raypaged", metavar="NAME",
+                        help="start every Prometheus metric name with NAME: (vllm: vLLM's names, for its Grafana "
+                             "dashboard, KEDA rules and inference gateways)")
 
 
 def add_share_prefix_cache_arg(parser: argparse.ArgumentParser) -> None:
@@ -359,7 +374,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = gateway_options(args)
     options_check(options)
-    asyncio.run(run_serve(engine_configs(args), args.grpc_host, args.grpc_port, options, args.share_prefix_cache))
+    asyncio.run(run_serve(
+        engine_configs(args), args.grpc_host, args.grpc_port, options, args.share_prefix_cache, f"{args.metrics_prefix}:"
+    ))
     return 0
 
 
@@ -371,7 +388,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
         raise ValueError(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout:g}")
     tenants = tenants_for(api_keys(args), args.tenants)  # a bad file fails before models load
     asyncio.run(run_engine(
-        engine_configs(args), args.grpc_host, args.grpc_port, args.drain_timeout, tenants, args.share_prefix_cache
+        engine_configs(args), args.grpc_host, args.grpc_port, args.drain_timeout, tenants, args.share_prefix_cache,
+        f"{args.metrics_prefix}:",
     ))
     return 0
 
@@ -418,6 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-host", default="127.0.0.1", help="gRPC address to listen on")
     serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = a free one)")
     add_share_prefix_cache_arg(serve)
+    add_metrics_prefix_arg(serve)
     add_config_arg(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -429,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "default: $RAYPAGED_API_KEY); Health, Info and Metrics stay open")
     engine.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
     add_share_prefix_cache_arg(engine)
+    add_metrics_prefix_arg(engine)
     add_drain_arg(engine)
     add_config_arg(engine)
     engine.set_defaults(func=cmd_engine)

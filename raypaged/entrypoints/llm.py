@@ -15,6 +15,7 @@ from raypaged.engine.llm_engine import LLMEngine
 from raypaged.inputs.limits import InputLimits
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
+from raypaged.structured.config import StructuredOutputsConfig
 
 PromptType = str | dict[str, Any]
 _PROGRESS_MIN_PROMPTS = 16
@@ -61,6 +62,7 @@ class LLM:
         limits: InputLimits | None = None,
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
+        structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -93,6 +95,7 @@ class LLM:
                 limits=limits or InputLimits(),
                 generation_config=generation_config,
                 override_generation_config=override_generation_config,
+                structured_outputs_config=structured_outputs_config or StructuredOutputsConfig(),
             )
         )
 

@@ -38,6 +38,7 @@ from raypaged.serving.async_engine import AsyncLLMEngine, EngineDeadError, Reque
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tenants import AuthError, TenantGate, Tenants
+from raypaged.serving.metrics import PREFIX as METRICS_PREFIX
 from raypaged.serving.metrics import ServerMetrics
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
@@ -351,7 +352,8 @@ class EngineServer:
     """
 
     def __init__(
-        self, configs: list[EngineConfig], tenants: Tenants | None = None, share_prefix_cache: bool = False
+        self, configs: list[EngineConfig], tenants: Tenants | None = None, share_prefix_cache: bool = False,
+        metrics_prefix: str = METRICS_PREFIX,
     ) -> None:
         names = [name for c in configs for name in c.served_model_names]
         if len(set(names)) != len(names):
@@ -360,14 +362,17 @@ class EngineServer:
         self.served_names = {name: c.served_model_name for c in configs for name in c.served_model_names}
         self.tenants = tenants if tenants is not None else Tenants([])
         self.share_prefix_cache = share_prefix_cache
+        # before the engines load, so a bad --metrics-prefix fails at once (the stats are read at scrape time)
+        self.metrics = ServerMetrics(
+            {c.served_model_name: self._stats_of(c.served_model_name) for c in configs}, configs[0].resolved_device,
+            prefix=metrics_prefix, configs={c.served_model_name: c for c in configs},
+        )
         engines = {c.served_model_name: LLMEngine(c) for c in configs}
-        device = configs[0].resolved_device
-        self.metrics = ServerMetrics({name: self._stats_of(name) for name in engines}, device)
         self.models = {
             name: ServedModel(
                 name,
                 AsyncLLMEngine(engine, self.metrics.observer(name)),
-                AutoTokenizer.from_pretrained(engine.config.model_path),
+                AutoTokenizer.from_pretrained(engine.config.tokenizer_path),
             )
             for name, engine in engines.items()
         }

@@ -28,6 +28,7 @@ from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, tenants_for
 from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.inprocess import InProcessStub
+from raypaged.serving.metrics import PREFIX as METRICS_PREFIX
 
 logger = logging.getLogger("raypaged")
 
@@ -181,10 +182,10 @@ class Gateway:
 
 async def run_engine(
     configs: list[EngineConfig], host: str, grpc_port: int, drain_timeout_s: float, tenants: Tenants,
-    share_prefix_cache: bool = False,
+    share_prefix_cache: bool = False, metrics_prefix: str = METRICS_PREFIX,
 ) -> None:
     """The engine server until SIGTERM/SIGINT; then running calls get ``drain_timeout_s`` before they are cancelled."""
-    server = EngineServer(configs, tenants, share_prefix_cache)
+    server = EngineServer(configs, tenants, share_prefix_cache, metrics_prefix)
     await server.start(host, grpc_port)
     stopping = asyncio.Event()
     on_shutdown_signals(stopping.set)
@@ -203,7 +204,7 @@ async def run_gateway(
 
 async def run_serve(
     configs: list[EngineConfig], grpc_host: str, grpc_port: int, options: GatewayOptions,
-    share_prefix_cache: bool = False,
+    share_prefix_cache: bool = False, metrics_prefix: str = METRICS_PREFIX,
 ) -> None:
     """Engines, their gRPC server and a gateway in front of it, in one process; the gateway drains first.
 
@@ -213,7 +214,7 @@ async def run_serve(
     request holds one slot at each of the two).
     """
     tenants = tenants_for(options.api_keys, options.tenants_file)
-    server = EngineServer(configs, tenants, share_prefix_cache)
+    server = EngineServer(configs, tenants, share_prefix_cache, metrics_prefix)
     port = await server.start(grpc_host, grpc_port)
     address = f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"
     try:

@@ -1,9 +1,15 @@
 """vLLM command-line flags: honoured, or refused by name before any model loads."""
 
+import re
+
 import pytest
 
+import httpx
+
 from raypaged.entrypoints.cli import build_parser, engine_configs
-from tests.serving.conftest import tiny_model_dir  # noqa: F401  (session fixture)
+from raypaged.serving.engine_server import EngineServer
+from raypaged.structured.config import StructuredOutputsConfig
+from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
 
 
 def configs(*argv: str):
@@ -27,3 +33,39 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
 def test_what_cannot_be_honoured_is_refused_by_name(tiny_model_dir, argv, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         configs(str(tiny_model_dir), *argv)
+
+
+def test_structured_outputs_flags_set_the_engines_grammar_backend(tiny_model_dir):
+    [config] = configs(str(tiny_model_dir), "--structured-outputs-config",
+                       '{"backend": "auto", "disable_any_whitespace": false, "max_whitespace": 2}')
+    assert config.structured_outputs_config == StructuredOutputsConfig(disable_any_whitespace=False, max_whitespace=2)
+    [config] = configs(str(tiny_model_dir), "--guided-decoding-backend", "xgrammar")
+    assert config.structured_outputs_config == StructuredOutputsConfig()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--guided-decoding-backend", "outlines"],
+     "structured outputs backend 'outlines' is not supported (not built into raypaged); supported: xgrammar, auto"),
+    (["--structured-outputs-config", '{"backend": "xgrammar", "enable_in_reasoning": true}'],
+     "--structured-outputs-config: unknown field 'enable_in_reasoning'; allowed: backend, cache_size, "
+     "disable_any_whitespace, max_whitespace"),
+])
+def test_structured_outputs_flags_refuse_what_they_cannot_honour(tiny_model_dir, argv, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        configs(str(tiny_model_dir), *argv)
+
+
+def test_metrics_prefix_vllm_exports_vllms_names(tiny_model_dir):
+    assert build_parser().parse_args(["serve", "--metrics-prefix", "vllm"]).metrics_prefix == "vllm"
+    stack = Stack([tiny_config(tiny_model_dir, "tiny")], metrics_prefix="vllm:")
+    try:
+        text = httpx.get(f"{stack.url}/metrics").text
+    finally:
+        stack.close()
+    assert 'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0' in text
+    assert "raypaged:" not in text
+
+
+def test_a_bad_metrics_prefix_fails_before_any_model_loads(tiny_model_dir):
+    with pytest.raises(ValueError, match=re.escape("metric prefix 'v-llm:' is not a Prometheus name followed by ':'")):
+        EngineServer([tiny_config(tiny_model_dir, "tiny")], metrics_prefix="v-llm:")
