@@ -77,20 +77,6 @@ def generate(grpc_port: int, api_key: str, request: pb.GenerateRequest = FIRST_S
         return [t for response in responses for delta in response.outputs for t in delta.token_ids]
 
 
-def wait_ready(server: ServerProcess, url: str, verify: ssl.SSLContext | bool = True, within_s: float = 180) -> None:
-    """Until ``url``/health answers 200 (over HTTPS with ``verify``)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        assert server.process.poll() is None, f"server exited with {server.process.returncode}:\n{server.log()}"
-        try:
-            if httpx.get(f"{url}/health", verify=verify, timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"server not ready within {within_s} s:\n{server.log()}"
-        time.sleep(0.2)
-
-
 def wait_grpc_ready(server: ServerProcess, grpc_port: int, within_s: float = 180) -> None:
     deadline = time.monotonic() + within_s
     while True:
@@ -135,7 +121,7 @@ def https_server(tmp_path_factory, tiny_model_dir, certificate, trust):
     ], tmp_path_factory.mktemp("https") / "serve.log")
     try:
         url = f"https://127.0.0.1:{port}"
-        wait_ready(process, url, verify=trust)
+        process.wait_http_ready(url, verify=trust)
         yield Running(process, url, grpc_port, generate(grpc_port, "k2"))
     finally:
         process.close()
@@ -164,7 +150,7 @@ def config_server(tmp_path_factory, tiny_model_dir):
     ], folder / "serve.log")
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_ready(process, url)
+        process.wait_http_ready(url)
         yield Running(process, url, grpc_port, generate(grpc_port, "c1"))
     finally:
         process.close()

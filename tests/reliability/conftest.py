@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import ssl
 import sys
 import time
 from collections.abc import Iterator
@@ -42,12 +43,15 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def wait_http_ready(self, url: str, headers: dict | None = None, within_s: float = 180) -> None:
+    def wait_http_ready(
+        self, url: str, headers: dict | None = None, within_s: float = 180, verify: ssl.SSLContext | bool = True
+    ) -> None:
+        """Until ``url``/health answers 200 (over HTTPS, checked with ``verify``)."""
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"server exited with {self.process.returncode}:\n{self.log()}"
             try:
-                if httpx.get(f"{url}/health", headers=headers, timeout=5).status_code == 200:
+                if httpx.get(f"{url}/health", headers=headers, timeout=5, verify=verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
