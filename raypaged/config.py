@@ -121,7 +121,11 @@ class EngineConfig:
     override_generation_config: dict[str, Any] | None = None  # sampling defaults over the generation config's
     # grammar engine of structured outputs (--structured-outputs-config)
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] = field(default_factory=StructuredOutputsConfig)
+    chat_template: str | None = None  # a Jinja file or the template itself, over the tokenizer's (--chat-template)
+    default_chat_template_kwargs: dict[str, Any] | None = None  # template variables every request gets
+    trust_request_chat_template: bool = False  # a request may bring its own chat_template
     served_model_aliases: tuple[str, ...] = field(init=False, default=())
+    chat_template_text: str | None = field(init=False, default=None)  # --chat-template's text
     model_path: Path = field(init=False)
     tokenizer_path: Path = field(init=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -131,6 +135,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):  # vLLM's dict form
             self.structured_outputs_config = StructuredOutputsConfig.parse(self.structured_outputs_config)
+        self.chat_template_text = _chat_template_text(self.chat_template)
+        if self.default_chat_template_kwargs is not None and not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError(
+                f"--default-chat-template-kwargs must be a JSON object, got {self.default_chat_template_kwargs!r}"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.block_size not in _BLOCK_SIZES:
@@ -295,3 +304,15 @@ class EngineConfig:
         if self.resolved_device == "cpu":
             return "float32" if checkpoint == "float16" else checkpoint
         return "float16" if checkpoint == "float32" else checkpoint
+
+
+def _chat_template_text(template: str | None) -> str | None:
+    """``--chat-template``'s template: a file's text, or the value itself when it is a Jinja template."""
+    if template is None:
+        return None
+    path = Path(template).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in template or "{%" in template:
+        return template
+    raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja template")

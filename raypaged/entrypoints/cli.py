@@ -34,6 +34,8 @@ _OPTIONAL_ENGINE_FLAGS = {
     "enforce_eager": False,
     "attention_backend": "auto",
     "load_format": "auto",
+    "chat_template": None,
+    "trust_request_chat_template": False,
 }
 
 
@@ -97,9 +99,24 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
                              'true, "max_whitespace": 4, "cache_size": 256}\' (backend xgrammar or auto)')
     parser.add_argument("--guided-decoding-backend", default=None, metavar="NAME",
                         help="vLLM's older spelling of the structured outputs backend: xgrammar or auto")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template (a file, or the template itself) over the tokenizer's")
+    parser.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                        help='template variables every chat request gets, e.g. \'{"enable_thinking": false}\'')
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="a chat request may bring its own chat_template (refused otherwise)")
     add_limit_args(parser)
     add_vllm_args(parser)
     parser.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
+
+
+def _json_flag(flag_name: str, value: str) -> object:
+    import json
+
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag_name} takes a JSON object, got {value!r} ({exc})") from None
 
 
 def add_hub_args(parser: argparse.ArgumentParser) -> None:
@@ -191,19 +208,16 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
         generation_config=args.generation_config,
     )
     if args.override_generation_config is not None:
-        import json
-
-        try:
-            kwargs["override_generation_config"] = json.loads(args.override_generation_config)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"--override-generation-config takes a JSON object, got {args.override_generation_config!r} ({exc})"
-            ) from None
+        kwargs["override_generation_config"] = _json_flag("--override-generation-config",
+                                                          args.override_generation_config)
     if "limits" in accepted:
         kwargs["limits"] = input_limits(args)
     kwargs["structured_outputs_config"] = StructuredOutputsConfig.parse(
         args.structured_outputs_config, args.guided_decoding_backend
     )
+    if args.default_chat_template_kwargs is not None:
+        kwargs["default_chat_template_kwargs"] = _json_flag("--default-chat-template-kwargs",
+                                                            args.default_chat_template_kwargs)
     for dest, default in _OPTIONAL_ENGINE_FLAGS.items():
         value = getattr(args, dest)
         if dest in accepted:
@@ -282,7 +296,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
     parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024, metavar="BYTES",
                         help="larger request bodies are refused with 413")
-    parser.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="a log line per request (off by default, as vLLM)")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="vLLM's older flag: no log line per request (the default now)")
     parser.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
                         help="log level of the HTTP server, uvicorn (default: --log-level)")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
@@ -305,6 +322,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-headers", default=None, metavar="HEADERS",
                         help='CORS request headers with --allowed-origins, as that flag (default: \'["*"]\')')
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto": the model decides, its calls are found by --tool-call-parser')
+    parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="how tool calls look in the model's output: hermes, llama3_json, mistral, pythonic")
+    parser.add_argument("--response-role", default="assistant", metavar="ROLE", help="the role of chat answers")
     add_drain_arg(parser)
 
 
@@ -356,7 +378,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
             raise ValueError(f"{cors_flag} needs --allowed-origins (without it the server sends no CORS headers)")
     return GatewayOptions(
         host=args.host, port=args.port, api_key=api_keys(args), tenants_file=args.tenants,
-        log_requests=not args.disable_log_requests, log_level=args.log_level,
+        log_requests=args.enable_log_requests and not args.disable_log_requests, log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
         max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, auth_exempt_paths=exempt,
@@ -366,6 +388,8 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         allowed_methods=names("--allowed-methods", args.allowed_methods or '["*"]'),
         allowed_headers=names("--allowed-headers", args.allowed_headers or '["*"]'),
         allow_credentials=args.allow_credentials,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        response_role=args.response_role,
     )
 
 

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.llm_engine import LLMEngine
+from raypaged.inputs.chat_template import render_chat
 from raypaged.inputs.limits import InputLimits
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
@@ -63,6 +64,8 @@ class LLM:
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
         structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        default_chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -96,6 +99,8 @@ class LLM:
                 generation_config=generation_config,
                 override_generation_config=override_generation_config,
                 structured_outputs_config=structured_outputs_config or StructuredOutputsConfig(),
+                chat_template=chat_template,
+                default_chat_template_kwargs=default_chat_template_kwargs,
             )
         )
 
@@ -171,21 +176,28 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, using the tokenizer's chat template."""
+        """Generate replies to one conversation or a list of them, rendered with the chat template
+        (``chat_template`` replaces the model's for this call), as vLLM's ``LLM.chat``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.llm_engine.tokenizer
+        engine = self.llm_engine
         prompts = []
         for conversation in conversations:
-            if not conversation:
-                raise ValueError("messages must not be empty")
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            prompts.append({"prompt_token_ids": ids, "prompt": text})
+            ids = render_chat(
+                engine.tokenizer, conversation, engine.config, tools=tools, documents=documents, chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, trusted=True,
+            )
+            prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _submit_and_run(self, submissions: list[Callable[[], str]], use_tqdm: bool) -> list[RequestOutput]:

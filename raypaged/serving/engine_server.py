@@ -42,7 +42,8 @@ from raypaged.serving.metrics import PREFIX as METRICS_PREFIX
 from raypaged.serving.metrics import ServerMetrics
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
-from raypaged.serving.protocol import DeltaTracker, chat_prompt_ids, sampling_params_from_proto
+from raypaged.serving.chat import chat_prompt_ids, conversation_chars
+from raypaged.serving.protocol import DeltaTracker, sampling_params_from_proto
 
 logger = logging.getLogger("raypaged")
 T = TypeVar("T")
@@ -264,7 +265,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             config = model.engine.config
             if request.HasField("messages"):
                 _check_conversation(request.messages, config)
-                token_ids = await model.off_loop(chat_prompt_ids, model.tokenizer, request.messages)
+                token_ids = await model.off_loop(chat_prompt_ids, model.tokenizer, request.messages, config)
             else:
                 check_text("prompt", len(request.text), config.limits, config.max_model_len)
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
@@ -316,7 +317,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
 def _check_conversation(messages: pb.ChatMessages, config: EngineConfig) -> None:
     """A conversation's turns and characters within the limits; the characters are only counted for few turns."""
     turns = messages.messages
-    num_chars = sum(len(m.role) + len(m.content) for m in turns) if len(turns) <= config.limits.max_chat_messages else 0
+    num_chars = conversation_chars(messages) if len(turns) <= config.limits.max_chat_messages else 0
     check_messages(len(turns), num_chars, config.limits, config.max_model_len)
 
 
@@ -341,7 +342,7 @@ async def _prompt(model: ServedModel, request: pb.GenerateRequest) -> tuple[str 
         return request.text, await model.prompt_ids(request.text)
     if kind == "token_ids":
         return None, list(request.token_ids.ids)
-    return None, await model.off_loop(chat_prompt_ids, model.tokenizer, request.messages)
+    return None, await model.off_loop(chat_prompt_ids, model.tokenizer, request.messages, model.engine.config)
 
 
 class EngineServer:

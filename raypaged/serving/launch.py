@@ -27,6 +27,7 @@ from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, tenants_for
 from raypaged.serving.gateway.tenants import Tenants
+from raypaged.serving.gateway.tool_parsers import get_parser
 from raypaged.serving.inprocess import InProcessStub
 from raypaged.serving.metrics import PREFIX as METRICS_PREFIX
 
@@ -46,7 +47,7 @@ class GatewayOptions:
     port: int = 8000
     api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
     tenants_file: str | None = None
-    log_requests: bool = True
+    log_requests: bool = False  # a log line per request (--enable-log-requests)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
     uvicorn_log_level: str | None = None  # None: log_level
@@ -62,8 +63,15 @@ class GatewayOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    enable_auto_tool_choice: bool = False  # tool_choice "auto", parsed by tool_call_parser
+    tool_call_parser: str | None = None
+    response_role: str = "assistant"
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)")
+        if self.tool_call_parser is not None:
+            get_parser(self.tool_call_parser)  # an unknown name fails now
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
         self.root_path = self.root_path.rstrip("/")
@@ -143,6 +151,8 @@ class Gateway:
             allowed_hosts=options.allowed_hosts, allowed_origins=options.allowed_origins,
             allowed_methods=options.allowed_methods, allowed_headers=options.allowed_headers,
             allow_credentials=options.allow_credentials,
+            tool_parser=get_parser(options.tool_call_parser) if options.enable_auto_tool_choice else None,
+            response_role=options.response_role,
         )
         app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones
         self.socket = listen(options.host, options.port)

@@ -82,17 +82,6 @@ def _set_or(message: Any, name: str, default: float | None, fallback: float | No
     return fallback if default is None else default
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: pb.ChatMessages) -> list[int]:
-    """Token ids of a conversation rendered with the tokenizer's chat template and a generation prompt."""
-    conversation = [{"role": m.role, "content": m.content} for m in messages.messages]
-    if not conversation:
-        raise ValueError("messages must not be empty")
-    if tokenizer.chat_template is None:
-        raise ValueError("this model's tokenizer has no chat template; use completions")
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 @dataclass
 class DeltaTracker:
     """Turns a request's ``DELTA`` outputs into ``GenerateResponse`` messages.

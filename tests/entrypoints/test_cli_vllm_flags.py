@@ -69,3 +69,50 @@ def test_metrics_prefix_vllm_exports_vllms_names(tiny_model_dir):
 def test_a_bad_metrics_prefix_fails_before_any_model_loads(tiny_model_dir):
     with pytest.raises(ValueError, match=re.escape("metric prefix 'v-llm:' is not a Prometheus name followed by ':'")):
         EngineServer([tiny_config(tiny_model_dir, "tiny")], metrics_prefix="v-llm:")
+
+
+def test_request_logging_is_off_unless_enabled():
+    from raypaged.entrypoints.cli import gateway_options
+
+    def logs(*argv: str) -> bool:
+        return gateway_options(build_parser().parse_args(["serve", *argv])).log_requests
+
+    assert (logs(), logs("--enable-log-requests"), logs("--enable-log-requests", "--disable-log-requests")) == (
+        False, True, False)
+
+
+def test_chat_flags_reach_the_engine_and_the_gateway(tiny_model_dir, tmp_path):
+    from raypaged.entrypoints.cli import gateway_options
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = build_parser().parse_args(["serve", str(tiny_model_dir), "--chat-template", str(template),
+                                      "--default-chat-template-kwargs", '{"enable_thinking": false}',
+                                      "--trust-request-chat-template", "--enable-auto-tool-choice",
+                                      "--tool-call-parser", "pythonic", "--response-role", "bot"])
+    [config] = engine_configs(args)
+    assert (config.chat_template_text, config.default_chat_template_kwargs, config.trust_request_chat_template) == (
+        "{% for m in messages %}{{ m.content }}{% endfor %}", {"enable_thinking": False}, True)
+    options = gateway_options(args)
+    assert (options.enable_auto_tool_choice, options.tool_call_parser, options.response_role) == (True, "pythonic", "bot")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chat-template", "no-such-file.jinja"], "--chat-template 'no-such-file.jinja' is neither a file nor a Jinja template"),
+    (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs must be a JSON object, got [1]"),
+])
+def test_chat_flags_refuse_bad_values(tiny_model_dir, argv, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        configs(str(tiny_model_dir), *argv)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)"),
+    (["--tool-call-parser", "qwen9"],
+     "--tool-call-parser 'qwen9' is not supported; supported: hermes, llama3_json, mistral, pythonic"),
+])
+def test_tool_flags_refuse_what_they_cannot_honour(argv, message):
+    from raypaged.entrypoints.cli import gateway_options
+
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        gateway_options(build_parser().parse_args(["serve", *argv]))

@@ -15,7 +15,7 @@ COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def http(tiny_model_dir):
-    stack = Stack([tiny_config(tiny_model_dir, "tiny")])
+    stack = Stack([tiny_config(tiny_model_dir, "tiny", trust_request_chat_template=True)])
     with stack.client() as client:
         yield client
     stack.close()
@@ -29,10 +29,9 @@ def http(tiny_model_dir):
     (COMPLETION, "use_beam_search", True),
     (COMPLETION, "include_stop_str_in_output", True),
     (COMPLETION, "truncate_prompt_tokens", 4),
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (CHAT, "tool_choice", "required"),
-    (CHAT, "chat_template_kwargs", {"enable_thinking": False}),
-    (CHAT, "continue_final_message", True),
+    (CHAT, "functions", [{"name": "f", "parameters": {}}]),
+    (CHAT, "logit_bias", {"5": -100}),
+    (CHAT, "prediction", {"type": "content", "content": "x"}),
     (CHAT, "bad_words", ["no"]),
 ])
 def test_a_known_field_it_cannot_honour_is_a_400_naming_it(http, body, field, value):
@@ -46,7 +45,7 @@ def test_a_known_field_it_cannot_honour_is_a_400_naming_it(http, body, field, va
 
 @pytest.mark.parametrize(("body", "field", "value"), [
     (COMPLETION, "echo", False), (COMPLETION, "logit_bias", {}), (COMPLETION, "length_penalty", 1.0),
-    (CHAT, "tools", []), (CHAT, "tool_choice", "none"), (CHAT, "add_generation_prompt", True),
+    (CHAT, "functions", []), (CHAT, "function_call", "none"), (CHAT, "modalities", ["text"]),
     (CHAT, "bad_words", None),
 ])
 def test_the_same_fields_asking_for_nothing_are_accepted(http, body, field, value):
@@ -55,10 +54,11 @@ def test_the_same_fields_asking_for_nothing_are_accepted(http, body, field, valu
 
 
 def test_messages_keep_no_field_silently(http):
-    message = {"role": "user", "content": "hi", "name": "ann"}
+    message = {"role": "assistant", "content": "hi", "function_call": {"name": "f", "arguments": "{}"}}
     answer = http.post("/v1/chat/completions", json={**CHAT, "messages": [message]})
     assert answer.status_code == 400
-    assert answer.json()["error"]["message"] == "messages: name is not supported by this server; send messages without it"
+    assert answer.json()["error"]["message"] == (
+        "messages: function_call is not supported by this server; send messages without it")
 
 
 @pytest.mark.parametrize(("body", "path", "field", "value", "message"), [
@@ -79,3 +79,22 @@ def test_a_field_of_no_api_is_logged_once_and_ignored(http, caplog):
             assert http.post("/v1/completions", json={**COMPLETION, "made_up_field": 1}).status_code == 200
     logged = [r.getMessage() for r in caplog.records if "made_up_field" in r.getMessage()]
     assert logged == ["request field 'made_up_field' is not part of the API and is ignored"]
+
+
+def test_a_templates_own_error_is_a_400_with_its_message(http):
+    answer = http.post("/v1/chat/completions", json={
+        **CHAT, "chat_template": "{{ raise_exception('Conversation roles must alternate user/assistant') }}"})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == (
+        "the chat template failed: TemplateError: Conversation roles must alternate user/assistant")
+    assert answer.json()["error"]["param"] == "messages"
+
+
+def test_a_trusted_request_template_renders_the_prompt(http):  # continued: cut after the last content
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    body = {**CHAT, "messages": messages, "chat_template": "{% for m in messages %}<{{ m.content }}>{% endfor %}",
+            "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 1}
+    answer = http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["prompt_tokens"] == len(
+        http.post("/tokenize", json={"model": "tiny", "prompt": "<hi><Hel", "add_special_tokens": False}).json()["tokens"])

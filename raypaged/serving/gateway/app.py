@@ -32,6 +32,7 @@ from raypaged.serving.gateway.schemas import (
     TokenizeBody,
 )
 from raypaged.serving.gateway.tenants import TenantGate, Tenants
+from raypaged.serving.gateway.tool_parsers import ToolParser
 from raypaged.serving.proto import generate_pb2 as pb
 
 logger = logging.getLogger("raypaged")
@@ -56,11 +57,15 @@ def build_app(
     allowed_methods: tuple[str, ...] = ("*",),
     allowed_headers: tuple[str, ...] = ("*",),
     allow_credentials: bool = False,
+    tool_parser: ToolParser | None = None,
+    response_role: str = "assistant",
 ) -> FastAPI:
     """The gateway's routes; ``drain`` (one per gateway) refuses and ends requests at shutdown.
 
     Middleware, outermost first: the ``Host`` check (see ``guard.py``; ``bind_host`` is the
-    listening address), CORS (only with ``allowed_origins``), then the ``Guard``.
+    listening address), CORS (only with ``allowed_origins``), then the ``Guard``. ``tool_parser``
+    finds the tool calls of ``tool_choice: "auto"`` (``None``: such requests are refused);
+    ``response_role`` is the role of chat answers.
     """
     if max_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {max_body_bytes}")
@@ -114,15 +119,18 @@ def build_app(
         chat = body_type is ChatCompletionRequest
         model, stub = routes.resolve(body.model)
         check_count("prompt", body.num_prompts, max_prompts_per_request, "max_prompts_per_request", "prompts")
-        prompts = body.prompts()
+        tools = body.tool_plan(tool_parser) if isinstance(body, ChatCompletionRequest) else None
+        prompts = body.prompts(tools) if isinstance(body, ChatCompletionRequest) else body.prompts()
         num_logprobs = body.num_logprobs
+        constraint = tools.constraint() if tools is not None else None
         try:
             requests = [
-                body.generate_request(model, p, num_logprobs, body.resolved_max_tokens, body.priority) for p in prompts
+                body.generate_request(model, p, num_logprobs, body.resolved_max_tokens, body.priority, constraint)
+                for p in prompts
             ]
         except (ValueError, TypeError) as exc:  # a value the wire format cannot hold
             raise APIError(400, str(exc)) from None
-        shape = ResponseShape(chat, model, body.n, num_logprobs is not None)
+        shape = ResponseShape(chat, model, body.n, num_logprobs is not None, tools=tools, role=response_role)
         metadata = _metadata(http)
         await slot.admit(len(prompts))
         if drain.expired.is_set():
@@ -202,8 +210,7 @@ def build_app(
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         request = pb.TokenizeRequest(model=model, add_special_tokens=body.add_special_tokens)
         if body.messages is not None:
-            turns = [pb.ChatMessage(role=m.role, content=m.text()) for m in body.messages]
-            request.messages.CopyFrom(pb.ChatMessages(messages=turns))
+            request.messages.CopyFrom(pb.ChatMessages(messages=[m.to_proto() for m in body.messages]))
         else:
             request.text = body.prompt
         response = await stub.Tokenize(request, metadata=_metadata(http))

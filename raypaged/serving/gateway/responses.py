@@ -9,6 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from raypaged.serving.gateway.tools import ToolPlan, ToolStream
 from raypaged.serving.proto import generate_pb2 as pb
 
 FINISH_REASONS = {
@@ -27,6 +28,8 @@ class ResponseShape:
     model: str
     n: int
     wants_logprobs: bool
+    tools: ToolPlan | None = None  # chat: how the request uses its tools
+    role: str = "assistant"  # chat: the answers' role (--response-role)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -120,12 +123,19 @@ class Accumulator:
                 token_texts=choice.token_texts, logprobs=choice.logprobs, top_logprobs=choice.top_logprobs
             )
             entry: dict = {"index": index}
+            finish_reason = choice.finish_reason
             if self.shape.chat:
-                entry["message"] = {"role": "assistant", "content": choice.text}
+                entry["message"] = {"role": self.shape.role, "content": choice.text}
+                if (tools := self.shape.tools) is not None:
+                    content, calls = tools.extract(choice.text)
+                    entry["message"]["content"] = content
+                    if calls:
+                        entry["message"]["tool_calls"] = [call.as_openai() for call in calls]
+                    finish_reason = tools.finish_reason(calls, finish_reason)
             else:
                 entry["text"] = choice.text
             entry["logprobs"] = self.shape.logprobs(merged, 0)
-            entry["finish_reason"] = choice.finish_reason
+            entry["finish_reason"] = finish_reason
             entry["stop_reason"] = choice.stop_reason
             choices.append(entry)
         prompt_tokens = sum(u.prompt_tokens for u in self.usages)
@@ -141,13 +151,17 @@ class ChunkWriter:
         self.include_usage = include_usage
         self._text_offsets = [0] * (num_prompts * shape.n)
         self._usages = [pb.Usage() for _ in range(num_prompts)]
+        tools = shape.tools
+        self._tool_streams: list[ToolStream] | None = (
+            None if tools is None else [tools.stream() for _ in range(num_prompts * shape.n)]
+        )
 
     def role_chunks(self) -> list[dict]:
         """Chat streams open every choice with the assistant role."""
         if not self.shape.chat:
             return []
         choices = [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            {"index": i, "delta": {"role": self.shape.role, "content": ""}, "logprobs": None, "finish_reason": None}
             for i in range(len(self._text_offsets))
         ]
         return [self.shape.envelope([c], None, chunk=True) | self._null_usage() for c in choices]
@@ -157,12 +171,16 @@ class ChunkWriter:
         out = []
         for delta in response.outputs:
             finish_reason = FINISH_REASONS[delta.finish_reason]
-            if not delta.text and finish_reason is None and not (self.shape.wants_logprobs and delta.token_ids):
-                continue
             index = prompt_index * self.shape.n + delta.index
+            fields = self._chat_fields(index, delta.text, finish_reason) if self.shape.chat else {}
+            if self.shape.chat and finish_reason is not None and self._tool_streams is not None:
+                finish_reason = self.shape.tools.finish_reason(fields.pop("_calls"), finish_reason)
+            shown = fields if self.shape.chat else delta.text
+            if not shown and finish_reason is None and not (self.shape.wants_logprobs and delta.token_ids):
+                continue
             choice: dict = {"index": index}
             if self.shape.chat:
-                choice["delta"] = {"content": delta.text} if delta.text else {}
+                choice["delta"] = fields
             else:
                 choice["text"] = delta.text
             choice["logprobs"] = self.shape.logprobs(delta, self._text_offsets[index]) if delta.token_ids else None
@@ -172,6 +190,22 @@ class ChunkWriter:
             self._text_offsets[index] += len(delta.text)
             out.append(self.shape.envelope([choice], None, chunk=True) | self._null_usage())
         return out
+
+    def _chat_fields(self, index: int, text: str, finish_reason: str | None) -> dict:
+        """A chat chunk's ``delta``: the text, or with tools its content and tool-call deltas
+        (``_calls``: the calls made, on the last one)."""
+        if self._tool_streams is None:
+            return {"content": text} if text else {}
+        stream = self._tool_streams[index]
+        fields = stream.feed(text)
+        if finish_reason is None:
+            return fields
+        last, calls = stream.finish()
+        if "content" in last:
+            fields["content"] = fields.get("content", "") + last["content"]
+        if "tool_calls" in last:
+            fields["tool_calls"] = fields.get("tool_calls", []) + last["tool_calls"]
+        return {**fields, "_calls": calls}
 
     def usage_chunk(self) -> dict | None:
         if not self.include_usage:

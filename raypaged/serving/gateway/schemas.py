@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from raypaged.serving.proto import generate_pb2 as pb
 
 from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.gateway.structured import ResponseFormat, StructuredOutputsBody
+from raypaged.serving.gateway.tool_parsers import ToolParser
+from raypaged.serving.gateway.tools import NamedToolChoice, Tool, ToolPlan
 
 logger = logging.getLogger("raypaged")
 
@@ -24,98 +27,6 @@ Unsigned = Annotated[int, Field(ge=0, le=_UINT32_MAX)]
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: Literal[False] = False  # usage only in the last chunk
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    name: str | None = None
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # the schema is always enforced, strict or not
-
-
-class LegacyStructure(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    begin: str
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    end: str
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's ``response_format``, plus vLLM's ``structural_tag`` (xgrammar's ``format``, or the
-    older ``structures`` and ``triggers``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
-    json_schema: JsonSchemaFormat | None = None
-    format: dict[str, Any] | None = None
-    structures: list[LegacyStructure] | None = None
-    triggers: list[str] | None = None
-
-    def structured(self) -> pb.StructuredOutput | None:
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return pb.StructuredOutput(json_object=True)
-        if self.type == "json_schema":
-            if self.json_schema is None or self.json_schema.json_schema is None:
-                raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
-            return pb.StructuredOutput(json_schema=json.dumps(self.json_schema.json_schema))
-        if self.format is not None:
-            return pb.StructuredOutput(structural_tag=json.dumps({"type": "structural_tag", "format": self.format}))
-        if self.structures is None or self.triggers is None:
-            raise APIError(400, "response_format structural_tag needs format, or structures and triggers", "response_format")
-        tags = [
-            {"begin": s.begin, "content": {"type": "json_schema", "json_schema": s.json_schema or {}}, "end": s.end}
-            for s in self.structures
-        ]
-        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": self.triggers, "tags": tags}}
-        return pb.StructuredOutput(structural_tag=json.dumps(tag))
-
-
-class StructuredOutputsBody(BaseModel):
-    """vLLM's ``structured_outputs``: one kind of constraint."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: str | None = None
-    whitespace_pattern: str | None = None
-    disable_any_whitespace: bool | None = None
-    disable_fallback: bool = False  # there is no fallback backend: honoured either way
-
-    def structured(self) -> pb.StructuredOutput:
-        if self.whitespace_pattern is not None:
-            raise APIError(400, "structured_outputs.whitespace_pattern is not supported by the xgrammar backend",
-                           "structured_outputs")
-        kinds = {
-            "json_schema": self.json_ if isinstance(self.json_, str) or self.json_ is None else json.dumps(self.json_),
-            "regex": self.regex,
-            "choice": None if self.choice is None else pb.StructuredChoices(choices=self.choice),
-            "grammar": self.grammar,
-            "json_object": self.json_object or None,
-            "structural_tag": self.structural_tag,
-        }
-        given = {k: v for k, v in kinds.items() if v is not None}
-        if len(given) != 1:
-            names = [("json" if k == "json_schema" else k) for k in given] or "none"
-            raise APIError(
-                400,
-                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object or "
-                f"structural_tag, got {names}",
-                "structured_outputs",
-            )
-        message = pb.StructuredOutput(**given)
-        if self.disable_any_whitespace is not None:
-            message.disable_any_whitespace = self.disable_any_whitespace
-        return message
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -137,15 +48,8 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "length_penalty": (1.0,),
     "logits_processors": (),
     "prompt_embeds": (),
-    "tools": (),
-    "tool_choice": ("none", "auto"),
     "functions": (),
     "function_call": ("none", "auto"),
-    "chat_template": (),
-    "chat_template_kwargs": (),
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
-    "documents": (),
     "mm_processor_kwargs": (),
     "kv_transfer_params": (),
     "vllm_xargs": (),
@@ -251,7 +155,8 @@ class _GenerationBody(BaseModel):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def generate_request(
-        self, model: str, prompt: dict, num_logprobs: int | None, max_tokens: int | None, priority: int
+        self, model: str, prompt: dict, num_logprobs: int | None, max_tokens: int | None, priority: int,
+        constraint: pb.StructuredOutput | None = None,
     ) -> pb.GenerateRequest:
         """``prompt`` is one of ``{"text": ...}``, ``{"token_ids": ...}``, ``{"messages": ...}``.
 
@@ -279,7 +184,11 @@ class _GenerationBody(BaseModel):
         if max_tokens is not None:
             stopping.max_tokens = max_tokens
         request = pb.GenerateRequest(model=model, sampling=sampling, stopping=stopping, priority=priority, **prompt)
-        if (structured := self.structured()) is not None:
+        structured = self.structured()
+        if constraint is not None and structured is not None:
+            raise APIError(400, "tool_choice required or a named function already constrains the output; "
+                           "send response_format or structured outputs without it", "tool_choice")
+        if (structured := constraint or structured) is not None:
             request.structured.CopyFrom(structured)
         if num_logprobs is not None:
             request.logprobs = num_logprobs
@@ -324,7 +233,22 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
-_UNSUPPORTED_IN_MESSAGES = ("name", "tool_calls", "tool_call_id", "function_call")
+_UNSUPPORTED_IN_MESSAGES = ("function_call",)
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):
@@ -332,6 +256,21 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def to_proto(self) -> pb.ChatMessage:
+        message = pb.ChatMessage(
+            role=self.role,
+            name=self.name or "",
+            tool_call_id=self.tool_call_id or "",
+            tool_calls=[pb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                        for c in self.tool_calls or ()],
+        )
+        if self.content is not None or not self.tool_calls:  # none at all: an assistant turn that only calls tools
+            message.content = self.text()
+        return message
 
     @model_validator(mode="after")
     def _extra_fields(self) -> ChatMessage:
@@ -356,16 +295,35 @@ class ChatCompletionRequest(_GenerationBody):
     top_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
     max_completion_tokens: Unsigned | None = None
     add_special_tokens: Literal[False] = False  # the chat template writes the special tokens (as vLLM's default)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
 
     @property
     def num_prompts(self) -> int:
         return 1  # a conversation is one prompt
 
-    def prompts(self) -> list[dict]:
+    def tool_plan(self, parser: ToolParser | None) -> ToolPlan | None:
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+
+    def prompts(self, tools: ToolPlan | None = None) -> list[dict]:
         if not self.messages:
             raise APIError(400, "messages must not be empty", "messages")
-        turns = [pb.ChatMessage(role=m.role, content=m.text()) for m in self.messages]
-        return [{"messages": pb.ChatMessages(messages=turns)}]
+        conversation = pb.ChatMessages(
+            messages=[m.to_proto() for m in self.messages],
+            tools_json=tools.tools_json() if tools is not None else "",
+            chat_template=self.chat_template or "",
+            chat_template_kwargs_json=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "",
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            documents_json=json.dumps(self.documents) if self.documents else "",
+        )
+        return [{"messages": conversation}]
 
     @property
     def num_logprobs(self) -> int | None:

@@ -1,0 +1,78 @@
+"""A conversation rendered to prompt token ids with a chat template, for ``LLM.chat`` and the servers.
+
+The template gets what vLLM's gets: the turns (a speaker's ``name``, an assistant turn's
+``tool_calls`` with object arguments, a tool turn's ``tool_call_id``), ``tools``, ``documents``,
+``add_generation_prompt``, ``continue_final_message`` and extra variables. A template's own
+error (``raise_exception``, e.g. roles must alternate) is an ``InputError`` with its message.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from raypaged.inputs.limits import InputError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from raypaged.config import EngineConfig
+
+# template variables chat_template_kwargs may not replace: the request sets them its own way
+_RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "return_dict",
+})
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+    config: EngineConfig,
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    trusted: bool = False,
+) -> list[int]:
+    """Token ids of ``conversation``; ``chat_template`` (a request's own) needs ``trusted`` (the
+    caller is the operator: ``LLM.chat``) or ``config.trust_request_chat_template``. Bad input
+    raises ``InputError``."""
+    if not conversation:
+        raise InputError("messages", "messages must not be empty")
+    template = config.chat_template_text
+    if chat_template:
+        if not (trusted or config.trust_request_chat_template):
+            raise InputError(
+                "chat_template",
+                "chat_template in a request is refused: start the server with --trust-request-chat-template "
+                "to allow it",
+            )
+        template = chat_template
+    if template is None and tokenizer.chat_template is None:
+        raise InputError("messages", "this model's tokenizer has no chat template; use completions or --chat-template")
+    if continue_final_message and add_generation_prompt:
+        raise InputError(
+            "continue_final_message", "continue_final_message and add_generation_prompt cannot both be true"
+        )
+    if continue_final_message and conversation[-1].get("role") != "assistant":
+        raise InputError("continue_final_message", "continue_final_message needs an assistant turn last")
+    kwargs = {**(config.default_chat_template_kwargs or {}), **(chat_template_kwargs or {})}
+    if clash := sorted(_RESERVED_KWARGS & kwargs.keys()):
+        raise InputError("chat_template_kwargs", f"chat_template_kwargs may not set {clash[0]!r}")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tools=tools,
+            documents=documents,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
+    except Exception as exc:  # jinja2's TemplateError (raise_exception) and the template's own bugs
+        raise InputError("messages", f"the chat template failed: {type(exc).__name__}: {exc}") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,20 @@
+"""Tool-call parsers for ``tool_choice: "auto"`` (``--tool-call-parser NAME``), one module each."""
+
+from __future__ import annotations
+
+from raypaged.serving.gateway.tool_parsers.base import StreamingToolCalls, ToolCall, ToolParser
+from raypaged.serving.gateway.tool_parsers.hermes import HermesParser
+from raypaged.serving.gateway.tool_parsers.llama3_json import Llama3JsonParser
+from raypaged.serving.gateway.tool_parsers.mistral import MistralParser
+from raypaged.serving.gateway.tool_parsers.pythonic import PythonicParser
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
+
+
+def get_parser(name: str) -> ToolParser:
+    if name not in PARSERS:
+        raise ValueError(f"--tool-call-parser {name!r} is not supported; supported: {', '.join(sorted(PARSERS))}")
+    return PARSERS[name]()
+
+
+__all__ = ["PARSERS", "StreamingToolCalls", "ToolCall", "ToolParser", "get_parser"]

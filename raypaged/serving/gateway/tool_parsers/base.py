@@ -1,0 +1,99 @@
+"""What every tool-call parser shares: the call, finding the tool-call section, streaming around it."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of an object
+    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    @classmethod
+    def from_json(cls, value: Any, arguments_keys: tuple[str, ...] = ("arguments",)) -> ToolCall:
+        """``{"name": ..., "arguments": {...}}`` (or another key for the arguments); anything else raises ``ValueError``."""
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            raise ValueError(f"not a tool call: {value!r}")
+        arguments = next((value[k] for k in arguments_keys if k in value), {})
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        if not isinstance(arguments, dict):
+            raise ValueError(f"tool call arguments are not an object: {arguments!r}")
+        return cls(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class ToolParser(ABC):
+    """Finds the tool calls in a model's output. An output is content, then (maybe) a tool-call
+    section that runs to its end; a section that does not parse is content after all."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def section_start(self, text: str) -> int | None:
+        """Where the tool-call section begins in ``text``, or ``None`` (none so far)."""
+
+    @abstractmethod
+    def holdback(self, text: str) -> int:
+        """How many trailing characters of ``text`` (with no section found) could still begin one."""
+
+    @abstractmethod
+    def parse_section(self, section: str) -> list[ToolCall]:
+        """The calls of a section; raises ``ValueError`` when it holds none."""
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a whole output; content is ``None`` when only calls are there."""
+        start = self.section_start(text)
+        if start is None:
+            return text, []
+        try:
+            calls = self.parse_section(text[start:])
+        except (ValueError, SyntaxError):
+            return text, []
+        return (text[:start] if text[:start].strip() else None), calls
+
+
+def marker_holdback(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class StreamingToolCalls:
+    """One streamed choice through a parser: content before the tool-call section streams as it
+    comes (but for what could begin one), the section is held and parsed when the output ends."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self._sent = 0  # characters of text already sent as content
+        self._section: int | None = None
+
+    def feed(self, delta: str) -> str:
+        """Content to send now."""
+        self.text += delta
+        if self._section is None:
+            self._section = self.parser.section_start(self.text)
+        safe = self._section if self._section is not None else len(self.text) - self.parser.holdback(self.text)
+        content = self.text[self._sent:safe]
+        self._sent = max(self._sent, safe)
+        return content
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not sent yet, the tool calls) once the output ended."""
+        content, calls = self.parser.extract(self.text)
+        if calls:
+            return "", calls
+        rest = self.text[self._sent:]
+        self._sent = len(self.text)
+        return rest, []

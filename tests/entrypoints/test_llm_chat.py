@@ -1,0 +1,61 @@
+"""``LLM.chat`` renders conversations as vLLM's: its own template, tools, documents, template
+variables, continuing the last turn; a template's own error is a ``ValueError`` with its message."""
+
+from __future__ import annotations
+
+import pytest
+
+from raypaged import LLM, SamplingParams
+from tests.serving.conftest import tiny_model_dir  # noqa: F401  (session fixture)
+
+ONE = SamplingParams(temperature=0, max_tokens=1)
+SHOW = (
+    "{% for m in messages %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}]{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments.city }}>{% endfor %}{% endfor %}"
+    "{% for t in tools or [] %}(tool {{ t.function.name }}){% endfor %}"
+    "{% for d in documents or [] %}(doc {{ d.title }}){% endfor %}"
+    "{% if greeting %}{{ greeting }}{% endif %}{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir), num_gpu_blocks_override=64, max_model_len=256)
+
+
+def _prompt(llm: LLM, messages: list[dict], **kwargs) -> str:
+    return llm.chat(messages, ONE, use_tqdm=False, **kwargs)[0].prompt
+
+
+def test_the_models_template_by_default(llm):
+    text = _prompt(llm, [{"role": "user", "content": "hi"}])
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_of_the_call_gets_names_tool_calls_tools_documents_and_variables(llm):
+    messages = [
+        {"role": "user", "name": "ann", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+    ]
+    text = _prompt(llm, messages, chat_template=SHOW, tools=[{"type": "function", "function": {"name": "get_weather"}}],
+                   documents=[{"title": "faq", "text": "..."}], chat_template_kwargs={"greeting": "hello"})
+    assert text == "[user:ann]weather?[assistant]<get_weather Oslo>(tool get_weather)(doc faq)hello[assistant]"
+
+
+def test_continue_final_message_extends_the_last_turn(llm):
+    messages = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "1, 2,"}]
+    text = _prompt(llm, messages, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\n1, 2,")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"chat_template": "{{ raise_exception('roles must alternate') }}"},
+     "the chat template failed: TemplateError: roles must alternate"),
+    ({"continue_final_message": True}, "continue_final_message and add_generation_prompt cannot both be true"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs may not set 'tools'"),
+])
+def test_what_cannot_render_is_a_value_error_naming_it(llm, kwargs, message):
+    with pytest.raises(ValueError, match="^" + message + "$"):
+        llm.chat([{"role": "user", "content": "hi"}], ONE, use_tqdm=False, **kwargs)
+    assert not llm.llm_engine.has_unfinished_requests()
