@@ -75,3 +75,5 @@ class RequestOutput:
     # set when the engine ended this request alone because handling it failed (finished, finish_reason "error")
     error: str | None = None
     metrics: RequestMetrics | None = None  # None for beam searches
+    # with SamplingParams.prompt_logprobs: per prompt token its logprob and the top-N (None for the first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

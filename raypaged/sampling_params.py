@@ -110,6 +110,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob (after the first) and this many top alternatives
+    logit_bias: dict[int, float] | None = None  # added to these tokens' logits, in [-100, 100] (OpenAI's)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # never generated (their token sequences, with and without a leading space)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # set by the engine from bad_words
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
@@ -158,8 +163,19 @@ class SamplingParams:
             )
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            bad = [v for v in self.logit_bias.values() if not -100.0 <= v <= 100.0]
+            if bad:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bad[0]}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words is not None and any(not w for w in self.bad_words):
+            raise ValueError("bad_words must not contain empty strings")
 
     @property
     def num_samples(self) -> int:

@@ -182,8 +182,11 @@ class KVCacheManager:
             keys.append(key)
         return keys
 
-    def computed_prefix(self, seq_id: str, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Start a new sequence's table with the longest cached run of its full blocks under ``cache_salt``.
+    def computed_prefix(
+        self, seq_id: str, token_ids: list[int], cache_salt: str | None = None, max_tokens: int | None = None
+    ) -> int:
+        """Start a new sequence's table with the longest cached run of its full blocks under ``cache_salt``
+        (at most ``max_tokens`` tokens of them: the positions whose outputs the caller needs anyway).
 
         Returns the number of tokens they hold (at least one token is always left
         to compute, so a fully cached prompt still yields logits). The table
@@ -192,6 +195,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching or seq_id in self.tables:
             return 0
         keys, hits = self._cached_run(token_ids, cache_salt)
+        if max_tokens is not None:
+            hits = hits[: max_tokens // self.block_size]
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += len(hits) * self.block_size
         self.pool.incref(hits)

@@ -90,8 +90,19 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens ``start, start + 1, ...`` (each given the tokens before it):
+    per token, its own logprob plus the top-N, as ``SampledToken.top_logprobs``."""
+
+    start: int
+    logprobs: list[dict[int, float]]
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     # request id -> the token sampled for it; requests mid-prefill are absent
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     # request id -> why sampling its row failed (that request alone ends with an error)
     failed: dict[str, str] = field(default_factory=dict)
+    # request id -> the prompt logprobs this step's positions gave (requests that asked for them)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

@@ -74,6 +74,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # of prompt tokens 1, 2, ...
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
     num_preemptions: int = 0
@@ -111,6 +112,18 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def prompt_logprobs_missing(self) -> bool:
+        """It asked for prompt logprobs and some are still to compute."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[dict[int, float]]) -> None:
+        """Record prompt tokens ``start...``'s logprobs; those already known (a recomputed prefill) are kept."""
+        known = len(self.prompt_logprobs) + 1  # the first prompt token has none
+        if start <= known < start + len(logprobs):
+            self.prompt_logprobs.extend(logprobs[known - start:])
 
     def append_output_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None) -> None:
         self.output_token_ids.append(token_id)

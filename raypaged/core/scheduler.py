@@ -266,7 +266,9 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         """Move the head of the queue into the batch if its blocks fit."""
-        num_cached = self.kv.computed_prefix(request.request_id, request.all_token_ids, request.cache_salt)
+        # positions whose prompt logprobs are still wanted are computed, not taken from the cache
+        limit = len(request.prompt_logprobs) if request.prompt_logprobs_missing else None
+        num_cached = self.kv.computed_prefix(request.request_id, request.all_token_ids, request.cache_salt, limit)
         request.num_computed_tokens = num_cached
         num_new = self._num_new_tokens(request, self._budget)
         if num_new == 0:  # the prefix its group shares is all cached: fork right away
@@ -460,6 +462,8 @@ class Scheduler:
                 request_id, request.prompt_token_ids, request.output_token_ids, request.num_computed_tokens
             )
             self._maybe_fork(request)
+            if (prompt_logprobs := runner_output.prompt_logprobs.get(request_id)) is not None:
+                request.add_prompt_logprobs(prompt_logprobs.start, prompt_logprobs.logprobs)
             sampled = runner_output.sampled.get(request_id)
             if sampled is None:
                 continue

@@ -113,6 +113,16 @@ class LLMEngine:
             return params
         return replace(params, stop_token_ids=params.stop_token_ids + extra)
 
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as it would be written alone and after a space, as vLLM bans them."""
+        found: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
+
     # ---- requests ----------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -168,6 +178,8 @@ class LLMEngine:
             grammar = self.compile_grammar(structured)  # cached when a server compiled it off the engine thread
         seq_id = self._seq_id(request_id)
         seq_params = self._with_eos_stops(sampling_params)
+        if sampling_params.bad_words:
+            seq_params = replace(seq_params, bad_words_token_ids=self._bad_words_token_ids(sampling_params.bad_words))
         seqs = [
             Request(
                 seq_id if i == 0 else f"{seq_id}#{i}",

@@ -55,6 +55,18 @@ class RequestState:
     params: SamplingParams
     seqs: list[SeqState]
     error: str | None = None  # handling this request failed: it ended alone, with this message
+    prompt_logprobs_sent: bool = False  # DELTA outputs: the prompt's logprobs went with the first
+
+    def prompt_logprobs(self, delta: bool) -> list[dict[int, float] | None] | None:
+        """The prompt's logprobs when asked for (``None`` for its first token, as vLLM), once its
+        prefill is done; a DELTA stream gets them once."""
+        if self.params.prompt_logprobs is None or (delta and self.prompt_logprobs_sent):
+            return None
+        first = self.seqs[0].request
+        if first.prompt_logprobs_missing:
+            return None
+        self.prompt_logprobs_sent = True
+        return [None, *first.prompt_logprobs]
 
     @property
     def finished(self) -> bool:
@@ -122,6 +134,7 @@ def make_output(state: RequestState) -> RequestOutput | None:
         finished=finished,
         num_generated_tokens=state.num_generated_tokens,
         metrics=request_metrics(state),
+        prompt_logprobs=state.prompt_logprobs(delta),
     )
 
 

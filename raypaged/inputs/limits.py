@@ -134,13 +134,14 @@ def check_sampling(params: SamplingParams, vocab_size: int, limits: InputLimits)
     check_count("n", params.n, limits.max_num_samples, "max_num_samples", "samples")
     if params.best_of is not None:
         check_count("best_of", params.best_of, limits.max_num_samples, "max_num_samples", "samples")
-    if params.logprobs is not None:
-        limit = min(limits.max_logprobs, vocab_size)
-        if params.logprobs > limit:
+    limit = min(limits.max_logprobs, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limit:
             raise InputError(
-                "logprobs",
-                f"logprobs {params.logprobs} is more than the limit of {limit} (--max-logprobs, at most the "
-                f"vocabulary size {vocab_size})",
+                name,
+                f"{name} {value} is more than the limit of {limit} (--max-logprobs, at most the vocabulary size "
+                f"{vocab_size})",
             )
     check_stop_counts(len(params.stop), len(params.stop_token_ids), limits)
     longest = params.max_stop_len
@@ -151,3 +152,13 @@ def check_sampling(params: SamplingParams, vocab_size: int, limits: InputLimits)
             f"({flag('max_stop_string_chars')})",
         )
     check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    check_token_ids("logit_bias", list(params.logit_bias or ()), vocab_size)
+    check_token_ids("allowed_token_ids", params.allowed_token_ids or (), vocab_size)
+    check_count("bad_words", len(params.bad_words or ()), limits.max_stop_strings, "max_stop_strings", "words")
+    longest = max((len(w) for w in params.bad_words or ()), default=0)
+    if longest > limits.max_stop_string_chars:
+        raise InputError(
+            "bad_words",
+            f"bad_words has a word of {longest} characters, more than the limit of {limits.max_stop_string_chars} "
+            f"({flag('max_stop_string_chars')})",
+        )

@@ -9,7 +9,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from raypaged.config import GenerationDefaults
-from raypaged.inputs.limits import InputLimits, check_stop_counts
+from raypaged.inputs.limits import InputLimits, check_count, check_stop_counts
 from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from raypaged.serving.proto import generate_pb2 as pb
@@ -32,6 +32,7 @@ def sampling_params_from_proto(
     """
     sampling, stopping = request.sampling, request.stopping
     check_stop_counts(len(stopping.stop_sequences), len(stopping.stop_token_ids), limits)
+    check_count("bad_words", len(sampling.bad_words), limits.max_stop_strings, "max_stop_strings", "words")
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = getattr(sampling, name)
         if not math.isfinite(value):
@@ -52,6 +53,10 @@ def sampling_params_from_proto(
         stop_token_ids=list(stopping.stop_token_ids),
         ignore_eos=stopping.ignore_eos,
         logprobs=request.logprobs if request.HasField("logprobs") else None,
+        prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+        logit_bias=dict(sampling.logit_bias) or None,
+        allowed_token_ids=list(sampling.allowed_token_ids) or None,
+        bad_words=list(sampling.bad_words) or None,
         skip_special_tokens=stopping.skip_special_tokens if stopping.HasField("skip_special_tokens") else True,
         output_kind=RequestOutputKind.DELTA,  # a stream: each response carries what is new
     )
@@ -93,13 +98,26 @@ class DeltaTracker:
     request_id: str
     params: SamplingParams
     tokenizer: PreTrainedTokenizerBase
+    echo: bool = False  # send the prompt's text with the first tokens
     _done: set[int] = field(default_factory=set)
     _usage: pb.Usage = field(default_factory=pb.Usage)
 
     def response(self, output: RequestOutput) -> pb.GenerateResponse:
         deltas = [self._delta(c) for c in output.outputs if c.index not in self._done]
         self._usage = pb.Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_generated_tokens)
-        return pb.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=output.finished, usage=self._usage)
+        response = pb.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=output.finished,
+                                       usage=self._usage)
+        if output.prompt_logprobs is not None:
+            ids = output.prompt_token_ids
+            prompt = response.prompt_logprobs
+            prompt.token_ids.extend(ids)
+            prompt.token_texts.extend(self.tokenizer.decode([t]) for t in ids)
+            add_logprobs(prompt, ids[1:], output.prompt_logprobs[1:], self.params.prompt_logprobs or 0, self.tokenizer)
+        if self.echo and deltas:
+            response.prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(
+                output.prompt_token_ids)
+            self.echo = False
+        return response
 
     def aborted(self) -> pb.GenerateResponse:
         """The last message of a request aborted by someone else: every unfinished completion ends."""
@@ -110,7 +128,8 @@ class DeltaTracker:
     def _delta(self, completion: CompletionOutput) -> pb.CompletionDelta:
         delta = pb.CompletionDelta(index=completion.index, token_ids=completion.token_ids, text=completion.text)
         if completion.logprobs is not None:
-            self._add_logprobs(delta, completion.token_ids, completion.logprobs)
+            add_logprobs(delta, completion.token_ids, completion.logprobs, self.params.logprobs or 0, self.tokenizer)
+            delta.token_texts.extend(self.tokenizer.decode([t]) for t in completion.token_ids)
         if completion.finish_reason is not None:
             delta.finish_reason = FINISH_REASONS[completion.finish_reason]
             if completion.stop_reason is not None:
@@ -120,16 +139,22 @@ class DeltaTracker:
             self._done.add(completion.index)
         return delta
 
-    def _add_logprobs(self, delta: pb.CompletionDelta, token_ids: list[int], logprobs: list[dict[int, float]]) -> None:
-        num_top = self.params.logprobs or 0
-        for token_id, candidates in zip(token_ids, logprobs):
-            delta.logprobs.append(candidates[token_id])
-            delta.token_texts.append(self.tokenizer.decode([token_id]))
-            top = sorted(candidates.items(), key=lambda item: -item[1])[:num_top]
-            delta.top_logprobs.append(
-                pb.TopLogprobs(
-                    token_ids=[t for t, _ in top],
-                    logprobs=[lp for _, lp in top],
-                    token_texts=[self.tokenizer.decode([t]) for t, _ in top],
-                )
+
+def add_logprobs(
+    target: pb.CompletionDelta | pb.PromptLogprobs,
+    token_ids: list[int],
+    logprobs: list[dict[int, float]],
+    num_top: int,
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """Each token's logprob and its ``num_top`` most likely alternatives, into ``target``."""
+    for token_id, candidates in zip(token_ids, logprobs):
+        target.logprobs.append(candidates[token_id])
+        top = sorted(candidates.items(), key=lambda item: -item[1])[:num_top]
+        target.top_logprobs.append(
+            pb.TopLogprobs(
+                token_ids=[t for t, _ in top],
+                logprobs=[lp for _, lp in top],
+                token_texts=[tokenizer.decode([t]) for t, _ in top],
             )
+        )

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
-from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from raypaged.sampling_params import SamplingParams
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
 from raypaged.worker.sampler import SamplingInput, apply_token_bitmask, greedy_fast_path, sample
 
 logger = logging.getLogger("raypaged")
+_PROMPT_LOGPROBS_CHUNK = 512  # prompt positions whose full-vocabulary logits exist at once
 
 
 @dataclass(slots=True)
@@ -49,6 +50,8 @@ class StepInputs:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [num_sampled] token index whose logits are sampled
     sampled_request_ids: list[str]
+    # requests wanting prompt logprobs: (request id, first step token index, first prompt token predicted, count)
+    prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -109,6 +112,7 @@ class ModelRunner:
         spans: list[tuple[int, int, int, list[int]]] = []
         sample_indices: list[int] = []
         sampled_ids: list[str] = []
+        prompt_spans: list[tuple[str, int, int, int]] = []
         bs = self.block_size
         for request_id in order:
             state = self.requests[request_id]
@@ -130,6 +134,10 @@ class ModelRunner:
             if end == state.num_tokens:  # the last known token: its logits give the next one
                 sample_indices.append(len(input_ids) - 1)
                 sampled_ids.append(request_id)
+            num_prompt = len(state.prompt_token_ids)
+            if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
+                # positions start..min(end, P-1)-1 predict prompt tokens start+1..
+                prompt_spans.append((request_id, query_start, start + 1, min(end, num_prompt - 1) - start))
         max_blocks = max((len(t) for t in decode_tables), default=0)
         tables = [block for t in decode_tables for block in t + [0] * (max_blocks - len(t))]
         pieces = [input_ids, positions, slots, decode_lens, sample_indices, tables, *(span[3] for span in spans)]
@@ -152,6 +160,7 @@ class ModelRunner:
             meta=meta,
             sample_indices=sample_t,
             sampled_request_ids=sampled_ids,
+            prompt_spans=prompt_spans,
         )
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -172,8 +181,12 @@ class ModelRunner:
             hidden = self.graphs.run(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.cache.layers, meta)
+        prompt_logprobs = {
+            request_id: self._prompt_logprobs(hidden, request_id, first, token, count)
+            for request_id, first, token, count in step.prompt_spans
+        }
         if not step.sampled_request_ids:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs if self.samples else {})
         logits = self.model.compute_logits(hidden[step.sample_indices])  # a collective under TP
         if not self.samples:
             return ModelRunnerOutput()
@@ -189,8 +202,31 @@ class ModelRunner:
             if tokens is None:
                 tokens = sample(logits.cpu(), inputs, self.generator)
         except Exception:  # one row's parameters broke the batch: find it, sample the others
-            return self._sample_rows(logits.cpu(), inputs, step.sampled_request_ids)
-        return ModelRunnerOutput(sampled=dict(zip(step.sampled_request_ids, tokens)))
+            out = self._sample_rows(logits.cpu(), inputs, step.sampled_request_ids)
+            out.prompt_logprobs = prompt_logprobs
+            return out
+        return ModelRunnerOutput(sampled=dict(zip(step.sampled_request_ids, tokens)), prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, request_id: str, first: int, token: int, count: int) -> PromptLogprobs:
+        """Prompt tokens ``token..token+count-1``'s logprobs from the hidden states at step indices
+        ``first..``, ``_PROMPT_LOGPROBS_CHUNK`` positions at a time (a [chunk, vocab] tensor at most).
+        Every rank runs it (the logits are a collective under TP)."""
+        state = self.requests[request_id]
+        num_top = state.sampling_params.prompt_logprobs or 0
+        entries: list[dict[int, float]] = []
+        for offset in range(0, count, _PROMPT_LOGPROBS_CHUNK):
+            size = min(_PROMPT_LOGPROBS_CHUNK, count - offset)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + offset:first + offset + size]).float(), -1)
+            targets = state.prompt_token_ids[token + offset:token + offset + size]
+            chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
+            top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+            tops = list(zip(top_ids.tolist(), top_values.tolist())) if top_ids is not None else [([], [])] * size
+            for target, value, (ids, values) in zip(targets, chosen, tops):
+                entry = {target: value}
+                for top_id, top_value in zip(ids, values):
+                    entry.setdefault(top_id, top_value)
+                entries.append(entry)
+        return PromptLogprobs(token, entries)
 
     def _sample_rows(self, logits: torch.Tensor, inputs: list[SamplingInput], request_ids: list[str]) -> ModelRunnerOutput:
         """Sample row by row; a row that raises is reported in ``failed``, the others get their tokens."""

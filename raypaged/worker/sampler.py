@@ -85,6 +85,9 @@ def greedy_fast_path(logits: torch.Tensor, inputs: list[SamplingInput]) -> list[
             or p.presence_penalty
             or p.frequency_penalty
             or len(s.output_token_ids) < p.min_tokens
+            or p.logit_bias
+            or p.allowed_token_ids is not None
+            or p.bad_words_token_ids
         ):
             return None
     logits = logits.float()
@@ -107,6 +110,18 @@ def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch
         if (p.presence_penalty or p.frequency_penalty) and s.output_token_ids:
             counts = torch.bincount(torch.tensor(s.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        if p.allowed_token_ids is not None:
+            allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+            kept = logits[i, allowed]
+            logits[i] = float("-inf")
+            logits[i, allowed] = kept
+        if p.bad_words_token_ids:
+            banned_words = _banned_by_words(p.bad_words_token_ids, s.output_token_ids)
+            if banned_words:
+                logits[i, banned_words] = float("-inf")
         if len(s.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids)
             if s.eos_token_id is not None and not p.ignore_eos:
@@ -114,6 +129,17 @@ def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch
             if banned:
                 logits[i, banned] = float("-inf")
     return logits
+
+
+def _banned_by_words(words: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """Last tokens of the bad words whose other tokens the output just generated (a one-token word
+    is always banned), as vLLM bans them."""
+    banned = []
+    for word in words:
+        prefix = word[:-1]
+        if not prefix or output_token_ids[len(output_token_ids) - len(prefix):] == prefix:
+            banned.append(word[-1])
+    return banned
 
 
 def _warped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

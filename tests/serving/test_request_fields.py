@@ -22,17 +22,14 @@ def http(tiny_model_dir):
 
 
 @pytest.mark.parametrize(("body", "field", "value"), [
-    (COMPLETION, "echo", True),
-    (COMPLETION, "logit_bias", {"5": 10}),
-    (COMPLETION, "prompt_logprobs", 1),
     (COMPLETION, "suffix", "end"),
+    (COMPLETION, "spaces_between_special_tokens", False),
+    (CHAT, "return_tokens_as_token_ids", True),
     (COMPLETION, "use_beam_search", True),
     (COMPLETION, "include_stop_str_in_output", True),
     (COMPLETION, "truncate_prompt_tokens", 4),
     (CHAT, "functions", [{"name": "f", "parameters": {}}]),
-    (CHAT, "logit_bias", {"5": -100}),
     (CHAT, "prediction", {"type": "content", "content": "x"}),
-    (CHAT, "bad_words", ["no"]),
 ])
 def test_a_known_field_it_cannot_honour_is_a_400_naming_it(http, body, field, value):
     answer = http.post("/v1/chat/completions" if body is CHAT else "/v1/completions", json={**body, field: value})
@@ -98,3 +95,33 @@ def test_a_trusted_request_template_renders_the_prompt(http):  # continued: cut 
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["prompt_tokens"] == len(
         http.post("/tokenize", json={"model": "tiny", "prompt": "<hi><Hel", "add_special_tokens": False}).json()["tokens"])
+
+
+def _greedy_ids(http, **fields) -> list[int]:
+    body = {**COMPLETION, "max_tokens": 4, "temperature": 0, "logprobs": 0, **fields}
+    tokens = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+    return http.post("/tokenize", json={"model": "tiny", "prompt": "".join(tokens), "add_special_tokens": False}).json()["tokens"]
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_steer_the_tokens(http):
+    assert _greedy_ids(http, logit_bias={"5": 100}) == [5, 5, 5, 5]
+    allowed = _greedy_ids(http, allowed_token_ids=[300, 301])
+    assert allowed and set(allowed) <= {300, 301}
+    free = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 1, "temperature": 0}).json()
+    word = free["choices"][0]["text"]
+    banned = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 1, "temperature": 0,
+                                                 "bad_words": [word]}).json()
+    assert word.strip() and banned["choices"][0]["text"] != word
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("logit_bias", {"x": 1}, "logit_bias keys must be token ids"),
+    ("logit_bias", {"5": 200}, "logit_bias values must be in [-100, 100], got 200.0"),
+    ("allowed_token_ids", [999999], "allowed_token_ids must be token ids in [0, 49152), got 999999"),
+    ("allowed_token_ids", [], "allowed_token_ids must not be empty"),
+    ("bad_words", [""], "bad_words must not contain empty strings"),
+])
+def test_bad_token_controls_are_a_400_naming_them(http, field, value, message):
+    answer = http.post("/v1/completions", json={**COMPLETION, field: value})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == message

@@ -130,7 +130,9 @@ def build_app(
             ]
         except (ValueError, TypeError) as exc:  # a value the wire format cannot hold
             raise APIError(400, str(exc)) from None
-        shape = ResponseShape(chat, model, body.n, num_logprobs is not None, tools=tools, role=response_role)
+        shape = ResponseShape(chat, model, body.n, num_logprobs is not None, tools=tools, role=response_role,
+                              echo=body.echo, echo_only=body.echo_only,
+                              prompt_logprobs=body.prompt_logprobs is not None)
         metadata = _metadata(http)
         await slot.admit(len(prompts))
         if drain.expired.is_set():

@@ -30,6 +30,9 @@ class ResponseShape:
     wants_logprobs: bool
     tools: ToolPlan | None = None  # chat: how the request uses its tools
     role: str = "assistant"  # chat: the answers' role (--response-role)
+    echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone
+    prompt_logprobs: bool = False  # the prompt's logprobs, vLLM's field
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -47,10 +50,15 @@ class ResponseShape:
             body["usage"] = usage
         return body
 
-    def logprobs(self, delta: pb.CompletionDelta, text_offset: int) -> dict | None:
-        """The delta's logprobs in the endpoint's format (``None`` when not asked for)."""
+    def logprobs(self, delta: pb.CompletionDelta, text_offset: int, prompt: _Prompt | None = None) -> dict | None:
+        """The delta's logprobs in the endpoint's format (``None`` when not asked for); completions
+        that echo put the ``prompt``'s tokens first (the first has no logprob, as OpenAI's)."""
         if not self.wants_logprobs:
             return None
+        if prompt is not None and not self.chat:
+            echoed = prompt.completion_logprobs()
+            generated = self.logprobs(delta, text_offset + len(prompt.text))
+            return {key: echoed[key] + generated[key] for key in echoed}
         if self.chat:
             return {"content": [
                 {
@@ -87,6 +95,51 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 @dataclass
+class _Prompt:
+    """What the engine sent once about one prompt: its text (echo) and its logprobs."""
+
+    text: str = ""
+    logprobs: pb.PromptLogprobs | None = None
+
+    def take(self, response: pb.GenerateResponse) -> None:
+        if response.prompt_text:
+            self.text = response.prompt_text
+        if response.HasField("prompt_logprobs"):
+            self.logprobs = response.prompt_logprobs
+
+    def completion_logprobs(self) -> dict:
+        """The prompt's tokens in completions' logprobs format: the first without a logprob."""
+        found = self.logprobs or pb.PromptLogprobs()
+        offsets, offset = [], 0
+        for text in found.token_texts:
+            offsets.append(offset)
+            offset += len(text)
+        tops = [{t: _finite(lp) for t, lp in zip(top.token_texts, top.logprobs)} for top in found.top_logprobs]
+        return {
+            "tokens": list(found.token_texts),
+            "token_logprobs": [None, *(_finite(lp) for lp in found.logprobs)][: len(found.token_texts)],
+            "top_logprobs": [None, *tops][: len(found.token_texts)],
+            "text_offset": offsets,
+        }
+
+    def vllm_logprobs(self) -> list[dict | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token ``{token_id: {"logprob", "rank", "decoded_token"}}``
+        with the token itself and its top alternatives (rank: place among them), ``None`` first."""
+        if self.logprobs is None:
+            return None
+        found = self.logprobs
+        out: list[dict | None] = [None]
+        for token_id, text, logprob, top in zip(found.token_ids[1:], found.token_texts[1:], found.logprobs,
+                                               found.top_logprobs):
+            ranks = {t: rank for rank, t in enumerate(top.token_ids, start=1)}
+            entry = {str(token_id): {"logprob": _finite(logprob), "rank": ranks.get(token_id), "decoded_token": text}}
+            for t, t_text, lp in zip(top.token_ids, top.token_texts, top.logprobs):
+                entry.setdefault(str(t), {"logprob": _finite(lp), "rank": ranks[t], "decoded_token": t_text})
+            out.append(entry)
+        return out
+
+
+@dataclass
 class _Choice:
     text: str = ""
     token_texts: list[str] = field(default_factory=list)
@@ -103,9 +156,11 @@ class Accumulator:
         self.shape = shape
         self.choices = [_Choice() for _ in range(num_prompts * shape.n)]
         self.usages = [pb.Usage() for _ in range(num_prompts)]
+        self.prompts = [_Prompt() for _ in range(num_prompts)]
 
     def add(self, prompt_index: int, response: pb.GenerateResponse) -> None:
         self.usages[prompt_index] = response.usage
+        self.prompts[prompt_index].take(response)
         for delta in response.outputs:
             choice = self.choices[prompt_index * self.shape.n + delta.index]
             choice.text += delta.text
@@ -124,6 +179,9 @@ class Accumulator:
             )
             entry: dict = {"index": index}
             finish_reason = choice.finish_reason
+            prompt = self.prompts[index // self.shape.n]
+            if self.shape.echo_only:
+                choice.text, merged = "", pb.CompletionDelta()
             if self.shape.chat:
                 entry["message"] = {"role": self.shape.role, "content": choice.text}
                 if (tools := self.shape.tools) is not None:
@@ -133,14 +191,19 @@ class Accumulator:
                         entry["message"]["tool_calls"] = [call.as_openai() for call in calls]
                     finish_reason = tools.finish_reason(calls, finish_reason)
             else:
-                entry["text"] = choice.text
-            entry["logprobs"] = self.shape.logprobs(merged, 0)
+                entry["text"] = prompt.text + choice.text if self.shape.echo else choice.text
+            entry["logprobs"] = self.shape.logprobs(merged, 0, prompt if self.shape.echo else None)
+            if self.shape.prompt_logprobs and not self.shape.chat:
+                entry["prompt_logprobs"] = prompt.vllm_logprobs()
             entry["finish_reason"] = finish_reason
             entry["stop_reason"] = choice.stop_reason
             choices.append(entry)
         prompt_tokens = sum(u.prompt_tokens for u in self.usages)
-        completion_tokens = sum(u.completion_tokens for u in self.usages)
-        return self.shape.envelope(choices, usage(prompt_tokens, completion_tokens), chunk=False)
+        completion_tokens = 0 if self.shape.echo_only else sum(u.completion_tokens for u in self.usages)
+        body = self.shape.envelope(choices, usage(prompt_tokens, completion_tokens), chunk=False)
+        if self.shape.prompt_logprobs and self.shape.chat:
+            body["prompt_logprobs"] = self.prompts[0].vllm_logprobs()
+        return body
 
 
 class ChunkWriter:
@@ -155,6 +218,8 @@ class ChunkWriter:
         self._tool_streams: list[ToolStream] | None = (
             None if tools is None else [tools.stream() for _ in range(num_prompts * shape.n)]
         )
+        self._prompts = [_Prompt() for _ in range(num_prompts)]
+        self._echoed: set[int] = set()  # choices whose stream already began with the prompt
 
     def role_chunks(self) -> list[dict]:
         """Chat streams open every choice with the assistant role."""
@@ -168,26 +233,37 @@ class ChunkWriter:
 
     def chunks(self, prompt_index: int, response: pb.GenerateResponse) -> list[dict]:
         self._usages[prompt_index] = response.usage
+        prompt = self._prompts[prompt_index]
+        prompt.take(response)
         out = []
         for delta in response.outputs:
             finish_reason = FINISH_REASONS[delta.finish_reason]
             index = prompt_index * self.shape.n + delta.index
+            if self.shape.echo_only:
+                delta = pb.CompletionDelta(index=delta.index, finish_reason=delta.finish_reason,
+                                           stop_reason=delta.stop_reason)
+            echo = prompt if self.shape.echo and index not in self._echoed else None
+            if echo is not None:
+                self._echoed.add(index)
             fields = self._chat_fields(index, delta.text, finish_reason) if self.shape.chat else {}
             if self.shape.chat and finish_reason is not None and self._tool_streams is not None:
                 finish_reason = self.shape.tools.finish_reason(fields.pop("_calls"), finish_reason)
-            shown = fields if self.shape.chat else delta.text
+            shown = fields if self.shape.chat else delta.text or echo is not None
             if not shown and finish_reason is None and not (self.shape.wants_logprobs and delta.token_ids):
                 continue
             choice: dict = {"index": index}
             if self.shape.chat:
                 choice["delta"] = fields
             else:
-                choice["text"] = delta.text
-            choice["logprobs"] = self.shape.logprobs(delta, self._text_offsets[index]) if delta.token_ids else None
+                choice["text"] = echo.text + delta.text if echo is not None else delta.text
+            has_tokens = bool(delta.token_ids) or echo is not None
+            choice["logprobs"] = self.shape.logprobs(delta, self._text_offsets[index], echo) if has_tokens else None
+            if echo is not None and self.shape.prompt_logprobs:
+                choice["prompt_logprobs"] = echo.vllm_logprobs()
             choice["finish_reason"] = finish_reason
             if finish_reason is not None:
                 choice["stop_reason"] = delta.stop_reason or None
-            self._text_offsets[index] += len(delta.text)
+            self._text_offsets[index] += len(delta.text) + (len(echo.text) if echo is not None else 0)
             out.append(self.shape.envelope([choice], None, chunk=True) | self._null_usage())
         return out
 
@@ -211,7 +287,7 @@ class ChunkWriter:
         if not self.include_usage:
             return None
         prompt_tokens = sum(u.prompt_tokens for u in self._usages)
-        completion_tokens = sum(u.completion_tokens for u in self._usages)
+        completion_tokens = 0 if self.shape.echo_only else sum(u.completion_tokens for u in self._usages)
         return self.shape.envelope([], usage(prompt_tokens, completion_tokens), chunk=True)
 
     def _null_usage(self) -> dict:

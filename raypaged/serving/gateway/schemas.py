@@ -34,12 +34,7 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # Request fields of vLLM's (and OpenAI's) API that this server does not implement yet: a request may
 # send them only with a value that asks for nothing (these, null, or an empty list or object).
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "echo": (False,),
     "suffix": ("",),
-    "logit_bias": (),
-    "prompt_logprobs": (),
-    "allowed_token_ids": (),
-    "bad_words": (),
     "include_stop_str_in_output": (False,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
@@ -107,6 +102,10 @@ class _GenerationBody(BaseModel):
     stop_token_ids: list[Unsigned] | None = None
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-_INT32_MAX - 1, le=_INT32_MAX)
+    prompt_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
+    logit_bias: dict[str, float] | None = None  # token id (as OpenAI's string key) -> bias in [-100, 100]
+    allowed_token_ids: list[Unsigned] | None = None
+    bad_words: list[str] | None = None
     # structured outputs: OpenAI's, vLLM's, and vLLM's older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -150,6 +149,33 @@ class _GenerationBody(BaseModel):
         _check_extra_fields(self.model_extra)
         return self
 
+    echo: bool = False  # completions: the prompt first in the text (and its tokens first in the logprobs)
+
+    @model_validator(mode="after")
+    def _some_allowed_token(self) -> _GenerationBody:
+        if self.allowed_token_ids == []:  # the wire's empty list means "any token"
+            raise APIError(400, "allowed_token_ids must not be empty", "allowed_token_ids")
+        return self
+
+    def token_logit_bias(self) -> dict[int, float]:
+        """``logit_bias`` by token id; a key that is not one is a 400."""
+        try:
+            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            bias = {-1: 0.0}
+        if not all(0 <= k <= _UINT32_MAX for k in bias):
+            raise APIError(400, "logit_bias keys must be token ids", "logit_bias")
+        return bias
+
+    @property
+    def echo_only(self) -> bool:
+        """Echo with max_tokens 0: the answer is the prompt (the engine still makes one token, unsent)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def resolved_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
@@ -169,6 +195,9 @@ class _GenerationBody(BaseModel):
             min_p=self.min_p,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            logit_bias=self.token_logit_bias(),
+            allowed_token_ids=self.allowed_token_ids or [],
+            bad_words=self.bad_words or [],
         )
         for name in ("best_of", "temperature", "top_p", "repetition_penalty", "seed"):
             if (value := getattr(self, name)) is not None:
@@ -182,8 +211,11 @@ class _GenerationBody(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
         )
         if max_tokens is not None:
-            stopping.max_tokens = max_tokens
-        request = pb.GenerateRequest(model=model, sampling=sampling, stopping=stopping, priority=priority, **prompt)
+            stopping.max_tokens = max(max_tokens, 1) if self.echo_only else max_tokens
+        request = pb.GenerateRequest(model=model, sampling=sampling, stopping=stopping, priority=priority,
+                                     echo=self.echo, **prompt)
+        if (prompt_logprobs := self.resolved_prompt_logprobs) is not None:
+            request.prompt_logprobs = prompt_logprobs
         structured = self.structured()
         if constraint is not None and structured is not None:
             raise APIError(400, "tool_choice required or a named function already constrains the output; "
@@ -198,6 +230,13 @@ class _GenerationBody(BaseModel):
 class CompletionRequest(_GenerationBody):
     prompt: str | list[str] | list[Unsigned] | list[list[Unsigned]]
     logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
+
+    @property
+    def resolved_prompt_logprobs(self) -> int | None:
+        """Echo with logprobs needs the prompt's: as many top alternatives as the output's."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
     add_special_tokens: Literal[True] = True  # prompts are tokenized with the BOS (as vLLM's default)
 
     @property
@@ -295,6 +334,7 @@ class ChatCompletionRequest(_GenerationBody):
     top_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
     max_completion_tokens: Unsigned | None = None
     add_special_tokens: Literal[False] = False  # the chat template writes the special tokens (as vLLM's default)
+    echo: Literal[False] = False  # completions only
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
