@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -35,12 +34,17 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 
 
 def gather_heads_first(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_seqs, max_blocks] block ids -> [num_seqs, num_kv_heads, max_blocks * block_size, head_dim]."""
-    # one gather, heads leading ([H, S, MB, bs, D]); the permute back and the merge of
-    # MB and bs are then views, not a second copy
-    gathered = cache.transpose(0, 1)[:, block_tables]
-    num_kv_heads, num_seqs, max_blocks, block_size, head_dim = gathered.shape
-    return gathered.permute(1, 0, 2, 3, 4).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_dim)
+    """[num_seqs, max_blocks] block ids -> [num_seqs, num_kv_heads, max_blocks * block_size, head_dim].
+
+    ``cache`` must be contiguous. The result is heads-major in memory ([H, S, T, D], returned as a
+    transposed view): one ``index_select`` of whole (block, head) rows, a memcpy of block_size x
+    head_dim elements each, about 2x faster on CPU than advanced indexing of the transposed cache.
+    """
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    rows = block_tables * num_kv_heads + torch.arange(num_kv_heads, device=block_tables.device)[:, None, None]
+    gathered = cache.view(num_blocks * num_kv_heads, block_size, head_dim).index_select(0, rows.flatten())
+    return gathered.view(num_kv_heads, num_seqs, max_blocks * block_size, head_dim).transpose(0, 1)
 
 
 def paged_attention_decode(
