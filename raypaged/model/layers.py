@@ -3,11 +3,40 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# oneDNN's fp32 GEMM measured 1.6-3x faster than F.linear's (MKL sgemm) at every shape of a SmolLM2
+# step (1 to 1024 rows, the 49152-row LM head included) on a 2-core AVX-512 AMD EPYC
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; fp32 on the CPU runs through oneDNN (same result within fp32 rounding)."""
+    if _ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu":
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # x: [..., hidden]
+    """``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``, in fp32 for half inputs (as transformers)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one call, bit-identical to the expression on CPU
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``; the sum is written into ``x``, which the caller gives up."""
+    summed = x.add_(residual)
+    return rms_norm(summed, weight, eps), summed
 
 
 class RMSNorm(nn.Module):
@@ -17,10 +46,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed x + residual, x + residual), the sum written into ``x``."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -32,7 +62,7 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a cos/sin table precomputed for every position."""
+    """Rotate-half RoPE with cos/sin of half the head size precomputed for every position."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -45,19 +75,38 @@ class RotaryEmbedding(nn.Module):
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         positions = torch.arange(max_positions, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
+        cos_sin = torch.stack((freqs.cos() * scaling, freqs.sin() * scaling), dim=1)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)  # [max_positions, 2, head_dim / 2]
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # q: [T, H, D], k: [T, Hkv, D]
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def rotate_(self, positions: torch.Tensor, *xs: torch.Tensor) -> None:
+        """Rotate each ``x: [num_tokens, heads, head_dim]`` (a strided view is fine) in place by its token's position."""
+        cos_sin = self.cos_sin[positions]  # [T, 2, D/2]
+        cos, sin = cos_sin[:, None, None, 0], cos_sin[:, None, None, 1]  # [T, 1, 1, D/2]
+        for x in xs:
+            apply_rotary_(x, cos, sin)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """``x = x * cos + rotate_half(x) * sin`` in place, bit for bit, without building ``rotate_half(x)``.
+
+    x: [T, H, D]; cos, sin: [T, 1, 1, D/2] (the two halves of a head share them).
+    """
+    halves = x.unflatten(-1, (2, -1))  # [T, H, 2, D/2]: x1, x2
+    x_sin = halves * sin
+    halves.mul_(cos)
+    halves[..., 0, :].sub_(x_sin[..., 1, :])  # x1 * cos - x2 * sin
+    halves[..., 1, :].add_(x_sin[..., 0, :])  # x2 * cos + x1 * sin
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [T, 2 * I] (gate | up) -> [T, I]
+    """``silu(gate) * up`` with one output buffer."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` through :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.attention.backend import TORCH, AttentionBackend
-from raypaged.model.layers import RMSNorm, RotaryEmbedding
+from raypaged.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
 
 LayerKVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
@@ -77,7 +77,7 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         ]
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.shard_sizes), bias=qkv_bias)
+        self.qkv_proj = Linear(config.hidden_size, sum(self.shard_sizes), bias=qkv_bias)
         # Qwen3: RMSNorm over each head's head_dim features of q and k, before rotary
         has_qk_norm = config.model_type == "qwen3"
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
@@ -95,13 +95,17 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:  # x: [num_tokens, hidden]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(self.shard_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            self.rotary.rotate_(positions, q, k)
+        else:  # q and k side by side in qkv: one rotation over both
+            qk = qkv[:, :self.shard_sizes[0] + self.shard_sizes[1]]
+            self.rotary.rotate_(positions, qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
         key_cache, value_cache = kv_cache
         out = self.attn_backend.forward(q, k, v, key_cache, value_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -114,7 +118,7 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = getattr(config, "mlp_bias", False)
         self.first_row, self.intermediate_size = tp.chunk(config.intermediate_size)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp)
 
     def fused_rows(self, shard: int) -> tuple[int, int, int]:
@@ -122,8 +126,7 @@ class LlamaMLP(nn.Module):
         return self.first_row, shard * self.intermediate_size, self.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -137,8 +140,9 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn_out = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        normed, x = self.post_attention_layernorm.add_and_norm(attn_out, x)  # x: the residual stream after attention
+        return self.mlp(normed).add_(x)
 
 
 class LlamaModel(nn.Module):
