@@ -77,3 +77,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None  # None for beam searches
     # with SamplingParams.prompt_logprobs: per prompt token its logprob and the top-N (None for the first)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed (vLLM's)

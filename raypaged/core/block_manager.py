@@ -93,6 +93,14 @@ class BlockPool:
     def lookup(self, key: BlockKey) -> int | None:
         return self._cached.get(key)
 
+    def reset_cache(self) -> bool:
+        """Forget every cached block, if no block is in use (False, and nothing changes, otherwise)."""
+        if len(self._free) < self.num_blocks:
+            return False
+        self._key_of.clear()
+        self._cached.clear()
+        return True
+
     def cache(self, block_id: int, key: BlockKey) -> None:
         """Key a full block; the first block holding a key keeps it."""
         if key not in self._cached and block_id not in self._key_of:
@@ -214,6 +222,10 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return keys, hits
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; only when no sequence holds blocks (vLLM's ``reset_prefix_cache``)."""
+        return self.pool.reset_cache() if not (self.tables or self.swapped) else False
 
     def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
         """The blocks ``computed_prefix`` would attach to a new sequence of these tokens (changes nothing)."""

@@ -75,6 +75,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # of prompt tokens 1, 2, ...
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when it was first admitted
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
     num_preemptions: int = 0

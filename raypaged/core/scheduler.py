@@ -286,6 +286,8 @@ class Scheduler:
         if self.kv.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
+        if request.num_cached_tokens is None:  # its first admission: the hits its caller is told of
+            request.num_cached_tokens = num_cached
         return True
 
     def _maybe_fork(self, request: Request) -> None:

@@ -392,6 +392,10 @@ class LLMEngine:
     def stats(self) -> dict[str, int | float]:
         return self.scheduler.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks; False (nothing done) while requests hold blocks."""
+        return self.scheduler.kv.reset_prefix_cache()
+
 
 def _filled(fill: Callable[[object, int], bool], bitmask: object, row: int) -> bool:
     fill(bitmask, row)

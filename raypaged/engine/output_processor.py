@@ -135,6 +135,7 @@ def make_output(state: RequestState) -> RequestOutput | None:
         num_generated_tokens=state.num_generated_tokens,
         metrics=request_metrics(state),
         prompt_logprobs=state.prompt_logprobs(delta),
+        num_cached_tokens=state.seqs[0].request.num_cached_tokens or 0,
     )
 
 

@@ -327,6 +327,14 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
                         help="how tool calls look in the model's output: hermes, llama3_json, mistral, pythonic")
     parser.add_argument("--response-role", default="assistant", metavar="ROLE", help="the role of chat answers")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage.prompt_tokens_details.cached_tokens: prompt tokens read from the prefix cache")
+    parser.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every stream ends with a usage chunk, asked for or not")
+    parser.add_argument("--enable-request-id-headers", action="store_true",
+                        help="answers carry X-Request-Id (the client's, or the response id)")
+    parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                        help="deepseek_r1 or qwen3: chat answers' <think> section becomes reasoning_content")
     add_drain_arg(parser)
 
 
@@ -389,7 +397,9 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         allowed_headers=names("--allowed-headers", args.allowed_headers or '["*"]'),
         allow_credentials=args.allow_credentials,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        response_role=args.response_role,
+        response_role=args.response_role, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_request_id_headers=args.enable_request_id_headers, reasoning_parser=args.reasoning_parser,
     )
 
 

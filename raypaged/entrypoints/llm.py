@@ -13,7 +13,7 @@ from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.inputs.chat_template import render_chat
-from raypaged.inputs.limits import InputLimits
+from raypaged.inputs.limits import InputLimits, check_priority
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
 from raypaged.structured.config import StructuredOutputsConfig
@@ -146,6 +146,8 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
                 )
         priorities = [0] * len(prompts) if priority is None else list(priority)
+        for prio in priorities:
+            check_priority(prio, self.llm_engine.config.scheduling_policy)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
@@ -228,6 +230,10 @@ class LLM:
         finally:
             bar.close()
         return [finished[rid] for rid in request_ids]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block (as vLLM's); False while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
 
     def stats(self) -> dict[str, int | float]:
         """Engine counters: device and CPU blocks total/free, running/waiting/swapped

@@ -129,6 +129,14 @@ def check_stop_counts(num_stop: int, num_stop_token_ids: int, limits: InputLimit
     check_count("stop_token_ids", num_stop_token_ids, limits.max_stop_token_ids, "max_stop_token_ids", "ids")
 
 
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """A request's own priority means something only under the priority policy (vLLM refuses it too)."""
+    if priority and scheduling_policy != "priority":
+        raise InputError(
+            "priority", f"priority {priority} needs --scheduling-policy priority (this engine schedules fcfs)"
+        )
+
+
 def check_sampling(params: SamplingParams, vocab_size: int, limits: InputLimits) -> None:
     """Everything a request's ``SamplingParams`` may ask of the engine, against the limits and the vocabulary."""
     check_count("n", params.n, limits.max_num_samples, "max_num_samples", "samples")

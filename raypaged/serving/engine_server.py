@@ -24,11 +24,13 @@ import grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from raypaged.config import EngineConfig
+from raypaged.model.default_model import DEFAULT_MODEL
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.inputs.limits import (
     InputError,
     check_count,
     check_messages,
+    check_priority,
     check_prompt_len,
     check_text,
     check_token_ids,
@@ -98,6 +100,7 @@ class ServedModel:
             num_gpu_blocks=int(self.engine.stats()["num_gpu_blocks_total"]),
             device=config.resolved_device,
             dtype=config.resolved_dtype,
+            root=config.model or DEFAULT_MODEL,
         )
 
 
@@ -211,6 +214,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             model = self._model(request.model)
             engine = model.engine
             params = sampling_params_from_proto(request, engine.config.limits, engine.config.generation_defaults)
+            check_priority(request.priority, engine.config.scheduling_policy)
             priority = gate.tenant.engine_priority(request.priority)
             _check_prompt_size(model, request)
             request_id = request.request_id or uuid.uuid4().hex

@@ -26,6 +26,7 @@ from raypaged.serving.gateway.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PRO
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, tenants_for
+from raypaged.serving.gateway.reasoning import get_reasoning_parser
 from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.gateway.tool_parsers import get_parser
 from raypaged.serving.inprocess import InProcessStub
@@ -66,12 +67,18 @@ class GatewayOptions:
     enable_auto_tool_choice: bool = False  # tool_choice "auto", parsed by tool_call_parser
     tool_call_parser: str | None = None
     response_role: str = "assistant"
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    enable_force_include_usage: bool = False  # every stream ends with a usage chunk
+    enable_request_id_headers: bool = False  # answers carry X-Request-Id
+    reasoning_parser: str | None = None  # deepseek_r1, qwen3: <think> sections become reasoning_content
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)")
         if self.tool_call_parser is not None:
             get_parser(self.tool_call_parser)  # an unknown name fails now
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
         self.root_path = self.root_path.rstrip("/")
@@ -153,6 +160,10 @@ class Gateway:
             allow_credentials=options.allow_credentials,
             tool_parser=get_parser(options.tool_call_parser) if options.enable_auto_tool_choice else None,
             response_role=options.response_role,
+            prompt_tokens_details=options.enable_prompt_tokens_details,
+            force_include_usage=options.enable_force_include_usage,
+            request_id_headers=options.enable_request_id_headers,
+            reasoning_parser=get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None,
         )
         app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones
         self.socket = listen(options.host, options.port)

@@ -104,7 +104,8 @@ class DeltaTracker:
 
     def response(self, output: RequestOutput) -> pb.GenerateResponse:
         deltas = [self._delta(c) for c in output.outputs if c.index not in self._done]
-        self._usage = pb.Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_generated_tokens)
+        self._usage = pb.Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_generated_tokens,
+                               cached_tokens=output.num_cached_tokens)
         response = pb.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=output.finished,
                                        usage=self._usage)
         if output.prompt_logprobs is not None:
@@ -132,8 +133,10 @@ class DeltaTracker:
             delta.token_texts.extend(self.tokenizer.decode([t]) for t in completion.token_ids)
         if completion.finish_reason is not None:
             delta.finish_reason = FINISH_REASONS[completion.finish_reason]
-            if completion.stop_reason is not None:
-                delta.stop_reason = str(completion.stop_reason)
+            if isinstance(completion.stop_reason, int):
+                delta.stop_token_id = completion.stop_reason
+            elif completion.stop_reason is not None:
+                delta.stop_reason = completion.stop_reason
             if completion.finish_message is not None:
                 delta.finish_message = completion.finish_message
             self._done.add(completion.index)

@@ -121,3 +121,19 @@ def test_swap_out_refuses_when_the_cpu_pool_is_short():
     assert kv.swap_out(["p"]) is None
     assert kv.get_block_ids("p") == [0, 1]
     assert KVCacheManager(num_blocks=2, block_size=4).swap_out([]) is None  # no CPU pool at all
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_none_is_in_use():
+    from raypaged.core.block_manager import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    tokens = list(range(9))  # two full blocks and one token
+    kv.computed_prefix("a", tokens)
+    kv.allocate_slots("a", 0, 9)
+    kv.cache_blocks("a", tokens, [], 9)
+    assert kv.reset_prefix_cache() is False  # "a" holds its blocks
+    kv.free("a")
+    assert kv.cached_prefix_blocks(tokens) != []
+    assert kv.reset_prefix_cache() is True
+    assert kv.cached_prefix_blocks(tokens) == [] and kv.num_free_blocks == 8
+    assert kv.computed_prefix("b", tokens) == 0

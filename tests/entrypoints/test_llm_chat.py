@@ -59,3 +59,15 @@ def test_what_cannot_render_is_a_value_error_naming_it(llm, kwargs, message):
     with pytest.raises(ValueError, match="^" + message + "$"):
         llm.chat([{"role": "user", "content": "hi"}], ONE, use_tqdm=False, **kwargs)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_compute_again(llm):
+    prompt = {"prompt_token_ids": list(range(100, 180))}
+    llm.generate(prompt, ONE, use_tqdm=False)
+    hits = llm.stats()["prefix_cache_hits"]
+    llm.generate(prompt, ONE, use_tqdm=False)
+    assert llm.stats()["prefix_cache_hits"] > hits
+    assert llm.reset_prefix_cache() is True
+    hits = llm.stats()["prefix_cache_hits"]
+    llm.generate(prompt, ONE, use_tqdm=False)
+    assert llm.stats()["prefix_cache_hits"] == hits

@@ -50,8 +50,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    server = Server([tiny_config(tiny_model_dir, "tiny")])
+def server(tiny_model_dir):  # priority scheduling: a request's own priority counts
+    server = Server([tiny_config(tiny_model_dir, "tiny", scheduling_policy="priority")])
     yield server
     server.close()
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -24,6 +25,7 @@ from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import APIError, from_grpc, install_handlers
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, Guard, HostCheck, host_check_needed
+from raypaged.serving.gateway.reasoning import ReasoningParser
 from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape
 from raypaged.serving.gateway.schemas import (
     ChatCompletionRequest,
@@ -59,19 +61,27 @@ def build_app(
     allow_credentials: bool = False,
     tool_parser: ToolParser | None = None,
     response_role: str = "assistant",
+    prompt_tokens_details: bool = False,
+    force_include_usage: bool = False,
+    request_id_headers: bool = False,
+    reasoning_parser: ReasoningParser | None = None,
 ) -> FastAPI:
     """The gateway's routes; ``drain`` (one per gateway) refuses and ends requests at shutdown.
 
     Middleware, outermost first: the ``Host`` check (see ``guard.py``; ``bind_host`` is the
     listening address), CORS (only with ``allowed_origins``), then the ``Guard``. ``tool_parser``
     finds the tool calls of ``tool_choice: "auto"`` (``None``: such requests are refused);
-    ``response_role`` is the role of chat answers.
+    ``response_role`` is the role of chat answers; ``prompt_tokens_details`` adds usage's cached
+    tokens, ``force_include_usage`` a usage chunk to every stream, ``request_id_headers`` the
+    ``X-Request-Id`` response header (vLLM's flags of those names); ``reasoning_parser`` splits
+    chat answers' ``<think>`` sections into ``reasoning_content``.
     """
     if max_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {max_body_bytes}")
     if max_prompts_per_request < 1:
         raise ValueError(f"--max-prompts-per-request must be at least 1, got {max_prompts_per_request}")
     drain = drain or Drain(0)
+    started = int(time.time())  # the models' "created"
     app = FastAPI(title="raypaged", docs_url=None, redoc_url=None)
     install_handlers(app)
     app.add_middleware(Guard, tenants=tenants, drain=drain, exempt_paths=auth_exempt_paths,
@@ -123,6 +133,9 @@ def build_app(
         prompts = body.prompts(tools) if isinstance(body, ChatCompletionRequest) else body.prompts()
         num_logprobs = body.num_logprobs
         constraint = tools.constraint() if tools is not None else None
+        if chat and reasoning_parser is not None and (constraint is not None or body.structured() is not None):
+            raise APIError(400, "structured outputs and tool_choice required or named are not supported with "
+                           "--reasoning-parser yet (the grammar would apply to the reasoning too)", "response_format")
         try:
             requests = [
                 body.generate_request(model, p, num_logprobs, body.resolved_max_tokens, body.priority, constraint)
@@ -132,7 +145,12 @@ def build_app(
             raise APIError(400, str(exc)) from None
         shape = ResponseShape(chat, model, body.n, num_logprobs is not None, tools=tools, role=response_role,
                               echo=body.echo, echo_only=body.echo_only,
-                              prompt_logprobs=body.prompt_logprobs is not None)
+                              prompt_logprobs=body.prompt_logprobs is not None,
+                              prompt_tokens_details=prompt_tokens_details,
+                              request_id=body.request_id or _header_request_id(http),
+                              reasoning=reasoning_parser if chat else None)
+        for index, request in enumerate(requests):  # the engine's ids follow the response's
+            request.request_id = shape.id if len(requests) == 1 else f"{shape.id}-{index}"
         metadata = _metadata(http)
         await slot.admit(len(prompts))
         if drain.expired.is_set():
@@ -147,12 +165,13 @@ def build_app(
         if log_requests:
             logger.info("request %s: model=%s tenant=%s prompts=%d n=%d stream=%s", shape.id, model,
                         gate.tenant.name, len(prompts), body.n, body.stream)
+        headers = {"X-Request-Id": shape.request_id or shape.id} if request_id_headers else None
         if body.stream:
-            writer = ChunkWriter(shape, len(prompts), body.include_usage)
-            return _EventStream(_sse(calls, writer, slot, drain), lambda: (_cancel(calls), slot.release()))
+            writer = ChunkWriter(shape, len(prompts), body.include_usage or force_include_usage)
+            return _EventStream(_sse(calls, writer, slot, drain), lambda: (_cancel(calls), slot.release()), headers)
         try:
             work = _collect(calls, Accumulator(shape, len(prompts)), drain)
-            return JSONResponse(await _unless_disconnected(http, work))
+            return JSONResponse(await _unless_disconnected(http, work), headers=headers)
         finally:
             _cancel(calls)
             slot.release()
@@ -168,9 +187,16 @@ def build_app(
     async def card(name: str) -> dict:
         """A served model as OpenAI's (and vLLM's) model object."""
         info = await routes.model_info(name)
-        card = {"id": name, "object": "model", "created": 0, "owned_by": "raypaged", "root": name}
+        card = {"id": name, "object": "model", "created": started, "owned_by": "raypaged",
+                "root": info.root if info is not None and info.root else name, "parent": None}
         if info is not None:
             card["max_model_len"] = info.max_model_len
+        card["permission"] = [{
+            "id": f"modelperm-{name}", "object": "model_permission", "created": started,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False,
+        }]
         return card
 
     @app.get("/v1/models")
@@ -234,8 +260,10 @@ def build_app(
 class _EventStream(StreamingResponse):
     """Server-sent events; ``cleanup`` runs however the response ends, even before its first event."""
 
-    def __init__(self, events: AsyncIterator[str], cleanup: Callable[[], object]) -> None:
-        super().__init__(events, media_type="text/event-stream")
+    def __init__(
+        self, events: AsyncIterator[str], cleanup: Callable[[], object], headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
         self._cleanup = cleanup
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -284,6 +312,16 @@ def _parse_json(raw: bytes, body_type: type[Body]) -> Body:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
+
+
+def _header_request_id(http: Request) -> str | None:
+    """The client's ``X-Request-Id``, when it is a usable id (printable ASCII, at most 256 characters)."""
+    found = http.headers.get("x-request-id")
+    if found is None:
+        return None
+    if not 0 < len(found) <= 256 or not all(0x21 <= ord(c) <= 0x7E for c in found):
+        raise APIError(400, "X-Request-Id must be 1 to 256 printable ASCII characters without spaces", "X-Request-Id")
+    return found
 
 
 def _no_constant(name: str) -> None:

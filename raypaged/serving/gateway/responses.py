@@ -9,8 +9,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from raypaged import __version__
+from raypaged.serving.gateway.reasoning import ReasoningParser, ReasoningStream
 from raypaged.serving.gateway.tools import ToolPlan, ToolStream
 from raypaged.serving.proto import generate_pb2 as pb
+
+SYSTEM_FINGERPRINT = f"raypaged-{__version__}"
 
 FINISH_REASONS = {
     pb.FINISH_REASON_UNSPECIFIED: None,
@@ -33,11 +37,14 @@ class ResponseShape:
     echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone
     prompt_logprobs: bool = False  # the prompt's logprobs, vLLM's field
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
+    request_id: str | None = None  # the client's (X-Request-Id or request_id): the response id is made of it
+    reasoning: ReasoningParser | None = None  # chat: <think> sections become reasoning_content (--reasoning-parser)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{self.request_id or uuid.uuid4().hex}"
 
     @property
     def object(self) -> str:
@@ -45,7 +52,8 @@ class ResponseShape:
 
     def envelope(self, choices: list[dict], usage: dict | None, chunk: bool) -> dict:
         obj = "chat.completion.chunk" if chunk and self.chat else self.object
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
         if usage is not None or not chunk:
             body["usage"] = usage
         return body
@@ -85,13 +93,23 @@ class ResponseShape:
             "text_offset": offsets,
         }
 
+    def usage(self, usages: list[pb.Usage]) -> dict:
+        """The requests' token counts together (with vLLM's ``prompt_tokens_details`` when enabled)."""
+        prompt_tokens = sum(u.prompt_tokens for u in usages)
+        completion_tokens = 0 if self.echo_only else sum(u.completion_tokens for u in usages)
+        body: dict = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        if self.prompt_tokens_details:
+            body["prompt_tokens_details"] = {"cached_tokens": sum(u.cached_tokens for u in usages)}
+        return body
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+
+def _stop_reason(delta: pb.CompletionDelta) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop token id as an int, the stop string as a string."""
+    return delta.stop_token_id if delta.HasField("stop_token_id") else delta.stop_reason or None
 
 
 @dataclass
@@ -146,7 +164,7 @@ class _Choice:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[pb.TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class Accumulator:
@@ -169,7 +187,7 @@ class Accumulator:
             choice.top_logprobs.extend(delta.top_logprobs)
             if delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 choice.finish_reason = FINISH_REASONS[delta.finish_reason]
-                choice.stop_reason = delta.stop_reason or None
+                choice.stop_reason = _stop_reason(delta)
 
     def body(self) -> dict:
         choices = []
@@ -183,9 +201,14 @@ class Accumulator:
             if self.shape.echo_only:
                 choice.text, merged = "", pb.CompletionDelta()
             if self.shape.chat:
-                entry["message"] = {"role": self.shape.role, "content": choice.text}
+                text = choice.text
+                entry["message"] = {"role": self.shape.role, "content": text}
+                if self.shape.reasoning is not None:
+                    reasoning, answer = self.shape.reasoning.split(text)
+                    text = answer or ""
+                    entry["message"] = {"role": self.shape.role, "reasoning_content": reasoning, "content": answer}
                 if (tools := self.shape.tools) is not None:
-                    content, calls = tools.extract(choice.text)
+                    content, calls = tools.extract(text)
                     entry["message"]["content"] = content
                     if calls:
                         entry["message"]["tool_calls"] = [call.as_openai() for call in calls]
@@ -198,9 +221,7 @@ class Accumulator:
             entry["finish_reason"] = finish_reason
             entry["stop_reason"] = choice.stop_reason
             choices.append(entry)
-        prompt_tokens = sum(u.prompt_tokens for u in self.usages)
-        completion_tokens = 0 if self.shape.echo_only else sum(u.completion_tokens for u in self.usages)
-        body = self.shape.envelope(choices, usage(prompt_tokens, completion_tokens), chunk=False)
+        body = self.shape.envelope(choices, self.shape.usage(self.usages), chunk=False)
         if self.shape.prompt_logprobs and self.shape.chat:
             body["prompt_logprobs"] = self.prompts[0].vllm_logprobs()
         return body
@@ -220,6 +241,10 @@ class ChunkWriter:
         )
         self._prompts = [_Prompt() for _ in range(num_prompts)]
         self._echoed: set[int] = set()  # choices whose stream already began with the prompt
+        reasoning = shape.reasoning
+        self._reasoning_streams: list[ReasoningStream] | None = (
+            None if reasoning is None else [ReasoningStream(reasoning) for _ in range(num_prompts * shape.n)]
+        )
 
     def role_chunks(self) -> list[dict]:
         """Chat streams open every choice with the assistant role."""
@@ -239,9 +264,12 @@ class ChunkWriter:
         for delta in response.outputs:
             finish_reason = FINISH_REASONS[delta.finish_reason]
             index = prompt_index * self.shape.n + delta.index
-            if self.shape.echo_only:
-                delta = pb.CompletionDelta(index=delta.index, finish_reason=delta.finish_reason,
-                                           stop_reason=delta.stop_reason)
+            if self.shape.echo_only:  # the prompt alone: the token made to get there is not shown
+                shown_delta = pb.CompletionDelta()
+                shown_delta.CopyFrom(delta)
+                for name in ("token_ids", "text", "logprobs", "token_texts", "top_logprobs"):
+                    shown_delta.ClearField(name)
+                delta = shown_delta
             echo = prompt if self.shape.echo and index not in self._echoed else None
             if echo is not None:
                 self._echoed.add(index)
@@ -262,7 +290,7 @@ class ChunkWriter:
                 choice["prompt_logprobs"] = echo.vllm_logprobs()
             choice["finish_reason"] = finish_reason
             if finish_reason is not None:
-                choice["stop_reason"] = delta.stop_reason or None
+                choice["stop_reason"] = _stop_reason(delta)
             self._text_offsets[index] += len(delta.text) + (len(echo.text) if echo is not None else 0)
             out.append(self.shape.envelope([choice], None, chunk=True) | self._null_usage())
         return out
@@ -270,10 +298,17 @@ class ChunkWriter:
     def _chat_fields(self, index: int, text: str, finish_reason: str | None) -> dict:
         """A chat chunk's ``delta``: the text, or with tools its content and tool-call deltas
         (``_calls``: the calls made, on the last one)."""
+        reasoning: dict = {}
+        if self._reasoning_streams is not None:
+            thought, text = self._reasoning_streams[index].feed(text)
+            if finish_reason is not None:
+                more, rest = self._reasoning_streams[index].finish()
+                thought, text = thought + more, text + rest
+            reasoning = {"reasoning_content": thought} if thought else {}
         if self._tool_streams is None:
-            return {"content": text} if text else {}
+            return reasoning | ({"content": text} if text else {})
         stream = self._tool_streams[index]
-        fields = stream.feed(text)
+        fields = reasoning | stream.feed(text)
         if finish_reason is None:
             return fields
         last, calls = stream.finish()
@@ -286,9 +321,7 @@ class ChunkWriter:
     def usage_chunk(self) -> dict | None:
         if not self.include_usage:
             return None
-        prompt_tokens = sum(u.prompt_tokens for u in self._usages)
-        completion_tokens = 0 if self.shape.echo_only else sum(u.completion_tokens for u in self._usages)
-        return self.shape.envelope([], usage(prompt_tokens, completion_tokens), chunk=True)
+        return self.shape.envelope([], self.shape.usage(self._usages), chunk=True)
 
     def _null_usage(self) -> dict:
         return {"usage": None} if self.include_usage else {}

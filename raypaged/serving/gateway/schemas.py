@@ -48,7 +48,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "mm_processor_kwargs": (),
     "kv_transfer_params": (),
     "vllm_xargs": (),
-    "request_id": (),
     "cache_salt": (),
     "prediction": (),
     "audio": (),
@@ -103,6 +102,7 @@ class _GenerationBody(BaseModel):
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-_INT32_MAX - 1, le=_INT32_MAX)
     prompt_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")  # vLLM's
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI's string key) -> bias in [-100, 100]
     allowed_token_ids: list[Unsigned] | None = None
     bad_words: list[str] | None = None

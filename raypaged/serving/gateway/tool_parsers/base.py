@@ -61,6 +61,19 @@ class ToolParser(ABC):
         return (text[:start] if text[:start].strip() else None), calls
 
 
+class MarkerParser(ToolParser):
+    """A format whose tool-call section begins at a marker anywhere in the output."""
+
+    marker: ClassVar[str]
+
+    def section_start(self, text: str) -> int | None:
+        found = text.find(self.marker)
+        return None if found < 0 else found
+
+    def holdback(self, text: str) -> int:
+        return marker_holdback(text, self.marker)
+
+
 def marker_holdback(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that begins ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):

@@ -5,21 +5,15 @@ from __future__ import annotations
 import json
 import re
 
-from raypaged.serving.gateway.tool_parsers.base import ToolCall, ToolParser, marker_holdback
+from raypaged.serving.gateway.tool_parsers.base import MarkerParser, ToolCall
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
 
 
-class HermesParser(ToolParser):
+class HermesParser(MarkerParser):
     name = "hermes"
-
-    def section_start(self, text: str) -> int | None:
-        found = text.find(START)
-        return None if found < 0 else found
-
-    def holdback(self, text: str) -> int:
-        return marker_holdback(text, START)
+    marker = START
 
     def parse_section(self, section: str) -> list[ToolCall]:
         blocks = [b.strip() for b in _BLOCK.findall(section)]

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import json
 
-from raypaged.serving.gateway.tool_parsers.base import ToolCall, ToolParser, marker_holdback
+from raypaged.serving.gateway.tool_parsers.base import MarkerParser, ToolCall
 
 START = "[TOOL_CALLS]"
 
 
-class MistralParser(ToolParser):
+class MistralParser(MarkerParser):
     name = "mistral"
-
-    def section_start(self, text: str) -> int | None:
-        found = text.find(START)
-        return None if found < 0 else found
-
-    def holdback(self, text: str) -> int:
-        return marker_holdback(text, START)
+    marker = START
 
     def parse_section(self, section: str) -> list[ToolCall]:
         value = json.loads(section.removeprefix(START).strip())
