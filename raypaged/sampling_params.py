@@ -116,6 +116,8 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generated (their token sequences, with and without a leading space)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # set by the engine from bad_words
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # a stop string that ended the output stays in its text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -163,6 +165,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):

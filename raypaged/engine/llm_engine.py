@@ -128,10 +128,12 @@ class LLMEngine:
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     def _validate_prompt(
-        self, request_id: str | None, prompt: str | None, prompt_token_ids: list[int] | None
+        self, request_id: str | None, prompt: str | None, prompt_token_ids: list[int] | None,
+        truncate_to: int | None = None,
     ) -> tuple[str, list[int]]:
-        """A fresh request id and the prompt's token ids; bad input raises ``ValueError``
-        (the input gate's ``InputError``), sizes checked before tokenizing or copying."""
+        """A fresh request id and the prompt's token ids (only the last ``truncate_to`` of them, when
+        given, as vLLM's ``truncate_prompt_tokens``); bad input raises ``ValueError`` (the input
+        gate's ``InputError``), sizes checked before tokenizing or copying."""
         if request_id is None:
             request_id = str(next(self._ids))
         if request_id in self._states or request_id in self._beam_states:
@@ -141,6 +143,8 @@ class LLMEngine:
                 raise InputError("prompt", "either prompt or prompt_token_ids is required")
             check_text("prompt", len(prompt), self.config.limits, self.config.max_model_len)
             prompt_token_ids = self.tokenize(prompt)
+        if truncate_to is not None:
+            prompt_token_ids = prompt_token_ids[-truncate_to:]
         check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, self.config.max_model_len)
         return request_id, list(prompt_token_ids)
 
@@ -169,7 +173,9 @@ class LLMEngine:
         different ``cache_salt`` never share prefix-cache blocks.
         """
         check_sampling(sampling_params, self.config.hf_config.vocab_size, self.config.limits)
-        request_id, prompt_token_ids = self._validate_prompt(request_id, prompt, prompt_token_ids)
+        request_id, prompt_token_ids = self._validate_prompt(
+            request_id, prompt, prompt_token_ids, sampling_params.truncate_prompt_tokens
+        )
         check_context(len(prompt_token_ids), sampling_params.max_tokens, self.config.max_model_len)
         max_tokens = sampling_params.max_tokens or self.config.max_model_len - len(prompt_token_ids)
         num_samples = sampling_params.num_samples

@@ -95,6 +95,8 @@ def process_token(seq: SeqState) -> bool:
     cut = find_stop(seq.text, params.stop, searched)
     if cut is not None:
         seq.text, seq.stop_reason = cut
+        if params.include_stop_str_in_output:
+            seq.text += cut[1]
         seq.finish_reason = "stop"
         return True
     if request.status.finished:

@@ -334,7 +334,8 @@ def _check_prompt_size(model: ServedModel, request: pb.GenerateRequest) -> None:
     elif kind == "messages":
         _check_conversation(request.messages, config)
     elif kind == "token_ids":
-        check_prompt_len(len(request.token_ids.ids), config.max_model_len)  # the engine checks the ids
+        if not request.HasField("truncate_prompt_tokens"):  # else the engine checks it once cut
+            check_prompt_len(len(request.token_ids.ids), config.max_model_len)  # the engine checks the ids
     else:
         raise InputError("prompt", "a prompt is required: text, token_ids or messages")
 

@@ -26,8 +26,6 @@ def http(tiny_model_dir):
     (COMPLETION, "spaces_between_special_tokens", False),
     (CHAT, "return_tokens_as_token_ids", True),
     (COMPLETION, "use_beam_search", True),
-    (COMPLETION, "include_stop_str_in_output", True),
-    (COMPLETION, "truncate_prompt_tokens", 4),
     (CHAT, "functions", [{"name": "f", "parameters": {}}]),
     (CHAT, "prediction", {"type": "content", "content": "x"}),
 ])
@@ -125,3 +123,29 @@ def test_bad_token_controls_are_a_400_naming_them(http, field, value, message):
     answer = http.post("/v1/completions", json={**COMPLETION, field: value})
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == message
+
+
+def test_include_stop_str_in_output_and_truncate_prompt_tokens(http):
+    greedy = {**COMPLETION, "max_tokens": 6, "temperature": 0}
+    text = http.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
+    stop = text[2:4]
+    cut = http.post("/v1/completions", json={**greedy, "stop": [stop]}).json()["choices"][0]
+    kept = http.post("/v1/completions", json={**greedy, "stop": [stop], "include_stop_str_in_output": True}).json()
+    assert cut["text"] + stop == kept["choices"][0]["text"] == text[:text.index(stop) + len(stop)]
+    long_prompt = list(range(100, 400))  # 300 tokens: over max_model_len 256 unless cut
+    assert http.post("/v1/completions", json={**COMPLETION, "prompt": long_prompt}).status_code == 400
+    truncated = http.post("/v1/completions", json={**COMPLETION, "prompt": long_prompt, "truncate_prompt_tokens": 8})
+    last = http.post("/v1/completions", json={**COMPLETION, "prompt": long_prompt[-8:], "temperature": 0,
+                                              "max_tokens": 4}).json()
+    again = http.post("/v1/completions", json={**COMPLETION, "prompt": long_prompt, "truncate_prompt_tokens": 8,
+                                               "temperature": 0, "max_tokens": 4}).json()
+    assert truncated.json()["usage"]["prompt_tokens"] == 8
+    assert again["choices"][0]["text"] == last["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])
+def test_pooling_endpoints_say_no_pooling_model_is_served(http, path):
+    answer = http.post(path, json={"model": "tiny", "input": "hi"})
+    assert answer.status_code == 404
+    assert answer.json()["error"]["message"] == (
+        f"{path} is not available: the served models generate text, and no pooling (embedding) model is served")

@@ -176,6 +176,14 @@ def build_app(
             _cancel(calls)
             slot.release()
 
+    @app.post("/v1/embeddings")
+    @app.post("/pooling")
+    async def pooling(http: Request) -> Response:
+        raise APIError(
+            404, f"{http.url.path} is not available: the served models generate text, and no pooling (embedding) "
+            "model is served", code="model_not_found",
+        )
+
     @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
     async def completions(http: Request) -> Response:
         return await generate(http, CompletionRequest)

@@ -35,9 +35,7 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # send them only with a value that asks for nothing (these, null, or an empty list or object).
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "suffix": ("",),
-    "include_stop_str_in_output": (False,),
     "spaces_between_special_tokens": (True,),
-    "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,),
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
@@ -103,6 +101,8 @@ class _GenerationBody(BaseModel):
     priority: int = Field(0, ge=-_INT32_MAX - 1, le=_INT32_MAX)
     prompt_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")  # vLLM's
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)  # keep the prompt's last N tokens
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI's string key) -> bias in [-100, 100]
     allowed_token_ids: list[Unsigned] | None = None
     bad_words: list[str] | None = None
@@ -209,6 +209,7 @@ class _GenerationBody(BaseModel):
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
         if max_tokens is not None:
             stopping.max_tokens = max(max_tokens, 1) if self.echo_only else max_tokens
@@ -216,6 +217,8 @@ class _GenerationBody(BaseModel):
                                      echo=self.echo, **prompt)
         if (prompt_logprobs := self.resolved_prompt_logprobs) is not None:
             request.prompt_logprobs = prompt_logprobs
+        if self.truncate_prompt_tokens is not None:
+            request.truncate_prompt_tokens = self.truncate_prompt_tokens
         structured = self.structured()
         if constraint is not None and structured is not None:
             raise APIError(400, "tool_choice required or a named function already constrains the output; "
