@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raypaged.model.layers import linear
+
 
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
@@ -65,7 +67,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features / size]
-        y = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def load_shard(self, param_name: str, tensor: torch.Tensor) -> None:
@@ -100,5 +102,5 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
         """The LM head (tied, or one of its own sharded the same way): gathered from every rank."""
-        local = nn.functional.linear(hidden, self.weight)  # [num_seqs, vocab / size]
+        local = linear(hidden, self.weight)  # [num_seqs, vocab / size]
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
