@@ -340,8 +340,8 @@ class LLMEngine:
         for request_id in request_ids:
             state = self._seq_states[request_id][0]
             fill = self._matchers[request_id].fill_next_token_bitmask
-            if state.error is None and self._guarded(state, "filling the grammar mask", _filled, fill, bitmask, len(filled)):
-                filled.append(request_id)
+            if state.error is None and self._guarded(state, "filling the grammar mask", fill, bitmask, len(filled)) is not None:
+                filled.append(request_id)  # fill returned (True or False); None: it raised and the request failed
         return GrammarBitmask(filled, bitmask[: len(filled)]) if filled else None
 
     def _advance_grammar(self, matcher: xgrammar.GrammarMatcher, request: Request) -> None:
@@ -401,11 +401,6 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's blocks; False (nothing done) while requests hold blocks."""
         return self.scheduler.kv.reset_prefix_cache()
-
-
-def _filled(fill: Callable[[object, int], bool], bitmask: object, row: int) -> bool:
-    fill(bitmask, row)
-    return True
 
 
 def _check_pool_holds_one_sequence(num_blocks: int, config: EngineConfig) -> None:

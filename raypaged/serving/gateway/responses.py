@@ -93,6 +93,22 @@ class ResponseShape:
             "text_offset": offsets,
         }
 
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A whole chat answer as its message (reasoning split off, then tool calls) and its finish reason."""
+        message: dict = {"role": self.role}
+        if self.reasoning is not None:
+            message["reasoning_content"], content = self.reasoning.split(text)
+            text = content or ""
+        else:
+            content = text
+        if self.tools is not None:
+            content, calls = self.tools.extract(text)
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
+            finish_reason = self.tools.finish_reason(calls, finish_reason)
+        message["content"] = content
+        return message, finish_reason
+
     def usage(self, usages: list[pb.Usage]) -> dict:
         """The requests' token counts together (with vLLM's ``prompt_tokens_details`` when enabled)."""
         prompt_tokens = sum(u.prompt_tokens for u in usages)
@@ -201,18 +217,7 @@ class Accumulator:
             if self.shape.echo_only:
                 choice.text, merged = "", pb.CompletionDelta()
             if self.shape.chat:
-                text = choice.text
-                entry["message"] = {"role": self.shape.role, "content": text}
-                if self.shape.reasoning is not None:
-                    reasoning, answer = self.shape.reasoning.split(text)
-                    text = answer or ""
-                    entry["message"] = {"role": self.shape.role, "reasoning_content": reasoning, "content": answer}
-                if (tools := self.shape.tools) is not None:
-                    content, calls = tools.extract(text)
-                    entry["message"]["content"] = content
-                    if calls:
-                        entry["message"]["tool_calls"] = [call.as_openai() for call in calls]
-                    finish_reason = tools.finish_reason(calls, finish_reason)
+                entry["message"], finish_reason = self.shape.message(choice.text, finish_reason)
             else:
                 entry["text"] = prompt.text + choice.text if self.shape.echo else choice.text
             entry["logprobs"] = self.shape.logprobs(merged, 0, prompt if self.shape.echo else None)
@@ -273,9 +278,9 @@ class ChunkWriter:
             echo = prompt if self.shape.echo and index not in self._echoed else None
             if echo is not None:
                 self._echoed.add(index)
-            fields = self._chat_fields(index, delta.text, finish_reason) if self.shape.chat else {}
-            if self.shape.chat and finish_reason is not None and self._tool_streams is not None:
-                finish_reason = self.shape.tools.finish_reason(fields.pop("_calls"), finish_reason)
+            fields: dict = {}
+            if self.shape.chat:
+                fields, finish_reason = self._chat_delta(index, delta.text, finish_reason)
             shown = fields if self.shape.chat else delta.text or echo is not None
             if not shown and finish_reason is None and not (self.shape.wants_logprobs and delta.token_ids):
                 continue
@@ -295,28 +300,29 @@ class ChunkWriter:
             out.append(self.shape.envelope([choice], None, chunk=True) | self._null_usage())
         return out
 
-    def _chat_fields(self, index: int, text: str, finish_reason: str | None) -> dict:
-        """A chat chunk's ``delta``: the text, or with tools its content and tool-call deltas
-        (``_calls``: the calls made, on the last one)."""
-        reasoning: dict = {}
+    def _chat_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A chat chunk's ``delta`` (the text, or its reasoning, content and tool-call deltas) and
+        its finish reason (``tool_calls`` when the last one ends with calls)."""
+        fields: dict = {}
         if self._reasoning_streams is not None:
             thought, text = self._reasoning_streams[index].feed(text)
             if finish_reason is not None:
                 more, rest = self._reasoning_streams[index].finish()
                 thought, text = thought + more, text + rest
-            reasoning = {"reasoning_content": thought} if thought else {}
-        if self._tool_streams is None:
-            return reasoning | ({"content": text} if text else {})
+            if thought:
+                fields["reasoning_content"] = thought
+        if self._tool_streams is None or self.shape.tools is None:
+            return fields | ({"content": text} if text else {}), finish_reason
         stream = self._tool_streams[index]
-        fields = reasoning | stream.feed(text)
+        fields |= stream.feed(text)
         if finish_reason is None:
-            return fields
+            return fields, None
         last, calls = stream.finish()
         if "content" in last:
             fields["content"] = fields.get("content", "") + last["content"]
         if "tool_calls" in last:
             fields["tool_calls"] = fields.get("tool_calls", []) + last["tool_calls"]
-        return {**fields, "_calls": calls}
+        return fields, self.shape.tools.finish_reason(calls, finish_reason)
 
     def usage_chunk(self) -> dict | None:
         if not self.include_usage:

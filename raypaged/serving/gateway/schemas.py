@@ -159,13 +159,10 @@ class _GenerationBody(BaseModel):
 
     def token_logit_bias(self) -> dict[int, float]:
         """``logit_bias`` by token id; a key that is not one is a 400."""
-        try:
-            bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
-            bias = {-1: 0.0}
-        if not all(0 <= k <= _UINT32_MAX for k in bias):
+        bias = {_token_id(k): v for k, v in (self.logit_bias or {}).items()}
+        if None in bias:
             raise APIError(400, "logit_bias keys must be token ids", "logit_bias")
-        return bias
+        return bias  # type: ignore[return-value]  # no None key left
 
     @property
     def echo_only(self) -> bool:
@@ -228,6 +225,15 @@ class _GenerationBody(BaseModel):
         if num_logprobs is not None:
             request.logprobs = num_logprobs
         return request
+
+
+def _token_id(key: str) -> int | None:
+    """A ``logit_bias`` key as a token id the wire can hold, or ``None``."""
+    try:
+        value = int(key)
+    except ValueError:
+        return None
+    return value if 0 <= value <= _UINT32_MAX else None
 
 
 class CompletionRequest(_GenerationBody):
