@@ -61,6 +61,10 @@ def test_vllm_structured_outputs_and_guided_fields(client):
     choice = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Is fire hot?"}],
                                             max_tokens=5, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
     assert choice.choices[0].message.content in ("yes", "no")
+    text_format = client.chat.completions.create(  # response_format text asks for nothing: the choice still holds
+        model="smollm2", messages=[{"role": "user", "content": "Is fire hot?"}], max_tokens=5, temperature=0,
+        response_format={"type": "text"}, extra_body={"guided_choice": ["maybe", "never"]})
+    assert text_format.choices[0].message.content in ("maybe", "never")
     guided = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=64, temperature=0,
                                             extra_body={"guided_json": PERSON, "guided_decoding_backend": "xgrammar"})
     jsonschema.validate(json.loads(guided.choices[0].message.content), PERSON)

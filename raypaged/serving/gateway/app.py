@@ -132,8 +132,8 @@ def build_app(
         tools = body.tool_plan(tool_parser) if isinstance(body, ChatCompletionRequest) else None
         prompts = body.prompts(tools) if isinstance(body, ChatCompletionRequest) else body.prompts()
         num_logprobs = body.num_logprobs
-        constraint = tools.constraint() if tools is not None else None
-        if chat and reasoning_parser is not None and (constraint is not None or body.structured() is not None):
+        constraint = body.constraint(tools)
+        if chat and reasoning_parser is not None and constraint is not None:
             raise APIError(400, "structured outputs and tool_choice required or named are not supported with "
                            "--reasoning-parser yet (the grammar would apply to the reasoning too)", "response_format")
         try:

@@ -100,6 +100,7 @@ class _GenerationBody(BaseModel):
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-_INT32_MAX - 1, le=_INT32_MAX)
     prompt_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
+    echo: bool = False  # completions: the prompt first in the text (and its tokens first in the logprobs)
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")  # vLLM's
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)  # keep the prompt's last N tokens
@@ -135,7 +136,7 @@ class _GenerationBody(BaseModel):
                 "decodes structured outputs with xgrammar",
                 "guided_decoding_backend",
             )
-        if self.response_format is not None and given:
+        if self.response_format is not None and "response_format" in given:
             return self.response_format.structured()
         if self.structured_outputs is not None:
             return self.structured_outputs.structured()
@@ -148,8 +149,6 @@ class _GenerationBody(BaseModel):
     def _extra_fields(self) -> _GenerationBody:
         _check_extra_fields(self.model_extra)
         return self
-
-    echo: bool = False  # completions: the prompt first in the text (and its tokens first in the logprobs)
 
     @model_validator(mode="after")
     def _some_allowed_token(self) -> _GenerationBody:
@@ -177,9 +176,19 @@ class _GenerationBody(BaseModel):
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
+    def constraint(self, tools: ToolPlan | None) -> pb.StructuredOutput | None:
+        """The output's constraint: the body's structured output, or the one ``tool_choice`` required
+        or named implies (both at once is a 400)."""
+        structured = self.structured()
+        implied = tools.constraint() if tools is not None else None
+        if implied is not None and structured is not None:
+            raise APIError(400, "tool_choice required or a named function already constrains the output; "
+                           "send response_format or structured outputs without it", "tool_choice")
+        return implied or structured
+
     def generate_request(
         self, model: str, prompt: dict, num_logprobs: int | None, max_tokens: int | None, priority: int,
-        constraint: pb.StructuredOutput | None = None,
+        constraint: pb.StructuredOutput | None,
     ) -> pb.GenerateRequest:
         """``prompt`` is one of ``{"text": ...}``, ``{"token_ids": ...}``, ``{"messages": ...}``.
 
@@ -216,12 +225,8 @@ class _GenerationBody(BaseModel):
             request.prompt_logprobs = prompt_logprobs
         if self.truncate_prompt_tokens is not None:
             request.truncate_prompt_tokens = self.truncate_prompt_tokens
-        structured = self.structured()
-        if constraint is not None and structured is not None:
-            raise APIError(400, "tool_choice required or a named function already constrains the output; "
-                           "send response_format or structured outputs without it", "tool_choice")
-        if (structured := constraint or structured) is not None:
-            request.structured.CopyFrom(structured)
+        if constraint is not None:
+            request.structured.CopyFrom(constraint)
         if num_logprobs is not None:
             request.logprobs = num_logprobs
         return request
