@@ -71,6 +71,7 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
                 return found
         compiled = self._compile(params, any_whitespace)
+        self._check_can_start(compiled, params.kind)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self.config.cache_size:
@@ -101,6 +102,14 @@ class GrammarBackend:
                 raise
             message = _LOCATION.sub("", str(exc).strip())
             raise InputError(PARAM, f"structured outputs: the {kind} constraint does not compile: {message}") from None
+
+    def _check_can_start(self, compiled: xgrammar.CompiledGrammar, kind: str) -> None:
+        """A grammar whose first token no token of this vocabulary can be would end every request
+        that uses it at its first step: refuse it once, when it compiles."""
+        bitmask = self.allocate_bitmask(1)
+        self.matcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise InputError(PARAM, f"structured outputs: no token of this model's vocabulary can begin the {kind} constraint")
 
     def matcher(self, compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
         import xgrammar as xgr

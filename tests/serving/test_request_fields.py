@@ -68,7 +68,10 @@ def test_settings_only_honoured_at_their_default(http, body, path, field, value,
     assert answer.json()["error"]["message"] == message
 
 
-def test_a_field_of_no_api_is_logged_once_and_ignored(http, caplog):
+def test_a_field_of_no_api_is_logged_once_and_ignored(http, caplog, monkeypatch):
+    from raypaged.serving.gateway import schemas
+
+    monkeypatch.setattr(schemas, "_logged_fields", set())  # fuzzing earlier in the run may have filled the cap
     with caplog.at_level(logging.WARNING, logger="raypaged"):
         for _ in range(3):
             assert http.post("/v1/completions", json={**COMPLETION, "made_up_field": 1}).status_code == 200

@@ -65,6 +65,8 @@ def test_compiled_grammars_are_cached_by_constraint_least_recently_used_dropped(
      "structured outputs: json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
     (StructuredOutputsParams(structural_tag='{"type": "structural_tag", "format": {"type": "nope"}}'),
      "structured outputs: the structural_tag constraint does not compile: "),
+    (StructuredOutputsParams(choice=["\U00040000"]),  # found by fuzzing: every first token masked
+     "structured outputs: no token of this model's vocabulary can begin the choice constraint"),
 ])
 def test_compile_errors_name_the_constraint(backend, params, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)) as raised:
