@@ -8,9 +8,10 @@ run past ``MAX_TOKENS`` (checked every round), so both batches hold 32 sequences
 measured step; steps that are not a full 32-sequence decode in both engines are left out.
 
 Reported: the mean decode step of both engines and the overhead ratio (the goal: at most
-10%), with the constrained engine's host costs per step: filling the masks
-(``LLMEngine._grammar_bitmask``), advancing 16 matchers (``_advance_grammar``) and applying the
-masks in the worker (``apply_token_bitmask``). Apart from the engines: ``apply_token_bitmask``
+10%), with the constrained engine's host costs per step: filling the masks (``_fill_masks``, on
+the mask thread while the forward runs, so off the step's path), the worker's wait for them after
+the forward (``GrammarBitmask.ready``), advancing 16 matchers (``_advance_grammar``) and applying
+the masks in the worker (``apply_token_bitmask``). Apart from the engines: ``apply_token_bitmask``
 on [32, 49152] logits with 16 masked rows (a mask captured from the run) beside xgrammar's own
 CPU applier, and compile times: the one-time TokenizerInfo build, each of the 20 schemas cold on
 a fresh GrammarBackend, then cached.
@@ -32,6 +33,8 @@ import torch
 from common import CONTENTION_NOTE, RESULTS_DIR, load_average, machine_info, pyplot, write_json
 
 from raypaged.config import EngineConfig
+from raypaged.core.outputs import GrammarBitmask
+from raypaged.engine import llm_engine as llm_engine_module
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.model.default_model import default_model_dir
 from raypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -77,15 +80,18 @@ class Log:
 
 
 class HostTimer:
-    """Per-step wall time of the constrained engine's grammar work: mask filling, matcher
-    advancing (summed over the step's calls) and the worker's mask application."""
+    """Per-step wall time of the constrained engine's grammar work: mask filling (on the mask
+    thread, beside the forward), the wait for the masks, matcher advancing (summed over the
+    step's calls) and the worker's mask application."""
 
-    PARTS = ("fill", "advance", "apply")
+    PARTS = ("fill", "wait", "advance", "apply")
+    ON_STEP = ("wait", "advance", "apply")  # the parts the step waits for
 
     def __init__(self, engine: LLMEngine) -> None:
         self.current = dict.fromkeys(self.PARTS, 0.0)
         self.captured: tuple[torch.Tensor, list[int]] | None = None  # a full step's bitmask and rows
-        self._wrap(engine, "_grammar_bitmask", "fill")
+        self._wrap(llm_engine_module, "_fill_masks", "fill")
+        self._wrap(GrammarBitmask, "ready", "wait")
         self._wrap(engine, "_advance_grammar", "advance")
         self._wrap(model_runner_module, "apply_token_bitmask", "apply", capture=True)
 
@@ -207,7 +213,7 @@ def lockstep(plain: LLMEngine, constrained: LLMEngine, num_rounds: int, log: Log
     plain_mean = statistics.mean(p for p, _, _ in pairs) * 1e3
     constrained_mean = statistics.mean(c for _, c, _ in pairs) * 1e3
     host = {part: statistics.mean(h[part] for _, _, h in pairs) * 1e3 for part in HostTimer.PARTS}
-    host_total = sum(host.values())
+    host_total = sum(host[part] for part in HostTimer.ON_STEP)
     step_ratios = [c / p for p, c, _ in pairs]
     round_ratios = [r["ratio"] for r in rounds]
     result = {
@@ -288,11 +294,11 @@ def plot(steps: dict, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     host = steps["host_ms_per_step"]
-    rest = steps["constrained_step_ms"] - sum(host.values())
+    rest = steps["constrained_step_ms"] - steps["host_total_ms_per_step"]
     ax.bar(["no constraints"], [steps["plain_step_ms"]], label="step")
     ax.bar(["16 of 32 constrained"], [rest], color="C0")
     bottom = rest
-    for i, (part, value) in enumerate(host.items()):
+    for i, (part, value) in enumerate((part, host[part]) for part in HostTimer.ON_STEP):
         ax.bar(["16 of 32 constrained"], [value], bottom=bottom, color=f"C{i + 1}", label=f"grammar: {part}")
         bottom += value
     ax.set_ylabel("mean decode step, ms")
@@ -325,8 +331,8 @@ def main() -> None:
         f"overhead {steps['overhead']:+.1%} (median of per-step ratios {steps['overhead_median_of_step_ratios']:+.1%}, "
         f"rounds {steps['overhead_round_min_max'][0]:+.1%} .. {steps['overhead_round_min_max'][1]:+.1%}; "
         f"{steps['measured_steps']} steps, goal <= +10%)")
-    log(f"grammar host work per step: fill {host['fill']:.2f} ms ({steps['fill_us_per_constrained_row']:.0f} µs/row), "
-        f"advance {host['advance']:.2f} ms ({steps['advance_us_per_constrained_row']:.0f} µs/row), apply "
+    log(f"grammar host work per step: fill {host['fill']:.2f} ms ({steps['fill_us_per_constrained_row']:.0f} µs/row) "
+        f"on the mask thread during the forward, then on the step's path: wait {host['wait']:.2f} ms, advance {host['advance']:.2f} ms ({steps['advance_us_per_constrained_row']:.0f} µs/row), apply "
         f"{host['apply']:.2f} ms: {steps['host_total_ms_per_step']:.2f} ms = {steps['host_share_of_plain_step']:.1%} "
         f"of the plain step")
     if steps["constrained_ended_early"]:

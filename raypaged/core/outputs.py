@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 from raypaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
 
@@ -54,10 +56,22 @@ class BlockOp:
 class GrammarBitmask:
     """The tokens each constrained request may sample this step: row ``i`` of ``bitmask``
     ([len(request_ids), ceil(vocab / 32)] int32, bit ``t % 32`` of word ``t // 32`` set = token
-    ``t`` allowed) belongs to ``request_ids[i]``."""
+    ``t`` allowed) belongs to ``request_ids[i]``. The engine fills the rows on a host thread
+    while the forward runs; the worker calls ``ready()`` once it has the logits."""
 
     request_ids: list[str]
     bitmask: torch.Tensor
+    # set while a host thread still fills the rows (during the forward); ``ready()`` waits for it
+    pending: Future | None = None
+
+    def ready(self) -> torch.Tensor:
+        """The filled rows, once the thread filling them is done."""
+        if self.pending is not None:
+            self.pending.result()
+        return self.bitmask
+
+    def __reduce__(self) -> tuple:  # sent to other processes (Ray shards) filled
+        return GrammarBitmask, (self.request_ids, self.ready())
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
@@ -37,6 +38,7 @@ from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
 from raypaged.structured.backend import GrammarBackend
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar
 
     from raypaged.executor.ray_executor import RayExecutor, WorkerDiedError
@@ -91,6 +93,7 @@ class LLMEngine:
             self.tokenizer, config.hf_config.vocab_size, self.eos_token_ids, config.structured_outputs_config
         )
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}  # constrained sequences' grammar states, by sequence id
+        self._mask_thread: ThreadPoolExecutor | None = None  # fills the step's grammar masks during the forward
         self._ids = itertools.count()  # request ids for callers that give none
         self._seq_numbers = itertools.count()  # internal sequence ids: "<n>:<request id>", never a user's id
 
@@ -285,15 +288,21 @@ class LLMEngine:
         if self._worker_error is not None:
             raise self._worker_error
         scheduler_output = self.scheduler.schedule()
-        if self._matchers:
-            scheduler_output.grammar_bitmask = self._grammar_bitmask(scheduler_output)
+        grammar = self._grammar_bitmask(scheduler_output) if self._matchers else None
+        scheduler_output.grammar_bitmask = grammar
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except self._shard_lost as err:
             self._recover_from(err)
             return []
+        finally:
+            fill_failures = self._grammar_fill_failures(grammar)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         touched: dict[str, RequestState] = {}
+        for seq_id, message in fill_failures.items():
+            state = self._seq_states[seq_id][0]
+            self._fail(state, message)
+            touched[state.request_id] = state
         for ended in self.scheduler.take_ended():
             state, seq = self._seq_states[ended.request.request_id]
             self._guarded(state, "ending", end_seq, seq, ended.message)
@@ -327,22 +336,28 @@ class LLMEngine:
 
     def _grammar_bitmask(self, so: SchedulerOutput) -> GrammarBitmask | None:
         """Masks of the constrained sequences that sample this step (their last known token is
-        computed now); a matcher that fails ends its request alone."""
+        computed now), filled on the mask thread while the forward runs."""
         requests = self.scheduler.requests
-        request_ids = [
-            rid for rid, num_new in so.num_scheduled_tokens.items()
+        rows = [
+            (rid, self._matchers[rid]) for rid, num_new in so.num_scheduled_tokens.items()
             if rid in self._matchers and requests[rid].num_computed_tokens + num_new == requests[rid].num_tokens
+            and self._seq_states[rid][0].error is None
         ]
-        if not request_ids:
+        if not rows:
             return None
-        bitmask = self.grammars.allocate_bitmask(len(request_ids))
-        filled = []
-        for request_id in request_ids:
-            state = self._seq_states[request_id][0]
-            fill = self._matchers[request_id].fill_next_token_bitmask
-            if state.error is None and self._guarded(state, "filling the grammar mask", fill, bitmask, len(filled)) is not None:
-                filled.append(request_id)  # fill returned (True or False); None: it raised and the request failed
-        return GrammarBitmask(filled, bitmask[: len(filled)]) if filled else None
+        bitmask = self.grammars.allocate_bitmask(len(rows))
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="raypaged-grammar-mask")
+        pending = self._mask_thread.submit(_fill_masks, rows, bitmask)
+        return GrammarBitmask([rid for rid, _ in rows], bitmask, pending)
+
+    @staticmethod
+    def _grammar_fill_failures(grammar: GrammarBitmask | None) -> dict[str, str]:
+        """Waits for the step's masks; the sequences whose matcher raised (their rows allowed
+        every token), each with its message: those requests fail alone."""
+        if grammar is None:
+            return {}
+        return grammar.pending.result() if grammar.pending is not None else {}
 
     def _advance_grammar(self, matcher: xgrammar.GrammarMatcher, request: Request) -> None:
         """Feed the sampled token to the sequence's grammar; a complete output ends the sequence."""
@@ -368,6 +383,8 @@ class LLMEngine:
         """Release the workers (Ray actors and their placement group); the engine is unusable after."""
         if not isinstance(self.executor, UniProcExecutor):
             self.executor.shutdown()
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=True)
 
     def _guarded(self, state: RequestState, doing: str, call: Callable[..., T], *args: object) -> T | None:
         """``call(*args)`` for one request; if it raises, that request alone fails (``_fail``)."""
@@ -401,6 +418,20 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's blocks; False (nothing done) while requests hold blocks."""
         return self.scheduler.kv.reset_prefix_cache()
+
+
+def _fill_masks(rows: list[tuple[str, xgrammar.GrammarMatcher]], bitmask: torch.Tensor) -> dict[str, str]:
+    """Fill row ``i`` of ``bitmask`` from ``rows[i]``'s matcher (on the mask thread); a matcher
+    that raises leaves its row allowing every token and is returned with its message."""
+    failures = {}
+    for row, (seq_id, matcher) in enumerate(rows):
+        try:
+            matcher.fill_next_token_bitmask(bitmask, row)
+        except Exception as exc:
+            logger.exception("request %s: filling the grammar mask failed; ending it alone", seq_id)
+            bitmask[row].fill_(-1)
+            failures[seq_id] = f"filling the grammar mask failed: {type(exc).__name__}: {exc}"
+    return failures
 
 
 def _check_pool_holds_one_sequence(num_blocks: int, config: EngineConfig) -> None:

@@ -192,7 +192,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         if (grammar := so.grammar_bitmask) is not None:
             row_of = {request_id: row for row, request_id in enumerate(step.sampled_request_ids)}
-            apply_token_bitmask(logits, grammar.bitmask, [row_of[request_id] for request_id in grammar.request_ids])
+            apply_token_bitmask(logits, grammar.ready(), [row_of[request_id] for request_id in grammar.request_ids])
         inputs = [
             SamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.eos_token_id, s.sample_index)
             for s in (self.requests[rid] for rid in step.sampled_request_ids)

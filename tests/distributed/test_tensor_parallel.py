@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import ray
 from transformers import LlamaConfig
@@ -12,6 +14,7 @@ from raypaged.executor.ray_executor import RayExecutor
 from raypaged.executor.uniproc import UniProcExecutor
 from raypaged.executor.worker_actor import node_cores
 from raypaged.model.llama import check_tensor_parallel
+from raypaged.sampling_params import StructuredOutputsParams
 from tests.distributed.conftest import TINY_PARAMS, TINY_PROMPTS, greedy_tokens
 
 
@@ -23,6 +26,11 @@ def test_tiny_llama_tp_matches_tp1(ray_session, tiny_llama, tiny_reference, tp):
         assert isinstance(executor, RayExecutor) and len(executor.workers) == tp
         assert shard_threads(executor) == [expected_threads(max(1, CORES // tp))] * tp
         assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
+        # grammar masks travel to the shards filled (the engine fills them during the step)
+        constrained = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(
+            regex="[a-z]{3}-[0-9]{2}"))
+        outputs = llm.generate(TINY_PROMPTS, constrained, use_tqdm=False)
+        assert all(re.fullmatch("[a-z]{3}-[0-9]{2}", o.outputs[0].text) for o in outputs), [o.outputs[0].text for o in outputs]
         stats = llm.stats()
         assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"] == 128
     finally:

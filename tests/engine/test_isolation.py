@@ -8,11 +8,15 @@ and the engine serves the next request.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+import xgrammar
 
 from raypaged import LLM, SamplingParams
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.engine import detokenizer, output_processor
+from raypaged.sampling_params import StructuredOutputsParams
 from raypaged.worker import sampler
 from tests.serving.conftest import tiny_model_dir  # noqa: F401  (session fixture)
 
@@ -104,6 +108,27 @@ def test_a_stop_matching_failure_ends_that_request_alone(llm, undisturbed, monke
     assert_only_the_victim_failed(
         llm, outputs, undisturbed, "detokenizing or stop matching failed: IndexError: injected stop-matching fault"
     )
+
+
+def test_a_grammar_mask_failure_ends_that_request_alone(llm, undisturbed, monkeypatch):
+    """The masks are filled on the mask thread while the forward runs; a matcher that raises there
+    ends its request after the step, and the others' rows and tokens are untouched."""
+    real = xgrammar.GrammarMatcher.fill_next_token_bitmask
+    calls = []
+
+    def failing(self, bitmask, index=0):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 3:
+            raise RuntimeError("injected grammar fault")
+        return real(self, bitmask, index)
+
+    monkeypatch.setattr(xgrammar.GrammarMatcher, "fill_next_token_bitmask", failing)
+    victim = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))
+    outputs = run_with_victim(llm, victim)
+    assert_only_the_victim_failed(
+        llm, outputs, undisturbed, "filling the grammar mask failed: RuntimeError: injected grammar fault"
+    )
+    assert calls == ["MainThread", "raypaged-grammar-mask_0", "raypaged-grammar-mask_0"]  # the compile check first
 
 
 def test_a_request_outgrowing_the_pool_is_reported_not_lost(llm, undisturbed):
