@@ -16,6 +16,8 @@ from raypaged.structured.config import StructuredOutputsConfig
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from raypaged.quantization.base import QuantizationConfig
+
 logger = logging.getLogger("raypaged")
 
 _DTYPES = {
@@ -27,6 +29,8 @@ _DTYPES = {
     "float32": "float32",
 }
 _BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# --kv-cache-dtype -> the cache's torch dtype (None: the model's); fp8 values are stored with scale 1.0
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
 DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD")
@@ -116,6 +120,10 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     attention_backend: str = "auto"  # auto (CUDA kernels where they run, else torch), torch, cuda
     load_format: str = "auto"  # auto: the folder's safetensors; dummy: random weights (benchmarks, no checkpoint)
+    # vLLM's --quantization: the checkpoint's quantization_config decides (this may only repeat it); on a
+    # float checkpoint, fp8 quantizes at load
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2: one byte per element
     limits: InputLimits = field(default_factory=InputLimits)  # per-request caps (--max-logprobs ...)
     generation_config: str = "auto"  # auto: the model folder's generation_config.json; vllm: no defaults; a folder
     override_generation_config: dict[str, Any] | None = None  # sampling defaults over the generation config's
@@ -131,6 +139,7 @@ class EngineConfig:
     hf_config: PretrainedConfig = field(init=False, repr=False)
     generation_defaults: GenerationDefaults = field(init=False)
     generation_eos_token_ids: tuple[int, ...] = field(init=False)  # the generation config's eos_token_id
+    quant_config: QuantizationConfig | None = field(init=False, default=None, repr=False)  # resolved --quantization
 
     def __post_init__(self) -> None:
         if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):  # vLLM's dict form
@@ -156,6 +165,11 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or cuda, got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "cuda":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} runs in the torch attention backend: "
+                             "--attention-backend cuda reads a cache of the model's dtype")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
@@ -175,6 +189,7 @@ class EngineConfig:
         self.generation_defaults, self.generation_eos_token_ids = self._read_generation_config()
         self._check_architecture()
         check_tensor_parallel(self.hf_config, self.tensor_parallel_size)
+        self.quant_config = self._resolve_quantization()
         self.max_model_len = self._resolve_max_model_len()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
@@ -258,6 +273,23 @@ class EngineConfig:
                 f"model architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         rope_parameters(self.hf_config)
+
+    def _resolve_quantization(self) -> QuantizationConfig | None:
+        from raypaged.quantization import resolve_quantization
+
+        checkpoint = getattr(self.hf_config, "quantization_config", None)
+        if checkpoint is not None and not isinstance(checkpoint, dict):
+            checkpoint = checkpoint.to_dict()
+        quant_config = resolve_quantization(self.quantization, checkpoint)
+        if quant_config is not None and self.load_format == "dummy" and checkpoint is not None:
+            raise ValueError(f"--load-format dummy cannot fill the {quant_config.name} tensors of a quantized "
+                             "checkpoint (use --load-format auto, or a float model folder with --quantization fp8)")
+        return quant_config
+
+    @property
+    def resolved_kv_cache_dtype(self) -> str:
+        """The KV cache's torch dtype name: ``kv_cache_dtype``'s, or the model's (``auto``)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.resolved_dtype
 
     def _resolve_max_model_len(self) -> int:
         limit = self.hf_config.max_position_embeddings

@@ -3,6 +3,9 @@
 Cache layout per layer: ``key_cache``/``value_cache`` are
 ``[num_blocks, num_kv_heads, block_size, head_dim]``: one KV head's tokens of a block are
 contiguous, so the CUDA decode kernel reads each (block, head) as one run of memory.
+
+An fp8 cache (``--kv-cache-dtype fp8``) holds each element in one byte with scale 1.0: K/V are
+rounded to it when written and read back in the query's dtype.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ def reshape_and_cache(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     block_size = key_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    key_cache[blocks, :, offsets] = key  # the two index tensors broadcast to [tokens]: rows are [heads, dim]
-    value_cache[blocks, :, offsets] = value
+    # the two index tensors broadcast to [tokens]: rows are [heads, dim]
+    key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -56,8 +60,8 @@ def paged_attention_decode(
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its first ``context_lens[i]`` cached tokens."""
-    keys = gather_heads_first(key_cache, block_tables)  # [S, Hkv, T, D]
-    values = gather_heads_first(value_cache, block_tables)
+    keys = gather_heads_first(key_cache, block_tables).to(query.dtype)  # [S, Hkv, T, D]
+    values = gather_heads_first(value_cache, block_tables).to(query.dtype)
     max_len = keys.shape[2]
     visible = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]  # [S, T]
     out = F.scaled_dot_product_attention(
@@ -80,8 +84,8 @@ def paged_attention_prefill(
     scale: float,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal attention of the last ``query_len`` positions of a sequence over its cached context."""
-    keys = gather_blocks(key_cache, block_ids[None])[0, :context_len]
-    values = gather_blocks(value_cache, block_ids[None])[0, :context_len]
+    keys = gather_blocks(key_cache, block_ids[None])[0, :context_len].to(query.dtype)
+    values = gather_blocks(value_cache, block_ids[None])[0, :context_len].to(query.dtype)
     return prefill_attention(query, keys, values, scale)
 
 

@@ -34,6 +34,8 @@ _OPTIONAL_ENGINE_FLAGS = {
     "enforce_eager": False,
     "attention_backend": "auto",
     "load_format": "auto",
+    "quantization": None,
+    "kv_cache_dtype": "auto",
     "chat_template": None,
     "trust_request_chat_template": False,
 }
@@ -135,8 +137,12 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     """Flags vLLM command lines carry: each is honoured, or refused by name in ``check_vllm_args``."""
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM command lines: only built-in architectures run, never a model's code")
-    parser.add_argument("--quantization", "-q", default=None, help="not supported yet: refused unless omitted")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype); others are refused")
+    parser.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                        help="weights quantization: awq, compressed-tensors, fp8, gptq (default: the checkpoint's "
+                             "quantization_config; fp8 on a float checkpoint quantizes it at load)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="KV cache element type: auto (the model's dtype) or fp8 (one byte, scale 1.0; "
+                             "attention in torch)")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                         help="on: long prefills are always chunked within --max-num-batched-tokens")
     parser.add_argument("--disable-log-stats", action="store_true",
@@ -147,12 +153,6 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
 
 def check_vllm_args(args: argparse.Namespace) -> None:
     """Refuse, by name, what a vLLM command line asks for and this engine cannot do."""
-    if args.quantization is not None:
-        raise ValueError(f"--quantization {args.quantization} is not supported: raypaged runs unquantized "
-                         "fp32/fp16/bf16 weights only")
-    if args.kv_cache_dtype != "auto":
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported: the KV cache keeps the model's "
-                         "dtype (auto)")
     if args.enable_chunked_prefill is False:
         raise ValueError("--no-enable-chunked-prefill is not supported: long prefills are always chunked within "
                          "--max-num-batched-tokens")

@@ -110,3 +110,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def load_part(self, name: str, tensor: torch.Tensor, first_row: int, offset: int, num_rows: int) -> None:
+        """Checkpoint rows ``first_row:first_row+num_rows`` of ``name`` (weight or bias) go to rows ``offset:``."""
+        if name not in ("weight", "bias") or getattr(self, name) is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in an unquantized linear layer")
+        getattr(self, name).data[offset:offset + num_rows].copy_(tensor[first_row:first_row + num_rows])

@@ -18,8 +18,10 @@ from transformers import PretrainedConfig
 
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.attention.backend import TORCH, AttentionBackend
-from raypaged.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from raypaged.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
+from raypaged.quantization.base import QuantizationConfig
+from raypaged.quantization.linear import QuantLinear, build_linear
 
 LayerKVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
 
@@ -62,7 +64,10 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallel, prefix: str,
+        quant_config: QuantizationConfig | None,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads // tp.size
         self.num_kv_heads = num_kv_heads_per_rank(config, tp.size)
@@ -77,12 +82,14 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         ]
-        self.qkv_proj = Linear(config.hidden_size, sum(self.shard_sizes), bias=qkv_bias)
+        self.qkv_proj = build_linear(config.hidden_size, sum(self.shard_sizes), qkv_bias, tp, False, quant_config,
+                                     tuple(f"{prefix}.{n}_proj" for n in "qkv"))
         # Qwen3: RMSNorm over each head's head_dim features of q and k, before rotary
         has_qk_norm = config.model_type == "qwen3"
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp)
+        self.o_proj = build_linear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp, True,
+                                   quant_config, (f"{prefix}.o_proj",))
         self.rotary = rotary
         self.attn_backend: AttentionBackend = TORCH
 
@@ -112,14 +119,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: PretrainedConfig, tp: TensorParallel, prefix: str, quant_config: QuantizationConfig | None
+    ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = getattr(config, "mlp_bias", False)
         self.first_row, self.intermediate_size = tp.chunk(config.intermediate_size)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp)
+        self.gate_up_proj = build_linear(config.hidden_size, 2 * self.intermediate_size, bias, tp, False, quant_config,
+                                         (f"{prefix}.gate_proj", f"{prefix}.up_proj"))
+        self.down_proj = build_linear(config.intermediate_size, config.hidden_size, bias, tp, True, quant_config,
+                                      (f"{prefix}.down_proj",))
 
     def fused_rows(self, shard: int) -> tuple[int, int, int]:
         """(first checkpoint row, offset in ``gate_up_proj``, rows) of gate (0) or up (1) on this rank."""
@@ -130,10 +141,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallel, prefix: str,
+        quant_config: QuantizationConfig | None,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.self_attn = LlamaAttention(config, rotary, tp, f"{prefix}.self_attn", quant_config)
+        self.mlp = LlamaMLP(config, tp, f"{prefix}.mlp", quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -146,11 +160,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: PretrainedConfig, max_positions: int, tp: TensorParallel, quant_config: QuantizationConfig | None
+    ) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, tp, f"model.layers.{i}", quant_config)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -163,11 +180,17 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TensorParallel = TensorParallel()) -> None:
+    """``quant_config``: the scheme of the four projections of every layer (embeddings, norms and the
+    LM head stay in the model's dtype)."""
+
+    def __init__(
+        self, config: PretrainedConfig, max_positions: int, tp: TensorParallel = TensorParallel(),
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
         check_tensor_parallel(config, tp.size)
         self.config = config
-        self.model = LlamaModel(config, max_positions, tp)
+        self.model = LlamaModel(config, max_positions, tp, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
@@ -198,17 +221,20 @@ class LlamaForCausalLM(nn.Module):
             for piece, (fused, shard) in _STACKED.items():
                 if piece in name:
                     target = name.replace(piece, fused)
-                    owner = self.get_submodule(target.rsplit(".", 2)[0])
+                    linear_name, param_name = target.rsplit(".", 1)
+                    owner = self.get_submodule(linear_name.rsplit(".", 1)[0])
                     first_row, offset, num_rows = owner.fused_rows(shard)
-                    params[target].data[offset:offset + num_rows].copy_(tensor[first_row:first_row + num_rows])
+                    self.get_submodule(linear_name).load_part(param_name, tensor, first_row, offset, num_rows)
                     filled.add(f"{target}#{shard}")
                     break
             else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 module_name, param_name = name.rsplit(".", 1)
-                owner = self.get_submodule(module_name)
-                if isinstance(owner, RowParallelLinear):
+                owner = self._owner(name, module_name)
+                if isinstance(owner, QuantLinear):
+                    owner.load_shard(param_name, tensor)
+                elif name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                elif isinstance(owner, RowParallelLinear):
                     owner.load_shard(param_name, tensor)
                 elif isinstance(owner, VocabParallelEmbedding):
                     owner.load_shard(tensor)
@@ -226,3 +252,9 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - filled)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _owner(self, name: str, module_name: str) -> nn.Module:
+        try:
+            return self.get_submodule(module_name)
+        except AttributeError:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the model") from None

@@ -11,6 +11,8 @@ from transformers import PretrainedConfig
 
 from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.parallel import TensorParallel
+from raypaged.quantization.base import QuantizationConfig
+from raypaged.quantization.linear import cast_model, finish_loading
 
 
 def iter_checkpoint(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -32,19 +34,24 @@ def load_model(
     tp: TensorParallel = TensorParallel(),
     load_format: str = "auto",
     seed: int = 0,
+    quant_config: QuantizationConfig | None = None,
 ) -> LlamaForCausalLM:
     """This rank's shard of the model: each checkpoint tensor is read, sliced and dropped in turn.
 
     ``load_format="dummy"``: no checkpoint is read; every weight is drawn uniformly from
     [-1e-3, 1e-3] (norm weights are 1), built directly in ``dtype`` on the device, so a
-    7B-shaped model is ready in seconds for benchmarks.
+    7B-shaped model is ready in seconds for benchmarks; quantized layers then quantize them as
+    ``quant_config`` does online (fp8 only: other schemes need their checkpoint's tensors).
+    ``quant_config``: the projections' scheme; their quantized tensors keep their own dtypes.
     """
     with torch.device(device):
-        model = LlamaForCausalLM(hf_config, max_positions, tp)
+        model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config)
     if load_format != "dummy":
         model.load_weights(iter_checkpoint(model_path))
-        return model.to(dtype=dtype).eval()
-    model.to(dtype=dtype)
+        cast_model(model, dtype)
+        finish_loading(model)
+        return model.eval()
+    cast_model(model, dtype)
     generator = torch.Generator(device=device).manual_seed(seed + tp.rank)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -52,4 +59,5 @@ def load_model(
                 param.fill_(1.0)
             else:
                 param.uniform_(-1e-3, 1e-3, generator=generator)
+    finish_loading(model)
     return model.eval()

@@ -41,6 +41,7 @@ class Worker:
         self.tp = tp
         self.device = torch.device(config.resolved_device)
         self.dtype = getattr(torch, config.resolved_dtype)
+        self.cache_dtype = getattr(torch, config.resolved_kv_cache_dtype)
         self.eos_token_id = eos_token_id
         if tp.size > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -56,11 +57,11 @@ class Worker:
             self._outside_baseline = self._memory_outside_torch()
         self.model = load_model(
             config.model_path, config.hf_config, config.max_model_len, self.dtype, self.device, tp,
-            config.load_format, config.seed,
+            config.load_format, config.seed, config.quant_config,
         )
-        self.attn_backend = select_backend(
-            config.attention_backend, self.device, head_dim_of(config.hf_config), config.block_size
-        )
+        # the CUDA kernels read a cache of the model's dtype: an fp8 cache is read and written in torch
+        backend = config.attention_backend if self.cache_dtype == self.dtype else "torch"
+        self.attn_backend = select_backend(backend, self.device, head_dim_of(config.hf_config), config.block_size)
         self.model.set_attention_backend(self.attn_backend)
         self.runner: ModelRunner | None = None
 
@@ -70,7 +71,7 @@ class Worker:
         return num_kv_heads_per_rank(hf, self.tp.size), self.config.block_size, head_dim_of(hf)
 
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.cache_dtype).element_size()
         return 2 * self.config.hf_config.num_hidden_layers * math.prod(self.block_shape()) * elem
 
     def determine_num_blocks(self) -> tuple[int, int]:
@@ -108,7 +109,7 @@ class Worker:
         num_seqs = min(self.config.max_num_seqs, num_tokens)
         hf = self.config.hf_config
         # a one-block cache: every slot is -1 (nothing written), every span a whole prompt (nothing read)
-        block = torch.zeros((1, *self.block_shape()), dtype=self.dtype, device=self.device)
+        block = torch.zeros((1, *self.block_shape()), dtype=self.cache_dtype, device=self.device)
         layers = [(block, block)] * hf.num_hidden_layers
         lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
         starts = [0, *itertools.accumulate(lengths[:-1])]
@@ -147,8 +148,8 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         hf = self.config.hf_config
-        cache = KVCache(hf.num_hidden_layers, num_blocks, num_cpu_blocks, self.block_shape(), self.dtype, self.device,
-                        use_kernels=self.attn_backend.name == "cuda")
+        cache = KVCache(hf.num_hidden_layers, num_blocks, num_cpu_blocks, self.block_shape(), self.cache_dtype,
+                        self.device, use_kernels=self.attn_backend.name == "cuda")
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB), %d CPU swap blocks",
             num_blocks,

@@ -23,16 +23,27 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--quantization", "awq"], "--quantization awq is not supported: raypaged runs unquantized fp32/fp16/bf16 "
-                                "weights only"),
-    (["-q", "fp8"], "--quantization fp8 is not supported"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported: the KV cache keeps the model's dtype"),
+    (["--quantization", "awq"], "--quantization awq needs a checkpoint quantized with awq, but the model's "
+                                "config.json has no quantization_config"),
+    (["-q", "bitsandbytes"], "--quantization bitsandbytes is not supported (supported: awq, compressed-tensors, "
+                             "fp8, gptq)"),
+    (["--kv-cache-dtype", "fp8", "--attention-backend", "cuda"],
+     "--kv-cache-dtype fp8 runs in the torch attention backend: --attention-backend cuda reads a cache of the "
+     "model's dtype"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported: long prefills are always "
                                       "chunked within --max-num-batched-tokens"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(tiny_model_dir, argv, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         configs(str(tiny_model_dir), *argv)
+
+
+def test_quantization_and_kv_cache_dtype_flags_reach_the_engine_config(tiny_model_dir):
+    [config] = configs(str(tiny_model_dir), "-q", "fp8", "--kv-cache-dtype", "fp8")
+    assert (config.quantization, config.quant_config.name, config.quant_config.serialized) == ("fp8", "fp8", False)
+    assert (config.kv_cache_dtype, config.resolved_kv_cache_dtype) == ("fp8", "float8_e4m3fn")
+    [config] = configs(str(tiny_model_dir))
+    assert (config.quant_config, config.resolved_kv_cache_dtype) == (None, config.resolved_dtype)
 
 
 def test_structured_outputs_flags_set_the_engines_grammar_backend(tiny_model_dir):

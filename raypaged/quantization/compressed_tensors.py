@@ -1,0 +1,132 @@
+"""``--quantization compressed-tensors``: the format of llm-compressor's published checkpoints.
+
+Read schemes (one per ``config_groups`` entry, chosen for a module by its ``targets``): W8A8 int8
+(``int-quantized``: int8 weights with per-channel or per-tensor scales, int8 activations per token
+or per tensor), W8A8 fp8 (``float-quantized``, the same in fp8 e4m3) and W4A16/W8A16
+(``pack-quantized``: packed int weights with group or channel scales, symmetric or with zero points).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raypaged.quantization.base import LinearMethod, QuantizationConfig, known_keys
+from raypaged.quantization.w8a8 import FP8, W8A8Method
+from raypaged.quantization.wna16 import PackedMethod
+
+_TOP_KEYS = {"quant_method", "format", "quantization_status", "config_groups", "ignore", "kv_cache_scheme",
+             "global_compression_ratio", "sparsity_config", "transform_config", "version", "provider"}
+_ARG_KEYS = {"num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure", "actorder",
+             "observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
+
+
+@dataclass(frozen=True, slots=True)
+class Scheme:
+    """One config group's scheme, reduced to what the kernels need."""
+
+    format: str  # int-quantized, float-quantized, pack-quantized
+    bits: int
+    group_size: int | None  # None: one scale per output channel (or per tensor for the 8-bit formats)
+    symmetric: bool
+    static_input: bool
+
+    def method(self) -> LinearMethod:
+        if self.format == "pack-quantized":
+            return PackedMethod(self.bits, self.group_size, self.symmetric)
+        return W8A8Method(torch.int8 if self.format == "int-quantized" else FP8, self.static_input)
+
+
+def _args(where: str, args: dict[str, Any]) -> dict[str, Any]:
+    known_keys(f"compressed-tensors {where}", args, _ARG_KEYS)
+    if args.get("dynamic") not in (False, None) and where == "weights":
+        raise ValueError("compressed-tensors weights dynamic true is not supported")
+    if args.get("block_structure") is not None:
+        raise ValueError(f"compressed-tensors {where} block_structure {args['block_structure']} is not supported")
+    return args
+
+
+def parse_scheme(name: str, group: dict[str, Any], default_format: str | None) -> Scheme:
+    """The scheme of config group ``name``; ``ValueError`` naming the part that is not supported."""
+    fmt = group.get("format") or default_format
+    weights = _args("weights", group.get("weights") or {})
+    inputs = group.get("input_activations")
+    if group.get("output_activations") is not None:
+        raise ValueError(f"compressed-tensors {name}: output_activations quantization is not supported")
+    if not weights:
+        raise ValueError(f"compressed-tensors {name}: a config group without weights quantization is not supported")
+    kind, bits, strategy = weights.get("type", "int"), int(weights.get("num_bits", 8)), weights.get("strategy")
+    symmetric = bool(weights.get("symmetric", True))
+    if weights.get("actorder") not in (None, "weight", "static"):
+        raise ValueError(f"compressed-tensors {name}: weights actorder {weights['actorder']!r} (a stored g_idx) is "
+                         "not supported")
+    described = (f"format {fmt}, weights {kind}{bits} {strategy}"
+                 + (f" (group {weights.get('group_size')})" if strategy == "group" else "")
+                 + ("" if inputs is None else f", input_activations {inputs.get('type')}{inputs.get('num_bits')} "
+                                               f"{inputs.get('strategy')}"))
+    if fmt == "pack-quantized" and inputs is None and kind == "int" and bits in (4, 8) \
+            and strategy in ("group", "channel"):
+        return Scheme(fmt, bits, int(weights["group_size"]) if strategy == "group" else None, symmetric, False)
+    expected = {"int-quantized": "int", "float-quantized": "float"}.get(fmt)
+    if expected is not None and inputs is not None and kind == expected and bits == 8 and symmetric \
+            and strategy in ("channel", "tensor"):
+        inputs = _args("input_activations", inputs)
+        dynamic_token = bool(inputs.get("dynamic")) and inputs.get("strategy") == "token"
+        static_tensor = not inputs.get("dynamic") and inputs.get("strategy") == "tensor"
+        if inputs.get("type") == kind and int(inputs.get("num_bits", 0)) == 8 and inputs.get("symmetric", True) \
+                and (dynamic_token or static_tensor):
+            return Scheme(fmt, 8, None, True, static_tensor)
+    raise ValueError(
+        f"compressed-tensors scheme {name} ({described}) is not supported (supported: W8A8 int-quantized or "
+        "float-quantized with channel/tensor weights and dynamic per-token or static per-tensor activations; "
+        "W4A16/W8A16 pack-quantized with group or channel weights)"
+    )
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern in (name, "Linear")
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedTensorsConfig(QuantizationConfig):
+    groups: tuple[tuple[tuple[str, ...], Scheme], ...]  # (targets, scheme), first match wins
+    ignore: tuple[str, ...] = ()
+    name = "compressed-tensors"
+
+    @classmethod
+    def from_checkpoint(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
+        known_keys("compressed-tensors", config, _TOP_KEYS)
+        status = config.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise ValueError(f"compressed-tensors quantization_status {status!r} is not supported (only compressed "
+                             "checkpoints: their weights are stored quantized)")
+        for key in ("sparsity_config", "kv_cache_scheme", "transform_config"):
+            if config.get(key):
+                raise ValueError(f"compressed-tensors {key} is not supported (got {config[key]})")
+        groups = config.get("config_groups") or {}
+        if not groups:
+            raise ValueError("compressed-tensors quantization_config has no config_groups")
+        parsed = tuple((tuple(group.get("targets") or ()), parse_scheme(name, group, config.get("format")))
+                       for name, group in groups.items())
+        return cls(parsed, tuple(config.get("ignore") or ()))
+
+    def scheme_of(self, module_name: str) -> Scheme | None:
+        if any(_matches(module_name, pattern) for pattern in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(_matches(module_name, pattern) for pattern in targets):
+                return scheme
+        return None
+
+    def linear_method(self, part_names: tuple[str, ...]) -> LinearMethod | None:
+        schemes = {self.scheme_of(name) for name in part_names}
+        if len(schemes) > 1:
+            raise ValueError(f"compressed-tensors: the fused modules {', '.join(part_names)} have different schemes "
+                             "(one fused layer needs one)")
+        scheme = schemes.pop()
+        return None if scheme is None else scheme.method()

@@ -1,0 +1,116 @@
+"""8-bit weights and 8-bit activations: int8 or fp8 e4m3, per-channel weight scales, per-token
+(dynamic) or per-tensor (static) activation scales.
+
+int8 runs through ``torch._int_mm`` (exact int32 accumulation), on this repository's 2-core
+AVX-512-VNNI CPU 2-4x faster than the fp32 oneDNN GEMM at SmolLM2's shapes from 1 to 512 rows
+(benchmarks/results/quant_bench.md). fp8 runs through ``torch._scaled_mm`` on GPUs with fp8 tensor
+cores (compute capability 8.9+); elsewhere through the dequantize-then-matmul reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from raypaged.model.layers import linear
+from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec
+
+INT8_MAX = 127.0
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_MIN_SCALE = 1e-12
+
+
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 x, float32 scale [num_tokens, 1] or [1, 1]): per token when ``scale`` is None, symmetric."""
+    x32 = x.to(torch.float32)
+    if scale is None:
+        scale = x32.abs().amax(-1, keepdim=True).clamp_(min=_MIN_SCALE).div_(INT8_MAX)
+    else:
+        scale = scale.reshape(1, 1)
+    return torch.round(x32 / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 e4m3 x, float32 scale [num_tokens, 1] or [1, 1]): per token when ``scale`` is None."""
+    x32 = x.to(torch.float32)
+    if scale is None:
+        scale = x32.abs().amax(-1, keepdim=True).clamp_(min=_MIN_SCALE).div_(FP8_MAX)
+    else:
+        scale = scale.reshape(1, 1)
+    return (x32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W^T``, W = ``weight`` [N, K] int8 x ``weight_scale`` [N] float32; x quantized to int8."""
+    xq, x_scale = quantize_int8(x, input_scale)
+    num_tokens = xq.shape[0]
+    if xq.device.type == "cuda" and num_tokens <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
+        xq = torch.cat([xq, xq.new_zeros(17 - num_tokens, xq.shape[1])])
+    acc = torch._int_mm(xq, weight.t())[:num_tokens]  # [T, N] int32, exact
+    return (acc.to(torch.float32) * x_scale * weight_scale).to(x.dtype)
+
+
+@functools.cache
+def _has_fp8_gemm(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W^T``, W = ``weight`` [N, K] fp8 x ``weight_scale`` [N] float32; x quantized to fp8."""
+    xq, x_scale = quantize_fp8(x, input_scale)
+    if _has_fp8_gemm(x.device):
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.expand(xq.shape[0], 1).contiguous(),
+                               scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+        return out.to(x.dtype)
+    w = weight.to(x.dtype) * weight_scale.to(x.dtype)[:, None]
+    return linear(xq.to(x.dtype) * x_scale.to(x.dtype), w)
+
+
+class W8A8Method(LinearMethod):
+    """int8 or fp8 weights as on disk (``weight`` [N, K], ``weight_scale`` [N, 1] or one per tensor);
+    ``static``: a per-tensor ``input_scale`` from the checkpoint, else per-token scales at run time."""
+
+    def __init__(self, dtype: torch.dtype, static: bool) -> None:
+        self.dtype, self.static = dtype, static
+        self.kernel = int8_linear if dtype == torch.int8 else fp8_linear
+        self.quantize = quantize_int8 if dtype == torch.int8 else quantize_fp8
+
+    def tensors(self, shape: LinearShape) -> dict[str, TensorSpec]:
+        specs = {
+            "weight": TensorSpec((shape.out_features, shape.in_features), self.dtype, out_dim=0, in_dim=1),
+            "weight_scale": TensorSpec((shape.out_features, 1), torch.float32, out_dim=0, broadcast=True),
+        }
+        if self.static:
+            specs["input_scale"] = TensorSpec((1,), torch.float32, merge="max")
+        return specs
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        input_scale = layer.input_scale if self.static else None
+        return self.kernel(x, layer.weight, layer.weight_scale.view(-1), input_scale)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.to(torch.float32) * layer.weight_scale
+
+
+class Fp8OnlineMethod(W8A8Method):
+    """vLLM's ``--quantization fp8`` on a float checkpoint: the float ``weight`` is loaded, then
+    quantized to fp8 with one scale per output channel; activations get per-token scales."""
+
+    def __init__(self) -> None:
+        super().__init__(FP8, static=False)
+
+    def tensors(self, shape: LinearShape) -> dict[str, TensorSpec]:
+        return {"weight": TensorSpec((shape.out_features, shape.in_features), torch.float32, out_dim=0, in_dim=1)}
+
+    def finish(self, layer: nn.Module) -> None:
+        weight = layer.weight.data.to(torch.float32)
+        scale = weight.abs().amax(1, keepdim=True).clamp_(min=_MIN_SCALE).div_(FP8_MAX)  # [N, 1]
+        layer.weight = nn.Parameter((weight / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)

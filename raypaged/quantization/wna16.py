@@ -1,0 +1,137 @@
+"""Packed 4- or 8-bit integer weights with per-group scales (and zeros), 16/32-bit activations:
+the tensors of GPTQ, AWQ and compressed-tensors' pack-quantized format, as they lie on disk.
+
+On CPU every call dequantizes the weight into the activations' dtype and runs the float GEMM
+(the reference itself): memory holds the packed weights only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raypaged.model.layers import linear
+from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec
+from raypaged.quantization.packing import AWQ_ORDER, unpack
+
+
+def check_split(scheme: str, what: str, features: int, size: int, shape: LinearShape) -> None:
+    if features % size:
+        total = f" (tensor parallelism splits the layer's {shape.in_total})" if shape.row_sharded else ""
+        raise ValueError(f"{scheme}: {what} {size} does not divide a layer's {features} input features{total}")
+
+
+class WNA16Method(LinearMethod):
+    """Shared forward: dequantize, then the float GEMM."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.dequantize(layer).to(x.dtype))
+
+
+class GPTQMethod(WNA16Method):
+    """GPTQ: ``qweight`` [K / pack, N] packed along input features, ``qzeros`` [G, N / pack] (stored
+    minus one in checkpoint format v1), ``scales`` [G, N], ``g_idx`` [K] (each input feature's group:
+    a permutation's groups under act-order). With act-order a row-parallel rank keeps every group's
+    scales and zeros (its features' groups are anywhere) and its own slice of ``g_idx``."""
+
+    def __init__(self, bits: int, group_size: int, desc_act: bool, zero_offset: int) -> None:
+        self.bits, self.group_size, self.desc_act, self.zero_offset = bits, group_size, desc_act, zero_offset
+        self.pack = 32 // bits
+
+    def _group(self, shape: LinearShape) -> int:
+        return shape.in_total if self.group_size == -1 else self.group_size
+
+    def tensors(self, shape: LinearShape) -> dict[str, TensorSpec]:
+        k, n, g, pack = shape.in_features, shape.out_features, self._group(shape), self.pack
+        check_split("gptq", "the packing of", k, pack, shape)
+        replicated = self.desc_act and shape.row_sharded
+        if not replicated:
+            check_split("gptq", "group size", k, g, shape)
+        num_groups = -(-shape.in_total // g) if replicated else k // g
+        group_dim = None if replicated else 0
+        return {
+            "qweight": TensorSpec((k // pack, n), torch.int32, out_dim=1, in_dim=0, in_pack=pack),
+            "qzeros": TensorSpec((num_groups, n // pack), torch.int32, out_dim=1, out_pack=pack, in_dim=group_dim,
+                                 in_pack=g),
+            "scales": TensorSpec((num_groups, n), torch.float32, out_dim=1, in_dim=group_dim, in_pack=g),
+            "g_idx": TensorSpec((k,), torch.int32, in_dim=0, merge="same"),
+        }
+
+    def finish(self, layer: nn.Module) -> None:
+        # without act-order a row-parallel rank holds only its own groups: index them from its first
+        first_group = 0
+        if layer.shape.row_sharded and not self.desc_act:
+            first_group = layer.tp.rank * layer.shape.in_features // self._group(layer.shape)
+        layer.register_buffer("group_ids", layer.g_idx.data.to(torch.long) - first_group, persistent=False)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        q = unpack(layer.qweight, self.bits, 0)  # [K, N]
+        zeros = unpack(layer.qzeros, self.bits, 1) + self.zero_offset  # [G, N]
+        ids = layer.group_ids
+        return ((q - zeros[ids]).to(torch.float32) * layer.scales[ids]).t()
+
+
+class AWQMethod(WNA16Method):
+    """AWQ (GEMM layout): ``qweight`` [K, N / 8] and ``qzeros`` [G, N / 8] packed along output features
+    in AWQ's interleaved order, ``scales`` [G, N]."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+
+    def _group(self, shape: LinearShape) -> int:
+        return shape.in_total if self.group_size == -1 else self.group_size
+
+    def tensors(self, shape: LinearShape) -> dict[str, TensorSpec]:
+        k, n, g = shape.in_features, shape.out_features, self._group(shape)
+        check_split("awq", "group size", k, g, shape)
+        return {
+            "qweight": TensorSpec((k, n // 8), torch.int32, out_dim=1, out_pack=8, in_dim=0),
+            "qzeros": TensorSpec((k // g, n // 8), torch.int32, out_dim=1, out_pack=8, in_dim=0, in_pack=g),
+            "scales": TensorSpec((k // g, n), torch.float32, out_dim=1, in_dim=0, in_pack=g),
+        }
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        g = self._group(layer.shape)
+        q = unpack(layer.qweight, 4, 1, AWQ_ORDER)  # [K, N]
+        zeros = unpack(layer.qzeros, 4, 1, AWQ_ORDER).repeat_interleave(g, 0)
+        return ((q - zeros).to(torch.float32) * layer.scales.repeat_interleave(g, 0)).t()
+
+
+class PackedMethod(WNA16Method):
+    """compressed-tensors pack-quantized: ``weight_packed`` [N, K / pack] of values offset by
+    2**(bits-1), ``weight_scale`` [N, G], ``weight_zero_point`` [N / pack, G] (asymmetric only),
+    ``weight_shape`` (checked against the layer, not kept)."""
+
+    def __init__(self, bits: int, group_size: int | None, symmetric: bool) -> None:
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        self.pack, self.offset = 32 // bits, 1 << (bits - 1)
+
+    def _group(self, shape: LinearShape) -> int:
+        return shape.in_total if self.group_size is None else self.group_size
+
+    def tensors(self, shape: LinearShape) -> dict[str, TensorSpec]:
+        k, n, g, pack = shape.in_features, shape.out_features, self._group(shape), self.pack
+        check_split("compressed-tensors", "the packing of", k, pack, shape)
+        check_split("compressed-tensors", "group size", k, g, shape)
+        specs = {
+            "weight_packed": TensorSpec((n, k // pack), torch.int32, out_dim=0, in_dim=1, in_pack=pack),
+            "weight_scale": TensorSpec((n, k // g), torch.float32, out_dim=0, in_dim=1, in_pack=g),
+        }
+        if not self.symmetric:
+            specs["weight_zero_point"] = TensorSpec((n // pack, k // g), torch.int32, out_dim=0, out_pack=pack,
+                                                    in_dim=1, in_pack=g)
+        return specs
+
+    def checked(self, name: str, tensor: torch.Tensor, part_rows: int, shape: LinearShape) -> bool:
+        if name != "weight_shape":
+            return False
+        if tensor.tolist() != [part_rows, shape.in_total]:
+            raise ValueError(f"weight_shape {tensor.tolist()} is not the layer's [{part_rows}, {shape.in_total}]")
+        return True
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        g = self._group(layer.shape)
+        q = unpack(layer.weight_packed, self.bits, 1) - self.offset  # [N, K] signed
+        if not self.symmetric:
+            q = q - (unpack(layer.weight_zero_point, self.bits, 0) - self.offset).repeat_interleave(g, 1)
+        return q.to(torch.float32) * layer.weight_scale.repeat_interleave(g, 1)
