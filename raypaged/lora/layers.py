@@ -1,0 +1,87 @@
+"""LoRA attached to a built model by wrapping its linears, whatever their class.
+
+``LoRALinear(base)`` returns ``base(x)`` plus each token's adapter product from its slot.
+A row-parallel base all-reduces inside its own forward; its LoRA term is made whole the
+same way: the rank's partial ``x_shard A_shard^T`` (``[rows, rank]``, small) is all-reduced,
+then multiplied by the whole B, so the sum equals the unsharded product and the bias is
+the base's, added once. Every rank must see the same mapping (the driver sends one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raypaged.lora.layout import LoRATarget, find_targets, target_rank
+from raypaged.lora.ops import LoRAMapping, lora_expand, lora_shrink
+from raypaged.model.parallel import TensorParallel
+
+
+@dataclass(slots=True)
+class LoRAStep:
+    """The mapping every wrapped linear of one model reads; set before each forward."""
+
+    mapping: LoRAMapping | None = None
+
+
+class LoRALinear(nn.Module):
+    """``base(x) + x A_s^T B_s^T`` for each token's slot ``s``; slots hold zeros until written."""
+
+    def __init__(self, base: nn.Module, target: LoRATarget, num_slots: int, max_lora_rank: int,
+                 step: LoRAStep, tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.base = base
+        self.target = target
+        self.step = step
+        self.tp = tp
+        rank = target_rank(target, max_lora_rank)
+        self.register_buffer("lora_a", torch.zeros(num_slots, target.in_features, rank, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(num_slots, rank, target.out_features, dtype=dtype, device=device),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
+        y = self.base(x)
+        mapping = self.step.mapping
+        if mapping is None or mapping.is_empty:
+            return y
+        h = lora_shrink(x, self.lora_a, mapping)
+        if self.target.row_parallel:
+            h = self.tp.all_reduce(h)
+        lora_expand(y, h, self.lora_b, mapping)
+        return y
+
+    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Write ``(A^T [in, r], B^T [r, out])`` into ``slot`` (zeros past rank ``r``); ``None`` zeroes it."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if weights is not None:
+            a_t, b_t = weights
+            self.lora_a[slot, :, :a_t.shape[1]].copy_(a_t)
+            self.lora_b[slot, :b_t.shape[0]].copy_(b_t)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAModel:
+    """A model with its linears wrapped: ``linears`` by target path, all reading ``step``."""
+
+    targets: list[LoRATarget]
+    linears: dict[str, LoRALinear]
+    step: LoRAStep
+
+
+def attach_lora(model: nn.Module, num_slots: int, max_lora_rank: int, tp: TensorParallel,
+                dtype: torch.dtype, device: torch.device) -> LoRAModel:
+    """Wrap every LoRA target of ``model`` (after its weights are loaded: parameter names change)."""
+    targets = find_targets(model, tp)
+    step = LoRAStep()
+    linears = {}
+    for target in targets:
+        parent_path, name = target.path.rsplit(".", 1)
+        parent = model.get_submodule(parent_path)
+        linear = LoRALinear(getattr(parent, name), target, num_slots, max_lora_rank, step, tp, dtype, device)
+        setattr(parent, name, linear)
+        linears[target.path] = linear
+    return LoRAModel(targets, linears, step)

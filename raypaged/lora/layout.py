@@ -1,0 +1,129 @@
+"""Where each projection's adapter goes in the model: fused into ``qkv_proj`` / ``gate_up_proj``
+and sharded the way the base linear is.
+
+A column-parallel linear (``qkv_proj``, ``gate_up_proj``) holds this rank's output rows of
+each fused projection: its adapter keeps A whole and takes the same rows of B. A row-parallel
+linear (``o_proj``, ``down_proj``) holds a slice of the input features: A takes those columns,
+B stays whole (the partial ``x_shard A_shard^T`` products add up over the ranks).
+A fused linear's adapter stacks its projections' ranks: A is ``[sum of ranks, in]`` and B is
+block diagonal, so one product covers q, k and v whatever subset of them the adapter has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raypaged.lora.peft_format import PeftAdapter
+from raypaged.model.llama import head_dim_of
+from raypaged.model.parallel import TensorParallel
+
+# fused linear -> the checkpoint projections it holds, in order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectionSlice:
+    """One checkpoint projection inside a model linear on this rank."""
+
+    projection: str  # "q_proj", ...
+    full_shape: tuple[int, int]  # (out, in) of the checkpoint's weight
+    in_start: int  # first input feature this rank holds
+    in_len: int
+    out_first_row: int  # first checkpoint output row this rank holds
+    out_offset: int  # where those rows start in the model linear's output
+    out_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoRATarget:
+    """A model linear that takes LoRA: ``model.layers.{layer_index}.{parent}.{name}``."""
+
+    path: str
+    layer_index: int
+    name: str  # "qkv_proj", "o_proj", "gate_up_proj" or "down_proj"
+    slices: tuple[ProjectionSlice, ...]
+    in_features: int  # this rank's
+    out_features: int  # this rank's
+
+    @property
+    def row_parallel(self) -> bool:
+        return self.name in ROW_PARALLEL
+
+
+def find_targets(model: nn.Module, tp: TensorParallel) -> list[LoRATarget]:
+    """Every linear of a built Llama-family ``model`` that takes LoRA, with its projections' shards."""
+    config = model.config
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_out = config.num_attention_heads * head_dim_of(config)
+    kv_out = config.num_key_value_heads * head_dim_of(config)
+    shapes = {"q_proj": (q_out, hidden), "k_proj": (kv_out, hidden), "v_proj": (kv_out, hidden),
+              "o_proj": (hidden, q_out), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+              "down_proj": (hidden, inter)}
+    targets = []
+    for index, layer in enumerate(model.model.layers):
+        for parent_name, fused, row in (("self_attn", "qkv_proj", "o_proj"), ("mlp", "gate_up_proj", "down_proj")):
+            parent = getattr(layer, parent_name)
+            slices = []
+            for shard, projection in enumerate(FUSED[fused]):
+                first_row, offset, rows = parent.fused_rows(shard)
+                slices.append(ProjectionSlice(projection, shapes[projection], 0, hidden, first_row, offset, rows))
+            prefix = f"model.layers.{index}.{parent_name}"
+            targets.append(LoRATarget(f"{prefix}.{fused}", index, fused, tuple(slices), hidden,
+                                      sum(s.out_rows for s in slices)))
+            in_start, in_len = tp.chunk(shapes[row][1])
+            row_slice = ProjectionSlice(row, shapes[row], in_start, in_len, 0, 0, hidden)
+            targets.append(LoRATarget(f"{prefix}.{row}", index, row, (row_slice,), in_len, hidden))
+    return targets
+
+
+def target_rank(target: LoRATarget, max_lora_rank: int) -> int:
+    """Columns of the target's stacked A: room for every projection at the largest rank."""
+    return len(target.slices) * max_lora_rank
+
+
+def shard_adapter(
+    adapter: PeftAdapter, targets: list[LoRATarget], dtype: torch.dtype
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's ``(A^T [in, rank], B^T [rank, out])`` for each target path the adapter touches;
+    ``ValueError`` when a weight does not fit the model (another base model's adapter)."""
+    by_layer = {(t.layer_index, s.projection): (t, s) for t in targets for s in t.slices}
+    for key, weights in adapter.weights.items():
+        if key not in by_layer:
+            raise ValueError(
+                f"LoRA adapter {adapter.name!r} has weights for layer {key[0]} {key[1]}, but the model has "
+                f"{targets[-1].layer_index + 1} layers{_trained_on(adapter)}"
+            )
+        _, piece = by_layer[key]
+        got = (weights.lora_b.shape[0], weights.lora_a.shape[1])
+        if got != piece.full_shape:
+            raise ValueError(
+                f"LoRA adapter {adapter.name!r}: layer {key[0]} {key[1]} is {list(got)} (out, in) but the "
+                f"model's is {list(piece.full_shape)}{_trained_on(adapter)}"
+            )
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for target in targets:
+        present = [(s, adapter.weights[(target.layer_index, s.projection)]) for s in target.slices
+                   if (target.layer_index, s.projection) in adapter.weights]
+        if not present:
+            continue
+        rank = sum(w.rank for _, w in present)
+        a_t = torch.zeros(target.in_features, rank, dtype=dtype)
+        b_t = torch.zeros(rank, target.out_features, dtype=dtype)
+        column = 0
+        for piece, weights in present:
+            cols = slice(column, column + weights.rank)
+            a_t[:, cols] = weights.lora_a[:, piece.in_start:piece.in_start + piece.in_len].T
+            b_rows = weights.lora_b[piece.out_first_row:piece.out_first_row + piece.out_rows]
+            b_t[cols, piece.out_offset:piece.out_offset + piece.out_rows] = b_rows.T
+            column += weights.rank
+        out[target.path] = (a_t, b_t)
+    return out
+
+
+def _trained_on(adapter: PeftAdapter) -> str:
+    base = adapter.base_model_name_or_path
+    return f" (the adapter was made for {base!r})" if base else ""

@@ -1,0 +1,143 @@
+"""The batched LoRA product (Punica's segmented-GEMM idea) in torch: every token adds
+``x A_s^T B_s^T`` of its own slot ``s`` in one pass over the step, never a forward per adapter.
+
+Slot weights are stacked: ``lora_a: [num_slots, in, rank]`` (A transposed) and
+``lora_b: [num_slots, rank, out]`` (B transposed, the scale folded in), zero past each
+adapter's rank. A :class:`LoRAMapping` is built once per step from the tokens' slots and
+read by every layer. It picks one of three paths (measured on a 2-core CPU, SmolLM2's
+shapes, ``benchmarks/results/lora_op.md``):
+
+- every token on one slot: two plain matmuls;
+- tokens spread evenly: the slots' tokens gathered into a padded ``[slots, max_tokens, in]``
+  batch and two ``bmm`` (1.3-4x faster than a matmul pair per slot from 16 tokens);
+- a skewed spread (padding would more than double the rows, e.g. one long prefill beside
+  decodes): a matmul pair per active slot over its sorted tokens.
+
+The shrink (``x A^T``, ``[rows, rank]``) and expand (``h B^T`` added to ``y``) halves are
+separate so a row-parallel layer can all-reduce the small product between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_MAX_PADDING = 2.0  # padded rows / adapter tokens above which the per-slot loop is faster
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAMapping:
+    """One step's token -> slot assignment, laid out for :func:`lora_shrink` and :func:`lora_expand`.
+
+    ``slot_ids`` are the active slots in increasing order, ``segments[i]`` the ``(start, end)``
+    of slot ``slot_ids[i]``'s tokens in ``token_ids`` (the adapter tokens sorted by slot).
+    ``padded_ids`` is ``None`` unless the padded batch path runs.
+    """
+
+    num_tokens: int
+    slot_ids: tuple[int, ...]
+    segments: tuple[tuple[int, int], ...]
+    token_ids: torch.Tensor  # [num_adapter_tokens] long
+    slots_tensor: torch.Tensor  # [len(slot_ids)] long
+    padded_ids: torch.Tensor | None  # [len(slot_ids) * max_tokens] long: the token of each padded row (0 for padding)
+    padded_rows: torch.Tensor | None  # [num_adapter_tokens] long: each of token_ids' rows in the padded batch
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.slot_ids
+
+    @property
+    def one_slot_for_all(self) -> bool:
+        return len(self.slot_ids) == 1 and self.segments[0][1] == self.num_tokens
+
+
+def build_lora_mapping(token_slots: Sequence[int | None], device: torch.device | str = "cpu") -> LoRAMapping:
+    """The mapping of a step whose token ``i`` reads slot ``token_slots[i]`` (``None``: the base model only)."""
+    by_slot: dict[int, list[int]] = {}
+    for token, slot in enumerate(token_slots):
+        if slot is not None:
+            by_slot.setdefault(slot, []).append(token)
+    slot_ids = tuple(sorted(by_slot))
+    token_ids: list[int] = []
+    segments = []
+    for slot in slot_ids:
+        segments.append((len(token_ids), len(token_ids) + len(by_slot[slot])))
+        token_ids.extend(by_slot[slot])
+    padded_ids = padded_rows = None
+    if len(slot_ids) > 1:
+        max_tokens = max(end - start for start, end in segments)
+        if len(slot_ids) * max_tokens <= _MAX_PADDING * len(token_ids):
+            ids, rows = [0] * (len(slot_ids) * max_tokens), []
+            for index, slot in enumerate(slot_ids):
+                first = index * max_tokens
+                ids[first:first + len(by_slot[slot])] = by_slot[slot]
+                rows.extend(range(first, first + len(by_slot[slot])))
+            padded_ids = torch.tensor(ids, dtype=torch.long, device=device)
+            padded_rows = torch.tensor(rows, dtype=torch.long, device=device)
+    return LoRAMapping(
+        len(token_slots), slot_ids, tuple(segments), torch.tensor(token_ids, dtype=torch.long, device=device),
+        torch.tensor(slot_ids, dtype=torch.long, device=device), padded_ids, padded_rows,
+    )
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+    """``x A_s^T`` per adapter token, in the layout of ``mapping``'s path.
+
+    x: [num_tokens, in]; lora_a: [num_slots, in, rank] -> [num_tokens, rank] (one slot for all),
+    [active slots, max_tokens, rank] (padded) or [num_adapter_tokens, rank] (sorted by slot).
+    """
+    if mapping.one_slot_for_all:
+        return x @ lora_a[mapping.slot_ids[0]]
+    if mapping.padded_ids is not None:
+        batch = x.index_select(0, mapping.padded_ids).view(len(mapping.slot_ids), -1, x.shape[1])
+        return torch.bmm(batch, _active(lora_a, mapping))
+    sorted_x = x.index_select(0, mapping.token_ids)
+    h = sorted_x.new_empty(sorted_x.shape[0], lora_a.shape[2])
+    for slot, (start, end) in zip(mapping.slot_ids, mapping.segments):
+        torch.mm(sorted_x[start:end], lora_a[slot], out=h[start:end])
+    return h
+
+
+def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping) -> None:
+    """``y += h B_s^T`` per adapter token, ``h`` from :func:`lora_shrink`; tokens of no slot keep ``y``.
+
+    y: [num_tokens, out]; lora_b: [num_slots, rank, out].
+    """
+    if mapping.one_slot_for_all:
+        y.addmm_(h, lora_b[mapping.slot_ids[0]])
+        return
+    if mapping.padded_ids is not None:
+        out = torch.bmm(h, _active(lora_b, mapping)).view(-1, y.shape[1])
+        y.index_add_(0, mapping.token_ids, out.index_select(0, mapping.padded_rows))
+        return
+    out = h.new_empty(h.shape[0], y.shape[1])
+    for slot, (start, end) in zip(mapping.slot_ids, mapping.segments):
+        torch.mm(h[start:end], lora_b[slot], out=out[start:end])
+    y.index_add_(0, mapping.token_ids, out)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             mapping: LoRAMapping) -> None:
+    """``y[i] += x[i] A_s^T B_s^T`` for each token ``i`` with a slot ``s``, in place."""
+    if not mapping.is_empty:
+        lora_expand(y, lora_shrink(x, lora_a, mapping), lora_b, mapping)
+
+
+def add_lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                       token_slots: Sequence[int | None]) -> None:
+    """:func:`add_lora` as one gather of each token's weights and two batched products (slow; the spec)."""
+    rows = [i for i, slot in enumerate(token_slots) if slot is not None]
+    if not rows:
+        return
+    index = torch.tensor(rows, device=x.device)
+    slots = torch.tensor([token_slots[i] for i in rows], device=x.device)
+    h = torch.bmm(x[index].unsqueeze(1), lora_a[slots])  # [n, 1, rank]
+    y[index] += torch.bmm(h, lora_b[slots]).squeeze(1)
+
+
+def _active(stacked: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+    if len(mapping.slot_ids) == stacked.shape[0]:
+        return stacked
+    return stacked.index_select(0, mapping.slots_tensor)

@@ -1,0 +1,74 @@
+"""SmolLM2 with three peft-made adapters attached: one mixed forward, and greedy tokens, equal peft's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raypaged.lora.config import LoRAConfig
+from raypaged.lora.manager import LoRAManager
+from raypaged.lora.request import LoRARequest
+from raypaged.model.parallel import TensorParallel
+from tests.conftest import hf_greedy
+from tests.lora.conftest import ADAPTERS, load_raypaged, prefill_logits
+
+PROMPTS = [[1, 504, 3458, 282, 260, 4649], [28, 339, 1113, 4533, 30, 216, 2], [9745, 314, 253], [1, 1, 1, 900, 28]]
+NUM_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def manager(smollm2_dir, smollm2_adapters):
+    model = load_raypaged(smollm2_dir)
+    manager = LoRAManager(model, LoRAConfig(max_loras=3, max_lora_rank=16), TensorParallel(), torch.float32,
+                          torch.device("cpu"))
+    for lora_int_id, (name, path) in enumerate(smollm2_adapters.items(), start=1):
+        manager.add(LoRARequest(name, lora_int_id, str(path)))
+        assert manager.acquire(lora_int_id) == lora_int_id - 1
+    return manager, model
+
+
+def peft_logits(peft_model, name: str | None, prompt: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        if name is None:
+            with peft_model.disable_adapter():
+                return peft_model(ids).logits[0]
+        peft_model.set_adapter(name)
+        return peft_model(ids).logits[0]
+
+
+# one sequence per adapter and one of the base model, in an order that interleaves them
+SEQUENCE_ADAPTERS = ["kogd-r16", None, "qv-r4", "all-r8-rslora"]
+
+
+def test_one_mixed_forward_equals_peft_per_adapter(manager, peft_smollm2):
+    lora, model = manager
+    ids = {name: i for i, name in enumerate(ADAPTERS, start=1)}
+    lora.set_mapping([ids.get(name) for name, p in zip(SEQUENCE_ADAPTERS, PROMPTS) for _ in p])
+    logits = prefill_logits(model, PROMPTS)
+    for name, prompt, got in zip(SEQUENCE_ADAPTERS, PROMPTS, logits):
+        want = peft_logits(peft_smollm2, name, prompt)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4, msg=f"adapter {name}")
+        if name is not None:  # the adapter changes the logits well beyond the tolerance
+            assert (want - peft_logits(peft_smollm2, None, prompt)).abs().max() > 0.5
+
+
+def test_mixed_batch_greedy_tokens_equal_peft_generate(manager, peft_smollm2):
+    lora, model = manager
+    ids = {name: i for i, name in enumerate(ADAPTERS, start=1)}
+    sequences = [list(p) for p in PROMPTS]
+    for _ in range(NUM_NEW_TOKENS):  # a full forward per token: no cache, every sequence in one batch
+        lora.set_mapping([ids.get(name) for name, s in zip(SEQUENCE_ADAPTERS, sequences) for _ in s])
+        for seq, logits in zip(sequences, prefill_logits(model, sequences)):
+            seq.append(int(logits[-1].argmax()))
+    generated = {name: s[len(p):] for name, s, p in zip(SEQUENCE_ADAPTERS, sequences, PROMPTS)}
+    for name, prompt in zip(SEQUENCE_ADAPTERS, PROMPTS):
+        if name is None:
+            with peft_smollm2.disable_adapter():
+                want = hf_greedy(peft_smollm2, prompt, NUM_NEW_TOKENS)
+        else:
+            peft_smollm2.set_adapter(name)
+            want = hf_greedy(peft_smollm2, prompt, NUM_NEW_TOKENS)
+            with peft_smollm2.disable_adapter():
+                assert want != hf_greedy(peft_smollm2, prompt, NUM_NEW_TOKENS)  # the adapter matters
+        assert generated[name] == want, name
