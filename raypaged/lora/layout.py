@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from raypaged.lora.peft_format import PeftAdapter
 from raypaged.model.llama import head_dim_of
@@ -30,7 +31,6 @@ class ProjectionSlice:
     """One checkpoint projection inside a model linear on this rank."""
 
     projection: str  # "q_proj", ...
-    full_shape: tuple[int, int]  # (out, in) of the checkpoint's weight
     in_start: int  # first input feature this rank holds
     in_len: int
     out_first_row: int  # first checkpoint output row this rank holds
@@ -54,15 +54,38 @@ class LoRATarget:
         return self.name in ROW_PARALLEL
 
 
-def find_targets(model: nn.Module, tp: TensorParallel) -> list[LoRATarget]:
-    """Every linear of a built Llama-family ``model`` that takes LoRA, with its projections' shards."""
-    config = model.config
+def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection's checkpoint weight."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_out = config.num_attention_heads * head_dim_of(config)
     kv_out = config.num_key_value_heads * head_dim_of(config)
-    shapes = {"q_proj": (q_out, hidden), "k_proj": (kv_out, hidden), "v_proj": (kv_out, hidden),
-              "o_proj": (hidden, q_out), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-              "down_proj": (hidden, inter)}
+    return {"q_proj": (q_out, hidden), "k_proj": (kv_out, hidden), "v_proj": (kv_out, hidden),
+            "o_proj": (hidden, q_out), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter)}
+
+
+def check_adapter_fits(adapter: PeftAdapter, config: PretrainedConfig) -> None:
+    """``ValueError`` unless every weight of ``adapter`` has a layer and the shape of the model's
+    projection (an adapter of another base model fails here); needs only the model's config."""
+    shapes = checkpoint_shapes(config)
+    for (layer, projection), weights in adapter.weights.items():
+        if layer >= config.num_hidden_layers:
+            raise ValueError(
+                f"LoRA adapter {adapter.name!r} has weights for layer {layer} {projection}, but the model has "
+                f"{config.num_hidden_layers} layers{_trained_on(adapter)}"
+            )
+        got = (weights.lora_b.shape[0], weights.lora_a.shape[1])
+        if got != shapes[projection]:
+            raise ValueError(
+                f"LoRA adapter {adapter.name!r}: layer {layer} {projection} is {list(got)} (out, in) but the "
+                f"model's is {list(shapes[projection])}{_trained_on(adapter)}"
+            )
+
+
+def find_targets(model: nn.Module, tp: TensorParallel) -> list[LoRATarget]:
+    """Every linear of a built Llama-family ``model`` that takes LoRA, with its projections' shards."""
+    shapes = checkpoint_shapes(model.config)
+    hidden = model.config.hidden_size
     targets = []
     for index, layer in enumerate(model.model.layers):
         for parent_name, fused, row in (("self_attn", "qkv_proj", "o_proj"), ("mlp", "gate_up_proj", "down_proj")):
@@ -70,12 +93,12 @@ def find_targets(model: nn.Module, tp: TensorParallel) -> list[LoRATarget]:
             slices = []
             for shard, projection in enumerate(FUSED[fused]):
                 first_row, offset, rows = parent.fused_rows(shard)
-                slices.append(ProjectionSlice(projection, shapes[projection], 0, hidden, first_row, offset, rows))
+                slices.append(ProjectionSlice(projection, 0, hidden, first_row, offset, rows))
             prefix = f"model.layers.{index}.{parent_name}"
             targets.append(LoRATarget(f"{prefix}.{fused}", index, fused, tuple(slices), hidden,
                                       sum(s.out_rows for s in slices)))
             in_start, in_len = tp.chunk(shapes[row][1])
-            row_slice = ProjectionSlice(row, shapes[row], in_start, in_len, 0, 0, hidden)
+            row_slice = ProjectionSlice(row, in_start, in_len, 0, 0, hidden)
             targets.append(LoRATarget(f"{prefix}.{row}", index, row, (row_slice,), in_len, hidden))
     return targets
 
@@ -88,22 +111,8 @@ def target_rank(target: LoRATarget, max_lora_rank: int) -> int:
 def shard_adapter(
     adapter: PeftAdapter, targets: list[LoRATarget], dtype: torch.dtype
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's ``(A^T [in, rank], B^T [rank, out])`` for each target path the adapter touches;
-    ``ValueError`` when a weight does not fit the model (another base model's adapter)."""
-    by_layer = {(t.layer_index, s.projection): (t, s) for t in targets for s in t.slices}
-    for key, weights in adapter.weights.items():
-        if key not in by_layer:
-            raise ValueError(
-                f"LoRA adapter {adapter.name!r} has weights for layer {key[0]} {key[1]}, but the model has "
-                f"{targets[-1].layer_index + 1} layers{_trained_on(adapter)}"
-            )
-        _, piece = by_layer[key]
-        got = (weights.lora_b.shape[0], weights.lora_a.shape[1])
-        if got != piece.full_shape:
-            raise ValueError(
-                f"LoRA adapter {adapter.name!r}: layer {key[0]} {key[1]} is {list(got)} (out, in) but the "
-                f"model's is {list(piece.full_shape)}{_trained_on(adapter)}"
-            )
+    """This rank's ``(A^T [in, rank], B^T [rank, out])`` for each target path the adapter touches
+    (an adapter that passed :func:`check_adapter_fits`)."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for target in targets:
         present = [(s, adapter.weights[(target.layer_index, s.projection)]) for s in target.slices

@@ -16,7 +16,7 @@ from torch import nn
 
 from raypaged.lora.config import LoRAConfig
 from raypaged.lora.layers import LoRAModel, attach_lora
-from raypaged.lora.layout import shard_adapter
+from raypaged.lora.layout import check_adapter_fits, shard_adapter
 from raypaged.lora.ops import build_lora_mapping
 from raypaged.lora.peft_format import read_peft_adapter
 from raypaged.lora.registry import UnknownLoRAError
@@ -33,6 +33,7 @@ class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, tp: TensorParallel, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.config = config
+        self.model_config = model.config
         self.device = device
         self.dtype = dtype
         self.lora_model: LoRAModel = attach_lora(model, config.max_loras, config.max_lora_rank, tp, dtype, device)
@@ -91,6 +92,7 @@ class LoRAManager:
 
     def _read(self, request: LoRARequest) -> ShardedAdapter:
         adapter = read_peft_adapter(request.lora_name, request.lora_path, self.config.max_lora_rank)
+        check_adapter_fits(adapter, self.model_config)
         return shard_adapter(adapter, self.lora_model.targets, self.dtype)
 
     def _sharded(self, lora_int_id: int) -> ShardedAdapter:

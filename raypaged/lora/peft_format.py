@@ -23,20 +23,20 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 _UNSUPPORTED_MODULES = ("embed_tokens", "lm_head")
 # config fields that change the forward (or the saved layout) when set: field -> what it is
 _REFUSED_FIELDS = {
-    "use_dora": "DoRA",
-    "lora_bias": "LoRA bias",
-    "fan_in_fan_out": "fan_in_fan_out weights",
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "a LoRA bias (lora_bias)",
+    "fan_in_fan_out": "fan_in_fan_out",
     "modules_to_save": "modules_to_save",
     "trainable_token_indices": "trainable_token_indices",
     "layer_replication": "layer_replication",
     "alpha_pattern": "alpha_pattern",
     "target_parameters": "target_parameters",
     "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
-    "use_qalora": "QALoRA",
-    "use_bdlora": "BD-LoRA",
-    "arrow_config": "Arrow routing",
-    "kasa_config": "KaSA",
-    "monteclora_config": "MonteCLoRA",
+    "use_qalora": "QALoRA (use_qalora)",
+    "use_bdlora": "BD-LoRA (use_bdlora)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "kasa_config": "KaSA (kasa_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
 }
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(PROJECTIONS) + r")\.lora_([AB])\.weight$"
@@ -75,19 +75,19 @@ def read_peft_adapter(name: str, path: str | Path, max_lora_rank: int) -> PeftAd
     _check_config(name, config, max_lora_rank)
     tensors = _read_tensors(name, folder)
     scale_of = _scaling(config)
+    unsupported = [key for key in tensors if _KEY.search(key) is None]
+    if unsupported:  # the most specific reason of any of them
+        raise ValueError(f"LoRA adapter {name!r}: {min(map(_why_unsupported, unsupported))[1]}")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = _KEY.search(key)
-        if match is None:
-            raise ValueError(f"LoRA adapter {name!r}: {_why_unsupported(key)}")
-        layer, parent, projection, which = match.groups()
+        layer, parent, projection, which = _KEY.search(key).groups()
         if _PARENT[projection] != parent:
             raise ValueError(f"LoRA adapter {name!r}: weight {key!r} targets a module the model lacks")
         pairs.setdefault((int(layer), projection), {})[which] = tensor
     if not pairs:
         raise ValueError(f"LoRA adapter {name!r}: the checkpoint holds no LoRA weights")
     weights = {}
-    for (layer, projection), pair in sorted(pairs.items()):
+    for (layer, projection), pair in sorted(pairs.items(), key=lambda kv: (kv[0][0], PROJECTIONS.index(kv[0][1]))):
         where = f"layer {layer} {projection}"
         if set(pair) != {"A", "B"}:
             missing = "lora_B" if "A" in pair else "lora_A"
@@ -114,7 +114,7 @@ def _check_config(name: str, config: dict[str, Any], max_lora_rank: int) -> None
         raise ValueError(f"LoRA adapter {name!r}: bias {bias!r} is not supported (only 'none')")
     for field, what in _REFUSED_FIELDS.items():
         if config.get(field):
-            raise ValueError(f"LoRA adapter {name!r}: {what} ({field}) is not supported")
+            raise ValueError(f"LoRA adapter {name!r}: {what} is not supported")
     rank = config.get("r", 8)
     if rank > max_lora_rank:
         raise ValueError(f"LoRA adapter {name!r} has rank {rank}, above --max-lora-rank {max_lora_rank}")
@@ -135,19 +135,19 @@ def _check_target(name: str, target: str) -> None:
                      f"(LoRA applies to {', '.join(PROJECTIONS)})")
 
 
-def _why_unsupported(key: str) -> str:
+def _why_unsupported(key: str) -> tuple[int, str]:  # (0 for a named feature, the reason)
     if "lora_magnitude_vector" in key:
-        return f"DoRA weight {key!r} is not supported"
+        return 0, f"DoRA weight {key!r} is not supported"
     if "lora_embedding_" in key:
-        return f"LoRA on embeddings ({key!r}) is not supported"
+        return 0, f"LoRA on embeddings ({key!r}) is not supported"
     if "modules_to_save" in key:
-        return f"modules_to_save weight {key!r} is not supported"
+        return 0, f"modules_to_save weight {key!r} is not supported"
     if ".lora_B.bias" in key:
-        return f"LoRA bias {key!r} is not supported"
+        return 0, f"LoRA bias {key!r} is not supported"
     for module in _UNSUPPORTED_MODULES:
-        if f"{module}." in key:
-            return f"LoRA on {module!r} ({key!r}) is not supported (supported: {', '.join(PROJECTIONS)})"
-    return f"weight {key!r} targets a module the model lacks (LoRA applies to {', '.join(PROJECTIONS)})"
+        if f"{module}.lora_" in key:
+            return 0, f"LoRA on {module!r} ({key!r}) is not supported (supported: {', '.join(PROJECTIONS)})"
+    return 1, f"weight {key!r} targets a module the model lacks (LoRA applies to {', '.join(PROJECTIONS)})"
 
 
 def _scaling(config: dict[str, Any]) -> Callable[[int], float]:

@@ -85,3 +85,11 @@ def prefill_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
         hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, meta)
         logits = model.compute_logits(hidden)
     return list(logits.split([len(p) for p in prompts]))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A random 2-layer Llama (hidden 64, 8 heads, 2 KV heads, intermediate 128)."""
+    from tests.conftest import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), smollm2_dir, "llama")

@@ -1,0 +1,87 @@
+"""The batched LoRA product: each path's layout, and every path equal to the per-token reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raypaged.lora.ops import add_lora, add_lora_reference, build_lora_mapping, lora_expand, lora_shrink
+
+NUM_SLOTS, IN, OUT, RANK = 4, 24, 40, 6
+
+
+def weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(NUM_SLOTS, IN, RANK, generator=g), torch.randn(NUM_SLOTS, RANK, OUT, generator=g)
+
+
+def test_mapping_layout_of_an_even_spread_is_the_padded_batch():
+    mapping = build_lora_mapping([2, None, 0, 2, 0, 0])
+    assert mapping.slot_ids == (0, 2)
+    assert mapping.segments == ((0, 3), (3, 5))
+    assert mapping.token_ids.tolist() == [2, 4, 5, 0, 3]
+    assert mapping.padded_ids.tolist() == [2, 4, 5, 0, 3, 0]  # slot 2's third row is padding
+    assert mapping.padded_rows.tolist() == [0, 1, 2, 3, 4]
+    assert not mapping.one_slot_for_all
+
+
+def test_mapping_of_a_skewed_spread_loops_over_slots():
+    mapping = build_lora_mapping([1] * 10 + [3, 0])  # padding to 3 x 10 rows would be 2.5x the 12 tokens
+    assert mapping.slot_ids == (0, 1, 3)
+    assert mapping.segments == ((0, 1), (1, 11), (11, 12))
+    assert mapping.padded_ids is None
+
+
+def test_mapping_fast_paths():
+    assert build_lora_mapping([None, None]).is_empty
+    assert build_lora_mapping([3, 3, 3]).one_slot_for_all
+    one_with_base = build_lora_mapping([3, None, 3])
+    assert not one_with_base.one_slot_for_all and one_with_base.padded_ids is None
+
+
+def test_reference_is_the_per_token_formula():
+    lora_a, lora_b = weights()
+    x = torch.randn(3, IN)
+    y = torch.randn(3, OUT)
+    expected = y.clone()
+    expected[0] += x[0] @ lora_a[1] @ lora_b[1]
+    expected[2] += x[2] @ lora_a[3] @ lora_b[3]
+    add_lora_reference(y, x, lora_a, lora_b, [1, None, 3])
+    torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("token_slots", [
+    [None] * 5,
+    [2] * 7,  # one slot for all
+    [2, None, 2],  # one slot beside base tokens
+    [2, None, 0, 2, 0, 0, 1, 3, 3],  # padded batch
+    [0, 1, 2, 3] * 4,  # every slot active
+    [1] * 20 + [3, None, 0],  # skewed: per-slot loop
+])
+def test_add_lora_equals_reference(token_slots):
+    lora_a, lora_b = weights()
+    x = torch.randn(len(token_slots), IN)
+    base = torch.randn(len(token_slots), OUT)
+    got, want = base.clone(), base.clone()
+    add_lora(got, x, lora_a, lora_b, build_lora_mapping(token_slots))
+    add_lora_reference(want, x, lora_a, lora_b, token_slots)
+    torch.testing.assert_close(got, want)
+    for i, slot in enumerate(token_slots):
+        if slot is None:
+            assert torch.equal(got[i], base[i])  # base tokens untouched, bit for bit
+
+
+@pytest.mark.parametrize("token_slots", [[2] * 5, [2, None, 0, 2, 0], [1] * 9 + [3]])
+def test_row_sharded_shrinks_summed_then_expanded_equal_the_whole_product(token_slots):
+    """What a row-parallel layer does over 2 ranks: A split by input columns, the shrinks all-reduced."""
+    lora_a, lora_b = weights(1)
+    x = torch.randn(len(token_slots), IN)
+    mapping = build_lora_mapping(token_slots)
+    half = IN // 2
+    h = lora_shrink(x[:, :half], lora_a[:, :half].contiguous(), mapping) + lora_shrink(
+        x[:, half:], lora_a[:, half:].contiguous(), mapping)
+    got = torch.zeros(len(token_slots), OUT)
+    lora_expand(got, h, lora_b, mapping)
+    want = torch.zeros(len(token_slots), OUT)
+    add_lora_reference(want, x, lora_a, lora_b, token_slots)
+    torch.testing.assert_close(got, want)
