@@ -9,9 +9,11 @@ continuation that is EOS becomes a finished hypothesis.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from raypaged.core.request import Request
+from raypaged.sampling_params import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -19,18 +21,23 @@ class BeamSearchParams:
     """``llm.beam_search`` parameters (vLLM's names).
 
     Scores are ``cumulative_logprob / num_generated_tokens ** length_penalty``.
+    ``structured_outputs``: every beam follows the constraint (each beam its own grammar state,
+    forked with the beam); a beam ends only where the grammar accepts EOS.
     """
 
     beam_width: int = 4
     max_tokens: int = 16
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("beam search with structured_outputs cannot ignore_eos: a beam ends where its grammar does")
 
 
 @dataclass(slots=True)
@@ -61,6 +68,9 @@ class BeamGroup:
     done: bool = False
     hypotheses: list[Hypothesis] = field(default_factory=list)  # the ranked result, once done
     next_index: int = 1
+    # constrained groups: per beam step, (parent beam id, beam id or None if dropped, token appended);
+    # the engine takes these to fork and advance the beams' grammar states
+    lineage: list[list[tuple[str, str | None, int]]] = field(default_factory=list)
 
     def score(self, cumulative_logprob: float, num_tokens: int) -> float:
         return cumulative_logprob / max(num_tokens, 1) ** self.params.length_penalty
@@ -76,6 +86,7 @@ class BeamGroup:
                 (beam.cumulative_logprob + logprob, order, token_id, beam, logprob)
                 for order, beam in enumerate(self.beams)
                 for token_id, logprob in self.candidates[beam.request_id].items()
+                if logprob != -math.inf  # ruled out by the beam's grammar
             ),
             key=lambda c: (-c[0], c[1], c[2]),
         )[: 2 * width]

@@ -490,11 +490,13 @@ class Scheduler:
         for continuation in group.select():
             chosen.setdefault(continuation.parent.request_id, []).append(continuation)
         survivors = []
+        lineage: list[tuple[str, str | None, int]] = []
         for beam in list(group.beams):
             picks = chosen.get(beam.request_id)
             if not picks:
                 self.running.remove(beam)
                 self._finish(beam, RequestStatus.FINISHED_ABORTED)
+                lineage.append((beam.request_id, None, -1))
                 continue
             for pick in picks[1:]:
                 child = replace(
@@ -507,9 +509,13 @@ class Scheduler:
                 self._adopt_fork(beam, child)
                 child.append_output_token(pick.token_id, pick.logprob, None)
                 survivors.append(child)
+                lineage.append((beam.request_id, child.request_id, pick.token_id))
             beam.append_output_token(picks[0].token_id, picks[0].logprob, None)
             survivors.append(beam)
+            lineage.append((beam.request_id, beam.request_id, picks[0].token_id))
         group.beams = survivors
+        if group.params.structured_outputs is not None:
+            group.lineage.append(lineage)
         num_generated = survivors[0].num_output_tokens if survivors else 0
         if not survivors or num_generated >= survivors[0].max_tokens or group.should_stop(num_generated):
             group.hypotheses = group.results()

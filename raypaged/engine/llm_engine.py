@@ -232,17 +232,23 @@ class LLMEngine:
         """Queue a beam search; its output (beams best first) comes when it finishes."""
         request_id, prompt_token_ids = self._validate_prompt(request_id, prompt, prompt_token_ids)
         max_tokens = min(params.max_tokens, self.config.max_model_len - len(prompt_token_ids))
+        grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
         # each beam proposes its 2 * beam_width best next tokens; the group decides
         beam_params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2 * params.beam_width, ignore_eos=True)
         seq_id = self._seq_id(request_id)
         group = BeamGroup(seq_id, params, self.eos_token_id)
         first = Request(seq_id, prompt_token_ids, beam_params, max_tokens, self.eos_token_id, beam=group)
         group.beams.append(first)
+        if grammar is not None:
+            self._matchers[seq_id] = self.grammars.matcher(grammar)
         self.scheduler.add_request(first)
         self._beam_states[request_id] = (RequestState(request_id, prompt, prompt_token_ids, beam_params, []), group)
         return request_id
 
     def _beam_output(self, state: RequestState, group: BeamGroup) -> RequestOutput:
+        if state.error is not None:
+            return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [], finished=True,
+                                 error=state.error)
         completions = [
             CompletionOutput(
                 index=rank,
@@ -264,6 +270,7 @@ class LLMEngine:
                 group = beam[1]
                 self.scheduler.finish_requests([b.request_id for b in group.beams], RequestStatus.FINISHED_ABORTED)
                 group.done = True
+                self._forget_beam_grammars(group)
             state = self._states.pop(request_id, None)
             if state is None:
                 continue
@@ -300,9 +307,11 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         touched: dict[str, RequestState] = {}
         for seq_id, message in fill_failures.items():
-            state = self._seq_states[seq_id][0]
-            self._fail(state, message)
-            touched[state.request_id] = state
+            if (found := self._seq_states.get(seq_id)) is not None:
+                self._fail(found[0], message)
+                touched[found[0].request_id] = found[0]
+            elif (beam := self._beam_of(seq_id)) is not None:  # a beam: its whole search fails
+                self._fail(beam, message)
         for ended in self.scheduler.take_ended():
             state, seq = self._seq_states[ended.request.request_id]
             self._guarded(state, "ending", end_seq, seq, ended.message)
@@ -329,9 +338,14 @@ class LLMEngine:
             if state.finished:
                 self._forget(state)
         for request_id, (state, group) in list(self._beam_states.items()):
+            if group.lineage:
+                if state.error is None:
+                    self._guarded(state, "advancing the grammar", self._advance_beam_grammars, group)
+                group.lineage.clear()
             if group.done:
                 outputs.append(self._beam_output(state, group))
                 del self._beam_states[request_id]
+                self._forget_beam_grammars(group)
         return outputs
 
     def _grammar_bitmask(self, so: SchedulerOutput) -> GrammarBitmask | None:
@@ -341,7 +355,7 @@ class LLMEngine:
         rows = [
             (rid, self._matchers[rid]) for rid, num_new in so.num_scheduled_tokens.items()
             if rid in self._matchers and requests[rid].num_computed_tokens + num_new == requests[rid].num_tokens
-            and self._seq_states[rid][0].error is None
+            and ((found := self._seq_states.get(rid)) is None or found[0].error is None)  # None: a beam
         ]
         if not rows:
             return None
@@ -366,6 +380,32 @@ class LLMEngine:
             raise RuntimeError(f"the grammar refused token {token_id}")
         if matcher.is_terminated() and not request.status.finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _advance_beam_grammars(self, group: BeamGroup) -> None:
+        """After the group's beam steps: each kept beam's grammar state is its parent's (forked for
+        every beam but the parent itself, before the parent moves on), advanced by the token the
+        beam got; dropped beams' states go."""
+        for lineage in group.lineage:
+            parents = {parent: self._matchers.pop(parent) for parent, _, _ in lineage if parent in self._matchers}
+            kept = [(beam_id, parents[parent] if beam_id == parent else parents[parent].fork(), token_id)
+                    for parent, beam_id, token_id in lineage if beam_id is not None]
+            for beam_id, matcher, token_id in kept:
+                if not matcher.accept_token(token_id):
+                    raise RuntimeError(f"the grammar refused token {token_id}")
+                self._matchers[beam_id] = matcher
+
+    def _beam_of(self, seq_id: str) -> RequestState | None:
+        """The beam search whose beam ``seq_id`` is."""
+        request = self.scheduler.requests.get(seq_id)
+        group = request.beam if request is not None else None
+        return next((state for state, g in self._beam_states.values() if g is group), None) if group else None
+
+    def _forget_beam_grammars(self, group: BeamGroup) -> None:
+        if group.params.structured_outputs is None:
+            return
+        prefix = group.group_id + "#"
+        for seq_id in [s for s in self._matchers if s == group.group_id or s.startswith(prefix)]:
+            del self._matchers[seq_id]
 
     def _recover_from(self, err: WorkerDiedError) -> None:
         if not self.config.enable_recovery:
@@ -396,11 +436,16 @@ class LLMEngine:
             return None
 
     def _fail(self, state: RequestState, message: str) -> None:
-        """End a request whose handling failed: its sequences are aborted (blocks freed) and it
-        is reported once, finished, with ``error`` set; the other requests go on."""
+        """End a request whose handling failed: its sequences (or beams) are aborted (blocks freed)
+        and it is reported once, finished, with ``error`` set; the other requests go on."""
         if state.error is not None:
             return
         state.error = message
+        if (beam := self._beam_states.get(state.request_id)) is not None and beam[0] is state:
+            group = beam[1]
+            self.scheduler.finish_requests([b.request_id for b in group.beams], RequestStatus.FINISHED_ABORTED)
+            group.done = True
+            return
         self.scheduler.finish_requests([seq.request.request_id for seq in state.seqs], RequestStatus.FINISHED_ABORTED)
         for seq in state.seqs:
             if seq.finish_reason is None:

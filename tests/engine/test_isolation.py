@@ -8,12 +8,14 @@ and the engine serves the next request.
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
 import xgrammar
 
 from raypaged import LLM, SamplingParams
+from raypaged.core.beam_search import BeamSearchParams
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.engine import detokenizer, output_processor
 from raypaged.sampling_params import StructuredOutputsParams
@@ -129,6 +131,30 @@ def test_a_grammar_mask_failure_ends_that_request_alone(llm, undisturbed, monkey
         llm, outputs, undisturbed, "filling the grammar mask failed: RuntimeError: injected grammar fault"
     )
     assert calls == ["MainThread", "raypaged-grammar-mask_0", "raypaged-grammar-mask_0"]  # the compile check first
+
+
+def test_a_grammar_failure_in_a_beam_ends_that_beam_search_alone(llm, undisturbed, monkeypatch):
+    real = xgrammar.GrammarMatcher.fork
+    monkeypatch.setattr(xgrammar.GrammarMatcher, "fork", lambda self: (_ for _ in ()).throw(RuntimeError("no fork")))
+    engine = llm.llm_engine
+    constraint = StructuredOutputsParams(regex="[a-z]{4} [a-z]{4}")
+    search = engine.add_beam_search(PROMPTS[VICTIM], BeamSearchParams(beam_width=2, max_tokens=10, structured_outputs=constraint))
+    plain = [engine.add_request(prompt, PLAIN) for prompt in PROMPTS[:3]]
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert finished[search].error == "advancing the grammar failed: RuntimeError: no fork"
+    assert finished[search].outputs == []
+    assert [finished[rid].outputs[0].token_ids for rid in plain] == undisturbed[:3]
+    assert engine._matchers == {} and engine._beam_states == {}
+    stats = llm.stats()
+    assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
+    monkeypatch.setattr(xgrammar.GrammarMatcher, "fork", real)
+    [again] = llm.beam_search(PROMPTS[VICTIM], BeamSearchParams(beam_width=2, max_tokens=10, structured_outputs=constraint),
+                              use_tqdm=False)
+    assert again.error is None and all(re.fullmatch("[a-z]{4} [a-z]{4}", beam.text) for beam in again.outputs)
 
 
 def test_a_request_outgrowing_the_pool_is_reported_not_lost(llm, undisturbed):

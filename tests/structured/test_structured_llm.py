@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from raypaged import LLM, SamplingParams
+from raypaged.core.beam_search import BeamSearchParams
 from raypaged.sampling_params import StructuredOutputsParams
 from tests.structured.schemas import SCHEMAS
 
@@ -96,6 +97,36 @@ def test_best_of_samples_each_follow_the_grammar(smollm2_llm):
     output = smollm2_llm.generate("Pick a Greek letter:", params, use_tqdm=False)[0]
     assert [c.index for c in output.outputs] == [0, 1]
     assert all(c.text in ("alpha", "beta", "gamma") and c.finish_reason == "stop" for c in output.outputs)
+
+
+def test_beam_search_beams_each_follow_the_grammar(smollm2_llm):
+    """Each beam has its own grammar state, forked with it: every hypothesis conforms and ends where
+    its grammar accepts EOS, and the unconstrained search (whose beams run past) is unchanged."""
+    tokenizer = smollm2_llm.get_tokenizer()
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    cases = [
+        (StructuredOutputsParams(choice=["yes", "no", "maybe"]), "Is the sky blue?",
+         lambda text: text in ("yes", "no", "maybe")),
+        (StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}"), "When was the moon landing?",
+         lambda text: re.fullmatch(r"\d{4}-\d{2}-\d{2}", text)),
+        (StructuredOutputsParams(json=person), "Describe a person in JSON.", lambda text: _validate(person, text) is None),
+    ]
+    prompts = [tokenizer.apply_chat_template(_ask(q), tokenize=False, add_generation_prompt=True) for _, q, _ in cases]
+    free_before = smollm2_llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=40), use_tqdm=False)
+    for (constraint, _, conforms), prompt in zip(cases, prompts):
+        [output] = smollm2_llm.beam_search(
+            prompt, BeamSearchParams(beam_width=3, max_tokens=40, structured_outputs=constraint), use_tqdm=False
+        )
+        assert output.error is None and len(output.outputs) == 3
+        for beam in output.outputs:
+            assert beam.finish_reason == "stop" and conforms(beam.text), beam.text
+            assert beam.token_ids[-1] == tokenizer.eos_token_id
+    free_after = smollm2_llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=40), use_tqdm=False)
+    assert [[b.token_ids for b in o.outputs] for o in free_after] == [[b.token_ids for b in o.outputs] for o in free_before]
+    assert smollm2_llm.llm_engine._matchers == {}  # every beam's grammar state released
+    with pytest.raises(ValueError, match="beam search with structured_outputs cannot ignore_eos"):
+        BeamSearchParams(ignore_eos=True, structured_outputs=cases[0][0])
 
 
 def test_preempted_constrained_requests_stay_valid(smollm2_dir):
