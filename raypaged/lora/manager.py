@@ -90,6 +90,10 @@ class LoRAManager:
         token_slots = [None if i is None else slot_of[i] for i in token_lora_ids]
         self.lora_model.step.mapping = build_lora_mapping(token_slots, self.device)
 
+    def cpu_cached_ids(self) -> list[int]:
+        """Adapters whose shards are on the CPU, least recently used first."""
+        return list(self._cpu_cache)
+
     def _read(self, request: LoRARequest) -> ShardedAdapter:
         adapter = read_peft_adapter(request.lora_name, request.lora_path, self.config.max_lora_rank)
         check_adapter_fits(adapter, self.model_config)

@@ -1,0 +1,73 @@
+"""Adapters under tensor parallelism (gloo, one process per rank): the same logits as one shard,
+with even KV-head shards (tp 3) and replicated KV heads (tp 4 over 2 heads)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from raypaged.lora.config import LoRAConfig
+from raypaged.lora.manager import LoRAManager
+from raypaged.lora.request import LoRARequest
+from raypaged.model.parallel import TensorParallel
+from tests.conftest import make_tiny_model
+from tests.lora.conftest import load_raypaged, make_peft_adapter, prefill_logits
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+PROMPT_ADAPTERS = [1, None, 2]
+
+
+def mixed_logits(model_dir: Path, adapter_dirs: list[Path], tp: TensorParallel) -> torch.Tensor:
+    model = load_raypaged(model_dir, tp)
+    manager = LoRAManager(model, LoRAConfig(max_loras=2, max_lora_rank=8), tp, torch.float32, torch.device("cpu"))
+    for lora_int_id, path in enumerate(adapter_dirs, start=1):
+        manager.add(LoRARequest(f"ad{lora_int_id}", lora_int_id, str(path)))
+        manager.acquire(lora_int_id)
+    manager.set_mapping([a for a, p in zip(PROMPT_ADAPTERS, PROMPTS) for _ in p])
+    return torch.cat(prefill_logits(model, PROMPTS))
+
+
+def _rank_main(rank: int, size: int, port: int, model_dir: Path, adapter_dirs: list[Path], out: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        logits = mixed_logits(model_dir, adapter_dirs, TensorParallel(rank, size))
+        if rank == 0:
+            torch.save(logits, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(("tp_size", "shape"), [
+    (3, dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96)),
+    (4, dict()),  # 8 heads, 2 KV heads: each rank holds one KV head, two ranks the same one
+])
+def test_sharded_adapters_equal_one_shard(tmp_path, smollm2_dir, tp_size, shape):
+    model_dir = make_tiny_model(tmp_path, smollm2_dir, "llama", **shape)
+    adapter_dirs = [
+        make_peft_adapter(model_dir, tmp_path / "ad1", seed=1, std=0.3, r=4, target_modules="all-linear"),
+        make_peft_adapter(model_dir, tmp_path / "ad2", seed=2, std=0.3, r=8, use_rslora=True,
+                          target_modules=["k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]),
+    ]
+    out = tmp_path / "logits.pt"
+    mp.spawn(_rank_main, args=(tp_size, free_port(), model_dir, adapter_dirs, out), nprocs=tp_size)
+    want = mixed_logits(model_dir, adapter_dirs, TensorParallel())
+    got = torch.load(out)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    base = prefill_logits(load_raypaged(model_dir), PROMPTS)
+    for adapter, part, base_part in zip(PROMPT_ADAPTERS, got.split([len(p) for p in PROMPTS]), base):
+        if adapter is None:
+            torch.testing.assert_close(part, base_part, atol=1e-4, rtol=1e-4)
+        else:
+            assert (part - base_part).abs().max() > 0.1
