@@ -212,8 +212,8 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
                                                           args.override_generation_config)
     if "limits" in accepted:
         kwargs["limits"] = input_limits(args)
-    kwargs["structured_outputs_config"] = StructuredOutputsConfig.parse(
-        args.structured_outputs_config, args.guided_decoding_backend
+    kwargs["structured_outputs_config"] = StructuredOutputsConfig.parse(  # constraints follow reasoning sections
+        args.structured_outputs_config, args.guided_decoding_backend, getattr(args, "reasoning_parser", None)
     )
     if args.default_chat_template_kwargs is not None:
         kwargs["default_chat_template_kwargs"] = _json_flag("--default-chat-template-kwargs",
