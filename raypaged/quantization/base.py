@@ -56,8 +56,9 @@ class LinearMethod(ABC):
     def tensors(self, shape: LinearShape) -> dict[str, TensorSpec]:
         """The checkpoint tensors of the layer (bias excluded), sized for this rank."""
 
-    def checked(self, name: str, tensor: torch.Tensor, part_rows: int, shape: LinearShape) -> bool:
-        """True when ``name`` is an on-disk tensor only checked, not kept (raises when it disagrees)."""
+    def checked(self, name: str, tensor: torch.Tensor, rows_read: int, shape: LinearShape) -> bool:
+        """True when ``name`` is an on-disk tensor only checked, not kept (raises when it disagrees with
+        the layer, of whose checkpoint tensor the first ``rows_read`` output rows are read)."""
         return False
 
     def finish(self, layer: nn.Module) -> None:

@@ -45,7 +45,7 @@ class QuantLinear(nn.Module):
         if name == "bias":
             self.bias.data[offset:offset + num_rows].copy_(tensor[first_row:first_row + num_rows])
             return
-        if self.method.checked(name, tensor, num_rows, self.shape):
+        if self.method.checked(name, tensor, first_row + num_rows, self.shape):
             return
         spec, param = self._spec(name), getattr(self, name).data
         if spec.merge != "shard":

@@ -122,11 +122,13 @@ class PackedMethod(WNA16Method):
                                                     in_dim=1, in_pack=g)
         return specs
 
-    def checked(self, name: str, tensor: torch.Tensor, part_rows: int, shape: LinearShape) -> bool:
+    def checked(self, name: str, tensor: torch.Tensor, rows_read: int, shape: LinearShape) -> bool:
         if name != "weight_shape":
             return False
-        if tensor.tolist() != [part_rows, shape.in_total]:
-            raise ValueError(f"weight_shape {tensor.tolist()} is not the layer's [{part_rows}, {shape.in_total}]")
+        rows, columns = tensor.tolist()
+        if columns != shape.in_total or rows < rows_read:
+            raise ValueError(f"weight_shape {[rows, columns]} does not hold the layer's {rows_read} rows of "
+                             f"{shape.in_total} input features")
         return True
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:

@@ -1,0 +1,40 @@
+"""Under tensor parallelism each rank's quantized tensors are its share of the whole layer's: the
+ranks' dequantized column-parallel rows and row-parallel columns put back together equal the
+unsharded layer's dequantized weight exactly (loading only: no collective runs)."""
+
+import pytest
+import torch
+
+from raypaged.model.parallel import TensorParallel
+from tests.quantization.conftest import load
+
+SIZE = 2
+
+
+def qkv_rows(model, layer: int) -> list[torch.Tensor]:
+    """The q, k and v rows of a layer's qkv_proj, dequantized."""
+    attn = model.model.layers[layer].self_attn
+    return list(attn.qkv_proj.dequantize().split(attn.shard_sizes))
+
+
+@pytest.mark.parametrize("name", ["w8a8-int8", "fp8", "w4a16-asym", "gptq", "gptq-actorder-asym", "awq"])
+def test_ranks_hold_their_share_of_every_quantized_layer(name, quantized_dirs):
+    whole = load(quantized_dirs[name])
+    ranks = [load(quantized_dirs[name], TensorParallel(rank, SIZE)) for rank in range(SIZE)]
+    for i in range(len(whole.model.layers)):
+        for part, rows in enumerate(zip(*(qkv_rows(r, i) for r in ranks))):
+            assert torch.equal(torch.cat(rows), qkv_rows(whole, i)[part])
+        mlp = [r.model.layers[i].mlp for r in ranks]
+        gate_up = [m.gate_up_proj.dequantize().chunk(2) for m in mlp]
+        assert torch.equal(torch.cat([g for g, _ in gate_up] + [u for _, u in gate_up]),
+                           whole.model.layers[i].mlp.gate_up_proj.dequantize())
+        for proj in ("self_attn.o_proj", "mlp.down_proj"):
+            columns = [r.model.layers[i].get_submodule(proj).dequantize() for r in ranks]
+            assert torch.equal(torch.cat(columns, dim=1), whole.model.layers[i].get_submodule(proj).dequantize())
+
+
+def test_act_order_row_parallel_ranks_keep_every_group(quantized_dirs):
+    rank = load(quantized_dirs["gptq-actorder-asym"], TensorParallel(1, SIZE)).model.layers[0].mlp.down_proj
+    plain = load(quantized_dirs["gptq"], TensorParallel(1, SIZE)).model.layers[0].mlp.down_proj
+    assert (tuple(rank.scales.shape), tuple(rank.g_idx.shape)) == ((4, 64), (64,))  # all 128 / 32 groups
+    assert tuple(plain.scales.shape) == (2, 64)  # its own 64 / 32
