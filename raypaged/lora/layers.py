@@ -16,6 +16,7 @@ from torch import nn
 
 from raypaged.lora.layout import LoRATarget, find_targets, target_rank
 from raypaged.lora.ops import LoRAMapping, lora_expand, lora_shrink
+from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.parallel import TensorParallel
 
 
@@ -28,6 +29,9 @@ class LoRAStep:
 
 class LoRALinear(nn.Module):
     """``base(x) + x A_s^T B_s^T`` for each token's slot ``s``; slots hold zeros until written."""
+
+    lora_a: torch.Tensor  # [num_slots, in_features, rank]
+    lora_b: torch.Tensor  # [num_slots, rank, out_features]
 
     def __init__(self, base: nn.Module, target: LoRATarget, num_slots: int, max_lora_rank: int,
                  step: LoRAStep, tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> None:
@@ -72,7 +76,7 @@ class LoRAModel:
     step: LoRAStep
 
 
-def attach_lora(model: nn.Module, num_slots: int, max_lora_rank: int, tp: TensorParallel,
+def attach_lora(model: LlamaForCausalLM, num_slots: int, max_lora_rank: int, tp: TensorParallel,
                 dtype: torch.dtype, device: torch.device) -> LoRAModel:
     """Wrap every LoRA target of ``model`` (after its weights are loaded: parameter names change)."""
     targets = find_targets(model, tp)

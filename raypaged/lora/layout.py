@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from raypaged.lora.peft_format import PeftAdapter
-from raypaged.model.llama import head_dim_of
+from raypaged.model.llama import LlamaForCausalLM, head_dim_of
 from raypaged.model.parallel import TensorParallel
 
 # fused linear -> the checkpoint projections it holds, in order
@@ -82,11 +82,12 @@ def check_adapter_fits(adapter: PeftAdapter, config: PretrainedConfig) -> None:
             )
 
 
-def find_targets(model: nn.Module, tp: TensorParallel) -> list[LoRATarget]:
+def find_targets(model: LlamaForCausalLM, tp: TensorParallel) -> list[LoRATarget]:
     """Every linear of a built Llama-family ``model`` that takes LoRA, with its projections' shards."""
     shapes = checkpoint_shapes(model.config)
     hidden = model.config.hidden_size
     targets = []
+    layer: nn.Module
     for index, layer in enumerate(model.model.layers):
         for parent_name, fused, row in (("self_attn", "qkv_proj", "o_proj"), ("mlp", "gate_up_proj", "down_proj")):
             parent = getattr(layer, parent_name)

@@ -12,7 +12,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from raypaged.lora.config import LoRAConfig
 from raypaged.lora.layers import LoRAModel, attach_lora
@@ -22,6 +21,7 @@ from raypaged.lora.peft_format import read_peft_adapter
 from raypaged.lora.registry import UnknownLoRAError
 from raypaged.lora.request import LoRARequest
 from raypaged.lora.slots import SlotTable
+from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.parallel import TensorParallel
 
 ShardedAdapter = dict[str, tuple[torch.Tensor, torch.Tensor]]  # target path -> this rank's (A^T, B^T), on the CPU
@@ -30,7 +30,7 @@ ShardedAdapter = dict[str, tuple[torch.Tensor, torch.Tensor]]  # target path -> 
 class LoRAManager:
     """LoRA for one model shard; attaches to ``model`` (whose weights are loaded) on construction."""
 
-    def __init__(self, model: nn.Module, config: LoRAConfig, tp: TensorParallel, dtype: torch.dtype,
+    def __init__(self, model: LlamaForCausalLM, config: LoRAConfig, tp: TensorParallel, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.config = config
         self.model_config = model.config
@@ -82,7 +82,7 @@ class LoRAManager:
     def set_mapping(self, token_lora_ids: Sequence[int | None]) -> None:
         """The next forward's adapter per token (``None``: the base model); each adapter must be resident."""
         slot_of: dict[int, int] = {}
-        for lora_int_id in set(token_lora_ids) - {None}:
+        for lora_int_id in {i for i in token_lora_ids if i is not None}:
             slot = self.slots.slot_of(lora_int_id)
             if slot is None:
                 raise ValueError(f"LoRA adapter {lora_int_id} is not in a device slot (acquire it first)")

@@ -28,12 +28,20 @@ _MAX_PADDING = 2.0  # padded rows / adapter tokens above which the per-slot loop
 
 
 @dataclass(frozen=True, slots=True)
+class PaddedBatch:
+    """The active slots' tokens as ``[num_active_slots, max_tokens]`` rows."""
+
+    token_ids: torch.Tensor  # [num_active_slots * max_tokens] long: each row's token (0 for padding)
+    rows: torch.Tensor  # [num_adapter_tokens] long: the row of each of the mapping's sorted token_ids
+
+
+@dataclass(frozen=True, slots=True)
 class LoRAMapping:
     """One step's token -> slot assignment, laid out for :func:`lora_shrink` and :func:`lora_expand`.
 
     ``slot_ids`` are the active slots in increasing order, ``segments[i]`` the ``(start, end)``
     of slot ``slot_ids[i]``'s tokens in ``token_ids`` (the adapter tokens sorted by slot).
-    ``padded_ids`` is ``None`` unless the padded batch path runs.
+    ``padded`` is ``None`` unless the padded batch path runs.
     """
 
     num_tokens: int
@@ -41,8 +49,7 @@ class LoRAMapping:
     segments: tuple[tuple[int, int], ...]
     token_ids: torch.Tensor  # [num_adapter_tokens] long
     slots_tensor: torch.Tensor  # [len(slot_ids)] long
-    padded_ids: torch.Tensor | None  # [len(slot_ids) * max_tokens] long: the token of each padded row (0 for padding)
-    padded_rows: torch.Tensor | None  # [num_adapter_tokens] long: each of token_ids' rows in the padded batch
+    padded: PaddedBatch | None
 
     @property
     def is_empty(self) -> bool:
@@ -65,20 +72,21 @@ def build_lora_mapping(token_slots: Sequence[int | None], device: torch.device |
     for slot in slot_ids:
         segments.append((len(token_ids), len(token_ids) + len(by_slot[slot])))
         token_ids.extend(by_slot[slot])
-    padded_ids = padded_rows = None
+    padded = None
     if len(slot_ids) > 1:
         max_tokens = max(end - start for start, end in segments)
         if len(slot_ids) * max_tokens <= _MAX_PADDING * len(token_ids):
-            ids, rows = [0] * (len(slot_ids) * max_tokens), []
+            ids = [0] * (len(slot_ids) * max_tokens)
+            rows: list[int] = []
             for index, slot in enumerate(slot_ids):
                 first = index * max_tokens
                 ids[first:first + len(by_slot[slot])] = by_slot[slot]
                 rows.extend(range(first, first + len(by_slot[slot])))
-            padded_ids = torch.tensor(ids, dtype=torch.long, device=device)
-            padded_rows = torch.tensor(rows, dtype=torch.long, device=device)
+            padded = PaddedBatch(torch.tensor(ids, dtype=torch.long, device=device),
+                                 torch.tensor(rows, dtype=torch.long, device=device))
     return LoRAMapping(
         len(token_slots), slot_ids, tuple(segments), torch.tensor(token_ids, dtype=torch.long, device=device),
-        torch.tensor(slot_ids, dtype=torch.long, device=device), padded_ids, padded_rows,
+        torch.tensor(slot_ids, dtype=torch.long, device=device), padded,
     )
 
 
@@ -90,8 +98,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping) -> 
     """
     if mapping.one_slot_for_all:
         return x @ lora_a[mapping.slot_ids[0]]
-    if mapping.padded_ids is not None:
-        batch = x.index_select(0, mapping.padded_ids).view(len(mapping.slot_ids), -1, x.shape[1])
+    if mapping.padded is not None:
+        batch = x.index_select(0, mapping.padded.token_ids).view(len(mapping.slot_ids), -1, x.shape[1])
         return torch.bmm(batch, _active(lora_a, mapping))
     sorted_x = x.index_select(0, mapping.token_ids)
     h = sorted_x.new_empty(sorted_x.shape[0], lora_a.shape[2])
@@ -108,9 +116,9 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, mapping:
     if mapping.one_slot_for_all:
         y.addmm_(h, lora_b[mapping.slot_ids[0]])
         return
-    if mapping.padded_ids is not None:
+    if mapping.padded is not None:
         out = torch.bmm(h, _active(lora_b, mapping)).view(-1, y.shape[1])
-        y.index_add_(0, mapping.token_ids, out.index_select(0, mapping.padded_rows))
+        y.index_add_(0, mapping.token_ids, out.index_select(0, mapping.padded.rows))
         return
     out = h.new_empty(h.shape[0], y.shape[1])
     for slot, (start, end) in zip(mapping.slot_ids, mapping.segments):

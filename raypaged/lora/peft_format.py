@@ -75,15 +75,17 @@ def read_peft_adapter(name: str, path: str | Path, max_lora_rank: int) -> PeftAd
     _check_config(name, config, max_lora_rank)
     tensors = _read_tensors(name, folder)
     scale_of = _scaling(config)
-    unsupported = [key for key in tensors if _KEY.search(key) is None]
+    matches = {key: _KEY.search(key) for key in tensors}
+    unsupported = [key for key, match in matches.items() if match is None]
     if unsupported:  # the most specific reason of any of them
         raise ValueError(f"LoRA adapter {name!r}: {min(map(_why_unsupported, unsupported))[1]}")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        layer, parent, projection, which = _KEY.search(key).groups()
+    for key, match in matches.items():
+        assert match is not None
+        layer, parent, projection, which = match.groups()
         if _PARENT[projection] != parent:
             raise ValueError(f"LoRA adapter {name!r}: weight {key!r} targets a module the model lacks")
-        pairs.setdefault((int(layer), projection), {})[which] = tensor
+        pairs.setdefault((int(layer), projection), {})[which] = tensors[key]
     if not pairs:
         raise ValueError(f"LoRA adapter {name!r}: the checkpoint holds no LoRA weights")
     weights = {}

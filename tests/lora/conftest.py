@@ -13,10 +13,10 @@ from raypaged.model.loader import load_model
 
 # name -> LoraConfig options: different ranks, target modules (short names, full paths, all-linear) and scalings
 ADAPTERS = {
-    "qv-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "all-r8-rslora": dict(r=8, lora_alpha=16, target_modules="all-linear", use_rslora=True),
-    "kogd-r16": dict(r=16, lora_alpha=32, target_modules=["model.layers.0.self_attn.k_proj", "o_proj", "gate_proj",
-                                                          "down_proj"]),
+    "qv-r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+    "all-r8-rslora": {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "use_rslora": True},
+    "kogd-r16": {"r": 16, "lora_alpha": 32, "target_modules": ["model.layers.0.self_attn.k_proj", "o_proj", "gate_proj",
+                                                          "down_proj"]},
 }
 
 

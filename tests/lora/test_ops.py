@@ -20,8 +20,8 @@ def test_mapping_layout_of_an_even_spread_is_the_padded_batch():
     assert mapping.slot_ids == (0, 2)
     assert mapping.segments == ((0, 3), (3, 5))
     assert mapping.token_ids.tolist() == [2, 4, 5, 0, 3]
-    assert mapping.padded_ids.tolist() == [2, 4, 5, 0, 3, 0]  # slot 2's third row is padding
-    assert mapping.padded_rows.tolist() == [0, 1, 2, 3, 4]
+    assert mapping.padded.token_ids.tolist() == [2, 4, 5, 0, 3, 0]  # slot 2's third row is padding
+    assert mapping.padded.rows.tolist() == [0, 1, 2, 3, 4]
     assert not mapping.one_slot_for_all
 
 
@@ -29,14 +29,14 @@ def test_mapping_of_a_skewed_spread_loops_over_slots():
     mapping = build_lora_mapping([1] * 10 + [3, 0])  # padding to 3 x 10 rows would be 2.5x the 12 tokens
     assert mapping.slot_ids == (0, 1, 3)
     assert mapping.segments == ((0, 1), (1, 11), (11, 12))
-    assert mapping.padded_ids is None
+    assert mapping.padded is None
 
 
 def test_mapping_fast_paths():
     assert build_lora_mapping([None, None]).is_empty
     assert build_lora_mapping([3, 3, 3]).one_slot_for_all
     one_with_base = build_lora_mapping([3, None, 3])
-    assert not one_with_base.one_slot_for_all and one_with_base.padded_ids is None
+    assert not one_with_base.one_slot_for_all and one_with_base.padded is None
 
 
 def test_reference_is_the_per_token_formula():

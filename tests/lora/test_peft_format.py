@@ -132,11 +132,11 @@ def test_projection_under_the_wrong_block(tmp_path, tiny_llama_dir, tiny_manager
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    (dict(target_modules=["q_proj", "lm_head"]), f"LoRA on 'lm_head' is not supported (supported: {SUPPORTED})"),
-    (dict(target_modules=["embed_tokens"]), f"LoRA on 'embed_tokens' is not supported (supported: {SUPPORTED})"),
-    (dict(use_dora=True), "DoRA (use_dora) is not supported"),
-    (dict(modules_to_save=["lm_head"]), "modules_to_save is not supported"),
-    (dict(lora_bias=True), "a LoRA bias (lora_bias) is not supported"),
+    ({"target_modules": ["q_proj", "lm_head"]}, f"LoRA on 'lm_head' is not supported (supported: {SUPPORTED})"),
+    ({"target_modules": ["embed_tokens"]}, f"LoRA on 'embed_tokens' is not supported (supported: {SUPPORTED})"),
+    ({"use_dora": True}, "DoRA (use_dora) is not supported"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save is not supported"),
+    ({"lora_bias": True}, "a LoRA bias (lora_bias) is not supported"),
 ])
 def test_unsupported_peft_features_are_refused_by_name(tmp_path, tiny_llama_dir, tiny_manager, options, message):
     path = adapter(tmp_path, tiny_llama_dir, **options)
@@ -146,8 +146,8 @@ def test_unsupported_peft_features_are_refused_by_name(tmp_path, tiny_llama_dir,
 
 @pytest.mark.parametrize(("target", "message"), [
     (".*embed_tokens", "LoRA on embeddings ('base_model.model.model.embed_tokens.lora_embedding_A') is not supported"),
-    (".*lm_head", "LoRA on 'lm_head' ('base_model.model.lm_head.lora_A.weight') is not supported "
-                  f"(supported: {SUPPORTED})"),
+    (".*lm_head", ("LoRA on 'lm_head' ('base_model.model.lm_head.lora_A.weight') is not supported "
+                  f"(supported: {SUPPORTED})")),
 ])
 def test_unsupported_weights_behind_a_regex_target_are_refused_by_name(tmp_path, tiny_llama_dir, tiny_manager,
                                                                        target, message):
@@ -157,10 +157,10 @@ def test_unsupported_weights_behind_a_regex_target_are_refused_by_name(tmp_path,
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    (dict(bias="lora_only"), "bias 'lora_only' is not supported (only 'none')"),
-    (dict(peft_type="IA3"), "peft_type 'IA3' is not supported (only LORA)"),
-    (dict(alpha_pattern={"q_proj": 4}), "alpha_pattern is not supported"),
-    (dict(fan_in_fan_out=True), "fan_in_fan_out is not supported"),
+    ({"bias": "lora_only"}, "bias 'lora_only' is not supported (only 'none')"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3' is not supported (only LORA)"),
+    ({"alpha_pattern": {"q_proj": 4}}, "alpha_pattern is not supported"),
+    ({"fan_in_fan_out": True}, "fan_in_fan_out is not supported"),
 ])
 def test_unsupported_config_fields_are_refused_by_name(tmp_path, tiny_llama_dir, tiny_manager, changes, message):
     path = edit_config(adapter(tmp_path, tiny_llama_dir), **changes)

@@ -50,8 +50,8 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize(("tp_size", "shape"), [
-    (3, dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96)),
-    (4, dict()),  # 8 heads, 2 KV heads: each rank holds one KV head, two ranks the same one
+    (3, {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 96}),
+    (4, {}),  # 8 heads, 2 KV heads: each rank holds one KV head, two ranks the same one
 ])
 def test_sharded_adapters_equal_one_shard(tmp_path, smollm2_dir, tp_size, shape):
     model_dir = make_tiny_model(tmp_path, smollm2_dir, "llama", **shape)
