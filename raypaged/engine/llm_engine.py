@@ -36,6 +36,7 @@ from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
 from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
 from raypaged.structured.backend import GrammarBackend
+from raypaged.structured.reasoning import closed_in
 
 if TYPE_CHECKING:
     import torch
@@ -151,11 +152,21 @@ class LLMEngine:
         check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, self.config.max_model_len)
         return request_id, list(prompt_token_ids)
 
-    def compile_grammar(self, structured: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """The constraint's grammar, its size checked first; thread-safe (servers call it off the
-        engine thread, so ``add_request`` then finds it cached). Raises ``InputError``."""
+    def compile_grammar(
+        self, structured: StructuredOutputsParams, prompt: str | None = None, prompt_token_ids: list[int] | None = None
+    ) -> xgrammar.CompiledGrammar:
+        """The constraint's grammar for this prompt, its size checked first; thread-safe (servers
+        call it off the engine thread, so ``add_request`` then finds it cached). With a reasoning
+        parser the constraint applies after the output's reasoning section, unless the prompt
+        closed that section itself. Raises ``InputError``."""
         check_text(STRUCTURED_PARAM, structured.num_chars, self.config.limits, self.config.max_model_len)
-        return self.grammars.compile(structured)
+        reasoning = self.config.structured_outputs_config.reasoning
+        if reasoning is not None:
+            tail = prompt[-64:] if prompt_token_ids is None and prompt is not None else self.tokenizer.decode(
+                (prompt_token_ids or [])[-16:])
+            if closed_in(tail):
+                reasoning = None
+        return self.grammars.compile(structured, reasoning)
 
     def _seq_id(self, request_id: str) -> str:
         return f"{next(self._seq_numbers)}:{request_id}"
@@ -183,8 +194,8 @@ class LLMEngine:
         max_tokens = sampling_params.max_tokens or self.config.max_model_len - len(prompt_token_ids)
         num_samples = sampling_params.num_samples
         grammar = None
-        if (structured := sampling_params.structured_outputs) is not None:
-            grammar = self.compile_grammar(structured)  # cached when a server compiled it off the engine thread
+        if (structured := sampling_params.structured_outputs) is not None:  # cached when a server compiled it
+            grammar = self.compile_grammar(structured, prompt, prompt_token_ids)  # off the engine thread
         seq_id = self._seq_id(request_id)
         seq_params = self._with_eos_stops(sampling_params)
         if sampling_params.bad_words:
@@ -232,7 +243,10 @@ class LLMEngine:
         """Queue a beam search; its output (beams best first) comes when it finishes."""
         request_id, prompt_token_ids = self._validate_prompt(request_id, prompt, prompt_token_ids)
         max_tokens = min(params.max_tokens, self.config.max_model_len - len(prompt_token_ids))
-        grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
+        if params.structured_outputs is None:
+            grammar = None
+        else:
+            grammar = self.compile_grammar(params.structured_outputs, prompt, prompt_token_ids)
         # each beam proposes its 2 * beam_width best next tokens; the group decides
         beam_params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2 * params.beam_width, ignore_eos=True)
         seq_id = self._seq_id(request_id)

@@ -122,7 +122,9 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.structured_outputs is not None:  # compiled here, off the engine thread: the batch runs on
-            await self._loop.run_in_executor(None, self.engine.compile_grammar, params.structured_outputs)
+            await self._loop.run_in_executor(
+                None, self.engine.compile_grammar, params.structured_outputs, prompt, prompt_token_ids
+            )
         stream = self._streams[request_id] = _Stream()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, stream, accepted))

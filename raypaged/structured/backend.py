@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from raypaged.inputs.limits import InputError
 from raypaged.sampling_params import StructuredOutputsParams
 from raypaged.structured.config import StructuredOutputsConfig
+from raypaged.structured.reasoning import ReasoningParser
 
 if TYPE_CHECKING:
     import torch
@@ -59,18 +60,20 @@ class GrammarBackend:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
-    def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of ``params`` (from the cache when it was compiled before); a
-        constraint that does not compile raises ``InputError`` with the compiler's message."""
+    def compile(self, params: StructuredOutputsParams, reasoning: ReasoningParser | None = None) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of ``params`` (from the cache when it was compiled before), behind
+        ``reasoning``'s section when given; a constraint that does not compile raises
+        ``InputError`` with the compiler's message."""
         any_whitespace = not (
             self.config.disable_any_whitespace if params.disable_any_whitespace is None else params.disable_any_whitespace
         )
-        key = (params.kind, params.spec, str(any_whitespace))
+        key = (params.kind, params.spec, str(any_whitespace), reasoning.name if reasoning else "")
         with self._lock:
             if (found := self._cache.get(key)) is not None:
                 self._cache.move_to_end(key)
                 return found
-        compiled = self._compile(params, any_whitespace)
+        grammar = self._grammar(params, any_whitespace, self.config.max_whitespace)
+        compiled = self._xgr_compiler().compile_grammar(grammar if reasoning is None else reasoning.after_section(grammar))
         self._check_can_start(compiled, params.kind)
         with self._lock:
             self._cache[key] = compiled
@@ -78,25 +81,27 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _compile(self, params: StructuredOutputsParams, any_whitespace: bool) -> xgrammar.CompiledGrammar:
-        compiler = self._xgr_compiler()
+    @staticmethod
+    def _grammar(params: StructuredOutputsParams, any_whitespace: bool, max_whitespace: int | None) -> xgrammar.Grammar:
+        import xgrammar as xgr
+
         kind, spec = params.kind, params.spec
-        whitespace = {"any_whitespace": any_whitespace, "max_whitespace_cnt": self.config.max_whitespace if any_whitespace else None}
+        whitespace = {"any_whitespace": any_whitespace, "max_whitespace_cnt": max_whitespace if any_whitespace else None}
         try:
             if kind == "json":
                 _check_json(spec, "json")
-                return compiler.compile_json_schema(spec, **whitespace)
+                return xgr.Grammar.from_json_schema(spec, **whitespace)
             if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', **whitespace)
+                return xgr.Grammar.from_json_schema('{"type": "object"}', **whitespace)
             if kind == "regex":
-                return compiler.compile_regex(spec)
+                return xgr.Grammar.from_regex(spec)
             if kind == "choice":
                 alternatives = " | ".join(_ebnf_string(choice) for choice in params.choice or ())
-                return compiler.compile_grammar(f"root ::= {alternatives}")
+                return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
             if kind == "grammar":
-                return compiler.compile_grammar(spec)
+                return xgr.Grammar.from_ebnf(spec)
             _check_json(spec, "structural_tag")
-            return compiler.compile_structural_tag(spec)
+            return xgr.Grammar.from_structural_tag(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             if isinstance(exc, InputError):
                 raise

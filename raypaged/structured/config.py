@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from raypaged.structured.reasoning import ReasoningParser, get_reasoning_parser
+
 BACKENDS = ("xgrammar",)
 _BACKEND_ALIASES = {"auto": "xgrammar"}  # vLLM's auto picks xgrammar where it can
 _KNOWN_UNSUPPORTED = ("guidance", "outlines", "lm-format-enforcer")
@@ -17,12 +19,16 @@ class StructuredOutputsConfig:
     ``disable_any_whitespace``: JSON outputs are compact (one space after ``:`` and ``,``), so a
     small model cannot loop on whitespace; ``False`` allows free whitespace, up to
     ``max_whitespace`` characters between two tokens of JSON (``None``: unbounded, as vLLM).
-    ``cache_size``: compiled grammars kept, least recently used dropped first."""
+    ``cache_size``: compiled grammars kept, least recently used dropped first.
+    ``reasoning_parser`` (set by ``--reasoning-parser``): constraints apply after the output's
+    reasoning section, unless ``enable_in_reasoning``, where they apply from the first token."""
 
     backend: str = "xgrammar"
     disable_any_whitespace: bool = True
     max_whitespace: int | None = 4
     cache_size: int = 256
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         backend = _BACKEND_ALIASES.get(self.backend, self.backend)
@@ -37,11 +43,23 @@ class StructuredOutputsConfig:
             raise ValueError(f"structured outputs max_whitespace must be at least 1, got {self.max_whitespace}")
         if self.cache_size < 1:
             raise ValueError(f"structured outputs cache_size must be at least 1, got {self.cache_size}")
+        if self.reasoning_parser:
+            get_reasoning_parser(self.reasoning_parser)
+
+    @property
+    def reasoning(self) -> ReasoningParser | None:
+        """The format whose reasoning section constraints wait for (``None``: they apply at once)."""
+        if not self.reasoning_parser or self.enable_in_reasoning:
+            return None
+        return get_reasoning_parser(self.reasoning_parser)
 
     @classmethod
-    def parse(cls, value: str | dict[str, Any] | None, backend: str | None = None) -> StructuredOutputsConfig:
-        """From ``--structured-outputs-config`` (a JSON object or a dict) and the older
-        ``--guided-decoding-backend`` (which sets ``backend``); unknown keys are refused by name."""
+    def parse(
+        cls, value: str | dict[str, Any] | None, backend: str | None = None, reasoning_parser: str | None = None
+    ) -> StructuredOutputsConfig:
+        """From ``--structured-outputs-config`` (a JSON object or a dict), the older
+        ``--guided-decoding-backend`` (which sets ``backend``) and ``--reasoning-parser``;
+        unknown keys are refused by name."""
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -58,4 +76,6 @@ class StructuredOutputsConfig:
             )
         if backend is not None:
             values["backend"] = backend
+        if reasoning_parser:
+            values["reasoning_parser"] = reasoning_parser
         return cls(**values)

@@ -93,7 +93,9 @@ def test_structured_outputs_params_are_checked(kwargs, message):
      "structured outputs backend 'outlines' is not supported (not built into raypaged); supported: xgrammar, auto"),
     (None, "guidance", "structured outputs backend 'guidance' is not supported (not built into raypaged); supported: xgrammar, auto"),
     ('{"backend": "xgrammar", "reasoning": 1}', None,
-     "--structured-outputs-config: unknown field 'reasoning'; allowed: backend, cache_size, disable_any_whitespace, max_whitespace"),
+     "--structured-outputs-config: unknown field 'reasoning'; allowed: backend, cache_size, disable_any_whitespace, "
+     "enable_in_reasoning, max_whitespace, reasoning_parser"),
+    ('{"reasoning_parser": "o1"}', None, "--reasoning-parser 'o1' is not supported; supported: deepseek_r1, qwen3"),
     ("[1]", None, "--structured-outputs-config must be a JSON object, got [1]"),
     ("{", None, "--structured-outputs-config is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
 ])

@@ -133,9 +133,6 @@ def build_app(
         prompts = body.prompts(tools) if isinstance(body, ChatCompletionRequest) else body.prompts()
         num_logprobs = body.num_logprobs
         constraint = body.constraint(tools)
-        if chat and reasoning_parser is not None and constraint is not None:
-            raise APIError(400, "structured outputs and tool_choice required or named are not supported with "
-                           "--reasoning-parser yet (the grammar would apply to the reasoning too)", "response_format")
         try:
             requests = [
                 body.generate_request(model, p, num_logprobs, body.resolved_max_tokens, body.priority, constraint)

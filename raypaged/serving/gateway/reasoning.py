@@ -1,45 +1,14 @@
 """Reasoning models (``--reasoning-parser``): an answer's ``<think>...</think>`` section is
-``reasoning_content``, the rest its ``content``, whole and streamed.
-
-- ``deepseek_r1``: the chat template opens the section, so the output may start inside it:
-  everything up to ``</think>`` is reasoning (all of it, when no ``</think>`` comes).
-- ``qwen3``: only an output that opens with ``<think>`` has a section; otherwise all is content.
+``reasoning_content``, the rest its ``content``, whole and streamed (the formats are
+``raypaged.structured.reasoning``'s, which constraints follow too).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from raypaged.serving.gateway.tool_parsers.base import marker_holdback
+from raypaged.structured.reasoning import END, PARSERS, START, ReasoningParser, get_reasoning_parser
 
-START, END = "<think>", "</think>"
-
-
-@dataclass(frozen=True, slots=True)
-class ReasoningParser:
-    name: str
-    starts_inside: bool  # the output may begin inside the section, without START
-
-    def split(self, text: str) -> tuple[str | None, str | None]:
-        """(reasoning, content) of a whole output; ``None`` for a part that is not there."""
-        body = text.lstrip()
-        opened = body.startswith(START)
-        if not opened and not self.starts_inside:
-            return None, text
-        inner = body[len(START):] if opened else text
-        reasoning, found, content = inner.partition(END)
-        if not found:
-            return inner, None
-        return reasoning, content or None
-
-
-PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", True), "qwen3": ReasoningParser("qwen3", False)}
-
-
-def get_reasoning_parser(name: str) -> ReasoningParser:
-    if name not in PARSERS:
-        raise ValueError(f"--reasoning-parser {name!r} is not supported; supported: {', '.join(sorted(PARSERS))}")
-    return PARSERS[name]
+__all__ = ["PARSERS", "ReasoningParser", "ReasoningStream", "get_reasoning_parser"]
 
 
 class ReasoningStream:
