@@ -181,8 +181,9 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], scheme: str, group_size: 
 
 
 def quantize_checkpoint(src: Path, dst: Path, scheme: str, group_size: int = 128, symmetric: bool = True,
-                        act_order: bool = False) -> Path:
-    """Write ``dst``: ``src``'s files with the projections quantized and a ``quantization_config``."""
+                        act_order: bool = False, smoothquant: float | None = None) -> Path:
+    """Write ``dst``: ``src``'s files with the projections quantized and a ``quantization_config``;
+    ``smoothquant``: first smooth the activations with this alpha (see ``smoothquant.py``)."""
     if act_order and scheme != "gptq":
         raise ValueError("act_order is a gptq option")
     if not symmetric and scheme not in ("w4a16", "gptq"):
@@ -192,9 +193,13 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: str, group_size: int = 128
         if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
             shutil.copy2(path, dst / path.name)
     tensors = dict(iter_checkpoint(src))
+    config = json.loads((src / "config.json").read_text())
+    if smoothquant is not None:
+        from raypaged.quantization.smoothquant import input_maxima, smooth
+
+        tensors = smooth(tensors, input_maxima(src), config["num_hidden_layers"], smoothquant)
     save_file(quantize_tensors(tensors, scheme, group_size, symmetric, act_order), str(dst / "model.safetensors"),
               metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quantization_config(scheme, group_size, symmetric, act_order)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
@@ -208,8 +213,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group-size", type=int, default=128, help="4-bit schemes: inputs per scale (-1: all)")
     parser.add_argument("--asymmetric", action="store_true", help="w4a16 and gptq: zero points (awq always has them)")
     parser.add_argument("--act-order", action="store_true", help="gptq: desc_act, groups along a permutation")
+    parser.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
+                        help="smooth activation outliers into the weights first (W8A8: 0.5 is usual)")
     args = parser.parse_args(argv)
-    quantize_checkpoint(args.src, args.dst, args.scheme, args.group_size, not args.asymmetric, args.act_order)
+    quantize_checkpoint(args.src, args.dst, args.scheme, args.group_size, not args.asymmetric, args.act_order,
+                        args.smoothquant)
     print(f"wrote {args.dst}")
 
 

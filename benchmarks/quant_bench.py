@@ -1,0 +1,170 @@
+"""Quantized SmolLM2 against fp32 on CPU: W6 throughput (``offline_throughput.py --quick``'s workload,
+same prompts, same run), weight bytes, greedy agreement and perplexity.
+
+Each scheme's checkpoint is written by the reference quantizer (raypaged/quantization/quantizer.py)
+into --work-dir once; ``online-fp8`` is the float checkpoint with ``--quantization fp8`` and
+``kv-fp8`` the float weights with ``--kv-cache-dtype fp8``:
+
+    python benchmarks/quant_bench.py --schemes w8a8-int8,online-fp8
+    python benchmarks/quant_bench.py --schemes all --skip-throughput
+
+Agreement: of 8 fixed prompts, how many give the fp32 model's first 16 greedy tokens exactly;
+perplexity: of a fixed 60-token text, from the prompt logprobs. Writes benchmarks/results/NAME.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from common import RESULTS_DIR, build_prompts, load_average, machine_info, write_json
+from offline_throughput import agreement, bench_raypaged
+
+from raypaged import LLM, SamplingParams
+from raypaged.model.default_model import default_model_dir
+from raypaged.quantization.quantizer import PROJECTIONS, quantize_checkpoint
+
+# name -> (quantizer scheme or None for the float folder, quantizer options, LLM options)
+SCHEMES = {
+    "online-fp8": (None, {}, {"quantization": "fp8"}),
+    "kv-fp8": (None, {}, {"kv_cache_dtype": "fp8"}),
+    "fp8": ("fp8", {}, {}),
+    "w8a8-int8": ("w8a8-int8", {}, {}),
+    "w8a8-int8-sq0.5": ("w8a8-int8", {"smoothquant": 0.5}, {}),
+    "w8a8-fp8": ("w8a8-fp8", {}, {}),
+    "w4a16-g64": ("w4a16", {"group_size": 64}, {}),  # SmolLM2's 576 inputs do not split into groups of 128
+    "gptq-g64": ("gptq", {"group_size": 64}, {}),
+    "gptq-g64-actorder-asym": ("gptq", {"group_size": 64, "act_order": True, "symmetric": False}, {}),
+    "awq-g64": ("awq", {"group_size": 64}, {}),
+}
+PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
+           "The three primary colors are", "Water boils at a temperature of", "Once upon a time, in a small village,",
+           "The best way to learn a language is", "Photosynthesis is the process by which"]
+TEXT = ("The quick brown fox jumps over the lazy dog. Machine learning is a field of study in artificial intelligence "
+        "concerned with the development of statistical algorithms that can learn from data and generalize to unseen "
+        "data, and thus perform tasks without explicit instructions.")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--schemes", default="w8a8-int8,online-fp8", help=f"comma-separated, or all: {list(SCHEMES)}")
+    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "raypaged" / "quantized")
+    parser.add_argument("--skip-throughput", action="store_true", help="agreement and perplexity only")
+    parser.add_argument("--name", default="quant_bench")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    args.schemes = list(SCHEMES) if args.schemes == "all" else args.schemes.split(",")
+    unknown = [s for s in args.schemes if s not in SCHEMES]
+    if unknown:
+        parser.error(f"unknown scheme {unknown[0]!r}; choose from {list(SCHEMES)}")
+    # offline_throughput's W6 --quick settings
+    args.device, args.kv_cache_gib, args.repeats, args.seed, args.num_prompts = "cpu", 4.0, 1, 0, 32
+    return args
+
+
+def weight_bytes(model_dir: Path) -> dict[str, int]:
+    """Bytes of the checkpoint's tensors: all, and the four projections' share (what quantization shrinks)."""
+    total = projections = 0
+    for file in model_dir.glob("*.safetensors"):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            size = entry["data_offsets"][1] - entry["data_offsets"][0]
+            total += size
+            projections += size if any(f".{p}." in name for p in PROJECTIONS) else 0
+    return {"total": total, "projections": projections}
+
+
+def quality(model_dir: Path, options: dict) -> tuple[list[list[int]], float]:
+    """(16 greedy tokens of each prompt, perplexity of TEXT)."""
+    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", max_model_len=512, num_gpu_blocks_override=256,
+              **options)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        scored = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    logprobs = [d[t] for d, t in zip(scored.prompt_logprobs[1:], scored.prompt_token_ids[1:])]
+    return [o.outputs[0].token_ids for o in outs], math.exp(-sum(logprobs) / len(logprobs))
+
+
+def model_folder(name: str, args: argparse.Namespace) -> Path:
+    scheme, options, _ = SCHEMES[name]
+    if scheme is None:
+        return default_model_dir()
+    path = args.work_dir / f"SmolLM2-135M-Instruct-{name}"
+    if not (path / "config.json").exists():
+        quantize_checkpoint(default_model_dir(), path, scheme, **options)
+    return path
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    started, load_start = time.perf_counter(), load_average()
+    float_dir = default_model_dir()
+    w6_prompts = build_prompts(float_dir, args.num_prompts, args.seed)
+    rows = []
+    reference_tokens, reference_w6 = None, None
+    for name in ["fp32", *args.schemes]:
+        model_dir = float_dir if name == "fp32" else model_folder(name, args)
+        options = {} if name == "fp32" else SCHEMES[name][2]
+        tokens, perplexity = quality(model_dir, options)
+        reference_tokens = reference_tokens or tokens
+        row = {"name": name, "weight_bytes": weight_bytes(model_dir), "perplexity": perplexity,
+               "agreement_16_tokens": sum(a == b for a, b in zip(reference_tokens, tokens)),
+               "matching_prefix": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                                   for a, b in zip(reference_tokens, tokens)]}
+        if not args.skip_throughput:
+            if options:
+                args_options = options
+                original = LLM.__init__
+
+                def patched(self, *a, _o=args_options, **kw):  # the W6 runner builds its own LLM
+                    original(self, *a, **{**kw, **_o})
+
+                LLM.__init__ = patched
+            try:
+                result, outputs = bench_raypaged(model_dir, w6_prompts, 1, args)
+            finally:
+                if options:
+                    LLM.__init__ = original
+            reference_w6 = reference_w6 or outputs
+            row |= {"w6_tokens_per_s": result.median, "w6_seconds": result.run_seconds,
+                    "w6_same_tokens_as_fp32": agreement(reference_w6, outputs),
+                    "forward_ms_per_step": result.extra["forward_ms_per_step"]}
+        rows.append(row)
+        print(json.dumps(row))
+    report = {"machine": machine_info(args.threads), "load_average": {"start": load_start, "end": load_average()},
+              "wall_seconds": time.perf_counter() - started, "rows": rows,
+              "workload": {"w6": "offline_throughput --quick: 32 prompts of 50-200 tokens, 100 greedy tokens each",
+                           "prompts": PROMPTS, "text": TEXT}}
+    write_json(args.name, report)
+    (RESULTS_DIR / f"{args.name}.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    base = report["rows"][0]
+    lines = [f"# Quantized SmolLM2-135M-Instruct on CPU ({report['machine']['cpu']}, {report['machine']['threads']} "
+             f"threads)", "", "| model | weight MiB (projections) | W6 tokens/s | vs fp32 | W6 tokens = fp32 | "
+             "agreement (16 tokens, of 8) | perplexity | vs fp32 |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in report["rows"]:
+        mib = f"{r['weight_bytes']['total'] / 2**20:.0f} ({r['weight_bytes']['projections'] / 2**20:.0f})"
+        tps = r.get("w6_tokens_per_s")
+        speed = f"{tps:.1f} | {tps / base['w6_tokens_per_s']:.2f}x | {r['w6_same_tokens_as_fp32']}" if tps else "- | - | -"
+        lines.append(f"| {r['name']} | {mib} | {speed} | {r['agreement_16_tokens']}/8 | {r['perplexity']:.3f} | "
+                     f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% |")
+    lines += ["", f"load average {report['load_average']['start']} -> {report['load_average']['end']}; "
+              f"wall {report['wall_seconds']:.0f} s"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
