@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from raypaged.inputs.limits import InputError
 from raypaged.sampling_params import StructuredOutputsParams
 from raypaged.structured.config import StructuredOutputsConfig
+from raypaged.structured.guidance import Guidance, GuidanceGrammar, GuidanceMatcher, unenforced_keyword
 from raypaged.structured.reasoning import ReasoningParser
 
 if TYPE_CHECKING:
@@ -47,7 +48,8 @@ class GrammarBackend:
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None  # built on first use: most servers never need it
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, ...], xgrammar.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, ...], xgrammar.CompiledGrammar | GuidanceGrammar] = OrderedDict()
+        self._guidance = Guidance(tokenizer, vocab_size, stop_token_ids)
 
     def _xgr_compiler(self) -> xgrammar.GrammarCompiler:
         with self._lock:
@@ -72,8 +74,11 @@ class GrammarBackend:
             if (found := self._cache.get(key)) is not None:
                 self._cache.move_to_end(key)
                 return found
-        grammar = self._grammar(params, any_whitespace, self.config.max_whitespace)
-        compiled = self._xgr_compiler().compile_grammar(grammar if reasoning is None else reasoning.after_section(grammar))
+        if self._uses_guidance(params, reasoning):
+            compiled = self._guidance.compile(params, any_whitespace, self.config.max_whitespace)
+        else:
+            grammar = self._grammar(params, any_whitespace, self.config.max_whitespace)
+            compiled = self._xgr_compiler().compile_grammar(grammar if reasoning is None else reasoning.after_section(grammar))
         self._check_can_start(compiled, params.kind)
         with self._lock:
             self._cache[key] = compiled
@@ -116,7 +121,36 @@ class GrammarBackend:
         if not bool(bitmask.any()):
             raise InputError(PARAM, f"structured outputs: no token of this model's vocabulary can begin the {kind} constraint")
 
-    def matcher(self, compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
+    def _uses_guidance(self, params: StructuredOutputsParams, reasoning: ReasoningParser | None) -> bool:
+        """llguidance when configured, or (``auto``) for a JSON schema with a keyword xgrammar would
+        not enforce; a constraint neither can enforce as asked raises ``InputError``."""
+        backend = self.config.backend
+        if backend == "guidance" or params.kind != "json":
+            if backend == "guidance" and reasoning is not None:
+                raise InputError(PARAM, "structured outputs after a reasoning section need the xgrammar or auto backend")
+            return backend == "guidance"
+        _check_json(params.spec, "json")
+        found = unenforced_keyword(json.loads(params.spec))
+        if found is None:
+            return False
+        keyword, where = found
+        if backend == "xgrammar":
+            raise InputError(PARAM, f"structured outputs: the xgrammar backend does not enforce the JSON schema "
+                                    f"keyword {keyword!r} (at {where}); the guidance or auto backend may")
+        if reasoning is not None:
+            raise InputError(PARAM, f"structured outputs: the JSON schema keyword {keyword!r} (at {where}) needs the "
+                                    "guidance backend, which cannot follow a reasoning section")
+        try:
+            self._guidance.compile(params, True, None)
+        except InputError as exc:
+            reason = str(exc).removeprefix("structured outputs: ")
+            raise InputError(PARAM, f"structured outputs: no backend enforces the JSON schema keyword {keyword!r} "
+                                    f"(at {where}): xgrammar ignores it, and {reason}") from None
+        return True
+
+    def matcher(self, compiled: xgrammar.CompiledGrammar | GuidanceGrammar) -> xgrammar.GrammarMatcher | GuidanceMatcher:
+        if isinstance(compiled, GuidanceGrammar):
+            return self._guidance.matcher(compiled)
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled)

@@ -8,14 +8,15 @@ from typing import Any
 
 from raypaged.structured.reasoning import ReasoningParser, get_reasoning_parser
 
-BACKENDS = ("xgrammar",)
-_BACKEND_ALIASES = {"auto": "xgrammar"}  # vLLM's auto picks xgrammar where it can
-_KNOWN_UNSUPPORTED = ("guidance", "outlines", "lm-format-enforcer")
+# auto: xgrammar, or llguidance for a JSON schema with keywords xgrammar would not enforce (as vLLM)
+BACKENDS = ("auto", "xgrammar", "guidance")
+_KNOWN_UNSUPPORTED = ("outlines", "lm-format-enforcer")
 
 
 @dataclass(slots=True, frozen=True)
 class StructuredOutputsConfig:
-    """``backend``: the grammar engine (``xgrammar``; vLLM's ``auto`` means it).
+    """``backend``: the grammar engine: ``xgrammar``, ``guidance`` (llguidance) or ``auto``
+    (xgrammar, and guidance for JSON schemas with keywords xgrammar would not enforce).
     ``disable_any_whitespace``: JSON outputs are compact (one space after ``:`` and ``,``), so a
     small model cannot loop on whitespace; ``False`` allows free whitespace, up to
     ``max_whitespace`` characters between two tokens of JSON (``None``: unbounded, as vLLM).
@@ -23,7 +24,7 @@ class StructuredOutputsConfig:
     ``reasoning_parser`` (set by ``--reasoning-parser``): constraints apply after the output's
     reasoning section, unless ``enable_in_reasoning``, where they apply from the first token."""
 
-    backend: str = "xgrammar"
+    backend: str = "auto"
     disable_any_whitespace: bool = True
     max_whitespace: int | None = 4
     cache_size: int = 256
@@ -31,14 +32,11 @@ class StructuredOutputsConfig:
     enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
-        backend = _BACKEND_ALIASES.get(self.backend, self.backend)
-        if backend not in BACKENDS:
-            extra = " (not built into raypaged)" if backend in _KNOWN_UNSUPPORTED else ""
+        if self.backend not in BACKENDS:
+            extra = " (not built into raypaged)" if self.backend in _KNOWN_UNSUPPORTED else ""
             raise ValueError(
-                f"structured outputs backend {self.backend!r} is not supported{extra}; supported: "
-                f"{', '.join(BACKENDS + tuple(_BACKEND_ALIASES))}"
+                f"structured outputs backend {self.backend!r} is not supported{extra}; supported: {', '.join(BACKENDS)}"
             )
-        object.__setattr__(self, "backend", backend)
         if self.max_whitespace is not None and self.max_whitespace < 1:
             raise ValueError(f"structured outputs max_whitespace must be at least 1, got {self.max_whitespace}")
         if self.cache_size < 1:

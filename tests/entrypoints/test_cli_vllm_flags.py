@@ -51,15 +51,17 @@ def test_structured_outputs_flags_set_the_engines_grammar_backend(tiny_model_dir
                        '{"backend": "auto", "disable_any_whitespace": false, "max_whitespace": 2}')
     assert config.structured_outputs_config == StructuredOutputsConfig(disable_any_whitespace=False, max_whitespace=2)
     [config] = configs(str(tiny_model_dir), "--guided-decoding-backend", "xgrammar")
-    assert config.structured_outputs_config == StructuredOutputsConfig()
+    assert config.structured_outputs_config == StructuredOutputsConfig(backend="xgrammar")
+    [config] = configs(str(tiny_model_dir), "--guided-decoding-backend", "guidance", "--reasoning-parser", "qwen3")
+    assert config.structured_outputs_config == StructuredOutputsConfig(backend="guidance", reasoning_parser="qwen3")
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--guided-decoding-backend", "outlines"],
-     "structured outputs backend 'outlines' is not supported (not built into raypaged); supported: xgrammar, auto"),
-    (["--structured-outputs-config", '{"backend": "xgrammar", "enable_in_reasoning": true}'],
-     "--structured-outputs-config: unknown field 'enable_in_reasoning'; allowed: backend, cache_size, "
-     "disable_any_whitespace, max_whitespace"),
+     "structured outputs backend 'outlines' is not supported (not built into raypaged); supported: auto, xgrammar, guidance"),
+    (["--structured-outputs-config", '{"backend": "xgrammar", "enable_in_thinking": true}'],
+     "--structured-outputs-config: unknown field 'enable_in_thinking'; allowed: backend, cache_size, "
+     "disable_any_whitespace, enable_in_reasoning, max_whitespace, reasoning_parser"),
 ])
 def test_structured_outputs_flags_refuse_what_they_cannot_honour(tiny_model_dir, argv, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -12,6 +13,7 @@ from transformers import AutoTokenizer
 from raypaged.sampling_params import StructuredOutputsParams
 from raypaged.structured.backend import GrammarBackend
 from raypaged.structured.config import StructuredOutputsConfig
+from raypaged.structured.guidance import GuidanceGrammar, unenforced_keyword
 from raypaged.worker.sampler import apply_token_bitmask
 
 
@@ -90,8 +92,9 @@ def test_structured_outputs_params_are_checked(kwargs, message):
 
 @pytest.mark.parametrize(("value", "backend", "message"), [
     ('{"backend": "outlines"}', None,
-     "structured outputs backend 'outlines' is not supported (not built into raypaged); supported: xgrammar, auto"),
-    (None, "guidance", "structured outputs backend 'guidance' is not supported (not built into raypaged); supported: xgrammar, auto"),
+     "structured outputs backend 'outlines' is not supported (not built into raypaged); supported: auto, xgrammar, guidance"),
+    (None, "lm-format-enforcer", "structured outputs backend 'lm-format-enforcer' is not supported (not built into "
+                                 "raypaged); supported: auto, xgrammar, guidance"),
     ('{"backend": "xgrammar", "reasoning": 1}', None,
      "--structured-outputs-config: unknown field 'reasoning'; allowed: backend, cache_size, disable_any_whitespace, "
      "enable_in_reasoning, max_whitespace, reasoning_parser"),
@@ -106,5 +109,72 @@ def test_the_servers_config_refuses_what_it_cannot_honour(value, backend, messag
 
 def test_the_servers_config_parses_vllm_spellings():
     config = StructuredOutputsConfig.parse('{"backend": "auto", "disable_any_whitespace": false}')
-    assert (config.backend, config.disable_any_whitespace, config.max_whitespace) == ("xgrammar", False, 4)
-    assert StructuredOutputsConfig.parse(None, "xgrammar") == StructuredOutputsConfig()
+    assert (config.backend, config.disable_any_whitespace, config.max_whitespace) == ("auto", False, 4)
+    assert StructuredOutputsConfig.parse(None, "xgrammar") == StructuredOutputsConfig(backend="xgrammar")
+    assert StructuredOutputsConfig().backend == "auto"  # vLLM's default
+
+
+ALL_OF = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]}
+
+
+@pytest.mark.parametrize(("schema", "found"), [
+    ({"not": {"type": "string"}}, ("not", "#")),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, ("uniqueItems", "#")),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False}, None),
+    ({"type": "object", "properties": {"x": {"if": {"const": 1}, "then": {"const": 1}}}}, ("if", "#/properties/x")),
+    ({"anyOf": [{"type": "object", "dependentRequired": {"a": ["b"]}}]}, ("dependentRequired", "#/anyOf/0")),
+    (ALL_OF, ("allOf", "#")),
+    ({"allOf": [{"type": "integer"}]}, None),
+    ({"const": {"not": 1}, "enum": [{"uniqueItems": True}]}, None),  # values, not subschemas
+    ({"$defs": {"p": {"dependentSchemas": {}}}, "$ref": "#/$defs/p"}, ("dependentSchemas", "#/$defs/p")),
+])
+def test_keywords_xgrammar_would_not_enforce_are_found(schema, found):
+    assert unenforced_keyword(schema) == found
+
+
+def test_auto_sends_what_xgrammar_would_not_enforce_to_guidance(smollm2_dir):
+    """xgrammar keeps one subschema of an allOf (``{}`` passes); guidance enforces both; xgrammar
+    alone refuses the schema by name."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    auto = GrammarBackend(tokenizer, 49152, [2], StructuredOutputsConfig(backend="auto"))
+    xgrammar_only = GrammarBackend(tokenizer, 49152, [2], StructuredOutputsConfig(backend="xgrammar"))
+    compiled = auto.compile(StructuredOutputsParams(json=ALL_OF))
+    assert isinstance(compiled, GuidanceGrammar)
+    matcher = auto.matcher(compiled)
+    assert not matcher.accept_token(tokenizer.encode("{}")[0]) or not matcher.accept_token(tokenizer.encode("}")[0])
+    raw = xgr.GrammarMatcher(xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152))
+                             .compile_json_schema(json.dumps(ALL_OF), any_whitespace=False))
+    assert all(raw.accept_token(t) for t in tokenizer.encode("{}")) and raw.is_completed()  # what auto avoids
+    assert isinstance(auto.compile(StructuredOutputsParams(json={"type": "integer"})), xgr.CompiledGrammar)
+    with pytest.raises(ValueError, match="^" + re.escape(
+        "structured outputs: the xgrammar backend does not enforce the JSON schema keyword 'allOf' (at #); "
+        "the guidance or auto backend may") + "$"):
+        xgrammar_only.compile(StructuredOutputsParams(json=ALL_OF))
+    with pytest.raises(ValueError, match="^" + re.escape(
+        "structured outputs: no backend enforces the JSON schema keyword 'not' (at #/properties/a): xgrammar ignores "
+        'it, and the guidance backend cannot enforce the json constraint: Unimplemented keys: ["not"]') + "$"):
+        auto.compile(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}))
+
+
+def test_the_guidance_backend_takes_json_regex_and_choice(smollm2_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    guidance = GrammarBackend(tokenizer, 49152, [2], StructuredOutputsConfig(backend="guidance"))
+    bitmask = guidance.allocate_bitmask(1)
+    matcher = guidance.matcher(guidance.compile(StructuredOutputsParams(choice=["yes", "no"])))
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    logits = torch.zeros(1, 49152)
+    apply_token_bitmask(logits, bitmask, [0])
+    assert {tokenizer.decode([t]) for t in torch.nonzero(logits[0] == 0).flatten().tolist()} == {"y", "ye", "yes", "n", "no"}
+    fork = matcher.fork()
+    assert matcher.accept_token(tokenizer.encode("yes")[0]) and matcher.is_terminated()
+    assert not fork.is_terminated() and fork.accept_token(tokenizer.encode("no")[0])  # the fork kept its own state
+    compact = guidance.matcher(guidance.compile(StructuredOutputsParams(json={"type": "object"})))
+    assert all(compact.accept_token(t) for t in tokenizer.encode('{"a": [1, 2]}'))
+    closed = guidance.matcher(guidance.compile(StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "integer"}}})))  # no additionalProperties: none, as xgrammar's strict mode
+    assert all(closed.accept_token(t) for t in tokenizer.encode('{"a": 1'))
+    assert not all(closed.accept_token(t) for t in tokenizer.encode(', "b"'))
+    with pytest.raises(ValueError, match="^" + re.escape(
+        "structured outputs: the guidance backend takes json, json_object, regex, choice constraints; a grammar "
+        "constraint needs the xgrammar backend") + "$"):
+        guidance.compile(StructuredOutputsParams(grammar='root ::= "a"'))

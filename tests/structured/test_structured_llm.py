@@ -151,3 +151,40 @@ def test_a_constraint_that_does_not_compile_is_refused_by_name(smollm2_llm):
     with pytest.raises(ValueError, match=re.escape('Unsupported type "objec"')):
         smollm2_llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "objec"})))
     assert not smollm2_llm.llm_engine.has_unfinished_requests()
+
+
+def test_the_guidance_backend_enforces_schemas_regexes_and_choices_with_beams(smollm2_dir):
+    temperature = 0.8
+    llm = LLM(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=512,
+              structured_outputs_config={"backend": "guidance"})
+    try:
+        names = ["person", "objects_array", "any_of", "ref", "enum_array"]
+        params = [SamplingParams(temperature=temperature, seed=i, max_tokens=160,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMAS[name]))
+                  for i, name in enumerate(names)]
+        outputs = llm.chat([_ask(f"Answer in JSON: an example of {name.replace('_', ' ')}.") for name in names], params,
+                           use_tqdm=False)
+        for name, output in zip(names, outputs):
+            assert output.outputs[0].finish_reason == "stop", (name, output.outputs[0].text)
+            _validate(SCHEMAS[name], output.outputs[0].text)
+        [dates] = llm.generate("Today's date:", SamplingParams(temperature=temperature, seed=1, n=2, max_tokens=16,
+                               structured_outputs=StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}")), use_tqdm=False)
+        assert all(re.fullmatch(r"\d{4}-\d{2}-\d{2}", c.text) for c in dates.outputs)
+        [beams] = llm.beam_search("Is the sky blue? Answer:", BeamSearchParams(
+            beam_width=3, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])),
+            use_tqdm=False)
+        assert all(b.text in ("yes", "no", "maybe") and b.finish_reason == "stop" for b in beams.outputs)
+    finally:
+        llm.shutdown()
+
+
+def test_auto_enforces_all_of_through_guidance(smollm2_llm):
+    """``allOf`` over two subschemas, which xgrammar alone would not enforce (it keeps one)."""
+    schema = {"allOf": [{"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+                        {"required": ["name", "age"]}]}
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=80, structured_outputs=StructuredOutputsParams(json=schema))
+              for i in range(4)]
+    for output in smollm2_llm.chat([_ask("Give me a person as JSON.")] * 4, params, use_tqdm=False):
+        assert output.outputs[0].finish_reason == "stop"
+        _validate(schema, output.outputs[0].text)
