@@ -51,6 +51,8 @@ class LoRALinear(nn.Module):
         mapping = self.step.mapping
         if mapping is None or mapping.is_empty:
             return y
+        if mapping.num_tokens != x.shape[0]:
+            raise RuntimeError(f"the LoRA mapping is for {mapping.num_tokens} tokens but the step has {x.shape[0]}")
         h = lora_shrink(x, self.lora_a, mapping)
         if self.target.row_parallel:
             h = self.tp.all_reduce(h)

@@ -23,7 +23,6 @@ from raypaged.model.parallel import TensorParallel
 
 # fused linear -> the checkpoint projections it holds, in order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +47,7 @@ class LoRATarget:
     slices: tuple[ProjectionSlice, ...]
     in_features: int  # this rank's
     out_features: int  # this rank's
-
-    @property
-    def row_parallel(self) -> bool:
-        return self.name in ROW_PARALLEL
+    row_parallel: bool  # input features sharded (o_proj, down_proj): the base all-reduces its output
 
 
 def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
@@ -97,10 +93,10 @@ def find_targets(model: LlamaForCausalLM, tp: TensorParallel) -> list[LoRATarget
                 slices.append(ProjectionSlice(projection, 0, hidden, first_row, offset, rows))
             prefix = f"model.layers.{index}.{parent_name}"
             targets.append(LoRATarget(f"{prefix}.{fused}", index, fused, tuple(slices), hidden,
-                                      sum(s.out_rows for s in slices)))
+                                      sum(s.out_rows for s in slices), row_parallel=False))
             in_start, in_len = tp.chunk(shapes[row][1])
             row_slice = ProjectionSlice(row, in_start, in_len, 0, 0, hidden)
-            targets.append(LoRATarget(f"{prefix}.{row}", index, row, (row_slice,), in_len, hidden))
+            targets.append(LoRATarget(f"{prefix}.{row}", index, row, (row_slice,), in_len, hidden, row_parallel=True))
     return targets
 
 

@@ -90,6 +90,10 @@ class LoRAManager:
         token_slots = [None if i is None else slot_of[i] for i in token_lora_ids]
         self.lora_model.step.mapping = build_lora_mapping(token_slots, self.device)
 
+    def clear_mapping(self) -> None:
+        """Forwards from now on run the base model only (profiling, warm-up, CUDA graph capture)."""
+        self.lora_model.step.mapping = None
+
     def cpu_cached_ids(self) -> list[int]:
         """Adapters whose shards are on the CPU, least recently used first."""
         return list(self._cpu_cache)

@@ -4,14 +4,15 @@
 Slot weights are stacked: ``lora_a: [num_slots, in, rank]`` (A transposed) and
 ``lora_b: [num_slots, rank, out]`` (B transposed, the scale folded in), zero past each
 adapter's rank. A :class:`LoRAMapping` is built once per step from the tokens' slots and
-read by every layer. It picks one of three paths (measured on a 2-core CPU, SmolLM2's
-shapes, ``benchmarks/results/lora_op.md``):
+read by every layer. It picks one of three paths (``benchmarks/results/lora_op.md``: SmolLM2's
+projections at rank 16 on a 2-core CPU, where the pick is within 10% of the faster forced
+path in 54 of 56 multi-slot cases and the gather+bmm reference is 1.7-185x slower):
 
 - every token on one slot: two plain matmuls;
-- tokens spread evenly: the slots' tokens gathered into a padded ``[slots, max_tokens, in]``
-  batch and two ``bmm`` (1.3-4x faster than a matmul pair per slot from 16 tokens);
-- a skewed spread (padding would more than double the rows, e.g. one long prefill beside
-  decodes): a matmul pair per active slot over its sorted tokens.
+- many slots or few tokens each: the slots' tokens gathered into a padded
+  ``[slots, max_tokens, in]`` batch and two ``bmm`` (no per-slot call overhead);
+- a skewed spread (one long prefill beside decodes, where padding would multiply the rows)
+  or few slots with many tokens: a matmul pair per active slot over its sorted tokens.
 
 The shrink (``x A^T``, ``[rows, rank]``) and expand (``h B^T`` added to ``y``) halves are
 separate so a row-parallel layer can all-reduce the small product between them.
@@ -24,7 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-_MAX_PADDING = 2.0  # padded rows / adapter tokens above which the per-slot loop is faster
+# the padded batch runs when PADDED_ROW_COST x its rows < adapter tokens + SLOT_COST_ROWS x active slots:
+# a bmm row costs about 1.3 matmul rows and each slot's matmul pair about 16 rows of overhead (fitted on
+# the 2-core CPU over the benchmark's spreads, benchmarks/results/lora_op.md)
+PADDED_ROW_COST = 1.3
+SLOT_COST_ROWS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +80,7 @@ def build_lora_mapping(token_slots: Sequence[int | None], device: torch.device |
     padded = None
     if len(slot_ids) > 1:
         max_tokens = max(end - start for start, end in segments)
-        if len(slot_ids) * max_tokens <= _MAX_PADDING * len(token_ids):
+        if PADDED_ROW_COST * len(slot_ids) * max_tokens < len(token_ids) + SLOT_COST_ROWS * len(slot_ids):
             ids = [0] * (len(slot_ids) * max_tokens)
             rows: list[int] = []
             for index, slot in enumerate(slot_ids):

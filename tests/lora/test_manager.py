@@ -75,3 +75,16 @@ def test_remove_and_unknown_ids(tiny_llama_dir, requests):
     with pytest.raises(UnknownLoRAError, match=r"^no LoRA adapter has lora_int_id 1$"):
         manager.remove(1)
     torch.testing.assert_close(logits_with(manager, model, None), base, rtol=0, atol=0)
+
+
+def test_a_mapping_of_another_step_is_an_error_and_clearing_it_runs_the_base(tiny_llama_dir, requests):
+    manager, model = new_manager(tiny_llama_dir, max_loras=1, max_lora_rank=8)
+    manager.add(requests[2])
+    manager.acquire(3)
+    manager.set_mapping([None] * 7)
+    base = logits_with(manager, model, None)
+    manager.set_mapping([3, 3, 3])
+    with pytest.raises(RuntimeError, match=r"^the LoRA mapping is for 3 tokens but the step has 7$"):
+        prefill_logits(model, PROMPTS)
+    manager.clear_mapping()
+    torch.testing.assert_close(torch.cat(prefill_logits(model, PROMPTS)), base, rtol=0, atol=0)

@@ -26,9 +26,9 @@ def test_mapping_layout_of_an_even_spread_is_the_padded_batch():
 
 
 def test_mapping_of_a_skewed_spread_loops_over_slots():
-    mapping = build_lora_mapping([1] * 10 + [3, 0])  # padding to 3 x 10 rows would be 2.5x the 12 tokens
+    mapping = build_lora_mapping([1] * 100 + [3, 0])  # padding to 3 x 100 rows for 102 tokens
     assert mapping.slot_ids == (0, 1, 3)
-    assert mapping.segments == ((0, 1), (1, 11), (11, 12))
+    assert mapping.segments == ((0, 1), (1, 101), (101, 102))
     assert mapping.padded is None
 
 
@@ -56,7 +56,7 @@ def test_reference_is_the_per_token_formula():
     [2, None, 2],  # one slot beside base tokens
     [2, None, 0, 2, 0, 0, 1, 3, 3],  # padded batch
     [0, 1, 2, 3] * 4,  # every slot active
-    [1] * 20 + [3, None, 0],  # skewed: per-slot loop
+    [1] * 40 + [3, None, 0],  # skewed: per-slot loop
 ])
 def test_add_lora_equals_reference(token_slots):
     lora_a, lora_b = weights()
