@@ -154,11 +154,14 @@ def markdown(report: dict) -> str:
     base = report["rows"][0]
     lines = [f"# Quantized SmolLM2-135M-Instruct on CPU ({report['machine']['cpu']}, {report['machine']['threads']} "
              f"threads)", "", "| model | weight MiB (projections) | W6 tokens/s | vs fp32 | W6 tokens = fp32 | "
-             "agreement (16 tokens, of 8) | perplexity | vs fp32 |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "agreement (16 tokens, of 8) | perplexity | vs fp32 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in report["rows"]:
         mib = f"{r['weight_bytes']['total'] / 2**20:.0f} ({r['weight_bytes']['projections'] / 2**20:.0f})"
         tps = r.get("w6_tokens_per_s")
-        speed = f"{tps:.1f} | {tps / base['w6_tokens_per_s']:.2f}x | {r['w6_same_tokens_as_fp32']}" if tps else "- | - | -"
+        speed = "- | - | -"
+        if tps:
+            speed = f"{tps:.1f} | {tps / base['w6_tokens_per_s']:.2f}x | {r['w6_same_tokens_as_fp32']}"
         lines.append(f"| {r['name']} | {mib} | {speed} | {r['agreement_16_tokens']}/8 | {r['perplexity']:.3f} | "
                      f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% |")
     lines += ["", f"load average {report['load_average']['start']} -> {report['load_average']['end']}; "

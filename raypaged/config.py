@@ -166,7 +166,9 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.kv_cache_dtype != "auto" and self.attention_backend == "cuda":
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} runs in the torch attention backend: "
                              "--attention-backend cuda reads a cache of the model's dtype")

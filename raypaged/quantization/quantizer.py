@@ -30,7 +30,9 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 _SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # -> the part naming the group
 
 
-def rtn(w: torch.Tensor, bits: int, symmetric: bool, min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rtn(
+    w: torch.Tensor, bits: int, symmetric: bool, min_zero: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest over the last dim of ``w``: (unsigned q, scale, zero) with ``w ~ (q - zero) * scale``,
     ``q`` in [0, 2**bits); symmetric: zero = 2**(bits-1), scale = amax / (2**(bits-1) - 0.5)."""
     maxq = (1 << bits) - 1
@@ -71,7 +73,9 @@ def quantize_packed(w: torch.Tensor, group_size: int, symmetric: bool) -> dict[s
     return out
 
 
-def quantize_gptq(w: torch.Tensor, group_size: int, symmetric: bool, order: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def quantize_gptq(
+    w: torch.Tensor, group_size: int, symmetric: bool, order: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """GPTQ v1, 4-bit: qweight [K/8, N], qzeros [G, N/8] (zero - 1), scales [G, N] fp16, g_idx [K].
     ``order``: the act-order permutation of input features (groups run along it), None for k // group."""
     n, k = w.shape

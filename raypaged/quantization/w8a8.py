@@ -30,7 +30,7 @@ def quantize_int8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Te
         scale = x32.abs().amax(-1, keepdim=True).clamp_(min=_MIN_SCALE).div_(INT8_MAX)
     else:
         scale = scale.reshape(1, 1)
-    return torch.round(x32 / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    return x32.div(scale).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +40,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Ten
         scale = x32.abs().amax(-1, keepdim=True).clamp_(min=_MIN_SCALE).div_(FP8_MAX)
     else:
         scale = scale.reshape(1, 1)
-    return (x32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return x32.div(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def int8_linear(
@@ -52,7 +52,7 @@ def int8_linear(
     if xq.device.type == "cuda" and num_tokens <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
         xq = torch.cat([xq, xq.new_zeros(17 - num_tokens, xq.shape[1])])
     acc = torch._int_mm(xq, weight.t())[:num_tokens]  # [T, N] int32, exact
-    return (acc.to(torch.float32) * x_scale * weight_scale).to(x.dtype)
+    return acc.to(torch.float32).mul_(x_scale).mul_(weight_scale).to(x.dtype)
 
 
 @functools.cache

@@ -9,7 +9,8 @@ from tests.quantization.conftest import load
 GEN = torch.Generator().manual_seed(0)
 
 
-def reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+              weight_scale: torch.Tensor) -> torch.Tensor:
     return (xq.double() * x_scale.double()) @ (weight.double() * weight_scale.double()[:, None]).t()
 
 

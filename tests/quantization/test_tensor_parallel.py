@@ -38,3 +38,21 @@ def test_act_order_row_parallel_ranks_keep_every_group(quantized_dirs):
     plain = load(quantized_dirs["gptq"], TensorParallel(1, SIZE)).model.layers[0].mlp.down_proj
     assert (tuple(rank.scales.shape), tuple(rank.g_idx.shape)) == ((4, 64), (64,))  # all 128 / 32 groups
     assert tuple(plain.scales.shape) == (2, 64)  # its own 64 / 32
+
+
+def test_two_ray_shards_of_an_act_order_gptq_model_give_one_shards_tokens(ray_session, quantized_dirs):
+    """W4A16 multiplies in fp32 after dequantizing: two shards differ from one only in summation order."""
+    from raypaged import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [1, 17 + 5 * i, 400 + 31 * i]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for tp in (1, 2):
+        llm = LLM(model=str(quantized_dirs["gptq-actorder-asym"]), device="cpu", tensor_parallel_size=tp,
+                  num_gpu_blocks_override=32, max_model_len=64)
+        try:
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    assert tokens[0] == tokens[1]
+    assert len({tuple(t) for t in tokens[0]}) > 1  # the prompts lead to different tokens
