@@ -87,6 +87,16 @@ def prefill_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
     return list(logits.split([len(p) for p in prompts]))
 
 
+def peft_logits(peft_model, name: str | None, prompt: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        if name is None:
+            with peft_model.disable_adapter():
+                return peft_model(ids).logits[0]
+        peft_model.set_adapter(name)
+        return peft_model(ids).logits[0]
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     """A random 2-layer Llama (hidden 64, 8 heads, 2 KV heads, intermediate 128)."""

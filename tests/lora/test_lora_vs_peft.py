@@ -10,7 +10,7 @@ from raypaged.lora.manager import LoRAManager
 from raypaged.lora.request import LoRARequest
 from raypaged.model.parallel import TensorParallel
 from tests.conftest import hf_greedy
-from tests.lora.conftest import ADAPTERS, load_raypaged, prefill_logits
+from tests.lora.conftest import ADAPTERS, load_raypaged, peft_logits, prefill_logits
 
 PROMPTS = [[1, 504, 3458, 282, 260, 4649], [28, 339, 1113, 4533, 30, 216, 2], [9745, 314, 253], [1, 1, 1, 900, 28]]
 NUM_NEW_TOKENS = 8
@@ -25,16 +25,6 @@ def manager(smollm2_dir, smollm2_adapters):
         manager.add(LoRARequest(name, lora_int_id, str(path)))
         assert manager.acquire(lora_int_id) == lora_int_id - 1
     return manager, model
-
-
-def peft_logits(peft_model, name: str | None, prompt: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        if name is None:
-            with peft_model.disable_adapter():
-                return peft_model(ids).logits[0]
-        peft_model.set_adapter(name)
-        return peft_model(ids).logits[0]
 
 
 # one sequence per adapter and one of the base model, in an order that interleaves them
