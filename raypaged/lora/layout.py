@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from raypaged.lora.peft_format import PeftAdapter
+from raypaged.lora.peft_format import PeftAdapter, read_peft_adapter
+from raypaged.lora.request import LoRARequest
 from raypaged.model.llama import LlamaForCausalLM, head_dim_of
 from raypaged.model.parallel import TensorParallel
 
@@ -76,6 +77,14 @@ def check_adapter_fits(adapter: PeftAdapter, config: PretrainedConfig) -> None:
                 f"LoRA adapter {adapter.name!r}: layer {layer} {projection} is {list(got)} (out, in) but the "
                 f"model's is {list(shapes[projection])}{_trained_on(adapter)}"
             )
+
+
+def read_checked_adapter(request: LoRARequest, config: PretrainedConfig, max_lora_rank: int) -> PeftAdapter:
+    """``request``'s adapter read and checked against the model's config: every ``ValueError`` an
+    adapter load can raise (an HTTP 400), without the model itself (the driver can call it)."""
+    adapter = read_peft_adapter(request.lora_name, request.lora_path, max_lora_rank)
+    check_adapter_fits(adapter, config)
+    return adapter
 
 
 def find_targets(model: LlamaForCausalLM, tp: TensorParallel) -> list[LoRATarget]:

@@ -15,9 +15,8 @@ import torch
 
 from raypaged.lora.config import LoRAConfig
 from raypaged.lora.layers import LoRAModel, attach_lora
-from raypaged.lora.layout import check_adapter_fits, shard_adapter
+from raypaged.lora.layout import read_checked_adapter, shard_adapter
 from raypaged.lora.ops import build_lora_mapping
-from raypaged.lora.peft_format import read_peft_adapter
 from raypaged.lora.registry import UnknownLoRAError
 from raypaged.lora.request import LoRARequest
 from raypaged.lora.slots import SlotTable
@@ -99,8 +98,7 @@ class LoRAManager:
         return list(self._cpu_cache)
 
     def _read(self, request: LoRARequest) -> ShardedAdapter:
-        adapter = read_peft_adapter(request.lora_name, request.lora_path, self.config.max_lora_rank)
-        check_adapter_fits(adapter, self.model_config)
+        adapter = read_checked_adapter(request, self.model_config, self.config.max_lora_rank)
         return shard_adapter(adapter, self.lora_model.targets, self.dtype)
 
     def _sharded(self, lora_int_id: int) -> ShardedAdapter:

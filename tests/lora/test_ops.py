@@ -85,3 +85,15 @@ def test_row_sharded_shrinks_summed_then_expanded_equal_the_whole_product(token_
     want = torch.zeros(len(token_slots), OUT)
     add_lora_reference(want, x, lora_a, lora_b, token_slots)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("token_slots", [[2] * 7, [2, None, 0, 2, 0, 0, 1, 3, 3], [1] * 40 + [3, None, 0]])
+def test_add_lora_on_cuda_equals_reference(token_slots):
+    lora_a, lora_b = (w.cuda() for w in weights())
+    x = torch.randn(len(token_slots), IN, device="cuda")
+    got, want = torch.zeros(len(token_slots), OUT, device="cuda"), torch.zeros(len(token_slots), OUT, device="cuda")
+    add_lora(got, x, lora_a, lora_b, build_lora_mapping(token_slots, "cuda"))
+    add_lora_reference(want, x, lora_a, lora_b, token_slots)
+    torch.testing.assert_close(got, want)

@@ -210,3 +210,18 @@ def test_broken_weights(tmp_path, tiny_llama_dir, tiny_manager):
     path = edit_tensors(adapter(tmp_path, tiny_llama_dir), lambda t: {})
     with pytest.raises(ValueError, match=r"^LoRA adapter 'a': the checkpoint holds no LoRA weights$"):
         add(tiny_manager, path)
+
+
+def test_the_driver_checks_an_adapter_with_the_model_config_alone(tmp_path, smollm2_dir, tiny_llama_dir):
+    from transformers import AutoConfig
+
+    from raypaged.lora.layout import read_checked_adapter
+
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    good = adapter(tmp_path, tiny_llama_dir, "good")
+    assert list(read_checked_adapter(LoRARequest("good", 1, str(good)), config, 8).weights) == [
+        (0, "q_proj"), (0, "down_proj"), (1, "q_proj"), (1, "down_proj")]  # in the model's order
+    other = make_tiny_model(tmp_path, smollm2_dir, "llama", intermediate_size=96)
+    with pytest.raises(ValueError, match=re.escape("LoRA adapter 'bad': layer 0 down_proj is [64, 96] (out, in) but "
+                                                   "the model's is [64, 128]")):
+        read_checked_adapter(LoRARequest("bad", 2, str(adapter(tmp_path, other, "bad"))), config, 8)
