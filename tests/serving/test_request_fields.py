@@ -3,7 +3,9 @@ fields of no API are logged once and ignored, as vLLM does."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 
 import pytest
 
@@ -24,7 +26,6 @@ def http(tiny_model_dir):
 @pytest.mark.parametrize(("body", "field", "value"), [
     (COMPLETION, "suffix", "end"),
     (COMPLETION, "spaces_between_special_tokens", False),
-    (CHAT, "return_tokens_as_token_ids", True),
     (COMPLETION, "use_beam_search", True),
     (CHAT, "functions", [{"name": "f", "parameters": {}}]),
     (CHAT, "prediction", {"type": "content", "content": "x"}),
@@ -59,8 +60,6 @@ def test_messages_keep_no_field_silently(http):
 @pytest.mark.parametrize(("body", "path", "field", "value", "message"), [
     (COMPLETION, "/v1/completions", "add_special_tokens", False, "add_special_tokens: Input should be True"),
     (CHAT, "/v1/chat/completions", "add_special_tokens", True, "add_special_tokens: Input should be False"),
-    (CHAT, "/v1/chat/completions", "stream_options", {"continuous_usage_stats": True},
-     "stream_options.continuous_usage_stats: Input should be False"),
 ])
 def test_settings_only_honoured_at_their_default(http, body, path, field, value, message):
     answer = http.post(path, json={**body, field: value})
@@ -152,3 +151,40 @@ def test_pooling_endpoints_say_no_pooling_model_is_served(http, path):
     assert answer.status_code == 404
     assert answer.json()["error"]["message"] == (
         f"{path} is not available: the served models generate text, and no pooling (embedding) model is served")
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(http):
+    plain = http.post("/v1/completions", json={**COMPLETION, "logprobs": 2, "echo": True, "temperature": 0}).json()
+    by_id = http.post("/v1/completions", json={**COMPLETION, "logprobs": 2, "echo": True, "temperature": 0,
+                                               "return_tokens_as_token_ids": True}).json()
+    chat = http.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2,
+                                                   "return_tokens_as_token_ids": True}).json()
+    [choice], [named] = plain["choices"], by_id["choices"]
+    assert named["text"] == choice["text"]  # the text is decoded as always
+    tokens = named["logprobs"]["tokens"]
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in tokens) and len(tokens) == len(choice["logprobs"]["tokens"])
+    assert named["logprobs"]["token_logprobs"] == choice["logprobs"]["token_logprobs"]
+    assert named["logprobs"]["text_offset"] == choice["logprobs"]["text_offset"]
+    assert all(re.fullmatch(r"token_id:\d+", t) for top in named["logprobs"]["top_logprobs"] if top for t in top)
+    content = chat["choices"][0]["logprobs"]["content"]
+    ids = [int(entry["token"].removeprefix("token_id:")) for entry in content]
+    assert len(ids) == chat["usage"]["completion_tokens"]
+    assert all(entry["bytes"] == list(entry["token"].encode()) for entry in content)
+    assert all(top["token"].startswith("token_id:") for entry in content for top in entry["top_logprobs"])
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(http):
+    body = {**COMPLETION, "max_tokens": 6, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = [json.loads(line[6:]) for line in http.post("/v1/completions", json=body).text.split("\n")
+              if line.startswith("data: {")]
+    with_choices = [c for c in chunks if c["choices"]]
+    completion_tokens = [c["usage"]["completion_tokens"] for c in with_choices]
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 6
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+               for c in with_choices)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    without = {**body, "stream_options": {"continuous_usage_stats": True}}  # only with include_usage, as vLLM
+    plain = [json.loads(line[6:]) for line in http.post("/v1/completions", json=without).text.split("\n")
+             if line.startswith("data: {")]
+    assert all("usage" not in c for c in plain)

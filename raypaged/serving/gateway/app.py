@@ -145,7 +145,8 @@ def build_app(
                               prompt_logprobs=body.prompt_logprobs is not None,
                               prompt_tokens_details=prompt_tokens_details,
                               request_id=body.request_id or _header_request_id(http),
-                              reasoning=reasoning_parser if chat else None)
+                              reasoning=reasoning_parser if chat else None,
+                              token_ids_as_text=body.return_tokens_as_token_ids)
         for index, request in enumerate(requests):  # the engine's ids follow the response's
             request.request_id = shape.id if len(requests) == 1 else f"{shape.id}-{index}"
         metadata = _metadata(http)
@@ -164,7 +165,7 @@ def build_app(
                         gate.tenant.name, len(prompts), body.n, body.stream)
         headers = {"X-Request-Id": shape.request_id or shape.id} if request_id_headers else None
         if body.stream:
-            writer = ChunkWriter(shape, len(prompts), body.include_usage or force_include_usage)
+            writer = ChunkWriter(shape, len(prompts), body.include_usage or force_include_usage, body.continuous_usage)
             return _EventStream(_sse(calls, writer, slot, drain), lambda: (_cancel(calls), slot.release()), headers)
         try:
             work = _collect(calls, Accumulator(shape, len(prompts)), drain)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from raypaged import __version__
@@ -40,6 +41,7 @@ class ResponseShape:
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
     request_id: str | None = None  # the client's (X-Request-Id or request_id): the response id is made of it
     reasoning: ReasoningParser | None = None  # chat: <think> sections become reasoning_content (--reasoning-parser)
+    token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -63,32 +65,35 @@ class ResponseShape:
         that echo put the ``prompt``'s tokens first (the first has no logprob, as OpenAI's)."""
         if not self.wants_logprobs:
             return None
+        as_ids = self.token_ids_as_text
         if prompt is not None and not self.chat:
-            echoed = prompt.completion_logprobs()
+            echoed = prompt.completion_logprobs(as_ids)
             generated = self.logprobs(delta, text_offset + len(prompt.text))
             return {key: echoed[key] + generated[key] for key in echoed}
+        names = _token_names(delta.token_texts, delta.token_ids, as_ids)
         if self.chat:
             return {"content": [
                 {
-                    "token": text,
+                    "token": name,
                     "logprob": _finite(logprob),
-                    "bytes": list(text.encode()),
+                    "bytes": list(name.encode()),
                     "top_logprobs": [
                         {"token": t, "logprob": _finite(lp), "bytes": list(t.encode())}
-                        for t, lp in zip(top.token_texts, top.logprobs)
+                        for t, lp in zip(_token_names(top.token_texts, top.token_ids, as_ids), top.logprobs)
                     ],
                 }
-                for text, logprob, top in zip(delta.token_texts, delta.logprobs, delta.top_logprobs)
+                for name, logprob, top in zip(names, delta.logprobs, delta.top_logprobs)
             ]}
         offsets = []
         for text in delta.token_texts:
             offsets.append(text_offset)
             text_offset += len(text)
         return {
-            "tokens": list(delta.token_texts),
+            "tokens": names,
             "token_logprobs": [_finite(lp) for lp in delta.logprobs],
             "top_logprobs": [
-                {t: _finite(lp) for t, lp in zip(top.token_texts, top.logprobs)} for top in delta.top_logprobs
+                dict(zip(_token_names(top.token_texts, top.token_ids, as_ids), map(_finite, top.logprobs)))
+                for top in delta.top_logprobs
             ],
             "text_offset": offsets,
         }
@@ -141,16 +146,17 @@ class _Prompt:
         if response.HasField("prompt_logprobs"):
             self.logprobs = response.prompt_logprobs
 
-    def completion_logprobs(self) -> dict:
+    def completion_logprobs(self, as_ids: bool = False) -> dict:
         """The prompt's tokens in completions' logprobs format: the first without a logprob."""
         found = self.logprobs or pb.PromptLogprobs()
         offsets, offset = [], 0
         for text in found.token_texts:
             offsets.append(offset)
             offset += len(text)
-        tops = [{t: _finite(lp) for t, lp in zip(top.token_texts, top.logprobs)} for top in found.top_logprobs]
+        tops = [dict(zip(_token_names(top.token_texts, top.token_ids, as_ids), map(_finite, top.logprobs)))
+                for top in found.top_logprobs]
         return {
-            "tokens": list(found.token_texts),
+            "tokens": _token_names(found.token_texts, found.token_ids, as_ids),
             "token_logprobs": [None, *(_finite(lp) for lp in found.logprobs)][: len(found.token_texts)],
             "top_logprobs": [None, *tops][: len(found.token_texts)],
             "text_offset": offsets,
@@ -176,6 +182,7 @@ class _Prompt:
 @dataclass
 class _Choice:
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     token_texts: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[pb.TopLogprobs] = field(default_factory=list)
@@ -198,6 +205,7 @@ class Accumulator:
         for delta in response.outputs:
             choice = self.choices[prompt_index * self.shape.n + delta.index]
             choice.text += delta.text
+            choice.token_ids.extend(delta.token_ids)
             choice.token_texts.extend(delta.token_texts)
             choice.logprobs.extend(delta.logprobs)
             choice.top_logprobs.extend(delta.top_logprobs)
@@ -208,9 +216,8 @@ class Accumulator:
     def body(self) -> dict:
         choices = []
         for index, choice in enumerate(self.choices):
-            merged = pb.CompletionDelta(
-                token_texts=choice.token_texts, logprobs=choice.logprobs, top_logprobs=choice.top_logprobs
-            )
+            merged = pb.CompletionDelta(token_ids=choice.token_ids, token_texts=choice.token_texts,
+                                        logprobs=choice.logprobs, top_logprobs=choice.top_logprobs)
             entry: dict = {"index": index}
             finish_reason = choice.finish_reason
             prompt = self.prompts[index // self.shape.n]
@@ -235,9 +242,10 @@ class Accumulator:
 class ChunkWriter:
     """Turns deltas into stream chunks (``None`` for a delta with nothing to tell)."""
 
-    def __init__(self, shape: ResponseShape, num_prompts: int, include_usage: bool) -> None:
+    def __init__(self, shape: ResponseShape, num_prompts: int, include_usage: bool, continuous_usage: bool = False) -> None:
         self.shape = shape
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # every chunk carries its prompt's usage so far
         self._text_offsets = [0] * (num_prompts * shape.n)
         self._usages = [pb.Usage() for _ in range(num_prompts)]
         tools = shape.tools
@@ -297,7 +305,8 @@ class ChunkWriter:
             if finish_reason is not None:
                 choice["stop_reason"] = _stop_reason(delta)
             self._text_offsets[index] += len(delta.text) + (len(echo.text) if echo is not None else 0)
-            out.append(self.shape.envelope([choice], None, chunk=True) | self._null_usage())
+            usage = {"usage": self.shape.usage([response.usage])} if self.continuous_usage else self._null_usage()
+            out.append(self.shape.envelope([choice], None, chunk=True) | usage)
         return out
 
     def _chat_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
@@ -334,6 +343,11 @@ class ChunkWriter:
 
 
 _MIN_LOGPROB = -9999.0  # JSON has no -Infinity: a token the grammar (or a mask) ruled out reports this, as vLLM
+
+
+def _token_names(texts: Sequence[str], token_ids: Sequence[int], as_ids: bool) -> list[str]:
+    """How logprobs name tokens: their text, or ``token_id:{id}`` (vLLM's return_tokens_as_token_ids)."""
+    return [f"token_id:{token_id}" for token_id in token_ids] if as_ids else list(texts)
 
 
 def _finite(logprob: float) -> float:

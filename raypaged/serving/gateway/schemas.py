@@ -26,7 +26,7 @@ Unsigned = Annotated[int, Field(ge=0, le=_UINT32_MAX)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    continuous_usage_stats: Literal[False] = False  # usage only in the last chunk
+    continuous_usage_stats: bool = False  # with include_usage: every chunk carries the usage so far
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -36,7 +36,6 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "suffix": ("",),
     "spaces_between_special_tokens": (True,),
-    "return_tokens_as_token_ids": (False,),
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
     "logits_processors": (),
@@ -101,6 +100,7 @@ class _GenerationBody(BaseModel):
     priority: int = Field(0, ge=-_INT32_MAX - 1, le=_INT32_MAX)
     prompt_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
     echo: bool = False  # completions: the prompt first in the text (and its tokens first in the logprobs)
+    return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:{id}" (vLLM's)
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")  # vLLM's
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)  # keep the prompt's last N tokens
@@ -175,6 +175,11 @@ class _GenerationBody(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats`` (only with ``include_usage``): usage in every chunk."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def constraint(self, tools: ToolPlan | None) -> pb.StructuredOutput | None:
         """The output's constraint: the body's structured output, or the one ``tool_choice`` required
