@@ -28,7 +28,11 @@ class LoRAStep:
 
 
 class LoRALinear(nn.Module):
-    """``base(x) + x A_s^T B_s^T`` for each token's slot ``s``; slots hold zeros until written."""
+    """``base(x) + x A_s^T B_s^T`` for each token's slot ``s``; slots hold zeros until written.
+
+    A step reads only the first ``max(slot_ranks)`` rank columns of its active slots, so a linear
+    none of them adapts costs nothing beyond its base (identical on every rank: the same adapters).
+    """
 
     lora_a: torch.Tensor  # [num_slots, in_features, rank]
     lora_b: torch.Tensor  # [num_slots, rank, out_features]
@@ -45,6 +49,7 @@ class LoRALinear(nn.Module):
                              persistent=False)
         self.register_buffer("lora_b", torch.zeros(num_slots, rank, target.out_features, dtype=dtype, device=device),
                              persistent=False)
+        self.slot_ranks = [0] * num_slots  # rank columns each slot's adapter fills here (0: not adapted)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
         y = self.base(x)
@@ -53,20 +58,25 @@ class LoRALinear(nn.Module):
             return y
         if mapping.num_tokens != x.shape[0]:
             raise RuntimeError(f"the LoRA mapping is for {mapping.num_tokens} tokens but the step has {x.shape[0]}")
-        h = lora_shrink(x, self.lora_a, mapping)
+        rank = max(self.slot_ranks[slot] for slot in mapping.slot_ids)
+        if rank == 0:
+            return y
+        h = lora_shrink(x, self.lora_a[:, :, :rank], mapping)
         if self.target.row_parallel:
             h = self.tp.all_reduce(h)
-        lora_expand(y, h, self.lora_b, mapping)
+        lora_expand(y, h, self.lora_b[:, :rank], mapping)
         return y
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Write ``(A^T [in, r], B^T [r, out])`` into ``slot`` (zeros past rank ``r``); ``None`` zeroes it."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = 0
         if weights is not None:
             a_t, b_t = weights
             self.lora_a[slot, :, :a_t.shape[1]].copy_(a_t)
             self.lora_b[slot, :b_t.shape[0]].copy_(b_t)
+            self.slot_ranks[slot] = a_t.shape[1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,3 +88,22 @@ def test_a_mapping_of_another_step_is_an_error_and_clearing_it_runs_the_base(tin
         prefill_logits(model, PROMPTS)
     manager.clear_mapping()
     torch.testing.assert_close(torch.cat(prefill_logits(model, PROMPTS)), base, rtol=0, atol=0)
+
+
+def test_a_linear_no_active_adapter_touches_runs_its_base_alone(tiny_llama_dir, requests):
+    manager, model = new_manager(tiny_llama_dir, max_loras=2, max_lora_rank=8)
+    manager.add(requests[0])  # rank 2 on q_proj and o_proj
+    manager.add(requests[2])  # rank 6 on every projection
+    manager.acquire(1)
+    linears = manager.lora_model.linears
+    ranks = {path.rsplit(".", 1)[1]: linear.slot_ranks for path, linear in linears.items() if ".0." in path}
+    assert ranks == {"qkv_proj": [2, 0], "o_proj": [2, 0], "gate_up_proj": [0, 0], "down_proj": [0, 0]}
+    manager.acquire(3)
+    assert linears["model.layers.0.self_attn.qkv_proj"].slot_ranks == [2, 18]  # q, k and v stacked
+    manager.set_mapping([1, 1, None])
+    gate_up = linears["model.layers.1.mlp.gate_up_proj"]
+    x = torch.randn(3, 64)
+    assert torch.equal(gate_up(x), gate_up.base(x))
+    manager.release(1)
+    manager.remove(1)
+    assert linears["model.layers.0.self_attn.o_proj"].slot_ranks == [0, 6]
