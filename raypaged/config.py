@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from raypaged.quantization.base import QuantizationConfig
+    from raypaged.lora.config import LoRAConfig
 
 logger = logging.getLogger("raypaged")
 
@@ -132,6 +133,11 @@ class EngineConfig:
     chat_template: str | None = None  # a Jinja file or the template itself, over the tokenizer's (--chat-template)
     default_chat_template_kwargs: dict[str, Any] | None = None  # template variables every request gets
     trust_request_chat_template: bool = False  # a request may bring its own chat_template
+    # LoRA (vLLM's --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras): adapters a request may run on
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     served_model_aliases: tuple[str, ...] = field(init=False, default=())
     chat_template_text: str | None = field(init=False, default=None)  # --chat-template's text
     model_path: Path = field(init=False)
@@ -181,6 +187,7 @@ class EngineConfig:
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}"
             )
         self._check_generation_config_args()
+        self.lora_config  # the LoRA flags are checked now
         from transformers import AutoConfig  # importing this module loads neither transformers nor torch
 
         from raypaged.model.llama import check_tensor_parallel
@@ -275,6 +282,15 @@ class EngineConfig:
                 f"model architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         rope_parameters(self.hf_config)
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings (``None`` without ``enable_lora``); invalid flags raise ``ValueError``."""
+        if not self.enable_lora:
+            return None
+        from raypaged.lora.config import LoRAConfig
+
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _resolve_quantization(self) -> QuantizationConfig | None:
         from raypaged.quantization import resolve_quantization
