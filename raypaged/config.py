@@ -16,8 +16,8 @@ from raypaged.structured.config import StructuredOutputsConfig
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from raypaged.quantization.base import QuantizationConfig
     from raypaged.lora.config import LoRAConfig
+    from raypaged.quantization.base import QuantizationConfig
 
 logger = logging.getLogger("raypaged")
 
