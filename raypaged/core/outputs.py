@@ -15,6 +15,8 @@ from raypaged.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    from raypaged.lora.request import LoRARequest
+
     import torch
 
 
@@ -29,6 +31,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sample_index: int = 0
+    lora_int_id: int | None = None  # its adapter (in the slot a step's lora_loads put it in)
 
 
 @dataclass(slots=True)
@@ -86,6 +89,8 @@ class SchedulerOutput:
     block_ops: list[BlockOp] = field(default_factory=list)
     # token masks of the constrained requests that sample this step (structured outputs)
     grammar_bitmask: GrammarBitmask | None = None
+    # LoRA adapters to write into device slots before this step's forward: (slot, adapter)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -11,6 +11,7 @@ from raypaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from raypaged.core.beam_search import BeamGroup
+    from raypaged.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -85,6 +86,7 @@ class Request:
     group: SequenceGroup | None = None
     beam: BeamGroup | None = None  # set on every live beam of a beam search
     cache_salt: str | None = None  # prefix-cache namespace: only equal salts share cached blocks
+    lora: LoRARequest | None = None  # the adapter it runs on (None: the base model)
     first_scheduled_time: float | None = field(default=None, init=False)
     _status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from raypaged.core.beam_search import BeamGroup
 from raypaged.core.block_manager import KVCacheManager
+from raypaged.core.lora_plan import LoRASlotPlan
 from raypaged.core.outputs import BlockOp, CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus
 from raypaged.core.waiting_queue import WaitingQueue
@@ -41,6 +42,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     policy: str = "fcfs"
     preemption_mode: str | None = None  # None: swap groups that share blocks when CPU blocks exist
+    max_loras: int = 0  # LoRA adapters in device slots at once (0: no LoRA)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -72,6 +74,7 @@ class Scheduler:
         self._out: SchedulerOutput = SchedulerOutput()  # the step being scheduled
         self._budget = 0  # tokens left in it
         self._ended: list[EndedRequest] = []  # ended by the scheduler itself, not yet told to the engine
+        self.loras = LoRASlotPlan(config.max_loras) if config.max_loras else None
 
     # ---- queue management -------------------------------------------------
     def _enqueue(self, request: Request, front: bool = False) -> None:
@@ -148,6 +151,8 @@ class Scheduler:
             self._enqueue(request, front=True)
         self._forget_ids.clear()
         self._unsent_ids.clear()
+        if self.loras is not None:
+            self.loras.reset()
         logger.warning("workers restarted: %d in-flight sequences will be recomputed", len(in_flight))
 
     def has_unfinished_requests(self) -> bool:
@@ -209,7 +214,9 @@ class Scheduler:
         while self.waiting and self._budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting.head()
+            request = self._next_waiting()
+            if request is None:
+                break  # every waiting request's adapter wants a slot that running sequences hold
             if not self._admit(request):
                 if self._preempt_for(request):
                     continue  # a lower-priority sequence made room: try again
@@ -219,6 +226,26 @@ class Scheduler:
                     self.kv.num_free_blocks,
                 )
                 break
+            self._place_loras([request])
+
+    def _next_waiting(self) -> Request | None:
+        """The head of the queue, or with LoRA the first request whose adapter can have a slot now."""
+        head = self.waiting.head()
+        if self.loras is None or head.lora is None:
+            return head
+        in_use = self.loras.in_use(self.running)
+        if self.loras.fits([head], in_use):
+            return head
+        return next((r for r in self.waiting if self.loras.fits([r], in_use)), None)
+
+    def _place_loras(self, requests: list[Request]) -> None:
+        """Slots for the adapters of sequences that just joined the batch; new ones are loaded this step."""
+        if self.loras is None:
+            return
+        in_use = self.loras.in_use(self.running)
+        for request in requests:
+            if request.lora is not None and (slot := self.loras.place(request.lora, in_use)) is not None:
+                self._out.lora_loads.append((slot, request.lora))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -262,6 +289,7 @@ class Scheduler:
             block_ids=list(self.kv.get_block_ids(request.request_id)),
             num_computed_tokens=request.num_computed_tokens,
             sample_index=request.sample_index,
+            lora_int_id=None if request.lora is None else request.lora.lora_int_id,
         )
 
     def _admit(self, request: Request) -> bool:
@@ -435,6 +463,8 @@ class Scheduler:
                     break
             elif len({b for r in group for b in self.kv.swapped[r.request_id].block_ids}) > self.kv.num_free_blocks:
                 break
+            if self.loras is not None and not self.loras.fits(group, self.loras.in_use(self.running)):
+                break  # its adapter waits for a slot
             copies = self.kv.swap_in([r.request_id for r in group])
             self._out.block_ops.extend(BlockOp("swap_in", src, dst) for src, dst in copies)
             self.swapped.pop(0)
@@ -442,6 +472,8 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 self._unsent_ids.add(request.request_id)
+            self._place_loras(group)
+            for request in group:
                 num_new = self._num_new_tokens(request, self._budget)
                 if num_new:
                     self._allocate(request, num_new)

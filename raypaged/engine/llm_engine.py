@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     import torch
     import xgrammar
 
+    from raypaged.lora.request import LoRARequest
+
     from raypaged.executor.ray_executor import RayExecutor, WorkerDiedError
 
 logger = logging.getLogger("raypaged")
@@ -75,6 +77,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             policy=config.scheduling_policy,
             preemption_mode=config.preemption_mode,
+            max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
         )
         num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
         try:
@@ -95,6 +98,7 @@ class LLMEngine:
         )
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}  # constrained sequences' grammar states, by sequence id
         self._mask_thread: ThreadPoolExecutor | None = None  # fills the step's grammar masks during the forward
+        self._loras: dict[int, LoRARequest] = {}  # adapters checked against the model, by lora_int_id
         self._ids = itertools.count()  # request ids for callers that give none
         self._seq_numbers = itertools.count()  # internal sequence ids: "<n>:<request id>", never a user's id
 
@@ -168,6 +172,44 @@ class LLMEngine:
                 reasoning = None
         return self.grammars.compile(structured, reasoning)
 
+    def check_lora(self, lora: LoRARequest) -> LoRARequest:
+        """The adapter, read and checked against the model once per ``lora_int_id`` (``InputError``
+        naming what does not fit: its rank, a module the model lacks, another adapter's id)."""
+        if self.config.lora_config is None:
+            raise InputError("lora_request", f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is off "
+                                             "(--enable-lora, LLM(enable_lora=True))")
+        known = self._loras.get(lora.lora_int_id)
+        if known is not None and known.lora_name == lora.lora_name and known.lora_path == lora.lora_path:
+            return known
+        for other in self._loras.values():
+            if other.lora_int_id == lora.lora_int_id or other.lora_name == lora.lora_name:
+                raise InputError("lora_request", f"LoRA adapter {lora.lora_name!r} (lora_int_id {lora.lora_int_id}) "
+                                                 f"clashes with {other.lora_name!r} (lora_int_id {other.lora_int_id}, "
+                                                 f"{other.lora_path}): each name and id belongs to one adapter")
+        from raypaged.lora.layout import read_checked_adapter
+
+        try:
+            read_checked_adapter(lora, self.config.hf_config, self.config.lora_config.max_lora_rank)
+        except (ValueError, OSError) as exc:
+            raise InputError("lora_request", str(exc)) from None
+        self._loras[lora.lora_int_id] = lora
+        return lora
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (False when it is unknown); ``InputError`` while a request uses it."""
+        lora = self._loras.get(lora_int_id)
+        if lora is None:
+            return False
+        if any(r.lora is not None and r.lora.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
+            raise InputError("lora_name", f"LoRA adapter {lora.lora_name!r} is in use by running requests")
+        del self._loras[lora_int_id]
+        if self.scheduler.loras is not None:
+            self.scheduler.loras.forget(lora_int_id)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self._loras.values())
+
     def _seq_id(self, request_id: str) -> str:
         return f"{next(self._seq_numbers)}:{request_id}"
 
@@ -179,13 +221,16 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue one request; returns its id. Bad input raises ``ValueError``.
 
         ``prompt_token_ids``, when given, are used as they are (``prompt`` is then
         only reported back); otherwise ``prompt`` is tokenized. Requests with
-        different ``cache_salt`` never share prefix-cache blocks.
+        different ``cache_salt`` never share prefix-cache blocks, nor do requests on
+        different LoRA adapters (``lora_request``; ``None``: the base model).
         """
+        lora = None if lora_request is None else self.check_lora(lora_request)
         check_sampling(sampling_params, self.config.hf_config.vocab_size, self.config.limits)
         request_id, prompt_token_ids = self._validate_prompt(
             request_id, prompt, prompt_token_ids, sampling_params.truncate_prompt_tokens
@@ -209,7 +254,8 @@ class LLMEngine:
                 self.eos_token_id,
                 priority=priority,
                 sample_index=i,
-                cache_salt=cache_salt,
+                cache_salt=_prefix_namespace(cache_salt, lora),
+                lora=lora,
             )
             for i in range(num_samples)
         ]
@@ -477,6 +523,14 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's blocks; False (nothing done) while requests hold blocks."""
         return self.scheduler.kv.reset_prefix_cache()
+
+
+def _prefix_namespace(cache_salt: str | None, lora: LoRARequest | None) -> str | None:
+    """The prefix-cache namespace of a request: its salt and its adapter (``None``: the shared one).
+    The adapter id comes first, before a ``|``: distinct (salt, adapter) pairs never meet."""
+    if lora is None and cache_salt is None:
+        return None
+    return f"{lora.lora_int_id if lora is not None else 0}|{cache_salt or ''}"
 
 
 def _fill_masks(rows: list[tuple[str, xgrammar.GrammarMatcher]], bitmask: torch.Tensor) -> dict[str, str]:

@@ -114,6 +114,20 @@ class LoRAManager:
         while len(self._cpu_cache) > self.config.num_cpu_loras:
             self._cpu_cache.popitem(last=False)
 
+    def place(self, slot: int, request: LoRARequest) -> None:
+        """Write ``request``'s adapter into ``slot`` as the driver's slot plan says (its ``lora_loads``);
+        the adapter there before is replaced. The CPU cache is keyed by id and path, so an id reused
+        for another folder is read afresh."""
+        known = self._requests.get(request.lora_int_id)
+        if known is not None and known.lora_path != request.lora_path:
+            self._cpu_cache.pop(request.lora_int_id, None)
+        self._requests[request.lora_int_id] = request
+        self._write_slot(slot, self._sharded(request.lora_int_id))
+
+    def set_slot_mapping(self, token_slots: Sequence[int | None]) -> None:
+        """The next forward's slot per token (``None``: the base model), slots as the driver placed them."""
+        self.lora_model.step.mapping = build_lora_mapping(token_slots, self.device)
+
     def _write_slot(self, slot: int, sharded: ShardedAdapter | None) -> None:
         for path, linear in self.lora_model.linears.items():
             linear.set_slot(slot, None if sharded is None else sharded.get(path))

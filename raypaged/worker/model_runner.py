@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,10 @@ from raypaged.sampling_params import SamplingParams
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
 from raypaged.worker.sampler import SamplingInput, apply_token_bitmask, greedy_fast_path, sample
+
+if TYPE_CHECKING:
+    from raypaged.lora.manager import LoRAManager
+    from raypaged.lora.request import LoRARequest
 
 logger = logging.getLogger("raypaged")
 _PROMPT_LOGPROBS_CHUNK = 512  # prompt positions whose full-vocabulary logits exist at once
@@ -33,6 +38,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sample_index: int = 0
+    lora_int_id: int | None = None
 
     def token_at(self, position: int) -> int:
         num_prompt = len(self.prompt_token_ids)
@@ -64,8 +70,10 @@ class ModelRunner:
         seed: int,
         device: torch.device,
         samples: bool = True,
+        lora: LoRAManager | None = None,
     ) -> None:
-        """``samples``: this rank samples and reports tokens (rank 0); the others only run the forward."""
+        """``samples``: this rank samples and reports tokens (rank 0); the others only run the forward.
+        ``lora``: the model's LoRA slots, filled as each step's ``lora_loads`` say."""
         self.model = model
         self.samples = samples
         self.cache = cache
@@ -75,6 +83,8 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.graphs: DecodeGraphs | None = None
+        self.lora = lora
+        self._lora_slot_of: dict[int, int] = {}  # adapter id -> the slot holding it
 
     def update_states(self, so: SchedulerOutput) -> None:
         for request_id in so.finished_request_ids:
@@ -88,6 +98,7 @@ class ModelRunner:
                 list(new.block_ids),
                 new.num_computed_tokens,
                 new.sample_index,
+                new.lora_int_id,
             )
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
@@ -113,10 +124,13 @@ class ModelRunner:
         sample_indices: list[int] = []
         sampled_ids: list[str] = []
         prompt_spans: list[tuple[str, int, int, int]] = []
+        token_slots: list[int | None] | None = [] if self.lora is not None else None
         bs = self.block_size
         for request_id in order:
             state = self.requests[request_id]
             num_new = so.num_scheduled_tokens[request_id]
+            if token_slots is not None:
+                token_slots += [None if state.lora_int_id is None else self._lora_slot_of[state.lora_int_id]] * num_new
             start = state.num_computed_tokens
             end = start + num_new
             query_start = len(input_ids)
@@ -147,6 +161,8 @@ class ModelRunner:
         input_ids_t, positions_t, slots_t, lens_t, sample_t, tables_t, *span_blocks = flat.split(list(map(len, pieces)))
         num_decodes = len(decode_tables)
         prefills = [PrefillSpan(q0, n, end, ids) for (q0, n, end, _), ids in zip(spans, span_blocks)]
+        if self.lora is not None and token_slots is not None:
+            self.lora.set_slot_mapping(token_slots)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             num_decode_tokens=num_decodes,
@@ -173,11 +189,15 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
         self.cache.run_block_ops(so.block_ops)
+        if so.lora_loads:
+            self._load_loras(so.lora_loads)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput()
         step = self.prepare_inputs(so)
         meta = step.meta
-        if self.graphs is not None and not meta.prefills and self.graphs.fits(meta.num_decode_tokens):
+        adapted = self.lora is not None and self.lora.lora_model.step.mapping is not None and (
+            not self.lora.lora_model.step.mapping.is_empty)
+        if self.graphs is not None and not meta.prefills and not adapted and self.graphs.fits(meta.num_decode_tokens):
             hidden = self.graphs.run(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.cache.layers, meta)
@@ -206,6 +226,14 @@ class ModelRunner:
             out.prompt_logprobs = prompt_logprobs
             return out
         return ModelRunnerOutput(sampled=dict(zip(step.sampled_request_ids, tokens)), prompt_logprobs=prompt_logprobs)
+
+    def _load_loras(self, loads: list[tuple[int, LoRARequest]]) -> None:
+        """Write adapters into the slots the driver placed them in (replacing what was there)."""
+        assert self.lora is not None, "LoRA loads sent to a worker without --enable-lora"
+        for slot, request in loads:
+            self._lora_slot_of = {i: s for i, s in self._lora_slot_of.items() if s != slot}
+            self.lora.place(slot, request)
+            self._lora_slot_of[request.lora_int_id] = slot
 
     def _prompt_logprobs(self, hidden: torch.Tensor, request_id: str, first: int, token: int, count: int) -> PromptLogprobs:
         """Prompt tokens ``token..token+count-1``'s logprobs from the hidden states at step indices

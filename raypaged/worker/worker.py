@@ -6,6 +6,7 @@ import itertools
 import logging
 import math
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,9 @@ from raypaged.model.loader import load_model
 from raypaged.model.parallel import TensorParallel
 from raypaged.worker.cache import KVCache
 from raypaged.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from raypaged.lora.manager import LoRAManager
 
 logger = logging.getLogger("raypaged")
 
@@ -63,6 +67,11 @@ class Worker:
         backend = config.attention_backend if self.cache_dtype == self.dtype else "torch"
         self.attn_backend = select_backend(backend, self.device, head_dim_of(config.hf_config), config.block_size)
         self.model.set_attention_backend(self.attn_backend)
+        self.lora: LoRAManager | None = None  # LoRA slots wrap the loaded model's linears
+        if (lora_config := config.lora_config) is not None:
+            from raypaged.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, lora_config, tp, self.dtype, self.device)
         self.runner: ModelRunner | None = None
 
     def block_shape(self) -> tuple[int, int, int]:
@@ -165,6 +174,7 @@ class Worker:
             self.config.seed,
             self.device,
             samples=self.tp.rank == 0,
+            lora=self.lora,
         )
         if self.device.type == "cuda" and not self.config.enforce_eager:
             if self.tp.size > 1:

@@ -1,0 +1,95 @@
+"""Multi-LoRA in the engine, with SmolLM2 and three adapters made by ``peft``: one batch mixes the
+adapters and the base model, with more adapters in flight than device slots, and every request's
+greedy tokens equal ``peft``'s for its adapter (the base model's for the others)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from raypaged.config import EngineConfig
+from raypaged.engine.llm_engine import LLMEngine
+from raypaged.lora.request import LoRARequest
+from raypaged.sampling_params import SamplingParams
+from tests.conftest import hf_greedy
+from tests.lora.conftest import ADAPTERS, make_peft_adapter
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, smollm2_dir) -> dict[str, LoRARequest]:
+    root = tmp_path_factory.mktemp("engine_adapters")
+    return {name: LoRARequest(name, i + 1, str(make_peft_adapter(smollm2_dir, root / name, 10 + i, **options)))
+            for i, (name, options) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2_dir, adapters) -> dict[tuple[str | None, str], list[int]]:
+    """peft's greedy tokens for each (adapter or None, prompt)."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    found = {(None, p): hf_greedy(base, tokenizer(p)["input_ids"], MAX_TOKENS) for p in PROMPTS}
+    names = list(adapters)
+    model = PeftModel.from_pretrained(base, adapters[names[0]].lora_path, adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters[name].lora_path, adapter_name=name)
+    for name in names:
+        model.set_adapter(name)
+        for prompt in PROMPTS:
+            found[(name, prompt)] = hf_greedy(model, tokenizer(prompt)["input_ids"], MAX_TOKENS)
+    return found
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir):
+    return LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=256,
+                                  max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=16))
+
+
+def run(engine: LLMEngine, jobs: list[tuple[str | None, str]], adapters: dict[str, LoRARequest]) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = {engine.add_request(prompt, params, lora_request=adapters[name] if name else None): (name, prompt)
+           for name, prompt in jobs}
+    found = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                found[ids[output.request_id]] = output.outputs[0].token_ids
+    return found
+
+
+def test_one_batch_of_three_adapters_and_the_base_model_equals_peft(engine, adapters, expected):
+    jobs = [(name, prompt) for prompt in PROMPTS for name in [None, *adapters]]  # 12 requests, 2 slots
+    assert run(engine, jobs, adapters) == {job: expected[job] for job in jobs}
+    assert len({expected[(name, PROMPTS[0])][0] for name in [None, *adapters]}) > 1  # the adapters do differ
+    stats = engine.stats()
+    assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
+    # again, now that prompts are in the prefix cache: each adapter's blocks are its own
+    assert run(engine, jobs[::-1], adapters) == {job: expected[job] for job in jobs}
+
+
+def test_bad_adapters_are_refused_by_name(engine, adapters, smollm2_dir, tmp_path):
+    params = SamplingParams(max_tokens=2)
+    big = LoRARequest("big", 9, str(make_peft_adapter(smollm2_dir, tmp_path / "big", 0, r=32, lora_alpha=32,
+                                                      target_modules=["q_proj"])))
+    with pytest.raises(ValueError, match=re.escape("rank 32") + ".*" + re.escape("16")):
+        engine.add_request("x", params, lora_request=big)
+    first = next(iter(adapters.values()))
+    with pytest.raises(ValueError, match=re.escape(f"clashes with {first.lora_name!r} (lora_int_id 1")):
+        engine.add_request("x", params, lora_request=LoRARequest("other", 1, first.lora_path))
+    assert not engine.has_unfinished_requests()
+
+
+def test_lora_off_refuses_an_adapter(smollm2_dir, adapters):
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=32, max_model_len=256))
+    with pytest.raises(ValueError, match=re.escape("LoRA adapter 'qv-r4' asked for, but LoRA is off (--enable-lora")):
+        engine.add_request("x", SamplingParams(max_tokens=2), lora_request=adapters["qv-r4"])
