@@ -29,7 +29,10 @@ class LLM:
     Hugging Face Hub id resolved through the Hugging Face cache (``revision``,
     ``download_dir``; see ``model/hub.py``), or ``None`` for the bundled SmolLM2-135M-Instruct. ``tensor_parallel_size > 1``
     (or a ``ray_address``) runs the shards as Ray actors; call ``shutdown()`` to
-    release them.
+    release them. ``quantization`` (vLLM's names: fp8, awq, gptq, compressed-tensors) is read
+    from the checkpoint's ``quantization_config`` when it has one (the argument may only repeat
+    it); ``"fp8"`` on a float checkpoint quantizes it at load. ``kv_cache_dtype="fp8"`` keeps
+    the KV cache in one byte per element.
     """
 
     def __init__(

@@ -74,21 +74,23 @@ def quantize_packed(w: torch.Tensor, group_size: int, symmetric: bool) -> dict[s
 
 
 def quantize_gptq(
-    w: torch.Tensor, group_size: int, symmetric: bool, order: torch.Tensor | None
+    w: torch.Tensor, group_size: int, symmetric: bool, order: torch.Tensor | None, bits: int = 4
 ) -> dict[str, torch.Tensor]:
-    """GPTQ v1, 4-bit: qweight [K/8, N], qzeros [G, N/8] (zero - 1), scales [G, N] fp16, g_idx [K].
-    ``order``: the act-order permutation of input features (groups run along it), None for k // group."""
+    """GPTQ v1, 4 or 8 bits: qweight [K/pack, N], qzeros [G, N/pack] (zero - 1), scales [G, N] fp16,
+    g_idx [K] (pack = 32 / bits). ``order``: the act-order permutation of input features (groups run
+    along it), None for k // group."""
     n, k = w.shape
     order = torch.arange(k) if order is None else order
     g_idx = torch.empty(k, dtype=torch.int32)
     g_idx[order] = torch.arange(k, dtype=torch.int32) // group_size
     grouped = w[:, order].reshape(n, k // group_size, group_size)
-    _, scale, zero = rtn(grouped, 4, symmetric, min_zero=1)  # v1 stores zero - 1: zero 0 cannot be written
+    _, scale, zero = rtn(grouped, bits, symmetric, min_zero=1)  # v1 stores zero - 1: zero 0 cannot be written
     scale, zero = scale[..., 0].t(), zero[..., 0].t()  # [G, N]
     scales16 = scale.to(torch.float16)
     per_input = scales16.float()[g_idx.long()]  # [K, N]: quantize with the scales as stored
-    q = torch.clamp(torch.round(w.t() / per_input) + zero[g_idx.long()], 0, 15).to(torch.int32)
-    return {"qweight": pack(q, 4, 0), "qzeros": pack(zero - 1, 4, 1), "scales": scales16, "g_idx": g_idx}
+    maxq = (1 << bits) - 1
+    q = torch.clamp(torch.round(w.t() / per_input) + zero[g_idx.long()], 0, maxq).to(torch.int32)
+    return {"qweight": pack(q, bits, 0), "qzeros": pack(zero - 1, bits, 1), "scales": scales16, "g_idx": g_idx}
 
 
 def quantize_awq(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
@@ -102,12 +104,13 @@ def quantize_awq(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     return {"qweight": pack(q, 4, 1, AWQ_ORDER), "qzeros": pack(zero, 4, 1, AWQ_ORDER), "scales": scales16}
 
 
-def quantization_config(scheme: str, group_size: int, symmetric: bool, act_order: bool) -> dict[str, Any]:
+def quantization_config(scheme: str, group_size: int, symmetric: bool, act_order: bool, bits: int = 4,
+                        ) -> dict[str, Any]:
     """The config.json ``quantization_config`` of a checkpoint the quantizer writes."""
     if scheme == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
     if scheme == "gptq":
-        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": symmetric,
+        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": symmetric,
                 "checkpoint_format": "gptq"}
     if scheme == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
@@ -155,7 +158,7 @@ def _projection(name: str) -> tuple[str, str | None]:
 
 
 def quantize_tensors(tensors: dict[str, torch.Tensor], scheme: str, group_size: int = 128, symmetric: bool = True,
-                     act_order: bool = False) -> dict[str, torch.Tensor]:
+                     act_order: bool = False, bits: int = 4) -> dict[str, torch.Tensor]:
     """Every projection weight replaced by its quantized tensors; other tensors as they are."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
@@ -177,7 +180,7 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], scheme: str, group_size: 
             parts = quantize_packed(w, g, symmetric)
             parts["weight_scale"] = parts["weight_scale"].to(tensor.dtype)
         elif scheme == "gptq":
-            parts = quantize_gptq(w, g, symmetric, orders.get(name))
+            parts = quantize_gptq(w, g, symmetric, orders.get(name), bits)
         else:
             parts = quantize_awq(w, g)
         out.update({f"{module}.{proj}.{key}": value.contiguous() for key, value in parts.items()})
@@ -185,11 +188,13 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], scheme: str, group_size: 
 
 
 def quantize_checkpoint(src: Path, dst: Path, scheme: str, group_size: int = 128, symmetric: bool = True,
-                        act_order: bool = False, smoothquant: float | None = None) -> Path:
+                        act_order: bool = False, smoothquant: float | None = None, bits: int = 4) -> Path:
     """Write ``dst``: ``src``'s files with the projections quantized and a ``quantization_config``;
     ``smoothquant``: first smooth the activations with this alpha (see ``smoothquant.py``)."""
     if act_order and scheme != "gptq":
         raise ValueError("act_order is a gptq option")
+    if bits not in (4, 8) or (bits != 4 and scheme != "gptq"):
+        raise ValueError(f"bits {bits}: the quantizer writes 4-bit w4a16/awq and 4- or 8-bit gptq")
     if not symmetric and scheme not in ("w4a16", "gptq"):
         raise ValueError(f"asymmetric is a w4a16 and gptq option ({scheme} is written as its format has it)")
     dst.mkdir(parents=True, exist_ok=True)
@@ -202,9 +207,9 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: str, group_size: int = 128
         from raypaged.quantization.smoothquant import input_maxima, smooth
 
         tensors = smooth(tensors, input_maxima(src), config["num_hidden_layers"], smoothquant)
-    save_file(quantize_tensors(tensors, scheme, group_size, symmetric, act_order), str(dst / "model.safetensors"),
-              metadata={"format": "pt"})
-    config["quantization_config"] = quantization_config(scheme, group_size, symmetric, act_order)
+    save_file(quantize_tensors(tensors, scheme, group_size, symmetric, act_order, bits),
+              str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = quantization_config(scheme, group_size, symmetric, act_order, bits)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
@@ -217,11 +222,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group-size", type=int, default=128, help="4-bit schemes: inputs per scale (-1: all)")
     parser.add_argument("--asymmetric", action="store_true", help="w4a16 and gptq: zero points (awq always has them)")
     parser.add_argument("--act-order", action="store_true", help="gptq: desc_act, groups along a permutation")
+    parser.add_argument("--bits", type=int, default=4, choices=[4, 8], help="gptq: 4 or 8 bits (others: 4)")
     parser.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
                         help="smooth activation outliers into the weights first (W8A8: 0.5 is usual)")
     args = parser.parse_args(argv)
     quantize_checkpoint(args.src, args.dst, args.scheme, args.group_size, not args.asymmetric, args.act_order,
-                        args.smoothquant)
+                        args.smoothquant, args.bits)
     print(f"wrote {args.dst}")
 
 

@@ -25,6 +25,7 @@ CHECKPOINTS = {
     "gptq": ("gptq", {"group_size": 32}),
     "gptq-actorder-asym": ("gptq", {"group_size": 32, "act_order": True, "symmetric": False}),
     "gptq-channel": ("gptq", {"group_size": -1}),
+    "gptq-8bit-actorder": ("gptq", {"group_size": 32, "bits": 8, "act_order": True}),
     "awq": ("awq", {"group_size": 32}),
 }
 

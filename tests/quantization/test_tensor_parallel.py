@@ -17,7 +17,8 @@ def qkv_rows(model, layer: int) -> list[torch.Tensor]:
     return list(attn.qkv_proj.dequantize().split(attn.shard_sizes))
 
 
-@pytest.mark.parametrize("name", ["w8a8-int8", "fp8", "w4a16-asym", "gptq", "gptq-actorder-asym", "awq"])
+@pytest.mark.parametrize("name", ["w8a8-int8", "fp8", "w4a16-asym", "gptq", "gptq-actorder-asym",
+                                  "gptq-8bit-actorder", "awq"])
 def test_ranks_hold_their_share_of_every_quantized_layer(name, quantized_dirs):
     whole = load(quantized_dirs[name])
     ranks = [load(quantized_dirs[name], TensorParallel(rank, SIZE)) for rank in range(SIZE)]
