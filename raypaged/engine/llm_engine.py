@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -99,6 +100,7 @@ class LLMEngine:
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}  # constrained sequences' grammar states, by sequence id
         self._mask_thread: ThreadPoolExecutor | None = None  # fills the step's grammar masks during the forward
         self._loras: dict[int, LoRARequest] = {}  # adapters checked against the model, by lora_int_id
+        self._lora_lock = threading.Lock()
         self._ids = itertools.count()  # request ids for callers that give none
         self._seq_numbers = itertools.count()  # internal sequence ids: "<n>:<request id>", never a user's id
 
@@ -178,6 +180,23 @@ class LLMEngine:
         if self.config.lora_config is None:
             raise InputError("lora_request", f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is off "
                                              "(--enable-lora, LLM(enable_lora=True))")
+        with self._lora_lock:  # servers check adapters off the engine thread
+            if (known := self._known_lora(lora)) is not None:
+                return known
+        from raypaged.lora.layout import read_checked_adapter
+
+        try:
+            read_checked_adapter(lora, self.config.hf_config, self.config.lora_config.max_lora_rank)
+        except (ValueError, OSError) as exc:
+            raise InputError("lora_request", str(exc)) from None
+        with self._lora_lock:
+            if (known := self._known_lora(lora)) is not None:
+                return known
+            self._loras[lora.lora_int_id] = lora
+        return lora
+
+    def _known_lora(self, lora: LoRARequest) -> LoRARequest | None:
+        """The adapter already checked, ``None`` for a new one; one clashing with another raises."""
         known = self._loras.get(lora.lora_int_id)
         if known is not None and known.lora_name == lora.lora_name and known.lora_path == lora.lora_path:
             return known
@@ -186,14 +205,7 @@ class LLMEngine:
                 raise InputError("lora_request", f"LoRA adapter {lora.lora_name!r} (lora_int_id {lora.lora_int_id}) "
                                                  f"clashes with {other.lora_name!r} (lora_int_id {other.lora_int_id}, "
                                                  f"{other.lora_path}): each name and id belongs to one adapter")
-        from raypaged.lora.layout import read_checked_adapter
-
-        try:
-            read_checked_adapter(lora, self.config.hf_config, self.config.lora_config.max_lora_rank)
-        except (ValueError, OSError) as exc:
-            raise InputError("lora_request", str(exc)) from None
-        self._loras[lora.lora_int_id] = lora
-        return lora
+        return None
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (False when it is unknown); ``InputError`` while a request uses it."""
@@ -202,7 +214,8 @@ class LLMEngine:
             return False
         if any(r.lora is not None and r.lora.lora_int_id == lora_int_id for r in self.scheduler.requests.values()):
             raise InputError("lora_name", f"LoRA adapter {lora.lora_name!r} is in use by running requests")
-        del self._loras[lora_int_id]
+        with self._lora_lock:
+            del self._loras[lora_int_id]
         if self.scheduler.loras is not None:
             self.scheduler.loras.forget(lora_int_id)
         return True

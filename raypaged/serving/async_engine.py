@@ -19,14 +19,18 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from raypaged.lora.request import LoRARequest
+
 logger = logging.getLogger("raypaged")
+T = TypeVar("T")
 
 
 class EngineObserver(Protocol):
@@ -55,6 +59,15 @@ class _Add:
     cache_salt: str | None
     stream: _Stream
     accepted: concurrent.futures.Future
+    lora_request: LoRARequest | None = None
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run ``fn`` on the engine thread, between steps (what touches the scheduler)."""
+
+    fn: Callable[[], object]
+    done: concurrent.futures.Future
 
 
 @dataclass(slots=True)
@@ -81,7 +94,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.config: EngineConfig = engine.config
         self._observer = observer
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: dict[str, int | float] = engine.stats()
@@ -110,6 +123,7 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``.
 
@@ -125,9 +139,13 @@ class AsyncLLMEngine:
             await self._loop.run_in_executor(
                 None, self.engine.compile_grammar, params.structured_outputs, prompt, prompt_token_ids
             )
+        if lora_request is not None:  # an adapter new to the engine is read and checked here, off its thread
+            await self._loop.run_in_executor(None, self.engine.check_lora, lora_request)
         stream = self._streams[request_id] = _Stream()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, stream, accepted))
+        self._commands.put(
+            _Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, stream, accepted, lora_request)
+        )
         try:
             await asyncio.wrap_future(accepted)
         except BaseException:
@@ -187,6 +205,13 @@ class AsyncLLMEngine:
         self._commands.put(_Abort(list(request_ids), done))
         return await asyncio.wrap_future(done)
 
+    async def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the engine thread between steps; its exception is raised here."""
+        self._check_alive()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
     def _abort_nowait(self, request_ids: list[str]) -> None:
         self._commands.put(_Abort(list(request_ids), concurrent.futures.Future()))
 
@@ -222,7 +247,7 @@ class AsyncLLMEngine:
         self._end_all()
         engine.shutdown()
 
-    def _next_command(self, block: bool) -> _Add | _Abort | None:
+    def _next_command(self, block: bool) -> _Add | _Abort | _Call | None:
         try:
             command = self._commands.get(block=block)
         except queue.Empty:
@@ -231,9 +256,15 @@ class AsyncLLMEngine:
             self._stopping = True
         return command
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
         engine = self.engine
-        if isinstance(command, _Add):
+        if isinstance(command, _Call):
+            if command.done.set_running_or_notify_cancel():
+                try:
+                    command.done.set_result(command.fn())
+                except Exception as exc:
+                    command.done.set_exception(exc)
+        elif isinstance(command, _Add):
             if not command.accepted.set_running_or_notify_cancel():
                 return  # the caller was cancelled before the engine saw the request
             try:
@@ -244,6 +275,7 @@ class AsyncLLMEngine:
                     command.prompt_token_ids,
                     priority=command.priority,
                     cache_salt=command.cache_salt,
+                    lora_request=command.lora_request,
                 )
             except ValueError as exc:
                 command.accepted.set_exception(exc)
@@ -300,5 +332,7 @@ class AsyncLLMEngine:
                 command.accepted.set_exception(EngineDeadError("engine stopped"))
             elif isinstance(command, _Abort) and command.done.set_running_or_notify_cancel():
                 command.done.set_result(0)
+            elif isinstance(command, _Call) and command.done.set_running_or_notify_cancel():
+                command.done.set_exception(EngineDeadError("engine stopped"))
         for stream in list(self._streams.values()):
             self._push(stream, _END)

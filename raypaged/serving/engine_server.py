@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from raypaged.config import EngineConfig
 from raypaged.model.default_model import DEFAULT_MODEL
 from raypaged.engine.llm_engine import LLMEngine
+from raypaged.lora.request import LoRARequest
 from raypaged.inputs.limits import (
     InputError,
     check_count,
@@ -180,8 +182,12 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         self.tenants = tenants
         self.share_prefix_cache = share_prefix_cache
         self._in_flight: set[tuple[str, str]] = set()  # (model, engine request id) of every running Generate
+        self.adapters: dict[str, tuple[str, LoRARequest]] = {}  # LoRA adapter name -> (its model, the adapter)
+        self._lora_ids = itertools.count(1)
 
     def _model(self, name: str) -> ServedModel:
+        if name in self.adapters:
+            return self.models[self.adapters[name][0]]
         if not name:
             if len(self.models) == 1:
                 return next(iter(self.models.values()))
@@ -212,6 +218,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         try:
             gate = self._caller(context)
             model = self._model(request.model)
+            lora = self.adapters[request.model][1] if request.model in self.adapters else None
             engine = model.engine
             params = sampling_params_from_proto(request, engine.config.limits, engine.config.generation_defaults)
             check_priority(request.priority, engine.config.scheduling_policy)
@@ -228,7 +235,8 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             try:
                 await hold.admit()
                 text, token_ids = await _prompt(model, request)
-                await engine.add_request(text, params, key[1], token_ids, priority, cache_salt=self._cache_salt(gate))
+                await engine.add_request(text, params, key[1], token_ids, priority, cache_salt=self._cache_salt(gate),
+                                         lora_request=lora)
             except _REFUSED as exc:
                 await hold.let_go(in_engine=False)
                 await _refuse(context, exc)
@@ -300,7 +308,67 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             info = self.models[own].info()
             info.name = name
             infos.append(info)
+        for name, (own, lora) in self.adapters.items():
+            info = self.models[own].info()
+            info.name, info.root, info.parent = name, lora.lora_path, own
+            infos.append(info)
         return pb.InfoResponse(models=infos)
+
+    def add_adapter(self, name: str, path: str, base: str = "") -> LoRARequest:
+        """Serve the PEFT adapter at ``path`` as model ``name`` on ``base`` (or the only LoRA-enabled
+        model); reads and checks it (servers call it off the event loop)."""
+        if not name or not path:
+            raise InputError("lora_name" if not name else "lora_path", "both lora_name and lora_path are required")
+        if name in self.adapters or name in self.served_names:
+            raise _Abort(grpc.StatusCode.ALREADY_EXISTS, f"The lora adapter {name!r} has already been loaded.")
+        if base:
+            model = self._model(base)
+        else:
+            enabled = [m for m in self.models.values() if m.engine.config.enable_lora]
+            if len(enabled) != 1:
+                raise InputError("base_model_name", "base_model_name is required: "
+                                 f"{len(enabled)} served models take LoRA adapters")
+            model = enabled[0]
+        if not model.engine.config.enable_lora:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"the model {model.name!r} runs without LoRA: start it with --enable-lora")
+        lora = LoRARequest(name, next(self._lora_ids), path)
+        model.engine.engine.check_lora(lora)
+        self.adapters[name] = (model.name, lora)
+        logger.info("LoRA adapter %s loaded from %s on %s", name, path, model.name)
+        return lora
+
+    async def LoadLoRAAdapter(
+        self, request: pb.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadLoRAAdapterResponse:
+        try:
+            self._caller(context)
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.add_adapter, request.lora_name, request.lora_path, request.base_model_name
+            )
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        return pb.LoadLoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(
+        self, request: pb.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadLoRAAdapterResponse:
+        try:
+            self._caller(context)
+            found = self.adapters.get(request.lora_name)
+            if found is None:
+                raise _Abort(grpc.StatusCode.NOT_FOUND, f"The lora adapter {request.lora_name!r} cannot be found.")
+            own, lora = found
+            engine = self.models[own].engine
+            try:
+                await engine.call(lambda: engine.engine.remove_lora(lora.lora_int_id))
+            except InputError as exc:
+                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+            del self.adapters[request.lora_name]
+            logger.info("LoRA adapter %s unloaded", request.lora_name)
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        return pb.UnloadLoRAAdapterResponse()
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         failed = [name for name, m in self.models.items() if not m.engine.is_running]
@@ -359,8 +427,10 @@ class EngineServer:
 
     def __init__(
         self, configs: list[EngineConfig], tenants: Tenants | None = None, share_prefix_cache: bool = False,
-        metrics_prefix: str = METRICS_PREFIX,
+        metrics_prefix: str = METRICS_PREFIX, lora_modules: dict[str, str] | None = None,
     ) -> None:
+        """``lora_modules``: LoRA adapters served from the start (vLLM's ``--lora-modules name=path``),
+        on the one model with ``enable_lora``."""
         names = [name for c in configs for name in c.served_model_names]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be distinct, got {names}")
@@ -385,6 +455,8 @@ class EngineServer:
         self.servicer = EngineServicer(
             self.models, self.metrics, self.tenants, self.share_prefix_cache, self.served_names
         )
+        for name, path in (lora_modules or {}).items():
+            self.servicer.add_adapter(name, path)
         self._server: grpc.aio.Server | None = None
 
     def _stats_of(self, name: str):

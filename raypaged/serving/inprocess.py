@@ -115,6 +115,8 @@ class InProcessStub:
     Info = _unary_method("Info")
     Health = _unary_method("Health")
     Metrics = _unary_method("Metrics")
+    LoadLoRAAdapter = _unary_method("LoadLoRAAdapter")
+    UnloadLoRAAdapter = _unary_method("UnloadLoRAAdapter")
 
 
 async def _unary(

@@ -43,14 +43,14 @@ class Stack:
 
     def __init__(
         self, configs: list[EngineConfig], in_process: bool = True, metrics_prefix: str = "raypaged:",
-        **gateway_options: Any,
+        lora_modules: dict[str, str] | None = None, **gateway_options: Any,
     ) -> None:
         """As ``raypaged serve``: the engine server gets the gateway's keys and tenants, and the gateway
         reaches it in process (``in_process=False``: over gRPC, as ``raypaged gateway`` does)."""
         self.background = BackgroundLoop()
         options = GatewayOptions(port=0, log_level="warning", **gateway_options)
         tenants = Tenants.from_args(options.api_key, options.tenants_file)
-        self.engine_server = EngineServer(configs, tenants, metrics_prefix=metrics_prefix)
+        self.engine_server = EngineServer(configs, tenants, metrics_prefix=metrics_prefix, lora_modules=lora_modules)
         self.grpc_port = self.background.run(self.engine_server.start("127.0.0.1", 0))
         address = f"127.0.0.1:{self.grpc_port}"
         local = {address: InProcessStub(self.engine_server.servicer)} if in_process else None

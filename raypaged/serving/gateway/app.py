@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
@@ -31,7 +31,9 @@ from raypaged.serving.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
+    LoadLoRAAdapterBody,
     TokenizeBody,
+    UnloadLoRAAdapterBody,
 )
 from raypaged.serving.gateway.tenants import TenantGate, Tenants
 from raypaged.serving.gateway.tool_parsers import ToolParser
@@ -127,7 +129,7 @@ def build_app(
         gate = slot.gate
         body = await parse(http, body_type)
         chat = body_type is ChatCompletionRequest
-        model, stub = routes.resolve(body.model)
+        model, stub = await routes.find(body.model)
         check_count("prompt", body.num_prompts, max_prompts_per_request, "max_prompts_per_request", "prompts")
         tools = body.tool_plan(tool_parser) if isinstance(body, ChatCompletionRequest) else None
         prompts = body.prompts(tools) if isinstance(body, ChatCompletionRequest) else body.prompts()
@@ -194,7 +196,8 @@ def build_app(
         """A served model as OpenAI's (and vLLM's) model object."""
         info = await routes.model_info(name)
         card = {"id": name, "object": "model", "created": started, "owned_by": "raypaged",
-                "root": info.root if info is not None and info.root else name, "parent": None}
+                "root": info.root if info is not None and info.root else name,
+                "parent": info.parent if info is not None and info.parent else None}
         if info is not None:
             card["max_model_len"] = info.max_model_len
         card["permission"] = [{
@@ -207,13 +210,37 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [await card(name) for name in routes.targets]}
+        await routes.refresh_adapters()
+        return {"object": "list", "data": [await card(name) for name in [*routes.targets, *routes.adapters]]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict:
-        if model not in routes.targets:
-            raise APIError(404, f"The model `{model}` does not exist.", "model")
+        await routes.find(model)  # a 404 for a name no engine serves
         return await card(model)
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=_body_doc(LoadLoRAAdapterBody))
+    async def load_lora_adapter(http: Request) -> Response:
+        """vLLM's runtime adapter loading (behind the API key, as every path but the probes)."""
+        body = await parse(http, LoadLoRAAdapterBody)
+        address = routes.address_for_base(body.base_model_name)
+        await routes.stub_at(address).LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
+            lora_name=body.lora_name, lora_path=body.lora_path, base_model_name=body.base_model_name or ""),
+            metadata=_metadata(http))
+        routes.adapters[body.lora_name] = address
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_body_doc(UnloadLoRAAdapterBody))
+    async def unload_lora_adapter(http: Request) -> Response:
+        body = await parse(http, UnloadLoRAAdapterBody)
+        if body.lora_name not in routes.adapters:
+            await routes.refresh_adapters()
+        address = routes.adapters.get(body.lora_name)
+        if address is None:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name")
+        await routes.stub_at(address).UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=body.lora_name),
+                                                         metadata=_metadata(http))
+        del routes.adapters[body.lora_name]
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
     @app.get("/ping")  # vLLM's (and SageMaker's) name for the same probe
@@ -239,7 +266,7 @@ def build_app(
     @app.post("/tokenize", openapi_extra=_body_doc(TokenizeBody))
     async def tokenize(http: Request) -> dict:
         body = await parse(http, TokenizeBody)
-        model, stub = routes.resolve(body.model)
+        model, stub = await routes.find(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         request = pb.TokenizeRequest(model=model, add_special_tokens=body.add_special_tokens)
@@ -254,12 +281,13 @@ def build_app(
     @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeBody))
     async def detokenize(http: Request) -> dict:
         body = await parse(http, DetokenizeBody)
-        model, stub = routes.resolve(body.model)
+        model, stub = await routes.find(body.model)
         request = pb.DetokenizeRequest(model=model, token_ids=body.tokens)
         response = await stub.Detokenize(request, metadata=_metadata(http))
         return {"prompt": response.text}
 
-    _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeBody, DetokenizeBody])
+    _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeBody, DetokenizeBody,
+                            LoadLoRAAdapterBody, UnloadLoRAAdapterBody])
     return app
 
 

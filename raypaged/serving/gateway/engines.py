@@ -30,6 +30,7 @@ class EngineRoutes:
         self.targets = dict(targets)
         self._stubs: dict[str, pb_grpc.TextGenerationServiceStub | InProcessStub] = dict(local or {})
         self._info: dict[str, pb.ModelInfo] = {}
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> the address of the engine serving it
 
     def _stub(self, address: str) -> pb_grpc.TextGenerationServiceStub | InProcessStub:
         """The stub of ``address``; gRPC channels are made on first use, on the serving loop."""
@@ -48,10 +49,48 @@ class EngineRoutes:
             if len(self.targets) > 1:
                 raise APIError(400, f"model is required; served models: {', '.join(self.targets)}", "model")
             model = next(iter(self.targets))
-        address = self.targets.get(model)
+        address = self.targets.get(model) or self.adapters.get(model)
         if address is None:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
         return model, self._stub(address)
+
+    async def find(self, model: str | None) -> tuple[str, pb_grpc.TextGenerationServiceStub | InProcessStub]:
+        """``resolve``, after asking the engines for their LoRA adapters when ``model`` is no name known here."""
+        if model and model not in self.targets and model not in self.adapters:
+            await self.refresh_adapters()
+        return self.resolve(model)
+
+    async def refresh_adapters(self) -> None:
+        """The LoRA adapters every reachable engine serves now (``Info`` lists them with their parent)."""
+        found: dict[str, str] = {}
+        for address, stub in self._all_stubs().items():
+            try:
+                response = await stub.Info(pb.InfoRequest(), timeout=_PROBE_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                found.update({name: a for name, a in self.adapters.items() if a == address})  # keep what was known
+                continue
+            for info in response.models:
+                if info.parent:
+                    found[info.name] = address
+                    self._info[info.name] = info
+        for gone in set(self.adapters) - set(found):
+            self._info.pop(gone, None)
+        self.adapters = found
+
+    def address_for_base(self, base: str | None) -> str:
+        """The engine a new LoRA adapter goes to: ``base``'s, or the only engine's."""
+        if base:
+            if base not in self.targets:
+                raise APIError(404, f"The model `{base}` does not exist.", "base_model_name")
+            return self.targets[base]
+        addresses = set(self.targets.values())
+        if len(addresses) > 1:
+            raise APIError(400, f"base_model_name is required; served models: {', '.join(self.targets)}",
+                           "base_model_name")
+        return next(iter(addresses))
+
+    def stub_at(self, address: str) -> pb_grpc.TextGenerationServiceStub | InProcessStub:
+        return self._stub(address)
 
     async def model_info(self, model: str) -> pb.ModelInfo | None:
         """The engine's description of ``model`` (cached), or ``None`` while it is unreachable."""

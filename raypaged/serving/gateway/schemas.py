@@ -409,3 +409,21 @@ class DetokenizeBody(BaseModel):
 
     model: str | None = None
     tokens: list[Unsigned]
+
+
+class LoadLoRAAdapterBody(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter``; ``base_model_name`` picks the model where several serve."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    base_model_name: str | None = None
+    load_inplace: Literal[False] = False  # replacing a loaded adapter's weights under its name is refused
+
+
+class UnloadLoRAAdapterBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; the name says which

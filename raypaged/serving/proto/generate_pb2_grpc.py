@@ -72,6 +72,16 @@ class TextGenerationServiceStub:
                 request_serializer=raypaged_dot_v1_dot_generate__pb2.MetricsRequest.SerializeToString,
                 response_deserializer=raypaged_dot_v1_dot_generate__pb2.MetricsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/raypaged.v1.TextGenerationService/LoadLoRAAdapter',
+                request_serializer=raypaged_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=raypaged_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/raypaged.v1.TextGenerationService/UnloadLoRAAdapter',
+                request_serializer=raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -131,6 +141,22 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """/ Load a LoRA adapter (a PEFT folder) under a name requests then use as their model.
+        / INVALID_ARGUMENT: the adapter does not fit the model; ALREADY_EXISTS: the name is taken;
+        / FAILED_PRECONDITION: the model runs without LoRA.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """/ Unload a LoRA adapter. NOT_FOUND: no adapter of that name; FAILED_PRECONDITION: requests use it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +194,16 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Metrics,
                     request_deserializer=raypaged_dot_v1_dot_generate__pb2.MetricsRequest.FromString,
                     response_serializer=raypaged_dot_v1_dot_generate__pb2.MetricsResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=raypaged_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=raypaged_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -362,6 +398,60 @@ class TextGenerationService:
             '/raypaged.v1.TextGenerationService/Metrics',
             raypaged_dot_v1_dot_generate__pb2.MetricsRequest.SerializeToString,
             raypaged_dot_v1_dot_generate__pb2.MetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/raypaged.v1.TextGenerationService/LoadLoRAAdapter',
+            raypaged_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            raypaged_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/raypaged.v1.TextGenerationService/UnloadLoRAAdapter',
+            raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
