@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from raypaged.core.beam_search import BeamSearchParams
     from raypaged.entrypoints.llm import LLM
+    from raypaged.lora.request import LoRARequest
     from raypaged.outputs import CompletionOutput, RequestOutput
     from raypaged.sampling_params import SamplingParams
 
@@ -21,8 +22,9 @@ _EXPORTS = {
     "BeamSearchParams": "raypaged.core.beam_search",
     "RequestOutput": "raypaged.outputs",
     "CompletionOutput": "raypaged.outputs",
+    "LoRARequest": "raypaged.lora.request",
 }
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 

@@ -14,6 +14,7 @@ from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.inputs.chat_template import render_chat
 from raypaged.inputs.limits import InputLimits, check_priority
+from raypaged.lora.request import LoRARequest
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
 from raypaged.structured.config import StructuredOutputsConfig
@@ -71,6 +72,10 @@ class LLM:
         structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None,
         chat_template: str | None = None,
         default_chat_template_kwargs: dict[str, Any] | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -108,6 +113,10 @@ class LLM:
                 structured_outputs_config=structured_outputs_config or StructuredOutputsConfig(),
                 chat_template=chat_template,
                 default_chat_template_kwargs=default_chat_template_kwargs,
+                enable_lora=enable_lora,
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_cpu_loras=max_cpu_loras,
             )
         )
 
@@ -129,6 +138,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
@@ -137,7 +147,9 @@ class LLM:
         ``priority`` (one per prompt, lower first) matters under
         ``scheduling_policy="priority"``. Every prompt is validated before any
         runs: a bad one raises ``ValueError``. Without ``sampling_params`` the
-        model's defaults apply (``get_default_sampling_params()``).
+        model's defaults apply (``get_default_sampling_params()``). ``lora_request``:
+        the LoRA adapter of every prompt, or one per prompt (``None``: the base model),
+        as vLLM's (needs ``enable_lora=True``).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -157,13 +169,19 @@ class LLM:
             check_priority(prio, self.llm_engine.config.scheduling_policy)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts; pass one or one per prompt")
         engine = self.llm_engine
         resolved = [_prompt_input(p) for p in prompts]
         # only the finished output is read: the engine builds nothing for the steps in between
         params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         submissions = [
-            partial(engine.add_request, text, params, prompt_token_ids=token_ids, priority=prio)
-            for (text, token_ids), params, prio in zip(resolved, params_list, priorities)
+            partial(engine.add_request, text, params, prompt_token_ids=token_ids, priority=prio, lora_request=lora)
+            for (text, token_ids), params, prio, lora in zip(resolved, params_list, priorities, loras)
         ]
         return self._submit_and_run(submissions, use_tqdm)
 

@@ -93,3 +93,21 @@ def test_lora_off_refuses_an_adapter(smollm2_dir, adapters):
     engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=32, max_model_len=256))
     with pytest.raises(ValueError, match=re.escape("LoRA adapter 'qv-r4' asked for, but LoRA is off (--enable-lora")):
         engine.add_request("x", SamplingParams(max_tokens=2), lora_request=adapters["qv-r4"])
+
+
+def test_llm_generate_takes_one_lora_request_or_one_per_prompt(smollm2_dir, adapters, expected):
+    from raypaged import LLM
+    from raypaged import LoRARequest as Exported
+
+    assert Exported is LoRARequest
+    llm = LLM(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=128, max_model_len=512,
+              enable_lora=True, max_loras=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    names = [None, *adapters]
+    per_prompt = llm.generate([PROMPTS[0]] * len(names), params, use_tqdm=False,
+                              lora_request=[adapters[n] if n else None for n in names])
+    assert [o.outputs[0].token_ids for o in per_prompt] == [expected[(n, PROMPTS[0])] for n in names]
+    one = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=adapters["qv-r4"])
+    assert [o.outputs[0].token_ids for o in one] == [expected[("qv-r4", p)] for p in PROMPTS]
+    with pytest.raises(ValueError, match="got 2 lora_request for 3 prompts"):
+        llm.generate(PROMPTS, params, lora_request=[None, None])
