@@ -149,6 +149,13 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                         help="accepted for vLLM command lines: raypaged logs no periodic stats (see /metrics)")
     parser.add_argument("--max-num-partial-prefills", type=int, default=1,
                         help="prompts being prefilled in chunks at once: 1 (the only value the scheduler runs)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (PEFT folders) on the model: --lora-modules, or loaded at runtime")
+    parser.add_argument("--max-loras", type=int, default=1,
+                        help="LoRA adapters in device slots at once; requests of others wait for a slot")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the highest LoRA rank an adapter may have")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="LoRA adapters kept loaded on the CPU behind the device slots (default: --max-loras)")
 
 
 def check_vllm_args(args: argparse.Namespace) -> None:
@@ -218,6 +225,9 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
     if args.default_chat_template_kwargs is not None:
         kwargs["default_chat_template_kwargs"] = _json_flag("--default-chat-template-kwargs",
                                                             args.default_chat_template_kwargs)
+    if args.enable_lora:
+        kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                      max_cpu_loras=args.max_cpu_loras)
     for dest, default in _OPTIONAL_ENGINE_FLAGS.items():
         value = getattr(args, dest)
         if dest in accepted:
@@ -268,6 +278,38 @@ def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
         EngineConfig(served_model_name=name, **engine_kwargs(args, accepted, model))
         for model, name in zip(models, names)
     ]
+
+
+def add_lora_modules_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                        help='LoRA adapters served from the start, as vLLM: name=path, or JSON \'{"name": ..., '
+                             '"path": ..., "base_model_name": ...}\' (needs --enable-lora)')
+
+
+def lora_modules(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    """``--lora-modules`` as name -> (PEFT folder, base model name or "")."""
+    if not args.lora_modules:
+        return {}
+    if not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    found: dict[str, tuple[str, str]] = {}
+    for spec in args.lora_modules:
+        if spec.lstrip().startswith("{"):
+            entry = _json_flag("--lora-modules", spec)
+            unknown = set(entry) - {"name", "path", "base_model_name"}
+            if unknown or not entry.get("name") or not entry.get("path"):
+                raise ValueError(f"--lora-modules takes name=path or JSON with name, path and base_model_name, "
+                                 f"got {spec!r}")
+            name, path, base = entry["name"], entry["path"], entry.get("base_model_name") or ""
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules takes name=path or JSON, got {spec!r}")
+            base = ""
+        if name in found:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        found[name] = (path, base)
+    return found
 
 
 def add_drain_arg(parser: argparse.ArgumentParser) -> None:
@@ -408,8 +450,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = gateway_options(args)
     options_check(options)
+    adapters = lora_modules(args)
     asyncio.run(run_serve(
-        engine_configs(args), args.grpc_host, args.grpc_port, options, args.share_prefix_cache, f"{args.metrics_prefix}:"
+        engine_configs(args), args.grpc_host, args.grpc_port, options, args.share_prefix_cache, f"{args.metrics_prefix}:",
+        adapters,
     ))
     return 0
 
@@ -421,9 +465,10 @@ def cmd_engine(args: argparse.Namespace) -> int:
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout:g}")
     tenants = tenants_for(api_keys(args), args.tenants)  # a bad file fails before models load
+    adapters = lora_modules(args)
     asyncio.run(run_engine(
         engine_configs(args), args.grpc_host, args.grpc_port, args.drain_timeout, tenants, args.share_prefix_cache,
-        f"{args.metrics_prefix}:",
+        f"{args.metrics_prefix}:", adapters,
     ))
     return 0
 
@@ -471,6 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = a free one)")
     add_share_prefix_cache_arg(serve)
     add_metrics_prefix_arg(serve)
+    add_lora_modules_arg(serve)
     add_config_arg(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -483,6 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
     add_share_prefix_cache_arg(engine)
     add_metrics_prefix_arg(engine)
+    add_lora_modules_arg(engine)
     add_drain_arg(engine)
     add_config_arg(engine)
     engine.set_defaults(func=cmd_engine)

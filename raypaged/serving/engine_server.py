@@ -427,10 +427,10 @@ class EngineServer:
 
     def __init__(
         self, configs: list[EngineConfig], tenants: Tenants | None = None, share_prefix_cache: bool = False,
-        metrics_prefix: str = METRICS_PREFIX, lora_modules: dict[str, str] | None = None,
+        metrics_prefix: str = METRICS_PREFIX, lora_modules: dict[str, str | tuple[str, str]] | None = None,
     ) -> None:
-        """``lora_modules``: LoRA adapters served from the start (vLLM's ``--lora-modules name=path``),
-        on the one model with ``enable_lora``."""
+        """``lora_modules``: LoRA adapters served from the start (vLLM's ``--lora-modules``), name ->
+        PEFT folder, or (folder, base model name) where several models take LoRA."""
         names = [name for c in configs for name in c.served_model_names]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be distinct, got {names}")
@@ -455,8 +455,9 @@ class EngineServer:
         self.servicer = EngineServicer(
             self.models, self.metrics, self.tenants, self.share_prefix_cache, self.served_names
         )
-        for name, path in (lora_modules or {}).items():
-            self.servicer.add_adapter(name, path)
+        for name, where in (lora_modules or {}).items():
+            path, base = (where, "") if isinstance(where, str) else where
+            self.servicer.add_adapter(name, path, base)
         self._server: grpc.aio.Server | None = None
 
     def _stats_of(self, name: str):

@@ -204,9 +204,10 @@ class Gateway:
 async def run_engine(
     configs: list[EngineConfig], host: str, grpc_port: int, drain_timeout_s: float, tenants: Tenants,
     share_prefix_cache: bool = False, metrics_prefix: str = METRICS_PREFIX,
+    lora_modules: dict[str, tuple[str, str]] | None = None,
 ) -> None:
     """The engine server until SIGTERM/SIGINT; then running calls get ``drain_timeout_s`` before they are cancelled."""
-    server = EngineServer(configs, tenants, share_prefix_cache, metrics_prefix)
+    server = EngineServer(configs, tenants, share_prefix_cache, metrics_prefix, lora_modules)
     await server.start(host, grpc_port)
     stopping = asyncio.Event()
     on_shutdown_signals(stopping.set)
@@ -226,6 +227,7 @@ async def run_gateway(
 async def run_serve(
     configs: list[EngineConfig], grpc_host: str, grpc_port: int, options: GatewayOptions,
     share_prefix_cache: bool = False, metrics_prefix: str = METRICS_PREFIX,
+    lora_modules: dict[str, tuple[str, str]] | None = None,
 ) -> None:
     """Engines, their gRPC server and a gateway in front of it, in one process; the gateway drains first.
 
@@ -235,7 +237,7 @@ async def run_serve(
     request holds one slot at each of the two).
     """
     tenants = tenants_for(options.api_keys, options.tenants_file)
-    server = EngineServer(configs, tenants, share_prefix_cache, metrics_prefix)
+    server = EngineServer(configs, tenants, share_prefix_cache, metrics_prefix, lora_modules)
     port = await server.start(grpc_host, grpc_port)
     address = f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"
     try:

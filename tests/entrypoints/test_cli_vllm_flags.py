@@ -129,3 +129,32 @@ def test_tool_flags_refuse_what_they_cannot_honour(argv, message):
 
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         gateway_options(build_parser().parse_args(["serve", *argv]))
+
+
+def test_lora_flags_as_vllm(tiny_model_dir):
+    from raypaged.entrypoints.cli import lora_modules
+
+    argv = ["serve", str(tiny_model_dir), "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
+            "--max-cpu-loras", "5", "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat"}']
+    args = build_parser().parse_args(argv)
+    [config] = engine_configs(args)
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (True, 3, 32, 5)
+    assert lora_modules(args) == {"sql": ("/a/sql", ""), "chat": ("/a/chat", "")}
+    [plain] = configs(str(tiny_model_dir))
+    assert plain.lora_config is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "a"], "--lora-modules takes name=path or JSON, got 'a'"),
+    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "--lora-modules names 'a' twice"),
+    (["--enable-lora", "--max-cpu-loras", "0"], "--max-cpu-loras 0 is below --max-loras 1: every adapter on the "
+                                                 "device is also kept on the CPU"),
+])
+def test_lora_flags_refuse_what_they_cannot_honour(tiny_model_dir, argv, message):
+    from raypaged.entrypoints.cli import lora_modules
+
+    args = build_parser().parse_args(["serve", str(tiny_model_dir), *argv])
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        lora_modules(args)
+        engine_configs(args)
