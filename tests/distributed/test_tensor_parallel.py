@@ -123,3 +123,31 @@ def test_kv_heads_must_divide_or_be_divided():
 def test_bad_placement_strategy(tiny_llama):
     with pytest.raises(ValueError, match="placement_strategy must be one of STRICT_PACK, PACK, SPREAD, got 'TIGHT'"):
         EngineConfig(model=str(tiny_llama), device="cpu", placement_strategy="TIGHT")
+
+
+def test_lora_adapters_under_tp_match_tp1(ray_session, tiny_llama, tmp_path):
+    """Each shard writes the driver's slot loads into its share of A and B: tp 2 equals tp 1."""
+    from raypaged import LoRARequest
+    from tests.lora.conftest import make_peft_adapter
+
+    adapters = [
+        LoRARequest("qv", 1, str(make_peft_adapter(tiny_llama, tmp_path / "qv", 1, std=0.3, r=4, lora_alpha=8,
+                                                   target_modules=["q_proj", "v_proj"]))),
+        LoRARequest("all", 2, str(make_peft_adapter(tiny_llama, tmp_path / "all", 2, std=0.3, r=8, lora_alpha=8,
+                                                    target_modules="all-linear"))),
+    ]
+    per_prompt = [None if i % 3 == 0 else adapters[i % 2] for i in range(len(TINY_PROMPTS))]
+
+    def run(tp: int) -> list[list[int]]:
+        llm = LLM(model=str(tiny_llama), device="cpu", tensor_parallel_size=tp, num_gpu_blocks_override=128,
+                  enable_lora=True, max_loras=1)
+        try:
+            outputs = llm.generate(TINY_PROMPTS, TINY_PARAMS, use_tqdm=False, lora_request=per_prompt)
+            return [o.outputs[0].token_ids for o in outputs]
+        finally:
+            llm.shutdown()
+
+    reference = run(1)
+    assert reference != greedy_tokens(LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=128),
+                                      TINY_PROMPTS, TINY_PARAMS)  # the adapters change the tokens
+    assert run(2) == reference
