@@ -223,6 +223,13 @@ class LLMEngine:
     def list_loras(self) -> list[LoRARequest]:
         return list(self._loras.values())
 
+    def lora_info(self) -> tuple[list[str], list[str]]:
+        """The adapters of running and of waiting sequences, by name (vLLM's ``lora_requests_info``)."""
+        sched = self.scheduler
+        running = {r.lora.lora_name for r in sched.running if r.lora is not None}
+        waiting = {r.lora.lora_name for r in sched.waiting if r.lora is not None}
+        return sorted(running), sorted(waiting)
+
     def _seq_id(self, request_id: str) -> str:
         return f"{next(self._seq_numbers)}:{request_id}"
 

@@ -98,6 +98,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: dict[str, int | float] = engine.stats()
+        self._lora_info: tuple[list[str], list[str]] = ([], [])
         # engine thread only: requests added and not yet finished, and the stream each was added with
         # (outputs go to that stream object, so a later request reusing the id never gets them)
         self._active: dict[str, _Stream] = {}
@@ -113,6 +114,10 @@ class AsyncLLMEngine:
     def stats(self) -> dict[str, int | float]:
         """The engine's counters as of its last step or command."""
         return dict(self._stats)
+
+    def lora_info(self) -> tuple[list[str], list[str]]:
+        """Running and waiting LoRA adapters as of the last step (see ``LLMEngine.lora_info``)."""
+        return self._lora_info
 
     # ---- asyncio side ----------------------------------------------------------
     async def add_request(
@@ -241,6 +246,8 @@ class AsyncLLMEngine:
                     outputs = engine.step()
                     self._publish(outputs)
                 self._stats = engine.stats()
+                if self.config.enable_lora:
+                    self._lora_info = engine.lora_info()
         except BaseException as exc:  # a failed step: every stream ends with the error
             logger.exception("engine %s failed", self.config.served_model_name)
             self.error = exc

@@ -442,6 +442,7 @@ class EngineServer:
         self.metrics = ServerMetrics(
             {c.served_model_name: self._stats_of(c.served_model_name) for c in configs}, configs[0].resolved_device,
             prefix=metrics_prefix, configs={c.served_model_name: c for c in configs},
+            lora_sources={c.served_model_name: self._lora_info_of(c.served_model_name) for c in configs if c.enable_lora},
         )
         engines = {c.served_model_name: LLMEngine(c) for c in configs}
         self.models = {
@@ -462,6 +463,9 @@ class EngineServer:
 
     def _stats_of(self, name: str):
         return lambda: self.models[name].engine.stats()
+
+    def _lora_info_of(self, name: str):
+        return lambda: self.models[name].engine.lora_info()
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0 = a free port); returns the bound port."""

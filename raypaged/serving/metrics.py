@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -195,7 +196,9 @@ class ServerMetrics:
         device: str,
         prefix: str = PREFIX,
         configs: Mapping[str, EngineConfig] | None = None,
+        lora_sources: Mapping[str, Callable[[], tuple[list[str], list[str]]]] | None = None,
     ) -> None:
+        """``lora_sources``: per model with LoRA, its running and waiting adapters (``lora_requests_info``)."""
         if not _PREFIX_PATTERN.fullmatch(prefix):
             raise ValueError(
                 f"metric prefix {prefix!r} is not a Prometheus name followed by ':'; --metrics-prefix takes a "
@@ -244,7 +247,7 @@ class ServerMetrics:
         self.request_params_max_tokens = histogram(
             "request_params_max_tokens", "The max_tokens of each finished request, resolved.", sizes
         )
-        registry.register(_StatsCollector(prefix, stats_sources, configs, device))
+        registry.register(_StatsCollector(prefix, stats_sources, configs, device, lora_sources or {}))
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
         GCCollector(registry=registry)
@@ -263,9 +266,11 @@ class _StatsCollector(Collector):
         stats_sources: dict[str, Callable[[], dict[str, int | float]]],
         configs: Mapping[str, EngineConfig],
         device: str,
+        lora_sources: Mapping[str, Callable[[], tuple[list[str], list[str]]]],
     ) -> None:
         self._prefix = prefix
         self._sources = stats_sources
+        self._lora_sources = lora_sources
         self._configs = configs
         self._device = device
         self._process = psutil.Process(os.getpid())
@@ -285,6 +290,8 @@ class _StatsCollector(Collector):
                 counter.add_metric([name, ENGINE_INDEX], float(values[key]))
             yield counter
         yield self._cache_config(stats)
+        if self._lora_sources:
+            yield self._lora_requests_info()
         utilization, memory = self._device_usage()
         util_family = GaugeMetricFamily(
             f"{prefix}gpu_utilization", "Device utilization (0 to 1); on CPU the process's share of all cores.",
@@ -313,6 +320,18 @@ class _StatsCollector(Collector):
                       int(stats[name]["num_gpu_blocks_total"]), config.num_gpu_blocks_override,
                       int(stats[name]["num_cpu_blocks_total"]), config.resolved_swap_space)
             family.add_metric([name, ENGINE_INDEX, *map(str, values)], 1.0)
+        return family
+
+    def _lora_requests_info(self) -> GaugeMetricFamily:
+        """vLLM's ``lora_requests_info``: the adapters running and waiting, comma-separated in the labels;
+        the value is when it was read (seconds since the epoch)."""
+        family = GaugeMetricFamily(
+            f"{self._prefix}lora_requests_info", "Running stats on LoRA requests.",
+            labels=("running_lora_adapters", "waiting_lora_adapters", "max_lora"),
+        )
+        for name, source in self._lora_sources.items():
+            running, waiting = source()
+            family.add_metric([",".join(running), ",".join(waiting), str(self._configs[name].max_loras)], time.time())
         return family
 
     def _device_usage(self) -> tuple[float, float]:

@@ -111,3 +111,16 @@ def test_llm_generate_takes_one_lora_request_or_one_per_prompt(smollm2_dir, adap
     assert [o.outputs[0].token_ids for o in one] == [expected[("qv-r4", p)] for p in PROMPTS]
     with pytest.raises(ValueError, match="got 2 lora_request for 3 prompts"):
         llm.generate(PROMPTS, params, lora_request=[None, None])
+
+
+def test_lora_info_names_running_and_waiting_adapters(engine, adapters):
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    names = list(adapters)
+    for name in names:  # three adapters, two slots: the third waits
+        engine.add_request(PROMPTS[0], params, lora_request=adapters[name])
+    engine.add_request(PROMPTS[0], params)
+    engine.step()
+    assert engine.lora_info() == (sorted(names[:2]), [names[2]])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.lora_info() == ([], [])

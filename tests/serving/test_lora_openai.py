@@ -80,6 +80,10 @@ def test_adapters_are_models_and_each_answers_as_peft(stack, adapter_dirs, expec
     assert texts == [expected[model] for model in jobs]
     chat = client.chat.completions.create(model=names[1], messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.model == names[1]
+    with httpx.Client(base_url=stack.url) as http:
+        metrics = http.get("/metrics").text
+    [info] = [line for line in metrics.splitlines() if line.startswith("raypaged:lora_requests_info{")]
+    assert 'max_lora="2"' in info and 'running_lora_adapters=""' in info and 'waiting_lora_adapters=""' in info
 
 
 def test_unloading_and_bad_adapters_are_refused_by_name(stack, adapter_dirs, tmp_path):
