@@ -1,0 +1,95 @@
+"""Multi-LoRA serving cost (CPU, SmolLM2-135M fp32): one engine, the same batch of requests run on the
+base model alone and spread over 1, 4 and 16 LoRA adapters with ``--max-loras 4``, in one run.
+
+Each round queues ``--requests`` greedy requests (prompts of 50-200 random ordinary tokens,
+``--max-tokens`` each, EOS ignored) and steps the engine until all finish; tokens/s counts
+generated tokens. Adapters are made with ``peft`` (rank 8 on every projection, random A and B).
+With 16 adapters over 4 slots, requests of adapters without a slot wait while the others run.
+Reported: tokens/s of each setting, its ratio to the base model, and the LoRA share of the step
+(1 - ratio). The engines are built once per setting; the first round of each is a warm-up.
+
+    python benchmarks/lora_bench.py           # 48 requests x 32 tokens, 2 measured rounds
+    python benchmarks/lora_bench.py --quick   # 24 requests x 16 tokens, 1 measured round
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import CONTENTION_NOTE, build_prompts, load_average, machine_info, write_json
+
+from raypaged.config import EngineConfig
+from raypaged.engine.llm_engine import LLMEngine
+from raypaged.lora.request import LoRARequest
+from raypaged.model.default_model import default_model_dir
+from raypaged.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.lora.conftest import make_peft_adapter  # noqa: E402
+
+SETTINGS = (0, 1, 4, 16)  # adapters in the mix (0: the base model alone)
+MAX_LORAS = 4
+
+
+def run_round(engine: LLMEngine, prompts: list[list[int]], loras: list[LoRARequest | None], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for prompt, lora in zip(prompts, loras):
+        engine.add_request(None, params, prompt_token_ids=prompt, lora_request=lora)
+    start = time.perf_counter()
+    generated = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                generated += len(output.outputs[0].token_ids)
+    return generated / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    num_requests = args.requests or (24 if args.quick else 48)
+    max_tokens = args.max_tokens or (16 if args.quick else 32)
+    rounds = args.rounds or (1 if args.quick else 2)
+    model_dir = default_model_dir()
+    prompts = build_prompts(model_dir, num_requests, seed=0)
+    report: dict = {"machine": machine_info(args.threads), "load_average_start": load_average(), "note": CONTENTION_NOTE,
+                    "model": model_dir.name, "requests": num_requests, "max_tokens": max_tokens, "rounds": rounds,
+                    "max_loras": MAX_LORAS, "settings": {}}
+    with tempfile.TemporaryDirectory() as root:
+        adapters = [LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(
+            model_dir, Path(root) / f"a{i}", i, r=8, lora_alpha=16, target_modules="all-linear")))
+            for i in range(max(SETTINGS))]
+        for num_adapters in SETTINGS:
+            engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=512,
+                                            num_gpu_blocks_override=1024, enable_lora=num_adapters > 0,
+                                            max_loras=MAX_LORAS, max_lora_rank=8))
+            loras = [adapters[i % num_adapters] if num_adapters else None for i in range(num_requests)]
+            run_round(engine, prompts, loras, max_tokens)  # warm-up (adapters read and checked)
+            rates = [run_round(engine, prompts, loras, max_tokens) for _ in range(rounds)]
+            report["settings"][str(num_adapters)] = {"tokens_per_s": sum(rates) / len(rates), "rounds": rates}
+            print(f"{num_adapters:2d} adapters: {sum(rates) / len(rates):7.1f} tokens/s", flush=True)
+            engine.shutdown()
+    base = report["settings"]["0"]["tokens_per_s"]
+    for key, entry in report["settings"].items():
+        entry["ratio_to_base"] = entry["tokens_per_s"] / base
+        entry["lora_share"] = 1 - entry["ratio_to_base"]
+        if key != "0":
+            print(f"{key:>2} adapters over {MAX_LORAS} slots: {entry['ratio_to_base']:.2f}x the base model "
+                  f"(LoRA share of the step {entry['lora_share']:.0%})")
+    report["load_average_end"] = load_average()
+    print(f"wrote {write_json('lora_bench', report)}")
+
+
+if __name__ == "__main__":
+    main()
