@@ -71,7 +71,10 @@ def read_peft_adapter(name: str, path: str | Path, max_lora_rank: int) -> PeftAd
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
         raise ValueError(f"LoRA adapter {name!r}: no adapter_config.json in {folder}")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"LoRA adapter {name!r}: {config_file} is not valid JSON ({e})") from None
     _check_config(name, config, max_lora_rank)
     tensors = _read_tensors(name, folder)
     scale_of = _scaling(config)
@@ -103,7 +106,8 @@ def read_peft_adapter(name: str, path: str | Path, max_lora_rank: int) -> PeftAd
         rank = lora_a.shape[0]
         if rank > max_lora_rank:
             raise ValueError(f"LoRA adapter {name!r} has rank {rank}, above --max-lora-rank {max_lora_rank}")
-        weights[(layer, projection)] = LoRAWeights(lora_a, lora_b * scale_of(rank))
+        # in fp32 whatever the checkpoint's dtype: the scale is folded in before any cast to the model's
+        weights[(layer, projection)] = LoRAWeights(lora_a.float(), lora_b.float() * scale_of(rank))
     return PeftAdapter(name, max(w.rank for w in weights.values()), config.get("base_model_name_or_path"), weights)
 
 

@@ -194,6 +194,11 @@ def test_broken_folders(tmp_path, tiny_llama_dir, tiny_manager):
     with pytest.raises(ValueError, match=re.escape(
             f"LoRA adapter 'a': no adapter_model.safetensors or adapter_model.bin in {path}")):
         add(tiny_manager, path)
+    (path / "adapter_config.json").write_text("{'r': 8}")
+    with pytest.raises(ValueError, match=re.escape(
+            f"LoRA adapter 'a': {path / 'adapter_config.json'} is not valid JSON (Expecting property name enclosed "
+            "in double quotes: line 1 column 2 (char 1))")):
+        add(tiny_manager, path)
 
 
 def test_broken_weights(tmp_path, tiny_llama_dir, tiny_manager):
