@@ -124,3 +124,22 @@ def test_lora_info_names_running_and_waiting_adapters(engine, adapters):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.lora_info() == ([], [])
+
+
+def test_adapters_never_share_prefix_cache_blocks(engine, adapters):
+    params = SamplingParams(temperature=0, max_tokens=1)
+    prompt = "A prompt long enough to fill two blocks of sixteen tokens, so that a prefix-cache hit would show up here."
+
+    def cached(lora: LoRARequest | None) -> int:
+        request_id = engine.add_request(prompt, params, lora_request=lora)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id == request_id and output.finished:
+                    found = output.num_cached_tokens
+        return found
+
+    first, second = adapters["qv-r4"], adapters["kogd-r16"]
+    assert cached(None) == 0
+    assert cached(first) == 0 and cached(second) == 0  # the base model's blocks are not theirs
+    hits = cached(None)
+    assert hits >= 16 and cached(first) == hits and cached(second) == hits  # each finds its own
