@@ -10,16 +10,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from raypaged.core.beam_search import BeamSearchParams
     from raypaged.entrypoints.llm import LLM
     from raypaged.lora.request import LoRARequest
     from raypaged.outputs import CompletionOutput, RequestOutput
-    from raypaged.sampling_params import SamplingParams
+    from raypaged.sampling_params import BeamSearchParams, SamplingParams
 
 _EXPORTS = {
     "LLM": "raypaged.entrypoints.llm",
     "SamplingParams": "raypaged.sampling_params",
-    "BeamSearchParams": "raypaged.core.beam_search",
+    "BeamSearchParams": "raypaged.sampling_params",
     "RequestOutput": "raypaged.outputs",
     "CompletionOutput": "raypaged.outputs",
     "LoRARequest": "raypaged.lora.request",

@@ -193,3 +193,27 @@ class SamplingParams:
     @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """``llm.beam_search`` parameters (vLLM's names).
+
+    Scores are ``cumulative_logprob / num_generated_tokens ** length_penalty``.
+    ``structured_outputs``: every beam follows the constraint (each beam its own grammar state,
+    forked with the beam); a beam ends only where the grammar accepts EOS.
+    """
+
+    beam_width: int = 4
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def __post_init__(self) -> None:
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("beam search with structured_outputs cannot ignore_eos: a beam ends where its grammar does")

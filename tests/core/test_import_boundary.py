@@ -18,3 +18,11 @@ def test_the_public_names_still_import_from_the_package():
     code = "from raypaged import LLM, SamplingParams, BeamSearchParams, RequestOutput, CompletionOutput; print(LLM.__name__)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "LLM"
+
+
+def test_beam_search_params_live_where_vllm_has_them():
+    from raypaged import BeamSearchParams as exported
+    from raypaged.core.beam_search import BeamSearchParams as core
+    from raypaged.sampling_params import BeamSearchParams
+
+    assert BeamSearchParams is exported is core
