@@ -32,7 +32,14 @@ from raypaged.engine.output_processor import (
     process_token,
 )
 from raypaged.executor.uniproc import UniProcExecutor
-from raypaged.inputs.limits import InputError, check_context, check_prompt_ids, check_sampling, check_text
+from raypaged.inputs.limits import (
+    InputError,
+    check_context,
+    check_count,
+    check_prompt_ids,
+    check_sampling,
+    check_text,
+)
 from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
 from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
@@ -305,8 +312,12 @@ class LLMEngine:
         params: BeamSearchParams,
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a beam search; its output (beams best first) comes when it finishes."""
+        limits = self.config.limits
+        check_count("n", params.beam_width, limits.max_num_samples, "max_num_samples", "beams")
+        lora = None if lora_request is None else self.check_lora(lora_request)
         request_id, prompt_token_ids = self._validate_prompt(request_id, prompt, prompt_token_ids)
         max_tokens = min(params.max_tokens, self.config.max_model_len - len(prompt_token_ids))
         if params.structured_outputs is None:
@@ -317,7 +328,8 @@ class LLMEngine:
         beam_params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2 * params.beam_width, ignore_eos=True)
         seq_id = self._seq_id(request_id)
         group = BeamGroup(seq_id, params, self.eos_token_id)
-        first = Request(seq_id, prompt_token_ids, beam_params, max_tokens, self.eos_token_id, beam=group)
+        first = Request(seq_id, prompt_token_ids, beam_params, max_tokens, self.eos_token_id, beam=group,
+                        cache_salt=_prefix_namespace(None, lora), lora=lora)
         group.beams.append(first)
         if grammar is not None:
             self._matchers[seq_id] = self.grammars.matcher(grammar)
@@ -340,7 +352,8 @@ class LLMEngine:
             )
             for rank, hyp in enumerate(group.hypotheses)
         ]
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished=True)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished=True,
+                             num_generated_tokens=sum(len(h.token_ids) for h in group.hypotheses))
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests (all their sequences); their blocks are free when this returns."""

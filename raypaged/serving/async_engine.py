@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.outputs import RequestOutput
-from raypaged.sampling_params import SamplingParams
+from raypaged.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from raypaged.lora.request import LoRARequest
@@ -60,6 +60,7 @@ class _Add:
     stream: _Stream
     accepted: concurrent.futures.Future
     lora_request: LoRARequest | None = None
+    beam: BeamSearchParams | None = None  # a beam search instead (params then only describe the output)
 
 
 @dataclass(slots=True)
@@ -129,8 +130,10 @@ class AsyncLLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        beam: BeamSearchParams | None = None,
     ) -> str:
         """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``.
+        With ``beam`` it is a beam search: one finished output, its beams best first.
 
         A caller cancelled at any point, even while the engine thread is adding the
         request, leaves nothing running: an abort is queued behind the add.
@@ -140,16 +143,15 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.structured_outputs is not None:  # compiled here, off the engine thread: the batch runs on
-            await self._loop.run_in_executor(
-                None, self.engine.compile_grammar, params.structured_outputs, prompt, prompt_token_ids
-            )
+        structured = params.structured_outputs if beam is None else beam.structured_outputs
+        if structured is not None:  # compiled here, off the engine thread: the batch runs on
+            await self._loop.run_in_executor(None, self.engine.compile_grammar, structured, prompt, prompt_token_ids)
         if lora_request is not None:  # an adapter new to the engine is read and checked here, off its thread
             await self._loop.run_in_executor(None, self.engine.check_lora, lora_request)
         stream = self._streams[request_id] = _Stream()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(
-            _Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, stream, accepted, lora_request)
+            _Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, stream, accepted, lora_request, beam)
         )
         try:
             await asyncio.wrap_future(accepted)
@@ -275,15 +277,19 @@ class AsyncLLMEngine:
             if not command.accepted.set_running_or_notify_cancel():
                 return  # the caller was cancelled before the engine saw the request
             try:
-                engine.add_request(
-                    command.prompt,
-                    command.params,
-                    command.request_id,
-                    command.prompt_token_ids,
-                    priority=command.priority,
-                    cache_salt=command.cache_salt,
-                    lora_request=command.lora_request,
-                )
+                if command.beam is not None:
+                    engine.add_beam_search(command.prompt, command.beam, command.request_id, command.prompt_token_ids,
+                                           command.lora_request)
+                else:
+                    engine.add_request(
+                        command.prompt,
+                        command.params,
+                        command.request_id,
+                        command.prompt_token_ids,
+                        priority=command.priority,
+                        cache_salt=command.cache_salt,
+                        lora_request=command.lora_request,
+                    )
             except ValueError as exc:
                 command.accepted.set_exception(exc)
             else:

@@ -47,7 +47,7 @@ from raypaged.serving.metrics import ServerMetrics
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
 from raypaged.serving.chat import chat_prompt_ids, conversation_chars
-from raypaged.serving.protocol import DeltaTracker, sampling_params_from_proto
+from raypaged.serving.protocol import DeltaTracker, beam_search_from_proto, sampling_params_from_proto
 
 logger = logging.getLogger("raypaged")
 T = TypeVar("T")
@@ -221,6 +221,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             lora = self.adapters[request.model][1] if request.model in self.adapters else None
             engine = model.engine
             params = sampling_params_from_proto(request, engine.config.limits, engine.config.generation_defaults)
+            beam = beam_search_from_proto(request, engine.config.max_model_len)
             check_priority(request.priority, engine.config.scheduling_policy)
             priority = gate.tenant.engine_priority(request.priority)
             _check_prompt_size(model, request)
@@ -236,7 +237,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 await hold.admit()
                 text, token_ids = await _prompt(model, request)
                 await engine.add_request(text, params, key[1], token_ids, priority, cache_salt=self._cache_salt(gate),
-                                         lora_request=lora)
+                                         lora_request=lora, beam=beam)
             except _REFUSED as exc:
                 await hold.let_go(in_engine=False)
                 await _refuse(context, exc)

@@ -9,9 +9,9 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from raypaged.config import GenerationDefaults
-from raypaged.inputs.limits import InputLimits, check_count, check_stop_counts
+from raypaged.inputs.limits import InputError, InputLimits, check_count, check_stop_counts
 from raypaged.outputs import CompletionOutput, RequestOutput
-from raypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from raypaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from raypaged.serving.proto import generate_pb2 as pb
 
 FINISH_REASONS = {
@@ -70,6 +70,46 @@ def sampling_params_from_proto(
         return SamplingParams(**kwargs)
     except TypeError as exc:  # a field this engine build does not know
         raise ValueError(str(exc)) from None
+
+
+def beam_search_from_proto(request: pb.GenerateRequest, max_model_len: int) -> BeamSearchParams | None:
+    """The request's beam search (``None``: it samples). What beam search cannot honour is refused by
+    name: it ranks beams by the model's own log-probabilities, with no stop strings or logprobs."""
+    if not request.HasField("beam_search"):
+        return None
+    sampling, stopping = request.sampling, request.stopping
+    refused = {
+        "temperature": sampling.HasField("temperature") and sampling.temperature not in (0.0, 1.0),
+        "top_p": sampling.HasField("top_p") and sampling.top_p != 1.0,
+        "top_k": sampling.top_k not in (0, -1),
+        "min_p": sampling.min_p != 0.0,
+        "presence_penalty": sampling.presence_penalty != 0.0,
+        "frequency_penalty": sampling.frequency_penalty != 0.0,
+        "repetition_penalty": sampling.HasField("repetition_penalty") and sampling.repetition_penalty != 1.0,
+        "seed": sampling.HasField("seed"),
+        "best_of": sampling.HasField("best_of") and sampling.best_of != (sampling.n or 1),
+        "logit_bias": bool(sampling.logit_bias),
+        "allowed_token_ids": bool(sampling.allowed_token_ids),
+        "bad_words": bool(sampling.bad_words),
+        "stop": bool(stopping.stop_sequences),
+        "stop_token_ids": bool(stopping.stop_token_ids),
+        "min_tokens": stopping.min_tokens != 0,
+        "skip_special_tokens": stopping.HasField("skip_special_tokens") and not stopping.skip_special_tokens,
+        "logprobs": request.HasField("logprobs"),
+        "prompt_logprobs": request.HasField("prompt_logprobs"),
+        "echo": request.echo,
+    }
+    for name, asked in refused.items():
+        if asked:
+            raise InputError(name, f"{name} is not supported with use_beam_search (beams are ranked by the "
+                                   "model's log-probabilities at temperature 1)")
+    length_penalty = request.beam_search.length_penalty
+    if not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty}")
+    max_tokens = stopping.max_tokens if stopping.HasField("max_tokens") else max_model_len
+    structured = structured_from_proto(request.structured) if request.HasField("structured") else None
+    return BeamSearchParams(beam_width=sampling.n or 1, max_tokens=max(max_tokens, 1), ignore_eos=stopping.ignore_eos,
+                            length_penalty=length_penalty, structured_outputs=structured)
 
 
 def structured_from_proto(message: pb.StructuredOutput) -> StructuredOutputsParams:

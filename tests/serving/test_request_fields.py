@@ -26,7 +26,6 @@ def http(tiny_model_dir):
 @pytest.mark.parametrize(("body", "field", "value"), [
     (COMPLETION, "suffix", "end"),
     (COMPLETION, "spaces_between_special_tokens", False),
-    (COMPLETION, "use_beam_search", True),
     (CHAT, "functions", [{"name": "f", "parameters": {}}]),
     (CHAT, "prediction", {"type": "content", "content": "x"}),
 ])
@@ -188,3 +187,40 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(http):
     plain = [json.loads(line[6:]) for line in http.post("/v1/completions", json=without).text.split("\n")
              if line.startswith("data: {")]
     assert all("usage" not in c for c in plain)
+
+
+def test_use_beam_search_answers_with_the_engines_beams(http, tiny_model_dir):
+    from raypaged import LLM
+    from raypaged.sampling_params import BeamSearchParams
+
+    body = {"model": "tiny", "prompt": "The sky is", "max_tokens": 6, "n": 3, "use_beam_search": True,
+            "length_penalty": 0.5}
+    answer = http.post("/v1/completions", json=body).json()
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks_override=64, max_model_len=256)
+    [expected] = llm.beam_search("The sky is", BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5),
+                                 use_tqdm=False)
+    assert [c["text"] for c in answer["choices"]] == [b.text for b in expected.outputs]
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert answer["usage"]["completion_tokens"] == sum(len(b.token_ids) for b in expected.outputs)
+    chat = http.post("/v1/chat/completions", json={**CHAT, "n": 2, "use_beam_search": True}).json()
+    assert len(chat["choices"]) == 2
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"stream": True}, "use_beam_search does not stream: the beams come once they are finished"),
+    ({"temperature": 0.7}, "temperature is not supported with use_beam_search (beams are ranked by the model's "
+                           "log-probabilities at temperature 1)"),
+    ({"stop": ["x"]}, "stop is not supported with use_beam_search (beams are ranked by the model's "
+                      "log-probabilities at temperature 1)"),
+    ({"logprobs": 1}, "logprobs is not supported with use_beam_search (beams are ranked by the model's "
+                      "log-probabilities at temperature 1)"),
+])
+def test_use_beam_search_refuses_what_beams_cannot_honour(http, extra, message):
+    answer = http.post("/v1/completions", json={**COMPLETION, "use_beam_search": True, "n": 2, **extra})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == message
+
+
+def test_length_penalty_needs_use_beam_search(http):
+    answer = http.post("/v1/completions", json={**COMPLETION, "length_penalty": 2.0})
+    assert (answer.status_code, answer.json()["error"]["message"]) == (400, "length_penalty applies to use_beam_search only")

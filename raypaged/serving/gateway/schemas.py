@@ -36,8 +36,6 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "suffix": ("",),
     "spaces_between_special_tokens": (True,),
-    "use_beam_search": (False,),
-    "length_penalty": (1.0,),
     "logits_processors": (),
     "prompt_embeds": (),
     "functions": (),
@@ -101,6 +99,8 @@ class _GenerationBody(BaseModel):
     prompt_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
     echo: bool = False  # completions: the prompt first in the text (and its tokens first in the logprobs)
     return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:{id}" (vLLM's)
+    use_beam_search: bool = False  # vLLM's: n beams instead of n samples, answered once finished
+    length_penalty: float = 1.0  # with use_beam_search: scores are cumulative logprob / length ** this
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")  # vLLM's
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)  # keep the prompt's last N tokens
@@ -234,6 +234,12 @@ class _GenerationBody(BaseModel):
             request.structured.CopyFrom(constraint)
         if num_logprobs is not None:
             request.logprobs = num_logprobs
+        if self.use_beam_search:
+            if self.stream:
+                raise APIError(400, "use_beam_search does not stream: the beams come once they are finished", "stream")
+            request.beam_search.CopyFrom(pb.BeamSearch(length_penalty=self.length_penalty))
+        elif self.length_penalty != 1.0:
+            raise APIError(400, "length_penalty applies to use_beam_search only", "length_penalty")
         return request
 
 

@@ -155,7 +155,7 @@ class StructuredOutput(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[StructuredChoices, _Mapping]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "stopping", "logprobs", "priority", "structured", "prompt_logprobs", "echo", "truncate_prompt_tokens")
+    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "stopping", "logprobs", "priority", "structured", "prompt_logprobs", "echo", "truncate_prompt_tokens", "beam_search")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class GenerateRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -182,7 +183,14 @@ class GenerateRequest(_message.Message):
     prompt_logprobs: int
     echo: bool
     truncate_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    beam_search: BeamSearch
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ...) -> None: ...
+
+class BeamSearch(_message.Message):
+    __slots__ = ("length_penalty",)
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    length_penalty: float
+    def __init__(self, length_penalty: _Optional[float] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs", "token_texts")
