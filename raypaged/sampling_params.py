@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 _GREEDY_EPS = 1e-5
@@ -163,12 +163,14 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}"
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ValueError(f"logprobs must be non-negative, or -1 for the whole vocabulary, got {self.logprobs}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise ValueError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise ValueError(
+                f"prompt_logprobs must be non-negative, or -1 for the whole vocabulary, got {self.prompt_logprobs}"
+            )
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
         if self.logit_bias is not None:
@@ -193,6 +195,17 @@ class SamplingParams:
     @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+    def with_vocabulary_logprobs(self, vocab_size: int) -> SamplingParams:
+        """These params with ``logprobs`` / ``prompt_logprobs`` of -1 (vLLM's "the whole
+        vocabulary") made ``vocab_size``; the same object when neither is -1."""
+        if self.logprobs != -1 and self.prompt_logprobs != -1:
+            return self
+        return replace(
+            self,
+            logprobs=vocab_size if self.logprobs == -1 else self.logprobs,
+            prompt_logprobs=vocab_size if self.prompt_logprobs == -1 else self.prompt_logprobs,
+        )
 
 
 @dataclass(slots=True)

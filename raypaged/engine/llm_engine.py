@@ -259,6 +259,7 @@ class LLMEngine:
         """
         lora = None if lora_request is None else self.check_lora(lora_request)
         check_sampling(sampling_params, self.config.hf_config.vocab_size, self.config.limits)
+        sampling_params = sampling_params.with_vocabulary_logprobs(self.config.hf_config.vocab_size)
         request_id, prompt_token_ids = self._validate_prompt(
             request_id, prompt, prompt_token_ids, sampling_params.truncate_prompt_tokens
         )

@@ -49,8 +49,8 @@ class InputLimits:
             value = getattr(self, f.name)
             if value is None and f.name == "max_prompt_chars":
                 continue
-            if not isinstance(value, int) or value < (0 if f.name == "max_logprobs" else 1):
-                least = 0 if f.name == "max_logprobs" else 1
+            least = -1 if f.name == "max_logprobs" else 1  # max_logprobs -1: the vocabulary size (vLLM's)
+            if not isinstance(value, int) or value < least:
                 raise ValueError(f"{flag(f.name)} must be an integer of at least {least}, got {value!r}")
 
     def prompt_chars(self, max_model_len: int) -> int:
@@ -142,13 +142,15 @@ def check_sampling(params: SamplingParams, vocab_size: int, limits: InputLimits)
     check_count("n", params.n, limits.max_num_samples, "max_num_samples", "samples")
     if params.best_of is not None:
         check_count("best_of", params.best_of, limits.max_num_samples, "max_num_samples", "samples")
-    limit = min(limits.max_logprobs, vocab_size)
+    limit = vocab_size if limits.max_logprobs == -1 else min(limits.max_logprobs, vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
-        if value is not None and value > limit:
+        asked = vocab_size if value == -1 else value
+        if asked is not None and asked > limit:
+            shown = f"-1 (the whole vocabulary, {vocab_size})" if value == -1 else str(value)
             raise InputError(
                 name,
-                f"{name} {value} is more than the limit of {limit} (--max-logprobs, at most the vocabulary size "
+                f"{name} {shown} is more than the limit of {limit} (--max-logprobs, at most the vocabulary size "
                 f"{vocab_size})",
             )
     check_stop_counts(len(params.stop), len(params.stop_token_ids), limits)

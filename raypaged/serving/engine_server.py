@@ -242,7 +242,8 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 await hold.let_go(in_engine=False)
                 await _refuse(context, exc)
             yield pb.GenerateResponse(request_id=request_id)
-            tracker = DeltaTracker(request_id, params, model.tokenizer, echo=request.echo)
+            tracker = DeltaTracker(request_id, params.with_vocabulary_logprobs(engine.config.hf_config.vocab_size),
+                                   model.tokenizer, echo=request.echo)
             last: RequestOutput | None = None
             error: Exception | None = None
             async with contextlib.aclosing(engine.stream(key[1])) as outputs:

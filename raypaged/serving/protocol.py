@@ -52,8 +52,8 @@ def sampling_params_from_proto(
         stop=list(stopping.stop_sequences),
         stop_token_ids=list(stopping.stop_token_ids),
         ignore_eos=stopping.ignore_eos,
-        logprobs=request.logprobs if request.HasField("logprobs") else None,
-        prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+        logprobs=_count(request.logprobs) if request.HasField("logprobs") else None,
+        prompt_logprobs=_count(request.prompt_logprobs) if request.HasField("prompt_logprobs") else None,
         logit_bias=dict(sampling.logit_bias) or None,
         allowed_token_ids=list(sampling.allowed_token_ids) or None,
         bad_words=list(sampling.bad_words) or None,
@@ -70,6 +70,13 @@ def sampling_params_from_proto(
         return SamplingParams(**kwargs)
     except TypeError as exc:  # a field this engine build does not know
         raise ValueError(str(exc)) from None
+
+
+ALL_LOGPROBS = 0xFFFFFFFF  # logprobs / prompt_logprobs on the wire: the whole vocabulary (-1 over HTTP, as vLLM)
+
+
+def _count(value: int) -> int:
+    return -1 if value == ALL_LOGPROBS else value
 
 
 def beam_search_from_proto(request: pb.GenerateRequest, max_model_len: int) -> BeamSearchParams | None:

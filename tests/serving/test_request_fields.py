@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from raypaged.inputs.limits import InputLimits
 from tests.serving.conftest import Stack, tiny_config
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -224,3 +225,22 @@ def test_use_beam_search_refuses_what_beams_cannot_honour(http, extra, message):
 def test_length_penalty_needs_use_beam_search(http):
     answer = http.post("/v1/completions", json={**COMPLETION, "length_penalty": 2.0})
     assert (answer.status_code, answer.json()["error"]["message"]) == (400, "length_penalty applies to use_beam_search only")
+
+
+def test_logprobs_minus_one_means_the_whole_vocabulary_within_max_logprobs(http, tiny_model_dir):
+    refused = http.post("/v1/completions", json={**COMPLETION, "logprobs": -1})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == (
+        "logprobs -1 (the whole vocabulary, 49152) is more than the limit of 20 (--max-logprobs, at most the "
+        "vocabulary size 49152)")
+    stack = Stack([tiny_config(tiny_model_dir, "tiny", limits=InputLimits(max_logprobs=-1))])
+    try:
+        with stack.client() as client:
+            answer = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 1, "logprobs": -1}).json()
+            chat = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1, "logprobs": True,
+                                                             "top_logprobs": -1}).json()
+    finally:
+        stack.close()
+    [top] = answer["choices"][0]["logprobs"]["top_logprobs"]
+    assert len(top) > 40000  # every token (the texts of a few decode alike and share a key)
+    assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 49152

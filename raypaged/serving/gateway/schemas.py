@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from raypaged.serving.proto import generate_pb2 as pb
 
 from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.protocol import ALL_LOGPROBS
 from raypaged.serving.gateway.structured import ResponseFormat, StructuredOutputsBody
 from raypaged.serving.gateway.tool_parsers import ToolParser
 from raypaged.serving.gateway.tools import NamedToolChoice, Tool, ToolPlan
@@ -22,6 +23,7 @@ _UINT32_MAX = 2**32 - 1
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 Unsigned = Annotated[int, Field(ge=0, le=_UINT32_MAX)]
+LogprobCount = Annotated[int, Field(ge=-1, le=_UINT32_MAX - 1)]  # -1: the whole vocabulary (vLLM's)
 
 
 class StreamOptions(BaseModel):
@@ -96,7 +98,7 @@ class _GenerationBody(BaseModel):
     stop_token_ids: list[Unsigned] | None = None
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-_INT32_MAX - 1, le=_INT32_MAX)
-    prompt_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
+    prompt_logprobs: LogprobCount | None = None  # the engine caps it (--max-logprobs)
     echo: bool = False  # completions: the prompt first in the text (and its tokens first in the logprobs)
     return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:{id}" (vLLM's)
     use_beam_search: bool = False  # vLLM's: n beams instead of n samples, answered once finished
@@ -227,13 +229,13 @@ class _GenerationBody(BaseModel):
         request = pb.GenerateRequest(model=model, sampling=sampling, stopping=stopping, priority=priority,
                                      echo=self.echo, **prompt)
         if (prompt_logprobs := self.resolved_prompt_logprobs) is not None:
-            request.prompt_logprobs = prompt_logprobs
+            request.prompt_logprobs = ALL_LOGPROBS if prompt_logprobs == -1 else prompt_logprobs
         if self.truncate_prompt_tokens is not None:
             request.truncate_prompt_tokens = self.truncate_prompt_tokens
         if constraint is not None:
             request.structured.CopyFrom(constraint)
         if num_logprobs is not None:
-            request.logprobs = num_logprobs
+            request.logprobs = ALL_LOGPROBS if num_logprobs == -1 else num_logprobs
         if self.use_beam_search:
             if self.stream:
                 raise APIError(400, "use_beam_search does not stream: the beams come once they are finished", "stream")
@@ -254,12 +256,14 @@ def _token_id(key: str) -> int | None:
 
 class CompletionRequest(_GenerationBody):
     prompt: str | list[str] | list[Unsigned] | list[list[Unsigned]]
-    logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
+    logprobs: LogprobCount | None = None  # the engine caps it (--max-logprobs)
 
     @property
     def resolved_prompt_logprobs(self) -> int | None:
         """Echo with logprobs needs the prompt's: as many top alternatives as the output's."""
         if self.echo and self.logprobs is not None:
+            if -1 in (self.logprobs, self.prompt_logprobs):
+                return -1
             return max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
     add_special_tokens: Literal[True] = True  # prompts are tokenized with the BOS (as vLLM's default)
@@ -356,7 +360,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationBody):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: Unsigned | None = None  # the engine caps it (--max-logprobs)
+    top_logprobs: LogprobCount | None = None  # the engine caps it (--max-logprobs)
     max_completion_tokens: Unsigned | None = None
     add_special_tokens: Literal[False] = False  # the chat template writes the special tokens (as vLLM's default)
     echo: Literal[False] = False  # completions only
