@@ -135,6 +135,7 @@ def add_hub_args(parser: argparse.ArgumentParser) -> None:
 
 def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     """Flags vLLM command lines carry: each is honoured, or refused by name in ``check_vllm_args``."""
+    add_default_only_args(parser)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM command lines: only built-in architectures run, never a model's code")
     parser.add_argument("--quantization", "-q", default=None, metavar="METHOD",
@@ -158,8 +159,31 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                         help="LoRA adapters kept loaded on the CPU behind the device slots (default: --max-loras)")
 
 
+# vLLM flags taken only at their default: flag (and short form), type, default, why another value is refused
+_DEFAULT_ONLY_FLAGS: list[tuple[tuple[str, ...], type, object, str]] = [
+    (("--pipeline-parallel-size", "-pp"), int, 1, "pipeline parallelism is not implemented: shard layers with -tp"),
+    (("--data-parallel-size", "-dp"), int, 1, "run one server per replica behind a load balancer (see deploy/)"),
+    (("--max-long-partial-prefills",), int, 1, "the scheduler prefills one prompt in chunks at a time"),
+    (("--long-prefill-token-threshold",), int, 0, "the scheduler prefills one prompt in chunks at a time"),
+    (("--cpu-offload-gb",), float, 0.0, "weights stay on the device"),
+    (("--tokenizer-mode",), str, "auto", "the model's own (fast) tokenizer is used"),
+    (("--distributed-executor-backend",), str, None, "shards are Ray actors (ray)"),
+]
+
+
+def add_default_only_args(parser: argparse.ArgumentParser) -> None:
+    for names, kind, default, why in _DEFAULT_ONLY_FLAGS:
+        shown = "ray" if names[0] == "--distributed-executor-backend" else default
+        parser.add_argument(*names, type=kind, default=default, help=f"accepted at {shown} only: {why}")
+
+
 def check_vllm_args(args: argparse.Namespace) -> None:
     """Refuse, by name, what a vLLM command line asks for and this engine cannot do."""
+    for names, _, default, why in _DEFAULT_ONLY_FLAGS:
+        value = getattr(args, names[0][2:].replace("-", "_"))
+        allowed = (default, "ray") if names[0] == "--distributed-executor-backend" else (default,)
+        if value not in allowed:
+            raise ValueError(f"{names[0]} {value} is not supported: {why}")
     if args.enable_chunked_prefill is False:
         raise ValueError("--no-enable-chunked-prefill is not supported: long prefills are always chunked within "
                          "--max-num-batched-tokens")
@@ -348,6 +372,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="no uvicorn access-log line per HTTP request")
     parser.add_argument("--ssl-keyfile", default=None, help="private key (PEM) for HTTPS, with --ssl-certfile")
     parser.add_argument("--ssl-certfile", default=None, help="certificate chain (PEM): serve HTTPS instead of HTTP")
+    parser.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) that client certificates must chain to")
+    parser.add_argument("--ssl-cert-reqs", type=int, default=0,
+                        help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
     parser.add_argument("--root-path", default="",
                         help="the path prefix of a path-routing proxy in front (FastAPI's root_path): routes answer "
                              "under it as well as without it")
@@ -431,6 +458,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         log_requests=args.enable_log_requests and not args.disable_log_requests, log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
         max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, auth_exempt_paths=exempt,
         max_prompts_per_request=args.max_prompts_per_request,
         allowed_hosts=names("--allowed-hosts", args.allowed_hosts) if args.allowed_hosts is not None else None,

@@ -55,6 +55,8 @@ class GatewayOptions:
     access_log: bool = True  # uvicorn's line per HTTP request
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None  # CA bundle that client certificates are checked against
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE (0), CERT_OPTIONAL (1) or CERT_REQUIRED (2): client certificates
     root_path: str = ""  # a path-routing proxy's prefix (FastAPI's root_path)
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     auth_exempt_paths: tuple[str, ...] = DEFAULT_AUTH_EXEMPT_PATHS
@@ -82,6 +84,10 @@ class GatewayOptions:
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
         self.root_path = self.root_path.rstrip("/")
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ValueError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {self.ssl_cert_reqs}")
+        if (self.ssl_ca_certs is not None or self.ssl_cert_reqs) and self.ssl_certfile is None:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (client certificates are HTTPS's)")
         if self.ssl_keyfile is not None and self.ssl_certfile is None:
             raise ValueError("--ssl-keyfile needs --ssl-certfile (the certificate to serve HTTPS with)")
         if self.ssl_certfile is not None:
@@ -171,7 +177,7 @@ class Gateway:
         self.server = _Server(uvicorn.Config(
             app, log_level=options.uvicorn_log_level or options.log_level, access_log=options.access_log,
             lifespan="off", timeout_graceful_shutdown=_CLOSE_CONNECTIONS_S, ssl_keyfile=options.ssl_keyfile,
-            ssl_certfile=options.ssl_certfile,
+            ssl_certfile=options.ssl_certfile, ssl_ca_certs=options.ssl_ca_certs, ssl_cert_reqs=options.ssl_cert_reqs,
         ))
         self._shutdown: asyncio.Task | None = None
 

@@ -158,3 +158,53 @@ def test_lora_flags_refuse_what_they_cannot_honour(tiny_model_dir, argv, message
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         lora_modules(args)
         engine_configs(args)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-pp", "2"], "--pipeline-parallel-size 2 is not supported: pipeline parallelism is not implemented: shard "
+                   "layers with -tp"),
+    (["--data-parallel-size", "2"], "--data-parallel-size 2 is not supported: run one server per replica behind a "
+                                    "load balancer (see deploy/)"),
+    (["--distributed-executor-backend", "mp"], "--distributed-executor-backend mp is not supported: shards are Ray "
+                                               "actors (ray)"),
+    (["--long-prefill-token-threshold", "512"], "--long-prefill-token-threshold 512 is not supported: the scheduler "
+                                                "prefills one prompt in chunks at a time"),
+    (["--max-long-partial-prefills", "2"], "--max-long-partial-prefills 2 is not supported: the scheduler prefills "
+                                           "one prompt in chunks at a time"),
+    (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4.0 is not supported: weights stay on the device"),
+    (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral is not supported: the model's own (fast) tokenizer "
+                                      "is used"),
+])
+def test_vllm_flags_taken_only_at_their_default(tiny_model_dir, argv, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        configs(str(tiny_model_dir), *argv)
+    configs(str(tiny_model_dir), "-pp", "1", "-dp", "1", "--distributed-executor-backend", "ray",
+            "--tokenizer-mode", "auto", "--long-prefill-token-threshold", "0")
+
+
+def test_ssl_ca_certs_and_cert_reqs_require_client_certificates(tiny_model_dir, tmp_path):
+    """--ssl-cert-reqs 2 with --ssl-ca-certs: a client without a certificate the CA signed is turned away."""
+    import ssl
+
+    from tests.entrypoints.test_cli_startup_flags import self_signed_certificate
+
+    cert, key = self_signed_certificate(tmp_path)
+    args = build_parser().parse_args(["serve", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                                      "--ssl-ca-certs", str(cert), "--ssl-cert-reqs", "2"])
+    from raypaged.entrypoints.cli import gateway_options
+
+    options = gateway_options(args)
+    assert (options.ssl_ca_certs, options.ssl_cert_reqs) == (str(cert), ssl.CERT_REQUIRED)
+    stack = Stack([tiny_config(tiny_model_dir, "tiny")], ssl_certfile=str(cert), ssl_keyfile=str(key),
+                  ssl_ca_certs=str(cert), ssl_cert_reqs=ssl.CERT_REQUIRED)
+    url = stack.url.replace("http://", "https://")
+    try:
+        trusted = ssl.create_default_context(cafile=str(cert))
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            httpx.get(f"{url}/v1/models", verify=trusted, timeout=10)
+        trusted.load_cert_chain(str(cert), str(key))
+        assert httpx.get(f"{url}/v1/models", verify=trusted, timeout=10).status_code == 200
+    finally:
+        stack.close()
+    with pytest.raises(ValueError, match=re.escape("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")):
+        gateway_options(build_parser().parse_args(["serve", "--ssl-ca-certs", str(cert)]))
