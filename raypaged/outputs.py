@@ -5,13 +5,47 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class Logprob(float):
+    """One token's log-probability as vLLM's ``Logprob``: ``logprob``, ``rank`` (1: the most likely
+    token of its position) and ``decoded_token`` (its text); it is also that float itself, so
+    arithmetic and comparisons on it work as on a plain logprob."""
+
+    __slots__ = ("rank", "decoded_token")
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        entry = super().__new__(cls, logprob)
+        entry.rank = rank
+        entry.decoded_token = decoded_token
+        return entry
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    def __reduce__(self) -> tuple:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+
+def decode_logprobs(entries: list[dict[int, float]] | list[dict[int, float] | None], tokenizer) -> None:
+    """Give every ``Logprob`` of ``entries`` (in place) its ``decoded_token`` where it has none."""
+    for entry in entries:
+        for token_id, value in (entry or {}).items():
+            if isinstance(value, Logprob) and value.decoded_token is None:
+                value.decoded_token = tokenizer.decode([token_id])
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None  # per generated token: token id -> logprob
+    logprobs: list[dict[int, Logprob]] | None  # per generated token: token id -> its Logprob (the sampled first)
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     finish_message: str | None = None  # set when the engine ended it on its own (it outgrew the KV cache ...)
@@ -76,5 +110,5 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None  # None for beam searches
     # with SamplingParams.prompt_logprobs: per prompt token its logprob and the top-N (None for the first)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed (vLLM's)

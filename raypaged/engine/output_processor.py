@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from raypaged.core.request import Request
 from raypaged.engine.detokenizer import IncrementalDetokenizer
-from raypaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from raypaged.outputs import CompletionOutput, RequestMetrics, RequestOutput, decode_logprobs
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -66,6 +66,7 @@ class RequestState:
         if first.prompt_logprobs_missing:
             return None
         self.prompt_logprobs_sent = True
+        decode_logprobs(first.prompt_logprobs, self.seqs[0].detokenizer.tokenizer)
         return [None, *first.prompt_logprobs]
 
     @property
@@ -90,6 +91,8 @@ def process_token(seq: SeqState) -> bool:
         seq.first_token_time = seq.last_token_time
     searched = max(0, len(seq.text) - params.max_stop_len + 1)
     seq.text += seq.detokenizer.add_tokens(request.output_token_ids[-1:])
+    if params.logprobs is not None and request.output_logprobs:
+        decode_logprobs(request.output_logprobs[-1:], seq.detokenizer.tokenizer)
     if request.status.finished:
         seq.text += seq.detokenizer.flush()
     cut = find_stop(seq.text, params.stop, searched)

@@ -16,6 +16,7 @@ import torch
 
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from raypaged.outputs import Logprob
 from raypaged.sampling_params import SamplingParams
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
@@ -246,13 +247,15 @@ class ModelRunner:
             size = min(_PROMPT_LOGPROBS_CHUNK, count - offset)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + offset:first + offset + size]).float(), -1)
             targets = state.prompt_token_ids[token + offset:token + offset + size]
-            chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
+            chosen_t = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
+            chosen = chosen_t.squeeze(1).tolist()
+            ranks = ((logprobs > chosen_t).sum(-1) + 1).tolist()
             top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
             tops = list(zip(top_ids.tolist(), top_values.tolist())) if top_ids is not None else [([], [])] * size
-            for target, value, (ids, values) in zip(targets, chosen, tops):
-                entry = {target: value}
-                for top_id, top_value in zip(ids, values):
-                    entry.setdefault(top_id, top_value)
+            for target, value, rank, (ids, values) in zip(targets, chosen, ranks, tops):
+                entry = {target: Logprob(value, rank)}
+                for j, (top_id, top_value) in enumerate(zip(ids, values)):
+                    entry.setdefault(top_id, Logprob(top_value, j + 1))
                 entries.append(entry)
         return PromptLogprobs(token, entries)
 

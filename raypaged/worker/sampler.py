@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from raypaged.core.outputs import SampledToken
+from raypaged.outputs import Logprob
 from raypaged.sampling_params import SamplingParams
 
 
@@ -45,17 +46,21 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.G
 
     results = []
     token_list = token_ids.tolist()
-    chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    chosen_t = raw_logprobs.gather(1, token_ids[:, None])
+    chosen = chosen_t.squeeze(1).tolist()
     max_top = max((s.params.logprobs or 0) for s in inputs)
+    ranks: list[int] = []
+    if any(s.params.logprobs is not None for s in inputs):
+        ranks = ((raw_logprobs > chosen_t).sum(-1) + 1).tolist()  # 1: the most likely token
     if max_top:
         top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for i, s in enumerate(inputs):
         top = None
         if s.params.logprobs is not None:
-            top = {token_list[i]: chosen[i]}
+            top = {token_list[i]: Logprob(chosen[i], ranks[i])}
             for j in range(s.params.logprobs):
-                top.setdefault(top_ids[i][j], top_values[i][j])
+                top.setdefault(top_ids[i][j], Logprob(top_values[i][j], j + 1))
         results.append(SampledToken(token_list[i], chosen[i], top))
     return results
 

@@ -148,6 +148,35 @@ def test_logprobs_are_the_models_log_softmax(smollm2_llm, hf_smollm2):
     assert math.isfinite(plain.outputs[0].cumulative_logprob)
 
 
+def test_logprobs_are_vllms_logprob_objects_with_rank_and_text(smollm2_llm, hf_smollm2):
+    """Sampled at temperature 1: the sampled token's rank is its place in the model's own ordering."""
+    from raypaged.outputs import Logprob
+
+    tokenizer = smollm2_llm.get_tokenizer()
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=8, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    [output] = smollm2_llm.generate(PROMPTS[0], params, use_tqdm=False)
+    completion = output.outputs[0]
+    ids = output.prompt_token_ids + completion.token_ids
+    with torch.inference_mode():
+        reference = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].float(), dim=-1)
+    num_prompt = len(output.prompt_token_ids)
+    for i, (token, top) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        row = reference[num_prompt - 1 + i]
+        order = row.argsort(descending=True).tolist()
+        for token_id, entry in top.items():
+            assert isinstance(entry, Logprob) and entry.logprob == float(entry)
+            assert entry.rank == order.index(token_id) + 1
+            assert entry.decoded_token == tokenizer.decode([token_id])
+        assert [e.rank for t, e in top.items() if t != token] == [r for r in (1, 2) if order[r - 1] != token]
+    assert any(top[token].rank > 1 for token, top in zip(completion.token_ids, completion.logprobs))  # it sampled
+    assert output.prompt_logprobs[0] is None
+    for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+        target = output.prompt_token_ids[position]
+        order = reference[position - 1].argsort(descending=True).tolist()
+        assert entry[target].rank == order.index(target) + 1
+        assert entry[target].decoded_token == tokenizer.decode([target])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
