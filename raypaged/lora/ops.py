@@ -5,8 +5,9 @@ Slot weights are stacked: ``lora_a: [num_slots, in, rank]`` (A transposed) and
 ``lora_b: [num_slots, rank, out]`` (B transposed, the scale folded in), zero past each
 adapter's rank. A :class:`LoRAMapping` is built once per step from the tokens' slots and
 read by every layer. It picks one of three paths (``benchmarks/results/lora_op.md``: SmolLM2's
-projections at rank 16 on a 2-core CPU, where the pick is within 10% of the faster forced
-path in 54 of 56 multi-slot cases and the gather+bmm reference is 1.7-185x slower):
+projections at rank 16 on a shared 2-core CPU, where the pick is within 10% of the faster forced
+path in 50 of 56 multi-slot cases, 54 in a quieter run, and the gather+bmm reference is
+1.6-128x slower):
 
 - every token on one slot: two plain matmuls;
 - many slots or few tokens each: the slots' tokens gathered into a padded
@@ -133,7 +134,16 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, mapping:
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              mapping: LoRAMapping) -> None:
-    """``y[i] += x[i] A_s^T B_s^T`` for each token ``i`` with a slot ``s``, in place."""
+    """``y[i] += x[i] A_s^T B_s^T`` for each token ``i`` with a slot ``s``, in place; the shapes checked
+    (``LoRALinear`` calls the two halves directly with buffers shaped at construction)."""
+    num_slots, in_features, rank = lora_a.shape
+    if x.shape != (mapping.num_tokens, in_features) or y.shape != (mapping.num_tokens, lora_b.shape[2]):
+        raise ValueError(f"x {list(x.shape)} and y {list(y.shape)} do not fit a mapping of {mapping.num_tokens} "
+                         f"tokens and lora_a {list(lora_a.shape)}, lora_b {list(lora_b.shape)}")
+    if lora_b.shape[:2] != (num_slots, rank):
+        raise ValueError(f"lora_b {list(lora_b.shape)} does not match lora_a {list(lora_a.shape)}")
+    if mapping.slot_ids and mapping.slot_ids[-1] >= num_slots:
+        raise ValueError(f"the mapping reads slot {mapping.slot_ids[-1]} of {num_slots}")
     if not mapping.is_empty:
         lora_expand(y, lora_shrink(x, lora_a, mapping), lora_b, mapping)
 

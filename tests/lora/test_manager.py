@@ -91,7 +91,7 @@ def test_a_mapping_of_another_step_is_an_error_and_clearing_it_runs_the_base(tin
 
 
 def test_a_linear_no_active_adapter_touches_runs_its_base_alone(tiny_llama_dir, requests):
-    manager, model = new_manager(tiny_llama_dir, max_loras=2, max_lora_rank=8)
+    manager, _ = new_manager(tiny_llama_dir, max_loras=2, max_lora_rank=8)
     manager.add(requests[0])  # rank 2 on q_proj and o_proj
     manager.add(requests[2])  # rank 6 on every projection
     manager.acquire(1)

@@ -71,6 +71,18 @@ def test_add_lora_equals_reference(token_slots):
             assert torch.equal(got[i], base[i])  # base tokens untouched, bit for bit
 
 
+def test_add_lora_checks_shapes():
+    lora_a, lora_b = weights()
+    mapping = build_lora_mapping([0, 4])
+    with pytest.raises(ValueError, match=r"^x \[3, 24\] and y \[2, 40\] do not fit a mapping of 2 tokens and lora_a "
+                                         r"\[4, 24, 6\], lora_b \[4, 6, 40\]$"):
+        add_lora(torch.zeros(2, OUT), torch.zeros(3, IN), lora_a, lora_b, mapping)
+    with pytest.raises(ValueError, match=r"^lora_b \[4, 5, 40\] does not match lora_a \[4, 24, 6\]$"):
+        add_lora(torch.zeros(2, OUT), torch.zeros(2, IN), lora_a, lora_b[:, :5], mapping)
+    with pytest.raises(ValueError, match=r"^the mapping reads slot 4 of 4$"):
+        add_lora(torch.zeros(2, OUT), torch.zeros(2, IN), lora_a, lora_b, mapping)
+
+
 @pytest.mark.parametrize("token_slots", [[2] * 5, [2, None, 0, 2, 0], [1] * 9 + [3]])
 def test_row_sharded_shrinks_summed_then_expanded_equal_the_whole_product(token_slots):
     """What a row-parallel layer does over 2 ranks: A split by input columns, the shrinks all-reduced."""
