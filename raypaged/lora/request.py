@@ -17,7 +17,6 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
-    base_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if not self.lora_name:

@@ -31,9 +31,8 @@ ADAPTER_OPTIONS = {"all": {"r": 4, "target_modules": "all-linear"},
 def attach(model, adapter_dirs) -> LoRAManager:
     manager = LoRAManager(model, LoRAConfig(max_loras=2, max_lora_rank=4), TensorParallel(), torch.float32,
                           torch.device("cpu"))
-    for lora_int_id, (name, path) in enumerate(adapter_dirs.items(), start=1):
-        manager.add(LoRARequest(name, lora_int_id, str(path)))
-        manager.acquire(lora_int_id)
+    for slot, (name, path) in enumerate(adapter_dirs.items()):
+        manager.place(slot, LoRARequest(name, slot + 1, str(path)))
     return manager
 
 
@@ -48,8 +47,8 @@ def test_mixed_forward_equals_peft(tmp_path, smollm2_dir, variant):
                     for i, (name, options) in enumerate(ADAPTER_OPTIONS.items())}
     model = load_raypaged(model_dir)
     manager = attach(model, adapter_dirs)
-    ids = {name: i for i, name in enumerate(adapter_dirs, start=1)}
-    manager.set_mapping([ids.get(a) for a, p in zip(PROMPT_ADAPTERS, PROMPTS) for _ in p])
+    slots = {name: i for i, name in enumerate(adapter_dirs)}
+    manager.set_slot_mapping([slots.get(a) for a, p in zip(PROMPT_ADAPTERS, PROMPTS) for _ in p])
     got = prefill_logits(model, PROMPTS)
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter_dirs["all"],
                                           adapter_name="all")
@@ -73,13 +72,13 @@ def test_quantized_base_linears_take_lora_unchanged(tmp_path, smollm2_dir):
     manager = attach(model, adapter_dirs)
     assert {type(linear.base) for linear in manager.lora_model.linears.values()} == base_classes
     token_slots = [0, 1, None, 1, 0, 0]
-    manager.set_mapping([None if s is None else s + 1 for s in token_slots])
+    manager.set_slot_mapping(token_slots)
     for linear in manager.lora_model.linears.values():
         x = torch.randn(len(token_slots), linear.target.in_features)
         want = linear.base(x)
         add_lora_reference(want, x, linear.lora_a, linear.lora_b, token_slots)
         assert not torch.equal(want, linear.base(x))  # adapter "all" (slot 0) is on every linear
         torch.testing.assert_close(linear(x), want)
-    manager.clear_mapping()
+    manager.set_slot_mapping([None] * sum(map(len, PROMPTS)))
     for got, want in zip(prefill_logits(model, PROMPTS), base_logits):
         assert torch.equal(got, want)

@@ -21,9 +21,8 @@ def manager(smollm2_dir, smollm2_adapters):
     model = load_raypaged(smollm2_dir)
     manager = LoRAManager(model, LoRAConfig(max_loras=3, max_lora_rank=16), TensorParallel(), torch.float32,
                           torch.device("cpu"))
-    for lora_int_id, (name, path) in enumerate(smollm2_adapters.items(), start=1):
-        manager.add(LoRARequest(name, lora_int_id, str(path)))
-        assert manager.acquire(lora_int_id) == lora_int_id - 1
+    for slot, (name, path) in enumerate(smollm2_adapters.items()):
+        manager.place(slot, LoRARequest(name, slot + 1, str(path)))
     return manager, model
 
 
@@ -33,8 +32,8 @@ SEQUENCE_ADAPTERS = ["kogd-r16", None, "qv-r4", "all-r8-rslora"]
 
 def test_one_mixed_forward_equals_peft_per_adapter(manager, peft_smollm2):
     lora, model = manager
-    ids = {name: i for i, name in enumerate(ADAPTERS, start=1)}
-    lora.set_mapping([ids.get(name) for name, p in zip(SEQUENCE_ADAPTERS, PROMPTS) for _ in p])
+    slots = {name: i for i, name in enumerate(ADAPTERS)}
+    lora.set_slot_mapping([slots.get(name) for name, p in zip(SEQUENCE_ADAPTERS, PROMPTS) for _ in p])
     logits = prefill_logits(model, PROMPTS)
     for name, prompt, got in zip(SEQUENCE_ADAPTERS, PROMPTS, logits):
         want = peft_logits(peft_smollm2, name, prompt)
@@ -45,10 +44,10 @@ def test_one_mixed_forward_equals_peft_per_adapter(manager, peft_smollm2):
 
 def test_mixed_batch_greedy_tokens_equal_peft_generate(manager, peft_smollm2):
     lora, model = manager
-    ids = {name: i for i, name in enumerate(ADAPTERS, start=1)}
+    slots = {name: i for i, name in enumerate(ADAPTERS)}
     sequences = [list(p) for p in PROMPTS]
     for _ in range(NUM_NEW_TOKENS):  # a full forward per token: no cache, every sequence in one batch
-        lora.set_mapping([ids.get(name) for name, s in zip(SEQUENCE_ADAPTERS, sequences) for _ in s])
+        lora.set_slot_mapping([slots.get(name) for name, s in zip(SEQUENCE_ADAPTERS, sequences) for _ in s])
         for seq, logits in zip(sequences, prefill_logits(model, sequences)):
             seq.append(int(logits[-1].argmax()))
     generated = {name: s[len(p):] for name, s, p in zip(SEQUENCE_ADAPTERS, sequences, PROMPTS)}

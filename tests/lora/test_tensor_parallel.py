@@ -19,16 +19,15 @@ from tests.conftest import make_tiny_model
 from tests.lora.conftest import load_raypaged, make_peft_adapter, prefill_logits
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
-PROMPT_ADAPTERS = [1, None, 2]
+PROMPT_SLOTS = [0, None, 1]
 
 
 def mixed_logits(model_dir: Path, adapter_dirs: list[Path], tp: TensorParallel) -> torch.Tensor:
     model = load_raypaged(model_dir, tp)
     manager = LoRAManager(model, LoRAConfig(max_loras=2, max_lora_rank=8), tp, torch.float32, torch.device("cpu"))
-    for lora_int_id, path in enumerate(adapter_dirs, start=1):
-        manager.add(LoRARequest(f"ad{lora_int_id}", lora_int_id, str(path)))
-        manager.acquire(lora_int_id)
-    manager.set_mapping([a for a, p in zip(PROMPT_ADAPTERS, PROMPTS) for _ in p])
+    for slot, path in enumerate(adapter_dirs):
+        manager.place(slot, LoRARequest(f"ad{slot}", slot + 1, str(path)))
+    manager.set_slot_mapping([s for s, p in zip(PROMPT_SLOTS, PROMPTS) for _ in p])
     return torch.cat(prefill_logits(model, PROMPTS))
 
 
@@ -66,7 +65,7 @@ def test_sharded_adapters_equal_one_shard(tmp_path, smollm2_dir, tp_size, shape)
     got = torch.load(out)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     base = prefill_logits(load_raypaged(model_dir), PROMPTS)
-    for adapter, part, base_part in zip(PROMPT_ADAPTERS, got.split([len(p) for p in PROMPTS]), base):
+    for adapter, part, base_part in zip(PROMPT_SLOTS, got.split([len(p) for p in PROMPTS]), base):
         if adapter is None:
             torch.testing.assert_close(part, base_part, atol=1e-4, rtol=1e-4)
         else:
