@@ -31,6 +31,7 @@ import torch
 # the 2-core CPU over the benchmark's spreads, benchmarks/results/lora_op.md)
 PADDED_ROW_COST = 1.3
 SLOT_COST_ROWS = 16
+_NO_TOKENS = torch.zeros(0, dtype=torch.long)  # the index tensors of a mapping without adapter tokens (never read)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,8 @@ class LoRAMapping:
 
 def build_lora_mapping(token_slots: Sequence[int | None], device: torch.device | str = "cpu") -> LoRAMapping:
     """The mapping of a step whose token ``i`` reads slot ``token_slots[i]`` (``None``: the base model only)."""
+    if token_slots.count(None) == len(token_slots):  # no adapter token: nothing built, nothing copied to the device
+        return LoRAMapping(len(token_slots), (), (), _NO_TOKENS, _NO_TOKENS, None)
     by_slot: dict[int, list[int]] = {}
     for token, slot in enumerate(token_slots):
         if slot is not None:

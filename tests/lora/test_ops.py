@@ -33,7 +33,8 @@ def test_mapping_of_a_skewed_spread_loops_over_slots():
 
 
 def test_mapping_fast_paths():
-    assert build_lora_mapping([None, None]).is_empty
+    empty = build_lora_mapping([None, None], "meta")  # nothing goes to the device
+    assert empty.is_empty and empty.num_tokens == 2 and empty.token_ids.device.type == "cpu"
     assert build_lora_mapping([3, 3, 3]).one_slot_for_all
     one_with_base = build_lora_mapping([3, None, 3])
     assert not one_with_base.one_slot_for_all and one_with_base.padded is None
