@@ -14,6 +14,7 @@ from tests.lora.conftest import ADAPTERS, load_raypaged, peft_logits, prefill_lo
 
 PROMPTS = [[1, 504, 3458, 282, 260, 4649], [28, 339, 1113, 4533, 30, 216, 2], [9745, 314, 253], [1, 1, 1, 900, 28]]
 NUM_NEW_TOKENS = 8
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
