@@ -1,5 +1,6 @@
 """Quantized SmolLM2 against fp32 on CPU: W6 throughput (``offline_throughput.py --quick``'s workload,
-same prompts, same run), weight bytes, greedy agreement and perplexity.
+same prompts, engines side by side in one process, runs alternating), weight bytes, greedy agreement
+and perplexity, and one layer's projections fp32 vs int8.
 
 Each scheme's checkpoint is written by the reference quantizer (raypaged/quantization/quantizer.py)
 into --work-dir once; ``online-fp8`` is the float checkpoint with ``--quantization fp8`` and
@@ -23,8 +24,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS_DIR, build_prompts, load_average, machine_info, write_json
-from offline_throughput import agreement, bench_raypaged
+from common import MAX_TOKENS, RESULTS_DIR, build_prompts, load_average, machine_info, write_json
+from offline_throughput import agreement
 
 from raypaged.model.default_model import default_model_dir
 from raypaged.model.layers import linear
@@ -54,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--schemes", default="w8a8-int8,online-fp8", help=f"comma-separated, or all: {list(SCHEMES)}")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "raypaged" / "quantized")
     parser.add_argument("--w6", default="w8a8-int8-sq0.6", help="comma-separated schemes W6 also runs for")
-    parser.add_argument("--w6-rounds", type=int, default=2, help="W6 runs per system, alternating the systems")
+    parser.add_argument("--w6-rounds", type=int, default=3, help="W6 runs per system, alternating the systems")
     parser.add_argument("--name", default="quant_bench")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
@@ -64,10 +65,10 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown scheme {unknown[0]!r}; choose from {list(SCHEMES)}")
     online = [s for s in args.w6 if SCHEMES[s][2]]
-    if online:  # offline_throughput's runner takes a model folder, not engine options
+    if online:  # the W6 engines are built from model folders alone
         parser.error(f"--w6 runs checkpoint schemes only, not {online[0]!r}")
     # offline_throughput's W6 --quick settings
-    args.device, args.kv_cache_gib, args.repeats, args.seed, args.num_prompts = "cpu", 4.0, 1, 0, 32
+    args.kv_cache_gib, args.seed, args.num_prompts = 4.0, 0, 32
     return args
 
 
@@ -116,6 +117,37 @@ def linear_times(rows: tuple[int, ...] = (1, 8, 32, 256, 2048), repeats: int = 1
     return out
 
 
+def w6_alternating(model_dirs: dict[str, Path], prompts: list[list[int]], args: argparse.Namespace) -> dict[str, dict]:
+    """W6 (offline_throughput's raypaged run: same prompts, 100 greedy tokens each, EOS ignored, the
+    same KV cache) with every system's engine loaded at once and the timed runs alternating between
+    them, so that other load on the machine hits each alike; the first system's tokens are the reference."""
+    from raypaged import LLM, SamplingParams
+
+    llms = {name: LLM(model=str(path), dtype="float32", device="cpu", kv_cache_space=args.kv_cache_gib)
+            for name, path in model_dirs.items()}
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    results: dict[str, dict] = {name: {"w6_runs_tokens_per_s": []} for name in llms}
+    outputs: dict[str, list] = {}
+    try:
+        for llm in llms.values():  # warm-up
+            llm.generate(requests[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        for _ in range(args.w6_rounds):
+            for name, llm in llms.items():
+                start = time.perf_counter()
+                outputs[name] = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
+                seconds = time.perf_counter() - start
+                results[name]["w6_runs_tokens_per_s"].append(len(prompts) * MAX_TOKENS / seconds)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    reference = outputs[next(iter(llms))]
+    for name, row in results.items():
+        row["w6_tokens_per_s"] = statistics.median(row["w6_runs_tokens_per_s"])
+        row["w6_same_tokens_as_fp32"] = agreement(reference, outputs[name])
+    return results
+
+
 def model_folder(name: str, args: argparse.Namespace) -> Path:
     scheme, options, _ = SCHEMES[name]
     if scheme is None:
@@ -148,17 +180,10 @@ def main() -> None:
                                          for a, b in zip(reference_tokens, tokens)]})
         print(json.dumps(rows[-1]))
     by_name = {row["name"]: row for row in rows}
-    w6_outputs: dict[str, list] = {}
-    for _ in range(args.w6_rounds):  # rounds alternate the systems: load on the machine hits each alike
-        for name in ["fp32", *args.w6]:
-            model_dir = float_dir if name == "fp32" else model_folder(name, args)
-            result, w6_outputs[name] = bench_raypaged(model_dir, w6_prompts, 1, args)
-            row = by_name[name]
-            row.setdefault("w6_runs_tokens_per_s", []).append(result.median)
-            row.setdefault("forward_ms_per_step", []).append(result.extra["forward_ms_per_step"])
-            row["w6_tokens_per_s"] = statistics.median(row["w6_runs_tokens_per_s"])
-            row["w6_same_tokens_as_fp32"] = agreement(w6_outputs["fp32"], w6_outputs[name])
-            print(name, result.median)
+    for name, runs in w6_alternating({name: float_dir if name == "fp32" else model_folder(name, args)
+                                      for name in ["fp32", *args.w6]}, w6_prompts, args).items():
+        by_name[name] |= runs
+        print(name, runs["w6_runs_tokens_per_s"])
     report = {"machine": machine_info(args.threads), "load_average": {"start": load_start, "end": load_average()},
               "wall_seconds": time.perf_counter() - started, "rows": rows, "linear_times": kernels,
               "workload": {"w6": "offline_throughput --quick: 32 prompts of 50-200 tokens, 100 greedy tokens each",

@@ -230,12 +230,10 @@ class LlamaForCausalLM(nn.Module):
             else:
                 module_name, param_name = name.rsplit(".", 1)
                 owner = self._owner(name, module_name)
-                if isinstance(owner, QuantLinear):
+                if isinstance(owner, (QuantLinear, RowParallelLinear)):  # each checks the names it holds
                     owner.load_shard(param_name, tensor)
                 elif name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                elif isinstance(owner, RowParallelLinear):
-                    owner.load_shard(param_name, tensor)
                 elif isinstance(owner, VocabParallelEmbedding):
                     owner.load_shard(tensor)
                 else:

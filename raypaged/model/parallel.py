@@ -1,7 +1,8 @@
 """Tensor parallelism: the shard group of one worker and the layers that talk across it.
 
 Column-parallel linears are plain ``nn.Linear`` with their output rows sharded at
-load; the layers here are the ones that communicate: row-parallel linears (one
+load (quantized linears, in ``raypaged/quantization/linear.py``, split the same way);
+the layers here are the ones that communicate: row-parallel linears (one
 all-reduce), the vocab-parallel embedding (one all-reduce) and the vocab-parallel
 LM head (one all-gather of logits).
 """
@@ -71,6 +72,8 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def load_shard(self, param_name: str, tensor: torch.Tensor) -> None:
+        if param_name not in ("weight", "bias") or getattr(self, param_name) is None:
+            raise ValueError(f"checkpoint tensor {param_name!r} has no place in an unquantized row-parallel layer")
         if param_name == "bias":
             self.bias.data.copy_(tensor)
             return

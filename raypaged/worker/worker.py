@@ -65,6 +65,8 @@ class Worker:
         )
         # the CUDA kernels read a cache of the model's dtype: an fp8 cache is read and written in torch
         backend = config.attention_backend if self.cache_dtype == self.dtype else "torch"
+        if backend != config.attention_backend and self.device.type == "cuda":
+            logger.info("--kv-cache-dtype %s: paged attention runs in torch, not the CUDA kernels", config.kv_cache_dtype)
         self.attn_backend = select_backend(backend, self.device, head_dim_of(config.hf_config), config.block_size)
         self.model.set_attention_backend(self.attn_backend)
         self.lora: LoRAManager | None = None  # LoRA slots wrap the loaded model's linears

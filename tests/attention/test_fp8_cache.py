@@ -52,3 +52,16 @@ def test_fp8_cache_holds_twice_the_fp16_blocks(tmp_path, smollm2_dir):
         counts[kv_dtype] = worker.determine_num_blocks()[0]
         assert worker.attn_backend.name == "torch"
     assert counts["fp8"] // 2 == counts["auto"]  # 10485 and 5242 blocks: floor(space / block bytes)
+
+
+def test_block_copies_and_swaps_keep_fp8_blocks_bit_for_bit():
+    from raypaged.core.outputs import BlockOp
+    from raypaged.worker.cache import KVCache
+
+    cache = KVCache(2, 4, 2, (KV_HEADS, BLOCK, DIM), torch.float8_e4m3fn, torch.device("cpu"))
+    block = torch.randn(2, 2, KV_HEADS, BLOCK, DIM, generator=torch.Generator().manual_seed(2))
+    cache.device_blocks[:, :, 1] = block.to(torch.float8_e4m3fn)
+    cache.run_block_ops([BlockOp("copy", 1, 3), BlockOp("swap_out", 1, 0), BlockOp("swap_in", 0, 2)])
+    rows = cache.device_blocks.view(torch.uint8)  # compare the stored bytes
+    assert torch.equal(rows[:, :, 3], rows[:, :, 1]) and torch.equal(rows[:, :, 2], rows[:, :, 1])
+    assert cache.cpu_blocks.element_size() == 1
