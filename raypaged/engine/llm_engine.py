@@ -517,8 +517,9 @@ class LLMEngine:
         """Release the workers (Ray actors and their placement group); the engine is unusable after."""
         if not isinstance(self.executor, UniProcExecutor):
             self.executor.shutdown()
-        if self._mask_thread is not None:
-            self._mask_thread.shutdown(wait=True)
+        mask_thread = getattr(self, "_mask_thread", None)  # None too when __init__ failed before making it
+        if mask_thread is not None:
+            mask_thread.shutdown(wait=True)
 
     def _guarded(self, state: RequestState, doing: str, call: Callable[..., T], *args: object) -> T | None:
         """``call(*args)`` for one request; if it raises, that request alone fails (``_fail``)."""

@@ -207,3 +207,12 @@ def test_user_ids_never_collide_with_sample_ids(llm):
     assert [len(c.token_ids) for c in finished["x#1"].outputs] == [3]
     stats = llm.stats()
     assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
+
+
+def test_a_pool_too_small_for_one_sequence_is_a_clear_startup_error(tiny_model_dir):
+    from raypaged.config import EngineConfig
+    from raypaged.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match=re.escape(
+        "the KV cache has 2 blocks of 16 tokens (32 tokens), but one sequence of max_model_len 256 needs 16 blocks")):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=2, max_model_len=256))

@@ -140,14 +140,14 @@ def test_the_engine_gets_the_tenants_priority_plus_the_requests_and_its_name_as_
     engine = server.engine_server.models["tiny"].engine
     seen = []
 
-    async def add_request(prompt, params, request_id, token_ids, priority, cache_salt):
-        seen.append((request_id, priority, cache_salt))
-        return await original(prompt, params, request_id, token_ids, priority, cache_salt)
+    async def add_request(prompt, params, request_id, token_ids, priority, cache_salt, **more):
+        seen.append((request_id, priority, cache_salt, more))
+        return await original(prompt, params, request_id, token_ids, priority, cache_salt, **more)
 
     original = engine.add_request
     monkeypatch.setattr(engine, "add_request", add_request)
     list(server.stub.Generate(pb.GenerateRequest(request_id="p", text="Hello", priority=3, **GREEDY), metadata=key(B)))
-    assert seen == [("b/p", 8, "b")]
+    assert seen == [("b/p", 8, "b", {"lora_request": None, "beam": None})]
 
 
 def test_a_request_the_engine_failed_alone_ends_internal_with_its_message(server, monkeypatch):
