@@ -244,12 +244,13 @@ class AsyncLLMEngine:
                     command = self._next_command(block=False)
                 if self._stopping:
                     break
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    self._publish(outputs)
+                outputs = engine.step() if engine.has_unfinished_requests() else None
+                # the counters first: a caller that got a step's outputs sees the step in them too
                 self._stats = engine.stats()
                 if self.config.enable_lora:
                     self._lora_info = engine.lora_info()
+                if outputs is not None:
+                    self._publish(outputs)
         except BaseException as exc:  # a failed step: every stream ends with the error
             logger.exception("engine %s failed", self.config.served_model_name)
             self.error = exc
