@@ -84,6 +84,7 @@ def test_bad_adapters_are_refused_by_name(engine, adapters, smollm2_dir, tmp_pat
     with pytest.raises(ValueError, match=re.escape("rank 32") + ".*" + re.escape("16")):
         engine.add_request("x", params, lora_request=big)
     first = next(iter(adapters.values()))
+    engine.check_lora(first)  # known to the engine whichever test ran before
     with pytest.raises(ValueError, match=re.escape(f"clashes with {first.lora_name!r} (lora_int_id 1")):
         engine.add_request("x", params, lora_request=LoRARequest("other", 1, first.lora_path))
     assert not engine.has_unfinished_requests()
