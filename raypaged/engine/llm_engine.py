@@ -227,9 +227,6 @@ class LLMEngine:
             self.scheduler.loras.forget(lora_int_id)
         return True
 
-    def list_loras(self) -> list[LoRARequest]:
-        return list(self._loras.values())
-
     def lora_info(self) -> tuple[list[str], list[str]]:
         """The adapters of running and of waiting sequences, by name (vLLM's ``lora_requests_info``)."""
         sched = self.scheduler

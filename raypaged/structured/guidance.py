@@ -29,6 +29,7 @@ PARAM = "structured_outputs"
 _IGNORED_BY_XGRAMMAR = ("not", "uniqueItems", "if", "then", "else", "dependentRequired", "dependentSchemas")
 # the constraint kinds llguidance takes here (EBNF grammars and structural tags are xgrammar's)
 GUIDANCE_KINDS = ("json", "json_object", "regex", "choice")
+_VALUE_KEYWORDS = ("const", "enum", "default", "examples")  # their values are JSON values, not subschemas
 
 
 def unenforced_keyword(schema: Any, path: str = "#") -> tuple[str, str] | None:
@@ -46,7 +47,7 @@ def unenforced_keyword(schema: Any, path: str = "#") -> tuple[str, str] | None:
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return "allOf", path
     for key, value in schema.items():
-        if key in ("const", "enum", "default", "examples"):  # values, not subschemas
+        if key in _VALUE_KEYWORDS:
             continue
         if (found := unenforced_keyword(value, f"{path}/{key}")) is not None:
             return found
@@ -60,7 +61,7 @@ def closed_objects(schema: Any) -> Any:
         return [closed_objects(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    closed = {key: value if key in ("const", "enum", "default", "examples") else closed_objects(value)
+    closed = {key: value if key in _VALUE_KEYWORDS else closed_objects(value)
               for key, value in schema.items()}
     if "properties" in closed and "additionalProperties" not in closed:
         closed["additionalProperties"] = False

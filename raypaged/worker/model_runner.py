@@ -16,11 +16,10 @@ import torch
 
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from raypaged.outputs import Logprob
 from raypaged.sampling_params import SamplingParams
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
-from raypaged.worker.sampler import SamplingInput, apply_token_bitmask, greedy_fast_path, sample
+from raypaged.worker.sampler import SamplingInput, apply_token_bitmask, greedy_fast_path, logprob_entry, sample
 
 if TYPE_CHECKING:
     from raypaged.lora.manager import LoRAManager
@@ -162,7 +161,7 @@ class ModelRunner:
         input_ids_t, positions_t, slots_t, lens_t, sample_t, tables_t, *span_blocks = flat.split(list(map(len, pieces)))
         num_decodes = len(decode_tables)
         prefills = [PrefillSpan(q0, n, end, ids) for (q0, n, end, _), ids in zip(spans, span_blocks)]
-        if self.lora is not None and token_slots is not None:
+        if token_slots is not None:  # LoRA on: every step maps its tokens (none adapted: an empty mapping)
             self.lora.set_slot_mapping(token_slots)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
@@ -252,11 +251,8 @@ class ModelRunner:
             ranks = ((logprobs > chosen_t).sum(-1) + 1).tolist()
             top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
             tops = list(zip(top_ids.tolist(), top_values.tolist())) if top_ids is not None else [([], [])] * size
-            for target, value, rank, (ids, values) in zip(targets, chosen, ranks, tops):
-                entry = {target: Logprob(value, rank)}
-                for j, (top_id, top_value) in enumerate(zip(ids, values)):
-                    entry.setdefault(top_id, Logprob(top_value, j + 1))
-                entries.append(entry)
+            entries += [logprob_entry(target, value, rank, ids, values)
+                        for target, value, rank, (ids, values) in zip(targets, chosen, ranks, tops)]
         return PromptLogprobs(token, entries)
 
     def _sample_rows(self, logits: torch.Tensor, inputs: list[SamplingInput], request_ids: list[str]) -> ModelRunnerOutput:

@@ -58,11 +58,20 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.G
     for i, s in enumerate(inputs):
         top = None
         if s.params.logprobs is not None:
-            top = {token_list[i]: Logprob(chosen[i], ranks[i])}
-            for j in range(s.params.logprobs):
-                top.setdefault(top_ids[i][j], Logprob(top_values[i][j], j + 1))
+            num = s.params.logprobs
+            top = logprob_entry(token_list[i], chosen[i], ranks[i], top_ids[i][:num] if num else [],
+                                top_values[i][:num] if num else [])
         results.append(SampledToken(token_list[i], chosen[i], top))
     return results
+
+
+def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]) -> dict:
+    """One position's logprobs: the chosen token first, then the most likely ones in rank order
+    (the chosen token keeps its own entry when it is among them)."""
+    entry = {token_id: Logprob(logprob, rank)}
+    for j, (top_id, top_value) in enumerate(zip(top_ids, top_values)):
+        entry.setdefault(top_id, Logprob(top_value, j + 1))
+    return entry
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
