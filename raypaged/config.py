@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
 from raypaged.sampling_params import SamplingParams
+from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.structured.config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
@@ -138,6 +139,8 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # speculative decoding (vLLM's --speculative-config): ngram or a draft model's proposals, verified exactly
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     served_model_aliases: tuple[str, ...] = field(init=False, default=())
     chat_template_text: str | None = field(init=False, default=None)  # --chat-template's text
     model_path: Path = field(init=False)
@@ -146,8 +149,11 @@ class EngineConfig:
     generation_defaults: GenerationDefaults = field(init=False)
     generation_eos_token_ids: tuple[int, ...] = field(init=False)  # the generation config's eos_token_id
     quant_config: QuantizationConfig | None = field(init=False, default=None, repr=False)  # resolved --quantization
+    draft_model_path: Path | None = field(init=False, default=None)  # the speculative draft model's folder
+    draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):  # vLLM's dict form
             self.structured_outputs_config = StructuredOutputsConfig.parse(self.structured_outputs_config)
         self.chat_template_text = _chat_template_text(self.chat_template)
@@ -200,6 +206,7 @@ class EngineConfig:
         check_tensor_parallel(self.hf_config, self.tensor_parallel_size)
         self.quant_config = self._resolve_quantization()
         self.max_model_len = self._resolve_max_model_len()
+        self._resolve_draft_model()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         if isinstance(self.served_model_name, (list, tuple)):
@@ -303,6 +310,32 @@ class EngineConfig:
             raise ValueError(f"--load-format dummy cannot fill the {quant_config.name} tensors of a quantized "
                              "checkpoint (use --load-format auto, or a float model folder with --quantization fp8)")
         return quant_config
+
+    def _resolve_draft_model(self) -> None:
+        """The draft model's folder and config: a supported architecture with the target's vocabulary,
+        on one shard, long enough for ``max_model_len``."""
+        spec = self.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return
+        from transformers import AutoConfig
+
+        from raypaged.model.llama import SUPPORTED_ARCHITECTURES
+
+        if self.tensor_parallel_size > 1:
+            raise ValueError("--speculative-config draft_model runs on one shard: tensor_parallel_size must be 1 "
+                             "(method ngram works under tensor parallelism)")
+        self.draft_model_path = resolve_model_path(spec.model, None, self.download_dir, what="draft model")
+        self.draft_hf_config = draft = AutoConfig.from_pretrained(self.draft_model_path)
+        archs = getattr(draft, "architectures", None) or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"draft model architecture {archs} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        if draft.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"the draft model {spec.model} has a vocabulary of {draft.vocab_size} tokens, the model "
+                             f"{self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
+        if draft.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"the draft model {spec.model} holds {draft.max_position_embeddings} positions, fewer than "
+                             f"max_model_len {self.max_model_len}")
 
     @property
     def resolved_kv_cache_dtype(self) -> str:

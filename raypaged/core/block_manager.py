@@ -90,6 +90,17 @@ class BlockPool:
             if count == 1:
                 self._free[block_id] = None
 
+    def release_unused(self, block_ids: list[int]) -> None:
+        """Free blocks of one owner that hold nothing worth keeping (never keyed): they go to the
+        front of the free list, in this order, so the next allocation takes them back before it
+        evicts any cached block."""
+        for block_id in reversed(block_ids):
+            if self.ref_counts[block_id] != 1 or block_id in self._key_of:
+                raise RuntimeError(f"block {block_id} is shared or cached: it cannot be released as unused")
+            self.ref_counts[block_id] = 0
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+
     def lookup(self, key: BlockKey) -> int | None:
         return self._cached.get(key)
 
@@ -262,6 +273,16 @@ class KVCacheManager:
             allocation.new_block_ids = self.pool.allocate(num_needed)
             table.block_ids.extend(allocation.new_block_ids)
         return allocation
+
+    def trim(self, seq_id: str, num_tokens: int) -> int:
+        """Free the blocks past the first ``num_tokens`` tokens' (the slots of rejected draft tokens);
+        returns the table's length after. Those blocks were the sequence's own and never cached."""
+        table = self.tables[seq_id]
+        keep = self.num_blocks_for(num_tokens)
+        if len(table.block_ids) > keep:
+            self.pool.release_unused(table.block_ids[keep:])
+            del table.block_ids[keep:]
+        return len(table.block_ids)
 
     def cache_blocks(
         self, seq_id: str, prompt_token_ids: list[int], output_token_ids: list[int], num_computed_tokens: int

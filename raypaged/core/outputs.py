@@ -32,6 +32,7 @@ class NewRequestData:
     num_computed_tokens: int
     sample_index: int = 0
     lora_int_id: int | None = None  # its adapter (in the slot a step's lora_loads put it in)
+    num_spec_tokens: int = 0  # drafts it may verify per step (a draft model proposes them for it)
 
 
 @dataclass(slots=True)
@@ -43,6 +44,9 @@ class CachedRequestData:
     new_block_ids: list[int]  # appended to the block table
     num_computed_tokens: int
     replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)  # (table index, block id) after copy-on-write
+    # the table's length once new_block_ids are appended (None: no change but the append); shorter
+    # than the worker's table plus new_block_ids when rejected drafts' blocks were freed
+    num_block_ids: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,6 +95,10 @@ class SchedulerOutput:
     grammar_bitmask: GrammarBitmask | None = None
     # LoRA adapters to write into device slots before this step's forward: (slot, adapter)
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    # speculative decoding: request id -> the draft tokens it verifies this step (its scheduled tokens
+    # are its last token and these); and whether a draft model proposes for the sequences that sample
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    propose_drafts: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -125,3 +133,7 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # request id -> the prompt logprobs this step's positions gave (requests that asked for them)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # requests that verified drafts: the accepted drafts then the target's own next token (absent from sampled)
+    sampled_runs: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # request id -> the draft model's proposals for its next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -87,6 +87,14 @@ class Request:
     beam: BeamGroup | None = None  # set on every live beam of a beam search
     cache_salt: str | None = None  # prefix-cache namespace: only equal salts share cached blocks
     lora: LoRARequest | None = None  # the adapter it runs on (None: the base model)
+    # speculative decoding: drafts it may verify per step (0: it never speculates), the drafts proposed
+    # for its next step, the tokens its newest update appended, with their logprobs when more than one
+    num_spec_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_new_tokens: int = 0
+    run_logprobs: list[float] | None = None
+    # accepted drafts the workers have not been sent as output tokens yet (they hold them as drafts)
+    num_accepted_unsent: int = 0
     first_scheduled_time: float | None = field(default=None, init=False)
     _status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
 
@@ -133,6 +141,20 @@ class Request:
         self.cumulative_logprob += logprob
         if top_logprobs is not None:
             self.output_logprobs.append(top_logprobs)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the newest tokens past ``num_output_tokens`` (a stop string ended the sequence inside
+        its newest run of tokens); its cumulative logprob loses theirs."""
+        num_dropped = self.num_output_tokens - num_output_tokens
+        if num_dropped <= 0:
+            return
+        assert self.run_logprobs is not None and num_dropped < len(self.run_logprobs), "only the newest run's tokens"
+        self.cumulative_logprob -= sum(self.run_logprobs[-num_dropped:])
+        del self.output_token_ids[num_output_tokens:]
+        if len(self.output_logprobs) > num_output_tokens:
+            del self.output_logprobs[num_output_tokens:]
+        self.num_new_tokens -= num_dropped
+        del self.run_logprobs[-num_dropped:]
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status the newest token puts this request in, if any."""

@@ -17,7 +17,14 @@ from dataclasses import dataclass, replace
 from raypaged.core.beam_search import BeamGroup
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.lora_plan import LoRASlotPlan
-from raypaged.core.outputs import BlockOp, CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from raypaged.core.outputs import (
+    BlockOp,
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SampledToken,
+    SchedulerOutput,
+)
 from raypaged.core.request import Request, RequestStatus
 from raypaged.core.waiting_queue import WaitingQueue
 
@@ -43,6 +50,10 @@ class SchedulerConfig:
     policy: str = "fcfs"
     preemption_mode: str | None = None  # None: swap groups that share blocks when CPU blocks exist
     max_loras: int = 0  # LoRA adapters in device slots at once (0: no LoRA)
+    num_spec_tokens: int = 0  # speculative decoding: most drafts per sequence per step (0: off)
+    spec_disable_batch_size: int | None = None  # no drafts in a step while more sequences than this run
+    # slots kept past a sampling sequence's tokens, where a draft model writes while it proposes
+    num_lookahead_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -75,6 +86,7 @@ class Scheduler:
         self._budget = 0  # tokens left in it
         self._ended: list[EndedRequest] = []  # ended by the scheduler itself, not yet told to the engine
         self.loras = LoRASlotPlan(config.max_loras) if config.max_loras else None
+        self.spec = SpecDecodeStats(config.num_spec_tokens)
 
     # ---- queue management -------------------------------------------------
     def _enqueue(self, request: Request, front: bool = False) -> None:
@@ -164,6 +176,9 @@ class Scheduler:
         self._budget = self.config.max_num_batched_tokens
         preempted = False
 
+        speculate = self.config.num_spec_tokens > 0 and (
+            self.config.spec_disable_batch_size is None or len(self.running) <= self.config.spec_disable_batch_size)
+        out.propose_drafts = speculate
         for request in list(self.running):
             if self._budget <= 0:
                 break
@@ -182,7 +197,11 @@ class Scheduler:
                 self._end(request, message)
                 self._settle_beam(request.beam)
                 continue
-            while request.status == RequestStatus.RUNNING and not self._allocate(request, num_new):
+            drafts = self._drafts(request, num_new) if speculate and request.spec_token_ids else []
+            while request.status == RequestStatus.RUNNING and not self._allocate(request, num_new, drafts):
+                if drafts:  # drafts never preempt anyone: without them first
+                    drafts = []
+                    continue
                 self._preempt(self._pick_victim(request))
                 preempted = True
 
@@ -254,9 +273,29 @@ class Scheduler:
             num_new = min(num_new, group.fork_at - request.num_computed_tokens)
         return num_new
 
-    def _allocate(self, request: Request, num_new: int) -> bool:
-        """Reserve blocks and record the request in this step's output; False if the pool is short."""
-        allocation = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
+    def _drafts(self, request: Request, num_new: int) -> list[int]:
+        """The drafts a decoding sequence verifies this step: as many of its proposals as the budget,
+        ``max_model_len``, its ``max_tokens`` (the step adds up to one token more than its drafts) and
+        the whole pool allow."""
+        if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []  # only a decode speculates
+        k = min(
+            len(request.spec_token_ids),
+            self._budget - 1,
+            self.config.max_model_len - request.num_tokens,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.kv.num_blocks * self.kv.block_size - request.num_tokens,
+        )
+        return request.spec_token_ids[:k] if k > 0 else []
+
+    def _allocate(self, request: Request, num_new: int, drafts: list[int] = ()) -> bool:
+        """Reserve blocks for ``num_new`` tokens and ``drafts`` and record the request in this step's
+        output; False if the pool is short."""
+        num_slots = num_new + len(drafts)
+        lookahead = self._lookahead(request, num_slots, len(drafts))
+        allocation = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_slots + lookahead)
+        if allocation is None and lookahead:  # the draft model proposes fewer tokens: no one is preempted for it
+            allocation = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_slots)
         if allocation is None:
             return False
         out = self._out
@@ -265,8 +304,11 @@ class Scheduler:
             self._unsent_ids.discard(request.request_id)
             out.new_requests.append(self._new_request_data(request))
         else:
-            first = max(request.num_computed_tokens, request.num_prompt_tokens) - request.num_prompt_tokens
+            # the workers hold the accepted drafts of its last step as drafts only: they are sent now
+            known = max(request.num_computed_tokens - request.num_accepted_unsent, request.num_prompt_tokens)
+            first = known - request.num_prompt_tokens
             last = request.num_computed_tokens + num_new - request.num_prompt_tokens
+            request.num_accepted_unsent = 0
             out.cached_requests.append(
                 CachedRequestData(
                     request_id=request.request_id,
@@ -274,13 +316,27 @@ class Scheduler:
                     new_block_ids=allocation.new_block_ids,
                     num_computed_tokens=request.num_computed_tokens,
                     replaced_block_ids=allocation.replaced,
+                    num_block_ids=len(self.kv.get_block_ids(request.request_id)),
                 )
             )
-        out.num_scheduled_tokens[request.request_id] = num_new
-        self._budget -= num_new
+        if drafts:
+            out.scheduled_spec_tokens[request.request_id] = list(drafts)
+        out.num_scheduled_tokens[request.request_id] = num_slots
+        self._budget -= num_slots
         return True
 
+    def _lookahead(self, request: Request, num_slots: int, num_drafts: int) -> int:
+        """Slots past this step's tokens for the draft model to propose into, when it proposes for
+        this sequence after this step (it samples and speculates)."""
+        lookahead = self.config.num_lookahead_slots
+        end = request.num_computed_tokens + num_slots
+        if not (lookahead and request.num_spec_tokens and self._out.propose_drafts
+                and end == request.num_tokens + num_drafts):
+            return 0
+        return max(0, min(lookahead, self.config.max_model_len - end, self.kv.num_blocks * self.kv.block_size - end))
+
     def _new_request_data(self, request: Request) -> NewRequestData:
+        request.num_accepted_unsent = 0  # every output token travels with it
         return NewRequestData(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -290,6 +346,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             sample_index=request.sample_index,
             lora_int_id=None if request.lora is None else request.lora.lora_int_id,
+            num_spec_tokens=request.num_spec_tokens,
         )
 
     def _admit(self, request: Request) -> bool:
@@ -436,6 +493,7 @@ class Scheduler:
         num_scheduled = out.num_scheduled_tokens.pop(request.request_id, None)
         if num_scheduled is not None:
             self._budget += num_scheduled
+            out.scheduled_spec_tokens.pop(request.request_id, None)
             out.new_requests = [d for d in out.new_requests if d.request_id != request.request_id]
             out.cached_requests = [d for d in out.cached_requests if d.request_id != request.request_id]
 
@@ -491,6 +549,12 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted while the step ran
+            if (run := runner_output.sampled_runs.get(request_id)) is not None:
+                num_drafts = len(scheduler_output.scheduled_spec_tokens.get(request_id, ()))
+                self._apply_run(request, run, num_tokens - num_drafts, num_drafts)
+                request.spec_token_ids = runner_output.draft_token_ids.get(request_id, [])
+                updated.append(request)
+                continue
             request.num_computed_tokens += num_tokens
             self.kv.cache_blocks(
                 request_id, request.prompt_token_ids, request.output_token_ids, request.num_computed_tokens
@@ -506,6 +570,8 @@ class Scheduler:
                 beam_groups[id(request.beam)] = request.beam
                 continue
             request.append_output_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            request.num_new_tokens, request.run_logprobs = 1, None
+            request.spec_token_ids = runner_output.draft_token_ids.get(request_id, [])
             status = request.check_stop()
             if status is not None:
                 self.running.remove(request)
@@ -515,6 +581,31 @@ class Scheduler:
             if beam_group.ready():
                 self._beam_step(beam_group)
         return updated
+
+    def _apply_run(self, request: Request, run: list[SampledToken], num_verified: int, num_drafts: int) -> None:
+        """A step that verified ``num_drafts`` drafts gave ``run``: the accepted ones, then the target's
+        own token. Its K/V counts up to the last accepted draft; the rejected drafts' slots are rolled
+        back (blocks past its tokens freed); tokens after a stop inside the run are dropped."""
+        num_accepted = len(run) - 1
+        self.spec.record(num_drafts, num_accepted)
+        request.num_computed_tokens += num_verified + num_accepted
+        num_before = request.num_output_tokens
+        status = None
+        for token in run:
+            request.append_output_token(token.token_id, token.logprob, token.top_logprobs)
+            if (status := request.check_stop()) is not None:
+                break
+        request.num_new_tokens = request.num_output_tokens - num_before
+        request.run_logprobs = [token.logprob for token in run[:request.num_new_tokens]]
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+            return
+        request.num_accepted_unsent += num_accepted
+        self.kv.cache_blocks(
+            request.request_id, request.prompt_token_ids, request.output_token_ids, request.num_computed_tokens
+        )
+        self.kv.trim(request.request_id, request.num_tokens + self.config.num_lookahead_slots)
 
     def _beam_step(self, group: BeamGroup) -> None:
         """Keep the best continuations: fork beams chosen more than once, free the others."""
@@ -644,4 +735,38 @@ class Scheduler:
             "num_swap_outs": self.num_swap_outs,
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
+            **self.spec.as_dict(),
         }
+
+
+class SpecDecodeStats:
+    """Speculative decoding's counters, as vLLM names them: verifications, drafts, accepted drafts,
+    and accepted drafts by position in their run."""
+
+    def __init__(self, num_spec_tokens: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * num_spec_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += num_accepted
+            for pos in range(num_accepted):
+                self.accepted_per_pos[pos] += 1
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters by stats key; position ``i``'s as ``spec_decode_num_accepted_tokens_per_pos_<i>``."""
+        found = {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+        }
+        for pos, count in enumerate(self.accepted_per_pos):
+            found[f"{ACCEPTED_PER_POS}_{pos}"] = count
+        return found
+
+
+ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_per_pos"

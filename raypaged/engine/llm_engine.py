@@ -42,6 +42,8 @@ from raypaged.inputs.limits import (
 )
 from raypaged.outputs import CompletionOutput, RequestOutput
 from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
+from raypaged.spec_decode.config import SpeculativeConfig
+from raypaged.spec_decode.ngram import NgramProposer
 from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
 from raypaged.structured.backend import GrammarBackend
 from raypaged.structured.reasoning import closed_in
@@ -86,6 +88,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             preemption_mode=config.preemption_mode,
             max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
+            **_spec_scheduler_options(config.speculative_config),
         )
         num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
         try:
@@ -108,6 +111,10 @@ class LLMEngine:
         self._mask_thread: ThreadPoolExecutor | None = None  # fills the step's grammar masks during the forward
         self._loras: dict[int, LoRARequest] = {}  # adapters checked against the model, by lora_int_id
         self._lora_lock = threading.Lock()
+        spec = config.speculative_config
+        self.ngram: NgramProposer | None = None  # prompt-lookup proposals, made here between steps
+        if spec is not None and spec.method == "ngram":
+            self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._ids = itertools.count()  # request ids for callers that give none
         self._seq_numbers = itertools.count()  # internal sequence ids: "<n>:<request id>", never a user's id
 
@@ -281,6 +288,7 @@ class LLMEngine:
                 sample_index=i,
                 cache_salt=_prefix_namespace(cache_salt, lora),
                 lora=lora,
+                num_spec_tokens=self._num_spec_tokens(sampling_params),
             )
             for i in range(num_samples)
         ]
@@ -303,6 +311,14 @@ class LLMEngine:
                 self._matchers[seq.request_id] = self.grammars.matcher(grammar)
         self._states[request_id] = state
         return request_id
+
+    def _num_spec_tokens(self, params: SamplingParams) -> int:
+        """Drafts a request may verify per step: none without speculation, nor under a grammar (its
+        matcher is advanced one sampled token at a time)."""
+        spec = self.config.speculative_config
+        if spec is None or params.structured_outputs is not None:
+            return 0
+        return spec.num_speculative_tokens
 
     def add_beam_search(
         self,
@@ -370,6 +386,8 @@ class LLMEngine:
             for seq_id in seq_ids:
                 self._seq_states.pop(seq_id, None)
                 self._matchers.pop(seq_id, None)
+                if self.ngram is not None:
+                    self.ngram.forget(seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -411,6 +429,8 @@ class LLMEngine:
             if (found := self._seq_states.get(seq_id)) is not None:
                 self._fail(found[0], message)
                 touched[found[0].request_id] = found[0]
+        if self.ngram is not None and scheduler_output.propose_drafts:
+            self._propose_ngrams(updated)
         for request in updated:
             state, seq = self._seq_states[request.request_id]
             if state.error is None and (matcher := self._matchers.get(request.request_id)) is not None:
@@ -438,6 +458,13 @@ class LLMEngine:
                 del self._beam_states[request_id]
                 self._forget_beam_grammars(group)
         return outputs
+
+    def _propose_ngrams(self, updated: list[Request]) -> None:
+        """Prompt-lookup drafts for the next step of every speculating sequence that got tokens."""
+        for request in updated:
+            if request.num_spec_tokens and not request.status.finished:
+                request.spec_token_ids = self.ngram.propose(
+                    request.request_id, request.prompt_token_ids, request.output_token_ids, request.num_spec_tokens)
 
     def _grammar_bitmask(self, so: SchedulerOutput) -> GrammarBitmask | None:
         """Masks of the constrained sequences that sample this step (their last known token is
@@ -548,6 +575,8 @@ class LLMEngine:
         for seq in state.seqs:
             self._seq_states.pop(seq.request.request_id, None)
             self._matchers.pop(seq.request.request_id, None)
+            if self.ngram is not None:
+                self.ngram.forget(seq.request.request_id)
 
     def stats(self) -> dict[str, int | float]:
         return self.scheduler.stats()
@@ -577,6 +606,17 @@ def _fill_masks(rows: list[tuple[str, xgrammar.GrammarMatcher]], bitmask: torch.
             bitmask[row].fill_(-1)
             failures[seq_id] = f"filling the grammar mask failed: {type(exc).__name__}: {exc}"
     return failures
+
+
+def _spec_scheduler_options(spec: SpeculativeConfig | None) -> dict[str, int | None]:
+    """The scheduler's speculative-decoding settings; a draft model keeps lookahead slots to propose into."""
+    if spec is None:
+        return {}
+    return {
+        "num_spec_tokens": spec.num_speculative_tokens,
+        "spec_disable_batch_size": spec.disable_by_batch_size,
+        "num_lookahead_slots": spec.num_speculative_tokens if spec.method == "draft_model" else 0,
+    }
 
 
 def _check_pool_holds_one_sequence(num_blocks: int, config: EngineConfig) -> None:

@@ -79,29 +79,37 @@ class RequestState:
 
 
 def process_token(seq: SeqState) -> bool:
-    """Detokenize the newest token and look for a stop string in the new text.
+    """Detokenize the tokens the newest step appended (one, or a run of accepted drafts) and look
+    for a stop string in the new text.
 
-    Returns True when a stop string ended the sequence (the caller finishes it in
-    the scheduler); a sequence the scheduler finished takes its reason from it.
+    Returns True when a stop string ended the sequence (the caller finishes it in the
+    scheduler); tokens of the run after the one completing the stop string are dropped. A
+    sequence the scheduler finished takes its reason from it.
     """
     request = seq.request
     params = request.sampling_params
     seq.last_token_time = time.monotonic()
     if seq.first_token_time is None:
         seq.first_token_time = seq.last_token_time
-    searched = max(0, len(seq.text) - params.max_stop_len + 1)
-    seq.text += seq.detokenizer.add_tokens(request.output_token_ids[-1:])
+    num_new = request.num_new_tokens
+    new_ids = request.output_token_ids[-num_new:]
     if params.logprobs is not None and request.output_logprobs:
-        decode_logprobs(request.output_logprobs[-1:], seq.detokenizer.tokenizer)
-    if request.status.finished:
-        seq.text += seq.detokenizer.flush()
-    cut = find_stop(seq.text, params.stop, searched)
-    if cut is not None:
-        seq.text, seq.stop_reason = cut
-        if params.include_stop_str_in_output:
-            seq.text += cut[1]
-        seq.finish_reason = "stop"
-        return True
+        decode_logprobs(request.output_logprobs[-num_new:], seq.detokenizer.tokenizer)
+    # a run is read token by token only when a stop string could end it inside
+    pieces = [new_ids] if num_new == 1 or not params.stop else [[token_id] for token_id in new_ids]
+    for i, piece in enumerate(pieces, 1):
+        searched = max(0, len(seq.text) - params.max_stop_len + 1)
+        seq.text += seq.detokenizer.add_tokens(piece)
+        if request.status.finished and i == len(pieces):
+            seq.text += seq.detokenizer.flush()
+        cut = find_stop(seq.text, params.stop, searched)
+        if cut is not None:
+            request.truncate_output(request.num_output_tokens - len(pieces) + i)
+            seq.text, seq.stop_reason = cut
+            if params.include_stop_str_in_output:
+                seq.text += cut[1]
+            seq.finish_reason = "stop"
+            return True
     if request.status.finished:
         seq.finish_reason = request.status.finish_reason
         seq.stop_reason = request.stop_reason

@@ -14,6 +14,7 @@ from raypaged import envs
 from raypaged.entrypoints.config_file import CONFIG_FLAG, ArgumentParser
 from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
 from raypaged.structured.config import StructuredOutputsConfig
+from raypaged.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from raypaged.config import EngineConfig
@@ -157,6 +158,10 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the highest LoRA rank an adapter may have")
     parser.add_argument("--max-cpu-loras", type=int, default=None,
                         help="LoRA adapters kept loaded on the CPU behind the device slots (default: --max-loras)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+                             '"model": PATH, "num_speculative_tokens": 4}\' (also disable_by_batch_size)')
 
 
 # vLLM flags taken only at their default: flag (and short form), type, default, why another value is refused
@@ -252,6 +257,8 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
     if args.enable_lora:
         kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                       max_cpu_loras=args.max_cpu_loras)
+    if args.speculative_config is not None:
+        kwargs["speculative_config"] = SpeculativeConfig.parse(args.speculative_config)
     for dest, default in _OPTIONAL_ENGINE_FLAGS.items():
         value = getattr(args, dest)
         if dest in accepted:

@@ -76,6 +76,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -117,6 +118,7 @@ class LLM:
                 max_loras=max_loras,
                 max_lora_rank=max_lora_rank,
                 max_cpu_loras=max_cpu_loras,
+                speculative_config=speculative_config,
             )
         )
 

@@ -31,6 +31,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from raypaged.core.scheduler import ACCEPTED_PER_POS
 from raypaged.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -66,6 +67,13 @@ _COUNTERS = (
     ("num_preemptions", "Preemptions of running requests.", "num_preemptions"),
     ("prefix_cache_queries", "Prefix-cache queries, in prompt tokens looked up.", "prefix_cache_queries"),
     ("prefix_cache_hits", "Prefix-cache hits, in prompt tokens found cached.", "prefix_cache_hits"),
+)
+# speculative decoding's, exported for the models that speculate (as vLLM)
+_SPEC_COUNTERS = (
+    ("spec_decode_num_drafts", "Verifications of draft tokens (one per sequence per step with drafts).",
+     "spec_decode_num_drafts"),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_decode_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_decode_num_accepted_tokens"),
 )
 # (metric suffix, help): seconds per request, observed when it finishes
 _REQUEST_TIMES = (
@@ -289,6 +297,10 @@ class _StatsCollector(Collector):
             for name, values in stats.items():
                 counter.add_metric([name, ENGINE_INDEX], float(values[key]))
             yield counter
+        speculating = {name: values for name, values in stats.items()
+                       if name in self._configs and self._configs[name].speculative_config is not None}
+        if speculating:
+            yield from self._spec_decode(speculating)
         yield self._cache_config(stats)
         if self._lora_sources:
             yield self._lora_requests_info()
@@ -306,6 +318,20 @@ class _StatsCollector(Collector):
             memory_family.add_metric([name, ENGINE_INDEX], memory)
         yield util_family
         yield memory_family
+
+    def _spec_decode(self, stats: dict[str, dict[str, int | float]]) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters, accepted drafts also by their position in the run."""
+        for suffix, doc, key in _SPEC_COUNTERS:
+            counter = CounterMetricFamily(f"{self._prefix}{suffix}", doc, labels=LABELS)
+            for name, values in stats.items():
+                counter.add_metric([name, ENGINE_INDEX], float(values[key]))
+            yield counter
+        per_pos = CounterMetricFamily(f"{self._prefix}{ACCEPTED_PER_POS}", "Draft tokens accepted, by position.",
+                                      labels=(*LABELS, "position"))
+        for name, values in stats.items():
+            for pos in range(self._configs[name].speculative_config.num_speculative_tokens):
+                per_pos.add_metric([name, ENGINE_INDEX, str(pos)], float(values[f"{ACCEPTED_PER_POS}_{pos}"]))
+        yield per_pos
 
     def _cache_config(self, stats: dict[str, dict[str, int | float]]) -> GaugeMetricFamily:
         """1 per model, its KV-cache configuration in the labels (vLLM's ``cache_config_info``)."""

@@ -15,15 +15,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
-from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SampledToken, SchedulerOutput
 from raypaged.sampling_params import SamplingParams
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
+from raypaged.spec_decode.verify import accepted_run
 from raypaged.worker.sampler import SamplingInput, apply_token_bitmask, greedy_fast_path, logprob_entry, sample
 
 if TYPE_CHECKING:
     from raypaged.lora.manager import LoRAManager
     from raypaged.lora.request import LoRARequest
+    from raypaged.spec_decode.draft_model import DraftModelProposer
 
 logger = logging.getLogger("raypaged")
 _PROMPT_LOGPROBS_CHUNK = 512  # prompt positions whose full-vocabulary logits exist at once
@@ -39,10 +41,16 @@ class CachedRequestState:
     num_computed_tokens: int
     sample_index: int = 0
     lora_int_id: int | None = None
+    num_spec_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # the drafts it verifies this step
 
     def token_at(self, position: int) -> int:
         num_prompt = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < num_prompt else self.output_token_ids[position - num_prompt]
+        if position < num_prompt:
+            return self.prompt_token_ids[position]
+        index = position - num_prompt
+        num_output = len(self.output_token_ids)
+        return self.output_token_ids[index] if index < num_output else self.spec_token_ids[index - num_output]
 
     @property
     def num_tokens(self) -> int:
@@ -85,10 +93,15 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.lora = lora
         self._lora_slot_of: dict[int, int] = {}  # adapter id -> the slot holding it
+        self.spec_states: list[CachedRequestState] = []  # the requests verifying drafts this step
+        self.drafter: DraftModelProposer | None = None  # speculative decoding with a draft model
 
     def update_states(self, so: SchedulerOutput) -> None:
         for request_id in so.finished_request_ids:
             self.requests.pop(request_id, None)
+        if self.drafter is not None:
+            for request_id in itertools.chain(so.finished_request_ids, (new.request_id for new in so.new_requests)):
+                self.drafter.forget(request_id)
         for new in so.new_requests:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id,
@@ -99,14 +112,22 @@ class ModelRunner:
                 new.num_computed_tokens,
                 new.sample_index,
                 new.lora_int_id,
+                new.num_spec_tokens,
             )
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
             state.output_token_ids.extend(cached.new_token_ids)
             for index, block_id in cached.replaced_block_ids:
                 state.block_ids[index] = block_id
+            if cached.num_block_ids is not None:  # blocks of rejected drafts were freed
+                del state.block_ids[cached.num_block_ids - len(cached.new_block_ids):]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for state in self.spec_states:
+            state.spec_token_ids = []
+        self.spec_states = [self.requests[rid] for rid in so.scheduled_spec_tokens]
+        for state, drafts in zip(self.spec_states, so.scheduled_spec_tokens.values()):
+            state.spec_token_ids = drafts
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Flatten the step: decodes (one token) first, then prefill spans.
@@ -145,8 +166,10 @@ class ModelRunner:
                 decode_lens.append(end)
             else:
                 spans.append((query_start, num_new, end, block_ids[:num_blocks]))
-            if end == state.num_tokens:  # the last known token: its logits give the next one
-                sample_indices.append(len(input_ids) - 1)
+            num_drafts = len(state.spec_token_ids)
+            if end == state.num_tokens + num_drafts:  # the last known token: its logits give the next one
+                # a run of drafts: every position's logits, each verifying the draft after it
+                sample_indices.extend(range(len(input_ids) - 1 - num_drafts, len(input_ids)))
                 sampled_ids.append(request_id)
             num_prompt = len(state.prompt_token_ids)
             if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
@@ -189,6 +212,8 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
         self.cache.run_block_ops(so.block_ops)
+        if self.drafter is not None:
+            self.drafter.cache.run_block_ops(so.block_ops)
         if so.lora_loads:
             self._load_loras(so.lora_loads)
         if not so.num_scheduled_tokens:
@@ -210,22 +235,56 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.sample_indices])  # a collective under TP
         if not self.samples:
             return ModelRunnerOutput()
-        if (grammar := so.grammar_bitmask) is not None:
-            row_of = {request_id: row for row, request_id in enumerate(step.sampled_request_ids)}
+        # a request verifying k drafts has k + 1 rows, each sampled as if the drafts before it were accepted
+        rows: list[tuple[str, int]] = []  # (request id, drafts before the row)
+        for request_id in step.sampled_request_ids:
+            rows += [(request_id, j) for j in range(len(self.requests[request_id].spec_token_ids) + 1)]
+        if (grammar := so.grammar_bitmask) is not None:  # constrained requests never speculate: one row each
+            row_of = {request_id: row for row, (request_id, _) in enumerate(rows)}
             apply_token_bitmask(logits, grammar.ready(), [row_of[request_id] for request_id in grammar.request_ids])
-        inputs = [
-            SamplingInput(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.eos_token_id, s.sample_index)
-            for s in (self.requests[rid] for rid in step.sampled_request_ids)
-        ]
+        inputs = [self._sampling_input(self.requests[request_id], j) for request_id, j in rows]
         try:
             tokens = greedy_fast_path(logits, inputs)
             if tokens is None:
                 tokens = sample(logits.cpu(), inputs, self.generator)
+            out = self._runner_output(rows, tokens)
         except Exception:  # one row's parameters broke the batch: find it, sample the others
-            out = self._sample_rows(logits.cpu(), inputs, step.sampled_request_ids)
-            out.prompt_logprobs = prompt_logprobs
-            return out
-        return ModelRunnerOutput(sampled=dict(zip(step.sampled_request_ids, tokens)), prompt_logprobs=prompt_logprobs)
+            out = self._sample_rows(logits.cpu(), inputs, rows)
+        out.prompt_logprobs = prompt_logprobs
+        if self.drafter is not None and so.propose_drafts:
+            out.draft_token_ids = self._propose_drafts(out)
+        return out
+
+    def _sampling_input(self, state: CachedRequestState, num_drafts_before: int) -> SamplingInput:
+        outputs = state.output_token_ids
+        if num_drafts_before:
+            outputs = outputs + state.spec_token_ids[:num_drafts_before]
+        return SamplingInput(state.sampling_params, state.prompt_token_ids, outputs, self.eos_token_id,
+                             state.sample_index)
+
+    def _runner_output(self, rows: list[tuple[str, int]], tokens: list[SampledToken]) -> ModelRunnerOutput:
+        """Each request's token, or for one verifying drafts the run it keeps."""
+        out = ModelRunnerOutput()
+        start = 0
+        while start < len(rows):
+            request_id = rows[start][0]
+            drafts = self.requests[request_id].spec_token_ids
+            if drafts:
+                out.sampled_runs[request_id] = accepted_run(tokens[start:start + len(drafts) + 1], drafts)
+            else:
+                out.sampled[request_id] = tokens[start]
+            start += len(drafts) + 1
+        return out
+
+    def _propose_drafts(self, out: ModelRunnerOutput) -> dict[str, list[int]]:
+        """The draft model's proposals for every speculating request that got tokens this step."""
+        seqs = []
+        for request_id, tokens in [*((r, [t]) for r, t in out.sampled.items()), *out.sampled_runs.items()]:
+            state = self.requests[request_id]
+            if state.num_spec_tokens:
+                context = state.prompt_token_ids + state.output_token_ids + [t.token_id for t in tokens]
+                seqs.append((request_id, context, state.block_ids))
+        return self.drafter.propose(seqs) if seqs else {}
 
     def _load_loras(self, loads: list[tuple[int, LoRARequest]]) -> None:
         """Write adapters into the slots the driver placed them in (replacing what was there)."""
@@ -255,13 +314,20 @@ class ModelRunner:
                         for target, value, rank, (ids, values) in zip(targets, chosen, ranks, tops)]
         return PromptLogprobs(token, entries)
 
-    def _sample_rows(self, logits: torch.Tensor, inputs: list[SamplingInput], request_ids: list[str]) -> ModelRunnerOutput:
-        """Sample row by row; a row that raises is reported in ``failed``, the others get their tokens."""
-        out = ModelRunnerOutput()
-        for row, (request_id, row_input) in enumerate(zip(request_ids, inputs)):
+    def _sample_rows(self, logits: torch.Tensor, inputs: list[SamplingInput], rows: list[tuple[str, int]]
+                     ) -> ModelRunnerOutput:
+        """Sample row by row; a request with a row that raises is reported in ``failed``, the others
+        get their tokens."""
+        tokens: list[SampledToken | None] = []
+        failed: dict[str, str] = {}
+        for row, ((request_id, _), row_input) in enumerate(zip(rows, inputs)):
             try:
-                out.sampled[request_id] = sample(logits[row:row + 1], [row_input], self.generator)[0]
+                tokens.append(sample(logits[row:row + 1], [row_input], self.generator)[0])
             except Exception as exc:
                 logger.exception("sampling failed for request %s", request_id)
-                out.failed[request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+                failed.setdefault(request_id, f"sampling failed: {type(exc).__name__}: {exc}")
+                tokens.append(None)
+        kept = [(row, token) for row, token in zip(rows, tokens) if row[0] not in failed]
+        out = self._runner_output([row for row, _ in kept], [token for _, token in kept])
+        out.failed = failed
         return out

@@ -75,15 +75,33 @@ class Worker:
 
             self.lora = LoRAManager(self.model, lora_config, tp, self.dtype, self.device)
         self.runner: ModelRunner | None = None
+        self.draft_model: torch.nn.Module | None = None  # speculative decoding's draft model, beside the model
+        if config.draft_model_path is not None:
+            self.draft_model = load_model(
+                config.draft_model_path, config.draft_hf_config, config.max_model_len, self.dtype, self.device, tp,
+                config.load_format, config.seed,
+            )
+            self.draft_model.set_attention_backend(select_backend(
+                config.attention_backend, self.device, head_dim_of(config.draft_hf_config), config.block_size))
 
     def block_shape(self) -> tuple[int, int, int]:
         """One layer's K (or V) block on this rank: (kv_heads, block_size, head_dim)."""
         hf = self.config.hf_config
         return num_kv_heads_per_rank(hf, self.tp.size), self.config.block_size, head_dim_of(hf)
 
+    def draft_block_shape(self) -> tuple[int, int, int]:
+        """One layer's K (or V) block of the draft model (it runs unsharded)."""
+        draft = self.config.draft_hf_config
+        return num_kv_heads_per_rank(draft, 1), self.config.block_size, head_dim_of(draft)
+
     def bytes_per_block(self) -> int:
+        """A block's bytes over every layer, the draft model's included."""
         elem = torch.tensor([], dtype=self.cache_dtype).element_size()
-        return 2 * self.config.hf_config.num_hidden_layers * math.prod(self.block_shape()) * elem
+        total = 2 * self.config.hf_config.num_hidden_layers * math.prod(self.block_shape()) * elem
+        if self.draft_model is not None:
+            draft_elem = torch.tensor([], dtype=self.dtype).element_size()
+            total += 2 * self.config.draft_hf_config.num_hidden_layers * math.prod(self.draft_block_shape()) * draft_elem
+        return total
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) this worker can hold.
@@ -178,6 +196,16 @@ class Worker:
             samples=self.tp.rank == 0,
             lora=self.lora,
         )
+        if self.draft_model is not None:
+            from raypaged.spec_decode.draft_model import DraftModelProposer
+
+            draft_cache = KVCache(self.config.draft_hf_config.num_hidden_layers, num_blocks, num_cpu_blocks,
+                                  self.draft_block_shape(), self.dtype, self.device,
+                                  use_kernels=self.attn_backend.name == "cuda")
+            self.runner.drafter = DraftModelProposer(
+                self.draft_model, draft_cache, self.config.block_size,
+                self.config.speculative_config.num_speculative_tokens, self.config.max_model_len, self.device,
+            )
         if self.device.type == "cuda" and not self.config.enforce_eager:
             if self.tp.size > 1:
                 logger.info("CUDA graphs are off under tensor parallelism; decode steps run eagerly")

@@ -151,3 +151,18 @@ def test_lora_adapters_under_tp_match_tp1(ray_session, tiny_llama, tmp_path):
     assert reference != greedy_tokens(LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=128),
                                       TINY_PROMPTS, TINY_PARAMS)  # the adapters change the tokens
     assert run(2) == reference
+
+
+def test_ngram_speculation_under_tp_matches_tp1(ray_session, tiny_llama, tiny_reference):
+    """Every shard verifies the driver's drafts in its forward and drops rejected ones' slots as told."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(model=str(tiny_llama), device="cpu", tensor_parallel_size=2, num_gpu_blocks_override=128,
+              speculative_config=spec)
+    try:
+        assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
+        stats = llm.stats()
+        assert stats["spec_decode_num_accepted_tokens"] > 0
+        assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]  # some rejected
+        assert stats["num_gpu_blocks_free"] == 128
+    finally:
+        llm.shutdown()
