@@ -45,7 +45,7 @@ from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
 from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.spec_decode.ngram import NgramProposer
 from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
-from raypaged.structured.backend import GrammarBackend
+from raypaged.structured.backend import GrammarBackend, num_valid_tokens
 from raypaged.structured.reasoning import closed_in
 
 if TYPE_CHECKING:
@@ -313,12 +313,9 @@ class LLMEngine:
         return request_id
 
     def _num_spec_tokens(self, params: SamplingParams) -> int:
-        """Drafts a request may verify per step: none without speculation, nor under a grammar (its
-        matcher is advanced one sampled token at a time)."""
+        """Drafts a request may verify per step (0 without speculation)."""
         spec = self.config.speculative_config
-        if spec is None or params.structured_outputs is not None:
-            return 0
-        return spec.num_speculative_tokens
+        return 0 if spec is None else spec.num_speculative_tokens
 
     def add_beam_search(
         self,
@@ -470,18 +467,20 @@ class LLMEngine:
         """Masks of the constrained sequences that sample this step (their last known token is
         computed now), filled on the mask thread while the forward runs."""
         requests = self.scheduler.requests
+        drafts = so.scheduled_spec_tokens
         rows = [
-            (rid, self._matchers[rid]) for rid, num_new in so.num_scheduled_tokens.items()
-            if rid in self._matchers and requests[rid].num_computed_tokens + num_new == requests[rid].num_tokens
+            (rid, self._matchers[rid], drafts.get(rid, [])) for rid, num_new in so.num_scheduled_tokens.items()
+            if rid in self._matchers
+            and requests[rid].num_computed_tokens + num_new == requests[rid].num_tokens + len(drafts.get(rid, ()))
             and ((found := self._seq_states.get(rid)) is None or found[0].error is None)  # None: a beam
         ]
         if not rows:
             return None
-        bitmask = self.grammars.allocate_bitmask(len(rows))
+        bitmask = self.grammars.allocate_bitmask(sum(1 + len(seq_drafts) for _, _, seq_drafts in rows))
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="raypaged-grammar-mask")
         pending = self._mask_thread.submit(_fill_masks, rows, bitmask)
-        return GrammarBitmask([rid for rid, _ in rows], bitmask, pending)
+        return GrammarBitmask([rid for rid, _, _ in rows], bitmask, pending)
 
     @staticmethod
     def _grammar_fill_failures(grammar: GrammarBitmask | None) -> dict[str, str]:
@@ -492,12 +491,15 @@ class LLMEngine:
         return grammar.pending.result() if grammar.pending is not None else {}
 
     def _advance_grammar(self, matcher: xgrammar.GrammarMatcher, request: Request) -> None:
-        """Feed the sampled token to the sequence's grammar; a complete output ends the sequence."""
-        token_id = request.output_token_ids[-1]
-        if not matcher.accept_token(token_id):
-            raise RuntimeError(f"the grammar refused token {token_id}")
+        """Feed the step's tokens to the sequence's grammar; a complete output ends the sequence. Its
+        drafts for the next step are cut before the first the grammar refuses."""
+        for token_id in request.output_token_ids[-request.num_new_tokens:]:
+            if not matcher.accept_token(token_id):
+                raise RuntimeError(f"the grammar refused token {token_id}")
         if matcher.is_terminated() and not request.status.finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        elif request.spec_token_ids:
+            del request.spec_token_ids[num_valid_tokens(matcher, request.spec_token_ids):]
 
     def _advance_beam_grammars(self, group: BeamGroup) -> None:
         """After the group's beam steps: each kept beam's grammar state is its parent's (forked for
@@ -594,17 +596,25 @@ def _prefix_namespace(cache_salt: str | None, lora: LoRARequest | None) -> str |
     return f"{lora.lora_int_id if lora is not None else 0}|{cache_salt or ''}"
 
 
-def _fill_masks(rows: list[tuple[str, xgrammar.GrammarMatcher]], bitmask: torch.Tensor) -> dict[str, str]:
-    """Fill row ``i`` of ``bitmask`` from ``rows[i]``'s matcher (on the mask thread); a matcher
-    that raises leaves its row allowing every token and is returned with its message."""
+def _fill_masks(rows: list[tuple[str, xgrammar.GrammarMatcher, list[int]]], bitmask: torch.Tensor) -> dict[str, str]:
+    """Fill ``bitmask`` from ``rows``' matchers (on the mask thread): a sequence verifying drafts
+    has a row per position, each its matcher's after the drafts before it (then rolled back). A
+    matcher that raises leaves its rows allowing every token and is returned with its message."""
     failures = {}
-    for row, (seq_id, matcher) in enumerate(rows):
+    row = 0
+    for seq_id, matcher, drafts in rows:
         try:
-            matcher.fill_next_token_bitmask(bitmask, row)
+            for j in range(len(drafts) + 1):
+                matcher.fill_next_token_bitmask(bitmask, row + j)
+                if j < len(drafts) and not matcher.accept_token(drafts[j]):
+                    raise RuntimeError(f"the grammar refused draft token {drafts[j]}, checked when proposed")
+            if drafts:
+                matcher.rollback(len(drafts))
         except Exception as exc:
             logger.exception("request %s: filling the grammar mask failed; ending it alone", seq_id)
-            bitmask[row].fill_(-1)
+            bitmask[row:row + len(drafts) + 1].fill_(-1)
             failures[seq_id] = f"filling the grammar mask failed: {type(exc).__name__}: {exc}"
+        row += len(drafts) + 1
     return failures
 
 

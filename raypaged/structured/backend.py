@@ -172,3 +172,17 @@ def _check_json(spec: str, kind: str) -> None:
 def _ebnf_string(text: str) -> str:
     """``text`` as an EBNF string literal (JSON's escapes are the grammar's)."""
     return json.dumps(text, ensure_ascii=False)
+
+
+def num_valid_tokens(matcher: xgrammar.GrammarMatcher | GuidanceMatcher, token_ids: list[int]) -> int:
+    """How many of ``token_ids``, in order, ``matcher`` would accept now; it is left as it was."""
+    if isinstance(matcher, GuidanceMatcher):
+        return matcher.num_valid(token_ids)
+    num_valid = 0
+    for token_id in token_ids:  # xgrammar refuses a token without changing state
+        if matcher.is_terminated() or not matcher.accept_token(token_id):
+            break
+        num_valid += 1
+    if num_valid:
+        matcher.rollback(num_valid)
+    return num_valid

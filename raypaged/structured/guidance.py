@@ -101,6 +101,14 @@ class GuidanceMatcher:
         """Complete: nothing but EOS can follow."""
         return self._matcher.is_stopped()
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids``, in order, the grammar would accept now (nothing changes)."""
+        return self._matcher.validate_tokens(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` accepted tokens (drafts checked, then given back)."""
+        self._matcher.rollback(num_tokens)
+
     def fork(self) -> GuidanceMatcher:
         return GuidanceMatcher(self._matcher.deep_copy())
 

@@ -239,9 +239,11 @@ class ModelRunner:
         rows: list[tuple[str, int]] = []  # (request id, drafts before the row)
         for request_id in step.sampled_request_ids:
             rows += [(request_id, j) for j in range(len(self.requests[request_id].spec_token_ids) + 1)]
-        if (grammar := so.grammar_bitmask) is not None:  # constrained requests never speculate: one row each
-            row_of = {request_id: row for row, (request_id, _) in enumerate(rows)}
-            apply_token_bitmask(logits, grammar.ready(), [row_of[request_id] for request_id in grammar.request_ids])
+        if (grammar := so.grammar_bitmask) is not None:  # a mask row for each of a request's rows, in order
+            first_row = {request_id: row for row, (request_id, j) in enumerate(rows) if j == 0}
+            masked = [first_row[request_id] + j for request_id in grammar.request_ids
+                      for j in range(len(self.requests[request_id].spec_token_ids) + 1)]
+            apply_token_bitmask(logits, grammar.ready(), masked)
         inputs = [self._sampling_input(self.requests[request_id], j) for request_id, j in rows]
         try:
             tokens = greedy_fast_path(logits, inputs)

@@ -251,3 +251,20 @@ def test_lookahead_slots_follow_a_sampling_sequence_and_are_kept_after_a_rollbac
     s.update_from_output(out, ModelRunnerOutput(sampled_runs={"a": tokens(60)}, draft_token_ids={"a": [61]}))
     # 8 tokens + 3 lookahead slots: 3 blocks stay
     assert s.kv.get_block_ids("a") == [0, 1, 2] and request.spec_token_ids == [61]
+
+
+def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size():
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, num_spec_tokens=2,
+                                  spec_disable_batch_size=1), KVCacheManager(16, 4))
+    a, b = make_request("a", range(1, 4), k=2), make_request("b", range(1, 4), k=2)
+    prefill(s, a)
+    s.add_request(b)
+    a.spec_token_ids = [51, 52]
+    out = s.schedule()  # one sequence runs as the step starts: a verifies its drafts, b is admitted
+    assert out.propose_drafts and out.scheduled_spec_tokens == {"a": [51, 52]}
+    s.update_from_output(out, ModelRunnerOutput(sampled_runs={"a": tokens(51, 52, 53)},
+                                                sampled={"b": tokens(50)[0]}))
+    a.spec_token_ids = [61, 62]
+    out = s.schedule()  # two run now: no drafts, and no proposals for the next step
+    assert not out.propose_drafts and out.scheduled_spec_tokens == {}
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}

@@ -212,3 +212,47 @@ def chi_square(a: list[int], b: list[int]) -> float:
             expected_b = (x + y) * total_b / (total_a + total_b)
             statistic += (x - expected_a) ** 2 / expected_a + (y - expected_b) ** 2 / expected_b
     return statistic
+
+
+@pytest.mark.parametrize("method", ["ngram", SELF_DRAFT])
+def test_constrained_outputs_with_speculation_equal_those_without(smollm2_dir, baseline, method):
+    """Drafts are cut where the grammar refuses them, each verified position is masked by the grammar
+    as it stands after the drafts before it, and the matcher advances over the accepted run: greedy
+    outputs under JSON schemas (xgrammar and llguidance), a regex, a choice and a grammar equal the
+    outputs without speculation, token for token."""
+    from raypaged.sampling_params import StructuredOutputsParams
+    from tests.structured.schemas import SCHEMAS
+    from tests.structured.test_structured_llm import ARITHMETIC
+
+    schemas = list(SCHEMAS.items())[:4]
+    all_of = {"allOf": [{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+                        {"properties": {"n": {"maximum": 9}}}]}
+    constraints = [StructuredOutputsParams(json=schema) for _, schema in schemas] + [
+        StructuredOutputsParams(json=all_of),  # llguidance (auto: xgrammar keeps one subschema of allOf)
+        StructuredOutputsParams(regex=r"(\d{2}, ){6}\d{2}"),
+        StructuredOutputsParams(choice=["the quick brown fox", "the lazy dog"]),
+        StructuredOutputsParams(grammar=ARITHMETIC),
+    ]
+    questions = [f"Answer in JSON: an example of {name.replace('_', ' ')}." for name, _ in schemas] + [
+        "Give a JSON object with an integer n.", "Count by twos from 10:", "Which animal is lazy?",
+        "Write an arithmetic expression with three numbers.",
+    ]
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    params = [SamplingParams(temperature=0, max_tokens=96, structured_outputs=c) for c in constraints]
+    reference = baseline.chat(conversations, params, use_tqdm=False)
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(smollm2_dir),
+                                            "num_speculative_tokens": 3}
+    llm = make_llm(smollm2_dir, spec)
+    try:
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+        for output, want in zip(outputs, reference):
+            assert output.error is None and want.error is None
+            assert (output.outputs[0].token_ids, output.outputs[0].finish_reason) == (
+                want.outputs[0].token_ids, want.outputs[0].finish_reason)
+        stats = spec_stats(llm)
+        assert stats["num_accepted_tokens"] > 0
+        if method != "ngram":  # the unconstrained draft proposes tokens the grammar refuses: they are cut
+            assert stats["num_draft_tokens"] < 3 * stats["num_drafts"]
+        check_pool(llm)
+    finally:
+        llm.shutdown()
