@@ -5,22 +5,30 @@ followed by ``k`` tokens, else the earliest (the longest continuation there is).
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``k`` draft tokens for the sequence ``tokens`` (prompt then output), ``[]`` when its
-    last ``min_n`` tokens never occurred before. One vectorized comparison per ``n``."""
+    last ``min_n`` tokens never occurred before. One vectorized pass finds where the last token
+    occurred; each longer n-gram only checks those places, one comparison per token of it."""
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # windows start at 0 .. length-1-n: none is the suffix itself, and each has a follower
-        windows = sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-        if hits.size:
-            whole = hits[hits + n + k <= length]
-            start = int(whole[-1] if whole.size else hits[0]) + n
-            return tokens[start:start + k].tolist()
-    return []
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # where an earlier n-gram could end (each has a follower)
+    matched = ends
+    found: list[tuple[int, np.ndarray]] = []
+    for n in range(1, min(max_n, length - 1) + 1):
+        if n > 1:
+            matched = matched[matched >= n - 1]
+            matched = matched[tokens[matched - (n - 1)] == tokens[length - n]]
+        if not matched.size:
+            break
+        if n >= min_n:
+            found.append((n, matched))
+    if not found:
+        return []
+    _, hits = found[-1]  # the longest n that occurs
+    whole = hits[hits + 1 + k <= length]
+    start = int(whole[-1] if whole.size else hits[0]) + 1
+    return tokens[start:start + k].tolist()
 
 
 class NgramProposer:
