@@ -223,8 +223,8 @@ class EngineConfig:
         return (self.served_model_name, *self.served_model_aliases)
 
     def _resolve_tokenizer_path(self) -> Path:
-        """The tokenizer's folder: the model's unless ``tokenizer``/``tokenizer_revision`` name another,
-        which is resolved (so a typo says so) and then refused: the engine reads the model folder's."""
+        """The tokenizer's folder: the model's unless ``tokenizer``/``tokenizer_revision`` name another
+        (a folder or a Hub id, whose tokenizer files alone are fetched), as vLLM's ``--tokenizer``."""
         if self.tokenizer is None and self.tokenizer_revision is None:
             return self.model_path
         name = self.model if self.tokenizer is None else self.tokenizer
@@ -232,10 +232,7 @@ class EngineConfig:
         path = resolve_model_path(name, revision, self.download_dir, what="tokenizer", weights=False)
         if path.resolve() != self.model_path.resolve():
             at = f" at revision {revision}" if revision is not None else ""
-            raise ValueError(
-                f"the tokenizer {name}{at} ({path}) is not the model's ({self.model_path}): raypaged reads the "
-                "tokenizer in the model's folder, so --tokenizer and --tokenizer-revision may only name the model"
-            )
+            logger.info("tokenizer %s%s: %s", name, at, path)
         return path
 
     def _check_generation_config_args(self) -> None:

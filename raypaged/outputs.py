@@ -112,3 +112,23 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: per prompt token its logprob and the top-N (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed (vLLM's)
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One beam as vLLM's: ``tokens`` are the prompt's then the beam's, ``logprobs`` per generated token
+    the candidates its step weighed (token id -> ``Logprob``), ``text`` the generated text."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput(RequestOutput):
+    """A finished beam search: vLLM's ``sequences`` (best first), and the same beams as ``outputs``."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)

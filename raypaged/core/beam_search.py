@@ -26,6 +26,7 @@ class Hypothesis:
     cumulative_logprob: float
     score: float
     finish_reason: str
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per token: the candidates of its step
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class Continuation:
     parent: Request
     token_id: int
     logprob: float
+    candidates: dict[int, float]  # every token its parent's step weighed, with its logprob
 
 
 @dataclass(eq=False)
@@ -68,15 +70,16 @@ class BeamGroup:
             ),
             key=lambda c: (-c[0], c[1], c[2]),
         )[: 2 * width]
-        self.candidates.clear()
+        candidates, self.candidates = self.candidates, {}
         kept: list[Continuation] = []
         for rank, (total, _, token_id, beam, logprob) in enumerate(pool):
             if not self.params.ignore_eos and token_id == self.eos_token_id:
                 if rank < width:
                     tokens = beam.output_token_ids + [token_id]
-                    self.finished.append(Hypothesis(tokens, total, self.score(total, len(tokens)), "stop"))
+                    logprobs = beam.output_logprobs + [candidates[beam.request_id]]
+                    self.finished.append(Hypothesis(tokens, total, self.score(total, len(tokens)), "stop", logprobs))
                 continue
-            kept.append(Continuation(beam, token_id, logprob))
+            kept.append(Continuation(beam, token_id, logprob, candidates[beam.request_id]))
             if len(kept) == width:
                 break
         return kept
@@ -97,6 +100,7 @@ class BeamGroup:
                 b.cumulative_logprob,
                 self.score(b.cumulative_logprob, b.num_output_tokens),
                 "length",
+                list(b.output_logprobs),
             )
             for b in self.beams
         ]

@@ -626,14 +626,14 @@ class Scheduler:
                     beam,
                     request_id=f"{group.group_id}#{group.next_index}",
                     output_token_ids=list(beam.output_token_ids),
-                    output_logprobs=[],
+                    output_logprobs=list(beam.output_logprobs),
                 )
                 group.next_index += 1
                 self._adopt_fork(beam, child)
-                child.append_output_token(pick.token_id, pick.logprob, None)
+                child.append_output_token(pick.token_id, pick.logprob, pick.candidates)
                 survivors.append(child)
                 lineage.append((beam.request_id, child.request_id, pick.token_id))
-            beam.append_output_token(picks[0].token_id, picks[0].logprob, None)
+            beam.append_output_token(picks[0].token_id, picks[0].logprob, picks[0].candidates)
             survivors.append(beam)
             lineage.append((beam.request_id, beam.request_id, picks[0].token_id))
         group.beams = survivors

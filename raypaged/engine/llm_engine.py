@@ -40,7 +40,13 @@ from raypaged.inputs.limits import (
     check_sampling,
     check_text,
 )
-from raypaged.outputs import CompletionOutput, RequestOutput
+from raypaged.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    RequestOutput,
+    decode_logprobs,
+)
 from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
 from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.spec_decode.ngram import NgramProposer
@@ -64,6 +70,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
+        if len(self.tokenizer) > config.hf_config.vocab_size:
+            raise ValueError(f"the tokenizer in {config.tokenizer_path} has {len(self.tokenizer)} tokens, more than "
+                             f"the model's vocabulary of {config.hf_config.vocab_size}: it is not this model's tokenizer")
         self.eos_token_ids = self._eos_token_ids()
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the EOS; the others stop too
         logger.info(
@@ -352,19 +361,26 @@ class LLMEngine:
         if state.error is not None:
             return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [], finished=True,
                                  error=state.error)
+        texts = [self.tokenizer.decode(hyp.token_ids, skip_special_tokens=True) for hyp in group.hypotheses]
         completions = [
             CompletionOutput(
                 index=rank,
-                text=self.tokenizer.decode(hyp.token_ids, skip_special_tokens=True),
+                text=text,
                 token_ids=hyp.token_ids,
                 cumulative_logprob=hyp.cumulative_logprob,
                 logprobs=None,
                 finish_reason=hyp.finish_reason,
             )
-            for rank, hyp in enumerate(group.hypotheses)
+            for rank, (hyp, text) in enumerate(zip(group.hypotheses, texts))
         ]
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished=True,
-                             num_generated_tokens=sum(len(h.token_ids) for h in group.hypotheses))
+        sequences = []
+        for hyp, text in zip(group.hypotheses, texts):
+            decode_logprobs(hyp.logprobs, self.tokenizer)
+            sequences.append(BeamSearchSequence(state.prompt_token_ids + hyp.token_ids, hyp.logprobs,
+                                                hyp.cumulative_logprob, text, hyp.finish_reason))
+        return BeamSearchOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished=True,
+                                num_generated_tokens=sum(len(h.token_ids) for h in group.hypotheses),
+                                sequences=sequences)
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests (all their sequences); their blocks are free when this returns."""

@@ -129,7 +129,7 @@ def add_hub_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--download-dir", default=None,
                         help="Hugging Face cache folder for Hub ids (default: $HF_HUB_CACHE, ~/.cache/huggingface/hub)")
     parser.add_argument("--tokenizer", default=None,
-                        help="the tokenizer's folder or Hub id; only the model's own is supported (default: the model)")
+                        help="the tokenizer's folder or Hub id (default: the model's); its chat template too")
     parser.add_argument("--tokenizer-revision", default=None,
                         help="branch, tag or commit of --tokenizer (default: --revision)")
 

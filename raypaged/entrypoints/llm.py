@@ -15,7 +15,7 @@ from raypaged.engine.llm_engine import LLMEngine
 from raypaged.inputs.chat_template import render_chat
 from raypaged.inputs.limits import InputLimits, check_priority
 from raypaged.lora.request import LoRARequest
-from raypaged.outputs import RequestOutput
+from raypaged.outputs import BeamSearchOutput, RequestOutput
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
 from raypaged.structured.config import StructuredOutputsConfig
 
@@ -189,8 +189,10 @@ class LLM:
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = True
-    ) -> list[RequestOutput]:
-        """Beam search for every prompt; each output's ``outputs`` are the beams, best score first.
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, as vLLM's: each output's ``sequences`` are the beams, best
+        score first (``tokens`` prompt then beam, ``text`` the beam's, ``cum_logprob``, ``logprobs``),
+        and its ``outputs`` the same beams as ``CompletionOutput``s.
 
         Beams are forked sequences sharing their blocks (the prompt is stored once).
         """

@@ -27,15 +27,20 @@ MODEL_FILES = (
 def resolve_model_files(
     name: str, revision: str | None, download_dir: str | None, what: str = "model", weights: bool = True
 ) -> Path:
-    """A local folder for ``name``: the folder itself when it exists (it must hold a config.json), else the
-    Hub snapshot of ``revision`` (default ``main``) under ``download_dir`` or the Hugging Face cache.
+    """A local folder for ``name``: the folder itself when it exists (it must hold a config.json, or for a
+    tokenizer its tokenizer files), else the Hub snapshot of ``revision`` (default ``main``) under
+    ``download_dir`` or the Hugging Face cache.
 
     ``what`` names the flag in messages (``model``, ``tokenizer``); ``weights=False`` fetches the config
     and tokenizer files only. Every failure is a ``ValueError`` naming ``name`` and what to change.
     """
     path = Path(name).expanduser()
     if path.exists():
-        if not (path / "config.json").is_file():
+        if what == "tokenizer":
+            if not any((path / file).is_file() for file in ("tokenizer.json", "tokenizer_config.json")):
+                raise ValueError(f"tokenizer {name!r} is not a tokenizer folder (no tokenizer.json or "
+                                 "tokenizer_config.json there)")
+        elif not (path / "config.json").is_file():
             raise ValueError(f"{what} {name!r} is not a Hugging Face model folder (no config.json there)")
         for flag, value in ((f"--{what}-revision" if what != "model" else "--revision", revision),
                             ("--download-dir", download_dir)):

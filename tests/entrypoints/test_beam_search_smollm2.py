@@ -60,3 +60,23 @@ def test_eos_ends_beams_when_not_ignored(smollm2_llm):
     assert "Paris" in best.text
     with pytest.raises(ValueError, match="beam_width must be at least 1, got 0"):
         BeamSearchParams(beam_width=0)
+
+
+def test_beam_search_returns_vllms_beam_search_output(smollm2_llm):
+    from raypaged.outputs import BeamSearchOutput
+
+    params = BeamSearchParams(beam_width=3, max_tokens=12)
+    [output] = smollm2_llm.beam_search("The capital of France is", params, use_tqdm=False)
+    tokenizer = smollm2_llm.get_tokenizer()
+    assert isinstance(output, BeamSearchOutput) and len(output.sequences) == 3
+    for sequence, beam in zip(output.sequences, output.outputs):
+        assert sequence.tokens == output.prompt_token_ids + beam.token_ids
+        assert (sequence.text, sequence.cum_logprob, sequence.finish_reason) == (
+            beam.text, beam.cumulative_logprob, beam.finish_reason)
+        assert len(sequence.logprobs) == len(beam.token_ids)
+        # each step's candidates hold the token the beam took; their logprobs add up to its score
+        assert sum(step[token] for step, token in zip(sequence.logprobs, beam.token_ids)) == pytest.approx(
+            sequence.cum_logprob, abs=1e-4)
+        for step, token in zip(sequence.logprobs, beam.token_ids):
+            assert len(step) >= 2 * params.beam_width and step[token].decoded_token == tokenizer.decode([token])
+            assert sorted(v.rank for v in step.values())[0] == 1

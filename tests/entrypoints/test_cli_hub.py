@@ -130,9 +130,10 @@ def test_an_id_missing_from_the_cache_offline_names_the_id_the_cache_and_hf_hub_
                                      "local folder"),
     (["{main}", "--download-dir", "/tmp"], "error: --download-dir /tmp applies to Hugging Face Hub ids, but model "
                                            "'{main}' is a local folder"),
-    ([REPO_ID, "--tokenizer-revision", "v2"],
-     "error: the tokenizer tiny-org/tiny-llama at revision v2 ({v2}) is not the model's ({main}): raypaged reads "
-     "the tokenizer in the model's folder, so --tokenizer and --tokenizer-revision may only name the model"),
+    ([REPO_ID, "--tokenizer-revision", "v3"],
+     "error: tokenizer 'tiny-org/tiny-llama' at revision 'v3' is not a local folder and not in the Hugging Face "
+     "cache {cache} (HF_HUB_OFFLINE=1: nothing is downloaded); unset HF_HUB_OFFLINE to download it, or give its "
+     "local folder"),
 ])
 def test_resolution_errors_name_what_to_change(offline, args, message):
     names = {"cache": offline, "main": snapshot(offline, MAIN), "v2": snapshot(offline, V2)}

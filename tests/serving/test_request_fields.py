@@ -244,3 +244,24 @@ def test_logprobs_minus_one_means_the_whole_vocabulary_within_max_logprobs(http,
     [top] = answer["choices"][0]["logprobs"]["top_logprobs"]
     assert len(top) > 40000  # every token (the texts of a few decode alike and share a key)
     assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 49152
+
+
+def test_chat_echo_opens_the_answer_with_the_last_message_of_its_role(http):
+    """As vLLM: with echo, an assistant message being continued comes first in the answer, whole and
+    streamed (in a chunk of its own after the role); a last message of another role is not echoed."""
+    messages = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "Well, I"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]
+    assert echoed == {"role": "assistant", "content": "Well, I" + plain}
+    deltas = []
+    with http.stream("POST", "/v1/chat/completions", json={**body, "echo": True, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                deltas.append(json.loads(line[6:])["choices"][0]["delta"])
+    assert deltas[:2] == [{"role": "assistant", "content": ""}, {"content": "Well, I"}]
+    assert "".join(d.get("content", "") for d in deltas) == "Well, I" + plain
+    asked = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5, "temperature": 0, "echo": True}).json()
+    alone = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5, "temperature": 0}).json()
+    assert asked["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]

@@ -143,7 +143,8 @@ def build_app(
         except (ValueError, TypeError) as exc:  # a value the wire format cannot hold
             raise APIError(400, str(exc)) from None
         shape = ResponseShape(chat, model, body.n, num_logprobs is not None, tools=tools, role=response_role,
-                              echo=body.echo, echo_only=body.echo_only,
+                              echo=body.echo and not chat, echo_only=body.echo_only,
+                              chat_echo=body.echoed(response_role) if isinstance(body, ChatCompletionRequest) else "",
                               prompt_logprobs=body.prompt_logprobs is not None,
                               prompt_tokens_details=prompt_tokens_details,
                               request_id=body.request_id or _header_request_id(http),

@@ -37,6 +37,7 @@ class ResponseShape:
     role: str = "assistant"  # chat: the answers' role (--response-role)
     echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone
+    chat_echo: str = ""  # chat with echo: the last message's content, which opens each answer
     prompt_logprobs: bool = False  # the prompt's logprobs, vLLM's field
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
     request_id: str | None = None  # the client's (X-Request-Id or request_id): the response id is made of it
@@ -111,7 +112,7 @@ class ResponseShape:
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
             finish_reason = self.tools.finish_reason(calls, finish_reason)
-        message["content"] = content
+        message["content"] = self.chat_echo + (content or "") if self.chat_echo else content
         return message, finish_reason
 
     def usage(self, usages: list[pb.Usage]) -> dict:
@@ -267,6 +268,9 @@ class ChunkWriter:
             {"index": i, "delta": {"role": self.shape.role, "content": ""}, "logprobs": None, "finish_reason": None}
             for i in range(len(self._text_offsets))
         ]
+        if self.shape.chat_echo:  # then, as vLLM, the echoed message in a chunk of its own
+            choices += [{"index": i, "delta": {"content": self.shape.chat_echo}, "logprobs": None,
+                         "finish_reason": None} for i in range(len(self._text_offsets))]
         return [self.shape.envelope([c], None, chunk=True) | self._null_usage() for c in choices]
 
     def chunks(self, prompt_index: int, response: pb.GenerateResponse) -> list[dict]:

@@ -363,7 +363,7 @@ class ChatCompletionRequest(_GenerationBody):
     top_logprobs: LogprobCount | None = None  # the engine caps it (--max-logprobs)
     max_completion_tokens: Unsigned | None = None
     add_special_tokens: Literal[False] = False  # the chat template writes the special tokens (as vLLM's default)
-    echo: Literal[False] = False  # completions only
+    echo: bool = False  # the last message's content opens the answer when its role is the answer's (vLLM's)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -376,6 +376,15 @@ class ChatCompletionRequest(_GenerationBody):
     @property
     def num_prompts(self) -> int:
         return 1  # a conversation is one prompt
+
+    @property
+    def echo_only(self) -> bool:
+        return False  # chat echo repeats the last message; it never replaces the answer
+
+    def echoed(self, role: str) -> str:
+        """What echo puts before each answer: the last message's text, when it is the answer's role."""
+        last = self.messages[-1] if self.echo and self.messages else None
+        return last.text() if last is not None and last.role == role else ""
 
     def tool_plan(self, parser: ToolParser | None) -> ToolPlan | None:
         return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
