@@ -116,6 +116,8 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generated (their token sequences, with and without a leading space)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # set by the engine from bad_words
     skip_special_tokens: bool = True
+    # with skip_special_tokens off: False joins consecutive special (added) tokens without the space between
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a stop string that ended the output stays in its text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

@@ -21,10 +21,17 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool = True
+        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        # streamed: an added token right after another shows its bare content (no space before it), as vLLM
+        self._joined: dict[int, str] | None = None
+        if not (skip_special_tokens or spaces_between_special_tokens) and tokenizer.is_fast:
+            self._joined = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+        self._last_added = False
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) if tokenizer.is_fast else None
         self._held: list[int] = []  # streamed tokens whose text the stream still holds
@@ -34,7 +41,8 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
@@ -45,6 +53,11 @@ class IncrementalDetokenizer:
         pieces = []
         for token_id in new_token_ids:
             piece = self._stream.step(backend, token_id)
+            if self._joined is not None:
+                added = self._joined.get(token_id)
+                if added is not None and self._last_added:
+                    piece = added
+                self._last_added = added is not None
             if piece is None:
                 self._held.append(token_id)
             else:

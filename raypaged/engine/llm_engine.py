@@ -312,7 +312,8 @@ class LLMEngine:
                 self.scheduler.add_request(seq)
         state = RequestState(request_id, prompt, prompt_token_ids, sampling_params, [])
         for seq in seqs:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params.skip_special_tokens,
+                                           sampling_params.spaces_between_special_tokens)
             seq_state = SeqState(seq, detok)
             state.seqs.append(seq_state)
             self._seq_states[seq.request_id] = (state, seq_state)

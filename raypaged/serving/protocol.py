@@ -58,6 +58,8 @@ def sampling_params_from_proto(
         allowed_token_ids=list(sampling.allowed_token_ids) or None,
         bad_words=list(sampling.bad_words) or None,
         skip_special_tokens=stopping.skip_special_tokens if stopping.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(stopping.spaces_between_special_tokens
+                                       if stopping.HasField("spaces_between_special_tokens") else True),
         include_stop_str_in_output=stopping.include_stop_str_in_output,
         truncate_prompt_tokens=request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
         output_kind=RequestOutputKind.DELTA,  # a stream: each response carries what is new

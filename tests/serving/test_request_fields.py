@@ -26,7 +26,6 @@ def http(tiny_model_dir):
 
 @pytest.mark.parametrize(("body", "field", "value"), [
     (COMPLETION, "suffix", "end"),
-    (COMPLETION, "spaces_between_special_tokens", False),
     (CHAT, "functions", [{"name": "f", "parameters": {}}]),
     (CHAT, "prediction", {"type": "content", "content": "x"}),
 ])
@@ -265,3 +264,18 @@ def test_chat_echo_opens_the_answer_with_the_last_message_of_its_role(http):
     asked = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5, "temperature": 0, "echo": True}).json()
     alone = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5, "temperature": 0}).json()
     assert asked["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
+def test_spaces_between_special_tokens_reaches_the_engines_sampling_params():
+    """The field crosses the gateway's wire format (unset: vLLM's default, true); its effect on the text
+    is tested on the detokenizer (tests/engine/test_detokenizer.py)."""
+    from raypaged.serving.gateway.schemas import CompletionRequest
+    from raypaged.serving.protocol import sampling_params_from_proto
+
+    def params(**fields):
+        body = CompletionRequest(**{**COMPLETION, **fields})
+        return sampling_params_from_proto(body.generate_request("tiny", {"text": "hi"}, None, 2, 0, None),
+                                          InputLimits())
+
+    assert params(spaces_between_special_tokens=False, skip_special_tokens=False).spaces_between_special_tokens is False
+    assert params().spaces_between_special_tokens is True

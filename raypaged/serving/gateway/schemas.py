@@ -37,7 +37,6 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # send them only with a value that asks for nothing (these, null, or an empty list or object).
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "suffix": ("",),
-    "spaces_between_special_tokens": (True,),
     "logits_processors": (),
     "prompt_embeds": (),
     "functions": (),
@@ -97,6 +96,7 @@ class _GenerationBody(BaseModel):
     min_tokens: Unsigned = 0
     stop_token_ids: list[Unsigned] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # special tokens kept in the text are set apart by spaces
     priority: int = Field(0, ge=-_INT32_MAX - 1, le=_INT32_MAX)
     prompt_logprobs: LogprobCount | None = None  # the engine caps it (--max-logprobs)
     echo: bool = False  # completions: the prompt first in the text (and its tokens first in the logprobs)
@@ -222,6 +222,7 @@ class _GenerationBody(BaseModel):
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
         if max_tokens is not None:
