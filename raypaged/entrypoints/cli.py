@@ -14,6 +14,8 @@ from raypaged import envs
 from raypaged.entrypoints.config_file import CONFIG_FLAG, ArgumentParser
 from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
 from raypaged.structured.config import StructuredOutputsConfig
+from raypaged.entrypoints.vllm_compat import DEFAULT_ONLY, check_default_only, explain
+from raypaged.entrypoints.vllm_compat import flag as vllm_flag
 from raypaged.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -149,8 +151,6 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                         help="on: long prefills are always chunked within --max-num-batched-tokens")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="accepted for vLLM command lines: raypaged logs no periodic stats (see /metrics)")
-    parser.add_argument("--max-num-partial-prefills", type=int, default=1,
-                        help="prompts being prefilled in chunks at once: 1 (the only value the scheduler runs)")
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters (PEFT folders) on the model: --lora-modules, or loaded at runtime")
     parser.add_argument("--max-loras", type=int, default=1,
@@ -164,38 +164,19 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                              '"model": PATH, "num_speculative_tokens": 4}\' (also disable_by_batch_size)')
 
 
-# vLLM flags taken only at their default: flag (and short form), type, default, why another value is refused
-_DEFAULT_ONLY_FLAGS: list[tuple[tuple[str, ...], type, object, str]] = [
-    (("--pipeline-parallel-size", "-pp"), int, 1, "pipeline parallelism is not implemented: shard layers with -tp"),
-    (("--data-parallel-size", "-dp"), int, 1, "run one server per replica behind a load balancer (see deploy/)"),
-    (("--max-long-partial-prefills",), int, 1, "the scheduler prefills one prompt in chunks at a time"),
-    (("--long-prefill-token-threshold",), int, 0, "the scheduler prefills one prompt in chunks at a time"),
-    (("--cpu-offload-gb",), float, 0.0, "weights stay on the device"),
-    (("--tokenizer-mode",), str, "auto", "the model's own (fast) tokenizer is used"),
-    (("--distributed-executor-backend",), str, None, "shards are Ray actors (ray)"),
-]
-
-
 def add_default_only_args(parser: argparse.ArgumentParser) -> None:
-    for names, kind, default, why in _DEFAULT_ONLY_FLAGS:
-        shown = "ray" if names[0] == "--distributed-executor-backend" else default
-        parser.add_argument(*names, type=kind, default=default, help=f"accepted at {shown} only: {why}")
+    for name, short, kind, allowed, why in DEFAULT_ONLY:
+        if kind is bool:
+            continue  # --enable-chunked-prefill is a switch of its own
+        names = (vllm_flag(name), short) if short else (vllm_flag(name),)
+        shown = "ray" if name == "distributed_executor_backend" else allowed[0]
+        parser.add_argument(*names, type=kind, default=allowed[0],
+                            help=f"accepted at {shown} only: {explain(why, as_flags=True)}")
 
 
 def check_vllm_args(args: argparse.Namespace) -> None:
     """Refuse, by name, what a vLLM command line asks for and this engine cannot do."""
-    for names, _, default, why in _DEFAULT_ONLY_FLAGS:
-        value = getattr(args, names[0][2:].replace("-", "_"))
-        allowed = (default, "ray") if names[0] == "--distributed-executor-backend" else (default,)
-        if value not in allowed:
-            raise ValueError(f"{names[0]} {value} is not supported: {why}")
-    if args.enable_chunked_prefill is False:
-        raise ValueError("--no-enable-chunked-prefill is not supported: long prefills are always chunked within "
-                         "--max-num-batched-tokens")
-    if args.max_num_partial_prefills != 1:
-        raise ValueError(f"--max-num-partial-prefills {args.max_num_partial_prefills} is not supported: the scheduler "
-                         "chunks one prompt at a time (a prompt cut at the step's --max-num-batched-tokens is its "
-                         "last; the prompts behind it wait for the next step), which is --max-num-partial-prefills 1")
+    check_default_only({name: getattr(args, name) for name, *_ in DEFAULT_ONLY}, as_flags=True)
 
 
 _LIMIT_HELP = {

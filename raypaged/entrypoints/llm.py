@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
@@ -12,6 +13,7 @@ from tqdm.auto import tqdm
 from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.llm_engine import LLMEngine
+from raypaged.entrypoints.vllm_compat import ANY_VALUE, DEFAULT_ONLY, check_default_only, unknown_keyword
 from raypaged.inputs.chat_template import render_chat
 from raypaged.inputs.limits import InputLimits, check_priority
 from raypaged.lora.request import LoRARequest
@@ -77,7 +79,13 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         speculative_config: dict[str, Any] | None = None,
+        **vllm_options: Any,
     ) -> None:
+        """``vllm_options``: vLLM engine arguments taken here at one value (``trust_remote_code``,
+        ``disable_log_stats``, ``enable_chunked_prefill=True``, ``pipeline_parallel_size=1`` ...);
+        another value is refused naming it, and an unknown keyword is a ``TypeError`` naming the
+        closest one there is."""
+        _check_vllm_options(vllm_options)
         self.llm_engine = LLMEngine(
             EngineConfig(
                 model=model,
@@ -278,3 +286,12 @@ def _prompt_input(prompt: PromptType) -> tuple[str | None, list[int] | None]:
         token_ids = prompt.get("prompt_token_ids")
         return prompt.get("prompt"), None if token_ids is None else list(token_ids)
     raise ValueError(f"a prompt must be a string or a dict with prompt_token_ids, got {type(prompt).__name__}")
+
+
+def _check_vllm_options(options: dict[str, Any]) -> None:
+    default_only = {name for name, *_ in DEFAULT_ONLY}
+    for name in options:
+        if name not in default_only and name not in ANY_VALUE:
+            known = [*inspect.signature(LLM).parameters, *default_only, *ANY_VALUE]
+            raise unknown_keyword(name, [k for k in known if k != "vllm_options"])
+    check_default_only(options, as_flags=False)
