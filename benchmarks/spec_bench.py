@@ -22,16 +22,29 @@ draft), the share of verifications that accepted the draft of each position, and
 reply is token-for-token the same with and without speculation (greedy). Goals: >= 1.8x on the
 repetitive workload at batch 1, >= 0.95x on the open-ended one.
 
-    python benchmarks/spec_bench.py           # 128 tokens, 3 measured rounds (about 6 minutes, 1 thread)
-    python benchmarks/spec_bench.py --quick   # 32 tokens, 1 measured round (about 1 minute)
+The peer (on by default, ``--no-peer`` skips it): Hugging Face transformers on the same model folder
+(``AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)``, its default attention), plain greedy
+``generate`` and its prompt-lookup decoding (``prompt_lookup_num_tokens=4, max_matching_ngram_size=4``),
+at batch 1 only (transformers' prompt lookup takes one sequence), on the same chat-templated prompt token
+ids, ``max_new_tokens`` = ``--max-tokens``, stopping at the same EOS ids as raypaged (the EOS counted as a
+generated token, as raypaged's replies hold it). Its two runs join the batch-1 alternation of the first
+``--peer-rounds`` rounds (2 by default), so the raypaged-ngram / transformers-prompt-lookup ratio compares
+calls taken side by side; each peer reply is checked token for token against raypaged's (greedy; fp32
+differences between the two implementations can flip a late token: counted, not failed).
+
+    python benchmarks/spec_bench.py           # 128 tokens, 3 measured rounds, peer in 2 (about 11 minutes, 1 thread)
+    python benchmarks/spec_bench.py --quick   # 32 tokens, 1 measured round (about 2 minutes)
+    python benchmarks/spec_bench.py --no-peer # without transformers (about 6 minutes)
     python benchmarks/spec_bench.py --method draft_model --draft-model /path/to/small-model
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from common import CONTENTION_NOTE, RESULTS_DIR, load_average, machine_info, write_json
@@ -41,6 +54,8 @@ from raypaged.inputs.chat_template import render_chat
 from raypaged.model.default_model import default_model_dir
 
 BATCHES = (1, 8)
+PEER_LOOKUP = {"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 4}  # transformers' prompt lookup
+PEERS = ("hf_plain", "hf_lookup")
 MAX_MODEL_LEN = 2048
 GOALS = {"repetitive": 1.8, "open_ended": 0.95}  # minimum speedup at batch 1
 
@@ -195,16 +210,46 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, lis
     return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def measure(engines: dict[str, LLM], prompts: list[list[int]], batch: int, max_tokens: int,
+Runner = Callable[[list[list[int]], int], tuple[float, list[list[int]]]]
+
+
+def hf_peer(model_dir, eos_token_ids: list[int], threads: int) -> dict[str, Runner]:
+    """transformers' greedy ``generate`` on the model folder, plain and with prompt lookup: runners like
+    ``run`` (one prompt per call: transformers' prompt lookup takes batch 1)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()  # generation-flag notes, the weight-loading bar
+    transformers.logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    torch.set_num_threads(threads)
+
+    def generate(extra: dict, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+        seconds, replies = 0.0, []
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                     do_sample=False, eos_token_id=eos_token_ids, pad_token_id=eos_token_ids[0],
+                                     **extra)
+            seconds += time.perf_counter() - start
+            replies.append(out[0, len(prompt):].tolist())  # the EOS included, as in raypaged's replies
+        return seconds, replies
+
+    return {"hf_plain": functools.partial(generate, {}), "hf_lookup": functools.partial(generate, PEER_LOOKUP)}
+
+
+def measure(engines: dict[str, Runner], prompts: list[list[int]], batch: int, max_tokens: int,
             flip: int) -> dict[str, tuple[float, list[list[int]]]]:
-    """Both engines on ``prompts``, ``batch`` per ``generate`` call; the engines alternate call by call
-    (which goes first alternates too), so a slow spell of the machine falls on both."""
+    """Every engine on ``prompts``, ``batch`` per ``generate`` call; the engines alternate call by call
+    (which order alternates too), so a slow spell of the machine falls on all."""
     seconds = dict.fromkeys(engines, 0.0)
     replies: dict[str, list[list[int]]] = {label: [] for label in engines}
     for group, i in enumerate(range(0, len(prompts), batch)):
         labels = list(engines) if (group + flip) % 2 == 0 else list(engines)[::-1]
         for label in labels:
-            elapsed, out = run(engines[label], prompts[i:i + batch], max_tokens)
+            elapsed, out = engines[label](prompts[i:i + batch], max_tokens)
             seconds[label] += elapsed
             replies[label] += out
     return {label: (seconds[label], replies[label]) for label in engines}
@@ -239,6 +284,27 @@ def summarize(cell: dict, num_spec: int) -> dict:
     }
 
 
+def summarize_peer(cell: dict) -> dict:
+    """The batch-1 peer figures over the rounds the peer ran, raypaged's over the same rounds."""
+    rounds = len(cell["peer_s"]["hf_plain"])
+    tps = {label: cell["peer_tokens"][label] / sum(cell["peer_s"][label]) for label in PEERS}
+    base_tps = cell["peer_rp_tokens"]["base"] / sum(cell["base_s"][:rounds])
+    spec_tps = cell["peer_rp_tokens"]["spec"] / sum(cell["spec_s"][:rounds])
+    equal = {label: {"equal": cell["peer_equal"][label], "of": cell["peer_compared"]} for label in PEERS}
+    return {
+        "rounds": rounds,
+        "hf_plain_tokens_per_s": tps["hf_plain"], "hf_lookup_tokens_per_s": tps["hf_lookup"],
+        "hf_lookup_speedup": tps["hf_lookup"] / tps["hf_plain"],
+        "raypaged_base_tokens_per_s": base_tps, "raypaged_spec_tokens_per_s": spec_tps,
+        "raypaged_spec_over_hf_lookup": spec_tps / tps["hf_lookup"],
+        "raypaged_base_over_hf_plain": base_tps / tps["hf_plain"],
+        "tokens_generated": cell["peer_tokens"],
+        "hf_plain_s": cell["peer_s"]["hf_plain"], "hf_lookup_s": cell["peer_s"]["hf_lookup"],
+        # replies (round, prompt) token-for-token equal to raypaged's greedy ones (without speculation)
+        "replies_equal_raypaged": equal, "mismatches": cell["peer_mismatches"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -249,6 +315,10 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--no-peer", action="store_true",
+                        help="skip the transformers peer (plain generate and prompt lookup, batch 1)")
+    parser.add_argument("--peer-rounds", type=int, default=None,
+                        help="measured rounds with the peer (the first ones: 2, at most --rounds)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: a second core is often busy here, and two threads then stall)")
     args = parser.parse_args()
@@ -257,13 +327,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     max_tokens = args.max_tokens or (32 if args.quick else 128)
     num_rounds = args.rounds or (1 if args.quick else 3)
+    peer_rounds = 0 if args.no_peer else min(num_rounds, 2 if args.peer_rounds is None else args.peer_rounds)
     speculative = spec_config(args)
     num_spec = args.num_speculative_tokens
     name = "spec_bench" if args.method == "ngram" else "spec_bench_draft_model"
     log = Log()
     report: dict = {"machine": machine_info(args.threads), "load_average_start": load_average(),
                     "note": CONTENTION_NOTE, "model": default_model_dir().name, "quick": args.quick,
-                    "max_tokens": max_tokens, "rounds": num_rounds, "speculative_config": speculative}
+                    "max_tokens": max_tokens, "rounds": num_rounds, "speculative_config": speculative,
+                    "peer_rounds": peer_rounds}
     log(f"{report['model']} fp32, torch threads {args.threads}, max_tokens {max_tokens}, {num_rounds} rounds, "
         f"speculative_config {speculative}; load {report['load_average_start']}")
     wall_start = time.perf_counter()
@@ -273,16 +345,29 @@ def main() -> None:
     prompts = {name_: [render_chat(engine.tokenizer, [{"role": "user", "content": text}], engine.config, trusted=True)
                        for text in texts] for name_, texts in workloads().items()}
     keys = [(w, b) for w in prompts for b in BATCHES]
-    engines = {"base": base, "spec": spec}
+    engines: dict[str, Runner] = {"base": functools.partial(run, base), "spec": functools.partial(run, spec)}
+    peers: dict[str, Runner] = {}
+    if peer_rounds:
+        import transformers
+
+        eos_ids = list(engine.eos_token_ids)
+        peers = hf_peer(default_model_dir(), eos_ids, args.threads)
+        report["peer"] = {"transformers": transformers.__version__, "generate": {**PEER_LOOKUP, "do_sample": False},
+                          "eos_token_id": eos_ids, "batch": 1}
+        log(f"peer: transformers {transformers.__version__} generate, plain and {PEER_LOOKUP}, batch 1, "
+            f"eos {eos_ids}, in the first {peer_rounds} round(s)")
     for w, b in keys:  # warm-up: every shape once, and the prompts into both prefix caches
-        measure(engines, prompts[w], b, 8, 0)
+        measure({**engines, **peers} if b == 1 else engines, prompts[w], b, 8, 0)
     cells = {key: {"tokens": 0, "spec_tokens": 0, "base_s": [], "spec_s": [], "mismatches": [], "counters": None,
-                   "replies": None} for key in keys}
+                   "replies": None, "peer_s": {label: [] for label in PEERS}, "peer_tokens": dict.fromkeys(PEERS, 0),
+                   "peer_rp_tokens": {"base": 0, "spec": 0}, "peer_equal": dict.fromkeys(PEERS, 0),
+                   "peer_compared": 0, "peer_mismatches": []} for key in keys}
     for round_index in range(num_rounds):
         for w, b in keys:
             cell = cells[(w, b)]
+            with_peer = b == 1 and round_index < peer_rounds
             before = spec_counters(spec, num_spec)
-            timed = measure(engines, prompts[w], b, max_tokens, round_index)
+            timed = measure({**engines, **peers} if with_peer else engines, prompts[w], b, max_tokens, round_index)
             delta = combine(spec_counters(spec, num_spec), before, -1)
             cell["counters"] = delta if cell["counters"] is None else combine(cell["counters"], delta, 1)
             (base_s, base_out), (spec_s, spec_out) = timed["base"], timed["spec"]
@@ -300,12 +385,35 @@ def main() -> None:
             log(f"round {round_index + 1} {w:10s} batch {b}: base {tokens / base_s:6.1f} tokens/s, spec "
                 f"{spec_tokens / spec_s:6.1f} tokens/s ({base_s / spec_s:.2f}x); replies equal: "
                 f"{sum(x == y for x, y in zip(base_out, spec_out))}/{len(base_out)}")
+            if not with_peer:
+                continue
+            cell["peer_rp_tokens"]["base"] += tokens
+            cell["peer_rp_tokens"]["spec"] += spec_tokens
+            cell["peer_compared"] += len(base_out)
+            line = []
+            for label in PEERS:
+                peer_s, peer_out = timed[label]
+                peer_tokens = sum(len(r) for r in peer_out)
+                cell["peer_s"][label].append(peer_s)
+                cell["peer_tokens"][label] += peer_tokens
+                equal = 0
+                for i, (x, y) in enumerate(zip(base_out, peer_out)):
+                    equal += x == y
+                    if x != y:
+                        cell["peer_mismatches"].append({"peer": label, "round": round_index, "prompt": i,
+                                                        "raypaged_tokens": len(x), "peer_tokens": len(y),
+                                                        "first_difference": first_difference(x, y)})
+                cell["peer_equal"][label] += equal
+                line.append(f"{label} {peer_tokens / peer_s:6.1f} tokens/s (equal to raypaged {equal}/{len(base_out)})")
+            log(f"        {w:10s} batch 1 peer: " + ", ".join(line))
     base.shutdown()
     spec.shutdown()
     tokenizer = engine.tokenizer
     results: dict = {}
     for (w, b), cell in cells.items():
         results.setdefault(w, {})[f"batch_{b}"] = summarize(cell, num_spec)
+        if b == 1 and peer_rounds:
+            results[w]["batch_1"]["peer"] = summarize_peer(cell)
     # the batch-8 replies (greedy): to check the replies copy what they should
     samples = {w: [{"prompt_tokens": len(p), "reply_tokens": len(r), "reply": tokenizer.decode(r)}
                    for p, r in zip(prompts[w], cells[(w, 8)]["replies"])] for w in prompts}
@@ -330,6 +438,24 @@ def main() -> None:
         log(f"goal {key}: >= {goal['goal']}x, got {goal['speedup']:.2f}x: {'met' if goal['met'] else 'NOT met'}")
     all_equal = all(r["outputs_equal"] for per_batch in results.values() for r in per_batch.values())
     log(f"replies token-for-token equal with and without speculation (greedy): {all_equal}")
+    if peer_rounds:
+        log("")
+        log(f"transformers peer, batch 1 ({peer_rounds} round(s); raypaged over the same rounds, calls alternated):")
+        header = (f"{'workload':10s} {'hf tok/s':>9s} {'hf-lookup':>9s} {'ratio':>6s} {'rp tok/s':>9s} "
+                  f"{'rp-ngram':>9s} {'ratio':>6s} {'rp-ngram/hf-lookup':>18s} {'rp/hf':>6s} "
+                  f"{'equal plain':>11s} {'equal lookup':>12s}")
+        log(header)
+        log("-" * len(header))
+        for w in results:
+            p = results[w]["batch_1"]["peer"]
+            eq = p["replies_equal_raypaged"]
+            log(f"{w:10s} {p['hf_plain_tokens_per_s']:9.1f} {p['hf_lookup_tokens_per_s']:9.1f} "
+                f"{p['hf_lookup_speedup']:5.2f}x {p['raypaged_base_tokens_per_s']:9.1f} "
+                f"{p['raypaged_spec_tokens_per_s']:9.1f} "
+                f"{p['raypaged_spec_tokens_per_s'] / p['raypaged_base_tokens_per_s']:5.2f}x "
+                f"{p['raypaged_spec_over_hf_lookup']:17.2f}x {p['raypaged_base_over_hf_plain']:5.2f}x "
+                f"{'{equal}/{of}'.format(**eq['hf_plain']):>11s} {'{equal}/{of}'.format(**eq['hf_lookup']):>12s}")
+        log("(equal: peer replies token-for-token equal to raypaged's greedy replies, over rounds x prompts)")
     rounds_spread = {f"{w}_batch_{b}": [round(x, 2) for x in results[w][f"batch_{b}"]["round_speedups"]]
                      for w in results for b in BATCHES}
     log(f"per-round speedups: {rounds_spread}")
