@@ -1,10 +1,11 @@
 """LoRA attached to a built model by wrapping its linears, whatever their class.
 
 ``LoRALinear(base)`` returns ``base(x)`` plus each token's adapter product from its slot.
-A row-parallel base all-reduces inside its own forward; its LoRA term is made whole the
-same way: the rank's partial ``x_shard A_shard^T`` (``[rows, rank]``, small) is all-reduced,
-then multiplied by the whole B, so the sum equals the unsharded product and the bias is
-the base's, added once. Every rank must see the same mapping (the driver sends one).
+A row-parallel base (input features sharded) sums its ranks' shares in one all-reduce; its
+LoRA term rides in the same one: each rank adds ``(x_shard A_shard^T) B^T`` to its share
+before the all-reduce (the product is linear in the shards, so the sum is the unsharded
+``x A^T B^T``), and the base's bias is added once after. Every rank must see the same mapping
+(the driver sends one).
 """
 
 from __future__ import annotations
@@ -52,20 +53,18 @@ class LoRALinear(nn.Module):
         self.slot_ranks = [0] * num_slots  # rank columns each slot's adapter fills here (0: not adapted)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
-        y = self.base(x)
         mapping = self.step.mapping
-        if mapping is None or mapping.is_empty:
-            return y
-        if mapping.num_tokens != x.shape[0]:
-            raise RuntimeError(f"the LoRA mapping is for {mapping.num_tokens} tokens but the step has {x.shape[0]}")
-        rank = max(self.slot_ranks[slot] for slot in mapping.slot_ids)
+        rank = 0
+        if mapping is not None and not mapping.is_empty:
+            if mapping.num_tokens != x.shape[0]:
+                raise RuntimeError(f"the LoRA mapping is for {mapping.num_tokens} tokens but the step has {x.shape[0]}")
+            rank = max(self.slot_ranks[slot] for slot in mapping.slot_ids)
         if rank == 0:
-            return y
-        h = lora_shrink(x, self.lora_a[:, :, :rank], mapping)
-        if self.target.row_parallel:
-            h = self.tp.all_reduce(h)
-        lora_expand(y, h, self.lora_b[:, :rank], mapping)
-        return y
+            return self.base(x)
+        row_parallel = self.target.row_parallel
+        y = self.base.partial(x) if row_parallel else self.base(x)
+        lora_expand(y, lora_shrink(x, self.lora_a[:, :, :rank], mapping), self.lora_b[:, :rank], mapping)
+        return self.base.reduce(y) if row_parallel else y
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Write ``(A^T [in, r], B^T [r, out])`` into ``slot`` (zeros past rank ``r``); ``None`` zeroes it."""

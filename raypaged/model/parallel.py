@@ -68,7 +68,15 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features / size]
-        y = self.tp.all_reduce(linear(x, self.weight))
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of ``y``, before the all-reduce (a LoRA term may be added to it first)."""
+        return linear(x, self.weight)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The ranks' shares summed, plus the bias once."""
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def load_shard(self, param_name: str, tensor: torch.Tensor) -> None:

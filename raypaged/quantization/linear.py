@@ -35,7 +35,14 @@ class QuantLinear(nn.Module):
         return set(self.specs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
-        y = self.method.apply(self, x)
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of ``y`` (all of it unless row-parallel), before any all-reduce."""
+        return self.method.apply(self, x)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Row-parallel: the ranks' shares summed; then the bias."""
         if self.row_parallel:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)

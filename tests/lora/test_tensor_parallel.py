@@ -70,3 +70,24 @@ def test_sharded_adapters_equal_one_shard(tmp_path, smollm2_dir, tp_size, shape)
             torch.testing.assert_close(part, base_part, atol=1e-4, rtol=1e-4)
         else:
             assert (part - base_part).abs().max() > 0.1
+
+
+def test_a_row_parallel_lora_term_rides_in_its_bases_all_reduce(tmp_path, smollm2_dir, monkeypatch):
+    """o_proj's and down_proj's adapter products join their base's partial sums before its one
+    all-reduce: a step with adapters all-reduces exactly as often as one without."""
+    model_dir = make_tiny_model(tmp_path, smollm2_dir, "llama")
+    adapter = make_peft_adapter(model_dir, tmp_path / "ad", seed=1, std=0.3, r=4, target_modules="all-linear")
+    calls = []
+    all_reduce = TensorParallel.all_reduce
+    monkeypatch.setattr(TensorParallel, "all_reduce", lambda self, x: calls.append(tuple(x.shape)) or all_reduce(self, x))
+    model = load_raypaged(model_dir)
+    manager = LoRAManager(model, LoRAConfig(max_loras=1, max_lora_rank=8), TensorParallel(), torch.float32,
+                          torch.device("cpu"))
+    manager.place(0, LoRARequest("ad", 1, str(adapter)))
+    counts = []
+    for slot in (None, 0):
+        manager.set_slot_mapping([slot] * len(PROMPTS[0]))
+        calls.clear()
+        prefill_logits(model, PROMPTS[:1])
+        counts.append(list(calls))
+    assert counts[1] == counts[0] and all(shape[-1] == 64 for shape in counts[0])  # hidden-wide sums only
