@@ -91,18 +91,12 @@ class Request:
     # for its next step, the tokens its newest update appended, with their logprobs when more than one
     num_spec_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
-    # drafts its next step verifies at most: back to one more than it accepted after a rejection, one
-    # more after a run accepted whole (up to num_spec_tokens), so drafts that keep missing cost little
-    spec_window: int = 0
     num_new_tokens: int = 0
     run_logprobs: list[float] | None = None
     # accepted drafts the workers have not been sent as output tokens yet (they hold them as drafts)
     num_accepted_unsent: int = 0
     first_scheduled_time: float | None = field(default=None, init=False)
     _status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
-
-    def __post_init__(self) -> None:
-        self.spec_window = self.num_spec_tokens
 
     @property
     def status(self) -> RequestStatus:

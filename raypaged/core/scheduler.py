@@ -281,7 +281,6 @@ class Scheduler:
             return []  # only a decode speculates
         k = min(
             len(request.spec_token_ids),
-            request.spec_window,
             self._budget - 1,
             self.config.max_model_len - request.num_tokens,
             request.max_tokens - request.num_output_tokens - 1,
@@ -589,8 +588,6 @@ class Scheduler:
         back (blocks past its tokens freed); tokens after a stop inside the run are dropped."""
         num_accepted = len(run) - 1
         self.spec.record(num_drafts, num_accepted)
-        full = request.num_spec_tokens
-        request.spec_window = min(request.spec_window + 1, full) if num_accepted == num_drafts else num_accepted + 1
         request.num_computed_tokens += num_verified + num_accepted
         num_before = request.num_output_tokens
         status = None

@@ -478,7 +478,7 @@ class LLMEngine:
         for request in updated:
             if request.num_spec_tokens and not request.status.finished:
                 request.spec_token_ids = self.ngram.propose(
-                    request.request_id, request.prompt_token_ids, request.output_token_ids, request.spec_window)
+                    request.request_id, request.prompt_token_ids, request.output_token_ids, request.num_spec_tokens)
 
     def _grammar_bitmask(self, so: SchedulerOutput) -> GrammarBitmask | None:
         """Masks of the constrained sequences that sample this step (their last known token is

@@ -157,10 +157,10 @@ def test_rejected_drafts_give_their_blocks_back_to_the_front_of_the_free_list():
     assert request.output_token_ids == [50, 60] and request.num_computed_tokens == 8
     # 9 tokens: block 2 holds the newest one still
     assert s.kv.get_block_ids("a") == [0, 1, 2]
-    request.spec_token_ids, request.spec_window = [61, 62, 63], 3  # (after a rejection the window is 1)
+    request.spec_token_ids = [61, 62, 63]
     out = s.schedule()  # positions 8..11: still blocks 0-2
     s.update_from_output(out, ModelRunnerOutput(sampled_runs={"a": tokens(70)}))
-    request.spec_token_ids, request.spec_window = [71, 72, 73], 3  # a run that reaches block 3 and is rejected
+    request.spec_token_ids = [71, 72, 73]  # a run that reaches block 3 and is rejected
     out = s.schedule()  # positions 9..12: block 3 for position 12
     assert out.cached_requests[0].new_block_ids == [3]
     s.update_from_output(out, ModelRunnerOutput(sampled_runs={"a": tokens(80)}))
@@ -268,20 +268,3 @@ def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size():
     out = s.schedule()  # two run now: no drafts, and no proposals for the next step
     assert not out.propose_drafts and out.scheduled_spec_tokens == {}
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
-
-
-def test_the_draft_window_shrinks_to_what_was_accepted_and_grows_back_one_by_one():
-    s = make_scheduler(k=4)
-    request = make_request("a", range(1, 7), max_tokens=60, k=4)
-    prefill(s, request)
-    windows = []
-    for accepted in (1, 0, 1, 2, 3, 4, 4):  # drafts 50+i...; the target agrees with the first `accepted`
-        base = 100 * (len(windows) + 1)
-        request.spec_token_ids = [base + i for i in range(4)]
-        out = s.schedule()
-        drafts = out.scheduled_spec_tokens["a"]
-        windows.append(len(drafts))
-        run = drafts[:accepted] + [base + 99]
-        s.update_from_output(out, ModelRunnerOutput(sampled_runs={"a": tokens(*run[:len(drafts) + 1])}))
-    # 4; 1 accepted -> 2; 0 -> 1; 1 of 1 (whole) -> 2; 2 of 2 -> 3; 3 of 3 -> 4; 4 of 4 -> stays 4
-    assert windows == [4, 2, 1, 2, 3, 4, 4]

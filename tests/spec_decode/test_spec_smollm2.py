@@ -76,9 +76,9 @@ def test_a_tiny_random_draft_model_changes_no_token(smollm2_dir, greedy_referenc
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == greedy_reference
         stats = spec_stats(llm)
-        # it proposes 3 every step, but drafts that keep missing shrink the window of verified drafts to 1
+        # it always proposes 3, fewer only in the last steps before max_tokens (at most 3 drafts fewer each)
+        assert 3 * stats["num_drafts"] - 3 * len(PROMPTS) <= stats["num_draft_tokens"] <= 3 * stats["num_drafts"]
         assert stats["num_drafts"] > 8 * 50
-        assert stats["num_drafts"] <= stats["num_draft_tokens"] < 1.5 * stats["num_drafts"]
         check_pool(llm)
     finally:
         llm.shutdown()
