@@ -87,6 +87,17 @@ def write_json(name: str, report: dict) -> Path:
     return path
 
 
+class Log:
+    """Prints lines and keeps them for the .log file."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+
 def pyplot():
     """matplotlib's pyplot on the Agg backend (no display needed)."""
     import matplotlib

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from common import CONTENTION_NOTE, RESULTS_DIR, load_average, machine_info, write_json
+from common import CONTENTION_NOTE, RESULTS_DIR, Log, load_average, machine_info, write_json
 
 from raypaged import LLM, SamplingParams
 from raypaged.inputs.chat_template import render_chat
@@ -164,17 +164,6 @@ def workloads() -> dict[str, list[str]]:
     # the fence's language matters: with a bare ``` the model tends to write new code instead of copying
     repetitive += [f"{task}\n\n```{language}\n{code}```" for task, language, code in CODE]
     return {"repetitive": repetitive, "open_ended": list(OPEN_ENDED)}
-
-
-class Log:
-    """Prints lines and keeps them for the .log file."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def __call__(self, line: str) -> None:
-        print(line, flush=True)
-        self.lines.append(line)
 
 
 def spec_config(args: argparse.Namespace) -> dict:

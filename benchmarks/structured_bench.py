@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import CONTENTION_NOTE, RESULTS_DIR, load_average, machine_info, pyplot, write_json
+from common import CONTENTION_NOTE, RESULTS_DIR, Log, load_average, machine_info, pyplot, write_json
 
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import GrammarBitmask
@@ -66,17 +66,6 @@ PUBLISHED = [
 ]
 PUBLISHED_NOTE = ("no vLLM documentation or blog found that states the step/TPOT overhead of structured outputs "
                   "against the same unconstrained batch; the published figures found are relative ones")
-
-
-class Log:
-    """Prints lines and keeps them for the .log file."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def __call__(self, line: str) -> None:
-        print(line, flush=True)
-        self.lines.append(line)
 
 
 class HostTimer:
