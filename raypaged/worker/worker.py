@@ -81,8 +81,9 @@ class Worker:
                 config.draft_model_path, config.draft_hf_config, config.max_model_len, self.dtype, self.device, tp,
                 config.load_format, config.seed,
             )
-            self.draft_model.set_attention_backend(select_backend(
-                config.attention_backend, self.device, head_dim_of(config.draft_hf_config), config.block_size))
+            self.draft_backend = select_backend(
+                config.attention_backend, self.device, head_dim_of(config.draft_hf_config), config.block_size)
+            self.draft_model.set_attention_backend(self.draft_backend)
 
     def block_shape(self) -> tuple[int, int, int]:
         """One layer's K (or V) block on this rank: (kv_heads, block_size, head_dim)."""
@@ -201,7 +202,7 @@ class Worker:
 
             draft_cache = KVCache(self.config.draft_hf_config.num_hidden_layers, num_blocks, num_cpu_blocks,
                                   self.draft_block_shape(), self.dtype, self.device,
-                                  use_kernels=self.attn_backend.name == "cuda")
+                                  use_kernels=self.draft_backend.name == "cuda")
             self.runner.drafter = DraftModelProposer(
                 self.draft_model, draft_cache, self.config.block_size,
                 self.config.speculative_config.num_speculative_tokens, self.config.max_model_len, self.device,
