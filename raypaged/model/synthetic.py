@@ -1,8 +1,9 @@
 """Model folders with no weights, for ``load_format="dummy"`` runs (benchmarks, GPU checks).
 
 A folder holds a Hugging Face ``config.json`` of a known shape and a word-level
-tokenizer whose token ``i`` is the word ``t<i>``, so prompts can be given as token
-ids and outputs still detokenize. Nothing is downloaded.
+tokenizer whose token ``i`` is the word ``t<i>`` (0, 1 and 2 are ``<unk>``, ``<s>`` and
+``</s>``: one word per id, so decoding is the same in every process), so prompts can be
+given as token ids and outputs still detokenize. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ def write_synthetic_model(path: Path, **shape: object) -> Path:
     config = LlamaConfig(**fields)
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(int(fields["vocab_size"]))}
-    vocab["<unk>"], vocab["<s>"], vocab["</s>"] = 0, 1, 2
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, int(fields["vocab_size"]))}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
