@@ -38,6 +38,7 @@ def _rank_main(rank: int, size: int, port: int, model_dir: Path, adapter_dirs: l
         logits = mixed_logits(model_dir, adapter_dirs, TensorParallel(rank, size))
         if rank == 0:
             torch.save(logits, out)
+        dist.barrier()  # no rank tears the group down while another still talks to it
     finally:
         dist.destroy_process_group()
 
