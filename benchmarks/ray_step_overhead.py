@@ -1,11 +1,13 @@
-"""Per-step driver overhead of the two Ray call paths, with a no-op shard (CPU).
+"""Per-step driver overhead of the step channels to Ray shards, with a no-op shard (CPU).
 
 Sends the ``SchedulerOutput`` of a 16-sequence decode step to ``tp`` actors and
-waits for rank 0's ``ModelRunnerOutput``: plain ``actor.method.remote`` calls
-collected by ``call_all`` (``RayExecutor``'s setup path) against a Ray Compiled
-Graph of the same calls (its per-step path).
+waits for every shard's reply (rank 0's ``ModelRunnerOutput``) three ways: plain
+``actor.method.remote`` calls collected by ``call_all`` (``RayExecutor``'s setup
+path), a Ray Compiled Graph of the same calls (its per-step path across nodes) and
+the shared-memory channel (``executor/shm_channel.py``, its per-step path on one
+node). Writes ``benchmarks/results/ray_step_overhead.json``.
 
-    python benchmarks/ray_step_overhead.py --tp 2 --steps 500
+    python benchmarks/ray_step_overhead.py --tp 2,4 --steps 1000
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import time
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
+from common import load_average, machine_info, write_json
 from raypaged.core.outputs import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput
+from raypaged.executor import shm_channel
 from raypaged.executor.ray_executor import call_all
 
 
@@ -29,6 +33,10 @@ class NoOpShard:
         if self.rank:
             return ModelRunnerOutput()
         return ModelRunnerOutput(sampled={rid: SampledToken(7, -0.5, None) for rid in so.num_scheduled_tokens})
+
+    @ray.method(concurrency_group="step")
+    def serve_steps(self, endpoints: shm_channel.ShardEndpoints) -> int:
+        return shm_channel.serve_steps(endpoints, self.execute_model)
 
 
 def decode_step(num_seqs: int) -> SchedulerOutput:
@@ -47,21 +55,13 @@ def time_steps(run_step, so: SchedulerOutput, steps: int) -> list[float]:
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--num-seqs", type=int, default=16)
-    args = parser.parse_args()
-    ray.init(address="local", num_cpus=max(args.tp, 2), include_dashboard=False)
-    shard = ray.remote(num_cpus=1)(NoOpShard)
-    actors = [shard.remote(rank) for rank in range(args.tp)]
-    so = decode_step(args.num_seqs)
+def measure(tp: int, steps: int, so: SchedulerOutput) -> dict[str, list[float]]:
+    shard = ray.remote(num_cpus=1, concurrency_groups={"step": 1})(NoOpShard)
+    actors = [shard.remote(rank) for rank in range(tp)]
 
     def plain(step: SchedulerOutput) -> ModelRunnerOutput:
         return call_all([a.execute_model.remote(step) for a in actors], actors)[0]
 
-    plain_times = time_steps(plain, so, args.steps)
     with InputNode() as step_input:
         dag = MultiOutputNode([a.execute_model.bind(step_input) for a in actors])
     compiled = dag.experimental_compile()
@@ -69,14 +69,46 @@ def main() -> None:
     def graph(step: SchedulerOutput) -> ModelRunnerOutput:
         return ray.get(compiled.execute(step))[0]
 
-    graph_times = time_steps(graph, so, args.steps)
+    times = {"plain actor calls": time_steps(plain, so, steps), "compiled graph": time_steps(graph, so, steps)}
     compiled.teardown()
-    for name, times in (("plain actor calls", plain_times), ("compiled graph", graph_times)):
-        ms = sorted(t * 1e3 for t in times)
-        print(
-            f"{name:18s} tp={args.tp} mean {statistics.fmean(ms):.3f} ms  median {statistics.median(ms):.3f} ms  "
-            f"p90 {ms[int(0.9 * len(ms))]:.3f} ms"
-        )
+    channel = shm_channel.ShmStepChannel(tp)
+    loops = [a.serve_steps.remote(channel.endpoints(rank)) for rank, a in enumerate(actors)]
+    channel.wait_attached(60.0, lambda: None)
+
+    def shared_memory(step: SchedulerOutput) -> ModelRunnerOutput:
+        channel.send(step, 10.0)
+        return channel.receive(10.0, lambda: None)[0][1]
+
+    times["shared memory"] = time_steps(shared_memory, so, steps)
+    channel.send(None, 10.0)
+    ray.get(loops)
+    channel.close()
+    for actor in actors:
+        ray.kill(actor)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", default="2,4", help="comma-separated shard counts")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--num-seqs", type=int, default=16)
+    args = parser.parse_args()
+    sizes = [int(tp) for tp in args.tp.split(",")]
+    ray.init(address="local", num_cpus=max(*sizes, 2), include_dashboard=False)
+    so = decode_step(args.num_seqs)
+    report = {"machine": machine_info(1), "load_average_start": load_average(), "steps": args.steps,
+              "num_seqs": args.num_seqs, "results": []}
+    for tp in sizes:
+        for name, times in measure(tp, args.steps, so).items():
+            ms = sorted(t * 1e3 for t in times)
+            row = {"path": name, "tp": tp, "mean_ms": statistics.fmean(ms), "median_ms": statistics.median(ms),
+                   "p90_ms": ms[int(0.9 * len(ms))]}
+            report["results"].append(row)
+            print(f"{name:18s} tp={tp} mean {row['mean_ms']:.3f} ms  median {row['median_ms']:.3f} ms  "
+                  f"p90 {row['p90_ms']:.3f} ms", flush=True)
+    report["load_average_end"] = load_average()
+    print(write_json("ray_step_overhead", report))
 
 
 if __name__ == "__main__":

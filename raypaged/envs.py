@@ -45,3 +45,16 @@ def step_timeout_s() -> float:
     """Seconds the driver waits for one step of a Ray shard group before treating the group as
     lost (a hung shard): ``$RAYPAGED_STEP_TIMEOUT_S`` or 120."""
     return _positive("RAYPAGED_STEP_TIMEOUT_S", float) or 120.0
+
+
+STEP_CHANNELS = ("auto", "shm", "graph")
+
+
+def step_channel() -> str:
+    """How the driver sends each step to its Ray shards: ``$RAYPAGED_STEP_CHANNEL``, one of
+    ``auto`` (the default: shared memory when every shard runs on the driver's node, else a Ray
+    Compiled Graph), ``shm`` (shared memory, an error if a shard is on another node) or ``graph``."""
+    value = os.environ.get("RAYPAGED_STEP_CHANNEL") or "auto"
+    if value not in STEP_CHANNELS:
+        raise ValueError(f"$RAYPAGED_STEP_CHANNEL must be one of {', '.join(STEP_CHANNELS)}, got {value!r}")
+    return value

@@ -1,13 +1,15 @@
 """Runs one worker per tensor-parallel shard as Ray actors in one placement group.
 
-Setup calls (load, profile, cache) are plain actor calls; every step then goes
-through one Ray Compiled Graph that hands the ``SchedulerOutput`` to all shards
-and returns rank 0's ``ModelRunnerOutput`` (measured faster per step than plain
-``actor.method.remote`` calls; see docs/distributed.md). A shard whose actor
-dies surfaces as :class:`WorkerDiedError`, one that returns no step within
-``$RAYPAGED_STEP_TIMEOUT_S`` as :class:`WorkerStalledError` (a
-``WorkerDiedError``: the group is lost either way); ``restart()`` replaces the
-whole shard group with an empty KV cache of the same size.
+Setup calls (load, profile, cache) are plain actor calls. Every step then goes to all
+shards and rank 0's ``ModelRunnerOutput`` comes back through one of two channels
+(``$RAYPAGED_STEP_CHANNEL``): when every shard runs on the driver's node, shared memory
+and doorbells (``executor/shm_channel.py``, each shard in a long-running loop call);
+otherwise one Ray Compiled Graph. A shard whose actor dies surfaces as
+:class:`WorkerDiedError`, one that returns no step within ``$RAYPAGED_STEP_TIMEOUT_S``
+as :class:`WorkerStalledError` (a ``WorkerDiedError``: the group is lost either way),
+one whose step raises as a ``WorkerDiedError`` naming the exception (its peers may be
+left inside a collective, so the group cannot take another step); ``restart()``
+replaces the whole shard group with an empty KV cache of the same size.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raypaged import envs
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.executor import shm_channel
 from raypaged.executor.step_times import StepTimes
-from raypaged.executor.worker_actor import WorkerActor
+from raypaged.executor.worker_actor import CONCURRENCY_GROUPS, WorkerActor
 from raypaged.model.parallel import TensorParallel
 
 logger = logging.getLogger("raypaged")
@@ -77,7 +80,10 @@ class RayExecutor:
         self.node_ids: list[str] = []  # the Ray node of each shard, by rank
         self.num_blocks: tuple[int, int] | None = None  # (device, CPU) once the cache exists
         self.step_times = StepTimes()
+        self.step_channel = envs.step_channel()  # "auto" until the shards are placed, then "shm" or "graph"
         self._step_graph: CompiledDAG | None = None  # compiled once the cache exists
+        self._channel: shm_channel.ShmStepChannel | None = None  # or this, on one node
+        self._loops: list[ray.ObjectRef] = []  # each shard's serve_steps call while the channel is up
         connect_ray(config)
         self._start_workers()
 
@@ -97,7 +103,7 @@ class RayExecutor:
                 f"{_PLACEMENT_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}"
             ) from None
         bundle_nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]  # bundle index -> node
-        actor_class = ray.remote(WorkerActor)
+        actor_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(WorkerActor)
         self.workers = [
             actor_class.options(
                 num_cpus=0 if on_gpu else 1,
@@ -118,7 +124,27 @@ class RayExecutor:
             ]
         )
         self.node_ids = self._call_all([worker.node_id.remote() for worker in self.workers])
-        logger.info("started %d shard actors (%s, %s)", size, config.placement_strategy, "GPU" if on_gpu else "CPU")
+        self.step_channel = self._choose_step_channel(envs.step_channel())
+        logger.info(
+            "started %d shard actors (%s, %s, steps through %s)", size, config.placement_strategy,
+            "GPU" if on_gpu else "CPU", "shared memory" if self.step_channel == "shm" else "a Ray Compiled Graph",
+        )
+
+    def _choose_step_channel(self, wanted: str) -> str:
+        driver_node = ray.get_runtime_context().get_node_id()
+        elsewhere = [rank for rank, node in enumerate(self.node_ids) if node != driver_node]
+        if wanted == "graph" or (wanted == "auto" and (elsewhere or not shm_channel.available())):
+            return "graph"
+        if elsewhere:
+            self.shutdown()
+            raise ValueError(
+                f"RAYPAGED_STEP_CHANNEL=shm needs every shard on the driver's node ({driver_node}); "
+                f"ranks {elsewhere} run on other nodes"
+            )
+        if not shm_channel.available():
+            self.shutdown()
+            raise ValueError(f"RAYPAGED_STEP_CHANNEL=shm needs Linux and a writable {shm_channel.SHM_DIR}")
+        return "shm"
 
     def restart(self) -> None:
         """Replace the whole shard group (survivors are stuck in collectives with the lost one)."""
@@ -141,6 +167,14 @@ class RayExecutor:
         self.workers = []
 
     def _teardown_step_graph(self) -> None:
+        if self._channel is not None:
+            channel, self._channel, loops, self._loops = self._channel, None, self._loops, []
+            try:
+                channel.send(None, timeout=1.0)  # ends the loops of live shards; the rest are killed next
+            except (shm_channel.PeerGone, shm_channel.ChannelTimeout):
+                pass
+            ray.wait(loops, num_returns=len(loops), timeout=1.0)
+            channel.close()
         if self._step_graph is not None:
             graph, self._step_graph = self._step_graph, None
             try:
@@ -157,37 +191,100 @@ class RayExecutor:
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self._call_all([worker.initialize_cache.remote(num_blocks, num_cpu_blocks) for worker in self.workers])
         self.num_blocks = (num_blocks, num_cpu_blocks)
+        if self.step_channel == "shm":
+            self._open_channel()
+            return
         with InputNode() as scheduler_output:
             graph = MultiOutputNode([worker.execute_model.bind(scheduler_output) for worker in self.workers])
         self._step_graph = graph.experimental_compile(_submit_timeout=self.step_timeout_s)
+
+    def _open_channel(self) -> None:
+        self._channel = shm_channel.ShmStepChannel(len(self.workers))
+        self._loops = [
+            worker.serve_steps.remote(self._channel.endpoints(rank)) for rank, worker in enumerate(self.workers)
+        ]
+        try:
+            self._channel.wait_attached(_PLACEMENT_TIMEOUT_S, self._check_loops)
+        except shm_channel.ChannelTimeout as err:
+            raise RuntimeError(f"shard step loops did not start within {_PLACEMENT_TIMEOUT_S:.0f} s") from err
+
+    def _check_loops(self) -> None:
+        """Raise :class:`WorkerDiedError` for a shard whose step loop has ended (its actor died)."""
+        ended, _ = ray.wait(self._loops, num_returns=1, timeout=0)
+        if ended:
+            rank = self._loops.index(ended[0])
+            try:
+                ray.get(ended[0])
+            except RayActorError as err:
+                raise WorkerDiedError(rank, self.workers[rank]._actor_id.hex(), err) from err
+            raise WorkerDiedError(rank, self.workers[rank]._actor_id.hex(), None, "left its step loop")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Rank 0's output of one step on every shard; a shard that died or hung raises
         :class:`WorkerDiedError` / :class:`WorkerStalledError`."""
         start = time.perf_counter()
-        try:
-            results = ray.get(self._step_graph.execute(scheduler_output), timeout=self.step_timeout_s)
-        except RayChannelTimeoutError as err:  # before RayChannelError: it is one
-            raise self._stalled_worker(err) from err
-        except (RayActorError, RayChannelError) as err:  # the graph reports a dead shard either way
-            raise self._dead_worker(err) from err
+        if self._channel is not None:
+            results = self._step_through_channel(scheduler_output)
+        else:
+            try:
+                results = ray.get(self._step_graph.execute(scheduler_output), timeout=self.step_timeout_s)
+            except RayChannelTimeoutError as err:  # before RayChannelError: it is one
+                raise self._stalled_worker(err) from err
+            except (RayActorError, RayChannelError) as err:  # the graph reports a dead shard either way
+                raise self._dead_worker(err) from err
         self.step_times.add(time.perf_counter() - start, max(seconds for _, seconds in results))
         return results[0][0]
 
-    def _dead_worker(self, cause: Exception) -> WorkerDiedError:
-        """Name the shard that died: with the graph torn down, every actor is probed; a dead one
-        answers with an error at once (survivors may stay silent, blocked in a collective with it)."""
-        self._teardown_step_graph()
+    def _step_through_channel(self, scheduler_output: SchedulerOutput) -> list[tuple[ModelRunnerOutput, float]]:
+        try:
+            self._channel.send(scheduler_output, self.step_timeout_s)
+            replies = self._channel.receive(self.step_timeout_s, self._check_loops)
+        except shm_channel.ChannelTimeout as err:
+            self._check_loops()  # a shard that died while we waited is a death, not a stall
+            raise self._stalled_worker(err) from err
+        except shm_channel.PeerGone as err:  # a shard's doorbell closed: its process is going
+            ray.wait(self._loops, num_returns=1, timeout=_PROBE_TIMEOUT_S)
+            self._check_loops()
+            raise self._dead_worker(err) from err
+        for rank, reply in enumerate(replies):
+            if reply is not None and reply[0] == "error":
+                error = reply[1]
+                dead = self._dead_rank(self._probe_all())  # a collective fails when a peer dies: name the peer
+                if dead is not None:
+                    raise WorkerDiedError(dead, self.workers[dead]._actor_id.hex(), error) from error
+                raise WorkerDiedError(
+                    rank, self.workers[rank]._actor_id.hex(), error,
+                    f"failed in its step: {type(error).__name__}: {error}",
+                ) from error
+        return [value for _, value in replies]
+
+    def _probe_all(self) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
+        """A ``node_id`` call on every shard, and those answered within the probe timeout."""
         probes = [worker.node_id.remote() for worker in self.workers]
         ready, _ = ray.wait(probes, num_returns=len(probes), timeout=_PROBE_TIMEOUT_S)
+        return probes, ready
+
+    @staticmethod
+    def _dead_rank(probed: tuple[list[ray.ObjectRef], list[ray.ObjectRef]]) -> int | None:
+        """The first rank whose probe answered with an actor error (a dead actor answers at once)."""
+        probes, ready = probed
         for rank, probe in enumerate(probes):
             if probe in ready:
                 try:
                     ray.get(probe)
                 except RayActorError:
-                    return WorkerDiedError(rank, self.workers[rank]._actor_id.hex(), cause)
-        silent = next((rank for rank, probe in enumerate(probes) if probe not in ready), 0)
-        return WorkerDiedError(silent, self.workers[silent]._actor_id.hex(), cause)
+                    return rank
+        return None
+
+    def _dead_worker(self, cause: Exception) -> WorkerDiedError:
+        """Name the shard that died: with the graph torn down, every actor is probed; a dead one
+        answers with an error at once (survivors may stay silent, blocked in a collective with it)."""
+        self._teardown_step_graph()
+        probes, ready = probed = self._probe_all()
+        rank = self._dead_rank(probed)
+        if rank is None:
+            rank = next((r for r, probe in enumerate(probes) if probe not in ready), 0)
+        return WorkerDiedError(rank, self.workers[rank]._actor_id.hex(), cause)
 
     def _stalled_worker(self, cause: Exception) -> WorkerStalledError:
         """Name the shard that holds the step up: the first one busy outside a collective (the others

@@ -12,10 +12,12 @@ import torch
 
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.executor import shm_channel
 from raypaged.model.parallel import TensorParallel
 from raypaged.worker.worker import Worker
 
 _COLLECTIVES_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+CONCURRENCY_GROUPS = {"step": 1}  # the shared-memory step loop; probes and setup calls use the default group
 
 
 def node_cores() -> int:
@@ -44,6 +46,7 @@ class WorkerActor:
             torch.set_num_threads(num_threads)
         self.worker: Worker | None = None
         self._stall_next_step_s = 0.0
+        self._fail_next_step: str | None = None
 
     def rendezvous_address(self) -> str:
         """A ``tcp://ip:port`` on this node for the shard group's process group (rank 0 is asked)."""
@@ -78,13 +81,27 @@ class WorkerActor:
         if self._stall_next_step_s:
             stall, self._stall_next_step_s = self._stall_next_step_s, 0.0
             time.sleep(stall)
+        if self._fail_next_step is not None:
+            message, self._fail_next_step = self._fail_next_step, None
+            raise RuntimeError(message)
         output = self.worker.execute_model(scheduler_output)
         return output, time.perf_counter() - start
 
+    @ray.method(concurrency_group="step")
+    def serve_steps(self, endpoints: shm_channel.ShardEndpoints) -> int:
+        """Answer steps from the driver's shared-memory channel until it stops the loop (one long
+        call in its own concurrency group, so probes are answered meanwhile)."""
+        return shm_channel.serve_steps(endpoints, self.execute_model)
+
     def stall_next_step(self, seconds: float) -> None:
         """Fault injection for tests and drills: the next step sleeps ``seconds`` before its forward
-        (answered while a step graph runs: the graph's loop has its own concurrency group)."""
+        (answered while steps run: the step loop has its own concurrency group)."""
         self._stall_next_step_s = seconds
+
+    def fail_next_step(self, message: str) -> None:
+        """Fault injection for tests and drills: the next step raises ``RuntimeError(message)``
+        before its forward (its peers are left waiting in the first all-reduce)."""
+        self._fail_next_step = message
 
     def step_activity(self) -> str:
         """Where this shard's step thread is: ``"idle"`` (no step running), ``"collective"``

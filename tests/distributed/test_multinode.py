@@ -1,4 +1,5 @@
-"""Two simulated nodes: SPREAD puts one shard on each, and the tokens do not change."""
+"""Two simulated nodes: SPREAD puts one shard on each, steps go through a Ray Compiled
+Graph (shared memory cannot reach the other node), and the tokens do not change."""
 
 from __future__ import annotations
 
@@ -25,3 +26,9 @@ def test_spread_places_one_worker_per_node_and_matches(tiny_llama, tiny_referenc
     assert len(result["cluster_nodes"]) == 2
     assert sorted(result["worker_nodes"]) == result["cluster_nodes"]
     assert result["tokens"] == tiny_reference
+    assert result["step_channel"] == "graph"
+    [remote] = [rank for rank, node in enumerate(result["worker_nodes"]) if node != result["driver_node"]]
+    assert result["forced_shm_error"] == (
+        f"RAYPAGED_STEP_CHANNEL=shm needs every shard on the driver's node ({result['driver_node']}); "
+        f"ranks [{remote}] run on other nodes"
+    )

@@ -1,4 +1,5 @@
-"""A shard actor killed or hung in the middle of a batch: recomputed transparently, or a clear error."""
+"""A shard actor killed, hung or failing in the middle of a batch: recomputed transparently, or a
+clear error."""
 
 from __future__ import annotations
 
@@ -51,13 +52,20 @@ def stall_rank_1(llm: LLM) -> str:
     return worker._actor_id.hex()
 
 
+def fail_rank_1(llm: LLM) -> str:
+    """Rank 1's next step raises; rank 0 is left waiting for it in the first all-reduce."""
+    worker = llm.llm_engine.executor.workers[1]
+    ray.get(worker.fail_next_step.remote("injected fault"))
+    return worker._actor_id.hex()
+
+
 def assert_all_blocks_free(llm: LLM) -> None:
     stats = llm.stats()
     assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"] == 128
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
 
 
-@pytest.mark.parametrize("fault", [kill_rank_1, stall_rank_1])
+@pytest.mark.parametrize("fault", [kill_rank_1, stall_rank_1, fail_rank_1])
 def test_lost_worker_is_replaced_and_requests_finish_unchanged(
     ray_session, tiny_llama, tiny_reference, fault: Callable[[LLM], str]
 ):
@@ -114,4 +122,11 @@ def test_without_recovery_requests_fail_naming_the_stalled_worker(ray_session, t
     fail_after_fault(
         tiny_llama, stall_rank_1, WorkerStalledError,
         r"worker rank 1 \(Ray actor {actor}\) stalled: no step result within 4 s \(rank 0 collective, rank 1 busy\)",
+    )
+
+
+def test_without_recovery_requests_fail_naming_the_failing_worker(ray_session, tiny_llama):
+    fail_after_fault(
+        tiny_llama, fail_rank_1, WorkerDiedError,
+        r"worker rank 1 \(Ray actor {actor}\) failed in its step: RuntimeError: injected fault",
     )

@@ -24,6 +24,7 @@ def test_tiny_llama_tp_matches_tp1(ray_session, tiny_llama, tiny_reference, tp):
     try:
         executor = llm.llm_engine.executor
         assert isinstance(executor, RayExecutor) and len(executor.workers) == tp
+        assert executor.step_channel == "shm"  # every shard on the driver's node
         assert shard_threads(executor) == [expected_threads(max(1, CORES // tp))] * tp
         assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
         # grammar masks travel to the shards filled (the engine fills them during the step)
@@ -35,6 +36,22 @@ def test_tiny_llama_tp_matches_tp1(ray_session, tiny_llama, tiny_reference, tp):
         assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"] == 128
     finally:
         llm.shutdown()
+
+
+def test_compiled_graph_channel_matches_tp1(ray_session, tiny_llama, tiny_reference, monkeypatch):
+    monkeypatch.setenv("RAYPAGED_STEP_CHANNEL", "graph")
+    llm = LLM(model=str(tiny_llama), device="cpu", tensor_parallel_size=2, num_gpu_blocks_override=128)
+    try:
+        assert llm.llm_engine.executor.step_channel == "graph"
+        assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
+    finally:
+        llm.shutdown()
+
+
+def test_bad_step_channel(ray_session, tiny_llama, monkeypatch):
+    monkeypatch.setenv("RAYPAGED_STEP_CHANNEL", "zmq")
+    with pytest.raises(ValueError, match=r"^\$RAYPAGED_STEP_CHANNEL must be one of auto, shm, graph, got 'zmq'$"):
+        LLM(model=str(tiny_llama), device="cpu", tensor_parallel_size=2, num_gpu_blocks_override=128)
 
 
 CORES = node_cores()  # one node: every shard of the session's Ray shares this machine's cores

@@ -1,5 +1,6 @@
 """Run by test_multinode.py in its own process: a 2-node ``ray.cluster_utils.Cluster``
-(1 CPU per node), tp=2 with SPREAD; prints the nodes and the greedy tokens as JSON."""
+(1 CPU per node), tp=2 with SPREAD; prints the nodes, the step channel, the greedy tokens
+and the error of a shared-memory channel forced across nodes as JSON."""
 
 from __future__ import annotations
 
@@ -20,20 +21,30 @@ def main(model: str) -> None:
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     try:
-        llm = LLM(
-            model=model,
-            device="cpu",
-            tensor_parallel_size=2,
-            placement_strategy="SPREAD",
-            ray_address=cluster.address,
-            num_gpu_blocks_override=128,
-        )
+        def start() -> LLM:
+            return LLM(
+                model=model,
+                device="cpu",
+                tensor_parallel_size=2,
+                placement_strategy="SPREAD",
+                ray_address=cluster.address,
+                num_gpu_blocks_override=128,
+            )
+
+        llm = start()
         result = {
             "cluster_nodes": sorted(node["NodeID"] for node in ray.nodes() if node["Alive"]),
             "worker_nodes": llm.llm_engine.executor.node_ids,
+            "driver_node": ray.get_runtime_context().get_node_id(),
+            "step_channel": llm.llm_engine.executor.step_channel,
             "tokens": greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS),
         }
         llm.shutdown()
+        os.environ["RAYPAGED_STEP_CHANNEL"] = "shm"
+        try:
+            start()
+        except ValueError as err:
+            result["forced_shm_error"] = str(err)
     finally:
         ray.shutdown()
         cluster.shutdown()
