@@ -23,21 +23,21 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED
-
-    @property
-    def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
+    # set on each member below: plain attributes, read several times per sequence per step
+    # (an enum property would hash the member in Python on every read)
+    finished: bool
+    finish_reason: str | None  # the OpenAI finish reason of a finished status
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+for _status in RequestStatus:
+    _status.finished = _status in _FINISH_REASONS
+    _status.finish_reason = _FINISH_REASONS.get(_status)
+del _status
 
 
 @dataclass(slots=True, eq=False)

@@ -292,14 +292,15 @@ class Scheduler:
         """Reserve blocks for ``num_new`` tokens and ``drafts`` and record the request in this step's
         output; False if the pool is short."""
         num_slots = num_new + len(drafts)
-        lookahead = self._lookahead(request, num_slots, len(drafts))
+        lookahead = self._lookahead(request, num_slots, len(drafts)) if self.config.num_lookahead_slots else 0
         allocation = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_slots + lookahead)
         if allocation is None and lookahead:  # the draft model proposes fewer tokens: no one is preempted for it
             allocation = self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_slots)
         if allocation is None:
             return False
         out = self._out
-        out.block_ops.extend(BlockOp("copy", src, dst) for src, dst in allocation.copies)
+        if allocation.copies:
+            out.block_ops.extend(BlockOp("copy", src, dst) for src, dst in allocation.copies)
         if request.request_id in self._unsent_ids:
             self._unsent_ids.discard(request.request_id)
             out.new_requests.append(self._new_request_data(request))
@@ -571,7 +572,8 @@ class Scheduler:
                 continue
             request.append_output_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
             request.num_new_tokens, request.run_logprobs = 1, None
-            request.spec_token_ids = runner_output.draft_token_ids.get(request_id, [])
+            if runner_output.draft_token_ids or request.spec_token_ids:
+                request.spec_token_ids = runner_output.draft_token_ids.get(request_id, [])
             status = request.check_stop()
             if status is not None:
                 self.running.remove(request)

@@ -34,6 +34,7 @@ class IncrementalDetokenizer:
         self._last_added = False
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) if tokenizer.is_fast else None
+        self._backend = tokenizer.backend_tokenizer if tokenizer.is_fast else None
         self._held: list[int] = []  # streamed tokens whose text the stream still holds
         # the window decoder's state (slow tokenizers)
         self.token_ids: list[int] = context
@@ -49,7 +50,14 @@ class IncrementalDetokenizer:
         if self._stream is None:
             self.token_ids.extend(new_token_ids)
             return self._emit(final=False)
-        backend = self.tokenizer.backend_tokenizer
+        backend = self._backend
+        if len(new_token_ids) == 1 and self._joined is None:  # the common case: one token, no join rule
+            piece = self._stream.step(backend, new_token_ids[0])
+            if piece is None:
+                self._held.append(new_token_ids[0])
+                return ""
+            self._held.clear()
+            return piece
         pieces = []
         for token_id in new_token_ids:
             piece = self._stream.step(backend, token_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -445,22 +446,35 @@ class LLMEngine:
                 touched[found[0].request_id] = found[0]
         if self.ngram is not None and scheduler_output.propose_drafts:
             self._propose_ngrams(updated)
+        now = time.monotonic()
         for request in updated:
             state, seq = self._seq_states[request.request_id]
             if state.error is None and (matcher := self._matchers.get(request.request_id)) is not None:
                 self._guarded(state, "advancing the grammar", self._advance_grammar, matcher, request)
             if state.error is None:
-                if self._guarded(state, "detokenizing or stop matching", process_token, seq):
-                    self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+                try:  # _guarded, inlined: this loop and the next run for every sequence every step
+                    stopped = process_token(seq, now)
+                except Exception as exc:
+                    self._failed(state, "detokenizing or stop matching", exc)
+                else:
+                    if stopped:
+                        self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
-            output = None if state.error else self._guarded(state, "building the output", make_output, state)
+            output = None
+            if state.error is None:
+                try:
+                    output = make_output(state)
+                except Exception as exc:
+                    self._failed(state, "building the output", exc)
             if state.error is not None:
                 output = error_output(state)
             if output is not None:
                 outputs.append(output)
-            if state.finished:
+                if output.finished:
+                    self._forget(state)
+            elif state.finished:
                 self._forget(state)
         for request_id, (state, group) in list(self._beam_states.items()):
             if group.lineage:
@@ -569,9 +583,13 @@ class LLMEngine:
         try:
             return call(*args)
         except Exception as exc:
-            logger.exception("request %s: %s failed; ending it alone", state.request_id, doing)
-            self._fail(state, f"{doing} failed: {type(exc).__name__}: {exc}")
+            self._failed(state, doing, exc)
             return None
+
+    def _failed(self, state: RequestState, doing: str, exc: Exception) -> None:
+        """``doing`` raised ``exc`` for one request (call inside its ``except``): it alone fails."""
+        logger.exception("request %s: %s failed; ending it alone", state.request_id, doing)
+        self._fail(state, f"{doing} failed: {type(exc).__name__}: {exc}")
 
     def _fail(self, state: RequestState, message: str) -> None:
         """End a request whose handling failed: its sequences (or beams) are aborted (blocks freed)

@@ -19,7 +19,6 @@ times as they are processed, whatever the output kind.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from raypaged.core.request import Request
@@ -71,16 +70,24 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or all(seq.finish_reason is not None for seq in self.seqs)
+        if self.error is not None:
+            return True
+        for seq in self.seqs:
+            if seq.finish_reason is None:
+                return False
+        return True
 
     @property
     def num_generated_tokens(self) -> int:
+        if len(self.seqs) == 1:
+            return len(self.seqs[0].request.output_token_ids)
         return sum(seq.request.num_output_tokens for seq in self.seqs)
 
 
-def process_token(seq: SeqState) -> bool:
+def process_token(seq: SeqState, now: float) -> bool:
     """Detokenize the tokens the newest step appended (one, or a run of accepted drafts) and look
-    for a stop string in the new text.
+    for a stop string in the new text; ``now`` (``time.monotonic()``, one reading per step) is
+    the sequence's newest token time.
 
     Returns True when a stop string ended the sequence (the caller finishes it in the
     scheduler); tokens of the run after the one completing the stop string are dropped. A
@@ -88,15 +95,22 @@ def process_token(seq: SeqState) -> bool:
     """
     request = seq.request
     params = request.sampling_params
-    seq.last_token_time = time.monotonic()
+    seq.last_token_time = now
     if seq.first_token_time is None:
-        seq.first_token_time = seq.last_token_time
+        seq.first_token_time = now
     num_new = request.num_new_tokens
     new_ids = request.output_token_ids[-num_new:]
     if params.logprobs is not None and request.output_logprobs:
         decode_logprobs(request.output_logprobs[-num_new:], seq.detokenizer.tokenizer)
-    # a run is read token by token only when a stop string could end it inside
-    pieces = [new_ids] if num_new == 1 or not params.stop else [[token_id] for token_id in new_ids]
+    if not params.stop:  # nothing to search: one piece, whatever the run's length
+        seq.text += seq.detokenizer.add_tokens(new_ids)
+        if request.status.finished:
+            seq.text += seq.detokenizer.flush()
+            seq.finish_reason = request.status.finish_reason
+            seq.stop_reason = request.stop_reason
+        return False
+    # a run is read token by token, since a stop string could end it inside
+    pieces = [new_ids] if num_new == 1 else [[token_id] for token_id in new_ids]
     for i, piece in enumerate(pieces, 1):
         searched = max(0, len(seq.text) - params.max_stop_len + 1)
         seq.text += seq.detokenizer.add_tokens(piece)
@@ -131,6 +145,11 @@ def make_output(state: RequestState) -> RequestOutput | None:
     if (ranked or params.output_kind == RequestOutputKind.FINAL_ONLY) and not finished:
         return None
     delta = params.output_kind == RequestOutputKind.DELTA and not ranked
+    if len(state.seqs) == 1:
+        [seq] = state.seqs
+        completions = [] if delta and seq.done else [_delta(seq, params) if delta else _cumulative(seq, params)]
+        seq.done = seq.finish_reason is not None
+        return _request_output(state, completions, finished, delta)
     completions = [_delta(seq, params) if delta else _cumulative(seq, params)
                    for seq in state.seqs if not (delta and seq.done)]
     if ranked:
@@ -139,6 +158,11 @@ def make_output(state: RequestState) -> RequestOutput | None:
             completion.index = rank
     for seq in state.seqs:
         seq.done = seq.finish_reason is not None
+    return _request_output(state, completions, finished, delta)
+
+
+def _request_output(state: RequestState, completions: list[CompletionOutput], finished: bool,
+                    delta: bool) -> RequestOutput:
     return RequestOutput(
         request_id=state.request_id,
         prompt=state.prompt,
@@ -147,7 +171,7 @@ def make_output(state: RequestState) -> RequestOutput | None:
         finished=finished,
         num_generated_tokens=state.num_generated_tokens,
         metrics=request_metrics(state),
-        prompt_logprobs=state.prompt_logprobs(delta),
+        prompt_logprobs=state.prompt_logprobs(delta) if state.params.prompt_logprobs is not None else None,
         num_cached_tokens=state.seqs[0].request.num_cached_tokens or 0,
     )
 
@@ -168,6 +192,10 @@ def error_output(state: RequestState) -> RequestOutput:
 def request_metrics(state: RequestState) -> RequestMetrics:
     """The request's timeline as of now, over all its sequences (a new object: O(sequences))."""
     first = state.seqs[0].request
+    if len(state.seqs) == 1:
+        seq = state.seqs[0]
+        return RequestMetrics(first.arrival_time, state.params.n, first.max_tokens, first.first_scheduled_time,
+                              seq.first_token_time, seq.last_token_time, first.num_output_tokens)
     scheduled = [seq.request.first_scheduled_time for seq in state.seqs if seq.request.first_scheduled_time is not None]
     first_tokens = [seq.first_token_time for seq in state.seqs if seq.first_token_time is not None]
     last_tokens = [seq.last_token_time for seq in state.seqs if seq.last_token_time is not None]
@@ -199,7 +227,7 @@ def _cumulative(seq: SeqState, params: SamplingParams) -> CompletionOutput:
 def _delta(seq: SeqState, params: SamplingParams) -> CompletionOutput:
     request = seq.request
     first = seq.num_sent_tokens
-    held = 0 if seq.finish_reason is not None else stop_holdback(seq.text, params.stop)
+    held = 0 if seq.finish_reason is not None or not params.stop else stop_holdback(seq.text, params.stop)
     visible = max(len(seq.text) - held, seq.num_sent_chars)
     text = seq.text[seq.num_sent_chars:visible]
     seq.num_sent_tokens = request.num_output_tokens
