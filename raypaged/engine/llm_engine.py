@@ -32,6 +32,7 @@ from raypaged.engine.output_processor import (
     make_output,
     process_token,
 )
+from raypaged.executor.base import Executor, WorkerLostError
 from raypaged.executor.uniproc import UniProcExecutor
 from raypaged.inputs.limits import (
     InputError,
@@ -61,8 +62,6 @@ if TYPE_CHECKING:
 
     from raypaged.lora.request import LoRARequest
 
-    from raypaged.executor.ray_executor import RayExecutor, WorkerDiedError
-
 logger = logging.getLogger("raypaged")
 T = TypeVar("T")
 
@@ -80,17 +79,14 @@ class LLMEngine:
             "generation config %s: EOS token ids %s, sampling defaults %s",
             config.generation_config, list(self.eos_token_ids), config.generation_defaults.as_dict() or "none",
         )
-        self.executor: UniProcExecutor | RayExecutor
-        # errors of a lost shard that recovery handles; Ray is imported only when shards are Ray actors
-        self._shard_lost: tuple[type[BaseException], ...] = ()
-        if config.uses_ray:
-            from raypaged.executor.ray_executor import RayExecutor, WorkerDiedError
+        self.executor: Executor
+        if config.uses_ray:  # Ray is imported only when shards are Ray actors
+            from raypaged.executor.ray_executor import RayExecutor
 
             self.executor = RayExecutor(config, self.eos_token_id)
-            self._shard_lost = (WorkerDiedError,)
         else:
             self.executor = UniProcExecutor(config, self.eos_token_id)
-        self._worker_error: WorkerDiedError | None = None  # set when a shard died with recovery off
+        self._worker_error: WorkerLostError | None = None  # set when a worker was lost with recovery off
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -413,8 +409,8 @@ class LLMEngine:
 
         A shard that dies mid-step is replaced and every in-flight sequence is
         recomputed from its tokens (this step then returns no outputs); with
-        ``enable_recovery=False`` every request is aborted and the
-        :class:`WorkerDiedError` is raised, now and on every later step.
+        ``enable_recovery=False`` every request is aborted and the :class:`WorkerLostError`
+        (for Ray shards, a ``WorkerDiedError``) is raised, now and on every later step.
         """
         if self._worker_error is not None:
             raise self._worker_error
@@ -423,7 +419,7 @@ class LLMEngine:
         scheduler_output.grammar_bitmask = grammar
         try:
             runner_output = self.executor.execute_model(scheduler_output)
-        except self._shard_lost as err:
+        except WorkerLostError as err:
             self._recover_from(err)
             return []
         finally:
@@ -558,7 +554,7 @@ class LLMEngine:
         for seq_id in [s for s in self._matchers if s == group.group_id or s.startswith(prefix)]:
             del self._matchers[seq_id]
 
-    def _recover_from(self, err: WorkerDiedError) -> None:
+    def _recover_from(self, err: WorkerLostError) -> None:
         if not self.config.enable_recovery:
             logger.error("%s; recovery is off: aborting every request", err)
             self._worker_error = err
@@ -572,8 +568,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the workers (Ray actors and their placement group); the engine is unusable after."""
-        if not isinstance(self.executor, UniProcExecutor):
-            self.executor.shutdown()
+        self.executor.shutdown()
         mask_thread = getattr(self, "_mask_thread", None)  # None too when __init__ failed before making it
         if mask_thread is not None:
             mask_thread.shutdown(wait=True)

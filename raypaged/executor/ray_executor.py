@@ -30,6 +30,7 @@ from raypaged import envs
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.executor import shm_channel
+from raypaged.executor.base import Executor, WorkerLostError
 from raypaged.executor.step_times import StepTimes
 from raypaged.executor.worker_actor import CONCURRENCY_GROUPS, WorkerActor
 from raypaged.model.parallel import TensorParallel
@@ -40,8 +41,9 @@ _PLACEMENT_TIMEOUT_S = 120.0
 _PROBE_TIMEOUT_S = 5.0  # a dead actor answers a probe with an error at once, a live one within ms
 
 
-class WorkerDiedError(RuntimeError):
-    """A shard's Ray actor died (node loss, OOM kill, ``ray.kill``): the shard group is lost."""
+class WorkerDiedError(WorkerLostError):
+    """A shard's Ray actor died (node loss, OOM kill, ``ray.kill``), or its step failed: the shard
+    group is lost."""
 
     def __init__(self, rank: int, actor_id: str, cause: BaseException | None, reason: str | None = None) -> None:
         super().__init__(f"worker rank {rank} (Ray actor {actor_id}) {reason or f'died: {type(cause).__name__}'}")
@@ -67,7 +69,7 @@ def connect_ray(config: EngineConfig) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     """The shard group of one engine: ``tensor_parallel_size`` actors, rank 0 samples."""
 
     def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:

@@ -6,11 +6,14 @@ import time
 
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.executor.base import Executor
 from raypaged.executor.step_times import StepTimes
 from raypaged.worker.worker import Worker
 
 
-class UniProcExecutor:
+class UniProcExecutor(Executor):
+    """The single worker in the driver's own process (tensor parallelism 1 without Ray)."""
+
     def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
         self.worker = Worker(config, eos_token_id)
         self.step_times = StepTimes()

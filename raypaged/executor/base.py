@@ -1,0 +1,45 @@
+"""What every executor offers the engine, and the one error that means its workers are gone."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.executor.step_times import StepTimes
+
+
+class WorkerLostError(RuntimeError):
+    """The executor lost a worker (it died, hung or failed in a step): its group's KV cache is gone.
+
+    The engine recovers from it (``Executor.restart`` and every in-flight sequence recomputed) or,
+    with recovery off, aborts every request and raises it.
+    """
+
+
+class Executor(ABC):
+    """Runs the workers: sizes their KV caches, creates them, and runs each step on every shard.
+
+    ``step_times`` sums, per step, the time inside ``execute_model`` and the slowest worker's.
+    """
+
+    step_times: StepTimes
+
+    @abstractmethod
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device blocks, CPU swap blocks) every worker can hold."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Create the KV caches (and whatever per-step channel needs them)."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on every worker; rank 0's output. Raises :class:`WorkerLostError` when a worker is gone."""
+
+    def restart(self) -> None:
+        """Replace lost workers with fresh ones and caches of the same size (only executors whose
+        workers can be lost need to)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot lose a worker, so it has none to restart")
+
+    def shutdown(self) -> None:
+        """Release the workers; the executor is unusable after. Nothing to release by default."""
