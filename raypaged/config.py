@@ -278,13 +278,8 @@ class EngineConfig:
 
     def _check_architecture(self) -> None:
         from raypaged.model.layers import rope_parameters
-        from raypaged.model.llama import SUPPORTED_ARCHITECTURES
 
-        archs = getattr(self.hf_config, "architectures", None) or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(
-                f"model architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        check_architecture(self.hf_config, "model")
         rope_parameters(self.hf_config)
 
     @property
@@ -316,17 +311,12 @@ class EngineConfig:
             return
         from transformers import AutoConfig
 
-        from raypaged.model.llama import SUPPORTED_ARCHITECTURES
-
         if self.tensor_parallel_size > 1:
             raise ValueError("--speculative-config draft_model runs on one shard: tensor_parallel_size must be 1 "
                              "(method ngram works under tensor parallelism)")
         self.draft_model_path = resolve_model_path(spec.model, None, self.download_dir, what="draft model")
         self.draft_hf_config = draft = AutoConfig.from_pretrained(self.draft_model_path)
-        archs = getattr(draft, "architectures", None) or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"draft model architecture {archs} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        check_architecture(draft, "draft model")
         if draft.vocab_size != self.hf_config.vocab_size:
             raise ValueError(f"the draft model {spec.model} has a vocabulary of {draft.vocab_size} tokens, the model "
                              f"{self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
@@ -396,3 +386,12 @@ def _chat_template_text(template: str | None) -> str | None:
     if "{{" in template or "{%" in template:
         return template
     raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja template")
+
+
+def check_architecture(hf_config: Any, what: str) -> None:
+    """``ValueError`` naming ``what`` unless one of the config's architectures is supported."""
+    from raypaged.model.llama import SUPPORTED_ARCHITECTURES
+
+    archs = getattr(hf_config, "architectures", None) or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(f"{what} architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
