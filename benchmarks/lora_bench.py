@@ -8,6 +8,12 @@ With 16 adapters over 4 slots, requests of adapters without a slot wait while th
 Reported: tokens/s of each setting, its ratio to the base model, and the LoRA share of the step
 (1 - ratio). The engines are built once per setting; the first round of each is a warm-up.
 
+The peer, in the same run: ``peft``'s mixed-adapter batch inference on the same requests
+(one ``PeftModel`` holding every adapter, ``generate(..., adapter_names=[...])`` with one name
+per row; one static batch, prompts left-padded, as many greedy tokens per request; the
+plain model for the base setting), what a team without a serving engine runs; its first
+round is a warm-up too. Skipped with ``--no-peer``.
+
     python benchmarks/lora_bench.py           # 48 requests x 32 tokens, 2 measured rounds
     python benchmarks/lora_bench.py --quick   # 24 requests x 16 tokens, 1 measured round
 """
@@ -49,6 +55,32 @@ def run_round(engine: LLMEngine, prompts: list[list[int]], loras: list[LoRAReque
     return generated / (time.perf_counter() - start)
 
 
+def peft_round(model_dir: Path, adapters: list[LoRARequest], prompts: list[list[int]], max_tokens: int) -> float:
+    """Tokens/s of one static mixed-adapter batch through peft (the base model alone without adapters)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    names = None
+    if adapters:
+        model = PeftModel.from_pretrained(model, adapters[0].lora_path, adapter_name=adapters[0].lora_name)
+        for adapter in adapters[1:]:
+            model.load_adapter(adapter.lora_path, adapter_name=adapter.lora_name)
+        names = [adapters[i % len(adapters)].lora_name for i in range(len(prompts))]
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    options = {"adapter_names": names} if names else {}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                             max_new_tokens=max_tokens, min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0,
+                             **options)
+    seconds = time.perf_counter() - start
+    assert out.shape == (len(prompts), width + max_tokens)
+    return len(prompts) * max_tokens / seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -56,6 +88,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-peer", action="store_true", help="skip peft's mixed-adapter generate")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     num_requests = args.requests or (24 if args.quick else 48)
@@ -80,6 +113,13 @@ def main() -> None:
             report["settings"][str(num_adapters)] = {"tokens_per_s": sum(rates) / len(rates), "rounds": rates}
             print(f"{num_adapters:2d} adapters: {sum(rates) / len(rates):7.1f} tokens/s", flush=True)
             engine.shutdown()
+            if not args.no_peer:
+                peer = [peft_round(model_dir, adapters[:num_adapters], prompts, max_tokens) for _ in range(rounds + 1)][1:]
+                entry = report["settings"][str(num_adapters)]
+                entry["peft_tokens_per_s"] = sum(peer) / len(peer)
+                entry["raypaged_over_peft"] = entry["tokens_per_s"] / entry["peft_tokens_per_s"]
+                print(f"{num_adapters:2d} adapters, peft mixed batch: {entry['peft_tokens_per_s']:7.1f} tokens/s "
+                      f"(raypaged {entry['raypaged_over_peft']:.2f}x)", flush=True)
     base = report["settings"]["0"]["tokens_per_s"]
     for key, entry in report["settings"].items():
         entry["ratio_to_base"] = entry["tokens_per_s"] / base
