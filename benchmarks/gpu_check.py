@@ -122,6 +122,28 @@ def prefill_gather_share(query_len: int = 512) -> dict:
                 gather_share=gather_s / (gather_s + sdpa_s))
 
 
+def lora_kernels(num_tokens: int = 256, num_slots: int = 4, rank: int = 16, hidden: int = 4096) -> dict:
+    """kernels/lora_bgmv.cu against the torch path of raypaged.lora.ops (gathered bmm or matmuls per
+    slot) on one 4096 x 4096 projection, fp16, tokens spread evenly over the slots."""
+    from raypaged.kernels.lora_ops import lora_bgmv_expand, lora_bgmv_shrink
+    from raypaged.lora.ops import add_lora, build_lora_mapping
+
+    token_slots = [i % num_slots for i in range(num_tokens)]
+    x = torch.randn(num_tokens, hidden, dtype=torch.float16, device="cuda")
+    lora_a = (torch.randn(num_slots, hidden, rank, device="cuda") / hidden**0.5).half()
+    lora_b = torch.randn(num_slots, rank, hidden, dtype=torch.float16, device="cuda")
+    y = torch.zeros(num_tokens, hidden, dtype=torch.float16, device="cuda")
+    mapping = build_lora_mapping(token_slots, "cuda")
+    token_ids = torch.arange(num_tokens, device="cuda")
+    slot_of = torch.tensor(token_slots, device="cuda")
+    torch_s = seconds_per_call(lambda: add_lora(y, x, lora_a, lora_b, mapping), iters=50)
+    kernel_s = seconds_per_call(lambda: lora_bgmv_expand(y, lora_bgmv_shrink(x, lora_a, token_ids, slot_of), lora_b,
+                                                         token_ids, slot_of), iters=50)
+    weight_bytes = 2 * num_tokens * rank * hidden * 2  # A and B rows read per token, fp16
+    return dict(num_tokens=num_tokens, num_slots=num_slots, rank=rank, hidden=hidden, torch_ms=torch_s * 1e3,
+                kernel_ms=kernel_s * 1e3, kernel_over_torch=torch_s / kernel_s, weight_bytes=weight_bytes)
+
+
 def w1_workload(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(50, 200))] for _ in range(num_requests)]
@@ -294,12 +316,16 @@ def main() -> int:
     print(f"\nprefill {prefill['query_len']} tokens over {prefill['context_len']}: "
           f"gather {prefill['gather_ms']:.3f} ms, "
           f"SDPA {prefill['sdpa_ms']:.3f} ms, gather share {prefill['gather_share']:.0%}")
+    lora = lora_kernels()
+    print(f"\nLoRA product, {lora['num_tokens']} tokens over {lora['num_slots']} slots, rank {lora['rank']}, "
+          f"{lora['hidden']} x {lora['hidden']} fp16: torch path {lora['torch_ms']:.3f} ms, lora_bgmv "
+          f"{lora['kernel_ms']:.3f} ms ({lora['kernel_over_torch']:.2f}x)")
     print("\nW1 end to end, Llama-2-7B shape, random fp16 weights:", flush=True)
     e2e = end_to_end([int(c) for c in args.concurrency.split(",")])
     print_w1_table(e2e)
     print(f"\ngpu_check finished in {time.monotonic() - started:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps(dict(tests_passed=tests_passed, decode=decode, prefill=prefill,
+        args.json.write_text(json.dumps(dict(tests_passed=tests_passed, decode=decode, prefill=prefill, lora=lora,
                                              end_to_end=e2e), indent=2))
     return 0 if tests_passed and decode_ok and "error" not in e2e["raypaged"] else 1
 

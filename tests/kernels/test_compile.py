@@ -30,7 +30,7 @@ def all_resources() -> dict:
 
 
 def test_every_kernel_source_is_covered():
-    assert SOURCES == ["copy_blocks.cu", "paged_attention.cu", "reshape_and_cache.cu"]
+    assert SOURCES == ["copy_blocks.cu", "lora_bgmv.cu", "paged_attention.cu", "reshape_and_cache.cu"]
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -47,6 +47,7 @@ def test_exports_every_kernel_the_wrappers_launch():
     kernels = {kernel for kernel, _ in all_resources()}
     expected = {"copy_blocks", "reshape_and_cache"}
     for dtype in ("f32", "f16", "bf16"):
+        expected |= {f"lora_shrink_{dtype}", f"lora_expand_{dtype}"}
         for head_size in (64, 80, 96, 128):
             for variant in ("v1", "v2", "v2_reduce"):
                 expected.add(f"paged_attention_{variant}_{dtype}_{head_size}")

@@ -1,0 +1,62 @@
+"""kernels/lora_bgmv.cu against the torch reference of raypaged.lora.ops (add_lora_reference) on
+random slots, ranks (powers of two and not) and token spreads; outputs poisoned with NaN first."""
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from raypaged.kernels.lora_ops import lora_bgmv_expand, lora_bgmv_shrink
+from raypaged.lora.ops import add_lora_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs cupy (pip install raypaged[cuda])"),
+]
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+
+
+def adapter_rows(token_slots: list[int | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [i for i, slot in enumerate(token_slots) if slot is not None]
+    return (torch.tensor(rows, dtype=torch.long, device="cuda"),
+            torch.tensor([token_slots[i] for i in rows], dtype=torch.long, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", [1, 8, 16, 20, 64, 100])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 1536), (1536, 576), (64, 192)])
+def test_bgmv_equals_the_reference(dtype, rank, in_features, out_features):
+    rng = random.Random(rank * 7 + in_features)
+    num_slots, num_tokens = 4, 77
+    token_slots = [rng.choice([None, 0, 1, 2, 3]) for _ in range(num_tokens)]
+    x = torch.randn(num_tokens, in_features, dtype=dtype, device="cuda")
+    lora_a = (torch.randn(num_slots, in_features, rank, device="cuda") / in_features ** 0.5).to(dtype)
+    lora_b = torch.randn(num_slots, rank, out_features, dtype=dtype, device="cuda")
+    y = torch.randn(num_tokens, out_features, dtype=dtype, device="cuda")
+    expected = y.float().clone()
+    add_lora_reference(expected, x.float(), lora_a.float(), lora_b.float(), token_slots)
+    token_ids, slot_of = adapter_rows(token_slots)
+    torch.full((token_ids.shape[0] * rank * 4,), 255, dtype=torch.uint8, device="cuda")  # NaN where h lands
+    h = lora_bgmv_shrink(x, lora_a, token_ids, slot_of)
+    reference_h = torch.bmm(x.float()[token_ids].unsqueeze(1), lora_a.float()[slot_of]).squeeze(1)
+    torch.testing.assert_close(h, reference_h, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    lora_bgmv_expand(y, h, lora_b, token_ids, slot_of)
+    scale = expected.abs().max()
+    assert ((y.float() - expected).abs().max() / scale).item() < TOLERANCE[dtype]
+    untouched = [i for i, slot in enumerate(token_slots) if slot is None]
+    assert torch.equal(y[untouched].float(), expected[untouched])  # rows of no adapter keep y exactly
+
+
+def test_no_adapter_tokens_is_a_no_op():
+    x = torch.randn(3, 64, device="cuda")
+    lora_a, lora_b = torch.randn(2, 64, 8, device="cuda"), torch.randn(2, 8, 32, device="cuda")
+    y = torch.randn(3, 32, device="cuda")
+    before = y.clone()
+    none = torch.zeros(0, dtype=torch.long, device="cuda")
+    h = lora_bgmv_shrink(x, lora_a, none, none)
+    lora_bgmv_expand(y, h, lora_b, none, none)
+    assert h.shape == (0, 8) and torch.equal(y, before)
