@@ -7,6 +7,7 @@ and block table travel once (``NewRequestData``); afterwards only deltas do.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -49,12 +50,20 @@ class CachedRequestData:
     num_block_ids: int | None = None
 
 
+class BlockOpKind(enum.StrEnum):
+    """What a :class:`BlockOp` copies (a ``str``: equal to its value, which travels and prints as is)."""
+
+    COPY = "copy"  # device -> device (copy-on-write)
+    SWAP_OUT = "swap_out"  # device -> CPU
+    SWAP_IN = "swap_in"  # CPU -> device
+
+
 @dataclass(slots=True, frozen=True)
 class BlockOp:
     """Copy one whole block: ``copy`` device→device (copy-on-write), ``swap_out``
     device→CPU, ``swap_in`` CPU→device."""
 
-    kind: str
+    kind: BlockOpKind
     src: int
     dst: int
 

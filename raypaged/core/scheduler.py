@@ -19,6 +19,7 @@ from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.lora_plan import LoRASlotPlan
 from raypaged.core.outputs import (
     BlockOp,
+    BlockOpKind,
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
@@ -300,7 +301,7 @@ class Scheduler:
             return False
         out = self._out
         if allocation.copies:
-            out.block_ops.extend(BlockOp("copy", src, dst) for src, dst in allocation.copies)
+            out.block_ops.extend(BlockOp(BlockOpKind.COPY, src, dst) for src, dst in allocation.copies)
         if request.request_id in self._unsent_ids:
             self._unsent_ids.discard(request.request_id)
             out.new_requests.append(self._new_request_data(request))
@@ -457,7 +458,7 @@ class Scheduler:
         if swap and victim.beam is None and len(group) < len(self.running):
             copies = self.kv.swap_out([r.request_id for r in group])
             if copies is not None:
-                self._out.block_ops.extend(BlockOp("swap_out", src, dst) for src, dst in copies)
+                self._out.block_ops.extend(BlockOp(BlockOpKind.SWAP_OUT, src, dst) for src, dst in copies)
                 for request in group:
                     self._drop_from_batch(request)
                     request.status = RequestStatus.SWAPPED
@@ -525,7 +526,7 @@ class Scheduler:
             if self.loras is not None and not self.loras.fits(group, self.loras.in_use(self.running)):
                 break  # its adapter waits for a slot
             copies = self.kv.swap_in([r.request_id for r in group])
-            self._out.block_ops.extend(BlockOp("swap_in", src, dst) for src, dst in copies)
+            self._out.block_ops.extend(BlockOp(BlockOpKind.SWAP_IN, src, dst) for src, dst in copies)
             self.swapped.pop(0)
             for request in group:
                 request.status = RequestStatus.RUNNING

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from raypaged.core.outputs import BlockOp
+from raypaged.core.outputs import BlockOp, BlockOpKind
 
 
 class KVCache:
@@ -39,11 +39,11 @@ class KVCache:
             self._run_with_kernels(ops)
             return
         for op in ops:
-            if op.kind == "copy":
+            if op.kind == BlockOpKind.COPY:
                 self.device_blocks[:, :, op.dst].copy_(self.device_blocks[:, :, op.src])
-            elif op.kind == "swap_out":
+            elif op.kind == BlockOpKind.SWAP_OUT:
                 self.cpu_blocks[:, :, op.dst].copy_(self.device_blocks[:, :, op.src], non_blocking=True)
-            elif op.kind == "swap_in":
+            elif op.kind == BlockOpKind.SWAP_IN:
                 self.device_blocks[:, :, op.dst].copy_(self.cpu_blocks[:, :, op.src], non_blocking=True)
             else:
                 raise ValueError(f"unknown block op {op.kind!r}")
@@ -52,9 +52,9 @@ class KVCache:
         from raypaged import kernels
 
         pools = {
-            "copy": (self.device_blocks, self.device_blocks),
-            "swap_out": (self.device_blocks, self.cpu_blocks),
-            "swap_in": (self.cpu_blocks, self.device_blocks),
+            BlockOpKind.COPY: (self.device_blocks, self.device_blocks),
+            BlockOpKind.SWAP_OUT: (self.device_blocks, self.cpu_blocks),
+            BlockOpKind.SWAP_IN: (self.cpu_blocks, self.device_blocks),
         }
         for kind, run in itertools.groupby(ops, key=lambda op: op.kind):  # runs keep their order
             if kind not in pools:

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from raypaged.core.beam_search import BeamGroup, BeamSearchParams
 from raypaged.core.block_manager import KVCacheManager
-from raypaged.core.outputs import ModelRunnerOutput, SampledToken, SchedulerOutput
+from raypaged.core.outputs import BlockOpKind, ModelRunnerOutput, SampledToken, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from raypaged.sampling_params import SamplingParams
@@ -209,6 +209,7 @@ def test_a_group_prefills_once_then_forks_and_copies_the_shared_last_block():
     assert [(d.sample_index, d.num_computed_tokens, d.block_ids) for d in out.new_requests] == [(1, 9, [0, 1, 4]), (2, 9, [0, 1, 2])]
     # position 9 sits in shared block 2: the first two writers copy it, the last owns it
     assert [(op.kind, op.src, op.dst) for op in out.block_ops] == [("copy", 2, 3), ("copy", 2, 4)]
+    assert all(op.kind is BlockOpKind.COPY for op in out.block_ops)
     assert s.kv.get_block_ids("g") == [0, 1, 3]
     assert s.kv.get_block_ids("g#2") == [0, 1, 2]
     assert s.kv.pool.ref_counts[:5] == [3, 3, 1, 1, 1]
