@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended, as OpenAI and vLLM name it (a ``str``: equal to, and serialized as, its value)."""
+
+    STOP = "stop"  # EOS, a stop token id, a stop string, or a complete structured output
+    LENGTH = "length"  # max_tokens, max_model_len, or the KV cache could not hold it
+    ABORT = "abort"  # cancelled by its client or the server
+    ERROR = "error"  # handling this request failed: it ended alone (RequestOutput.error says why)
 
 
 class Logprob(float):
@@ -46,7 +56,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None  # per generated token: token id -> its Logprob (the sampled first)
-    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
+    finish_reason: FinishReason | None = None  # None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     finish_message: str | None = None  # set when the engine ended it on its own (it outgrew the KV cache ...)
 
@@ -123,7 +133,7 @@ class BeamSearchSequence:
     logprobs: list[dict[int, Logprob]]
     cum_logprob: float
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from raypaged.core.request import Request
+from raypaged.outputs import FinishReason
 from raypaged.sampling_params import BeamSearchParams
 
 __all__ = ["BeamGroup", "BeamSearchParams", "Continuation", "Hypothesis"]
@@ -25,7 +26,7 @@ class Hypothesis:
     token_ids: list[int]
     cumulative_logprob: float
     score: float
-    finish_reason: str
+    finish_reason: FinishReason
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per token: the candidates of its step
 
 
@@ -77,7 +78,7 @@ class BeamGroup:
                 if rank < width:
                     tokens = beam.output_token_ids + [token_id]
                     logprobs = beam.output_logprobs + [candidates[beam.request_id]]
-                    self.finished.append(Hypothesis(tokens, total, self.score(total, len(tokens)), "stop", logprobs))
+                    self.finished.append(Hypothesis(tokens, total, self.score(total, len(tokens)), FinishReason.STOP, logprobs))
                 continue
             kept.append(Continuation(beam, token_id, logprob, candidates[beam.request_id]))
             if len(kept) == width:
@@ -99,7 +100,7 @@ class BeamGroup:
                 list(b.output_token_ids),
                 b.cumulative_logprob,
                 self.score(b.cumulative_logprob, b.num_output_tokens),
-                "length",
+                FinishReason.LENGTH,
                 list(b.output_logprobs),
             )
             for b in self.beams

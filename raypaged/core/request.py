@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from raypaged.outputs import FinishReason
 from raypaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -26,13 +27,13 @@ class RequestStatus(enum.Enum):
     # set on each member below: plain attributes, read several times per sequence per step
     # (an enum property would hash the member in Python on every read)
     finished: bool
-    finish_reason: str | None  # the OpenAI finish reason of a finished status
+    finish_reason: FinishReason | None  # that of a finished status
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 for _status in RequestStatus:
     _status.finished = _status in _FINISH_REASONS

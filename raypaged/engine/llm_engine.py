@@ -46,6 +46,7 @@ from raypaged.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
     CompletionOutput,
+    FinishReason,
     RequestOutput,
     decode_logprobs,
 )
@@ -604,7 +605,7 @@ class LLMEngine:
         self.scheduler.finish_requests([seq.request.request_id for seq in state.seqs], RequestStatus.FINISHED_ABORTED)
         for seq in state.seqs:
             if seq.finish_reason is None:
-                seq.finish_reason = "error"
+                seq.finish_reason = FinishReason.ERROR
 
     def _forget(self, state: RequestState) -> None:
         del self._states[state.request_id]

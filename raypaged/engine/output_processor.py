@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from raypaged.core.request import Request
 from raypaged.engine.detokenizer import IncrementalDetokenizer
-from raypaged.outputs import CompletionOutput, RequestMetrics, RequestOutput, decode_logprobs
+from raypaged.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, decode_logprobs
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -34,7 +34,7 @@ class SeqState:
     request: Request
     detokenizer: IncrementalDetokenizer
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     finish_message: str | None = None  # why the scheduler ended it (outgrew the KV cache, ...)
     num_sent_tokens: int = 0  # DELTA outputs: tokens, logprobs and characters already sent
@@ -122,7 +122,7 @@ def process_token(seq: SeqState, now: float) -> bool:
             seq.text, seq.stop_reason = cut
             if params.include_stop_str_in_output:
                 seq.text += cut[1]
-            seq.finish_reason = "stop"
+            seq.finish_reason = FinishReason.STOP
             return True
     if request.status.finished:
         seq.finish_reason = request.status.finish_reason

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from raypaged.core.scheduler import ACCEPTED_PER_POS
-from raypaged.outputs import RequestOutput
+from raypaged.outputs import FinishReason, RequestOutput
 
 if TYPE_CHECKING:
     from raypaged.config import EngineConfig
@@ -42,7 +42,7 @@ disable_created_metrics()  # no *_created series: the gateway re-exposes engine 
 PREFIX = "raypaged:"
 LABELS = ("model_name", "engine")
 ENGINE_INDEX = "0"  # vLLM numbers the engines of a model; raypaged runs one per served model
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = tuple(FinishReason)
 _PREFIX_PATTERN = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*:")
 _UNKNOWN_MAX_MODEL_LEN = 1 << 20  # token-count buckets when no engine config is given
 
@@ -153,7 +153,7 @@ class RequestObserver:
     def on_abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._progress.pop(request_id, None)
-            self._success["abort"].inc()
+            self._success[FinishReason.ABORT].inc()
 
     def _finished(self, output: RequestOutput, e2e: float) -> None:
         self._success[_finish_reason(output)].inc()
@@ -179,10 +179,10 @@ class RequestObserver:
             self._request_tpot.observe(metrics.decode_time / (metrics.max_num_generation_tokens - 1))
 
 
-def _finish_reason(output: RequestOutput) -> str:
+def _finish_reason(output: RequestOutput) -> FinishReason:
     """Why a finished request ended: its first completion's reason, ``error`` when it failed."""
     if output.error is not None or not output.outputs:
-        return "error"
+        return FinishReason.ERROR
     reason = output.outputs[0].finish_reason
     assert reason is not None, f"request {output.request_id} finished without a finish reason"
     return reason

@@ -10,14 +10,14 @@ from transformers import PreTrainedTokenizerBase
 
 from raypaged.config import GenerationDefaults
 from raypaged.inputs.limits import InputError, InputLimits, check_count, check_stop_counts
-from raypaged.outputs import CompletionOutput, RequestOutput
+from raypaged.outputs import CompletionOutput, FinishReason, RequestOutput
 from raypaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from raypaged.serving.proto import generate_pb2 as pb
 
 FINISH_REASONS = {
-    "length": pb.FINISH_REASON_LENGTH,
-    "stop": pb.FINISH_REASON_STOP,
-    "abort": pb.FINISH_REASON_ABORT,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 
 

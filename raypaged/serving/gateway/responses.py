@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from raypaged import __version__
+from raypaged.outputs import FinishReason
 from raypaged.serving.gateway.reasoning import ReasoningParser, ReasoningStream
 from raypaged.serving.gateway.tools import ToolPlan, ToolStream
 from raypaged.serving.proto import generate_pb2 as pb
@@ -19,9 +20,9 @@ SYSTEM_FINGERPRINT = f"raypaged-{__version__}"
 
 FINISH_REASONS = {
     pb.FINISH_REASON_UNSPECIFIED: None,
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_STOP: FinishReason.STOP,
+    pb.FINISH_REASON_ABORT: FinishReason.ABORT,
 }
 
 
