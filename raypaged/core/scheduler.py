@@ -27,6 +27,7 @@ from raypaged.core.outputs import (
     SchedulerOutput,
 )
 from raypaged.core.request import Request, RequestStatus
+from raypaged.core.stats import SchedulerStats
 from raypaged.core.waiting_queue import WaitingQueue
 
 logger = logging.getLogger("raypaged")
@@ -724,22 +725,22 @@ class Scheduler:
         elif group.ready():
             self._beam_step(group)
 
-    def stats(self) -> dict[str, int | float]:
-        return {
-            "num_gpu_blocks_total": self.kv.num_blocks,
-            "num_gpu_blocks_free": self.kv.num_free_blocks,
-            "num_cpu_blocks_total": self.kv.num_cpu_blocks,
-            "num_cpu_blocks_free": self.kv.num_free_cpu_blocks,
-            "kv_cache_usage": self.kv.usage,
-            "num_requests_running": len(self.running),
-            "num_requests_waiting": len(self.waiting),
-            "num_requests_swapped": sum(len(entry) for entry in self.swapped),
-            "num_preemptions": self.num_preemptions,
-            "num_swap_outs": self.num_swap_outs,
-            "prefix_cache_queries": self.prefix_cache_queries,
-            "prefix_cache_hits": self.prefix_cache_hits,
-            **self.spec.as_dict(),
-        }
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_gpu_blocks_total=self.kv.num_blocks,
+            num_gpu_blocks_free=self.kv.num_free_blocks,
+            num_cpu_blocks_total=self.kv.num_cpu_blocks,
+            num_cpu_blocks_free=self.kv.num_free_cpu_blocks,
+            kv_cache_usage=self.kv.usage,
+            num_requests_running=len(self.running),
+            num_requests_waiting=len(self.waiting),
+            num_requests_swapped=sum(len(entry) for entry in self.swapped),
+            num_preemptions=self.num_preemptions,
+            num_swap_outs=self.num_swap_outs,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            spec_decode=self.spec.as_dict(),
+        )
 
 
 class SpecDecodeStats:

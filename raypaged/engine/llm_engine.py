@@ -22,6 +22,7 @@ from raypaged.core.beam_search import BeamGroup, BeamSearchParams
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.outputs import GrammarBitmask, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
+from raypaged.core.stats import SchedulerStats
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
 from raypaged.engine.detokenizer import IncrementalDetokenizer
 from raypaged.engine.output_processor import (
@@ -615,7 +616,8 @@ class LLMEngine:
             if self.ngram is not None:
                 self.ngram.forget(seq.request.request_id)
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counters: typed attributes, and a read-only mapping by the same names."""
         return self.scheduler.stats()
 
     def reset_prefix_cache(self) -> bool:

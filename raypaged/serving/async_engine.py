@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -98,7 +98,7 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stats: dict[str, int | float] = engine.stats()
+        self._stats: Mapping[str, int | float] = engine.stats()
         self._lora_info: tuple[list[str], list[str]] = ([], [])
         # engine thread only: requests added and not yet finished, and the stream each was added with
         # (outputs go to that stream object, so a later request reusing the id never gets them)
