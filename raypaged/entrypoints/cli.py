@@ -34,6 +34,7 @@ _OPTIONAL_ENGINE_FLAGS = {
     "preemption_mode": None,
     "ray_address": None,
     "placement_strategy": "STRICT_PACK",
+    "enable_recovery": True,
     "enforce_eager": False,
     "attention_backend": "auto",
     "load_format": "auto",
@@ -92,6 +93,9 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
                         help="Ray cluster to join: auto, ray://host:port or host:port (default: a local one)")
     parser.add_argument("--placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"],
                         help="Ray placement of the tensor-parallel shards: one node, or spread over nodes")
+    parser.add_argument("--enable-recovery", action=argparse.BooleanOptionalAction, default=True,
+                        help="when a Ray shard dies, hangs or fails its step: restart the shard group and recompute "
+                             "the in-flight requests (default), or with --no-enable-recovery fail them all")
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults and extra EOS ids: auto (the model folder's generation_config.json), "
                              "vllm (no sampling defaults) or a folder holding a generation_config.json")
