@@ -3,7 +3,6 @@ the kernel attention backend, eager and with decode CUDA graphs, fp32/fp16/bf16,
 swapping through the copy_blocks kernel, and KV sizing by gpu_memory_utilization."""
 
 import gc
-import importlib.util
 import random
 
 import pytest
@@ -11,12 +10,9 @@ import torch
 
 from raypaged import LLM, SamplingParams
 from raypaged.model.synthetic import write_synthetic_model
+from tests.gpu import NEEDS_CUDA_AND_CUPY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs cupy (pip install raypaged[cuda])"),
-]
+pytestmark = NEEDS_CUDA_AND_CUPY
 
 SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048)  # head size 64, GQA 2:1

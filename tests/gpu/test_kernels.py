@@ -2,7 +2,6 @@
 inputs: random block tables, ragged context lengths, and outputs poisoned with NaN first
 so that any element a kernel fails to write shows up."""
 
-import importlib.util
 import random
 
 import pytest
@@ -10,12 +9,9 @@ import torch
 
 from raypaged import kernels
 from raypaged.attention import torch_ops
+from tests.gpu import NEEDS_CUDA_AND_CUPY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs cupy (pip install raypaged[cuda])"),
-]
+pytestmark = NEEDS_CUDA_AND_CUPY
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}

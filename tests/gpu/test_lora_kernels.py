@@ -1,7 +1,6 @@
 """kernels/lora_bgmv.cu against the torch reference of raypaged.lora.ops (add_lora_reference) on
 random slots, ranks (powers of two and not) and token spreads; outputs poisoned with NaN first."""
 
-import importlib.util
 import random
 
 import pytest
@@ -9,12 +8,9 @@ import torch
 
 from raypaged.kernels.lora_ops import lora_bgmv_expand, lora_bgmv_shrink
 from raypaged.lora.ops import add_lora_reference
+from tests.gpu import NEEDS_CUDA_AND_CUPY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs cupy (pip install raypaged[cuda])"),
-]
+pytestmark = NEEDS_CUDA_AND_CUPY
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 3e-2}
