@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import CONTENTION_NOTE, build_prompts, load_average, machine_info, write_json
+from common import CONTENTION_NOTE, RESULTS_DIR, build_prompts, load_average, machine_info, pyplot, write_json
 
 from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine
@@ -81,6 +81,33 @@ def peft_round(model_dir: Path, adapters: list[LoRARequest], prompts: list[list[
     return len(prompts) * max_tokens / seconds
 
 
+def plot(report: dict, path: Path) -> None:
+    """Tokens/s by adapters in the batch: raypaged beside peft's mixed batch where it ran."""
+    plt = pyplot()
+    settings = list(report["settings"])
+    labels = ["base" if key == "0" else f"{key}" + (f" over {MAX_LORAS} slots" if int(key) > MAX_LORAS else "")
+              for key in settings]
+    ours = [report["settings"][key]["tokens_per_s"] for key in settings]
+    peft = [report["settings"][key].get("peft_tokens_per_s") for key in settings]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(settings))
+    width = 0.38 if any(peft) else 0.6
+    ax.bar([x - width / 2 if any(peft) else x for x in xs], ours, width, label="raypaged", color="tab:green")
+    if any(peft):
+        ax.bar([x + width / 2 for x in xs], [p or 0 for p in peft], width, label="peft mixed batch", color="tab:gray")
+    for x, value in zip(xs, ours):
+        ax.annotate(f"{value:.0f}", (x - width / 2 if any(peft) else x, value), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), labels)
+    ax.set_xlabel("adapters in the batch")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(f"SmolLM2-135M fp32, {report['requests']} requests x {report['max_tokens']} tokens, "
+                 f"{report['machine']['cpu']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -128,7 +155,8 @@ def main() -> None:
             print(f"{key:>2} adapters over {MAX_LORAS} slots: {entry['ratio_to_base']:.2f}x the base model "
                   f"(LoRA share of the step {entry['lora_share']:.0%})")
     report["load_average_end"] = load_average()
-    print(f"wrote {write_json('lora_bench', report)}")
+    plot(report, RESULTS_DIR / "lora_bench.png")
+    print(f"wrote {write_json('lora_bench', report)} and lora_bench.png")
 
 
 if __name__ == "__main__":
