@@ -114,16 +114,12 @@ _TOP_P_CANDIDATES = 1024
 
 
 def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
-    vocab = logits.shape[-1]
+    """Penalties, biases and bans in vLLM's order; repetition, then presence and frequency, each as
+    one gather and scatter over the (row, token) pairs they touch (the arithmetic of row by row)."""
+    _repetition_penalty(logits, inputs)
+    _presence_frequency_penalty(logits, inputs)
     for i, s in enumerate(inputs):
         p = s.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(s.prompt_token_ids) | set(s.output_token_ids)), dtype=torch.long)
-            values = logits[i, seen]
-            logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and s.output_token_ids:
-            counts = torch.bincount(torch.tensor(s.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
@@ -143,6 +139,43 @@ def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch
             if banned:
                 logits[i, banned] = float("-inf")
     return logits
+
+
+def _flat_token_index(logits: torch.Tensor, rows: list[int], tokens: list[list[int]]) -> torch.Tensor:
+    """Positions in ``logits.view(-1)`` of each (row, token) pair: ``rows[k] * vocab + tokens[k][j]``."""
+    row_index = torch.repeat_interleave(torch.tensor(rows), torch.tensor([len(t) for t in tokens]))
+    token_ids = torch.tensor([t for row_tokens in tokens for t in row_tokens], dtype=torch.long)
+    return (row_index * logits.shape[-1] + token_ids).to(logits.device)
+
+
+def _repetition_penalty(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
+    """HF's rule on every distinct token of the prompt and output: positive logits divided by the
+    penalty, negative ones multiplied. One gather and one scatter over the rows' tokens."""
+    rows = [i for i, s in enumerate(inputs) if s.params.repetition_penalty != 1.0]
+    if not rows:
+        return
+    flat = torch.unique(_flat_token_index(logits, rows, [inputs[i].prompt_token_ids + inputs[i].output_token_ids
+                                                         for i in rows]))
+    penalty = torch.tensor([s.params.repetition_penalty for s in inputs], dtype=logits.dtype,
+                           device=logits.device)[flat // logits.shape[-1]]
+    view = logits.view(-1)
+    values = view[flat]
+    view[flat] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def _presence_frequency_penalty(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
+    """OpenAI's: each output token's logit lowers by frequency x its count, plus presence once."""
+    rows = [i for i, s in enumerate(inputs)
+            if (s.params.presence_penalty or s.params.frequency_penalty) and s.output_token_ids]
+    if not rows:
+        return
+    flat, counts = torch.unique(_flat_token_index(logits, rows, [inputs[i].output_token_ids for i in rows]),
+                                return_counts=True)
+    row = flat // logits.shape[-1]
+    frequency = torch.tensor([s.params.frequency_penalty for s in inputs], dtype=logits.dtype, device=logits.device)
+    presence = torch.tensor([s.params.presence_penalty for s in inputs], dtype=logits.dtype, device=logits.device)
+    view = logits.view(-1)
+    view[flat] -= frequency[row] * counts + presence[row] * (counts > 0)
 
 
 def _banned_by_words(words: list[list[int]], output_token_ids: list[int]) -> list[int]:

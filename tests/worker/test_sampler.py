@@ -89,3 +89,38 @@ def test_top_p_alone_ranks_the_whole_vocabulary_only_when_the_likeliest_fall_sho
         warped = sampler._warped_probs(logits.clone(), params)
         for row, p in enumerate(params):
             assert torch.allclose(warped[row], reference_warp(logits[row], p), atol=1e-6)
+
+
+def penalties_row_by_row(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
+    """The repetition and presence/frequency penalties one row at a time (the arithmetic the
+    batched ops must reproduce to the bit)."""
+    vocab = logits.shape[-1]
+    for i, s in enumerate(inputs):
+        p = s.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(s.prompt_token_ids) | set(s.output_token_ids)), dtype=torch.long)
+            values = logits[i, seen]
+            logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and s.output_token_ids:
+            counts = torch.bincount(torch.tensor(s.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
+
+
+def test_batched_penalties_equal_row_by_row_to_the_bit():
+    from raypaged.worker.sampler import _apply_penalties
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 300
+    inputs = []
+    for i in range(12):
+        prompt = torch.randint(0, vocab, (int(torch.randint(1, 40, (1,), generator=generator)),),
+                               generator=generator).tolist()
+        output = torch.randint(0, vocab, (i * 3,), generator=generator).tolist()  # repeats, and row 0 empty
+        params = SamplingParams(repetition_penalty=[1.0, 1.3, 0.7][i % 3], presence_penalty=[0.0, 0.5][i % 2],
+                                frequency_penalty=[0.0, 0.25, -0.4][i % 3])
+        inputs.append(SamplingInput(params, prompt, output, eos_token_id=None))
+    logits = torch.randn(12, vocab, generator=generator) * 3
+    batched = _apply_penalties(logits.clone(), inputs)
+    assert torch.equal(batched, penalties_row_by_row(logits.clone(), inputs))
+    assert not torch.equal(batched, logits)
