@@ -114,15 +114,15 @@ _TOP_P_CANDIDATES = 1024
 
 
 def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
-    """Penalties, biases and bans in vLLM's order; repetition, then presence and frequency, each as
-    one gather and scatter over the (row, token) pairs they touch (the arithmetic of row by row)."""
+    """Penalties, biases and bans in vLLM's order: repetition, presence and frequency, logit bias,
+    allowed tokens, bad words, then ``min_tokens``' bans. All but allowed tokens and bad words run
+    as one gather and scatter each over the (row, token) pairs they touch (the arithmetic of row by
+    row); those two stay per row (a whole-row mask, and a match on each row's newest tokens)."""
     _repetition_penalty(logits, inputs)
     _presence_frequency_penalty(logits, inputs)
+    _logit_bias(logits, inputs)
     for i, s in enumerate(inputs):
         p = s.params
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
         if p.allowed_token_ids is not None:
             allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long)
             kept = logits[i, allowed]
@@ -132,13 +132,32 @@ def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch
             banned_words = _banned_by_words(p.bad_words_token_ids, s.output_token_ids)
             if banned_words:
                 logits[i, banned_words] = float("-inf")
-        if len(s.output_token_ids) < p.min_tokens:
-            banned = list(p.stop_token_ids)
-            if s.eos_token_id is not None and not p.ignore_eos:
-                banned.append(s.eos_token_id)
-            if banned:
-                logits[i, banned] = float("-inf")
+    _min_tokens_bans(logits, inputs)
     return logits
+
+
+def _logit_bias(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
+    rows = [i for i, s in enumerate(inputs) if s.params.logit_bias]
+    if not rows:
+        return
+    flat = _flat_token_index(logits, rows, [list(inputs[i].params.logit_bias) for i in rows])
+    bias = torch.tensor([b for i in rows for b in inputs[i].params.logit_bias.values()], dtype=logits.dtype)
+    logits.view(-1)[flat] += bias.to(logits.device)
+
+
+def _min_tokens_bans(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
+    """Below ``min_tokens``, a sequence may not end: its stop token ids and EOS (unless ignored) are banned."""
+    banned: dict[int, list[int]] = {}
+    for i, s in enumerate(inputs):
+        p = s.params
+        if len(s.output_token_ids) < p.min_tokens:
+            ids = list(p.stop_token_ids)
+            if s.eos_token_id is not None and not p.ignore_eos:
+                ids.append(s.eos_token_id)
+            if ids:
+                banned[i] = ids
+    if banned:
+        logits.view(-1)[_flat_token_index(logits, list(banned), list(banned.values()))] = float("-inf")
 
 
 def _flat_token_index(logits: torch.Tensor, rows: list[int], tokens: list[list[int]]) -> torch.Tensor:

@@ -92,8 +92,8 @@ def test_top_p_alone_ranks_the_whole_vocabulary_only_when_the_likeliest_fall_sho
 
 
 def penalties_row_by_row(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
-    """The repetition and presence/frequency penalties one row at a time (the arithmetic the
-    batched ops must reproduce to the bit)."""
+    """Penalties, logit bias, allowed tokens and min_tokens bans one row at a time (the arithmetic
+    the batched ops must reproduce to the bit)."""
     vocab = logits.shape[-1]
     for i, s in enumerate(inputs):
         p = s.params
@@ -104,10 +104,22 @@ def penalties_row_by_row(logits: torch.Tensor, inputs: list[SamplingInput]) -> t
         if (p.presence_penalty or p.frequency_penalty) and s.output_token_ids:
             counts = torch.bincount(torch.tensor(s.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        if p.allowed_token_ids is not None:
+            allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+            kept = logits[i, allowed]
+            logits[i] = float("-inf")
+            logits[i, allowed] = kept
+        if len(s.output_token_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([s.eos_token_id] if s.eos_token_id is not None and not p.ignore_eos else [])
+            if banned:
+                logits[i, banned] = float("-inf")
     return logits
 
 
-def test_batched_penalties_equal_row_by_row_to_the_bit():
+def test_batched_penalties_and_bans_equal_row_by_row_to_the_bit():
     from raypaged.worker.sampler import _apply_penalties
 
     generator = torch.Generator().manual_seed(0)
@@ -118,8 +130,11 @@ def test_batched_penalties_equal_row_by_row_to_the_bit():
                                generator=generator).tolist()
         output = torch.randint(0, vocab, (i * 3,), generator=generator).tolist()  # repeats, and row 0 empty
         params = SamplingParams(repetition_penalty=[1.0, 1.3, 0.7][i % 3], presence_penalty=[0.0, 0.5][i % 2],
-                                frequency_penalty=[0.0, 0.25, -0.4][i % 3])
-        inputs.append(SamplingInput(params, prompt, output, eos_token_id=None))
+                                frequency_penalty=[0.0, 0.25, -0.4][i % 3],
+                                logit_bias={7 * i: 1.5, 290 - i: -2.25} if i % 4 == 1 else None,
+                                allowed_token_ids=[3, 5, 7 * i, 299] if i % 5 == 2 else None,
+                                min_tokens=16 if i % 3 == 0 else 0, stop_token_ids=[11, 12] if i % 2 == 0 else None)
+        inputs.append(SamplingInput(params, prompt, output, eos_token_id=2 if i % 4 else None))
     logits = torch.randn(12, vocab, generator=generator) * 3
     batched = _apply_penalties(logits.clone(), inputs)
     assert torch.equal(batched, penalties_row_by_row(logits.clone(), inputs))
