@@ -102,15 +102,24 @@ def process_token(seq: SeqState, now: float) -> bool:
     new_ids = request.output_token_ids[-num_new:]
     if params.logprobs is not None and request.output_logprobs:
         decode_logprobs(request.output_logprobs[-num_new:], seq.detokenizer.tokenizer)
-    if not params.stop:  # nothing to search: one piece, whatever the run's length
+    if not params.stop:  # nothing to search: the whole run in one piece
         seq.text += seq.detokenizer.add_tokens(new_ids)
         if request.status.finished:
             seq.text += seq.detokenizer.flush()
-            seq.finish_reason = request.status.finish_reason
-            seq.stop_reason = request.stop_reason
-        return False
-    # a run is read token by token, since a stop string could end it inside
-    pieces = [new_ids] if num_new == 1 else [[token_id] for token_id in new_ids]
+    elif _stopped_in_run(seq, new_ids):
+        return True
+    if request.status.finished:
+        seq.finish_reason = request.status.finish_reason
+        seq.stop_reason = request.stop_reason
+    return False
+
+
+def _stopped_in_run(seq: SeqState, new_ids: list[int]) -> bool:
+    """Detokenize a run token by token (a stop string could end it inside) and search each new piece;
+    at a stop string, the run is cut after the token completing it and the sequence ends."""
+    request = seq.request
+    params = request.sampling_params
+    pieces = [new_ids] if len(new_ids) == 1 else [[token_id] for token_id in new_ids]
     for i, piece in enumerate(pieces, 1):
         searched = max(0, len(seq.text) - params.max_stop_len + 1)
         seq.text += seq.detokenizer.add_tokens(piece)
@@ -124,9 +133,6 @@ def process_token(seq: SeqState, now: float) -> bool:
                 seq.text += cut[1]
             seq.finish_reason = FinishReason.STOP
             return True
-    if request.status.finished:
-        seq.finish_reason = request.status.finish_reason
-        seq.stop_reason = request.stop_reason
     return False
 
 
@@ -145,11 +151,6 @@ def make_output(state: RequestState) -> RequestOutput | None:
     if (ranked or params.output_kind == RequestOutputKind.FINAL_ONLY) and not finished:
         return None
     delta = params.output_kind == RequestOutputKind.DELTA and not ranked
-    if len(state.seqs) == 1:
-        [seq] = state.seqs
-        completions = [] if delta and seq.done else [_delta(seq, params) if delta else _cumulative(seq, params)]
-        seq.done = seq.finish_reason is not None
-        return _request_output(state, completions, finished, delta)
     completions = [_delta(seq, params) if delta else _cumulative(seq, params)
                    for seq in state.seqs if not (delta and seq.done)]
     if ranked:
@@ -158,11 +159,6 @@ def make_output(state: RequestState) -> RequestOutput | None:
             completion.index = rank
     for seq in state.seqs:
         seq.done = seq.finish_reason is not None
-    return _request_output(state, completions, finished, delta)
-
-
-def _request_output(state: RequestState, completions: list[CompletionOutput], finished: bool,
-                    delta: bool) -> RequestOutput:
     return RequestOutput(
         request_id=state.request_id,
         prompt=state.prompt,
@@ -171,7 +167,7 @@ def _request_output(state: RequestState, completions: list[CompletionOutput], fi
         finished=finished,
         num_generated_tokens=state.num_generated_tokens,
         metrics=request_metrics(state),
-        prompt_logprobs=state.prompt_logprobs(delta) if state.params.prompt_logprobs is not None else None,
+        prompt_logprobs=state.prompt_logprobs(delta),
         num_cached_tokens=state.seqs[0].request.num_cached_tokens or 0,
     )
 
