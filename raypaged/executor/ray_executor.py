@@ -82,7 +82,8 @@ class RayExecutor(Executor):
         self.node_ids: list[str] = []  # the Ray node of each shard, by rank
         self.num_blocks: tuple[int, int] | None = None  # (device, CPU) once the cache exists
         self.step_times = StepTimes()
-        self.step_channel = envs.step_channel()  # "auto" until the shards are placed, then "shm" or "graph"
+        self._wanted_channel = envs.step_channel()  # read (and checked) once, before Ray starts
+        self.step_channel = self._wanted_channel  # "shm" or "graph" once the shards are placed
         self._step_graph: CompiledDAG | None = None  # compiled once the cache exists
         self._channel: shm_channel.ShmStepChannel | None = None  # or this, on one node
         self._loops: list[ray.ObjectRef] = []  # each shard's serve_steps call while the channel is up
@@ -126,7 +127,7 @@ class RayExecutor(Executor):
             ]
         )
         self.node_ids = self._call_all([worker.node_id.remote() for worker in self.workers])
-        self.step_channel = self._choose_step_channel(envs.step_channel())
+        self.step_channel = self._choose_step_channel(self._wanted_channel)
         logger.info(
             "started %d shard actors (%s, %s, steps through %s)", size, config.placement_strategy,
             "GPU" if on_gpu else "CPU", "shared memory" if self.step_channel == "shm" else "a Ray Compiled Graph",
@@ -135,7 +136,8 @@ class RayExecutor(Executor):
     def _choose_step_channel(self, wanted: str) -> str:
         driver_node = ray.get_runtime_context().get_node_id()
         elsewhere = [rank for rank, node in enumerate(self.node_ids) if node != driver_node]
-        if wanted == "graph" or (wanted == "auto" and (elsewhere or not shm_channel.available())):
+        available = shm_channel.available()
+        if wanted == "graph" or (wanted == "auto" and (elsewhere or not available)):
             return "graph"
         if elsewhere:
             self.shutdown()
@@ -143,7 +145,7 @@ class RayExecutor(Executor):
                 f"RAYPAGED_STEP_CHANNEL=shm needs every shard on the driver's node ({driver_node}); "
                 f"ranks {elsewhere} run on other nodes"
             )
-        if not shm_channel.available():
+        if not available:
             self.shutdown()
             raise ValueError(f"RAYPAGED_STEP_CHANNEL=shm needs Linux and a writable {shm_channel.SHM_DIR}")
         return "shm"
@@ -157,7 +159,7 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         """Kill every shard actor and free the placement group; idempotent."""
-        self._teardown_step_graph()
+        self._teardown_step_channel()
         self._kill_workers()
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
@@ -168,7 +170,8 @@ class RayExecutor(Executor):
             ray.kill(worker, no_restart=True)
         self.workers = []
 
-    def _teardown_step_graph(self) -> None:
+    def _teardown_step_channel(self) -> None:
+        """Close whichever step channel is up: stop the shards' shared-memory loops, or tear the graph down."""
         if self._channel is not None:
             channel, self._channel, loops, self._loops = self._channel, None, self._loops, []
             try:
@@ -279,9 +282,9 @@ class RayExecutor(Executor):
         return None
 
     def _dead_worker(self, cause: Exception) -> WorkerDiedError:
-        """Name the shard that died: with the graph torn down, every actor is probed; a dead one
+        """Name the shard that died: with the step channel torn down, every actor is probed; a dead one
         answers with an error at once (survivors may stay silent, blocked in a collective with it)."""
-        self._teardown_step_graph()
+        self._teardown_step_channel()
         probes, ready = probed = self._probe_all()
         rank = self._dead_rank(probed)
         if rank is None:
@@ -292,7 +295,7 @@ class RayExecutor(Executor):
         """Name the shard that holds the step up: the first one busy outside a collective (the others
         wait for it inside one), else the first that does not answer, else the first dead one, else
         rank 0. The group's actors are then killed (a hung shard would block the graph's teardown)
-        and the graph torn down."""
+        and the step channel torn down."""
         probes = [worker.step_activity.remote() for worker in self.workers]
         ready, _ = ray.wait(probes, num_returns=len(probes), timeout=_PROBE_TIMEOUT_S)
         activity = []
@@ -306,7 +309,7 @@ class RayExecutor(Executor):
         reason = f"stalled: no step result within {self.step_timeout_s:g} s ({states})"
         error = WorkerStalledError(rank, self.workers[rank]._actor_id.hex(), cause, reason)
         self._kill_workers()
-        self._teardown_step_graph()
+        self._teardown_step_channel()
         return error
 
     def _call_all(self, refs: list[ray.ObjectRef]) -> list:

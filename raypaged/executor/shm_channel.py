@@ -66,9 +66,7 @@ class ShmRing:
                  slot_bytes: int = 1 << 20) -> None:
         self.path = path
         if create:
-            header = _RING_HEADER.size + _FIELD.size * num_readers
-            self._slots_at = -(-header // 64) * 64
-            size = self._slots_at + num_slots * (_SLOT_HEADER.size + slot_bytes)
+            size = _slots_offset(num_readers) + num_slots * (_SLOT_HEADER.size + slot_bytes)
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, size)
@@ -83,7 +81,7 @@ class ShmRing:
             finally:
                 os.close(fd)
             num_readers, num_slots, slot_bytes = _RING_HEADER.unpack_from(self._map, 0)
-            self._slots_at = -(-(_RING_HEADER.size + _FIELD.size * num_readers) // 64) * 64
+        self._slots_at = _slots_offset(num_readers)
         self.num_readers, self.num_slots, self.slot_bytes = num_readers, num_slots, slot_bytes
         self._seq = 0  # the writer's last message
         self._overflow: dict[int, str] = {}  # seq -> its own file, until every reader acknowledged it
@@ -102,11 +100,11 @@ class ShmRing:
         """Store ``payload`` as the next message; its sequence number (1, 2, ...)."""
         seq = self._seq + 1
         deadline = time.monotonic() + timeout
-        while self._all_acknowledged() < seq - self.num_slots:  # the slot's last message is unread
+        while (acknowledged := self._all_acknowledged()) < seq - self.num_slots:  # the slot's last message is unread
             if time.monotonic() > deadline:
                 raise ChannelTimeout(f"{self.path}: message {seq - self.num_slots} was not read within {timeout:g} s")
             time.sleep(0.0002)
-        self._drop_overflow(self._all_acknowledged())
+        self._drop_overflow(acknowledged)
         at = self._slot(seq)
         if len(payload) <= self.slot_bytes:
             self._map[at + _SLOT_HEADER.size: at + _SLOT_HEADER.size + len(payload)] = payload
@@ -150,6 +148,11 @@ class ShmRing:
             _unlink(path)
         self._overflow.clear()
         self._map.close()
+
+
+def _slots_offset(num_readers: int) -> int:
+    """Where a ring's slots start: after its header and one acknowledged seq per reader, on a cache line."""
+    return -(-(_RING_HEADER.size + _FIELD.size * num_readers) // 64) * 64
 
 
 def _unlink(path: str) -> None:
@@ -216,7 +219,7 @@ class ShmStepChannel:
             raise
         self._bells = [f"{token}-rank{rank}" for rank in range(num_ranks)]
         self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._seq = 0
+        self._seq = 0  # the last message sent (the step ring's sequence number)
 
     def endpoints(self, rank: int) -> ShardEndpoints:
         return ShardEndpoints(rank, self._steps.path, self._results[rank].path, self._bell.name, self._bells[rank])
@@ -230,8 +233,7 @@ class ShmStepChannel:
 
     def send(self, message: Any, timeout: float) -> None:
         """``message`` to every shard (``None`` ends their loops); :class:`PeerGone` if a shard left."""
-        self._steps.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), timeout)
-        self._seq += 1
+        self._seq = self._steps.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), timeout)
         for name in self._bells:
             ring(self._sender, name)
 
