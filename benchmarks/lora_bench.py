@@ -92,11 +92,12 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(settings))
     width = 0.38 if any(peft) else 0.6
-    ax.bar([x - width / 2 if any(peft) else x for x in xs], ours, width, label="raypaged", color="tab:green")
+    ours_at = [x - width / 2 for x in xs] if any(peft) else list(xs)  # beside peft's bars, or centred alone
+    ax.bar(ours_at, ours, width, label="raypaged", color="tab:green")
     if any(peft):
         ax.bar([x + width / 2 for x in xs], [p or 0 for p in peft], width, label="peft mixed batch", color="tab:gray")
-    for x, value in zip(xs, ours):
-        ax.annotate(f"{value:.0f}", (x - width / 2 if any(peft) else x, value), ha="center", va="bottom", fontsize=8)
+    for x, value in zip(ours_at, ours):
+        ax.annotate(f"{value:.0f}", (x, value), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), labels)
     ax.set_xlabel("adapters in the batch")
     ax.set_ylabel("generated tokens/s")

@@ -23,6 +23,7 @@ from common import load_average, machine_info, write_json
 from raypaged.core.outputs import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput
 from raypaged.executor import shm_channel
 from raypaged.executor.ray_executor import call_all
+from raypaged.executor.worker_actor import CONCURRENCY_GROUPS
 
 
 class NoOpShard:
@@ -56,7 +57,7 @@ def time_steps(run_step, so: SchedulerOutput, steps: int) -> list[float]:
 
 
 def measure(tp: int, steps: int, so: SchedulerOutput) -> dict[str, list[float]]:
-    shard = ray.remote(num_cpus=1, concurrency_groups={"step": 1})(NoOpShard)
+    shard = ray.remote(num_cpus=1, concurrency_groups=CONCURRENCY_GROUPS)(NoOpShard)
     actors = [shard.remote(rank) for rank in range(tp)]
 
     def plain(step: SchedulerOutput) -> ModelRunnerOutput:

@@ -122,7 +122,7 @@ class SystemRun:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="concurrency 10 and 30 only, one repeat (about 20 minutes with all three systems)")
+                        help="concurrency 10 and 30 only, one repeat (about 9 minutes with all four systems)")
     parser.add_argument("--concurrency", help="comma-separated levels (10,30,50,80; 10,30 quick)")
     parser.add_argument("--requests-per-client", type=float, default=4.0,
                         help="requests per level = this x concurrency, at least 4 x concurrency (4)")
@@ -362,13 +362,14 @@ async def closed_loop(system: str, base: str, model: str, prompts: list[tuple[li
                 try:
                     return await one_request(client, url, body, chunk_times)
                 except httpx.RemoteProtocolError as exc:
+                    error = exc
                     if chunk_times or attempt == 2:
-                        errors.append(f"{type(exc).__name__}: {exc}"[:300])
-                        return None
+                        break
                     retries += 1
                 except (httpx.HTTPError, RuntimeError) as exc:
-                    errors.append(f"{type(exc).__name__}: {exc}"[:300])
-                    return None
+                    error = exc
+                    break
+            errors.append(f"{type(error).__name__}: {error}"[:300])
             return None
 
         async def worker() -> None:
@@ -391,7 +392,7 @@ async def closed_loop(system: str, base: str, model: str, prompts: list[tuple[li
                 steady_end.append(time.perf_counter())
 
         stop, peak = asyncio.Event(), [0.0]
-        poller = asyncio.create_task(kv_usage_poller(client, base, peak, stop)) if system == "raypaged" else None
+        poller = asyncio.create_task(kv_usage_poller(client, base, peak, stop)) if system in OURS else None
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         seconds = time.perf_counter() - start
