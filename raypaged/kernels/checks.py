@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LONG = (torch.int64,)  # index tensors: block tables, slot mappings, token ids
 HEAD_SIZES = (64, 80, 96, 128)
 BLOCK_SIZES = (8, 16, 32)
 

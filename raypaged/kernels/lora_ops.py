@@ -11,11 +11,18 @@ import numpy as np
 import torch
 
 from raypaged.kernels import loader
-from raypaged.kernels.checks import FLOAT_DTYPES, check_contiguous, check_cuda, check_same_dtype, check_shape, check_tensor
+from raypaged.kernels.checks import (
+    FLOAT_DTYPES,
+    LONG,
+    check_contiguous,
+    check_cuda,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
 
 SHRINK_THREADS = EXPAND_THREADS = 256  # kernels/lora_bgmv.cu
 MAX_RANK = 512  # the expand kernel's shared h row
-LONG = (torch.int64,)
 
 
 def _check_tokens(token_ids: object, slot_of: object) -> None:

@@ -14,6 +14,7 @@ from raypaged.attention.torch_ops import prefill_attention
 from raypaged.kernels import loader
 from raypaged.kernels.checks import (
     FLOAT_DTYPES,
+    LONG,
     check_aligned,
     check_block_size,
     check_contiguous,
@@ -28,7 +29,6 @@ NUM_THREADS = 128  # paged_attention.cu
 COPY_THREADS = 256  # copy_blocks.cu, reshape_and_cache.cu
 MAX_SHARED_BYTES = 48 * 1024  # without opting in to more
 V2_PARTITION_SIZE = 512
-LONG = (torch.int64,)
 
 
 def _check_cache_pair(key_cache: object, value_cache: object) -> None:
