@@ -1,4 +1,10 @@
-"""Turning sampled tokens into what callers see: text, stop strings, outputs.
+"""Turning the engine core's token deltas into what callers see: text, stop strings, outputs.
+
+``OutputProcessor`` is the one owner of a request's caller-side state: each
+sequence's tokens, logprobs and text as they stream out, how it ended, what was
+already sent, and its timeline. The core reports tokens per sequence
+(``SeqDelta``); this side keeps its own copy, so no list is shared across the
+boundary and nothing is copied per step but the new tokens.
 
 Each request's sequences keep their text as it streams out of an O(1)-per-token
 detokenizer; stop strings are matched on the newest text only. Outputs come in
@@ -19,27 +25,45 @@ times as they are processed, whatever the output kind.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
-from raypaged.core.request import Request
+from raypaged.core.beam_search import Hypothesis
+from raypaged.engine.core import BeamResult, EngineCoreOutputs, SeqDelta
 from raypaged.engine.detokenizer import IncrementalDetokenizer
-from raypaged.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, decode_logprobs
+from raypaged.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+    decode_logprobs,
+)
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("raypaged")
 
 
 @dataclass(slots=True)
 class SeqState:
-    """One sequence as its caller sees it: its text, how it ended, and what was already sent."""
+    """One sequence as its caller sees it: its tokens and text, how it ended, and what was already sent."""
 
-    request: Request
+    seq_id: str
+    index: int  # which sample of its request
+    params: SamplingParams
     detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per token, when the request asked
+    cumulative_logprob: float = 0.0
     text: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    finish_message: str | None = None  # why the scheduler ended it (outgrew the KV cache, ...)
+    finish_message: str | None = None  # why the core ended it (outgrew the KV cache, ...)
     num_sent_tokens: int = 0  # DELTA outputs: tokens, logprobs and characters already sent
     num_sent_chars: int = 0
     done: bool = False  # its last output was sent
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None  # time.monotonic() when its first and newest tokens were processed
     last_token_time: float | None = None
 
@@ -53,20 +77,22 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[SeqState]
+    arrival_time: float = 0.0
+    max_tokens: int = 0
     error: str | None = None  # handling this request failed: it ended alone, with this message
+    num_cached_tokens: int = 0
+    prompt_logprobs_found: list[dict[int, float]] | None = None  # from the first sequence's first delta
     prompt_logprobs_sent: bool = False  # DELTA outputs: the prompt's logprobs went with the first
 
     def prompt_logprobs(self, delta: bool) -> list[dict[int, float] | None] | None:
         """The prompt's logprobs when asked for (``None`` for its first token, as vLLM), once its
         prefill is done; a DELTA stream gets them once."""
-        if self.params.prompt_logprobs is None or (delta and self.prompt_logprobs_sent):
-            return None
-        first = self.seqs[0].request
-        if first.prompt_logprobs_missing:
+        found = self.prompt_logprobs_found
+        if found is None or (delta and self.prompt_logprobs_sent):
             return None
         self.prompt_logprobs_sent = True
-        decode_logprobs(first.prompt_logprobs, self.seqs[0].detokenizer.tokenizer)
-        return [None, *first.prompt_logprobs]
+        decode_logprobs(found, self.seqs[0].detokenizer.tokenizer)
+        return [None, *found]
 
     @property
     def finished(self) -> bool:
@@ -80,54 +106,212 @@ class RequestState:
     @property
     def num_generated_tokens(self) -> int:
         if len(self.seqs) == 1:
-            return len(self.seqs[0].request.output_token_ids)
-        return sum(seq.request.num_output_tokens for seq in self.seqs)
+            return len(self.seqs[0].token_ids)
+        return sum(len(seq.token_ids) for seq in self.seqs)
 
 
-def process_token(seq: SeqState, now: float) -> bool:
-    """Detokenize the tokens the newest step appended (one, or a run of accepted drafts) and look
-    for a stop string in the new text; ``now`` (``time.monotonic()``, one reading per step) is
-    the sequence's newest token time.
+class OutputProcessor:
+    """Request states by request id and sequence id; ``process`` applies one step's ``EngineCoreOutputs``.
+
+    What the core must do in return (sequences a stop string ended, requests whose handling
+    failed) comes back from ``process`` as sequence ids, for the caller to pass to the core.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}  # by request id
+        self._seqs: dict[str, tuple[RequestState, SeqState]] = {}  # by sequence id
+        self.beams: dict[str, tuple[RequestState, str]] = {}  # beam searches by request id, with the core's id
+        self._beam_ids: dict[str, str] = {}  # the core's id of a beam search -> its request id
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.states or request_id in self.beams
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            seq_ids: list[str], max_tokens: int, arrival_time: float) -> None:
+        state = RequestState(request_id, prompt, prompt_token_ids, params, [], arrival_time, max_tokens)
+        for index, seq_id in enumerate(seq_ids):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                           params.spaces_between_special_tokens)
+            seq = SeqState(seq_id, index, params, detok)
+            state.seqs.append(seq)
+            self._seqs[seq_id] = (state, seq)
+        self.states[request_id] = state
+
+    def add_beam_search(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                        params: SamplingParams, core_id: str) -> None:
+        self.beams[request_id] = (RequestState(request_id, prompt, prompt_token_ids, params, []), core_id)
+        self._beam_ids[core_id] = request_id
+
+    def pop(self, request_id: str) -> tuple[list[str], str | None]:
+        """Forget a request (an abort): the ids of its sequences, and the core's id of its beam search."""
+        beam = self.beams.pop(request_id, None)
+        beam_id = None
+        if beam is not None:
+            beam_id = beam[1]
+            del self._beam_ids[beam_id]
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return [], beam_id
+        for seq in state.seqs:
+            self._seqs.pop(seq.seq_id, None)
+        return [seq.seq_id for seq in state.seqs], beam_id
+
+    def process(self, out: EngineCoreOutputs, now: float) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """One step's outputs, the sequences a stop string ended (to finish in the core) and the
+        sequences of requests that failed (to abort there). ``now`` is the step's one clock reading."""
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for seq_id, message in out.failed.items():
+            if (found := self._seqs.get(seq_id)) is not None:
+                self._fail(found[0], message, to_abort)
+                touched[found[0].request_id] = found[0]
+        stopped = []
+        seqs = self._seqs
+        for delta in out.seqs:
+            found = seqs.get(delta.seq_id)
+            if found is None:
+                continue
+            state, seq = found
+            if state.error is None:
+                try:
+                    if delta.message is not None:
+                        end_seq(seq, delta)
+                    elif process_token(seq, delta, now):
+                        stopped.append(delta.seq_id)
+                    if delta.first_scheduled_time is not None and seq.index == 0:
+                        state.num_cached_tokens = delta.num_cached_tokens or 0
+                        if delta.prompt_logprobs is not None:
+                            state.prompt_logprobs_found = delta.prompt_logprobs
+                except Exception as exc:
+                    self._failed(state, "ending" if delta.message is not None else "detokenizing or stop matching",
+                                 exc, to_abort)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            output = None
+            if state.error is None:
+                try:
+                    output = make_output(state)
+                except Exception as exc:
+                    self._failed(state, "building the output", exc, to_abort)
+            if state.error is not None:
+                output = error_output(state)
+            if output is not None:
+                outputs.append(output)
+                if output.finished:
+                    self._forget(state)
+            elif state.finished:
+                self._forget(state)
+        for result in out.beams:
+            request_id = self._beam_ids.pop(result.request_id, None)
+            if request_id is not None:
+                state, _ = self.beams.pop(request_id)
+                outputs.append(self._beam_output(state, result))
+        return outputs, stopped, to_abort
+
+    def _failed(self, state: RequestState, doing: str, exc: Exception, to_abort: list[str]) -> None:
+        """``doing`` raised ``exc`` for one request (call inside its ``except``): it alone fails."""
+        logger.exception("request %s: %s failed; ending it alone", state.request_id, doing)
+        self._fail(state, f"{doing} failed: {type(exc).__name__}: {exc}", to_abort)
+
+    def _fail(self, state: RequestState, message: str, to_abort: list[str]) -> None:
+        """End a request whose handling failed: its sequences go to ``to_abort`` (the caller aborts
+        them, freeing their blocks) and it is reported once, finished, with ``error`` set."""
+        if state.error is not None:
+            return
+        state.error = message
+        to_abort.extend(seq.seq_id for seq in state.seqs)
+        for seq in state.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = FinishReason.ERROR
+
+    def _forget(self, state: RequestState) -> None:
+        del self.states[state.request_id]
+        for seq in state.seqs:
+            self._seqs.pop(seq.seq_id, None)
+
+    def _beam_output(self, state: RequestState, result: BeamResult) -> RequestOutput:
+        if result.error is not None:
+            return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [], finished=True,
+                                 error=result.error)
+        return beam_output(state, result.hypotheses, self.tokenizer)
+
+
+def beam_output(state: RequestState, hypotheses: list[Hypothesis], tokenizer) -> BeamSearchOutput:
+    """A finished beam search as vLLM shows it: its beams best first, as completions and as sequences."""
+    texts = [tokenizer.decode(hyp.token_ids, skip_special_tokens=True) for hyp in hypotheses]
+    completions = [
+        CompletionOutput(
+            index=rank,
+            text=text,
+            token_ids=hyp.token_ids,
+            cumulative_logprob=hyp.cumulative_logprob,
+            logprobs=None,
+            finish_reason=hyp.finish_reason,
+        )
+        for rank, (hyp, text) in enumerate(zip(hypotheses, texts))
+    ]
+    sequences = []
+    for hyp, text in zip(hypotheses, texts):
+        decode_logprobs(hyp.logprobs, tokenizer)
+        sequences.append(BeamSearchSequence(state.prompt_token_ids + hyp.token_ids, hyp.logprobs,
+                                            hyp.cumulative_logprob, text, hyp.finish_reason))
+    return BeamSearchOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished=True,
+                            num_generated_tokens=sum(len(h.token_ids) for h in hypotheses), sequences=sequences)
+
+
+def process_token(seq: SeqState, delta: SeqDelta, now: float) -> bool:
+    """Take the tokens the newest step gave the sequence (one, or a run of accepted drafts),
+    detokenize them and look for a stop string in the new text; ``now`` (``time.monotonic()``,
+    one reading per step) is the sequence's newest token time.
 
     Returns True when a stop string ended the sequence (the caller finishes it in the
-    scheduler); tokens of the run after the one completing the stop string are dropped. A
-    sequence the scheduler finished takes its reason from it.
+    core); tokens of the run after the one completing the stop string are dropped. A
+    sequence the core finished takes its reason from the delta.
     """
-    request = seq.request
-    params = request.sampling_params
+    params = seq.params
     seq.last_token_time = now
     if seq.first_token_time is None:
         seq.first_token_time = now
-    num_new = request.num_new_tokens
-    new_ids = request.output_token_ids[-num_new:]
-    if params.logprobs is not None and request.output_logprobs:
-        decode_logprobs(request.output_logprobs[-num_new:], seq.detokenizer.tokenizer)
+        seq.first_scheduled_time = delta.first_scheduled_time
+    new_ids = delta.new_token_ids
+    seq.token_ids += new_ids
+    seq.cumulative_logprob = delta.cumulative_logprob
+    if delta.new_logprobs is not None:
+        decode_logprobs(delta.new_logprobs, seq.detokenizer.tokenizer)
+        seq.logprobs += delta.new_logprobs
+    finished = delta.finish_reason is not None
     if not params.stop:  # nothing to search: the whole run in one piece
         seq.text += seq.detokenizer.add_tokens(new_ids)
-        if request.status.finished:
+        if finished:
             seq.text += seq.detokenizer.flush()
-    elif _stopped_in_run(seq, new_ids):
+    elif _stopped_in_run(seq, delta, finished):
         return True
-    if request.status.finished:
-        seq.finish_reason = request.status.finish_reason
-        seq.stop_reason = request.stop_reason
+    if finished:
+        seq.finish_reason = delta.finish_reason
+        seq.stop_reason = delta.stop_reason
     return False
 
 
-def _stopped_in_run(seq: SeqState, new_ids: list[int]) -> bool:
+def _stopped_in_run(seq: SeqState, delta: SeqDelta, finished: bool) -> bool:
     """Detokenize a run token by token (a stop string could end it inside) and search each new piece;
     at a stop string, the run is cut after the token completing it and the sequence ends."""
-    request = seq.request
-    params = request.sampling_params
+    params = seq.params
+    new_ids = delta.new_token_ids
     pieces = [new_ids] if len(new_ids) == 1 else [[token_id] for token_id in new_ids]
     for i, piece in enumerate(pieces, 1):
         searched = max(0, len(seq.text) - params.max_stop_len + 1)
         seq.text += seq.detokenizer.add_tokens(piece)
-        if request.status.finished and i == len(pieces):
+        if finished and i == len(pieces):
             seq.text += seq.detokenizer.flush()
         cut = find_stop(seq.text, params.stop, searched)
         if cut is not None:
-            request.truncate_output(request.num_output_tokens - len(pieces) + i)
+            if (num_dropped := len(pieces) - i) > 0:  # only a run of several tokens has a tail to drop
+                del seq.token_ids[-num_dropped:]
+                if delta.new_logprobs is not None:
+                    del seq.logprobs[-num_dropped:]
+                seq.cumulative_logprob -= sum(delta.run_logprobs[-num_dropped:])
             seq.text, seq.stop_reason = cut
             if params.include_stop_str_in_output:
                 seq.text += cut[1]
@@ -136,11 +320,13 @@ def _stopped_in_run(seq: SeqState, new_ids: list[int]) -> bool:
     return False
 
 
-def end_seq(seq: SeqState, message: str) -> None:
-    """A sequence the scheduler ended on its own: its held-back text and the reason."""
+def end_seq(seq: SeqState, delta: SeqDelta) -> None:
+    """A sequence the core ended on its own: its held-back text, the reason and why."""
     seq.text += seq.detokenizer.flush()
-    seq.finish_reason = seq.request.status.finish_reason
-    seq.finish_message = message
+    seq.finish_reason = delta.finish_reason
+    seq.finish_message = delta.message
+    if seq.first_scheduled_time is None:
+        seq.first_scheduled_time = delta.first_scheduled_time
 
 
 def make_output(state: RequestState) -> RequestOutput | None:
@@ -168,7 +354,7 @@ def make_output(state: RequestState) -> RequestOutput | None:
         num_generated_tokens=state.num_generated_tokens,
         metrics=request_metrics(state),
         prompt_logprobs=state.prompt_logprobs(delta),
-        num_cached_tokens=state.seqs[0].request.num_cached_tokens or 0,
+        num_cached_tokens=state.num_cached_tokens,
     )
 
 
@@ -187,33 +373,31 @@ def error_output(state: RequestState) -> RequestOutput:
 
 def request_metrics(state: RequestState) -> RequestMetrics:
     """The request's timeline as of now, over all its sequences (a new object: O(sequences))."""
-    first = state.seqs[0].request
     if len(state.seqs) == 1:
         seq = state.seqs[0]
-        return RequestMetrics(first.arrival_time, state.params.n, first.max_tokens, first.first_scheduled_time,
-                              seq.first_token_time, seq.last_token_time, first.num_output_tokens)
-    scheduled = [seq.request.first_scheduled_time for seq in state.seqs if seq.request.first_scheduled_time is not None]
+        return RequestMetrics(state.arrival_time, state.params.n, state.max_tokens, seq.first_scheduled_time,
+                              seq.first_token_time, seq.last_token_time, len(seq.token_ids))
+    scheduled = [seq.first_scheduled_time for seq in state.seqs if seq.first_scheduled_time is not None]
     first_tokens = [seq.first_token_time for seq in state.seqs if seq.first_token_time is not None]
     last_tokens = [seq.last_token_time for seq in state.seqs if seq.last_token_time is not None]
     return RequestMetrics(
-        arrival_time=first.arrival_time,
+        arrival_time=state.arrival_time,
         n=state.params.n,
-        max_tokens=first.max_tokens,
+        max_tokens=state.max_tokens,
         first_scheduled_time=min(scheduled, default=None),
         first_token_time=min(first_tokens, default=None),
         last_token_time=max(last_tokens, default=None),
-        max_num_generation_tokens=max(seq.request.num_output_tokens for seq in state.seqs),
+        max_num_generation_tokens=max(len(seq.token_ids) for seq in state.seqs),
     )
 
 
 def _cumulative(seq: SeqState, params: SamplingParams) -> CompletionOutput:
-    request = seq.request
     return CompletionOutput(
-        index=request.sample_index,
+        index=seq.index,
         text=seq.text,
-        token_ids=list(request.output_token_ids),
-        cumulative_logprob=request.cumulative_logprob,
-        logprobs=list(request.output_logprobs) if params.logprobs is not None else None,
+        token_ids=list(seq.token_ids),
+        cumulative_logprob=seq.cumulative_logprob,
+        logprobs=list(seq.logprobs) if params.logprobs is not None else None,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
         finish_message=seq.finish_message,
@@ -221,19 +405,18 @@ def _cumulative(seq: SeqState, params: SamplingParams) -> CompletionOutput:
 
 
 def _delta(seq: SeqState, params: SamplingParams) -> CompletionOutput:
-    request = seq.request
     first = seq.num_sent_tokens
     held = 0 if seq.finish_reason is not None or not params.stop else stop_holdback(seq.text, params.stop)
     visible = max(len(seq.text) - held, seq.num_sent_chars)
     text = seq.text[seq.num_sent_chars:visible]
-    seq.num_sent_tokens = request.num_output_tokens
+    seq.num_sent_tokens = len(seq.token_ids)
     seq.num_sent_chars = visible
     return CompletionOutput(
-        index=request.sample_index,
+        index=seq.index,
         text=text,
-        token_ids=request.output_token_ids[first:],
-        cumulative_logprob=request.cumulative_logprob,
-        logprobs=request.output_logprobs[first:] if params.logprobs is not None else None,
+        token_ids=seq.token_ids[first:],
+        cumulative_logprob=seq.cumulative_logprob,
+        logprobs=seq.logprobs[first:] if params.logprobs is not None else None,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
         finish_message=seq.finish_message,

@@ -14,7 +14,6 @@ from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.entrypoints.vllm_compat import ANY_VALUE, DEFAULT_ONLY, check_default_only, unknown_keyword
-from raypaged.inputs.chat_template import render_chat
 from raypaged.inputs.limits import InputLimits, check_priority
 from raypaged.lora.request import LoRARequest
 from raypaged.outputs import BeamSearchOutput, RequestOutput
@@ -231,8 +230,8 @@ class LLM:
         engine = self.llm_engine
         prompts = []
         for conversation in conversations:
-            ids = render_chat(
-                engine.tokenizer, conversation, engine.config, tools=tools, documents=documents, chat_template=chat_template,
+            ids = engine.input_processor.chat_ids(
+                conversation, tools=tools, documents=documents, chat_template=chat_template,
                 chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, trusted=True,
             )

@@ -19,10 +19,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from raypaged.config import EngineConfig
-from raypaged.engine.llm_engine import LLMEngine
+from raypaged.engine.llm_engine import LLMEngine, ProcessedRequest
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -51,16 +52,9 @@ class RequestFailedError(RuntimeError):
 
 @dataclass(slots=True)
 class _Add:
-    request_id: str
-    prompt: str | None
-    params: SamplingParams
-    prompt_token_ids: list[int] | None
-    priority: int
-    cache_salt: str | None
+    processed: ProcessedRequest  # through the input processor, off the engine thread
     stream: _Stream
     accepted: concurrent.futures.Future
-    lora_request: LoRARequest | None = None
-    beam: BeamSearchParams | None = None  # a beam search instead (params then only describe the output)
 
 
 @dataclass(slots=True)
@@ -143,16 +137,18 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        structured = params.structured_outputs if beam is None else beam.structured_outputs
-        if structured is not None:  # compiled here, off the engine thread: the batch runs on
-            await self._loop.run_in_executor(None, self.engine.compile_grammar, structured, prompt, prompt_token_ids)
-        if lora_request is not None:  # an adapter new to the engine is read and checked here, off its thread
-            await self._loop.run_in_executor(None, self.engine.check_lora, lora_request)
+        # checked, tokenized, its grammar compiled and its adapter read here, off the engine thread: the batch runs on
+        if beam is None:
+            process = partial(self.engine.process_request, request_id, prompt, params, prompt_token_ids, priority,
+                              cache_salt, lora_request)
+        else:
+            process = partial(self.engine.process_beam_search, request_id, prompt, beam, prompt_token_ids, lora_request)
+        processed = await self._loop.run_in_executor(None, process)
+        if request_id in self._streams:  # taken while this one was processed
+            raise ValueError(f"request_id {request_id!r} is already in use")
         stream = self._streams[request_id] = _Stream()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(
-            _Add(request_id, prompt, params, prompt_token_ids, priority, cache_salt, stream, accepted, lora_request, beam)
-        )
+        self._commands.put(_Add(processed, stream, accepted))
         try:
             await asyncio.wrap_future(accepted)
         except BaseException:
@@ -278,23 +274,11 @@ class AsyncLLMEngine:
             if not command.accepted.set_running_or_notify_cancel():
                 return  # the caller was cancelled before the engine saw the request
             try:
-                if command.beam is not None:
-                    engine.add_beam_search(command.prompt, command.beam, command.request_id, command.prompt_token_ids,
-                                           command.lora_request)
-                else:
-                    engine.add_request(
-                        command.prompt,
-                        command.params,
-                        command.request_id,
-                        command.prompt_token_ids,
-                        priority=command.priority,
-                        cache_salt=command.cache_salt,
-                        lora_request=command.lora_request,
-                    )
+                request_id = engine.add_processed(command.processed)
             except ValueError as exc:
                 command.accepted.set_exception(exc)
             else:
-                self._active[command.request_id] = command.stream
+                self._active[request_id] = command.stream
                 command.accepted.set_result(None)
         else:
             unfinished = [rid for rid in command.request_ids if rid in self._active]

@@ -5,22 +5,17 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from raypaged.inputs.chat_template import render_chat
 from raypaged.inputs.limits import InputError
 from raypaged.serving.proto import generate_pb2 as pb
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from raypaged.config import EngineConfig
+    from raypaged.engine.input_processor import InputProcessor
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: pb.ChatMessages, config: EngineConfig) -> list[int]:
+def chat_prompt_ids(inputs: InputProcessor, messages: pb.ChatMessages) -> list[int]:
     """Token ids of the conversation rendered with its template; bad input raises ``InputError``."""
-    return render_chat(
-        tokenizer,
+    return inputs.chat_ids(
         [_turn(m) for m in messages.messages],
-        config,
         tools=_json(messages.tools_json, "tools", list, None),
         documents=_json(messages.documents_json, "documents", list, None),
         chat_template=messages.chat_template or None,

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from raypaged.config import EngineConfig
 from raypaged.model.default_model import DEFAULT_MODEL
+from raypaged.engine.input_processor import InputProcessor
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.lora.request import LoRARequest
 from raypaged.inputs.limits import (
@@ -56,22 +57,25 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 @dataclass
 class ServedModel:
-    """One model: its engine and a tokenizer of its own for the asyncio side.
+    """One model: its engine, and the engine's input processor for the asyncio side.
 
-    Prompts are tokenized on one thread of the model's own (``off_loop``), never on
-    the event loop or the engine thread, so a huge prompt stalls neither streams nor steps.
+    Prompts are tokenized and rendered on one thread of the model's own (``off_loop``),
+    never on the event loop or the engine thread, so a huge prompt stalls neither
+    streams nor steps. The input processor has a tokenizer of its own (the engine
+    thread detokenizes with another).
     """
 
     name: str
     engine: AsyncLLMEngine
-    tokenizer: PreTrainedTokenizerBase
     _tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenizer"))
-    _max_token_bytes: int | None = field(default=None, init=False)
 
-    def __post_init__(self) -> None:
-        # Without a normalizer, every token stands for at most this many bytes of the text.
-        if self.tokenizer.is_fast and self.tokenizer.backend_tokenizer.normalizer is None:
-            self._max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
+    @property
+    def inputs(self) -> InputProcessor:
+        return self.engine.engine.input_processor
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.inputs.tokenizer
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
@@ -81,16 +85,7 @@ class ServedModel:
 
     async def prompt_ids(self, text: str) -> list[int]:
         """The text's token ids as the engine would make them; a text that cannot fit is refused untokenized."""
-        max_len = self.engine.config.max_model_len
-        if self._max_token_bytes is not None:
-            min_tokens = -(-len(text.encode()) // self._max_token_bytes)
-            if min_tokens >= max_len:
-                raise InputError(
-                    "prompt",
-                    f"prompt has at least {min_tokens} tokens, which leaves no room to generate within "
-                    f"max_model_len {max_len}",
-                )
-        return await self.off_loop(lambda: self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        return await self.off_loop(self.inputs.prompt_ids, text)
 
     def info(self) -> pb.ModelInfo:
         config = self.engine.config
@@ -279,13 +274,11 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             config = model.engine.config
             if request.HasField("messages"):
                 _check_conversation(request.messages, config)
-                token_ids = await model.off_loop(chat_prompt_ids, model.tokenizer, request.messages, config)
+                token_ids = await model.off_loop(chat_prompt_ids, model.inputs, request.messages)
             else:
                 check_text("prompt", len(request.text), config.limits, config.max_model_len)
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                token_ids = await model.off_loop(
-                    lambda: model.tokenizer(request.text, add_special_tokens=add_special)["input_ids"]
-                )
+                token_ids = await model.off_loop(model.inputs.tokenize, request.text, add_special)
         except _REFUSED as exc:
             await _refuse(context, exc)
         return pb.TokenizeResponse(token_ids=token_ids, max_model_len=config.max_model_len)
@@ -417,7 +410,7 @@ async def _prompt(model: ServedModel, request: pb.GenerateRequest) -> tuple[str 
         return request.text, await model.prompt_ids(request.text)
     if kind == "token_ids":
         return None, list(request.token_ids.ids)
-    return None, await model.off_loop(chat_prompt_ids, model.tokenizer, request.messages, model.engine.config)
+    return None, await model.off_loop(chat_prompt_ids, model.inputs, request.messages)
 
 
 class EngineServer:
@@ -446,14 +439,9 @@ class EngineServer:
             prefix=metrics_prefix, configs={c.served_model_name: c for c in configs},
             lora_sources={c.served_model_name: self._lora_info_of(c.served_model_name) for c in configs if c.enable_lora},
         )
-        engines = {c.served_model_name: LLMEngine(c) for c in configs}
+        engines = {c.served_model_name: LLMEngine(c, own_input_tokenizer=True) for c in configs}
         self.models = {
-            name: ServedModel(
-                name,
-                AsyncLLMEngine(engine, self.metrics.observer(name)),
-                AutoTokenizer.from_pretrained(engine.config.tokenizer_path),
-            )
-            for name, engine in engines.items()
+            name: ServedModel(name, AsyncLLMEngine(engine, self.metrics.observer(name))) for name, engine in engines.items()
         }
         self.servicer = EngineServicer(
             self.models, self.metrics, self.tenants, self.share_prefix_cache, self.served_names

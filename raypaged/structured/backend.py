@@ -156,10 +156,14 @@ class GrammarBackend:
         return xgr.GrammarMatcher(compiled)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
-        """[num_rows, ceil(vocab / 32)] int32, a set bit = an allowed token."""
-        import xgrammar as xgr
+        return allocate_bitmask(num_rows, self._vocab_size)
 
-        return xgr.allocate_token_bitmask(num_rows, self._vocab_size)
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """[num_rows, ceil(vocab_size / 32)] int32 token masks, a set bit = an allowed token."""
+    import xgrammar as xgr
+
+    return xgr.allocate_token_bitmask(num_rows, vocab_size)
 
 
 def _check_json(spec: str, kind: str) -> None:

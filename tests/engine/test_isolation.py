@@ -148,7 +148,7 @@ def test_a_grammar_failure_in_a_beam_ends_that_beam_search_alone(llm, undisturbe
     assert finished[search].error == "advancing the grammar failed: RuntimeError: no fork"
     assert finished[search].outputs == []
     assert [finished[rid].outputs[0].token_ids for rid in plain] == undisturbed[:3]
-    assert engine._matchers == {} and engine._beam_states == {}
+    assert engine.core._matchers == {} and engine.core._beams == {} and engine.output_processor.beams == {}
     stats = llm.stats()
     assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
     monkeypatch.setattr(xgrammar.GrammarMatcher, "fork", real)

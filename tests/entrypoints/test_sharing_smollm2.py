@@ -124,7 +124,7 @@ def test_chunked_prefill_runs_beside_decodes_and_changes_no_output(smollm2_dir, 
         engine.step()  # the 8 short prompts are decoding
     long_id = engine.add_request(None, params, prompt_token_ids=long_prompt)
     # the scheduler knows sequences by the engine's own ids
-    seq = {rid: engine._states[rid].seqs[0].request.request_id for rid in short_ids + [long_id]}
+    seq = {rid: engine.output_processor.states[rid].seqs[0].seq_id for rid in short_ids + [long_id]}
     results = {}
     while engine.has_unfinished_requests():
         for output in engine.step():

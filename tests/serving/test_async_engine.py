@@ -24,7 +24,7 @@ def llm_engine(tiny_model_dir):
 def test_a_cancel_while_the_engine_adds_the_request_aborts_it(llm_engine, monkeypatch):
     inside_add = threading.Event()
     release_add = threading.Event()
-    real_add = llm_engine.add_request
+    real_add = llm_engine.add_processed
 
     def slow_add(*args, **kwargs):
         result = real_add(*args, **kwargs)
@@ -32,7 +32,7 @@ def test_a_cancel_while_the_engine_adds_the_request_aborts_it(llm_engine, monkey
         release_add.wait(10)  # the request is in the scheduler; the caller is cancelled now
         return result
 
-    monkeypatch.setattr(llm_engine, "add_request", slow_add)
+    monkeypatch.setattr(llm_engine, "add_processed", slow_add)
 
     async def scenario() -> dict:
         engine = AsyncLLMEngine(llm_engine)

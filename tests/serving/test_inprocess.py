@@ -80,6 +80,40 @@ def test_both_links_answer_alike(stack, grpc_gateway_url, path, body, headers):
     assert comparable(a.text) == comparable(b.text)
 
 
+def test_every_entry_point_checks_its_inputs_in_the_engines_one_input_processor(
+        stack, grpc_gateway_url, tiny_model_dir, monkeypatch):
+    """HTTP in process, HTTP over gRPC and ``LLM.generate`` all build the core's request in
+    ``InputProcessor.process``: the same token ids and resolved params, and the same text back."""
+    import httpx
+
+    from raypaged import LLM, SamplingParams
+    from raypaged.engine.input_processor import InputProcessor
+
+    seen = []
+    real = InputProcessor.process
+
+    def spy(self, *args, **kwargs):
+        params, core_request = real(self, *args, **kwargs)
+        seen.append((self, core_request.prompt_token_ids, core_request.max_tokens, core_request.sampling_params))
+        return params, core_request
+
+    monkeypatch.setattr(InputProcessor, "process", spy)
+    with stack.client() as local, httpx.Client(base_url=grpc_gateway_url, timeout=120) as remote:
+        texts = [client.post("/v1/completions", json=GREEDY, headers=AUTH).json()["choices"][0]["text"]
+                 for client in (local, remote)]
+    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks_override=64, max_model_len=256)
+    try:
+        [offline] = llm.generate(GREEDY["prompt"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                 use_tqdm=False)
+    finally:
+        llm.shutdown()
+    served = stack.engine_server.models["tiny"].inputs
+    assert [s[0] for s in seen] == [served, served, llm.llm_engine.input_processor]
+    assert seen[0][1:3] == seen[1][1:3] == seen[2][1:3] == (llm.llm_engine.tokenize(GREEDY["prompt"]), 8)
+    assert seen[0][3] == seen[1][3]  # the two HTTP links resolve to equal params
+    assert texts == [offline.outputs[0].text] * 2
+
+
 def test_the_http_socket_is_tcp_so_responses_are_not_delayed():
     """asyncio sets TCP_NODELAY only on sockets whose proto is TCP; without it every response after
     the first on a kept-alive connection waited for a delayed ACK (about 40 ms)."""

@@ -124,7 +124,7 @@ def test_beam_search_beams_each_follow_the_grammar(smollm2_llm):
             assert beam.token_ids[-1] == tokenizer.eos_token_id
     free_after = smollm2_llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=40), use_tqdm=False)
     assert [[b.token_ids for b in o.outputs] for o in free_after] == [[b.token_ids for b in o.outputs] for o in free_before]
-    assert smollm2_llm.llm_engine._matchers == {}  # every beam's grammar state released
+    assert smollm2_llm.llm_engine.core._matchers == {}  # every beam's grammar state released
     with pytest.raises(ValueError, match="beam search with structured_outputs cannot ignore_eos"):
         BeamSearchParams(ignore_eos=True, structured_outputs=cases[0][0])
 

@@ -1,0 +1,476 @@
+"""The engine core: token ids in, per-sequence deltas out; no tokenizer, no text.
+
+``EngineCore`` owns the scheduler, the KV cache manager and the executor, and the
+token-level state beside them: each constrained sequence's grammar matcher (and the
+thread that fills a step's masks during the forward), prompt-lookup proposals, beam
+groups, and recovery from a lost worker. A caller (``LLMEngine``) gives it
+``EngineCoreRequest`` s built by the ``InputProcessor`` and turns the
+``EngineCoreOutputs`` of each ``step()`` into text with the ``OutputProcessor``.
+
+Sequence ids are the caller's: a request's first sequence is its ``request_id``,
+its other samples ``<request_id>#i``, a beam search's beams ``<request_id>#k``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from raypaged.config import EngineConfig
+from raypaged.core.beam_search import BeamGroup, BeamSearchParams, Hypothesis
+from raypaged.core.block_manager import KVCacheManager
+from raypaged.core.outputs import GrammarBitmask, SchedulerOutput
+from raypaged.core.request import Request, RequestStatus, SequenceGroup
+from raypaged.core.scheduler import Scheduler, SchedulerConfig
+from raypaged.core.stats import SchedulerStats
+from raypaged.executor.base import Executor, WorkerLostError
+from raypaged.outputs import FinishReason
+from raypaged.sampling_params import SamplingParams
+from raypaged.spec_decode.config import SpeculativeConfig
+from raypaged.spec_decode.ngram import NgramProposer
+from raypaged.structured.backend import allocate_bitmask, num_valid_tokens
+
+if TYPE_CHECKING:
+    import torch
+
+    from raypaged.lora.request import LoRARequest
+
+logger = logging.getLogger("raypaged")
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """A request as the core takes it: checked token ids and sampling params, nothing to tokenize."""
+
+    request_id: str  # the id of its first sequence; the core's ids of its others derive from it
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # checked, with the extra EOS ids and the bad words' token ids resolved
+    max_tokens: int  # resolved against max_model_len
+    priority: int = 0
+    cache_salt: str | None = None  # the prefix-cache namespace (salt and adapter)
+    lora: LoRARequest | None = None
+    matchers: list[Any] = field(default_factory=list)  # a grammar matcher per sample (or the beam's); [] unconstrained
+    beam: BeamSearchParams | None = None  # a beam search: one output, its hypotheses, when it ends
+    arrival_time: float = field(default_factory=time.monotonic)  # queued in the engine (set when it is)
+    num_spec_tokens: int = 0  # drafts each sequence may verify per step
+
+
+@dataclass(slots=True)
+class SeqDelta:
+    """What one step did to one sequence: tokens it got (a run of accepted drafts is several), and how
+    it ended if it did. The fields after ``stop_reason`` are set once: with its first tokens, or when
+    the core ended it on its own (``message``: why)."""
+
+    seq_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None  # each new token's top logprobs, when the request asked
+    run_logprobs: list[float] | None  # a run of several tokens: their own logprobs (to drop a cut tail)
+    cumulative_logprob: float
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    message: str | None = None
+    first_scheduled_time: float | None = None
+    num_cached_tokens: int | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None  # of prompt tokens 1, 2, ... when asked
+
+
+@dataclass(slots=True)
+class BeamResult:
+    """A beam search that ended this step: its hypotheses best first, or the error that ended it."""
+
+    request_id: str
+    hypotheses: list[Hypothesis]
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """One step's results, in the order the caller applies them: ``failed`` sequences end their
+    requests with the message; ``seqs`` are the sequences that got tokens or were ended by the core."""
+
+    seqs: list[SeqDelta] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    beams: list[BeamResult] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.executor: Executor
+        if config.uses_ray:  # Ray is imported only when shards are Ray actors
+            from raypaged.executor.ray_executor import RayExecutor
+
+            self.executor = RayExecutor(config, eos_token_id)
+        else:
+            from raypaged.executor.uniproc import UniProcExecutor
+
+            self.executor = UniProcExecutor(config, eos_token_id)
+        self._worker_error: WorkerLostError | None = None  # set when a worker was lost with recovery off
+        self._mask_thread: ThreadPoolExecutor | None = None  # fills the step's grammar masks during the forward
+        num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
+        try:
+            _check_pool_holds_one_sequence(num_blocks, config)
+        except ValueError:
+            self.shutdown()
+            raise
+        self.executor.initialize_cache(num_blocks, num_cpu_blocks)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            policy=config.scheduling_policy,
+            preemption_mode=config.preemption_mode,
+            max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
+            **_spec_scheduler_options(config.speculative_config),
+        )
+        self.scheduler = Scheduler(
+            scheduler_config,
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks),
+        )
+        self._matchers: dict[str, Any] = {}  # constrained sequences' grammar states, by sequence id
+        self._beams: dict[str, BeamGroup] = {}  # live beam searches, by request id
+        spec = config.speculative_config
+        self.ngram: NgramProposer | None = None  # prompt-lookup proposals, made here between steps
+        if spec is not None and spec.method == "ngram":
+            self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    # ---- requests ----------------------------------------------------------
+    def add(self, request: EngineCoreRequest) -> list[str]:
+        """Queue a request; returns its sequences' ids (a beam search: its first beam's)."""
+        if request.beam is not None:
+            return [self._add_beam_search(request)]
+        params = request.sampling_params
+        num_samples = params.num_samples
+        seqs = [
+            Request(
+                request.request_id if i == 0 else f"{request.request_id}#{i}",
+                request.prompt_token_ids,
+                params,
+                request.max_tokens,
+                self.eos_token_id,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                sample_index=i,
+                cache_salt=request.cache_salt,
+                lora=request.lora,
+                num_spec_tokens=request.num_spec_tokens,
+            )
+            for i in range(num_samples)
+        ]
+        fork_at = len(request.prompt_token_ids) - 1
+        if num_samples > 1 and fork_at > 0:
+            group = SequenceGroup(request.request_id, fork_at, seqs[1:])
+            for seq in seqs:
+                seq.group = group
+            self.scheduler.add_request(seqs[0])
+        else:
+            for seq in seqs:
+                self.scheduler.add_request(seq)
+        for seq, matcher in zip(seqs, request.matchers):
+            self._matchers[seq.request_id] = matcher
+        return [seq.request_id for seq in seqs]
+
+    def _add_beam_search(self, request: EngineCoreRequest) -> str:
+        """Every beam proposes its ``2 * beam_width`` best next tokens; its group decides."""
+        group = BeamGroup(request.request_id, request.beam, self.eos_token_id)
+        first = Request(request.request_id, request.prompt_token_ids, request.sampling_params, request.max_tokens,
+                        self.eos_token_id, arrival_time=request.arrival_time, beam=group,
+                        cache_salt=request.cache_salt, lora=request.lora)
+        group.beams.append(first)
+        if request.matchers:
+            self._matchers[first.request_id] = request.matchers[0]
+        self.scheduler.add_request(first)
+        self._beams[request.request_id] = group
+        return first.request_id
+
+    def abort(self, seq_ids: list[str]) -> None:
+        """End sequences (aborted); their blocks are free when this returns."""
+        self.finish(seq_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, seq_ids: list[str], status: RequestStatus) -> None:
+        """End sequences with ``status`` (a stop string found by the caller: ``FINISHED_STOPPED``)."""
+        self.scheduler.finish_requests(seq_ids, status)
+        for seq_id in seq_ids:
+            self._release(seq_id)
+
+    def abort_beam_search(self, request_id: str) -> bool:
+        """Abort a beam search (every live beam); False when there is none by that id."""
+        group = self._beams.pop(request_id, None)
+        if group is None:
+            return False
+        self.scheduler.finish_requests([b.request_id for b in group.beams], RequestStatus.FINISHED_ABORTED)
+        group.done = True
+        self._forget_beam_grammars(group)
+        return True
+
+    def _release(self, seq_id: str) -> None:
+        """Drop a finished sequence's token-level state."""
+        self._matchers.pop(seq_id, None)
+        if self.ngram is not None:
+            self.ngram.forget(seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def in_flight_seq_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    # ---- the step ------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """Run one iteration: schedule, run the model, apply the sampled tokens.
+
+        A shard that dies mid-step is replaced and every in-flight sequence is recomputed
+        from its tokens (this step then reports nothing); with ``enable_recovery=False``
+        every sequence is aborted and the :class:`WorkerLostError` (for Ray shards, a
+        ``WorkerDiedError``) is raised, now and on every later step.
+        """
+        if self._worker_error is not None:
+            raise self._worker_error
+        scheduler_output = self.scheduler.schedule()
+        grammar = self._grammar_bitmask(scheduler_output) if self._matchers else None
+        scheduler_output.grammar_bitmask = grammar
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except WorkerLostError as err:
+            self._recover_from(err)
+            return EngineCoreOutputs()
+        finally:
+            fill_failures = _grammar_fill_failures(grammar)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        out = EngineCoreOutputs()
+        failed = out.failed
+        beam_failures: dict[str, str] = {}
+        for seq_id, message in fill_failures.items():
+            if (group := self._beam_of(seq_id)) is not None:  # a beam: its whole search fails
+                beam_failures.setdefault(group.group_id, message)
+            else:
+                failed[seq_id] = message
+        failed.update(runner_output.failed)
+        deltas = out.seqs
+        for ended in self.scheduler.take_ended():
+            request = ended.request
+            deltas.append(SeqDelta(request.request_id, [], None, None, request.cumulative_logprob,
+                                   request.status.finish_reason, request.stop_reason, ended.message,
+                                   request.first_scheduled_time, request.num_cached_tokens))
+            self._release(request.request_id)
+        if self.ngram is not None and scheduler_output.propose_drafts:
+            self._propose_ngrams(updated)
+        matchers = self._matchers
+        for request in updated:
+            seq_id = request.request_id
+            if seq_id in failed:
+                continue
+            if matchers and (matcher := matchers.get(seq_id)) is not None:
+                try:
+                    self._advance_grammar(matcher, request)
+                except Exception as exc:
+                    logger.exception("sequence %s: advancing the grammar failed; ending its request alone", seq_id)
+                    failed[seq_id] = f"advancing the grammar failed: {type(exc).__name__}: {exc}"
+                    continue
+            num_new = request.num_new_tokens
+            num_output = len(request.output_token_ids)
+            status = request.status
+            delta = SeqDelta(
+                seq_id,
+                request.output_token_ids[-num_new:],
+                request.output_logprobs[-num_new:] if request.output_logprobs else None,
+                request.run_logprobs,
+                request.cumulative_logprob,
+                status.finish_reason,
+                request.stop_reason,
+            )
+            if num_output == num_new:  # its first tokens
+                delta.first_scheduled_time = request.first_scheduled_time
+                delta.num_cached_tokens = request.num_cached_tokens
+                if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_missing:
+                    delta.prompt_logprobs = request.prompt_logprobs
+            deltas.append(delta)
+            if status.finished:
+                self._release(seq_id)
+        self._step_beams(out, beam_failures)
+        return out
+
+    def _step_beams(self, out: EngineCoreOutputs, failures: dict[str, str]) -> None:
+        """Advance the grammars of beams that moved; report the searches that ended."""
+        for request_id, group in list(self._beams.items()):
+            error = failures.get(group.group_id)
+            if group.lineage:
+                if error is None:
+                    try:
+                        self._advance_beam_grammars(group)
+                    except Exception as exc:
+                        logger.exception("beam search %s: advancing the grammar failed; ending it alone", request_id)
+                        error = f"advancing the grammar failed: {type(exc).__name__}: {exc}"
+                group.lineage.clear()
+            if error is not None and not group.done:
+                self.scheduler.finish_requests([b.request_id for b in group.beams], RequestStatus.FINISHED_ABORTED)
+                group.done = True
+            if group.done:
+                out.beams.append(BeamResult(request_id, group.hypotheses, error))
+                del self._beams[request_id]
+                self._forget_beam_grammars(group)
+
+    def _propose_ngrams(self, updated: list[Request]) -> None:
+        """Prompt-lookup drafts for the next step of every speculating sequence that got tokens."""
+        for request in updated:
+            if request.num_spec_tokens and not request.status.finished:
+                request.spec_token_ids = self.ngram.propose(
+                    request.request_id, request.prompt_token_ids, request.output_token_ids, request.num_spec_tokens)
+
+    def _grammar_bitmask(self, so: SchedulerOutput) -> GrammarBitmask | None:
+        """Masks of the constrained sequences that sample this step (their last known token is
+        computed now), filled on the mask thread while the forward runs."""
+        requests = self.scheduler.requests
+        drafts = so.scheduled_spec_tokens
+        rows = [
+            (rid, self._matchers[rid], drafts.get(rid, [])) for rid, num_new in so.num_scheduled_tokens.items()
+            if rid in self._matchers
+            and requests[rid].num_computed_tokens + num_new == requests[rid].num_tokens + len(drafts.get(rid, ()))
+        ]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(sum(1 + len(seq_drafts) for _, _, seq_drafts in rows),
+                                   self.config.hf_config.vocab_size)
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="raypaged-grammar-mask")
+        pending = self._mask_thread.submit(_fill_masks, rows, bitmask)
+        return GrammarBitmask([rid for rid, _, _ in rows], bitmask, pending)
+
+    def _advance_grammar(self, matcher: Any, request: Request) -> None:
+        """Feed the step's tokens to the sequence's grammar; a complete output ends the sequence. Its
+        drafts for the next step are cut before the first the grammar refuses.
+
+        The mask thread walks the kept drafts again next step (it needs the matcher's state at each
+        position to fill that position's mask, and runs while the forward does); cutting here costs
+        an accept and a rollback per draft, against a forward slot for every refused one."""
+        for token_id in request.output_token_ids[-request.num_new_tokens:]:
+            if not matcher.accept_token(token_id):
+                raise RuntimeError(f"the grammar refused token {token_id}")
+        if matcher.is_terminated() and not request.status.finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        elif request.spec_token_ids:
+            del request.spec_token_ids[num_valid_tokens(matcher, request.spec_token_ids):]
+
+    def _advance_beam_grammars(self, group: BeamGroup) -> None:
+        """After the group's beam steps: each kept beam's grammar state is its parent's (forked for
+        every beam but the parent itself, before the parent moves on), advanced by the token the
+        beam got; dropped beams' states go."""
+        for lineage in group.lineage:
+            parents = {parent: self._matchers.pop(parent) for parent, _, _ in lineage if parent in self._matchers}
+            kept = [(beam_id, parents[parent] if beam_id == parent else parents[parent].fork(), token_id)
+                    for parent, beam_id, token_id in lineage if beam_id is not None]
+            for beam_id, matcher, token_id in kept:
+                if not matcher.accept_token(token_id):
+                    raise RuntimeError(f"the grammar refused token {token_id}")
+                self._matchers[beam_id] = matcher
+
+    def _beam_of(self, seq_id: str) -> BeamGroup | None:
+        """The beam search whose beam ``seq_id`` is."""
+        request = self.scheduler.requests.get(seq_id)
+        return request.beam if request is not None else None
+
+    def _forget_beam_grammars(self, group: BeamGroup) -> None:
+        if group.params.structured_outputs is None:
+            return
+        prefix = group.group_id + "#"
+        for seq_id in [s for s in self._matchers if s == group.group_id or s.startswith(prefix)]:
+            del self._matchers[seq_id]
+
+    def _recover_from(self, err: WorkerLostError) -> None:
+        if not self.config.enable_recovery:
+            logger.error("%s; recovery is off: aborting every request", err)
+            self._worker_error = err
+            for request_id in list(self._beams):
+                self.abort_beam_search(request_id)
+            self.abort(self.in_flight_seq_ids())
+            self.executor.shutdown()
+            raise err
+        num_in_flight = len(self.scheduler.running) + sum(len(g) for g in self.scheduler.swapped)
+        logger.error("%s; restarting the shard group, recomputing %d in-flight sequences", err, num_in_flight)
+        self.executor.restart()
+        self.scheduler.reset_after_worker_loss()
+
+    # ---- adapters, stats, lifecycle ------------------------------------------
+    def lora_in_use(self, lora_int_id: int) -> bool:
+        return any(r.lora is not None and r.lora.lora_int_id == lora_int_id for r in self.scheduler.requests.values())
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        if self.scheduler.loras is not None:
+            self.scheduler.loras.forget(lora_int_id)
+
+    def lora_info(self) -> tuple[list[str], list[str]]:
+        """The adapters of running and of waiting sequences, by name (vLLM's ``lora_requests_info``)."""
+        sched = self.scheduler
+        running = {r.lora.lora_name for r in sched.running if r.lora is not None}
+        waiting = {r.lora.lora_name for r in sched.waiting if r.lora is not None}
+        return sorted(running), sorted(waiting)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Release the workers (Ray actors and their placement group); the core is unusable after."""
+        self.executor.shutdown()
+        mask_thread = getattr(self, "_mask_thread", None)  # None too when __init__ failed before making it
+        if mask_thread is not None:
+            mask_thread.shutdown(wait=True)
+
+
+def _grammar_fill_failures(grammar: GrammarBitmask | None) -> dict[str, str]:
+    """Waits for the step's masks; the sequences whose matcher raised (their rows allowed every
+    token), each with its message: those requests fail alone."""
+    if grammar is None:
+        return {}
+    return grammar.pending.result() if grammar.pending is not None else {}
+
+
+def _fill_masks(rows: list[tuple[str, Any, list[int]]], bitmask: torch.Tensor) -> dict[str, str]:
+    """Fill ``bitmask`` from ``rows``' matchers (on the mask thread): a sequence verifying drafts
+    has a row per position, each its matcher's after the drafts before it (then rolled back). A
+    matcher that raises leaves its rows allowing every token and is returned with its message."""
+    failures = {}
+    row = 0
+    for seq_id, matcher, drafts in rows:
+        try:
+            for j in range(len(drafts) + 1):
+                matcher.fill_next_token_bitmask(bitmask, row + j)
+                if j < len(drafts) and not matcher.accept_token(drafts[j]):
+                    raise RuntimeError(f"the grammar refused draft token {drafts[j]}, checked when proposed")
+            if drafts:
+                matcher.rollback(len(drafts))
+        except Exception as exc:
+            logger.exception("request %s: filling the grammar mask failed; ending it alone", seq_id)
+            bitmask[row:row + len(drafts) + 1].fill_(-1)
+            failures[seq_id] = f"filling the grammar mask failed: {type(exc).__name__}: {exc}"
+        row += len(drafts) + 1
+    return failures
+
+
+def _spec_scheduler_options(spec: SpeculativeConfig | None) -> dict[str, int | None]:
+    """The scheduler's speculative-decoding settings; a draft model keeps lookahead slots to propose into."""
+    if spec is None:
+        return {}
+    return {
+        "num_spec_tokens": spec.num_speculative_tokens,
+        "spec_disable_batch_size": spec.disable_by_batch_size,
+        "num_lookahead_slots": spec.num_speculative_tokens if spec.method == "draft_model" else 0,
+    }
+
+
+def _check_pool_holds_one_sequence(num_blocks: int, config: EngineConfig) -> None:
+    """One sequence of ``max_model_len`` tokens must fit the KV pool, or it could never finish."""
+    needed = -(-config.max_model_len // config.block_size)
+    if needed > num_blocks:
+        raise ValueError(
+            f"the KV cache has {num_blocks} blocks of {config.block_size} tokens ({num_blocks * config.block_size} "
+            f"tokens), but one sequence of max_model_len {config.max_model_len} needs {needed} blocks; raise "
+            "--kv-cache-space (CPU), --gpu-memory-utilization (CUDA) or --num-gpu-blocks-override, or lower "
+            "--max-model-len"
+        )

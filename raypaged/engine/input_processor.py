@@ -1,0 +1,243 @@
+"""The one place where a request's text becomes what the engine core takes.
+
+``InputProcessor`` tokenizes prompts, renders conversations with the chat template,
+checks every request against the input gate (``raypaged/inputs/limits.py``), reads
+and checks LoRA adapters, compiles structured-output grammars, and resolves the
+``SamplingParams`` (the model's extra EOS ids as stop tokens, bad words as token
+ids): the result is an ``EngineCoreRequest``. ``LLM``, the in-process server and the
+gRPC service all go through it; servers call it off the engine thread (it never
+touches the engine's state), so a huge prompt or a slow grammar stalls no step.
+Bad input raises ``InputError`` (a ``ValueError``) naming the field.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from transformers import AutoTokenizer
+
+from raypaged.config import EngineConfig
+from raypaged.core.beam_search import BeamSearchParams
+from raypaged.engine.core import EngineCoreRequest
+from raypaged.inputs.chat_template import render_chat
+from raypaged.inputs.limits import InputError, check_context, check_count, check_prompt_ids, check_sampling, check_text
+from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
+from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
+from raypaged.structured.backend import GrammarBackend
+from raypaged.structured.reasoning import closed_in
+
+if TYPE_CHECKING:
+    import xgrammar
+    from transformers import PreTrainedTokenizerBase
+
+    from raypaged.lora.request import LoRARequest
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(config.tokenizer_path)
+        if len(self.tokenizer) > config.hf_config.vocab_size:
+            raise ValueError(f"the tokenizer in {config.tokenizer_path} has {len(self.tokenizer)} tokens, more than "
+                             f"the model's vocabulary of {config.hf_config.vocab_size}: it is not this model's tokenizer")
+        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the EOS; the others stop too
+        self.grammars = GrammarBackend(
+            self.tokenizer, config.hf_config.vocab_size, self.eos_token_ids, config.structured_outputs_config
+        )
+        self._loras: dict[int, LoRARequest] = {}  # adapters checked against the model, by lora_int_id
+        self._lora_lock = threading.Lock()
+        self._max_token_bytes: int | None = None  # without a normalizer, the most bytes of text one token stands for
+        if self.tokenizer.is_fast and self.tokenizer.backend_tokenizer.normalizer is None:
+            self._max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation, without repeats: config.json's ``eos_token_id`` (an int or
+        a list), the generation config's, then the tokenizer's. The first is the EOS."""
+        found = getattr(self.config.hf_config, "eos_token_id", None)
+        ids = [found] if isinstance(found, int) else list(found or [])
+        ids += self.config.generation_eos_token_ids
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(dict.fromkeys(ids))
+
+    # ---- text ------------------------------------------------------------------
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A prompt's token ids, its size checked first; a text too long to leave room for one
+        generated token (by a lower bound on its token count) is refused untokenized."""
+        config = self.config
+        check_text("prompt", len(text), config.limits, config.max_model_len)
+        if self._max_token_bytes is not None:
+            min_tokens = -(-len(text.encode()) // self._max_token_bytes)
+            if min_tokens >= config.max_model_len:
+                raise InputError(
+                    "prompt",
+                    f"prompt has at least {min_tokens} tokens, which leaves no room to generate within "
+                    f"max_model_len {config.max_model_len}",
+                )
+        return self.tokenize(text)
+
+    def chat_ids(self, conversation: list[dict[str, Any]], **options: Any) -> list[int]:
+        """A conversation's prompt token ids, rendered with the chat template (``render_chat``'s options)."""
+        return render_chat(self.tokenizer, conversation, self.config, **options)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as it would be written alone and after a space, as vLLM bans them."""
+        found: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenize(text, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
+
+    def _checked_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                        truncate_to: int | None = None) -> list[int]:
+        """The prompt's token ids (only the last ``truncate_to`` of them, when given, as vLLM's
+        ``truncate_prompt_tokens``), sizes checked before tokenizing or copying."""
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InputError("prompt", "either prompt or prompt_token_ids is required")
+            check_text("prompt", len(prompt), self.config.limits, self.config.max_model_len)
+            prompt_token_ids = self.tokenize(prompt)
+        if truncate_to is not None:
+            prompt_token_ids = prompt_token_ids[-truncate_to:]
+        check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, self.config.max_model_len)
+        return list(prompt_token_ids)
+
+    # ---- constraints and adapters ----------------------------------------------
+    def compile_grammar(
+        self, structured: StructuredOutputsParams, prompt: str | None = None, prompt_token_ids: list[int] | None = None
+    ) -> xgrammar.CompiledGrammar:
+        """The constraint's grammar for this prompt, its size checked first; thread-safe (compiled
+        grammars are cached). With a reasoning parser the constraint applies after the output's
+        reasoning section, unless the prompt closed that section itself."""
+        check_text(STRUCTURED_PARAM, structured.num_chars, self.config.limits, self.config.max_model_len)
+        reasoning = self.config.structured_outputs_config.reasoning
+        if reasoning is not None:
+            tail = prompt[-64:] if prompt_token_ids is None and prompt is not None else self.tokenizer.decode(
+                (prompt_token_ids or [])[-16:])
+            if closed_in(tail):
+                reasoning = None
+        return self.grammars.compile(structured, reasoning)
+
+    def check_lora(self, lora: LoRARequest) -> LoRARequest:
+        """The adapter, read and checked against the model once per ``lora_int_id`` (``InputError``
+        naming what does not fit: its rank, a module the model lacks, another adapter's id)."""
+        if self.config.lora_config is None:
+            raise InputError("lora_request", f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is off "
+                                             "(--enable-lora, LLM(enable_lora=True))")
+        with self._lora_lock:  # servers check adapters on several threads
+            if (known := self._known_lora(lora)) is not None:
+                return known
+        from raypaged.lora.layout import read_checked_adapter
+
+        try:
+            read_checked_adapter(lora, self.config.hf_config, self.config.lora_config.max_lora_rank)
+        except (ValueError, OSError) as exc:
+            raise InputError("lora_request", str(exc)) from None
+        with self._lora_lock:
+            if (known := self._known_lora(lora)) is not None:
+                return known
+            self._loras[lora.lora_int_id] = lora
+        return lora
+
+    def _known_lora(self, lora: LoRARequest) -> LoRARequest | None:
+        """The adapter already checked, ``None`` for a new one; one clashing with another raises."""
+        known = self._loras.get(lora.lora_int_id)
+        if known is not None and known.lora_name == lora.lora_name and known.lora_path == lora.lora_path:
+            return known
+        for other in self._loras.values():
+            if other.lora_int_id == lora.lora_int_id or other.lora_name == lora.lora_name:
+                raise InputError("lora_request", f"LoRA adapter {lora.lora_name!r} (lora_int_id {lora.lora_int_id}) "
+                                                 f"clashes with {other.lora_name!r} (lora_int_id {other.lora_int_id}, "
+                                                 f"{other.lora_path}): each name and id belongs to one adapter")
+        return None
+
+    def lora(self, lora_int_id: int) -> LoRARequest | None:
+        return self._loras.get(lora_int_id)
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        with self._lora_lock:
+            self._loras.pop(lora_int_id, None)
+
+    # ---- requests --------------------------------------------------------------
+    def process(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> tuple[SamplingParams, EngineCoreRequest]:
+        """The request checked and resolved: the caller's params (logprobs resolved against the
+        vocabulary: what outputs are built by) and the core's request (``request_id`` is the id
+        of its first sequence)."""
+        config = self.config
+        lora = None if lora_request is None else self.check_lora(lora_request)
+        check_sampling(params, config.hf_config.vocab_size, config.limits)
+        params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
+        prompt_token_ids = self._checked_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
+        check_context(len(prompt_token_ids), params.max_tokens, config.max_model_len)
+        max_tokens = params.max_tokens or config.max_model_len - len(prompt_token_ids)
+        matchers = []
+        if (structured := params.structured_outputs) is not None:  # cached when a server compiled it already
+            grammar = self.compile_grammar(structured, prompt, prompt_token_ids)
+            matchers = [self.grammars.matcher(grammar) for _ in range(params.num_samples)]
+        seq_params = self._with_eos_stops(params)
+        if params.bad_words:
+            seq_params = replace(seq_params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+        spec = config.speculative_config
+        return params, EngineCoreRequest(
+            request_id, prompt_token_ids, seq_params, max_tokens, priority=priority,
+            cache_salt=_prefix_namespace(cache_salt, lora), lora=lora, matchers=matchers,
+            num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
+        )
+
+    def process_beam_search(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: BeamSearchParams,
+        prompt_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> tuple[SamplingParams, EngineCoreRequest]:
+        """A beam search checked: its beams' params (greedy, the ``2 * beam_width`` best next
+        tokens as logprobs) and the core's request."""
+        config = self.config
+        check_count("n", params.beam_width, config.limits.max_num_samples, "max_num_samples", "beams")
+        lora = None if lora_request is None else self.check_lora(lora_request)
+        prompt_token_ids = self._checked_prompt(prompt, prompt_token_ids)
+        max_tokens = min(params.max_tokens, config.max_model_len - len(prompt_token_ids))
+        matchers = []
+        if params.structured_outputs is not None:
+            matchers = [self.grammars.matcher(self.compile_grammar(params.structured_outputs, prompt, prompt_token_ids))]
+        beam_params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2 * params.beam_width, ignore_eos=True)
+        return beam_params, EngineCoreRequest(
+            request_id, prompt_token_ids, beam_params, max_tokens, cache_salt=_prefix_namespace(None, lora), lora=lora,
+            matchers=matchers, beam=params,
+        )
+
+    def _with_eos_stops(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the EOS ids after the first among its stop tokens, as vLLM adds a generation
+        config's extra EOS ids to ``stop_token_ids``: such a stop reports its id as ``stop_reason`` and
+        ``min_tokens`` bans it. ``ignore_eos`` ignores every EOS id, as in vLLM."""
+        extra = [token_id for token_id in self.eos_token_ids[1:] if token_id not in params.stop_token_ids]
+        if params.ignore_eos or not extra:
+            return params
+        return replace(params, stop_token_ids=params.stop_token_ids + extra)
+
+
+def _prefix_namespace(cache_salt: str | None, lora: LoRARequest | None) -> str | None:
+    """The prefix-cache namespace of a request: its salt and its adapter (``None``: the shared one).
+    The adapter id comes first, before a ``|``: distinct (salt, adapter) pairs never meet."""
+    if lora is None and cache_salt is None:
+        return None
+    return f"{lora.lora_int_id if lora is not None else 0}|{cache_salt or ''}"

@@ -1,0 +1,117 @@
+"""OutputProcessor: the engine core's deltas become text, stop strings and outputs.
+
+Fed hand-made ``SeqDelta`` s with SmolLM2's tokenizer: DELTA streams hold back what
+could begin a stop string and never send one; a character split over tokens appears
+whole, never broken; a run of accepted drafts is cut after the token completing a
+stop string (tokens, logprobs and cumulative logprob alike); ``best_of`` shows the best
+sample only at the end; a failure ends its request alone, with every sequence to abort.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from raypaged.engine.core import EngineCoreOutputs, SeqDelta
+from raypaged.engine.output_processor import OutputProcessor
+from raypaged.outputs import FinishReason
+from raypaged.sampling_params import RequestOutputKind, SamplingParams
+
+PROMPT = [1, 504]
+HELLO = [19556, 905, 17, 1428, 85]  # "Hello", " world", "!", " By", "e"
+ROCKET = [37366, 15107, 244, 218, 10907]  # " café", then " 🚀" in three byte tokens, then " ok"
+NOW = 100.0
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def delta(seq_id: str, token_ids: list[int], cumulative: float = 0.0, finish: FinishReason | None = None,
+          run_logprobs: list[float] | None = None, **more) -> SeqDelta:
+    return SeqDelta(seq_id, token_ids, None, run_logprobs, cumulative, finish, None, **more)
+
+
+def stream(processor: OutputProcessor, deltas: list[SeqDelta]) -> list[tuple]:
+    """Each step's (outputs, stopped, to_abort), one delta per step."""
+    return [processor.process(EngineCoreOutputs(seqs=[d]), NOW + i) for i, d in enumerate(deltas)]
+
+
+def new(tokenizer, params: SamplingParams, seq_ids=("0:r",)) -> OutputProcessor:
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", None, PROMPT, params, list(seq_ids), 16, 1.0)
+    return processor
+
+
+def test_a_delta_stream_holds_back_a_possible_stop_string_and_never_sends_it(tokenizer):
+    params = SamplingParams(stop=["! B"], output_kind=RequestOutputKind.DELTA)
+    processor = new(tokenizer, params)
+    steps = stream(processor, [delta("0:r", [t]) for t in HELLO[:4]])
+    texts = [outputs[0].outputs[0].text for outputs, _, _ in steps]
+    assert texts == ["Hello", " world", "", ""]  # "!" could begin "! B": held; " By" completes it
+    last, stopped, to_abort = steps[-1]
+    completion = last[0].outputs[0]
+    assert (completion.finish_reason, completion.stop_reason) == (FinishReason.STOP, "! B")
+    assert last[0].finished and stopped == ["0:r"] and to_abort == []
+    assert [o[0].outputs[0].token_ids for o, _, _ in steps] == [[t] for t in HELLO[:4]]
+    assert "r" not in processor  # forgotten once finished
+
+
+def test_a_character_split_over_tokens_appears_whole(tokenizer):
+    processor = new(tokenizer, SamplingParams(output_kind=RequestOutputKind.DELTA))
+    finals = [None] * 4 + [FinishReason.LENGTH]
+    steps = stream(processor, [delta("0:r", [t], finish=f) for t, f in zip(ROCKET, finals)])
+    texts = [outputs[0].outputs[0].text for outputs, _, _ in steps]
+    assert texts == [" café", "", "", " 🚀", " ok"]
+    assert "".join(texts) == tokenizer.decode(ROCKET)
+    assert steps[-1][0][0].outputs[0].finish_reason == FinishReason.LENGTH
+
+
+def test_a_run_of_drafts_is_cut_after_the_token_completing_a_stop_string(tokenizer):
+    params = SamplingParams(stop=["world"], include_stop_str_in_output=True)
+    processor = new(tokenizer, params)
+    run = [-0.5, -0.25, -0.125, -1.0]  # "Hello", " world", "!", " By": the last two go
+    outputs, stopped, _ = processor.process(
+        EngineCoreOutputs(seqs=[delta("0:r", HELLO[:4], cumulative=sum(run), run_logprobs=run)]), NOW)
+    [completion] = outputs[0].outputs
+    assert completion.token_ids == HELLO[:2] and completion.text == "Hello world"
+    assert completion.cumulative_logprob == -0.75 and completion.finish_reason == FinishReason.STOP
+    assert stopped == ["0:r"] and outputs[0].num_generated_tokens == 2
+
+
+def test_best_of_shows_only_the_best_sample_and_only_at_the_end(tokenizer):
+    params = SamplingParams(n=1, best_of=2, temperature=1.0)
+    processor = new(tokenizer, params, seq_ids=("0:r", "0:r#1"))
+    first, _, _ = processor.process(EngineCoreOutputs(seqs=[delta("0:r", [19556], -1.0),
+                                                            delta("0:r#1", [504], -0.5)]), NOW)
+    assert first == []
+    last, _, _ = processor.process(EngineCoreOutputs(seqs=[delta("0:r", [905], -1.5, FinishReason.LENGTH),
+                                                           delta("0:r#1", [2988], -3.0, FinishReason.LENGTH)]), NOW + 1)
+    [output] = last
+    assert [(c.index, c.token_ids, c.text) for c in output.outputs] == [(0, [19556, 905], "Hello world")]
+    assert output.finished and output.num_generated_tokens == 4
+
+
+def test_a_failure_ends_its_request_alone_with_every_sequence_to_abort(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    processor.add("bad", None, PROMPT, SamplingParams(n=2), ["0:bad", "0:bad#1"], 16, 1.0)
+    processor.add("good", None, PROMPT, SamplingParams(), ["1:good"], 16, 1.0)
+    out = EngineCoreOutputs(seqs=[delta("0:bad#1", [19556]), delta("1:good", [19556])],
+                            failed={"0:bad": "sampling failed: RuntimeError: injected"})
+    outputs, stopped, to_abort = processor.process(out, NOW)
+    by_id = {o.request_id: o for o in outputs}
+    assert by_id["bad"].finished and by_id["bad"].error == "sampling failed: RuntimeError: injected"
+    assert by_id["bad"].outputs == [] and to_abort == ["0:bad", "0:bad#1"] and stopped == []
+    assert by_id["good"].error is None and by_id["good"].outputs[0].text == "Hello"
+    assert "bad" not in processor and "good" in processor
+
+
+def test_metrics_come_from_the_deltas_and_the_steps_clock(tokenizer):
+    processor = new(tokenizer, SamplingParams())
+    steps = stream(processor, [delta("0:r", [19556], first_scheduled_time=50.0, num_cached_tokens=16),
+                               delta("0:r", [905], finish=FinishReason.LENGTH)])
+    metrics = steps[-1][0][0].metrics
+    assert (metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time) == (
+        1.0, 50.0, NOW, NOW + 1)
+    assert metrics.max_num_generation_tokens == 2 and steps[-1][0][0].num_cached_tokens == 16
