@@ -11,7 +11,6 @@ from raypaged.outputs import FinishReason
 from raypaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from raypaged.core.beam_search import BeamGroup
     from raypaged.lora.request import LoRARequest
 
 
@@ -56,6 +55,28 @@ class SequenceGroup:
     pending_children: list["Request"] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class Gang:
+    """Sequences that advance together (a beam search's beams), owned by the engine core.
+
+    The scheduler appends no token to a member: what a member samples waits in ``held``
+    (its id -> the step's top logprobs) until the owner appends tokens, forks members
+    (``Scheduler.fork``) or finishes them. The scheduler never preempts a member for a
+    sibling, recomputes members rather than swapping them (they fork and drop every
+    step), and treats the gang as one unit when a step could run nothing; a member it
+    ends on its own is reported by ``take_ended`` like any sequence. It clears a member's
+    held sample when the member loses its K/V; ``members`` is the owner's to keep.
+    """
+
+    gang_id: str
+    members: list["Request"] = field(default_factory=list)  # live
+    held: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def ready(self) -> bool:
+        """Every live member has sampled: the owner may advance the gang."""
+        return bool(self.members) and all(member.request_id in self.held for member in self.members)
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """A sequence being generated.
@@ -85,7 +106,7 @@ class Request:
     priority: int = 0  # lower runs first under the priority policy
     sample_index: int = 0  # which sample of its group: seeds a distinct random stream
     group: SequenceGroup | None = None
-    beam: BeamGroup | None = None  # set on every live beam of a beam search
+    gang: Gang | None = None  # set on every live member of a gang (the beams of a beam search)
     cache_salt: str | None = None  # prefix-cache namespace: only equal salts share cached blocks
     lora: LoRARequest | None = None  # the adapter it runs on (None: the base model)
     # speculative decoding: drafts it may verify per step (0: it never speculates), the drafts proposed

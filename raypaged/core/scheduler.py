@@ -12,9 +12,8 @@ recomputed from its tokens at the front of the queue.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from raypaged.core.beam_search import BeamGroup
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.lora_plan import LoRASlotPlan
 from raypaged.core.outputs import (
@@ -42,6 +41,7 @@ class EndedRequest:
 
     request: Request
     message: str
+    whole_gang: bool = False  # its whole gang was ended with it: it could never fit
 
 
 @dataclass(slots=True, frozen=True)
@@ -120,7 +120,6 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
-            self._settle_beam(request.beam)
             finished.append(request)
         return finished
 
@@ -134,9 +133,8 @@ class Scheduler:
         request.status = status
         if request.group is not None and request.group.pending_children:
             request.group.pending_children.clear()  # the first sequence ended before the fork
-        if request.beam is not None and request in request.beam.beams:
-            request.beam.beams.remove(request)
-            request.beam.candidates.pop(request.request_id, None)
+        if request.gang is not None:
+            request.gang.held.pop(request.request_id, None)
         self.kv.free(request.request_id)
         self._forget_ids.add(request.request_id)
         self._unsent_ids.discard(request.request_id)
@@ -157,8 +155,8 @@ class Scheduler:
         self.running = []
         self.swapped = []
         for request in reversed(in_flight):
-            if request.beam is not None:
-                request.beam.candidates.pop(request.request_id, None)
+            if request.gang is not None:
+                request.gang.held.pop(request.request_id, None)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
             request.num_preemptions += 1
@@ -197,7 +195,6 @@ class Scheduler:
                 logger.warning("%s", message)
                 self.running.remove(request)
                 self._end(request, message)
-                self._settle_beam(request.beam)
                 continue
             drafts = self._drafts(request, num_new) if speculate and request.spec_token_ids else []
             while request.status == RequestStatus.RUNNING and not self._allocate(request, num_new, drafts):
@@ -384,11 +381,12 @@ class Scheduler:
         if group is None or not group.pending_children or request.num_computed_tokens < group.fork_at:
             return
         for child in group.pending_children:
-            self._adopt_fork(request, child)
+            self.fork(request, child)
         group.pending_children.clear()
 
-    def _adopt_fork(self, parent: Request, child: Request) -> None:
-        """Run ``child`` from now on, sharing every block of ``parent``."""
+    def fork(self, parent: Request, child: Request) -> None:
+        """Run ``child`` from now on, sharing every block of ``parent`` (a sample of ``n``, or a
+        gang's owner forking a member)."""
         self.kv.fork(parent.request_id, child.request_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
@@ -400,12 +398,12 @@ class Scheduler:
     def _pick_victim(self, needy: Request | None = None) -> Request:
         """The sequence to preempt: newest (FCFS) or least urgent (priority).
 
-        Never a sibling beam of ``needy``: beams wait for each other, so preempting
+        Never a member of ``needy``'s gang: members wait for each other, so preempting
         one for another would only trade places; ``needy`` itself may be chosen.
         """
         pool = self.running
-        if needy is not None and needy.beam is not None:
-            pool = [r for r in self.running if r.beam is not needy.beam or r is needy]
+        if needy is not None and needy.gang is not None:
+            pool = [r for r in self.running if r.gang is not needy.gang or r is needy]
         if self.config.policy == "priority":
             return max(pool, key=lambda r: (r.priority, r.arrival_time))
         return pool[-1]
@@ -452,11 +450,11 @@ class Scheduler:
             group = [r for r in self.running if r.group is victim.group]
         mode = self.config.preemption_mode
         shares_blocks = len(group) > 1
-        # beams fork and drop every step: they are recomputed, never swapped; and a
+        # gang members (beams) fork and drop every step: they are recomputed, never swapped; and a
         # group that is the whole batch is not swapped either (it would come back to
         # the same shortage): its newest sequence is recomputed alone
         swap = mode == "swap" or (mode is None and shares_blocks)
-        if swap and victim.beam is None and len(group) < len(self.running):
+        if swap and victim.gang is None and len(group) < len(self.running):
             copies = self.kv.swap_out([r.request_id for r in group])
             if copies is not None:
                 self._out.block_ops.extend(BlockOp(BlockOpKind.SWAP_OUT, src, dst) for src, dst in copies)
@@ -474,8 +472,8 @@ class Scheduler:
                 return
         self._drop_from_batch(victim)
         self.kv.free(victim.request_id)
-        if victim.beam is not None:
-            victim.beam.candidates.pop(victim.request_id, None)
+        if victim.gang is not None:
+            victim.gang.held.pop(victim.request_id, None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -544,10 +542,9 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, finish what stopped.
 
         Returns the sequences that received a token this step (finished ones
-        included); beams are advanced by their group instead.
+        included); a gang member's sample is held in its gang for the owner instead.
         """
         updated = []
-        beam_groups: dict[int, BeamGroup] = {}
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -568,9 +565,8 @@ class Scheduler:
             sampled = runner_output.sampled.get(request_id)
             if sampled is None:
                 continue
-            if request.beam is not None:
-                request.beam.candidates[request_id] = sampled.top_logprobs
-                beam_groups[id(request.beam)] = request.beam
+            if request.gang is not None:
+                request.gang.held[request_id] = sampled.top_logprobs
                 continue
             request.append_output_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
             request.num_new_tokens, request.run_logprobs = 1, None
@@ -581,9 +577,6 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
             updated.append(request)
-        for beam_group in beam_groups.values():
-            if beam_group.ready():
-                self._beam_step(beam_group)
         return updated
 
     def _apply_run(self, request: Request, run: list[SampledToken], num_verified: int, num_drafts: int) -> None:
@@ -611,54 +604,14 @@ class Scheduler:
         )
         self.kv.trim(request.request_id, request.num_tokens + self.config.num_lookahead_slots)
 
-    def _beam_step(self, group: BeamGroup) -> None:
-        """Keep the best continuations: fork beams chosen more than once, free the others."""
-        chosen: dict[str, list] = {}
-        for continuation in group.select():
-            chosen.setdefault(continuation.parent.request_id, []).append(continuation)
-        survivors = []
-        lineage: list[tuple[str, str | None, int]] = []
-        for beam in list(group.beams):
-            picks = chosen.get(beam.request_id)
-            if not picks:
-                self.running.remove(beam)
-                self._finish(beam, RequestStatus.FINISHED_ABORTED)
-                lineage.append((beam.request_id, None, -1))
-                continue
-            for pick in picks[1:]:
-                child = replace(
-                    beam,
-                    request_id=f"{group.group_id}#{group.next_index}",
-                    output_token_ids=list(beam.output_token_ids),
-                    output_logprobs=list(beam.output_logprobs),
-                )
-                group.next_index += 1
-                self._adopt_fork(beam, child)
-                child.append_output_token(pick.token_id, pick.logprob, pick.candidates)
-                survivors.append(child)
-                lineage.append((beam.request_id, child.request_id, pick.token_id))
-            beam.append_output_token(picks[0].token_id, picks[0].logprob, picks[0].candidates)
-            survivors.append(beam)
-            lineage.append((beam.request_id, beam.request_id, picks[0].token_id))
-        group.beams = survivors
-        if group.params.structured_outputs is not None:
-            group.lineage.append(lineage)
-        num_generated = survivors[0].num_output_tokens if survivors else 0
-        if not survivors or num_generated >= survivors[0].max_tokens or group.should_stop(num_generated):
-            group.hypotheses = group.results()
-            for beam in list(survivors):  # _finish takes each out of group.beams (this list)
-                self.running.remove(beam)
-                self._finish(beam, RequestStatus.FINISHED_LENGTH)
-            group.done = True
-
     def _resolve_stall(self) -> None:
         """Nothing ran this step although sequences wait: give the pool to the most urgent.
 
-        Every running sequence is then idle (a beam waiting for a sibling that was
-        preempted), holding blocks that the oldest swapped group or the head of
-        the queue needs, while they wait behind it: neither could ever move. The
-        oldest swapped group, else the head of the queue (with the beams of its
-        search), gets the pool: every other running sequence is preempted and it
+        Every running sequence is then idle (a gang member waiting for a sibling
+        that was preempted), holding blocks that the oldest swapped group or the
+        head of the queue needs, while they wait behind it: neither could ever
+        move. The oldest swapped group, else the head of the queue (with the rest
+        of its gang), gets the pool: every other running sequence is preempted and it
         comes back now. Only a head that cannot fit even then is finished.
         """
         if self.swapped:
@@ -668,7 +621,7 @@ class Scheduler:
             self._swap_in()
             return
         head = self.waiting.head()
-        unit = [head] if head.beam is None else [r for r in self.requests.values() if r.beam is head.beam]
+        unit = [head] if head.gang is None else [r for r in self.requests.values() if r.gang is head.gang]
         held = [r.request_id for r in unit if r.status == RequestStatus.RUNNING]
         recomputed = [r.all_token_ids for r in unit if r.status != RequestStatus.RUNNING]
         if len(unit) > self.config.max_num_seqs or self.kv.num_blocks_to_hold(held, recomputed, head.cache_salt) > self.kv.num_blocks:
@@ -686,44 +639,30 @@ class Scheduler:
     def _break_stall(self, head: Request) -> None:
         """Nothing could run although a request waits: it can never fit, so end it.
 
-        This is a beam search whose beams together need more blocks than the cache
-        has (the waiting beam needs blocks its siblings hold while they wait for it),
-        or a sequence that outgrew the cache while preempted.
+        This is a gang (beam search) whose members together need more blocks than
+        the cache has (the waiting member needs blocks its siblings hold while they
+        wait for it), or a sequence that outgrew the cache while preempted.
         """
-        group = head.beam
-        stalled = [head] if group is None else [r for r in self.requests.values() if r.beam is group]
+        gang = head.gang
+        stalled = [head] if gang is None else [r for r in self.requests.values() if r.gang is gang]
         message = (
-            f"request {head.request_id if group is None else group.group_id} cannot fit in the KV cache "
+            f"request {head.request_id if gang is None else gang.gang_id} cannot fit in the KV cache "
             f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens); finished with what it has"
         )
         logger.warning("%s", message)
-        if group is not None:
-            group.hypotheses = group.results()
-            group.done = True
         for request in stalled:
             (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
-            self._end(request, message)
+            self._end(request, message, whole_gang=gang is not None)
 
-    def _end(self, request: Request, message: str) -> None:
+    def _end(self, request: Request, message: str, whole_gang: bool = False) -> None:
         """Finish a sequence the scheduler gives up on; the engine hears of it from ``take_ended``."""
         self._finish(request, RequestStatus.FINISHED_LENGTH)
-        if request.beam is None:  # a beam search reports through its group (done, with hypotheses)
-            self._ended.append(EndedRequest(request, message))
+        self._ended.append(EndedRequest(request, message, whole_gang))
 
     def take_ended(self) -> list[EndedRequest]:
         """Sequences ended by the scheduler itself (outgrew the pool, stall broken) since the last call."""
         ended, self._ended = self._ended, []
         return ended
-
-    def _settle_beam(self, group: BeamGroup | None) -> None:
-        """After a beam ended from outside (abort, cache exhausted): finish or advance its group."""
-        if group is None or group.done:
-            return
-        if not group.beams:
-            group.hypotheses = group.results()
-            group.done = True
-        elif group.ready():
-            self._beam_step(group)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from raypaged.config import EngineConfig
+from raypaged.core import beam_search
 from raypaged.core.beam_search import BeamGroup, BeamSearchParams, Hypothesis
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.outputs import GrammarBitmask, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
-from raypaged.core.scheduler import Scheduler, SchedulerConfig
+from raypaged.core.scheduler import EndedRequest, Scheduler, SchedulerConfig
 from raypaged.core.stats import SchedulerStats
 from raypaged.executor.base import Executor, WorkerLostError
 from raypaged.outputs import FinishReason
@@ -176,11 +177,11 @@ class EngineCore:
 
     def _add_beam_search(self, request: EngineCoreRequest) -> str:
         """Every beam proposes its ``2 * beam_width`` best next tokens; its group decides."""
-        group = BeamGroup(request.request_id, request.beam, self.eos_token_id)
+        group = BeamGroup(request.request_id, params=request.beam, eos_token_id=self.eos_token_id)
         first = Request(request.request_id, request.prompt_token_ids, request.sampling_params, request.max_tokens,
-                        self.eos_token_id, arrival_time=request.arrival_time, beam=group,
+                        self.eos_token_id, arrival_time=request.arrival_time, gang=group,
                         cache_salt=request.cache_salt, lora=request.lora)
-        group.beams.append(first)
+        group.members.append(first)
         if request.matchers:
             self._matchers[first.request_id] = request.matchers[0]
         self.scheduler.add_request(first)
@@ -202,7 +203,8 @@ class EngineCore:
         group = self._beams.pop(request_id, None)
         if group is None:
             return False
-        self.scheduler.finish_requests([b.request_id for b in group.beams], RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests([b.request_id for b in group.members], RequestStatus.FINISHED_ABORTED)
+        group.members = []
         group.done = True
         self._forget_beam_grammars(group)
         return True
@@ -244,15 +246,18 @@ class EngineCore:
         out = EngineCoreOutputs()
         failed = out.failed
         beam_failures: dict[str, str] = {}
-        for seq_id, message in fill_failures.items():
+        for seq_id, message in (*fill_failures.items(), *runner_output.failed.items()):
             if (group := self._beam_of(seq_id)) is not None:  # a beam: its whole search fails
                 beam_failures.setdefault(group.group_id, message)
             else:
-                failed[seq_id] = message
-        failed.update(runner_output.failed)
+                failed.setdefault(seq_id, message)
         deltas = out.seqs
+        ended_beams: dict[str, list[EndedRequest]] = {}
         for ended in self.scheduler.take_ended():
             request = ended.request
+            if request.gang is not None:  # a beam: its search settles below
+                ended_beams.setdefault(request.gang.gang_id, []).append(ended)
+                continue
             deltas.append(SeqDelta(request.request_id, [], None, None, request.cumulative_logprob,
                                    request.status.finish_reason, request.stop_reason, ended.message,
                                    request.first_scheduled_time, request.num_cached_tokens))
@@ -291,11 +296,14 @@ class EngineCore:
             deltas.append(delta)
             if status.finished:
                 self._release(seq_id)
-        self._step_beams(out, beam_failures)
+        self._step_beams(out, ended_beams, beam_failures)
         return out
 
-    def _step_beams(self, out: EngineCoreOutputs, failures: dict[str, str]) -> None:
-        """Advance the grammars of beams that moved; report the searches that ended."""
+    def _step_beams(self, out: EngineCoreOutputs, ended: dict[str, list[EndedRequest]], failures: dict[str, str]) -> None:
+        """Beam searches, after the step: the scheduler's own ends settled, a beam step for every
+        search whose live beams all sampled (the scheduler held their candidates), the grammars of
+        beams that moved advanced; the searches that ended are reported."""
+        beam_search.after_step(self.scheduler, self._beams.values(), ended)
         for request_id, group in list(self._beams.items()):
             error = failures.get(group.group_id)
             if group.lineage:
@@ -307,7 +315,8 @@ class EngineCore:
                         error = f"advancing the grammar failed: {type(exc).__name__}: {exc}"
                 group.lineage.clear()
             if error is not None and not group.done:
-                self.scheduler.finish_requests([b.request_id for b in group.beams], RequestStatus.FINISHED_ABORTED)
+                self.scheduler.finish_requests([b.request_id for b in group.members], RequestStatus.FINISHED_ABORTED)
+                group.members = []
                 group.done = True
             if group.done:
                 out.beams.append(BeamResult(request_id, group.hypotheses, error))
@@ -371,7 +380,7 @@ class EngineCore:
     def _beam_of(self, seq_id: str) -> BeamGroup | None:
         """The beam search whose beam ``seq_id`` is."""
         request = self.scheduler.requests.get(seq_id)
-        return request.beam if request is not None else None
+        return request.gang if request is not None else None
 
     def _forget_beam_grammars(self, group: BeamGroup) -> None:
         if group.params.structured_outputs is None:

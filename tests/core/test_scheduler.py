@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raypaged.core import beam_search
 from raypaged.core.beam_search import BeamGroup, BeamSearchParams
 from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.outputs import BlockOpKind, ModelRunnerOutput, SampledToken, SchedulerOutput
@@ -34,10 +35,25 @@ def run_step(scheduler: Scheduler, token_id: int = 7) -> SchedulerOutput:
     for request_id, n in out.num_scheduled_tokens.items():
         request = scheduler.requests[request_id]
         if request.num_computed_tokens + n == request.num_tokens:
-            top = {token_id + i: -0.5 - i - len(request.output_token_ids) % 3 for i in range(4)} if request.beam else None
+            top = {token_id + i: -0.5 - i - len(request.output_token_ids) % 3 for i in range(4)} if request.gang else None
             sampled[request_id] = SampledToken(token_id, -0.5, top)
     scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled))
+    advance_beams(scheduler)
     return out
+
+
+def advance_beams(scheduler: Scheduler) -> None:
+    """The engine core's part in a step for beam searches (``EngineCore._step_beams``): settle the
+    beams the scheduler ended, step the searches whose beams all sampled."""
+    ended: dict[str, list] = {}
+    groups = {id(r.gang): r.gang for r in scheduler.requests.values() if r.gang is not None}
+    records = scheduler.take_ended()
+    scheduler._ended = [r for r in records if r.request.gang is None]  # the tests take the others themselves
+    for record in records:
+        if (gang := record.request.gang) is not None:
+            ended.setdefault(gang.gang_id, []).append(record)
+            groups[id(gang)] = gang
+    beam_search.after_step(scheduler, list(groups.values()), ended)
 
 
 def test_prefill_then_decode_with_deltas_only():
@@ -313,8 +329,9 @@ def run_workload(ops, num_blocks, block_size, budget, mode, policy, caching) -> 
             else:
                 seqs = [make_request(str(next_id), size, max_tokens)]
             if op == "beam":
-                seqs[0].beam = BeamGroup(str(next_id), BeamSearchParams(beam_width=2, max_tokens=max_tokens), EOS)
-                seqs[0].beam.beams.append(seqs[0])
+                seqs[0].gang = BeamGroup(str(next_id), params=BeamSearchParams(beam_width=2, max_tokens=max_tokens),
+                                         eos_token_id=EOS)
+                seqs[0].gang.members.append(seqs[0])
             for seq in seqs:
                 seq.priority = size % 3
             try:
@@ -324,7 +341,9 @@ def run_workload(ops, num_blocks, block_size, budget, mode, policy, caching) -> 
             next_id += 1
         elif op == "abort" and s.requests:
             victim = sorted(s.requests)[size % len(s.requests)]
-            s.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+            [aborted] = s.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+            if aborted.gang is not None:  # its search goes on without it, as the engine core's would
+                beam_search.drop_members(s, aborted.gang, [victim])
         else:
             run_step(s, token_id=size % 7 + 1)
         seen.update(s.requests)
@@ -380,8 +399,8 @@ def test_a_swapped_group_and_an_idle_beam_do_not_livelock():
     group = make_group("0", 29, 3, max_tokens=5)
     s.add_request(group[0])
     beam = make_request("1", 16, max_tokens=5)
-    beam.beam = BeamGroup("1", BeamSearchParams(beam_width=2, max_tokens=5), EOS)
-    beam.beam.beams.append(beam)
+    beam.gang = BeamGroup("1", params=BeamSearchParams(beam_width=2, max_tokens=5), eos_token_id=EOS)
+    beam.gang.members.append(beam)
     s.add_request(beam)
     steps = []
     for _ in range(100):
@@ -414,8 +433,8 @@ def test_a_swapped_group_and_an_idle_beam_do_not_livelock():
         (RequestStatus.FINISHED_LENGTH, [7] * 5, 1),
         (RequestStatus.FINISHED_LENGTH, [7] * 5, 1),
     ]
-    assert beam.beam.done
-    assert [(h.token_ids, h.finish_reason) for h in beam.beam.hypotheses] == [
+    assert beam.gang.done
+    assert [(h.token_ids, h.finish_reason) for h in beam.gang.hypotheses] == [
         ([7, 7, 7, 7, 7], "length"), ([8, 7, 7, 7, 7], "length")
     ]
     assert s.kv.num_free_blocks == 11 and s.kv.num_free_cpu_blocks == 5

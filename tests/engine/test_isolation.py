@@ -157,6 +157,33 @@ def test_a_grammar_failure_in_a_beam_ends_that_beam_search_alone(llm, undisturbe
     assert again.error is None and all(re.fullmatch("[a-z]{4} [a-z]{4}", beam.text) for beam in again.outputs)
 
 
+def test_a_sampling_failure_in_a_beam_ends_that_beam_search_alone(llm, undisturbed, monkeypatch):
+    real = sampler._apply_penalties
+
+    def failing(logits, inputs):
+        if any(s.params.logprobs == 6 for s in inputs):  # the beams of a width-3 search
+            raise RuntimeError("injected sampling fault")
+        return real(logits, inputs)
+
+    monkeypatch.setattr(sampler, "_apply_penalties", failing)
+    engine = llm.llm_engine
+    search = engine.add_beam_search(PROMPTS[VICTIM], BeamSearchParams(beam_width=3, max_tokens=10))
+    plain = [engine.add_request(prompt, PLAIN) for prompt in PROMPTS[:3]]
+    finished = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert finished[search].error == "sampling failed: RuntimeError: injected sampling fault"
+    assert finished[search].outputs == []
+    assert [finished[rid].outputs[0].token_ids for rid in plain] == undisturbed[:3]
+    assert engine.core._beams == {} and engine.output_processor.beams == {}
+    stats = llm.stats()
+    assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
+
+
 def test_a_request_outgrowing_the_pool_is_reported_not_lost(llm, undisturbed):
     engine = llm.llm_engine
     real_kv = engine.scheduler.kv
