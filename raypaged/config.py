@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
-
 from typing import TYPE_CHECKING, Any
 
 from raypaged.inputs.limits import InputLimits
@@ -88,59 +90,183 @@ class GenerationDefaults:
         return SamplingParams(**self.as_dict())
 
 
+CLI = "cli"  # the metadata key of an EngineConfig field's command-line flag
+
+
+@dataclass(frozen=True, slots=True)
+class CliFlag:
+    """How an ``EngineConfig`` field is a command-line flag, ``--field-name`` (vLLM's spelling):
+    ``entrypoints/cli.py`` adds the flag from it (``add_config_args``) and maps the parsed value back
+    onto the field (``engine_kwargs``). The flag's default is the field's, or ``None`` ("not given")
+    for a field with a default factory or ``unset``."""
+
+    help: str | None = None
+    aliases: tuple[str, ...] = ()  # option strings after --field-name (-tp, -q)
+    type: Callable[[str], Any] | None = None  # argparse's type (int, float); None: the text itself
+    choices: tuple[str, ...] | None = None
+    action: str | type[argparse.Action] | None = None  # "store_true", argparse.BooleanOptionalAction
+    metavar: str | None = None
+    unset: bool = False  # the flag's default is None: not given, the field keeps its own default
+    # (flag, text) -> the field's value, for text that is more than a string (JSON); errors name the flag
+    parse: Callable[[str, str], Any] | None = None
+
+
+def _flag(default: Any = MISSING, help: str | None = None, *, default_factory: Any = MISSING, **cli: Any) -> Any:
+    """An ``EngineConfig`` field that is a command-line flag (``CliFlag``'s arguments in ``cli``)."""
+    return field(default=default, default_factory=default_factory, metadata={CLI: CliFlag(help=help, **cli)})
+
+
+def cli_flag(f: Field) -> CliFlag | None:
+    """The flag of an ``EngineConfig`` field, ``None`` for a field the command line sets otherwise."""
+    return f.metadata.get(CLI)
+
+
+def json_flag_value(flag_name: str, value: str) -> Any:
+    """A flag's JSON text, parsed; ``ValueError`` naming the flag."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag_name} takes a JSON object, got {value!r} ({exc})") from None
+
+
+def _speculative_flag(flag_name: str, value: str) -> SpeculativeConfig | None:
+    return SpeculativeConfig.parse(value)  # its errors name --speculative-config
+
+
 @dataclass
 class EngineConfig:
-    """Everything needed to start an engine. ``None`` fields are resolved from the model."""
+    """Everything needed to start an engine. ``None`` fields are resolved from the model.
+
+    Each init field is an ``LLM`` keyword of the same name and default, and (``CliFlag`` metadata)
+    a command-line flag; ``model``, ``served_model_name`` and ``limits`` have flags of their own in
+    ``entrypoints/cli.py``."""
 
     model: str | None = None  # a local folder or a Hugging Face Hub id (org/name)
-    revision: str | None = None  # the Hub id's branch, tag or commit (default: main)
-    download_dir: str | None = None  # the Hub cache folder to use instead of $HF_HUB_CACHE
+    revision: str | None = _flag(None, "branch, tag or commit of a Hub id (default: main); not for local folders")
+    download_dir: str | None = _flag(
+        None, "Hugging Face cache folder for Hub ids (default: $HF_HUB_CACHE, ~/.cache/huggingface/hub)"
+    )
     # a tokenizer apart from the model's (a folder or Hub id) and its revision (default: --revision)
-    tokenizer: str | None = None
-    tokenizer_revision: str | None = None
+    tokenizer: str | None = _flag(
+        None, "the tokenizer's folder or Hub id (default: the model's); its chat template too"
+    )
+    tokenizer_revision: str | None = _flag(None, "branch, tag or commit of --tokenizer (default: --revision)")
     # the name clients use; a list gives the model several (vLLM's --served-model-name a b): the first
     # is its name, the others (``served_model_aliases``) reach it too
     served_model_name: str | list[str] | None = None
-    dtype: str = "auto"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    kv_cache_space: float | None = None  # GiB of KV cache (CPU)
-    num_gpu_blocks_override: int | None = None
-    seed: int = 0
-    device: str = "auto"
-    enable_prefix_caching: bool = True
-    swap_space: float | None = None  # GiB of CPU blocks for swapping (default: 4 on CUDA, 0 on CPU)
-    scheduling_policy: str = "fcfs"
-    preemption_mode: str | None = None  # None: swap groups sharing blocks when CPU blocks exist, else recompute
-    tensor_parallel_size: int = 1  # shards (Ray actors) per model
-    ray_address: str | None = None  # "auto", "ray://host:port", a GCS address; None: a local Ray when one is needed
-    placement_strategy: str = "STRICT_PACK"  # Ray placement group strategy of the shards
-    enable_recovery: bool = True  # restart a dead shard group and recompute in-flight requests
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device's memory for weights, activations and KV
-    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
-    attention_backend: str = "auto"  # auto (CUDA kernels where they run, else torch), torch, cuda
-    load_format: str = "auto"  # auto: the folder's safetensors; dummy: random weights (benchmarks, no checkpoint)
+    dtype: str = _flag("auto", "auto, half, float16, bfloat16, float, float32")
+    block_size: int = _flag(16, "tokens per KV-cache block", type=int)
+    max_model_len: int | None = _flag(None, "context length (default: the model's)", type=int)
+    max_num_seqs: int = _flag(256, "most sequences in one batch", type=int)
+    max_num_batched_tokens: int | None = _flag(None, "token budget of one step", type=int)
+    kv_cache_space: float | None = _flag(None, "GiB of KV cache on CPU (default 4)", type=float)
+    num_gpu_blocks_override: int | None = _flag(None, "exact number of KV blocks", type=int)
+    seed: int = _flag(
+        0, "engine-wide random seed: requests without their own seed draw from a generator seeded with it, so the "
+           "same requests in the same order sample the same tokens on every run", type=int,
+    )
+    device: str = _flag("auto", choices=("auto", "cpu", "cuda"))
+    enable_prefix_caching: bool = _flag(
+        True, "reuse KV blocks of shared prompt prefixes (default: on)", action=argparse.BooleanOptionalAction,
+        unset=True,
+    )
+    swap_space: float | None = _flag(
+        None, "GiB of CPU memory for swapped-out KV blocks (default: 4 on CUDA, 0 on CPU)", type=float
+    )
+    scheduling_policy: str = _flag(
+        "fcfs", "admission order: arrival, or request priority (lower first)", choices=("fcfs", "priority")
+    )
+    # None: swap groups sharing blocks when CPU blocks exist, else recompute
+    preemption_mode: str | None = _flag(
+        None, "what a preempted request's KV blocks do (default: the engine's choice)", choices=("swap", "recompute")
+    )
+    # shards (Ray actors) per model
+    tensor_parallel_size: int = _flag(1, "GPUs (or CPU shards) per model", aliases=("-tp",), type=int)
+    # "auto", "ray://host:port", a GCS address; None: a local Ray when one is needed
+    ray_address: str | None = _flag(
+        None, "Ray cluster to join: auto, ray://host:port or host:port (default: a local one)"
+    )
+    # Ray placement group strategy of the shards
+    placement_strategy: str = _flag(
+        "STRICT_PACK", "Ray placement of the tensor-parallel shards: one node, or spread over nodes",
+        choices=PLACEMENT_STRATEGIES,
+    )
+    enable_recovery: bool = _flag(
+        True, "when a Ray shard dies, hangs or fails its step: restart the shard group and recompute the in-flight "
+              "requests (default), or with --no-enable-recovery fail them all", action=argparse.BooleanOptionalAction,
+    )
+    gpu_memory_utilization: float = _flag(
+        0.9, "fraction of GPU memory for weights, activations and KV cache", type=float
+    )
+    enforce_eager: bool = _flag(
+        False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs", action="store_true"
+    )
+    # auto (CUDA kernels where they run, else torch), torch, cuda
+    attention_backend: str = _flag(
+        "auto", "paged attention: the CUDA kernels where they run (auto), or torch", choices=("auto", "torch", "cuda")
+    )
+    # auto: the folder's safetensors; dummy: random weights (benchmarks, no checkpoint)
+    load_format: str = _flag(
+        "auto", "dummy: random weights of the model folder's shape (benchmarks; no checkpoint read)",
+        choices=("auto", "dummy"),
+    )
     # vLLM's --quantization: the checkpoint's quantization_config decides (this may only repeat it); on a
     # float checkpoint, fp8 quantizes at load
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2: one byte per element
+    quantization: str | None = _flag(
+        None, "weights quantization: awq, compressed-tensors, fp8, gptq (default: the checkpoint's "
+              "quantization_config; fp8 on a float checkpoint quantizes it at load)", aliases=("-q",), metavar="METHOD",
+    )
+    # auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2: one byte per element
+    kv_cache_dtype: str = _flag(
+        "auto", "KV cache element type: auto (the model's dtype) or fp8 (one byte, scale 1.0; attention in torch)",
+        choices=tuple(KV_CACHE_DTYPES),
+    )
     limits: InputLimits = field(default_factory=InputLimits)  # per-request caps (--max-logprobs ...)
-    generation_config: str = "auto"  # auto: the model folder's generation_config.json; vllm: no defaults; a folder
-    override_generation_config: dict[str, Any] | None = None  # sampling defaults over the generation config's
-    # grammar engine of structured outputs (--structured-outputs-config)
-    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] = field(default_factory=StructuredOutputsConfig)
-    chat_template: str | None = None  # a Jinja file or the template itself, over the tokenizer's (--chat-template)
-    default_chat_template_kwargs: dict[str, Any] | None = None  # template variables every request gets
-    trust_request_chat_template: bool = False  # a request may bring its own chat_template
+    # auto: the model folder's generation_config.json; vllm: no defaults; a folder
+    generation_config: str = _flag(
+        "auto", "sampling defaults and extra EOS ids: auto (the model folder's generation_config.json), vllm (no "
+                "sampling defaults) or a folder holding a generation_config.json",
+    )
+    override_generation_config: dict[str, Any] | None = _flag(
+        None, "JSON object of sampling defaults over the generation config's, e.g. '{\"temperature\": 0.5}' "
+              "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)", parse=json_flag_value,
+    )
+    # grammar engine of structured outputs (--structured-outputs-config; cli.py also reads
+    # --guided-decoding-backend and --reasoning-parser into it)
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] = _flag(
+        help='structured outputs as vLLM\'s: \'{"backend": "xgrammar", "disable_any_whitespace": true, '
+             '"max_whitespace": 4, "cache_size": 256}\' (backend xgrammar or auto)',
+        default_factory=StructuredOutputsConfig, metavar="JSON",
+    )
+    chat_template: str | None = _flag(
+        None, "a Jinja chat template (a file, or the template itself) over the tokenizer's",
+        metavar="FILE_OR_TEMPLATE",
+    )
+    default_chat_template_kwargs: dict[str, Any] | None = _flag(
+        None, 'template variables every chat request gets, e.g. \'{"enable_thinking": false}\'', metavar="JSON",
+        parse=json_flag_value,
+    )
+    trust_request_chat_template: bool = _flag(
+        False, "a chat request may bring its own chat_template (refused otherwise)", action="store_true"
+    )
     # LoRA (vLLM's --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras): adapters a request may run on
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    enable_lora: bool = _flag(
+        False, "serve LoRA adapters (PEFT folders) on the model: --lora-modules, or loaded at runtime",
+        action="store_true",
+    )
+    max_loras: int = _flag(
+        1, "LoRA adapters in device slots at once; requests of others wait for a slot", type=int
+    )
+    max_lora_rank: int = _flag(16, "the highest LoRA rank an adapter may have", type=int)
+    max_cpu_loras: int | None = _flag(
+        None, "LoRA adapters kept loaded on the CPU behind the device slots (default: --max-loras)", type=int
+    )
     # speculative decoding (vLLM's --speculative-config): ngram or a draft model's proposals, verified exactly
-    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _flag(
+        None, 'speculative decoding as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": PATH, '
+              '"num_speculative_tokens": 4}\' (also disable_by_batch_size)', metavar="JSON", parse=_speculative_flag,
+    )
     served_model_aliases: tuple[str, ...] = field(init=False, default=())
     chat_template_text: str | None = field(init=False, default=None)  # --chat-template's text
     model_path: Path = field(init=False)

@@ -7,15 +7,20 @@ optional ``"id"`` (default: the line number). Each output line, in input order:
 
     python deploy/ray/batch_generate.py --input prompts.jsonl --output outputs.jsonl \\
         --ray-address auto --tensor-parallel-size 2
+
+It takes every engine flag ``raypaged generate`` takes (``--max-model-len``, ``--quantization`` ...);
+``--seed`` seeds the sampling too.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 from pathlib import Path
 
 from raypaged import LLM, SamplingParams
+from raypaged.entrypoints.cli import add_engine_args, configure_logging, engine_kwargs
 
 
 def read_prompts(path: Path) -> tuple[list[str], list[dict]]:
@@ -32,29 +37,23 @@ def read_prompts(path: Path) -> tuple[list[str], list[dict]]:
     return ids, prompts
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", type=Path, required=True, help="prompts, one JSON object a line")
     parser.add_argument("--output", type=Path, required=True, help="where the outputs JSONL is written")
-    parser.add_argument("--model", default=None, help="local Hugging Face model folder on every node")
-    parser.add_argument("--ray-address", default="auto", help="the cluster to join (default: auto)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_engine_args(parser)  # every engine flag of `raypaged generate`, from EngineConfig's fields
+    parser.set_defaults(ray_address="auto")  # a job joins the cluster it runs on
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    configure_logging(args.log_level)
 
     ids, prompts = read_prompts(args.input)
-    llm = LLM(
-        model=args.model,
-        device=args.device,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        ray_address=args.ray_address,
-        placement_strategy=args.placement_strategy,
-    )
+    llm = LLM(**engine_kwargs(args, set(inspect.signature(LLM).parameters), args.model))
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
         outputs = llm.generate(prompts, params)

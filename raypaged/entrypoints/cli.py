@@ -11,38 +11,29 @@ import sys
 from typing import TYPE_CHECKING
 
 from raypaged import envs
+from raypaged.config import CliFlag, EngineConfig, cli_flag, json_flag_value
 from raypaged.entrypoints.config_file import CONFIG_FLAG, ArgumentParser
 from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
 from raypaged.structured.config import StructuredOutputsConfig
 from raypaged.entrypoints.vllm_compat import DEFAULT_ONLY, check_default_only, explain
 from raypaged.entrypoints.vllm_compat import flag as vllm_flag
-from raypaged.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from raypaged.config import EngineConfig
     from raypaged.serving.launch import GatewayOptions
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
-# flags whose engine field may be missing from this build: (dest, default when not given)
-_OPTIONAL_ENGINE_FLAGS = {
-    "tensor_parallel_size": 1,
-    "gpu_memory_utilization": 0.9,
-    "swap_space": None,
-    "enable_prefix_caching": None,
-    "scheduling_policy": "fcfs",
-    "preemption_mode": None,
-    "ray_address": None,
-    "placement_strategy": "STRICT_PACK",
-    "enable_recovery": True,
-    "enforce_eager": False,
-    "attention_backend": "auto",
-    "load_format": "auto",
-    "quantization": None,
-    "kv_cache_dtype": "auto",
-    "chat_template": None,
-    "trust_request_chat_template": False,
-}
+# EngineConfig's fields are flags generated from their CliFlag metadata (add_config_args), except:
+# - model: generate takes one --model; serve and engine a repeatable --model and vLLM's positional MODEL,
+#   one engine per model, so engine_kwargs takes the model as its argument
+# - served_model_name: serve and engine only, one repeatable --served-model-name (several names) per
+#   --model, paired with the models in engine_configs
+# - limits: an InputLimits, one flag per InputLimits field (add_limit_args)
+# and structured_outputs_config, whose flag is generated but whose value engine_kwargs reads together
+# with --guided-decoding-backend (vLLM's older spelling of its backend) and --reasoning-parser (a gateway
+# flag whose reasoning sections the constraints follow). The flags that are no field at all (--log-level,
+# the vLLM flags of add_vllm_args) are written out where they are added.
+_STRUCTURED = "structured_outputs_config"
 
 
 def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) -> None:
@@ -59,113 +50,46 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
         parser.add_argument("--model", default=None,
                             help="local model folder or Hugging Face Hub id (org/name) "
                                  "(default: SmolLM2-135M-Instruct)")
-    add_hub_args(parser)
-    parser.add_argument("--dtype", default="auto", help="auto, half, float16, bfloat16, float, float32")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    parser.add_argument("--kv-cache-space", type=float, default=None, help="GiB of KV cache on CPU (default 4)")
-    parser.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="engine-wide random seed: requests without their own seed draw from a generator "
-                             "seeded with it, so the same requests in the same order sample the same tokens on "
-                             "every run")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (or CPU shards) per model")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of GPU memory for weights, activations and KV cache")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda"],
-                        help="paged attention: the CUDA kernels where they run (auto), or torch")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                        help="dummy: random weights of the model folder's shape (benchmarks; no checkpoint read)")
-    parser.add_argument("--swap-space", type=float, default=None,
-                        help="GiB of CPU memory for swapped-out KV blocks (default: 4 on CUDA, 0 on CPU)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                        help="reuse KV blocks of shared prompt prefixes (default: on)")
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                        help="admission order: arrival, or request priority (lower first)")
-    parser.add_argument("--preemption-mode", default=None, choices=["swap", "recompute"],
-                        help="what a preempted request's KV blocks do (default: the engine's choice)")
-    parser.add_argument("--ray-address", default=None,
-                        help="Ray cluster to join: auto, ray://host:port or host:port (default: a local one)")
-    parser.add_argument("--placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"],
-                        help="Ray placement of the tensor-parallel shards: one node, or spread over nodes")
-    parser.add_argument("--enable-recovery", action=argparse.BooleanOptionalAction, default=True,
-                        help="when a Ray shard dies, hangs or fails its step: restart the shard group and recompute "
-                             "the in-flight requests (default), or with --no-enable-recovery fail them all")
-    parser.add_argument("--generation-config", default="auto",
-                        help="sampling defaults and extra EOS ids: auto (the model folder's generation_config.json), "
-                             "vllm (no sampling defaults) or a folder holding a generation_config.json")
-    parser.add_argument("--override-generation-config", default=None,
-                        help="JSON object of sampling defaults over the generation config's, e.g. "
-                             '\'{"temperature": 0.5}\' (temperature, top_p, top_k, min_p, repetition_penalty, '
-                             "max_new_tokens)")
-    parser.add_argument("--structured-outputs-config", default=None, metavar="JSON",
-                        help='structured outputs as vLLM\'s: \'{"backend": "xgrammar", "disable_any_whitespace": '
-                             'true, "max_whitespace": 4, "cache_size": 256}\' (backend xgrammar or auto)')
+    add_config_args(parser)
+    # not a field: it sets structured_outputs_config's backend (see engine_kwargs)
     parser.add_argument("--guided-decoding-backend", default=None, metavar="NAME",
                         help="vLLM's older spelling of the structured outputs backend: xgrammar or auto")
-    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                        help="a Jinja chat template (a file, or the template itself) over the tokenizer's")
-    parser.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
-                        help='template variables every chat request gets, e.g. \'{"enable_thinking": false}\'')
-    parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="a chat request may bring its own chat_template (refused otherwise)")
     add_limit_args(parser)
     add_vllm_args(parser)
+    # not a field: the process's logging, set before any engine starts
     parser.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
 
 
-def _json_flag(flag_name: str, value: str) -> object:
-    import json
-
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{flag_name} takes a JSON object, got {value!r} ({exc})") from None
+def config_flag_fields() -> list[tuple[dataclasses.Field, CliFlag]]:
+    """The ``EngineConfig`` init fields that are flags, with their metadata, in field order."""
+    return [(f, meta) for f in dataclasses.fields(EngineConfig) if f.init and (meta := cli_flag(f)) is not None]
 
 
-def add_hub_args(parser: argparse.ArgumentParser) -> None:
-    """Where a Hugging Face Hub id's files come from (see ``model/hub.py``)."""
-    parser.add_argument("--revision", default=None,
-                        help="branch, tag or commit of a Hub id (default: main); not for local folders")
-    parser.add_argument("--download-dir", default=None,
-                        help="Hugging Face cache folder for Hub ids (default: $HF_HUB_CACHE, ~/.cache/huggingface/hub)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="the tokenizer's folder or Hub id (default: the model's); its chat template too")
-    parser.add_argument("--tokenizer-revision", default=None,
-                        help="branch, tag or commit of --tokenizer (default: --revision)")
+def flag_default(f: dataclasses.Field, meta: CliFlag) -> object:
+    """A field's flag default: the field's, or ``None`` (not given) for ``unset`` and default-factory fields."""
+    return None if meta.unset or f.default is dataclasses.MISSING else f.default
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``EngineConfig`` field with ``CliFlag`` metadata: ``--field-name`` and its aliases,
+    with the metadata's type, action, choices, metavar and help."""
+    for f, meta in config_flag_fields():
+        options = {"type": meta.type, "action": meta.action, "metavar": meta.metavar, "help": meta.help,
+                   "choices": None if meta.choices is None else list(meta.choices)}
+        parser.add_argument(vllm_flag(f.name), *meta.aliases, default=flag_default(f, meta),
+                            **{key: value for key, value in options.items() if value is not None})
 
 
 def add_vllm_args(parser: argparse.ArgumentParser) -> None:
-    """Flags vLLM command lines carry: each is honoured, or refused by name in ``check_vllm_args``."""
+    """Flags vLLM command lines carry that are no ``EngineConfig`` field: each is honoured, or refused by
+    name in ``check_vllm_args`` (``LLM`` takes the same options as keywords, see ``vllm_compat``)."""
     add_default_only_args(parser)
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM command lines: only built-in architectures run, never a model's code")
-    parser.add_argument("--quantization", "-q", default=None, metavar="METHOD",
-                        help="weights quantization: awq, compressed-tensors, fp8, gptq (default: the checkpoint's "
-                             "quantization_config; fp8 on a float checkpoint quantizes it at load)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                        help="KV cache element type: auto (the model's dtype) or fp8 (one byte, scale 1.0; "
-                             "attention in torch)")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                         help="on: long prefills are always chunked within --max-num-batched-tokens")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="accepted for vLLM command lines: raypaged logs no periodic stats (see /metrics)")
-    parser.add_argument("--enable-lora", action="store_true",
-                        help="serve LoRA adapters (PEFT folders) on the model: --lora-modules, or loaded at runtime")
-    parser.add_argument("--max-loras", type=int, default=1,
-                        help="LoRA adapters in device slots at once; requests of others wait for a slot")
-    parser.add_argument("--max-lora-rank", type=int, default=16, help="the highest LoRA rank an adapter may have")
-    parser.add_argument("--max-cpu-loras", type=int, default=None,
-                        help="LoRA adapters kept loaded on the CPU behind the device slots (default: --max-loras)")
-    parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help='speculative decoding as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
-                             '"model": PATH, "num_speculative_tokens": 4}\' (also disable_by_batch_size)')
 
 
 def add_default_only_args(parser: argparse.ArgumentParser) -> None:
@@ -206,51 +130,30 @@ def input_limits(args: argparse.Namespace) -> InputLimits:
 
 
 def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | None) -> dict:
-    """Keyword arguments for ``LLM``/``EngineConfig`` (whose names are ``accepted``).
+    """Keyword arguments for ``LLM``/``EngineConfig`` (whose names are ``accepted``): each field flag's
+    value under its field's name (a flag not given, ``None``, leaves the field's default).
 
-    A flag whose field this build lacks is an error when set to anything but its default.
+    A flag whose field is not ``accepted`` is an error when set to anything but its default.
     """
     check_vllm_args(args)
-    kwargs = dict(
-        model=model,
-        revision=args.revision,
-        download_dir=args.download_dir,
-        tokenizer=args.tokenizer,
-        tokenizer_revision=args.tokenizer_revision,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_space=args.kv_cache_space,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        seed=args.seed,
-        device=args.device,
-        generation_config=args.generation_config,
-    )
-    if args.override_generation_config is not None:
-        kwargs["override_generation_config"] = _json_flag("--override-generation-config",
-                                                          args.override_generation_config)
+    kwargs: dict = {"model": model}
+    for f, meta in config_flag_fields():
+        if f.name == _STRUCTURED:
+            continue  # below, with the flags that also set it
+        value = getattr(args, f.name)
+        if value is not None and meta.parse is not None:
+            value = meta.parse(vllm_flag(f.name), value)
+        if value is None:
+            continue
+        if f.name in accepted:
+            kwargs[f.name] = value
+        elif value != flag_default(f, meta):
+            raise ValueError(f"{vllm_flag(f.name)} is not available in this build of the engine")
     if "limits" in accepted:
         kwargs["limits"] = input_limits(args)
-    kwargs["structured_outputs_config"] = StructuredOutputsConfig.parse(  # constraints follow reasoning sections
+    kwargs[_STRUCTURED] = StructuredOutputsConfig.parse(  # constraints follow reasoning sections
         args.structured_outputs_config, args.guided_decoding_backend, getattr(args, "reasoning_parser", None)
     )
-    if args.default_chat_template_kwargs is not None:
-        kwargs["default_chat_template_kwargs"] = _json_flag("--default-chat-template-kwargs",
-                                                            args.default_chat_template_kwargs)
-    if args.enable_lora:
-        kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                      max_cpu_loras=args.max_cpu_loras)
-    if args.speculative_config is not None:
-        kwargs["speculative_config"] = SpeculativeConfig.parse(args.speculative_config)
-    for dest, default in _OPTIONAL_ENGINE_FLAGS.items():
-        value = getattr(args, dest)
-        if dest in accepted:
-            if value is not None:
-                kwargs[dest] = value
-        elif value != default:
-            raise ValueError(f"--{dest.replace('_', '-')} is not available in this build of the engine")
     return kwargs
 
 
@@ -280,8 +183,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
     """One ``EngineConfig`` per ``--model`` (none given: the default model)."""
-    from raypaged.config import EngineConfig
-
     models = ([args.model_tag] if args.model_tag else []) + (args.model or []) or [None]
     names = args.served_model_name or [None] * len(models)
     if len(names) != len(models):
@@ -311,7 +212,7 @@ def lora_modules(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
     found: dict[str, tuple[str, str]] = {}
     for spec in args.lora_modules:
         if spec.lstrip().startswith("{"):
-            entry = _json_flag("--lora-modules", spec)
+            entry = json_flag_value("--lora-modules", spec)
             unknown = set(entry) - {"name", "path", "base_model_name"}
             if unknown or not entry.get("name") or not entry.get("path"):
                 raise ValueError(f"--lora-modules takes name=path or JSON with name, path and base_model_name, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import MISSING, fields, replace
 from functools import partial
 from typing import Any
 
@@ -14,11 +14,10 @@ from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.entrypoints.vllm_compat import ANY_VALUE, DEFAULT_ONLY, check_default_only, unknown_keyword
-from raypaged.inputs.limits import InputLimits, check_priority
+from raypaged.inputs.limits import check_priority
 from raypaged.lora.request import LoRARequest
 from raypaged.outputs import BeamSearchOutput, RequestOutput
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
-from raypaged.structured.config import StructuredOutputsConfig
 
 PromptType = str | dict[str, Any]
 _PROGRESS_MIN_PROMPTS = 16
@@ -37,97 +36,22 @@ class LLM:
     the KV cache in one byte per element.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        revision: str | None = None,
-        download_dir: str | None = None,
-        tokenizer: str | None = None,
-        tokenizer_revision: str | None = None,
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        kv_cache_space: float | None = None,
-        num_gpu_blocks_override: int | None = None,
-        seed: int = 0,
-        device: str = "auto",
-        enable_prefix_caching: bool = True,
-        swap_space: float | None = None,
-        scheduling_policy: str = "fcfs",
-        preemption_mode: str | None = None,
-        tensor_parallel_size: int = 1,
-        ray_address: str | None = None,
-        placement_strategy: str = "STRICT_PACK",
-        enable_recovery: bool = True,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        attention_backend: str = "auto",
-        load_format: str = "auto",
-        quantization: str | None = None,
-        kv_cache_dtype: str = "auto",
-        limits: InputLimits | None = None,
-        generation_config: str = "auto",
-        override_generation_config: dict[str, Any] | None = None,
-        structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None,
-        chat_template: str | None = None,
-        default_chat_template_kwargs: dict[str, Any] | None = None,
-        enable_lora: bool = False,
-        max_loras: int = 1,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
-        speculative_config: dict[str, Any] | None = None,
-        **vllm_options: Any,
-    ) -> None:
-        """``vllm_options``: vLLM engine arguments taken here at one value (``trust_remote_code``,
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """Every init field of ``EngineConfig`` is a keyword with the config's default (the signature,
+        ``inspect.signature(LLM)``, is generated from its fields: see ``engine_keywords``); ``None``
+        for ``limits`` or ``structured_outputs_config`` is their default too.
+
+        The other keywords are vLLM engine arguments taken here at one value (``trust_remote_code``,
         ``disable_log_stats``, ``enable_chunked_prefill=True``, ``pipeline_parallel_size=1`` ...);
         another value is refused naming it, and an unknown keyword is a ``TypeError`` naming the
         closest one there is."""
-        _check_vllm_options(vllm_options)
-        self.llm_engine = LLMEngine(
-            EngineConfig(
-                model=model,
-                revision=revision,
-                download_dir=download_dir,
-                tokenizer=tokenizer,
-                tokenizer_revision=tokenizer_revision,
-                dtype=dtype,
-                block_size=block_size,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                kv_cache_space=kv_cache_space,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-                seed=seed,
-                device=device,
-                enable_prefix_caching=enable_prefix_caching,
-                swap_space=swap_space,
-                scheduling_policy=scheduling_policy,
-                preemption_mode=preemption_mode,
-                tensor_parallel_size=tensor_parallel_size,
-                ray_address=ray_address,
-                placement_strategy=placement_strategy,
-                enable_recovery=enable_recovery,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enforce_eager=enforce_eager,
-                attention_backend=attention_backend,
-                load_format=load_format,
-                quantization=quantization,
-                kv_cache_dtype=kv_cache_dtype,
-                limits=limits or InputLimits(),
-                generation_config=generation_config,
-                override_generation_config=override_generation_config,
-                structured_outputs_config=structured_outputs_config or StructuredOutputsConfig(),
-                chat_template=chat_template,
-                default_chat_template_kwargs=default_chat_template_kwargs,
-                enable_lora=enable_lora,
-                max_loras=max_loras,
-                max_lora_rank=max_lora_rank,
-                max_cpu_loras=max_cpu_loras,
-                speculative_config=speculative_config,
-            )
-        )
+        keywords = engine_keywords()
+        given = {name: options.pop(name) for name in list(options) if name in keywords}
+        _check_vllm_options(options)
+        for name in _FACTORY_DEFAULTS:
+            if name in given and given[name] is None:
+                del given[name]  # as before: None stands for the config's own default object
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **given))
 
     def shutdown(self) -> None:
         """Release the shard actors and their placement group (nothing to do in-process)."""
@@ -287,10 +211,40 @@ def _prompt_input(prompt: PromptType) -> tuple[str | None, list[int] | None]:
     raise ValueError(f"a prompt must be a string or a dict with prompt_token_ids, got {type(prompt).__name__}")
 
 
+def engine_keywords() -> dict[str, inspect.Parameter]:
+    """``LLM``'s engine keywords: every init field of ``EngineConfig``, in field order, with its default
+    (a default factory's object); ``model`` may also come first positionally, the others by name."""
+    keywords = {}
+    for f in fields(EngineConfig):
+        if not f.init:
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "model" else inspect.Parameter.KEYWORD_ONLY
+        keywords[f.name] = inspect.Parameter(f.name, kind, default=default, annotation=f.type)
+    return keywords
+
+
+# fields whose default is a default factory's object: LLM takes None for them, as it always has
+_FACTORY_DEFAULTS = tuple(f.name for f in fields(EngineConfig) if f.init and f.default_factory is not MISSING)
+
+
 def _check_vllm_options(options: dict[str, Any]) -> None:
     default_only = {name for name, *_ in DEFAULT_ONLY}
     for name in options:
         if name not in default_only and name not in ANY_VALUE:
-            known = [*inspect.signature(LLM).parameters, *default_only, *ANY_VALUE]
-            raise unknown_keyword(name, [k for k in known if k != "vllm_options"])
+            raise unknown_keyword(name, [*engine_keywords(), *default_only, *ANY_VALUE])
     check_default_only(options, as_flags=False)
+
+
+def _signature() -> inspect.Signature:
+    """``LLM.__init__``'s signature as ``inspect`` shows it: ``self``, the engine keywords (``model``
+    first) and ``**vllm_options``."""
+    keywords = engine_keywords()
+    model = keywords.pop("model")
+    return inspect.Signature([
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), model, *keywords.values(),
+        inspect.Parameter("vllm_options", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
+    ], return_annotation="None")
+
+
+LLM.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
