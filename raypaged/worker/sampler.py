@@ -115,25 +115,37 @@ _TOP_P_CANDIDATES = 1024
 
 def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
     """Penalties, biases and bans in vLLM's order: repetition, presence and frequency, logit bias,
-    allowed tokens, bad words, then ``min_tokens``' bans. All but allowed tokens and bad words run
-    as one gather and scatter each over the (row, token) pairs they touch (the arithmetic of row by
-    row); those two stay per row (a whole-row mask, and a match on each row's newest tokens)."""
+    allowed tokens, bad words, then ``min_tokens``' bans. Each runs once over all the rows that use
+    it, as a gather and a scatter over the (row, token) pairs it touches (the arithmetic of row by
+    row, to the bit); only matching bad words against each row's newest tokens is per row."""
     _repetition_penalty(logits, inputs)
     _presence_frequency_penalty(logits, inputs)
     _logit_bias(logits, inputs)
-    for i, s in enumerate(inputs):
-        p = s.params
-        if p.allowed_token_ids is not None:
-            allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long)
-            kept = logits[i, allowed]
-            logits[i] = float("-inf")
-            logits[i, allowed] = kept
-        if p.bad_words_token_ids:
-            banned_words = _banned_by_words(p.bad_words_token_ids, s.output_token_ids)
-            if banned_words:
-                logits[i, banned_words] = float("-inf")
+    _allowed_tokens(logits, inputs)
+    _bad_words(logits, inputs)
     _min_tokens_bans(logits, inputs)
     return logits
+
+
+def _allowed_tokens(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
+    """Rows with ``allowed_token_ids`` keep those logits and no other."""
+    rows = [i for i, s in enumerate(inputs) if s.params.allowed_token_ids is not None]
+    if not rows:
+        return
+    flat = _flat_token_index(logits, rows, [inputs[i].params.allowed_token_ids for i in rows])
+    view = logits.view(-1)
+    kept = view[flat]
+    logits[torch.tensor(rows, device=logits.device)] = float("-inf")
+    view[flat] = kept
+
+
+def _bad_words(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
+    banned = {}
+    for i, s in enumerate(inputs):
+        if s.params.bad_words_token_ids and (ids := _banned_by_words(s.params.bad_words_token_ids, s.output_token_ids)):
+            banned[i] = ids
+    if banned:
+        logits.view(-1)[_flat_token_index(logits, list(banned), list(banned.values()))] = float("-inf")
 
 
 def _logit_bias(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:

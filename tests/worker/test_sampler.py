@@ -112,6 +112,9 @@ def penalties_row_by_row(logits: torch.Tensor, inputs: list[SamplingInput]) -> t
             kept = logits[i, allowed]
             logits[i] = float("-inf")
             logits[i, allowed] = kept
+        for word in p.bad_words_token_ids or []:
+            if len(word) == 1 or s.output_token_ids[len(s.output_token_ids) - len(word) + 1:] == word[:-1]:
+                logits[i, word[-1]] = float("-inf")
         if len(s.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([s.eos_token_id] if s.eos_token_id is not None and not p.ignore_eos else [])
             if banned:
@@ -133,7 +136,8 @@ def test_batched_penalties_and_bans_equal_row_by_row_to_the_bit():
                                 frequency_penalty=[0.0, 0.25, -0.4][i % 3],
                                 logit_bias={7 * i: 1.5, 290 - i: -2.25} if i % 4 == 1 else None,
                                 allowed_token_ids=[3, 5, 7 * i, 299] if i % 5 == 2 else None,
-                                min_tokens=16 if i % 3 == 0 else 0, stop_token_ids=[11, 12] if i % 2 == 0 else None)
+                                min_tokens=16 if i % 3 == 0 else 0, stop_token_ids=[11, 12] if i % 2 == 0 else None,
+                                bad_words_token_ids=[[40 + i], output[-2:] + [250], [299, 298]] if i % 3 == 1 else None)
         inputs.append(SamplingInput(params, prompt, output, eos_token_id=2 if i % 4 else None))
     logits = torch.randn(12, vocab, generator=generator) * 3
     batched = _apply_penalties(logits.clone(), inputs)
