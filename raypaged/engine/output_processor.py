@@ -329,10 +329,29 @@ def end_seq(seq: SeqState, delta: SeqDelta) -> None:
         seq.first_scheduled_time = delta.first_scheduled_time
 
 
+_DELTA = RequestOutputKind.DELTA
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
+
 def make_output(state: RequestState) -> RequestOutput | None:
     """This step's output of the request in its ``output_kind``; ``None`` when there is none to give."""
-    finished = state.finished
     params = state.params
+    if len(state.seqs) == 1:  # the common case, built with no list or property in between
+        seq = state.seqs[0]
+        finished = seq.finish_reason is not None
+        kind = params.output_kind
+        if kind is _FINAL_ONLY and not finished:
+            return None
+        delta = kind is _DELTA
+        completion = _delta(seq, params) if delta else _cumulative(seq, params)
+        seq.done = finished
+        num_tokens = len(seq.token_ids)
+        metrics = RequestMetrics(state.arrival_time, params.n, state.max_tokens, seq.first_scheduled_time,
+                                 seq.first_token_time, seq.last_token_time, num_tokens)
+        prompt_logprobs = None if state.prompt_logprobs_found is None else state.prompt_logprobs(delta)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
+                             num_tokens, None, metrics, prompt_logprobs, state.num_cached_tokens)
+    finished = state.finished
     ranked = params.num_samples > params.n
     if (ranked or params.output_kind == RequestOutputKind.FINAL_ONLY) and not finished:
         return None
@@ -392,35 +411,24 @@ def request_metrics(state: RequestState) -> RequestMetrics:
 
 
 def _cumulative(seq: SeqState, params: SamplingParams) -> CompletionOutput:
-    return CompletionOutput(
-        index=seq.index,
-        text=seq.text,
-        token_ids=list(seq.token_ids),
-        cumulative_logprob=seq.cumulative_logprob,
-        logprobs=list(seq.logprobs) if params.logprobs is not None else None,
-        finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason,
-        finish_message=seq.finish_message,
-    )
+    # positional, in CompletionOutput's field order: index, text, token ids, cumulative logprob,
+    # logprobs, finish reason, stop reason, finish message (this runs per sequence per step)
+    return CompletionOutput(seq.index, seq.text, list(seq.token_ids), seq.cumulative_logprob,
+                            list(seq.logprobs) if params.logprobs is not None else None,
+                            seq.finish_reason, seq.stop_reason, seq.finish_message)
 
 
 def _delta(seq: SeqState, params: SamplingParams) -> CompletionOutput:
     first = seq.num_sent_tokens
-    held = 0 if seq.finish_reason is not None or not params.stop else stop_holdback(seq.text, params.stop)
-    visible = max(len(seq.text) - held, seq.num_sent_chars)
-    text = seq.text[seq.num_sent_chars:visible]
+    text = seq.text
+    sent = seq.num_sent_chars
+    held = stop_holdback(text, params.stop) if params.stop and seq.finish_reason is None else 0
+    visible = max(len(text) - held, sent)
     seq.num_sent_tokens = len(seq.token_ids)
     seq.num_sent_chars = visible
-    return CompletionOutput(
-        index=seq.index,
-        text=text,
-        token_ids=seq.token_ids[first:],
-        cumulative_logprob=seq.cumulative_logprob,
-        logprobs=seq.logprobs[first:] if params.logprobs is not None else None,
-        finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason,
-        finish_message=seq.finish_message,
-    )
+    return CompletionOutput(seq.index, text[sent:visible], seq.token_ids[first:], seq.cumulative_logprob,
+                            seq.logprobs[first:] if params.logprobs is not None else None,
+                            seq.finish_reason, seq.stop_reason, seq.finish_message)
 
 
 def find_stop(text: str, stops: list[str], start: int) -> tuple[str, str] | None:
