@@ -39,7 +39,7 @@ from raypaged.inputs.limits import (
     check_token_ids,
 )
 from raypaged.outputs import RequestOutput
-from raypaged.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from raypaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tenants import AuthError, TenantGate, Tenants

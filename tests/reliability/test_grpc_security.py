@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from raypaged.entrypoints.cli import build_parser, main
-from raypaged.serving.async_engine import RequestFailedError
+from raypaged.engine.async_llm_engine import RequestFailedError
 from raypaged.serving.engine_server import EngineServer
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tenants import Tenant, TenantGate, Tenants, load_tenants

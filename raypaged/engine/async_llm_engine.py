@@ -1,7 +1,9 @@
 """The engine for services: asyncio callers, one engine thread.
 
 ``LLMEngine`` is synchronous and not thread-safe, so every call on it happens on
-one thread. Coroutines queue adds and aborts as commands; the thread applies them
+one thread, but its input processor's (``LLMEngine.process_request``): a coroutine runs
+that on a thread-pool thread (tokenizing, checking, compiling a grammar, reading an
+adapter), then queues the processed request. Adds and aborts are commands; the thread applies them
 between steps, runs ``step()`` while any request is unfinished, and hands each
 step's outputs to the per-request asyncio queues in one ``call_soon_threadsafe``.
 An abort is applied before the next step, so its KV blocks are free within one
