@@ -305,20 +305,16 @@ class Scheduler:
             out.new_requests.append(self._new_request_data(request))
         else:
             # the workers hold the accepted drafts of its last step as drafts only: they are sent now
-            known = max(request.num_computed_tokens - request.num_accepted_unsent, request.num_prompt_tokens)
-            first = known - request.num_prompt_tokens
-            last = request.num_computed_tokens + num_new - request.num_prompt_tokens
+            num_computed = request.num_computed_tokens
+            num_prompt = len(request.prompt_token_ids)
+            first = max(num_computed - request.num_accepted_unsent, num_prompt) - num_prompt
+            last = num_computed + num_new - num_prompt
             request.num_accepted_unsent = 0
-            out.cached_requests.append(
-                CachedRequestData(
-                    request_id=request.request_id,
-                    new_token_ids=request.output_token_ids[first:max(first, last)],
-                    new_block_ids=allocation.new_block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
-                    replaced_block_ids=allocation.replaced,
-                    num_block_ids=len(self.kv.get_block_ids(request.request_id)),
-                )
-            )
+            # positional (this runs per sequence per step): id, new token ids, new block ids, computed
+            # tokens, replaced block ids, the table's length
+            out.cached_requests.append(CachedRequestData(
+                request.request_id, request.output_token_ids[first:max(first, last)], allocation.new_block_ids,
+                num_computed, allocation.replaced, len(self.kv.tables[request.request_id].block_ids)))
         if drafts:
             out.scheduled_spec_tokens[request.request_id] = list(drafts)
         out.num_scheduled_tokens[request.request_id] = num_slots
