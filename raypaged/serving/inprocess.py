@@ -101,7 +101,8 @@ def _unary_method(name: str) -> Callable[..., Awaitable[object]]:
 
 
 class InProcessStub:
-    """The ``TextGenerationServiceStub`` calls of the gateway, answered by ``servicer`` in this process."""
+    """The in-process ``EngineClient`` (``serving/client.py``): the ``TextGenerationServiceStub``
+    calls of the gateway, answered by ``servicer`` in this process."""
 
     def __init__(self, servicer: pb_grpc.TextGenerationServiceServicer) -> None:
         self._servicer = servicer

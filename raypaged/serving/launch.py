@@ -29,6 +29,7 @@ from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, tenants_fo
 from raypaged.serving.gateway.reasoning import get_reasoning_parser
 from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.gateway.tool_parsers import get_parser
+from raypaged.serving.client import EngineClient
 from raypaged.serving.inprocess import InProcessStub
 from raypaged.serving.metrics import PREFIX as METRICS_PREFIX
 
@@ -153,7 +154,7 @@ class Gateway:
     """The HTTP gateway on a bound socket; ``serve()`` runs until ``shutdown()``, ``stop()`` or a signal."""
 
     def __init__(
-        self, targets: dict[str, str], options: GatewayOptions, local: dict[str, InProcessStub] | None = None
+        self, targets: dict[str, str], options: GatewayOptions, local: dict[str, EngineClient] | None = None
     ) -> None:
         """``local``: in-process stubs of engine servers in this process, by their address in ``targets``."""
         self.tenants = tenants_for(options.api_keys, options.tenants_file)
@@ -225,7 +226,7 @@ async def run_engine(
 
 
 async def run_gateway(
-    targets: dict[str, str], options: GatewayOptions, local: dict[str, InProcessStub] | None = None
+    targets: dict[str, str], options: GatewayOptions, local: dict[str, EngineClient] | None = None
 ) -> None:
     await Gateway(targets, options, local).serve(handle_signals=True)
 

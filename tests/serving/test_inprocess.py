@@ -114,6 +114,24 @@ def test_every_entry_point_checks_its_inputs_in_the_engines_one_input_processor(
     assert texts == [offline.outputs[0].text] * 2
 
 
+def test_both_links_are_engine_clients_with_every_rpc_of_the_service(stack):
+    import grpc
+
+    from raypaged.serving.client import EngineClient
+    from raypaged.serving.inprocess import InProcessStub
+    from raypaged.serving.proto import generate_pb2 as pb
+    from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
+
+    rpcs = [m.name for m in pb.DESCRIPTOR.services_by_name["TextGenerationService"].methods]
+    declared = [name for name in vars(EngineClient) if name[0].isupper()]
+    assert declared == rpcs  # the protocol is the service, in the .proto's order
+    local = InProcessStub(stack.engine_server.servicer)
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        remote = pb_grpc.TextGenerationServiceStub(channel)
+        assert isinstance(local, EngineClient) and isinstance(remote, EngineClient)
+    assert all(callable(getattr(local, name)) for name in rpcs)
+
+
 def test_the_http_socket_is_tcp_so_responses_are_not_delayed():
     """asyncio sets TCP_NODELAY only on sockets whose proto is TCP; without it every response after
     the first on a kept-alive connection waited for a delayed ACK (about 40 ms)."""

@@ -10,7 +10,7 @@ from prometheus_client.core import Metric
 
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, RECONNECT_OPTIONS
 from raypaged.serving.gateway.errors import APIError
-from raypaged.serving.inprocess import InProcessStub
+from raypaged.serving.client import EngineClient
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
 
@@ -20,19 +20,20 @@ _PROBE_TIMEOUT_S = 2.0
 class EngineRoutes:
     """``targets`` maps each served model name to the ``host:port`` of the engine serving it.
 
-    ``local`` maps addresses of engine servers in this process to their in-process stubs
-    (``raypaged serve``); every other address is reached over gRPC.
+    ``local`` maps addresses of engine servers in this process to their in-process clients
+    (``InProcessStub``, for ``raypaged serve``); every other address is reached over gRPC.
+    Either way the gateway holds an ``EngineClient`` per address.
     """
 
-    def __init__(self, targets: dict[str, str], local: dict[str, InProcessStub] | None = None) -> None:
+    def __init__(self, targets: dict[str, str], local: dict[str, EngineClient] | None = None) -> None:
         if not targets:
             raise ValueError("the gateway needs at least one engine (--engine NAME=host:port)")
         self.targets = dict(targets)
-        self._stubs: dict[str, pb_grpc.TextGenerationServiceStub | InProcessStub] = dict(local or {})
+        self._stubs: dict[str, EngineClient] = dict(local or {})
         self._info: dict[str, pb.ModelInfo] = {}
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> the address of the engine serving it
 
-    def _stub(self, address: str) -> pb_grpc.TextGenerationServiceStub | InProcessStub:
+    def _stub(self, address: str) -> EngineClient:
         """The stub of ``address``; gRPC channels are made on first use, on the serving loop."""
         stub = self._stubs.get(address)
         if stub is None:
@@ -40,10 +41,10 @@ class EngineRoutes:
             stub = self._stubs[address] = pb_grpc.TextGenerationServiceStub(channel)
         return stub
 
-    def _all_stubs(self) -> dict[str, pb_grpc.TextGenerationServiceStub | InProcessStub]:
+    def _all_stubs(self) -> dict[str, EngineClient]:
         return {address: self._stub(address) for address in sorted(set(self.targets.values()))}
 
-    def resolve(self, model: str | None) -> tuple[str, pb_grpc.TextGenerationServiceStub | InProcessStub]:
+    def resolve(self, model: str | None) -> tuple[str, EngineClient]:
         """The served name and stub for a request's ``model`` (omitted: the only model)."""
         if not model:
             if len(self.targets) > 1:
@@ -54,7 +55,7 @@ class EngineRoutes:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
         return model, self._stub(address)
 
-    async def find(self, model: str | None) -> tuple[str, pb_grpc.TextGenerationServiceStub | InProcessStub]:
+    async def find(self, model: str | None) -> tuple[str, EngineClient]:
         """``resolve``, after asking the engines for their LoRA adapters when ``model`` is no name known here."""
         if model and model not in self.targets and model not in self.adapters:
             await self.refresh_adapters()
@@ -89,7 +90,7 @@ class EngineRoutes:
                            "base_model_name")
         return next(iter(addresses))
 
-    def stub_at(self, address: str) -> pb_grpc.TextGenerationServiceStub | InProcessStub:
+    def stub_at(self, address: str) -> EngineClient:
         return self._stub(address)
 
     async def model_info(self, model: str) -> pb.ModelInfo | None:
@@ -105,7 +106,7 @@ class EngineRoutes:
 
     async def health(self) -> str | None:
         """``None`` when every engine serves, else why not."""
-        async def probe(address: str, stub: pb_grpc.TextGenerationServiceStub) -> str | None:
+        async def probe(address: str, stub: EngineClient) -> str | None:
             try:
                 response = await stub.Health(pb.HealthRequest(), timeout=_PROBE_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
@@ -120,7 +121,7 @@ class EngineRoutes:
 
     async def metric_families(self) -> list[Metric]:
         """Every reachable engine's metrics, families of the same name merged."""
-        async def scrape(stub: pb_grpc.TextGenerationServiceStub) -> str:
+        async def scrape(stub: EngineClient) -> str:
             try:
                 return (await stub.Metrics(pb.MetricsRequest(), timeout=_PROBE_TIMEOUT_S)).prometheus_text
             except grpc.aio.AioRpcError:

@@ -1,0 +1,54 @@
+"""``EngineClient``: what the gateway calls on an engine server, whichever link reaches it.
+
+Two implementations: ``InProcessStub`` (``raypaged serve``: the engine server's own handlers
+in this process, with no socket and no serialization) and gRPC's
+``TextGenerationServiceStub`` (``raypaged gateway``: an engine server elsewhere). The
+methods are the ``TextGenerationService`` RPCs of ``protos/generate.proto``, called as a
+``grpc.aio`` stub is: a request message, then ``metadata`` (and ``timeout`` for unary calls);
+``Generate`` returns a call whose ``read()`` gives each response, then ``grpc.aio.EOF``.
+Failures are ``grpc.aio.AioRpcError`` s on either link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any, Protocol, runtime_checkable
+
+from raypaged.serving.proto import generate_pb2 as pb
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+class StreamCall(Protocol):
+    async def read(self) -> Any: ...  # a pb.GenerateResponse, or grpc.aio.EOF at the end
+
+    def cancel(self) -> bool: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    def Generate(self, request: pb.GenerateRequest, metadata: Metadata | None = None) -> StreamCall: ...
+
+    def Abort(self, request: pb.AbortRequest, metadata: Metadata | None = None,
+              timeout: float | None = None) -> Awaitable[pb.AbortResponse]: ...
+
+    def Tokenize(self, request: pb.TokenizeRequest, metadata: Metadata | None = None,
+                 timeout: float | None = None) -> Awaitable[pb.TokenizeResponse]: ...
+
+    def Detokenize(self, request: pb.DetokenizeRequest, metadata: Metadata | None = None,
+                   timeout: float | None = None) -> Awaitable[pb.DetokenizeResponse]: ...
+
+    def Info(self, request: pb.InfoRequest, metadata: Metadata | None = None,
+             timeout: float | None = None) -> Awaitable[pb.InfoResponse]: ...
+
+    def Health(self, request: pb.HealthRequest, metadata: Metadata | None = None,
+               timeout: float | None = None) -> Awaitable[pb.HealthResponse]: ...
+
+    def Metrics(self, request: pb.MetricsRequest, metadata: Metadata | None = None,
+                timeout: float | None = None) -> Awaitable[pb.MetricsResponse]: ...
+
+    def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, metadata: Metadata | None = None,
+                        timeout: float | None = None) -> Awaitable[pb.LoadLoRAAdapterResponse]: ...
+
+    def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, metadata: Metadata | None = None,
+                          timeout: float | None = None) -> Awaitable[pb.UnloadLoRAAdapterResponse]: ...
