@@ -21,7 +21,7 @@ from raypaged.sampling_params import BeamSearchParams
 if TYPE_CHECKING:
     from raypaged.core.scheduler import EndedRequest, Scheduler
 
-__all__ = ["BeamGroup", "BeamSearchParams", "Continuation", "Hypothesis", "after_step"]
+__all__ = ["BeamGroup", "BeamSearchParams", "Continuation", "Hypothesis", "abort", "after_step"]
 
 
 @dataclass(slots=True)
@@ -120,9 +120,7 @@ def after_step(scheduler: Scheduler, groups: Iterable[BeamGroup], ended: dict[st
     for group in groups:
         if (records := ended.get(group.gang_id)) is not None and not group.done:
             if any(record.whole_gang for record in records):  # it can never fit: it ends with what it has
-                group.hypotheses = group.results()
-                group.members = []
-                group.done = True
+                finish(scheduler, group)
             else:
                 drop_members(scheduler, group, [record.request.request_id for record in records])
         if not group.done and group.ready():
@@ -137,8 +135,7 @@ def drop_members(scheduler: Scheduler, group: BeamGroup, beam_ids: list[str]) ->
     for beam_id in dropped:
         group.held.pop(beam_id, None)
     if not group.members:
-        group.hypotheses = group.results()
-        group.done = True
+        finish(scheduler, group)
     elif group.ready():
         advance(scheduler, group)
 
@@ -183,8 +180,18 @@ def advance(scheduler: Scheduler, group: BeamGroup) -> None:
 
 
 def finish(scheduler: Scheduler, group: BeamGroup) -> None:
-    """The search is over: rank the hypotheses, free every live beam."""
+    """The search is over: rank the hypotheses (live beams count as finished by length), free
+    every live beam (those the scheduler already ended are gone from it)."""
     group.hypotheses = group.results()
-    scheduler.finish_requests([beam.request_id for beam in group.members], RequestStatus.FINISHED_LENGTH)
+    _end(scheduler, group, RequestStatus.FINISHED_LENGTH)
+
+
+def abort(scheduler: Scheduler, group: BeamGroup) -> None:
+    """The search is aborted (or failed): every live beam is freed, no hypothesis is kept."""
+    _end(scheduler, group, RequestStatus.FINISHED_ABORTED)
+
+
+def _end(scheduler: Scheduler, group: BeamGroup, status: RequestStatus) -> None:
+    scheduler.finish_requests([beam.request_id for beam in group.members], status)
     group.members = []
     group.done = True

@@ -203,9 +203,7 @@ class EngineCore:
         group = self._beams.pop(request_id, None)
         if group is None:
             return False
-        self.scheduler.finish_requests([b.request_id for b in group.members], RequestStatus.FINISHED_ABORTED)
-        group.members = []
-        group.done = True
+        beam_search.abort(self.scheduler, group)
         self._forget_beam_grammars(group)
         return True
 
@@ -315,9 +313,7 @@ class EngineCore:
                         error = f"advancing the grammar failed: {type(exc).__name__}: {exc}"
                 group.lineage.clear()
             if error is not None and not group.done:
-                self.scheduler.finish_requests([b.request_id for b in group.members], RequestStatus.FINISHED_ABORTED)
-                group.members = []
-                group.done = True
+                beam_search.abort(self.scheduler, group)
             if group.done:
                 out.beams.append(BeamResult(request_id, group.hypotheses, error))
                 del self._beams[request_id]

@@ -175,14 +175,16 @@ class OutputProcessor:
             state, seq = found
             if state.error is None:
                 try:
+                    if delta.first_scheduled_time is not None:  # the sequence's first delta
+                        seq.first_scheduled_time = delta.first_scheduled_time
+                        if seq.index == 0:
+                            state.num_cached_tokens = delta.num_cached_tokens or 0
+                            if delta.prompt_logprobs is not None:
+                                state.prompt_logprobs_found = delta.prompt_logprobs
                     if delta.message is not None:
                         end_seq(seq, delta)
                     elif process_token(seq, delta, now):
                         stopped.append(delta.seq_id)
-                    if delta.first_scheduled_time is not None and seq.index == 0:
-                        state.num_cached_tokens = delta.num_cached_tokens or 0
-                        if delta.prompt_logprobs is not None:
-                            state.prompt_logprobs_found = delta.prompt_logprobs
                 except Exception as exc:
                     self._failed(state, "ending" if delta.message is not None else "detokenizing or stop matching",
                                  exc, to_abort)
@@ -274,7 +276,6 @@ def process_token(seq: SeqState, delta: SeqDelta, now: float) -> bool:
     seq.last_token_time = now
     if seq.first_token_time is None:
         seq.first_token_time = now
-        seq.first_scheduled_time = delta.first_scheduled_time
     new_ids = delta.new_token_ids
     seq.token_ids += new_ids
     seq.cumulative_logprob = delta.cumulative_logprob
@@ -325,8 +326,6 @@ def end_seq(seq: SeqState, delta: SeqDelta) -> None:
     seq.text += seq.detokenizer.flush()
     seq.finish_reason = delta.finish_reason
     seq.finish_message = delta.message
-    if seq.first_scheduled_time is None:
-        seq.first_scheduled_time = delta.first_scheduled_time
 
 
 _DELTA = RequestOutputKind.DELTA
@@ -336,7 +335,7 @@ _FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 def make_output(state: RequestState) -> RequestOutput | None:
     """This step's output of the request in its ``output_kind``; ``None`` when there is none to give."""
     params = state.params
-    if len(state.seqs) == 1:  # the common case, built with no list or property in between
+    if len(state.seqs) == 1:  # the common case, built with no list comprehension or property in between
         seq = state.seqs[0]
         finished = seq.finish_reason is not None
         kind = params.output_kind
@@ -345,12 +344,9 @@ def make_output(state: RequestState) -> RequestOutput | None:
         delta = kind is _DELTA
         completion = _delta(seq, params) if delta else _cumulative(seq, params)
         seq.done = finished
-        num_tokens = len(seq.token_ids)
-        metrics = RequestMetrics(state.arrival_time, params.n, state.max_tokens, seq.first_scheduled_time,
-                                 seq.first_token_time, seq.last_token_time, num_tokens)
-        prompt_logprobs = None if state.prompt_logprobs_found is None else state.prompt_logprobs(delta)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
-                             num_tokens, None, metrics, prompt_logprobs, state.num_cached_tokens)
+                             len(seq.token_ids), None, request_metrics(state), state.prompt_logprobs(delta),
+                             state.num_cached_tokens)
     finished = state.finished
     ranked = params.num_samples > params.n
     if (ranked or params.output_kind == RequestOutputKind.FINAL_ONLY) and not finished:
