@@ -201,6 +201,12 @@ class EngineConfig:
     enforce_eager: bool = _flag(
         False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs", action="store_true"
     )
+    # None: on where it helps and runs (CUDA, one shard, no speculative decoding), else off
+    async_scheduling: bool | None = _flag(
+        None, "schedule and prepare each step while the one before runs, so host work hides behind the device's; "
+              "identical tokens either way (default: on on CUDA with one shard and no speculative decoding)",
+        action=argparse.BooleanOptionalAction, unset=True,
+    )
     # auto (CUDA kernels where they run, else torch), torch, cuda
     attention_backend: str = _flag(
         "auto", "paged attention: the CUDA kernels where they run (auto), or torch", choices=("auto", "torch", "cuda")
@@ -319,6 +325,7 @@ class EngineConfig:
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}"
             )
         self._check_generation_config_args()
+        self._check_async_scheduling()
         self.lora_config  # the LoRA flags are checked now
         from transformers import AutoConfig  # importing this module loads neither transformers nor torch
 
@@ -469,6 +476,23 @@ class EngineConfig:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         return self.max_model_len
+
+    def _check_async_scheduling(self) -> None:
+        if not self.async_scheduling:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError("--async-scheduling runs on one shard: the next step needs the tokens only rank 0 "
+                             f"samples (tensor_parallel_size is {self.tensor_parallel_size}; use --no-async-scheduling)")
+        if self.speculative_config is not None:
+            raise ValueError("--async-scheduling cannot run with --speculative-config: the next step's drafts depend on "
+                             "the tokens the step before accepts (use --no-async-scheduling)")
+
+    @property
+    def resolved_async_scheduling(self) -> bool:
+        """``async_scheduling``, or when not set: on CUDA with one shard and no speculative decoding."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.resolved_device == "cuda" and self.tensor_parallel_size == 1 and self.speculative_config is None
 
     @property
     def uses_ray(self) -> bool:

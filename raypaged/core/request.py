@@ -115,8 +115,11 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_new_tokens: int = 0
     run_logprobs: list[float] | None = None
-    # accepted drafts the workers have not been sent as output tokens yet (they hold them as drafts)
-    num_accepted_unsent: int = 0
+    # output tokens the workers hold (the next step sends them the rest: sampled ones, accepted drafts)
+    num_outputs_sent: int = 0
+    # async scheduling: tokens a step in flight is sampling for it, counted in ``num_tokens`` before they
+    # are known (the workers have them already; the scheduler appends them when the step's results come)
+    num_placeholders: int = 0
     first_scheduled_time: float | None = field(default=None, init=False)
     _status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
 
@@ -140,7 +143,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Its tokens, those a step in flight samples for it included (``num_placeholders``)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -87,6 +87,11 @@ class Scheduler:
         self._out: SchedulerOutput = SchedulerOutput()  # the step being scheduled
         self._budget = 0  # tokens left in it
         self._ended: list[EndedRequest] = []  # ended by the scheduler itself, not yet told to the engine
+        # async scheduling: the step in flight whose tokens count as computed already, its sequences
+        # with their scheduled tokens (the objects: an id may be reused once a sequence ends)
+        self._committed: SchedulerOutput | None = None
+        self._committed_requests: list[tuple[Request, int]] = []
+        self._overlap = False  # schedule() runs beside a step in flight: it never preempts
         self.loras = LoRASlotPlan(config.max_loras) if config.max_loras else None
         self.spec = SpecDecodeStats(config.num_spec_tokens)
 
@@ -159,9 +164,12 @@ class Scheduler:
                 request.gang.held.pop(request.request_id, None)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
+            request.num_placeholders = 0  # the step that sampled them is lost
             request.num_preemptions += 1
             self._enqueue(request, front=True)
         self._forget_ids.clear()
+        self._committed = None
+        self._committed_requests = []
         self._unsent_ids.clear()
         if self.loras is not None:
             self.loras.reset()
@@ -171,9 +179,38 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- one step ---------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def commit_in_flight(self, so: SchedulerOutput) -> None:
+        """Async scheduling: before the next step is scheduled beside ``so`` (in flight), count ``so`` 's
+        tokens as computed and give each sequence it samples for a placeholder for its coming token.
+        ``update_from_output(so, ...)`` then appends the tokens in their place."""
+        requests = self.requests
+        committed = []
+        for request_id, num_tokens in so.num_scheduled_tokens.items():
+            request = requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens:  # it samples: its next token is coming
+                request.num_placeholders += 1
+            self._maybe_fork(request)
+            committed.append((request, num_tokens))
+        self._committed = so
+        self._committed_requests = committed
+
+    def forget_later(self, so: SchedulerOutput) -> None:
+        """A scheduled step that will not run (it had nothing to compute): the workers hear of its
+        finished sequences with the next one."""
+        self._forget_ids |= so.finished_request_ids
+
+    def schedule(self, overlap: bool = False) -> SchedulerOutput:
+        """The next step. ``overlap``: it is scheduled while the step committed by
+        ``commit_in_flight`` runs, so it only takes what is free: no sequence is preempted, swapped out
+        or ended (one short of blocks waits, and no waiting one is admitted after it), a sequence whose
+        coming token is its last is left out, and a step that can run nothing is left to the next
+        schedule without ``overlap`` (which breaks stalls)."""
         self._out = out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
+        self._overlap = overlap
         preempted = False
 
         speculate = self.config.num_spec_tokens > 0 and (
@@ -187,7 +224,13 @@ class Scheduler:
             num_new = self._num_new_tokens(request, self._budget)
             if num_new == 0:
                 continue
+            if overlap and request.num_placeholders and (
+                    request.num_output_tokens + request.num_placeholders >= request.max_tokens):
+                continue  # its coming token ends it by length
             if self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.num_blocks:
+                if overlap:
+                    preempted = True  # the next schedule without overlap ends it
+                    continue
                 message = (
                     f"request {request.request_id} outgrew the whole KV cache ({self.kv.num_blocks} blocks of "
                     f"{self.kv.block_size} tokens) at {request.num_tokens} tokens; finished with what it has"
@@ -197,6 +240,10 @@ class Scheduler:
                 self._end(request, message)
                 continue
             drafts = self._drafts(request, num_new) if speculate and request.spec_token_ids else []
+            if overlap:
+                if not self._allocate(request, num_new):
+                    preempted = True  # short of blocks: no one is preempted beside a step in flight
+                continue
             while request.status == RequestStatus.RUNNING and not self._allocate(request, num_new, drafts):
                 if drafts:  # drafts never preempt anyone: without them first
                     drafts = []
@@ -210,7 +257,7 @@ class Scheduler:
         if not preempted and not self.swapped:
             self._admit_waiting()
 
-        if not out.num_scheduled_tokens and not out.block_ops and (self.waiting or self.swapped):
+        if not overlap and not out.num_scheduled_tokens and not out.block_ops and (self.waiting or self.swapped):
             self._resolve_stall()
         out.finished_request_ids = self._forget_ids
         self._forget_ids = set()
@@ -304,17 +351,16 @@ class Scheduler:
             self._unsent_ids.discard(request.request_id)
             out.new_requests.append(self._new_request_data(request))
         else:
-            # the workers hold the accepted drafts of its last step as drafts only: they are sent now
-            num_computed = request.num_computed_tokens
-            num_prompt = len(request.prompt_token_ids)
-            first = max(num_computed - request.num_accepted_unsent, num_prompt) - num_prompt
-            last = num_computed + num_new - num_prompt
-            request.num_accepted_unsent = 0
+            # the output tokens the workers lack: the last step's sampled token (under async scheduling
+            # the one before, the last being still in flight), or a run of accepted drafts
+            outputs = request.output_token_ids
+            sent = request.num_outputs_sent
+            request.num_outputs_sent = len(outputs)
             # positional (this runs per sequence per step): id, new token ids, new block ids, computed
             # tokens, replaced block ids, the table's length
             out.cached_requests.append(CachedRequestData(
-                request.request_id, request.output_token_ids[first:max(first, last)], allocation.new_block_ids,
-                num_computed, allocation.replaced, len(self.kv.tables[request.request_id].block_ids)))
+                request.request_id, outputs[sent:], allocation.new_block_ids, request.num_computed_tokens,
+                allocation.replaced, len(self.kv.tables[request.request_id].block_ids)))
         if drafts:
             out.scheduled_spec_tokens[request.request_id] = list(drafts)
         out.num_scheduled_tokens[request.request_id] = num_slots
@@ -332,7 +378,7 @@ class Scheduler:
         return max(0, min(lookahead, self.config.max_model_len - end, self.kv.num_blocks * self.kv.block_size - end))
 
     def _new_request_data(self, request: Request) -> NewRequestData:
-        request.num_accepted_unsent = 0  # every output token travels with it
+        request.num_outputs_sent = len(request.output_token_ids)  # every output token travels with it
         return NewRequestData(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -411,7 +457,7 @@ class Scheduler:
         otherwise the victims would lose their place for nothing (and a group
         swapped in would be swapped out again at once, step after step).
         """
-        if self.config.policy != "priority" or not self.running:
+        if self.config.policy != "priority" or not self.running or self._overlap:
             return False
         victim = self._pick_victim()
         if victim.priority <= waiting.priority:
@@ -541,17 +587,27 @@ class Scheduler:
         included); a gang member's sample is held in its gang for the owner instead.
         """
         updated = []
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished or preempted while the step ran
+        committed = scheduler_output is self._committed
+        if committed:  # its tokens were counted when the next step was scheduled beside it
+            self._committed = None
+            requests = self.requests
+            scheduled = [(request, num_tokens) for request, num_tokens in self._committed_requests
+                         if requests.get(request.request_id) is request and request.status == RequestStatus.RUNNING]
+            self._committed_requests = []
+        else:
+            scheduled = [(request, num_tokens) for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
+                         if (request := self.requests.get(request_id)) is not None
+                         and request.status == RequestStatus.RUNNING]  # not finished or preempted meanwhile
+        for request, num_tokens in scheduled:
+            request_id = request.request_id
             if (run := runner_output.sampled_runs.get(request_id)) is not None:
                 num_drafts = len(scheduler_output.scheduled_spec_tokens.get(request_id, ()))
                 self._apply_run(request, run, num_tokens - num_drafts, num_drafts)
                 request.spec_token_ids = runner_output.draft_token_ids.get(request_id, [])
                 updated.append(request)
                 continue
-            request.num_computed_tokens += num_tokens
+            if not committed:
+                request.num_computed_tokens += num_tokens
             self.kv.cache_blocks(
                 request_id, request.prompt_token_ids, request.output_token_ids, request.num_computed_tokens
             )
@@ -559,6 +615,8 @@ class Scheduler:
             if (prompt_logprobs := runner_output.prompt_logprobs.get(request_id)) is not None:
                 request.add_prompt_logprobs(prompt_logprobs.start, prompt_logprobs.logprobs)
             sampled = runner_output.sampled.get(request_id)
+            if committed and request.num_placeholders:
+                request.num_placeholders -= 1  # the token comes now (or its row failed)
             if sampled is None:
                 continue
             if request.gang is not None:
@@ -594,7 +652,6 @@ class Scheduler:
             self.running.remove(request)
             self._finish(request, status)
             return
-        request.num_accepted_unsent += num_accepted
         self.kv.cache_blocks(
             request.request_id, request.prompt_token_ids, request.output_token_ids, request.num_computed_tokens
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,7 @@ from raypaged.config import EngineConfig
 from raypaged.core import beam_search
 from raypaged.core.beam_search import BeamGroup, BeamSearchParams, Hypothesis
 from raypaged.core.block_manager import KVCacheManager
-from raypaged.core.outputs import GrammarBitmask, SchedulerOutput
+from raypaged.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import EndedRequest, Scheduler, SchedulerConfig
 from raypaged.core.stats import SchedulerStats
@@ -112,6 +112,10 @@ class EngineCore:
             self.executor = UniProcExecutor(config, eos_token_id)
         self._worker_error: WorkerLostError | None = None  # set when a worker was lost with recovery off
         self._mask_thread: ThreadPoolExecutor | None = None  # fills the step's grammar masks during the forward
+        # async scheduling: the thread the executor runs steps on, and the step running there
+        self._step_thread: ThreadPoolExecutor | None = None
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+        self.num_overlapped_steps = 0  # steps scheduled and submitted while the one before ran
         num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
         try:
             _check_pool_holds_one_sequence(num_blocks, config)
@@ -119,6 +123,8 @@ class EngineCore:
             self.shutdown()
             raise
         self.executor.initialize_cache(num_blocks, num_cpu_blocks)
+        if config.resolved_async_scheduling:
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="raypaged-step")
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -214,6 +220,8 @@ class EngineCore:
             self.ngram.forget(seq_id)
 
     def has_unfinished_requests(self) -> bool:
+        """Sequences are live. (Under async scheduling a step may still run for sequences that ended
+        meanwhile; the next ``step`` applies it, to no one.)"""
         return self.scheduler.has_unfinished_requests()
 
     def in_flight_seq_ids(self) -> list[str]:
@@ -230,16 +238,61 @@ class EngineCore:
         """
         if self._worker_error is not None:
             raise self._worker_error
-        scheduler_output = self.scheduler.schedule()
-        grammar = self._grammar_bitmask(scheduler_output) if self._matchers else None
-        scheduler_output.grammar_bitmask = grammar
+        if self._step_thread is not None:
+            return self._step_async()
+        scheduler_output = self._schedule()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except WorkerLostError as err:
             self._recover_from(err)
             return EngineCoreOutputs()
         finally:
-            fill_failures = _grammar_fill_failures(grammar)
+            fill_failures = _grammar_fill_failures(scheduler_output.grammar_bitmask)
+        return self._apply(scheduler_output, runner_output, fill_failures)
+
+    def _schedule(self, overlap: bool = False) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule(overlap=True) if overlap else self.scheduler.schedule()
+        if self._matchers:
+            scheduler_output.grammar_bitmask = self._grammar_bitmask(scheduler_output)
+        return scheduler_output
+
+    def _step_async(self) -> EngineCoreOutputs:
+        """Async scheduling: the executor runs steps on the step thread, one at a time, and while
+        step N runs this schedules step N+1 (its sequences' coming tokens are placeholders: the
+        worker computes them from its own samples), submits it the moment N is done, then applies
+        N's results and returns them; the host work of both hides behind N+1's forward. A step
+        that cannot overlap (a beam search or a grammar is live: its next
+        step depends on this one's tokens) runs as the synchronous path does; speculative decoding and
+        tensor parallelism are refused with async scheduling (``EngineConfig``)."""
+        in_flight = self._in_flight
+        if in_flight is None:
+            scheduler_output = self._schedule()
+            in_flight = scheduler_output, self._step_thread.submit(self.executor.execute_model, scheduler_output)
+        scheduler_output, future = in_flight
+        self._in_flight = None
+        following = None
+        if not (self._matchers or self._beams) and scheduler_output.num_scheduled_tokens:
+            self.scheduler.commit_in_flight(scheduler_output)
+            following = self._schedule(overlap=True)
+        try:
+            runner_output = future.result()
+        except WorkerLostError as err:
+            self._recover_from(err)  # the following step was never submitted: the reset drops it
+            return EngineCoreOutputs()
+        finally:
+            fill_failures = _grammar_fill_failures(scheduler_output.grammar_bitmask)
+        if following is not None:
+            if following.is_empty:
+                self.scheduler.forget_later(following)  # nothing to run beside: the next schedule starts over
+            else:
+                self._in_flight = following, self._step_thread.submit(self.executor.execute_model, following)
+                self.num_overlapped_steps += 1
+        return self._apply(scheduler_output, runner_output, fill_failures)
+
+    def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+               fill_failures: dict[str, str]) -> EngineCoreOutputs:
+        """A step's results into the scheduler, the grammars, the drafts and the beam searches;
+        the deltas for the caller."""
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         out = EngineCoreOutputs()
         failed = out.failed
@@ -422,8 +475,11 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Release the workers (Ray actors and their placement group); the core is unusable after."""
+        step_thread = getattr(self, "_step_thread", None)  # None too when __init__ failed before making it
+        if step_thread is not None:
+            step_thread.shutdown(wait=True)  # the step in flight ends before its workers go
         self.executor.shutdown()
-        mask_thread = getattr(self, "_mask_thread", None)  # None too when __init__ failed before making it
+        mask_thread = getattr(self, "_mask_thread", None)
         if mask_thread is not None:
             mask_thread.shutdown(wait=True)
 

@@ -44,6 +44,9 @@ class CachedRequestState:
     lora_int_id: int | None = None
     num_spec_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # the drafts it verifies this step
+    # async scheduling: tokens this runner sampled that the scheduler has not sent back yet, oldest
+    # first (the next step may be scheduled before they reach the scheduler: it computes them from here)
+    sampled_unsent: list[int] = field(default_factory=list)
 
     def token_at(self, position: int) -> int:
         num_prompt = len(self.prompt_token_ids)
@@ -51,11 +54,18 @@ class CachedRequestState:
             return self.prompt_token_ids[position]
         index = position - num_prompt
         num_output = len(self.output_token_ids)
-        return self.output_token_ids[index] if index < num_output else self.spec_token_ids[index - num_output]
+        if index < num_output:
+            return self.output_token_ids[index]
+        return (self.spec_token_ids or self.sampled_unsent)[index - num_output]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.sampled_unsent)
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        """Every output token so far, those sampled here and not yet sent back included."""
+        return self.output_token_ids + self.sampled_unsent if self.sampled_unsent else self.output_token_ids
 
 
 @dataclass(slots=True)
@@ -80,11 +90,16 @@ class ModelRunner:
         device: torch.device,
         samples: bool = True,
         lora: LoRAManager | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         """``samples``: this rank samples and reports tokens (rank 0); the others only run the forward.
-        ``lora``: the model's LoRA slots, filled as each step's ``lora_loads`` say."""
+        ``lora``: the model's LoRA slots, filled as each step's ``lora_loads`` say.
+        ``async_scheduling``: a step may be scheduled before the tokens of the one before it reach the
+        scheduler; the runner keeps each sampled token until the scheduler sends it back (one shard only)."""
+        assert samples or not async_scheduling, "async scheduling needs the tokens of the rank that samples"
         self.model = model
         self.samples = samples
+        self.async_scheduling = async_scheduling
         self.cache = cache
         self.block_size = block_size
         self.eos_token_id = eos_token_id
@@ -117,7 +132,10 @@ class ModelRunner:
             )
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
-            state.output_token_ids.extend(cached.new_token_ids)
+            if new_tokens := cached.new_token_ids:
+                state.output_token_ids.extend(new_tokens)
+                if state.sampled_unsent:  # they come back in the order they were sampled
+                    del state.sampled_unsent[:len(new_tokens)]
             for index, block_id in cached.replaced_block_ids:
                 state.block_ids[index] = block_id
             if cached.num_block_ids is not None:  # blocks of rejected drafts were freed
@@ -255,13 +273,17 @@ class ModelRunner:
             out = self._runner_output(rows, tokens)
         except Exception:  # one row's parameters broke the batch: find it, sample the others
             out = self._sample_rows(logits.cpu(), inputs, rows)
+        if self.async_scheduling:
+            requests = self.requests
+            for request_id, token in out.sampled.items():
+                requests[request_id].sampled_unsent.append(token.token_id)
         out.prompt_logprobs = prompt_logprobs
         if self.drafter is not None and so.propose_drafts:
             out.draft_token_ids = self._propose_drafts(out)
         return out
 
     def _sampling_input(self, state: CachedRequestState, num_drafts_before: int) -> SamplingInput:
-        outputs = state.output_token_ids
+        outputs = state.known_output_token_ids
         if num_drafts_before:
             outputs = outputs + state.spec_token_ids[:num_drafts_before]
         return SamplingInput(state.sampling_params, state.prompt_token_ids, outputs, self.eos_token_id,

@@ -196,6 +196,7 @@ class Worker:
             self.device,
             samples=self.tp.rank == 0,
             lora=self.lora,
+            async_scheduling=self.config.resolved_async_scheduling,
         )
         if self.draft_model is not None:
             from raypaged.spec_decode.draft_model import DraftModelProposer

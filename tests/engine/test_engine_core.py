@@ -25,9 +25,16 @@ from tests.serving.conftest import tiny_model_dir  # noqa: F401  (session fixtur
 PROMPTS = [[1, 3251, 314, 253, 1345], [1, 29, 6211, 28, 1111, 17, 34, 99]]
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def async_scheduling(request) -> bool:
+    """Every test runs with async scheduling off and on: the same deltas either way."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def core(tiny_model_dir):
-    core = EngineCore(EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=64, max_model_len=256), 2)
+def core(tiny_model_dir, async_scheduling):
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=64, max_model_len=256,
+                                   async_scheduling=async_scheduling), 2)
     yield core
     core.shutdown()
 
@@ -111,8 +118,9 @@ def test_a_stop_the_caller_found_finishes_the_sequence(core):
     assert_all_blocks_free(core)
 
 
-def test_a_sequence_the_core_ends_itself_comes_with_its_message(tiny_model_dir):
-    small = EngineCore(EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=16, max_model_len=256), 2)
+def test_a_sequence_the_core_ends_itself_comes_with_its_message(tiny_model_dir, async_scheduling):
+    small = EngineCore(EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=16, max_model_len=256,
+                                    async_scheduling=async_scheduling), 2)
     try:
         small.add(EngineCoreRequest("big", PROMPTS[0], greedy(400), 400))  # 16 blocks of 16 tokens: 256 at most
         deltas = [d for out in run(small) for d in out.seqs]
