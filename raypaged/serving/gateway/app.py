@@ -37,6 +37,8 @@ from raypaged.serving.gateway.schemas import (
 )
 from raypaged.serving.gateway.tenants import TenantGate, Tenants
 from raypaged.serving.gateway.tool_parsers import ToolParser
+from raypaged.serving.client import StreamCall
+from raypaged.serving.messages import AnyResponse
 from raypaged.serving.proto import generate_pb2 as pb
 
 logger = logging.getLogger("raypaged")
@@ -402,21 +404,21 @@ class _Families:
         return self._families
 
 
-def _cancel(calls: list[grpc.aio.UnaryStreamCall]) -> None:
+def _cancel(calls: list[StreamCall]) -> None:
     for call in calls:
         call.cancel()
 
 
 async def _responses(
-    calls: list[grpc.aio.UnaryStreamCall], drain: Drain
-) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    calls: list[StreamCall], drain: Drain
+) -> AsyncIterator[tuple[int, AnyResponse]]:
     """Every call's responses as they come, tagged with the call's index; cancels them all when left.
 
     Raises the drain's expiry error if the drain timeout expires first.
     """
-    queue: asyncio.Queue[tuple[int, pb.GenerateResponse | Exception | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, AnyResponse | Exception | None]] = asyncio.Queue()
 
-    async def pump(index: int, call: grpc.aio.UnaryStreamCall) -> None:
+    async def pump(index: int, call: StreamCall) -> None:
         try:
             while (response := await call.read()) is not grpc.aio.EOF:
                 queue.put_nowait((index, response))
@@ -446,7 +448,7 @@ async def _responses(
         _cancel(calls)
 
 
-async def _collect(calls: list[grpc.aio.UnaryStreamCall], accumulator: Accumulator, drain: Drain) -> dict:
+async def _collect(calls: list[StreamCall], accumulator: Accumulator, drain: Drain) -> dict:
     async with contextlib.aclosing(_responses(calls, drain)) as responses:
         async for index, response in responses:
             accumulator.add(index, response)
@@ -472,7 +474,7 @@ def _event(data: dict | str) -> str:
 
 
 async def _sse(
-    calls: list[grpc.aio.UnaryStreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain
+    calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain
 ) -> AsyncIterator[str]:
     """The stream's server-sent events, ending in ``data: [DONE]``; leaving it early aborts the requests."""
     try:

@@ -1,6 +1,8 @@
 """OpenAI response bodies and stream chunks built from the engine's ``GenerateResponse`` deltas.
 
-Choice ``index`` = prompt index × n + completion index, as OpenAI numbers them.
+The responses are ``pb.GenerateResponse`` messages from an engine over gRPC and the plain
+``messages.GenerateResponse`` objects from one in process; both read alike. Choice ``index`` =
+prompt index × n + completion index, as OpenAI numbers them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,16 @@ from raypaged import __version__
 from raypaged.outputs import FinishReason
 from raypaged.serving.gateway.reasoning import ReasoningParser, ReasoningStream
 from raypaged.serving.gateway.tools import ToolPlan, ToolStream
+from raypaged.serving.messages import (
+    AnyDelta,
+    AnyPromptLogprobs,
+    AnyResponse,
+    AnyTopLogprobs,
+    AnyUsage,
+    CompletionDelta,
+    PromptLogprobs,
+    Usage,
+)
 from raypaged.serving.proto import generate_pb2 as pb
 
 SYSTEM_FINGERPRINT = f"raypaged-{__version__}"
@@ -62,7 +74,7 @@ class ResponseShape:
             body["usage"] = usage
         return body
 
-    def logprobs(self, delta: pb.CompletionDelta, text_offset: int, prompt: _Prompt | None = None) -> dict | None:
+    def logprobs(self, delta: AnyDelta, text_offset: int, prompt: _Prompt | None = None) -> dict | None:
         """The delta's logprobs in the endpoint's format (``None`` when not asked for); completions
         that echo put the ``prompt``'s tokens first (the first has no logprob, as OpenAI's)."""
         if not self.wants_logprobs:
@@ -116,7 +128,7 @@ class ResponseShape:
         message["content"] = self.chat_echo + (content or "") if self.chat_echo else content
         return message, finish_reason
 
-    def usage(self, usages: list[pb.Usage]) -> dict:
+    def usage(self, usages: list[AnyUsage]) -> dict:
         """The requests' token counts together (with vLLM's ``prompt_tokens_details`` when enabled)."""
         prompt_tokens = sum(u.prompt_tokens for u in usages)
         completion_tokens = 0 if self.echo_only else sum(u.completion_tokens for u in usages)
@@ -130,9 +142,16 @@ class ResponseShape:
         return body
 
 
-def _stop_reason(delta: pb.CompletionDelta) -> int | str | None:
+def _stop_reason(delta: AnyDelta) -> int | str | None:
     """vLLM's ``stop_reason``: the stop token id as an int, the stop string as a string."""
     return delta.stop_token_id if delta.HasField("stop_token_id") else delta.stop_reason or None
+
+
+def _without_tokens(delta: AnyDelta) -> CompletionDelta:
+    """The delta without its tokens, text and logprobs: which completion, and how it ended."""
+    return CompletionDelta(index=delta.index, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                           finish_message=delta.finish_message,
+                           stop_token_id=delta.stop_token_id if delta.HasField("stop_token_id") else None)
 
 
 @dataclass
@@ -140,9 +159,9 @@ class _Prompt:
     """What the engine sent once about one prompt: its text (echo) and its logprobs."""
 
     text: str = ""
-    logprobs: pb.PromptLogprobs | None = None
+    logprobs: AnyPromptLogprobs | None = None
 
-    def take(self, response: pb.GenerateResponse) -> None:
+    def take(self, response: AnyResponse) -> None:
         if response.prompt_text:
             self.text = response.prompt_text
         if response.HasField("prompt_logprobs"):
@@ -150,7 +169,7 @@ class _Prompt:
 
     def completion_logprobs(self, as_ids: bool = False) -> dict:
         """The prompt's tokens in completions' logprobs format: the first without a logprob."""
-        found = self.logprobs or pb.PromptLogprobs()
+        found = self.logprobs or PromptLogprobs()
         offsets, offset = [], 0
         for text in found.token_texts:
             offsets.append(offset)
@@ -187,7 +206,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     token_texts: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[pb.TopLogprobs] = field(default_factory=list)
+    top_logprobs: list[AnyTopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -198,10 +217,10 @@ class Accumulator:
     def __init__(self, shape: ResponseShape, num_prompts: int) -> None:
         self.shape = shape
         self.choices = [_Choice() for _ in range(num_prompts * shape.n)]
-        self.usages = [pb.Usage() for _ in range(num_prompts)]
+        self.usages: list[AnyUsage] = [Usage() for _ in range(num_prompts)]
         self.prompts = [_Prompt() for _ in range(num_prompts)]
 
-    def add(self, prompt_index: int, response: pb.GenerateResponse) -> None:
+    def add(self, prompt_index: int, response: AnyResponse) -> None:
         self.usages[prompt_index] = response.usage
         self.prompts[prompt_index].take(response)
         for delta in response.outputs:
@@ -218,13 +237,13 @@ class Accumulator:
     def body(self) -> dict:
         choices = []
         for index, choice in enumerate(self.choices):
-            merged = pb.CompletionDelta(token_ids=choice.token_ids, token_texts=choice.token_texts,
+            merged = CompletionDelta(token_ids=choice.token_ids, token_texts=choice.token_texts,
                                         logprobs=choice.logprobs, top_logprobs=choice.top_logprobs)
             entry: dict = {"index": index}
             finish_reason = choice.finish_reason
             prompt = self.prompts[index // self.shape.n]
             if self.shape.echo_only:
-                choice.text, merged = "", pb.CompletionDelta()
+                choice.text, merged = "", CompletionDelta()
             if self.shape.chat:
                 entry["message"], finish_reason = self.shape.message(choice.text, finish_reason)
             else:
@@ -249,7 +268,7 @@ class ChunkWriter:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # every chunk carries its prompt's usage so far
         self._text_offsets = [0] * (num_prompts * shape.n)
-        self._usages = [pb.Usage() for _ in range(num_prompts)]
+        self._usages: list[AnyUsage] = [Usage() for _ in range(num_prompts)]
         tools = shape.tools
         self._tool_streams: list[ToolStream] | None = (
             None if tools is None else [tools.stream() for _ in range(num_prompts * shape.n)]
@@ -274,7 +293,7 @@ class ChunkWriter:
                          "finish_reason": None} for i in range(len(self._text_offsets))]
         return [self.shape.envelope([c], None, chunk=True) | self._null_usage() for c in choices]
 
-    def chunks(self, prompt_index: int, response: pb.GenerateResponse) -> list[dict]:
+    def chunks(self, prompt_index: int, response: AnyResponse) -> list[dict]:
         self._usages[prompt_index] = response.usage
         prompt = self._prompts[prompt_index]
         prompt.take(response)
@@ -283,11 +302,7 @@ class ChunkWriter:
             finish_reason = FINISH_REASONS[delta.finish_reason]
             index = prompt_index * self.shape.n + delta.index
             if self.shape.echo_only:  # the prompt alone: the token made to get there is not shown
-                shown_delta = pb.CompletionDelta()
-                shown_delta.CopyFrom(delta)
-                for name in ("token_ids", "text", "logprobs", "token_texts", "top_logprobs"):
-                    shown_delta.ClearField(name)
-                delta = shown_delta
+                delta = _without_tokens(delta)
             echo = prompt if self.shape.echo and index not in self._echoed else None
             if echo is not None:
                 self._echoed.add(index)
