@@ -7,6 +7,11 @@ methods are the ``TextGenerationService`` RPCs of ``protos/generate.proto``, cal
 ``grpc.aio`` stub is: a request message, then ``metadata`` (and ``timeout`` for unary calls);
 ``Generate`` returns a call whose ``read()`` gives each response, then ``grpc.aio.EOF``.
 Failures are ``grpc.aio.AioRpcError`` s on either link.
+
+Requests and unary responses are ``generate_pb2`` messages on both links. ``Generate``'s
+responses are ``pb.GenerateResponse`` messages over gRPC and the plain
+``messages.GenerateResponse`` objects in process (no protobuf on the token path); the two have
+the same fields and ``HasField``, and the gateway reads them with the same code.
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, Protocol, runtime_checkable
 
+from raypaged.serving.messages import AnyResponse
 from raypaged.serving.proto import generate_pb2 as pb
 
 Metadata = tuple[tuple[str, str], ...]
 
 
 class StreamCall(Protocol):
-    async def read(self) -> Any: ...  # a pb.GenerateResponse, or grpc.aio.EOF at the end
+    async def read(self) -> AnyResponse | Any: ...  # the link's GenerateResponse, or grpc.aio.EOF at the end
 
     def cancel(self) -> bool: ...
 

@@ -43,6 +43,7 @@ from raypaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, Re
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tenants import AuthError, TenantGate, Tenants
+from raypaged.serving.messages import AnyResponse, StreamMessages
 from raypaged.serving.metrics import PREFIX as METRICS_PREFIX
 from raypaged.serving.metrics import ServerMetrics
 from raypaged.serving.proto import generate_pb2 as pb
@@ -208,8 +209,10 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         return None if self.tenants.is_open or self.share_prefix_cache else gate.tenant.name
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, messages: StreamMessages = pb
+    ) -> AsyncIterator[AnyResponse]:
+        """The request's responses as ``messages`` builds them: ``generate_pb2``'s for gRPC (the default,
+        as gRPC calls the handler), the plain objects of ``messages.py`` for the in-process link."""
         try:
             gate = self._caller(context)
             model = self._model(request.model)
@@ -236,9 +239,9 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             except _REFUSED as exc:
                 await hold.let_go(in_engine=False)
                 await _refuse(context, exc)
-            yield pb.GenerateResponse(request_id=request_id)
+            yield messages.GenerateResponse(request_id=request_id)
             tracker = DeltaTracker(request_id, params.with_vocabulary_logprobs(engine.config.hf_config.vocab_size),
-                                   model.tokenizer, echo=request.echo)
+                                   model.tokenizer, messages, echo=request.echo)
             last: RequestOutput | None = None
             error: Exception | None = None
             async with contextlib.aclosing(engine.stream(key[1])) as outputs:

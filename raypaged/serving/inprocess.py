@@ -2,8 +2,11 @@
 
 ``InProcessStub`` offers the stub methods the gateway calls and runs the engine
 server's own handlers directly: the same authentication, input gate, tenant
-holds, ids and messages as over gRPC, with no socket, HTTP/2 framing or protobuf
-encoding on the token path. A ``Generate`` handler runs in a task of its own, as
+holds, ids and statuses as over gRPC, with no socket, HTTP/2 framing or protobuf
+on the token path: ``Generate``'s responses are the plain objects of ``messages.py``,
+built by the same handler that builds gRPC's ``GenerateResponse`` messages. The
+requests stay protobuf messages (one per request, built once by the gateway and read
+once by the handler, never encoded). A ``Generate`` handler runs in a task of its own, as
 gRPC runs it, so cancelling the call cancels the handler (which aborts the
 request in the engine and frees its tenant slot). A handler that ends the call
 with a status (``context.abort``) comes out as the ``grpc.aio.AioRpcError`` a gRPC
@@ -15,12 +18,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
+from raypaged.serving import messages
 from raypaged.serving.proto import generate_pb2 as pb
-from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from raypaged.serving.engine_server import EngineServicer
 
 Metadata = tuple[tuple[str, str], ...]
 Response = TypeVar("Response")
@@ -60,11 +66,11 @@ class _Context:
 class _StreamCall:
     """A server-streaming call: ``read()`` gives each response, then ``grpc.aio.EOF``."""
 
-    def __init__(self, responses: AsyncIterator[pb.GenerateResponse]) -> None:
+    def __init__(self, responses: AsyncIterator[messages.GenerateResponse]) -> None:
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._task = asyncio.ensure_future(self._pump(responses))
 
-    async def _pump(self, responses: AsyncIterator[pb.GenerateResponse]) -> None:
+    async def _pump(self, responses: AsyncIterator[messages.GenerateResponse]) -> None:
         try:
             async for response in responses:
                 self._queue.put_nowait(response)
@@ -76,7 +82,7 @@ class _StreamCall:
             ))
         self._queue.put_nowait(_END)
 
-    async def read(self) -> pb.GenerateResponse | object:
+    async def read(self) -> messages.GenerateResponse | object:
         item = await self._queue.get()
         if item is _END:
             self._queue.put_nowait(_END)  # later reads see the end too
@@ -102,13 +108,14 @@ def _unary_method(name: str) -> Callable[..., Awaitable[object]]:
 
 class InProcessStub:
     """The in-process ``EngineClient`` (``serving/client.py``): the ``TextGenerationServiceStub``
-    calls of the gateway, answered by ``servicer`` in this process."""
+    calls of the gateway, answered by ``servicer`` in this process; ``Generate`` streams the plain
+    ``messages.GenerateResponse`` objects."""
 
-    def __init__(self, servicer: pb_grpc.TextGenerationServiceServicer) -> None:
+    def __init__(self, servicer: EngineServicer) -> None:
         self._servicer = servicer
 
     def Generate(self, request: pb.GenerateRequest, metadata: Metadata | None = None) -> _StreamCall:
-        return _StreamCall(self._servicer.Generate(request, _Context(metadata)))
+        return _StreamCall(self._servicer.Generate(request, _Context(metadata), messages))
 
     Abort = _unary_method("Abort")
     Tokenize = _unary_method("Tokenize")

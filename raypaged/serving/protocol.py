@@ -12,6 +12,7 @@ from raypaged.config import GenerationDefaults
 from raypaged.inputs.limits import InputError, InputLimits, check_count, check_stop_counts
 from raypaged.outputs import CompletionOutput, FinishReason, RequestOutput
 from raypaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from raypaged.serving.messages import AnyDelta, AnyPromptLogprobs, AnyResponse, AnyUsage, StreamMessages
 from raypaged.serving.proto import generate_pb2 as pb
 
 FINISH_REASONS = {
@@ -140,7 +141,8 @@ def _set_or(message: Any, name: str, default: float | None, fallback: float | No
 
 @dataclass
 class DeltaTracker:
-    """Turns a request's ``DELTA`` outputs into ``GenerateResponse`` messages.
+    """Turns a request's ``DELTA`` outputs into ``GenerateResponse`` messages of ``messages``:
+    ``generate_pb2`` for gRPC, or the plain objects of ``messages.py`` for the in-process link.
 
     The engine already holds back text that could begin a stop string, so each
     output converts as it is; the tracker remembers which completions ended.
@@ -149,38 +151,46 @@ class DeltaTracker:
     request_id: str
     params: SamplingParams
     tokenizer: PreTrainedTokenizerBase
+    messages: StreamMessages
     echo: bool = False  # send the prompt's text with the first tokens
     _done: set[int] = field(default_factory=set)
-    _usage: pb.Usage = field(default_factory=pb.Usage)
+    _usage: AnyUsage = field(init=False)
 
-    def response(self, output: RequestOutput) -> pb.GenerateResponse:
+    def __post_init__(self) -> None:
+        self._usage = self.messages.Usage()
+
+    def response(self, output: RequestOutput) -> AnyResponse:
+        messages = self.messages
         deltas = [self._delta(c) for c in output.outputs if c.index not in self._done]
-        self._usage = pb.Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_generated_tokens,
-                               cached_tokens=output.num_cached_tokens)
-        response = pb.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=output.finished,
-                                       usage=self._usage)
+        self._usage = messages.Usage(prompt_tokens=len(output.prompt_token_ids),
+                                     completion_tokens=output.num_generated_tokens,
+                                     cached_tokens=output.num_cached_tokens)
+        prompt = None
         if output.prompt_logprobs is not None:
             ids = output.prompt_token_ids
-            prompt = response.prompt_logprobs
-            prompt.token_ids.extend(ids)
-            prompt.token_texts.extend(self.tokenizer.decode([t]) for t in ids)
-            add_logprobs(prompt, ids[1:], output.prompt_logprobs[1:], self.params.prompt_logprobs or 0, self.tokenizer)
+            prompt = messages.PromptLogprobs(token_ids=ids, token_texts=[self.tokenizer.decode([t]) for t in ids])
+            add_logprobs(prompt, ids[1:], output.prompt_logprobs[1:], self.params.prompt_logprobs or 0, self.tokenizer,
+                         messages)
+        prompt_text = ""
         if self.echo and deltas:
-            response.prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(
-                output.prompt_token_ids)
+            prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
             self.echo = False
-        return response
+        return messages.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=output.finished,
+                                         usage=self._usage, prompt_logprobs=prompt, prompt_text=prompt_text)
 
-    def aborted(self) -> pb.GenerateResponse:
+    def aborted(self) -> AnyResponse:
         """The last message of a request aborted by someone else: every unfinished completion ends."""
         indices = [i for i in range(self.params.n) if i not in self._done]
-        deltas = [pb.CompletionDelta(index=i, finish_reason=pb.FINISH_REASON_ABORT) for i in indices]
-        return pb.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=True, usage=self._usage)
+        deltas = [self.messages.CompletionDelta(index=i, finish_reason=pb.FINISH_REASON_ABORT) for i in indices]
+        return self.messages.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=True,
+                                              usage=self._usage)
 
-    def _delta(self, completion: CompletionOutput) -> pb.CompletionDelta:
-        delta = pb.CompletionDelta(index=completion.index, token_ids=completion.token_ids, text=completion.text)
+    def _delta(self, completion: CompletionOutput) -> AnyDelta:
+        delta = self.messages.CompletionDelta(index=completion.index, token_ids=completion.token_ids,
+                                              text=completion.text)
         if completion.logprobs is not None:
-            add_logprobs(delta, completion.token_ids, completion.logprobs, self.params.logprobs or 0, self.tokenizer)
+            add_logprobs(delta, completion.token_ids, completion.logprobs, self.params.logprobs or 0, self.tokenizer,
+                         self.messages)
             delta.token_texts.extend(self.tokenizer.decode([t]) for t in completion.token_ids)
         if completion.finish_reason is not None:
             delta.finish_reason = FINISH_REASONS[completion.finish_reason]
@@ -195,18 +205,19 @@ class DeltaTracker:
 
 
 def add_logprobs(
-    target: pb.CompletionDelta | pb.PromptLogprobs,
+    target: AnyDelta | AnyPromptLogprobs,
     token_ids: list[int],
     logprobs: list[dict[int, float]],
     num_top: int,
     tokenizer: PreTrainedTokenizerBase,
+    messages: StreamMessages,
 ) -> None:
-    """Each token's logprob and its ``num_top`` most likely alternatives, into ``target``."""
+    """Each token's logprob and its ``num_top`` most likely alternatives, into ``target`` (a message of ``messages``)."""
     for token_id, candidates in zip(token_ids, logprobs):
         target.logprobs.append(candidates[token_id])
         top = sorted(candidates.items(), key=lambda item: -item[1])[:num_top]
         target.top_logprobs.append(
-            pb.TopLogprobs(
+            messages.TopLogprobs(
                 token_ids=[t for t, _ in top],
                 logprobs=[lp for _, lp in top],
                 token_texts=[tokenizer.decode([t]) for t, _ in top],
