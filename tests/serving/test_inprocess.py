@@ -8,16 +8,24 @@ Every request, good or bad, streamed or not, gets the same status and body from 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 
+import grpc
 import pytest
+from google.protobuf.message import Message
 
+from raypaged.serving import messages
+from raypaged.serving.inprocess import InProcessStub
 from raypaged.serving.launch import Gateway, GatewayOptions, listen
+from raypaged.serving.proto import generate_pb2 as pb
+from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
 from tests.serving.conftest import Stack, tiny_config
 
 KEY = "sk-link"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+METADATA = (("authorization", f"Bearer {KEY}"),)
 GREEDY = {"model": "tiny", "prompt": "Both links", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 CASES = [
     ("/v1/completions", GREEDY, AUTH),
@@ -33,6 +41,14 @@ CASES = [
     ("/v1/completions", dict(GREEDY, prompt=[[49152], [5, 6]]), AUTH),
     ("/v1/completions", dict(GREEDY, prompt="x" * 10_000), AUTH),
     ("/v1/completions", GREEDY, {"Authorization": "Bearer wrong"}),
+    ("/v1/completions", dict(GREEDY, stream=True, n=2, logprobs=2), AUTH),
+    ("/v1/completions", dict(GREEDY, echo=True, prompt_logprobs=2, logprobs=1), AUTH),
+    ("/v1/completions", dict(GREEDY, echo=True, prompt_logprobs=1, logprobs=1, stream=True), AUTH),
+    ("/v1/completions", dict(GREEDY, echo=True, max_tokens=0, logprobs=1), AUTH),
+    ("/v1/completions", dict(GREEDY, echo=True, max_tokens=0, stream=True), AUTH),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                              "temperature": 0, "logprobs": True, "top_logprobs": 2, "stream": True,
+                              "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, AUTH),
     ("/tokenize", {"model": "tiny", "prompt": "Hello world"}, AUTH),
     ("/tokenize", {"model": "tiny", "prompt": "z" * 10_000}, AUTH),
     ("/detokenize", {"model": "tiny", "tokens": [19556, 905]}, AUTH),
@@ -78,6 +94,28 @@ def test_both_links_answer_alike(stack, grpc_gateway_url, path, body, headers):
         b = remote.post(path, json=body, headers=headers)
     assert a.status_code == b.status_code, (a.text, b.text)
     assert comparable(a.text) == comparable(b.text)
+
+
+def test_both_links_answer_a_stop_token_alike(stack, grpc_gateway_url):
+    """A completion that a stop token ends: vLLM's integer ``stop_reason``, from either link's responses."""
+    import httpx
+
+    with stack.client() as local, httpx.Client(base_url=grpc_gateway_url, timeout=120) as remote:
+        named = local.post("/v1/completions", json=dict(GREEDY, logprobs=0, return_tokens_as_token_ids=True),
+                           headers=AUTH).json()["choices"][0]["logprobs"]["tokens"]
+        stop_token = int(named[2].removeprefix("token_id:"))
+        answers = []
+        for stream in (False, True):
+            body = dict(GREEDY, stop_token_ids=[stop_token], stream=stream)
+            a = local.post("/v1/completions", json=body, headers=AUTH)
+            b = remote.post("/v1/completions", json=body, headers=AUTH)
+            assert a.status_code == b.status_code == 200, (a.text, b.text)
+            assert comparable(a.text) == comparable(b.text)
+            answers.append(comparable(a.text))
+    [[whole], chunks] = answers
+    last = chunks[-1]["choices"][0]
+    ended = (whole["choices"][0]["finish_reason"], whole["choices"][0]["stop_reason"])
+    assert ended == (last["finish_reason"], last["stop_reason"]) == ("stop", stop_token)
 
 
 def test_every_entry_point_checks_its_inputs_in_the_engines_one_input_processor(
@@ -174,3 +212,132 @@ def test_a_positional_model_and_served_name_groups_parse_as_vllm_does(tiny_model
     assert [(c.served_model_name, c.served_model_aliases) for c in configs] == [("a", ()), ("b", ("c",))]
     with pytest.raises(ValueError, match=r"served_model_name must be distinct, non-empty names, got \['a', 'a'\]"):
         engine_configs(parser.parse_args(["serve", str(tiny_model_dir), "--served-model-name", "a", "a"]))
+
+
+STREAM_MESSAGES = ("GenerateResponse", "CompletionDelta", "Usage", "TopLogprobs", "PromptLogprobs")
+OPTIONAL = {"stop_token_id", "prompt_logprobs"}  # the stream's fields that may be unset
+
+
+def as_values(message: object) -> dict:
+    """A stream message of either form as nested dicts and lists (an unset optional field: ``None``)."""
+    values = {}
+    for f in getattr(pb, type(message).__name__).DESCRIPTOR.fields:
+        if f.name in OPTIONAL and not message.HasField(f.name):
+            values[f.name] = None
+            continue
+        value = getattr(message, f.name)
+        if f.message_type is None:
+            values[f.name] = list(value) if f.is_repeated else value
+        else:
+            values[f.name] = [as_values(v) for v in value] if f.is_repeated else as_values(value)
+    return values
+
+
+def not_plain(value: object, where: str = "response") -> list[str]:
+    """Where ``value`` holds anything but plain Python values and ``messages`` objects (protobuf's
+    messages and repeated containers among them)."""
+    if value is None or isinstance(value, (str, int, float)):  # bools; logprobs may be outputs.Logprob floats
+        return []
+    if type(value) is list:
+        return [bad for i, item in enumerate(value) for bad in not_plain(item, f"{where}[{i}]")]
+    if type(value) in {getattr(messages, name) for name in STREAM_MESSAGES}:
+        return [bad for f in dataclasses.fields(value) for bad in not_plain(getattr(value, f.name), f"{where}.{f.name}")]
+    kind = "protobuf message" if isinstance(value, Message) else type(value).__module__
+    return [f"{where}: {kind} {type(value).__qualname__}"]
+
+
+def test_the_plain_messages_mirror_the_protos_fields_and_defaults():
+    for name in STREAM_MESSAGES:
+        plain, proto = getattr(messages, name)(), getattr(pb, name)()
+        assert [f.name for f in dataclasses.fields(plain)] == [f.name for f in proto.DESCRIPTOR.fields]
+        assert as_values(plain) == as_values(proto)
+        assert not_plain(plain) == []
+        assert not hasattr(plain, "__dict__")  # slotted
+    assert not_plain(messages.GenerateResponse(usage=pb.Usage(), outputs=[pb.CompletionDelta()])) == [
+        "response.outputs[0]: protobuf message CompletionDelta", "response.usage: protobuf message Usage"]
+    assert not_plain(messages.CompletionDelta(token_ids=pb.CompletionDelta(token_ids=[1]).token_ids)) == [
+        "response.token_ids: google._upb._message RepeatedScalarContainer"]
+    for message in (messages.Usage(), pb.Usage()):
+        with pytest.raises(ValueError):
+            message.HasField("prompt_tokens")  # no presence, on either form
+
+
+async def _stream(stub, request: pb.GenerateRequest) -> list:
+    call = stub.Generate(request, metadata=METADATA)
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    return responses
+
+
+def _request(**fields) -> pb.GenerateRequest:
+    stopping = {"max_tokens": 6, "ignore_eos": True, **fields.pop("stopping", {})}
+    return pb.GenerateRequest(model="tiny", text="Both links", sampling=pb.SamplingParameters(n=2, temperature=0),
+                              stopping=pb.StoppingCriteria(**stopping), **fields)
+
+
+def test_the_in_process_stream_is_plain_objects_equal_to_the_grpc_streams_messages(stack):
+    """One handler builds both streams: the same values, as protobuf messages over gRPC only."""
+    local = InProcessStub(stack.engine_server.servicer)
+    [_, first, *_] = stack.background.run(_stream(local, _request()))
+    stop_token = first.outputs[0].token_ids[0]
+    request = _request(request_id="same", logprobs=2, prompt_logprobs=1, echo=True,
+                       stopping={"stop_token_ids": [stop_token]})
+
+    async def both() -> tuple[list, list]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+            return await _stream(local, request), await _stream(pb_grpc.TextGenerationServiceStub(channel), request)
+
+    plain, protos = stack.background.run(both())
+    assert [type(r) for r in plain] == [messages.GenerateResponse] * len(plain)
+    assert [bad for r in plain for bad in not_plain(r)] == []
+    assert [type(r) for r in protos] == [pb.GenerateResponse] * len(protos)
+    assert [as_values(r) for r in plain] == [as_values(r) for r in protos]
+    last = plain[-1]
+    assert last.finished and [(d.finish_reason, d.stop_token_id) for d in last.outputs] == [
+        (pb.FINISH_REASON_STOP, stop_token)] * 2
+    with_tokens = next(r for r in plain if r.outputs)
+    assert with_tokens.prompt_text == "Both links" and with_tokens.prompt_logprobs.token_ids
+    assert len(with_tokens.outputs[0].top_logprobs[0].token_ids) == 2
+
+
+def test_an_aborted_in_process_stream_ends_in_plain_objects(stack):
+    local = InProcessStub(stack.engine_server.servicer)
+
+    async def aborted() -> list:
+        call = local.Generate(_request(request_id="to-abort", stopping={"max_tokens": 200}), metadata=METADATA)
+        responses = [await call.read(), await call.read()]
+        aborted = await local.Abort(pb.AbortRequest(request_ids=["to-abort"]), metadata=METADATA)
+        assert aborted.num_aborted == 1
+        while (response := await call.read()) is not grpc.aio.EOF:
+            responses.append(response)
+        return responses
+
+    responses = stack.background.run(aborted())
+    assert [bad for r in responses for bad in not_plain(r)] == []
+    last = responses[-1]
+    assert last.finished and [d.finish_reason for d in last.outputs] == [pb.FINISH_REASON_ABORT] * 2
+    assert last.usage.prompt_tokens == responses[1].usage.prompt_tokens > 0
+
+
+def test_the_gateway_reads_no_protobuf_from_the_in_process_link(stack, monkeypatch):
+    """Every response the gateway reads in process, over every kind of request of ``CASES``, is plain."""
+    from raypaged.serving import inprocess
+
+    seen = []
+    real = inprocess._StreamCall.read
+
+    async def spy(self):
+        item = await real(self)
+        seen.append(item)
+        return item
+
+    monkeypatch.setattr(inprocess._StreamCall, "read", spy)
+    with stack.client() as client:
+        answered = [client.post(path, json=body, headers=headers).status_code for path, body, headers in CASES
+                    if path.startswith("/v1/")]
+    responses = [item for item in seen if item is not grpc.aio.EOF]
+    assert answered == [200] * 5 + [400, 400, 404, 400, 400, 400, 401] + [200] * 6  # CASES' statuses
+    assert [bad for r in responses for bad in not_plain(r)] == []
+    assert any(r.prompt_logprobs is not None for r in responses)
+    assert any(d.top_logprobs for r in responses for d in r.outputs)
