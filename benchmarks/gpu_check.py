@@ -150,18 +150,20 @@ def w1_workload(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]
 
 
 def raypaged_w1(model_dir: Path, concurrencies: list[int], requests_per_level, enforce_eager: bool,
-                device: str = "cuda") -> dict:
-    """Generated tokens/s of the engine, closed loop: a finished request is replaced at once."""
+                device: str = "cuda", async_scheduling: bool | None = None) -> dict:
+    """Generated tokens/s of the engine, closed loop: a finished request is replaced at once.
+    ``async_scheduling`` None: the engine's default (on on CUDA)."""
     from raypaged import LLM, SamplingParams
 
     started = time.monotonic()
     llm = LLM(str(model_dir), load_format="dummy", dtype="float16" if device == "cuda" else "float32", device=device,
               gpu_memory_utilization=0.5, max_model_len=4096, enforce_eager=enforce_eager,
-              kv_cache_space=None if device == "cuda" else 0.5)
+              kv_cache_space=None if device == "cuda" else 0.5, async_scheduling=async_scheduling)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     engine = llm.llm_engine
     stats = engine.stats()
-    result: dict = dict(startup_s=time.monotonic() - started, kv_blocks=stats["num_gpu_blocks_total"], levels={})
+    result: dict = dict(startup_s=time.monotonic() - started, kv_blocks=stats["num_gpu_blocks_total"], levels={},
+                        async_scheduling=engine.config.resolved_async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     vocab = engine.config.hf_config.vocab_size
     warm = w1_workload(8, vocab, seed=99)
@@ -196,7 +198,8 @@ def raypaged_w1(model_dir: Path, concurrencies: list[int], requests_per_level, e
             steps=steps, ms_per_step=1e3 * elapsed / steps, p50_latency_s=latencies[len(latencies) // 2],
             p99_latency_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         )
-        print(f"  raypaged ({'eager' if enforce_eager else 'CUDA graphs'}) concurrency {concurrency}: "
+        mode = f"{'eager' if enforce_eager else 'CUDA graphs'}, async scheduling {result['async_scheduling']}"
+        print(f"  raypaged ({mode}) concurrency {concurrency}: "
               f"{generated / elapsed:,.0f} tok/s, {1e3 * elapsed / steps:.1f} ms/step", flush=True)
     result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / (1 << 30) if device == "cuda" else None
     result["preemptions"] = engine.stats()["num_preemptions"]
@@ -259,15 +262,17 @@ def end_to_end(concurrencies: list[int]) -> dict:
     from raypaged.model.synthetic import write_synthetic_model
 
     def requests_per_level(concurrency: int) -> int:
-        return 2 * concurrency
+        return 4 * concurrency  # so steady state dominates, not the first wave
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_synthetic_model(Path(tmp) / "llama2-7b-shape")
         out = dict(model="Llama-2-7B shape, random fp16 weights", concurrencies=concurrencies,
-                   requests_per_level="2 x concurrency")
+                   requests_per_level="4 x concurrency")
         for key, fn in (
             ("raypaged", lambda: raypaged_w1(model_dir, concurrencies, requests_per_level, enforce_eager=False)),
             ("raypaged_eager", lambda: raypaged_w1(model_dir, concurrencies[-1:], requests_per_level, True)),
+            ("raypaged_no_async", lambda: raypaged_w1(model_dir, concurrencies, requests_per_level, False,
+                                                      async_scheduling=False)),
             ("transformers", lambda: transformers_w1(model_dir, concurrencies, requests_per_level)),
         ):
             try:
@@ -344,6 +349,10 @@ def print_w1_table(e2e: dict) -> None:
               f"{row['tokens_per_s'] / peer:.2f}x |")
     print(f"startup {ours['startup_s']:.0f} s, {ours['kv_blocks']} KV blocks, peak {ours['peak_memory_gib']:.1f} GiB, "
           f"preemptions {ours['preemptions']}")
+    sync = e2e.get("raypaged_no_async", {})
+    if "levels" in sync:
+        print("async scheduling on / off: " + ", ".join(
+            f"{c}: {row['tokens_per_s'] / sync['levels'][c]['tokens_per_s']:.2f}x" for c, row in ours["levels"].items()))
 
 
 if __name__ == "__main__":

@@ -114,6 +114,24 @@ def test_fp32_greedy_matches_transformers(model_dir, prompts, reference, enforce
     assert llm.stats()["num_gpu_blocks_free"] == llm.stats()["num_gpu_blocks_total"]
 
 
+def test_async_scheduling_is_on_by_default_and_gives_the_synchronous_tokens(model_dir, prompts, reference):
+    params = [GREEDY if i % 2 == 0 else SamplingParams(temperature=0.8, seed=i, max_tokens=GREEDY.max_tokens,
+                                                      ignore_eos=True, repetition_penalty=1.2)
+              for i in range(len(prompts))]
+    tokens = {}
+    for mode in (None, False):  # the default first: on, with CUDA graphs
+        llm = engine(model_dir, async_scheduling=mode)
+        assert llm.llm_engine.config.resolved_async_scheduling is (mode is None)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[mode] = [list(o.outputs[0].token_ids) for o in outputs]
+        assert (llm.llm_engine.core.num_overlapped_steps > 0) is (mode is None)
+        assert runner(llm).graphs.replays > 0
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens[None] == tokens[False]
+    assert tokens[None][0::2] == reference[0::2]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_half_precision_logprobs_match_transformers(model_dir, prompts, dtype):
     ref = hf_first_logprobs(model_dir, prompts, dtype)
