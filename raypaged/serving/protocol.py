@@ -212,7 +212,7 @@ def add_logprobs(
     tokenizer: PreTrainedTokenizerBase,
     messages: StreamMessages,
 ) -> None:
-    """Each token's logprob and its ``num_top`` most likely alternatives, into ``target`` (a message of ``messages``)."""
+    """Each token's logprob and its ``num_top`` most likely alternatives (``messages.TopLogprobs``), into ``target``."""
     for token_id, candidates in zip(token_ids, logprobs):
         target.logprobs.append(candidates[token_id])
         top = sorted(candidates.items(), key=lambda item: -item[1])[:num_top]

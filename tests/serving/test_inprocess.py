@@ -241,7 +241,8 @@ def not_plain(value: object, where: str = "response") -> list[str]:
     if type(value) is list:
         return [bad for i, item in enumerate(value) for bad in not_plain(item, f"{where}[{i}]")]
     if type(value) in {getattr(messages, name) for name in STREAM_MESSAGES}:
-        return [bad for f in dataclasses.fields(value) for bad in not_plain(getattr(value, f.name), f"{where}.{f.name}")]
+        return [bad for f in dataclasses.fields(value)
+                for bad in not_plain(getattr(value, f.name), f"{where}.{f.name}")]
     kind = "protobuf message" if isinstance(value, Message) else type(value).__module__
     return [f"{where}: {kind} {type(value).__qualname__}"]
 

@@ -238,7 +238,7 @@ class Accumulator:
         choices = []
         for index, choice in enumerate(self.choices):
             merged = CompletionDelta(token_ids=choice.token_ids, token_texts=choice.token_texts,
-                                        logprobs=choice.logprobs, top_logprobs=choice.top_logprobs)
+                                     logprobs=choice.logprobs, top_logprobs=choice.top_logprobs)
             entry: dict = {"index": index}
             finish_reason = choice.finish_reason
             prompt = self.prompts[index // self.shape.n]
