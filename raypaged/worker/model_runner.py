@@ -18,6 +18,7 @@ import torch
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SampledToken, SchedulerOutput
 from raypaged.sampling_params import SamplingParams
+from raypaged.worker.block_tables import BlockTables
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
 from raypaged.spec_decode.verify import accepted_run
@@ -48,6 +49,7 @@ class CachedRequestState:
     # first (the next step may be scheduled before they reach the scheduler: it computes them from here)
     sampled_unsent: list[int] = field(default_factory=list)
     prompt_array: np.ndarray | None = None  # the prompt as int64, made for its first span of several tokens
+    row: int = -1  # its row of the runner's BlockTables
 
     def token_at(self, position: int) -> int:
         num_prompt = len(self.prompt_token_ids)
@@ -123,6 +125,7 @@ class ModelRunner:
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: dict[str, CachedRequestState] = {}
+        self.block_tables = BlockTables()  # every request's table, a row each
         self.graphs: DecodeGraphs | None = None
         self.lora = lora
         self._lora_slot_of: dict[int, int] = {}  # adapter id -> the slot holding it
@@ -130,8 +133,10 @@ class ModelRunner:
         self.drafter: DraftModelProposer | None = None  # speculative decoding with a draft model
 
     def update_states(self, so: SchedulerOutput) -> None:
+        tables = self.block_tables
         for request_id in so.finished_request_ids:
-            self.requests.pop(request_id, None)
+            if (gone := self.requests.pop(request_id, None)) is not None:
+                tables.release(gone.row)
         if self.drafter is not None:
             for request_id in itertools.chain(so.finished_request_ids, (new.request_id for new in so.new_requests)):
                 self.drafter.forget(request_id)
@@ -146,6 +151,7 @@ class ModelRunner:
                 new.sample_index,
                 new.lora_int_id,
                 new.num_spec_tokens,
+                row=tables.add(new.block_ids),
             )
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
@@ -153,11 +159,15 @@ class ModelRunner:
                 state.output_token_ids.extend(new_tokens)
                 if state.sampled_unsent:  # they come back in the order they were sampled
                     del state.sampled_unsent[:len(new_tokens)]
+            block_ids = state.block_ids
             for index, block_id in cached.replaced_block_ids:
-                state.block_ids[index] = block_id
+                block_ids[index] = block_id
+                tables.write(state.row, index, [block_id])
             if cached.num_block_ids is not None:  # blocks of rejected drafts were freed
-                del state.block_ids[cached.num_block_ids - len(cached.new_block_ids):]
-            state.block_ids.extend(cached.new_block_ids)
+                del block_ids[cached.num_block_ids - len(cached.new_block_ids):]
+            if cached.new_block_ids:
+                tables.write(state.row, len(block_ids), cached.new_block_ids)
+                block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         for state in self.spec_states:
             state.spec_token_ids = []
@@ -168,17 +178,16 @@ class ModelRunner:
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Flatten the step: decodes (one token) first, then prefill spans.
 
-        A decode's token, position and slot are three ints; a span's are numpy slices and
-        vectorized arithmetic (no Python per token, however long the chunk). Every index list is
-        packed into one host array and sent to the device in a single copy; the step's tensors
-        are contiguous slices of it.
+        A decode adds its token, position and ``BlockTables`` row; their slots and padded tables
+        come from the persistent tables in a few numpy operations over all of them. A span's
+        tokens, positions and slots are numpy slices and vectorized arithmetic (no Python per
+        token, however long the chunk). Everything is packed into one host array and sent to the
+        device in a single copy; the step's tensors are contiguous slices of it.
         """
         order = sorted(so.num_scheduled_tokens, key=lambda rid: so.num_scheduled_tokens[rid] != 1)
         input_ids: list[int] = []  # the decodes'
         positions: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        rows: list[int] = []  # their BlockTables rows
         spans: list[tuple[int, int, int]] = []  # (query start, query length, context length)
         span_ids: list[np.ndarray] = []
         span_positions: list[np.ndarray] = []
@@ -199,16 +208,12 @@ class ModelRunner:
             end = start + num_new
             query_start = num_step_tokens
             num_step_tokens = end_index = query_start + num_new
-            block_ids = state.block_ids
-            num_blocks = -(-end // bs)
             if num_new == 1:
                 input_ids.append(state.token_at(start))
                 positions.append(start)
-                slots.append(block_ids[start // bs] * bs + start % bs)
-                decode_tables.append(block_ids[:num_blocks])
-                decode_lens.append(end)
+                rows.append(state.row)
             else:
-                table = np.array(block_ids[:num_blocks], dtype=np.int64)
+                table = np.array(state.block_ids[:-(-end // bs)], dtype=np.int64)
                 span_pos = np.arange(start, end, dtype=np.int64)
                 span_ids.append(state.token_array(start, end))
                 span_positions.append(span_pos)
@@ -224,23 +229,17 @@ class ModelRunner:
             if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
                 # positions start..min(end, P-1)-1 predict prompt tokens start+1..
                 prompt_spans.append((request_id, query_start, start + 1, min(end, num_prompt - 1) - start))
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        tables = [block for t in decode_tables for block in t + [0] * (max_blocks - len(t))]
-        if spans:
-            sections = [_ints(input_ids), *span_ids, _ints(positions), *span_positions, _ints(slots), *span_slots,
-                        _ints(decode_lens), _ints(sample_indices), _ints(tables), *span_tables]
-            flat_np = np.concatenate(sections)
-            sizes = [num_step_tokens] * 3 + [len(decode_lens), len(sample_indices), len(tables),
-                                             *map(len, span_tables)]
-        else:  # decode-only: one pass over the ints (numpy reads them 4x faster than torch.tensor(list))
-            pieces = [input_ids, positions, slots, decode_lens, sample_indices, tables]
-            sizes = list(map(len, pieces))
-            flat_np = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=sum(sizes))
-        flat = torch.from_numpy(flat_np)
+        num_decodes = len(rows)
+        decode_positions = _ints(positions)
+        slots, tables, max_blocks = self.block_tables.decode_inputs(_ints(rows), decode_positions, bs)
+        # numpy reads the ints 4x faster than torch.tensor(list) (60 against 250 us at 256 sequences)
+        sections = [_ints(input_ids), *span_ids, decode_positions, *span_positions, slots, *span_slots,
+                    decode_positions + 1, _ints(sample_indices), tables.ravel(), *span_tables]
+        flat = torch.from_numpy(np.concatenate(sections))
         if self.device.type != "cpu":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
+        sizes = [num_step_tokens] * 3 + [num_decodes, len(sample_indices), tables.size, *map(len, span_tables)]
         input_ids_t, positions_t, slots_t, lens_t, sample_t, tables_t, *span_blocks = flat.split(sizes)
-        num_decodes = len(decode_tables)
         prefills = [PrefillSpan(q0, n, end, ids) for (q0, n, end), ids in zip(spans, span_blocks)]
         if token_slots is not None:  # LoRA on: every step maps its tokens (none adapted: an empty mapping)
             self.lora.set_slot_mapping(token_slots)
