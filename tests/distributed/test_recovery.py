@@ -3,7 +3,7 @@ clear error."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import ray
@@ -17,9 +17,11 @@ STEP_TIMEOUT_S = 4  # a tiny-Llama step takes milliseconds; a hung shard is decl
 STALL_S = 600.0  # longer than any test: the stalled actor is killed, not waited for
 
 
-@pytest.fixture(autouse=True)
-def short_step_timeout(monkeypatch) -> None:
-    monkeypatch.setenv("RAYPAGED_STEP_TIMEOUT_S", str(STEP_TIMEOUT_S))
+@pytest.fixture(scope="module", autouse=True)
+def short_step_timeout() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAYPAGED_STEP_TIMEOUT_S", str(STEP_TIMEOUT_S))
+        yield
 
 
 def start_tp2(tiny_llama, enable_recovery: bool) -> LLM:
@@ -65,34 +67,40 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
 
 
+@pytest.fixture(scope="module")
+def recovering_llm(ray_session, tiny_llama) -> Iterator[LLM]:
+    """One recovering tp=2 engine for every drill: each drill leaves it with a fresh, idle shard group."""
+    llm = start_tp2(tiny_llama, enable_recovery=True)
+    yield llm
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("fault", [kill_rank_1, stall_rank_1, fail_rank_1])
 def test_lost_worker_is_replaced_and_requests_finish_unchanged(
-    ray_session, tiny_llama, tiny_reference, fault: Callable[[LLM], str]
+    recovering_llm, tiny_reference, fault: Callable[[LLM], str]
 ):
-    llm = start_tp2(tiny_llama, enable_recovery=True)
-    try:
-        engine = llm.llm_engine
-        request_ids = add_all(llm)
-        streamed: dict[str, list[int]] = {}  # what a streaming caller saw, token by token
-        finished = {}
-        step = 0
-        while engine.has_unfinished_requests():
-            if step == FAULT_AFTER_STEPS:
-                lost_actor = fault(llm)
-                old_actors = [w._actor_id.hex() for w in engine.executor.workers]
-            for output in engine.step():
-                tokens = output.outputs[0].token_ids
-                assert tokens[: len(streamed.get(output.request_id, []))] == streamed.get(output.request_id, [])
-                streamed[output.request_id] = tokens
-                if output.finished:
-                    finished[output.request_id] = tokens
-            step += 1
-        assert [finished[rid] for rid in request_ids] == tiny_reference
-        new_actors = [w._actor_id.hex() for w in engine.executor.workers]
-        assert lost_actor in old_actors and not set(old_actors) & set(new_actors) and len(new_actors) == 2
-        assert_all_blocks_free(llm)
-    finally:
-        llm.shutdown()
+    llm = recovering_llm
+    assert_all_blocks_free(llm)  # what the drill before left behind
+    engine = llm.llm_engine
+    request_ids = add_all(llm)
+    streamed: dict[str, list[int]] = {}  # what a streaming caller saw, token by token
+    finished = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        if step == FAULT_AFTER_STEPS:
+            lost_actor = fault(llm)
+            old_actors = [w._actor_id.hex() for w in engine.executor.workers]
+        for output in engine.step():
+            tokens = output.outputs[0].token_ids
+            assert tokens[: len(streamed.get(output.request_id, []))] == streamed.get(output.request_id, [])
+            streamed[output.request_id] = tokens
+            if output.finished:
+                finished[output.request_id] = tokens
+        step += 1
+    assert [finished[rid] for rid in request_ids] == tiny_reference
+    new_actors = [w._actor_id.hex() for w in engine.executor.workers]
+    assert lost_actor in old_actors and not set(old_actors) & set(new_actors) and len(new_actors) == 2
+    assert_all_blocks_free(llm)
 
 
 def fail_after_fault(tiny_llama, fault: Callable[[LLM], str], expected: type[WorkerDiedError], message: str) -> None:
