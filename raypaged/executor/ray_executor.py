@@ -106,6 +106,9 @@ class RayExecutor(Executor):
                 f"{_PLACEMENT_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}"
             ) from None
         bundle_nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]  # bundle index -> node
+        # the channel is chosen from where the shards will run, before any of them starts: a forced
+        # shared-memory channel across nodes fails without loading the weights
+        self.step_channel = self._choose_step_channel(self._wanted_channel, [bundle_nodes[r] for r in range(size)])
         actor_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(WorkerActor)
         self.workers = [
             actor_class.options(
@@ -127,15 +130,15 @@ class RayExecutor(Executor):
             ]
         )
         self.node_ids = self._call_all([worker.node_id.remote() for worker in self.workers])
-        self.step_channel = self._choose_step_channel(self._wanted_channel)
         logger.info(
             "started %d shard actors (%s, %s, steps through %s)", size, config.placement_strategy,
             "GPU" if on_gpu else "CPU", "shared memory" if self.step_channel == "shm" else "a Ray Compiled Graph",
         )
 
-    def _choose_step_channel(self, wanted: str) -> str:
+    def _choose_step_channel(self, wanted: str, node_ids: list[str]) -> str:
+        """``node_ids``: the Ray node of each shard, by rank."""
         driver_node = ray.get_runtime_context().get_node_id()
-        elsewhere = [rank for rank, node in enumerate(self.node_ids) if node != driver_node]
+        elsewhere = [rank for rank, node in enumerate(node_ids) if node != driver_node]
         available = shm_channel.available()
         if wanted == "graph" or (wanted == "auto" and (elsewhere or not available)):
             return "graph"
