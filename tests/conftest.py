@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 weights, Hugging Face references and tiny random Llamas."""
+"""Shared fixtures: the real SmolLM2 weights, Hugging Face references, peft adapters of SmolLM2 and tiny
+random Llamas."""
 
 from __future__ import annotations
 
@@ -52,6 +53,62 @@ def smollm2_llm(smollm2_dir):
     from raypaged import LLM
 
     return LLM(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=1024)
+
+
+# name -> LoraConfig options: different ranks, target modules (short names, full paths, all-linear) and scalings
+ADAPTERS = {
+    "qv-r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+    "all-r8-rslora": {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "use_rslora": True},
+    "kogd-r16": {"r": 16, "lora_alpha": 32, "target_modules": ["model.layers.0.self_attn.k_proj", "o_proj", "gate_proj",
+                                                          "down_proj"]},
+}
+
+
+def make_peft_adapter(base_dir: Path, out_dir: Path, seed: int, std: float = 0.05, base_model=None,
+                      **options) -> Path:
+    """An adapter of ``base_dir``'s model saved with ``save_pretrained``: A and B drawn from N(0, std)
+    (B is zero at peft's init, which would make the adapter the identity). ``base_model``: that model,
+    already loaded (it gets the adapter's layers and loses them again)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = base_model if base_model is not None else AutoModelForCausalLM.from_pretrained(base_dir,
+                                                                                         dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(**options))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    peft_model.save_pretrained(out_dir)
+    if base_model is not None:
+        peft_model.unload()
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_adapters(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
+    """The ``ADAPTERS`` of SmolLM2, seeds 0, 1, 2: the LoRA tests of the engine, the model and the server."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("adapters")
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    return {name: make_peft_adapter(smollm2_dir, root / name, seed, base_model=base, **options)
+            for seed, (name, options) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="session")
+def peft_smollm2(smollm2_dir, smollm2_adapters):
+    """One PeftModel holding every adapter (``set_adapter`` picks one, ``disable_adapter`` none)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    names = list(smollm2_adapters)
+    model = PeftModel.from_pretrained(base, smollm2_adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(smollm2_adapters[name], adapter_name=name)
+    return model.eval()
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -7,15 +7,12 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.lora.request import LoRARequest
 from raypaged.sampling_params import SamplingParams
-from tests.conftest import hf_greedy
-from tests.lora.conftest import ADAPTERS, make_peft_adapter
+from tests.conftest import hf_greedy, make_peft_adapter
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
@@ -23,29 +20,22 @@ MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory, smollm2_dir) -> dict[str, LoRARequest]:
-    root = tmp_path_factory.mktemp("engine_adapters")
-    return {name: LoRARequest(name, i + 1, str(make_peft_adapter(smollm2_dir, root / name, 10 + i, **options)))
-            for i, (name, options) in enumerate(ADAPTERS.items())}
+def adapters(smollm2_adapters) -> dict[str, LoRARequest]:
+    return {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(smollm2_adapters.items())}
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2_dir, adapters) -> dict[tuple[str | None, str], list[int]]:
+def expected(smollm2_dir, adapters, peft_smollm2) -> dict[tuple[str | None, str], list[int]]:
     """peft's greedy tokens for each (adapter or None, prompt)."""
-    from peft import PeftModel
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    found = {(None, p): hf_greedy(base, tokenizer(p)["input_ids"], MAX_TOKENS) for p in PROMPTS}
-    names = list(adapters)
-    model = PeftModel.from_pretrained(base, adapters[names[0]].lora_path, adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapters[name].lora_path, adapter_name=name)
-    for name in names:
-        model.set_adapter(name)
+    with peft_smollm2.disable_adapter():
+        found = {(None, p): hf_greedy(peft_smollm2, tokenizer(p)["input_ids"], MAX_TOKENS) for p in PROMPTS}
+    for name in adapters:
+        peft_smollm2.set_adapter(name)
         for prompt in PROMPTS:
-            found[(name, prompt)] = hf_greedy(model, tokenizer(prompt)["input_ids"], MAX_TOKENS)
+            found[(name, prompt)] = hf_greedy(peft_smollm2, tokenizer(prompt)["input_ids"], MAX_TOKENS)
     return found
 
 

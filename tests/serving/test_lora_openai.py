@@ -12,12 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from raypaged.config import EngineConfig
-from tests.conftest import hf_greedy
-from tests.lora.conftest import ADAPTERS, make_peft_adapter
+from tests.conftest import hf_greedy, make_peft_adapter
 from tests.serving.conftest import Stack
 
 pytestmark = pytest.mark.slow
@@ -26,25 +24,20 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def adapter_dirs(tmp_path_factory, smollm2_dir):
-    root = tmp_path_factory.mktemp("http_adapters")
-    return {name: make_peft_adapter(smollm2_dir, root / name, 20 + i, **options)
-            for i, (name, options) in enumerate(ADAPTERS.items())}
+def adapter_dirs(smollm2_adapters):
+    return smollm2_adapters
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2_dir, adapter_dirs) -> dict[str, str]:
+def expected(smollm2_dir, adapter_dirs, peft_smollm2) -> dict[str, str]:
     """peft's greedy text for the prompt, per adapter ("smollm2": the base model)."""
-    from peft import PeftModel
-
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     ids = tokenizer(PROMPT)["input_ids"]
-    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    found = {"smollm2": tokenizer.decode(hf_greedy(base, ids, MAX_TOKENS))}
-    for name, path in adapter_dirs.items():
-        model = PeftModel.from_pretrained(base, path).eval()
-        found[name] = tokenizer.decode(hf_greedy(model, ids, MAX_TOKENS))
-        base = model.unload()
+    with peft_smollm2.disable_adapter():
+        found = {"smollm2": tokenizer.decode(hf_greedy(peft_smollm2, ids, MAX_TOKENS))}
+    for name in adapter_dirs:
+        peft_smollm2.set_adapter(name)
+        found[name] = tokenizer.decode(hf_greedy(peft_smollm2, ids, MAX_TOKENS))
     return found
 
 
