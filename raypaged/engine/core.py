@@ -260,10 +260,10 @@ class EngineCore:
         """Async scheduling: the executor runs steps on the step thread, one at a time, and while
         step N runs this schedules step N+1 (its sequences' coming tokens are placeholders: the
         worker computes them from its own samples), submits it the moment N is done, then applies
-        N's results and returns them; the host work of both hides behind N+1's forward. A step
-        that cannot overlap (a beam search or a grammar is live: its next
-        step depends on this one's tokens) runs as the synchronous path does; speculative decoding and
-        tensor parallelism are refused with async scheduling (``EngineConfig``)."""
+        N's results and returns them; the host work of both hides behind N+1's forward. While a
+        beam search or a grammar is live (its next step depends on this one's tokens) steps run
+        as on the synchronous path; speculative decoding and tensor parallelism are refused with
+        async scheduling (``EngineConfig``)."""
         in_flight = self._in_flight
         if in_flight is None:
             scheduler_output = self._schedule()
