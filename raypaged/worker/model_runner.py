@@ -213,7 +213,7 @@ class ModelRunner:
                 positions.append(start)
                 rows.append(state.row)
             else:
-                table = np.array(state.block_ids[:-(-end // bs)], dtype=np.int64)
+                table = self.block_tables.array[state.row, :-(-end // bs)].copy()  # its table's entries in use
                 span_pos = np.arange(start, end, dtype=np.int64)
                 span_ids.append(state.token_array(start, end))
                 span_positions.append(span_pos)
