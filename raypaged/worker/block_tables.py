@@ -47,3 +47,19 @@ class BlockTables:
         tables *= np.arange(max_blocks) < num_blocks[:, None]  # the padding of the tables before: 0
         slots = tables[np.arange(len(rows)), positions // block_size] * block_size + positions % block_size
         return slots, tables, max_blocks
+
+    def decode_inputs_list(self, rows: list[int], positions: list[int], block_size: int
+                           ) -> tuple[list[int], list[int], int]:
+        """:meth:`decode_inputs` as Python lists (the tables flattened), for a few decodes: below about
+        five, a list per row costs less than the fixed cost of the numpy operations."""
+        max_blocks = max(positions) // block_size + 1 if positions else 0
+        array = self.array
+        slots: list[int] = []
+        tables: list[int] = []
+        for row, position in zip(rows, positions):
+            table = array[row, :max_blocks].tolist()
+            if (num_blocks := position // block_size + 1) < max_blocks:
+                table[num_blocks:] = [0] * (max_blocks - num_blocks)
+            slots.append(table[position // block_size] * block_size + position % block_size)
+            tables += table
+        return slots, tables, max_blocks

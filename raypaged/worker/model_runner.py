@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("raypaged")
 _PROMPT_LOGPROBS_CHUNK = 512  # prompt positions whose full-vocabulary logits exist at once
+# a decode-only step of at most this many sequences builds its inputs as Python lists: the numpy
+# path's fixed cost (about 16 us) is more than a list per row below five rows (8 against 16 us at 1)
+_LIST_INPUTS_MAX_DECODES = 4
 
 
 @dataclass(slots=True)
@@ -179,7 +182,8 @@ class ModelRunner:
         """Flatten the step: decodes (one token) first, then prefill spans.
 
         A decode adds its token, position and ``BlockTables`` row; their slots and padded tables
-        come from the persistent tables in a few numpy operations over all of them. A span's
+        come from the persistent tables in a few numpy operations over all of them (a step of a few
+        decodes and no span reads its rows as lists instead, cheaper at that size). A span's
         tokens, positions and slots are numpy slices and vectorized arithmetic (no Python per
         token, however long the chunk). Everything is packed into one host array and sent to the
         device in a single copy; the step's tensors are contiguous slices of it.
@@ -230,15 +234,22 @@ class ModelRunner:
                 # positions start..min(end, P-1)-1 predict prompt tokens start+1..
                 prompt_spans.append((request_id, query_start, start + 1, min(end, num_prompt - 1) - start))
         num_decodes = len(rows)
-        decode_positions = _ints(positions)
-        slots, tables, max_blocks = self.block_tables.decode_inputs(_ints(rows), decode_positions, bs)
-        # numpy reads the ints 4x faster than torch.tensor(list) (60 against 250 us at 256 sequences)
-        sections = [_ints(input_ids), *span_ids, decode_positions, *span_positions, slots, *span_slots,
-                    decode_positions + 1, _ints(sample_indices), tables.ravel(), *span_tables]
-        flat = torch.from_numpy(np.concatenate(sections))
+        if not spans and num_decodes <= _LIST_INPUTS_MAX_DECODES:
+            slot_list, table_list, max_blocks = self.block_tables.decode_inputs_list(rows, positions, bs)
+            flat = torch.tensor(input_ids + positions + slot_list + [p + 1 for p in positions] + sample_indices
+                                + table_list, dtype=torch.int64)
+            num_table_entries = len(table_list)
+        else:
+            decode_positions = _ints(positions)
+            slots, tables, max_blocks = self.block_tables.decode_inputs(_ints(rows), decode_positions, bs)
+            # numpy reads the ints 4x faster than torch.tensor(list) (60 against 250 us at 256 sequences)
+            sections = [_ints(input_ids), *span_ids, decode_positions, *span_positions, slots, *span_slots,
+                        decode_positions + 1, _ints(sample_indices), tables.ravel(), *span_tables]
+            flat = torch.from_numpy(np.concatenate(sections))
+            num_table_entries = tables.size
         if self.device.type != "cpu":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
-        sizes = [num_step_tokens] * 3 + [num_decodes, len(sample_indices), tables.size, *map(len, span_tables)]
+        sizes = [num_step_tokens] * 3 + [num_decodes, len(sample_indices), num_table_entries, *map(len, span_tables)]
         input_ids_t, positions_t, slots_t, lens_t, sample_t, tables_t, *span_blocks = flat.split(sizes)
         prefills = [PrefillSpan(q0, n, end, ids) for (q0, n, end), ids in zip(spans, span_blocks)]
         if token_slots is not None:  # LoRA on: every step maps its tokens (none adapted: an empty mapping)
