@@ -126,7 +126,7 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.device = device
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # unseeded draws, where the logits are
         self.requests: dict[str, CachedRequestState] = {}
         self.block_tables = BlockTables()  # every request's table, a row each
         self.graphs: DecodeGraphs | None = None
@@ -316,10 +316,10 @@ class ModelRunner:
         try:
             tokens = greedy_fast_path(logits, inputs)
             if tokens is None:
-                tokens = sample(logits.cpu(), inputs, self.generator)
+                tokens = sample(logits, inputs, self.generator)  # on the logits' device
             out = self._runner_output(rows, tokens)
         except Exception:  # one row's parameters broke the batch: find it, sample the others
-            out = self._sample_rows(logits.cpu(), inputs, rows)
+            out = self._sample_rows(logits, inputs, rows)
         if self.async_scheduling:
             requests = self.requests
             for request_id, token in out.sampled.items():

@@ -5,6 +5,13 @@ argmax or temperature → top-k → top-p → min-p → a draw. Logprobs are tho
 the raw model distribution. A seeded request draws from a generator seeded by
 ``(seed, number of tokens generated so far)``, so its tokens do not depend on
 what else is in the batch, nor on preemption.
+
+Everything runs where the logits are (the GPU with CUDA): parameters become small
+tensors on that device, and only the chosen tokens, their logprobs and the top
+logprobs asked for cross to the host; no batch x vocabulary copy. Unseeded rows draw
+their noise from the runner's generator on that device; a seeded row's noise comes
+from a CPU generator (one vocabulary row, copied over), so a seeded request draws
+the same noise on every device.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.G
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = _apply_penalties(logits.clone(), inputs)
 
-    token_ids = torch.empty(len(inputs), dtype=torch.long)
+    token_ids = torch.empty(len(inputs), dtype=torch.long, device=logits.device)
     greedy = [i for i, s in enumerate(inputs) if s.params.greedy]
     sampled = [i for i, s in enumerate(inputs) if not s.params.greedy]
     if greedy:
@@ -221,7 +228,7 @@ def _banned_by_words(words: list[list[int]], output_token_ids: list[int]) -> lis
 
 
 def _warped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     logits = logits / temperature[:, None]
     with_k = [i for i, p in enumerate(params) if p.top_k is not None]
     only_p = [i for i, p in enumerate(params) if p.top_k is None and p.top_p < 1.0]
@@ -229,8 +236,8 @@ def _warped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         if rows:
             logits[rows] = _top_k_top_p(logits[rows], [params[i] for i in rows])
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
@@ -245,7 +252,7 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     those hold less than ``top_p`` of the mass (a token past them could then be kept).
     """
     vocab = logits.shape[-1]
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
     if all(p.top_k is not None for p in params):
         width = min(max(p.top_k for p in params), vocab)
         ranked, order = logits.topk(width, dim=-1)  # descending
@@ -257,8 +264,8 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
             ranked, order = logits.sort(dim=-1, descending=True)
             ranked_probs = None
         width = ranked.shape[-1]
-    top_k = torch.tensor([min(p.top_k or vocab, width) for p in params])
-    drop = torch.arange(width)[None, :] >= top_k[:, None]
+    top_k = torch.tensor([min(p.top_k or vocab, width) for p in params], device=logits.device)
+    drop = torch.arange(width, device=logits.device)[None, :] >= top_k[:, None]
     ranked = ranked.masked_fill(drop, float("-inf"))
     if ranked_probs is None:
         ranked_probs = ranked.softmax(dim=-1)
@@ -269,14 +276,19 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 
 
 def _draw(probs: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator) -> torch.Tensor:
-    """Gumbel-style draw: argmax(p / E) with E ~ Exp(1) is a sample from p."""
+    """Gumbel-style draw: argmax(p / E) with E ~ Exp(1) is a sample from p. ``generator`` (on the
+    probabilities' device) serves the unseeded rows; each seeded row has its own CPU stream."""
     noise = torch.empty_like(probs)
     unseeded = [i for i, s in enumerate(inputs) if s.params.seed is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1]).exponential_(generator=generator)
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_(
+            generator=generator)
     for i, s in enumerate(inputs):
         if s.params.seed is not None:
             stream = (s.params.seed, len(s.output_token_ids)) + ((s.sample_index,) if s.sample_index else ())
             row_gen = torch.Generator().manual_seed(hash(stream) & 0x7FFF_FFFF_FFFF_FFFF)
-            noise[i].exponential_(generator=row_gen)
+            if probs.device.type == "cpu":
+                noise[i].exponential_(generator=row_gen)
+            else:
+                noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=row_gen).to(probs.device)
     return (probs / noise).argmax(dim=-1)
