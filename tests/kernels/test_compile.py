@@ -30,7 +30,8 @@ def all_resources() -> dict:
 
 
 def test_every_kernel_source_is_covered():
-    assert SOURCES == ["copy_blocks.cu", "lora_bgmv.cu", "paged_attention.cu", "reshape_and_cache.cu"]
+    assert SOURCES == ["copy_blocks.cu", "lora_bgmv.cu", "paged_attention.cu", "paged_prefill.cu",
+                       "reshape_and_cache.cu"]
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -51,6 +52,9 @@ def test_exports_every_kernel_the_wrappers_launch():
         for head_size in (64, 80, 96, 128):
             for variant in ("v1", "v2", "v2_reduce"):
                 expected.add(f"paged_attention_{variant}_{dtype}_{head_size}")
+            expected.add(f"paged_prefill_simt_{dtype}_{head_size}")
+            if dtype != "f32":  # tensor cores: 16-bit inputs only
+                expected.add(f"paged_prefill_mma_{dtype}_{head_size}")
     assert kernels == expected
 
 
