@@ -73,3 +73,16 @@ def check_cuda(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.d
         found = ", ".join(f"{n}={t.device}" for n, t in zip(names, tensors))
         raise ValueError(f"{', '.join(names)} must be on the same CUDA device; got {found}")
     return devices.pop()
+
+
+def check_cache_pair(key_cache: object, value_cache: object) -> None:
+    """A layer's K and V caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` each, one dtype,
+    contiguous, 16-byte aligned, a supported block size."""
+    check_tensor("key_cache", key_cache, FLOAT_DTYPES, 4)
+    check_tensor("value_cache", value_cache, FLOAT_DTYPES, 4)
+    check_same_dtype(("key_cache", "value_cache"), (key_cache, value_cache))
+    check_shape("value_cache", value_cache, key_cache.shape)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_contiguous(name, cache)
+        check_aligned(name, cache)
+    check_block_size("key_cache", key_cache.shape[2])
