@@ -3,9 +3,13 @@
 Both implement the same three operations on the same cache layout
 (``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer), and one driver,
 :meth:`AttentionBackend.forward`, runs a flattened step through either: the step's
-K/V are written to their slots, the single-token decodes attend in one batched
-call, and each prefill span attends on its own. A span with nothing cached before
-it (a whole prompt) attends over its own fresh K/V, with no gather from the cache.
+K/V are written to their slots, then the single-token decodes attend in one batched
+call. The prefill spans: with a ``varlen_prefill`` operation (CUDA), all of them in one
+call that reads each span's context through its block table, its own K/V of this step
+included (written just before); without one (torch, the reference), each span on its
+own, a span with nothing cached before it (a whole prompt) over its fresh K/V, with no
+gather from the cache. A step whose spans do not form one packed batch with covering
+block tables (see ``build_varlen_prefill``) takes the per-span path on CUDA too.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ class AttentionBackend:
     reshape_and_cache: Callable[..., None]
     decode: Callable[..., torch.Tensor]  # paged_attention_decode(query, key_cache, value_cache, tables, lens, scale)
     paged_prefill: Callable[..., torch.Tensor]  # (query, key_cache, value_cache, block_ids, context_len, scale)
+    # (query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, scale, max_query_len, out=):
+    # every prefill span of a step in one call; None: the per-span loop
+    varlen_prefill: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
@@ -54,6 +61,12 @@ class AttentionBackend:
             out[:num_decodes] = self.decode(
                 query[:num_decodes], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale
             )
+        varlen = meta.varlen_prefill(key_cache.shape[2]) if self.varlen_prefill is not None else None
+        if varlen is not None:
+            rows = slice(varlen.query_start, varlen.query_start + varlen.num_tokens)
+            self.varlen_prefill(query[rows], key_cache, value_cache, varlen.cu_seqlens_q, varlen.context_lens,
+                                varlen.block_tables, scale, varlen.max_query_len, out=out[rows])
+            return out
         for span in meta.prefills:
             end = span.query_start + span.query_len
             q = query[span.query_start:end]
@@ -77,7 +90,8 @@ def cuda_backend() -> AttentionBackend:
     from raypaged import kernels
 
     return AttentionBackend(
-        "cuda", kernels.reshape_and_cache, kernels.paged_attention_decode, kernels.paged_attention_prefill
+        "cuda", kernels.reshape_and_cache, kernels.paged_attention_decode, kernels.paged_attention_prefill,
+        kernels.paged_prefill_attention,
     )
 
 
