@@ -7,7 +7,9 @@
 2. times paged_attention_decode (v1 and v2) at batch 256 x context 2048 with Llama-2-7B
    attention shapes (32 heads, head 128, fp16, block 16) against the memory floor:
    bytes of K/V read / measured device-to-device copy bandwidth (target: >= 70%);
-3. times the prefill path's block gather against its SDPA call (the gather's share);
+3. times the prefill path's block gather against its SDPA call (the gather's share), and the varlen
+   paged prefill kernel (kernels/paged_prefill.cu) against gather + SDPA, SDPA on contiguous K/V, and a
+   step of 4 mixed spans against the per-span loop;
 4. W1 end to end on a Llama-2-7B-shaped model with random fp16 weights (no download):
    closed-loop clients at each concurrency, prompts of 50-200 tokens, exactly 100 generated
    tokens each, through the engine's own loop (no HTTP: the serving packages are not needed),
@@ -120,6 +122,73 @@ def prefill_gather_share(query_len: int = 512) -> dict:
     sdpa_s = seconds_per_call(lambda: prefill_attention(query, keys, values, HEAD_SIZE**-0.5))
     return dict(query_len=query_len, context_len=CONTEXT, gather_ms=gather_s * 1e3, sdpa_ms=sdpa_s * 1e3,
                 gather_share=gather_s / (gather_s + sdpa_s))
+
+
+def varlen_prefill(query_len: int = 512) -> dict:
+    """kernels/paged_prefill.cu, Llama-2-7B attention (32 heads x 128, fp16, block 16): ``query_len`` tokens
+    over CONTEXT against (a) today's gather + SDPA (``kernels.paged_attention_prefill``) and (b) SDPA on K/V
+    already contiguous (the goal: no slower); (c) a step of 4 spans of mixed lengths through
+    ``AttentionBackend.forward``, one varlen call against the per-span loop (both write the step's K/V first;
+    the packed per-step inputs are built once, outside the timing, as for a step's layers)."""
+    import dataclasses
+
+    from raypaged.attention.backend import cuda_backend
+    from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
+
+    scale = HEAD_SIZE**-0.5
+    num_blocks = 4 * CONTEXT // BLOCK_SIZE
+    shape = (num_blocks, NUM_HEADS, BLOCK_SIZE, HEAD_SIZE)  # [blocks, kv heads, block size, head dim]
+    key_cache = torch.randn(shape, dtype=torch.float16, device="cuda")
+    value_cache = torch.randn(shape, dtype=torch.float16, device="cuda")
+    ids = torch.randperm(num_blocks, device="cuda")
+    block_ids = ids[:CONTEXT // BLOCK_SIZE]
+    query = torch.randn(query_len, NUM_HEADS, HEAD_SIZE, dtype=torch.float16, device="cuda")
+    keys = kernels.gather_blocks(key_cache, block_ids[None])[0]
+    values = kernels.gather_blocks(value_cache, block_ids[None])[0]
+    cu = torch.tensor([0, query_len], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([CONTEXT], dtype=torch.int32, device="cuda")
+
+    def varlen(tensor_cores=None):
+        return kernels.paged_prefill_attention(query, key_cache, value_cache, cu, lens, block_ids[None], scale,
+                                               query_len, tensor_cores=tensor_cores)
+
+    reference = prefill_attention(query.float(), keys.float(), values.float(), scale)
+    errors = {name: ((out.float() - reference).abs().max() / reference.abs().max()).item()
+              for name, out in (("varlen", varlen()), ("varlen_fma", varlen(False)))}
+    single = dict(
+        varlen_ms=seconds_per_call(varlen) * 1e3,
+        varlen_fma_ms=seconds_per_call(lambda: varlen(False), iters=3, warmup=1) * 1e3,
+        gather_sdpa_ms=seconds_per_call(
+            lambda: kernels.paged_attention_prefill(query, key_cache, value_cache, block_ids, CONTEXT, scale)) * 1e3,
+        contiguous_sdpa_ms=seconds_per_call(lambda: prefill_attention(query, keys, values, scale)) * 1e3,
+        rel_error=errors,
+    )
+
+    # (c): (query_len, context_len) per span: a chunk over a long context, two whole prompts, a short chunk
+    spans, prefills, start, used = [(512, 2048), (300, 300), (64, 1000), (128, 128)], [], 0, 0
+    for q, c in spans:
+        n = -(-c // BLOCK_SIZE)
+        prefills.append(PrefillSpan(start, q, c, ids[used:used + n]))
+        start, used = start + q, used + n
+    slots = torch.cat([p.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for p in prefills
+                       for pos in [torch.arange(p.context_len - p.query_len, p.context_len, device="cuda")]])
+    meta = AttentionMetadata(slots, 0, torch.zeros((0, 1), dtype=torch.long, device="cuda"),
+                             torch.zeros(0, dtype=torch.long, device="cuda"), prefills)
+    step_q = torch.randn(start, NUM_HEADS, HEAD_SIZE, dtype=torch.float16, device="cuda")
+    step_k, step_v = torch.randn_like(step_q), torch.randn_like(step_q)
+    one_call = cuda_backend()
+    per_span = dataclasses.replace(one_call, varlen_prefill=None)
+    outs = [backend.forward(step_q, step_k, step_v, key_cache, value_cache, meta, scale)
+            for backend in (one_call, per_span)]
+    step = dict(
+        spans=spans,
+        varlen_ms=seconds_per_call(lambda: one_call.forward(step_q, step_k, step_v, key_cache, value_cache, meta,
+                                                            scale)) * 1e3,
+        per_span_ms=seconds_per_call(lambda: per_span.forward(step_q, step_k, step_v, key_cache, value_cache, meta,
+                                                              scale)) * 1e3,
+        rel_difference=((outs[0].float() - outs[1].float()).abs().max() / outs[1].float().abs().max()).item(),
+    )
+    return dict(query_len=query_len, context_len=CONTEXT, single_span=single, mixed_step=step)
 
 
 def lora_kernels(num_tokens: int = 256, num_slots: int = 4, rank: int = 16, hidden: int = 4096) -> dict:
@@ -321,6 +390,13 @@ def main() -> int:
     print(f"\nprefill {prefill['query_len']} tokens over {prefill['context_len']}: "
           f"gather {prefill['gather_ms']:.3f} ms, "
           f"SDPA {prefill['sdpa_ms']:.3f} ms, gather share {prefill['gather_share']:.0%}")
+    varlen = varlen_prefill()
+    one, mixed = varlen["single_span"], varlen["mixed_step"]
+    print(f"varlen prefill kernel, same shape: {one['varlen_ms']:.3f} ms (fp32-FMA kernel {one['varlen_fma_ms']:.3f}) "
+          f"against gather + SDPA {one['gather_sdpa_ms']:.3f} ms and SDPA on contiguous K/V "
+          f"{one['contiguous_sdpa_ms']:.3f} ms; rel. error {one['rel_error']}\n"
+          f"  a step of spans {mixed['spans']}: one call {mixed['varlen_ms']:.3f} ms, per-span loop "
+          f"{mixed['per_span_ms']:.3f} ms (rel. difference {mixed['rel_difference']:.1e})")
     lora = lora_kernels()
     print(f"\nLoRA product, {lora['num_tokens']} tokens over {lora['num_slots']} slots, rank {lora['rank']}, "
           f"{lora['hidden']} x {lora['hidden']} fp16: torch path {lora['torch_ms']:.3f} ms, lora_bgmv "
@@ -330,8 +406,8 @@ def main() -> int:
     print_w1_table(e2e)
     print(f"\ngpu_check finished in {time.monotonic() - started:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps(dict(tests_passed=tests_passed, decode=decode, prefill=prefill, lora=lora,
-                                             end_to_end=e2e), indent=2))
+        args.json.write_text(json.dumps(dict(tests_passed=tests_passed, decode=decode, prefill=prefill,
+                                             varlen_prefill=varlen, lora=lora, end_to_end=e2e), indent=2))
     return 0 if tests_passed and decode_ok and "error" not in e2e["raypaged"] else 1
 
 
