@@ -30,7 +30,7 @@ def all_resources() -> dict:
 
 
 def test_every_kernel_source_is_covered():
-    assert SOURCES == ["copy_blocks.cu", "lora_bgmv.cu", "paged_attention.cu", "paged_prefill.cu",
+    assert SOURCES == ["copy_blocks.cu", "fused_ops.cu", "lora_bgmv.cu", "paged_attention.cu", "paged_prefill.cu",
                        "reshape_and_cache.cu"]
 
 
@@ -49,6 +49,7 @@ def test_exports_every_kernel_the_wrappers_launch():
     expected = {"copy_blocks", "reshape_and_cache"}
     for dtype in ("f32", "f16", "bf16"):
         expected |= {f"lora_shrink_{dtype}", f"lora_expand_{dtype}"}
+        expected |= {f"{name}_{dtype}" for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")}
         for head_size in (64, 80, 96, 128):
             for variant in ("v1", "v2", "v2_reduce"):
                 expected.add(f"paged_attention_{variant}_{dtype}_{head_size}")
@@ -62,3 +63,28 @@ def test_readme_resource_table_is_current():
     assert report.readme_table(KERNEL_DIR / "README.md") == report.markdown_table(all_resources()), (
         "run: python kernels/resource_report.py --write"
     )
+
+
+def entry_bodies(ptx: str) -> dict[str, str]:
+    return {chunk.split("(", 1)[0]: chunk for chunk in ptx.split(".visible .entry ")[1:]}
+
+
+def test_fused_kernels_round_where_torch_rounds():
+    """fused_ops.cu's rotary is bit for bit torch's only if no multiply-add is contracted into an
+    FMA (torch rounds each product), and fused_add_rms_norm reads back the residual it wrote, so
+    those loads must not go through the read-only (non-coherent) cache."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "fused_ops.ptx"
+        subprocess.run(["nvcc", "-ptx", "-arch=sm_90", "-I", str(KERNEL_DIR), str(KERNEL_DIR / "fused_ops.cu"), "-o",
+                        str(out)], check=True, capture_output=True)
+        bodies = entry_bodies(out.read_text())
+    for dtype in ("f32", "f16", "bf16"):
+        rotary = bodies[f"rotary_and_cache_{dtype}"]
+        assert "fma." not in rotary and "mad." not in rotary
+        assert "st.global" in rotary
+        add_norm = bodies[f"fused_add_rms_norm_{dtype}"]
+        # the weight is the one read-only input: one vector and one scalar load of it
+        assert add_norm.count("ld.global.nc") == 2, add_norm
