@@ -58,3 +58,13 @@ def step_channel() -> str:
     if value not in STEP_CHANNELS:
         raise ValueError(f"$RAYPAGED_STEP_CHANNEL must be one of {', '.join(STEP_CHANNELS)}, got {value!r}")
     return value
+
+
+def fused_kernels() -> bool:
+    """Whether the model step runs the fused CUDA kernels (``raypaged.kernels.fused_ops``) where the
+    CUDA attention backend runs: ``$RAYPAGED_FUSED_KERNELS``, ``1`` (the default) or ``0`` (the
+    norms, SiLU-mul, rotary and cache write in torch, with the CUDA attention kernels)."""
+    value = os.environ.get("RAYPAGED_FUSED_KERNELS") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"$RAYPAGED_FUSED_KERNELS must be 0 or 1, got {value!r}")
+    return value == "1"

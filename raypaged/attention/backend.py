@@ -3,11 +3,12 @@
 Both implement the same three operations on the same cache layout
 (``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer), and one driver,
 :meth:`AttentionBackend.forward`, runs a flattened step through either: the step's
-K/V are written to their slots, then the single-token decodes attend in one batched
-call. The prefill spans: with a ``varlen_prefill`` operation (CUDA), all of them in one
-call that reads each span's context through its block table, its own K/V of this step
-included (written just before); without one (torch, the reference), each span on its
-own, a span with nothing cached before it (a whole prompt) over its fresh K/V, with no
+K/V are written to their slots (:meth:`AttentionBackend.attend` is the same without the
+write, when the caller has written the K/V itself), then the single-token decodes attend
+in one batched call. The prefill spans: with a ``varlen_prefill`` operation (CUDA), all of
+them in one call that reads each span's context through its block table, its own K/V of
+this step included (written just before); without one (torch, the reference), each span on
+its own, a span with nothing cached before it (a whole prompt) over its fresh K/V, with no
 gather from the cache. A step whose spans do not form one packed batch with covering
 block tables (see ``build_varlen_prefill``) takes the per-span path on CUDA too.
 """
@@ -52,6 +53,20 @@ class AttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         self.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        return self.attend(query, key, value, key_cache, value_cache, meta, scale)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """:meth:`forward` once this step's K/V are already in their slots (the CUDA model path
+        writes them with the rotary kernel, ``raypaged.kernels.rotary_and_cache``)."""
         num_decodes = meta.num_decode_tokens
         if num_decodes == query.shape[0] and not meta.prefills:
             return self.decode(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,

@@ -6,6 +6,12 @@ Under tensor parallelism each rank holds its heads' share of QKV and O, its
 share of gate/up and down, and its slice of the vocabulary; ``load_weights``
 takes only that share of every checkpoint tensor. Qwen3's per-head q/k norms
 (``head_dim`` weights) are the same on every rank: each holds them whole.
+
+With the CUDA attention backend the step runs the ``forward_fused`` methods: the norms,
+residual adds, SiLU-mul and rotary (with the K/V cache write) are the kernels of
+``raypaged.kernels.fused_ops``, and the residual stream is carried beside each layer's
+output so that the add and the next norm are one pass. The values are those of the plain
+``forward`` path (the CPU one), which is unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from raypaged import envs, kernels
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.attention.backend import TORCH, AttentionBackend
 from raypaged.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
@@ -117,6 +124,25 @@ class LlamaAttention(nn.Module):
         out = self.attn_backend.forward(q, k, v, key_cache, value_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
+    def forward_fused(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """:meth:`forward` through the CUDA kernels: q/k norms (Qwen3) read q and k out of qkv, and
+        one launch rotates q and k in place and writes k and v to their slots."""
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(self.shard_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = kernels.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = kernels.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        key_cache, value_cache = kv_cache
+        kernels.rotary_and_cache(positions, q, k, v, self.rotary.cos_sin, key_cache, value_cache, meta.slot_mapping)
+        out = self.attn_backend.attend(q, k, v, key_cache, value_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
 
 class LlamaMLP(nn.Module):
     def __init__(
@@ -139,6 +165,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
@@ -158,6 +187,24 @@ class LlamaDecoderLayer(nn.Module):
         normed, x = self.post_attention_layernorm.add_and_norm(attn_out, x)  # x: the residual stream after attention
         return self.mlp(normed).add_(x)
 
+    def forward_fused(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` through the CUDA kernels, the residual stream carried apart: ``x`` is the
+        previous layer's MLP output not yet added to ``residual`` (for the first layer: the
+        embeddings, ``residual`` None). Returns this layer's (MLP output, residual); their sum is
+        what :meth:`forward` returns. Every add is rounded to the model's dtype as there."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = x, kernels.rms_norm(x, norm.weight, norm.eps)
+        else:
+            kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps)  # residual += x; x = norm(residual)
+        x = self.self_attn.forward_fused(positions, x, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp.forward_fused(x), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -169,14 +216,28 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, tp, f"model.layers.{i}", quant_config)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused_kernels = False  # the CUDA kernels of raypaged.kernels.fused_ops (set_attention_backend)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
+        if self.fused_kernels:
+            return self._forward_fused(positions, x, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
+
+    def _forward_fused(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer.forward_fused(positions, x, residual, kv_cache, meta)
+        if residual is None:  # no layers
+            return kernels.rms_norm(x, self.norm.weight, self.norm.eps)
+        kernels.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -203,8 +264,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """The backend's paged attention in every layer; with the CUDA one (a CUDA device, cupy, a
+        cache of the model's dtype) the rest of the step runs the fused kernels too, unless
+        ``$RAYPAGED_FUSED_KERNELS`` is 0."""
         for layer in self.model.layers:
             layer.self_attn.attn_backend = backend
+        self.model.fused_kernels = backend.name == "cuda" and envs.fused_kernels()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
