@@ -104,9 +104,12 @@ TORCH = AttentionBackend(
 def cuda_backend() -> AttentionBackend:
     from raypaged import kernels
 
+    def decode(query: torch.Tensor, *args) -> torch.Tensor:
+        # the model's q is a view of its fused qkv rows (strided); the decode kernel reads packed rows
+        return kernels.paged_attention_decode(query.contiguous(), *args)
+
     return AttentionBackend(
-        "cuda", kernels.reshape_and_cache, kernels.paged_attention_decode, kernels.paged_attention_prefill,
-        kernels.paged_prefill_attention,
+        "cuda", kernels.reshape_and_cache, decode, kernels.paged_attention_prefill, kernels.paged_prefill_attention,
     )
 
 
