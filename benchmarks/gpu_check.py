@@ -7,9 +7,11 @@
 2. times paged_attention_decode (v1 and v2) at batch 256 x context 2048 with Llama-2-7B
    attention shapes (32 heads, head 128, fp16, block 16) against the memory floor:
    bytes of K/V read / measured device-to-device copy bandwidth (target: >= 70%);
-3. times the prefill path's block gather against its SDPA call (the gather's share), and the varlen
+3. times the prefill path's block gather against its SDPA call (the gather's share), the varlen
    paged prefill kernel (kernels/paged_prefill.cu) against gather + SDPA, SDPA on contiguous K/V, and a
-   step of 4 mixed spans against the per-span loop;
+   step of 4 mixed spans against the per-span loop, the LoRA kernels against their torch path, and the
+   fused kernels of the model step (norms, SiLU-mul, rotary + cache write) against their torch
+   references and their memory floor (target: >= 80%);
 4. W1 end to end on a Llama-2-7B-shaped model with random fp16 weights (no download):
    closed-loop clients at each concurrency, prompts of 50-200 tokens, exactly 100 generated
    tokens each, through the engine's own loop (no HTTP: the serving packages are not needed),
@@ -41,6 +43,7 @@ from raypaged.attention.torch_ops import prefill_attention
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, CONTEXT, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE = 256, 2048, 32, 128, 16
 FLOOR_TARGET = 0.70
+FUSED_FLOOR_TARGET = 0.80
 
 
 def seconds_per_call(fn, iters: int = 10, warmup: int = 3) -> float:
@@ -213,6 +216,99 @@ def lora_kernels(num_tokens: int = 256, num_slots: int = 4, rank: int = 16, hidd
                 kernel_ms=kernel_s * 1e3, kernel_over_torch=torch_s / kernel_s, weight_bytes=weight_bytes)
 
 
+def fused_kernels_vs_floor(bandwidth: float, tokens: int = 8192) -> dict:
+    """kernels/fused_ops.cu against the torch path it replaces (raypaged.model.layers, and for
+    rotary its rotate_ plus the reshape_and_cache kernel) at Llama-2-7B shapes, fp16, a
+    ``tokens``-token prefill: each one's time, its memory floor (bytes it must read and write /
+    the measured copy bandwidth) and its largest deviation from the torch path (relative to
+    the largest value). Each kernel runs ~0.1 ms; the whole function a second or two."""
+    from transformers import LlamaConfig
+
+    from raypaged.model import layers
+
+    hidden, d, heads, head_dim, block_size, dtype = 4096, 11008, 32, 128, 16, torch.float16
+    size = torch.tensor([], dtype=dtype).element_size()
+    x = torch.randn(tokens, hidden, dtype=dtype, device="cuda")
+    residual = torch.randn(tokens, hidden, dtype=dtype, device="cuda")
+    weight = torch.rand(hidden, dtype=dtype, device="cuda") + 0.5
+    gate_up = torch.randn(tokens, 2 * d, dtype=dtype, device="cuda")
+    qkv = torch.randn(tokens, 3 * heads, head_dim, dtype=dtype, device="cuda")
+    q, k, v = qkv[:, :heads], qkv[:, heads:2 * heads], qkv[:, 2 * heads:]
+    config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, rope_theta=10000.0)
+    rotary = layers.RotaryEmbedding(config, head_dim, 4096).to(device="cuda", dtype=dtype)
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    cache_shape = (tokens // block_size, heads, block_size, head_dim)
+    key_cache = torch.empty(cache_shape, dtype=dtype, device="cuda")
+    value_cache = torch.empty_like(key_cache)
+    slots = torch.randperm(tokens, device="cuda")
+
+    def deviation(out, expected) -> float:
+        return ((out.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+    def add_norm(fn):  # on copies, so the checked result is one application's
+        a, b = x.clone(), residual.clone()
+        fn(a, b)
+        return a, b
+
+    def torch_add_norm(a, b):
+        normed, summed = layers.add_rms_norm(a, b, weight, 1e-6)
+        b.copy_(summed)
+        a.copy_(normed)
+
+    def rotate_and_cache(fn):
+        buffer, caches = qkv.clone(), (torch.zeros_like(key_cache), torch.zeros_like(value_cache))
+        fn(buffer[:, :heads], buffer[:, heads:2 * heads], buffer[:, 2 * heads:], *caches)
+        return buffer, caches[0]
+
+    def torch_rotary(q_, k_, v_, kc, vc):
+        rotary.rotate_(positions, q_, k_)
+        kernels.reshape_and_cache(k_, v_, kc, vc, slots)
+
+    def fused_rotary(q_, k_, v_, kc, vc):
+        kernels.rotary_and_cache(positions, q_, k_, v_, rotary.cos_sin, kc, vc, slots)
+
+    rotary_bytes = tokens * ((2 * heads + 5 * heads) * head_dim + head_dim) * size  # q, k rw; v r; k, v cached; cos/sin
+    cases = {
+        "rms_norm": (lambda: kernels.rms_norm(x, weight, 1e-6), lambda: layers.rms_norm(x, weight, 1e-6),
+                     2 * tokens * hidden * size,
+                     lambda: deviation(kernels.rms_norm(x, weight, 1e-6), layers.rms_norm(x, weight, 1e-6))),
+        "fused_add_rms_norm": (lambda: kernels.fused_add_rms_norm(x, residual, weight, 1e-6),
+                               lambda: layers.add_rms_norm(x, residual, weight, 1e-6), 4 * tokens * hidden * size,
+                               lambda: max(deviation(f, t) for f, t in zip(
+                                   add_norm(lambda a, b: kernels.fused_add_rms_norm(a, b, weight, 1e-6)),
+                                   add_norm(torch_add_norm)))),
+        "silu_and_mul": (lambda: kernels.silu_and_mul(gate_up), lambda: layers.silu_and_mul(gate_up),
+                         3 * tokens * d * size,
+                         lambda: deviation(kernels.silu_and_mul(gate_up), layers.silu_and_mul(gate_up))),
+        "rotary_and_cache": (lambda: fused_rotary(q, k, v, key_cache, value_cache),
+                             lambda: torch_rotary(q, k, v, key_cache, value_cache), rotary_bytes,
+                             lambda: max(deviation(f, t) for f, t in zip(rotate_and_cache(fused_rotary),
+                                                                         rotate_and_cache(torch_rotary)))),
+    }
+    rows = {}
+    for name, (kernel, reference, num_bytes, check) in cases.items():
+        try:
+            error = check()
+            kernel_s = seconds_per_call(kernel, iters=20)
+            torch_s = seconds_per_call(reference, iters=20)
+            floor_s = num_bytes / bandwidth
+            rows[name] = dict(bytes=num_bytes, ms=kernel_s * 1e3, torch_ms=torch_s * 1e3, floor_ms=floor_s * 1e3,
+                              of_floor=floor_s / kernel_s, over_torch=torch_s / kernel_s, rel_error=error,
+                              meets_target=floor_s / kernel_s >= FUSED_FLOOR_TARGET)
+        except Exception as err:  # one failing kernel is reported, not fatal
+            rows[name] = dict(error=f"{type(err).__name__}: {err}")
+    print(f"\nfused kernels, {tokens} tokens, Llama-2-7B shapes, fp16 (floor: bytes / copy bandwidth; "
+          f"target >= {FUSED_FLOOR_TARGET:.0%}):\n| kernel | ms | torch ms | floor ms | of floor | vs torch | rel. error |\n"
+          "|---|---|---|---|---|---|---|")
+    for name, row in rows.items():
+        if "error" in row:
+            print(f"| {name} | {row['error']} | | | | | |")
+        else:
+            print(f"| {name} | {row['ms']:.3f} | {row['torch_ms']:.3f} | {row['floor_ms']:.3f} | {row['of_floor']:.0%} "
+                  f"| {row['over_torch']:.2f}x | {row['rel_error']:.1e} |")
+    return dict(tokens=tokens, hidden=hidden, intermediate=d, heads=heads, head_dim=head_dim, kernels=rows)
+
+
 def w1_workload(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(50, 200))] for _ in range(num_requests)]
@@ -370,7 +466,8 @@ def main() -> int:
     tests_passed = True if args.skip_tests else run_gpu_tests()
     print(f"tests/gpu: {'skipped' if args.skip_tests else 'PASS' if tests_passed else 'FAIL'}", flush=True)
 
-    decode = decode_vs_floor(copy_bandwidth())
+    bandwidth = copy_bandwidth()
+    decode = decode_vs_floor(bandwidth)
     print(f"\ndecode, batch {BATCH} x context {CONTEXT}, {NUM_HEADS} heads x {HEAD_SIZE}, fp16, block {BLOCK_SIZE}: "
           f"K/V {decode['kv_bytes'] / 1e9:.2f} GB, copy bandwidth {decode['copy_bandwidth_gbs']:.0f} GB/s")
     print("| kernel | ms | memory floor ms | of floor |\n|---|---|---|---|")
@@ -401,13 +498,15 @@ def main() -> int:
     print(f"\nLoRA product, {lora['num_tokens']} tokens over {lora['num_slots']} slots, rank {lora['rank']}, "
           f"{lora['hidden']} x {lora['hidden']} fp16: torch path {lora['torch_ms']:.3f} ms, lora_bgmv "
           f"{lora['kernel_ms']:.3f} ms ({lora['kernel_over_torch']:.2f}x)")
+    fused = fused_kernels_vs_floor(bandwidth)
     print("\nW1 end to end, Llama-2-7B shape, random fp16 weights:", flush=True)
     e2e = end_to_end([int(c) for c in args.concurrency.split(",")])
     print_w1_table(e2e)
     print(f"\ngpu_check finished in {time.monotonic() - started:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(dict(tests_passed=tests_passed, decode=decode, prefill=prefill,
-                                             varlen_prefill=varlen, lora=lora, end_to_end=e2e), indent=2))
+                                             varlen_prefill=varlen, lora=lora, fused=fused, end_to_end=e2e),
+                                        indent=2))
     return 0 if tests_passed and decode_ok and "error" not in e2e["raypaged"] else 1
 
 
