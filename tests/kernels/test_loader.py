@@ -16,7 +16,8 @@ def test_runtime_source_inlines_common_header_and_includes_nothing(name):
 
 
 def test_sources_are_found_where_the_package_is():
-    assert SOURCES == ["copy_blocks.cu", "fused_ops.cu", "lora_bgmv.cu", "paged_attention.cu", "reshape_and_cache.cu"]
+    assert SOURCES == ["copy_blocks.cu", "fused_ops.cu", "lora_bgmv.cu", "paged_attention.cu", "paged_prefill.cu",
+                       "reshape_and_cache.cu"]
 
 
 def test_a_built_wheel_carries_the_kernel_sources(tmp_path):
