@@ -28,3 +28,17 @@ def test_selection():
         select_backend("cuda", CUDA, 64, 128)
     with pytest.raises(ValueError, match="^attention_backend must be one of auto, torch, cuda, got 'flash'$"):
         select_backend("flash", CUDA, 64, 16)
+
+
+def test_the_cuda_decode_gets_the_models_strided_query_packed(monkeypatch):
+    """The model's q is a view of its fused qkv rows; the decode kernel is handed a packed copy."""
+    from raypaged import kernels
+    from raypaged.attention.backend import cuda_backend
+
+    seen = []
+    monkeypatch.setattr(kernels, "paged_attention_decode", lambda query, *args: seen.append(query) or query)
+    qkv = torch.randn(3, 4 * 8 + 2 * 2 * 8)
+    query = qkv[:, :32].view(3, 4, 8)
+    assert not query.is_contiguous()
+    out = cuda_backend().decode(query, None, None, None, None, 0.5)
+    assert seen[0].is_contiguous() and torch.equal(seen[0], query) and out is seen[0]
