@@ -72,7 +72,7 @@ def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
 
 def decode_vs_floor(bandwidth: float) -> dict:
     num_blocks = BATCH * CONTEXT // BLOCK_SIZE
-    shape = (num_blocks, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE)
+    shape = (num_blocks, NUM_HEADS, BLOCK_SIZE, HEAD_SIZE)  # [blocks, kv heads, block size, head dim]
     key_cache = torch.randn(shape, dtype=torch.float16, device="cuda")
     value_cache = torch.randn(shape, dtype=torch.float16, device="cuda")
     block_tables = torch.randperm(num_blocks, device="cuda").view(BATCH, CONTEXT // BLOCK_SIZE)
@@ -113,7 +113,7 @@ def decode_vs_floor(bandwidth: float) -> dict:
 
 def prefill_gather_share(query_len: int = 512) -> dict:
     num_blocks = CONTEXT // BLOCK_SIZE
-    shape = (4 * num_blocks, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE)
+    shape = (4 * num_blocks, NUM_HEADS, BLOCK_SIZE, HEAD_SIZE)
     key_cache = torch.randn(shape, dtype=torch.float16, device="cuda")
     value_cache = torch.randn(shape, dtype=torch.float16, device="cuda")
     block_ids = torch.randperm(4 * num_blocks, device="cuda")[:num_blocks]
