@@ -26,6 +26,7 @@ import functools
 import gc
 import json
 import logging
+import os
 import random
 import subprocess
 import sys
@@ -463,6 +464,9 @@ def main() -> int:
         return 1
     started = time.monotonic()
     print(f"device: {torch.cuda.get_device_name()}")
+    for name in ("RAYPAGED_FUSED_KERNELS", "RAYPAGED_VARLEN_PREFILL"):  # off by default until verified here
+        os.environ.setdefault(name, "1")
+        print(f"{name}={os.environ[name]}")
     tests_passed = True if args.skip_tests else run_gpu_tests()
     print(f"tests/gpu: {'skipped' if args.skip_tests else 'PASS' if tests_passed else 'FAIL'}", flush=True)
 

@@ -60,11 +60,24 @@ def step_channel() -> str:
     return value
 
 
+def _switch(name: str) -> bool:
+    value = os.environ.get(name) or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"${name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+# Off by default: these kernels compile and their tests exist (tests/gpu), but they have not yet
+# run on a device; benchmarks/gpu_check.py turns them on, runs those tests and times them.
 def fused_kernels() -> bool:
     """Whether the model step runs the fused CUDA kernels (``raypaged.kernels.fused_ops``) where the
-    CUDA attention backend runs: ``$RAYPAGED_FUSED_KERNELS``, ``1`` (the default) or ``0`` (the
-    norms, SiLU-mul, rotary and cache write in torch, with the CUDA attention kernels)."""
-    value = os.environ.get("RAYPAGED_FUSED_KERNELS") or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"$RAYPAGED_FUSED_KERNELS must be 0 or 1, got {value!r}")
-    return value == "1"
+    CUDA attention backend runs: ``$RAYPAGED_FUSED_KERNELS``, ``0`` (the default: the norms,
+    SiLU-mul, rotary and cache write in torch, with the CUDA attention kernels) or ``1``."""
+    return _switch("RAYPAGED_FUSED_KERNELS")
+
+
+def varlen_prefill() -> bool:
+    """Whether the CUDA attention backend runs a step's prefill spans in one varlen kernel call per
+    layer (``raypaged.kernels.paged_prefill_attention``): ``$RAYPAGED_VARLEN_PREFILL``, ``0`` (the
+    default: span by span, a gather and SDPA for a span with cached context) or ``1``."""
+    return _switch("RAYPAGED_VARLEN_PREFILL")

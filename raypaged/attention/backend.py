@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raypaged import envs
 from raypaged.attention import torch_ops
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.kernels.checks import BLOCK_SIZES as CUDA_BLOCK_SIZES
@@ -109,7 +110,8 @@ def cuda_backend() -> AttentionBackend:
         return kernels.paged_attention_decode(query.contiguous(), *args)
 
     return AttentionBackend(
-        "cuda", kernels.reshape_and_cache, decode, kernels.paged_attention_prefill, kernels.paged_prefill_attention,
+        "cuda", kernels.reshape_and_cache, decode, kernels.paged_attention_prefill,
+        kernels.paged_prefill_attention if envs.varlen_prefill() else None,
     )
 
 

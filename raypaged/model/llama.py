@@ -265,8 +265,8 @@ class LlamaForCausalLM(nn.Module):
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """The backend's paged attention in every layer; with the CUDA one (a CUDA device, cupy, a
-        cache of the model's dtype) the rest of the step runs the fused kernels too, unless
-        ``$RAYPAGED_FUSED_KERNELS`` is 0."""
+        cache of the model's dtype) the rest of the step runs the fused kernels too when
+        ``$RAYPAGED_FUSED_KERNELS`` is 1."""
         for layer in self.model.layers:
             layer.self_attn.attn_backend = backend
         self.model.fused_kernels = backend.name == "cuda" and envs.fused_kernels()

@@ -19,6 +19,12 @@ from tests.gpu import NEEDS_CUDA_AND_CUPY
 
 pytestmark = NEEDS_CUDA_AND_CUPY
 
+
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch):
+    """The kernels are off by default until these tests have passed on a device."""
+    monkeypatch.setenv("RAYPAGED_FUSED_KERNELS", "1")
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 NORM_RTOL = {torch.float32: 1e-5, torch.float16: 2 * ULP[torch.float16], torch.bfloat16: 2 * ULP[torch.bfloat16]}

@@ -17,6 +17,12 @@ from tests.gpu import NEEDS_CUDA_AND_CUPY
 
 pytestmark = NEEDS_CUDA_AND_CUPY
 
+
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch):
+    """The kernels are off by default until these tests have passed on a device."""
+    monkeypatch.setenv("RAYPAGED_VARLEN_PREFILL", "1")
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # fp32: FMA kernel, fp32 throughout. fp16/bf16: P is rounded to the input dtype before P V (as FlashAttention)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}

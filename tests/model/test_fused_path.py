@@ -33,7 +33,8 @@ def torch_kernels(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
-def test_fused_path_gives_the_plain_paths_bits(torch_kernels, architecture, dtype):
+def test_fused_path_gives_the_plain_paths_bits(torch_kernels, architecture, dtype, monkeypatch):
+    monkeypatch.setenv("RAYPAGED_FUSED_KERNELS", "1")
     config = ref.tiny_config(architecture)
     model = ref.random_model(config, dtype, "cpu")
     plain_hidden, plain_caches = ref.run_steps(model, TORCH, "cpu")
@@ -53,7 +54,8 @@ def test_fused_path_gives_the_plain_paths_bits(torch_kernels, architecture, dtyp
         assert plain_k.abs().sum() > 0 and torch.equal(plain_k, fused_k) and torch.equal(plain_v, fused_v)
 
 
-def test_only_the_cuda_backend_selects_the_fused_path():
+def test_only_the_cuda_backend_selects_the_fused_path(monkeypatch):
+    monkeypatch.setenv("RAYPAGED_FUSED_KERNELS", "1")
     model = ref.random_model(ref.tiny_config("llama"), torch.float32, "cpu")
     assert not model.model.fused_kernels
     model.set_attention_backend(ref.fused_torch_backend())
@@ -62,8 +64,11 @@ def test_only_the_cuda_backend_selects_the_fused_path():
     assert not model.model.fused_kernels
 
 
-def test_the_environment_can_keep_the_torch_path_under_the_cuda_backend(monkeypatch):
+def test_the_fused_path_is_off_unless_the_environment_turns_it_on(monkeypatch):
     model = ref.random_model(ref.tiny_config("llama"), torch.float32, "cpu")
+    monkeypatch.delenv("RAYPAGED_FUSED_KERNELS", raising=False)
+    model.set_attention_backend(ref.fused_torch_backend())
+    assert not model.model.fused_kernels
     monkeypatch.setenv("RAYPAGED_FUSED_KERNELS", "0")
     model.set_attention_backend(ref.fused_torch_backend())
     assert not model.model.fused_kernels
@@ -72,8 +77,9 @@ def test_the_environment_can_keep_the_torch_path_under_the_cuda_backend(monkeypa
         model.set_attention_backend(ref.fused_torch_backend())
 
 
-def test_the_fused_path_on_cpu_tensors_fails_in_the_kernel_checks():
+def test_the_fused_path_on_cpu_tensors_fails_in_the_kernel_checks(monkeypatch):
     """With the real kernels the fused path needs CUDA tensors; on CPU the first wrapper says so."""
+    monkeypatch.setenv("RAYPAGED_FUSED_KERNELS", "1")
     model = ref.random_model(ref.tiny_config("llama"), torch.float32, "cpu")
     with pytest.raises(ValueError, match="x must be on a CUDA device, got cpu"):
         ref.run_steps(model, ref.fused_torch_backend(), "cpu")
