@@ -20,7 +20,7 @@ from raypaged.kernels.checks import (
     FLOAT_DTYPES,
     LONG,
     check_aligned,
-    check_block_size,
+    check_cache_pair,
     check_contiguous,
     check_cuda,
     check_same_dtype,
@@ -173,14 +173,7 @@ def rotary_and_cache(
     rotated k (with v) goes to its cache slot from registers. Tokens with a negative slot are
     rotated but not cached. Rotate-half (neox) convention: head halves ``x1 = x[:D/2]``,
     ``x2 = x[D/2:]`` become ``x1 cos - x2 sin`` and ``x2 cos + x1 sin``."""
-    check_tensor("key_cache", key_cache, FLOAT_DTYPES, 4)
-    check_tensor("value_cache", value_cache, FLOAT_DTYPES, 4)
-    check_same_dtype(("key_cache", "value_cache"), (key_cache, value_cache))
-    check_shape("value_cache", value_cache, key_cache.shape)
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_contiguous(name, cache)
-        check_aligned(name, cache)
-    check_block_size("key_cache", key_cache.shape[2])
+    check_cache_pair(key_cache, value_cache)
     num_kv_heads, block_size, head_dim = key_cache.shape[1:]
     _check_rows("query", query, None, head_dim)
     _check_rows("key", key, num_kv_heads, head_dim)

@@ -16,7 +16,7 @@ from raypaged.kernels.checks import (
     FLOAT_DTYPES,
     LONG,
     check_aligned,
-    check_block_size,
+    check_cache_pair,
     check_contiguous,
     check_cuda,
     check_head_size,
@@ -31,17 +31,6 @@ MAX_SHARED_BYTES = 48 * 1024  # without opting in to more
 V2_PARTITION_SIZE = 512
 
 
-def _check_cache_pair(key_cache: object, value_cache: object) -> None:
-    check_tensor("key_cache", key_cache, FLOAT_DTYPES, 4)
-    check_tensor("value_cache", value_cache, FLOAT_DTYPES, 4)
-    check_same_dtype(("key_cache", "value_cache"), (key_cache, value_cache))
-    check_shape("value_cache", value_cache, key_cache.shape)
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_contiguous(name, cache)
-        check_aligned(name, cache)
-    check_block_size("key_cache", key_cache.shape[2])
-
-
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rows may be strided (a view of qkv)
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -50,7 +39,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] long, negative = skip
 ) -> None:
     """Write each token's K/V into its slot (block_id * block_size + offset)."""
-    _check_cache_pair(key_cache, value_cache)
+    check_cache_pair(key_cache, value_cache)
     num_kv_heads, block_size, head_dim = key_cache.shape[1:]
     for name, rows in (("key", key), ("value", value)):
         check_tensor(name, rows, FLOAT_DTYPES, 3)
@@ -110,7 +99,7 @@ def paged_attention_decode(
     defines: tuple[str, ...] = (),  # compile-time knobs of paged_attention.cu (benchmarks/gpu_check.py)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its first ``context_lens[i]`` cached tokens."""
-    _check_cache_pair(key_cache, value_cache)
+    check_cache_pair(key_cache, value_cache)
     check_tensor("query", query, FLOAT_DTYPES, 3)
     check_same_dtype(("query", "key_cache"), (query, key_cache))
     num_seqs, num_heads, head_size = query.shape
@@ -234,7 +223,7 @@ def paged_attention_prefill(
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal attention of a sequence's last ``query_len`` positions over its cached context:
     the gather kernel assembles the context, torch SDPA (flash/efficient backends) attends."""
-    _check_cache_pair(key_cache, value_cache)
+    check_cache_pair(key_cache, value_cache)
     check_tensor("query", query, FLOAT_DTYPES, 3)
     check_same_dtype(("query", "key_cache"), (query, key_cache))
     check_shape("query", query, (None, None, key_cache.shape[3]))
