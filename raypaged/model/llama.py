@@ -7,11 +7,15 @@ share of gate/up and down, and its slice of the vocabulary; ``load_weights``
 takes only that share of every checkpoint tensor. Qwen3's per-head q/k norms
 (``head_dim`` weights) are the same on every rank: each holds them whole.
 
-With the CUDA attention backend the step runs the ``forward_fused`` methods: the norms,
-residual adds, SiLU-mul and rotary (with the K/V cache write) are the kernels of
-``raypaged.kernels.fused_ops``, and the residual stream is carried beside each layer's
-output so that the add and the next norm are one pass. The values are those of the plain
-``forward`` path (the CPU one), which is unchanged.
+With the CUDA attention backend (and ``$RAYPAGED_FUSED_KERNELS``) the step takes the fused
+path: the norms, residual adds, SiLU-mul and rotary (with the K/V cache write) are the kernels of
+``raypaged.kernels.fused_ops``, and the residual stream is carried beside each layer's output so
+that the add and the next norm are one pass. The values are those of the plain path (the CPU
+one). Each layer is two halves around its attention call, ``pre_attention`` (input norm, QKV,
+q/k norms, rotary, cache write) and ``post_attention`` (o_proj, residual add and norm, MLP), each
+with its plain and fused branch; the forward runs them with the attention between, and so do the
+piecewise CUDA graphs (``raypaged.worker.piecewise_graphs``), which record everything but the
+attention.
 """
 
 from __future__ import annotations
@@ -105,43 +109,45 @@ class LlamaAttention(nn.Module):
         first_head = self.q_head_start if shard == 0 else self.kv_head_start
         return first_head * self.head_dim, sum(self.shard_sizes[:shard]), self.shard_sizes[shard]
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:  # x: [num_tokens, hidden]
+    def pre_attention(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, slot_mapping: torch.Tensor,
+        fused: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything before the attention proper, from the normed ``x: [num_tokens, hidden]``: the QKV
+        projection, Qwen3's q/k norms, rotary, and this step's K/V written to their slots (a negative
+        slot writes nothing). Returns q, k, v (``[num_tokens, heads, head_dim]`` views, q and k
+        rotated). ``fused``: through the CUDA kernels, one launch rotating q and k and writing k and v."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.shard_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        if fused:
+            if self.q_norm is not None and self.k_norm is not None:
+                q = kernels.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+                k = kernels.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            kernels.rotary_and_cache(positions, q, k, v, self.rotary.cos_sin, key_cache, value_cache, slot_mapping)
+            return q, k, v
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
             self.rotary.rotate_(positions, q, k)
         else:  # q and k side by side in qkv: one rotation over both
             qk = qkv[:, :self.shard_sizes[0] + self.shard_sizes[1]]
             self.rotary.rotate_(positions, qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
-        key_cache, value_cache = kv_cache
-        out = self.attn_backend.forward(q, k, v, key_cache, value_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        self.attn_backend.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
+        return q, k, v
 
-    def forward_fused(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """:meth:`forward` through the CUDA kernels: q/k norms (Qwen3) read q and k out of qkv, and
-        one launch rotates q and k in place and writes k and v to their slots."""
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split(self.shard_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = kernels.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = kernels.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:  # -> [num_tokens, num_heads, head_dim]
+        """The attention over the cache (this step's K/V already in it), by the step's layout."""
         key_cache, value_cache = kv_cache
-        kernels.rotary_and_cache(positions, q, k, v, self.rotary.cos_sin, key_cache, value_cache, meta.slot_mapping)
-        out = self.attn_backend.attend(q, k, v, key_cache, value_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.attn_backend.attend(q, k, v, key_cache, value_cache, meta, self.scale)
+
+    def post_attention(self, out: torch.Tensor) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] -> [.., hidden]
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -180,30 +186,45 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        attn_out = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        normed, x = self.post_attention_layernorm.add_and_norm(attn_out, x)  # x: the residual stream after attention
-        return self.mlp(normed).add_(x)
+    # The residual stream between layers is (x, residual). Plain path: ``x`` is the stream itself,
+    # ``residual`` None. Fused path: ``x`` is the previous layer's MLP output not yet added to
+    # ``residual`` (for the first layer: the embeddings, ``residual`` None), so that the add and
+    # the next norm are one kernel. Either way every add is rounded to the model's dtype.
 
-    def forward_fused(
+    def pre_attention(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: LayerKVCache,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` through the CUDA kernels, the residual stream carried apart: ``x`` is the
-        previous layer's MLP output not yet added to ``residual`` (for the first layer: the
-        embeddings, ``residual`` None). Returns this layer's (MLP output, residual); their sum is
-        what :meth:`forward` returns. Every add is rounded to the model's dtype as there."""
+        slot_mapping: torch.Tensor, fused: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to its attention: the input norm, then q, k, v (rotated; K/V in the cache).
+        Returns (q, k, v, residual), ``residual`` the stream as :meth:`post_attention` takes it."""
         norm = self.input_layernorm
+        if not fused:
+            return *self.self_attn.pre_attention(positions, norm(x), kv_cache, slot_mapping, False), x
         if residual is None:
             residual, x = x, kernels.rms_norm(x, norm.weight, norm.eps)
         else:
             kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps)  # residual += x; x = norm(residual)
-        x = self.self_attn.forward_fused(positions, x, kv_cache, meta)
+        return *self.self_attn.pre_attention(positions, x, kv_cache, slot_mapping, True), residual
+
+    def post_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer after its attention (``attn_out: [num_tokens, num_heads, head_dim]``): o_proj, the
+        residual add and norm, the MLP. Returns the (x, residual) the next layer takes."""
+        x = self.self_attn.post_attention(attn_out)
         norm = self.post_attention_layernorm
+        if not fused:
+            normed, x = norm.add_and_norm(x, residual)  # x: the residual stream after attention
+            return self.mlp(normed).add_(x), None
         kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
         return self.mlp.forward_fused(x), residual
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: LayerKVCache,
+        meta: AttentionMetadata, fused: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q, k, v, residual = self.pre_attention(positions, x, residual, kv_cache, meta.slot_mapping, fused)
+        return self.post_attention(self.self_attn.attend(q, k, v, kv_cache, meta), residual, fused)
 
 
 class LlamaModel(nn.Module):
@@ -221,19 +242,15 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
-        x = self.embed_tokens(input_ids)
-        if self.fused_kernels:
-            return self._forward_fused(positions, x, kv_caches, meta)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, meta, self.fused_kernels)
+        return self.final_norm(x, residual)
 
-    def _forward_fused(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.forward_fused(positions, x, residual, kv_cache, meta)
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's (x, residual) (see LlamaDecoderLayer) through the final norm."""
+        if not self.fused_kernels:
+            return self.norm(x)
         if residual is None:  # no layers
             return kernels.rms_norm(x, self.norm.weight, self.norm.eps)
         kernels.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
