@@ -81,3 +81,11 @@ def varlen_prefill() -> bool:
     layer (``raypaged.kernels.paged_prefill_attention``): ``$RAYPAGED_VARLEN_PREFILL``, ``0`` (the
     default: span by span, a gather and SDPA for a span with cached context) or ``1``."""
     return _switch("RAYPAGED_VARLEN_PREFILL")
+
+
+def piecewise_graphs() -> bool:
+    """Whether a step with prefill spans (and of at most 512 tokens) replays piecewise CUDA graphs
+    (``raypaged.worker.piecewise_graphs``: all but the attention recorded, the attention eager)
+    where the decode graphs are captured: ``$RAYPAGED_PIECEWISE_GRAPHS``, ``0`` (the default: such
+    steps run eagerly) or ``1``."""
+    return _switch("RAYPAGED_PIECEWISE_GRAPHS")

@@ -53,6 +53,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
+        self.pool = None  # the graphs' memory pool, once captured (the piecewise graphs share it)
 
     def _meta(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -85,6 +86,7 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[batch] = graph
         torch.cuda.synchronize()
+        self.pool = pool
         logger.info(
             "captured CUDA graphs for %d decode batch sizes (1-%d) in %.1f s, %.2f GiB",
             len(self.sizes), self.sizes[-1], time.monotonic() - started,

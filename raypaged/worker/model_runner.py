@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from raypaged import envs
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SampledToken, SchedulerOutput
 from raypaged.sampling_params import SamplingParams
 from raypaged.worker.block_tables import BlockTables
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
+from raypaged.worker.piecewise_graphs import PiecewiseGraphs
 from raypaged.spec_decode.verify import accepted_run
 from raypaged.worker.sampler import SamplingInput, apply_token_bitmask, greedy_fast_path, logprob_entry, sample
 
@@ -130,6 +132,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.block_tables = BlockTables()  # every request's table, a row each
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # steps with prefill spans ($RAYPAGED_PIECEWISE_GRAPHS)
         self.lora = lora
         self._lora_slot_of: dict[int, int] = {}  # adapter id -> the slot holding it
         self.spec_states: list[CachedRequestState] = []  # the requests verifying drafts this step
@@ -270,11 +273,15 @@ class ModelRunner:
             prompt_spans=prompt_spans,
         )
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Record CUDA graphs of the decode-only forward for a ladder of batch sizes."""
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0) -> None:
+        """Record CUDA graphs of the decode-only forward for a ladder of batch sizes; with
+        ``$RAYPAGED_PIECEWISE_GRAPHS``, also the piecewise graphs of steps with prefill spans."""
         self.graphs = DecodeGraphs(self.model, self.cache.layers, max_num_seqs, -(-max_model_len // self.block_size),
                                    self.device)
         self.graphs.capture()
+        if max_num_batched_tokens and envs.piecewise_graphs():
+            self.piecewise = PiecewiseGraphs(self.model, self.cache.layers, max_num_batched_tokens, self.device)
+            self.piecewise.capture(pool=self.graphs.pool)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -292,6 +299,8 @@ class ModelRunner:
             not self.lora.lora_model.step.mapping.is_empty)
         if self.graphs is not None and not meta.prefills and not adapted and self.graphs.fits(meta.num_decode_tokens):
             hidden = self.graphs.run(step.input_ids, step.positions, meta)
+        elif self.piecewise is not None and meta.prefills and not adapted and self.piecewise.fits(len(step.input_ids)):
+            hidden = self.piecewise.run(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.cache.layers, meta)
         prompt_logprobs = {

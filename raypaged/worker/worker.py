@@ -214,7 +214,8 @@ class Worker:
             elif self.attn_backend.name != "cuda":  # torch's reshape_and_cache syncs, which capture forbids
                 logger.info("CUDA graphs need the cuda attention backend; decode steps run eagerly")
             else:
-                self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
+                self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len,
+                                                  self.config.max_num_batched_tokens)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

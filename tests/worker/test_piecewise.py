@@ -1,0 +1,170 @@
+"""The piecewise forward (raypaged/worker/piecewise_graphs.py) without graphs, on the CPU: the
+pieces run eagerly over padded token buckets, the attention between them on the real rows.
+It must give the normal forward's bits, hidden states and caches, for the plain path and for
+the fused path (its kernels swapped for their torch references, as in tests/model/test_fused_path.py),
+and its padding rows must write nothing. The graphs themselves: tests/gpu/test_piecewise_graphs.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raypaged import kernels
+from raypaged.attention.backend import TORCH
+from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
+from raypaged.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
+from tests import fused_reference as ref
+
+BLOCK_SIZE, NUM_BLOCKS = 8, 12  # block 11 is no sequence's: a slot -1 written by mistake lands in it
+BLOCK_IDS = {"a": [5, 2, 8], "b": [0, 7], "c": [3, 9], "d": [1, 6]}
+# per step: (sequence, first position, tokens, a decode), decodes first as the runner orders them
+STEPS = [
+    [("a", 0, 9, False), ("b", 0, 6, False)],  # two whole prompts, 15 tokens in a bucket of 16
+    [("b", 6, 1, True), ("a", 9, 3, False), ("c", 0, 5, False)],  # a chunk over 9 cached tokens, a prompt
+    [("a", 12, 1, True), ("b", 7, 1, True), ("c", 5, 1, False), ("d", 0, 1, False)],  # 1-token spans
+    [("a", 13, 1, True), ("b", 8, 1, True), ("c", 6, 1, True), ("d", 1, 13, False)],  # 16: no padding
+    [("a", 14, 1, True), ("b", 9, 1, True), ("c", 7, 1, True), ("d", 14, 1, True)],  # decodes only
+]
+MAX_NUM_BATCHED_TOKENS = 20  # buckets 8, 16, 20
+
+
+def step_inputs(step, generator: torch.Generator, vocab_size: int):
+    ids, positions, slots, decodes, prefills, start = [], [], [], [], [], 0
+    for seq, first, count, decode in step:
+        blocks = BLOCK_IDS[seq]
+        span = list(range(first, first + count))
+        positions += span
+        slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in span]
+        if decode:
+            decodes.append((blocks[:-(-(first + 1) // BLOCK_SIZE)], first + 1))
+        else:
+            used = blocks[:-(-(first + count) // BLOCK_SIZE)]
+            prefills.append(PrefillSpan(start, count, first + count, torch.tensor(used)))
+        start += count
+    width = max((len(b) for b, _ in decodes), default=0)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decode_tokens=len(decodes),
+        decode_block_tables=torch.tensor([b + [0] * (width - len(b)) for b, _ in decodes],
+                                         dtype=torch.long).view(len(decodes), width),
+        decode_context_lens=torch.tensor([n for _, n in decodes], dtype=torch.long),
+        prefills=prefills,
+    )
+    ids = torch.randint(0, vocab_size, (start,), generator=generator)
+    return ids, torch.tensor(positions), meta
+
+
+def new_caches(model, fill: float):
+    attn = model.model.layers[0].self_attn
+    shape = (NUM_BLOCKS, attn.num_kv_heads, BLOCK_SIZE, attn.head_dim)
+    dtype = model.model.norm.weight.dtype
+    return [(torch.full(shape, fill, dtype=dtype), torch.full(shape, fill, dtype=dtype)) for _ in model.model.layers]
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache"):
+        monkeypatch.setattr(kernels, name, getattr(ref, name))
+
+
+def test_buckets_are_capped_at_512_and_at_the_step_budget():
+    assert token_buckets(8192) == [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert token_buckets(512)[-1] == 512 and len(token_buckets(512)) == 12
+    assert token_buckets(100) == [8, 16, 24, 32, 48, 64, 96, 100]
+    assert token_buckets(20) == [8, 16, 20]
+    assert token_buckets(5) == [5]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_piecewise_forward_on_padded_buckets_gives_the_forward_bits(architecture, fused, torch_kernels):
+    model = ref.random_model(ref.tiny_config(architecture), torch.float32, "cpu")
+    model.set_attention_backend(ref.fused_torch_backend() if fused else TORCH)
+    model.model.fused_kernels = fused
+    normal_caches, piece_caches = new_caches(model, 0.0), new_caches(model, 0.0)
+    pieces = PiecewiseGraphs(model, piece_caches, MAX_NUM_BATCHED_TOKENS, torch.device("cpu"))
+    assert pieces.buckets == [8, 16, 20] and pieces.num_pieces == 3 and not pieces.graphs
+    generator = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for index, step in enumerate(STEPS):
+            ids, positions, meta = step_inputs(step, generator, model.config.vocab_size)
+            expected = model(ids, positions, normal_caches, meta)
+            assert pieces.fits(len(ids))
+            got = pieces.run(ids, positions, meta)
+            assert got.shape == expected.shape
+            assert torch.equal(got, expected), f"step {index}"
+            for (k1, v1), (k2, v2) in zip(normal_caches, piece_caches):
+                assert torch.equal(k1, k2) and torch.equal(v1, v2), f"step {index}"
+    assert all(k.abs().sum() > 0 for k, _ in piece_caches)
+    assert pieces.replays == 0  # no graphs: the pieces ran eagerly
+    assert not pieces.fits(MAX_NUM_BATCHED_TOKENS + 1)
+
+
+def test_padding_rows_write_nothing_into_the_cache():
+    model = ref.random_model(ref.tiny_config("llama"), torch.float32, "cpu")
+    model.set_attention_backend(TORCH)
+    caches = new_caches(model, 7.0)  # every slot holds 7 until a real token writes it
+    pieces = PiecewiseGraphs(model, caches, MAX_NUM_BATCHED_TOKENS, torch.device("cpu"))
+    written = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
+    generator = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for step in STEPS[:3]:  # 15, 9 and 4 tokens: 1, 7 and 4 padding rows
+            ids, positions, meta = step_inputs(step, generator, model.config.vocab_size)
+            pieces.run(ids, positions, meta)
+            written[meta.slot_mapping] = True
+            bucket = next(b for b in pieces.buckets if b >= len(ids))
+            assert bucket > len(ids) and pieces.slot_mapping[len(ids):bucket].eq(-1).all()
+    for key_cache, value_cache in caches:
+        for cache in (key_cache, value_cache):
+            slots = cache.transpose(1, 2).reshape(NUM_BLOCKS * BLOCK_SIZE, -1)  # [slot, heads * head_dim]
+            assert slots[~written].eq(7.0).all()
+            assert slots[written].ne(7.0).any(dim=1).all()
+
+
+def test_the_runner_sends_steps_with_prefill_spans_that_fit_to_the_pieces(monkeypatch):
+    """Decode-only steps and steps past the largest bucket run the plain forward; every other step
+    runs the pieces; the greedy tokens are the plain forward's either way."""
+    from raypaged.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+    from raypaged.sampling_params import SamplingParams
+    from raypaged.worker.cache import KVCache
+    from raypaged.worker.model_runner import ModelRunner
+
+    model = ref.random_model(ref.tiny_config("llama"), torch.float32, "cpu")
+    model.set_attention_backend(TORCH)
+    attn = model.model.layers[0].self_attn
+    cpu = torch.device("cpu")
+
+    def new_runner():
+        cache = KVCache(len(model.model.layers), NUM_BLOCKS, 0, (attn.num_kv_heads, BLOCK_SIZE, attn.head_dim),
+                        torch.float32, cpu)
+        return ModelRunner(model, cache, BLOCK_SIZE, eos_token_id=None, seed=0, device=cpu)
+
+    plain, pieced = new_runner(), new_runner()
+    pieced.piecewise = PiecewiseGraphs(model, pieced.cache.layers, MAX_NUM_BATCHED_TOKENS, cpu)
+    ran: list[int] = []
+    run = pieced.piecewise.run
+    monkeypatch.setattr(pieced.piecewise, "run", lambda ids, *args: ran.append(len(ids)) or run(ids, *args))
+    prompts = {"a": list(range(3, 15)), "b": [9, 8, 7, 6, 5], "c": list(range(40, 64)), "d": [4, 44, 4]}
+    blocks = {"a": [5, 2], "b": [0, 7], "c": [3, 9, 10, 4], "d": [1]}
+    # (request, tokens) per step; a new request's first entry starts it
+    schedule = [{"a": 9, "b": 5}, {"b": 1, "a": 3}, {"a": 1, "b": 1}, {"a": 1, "b": 1, "c": 24},
+                {"a": 1, "b": 1, "c": 1, "d": 3}]
+    computed: dict[str, int] = {}
+    unsent: dict[str, list[int]] = {}
+    for step in schedule:
+        so = SchedulerOutput(num_scheduled_tokens=dict(step))
+        for rid in step:
+            if rid not in computed:
+                so.new_requests.append(NewRequestData(rid, prompts[rid], [], SamplingParams(temperature=0),
+                                                      blocks[rid], 0))
+                computed[rid] = 0
+            else:
+                so.cached_requests.append(CachedRequestData(rid, unsent.pop(rid, []), [], computed[rid]))
+        outs = [runner.execute_model(so) for runner in (plain, pieced)]
+        assert {r: t.token_id for r, t in outs[0].sampled.items()} == {r: t.token_id for r, t in outs[1].sampled.items()}
+        for rid, token in outs[0].sampled.items():
+            unsent[rid] = [token.token_id]
+        for rid, n in step.items():
+            computed[rid] += n
+    assert ran == [14, 4, 6]  # not the decode-only step, nor the one of 26 tokens
+    assert pieced.piecewise.replays == 0
