@@ -46,8 +46,10 @@ for a step with LoRA adapters; gated by ``$RAYPAGED_PIECEWISE_GRAPHS`` (``raypag
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
+from unittest import mock
 
 import torch
 
@@ -134,6 +136,21 @@ class PiecewiseGraphs:
         self.input_ids.zero_()
         self.positions.zero_()
         self.slot_mapping.fill_(-1)  # capture writes no K/V
+        # torch.cuda.graph runs gc.collect before each capture (older torch always does): once is
+        # enough for hundreds of pieces
+        gc.collect()
+        with mock.patch("gc.collect", lambda *args: 0):
+            pool = self._capture_all(pool)
+        torch.cuda.synchronize()
+        self.pool = pool
+        logger.info(
+            "captured piecewise CUDA graphs for %d token buckets (%d-%d) x %d pieces in %.1f s, %.2f GiB",
+            len(self.buckets), self.buckets[0], self.buckets[-1], self.num_pieces, time.monotonic() - started,
+            (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
+        )
+
+    def _capture_all(self, pool):
+        """Warm up and record each bucket's pieces; returns the pool they hold."""
         for bucket in reversed(self.buckets):
             # warm up on a side stream: lazy initialisation (kernel compiles, cuBLAS handles) stays out of the graphs
             stream = torch.cuda.Stream()
@@ -151,13 +168,7 @@ class PiecewiseGraphs:
                 pool = graph.pool()
                 graphs.append(graph)
             self.graphs[bucket] = graphs
-        torch.cuda.synchronize()
-        self.pool = pool
-        logger.info(
-            "captured piecewise CUDA graphs for %d token buckets (%d-%d) x %d pieces in %.1f s, %.2f GiB",
-            len(self.buckets), self.buckets[0], self.buckets[-1], self.num_pieces, time.monotonic() - started,
-            (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
-        )
+        return pool
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's forward: [num_tokens, hidden], a view into the static output (valid until the

@@ -6,6 +6,8 @@ and its padding rows must write nothing. The graphs themselves: tests/gpu/test_p
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ STEPS = [
 MAX_NUM_BATCHED_TOKENS = 20  # buckets 8, 16, 20
 
 
-def step_inputs(step, generator: torch.Generator, vocab_size: int):
+def step_inputs(step, generator: torch.Generator, vocab_size: int, device: str = "cpu"):
     ids, positions, slots, decodes, prefills, start = [], [], [], [], [], 0
     for seq, first, count, decode in step:
         blocks = BLOCK_IDS[seq]
@@ -39,26 +41,26 @@ def step_inputs(step, generator: torch.Generator, vocab_size: int):
             decodes.append((blocks[:-(-(first + 1) // BLOCK_SIZE)], first + 1))
         else:
             used = blocks[:-(-(first + count) // BLOCK_SIZE)]
-            prefills.append(PrefillSpan(start, count, first + count, torch.tensor(used)))
+            prefills.append(PrefillSpan(start, count, first + count, torch.tensor(used, device=device)))
         start += count
     width = max((len(b) for b, _ in decodes), default=0)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
+        slot_mapping=torch.tensor(slots, device=device),
         num_decode_tokens=len(decodes),
         decode_block_tables=torch.tensor([b + [0] * (width - len(b)) for b, _ in decodes],
-                                         dtype=torch.long).view(len(decodes), width),
-        decode_context_lens=torch.tensor([n for _, n in decodes], dtype=torch.long),
+                                         dtype=torch.long, device=device).view(len(decodes), width),
+        decode_context_lens=torch.tensor([n for _, n in decodes], dtype=torch.long, device=device),
         prefills=prefills,
     )
-    ids = torch.randint(0, vocab_size, (start,), generator=generator)
-    return ids, torch.tensor(positions), meta
+    ids = torch.randint(0, vocab_size, (start,), generator=generator).to(device)
+    return ids, torch.tensor(positions, device=device), meta
 
 
-def new_caches(model, fill: float):
+def new_caches(model, fill: float, device: str = "cpu"):
     attn = model.model.layers[0].self_attn
     shape = (NUM_BLOCKS, attn.num_kv_heads, BLOCK_SIZE, attn.head_dim)
-    dtype = model.model.norm.weight.dtype
-    return [(torch.full(shape, fill, dtype=dtype), torch.full(shape, fill, dtype=dtype)) for _ in model.model.layers]
+    like = dict(dtype=model.model.norm.weight.dtype, device=device)
+    return [(torch.full(shape, fill, **like), torch.full(shape, fill, **like)) for _ in model.model.layers]
 
 
 @pytest.fixture
@@ -161,10 +163,78 @@ def test_the_runner_sends_steps_with_prefill_spans_that_fit_to_the_pieces(monkey
             else:
                 so.cached_requests.append(CachedRequestData(rid, unsent.pop(rid, []), [], computed[rid]))
         outs = [runner.execute_model(so) for runner in (plain, pieced)]
-        assert {r: t.token_id for r, t in outs[0].sampled.items()} == {r: t.token_id for r, t in outs[1].sampled.items()}
+        tokens = [{rid: token.token_id for rid, token in out.sampled.items()} for out in outs]
+        assert tokens[0] == tokens[1]
         for rid, token in outs[0].sampled.items():
             unsent[rid] = [token.token_id]
         for rid, n in step.items():
             computed[rid] += n
     assert ran == [14, 4, 6]  # not the decode-only step, nor the one of 26 tokens
     assert pieced.piecewise.replays == 0
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: remembers the piece captured into it, and
+    replaying runs that piece eagerly. Checks what capture records and what a step replays."""
+
+    capturing: FakeGraph | None = None
+    pools: list = []  # the pool each capture was given
+
+    def __init__(self) -> None:
+        self.piece = None
+
+    def pool(self):
+        return "pool"
+
+    def replay(self) -> None:
+        run_piece, tokens, index = self.piece
+        run_piece(tokens, index)
+
+
+@contextlib.contextmanager
+def fake_capture(graph: FakeGraph, pool=None):
+    FakeGraph.pools.append(pool)
+    FakeGraph.capturing = graph
+    yield
+    FakeGraph.capturing = None
+
+
+def test_capture_records_every_bucket_and_piece_and_a_step_replays_its_buckets(monkeypatch):
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    for name, fake in dict(CUDAGraph=FakeGraph, graph=fake_capture, Stream=Stream, current_stream=Stream,
+                           stream=lambda s: contextlib.nullcontext(), mem_get_info=lambda: (0, 0),
+                           synchronize=lambda: None).items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    monkeypatch.setattr(FakeGraph, "pools", [])
+    model = ref.random_model(ref.tiny_config("qwen3"), torch.float32, "cpu")
+    model.set_attention_backend(TORCH)
+    normal_caches, piece_caches = new_caches(model, 0.0), new_caches(model, 0.0)
+    pieces = PiecewiseGraphs(model, piece_caches, MAX_NUM_BATCHED_TOKENS, torch.device("cpu"))
+    run_piece, warm_ups = pieces._piece, []
+
+    def piece(tokens: int, index: int) -> None:
+        if FakeGraph.capturing is not None:  # recorded, not run
+            FakeGraph.capturing.piece = (run_piece, tokens, index)
+        else:
+            warm_ups.append((tokens, index))
+            run_piece(tokens, index)
+
+    monkeypatch.setattr(pieces, "_piece", piece)
+    pieces.capture(pool="decode graphs' pool")
+    assert FakeGraph.pools == ["decode graphs' pool"] + ["pool"] * (3 * 3 - 1)  # one pool, largest bucket first
+    assert {bucket: [g.piece[1:] for g in graphs] for bucket, graphs in pieces.graphs.items()} == {
+        bucket: [(bucket, index) for index in range(3)] for bucket in (20, 16, 8)
+    }
+    assert warm_ups == [(bucket, index) for bucket in (20, 16, 8) for _ in range(2) for index in range(3)]
+    warm_ups.clear()
+    generator = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for index, step in enumerate(STEPS):
+            ids, positions, meta = step_inputs(step, generator, model.config.vocab_size)
+            assert torch.equal(pieces.run(ids, positions, meta), model(ids, positions, normal_caches, meta))
+    assert not warm_ups and pieces.replays == len(STEPS)
+    for (k1, v1), (k2, v2) in zip(normal_caches, piece_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
