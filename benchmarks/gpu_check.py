@@ -339,7 +339,10 @@ def raypaged_w1(model_dir: Path, concurrencies: list[int], requests_per_level, e
     result["decode_step_profile"] = profile_decode_steps(engine, 20, device)
     while engine.has_unfinished_requests():
         engine.step()
+    worker = getattr(engine.executor, "worker", None)  # the in-process worker (tp = 1)
+    pieces = worker.runner.piecewise if worker is not None else None  # None: $RAYPAGED_PIECEWISE_GRAPHS off
     for concurrency in concurrencies:
+        replays_before = pieces.replays if pieces is not None else 0
         prompts = w1_workload(requests_per_level(concurrency), vocab, seed=concurrency)
         pending = list(prompts)
         in_flight: dict[str, float] = {}
@@ -363,10 +366,13 @@ def raypaged_w1(model_dir: Path, concurrencies: list[int], requests_per_level, e
             requests=len(prompts), generated_tokens=generated, seconds=elapsed, tokens_per_s=generated / elapsed,
             steps=steps, ms_per_step=1e3 * elapsed / steps, p50_latency_s=latencies[len(latencies) // 2],
             p99_latency_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            piecewise_steps=pieces.replays - replays_before if pieces is not None else None,
         )
         mode = f"{'eager' if enforce_eager else 'CUDA graphs'}, async scheduling {result['async_scheduling']}"
+        piecewise = f", {pieces.replays - replays_before} mixed steps on piecewise graphs" if pieces is not None else ""
         print(f"  raypaged ({mode}) concurrency {concurrency}: "
-              f"{generated / elapsed:,.0f} tok/s, {1e3 * elapsed / steps:.1f} ms/step", flush=True)
+              f"{generated / elapsed:,.0f} tok/s, {1e3 * elapsed / steps:.1f} ms/step over {steps} steps{piecewise}",
+              flush=True)
     result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / (1 << 30) if device == "cuda" else None
     result["preemptions"] = engine.stats()["num_preemptions"]
     del llm, engine
@@ -464,7 +470,8 @@ def main() -> int:
         return 1
     started = time.monotonic()
     print(f"device: {torch.cuda.get_device_name()}")
-    for name in ("RAYPAGED_FUSED_KERNELS", "RAYPAGED_VARLEN_PREFILL"):  # off by default until verified here
+    # off by default until verified here
+    for name in ("RAYPAGED_FUSED_KERNELS", "RAYPAGED_VARLEN_PREFILL", "RAYPAGED_PIECEWISE_GRAPHS"):
         os.environ.setdefault(name, "1")
         print(f"{name}={os.environ[name]}")
     tests_passed = True if args.skip_tests else run_gpu_tests()
