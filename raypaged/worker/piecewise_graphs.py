@@ -30,14 +30,15 @@ row. Their outputs are ignored.
 
 Buckets: 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512 (powers of two and the halves
 between them, so padding is under a third of a bucket past 8), up to and including
-``min(max_num_batched_tokens, 512)``. Past 512 tokens a step's GEMMs take longer than its
-launches, so it runs eagerly; the cap also bounds capture time (12 buckets x (layers + 1)
-graphs, about 400 for a 32-layer model) and memory. Memory: the static buffers are sized for
-the largest bucket and shared by all (for a 7B-shaped fp16 model at 512 tokens, q/k/v, the
-attention output, the residual and the hidden states: about 25 MB); a piece keeps no output
-of its own, so the graphs' private pool only holds the intermediates of the largest piece,
-reused by all pieces and buckets, and it is the pool of the decode graphs when those were
-captured first.
+``min(max_num_batched_tokens, 512)``. A larger step runs eagerly: for a 7B model its GEMMs
+(about 2 x 7e9 x 512 FLOP, several ms) already outweigh its ~1,200 launches (an estimate, not a
+measurement). The cap also bounds capture time (12 buckets x (layers + 1) graphs, about 400
+for a 32-layer model) and memory. Memory: the static buffers are sized for the largest bucket
+and shared by all (for a 7B-shaped fp16 model at 512 tokens, q/k/v, the attention output, the
+residual and the hidden states: about 25 MB); a piece keeps no output of its own (it copies
+its results into the static buffers), so what its intermediates took returns to the graphs'
+private pool for the next capture, and the pool should hold about one large piece's
+intermediates. The pool is the decode graphs' (captured first) when there are any.
 
 Only for tp = 1 and the cuda attention backend (where the decode graphs are captured), never
 for a step with LoRA adapters; gated by ``$RAYPAGED_PIECEWISE_GRAPHS`` (``raypaged.envs``).
