@@ -28,6 +28,7 @@ from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import EndedRequest, Scheduler, SchedulerConfig
 from raypaged.core.stats import SchedulerStats
 from raypaged.executor.base import Executor, WorkerLostError
+from raypaged.heap import freeze_startup_heap, thaw
 from raypaged.outputs import FinishReason
 from raypaged.sampling_params import SamplingParams
 from raypaged.spec_decode.config import SpeculativeConfig
@@ -144,6 +145,7 @@ class EngineCore:
         self.ngram: NgramProposer | None = None  # prompt-lookup proposals, made here between steps
         if spec is not None and spec.method == "ngram":
             self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        freeze_startup_heap("engine core")  # no full collection rescans the weights, tokenizer and graphs
 
     # ---- requests ----------------------------------------------------------
     def add(self, request: EngineCoreRequest) -> list[str]:
@@ -482,6 +484,7 @@ class EngineCore:
         mask_thread = getattr(self, "_mask_thread", None)
         if mask_thread is not None:
             mask_thread.shutdown(wait=True)
+        thaw()
 
 
 def _grammar_fill_failures(grammar: GrammarBitmask | None) -> dict[str, str]:

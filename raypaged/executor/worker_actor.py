@@ -13,6 +13,7 @@ import torch
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.executor import shm_channel
+from raypaged.heap import freeze_startup_heap
 from raypaged.model.parallel import TensorParallel
 from raypaged.worker.worker import Worker
 
@@ -74,6 +75,7 @@ class WorkerActor:
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks, num_cpu_blocks)
+        freeze_startup_heap(f"shard {self.worker.tp.rank}")  # the shard's weights and graphs, out of GC scans
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
         """The step's output and the seconds this shard spent on it."""
