@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from raypaged import LLM, SamplingParams
-from raypaged.model.synthetic import write_synthetic_model
-from tests.gpu import NEEDS_CUDA_AND_CUPY
+from tests.gpu import NEEDS_CUDA_AND_CUPY, random_llama
 
 pytestmark = NEEDS_CUDA_AND_CUPY
 
@@ -30,17 +29,7 @@ def release_device_memory():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A small random Llama saved as safetensors, with a word-level tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    path = write_synthetic_model(tmp_path_factory.mktemp("cuda") / "tiny", **SHAPE)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(path), dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0, 0.08)
-    model.save_pretrained(path)
-    return path
+    return random_llama(tmp_path_factory.mktemp("cuda") / "tiny", **SHAPE)
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,10 @@ import torch
 
 from raypaged import LLM, SamplingParams
 from raypaged.attention.backend import cuda_backend
-from raypaged.model.synthetic import write_synthetic_model
 from raypaged.worker.cuda_graphs import DecodeGraphs
 from raypaged.worker.piecewise_graphs import PiecewiseGraphs
 from tests import fused_reference as ref
-from tests.gpu import NEEDS_CUDA_AND_CUPY
+from tests.gpu import NEEDS_CUDA_AND_CUPY, random_llama
 from tests.worker.test_piecewise import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, NUM_BLOCKS, STEPS, new_caches, step_inputs
 
 pytestmark = NEEDS_CUDA_AND_CUPY
@@ -74,17 +73,7 @@ def test_graph_replay_equals_the_eager_pieces_and_the_forward(architecture, fuse
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A small random Llama saved as safetensors, with a word-level tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    path = write_synthetic_model(tmp_path_factory.mktemp("piecewise") / "tiny", **SHAPE)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(path), dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0, 0.08)
-    model.save_pretrained(path)
-    return path
+    return random_llama(tmp_path_factory.mktemp("piecewise") / "tiny", **SHAPE)
 
 
 def test_engine_gives_the_same_greedy_tokens_with_the_switch_on_and_off(model_dir, monkeypatch):
