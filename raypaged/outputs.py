@@ -71,8 +71,8 @@ class RequestMetrics:
 
     Times are ``time.monotonic()`` seconds of the engine's process: compare them with
     each other, never with wall-clock time. ``None`` until the stage is reached. Each
-    output carries its own copy, true as of that output's step.
-    """
+    output carries its own copy, true as of that output's step (a streamed ``DELTA``
+    request: its final output only)."""
 
     arrival_time: float  # queued in the engine
     n: int  # completions asked for
@@ -118,7 +118,7 @@ class RequestOutput:
     num_generated_tokens: int = 0
     # set when the engine ended this request alone because handling it failed (finished, finish_reason "error")
     error: str | None = None
-    metrics: RequestMetrics | None = None  # None for beam searches
+    metrics: RequestMetrics | None = None  # None for beam searches, and a DELTA stream's outputs before its last
     # with SamplingParams.prompt_logprobs: per prompt token its logprob and the top-N (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed (vLLM's)

@@ -19,8 +19,10 @@ the request's ``output_kind``:
 
 A ``best_of > n`` request is shown only when it finishes: its ``n`` best samples
 by cumulative logprob, as indices ``0..n-1``. Every output carries the request's
-``RequestMetrics`` as of its step: each sequence stamps its first and newest token
-times as they are processed, whatever the output kind.
+``RequestMetrics`` as of its step (each sequence stamps its first and newest token times
+as they are processed), except a one-sequence ``DELTA`` stream's outputs before its last:
+what streams is the new tokens, and the timeline comes with the final output (vLLM V1's
+outputs carry none; building one per token per step cost 0.5 µs of the 10 at 256 sequences).
 """
 
 from __future__ import annotations
@@ -345,8 +347,8 @@ def make_output(state: RequestState) -> RequestOutput | None:
         completion = _delta(seq, params) if delta else _cumulative(seq, params)
         seq.done = finished
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
-                             len(seq.token_ids), None, request_metrics(state), state.prompt_logprobs(delta),
-                             state.num_cached_tokens)
+                             len(seq.token_ids), None, request_metrics(state) if finished or not delta else None,
+                             state.prompt_logprobs(delta), state.num_cached_tokens)
     finished = state.finished
     ranked = params.num_samples > params.n
     if (ranked or params.output_kind == RequestOutputKind.FINAL_ONLY) and not finished:

@@ -107,6 +107,20 @@ def test_a_failure_ends_its_request_alone_with_every_sequence_to_abort(tokenizer
     assert "bad" not in processor and "good" in processor
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA], ids=str)
+def test_a_delta_stream_carries_metrics_on_its_last_output_only(tokenizer, kind):
+    processor = new(tokenizer, SamplingParams(output_kind=kind))
+    steps = stream(processor, [delta("0:r", [19556], first_scheduled_time=50.0), delta("0:r", [905]),
+                               delta("0:r", [17], finish=FinishReason.LENGTH)])
+    metrics = [outputs[0].metrics for outputs, _, _ in steps]
+    if kind is RequestOutputKind.DELTA:  # what is streamed is new tokens; the timeline comes at the end
+        assert metrics[:2] == [None, None]
+    else:
+        assert [m.max_num_generation_tokens for m in metrics[:2]] == [1, 2] and metrics[1].last_token_time == NOW + 1
+    assert (metrics[2].first_token_time, metrics[2].last_token_time, metrics[2].max_num_generation_tokens) == (
+        NOW, NOW + 2, 3)
+
+
 def test_metrics_come_from_the_deltas_and_the_steps_clock(tokenizer):
     processor = new(tokenizer, SamplingParams())
     steps = stream(processor, [delta("0:r", [19556], first_scheduled_time=50.0, num_cached_tokens=16),
