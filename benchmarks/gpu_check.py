@@ -471,7 +471,7 @@ def main() -> int:
     started = time.monotonic()
     print(f"device: {torch.cuda.get_device_name()}")
     # off by default until verified here
-    for name in ("RAYPAGED_FUSED_KERNELS", "RAYPAGED_VARLEN_PREFILL", "RAYPAGED_PIECEWISE_GRAPHS"):
+    for name in ("RAYPAGED_FUSED_KERNELS", "RAYPAGED_VARLEN_PREFILL", "RAYPAGED_PIECEWISE_GRAPHS", "RAYPAGED_LORA_KERNELS"):
         os.environ.setdefault(name, "1")
         print(f"{name}={os.environ[name]}")
     tests_passed = True if args.skip_tests else run_gpu_tests()

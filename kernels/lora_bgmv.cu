@@ -1,8 +1,10 @@
 // lora_bgmv: the batched LoRA product, one adapter token per block (Punica's BGMV).
 //   shrink: h[t] = x[token[t]] . A[slot[t]]            A: [num_slots, in, rank]  (rank contiguous)
 //   expand: y[token[t]] += h[t] . B[slot[t]]           B: [num_slots, rank, out] (out contiguous)
-// t runs over the step's adapter tokens only (token_ids, slot_of: [num_adapter_tokens], each
-// token at most once, so no two blocks write one row of y); h is fp32 [num_adapter_tokens, rank].
+// t runs over the listed tokens (token_ids, slot_of: [num_listed], each token at most once, so no
+// two blocks write one row of y); h is fp32 [num_listed, rank]. A slot of -1 marks a token of no
+// adapter: its h row is zero and its y row is not touched, so a CUDA graph can list every token
+// of a batch whatever its adapters.
 // The scale is folded into B by the caller. Accumulation is fp32 for every storage dtype.
 //
 // shrink: grid = (num_adapter_tokens), block = 256 threads (8 warps). Ranks are taken 32 at a
@@ -24,8 +26,13 @@ __device__ __forceinline__ void lora_shrink(float* __restrict__ h, const T* __re
                                             const long long* __restrict__ slot_of, int in_features, int rank) {
   __shared__ float partial[SHRINK_WARPS][32];
   const int t = blockIdx.x;
+  const long long slot = slot_of[t];
+  if (slot < 0) {  // the whole block leaves together, before any barrier
+    for (int r = threadIdx.x; r < rank; r += blockDim.x) h[(long long)t * rank + r] = 0.f;
+    return;
+  }
   const T* row = x + token_ids[t] * in_features;
-  const T* weights = a + slot_of[t] * (long long)in_features * rank;
+  const T* weights = a + slot * (long long)in_features * rank;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int r0 = 0; r0 < rank; r0 += 32) {
     const int width = min(rank - r0, 32);
@@ -58,6 +65,7 @@ __device__ __forceinline__ void lora_expand(T* __restrict__ y, const float* __re
                                             const long long* __restrict__ slot_of, int rank, int out_features) {
   __shared__ float hs[MAX_RANK];
   const int t = blockIdx.x;
+  if (slot_of[t] < 0) return;  // block-uniform, before the barrier
   for (int r = threadIdx.x; r < rank; r += blockDim.x) hs[r] = h[(long long)t * rank + r];
   __syncthreads();
   const int o = blockIdx.y * EXPAND_THREADS + threadIdx.x;

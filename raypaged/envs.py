@@ -83,6 +83,14 @@ def varlen_prefill() -> bool:
     return _switch("RAYPAGED_VARLEN_PREFILL")
 
 
+def lora_kernels() -> bool:
+    """Whether LoRA steps run the BGMV CUDA kernels (``kernels/lora_bgmv.cu``) where the model is on
+    a CUDA device, with the LoRA product recorded in the decode CUDA graphs: ``$RAYPAGED_LORA_KERNELS``,
+    ``0`` (the default: torch matmuls per active slot, and decode steps with adapters run eagerly)
+    or ``1``."""
+    return _switch("RAYPAGED_LORA_KERNELS")
+
+
 def piecewise_graphs() -> bool:
     """Whether a step with prefill spans (and of at most 512 tokens) replays piecewise CUDA graphs
     (``raypaged.worker.piecewise_graphs``: all but the attention recorded, the attention eager)

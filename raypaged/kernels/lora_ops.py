@@ -1,8 +1,9 @@
 """CUDA versions of the batched LoRA product of ``raypaged.lora.ops``, backed by ``kernels/lora_bgmv.cu``
 (one adapter token per block, Punica's BGMV). Same layout as the torch path: ``lora_a: [num_slots,
 in, rank]`` (A transposed), ``lora_b: [num_slots, rank, out]`` (B transposed, the scale folded in).
-The step's adapter tokens are named by ``token_ids`` (rows of ``x``/``y``, each at most once) and
-``slot_of`` (each one's slot); rows of no adapter are not listed and keep ``y``.
+The tokens are named by ``token_ids`` (rows of ``x``/``y``, each at most once) and ``slot_of``
+(each one's slot, ``-1`` for a token of no adapter: its ``h`` row is zero and its ``y`` row kept);
+rows not listed keep ``y`` too.
 """
 
 from __future__ import annotations

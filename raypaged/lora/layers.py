@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from raypaged.lora.layout import LoRATarget, find_targets, target_rank
-from raypaged.lora.ops import LoRAMapping, lora_expand, lora_shrink
+from raypaged.lora.ops import LoRAMapping, lora_bgmv, lora_expand, lora_shrink
 from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.parallel import TensorParallel
 
@@ -33,6 +33,8 @@ class LoRALinear(nn.Module):
 
     A step reads only the first ``max(slot_ranks)`` rank columns of its active slots, so a linear
     none of them adapts costs nothing beyond its base (identical on every rank: the same adapters).
+    A BGMV mapping reads every rank column (``lora_bgmv``); a static one (recorded in a CUDA graph)
+    runs even when no slot adapts the linear, since the graph replays for whatever is placed later.
     """
 
     lora_a: torch.Tensor  # [num_slots, in_features, rank]
@@ -58,12 +60,15 @@ class LoRALinear(nn.Module):
         if mapping is not None and not mapping.is_empty:
             if mapping.num_tokens != x.shape[0]:
                 raise RuntimeError(f"the LoRA mapping is for {mapping.num_tokens} tokens but the step has {x.shape[0]}")
-            rank = max(self.slot_ranks[slot] for slot in mapping.slot_ids)
+            rank = self.lora_a.shape[2] if mapping.static else max(self.slot_ranks[slot] for slot in mapping.slot_ids)
         if rank == 0:
             return self.base(x)
         row_parallel = self.target.row_parallel
         y = self.base.partial(x) if row_parallel else self.base(x)
-        lora_expand(y, lora_shrink(x, self.lora_a[:, :, :rank], mapping), self.lora_b[:, :rank], mapping)
+        if mapping.slot_of is not None:
+            lora_bgmv(y, x, self.lora_a, self.lora_b, mapping)
+        else:
+            lora_expand(y, lora_shrink(x, self.lora_a[:, :, :rank], mapping), self.lora_b[:, :rank], mapping)
         return self.base.reduce(y) if row_parallel else y
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:

@@ -17,7 +17,8 @@ import torch
 from raypaged.lora.config import LoRAConfig
 from raypaged.lora.layers import LoRAModel, attach_lora
 from raypaged.lora.layout import read_checked_adapter, shard_adapter
-from raypaged.lora.ops import build_lora_mapping
+from raypaged import envs
+from raypaged.lora.ops import build_bgmv_mapping, build_lora_mapping
 from raypaged.lora.request import LoRARequest
 from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.parallel import TensorParallel
@@ -35,6 +36,8 @@ class LoRAManager:
         self.device = device
         self.dtype = dtype
         self.lora_model: LoRAModel = attach_lora(model, config.max_loras, config.max_lora_rank, tp, dtype, device)
+        # BGMV mappings: the CUDA kernels, and a LoRA product the decode CUDA graphs can record
+        self.bgmv = envs.lora_kernels() and device.type == "cuda"
         self._cpu_cache: OrderedDict[tuple[int, str], ShardedAdapter] = OrderedDict()  # by (id, path)
 
     def place(self, slot: int, request: LoRARequest) -> None:
@@ -54,4 +57,5 @@ class LoRAManager:
 
     def set_slot_mapping(self, token_slots: Sequence[int | None]) -> None:
         """The next forward's slot per token (``None``: the base model), slots as the driver placed them."""
-        self.lora_model.step.mapping = build_lora_mapping(token_slots, self.device)
+        build = build_bgmv_mapping if self.bgmv else build_lora_mapping
+        self.lora_model.step.mapping = build(token_slots, self.device)

@@ -17,6 +17,11 @@ path in 50 of 56 multi-slot cases, 54 in a quieter run, and the gather+bmm refer
 
 The shrink (``x A^T``, ``[rows, rank]``) and expand (``h B^T`` added to ``y``) halves are
 separate so a row-parallel layer can all-reduce the small product between them.
+
+A BGMV mapping (:func:`build_bgmv_mapping`, where ``$RAYPAGED_LORA_KERNELS`` turns the CUDA
+kernels of ``kernels/lora_bgmv.cu`` on) lists every token by its slot (``-1``: the base model)
+and runs :func:`lora_bgmv` at the slots' full rank: its shapes depend on the token count only,
+so a CUDA graph records it once and replays it for any adapters in any slots.
 """
 
 from __future__ import annotations
@@ -49,22 +54,27 @@ class LoRAMapping:
     ``slot_ids`` are the active slots in increasing order, ``segments[i]`` the ``(start, end)``
     of slot ``slot_ids[i]``'s tokens in ``token_ids`` (the adapter tokens sorted by slot).
     ``padded`` is ``None`` unless the padded batch path runs.
+
+    A BGMV mapping has ``slot_of`` (each token's slot, ``-1`` for none) and no segments; a
+    ``static`` one is recorded into a CUDA graph, so it runs whatever the slots hold.
     """
 
     num_tokens: int
     slot_ids: tuple[int, ...]
     segments: tuple[tuple[int, int], ...]
-    token_ids: torch.Tensor  # [num_adapter_tokens] long
+    token_ids: torch.Tensor  # [num_adapter_tokens] long (BGMV: every token, arange(num_tokens))
     slots_tensor: torch.Tensor  # [len(slot_ids)] long
     padded: PaddedBatch | None
+    slot_of: torch.Tensor | None = None  # [num_tokens] long, BGMV mappings only
+    static: bool = False
 
     @property
     def is_empty(self) -> bool:
-        return not self.slot_ids
+        return not self.slot_ids and not self.static
 
     @property
     def one_slot_for_all(self) -> bool:
-        return len(self.slot_ids) == 1 and self.segments[0][1] == self.num_tokens
+        return self.slot_of is None and len(self.slot_ids) == 1 and self.segments[0][1] == self.num_tokens
 
 
 def build_lora_mapping(token_slots: Sequence[int | None], device: torch.device | str = "cpu") -> LoRAMapping:
@@ -97,6 +107,42 @@ def build_lora_mapping(token_slots: Sequence[int | None], device: torch.device |
         len(token_slots), slot_ids, tuple(segments), torch.tensor(token_ids, dtype=torch.long, device=device),
         torch.tensor(slot_ids, dtype=torch.long, device=device), padded,
     )
+
+
+def build_bgmv_mapping(token_slots: Sequence[int | None], device: torch.device | str = "cpu") -> LoRAMapping:
+    """The BGMV mapping of a step whose token ``i`` reads slot ``token_slots[i]`` (``None``: the base model)."""
+    slot_ids = tuple(sorted({slot for slot in token_slots if slot is not None}))
+    if not slot_ids:
+        return LoRAMapping(len(token_slots), (), (), _NO_TOKENS, _NO_TOKENS, None)
+    flat = torch.tensor([*range(len(token_slots)), *(-1 if slot is None else slot for slot in token_slots)],
+                        dtype=torch.long, device=device)
+    token_ids, slot_of = flat.split(len(token_slots))
+    return LoRAMapping(len(token_slots), slot_ids, (), token_ids, _NO_TOKENS, None, slot_of)
+
+
+def static_bgmv_mapping(token_ids: torch.Tensor, slot_of: torch.Tensor) -> LoRAMapping:
+    """The mapping a CUDA graph records: ``token_ids`` is ``arange(n)``, ``slot_of`` a static buffer the
+    graph's runner fills before each replay (``-1`` for the base model)."""
+    return LoRAMapping(slot_of.shape[0], (), (), token_ids, _NO_TOKENS, None, slot_of, static=True)
+
+
+def lora_bgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              mapping: LoRAMapping) -> None:
+    """``y[i] += x[i] A_s^T B_s^T`` for each token ``i`` with ``s = slot_of[i] >= 0`` of a BGMV
+    ``mapping``, at the stacked weights' full rank (zero past each adapter's own). CUDA:
+    ``kernels/lora_bgmv.cu``, one launch per half whatever the slots; elsewhere its torch
+    equivalent, a gather of each token's weights."""
+    slot_of = mapping.slot_of
+    assert slot_of is not None, "lora_bgmv reads a BGMV mapping"
+    if y.is_cuda:
+        from raypaged.kernels.lora_ops import lora_bgmv_expand, lora_bgmv_shrink
+
+        h = lora_bgmv_shrink(x, lora_a, mapping.token_ids, slot_of)
+        lora_bgmv_expand(y, h, lora_b, mapping.token_ids, slot_of)
+        return
+    slots = slot_of.clamp(min=0)
+    h = torch.bmm(x.unsqueeze(1), lora_a[slots]) * (slot_of >= 0).view(-1, 1, 1).to(x.dtype)  # [n, 1, rank]
+    y += torch.bmm(h, lora_b[slots]).squeeze(1)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
@@ -147,7 +193,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         raise ValueError(f"lora_b {list(lora_b.shape)} does not match lora_a {list(lora_a.shape)}")
     if mapping.slot_ids and mapping.slot_ids[-1] >= num_slots:
         raise ValueError(f"the mapping reads slot {mapping.slot_ids[-1]} of {num_slots}")
-    if not mapping.is_empty:
+    if mapping.slot_of is not None:
+        lora_bgmv(y, x, lora_a, lora_b, mapping)
+    elif not mapping.is_empty:
         lora_expand(y, lora_shrink(x, lora_a, mapping), lora_b, mapping)
 
 

@@ -10,6 +10,10 @@ Padding rows write nowhere (slot -1) and attend over one token of block 0, so th
 cost a little work and change nothing. The block-table buffer is as wide as
 ``max_model_len`` needs, so the same graph serves every context length. All graphs
 share one memory pool, recorded largest first, as PyTorch recommends.
+
+With LoRA's BGMV kernels (``$RAYPAGED_LORA_KERNELS``) the graphs record the LoRA product too, at
+the slots' full rank, reading each row's slot from a static buffer (``-1``: the base model, and
+every padding row): one graph per batch size serves any adapters in any of the fixed slots.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import time
 import torch
 
 from raypaged.attention.metadata import AttentionMetadata
+from raypaged.lora.layers import LoRAStep
+from raypaged.lora.ops import static_bgmv_mapping
 
 logger = logging.getLogger("raypaged")
 
@@ -39,7 +45,9 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
+        lora_step: LoRAStep | None = None,
     ) -> None:
+        """``lora_step``: the LoRA model's step, when the graphs record its BGMV product."""
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = batch_size_ladder(max_num_seqs)
@@ -50,6 +58,9 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, **as_long)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), **as_long)
         self.context_lens = torch.ones(n, **as_long)
+        self.lora_step = lora_step
+        self.lora_tokens = torch.arange(n, **as_long)
+        self.lora_slots = torch.full((n,), -1, **as_long)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -65,7 +76,17 @@ class DecodeGraphs:
         )
 
     def _forward(self, batch: int) -> torch.Tensor:
-        return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
+        if self.lora_step is None:
+            return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
+        self.lora_step.mapping = static_bgmv_mapping(self.lora_tokens[:batch], self.lora_slots[:batch])
+        try:
+            return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
+        finally:
+            self.lora_step.mapping = None
+
+    @property
+    def records_lora(self) -> bool:
+        return self.lora_step is not None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -97,7 +118,8 @@ class DecodeGraphs:
         return 0 < batch <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The decode forward of ``len(input_ids)`` sequences: [batch, hidden] (a view into the graph's output)."""
+        """The decode forward of ``len(input_ids)`` sequences: [batch, hidden] (a view into the graph's output).
+        Recording LoRA, the rows' slots come from the step's BGMV mapping (none: every row the base model's)."""
         batch = input_ids.shape[0]
         padded = self.sizes[bisect.bisect_left(self.sizes, batch)]
         width = meta.decode_block_tables.shape[1]
@@ -106,6 +128,13 @@ class DecodeGraphs:
         self.slot_mapping[:batch].copy_(meta.slot_mapping)
         self.block_tables[:batch, :width].copy_(meta.decode_block_tables)
         self.context_lens[:batch].copy_(meta.decode_context_lens)
+        if self.lora_step is not None:
+            mapping = self.lora_step.mapping
+            if mapping is not None and mapping.slot_of is not None:
+                self.lora_slots[:batch].copy_(mapping.slot_of)
+            else:
+                self.lora_slots[:batch].fill_(-1)
+            self.lora_slots[batch:padded].fill_(-1)
         if padded > batch:
             self.slot_mapping[batch:padded].fill_(-1)
             self.context_lens[batch:padded].fill_(1)

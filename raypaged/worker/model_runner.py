@@ -276,8 +276,9 @@ class ModelRunner:
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0) -> None:
         """Record CUDA graphs of the decode-only forward for a ladder of batch sizes; with
         ``$RAYPAGED_PIECEWISE_GRAPHS``, also the piecewise graphs of steps with prefill spans."""
+        lora_step = self.lora.lora_model.step if self.lora is not None and self.lora.bgmv else None
         self.graphs = DecodeGraphs(self.model, self.cache.layers, max_num_seqs, -(-max_model_len // self.block_size),
-                                   self.device)
+                                   self.device, lora_step)
         self.graphs.capture()
         if max_num_batched_tokens and envs.piecewise_graphs():
             self.piecewise = PiecewiseGraphs(self.model, self.cache.layers, max_num_batched_tokens, self.device)
@@ -297,7 +298,8 @@ class ModelRunner:
         meta = step.meta
         adapted = self.lora is not None and self.lora.lora_model.step.mapping is not None and (
             not self.lora.lora_model.step.mapping.is_empty)
-        if self.graphs is not None and not meta.prefills and not adapted and self.graphs.fits(meta.num_decode_tokens):
+        if (self.graphs is not None and not meta.prefills and (not adapted or self.graphs.records_lora)
+                and self.graphs.fits(meta.num_decode_tokens)):
             hidden = self.graphs.run(step.input_ids, step.positions, meta)
         elif self.piecewise is not None and meta.prefills and not adapted and self.piecewise.fits(len(step.input_ids)):
             hidden = self.piecewise.run(step.input_ids, step.positions, meta)

@@ -56,3 +56,25 @@ def test_no_adapter_tokens_is_a_no_op():
     h = lora_bgmv_shrink(x, lora_a, none, none)
     lora_bgmv_expand(y, h, lora_b, none, none)
     assert h.shape == (0, 8) and torch.equal(y, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_slot_of_minus_one_is_a_token_of_no_adapter(dtype):
+    """Every token listed, as a CUDA graph's BGMV mapping lists them: rows of slot -1 get a zero h
+    row and keep y bit for bit."""
+    rng = random.Random(5)
+    token_slots = [rng.choice([None, 0, 1]) for _ in range(40)]
+    x = torch.randn(40, 64, dtype=dtype, device="cuda")
+    lora_a = (torch.randn(2, 64, 8, device="cuda") / 8).to(dtype)
+    lora_b = torch.randn(2, 8, 96, dtype=dtype, device="cuda")
+    y = torch.randn(40, 96, dtype=dtype, device="cuda")
+    expected = y.float().clone()
+    add_lora_reference(expected, x.float(), lora_a.float(), lora_b.float(), token_slots)
+    token_ids = torch.arange(40, device="cuda")
+    slot_of = torch.tensor([-1 if s is None else s for s in token_slots], device="cuda")
+    h = lora_bgmv_shrink(x, lora_a, token_ids, slot_of)
+    base = [i for i, s in enumerate(token_slots) if s is None]
+    assert h[base].eq(0).all()
+    lora_bgmv_expand(y, h, lora_b, token_ids, slot_of)
+    assert torch.equal(y[base].float(), expected[base])
+    assert ((y.float() - expected).abs().max() / expected.abs().max()).item() < TOLERANCE[dtype]

@@ -31,10 +31,15 @@ def manager(smollm2_dir, smollm2_adapters):
 SEQUENCE_ADAPTERS = ["kogd-r16", None, "qv-r4", "all-r8-rslora"]
 
 
-def test_one_mixed_forward_equals_peft_per_adapter(manager, peft_smollm2):
+@pytest.mark.parametrize("bgmv", [False, True], ids=["segments", "bgmv"])
+def test_one_mixed_forward_equals_peft_per_adapter(manager, peft_smollm2, bgmv, monkeypatch):
+    """Both mappings: matmuls per active slot, and BGMV's every token by its slot at full rank (on CUDA
+    the kernels of kernels/lora_bgmv.cu; here their torch equivalent)."""
     lora, model = manager
+    monkeypatch.setattr(lora, "bgmv", bgmv)
     slots = {name: i for i, name in enumerate(ADAPTERS)}
     lora.set_slot_mapping([slots.get(name) for name, p in zip(SEQUENCE_ADAPTERS, PROMPTS) for _ in p])
+    assert (lora.lora_model.step.mapping.slot_of is not None) is bgmv
     logits = prefill_logits(model, PROMPTS)
     for name, prompt, got in zip(SEQUENCE_ADAPTERS, PROMPTS, logits):
         want = peft_logits(peft_smollm2, name, prompt)

@@ -92,3 +92,14 @@ def test_a_mapping_of_another_step_is_an_error(tiny_llama_dir, requests):
     manager.set_slot_mapping([0, 0, 0])
     with pytest.raises(RuntimeError, match=r"^the LoRA mapping is for 3 tokens but the step has 7$"):
         prefill_logits(model, PROMPTS)
+
+
+def test_the_bgmv_switch_is_for_cuda_devices_only(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("RAYPAGED_LORA_KERNELS", "1")
+    manager, _ = new_manager(tiny_llama_dir)
+    assert manager.bgmv is False  # on CPU the per-slot matmuls are the fast path
+    manager.set_slot_mapping([0, None])
+    assert manager.lora_model.step.mapping.slot_of is None
+    monkeypatch.setenv("RAYPAGED_LORA_KERNELS", "yes")
+    with pytest.raises(ValueError, match=r"^\$RAYPAGED_LORA_KERNELS must be 0 or 1, got 'yes'$"):
+        new_manager(tiny_llama_dir)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raypaged.lora.ops import add_lora, add_lora_reference, build_lora_mapping, lora_expand, lora_shrink
+from raypaged.lora.ops import (
+    add_lora,
+    add_lora_reference,
+    build_bgmv_mapping,
+    build_lora_mapping,
+    lora_expand,
+    lora_shrink,
+    static_bgmv_mapping,
+)
 
 NUM_SLOTS, IN, OUT, RANK = 4, 24, 40, 6
 
@@ -40,6 +48,20 @@ def test_mapping_fast_paths():
     assert not one_with_base.one_slot_for_all and one_with_base.padded is None
 
 
+def test_bgmv_mapping_lists_every_token_by_its_slot():
+    mapping = build_bgmv_mapping([2, None, 0, 2])
+    assert mapping.slot_ids == (0, 2) and mapping.num_tokens == 4 and not mapping.static
+    assert mapping.token_ids.tolist() == [0, 1, 2, 3] and mapping.slot_of.tolist() == [2, -1, 0, 2]
+    assert mapping.segments == () and mapping.padded is None and not mapping.one_slot_for_all
+    assert not mapping.is_empty
+    empty = build_bgmv_mapping([None, None], "meta")  # as the plain mapping: nothing built, nothing on the device
+    assert empty.is_empty and empty.slot_of is None
+    buffers = torch.arange(5), torch.full((5,), -1)
+    static = static_bgmv_mapping(*buffers)  # what a CUDA graph records: it runs whatever its slots hold
+    assert not static.is_empty and static.slot_ids == () and static.num_tokens == 5
+    assert static.slot_of is buffers[1] and static.token_ids is buffers[0]
+
+
 def test_reference_is_the_per_token_formula():
     lora_a, lora_b = weights()
     x = torch.randn(3, IN)
@@ -59,17 +81,26 @@ def test_reference_is_the_per_token_formula():
     [0, 1, 2, 3] * 4,  # every slot active
     [1] * 40 + [3, None, 0],  # skewed: per-slot loop
 ])
-def test_add_lora_equals_reference(token_slots):
+@pytest.mark.parametrize("build", [build_lora_mapping, build_bgmv_mapping], ids=["segments", "bgmv"])
+def test_add_lora_equals_reference(token_slots, build):
     lora_a, lora_b = weights()
     x = torch.randn(len(token_slots), IN)
     base = torch.randn(len(token_slots), OUT)
     got, want = base.clone(), base.clone()
-    add_lora(got, x, lora_a, lora_b, build_lora_mapping(token_slots))
+    add_lora(got, x, lora_a, lora_b, build(token_slots))
     add_lora_reference(want, x, lora_a, lora_b, token_slots)
     torch.testing.assert_close(got, want)
     for i, slot in enumerate(token_slots):
         if slot is None:
             assert torch.equal(got[i], base[i])  # base tokens untouched, bit for bit
+
+
+def test_a_static_mapping_of_no_slot_leaves_y_bit_for_bit():
+    lora_a, lora_b = weights()
+    x, y = torch.randn(3, IN), torch.randn(3, OUT)
+    before = y.clone()
+    add_lora(y, x, lora_a, lora_b, static_bgmv_mapping(torch.arange(3), torch.tensor([-1, -1, -1])))
+    assert torch.equal(y, before)
 
 
 def test_add_lora_checks_shapes():
@@ -103,10 +134,13 @@ def test_row_sharded_shrinks_summed_then_expanded_equal_the_whole_product(token_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("token_slots", [[2] * 7, [2, None, 0, 2, 0, 0, 1, 3, 3], [1] * 40 + [3, None, 0]])
-def test_add_lora_on_cuda_equals_reference(token_slots):
+@pytest.mark.parametrize("build", [build_lora_mapping, build_bgmv_mapping], ids=["segments", "bgmv"])
+def test_add_lora_on_cuda_equals_reference(token_slots, build):
+    if build is build_bgmv_mapping:
+        pytest.importorskip("cupy")  # the BGMV kernels
     lora_a, lora_b = (w.cuda() for w in weights())
     x = torch.randn(len(token_slots), IN, device="cuda")
     got, want = torch.zeros(len(token_slots), OUT, device="cuda"), torch.zeros(len(token_slots), OUT, device="cuda")
-    add_lora(got, x, lora_a, lora_b, build_lora_mapping(token_slots, "cuda"))
+    add_lora(got, x, lora_a, lora_b, build(token_slots, "cuda"))
     add_lora_reference(want, x, lora_a, lora_b, token_slots)
     torch.testing.assert_close(got, want)

@@ -1,0 +1,66 @@
+"""LoRA recorded into the decode CUDA graphs (``$RAYPAGED_LORA_KERNELS``): one graph per batch
+size replays the BGMV product for whatever adapters the step's rows read, against the same
+BGMV mapping run eagerly and the per-slot matmul path."""
+
+import gc
+
+import pytest
+import torch
+
+from raypaged.attention.backend import cuda_backend
+from raypaged.lora.layers import attach_lora
+from raypaged.lora.ops import build_bgmv_mapping, build_lora_mapping
+from raypaged.model.parallel import TensorParallel
+from raypaged.worker.cuda_graphs import DecodeGraphs
+from tests import fused_reference as ref
+from tests.gpu import NEEDS_CUDA_AND_CUPY
+from tests.worker.test_piecewise import new_caches, step_inputs
+
+pytestmark = NEEDS_CUDA_AND_CUPY
+
+DECODE = [("a", 12, 1, True), ("b", 7, 1, True), ("c", 5, 1, True)]  # 3 rows: the graph of 4, one padding row
+# slots 0 and 2 hold adapters of ranks 4 and 8, slot 1 none
+STEP_SLOTS = [[0, None, 2], [None, None, None], [2, 2, 2], [1, 0, None], [None, 2, 0]]
+
+
+@pytest.fixture(autouse=True)
+def release_device_memory():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_decode_graphs_replay_the_lora_product_for_any_slots():
+    device = torch.device("cuda")
+    model = ref.random_model(ref.tiny_config("llama"), torch.float32, "cuda")
+    model.set_attention_backend(cuda_backend())
+    lora = attach_lora(model, 3, 8, TensorParallel(), torch.float32, device)
+    generator = torch.Generator().manual_seed(3)
+    for linear in lora.linears.values():
+        for slot, rank in ((0, 4), (2, 8)):
+            a_t = torch.randn(linear.target.in_features, rank, generator=generator) / linear.target.in_features ** 0.5
+            b_t = torch.randn(rank, linear.target.out_features, generator=generator) * 0.5
+            linear.set_slot(slot, (a_t.to(device), b_t.to(device)))
+    caches = {name: new_caches(model, 7.0, "cuda") for name in ("segments", "bgmv", "graphs", "base")}
+    graphs = DecodeGraphs(model, caches["graphs"], 4, 3, device, lora.step)
+    graphs.capture()
+    assert graphs.records_lora and lora.step.mapping is None and sorted(graphs.graphs) == [1, 2, 4]
+    inputs = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for index, token_slots in enumerate(STEP_SLOTS):
+            ids, positions, meta = step_inputs(DECODE, inputs, model.config.vocab_size, "cuda")
+            lora.step.mapping = build_lora_mapping(token_slots, device)
+            expected = model(ids, positions, caches["segments"], meta).clone()
+            lora.step.mapping = build_bgmv_mapping(token_slots, device)
+            eager = model(ids, positions, caches["bgmv"], meta).clone()
+            replayed = graphs.run(ids, positions, meta).clone()
+            message = lambda m: f"step {index}, slots {token_slots}: {m}"  # noqa: E731
+            torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5, msg=message)
+            torch.testing.assert_close(eager, expected, rtol=1e-4, atol=1e-4, msg=message)
+            if index == 0:  # the adapters matter: rows of slots 0 and 2 are far from the base model's
+                lora.step.mapping = None
+                base = model(ids, positions, caches["base"], meta)
+                torch.testing.assert_close(replayed[1], base[1], rtol=1e-4, atol=1e-4)
+                assert (replayed[0] - base[0]).abs().max() > 1e-2 and (replayed[2] - base[2]).abs().max() > 1e-2
+    assert graphs.replays == len(STEP_SLOTS)
+    assert graphs.lora_slots[3].item() == -1  # the padding row reads no adapter
