@@ -10,13 +10,15 @@ before the all-reduce (the product is linear in the shards, so the sum is the un
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from raypaged.lora.layout import LoRATarget, find_targets, target_rank
-from raypaged.lora.ops import LoRAMapping, lora_bgmv, lora_expand, lora_shrink
+from raypaged.lora.ops import LoRAMapping, lora_bgmv, lora_expand, lora_shrink, static_bgmv_mapping
 from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.parallel import TensorParallel
 
@@ -26,6 +28,36 @@ class LoRAStep:
     """The mapping every wrapped linear of one model reads; set before each forward."""
 
     mapping: LoRAMapping | None = None
+
+
+class StaticSlots:
+    """The slot buffer CUDA graphs record the LoRA product with (BGMV at the slots' full rank):
+    a graph is recorded under :meth:`recording`, and each replay first :meth:`fill` s the buffer
+    from the step's BGMV mapping, so one graph serves any adapters in any slots."""
+
+    def __init__(self, step: LoRAStep, rows: int, device: torch.device) -> None:
+        self.step = step
+        self.token_ids = torch.arange(rows, dtype=torch.long, device=device)
+        self.slot_of = torch.full((rows,), -1, dtype=torch.long, device=device)
+
+    @contextlib.contextmanager
+    def recording(self, rows: int) -> Iterator[None]:
+        """The model's linears read the buffer's first ``rows`` rows (the step's mapping is set aside)."""
+        saved = self.step.mapping
+        self.step.mapping = static_bgmv_mapping(self.token_ids[:rows], self.slot_of[:rows])
+        try:
+            yield
+        finally:
+            self.step.mapping = saved
+
+    def fill(self, rows: int, padded: int) -> None:
+        """The step's slots into the first ``rows`` rows (none: the base model's ``-1``), ``-1`` up to ``padded``."""
+        mapping = self.step.mapping
+        if mapping is not None and mapping.slot_of is not None:
+            self.slot_of[:rows].copy_(mapping.slot_of)
+        else:
+            self.slot_of[:rows].fill_(-1)
+        self.slot_of[rows:padded].fill_(-1)
 
 
 class LoRALinear(nn.Module):

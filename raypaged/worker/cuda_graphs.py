@@ -19,14 +19,14 @@ every padding row): one graph per batch size serves any adapters in any of the f
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 
 import torch
 
 from raypaged.attention.metadata import AttentionMetadata
-from raypaged.lora.layers import LoRAStep
-from raypaged.lora.ops import static_bgmv_mapping
+from raypaged.lora.layers import LoRAStep, StaticSlots
 
 logger = logging.getLogger("raypaged")
 
@@ -58,9 +58,7 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, **as_long)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), **as_long)
         self.context_lens = torch.ones(n, **as_long)
-        self.lora_step = lora_step
-        self.lora_tokens = torch.arange(n, **as_long)
-        self.lora_slots = torch.full((n,), -1, **as_long)
+        self.lora = StaticSlots(lora_step, n, device) if lora_step is not None else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -76,17 +74,12 @@ class DecodeGraphs:
         )
 
     def _forward(self, batch: int) -> torch.Tensor:
-        if self.lora_step is None:
+        with self.lora.recording(batch) if self.lora is not None else contextlib.nullcontext():
             return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
-        self.lora_step.mapping = static_bgmv_mapping(self.lora_tokens[:batch], self.lora_slots[:batch])
-        try:
-            return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._meta(batch))
-        finally:
-            self.lora_step.mapping = None
 
     @property
     def records_lora(self) -> bool:
-        return self.lora_step is not None
+        return self.lora is not None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -128,13 +121,8 @@ class DecodeGraphs:
         self.slot_mapping[:batch].copy_(meta.slot_mapping)
         self.block_tables[:batch, :width].copy_(meta.decode_block_tables)
         self.context_lens[:batch].copy_(meta.decode_context_lens)
-        if self.lora_step is not None:
-            mapping = self.lora_step.mapping
-            if mapping is not None and mapping.slot_of is not None:
-                self.lora_slots[:batch].copy_(mapping.slot_of)
-            else:
-                self.lora_slots[:batch].fill_(-1)
-            self.lora_slots[batch:padded].fill_(-1)
+        if self.lora is not None:
+            self.lora.fill(batch, padded)
         if padded > batch:
             self.slot_mapping[batch:padded].fill_(-1)
             self.context_lens[batch:padded].fill_(1)

@@ -281,7 +281,8 @@ class ModelRunner:
                                    self.device, lora_step)
         self.graphs.capture()
         if max_num_batched_tokens and envs.piecewise_graphs():
-            self.piecewise = PiecewiseGraphs(self.model, self.cache.layers, max_num_batched_tokens, self.device)
+            self.piecewise = PiecewiseGraphs(self.model, self.cache.layers, max_num_batched_tokens, self.device,
+                                             lora_step)
             self.piecewise.capture(pool=self.graphs.pool)
 
     @torch.inference_mode()
@@ -301,7 +302,8 @@ class ModelRunner:
         if (self.graphs is not None and not meta.prefills and (not adapted or self.graphs.records_lora)
                 and self.graphs.fits(meta.num_decode_tokens)):
             hidden = self.graphs.run(step.input_ids, step.positions, meta)
-        elif self.piecewise is not None and meta.prefills and not adapted and self.piecewise.fits(len(step.input_ids)):
+        elif (self.piecewise is not None and meta.prefills and (not adapted or self.piecewise.records_lora)
+              and self.piecewise.fits(len(step.input_ids))):
             hidden = self.piecewise.run(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.cache.layers, meta)

@@ -40,13 +40,16 @@ its results into the static buffers), so what its intermediates took returns to 
 private pool for the next capture, and the pool should hold about one large piece's
 intermediates. The pool is the decode graphs' (captured first) when there are any.
 
-Only for tp = 1 and the cuda attention backend (where the decode graphs are captured), never
-for a step with LoRA adapters; gated by ``$RAYPAGED_PIECEWISE_GRAPHS`` (``raypaged.envs``).
+Only for tp = 1 and the cuda attention backend (where the decode graphs are captured); gated by
+``$RAYPAGED_PIECEWISE_GRAPHS`` (``raypaged.envs``). A step with LoRA adapters replays them only
+where the pieces record the BGMV product (``$RAYPAGED_LORA_KERNELS``: each row's slot read from a
+static buffer, ``-1`` for the base model and for padding, as the decode graphs do).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import logging
 import time
@@ -55,6 +58,7 @@ from unittest import mock
 import torch
 
 from raypaged.attention.metadata import AttentionMetadata
+from raypaged.lora.layers import LoRAStep, StaticSlots
 
 logger = logging.getLogger("raypaged")
 
@@ -74,7 +78,9 @@ class PiecewiseGraphs:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_num_batched_tokens: int,
         device: torch.device,
+        lora_step: LoRAStep | None = None,
     ) -> None:
+        """``lora_step``: the LoRA model's step, when the pieces record its BGMV product."""
         self.model = model.model  # LlamaModel: embed_tokens, layers, final_norm
         self.kv_caches = kv_caches
         self.buckets = token_buckets(max_num_batched_tokens)
@@ -86,6 +92,7 @@ class PiecewiseGraphs:
         self.input_ids = torch.zeros(n, **as_long)
         self.positions = torch.zeros(n, **as_long)
         self.slot_mapping = torch.full((n,), -1, **as_long)
+        self.lora = StaticSlots(lora_step, n, device) if lora_step is not None else None
         self.hidden = torch.zeros((n, config.hidden_size), **as_model)  # the last piece's output
         self.residual = torch.zeros((n, config.hidden_size), **as_model)  # the stream from piece to piece
         if self.model.layers:
@@ -108,8 +115,16 @@ class PiecewiseGraphs:
     def fits(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.buckets[-1]
 
+    @property
+    def records_lora(self) -> bool:
+        return self.lora is not None
+
     def _piece(self, tokens: int, index: int) -> None:
         """Piece ``index`` over the first ``tokens`` rows of the static buffers."""
+        with self.lora.recording(tokens) if self.lora is not None else contextlib.nullcontext():
+            self._piece_body(tokens, index)
+
+    def _piece_body(self, tokens: int, index: int) -> None:
         model = self.model
         fused = model.fused_kernels
         residual_buf = self.residual[:tokens]
@@ -183,6 +198,8 @@ class PiecewiseGraphs:
             self.input_ids[num_tokens:bucket].zero_()
             self.positions[num_tokens:bucket].zero_()
             self.slot_mapping[num_tokens:bucket].fill_(-1)
+        if self.lora is not None:
+            self.lora.fill(num_tokens, bucket)
         graphs = self.graphs.get(bucket)
         q, k, v = self.q[:num_tokens], self.k[:num_tokens], self.v[:num_tokens]
         for index in range(self.num_pieces):

@@ -1,6 +1,7 @@
-"""LoRA recorded into the decode CUDA graphs (``$RAYPAGED_LORA_KERNELS``): one graph per batch
-size replays the BGMV product for whatever adapters the step's rows read, against the same
-BGMV mapping run eagerly and the per-slot matmul path."""
+"""LoRA recorded into the CUDA graphs (``$RAYPAGED_LORA_KERNELS``): one decode graph per batch
+size, and one set of pieces per token bucket, replay the BGMV product for whatever adapters the
+step's rows read, against the same BGMV mapping run eagerly and the per-slot matmul path. The
+pieces without graphs, on the CPU: tests/worker/test_piecewise.py."""
 
 import gc
 
@@ -8,13 +9,19 @@ import pytest
 import torch
 
 from raypaged.attention.backend import cuda_backend
-from raypaged.lora.layers import attach_lora
 from raypaged.lora.ops import build_bgmv_mapping, build_lora_mapping
-from raypaged.model.parallel import TensorParallel
 from raypaged.worker.cuda_graphs import DecodeGraphs
+from raypaged.worker.piecewise_graphs import PiecewiseGraphs
 from tests import fused_reference as ref
 from tests.gpu import NEEDS_CUDA_AND_CUPY
-from tests.worker.test_piecewise import new_caches, step_inputs
+from tests.worker.test_piecewise import (
+    MAX_NUM_BATCHED_TOKENS,
+    STEPS,
+    attach_random_lora,
+    lora_slots,
+    new_caches,
+    step_inputs,
+)
 
 pytestmark = NEEDS_CUDA_AND_CUPY
 
@@ -34,13 +41,7 @@ def test_decode_graphs_replay_the_lora_product_for_any_slots():
     device = torch.device("cuda")
     model = ref.random_model(ref.tiny_config("llama"), torch.float32, "cuda")
     model.set_attention_backend(cuda_backend())
-    lora = attach_lora(model, 3, 8, TensorParallel(), torch.float32, device)
-    generator = torch.Generator().manual_seed(3)
-    for linear in lora.linears.values():
-        for slot, rank in ((0, 4), (2, 8)):
-            a_t = torch.randn(linear.target.in_features, rank, generator=generator) / linear.target.in_features ** 0.5
-            b_t = torch.randn(rank, linear.target.out_features, generator=generator) * 0.5
-            linear.set_slot(slot, (a_t.to(device), b_t.to(device)))
+    lora = attach_random_lora(model, device)
     caches = {name: new_caches(model, 7.0, "cuda") for name in ("segments", "bgmv", "graphs", "base")}
     graphs = DecodeGraphs(model, caches["graphs"], 4, 3, device, lora.step)
     graphs.capture()
@@ -63,4 +64,32 @@ def test_decode_graphs_replay_the_lora_product_for_any_slots():
                 torch.testing.assert_close(replayed[1], base[1], rtol=1e-4, atol=1e-4)
                 assert (replayed[0] - base[0]).abs().max() > 1e-2 and (replayed[2] - base[2]).abs().max() > 1e-2
     assert graphs.replays == len(STEP_SLOTS)
-    assert graphs.lora_slots[3].item() == -1  # the padding row reads no adapter
+    assert graphs.lora.slot_of[3].item() == -1  # the padding row reads no adapter
+
+
+def test_piecewise_graphs_replay_the_lora_product_for_any_slots():
+    device = torch.device("cuda")
+    model = ref.random_model(ref.tiny_config("llama"), torch.float32, "cuda")
+    model.set_attention_backend(cuda_backend())
+    lora = attach_random_lora(model, device)
+    caches = {name: new_caches(model, 7.0, "cuda") for name in ("segments", "bgmv", "graphs")}
+    decode = DecodeGraphs(model, caches["graphs"], 4, 3, device, lora.step)
+    decode.capture()
+    graphs = PiecewiseGraphs(model, caches["graphs"], MAX_NUM_BATCHED_TOKENS, device, lora.step)
+    graphs.capture(pool=decode.pool)
+    assert graphs.records_lora and lora.step.mapping is None
+    inputs = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for index, step in enumerate(STEPS):
+            ids, positions, meta = step_inputs(step, inputs, model.config.vocab_size, "cuda")
+            token_slots = lora_slots(index, len(ids))
+            lora.step.mapping = build_lora_mapping(token_slots, device)
+            expected = model(ids, positions, caches["segments"], meta).clone()
+            lora.step.mapping = build_bgmv_mapping(token_slots, device)
+            eager = model(ids, positions, caches["bgmv"], meta).clone()
+            replayed = (graphs if meta.prefills else decode).run(ids, positions, meta).clone()
+            message = lambda m: f"step {index}: {m}"  # noqa: E731
+            torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5, msg=message)
+            torch.testing.assert_close(eager, expected, rtol=1e-4, atol=1e-4, msg=message)
+    assert graphs.replays == sum(1 for step in STEPS if not all(decode for *_, decode in step)) == 4
+    assert decode.replays == 1

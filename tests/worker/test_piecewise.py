@@ -238,3 +238,59 @@ def test_capture_records_every_bucket_and_piece_and_a_step_replays_its_buckets(m
     assert not warm_ups and pieces.replays == len(STEPS)
     for (k1, v1), (k2, v2) in zip(normal_caches, piece_caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def attach_random_lora(model, device: torch.device):
+    """Three LoRA slots on every target of ``model``: random adapters of ranks 4 and 8 in slots 0
+    and 2, slot 1 empty."""
+    from raypaged.lora.layers import attach_lora
+    from raypaged.model.parallel import TensorParallel
+
+    lora = attach_lora(model, 3, 8, TensorParallel(), torch.float32, device)
+    generator = torch.Generator().manual_seed(3)
+    for linear in lora.linears.values():
+        for slot, rank in ((0, 4), (2, 8)):
+            a_t = torch.randn(linear.target.in_features, rank, generator=generator) / linear.target.in_features ** 0.5
+            b_t = torch.randn(rank, linear.target.out_features, generator=generator) * 0.5
+            linear.set_slot(slot, (a_t.to(device), b_t.to(device)))
+    return lora
+
+
+def lora_slots(step_index: int, num_tokens: int) -> list[int | None]:
+    """The slots of step ``step_index``'s tokens: the base model, an empty slot and both adapters, in turn."""
+    return [(None, 0, 1, 2)[(i + step_index) % 4] for i in range(num_tokens)]
+
+
+def test_pieces_recording_lora_give_the_forward_bits_for_any_slots():
+    """With the LoRA product recorded (BGMV, each row's slot read from a static buffer), the pieces
+    over padded buckets equal the forward under the step's BGMV mapping, and the per-slot matmul
+    path within rounding; the padding rows read no adapter."""
+    from raypaged.lora.ops import build_bgmv_mapping, build_lora_mapping
+
+    model = ref.random_model(ref.tiny_config("llama"), torch.float32, "cpu")
+    model.set_attention_backend(TORCH)
+    lora = attach_random_lora(model, torch.device("cpu"))
+    caches = {name: new_caches(model, 0.0) for name in ("bgmv", "segments", "pieces", "base")}
+    pieces = PiecewiseGraphs(model, caches["pieces"], MAX_NUM_BATCHED_TOKENS, torch.device("cpu"), lora.step)
+    assert pieces.records_lora
+    inputs = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for index, step in enumerate(STEPS):
+            ids, positions, meta = step_inputs(step, inputs, model.config.vocab_size)
+            token_slots = lora_slots(index, len(ids))
+            lora.step.mapping = build_lora_mapping(token_slots)
+            by_segments = model(ids, positions, caches["segments"], meta).clone()
+            lora.step.mapping = build_bgmv_mapping(token_slots)
+            expected = model(ids, positions, caches["bgmv"], meta).clone()
+            got = pieces.run(ids, positions, meta)
+            assert torch.equal(got, expected), f"step {index}"
+            torch.testing.assert_close(got, by_segments, rtol=1e-5, atol=1e-5)
+            bucket = next(b for b in pieces.buckets if b >= len(ids))
+            assert pieces.lora.slot_of[:bucket].tolist() == [-1 if s is None else s for s in token_slots] + [-1] * (
+                bucket - len(ids))
+            assert lora.step.mapping.slot_of is not None  # the step's mapping is back after the pieces
+            if index == 0:  # the adapters matter
+                lora.step.mapping = None
+                base = model(ids, positions, caches["base"], meta)
+                adapted = torch.tensor([s in (0, 2) for s in token_slots])
+                assert (got - base).abs().amax(dim=1)[adapted].min() > 1e-2
