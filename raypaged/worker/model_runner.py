@@ -44,7 +44,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    num_blocks: int  # its block table's length; the ids are its row of the runner's BlockTables
     num_computed_tokens: int
     sample_index: int = 0
     lora_int_id: int | None = None
@@ -152,7 +152,7 @@ class ModelRunner:
                 list(new.prompt_token_ids),
                 list(new.output_token_ids),
                 new.sampling_params,
-                list(new.block_ids),
+                len(new.block_ids),
                 new.num_computed_tokens,
                 new.sample_index,
                 new.lora_int_id,
@@ -165,15 +165,13 @@ class ModelRunner:
                 state.output_token_ids.extend(new_tokens)
                 if state.sampled_unsent:  # they come back in the order they were sampled
                     del state.sampled_unsent[:len(new_tokens)]
-            block_ids = state.block_ids
             for index, block_id in cached.replaced_block_ids:
-                block_ids[index] = block_id
                 tables.write(state.row, index, [block_id])
             if cached.num_block_ids is not None:  # blocks of rejected drafts were freed
-                del block_ids[cached.num_block_ids - len(cached.new_block_ids):]
+                state.num_blocks = cached.num_block_ids - len(cached.new_block_ids)
             if cached.new_block_ids:
-                tables.write(state.row, len(block_ids), cached.new_block_ids)
-                block_ids.extend(cached.new_block_ids)
+                tables.write(state.row, state.num_blocks, cached.new_block_ids)
+                state.num_blocks += len(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         for state in self.spec_states:
             state.spec_token_ids = []
@@ -370,7 +368,7 @@ class ModelRunner:
             state = self.requests[request_id]
             if state.num_spec_tokens:
                 context = state.prompt_token_ids + state.output_token_ids + [t.token_id for t in tokens]
-                seqs.append((request_id, context, state.block_ids))
+                seqs.append((request_id, context, self.block_tables.array[state.row, :state.num_blocks].tolist()))
         return self.drafter.propose(seqs) if seqs else {}
 
     def _load_loras(self, loads: list[tuple[int, LoRARequest]]) -> None:

@@ -72,3 +72,19 @@ def test_a_decode_step_has_the_exact_inputs_either_way(max_list_decodes, monkeyp
     assert step.sampled_request_ids == ["a", "b", "c"]
     assert step.meta.prefills == []
     assert all(t.dtype == torch.int64 for t in (step.input_ids, step.positions, step.meta.slot_mapping))
+
+
+def test_each_request_keeps_only_its_table_length_beside_its_row(monkeypatch):
+    """The row is the one copy of the ids: appends, copy-on-write replacements and the freeing of
+    rejected drafts' blocks (a shorter table, then new blocks after it) leave exact rows and lengths."""
+    runner, _ = _runner_after_two_steps(0, monkeypatch)
+    state = {rid: runner.requests[rid] for rid in "abc"}
+    assert {rid: s.num_blocks for rid, s in state.items()} == {"a": 2, "b": 2, "c": 3}
+    row = lambda rid: runner.block_tables.array[state[rid].row, :state[rid].num_blocks].tolist()  # noqa: E731
+    assert (row("a"), row("b"), row("c")) == ([4, 1], [0, 3], [7, 2, 5])
+    runner.update_states(SchedulerOutput(
+        num_scheduled_tokens={"a": 1, "c": 1},
+        cached_requests=[CachedRequestData("a", [50], [8, 9], 6),  # two lookahead blocks
+                         CachedRequestData("c", [51], [11], 10, replaced_block_ids=[(0, 10)], num_block_ids=3)]))
+    assert (row("a"), row("c")) == ([4, 1, 8, 9], [10, 2, 11])  # c: its third block freed, block 11 after the second
+    assert (state["a"].num_blocks, state["c"].num_blocks) == (4, 3)
