@@ -85,9 +85,9 @@ def varlen_prefill() -> bool:
 
 def lora_kernels() -> bool:
     """Whether LoRA steps run the BGMV CUDA kernels (``kernels/lora_bgmv.cu``) where the model is on
-    a CUDA device, with the LoRA product recorded in the decode CUDA graphs: ``$RAYPAGED_LORA_KERNELS``,
-    ``0`` (the default: torch matmuls per active slot, and decode steps with adapters run eagerly)
-    or ``1``."""
+    a CUDA device, with the LoRA product recorded in the CUDA graphs (decode, and piecewise where
+    those are on): ``$RAYPAGED_LORA_KERNELS``, ``0`` (the default: torch matmuls per active slot,
+    and steps with adapters run eagerly) or ``1``."""
     return _switch("RAYPAGED_LORA_KERNELS")
 
 

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
+from raypaged import envs
 from raypaged.lora.config import LoRAConfig
 from raypaged.lora.layers import LoRAModel, attach_lora
 from raypaged.lora.layout import read_checked_adapter, shard_adapter
-from raypaged import envs
 from raypaged.lora.ops import build_bgmv_mapping, build_lora_mapping
 from raypaged.lora.request import LoRARequest
 from raypaged.model.llama import LlamaForCausalLM
@@ -36,7 +36,7 @@ class LoRAManager:
         self.device = device
         self.dtype = dtype
         self.lora_model: LoRAModel = attach_lora(model, config.max_loras, config.max_lora_rank, tp, dtype, device)
-        # BGMV mappings: the CUDA kernels, and a LoRA product the decode CUDA graphs can record
+        # BGMV mappings: the CUDA kernels, and a LoRA product the CUDA graphs can record
         self.bgmv = envs.lora_kernels() and device.type == "cuda"
         self._cpu_cache: OrderedDict[tuple[int, str], ShardedAdapter] = OrderedDict()  # by (id, path)
 
