@@ -22,7 +22,7 @@ protos: install
 	$(PY) -m raypaged.serving.protogen
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py --quick
