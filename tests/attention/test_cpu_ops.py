@@ -1,0 +1,146 @@
+"""The CPU decode kernel (``cpu_decode.c`` through ``cpu_ops``) against the torch path it replaces, its
+argument checks and exact errors, its build (cache key, missing or failing compiler) and its thread pool."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from raypaged.attention import cpu_ops, torch_ops
+
+# SmolLM2's attention shape: 9 query heads over 3 KV heads of 64
+NUM_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 400, 9, 3, 64
+
+
+def random_step(seed, lens, block_size=16, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
+    """A cache of stale garbage, shuffled block tables wide enough for the longest context (padded with
+    block 0) and the query as the model has it: a strided view of its fused qkv rows."""
+    gen = torch.Generator().manual_seed(seed)
+    key_cache = torch.randn(NUM_BLOCKS, num_kv_heads, block_size, head_dim, generator=gen) * 3
+    value_cache = torch.randn(NUM_BLOCKS, num_kv_heads, block_size, head_dim, generator=gen)
+    lens = torch.tensor(lens, dtype=torch.long)
+    width = int(-(-lens.max() // block_size))
+    ids = torch.randperm(NUM_BLOCKS, generator=gen)
+    tables, taken = torch.zeros(len(lens), width, dtype=torch.long), 0
+    for row, length in enumerate(lens.tolist()):
+        used = -(-length // block_size)
+        tables[row, :used] = ids[taken:taken + used]
+        taken += used
+    qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    query = qkv[:, :num_heads * head_dim].view(len(lens), num_heads, head_dim)
+    return query, key_cache, value_cache, tables, lens
+
+
+@pytest.mark.parametrize(
+    ("lens", "block_size"),
+    [
+        ([1, 2, 15, 16, 17, 100, 250], 16),  # one token, partial and whole blocks
+        ([511, 512, 513, 1300], 16),  # around the 512-token partition and a 3-partition sequence
+        ([7, 33, 900], 8),
+        ([5, 64, 130], 32),
+    ],
+)
+def test_decode_equals_the_torch_path(lens, block_size):
+    query, key_cache, value_cache, tables, lens = random_step(len(lens) + block_size, lens, block_size)
+    expected = torch_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    assert out.shape == expected.shape and out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (8, 1, 64), (12, 2, 128), (6, 3, 20)])
+def test_decode_head_layouts(num_heads, num_kv_heads, head_dim):
+    """Multi-head, one KV head for eight, a head of 128, and a head size with no 8-wide path (scalar loops)."""
+    query, key_cache, value_cache, tables, lens = random_step(3, [3, 40, 600], 16, num_heads, num_kv_heads, head_dim)
+    expected = torch_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_decode_is_the_same_on_one_thread_and_two():
+    """Each work item is computed whole by one thread: the result does not depend on the thread count."""
+    query, key_cache, value_cache, tables, lens = random_step(4, [1, 90, 700, 1500, 30], 16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_decode_reads_only_the_blocks_in_use():
+    """Block-table padding past a context (here an id far outside the cache) is never read, and
+    garbage in the unused slots of a context's last block changes nothing."""
+    query, key_cache, value_cache, tables, lens = random_step(5, [20, 3], 16)
+    expected = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    tables[1, 1] = 10**9
+    key_cache[tables[0, 1], :, 4:] = float("nan")
+    value_cache[tables[1, 0], :, 3:] = float("inf")
+    assert torch.equal(cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125), expected)
+
+
+def test_decode_errors():
+    query, key_cache, value_cache, tables, lens = random_step(6, [20, 40], 16)
+    decode = cpu_ops.paged_attention_decode
+    with pytest.raises(ValueError, match=r"^a context length \(40\) is beyond its block table \(2 blocks of 16\)$"):
+        decode(query, key_cache, value_cache, tables[:, :2], lens, 0.125)
+    bad = tables.clone()
+    bad[1, 2] = NUM_BLOCKS
+    with pytest.raises(ValueError, match=r"^a block table holds a block id outside the cache's 400 blocks$"):
+        decode(query, key_cache, value_cache, bad, lens, 0.125)
+    bad[1, 2] = -1
+    with pytest.raises(ValueError, match=r"^a block table holds a block id outside the cache's 400 blocks$"):
+        decode(query, key_cache, value_cache, bad, lens, 0.125)
+    with pytest.raises(ValueError, match=r"^the CPU decode kernel reads float32, got query torch.bfloat16, cache "
+                                         r"torch.float32$"):
+        decode(query.bfloat16(), key_cache, value_cache, tables, lens, 0.125)
+    with pytest.raises(ValueError, match=r"^query \(2, 9, 64\) does not fit caches \(400, 2, 16, 64\)"):
+        decode(query, key_cache[:, :2].contiguous(), value_cache[:, :2].contiguous(), tables, lens, 0.125)
+    with pytest.raises(ValueError, match="^the CPU decode kernel needs contiguous caches"):
+        decode(query, key_cache.transpose(2, 3).contiguous().transpose(2, 3), value_cache, tables, lens, 0.125)
+    with pytest.raises(ValueError, match="^block tables and context lengths must be long, got torch.int32"):
+        decode(query, key_cache, value_cache, tables.int(), lens, 0.125)
+    with pytest.raises(ValueError, match=r"^2 queries but block tables \(1, 3\) and context lengths \(2,\)$"):
+        decode(query, key_cache, value_cache, tables[:1], lens, 0.125)
+
+
+def test_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch):
+    """A fresh cache folder gets one built library; a second process finds it there and builds nothing."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path))
+    script = ("from raypaged.attention import cpu_ops; import os; lib = cpu_ops.library(); "
+              "print(sorted(os.listdir(os.path.join(os.environ['RAYPAGED_CACHE_DIR'], 'cpu_kernels'))))")
+    first = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    built = list((tmp_path / "cpu_kernels").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("cpu_decode-") and built[0].suffix == ".so"
+    mtime = built[0].stat().st_mtime_ns
+    second = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert first == second == f"{[built[0].name]}\n" and built[0].stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize(("cc", "reason"), [
+    ("no-such-compiler", "^no C compiler found \\(set \\$CC, or install gcc\\)$"),
+    ("false", "^false failed to build cpu_decode.c: $"),
+])
+def test_without_a_working_compiler_the_reason_is_given(tmp_path, monkeypatch, cc, reason):
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", cc)
+    cpu_ops.library.cache_clear()
+    try:
+        assert cpu_ops.unavailable_reason() is not None
+        with pytest.raises(cpu_ops.KernelUnavailable, match=reason):
+            cpu_ops.library()
+        assert not list((tmp_path / "cpu_kernels").glob("*.so")) if (tmp_path / "cpu_kernels").exists() else True
+    finally:
+        cpu_ops.library.cache_clear()
+
+
+def test_the_kernel_shares_torchs_openmp_runtime():
+    """Loading the kernel maps no second OpenMP runtime: one libgomp, torch's, serves both."""
+    cpu_ops.library()
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "gomp" in line.rsplit("/", 1)[-1]}
+    assert len(runtimes) == 1 and next(iter(runtimes)).startswith(torch.__path__[0]), runtimes
