@@ -120,8 +120,9 @@ def bench_raypaged(model_dir: Path, prompts: Prompts, tp: int,
                    args: argparse.Namespace) -> tuple[SystemResult, Prompts]:
     from raypaged import LLM, SamplingParams
 
+    # no prefix caching: a repeat would find the previous run's prompts cached and skip their prefill
     llm = LLM(model=str(model_dir), dtype="float32", device=args.device, kv_cache_space=args.kv_cache_gib / tp,
-              tensor_parallel_size=tp, attention_backend=args.attention_backend)
+              tensor_parallel_size=tp, attention_backend=args.attention_backend, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     executor = llm.llm_engine.executor
 
@@ -198,10 +199,13 @@ def bench_hf(model: torch.nn.Module, prompts: Prompts, batch_size: int, system: 
 
 
 def matmul_gflops(m: int, k: int, n: int, min_seconds: float = 0.5) -> float:
-    """[m x k] @ [k x n] through the model's own linear (``raypaged.model.layers.linear``: oneDNN for fp32 on CPU)."""
-    from raypaged.model.layers import linear
+    """[m x k] @ [k x n] through the model's own linear (``raypaged.model.layers.linear``: oneDNN for fp32 on CPU,
+    on a weight packed as the loader packs the model's)."""
+    from raypaged.model.layers import linear, pack_weight, packs_weights
 
     x, weight = torch.randn(m, k), torch.randn(n, k)
+    if packs_weights(x.dtype, x.device):
+        weight = pack_weight(weight)
     linear(x, weight)  # warm-up
     iters, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < min_seconds:

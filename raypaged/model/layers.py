@@ -13,13 +13,32 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # oneDNN's fp32 GEMM against F.linear's (MKL sgemm) on a 2-core AVX-512 AMD EPYC, SmolLM2's projections
 # and LM head: about 2x faster from 32 rows, 1.1-3.7x from 8; at 1-2 rows within 10 us either way
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_PACK_ROWS_HINT = 32  # oneDNN's expected row count when packing; any hint but 1 measured the same from 2 rows up
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; fp32 on the CPU runs through oneDNN (same result within fp32 rounding)."""
+    """``F.linear``; fp32 on the CPU runs through oneDNN (same result within fp32 rounding), whose
+    weight may be the blocked one of :func:`pack_weight`."""
     if _ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu":
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`linear` runs a model of ``dtype`` on ``device`` through oneDNN, which then takes
+    its weights pre-packed."""
+    return _ONEDNN_LINEAR and dtype == torch.float32 and device.type == "cpu"
+
+
+def pack_weight(weight: torch.Tensor) -> nn.Parameter:
+    """An fp32 CPU weight ``[out, in]`` in oneDNN's blocked layout, for :func:`linear`.
+
+    Packed once at load instead of reordered inside every call: on 2 AVX-512 cores SmolLM2's
+    projections run 1.3-1.8x faster at 32 rows and 2-2.7x at 8 (no faster at 1). The products are
+    bit-identical to the plain weight's from 2 rows up. ``weight.to_dense()`` gives the weight back.
+    """
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
+    return nn.Parameter(packed, requires_grad=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # x: [..., hidden]
@@ -110,6 +129,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def pack(self) -> None:
+        """The weight in oneDNN's layout (:func:`pack_weight`); after loading, on a CPU in fp32."""
+        self.weight = pack_weight(self.weight)
 
     def load_part(self, name: str, tensor: torch.Tensor, first_row: int, offset: int, num_rows: int) -> None:
         """Checkpoint rows ``first_row:first_row+num_rows`` of ``name`` (weight or bias) go to rows ``offset:``."""

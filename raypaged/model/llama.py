@@ -29,7 +29,7 @@ from transformers import PretrainedConfig
 from raypaged import envs, kernels
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.attention.backend import TORCH, AttentionBackend
-from raypaged.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from raypaged.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
 from raypaged.quantization.base import QuantizationConfig
 from raypaged.quantization.linear import QuantLinear, build_linear
@@ -287,6 +287,16 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.attn_backend = backend
         self.model.fused_kernels = backend.name == "cuda" and envs.fused_kernels()
+
+    def pack_weights(self) -> None:
+        """Every float linear's weight, the LM head's too, in oneDNN's layout (after loading; fp32 on a CPU)."""
+        for module in self.modules():
+            if isinstance(module, (Linear, RowParallelLinear)):
+                module.pack()
+        if self.lm_head is None:
+            self.model.embed_tokens.pack_head(tied=True)
+        else:
+            self.lm_head.pack_head(tied=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
+from raypaged.model.layers import packs_weights
 from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.parallel import TensorParallel
 from raypaged.quantization.base import QuantizationConfig
@@ -43,21 +44,28 @@ def load_model(
     7B-shaped model is ready in seconds for benchmarks; quantized layers then quantize them as
     ``quant_config`` does online (fp8 only: other schemes need their checkpoint's tensors).
     ``quant_config``: the projections' scheme; their quantized tensors keep their own dtypes.
+    An fp32 model on a CPU ends with its float linears' weights packed for oneDNN (``pack_weights``).
     """
     with torch.device(device):
         model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config)
-    if load_format != "dummy":
+    if load_format == "dummy":
+        fill_dummy(model, dtype, device, seed + tp.rank)
+    else:
         model.load_weights(iter_checkpoint(model_path))
         cast_model(model, dtype)
-        finish_loading(model)
-        return model.eval()
+    finish_loading(model)
+    if packs_weights(dtype, device):
+        model.pack_weights()
+    return model.eval()
+
+
+def fill_dummy(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, seed: int) -> None:
+    """Every weight drawn uniformly from [-1e-3, 1e-3] (norm weights are 1) in ``dtype``."""
     cast_model(model, dtype)
-    generator = torch.Generator(device=device).manual_seed(seed + tp.rank)
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
                 param.uniform_(-1e-3, 1e-3, generator=generator)
-    finish_loading(model)
-    return model.eval()

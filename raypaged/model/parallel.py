@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raypaged.model.layers import linear
+from raypaged.model.layers import linear, pack_weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,10 @@ class RowParallelLinear(nn.Module):
         """This rank's share of ``y``, before the all-reduce (a LoRA term may be added to it first)."""
         return linear(x, self.weight)
 
+    def pack(self) -> None:
+        """The weight in oneDNN's layout (:func:`pack_weight`); after loading, on a CPU in fp32."""
+        self.weight = pack_weight(self.weight)
+
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The ranks' shares summed, plus the bias once."""
         y = self.tp.all_reduce(y)
@@ -98,6 +102,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.vocab_start, num_rows = vocab_shard(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(num_rows, hidden_size))
+        self.head_weight: torch.Tensor | None = None  # the LM head's own packed copy of a tied weight (pack_head)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         if self.tp.size == 1:
@@ -113,5 +118,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
         """The LM head (tied, or one of its own sharded the same way): gathered from every rank."""
-        local = linear(hidden, self.weight)  # [num_seqs, vocab / size]
+        weight = self.weight if self.head_weight is None else self.head_weight
+        local = linear(hidden, weight)  # [num_seqs, vocab / size]
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
+
+    def pack_head(self, tied: bool) -> None:
+        """The LM head's weight in oneDNN's layout (:func:`pack_weight`), after loading, on a CPU in fp32;
+        ``tied``: the embedding still looks its rows up, so the packed head is a copy beside them."""
+        if tied:
+            self.head_weight = pack_weight(self.weight)
+        else:
+            self.weight = pack_weight(self.weight)
