@@ -11,6 +11,11 @@
  * blocks) is split so that few long sequences still use every thread; its partitions keep
  * their running max, sum and unnormalized output, and a second pass combines them.
  *
+ * Blocks lie anywhere in the pool, a few KiB each, so the hardware prefetcher loses the stream at
+ * every block: a work item asks for all its K rows before the first dot product and for each
+ * block's V rows while it scores that block's K (from a 1 GiB pool on 2 AVX-512 EPYC cores, 11.7
+ * -> 15.1 GB/s on 4 KiB pages, 14 -> 20.6 GB/s on the huge pages the worker gives the CPU cache).
+ *
  * Built by raypaged.attention.cpu_ops with the host's compiler and OpenMP (torch's own libgomp,
  * so both share one thread pool).
  */
@@ -88,6 +93,21 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *p, 
 #define VECTOR_PATH 0
 #endif
 
+/* Asks for the bytes [p, p + bytes) ahead of use: a block's rows lie 4 KiB or so apart from the
+ * next block's, beyond where the hardware prefetcher follows a stream. */
+static inline void prefetch(const float *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
+}
+
+/* The tokens from pos to the end of its block or at end, whichever is first; *row: where the first
+ * one's row of KV head `head` lies in a cache (in floats). */
+static inline int64_t block_run(const int64_t *table, int64_t pos, int64_t end, int64_t head, int64_t num_kv_heads,
+                                int64_t block_size, int64_t D, int64_t *row) {
+    int64_t block = table[pos / block_size], offset = pos % block_size;
+    *row = ((block * num_kv_heads + head) * block_size + offset) * D;
+    return block_size - offset < end - pos ? block_size - offset : end - pos;
+}
+
 /* One work item: G query heads over tokens [start, end) of one sequence. Writes the partition's
  * max and sum per head (stats[2 * g], stats[2 * g + 1]) and its unnormalized output acc[g * D ..]. */
 static void attend_partition(const float *q, int64_t G, int64_t D, const float *k_cache, const float *v_cache,
@@ -95,10 +115,15 @@ static void attend_partition(const float *q, int64_t G, int64_t D, const float *
                              int64_t start, int64_t end, float scale, float *scores, float *acc, float *stats) {
     const int64_t n = end - start;
     const int vector = VECTOR_PATH && D % 8 == 0;
-    for (int64_t pos = start; pos < end;) {
-        int64_t block = table[pos / block_size], offset = pos % block_size;
-        int64_t run = block_size - offset < end - pos ? block_size - offset : end - pos;
-        const float *rows = k_cache + ((block * num_kv_heads + head) * block_size + offset) * D;
+    int64_t run, row;
+    for (int64_t pos = start; pos < end; pos += run) { /* every K row of the partition asked for at once */
+        run = block_run(table, pos, end, head, num_kv_heads, block_size, D, &row);
+        prefetch(k_cache + row, sizeof(float) * run * D);
+    }
+    for (int64_t pos = start; pos < end; pos += run) {
+        run = block_run(table, pos, end, head, num_kv_heads, block_size, D, &row);
+        const float *rows = k_cache + row;
+        prefetch(v_cache + row, sizeof(float) * run * D);
         int64_t t = 0;
 #if VECTOR_PATH
         if (vector)
@@ -114,7 +139,6 @@ static void attend_partition(const float *q, int64_t G, int64_t D, const float *
                 scores[g * n + pos - start + t] = dot * scale;
             }
         }
-        pos += run;
     }
     for (int64_t g = 0; g < G; ++g) {
         float *s = scores + g * n, max = -FLT_MAX, sum = 0.0f;
@@ -128,10 +152,9 @@ static void attend_partition(const float *q, int64_t G, int64_t D, const float *
         stats[2 * g + 1] = sum;
     }
     memset(acc, 0, sizeof(float) * G * D);
-    for (int64_t pos = start; pos < end;) {
-        int64_t block = table[pos / block_size], offset = pos % block_size;
-        int64_t run = block_size - offset < end - pos ? block_size - offset : end - pos;
-        const float *rows = v_cache + ((block * num_kv_heads + head) * block_size + offset) * D;
+    for (int64_t pos = start; pos < end; pos += run) {
+        run = block_run(table, pos, end, head, num_kv_heads, block_size, D, &row);
+        const float *rows = v_cache + row;
         const float *p = scores + pos - start;
 #if VECTOR_PATH
         if (vector) {
@@ -143,7 +166,6 @@ static void attend_partition(const float *q, int64_t G, int64_t D, const float *
                 case 1: weighted_rows(p + g * n, n, rows, run, D, acc + g * D, 1); break;
                 default: break;
             }
-            pos += run;
             continue;
         }
 #endif
@@ -155,7 +177,6 @@ static void attend_partition(const float *q, int64_t G, int64_t D, const float *
                 for (int64_t d = 0; d < D; ++d) a[d] += pg * v[d];
             }
         }
-        pos += run;
     }
 }
 

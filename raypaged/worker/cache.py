@@ -7,6 +7,7 @@ import itertools
 import torch
 
 from raypaged.core.outputs import BlockOp, BlockOpKind
+from raypaged.worker.host_memory import zeros_on_huge_pages
 
 
 class KVCache:
@@ -26,7 +27,11 @@ class KVCache:
         """``use_kernels``: block copies and swaps run as the ``copy_blocks`` CUDA kernel, one launch
         per run of same-kind ops, reading and writing pinned host blocks directly."""
         # zeros: masked-out slots of a partly filled block are read (weight 0) and must be finite
-        self.device_blocks = torch.zeros((num_layers, 2, num_blocks, *block_shape), dtype=dtype, device=device)
+        shape = (num_layers, 2, num_blocks, *block_shape)
+        if device.type == "cpu":  # attention reads scattered blocks: fewer TLB misses on huge pages
+            self.device_blocks = zeros_on_huge_pages(shape, dtype)
+        else:
+            self.device_blocks = torch.zeros(shape, dtype=dtype, device=device)
         self.cpu_blocks = torch.empty(
             (num_layers, 2, num_cpu_blocks, *block_shape), dtype=dtype, pin_memory=device.type == "cuda"
         )
