@@ -9,13 +9,14 @@ import torch
 from transformers import LlamaConfig, Qwen3Config
 
 from raypaged.attention import torch_ops
-from raypaged.attention.backend import TORCH, AttentionBackend
+from raypaged.attention.backend import TORCH, AttentionBackend, FusedOps
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.model.layers import add_rms_norm, apply_rotary_, rms_norm, silu_and_mul
 from raypaged.model.llama import LlamaForCausalLM
 
-__all__ = ["BLOCK_SIZE", "fused_add_rms_norm", "fused_torch_backend", "random_model", "rms_norm", "rotary_and_cache",
-           "run_steps", "silu_and_mul", "tiny_config"]  # rms_norm, silu_and_mul: layers' own functions
+__all__ = ["BLOCK_SIZE", "REFERENCE_OPS", "counting", "fused_add_rms_norm", "fused_torch_backend", "random_model",
+           "rms_norm", "rotary_and_cache", "run_steps", "silu_and_mul",
+           "tiny_config"]  # rms_norm, silu_and_mul: layers' own functions
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -34,9 +35,24 @@ def rotary_and_cache(positions, query, key, value, cos_sin, key_cache, value_cac
     torch_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
-def fused_torch_backend() -> AttentionBackend:
-    """The torch attention under the CUDA backend's name: the model takes its fused path."""
-    return dataclasses.replace(TORCH, name="cuda")
+REFERENCE_OPS = FusedOps(rms_norm, fused_add_rms_norm, silu_and_mul, rotary_and_cache)
+
+
+def fused_torch_backend(ops: FusedOps = REFERENCE_OPS) -> AttentionBackend:
+    """The torch attention bringing ``ops`` (by default the fused ops' torch references): the model
+    takes its fused path."""
+    return dataclasses.replace(TORCH, fused_ops=ops)
+
+
+def counting(ops: FusedOps, calls: dict[str, int]) -> FusedOps:
+    """``ops`` with each call counted in ``calls`` (by op name)."""
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return getattr(ops, name)(*args, **kwargs)
+        return call
+
+    return FusedOps(*(counted(field.name) for field in dataclasses.fields(FusedOps)))
 
 
 # --- a tiny model and four steps: two fresh prompts, a chunk over its cached context, decodes ----------
@@ -100,12 +116,10 @@ def _step_meta(step, device: str) -> tuple[torch.Tensor, AttentionMetadata]:
 
 
 def run_steps(model: LlamaForCausalLM, backend: AttentionBackend, device: str,
-              fused: bool | None = None) -> tuple[list[torch.Tensor], list]:
-    """Each step's hidden states and the caches after the last, through ``backend``; ``fused``
-    overrides the path the backend selects (the CUDA attention kernels under the plain path)."""
-    model.set_attention_backend(backend)
-    if fused is not None:
-        model.model.fused_kernels = fused
+              plain: bool = False) -> tuple[list[torch.Tensor], list]:
+    """Each step's hidden states and the caches after the last, through ``backend``; ``plain``: on the
+    plain path whatever fused ops the backend brings (its attention alone)."""
+    model.set_attention_backend(dataclasses.replace(backend, fused_ops=None) if plain else backend)
     dtype = model.model.norm.weight.dtype
     attn = model.model.layers[0].self_attn
     shape = (NUM_BLOCKS, attn.num_kv_heads, BLOCK_SIZE, attn.head_dim)

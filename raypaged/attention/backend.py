@@ -10,7 +10,8 @@ them in one call that reads each span's context through its block table, its own
 this step included (written just before); without one (torch, the reference), each span on
 its own, a span with nothing cached before it (a whole prompt) over its fresh K/V, with no
 gather from the cache. The ``cpu`` backend is torch's but for decode, which reads the cache
-through the block tables in C (``cpu_ops``) instead of gathering it. A step whose spans do
+through the block tables in C (``cpu_ops``) instead of gathering it, and it brings the C versions
+of the model step's fused elementwise ops (``FusedOps``; the CUDA ones with ``$RAYPAGED_FUSED_KERNELS``). A step whose spans do
 not form one packed batch with covering block tables (see ``build_varlen_prefill``) takes
 the per-span path on CUDA too.
 """
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from raypaged import envs
-from raypaged.attention import cpu_ops, torch_ops
+from raypaged.attention import cpu_fused, cpu_ops, torch_ops
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.kernels.checks import BLOCK_SIZES as CUDA_BLOCK_SIZES
 from raypaged.kernels.checks import HEAD_SIZES as CUDA_HEAD_SIZES
@@ -33,6 +34,22 @@ from raypaged.kernels.checks import HEAD_SIZES as CUDA_HEAD_SIZES
 logger = logging.getLogger("raypaged")
 
 BACKENDS = ("auto", "torch", "cpu", "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class FusedOps:
+    """The fused path's elementwise step ops on one device, with the contracts of
+    ``raypaged.kernels.fused_ops`` (CUDA) and ``raypaged.attention.cpu_fused`` (CPU): the input and
+    post-attention norms with their residual adds, SiLU-and-multiply, rotary with the K/V cache write."""
+
+    rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps) -> normed copy
+    fused_add_rms_norm: Callable[..., None]  # (x, residual, weight, eps): residual += x; x = norm(residual)
+    silu_and_mul: Callable[..., torch.Tensor]  # (x [tokens, 2d]) -> [tokens, d]
+    rotary_and_cache: Callable[..., None]  # (positions, q, k, v, cos_sin, key_cache, value_cache, slot_mapping)
+
+
+CPU_FUSED = FusedOps(cpu_fused.rms_norm, cpu_fused.fused_add_rms_norm, cpu_fused.silu_and_mul,
+                     cpu_fused.rotary_and_cache)
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,7 @@ class AttentionBackend:
     # (query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, scale, max_query_len, out=):
     # every prefill span of a step in one call; None: the per-span loop
     varlen_prefill: Callable[..., torch.Tensor] | None = None
+    fused_ops: FusedOps | None = None  # the model step's fused elementwise ops on this device; None: plain torch
 
     def forward(
         self,
@@ -104,7 +122,7 @@ TORCH = AttentionBackend(
 )
 
 CPU = AttentionBackend("cpu", torch_ops.reshape_and_cache, cpu_ops.paged_attention_decode,
-                       torch_ops.paged_attention_prefill)
+                       torch_ops.paged_attention_prefill, fused_ops=CPU_FUSED)
 
 
 def cuda_backend() -> AttentionBackend:
@@ -114,9 +132,11 @@ def cuda_backend() -> AttentionBackend:
         # the model's q is a view of its fused qkv rows (strided); the decode kernel reads packed rows
         return kernels.paged_attention_decode(query.contiguous(), *args)
 
+    fused = FusedOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.silu_and_mul, kernels.rotary_and_cache)
     return AttentionBackend(
         "cuda", kernels.reshape_and_cache, decode, kernels.paged_attention_prefill,
         kernels.paged_prefill_attention if envs.varlen_prefill() else None,
+        fused if envs.fused_kernels() else None,
     )
 
 

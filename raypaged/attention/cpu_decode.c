@@ -24,25 +24,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PARTITION_TOKENS 512
+#include "cpu_exp.h"
 
-/* exp(x) for x <= 0 by range reduction and the Cephes single-precision polynomial (about 1 ulp),
- * written so that a loop over it vectorizes. */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f;
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale_bits;
-    scale_bits.i = ((int32_t)n + 127) << 23;
-    return y * scale_bits.f;
-}
+#define PARTITION_TOKENS 512
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

@@ -1,4 +1,5 @@
-"""Paged decode attention on CPU without a gather copy: ``cpu_decode.c``, built with the host's C compiler.
+"""Paged decode attention on CPU without a gather copy: ``cpu_decode.c``, built with the host's C compiler
+into one library with the fused step ops of ``cpu_fused.c`` (wrapped by ``cpu_fused``).
 
 The torch path (``torch_ops.paged_attention_decode``) copies every sequence's K/V blocks into a
 dense tensor before SDPA, so each cached token is read, written and read again. The C kernel reads
@@ -31,12 +32,19 @@ from raypaged import envs
 
 logger = logging.getLogger("raypaged")
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_fused.c"))
+HEADERS = (Path(__file__).with_name("cpu_exp.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC")
-_SYMBOL = "raypaged_paged_decode_f32"
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-             ctypes.c_float, ctypes.c_int)
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {  # symbol: (argument types, result type)
+    "raypaged_paged_decode_f32": ((_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                                   _I64, _I64, _F32, _INT), _INT),
+    "raypaged_rms_norm_f32": ((_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT), None),
+    "raypaged_fused_add_rms_norm_f32": ((_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT), None),
+    "raypaged_silu_and_mul_f32": ((_PTR, _PTR, _I64, _I64, _INT), None),
+    "raypaged_rotary_and_cache_f32": ((_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR,
+                                       _I64, _I64, _I64, _I64, _I64, _INT), _INT),
+}
 
 
 class KernelUnavailable(RuntimeError):
@@ -66,9 +74,11 @@ def _build(cc: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        result = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
+                                timeout=300)
         if result.returncode != 0:
-            raise KernelUnavailable(f"{Path(cc).name} failed to build {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+            names = " and ".join(source.name for source in SOURCES)
+            raise KernelUnavailable(f"{Path(cc).name} failed to build {names}: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -85,17 +95,19 @@ def library() -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"{cc} --version failed: {e}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_identity()]).encode()).hexdigest()
-    target = envs.cache_dir() / "cpu_kernels" / f"cpu_decode-{key[:16]}.so"
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_identity()]).encode()).hexdigest()
+    target = envs.cache_dir() / "cpu_kernels" / f"cpu_kernels-{key[:16]}.so"
     if not target.exists():
-        logger.info("building the CPU paged-attention kernel with %s into %s", cc, target)
+        logger.info("building the CPU kernels (paged decode attention, fused step ops) with %s into %s", cc, target)
         _build(cc, target)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {target}: {e}") from e
-    fn = getattr(lib, _SYMBOL)
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    for symbol, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, symbol)
+        fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 

@@ -7,11 +7,12 @@ share of gate/up and down, and its slice of the vocabulary; ``load_weights``
 takes only that share of every checkpoint tensor. Qwen3's per-head q/k norms
 (``head_dim`` weights) are the same on every rank: each holds them whole.
 
-With the CUDA attention backend (and ``$RAYPAGED_FUSED_KERNELS``) the step takes the fused
-path: the norms, residual adds, SiLU-mul and rotary (with the K/V cache write) are the kernels of
-``raypaged.kernels.fused_ops``, and the residual stream is carried beside each layer's output so
-that the add and the next norm are one pass. The values are those of the plain path (the CPU
-one). Each layer is two halves around its attention call, ``pre_attention`` (input norm, QKV,
+With an attention backend that brings fused ops (``AttentionBackend.fused_ops``: the C ones of the
+``cpu`` backend; the CUDA kernels of ``raypaged.kernels.fused_ops`` with ``$RAYPAGED_FUSED_KERNELS``)
+the step takes the fused path: the norms, residual adds, SiLU-mul and rotary (with the K/V cache
+write) are those ops, and the residual stream is carried beside each layer's output so that the add
+and the next norm are one pass. The values are those of the plain path (the torch one) within
+rounding. Each layer is two halves around its attention call, ``pre_attention`` (input norm, QKV,
 q/k norms, rotary, cache write) and ``post_attention`` (o_proj, residual add and norm, MLP), each
 with its plain and fused branch; the forward runs them with the attention between, and so do the
 piecewise CUDA graphs (``raypaged.worker.piecewise_graphs``), which record everything but the
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from raypaged import envs, kernels
+from raypaged.attention.backend import FusedOps
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.attention.backend import TORCH, AttentionBackend
 from raypaged.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
@@ -111,12 +112,12 @@ class LlamaAttention(nn.Module):
 
     def pre_attention(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, slot_mapping: torch.Tensor,
-        fused: bool,
+        fused: FusedOps | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Everything before the attention proper, from the normed ``x: [num_tokens, hidden]``: the QKV
         projection, Qwen3's q/k norms, rotary, and this step's K/V written to their slots (a negative
         slot writes nothing). Returns q, k, v (``[num_tokens, heads, head_dim]`` views, q and k
-        rotated). ``fused``: through the CUDA kernels, one launch rotating q and k and writing k and v."""
+        rotated). ``fused``: through those ops, one call rotating q and k and writing k and v."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.shard_sizes, dim=-1)
@@ -124,11 +125,11 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        if fused:
+        if fused is not None:
             if self.q_norm is not None and self.k_norm is not None:
-                q = kernels.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-                k = kernels.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-            kernels.rotary_and_cache(positions, q, k, v, self.rotary.cos_sin, key_cache, value_cache, slot_mapping)
+                q = fused.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+                k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            fused.rotary_and_cache(positions, q, k, v, self.rotary.cos_sin, key_cache, value_cache, slot_mapping)
             return q, k, v
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -168,11 +169,9 @@ class LlamaMLP(nn.Module):
         """(first checkpoint row, offset in ``gate_up_proj``, rows) of gate (0) or up (1) on this rank."""
         return self.first_row, shard * self.intermediate_size, self.intermediate_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:
+        act = silu_and_mul if fused is None else fused.silu_and_mul
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -193,35 +192,35 @@ class LlamaDecoderLayer(nn.Module):
 
     def pre_attention(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: LayerKVCache,
-        slot_mapping: torch.Tensor, fused: bool,
+        slot_mapping: torch.Tensor, fused: FusedOps | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer up to its attention: the input norm, then q, k, v (rotated; K/V in the cache).
         Returns (q, k, v, residual), ``residual`` the stream as :meth:`post_attention` takes it."""
         norm = self.input_layernorm
-        if not fused:
-            return *self.self_attn.pre_attention(positions, norm(x), kv_cache, slot_mapping, False), x
+        if fused is None:
+            return *self.self_attn.pre_attention(positions, norm(x), kv_cache, slot_mapping, None), x
         if residual is None:
-            residual, x = x, kernels.rms_norm(x, norm.weight, norm.eps)
+            residual, x = x, fused.rms_norm(x, norm.weight, norm.eps)
         else:
-            kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps)  # residual += x; x = norm(residual)
-        return *self.self_attn.pre_attention(positions, x, kv_cache, slot_mapping, True), residual
+            fused.fused_add_rms_norm(x, residual, norm.weight, norm.eps)  # residual += x; x = norm(residual)
+        return *self.self_attn.pre_attention(positions, x, kv_cache, slot_mapping, fused), residual
 
     def post_attention(
-        self, attn_out: torch.Tensor, residual: torch.Tensor, fused: bool
+        self, attn_out: torch.Tensor, residual: torch.Tensor, fused: FusedOps | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer after its attention (``attn_out: [num_tokens, num_heads, head_dim]``): o_proj, the
         residual add and norm, the MLP. Returns the (x, residual) the next layer takes."""
         x = self.self_attn.post_attention(attn_out)
         norm = self.post_attention_layernorm
-        if not fused:
+        if fused is None:
             normed, x = norm.add_and_norm(x, residual)  # x: the residual stream after attention
             return self.mlp(normed).add_(x), None
-        kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
-        return self.mlp.forward_fused(x), residual
+        fused.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(x, fused), residual
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: LayerKVCache,
-        meta: AttentionMetadata, fused: bool = False,
+        meta: AttentionMetadata, fused: FusedOps | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q, k, v, residual = self.pre_attention(positions, x, residual, kv_cache, meta.slot_mapping, fused)
         return self.post_attention(self.self_attn.attend(q, k, v, kv_cache, meta), residual, fused)
@@ -237,23 +236,24 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, tp, f"model.layers.{i}", quant_config)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.fused_kernels = False  # the CUDA kernels of raypaged.kernels.fused_ops (set_attention_backend)
+        self.fused_ops: FusedOps | None = None  # the attention backend's (set_attention_backend); None: plain torch
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta, self.fused_kernels)
+            x, residual = layer(positions, x, residual, kv_cache, meta, self.fused_ops)
         return self.final_norm(x, residual)
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The last layer's (x, residual) (see LlamaDecoderLayer) through the final norm."""
-        if not self.fused_kernels:
+        fused = self.fused_ops
+        if fused is None:
             return self.norm(x)
         if residual is None:  # no layers
-            return kernels.rms_norm(x, self.norm.weight, self.norm.eps)
-        kernels.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+            return fused.rms_norm(x, self.norm.weight, self.norm.eps)
+        fused.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
 
 
@@ -281,12 +281,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
-        """The backend's paged attention in every layer; with the CUDA one (a CUDA device, cupy, a
-        cache of the model's dtype) the rest of the step runs the fused kernels too when
-        ``$RAYPAGED_FUSED_KERNELS`` is 1."""
+        """The backend's paged attention in every layer, and its fused step ops (if it brings them) for
+        the rest of the step."""
         for layer in self.model.layers:
             layer.self_attn.attn_backend = backend
-        self.model.fused_kernels = backend.name == "cuda" and envs.fused_kernels()
+        self.model.fused_ops = backend.fused_ops
 
     def pack_weights(self) -> None:
         """Every float linear's weight, the LM head's too, in oneDNN's layout (after loading; fp32 on a CPU)."""

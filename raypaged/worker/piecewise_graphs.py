@@ -126,7 +126,7 @@ class PiecewiseGraphs:
 
     def _piece_body(self, tokens: int, index: int) -> None:
         model = self.model
-        fused = model.fused_kernels
+        fused = model.fused_ops
         residual_buf = self.residual[:tokens]
         if index == 0:
             x, residual = model.embed_tokens(self.input_ids[:tokens]), None

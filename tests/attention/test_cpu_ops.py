@@ -115,7 +115,7 @@ def test_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch)
               "print(sorted(os.listdir(os.path.join(os.environ['RAYPAGED_CACHE_DIR'], 'cpu_kernels'))))")
     first = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     built = list((tmp_path / "cpu_kernels").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("cpu_decode-") and built[0].suffix == ".so"
+    assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
     mtime = built[0].stat().st_mtime_ns
     second = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert first == second == f"{[built[0].name]}\n" and built[0].stat().st_mtime_ns == mtime
@@ -123,7 +123,7 @@ def test_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize(("cc", "reason"), [
     ("no-such-compiler", "^no C compiler found \\(set \\$CC, or install gcc\\)$"),
-    ("false", "^false failed to build cpu_decode.c: $"),
+    ("false", "^false failed to build cpu_decode.c and cpu_fused.c: $"),
 ])
 def test_without_a_working_compiler_the_reason_is_given(tmp_path, monkeypatch, cc, reason):
     monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path))

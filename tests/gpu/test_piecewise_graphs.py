@@ -39,7 +39,7 @@ def test_graph_replay_equals_the_eager_pieces_and_the_forward(architecture, fuse
     device = torch.device("cuda")
     model = ref.random_model(ref.tiny_config(architecture), torch.float32, "cuda")
     model.set_attention_backend(cuda_backend())
-    assert model.model.fused_kernels is (fused == "1")
+    assert (model.model.fused_ops is not None) is (fused == "1")
     caches = {name: new_caches(model, 7.0, "cuda") for name in ("forward", "pieces", "graphs")}
     pieces = PiecewiseGraphs(model, caches["pieces"], MAX_NUM_BATCHED_TOKENS, device)  # never captured: eager
     graphs = PiecewiseGraphs(model, caches["graphs"], MAX_NUM_BATCHED_TOKENS, device)

@@ -1,7 +1,7 @@
 """The piecewise forward (raypaged/worker/piecewise_graphs.py) without graphs, on the CPU: the
 pieces run eagerly over padded token buckets, the attention between them on the real rows.
 It must give the normal forward's bits, hidden states and caches, for the plain path and for
-the fused path (its kernels swapped for their torch references, as in tests/model/test_fused_path.py),
+the fused path (its ops the torch references, as in tests/model/test_fused_path.py),
 and its padding rows must write nothing. The graphs themselves: tests/gpu/test_piecewise_graphs.py."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import contextlib
 import pytest
 import torch
 
-from raypaged import kernels
 from raypaged.attention.backend import TORCH
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
@@ -63,12 +62,6 @@ def new_caches(model, fill: float, device: str = "cpu"):
     return [(torch.full(shape, fill, **like), torch.full(shape, fill, **like)) for _ in model.model.layers]
 
 
-@pytest.fixture
-def torch_kernels(monkeypatch):
-    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache"):
-        monkeypatch.setattr(kernels, name, getattr(ref, name))
-
-
 def test_buckets_are_capped_at_512_and_at_the_step_budget():
     assert token_buckets(8192) == [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
     assert token_buckets(512)[-1] == 512 and len(token_buckets(512)) == 12
@@ -79,10 +72,9 @@ def test_buckets_are_capped_at_512_and_at_the_step_budget():
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
-def test_piecewise_forward_on_padded_buckets_gives_the_forward_bits(architecture, fused, torch_kernels):
+def test_piecewise_forward_on_padded_buckets_gives_the_forward_bits(architecture, fused):
     model = ref.random_model(ref.tiny_config(architecture), torch.float32, "cpu")
     model.set_attention_backend(ref.fused_torch_backend() if fused else TORCH)
-    model.model.fused_kernels = fused
     normal_caches, piece_caches = new_caches(model, 0.0), new_caches(model, 0.0)
     pieces = PiecewiseGraphs(model, piece_caches, MAX_NUM_BATCHED_TOKENS, torch.device("cpu"))
     assert pieces.buckets == [8, 16, 20] and pieces.num_pieces == 3 and not pieces.graphs

@@ -1,0 +1,112 @@
+/* The model step's elementwise work on CPU, fp32, one pass each: the CPU side of the fused path
+ * (raypaged.attention.cpu_fused; the CUDA side is kernels/fused_ops.cu). References:
+ * raypaged.model.layers' rms_norm, add_rms_norm, silu_and_mul and RotaryEmbedding.rotate_
+ * followed by reshape_and_cache.
+ *
+ * At a decode step's sizes torch spends more on dispatching its small ops (about 20 a layer) than
+ * on the arithmetic; at a prefill's the separate passes each stream the activations through
+ * memory. Rows are shared among OpenMP threads (torch's own pool) only when a call has enough
+ * elements to pay for waking them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_exp.h"
+
+#define PARALLEL_ELEMENTS 65536
+
+/* out = w * (x / sqrt(mean(x^2) + eps)) over one row of n */
+static inline void norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t d = 0; d < n; ++d) squares += x[d] * x[d];
+    const float inv = 1.0f / sqrtf(squares / (float)n + eps);
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) out[d] = w[d] * (x[d] * inv);
+}
+
+/* out[r, h] = norm(x[r * row_stride + h * head_stride]) for rows x heads vectors of n, out contiguous */
+void raypaged_rms_norm_f32(const float *x, int64_t row_stride, int64_t head_stride, const float *w, float *out,
+                           int64_t rows, int64_t heads, int64_t n, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * n >= PARALLEL_ELEMENTS) schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < heads; ++h)
+            norm_row(x + r * row_stride + h * head_stride, w, out + (r * heads + h) * n, n, eps);
+}
+
+/* residual += x; x = norm(residual), row by row ([rows, n], contiguous) */
+void raypaged_fused_add_rms_norm_f32(float *x, float *residual, const float *w, int64_t rows, int64_t n, float eps,
+                                     int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_ELEMENTS) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *xr = x + r * n, *res = residual + r * n;
+#pragma omp simd
+        for (int64_t d = 0; d < n; ++d) res[d] += xr[d];
+        norm_row(res, w, xr, n, eps);
+    }
+}
+
+/* out = silu(gate) * up over one row of n, silu(g) = g * sigmoid(g) with sigmoid from exp(-|g|) */
+static inline void silu_mul_row(const float *gate, const float *up, float *out, int64_t n) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) {
+        const float g = gate[d];
+        const float e = exp_nonpositive(-fabsf(g));
+        const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+        out[d] = g * sigmoid * up[d];
+    }
+}
+
+/* out[r] = silu(x[r, :n]) * x[r, n:] */
+void raypaged_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_ELEMENTS) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) silu_mul_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n);
+}
+
+/* x1, x2 (the halves of one head of 2 * half) -> x1 cos - x2 sin, x2 cos + x1 sin, rounded as
+ * RotaryEmbedding.rotate_ rounds them (each product alone, no fused multiply-add) */
+__attribute__((optimize("fp-contract=off"))) static inline void rotate_head(float *x, const float *cos,
+                                                                           const float *sin, int64_t half) {
+    float *x1 = x, *x2 = x + half;
+#pragma omp simd
+    for (int64_t d = 0; d < half; ++d) {
+        const float a = x1[d], b = x2[d], c = cos[d], s = sin[d];
+        const float a_sin = a * s, b_sin = b * s, a_cos = a * c, b_cos = b * c;
+        x1[d] = a_cos - b_sin;
+        x2[d] = b_cos + a_sin;
+    }
+}
+
+/* Rotates q (heads of D at q + t * q_stride) and k in place by each token's position, then writes the
+ * rotated k and v of each token with a slot >= 0 into the caches ([blocks, kv_heads, block_size, D]).
+ * Returns 0; -1 when a position is outside cos_sin ([max_positions, 2, D / 2]); -2 when a slot is
+ * outside the cache. Nothing is written before these checks pass. */
+int raypaged_rotary_and_cache_f32(const int64_t *positions, float *q, int64_t q_stride, float *k, int64_t k_stride,
+                                  const float *v, int64_t v_stride, const float *cos_sin, int64_t max_positions,
+                                  float *k_cache, float *v_cache, int64_t num_blocks, const int64_t *slots,
+                                  int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t block_size,
+                                  int num_threads) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        if (positions[t] < 0 || positions[t] >= max_positions) return -1;
+        if (slots[t] >= num_blocks * block_size) return -2;
+    }
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens * (heads + 2 * kv_heads) * D >= PARALLEL_ELEMENTS) \
+    schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *cos = cos_sin + positions[t] * D, *sin = cos + half;
+        for (int64_t h = 0; h < heads; ++h) rotate_head(q + t * q_stride + h * D, cos, sin, half);
+        float *kt = k + t * k_stride;
+        for (int64_t h = 0; h < kv_heads; ++h) rotate_head(kt + h * D, cos, sin, half);
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t block = slot / block_size, offset = slot % block_size;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            const int64_t row = ((block * kv_heads + h) * block_size + offset) * D;
+            memcpy(k_cache + row, kt + h * D, sizeof(float) * D);
+            memcpy(v_cache + row, v + t * v_stride + h * D, sizeof(float) * D);
+        }
+    }
+    return 0;
+}
