@@ -19,6 +19,7 @@ from raypaged.model.llama import head_dim_of, num_kv_heads_per_rank
 from raypaged.model.loader import load_model
 from raypaged.model.parallel import TensorParallel
 from raypaged.worker.cache import KVCache
+from raypaged.worker.host_memory import retain_freed_memory
 from raypaged.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ class Worker:
             # what this process held before this worker: other engines' memory is not this worker's footprint
             self._torch_baseline = torch.cuda.memory_allocated(self.device)
             self._outside_baseline = self._memory_outside_torch()
+        else:  # a step's activations stay in the heap for the next step instead of being faulted in anew
+            retain_freed_memory()
         self.model = load_model(
             config.model_path, config.hf_config, config.max_model_len, self.dtype, self.device, tp,
             config.load_format, config.seed, config.quant_config,

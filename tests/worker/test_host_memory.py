@@ -1,4 +1,9 @@
-"""The CPU KV cache on transparent huge pages (raypaged.worker.host_memory)."""
+"""Host memory of a CPU worker (raypaged.worker.host_memory): the KV cache on transparent huge pages,
+freed activations kept in the heap."""
+
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -60,3 +65,37 @@ def test_the_cpu_kv_cache_lies_on_huge_pages():
     assert cache.device_blocks.shape == (2, 2, 10, 2, 16, 8)
     assert cache.device_blocks.data_ptr() % HUGE_PAGE_BYTES == 0 and not cache.device_blocks.any()
     assert torch.equal(cache.layers[1][0], cache.device_blocks[1, 0])
+
+
+_HEAP_SCRIPT = """
+import ctypes, resource, sys
+from raypaged.worker.host_memory import retain_freed_memory
+if sys.argv[1] == "retain":
+    assert retain_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, (ctypes.c_void_p,)
+libc.memset.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)
+block = libc.malloc(16 << 20)
+print(bool(ctypes.c_size_t.from_address(block - 8).value & 2))  # glibc's IS_MMAPPED bit of the chunk
+libc.memset(block, 1, 16 << 20)
+libc.free(block)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    block = libc.malloc(16 << 20)
+    libc.memset(block, 1, 16 << 20)
+    libc.free(block)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_freed_activations_stay_in_the_heap_for_the_next_step():
+    """A 16 MiB block (a step's activation) comes from a fresh mapping by default; once freed memory
+    is retained it comes from the heap, and allocating it again after freeing faults in no page."""
+    def run(mode: str) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", _HEAP_SCRIPT, mode], capture_output=True, text=True, check=True)
+        mmapped, faults = out.stdout.split()
+        return mmapped, int(faults)
+
+    assert run("default")[0] == "True"
+    assert run("retain") == ("False", 0)
