@@ -10,7 +10,8 @@ import torch
 
 from raypaged.worker import host_memory
 from raypaged.worker.cache import KVCache
-from raypaged.worker.host_memory import HUGE_PAGE_BYTES, huge_pages_available, zeros_on_huge_pages
+from raypaged.worker.host_memory import (HUGE_PAGE_BYTES, huge_pages_available, retain_freed_memory,
+                                         zeros_on_huge_pages)
 
 needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="transparent huge pages are off on this machine")
 
@@ -41,6 +42,10 @@ def test_zeros_start_on_a_huge_page_and_are_zero(dtype):
 
 @needs_thp
 def test_the_memory_is_backed_by_huge_pages():
+    """Also where malloc keeps freed blocks in the heap (a CPU worker's process): the cache is a fresh
+    mapping, never heap pages already faulted in small."""
+    retain_freed_memory()
+    torch.empty(24 << 20, dtype=torch.uint8).fill_(1)  # heap pages, faulted in small and freed
     tensor = zeros_on_huge_pages((8, HUGE_PAGE_BYTES // 4), torch.float32)  # 16 MiB
     assert _anon_huge_kib(tensor.data_ptr()) >= 8 * HUGE_PAGE_BYTES // 1024 // 2  # most of it, at least
 
@@ -50,10 +55,10 @@ def test_without_huge_pages_it_is_plain_zeros(tmp_path, monkeypatch):
     mode.write_text("always madvise [never]\n")
     monkeypatch.setattr(host_memory, "_THP_MODE", mode)
 
-    def refuse(*args):
-        raise AssertionError("madvise called with huge pages off")
+    def refuse(*args, **kwargs):
+        raise AssertionError("a mapping made with huge pages off")
 
-    monkeypatch.setattr(host_memory, "_madvise", refuse)
+    monkeypatch.setattr(host_memory.mmap, "mmap", refuse)
     assert not huge_pages_available()
     tensor = zeros_on_huge_pages((3, 5), torch.float32)
     assert torch.equal(tensor, torch.zeros(3, 5))
