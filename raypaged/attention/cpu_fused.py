@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from raypaged.attention import cpu_ops
-from raypaged.kernels.checks import LONG, check_contiguous, check_shape, check_tensor
+from raypaged.kernels.checks import LONG, check_contiguous, check_norm_input, check_shape, check_tensor
 
 F32 = (torch.float32,)
 
@@ -32,13 +32,9 @@ def _check_weight(weight: object, hidden: int) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dimension, into a new contiguous tensor.
     ``x``: ``[tokens, hidden]`` or ``[tokens, heads, head_dim]``, its last dimension contiguous."""
-    if isinstance(x, torch.Tensor) and x.dim() not in (2, 3):
-        raise ValueError(f"x must have 2 or 3 dimensions, got shape {tuple(x.shape)}")
-    check_tensor("x", x, F32, x.dim() if isinstance(x, torch.Tensor) else 2)
+    check_norm_input("x", x, F32)
     hidden = x.shape[-1]
     _check_weight(weight, hidden)
-    if x.stride(-1) != 1 and hidden > 1:
-        raise ValueError(f"x must have a contiguous last dimension; got strides {x.stride()}")
     _check_cpu(("x", "weight"), (x, weight))
     out = torch.empty(x.shape, dtype=x.dtype)
     heads = x.shape[1] if x.dim() == 3 else 1
@@ -88,18 +84,13 @@ def _check_rows(name: str, rows: object, tokens: int | None, heads: int | None, 
         raise ValueError(f"{name} must have contiguous [heads, head_dim] rows; got strides {rows.stride()}")
 
 
-def rotary_and_cache(
-    positions: torch.Tensor,  # [tokens] long, each in [0, cos_sin.shape[0])
-    query: torch.Tensor,  # [tokens, num_heads, head_dim], rotated in place; rows may be strided (a view of qkv)
-    key: torch.Tensor,  # [tokens, num_kv_heads, head_dim], rotated in place and written to key_cache
-    value: torch.Tensor,  # [tokens, num_kv_heads, head_dim], written to value_cache
-    cos_sin: torch.Tensor,  # [max_positions, 2, head_dim / 2]: RotaryEmbedding.cos_sin
-    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [tokens] long, negative = skip
-) -> None:
+def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     cos_sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
     """``RotaryEmbedding.rotate_(positions, query, key)``, then ``reshape_and_cache(key, value, key_cache,
-    value_cache, slot_mapping)``, in one pass over the tokens (a negative slot: rotated, not cached)."""
+    value_cache, slot_mapping)``, in one pass over the tokens (a negative slot: rotated, not cached).
+    The arguments' shapes are those of ``raypaged.kernels.fused_ops.rotary_and_cache``; here the token
+    stride of query, key and value is free."""
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_tensor(name, cache, F32, 4)
         check_contiguous(name, cache)

@@ -28,6 +28,16 @@ def check_tensor(name: str, tensor: object, dtypes: Sequence[torch.dtype], ndim:
     return tensor
 
 
+def check_norm_input(name: str, x: object, dtypes: Sequence[torch.dtype]) -> None:
+    """A norm's input: ``[tokens, hidden]`` or ``[tokens, heads, head_dim]``, its last dimension
+    contiguous (the other strides free: a view of a fused qkv)."""
+    if isinstance(x, torch.Tensor) and x.dim() not in (2, 3):
+        raise ValueError(f"{name} must have 2 or 3 dimensions, got shape {tuple(x.shape)}")
+    check_tensor(name, x, dtypes, x.dim() if isinstance(x, torch.Tensor) else 2)
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dimension; got strides {x.stride()}")
+
+
 def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None]) -> None:
     """``expected`` entries of None accept any size."""
     if any(want is not None and got != want for got, want in zip(tensor.shape, expected)):

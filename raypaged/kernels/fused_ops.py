@@ -23,6 +23,7 @@ from raypaged.kernels.checks import (
     check_cache_pair,
     check_contiguous,
     check_cuda,
+    check_norm_input,
     check_same_dtype,
     check_shape,
     check_tensor,
@@ -69,13 +70,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ``x``: ``[tokens, hidden]`` or ``[tokens, heads, head_dim]`` (Qwen3's per-head q/k norm),
     its last dimension contiguous; the other strides are free (a view of a fused qkv).
     """
-    if isinstance(x, torch.Tensor) and x.dim() not in (2, 3):
-        raise ValueError(f"x must have 2 or 3 dimensions, got shape {tuple(x.shape)}")
-    check_tensor("x", x, FLOAT_DTYPES, x.dim() if isinstance(x, torch.Tensor) else 2)
+    check_norm_input("x", x, FLOAT_DTYPES)
     hidden = x.shape[-1]
     _check_weight(weight, x)
-    if x.stride(-1) != 1 and hidden > 1:
-        raise ValueError(f"x must have a contiguous last dimension; got strides {x.stride()}")
     _check_eps(eps)
     device = check_cuda(("x", "weight"), (x, weight))
     out = torch.empty(x.shape, dtype=x.dtype, device=device)

@@ -1,9 +1,9 @@
 """8-bit weights and 8-bit activations: int8 or fp8 e4m3, per-channel weight scales, per-token
 (dynamic) or per-tensor (static) activation scales.
 
-int8 runs through ``torch._int_mm`` (exact int32 accumulation), on this repository's 2-core
-AVX-512-VNNI CPU 2-4x faster than the fp32 oneDNN GEMM at SmolLM2's shapes from 1 to 512 rows
-(benchmarks/results/quant_bench.md). fp8 runs through ``torch._scaled_mm`` on GPUs with fp8 tensor
+int8 runs through ``torch._int_mm`` (exact int32 accumulation), on a 2-core AVX-512-VNNI EPYC
+1.2-1.9x the fp32 oneDNN GEMM on packed weights at SmolLM2's shapes from 32 to 2,048 rows, 0.9x at
+8 (benchmarks/results/quant_bench.md). fp8 runs through ``torch._scaled_mm`` on GPUs with fp8 tensor
 cores (compute capability 8.9+); elsewhere through the dequantize-then-matmul reference.
 """
 
