@@ -1,0 +1,19 @@
+"""The code passes ruff with the settings in pyproject.toml ([tool.ruff])."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed (the test extra)")
+def test_ruff_check_passes():
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "raypaged", "tests", "benchmarks", "deploy"],
+        cwd=REPO, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, f"ruff check failed:\n{result.stdout}{result.stderr}"
