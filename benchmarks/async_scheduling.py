@@ -57,9 +57,9 @@ def main() -> None:
     parser.add_argument("--name", default="async_scheduling", help="results file stem under benchmarks/results/")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    report: dict = {"machine": machine_info(args.threads), "load_average_start": load_average(), "note": CONTENTION_NOTE,
-                    "model": args.model, "num_seqs": args.num_seqs, "max_tokens": args.max_tokens,
-                    "device": args.device}
+    report: dict = {"machine": machine_info(args.threads), "load_average_start": load_average(),
+                    "note": CONTENTION_NOTE, "model": args.model, "num_seqs": args.num_seqs,
+                    "max_tokens": args.max_tokens, "device": args.device}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_model(Path(tmp)) if args.model == "tiny" else default_model_dir()
         prompts = build_prompts(model_dir, args.num_seqs, seed=0, length=(16, 64))

@@ -104,7 +104,7 @@ def decode_vs_floor(bandwidth: float) -> dict:
                 out = kernels.paged_attention_decode(query[few], key_cache, value_cache, block_tables[few],
                                                      context_lens[few], HEAD_SIZE**-0.5, None, defines)
                 error = ((out.float() - reference).abs().max() / reference.abs().max()).item()
-                seconds = seconds_per_call(lambda: kernels.paged_attention_decode(
+                seconds = seconds_per_call(lambda defines=defines: kernels.paged_attention_decode(
                     query, key_cache, value_cache, block_tables, context_lens, HEAD_SIZE**-0.5, None, defines))
                 tuning[name] = dict(ms=seconds * 1e3, of_floor=floor_s / seconds, rel_error=error)
             except Exception as err:  # a variant that fails to build or run is reported, not fatal
@@ -299,7 +299,8 @@ def fused_kernels_vs_floor(bandwidth: float, tokens: int = 8192) -> dict:
         except Exception as err:  # one failing kernel is reported, not fatal
             rows[name] = dict(error=f"{type(err).__name__}: {err}")
     print(f"\nfused kernels, {tokens} tokens, Llama-2-7B shapes, fp16 (floor: bytes / copy bandwidth; "
-          f"target >= {FUSED_FLOOR_TARGET:.0%}):\n| kernel | ms | torch ms | floor ms | of floor | vs torch | rel. error |\n"
+          f"target >= {FUSED_FLOOR_TARGET:.0%}):\n"
+          "| kernel | ms | torch ms | floor ms | of floor | vs torch | rel. error |\n"
           "|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         if "error" in row:
@@ -471,7 +472,8 @@ def main() -> int:
     started = time.monotonic()
     print(f"device: {torch.cuda.get_device_name()}")
     # off by default until verified here
-    for name in ("RAYPAGED_FUSED_KERNELS", "RAYPAGED_VARLEN_PREFILL", "RAYPAGED_PIECEWISE_GRAPHS", "RAYPAGED_LORA_KERNELS"):
+    for name in ("RAYPAGED_FUSED_KERNELS", "RAYPAGED_VARLEN_PREFILL", "RAYPAGED_PIECEWISE_GRAPHS",
+                 "RAYPAGED_LORA_KERNELS"):
         os.environ.setdefault(name, "1")
         print(f"{name}={os.environ[name]}")
     tests_passed = True if args.skip_tests else run_gpu_tests()
@@ -538,7 +540,8 @@ def print_w1_table(e2e: dict) -> None:
     sync = e2e.get("raypaged_no_async", {})
     if "levels" in sync:
         print("async scheduling on / off: " + ", ".join(
-            f"{c}: {row['tokens_per_s'] / sync['levels'][c]['tokens_per_s']:.2f}x" for c, row in ours["levels"].items()))
+            f"{c}: {row['tokens_per_s'] / sync['levels'][c]['tokens_per_s']:.2f}x"
+            for c, row in ours["levels"].items()))
 
 
 if __name__ == "__main__":

@@ -124,9 +124,9 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 2)
     model_dir = default_model_dir()
     prompts = build_prompts(model_dir, num_requests, seed=0)
-    report: dict = {"machine": machine_info(args.threads), "load_average_start": load_average(), "note": CONTENTION_NOTE,
-                    "model": model_dir.name, "requests": num_requests, "max_tokens": max_tokens, "rounds": rounds,
-                    "max_loras": MAX_LORAS, "settings": {}}
+    report: dict = {"machine": machine_info(args.threads), "load_average_start": load_average(),
+                    "note": CONTENTION_NOTE, "model": model_dir.name, "requests": num_requests,
+                    "max_tokens": max_tokens, "rounds": rounds, "max_loras": MAX_LORAS, "settings": {}}
     with tempfile.TemporaryDirectory() as root:
         adapters = [LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(
             model_dir, Path(root) / f"a{i}", i, r=8, lora_alpha=16, target_modules="all-linear")))
@@ -142,7 +142,8 @@ def main() -> None:
             print(f"{num_adapters:2d} adapters: {sum(rates) / len(rates):7.1f} tokens/s", flush=True)
             engine.shutdown()
             if not args.no_peer:
-                peer = [peft_round(model_dir, adapters[:num_adapters], prompts, max_tokens) for _ in range(rounds + 1)][1:]
+                peer = [peft_round(model_dir, adapters[:num_adapters], prompts, max_tokens)
+                        for _ in range(rounds + 1)][1:]
                 entry = report["settings"][str(num_adapters)]
                 entry["peft_tokens_per_s"] = sum(peer) / len(peer)
                 entry["raypaged_over_peft"] = entry["tokens_per_s"] / entry["peft_tokens_per_s"]

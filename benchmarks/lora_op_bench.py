@@ -204,8 +204,8 @@ def markdown(report: dict) -> str:
     ]
     for r in report["rows"]:
         lines.append(
-            f"| {r['adapters']} | {r['tokens']} | {r['spread']} ({r['padding']:.2f}) | {r['linear']} | {r['base_us']:.0f} | "
-            f"{r['lora_us']:.0f} | {r['path']} | {r['lora_us'] / r['base_us']:.2f} | "
+            f"| {r['adapters']} | {r['tokens']} | {r['spread']} ({r['padding']:.2f}) | {r['linear']} | "
+            f"{r['base_us']:.0f} | {r['lora_us']:.0f} | {r['path']} | {r['lora_us'] / r['base_us']:.2f} | "
             f"{_us(r.get('padded_us'))} | {_us(r.get('loop_us'))} | {r['reference_us']:.0f} |"
         )
     multi = [r for r in report["rows"] if "padded_us" in r]
@@ -214,7 +214,8 @@ def markdown(report: dict) -> str:
               f"forced path in {picked}.")]
     lines += ["", ("A decoder layer's four linears together (sum over them), and the step's mapping build "
               "(once per step, shared by every layer):"), "",
-              "| adapters | tokens | spread | base | lora | share | mapping build |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+              "| adapters | tokens | spread | base | lora | share | mapping build |",
+              "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     keys = sorted({(r["adapters"], r["tokens"], r["spread"]) for r in report["rows"]})
     for key in keys:
         group = [r for r in report["rows"] if (r["adapters"], r["tokens"], r["spread"]) == key]

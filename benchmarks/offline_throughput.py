@@ -34,8 +34,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from common import (check_args, MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, count_parameters,
-                    load_average, machine_info, peak_rss_mib, pyplot, write_json)
+from common import (
+    MAX_TOKENS,
+    PROMPT_LEN,
+    RESULTS_DIR,
+    Prompts,
+    build_prompts,
+    check_args,
+    count_parameters,
+    load_average,
+    machine_info,
+    peak_rss_mib,
+    pyplot,
+    write_json,
+)
 
 from raypaged.model.default_model import default_model_dir
 
@@ -319,7 +331,8 @@ def print_report(results: list[SystemResult], ceiling: dict, report: dict) -> No
           + f"; [2048 x 2048] @ [2048 x 2048] {c['peak_gflops_2048']:.0f}")
     for r in results:
         print(f"{r.system}: peak process RSS so far {r.peak_rss_mib:.0f} MiB; {r.extra}")
-    print(f"load average at start {report['load_average']['start']}, at end {report['load_average']['end']}; wall time {report['wall_seconds']:.0f} s; "
+    print(f"load average at start {report['load_average']['start']}, at end {report['load_average']['end']}; "
+          f"wall time {report['wall_seconds']:.0f} s; "
           f"wrote {RESULTS_DIR}/{report['name']}.json and .png")
 
 

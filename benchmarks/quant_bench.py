@@ -106,8 +106,8 @@ def linear_times(rows: tuple[int, ...] = (1, 8, 32, 256, 2048), repeats: int = 1
     for m in rows:
         xs = [torch.randn(m, k, generator=gen) for k, _ in PROJECTION_SHAPES]
         paths = {
-            "fp32": lambda: [linear(x, w) for x, w in zip(xs, weights)],
-            "int8": lambda: [int8_linear(x, q, s.view(-1), None) for x, (q, s) in zip(xs, int8)],
+            "fp32": lambda xs=xs: [linear(x, w) for x, w in zip(xs, weights)],
+            "int8": lambda xs=xs: [int8_linear(x, q, s.view(-1), None) for x, (q, s) in zip(xs, int8)],
         }
         times: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(repeats):
@@ -219,7 +219,8 @@ def markdown(report: dict) -> str:
                      f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% |")
     lines += ["", "Same 16 tokens: the fp32 model's first 16 greedy tokens exactly. Agreement, top 5: the acceptance "
               "test's measure (tests/quantization/test_smollm2.py: equal up to the first difference, where each "
-              "token is among the other's top 5).", "", "One layer's four projections (SmolLM2 shapes), median microseconds, fp32 and int8 timed "
+              "token is among the other's top 5).", "",
+              "One layer's four projections (SmolLM2 shapes), median microseconds, fp32 and int8 timed "
               "alternately:", "", "| rows | fp32 (oneDNN, packed) | W8A8 int8 (`_int_mm`) | speedup |",
               "| ---: | ---: | ---: | ---: |"]
     lines += [f"| {k['rows']} | {k['fp32_us']:.0f} | {k['int8_us']:.0f} | {k['speedup']:.2f}x |"

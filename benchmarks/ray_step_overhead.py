@@ -17,9 +17,9 @@ import statistics
 import time
 
 import ray
+from common import load_average, machine_info, write_json
 from ray.dag import InputNode, MultiOutputNode
 
-from common import load_average, machine_info, write_json
 from raypaged.core.outputs import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput
 from raypaged.executor import shm_channel
 from raypaged.executor.ray_executor import call_all

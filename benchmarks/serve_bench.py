@@ -54,8 +54,20 @@ from pathlib import Path
 import httpx
 import psutil
 import torch
-from common import (check_args, CONTENTION_NOTE, MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, load_average,
-                    machine_info, percentile, pyplot, write_json)
+from common import (
+    CONTENTION_NOTE,
+    MAX_TOKENS,
+    PROMPT_LEN,
+    RESULTS_DIR,
+    Prompts,
+    build_prompts,
+    check_args,
+    load_average,
+    machine_info,
+    percentile,
+    pyplot,
+    write_json,
+)
 
 from raypaged import envs
 from raypaged.model.default_model import default_model_dir, shipped_gguf
@@ -420,7 +432,8 @@ def bench_system(system: str, model_dir: Path, warmup: list[tuple[list[int], str
     command = server_command(system, model_dir, port, args)
     run = SystemRun(system, SYSTEMS[system], command)
     if system == "transformers" and importlib.util.find_spec("fastapi") is None:
-        run.available, run.why_not = False, "transformers serve needs FastAPI and Uvicorn (pip install transformers[serving])"
+        run.available, run.why_not = False, ("transformers serve needs FastAPI and Uvicorn "
+                                             "(pip install transformers[serving])")
         return run
     if system == "llama.cpp" and not Path(command[0]).is_file():
         run.available, run.why_not = False, ("no llama-server binary: run benchmarks/build_llama_server.sh or pass "
@@ -505,7 +518,8 @@ def markdown_table(runs: list[SystemRun]) -> str:
         lines.append(f"| {lv.concurrency} | {r.label} | {lv.ok}/{lv.requests} | {lv.generated_tokens} | "
                      f"{lv.tokens_per_s:.1f} | {lv.steady_tokens_per_s:.1f} | "
                      f"{s['latency_p50_s']:.1f} / {s['latency_p99_s']:.1f} | "
-                     f"{s['ttft_p50_s']:.2f} / {s['ttft_p99_s']:.2f} | {r.peak_rss_mib:.0f} | " + " | ".join(cells) + " |")
+                     f"{s['ttft_p50_s']:.2f} / {s['ttft_p99_s']:.2f} | {r.peak_rss_mib:.0f} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -577,7 +591,8 @@ def print_report(runs: list[SystemRun], report: dict) -> None:
         if not r.available or r.why_not:
             print(f"{r.label}: NOT MEASURED{' completely' if r.levels else ''} — {r.why_not}")
         else:
-            kv = ", ".join(f"c={lv.concurrency}: {lv.peak_kv_usage:.1%}" for lv in r.levels if lv.peak_kv_usage is not None)
+            kv = ", ".join(f"c={lv.concurrency}: {lv.peak_kv_usage:.1%}" for lv in r.levels
+                           if lv.peak_kv_usage is not None)
             print(f"{r.label}: started in {r.startup_s:.0f} s, RSS after load {r.rss_after_load_mib:.0f} MiB, "
                   f"peak {r.peak_rss_mib:.0f} MiB" + (f"; peak KV cache usage {kv}" if kv else ""))
     print(f"load average (1/5/15 min) before {info['load_average']['before']}, after {info['load_average']['after']}"

@@ -39,8 +39,17 @@ from unittest import mock
 import httpx
 import psutil
 import torch
-from common import (CONTENTION_NOTE, MAX_TOKENS, PROMPT_LEN, Prompts, build_prompts, load_average, machine_info,
-                    percentile, write_json)
+from common import (
+    CONTENTION_NOTE,
+    MAX_TOKENS,
+    PROMPT_LEN,
+    Prompts,
+    build_prompts,
+    load_average,
+    machine_info,
+    percentile,
+    write_json,
+)
 from engine_overhead import tiny_model
 from serve_bench import Server, free_port
 

@@ -31,8 +31,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import (check_args, CONTENTION_NOTE, MAX_TOKENS, PROMPT_LEN, RESULTS_DIR, Prompts, build_prompts, load_average,
-                    machine_info, ordinary_token_ids, percentile, pyplot, write_json)
+from common import (
+    CONTENTION_NOTE,
+    MAX_TOKENS,
+    PROMPT_LEN,
+    RESULTS_DIR,
+    Prompts,
+    build_prompts,
+    check_args,
+    load_average,
+    machine_info,
+    ordinary_token_ids,
+    percentile,
+    pyplot,
+    write_json,
+)
 
 from raypaged import LLM, SamplingParams
 from raypaged.model.default_model import default_model_dir
@@ -40,7 +53,8 @@ from raypaged.model.default_model import default_model_dir
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller request counts (W3 80 requests, W5 1 prompt, W4 6 requests at concurrency 3)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller request counts (W3 80 requests, W5 1 prompt, W4 6 requests at concurrency 3)")
     parser.add_argument("--w3-requests", type=int, help="W3 requests in all (240; 80 quick)")
     parser.add_argument("--w3-concurrency", type=int, default=80)
     parser.add_argument("--w5-prompts", type=int, help="W5 prompts (8; 1 quick)")
@@ -294,14 +308,17 @@ def tables(report: dict) -> str:
            f"| {w3['fit_paged']:,} |",
            f"| sequences that fit, contiguous at max_model_len {w3['max_model_len']} "
            f"| {w3['fit_contiguous_max_model_len']:,} |",
-           f"| sequences that fit, contiguous at prompt + max_tokens | {w3['fit_contiguous_prompt_plus_max_tokens']:,} |",
+           "| sequences that fit, contiguous at prompt + max_tokens "
+           f"| {w3['fit_contiguous_prompt_plus_max_tokens']:,} |",
            f"| W3 run throughput | {w3['run']['tokens_per_s']:.1f} tokens/s |", ""]
     out += [f"W5 — parallel sampling, {w5['prompts']} prompts of 500 tokens, {w5['generated_per_sample']} tokens per "
             "sample, prefix caching off", "",
-            "| system | peak KV blocks | expected | ratio to 4 copies | seconds |", "| --- | ---: | ---: | ---: | ---: |",
+            "| system | peak KV blocks | expected | ratio to 4 copies | seconds |",
+            "| --- | ---: | ---: | ---: | ---: |",
             f"| 4 independent requests per prompt | {w5['four_copies']['peak_blocks']} | "
             f"{w5['expected_copies_per_prompt'] * w5['prompts']} | 1.00 | {w5['four_copies']['seconds']:.1f} |",
-            f"| n=4 (fork + copy-on-write) | {w5['n4']['peak_blocks']} | {w5['expected_n4_per_prompt'] * w5['prompts']} "
+            f"| n=4 (fork + copy-on-write) | {w5['n4']['peak_blocks']} | "
+            f"{w5['expected_n4_per_prompt'] * w5['prompts']} "
             f"| {w5['ratio_n4_over_copies']:.2f} | {w5['n4']['seconds']:.1f} |"]
     beam = w5["beam4"]
     out.append(f"| beam width 4 | {beam['peak_blocks']} | | {beam['ratio_over_copies']:.2f} | {beam['seconds']:.1f} |"

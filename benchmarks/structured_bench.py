@@ -321,7 +321,8 @@ def main() -> None:
         f"rounds {steps['overhead_round_min_max'][0]:+.1%} .. {steps['overhead_round_min_max'][1]:+.1%}; "
         f"{steps['measured_steps']} steps, goal <= +10%)")
     log(f"grammar host work per step: fill {host['fill']:.2f} ms ({steps['fill_us_per_constrained_row']:.0f} µs/row) "
-        f"on the mask thread during the forward, then on the step's path: wait {host['wait']:.2f} ms, advance {host['advance']:.2f} ms ({steps['advance_us_per_constrained_row']:.0f} µs/row), apply "
+        f"on the mask thread during the forward, then on the step's path: wait {host['wait']:.2f} ms, "
+        f"advance {host['advance']:.2f} ms ({steps['advance_us_per_constrained_row']:.0f} µs/row), apply "
         f"{host['apply']:.2f} ms: {steps['host_total_ms_per_step']:.2f} ms = {steps['host_share_of_plain_step']:.1%} "
         f"of the plain step")
     if steps["constrained_ended_early"]:
@@ -329,15 +330,17 @@ def main() -> None:
     if timer.captured is None:
         raise SystemExit("no full step's bitmask was captured")
     appliers = time_appliers(*timer.captured, vocab=vocab, repeats=50 if args.quick else 200)
-    log(f"apply_token_bitmask [{NUM_SEQS}, {vocab}], {len(CONSTRAINED)} masked rows: {appliers['us']['raypaged']:.0f} µs; xgrammar's CPU "
+    log(f"apply_token_bitmask [{NUM_SEQS}, {vocab}], {len(CONSTRAINED)} masked rows: "
+        f"{appliers['us']['raypaged']:.0f} µs; xgrammar's CPU "
         f"applier {appliers['us']['xgrammar_cpu']:.0f} µs ({appliers['raypaged_over_xgrammar']:.1f}x); "
         f"same result: {appliers['same_result']}")
     compiles = time_compiles(plain.tokenizer, vocab, list(plain.eos_token_ids))  # the engine's own arguments
     plain.shutdown()
     constrained.shutdown()
-    log(f"compile: TokenizerInfo + compiler {compiles['tokenizer_info_and_compiler_ms']:.0f} ms once; {compiles['num_schemas']} "
-        f"schemas cold median {compiles['cold_ms']['median']:.1f} ms (max {compiles['cold_ms']['max']:.1f}, total "
-        f"{compiles['cold_ms']['total']:.0f}); cached median {compiles['cached_us']['median']:.1f} µs")
+    log(f"compile: TokenizerInfo + compiler {compiles['tokenizer_info_and_compiler_ms']:.0f} ms once; "
+        f"{compiles['num_schemas']} schemas cold median {compiles['cold_ms']['median']:.1f} ms "
+        f"(max {compiles['cold_ms']['max']:.1f}, total {compiles['cold_ms']['total']:.0f}); "
+        f"cached median {compiles['cached_us']['median']:.1f} µs")
     log(f"vLLM, published: {PUBLISHED_NOTE}")
     for item in PUBLISHED:
         log(f"  {item['source']} ({item['url']}): {item['finding']}")

@@ -327,7 +327,7 @@ class EngineConfig:
             )
         self._check_generation_config_args()
         self._check_async_scheduling()
-        self.lora_config  # the LoRA flags are checked now
+        _ = self.lora_config  # the LoRA flags are checked now
         from transformers import AutoConfig  # importing this module loads neither transformers nor torch
 
         from raypaged.model.llama import check_tensor_parallel
@@ -455,8 +455,8 @@ class EngineConfig:
             raise ValueError(f"the draft model {spec.model} has a vocabulary of {draft.vocab_size} tokens, the model "
                              f"{self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
         if draft.max_position_embeddings < self.max_model_len:
-            raise ValueError(f"the draft model {spec.model} holds {draft.max_position_embeddings} positions, fewer than "
-                             f"max_model_len {self.max_model_len}")
+            raise ValueError(f"the draft model {spec.model} holds {draft.max_position_embeddings} positions, "
+                             f"fewer than max_model_len {self.max_model_len}")
 
     @property
     def resolved_kv_cache_dtype(self) -> str:
@@ -483,10 +483,11 @@ class EngineConfig:
             return
         if self.tensor_parallel_size > 1:
             raise ValueError("--async-scheduling runs on one shard: the next step needs the tokens only rank 0 "
-                             f"samples (tensor_parallel_size is {self.tensor_parallel_size}; use --no-async-scheduling)")
+                             f"samples (tensor_parallel_size is {self.tensor_parallel_size}; "
+                             "use --no-async-scheduling)")
         if self.speculative_config is not None:
-            raise ValueError("--async-scheduling cannot run with --speculative-config: the next step's drafts depend on "
-                             "the tokens the step before accepts (use --no-async-scheduling)")
+            raise ValueError("--async-scheduling cannot run with --speculative-config: the next step's drafts "
+                             "depend on the tokens the step before accepts (use --no-async-scheduling)")
 
     @property
     def resolved_async_scheduling(self) -> bool:
@@ -545,4 +546,5 @@ def check_architecture(hf_config: Any, what: str) -> None:
 
     archs = getattr(hf_config, "architectures", None) or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"{what} architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ValueError(f"{what} architecture {archs} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")

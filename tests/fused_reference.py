@@ -72,8 +72,8 @@ STEPS = [
 def tiny_config(architecture: str):
     """Head size 64 (the CUDA decode kernel's smallest), GQA 2:1 (Llama) and 4:1 (Qwen3), an
     intermediate size that is no power of two."""
-    shape = dict(vocab_size=256, hidden_size=256, intermediate_size=352, num_hidden_layers=2, max_position_embeddings=64,
-                 rms_norm_eps=1e-6, rope_theta=10000.0)
+    shape = dict(vocab_size=256, hidden_size=256, intermediate_size=352, num_hidden_layers=2,
+                 max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
     if architecture == "qwen3":  # per-head q/k norms; head_dim 64 over a hidden size of 256 (q is 512 wide)
         return Qwen3Config(head_dim=64, num_attention_heads=8, num_key_value_heads=2, **shape)
     return LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **shape)

@@ -11,8 +11,8 @@ this step included (written just before); without one (torch, the reference), ea
 its own, a span with nothing cached before it (a whole prompt) over its fresh K/V, with no
 gather from the cache. The ``cpu`` backend is torch's but for decode, which reads the cache
 through the block tables in C (``cpu_ops``) instead of gathering it, and it brings the C versions
-of the model step's fused elementwise ops (``FusedOps``; the CUDA ones with ``$RAYPAGED_FUSED_KERNELS``). A step whose spans do
-not form one packed batch with covering block tables (see ``build_varlen_prefill``) takes
+of the model step's fused elementwise ops (``FusedOps``; the CUDA ones with ``$RAYPAGED_FUSED_KERNELS``). A step
+whose spans do not form one packed batch with covering block tables (see ``build_varlen_prefill``) takes
 the per-span path on CUDA too.
 """
 

@@ -10,8 +10,8 @@ continuation that is EOS becomes a finished hypothesis.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
 from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from raypaged.core.request import Gang, Request, RequestStatus
@@ -83,7 +83,8 @@ class BeamGroup(Gang):
                 if rank < width:
                     tokens = beam.output_token_ids + [token_id]
                     logprobs = beam.output_logprobs + [candidates[beam.request_id]]
-                    self.finished.append(Hypothesis(tokens, total, self.score(total, len(tokens)), FinishReason.STOP, logprobs))
+                    self.finished.append(Hypothesis(tokens, total, self.score(total, len(tokens)), FinishReason.STOP,
+                                                    logprobs))
                 continue
             kept.append(Continuation(beam, token_id, logprob, candidates[beam.request_id]))
             if len(kept) == width:

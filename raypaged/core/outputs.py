@@ -16,9 +16,9 @@ from raypaged.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from raypaged.lora.request import LoRARequest
-
     import torch
+
+    from raypaged.lora.request import LoRARequest
 
 
 @dataclass(slots=True)
@@ -44,7 +44,8 @@ class CachedRequestData:
     new_token_ids: list[int]  # output tokens the worker has not seen yet
     new_block_ids: list[int]  # appended to the block table
     num_computed_tokens: int
-    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)  # (table index, block id) after copy-on-write
+    # (table index, block id) after copy-on-write
+    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
     # the table's length once new_block_ids are appended (None: no change but the append); shorter
     # than the worker's table plus new_block_ids when rejected drafts' blocks were freed
     num_block_ids: int | None = None

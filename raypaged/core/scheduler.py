@@ -595,7 +595,8 @@ class Scheduler:
                          if requests.get(request.request_id) is request and request.status == RequestStatus.RUNNING]
             self._committed_requests = []
         else:
-            scheduled = [(request, num_tokens) for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
+            scheduled = [(request, num_tokens)
+                         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
                          if (request := self.requests.get(request_id)) is not None
                          and request.status == RequestStatus.RUNNING]  # not finished or preempted meanwhile
         for request, num_tokens in scheduled:
@@ -677,7 +678,10 @@ class Scheduler:
         unit = [head] if head.gang is None else [r for r in self.requests.values() if r.gang is head.gang]
         held = [r.request_id for r in unit if r.status == RequestStatus.RUNNING]
         recomputed = [r.all_token_ids for r in unit if r.status != RequestStatus.RUNNING]
-        if len(unit) > self.config.max_num_seqs or self.kv.num_blocks_to_hold(held, recomputed, head.cache_salt) > self.kv.num_blocks:
+        if (
+            len(unit) > self.config.max_num_seqs
+            or self.kv.num_blocks_to_hold(held, recomputed, head.cache_salt) > self.kv.num_blocks
+        ):
             self._break_stall(head)
             return
         for victim in self.running[::-1]:

@@ -352,7 +352,9 @@ class EngineCore:
         self._step_beams(out, ended_beams, beam_failures)
         return out
 
-    def _step_beams(self, out: EngineCoreOutputs, ended: dict[str, list[EndedRequest]], failures: dict[str, str]) -> None:
+    def _step_beams(
+        self, out: EngineCoreOutputs, ended: dict[str, list[EndedRequest]], failures: dict[str, str]
+    ) -> None:
         """Beam searches, after the step: the scheduler's own ends settled, a beam step for every
         search whose live beams all sampled (the scheduler held their candidates), the grammars of
         beams that moved advanced; the searches that ended are reported."""

@@ -41,7 +41,8 @@ class InputProcessor:
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(config.tokenizer_path)
         if len(self.tokenizer) > config.hf_config.vocab_size:
             raise ValueError(f"the tokenizer in {config.tokenizer_path} has {len(self.tokenizer)} tokens, more than "
-                             f"the model's vocabulary of {config.hf_config.vocab_size}: it is not this model's tokenizer")
+                             f"the model's vocabulary of {config.hf_config.vocab_size}: "
+                             "it is not this model's tokenizer")
         self.eos_token_ids = self._eos_token_ids()
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the EOS; the others stop too
         self.grammars = GrammarBackend(
@@ -218,8 +219,10 @@ class InputProcessor:
         max_tokens = min(params.max_tokens, config.max_model_len - len(prompt_token_ids))
         matchers = []
         if params.structured_outputs is not None:
-            matchers = [self.grammars.matcher(self.compile_grammar(params.structured_outputs, prompt, prompt_token_ids))]
-        beam_params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2 * params.beam_width, ignore_eos=True)
+            matchers = [self.grammars.matcher(self.compile_grammar(params.structured_outputs, prompt,
+                                                                   prompt_token_ids))]
+        beam_params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2 * params.beam_width,
+                                     ignore_eos=True)
         return beam_params, EngineCoreRequest(
             request_id, prompt_token_ids, beam_params, max_tokens, cache_salt=_prefix_namespace(None, lora), lora=lora,
             matchers=matchers, beam=params,

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 from raypaged import envs
 from raypaged.config import CliFlag, EngineConfig, cli_flag, json_flag_value
 from raypaged.entrypoints.config_file import CONFIG_FLAG, ArgumentParser
-from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
-from raypaged.structured.config import StructuredOutputsConfig
 from raypaged.entrypoints.vllm_compat import DEFAULT_ONLY, check_default_only, explain
 from raypaged.entrypoints.vllm_compat import flag as vllm_flag
+from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
+from raypaged.structured.config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     from raypaged.serving.launch import GatewayOptions
@@ -114,7 +114,8 @@ _LIMIT_HELP = {
     "max_stop_string_chars": "most characters of one stop string",
     "max_stop_token_ids": "most stop_token_ids of one request",
     "max_chat_messages": "most messages of one chat request",
-    "max_prompt_chars": f"most characters of prompt text before tokenization (default {PROMPT_CHARS_PER_TOKEN} x max-model-len)",
+    "max_prompt_chars": "most characters of prompt text before tokenization "
+                        f"(default {PROMPT_CHARS_PER_TOKEN} x max-model-len)",
 }
 
 
@@ -265,7 +266,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="no uvicorn access-log line per HTTP request")
     parser.add_argument("--ssl-keyfile", default=None, help="private key (PEM) for HTTPS, with --ssl-certfile")
     parser.add_argument("--ssl-certfile", default=None, help="certificate chain (PEM): serve HTTPS instead of HTTP")
-    parser.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) that client certificates must chain to")
+    parser.add_argument("--ssl-ca-certs", default=None,
+                        help="CA certificates (PEM) that client certificates must chain to")
     parser.add_argument("--ssl-cert-reqs", type=int, default=0,
                         help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
     parser.add_argument("--root-path", default="",
@@ -373,8 +375,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options_check(options)
     adapters = lora_modules(args)
     asyncio.run(run_serve(
-        engine_configs(args), args.grpc_host, args.grpc_port, options, args.share_prefix_cache, f"{args.metrics_prefix}:",
-        adapters,
+        engine_configs(args), args.grpc_host, args.grpc_port, options, args.share_prefix_cache,
+        f"{args.metrics_prefix}:", adapters,
     ))
     return 0
 

@@ -28,8 +28,8 @@ class LLM:
 
     ``model`` is a local Hugging Face folder (Llama, Mistral, Qwen2 families), a
     Hugging Face Hub id resolved through the Hugging Face cache (``revision``,
-    ``download_dir``; see ``model/hub.py``), or ``None`` for the bundled SmolLM2-135M-Instruct. ``tensor_parallel_size > 1``
-    (or a ``ray_address``) runs the shards as Ray actors; call ``shutdown()`` to
+    ``download_dir``; see ``model/hub.py``), or ``None`` for the bundled SmolLM2-135M-Instruct.
+    ``tensor_parallel_size > 1`` (or a ``ray_address``) runs the shards as Ray actors; call ``shutdown()`` to
     release them. ``quantization`` (vLLM's names: fp8, awq, gptq, compressed-tensors) is read
     from the checkpoint's ``quantization_config`` when it has one (the argument may only repeat
     it); ``"fp8"`` on a float checkpoint quantizes it at load. ``kv_cache_dtype="fp8"`` keeps
@@ -107,7 +107,8 @@ class LLM:
         else:
             loras = list(lora_request)
             if len(loras) != len(prompts):
-                raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts; pass one or one per prompt")
+                raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts; "
+                                 "pass one or one per prompt")
         engine = self.llm_engine
         resolved = [_prompt_input(p) for p in prompts]
         # only the finished output is read: the engine builds nothing for the steps in between

@@ -41,5 +41,5 @@ class Executor(ABC):
         workers can be lost need to)."""
         raise NotImplementedError(f"{type(self).__name__} cannot lose a worker, so it has none to restart")
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027  (not abstract: nothing to release by default)
         """Release the workers; the executor is unusable after. Nothing to release by default."""

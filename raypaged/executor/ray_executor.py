@@ -22,8 +22,7 @@ import ray
 from ray.dag import InputNode, MultiOutputNode
 from ray.dag.compiled_dag_node import CompiledDAG
 from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError
-from ray.util.placement_group import (PlacementGroup, placement_group, placement_group_table,
-                                      remove_placement_group)
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypaged import envs

@@ -116,7 +116,8 @@ def check_text(param: str, num_chars: int, limits: InputLimits, max_model_len: i
 
 
 def check_messages(num_messages: int, num_chars: int, limits: InputLimits, max_model_len: int) -> None:
-    """A conversation: at least one and at most ``--max-chat-messages`` turns, its text within ``--max-prompt-chars``."""
+    """A conversation: at least one and at most ``--max-chat-messages`` turns, its text within
+    ``--max-prompt-chars``."""
     if num_messages == 0:
         raise InputError("messages", "messages must not be empty")
     check_count("messages", num_messages, limits.max_chat_messages, "max_chat_messages", "messages")

@@ -35,7 +35,8 @@ def _check_tokens(token_ids: object, slot_of: object) -> None:
     check_shape("slot_of", slot_of, token_ids.shape)
 
 
-def lora_bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_ids: torch.Tensor, slot_of: torch.Tensor) -> torch.Tensor:
+def lora_bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_ids: torch.Tensor,
+                     slot_of: torch.Tensor) -> torch.Tensor:
     """``h[t] = x[token_ids[t]] @ lora_a[slot_of[t]]``: fp32 ``[len(token_ids), rank]``."""
     check_tensor("x", x, FLOAT_DTYPES, 2)
     check_tensor("lora_a", lora_a, FLOAT_DTYPES, 3)

@@ -136,12 +136,13 @@ def paged_attention_decode(
     shared = 4 * (2 * group * head_size + group * partition_size + 2 * group)
     suffix = f"{loader.DTYPE_SUFFIX[query.dtype]}_{head_size}"
     common = (loader.device_pointer(query), loader.device_pointer(key_cache), loader.device_pointer(value_cache),
-              loader.device_pointer(block_tables), loader.device_pointer(context_lens), np.float32(scale), np.int32(num_kv_heads),
-              np.int32(group), np.int32(block_size), np.int32(max_blocks), np.int32(partition_size))
+              loader.device_pointer(block_tables), loader.device_pointer(context_lens), np.float32(scale),
+              np.int32(num_kv_heads), np.int32(group), np.int32(block_size), np.int32(max_blocks),
+              np.int32(partition_size))
     if num_parts == 1:
         kernel = loader.function("paged_attention.cu", f"paged_attention_v1_{suffix}", device, defines)
-        loader.launch(kernel, device, (num_kv_heads, num_seqs, 1), (NUM_THREADS,), (loader.device_pointer(out), *common),
-                      shared)
+        loader.launch(kernel, device, (num_kv_heads, num_seqs, 1), (NUM_THREADS,),
+                      (loader.device_pointer(out), *common), shared)
         return out
     partial_out = torch.empty(num_seqs, num_heads, num_parts, head_size, dtype=torch.float32, device=device)
     partial_max = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=device)
@@ -188,8 +189,8 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         return
     block_vecs = block_bytes // 16
     kernel = loader.function("copy_blocks.cu", "copy_blocks", device)
-    args = (_pool_pointer(dst), _pool_pointer(src), loader.device_pointer(block_mapping), np.int64(src.shape[2] * block_vecs),
-            np.int64(dst.shape[2] * block_vecs), np.int32(block_vecs))
+    args = (_pool_pointer(dst), _pool_pointer(src), loader.device_pointer(block_mapping),
+            np.int64(src.shape[2] * block_vecs), np.int64(dst.shape[2] * block_vecs), np.int32(block_vecs))
     loader.launch(kernel, device, (block_mapping.shape[0], src.shape[0] * src.shape[1]), (COPY_THREADS,), args)
 
 

@@ -27,15 +27,15 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from raypaged.attention.backend import FusedOps
+from raypaged.attention.backend import TORCH, AttentionBackend, FusedOps
 from raypaged.attention.metadata import AttentionMetadata
-from raypaged.attention.backend import TORCH, AttentionBackend
 from raypaged.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
 from raypaged.quantization.base import QuantizationConfig
 from raypaged.quantization.linear import QuantLinear, build_linear
 
-LayerKVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+# key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+LayerKVCache = tuple[torch.Tensor, torch.Tensor]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

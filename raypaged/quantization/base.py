@@ -61,7 +61,7 @@ class LinearMethod(ABC):
         the layer, of whose checkpoint tensor the first ``rows_read`` output rows are read)."""
         return False
 
-    def finish(self, layer: nn.Module) -> None:
+    def finish(self, layer: nn.Module) -> None:  # noqa: B027  (not abstract: nothing to build by default)
         """After every tensor is loaded and cast: build what ``apply`` uses."""
 
     @abstractmethod

@@ -25,10 +25,9 @@ import grpc
 from transformers import PreTrainedTokenizerBase
 
 from raypaged.config import EngineConfig
-from raypaged.model.default_model import DEFAULT_MODEL
+from raypaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from raypaged.engine.input_processor import InputProcessor
 from raypaged.engine.llm_engine import LLMEngine
-from raypaged.lora.request import LoRARequest
 from raypaged.inputs.limits import (
     InputError,
     check_count,
@@ -38,9 +37,11 @@ from raypaged.inputs.limits import (
     check_text,
     check_token_ids,
 )
+from raypaged.lora.request import LoRARequest
+from raypaged.model.default_model import DEFAULT_MODEL
 from raypaged.outputs import RequestOutput
-from raypaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
+from raypaged.serving.chat import chat_prompt_ids, conversation_chars
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tenants import AuthError, TenantGate, Tenants
 from raypaged.serving.messages import AnyResponse, StreamMessages
@@ -48,7 +49,6 @@ from raypaged.serving.metrics import PREFIX as METRICS_PREFIX
 from raypaged.serving.metrics import ServerMetrics
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
-from raypaged.serving.chat import chat_prompt_ids, conversation_chars
 from raypaged.serving.protocol import DeltaTracker, beam_search_from_proto, sampling_params_from_proto
 
 logger = logging.getLogger("raypaged")
@@ -187,7 +187,8 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         if not name:
             if len(self.models) == 1:
                 return next(iter(self.models.values()))
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"model is required; served models: {', '.join(self.models)}")
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"model is required; served models: {', '.join(self.models)}")
         model = self.models.get(self.served_names.get(name, ""))
         if model is None:
             raise _Abort(
@@ -440,11 +441,14 @@ class EngineServer:
         self.metrics = ServerMetrics(
             {c.served_model_name: self._stats_of(c.served_model_name) for c in configs}, configs[0].resolved_device,
             prefix=metrics_prefix, configs={c.served_model_name: c for c in configs},
-            lora_sources={c.served_model_name: self._lora_info_of(c.served_model_name) for c in configs if c.enable_lora},
+            lora_sources={
+                c.served_model_name: self._lora_info_of(c.served_model_name) for c in configs if c.enable_lora
+            },
         )
         engines = {c.served_model_name: LLMEngine(c, own_input_tokenizer=True) for c in configs}
         self.models = {
-            name: ServedModel(name, AsyncLLMEngine(engine, self.metrics.observer(name))) for name, engine in engines.items()
+            name: ServedModel(name, AsyncLLMEngine(engine, self.metrics.observer(name)))
+            for name, engine in engines.items()
         }
         self.servicer = EngineServicer(
             self.models, self.metrics, self.tenants, self.share_prefix_cache, self.served_names

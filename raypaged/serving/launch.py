@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from raypaged.config import EngineConfig
+from raypaged.serving.client import EngineClient
 from raypaged.serving.engine_server import EngineServer
 from raypaged.serving.gateway.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, build_app
 from raypaged.serving.gateway.drain import Drain
@@ -29,7 +30,6 @@ from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, tenants_fo
 from raypaged.serving.gateway.reasoning import get_reasoning_parser
 from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.gateway.tool_parsers import get_parser
-from raypaged.serving.client import EngineClient
 from raypaged.serving.inprocess import InProcessStub
 from raypaged.serving.metrics import PREFIX as METRICS_PREFIX
 
@@ -86,7 +86,8 @@ class GatewayOptions:
             raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
         self.root_path = self.root_path.rstrip("/")
         if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
-            raise ValueError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {self.ssl_cert_reqs}")
+            raise ValueError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), "
+                             f"got {self.ssl_cert_reqs}")
         if (self.ssl_ca_certs is not None or self.ssl_cert_reqs) and self.ssl_certfile is None:
             raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (client certificates are HTTPS's)")
         if self.ssl_keyfile is not None and self.ssl_certfile is None:

@@ -129,7 +129,8 @@ def structured_from_proto(message: pb.StructuredOutput) -> StructuredOutputsPara
         raise ValueError("structured: set one of json_schema, regex, choice, grammar, json_object, structural_tag")
     value = list(message.choice.choices) if kind == "choice" else getattr(message, kind)
     whitespace = message.disable_any_whitespace if message.HasField("disable_any_whitespace") else None
-    return StructuredOutputsParams(**{"json" if kind == "json_schema" else kind: value}, disable_any_whitespace=whitespace)
+    return StructuredOutputsParams(**{"json" if kind == "json_schema" else kind: value},
+                                   disable_any_whitespace=whitespace)
 
 
 def _set_or(message: Any, name: str, default: float | None, fallback: float | None) -> Any:

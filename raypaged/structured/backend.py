@@ -62,12 +62,15 @@ class GrammarBackend:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
-    def compile(self, params: StructuredOutputsParams, reasoning: ReasoningParser | None = None) -> xgrammar.CompiledGrammar:
+    def compile(
+        self, params: StructuredOutputsParams, reasoning: ReasoningParser | None = None
+    ) -> xgrammar.CompiledGrammar:
         """The compiled grammar of ``params`` (from the cache when it was compiled before), behind
         ``reasoning``'s section when given; a constraint that does not compile raises
         ``InputError`` with the compiler's message."""
         any_whitespace = not (
-            self.config.disable_any_whitespace if params.disable_any_whitespace is None else params.disable_any_whitespace
+            self.config.disable_any_whitespace if params.disable_any_whitespace is None
+            else params.disable_any_whitespace
         )
         key = (params.kind, params.spec, str(any_whitespace), reasoning.name if reasoning else "")
         with self._lock:
@@ -78,7 +81,9 @@ class GrammarBackend:
             compiled = self._guidance.compile(params, any_whitespace, self.config.max_whitespace)
         else:
             grammar = self._grammar(params, any_whitespace, self.config.max_whitespace)
-            compiled = self._xgr_compiler().compile_grammar(grammar if reasoning is None else reasoning.after_section(grammar))
+            compiled = self._xgr_compiler().compile_grammar(
+                grammar if reasoning is None else reasoning.after_section(grammar)
+            )
         self._check_can_start(compiled, params.kind)
         with self._lock:
             self._cache[key] = compiled
@@ -91,7 +96,8 @@ class GrammarBackend:
         import xgrammar as xgr
 
         kind, spec = params.kind, params.spec
-        whitespace = {"any_whitespace": any_whitespace, "max_whitespace_cnt": max_whitespace if any_whitespace else None}
+        whitespace = {"any_whitespace": any_whitespace,
+                      "max_whitespace_cnt": max_whitespace if any_whitespace else None}
         try:
             if kind == "json":
                 _check_json(spec, "json")
@@ -119,7 +125,8 @@ class GrammarBackend:
         bitmask = self.allocate_bitmask(1)
         self.matcher(compiled).fill_next_token_bitmask(bitmask, 0)
         if not bool(bitmask.any()):
-            raise InputError(PARAM, f"structured outputs: no token of this model's vocabulary can begin the {kind} constraint")
+            raise InputError(PARAM, "structured outputs: no token of this model's vocabulary can begin "
+                                    f"the {kind} constraint")
 
     def _uses_guidance(self, params: StructuredOutputsParams, reasoning: ReasoningParser | None) -> bool:
         """llguidance when configured, or (``auto``) for a JSON schema with a keyword xgrammar would
@@ -127,7 +134,8 @@ class GrammarBackend:
         backend = self.config.backend
         if backend == "guidance" or params.kind != "json":
             if backend == "guidance" and reasoning is not None:
-                raise InputError(PARAM, "structured outputs after a reasoning section need the xgrammar or auto backend")
+                raise InputError(PARAM, "structured outputs after a reasoning section need the xgrammar "
+                                        "or auto backend")
             return backend == "guidance"
         _check_json(params.spec, "json")
         found = unenforced_keyword(json.loads(params.spec))
@@ -148,7 +156,9 @@ class GrammarBackend:
                                     f"(at {where}): xgrammar ignores it, and {reason}") from None
         return True
 
-    def matcher(self, compiled: xgrammar.CompiledGrammar | GuidanceGrammar) -> xgrammar.GrammarMatcher | GuidanceMatcher:
+    def matcher(
+        self, compiled: xgrammar.CompiledGrammar | GuidanceGrammar
+    ) -> xgrammar.GrammarMatcher | GuidanceMatcher:
         if isinstance(compiled, GuidanceGrammar):
             return self._guidance.matcher(compiled)
         import xgrammar as xgr

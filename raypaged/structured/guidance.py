@@ -131,7 +131,9 @@ class Guidance:
             )
         return self._tokenizer
 
-    def compile(self, params: StructuredOutputsParams, any_whitespace: bool, max_whitespace: int | None) -> GuidanceGrammar:
+    def compile(
+        self, params: StructuredOutputsParams, any_whitespace: bool, max_whitespace: int | None
+    ) -> GuidanceGrammar:
         """The constraint as a checked llguidance grammar; one it cannot enforce raises ``InputError``."""
         from llguidance import LLMatcher
 

@@ -19,11 +19,11 @@ from raypaged import envs
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SampledToken, SchedulerOutput
 from raypaged.sampling_params import SamplingParams
+from raypaged.spec_decode.verify import accepted_run
 from raypaged.worker.block_tables import BlockTables
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
 from raypaged.worker.piecewise_graphs import PiecewiseGraphs
-from raypaged.spec_decode.verify import accepted_run
 from raypaged.worker.sampler import SamplingInput, apply_token_bitmask, greedy_fast_path, logprob_entry, sample
 
 if TYPE_CHECKING:
@@ -379,7 +379,9 @@ class ModelRunner:
             self.lora.place(slot, request)
             self._lora_slot_of[request.lora_int_id] = slot
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, request_id: str, first: int, token: int, count: int) -> PromptLogprobs:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, request_id: str, first: int, token: int, count: int
+    ) -> PromptLogprobs:
         """Prompt tokens ``token..token+count-1``'s logprobs from the hidden states at step indices
         ``first..``, ``_PROMPT_LOGPROBS_CHUNK`` positions at a time (a [chunk, vocab] tensor at most).
         Every rank runs it (the logits are a collective under TP)."""
@@ -388,7 +390,9 @@ class ModelRunner:
         entries: list[dict[int, float]] = []
         for offset in range(0, count, _PROMPT_LOGPROBS_CHUNK):
             size = min(_PROMPT_LOGPROBS_CHUNK, count - offset)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + offset:first + offset + size]).float(), -1)
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden[first + offset:first + offset + size]).float(), -1
+            )
             targets = state.prompt_token_ids[token + offset:token + offset + size]
             chosen_t = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
             chosen = chosen_t.squeeze(1).tolist()

@@ -69,7 +69,8 @@ class Worker:
         # the CUDA and CPU kernels read a cache of the model's dtype: an fp8 cache is read and written in torch
         backend = config.attention_backend if self.cache_dtype == self.dtype else "torch"
         if backend != config.attention_backend and self.device.type == "cuda":
-            logger.info("--kv-cache-dtype %s: paged attention runs in torch, not the CUDA kernels", config.kv_cache_dtype)
+            logger.info("--kv-cache-dtype %s: paged attention runs in torch, not the CUDA kernels",
+                        config.kv_cache_dtype)
         self.attn_backend = select_backend(backend, self.device, head_dim_of(config.hf_config), config.block_size,
                                            self.dtype)
         self.model.set_attention_backend(self.attn_backend)
@@ -106,7 +107,8 @@ class Worker:
         total = 2 * self.config.hf_config.num_hidden_layers * math.prod(self.block_shape()) * elem
         if self.draft_model is not None:
             draft_elem = torch.tensor([], dtype=self.dtype).element_size()
-            total += 2 * self.config.draft_hf_config.num_hidden_layers * math.prod(self.draft_block_shape()) * draft_elem
+            total += (2 * self.config.draft_hf_config.num_hidden_layers * math.prod(self.draft_block_shape())
+                      * draft_elem)
         return total
 
     def determine_num_blocks(self) -> tuple[int, int]:

@@ -35,7 +35,8 @@ def run_step(scheduler: Scheduler, token_id: int = 7) -> SchedulerOutput:
     for request_id, n in out.num_scheduled_tokens.items():
         request = scheduler.requests[request_id]
         if request.num_computed_tokens + n == request.num_tokens:
-            top = {token_id + i: -0.5 - i - len(request.output_token_ids) % 3 for i in range(4)} if request.gang else None
+            top = ({token_id + i: -0.5 - i - len(request.output_token_ids) % 3 for i in range(4)} if request.gang
+                   else None)
             sampled[request_id] = SampledToken(token_id, -0.5, top)
     scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled))
     advance_beams(scheduler)
@@ -222,7 +223,8 @@ def test_a_group_prefills_once_then_forks_and_copies_the_shared_last_block():
     out = run_step(s)
     assert out.num_scheduled_tokens == {"g": 1, "g#1": 1, "g#2": 1}
     assert [d.request_id for d in out.new_requests] == ["g#1", "g#2"]
-    assert [(d.sample_index, d.num_computed_tokens, d.block_ids) for d in out.new_requests] == [(1, 9, [0, 1, 4]), (2, 9, [0, 1, 2])]
+    assert [(d.sample_index, d.num_computed_tokens, d.block_ids) for d in out.new_requests] == [
+        (1, 9, [0, 1, 4]), (2, 9, [0, 1, 2])]
     # position 9 sits in shared block 2: the first two writers copy it, the last owns it
     assert [(op.kind, op.src, op.dst) for op in out.block_ops] == [("copy", 2, 3), ("copy", 2, 4)]
     assert all(op.kind is BlockOpKind.COPY for op in out.block_ops)

@@ -13,8 +13,8 @@ from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 
 from tests.deploy.common import (
     DOCKERFILES,
-    dockerfile_instructions,
     container_raypaged_argv,
+    dockerfile_instructions,
     drain_timeout_s,
     k8s_documents,
     k8s_object,
@@ -101,7 +101,7 @@ def test_podmonitor_scrapes_metrics_of_every_server_pod():
     selector = monitor["spec"]["selector"]["matchLabels"]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["path"] == "/metrics"
-    for name, spec, container in _server_containers():
+    for name, _spec, container in _server_containers():
         template = next(t for n, t in pod_templates() if n == name)
         assert selector.items() <= template["metadata"]["labels"].items(), f"{name} is not scraped"
         assert endpoint["port"] in {p["name"] for p in container["ports"]}

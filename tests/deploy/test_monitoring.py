@@ -75,7 +75,8 @@ def test_dashboard_is_a_grafana_dashboard():
     for panel in panels:
         grid = panel["gridPos"]
         assert grid["x"] + grid["w"] <= 24, panel["title"]
-        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
+                for y in range(grid["y"], grid["y"] + grid["h"])}
         assert not cells & area, f"{panel['title']} overlaps another panel"
         cells |= area
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
@@ -125,7 +126,8 @@ def test_every_exported_metric_has_a_panel():
 def test_a_new_metric_without_a_panel_is_caught(monkeypatch):
     from raypaged.serving import metrics
 
-    monkeypatch.setattr(metrics, "_GAUGES", metrics._GAUGES + (("num_new_thing", "A new gauge.", "num_gpu_blocks_free"),))
+    monkeypatch.setattr(metrics, "_GAUGES",
+                        metrics._GAUGES + (("num_new_thing", "A new gauge.", "num_gpu_blocks_free"),))
     with pytest.raises(AssertionError, match="raypaged:num_new_thing"):
         test_every_exported_metric_has_a_panel()
 

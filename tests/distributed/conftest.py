@@ -9,6 +9,7 @@ import pytest
 from raypaged import LLM, SamplingParams
 from tests.conftest import make_tiny_model
 
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, smollm2_dir) -> Path:
     """8 attention heads, 2 KV heads: tp 2 splits the KV heads, tp 4 replicates them."""

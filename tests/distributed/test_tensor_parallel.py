@@ -31,7 +31,8 @@ def test_tiny_llama_tp_matches_tp1(ray_session, tiny_llama, tiny_reference, tp):
         constrained = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(
             regex="[a-z]{3}-[0-9]{2}"))
         outputs = llm.generate(TINY_PROMPTS, constrained, use_tqdm=False)
-        assert all(re.fullmatch("[a-z]{3}-[0-9]{2}", o.outputs[0].text) for o in outputs), [o.outputs[0].text for o in outputs]
+        assert all(re.fullmatch("[a-z]{3}-[0-9]{2}", o.outputs[0].text) for o in outputs), [
+            o.outputs[0].text for o in outputs]
         stats = llm.stats()
         assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"] == 128
     finally:
@@ -114,10 +115,12 @@ def test_smollm2_tp3_matches_tp1(ray_session, smollm2_dir):
     ]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     reference = greedy_tokens(
-        LLM(model=str(smollm2_dir), dtype="float32", device="cpu", num_gpu_blocks_override=64, max_model_len=1024), prompts, params
+        LLM(model=str(smollm2_dir), dtype="float32", device="cpu", num_gpu_blocks_override=64, max_model_len=1024),
+        prompts, params,
     )
     llm = LLM(
-        model=str(smollm2_dir), dtype="float32", device="cpu", tensor_parallel_size=3, num_gpu_blocks_override=64, max_model_len=1024
+        model=str(smollm2_dir), dtype="float32", device="cpu", tensor_parallel_size=3, num_gpu_blocks_override=64,
+        max_model_len=1024,
     )
     try:
         assert greedy_tokens(llm, prompts, params) == reference
@@ -126,7 +129,8 @@ def test_smollm2_tp3_matches_tp1(ray_session, smollm2_dir):
 
 
 def test_heads_not_divisible_fail_at_start(smollm2_dir):
-    with pytest.raises(ValueError, match=r"^the model's num_attention_heads 9 is not divisible by tensor_parallel_size 2$"):
+    with pytest.raises(ValueError,
+                       match=r"^the model's num_attention_heads 9 is not divisible by tensor_parallel_size 2$"):
         LLM(model=str(smollm2_dir), device="cpu", tensor_parallel_size=2)
 
 

@@ -43,7 +43,8 @@ def model_copy(root: Path, smollm2_dir: Path, generation_config: dict | None) ->
 @pytest.fixture(scope="module")
 def reference(smollm2_llm):
     """Unmodified greedy runs of 30 tokens, EOS ignored."""
-    return {prompt: greedy(smollm2_llm, prompt, max_tokens=30, ignore_eos=True).token_ids for prompt in (STORY, CAPITAL)}
+    return {prompt: greedy(smollm2_llm, prompt, max_tokens=30, ignore_eos=True).token_ids
+            for prompt in (STORY, CAPITAL)}
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,8 @@ def test_a_grammar_failure_in_a_beam_ends_that_beam_search_alone(llm, undisturbe
     monkeypatch.setattr(xgrammar.GrammarMatcher, "fork", lambda self: (_ for _ in ()).throw(RuntimeError("no fork")))
     engine = llm.llm_engine
     constraint = StructuredOutputsParams(regex="[a-z]{4} [a-z]{4}")
-    search = engine.add_beam_search(PROMPTS[VICTIM], BeamSearchParams(beam_width=2, max_tokens=10, structured_outputs=constraint))
+    search = engine.add_beam_search(PROMPTS[VICTIM],
+                                    BeamSearchParams(beam_width=2, max_tokens=10, structured_outputs=constraint))
     plain = [engine.add_request(prompt, PLAIN) for prompt in PROMPTS[:3]]
     finished = {}
     while engine.has_unfinished_requests():
@@ -152,7 +153,8 @@ def test_a_grammar_failure_in_a_beam_ends_that_beam_search_alone(llm, undisturbe
     stats = llm.stats()
     assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
     monkeypatch.setattr(xgrammar.GrammarMatcher, "fork", real)
-    [again] = llm.beam_search(PROMPTS[VICTIM], BeamSearchParams(beam_width=2, max_tokens=10, structured_outputs=constraint),
+    [again] = llm.beam_search(PROMPTS[VICTIM],
+                              BeamSearchParams(beam_width=2, max_tokens=10, structured_outputs=constraint),
                               use_tqdm=False)
     assert again.error is None and all(re.fullmatch("[a-z]{4} [a-z]{4}", beam.text) for beam in again.outputs)
 

@@ -81,7 +81,8 @@ def test_bad_adapters_are_refused_by_name(engine, adapters, smollm2_dir, tmp_pat
 
 
 def test_lora_off_refuses_an_adapter(smollm2_dir, adapters):
-    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=32, max_model_len=256))
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=32,
+                                    max_model_len=256))
     with pytest.raises(ValueError, match=re.escape("LoRA adapter 'qv-r4' asked for, but LoRA is off (--enable-lora")):
         engine.add_request("x", SamplingParams(max_tokens=2), lora_request=adapters["qv-r4"])
 

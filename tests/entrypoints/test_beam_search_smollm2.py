@@ -39,7 +39,8 @@ def test_beams_share_the_prompt_blocks(smollm2_dir, smollm2_llm):
     prompt = smollm2_llm.get_tokenizer()("Write a long story about a cat. " * 25)["input_ids"][:200]
     llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=128, max_model_len=2048, enable_prefix_caching=False)
     engine = llm.llm_engine
-    engine.add_beam_search(None, BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True), prompt_token_ids=prompt)
+    engine.add_beam_search(None, BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True),
+                           prompt_token_ids=prompt)
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()

@@ -4,7 +4,8 @@ import sys
 
 def run_cli(*args, stdin=None):
     return subprocess.run(
-        [sys.executable, "-m", "raypaged.entrypoints.cli", *args], input=stdin, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "raypaged.entrypoints.cli", *args], input=stdin, capture_output=True, text=True,
+        timeout=300,
     )
 
 
@@ -21,7 +22,8 @@ def test_generate_chat_answers_on_the_default_model(smollm2_dir):
 
 def test_prompts_from_stdin_and_debug_step_logs(smollm2_dir):
     result = run_cli(
-        "generate", "--model", str(smollm2_dir), "--num-gpu-blocks-override", "64", "--max-model-len", "1024", "--max-tokens", "3",
+        "generate", "--model", str(smollm2_dir), "--num-gpu-blocks-override", "64", "--max-model-len", "1024",
+        "--max-tokens", "3",
         "--log-level", "debug", stdin="Hello there\nThe sky is\n",
     )
     assert result.returncode == 0, result.stderr

@@ -2,9 +2,8 @@
 
 import re
 
-import pytest
-
 import httpx
+import pytest
 
 from raypaged.entrypoints.cli import build_parser, engine_configs
 from raypaged.serving.engine_server import EngineServer
@@ -61,7 +60,8 @@ def test_structured_outputs_flags_set_the_engines_grammar_backend(tiny_model_dir
 
 @pytest.mark.parametrize("argv, message", [
     (["--guided-decoding-backend", "outlines"],
-     "structured outputs backend 'outlines' is not supported (not built into raypaged); supported: auto, xgrammar, guidance"),
+     "structured outputs backend 'outlines' is not supported (not built into raypaged); "
+     "supported: auto, xgrammar, guidance"),
     (["--structured-outputs-config", '{"backend": "xgrammar", "enable_in_thinking": true}'],
      "--structured-outputs-config: unknown field 'enable_in_thinking'; allowed: backend, cache_size, "
      "disable_any_whitespace, enable_in_reasoning, max_whitespace, reasoning_parser"),
@@ -110,11 +110,13 @@ def test_chat_flags_reach_the_engine_and_the_gateway(tiny_model_dir, tmp_path):
     assert (config.chat_template_text, config.default_chat_template_kwargs, config.trust_request_chat_template) == (
         "{% for m in messages %}{{ m.content }}{% endfor %}", {"enable_thinking": False}, True)
     options = gateway_options(args)
-    assert (options.enable_auto_tool_choice, options.tool_call_parser, options.response_role) == (True, "pythonic", "bot")
+    assert (options.enable_auto_tool_choice, options.tool_call_parser, options.response_role) == (
+        True, "pythonic", "bot")
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--chat-template", "no-such-file.jinja"], "--chat-template 'no-such-file.jinja' is neither a file nor a Jinja template"),
+    (["--chat-template", "no-such-file.jinja"],
+     "--chat-template 'no-such-file.jinja' is neither a file nor a Jinja template"),
     (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs must be a JSON object, got [1]"),
 ])
 def test_chat_flags_refuse_bad_values(tiny_model_dir, argv, message):
@@ -123,7 +125,8 @@ def test_chat_flags_refuse_bad_values(tiny_model_dir, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)"),
+    (["--enable-auto-tool-choice"],
+     "--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)"),
     (["--tool-call-parser", "qwen9"],
      "--tool-call-parser 'qwen9' is not supported; supported: hermes, llama3_json, mistral, pythonic"),
 ])

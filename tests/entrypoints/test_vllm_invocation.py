@@ -89,4 +89,5 @@ def test_stop_reason_is_the_stop_token_id_as_a_number(url):
 def test_priority_needs_the_priority_policy(url):
     answer = httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": "hi", "priority": 1})
     assert answer.status_code == 400
-    assert answer.json()["error"]["message"] == "priority 1 needs --scheduling-policy priority (this engine schedules fcfs)"
+    assert answer.json()["error"]["message"] == (
+        "priority 1 needs --scheduling-policy priority (this engine schedules fcfs)")

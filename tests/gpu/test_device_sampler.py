@@ -80,7 +80,8 @@ def test_the_runner_samples_on_the_logits_device(monkeypatch):
     from raypaged import LLM
 
     llm = LLM(model=str(_tiny_model_dir()), load_format="dummy", device="cuda", max_model_len=128)
-    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True))
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                       SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
     assert seen and set(seen) == {("cuda", "cuda")}
 

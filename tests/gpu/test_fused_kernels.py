@@ -178,7 +178,8 @@ def test_the_kernels_record_into_a_cuda_graph():
                   slots=torch.full((tokens,), -1, dtype=torch.long, device="cuda"))
     weight = torch.empty(hidden, device="cuda").uniform_(0.5, 1.5).to(dtype)
     cache_shape = (8, kv_heads, block_size, head_dim)
-    caches = (torch.zeros(cache_shape, dtype=dtype, device="cuda"), torch.zeros(cache_shape, dtype=dtype, device="cuda"))
+    caches = (torch.zeros(cache_shape, dtype=dtype, device="cuda"),
+              torch.zeros(cache_shape, dtype=dtype, device="cuda"))
 
     def split(qkv):
         return qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]

@@ -10,8 +10,8 @@ import torch
 
 from raypaged import LLM, SamplingParams
 from raypaged.attention.backend import cuda_backend
-from raypaged.lora.request import LoRARequest
 from raypaged.lora.ops import build_bgmv_mapping, build_lora_mapping
+from raypaged.lora.request import LoRARequest
 from raypaged.worker.cuda_graphs import DecodeGraphs
 from raypaged.worker.piecewise_graphs import PiecewiseGraphs
 from tests import fused_reference as ref
@@ -58,7 +58,8 @@ def test_decode_graphs_replay_the_lora_product_for_any_slots():
             lora.step.mapping = build_bgmv_mapping(token_slots, device)
             eager = model(ids, positions, caches["bgmv"], meta).clone()
             replayed = graphs.run(ids, positions, meta).clone()
-            message = lambda m: f"step {index}, slots {token_slots}: {m}"  # noqa: E731
+            message = lambda m, index=index, token_slots=token_slots: (  # noqa: E731
+                f"step {index}, slots {token_slots}: {m}")
             torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5, msg=message)
             torch.testing.assert_close(eager, expected, rtol=1e-4, atol=1e-4, msg=message)
             if index == 0:  # the adapters matter: rows of slots 0 and 2 are far from the base model's
@@ -91,7 +92,7 @@ def test_piecewise_graphs_replay_the_lora_product_for_any_slots():
             lora.step.mapping = build_bgmv_mapping(token_slots, device)
             eager = model(ids, positions, caches["bgmv"], meta).clone()
             replayed = (graphs if meta.prefills else decode).run(ids, positions, meta).clone()
-            message = lambda m: f"step {index}: {m}"  # noqa: E731
+            message = lambda m, index=index: f"step {index}: {m}"  # noqa: E731
             torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5, msg=message)
             torch.testing.assert_close(eager, expected, rtol=1e-4, atol=1e-4, msg=message)
     assert graphs.replays == sum(1 for step in STEPS if not all(decode for *_, decode in step)) == 4

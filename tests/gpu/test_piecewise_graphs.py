@@ -58,7 +58,7 @@ def test_graph_replay_equals_the_eager_pieces_and_the_forward(architecture, fuse
             eager = pieces.run(ids, positions, meta).clone()
             # as the runner: decode-only steps replay the decode graphs, the others the pieces
             replayed = (graphs if meta.prefills else decode).run(ids, positions, meta).clone()
-            message = lambda m: f"step {index}: {m}"  # noqa: E731
+            message = lambda m, index=index: f"step {index}: {m}"  # noqa: E731
             torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5, msg=message)
             torch.testing.assert_close(replayed, expected, rtol=1e-4, atol=1e-4, msg=message)
     assert graphs.replays == sum(1 for step in STEPS if not all(decode for *_, decode in step)) == 4

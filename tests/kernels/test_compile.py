@@ -49,7 +49,8 @@ def test_exports_every_kernel_the_wrappers_launch():
     expected = {"copy_blocks", "reshape_and_cache"}
     for dtype in ("f32", "f16", "bf16"):
         expected |= {f"lora_shrink_{dtype}", f"lora_expand_{dtype}"}
-        expected |= {f"{name}_{dtype}" for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")}
+        expected |= {f"{name}_{dtype}"
+                     for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")}
         for head_size in (64, 80, 96, 128):
             for variant in ("v1", "v2", "v2_reduce"):
                 expected.add(f"paged_attention_{variant}_{dtype}_{head_size}")

@@ -80,7 +80,8 @@ def test_a_row_parallel_lora_term_rides_in_its_bases_all_reduce(tmp_path, smollm
     adapter = make_peft_adapter(model_dir, tmp_path / "ad", seed=1, std=0.3, r=4, target_modules="all-linear")
     calls = []
     all_reduce = TensorParallel.all_reduce
-    monkeypatch.setattr(TensorParallel, "all_reduce", lambda self, x: calls.append(tuple(x.shape)) or all_reduce(self, x))
+    monkeypatch.setattr(TensorParallel, "all_reduce",
+                        lambda self, x: calls.append(tuple(x.shape)) or all_reduce(self, x))
     model = load_raypaged(model_dir)
     manager = LoRAManager(model, LoRAConfig(max_loras=1, max_lora_rank=8), TensorParallel(), torch.float32,
                           torch.device("cpu"))

@@ -67,7 +67,8 @@ def test_paged_prefill_and_decode_logits_match_transformers(qwen3_dir):
         spans = [(rid, num_computed[rid], num_computed[rid] + n) for rid, n in schedule.items()]
         assert step.positions.tolist() == [p for _, start, end in spans for p in range(start, end)]
         rows = torch.cat([expected[rid][start:end] for rid, start, end in spans])
-        torch.testing.assert_close(logits, rows, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {index}: {m}")
+        torch.testing.assert_close(logits, rows, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, index=index: f"step {index}: {m}")
         for rid, num_new in schedule.items():
             num_computed[rid] += num_new
     assert num_computed == {rid: len(PROMPTS[rid]) + len(CONTINUATIONS[rid]) for rid in PROMPTS}

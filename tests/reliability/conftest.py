@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import ssl
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from tests.serving.conftest import tiny_model_dir  # noqa: F401  (a session fixture of this folder too)
+
 
 def free_port() -> int:
     with socket.socket() as sock:

@@ -34,7 +34,8 @@ def stack(tiny_model_dir):
 @pytest.fixture(scope="module")
 def good_text(tiny_model_dir) -> str:
     llm = LLM(model=str(tiny_model_dir), num_gpu_blocks_override=64, max_model_len=MAX_MODEL_LEN)
-    text = llm.generate(GOOD["prompt"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+    text = llm.generate(GOOD["prompt"],
+                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
     llm.shutdown()
     return text
 
@@ -104,7 +105,8 @@ SURROGATE = "request body is not valid JSON: a string holds an unpaired UTF-16 s
 # (path, body as bytes or JSON, status, message, param)
 BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400,
-     "request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)", None),
+     "request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+     None),
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400,
      "request body is not valid JSON: 'utf-8' codec can't decode byte 0xff in position 12: invalid start byte", None),
     ("/v1/completions", b'{"prompt": "\\ud800"}', 400, SURROGATE, None),

@@ -25,8 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS
-from raypaged.serving.channel import PARAM_METADATA_KEY
+from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
 from raypaged.serving.gateway.tenants import DEFAULT_MAX_REQUEST_PRIORITY
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc

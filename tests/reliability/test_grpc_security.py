@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from raypaged.entrypoints.cli import build_parser, main
 from raypaged.engine.async_llm_engine import RequestFailedError
+from raypaged.entrypoints.cli import build_parser, main
 from raypaged.serving.engine_server import EngineServer
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tenants import Tenant, TenantGate, Tenants, load_tenants
@@ -20,8 +20,10 @@ from tests.serving.conftest import BackgroundLoop, tiny_config
 A, B, Q = "sk-a", "sk-b", "sk-q"
 MISSING = "Missing API key; send it as 'Authorization: Bearer KEY'"
 INCORRECT = "Incorrect API key provided; send it as 'Authorization: Bearer KEY'"
-GREEDY = dict(sampling=pb.SamplingParameters(temperature=0), stopping=pb.StoppingCriteria(max_tokens=8, ignore_eos=True))
-LONG = dict(sampling=pb.SamplingParameters(temperature=0), stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True))
+GREEDY = dict(sampling=pb.SamplingParameters(temperature=0),
+              stopping=pb.StoppingCriteria(max_tokens=8, ignore_eos=True))
+LONG = dict(sampling=pb.SamplingParameters(temperature=0),
+            stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True))
 
 
 def key(api_key: str) -> tuple[tuple[str, str]]:
@@ -83,10 +85,10 @@ def test_missing_or_wrong_key_is_unauthenticated_on_every_call_but_health_info_m
         "Tokenize": lambda md: stub.Tokenize(pb.TokenizeRequest(text="hi"), metadata=md),
         "Detokenize": lambda md: stub.Detokenize(pb.DetokenizeRequest(token_ids=[1]), metadata=md),
     }
-    for name, call in calls.items():
-        assert_refused(lambda: call(()), grpc.StatusCode.UNAUTHENTICATED, MISSING)
-        assert_refused(lambda: call(key("sk-wrong")), grpc.StatusCode.UNAUTHENTICATED, INCORRECT)
-        assert_refused(lambda: call((("authorization", A),)), grpc.StatusCode.UNAUTHENTICATED, INCORRECT)
+    for _name, call in calls.items():
+        assert_refused(lambda call=call: call(()), grpc.StatusCode.UNAUTHENTICATED, MISSING)
+        assert_refused(lambda call=call: call(key("sk-wrong")), grpc.StatusCode.UNAUTHENTICATED, INCORRECT)
+        assert_refused(lambda call=call: call((("authorization", A),)), grpc.StatusCode.UNAUTHENTICATED, INCORRECT)
     assert stub.Health(pb.HealthRequest()).status == pb.SERVING_STATUS_SERVING
     assert [m.name for m in stub.Info(pb.InfoRequest()).models] == ["tiny"]
     assert "raypaged:" in stub.Metrics(pb.MetricsRequest()).prometheus_text
@@ -301,4 +303,5 @@ def test_engine_flags_for_keys_tenants_and_prefix_cache_sharing(tmp_path, capsys
     bad = tmp_path / "tenants.yaml"
     bad.write_text("tenants:\n  - name: t\n    max_request_priority: -1\n")
     assert main(["engine", "--tenants", str(bad)]) == 2  # before any model loads
-    assert capsys.readouterr().err.strip() == "error: tenant t: min_request_priority must not exceed max_request_priority"
+    assert capsys.readouterr().err.strip() == (
+        "error: tenant t: min_request_priority must not exceed max_request_priority")

@@ -80,7 +80,8 @@ CASES = [
          params={"stop": _stop_strings(200_000)}),
     Case("a stop string of 100,000 characters", {"prompt": "hi", "max_tokens": 4, "stop": ["x" * 100_000]}, 400,
          "stop has a string of 100000 characters, more than the limit of 256 (--max-stop-string-chars)",
-         grpc_fields={"stopping": {"max_tokens": 4, "stop_sequences": ["x" * 100_000]}}, params={"stop": ["x" * 100_000]}),
+         grpc_fields={"stopping": {"max_tokens": 4, "stop_sequences": ["x" * 100_000]}},
+         params={"stop": ["x" * 100_000]}),
     Case("1,000,000 stop token ids", {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [7] * 1_000_000}, 400,
          "stop_token_ids has 1000000 ids, more than the limit of 1024 (--max-stop-token-ids)",
          grpc_fields={"stopping": {"max_tokens": 4, "stop_token_ids": [7] * 1_000_000}},
@@ -147,7 +148,8 @@ def assert_unharmed(stack: Stack, canary_text: str) -> None:
     deadline = time.monotonic() + 5
     while True:
         stats = stack.engine().stats()
-        idle = (stats["num_requests_running"], stats["num_requests_waiting"], stats["num_requests_swapped"]) == (0, 0, 0)
+        idle = (stats["num_requests_running"], stats["num_requests_waiting"],
+                stats["num_requests_swapped"]) == (0, 0, 0)
         if idle and stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]:
             return
         assert time.monotonic() < deadline, stats

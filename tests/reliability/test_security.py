@@ -57,7 +57,8 @@ def test_api_key_from_the_environment_stays_out_of_the_process_list(monkeypatch)
     parser = build_parser()
     monkeypatch.setenv("RAYPAGED_API_KEY", KEY)
     assert gateway_options(parser.parse_args(["serve"])).api_keys == (KEY,)
-    assert gateway_options(parser.parse_args(["serve", "--api-key", "sk-flag"])).api_keys == ("sk-flag",)  # the flag wins
+    # the flag wins
+    assert gateway_options(parser.parse_args(["serve", "--api-key", "sk-flag"])).api_keys == ("sk-flag",)
     monkeypatch.setenv("RAYPAGED_API_KEY", "")
     assert gateway_options(parser.parse_args(["serve"])).api_keys == ()
 
@@ -157,7 +158,8 @@ def test_new_browser_flags_parse():
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--allowed-origins", '["https://a.example", 3]'],
-     """error: --allowed-origins takes a JSON list of strings or a comma-separated list, got '["https://a.example", 3]'"""),
+     "error: --allowed-origins takes a JSON list of strings or a comma-separated list, "
+     """got '["https://a.example", 3]'"""),
     (["--allowed-methods", "GET"], "error: --allowed-methods needs --allowed-origins (without it the server sends no "
                                    "CORS headers)"),
     (["--allow-credentials"], "error: --allow-credentials needs --allowed-origins (without it the server sends no "
@@ -270,7 +272,8 @@ def test_cors_only_for_allowed_origins(stack):
         serving.result(timeout=30)
 
 
-CROSS_SITE = "cross-site request refused (Origin {!r}): list the origin in --allowed-origins to serve browser pages from it"
+CROSS_SITE = ("cross-site request refused (Origin {!r}): list the origin in --allowed-origins to serve browser pages "
+              "from it")
 
 
 def test_cross_site_posts_are_refused_unless_the_origin_is_allowed(stack):

@@ -1,4 +1,5 @@
-"""``raypaged serve`` as a process: SIGTERM drains in-flight streams and exits 0; keys and prompts stay out of its log."""
+"""``raypaged serve`` as a process: SIGTERM drains in-flight streams and exits 0; keys and prompts stay out of
+its log."""
 
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
+from raypaged.engine.async_llm_engine import AsyncLLMEngine
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.sampling_params import SamplingParams
-from raypaged.engine.async_llm_engine import AsyncLLMEngine
 from tests.serving.conftest import tiny_config
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)

@@ -89,7 +89,8 @@ def test_llm_prompt_logprobs_survive_prefix_caching_and_chunks(smollm2_dir, refe
     output = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0),
                           use_tqdm=False)[0]
     assert output.prompt_logprobs[0] is None
-    assert [entry[token] for entry, token in zip(output.prompt_logprobs[1:], ids[1:])] == pytest.approx(chosen, abs=1e-4)
+    assert [entry[token] for entry, token in zip(output.prompt_logprobs[1:], ids[1:])] == pytest.approx(
+        chosen, abs=1e-4)
     assert all(len(entry) == 1 for entry in output.prompt_logprobs[1:])
     assert llm.stats()["num_gpu_blocks_free"] == 128
 

@@ -100,7 +100,8 @@ def test_every_error_has_its_status_and_openai_shape(stack, client):
     assert_error(client.post(completions, json={"model": "tiny"}), 400, "invalid_request_error", None, "prompt")
     assert_error(client.post(completions, json={"model": "tiny", "prompt": "x", "n": 0}),
                  400, "invalid_request_error", None, "n:")
-    assert_error(client.post(completions, json={"prompt": "x"}), 400, "invalid_request_error", None, "model is required")
+    assert_error(client.post(completions, json={"prompt": "x"}),
+                 400, "invalid_request_error", None, "model is required")
     assert_error(client.post(completions, json={"model": "gpt-9", "prompt": "x"}),
                  404, "invalid_request_error", "model_not_found", "The model `gpt-9` does not exist.")
     assert_error(client.post(completions, json={"model": "tiny", "prompt": "x" * 5000}),
@@ -108,7 +109,8 @@ def test_every_error_has_its_status_and_openai_shape(stack, client):
     with stack.client() as anonymous:
         assert_error(anonymous.post(completions, json={"model": "tiny", "prompt": "x"}),
                      401, "invalid_request_error", "invalid_api_key", "Missing API key")
-        wrong = anonymous.post(completions, json={"model": "tiny", "prompt": "x"}, headers={"Authorization": "Bearer no"})
+        wrong = anonymous.post(completions, json={"model": "tiny", "prompt": "x"},
+                               headers={"Authorization": "Bearer no"})
         assert_error(wrong, 401, "invalid_request_error", "invalid_api_key", "Incorrect API key")
         assert anonymous.get("/health").status_code == 200
 
@@ -245,7 +247,8 @@ def test_streams_end_with_done_and_usage_when_asked(client):
 def test_tokenize_and_detokenize(client):
     tokens = client.post("/tokenize", json={"model": "tiny", "prompt": "Hello world"}).json()
     assert tokens == {"count": 2, "max_model_len": 256, "tokens": [19556, 905]}
-    assert client.post("/detokenize", json={"model": "tiny", "tokens": [19556, 905]}).json() == {"prompt": "Hello world"}
+    assert client.post("/detokenize", json={"model": "tiny", "tokens": [19556, 905]}).json() == {
+        "prompt": "Hello world"}
     chat = client.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] > 5
     refused = client.post("/detokenize", json={"model": "tiny", "tokens": [10**6]})
@@ -378,7 +381,8 @@ class FakeEngine(pb_grpc.TextGenerationServiceServicer):
                                   usage=pb.Usage(prompt_tokens=1, completion_tokens=1))
         if verb == "fail":
             await context.abort(grpc.StatusCode[code], message)
-        yield pb.GenerateResponse(request_id="fake", finished=True, usage=pb.Usage(prompt_tokens=1, completion_tokens=2),
+        yield pb.GenerateResponse(request_id="fake", finished=True,
+                                  usage=pb.Usage(prompt_tokens=1, completion_tokens=2),
                                   outputs=[pb.CompletionDelta(index=0, token_ids=[2], text="b",
                                                               finish_reason=pb.FINISH_REASON_LENGTH)])
 

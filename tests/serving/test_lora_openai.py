@@ -101,8 +101,10 @@ def test_unloading_and_bad_adapters_are_refused_by_name(stack, adapter_dirs, tmp
         (odd / "adapter_config.json").write_text(json.dumps(config))
         refused = http.post("/v1/load_lora_adapter", json={"lora_name": "odd", "lora_path": str(odd)})
         assert refused.status_code == 400
-        assert refused.json()["error"]["message"].startswith("LoRA adapter 'odd' targets module 'c_attn', which the model lacks")
-        big = make_peft_adapter(stack_model_dir(stack), tmp_path / "big", 0, r=32, lora_alpha=32, target_modules=["q_proj"])
+        assert refused.json()["error"]["message"].startswith(
+            "LoRA adapter 'odd' targets module 'c_attn', which the model lacks")
+        big = make_peft_adapter(stack_model_dir(stack), tmp_path / "big", 0, r=32, lora_alpha=32,
+                                target_modules=["q_proj"])
         refused = http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big)})
         assert refused.status_code == 400
         assert refused.json()["error"]["message"] == "LoRA adapter 'big' has rank 32, above --max-lora-rank 16"

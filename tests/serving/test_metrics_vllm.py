@@ -14,10 +14,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from raypaged.core.request import Request, RequestStatus
+from raypaged.engine.async_llm_engine import AsyncLLMEngine
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
-from raypaged.engine.async_llm_engine import AsyncLLMEngine
 from raypaged.serving.metrics import ServerMetrics
 from tests.serving.conftest import Stack, tiny_config
 

@@ -50,7 +50,8 @@ def test_a_reasoning_server_answers_with_reasoning_content_whole_and_streamed(ti
             whole = http.post("/v1/chat/completions", json=body).json()
             plain = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 8,
                                                         "temperature": 0}).json()
-            streamed = [line for line in http.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n")
+            streamed = [line
+                        for line in http.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n")
                         if line.startswith("data: {")]
             constrained = http.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
     finally:

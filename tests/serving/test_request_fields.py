@@ -93,13 +93,15 @@ def test_a_trusted_request_template_renders_the_prompt(http):  # continued: cut 
     answer = http.post("/v1/chat/completions", json=body)
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["prompt_tokens"] == len(
-        http.post("/tokenize", json={"model": "tiny", "prompt": "<hi><Hel", "add_special_tokens": False}).json()["tokens"])
+        http.post("/tokenize",
+                  json={"model": "tiny", "prompt": "<hi><Hel", "add_special_tokens": False}).json()["tokens"])
 
 
 def _greedy_ids(http, **fields) -> list[int]:
     body = {**COMPLETION, "max_tokens": 4, "temperature": 0, "logprobs": 0, **fields}
     tokens = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
-    return http.post("/tokenize", json={"model": "tiny", "prompt": "".join(tokens), "add_special_tokens": False}).json()["tokens"]
+    return http.post("/tokenize",
+                     json={"model": "tiny", "prompt": "".join(tokens), "add_special_tokens": False}).json()["tokens"]
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words_steer_the_tokens(http):
@@ -223,7 +225,8 @@ def test_use_beam_search_refuses_what_beams_cannot_honour(http, extra, message):
 
 def test_length_penalty_needs_use_beam_search(http):
     answer = http.post("/v1/completions", json={**COMPLETION, "length_penalty": 2.0})
-    assert (answer.status_code, answer.json()["error"]["message"]) == (400, "length_penalty applies to use_beam_search only")
+    assert (answer.status_code, answer.json()["error"]["message"]) == (
+        400, "length_penalty applies to use_beam_search only")
 
 
 def test_logprobs_minus_one_means_the_whole_vocabulary_within_max_logprobs(http, tiny_model_dir):

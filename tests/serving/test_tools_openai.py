@@ -17,7 +17,8 @@ TEMPLATE = Path(__file__).with_name("hermes_tool_template.jinja")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
 TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+    {"type": "function",
+     "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
@@ -161,7 +162,8 @@ def test_tool_choice_none_shows_the_tools_but_parses_nothing(client):
 def test_what_cannot_be_honoured_is_a_400(client, extra, message):
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=4,
-                                       **{k: v for k, v in extra.items() if k in ("tools", "tool_choice", "response_format")},
+                                       **{k: v for k, v in extra.items()
+                                          if k in ("tools", "tool_choice", "response_format")},
                                        extra_body={k: v for k, v in extra.items()
                                                    if k not in ("tools", "tool_choice", "response_format")})
     assert raised.value.body["message"] == message

@@ -7,7 +7,8 @@ DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
 SCHEMAS: dict[str, dict] = {
     "person": {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
                "required": ["name", "age"]},
-    "int_array": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 1, "maxItems": 4},
+    "int_array": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 1,
+                  "maxItems": 4},
     "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
     "nested": {"type": "object", "properties": {
         "person": {"type": "object", "properties": {"first": NAME, "last": NAME}, "required": ["first", "last"]},
@@ -27,7 +28,8 @@ SCHEMAS: dict[str, dict] = {
     "objects_array": {"type": "array", "maxItems": 3, "items": {
         "type": "object", "properties": {"item": NAME, "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
         "required": ["item", "qty"]}},
-    "const": {"type": "object", "properties": {"version": {"const": "1.0"}, "name": NAME}, "required": ["version", "name"]},
+    "const": {"type": "object", "properties": {"version": {"const": "1.0"}, "name": NAME},
+              "required": ["version", "name"]},
     "nullable": {"type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 10}},
                  "required": ["note"]},
     "enum_array": {"type": "object", "properties": {

@@ -64,7 +64,8 @@ def test_compiled_grammars_are_cached_by_constraint_least_recently_used_dropped(
      "structured outputs: the grammar constraint does not compile: EBNF parser error at line 1, column 11: "
      "Expect element, but got"),
     (StructuredOutputsParams(json="{not json"),
-     "structured outputs: json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+     "structured outputs: json is not valid JSON: Expecting property name enclosed in double quotes: "
+     "line 1 column 2 (char 1)"),
     (StructuredOutputsParams(structural_tag='{"type": "structural_tag", "format": {"type": "nope"}}'),
      "structured outputs: the structural_tag constraint does not compile: "),
     (StructuredOutputsParams(choice=["\U00040000"]),  # found by fuzzing: every first token masked
@@ -77,13 +78,15 @@ def test_compile_errors_name_the_constraint(backend, params, message):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({}, "structured outputs need exactly one of json, regex, choice, grammar, json_object or structural_tag, got none"),
+    ({}, "structured outputs need exactly one of json, regex, choice, grammar, json_object or structural_tag, "
+         "got none"),
     ({"regex": "a", "choice": ["b"]},
      "structured outputs need exactly one of json, regex, choice, grammar, json_object or structural_tag, "
      "got ['regex', 'choice']"),
     ({"choice": []}, "structured outputs: choice must be a non-empty list of strings"),
     ({"regex": 5}, "structured outputs: regex must be a string, got int"),
-    ({"json": {}, "whitespace_pattern": " "}, "structured outputs: whitespace_pattern is not supported by the xgrammar backend"),
+    ({"json": {}, "whitespace_pattern": " "},
+     "structured outputs: whitespace_pattern is not supported by the xgrammar backend"),
 ])
 def test_structured_outputs_params_are_checked(kwargs, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
@@ -92,7 +95,8 @@ def test_structured_outputs_params_are_checked(kwargs, message):
 
 @pytest.mark.parametrize(("value", "backend", "message"), [
     ('{"backend": "outlines"}', None,
-     "structured outputs backend 'outlines' is not supported (not built into raypaged); supported: auto, xgrammar, guidance"),
+     "structured outputs backend 'outlines' is not supported (not built into raypaged); "
+     "supported: auto, xgrammar, guidance"),
     (None, "lm-format-enforcer", "structured outputs backend 'lm-format-enforcer' is not supported (not built into "
                                  "raypaged); supported: auto, xgrammar, guidance"),
     ('{"backend": "xgrammar", "reasoning": 1}', None,
@@ -100,7 +104,8 @@ def test_structured_outputs_params_are_checked(kwargs, message):
      "enable_in_reasoning, max_whitespace, reasoning_parser"),
     ('{"reasoning_parser": "o1"}', None, "--reasoning-parser 'o1' is not supported; supported: deepseek_r1, qwen3"),
     ("[1]", None, "--structured-outputs-config must be a JSON object, got [1]"),
-    ("{", None, "--structured-outputs-config is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ("{", None, "--structured-outputs-config is not valid JSON: Expecting property name enclosed in double quotes: "
+                "line 1 column 2 (char 1)"),
 ])
 def test_the_servers_config_refuses_what_it_cannot_honour(value, backend, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
@@ -164,7 +169,8 @@ def test_the_guidance_backend_takes_json_regex_and_choice(smollm2_dir):
     matcher.fill_next_token_bitmask(bitmask, 0)
     logits = torch.zeros(1, 49152)
     apply_token_bitmask(logits, bitmask, [0])
-    assert {tokenizer.decode([t]) for t in torch.nonzero(logits[0] == 0).flatten().tolist()} == {"y", "ye", "yes", "n", "no"}
+    assert {tokenizer.decode([t]) for t in torch.nonzero(logits[0] == 0).flatten().tolist()} == {
+        "y", "ye", "yes", "n", "no"}
     fork = matcher.fork()
     assert matcher.accept_token(tokenizer.encode("yes")[0]) and matcher.is_terminated()
     assert not fork.is_terminated() and fork.accept_token(tokenizer.encode("no")[0])  # the fork kept its own state

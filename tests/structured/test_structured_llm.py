@@ -32,7 +32,8 @@ def _validate(schema: dict, text: str) -> None:
 def test_every_schema_gives_valid_json_that_ends(smollm2_llm, temperature):
     conversations = [_ask(f"Answer in JSON: an example of {name.replace('_', ' ')}.") for name in SCHEMAS]
     params = [
-        SamplingParams(temperature=temperature, seed=i, max_tokens=256, structured_outputs=StructuredOutputsParams(json=s))
+        SamplingParams(temperature=temperature, seed=i, max_tokens=256,
+                       structured_outputs=StructuredOutputsParams(json=s))
         for i, s in enumerate(SCHEMAS.values())
     ]
     outputs = smollm2_llm.chat(conversations, params, use_tqdm=False)
@@ -74,7 +75,8 @@ def test_unconstrained_requests_are_untouched_by_constrained_ones(smollm2_llm):
     plain = [f"Tell me one fact about the number {i}." for i in range(32)]
     greedy = SamplingParams(temperature=0, max_tokens=12)
     alone = smollm2_llm.generate(plain, greedy, use_tqdm=False)
-    constrained = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(json=SCHEMAS["person"]))
+    constrained = SamplingParams(temperature=0, max_tokens=12,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMAS["person"]))
     mixed = smollm2_llm.generate(
         [p for pair in zip(plain, [f"Person {i} as JSON:" for i in range(32)]) for p in pair],
         [p for _ in range(32) for p in (greedy, constrained)],
@@ -110,7 +112,8 @@ def test_beam_search_beams_each_follow_the_grammar(smollm2_llm):
          lambda text: text in ("yes", "no", "maybe")),
         (StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}"), "When was the moon landing?",
          lambda text: re.fullmatch(r"\d{4}-\d{2}-\d{2}", text)),
-        (StructuredOutputsParams(json=person), "Describe a person in JSON.", lambda text: _validate(person, text) is None),
+        (StructuredOutputsParams(json=person), "Describe a person in JSON.",
+         lambda text: _validate(person, text) is None),
     ]
     prompts = [tokenizer.apply_chat_template(_ask(q), tokenize=False, add_generation_prompt=True) for _, q, _ in cases]
     free_before = smollm2_llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=40), use_tqdm=False)
@@ -123,7 +126,8 @@ def test_beam_search_beams_each_follow_the_grammar(smollm2_llm):
             assert beam.finish_reason == "stop" and conforms(beam.text), beam.text
             assert beam.token_ids[-1] == tokenizer.eos_token_id
     free_after = smollm2_llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=40), use_tqdm=False)
-    assert [[b.token_ids for b in o.outputs] for o in free_after] == [[b.token_ids for b in o.outputs] for o in free_before]
+    assert [[b.token_ids for b in o.outputs] for o in free_after] == [
+        [b.token_ids for b in o.outputs] for o in free_before]
     assert smollm2_llm.llm_engine.core._matchers == {}  # every beam's grammar state released
     with pytest.raises(ValueError, match="beam search with structured_outputs cannot ignore_eos"):
         BeamSearchParams(ignore_eos=True, structured_outputs=cases[0][0])
@@ -132,8 +136,10 @@ def test_beam_search_beams_each_follow_the_grammar(smollm2_llm):
 def test_preempted_constrained_requests_stay_valid(smollm2_dir):
     llm = LLM(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=24, block_size=16, max_model_len=384)
     schema = SCHEMAS["objects_array"]
-    params = SamplingParams(temperature=0.8, seed=1, max_tokens=120, structured_outputs=StructuredOutputsParams(json=schema))
-    outputs = llm.chat([_ask(f"List up to three items for trip {i}, as JSON.") for i in range(8)], params, use_tqdm=False)
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=120,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    outputs = llm.chat([_ask(f"List up to three items for trip {i}, as JSON.") for i in range(8)], params,
+                       use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
     for output in outputs:
         assert output.outputs[0].finish_reason == "stop"
@@ -183,7 +189,8 @@ def test_auto_enforces_all_of_through_guidance(smollm2_llm):
     schema = {"allOf": [{"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
                         {"required": ["name", "age"]}]}
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=80, structured_outputs=StructuredOutputsParams(json=schema))
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=80,
+                             structured_outputs=StructuredOutputsParams(json=schema))
               for i in range(4)]
     for output in smollm2_llm.chat([_ask("Give me a person as JSON.")] * 4, params, use_tqdm=False):
         assert output.outputs[0].finish_reason == "stop"

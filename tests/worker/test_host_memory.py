@@ -10,8 +10,7 @@ import torch
 
 from raypaged.worker import host_memory
 from raypaged.worker.cache import KVCache
-from raypaged.worker.host_memory import (HUGE_PAGE_BYTES, huge_pages_available, retain_freed_memory,
-                                         zeros_on_huge_pages)
+from raypaged.worker.host_memory import HUGE_PAGE_BYTES, huge_pages_available, retain_freed_memory, zeros_on_huge_pages
 
 needs_thp = pytest.mark.skipif(not huge_pages_available(), reason="transparent huge pages are off on this machine")
 

@@ -224,7 +224,7 @@ def test_capture_records_every_bucket_and_piece_and_a_step_replays_its_buckets(m
     warm_ups.clear()
     generator = torch.Generator().manual_seed(1)
     with torch.inference_mode():
-        for index, step in enumerate(STEPS):
+        for _index, step in enumerate(STEPS):
             ids, positions, meta = step_inputs(step, generator, model.config.vocab_size)
             assert torch.equal(pieces.run(ids, positions, meta), model(ids, positions, normal_caches, meta))
     assert not warm_ups and pieces.replays == len(STEPS)

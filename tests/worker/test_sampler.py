@@ -116,7 +116,8 @@ def penalties_row_by_row(logits: torch.Tensor, inputs: list[SamplingInput]) -> t
             if len(word) == 1 or s.output_token_ids[len(s.output_token_ids) - len(word) + 1:] == word[:-1]:
                 logits[i, word[-1]] = float("-inf")
         if len(s.output_token_ids) < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([s.eos_token_id] if s.eos_token_id is not None and not p.ignore_eos else [])
+            banned = list(p.stop_token_ids) + (
+                [s.eos_token_id] if s.eos_token_id is not None and not p.ignore_eos else [])
             if banned:
                 logits[i, banned] = float("-inf")
     return logits

@@ -19,8 +19,9 @@ from pydantic.json_schema import models_json_schema
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
-from raypaged.inputs.limits import check_count
 from raypaged import __version__
+from raypaged.inputs.limits import check_count
+from raypaged.serving.client import StreamCall
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import APIError, from_grpc, install_handlers
@@ -37,7 +38,6 @@ from raypaged.serving.gateway.schemas import (
 )
 from raypaged.serving.gateway.tenants import TenantGate, Tenants
 from raypaged.serving.gateway.tool_parsers import ToolParser
-from raypaged.serving.client import StreamCall
 from raypaged.serving.messages import AnyResponse
 from raypaged.serving.proto import generate_pb2 as pb
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, RECONNECT_OPTIONS
-from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.client import EngineClient
+from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
 

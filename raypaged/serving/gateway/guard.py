@@ -59,7 +59,8 @@ def check_exempt_paths(paths: tuple[str, ...]) -> None:
         if not path.startswith("/"):
             raise ValueError(f"--auth-exempt-paths takes paths starting with '/', got {path!r}")
         if path in GENERATION_PATHS:
-            raise ValueError(f"--auth-exempt-paths cannot include {path}: generation always needs a key when keys are set")
+            raise ValueError(f"--auth-exempt-paths cannot include {path}: "
+                             "generation always needs a key when keys are set")
 
 
 def host_name(host: str) -> str:

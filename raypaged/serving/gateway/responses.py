@@ -263,7 +263,9 @@ class Accumulator:
 class ChunkWriter:
     """Turns deltas into stream chunks (``None`` for a delta with nothing to tell)."""
 
-    def __init__(self, shape: ResponseShape, num_prompts: int, include_usage: bool, continuous_usage: bool = False) -> None:
+    def __init__(
+        self, shape: ResponseShape, num_prompts: int, include_usage: bool, continuous_usage: bool = False
+    ) -> None:
         self.shape = shape
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # every chunk carries its prompt's usage so far

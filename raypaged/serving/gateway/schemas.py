@@ -8,13 +8,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from raypaged.serving.proto import generate_pb2 as pb
-
 from raypaged.serving.gateway.errors import APIError
-from raypaged.serving.protocol import ALL_LOGPROBS
 from raypaged.serving.gateway.structured import ResponseFormat, StructuredOutputsBody
 from raypaged.serving.gateway.tool_parsers import ToolParser
 from raypaged.serving.gateway.tools import NamedToolChoice, Tool, ToolPlan
+from raypaged.serving.proto import generate_pb2 as pb
+from raypaged.serving.protocol import ALL_LOGPROBS
 
 logger = logging.getLogger("raypaged")
 

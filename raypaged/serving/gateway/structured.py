@@ -53,7 +53,8 @@ class ResponseFormat(BaseModel):
         if self.format is not None:
             return pb.StructuredOutput(structural_tag=json.dumps({"type": "structural_tag", "format": self.format}))
         if self.structures is None or self.triggers is None:
-            raise APIError(400, "response_format structural_tag needs format, or structures and triggers", "response_format")
+            raise APIError(400, "response_format structural_tag needs format, or structures and triggers",
+                           "response_format")
         tags = [
             {"begin": s.begin, "content": {"type": "json_schema", "json_schema": s.json_schema or {}}, "end": s.end}
             for s in self.structures

@@ -141,7 +141,8 @@ class Tenants:
             gate = TenantGate(tenant)
             for key in tenant.api_keys:
                 if key in self._by_key:
-                    raise ValueError(f"api key of tenant {tenant.name} is also given to {self._by_key[key].tenant.name}")
+                    raise ValueError(f"api key of tenant {tenant.name} is also given to "
+                                     f"{self._by_key[key].tenant.name}")
                 self._by_key[key] = gate
         self._open = None if self._by_key else TenantGate(Tenant("default"))
 

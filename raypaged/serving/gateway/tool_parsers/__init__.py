@@ -8,7 +8,9 @@ from raypaged.serving.gateway.tool_parsers.llama3_json import Llama3JsonParser
 from raypaged.serving.gateway.tool_parsers.mistral import MistralParser
 from raypaged.serving.gateway.tool_parsers.pythonic import PythonicParser
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+}
 
 
 def get_parser(name: str) -> ToolParser:

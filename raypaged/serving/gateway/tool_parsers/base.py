@@ -20,7 +20,8 @@ class ToolCall:
 
     @classmethod
     def from_json(cls, value: Any, arguments_keys: tuple[str, ...] = ("arguments",)) -> ToolCall:
-        """``{"name": ..., "arguments": {...}}`` (or another key for the arguments); anything else raises ``ValueError``."""
+        """``{"name": ..., "arguments": {...}}`` (or another key for the arguments); anything else raises
+        ``ValueError``."""
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             raise ValueError(f"not a tool call: {value!r}")
         arguments = next((value[k] for k in arguments_keys if k in value), {})
