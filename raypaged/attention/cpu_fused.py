@@ -12,7 +12,15 @@ from __future__ import annotations
 import torch
 
 from raypaged.attention import cpu_ops
-from raypaged.kernels.checks import LONG, check_contiguous, check_norm_input, check_shape, check_tensor
+from raypaged.kernels.checks import (
+    LONG,
+    check_contiguous,
+    check_eps,
+    check_norm_input,
+    check_norm_weight,
+    check_shape,
+    check_tensor,
+)
 
 F32 = (torch.float32,)
 
@@ -23,18 +31,13 @@ def _check_cpu(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> Non
             raise ValueError(f"{name} must be a CPU tensor, got {tensor.device}")
 
 
-def _check_weight(weight: object, hidden: int) -> None:
-    check_tensor("weight", weight, F32, 1)
-    check_shape("weight", weight, (hidden,))
-    check_contiguous("weight", weight)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dimension, into a new contiguous tensor.
     ``x``: ``[tokens, hidden]`` or ``[tokens, heads, head_dim]``, its last dimension contiguous."""
     check_norm_input("x", x, F32)
     hidden = x.shape[-1]
-    _check_weight(weight, hidden)
+    check_norm_weight(weight, x, F32)
+    check_eps(eps)
     _check_cpu(("x", "weight"), (x, weight))
     out = torch.empty(x.shape, dtype=x.dtype)
     heads = x.shape[1] if x.dim() == 3 else 1
@@ -53,7 +56,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     check_shape("residual", residual, x.shape)
     check_contiguous("x", x)
     check_contiguous("residual", residual)
-    _check_weight(weight, x.shape[1])
+    check_norm_weight(weight, x, F32)
+    check_eps(eps)
     _check_cpu(("x", "residual", "weight"), (x, residual, weight))
     if x.numel() and x.data_ptr() == residual.data_ptr():
         raise ValueError("x and residual must be different buffers (both are written)")

@@ -38,6 +38,22 @@ def check_norm_input(name: str, x: object, dtypes: Sequence[torch.dtype]) -> Non
         raise ValueError(f"{name} must have a contiguous last dimension; got strides {x.stride()}")
 
 
+def check_norm_weight(weight: object, x: torch.Tensor, dtypes: Sequence[torch.dtype]) -> None:
+    """A norm's weight: one contiguous row of ``x``'s last dimension, in ``x``'s dtype."""
+    check_tensor("weight", weight, dtypes, 1)
+    check_shape("weight", weight, (x.shape[-1],))
+    check_contiguous("weight", weight)
+    check_same_dtype(("x", "weight"), (x, weight))
+
+
+def check_eps(eps: object) -> None:
+    """A norm's epsilon: a number >= 0."""
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
 def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None]) -> None:
     """``expected`` entries of None accept any size."""
     if any(want is not None and got != want for got, want in zip(tensor.shape, expected)):

@@ -23,7 +23,9 @@ from raypaged.kernels.checks import (
     check_cache_pair,
     check_contiguous,
     check_cuda,
+    check_eps,
     check_norm_input,
+    check_norm_weight,
     check_same_dtype,
     check_shape,
     check_tensor,
@@ -44,20 +46,6 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % VECTOR_BYTES == 0 for t in tensors)
 
 
-def _check_eps(eps: object) -> None:
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-
-
-def _check_weight(weight: object, x: torch.Tensor) -> None:
-    check_tensor("weight", weight, FLOAT_DTYPES, 1)
-    check_shape("weight", weight, (x.shape[-1],))
-    check_contiguous("weight", weight)
-    check_same_dtype(("x", "weight"), (x, weight))
-
-
 def _norm_threads(rows: int, units: int) -> int:
     # few rows (decode): wide blocks, so one row's reduction is spread over many threads;
     # many rows: 256-thread blocks, several resident per SM
@@ -72,8 +60,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     check_norm_input("x", x, FLOAT_DTYPES)
     hidden = x.shape[-1]
-    _check_weight(weight, x)
-    _check_eps(eps)
+    check_norm_weight(weight, x, FLOAT_DTYPES)
+    check_eps(eps)
     device = check_cuda(("x", "weight"), (x, weight))
     out = torch.empty(x.shape, dtype=x.dtype, device=device)
     heads = x.shape[1] if x.dim() == 3 else 1
@@ -106,8 +94,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     for name, tensor in (("x", x), ("residual", residual)):
         check_contiguous(name, tensor)
     hidden = x.shape[1]
-    _check_weight(weight, x)
-    _check_eps(eps)
+    check_norm_weight(weight, x, FLOAT_DTYPES)
+    check_eps(eps)
     if x.numel() and x.data_ptr() == residual.data_ptr():
         raise ValueError("x and residual must be different buffers (both are written)")
     device = check_cuda(("x", "residual", "weight"), (x, residual, weight))

@@ -127,6 +127,10 @@ def test_other_ops_refuse_bad_arguments():
         cpu_fused.rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match=r"^weight must have shape \(8,\)"):
         cpu_fused.rms_norm(torch.ones(2, 8), torch.ones(9), 1e-5)
+    with pytest.raises(ValueError, match="^eps must be >= 0, got -1.0$"):
+        cpu_fused.rms_norm(torch.ones(2, 8), torch.ones(8), -1.0)
+    with pytest.raises(TypeError, match="^eps must be a float, got str$"):
+        cpu_fused.fused_add_rms_norm(torch.ones(2, 8), torch.zeros(2, 8), torch.ones(8), "1e-5")
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
