@@ -68,13 +68,13 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(wanted))
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, target: Path, flags: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # several processes (Ray shards) may build at once: each writes its own file, then renames it
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
+        result = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
                                 timeout=300)
         if result.returncode != 0:
             names = " and ".join(source.name for source in SOURCES)
@@ -86,8 +86,10 @@ def _build(cc: str, target: Path) -> None:
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The built kernel (building it on first use); raises :class:`KernelUnavailable`."""
+def library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The built kernel (building it on first use); raises :class:`KernelUnavailable`. ``extra_flags`` go after
+    :data:`FLAGS` (and into the cache key): ``("-mno-avx512f",)`` builds the AVX2 path on a machine with AVX-512."""
+    flags = (*FLAGS, *extra_flags)
     cc = compiler()
     if cc is None:
         raise KernelUnavailable("no C compiler found (set $CC, or install gcc)")
@@ -96,11 +98,11 @@ def library() -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"{cc} --version failed: {e}") from e
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_identity()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_identity()]).encode()).hexdigest()
     target = envs.cache_dir() / "cpu_kernels" / f"cpu_kernels-{key[:16]}.so"
     if not target.exists():
         logger.info("building the CPU kernels (paged decode attention, fused step ops) with %s into %s", cc, target)
-        _build(cc, target)
+        _build(cc, target, flags)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
@@ -127,8 +129,10 @@ def paged_attention_decode(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] long
     context_lens: torch.Tensor,  # [num_seqs] long
     scale: float,
+    extra_flags: tuple[str, ...] = (),
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """``torch_ops.paged_attention_decode`` read through the block tables, for fp32 on CPU."""
+    """``torch_ops.paged_attention_decode`` read through the block tables, for fp32 on CPU (the kernel built
+    with ``extra_flags``, as :func:`library`)."""
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, num_kv_heads, block_size, cache_head_dim = key_cache.shape
     if query.dtype != torch.float32 or key_cache.dtype != torch.float32 or value_cache.dtype != torch.float32:
@@ -151,7 +155,7 @@ def paged_attention_decode(
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     if num_seqs == 0:
         return out
-    status = library().raypaged_paged_decode_f32(
+    status = library(extra_flags).raypaged_paged_decode_f32(
         query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
         out.data_ptr(), num_seqs,

@@ -39,6 +39,7 @@ def random_step(seed, lens, block_size=16, num_heads=NUM_HEADS, num_kv_heads=NUM
         ([511, 512, 513, 1300], 16),  # around the 512-token partition and a 3-partition sequence
         ([7, 33, 900], 8),
         ([5, 64, 130], 32),
+        ([300], 16),  # one sequence alone: split into 48-token partitions so that every thread has work
     ],
 )
 def test_decode_equals_the_torch_path(lens, block_size):
@@ -55,6 +56,19 @@ def test_decode_head_layouts(num_heads, num_kv_heads, head_dim):
     query, key_cache, value_cache, tables, lens = random_step(3, [3, 40, 600], 16, num_heads, num_kv_heads, head_dim)
     expected = torch_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
     out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.skipif("avx2" not in open("/proc/cpuinfo").read(), reason="no AVX2 here")
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 64), (12, 2, 128), (6, 3, 24)])
+def test_the_avx2_path_equals_the_torch_path(num_heads, num_kv_heads, head_dim):
+    """The kernel built without AVX-512 (where a machine has it, the 16-wide path is used otherwise): its
+    8-wide loops, as AVX2-only machines run them."""
+    query, key_cache, value_cache, tables, lens = random_step(7, [1, 17, 300, 700], 16, num_heads, num_kv_heads,
+                                                              head_dim)
+    expected = torch_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5,
+                                         extra_flags=("-mno-avx512f",))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
 
