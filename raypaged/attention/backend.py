@@ -5,15 +5,15 @@ All implement the same three operations on the same cache layout
 :meth:`AttentionBackend.forward`, runs a flattened step through either: the step's
 K/V are written to their slots (:meth:`AttentionBackend.attend` is the same without the
 write, when the caller has written the K/V itself), then the single-token decodes attend
-in one batched call. The prefill spans: with a ``varlen_prefill`` operation (CUDA), all of
-them in one call that reads each span's context through its block table, its own K/V of
-this step included (written just before); without one (torch, the reference), each span on
-its own, a span with nothing cached before it (a whole prompt) over its fresh K/V, with no
-gather from the cache. The ``cpu`` backend is torch's but for decode, which reads the cache
-through the block tables in C (``cpu_ops``) instead of gathering it, and it brings the C versions
-of the model step's fused elementwise ops (``FusedOps``; the CUDA ones with ``$RAYPAGED_FUSED_KERNELS``). A step
-whose spans do not form one packed batch with covering block tables (see ``build_varlen_prefill``) takes
-the per-span path on CUDA too.
+in one batched call. The prefill spans: with a ``varlen_prefill`` operation (CUDA, and the
+``cpu`` backend's C kernel), all of them in one call that reads each span's context through its
+block table, its own K/V of this step included (written just before); without one (torch, the
+reference), each span on its own, a span with nothing cached before it (a whole prompt) over its
+fresh K/V, with no gather from the cache. The ``cpu`` backend is torch's but for attention, which
+reads the cache through the block tables in C (``cpu_ops``: decode and varlen prefill) instead of
+gathering it, and it brings the C versions of the model step's fused elementwise ops (``FusedOps``;
+the CUDA ones with ``$RAYPAGED_FUSED_KERNELS``). A step whose spans do not form one packed batch with
+covering block tables (see ``build_varlen_prefill``) takes the per-span path.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ TORCH = AttentionBackend(
 )
 
 CPU = AttentionBackend("cpu", torch_ops.reshape_and_cache, cpu_ops.paged_attention_decode,
-                       torch_ops.paged_attention_prefill, fused_ops=CPU_FUSED)
+                       torch_ops.paged_attention_prefill, cpu_ops.paged_prefill_attention, CPU_FUSED)
 
 
 def cuda_backend() -> AttentionBackend:

@@ -1,5 +1,6 @@
-"""Paged decode attention on CPU without a gather copy: ``cpu_decode.c``, built with the host's C compiler
-into one library with the fused step ops of ``cpu_fused.c`` (wrapped by ``cpu_fused``).
+"""Paged attention on CPU without a gather copy: decode (``cpu_decode.c``) and every prefill span of a step in
+one call (``cpu_prefill.c``), built with the host's C compiler into one library with the fused step ops of
+``cpu_fused.c`` (wrapped by ``cpu_fused``).
 
 The torch path (``torch_ops.paged_attention_decode``) copies every sequence's K/V blocks into a
 dense tensor before SDPA, so each cached token is read, written and read again. The C kernel reads
@@ -32,13 +33,15 @@ from raypaged import envs
 
 logger = logging.getLogger("raypaged")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_fused.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_fused.c"))
 HEADERS = (Path(__file__).with_name("cpu_exp.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC")
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_paged_decode_f32": ((_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                    _I64, _I64, _F32, _INT), _INT),
+    "raypaged_paged_prefill_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64,
+                                    _I64, _I64, _I64, _I64, _F32, _INT), _INT),
     "raypaged_rms_norm_f32": ((_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT), None),
     "raypaged_fused_add_rms_norm_f32": ((_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT), None),
     "raypaged_silu_and_mul_f32": ((_PTR, _PTR, _I64, _I64, _INT), None),
@@ -77,7 +80,7 @@ def _build(cc: str, target: Path, flags: tuple[str, ...]) -> None:
         result = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
                                 timeout=300)
         if result.returncode != 0:
-            names = " and ".join(source.name for source in SOURCES)
+            names = ", ".join(source.name for source in SOURCES[:-1]) + f" and {SOURCES[-1].name}"
             raise KernelUnavailable(f"{Path(cc).name} failed to build {names}: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
@@ -167,5 +170,70 @@ def paged_attention_decode(
         raise ValueError(f"a context length ({int(context_lens.max())}) is beyond its block table "
                          f"({block_tables.shape[1]} blocks of {block_size})")
     if status == -3:
+        raise ValueError(f"a block table holds a block id outside the cache's {num_blocks} blocks")
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [total_q_tokens, num_heads, head_dim]; rows may be strided (a view of qkv)
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [num_spans + 1] int32: span s owns query rows cu[s]..cu[s+1]-1
+    context_lens: torch.Tensor,  # [num_spans] int32: tokens in the cache, this step's included
+    block_tables: torch.Tensor,  # [num_spans, max_blocks] long, padded
+    scale: float,
+    max_query_len: int,  # unused here (the CUDA kernel's grid size); the same signature
+    out: torch.Tensor | None = None,  # [total_q_tokens, num_heads, head_dim] contiguous, written in place
+    extra_flags: tuple[str, ...] = (),
+) -> torch.Tensor:
+    """``raypaged.kernels.paged_prefill_attention``'s contract for fp32 on CPU: query token i of span s
+    sits at position ``context_lens[s] - query_len_s + i`` and sees the cache up to it, read through the
+    span's block table. Offsets, lengths and block ids are checked before anything is read."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, num_kv_heads, block_size, cache_head_dim = key_cache.shape
+    if query.dtype != torch.float32 or key_cache.dtype != torch.float32 or value_cache.dtype != torch.float32:
+        raise ValueError(f"the CPU prefill kernel reads float32, got query {query.dtype}, cache {key_cache.dtype}")
+    if query.device.type != "cpu" or key_cache.device.type != "cpu":
+        raise ValueError(f"the CPU prefill kernel runs on CPU tensors, got {query.device} and {key_cache.device}")
+    if value_cache.shape != key_cache.shape or cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit caches {tuple(key_cache.shape)} and "
+                         f"{tuple(value_cache.shape)}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or query.stride(2) != 1:
+        raise ValueError("the CPU prefill kernel needs contiguous caches and a query with contiguous rows")
+    if cu_seqlens_q.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.dtype != torch.long:
+        raise ValueError(f"cu_seqlens_q and context_lens must be int32 and block_tables long, got "
+                         f"{cu_seqlens_q.dtype}, {context_lens.dtype} and {block_tables.dtype}")
+    num_spans = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_q.dim() != 1 or num_spans < 0 or context_lens.shape != (num_spans,) \
+            or block_tables.dim() != 2 or block_tables.shape[0] != num_spans:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, context_lens {tuple(context_lens.shape)} and "
+                         f"block_tables {tuple(block_tables.shape)} do not describe the same spans")
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    elif out.shape != query.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of {tuple(query.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if num_spans == 0:
+        return out
+    cu_seqlens_q, context_lens = cu_seqlens_q.contiguous(), context_lens.contiguous()
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    status = library(extra_flags).raypaged_paged_prefill_f32(
+        query.data_ptr(), query.stride(0), query.stride(1), num_tokens, key_cache.data_ptr(), value_cache.data_ptr(),
+        num_blocks, cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        block_tables.shape[1], out.data_ptr(), num_spans, num_heads, num_kv_heads, block_size, head_dim, scale,
+        torch.get_num_threads(),
+    )
+    if status == -1:
+        raise MemoryError("the CPU prefill kernel could not allocate its scratch memory")
+    if status == -2:
+        raise ValueError(f"cu_seqlens_q {cu_seqlens_q.tolist()} does not ascend within the query's {num_tokens} rows "
+                         f"with at least one token per span")
+    if status == -3:
+        raise ValueError(f"a span's query is longer than its context (cu_seqlens_q {cu_seqlens_q.tolist()}, "
+                         f"context_lens {context_lens.tolist()})")
+    if status == -4:
+        raise ValueError(f"a context length ({int(context_lens.max())}) is beyond its block table "
+                         f"({block_tables.shape[1]} blocks of {block_size})")
+    if status == -5:
         raise ValueError(f"a block table holds a block id outside the cache's {num_blocks} blocks")
     return out

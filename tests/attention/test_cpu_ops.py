@@ -137,7 +137,7 @@ def test_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize(("cc", "reason"), [
     ("no-such-compiler", "^no C compiler found \\(set \\$CC, or install gcc\\)$"),
-    ("false", "^false failed to build cpu_decode.c and cpu_fused.c: $"),
+    ("false", "^false failed to build cpu_decode.c, cpu_prefill.c and cpu_fused.c: $"),
 ])
 def test_without_a_working_compiler_the_reason_is_given(tmp_path, monkeypatch, cc, reason):
     monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path))
@@ -158,3 +158,121 @@ def test_the_kernel_shares_torchs_openmp_runtime():
     with open("/proc/self/maps") as maps:
         runtimes = {line.split()[-1] for line in maps if "gomp" in line.rsplit("/", 1)[-1]}
     assert len(runtimes) == 1 and next(iter(runtimes)).startswith(torch.__path__[0]), runtimes
+
+
+def prefill_step(seed, spans, block_size=16, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
+    """Spans of (query_len, context_len) over a cache of garbage and shuffled block tables (padded with block 0),
+    the query a strided view of fused qkv rows; the varlen inputs as ``build_varlen_prefill`` makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = max(NUM_BLOCKS, sum(-(-c // block_size) for _, c in spans) + 16)
+    key_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen) * 3
+    value_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen)
+    ids = torch.randperm(num_blocks, generator=gen)
+    tables, taken = torch.zeros(len(spans), max(-(-c // block_size) for _, c in spans), dtype=torch.long), 0
+    for row, (_, context_len) in enumerate(spans):
+        used = -(-context_len // block_size)
+        tables[row, :used] = ids[taken:taken + used]
+        taken += used
+    tokens = sum(q for q, _ in spans)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    query = qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
+    cu = torch.tensor([0, *torch.tensor([q for q, _ in spans]).cumsum(0).tolist()], dtype=torch.int32)
+    context_lens = torch.tensor([c for _, c in spans], dtype=torch.int32)
+    return query, key_cache, value_cache, cu, context_lens, tables
+
+
+def prefill_reference(query, key_cache, value_cache, cu, context_lens, tables, scale):
+    """The torch backend's per-span path: gather each span's blocks, causal SDPA with its prefix visible."""
+    block_size = key_cache.shape[2]
+    return torch.cat([
+        torch_ops.paged_attention_prefill(query[cu[s]:cu[s + 1]], key_cache, value_cache,
+                                          tables[s, :-(-int(length) // block_size)], int(length), scale)
+        for s, length in enumerate(context_lens.tolist())
+    ])
+
+
+PREFILL_SPANS = [(5, 5), (40, 40), (17, 100), (1, 33), (130, 130), (16, 16), (33, 600)]
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+def test_prefill_equals_the_torch_path(block_size):
+    """Whole prompts, chunks after a cached prefix (or an earlier chunk), a one-token span, tiles of 16 and
+    their ragged ends, blocks shorter and longer than a key chunk."""
+    step = prefill_step(block_size, PREFILL_SPANS, block_size)
+    expected = prefill_reference(*step, 0.125)
+    out = cpu_ops.paged_prefill_attention(*step, 0.125, 130)
+    assert out.shape == expected.shape and out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("extra_flags", [(), ("-mno-avx512f",)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (8, 1, 64), (12, 2, 128), (6, 3, 20)])
+def test_prefill_head_layouts(num_heads, num_kv_heads, head_dim, extra_flags):
+    """Multi-head, one KV head for eight, a head of 128, a head size that is not a whole number of vectors;
+    the 16-wide (AVX-512) and 8-wide builds."""
+    if extra_flags and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 here")
+    step = prefill_step(8, [(3, 3), (20, 45), (70, 70)], 16, num_heads, num_kv_heads, head_dim)
+    expected = prefill_reference(*step, head_dim**-0.5)
+    out = cpu_ops.paged_prefill_attention(*step, head_dim**-0.5, 70, extra_flags=extra_flags)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_prefill_writes_into_out_and_is_the_same_on_one_thread_and_two():
+    step = prefill_step(9, PREFILL_SPANS)
+    threads = torch.get_num_threads()
+    out = torch.full((step[0].shape[0] + 2, NUM_HEADS, HEAD_DIM), 7.0)
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.paged_prefill_attention(*step, 0.125, 130)
+        torch.set_num_threads(2)
+        assert cpu_ops.paged_prefill_attention(*step, 0.125, 130, out=out[1:-1]).data_ptr() == out[1].data_ptr()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[1:-1], one) and (out[0] == 7).all() and (out[-1] == 7).all()
+
+
+def test_prefill_reads_only_the_blocks_in_use():
+    """Padding past a context and the unused slots of its last block are never read."""
+    query, key_cache, value_cache, cu, context_lens, tables = step = prefill_step(10, [(20, 20), (3, 35)])
+    expected = cpu_ops.paged_prefill_attention(*step, 0.125, 20)
+    tables[0, 2] = 10**9
+    key_cache[tables[0, 1], :, 4:] = float("nan")
+    value_cache[tables[1, 2], :, 3:] = float("inf")
+    assert torch.equal(cpu_ops.paged_prefill_attention(*step, 0.125, 20), expected)
+
+
+def test_prefill_errors():
+    query, key_cache, value_cache, cu, context_lens, tables = prefill_step(11, [(20, 20), (5, 40)])
+    prefill = cpu_ops.paged_prefill_attention
+
+    def call(**changes):
+        args = dict(query=query, key_cache=key_cache, value_cache=value_cache, cu_seqlens_q=cu,
+                    context_lens=context_lens, block_tables=tables, scale=0.125, max_query_len=20)
+        return prefill(**{**args, **changes})
+
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q \[0, 20, 20\] does not ascend within the query's 25 rows "
+                                         r"with at least one token per span$"):
+        call(cu_seqlens_q=torch.tensor([0, 20, 20], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q \[0, 20, 26\] does not ascend within the query's 25 rows"):
+        call(cu_seqlens_q=torch.tensor([0, 20, 26], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^a span's query is longer than its context \(cu_seqlens_q \[0, 20, 25\], "
+                                         r"context_lens \[19, 40\]\)$"):
+        call(context_lens=torch.tensor([19, 40], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^a context length \(40\) is beyond its block table \(2 blocks of 16\)$"):
+        call(block_tables=tables[:, :2])
+    bad = tables.clone()
+    bad[1, 2] = NUM_BLOCKS
+    with pytest.raises(ValueError, match=r"^a block table holds a block id outside the cache's 400 blocks$"):
+        call(block_tables=bad)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q and context_lens must be int32 and block_tables long, got "
+                                         r"torch.int64, torch.int32 and torch.int64$"):
+        call(cu_seqlens_q=cu.long())
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q \(3,\), context_lens \(1,\) and block_tables \(2, 3\) do not "
+                                         r"describe the same spans$"):
+        call(context_lens=context_lens[:1])
+    with pytest.raises(ValueError, match=r"^out must be a contiguous float32 tensor of \(25, 9, 64\), got "
+                                         r"torch.float32 \(24, 9, 64\)$"):
+        call(out=torch.empty(24, 9, 64))
+    with pytest.raises(ValueError, match=r"^the CPU prefill kernel reads float32, got query torch.bfloat16"):
+        call(query=query.bfloat16())
