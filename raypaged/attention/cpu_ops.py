@@ -1,6 +1,7 @@
 """Paged attention on CPU without a gather copy: decode (``cpu_decode.c``) and every prefill span of a step in
 one call (``cpu_prefill.c``), built with the host's C compiler into one library with the fused step ops of
-``cpu_fused.c`` (wrapped by ``cpu_fused``).
+``cpu_fused.c`` (wrapped by ``cpu_fused``) and the float ends of the int8 linear (``cpu_int8.c``, wrapped in
+``raypaged.quantization.w8a8``).
 
 The torch path (``torch_ops.paged_attention_decode``) copies every sequence's K/V blocks into a
 dense tensor before SDPA, so each cached token is read, written and read again. The C kernel reads
@@ -33,7 +34,8 @@ from raypaged import envs
 
 logger = logging.getLogger("raypaged")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_fused.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_fused.c",
+                                                            "cpu_int8.c"))
 HEADERS = (Path(__file__).with_name("cpu_exp.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC")
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -42,6 +44,8 @@ _SIGNATURES = {  # symbol: (argument types, result type)
                                    _I64, _I64, _F32, _INT), _INT),
     "raypaged_paged_prefill_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64,
                                     _I64, _I64, _I64, _I64, _F32, _INT), _INT),
+    "raypaged_quantize_int8_f32": ((_PTR, _I64, _I64, _I64, _F32, _PTR, _PTR, _INT), None),
+    "raypaged_int8_scale_f32": ((_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT), None),
     "raypaged_rms_norm_f32": ((_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT), None),
     "raypaged_fused_add_rms_norm_f32": ((_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT), None),
     "raypaged_silu_and_mul_f32": ((_PTR, _PTR, _I64, _I64, _INT), None),

@@ -10,6 +10,7 @@ cores (compute capability 8.9+); elsewhere through the dequantize-then-matmul re
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,10 +44,45 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Ten
     return x32.div(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+@functools.cache
+def _cpu_kernels() -> Any | None:
+    """The C library of ``raypaged.attention.cpu_ops`` (its ``cpu_int8.c``), or None where it cannot be built."""
+    from raypaged.attention import cpu_ops
+
+    return None if cpu_ops.unavailable_reason() else cpu_ops.library()
+
+
+def _int8_linear_cpu(lib: Any, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     input_scale: torch.Tensor | None) -> torch.Tensor:
+    """``int8_linear`` for a float32 ``x`` with contiguous rows on CPU, its float ends in C: the same bits."""
+    num_tokens, k = x.shape
+    threads = torch.get_num_threads()
+    xq = torch.empty(num_tokens, k, dtype=torch.int8)
+    if input_scale is None:
+        x_scale = torch.empty(num_tokens, 1, dtype=torch.float32)
+        fixed = 0.0
+    else:
+        x_scale = input_scale.reshape(1, 1).to(torch.float32)
+        fixed = float(x_scale)
+    lib.raypaged_quantize_int8_f32(x.data_ptr(), x.stride(0), num_tokens, k, fixed, xq.data_ptr(), x_scale.data_ptr(),
+                                   threads)
+    acc = torch._int_mm(xq, weight.t())  # [T, N] int32, exact
+    weight_scale = weight_scale.to(torch.float32).contiguous()
+    out = torch.empty(acc.shape, dtype=torch.float32)
+    lib.raypaged_int8_scale_f32(acc.data_ptr(), num_tokens, acc.shape[1], x_scale.data_ptr(),
+                                0 if input_scale is not None else 1, weight_scale.data_ptr(), out.data_ptr(), threads)
+    return out
+
+
 def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x @ W^T``, W = ``weight`` [N, K] int8 x ``weight_scale`` [N] float32; x quantized to int8."""
+    """``x @ W^T``, W = ``weight`` [N, K] int8 x ``weight_scale`` [N] float32; x quantized to int8. On CPU
+    for float32 ``x`` the quantization and the scaling run in C (``cpu_int8.c``), with the same result."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+            and weight_scale.numel() == weight.shape[0] and (input_scale is None or float(input_scale) > 0)
+            and (lib := _cpu_kernels()) is not None):
+        return _int8_linear_cpu(lib, x, weight, weight_scale, input_scale)
     xq, x_scale = quantize_int8(x, input_scale)
     num_tokens = xq.shape[0]
     if xq.device.type == "cuda" and num_tokens <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows

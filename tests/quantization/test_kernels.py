@@ -58,3 +58,32 @@ def test_scaled_mm_path_equals_the_reference_on_gpu():
     expected = reference(xq.cpu(), x_scale.cpu(), weight.cpu(), weight_scale.cpu())
     torch.testing.assert_close(fp8_linear(x, weight, weight_scale, None).double().cpu(), expected,
                                rtol=2e-2, atol=2e-2)
+
+
+def torch_int8_linear(x, weight, weight_scale, input_scale):
+    """``int8_linear``'s torch path, the reference of its C path on CPU."""
+    xq, x_scale = quantize_int8(x, input_scale)
+    return torch._int_mm(xq, weight.t()).to(torch.float32).mul_(x_scale).mul_(weight_scale)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 300])
+@pytest.mark.parametrize("static", [False, True])
+def test_int8_linear_on_cpu_is_its_torch_path_bit_for_bit(num_tokens, static):
+    """The C quantization and scaling (strided rows, many rows on several threads) give the torch path's bits."""
+    wide = torch.randn(num_tokens, 300, generator=GEN) * 4
+    x = wide[:, 10:266]  # rows at a stride of 300
+    weight = torch.randint(-128, 128, (48, 256), dtype=torch.int8, generator=GEN)
+    weight_scale = torch.rand(48, generator=GEN) / 100
+    input_scale = torch.tensor([0.03]) if static else None
+    assert torch.equal(int8_linear(x, weight, weight_scale, input_scale),
+                       torch_int8_linear(x, weight, weight_scale, input_scale))
+
+
+def test_int8_quantization_rounds_ties_to_even_as_torch():
+    """A row whose largest magnitude is 127 has scale 1: x.5 values round to the even neighbour, and the
+    products come back exactly."""
+    x = torch.tensor([[127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -127.0]])
+    weight = torch.eye(8, dtype=torch.int8)
+    out = int8_linear(x, weight, torch.ones(8), None)
+    assert out.tolist() == [[127.0, 2.0, -4.0, 0.0, -0.0, 2.0, 126.0, -127.0]]
+    assert torch.equal(out, torch_int8_linear(x, weight, torch.ones(8), None))
