@@ -94,8 +94,9 @@ def _build(cc: str, target: Path, flags: tuple[str, ...]) -> None:
 
 @functools.cache
 def library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The built kernel (building it on first use); raises :class:`KernelUnavailable`. ``extra_flags`` go after
-    :data:`FLAGS` (and into the cache key): ``("-mno-avx512f",)`` builds the AVX2 path on a machine with AVX-512."""
+    """The built kernels (building them on first use); raises :class:`KernelUnavailable`. ``extra_flags`` go
+    after :data:`FLAGS` and into the cache key: ``("-mno-avx512f",)`` builds the 8-wide (AVX2) loops on a
+    machine with AVX-512, as the tests do."""
     flags = (*FLAGS, *extra_flags)
     cc = compiler()
     if cc is None:
@@ -136,10 +137,8 @@ def paged_attention_decode(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] long
     context_lens: torch.Tensor,  # [num_seqs] long
     scale: float,
-    extra_flags: tuple[str, ...] = (),
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """``torch_ops.paged_attention_decode`` read through the block tables, for fp32 on CPU (the kernel built
-    with ``extra_flags``, as :func:`library`)."""
+    """``torch_ops.paged_attention_decode`` read through the block tables, for fp32 on CPU."""
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, num_kv_heads, block_size, cache_head_dim = key_cache.shape
     if query.dtype != torch.float32 or key_cache.dtype != torch.float32 or value_cache.dtype != torch.float32:
@@ -162,7 +161,7 @@ def paged_attention_decode(
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     if num_seqs == 0:
         return out
-    status = library(extra_flags).raypaged_paged_decode_f32(
+    status = library().raypaged_paged_decode_f32(
         query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
         out.data_ptr(), num_seqs,
@@ -188,7 +187,6 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,  # unused here (the CUDA kernel's grid size); the same signature
     out: torch.Tensor | None = None,  # [total_q_tokens, num_heads, head_dim] contiguous, written in place
-    extra_flags: tuple[str, ...] = (),
 ) -> torch.Tensor:
     """``raypaged.kernels.paged_prefill_attention``'s contract for fp32 on CPU: query token i of span s
     sits at position ``context_lens[s] - query_len_s + i`` and sees the cache up to it, read through the
@@ -221,7 +219,7 @@ def paged_prefill_attention(
         return out
     cu_seqlens_q, context_lens = cu_seqlens_q.contiguous(), context_lens.contiguous()
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    status = library(extra_flags).raypaged_paged_prefill_f32(
+    status = library().raypaged_paged_prefill_f32(
         query.data_ptr(), query.stride(0), query.stride(1), num_tokens, key_cache.data_ptr(), value_cache.data_ptr(),
         num_blocks, cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         block_tables.shape[1], out.data_ptr(), num_spans, num_heads, num_kv_heads, block_size, head_dim, scale,

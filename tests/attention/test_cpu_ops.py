@@ -59,16 +59,22 @@ def test_decode_head_layouts(num_heads, num_kv_heads, head_dim):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.skipif("avx2" not in open("/proc/cpuinfo").read(), reason="no AVX2 here")
+@pytest.fixture
+def avx2_build(monkeypatch):
+    """The kernels built without AVX-512: where a machine has it, the 16-wide loops run otherwise; this
+    runs the 8-wide ones, as AVX2-only machines do."""
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 here")
+    library = cpu_ops.library
+    monkeypatch.setattr(cpu_ops, "library", lambda: library(("-mno-avx512f",)))
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 64), (12, 2, 128), (6, 3, 24)])
-def test_the_avx2_path_equals_the_torch_path(num_heads, num_kv_heads, head_dim):
-    """The kernel built without AVX-512 (where a machine has it, the 16-wide path is used otherwise): its
-    8-wide loops, as AVX2-only machines run them."""
+def test_the_avx2_path_equals_the_torch_path(num_heads, num_kv_heads, head_dim, avx2_build):
     query, key_cache, value_cache, tables, lens = random_step(7, [1, 17, 300, 700], 16, num_heads, num_kv_heads,
                                                               head_dim)
     expected = torch_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
-    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5,
-                                         extra_flags=("-mno-avx512f",))
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
 
@@ -205,17 +211,25 @@ def test_prefill_equals_the_torch_path(block_size):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("extra_flags", [(), ("-mno-avx512f",)])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (8, 1, 64), (12, 2, 128), (6, 3, 20)])
-def test_prefill_head_layouts(num_heads, num_kv_heads, head_dim, extra_flags):
-    """Multi-head, one KV head for eight, a head of 128, a head size that is not a whole number of vectors;
-    the 16-wide (AVX-512) and 8-wide builds."""
-    if extra_flags and "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("no AVX2 here")
+PREFILL_LAYOUTS = [(4, 4, 64), (8, 1, 64), (12, 2, 128), (6, 3, 20)]
+
+
+def check_prefill_layout(num_heads, num_kv_heads, head_dim):
     step = prefill_step(8, [(3, 3), (20, 45), (70, 70)], 16, num_heads, num_kv_heads, head_dim)
     expected = prefill_reference(*step, head_dim**-0.5)
-    out = cpu_ops.paged_prefill_attention(*step, head_dim**-0.5, 70, extra_flags=extra_flags)
+    out = cpu_ops.paged_prefill_attention(*step, head_dim**-0.5, 70)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), PREFILL_LAYOUTS)
+def test_prefill_head_layouts(num_heads, num_kv_heads, head_dim):
+    """Multi-head, one KV head for eight, a head of 128, a head size that is not a whole number of vectors."""
+    check_prefill_layout(num_heads, num_kv_heads, head_dim)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), PREFILL_LAYOUTS)
+def test_prefill_head_layouts_on_the_avx2_path(num_heads, num_kv_heads, head_dim, avx2_build):
+    check_prefill_layout(num_heads, num_kv_heads, head_dim)
 
 
 def test_prefill_writes_into_out_and_is_the_same_on_one_thread_and_two():
