@@ -97,8 +97,7 @@ class AttentionBackend:
             out[:num_decodes] = self.decode(
                 query[:num_decodes], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale
             )
-        varlen = meta.varlen_prefill(key_cache.shape[2]) if self.varlen_prefill is not None else None
-        if varlen is not None:
+        if self.varlen_prefill is not None and (varlen := meta.varlen_prefill(key_cache.shape[2])) is not None:
             rows = slice(varlen.query_start, varlen.query_start + varlen.num_tokens)
             self.varlen_prefill(query[rows], key_cache, value_cache, varlen.cu_seqlens_q, varlen.context_lens,
                                 varlen.block_tables, scale, varlen.max_query_len, out=out[rows])
@@ -153,31 +152,37 @@ def cuda_unsupported_reason(device: torch.device, head_size: int, block_size: in
     return None
 
 
-def cpu_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the CPU decode kernel cannot run this model here, or None when it can."""
+def cpu_unsupported_reason(device: torch.device, dtype: torch.dtype,
+                           cache_dtype: torch.dtype | None = None) -> str | None:
+    """Why the CPU kernels cannot run this model (``dtype``) over this KV cache (``cache_dtype``, by default the
+    model's) here, or None when they can."""
     if device.type != "cpu":
         return f"the device is {device.type}"
     if dtype != torch.float32:
         return f"the model runs in {str(dtype).removeprefix('torch.')} (the kernel reads float32)"
+    if cache_dtype is not None and cache_dtype not in cpu_ops.CACHE_DTYPES:
+        return (f"the KV cache is {str(cache_dtype).removeprefix('torch.')} (the kernels read float32 and "
+                f"float8_e4m3fn caches)")
     return cpu_ops.unavailable_reason()
 
 
 def select_backend(name: str, device: torch.device, head_size: int, block_size: int,
-                   dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """``auto``: the CUDA kernels wherever they can run, on CPU the CPU decode kernel, else torch;
-    ``cpu`` and ``cuda`` insist. ``dtype`` is the model's and its cache's."""
+                   dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """``auto``: the CUDA kernels wherever they can run, on CPU the CPU kernels, else torch; ``cpu`` and
+    ``cuda`` insist. ``dtype`` is the model's; ``cache_dtype`` the KV cache's, by default the model's (the
+    CUDA kernels read a cache of the model's dtype only: the caller picks torch for another)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "torch":
         return TORCH
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
-        reason = cpu_unsupported_reason(device, dtype)
+        reason = cpu_unsupported_reason(device, dtype, cache_dtype)
         if reason is None:
             return CPU
         if name == "cpu":
             raise ValueError(f"attention_backend 'cpu' cannot run: {reason}")
         if dtype == torch.float32:
-            logger.warning("paged decode attention runs in torch, not the CPU kernel: %s", reason)
+            logger.warning("paged attention runs in torch, not the CPU kernels: %s", reason)
         return TORCH
     reason = cuda_unsupported_reason(device, head_size, block_size)
     if reason is None:

@@ -1,4 +1,5 @@
-/* Paged decode attention on CPU, fp32: one query token per sequence attends to its first
+/* Paged decode attention on CPU, fp32 (over a float32 or an fp8 e4m3 cache, whose rows are widened block by block):
+ * one query token per sequence attends to its first
  * context_lens[s] cached tokens, read straight through its block table (no gather copy).
  *
  * Cache layout per layer (as raypaged.attention.torch_ops): [num_blocks, num_kv_heads,
@@ -30,6 +31,7 @@
 #include <string.h>
 
 #include "cpu_exp.h"
+#include "cpu_fp8.h"
 
 #define PARTITION_TOKENS 512
 /* below this many work items a step's partitions shrink (to whole blocks, at least MIN_PARTITION_TOKENS) */
@@ -144,7 +146,7 @@ static inline __attribute__((always_inline)) void weighted_rows_wide(const float
 
 /* Asks for the bytes [k, k + bytes) and [v, v + bytes) ahead of use, line by line in turn: a block's rows
  * lie far from the next block's, beyond where the hardware prefetcher follows a stream. */
-static inline void prefetch2(const float *k, const float *v, int64_t bytes) {
+static inline void prefetch2(const void *k, const void *v, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) {
         __builtin_prefetch((const char *)k + b, 0, 3);
         __builtin_prefetch((const char *)v + b, 0, 3);
@@ -246,33 +248,50 @@ static void softmax_rows(float *scores, int64_t G, int64_t D, int64_t run, float
     }
 }
 
+/* rows[i] = the fp8 cache's values at fp8[i], i < n */
+static inline void widen_fp8(const uint8_t *fp8, int64_t n, float *rows) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) rows[i] = fp8_e4m3_to_f32(fp8[i]);
+}
+
 /* One work item: all num_heads = H query heads over tokens [start, end) of one sequence (q [H, D]).
  * Writes each head's max and sum (stats[2 * h], stats[2 * h + 1]) and unnormalized output
- * (acc[h * D ..]); scores holds G * block_size floats. */
-static void attend_partition(const float *q, int64_t G, int64_t num_kv_heads, int64_t D, const float *k_cache,
-                             const float *v_cache, const int64_t *table, int64_t block_size, int64_t start,
-                             int64_t end, float scale, float *scores, float *acc, float *stats) {
-    const int64_t H = G * num_kv_heads, head_floats = block_size * D, block_bytes = sizeof(float) * H / G * head_floats;
+ * (acc[h * D ..]); scores holds G * block_size floats. The caches hold float32, or fp8 e4m3 when fp8 is
+ * set: then each run's K and V rows are widened into widened[0 .. 2 * block_size * D) first. */
+static void attend_partition(const float *q, int64_t G, int64_t num_kv_heads, int64_t D, const void *k_cache,
+                             const void *v_cache, int fp8, const int64_t *table, int64_t block_size, int64_t start,
+                             int64_t end, float scale, float *scores, float *acc, float *stats, float *widened) {
+    const int64_t H = G * num_kv_heads, head_floats = block_size * D, element = fp8 ? 1 : sizeof(float);
+    const int64_t block_bytes = element * num_kv_heads * head_floats;
+    const char *k_bytes = k_cache, *v_bytes = v_cache;
     for (int64_t h = 0; h < H; ++h) {
         stats[2 * h] = -FLT_MAX;
         stats[2 * h + 1] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * H * D);
     /* where KV head 0 of token pos's block lies, in floats */
-    int64_t first = table[start / block_size] * num_kv_heads * head_floats;
-    prefetch2(k_cache + first, v_cache + first, block_bytes);
+    int64_t first = table[start / block_size] * block_bytes;
+    prefetch2(k_bytes + first, v_bytes + first, block_bytes);
     for (int64_t pos = start, run; pos < end; pos += run) {
         const int64_t block = table[pos / block_size], offset = pos % block_size;
         run = block_size - offset < end - pos ? block_size - offset : end - pos;
         if (pos + run < end) { /* the next block, while this one is scored */
-            const int64_t next = table[(pos + run) / block_size] * num_kv_heads * head_floats;
-            prefetch2(k_cache + next, v_cache + next, block_bytes);
+            const int64_t next = table[(pos + run) / block_size] * block_bytes;
+            prefetch2(k_bytes + next, v_bytes + next, block_bytes);
         }
         for (int64_t h = 0; h < num_kv_heads; ++h) {
             const int64_t row = (block * num_kv_heads + h) * head_floats + offset * D;
-            score_rows(q + h * G * D, G, D, k_cache + row, run, scale, scores);
+            const float *k = widened, *v = widened + head_floats;
+            if (fp8) {
+                widen_fp8((const uint8_t *)k_bytes + row, run * D, widened);
+                widen_fp8((const uint8_t *)v_bytes + row, run * D, widened + head_floats);
+            } else {
+                k = (const float *)k_bytes + row;
+                v = (const float *)v_bytes + row;
+            }
+            score_rows(q + h * G * D, G, D, k, run, scale, scores);
             softmax_rows(scores, G, D, run, acc + h * G * D, stats + 2 * h * G);
-            accumulate_rows(scores, G, D, v_cache + row, run, acc + h * G * D);
+            accumulate_rows(scores, G, D, v, run, acc + h * G * D);
         }
     }
 }
@@ -280,12 +299,11 @@ static void attend_partition(const float *q, int64_t G, int64_t num_kv_heads, in
 /* Returns 0; -1 when scratch memory could not be allocated; -2 when a context length is beyond its
  * block table's width; -3 when a block id in use is outside the cache. Nothing is read from the
  * cache before these checks pass. */
-int raypaged_paged_decode_f32(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
-                              const float *k_cache, const float *v_cache, int64_t num_blocks,
-                              const int64_t *block_tables, int64_t table_stride, int64_t table_width,
-                              const int64_t *context_lens, float *out, int64_t num_seqs,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                              float scale, int num_threads) {
+static int paged_decode(const float *query, int64_t query_seq_stride, int64_t query_head_stride, const void *k_cache,
+                        const void *v_cache, int fp8, int64_t num_blocks, const int64_t *block_tables,
+                        int64_t table_stride, int64_t table_width, const int64_t *context_lens, float *out,
+                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                        int64_t head_dim, float scale, int num_threads) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, H = num_heads;
     int64_t total = 0, part = PARTITION_TOKENS / block_size * block_size;
     for (int64_t s = 0; s < num_seqs; ++s) {
@@ -321,7 +339,7 @@ int raypaged_paged_decode_f32(const float *query, int64_t query_seq_stride, int6
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *local = malloc(sizeof(float) * (G * block_size + 2 * H * D + 2 * H));
+        float *local = malloc(sizeof(float) * (G * block_size + 2 * H * D + 2 * H + (fp8 ? 2 * block_size * D : 0)));
         if (local == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -335,7 +353,7 @@ int raypaged_paged_decode_f32(const float *query, int64_t query_seq_stride, int6
                 if (first[mid] <= item) lo = mid; else hi = mid;
             }
             const int64_t s = lo, len = context_lens[s], parts = first[s + 1] - first[s];
-            float *q = local + G * block_size, *acc = q + H * D, *stats = acc + H * D;
+            float *q = local + G * block_size, *acc = q + H * D, *stats = acc + H * D, *widened = stats + 2 * H;
             float *o = out + s * H * D;
             if (len <= 0) {
                 memset(o, 0, sizeof(float) * H * D);
@@ -346,8 +364,8 @@ int raypaged_paged_decode_f32(const float *query, int64_t query_seq_stride, int6
             const int64_t start = (item - first[s]) * part, end = start + part < len ? start + part : len;
             const int64_t *table = block_tables + s * table_stride;
             if (parts == 1) {
-                attend_partition(q, G, num_kv_heads, D, k_cache, v_cache, table, block_size, start, end, scale, local,
-                                 acc, stats);
+                attend_partition(q, G, num_kv_heads, D, k_cache, v_cache, fp8, table, block_size, start, end, scale,
+                                 local, acc, stats, widened);
                 for (int64_t h = 0; h < H; ++h) {
                     const float inv = 1.0f / stats[2 * h + 1];
 #pragma omp simd
@@ -355,8 +373,8 @@ int raypaged_paged_decode_f32(const float *query, int64_t query_seq_stride, int6
                 }
             } else {
                 float *row = scratch + item * per_item;
-                attend_partition(q, G, num_kv_heads, D, k_cache, v_cache, table, block_size, start, end, scale, local,
-                                 row, row + H * D);
+                attend_partition(q, G, num_kv_heads, D, k_cache, v_cache, fp8, table, block_size, start, end, scale,
+                                 local, row, row + H * D, widened);
             }
         }
         /* combine the partitions of long sequences: weights exp(max_p - max) */
@@ -386,4 +404,27 @@ int raypaged_paged_decode_f32(const float *query, int64_t query_seq_stride, int6
     free(scratch);
     free(first);
     return failed ? -1 : 0;
+}
+
+int raypaged_paged_decode_f32(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
+                              const float *k_cache, const float *v_cache, int64_t num_blocks,
+                              const int64_t *block_tables, int64_t table_stride, int64_t table_width,
+                              const int64_t *context_lens, float *out, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                              float scale, int num_threads) {
+    return paged_decode(query, query_seq_stride, query_head_stride, k_cache, v_cache, 0, num_blocks, block_tables,
+                        table_stride, table_width, context_lens, out, num_seqs, num_heads, num_kv_heads, block_size,
+                        head_dim, scale, num_threads);
+}
+
+/* the same over an fp8 e4m3 cache (scale 1: the stored values are the K/V) */
+int raypaged_paged_decode_fp8(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
+                              const uint8_t *k_cache, const uint8_t *v_cache, int64_t num_blocks,
+                              const int64_t *block_tables, int64_t table_stride, int64_t table_width,
+                              const int64_t *context_lens, float *out, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                              float scale, int num_threads) {
+    return paged_decode(query, query_seq_stride, query_head_stride, k_cache, v_cache, 1, num_blocks, block_tables,
+                        table_stride, table_width, context_lens, out, num_seqs, num_heads, num_kv_heads, block_size,
+                        head_dim, scale, num_threads);
 }

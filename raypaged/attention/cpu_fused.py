@@ -23,6 +23,7 @@ from raypaged.kernels.checks import (
 )
 
 F32 = (torch.float32,)
+CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn)  # an fp8 cache holds the K/V narrowed with scale 1
 
 
 def _check_cpu(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
@@ -80,7 +81,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check_rows(name: str, rows: object, tokens: int | None, heads: int | None, head_dim: int) -> None:
+def _check_rows(name: str, rows: torch.Tensor, tokens: int | None, heads: int | None, head_dim: int) -> None:
     """``[tokens, heads, head_dim]`` with contiguous ``[heads, head_dim]`` rows at any token stride."""
     check_tensor(name, rows, F32, 3)
     check_shape(name, rows, (tokens, heads, head_dim))
@@ -92,13 +93,16 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                      cos_sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> None:
     """``RotaryEmbedding.rotate_(positions, query, key)``, then ``reshape_and_cache(key, value, key_cache,
-    value_cache, slot_mapping)``, in one pass over the tokens (a negative slot: rotated, not cached).
+    value_cache, slot_mapping)``, in one pass over the tokens (a negative slot: rotated, not cached). The cache
+    may be float32 or fp8 e4m3 (written as ``.to(torch.float8_e4m3fn)`` writes it).
     The arguments' shapes are those of ``raypaged.kernels.fused_ops.rotary_and_cache``; here the token
     stride of query, key and value is free."""
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_tensor(name, cache, F32, 4)
+        check_tensor(name, cache, CACHE_DTYPES, 4)
         check_contiguous(name, cache)
     check_shape("value_cache", value_cache, key_cache.shape)
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"key_cache and value_cache differ in dtype: {key_cache.dtype} and {value_cache.dtype}")
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even (rotate-half)")
@@ -120,8 +124,8 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     status = cpu_ops.library().raypaged_rotary_and_cache_f32(
         positions.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
         value.stride(0), cos_sin.data_ptr(), cos_sin.shape[0], key_cache.data_ptr(), value_cache.data_ptr(),
-        num_blocks, slot_mapping.data_ptr(), tokens, query.shape[1], num_kv_heads, head_dim, block_size,
-        torch.get_num_threads())
+        key_cache.dtype != torch.float32, num_blocks, slot_mapping.data_ptr(), tokens, query.shape[1], num_kv_heads,
+        head_dim, block_size, torch.get_num_threads())
     if status == -1:
         raise ValueError(f"a position is outside the rotary table's {cos_sin.shape[0]} positions")
     if status == -2:

@@ -1,4 +1,5 @@
-/* Paged prefill attention on CPU, fp32: every prefill span of a step in one call, each reading its
+/* Paged prefill attention on CPU, fp32 (over a float32 or an fp8 e4m3 cache): every prefill span of a step in one
+ * call, each reading its
  * context straight through its block table (no gather copy), its own K/V of this step included
  * (written to the cache just before). The contract of raypaged.kernels.paged_prefill_attention:
  * query token i of span s sits at position context_lens[s] - query_len_s + i and sees the cache
@@ -26,6 +27,7 @@
 #include <string.h>
 
 #include "cpu_exp.h"
+#include "cpu_fp8.h"
 
 #define TILE_TOKENS 16
 #if defined(__AVX512F__)
@@ -42,15 +44,25 @@ typedef float vec_unaligned __attribute__((vector_size(CHUNK * sizeof(float)), a
 static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
 static inline void store(float *p, vec v) { *(vec_unaligned *)p = v; }
 
-/* One work item's scratch, floats: the tile's query rows and outputs ([rows][D] each), the
- * transposed K chunk ([D][CHUNK]), the scores ([rows][CHUNK]), then max and sum per row. */
-static inline int64_t scratch_floats(int64_t rows, int64_t D) { return 2 * rows * D + D * CHUNK + rows * CHUNK + 2 * rows; }
+/* One work item's scratch, floats: the transposed K chunk ([D][CHUNK]), the tile's query rows and outputs
+ * ([rows][D] each), the scores ([rows][CHUNK]), max and sum per row, then a chunk's V rows widened from an
+ * fp8 cache ([CHUNK][D]). */
+static inline int64_t scratch_floats(int64_t rows, int64_t D) {
+    return D * CHUNK + 2 * rows * D + rows * CHUNK + 2 * rows + CHUNK * D;
+}
 
-/* kt[d][j] = k_j[d] for the chunk's n (<= CHUNK) rows, zeros past them */
-static void transpose_chunk(const float *k, int64_t n, int64_t D, float *kt) {
+/* kt[d][j] = k_j[d] for the chunk's n (<= CHUNK) rows (float32, or fp8 e4m3 when fp8), zeros past them */
+static void transpose_chunk(const void *k, int fp8, int64_t n, int64_t D, float *kt) {
     if (n < CHUNK) memset(kt, 0, sizeof(float) * D * CHUNK);
+    if (fp8) {
+        const uint8_t *k8 = k;
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t d = 0; d < D; ++d) kt[d * CHUNK + j] = fp8_e4m3_to_f32(k8[j * D + d]);
+        return;
+    }
+    const float *k32 = k;
     for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; ++d) kt[d * CHUNK + j] = k[j * D + d];
+        for (int64_t d = 0; d < D; ++d) kt[d * CHUNK + j] = k32[j * D + d];
 }
 
 /* s[r][:] = scale * q_r . kt for rows [0, rows), SCORE_ROWS at a time */
@@ -145,13 +157,13 @@ static void softmax_chunk(float *s, int64_t rows, int64_t G, int64_t n, int64_t 
 /* Returns 0; -1 when scratch memory could not be allocated; -2 when the spans' query offsets do not
  * ascend within the query's rows or a span has no query token; -3 when a span's query is longer than
  * its context; -4 when a context is beyond its block table's width; -5 when a block id in use is
- * outside the cache. Nothing is read from the cache before these checks pass. */
-int raypaged_paged_prefill_f32(const float *query, int64_t query_token_stride, int64_t query_head_stride,
-                               int64_t num_tokens, const float *k_cache, const float *v_cache, int64_t num_blocks,
-                               const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
-                               int64_t table_stride, int64_t table_width, float *out, int64_t num_spans,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                               float scale, int num_threads) {
+ * outside the cache. Nothing is read from the cache before these checks pass. The caches hold float32,
+ * or fp8 e4m3 (scale 1) when fp8 is set. */
+static int paged_prefill(const float *query, int64_t query_token_stride, int64_t query_head_stride, int64_t num_tokens,
+                         const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                         const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
+                         int64_t table_stride, int64_t table_width, float *out, int64_t num_spans, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale, int num_threads) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, rows_max = TILE_TOKENS * G;
     int64_t *first = malloc(sizeof(int64_t) * (num_spans + 1)); /* first tile of each span */
     if (first == NULL) return -1;
@@ -183,6 +195,8 @@ int raypaged_paged_prefill_f32(const float *query, int64_t query_token_stride, i
         /* the transposed chunk is read as whole vectors: aligned to 64 bytes */
         float *kt = local == NULL ? NULL : (float *)(((uintptr_t)local + 63) & ~(uintptr_t)63);
         float *q = kt + D * CHUNK, *o = q + rows_max * D, *s = o + rows_max * D, *max_sum = s + rows_max * CHUNK;
+        float *widened = max_sum + 2 * rows_max;
+        const int64_t element = fp8 ? 1 : sizeof(float);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < tiles * num_kv_heads; ++item) {
             if (local == NULL) continue;
@@ -211,11 +225,18 @@ int raypaged_paged_prefill_f32(const float *query, int64_t query_token_stride, i
                 const int64_t block = table[key / block_size], offset = key % block_size;
                 int64_t n = block_size - offset < CHUNK ? block_size - offset : CHUNK;
                 n = n < last_pos + 1 - key ? n : last_pos + 1 - key;
-                const int64_t at = ((block * num_kv_heads + head) * block_size + offset) * D;
-                transpose_chunk(k_cache + at, n, D, kt);
+                const int64_t at = (((block * num_kv_heads + head) * block_size + offset) * D) * element;
+                transpose_chunk((const char *)k_cache + at, fp8, n, D, kt);
                 score_chunk(q, rows, D, kt, scale, s);
                 softmax_chunk(s, rows, G, n, first_pos, key, o, D, max_sum);
-                weigh_chunk(s, rows, v_cache + at, n, D, o);
+                const float *v = (const float *)((const char *)v_cache + at);
+                if (fp8) {
+                    const uint8_t *v8 = (const uint8_t *)v_cache + at;
+#pragma omp simd
+                    for (int64_t i = 0; i < n * D; ++i) widened[i] = fp8_e4m3_to_f32(v8[i]);
+                    v = widened;
+                }
+                weigh_chunk(s, rows, v, n, D, o);
                 key += n;
             }
             for (int64_t i = 0; i < tokens; ++i)
@@ -231,4 +252,26 @@ int raypaged_paged_prefill_f32(const float *query, int64_t query_token_stride, i
     }
     free(first);
     return failed ? -1 : 0;
+}
+
+int raypaged_paged_prefill_f32(const float *query, int64_t query_token_stride, int64_t query_head_stride,
+                               int64_t num_tokens, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                               const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
+                               int64_t table_stride, int64_t table_width, float *out, int64_t num_spans,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                               float scale, int num_threads) {
+    return paged_prefill(query, query_token_stride, query_head_stride, num_tokens, k_cache, v_cache, 0, num_blocks,
+                         cu_seqlens_q, context_lens, block_tables, table_stride, table_width, out, num_spans,
+                         num_heads, num_kv_heads, block_size, head_dim, scale, num_threads);
+}
+
+int raypaged_paged_prefill_fp8(const float *query, int64_t query_token_stride, int64_t query_head_stride,
+                               int64_t num_tokens, const uint8_t *k_cache, const uint8_t *v_cache, int64_t num_blocks,
+                               const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
+                               int64_t table_stride, int64_t table_width, float *out, int64_t num_spans,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                               float scale, int num_threads) {
+    return paged_prefill(query, query_token_stride, query_head_stride, num_tokens, k_cache, v_cache, 1, num_blocks,
+                         cu_seqlens_q, context_lens, block_tables, table_stride, table_width, out, num_spans,
+                         num_heads, num_kv_heads, block_size, head_dim, scale, num_threads);
 }

@@ -29,6 +29,11 @@ def test_selection():
     assert select_backend("auto", cpu, 64, 16) is CPU  # this machine has a C compiler
     assert select_backend("cpu", cpu, 64, 16) is CPU
     assert select_backend("auto", cpu, 64, 16, torch.bfloat16) is TORCH  # the kernel reads float32 only
+    assert select_backend("auto", cpu, 64, 16, torch.float32, torch.float8_e4m3fn) is CPU  # fp8 K/V widened in C
+    assert select_backend("auto", cpu, 64, 16, torch.float32, torch.float8_e5m2) is TORCH
+    with pytest.raises(ValueError, match=r"^attention_backend 'cpu' cannot run: the KV cache is float8_e5m2 \(the "
+                                         r"kernels read float32 and float8_e4m3fn caches\)$"):
+        select_backend("cpu", cpu, 64, 16, torch.float32, torch.float8_e5m2)
     assert select_backend("auto", CUDA, 64, 128) is TORCH  # a block size with no kernel falls back
     with pytest.raises(ValueError, match="^attention_backend 'cuda' cannot run: block size 128 has no kernel"):
         select_backend("cuda", CUDA, 64, 128)
@@ -50,7 +55,7 @@ def test_auto_on_cpu_without_a_compiler_runs_torch(tmp_path, monkeypatch, caplog
             "no C compiler found (set $CC, or install gcc)")
         with caplog.at_level("WARNING", logger="raypaged"):
             assert select_backend("auto", torch.device("cpu"), 64, 16) is TORCH
-        assert caplog.messages == ["paged decode attention runs in torch, not the CPU kernel: no C compiler found "
+        assert caplog.messages == ["paged attention runs in torch, not the CPU kernels: no C compiler found "
                                    "(set $CC, or install gcc)"]
         with pytest.raises(ValueError, match=r"^attention_backend 'cpu' cannot run: no C compiler found"):
             select_backend("cpu", torch.device("cpu"), 64, 16)

@@ -66,27 +66,34 @@ def test_silu_and_mul_equals_the_reference(rows, threads):
     _close(got, ref.silu_and_mul(x))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("rows", ROWS)
-def test_rotary_and_cache_equals_rotate_then_cache_bit_for_bit(rows, threads):
+def test_rotary_and_cache_equals_rotate_then_cache_bit_for_bit(rows, threads, cache_dtype):
+    """float32 caches, and fp8 e4m3 ones narrowed as torch's .to() narrows (ties to even, saturation at 448,
+    subnormals, NaN)."""
     torch.manual_seed(rows)
     heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim) * 3
+    v0 = (heads + kv_heads) * head_dim
+    qkv[0, v0:v0 + 10] = torch.tensor([1000.0, -500.0, 464.0, 449.0, 0.0029296875, -1e-3, 1e-9, float("nan"),
+                                       float("inf"), -0.0])  # V is cached as it is: each case exactly
     cos_sin = torch.randn(512, 2, head_dim // 2)
     positions = torch.randint(0, 512, (rows,))
     slots = torch.randperm(num_blocks * block_size)[:rows]
-    slots[::3] = -1  # padding: rotated, not cached
+    slots[1::3] = -1  # padding: rotated, not cached
 
     def split(t):
         q, k, v = t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         return q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim), v.view(rows, kv_heads, head_dim)
 
-    caches = [torch.full((num_blocks, kv_heads, block_size, head_dim), 7.0) for _ in range(4)]
+    caches = [torch.full((num_blocks, kv_heads, block_size, head_dim), 7.0).to(cache_dtype) for _ in range(4)]
     expected = qkv.clone()
     ref.rotary_and_cache(positions, *split(expected), cos_sin, caches[0], caches[1], slots)
     cpu_fused.rotary_and_cache(positions, *split(qkv), cos_sin, caches[2], caches[3], slots)
-    assert torch.equal(qkv, expected)
-    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
-    assert int((caches[2] != 7.0).any(-1).sum()) == kv_heads * int((slots >= 0).sum())
+    assert torch.equal(qkv.view(torch.int32), expected.view(torch.int32))
+    bits = [cache.view(torch.uint8) for cache in caches]
+    assert torch.equal(bits[2], bits[0]) and torch.equal(bits[3], bits[1])
+    assert int((caches[2].float() != 7.0).any(-1).sum()) == kv_heads * int((slots >= 0).sum())
 
 
 def _rotary_args(positions=None, slots=None, **changes):

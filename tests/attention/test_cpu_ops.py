@@ -115,9 +115,14 @@ def test_decode_errors():
     bad[1, 2] = -1
     with pytest.raises(ValueError, match=r"^a block table holds a block id outside the cache's 400 blocks$"):
         decode(query, key_cache, value_cache, bad, lens, 0.125)
-    with pytest.raises(ValueError, match=r"^the CPU decode kernel reads float32, got query torch.bfloat16, cache "
+    with pytest.raises(ValueError, match=r"^the CPU decode kernel reads a float32 query from float32 or "
+                                         r"float8_e4m3fn caches, got query torch.bfloat16, caches torch.float32 and "
                                          r"torch.float32$"):
         decode(query.bfloat16(), key_cache, value_cache, tables, lens, 0.125)
+    with pytest.raises(ValueError, match=r"caches torch.float8_e5m2 and torch.float8_e5m2$"):
+        decode(query, key_cache.to(torch.float8_e5m2), value_cache.to(torch.float8_e5m2), tables, lens, 0.125)
+    with pytest.raises(ValueError, match=r"caches torch.float8_e4m3fn and torch.float32$"):
+        decode(query, key_cache.to(torch.float8_e4m3fn), value_cache, tables, lens, 0.125)
     with pytest.raises(ValueError, match=r"^query \(2, 9, 64\) does not fit caches \(400, 2, 16, 64\)"):
         decode(query, key_cache[:, :2].contiguous(), value_cache[:, :2].contiguous(), tables, lens, 0.125)
     with pytest.raises(ValueError, match="^the CPU decode kernel needs contiguous caches"):
@@ -288,5 +293,36 @@ def test_prefill_errors():
     with pytest.raises(ValueError, match=r"^out must be a contiguous float32 tensor of \(25, 9, 64\), got "
                                          r"torch.float32 \(24, 9, 64\)$"):
         call(out=torch.empty(24, 9, 64))
-    with pytest.raises(ValueError, match=r"^the CPU prefill kernel reads float32, got query torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"^the CPU prefill kernel reads a float32 query from float32 or "
+                                         r"float8_e4m3fn caches, got query torch.bfloat16"):
         call(query=query.bfloat16())
+
+
+def to_fp8(*caches):
+    """Caches narrowed to fp8 e4m3 as the torch path writes them (scale 1)."""
+    return tuple(cache.to(torch.float8_e4m3fn) for cache in caches)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_over_an_fp8_cache_equals_the_torch_path(block_size):
+    """The kernel widens an fp8 e4m3 cache exactly as torch does; long contexts, partitions and head layouts."""
+    query, key_cache, value_cache, tables, lens = random_step(12, [1, 15, 100, 700, 1300], block_size)
+    key_cache, value_cache = to_fp8(key_cache, value_cache)
+    expected = torch_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_prefill_over_an_fp8_cache_equals_the_torch_path():
+    query, key_cache, value_cache, cu, context_lens, tables = prefill_step(13, PREFILL_SPANS)
+    step = (query, *to_fp8(key_cache, value_cache), cu, context_lens, tables)
+    torch.testing.assert_close(cpu_ops.paged_prefill_attention(*step, 0.125, 130), prefill_reference(*step, 0.125),
+                               rtol=1e-5, atol=2e-6)
+
+
+def test_fp8_cache_on_the_avx2_path(avx2_build):
+    query, key_cache, value_cache, tables, lens = random_step(14, [3, 200, 600], 16, 12, 2, 128)
+    key_cache, value_cache = to_fp8(key_cache, value_cache)
+    torch.testing.assert_close(cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.1),
+                               torch_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.1),
+                               rtol=1e-5, atol=2e-6)
