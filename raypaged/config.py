@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
 import logging
 from collections.abc import Callable
@@ -87,7 +88,8 @@ class GenerationDefaults:
 
     def sampling_params(self) -> SamplingParams:
         """``SamplingParams`` with these defaults (vLLM's ``LLM.get_default_sampling_params``)."""
-        return SamplingParams(**self.as_dict())
+        keywords: dict[str, Any] = self.as_dict()  # by field name: each checked by SamplingParams itself
+        return SamplingParams(**keywords)
 
 
 CLI = "cli"  # the metadata key of an EngineConfig field's command-line flag
@@ -104,7 +106,8 @@ class CliFlag:
     aliases: tuple[str, ...] = ()  # option strings after --field-name (-tp, -q)
     type: Callable[[str], Any] | None = None  # argparse's type (int, float); None: the text itself
     choices: tuple[str, ...] | None = None
-    action: str | type[argparse.Action] | None = None  # "store_true", argparse.BooleanOptionalAction
+    # "store_true", argparse.BooleanOptionalAction (builtins.type: the field above is named type)
+    action: str | builtins.type[argparse.Action] | None = None
     metavar: str | None = None
     unset: bool = False  # the flag's default is None: not given, the field keeps its own default
     # (flag, text) -> the field's value, for text that is more than a string (JSON); errors name the flag
@@ -286,7 +289,7 @@ class EngineConfig:
     draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):  # vLLM's dict form
             self.structured_outputs_config = StructuredOutputsConfig.parse(self.structured_outputs_config)
         self.chat_template_text = _chat_template_text(self.chat_template)
@@ -340,7 +343,7 @@ class EngineConfig:
         check_tensor_parallel(self.hf_config, self.tensor_parallel_size)
         self.quant_config = self._resolve_quantization()
         self.max_model_len = self._resolve_max_model_len()
-        self._resolve_draft_model()
+        self._resolve_draft_model(spec)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
         if isinstance(self.served_model_name, (list, tuple)):
@@ -354,7 +357,9 @@ class EngineConfig:
     @property
     def served_model_names(self) -> tuple[str, ...]:
         """Every name the model answers to, its own first."""
-        return (self.served_model_name, *self.served_model_aliases)
+        name = self.served_model_name
+        assert isinstance(name, str), "__post_init__ resolves served_model_name to one name"
+        return (name, *self.served_model_aliases)
 
     def _resolve_tokenizer_path(self) -> Path:
         """The tokenizer's folder: the model's unless ``tokenizer``/``tokenizer_revision`` name another
@@ -437,10 +442,9 @@ class EngineConfig:
                              "checkpoint (use --load-format auto, or a float model folder with --quantization fp8)")
         return quant_config
 
-    def _resolve_draft_model(self) -> None:
-        """The draft model's folder and config: a supported architecture with the target's vocabulary,
-        on one shard, long enough for ``max_model_len``."""
-        spec = self.speculative_config
+    def _resolve_draft_model(self, spec: SpeculativeConfig | None) -> None:
+        """The draft model's folder and config (``spec``: the parsed ``speculative_config``): a supported
+        architecture with the target's vocabulary, on one shard, long enough for ``max_model_len``."""
         if spec is None or spec.method != "draft_model":
             return
         from transformers import AutoConfig

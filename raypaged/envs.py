@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TypeVar
+
+_Number = TypeVar("_Number", int, float)
 
 
 def cache_dir() -> Path:
@@ -22,7 +25,7 @@ def api_key() -> str | None:
     return os.environ.get("RAYPAGED_API_KEY") or None
 
 
-def _positive(name: str, parse: type[int] | type[float]) -> int | float | None:
+def _positive(name: str, parse: type[_Number]) -> _Number | None:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return None

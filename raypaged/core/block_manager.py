@@ -310,6 +310,7 @@ class KVCacheManager:
             self.pool.free(table.block_ids[::-1])
         swapped = self.swapped.pop(seq_id, None)
         if swapped:
+            assert self.cpu_pool is not None, "swapped tables hold CPU blocks"
             self.cpu_pool.free(swapped.block_ids)
 
     @property
@@ -330,6 +331,7 @@ class KVCacheManager:
 
     def swap_in(self, seq_ids: list[str]) -> list[tuple[int, int]] | None:
         """Bring swapped sequences back; returns (cpu block, device block) copies or ``None``."""
+        assert self.cpu_pool is not None, "only sequences swapped out to the CPU pool come back"
         return _move_tables(self.swapped, self.tables, self.cpu_pool, self.pool, seq_ids)
 
     def num_blocks_to_swap_in(self, plan: list[tuple[str, int, int]]) -> int:

@@ -12,6 +12,7 @@ recomputed from its tokens at the front of the queue.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from raypaged.core.block_manager import KVCacheManager
@@ -334,7 +335,7 @@ class Scheduler:
         )
         return request.spec_token_ids[:k] if k > 0 else []
 
-    def _allocate(self, request: Request, num_new: int, drafts: list[int] = ()) -> bool:
+    def _allocate(self, request: Request, num_new: int, drafts: Sequence[int] = ()) -> bool:
         """Reserve blocks for ``num_new`` tokens and ``drafts`` and record the request in this step's
         output; False if the pool is short."""
         num_slots = num_new + len(drafts)
@@ -567,6 +568,7 @@ class Scheduler:
             if self.loras is not None and not self.loras.fits(group, self.loras.in_use(self.running)):
                 break  # its adapter waits for a slot
             copies = self.kv.swap_in([r.request_id for r in group])
+            assert copies is not None, "its blocks were counted free above"
             self._out.block_ops.extend(BlockOp(BlockOpKind.SWAP_IN, src, dst) for src, dst in copies)
             self.swapped.pop(0)
             for request in group:
@@ -621,7 +623,9 @@ class Scheduler:
             if sampled is None:
                 continue
             if request.gang is not None:
-                request.gang.held[request_id] = sampled.top_logprobs
+                top_logprobs = sampled.top_logprobs
+                assert top_logprobs is not None, "a gang member's params ask for logprobs"
+                request.gang.held[request_id] = top_logprobs
                 continue
             request.append_output_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
             request.num_new_tokens, request.run_logprobs = 1, None

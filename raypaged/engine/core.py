@@ -17,7 +17,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from raypaged.config import EngineConfig
 from raypaged.core import beam_search
@@ -126,14 +126,18 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks, num_cpu_blocks)
         if config.resolved_async_scheduling:
             self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="raypaged-step")
+        max_num_batched_tokens, max_model_len = config.max_num_batched_tokens, config.max_model_len
+        assert max_num_batched_tokens is not None and max_model_len is not None, "EngineConfig resolves both"
+        spec = config.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig), "EngineConfig parses speculative_config"
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
             policy=config.scheduling_policy,
             preemption_mode=config.preemption_mode,
             max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
-            **_spec_scheduler_options(config.speculative_config),
+            **_spec_scheduler_options(spec),
         )
         self.scheduler = Scheduler(
             scheduler_config,
@@ -141,17 +145,18 @@ class EngineCore:
         )
         self._matchers: dict[str, Any] = {}  # constrained sequences' grammar states, by sequence id
         self._beams: dict[str, BeamGroup] = {}  # live beam searches, by request id
-        spec = config.speculative_config
         self.ngram: NgramProposer | None = None  # prompt-lookup proposals, made here between steps
         if spec is not None and spec.method == "ngram":
-            self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            low, high = spec.prompt_lookup_min, spec.prompt_lookup_max
+            assert low is not None and high is not None, "SpeculativeConfig sets both bounds of ngram"
+            self.ngram = NgramProposer(spec.num_speculative_tokens, low, high)
         freeze_startup_heap("engine core")  # no full collection rescans the weights, tokenizer and graphs
 
     # ---- requests ----------------------------------------------------------
     def add(self, request: EngineCoreRequest) -> list[str]:
         """Queue a request; returns its sequences' ids (a beam search: its first beam's)."""
         if request.beam is not None:
-            return [self._add_beam_search(request)]
+            return [self._add_beam_search(request, request.beam)]
         params = request.sampling_params
         num_samples = params.num_samples
         seqs = [
@@ -183,9 +188,10 @@ class EngineCore:
             self._matchers[seq.request_id] = matcher
         return [seq.request_id for seq in seqs]
 
-    def _add_beam_search(self, request: EngineCoreRequest) -> str:
-        """Every beam proposes its ``2 * beam_width`` best next tokens; its group decides."""
-        group = BeamGroup(request.request_id, params=request.beam, eos_token_id=self.eos_token_id)
+    def _add_beam_search(self, request: EngineCoreRequest, params: BeamSearchParams) -> str:
+        """Every beam proposes its ``2 * beam_width`` best next tokens; its group decides (``params``:
+        the request's ``beam``)."""
+        group = BeamGroup(request.request_id, params=params, eos_token_id=self.eos_token_id)
         first = Request(request.request_id, request.prompt_token_ids, request.sampling_params, request.max_tokens,
                         self.eos_token_id, arrival_time=request.arrival_time, gang=group,
                         cache_salt=request.cache_salt, lora=request.lora)
@@ -240,8 +246,8 @@ class EngineCore:
         """
         if self._worker_error is not None:
             raise self._worker_error
-        if self._step_thread is not None:
-            return self._step_async()
+        if (step_thread := self._step_thread) is not None:
+            return self._step_async(step_thread)
         scheduler_output = self._schedule()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
@@ -258,8 +264,8 @@ class EngineCore:
             scheduler_output.grammar_bitmask = self._grammar_bitmask(scheduler_output)
         return scheduler_output
 
-    def _step_async(self) -> EngineCoreOutputs:
-        """Async scheduling: the executor runs steps on the step thread, one at a time, and while
+    def _step_async(self, step_thread: ThreadPoolExecutor) -> EngineCoreOutputs:
+        """Async scheduling: the executor runs steps on ``step_thread``, one at a time, and while
         step N runs this schedules step N+1 (its sequences' coming tokens are placeholders: the
         worker computes them from its own samples), submits it the moment N is done, then applies
         N's results and returns them; the host work of both hides behind N+1's forward. While a
@@ -269,7 +275,7 @@ class EngineCore:
         in_flight = self._in_flight
         if in_flight is None:
             scheduler_output = self._schedule()
-            in_flight = scheduler_output, self._step_thread.submit(self.executor.execute_model, scheduler_output)
+            in_flight = scheduler_output, step_thread.submit(self.executor.execute_model, scheduler_output)
         scheduler_output, future = in_flight
         self._in_flight = None
         following = None
@@ -287,7 +293,7 @@ class EngineCore:
             if following.is_empty:
                 self.scheduler.forget_later(following)  # nothing to run beside: the next schedule starts over
             else:
-                self._in_flight = following, self._step_thread.submit(self.executor.execute_model, following)
+                self._in_flight = following, step_thread.submit(self.executor.execute_model, following)
                 self.num_overlapped_steps += 1
         return self._apply(scheduler_output, runner_output, fill_failures)
 
@@ -315,8 +321,8 @@ class EngineCore:
                                    request.status.finish_reason, request.stop_reason, ended.message,
                                    request.first_scheduled_time, request.num_cached_tokens))
             self._release(request.request_id)
-        if self.ngram is not None and scheduler_output.propose_drafts:
-            self._propose_ngrams(updated)
+        if (ngram := self.ngram) is not None and scheduler_output.propose_drafts:
+            self._propose_ngrams(ngram, updated)
         matchers = self._matchers
         for request in updated:
             seq_id = request.request_id
@@ -376,11 +382,11 @@ class EngineCore:
                 del self._beams[request_id]
                 self._forget_beam_grammars(group)
 
-    def _propose_ngrams(self, updated: list[Request]) -> None:
+    def _propose_ngrams(self, ngram: NgramProposer, updated: list[Request]) -> None:
         """Prompt-lookup drafts for the next step of every speculating sequence that got tokens."""
         for request in updated:
             if request.num_spec_tokens and not request.status.finished:
-                request.spec_token_ids = self.ngram.propose(
+                request.spec_token_ids = ngram.propose(
                     request.request_id, request.prompt_token_ids, request.output_token_ids, request.num_spec_tokens)
 
     def _grammar_bitmask(self, so: SchedulerOutput) -> GrammarBitmask | None:
@@ -433,7 +439,9 @@ class EngineCore:
     def _beam_of(self, seq_id: str) -> BeamGroup | None:
         """The beam search whose beam ``seq_id`` is."""
         request = self.scheduler.requests.get(seq_id)
-        return request.gang if request is not None else None
+        gang = request.gang if request is not None else None
+        assert gang is None or isinstance(gang, BeamGroup), "the core's gangs are beam searches"
+        return gang
 
     def _forget_beam_grammars(self, group: BeamGroup) -> None:
         if group.params.structured_outputs is None:
@@ -519,7 +527,15 @@ def _fill_masks(rows: list[tuple[str, Any, list[int]]], bitmask: torch.Tensor) -
     return failures
 
 
-def _spec_scheduler_options(spec: SpeculativeConfig | None) -> dict[str, int | None]:
+class _SpecSchedulerOptions(TypedDict, total=False):
+    """``SchedulerConfig``'s speculative-decoding keywords."""
+
+    num_spec_tokens: int
+    spec_disable_batch_size: int | None
+    num_lookahead_slots: int
+
+
+def _spec_scheduler_options(spec: SpeculativeConfig | None) -> _SpecSchedulerOptions:
     """The scheduler's speculative-decoding settings; a draft model keeps lookahead slots to propose into."""
     if spec is None:
         return {}
@@ -532,6 +548,7 @@ def _spec_scheduler_options(spec: SpeculativeConfig | None) -> dict[str, int | N
 
 def _check_pool_holds_one_sequence(num_blocks: int, config: EngineConfig) -> None:
     """One sequence of ``max_model_len`` tokens must fit the KV pool, or it could never finish."""
+    assert config.max_model_len is not None, "EngineConfig resolves max_model_len"
     needed = -(-config.max_model_len // config.block_size)
     if needed > num_blocks:
         raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
@@ -34,7 +35,7 @@ class IncrementalDetokenizer:
         self._last_added = False
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) if tokenizer.is_fast else None
-        self._backend = tokenizer.backend_tokenizer if tokenizer.is_fast else None
+        self._backend: Tokenizer | None = tokenizer.backend_tokenizer if tokenizer.is_fast else None
         self._held: list[int] = []  # streamed tokens whose text the stream still holds
         # the window decoder's state (slow tokenizers)
         self.token_ids: list[int] = context
@@ -51,6 +52,7 @@ class IncrementalDetokenizer:
             self.token_ids.extend(new_token_ids)
             return self._emit(final=False)
         backend = self._backend
+        assert backend is not None, "set with the stream"
         if len(new_token_ids) == 1 and self._joined is None:  # the common case: one token, no join rule
             piece = self._stream.step(backend, new_token_ids[0])
             if piece is None:

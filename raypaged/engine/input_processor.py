@@ -24,8 +24,10 @@ from raypaged.engine.core import EngineCoreRequest
 from raypaged.inputs.chat_template import render_chat
 from raypaged.inputs.limits import InputError, check_context, check_count, check_prompt_ids, check_sampling, check_text
 from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
+from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
 from raypaged.structured.backend import GrammarBackend
+from raypaged.structured.config import StructuredOutputsConfig
 from raypaged.structured.reasoning import closed_in
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ class InputProcessor:
         self.eos_token_ids = self._eos_token_ids()
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the EOS; the others stop too
         self.grammars = GrammarBackend(
-            self.tokenizer, config.hf_config.vocab_size, self.eos_token_ids, config.structured_outputs_config
+            self.tokenizer, config.hf_config.vocab_size, self.eos_token_ids, _structured_outputs_config(config)
         )
         self._loras: dict[int, LoRARequest] = {}  # adapters checked against the model, by lora_int_id
         self._lora_lock = threading.Lock()
@@ -72,10 +74,11 @@ class InputProcessor:
         """A prompt's token ids, its size checked first; a text too long to leave room for one
         generated token (by a lower bound on its token count) is refused untokenized."""
         config = self.config
-        check_text("prompt", len(text), config.limits, config.max_model_len)
+        max_model_len = _max_model_len(config)
+        check_text("prompt", len(text), config.limits, max_model_len)
         if self._max_token_bytes is not None:
             min_tokens = -(-len(text.encode()) // self._max_token_bytes)
-            if min_tokens >= config.max_model_len:
+            if min_tokens >= max_model_len:
                 raise InputError(
                     "prompt",
                     f"prompt has at least {min_tokens} tokens, which leaves no room to generate within "
@@ -101,14 +104,15 @@ class InputProcessor:
                         truncate_to: int | None = None) -> list[int]:
         """The prompt's token ids (only the last ``truncate_to`` of them, when given, as vLLM's
         ``truncate_prompt_tokens``), sizes checked before tokenizing or copying."""
+        max_model_len = _max_model_len(self.config)
         if prompt_token_ids is None:
             if prompt is None:
                 raise InputError("prompt", "either prompt or prompt_token_ids is required")
-            check_text("prompt", len(prompt), self.config.limits, self.config.max_model_len)
+            check_text("prompt", len(prompt), self.config.limits, max_model_len)
             prompt_token_ids = self.tokenize(prompt)
         if truncate_to is not None:
             prompt_token_ids = prompt_token_ids[-truncate_to:]
-        check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, self.config.max_model_len)
+        check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, max_model_len)
         return list(prompt_token_ids)
 
     # ---- constraints and adapters ----------------------------------------------
@@ -118,8 +122,8 @@ class InputProcessor:
         """The constraint's grammar for this prompt, its size checked first; thread-safe (compiled
         grammars are cached). With a reasoning parser the constraint applies after the output's
         reasoning section, unless the prompt closed that section itself."""
-        check_text(STRUCTURED_PARAM, structured.num_chars, self.config.limits, self.config.max_model_len)
-        reasoning = self.config.structured_outputs_config.reasoning
+        check_text(STRUCTURED_PARAM, structured.num_chars, self.config.limits, _max_model_len(self.config))
+        reasoning = _structured_outputs_config(self.config).reasoning
         if reasoning is not None:
             tail = prompt[-64:] if prompt_token_ids is None and prompt is not None else self.tokenizer.decode(
                 (prompt_token_ids or [])[-16:])
@@ -186,8 +190,9 @@ class InputProcessor:
         check_sampling(params, config.hf_config.vocab_size, config.limits)
         params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
         prompt_token_ids = self._checked_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
-        check_context(len(prompt_token_ids), params.max_tokens, config.max_model_len)
-        max_tokens = params.max_tokens or config.max_model_len - len(prompt_token_ids)
+        max_model_len = _max_model_len(config)
+        check_context(len(prompt_token_ids), params.max_tokens, max_model_len)
+        max_tokens = params.max_tokens or max_model_len - len(prompt_token_ids)
         matchers = []
         if (structured := params.structured_outputs) is not None:  # cached when a server compiled it already
             grammar = self.compile_grammar(structured, prompt, prompt_token_ids)
@@ -196,6 +201,7 @@ class InputProcessor:
         if params.bad_words:
             seq_params = replace(seq_params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         spec = config.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig), "EngineConfig parses speculative_config"
         return params, EngineCoreRequest(
             request_id, prompt_token_ids, seq_params, max_tokens, priority=priority,
             cache_salt=_prefix_namespace(cache_salt, lora), lora=lora, matchers=matchers,
@@ -216,7 +222,7 @@ class InputProcessor:
         check_count("n", params.beam_width, config.limits.max_num_samples, "max_num_samples", "beams")
         lora = None if lora_request is None else self.check_lora(lora_request)
         prompt_token_ids = self._checked_prompt(prompt, prompt_token_ids)
-        max_tokens = min(params.max_tokens, config.max_model_len - len(prompt_token_ids))
+        max_tokens = min(params.max_tokens, _max_model_len(config) - len(prompt_token_ids))
         matchers = []
         if params.structured_outputs is not None:
             matchers = [self.grammars.matcher(self.compile_grammar(params.structured_outputs, prompt,
@@ -236,6 +242,20 @@ class InputProcessor:
         if params.ignore_eos or not extra:
             return params
         return replace(params, stop_token_ids=params.stop_token_ids + extra)
+
+
+def _max_model_len(config: EngineConfig) -> int:
+    """The context length, as ``EngineConfig`` resolved it (the model's when not given)."""
+    max_model_len = config.max_model_len
+    assert max_model_len is not None, "EngineConfig resolves max_model_len"
+    return max_model_len
+
+
+def _structured_outputs_config(config: EngineConfig) -> StructuredOutputsConfig:
+    """The grammar engine's settings, as ``EngineConfig`` parsed them (vLLM's dict form included)."""
+    structured = config.structured_outputs_config
+    assert isinstance(structured, StructuredOutputsConfig), "EngineConfig parses structured_outputs_config"
+    return structured
 
 
 def _prefix_namespace(cache_salt: str | None, lora: LoRARequest | None) -> str | None:

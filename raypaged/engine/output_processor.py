@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from raypaged.core.beam_search import Hypothesis
 from raypaged.engine.core import BeamResult, EngineCoreOutputs, SeqDelta
@@ -38,11 +39,15 @@ from raypaged.outputs import (
     BeamSearchSequence,
     CompletionOutput,
     FinishReason,
+    Logprob,
     RequestMetrics,
     RequestOutput,
     decode_logprobs,
 )
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("raypaged")
 
@@ -56,7 +61,7 @@ class SeqState:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)  # per token, when the request asked
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # per token, when the request asked
     cumulative_logprob: float = 0.0
     text: str = ""
     finish_reason: FinishReason | None = None
@@ -86,15 +91,14 @@ class RequestState:
     prompt_logprobs_found: list[dict[int, float]] | None = None  # from the first sequence's first delta
     prompt_logprobs_sent: bool = False  # DELTA outputs: the prompt's logprobs went with the first
 
-    def prompt_logprobs(self, delta: bool) -> list[dict[int, float] | None] | None:
+    def prompt_logprobs(self, delta: bool) -> list[dict[int, Logprob] | None] | None:
         """The prompt's logprobs when asked for (``None`` for its first token, as vLLM), once its
         prefill is done; a DELTA stream gets them once."""
         found = self.prompt_logprobs_found
         if found is None or (delta and self.prompt_logprobs_sent):
             return None
         self.prompt_logprobs_sent = True
-        decode_logprobs(found, self.seqs[0].detokenizer.tokenizer)
-        return [None, *found]
+        return [None, *_decoded_logprobs(found, self.seqs[0].detokenizer.tokenizer)]
 
     @property
     def finished(self) -> bool:
@@ -235,10 +239,10 @@ class OutputProcessor:
         for seq in state.seqs:
             self._seqs.pop(seq.seq_id, None)
 
-    def _beam_output(self, state: RequestState, result: BeamResult) -> RequestOutput:
-        if result.error is not None:
-            return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [], finished=True,
-                                 error=result.error)
+    def _beam_output(self, state: RequestState, result: BeamResult) -> BeamSearchOutput:
+        if result.error is not None:  # no beams: a BeamSearchOutput still, as every beam search's output is
+            return BeamSearchOutput(state.request_id, state.prompt, state.prompt_token_ids, [], finished=True,
+                                    error=result.error)
         return beam_output(state, result.hypotheses, self.tokenizer)
 
 
@@ -258,9 +262,9 @@ def beam_output(state: RequestState, hypotheses: list[Hypothesis], tokenizer) ->
     ]
     sequences = []
     for hyp, text in zip(hypotheses, texts):
-        decode_logprobs(hyp.logprobs, tokenizer)
-        sequences.append(BeamSearchSequence(state.prompt_token_ids + hyp.token_ids, hyp.logprobs,
-                                            hyp.cumulative_logprob, text, hyp.finish_reason))
+        sequences.append(BeamSearchSequence(state.prompt_token_ids + hyp.token_ids,
+                                            _decoded_logprobs(hyp.logprobs, tokenizer), hyp.cumulative_logprob, text,
+                                            hyp.finish_reason))
     return BeamSearchOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished=True,
                             num_generated_tokens=sum(len(h.token_ids) for h in hypotheses), sequences=sequences)
 
@@ -282,8 +286,7 @@ def process_token(seq: SeqState, delta: SeqDelta, now: float) -> bool:
     seq.token_ids += new_ids
     seq.cumulative_logprob = delta.cumulative_logprob
     if delta.new_logprobs is not None:
-        decode_logprobs(delta.new_logprobs, seq.detokenizer.tokenizer)
-        seq.logprobs += delta.new_logprobs
+        seq.logprobs += _decoded_logprobs(delta.new_logprobs, seq.detokenizer.tokenizer)
     finished = delta.finish_reason is not None
     if not params.stop:  # nothing to search: the whole run in one piece
         seq.text += seq.detokenizer.add_tokens(new_ids)
@@ -314,7 +317,9 @@ def _stopped_in_run(seq: SeqState, delta: SeqDelta, finished: bool) -> bool:
                 del seq.token_ids[-num_dropped:]
                 if delta.new_logprobs is not None:
                     del seq.logprobs[-num_dropped:]
-                seq.cumulative_logprob -= sum(delta.run_logprobs[-num_dropped:])
+                run_logprobs = delta.run_logprobs
+                assert run_logprobs is not None, "the core gives a run of several tokens its logprobs"
+                seq.cumulative_logprob -= sum(run_logprobs[-num_dropped:])
             seq.text, seq.stop_reason = cut
             if params.include_stop_str_in_output:
                 seq.text += cut[1]
@@ -354,10 +359,12 @@ def make_output(state: RequestState) -> RequestOutput | None:
     if (ranked or params.output_kind == RequestOutputKind.FINAL_ONLY) and not finished:
         return None
     delta = params.output_kind == RequestOutputKind.DELTA and not ranked
+    seqs = state.seqs
+    if ranked:  # the n best by cumulative logprob (a stable sort: ties keep their sample order)
+        seqs = sorted(seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)[: params.n]
     completions = [_delta(seq, params) if delta else _cumulative(seq, params)
-                   for seq in state.seqs if not (delta and seq.done)]
+                   for seq in seqs if not (delta and seq.done)]
     if ranked:
-        completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[: params.n]
         for rank, completion in enumerate(completions):
             completion.index = rank
     for seq in state.seqs:
@@ -427,6 +434,14 @@ def _delta(seq: SeqState, params: SamplingParams) -> CompletionOutput:
     return CompletionOutput(seq.index, text[sent:visible], seq.token_ids[first:], seq.cumulative_logprob,
                             seq.logprobs[first:] if params.logprobs is not None else None,
                             seq.finish_reason, seq.stop_reason, seq.finish_message)
+
+
+def _decoded_logprobs(entries: list[dict[int, float]], tokenizer: PreTrainedTokenizerBase) -> list[dict[int, Logprob]]:
+    """``entries`` themselves, each ``Logprob`` given its ``decoded_token`` (``decode_logprobs``). The
+    sampler makes every value a ``Logprob`` (``worker/sampler.py``'s ``logprob_entry``); the engine
+    core, which only carries them, types them as the floats they also are."""
+    decode_logprobs(entries, tokenizer)
+    return cast("list[dict[int, Logprob]]", entries)
 
 
 def find_stop(text: str, stops: list[str], start: int) -> tuple[str, str] | None:

@@ -8,7 +8,7 @@ import dataclasses
 import inspect
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raypaged import envs
 from raypaged.config import CliFlag, EngineConfig, cli_flag, json_flag_value
@@ -74,8 +74,10 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     """One flag per ``EngineConfig`` field with ``CliFlag`` metadata: ``--field-name`` and its aliases,
     with the metadata's type, action, choices, metavar and help."""
     for f, meta in config_flag_fields():
-        options = {"type": meta.type, "action": meta.action, "metavar": meta.metavar, "help": meta.help,
-                   "choices": None if meta.choices is None else list(meta.choices)}
+        options: dict[str, Any] = {  # add_argument's keywords
+            "type": meta.type, "action": meta.action, "metavar": meta.metavar, "help": meta.help,
+            "choices": None if meta.choices is None else list(meta.choices),
+        }
         parser.add_argument(vllm_flag(f.name), *meta.aliases, default=flag_default(f, meta),
                             **{key: value for key, value in options.items() if value is not None})
 

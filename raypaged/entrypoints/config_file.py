@@ -44,8 +44,6 @@ class ArgumentParser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         if args is not None and CONFIG_FLAG in self.flags:
             args = self._with_config_file(list(args))
-            namespace, extras = super().parse_known_args(args, namespace)
-            return namespace, extras
         return super().parse_known_args(args, namespace)
 
     def _with_config_file(self, args: list[str]) -> list[str]:
@@ -62,7 +60,7 @@ class ArgumentParser(argparse.ArgumentParser):
             path, rest = args[i + 1], args[:i] + args[i + 2:]
         else:
             path, rest = args[i].partition("=")[2], args[:i] + args[i + 1:]
-        given = {self._action_of(a).dest for a in rest if self._action_of(a) is not None}
+        given = {action.dest for action in map(self._action_of, rest) if action is not None}
         positional_model = self._has_positional_model(rest)
         tokens: list[str] = []
         for key, value in self._read(path).items():

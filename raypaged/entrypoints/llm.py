@@ -6,18 +6,22 @@ import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, fields, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
+from raypaged.core.stats import SchedulerStats
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.entrypoints.vllm_compat import ANY_VALUE, DEFAULT_ONLY, check_default_only, unknown_keyword
 from raypaged.inputs.limits import check_priority
 from raypaged.lora.request import LoRARequest
 from raypaged.outputs import BeamSearchOutput, RequestOutput
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 PromptType = str | dict[str, Any]
 _PROGRESS_MIN_PROMPTS = 16
@@ -135,7 +139,10 @@ class LLM:
             partial(engine.add_beam_search, text, params, prompt_token_ids=token_ids)
             for text, token_ids in (_prompt_input(p) for p in prompts)
         ]
-        return self._submit_and_run(submissions, use_tqdm)
+        outputs = self._submit_and_run(submissions, use_tqdm)
+        beams = [output for output in outputs if isinstance(output, BeamSearchOutput)]
+        assert len(beams) == len(outputs), "a beam search's output is a BeamSearchOutput"
+        return beams
 
     def chat(
         self,
@@ -151,7 +158,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the chat template
         (``chat_template`` replaces the model's for this call), as vLLM's ``LLM.chat``."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if _is_conversation(messages) else messages
         engine = self.llm_engine
         prompts = []
         for conversation in conversations:
@@ -163,7 +170,7 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _submit_and_run(self, submissions: list[Callable[[], str]], use_tqdm: bool) -> list[RequestOutput]:
+    def _submit_and_run(self, submissions: Sequence[Callable[[], str]], use_tqdm: bool) -> list[RequestOutput]:
         """Queue every request, all or none (a bad one aborts those already queued), then run them."""
         request_ids: list[str] = []
         try:
@@ -196,10 +203,15 @@ class LLM:
         """Forget every cached prompt block (as vLLM's); False while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> SchedulerStats:
         """Engine counters: device and CPU blocks total/free, running/waiting/swapped
         sequences, preemptions, prefix cache queries and hits (in tokens)."""
         return self.llm_engine.stats()
+
+
+def _is_conversation(messages: list[dict[str, Any]] | list[list[dict[str, Any]]]) -> TypeIs[list[dict[str, Any]]]:
+    """``LLM.chat``'s ``messages`` are one conversation (its messages), not a list of conversations."""
+    return bool(messages) and isinstance(messages[0], dict)
 
 
 def _prompt_input(prompt: PromptType) -> tuple[str | None, list[int] | None]:
@@ -219,7 +231,12 @@ def engine_keywords() -> dict[str, inspect.Parameter]:
     for f in fields(EngineConfig):
         if not f.init:
             continue
-        default = f.default if f.default is not MISSING else f.default_factory()
+        if f.default is not MISSING:
+            default = f.default
+        else:
+            factory = f.default_factory
+            assert factory is not MISSING, "every init field of EngineConfig has a default or a default factory"
+            default = factory()
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "model" else inspect.Parameter.KEYWORD_ONLY
         keywords[f.name] = inspect.Parameter(f.name, kind, default=default, annotation=f.type)
     return keywords

@@ -231,8 +231,9 @@ class RayExecutor(Executor):
         :class:`WorkerDiedError` / :class:`WorkerStalledError`."""
         start = time.perf_counter()
         if self._channel is not None:
-            results = self._step_through_channel(scheduler_output)
+            results = self._step_through_channel(self._channel, scheduler_output)
         else:
+            assert self._step_graph is not None, "initialize_cache() has not run"
             try:
                 results = ray.get(self._step_graph.execute(scheduler_output), timeout=self.step_timeout_s)
             except RayChannelTimeoutError as err:  # before RayChannelError: it is one
@@ -242,10 +243,12 @@ class RayExecutor(Executor):
         self.step_times.add(time.perf_counter() - start, max(seconds for _, seconds in results))
         return results[0][0]
 
-    def _step_through_channel(self, scheduler_output: SchedulerOutput) -> list[tuple[ModelRunnerOutput, float]]:
+    def _step_through_channel(
+        self, channel: shm_channel.ShmStepChannel, scheduler_output: SchedulerOutput
+    ) -> list[tuple[ModelRunnerOutput, float]]:
         try:
-            self._channel.send(scheduler_output, self.step_timeout_s)
-            replies = self._channel.receive(self.step_timeout_s, self._check_loops)
+            channel.send(scheduler_output, self.step_timeout_s)
+            replies = channel.receive(self.step_timeout_s, self._check_loops)
         except shm_channel.ChannelTimeout as err:
             self._check_loops()  # a shard that died while we waited is a death, not a stall
             raise self._stalled_worker(err) from err

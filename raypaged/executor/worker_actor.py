@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 import time
+from types import FrameType
 
 import ray
 import torch
@@ -70,12 +71,18 @@ class WorkerActor:
     def start(self, config: EngineConfig, eos_token_id: int | None, tp: TensorParallel, init_method: str) -> None:
         self.worker = Worker(config, eos_token_id, tp, init_method)
 
+    def _started(self) -> Worker:
+        """The worker; every call but the setup probes comes after ``start``."""
+        assert self.worker is not None, "start() has not run"
+        return self.worker
+
     def determine_num_blocks(self) -> tuple[int, int]:
-        return self.worker.determine_num_blocks()
+        return self._started().determine_num_blocks()
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks, num_cpu_blocks)
-        freeze_startup_heap(f"shard {self.worker.tp.rank}")  # the shard's weights and graphs, out of GC scans
+        worker = self._started()
+        worker.initialize_cache(num_blocks, num_cpu_blocks)
+        freeze_startup_heap(f"shard {worker.tp.rank}")  # the shard's weights and graphs, out of GC scans
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
         """The step's output and the seconds this shard spent on it."""
@@ -86,7 +93,7 @@ class WorkerActor:
         if self._fail_next_step is not None:
             message, self._fail_next_step = self._fail_next_step, None
             raise RuntimeError(message)
-        output = self.worker.execute_model(scheduler_output)
+        output = self._started().execute_model(scheduler_output)
         return output, time.perf_counter() - start
 
     @ray.method(concurrency_group="step")
@@ -109,8 +116,9 @@ class WorkerActor:
         """Where this shard's step thread is: ``"idle"`` (no step running), ``"collective"``
         (waiting in a torch.distributed collective, i.e. for another shard) or ``"busy"``."""
         code = WorkerActor.execute_model.__code__
-        for frame in sys._current_frames().values():
+        for top in sys._current_frames().values():
             in_step = in_collective = False
+            frame: FrameType | None = top
             while frame is not None:
                 in_step = in_step or frame.f_code is code
                 in_collective = in_collective or frame.f_code.co_filename.endswith(_COLLECTIVES_FILE)

@@ -33,14 +33,14 @@ def check_norm_input(name: str, x: object, dtypes: Sequence[torch.dtype]) -> Non
     contiguous (the other strides free: a view of a fused qkv)."""
     if isinstance(x, torch.Tensor) and x.dim() not in (2, 3):
         raise ValueError(f"{name} must have 2 or 3 dimensions, got shape {tuple(x.shape)}")
-    check_tensor(name, x, dtypes, x.dim() if isinstance(x, torch.Tensor) else 2)
+    x = check_tensor(name, x, dtypes, x.dim() if isinstance(x, torch.Tensor) else 2)
     if x.stride(-1) != 1 and x.shape[-1] > 1:
         raise ValueError(f"{name} must have a contiguous last dimension; got strides {x.stride()}")
 
 
 def check_norm_weight(weight: object, x: torch.Tensor, dtypes: Sequence[torch.dtype]) -> None:
     """A norm's weight: one contiguous row of ``x``'s last dimension, in ``x``'s dtype."""
-    check_tensor("weight", weight, dtypes, 1)
+    weight = check_tensor("weight", weight, dtypes, 1)
     check_shape("weight", weight, (x.shape[-1],))
     check_contiguous("weight", weight)
     check_same_dtype(("x", "weight"), (x, weight))
@@ -104,8 +104,8 @@ def check_cuda(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.d
 def check_cache_pair(key_cache: object, value_cache: object) -> None:
     """A layer's K and V caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` each, one dtype,
     contiguous, 16-byte aligned, a supported block size."""
-    check_tensor("key_cache", key_cache, FLOAT_DTYPES, 4)
-    check_tensor("value_cache", value_cache, FLOAT_DTYPES, 4)
+    key_cache = check_tensor("key_cache", key_cache, FLOAT_DTYPES, 4)
+    value_cache = check_tensor("value_cache", value_cache, FLOAT_DTYPES, 4)
     check_same_dtype(("key_cache", "value_cache"), (key_cache, value_cache))
     check_shape("value_cache", value_cache, key_cache.shape)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):

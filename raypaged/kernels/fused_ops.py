@@ -133,7 +133,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def _check_rows(name: str, rows: object, heads: int | None, head_dim: int | None, dtypes=FLOAT_DTYPES) -> None:
     """``[tokens, heads, head_dim]`` with contiguous ``[heads, head_dim]`` rows at a 16-byte token stride."""
-    check_tensor(name, rows, dtypes, 3)
+    rows = check_tensor(name, rows, dtypes, 3)
     check_shape(name, rows, (None, heads, head_dim))
     _, h, d = rows.shape
     if (h > 1 and rows.stride(1) != d) or (d > 1 and rows.stride(2) != 1) or (

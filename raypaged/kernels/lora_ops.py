@@ -29,9 +29,10 @@ MAX_RANK = 512  # the expand kernel's shared h row
 def _check_tokens(token_ids: object, slot_of: object) -> None:
     """Long vectors of one length; their values are the caller's (the LoRA mapping builds them from
     the scheduler's slots and the step's rows)."""
-    for name, index in (("token_ids", token_ids), ("slot_of", slot_of)):
-        check_tensor(name, index, LONG, 1)
-        check_contiguous(name, index)
+    token_ids = check_tensor("token_ids", token_ids, LONG, 1)
+    check_contiguous("token_ids", token_ids)
+    slot_of = check_tensor("slot_of", slot_of, LONG, 1)
+    check_contiguous("slot_of", slot_of)
     check_shape("slot_of", slot_of, token_ids.shape)
 
 

@@ -20,7 +20,8 @@ from torch import nn
 from raypaged.lora.layout import LoRATarget, find_targets, target_rank
 from raypaged.lora.ops import LoRAMapping, lora_bgmv, lora_expand, lora_shrink, static_bgmv_mapping
 from raypaged.model.llama import LlamaForCausalLM
-from raypaged.model.parallel import TensorParallel
+from raypaged.model.parallel import RowParallelLinear, TensorParallel
+from raypaged.quantization.linear import QuantLinear
 
 
 @dataclass(slots=True)
@@ -88,20 +89,22 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
         mapping = self.step.mapping
-        rank = 0
-        if mapping is not None and not mapping.is_empty:
-            if mapping.num_tokens != x.shape[0]:
-                raise RuntimeError(f"the LoRA mapping is for {mapping.num_tokens} tokens but the step has {x.shape[0]}")
-            rank = self.lora_a.shape[2] if mapping.static else max(self.slot_ranks[slot] for slot in mapping.slot_ids)
+        if mapping is None or mapping.is_empty:
+            return self.base(x)
+        if mapping.num_tokens != x.shape[0]:
+            raise RuntimeError(f"the LoRA mapping is for {mapping.num_tokens} tokens but the step has {x.shape[0]}")
+        rank = self.lora_a.shape[2] if mapping.static else max(self.slot_ranks[slot] for slot in mapping.slot_ids)
         if rank == 0:
             return self.base(x)
-        row_parallel = self.target.row_parallel
-        y = self.base.partial(x) if row_parallel else self.base(x)
+        # a row-parallel base (build_linear's for o_proj, down_proj): the LoRA term joins its share before the reduce
+        row_base = self.base if self.target.row_parallel else None
+        assert row_base is None or isinstance(row_base, (RowParallelLinear, QuantLinear))
+        y = self.base(x) if row_base is None else row_base.partial(x)
         if mapping.slot_of is not None:
             lora_bgmv(y, x, self.lora_a, self.lora_b, mapping)
         else:
             lora_expand(y, lora_shrink(x, self.lora_a[:, :, :rank], mapping), self.lora_b[:, :rank], mapping)
-        return self.base.reduce(y) if row_parallel else y
+        return y if row_base is None else row_base.reduce(y)
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Write ``(A^T [in, r], B^T [r, out])`` into ``slot`` (zeros past rank ``r``); ``None`` zeroes it."""

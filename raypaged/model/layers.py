@@ -83,6 +83,8 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with cos/sin of half the head size precomputed for every position."""
 
+    cos_sin: torch.Tensor  # buffer [max_positions, 2, head_dim / 2]
+
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         params = rope_parameters(config)

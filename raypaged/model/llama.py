@@ -284,6 +284,7 @@ class LlamaForCausalLM(nn.Module):
         """The backend's paged attention in every layer, and its fused step ops (if it brings them) for
         the rest of the step."""
         for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.attn_backend = backend
         self.model.fused_ops = backend.fused_ops
 
@@ -313,9 +314,13 @@ class LlamaForCausalLM(nn.Module):
                 if piece in name:
                     target = name.replace(piece, fused)
                     linear_name, param_name = target.rsplit(".", 1)
-                    owner = self.get_submodule(linear_name.rsplit(".", 1)[0])
+                    owner = self._owner(name, linear_name.rsplit(".", 1)[0])
+                    fused_linear = self._owner(name, linear_name)
+                    if not (isinstance(owner, (LlamaAttention, LlamaMLP))
+                            and isinstance(fused_linear, (Linear, QuantLinear))):
+                        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                     first_row, offset, num_rows = owner.fused_rows(shard)
-                    self.get_submodule(linear_name).load_part(param_name, tensor, first_row, offset, num_rows)
+                    fused_linear.load_part(param_name, tensor, first_row, offset, num_rows)
                     filled.add(f"{target}#{shard}")
                     break
             else:
@@ -330,7 +335,7 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     params[name].data.copy_(tensor)
                 filled.add(name)
-        expected = set()
+        expected: set[str] = set()
         for name in params:
             if ".qkv_proj." in name:
                 expected.update(f"{name}#{i}" for i in range(3))

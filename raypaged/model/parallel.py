@@ -87,6 +87,7 @@ class RowParallelLinear(nn.Module):
         if param_name not in ("weight", "bias") or getattr(self, param_name) is None:
             raise ValueError(f"checkpoint tensor {param_name!r} has no place in an unquantized row-parallel layer")
         if param_name == "bias":
+            assert self.bias is not None  # checked above
             self.bias.data.copy_(tensor)
             return
         start, length = self.tp.chunk(tensor.shape[1])

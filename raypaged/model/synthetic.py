@@ -36,7 +36,7 @@ def write_synthetic_model(path: Path, **shape: object) -> Path:
     config = LlamaConfig(**fields)
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(path)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, int(fields["vocab_size"]))}}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, int(config.vocab_size))}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")

@@ -70,8 +70,8 @@ def parse_scheme(name: str, group: dict[str, Any], default_format: str | None) -
     if fmt == "pack-quantized" and inputs is None and kind == "int" and bits in (4, 8) \
             and strategy in ("group", "channel"):
         return Scheme(fmt, bits, int(weights["group_size"]) if strategy == "group" else None, symmetric, False)
-    expected = {"int-quantized": "int", "float-quantized": "float"}.get(fmt)
-    if expected is not None and inputs is not None and kind == expected and bits == 8 and symmetric \
+    kinds = {"int-quantized": "int", "float-quantized": "float"}  # the 8-bit formats' weight and input type
+    if fmt in kinds and inputs is not None and kind == kinds[fmt] and bits == 8 and symmetric \
             and strategy in ("channel", "tensor"):
         inputs = _args("input_activations", inputs)
         dynamic_token = bool(inputs.get("dynamic")) and inputs.get("strategy") == "token"

@@ -7,6 +7,8 @@ their product, the bias added once. Every tensor splits by its :class:`TensorSpe
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 from torch import nn
 
@@ -50,7 +52,7 @@ class QuantLinear(nn.Module):
     def load_part(self, name: str, tensor: torch.Tensor, first_row: int, offset: int, num_rows: int) -> None:
         """Rows ``first_row:first_row+num_rows`` of checkpoint output features go to ``offset`` here."""
         if name == "bias":
-            self.bias.data[offset:offset + num_rows].copy_(tensor[first_row:first_row + num_rows])
+            self._bias().data[offset:offset + num_rows].copy_(tensor[first_row:first_row + num_rows])
             return
         if self.method.checked(name, tensor, first_row + num_rows, self.shape):
             return
@@ -75,7 +77,7 @@ class QuantLinear(nn.Module):
     def load_shard(self, name: str, tensor: torch.Tensor) -> None:
         """A whole checkpoint tensor of a row-parallel layer: this rank's input columns of it."""
         if name == "bias":
-            self.bias.data.copy_(tensor)
+            self._bias().data.copy_(tensor)
             return
         if self.method.checked(name, tensor, self.shape.out_features, self.shape):
             return
@@ -96,9 +98,17 @@ class QuantLinear(nn.Module):
 
     def _spec(self, name: str) -> TensorSpec:
         if name not in self.specs:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in a {type(self.method).__name__} layer "
-                             f"(it holds {', '.join(self.specs)})")
+            self._no_place(name)
         return self.specs[name]
+
+    def _bias(self) -> nn.Parameter:
+        if self.bias is None:
+            self._no_place("bias")
+        return self.bias
+
+    def _no_place(self, name: str) -> NoReturn:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in a {type(self.method).__name__} layer "
+                         f"(it holds {', '.join(self.specs)})")
 
     def _merge(self, name: str, spec: TensorSpec, param: torch.Tensor, tensor: torch.Tensor) -> None:
         tensor = tensor.reshape(param.shape).to(param.dtype)

@@ -109,6 +109,13 @@ def fp8_linear(
     return linear(xq.to(x.dtype) * x_scale.to(x.dtype), w)
 
 
+def _tensor(layer: nn.Module, name: str) -> torch.Tensor:
+    """The parameter ``name`` the method declared (``tensors``) or built (``finish``) on ``layer``."""
+    tensor = getattr(layer, name)
+    assert isinstance(tensor, torch.Tensor)
+    return tensor
+
+
 class W8A8Method(LinearMethod):
     """int8 or fp8 weights as on disk (``weight`` [N, K], ``weight_scale`` [N, 1] or one per tensor);
     ``static``: a per-tensor ``input_scale`` from the checkpoint, else per-token scales at run time."""
@@ -129,10 +136,13 @@ class W8A8Method(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         input_scale = layer.input_scale if self.static else None
-        return self.kernel(x, layer.weight, layer.weight_scale.view(-1), input_scale)
+        weight, weight_scale = layer.weight, layer.weight_scale
+        assert isinstance(weight, torch.Tensor) and isinstance(weight_scale, torch.Tensor)
+        assert input_scale is None or isinstance(input_scale, torch.Tensor)
+        return self.kernel(x, weight, weight_scale.view(-1), input_scale)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return layer.weight.to(torch.float32) * layer.weight_scale
+        return _tensor(layer, "weight").to(torch.float32) * _tensor(layer, "weight_scale")
 
 
 class Fp8OnlineMethod(W8A8Method):
@@ -146,7 +156,7 @@ class Fp8OnlineMethod(W8A8Method):
         return {"weight": TensorSpec((shape.out_features, shape.in_features), torch.float32, out_dim=0, in_dim=1)}
 
     def finish(self, layer: nn.Module) -> None:
-        weight = layer.weight.data.to(torch.float32)
+        weight = _tensor(layer, "weight").data.to(torch.float32)
         scale = weight.abs().amax(1, keepdim=True).clamp_(min=_MIN_SCALE).div_(FP8_MAX)  # [N, 1]
         layer.weight = nn.Parameter((weight / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)

@@ -11,8 +11,23 @@ import torch
 from torch import nn
 
 from raypaged.model.layers import linear
+from raypaged.model.parallel import TensorParallel
 from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec
 from raypaged.quantization.packing import AWQ_ORDER, unpack
+
+
+def _tensor(layer: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` the method declared (``tensors``) or built (``finish``) on ``layer``."""
+    tensor = getattr(layer, name)
+    assert isinstance(tensor, torch.Tensor)
+    return tensor
+
+
+def _shape(layer: nn.Module) -> LinearShape:
+    """The features of ``layer`` (a ``QuantLinear``'s ``shape``)."""
+    shape = layer.shape
+    assert isinstance(shape, LinearShape)
+    return shape
 
 
 def check_split(scheme: str, what: str, features: int, size: int, shape: LinearShape) -> None:
@@ -60,15 +75,18 @@ class GPTQMethod(WNA16Method):
     def finish(self, layer: nn.Module) -> None:
         # without act-order a row-parallel rank holds only its own groups: index them from its first
         first_group = 0
-        if layer.shape.row_sharded and not self.desc_act:
-            first_group = layer.tp.rank * layer.shape.in_features // self._group(layer.shape)
-        layer.register_buffer("group_ids", layer.g_idx.data.to(torch.long) - first_group, persistent=False)
+        shape = _shape(layer)
+        if shape.row_sharded and not self.desc_act:
+            tp = layer.tp
+            assert isinstance(tp, TensorParallel)
+            first_group = tp.rank * shape.in_features // self._group(shape)
+        layer.register_buffer("group_ids", _tensor(layer, "g_idx").data.to(torch.long) - first_group, persistent=False)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        q = unpack(layer.qweight, self.bits, 0)  # [K, N]
-        zeros = unpack(layer.qzeros, self.bits, 1) + self.zero_offset  # [G, N]
-        ids = layer.group_ids
-        return ((q - zeros[ids]).to(torch.float32) * layer.scales[ids]).t()
+        q = unpack(_tensor(layer, "qweight"), self.bits, 0)  # [K, N]
+        zeros = unpack(_tensor(layer, "qzeros"), self.bits, 1) + self.zero_offset  # [G, N]
+        ids = _tensor(layer, "group_ids")
+        return ((q - zeros[ids]).to(torch.float32) * _tensor(layer, "scales")[ids]).t()
 
 
 class AWQMethod(WNA16Method):
@@ -91,10 +109,10 @@ class AWQMethod(WNA16Method):
         }
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        g = self._group(layer.shape)
-        q = unpack(layer.qweight, 4, 1, AWQ_ORDER)  # [K, N]
-        zeros = unpack(layer.qzeros, 4, 1, AWQ_ORDER).repeat_interleave(g, 0)
-        return ((q - zeros).to(torch.float32) * layer.scales.repeat_interleave(g, 0)).t()
+        g = self._group(_shape(layer))
+        q = unpack(_tensor(layer, "qweight"), 4, 1, AWQ_ORDER)  # [K, N]
+        zeros = unpack(_tensor(layer, "qzeros"), 4, 1, AWQ_ORDER).repeat_interleave(g, 0)
+        return ((q - zeros).to(torch.float32) * _tensor(layer, "scales").repeat_interleave(g, 0)).t()
 
 
 class PackedMethod(WNA16Method):
@@ -132,8 +150,8 @@ class PackedMethod(WNA16Method):
         return True
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        g = self._group(layer.shape)
-        q = unpack(layer.weight_packed, self.bits, 1) - self.offset  # [N, K] signed
+        g = self._group(_shape(layer))
+        q = unpack(_tensor(layer, "weight_packed"), self.bits, 1) - self.offset  # [N, K] signed
         if not self.symmetric:
-            q = q - (unpack(layer.weight_zero_point, self.bits, 0) - self.offset).repeat_interleave(g, 1)
-        return q.to(torch.float32) * layer.weight_scale.repeat_interleave(g, 1)
+            q = q - (unpack(_tensor(layer, "weight_zero_point"), self.bits, 0) - self.offset).repeat_interleave(g, 1)
+        return q.to(torch.float32) * _tensor(layer, "weight_scale").repeat_interleave(g, 1)

@@ -16,10 +16,10 @@ import contextlib
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import grpc
 from transformers import PreTrainedTokenizerBase
@@ -54,6 +54,15 @@ from raypaged.serving.protocol import DeltaTracker, beam_search_from_proto, samp
 logger = logging.getLogger("raypaged")
 T = TypeVar("T")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# generate_pb2 builds gRPC's stream. The module has every class StreamMessages names, but mypy checks a module
+# against the protocol's settable attributes as invariant (type[GenerateResponse] is not type), hence the cast.
+_GRPC_MESSAGES = cast(StreamMessages, pb)
+
+
+def _max_model_len(config: EngineConfig) -> int:
+    """``config.max_model_len``, which ``EngineConfig`` resolves (to the model's when not given)."""
+    assert config.max_model_len is not None
+    return config.max_model_len
 
 
 @dataclass
@@ -118,7 +127,7 @@ _STATUS_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (RequestFailedError, grpc.StatusCode.INTERNAL),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
-_REFUSED = (_Abort, *(kind for kind, _ in _STATUS_CODES))
+_REFUSED: tuple[type[Exception], ...] = (_Abort, *(kind for kind, _ in _STATUS_CODES))
 
 
 async def _refuse(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -210,7 +219,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         return None if self.tenants.is_open or self.share_prefix_cache else gate.tenant.name
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, messages: StreamMessages = pb
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, messages: StreamMessages = _GRPC_MESSAGES
     ) -> AsyncIterator[AnyResponse]:
         """The request's responses as ``messages`` builds them: ``generate_pb2``'s for gRPC (the default,
         as gRPC calls the handler), the plain objects of ``messages.py`` for the in-process link."""
@@ -220,7 +229,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             lora = self.adapters[request.model][1] if request.model in self.adapters else None
             engine = model.engine
             params = sampling_params_from_proto(request, engine.config.limits, engine.config.generation_defaults)
-            beam = beam_search_from_proto(request, engine.config.max_model_len)
+            beam = beam_search_from_proto(request, _max_model_len(engine.config))
             check_priority(request.priority, engine.config.scheduling_policy)
             priority = gate.tenant.engine_priority(request.priority)
             _check_prompt_size(model, request)
@@ -245,7 +254,9 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                                    model.tokenizer, messages, echo=request.echo)
             last: RequestOutput | None = None
             error: Exception | None = None
-            async with contextlib.aclosing(engine.stream(key[1])) as outputs:
+            stream = engine.stream(key[1])
+            assert isinstance(stream, AsyncGenerator)  # AsyncLLMEngine.stream is an async generator function
+            async with contextlib.aclosing(stream) as outputs:
                 try:
                     async for output in outputs:
                         if output.finished:
@@ -280,7 +291,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 _check_conversation(request.messages, config)
                 token_ids = await model.off_loop(chat_prompt_ids, model.inputs, request.messages)
             else:
-                check_text("prompt", len(request.text), config.limits, config.max_model_len)
+                check_text("prompt", len(request.text), config.limits, _max_model_len(config))
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 token_ids = await model.off_loop(model.inputs.tokenize, request.text, add_special)
         except _REFUSED as exc:
@@ -294,7 +305,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             self._caller(context)
             model = self._model(request.model)
             config = model.engine.config
-            check_count("tokens", len(request.token_ids), config.max_model_len, "max_model_len", "ids")
+            check_count("tokens", len(request.token_ids), _max_model_len(config), "max_model_len", "ids")
             token_ids = list(request.token_ids)
             check_token_ids("tokens", token_ids, config.hf_config.vocab_size)
         except _REFUSED as exc:
@@ -389,7 +400,7 @@ def _check_conversation(messages: pb.ChatMessages, config: EngineConfig) -> None
     """A conversation's turns and characters within the limits; the characters are only counted for few turns."""
     turns = messages.messages
     num_chars = conversation_chars(messages) if len(turns) <= config.limits.max_chat_messages else 0
-    check_messages(len(turns), num_chars, config.limits, config.max_model_len)
+    check_messages(len(turns), num_chars, config.limits, _max_model_len(config))
 
 
 def _check_prompt_size(model: ServedModel, request: pb.GenerateRequest) -> None:
@@ -397,12 +408,12 @@ def _check_prompt_size(model: ServedModel, request: pb.GenerateRequest) -> None:
     config = model.engine.config
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        check_text("prompt", len(request.text), config.limits, config.max_model_len)
+        check_text("prompt", len(request.text), config.limits, _max_model_len(config))
     elif kind == "messages":
         _check_conversation(request.messages, config)
     elif kind == "token_ids":
         if not request.HasField("truncate_prompt_tokens"):  # else the engine checks it once cut
-            check_prompt_len(len(request.token_ids.ids), config.max_model_len)  # the engine checks the ids
+            check_prompt_len(len(request.token_ids.ids), _max_model_len(config))  # the engine checks the ids
     else:
         raise InputError("prompt", "a prompt is required: text, token_ids or messages")
 
@@ -426,26 +437,26 @@ class EngineServer:
 
     def __init__(
         self, configs: list[EngineConfig], tenants: Tenants | None = None, share_prefix_cache: bool = False,
-        metrics_prefix: str = METRICS_PREFIX, lora_modules: dict[str, str | tuple[str, str]] | None = None,
+        metrics_prefix: str = METRICS_PREFIX,
+        lora_modules: Mapping[str, str | tuple[str, str]] | None = None,
     ) -> None:
         """``lora_modules``: LoRA adapters served from the start (vLLM's ``--lora-modules``), name ->
         PEFT folder, or (folder, base model name) where several models take LoRA."""
         names = [name for c in configs for name in c.served_model_names]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be distinct, got {names}")
+        by_name = {c.served_model_names[0]: c for c in configs}  # each config by its model's own name
         # every name a client may use -> the model's own name
-        self.served_names = {name: c.served_model_name for c in configs for name in c.served_model_names}
+        self.served_names = {name: own for own, c in by_name.items() for name in c.served_model_names}
         self.tenants = tenants if tenants is not None else Tenants([])
         self.share_prefix_cache = share_prefix_cache
         # before the engines load, so a bad --metrics-prefix fails at once (the stats are read at scrape time)
         self.metrics = ServerMetrics(
-            {c.served_model_name: self._stats_of(c.served_model_name) for c in configs}, configs[0].resolved_device,
-            prefix=metrics_prefix, configs={c.served_model_name: c for c in configs},
-            lora_sources={
-                c.served_model_name: self._lora_info_of(c.served_model_name) for c in configs if c.enable_lora
-            },
+            {name: self._stats_of(name) for name in by_name}, configs[0].resolved_device,
+            prefix=metrics_prefix, configs=by_name,
+            lora_sources={name: self._lora_info_of(name) for name, c in by_name.items() if c.enable_lora},
         )
-        engines = {c.served_model_name: LLMEngine(c, own_input_tokenizer=True) for c in configs}
+        engines = {name: LLMEngine(c, own_input_tokenizer=True) for name, c in by_name.items()}
         self.models = {
             name: ServedModel(name, AsyncLLMEngine(engine, self.metrics.observer(name)))
             for name, engine in engines.items()
@@ -458,10 +469,10 @@ class EngineServer:
             self.servicer.add_adapter(name, path, base)
         self._server: grpc.aio.Server | None = None
 
-    def _stats_of(self, name: str):
+    def _stats_of(self, name: str) -> Callable[[], dict[str, int | float]]:
         return lambda: self.models[name].engine.stats()
 
-    def _lora_info_of(self, name: str):
+    def _lora_info_of(self, name: str) -> Callable[[], tuple[list[str], list[str]]]:
         return lambda: self.models[name].engine.lora_info()
 
     async def start(self, host: str, port: int) -> int:

@@ -18,19 +18,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import grpc
 
 from raypaged.serving import messages
+from raypaged.serving.messages import AnyResponse, StreamMessages
 from raypaged.serving.proto import generate_pb2 as pb
 
 if TYPE_CHECKING:
     from raypaged.serving.engine_server import EngineServicer
 
 Metadata = tuple[tuple[str, str], ...]
+Request = TypeVar("Request")
 Response = TypeVar("Response")
 _END = object()
+# messages.py builds the in-process stream. The module has every class StreamMessages names, but mypy checks a
+# module against the protocol's settable attributes as invariant (type[GenerateResponse] is not type), hence the cast.
+_PLAIN_MESSAGES = cast(StreamMessages, messages)
 
 
 class _Ended(Exception):
@@ -66,11 +71,11 @@ class _Context:
 class _StreamCall:
     """A server-streaming call: ``read()`` gives each response, then ``grpc.aio.EOF``."""
 
-    def __init__(self, responses: AsyncIterator[messages.GenerateResponse]) -> None:
+    def __init__(self, responses: AsyncIterator[AnyResponse]) -> None:
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._task = asyncio.ensure_future(self._pump(responses))
 
-    async def _pump(self, responses: AsyncIterator[messages.GenerateResponse]) -> None:
+    async def _pump(self, responses: AsyncIterator[AnyResponse]) -> None:
         try:
             async for response in responses:
                 self._queue.put_nowait(response)
@@ -82,7 +87,7 @@ class _StreamCall:
             ))
         self._queue.put_nowait(_END)
 
-    async def read(self) -> messages.GenerateResponse | object:
+    async def read(self) -> AnyResponse | object:
         item = await self._queue.get()
         if item is _END:
             self._queue.put_nowait(_END)  # later reads see the end too
@@ -95,17 +100,6 @@ class _StreamCall:
         return self._task.cancel()
 
 
-def _unary_method(name: str) -> Callable[..., Awaitable[object]]:
-    """A stub method that runs the servicer's unary handler ``name``."""
-
-    async def call(self: InProcessStub, request: object, metadata: Metadata | None = None,
-                   timeout: float | None = None) -> object:
-        return await _unary(getattr(self._servicer, name), request, metadata, timeout)
-
-    call.__name__ = name
-    return call
-
-
 class InProcessStub:
     """The in-process ``EngineClient`` (``serving/client.py``): the ``TextGenerationServiceStub``
     calls of the gateway, answered by ``servicer`` in this process; ``Generate`` streams the plain
@@ -115,20 +109,45 @@ class InProcessStub:
         self._servicer = servicer
 
     def Generate(self, request: pb.GenerateRequest, metadata: Metadata | None = None) -> _StreamCall:
-        return _StreamCall(self._servicer.Generate(request, _Context(metadata), messages))
+        return _StreamCall(self._servicer.Generate(request, _Context(metadata), _PLAIN_MESSAGES))
 
-    Abort = _unary_method("Abort")
-    Tokenize = _unary_method("Tokenize")
-    Detokenize = _unary_method("Detokenize")
-    Info = _unary_method("Info")
-    Health = _unary_method("Health")
-    Metrics = _unary_method("Metrics")
-    LoadLoRAAdapter = _unary_method("LoadLoRAAdapter")
-    UnloadLoRAAdapter = _unary_method("UnloadLoRAAdapter")
+    # the unary RPCs: each runs the servicer's handler of its name
+
+    async def Abort(self, request: pb.AbortRequest, metadata: Metadata | None = None,
+                    timeout: float | None = None) -> pb.AbortResponse:
+        return await _unary(self._servicer.Abort, request, metadata, timeout)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, metadata: Metadata | None = None,
+                       timeout: float | None = None) -> pb.TokenizeResponse:
+        return await _unary(self._servicer.Tokenize, request, metadata, timeout)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, metadata: Metadata | None = None,
+                         timeout: float | None = None) -> pb.DetokenizeResponse:
+        return await _unary(self._servicer.Detokenize, request, metadata, timeout)
+
+    async def Info(self, request: pb.InfoRequest, metadata: Metadata | None = None,
+                   timeout: float | None = None) -> pb.InfoResponse:
+        return await _unary(self._servicer.Info, request, metadata, timeout)
+
+    async def Health(self, request: pb.HealthRequest, metadata: Metadata | None = None,
+                     timeout: float | None = None) -> pb.HealthResponse:
+        return await _unary(self._servicer.Health, request, metadata, timeout)
+
+    async def Metrics(self, request: pb.MetricsRequest, metadata: Metadata | None = None,
+                      timeout: float | None = None) -> pb.MetricsResponse:
+        return await _unary(self._servicer.Metrics, request, metadata, timeout)
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, metadata: Metadata | None = None,
+                              timeout: float | None = None) -> pb.LoadLoRAAdapterResponse:
+        return await _unary(self._servicer.LoadLoRAAdapter, request, metadata, timeout)
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, metadata: Metadata | None = None,
+                                timeout: float | None = None) -> pb.UnloadLoRAAdapterResponse:
+        return await _unary(self._servicer.UnloadLoRAAdapter, request, metadata, timeout)
 
 
 async def _unary(
-    handler: Callable[[object, _Context], Awaitable[Response]], request: object, metadata: Metadata | None,
+    handler: Callable[[Request, _Context], Awaitable[Response]], request: Request, metadata: Metadata | None,
     timeout: float | None,
 ) -> Response:
     """One unary handler call; past ``timeout`` it fails ``DEADLINE_EXCEEDED``, as over gRPC."""

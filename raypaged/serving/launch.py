@@ -160,13 +160,17 @@ class Gateway:
         """``local``: in-process stubs of engine servers in this process, by their address in ``targets``."""
         self.tenants = tenants_for(options.api_keys, options.tenants_file)
         self.drain = Drain(options.drain_timeout_s)
+        tool_parser = None
+        if options.enable_auto_tool_choice:
+            assert options.tool_call_parser is not None  # GatewayOptions refuses the one without the other
+            tool_parser = get_parser(options.tool_call_parser)
         app = build_app(
             EngineRoutes(targets, local), self.tenants, options.max_body_bytes, options.log_requests, self.drain,
             options.auth_exempt_paths, options.max_prompts_per_request, bind_host=options.host,
             allowed_hosts=options.allowed_hosts, allowed_origins=options.allowed_origins,
             allowed_methods=options.allowed_methods, allowed_headers=options.allowed_headers,
             allow_credentials=options.allow_credentials,
-            tool_parser=get_parser(options.tool_call_parser) if options.enable_auto_tool_choice else None,
+            tool_parser=tool_parser,
             response_role=options.response_role,
             prompt_tokens_details=options.enable_prompt_tokens_details,
             force_include_usage=options.enable_force_include_usage,

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from raypaged.core.scheduler import ACCEPTED_PER_POS
 from raypaged.outputs import FinishReason, RequestOutput
+from raypaged.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from raypaged.config import EngineConfig
@@ -87,7 +88,7 @@ _REQUEST_TIMES = (
 
 def size_buckets(max_value: int) -> tuple[int, ...]:
     """vLLM's 1-2-5 series up to ``max_value``: 1, 2, 5, 10, 20, 50, ..."""
-    bounds = []
+    bounds: list[int] = []
     magnitude = 1
     while True:
         for step in (1, 2, 5):
@@ -95,6 +96,12 @@ def size_buckets(max_value: int) -> tuple[int, ...]:
                 return tuple(bounds)
             bounds.append(step * magnitude)
         magnitude *= 10
+
+
+def _max_model_len(config: EngineConfig) -> int:
+    """``config.max_model_len``, which ``EngineConfig`` resolves (to the model's when not given)."""
+    assert config.max_model_len is not None
+    return config.max_model_len
 
 
 @dataclass(slots=True)
@@ -215,7 +222,7 @@ class ServerMetrics:
         self.prefix = prefix
         self.registry = registry = CollectorRegistry()
         configs = configs or {}
-        max_len = max((c.max_model_len for c in configs.values()), default=_UNKNOWN_MAX_MODEL_LEN)
+        max_len = max((_max_model_len(c) for c in configs.values()), default=_UNKNOWN_MAX_MODEL_LEN)
 
         def counter(suffix: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"{prefix}{suffix}", doc, LABELS + extra, registry=registry)
@@ -329,7 +336,9 @@ class _StatsCollector(Collector):
         per_pos = CounterMetricFamily(f"{self._prefix}{ACCEPTED_PER_POS}", "Draft tokens accepted, by position.",
                                       labels=(*LABELS, "position"))
         for name, values in stats.items():
-            for pos in range(self._configs[name].speculative_config.num_speculative_tokens):
+            spec = self._configs[name].speculative_config
+            assert isinstance(spec, SpeculativeConfig)  # parsed by EngineConfig; only speculating models come here
+            for pos in range(spec.num_speculative_tokens):
                 per_pos.add_metric([name, ENGINE_INDEX, str(pos)], float(values[f"{ACCEPTED_PER_POS}_{pos}"]))
         yield per_pos
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,8 +130,8 @@ def structured_from_proto(message: pb.StructuredOutput) -> StructuredOutputsPara
         raise ValueError("structured: set one of json_schema, regex, choice, grammar, json_object, structural_tag")
     value = list(message.choice.choices) if kind == "choice" else getattr(message, kind)
     whitespace = message.disable_any_whitespace if message.HasField("disable_any_whitespace") else None
-    return StructuredOutputsParams(**{"json" if kind == "json_schema" else kind: value},
-                                   disable_any_whitespace=whitespace)
+    constraint: dict[str, Any] = {"json" if kind == "json_schema" else kind: value}  # the oneof's field, by name
+    return StructuredOutputsParams(**constraint, disable_any_whitespace=whitespace)
 
 
 def _set_or(message: Any, name: str, default: float | None, fallback: float | None) -> Any:
@@ -170,8 +171,11 @@ class DeltaTracker:
         if output.prompt_logprobs is not None:
             ids = output.prompt_token_ids
             prompt = messages.PromptLogprobs(token_ids=ids, token_texts=[self.tokenizer.decode([t]) for t in ids])
-            add_logprobs(prompt, ids[1:], output.prompt_logprobs[1:], self.params.prompt_logprobs or 0, self.tokenizer,
-                         messages)
+            logprobs = []
+            for entry in output.prompt_logprobs[1:]:
+                assert entry is not None  # only the first prompt token has none
+                logprobs.append(entry)
+            add_logprobs(prompt, ids[1:], logprobs, self.params.prompt_logprobs or 0, self.tokenizer, messages)
         prompt_text = ""
         if self.echo and deltas:
             prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
@@ -207,8 +211,8 @@ class DeltaTracker:
 
 def add_logprobs(
     target: AnyDelta | AnyPromptLogprobs,
-    token_ids: list[int],
-    logprobs: list[dict[int, float]],
+    token_ids: Sequence[int],
+    logprobs: Sequence[Mapping[int, float]],
     num_top: int,
     tokenizer: PreTrainedTokenizerBase,
     messages: StreamMessages,

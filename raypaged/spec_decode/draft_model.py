@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
+from raypaged.model.llama import LlamaForCausalLM
 from raypaged.worker.cache import KVCache
 
 
@@ -30,6 +31,7 @@ class _DraftState:
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, cache: KVCache, block_size: int, num_spec_tokens: int,
                  max_model_len: int, device: torch.device) -> None:
+        assert isinstance(model, LlamaForCausalLM)  # what load_model builds
         self.model = model
         self.cache = cache
         self.block_size = block_size

@@ -22,11 +22,15 @@ import bisect
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.lora.layers import LoRAStep, StaticSlots
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger("raypaged")
 
@@ -52,17 +56,16 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.sizes = batch_size_ladder(max_num_seqs)
         n = self.sizes[-1]
-        as_long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(n, **as_long)
-        self.positions = torch.zeros(n, **as_long)
-        self.slot_mapping = torch.full((n,), -1, **as_long)
-        self.block_tables = torch.zeros((n, max_blocks_per_seq), **as_long)
-        self.context_lens = torch.ones(n, **as_long)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.long, device=device)
+        self.context_lens = torch.ones(n, dtype=torch.long, device=device)
         self.lora = StaticSlots(lora_step, n, device) if lora_step is not None else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
-        self.pool = None  # the graphs' memory pool, once captured (the piecewise graphs share it)
+        self.pool: _POOL_HANDLE | None = None  # the graphs' memory pool, once captured (the piecewise graphs share it)
 
     def _meta(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -85,7 +88,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         started = time.monotonic()
         free_before = torch.cuda.mem_get_info()[0]
-        pool = None
+        pool: _POOL_HANDLE | None = None
         for batch in reversed(self.sizes):
             # warm up on a side stream: lazy initialisation (kernel compiles, cuBLAS handles) stays out of the graph
             stream = torch.cuda.Stream()

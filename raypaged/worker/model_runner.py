@@ -29,6 +29,7 @@ from raypaged.worker.sampler import SamplingInput, apply_token_bitmask, greedy_f
 if TYPE_CHECKING:
     from raypaged.lora.manager import LoRAManager
     from raypaged.lora.request import LoRARequest
+    from raypaged.model.llama import LlamaForCausalLM
     from raypaged.spec_decode.draft_model import DraftModelProposer
 
 logger = logging.getLogger("raypaged")
@@ -106,7 +107,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         cache: KVCache,
         block_size: int,
         eos_token_id: int | None,
@@ -254,6 +255,7 @@ class ModelRunner:
         input_ids_t, positions_t, slots_t, lens_t, sample_t, tables_t, *span_blocks = flat.split(sizes)
         prefills = [PrefillSpan(q0, n, end, ids) for (q0, n, end), ids in zip(spans, span_blocks)]
         if token_slots is not None:  # LoRA on: every step maps its tokens (none adapted: an empty mapping)
+            assert self.lora is not None  # token_slots is a list exactly when LoRA is on
             self.lora.set_slot_mapping(token_slots)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
@@ -369,6 +371,7 @@ class ModelRunner:
             if state.num_spec_tokens:
                 context = state.prompt_token_ids + state.output_token_ids + [t.token_id for t in tokens]
                 seqs.append((request_id, context, self.block_tables.array[state.row, :state.num_blocks].tolist()))
+        assert self.drafter is not None, "drafts proposed by a runner without a draft model"
         return self.drafter.propose(seqs) if seqs else {}
 
     def _load_loras(self, loads: list[tuple[int, LoRARequest]]) -> None:
@@ -397,8 +400,12 @@ class ModelRunner:
             chosen_t = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
             chosen = chosen_t.squeeze(1).tolist()
             ranks = ((logprobs > chosen_t).sum(-1) + 1).tolist()
-            top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
-            tops = list(zip(top_ids.tolist(), top_values.tolist())) if top_ids is not None else [([], [])] * size
+            tops: list[tuple[list[int], list[float]]]
+            if num_top:
+                top_values, top_ids = logprobs.topk(num_top, dim=-1)
+                tops = list(zip(top_ids.tolist(), top_values.tolist()))
+            else:
+                tops = [([], [])] * size
             entries += [logprob_entry(target, value, rank, ids, values)
                         for target, value, rank, (ids, values) in zip(targets, chosen, ranks, tops)]
         return PromptLogprobs(token, entries)
@@ -416,7 +423,8 @@ class ModelRunner:
                 logger.exception("sampling failed for request %s", request_id)
                 failed.setdefault(request_id, f"sampling failed: {type(exc).__name__}: {exc}")
                 tokens.append(None)
-        kept = [(row, token) for row, token in zip(rows, tokens) if row[0] not in failed]
+        # a row's token is None only when its request failed
+        kept = [(row, token) for row, token in zip(rows, tokens) if token is not None and row[0] not in failed]
         out = self._runner_output([row for row, _ in kept], [token for _, token in kept])
         out.failed = failed
         return out

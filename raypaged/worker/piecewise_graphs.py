@@ -53,12 +53,18 @@ import contextlib
 import gc
 import logging
 import time
+from typing import TYPE_CHECKING, cast
 from unittest import mock
 
 import torch
 
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.lora.layers import LoRAStep, StaticSlots
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+    from raypaged.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger("raypaged")
 
@@ -74,7 +80,7 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
 class PiecewiseGraphs:
     def __init__(
         self,
-        model: torch.nn.Module,  # LlamaForCausalLM
+        model: LlamaForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_num_batched_tokens: int,
         device: torch.device,
@@ -82,35 +88,35 @@ class PiecewiseGraphs:
     ) -> None:
         """``lora_step``: the LoRA model's step, when the pieces record its BGMV product."""
         self.model = model.model  # LlamaModel: embed_tokens, layers, final_norm
+        # the model's decoder layers (nn.ModuleList types its items as plain Modules)
+        self.layers = cast("list[LlamaDecoderLayer]", list(self.model.layers))
         self.kv_caches = kv_caches
         self.buckets = token_buckets(max_num_batched_tokens)
         config = model.config
         n = self.buckets[-1]
         dtype = self.model.norm.weight.dtype
-        as_long = dict(dtype=torch.long, device=device)
-        as_model = dict(dtype=dtype, device=device)
-        self.input_ids = torch.zeros(n, **as_long)
-        self.positions = torch.zeros(n, **as_long)
-        self.slot_mapping = torch.full((n,), -1, **as_long)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
         self.lora = StaticSlots(lora_step, n, device) if lora_step is not None else None
-        self.hidden = torch.zeros((n, config.hidden_size), **as_model)  # the last piece's output
-        self.residual = torch.zeros((n, config.hidden_size), **as_model)  # the stream from piece to piece
-        if self.model.layers:
-            attn = self.model.layers[0].self_attn
+        self.hidden = torch.zeros((n, config.hidden_size), dtype=dtype, device=device)  # the last piece's output
+        self.residual = torch.zeros((n, config.hidden_size), dtype=dtype, device=device)  # the stream, piece to piece
+        if self.layers:
+            attn = self.layers[0].self_attn
             heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         else:
             heads = kv_heads = head_dim = 0
-        self.q = torch.zeros((n, heads, head_dim), **as_model)
-        self.k = torch.zeros((n, kv_heads, head_dim), **as_model)
-        self.v = torch.zeros((n, kv_heads, head_dim), **as_model)
-        self.attn_out = torch.zeros((n, heads, head_dim), **as_model)
+        self.q = torch.zeros((n, heads, head_dim), dtype=dtype, device=device)
+        self.k = torch.zeros((n, kv_heads, head_dim), dtype=dtype, device=device)
+        self.v = torch.zeros((n, kv_heads, head_dim), dtype=dtype, device=device)
+        self.attn_out = torch.zeros((n, heads, head_dim), dtype=dtype, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> a graph per piece
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         self.replays = 0  # steps run through the graphs
 
     @property
     def num_pieces(self) -> int:
-        return len(self.model.layers) + 1
+        return len(self.layers) + 1
 
     def fits(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.buckets[-1]
@@ -131,11 +137,11 @@ class PiecewiseGraphs:
         if index == 0:
             x, residual = model.embed_tokens(self.input_ids[:tokens]), None
         else:
-            x, residual = model.layers[index - 1].post_attention(self.attn_out[:tokens], residual_buf, fused)
-        if index == len(model.layers):
+            x, residual = self.layers[index - 1].post_attention(self.attn_out[:tokens], residual_buf, fused)
+        if index == len(self.layers):
             self.hidden[:tokens].copy_(model.final_norm(x, residual))
             return
-        q, k, v, residual = model.layers[index].pre_attention(
+        q, k, v, residual = self.layers[index].pre_attention(
             self.positions[:tokens], x, residual, self.kv_caches[index], self.slot_mapping[:tokens], fused
         )
         self.q[:tokens].copy_(q)
@@ -145,7 +151,7 @@ class PiecewiseGraphs:
             residual_buf.copy_(residual)
 
     @torch.inference_mode()
-    def capture(self, pool=None) -> None:
+    def capture(self, pool: _POOL_HANDLE | None = None) -> None:
         """Record every (bucket, piece), largest bucket first, into ``pool`` (e.g. the decode graphs')."""
         started = time.monotonic()
         free_before = torch.cuda.mem_get_info()[0]
@@ -165,7 +171,7 @@ class PiecewiseGraphs:
             (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
         )
 
-    def _capture_all(self, pool):
+    def _capture_all(self, pool: _POOL_HANDLE | None) -> _POOL_HANDLE | None:
         """Warm up and record each bucket's pieces; returns the pool they hold."""
         for bucket in reversed(self.buckets):
             # warm up on a side stream: lazy initialisation (kernel compiles, cuBLAS handles) stays out of the graphs
@@ -176,7 +182,7 @@ class PiecewiseGraphs:
                     for index in range(self.num_pieces):
                         self._piece(bucket, index)
             torch.cuda.current_stream().wait_stream(stream)
-            graphs = []
+            graphs: list[torch.cuda.CUDAGraph] = []
             for index in range(self.num_pieces):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
@@ -207,8 +213,8 @@ class PiecewiseGraphs:
                 self._piece(bucket, index)
             else:
                 graphs[index].replay()
-            if index < len(self.model.layers):
-                attn = self.model.layers[index].self_attn
+            if index < len(self.layers):
+                attn = self.layers[index].self_attn
                 self.attn_out[:num_tokens].copy_(attn.attend(q, k, v, self.kv_caches[index], meta))
         if graphs is not None:
             self.replays += 1

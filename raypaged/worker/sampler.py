@@ -59,9 +59,11 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.G
     ranks: list[int] = []
     if any(s.params.logprobs is not None for s in inputs):
         ranks = ((raw_logprobs > chosen_t).sum(-1) + 1).tolist()  # 1: the most likely token
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
     if max_top:
-        top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        top_values_t, top_ids_t = raw_logprobs.topk(max_top, dim=-1)
+        top_values, top_ids = top_values_t.tolist(), top_ids_t.tolist()
     for i, s in enumerate(inputs):
         top = None
         if s.params.logprobs is not None:
@@ -136,10 +138,11 @@ def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch
 
 def _allowed_tokens(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
     """Rows with ``allowed_token_ids`` keep those logits and no other."""
-    rows = [i for i, s in enumerate(inputs) if s.params.allowed_token_ids is not None]
-    if not rows:
+    allowed = {i: ids for i, s in enumerate(inputs) if (ids := s.params.allowed_token_ids) is not None}
+    if not allowed:
         return
-    flat = _flat_token_index(logits, rows, [inputs[i].params.allowed_token_ids for i in rows])
+    rows = list(allowed)
+    flat = _flat_token_index(logits, rows, list(allowed.values()))
     view = logits.view(-1)
     kept = view[flat]
     logits[torch.tensor(rows, device=logits.device)] = float("-inf")
@@ -156,12 +159,12 @@ def _bad_words(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
 
 
 def _logit_bias(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
-    rows = [i for i, s in enumerate(inputs) if s.params.logit_bias]
-    if not rows:
+    biases = {i: bias for i, s in enumerate(inputs) if (bias := s.params.logit_bias)}
+    if not biases:
         return
-    flat = _flat_token_index(logits, rows, [list(inputs[i].params.logit_bias) for i in rows])
-    bias = torch.tensor([b for i in rows for b in inputs[i].params.logit_bias.values()], dtype=logits.dtype)
-    logits.view(-1)[flat] += bias.to(logits.device)
+    flat = _flat_token_index(logits, list(biases), [list(bias) for bias in biases.values()])
+    values = torch.tensor([b for bias in biases.values() for b in bias.values()], dtype=logits.dtype)
+    logits.view(-1)[flat] += values.to(logits.device)
 
 
 def _min_tokens_bans(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
@@ -253,8 +256,9 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     """
     vocab = logits.shape[-1]
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
-    if all(p.top_k is not None for p in params):
-        width = min(max(p.top_k for p in params), vocab)
+    top_ks = [p.top_k for p in params if p.top_k is not None]
+    if len(top_ks) == len(params):  # every row has a top-k
+        width = min(max(top_ks), vocab)
         ranked, order = logits.topk(width, dim=-1)  # descending
         ranked_probs = None  # top-p renormalizes over each row's top-k
     else:  # top-p alone: rank the likeliest tokens; the whole vocabulary only if they fall short of top_p

@@ -18,6 +18,7 @@ from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.model.llama import head_dim_of, num_kv_heads_per_rank
 from raypaged.model.loader import load_model
 from raypaged.model.parallel import TensorParallel
+from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.worker.cache import KVCache
 from raypaged.worker.host_memory import retain_freed_memory
 from raypaged.worker.model_runner import ModelRunner
@@ -62,6 +63,7 @@ class Worker:
             self._outside_baseline = self._memory_outside_torch()
         else:  # a step's activations stay in the heap for the next step instead of being faulted in anew
             retain_freed_memory()
+        assert config.max_model_len is not None, "EngineConfig.__post_init__ resolves max_model_len"
         self.model = load_model(
             config.model_path, config.hf_config, config.max_model_len, self.dtype, self.device, tp,
             config.load_format, config.seed, config.quant_config,
@@ -106,6 +108,7 @@ class Worker:
         elem = torch.tensor([], dtype=self.cache_dtype).element_size()
         total = 2 * self.config.hf_config.num_hidden_layers * math.prod(self.block_shape()) * elem
         if self.draft_model is not None:
+            assert self.config.draft_hf_config is not None  # resolved with the draft model's path
             draft_elem = torch.tensor([], dtype=self.dtype).element_size()
             total += (2 * self.config.draft_hf_config.num_hidden_layers * math.prod(self.draft_block_shape())
                       * draft_elem)
@@ -142,6 +145,8 @@ class Worker:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        # EngineConfig.__post_init__ resolves both
+        assert self.config.max_model_len is not None and self.config.max_num_batched_tokens is not None
         num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len)
         num_seqs = min(self.config.max_num_seqs, num_tokens)
         hf = self.config.hf_config
@@ -184,6 +189,8 @@ class Worker:
         return (total - free) - torch.cuda.memory_reserved(self.device)
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        # EngineConfig.__post_init__ resolves both
+        assert self.config.max_model_len is not None and self.config.max_num_batched_tokens is not None
         hf = self.config.hf_config
         cache = KVCache(hf.num_hidden_layers, num_blocks, num_cpu_blocks, self.block_shape(), self.cache_dtype,
                         self.device, use_kernels=self.attn_backend.name == "cuda")
@@ -208,12 +215,15 @@ class Worker:
         if self.draft_model is not None:
             from raypaged.spec_decode.draft_model import DraftModelProposer
 
+            # resolved with the draft model's path: a parsed config of method draft_model
+            spec = self.config.speculative_config
+            assert isinstance(spec, SpeculativeConfig) and self.config.draft_hf_config is not None
             draft_cache = KVCache(self.config.draft_hf_config.num_hidden_layers, num_blocks, num_cpu_blocks,
                                   self.draft_block_shape(), self.dtype, self.device,
                                   use_kernels=self.draft_backend.name == "cuda")
             self.runner.drafter = DraftModelProposer(
                 self.draft_model, draft_cache, self.config.block_size,
-                self.config.speculative_config.num_speculative_tokens, self.config.max_model_len, self.device,
+                spec.num_speculative_tokens, self.config.max_model_len, self.device,
             )
         if self.device.type == "cuda" and not self.config.enforce_eager:
             if self.tp.size > 1:
@@ -225,4 +235,5 @@ class Worker:
                                                   self.config.max_num_batched_tokens)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "initialize_cache makes the runner"
         return self.runner.execute_model(scheduler_output)

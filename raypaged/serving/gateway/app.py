@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import grpc
@@ -171,7 +171,12 @@ def build_app(
         headers = {"X-Request-Id": shape.request_id or shape.id} if request_id_headers else None
         if body.stream:
             writer = ChunkWriter(shape, len(prompts), body.include_usage or force_include_usage, body.continuous_usage)
-            return _EventStream(_sse(calls, writer, slot, drain), lambda: (_cancel(calls), slot.release()), headers)
+
+            def cleanup() -> None:
+                _cancel(calls)
+                slot.release()
+
+            return _EventStream(_sse(calls, writer, slot, drain), cleanup, headers)
         try:
             work = _collect(calls, Accumulator(shape, len(prompts)), drain)
             return JSONResponse(await _unless_disconnected(http, work), headers=headers)
@@ -276,6 +281,7 @@ def build_app(
         if body.messages is not None:
             request.messages.CopyFrom(pb.ChatMessages(messages=[m.to_proto() for m in body.messages]))
         else:
+            assert body.prompt is not None  # exactly one of prompt and messages is given
             request.text = body.prompt
         response = await stub.Tokenize(request, metadata=_metadata(http))
         return {"count": len(response.token_ids), "max_model_len": response.max_model_len,
@@ -411,7 +417,7 @@ def _cancel(calls: list[StreamCall]) -> None:
 
 async def _responses(
     calls: list[StreamCall], drain: Drain
-) -> AsyncIterator[tuple[int, AnyResponse]]:
+) -> AsyncGenerator[tuple[int, AnyResponse], None]:
     """Every call's responses as they come, tagged with the call's index; cancels them all when left.
 
     Raises the drain's expiry error if the drain timeout expires first.
@@ -455,7 +461,7 @@ async def _collect(calls: list[StreamCall], accumulator: Accumulator, drain: Dra
     return accumulator.body()
 
 
-async def _unless_disconnected(http: Request, work: asyncio.Future | object) -> dict:
+async def _unless_disconnected(http: Request, work: Awaitable[dict]) -> dict:
     """Await ``work``; if the client goes away first, cancel it (which aborts the requests)."""
     task = asyncio.ensure_future(work)
     try:

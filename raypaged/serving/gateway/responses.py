@@ -30,7 +30,8 @@ from raypaged.serving.proto import generate_pb2 as pb
 
 SYSTEM_FINGERPRINT = f"raypaged-{__version__}"
 
-FINISH_REASONS = {
+# by the wire's FinishReason value (an int on either link)
+FINISH_REASONS: dict[int, FinishReason | None] = {
     pb.FINISH_REASON_UNSPECIFIED: None,
     pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
     pb.FINISH_REASON_STOP: FinishReason.STOP,
@@ -79,10 +80,13 @@ class ResponseShape:
         that echo put the ``prompt``'s tokens first (the first has no logprob, as OpenAI's)."""
         if not self.wants_logprobs:
             return None
+        return self._logprobs(delta, text_offset, prompt)
+
+    def _logprobs(self, delta: AnyDelta, text_offset: int, prompt: _Prompt | None = None) -> dict:
         as_ids = self.token_ids_as_text
         if prompt is not None and not self.chat:
             echoed = prompt.completion_logprobs(as_ids)
-            generated = self.logprobs(delta, text_offset + len(prompt.text))
+            generated = self._logprobs(delta, text_offset + len(prompt.text))
             return {key: echoed[key] + generated[key] for key in echoed}
         names = _token_names(delta.token_texts, delta.token_ids, as_ids)
         if self.chat:
@@ -301,7 +305,7 @@ class ChunkWriter:
         prompt.take(response)
         out = []
         for delta in response.outputs:
-            finish_reason = FINISH_REASONS[delta.finish_reason]
+            finish_reason: str | None = FINISH_REASONS[delta.finish_reason]
             index = prompt_index * self.shape.n + delta.index
             if self.shape.echo_only:  # the prompt alone: the token made to get there is not shown
                 delta = _without_tokens(delta)

@@ -82,7 +82,8 @@ class StructuredOutputsBody(BaseModel):
         if self.whitespace_pattern is not None:
             raise APIError(400, "structured_outputs.whitespace_pattern is not supported by the xgrammar backend",
                            "structured_outputs")
-        kinds = {
+        # StructuredOutput's keyword arguments: its oneof's fields
+        kinds: dict[str, Any] = {
             "json_schema": self.json_ if isinstance(self.json_, str) or self.json_ is None else json.dumps(self.json_),
             "regex": self.regex,
             "choice": None if self.choice is None else pb.StructuredChoices(choices=self.choice),

@@ -24,7 +24,7 @@ class ToolCall:
         ``ValueError``."""
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             raise ValueError(f"not a tool call: {value!r}")
-        arguments = next((value[k] for k in arguments_keys if k in value), {})
+        arguments: Any = next((value[k] for k in arguments_keys if k in value), {})  # JSON
         if isinstance(arguments, str):
             arguments = json.loads(arguments)
         if not isinstance(arguments, dict):
