@@ -1,4 +1,4 @@
-"""The code passes ruff with the settings in pyproject.toml ([tool.ruff])."""
+"""The code passes ruff and mypy with the settings in pyproject.toml ([tool.ruff], [tool.mypy])."""
 
 import importlib.util
 import subprocess
@@ -17,3 +17,9 @@ def test_ruff_check_passes():
         cwd=REPO, capture_output=True, text=True,
     )
     assert result.returncode == 0, f"ruff check failed:\n{result.stdout}{result.stderr}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed (the test extra)")
+def test_mypy_passes():
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, f"mypy failed:\n{result.stdout}{result.stderr}"
