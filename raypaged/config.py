@@ -317,9 +317,12 @@ class EngineConfig:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
-        if self.kv_cache_dtype != "auto" and self.attention_backend in ("cpu", "cuda"):
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "cuda":
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} runs in the torch attention backend: "
-                             f"--attention-backend {self.attention_backend} reads a cache of the model's dtype")
+                             f"--attention-backend cuda reads a cache of the model's dtype")
+        if self.kv_cache_dtype == "fp8_e5m2" and self.attention_backend == "cpu":
+            raise ValueError("--kv-cache-dtype fp8_e5m2 runs in the torch attention backend: --attention-backend "
+                             "cpu reads float32 and fp8 e4m3 caches (--kv-cache-dtype fp8 or fp8_e4m3)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:

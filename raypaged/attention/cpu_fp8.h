@@ -21,13 +21,18 @@ static inline uint32_t f32_to_bits(float f) {
 }
 
 static inline float fp8_e4m3_to_f32(uint8_t b) {
-    const uint32_t sign = (uint32_t)(b & 0x80) << 24, magnitude = b & 0x7f;
+    const uint32_t magnitude = b & 0x7f, sign = (uint32_t)(b & 0x80) << 24;
     /* normal: exponent and mantissa move to float32's places, the exponent rebased from 7 to 127 */
-    const float normal = bits_to_f32((magnitude << 20) + (120u << 23));
-    const float subnormal = (float)magnitude * 0.001953125f; /* m * 2^-9, exact */
-    float value = magnitude >= 8 ? normal : subnormal;
-    value = magnitude == 0x7f ? __builtin_nanf("") : value;
-    return bits_to_f32(f32_to_bits(value) | sign);
+    const uint32_t normal = (magnitude << 20) + (120u << 23);
+    /* subnormal m * 2^-9 (m = 1..7) in float32 bits, in integers only: GCC will not vectorize a select whose
+     * arm holds float arithmetic (it might trap) */
+    const uint32_t subnormal = magnitude >= 4   ? (120u << 23) | ((magnitude & 3) << 21)
+                               : magnitude >= 2 ? (119u << 23) | ((magnitude & 1) << 22)
+                               : magnitude == 1 ? 118u << 23
+                                                : 0u;
+    uint32_t bits = magnitude >= 8 ? normal : subnormal;
+    bits = magnitude == 0x7f ? 0x7fc00000u : bits; /* NaN */
+    return bits_to_f32(bits | sign);
 }
 
 static inline uint8_t f32_to_fp8_e4m3(float f) {

@@ -68,13 +68,15 @@ class Worker:
             config.model_path, config.hf_config, config.max_model_len, self.dtype, self.device, tp,
             config.load_format, config.seed, config.quant_config,
         )
-        # the CUDA and CPU kernels read a cache of the model's dtype: an fp8 cache is read and written in torch
-        backend = config.attention_backend if self.cache_dtype == self.dtype else "torch"
-        if backend != config.attention_backend and self.device.type == "cuda":
+        # the CUDA kernels read a cache of the model's dtype: there an fp8 cache is read and written in torch (the
+        # CPU kernels read and write an fp8 e4m3 cache themselves; select_backend says when they cannot)
+        backend = config.attention_backend
+        if self.cache_dtype != self.dtype and self.device.type == "cuda":
+            backend = "torch"
             logger.info("--kv-cache-dtype %s: paged attention runs in torch, not the CUDA kernels",
                         config.kv_cache_dtype)
         self.attn_backend = select_backend(backend, self.device, head_dim_of(config.hf_config), config.block_size,
-                                           self.dtype)
+                                           self.dtype, self.cache_dtype)
         self.model.set_attention_backend(self.attn_backend)
         self.lora: LoRAManager | None = None  # LoRA slots wrap the loaded model's linears
         if (lora_config := config.lora_config) is not None:

@@ -65,3 +65,12 @@ def test_block_copies_and_swaps_keep_fp8_blocks_bit_for_bit():
     rows = cache.device_blocks.view(torch.uint8)  # compare the stored bytes
     assert torch.equal(rows[:, :, 3], rows[:, :, 1]) and torch.equal(rows[:, :, 2], rows[:, :, 1])
     assert cache.cpu_blocks.element_size() == 1
+
+
+@pytest.mark.parametrize(("kv_dtype", "backend"), [("fp8", "cpu"), ("fp8_e4m3", "cpu"), ("fp8_e5m2", "torch")])
+def test_an_fp32_model_on_cpu_reads_an_e4m3_cache_in_c(tmp_path, smollm2_dir, kv_dtype, backend):
+    """The CPU kernels widen and narrow an fp8 e4m3 cache themselves (tests/attention/test_cpu_ops.py); e5m2 stays
+    in torch."""
+    config = EngineConfig(model=str(make_tiny_model(tmp_path, smollm2_dir)), dtype="float32", device="cpu",
+                          kv_cache_space=0.01, kv_cache_dtype=kv_dtype)
+    assert Worker(config, None).attn_backend.name == backend

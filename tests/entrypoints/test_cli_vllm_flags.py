@@ -29,9 +29,9 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
     (["--kv-cache-dtype", "fp8", "--attention-backend", "cuda"],
      "--kv-cache-dtype fp8 runs in the torch attention backend: --attention-backend cuda reads a cache of the "
      "model's dtype"),
-    (["--kv-cache-dtype", "fp8", "--attention-backend", "cpu"],
-     "--kv-cache-dtype fp8 runs in the torch attention backend: --attention-backend cpu reads a cache of the "
-     "model's dtype"),
+    (["--kv-cache-dtype", "fp8_e5m2", "--attention-backend", "cpu"],
+     "--kv-cache-dtype fp8_e5m2 runs in the torch attention backend: --attention-backend cpu reads float32 and "
+     "fp8 e4m3 caches (--kv-cache-dtype fp8 or fp8_e4m3)"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported: long prefills are always "
                                       "chunked within --max-num-batched-tokens"),
 ])
