@@ -65,9 +65,6 @@ def parse_args() -> argparse.Namespace:
     unknown = [s for s in args.schemes + args.w6 if s not in SCHEMES]
     if unknown:
         parser.error(f"unknown scheme {unknown[0]!r}; choose from {list(SCHEMES)}")
-    online = [s for s in args.w6 if SCHEMES[s][2]]
-    if online:  # the W6 engines are built from model folders alone
-        parser.error(f"--w6 runs checkpoint schemes only, not {online[0]!r}")
     # offline_throughput's W6 --quick settings
     args.kv_cache_gib, args.seed, args.num_prompts = 4.0, 0, 32
     return args
@@ -120,15 +117,17 @@ def linear_times(rows: tuple[int, ...] = (1, 8, 32, 256, 2048), repeats: int = 1
     return out
 
 
-def w6_alternating(model_dirs: dict[str, Path], prompts: list[list[int]], args: argparse.Namespace) -> dict[str, dict]:
+def w6_alternating(engines: dict[str, tuple[Path, dict]], prompts: list[list[int]],
+                   args: argparse.Namespace) -> dict[str, dict]:
     """W6 (offline_throughput's raypaged run: same prompts, 100 greedy tokens each, EOS ignored, the
-    same KV cache) with every system's engine loaded at once and the timed runs alternating between
-    them, so that other load on the machine hits each alike; the first system's tokens are the reference."""
+    same KV cache) with every system's engine (model folder, LLM options) loaded at once and the timed
+    runs alternating between them, so that other load on the machine hits each alike; the first
+    system's tokens are the reference."""
     from raypaged import LLM, SamplingParams
 
     # no prefix caching: a repeat would find the previous run's prompts cached and skip their prefill
     llms = {name: LLM(model=str(path), dtype="float32", device="cpu", kv_cache_space=args.kv_cache_gib,
-                      enable_prefix_caching=False) for name, path in model_dirs.items()}
+                      enable_prefix_caching=False, **options) for name, (path, options) in engines.items()}
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
     results: dict[str, dict] = {name: {"w6_runs_tokens_per_s": []} for name in llms}
@@ -187,8 +186,9 @@ def main() -> None:
                                          for a, b in zip(reference_tokens, tokens)]})
         print(json.dumps(rows[-1]))
     by_name = {row["name"]: row for row in rows}
-    for name, runs in w6_alternating({name: float_dir if name == "fp32" else model_folder(name, args)
-                                      for name in ["fp32", *args.w6]}, w6_prompts, args).items():
+    engines = {name: (float_dir, {}) if name == "fp32" else (model_folder(name, args), SCHEMES[name][2])
+               for name in ["fp32", *args.w6]}
+    for name, runs in w6_alternating(engines, w6_prompts, args).items():
         by_name[name] |= runs
         print(name, runs["w6_runs_tokens_per_s"])
     report = {"machine": machine_info(args.threads), "load_average": {"start": load_start, "end": load_average()},
