@@ -32,6 +32,7 @@
 
 #include "cpu_exp.h"
 #include "cpu_fp8.h"
+#include "cpu_softmax.h"
 
 #define PARTITION_TOKENS 512
 /* below this many work items a step's partitions shrink (to whole blocks, at least MIN_PARTITION_TOKENS) */
@@ -228,24 +229,7 @@ static void accumulate_rows(const float *p, int64_t G, int64_t D, const float *v
 /* The online softmax over one run's scores (in place, into weights), per query head: stats[2 * g] is
  * the running max, stats[2 * g + 1] the running sum; acc[g * D ..] is rescaled when the max rises. */
 static void softmax_rows(float *scores, int64_t G, int64_t D, int64_t run, float *acc, float *stats) {
-    for (int64_t g = 0; g < G; ++g) {
-        float *s = scores + g * run, max = stats[2 * g], sum = 0.0f;
-        for (int64_t t = 0; t < run; ++t) max = s[t] > max ? s[t] : max;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < run; ++t) {
-            s[t] = exp_nonpositive(s[t] - max);
-            sum += s[t];
-        }
-        if (max != stats[2 * g]) {
-            const float c = exp_nonpositive(stats[2 * g] - max);
-            float *a = acc + g * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] *= c;
-            stats[2 * g + 1] *= c;
-            stats[2 * g] = max;
-        }
-        stats[2 * g + 1] += sum;
-    }
+    for (int64_t g = 0; g < G; ++g) online_softmax_row(scores + g * run, run, run, acc + g * D, D, stats + 2 * g);
 }
 
 /* rows[i] = the fp8 cache's values at fp8[i], i < n */
@@ -296,14 +280,15 @@ static void attend_partition(const float *q, int64_t G, int64_t num_kv_heads, in
     }
 }
 
-/* Returns 0; -1 when scratch memory could not be allocated; -2 when a context length is beyond its
+/* The caches hold float32, or fp8 e4m3 (scale 1: the stored values are the K/V) when fp8 is set.
+ * Returns 0; -1 when scratch memory could not be allocated; -2 when a context length is beyond its
  * block table's width; -3 when a block id in use is outside the cache. Nothing is read from the
  * cache before these checks pass. */
-static int paged_decode(const float *query, int64_t query_seq_stride, int64_t query_head_stride, const void *k_cache,
-                        const void *v_cache, int fp8, int64_t num_blocks, const int64_t *block_tables,
-                        int64_t table_stride, int64_t table_width, const int64_t *context_lens, float *out,
-                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                        int64_t head_dim, float scale, int num_threads) {
+int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
+                          const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                          const int64_t *block_tables, int64_t table_stride, int64_t table_width,
+                          const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale, int num_threads) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, H = num_heads;
     int64_t total = 0, part = PARTITION_TOKENS / block_size * block_size;
     for (int64_t s = 0; s < num_seqs; ++s) {
@@ -404,27 +389,4 @@ static int paged_decode(const float *query, int64_t query_seq_stride, int64_t qu
     free(scratch);
     free(first);
     return failed ? -1 : 0;
-}
-
-int raypaged_paged_decode_f32(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
-                              const float *k_cache, const float *v_cache, int64_t num_blocks,
-                              const int64_t *block_tables, int64_t table_stride, int64_t table_width,
-                              const int64_t *context_lens, float *out, int64_t num_seqs,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                              float scale, int num_threads) {
-    return paged_decode(query, query_seq_stride, query_head_stride, k_cache, v_cache, 0, num_blocks, block_tables,
-                        table_stride, table_width, context_lens, out, num_seqs, num_heads, num_kv_heads, block_size,
-                        head_dim, scale, num_threads);
-}
-
-/* the same over an fp8 e4m3 cache (scale 1: the stored values are the K/V) */
-int raypaged_paged_decode_fp8(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
-                              const uint8_t *k_cache, const uint8_t *v_cache, int64_t num_blocks,
-                              const int64_t *block_tables, int64_t table_stride, int64_t table_width,
-                              const int64_t *context_lens, float *out, int64_t num_seqs,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                              float scale, int num_threads) {
-    return paged_decode(query, query_seq_stride, query_head_stride, k_cache, v_cache, 1, num_blocks, block_tables,
-                        table_stride, table_width, context_lens, out, num_seqs, num_heads, num_kv_heads, block_size,
-                        head_dim, scale, num_threads);
 }

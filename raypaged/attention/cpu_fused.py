@@ -23,7 +23,6 @@ from raypaged.kernels.checks import (
 )
 
 F32 = (torch.float32,)
-CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn)  # an fp8 cache holds the K/V narrowed with scale 1
 
 
 def _check_cpu(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
@@ -98,7 +97,7 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     The arguments' shapes are those of ``raypaged.kernels.fused_ops.rotary_and_cache``; here the token
     stride of query, key and value is free."""
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_tensor(name, cache, CACHE_DTYPES, 4)
+        check_tensor(name, cache, cpu_ops.CACHE_DTYPES, 4)
         check_contiguous(name, cache)
     check_shape("value_cache", value_cache, key_cache.shape)
     if value_cache.dtype != key_cache.dtype:

@@ -40,12 +40,10 @@ HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # every header the s
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC")
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # symbol: (argument types, result type)
-    **{f"raypaged_paged_decode_{cache}": ((_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64,
-                                           _I64, _I64, _I64, _I64, _F32, _INT), _INT)
-       for cache in ("f32", "fp8")},
-    **{f"raypaged_paged_prefill_{cache}": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64,
-                                            _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _INT), _INT)
-       for cache in ("f32", "fp8")},
+    "raypaged_paged_decode": ((_PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                               _I64, _I64, _F32, _INT), _INT),
+    "raypaged_paged_prefill": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR,
+                                _I64, _I64, _I64, _I64, _I64, _F32, _INT), _INT),
     "raypaged_quantize_int8_f32": ((_PTR, _I64, _I64, _I64, _F32, _PTR, _PTR, _INT), None),
     "raypaged_int8_scale_f32": ((_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT), None),
     "raypaged_rms_norm_f32": ((_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT), None),
@@ -132,12 +130,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
-CACHE_DTYPES = {torch.float32: "f32", torch.float8_e4m3fn: "fp8"}  # fp8: K/V narrowed with scale 1
+CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn)  # fp8: K/V narrowed with scale 1
 
 
 def _check_query_and_caches(kernel: str, query: torch.Tensor, key_cache: torch.Tensor,
-                            value_cache: torch.Tensor) -> str:
-    """The checks the decode and prefill kernels share; returns the cache's kind (``CACHE_DTYPES``)."""
+                            value_cache: torch.Tensor) -> bool:
+    """The checks the decode and prefill kernels share; returns whether the caches are fp8."""
     if query.dtype != torch.float32 or key_cache.dtype not in CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
         raise ValueError(f"the CPU {kernel} kernel reads a float32 query from float32 or float8_e4m3fn caches, got "
                          f"query {query.dtype}, caches {key_cache.dtype} and {value_cache.dtype}")
@@ -150,7 +148,7 @@ def _check_query_and_caches(kernel: str, query: torch.Tensor, key_cache: torch.T
                          f"{tuple(value_cache.shape)}")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or query.stride(2) != 1:
         raise ValueError(f"the CPU {kernel} kernel needs contiguous caches and a query with contiguous rows")
-    return CACHE_DTYPES[key_cache.dtype]
+    return key_cache.dtype == torch.float8_e4m3fn
 
 
 def paged_attention_decode(
@@ -164,7 +162,7 @@ def paged_attention_decode(
     """``torch_ops.paged_attention_decode`` read through the block tables, for fp32 on CPU."""
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-    cache = _check_query_and_caches("decode", query, key_cache, value_cache)
+    fp8 = _check_query_and_caches("decode", query, key_cache, value_cache)
     if block_tables.dtype != torch.long or context_lens.dtype != torch.long:
         raise ValueError(f"block tables and context lengths must be long, got {block_tables.dtype} and "
                          f"{context_lens.dtype}")
@@ -176,9 +174,9 @@ def paged_attention_decode(
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     if num_seqs == 0:
         return out
-    status = getattr(library(), f"raypaged_paged_decode_{cache}")(
-        query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
-        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
+    status = library().raypaged_paged_decode(
+        query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), fp8,
+        num_blocks, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
         out.data_ptr(), num_seqs,
         num_heads, num_kv_heads, block_size, head_dim, scale, torch.get_num_threads(),
     )
@@ -208,7 +206,7 @@ def paged_prefill_attention(
     span's block table. Offsets, lengths and block ids are checked before anything is read."""
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-    cache = _check_query_and_caches("prefill", query, key_cache, value_cache)
+    fp8 = _check_query_and_caches("prefill", query, key_cache, value_cache)
     if cu_seqlens_q.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.dtype != torch.long:
         raise ValueError(f"cu_seqlens_q and context_lens must be int32 and block_tables long, got "
                          f"{cu_seqlens_q.dtype}, {context_lens.dtype} and {block_tables.dtype}")
@@ -226,11 +224,11 @@ def paged_prefill_attention(
         return out
     cu_seqlens_q, context_lens = cu_seqlens_q.contiguous(), context_lens.contiguous()
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    status = getattr(library(), f"raypaged_paged_prefill_{cache}")(
+    status = library().raypaged_paged_prefill(
         query.data_ptr(), query.stride(0), query.stride(1), num_tokens, key_cache.data_ptr(), value_cache.data_ptr(),
-        num_blocks, cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        block_tables.shape[1], out.data_ptr(), num_spans, num_heads, num_kv_heads, block_size, head_dim, scale,
-        torch.get_num_threads(),
+        fp8, num_blocks, cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), block_tables.shape[1], out.data_ptr(), num_spans, num_heads, num_kv_heads,
+        block_size, head_dim, scale, torch.get_num_threads(),
     )
     if status == -1:
         raise MemoryError("the CPU prefill kernel could not allocate its scratch memory")

@@ -26,8 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_exp.h"
 #include "cpu_fp8.h"
+#include "cpu_softmax.h"
 
 #define TILE_TOKENS 16
 #if defined(__AVX512F__)
@@ -134,23 +134,7 @@ static void softmax_chunk(float *s, int64_t rows, int64_t G, int64_t n, int64_t 
             memset(row, 0, sizeof(float) * CHUNK);
             continue;
         }
-        float max = max_sum[2 * r], sum = 0.0f;
-        for (int64_t j = 0; j < visible; ++j) max = row[j] > max ? row[j] : max;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < CHUNK; ++j) {
-            const float w = j < visible ? exp_nonpositive(row[j] - max) : 0.0f;
-            row[j] = w;
-            sum += w;
-        }
-        if (max != max_sum[2 * r]) {
-            const float c = exp_nonpositive(max_sum[2 * r] - max);
-            float *orow = o + r * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) orow[d] *= c;
-            max_sum[2 * r + 1] *= c;
-            max_sum[2 * r] = max;
-        }
-        max_sum[2 * r + 1] += sum;
+        online_softmax_row(row, visible, CHUNK, o + r * D, D, max_sum + 2 * r);
     }
 }
 
@@ -159,11 +143,12 @@ static void softmax_chunk(float *s, int64_t rows, int64_t G, int64_t n, int64_t 
  * its context; -4 when a context is beyond its block table's width; -5 when a block id in use is
  * outside the cache. Nothing is read from the cache before these checks pass. The caches hold float32,
  * or fp8 e4m3 (scale 1) when fp8 is set. */
-static int paged_prefill(const float *query, int64_t query_token_stride, int64_t query_head_stride, int64_t num_tokens,
-                         const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
-                         const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
-                         int64_t table_stride, int64_t table_width, float *out, int64_t num_spans, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale, int num_threads) {
+int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64_t query_head_stride,
+                           int64_t num_tokens, const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                           const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
+                           int64_t table_stride, int64_t table_width, float *out, int64_t num_spans,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                           float scale, int num_threads) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, rows_max = TILE_TOKENS * G;
     int64_t *first = malloc(sizeof(int64_t) * (num_spans + 1)); /* first tile of each span */
     if (first == NULL) return -1;
@@ -252,26 +237,4 @@ static int paged_prefill(const float *query, int64_t query_token_stride, int64_t
     }
     free(first);
     return failed ? -1 : 0;
-}
-
-int raypaged_paged_prefill_f32(const float *query, int64_t query_token_stride, int64_t query_head_stride,
-                               int64_t num_tokens, const float *k_cache, const float *v_cache, int64_t num_blocks,
-                               const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
-                               int64_t table_stride, int64_t table_width, float *out, int64_t num_spans,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                               float scale, int num_threads) {
-    return paged_prefill(query, query_token_stride, query_head_stride, num_tokens, k_cache, v_cache, 0, num_blocks,
-                         cu_seqlens_q, context_lens, block_tables, table_stride, table_width, out, num_spans,
-                         num_heads, num_kv_heads, block_size, head_dim, scale, num_threads);
-}
-
-int raypaged_paged_prefill_fp8(const float *query, int64_t query_token_stride, int64_t query_head_stride,
-                               int64_t num_tokens, const uint8_t *k_cache, const uint8_t *v_cache, int64_t num_blocks,
-                               const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
-                               int64_t table_stride, int64_t table_width, float *out, int64_t num_spans,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                               float scale, int num_threads) {
-    return paged_prefill(query, query_token_stride, query_head_stride, num_tokens, k_cache, v_cache, 1, num_blocks,
-                         cu_seqlens_q, context_lens, block_tables, table_stride, table_width, out, num_spans,
-                         num_heads, num_kv_heads, block_size, head_dim, scale, num_threads);
 }
