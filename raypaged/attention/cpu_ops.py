@@ -151,6 +151,18 @@ def _check_query_and_caches(kernel: str, query: torch.Tensor, key_cache: torch.T
     return key_cache.dtype == torch.float8_e4m3fn
 
 
+def _raise_for_status(kernel: str, status: int, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                      block_size: int, num_blocks: int) -> None:
+    """The decode and prefill kernels' shared failures (-1 memory, -2 a context past its table, -3 a bad block id)."""
+    if status == -1:
+        raise MemoryError(f"the CPU {kernel} kernel could not allocate its scratch memory")
+    if status == -2:
+        raise ValueError(f"a context length ({int(context_lens.max())}) is beyond its block table "
+                         f"({block_tables.shape[1]} blocks of {block_size})")
+    if status == -3:
+        raise ValueError(f"a block table holds a block id outside the cache's {num_blocks} blocks")
+
+
 def paged_attention_decode(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
@@ -180,13 +192,7 @@ def paged_attention_decode(
         out.data_ptr(), num_seqs,
         num_heads, num_kv_heads, block_size, head_dim, scale, torch.get_num_threads(),
     )
-    if status == -1:
-        raise MemoryError("the CPU decode kernel could not allocate its scratch memory")
-    if status == -2:
-        raise ValueError(f"a context length ({int(context_lens.max())}) is beyond its block table "
-                         f"({block_tables.shape[1]} blocks of {block_size})")
-    if status == -3:
-        raise ValueError(f"a block table holds a block id outside the cache's {num_blocks} blocks")
+    _raise_for_status("decode", status, context_lens, block_tables, block_size, num_blocks)
     return out
 
 
@@ -230,17 +236,11 @@ def paged_prefill_attention(
         block_tables.stride(0), block_tables.shape[1], out.data_ptr(), num_spans, num_heads, num_kv_heads,
         block_size, head_dim, scale, torch.get_num_threads(),
     )
-    if status == -1:
-        raise MemoryError("the CPU prefill kernel could not allocate its scratch memory")
-    if status == -2:
+    if status == -4:
         raise ValueError(f"cu_seqlens_q {cu_seqlens_q.tolist()} does not ascend within the query's {num_tokens} rows "
                          f"with at least one token per span")
-    if status == -3:
+    if status == -5:
         raise ValueError(f"a span's query is longer than its context (cu_seqlens_q {cu_seqlens_q.tolist()}, "
                          f"context_lens {context_lens.tolist()})")
-    if status == -4:
-        raise ValueError(f"a context length ({int(context_lens.max())}) is beyond its block table "
-                         f"({block_tables.shape[1]} blocks of {block_size})")
-    if status == -5:
-        raise ValueError(f"a block table holds a block id outside the cache's {num_blocks} blocks")
+    _raise_for_status("prefill", status, context_lens, block_tables, block_size, num_blocks)
     return out

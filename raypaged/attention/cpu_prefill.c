@@ -138,10 +138,10 @@ static void softmax_chunk(float *s, int64_t rows, int64_t G, int64_t n, int64_t 
     }
 }
 
-/* Returns 0; -1 when scratch memory could not be allocated; -2 when the spans' query offsets do not
- * ascend within the query's rows or a span has no query token; -3 when a span's query is longer than
- * its context; -4 when a context is beyond its block table's width; -5 when a block id in use is
- * outside the cache. Nothing is read from the cache before these checks pass. The caches hold float32,
+/* Returns 0; -1 when scratch memory could not be allocated; -2 when a context is beyond its block
+ * table's width; -3 when a block id in use is outside the cache (the codes of cpu_decode.c); -4 when the
+ * spans' query offsets do not ascend within the query's rows or a span has no query token; -5 when a
+ * span's query is longer than its context. Nothing is read from the cache before these checks pass. The caches hold float32,
  * or fp8 e4m3 (scale 1) when fp8 is set. */
 int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64_t query_head_stride,
                            int64_t num_tokens, const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
@@ -156,11 +156,11 @@ int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64
     for (int64_t s = 0; s < num_spans; ++s) {
         const int64_t start = cu_seqlens_q[s], end = cu_seqlens_q[s + 1], len = context_lens[s];
         int status = 0;
-        if (start < 0 || end <= start || end > num_tokens) status = -2;
-        else if (end - start > len) status = -3;
-        else if ((len + block_size - 1) / block_size > table_width) status = -4;
+        if (start < 0 || end <= start || end > num_tokens) status = -4;
+        else if (end - start > len) status = -5;
+        else if ((len + block_size - 1) / block_size > table_width) status = -2;
         for (int64_t j = 0; status == 0 && j < (len + block_size - 1) / block_size; ++j)
-            if (block_tables[s * table_stride + j] < 0 || block_tables[s * table_stride + j] >= num_blocks) status = -5;
+            if (block_tables[s * table_stride + j] < 0 || block_tables[s * table_stride + j] >= num_blocks) status = -3;
         if (status) {
             free(first);
             return status;
