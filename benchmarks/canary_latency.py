@@ -69,9 +69,12 @@ class Canaries:
     failures: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
-        return {"count": len(self.latency_s), "p50_ms": 1e3 * percentile(self.latency_s, 50),
-                "p90_ms": 1e3 * percentile(self.latency_s, 90),
-                "max_ms": 1e3 * max(self.latency_s) if self.latency_s else float("nan")}
+        return {
+            "count": len(self.latency_s),
+            "p50_ms": 1e3 * percentile(self.latency_s, 50),
+            "p90_ms": 1e3 * percentile(self.latency_s, 90),
+            "max_ms": 1e3 * max(self.latency_s) if self.latency_s else float("nan"),
+        }
 
 
 @dataclass
@@ -116,13 +119,15 @@ def longest_prompt(client: httpx.Client) -> tuple[str, int]:
     """The repeated unit whose --max-prompt-chars-long text has the most tokens that leave room for GEN_TOKENS."""
     fits = []
     for unit in REPEATED_UNITS:
-        filler = (unit * MAX_PROMPT_CHARS)[:MAX_PROMPT_CHARS - TAG_WIDTH - 1]
+        filler = (unit * MAX_PROMPT_CHARS)[: MAX_PROMPT_CHARS - TAG_WIDTH - 1]
         count = tokens(client, {"prompt": f"{tag(0)} {filler}"})
         if count + GEN_TOKENS <= MAX_MODEL_LEN:
             fits.append((count, filler))
     if not fits:
-        raise RuntimeError(f"no repeated unit of {REPEATED_UNITS} gives {MAX_PROMPT_CHARS} characters within "
-                           f"{MAX_MODEL_LEN - GEN_TOKENS} tokens")
+        raise RuntimeError(
+            f"no repeated unit of {REPEATED_UNITS} gives {MAX_PROMPT_CHARS} characters within "
+            f"{MAX_MODEL_LEN - GEN_TOKENS} tokens"
+        )
     count, filler = max(fits)
     return filler, count
 
@@ -142,44 +147,72 @@ def longest_chat(client: httpx.Client) -> tuple[int, int, int]:
 
 
 def many_prompts(num_prompts: int) -> Load:
-    return Load(f"{num_prompts} prompts", "/v1/completions",
-                lambda i: {"prompt": [f"{tag(i)} {j}: hello" for j in range(num_prompts)], "max_tokens": 4,
-                           "temperature": 0},
-                f"{num_prompts} prompts of a few tokens in one request, max_tokens 4")
+    return Load(
+        f"{num_prompts} prompts",
+        "/v1/completions",
+        lambda i: {"prompt": [f"{tag(i)} {j}: hello" for j in range(num_prompts)], "max_tokens": 4, "temperature": 0},
+        f"{num_prompts} prompts of a few tokens in one request, max_tokens 4",
+    )
 
 
 def build_loads(client: httpx.Client) -> tuple[list[Load], dict]:
     filler, prompt_tokens = longest_prompt(client)
     num_messages, chat_tokens, full_chat_tokens = longest_chat(client)
     num_prompts = DEFAULT_MAX_PROMPTS_PER_REQUEST
-    stop = [(f"<never {j:02d}>" * LIMITS.max_stop_string_chars)[:LIMITS.max_stop_string_chars]
-            for j in range(LIMITS.max_stop_strings)]
+    stop = [
+        (f"<never {j:02d}>" * LIMITS.max_stop_string_chars)[: LIMITS.max_stop_string_chars]
+        for j in range(LIMITS.max_stop_strings)
+    ]
     stop_ids = list(range(1000, 1000 + LIMITS.max_stop_token_ids))
     story = {"max_tokens": 64, "temperature": 0, "ignore_eos": True}
     loads = [
-        Load("stop strings", "/v1/completions",
-             lambda i: {"prompt": f"{tag(i)} Tell me a story.", "stop": stop} | story,
-             f"{len(stop)} stop strings of {LIMITS.max_stop_string_chars} characters, max_tokens 64"),
-        Load("stop_token_ids", "/v1/completions",
-             lambda i: {"prompt": f"{tag(i)} Tell me a story.", "stop_token_ids": stop_ids} | story,
-             f"{len(stop_ids)} stop_token_ids ({stop_ids[0]}..{stop_ids[-1]}), max_tokens 64"),
-        Load("long prompt", "/v1/completions",
-             lambda i: {"prompt": f"{tag(i)} {filler}", "max_tokens": GEN_TOKENS, "temperature": 0},
-             f"{MAX_PROMPT_CHARS} characters ({filler[:4]!r} repeated), {prompt_tokens} tokens, "
-             f"max_tokens {GEN_TOKENS}"),
-        Load("long chat", "/v1/chat/completions",
-             lambda i: {"messages": chat(i, num_messages), "max_tokens": GEN_TOKENS, "temperature": 0},
-             f"{num_messages} messages, {chat_tokens} tokens, max_tokens {GEN_TOKENS}"),
+        Load(
+            "stop strings",
+            "/v1/completions",
+            lambda i: {"prompt": f"{tag(i)} Tell me a story.", "stop": stop} | story,
+            f"{len(stop)} stop strings of {LIMITS.max_stop_string_chars} characters, max_tokens 64",
+        ),
+        Load(
+            "stop_token_ids",
+            "/v1/completions",
+            lambda i: {"prompt": f"{tag(i)} Tell me a story.", "stop_token_ids": stop_ids} | story,
+            f"{len(stop_ids)} stop_token_ids ({stop_ids[0]}..{stop_ids[-1]}), max_tokens 64",
+        ),
+        Load(
+            "long prompt",
+            "/v1/completions",
+            lambda i: {"prompt": f"{tag(i)} {filler}", "max_tokens": GEN_TOKENS, "temperature": 0},
+            f"{MAX_PROMPT_CHARS} characters ({filler[:4]!r} repeated), {prompt_tokens} tokens, max_tokens {GEN_TOKENS}",
+        ),
+        Load(
+            "long chat",
+            "/v1/chat/completions",
+            lambda i: {"messages": chat(i, num_messages), "max_tokens": GEN_TOKENS, "temperature": 0},
+            f"{num_messages} messages, {chat_tokens} tokens, max_tokens {GEN_TOKENS}",
+        ),
         many_prompts(num_prompts),
         many_prompts(num_prompts // 4),
-        Load("n=16", "/v1/completions",
-             lambda i: {"prompt": f"{tag(i)} Once upon a time", "n": 16, "max_tokens": 32, "temperature": 1.0,
-                        "ignore_eos": True},
-             "n=16, max_tokens 32, temperature 1"),
+        Load(
+            "n=16",
+            "/v1/completions",
+            lambda i: {
+                "prompt": f"{tag(i)} Once upon a time",
+                "n": 16,
+                "max_tokens": 32,
+                "temperature": 1.0,
+                "ignore_eos": True,
+            },
+            "n=16, max_tokens 32, temperature 1",
+        ),
     ]
-    sizes = {"prompt_chars": MAX_PROMPT_CHARS, "prompt_tokens": prompt_tokens, "chat_messages": num_messages,
-             "chat_tokens": chat_tokens, f"chat_tokens_at_{LIMITS.max_chat_messages}_messages": full_chat_tokens,
-             "prompts_per_request": num_prompts}
+    sizes = {
+        "prompt_chars": MAX_PROMPT_CHARS,
+        "prompt_tokens": prompt_tokens,
+        "chat_messages": num_messages,
+        "chat_tokens": chat_tokens,
+        f"chat_tokens_at_{LIMITS.max_chat_messages}_messages": full_chat_tokens,
+        "prompts_per_request": num_prompts,
+    }
     return loads, sizes
 
 
@@ -275,8 +308,11 @@ def canaries(client: httpx.Client, model: str, count: int, window_s: float, time
 def requests_in_engine(client: httpx.Client) -> float:
     """Running plus waiting requests, from /metrics."""
     text = client.get("/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(("raypaged:num_requests_running", "raypaged:num_requests_waiting")))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(("raypaged:num_requests_running", "raypaged:num_requests_waiting"))
+    )
 
 
 def keepalive_probe(kept_alive: httpx.Client, closing: httpx.Client, repeats: int = 6) -> dict:
@@ -285,6 +321,7 @@ def keepalive_probe(kept_alive: httpx.Client, closing: httpx.Client, repeats: in
     Responses after the first on a kept-alive connection have come about 40 ms late, which
     is why the canaries and refusals each take a new connection (``Connection: close``).
     """
+
     def timed(client: httpx.Client) -> float:
         started = time.perf_counter()
         client.get("/v1/models").raise_for_status()
@@ -292,8 +329,12 @@ def keepalive_probe(kept_alive: httpx.Client, closing: httpx.Client, repeats: in
 
     reused = [timed(kept_alive) for _ in range(repeats)]
     fresh = [timed(closing) for _ in range(repeats)]
-    return {"kept_alive_ms": reused, "new_connection_ms": fresh,
-            "kept_alive_median_ms": percentile(reused[1:], 50), "new_connection_median_ms": percentile(fresh, 50)}
+    return {
+        "kept_alive_ms": reused,
+        "new_connection_ms": fresh,
+        "kept_alive_median_ms": percentile(reused[1:], 50),
+        "new_connection_median_ms": percentile(fresh, 50),
+    }
 
 
 def wait_idle(client: httpx.Client) -> float:
@@ -309,32 +350,52 @@ def wait_idle(client: httpx.Client) -> float:
 def over_limits(model: str, chat_at_limit_tokens: int) -> list[tuple[str, str, bytes]]:
     """(what, path, body) of one request just over each limit, plus the limit's chat count that overflows the
     context."""
+
     def completion(**fields) -> dict:
         return {"model": model, "prompt": "Hello", "max_tokens": 4} | fields
 
     chars = LIMITS.max_stop_string_chars
     bodies = [
-        (f"{LIMITS.max_stop_strings + 1} stop strings", "/v1/completions",
-         completion(stop=[f"{j:03d}" + "~" * (chars - 3) for j in range(LIMITS.max_stop_strings + 1)])),
+        (
+            f"{LIMITS.max_stop_strings + 1} stop strings",
+            "/v1/completions",
+            completion(stop=[f"{j:03d}" + "~" * (chars - 3) for j in range(LIMITS.max_stop_strings + 1)]),
+        ),
         (f"a stop string of {chars + 1} characters", "/v1/completions", completion(stop=["~" * (chars + 1)])),
-        (f"{LIMITS.max_stop_token_ids + 1} stop_token_ids", "/v1/completions",
-         completion(stop_token_ids=list(range(1000, 1001 + LIMITS.max_stop_token_ids)))),
-        (f"a prompt of {MAX_PROMPT_CHARS + 1} characters", "/v1/completions",
-         completion(prompt="=" * (MAX_PROMPT_CHARS + 1))),
-        (f"{LIMITS.max_chat_messages + 1} messages", "/v1/chat/completions",
-         {"model": model, "messages": chat(0, LIMITS.max_chat_messages + 1), "max_tokens": 4}),
-        (f"{LIMITS.max_chat_messages} messages ({chat_at_limit_tokens} tokens > max_model_len)", "/v1/chat/completions",
-         {"model": model, "messages": chat(0, LIMITS.max_chat_messages), "max_tokens": 4}),
-        (f"{DEFAULT_MAX_PROMPTS_PER_REQUEST + 1} prompts", "/v1/completions",
-         completion(prompt=[f"{j}: hello" for j in range(DEFAULT_MAX_PROMPTS_PER_REQUEST + 1)])),
+        (
+            f"{LIMITS.max_stop_token_ids + 1} stop_token_ids",
+            "/v1/completions",
+            completion(stop_token_ids=list(range(1000, 1001 + LIMITS.max_stop_token_ids))),
+        ),
+        (
+            f"a prompt of {MAX_PROMPT_CHARS + 1} characters",
+            "/v1/completions",
+            completion(prompt="=" * (MAX_PROMPT_CHARS + 1)),
+        ),
+        (
+            f"{LIMITS.max_chat_messages + 1} messages",
+            "/v1/chat/completions",
+            {"model": model, "messages": chat(0, LIMITS.max_chat_messages + 1), "max_tokens": 4},
+        ),
+        (
+            f"{LIMITS.max_chat_messages} messages ({chat_at_limit_tokens} tokens > max_model_len)",
+            "/v1/chat/completions",
+            {"model": model, "messages": chat(0, LIMITS.max_chat_messages), "max_tokens": 4},
+        ),
+        (
+            f"{DEFAULT_MAX_PROMPTS_PER_REQUEST + 1} prompts",
+            "/v1/completions",
+            completion(prompt=[f"{j}: hello" for j in range(DEFAULT_MAX_PROMPTS_PER_REQUEST + 1)]),
+        ),
         (f"n={LIMITS.max_num_samples + 1}", "/v1/completions", completion(n=LIMITS.max_num_samples + 1)),
         (f"logprobs={LIMITS.max_logprobs + 1}", "/v1/completions", completion(logprobs=LIMITS.max_logprobs + 1)),
     ]
     out = [(what, path, json.dumps(body).encode()) for what, path, body in bodies]
     padding = json.dumps(completion(prompt="")).encode()
     # the body limit: a JSON prompt of spaces one byte over (the prompt itself would be refused later anyway)
-    oversized = padding.replace(b'"prompt": ""',
-                                b'"prompt": "' + b" " * (DEFAULT_MAX_BODY_BYTES + 1 - len(padding)) + b'"')
+    oversized = padding.replace(
+        b'"prompt": ""', b'"prompt": "' + b" " * (DEFAULT_MAX_BODY_BYTES + 1 - len(padding)) + b'"'
+    )
     out.append((f"a body of {len(oversized)} bytes", "/v1/completions", oversized))
     return out
 
@@ -358,11 +419,19 @@ def refusals(client: httpx.Client, model: str, chat_at_limit_tokens: int, repeat
                 message = response.text[:300]
             if message not in responses:
                 responses.append(message)
-        rows.append({"request": what, "body_bytes": len(body), "statuses": statuses,
-                     "latency_ms": [1e3 * s for s in latencies], "median_ms": 1e3 * percentile(latencies, 50),
-                     "responses": responses})
-        print(f"refusal: {what}: {statuses} in {rows[-1]['median_ms']:.1f} ms: {' | '.join(responses)[:300]}",
-              flush=True)
+        rows.append(
+            {
+                "request": what,
+                "body_bytes": len(body),
+                "statuses": statuses,
+                "latency_ms": [1e3 * s for s in latencies],
+                "median_ms": 1e3 * percentile(latencies, 50),
+                "responses": responses,
+            }
+        )
+        print(
+            f"refusal: {what}: {statuses} in {rows[-1]['median_ms']:.1f} ms: {' | '.join(responses)[:300]}", flush=True
+        )
     return rows
 
 
@@ -377,20 +446,25 @@ def error_message(response: str) -> str:
 
 def markdown(report: dict) -> str:
     idle = report["loads"][0]["canary"]
-    lines = ["| load | canary p50 / p90 / max (ms) | p50 / p90 ÷ idle | canaries "
-             "| heavy requests ok (cancelled, errors) |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| load | canary p50 / p90 / max (ms) | p50 / p90 ÷ idle | canaries | heavy requests ok (cancelled, errors) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for row in report["loads"]:
         c, t = row["canary"], row.get("traffic")
         ratio = f"{c['p50_ms'] / idle['p50_ms']:.2f} / {c['p90_ms'] / idle['p90_ms']:.2f}"
         failed = f" + {len(row['canary_failures'])} failed" if row["canary_failures"] else ""
         heavy = f"{t['ok']} ({t['cancelled']}, {t['num_errors']})" if t else "—"
-        lines.append(f"| {row['name']}: {row['what']} | {c['p50_ms']:.0f} / {c['p90_ms']:.0f} / {c['max_ms']:.0f} | "
-                     f"{ratio} | {c['count']}{failed} | {heavy} |")
+        lines.append(
+            f"| {row['name']}: {row['what']} | {c['p50_ms']:.0f} / {c['p90_ms']:.0f} / {c['max_ms']:.0f} | "
+            f"{ratio} | {c['count']}{failed} | {heavy} |"
+        )
     lines += ["", "| refused request | status | median ms | response |", "| --- | ---: | ---: | --- |"]
     for row in report["refusals"]:
-        lines.append(f"| {row['request']} | {'/'.join(map(str, row['statuses']))} | {row['median_ms']:.1f} | "
-                     f"{' / '.join(error_message(r) for r in row['responses']).replace('|', '/')} |")
+        lines.append(
+            f"| {row['request']} | {'/'.join(map(str, row['statuses']))} | {row['median_ms']:.1f} | "
+            f"{' / '.join(error_message(r) for r in row['responses']).replace('|', '/')} |"
+        )
     return "\n".join(lines)
 
 
@@ -405,8 +479,16 @@ def plot(report: dict) -> None:
         ax.bar_label(bars, labels=[f"{v:.0f}" if math.isfinite(v) else "" for v in values], fontsize=7)
     for x, r in zip(xs, rows):
         if not r["canary"]["count"]:
-            ax.annotate(f"all {len(r['canary_failures'])}\nfailed", (x, 0), xytext=(0, 3), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=7, color="tab:red")
+            ax.annotate(
+                f"all {len(r['canary_failures'])}\nfailed",
+                (x, 0),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color="tab:red",
+            )
     ax.set_xticks(list(xs), [f"{r['name']}\n{r['canary']['count']} canaries" for r in rows], fontsize=8)
     ax.set_ylabel("canary latency (ms)")
     values = [v for r in rows if math.isfinite(v := r["canary"]["p90_ms"])]
@@ -414,8 +496,11 @@ def plot(report: dict) -> None:
         ax.set_yscale("log")
     ax.legend()
     info = report["machine"]
-    ax.set_title(f"16-token greedy canary, one at a time, under {report['workload']['clients']} clients of each load; "
-                 f"{info['cpu']}, {info['nproc']} CPUs", fontsize=9)
+    ax.set_title(
+        f"16-token greedy canary, one at a time, under {report['workload']['clients']} clients of each load; "
+        f"{info['cpu']}, {info['nproc']} CPUs",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(RESULTS_DIR / "canary_latency.png", dpi=120)
     plt.close(fig)
@@ -430,14 +515,19 @@ def measure(server: Server, base: str, args: argparse.Namespace) -> dict:
     print(f"sizes: {sizes}", flush=True)
     canaries(closing, model, 3, 60, args.canary_timeout)  # warm-up
     keepalive = keepalive_probe(client, closing)
-    print(f"GET /v1/models: {keepalive['kept_alive_median_ms']:.1f} ms on a kept-alive connection (after the first), "
-          f"{keepalive['new_connection_median_ms']:.1f} ms on a new one", flush=True)
+    print(
+        f"GET /v1/models: {keepalive['kept_alive_median_ms']:.1f} ms on a kept-alive connection (after the first), "
+        f"{keepalive['new_connection_median_ms']:.1f} ms on a new one",
+        flush=True,
+    )
     rows = []
     idle = canaries(closing, model, args.canaries, args.window, args.canary_timeout)
-    rows.append({"name": "idle", "what": "no other traffic", "canary": idle.summary(),
-                 "canary_failures": idle.failures})
-    print(f"[idle] canary p50 {rows[0]['canary']['p50_ms']:.0f} ms, p90 {rows[0]['canary']['p90_ms']:.0f} ms",
-          flush=True)
+    rows.append(
+        {"name": "idle", "what": "no other traffic", "canary": idle.summary(), "canary_failures": idle.failures}
+    )
+    print(
+        f"[idle] canary p50 {rows[0]['canary']['p50_ms']:.0f} ms, p90 {rows[0]['canary']['p90_ms']:.0f} ms", flush=True
+    )
     for load in loads:
         clients = LoadClients(base, model, load, args.clients, time.monotonic() + args.window + args.canary_timeout)
         time.sleep(1.0)  # the first heavy requests reach the engine
@@ -447,16 +537,27 @@ def measure(server: Server, base: str, args: argparse.Namespace) -> dict:
         if server.proc.poll() is not None:
             raise RuntimeError(f"the server died under {load.name!r}; log tail:\n{server.log_tail()}")
         s = result.summary()
-        rows.append({"name": load.name, "what": load.what, "path": load.path, "canary": s,
-                     "canary_latency_s": result.latency_s, "canary_failures": result.failures,
-                     "traffic": asdict(traffic) | {"latency_p50_s": percentile(traffic.latency_s, 50)},
-                     "idle_after_cancel_s": idle_after})
-        print(f"[{load.name}] canary p50 {s['p50_ms']:.0f} ms ({s['p50_ms'] / rows[0]['canary']['p50_ms']:.1f}x idle), "
-              f"p90 {s['p90_ms']:.0f} ms, max {s['max_ms']:.0f} ms over {s['count']} canaries"
-              f"{f', {len(result.failures)} FAILED: {result.failures[:2]}' if result.failures else ''}; heavy: "
-              f"{traffic.ok} ok (p50 {percentile(traffic.latency_s, 50):.1f} s), {traffic.cancelled} cancelled, "
-              f"{traffic.num_errors} errors{f': {traffic.errors[:2]}' if traffic.errors else ''}; idle again after "
-              f"{idle_after:.1f} s", flush=True)
+        rows.append(
+            {
+                "name": load.name,
+                "what": load.what,
+                "path": load.path,
+                "canary": s,
+                "canary_latency_s": result.latency_s,
+                "canary_failures": result.failures,
+                "traffic": asdict(traffic) | {"latency_p50_s": percentile(traffic.latency_s, 50)},
+                "idle_after_cancel_s": idle_after,
+            }
+        )
+        print(
+            f"[{load.name}] canary p50 {s['p50_ms']:.0f} ms ({s['p50_ms'] / rows[0]['canary']['p50_ms']:.1f}x idle), "
+            f"p90 {s['p90_ms']:.0f} ms, max {s['max_ms']:.0f} ms over {s['count']} canaries"
+            f"{f', {len(result.failures)} FAILED: {result.failures[:2]}' if result.failures else ''}; heavy: "
+            f"{traffic.ok} ok (p50 {percentile(traffic.latency_s, 50):.1f} s), {traffic.cancelled} cancelled, "
+            f"{traffic.num_errors} errors{f': {traffic.errors[:2]}' if traffic.errors else ''}; idle again after "
+            f"{idle_after:.1f} s",
+            flush=True,
+        )
     refused = refusals(closing, model, sizes[f"chat_tokens_at_{LIMITS.max_chat_messages}_messages"], 3)
     return {"sizes": sizes, "keepalive_probe": keepalive, "loads": rows, "refusals": refused}
 
@@ -466,9 +567,21 @@ def main() -> None:
     started = time.perf_counter()
     loads = {"before": load_average()}
     port = free_port()
-    command = [str(VENV_BIN / "raypaged"), "serve", "--port", str(port), "--grpc-port", str(free_port()),
-               "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", str(args.num_blocks),
-               "--disable-log-requests", "--log-level", "warning"]
+    command = [
+        str(VENV_BIN / "raypaged"),
+        "serve",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--num-gpu-blocks-override",
+        str(args.num_blocks),
+        "--disable-log-requests",
+        "--log-level",
+        "warning",
+    ]
     if args.model:
         command[2:2] = ["--model", args.model]
     print(f"starting: {' '.join(command)}", flush=True)
@@ -482,12 +595,22 @@ def main() -> None:
         server.stop()
     loads["after"] = load_average()
     report = {
-        "workload": {"canary": CANARY, "clients": args.clients, "canaries_per_load": args.canaries,
-                     "window_s": args.window, "quick": args.quick, "max_model_len": MAX_MODEL_LEN,
-                     "num_gpu_blocks": args.num_blocks, "limits": asdict(LIMITS) | {
-                         "max_prompt_chars": MAX_PROMPT_CHARS,
-                         "max_prompts_per_request": DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                         "max_request_body_bytes": DEFAULT_MAX_BODY_BYTES}, "model": args.model or "default"},
+        "workload": {
+            "canary": CANARY,
+            "clients": args.clients,
+            "canaries_per_load": args.canaries,
+            "window_s": args.window,
+            "quick": args.quick,
+            "max_model_len": MAX_MODEL_LEN,
+            "num_gpu_blocks": args.num_blocks,
+            "limits": asdict(LIMITS)
+            | {
+                "max_prompt_chars": MAX_PROMPT_CHARS,
+                "max_prompts_per_request": DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                "max_request_body_bytes": DEFAULT_MAX_BODY_BYTES,
+            },
+            "model": args.model or "default",
+        },
         "server": {"command": command, "startup_s": startup_s, "peak_rss_mib": peak_rss_mib},
         "machine": machine_info(args.threads) | {"load_average": loads},
         "note": CONTENTION_NOTE,
@@ -497,8 +620,10 @@ def main() -> None:
     write_json("canary_latency", report)
     plot(report)
     print("\n" + markdown(report) + "\n")
-    print(f"load average before {loads['before']}, after {loads['after']} on {report['machine']['nproc']} CPUs — "
-          f"{CONTENTION_NOTE}")
+    print(
+        f"load average before {loads['before']}, after {loads['after']} on {report['machine']['nproc']} CPUs — "
+        f"{CONTENTION_NOTE}"
+    )
     print(f"wall time {report['wall_seconds']:.0f} s; wrote {RESULTS_DIR}/canary_latency.json and .png")
 
 

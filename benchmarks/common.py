@@ -20,8 +20,10 @@ from safetensors import safe_open
 MAX_TOKENS = 100
 PROMPT_LEN = (50, 200)
 RESULTS_DIR = Path(__file__).parent / "results"
-CONTENTION_NOTE = ("taken on a shared machine while other work (tests) may run: numbers under contention are "
-                   "indicative only; compare systems within one run, not across runs")
+CONTENTION_NOTE = (
+    "taken on a shared machine while other work (tests) may run: numbers under contention are "
+    "indicative only; compare systems within one run, not across runs"
+)
 
 Prompts = list[list[int]]
 
@@ -67,8 +69,13 @@ def count_parameters(model_dir: Path) -> int:
 def machine_info(threads: int) -> dict[str, str | int]:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
-    return {"cpu": model or platform.processor(), "nproc": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "threads": threads, "python": platform.python_version()}
+    return {
+        "cpu": model or platform.processor(),
+        "nproc": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "threads": threads,
+        "python": platform.python_version(),
+    }
 
 
 def load_average() -> list[float]:

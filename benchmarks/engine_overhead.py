@@ -36,8 +36,15 @@ from raypaged.sampling_params import RequestOutputKind, SamplingParams
 from raypaged.worker import model_runner as model_runner_module
 
 PHASES = ("schedule", "prepare", "model", "sample", "update", "output")
-TINY_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+TINY_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PROMPT_LEN = 16
 
@@ -94,19 +101,26 @@ class PhaseTimer:
 
 def make_engine(model_dir: Path, num_seqs: int, max_model_len: int) -> LLMEngine:
     blocks_per_seq = -(-max_model_len // 16)
-    return LLMEngine(EngineConfig(
-        model=str(model_dir), load_format="dummy", max_num_seqs=num_seqs, max_model_len=max_model_len,
-        max_num_batched_tokens=max(8192, num_seqs * PROMPT_LEN), num_gpu_blocks_override=num_seqs * blocks_per_seq + 8,
-        enable_prefix_caching=False,
-    ))
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            load_format="dummy",
+            max_num_seqs=num_seqs,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max(8192, num_seqs * PROMPT_LEN),
+            num_gpu_blocks_override=num_seqs * blocks_per_seq + 8,
+            enable_prefix_caching=False,
+        )
+    )
 
 
 def add_requests(engine: LLMEngine, num_seqs: int, max_tokens: int, stop: list[str]) -> None:
     generator = torch.Generator().manual_seed(0)
     for i in range(num_seqs):
         prompt = torch.randint(100, 40000, (PROMPT_LEN,), generator=generator).tolist()
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=stop,
-                                output_kind=RequestOutputKind.DELTA)  # what the servers ask for
+        params = SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=stop, output_kind=RequestOutputKind.DELTA
+        )  # what the servers ask for
         engine.add_request(None, params, request_id=f"r{i}", prompt_token_ids=prompt)
 
 
@@ -124,8 +138,13 @@ def decode_batch(model_dir: Path, num_seqs: int, steps: int, stop: list[str]) ->
     timer.active = False
     per_seq_step = {k: v / (steps * num_seqs) * 1e6 for k, v in timer.split().items()}
     host = sum(v for k, v in per_seq_step.items() if k != "model")
-    return {"num_seqs": num_seqs, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
-            "us_per_seq_step": per_seq_step, "host_us_per_seq_step": host}
+    return {
+        "num_seqs": num_seqs,
+        "steps": steps,
+        "wall_ms_per_step": wall / steps * 1e3,
+        "us_per_seq_step": per_seq_step,
+        "host_us_per_seq_step": host,
+    }
 
 
 def long_generation(model_dir: Path, num_seqs: int, num_tokens: int, window: int) -> dict:
@@ -140,9 +159,15 @@ def long_generation(model_dir: Path, num_seqs: int, num_tokens: int, window: int
         engine.step()
         per_step.append(timer.split()["output"] - before)
     first = statistics.mean(per_step[:window]) / num_seqs * 1e6
-    last = statistics.mean(per_step[-window - 1:-1]) / num_seqs * 1e6  # the final step flushes and ends all
-    return {"num_seqs": num_seqs, "num_tokens": num_tokens, "window": window,
-            "output_us_first": first, "output_us_last": last, "last_over_first": last / first}
+    last = statistics.mean(per_step[-window - 1 : -1]) / num_seqs * 1e6  # the final step flushes and ends all
+    return {
+        "num_seqs": num_seqs,
+        "num_tokens": num_tokens,
+        "window": window,
+        "output_us_first": first,
+        "output_us_last": last,
+        "last_over_first": last / first,
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -174,8 +199,12 @@ def main() -> None:
     batches = (1, 32, 256) if args.quick else (1, 32, 128, 256, 512)
     steps = args.steps or (30 if args.quick else 100)
     num_tokens = 1000 if args.quick else 4000
-    report: dict = {"machine": machine_info(args.threads), "load_average_start": load_average(),
-                    "note": CONTENTION_NOTE, "phases": PHASES}
+    report: dict = {
+        "machine": machine_info(args.threads),
+        "load_average_start": load_average(),
+        "note": CONTENTION_NOTE,
+        "phases": PHASES,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_model(Path(tmp))
         rows = []
@@ -183,13 +212,17 @@ def main() -> None:
             row = decode_batch(model_dir, num_seqs, steps, stop=[])
             rows.append(row)
             split = " ".join(f"{k}={v:.1f}" for k, v in row["us_per_seq_step"].items())
-            print(f"batch {num_seqs:4d}: host {row['host_us_per_seq_step']:6.1f} µs/seq-step ({split}); "
-                  f"{row['wall_ms_per_step']:.2f} ms/step")
+            print(
+                f"batch {num_seqs:4d}: host {row['host_us_per_seq_step']:6.1f} µs/seq-step ({split}); "
+                f"{row['wall_ms_per_step']:.2f} ms/step"
+            )
         stops = decode_batch(model_dir, 32, steps, stop=["never-matched stop", "another one"])
         print(f"batch 32 with two stop strings: output {stops['us_per_seq_step']['output']:.1f} µs/seq-step")
         long = long_generation(model_dir, 32, num_tokens, 100)
-        print(f"{num_tokens}-token generation at 32: output {long['output_us_first']:.1f} µs/seq-step over the first "
-              f"100 steps, {long['output_us_last']:.1f} over the last 100 ({long['last_over_first']:.2f}x)")
+        print(
+            f"{num_tokens}-token generation at 32: output {long['output_us_first']:.1f} µs/seq-step over the first "
+            f"100 steps, {long['output_us_last']:.1f} over the last 100 ({long['last_over_first']:.2f}x)"
+        )
     report.update(batches=rows, with_stop_strings=stops, long_generation=long, load_average_end=load_average())
     path = write_json("engine_overhead", report)
     plot(rows, path.with_suffix(".png"))

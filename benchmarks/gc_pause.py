@@ -54,9 +54,13 @@ def one_run(model_dir: Path, frozen: bool, num_seqs: int, num_tokens: int) -> di
     full = [seconds for generation, seconds in pauses if generation == 2]
     ordered = sorted(steps)
     return {
-        "frozen": frozen, "steps": len(steps), "median_step_ms": statistics.median(steps) * 1e3,
-        "p99_step_ms": ordered[int(0.99 * (len(ordered) - 1))] * 1e3, "max_step_ms": ordered[-1] * 1e3,
-        "collections": len(pauses), "full_collections": len(full),
+        "frozen": frozen,
+        "steps": len(steps),
+        "median_step_ms": statistics.median(steps) * 1e3,
+        "p99_step_ms": ordered[int(0.99 * (len(ordered) - 1))] * 1e3,
+        "max_step_ms": ordered[-1] * 1e3,
+        "collections": len(pauses),
+        "full_collections": len(full),
         "longest_full_collection_ms": max(full, default=0.0) * 1e3,
         "all_collections_ms": sum(seconds for _, seconds in pauses) * 1e3,
     }
@@ -72,14 +76,26 @@ def main() -> None:
     model_dir = tiny_model(Path(tempfile.mkdtemp()))
     load_before = load_average()
     rows = [one_run(model_dir, frozen, args.seqs, args.tokens) for _ in range(args.runs) for frozen in (False, True)]
-    print("| heap | steps | median step ms | p99 step ms | longest step ms | collections (full) | longest full "
-          "collection ms | all collections ms |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| heap | steps | median step ms | p99 step ms | longest step ms | collections (full) | longest full "
+        "collection ms | all collections ms |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for row in rows:
-        print(f"| {'frozen' if row['frozen'] else 'thawed'} | {row['steps']} | {row['median_step_ms']:.1f} | "
-              f"{row['p99_step_ms']:.1f} | {row['max_step_ms']:.1f} | {row['collections']} ({row['full_collections']}) "
-              f"| {row['longest_full_collection_ms']:.1f} | {row['all_collections_ms']:.1f} |")
-    path = write_json("gc_pause", {"machine": machine_info(1), "load_average": [load_before, load_average()],
-                                   "num_seqs": args.seqs, "num_tokens": args.tokens, "runs": rows})
+        print(
+            f"| {'frozen' if row['frozen'] else 'thawed'} | {row['steps']} | {row['median_step_ms']:.1f} | "
+            f"{row['p99_step_ms']:.1f} | {row['max_step_ms']:.1f} | {row['collections']} ({row['full_collections']}) "
+            f"| {row['longest_full_collection_ms']:.1f} | {row['all_collections_ms']:.1f} |"
+        )
+    path = write_json(
+        "gc_pause",
+        {
+            "machine": machine_info(1),
+            "load_average": [load_before, load_average()],
+            "num_seqs": args.seqs,
+            "num_tokens": args.tokens,
+            "runs": rows,
+        },
+    )
     print(f"wrote {path}")
 
 

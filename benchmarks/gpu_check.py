@@ -93,19 +93,31 @@ def decode_vs_floor(bandwidth: float) -> dict:
         rows[name] = dict(ms=seconds * 1e3, floor_ms=floor_s * 1e3, of_floor=floor_s / seconds)
     # the kernel's compile-time knobs, on the one instantiation used here; each checked against torch
     few = slice(0, 16)
-    reference = torch_ops.paged_attention_decode(query[few], key_cache, value_cache, block_tables[few],
-                                                 context_lens[few], HEAD_SIZE**-0.5).float()
+    reference = torch_ops.paged_attention_decode(
+        query[few], key_cache, value_cache, block_tables[few], context_lens[few], HEAD_SIZE**-0.5
+    ).float()
     tuning = {}
     for unroll in (4, 8, 16):
         for min_blocks in (2, 4):
             defines = ("RP_TUNING_F16_128_ONLY", f"RP_ROWS_UNROLL={unroll}", f"RP_MIN_BLOCKS={min_blocks}")
             name = f"rows_unroll={unroll}, min_blocks={min_blocks}"
             try:
-                out = kernels.paged_attention_decode(query[few], key_cache, value_cache, block_tables[few],
-                                                     context_lens[few], HEAD_SIZE**-0.5, None, defines)
+                out = kernels.paged_attention_decode(
+                    query[few],
+                    key_cache,
+                    value_cache,
+                    block_tables[few],
+                    context_lens[few],
+                    HEAD_SIZE**-0.5,
+                    None,
+                    defines,
+                )
                 error = ((out.float() - reference).abs().max() / reference.abs().max()).item()
-                seconds = seconds_per_call(lambda defines=defines: kernels.paged_attention_decode(
-                    query, key_cache, value_cache, block_tables, context_lens, HEAD_SIZE**-0.5, None, defines))
+                seconds = seconds_per_call(
+                    lambda defines=defines: kernels.paged_attention_decode(
+                        query, key_cache, value_cache, block_tables, context_lens, HEAD_SIZE**-0.5, None, defines
+                    )
+                )
                 tuning[name] = dict(ms=seconds * 1e3, of_floor=floor_s / seconds, rel_error=error)
             except Exception as err:  # a variant that fails to build or run is reported, not fatal
                 tuning[name] = dict(error=f"{type(err).__name__}: {err}")
@@ -121,11 +133,17 @@ def prefill_gather_share(query_len: int = 512) -> dict:
     query = torch.randn(query_len, NUM_HEADS, HEAD_SIZE, dtype=torch.float16, device="cuda")
     keys = kernels.gather_blocks(key_cache, block_ids[None])[0]
     values = kernels.gather_blocks(value_cache, block_ids[None])[0]
-    gather_s = seconds_per_call(lambda: (kernels.gather_blocks(key_cache, block_ids[None]),
-                                         kernels.gather_blocks(value_cache, block_ids[None])))
+    gather_s = seconds_per_call(
+        lambda: (kernels.gather_blocks(key_cache, block_ids[None]), kernels.gather_blocks(value_cache, block_ids[None]))
+    )
     sdpa_s = seconds_per_call(lambda: prefill_attention(query, keys, values, HEAD_SIZE**-0.5))
-    return dict(query_len=query_len, context_len=CONTEXT, gather_ms=gather_s * 1e3, sdpa_ms=sdpa_s * 1e3,
-                gather_share=gather_s / (gather_s + sdpa_s))
+    return dict(
+        query_len=query_len,
+        context_len=CONTEXT,
+        gather_ms=gather_s * 1e3,
+        sdpa_ms=sdpa_s * 1e3,
+        gather_share=gather_s / (gather_s + sdpa_s),
+    )
 
 
 def varlen_prefill(query_len: int = 512) -> dict:
@@ -145,7 +163,7 @@ def varlen_prefill(query_len: int = 512) -> dict:
     key_cache = torch.randn(shape, dtype=torch.float16, device="cuda")
     value_cache = torch.randn(shape, dtype=torch.float16, device="cuda")
     ids = torch.randperm(num_blocks, device="cuda")
-    block_ids = ids[:CONTEXT // BLOCK_SIZE]
+    block_ids = ids[: CONTEXT // BLOCK_SIZE]
     query = torch.randn(query_len, NUM_HEADS, HEAD_SIZE, dtype=torch.float16, device="cuda")
     keys = kernels.gather_blocks(key_cache, block_ids[None])[0]
     values = kernels.gather_blocks(value_cache, block_ids[None])[0]
@@ -153,17 +171,22 @@ def varlen_prefill(query_len: int = 512) -> dict:
     lens = torch.tensor([CONTEXT], dtype=torch.int32, device="cuda")
 
     def varlen(tensor_cores=None):
-        return kernels.paged_prefill_attention(query, key_cache, value_cache, cu, lens, block_ids[None], scale,
-                                               query_len, tensor_cores=tensor_cores)
+        return kernels.paged_prefill_attention(
+            query, key_cache, value_cache, cu, lens, block_ids[None], scale, query_len, tensor_cores=tensor_cores
+        )
 
     reference = prefill_attention(query.float(), keys.float(), values.float(), scale)
-    errors = {name: ((out.float() - reference).abs().max() / reference.abs().max()).item()
-              for name, out in (("varlen", varlen()), ("varlen_fma", varlen(False)))}
+    errors = {
+        name: ((out.float() - reference).abs().max() / reference.abs().max()).item()
+        for name, out in (("varlen", varlen()), ("varlen_fma", varlen(False)))
+    }
     single = dict(
         varlen_ms=seconds_per_call(varlen) * 1e3,
         varlen_fma_ms=seconds_per_call(lambda: varlen(False), iters=3, warmup=1) * 1e3,
         gather_sdpa_ms=seconds_per_call(
-            lambda: kernels.paged_attention_prefill(query, key_cache, value_cache, block_ids, CONTEXT, scale)) * 1e3,
+            lambda: kernels.paged_attention_prefill(query, key_cache, value_cache, block_ids, CONTEXT, scale)
+        )
+        * 1e3,
         contiguous_sdpa_ms=seconds_per_call(lambda: prefill_attention(query, keys, values, scale)) * 1e3,
         rel_error=errors,
     )
@@ -172,24 +195,39 @@ def varlen_prefill(query_len: int = 512) -> dict:
     spans, prefills, start, used = [(512, 2048), (300, 300), (64, 1000), (128, 128)], [], 0, 0
     for q, c in spans:
         n = -(-c // BLOCK_SIZE)
-        prefills.append(PrefillSpan(start, q, c, ids[used:used + n]))
+        prefills.append(PrefillSpan(start, q, c, ids[used : used + n]))
         start, used = start + q, used + n
-    slots = torch.cat([p.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for p in prefills
-                       for pos in [torch.arange(p.context_len - p.query_len, p.context_len, device="cuda")]])
-    meta = AttentionMetadata(slots, 0, torch.zeros((0, 1), dtype=torch.long, device="cuda"),
-                             torch.zeros(0, dtype=torch.long, device="cuda"), prefills)
+    slots = torch.cat(
+        [
+            p.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+            for p in prefills
+            for pos in [torch.arange(p.context_len - p.query_len, p.context_len, device="cuda")]
+        ]
+    )
+    meta = AttentionMetadata(
+        slots,
+        0,
+        torch.zeros((0, 1), dtype=torch.long, device="cuda"),
+        torch.zeros(0, dtype=torch.long, device="cuda"),
+        prefills,
+    )
     step_q = torch.randn(start, NUM_HEADS, HEAD_SIZE, dtype=torch.float16, device="cuda")
     step_k, step_v = torch.randn_like(step_q), torch.randn_like(step_q)
     one_call = cuda_backend()
     per_span = dataclasses.replace(one_call, varlen_prefill=None)
-    outs = [backend.forward(step_q, step_k, step_v, key_cache, value_cache, meta, scale)
-            for backend in (one_call, per_span)]
+    outs = [
+        backend.forward(step_q, step_k, step_v, key_cache, value_cache, meta, scale) for backend in (one_call, per_span)
+    ]
     step = dict(
         spans=spans,
-        varlen_ms=seconds_per_call(lambda: one_call.forward(step_q, step_k, step_v, key_cache, value_cache, meta,
-                                                            scale)) * 1e3,
-        per_span_ms=seconds_per_call(lambda: per_span.forward(step_q, step_k, step_v, key_cache, value_cache, meta,
-                                                              scale)) * 1e3,
+        varlen_ms=seconds_per_call(
+            lambda: one_call.forward(step_q, step_k, step_v, key_cache, value_cache, meta, scale)
+        )
+        * 1e3,
+        per_span_ms=seconds_per_call(
+            lambda: per_span.forward(step_q, step_k, step_v, key_cache, value_cache, meta, scale)
+        )
+        * 1e3,
         rel_difference=((outs[0].float() - outs[1].float()).abs().max() / outs[1].float().abs().max()).item(),
     )
     return dict(query_len=query_len, context_len=CONTEXT, single_span=single, mixed_step=step)
@@ -210,11 +248,21 @@ def lora_kernels(num_tokens: int = 256, num_slots: int = 4, rank: int = 16, hidd
     token_ids = torch.arange(num_tokens, device="cuda")
     slot_of = torch.tensor(token_slots, device="cuda")
     torch_s = seconds_per_call(lambda: add_lora(y, x, lora_a, lora_b, mapping), iters=50)
-    kernel_s = seconds_per_call(lambda: lora_bgmv_expand(y, lora_bgmv_shrink(x, lora_a, token_ids, slot_of), lora_b,
-                                                         token_ids, slot_of), iters=50)
+    kernel_s = seconds_per_call(
+        lambda: lora_bgmv_expand(y, lora_bgmv_shrink(x, lora_a, token_ids, slot_of), lora_b, token_ids, slot_of),
+        iters=50,
+    )
     weight_bytes = 2 * num_tokens * rank * hidden * 2  # A and B rows read per token, fp16
-    return dict(num_tokens=num_tokens, num_slots=num_slots, rank=rank, hidden=hidden, torch_ms=torch_s * 1e3,
-                kernel_ms=kernel_s * 1e3, kernel_over_torch=torch_s / kernel_s, weight_bytes=weight_bytes)
+    return dict(
+        num_tokens=num_tokens,
+        num_slots=num_slots,
+        rank=rank,
+        hidden=hidden,
+        torch_ms=torch_s * 1e3,
+        kernel_ms=kernel_s * 1e3,
+        kernel_over_torch=torch_s / kernel_s,
+        weight_bytes=weight_bytes,
+    )
 
 
 def fused_kernels_vs_floor(bandwidth: float, tokens: int = 8192) -> dict:
@@ -234,7 +282,7 @@ def fused_kernels_vs_floor(bandwidth: float, tokens: int = 8192) -> dict:
     weight = torch.rand(hidden, dtype=dtype, device="cuda") + 0.5
     gate_up = torch.randn(tokens, 2 * d, dtype=dtype, device="cuda")
     qkv = torch.randn(tokens, 3 * heads, head_dim, dtype=dtype, device="cuda")
-    q, k, v = qkv[:, :heads], qkv[:, heads:2 * heads], qkv[:, 2 * heads:]
+    q, k, v = qkv[:, :heads], qkv[:, heads : 2 * heads], qkv[:, 2 * heads :]
     config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, rope_theta=10000.0)
     rotary = layers.RotaryEmbedding(config, head_dim, 4096).to(device="cuda", dtype=dtype)
     positions = torch.randint(0, 4096, (tokens,), device="cuda")
@@ -258,7 +306,7 @@ def fused_kernels_vs_floor(bandwidth: float, tokens: int = 8192) -> dict:
 
     def rotate_and_cache(fn):
         buffer, caches = qkv.clone(), (torch.zeros_like(key_cache), torch.zeros_like(value_cache))
-        fn(buffer[:, :heads], buffer[:, heads:2 * heads], buffer[:, 2 * heads:], *caches)
+        fn(buffer[:, :heads], buffer[:, heads : 2 * heads], buffer[:, 2 * heads :], *caches)
         return buffer, caches[0]
 
     def torch_rotary(q_, k_, v_, kc, vc):
@@ -270,21 +318,37 @@ def fused_kernels_vs_floor(bandwidth: float, tokens: int = 8192) -> dict:
 
     rotary_bytes = tokens * ((2 * heads + 5 * heads) * head_dim + head_dim) * size  # q, k rw; v r; k, v cached; cos/sin
     cases = {
-        "rms_norm": (lambda: kernels.rms_norm(x, weight, 1e-6), lambda: layers.rms_norm(x, weight, 1e-6),
-                     2 * tokens * hidden * size,
-                     lambda: deviation(kernels.rms_norm(x, weight, 1e-6), layers.rms_norm(x, weight, 1e-6))),
-        "fused_add_rms_norm": (lambda: kernels.fused_add_rms_norm(x, residual, weight, 1e-6),
-                               lambda: layers.add_rms_norm(x, residual, weight, 1e-6), 4 * tokens * hidden * size,
-                               lambda: max(deviation(f, t) for f, t in zip(
-                                   add_norm(lambda a, b: kernels.fused_add_rms_norm(a, b, weight, 1e-6)),
-                                   add_norm(torch_add_norm)))),
-        "silu_and_mul": (lambda: kernels.silu_and_mul(gate_up), lambda: layers.silu_and_mul(gate_up),
-                         3 * tokens * d * size,
-                         lambda: deviation(kernels.silu_and_mul(gate_up), layers.silu_and_mul(gate_up))),
-        "rotary_and_cache": (lambda: fused_rotary(q, k, v, key_cache, value_cache),
-                             lambda: torch_rotary(q, k, v, key_cache, value_cache), rotary_bytes,
-                             lambda: max(deviation(f, t) for f, t in zip(rotate_and_cache(fused_rotary),
-                                                                         rotate_and_cache(torch_rotary)))),
+        "rms_norm": (
+            lambda: kernels.rms_norm(x, weight, 1e-6),
+            lambda: layers.rms_norm(x, weight, 1e-6),
+            2 * tokens * hidden * size,
+            lambda: deviation(kernels.rms_norm(x, weight, 1e-6), layers.rms_norm(x, weight, 1e-6)),
+        ),
+        "fused_add_rms_norm": (
+            lambda: kernels.fused_add_rms_norm(x, residual, weight, 1e-6),
+            lambda: layers.add_rms_norm(x, residual, weight, 1e-6),
+            4 * tokens * hidden * size,
+            lambda: max(
+                deviation(f, t)
+                for f, t in zip(
+                    add_norm(lambda a, b: kernels.fused_add_rms_norm(a, b, weight, 1e-6)), add_norm(torch_add_norm)
+                )
+            ),
+        ),
+        "silu_and_mul": (
+            lambda: kernels.silu_and_mul(gate_up),
+            lambda: layers.silu_and_mul(gate_up),
+            3 * tokens * d * size,
+            lambda: deviation(kernels.silu_and_mul(gate_up), layers.silu_and_mul(gate_up)),
+        ),
+        "rotary_and_cache": (
+            lambda: fused_rotary(q, k, v, key_cache, value_cache),
+            lambda: torch_rotary(q, k, v, key_cache, value_cache),
+            rotary_bytes,
+            lambda: max(
+                deviation(f, t) for f, t in zip(rotate_and_cache(fused_rotary), rotate_and_cache(torch_rotary))
+            ),
+        ),
     }
     rows = {}
     for name, (kernel, reference, num_bytes, check) in cases.items():
@@ -293,21 +357,32 @@ def fused_kernels_vs_floor(bandwidth: float, tokens: int = 8192) -> dict:
             kernel_s = seconds_per_call(kernel, iters=20)
             torch_s = seconds_per_call(reference, iters=20)
             floor_s = num_bytes / bandwidth
-            rows[name] = dict(bytes=num_bytes, ms=kernel_s * 1e3, torch_ms=torch_s * 1e3, floor_ms=floor_s * 1e3,
-                              of_floor=floor_s / kernel_s, over_torch=torch_s / kernel_s, rel_error=error,
-                              meets_target=floor_s / kernel_s >= FUSED_FLOOR_TARGET)
+            rows[name] = dict(
+                bytes=num_bytes,
+                ms=kernel_s * 1e3,
+                torch_ms=torch_s * 1e3,
+                floor_ms=floor_s * 1e3,
+                of_floor=floor_s / kernel_s,
+                over_torch=torch_s / kernel_s,
+                rel_error=error,
+                meets_target=floor_s / kernel_s >= FUSED_FLOOR_TARGET,
+            )
         except Exception as err:  # one failing kernel is reported, not fatal
             rows[name] = dict(error=f"{type(err).__name__}: {err}")
-    print(f"\nfused kernels, {tokens} tokens, Llama-2-7B shapes, fp16 (floor: bytes / copy bandwidth; "
-          f"target >= {FUSED_FLOOR_TARGET:.0%}):\n"
-          "| kernel | ms | torch ms | floor ms | of floor | vs torch | rel. error |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        f"\nfused kernels, {tokens} tokens, Llama-2-7B shapes, fp16 (floor: bytes / copy bandwidth; "
+        f"target >= {FUSED_FLOOR_TARGET:.0%}):\n"
+        "| kernel | ms | torch ms | floor ms | of floor | vs torch | rel. error |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for name, row in rows.items():
         if "error" in row:
             print(f"| {name} | {row['error']} | | | | | |")
         else:
-            print(f"| {name} | {row['ms']:.3f} | {row['torch_ms']:.3f} | {row['floor_ms']:.3f} | {row['of_floor']:.0%} "
-                  f"| {row['over_torch']:.2f}x | {row['rel_error']:.1e} |")
+            print(
+                f"| {name} | {row['ms']:.3f} | {row['torch_ms']:.3f} | {row['floor_ms']:.3f} | {row['of_floor']:.0%} "
+                f"| {row['over_torch']:.2f}x | {row['rel_error']:.1e} |"
+            )
     return dict(tokens=tokens, hidden=hidden, intermediate=d, heads=heads, head_dim=head_dim, kernels=rows)
 
 
@@ -316,21 +391,39 @@ def w1_workload(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(50, 200))] for _ in range(num_requests)]
 
 
-def raypaged_w1(model_dir: Path, concurrencies: list[int], requests_per_level, enforce_eager: bool,
-                device: str = "cuda", async_scheduling: bool | None = None) -> dict:
+def raypaged_w1(
+    model_dir: Path,
+    concurrencies: list[int],
+    requests_per_level,
+    enforce_eager: bool,
+    device: str = "cuda",
+    async_scheduling: bool | None = None,
+) -> dict:
     """Generated tokens/s of the engine, closed loop: a finished request is replaced at once.
     ``async_scheduling`` None: the engine's default (on on CUDA)."""
     from raypaged import LLM, SamplingParams
 
     started = time.monotonic()
-    llm = LLM(str(model_dir), load_format="dummy", dtype="float16" if device == "cuda" else "float32", device=device,
-              gpu_memory_utilization=0.5, max_model_len=4096, enforce_eager=enforce_eager,
-              kv_cache_space=None if device == "cuda" else 0.5, async_scheduling=async_scheduling)
+    llm = LLM(
+        str(model_dir),
+        load_format="dummy",
+        dtype="float16" if device == "cuda" else "float32",
+        device=device,
+        gpu_memory_utilization=0.5,
+        max_model_len=4096,
+        enforce_eager=enforce_eager,
+        kv_cache_space=None if device == "cuda" else 0.5,
+        async_scheduling=async_scheduling,
+    )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     engine = llm.llm_engine
     stats = engine.stats()
-    result: dict = dict(startup_s=time.monotonic() - started, kv_blocks=stats["num_gpu_blocks_total"], levels={},
-                        async_scheduling=engine.config.resolved_async_scheduling)
+    result: dict = dict(
+        startup_s=time.monotonic() - started,
+        kv_blocks=stats["num_gpu_blocks_total"],
+        levels={},
+        async_scheduling=engine.config.resolved_async_scheduling,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     vocab = engine.config.hf_config.vocab_size
     warm = w1_workload(8, vocab, seed=99)
@@ -364,16 +457,23 @@ def raypaged_w1(model_dir: Path, concurrencies: list[int], requests_per_level, e
         elapsed = time.perf_counter() - t0
         latencies.sort()
         result["levels"][concurrency] = dict(
-            requests=len(prompts), generated_tokens=generated, seconds=elapsed, tokens_per_s=generated / elapsed,
-            steps=steps, ms_per_step=1e3 * elapsed / steps, p50_latency_s=latencies[len(latencies) // 2],
+            requests=len(prompts),
+            generated_tokens=generated,
+            seconds=elapsed,
+            tokens_per_s=generated / elapsed,
+            steps=steps,
+            ms_per_step=1e3 * elapsed / steps,
+            p50_latency_s=latencies[len(latencies) // 2],
             p99_latency_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             piecewise_steps=pieces.replays - replays_before if pieces is not None else None,
         )
         mode = f"{'eager' if enforce_eager else 'CUDA graphs'}, async scheduling {result['async_scheduling']}"
         piecewise = f", {pieces.replays - replays_before} mixed steps on piecewise graphs" if pieces is not None else ""
-        print(f"  raypaged ({mode}) concurrency {concurrency}: "
-              f"{generated / elapsed:,.0f} tok/s, {1e3 * elapsed / steps:.1f} ms/step over {steps} steps{piecewise}",
-              flush=True)
+        print(
+            f"  raypaged ({mode}) concurrency {concurrency}: "
+            f"{generated / elapsed:,.0f} tok/s, {1e3 * elapsed / steps:.1f} ms/step over {steps} steps{piecewise}",
+            flush=True,
+        )
     result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / (1 << 30) if device == "cuda" else None
     result["preemptions"] = engine.stats()["num_preemptions"]
     del llm, engine
@@ -413,13 +513,20 @@ def transformers_w1(model_dir: Path, concurrencies: list[int], requests_per_leve
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for start in range(0, len(prompts), concurrency):
-            batch = prompts[start:start + concurrency]
+            batch = prompts[start : start + concurrency]
             width = max(map(len, batch))
             ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
             with torch.inference_mode():
-                out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=100,
-                                     min_new_tokens=100, eos_token_id=None, pad_token_id=0)
+                out = model.generate(
+                    ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=100,
+                    min_new_tokens=100,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
             generated += (out.shape[1] - width) * len(batch)
         elapsed = time.perf_counter() - t0
         result[concurrency] = dict(generated_tokens=generated, seconds=elapsed, tokens_per_s=generated / elapsed)
@@ -439,13 +546,18 @@ def end_to_end(concurrencies: list[int]) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_synthetic_model(Path(tmp) / "llama2-7b-shape")
-        out = dict(model="Llama-2-7B shape, random fp16 weights", concurrencies=concurrencies,
-                   requests_per_level="4 x concurrency")
+        out = dict(
+            model="Llama-2-7B shape, random fp16 weights",
+            concurrencies=concurrencies,
+            requests_per_level="4 x concurrency",
+        )
         for key, fn in (
             ("raypaged", lambda: raypaged_w1(model_dir, concurrencies, requests_per_level, enforce_eager=False)),
             ("raypaged_eager", lambda: raypaged_w1(model_dir, concurrencies[-1:], requests_per_level, True)),
-            ("raypaged_no_async", lambda: raypaged_w1(model_dir, concurrencies, requests_per_level, False,
-                                                      async_scheduling=False)),
+            (
+                "raypaged_no_async",
+                lambda: raypaged_w1(model_dir, concurrencies, requests_per_level, False, async_scheduling=False),
+            ),
             ("transformers", lambda: transformers_w1(model_dir, concurrencies, requests_per_level)),
         ):
             try:
@@ -472,8 +584,12 @@ def main() -> int:
     started = time.monotonic()
     print(f"device: {torch.cuda.get_device_name()}")
     # off by default until verified here
-    for name in ("RAYPAGED_FUSED_KERNELS", "RAYPAGED_VARLEN_PREFILL", "RAYPAGED_PIECEWISE_GRAPHS",
-                 "RAYPAGED_LORA_KERNELS"):
+    for name in (
+        "RAYPAGED_FUSED_KERNELS",
+        "RAYPAGED_VARLEN_PREFILL",
+        "RAYPAGED_PIECEWISE_GRAPHS",
+        "RAYPAGED_LORA_KERNELS",
+    ):
         os.environ.setdefault(name, "1")
         print(f"{name}={os.environ[name]}")
     tests_passed = True if args.skip_tests else run_gpu_tests()
@@ -481,13 +597,17 @@ def main() -> int:
 
     bandwidth = copy_bandwidth()
     decode = decode_vs_floor(bandwidth)
-    print(f"\ndecode, batch {BATCH} x context {CONTEXT}, {NUM_HEADS} heads x {HEAD_SIZE}, fp16, block {BLOCK_SIZE}: "
-          f"K/V {decode['kv_bytes'] / 1e9:.2f} GB, copy bandwidth {decode['copy_bandwidth_gbs']:.0f} GB/s")
+    print(
+        f"\ndecode, batch {BATCH} x context {CONTEXT}, {NUM_HEADS} heads x {HEAD_SIZE}, fp16, block {BLOCK_SIZE}: "
+        f"K/V {decode['kv_bytes'] / 1e9:.2f} GB, copy bandwidth {decode['copy_bandwidth_gbs']:.0f} GB/s"
+    )
     print("| kernel | ms | memory floor ms | of floor |\n|---|---|---|---|")
     for name, row in decode["kernels"].items():
         print(f"| {name} | {row['ms']:.3f} | {row['floor_ms']:.3f} | {row['of_floor']:.0%} |")
-    print("\ncompile-time knobs (f16, head 128, v1 as chosen for this batch):\n| knobs | ms | of floor | rel. error |\n"
-          "|---|---|---|---|")
+    print(
+        "\ncompile-time knobs (f16, head 128, v1 as chosen for this batch):\n| knobs | ms | of floor | rel. error |\n"
+        "|---|---|---|---|"
+    )
     for name, row in decode["tuning"].items():
         if "error" in row:
             print(f"| {name} | {row['error']} | | |")
@@ -497,29 +617,46 @@ def main() -> int:
     print(f"decode at >= {FLOOR_TARGET:.0%} of the floor: {'PASS' if decode_ok else 'FAIL'}")
 
     prefill = prefill_gather_share()
-    print(f"\nprefill {prefill['query_len']} tokens over {prefill['context_len']}: "
-          f"gather {prefill['gather_ms']:.3f} ms, "
-          f"SDPA {prefill['sdpa_ms']:.3f} ms, gather share {prefill['gather_share']:.0%}")
+    print(
+        f"\nprefill {prefill['query_len']} tokens over {prefill['context_len']}: "
+        f"gather {prefill['gather_ms']:.3f} ms, "
+        f"SDPA {prefill['sdpa_ms']:.3f} ms, gather share {prefill['gather_share']:.0%}"
+    )
     varlen = varlen_prefill()
     one, mixed = varlen["single_span"], varlen["mixed_step"]
-    print(f"varlen prefill kernel, same shape: {one['varlen_ms']:.3f} ms (fp32-FMA kernel {one['varlen_fma_ms']:.3f}) "
-          f"against gather + SDPA {one['gather_sdpa_ms']:.3f} ms and SDPA on contiguous K/V "
-          f"{one['contiguous_sdpa_ms']:.3f} ms; rel. error {one['rel_error']}\n"
-          f"  a step of spans {mixed['spans']}: one call {mixed['varlen_ms']:.3f} ms, per-span loop "
-          f"{mixed['per_span_ms']:.3f} ms (rel. difference {mixed['rel_difference']:.1e})")
+    print(
+        f"varlen prefill kernel, same shape: {one['varlen_ms']:.3f} ms (fp32-FMA kernel {one['varlen_fma_ms']:.3f}) "
+        f"against gather + SDPA {one['gather_sdpa_ms']:.3f} ms and SDPA on contiguous K/V "
+        f"{one['contiguous_sdpa_ms']:.3f} ms; rel. error {one['rel_error']}\n"
+        f"  a step of spans {mixed['spans']}: one call {mixed['varlen_ms']:.3f} ms, per-span loop "
+        f"{mixed['per_span_ms']:.3f} ms (rel. difference {mixed['rel_difference']:.1e})"
+    )
     lora = lora_kernels()
-    print(f"\nLoRA product, {lora['num_tokens']} tokens over {lora['num_slots']} slots, rank {lora['rank']}, "
-          f"{lora['hidden']} x {lora['hidden']} fp16: torch path {lora['torch_ms']:.3f} ms, lora_bgmv "
-          f"{lora['kernel_ms']:.3f} ms ({lora['kernel_over_torch']:.2f}x)")
+    print(
+        f"\nLoRA product, {lora['num_tokens']} tokens over {lora['num_slots']} slots, rank {lora['rank']}, "
+        f"{lora['hidden']} x {lora['hidden']} fp16: torch path {lora['torch_ms']:.3f} ms, lora_bgmv "
+        f"{lora['kernel_ms']:.3f} ms ({lora['kernel_over_torch']:.2f}x)"
+    )
     fused = fused_kernels_vs_floor(bandwidth)
     print("\nW1 end to end, Llama-2-7B shape, random fp16 weights:", flush=True)
     e2e = end_to_end([int(c) for c in args.concurrency.split(",")])
     print_w1_table(e2e)
     print(f"\ngpu_check finished in {time.monotonic() - started:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps(dict(tests_passed=tests_passed, decode=decode, prefill=prefill,
-                                             varlen_prefill=varlen, lora=lora, fused=fused, end_to_end=e2e),
-                                        indent=2))
+        args.json.write_text(
+            json.dumps(
+                dict(
+                    tests_passed=tests_passed,
+                    decode=decode,
+                    prefill=prefill,
+                    varlen_prefill=varlen,
+                    lora=lora,
+                    fused=fused,
+                    end_to_end=e2e,
+                ),
+                indent=2,
+            )
+        )
     return 0 if tests_passed and decode_ok and "error" not in e2e["raypaged"] else 1
 
 
@@ -532,16 +669,24 @@ def print_w1_table(e2e: dict) -> None:
     print("|---|---|---|---|---|---|")
     for concurrency, row in ours["levels"].items():
         peer = theirs[concurrency]["tokens_per_s"]
-        print(f"| {concurrency} | {row['tokens_per_s']:,.0f} | {row['ms_per_step']:.1f} | "
-              f"{row['p50_latency_s']:.2f} / {row['p99_latency_s']:.2f} | {peer:,.0f} | "
-              f"{row['tokens_per_s'] / peer:.2f}x |")
-    print(f"startup {ours['startup_s']:.0f} s, {ours['kv_blocks']} KV blocks, peak {ours['peak_memory_gib']:.1f} GiB, "
-          f"preemptions {ours['preemptions']}")
+        print(
+            f"| {concurrency} | {row['tokens_per_s']:,.0f} | {row['ms_per_step']:.1f} | "
+            f"{row['p50_latency_s']:.2f} / {row['p99_latency_s']:.2f} | {peer:,.0f} | "
+            f"{row['tokens_per_s'] / peer:.2f}x |"
+        )
+    print(
+        f"startup {ours['startup_s']:.0f} s, {ours['kv_blocks']} KV blocks, peak {ours['peak_memory_gib']:.1f} GiB, "
+        f"preemptions {ours['preemptions']}"
+    )
     sync = e2e.get("raypaged_no_async", {})
     if "levels" in sync:
-        print("async scheduling on / off: " + ", ".join(
-            f"{c}: {row['tokens_per_s'] / sync['levels'][c]['tokens_per_s']:.2f}x"
-            for c, row in ours["levels"].items()))
+        print(
+            "async scheduling on / off: "
+            + ", ".join(
+                f"{c}: {row['tokens_per_s'] / sync['levels'][c]['tokens_per_s']:.2f}x"
+                for c, row in ours["levels"].items()
+            )
+        )
 
 
 if __name__ == "__main__":

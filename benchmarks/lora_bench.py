@@ -73,9 +73,16 @@ def peft_round(model_dir: Path, adapters: list[LoRARequest], prompts: list[list[
     options = {"adapter_names": names} if names else {}
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                             max_new_tokens=max_tokens, min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0,
-                             **options)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+            **options,
+        )
     seconds = time.perf_counter() - start
     assert out.shape == (len(prompts), width + max_tokens)
     return len(prompts) * max_tokens / seconds
@@ -85,8 +92,10 @@ def plot(report: dict, path: Path) -> None:
     """Tokens/s by adapters in the batch: raypaged beside peft's mixed batch where it ran."""
     plt = pyplot()
     settings = list(report["settings"])
-    labels = ["base" if key == "0" else f"{key}" + (f" over {MAX_LORAS} slots" if int(key) > MAX_LORAS else "")
-              for key in settings]
+    labels = [
+        "base" if key == "0" else f"{key}" + (f" over {MAX_LORAS} slots" if int(key) > MAX_LORAS else "")
+        for key in settings
+    ]
     ours = [report["settings"][key]["tokens_per_s"] for key in settings]
     peft = [report["settings"][key].get("peft_tokens_per_s") for key in settings]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -101,8 +110,10 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xticks(list(xs), labels)
     ax.set_xlabel("adapters in the batch")
     ax.set_ylabel("generated tokens/s")
-    ax.set_title(f"SmolLM2-135M fp32, {report['requests']} requests x {report['max_tokens']} tokens, "
-                 f"{report['machine']['cpu']}", fontsize=9)
+    ax.set_title(
+        f"SmolLM2-135M fp32, {report['requests']} requests x {report['max_tokens']} tokens, {report['machine']['cpu']}",
+        fontsize=9,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -124,17 +135,42 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 2)
     model_dir = default_model_dir()
     prompts = build_prompts(model_dir, num_requests, seed=0)
-    report: dict = {"machine": machine_info(args.threads), "load_average_start": load_average(),
-                    "note": CONTENTION_NOTE, "model": model_dir.name, "requests": num_requests,
-                    "max_tokens": max_tokens, "rounds": rounds, "max_loras": MAX_LORAS, "settings": {}}
+    report: dict = {
+        "machine": machine_info(args.threads),
+        "load_average_start": load_average(),
+        "note": CONTENTION_NOTE,
+        "model": model_dir.name,
+        "requests": num_requests,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "max_loras": MAX_LORAS,
+        "settings": {},
+    }
     with tempfile.TemporaryDirectory() as root:
-        adapters = [LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(
-            model_dir, Path(root) / f"a{i}", i, r=8, lora_alpha=16, target_modules="all-linear")))
-            for i in range(max(SETTINGS))]
+        adapters = [
+            LoRARequest(
+                f"a{i}",
+                i + 1,
+                str(
+                    make_peft_adapter(
+                        model_dir, Path(root) / f"a{i}", i, r=8, lora_alpha=16, target_modules="all-linear"
+                    )
+                ),
+            )
+            for i in range(max(SETTINGS))
+        ]
         for num_adapters in SETTINGS:
-            engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=512,
-                                            num_gpu_blocks_override=1024, enable_lora=num_adapters > 0,
-                                            max_loras=MAX_LORAS, max_lora_rank=8))
+            engine = LLMEngine(
+                EngineConfig(
+                    model=str(model_dir),
+                    dtype="float32",
+                    max_model_len=512,
+                    num_gpu_blocks_override=1024,
+                    enable_lora=num_adapters > 0,
+                    max_loras=MAX_LORAS,
+                    max_lora_rank=8,
+                )
+            )
             loras = [adapters[i % num_adapters] if num_adapters else None for i in range(num_requests)]
             run_round(engine, prompts, loras, max_tokens)  # warm-up (adapters read and checked)
             rates = [run_round(engine, prompts, loras, max_tokens) for _ in range(rounds)]
@@ -142,20 +178,26 @@ def main() -> None:
             print(f"{num_adapters:2d} adapters: {sum(rates) / len(rates):7.1f} tokens/s", flush=True)
             engine.shutdown()
             if not args.no_peer:
-                peer = [peft_round(model_dir, adapters[:num_adapters], prompts, max_tokens)
-                        for _ in range(rounds + 1)][1:]
+                peer = [peft_round(model_dir, adapters[:num_adapters], prompts, max_tokens) for _ in range(rounds + 1)][
+                    1:
+                ]
                 entry = report["settings"][str(num_adapters)]
                 entry["peft_tokens_per_s"] = sum(peer) / len(peer)
                 entry["raypaged_over_peft"] = entry["tokens_per_s"] / entry["peft_tokens_per_s"]
-                print(f"{num_adapters:2d} adapters, peft mixed batch: {entry['peft_tokens_per_s']:7.1f} tokens/s "
-                      f"(raypaged {entry['raypaged_over_peft']:.2f}x)", flush=True)
+                print(
+                    f"{num_adapters:2d} adapters, peft mixed batch: {entry['peft_tokens_per_s']:7.1f} tokens/s "
+                    f"(raypaged {entry['raypaged_over_peft']:.2f}x)",
+                    flush=True,
+                )
     base = report["settings"]["0"]["tokens_per_s"]
     for key, entry in report["settings"].items():
         entry["ratio_to_base"] = entry["tokens_per_s"] / base
         entry["lora_share"] = 1 - entry["ratio_to_base"]
         if key != "0":
-            print(f"{key:>2} adapters over {MAX_LORAS} slots: {entry['ratio_to_base']:.2f}x the base model "
-                  f"(LoRA share of the step {entry['lora_share']:.0%})")
+            print(
+                f"{key:>2} adapters over {MAX_LORAS} slots: {entry['ratio_to_base']:.2f}x the base model "
+                f"(LoRA share of the step {entry['lora_share']:.0%})"
+            )
     report["load_average_end"] = load_average()
     plot(report, RESULTS_DIR / "lora_bench.png")
     print(f"wrote {write_json('lora_bench', report)} and lora_bench.png")

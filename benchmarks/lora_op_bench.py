@@ -27,8 +27,12 @@ from raypaged.model.layers import linear
 
 RANK = 16
 # SmolLM2-135M: name -> (in, out, projections fused in it)
-SHAPES = {"qkv_proj": (576, 960, 3), "o_proj": (576, 576, 1), "gate_up_proj": (576, 3072, 2),
-          "down_proj": (1536, 576, 1)}
+SHAPES = {
+    "qkv_proj": (576, 960, 3),
+    "o_proj": (576, 576, 1),
+    "gate_up_proj": (576, 3072, 2),
+    "down_proj": (1536, 576, 1),
+}
 NUM_TOKENS = (1, 16, 64, 256)
 NUM_ADAPTERS = (1, 4, 16)
 
@@ -57,8 +61,9 @@ def forced(token_slots: list[int | None], padded: bool) -> ops.LoRAMapping:
         ops.PADDED_ROW_COST = saved
 
 
-def measure(in_f: int, out_f: int, num_fused: int, token_slots: list[int | None], num_slots: int,
-            repeats: int) -> dict[str, float | str]:
+def measure(
+    in_f: int, out_f: int, num_fused: int, token_slots: list[int | None], num_slots: int, repeats: int
+) -> dict[str, float | str]:
     g = torch.Generator().manual_seed(0)
     rank = num_fused * RANK
     lora_a = torch.randn(num_slots, in_f, rank, generator=g) * 0.01
@@ -77,7 +82,7 @@ def measure(in_f: int, out_f: int, num_fused: int, token_slots: list[int | None]
         fns["padded"] = lambda: add_lora(y, x, lora_a, lora_b, padded)
         fns["loop"] = lambda: add_lora(y, x, lora_a, lora_b, loop)
     row: dict[str, float | str] = dict(timed_us(fns, repeats))
-    row["path"] = ("one slot" if mapping.one_slot_for_all else "padded" if mapping.padded is not None else "loop")
+    row["path"] = "one slot" if mapping.one_slot_for_all else "padded" if mapping.padded is not None else "loop"
     row["padding"] = _padding(mapping)
     return row
 
@@ -94,8 +99,10 @@ def main() -> None:
             for num_adapters, num_tokens, spread, token_slots in cases:
                 mapping_us = timed_us({"build": partial(build_lora_mapping, token_slots)}, 100)["build_us"]
                 for name, (in_f, out_f, num_fused) in SHAPES.items():
-                    row = {"mapping_us": mapping_us,
-                           **measure(in_f, out_f, num_fused, token_slots, num_adapters, args.repeats)}
+                    row = {
+                        "mapping_us": mapping_us,
+                        **measure(in_f, out_f, num_fused, token_slots, num_adapters, args.repeats),
+                    }
                     key = (num_adapters, num_tokens, spread, name)
                     kept = best.setdefault(key, row)
                     for field, value in row.items():
@@ -103,9 +110,15 @@ def main() -> None:
                             kept[field] = min(float(kept[field]), value)
                     print(key, kept, flush=True)
     rows = [{"adapters": k[0], "tokens": k[1], "spread": k[2], "linear": k[3], **v} for k, v in best.items()]
-    report = {"machine": machine_info(torch.get_num_threads()), "load_average": load_average(), "rank": RANK,
-              "passes": args.passes, "repeats": args.repeats, "rows": rows,
-              "model_rows": model_rows(max(5, args.repeats // 3), args.passes)}
+    report = {
+        "machine": machine_info(torch.get_num_threads()),
+        "load_average": load_average(),
+        "rank": RANK,
+        "passes": args.passes,
+        "repeats": args.repeats,
+        "rows": rows,
+        "model_rows": model_rows(max(5, args.repeats // 3), args.passes),
+    }
     write_json("lora_op", report)
     (RESULTS_DIR / "lora_op.md").write_text(markdown(report))
 
@@ -129,8 +142,13 @@ def model_rows(repeats: int, passes: int) -> list[dict[str, float | int | str]]:
     for wrapped in lora.linears.values():
         rank = wrapped.lora_a.shape[2]
         for slot in range(16):
-            wrapped.set_slot(slot, (torch.randn(wrapped.target.in_features, rank, generator=g) * 0.01,
-                                    torch.randn(rank, wrapped.target.out_features, generator=g) * 0.01))
+            wrapped.set_slot(
+                slot,
+                (
+                    torch.randn(wrapped.target.in_features, rank, generator=g) * 0.01,
+                    torch.randn(rank, wrapped.target.out_features, generator=g) * 0.01,
+                ),
+            )
     rows: list[dict[str, float | int | str]] = []
     for layout, lengths in (("16 one-token sequences", [1] * 16), ("one 256-token prompt", [256])):
         inputs = _forward_inputs(base, lengths)
@@ -143,6 +161,7 @@ def model_rows(repeats: int, passes: int) -> list[dict[str, float | int | str]]:
             def step():
                 lora.step.mapping = None if token_slots is None else build_lora_mapping(token_slots)
                 model(*inputs)
+
             return step
 
         fns = {name: run(base if name == "base model" else adapted, slots, inputs) for name, slots in cases.items()}
@@ -152,8 +171,15 @@ def model_rows(repeats: int, passes: int) -> list[dict[str, float | int | str]]:
                 for name, us in timed_us(fns, repeats).items():
                     best[name.removesuffix("_us")] = min(best[name.removesuffix("_us")], us)
         for name, us in best.items():
-            rows.append({"layout": layout, "tokens": num_tokens, "case": name, "ms": us / 1000,
-                         "vs_base": us / best["base model"]})
+            rows.append(
+                {
+                    "layout": layout,
+                    "tokens": num_tokens,
+                    "case": name,
+                    "ms": us / 1000,
+                    "vs_base": us / best["base model"],
+                }
+            )
             print(rows[-1], flush=True)
     lora.step.mapping = None
     return rows
@@ -166,8 +192,13 @@ def _forward_inputs(model, lengths: list[int]) -> tuple:
     positions = torch.cat([torch.arange(n) for n in lengths])
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     spans = [PrefillSpan(start, n, n, torch.zeros(1, dtype=torch.long)) for start, n in zip(starts, lengths)]
-    meta = AttentionMetadata(torch.full((len(ids),), -1, dtype=torch.long), 0, torch.zeros((0, 1), dtype=torch.long),
-                             torch.zeros(0, dtype=torch.long), spans)
+    meta = AttentionMetadata(
+        torch.full((len(ids),), -1, dtype=torch.long),
+        0,
+        torch.zeros((0, 1), dtype=torch.long),
+        torch.zeros(0, dtype=torch.long),
+        spans,
+    )
     attn = model.model.layers[0].self_attn
     cache = torch.zeros(1, attn.num_kv_heads, 1, attn.head_dim)
     return ids, positions, [(cache, cache)] * len(model.model.layers), meta
@@ -190,14 +221,18 @@ def markdown(report: dict) -> str:
     lines = [
         "# The batched LoRA op against the base linear",
         "",
-        (f"`python benchmarks/lora_op_bench.py`: {m['cpu']}, {m['nproc']} cores, torch {m['torch']}, "
-        f"{m['threads']} threads, fp32, rank {report['rank']} per projection (a fused linear stacks its "
-        f"projections' ranks), load average {report['load_average']}. Times are the fastest of "
-        f"{report['repeats']} calls (the variants taking turns) in the best of {report['passes']} sweeps, "
-        f"in microseconds; {CONTENTION_NOTE}."),
+        (
+            f"`python benchmarks/lora_op_bench.py`: {m['cpu']}, {m['nproc']} cores, torch {m['torch']}, "
+            f"{m['threads']} threads, fp32, rank {report['rank']} per projection (a fused linear stacks its "
+            f"projections' ranks), load average {report['load_average']}. Times are the fastest of "
+            f"{report['repeats']} calls (the variants taking turns) in the best of {report['passes']} sweeps, "
+            f"in microseconds; {CONTENTION_NOTE}."
+        ),
         "",
-        ("`lora`: `add_lora` as it dispatches (`path`); `padded` / `loop`: its multi-slot paths forced; "
-        "`reference`: the gather+bmm reference. `share`: lora / base."),
+        (
+            "`lora`: `add_lora` as it dispatches (`path`); `padded` / `loop`: its multi-slot paths forced; "
+            "`reference`: the gather+bmm reference. `share`: lora / base."
+        ),
         "",
         "| adapters | tokens | spread (padding) | linear | base | lora | path | share | padded | loop | reference |",
         "| ---: | ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
@@ -210,22 +245,42 @@ def markdown(report: dict) -> str:
         )
     multi = [r for r in report["rows"] if "padded_us" in r]
     picked = sum(r[f"{r['path']}_us"] <= 1.1 * min(r["padded_us"], r["loop_us"]) for r in multi)
-    lines += ["", (f"Of the {len(multi)} multi-slot rows, the path `add_lora` picks is within 10% of the faster "
-              f"forced path in {picked}.")]
-    lines += ["", ("A decoder layer's four linears together (sum over them), and the step's mapping build "
-              "(once per step, shared by every layer):"), "",
-              "| adapters | tokens | spread | base | lora | share | mapping build |",
-              "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        (
+            f"Of the {len(multi)} multi-slot rows, the path `add_lora` picks is within 10% of the faster "
+            f"forced path in {picked}."
+        ),
+    ]
+    lines += [
+        "",
+        (
+            "A decoder layer's four linears together (sum over them), and the step's mapping build "
+            "(once per step, shared by every layer):"
+        ),
+        "",
+        "| adapters | tokens | spread | base | lora | share | mapping build |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
     keys = sorted({(r["adapters"], r["tokens"], r["spread"]) for r in report["rows"]})
     for key in keys:
         group = [r for r in report["rows"] if (r["adapters"], r["tokens"], r["spread"]) == key]
         base, lora = sum(r["base_us"] for r in group), sum(r["lora_us"] for r in group)
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {base:.0f} | {lora:.0f} | {lora / base:.2f} | "
-                     f"{group[0]['mapping_us']:.0f} |")
-    lines += ["", ("SmolLM2's whole forward (ms; `vs base`: over the model without LoRA). The op rows above reuse "
-                   "one layer's weights (hot in cache); here each layer's adapter weights stream from memory, "
-                   "which a few-token step pays for in full:"), "",
-              "| layout | tokens | case | ms | vs base |", "| --- | ---: | --- | ---: | ---: |"]
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {base:.0f} | {lora:.0f} | {lora / base:.2f} | "
+            f"{group[0]['mapping_us']:.0f} |"
+        )
+    lines += [
+        "",
+        (
+            "SmolLM2's whole forward (ms; `vs base`: over the model without LoRA). The op rows above reuse "
+            "one layer's weights (hot in cache); here each layer's adapter weights stream from memory, "
+            "which a few-token step pays for in full:"
+        ),
+        "",
+        "| layout | tokens | case | ms | vs base |",
+        "| --- | ---: | --- | ---: | ---: |",
+    ]
     for r in report["model_rows"]:
         lines.append(f"| {r['layout']} | {r['tokens']} | {r['case']} | {r['ms']:.2f} | {r['vs_base']:.2f} |")
     return "\n".join(lines) + "\n"

@@ -89,8 +89,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {list(SYSTEMS)}")
     parser.add_argument("--tensor-parallel-size", default="1", help="comma-separated sizes raypaged runs at (1,3)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="raypaged's device")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"],
-                        help="raypaged's paged attention (torch: the gather + SDPA path on CPU)")
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu", "cuda"],
+        help="raypaged's paged attention (torch: the gather + SDPA path on CPU)",
+    )
     parser.add_argument("--name", default="offline_throughput", help="results file stem under benchmarks/results/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -128,13 +132,21 @@ def raypaged_system(tp: int) -> str:
     return "raypaged" if tp == 1 else f"raypaged-tp{tp}"
 
 
-def bench_raypaged(model_dir: Path, prompts: Prompts, tp: int,
-                   args: argparse.Namespace) -> tuple[SystemResult, Prompts]:
+def bench_raypaged(
+    model_dir: Path, prompts: Prompts, tp: int, args: argparse.Namespace
+) -> tuple[SystemResult, Prompts]:
     from raypaged import LLM, SamplingParams
 
     # no prefix caching: a repeat would find the previous run's prompts cached and skip their prefill
-    llm = LLM(model=str(model_dir), dtype="float32", device=args.device, kv_cache_space=args.kv_cache_gib / tp,
-              tensor_parallel_size=tp, attention_backend=args.attention_backend, enable_prefix_caching=False)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        device=args.device,
+        kv_cache_space=args.kv_cache_gib / tp,
+        tensor_parallel_size=tp,
+        attention_backend=args.attention_backend,
+        enable_prefix_caching=False,
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     executor = llm.llm_engine.executor
 
@@ -187,26 +199,34 @@ def hf_generate(model: torch.nn.Module, batch: Prompts, pad_id: int, max_new_tok
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, prompt in enumerate(batch):
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt):] = 1
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, pad_token_id=pad_id,
-                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        pad_token_id=pad_id,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+    )
     return out[:, width:].tolist()
 
 
-def bench_hf(model: torch.nn.Module, prompts: Prompts, batch_size: int, system: str,
-             args: argparse.Namespace) -> tuple[SystemResult, Prompts]:
+def bench_hf(
+    model: torch.nn.Module, prompts: Prompts, batch_size: int, system: str, args: argparse.Namespace
+) -> tuple[SystemResult, Prompts]:
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
-    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
 
     def run() -> Prompts:
         return [tokens for batch in batches for tokens in hf_generate(model, batch, pad_id, MAX_TOKENS)]
 
-    hf_generate(model, prompts[:min(2, batch_size)], pad_id, 8)
+    hf_generate(model, prompts[: min(2, batch_size)], pad_id, 8)
     seconds, outputs = timed_runs(run, args.repeats)
     label = SYSTEMS[system].format(batch=batch_size)
-    result = SystemResult(system, label, len(prompts), check_lengths(system, outputs), seconds, peak_rss_mib(),
-                          {"batch_size": batch_size})
+    result = SystemResult(
+        system, label, len(prompts), check_lengths(system, outputs), seconds, peak_rss_mib(), {"batch_size": batch_size}
+    )
     return result, outputs
 
 
@@ -234,8 +254,12 @@ def model_linears(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, in
     hf = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     hidden, inter = hf.hidden_size, hf.intermediate_size
-    layer = [(hidden, (hf.num_attention_heads + 2 * hf.num_key_value_heads) * head_dim),
-             (hf.num_attention_heads * head_dim, hidden), (hidden, 2 * inter), (inter, hidden)]
+    layer = [
+        (hidden, (hf.num_attention_heads + 2 * hf.num_key_value_heads) * head_dim),
+        (hf.num_attention_heads * head_dim, hidden),
+        (hidden, 2 * inter),
+        (inter, hidden),
+    ]
     return layer, (hidden, hf.vocab_size), hf.num_hidden_layers
 
 
@@ -261,9 +285,16 @@ def gemm_ceiling(model_dir: Path, prompts: Prompts, prefill_rows: int, decode_ro
     decode_steps = (MAX_TOKENS - 1) * requests / decode_rows
     decode = seconds(decode_rows, layer, num_layers * decode_steps) + seconds(decode_rows, [head], decode_steps)
     total = prefill + decode
-    return {"prefill_rows": prefill_rows, "decode_rows": decode_rows, "prefill_gemm_s": prefill,
-            "decode_gemm_s": decode, "gemm_s": total, "tokens_per_s": requests * MAX_TOKENS / total,
-            "gflops_by_shape": rates, "peak_gflops_2048": matmul_gflops(2048, 2048, 2048)}
+    return {
+        "prefill_rows": prefill_rows,
+        "decode_rows": decode_rows,
+        "prefill_gemm_s": prefill,
+        "decode_gemm_s": decode,
+        "gemm_s": total,
+        "tokens_per_s": requests * MAX_TOKENS / total,
+        "gflops_by_shape": rates,
+        "peak_gflops_2048": matmul_gflops(2048, 2048, 2048),
+    }
 
 
 def agreement(reference: Prompts, outputs: Prompts) -> str:
@@ -274,12 +305,17 @@ def agreement(reference: Prompts, outputs: Prompts) -> str:
 
 def markdown_table(results: list[SystemResult]) -> str:
     base = next((r.median for r in results if r.system == "raypaged"), None)
-    lines = ["| system | requests | generated tokens | tokens/s (median) | spread (min–max) "
-             "| ratio to raypaged (raypaged ÷ this) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| system | requests | generated tokens | tokens/s (median) | spread (min–max) "
+        "| ratio to raypaged (raypaged ÷ this) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in results:
         ratio = f"{base / r.median:.2f}" if base else "n/a"
-        lines.append(f"| {r.label} | {r.requests} | {r.generated_tokens} | {r.median:.1f} | "
-                     f"{min(r.tokens_per_s):.1f}–{max(r.tokens_per_s):.1f} | {ratio} |")
+        lines.append(
+            f"| {r.label} | {r.requests} | {r.generated_tokens} | {r.median:.1f} | "
+            f"{min(r.tokens_per_s):.1f}–{max(r.tokens_per_s):.1f} | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -288,8 +324,13 @@ def plot(results: list[SystemResult], ceiling: dict, info: dict, path: Path) -> 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     medians = [r.median for r in results]
     errors = [[r.median - min(r.tokens_per_s) for r in results], [max(r.tokens_per_s) - r.median for r in results]]
-    ax.bar([f"{r.system}\n({r.requests} req)" for r in results], medians, yerr=errors, capsize=6,
-           color=["tab:green" if r.system.startswith("raypaged") else "tab:gray" for r in results])
+    ax.bar(
+        [f"{r.system}\n({r.requests} req)" for r in results],
+        medians,
+        yerr=errors,
+        capsize=6,
+        color=["tab:green" if r.system.startswith("raypaged") else "tab:gray" for r in results],
+    )
     for i, value in enumerate(medians):
         ax.annotate(f"{value:.1f}", (i, value), ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")
     ax.axhline(ceiling["tokens_per_s"], ls="--", color="tab:red", label="GEMMs alone at the step's shapes")
@@ -303,37 +344,50 @@ def plot(results: list[SystemResult], ceiling: dict, info: dict, path: Path) -> 
 
 def tp_table(results: list[SystemResult]) -> str:
     """raypaged at each tensor-parallel size: throughput and where a step's time goes."""
-    lines = ["| tp | threads per shard | tokens/s (median) | steps | shard forward ms/step "
-             "| driver overhead ms/step | of which executor (Ray) ms/step |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| tp | threads per shard | tokens/s (median) | steps | shard forward ms/step "
+        "| driver overhead ms/step | of which executor (Ray) ms/step |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in results:
         if r.system.startswith("raypaged"):
             e = r.extra
-            lines.append(f"| {e['tensor_parallel_size']} | {e['threads_per_shard']} | {r.median:.1f} | {e['steps']} | "
-                         f"{e['forward_ms_per_step']:.1f} | {e['driver_overhead_ms_per_step']:.2f} | "
-                         f"{e['executor_overhead_ms_per_step']:.2f} |")
+            lines.append(
+                f"| {e['tensor_parallel_size']} | {e['threads_per_shard']} | {r.median:.1f} | {e['steps']} | "
+                f"{e['forward_ms_per_step']:.1f} | {e['driver_overhead_ms_per_step']:.2f} | "
+                f"{e['executor_overhead_ms_per_step']:.2f} |"
+            )
     return "\n".join(lines)
 
 
 def print_report(results: list[SystemResult], ceiling: dict, report: dict) -> None:
     info, load = report["machine"], report["workload"]
-    print(f"\nW6 offline batch: {info['cpu']}, {info['nproc']} CPUs, {info['threads']} threads, torch {info['torch']}, "
-          f"fp32, {load['parameters'] / 1e6:.1f}M parameters, prompts {PROMPT_LEN[0]}–{PROMPT_LEN[1]} tokens, "
-          f"{MAX_TOKENS} generated each, {load['repeats']} timed run(s) per system\n")
+    print(
+        f"\nW6 offline batch: {info['cpu']}, {info['nproc']} CPUs, {info['threads']} threads, torch {info['torch']}, "
+        f"fp32, {load['parameters'] / 1e6:.1f}M parameters, prompts {PROMPT_LEN[0]}–{PROMPT_LEN[1]} tokens, "
+        f"{MAX_TOKENS} generated each, {load['repeats']} timed run(s) per system\n"
+    )
     print(markdown_table(results) + "\n")
     print(tp_table(results) + "\n")
     raypaged = next((r for r in results if r.system == "raypaged"), None)
     c = ceiling
     share = f"; raypaged at {raypaged.median / c['tokens_per_s']:.1%} of it" if raypaged else ""
-    print(f"GEMM ceiling at the step's shapes (prefill {c['prefill_rows']} rows, decode {c['decode_rows']}): "
-          f"{c['prefill_gemm_s']:.1f} s + {c['decode_gemm_s']:.1f} s of GEMM → {c['tokens_per_s']:.1f} tokens/s{share}")
-    print("  GFLOP/s by shape: " + ", ".join(f"{shape} {g:.0f}" for shape, g in c["gflops_by_shape"].items())
-          + f"; [2048 x 2048] @ [2048 x 2048] {c['peak_gflops_2048']:.0f}")
+    print(
+        f"GEMM ceiling at the step's shapes (prefill {c['prefill_rows']} rows, decode {c['decode_rows']}): "
+        f"{c['prefill_gemm_s']:.1f} s + {c['decode_gemm_s']:.1f} s of GEMM → {c['tokens_per_s']:.1f} tokens/s{share}"
+    )
+    print(
+        "  GFLOP/s by shape: "
+        + ", ".join(f"{shape} {g:.0f}" for shape, g in c["gflops_by_shape"].items())
+        + f"; [2048 x 2048] @ [2048 x 2048] {c['peak_gflops_2048']:.0f}"
+    )
     for r in results:
         print(f"{r.system}: peak process RSS so far {r.peak_rss_mib:.0f} MiB; {r.extra}")
-    print(f"load average at start {report['load_average']['start']}, at end {report['load_average']['end']}; "
-          f"wall time {report['wall_seconds']:.0f} s; "
-          f"wrote {RESULTS_DIR}/{report['name']}.json and .png")
+    print(
+        f"load average at start {report['load_average']['start']}, at end {report['load_average']['end']}; "
+        f"wall time {report['wall_seconds']:.0f} s; "
+        f"wrote {RESULTS_DIR}/{report['name']}.json and .png"
+    )
 
 
 def run_systems(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> list[SystemResult]:
@@ -347,8 +401,10 @@ def run_systems(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> 
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        for system, batch_size, subset in (("hf-single", 1, prompts[:args.single_prompts]),
-                                           ("hf-static", args.batch_size, prompts)):
+        for system, batch_size, subset in (
+            ("hf-single", 1, prompts[: args.single_prompts]),
+            ("hf-static", args.batch_size, prompts),
+        ):
             if system in args.systems:
                 result, outputs[system] = bench_hf(model, subset, batch_size, system, args)
                 results.append(result)
@@ -358,14 +414,26 @@ def run_systems(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> 
     return results
 
 
-def build_report(results: list[SystemResult], ceiling: dict, params: int, model_dir: Path,
-                 args: argparse.Namespace) -> dict:
+def build_report(
+    results: list[SystemResult], ceiling: dict, params: int, model_dir: Path, args: argparse.Namespace
+) -> dict:
     raypaged = next((r for r in results if r.system == "raypaged"), None)
     report = {
-        "workload": {"id": "W6", "prompt_len": PROMPT_LEN, "max_tokens": MAX_TOKENS, "greedy": True, "dtype": "float32",
-                     "seed": args.seed, "num_prompts": args.num_prompts, "single_prompts": args.single_prompts,
-                     "repeats": args.repeats, "quick": args.quick, "model": str(model_dir), "parameters": params,
-                     "tensor_parallel_sizes": args.tensor_parallel_size},
+        "workload": {
+            "id": "W6",
+            "prompt_len": PROMPT_LEN,
+            "max_tokens": MAX_TOKENS,
+            "greedy": True,
+            "dtype": "float32",
+            "seed": args.seed,
+            "num_prompts": args.num_prompts,
+            "single_prompts": args.single_prompts,
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "model": str(model_dir),
+            "parameters": params,
+            "tensor_parallel_sizes": args.tensor_parallel_size,
+        },
         "name": args.name,
         "load_average": {"start": args.load_at_start, "end": load_average()},
         "machine": machine_info(args.threads),

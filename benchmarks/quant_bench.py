@@ -51,6 +51,8 @@ SCHEMES = {
     "gptq-g64-actorder-asym": ("gptq", {"group_size": 64, "act_order": True, "symmetric": False}, {}),
     "awq-g64": ("awq", {"group_size": 64}, {}),
 }
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schemes", default="w8a8-int8,online-fp8", help=f"comma-separated, or all: {list(SCHEMES)}")
@@ -117,8 +119,9 @@ def linear_times(rows: tuple[int, ...] = (1, 8, 32, 256, 2048), repeats: int = 1
     return out
 
 
-def w6_alternating(engines: dict[str, tuple[Path, dict]], prompts: list[list[int]],
-                   args: argparse.Namespace) -> dict[str, dict]:
+def w6_alternating(
+    engines: dict[str, tuple[Path, dict]], prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, dict]:
     """W6 (offline_throughput's raypaged run: same prompts, 100 greedy tokens each, EOS ignored, the
     same KV cache) with every system's engine (model folder, LLM options) loaded at once and the timed
     runs alternating between them, so that other load on the machine hits each alike; the first
@@ -126,8 +129,17 @@ def w6_alternating(engines: dict[str, tuple[Path, dict]], prompts: list[list[int
     from raypaged import LLM, SamplingParams
 
     # no prefix caching: a repeat would find the previous run's prompts cached and skip their prefill
-    llms = {name: LLM(model=str(path), dtype="float32", device="cpu", kv_cache_space=args.kv_cache_gib,
-                      enable_prefix_caching=False, **options) for name, (path, options) in engines.items()}
+    llms = {
+        name: LLM(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            kv_cache_space=args.kv_cache_gib,
+            enable_prefix_caching=False,
+            **options,
+        )
+        for name, (path, options) in engines.items()
+    }
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
     results: dict[str, dict] = {name: {"w6_runs_tokens_per_s": []} for name in llms}
@@ -179,23 +191,39 @@ def main() -> None:
         tokens = [list(output.token_ids) for output in outputs]
         reference_outputs = reference_outputs or outputs
         reference_tokens = reference_tokens or tokens
-        rows.append({"name": name, "weight_bytes": weight_bytes(model_dir), "perplexity": perplexity,
-                     "agreement_16_tokens": sum(a == b for a, b in zip(reference_tokens, tokens)),
-                     "agreement_top5": sum(agree(a, b) for a, b in zip(outputs, reference_outputs)),
-                     "matching_prefix": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                                         for a, b in zip(reference_tokens, tokens)]})
+        rows.append(
+            {
+                "name": name,
+                "weight_bytes": weight_bytes(model_dir),
+                "perplexity": perplexity,
+                "agreement_16_tokens": sum(a == b for a, b in zip(reference_tokens, tokens)),
+                "agreement_top5": sum(agree(a, b) for a, b in zip(outputs, reference_outputs)),
+                "matching_prefix": [
+                    next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                    for a, b in zip(reference_tokens, tokens)
+                ],
+            }
+        )
         print(json.dumps(rows[-1]))
     by_name = {row["name"]: row for row in rows}
-    engines = {name: (float_dir, {}) if name == "fp32" else (model_folder(name, args), SCHEMES[name][2])
-               for name in ["fp32", *args.w6]}
+    engines = {
+        name: (float_dir, {}) if name == "fp32" else (model_folder(name, args), SCHEMES[name][2])
+        for name in ["fp32", *args.w6]
+    }
     for name, runs in w6_alternating(engines, w6_prompts, args).items():
         by_name[name] |= runs
         print(name, runs["w6_runs_tokens_per_s"])
-    report = {"machine": machine_info(args.threads), "load_average": {"start": load_start, "end": load_average()},
-              "wall_seconds": time.perf_counter() - started, "rows": rows, "linear_times": kernels,
-              "workload": {"w6": "offline_throughput --quick: 32 prompts of 50-200 tokens, 100 greedy tokens each",
-                           "quality": "tests/quantization/test_smollm2.py: 8 prompts x 16 greedy tokens, "
-                                      "perplexity of its fixed text"}}
+    report = {
+        "machine": machine_info(args.threads),
+        "load_average": {"start": load_start, "end": load_average()},
+        "wall_seconds": time.perf_counter() - started,
+        "rows": rows,
+        "linear_times": kernels,
+        "workload": {
+            "w6": "offline_throughput --quick: 32 prompts of 50-200 tokens, 100 greedy tokens each",
+            "quality": "tests/quantization/test_smollm2.py: 8 prompts x 16 greedy tokens, perplexity of its fixed text",
+        },
+    }
     write_json(args.name, report)
     (RESULTS_DIR / f"{args.name}.md").write_text(markdown(report))
     print(markdown(report))
@@ -203,10 +231,14 @@ def main() -> None:
 
 def markdown(report: dict) -> str:
     base = report["rows"][0]
-    lines = [f"# Quantized SmolLM2-135M-Instruct on CPU ({report['machine']['cpu']}, {report['machine']['threads']} "
-             f"threads)", "", "| model | weight MiB (projections) | W6 tokens/s (runs) | vs fp32 | W6 tokens = fp32 | "
-             "same 16 tokens (of 8) | agreement, top 5 (of 8) | perplexity | vs fp32 |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"# Quantized SmolLM2-135M-Instruct on CPU ({report['machine']['cpu']}, {report['machine']['threads']} "
+        f"threads)",
+        "",
+        "| model | weight MiB (projections) | W6 tokens/s (runs) | vs fp32 | W6 tokens = fp32 | "
+        "same 16 tokens (of 8) | agreement, top 5 (of 8) | perplexity | vs fp32 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in report["rows"]:
         mib = f"{r['weight_bytes']['total'] / 2**20:.0f} ({r['weight_bytes']['projections'] / 2**20:.0f})"
         runs = ", ".join(f"{t:.0f}" for t in r.get("w6_runs_tokens_per_s", []))
@@ -214,19 +246,31 @@ def markdown(report: dict) -> str:
         speed = "- | - | -"
         if tps:
             speed = f"{tps:.1f} ({runs}) | {tps / base['w6_tokens_per_s']:.2f}x | {r['w6_same_tokens_as_fp32']}"
-        lines.append(f"| {r['name']} | {mib} | {speed} | {r['agreement_16_tokens']}/8 | {r['agreement_top5']}/8 | "
-                     f"{r['perplexity']:.3f} | "
-                     f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% |")
-    lines += ["", "Same 16 tokens: the fp32 model's first 16 greedy tokens exactly. Agreement, top 5: the acceptance "
-              "test's measure (tests/quantization/test_smollm2.py: equal up to the first difference, where each "
-              "token is among the other's top 5).", "",
-              "One layer's four projections (SmolLM2 shapes), median microseconds, fp32 and int8 timed "
-              "alternately:", "", "| rows | fp32 (oneDNN, packed) | W8A8 int8 (`_int_mm`) | speedup |",
-              "| ---: | ---: | ---: | ---: |"]
-    lines += [f"| {k['rows']} | {k['fp32_us']:.0f} | {k['int8_us']:.0f} | {k['speedup']:.2f}x |"
-              for k in report.get("linear_times", [])]
-    lines += ["", f"load average {report['load_average']['start']} -> {report['load_average']['end']}; "
-              f"wall {report['wall_seconds']:.0f} s"]
+        lines.append(
+            f"| {r['name']} | {mib} | {speed} | {r['agreement_16_tokens']}/8 | {r['agreement_top5']}/8 | "
+            f"{r['perplexity']:.3f} | "
+            f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% |"
+        )
+    lines += [
+        "",
+        "Same 16 tokens: the fp32 model's first 16 greedy tokens exactly. Agreement, top 5: the acceptance "
+        "test's measure (tests/quantization/test_smollm2.py: equal up to the first difference, where each "
+        "token is among the other's top 5).",
+        "",
+        "One layer's four projections (SmolLM2 shapes), median microseconds, fp32 and int8 timed alternately:",
+        "",
+        "| rows | fp32 (oneDNN, packed) | W8A8 int8 (`_int_mm`) | speedup |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {k['rows']} | {k['fp32_us']:.0f} | {k['int8_us']:.0f} | {k['speedup']:.2f}x |"
+        for k in report.get("linear_times", [])
+    ]
+    lines += [
+        "",
+        f"load average {report['load_average']['start']} -> {report['load_average']['end']}; "
+        f"wall {report['wall_seconds']:.0f} s",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -98,16 +98,29 @@ def main() -> None:
     sizes = [int(tp) for tp in args.tp.split(",")]
     ray.init(address="local", num_cpus=max(*sizes, 2), include_dashboard=False)
     so = decode_step(args.num_seqs)
-    report = {"machine": machine_info(1), "load_average_start": load_average(), "steps": args.steps,
-              "num_seqs": args.num_seqs, "results": []}
+    report = {
+        "machine": machine_info(1),
+        "load_average_start": load_average(),
+        "steps": args.steps,
+        "num_seqs": args.num_seqs,
+        "results": [],
+    }
     for tp in sizes:
         for name, times in measure(tp, args.steps, so).items():
             ms = sorted(t * 1e3 for t in times)
-            row = {"path": name, "tp": tp, "mean_ms": statistics.fmean(ms), "median_ms": statistics.median(ms),
-                   "p90_ms": ms[int(0.9 * len(ms))]}
+            row = {
+                "path": name,
+                "tp": tp,
+                "mean_ms": statistics.fmean(ms),
+                "median_ms": statistics.median(ms),
+                "p90_ms": ms[int(0.9 * len(ms))],
+            }
             report["results"].append(row)
-            print(f"{name:18s} tp={tp} mean {row['mean_ms']:.3f} ms  median {row['median_ms']:.3f} ms  "
-                  f"p90 {row['p90_ms']:.3f} ms", flush=True)
+            print(
+                f"{name:18s} tp={tp} mean {row['mean_ms']:.3f} ms  median {row['median_ms']:.3f} ms  "
+                f"p90 {row['p90_ms']:.3f} ms",
+                flush=True,
+            )
     report["load_average_end"] = load_average()
     print(write_json("ray_step_overhead", report))
 

@@ -113,9 +113,14 @@ class LevelResult:
         return self.steady_tokens / self.steady_seconds if self.steady_seconds else 0.0
 
     def summary(self) -> dict:
-        return {"tokens_per_s": self.tokens_per_s, "steady_tokens_per_s": self.steady_tokens_per_s,
-                "latency_p50_s": percentile(self.latency_s, 50), "latency_p99_s": percentile(self.latency_s, 99),
-                "ttft_p50_s": percentile(self.ttft_s, 50), "ttft_p99_s": percentile(self.ttft_s, 99)}
+        return {
+            "tokens_per_s": self.tokens_per_s,
+            "steady_tokens_per_s": self.steady_tokens_per_s,
+            "latency_p50_s": percentile(self.latency_s, 50),
+            "latency_p99_s": percentile(self.latency_s, 99),
+            "ttft_p50_s": percentile(self.ttft_s, 50),
+            "ttft_p99_s": percentile(self.ttft_s, 99),
+        }
 
 
 @dataclass
@@ -133,11 +138,18 @@ class SystemRun:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="concurrency 10 and 30 only, one repeat (about 9 minutes with all four systems)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="concurrency 10 and 30 only, one repeat (about 9 minutes with all four systems)",
+    )
     parser.add_argument("--concurrency", help="comma-separated levels (10,30,50,80; 10,30 quick)")
-    parser.add_argument("--requests-per-client", type=float, default=4.0,
-                        help="requests per level = this x concurrency, at least 4 x concurrency (4)")
+    parser.add_argument(
+        "--requests-per-client",
+        type=float,
+        default=4.0,
+        help="requests per level = this x concurrency, at least 4 x concurrency (4)",
+    )
     parser.add_argument("--repeats", type=int, help="timed runs per level (3; 1 quick); the median is reported")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of each server")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {list(SYSTEMS)}")
@@ -209,21 +221,68 @@ def w8a8_model(model_dir: Path) -> Path:
 def server_command(system: str, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
     if system in OURS:
         model = [str(w8a8_model(model_dir))] if system == "raypaged-w8a8" else []
-        return [str(VENV_BIN / "raypaged"), "serve", *model, "--port", str(port), "--grpc-port", str(free_port()),
-                "--dtype", "float32", "--kv-cache-space", str(args.kv_cache_gib), "--disable-log-requests",
-                "--log-level", "warning"]
+        return [
+            str(VENV_BIN / "raypaged"),
+            "serve",
+            *model,
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(free_port()),
+            "--dtype",
+            "float32",
+            "--kv-cache-space",
+            str(args.kv_cache_gib),
+            "--disable-log-requests",
+            "--log-level",
+            "warning",
+        ]
     if system == "llama.cpp":
         slots = max(args.concurrency)
-        return [str(llama_server_binary(args)), "-m", str(shipped_gguf()), "--host", "127.0.0.1", "--port", str(port),
-                "--parallel", str(slots), "--ctx-size", str(slots * LLAMA_SLOT_CONTEXT), "--threads", str(args.threads),
-                "--threads-batch", str(args.threads), "--cont-batching", "--no-webui", "--log-disable"]
+        return [
+            str(llama_server_binary(args)),
+            "-m",
+            str(shipped_gguf()),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--parallel",
+            str(slots),
+            "--ctx-size",
+            str(slots * LLAMA_SLOT_CONTEXT),
+            "--threads",
+            str(args.threads),
+            "--threads-batch",
+            str(args.threads),
+            "--cont-batching",
+            "--no-webui",
+            "--log-disable",
+        ]
     exe = shutil.which("transformers", path=str(VENV_BIN)) or shutil.which("transformers") or "transformers"
     # Its CPU attention reads the whole paged cache every step (a dense [M, cache + M] mask), so a cache sized from
     # free memory (GiBs) makes every step crawl; size it for the workload: pages of TF_PAGE_SIZE tokens per request.
     pages = max(args.concurrency) * -(-(PROMPT_LEN[1] + 16 + MAX_TOKENS) // TF_PAGE_SIZE) + 4
-    return [exe, "serve", str(model_dir), "--continuous-batching", "--port", str(port), "--host", "127.0.0.1",
-            "--dtype", "float32", "--device", "cpu", "--log-level", "warning", "--cb-block-size", str(TF_PAGE_SIZE),
-            "--cb-num-blocks", str(pages)]
+    return [
+        exe,
+        "serve",
+        str(model_dir),
+        "--continuous-batching",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+        "--cb-block-size",
+        str(TF_PAGE_SIZE),
+        "--cb-num-blocks",
+        str(pages),
+    ]
 
 
 class Server:
@@ -232,10 +291,16 @@ class Server:
     def __init__(self, command: list[str], port: int, threads: int) -> None:
         self.command, self.port = command, port
         self.log = tempfile.NamedTemporaryFile("w+", prefix="serve_bench_", suffix=".log", delete=False)
-        env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
-                            "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        env = os.environ | {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        self.proc = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         self.peak_rss = 0
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample, daemon=True)
@@ -267,8 +332,10 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with status {self.proc.returncode} before /health answered 200; "
-                                   f"log tail:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"exited with status {self.proc.returncode} before /health answered 200; "
+                    f"log tail:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
                     return
@@ -311,8 +378,9 @@ def request_body(system: str, model: str, ids: list[int], text: str, max_tokens:
     return body | {"prompt": text, "generation_config": json.dumps(config)}
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict,
-                      chunk_times: list[float]) -> tuple[float, float | None, dict | None]:
+async def one_request(
+    client: httpx.AsyncClient, url: str, body: dict, chunk_times: list[float]
+) -> tuple[float, float | None, dict | None]:
     """(latency, TTFT, usage) of one streamed completion; the arrival time of each chunk with text is
     appended to ``chunk_times``."""
     start = time.perf_counter()
@@ -352,8 +420,9 @@ async def kv_usage_poller(client: httpx.AsyncClient, base: str, peak: list[float
             pass
 
 
-async def closed_loop(system: str, base: str, model: str, prompts: list[tuple[list[int], str]], concurrency: int,
-                      max_tokens: int) -> LevelResult:
+async def closed_loop(
+    system: str, base: str, model: str, prompts: list[tuple[list[int], str]], concurrency: int, max_tokens: int
+) -> LevelResult:
     """Every prompt through ``concurrency`` clients, each to completion."""
     url = f"{base}/v1/completions"
     queue = list(reversed(prompts))
@@ -416,28 +485,50 @@ async def closed_loop(system: str, base: str, model: str, prompts: list[tuple[li
         errors.append(f"usage says {prompt_tokens} prompt tokens, the prompts have {expected_prompt_tokens}")
     window = steady_end[0] if steady_end else start + seconds
     steady = sum(tokens * sum(t <= window for t in times) / len(times) for times, tokens in streams if times)
-    return LevelResult(system, concurrency, len(prompts), len(latencies), errors, prompt_tokens, generated, seconds,
-                       latencies, ttfts, peak[0] if poller else None, steady_seconds=window - start,
-                       steady_tokens=steady, retries=retries)
+    return LevelResult(
+        system,
+        concurrency,
+        len(prompts),
+        len(latencies),
+        errors,
+        prompt_tokens,
+        generated,
+        seconds,
+        latencies,
+        ttfts,
+        peak[0] if poller else None,
+        steady_seconds=window - start,
+        steady_tokens=steady,
+        retries=retries,
+    )
 
 
 def served_model(base: str) -> str:
     return httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def bench_system(system: str, model_dir: Path, warmup: list[tuple[list[int], str]],
-                 levels: list[list[list[tuple[list[int], str]]]], args: argparse.Namespace) -> SystemRun:
+def bench_system(
+    system: str,
+    model_dir: Path,
+    warmup: list[tuple[list[int], str]],
+    levels: list[list[list[tuple[list[int], str]]]],
+    args: argparse.Namespace,
+) -> SystemRun:
     """Start the server, warm it up, run every level ``repeats`` times (median by tokens/s kept), stop it."""
     port = free_port()
     command = server_command(system, model_dir, port, args)
     run = SystemRun(system, SYSTEMS[system], command)
     if system == "transformers" and importlib.util.find_spec("fastapi") is None:
-        run.available, run.why_not = False, ("transformers serve needs FastAPI and Uvicorn "
-                                             "(pip install transformers[serving])")
+        run.available, run.why_not = (
+            False,
+            ("transformers serve needs FastAPI and Uvicorn (pip install transformers[serving])"),
+        )
         return run
     if system == "llama.cpp" and not Path(command[0]).is_file():
-        run.available, run.why_not = False, ("no llama-server binary: run benchmarks/build_llama_server.sh or pass "
-                                             "--llama-server PATH")
+        run.available, run.why_not = (
+            False,
+            ("no llama-server binary: run benchmarks/build_llama_server.sh or pass --llama-server PATH"),
+        )
         return run
     print(f"[{system}] starting: {' '.join(command)}", flush=True)
     started = time.perf_counter()
@@ -452,8 +543,10 @@ def bench_system(system: str, model_dir: Path, warmup: list[tuple[list[int], str
         model = served_model(base)
         run.startup_s = time.perf_counter() - started
         run.rss_after_load_mib = server.tree_rss() / 2**20
-        print(f"[{system}] healthy after {run.startup_s:.0f} s, model {model!r}, RSS {run.rss_after_load_mib:.0f} MiB",
-              flush=True)
+        print(
+            f"[{system}] healthy after {run.startup_s:.0f} s, model {model!r}, RSS {run.rss_after_load_mib:.0f} MiB",
+            flush=True,
+        )
         # warm-up: the first request of transformers also builds its continuous-batching manager
         result = asyncio.run(closed_loop(system, base, model, warmup, len(warmup), 8))
         if result.errors:
@@ -463,12 +556,15 @@ def bench_system(system: str, model_dir: Path, warmup: list[tuple[list[int], str
             for prompts in repeats:
                 result = asyncio.run(closed_loop(system, base, model, prompts, concurrency, MAX_TOKENS))
                 s = result.summary()
-                print(f"[{system}] c={concurrency}: {result.ok}/{result.requests} ok, {result.generated_tokens} tokens "
-                      f"in {result.seconds:.1f} s = {result.tokens_per_s:.1f} tokens/s (steady "
-                      f"{result.steady_tokens_per_s:.1f} over {result.steady_seconds:.1f} s), p50 "
-                      f"{s['latency_p50_s']:.1f} s, TTFT p50 {s['ttft_p50_s']:.2f} s"
-                      + (f"; {result.retries} sent again on a fresh connection" if result.retries else "")
-                      + (f"; errors: {result.errors[:2]}" if result.errors else ""), flush=True)
+                print(
+                    f"[{system}] c={concurrency}: {result.ok}/{result.requests} ok, {result.generated_tokens} tokens "
+                    f"in {result.seconds:.1f} s = {result.tokens_per_s:.1f} tokens/s (steady "
+                    f"{result.steady_tokens_per_s:.1f} over {result.steady_seconds:.1f} s), p50 "
+                    f"{s['latency_p50_s']:.1f} s, TTFT p50 {s['ttft_p50_s']:.2f} s"
+                    + (f"; {result.retries} sent again on a fresh connection" if result.retries else "")
+                    + (f"; errors: {result.errors[:2]}" if result.errors else ""),
+                    flush=True,
+                )
                 tries.append(result)
             tries.sort(key=lambda r: r.tokens_per_s)
             median = tries[len(tries) // 2]
@@ -500,46 +596,77 @@ def ratios(runs: list[SystemRun], ours: str, peer: str, steady: bool = False) ->
 
 def markdown_table(runs: list[SystemRun]) -> str:
     measured = [ours for ours in OURS if any(r.system == ours and r.levels for r in runs)]
-    by_pair = {(ours, peer): (ratios(runs, ours, peer), ratios(runs, ours, peer, steady=True))
-               for ours in measured for peer in PEERS}
-    lines = ["| concurrency | system | requests ok | generated tokens | tokens/s, whole level | tokens/s, steady "
-             "| latency p50 / p99 (s) | TTFT p50 / p99 (s) | server peak RSS (MiB) | "
-             + " | ".join(f"{SYSTEMS[ours]} ÷ this (whole / steady)" for ours in measured) + " |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(measured)]
-    rows = sorted(((lv, r) for r in runs for lv in r.levels),
-                  key=lambda x: (x[0].concurrency, list(SYSTEMS).index(x[1].system)))
+    by_pair = {
+        (ours, peer): (ratios(runs, ours, peer), ratios(runs, ours, peer, steady=True))
+        for ours in measured
+        for peer in PEERS
+    }
+    lines = [
+        "| concurrency | system | requests ok | generated tokens | tokens/s, whole level | tokens/s, steady "
+        "| latency p50 / p99 (s) | TTFT p50 / p99 (s) | server peak RSS (MiB) | "
+        + " | ".join(f"{SYSTEMS[ours]} ÷ this (whole / steady)" for ours in measured)
+        + " |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(measured),
+    ]
+    rows = sorted(
+        ((lv, r) for r in runs for lv in r.levels), key=lambda x: (x[0].concurrency, list(SYSTEMS).index(x[1].system))
+    )
     for lv, r in rows:
         s = lv.summary()
         cells = []
         for ours in measured:
             whole, steady = by_pair.get((ours, r.system), ({}, {}))
-            cells.append(f"{whole[lv.concurrency]:.2f} / {steady[lv.concurrency]:.2f}"
-                         if whole.get(lv.concurrency) and steady.get(lv.concurrency) else "")
-        lines.append(f"| {lv.concurrency} | {r.label} | {lv.ok}/{lv.requests} | {lv.generated_tokens} | "
-                     f"{lv.tokens_per_s:.1f} | {lv.steady_tokens_per_s:.1f} | "
-                     f"{s['latency_p50_s']:.1f} / {s['latency_p99_s']:.1f} | "
-                     f"{s['ttft_p50_s']:.2f} / {s['ttft_p99_s']:.2f} | {r.peak_rss_mib:.0f} | "
-                     + " | ".join(cells) + " |")
+            cells.append(
+                f"{whole[lv.concurrency]:.2f} / {steady[lv.concurrency]:.2f}"
+                if whole.get(lv.concurrency) and steady.get(lv.concurrency)
+                else ""
+            )
+        lines.append(
+            f"| {lv.concurrency} | {r.label} | {lv.ok}/{lv.requests} | {lv.generated_tokens} | "
+            f"{lv.tokens_per_s:.1f} | {lv.steady_tokens_per_s:.1f} | "
+            f"{s['latency_p50_s']:.1f} / {s['latency_p99_s']:.1f} | "
+            f"{s['ttft_p50_s']:.2f} / {s['ttft_p99_s']:.2f} | {r.peak_rss_mib:.0f} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)
 
 
 def plot(runs: list[SystemRun], info: dict, path: Path) -> None:
     plt = pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    colors = {"raypaged": "tab:green", "raypaged-w8a8": "tab:olive", "transformers": "tab:gray",
-              "llama.cpp": "tab:orange"}
+    colors = {
+        "raypaged": "tab:green",
+        "raypaged-w8a8": "tab:olive",
+        "transformers": "tab:gray",
+        "llama.cpp": "tab:orange",
+    }
     for r in runs:
         if not r.levels:
             continue
         cs = [lv.concurrency for lv in r.levels]
         ax.plot(cs, [lv.tokens_per_s for lv in r.levels], "o-", color=colors[r.system], label=r.system)
-        ax2.plot(cs, [lv.summary()["latency_p50_s"] for lv in r.levels], "o-", color=colors[r.system],
-                 label=f"{r.system} p50")
-        ax2.plot(cs, [lv.summary()["latency_p99_s"] for lv in r.levels], "o--", color=colors[r.system],
-                 label=f"{r.system} p99")
+        ax2.plot(
+            cs,
+            [lv.summary()["latency_p50_s"] for lv in r.levels],
+            "o-",
+            color=colors[r.system],
+            label=f"{r.system} p50",
+        )
+        ax2.plot(
+            cs,
+            [lv.summary()["latency_p99_s"] for lv in r.levels],
+            "o--",
+            color=colors[r.system],
+            label=f"{r.system} p99",
+        )
         for lv in r.levels:
-            ax.annotate(f"{lv.tokens_per_s:.0f}", (lv.concurrency, lv.tokens_per_s), ha="center", va="bottom",
-                        xytext=(0, 3), textcoords="offset points")
+            ax.annotate(
+                f"{lv.tokens_per_s:.0f}",
+                (lv.concurrency, lv.tokens_per_s),
+                ha="center",
+                va="bottom",
+                xytext=(0, 3),
+                textcoords="offset points",
+            )
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("generated tokens/s")
     ax.set_ylim(bottom=0)
@@ -554,49 +681,71 @@ def plot(runs: list[SystemRun], info: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def build_report(runs: list[SystemRun], model_dir: Path, args: argparse.Namespace, prompt_lens: list[int],
-                 loads: dict) -> dict:
+def build_report(
+    runs: list[SystemRun], model_dir: Path, args: argparse.Namespace, prompt_lens: list[int], loads: dict
+) -> dict:
     systems = []
     for r in runs:
         entry = asdict(r)
         entry["levels"] = [asdict(lv) | lv.summary() for lv in r.levels]
         systems.append(entry)
     return {
-        "workload": {"id": "W1", "transport": "HTTP /v1/completions, streaming (SSE)", "prompt_len": PROMPT_LEN,
-                     "prompt_len_after_round_trip": [min(prompt_lens), max(prompt_lens)], "max_tokens": MAX_TOKENS,
-                     "greedy": True, "dtype": "float32", "seed": args.seed, "concurrency": args.concurrency,
-                     "requests_per_level": args.requests, "repeats": args.repeats, "quick": args.quick,
-                     "every_request_completes": True,
-                     "model": str(model_dir), "client": "one asyncio httpx process, closed loop, on the same CPUs"},
+        "workload": {
+            "id": "W1",
+            "transport": "HTTP /v1/completions, streaming (SSE)",
+            "prompt_len": PROMPT_LEN,
+            "prompt_len_after_round_trip": [min(prompt_lens), max(prompt_lens)],
+            "max_tokens": MAX_TOKENS,
+            "greedy": True,
+            "dtype": "float32",
+            "seed": args.seed,
+            "concurrency": args.concurrency,
+            "requests_per_level": args.requests,
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "every_request_completes": True,
+            "model": str(model_dir),
+            "client": "one asyncio httpx process, closed loop, on the same CPUs",
+        },
         "machine": machine_info(args.threads) | {"load_average": loads},
         "note": CONTENTION_NOTE,
         "systems": systems,
         "ratios": {
-            f"{ours}/{peer}": {"whole": {str(c): v for c, v in ratios(runs, ours, peer).items()},
-                               "steady": {str(c): v for c, v in ratios(runs, ours, peer, steady=True).items()}}
-            for ours in OURS for peer in PEERS
+            f"{ours}/{peer}": {
+                "whole": {str(c): v for c, v in ratios(runs, ours, peer).items()},
+                "steady": {str(c): v for c, v in ratios(runs, ours, peer, steady=True).items()},
+            }
+            for ours in OURS
+            for peer in PEERS
         },
     }
 
 
 def print_report(runs: list[SystemRun], report: dict) -> None:
     info, load = report["machine"], report["workload"]
-    print(f"\nW1 over HTTP: {info['cpu']}, {info['nproc']} CPUs, {info['threads']} torch threads per server, "
-          f"torch {info['torch']}, fp32, prompts {load['prompt_len_after_round_trip'][0]}–"
-          f"{load['prompt_len_after_round_trip'][1]} tokens, {MAX_TOKENS} generated each, streaming, closed loop, "
-          f"{load['repeats']} run(s) per level (median), {load['requests_per_level']} requests per level, every one "
-          "to completion\n")
+    print(
+        f"\nW1 over HTTP: {info['cpu']}, {info['nproc']} CPUs, {info['threads']} torch threads per server, "
+        f"torch {info['torch']}, fp32, prompts {load['prompt_len_after_round_trip'][0]}–"
+        f"{load['prompt_len_after_round_trip'][1]} tokens, {MAX_TOKENS} generated each, streaming, closed loop, "
+        f"{load['repeats']} run(s) per level (median), {load['requests_per_level']} requests per level, every one "
+        "to completion\n"
+    )
     print(markdown_table(runs) + "\n")
     for r in runs:
         if not r.available or r.why_not:
             print(f"{r.label}: NOT MEASURED{' completely' if r.levels else ''} — {r.why_not}")
         else:
-            kv = ", ".join(f"c={lv.concurrency}: {lv.peak_kv_usage:.1%}" for lv in r.levels
-                           if lv.peak_kv_usage is not None)
-            print(f"{r.label}: started in {r.startup_s:.0f} s, RSS after load {r.rss_after_load_mib:.0f} MiB, "
-                  f"peak {r.peak_rss_mib:.0f} MiB" + (f"; peak KV cache usage {kv}" if kv else ""))
-    print(f"load average (1/5/15 min) before {info['load_average']['before']}, after {info['load_average']['after']}"
-          f" on {info['nproc']} CPUs — {CONTENTION_NOTE}")
+            kv = ", ".join(
+                f"c={lv.concurrency}: {lv.peak_kv_usage:.1%}" for lv in r.levels if lv.peak_kv_usage is not None
+            )
+            print(
+                f"{r.label}: started in {r.startup_s:.0f} s, RSS after load {r.rss_after_load_mib:.0f} MiB, "
+                f"peak {r.peak_rss_mib:.0f} MiB" + (f"; peak KV cache usage {kv}" if kv else "")
+            )
+    print(
+        f"load average (1/5/15 min) before {info['load_average']['before']}, after {info['load_average']['after']}"
+        f" on {info['nproc']} CPUs — {CONTENTION_NOTE}"
+    )
     print(f"wall time {report['wall_seconds']:.0f} s; wrote {RESULTS_DIR}/serve_bench.json and .png")
 
 
@@ -611,8 +760,8 @@ def main() -> None:
     warmup, rest = pairs[:4], pairs[4:]
     levels = []
     for n in args.requests:  # disjoint prompts per level and repeat: no prefix-cache hits between them
-        levels.append([rest[i * n:(i + 1) * n] for i in range(args.repeats)])
-        rest = rest[n * args.repeats:]
+        levels.append([rest[i * n : (i + 1) * n] for i in range(args.repeats)])
+        rest = rest[n * args.repeats :]
     runs = [bench_system(system, model_dir, warmup, levels, args) for system in args.systems]
     loads["after"] = load_average()
     report = build_report(runs, model_dir, args, [len(i) for i in ids], loads)

@@ -60,9 +60,11 @@ VENV_BIN = Path(sys.executable).parent
 BLOCK_SIZE = 16
 STARTUP_TIMEOUT_S = 300
 NUM_WARMUP_PROMPTS = 4
-TABLE_HEADER = ("| prompts | concurrency | --max-num-seqs | offline tok/s | served tok/s | served ÷ offline "
-                "| TTFT p50 (s) | inter-chunk p50 (ms) | load avg start → end |\n"
-                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+TABLE_HEADER = (
+    "| prompts | concurrency | --max-num-seqs | offline tok/s | served tok/s | served ÷ offline "
+    "| TTFT p50 (s) | inter-chunk p50 (ms) | load avg start → end |\n"
+    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+)
 
 
 @dataclass
@@ -80,9 +82,13 @@ class ServedResult:
         return self.generated_tokens / self.seconds
 
     def summary(self) -> dict:
-        return {"tokens_per_s": self.tokens_per_s, "ttft_p50_s": percentile(self.ttft_s, 50),
-                "ttft_p99_s": percentile(self.ttft_s, 99), "inter_chunk_p50_s": percentile(self.inter_chunk_s, 50),
-                "inter_chunk_p99_s": percentile(self.inter_chunk_s, 99)}
+        return {
+            "tokens_per_s": self.tokens_per_s,
+            "ttft_p50_s": percentile(self.ttft_s, 50),
+            "ttft_p99_s": percentile(self.ttft_s, 99),
+            "inter_chunk_p50_s": percentile(self.inter_chunk_s, 50),
+            "inter_chunk_p99_s": percentile(self.inter_chunk_s, 99),
+        }
 
 
 def parse_args() -> argparse.Namespace:
@@ -94,8 +100,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="offline and served runs, alternated; medians reported")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, offline and in the server")
-    parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="set in the server's environment (repeatable)")
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set in the server's environment (repeatable)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.num_prompts = args.num_prompts or (64 if args.quick else 256)
@@ -113,11 +124,19 @@ def num_kv_blocks(args: argparse.Namespace) -> int:
 
 # ---- offline -------------------------------------------------------------------------------------------------
 def make_llm(model_dir: Path, warmup: Prompts, args: argparse.Namespace) -> LLM:
-    llm = LLM(model=str(model_dir), load_format="dummy", max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, num_gpu_blocks_override=num_kv_blocks(args),
-              enable_prefix_caching=False)
-    llm.generate([{"prompt_token_ids": ids} for ids in warmup], SamplingParams(temperature=0, max_tokens=8,
-                                                                                ignore_eos=True), use_tqdm=False)
+    llm = LLM(
+        model=str(model_dir),
+        load_format="dummy",
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        num_gpu_blocks_override=num_kv_blocks(args),
+        enable_prefix_caching=False,
+    )
+    llm.generate(
+        [{"prompt_token_ids": ids} for ids in warmup],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     return llm
 
 
@@ -127,16 +146,36 @@ def run_offline(llm: LLM, prompts: Prompts) -> dict:
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"requests": len(prompts), "generated_tokens": generated, "seconds": seconds,
-            "tokens_per_s": generated / seconds}
+    return {
+        "requests": len(prompts),
+        "generated_tokens": generated,
+        "seconds": seconds,
+        "tokens_per_s": generated / seconds,
+    }
 
 
 # ---- served --------------------------------------------------------------------------------------------------
 def server_command(model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
-    return [str(VENV_BIN / "raypaged"), "serve", "--model", str(model_dir), "--load-format", "dummy",
-            "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-            "--num-gpu-blocks-override", str(num_kv_blocks(args)), "--no-enable-prefix-caching",
-            "--disable-log-requests", "--port", str(port), "--grpc-port", str(free_port())]
+    return [
+        str(VENV_BIN / "raypaged"),
+        "serve",
+        "--model",
+        str(model_dir),
+        "--load-format",
+        "dummy",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--num-gpu-blocks-override",
+        str(num_kv_blocks(args)),
+        "--no-enable-prefix-caching",
+        "--disable-log-requests",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+    ]
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float | None, list[float], int]:
@@ -176,8 +215,15 @@ async def closed_loop(base: str, model: str, prompts: Prompts, concurrency: int,
 
         async def worker() -> None:
             while queue:
-                body = {"model": model, "prompt": queue.pop(), "max_tokens": max_tokens, "ignore_eos": True,
-                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+                body = {
+                    "model": model,
+                    "prompt": queue.pop(),
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 try:
                     ttft, gaps, tokens = await stream_one(client, url, body)
                 except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as exc:
@@ -231,8 +277,12 @@ def server_cpu_seconds(server: Server) -> float:
 def run_served(server: Server, model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> dict:
     result = asyncio.run(closed_loop(server_url(server), str(model_dir), prompts, args.concurrency, MAX_TOKENS))
     alive = server.proc.poll() is None
-    return {"alive_at_end": alive, "log_tail": server.log_tail(30) if result.errors or not alive else "",
-            **asdict(result, dict_factory=without_samples), **result.summary()}
+    return {
+        "alive_at_end": alive,
+        "log_tail": server.log_tail(30) if result.errors or not alive else "",
+        **asdict(result, dict_factory=without_samples),
+        **result.summary(),
+    }
 
 
 # ---- report --------------------------------------------------------------------------------------------------
@@ -244,16 +294,21 @@ def median_run(runs: list[dict]) -> dict:
 
 def table_row(report: dict) -> str:
     w, off, srv = report["workload"], report["offline"], report["served"]
-    return (f"| {w['num_prompts']} | {w['concurrency']} | {w['max_num_seqs']} | {off['tokens_per_s']:.0f} | "
-            f"{srv['tokens_per_s']:.0f} | {report['served_over_offline']:.0%} | {srv['ttft_p50_s']:.2f} | "
-            f"{srv['inter_chunk_p50_s'] * 1e3:.1f} | {report['load_average_start']} → {report['load_average_end']} |")
+    return (
+        f"| {w['num_prompts']} | {w['concurrency']} | {w['max_num_seqs']} | {off['tokens_per_s']:.0f} | "
+        f"{srv['tokens_per_s']:.0f} | {report['served_over_offline']:.0%} | {srv['ttft_p50_s']:.2f} | "
+        f"{srv['inter_chunk_p50_s'] * 1e3:.1f} | {report['load_average_start']} → {report['load_average_end']} |"
+    )
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    report: dict = {"machine": machine_info(args.threads), "load_average_start": load_average(),
-                    "note": CONTENTION_NOTE}
+    report: dict = {
+        "machine": machine_info(args.threads),
+        "load_average_start": load_average(),
+        "note": CONTENTION_NOTE,
+    }
     offline_runs, served_runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_model(Path(tmp))
@@ -268,9 +323,12 @@ def main() -> None:
                 offline_runs[-1]["server_cpu_s"] = server_cpu_seconds(server) - server_cpu_s  # idle: about 0
                 served_runs.append(run_served(server, model_dir, prompts, args))
                 off, srv = offline_runs[-1], served_runs[-1]
-                print(f"run {i + 1}/{args.repeats}: offline {off['tokens_per_s']:.0f} tokens/s, served "
-                      f"{srv['tokens_per_s']:.0f} ({srv['ok']}/{srv['requests']} ok) = "
-                      f"{srv['tokens_per_s'] / off['tokens_per_s']:.0%}; load {load_average()}", flush=True)
+                print(
+                    f"run {i + 1}/{args.repeats}: offline {off['tokens_per_s']:.0f} tokens/s, served "
+                    f"{srv['tokens_per_s']:.0f} ({srv['ok']}/{srv['requests']} ok) = "
+                    f"{srv['tokens_per_s'] / off['tokens_per_s']:.0%}; load {load_average()}",
+                    flush=True,
+                )
         finally:
             server_info["peak_rss_mib"] = server.peak_rss / 2**20
             server.stop()
@@ -279,25 +337,40 @@ def main() -> None:
     offline, served = median_run(offline_runs), median_run(served_runs) | server_info
     errors = [e for r in served_runs for e in r["errors"]]
     report.update(
-        workload={"model": "synthetic 1-layer Llama (engine_overhead.TINY_SHAPE), dummy weights, SmolLM2 tokenizer",
-                  "num_prompts": args.num_prompts, "prompt_len": PROMPT_LEN, "max_tokens": MAX_TOKENS,
-                  "greedy": True, "ignore_eos": True, "concurrency": args.concurrency,
-                  "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
-                  "num_gpu_blocks_override": num_kv_blocks(args), "enable_prefix_caching": False,
-                  "repeats": args.repeats, "quick": args.quick, "seed": args.seed,
-                  "client": "one asyncio httpx process, closed loop, streaming /v1/completions, on the same CPUs"},
-        offline=offline, served=served, served_over_offline=served["tokens_per_s"] / offline["tokens_per_s"],
-        served_over_offline_runs=[s["tokens_per_s"] / o["tokens_per_s"] for o, s in zip(offline_runs, served_runs)])
+        workload={
+            "model": "synthetic 1-layer Llama (engine_overhead.TINY_SHAPE), dummy weights, SmolLM2 tokenizer",
+            "num_prompts": args.num_prompts,
+            "prompt_len": PROMPT_LEN,
+            "max_tokens": MAX_TOKENS,
+            "greedy": True,
+            "ignore_eos": True,
+            "concurrency": args.concurrency,
+            "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len,
+            "num_gpu_blocks_override": num_kv_blocks(args),
+            "enable_prefix_caching": False,
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "seed": args.seed,
+            "client": "one asyncio httpx process, closed loop, streaming /v1/completions, on the same CPUs",
+        },
+        offline=offline,
+        served=served,
+        served_over_offline=served["tokens_per_s"] / offline["tokens_per_s"],
+        served_over_offline_runs=[s["tokens_per_s"] / o["tokens_per_s"] for o, s in zip(offline_runs, served_runs)],
+    )
     path = write_json("serving_overhead", report)
     ratios = ", ".join(f"{r:.0%}" for r in report["served_over_offline_runs"])
     env = f" (server env {args.server_env})" if args.server_env else ""
-    print(f"served {served['tokens_per_s']:.0f} tokens/s ({sum(r['ok'] for r in served_runs)}/"
-          f"{sum(r['requests'] for r in served_runs)} ok{', errors: ' + str(errors[:2]) if errors else ''}) vs offline "
-          f"{offline['tokens_per_s']:.0f} = {report['served_over_offline']:.0%} (medians of {args.repeats}; per run "
-          f"{ratios}) at concurrency {args.concurrency}, --max-num-seqs {args.max_num_seqs}{env}; TTFT p50 "
-          f"{served['ttft_p50_s']:.2f} s, inter-chunk p50 {served['inter_chunk_p50_s'] * 1e3:.1f} ms; load "
-          f"{report['load_average_start']} → {report['load_average_end']} on {report['machine']['nproc']} CPUs; "
-          f"wrote {path}")
+    print(
+        f"served {served['tokens_per_s']:.0f} tokens/s ({sum(r['ok'] for r in served_runs)}/"
+        f"{sum(r['requests'] for r in served_runs)} ok{', errors: ' + str(errors[:2]) if errors else ''}) vs offline "
+        f"{offline['tokens_per_s']:.0f} = {report['served_over_offline']:.0%} (medians of {args.repeats}; per run "
+        f"{ratios}) at concurrency {args.concurrency}, --max-num-seqs {args.max_num_seqs}{env}; TTFT p50 "
+        f"{served['ttft_p50_s']:.2f} s, inter-chunk p50 {served['inter_chunk_p50_s'] * 1e3:.1f} ms; load "
+        f"{report['load_average_start']} → {report['load_average_end']} on {report['machine']['nproc']} CPUs; "
+        f"wrote {path}"
+    )
     print(TABLE_HEADER)
     print(table_row(report))
 

@@ -53,8 +53,11 @@ from raypaged.model.default_model import default_model_dir
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="smaller request counts (W3 80 requests, W5 1 prompt, W4 6 requests at concurrency 3)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller request counts (W3 80 requests, W5 1 prompt, W4 6 requests at concurrency 3)",
+    )
     parser.add_argument("--w3-requests", type=int, help="W3 requests in all (240; 80 quick)")
     parser.add_argument("--w3-concurrency", type=int, default=80)
     parser.add_argument("--w5-prompts", type=int, help="W5 prompts (8; 1 quick)")
@@ -78,8 +81,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_llm(args: argparse.Namespace, prefix_caching: bool) -> LLM:
-    return LLM(dtype="float32", kv_cache_space=args.kv_cache_gib, enable_prefix_caching=prefix_caching,
-               seed=args.seed)
+    return LLM(dtype="float32", kv_cache_space=args.kv_cache_gib, enable_prefix_caching=prefix_caching, seed=args.seed)
 
 
 def used_blocks(llm: LLM) -> int:
@@ -87,8 +89,9 @@ def used_blocks(llm: LLM) -> int:
     return int(stats["num_gpu_blocks_total"] - stats["num_gpu_blocks_free"])
 
 
-def closed_loop(llm: LLM, prompts: Prompts, params: SamplingParams, concurrency: int,
-                on_step: Callable[[LLM], None] | None = None) -> dict:
+def closed_loop(
+    llm: LLM, prompts: Prompts, params: SamplingParams, concurrency: int, on_step: Callable[[LLM], None] | None = None
+) -> dict:
     """Keep ``concurrency`` requests in flight until ``prompts`` run out; per request: seconds to first token and
     to finish; ``on_step`` after every step."""
     engine = llm.llm_engine
@@ -119,8 +122,15 @@ def closed_loop(llm: LLM, prompts: Prompts, params: SamplingParams, concurrency:
             on_step(llm)
         top_up()
     seconds = time.perf_counter() - start
-    return {"requests": len(done), "steps": steps, "seconds": seconds, "generated_tokens": generated,
-            "tokens_per_s": generated / seconds, "ttft_s": list(first.values()), "latency_s": list(done.values())}
+    return {
+        "requests": len(done),
+        "steps": steps,
+        "seconds": seconds,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / seconds,
+        "ttft_s": list(first.values()),
+        "latency_s": list(done.values()),
+    }
 
 
 # ---- W3 -----------------------------------------------------------------------------------------------------
@@ -139,8 +149,14 @@ def bench_w3(llm: LLM, model_dir: Path, args: argparse.Namespace) -> dict:
         for r in running:
             blocks_reached[r.request_id] = max(blocks_reached.get(r.request_id, 0), len(kv.get_block_ids(r.request_id)))
         if used:
-            samples.append({"running": len(running), "live_tokens": live, "used_blocks": used,
-                            "efficiency": live / (used * block_size)})
+            samples.append(
+                {
+                    "running": len(running),
+                    "live_tokens": live,
+                    "used_blocks": used,
+                    "efficiency": live / (used * block_size),
+                }
+            )
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     run = closed_loop(llm, prompts, params, args.w3_concurrency, sample)
@@ -222,7 +238,10 @@ def bench_w5(llm: LLM, model_dir: Path, args: argparse.Namespace) -> dict:
     copies, copies_s, copies_gen = peak_blocks(llm, add_copies)
     prompt_blocks = math.ceil(500 / block_size)
     result = {
-        "prompts": len(prompts), "prompt_tokens": 500, "generated_per_sample": tokens, "block_size": block_size,
+        "prompts": len(prompts),
+        "prompt_tokens": 500,
+        "generated_per_sample": tokens,
+        "block_size": block_size,
         "prefix_caching": False,
         "n4": {"peak_blocks": shared, "seconds": shared_s, "generated_tokens": shared_gen},
         "four_copies": {"peak_blocks": copies, "seconds": copies_s, "generated_tokens": copies_gen},
@@ -250,8 +269,11 @@ def bench_w5(llm: LLM, model_dir: Path, args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         try:
             llm.beam_search([{"prompt_token_ids": p} for p in prompts], params_cls(beam_width=4, max_tokens=tokens))
-            result["beam4"] = {"peak_blocks": peak[0], "seconds": time.perf_counter() - start,
-                               "ratio_over_copies": peak[0] / copies}
+            result["beam4"] = {
+                "peak_blocks": peak[0],
+                "seconds": time.perf_counter() - start,
+                "ratio_over_copies": peak[0] / copies,
+            }
         except Exception as exc:  # an API of another shape than vLLM's: report, do not fail the benchmark
             result["beam4"] = {"skipped": f"beam_search failed: {type(exc).__name__}: {exc}"}
         finally:
@@ -273,8 +295,9 @@ def w4_prompts(model_dir: Path, args: argparse.Namespace) -> tuple[Prompts, list
 
 def bench_w4(llm: LLM, prompts: Prompts, warmup: list[int], args: argparse.Namespace) -> dict:
     # warm-up (both settings alike): with prefix caching this leaves the system prompt cached, as on a live server
-    llm.generate([{"prompt_token_ids": warmup}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": warmup}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     before = llm.stats()
     params = SamplingParams(temperature=0, max_tokens=args.w4_tokens, ignore_eos=True)
     run = closed_loop(llm, prompts, params, args.w4_concurrency)
@@ -282,57 +305,83 @@ def bench_w4(llm: LLM, prompts: Prompts, warmup: list[int], args: argparse.Names
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     prompt_tokens = sum(map(len, prompts))
-    return {"requests": run["requests"], "seconds": run["seconds"], "generated_tokens": run["generated_tokens"],
-            "tokens_per_s": run["tokens_per_s"], "requests_per_s": run["requests"] / run["seconds"],
-            "prompt_tokens": prompt_tokens,
-            "ttft_p50_s": percentile(run["ttft_s"], 50), "ttft_p99_s": percentile(run["ttft_s"], 99),
-            "ttft_mean_s": statistics.mean(run["ttft_s"]), "latency_p50_s": percentile(run["latency_s"], 50),
-            "prefix_cache_queries": int(queries), "prefix_cache_hits": int(hits),
-            "hit_rate": hits / queries if queries else 0.0}
+    return {
+        "requests": run["requests"],
+        "seconds": run["seconds"],
+        "generated_tokens": run["generated_tokens"],
+        "tokens_per_s": run["tokens_per_s"],
+        "requests_per_s": run["requests"] / run["seconds"],
+        "prompt_tokens": prompt_tokens,
+        "ttft_p50_s": percentile(run["ttft_s"], 50),
+        "ttft_p99_s": percentile(run["ttft_s"], 99),
+        "ttft_mean_s": statistics.mean(run["ttft_s"]),
+        "latency_p50_s": percentile(run["latency_s"], 50),
+        "prefix_cache_queries": int(queries),
+        "prefix_cache_hits": int(hits),
+        "hit_rate": hits / queries if queries else 0.0,
+    }
 
 
 # ---- report -------------------------------------------------------------------------------------------------
 def tables(report: dict) -> str:
     w3, w5, w4 = report["w3"], report["w5"], report["w4"]
-    out = [f"W3 — KV memory efficiency, {w3['run']['requests']} W1 requests at concurrency "
-           f"{report['workload']['w3_concurrency']} ({w3['steps_sampled']} steps sampled, "
-           f"{w3['preemptions']} preemptions)", "",
-           "| measure | value |", "| --- | ---: |",
-           f"| live tokens / allocated block capacity, mean over steps | {w3['efficiency_mean']:.1%} |",
-           f"| same, steps with {report['workload']['w3_concurrency']} requests running "
-           f"({w3['steps_at_full_concurrency']} steps) | {w3['efficiency_at_full_concurrency_mean']:.1%} |",
-           f"| same, worst step | {w3['efficiency_min']:.1%} |",
-           f"| peak blocks used / budget | {w3['peak_used_blocks']} / {w3['kv_budget_blocks']} |",
-           f"| KV budget ({report['workload']['kv_cache_gib']} GiB) | {w3['kv_budget_tokens']:,} tokens |",
-           f"| sequences that fit, paged ({w3['mean_blocks_per_request']:.1f} blocks each on average) "
-           f"| {w3['fit_paged']:,} |",
-           f"| sequences that fit, contiguous at max_model_len {w3['max_model_len']} "
-           f"| {w3['fit_contiguous_max_model_len']:,} |",
-           "| sequences that fit, contiguous at prompt + max_tokens "
-           f"| {w3['fit_contiguous_prompt_plus_max_tokens']:,} |",
-           f"| W3 run throughput | {w3['run']['tokens_per_s']:.1f} tokens/s |", ""]
-    out += [f"W5 — parallel sampling, {w5['prompts']} prompts of 500 tokens, {w5['generated_per_sample']} tokens per "
-            "sample, prefix caching off", "",
-            "| system | peak KV blocks | expected | ratio to 4 copies | seconds |",
-            "| --- | ---: | ---: | ---: | ---: |",
-            f"| 4 independent requests per prompt | {w5['four_copies']['peak_blocks']} | "
-            f"{w5['expected_copies_per_prompt'] * w5['prompts']} | 1.00 | {w5['four_copies']['seconds']:.1f} |",
-            f"| n=4 (fork + copy-on-write) | {w5['n4']['peak_blocks']} | "
-            f"{w5['expected_n4_per_prompt'] * w5['prompts']} "
-            f"| {w5['ratio_n4_over_copies']:.2f} | {w5['n4']['seconds']:.1f} |"]
+    out = [
+        f"W3 — KV memory efficiency, {w3['run']['requests']} W1 requests at concurrency "
+        f"{report['workload']['w3_concurrency']} ({w3['steps_sampled']} steps sampled, "
+        f"{w3['preemptions']} preemptions)",
+        "",
+        "| measure | value |",
+        "| --- | ---: |",
+        f"| live tokens / allocated block capacity, mean over steps | {w3['efficiency_mean']:.1%} |",
+        f"| same, steps with {report['workload']['w3_concurrency']} requests running "
+        f"({w3['steps_at_full_concurrency']} steps) | {w3['efficiency_at_full_concurrency_mean']:.1%} |",
+        f"| same, worst step | {w3['efficiency_min']:.1%} |",
+        f"| peak blocks used / budget | {w3['peak_used_blocks']} / {w3['kv_budget_blocks']} |",
+        f"| KV budget ({report['workload']['kv_cache_gib']} GiB) | {w3['kv_budget_tokens']:,} tokens |",
+        f"| sequences that fit, paged ({w3['mean_blocks_per_request']:.1f} blocks each on average) "
+        f"| {w3['fit_paged']:,} |",
+        f"| sequences that fit, contiguous at max_model_len {w3['max_model_len']} "
+        f"| {w3['fit_contiguous_max_model_len']:,} |",
+        f"| sequences that fit, contiguous at prompt + max_tokens | {w3['fit_contiguous_prompt_plus_max_tokens']:,} |",
+        f"| W3 run throughput | {w3['run']['tokens_per_s']:.1f} tokens/s |",
+        "",
+    ]
+    out += [
+        f"W5 — parallel sampling, {w5['prompts']} prompts of 500 tokens, {w5['generated_per_sample']} tokens per "
+        "sample, prefix caching off",
+        "",
+        "| system | peak KV blocks | expected | ratio to 4 copies | seconds |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        f"| 4 independent requests per prompt | {w5['four_copies']['peak_blocks']} | "
+        f"{w5['expected_copies_per_prompt'] * w5['prompts']} | 1.00 | {w5['four_copies']['seconds']:.1f} |",
+        f"| n=4 (fork + copy-on-write) | {w5['n4']['peak_blocks']} | "
+        f"{w5['expected_n4_per_prompt'] * w5['prompts']} "
+        f"| {w5['ratio_n4_over_copies']:.2f} | {w5['n4']['seconds']:.1f} |",
+    ]
     beam = w5["beam4"]
-    out.append(f"| beam width 4 | {beam['peak_blocks']} | | {beam['ratio_over_copies']:.2f} | {beam['seconds']:.1f} |"
-               if "peak_blocks" in beam else f"| beam width 4 | not measured: {beam['skipped']} | | | |")
-    out += ["", f"W4 — shared prefix, 1,000-token system prompt + 20–60 token turns, {w4['on']['requests']} requests, "
-            f"concurrency {report['workload']['w4_concurrency']}, {report['workload']['w4_tokens']} tokens each", "",
-            "| prefix caching | TTFT p50 / p99 (s) | generated tokens/s | requests/s | prefix cache hit rate |",
-            "| --- | ---: | ---: | ---: | ---: |"]
+    out.append(
+        f"| beam width 4 | {beam['peak_blocks']} | | {beam['ratio_over_copies']:.2f} | {beam['seconds']:.1f} |"
+        if "peak_blocks" in beam
+        else f"| beam width 4 | not measured: {beam['skipped']} | | | |"
+    )
+    out += [
+        "",
+        f"W4 — shared prefix, 1,000-token system prompt + 20–60 token turns, {w4['on']['requests']} requests, "
+        f"concurrency {report['workload']['w4_concurrency']}, {report['workload']['w4_tokens']} tokens each",
+        "",
+        "| prefix caching | TTFT p50 / p99 (s) | generated tokens/s | requests/s | prefix cache hit rate |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for key in ("off", "on"):
         r = w4[key]
-        out.append(f"| {key} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['tokens_per_s']:.1f} | "
-                   f"{r['requests_per_s']:.2f} | {r['hit_rate']:.1%} |")
-    out.append(f"| on ÷ off | TTFT p50 ×{w4['on']['ttft_p50_s'] / w4['off']['ttft_p50_s']:.2f} | "
-               f"×{w4['on']['tokens_per_s'] / w4['off']['tokens_per_s']:.2f} | | |")
+        out.append(
+            f"| {key} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"{r['requests_per_s']:.2f} | {r['hit_rate']:.1%} |"
+        )
+    out.append(
+        f"| on ÷ off | TTFT p50 ×{w4['on']['ttft_p50_s'] / w4['off']['ttft_p50_s']:.2f} | "
+        f"×{w4['on']['tokens_per_s'] / w4['off']['tokens_per_s']:.2f} | | |"
+    )
     return "\n".join(out)
 
 
@@ -349,13 +398,17 @@ def plot(report: dict, path: Path) -> None:
     ax2 = ax.twinx()
     ax2.plot(range(len(eff)), [s["running"] for s in w3["samples"]], color="tab:gray", lw=0.8, label="running")
     ax2.set_ylabel("running sequences")
-    ax.set_title(f"W3: mean {w3['efficiency_mean']:.1%}; fit {w3['fit_paged']} paged vs "
-                 f"{w3['fit_contiguous_max_model_len']} contiguous", fontsize=9)
+    ax.set_title(
+        f"W3: mean {w3['efficiency_mean']:.1%}; fit {w3['fit_paged']} paged vs "
+        f"{w3['fit_contiguous_max_model_len']} contiguous",
+        fontsize=9,
+    )
     ax = axes[1]
     labels = ["4 copies", "n=4"] + (["beam 4"] if "peak_blocks" in w5["beam4"] else [])
     values = [w5["four_copies"]["peak_blocks"], w5["n4"]["peak_blocks"]] + (
-        [w5["beam4"]["peak_blocks"]] if "peak_blocks" in w5["beam4"] else [])
-    ax.bar(labels, values, color=["tab:gray", "tab:green", "tab:olive"][:len(values)])
+        [w5["beam4"]["peak_blocks"]] if "peak_blocks" in w5["beam4"] else []
+    )
+    ax.bar(labels, values, color=["tab:gray", "tab:green", "tab:olive"][: len(values)])
     for i, v in enumerate(values):
         ax.annotate(str(v), (i, v), ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")
     ax.set_ylabel("peak KV blocks")
@@ -366,8 +419,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xticks(xs, ["prefix cache off", "prefix cache on"])
     ax.set_ylabel("TTFT p50 (s)")
     ax3 = ax.twinx()
-    ax3.bar(xs + 0.2, [w4["off"]["tokens_per_s"], w4["on"]["tokens_per_s"]], 0.4, color="tab:orange",
-            label="tokens/s")
+    ax3.bar(xs + 0.2, [w4["off"]["tokens_per_s"], w4["on"]["tokens_per_s"]], 0.4, color="tab:orange", label="tokens/s")
     ax3.set_ylabel("generated tokens/s")
     ax.set_title("W4: 1,000-token shared system prompt", fontsize=9)
     fig.legend(loc="lower center", ncol=4, fontsize=8)
@@ -388,8 +440,11 @@ def main() -> None:
 
     llm = make_llm(args, prefix_caching=False)
     # warm-up
-    llm.generate([{"prompt_token_ids": p} for p in build_prompts(model_dir, 2, args.seed + 99)],
-                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": p} for p in build_prompts(model_dir, 2, args.seed + 99)],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     t = time.perf_counter()
     w3 = bench_w3(llm, model_dir, args)
     timings["w3"] = time.perf_counter() - t
@@ -410,27 +465,46 @@ def main() -> None:
     del llm
     loads["after"] = load_average()
     report = {
-        "workload": {"ids": ["W3", "W4", "W5"], "dtype": "float32", "seed": args.seed, "quick": args.quick,
-                     "model": str(model_dir), "kv_cache_gib": args.kv_cache_gib,
-                     "w3_requests": args.w3_requests, "w3_concurrency": args.w3_concurrency,
-                     "w3_prompt_len": PROMPT_LEN, "w3_max_tokens": MAX_TOKENS, "w3_prefix_caching": False,
-                     "w5_prompts": args.w5_prompts, "w5_tokens": args.w5_tokens,
-                     "w4_requests": args.w4_requests, "w4_concurrency": args.w4_concurrency,
-                     "w4_tokens": args.w4_tokens, "w4_system_prompt_tokens": 1000, "w4_turn_tokens": [20, 60]},
+        "workload": {
+            "ids": ["W3", "W4", "W5"],
+            "dtype": "float32",
+            "seed": args.seed,
+            "quick": args.quick,
+            "model": str(model_dir),
+            "kv_cache_gib": args.kv_cache_gib,
+            "w3_requests": args.w3_requests,
+            "w3_concurrency": args.w3_concurrency,
+            "w3_prompt_len": PROMPT_LEN,
+            "w3_max_tokens": MAX_TOKENS,
+            "w3_prefix_caching": False,
+            "w5_prompts": args.w5_prompts,
+            "w5_tokens": args.w5_tokens,
+            "w4_requests": args.w4_requests,
+            "w4_concurrency": args.w4_concurrency,
+            "w4_tokens": args.w4_tokens,
+            "w4_system_prompt_tokens": 1000,
+            "w4_turn_tokens": [20, 60],
+        },
         "machine": machine_info(args.threads) | {"load_average": loads},
         "note": CONTENTION_NOTE,
         "seconds": timings,
-        "w3": w3, "w5": w5, "w4": w4,
+        "w3": w3,
+        "w5": w5,
+        "w4": w4,
     }
     report["wall_seconds"] = time.perf_counter() - started
     write_json("sharing_bench", report)
     plot(report, RESULTS_DIR / "sharing_bench.png")
     info = report["machine"]
-    print(f"\nKV sharing: {info['cpu']}, {info['nproc']} CPUs, {info['threads']} threads, torch {info['torch']}, fp32, "
-          f"block size {w3['block_size']}\n")
+    print(
+        f"\nKV sharing: {info['cpu']}, {info['nproc']} CPUs, {info['threads']} threads, torch {info['torch']}, fp32, "
+        f"block size {w3['block_size']}\n"
+    )
     print(tables(report) + "\n")
-    print(f"load average (1/5/15 min) before {loads['before']}, after {loads['after']} on {info['nproc']} CPUs — "
-          f"{CONTENTION_NOTE}")
+    print(
+        f"load average (1/5/15 min) before {loads['before']}, after {loads['after']} on {info['nproc']} CPUs — "
+        f"{CONTENTION_NOTE}"
+    )
     print(f"wall time {report['wall_seconds']:.0f} s; wrote {RESULTS_DIR}/sharing_bench.json and .png")
 
 

@@ -60,8 +60,17 @@ def _per_response(tokenizer, messages_of, num_top: int, calls: int) -> Callable[
 
 
 def _per_request(calls: int) -> Callable[[], float]:
-    body = CompletionRequest.model_validate({"model": "m", "prompt": "hello", "max_tokens": 100, "temperature": 0.7,
-                                             "top_p": 0.9, "stop": ["\n\n"], "seed": 3})
+    body = CompletionRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": "hello",
+            "max_tokens": 100,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "stop": ["\n\n"],
+            "seed": 3,
+        }
+    )
     limits = InputLimits()
 
     def run() -> float:
@@ -80,9 +89,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-    variants = {f"{label}, {form}": _per_response(tokenizer, module, num_top, args.calls)
-                for label, num_top in (("1 token", 0), ("1 token + 5 top logprobs", 5))
-                for form, module in FORMS.items()}
+    variants = {
+        f"{label}, {form}": _per_response(tokenizer, module, num_top, args.calls)
+        for label, num_top in (("1 token", 0), ("1 token + 5 top logprobs", 5))
+        for form, module in FORMS.items()
+    }
     variants["GenerateRequest built + read (once per request)"] = _per_request(args.calls)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.passes):

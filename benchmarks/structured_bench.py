@@ -50,22 +50,44 @@ NUM_SEQS = 32
 MAX_TOKENS = 14
 MAX_MODEL_LEN = 256
 # the 16 schemas whose greedy SmolLM2 outputs take more than MAX_TOKENS tokens with PROMPT
-CONSTRAINED = ("uuid", "objects_array", "ref", "nested", "const", "variants", "optional", "closed",
-               "nullable", "date", "integer_range", "deep", "enum_array", "any_of", "person", "booleans")
+CONSTRAINED = (
+    "uuid",
+    "objects_array",
+    "ref",
+    "nested",
+    "const",
+    "variants",
+    "optional",
+    "closed",
+    "nullable",
+    "date",
+    "integer_range",
+    "deep",
+    "enum_array",
+    "any_of",
+    "person",
+    "booleans",
+)
 PROMPT = "Answer in JSON: an example of {}."
 FREE_PROMPT = "Write a few sentences about {}."
 PUBLISHED = [
-    {"source": "vLLM blog, Structured Decoding in vLLM: a gentle introduction (2025-01-14)",
-     "url": "https://blog.vllm.ai/2025/01/14/struct-decode-intro.html",
-     "finding": "XGrammar in vLLM V0: up to 5x lower TPOT under load than the outlines backend; "
-                "a comparison between backends, not against unconstrained decoding"},
-    {"source": "vLLM PR 24300, overlapping the grammar bitmask with the forward pass",
-     "url": "https://github.com/vllm-project/vllm/pull/24300",
-     "finding": "Qwen3-8B, benchmark_serving_structured_output.py, xgrammar_bench, 100 prompts: request throughput "
-                "18.47 -> 24.29 req/s (+31.5%), mean TPOT -21%, once mask filling no longer blocks the step"},
+    {
+        "source": "vLLM blog, Structured Decoding in vLLM: a gentle introduction (2025-01-14)",
+        "url": "https://blog.vllm.ai/2025/01/14/struct-decode-intro.html",
+        "finding": "XGrammar in vLLM V0: up to 5x lower TPOT under load than the outlines backend; "
+        "a comparison between backends, not against unconstrained decoding",
+    },
+    {
+        "source": "vLLM PR 24300, overlapping the grammar bitmask with the forward pass",
+        "url": "https://github.com/vllm-project/vllm/pull/24300",
+        "finding": "Qwen3-8B, benchmark_serving_structured_output.py, xgrammar_bench, 100 prompts: request throughput "
+        "18.47 -> 24.29 req/s (+31.5%), mean TPOT -21%, once mask filling no longer blocks the step",
+    },
 ]
-PUBLISHED_NOTE = ("no vLLM documentation or blog found that states the step/TPOT overhead of structured outputs "
-                  "against the same unconstrained batch; the published figures found are relative ones")
+PUBLISHED_NOTE = (
+    "no vLLM documentation or blog found that states the step/TPOT overhead of structured outputs "
+    "against the same unconstrained batch; the published figures found are relative ones"
+)
 
 
 class HostTimer:
@@ -105,16 +127,22 @@ class HostTimer:
 
 def chat_ids(engine: LLMEngine, text: str) -> list[int]:
     tokenizer = engine.tokenizer
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 def make_engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=str(default_model_dir()), dtype="float32", max_num_seqs=NUM_SEQS, max_model_len=MAX_MODEL_LEN,
-        num_gpu_blocks_override=NUM_SEQS * -(-MAX_MODEL_LEN // 16) + 8,
-    ))
+    return LLMEngine(
+        EngineConfig(
+            model=str(default_model_dir()),
+            dtype="float32",
+            max_num_seqs=NUM_SEQS,
+            max_model_len=MAX_MODEL_LEN,
+            num_gpu_blocks_override=NUM_SEQS * -(-MAX_MODEL_LEN // 16) + 8,
+        )
+    )
 
 
 def add_requests(engine: LLMEngine, round_index: int, constrained: bool) -> list[str]:
@@ -126,12 +154,17 @@ def add_requests(engine: LLMEngine, round_index: int, constrained: bool) -> list
         name = names[i // 2]
         request_id = f"r{round_index}-{i}"
         if i % 2 == 0 and constrained:
-            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, output_kind=RequestOutputKind.DELTA,
-                                    structured_outputs=StructuredOutputsParams(json=SCHEMAS[name]))
+            params = SamplingParams(
+                temperature=0,
+                max_tokens=MAX_TOKENS,
+                output_kind=RequestOutputKind.DELTA,
+                structured_outputs=StructuredOutputsParams(json=SCHEMAS[name]),
+            )
             constrained_ids.append(request_id)
         else:
-            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                    output_kind=RequestOutputKind.DELTA)
+            params = SamplingParams(
+                temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+            )
         text = (PROMPT if i % 2 == 0 else FREE_PROMPT).format(name.replace("_", " "))
         engine.add_request(None, params, request_id=request_id, prompt_token_ids=chat_ids(engine, text))
     return constrained_ids
@@ -178,8 +211,9 @@ def lockstep(plain: LLMEngine, constrained: LLMEngine, num_rounds: int, log: Log
         step = 0
         while plain.has_unfinished_requests() or constrained.has_unfinished_requests():
             order = (plain, constrained) if step % 2 == 0 else (constrained, plain)
-            times = {id(engine): timed_step(engine, reasons) if engine.has_unfinished_requests() else 0.0
-                     for engine in order}
+            times = {
+                id(engine): timed_step(engine, reasons) if engine.has_unfinished_requests() else 0.0 for engine in order
+            }
             host = timer.take()
             if plain_full() and constrained_full():
                 round_pairs.append((times[id(plain)], times[id(constrained)], host))
@@ -188,17 +222,28 @@ def lockstep(plain: LLMEngine, constrained: LLMEngine, num_rounds: int, log: Log
             step += 1
         early = [rid for rid in constrained_ids if reasons.get(rid) != "length"]
         if round_index == 0:
-            log(f"warm-up round: {len(round_pairs)} full decode steps; constrained rows that ended before "
-                f"max_tokens: {len(early)}")
+            log(
+                f"warm-up round: {len(round_pairs)} full decode steps; constrained rows that ended before "
+                f"max_tokens: {len(early)}"
+            )
             continue
         num_early += len(early)
         pairs += round_pairs
         plain_ms = statistics.mean(p for p, _, _ in round_pairs) * 1e3
         constrained_ms = statistics.mean(c for _, c, _ in round_pairs) * 1e3
-        rounds.append({"steps": len(round_pairs), "plain_ms": plain_ms, "constrained_ms": constrained_ms,
-                       "ratio": constrained_ms / plain_ms, "constrained_ended_early": len(early)})
-        log(f"round {round_index:2d}: {len(round_pairs)} steps, plain {plain_ms:6.1f} ms, constrained "
-            f"{constrained_ms:6.1f} ms ({constrained_ms / plain_ms - 1:+.1%})")
+        rounds.append(
+            {
+                "steps": len(round_pairs),
+                "plain_ms": plain_ms,
+                "constrained_ms": constrained_ms,
+                "ratio": constrained_ms / plain_ms,
+                "constrained_ended_early": len(early),
+            }
+        )
+        log(
+            f"round {round_index:2d}: {len(round_pairs)} steps, plain {plain_ms:6.1f} ms, constrained "
+            f"{constrained_ms:6.1f} ms ({constrained_ms / plain_ms - 1:+.1%})"
+        )
     plain_mean = statistics.mean(p for p, _, _ in pairs) * 1e3
     constrained_mean = statistics.mean(c for _, c, _ in pairs) * 1e3
     host = {part: statistics.mean(h[part] for _, _, h in pairs) * 1e3 for part in HostTimer.PARTS}
@@ -206,15 +251,22 @@ def lockstep(plain: LLMEngine, constrained: LLMEngine, num_rounds: int, log: Log
     step_ratios = [c / p for p, c, _ in pairs]
     round_ratios = [r["ratio"] for r in rounds]
     result = {
-        "num_seqs": NUM_SEQS, "num_constrained": len(CONSTRAINED), "max_tokens": MAX_TOKENS,
-        "schemas": list(CONSTRAINED), "measured_steps": len(pairs), "steps_left_out": num_left_out,
+        "num_seqs": NUM_SEQS,
+        "num_constrained": len(CONSTRAINED),
+        "max_tokens": MAX_TOKENS,
+        "schemas": list(CONSTRAINED),
+        "measured_steps": len(pairs),
+        "steps_left_out": num_left_out,
         "constrained_ended_early": num_early,
-        "plain_step_ms": plain_mean, "constrained_step_ms": constrained_mean,
-        "plain_ms_per_token": plain_mean / NUM_SEQS, "constrained_ms_per_token": constrained_mean / NUM_SEQS,
+        "plain_step_ms": plain_mean,
+        "constrained_step_ms": constrained_mean,
+        "plain_ms_per_token": plain_mean / NUM_SEQS,
+        "constrained_ms_per_token": constrained_mean / NUM_SEQS,
         "overhead": constrained_mean / plain_mean - 1,
         "overhead_median_of_step_ratios": statistics.median(step_ratios) - 1,
         "overhead_round_min_max": [min(round_ratios) - 1, max(round_ratios) - 1],
-        "host_ms_per_step": host, "host_total_ms_per_step": host_total,
+        "host_ms_per_step": host,
+        "host_total_ms_per_step": host_total,
         "host_share_of_plain_step": host_total / plain_mean,
         "fill_us_per_constrained_row": host["fill"] / len(CONSTRAINED) * 1e3,
         "advance_us_per_constrained_row": host["advance"] / len(CONSTRAINED) * 1e3,
@@ -248,10 +300,15 @@ def time_appliers(bitmask: torch.Tensor, rows: list[int], vocab: int, repeats: i
             samples[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(values) * 1e6 for name, values in samples.items()}
     allowed = int(sum(bin(v & 0xFFFFFFFF).count("1") for v in bitmask.flatten().tolist()))
-    return {"logits_shape": [NUM_SEQS, vocab], "masked_rows": len(rows), "repeats": repeats,
-            "allowed_tokens_per_masked_row": allowed / len(rows),
-            "us": medians, "raypaged_over_xgrammar": medians["raypaged"] / medians["xgrammar_cpu"],
-            "same_result": bool(torch.equal(ours, theirs))}
+    return {
+        "logits_shape": [NUM_SEQS, vocab],
+        "masked_rows": len(rows),
+        "repeats": repeats,
+        "allowed_tokens_per_masked_row": allowed / len(rows),
+        "us": medians,
+        "raypaged_over_xgrammar": medians["raypaged"] / medians["xgrammar_cpu"],
+        "same_result": bool(torch.equal(ours, theirs)),
+    }
 
 
 def time_compiles(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> dict:
@@ -272,11 +329,18 @@ def time_compiles(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> dict
         per_schema[name] = {"cold_ms": times[0], "cached_ms": times[1]}
     cold = [t["cold_ms"] for t in per_schema.values()]
     cached = [t["cached_ms"] for t in per_schema.values()]
-    return {"tokenizer_info_and_compiler_ms": tokenizer_info_and_compiler_ms, "num_schemas": len(per_schema),
-            "cold_ms": {"median": statistics.median(cold), "mean": statistics.mean(cold), "max": max(cold),
-                        "total": sum(cold)},
-            "cached_us": {"median": statistics.median(cached) * 1e3, "max": max(cached) * 1e3},
-            "per_schema": per_schema}
+    return {
+        "tokenizer_info_and_compiler_ms": tokenizer_info_and_compiler_ms,
+        "num_schemas": len(per_schema),
+        "cold_ms": {
+            "median": statistics.median(cold),
+            "mean": statistics.mean(cold),
+            "max": max(cold),
+            "total": sum(cold),
+        },
+        "cached_us": {"median": statistics.median(cached) * 1e3, "max": max(cached) * 1e3},
+        "per_schema": per_schema,
+    }
 
 
 def plot(steps: dict, path: Path) -> None:
@@ -301,52 +365,76 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds of 32 requests (12; 3 with --quick)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: a second core is often busy here, and two threads then stall)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: a second core is often busy here, and two threads then stall)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     num_rounds = args.rounds or (3 if args.quick else 12)
     log = Log()
-    report: dict = {"machine": machine_info(args.threads), "load_average_start": load_average(),
-                    "note": CONTENTION_NOTE, "model": default_model_dir().name, "quick": args.quick}
-    log(f"{report['model']} fp32, torch threads {args.threads}, batch {NUM_SEQS} ({len(CONSTRAINED)} constrained), "
-        f"max_tokens {MAX_TOKENS}, {num_rounds} rounds; load {report['load_average_start']}")
+    report: dict = {
+        "machine": machine_info(args.threads),
+        "load_average_start": load_average(),
+        "note": CONTENTION_NOTE,
+        "model": default_model_dir().name,
+        "quick": args.quick,
+    }
+    log(
+        f"{report['model']} fp32, torch threads {args.threads}, batch {NUM_SEQS} ({len(CONSTRAINED)} constrained), "
+        f"max_tokens {MAX_TOKENS}, {num_rounds} rounds; load {report['load_average_start']}"
+    )
     start = time.perf_counter()
     plain, constrained = make_engine(), make_engine()
     vocab = plain.config.hf_config.vocab_size
     steps, timer = lockstep(plain, constrained, num_rounds, log)
     host = steps["host_ms_per_step"]
-    log(f"decode step: plain {steps['plain_step_ms']:.1f} ms, constrained {steps['constrained_step_ms']:.1f} ms: "
+    log(
+        f"decode step: plain {steps['plain_step_ms']:.1f} ms, constrained {steps['constrained_step_ms']:.1f} ms: "
         f"overhead {steps['overhead']:+.1%} (median of per-step ratios {steps['overhead_median_of_step_ratios']:+.1%}, "
         f"rounds {steps['overhead_round_min_max'][0]:+.1%} .. {steps['overhead_round_min_max'][1]:+.1%}; "
-        f"{steps['measured_steps']} steps, goal <= +10%)")
-    log(f"grammar host work per step: fill {host['fill']:.2f} ms ({steps['fill_us_per_constrained_row']:.0f} µs/row) "
+        f"{steps['measured_steps']} steps, goal <= +10%)"
+    )
+    log(
+        f"grammar host work per step: fill {host['fill']:.2f} ms ({steps['fill_us_per_constrained_row']:.0f} µs/row) "
         f"on the mask thread during the forward, then on the step's path: wait {host['wait']:.2f} ms, "
         f"advance {host['advance']:.2f} ms ({steps['advance_us_per_constrained_row']:.0f} µs/row), apply "
         f"{host['apply']:.2f} ms: {steps['host_total_ms_per_step']:.2f} ms = {steps['host_share_of_plain_step']:.1%} "
-        f"of the plain step")
+        f"of the plain step"
+    )
     if steps["constrained_ended_early"]:
         log(f"warning: {steps['constrained_ended_early']} constrained rows ended before max_tokens")
     if timer.captured is None:
         raise SystemExit("no full step's bitmask was captured")
     appliers = time_appliers(*timer.captured, vocab=vocab, repeats=50 if args.quick else 200)
-    log(f"apply_token_bitmask [{NUM_SEQS}, {vocab}], {len(CONSTRAINED)} masked rows: "
+    log(
+        f"apply_token_bitmask [{NUM_SEQS}, {vocab}], {len(CONSTRAINED)} masked rows: "
         f"{appliers['us']['raypaged']:.0f} µs; xgrammar's CPU "
         f"applier {appliers['us']['xgrammar_cpu']:.0f} µs ({appliers['raypaged_over_xgrammar']:.1f}x); "
-        f"same result: {appliers['same_result']}")
+        f"same result: {appliers['same_result']}"
+    )
     compiles = time_compiles(plain.tokenizer, vocab, list(plain.eos_token_ids))  # the engine's own arguments
     plain.shutdown()
     constrained.shutdown()
-    log(f"compile: TokenizerInfo + compiler {compiles['tokenizer_info_and_compiler_ms']:.0f} ms once; "
+    log(
+        f"compile: TokenizerInfo + compiler {compiles['tokenizer_info_and_compiler_ms']:.0f} ms once; "
         f"{compiles['num_schemas']} schemas cold median {compiles['cold_ms']['median']:.1f} ms "
         f"(max {compiles['cold_ms']['max']:.1f}, total {compiles['cold_ms']['total']:.0f}); "
-        f"cached median {compiles['cached_us']['median']:.1f} µs")
+        f"cached median {compiles['cached_us']['median']:.1f} µs"
+    )
     log(f"vLLM, published: {PUBLISHED_NOTE}")
     for item in PUBLISHED:
         log(f"  {item['source']} ({item['url']}): {item['finding']}")
-    report.update(steps=steps, apply_token_bitmask=appliers, compile=compiles,
-                  vllm_published={"note": PUBLISHED_NOTE, "sources": PUBLISHED},
-                  wall_s=time.perf_counter() - start, load_average_end=load_average())
+    report.update(
+        steps=steps,
+        apply_token_bitmask=appliers,
+        compile=compiles,
+        vllm_published={"note": PUBLISHED_NOTE, "sources": PUBLISHED},
+        wall_s=time.perf_counter() - start,
+        load_average_end=load_average(),
+    )
     log(f"wall {report['wall_s']:.0f} s; load at the end {report['load_average_end']}")
     path = write_json("structured_bench", report)
     (RESULTS_DIR / "structured_bench.log").write_text("\n".join(log.lines) + "\n")

@@ -45,7 +45,10 @@ GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition
 
 
 def resolve_model_path(
-    model: str | None, revision: str | None = None, download_dir: str | None = None, what: str = "model",
+    model: str | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    what: str = "model",
     weights: bool = True,
 ) -> Path:
     """A local folder for ``model``: a folder as given, a Hugging Face Hub id's cached snapshot (see
@@ -165,12 +168,16 @@ class EngineConfig:
     kv_cache_space: float | None = _flag(None, "GiB of KV cache on CPU (default 4)", type=float)
     num_gpu_blocks_override: int | None = _flag(None, "exact number of KV blocks", type=int)
     seed: int = _flag(
-        0, "engine-wide random seed: requests without their own seed draw from a generator seeded with it, so the "
-           "same requests in the same order sample the same tokens on every run", type=int,
+        0,
+        "engine-wide random seed: requests without their own seed draw from a generator seeded with it, so the "
+        "same requests in the same order sample the same tokens on every run",
+        type=int,
     )
     device: str = _flag("auto", choices=("auto", "cpu", "cuda"))
     enable_prefix_caching: bool = _flag(
-        True, "reuse KV blocks of shared prompt prefixes (default: on)", action=argparse.BooleanOptionalAction,
+        True,
+        "reuse KV blocks of shared prompt prefixes (default: on)",
+        action=argparse.BooleanOptionalAction,
         unset=True,
     )
     swap_space: float | None = _flag(
@@ -191,12 +198,15 @@ class EngineConfig:
     )
     # Ray placement group strategy of the shards
     placement_strategy: str = _flag(
-        "STRICT_PACK", "Ray placement of the tensor-parallel shards: one node, or spread over nodes",
+        "STRICT_PACK",
+        "Ray placement of the tensor-parallel shards: one node, or spread over nodes",
         choices=PLACEMENT_STRATEGIES,
     )
     enable_recovery: bool = _flag(
-        True, "when a Ray shard dies, hangs or fails its step: restart the shard group and recompute the in-flight "
-              "requests (default), or with --no-enable-recovery fail them all", action=argparse.BooleanOptionalAction,
+        True,
+        "when a Ray shard dies, hangs or fails its step: restart the shard group and recompute the in-flight "
+        "requests (default), or with --no-enable-recovery fail them all",
+        action=argparse.BooleanOptionalAction,
     )
     gpu_memory_utilization: float = _flag(
         0.9, "fraction of GPU memory for weights, activations and KV cache", type=float
@@ -206,54 +216,69 @@ class EngineConfig:
     )
     # None: on where it helps and runs (CUDA, one shard, no speculative decoding), else off
     async_scheduling: bool | None = _flag(
-        None, "schedule and prepare each step while the one before runs, so host work hides behind the device's; "
-              "identical tokens either way (default: on on CUDA with one shard and no speculative decoding)",
-        action=argparse.BooleanOptionalAction, unset=True,
+        None,
+        "schedule and prepare each step while the one before runs, so host work hides behind the device's; "
+        "identical tokens either way (default: on on CUDA with one shard and no speculative decoding)",
+        action=argparse.BooleanOptionalAction,
+        unset=True,
     )
     # auto (CUDA kernels where they run, the CPU decode kernel on CPU, else torch), torch, cpu, cuda
     attention_backend: str = _flag(
-        "auto", "paged attention: the CUDA kernels on a GPU and the C decode kernel on CPU where they run (auto), "
-                "or torch", choices=("auto", "torch", "cpu", "cuda")
+        "auto",
+        "paged attention: the CUDA kernels on a GPU and the C decode kernel on CPU where they run (auto), or torch",
+        choices=("auto", "torch", "cpu", "cuda"),
     )
     # auto: the folder's safetensors; dummy: random weights (benchmarks, no checkpoint)
     load_format: str = _flag(
-        "auto", "dummy: random weights of the model folder's shape (benchmarks; no checkpoint read)",
+        "auto",
+        "dummy: random weights of the model folder's shape (benchmarks; no checkpoint read)",
         choices=("auto", "dummy"),
     )
     # vLLM's --quantization: the checkpoint's quantization_config decides (this may only repeat it); on a
     # float checkpoint, fp8 quantizes at load
     quantization: str | None = _flag(
-        None, "weights quantization: awq, compressed-tensors, fp8, gptq (default: the checkpoint's "
-              "quantization_config; fp8 on a float checkpoint quantizes it at load)", aliases=("-q",), metavar="METHOD",
+        None,
+        "weights quantization: awq, compressed-tensors, fp8, gptq (default: the checkpoint's "
+        "quantization_config; fp8 on a float checkpoint quantizes it at load)",
+        aliases=("-q",),
+        metavar="METHOD",
     )
     # auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2: one byte per element
     kv_cache_dtype: str = _flag(
-        "auto", "KV cache element type: auto (the model's dtype) or fp8 (one byte, scale 1.0; attention in torch)",
+        "auto",
+        "KV cache element type: auto (the model's dtype) or fp8 (one byte, scale 1.0; attention in torch)",
         choices=tuple(KV_CACHE_DTYPES),
     )
     limits: InputLimits = field(default_factory=InputLimits)  # per-request caps (--max-logprobs ...)
     # auto: the model folder's generation_config.json; vllm: no defaults; a folder
     generation_config: str = _flag(
-        "auto", "sampling defaults and extra EOS ids: auto (the model folder's generation_config.json), vllm (no "
-                "sampling defaults) or a folder holding a generation_config.json",
+        "auto",
+        "sampling defaults and extra EOS ids: auto (the model folder's generation_config.json), vllm (no "
+        "sampling defaults) or a folder holding a generation_config.json",
     )
     override_generation_config: dict[str, Any] | None = _flag(
-        None, "JSON object of sampling defaults over the generation config's, e.g. '{\"temperature\": 0.5}' "
-              "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)", parse=json_flag_value,
+        None,
+        "JSON object of sampling defaults over the generation config's, e.g. '{\"temperature\": 0.5}' "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)",
+        parse=json_flag_value,
     )
     # grammar engine of structured outputs (--structured-outputs-config; cli.py also reads
     # --guided-decoding-backend and --reasoning-parser into it)
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] = _flag(
         help='structured outputs as vLLM\'s: \'{"backend": "xgrammar", "disable_any_whitespace": true, '
-             '"max_whitespace": 4, "cache_size": 256}\' (backend xgrammar or auto)',
-        default_factory=StructuredOutputsConfig, metavar="JSON",
+        '"max_whitespace": 4, "cache_size": 256}\' (backend xgrammar or auto)',
+        default_factory=StructuredOutputsConfig,
+        metavar="JSON",
     )
     chat_template: str | None = _flag(
-        None, "a Jinja chat template (a file, or the template itself) over the tokenizer's",
+        None,
+        "a Jinja chat template (a file, or the template itself) over the tokenizer's",
         metavar="FILE_OR_TEMPLATE",
     )
     default_chat_template_kwargs: dict[str, Any] | None = _flag(
-        None, 'template variables every chat request gets, e.g. \'{"enable_thinking": false}\'', metavar="JSON",
+        None,
+        "template variables every chat request gets, e.g. '{\"enable_thinking\": false}'",
+        metavar="JSON",
         parse=json_flag_value,
     )
     trust_request_chat_template: bool = _flag(
@@ -261,21 +286,23 @@ class EngineConfig:
     )
     # LoRA (vLLM's --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras): adapters a request may run on
     enable_lora: bool = _flag(
-        False, "serve LoRA adapters (PEFT folders) on the model: --lora-modules, or loaded at runtime",
+        False,
+        "serve LoRA adapters (PEFT folders) on the model: --lora-modules, or loaded at runtime",
         action="store_true",
     )
-    max_loras: int = _flag(
-        1, "LoRA adapters in device slots at once; requests of others wait for a slot", type=int
-    )
+    max_loras: int = _flag(1, "LoRA adapters in device slots at once; requests of others wait for a slot", type=int)
     max_lora_rank: int = _flag(16, "the highest LoRA rank an adapter may have", type=int)
     max_cpu_loras: int | None = _flag(
         None, "LoRA adapters kept loaded on the CPU behind the device slots (default: --max-loras)", type=int
     )
     # speculative decoding (vLLM's --speculative-config): ngram or a draft model's proposals, verified exactly
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = _flag(
-        None, 'speculative decoding as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
-              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": PATH, '
-              '"num_speculative_tokens": 4}\' (also disable_by_batch_size)', metavar="JSON", parse=_speculative_flag,
+        None,
+        'speculative decoding as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}\' (also disable_by_batch_size)',
+        metavar="JSON",
+        parse=_speculative_flag,
     )
     served_model_aliases: tuple[str, ...] = field(init=False, default=())
     chat_template_text: str | None = field(init=False, default=None)  # --chat-template's text
@@ -318,11 +345,15 @@ class EngineConfig:
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
         if self.kv_cache_dtype != "auto" and self.attention_backend == "cuda":
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} runs in the torch attention backend: "
-                             f"--attention-backend cuda reads a cache of the model's dtype")
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} runs in the torch attention backend: "
+                f"--attention-backend cuda reads a cache of the model's dtype"
+            )
         if self.kv_cache_dtype == "fp8_e5m2" and self.attention_backend == "cpu":
-            raise ValueError("--kv-cache-dtype fp8_e5m2 runs in the torch attention backend: --attention-backend "
-                             "cpu reads float32 and fp8 e4m3 caches (--kv-cache-dtype fp8 or fp8_e4m3)")
+            raise ValueError(
+                "--kv-cache-dtype fp8_e5m2 runs in the torch attention backend: --attention-backend "
+                "cpu reads float32 and fp8 e4m3 caches (--kv-cache-dtype fp8 or fp8_e4m3)"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
@@ -441,8 +472,10 @@ class EngineConfig:
             checkpoint = checkpoint.to_dict()
         quant_config = resolve_quantization(self.quantization, checkpoint)
         if quant_config is not None and self.load_format == "dummy" and checkpoint is not None:
-            raise ValueError(f"--load-format dummy cannot fill the {quant_config.name} tensors of a quantized "
-                             "checkpoint (use --load-format auto, or a float model folder with --quantization fp8)")
+            raise ValueError(
+                f"--load-format dummy cannot fill the {quant_config.name} tensors of a quantized "
+                "checkpoint (use --load-format auto, or a float model folder with --quantization fp8)"
+            )
         return quant_config
 
     def _resolve_draft_model(self, spec: SpeculativeConfig | None) -> None:
@@ -453,17 +486,23 @@ class EngineConfig:
         from transformers import AutoConfig
 
         if self.tensor_parallel_size > 1:
-            raise ValueError("--speculative-config draft_model runs on one shard: tensor_parallel_size must be 1 "
-                             "(method ngram works under tensor parallelism)")
+            raise ValueError(
+                "--speculative-config draft_model runs on one shard: tensor_parallel_size must be 1 "
+                "(method ngram works under tensor parallelism)"
+            )
         self.draft_model_path = resolve_model_path(spec.model, None, self.download_dir, what="draft model")
         self.draft_hf_config = draft = AutoConfig.from_pretrained(self.draft_model_path)
         check_architecture(draft, "draft model")
         if draft.vocab_size != self.hf_config.vocab_size:
-            raise ValueError(f"the draft model {spec.model} has a vocabulary of {draft.vocab_size} tokens, the model "
-                             f"{self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
+            raise ValueError(
+                f"the draft model {spec.model} has a vocabulary of {draft.vocab_size} tokens, the model "
+                f"{self.hf_config.vocab_size}: a draft model must share the model's tokenizer"
+            )
         if draft.max_position_embeddings < self.max_model_len:
-            raise ValueError(f"the draft model {spec.model} holds {draft.max_position_embeddings} positions, "
-                             f"fewer than max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"the draft model {spec.model} holds {draft.max_position_embeddings} positions, "
+                f"fewer than max_model_len {self.max_model_len}"
+            )
 
     @property
     def resolved_kv_cache_dtype(self) -> str:
@@ -478,9 +517,7 @@ class EngineConfig:
         if self.max_model_len is None:
             return limit
         if self.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}"
-            )
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         return self.max_model_len
@@ -489,12 +526,16 @@ class EngineConfig:
         if not self.async_scheduling:
             return
         if self.tensor_parallel_size > 1:
-            raise ValueError("--async-scheduling runs on one shard: the next step needs the tokens only rank 0 "
-                             f"samples (tensor_parallel_size is {self.tensor_parallel_size}; "
-                             "use --no-async-scheduling)")
+            raise ValueError(
+                "--async-scheduling runs on one shard: the next step needs the tokens only rank 0 "
+                f"samples (tensor_parallel_size is {self.tensor_parallel_size}; "
+                "use --no-async-scheduling)"
+            )
         if self.speculative_config is not None:
-            raise ValueError("--async-scheduling cannot run with --speculative-config: the next step's drafts "
-                             "depend on the tokens the step before accepts (use --no-async-scheduling)")
+            raise ValueError(
+                "--async-scheduling cannot run with --speculative-config: the next step's drafts "
+                "depend on the tokens the step before accepts (use --no-async-scheduling)"
+            )
 
     @property
     def resolved_async_scheduling(self) -> bool:
@@ -553,5 +594,6 @@ def check_architecture(hf_config: Any, what: str) -> None:
 
     archs = getattr(hf_config, "architectures", None) or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"{what} architecture {archs} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ValueError(
+            f"{what} architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )

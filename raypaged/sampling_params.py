@@ -231,5 +231,6 @@ class BeamSearchParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.structured_outputs is not None and self.ignore_eos:
-            raise ValueError("beam search with structured_outputs cannot ignore_eos: "
-                             "a beam ends where its grammar does")
+            raise ValueError(
+                "beam search with structured_outputs cannot ignore_eos: a beam ends where its grammar does"
+            )

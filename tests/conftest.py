@@ -17,8 +17,9 @@ RAY_NUM_CPUS = 8  # logical CPUs: enough for a tp=4 placement group on a 2-core 
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--soak", action="store_true", default=False,
-                     help="tests/reliability at soak sizes (minutes), not the CI sizes")
+    parser.addoption(
+        "--soak", action="store_true", default=False, help="tests/reliability at soak sizes (minutes), not the CI sizes"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -59,21 +60,24 @@ def smollm2_llm(smollm2_dir):
 ADAPTERS = {
     "qv-r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
     "all-r8-rslora": {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "use_rslora": True},
-    "kogd-r16": {"r": 16, "lora_alpha": 32, "target_modules": ["model.layers.0.self_attn.k_proj", "o_proj", "gate_proj",
-                                                          "down_proj"]},
+    "kogd-r16": {
+        "r": 16,
+        "lora_alpha": 32,
+        "target_modules": ["model.layers.0.self_attn.k_proj", "o_proj", "gate_proj", "down_proj"],
+    },
 }
 
 
-def make_peft_adapter(base_dir: Path, out_dir: Path, seed: int, std: float = 0.05, base_model=None,
-                      **options) -> Path:
+def make_peft_adapter(base_dir: Path, out_dir: Path, seed: int, std: float = 0.05, base_model=None, **options) -> Path:
     """An adapter of ``base_dir``'s model saved with ``save_pretrained``: A and B drawn from N(0, std)
     (B is zero at peft's init, which would make the adapter the identity). ``base_model``: that model,
     already loaded (it gets the adapter's layers and loses them again)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = base_model if base_model is not None else AutoModelForCausalLM.from_pretrained(base_dir,
-                                                                                         dtype=torch.float32)
+    model = (
+        base_model if base_model is not None else AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    )
     peft_model = get_peft_model(model, LoraConfig(**options))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -93,8 +97,10 @@ def smollm2_adapters(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("adapters")
     base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    return {name: make_peft_adapter(smollm2_dir, root / name, seed, base_model=base, **options)
-            for seed, (name, options) in enumerate(ADAPTERS.items())}
+    return {
+        name: make_peft_adapter(smollm2_dir, root / name, seed, base_model=base, **options)
+        for seed, (name, options) in enumerate(ADAPTERS.items())
+    }
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +130,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             eos_token_id=None,
             pad_token_id=0,
         )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def make_tiny_model(root: Path, smollm2_dir: Path, arch: str = "llama", **overrides) -> Path:

@@ -14,9 +14,19 @@ from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.model.layers import add_rms_norm, apply_rotary_, rms_norm, silu_and_mul
 from raypaged.model.llama import LlamaForCausalLM
 
-__all__ = ["BLOCK_SIZE", "REFERENCE_OPS", "counting", "fused_add_rms_norm", "fused_torch_backend", "random_model",
-           "rms_norm", "rotary_and_cache", "run_steps", "silu_and_mul",
-           "tiny_config"]  # rms_norm, silu_and_mul: layers' own functions
+__all__ = [
+    "BLOCK_SIZE",
+    "REFERENCE_OPS",
+    "counting",
+    "fused_add_rms_norm",
+    "fused_torch_backend",
+    "random_model",
+    "rms_norm",
+    "rotary_and_cache",
+    "run_steps",
+    "silu_and_mul",
+    "tiny_config",
+]  # rms_norm, silu_and_mul: layers' own functions
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -46,10 +56,12 @@ def fused_torch_backend(ops: FusedOps = REFERENCE_OPS) -> AttentionBackend:
 
 def counting(ops: FusedOps, calls: dict[str, int]) -> FusedOps:
     """``ops`` with each call counted in ``calls`` (by op name)."""
+
     def counted(name):
         def call(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
             return getattr(ops, name)(*args, **kwargs)
+
         return call
 
     return FusedOps(*(counted(field.name) for field in dataclasses.fields(FusedOps)))
@@ -72,8 +84,15 @@ STEPS = [
 def tiny_config(architecture: str):
     """Head size 64 (the CUDA decode kernel's smallest), GQA 2:1 (Llama) and 4:1 (Qwen3), an
     intermediate size that is no power of two."""
-    shape = dict(vocab_size=256, hidden_size=256, intermediate_size=352, num_hidden_layers=2,
-                 max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
+    shape = dict(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
     if architecture == "qwen3":  # per-head q/k norms; head_dim 64 over a hidden size of 256 (q is 512 wide)
         return Qwen3Config(head_dim=64, num_attention_heads=8, num_key_value_heads=2, **shape)
     return LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **shape)
@@ -107,24 +126,28 @@ def _step_meta(step, device: str) -> tuple[torch.Tensor, AttentionMetadata]:
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, device=device),
         num_decode_tokens=len(decodes),
-        decode_block_tables=torch.tensor([b + [0] * (width - len(b)) for b, _ in decodes], dtype=torch.long,
-                                         device=device).view(len(decodes), width),
+        decode_block_tables=torch.tensor(
+            [b + [0] * (width - len(b)) for b, _ in decodes], dtype=torch.long, device=device
+        ).view(len(decodes), width),
         decode_context_lens=torch.tensor([n for _, n in decodes], dtype=torch.long, device=device),
         prefills=prefills,
     )
     return torch.tensor(positions, device=device), meta
 
 
-def run_steps(model: LlamaForCausalLM, backend: AttentionBackend, device: str,
-              plain: bool = False) -> tuple[list[torch.Tensor], list]:
+def run_steps(
+    model: LlamaForCausalLM, backend: AttentionBackend, device: str, plain: bool = False
+) -> tuple[list[torch.Tensor], list]:
     """Each step's hidden states and the caches after the last, through ``backend``; ``plain``: on the
     plain path whatever fused ops the backend brings (its attention alone)."""
     model.set_attention_backend(dataclasses.replace(backend, fused_ops=None) if plain else backend)
     dtype = model.model.norm.weight.dtype
     attn = model.model.layers[0].self_attn
     shape = (NUM_BLOCKS, attn.num_kv_heads, BLOCK_SIZE, attn.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-              for _ in model.model.layers]
+    caches = [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in model.model.layers
+    ]
     generator = torch.Generator().manual_seed(1)
     hidden = []
     with torch.inference_mode():

@@ -48,8 +48,9 @@ class FusedOps:
     rotary_and_cache: Callable[..., None]  # (positions, q, k, v, cos_sin, key_cache, value_cache, slot_mapping)
 
 
-CPU_FUSED = FusedOps(cpu_fused.rms_norm, cpu_fused.fused_add_rms_norm, cpu_fused.silu_and_mul,
-                     cpu_fused.rotary_and_cache)
+CPU_FUSED = FusedOps(
+    cpu_fused.rms_norm, cpu_fused.fused_add_rms_norm, cpu_fused.silu_and_mul, cpu_fused.rotary_and_cache
+)
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,7 @@ class AttentionBackend:
         writes them with the rotary kernel, ``raypaged.kernels.rotary_and_cache``)."""
         num_decodes = meta.num_decode_tokens
         if num_decodes == query.shape[0] and not meta.prefills:
-            return self.decode(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens,
-                               scale)
+            return self.decode(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
         out = torch.empty_like(query)
         if num_decodes:
             out[:num_decodes] = self.decode(
@@ -99,18 +99,27 @@ class AttentionBackend:
             )
         if self.varlen_prefill is not None and (varlen := meta.varlen_prefill(key_cache.shape[2])) is not None:
             rows = slice(varlen.query_start, varlen.query_start + varlen.num_tokens)
-            self.varlen_prefill(query[rows], key_cache, value_cache, varlen.cu_seqlens_q, varlen.context_lens,
-                                varlen.block_tables, scale, varlen.max_query_len, out=out[rows])
+            self.varlen_prefill(
+                query[rows],
+                key_cache,
+                value_cache,
+                varlen.cu_seqlens_q,
+                varlen.context_lens,
+                varlen.block_tables,
+                scale,
+                varlen.max_query_len,
+                out=out[rows],
+            )
             return out
         for span in meta.prefills:
             end = span.query_start + span.query_len
-            q = query[span.query_start:end]
+            q = query[span.query_start : end]
             if span.context_len == span.query_len:  # nothing cached before it: its own K/V are the context
-                out[span.query_start:end] = torch_ops.prefill_attention(
-                    q, key[span.query_start:end], value[span.query_start:end], scale
+                out[span.query_start : end] = torch_ops.prefill_attention(
+                    q, key[span.query_start : end], value[span.query_start : end], scale
                 )
             else:
-                out[span.query_start:end] = self.paged_prefill(
+                out[span.query_start : end] = self.paged_prefill(
                     q, key_cache, value_cache, span.block_ids, span.context_len, scale
                 )
         return out
@@ -120,8 +129,14 @@ TORCH = AttentionBackend(
     "torch", torch_ops.reshape_and_cache, torch_ops.paged_attention_decode, torch_ops.paged_attention_prefill
 )
 
-CPU = AttentionBackend("cpu", torch_ops.reshape_and_cache, cpu_ops.paged_attention_decode,
-                       torch_ops.paged_attention_prefill, cpu_ops.paged_prefill_attention, CPU_FUSED)
+CPU = AttentionBackend(
+    "cpu",
+    torch_ops.reshape_and_cache,
+    cpu_ops.paged_attention_decode,
+    torch_ops.paged_attention_prefill,
+    cpu_ops.paged_prefill_attention,
+    CPU_FUSED,
+)
 
 
 def cuda_backend() -> AttentionBackend:
@@ -133,7 +148,10 @@ def cuda_backend() -> AttentionBackend:
 
     fused = FusedOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.silu_and_mul, kernels.rotary_and_cache)
     return AttentionBackend(
-        "cuda", kernels.reshape_and_cache, decode, kernels.paged_attention_prefill,
+        "cuda",
+        kernels.reshape_and_cache,
+        decode,
+        kernels.paged_attention_prefill,
         kernels.paged_prefill_attention if envs.varlen_prefill() else None,
         fused if envs.fused_kernels() else None,
     )
@@ -152,8 +170,9 @@ def cuda_unsupported_reason(device: torch.device, head_size: int, block_size: in
     return None
 
 
-def cpu_unsupported_reason(device: torch.device, dtype: torch.dtype,
-                           cache_dtype: torch.dtype | None = None) -> str | None:
+def cpu_unsupported_reason(
+    device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
+) -> str | None:
     """Why the CPU kernels cannot run this model (``dtype``) over this KV cache (``cache_dtype``, by default the
     model's) here, or None when they can."""
     if device.type != "cpu":
@@ -161,13 +180,21 @@ def cpu_unsupported_reason(device: torch.device, dtype: torch.dtype,
     if dtype != torch.float32:
         return f"the model runs in {str(dtype).removeprefix('torch.')} (the kernel reads float32)"
     if cache_dtype is not None and cache_dtype not in cpu_ops.CACHE_DTYPES:
-        return (f"the KV cache is {str(cache_dtype).removeprefix('torch.')} (the kernels read float32 and "
-                f"float8_e4m3fn caches)")
+        return (
+            f"the KV cache is {str(cache_dtype).removeprefix('torch.')} (the kernels read float32 and "
+            f"float8_e4m3fn caches)"
+        )
     return cpu_ops.unavailable_reason()
 
 
-def select_backend(name: str, device: torch.device, head_size: int, block_size: int,
-                   dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None) -> AttentionBackend:
+def select_backend(
+    name: str,
+    device: torch.device,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
+) -> AttentionBackend:
     """``auto``: the CUDA kernels wherever they can run, on CPU the CPU kernels, else torch; ``cpu`` and
     ``cuda`` insist. ``dtype`` is the model's; ``cache_dtype`` the KV cache's, by default the model's (the
     CUDA kernels read a cache of the model's dtype only: the caller picks torch for another)."""

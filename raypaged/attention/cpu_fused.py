@@ -43,8 +43,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     heads = x.shape[1] if x.dim() == 3 else 1
     if out.numel():
         cpu_ops.library().raypaged_rms_norm_f32(
-            x.data_ptr(), x.stride(0), x.stride(1) if x.dim() == 3 else 0, weight.data_ptr(), out.data_ptr(),
-            x.shape[0], heads, hidden, eps, torch.get_num_threads())
+            x.data_ptr(),
+            x.stride(0),
+            x.stride(1) if x.dim() == 3 else 0,
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            heads,
+            hidden,
+            eps,
+            torch.get_num_threads(),
+        )
     return out
 
 
@@ -63,7 +72,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         raise ValueError("x and residual must be different buffers (both are written)")
     if x.numel():
         cpu_ops.library().raypaged_fused_add_rms_norm_f32(
-            x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+            x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads()
+        )
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -88,9 +98,16 @@ def _check_rows(name: str, rows: torch.Tensor, tokens: int | None, heads: int | 
         raise ValueError(f"{name} must have contiguous [heads, head_dim] rows; got strides {rows.stride()}")
 
 
-def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     cos_sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> None:
+def rotary_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """``RotaryEmbedding.rotate_(positions, query, key)``, then ``reshape_and_cache(key, value, key_cache,
     value_cache, slot_mapping)``, in one pass over the tokens (a negative slot: rotated, not cached). The cache
     may be float32 or fp8 e4m3 (written as ``.to(torch.float8_e4m3fn)`` writes it).
@@ -116,15 +133,34 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         check_tensor(name, index, LONG, 1)
         check_shape(name, index, (tokens,))
         check_contiguous(name, index)
-    _check_cpu(("positions", "query", "key", "value", "cos_sin", "key_cache", "value_cache", "slot_mapping"),
-               (positions, query, key, value, cos_sin, key_cache, value_cache, slot_mapping))
+    _check_cpu(
+        ("positions", "query", "key", "value", "cos_sin", "key_cache", "value_cache", "slot_mapping"),
+        (positions, query, key, value, cos_sin, key_cache, value_cache, slot_mapping),
+    )
     if not tokens:
         return
     status = cpu_ops.library().raypaged_rotary_and_cache_f32(
-        positions.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
-        value.stride(0), cos_sin.data_ptr(), cos_sin.shape[0], key_cache.data_ptr(), value_cache.data_ptr(),
-        key_cache.dtype != torch.float32, num_blocks, slot_mapping.data_ptr(), tokens, query.shape[1], num_kv_heads,
-        head_dim, block_size, torch.get_num_threads())
+        positions.data_ptr(),
+        query.data_ptr(),
+        query.stride(0),
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        cos_sin.data_ptr(),
+        cos_sin.shape[0],
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        key_cache.dtype != torch.float32,
+        num_blocks,
+        slot_mapping.data_ptr(),
+        tokens,
+        query.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        torch.get_num_threads(),
+    )
     if status == -1:
         raise ValueError(f"a position is outside the rotary table's {cos_sin.shape[0]} positions")
     if status == -2:

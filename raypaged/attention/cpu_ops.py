@@ -34,11 +34,14 @@ from raypaged import envs
 
 logger = logging.getLogger("raypaged")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_fused.c",
-                                                            "cpu_int8.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_fused.c", "cpu_int8.c")
+)
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # every header the sources may include: in the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC")
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+# the argument types laid out as the C parameter lists are, not one per line
+# fmt: off
 _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_paged_decode": ((_PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                _I64, _I64, _F32, _INT), _INT),
@@ -52,6 +55,7 @@ _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_rotary_and_cache_f32": ((_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64,
                                        _PTR, _I64, _I64, _I64, _I64, _I64, _INT), _INT),
 }
+# fmt: on
 
 
 class KernelUnavailable(RuntimeError):
@@ -81,8 +85,9 @@ def _build(cc: str, target: Path, flags: tuple[str, ...]) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run(
+            [cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=300
+        )
         if result.returncode != 0:
             names = ", ".join(source.name for source in SOURCES[:-1]) + f" and {SOURCES[-1].name}"
             raise KernelUnavailable(f"{Path(cc).name} failed to build {names}: {result.stderr.strip()[-2000:]}")
@@ -133,32 +138,39 @@ def unavailable_reason() -> str | None:
 CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn)  # fp8: K/V narrowed with scale 1
 
 
-def _check_query_and_caches(kernel: str, query: torch.Tensor, key_cache: torch.Tensor,
-                            value_cache: torch.Tensor) -> bool:
+def _check_query_and_caches(
+    kernel: str, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> bool:
     """The checks the decode and prefill kernels share; returns whether the caches are fp8."""
     if query.dtype != torch.float32 or key_cache.dtype not in CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"the CPU {kernel} kernel reads a float32 query from float32 or float8_e4m3fn caches, got "
-                         f"query {query.dtype}, caches {key_cache.dtype} and {value_cache.dtype}")
+        raise ValueError(
+            f"the CPU {kernel} kernel reads a float32 query from float32 or float8_e4m3fn caches, got "
+            f"query {query.dtype}, caches {key_cache.dtype} and {value_cache.dtype}"
+        )
     if query.device.type != "cpu" or key_cache.device.type != "cpu":
         raise ValueError(f"the CPU {kernel} kernel runs on CPU tensors, got {query.device} and {key_cache.device}")
     num_heads, head_dim = query.shape[1:]
     num_kv_heads, cache_head_dim = key_cache.shape[1], key_cache.shape[3]
     if value_cache.shape != key_cache.shape or cache_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"query {tuple(query.shape)} does not fit caches {tuple(key_cache.shape)} and "
-                         f"{tuple(value_cache.shape)}")
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit caches {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or query.stride(2) != 1:
         raise ValueError(f"the CPU {kernel} kernel needs contiguous caches and a query with contiguous rows")
     return key_cache.dtype == torch.float8_e4m3fn
 
 
-def _raise_for_status(kernel: str, status: int, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      block_size: int, num_blocks: int) -> None:
+def _raise_for_status(
+    kernel: str, status: int, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, num_blocks: int
+) -> None:
     """The decode and prefill kernels' shared failures (-1 memory, -2 a context past its table, -3 a bad block id)."""
     if status == -1:
         raise MemoryError(f"the CPU {kernel} kernel could not allocate its scratch memory")
     if status == -2:
-        raise ValueError(f"a context length ({int(context_lens.max())}) is beyond its block table "
-                         f"({block_tables.shape[1]} blocks of {block_size})")
+        raise ValueError(
+            f"a context length ({int(context_lens.max())}) is beyond its block table "
+            f"({block_tables.shape[1]} blocks of {block_size})"
+        )
     if status == -3:
         raise ValueError(f"a block table holds a block id outside the cache's {num_blocks} blocks")
 
@@ -176,21 +188,39 @@ def paged_attention_decode(
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
     fp8 = _check_query_and_caches("decode", query, key_cache, value_cache)
     if block_tables.dtype != torch.long or context_lens.dtype != torch.long:
-        raise ValueError(f"block tables and context lengths must be long, got {block_tables.dtype} and "
-                         f"{context_lens.dtype}")
+        raise ValueError(
+            f"block tables and context lengths must be long, got {block_tables.dtype} and {context_lens.dtype}"
+        )
     if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
-        raise ValueError(f"{num_seqs} queries but block tables {tuple(block_tables.shape)} and context lengths "
-                         f"{tuple(context_lens.shape)}")
+        raise ValueError(
+            f"{num_seqs} queries but block tables {tuple(block_tables.shape)} and context lengths "
+            f"{tuple(context_lens.shape)}"
+        )
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     if num_seqs == 0:
         return out
     status = library().raypaged_paged_decode(
-        query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), fp8,
-        num_blocks, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], context_lens.data_ptr(),
-        out.data_ptr(), num_seqs,
-        num_heads, num_kv_heads, block_size, head_dim, scale, torch.get_num_threads(),
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        fp8,
+        num_blocks,
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        block_size,
+        head_dim,
+        scale,
+        torch.get_num_threads(),
     )
     _raise_for_status("decode", status, context_lens, block_tables, block_size, num_blocks)
     return out
@@ -214,33 +244,64 @@ def paged_prefill_attention(
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
     fp8 = _check_query_and_caches("prefill", query, key_cache, value_cache)
     if cu_seqlens_q.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.dtype != torch.long:
-        raise ValueError(f"cu_seqlens_q and context_lens must be int32 and block_tables long, got "
-                         f"{cu_seqlens_q.dtype}, {context_lens.dtype} and {block_tables.dtype}")
+        raise ValueError(
+            f"cu_seqlens_q and context_lens must be int32 and block_tables long, got "
+            f"{cu_seqlens_q.dtype}, {context_lens.dtype} and {block_tables.dtype}"
+        )
     num_spans = cu_seqlens_q.shape[0] - 1
-    if cu_seqlens_q.dim() != 1 or num_spans < 0 or context_lens.shape != (num_spans,) \
-            or block_tables.dim() != 2 or block_tables.shape[0] != num_spans:
-        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, context_lens {tuple(context_lens.shape)} and "
-                         f"block_tables {tuple(block_tables.shape)} do not describe the same spans")
+    if (
+        cu_seqlens_q.dim() != 1
+        or num_spans < 0
+        or context_lens.shape != (num_spans,)
+        or block_tables.dim() != 2
+        or block_tables.shape[0] != num_spans
+    ):
+        raise ValueError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, context_lens {tuple(context_lens.shape)} and "
+            f"block_tables {tuple(block_tables.shape)} do not describe the same spans"
+        )
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     elif out.shape != query.shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor of {tuple(query.shape)}, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be a contiguous float32 tensor of {tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}"
+        )
     if num_spans == 0:
         return out
     cu_seqlens_q, context_lens = cu_seqlens_q.contiguous(), context_lens.contiguous()
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     status = library().raypaged_paged_prefill(
-        query.data_ptr(), query.stride(0), query.stride(1), num_tokens, key_cache.data_ptr(), value_cache.data_ptr(),
-        fp8, num_blocks, cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), block_tables.shape[1], out.data_ptr(), num_spans, num_heads, num_kv_heads,
-        block_size, head_dim, scale, torch.get_num_threads(),
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        num_tokens,
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        fp8,
+        num_blocks,
+        cu_seqlens_q.data_ptr(),
+        context_lens.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        out.data_ptr(),
+        num_spans,
+        num_heads,
+        num_kv_heads,
+        block_size,
+        head_dim,
+        scale,
+        torch.get_num_threads(),
     )
     if status == -4:
-        raise ValueError(f"cu_seqlens_q {cu_seqlens_q.tolist()} does not ascend within the query's {num_tokens} rows "
-                         f"with at least one token per span")
+        raise ValueError(
+            f"cu_seqlens_q {cu_seqlens_q.tolist()} does not ascend within the query's {num_tokens} rows "
+            f"with at least one token per span"
+        )
     if status == -5:
-        raise ValueError(f"a span's query is longer than its context (cu_seqlens_q {cu_seqlens_q.tolist()}, "
-                         f"context_lens {context_lens.tolist()})")
+        raise ValueError(
+            f"a span's query is longer than its context (cu_seqlens_q {cu_seqlens_q.tolist()}, "
+            f"context_lens {context_lens.tolist()})"
+        )
     _raise_for_status("prefill", status, context_lens, block_tables, block_size, num_blocks)
     return out

@@ -41,8 +41,9 @@ def build_varlen_prefill(prefills: list[PrefillSpan], block_size: int) -> Varlen
             return None
         end += span.query_len
     start = prefills[0].query_start
-    host = torch.tensor([s.query_start - start for s in prefills] + [end - start] + [s.context_len for s in prefills],
-                        dtype=torch.int32)
+    host = torch.tensor(
+        [s.query_start - start for s in prefills] + [end - start] + [s.context_len for s in prefills], dtype=torch.int32
+    )
     ids = [s.block_ids for s in prefills]
     device = ids[0].device
     if device.type == "cuda":
@@ -56,8 +57,8 @@ def build_varlen_prefill(prefills: list[PrefillSpan], block_size: int) -> Varlen
         query_start=start,
         num_tokens=end - start,
         max_query_len=max(s.query_len for s in prefills),
-        cu_seqlens_q=host[:num_spans + 1],
-        context_lens=host[num_spans + 1:],
+        cu_seqlens_q=host[: num_spans + 1],
+        context_lens=host[num_spans + 1 :],
         block_tables=tables,
     )
 

@@ -83,8 +83,9 @@ class BeamGroup(Gang):
                 if rank < width:
                     tokens = beam.output_token_ids + [token_id]
                     logprobs = beam.output_logprobs + [candidates[beam.request_id]]
-                    self.finished.append(Hypothesis(tokens, total, self.score(total, len(tokens)), FinishReason.STOP,
-                                                    logprobs))
+                    self.finished.append(
+                        Hypothesis(tokens, total, self.score(total, len(tokens)), FinishReason.STOP, logprobs)
+                    )
                 continue
             kept.append(Continuation(beam, token_id, logprob, candidates[beam.request_id]))
             if len(kept) == width:

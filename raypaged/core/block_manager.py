@@ -197,7 +197,7 @@ class KVCacheManager:
         key = keys[-1] if keys else root_key(cache_salt)
         bs = self.block_size
         for i in range(len(keys), num_blocks):
-            key = sha256(key + self._pack_block(*token_ids[i * bs:(i + 1) * bs])).digest()
+            key = sha256(key + self._pack_block(*token_ids[i * bs : (i + 1) * bs])).digest()
             keys.append(key)
         return keys
 
@@ -219,7 +219,7 @@ class KVCacheManager:
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += len(hits) * self.block_size
         self.pool.incref(hits)
-        self.tables[seq_id] = BlockTable(hits, keys[:len(hits)], cache_salt)
+        self.tables[seq_id] = BlockTable(hits, keys[: len(hits)], cache_salt)
         return len(hits) * self.block_size
 
     def _cached_run(self, token_ids: list[int], cache_salt: str | None) -> tuple[list[BlockKey], list[int]]:

@@ -160,7 +160,7 @@ class Request:
         """Record prompt tokens ``start...``'s logprobs; those already known (a recomputed prefill) are kept."""
         known = len(self.prompt_logprobs) + 1  # the first prompt token has none
         if start <= known < start + len(logprobs):
-            self.prompt_logprobs.extend(logprobs[known - start:])
+            self.prompt_logprobs.extend(logprobs[known - start :])
 
     def append_output_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None) -> None:
         self.output_token_ids.append(token_id)

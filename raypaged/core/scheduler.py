@@ -215,7 +215,8 @@ class Scheduler:
         preempted = False
 
         speculate = self.config.num_spec_tokens > 0 and (
-            self.config.spec_disable_batch_size is None or len(self.running) <= self.config.spec_disable_batch_size)
+            self.config.spec_disable_batch_size is None or len(self.running) <= self.config.spec_disable_batch_size
+        )
         out.propose_drafts = speculate
         for request in list(self.running):
             if self._budget <= 0:
@@ -225,8 +226,11 @@ class Scheduler:
             num_new = self._num_new_tokens(request, self._budget)
             if num_new == 0:
                 continue
-            if overlap and request.num_placeholders and (
-                    request.num_output_tokens + request.num_placeholders >= request.max_tokens):
+            if (
+                overlap
+                and request.num_placeholders
+                and (request.num_output_tokens + request.num_placeholders >= request.max_tokens)
+            ):
                 continue  # its coming token ends it by length
             if self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.num_blocks:
                 if overlap:
@@ -359,9 +363,16 @@ class Scheduler:
             request.num_outputs_sent = len(outputs)
             # positional (this runs per sequence per step): id, new token ids, new block ids, computed
             # tokens, replaced block ids, the table's length
-            out.cached_requests.append(CachedRequestData(
-                request.request_id, outputs[sent:], allocation.new_block_ids, request.num_computed_tokens,
-                allocation.replaced, len(self.kv.tables[request.request_id].block_ids)))
+            out.cached_requests.append(
+                CachedRequestData(
+                    request.request_id,
+                    outputs[sent:],
+                    allocation.new_block_ids,
+                    request.num_computed_tokens,
+                    allocation.replaced,
+                    len(self.kv.tables[request.request_id].block_ids),
+                )
+            )
         if drafts:
             out.scheduled_spec_tokens[request.request_id] = list(drafts)
         out.num_scheduled_tokens[request.request_id] = num_slots
@@ -373,8 +384,12 @@ class Scheduler:
         this sequence after this step (it samples and speculates)."""
         lookahead = self.config.num_lookahead_slots
         end = request.num_computed_tokens + num_slots
-        if not (lookahead and request.num_spec_tokens and self._out.propose_drafts
-                and end == request.num_tokens + num_drafts):
+        if not (
+            lookahead
+            and request.num_spec_tokens
+            and self._out.propose_drafts
+            and end == request.num_tokens + num_drafts
+        ):
             return 0
         return max(0, min(lookahead, self.config.max_model_len - end, self.kv.num_blocks * self.kv.block_size - end))
 
@@ -593,14 +608,18 @@ class Scheduler:
         if committed:  # its tokens were counted when the next step was scheduled beside it
             self._committed = None
             requests = self.requests
-            scheduled = [(request, num_tokens) for request, num_tokens in self._committed_requests
-                         if requests.get(request.request_id) is request and request.status == RequestStatus.RUNNING]
+            scheduled = [
+                (request, num_tokens)
+                for request, num_tokens in self._committed_requests
+                if requests.get(request.request_id) is request and request.status == RequestStatus.RUNNING
+            ]
             self._committed_requests = []
         else:
-            scheduled = [(request, num_tokens)
-                         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
-                         if (request := self.requests.get(request_id)) is not None
-                         and request.status == RequestStatus.RUNNING]  # not finished or preempted meanwhile
+            scheduled = [
+                (request, num_tokens)
+                for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
+                if (request := self.requests.get(request_id)) is not None and request.status == RequestStatus.RUNNING
+            ]  # not finished or preempted meanwhile
         for request, num_tokens in scheduled:
             request_id = request.request_id
             if (run := runner_output.sampled_runs.get(request_id)) is not None:
@@ -652,7 +671,7 @@ class Scheduler:
             if (status := request.check_stop()) is not None:
                 break
         request.num_new_tokens = request.num_output_tokens - num_before
-        request.run_logprobs = [token.logprob for token in run[:request.num_new_tokens]]
+        request.run_logprobs = [token.logprob for token in run[: request.num_new_tokens]]
         if status is not None:
             self.running.remove(request)
             self._finish(request, status)

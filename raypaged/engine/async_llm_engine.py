@@ -141,8 +141,16 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         # checked, tokenized, its grammar compiled and its adapter read here, off the engine thread: the batch runs on
         if beam is None:
-            process = partial(self.engine.process_request, request_id, prompt, params, prompt_token_ids, priority,
-                              cache_salt, lora_request)
+            process = partial(
+                self.engine.process_request,
+                request_id,
+                prompt,
+                params,
+                prompt_token_ids,
+                priority,
+                cache_salt,
+                lora_request,
+            )
         else:
             process = partial(self.engine.process_beam_search, request_id, prompt, beam, prompt_token_ids, lora_request)
         processed = await self._loop.run_in_executor(None, process)

@@ -192,9 +192,17 @@ class EngineCore:
         """Every beam proposes its ``2 * beam_width`` best next tokens; its group decides (``params``:
         the request's ``beam``)."""
         group = BeamGroup(request.request_id, params=params, eos_token_id=self.eos_token_id)
-        first = Request(request.request_id, request.prompt_token_ids, request.sampling_params, request.max_tokens,
-                        self.eos_token_id, arrival_time=request.arrival_time, gang=group,
-                        cache_salt=request.cache_salt, lora=request.lora)
+        first = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.max_tokens,
+            self.eos_token_id,
+            arrival_time=request.arrival_time,
+            gang=group,
+            cache_salt=request.cache_salt,
+            lora=request.lora,
+        )
         group.members.append(first)
         if request.matchers:
             self._matchers[first.request_id] = request.matchers[0]
@@ -297,8 +305,9 @@ class EngineCore:
                 self.num_overlapped_steps += 1
         return self._apply(scheduler_output, runner_output, fill_failures)
 
-    def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
-               fill_failures: dict[str, str]) -> EngineCoreOutputs:
+    def _apply(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, fill_failures: dict[str, str]
+    ) -> EngineCoreOutputs:
         """A step's results into the scheduler, the grammars, the drafts and the beam searches;
         the deltas for the caller."""
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -317,9 +326,20 @@ class EngineCore:
             if request.gang is not None:  # a beam: its search settles below
                 ended_beams.setdefault(request.gang.gang_id, []).append(ended)
                 continue
-            deltas.append(SeqDelta(request.request_id, [], None, None, request.cumulative_logprob,
-                                   request.status.finish_reason, request.stop_reason, ended.message,
-                                   request.first_scheduled_time, request.num_cached_tokens))
+            deltas.append(
+                SeqDelta(
+                    request.request_id,
+                    [],
+                    None,
+                    None,
+                    request.cumulative_logprob,
+                    request.status.finish_reason,
+                    request.stop_reason,
+                    ended.message,
+                    request.first_scheduled_time,
+                    request.num_cached_tokens,
+                )
+            )
             self._release(request.request_id)
         if (ngram := self.ngram) is not None and scheduler_output.propose_drafts:
             self._propose_ngrams(ngram, updated)
@@ -387,7 +407,8 @@ class EngineCore:
         for request in updated:
             if request.num_spec_tokens and not request.status.finished:
                 request.spec_token_ids = ngram.propose(
-                    request.request_id, request.prompt_token_ids, request.output_token_ids, request.num_spec_tokens)
+                    request.request_id, request.prompt_token_ids, request.output_token_ids, request.num_spec_tokens
+                )
 
     def _grammar_bitmask(self, so: SchedulerOutput) -> GrammarBitmask | None:
         """Masks of the constrained sequences that sample this step (their last known token is
@@ -395,14 +416,16 @@ class EngineCore:
         requests = self.scheduler.requests
         drafts = so.scheduled_spec_tokens
         rows = [
-            (rid, self._matchers[rid], drafts.get(rid, [])) for rid, num_new in so.num_scheduled_tokens.items()
+            (rid, self._matchers[rid], drafts.get(rid, []))
+            for rid, num_new in so.num_scheduled_tokens.items()
             if rid in self._matchers
             and requests[rid].num_computed_tokens + num_new == requests[rid].num_tokens + len(drafts.get(rid, ()))
         ]
         if not rows:
             return None
-        bitmask = allocate_bitmask(sum(1 + len(seq_drafts) for _, _, seq_drafts in rows),
-                                   self.config.hf_config.vocab_size)
+        bitmask = allocate_bitmask(
+            sum(1 + len(seq_drafts) for _, _, seq_drafts in rows), self.config.hf_config.vocab_size
+        )
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="raypaged-grammar-mask")
         pending = self._mask_thread.submit(_fill_masks, rows, bitmask)
@@ -415,13 +438,13 @@ class EngineCore:
         The mask thread walks the kept drafts again next step (it needs the matcher's state at each
         position to fill that position's mask, and runs while the forward does); cutting here costs
         an accept and a rollback per draft, against a forward slot for every refused one."""
-        for token_id in request.output_token_ids[-request.num_new_tokens:]:
+        for token_id in request.output_token_ids[-request.num_new_tokens :]:
             if not matcher.accept_token(token_id):
                 raise RuntimeError(f"the grammar refused token {token_id}")
         if matcher.is_terminated() and not request.status.finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         elif request.spec_token_ids:
-            del request.spec_token_ids[num_valid_tokens(matcher, request.spec_token_ids):]
+            del request.spec_token_ids[num_valid_tokens(matcher, request.spec_token_ids) :]
 
     def _advance_beam_grammars(self, group: BeamGroup) -> None:
         """After the group's beam steps: each kept beam's grammar state is its parent's (forked for
@@ -429,8 +452,11 @@ class EngineCore:
         beam got; dropped beams' states go."""
         for lineage in group.lineage:
             parents = {parent: self._matchers.pop(parent) for parent, _, _ in lineage if parent in self._matchers}
-            kept = [(beam_id, parents[parent] if beam_id == parent else parents[parent].fork(), token_id)
-                    for parent, beam_id, token_id in lineage if beam_id is not None]
+            kept = [
+                (beam_id, parents[parent] if beam_id == parent else parents[parent].fork(), token_id)
+                for parent, beam_id, token_id in lineage
+                if beam_id is not None
+            ]
             for beam_id, matcher, token_id in kept:
                 if not matcher.accept_token(token_id):
                     raise RuntimeError(f"the grammar refused token {token_id}")
@@ -521,7 +547,7 @@ def _fill_masks(rows: list[tuple[str, Any, list[int]]], bitmask: torch.Tensor) -
                 matcher.rollback(len(drafts))
         except Exception as exc:
             logger.exception("request %s: filling the grammar mask failed; ending it alone", seq_id)
-            bitmask[row:row + len(drafts) + 1].fill_(-1)
+            bitmask[row : row + len(drafts) + 1].fill_(-1)
             failures[seq_id] = f"filling the grammar mask failed: {type(exc).__name__}: {exc}"
         row += len(drafts) + 1
     return failures

@@ -22,7 +22,10 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
@@ -43,8 +46,11 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
 
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
@@ -83,11 +89,11 @@ class IncrementalDetokenizer:
         return self._decode(held) if held else ""
 
     def _emit(self, final: bool) -> str:
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or (full_text.endswith(_REPLACEMENT) and not final):
             return ""
-        delta = full_text[len(prefix_text):]
+        delta = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
         return delta

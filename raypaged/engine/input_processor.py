@@ -42,9 +42,11 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(config.tokenizer_path)
         if len(self.tokenizer) > config.hf_config.vocab_size:
-            raise ValueError(f"the tokenizer in {config.tokenizer_path} has {len(self.tokenizer)} tokens, more than "
-                             f"the model's vocabulary of {config.hf_config.vocab_size}: "
-                             "it is not this model's tokenizer")
+            raise ValueError(
+                f"the tokenizer in {config.tokenizer_path} has {len(self.tokenizer)} tokens, more than "
+                f"the model's vocabulary of {config.hf_config.vocab_size}: "
+                "it is not this model's tokenizer"
+            )
         self.eos_token_ids = self._eos_token_ids()
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the EOS; the others stop too
         self.grammars = GrammarBackend(
@@ -100,8 +102,9 @@ class InputProcessor:
                     found.append(ids)
         return found
 
-    def _checked_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                        truncate_to: int | None = None) -> list[int]:
+    def _checked_prompt(
+        self, prompt: str | None, prompt_token_ids: list[int] | None, truncate_to: int | None = None
+    ) -> list[int]:
         """The prompt's token ids (only the last ``truncate_to`` of them, when given, as vLLM's
         ``truncate_prompt_tokens``), sizes checked before tokenizing or copying."""
         max_model_len = _max_model_len(self.config)
@@ -125,8 +128,11 @@ class InputProcessor:
         check_text(STRUCTURED_PARAM, structured.num_chars, self.config.limits, _max_model_len(self.config))
         reasoning = _structured_outputs_config(self.config).reasoning
         if reasoning is not None:
-            tail = prompt[-64:] if prompt_token_ids is None and prompt is not None else self.tokenizer.decode(
-                (prompt_token_ids or [])[-16:])
+            tail = (
+                prompt[-64:]
+                if prompt_token_ids is None and prompt is not None
+                else self.tokenizer.decode((prompt_token_ids or [])[-16:])
+            )
             if closed_in(tail):
                 reasoning = None
         return self.grammars.compile(structured, reasoning)
@@ -135,8 +141,10 @@ class InputProcessor:
         """The adapter, read and checked against the model once per ``lora_int_id`` (``InputError``
         naming what does not fit: its rank, a module the model lacks, another adapter's id)."""
         if self.config.lora_config is None:
-            raise InputError("lora_request", f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is off "
-                                             "(--enable-lora, LLM(enable_lora=True))")
+            raise InputError(
+                "lora_request",
+                f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is off (--enable-lora, LLM(enable_lora=True))",
+            )
         with self._lora_lock:  # servers check adapters on several threads
             if (known := self._known_lora(lora)) is not None:
                 return known
@@ -159,9 +167,12 @@ class InputProcessor:
             return known
         for other in self._loras.values():
             if other.lora_int_id == lora.lora_int_id or other.lora_name == lora.lora_name:
-                raise InputError("lora_request", f"LoRA adapter {lora.lora_name!r} (lora_int_id {lora.lora_int_id}) "
-                                                 f"clashes with {other.lora_name!r} (lora_int_id {other.lora_int_id}, "
-                                                 f"{other.lora_path}): each name and id belongs to one adapter")
+                raise InputError(
+                    "lora_request",
+                    f"LoRA adapter {lora.lora_name!r} (lora_int_id {lora.lora_int_id}) "
+                    f"clashes with {other.lora_name!r} (lora_int_id {other.lora_int_id}, "
+                    f"{other.lora_path}): each name and id belongs to one adapter",
+                )
         return None
 
     def lora(self, lora_int_id: int) -> LoRARequest | None:
@@ -203,8 +214,14 @@ class InputProcessor:
         spec = config.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig), "EngineConfig parses speculative_config"
         return params, EngineCoreRequest(
-            request_id, prompt_token_ids, seq_params, max_tokens, priority=priority,
-            cache_salt=_prefix_namespace(cache_salt, lora), lora=lora, matchers=matchers,
+            request_id,
+            prompt_token_ids,
+            seq_params,
+            max_tokens,
+            priority=priority,
+            cache_salt=_prefix_namespace(cache_salt, lora),
+            lora=lora,
+            matchers=matchers,
             num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
         )
 
@@ -225,13 +242,21 @@ class InputProcessor:
         max_tokens = min(params.max_tokens, _max_model_len(config) - len(prompt_token_ids))
         matchers = []
         if params.structured_outputs is not None:
-            matchers = [self.grammars.matcher(self.compile_grammar(params.structured_outputs, prompt,
-                                                                   prompt_token_ids))]
-        beam_params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2 * params.beam_width,
-                                     ignore_eos=True)
+            matchers = [
+                self.grammars.matcher(self.compile_grammar(params.structured_outputs, prompt, prompt_token_ids))
+            ]
+        beam_params = SamplingParams(
+            temperature=0, max_tokens=max_tokens, logprobs=2 * params.beam_width, ignore_eos=True
+        )
         return beam_params, EngineCoreRequest(
-            request_id, prompt_token_ids, beam_params, max_tokens, cache_salt=_prefix_namespace(None, lora), lora=lora,
-            matchers=matchers, beam=params,
+            request_id,
+            prompt_token_ids,
+            beam_params,
+            max_tokens,
+            cache_salt=_prefix_namespace(None, lora),
+            lora=lora,
+            matchers=matchers,
+            beam=params,
         )
 
     def _with_eos_stops(self, params: SamplingParams) -> SamplingParams:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("raypaged")
 
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, own_input_tokenizer: bool = False) -> None:
         """``own_input_tokenizer``: the input processor loads a tokenizer of its own, for servers
@@ -49,7 +50,9 @@ class LLMEngine:
         self.eos_token_id = self.input_processor.eos_token_id  # the EOS; the others stop too
         logger.info(
             "generation config %s: EOS token ids %s, sampling defaults %s",
-            config.generation_config, list(self.eos_token_ids), config.generation_defaults.as_dict() or "none",
+            config.generation_config,
+            list(self.eos_token_ids),
+            config.generation_defaults.as_dict() or "none",
         )
         self.core = EngineCore(config, self.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -114,7 +117,8 @@ class LLMEngine:
         """The input processor's half of ``add_request``: touches no engine state, so servers run it
         off the engine thread and hand the result to ``add_processed`` there."""
         params, core_request = self.input_processor.process(
-            self._seq_id(request_id), prompt, sampling_params, prompt_token_ids, priority, cache_salt, lora_request)
+            self._seq_id(request_id), prompt, sampling_params, prompt_token_ids, priority, cache_salt, lora_request
+        )
         return ProcessedRequest(request_id, prompt, params, core_request)
 
     def process_beam_search(
@@ -127,7 +131,8 @@ class LLMEngine:
     ) -> ProcessedRequest:
         """``process_request`` for a beam search."""
         beam_params, core_request = self.input_processor.process_beam_search(
-            self._seq_id(request_id), prompt, params, prompt_token_ids, lora_request)
+            self._seq_id(request_id), prompt, params, prompt_token_ids, lora_request
+        )
         return ProcessedRequest(request_id, prompt, beam_params, core_request)
 
     def add_processed(self, processed: ProcessedRequest) -> str:
@@ -137,11 +142,19 @@ class LLMEngine:
         core_request.arrival_time = time.monotonic()  # queued in the engine
         seq_ids = self.core.add(core_request)
         if core_request.beam is not None:
-            self.output_processor.add_beam_search(request_id, processed.prompt, core_request.prompt_token_ids,
-                                                  processed.params, seq_ids[0])
+            self.output_processor.add_beam_search(
+                request_id, processed.prompt, core_request.prompt_token_ids, processed.params, seq_ids[0]
+            )
         else:
-            self.output_processor.add(request_id, processed.prompt, core_request.prompt_token_ids, processed.params,
-                                      seq_ids, core_request.max_tokens, core_request.arrival_time)
+            self.output_processor.add(
+                request_id,
+                processed.prompt,
+                core_request.prompt_token_ids,
+                processed.params,
+                seq_ids,
+                core_request.max_tokens,
+                core_request.arrival_time,
+            )
         return request_id
 
     def _seq_id(self, request_id: str) -> str:
@@ -165,8 +178,11 @@ class LLMEngine:
         different LoRA adapters (``lora_request``; ``None``: the base model).
         """
         request_id = self.new_request_id(request_id)
-        return self.add_processed(self.process_request(
-            request_id, prompt, sampling_params, prompt_token_ids, priority, cache_salt, lora_request))
+        return self.add_processed(
+            self.process_request(
+                request_id, prompt, sampling_params, prompt_token_ids, priority, cache_salt, lora_request
+            )
+        )
 
     def add_beam_search(
         self,

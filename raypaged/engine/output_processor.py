@@ -133,19 +133,29 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.states or request_id in self.beams
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            seq_ids: list[str], max_tokens: int, arrival_time: float) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seq_ids: list[str],
+        max_tokens: int,
+        arrival_time: float,
+    ) -> None:
         state = RequestState(request_id, prompt, prompt_token_ids, params, [], arrival_time, max_tokens)
         for index, seq_id in enumerate(seq_ids):
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
-                                           params.spaces_between_special_tokens)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
             seq = SeqState(seq_id, index, params, detok)
             state.seqs.append(seq)
             self._seqs[seq_id] = (state, seq)
         self.states[request_id] = state
 
-    def add_beam_search(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                        params: SamplingParams, core_id: str) -> None:
+    def add_beam_search(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, core_id: str
+    ) -> None:
         self.beams[request_id] = (RequestState(request_id, prompt, prompt_token_ids, params, []), core_id)
         self._beam_ids[core_id] = request_id
 
@@ -192,8 +202,9 @@ class OutputProcessor:
                     elif process_token(seq, delta, now):
                         stopped.append(delta.seq_id)
                 except Exception as exc:
-                    self._failed(state, "ending" if delta.message is not None else "detokenizing or stop matching",
-                                 exc, to_abort)
+                    self._failed(
+                        state, "ending" if delta.message is not None else "detokenizing or stop matching", exc, to_abort
+                    )
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
@@ -241,8 +252,9 @@ class OutputProcessor:
 
     def _beam_output(self, state: RequestState, result: BeamResult) -> BeamSearchOutput:
         if result.error is not None:  # no beams: a BeamSearchOutput still, as every beam search's output is
-            return BeamSearchOutput(state.request_id, state.prompt, state.prompt_token_ids, [], finished=True,
-                                    error=result.error)
+            return BeamSearchOutput(
+                state.request_id, state.prompt, state.prompt_token_ids, [], finished=True, error=result.error
+            )
         return beam_output(state, result.hypotheses, self.tokenizer)
 
 
@@ -262,11 +274,24 @@ def beam_output(state: RequestState, hypotheses: list[Hypothesis], tokenizer) ->
     ]
     sequences = []
     for hyp, text in zip(hypotheses, texts):
-        sequences.append(BeamSearchSequence(state.prompt_token_ids + hyp.token_ids,
-                                            _decoded_logprobs(hyp.logprobs, tokenizer), hyp.cumulative_logprob, text,
-                                            hyp.finish_reason))
-    return BeamSearchOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished=True,
-                            num_generated_tokens=sum(len(h.token_ids) for h in hypotheses), sequences=sequences)
+        sequences.append(
+            BeamSearchSequence(
+                state.prompt_token_ids + hyp.token_ids,
+                _decoded_logprobs(hyp.logprobs, tokenizer),
+                hyp.cumulative_logprob,
+                text,
+                hyp.finish_reason,
+            )
+        )
+    return BeamSearchOutput(
+        state.request_id,
+        state.prompt,
+        state.prompt_token_ids,
+        completions,
+        finished=True,
+        num_generated_tokens=sum(len(h.token_ids) for h in hypotheses),
+        sequences=sequences,
+    )
 
 
 def process_token(seq: SeqState, delta: SeqDelta, now: float) -> bool:
@@ -351,9 +376,18 @@ def make_output(state: RequestState) -> RequestOutput | None:
         delta = kind is _DELTA
         completion = _delta(seq, params) if delta else _cumulative(seq, params)
         seq.done = finished
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
-                             len(seq.token_ids), None, request_metrics(state) if finished or not delta else None,
-                             state.prompt_logprobs(delta), state.num_cached_tokens)
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            [completion],
+            finished,
+            len(seq.token_ids),
+            None,
+            request_metrics(state) if finished or not delta else None,
+            state.prompt_logprobs(delta),
+            state.num_cached_tokens,
+        )
     finished = state.finished
     ranked = params.num_samples > params.n
     if (ranked or params.output_kind == RequestOutputKind.FINAL_ONLY) and not finished:
@@ -362,8 +396,9 @@ def make_output(state: RequestState) -> RequestOutput | None:
     seqs = state.seqs
     if ranked:  # the n best by cumulative logprob (a stable sort: ties keep their sample order)
         seqs = sorted(seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)[: params.n]
-    completions = [_delta(seq, params) if delta else _cumulative(seq, params)
-                   for seq in seqs if not (delta and seq.done)]
+    completions = [
+        _delta(seq, params) if delta else _cumulative(seq, params) for seq in seqs if not (delta and seq.done)
+    ]
     if ranked:
         for rank, completion in enumerate(completions):
             completion.index = rank
@@ -399,8 +434,15 @@ def request_metrics(state: RequestState) -> RequestMetrics:
     """The request's timeline as of now, over all its sequences (a new object: O(sequences))."""
     if len(state.seqs) == 1:
         seq = state.seqs[0]
-        return RequestMetrics(state.arrival_time, state.params.n, state.max_tokens, seq.first_scheduled_time,
-                              seq.first_token_time, seq.last_token_time, len(seq.token_ids))
+        return RequestMetrics(
+            state.arrival_time,
+            state.params.n,
+            state.max_tokens,
+            seq.first_scheduled_time,
+            seq.first_token_time,
+            seq.last_token_time,
+            len(seq.token_ids),
+        )
     scheduled = [seq.first_scheduled_time for seq in state.seqs if seq.first_scheduled_time is not None]
     first_tokens = [seq.first_token_time for seq in state.seqs if seq.first_token_time is not None]
     last_tokens = [seq.last_token_time for seq in state.seqs if seq.last_token_time is not None]
@@ -418,9 +460,16 @@ def request_metrics(state: RequestState) -> RequestMetrics:
 def _cumulative(seq: SeqState, params: SamplingParams) -> CompletionOutput:
     # positional, in CompletionOutput's field order: index, text, token ids, cumulative logprob,
     # logprobs, finish reason, stop reason, finish message (this runs per sequence per step)
-    return CompletionOutput(seq.index, seq.text, list(seq.token_ids), seq.cumulative_logprob,
-                            list(seq.logprobs) if params.logprobs is not None else None,
-                            seq.finish_reason, seq.stop_reason, seq.finish_message)
+    return CompletionOutput(
+        seq.index,
+        seq.text,
+        list(seq.token_ids),
+        seq.cumulative_logprob,
+        list(seq.logprobs) if params.logprobs is not None else None,
+        seq.finish_reason,
+        seq.stop_reason,
+        seq.finish_message,
+    )
 
 
 def _delta(seq: SeqState, params: SamplingParams) -> CompletionOutput:
@@ -431,9 +480,16 @@ def _delta(seq: SeqState, params: SamplingParams) -> CompletionOutput:
     visible = max(len(text) - held, sent)
     seq.num_sent_tokens = len(seq.token_ids)
     seq.num_sent_chars = visible
-    return CompletionOutput(seq.index, text[sent:visible], seq.token_ids[first:], seq.cumulative_logprob,
-                            seq.logprobs[first:] if params.logprobs is not None else None,
-                            seq.finish_reason, seq.stop_reason, seq.finish_message)
+    return CompletionOutput(
+        seq.index,
+        text[sent:visible],
+        seq.token_ids[first:],
+        seq.cumulative_logprob,
+        seq.logprobs[first:] if params.logprobs is not None else None,
+        seq.finish_reason,
+        seq.stop_reason,
+        seq.finish_message,
+    )
 
 
 def _decoded_logprobs(entries: list[dict[int, float]], tokenizer: PreTrainedTokenizerBase) -> list[dict[int, Logprob]]:

@@ -38,22 +38,43 @@ _STRUCTURED = "structured_outputs_config"
 
 def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) -> None:
     if many_models:
-        parser.add_argument("--model", action="append", default=None,
-                            help="local model folder or Hugging Face Hub id (org/name); repeat to serve several "
-                                 "(default: SmolLM2-135M-Instruct)")
-        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                            help="the model, as vLLM's positional argument (the same as a first --model)")
-        parser.add_argument("--served-model-name", action="append", nargs="+", default=None, metavar="NAME",
-                            help="names clients use for the model (several: all reach it, the first is its own); "
-                                 "one such flag per --model (default: the --model value)")
+        parser.add_argument(
+            "--model",
+            action="append",
+            default=None,
+            help="local model folder or Hugging Face Hub id (org/name); repeat to serve several "
+            "(default: SmolLM2-135M-Instruct)",
+        )
+        parser.add_argument(
+            "model_tag",
+            nargs="?",
+            default=None,
+            metavar="MODEL",
+            help="the model, as vLLM's positional argument (the same as a first --model)",
+        )
+        parser.add_argument(
+            "--served-model-name",
+            action="append",
+            nargs="+",
+            default=None,
+            metavar="NAME",
+            help="names clients use for the model (several: all reach it, the first is its own); "
+            "one such flag per --model (default: the --model value)",
+        )
     else:
-        parser.add_argument("--model", default=None,
-                            help="local model folder or Hugging Face Hub id (org/name) "
-                                 "(default: SmolLM2-135M-Instruct)")
+        parser.add_argument(
+            "--model",
+            default=None,
+            help="local model folder or Hugging Face Hub id (org/name) (default: SmolLM2-135M-Instruct)",
+        )
     add_config_args(parser)
     # not a field: it sets structured_outputs_config's backend (see engine_kwargs)
-    parser.add_argument("--guided-decoding-backend", default=None, metavar="NAME",
-                        help="vLLM's older spelling of the structured outputs backend: xgrammar or auto")
+    parser.add_argument(
+        "--guided-decoding-backend",
+        default=None,
+        metavar="NAME",
+        help="vLLM's older spelling of the structured outputs backend: xgrammar or auto",
+    )
     add_limit_args(parser)
     add_vllm_args(parser)
     # not a field: the process's logging, set before any engine starts
@@ -75,23 +96,40 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     with the metadata's type, action, choices, metavar and help."""
     for f, meta in config_flag_fields():
         options: dict[str, Any] = {  # add_argument's keywords
-            "type": meta.type, "action": meta.action, "metavar": meta.metavar, "help": meta.help,
+            "type": meta.type,
+            "action": meta.action,
+            "metavar": meta.metavar,
+            "help": meta.help,
             "choices": None if meta.choices is None else list(meta.choices),
         }
-        parser.add_argument(vllm_flag(f.name), *meta.aliases, default=flag_default(f, meta),
-                            **{key: value for key, value in options.items() if value is not None})
+        parser.add_argument(
+            vllm_flag(f.name),
+            *meta.aliases,
+            default=flag_default(f, meta),
+            **{key: value for key, value in options.items() if value is not None},
+        )
 
 
 def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     """Flags vLLM command lines carry that are no ``EngineConfig`` field: each is honoured, or refused by
     name in ``check_vllm_args`` (``LLM`` takes the same options as keywords, see ``vllm_compat``)."""
     add_default_only_args(parser)
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="accepted for vLLM command lines: only built-in architectures run, never a model's code")
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                        help="on: long prefills are always chunked within --max-num-batched-tokens")
-    parser.add_argument("--disable-log-stats", action="store_true",
-                        help="accepted for vLLM command lines: raypaged logs no periodic stats (see /metrics)")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM command lines: only built-in architectures run, never a model's code",
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on: long prefills are always chunked within --max-num-batched-tokens",
+    )
+    parser.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted for vLLM command lines: raypaged logs no periodic stats (see /metrics)",
+    )
 
 
 def add_default_only_args(parser: argparse.ArgumentParser) -> None:
@@ -100,8 +138,9 @@ def add_default_only_args(parser: argparse.ArgumentParser) -> None:
             continue  # --enable-chunked-prefill is a switch of its own
         names = (vllm_flag(name), short) if short else (vllm_flag(name),)
         shown = "ray" if name == "distributed_executor_backend" else allowed[0]
-        parser.add_argument(*names, type=kind, default=allowed[0],
-                            help=f"accepted at {shown} only: {explain(why, as_flags=True)}")
+        parser.add_argument(
+            *names, type=kind, default=allowed[0], help=f"accepted at {shown} only: {explain(why, as_flags=True)}"
+        )
 
 
 def check_vllm_args(args: argparse.Namespace) -> None:
@@ -117,7 +156,7 @@ _LIMIT_HELP = {
     "max_stop_token_ids": "most stop_token_ids of one request",
     "max_chat_messages": "most messages of one chat request",
     "max_prompt_chars": "most characters of prompt text before tokenization "
-                        f"(default {PROMPT_CHARS_PER_TOKEN} x max-model-len)",
+    f"(default {PROMPT_CHARS_PER_TOKEN} x max-model-len)",
 }
 
 
@@ -179,8 +218,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs):
         completion = output.outputs[0]
-        print(f"### prompt: {prompt}\n{completion.text}\n### {len(completion.token_ids)} tokens, "
-              f"finish_reason={completion.finish_reason}\n")
+        print(
+            f"### prompt: {prompt}\n{completion.text}\n### {len(completion.token_ids)} tokens, "
+            f"finish_reason={completion.finish_reason}\n"
+        )
     return 0
 
 
@@ -201,9 +242,15 @@ def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
 
 
 def add_lora_modules_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
-                        help='LoRA adapters served from the start, as vLLM: name=path, or JSON \'{"name": ..., '
-                             '"path": ..., "base_model_name": ...}\' (needs --enable-lora)')
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="NAME=PATH",
+        help='LoRA adapters served from the start, as vLLM: name=path, or JSON \'{"name": ..., '
+        '"path": ..., "base_model_name": ...}\' (needs --enable-lora)',
+    )
 
 
 def lora_modules(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
@@ -218,8 +265,9 @@ def lora_modules(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
             entry = json_flag_value("--lora-modules", spec)
             unknown = set(entry) - {"name", "path", "base_model_name"}
             if unknown or not entry.get("name") or not entry.get("path"):
-                raise ValueError(f"--lora-modules takes name=path or JSON with name, path and base_model_name, "
-                                 f"got {spec!r}")
+                raise ValueError(
+                    f"--lora-modules takes name=path or JSON with name, path and base_model_name, got {spec!r}"
+                )
             name, path, base = entry["name"], entry["path"], entry.get("base_model_name") or ""
         else:
             name, sep, path = spec.partition("=")
@@ -233,74 +281,153 @@ def lora_modules(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
 
 
 def add_drain_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="on SIGTERM/SIGINT: how long in-flight requests may run before they are aborted")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT: how long in-flight requests may run before they are aborted",
+    )
 
 
 def add_metrics_prefix_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics-prefix", default="raypaged", metavar="NAME",
-                        help="start every Prometheus metric name with NAME: (vllm: vLLM's names, for its Grafana "
-                             "dashboard, KEDA rules and inference gateways)")
+    parser.add_argument(
+        "--metrics-prefix",
+        default="raypaged",
+        metavar="NAME",
+        help="start every Prometheus metric name with NAME: (vllm: vLLM's names, for its Grafana "
+        "dashboard, KEDA rules and inference gateways)",
+    )
 
 
 def add_share_prefix_cache_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--share-prefix-cache", action="store_true",
-                        help="with API keys: all tenants share prefix-cache blocks (default: each only its own)")
+    parser.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        help="with API keys: all tenants share prefix-cache blocks (default: each only its own)",
+    )
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
-    add_api_key_arg(parser, "require one of these keys as 'Authorization: Bearer KEY' (repeatable; default: "
-                            "$RAYPAGED_API_KEY)")
-    parser.add_argument("--auth-exempt-paths", default="/health,/metrics", metavar="PATHS",
-                        help="comma-separated paths open without a key when keys are set ('' protects every path)")
+    add_api_key_arg(
+        parser, "require one of these keys as 'Authorization: Bearer KEY' (repeatable; default: $RAYPAGED_API_KEY)"
+    )
+    parser.add_argument(
+        "--auth-exempt-paths",
+        default="/health,/metrics",
+        metavar="PATHS",
+        help="comma-separated paths open without a key when keys are set ('' protects every path)",
+    )
     parser.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
-    parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024, metavar="BYTES",
-                        help="larger request bodies are refused with 413")
-    parser.add_argument("--enable-log-requests", action="store_true",
-                        help="a log line per request (off by default, as vLLM)")
-    parser.add_argument("--disable-log-requests", action="store_true",
-                        help="vLLM's older flag: no log line per request (the default now)")
-    parser.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
-                        help="log level of the HTTP server, uvicorn (default: --log-level)")
-    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
-                        help="no uvicorn access-log line per HTTP request")
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        metavar="BYTES",
+        help="larger request bodies are refused with 413",
+    )
+    parser.add_argument(
+        "--enable-log-requests", action="store_true", help="a log line per request (off by default, as vLLM)"
+    )
+    parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="vLLM's older flag: no log line per request (the default now)",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=UVICORN_LOG_LEVELS,
+        help="log level of the HTTP server, uvicorn (default: --log-level)",
+    )
+    parser.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no uvicorn access-log line per HTTP request"
+    )
     parser.add_argument("--ssl-keyfile", default=None, help="private key (PEM) for HTTPS, with --ssl-certfile")
     parser.add_argument("--ssl-certfile", default=None, help="certificate chain (PEM): serve HTTPS instead of HTTP")
-    parser.add_argument("--ssl-ca-certs", default=None,
-                        help="CA certificates (PEM) that client certificates must chain to")
-    parser.add_argument("--ssl-cert-reqs", type=int, default=0,
-                        help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
-    parser.add_argument("--root-path", default="",
-                        help="the path prefix of a path-routing proxy in front (FastAPI's root_path): routes answer "
-                             "under it as well as without it")
-    parser.add_argument("--max-prompts-per-request", type=int, default=1024, metavar="N",
-                        help="completions requests with more prompts are refused with 400")
-    parser.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
-                        help="comma-separated Host names served besides localhost, 127.x.y.z and ::1 ('*': any); "
-                             "a loopback --host serves only loopback names without it (against DNS rebinding)")
-    parser.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
-                        help='CORS origins, a JSON list (\'["https://a.example"]\') or comma-separated '
-                             "(default: no CORS)")
-    parser.add_argument("--allowed-methods", default=None, metavar="METHODS",
-                        help='CORS methods with --allowed-origins, as that flag (default: \'["*"]\')')
-    parser.add_argument("--allowed-headers", default=None, metavar="HEADERS",
-                        help='CORS request headers with --allowed-origins, as that flag (default: \'["*"]\')')
+    parser.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates (PEM) that client certificates must chain to"
+    )
+    parser.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)",
+    )
+    parser.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix of a path-routing proxy in front (FastAPI's root_path): routes answer "
+        "under it as well as without it",
+    )
+    parser.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="completions requests with more prompts are refused with 400",
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="HOSTS",
+        help="comma-separated Host names served besides localhost, 127.x.y.z and ::1 ('*': any); "
+        "a loopback --host serves only loopback names without it (against DNS rebinding)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="CORS origins, a JSON list ('[\"https://a.example\"]') or comma-separated (default: no CORS)",
+    )
+    parser.add_argument(
+        "--allowed-methods",
+        default=None,
+        metavar="METHODS",
+        help="CORS methods with --allowed-origins, as that flag (default: '[\"*\"]')",
+    )
+    parser.add_argument(
+        "--allowed-headers",
+        default=None,
+        metavar="HEADERS",
+        help="CORS request headers with --allowed-origins, as that flag (default: '[\"*\"]')",
+    )
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='tool_choice "auto": the model decides, its calls are found by --tool-call-parser')
-    parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                        help="how tool calls look in the model's output: hermes, llama3_json, mistral, pythonic")
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the model decides, its calls are found by --tool-call-parser',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool calls look in the model's output: hermes, llama3_json, mistral, pythonic",
+    )
     parser.add_argument("--response-role", default="assistant", metavar="ROLE", help="the role of chat answers")
-    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
-                        help="usage.prompt_tokens_details.cached_tokens: prompt tokens read from the prefix cache")
-    parser.add_argument("--enable-force-include-usage", action="store_true",
-                        help="every stream ends with a usage chunk, asked for or not")
-    parser.add_argument("--enable-request-id-headers", action="store_true",
-                        help="answers carry X-Request-Id (the client's, or the response id)")
-    parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                        help="deepseek_r1 or qwen3: chat answers' <think> section becomes reasoning_content")
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens read from the prefix cache",
+    )
+    parser.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with a usage chunk, asked for or not",
+    )
+    parser.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answers carry X-Request-Id (the client's, or the response id)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="deepseek_r1 or qwen3: chat answers' <think> section becomes reasoning_content",
+    )
     add_drain_arg(parser)
 
 
@@ -345,28 +472,44 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
     exempt = tuple(p.strip() for p in args.auth_exempt_paths.split(",") if p.strip())
     check_exempt_paths(exempt)
     origins = names("--allowed-origins", args.allowed_origins) if args.allowed_origins is not None else ()
-    cors_flags = {"--allowed-methods": args.allowed_methods, "--allowed-headers": args.allowed_headers,
-                  "--allow-credentials": args.allow_credentials or None}
+    cors_flags = {
+        "--allowed-methods": args.allowed_methods,
+        "--allowed-headers": args.allowed_headers,
+        "--allow-credentials": args.allow_credentials or None,
+    }
     for cors_flag, value in cors_flags.items():
         if value is not None and not origins:
             raise ValueError(f"{cors_flag} needs --allowed-origins (without it the server sends no CORS headers)")
     return GatewayOptions(
-        host=args.host, port=args.port, api_key=api_keys(args), tenants_file=args.tenants,
-        log_requests=args.enable_log_requests and not args.disable_log_requests, log_level=args.log_level,
-        uvicorn_log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
-        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
-        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-        max_body_bytes=args.max_request_body_bytes, drain_timeout_s=args.drain_timeout, auth_exempt_paths=exempt,
+        host=args.host,
+        port=args.port,
+        api_key=api_keys(args),
+        tenants_file=args.tenants,
+        log_requests=args.enable_log_requests and not args.disable_log_requests,
+        log_level=args.log_level,
+        uvicorn_log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        root_path=args.root_path,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        max_body_bytes=args.max_request_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+        auth_exempt_paths=exempt,
         max_prompts_per_request=args.max_prompts_per_request,
         allowed_hosts=names("--allowed-hosts", args.allowed_hosts) if args.allowed_hosts is not None else None,
         allowed_origins=origins,
         allowed_methods=names("--allowed-methods", args.allowed_methods or '["*"]'),
         allowed_headers=names("--allowed-headers", args.allowed_headers or '["*"]'),
         allow_credentials=args.allow_credentials,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        response_role=args.response_role, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        response_role=args.response_role,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage,
-        enable_request_id_headers=args.enable_request_id_headers, reasoning_parser=args.reasoning_parser,
+        enable_request_id_headers=args.enable_request_id_headers,
+        reasoning_parser=args.reasoning_parser,
     )
 
 
@@ -376,10 +519,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = gateway_options(args)
     options_check(options)
     adapters = lora_modules(args)
-    asyncio.run(run_serve(
-        engine_configs(args), args.grpc_host, args.grpc_port, options, args.share_prefix_cache,
-        f"{args.metrics_prefix}:", adapters,
-    ))
+    asyncio.run(
+        run_serve(
+            engine_configs(args),
+            args.grpc_host,
+            args.grpc_port,
+            options,
+            args.share_prefix_cache,
+            f"{args.metrics_prefix}:",
+            adapters,
+        )
+    )
     return 0
 
 
@@ -391,10 +541,18 @@ def cmd_engine(args: argparse.Namespace) -> int:
         raise ValueError(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout:g}")
     tenants = tenants_for(api_keys(args), args.tenants)  # a bad file fails before models load
     adapters = lora_modules(args)
-    asyncio.run(run_engine(
-        engine_configs(args), args.grpc_host, args.grpc_port, args.drain_timeout, tenants, args.share_prefix_cache,
-        f"{args.metrics_prefix}:", adapters,
-    ))
+    asyncio.run(
+        run_engine(
+            engine_configs(args),
+            args.grpc_host,
+            args.grpc_port,
+            args.drain_timeout,
+            tenants,
+            args.share_prefix_cache,
+            f"{args.metrics_prefix}:",
+            adapters,
+        )
+    )
     return 0
 
 
@@ -415,9 +573,12 @@ def options_check(options: GatewayOptions) -> None:
 
 
 def add_config_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(CONFIG_FLAG, metavar="FILE.yaml",
-                        help="YAML mapping of this command's flags (long names without --) to values; the command "
-                             "line wins over the file")
+    parser.add_argument(
+        CONFIG_FLAG,
+        metavar="FILE.yaml",
+        help="YAML mapping of this command's flags (long names without --) to values; the command "
+        "line wins over the file",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -449,8 +610,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(engine, many_models=True)
     engine.add_argument("--grpc-host", default="127.0.0.1", help="gRPC address to listen on")
     engine.add_argument("--grpc-port", type=int, default=50051, help="gRPC port")
-    add_api_key_arg(engine, "require one of these keys as gRPC metadata 'authorization: Bearer KEY' (repeatable; "
-                            "default: $RAYPAGED_API_KEY); Health, Info and Metrics stay open")
+    add_api_key_arg(
+        engine,
+        "require one of these keys as gRPC metadata 'authorization: Bearer KEY' (repeatable; "
+        "default: $RAYPAGED_API_KEY); Health, Info and Metrics stay open",
+    )
     engine.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
     add_share_prefix_cache_arg(engine)
     add_metrics_prefix_arg(engine)
@@ -460,8 +624,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=cmd_engine)
 
     gateway = sub.add_parser("gateway", help="the HTTP gateway in front of running engines")
-    gateway.add_argument("--engine", action="append", required=True, metavar="NAME=HOST:PORT",
-                         help="a served model name and the engine serving it (repeatable)")
+    gateway.add_argument(
+        "--engine",
+        action="append",
+        required=True,
+        metavar="NAME=HOST:PORT",
+        help="a served model name and the engine serving it (repeatable)",
+    )
     add_gateway_args(gateway)
     gateway.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
     add_config_arg(gateway)

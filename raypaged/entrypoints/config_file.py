@@ -57,9 +57,9 @@ class ArgumentParser(argparse.ArgumentParser):
         if args[i] == CONFIG_FLAG:
             if i + 1 >= len(args):
                 self.error(f"{CONFIG_FLAG} needs a YAML file")
-            path, rest = args[i + 1], args[:i] + args[i + 2:]
+            path, rest = args[i + 1], args[:i] + args[i + 2 :]
         else:
-            path, rest = args[i].partition("=")[2], args[:i] + args[i + 1:]
+            path, rest = args[i].partition("=")[2], args[:i] + args[i + 1 :]
         given = {action.dest for action in map(self._action_of, rest) if action is not None}
         positional_model = self._has_positional_model(rest)
         tokens: list[str] = []
@@ -67,8 +67,10 @@ class ArgumentParser(argparse.ArgumentParser):
             flag = "--" + str(key).removeprefix("--").replace("_", "-")
             action = self.flags.get(flag)
             if action is None or flag == CONFIG_FLAG:
-                self.error(f"{CONFIG_FLAG} {path}: {key!r} is not a flag of this command (keys are flag names "
-                           "without the leading --, as max-model-len)")
+                self.error(
+                    f"{CONFIG_FLAG} {path}: {key!r} is not a flag of this command (keys are flag names "
+                    "without the leading --, as max-model-len)"
+                )
             if action.dest in given or (action.dest == "model" and positional_model):
                 continue  # the command line wins
             try:
@@ -85,8 +87,9 @@ class ArgumentParser(argparse.ArgumentParser):
         if data is None:
             return {}
         if not isinstance(data, dict):
-            self.error(f"{CONFIG_FLAG} {path} must be a YAML mapping of flag names to values, got "
-                       f"{type(data).__name__}")
+            self.error(
+                f"{CONFIG_FLAG} {path} must be a YAML mapping of flag names to values, got {type(data).__name__}"
+            )
         return data
 
     def _action_of(self, arg: str) -> argparse.Action | None:

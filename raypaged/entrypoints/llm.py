@@ -111,8 +111,9 @@ class LLM:
         else:
             loras = list(lora_request)
             if len(loras) != len(prompts):
-                raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts; "
-                                 "pass one or one per prompt")
+                raise ValueError(
+                    f"got {len(loras)} lora_request for {len(prompts)} prompts; pass one or one per prompt"
+                )
         engine = self.llm_engine
         resolved = [_prompt_input(p) for p in prompts]
         # only the finished output is read: the engine builds nothing for the steps in between
@@ -163,9 +164,14 @@ class LLM:
         prompts = []
         for conversation in conversations:
             ids = engine.input_processor.chat_ids(
-                conversation, tools=tools, documents=documents, chat_template=chat_template,
-                chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, trusted=True,
+                conversation,
+                tools=tools,
+                documents=documents,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                trusted=True,
             )
             prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -259,10 +265,15 @@ def _signature() -> inspect.Signature:
     first) and ``**vllm_options``."""
     keywords = engine_keywords()
     model = keywords.pop("model")
-    return inspect.Signature([
-        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), model, *keywords.values(),
-        inspect.Parameter("vllm_options", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
-    ], return_annotation="None")
+    return inspect.Signature(
+        [
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            model,
+            *keywords.values(),
+            inspect.Parameter("vllm_options", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
+        ],
+        return_annotation="None",
+    )
 
 
 LLM.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

@@ -15,11 +15,21 @@ DEFAULT_ONLY: list[tuple[str, str | None, type, tuple[object, ...], str]] = [
     ("cpu_offload_gb", None, float, (0.0,), "weights stay on the device"),
     ("tokenizer_mode", None, str, ("auto",), "the model's own (fast) tokenizer is used"),
     ("distributed_executor_backend", None, str, (None, "ray"), "shards are Ray actors (ray)"),
-    ("enable_chunked_prefill", None, bool, (None, True),
-     "long prefills are always chunked within {max_num_batched_tokens}"),
-    ("max_num_partial_prefills", None, int, (1,),
-     "the scheduler chunks one prompt at a time (a prompt cut at the step's {max_num_batched_tokens} is its last; "
-     "the prompts behind it wait for the next step), which is {max_num_partial_prefills} 1"),
+    (
+        "enable_chunked_prefill",
+        None,
+        bool,
+        (None, True),
+        "long prefills are always chunked within {max_num_batched_tokens}",
+    ),
+    (
+        "max_num_partial_prefills",
+        None,
+        int,
+        (1,),
+        "the scheduler chunks one prompt at a time (a prompt cut at the step's {max_num_batched_tokens} is its last; "
+        "the prompts behind it wait for the next step), which is {max_num_partial_prefills} 1",
+    ),
 ]  # {name}: the option's spelling, a flag on the command line and a keyword in LLM()
 # options accepted with any value, and why they change nothing here
 ANY_VALUE = {

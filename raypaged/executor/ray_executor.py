@@ -130,8 +130,11 @@ class RayExecutor(Executor):
         )
         self.node_ids = self._call_all([worker.node_id.remote() for worker in self.workers])
         logger.info(
-            "started %d shard actors (%s, %s, steps through %s)", size, config.placement_strategy,
-            "GPU" if on_gpu else "CPU", "shared memory" if self.step_channel == "shm" else "a Ray Compiled Graph",
+            "started %d shard actors (%s, %s, steps through %s)",
+            size,
+            config.placement_strategy,
+            "GPU" if on_gpu else "CPU",
+            "shared memory" if self.step_channel == "shm" else "a Ray Compiled Graph",
         )
 
     def _choose_step_channel(self, wanted: str, node_ids: list[str]) -> str:
@@ -263,7 +266,9 @@ class RayExecutor(Executor):
                 if dead is not None:
                     raise WorkerDiedError(dead, self.workers[dead]._actor_id.hex(), error) from error
                 raise WorkerDiedError(
-                    rank, self.workers[rank]._actor_id.hex(), error,
+                    rank,
+                    self.workers[rank]._actor_id.hex(),
+                    error,
                     f"failed in its step: {type(error).__name__}: {error}",
                 ) from error
         return [value for _, value in replies]

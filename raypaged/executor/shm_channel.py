@@ -62,8 +62,9 @@ class ShmRing:
     Who reads when is the doorbells' business: the ring only stores and checks order.
     """
 
-    def __init__(self, path: str, create: bool, num_readers: int = 1, num_slots: int = 2,
-                 slot_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self, path: str, create: bool, num_readers: int = 1, num_slots: int = 2, slot_bytes: int = 1 << 20
+    ) -> None:
         self.path = path
         if create:
             size = _slots_offset(num_readers) + num_slots * (_SLOT_HEADER.size + slot_bytes)
@@ -107,7 +108,7 @@ class ShmRing:
         self._drop_overflow(acknowledged)
         at = self._slot(seq)
         if len(payload) <= self.slot_bytes:
-            self._map[at + _SLOT_HEADER.size: at + _SLOT_HEADER.size + len(payload)] = payload
+            self._map[at + _SLOT_HEADER.size : at + _SLOT_HEADER.size + len(payload)] = payload
             _SLOT_HEADER.pack_into(self._map, at, seq, len(payload), 0)
         else:
             path = f"{self.path}.{seq}"
@@ -128,7 +129,7 @@ class ShmRing:
             with open(f"{self.path}.{seq}", "rb") as f:
                 payload = f.read()
         else:
-            payload = self._map[at + _SLOT_HEADER.size: at + _SLOT_HEADER.size + length]
+            payload = self._map[at + _SLOT_HEADER.size : at + _SLOT_HEADER.size + length]
         _FIELD.pack_into(self._map, _RING_HEADER.size + _FIELD.size * reader, seq)
         return payload
 

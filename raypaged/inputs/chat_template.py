@@ -18,10 +18,19 @@ if TYPE_CHECKING:
     from raypaged.config import EngineConfig
 
 # template variables chat_template_kwargs may not replace: the request sets them its own way
-_RESERVED_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "return_dict",
-})
+_RESERVED_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+    }
+)
 
 
 def render_chat(

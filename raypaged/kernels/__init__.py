@@ -12,5 +12,15 @@ from raypaged.kernels.ops import (
 )
 from raypaged.kernels.prefill_ops import paged_prefill_attention
 
-__all__ = ["copy_blocks", "fused_add_rms_norm", "gather_blocks", "paged_attention_decode", "paged_attention_prefill",
-           "paged_prefill_attention", "reshape_and_cache", "rms_norm", "rotary_and_cache", "silu_and_mul"]
+__all__ = [
+    "copy_blocks",
+    "fused_add_rms_norm",
+    "gather_blocks",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "paged_prefill_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_and_cache",
+    "silu_and_mul",
+]

@@ -58,8 +58,9 @@ def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None])
     """``expected`` entries of None accept any size."""
     if any(want is not None and got != want for got, want in zip(tensor.shape, expected)):
         shown = ", ".join("*" if want is None else str(want) for want in expected)
-        raise ValueError(f"{name} must have shape ({shown}{',' if len(expected) == 1 else ''}), "
-                         f"got {tuple(tensor.shape)}")
+        raise ValueError(
+            f"{name} must have shape ({shown}{',' if len(expected) == 1 else ''}), got {tuple(tensor.shape)}"
+        )
 
 
 def check_contiguous(name: str, tensor: torch.Tensor) -> None:

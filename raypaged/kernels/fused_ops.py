@@ -70,12 +70,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     head_stride = x.stride(1) if x.dim() == 3 else 0
     size = x.element_size()
-    vectorized = (hidden * size) % VECTOR_BYTES == 0 and (x.stride(0) * size) % VECTOR_BYTES == 0 and (
-        head_stride * size) % VECTOR_BYTES == 0 and _aligned(x, weight)
+    vectorized = (
+        (hidden * size) % VECTOR_BYTES == 0
+        and (x.stride(0) * size) % VECTOR_BYTES == 0
+        and (head_stride * size) % VECTOR_BYTES == 0
+        and _aligned(x, weight)
+    )
     units = hidden // (VECTOR_BYTES // size) if vectorized else hidden
     kernel = loader.function("fused_ops.cu", f"rms_norm_{loader.DTYPE_SUFFIX[x.dtype]}", device)
-    args = (loader.device_pointer(out), loader.device_pointer(x), loader.device_pointer(weight), np.int32(hidden),
-            np.int32(heads), np.int64(x.stride(0)), np.int64(head_stride), np.float32(eps), np.int32(vectorized))
+    args = (
+        loader.device_pointer(out),
+        loader.device_pointer(x),
+        loader.device_pointer(weight),
+        np.int32(hidden),
+        np.int32(heads),
+        np.int64(x.stride(0)),
+        np.int64(head_stride),
+        np.float32(eps),
+        np.int32(vectorized),
+    )
     loader.launch(kernel, device, (rows,), (_norm_threads(rows, units),), args)
     return out
 
@@ -106,8 +119,14 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     vectorized = (hidden * size) % VECTOR_BYTES == 0 and _aligned(x, residual, weight)
     units = hidden // (VECTOR_BYTES // size) if vectorized else hidden
     kernel = loader.function("fused_ops.cu", f"fused_add_rms_norm_{loader.DTYPE_SUFFIX[x.dtype]}", device)
-    args = (loader.device_pointer(x), loader.device_pointer(residual), loader.device_pointer(weight), np.int32(hidden),
-            np.float32(eps), np.int32(vectorized))
+    args = (
+        loader.device_pointer(x),
+        loader.device_pointer(residual),
+        loader.device_pointer(weight),
+        np.int32(hidden),
+        np.float32(eps),
+        np.int32(vectorized),
+    )
     loader.launch(kernel, device, (rows,), (_norm_threads(rows, units),), args)
 
 
@@ -136,10 +155,14 @@ def _check_rows(name: str, rows: object, heads: int | None, head_dim: int | None
     rows = check_tensor(name, rows, dtypes, 3)
     check_shape(name, rows, (None, heads, head_dim))
     _, h, d = rows.shape
-    if (h > 1 and rows.stride(1) != d) or (d > 1 and rows.stride(2) != 1) or (
-            rows.stride(0) * rows.element_size()) % VECTOR_BYTES:
-        raise ValueError(f"{name} must have contiguous [heads, head_dim] rows at a 16-byte token stride; "
-                         f"got strides {rows.stride()}")
+    if (
+        (h > 1 and rows.stride(1) != d)
+        or (d > 1 and rows.stride(2) != 1)
+        or (rows.stride(0) * rows.element_size()) % VECTOR_BYTES
+    ):
+        raise ValueError(
+            f"{name} must have contiguous [heads, head_dim] rows at a 16-byte token stride; got strides {rows.stride()}"
+        )
     check_aligned(name, rows)
 
 
@@ -173,23 +196,39 @@ def rotary_and_cache(
     check_same_dtype(("query", "key", "value", "cos_sin", "key_cache"), (query, key, value, cos_sin, key_cache))
     half_bytes = head_dim // 2 * query.element_size()
     if head_dim == 0 or head_dim % 2 or half_bytes % VECTOR_BYTES:
-        raise ValueError(f"head_dim {head_dim} is not supported: each half of a head ({half_bytes} bytes) must be a "
-                         f"multiple of {VECTOR_BYTES} bytes")
+        raise ValueError(
+            f"head_dim {head_dim} is not supported: each half of a head ({half_bytes} bytes) must be a "
+            f"multiple of {VECTOR_BYTES} bytes"
+        )
     for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
         check_tensor(name, index, LONG, 1)
         check_shape(name, index, (tokens,))
         check_contiguous(name, index)
-    device = check_cuda(("positions", "query", "key", "value", "cos_sin", "key_cache", "value_cache", "slot_mapping"),
-                        (positions, query, key, value, cos_sin, key_cache, value_cache, slot_mapping))
+    device = check_cuda(
+        ("positions", "query", "key", "value", "cos_sin", "key_cache", "value_cache", "slot_mapping"),
+        (positions, query, key, value, cos_sin, key_cache, value_cache, slot_mapping),
+    )
     if tokens == 0:
         return
     num_heads = query.shape[1]
     vector = VECTOR_BYTES // query.element_size()
     units = max((num_heads + num_kv_heads) * (head_dim // 2 // vector), num_kv_heads * head_dim // vector)
     kernel = loader.function("fused_ops.cu", f"rotary_and_cache_{loader.DTYPE_SUFFIX[query.dtype]}", device)
-    args = (loader.device_pointer(positions), loader.device_pointer(query), loader.device_pointer(key),
-            loader.device_pointer(value), loader.device_pointer(cos_sin), loader.device_pointer(key_cache),
-            loader.device_pointer(value_cache), loader.device_pointer(slot_mapping), np.int64(query.stride(0)),
-            np.int64(key.stride(0)), np.int64(value.stride(0)), np.int32(num_heads), np.int32(num_kv_heads),
-            np.int32(head_dim), np.int32(block_size))
+    args = (
+        loader.device_pointer(positions),
+        loader.device_pointer(query),
+        loader.device_pointer(key),
+        loader.device_pointer(value),
+        loader.device_pointer(cos_sin),
+        loader.device_pointer(key_cache),
+        loader.device_pointer(value_cache),
+        loader.device_pointer(slot_mapping),
+        np.int64(query.stride(0)),
+        np.int64(key.stride(0)),
+        np.int64(value.stride(0)),
+        np.int32(num_heads),
+        np.int32(num_kv_heads),
+        np.int32(head_dim),
+        np.int32(block_size),
+    )
     loader.launch(kernel, device, (tokens,), (_warps(units, ROTARY_THREADS),), args)

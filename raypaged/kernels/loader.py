@@ -60,8 +60,9 @@ def host_device_pointer(tensor: torch.Tensor) -> np.uint64:
     return np.uint64(tensor.data_ptr())
 
 
-def launch(kernel, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
-           shared_mem: int = 0) -> None:
+def launch(
+    kernel, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
+) -> None:
     """Run ``kernel`` on torch's current stream of ``device``."""
     import cupy
 

@@ -36,8 +36,9 @@ def _check_tokens(token_ids: object, slot_of: object) -> None:
     check_shape("slot_of", slot_of, token_ids.shape)
 
 
-def lora_bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_ids: torch.Tensor,
-                     slot_of: torch.Tensor) -> torch.Tensor:
+def lora_bgmv_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, token_ids: torch.Tensor, slot_of: torch.Tensor
+) -> torch.Tensor:
     """``h[t] = x[token_ids[t]] @ lora_a[slot_of[t]]``: fp32 ``[len(token_ids), rank]``."""
     check_tensor("x", x, FLOAT_DTYPES, 2)
     check_tensor("lora_a", lora_a, FLOAT_DTYPES, 3)
@@ -52,14 +53,22 @@ def lora_bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_ids: torch.Ten
     if token_ids.shape[0] == 0 or rank == 0:
         return h
     kernel = loader.function("lora_bgmv.cu", f"lora_shrink_{loader.DTYPE_SUFFIX[x.dtype]}", device)
-    args = (loader.device_pointer(h), loader.device_pointer(x), loader.device_pointer(lora_a),
-            loader.device_pointer(token_ids), loader.device_pointer(slot_of), np.int32(in_features), np.int32(rank))
+    args = (
+        loader.device_pointer(h),
+        loader.device_pointer(x),
+        loader.device_pointer(lora_a),
+        loader.device_pointer(token_ids),
+        loader.device_pointer(slot_of),
+        np.int32(in_features),
+        np.int32(rank),
+    )
     loader.launch(kernel, device, (token_ids.shape[0],), (SHRINK_THREADS,), args)
     return h
 
 
-def lora_bgmv_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, token_ids: torch.Tensor,
-                     slot_of: torch.Tensor) -> None:
+def lora_bgmv_expand(
+    y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, token_ids: torch.Tensor, slot_of: torch.Tensor
+) -> None:
     """``y[token_ids[t]] += h[t] @ lora_b[slot_of[t]]`` in place (``h`` fp32, from :func:`lora_bgmv_shrink`)."""
     check_tensor("y", y, FLOAT_DTYPES, 2)
     check_tensor("lora_b", lora_b, FLOAT_DTYPES, 3)
@@ -77,6 +86,13 @@ def lora_bgmv_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, tok
     if token_ids.shape[0] == 0 or rank == 0:
         return
     kernel = loader.function("lora_bgmv.cu", f"lora_expand_{loader.DTYPE_SUFFIX[y.dtype]}", device)
-    args = (loader.device_pointer(y), loader.device_pointer(h), loader.device_pointer(lora_b),
-            loader.device_pointer(token_ids), loader.device_pointer(slot_of), np.int32(rank), np.int32(out_features))
+    args = (
+        loader.device_pointer(y),
+        loader.device_pointer(h),
+        loader.device_pointer(lora_b),
+        loader.device_pointer(token_ids),
+        loader.device_pointer(slot_of),
+        np.int32(rank),
+        np.int32(out_features),
+    )
     loader.launch(kernel, device, (token_ids.shape[0], -(-out_features // EXPAND_THREADS)), (EXPAND_THREADS,), args)

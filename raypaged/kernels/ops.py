@@ -45,8 +45,10 @@ def reshape_and_cache(
         check_tensor(name, rows, FLOAT_DTYPES, 3)
         check_shape(name, rows, (None, num_kv_heads, head_dim))
         if rows.stride()[1:] != (head_dim, 1) or (rows.stride(0) * rows.element_size()) % 16:
-            raise ValueError(f"{name} must have contiguous [num_kv_heads, head_dim] rows at a 16-byte token stride; "
-                             f"got strides {rows.stride()}")
+            raise ValueError(
+                f"{name} must have contiguous [num_kv_heads, head_dim] rows at a 16-byte token stride; "
+                f"got strides {rows.stride()}"
+            )
         check_aligned(name, rows)
     check_same_dtype(("key", "value", "key_cache"), (key, value, key_cache))
     check_shape("value", value, key.shape)
@@ -56,22 +58,32 @@ def reshape_and_cache(
     head_bytes = head_dim * key.element_size()
     if head_bytes % 16:
         raise ValueError(f"key_cache heads of {head_bytes} bytes are not a multiple of 16")
-    device = check_cuda(("key", "value", "key_cache", "value_cache", "slot_mapping"),
-                        (key, value, key_cache, value_cache, slot_mapping))
+    device = check_cuda(
+        ("key", "value", "key_cache", "value_cache", "slot_mapping"), (key, value, key_cache, value_cache, slot_mapping)
+    )
     if key.shape[0] == 0:
         return
     head_vecs = head_bytes // 16
     kernel = loader.function("reshape_and_cache.cu", "reshape_and_cache", device)
     threads = min(COPY_THREADS, -(-(num_kv_heads * head_vecs) // 32) * 32)
-    args = (loader.device_pointer(key), loader.device_pointer(value), loader.device_pointer(key_cache),
-            loader.device_pointer(value_cache), loader.device_pointer(slot_mapping),
-            np.int64(key.stride(0) * key.element_size() // 16), np.int64(value.stride(0) * value.element_size() // 16),
-            np.int32(num_kv_heads), np.int32(head_vecs), np.int32(block_size))
+    args = (
+        loader.device_pointer(key),
+        loader.device_pointer(value),
+        loader.device_pointer(key_cache),
+        loader.device_pointer(value_cache),
+        loader.device_pointer(slot_mapping),
+        np.int64(key.stride(0) * key.element_size() // 16),
+        np.int64(value.stride(0) * value.element_size() // 16),
+        np.int32(num_kv_heads),
+        np.int32(head_vecs),
+        np.int32(block_size),
+    )
     loader.launch(kernel, device, (key.shape[0],), (threads,), args)
 
 
-def decode_partition_size(num_seqs: int, num_kv_heads: int, group: int, head_size: int, max_context: int,
-                          num_sms: int) -> int:
+def decode_partition_size(
+    num_seqs: int, num_kv_heads: int, group: int, head_size: int, max_context: int, num_sms: int
+) -> int:
     """Tokens per thread block: the whole context (v1) when it fits shared memory and the
     batch alone fills the GPU, else ``V2_PARTITION_SIZE`` (v2: split context + reduce)."""
     fit = shared_bytes_limit_tokens(group, head_size)
@@ -121,8 +133,10 @@ def paged_attention_decode(
     fit = shared_bytes_limit_tokens(group, head_size)
     if partition_size is not None and not 1 <= partition_size <= fit:
         raise ValueError(f"partition_size must be in [1, {fit}] for this shape, got {partition_size}")
-    device = check_cuda(("query", "key_cache", "value_cache", "block_tables", "context_lens"),
-                        (query, key_cache, value_cache, block_tables, context_lens))
+    device = check_cuda(
+        ("query", "key_cache", "value_cache", "block_tables", "context_lens"),
+        (query, key_cache, value_cache, block_tables, context_lens),
+    )
 
     out = torch.empty_like(query)
     if num_seqs == 0:
@@ -135,14 +149,24 @@ def paged_attention_decode(
     num_parts = -(-max_context // partition_size)
     shared = 4 * (2 * group * head_size + group * partition_size + 2 * group)
     suffix = f"{loader.DTYPE_SUFFIX[query.dtype]}_{head_size}"
-    common = (loader.device_pointer(query), loader.device_pointer(key_cache), loader.device_pointer(value_cache),
-              loader.device_pointer(block_tables), loader.device_pointer(context_lens), np.float32(scale),
-              np.int32(num_kv_heads), np.int32(group), np.int32(block_size), np.int32(max_blocks),
-              np.int32(partition_size))
+    common = (
+        loader.device_pointer(query),
+        loader.device_pointer(key_cache),
+        loader.device_pointer(value_cache),
+        loader.device_pointer(block_tables),
+        loader.device_pointer(context_lens),
+        np.float32(scale),
+        np.int32(num_kv_heads),
+        np.int32(group),
+        np.int32(block_size),
+        np.int32(max_blocks),
+        np.int32(partition_size),
+    )
     if num_parts == 1:
         kernel = loader.function("paged_attention.cu", f"paged_attention_v1_{suffix}", device, defines)
-        loader.launch(kernel, device, (num_kv_heads, num_seqs, 1), (NUM_THREADS,),
-                      (loader.device_pointer(out), *common), shared)
+        loader.launch(
+            kernel, device, (num_kv_heads, num_seqs, 1), (NUM_THREADS,), (loader.device_pointer(out), *common), shared
+        )
         return out
     partial_out = torch.empty(num_seqs, num_heads, num_parts, head_size, dtype=torch.float32, device=device)
     partial_max = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=device)
@@ -151,9 +175,20 @@ def paged_attention_decode(
     kernel = loader.function("paged_attention.cu", f"paged_attention_v2_{suffix}", device, defines)
     loader.launch(kernel, device, (num_kv_heads, num_seqs, num_parts), (NUM_THREADS,), (*partials, *common), shared)
     reduce = loader.function("paged_attention.cu", f"paged_attention_v2_reduce_{suffix}", device, defines)
-    loader.launch(reduce, device, (num_heads, num_seqs), (NUM_THREADS,),
-                  (loader.device_pointer(out), *partials, loader.device_pointer(context_lens), np.int32(num_parts),
-                   np.int32(partition_size)), 4 * num_parts)
+    loader.launch(
+        reduce,
+        device,
+        (num_heads, num_seqs),
+        (NUM_THREADS,),
+        (
+            loader.device_pointer(out),
+            *partials,
+            loader.device_pointer(context_lens),
+            np.int32(num_parts),
+            np.int32(partition_size),
+        ),
+        4 * num_parts,
+    )
     return out
 
 
@@ -189,8 +224,14 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         return
     block_vecs = block_bytes // 16
     kernel = loader.function("copy_blocks.cu", "copy_blocks", device)
-    args = (_pool_pointer(dst), _pool_pointer(src), loader.device_pointer(block_mapping),
-            np.int64(src.shape[2] * block_vecs), np.int64(dst.shape[2] * block_vecs), np.int32(block_vecs))
+    args = (
+        _pool_pointer(dst),
+        _pool_pointer(src),
+        loader.device_pointer(block_mapping),
+        np.int64(src.shape[2] * block_vecs),
+        np.int64(dst.shape[2] * block_vecs),
+        np.int32(block_vecs),
+    )
     loader.launch(kernel, device, (block_mapping.shape[0], src.shape[0] * src.shape[1]), (COPY_THREADS,), args)
 
 
@@ -230,8 +271,10 @@ def paged_attention_prefill(
     check_shape("query", query, (None, None, key_cache.shape[3]))
     check_tensor("block_ids", block_ids, LONG, 1)
     if not query.shape[0] <= context_len <= block_ids.shape[0] * key_cache.shape[2]:
-        raise ValueError(f"context_len {context_len} must cover the {query.shape[0]} query tokens and fit in "
-                         f"{block_ids.shape[0]} blocks of {key_cache.shape[2]}")
+        raise ValueError(
+            f"context_len {context_len} must cover the {query.shape[0]} query tokens and fit in "
+            f"{block_ids.shape[0]} blocks of {key_cache.shape[2]}"
+        )
     check_cuda(("query", "key_cache", "value_cache", "block_ids"), (query, key_cache, value_cache, block_ids))
     keys = gather_blocks(key_cache, block_ids[None])[0, :context_len]
     values = gather_blocks(value_cache, block_ids[None])[0, :context_len]

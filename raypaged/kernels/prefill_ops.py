@@ -76,8 +76,10 @@ def paged_prefill_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"query's {num_heads} heads are not a multiple of key_cache's {num_kv_heads} KV heads")
     if query.stride()[1:] != (head_size, 1) or (query.stride(0) * query.element_size()) % 16:
-        raise ValueError(f"query must have contiguous [num_heads, head_dim] rows at a 16-byte token stride; "
-                         f"got strides {query.stride()}")
+        raise ValueError(
+            f"query must have contiguous [num_heads, head_dim] rows at a 16-byte token stride; "
+            f"got strides {query.stride()}"
+        )
     check_aligned("query", query)
     check_tensor("cu_seqlens_q", cu_seqlens_q, INT32, 1)
     if cu_seqlens_q.shape[0] < 1:
@@ -106,8 +108,14 @@ def paged_prefill_attention(
         check_aligned("out", out)
     if tensor_cores and query.dtype not in TENSOR_CORE_DTYPES:
         raise ValueError(f"tensor_cores=True needs float16 or bfloat16, got {query.dtype}")
-    tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache, "cu_seqlens_q": cu_seqlens_q,
-               "context_lens": context_lens, "block_tables": block_tables}
+    tensors = {
+        "query": query,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "cu_seqlens_q": cu_seqlens_q,
+        "context_lens": context_lens,
+        "block_tables": block_tables,
+    }
     if out is not None:
         tensors["out"] = out
     device = check_cuda(list(tensors), list(tensors.values()))
@@ -126,11 +134,22 @@ def paged_prefill_attention(
     grid, per_block = launch_geometry(max_query_len, num_spans, num_heads, group, block_m)
     name = f"paged_prefill_{variant}_{loader.DTYPE_SUFFIX[query.dtype]}_{head_size}"
     kernel = loader.function("paged_prefill.cu", name, device)
-    args = (loader.device_pointer(out), loader.device_pointer(query), loader.device_pointer(key_cache),
-            loader.device_pointer(value_cache), loader.device_pointer(cu_seqlens_q),
-            loader.device_pointer(context_lens), loader.device_pointer(block_tables),
-            np.int32(block_tables.dtype == torch.int64), np.float32(scale), np.int64(query.stride(0)),
-            np.int32(num_heads), np.int32(num_kv_heads), np.int32(per_block), np.int32(block_size),
-            np.int32(block_tables.shape[1]))
+    args = (
+        loader.device_pointer(out),
+        loader.device_pointer(query),
+        loader.device_pointer(key_cache),
+        loader.device_pointer(value_cache),
+        loader.device_pointer(cu_seqlens_q),
+        loader.device_pointer(context_lens),
+        loader.device_pointer(block_tables),
+        np.int32(block_tables.dtype == torch.int64),
+        np.float32(scale),
+        np.int64(query.stride(0)),
+        np.int32(num_heads),
+        np.int32(num_kv_heads),
+        np.int32(per_block),
+        np.int32(block_size),
+        np.int32(block_tables.shape[1]),
+    )
     loader.launch(kernel, device, grid, (NUM_THREADS,), args)
     return out

@@ -73,18 +73,29 @@ class LoRALinear(nn.Module):
     lora_a: torch.Tensor  # [num_slots, in_features, rank]
     lora_b: torch.Tensor  # [num_slots, rank, out_features]
 
-    def __init__(self, base: nn.Module, target: LoRATarget, num_slots: int, max_lora_rank: int,
-                 step: LoRAStep, tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        base: nn.Module,
+        target: LoRATarget,
+        num_slots: int,
+        max_lora_rank: int,
+        step: LoRAStep,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         self.base = base
         self.target = target
         self.step = step
         self.tp = tp
         rank = target_rank(target, max_lora_rank)
-        self.register_buffer("lora_a", torch.zeros(num_slots, target.in_features, rank, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("lora_b", torch.zeros(num_slots, rank, target.out_features, dtype=dtype, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "lora_a", torch.zeros(num_slots, target.in_features, rank, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "lora_b", torch.zeros(num_slots, rank, target.out_features, dtype=dtype, device=device), persistent=False
+        )
         self.slot_ranks = [0] * num_slots  # rank columns each slot's adapter fills here (0: not adapted)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
@@ -113,8 +124,8 @@ class LoRALinear(nn.Module):
         self.slot_ranks[slot] = 0
         if weights is not None:
             a_t, b_t = weights
-            self.lora_a[slot, :, :a_t.shape[1]].copy_(a_t)
-            self.lora_b[slot, :b_t.shape[0]].copy_(b_t)
+            self.lora_a[slot, :, : a_t.shape[1]].copy_(a_t)
+            self.lora_b[slot, : b_t.shape[0]].copy_(b_t)
             self.slot_ranks[slot] = a_t.shape[1]
 
 
@@ -127,8 +138,14 @@ class LoRAModel:
     step: LoRAStep
 
 
-def attach_lora(model: LlamaForCausalLM, num_slots: int, max_lora_rank: int, tp: TensorParallel,
-                dtype: torch.dtype, device: torch.device) -> LoRAModel:
+def attach_lora(
+    model: LlamaForCausalLM,
+    num_slots: int,
+    max_lora_rank: int,
+    tp: TensorParallel,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoRAModel:
     """Wrap every LoRA target of ``model`` (after its weights are loaded: parameter names change)."""
     targets = find_targets(model, tp)
     step = LoRAStep()

@@ -56,9 +56,15 @@ def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
     hidden, inter = config.hidden_size, config.intermediate_size
     q_out = config.num_attention_heads * head_dim_of(config)
     kv_out = config.num_key_value_heads * head_dim_of(config)
-    return {"q_proj": (q_out, hidden), "k_proj": (kv_out, hidden), "v_proj": (kv_out, hidden),
-            "o_proj": (hidden, q_out), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-            "down_proj": (hidden, inter)}
+    return {
+        "q_proj": (q_out, hidden),
+        "k_proj": (kv_out, hidden),
+        "v_proj": (kv_out, hidden),
+        "o_proj": (hidden, q_out),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
 
 
 def check_adapter_fits(adapter: PeftAdapter, config: PretrainedConfig) -> None:
@@ -101,8 +107,17 @@ def find_targets(model: LlamaForCausalLM, tp: TensorParallel) -> list[LoRATarget
                 first_row, offset, rows = parent.fused_rows(shard)
                 slices.append(ProjectionSlice(projection, 0, hidden, first_row, offset, rows))
             prefix = f"model.layers.{index}.{parent_name}"
-            targets.append(LoRATarget(f"{prefix}.{fused}", index, fused, tuple(slices), hidden,
-                                      sum(s.out_rows for s in slices), row_parallel=False))
+            targets.append(
+                LoRATarget(
+                    f"{prefix}.{fused}",
+                    index,
+                    fused,
+                    tuple(slices),
+                    hidden,
+                    sum(s.out_rows for s in slices),
+                    row_parallel=False,
+                )
+            )
             in_start, in_len = tp.chunk(shapes[row][1])
             row_slice = ProjectionSlice(row, in_start, in_len, 0, 0, hidden)
             targets.append(LoRATarget(f"{prefix}.{row}", index, row, (row_slice,), in_len, hidden, row_parallel=True))
@@ -121,8 +136,11 @@ def shard_adapter(
     (an adapter that passed :func:`check_adapter_fits`)."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for target in targets:
-        present = [(s, adapter.weights[(target.layer_index, s.projection)]) for s in target.slices
-                   if (target.layer_index, s.projection) in adapter.weights]
+        present = [
+            (s, adapter.weights[(target.layer_index, s.projection)])
+            for s in target.slices
+            if (target.layer_index, s.projection) in adapter.weights
+        ]
         if not present:
             continue
         rank = sum(w.rank for _, w in present)
@@ -131,9 +149,9 @@ def shard_adapter(
         column = 0
         for piece, weights in present:
             cols = slice(column, column + weights.rank)
-            a_t[:, cols] = weights.lora_a[:, piece.in_start:piece.in_start + piece.in_len].T
-            b_rows = weights.lora_b[piece.out_first_row:piece.out_first_row + piece.out_rows]
-            b_t[cols, piece.out_offset:piece.out_offset + piece.out_rows] = b_rows.T
+            a_t[:, cols] = weights.lora_a[:, piece.in_start : piece.in_start + piece.in_len].T
+            b_rows = weights.lora_b[piece.out_first_row : piece.out_first_row + piece.out_rows]
+            b_t[cols, piece.out_offset : piece.out_offset + piece.out_rows] = b_rows.T
             column += weights.rank
         out[target.path] = (a_t, b_t)
     return out

@@ -29,8 +29,9 @@ ShardedAdapter = dict[str, tuple[torch.Tensor, torch.Tensor]]  # target path -> 
 class LoRAManager:
     """LoRA for one model shard; attaches to ``model`` (whose weights are loaded) on construction."""
 
-    def __init__(self, model: LlamaForCausalLM, config: LoRAConfig, tp: TensorParallel, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, config: LoRAConfig, tp: TensorParallel, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.config = config
         self.model_config = model.config
         self.device = device

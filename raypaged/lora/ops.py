@@ -99,13 +99,18 @@ def build_lora_mapping(token_slots: Sequence[int | None], device: torch.device |
             rows: list[int] = []
             for index, slot in enumerate(slot_ids):
                 first = index * max_tokens
-                ids[first:first + len(by_slot[slot])] = by_slot[slot]
+                ids[first : first + len(by_slot[slot])] = by_slot[slot]
                 rows.extend(range(first, first + len(by_slot[slot])))
-            padded = PaddedBatch(torch.tensor(ids, dtype=torch.long, device=device),
-                                 torch.tensor(rows, dtype=torch.long, device=device))
+            padded = PaddedBatch(
+                torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(rows, dtype=torch.long, device=device)
+            )
     return LoRAMapping(
-        len(token_slots), slot_ids, tuple(segments), torch.tensor(token_ids, dtype=torch.long, device=device),
-        torch.tensor(slot_ids, dtype=torch.long, device=device), padded,
+        len(token_slots),
+        slot_ids,
+        tuple(segments),
+        torch.tensor(token_ids, dtype=torch.long, device=device),
+        torch.tensor(slot_ids, dtype=torch.long, device=device),
+        padded,
     )
 
 
@@ -114,8 +119,11 @@ def build_bgmv_mapping(token_slots: Sequence[int | None], device: torch.device |
     slot_ids = tuple(sorted({slot for slot in token_slots if slot is not None}))
     if not slot_ids:
         return LoRAMapping(len(token_slots), (), (), _NO_TOKENS, _NO_TOKENS, None)
-    flat = torch.tensor([*range(len(token_slots)), *(-1 if slot is None else slot for slot in token_slots)],
-                        dtype=torch.long, device=device)
+    flat = torch.tensor(
+        [*range(len(token_slots)), *(-1 if slot is None else slot for slot in token_slots)],
+        dtype=torch.long,
+        device=device,
+    )
     token_ids, slot_of = flat.split(len(token_slots))
     return LoRAMapping(len(token_slots), slot_ids, (), token_ids, _NO_TOKENS, None, slot_of)
 
@@ -126,8 +134,9 @@ def static_bgmv_mapping(token_ids: torch.Tensor, slot_of: torch.Tensor) -> LoRAM
     return LoRAMapping(slot_of.shape[0], (), (), token_ids, _NO_TOKENS, None, slot_of, static=True)
 
 
-def lora_bgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-              mapping: LoRAMapping) -> None:
+def lora_bgmv(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping
+) -> None:
     """``y[i] += x[i] A_s^T B_s^T`` for each token ``i`` with ``s = slot_of[i] >= 0`` of a BGMV
     ``mapping``, at the stacked weights' full rank (zero past each adapter's own). CUDA:
     ``kernels/lora_bgmv.cu``, one launch per half whatever the slots; elsewhere its torch
@@ -181,14 +190,17 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, mapping:
     y.index_add_(0, mapping.token_ids, out)
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             mapping: LoRAMapping) -> None:
+def add_lora(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping
+) -> None:
     """``y[i] += x[i] A_s^T B_s^T`` for each token ``i`` with a slot ``s``, in place; the shapes checked
     (``LoRALinear`` calls the two halves directly with buffers shaped at construction)."""
     num_slots, in_features, rank = lora_a.shape
     if x.shape != (mapping.num_tokens, in_features) or y.shape != (mapping.num_tokens, lora_b.shape[2]):
-        raise ValueError(f"x {list(x.shape)} and y {list(y.shape)} do not fit a mapping of {mapping.num_tokens} "
-                         f"tokens and lora_a {list(lora_a.shape)}, lora_b {list(lora_b.shape)}")
+        raise ValueError(
+            f"x {list(x.shape)} and y {list(y.shape)} do not fit a mapping of {mapping.num_tokens} "
+            f"tokens and lora_a {list(lora_a.shape)}, lora_b {list(lora_b.shape)}"
+        )
     if lora_b.shape[:2] != (num_slots, rank):
         raise ValueError(f"lora_b {list(lora_b.shape)} does not match lora_a {list(lora_a.shape)}")
     if mapping.slot_ids and mapping.slot_ids[-1] >= num_slots:
@@ -199,8 +211,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         lora_expand(y, lora_shrink(x, lora_a, mapping), lora_b, mapping)
 
 
-def add_lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                       token_slots: Sequence[int | None]) -> None:
+def add_lora_reference(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: Sequence[int | None]
+) -> None:
     """:func:`add_lora` as one gather of each token's weights and two batched products (slow; the spec)."""
     rows = [i for i, slot in enumerate(token_slots) if slot is not None]
     if not rows:

@@ -18,8 +18,15 @@ from typing import Any
 import torch
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 _UNSUPPORTED_MODULES = ("embed_tokens", "lm_head")
 # config fields that change the forward (or the saved layout) when set: field -> what it is
 _REFUSED_FIELDS = {
@@ -38,9 +45,7 @@ _REFUSED_FIELDS = {
     "kasa_config": "KaSA (kasa_config)",
     "monteclora_config": "MonteCLoRA (monteclora_config)",
 }
-_KEY = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(PROJECTIONS) + r")\.lora_([AB])\.weight$"
-)
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(PROJECTIONS) + r")\.lora_([AB])\.weight$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +140,13 @@ def _check_target(name: str, target: str) -> None:
     if module in PROJECTIONS:
         return
     if module in _UNSUPPORTED_MODULES:
-        raise ValueError(f"LoRA adapter {name!r}: LoRA on {module!r} is not supported "
-                         f"(supported: {', '.join(PROJECTIONS)})")
-    raise ValueError(f"LoRA adapter {name!r} targets module {target!r}, which the model lacks "
-                     f"(LoRA applies to {', '.join(PROJECTIONS)})")
+        raise ValueError(
+            f"LoRA adapter {name!r}: LoRA on {module!r} is not supported (supported: {', '.join(PROJECTIONS)})"
+        )
+    raise ValueError(
+        f"LoRA adapter {name!r} targets module {target!r}, which the model lacks "
+        f"(LoRA applies to {', '.join(PROJECTIONS)})"
+    )
 
 
 def _why_unsupported(key: str) -> tuple[int, str]:  # (0 for a named feature, the reason)

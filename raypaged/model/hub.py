@@ -16,11 +16,23 @@ from pathlib import Path
 logger = logging.getLogger("raypaged")
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 MODEL_FILES = (
-    "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES,
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    *TOKENIZER_FILES,
 )
 
 
@@ -38,15 +50,19 @@ def resolve_model_files(
     if path.exists():
         if what == "tokenizer":
             if not any((path / file).is_file() for file in ("tokenizer.json", "tokenizer_config.json")):
-                raise ValueError(f"tokenizer {name!r} is not a tokenizer folder (no tokenizer.json or "
-                                 "tokenizer_config.json there)")
+                raise ValueError(
+                    f"tokenizer {name!r} is not a tokenizer folder (no tokenizer.json or tokenizer_config.json there)"
+                )
         elif not (path / "config.json").is_file():
             raise ValueError(f"{what} {name!r} is not a Hugging Face model folder (no config.json there)")
-        for flag, value in ((f"--{what}-revision" if what != "model" else "--revision", revision),
-                            ("--download-dir", download_dir)):
+        for flag, value in (
+            (f"--{what}-revision" if what != "model" else "--revision", revision),
+            ("--download-dir", download_dir),
+        ):
             if value is not None:
-                raise ValueError(f"{flag} {value} applies to Hugging Face Hub ids, but {what} {name!r} is a "
-                                 "local folder")
+                raise ValueError(
+                    f"{flag} {value} applies to Hugging Face Hub ids, but {what} {name!r} is a local folder"
+                )
         return path
     return _snapshot(name, revision, download_dir, what, MODEL_FILES if weights else ("config.json", *TOKENIZER_FILES))
 
@@ -85,11 +101,14 @@ def _snapshot(
             f"({str(exc).splitlines()[0]})"
         ) from None
     except GatedRepoError:
-        raise ValueError(f"{what} {repo_id!r} is gated on the Hugging Face Hub: accept its terms on the Hub "
-                         "and set HF_TOKEN") from None
+        raise ValueError(
+            f"{what} {repo_id!r} is gated on the Hugging Face Hub: accept its terms on the Hub and set HF_TOKEN"
+        ) from None
     except RepositoryNotFoundError:
-        raise ValueError(f"{what} {repo_id!r} is neither a local folder nor a model on the Hugging Face Hub "
-                         "(private models need HF_TOKEN)") from None
+        raise ValueError(
+            f"{what} {repo_id!r} is neither a local folder nor a model on the Hugging Face Hub "
+            "(private models need HF_TOKEN)"
+        ) from None
     except RevisionNotFoundError:
         raise ValueError(f"{what} {repo_id!r} has no revision {revision!r} on the Hugging Face Hub") from None
     path = Path(folder)

@@ -140,4 +140,4 @@ class Linear(nn.Linear):
         """Checkpoint rows ``first_row:first_row+num_rows`` of ``name`` (weight or bias) go to rows ``offset:``."""
         if name not in ("weight", "bias") or getattr(self, name) is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in an unquantized linear layer")
-        getattr(self, name).data[offset:offset + num_rows].copy_(tensor[first_row:first_row + num_rows])
+        getattr(self, name).data[offset : offset + num_rows].copy_(tensor[first_row : first_row + num_rows])

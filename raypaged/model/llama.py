@@ -65,8 +65,7 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
         raise ValueError(f"the model's num_attention_heads {heads} is not divisible by tensor_parallel_size {tp_size}")
     if kv_heads % tp_size and tp_size % kv_heads:
         raise ValueError(
-            f"the model's num_key_value_heads {kv_heads} and tensor_parallel_size {tp_size} "
-            "must divide one another"
+            f"the model's num_key_value_heads {kv_heads} and tensor_parallel_size {tp_size} must divide one another"
         )
     if config.intermediate_size % tp_size:
         raise ValueError(
@@ -77,7 +76,11 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallel, prefix: str,
+        self,
+        config: PretrainedConfig,
+        rotary: RotaryEmbedding,
+        tp: TensorParallel,
+        prefix: str,
         quant_config: QuantizationConfig | None,
     ) -> None:
         super().__init__()
@@ -94,14 +97,28 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         ]
-        self.qkv_proj = build_linear(config.hidden_size, sum(self.shard_sizes), qkv_bias, tp, False, quant_config,
-                                     tuple(f"{prefix}.{n}_proj" for n in "qkv"))
+        self.qkv_proj = build_linear(
+            config.hidden_size,
+            sum(self.shard_sizes),
+            qkv_bias,
+            tp,
+            False,
+            quant_config,
+            tuple(f"{prefix}.{n}_proj" for n in "qkv"),
+        )
         # Qwen3: RMSNorm over each head's head_dim features of q and k, before rotary
         has_qk_norm = config.model_type == "qwen3"
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
-        self.o_proj = build_linear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp, True,
-                                   quant_config, (f"{prefix}.o_proj",))
+        self.o_proj = build_linear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            o_bias,
+            tp,
+            True,
+            quant_config,
+            (f"{prefix}.o_proj",),
+        )
         self.rotary = rotary
         self.attn_backend: AttentionBackend = TORCH
 
@@ -111,7 +128,11 @@ class LlamaAttention(nn.Module):
         return first_head * self.head_dim, sum(self.shard_sizes[:shard]), self.shard_sizes[shard]
 
     def pre_attention(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, slot_mapping: torch.Tensor,
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: LayerKVCache,
+        slot_mapping: torch.Tensor,
         fused: FusedOps | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Everything before the attention proper, from the normed ``x: [num_tokens, hidden]``: the QKV
@@ -135,7 +156,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
             self.rotary.rotate_(positions, q, k)
         else:  # q and k side by side in qkv: one rotation over both
-            qk = qkv[:, :self.shard_sizes[0] + self.shard_sizes[1]]
+            qk = qkv[:, : self.shard_sizes[0] + self.shard_sizes[1]]
             self.rotary.rotate_(positions, qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
         self.attn_backend.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
         return q, k, v
@@ -160,10 +181,18 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = getattr(config, "mlp_bias", False)
         self.first_row, self.intermediate_size = tp.chunk(config.intermediate_size)
-        self.gate_up_proj = build_linear(config.hidden_size, 2 * self.intermediate_size, bias, tp, False, quant_config,
-                                         (f"{prefix}.gate_proj", f"{prefix}.up_proj"))
-        self.down_proj = build_linear(config.intermediate_size, config.hidden_size, bias, tp, True, quant_config,
-                                      (f"{prefix}.down_proj",))
+        self.gate_up_proj = build_linear(
+            config.hidden_size,
+            2 * self.intermediate_size,
+            bias,
+            tp,
+            False,
+            quant_config,
+            (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
+        )
+        self.down_proj = build_linear(
+            config.intermediate_size, config.hidden_size, bias, tp, True, quant_config, (f"{prefix}.down_proj",)
+        )
 
     def fused_rows(self, shard: int) -> tuple[int, int, int]:
         """(first checkpoint row, offset in ``gate_up_proj``, rows) of gate (0) or up (1) on this rank."""
@@ -176,7 +205,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, rotary: RotaryEmbedding, tp: TensorParallel, prefix: str,
+        self,
+        config: PretrainedConfig,
+        rotary: RotaryEmbedding,
+        tp: TensorParallel,
+        prefix: str,
         quant_config: QuantizationConfig | None,
     ) -> None:
         super().__init__()
@@ -191,8 +224,13 @@ class LlamaDecoderLayer(nn.Module):
     # the next norm are one kernel. Either way every add is rounded to the model's dtype.
 
     def pre_attention(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: LayerKVCache,
-        slot_mapping: torch.Tensor, fused: FusedOps | None,
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: LayerKVCache,
+        slot_mapping: torch.Tensor,
+        fused: FusedOps | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer up to its attention: the input norm, then q, k, v (rotated; K/V in the cache).
         Returns (q, k, v, residual), ``residual`` the stream as :meth:`post_attention` takes it."""
@@ -219,8 +257,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x, fused), residual
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: LayerKVCache,
-        meta: AttentionMetadata, fused: FusedOps | None = None,
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: LayerKVCache,
+        meta: AttentionMetadata,
+        fused: FusedOps | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q, k, v, residual = self.pre_attention(positions, x, residual, kv_cache, meta.slot_mapping, fused)
         return self.post_attention(self.self_attn.attend(q, k, v, kv_cache, meta), residual, fused)
@@ -233,8 +276,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, tp, f"model.layers.{i}", quant_config)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, tp, f"model.layers.{i}", quant_config)
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused_ops: FusedOps | None = None  # the attention backend's (set_attention_backend); None: plain torch
 
@@ -262,7 +307,10 @@ class LlamaForCausalLM(nn.Module):
     LM head stay in the model's dtype)."""
 
     def __init__(
-        self, config: PretrainedConfig, max_positions: int, tp: TensorParallel = TensorParallel(),
+        self,
+        config: PretrainedConfig,
+        max_positions: int,
+        tp: TensorParallel = TensorParallel(),
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
@@ -316,8 +364,10 @@ class LlamaForCausalLM(nn.Module):
                     linear_name, param_name = target.rsplit(".", 1)
                     owner = self._owner(name, linear_name.rsplit(".", 1)[0])
                     fused_linear = self._owner(name, linear_name)
-                    if not (isinstance(owner, (LlamaAttention, LlamaMLP))
-                            and isinstance(fused_linear, (Linear, QuantLinear))):
+                    if not (
+                        isinstance(owner, (LlamaAttention, LlamaMLP))
+                        and isinstance(fused_linear, (Linear, QuantLinear))
+                    ):
                         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                     first_row, offset, num_rows = owner.fused_rows(shard)
                     fused_linear.load_part(param_name, tensor, first_row, offset, num_rows)

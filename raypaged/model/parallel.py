@@ -51,7 +51,7 @@ def vocab_shard(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
 
 def shard_rows(tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:
     """Rows ``start:start+length`` of a checkpoint tensor, zero-padded past its end."""
-    rows = tensor[start:start + length]
+    rows = tensor[start : start + length]
     if rows.shape[0] == length:
         return rows
     pad = torch.zeros((length - rows.shape[0], *tensor.shape[1:]), dtype=tensor.dtype)
@@ -91,7 +91,7 @@ class RowParallelLinear(nn.Module):
             self.bias.data.copy_(tensor)
             return
         start, length = self.tp.chunk(tensor.shape[1])
-        self.weight.data.copy_(tensor[:, start:start + length])
+        self.weight.data.copy_(tensor[:, start : start + length])
 
 
 class VocabParallelEmbedding(nn.Module):

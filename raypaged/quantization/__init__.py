@@ -33,9 +33,12 @@ def resolve_quantization(flag: str | None, checkpoint_config: dict[str, Any] | N
         return None if flag is None else QUANTIZATION_METHODS[flag].online()
     method = checkpoint_config.get("quant_method")
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"the checkpoint's quantization_config quant_method {method!r} is not supported "
-                         f"(supported: {_supported()})")
+        raise ValueError(
+            f"the checkpoint's quantization_config quant_method {method!r} is not supported (supported: {_supported()})"
+        )
     if flag is not None and flag != method:
-        raise ValueError(f"--quantization {flag} contradicts the checkpoint's quantization_config (quant_method "
-                         f"{method!r}): drop --quantization or pass --quantization {method}")
+        raise ValueError(
+            f"--quantization {flag} contradicts the checkpoint's quantization_config (quant_method "
+            f"{method!r}): drop --quantization or pass --quantization {method}"
+        )
     return QUANTIZATION_METHODS[method].from_checkpoint(checkpoint_config)

@@ -17,8 +17,21 @@ class AWQConfig(QuantizationConfig):
 
     @classmethod
     def from_checkpoint(cls, config: dict[str, Any]) -> AWQConfig:
-        known_keys("awq", config, {"quant_method", "bits", "w_bit", "group_size", "q_group_size", "zero_point",
-                                   "version", "modules_to_not_convert", "backend"})
+        known_keys(
+            "awq",
+            config,
+            {
+                "quant_method",
+                "bits",
+                "w_bit",
+                "group_size",
+                "q_group_size",
+                "zero_point",
+                "version",
+                "modules_to_not_convert",
+                "backend",
+            },
+        )
         bits = int(config.get("bits", config.get("w_bit", 4)))
         if bits != 4:
             raise ValueError(f"awq bits {bits} is not supported (only 4)")

@@ -101,8 +101,10 @@ def known_keys(scheme: str, config: dict[str, Any], allowed: set[str]) -> None:
     """Refuse a quantization_config key this scheme would otherwise ignore."""
     unknown = sorted(set(config) - allowed)
     if unknown:
-        raise ValueError(f"{scheme} quantization_config field {unknown[0]!r} is not supported "
-                         f"(supported: {', '.join(sorted(allowed))})")
+        raise ValueError(
+            f"{scheme} quantization_config field {unknown[0]!r} is not supported "
+            f"(supported: {', '.join(sorted(allowed))})"
+        )
 
 
 def is_ignored(part_names: tuple[str, ...], ignored: tuple[str, ...], scheme: str, substring: bool = False) -> bool:

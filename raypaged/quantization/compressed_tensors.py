@@ -18,10 +18,33 @@ from raypaged.quantization.base import LinearMethod, QuantizationConfig, known_k
 from raypaged.quantization.w8a8 import FP8, W8A8Method
 from raypaged.quantization.wna16 import PackedMethod
 
-_TOP_KEYS = {"quant_method", "format", "quantization_status", "config_groups", "ignore", "kv_cache_scheme",
-             "global_compression_ratio", "sparsity_config", "transform_config", "version", "provider"}
-_ARG_KEYS = {"num_bits", "type", "symmetric", "strategy", "dynamic", "group_size", "block_structure", "actorder",
-             "observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
+_TOP_KEYS = {
+    "quant_method",
+    "format",
+    "quantization_status",
+    "config_groups",
+    "ignore",
+    "kv_cache_scheme",
+    "global_compression_ratio",
+    "sparsity_config",
+    "transform_config",
+    "version",
+    "provider",
+}
+_ARG_KEYS = {
+    "num_bits",
+    "type",
+    "symmetric",
+    "strategy",
+    "dynamic",
+    "group_size",
+    "block_structure",
+    "actorder",
+    "observer",
+    "observer_kwargs",
+    "scale_dtype",
+    "zp_dtype",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,23 +84,44 @@ def parse_scheme(name: str, group: dict[str, Any], default_format: str | None) -
     kind, bits, strategy = weights.get("type", "int"), int(weights.get("num_bits", 8)), weights.get("strategy")
     symmetric = bool(weights.get("symmetric", True))
     if weights.get("actorder") not in (None, "weight", "static"):
-        raise ValueError(f"compressed-tensors {name}: weights actorder {weights['actorder']!r} (a stored g_idx) is "
-                         "not supported")
-    described = (f"format {fmt}, weights {kind}{bits} {strategy}"
-                 + (f" (group {weights.get('group_size')})" if strategy == "group" else "")
-                 + ("" if inputs is None else f", input_activations {inputs.get('type')}{inputs.get('num_bits')} "
-                                               f"{inputs.get('strategy')}"))
-    if fmt == "pack-quantized" and inputs is None and kind == "int" and bits in (4, 8) \
-            and strategy in ("group", "channel"):
+        raise ValueError(
+            f"compressed-tensors {name}: weights actorder {weights['actorder']!r} (a stored g_idx) is not supported"
+        )
+    described = (
+        f"format {fmt}, weights {kind}{bits} {strategy}"
+        + (f" (group {weights.get('group_size')})" if strategy == "group" else "")
+        + (
+            ""
+            if inputs is None
+            else f", input_activations {inputs.get('type')}{inputs.get('num_bits')} {inputs.get('strategy')}"
+        )
+    )
+    if (
+        fmt == "pack-quantized"
+        and inputs is None
+        and kind == "int"
+        and bits in (4, 8)
+        and strategy in ("group", "channel")
+    ):
         return Scheme(fmt, bits, int(weights["group_size"]) if strategy == "group" else None, symmetric, False)
     kinds = {"int-quantized": "int", "float-quantized": "float"}  # the 8-bit formats' weight and input type
-    if fmt in kinds and inputs is not None and kind == kinds[fmt] and bits == 8 and symmetric \
-            and strategy in ("channel", "tensor"):
+    if (
+        fmt in kinds
+        and inputs is not None
+        and kind == kinds[fmt]
+        and bits == 8
+        and symmetric
+        and strategy in ("channel", "tensor")
+    ):
         inputs = _args("input_activations", inputs)
         dynamic_token = bool(inputs.get("dynamic")) and inputs.get("strategy") == "token"
         static_tensor = not inputs.get("dynamic") and inputs.get("strategy") == "tensor"
-        if inputs.get("type") == kind and int(inputs.get("num_bits", 0)) == 8 and inputs.get("symmetric", True) \
-                and (dynamic_token or static_tensor):
+        if (
+            inputs.get("type") == kind
+            and int(inputs.get("num_bits", 0)) == 8
+            and inputs.get("symmetric", True)
+            and (dynamic_token or static_tensor)
+        ):
             return Scheme(fmt, 8, None, True, static_tensor)
     raise ValueError(
         f"compressed-tensors scheme {name} ({described}) is not supported (supported: W8A8 int-quantized or "
@@ -103,16 +147,20 @@ class CompressedTensorsConfig(QuantizationConfig):
         known_keys("compressed-tensors", config, _TOP_KEYS)
         status = config.get("quantization_status", "compressed")
         if status != "compressed":
-            raise ValueError(f"compressed-tensors quantization_status {status!r} is not supported (only compressed "
-                             "checkpoints: their weights are stored quantized)")
+            raise ValueError(
+                f"compressed-tensors quantization_status {status!r} is not supported (only compressed "
+                "checkpoints: their weights are stored quantized)"
+            )
         for key in ("sparsity_config", "kv_cache_scheme", "transform_config"):
             if config.get(key):
                 raise ValueError(f"compressed-tensors {key} is not supported (got {config[key]})")
         groups = config.get("config_groups") or {}
         if not groups:
             raise ValueError("compressed-tensors quantization_config has no config_groups")
-        parsed = tuple((tuple(group.get("targets") or ()), parse_scheme(name, group, config.get("format")))
-                       for name, group in groups.items())
+        parsed = tuple(
+            (tuple(group.get("targets") or ()), parse_scheme(name, group, config.get("format")))
+            for name, group in groups.items()
+        )
         return cls(parsed, tuple(config.get("ignore") or ()))
 
     def scheme_of(self, module_name: str) -> Scheme | None:
@@ -126,7 +174,9 @@ class CompressedTensorsConfig(QuantizationConfig):
     def linear_method(self, part_names: tuple[str, ...]) -> LinearMethod | None:
         schemes = {self.scheme_of(name) for name in part_names}
         if len(schemes) > 1:
-            raise ValueError(f"compressed-tensors: the fused modules {', '.join(part_names)} have different schemes "
-                             "(one fused layer needs one)")
+            raise ValueError(
+                f"compressed-tensors: the fused modules {', '.join(part_names)} have different schemes "
+                "(one fused layer needs one)"
+            )
         scheme = schemes.pop()
         return None if scheme is None else scheme.method()

@@ -24,11 +24,12 @@ class Fp8Config(QuantizationConfig):
 
     @classmethod
     def from_checkpoint(cls, config: dict[str, Any]) -> Fp8Config:
-        known_keys("fp8", config, {"quant_method", "activation_scheme", "ignored_layers", "weight_block_size",
-                                   "fmt"})
+        known_keys("fp8", config, {"quant_method", "activation_scheme", "ignored_layers", "weight_block_size", "fmt"})
         if config.get("weight_block_size") is not None:
-            raise ValueError(f"fp8 weight_block_size {config['weight_block_size']} (block-wise scales) is not "
-                             "supported: per-tensor or per-channel weight scales only")
+            raise ValueError(
+                f"fp8 weight_block_size {config['weight_block_size']} (block-wise scales) is not "
+                "supported: per-tensor or per-channel weight scales only"
+            )
         if config.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"fp8 fmt {config['fmt']!r} is not supported (only e4m3)")
         scheme = config.get("activation_scheme", "dynamic")

@@ -52,7 +52,7 @@ class QuantLinear(nn.Module):
     def load_part(self, name: str, tensor: torch.Tensor, first_row: int, offset: int, num_rows: int) -> None:
         """Rows ``first_row:first_row+num_rows`` of checkpoint output features go to ``offset`` here."""
         if name == "bias":
-            self._bias().data[offset:offset + num_rows].copy_(tensor[first_row:first_row + num_rows])
+            self._bias().data[offset : offset + num_rows].copy_(tensor[first_row : first_row + num_rows])
             return
         if self.method.checked(name, tensor, first_row + num_rows, self.shape):
             return
@@ -107,8 +107,10 @@ class QuantLinear(nn.Module):
         return self.bias
 
     def _no_place(self, name: str) -> NoReturn:
-        raise ValueError(f"checkpoint tensor {name!r} has no place in a {type(self.method).__name__} layer "
-                         f"(it holds {', '.join(self.specs)})")
+        raise ValueError(
+            f"checkpoint tensor {name!r} has no place in a {type(self.method).__name__} layer "
+            f"(it holds {', '.join(self.specs)})"
+        )
 
     def _merge(self, name: str, spec: TensorSpec, param: torch.Tensor, tensor: torch.Tensor) -> None:
         tensor = tensor.reshape(param.shape).to(param.dtype)

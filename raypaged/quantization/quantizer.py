@@ -104,33 +104,78 @@ def quantize_awq(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     return {"qweight": pack(q, 4, 1, AWQ_ORDER), "qzeros": pack(zero, 4, 1, AWQ_ORDER), "scales": scales16}
 
 
-def quantization_config(scheme: str, group_size: int, symmetric: bool, act_order: bool, bits: int = 4,
-                        ) -> dict[str, Any]:
+def quantization_config(
+    scheme: str,
+    group_size: int,
+    symmetric: bool,
+    act_order: bool,
+    bits: int = 4,
+) -> dict[str, Any]:
     """The config.json ``quantization_config`` of a checkpoint the quantizer writes."""
     if scheme == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
     if scheme == "gptq":
-        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": symmetric,
-                "checkpoint_format": "gptq"}
+        return {
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": group_size,
+            "desc_act": act_order,
+            "sym": symmetric,
+            "checkpoint_format": "gptq",
+        }
     if scheme == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
     if scheme == "w4a16":
         fmt = "pack-quantized"
-        weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group_size,
-                   "dynamic": False, "actorder": None, "observer": "minmax"}
+        weights = {
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": symmetric,
+            "strategy": "group",
+            "group_size": group_size,
+            "dynamic": False,
+            "actorder": None,
+            "observer": "minmax",
+        }
         inputs = None
     else:
         kind = "int" if scheme == "w8a8-int8" else "float"
         fmt = f"{kind}-quantized"
-        weights = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel", "group_size": None,
-                   "dynamic": False, "actorder": None, "observer": "minmax"}
-        inputs = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token", "dynamic": True,
-                  "observer": None}
+        weights = {
+            "num_bits": 8,
+            "type": kind,
+            "symmetric": True,
+            "strategy": "channel",
+            "group_size": None,
+            "dynamic": False,
+            "actorder": None,
+            "observer": "minmax",
+        }
+        inputs = {
+            "num_bits": 8,
+            "type": kind,
+            "symmetric": True,
+            "strategy": "token",
+            "dynamic": True,
+            "observer": None,
+        }
     return {
-        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
-                                      "output_activations": None, "format": fmt}},
-        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None,
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": inputs,
+                "output_activations": None,
+                "format": fmt,
+            }
+        },
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
     }
 
 
@@ -146,8 +191,9 @@ def act_orders(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name in tensors:
         module, proj = _projection(name)
         if proj is not None:
-            orders[name] = torch.argsort(importance[f"{module}.{_SHARED_INPUT.get(proj, proj)}"], descending=True,
-                                         stable=True)
+            orders[name] = torch.argsort(
+                importance[f"{module}.{_SHARED_INPUT.get(proj, proj)}"], descending=True, stable=True
+            )
     return orders
 
 
@@ -157,8 +203,14 @@ def _projection(name: str) -> tuple[str, str | None]:
     return (module, proj) if name.endswith(".weight") and proj in PROJECTIONS else (name, None)
 
 
-def quantize_tensors(tensors: dict[str, torch.Tensor], scheme: str, group_size: int = 128, symmetric: bool = True,
-                     act_order: bool = False, bits: int = 4) -> dict[str, torch.Tensor]:
+def quantize_tensors(
+    tensors: dict[str, torch.Tensor],
+    scheme: str,
+    group_size: int = 128,
+    symmetric: bool = True,
+    act_order: bool = False,
+    bits: int = 4,
+) -> dict[str, torch.Tensor]:
     """Every projection weight replaced by its quantized tensors; other tensors as they are."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
@@ -187,8 +239,16 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], scheme: str, group_size: 
     return out
 
 
-def quantize_checkpoint(src: Path, dst: Path, scheme: str, group_size: int = 128, symmetric: bool = True,
-                        act_order: bool = False, smoothquant: float | None = None, bits: int = 4) -> Path:
+def quantize_checkpoint(
+    src: Path,
+    dst: Path,
+    scheme: str,
+    group_size: int = 128,
+    symmetric: bool = True,
+    act_order: bool = False,
+    smoothquant: float | None = None,
+    bits: int = 4,
+) -> Path:
     """Write ``dst``: ``src``'s files with the projections quantized and a ``quantization_config``;
     ``smoothquant``: first smooth the activations with this alpha (see ``smoothquant.py``)."""
     if act_order and scheme != "gptq":
@@ -207,8 +267,11 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: str, group_size: int = 128
         from raypaged.quantization.smoothquant import input_maxima, smooth
 
         tensors = smooth(tensors, input_maxima(src), config["num_hidden_layers"], smoothquant)
-    save_file(quantize_tensors(tensors, scheme, group_size, symmetric, act_order, bits),
-              str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        quantize_tensors(tensors, scheme, group_size, symmetric, act_order, bits),
+        str(dst / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config["quantization_config"] = quantization_config(scheme, group_size, symmetric, act_order, bits)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
@@ -223,11 +286,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--asymmetric", action="store_true", help="w4a16 and gptq: zero points (awq always has them)")
     parser.add_argument("--act-order", action="store_true", help="gptq: desc_act, groups along a permutation")
     parser.add_argument("--bits", type=int, default=4, choices=[4, 8], help="gptq: 4 or 8 bits (others: 4)")
-    parser.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
-                        help="smooth activation outliers into the weights first (W8A8: 0.5 is usual)")
+    parser.add_argument(
+        "--smoothquant",
+        type=float,
+        default=None,
+        metavar="ALPHA",
+        help="smooth activation outliers into the weights first (W8A8: 0.5 is usual)",
+    )
     args = parser.parse_args(argv)
-    quantize_checkpoint(args.src, args.dst, args.scheme, args.group_size, not args.asymmetric, args.act_order,
-                        args.smoothquant, args.bits)
+    quantize_checkpoint(
+        args.src,
+        args.dst,
+        args.scheme,
+        args.group_size,
+        not args.asymmetric,
+        args.act_order,
+        args.smoothquant,
+        args.bits,
+    )
     print(f"wrote {args.dst}")
 
 

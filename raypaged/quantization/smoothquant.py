@@ -39,10 +39,14 @@ def input_maxima(model_dir: Path, text: str = CALIBRATION_TEXT) -> dict[str, tor
     def hook(name: str):
         def record(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
             maxima[name] = inputs[0].detach().abs().flatten(0, -2).amax(0)
+
         return record
 
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()
-               if n.endswith(("_proj",)) and isinstance(m, torch.nn.Linear)]
+    handles = [
+        m.register_forward_pre_hook(hook(n))
+        for n, m in model.named_modules()
+        if n.endswith(("_proj",)) and isinstance(m, torch.nn.Linear)
+    ]
     with torch.inference_mode():
         model(**tokens)
     for handle in handles:
@@ -50,8 +54,9 @@ def input_maxima(model_dir: Path, text: str = CALIBRATION_TEXT) -> dict[str, tor
     return maxima
 
 
-def smooth(tensors: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor], num_layers: int,
-           alpha: float) -> dict[str, torch.Tensor]:
+def smooth(
+    tensors: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor], num_layers: int, alpha: float
+) -> dict[str, torch.Tensor]:
     """``tensors`` with every layer's three input groups smoothed (the float model's outputs unchanged)."""
     out = dict(tensors)
     for i in range(num_layers):

@@ -52,8 +52,9 @@ def _cpu_kernels() -> Any | None:
     return None if cpu_ops.unavailable_reason() else cpu_ops.library()
 
 
-def _int8_linear_cpu(lib: Any, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     input_scale: torch.Tensor | None) -> torch.Tensor:
+def _int8_linear_cpu(
+    lib: Any, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
+) -> torch.Tensor:
     """``int8_linear`` for a float32 ``x`` with contiguous rows on CPU, its float ends in C: the same bits."""
     num_tokens, k = x.shape
     threads = torch.get_num_threads()
@@ -64,13 +65,22 @@ def _int8_linear_cpu(lib: Any, x: torch.Tensor, weight: torch.Tensor, weight_sca
     else:
         x_scale = input_scale.reshape(1, 1).to(torch.float32)
         fixed = float(x_scale)
-    lib.raypaged_quantize_int8_f32(x.data_ptr(), x.stride(0), num_tokens, k, fixed, xq.data_ptr(), x_scale.data_ptr(),
-                                   threads)
+    lib.raypaged_quantize_int8_f32(
+        x.data_ptr(), x.stride(0), num_tokens, k, fixed, xq.data_ptr(), x_scale.data_ptr(), threads
+    )
     acc = torch._int_mm(xq, weight.t())  # [T, N] int32, exact
     weight_scale = weight_scale.to(torch.float32).contiguous()
     out = torch.empty(acc.shape, dtype=torch.float32)
-    lib.raypaged_int8_scale_f32(acc.data_ptr(), num_tokens, acc.shape[1], x_scale.data_ptr(),
-                                0 if input_scale is not None else 1, weight_scale.data_ptr(), out.data_ptr(), threads)
+    lib.raypaged_int8_scale_f32(
+        acc.data_ptr(),
+        num_tokens,
+        acc.shape[1],
+        x_scale.data_ptr(),
+        0 if input_scale is not None else 1,
+        weight_scale.data_ptr(),
+        out.data_ptr(),
+        threads,
+    )
     return out
 
 
@@ -79,9 +89,15 @@ def int8_linear(
 ) -> torch.Tensor:
     """``x @ W^T``, W = ``weight`` [N, K] int8 x ``weight_scale`` [N] float32; x quantized to int8. On CPU
     for float32 ``x`` the quantization and the scaling run in C (``cpu_int8.c``), with the same result."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
-            and weight_scale.numel() == weight.shape[0] and (input_scale is None or float(input_scale) > 0)
-            and (lib := _cpu_kernels()) is not None):
+    if (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and weight_scale.numel() == weight.shape[0]
+        and (input_scale is None or float(input_scale) > 0)
+        and (lib := _cpu_kernels()) is not None
+    ):
         return _int8_linear_cpu(lib, x, weight, weight_scale, input_scale)
     xq, x_scale = quantize_int8(x, input_scale)
     num_tokens = xq.shape[0]
@@ -102,8 +118,13 @@ def fp8_linear(
     """``x @ W^T``, W = ``weight`` [N, K] fp8 x ``weight_scale`` [N] float32; x quantized to fp8."""
     xq, x_scale = quantize_fp8(x, input_scale)
     if _has_fp8_gemm(x.device):
-        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.expand(xq.shape[0], 1).contiguous(),
-                               scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+        out = torch._scaled_mm(
+            xq,
+            weight.t(),
+            scale_a=x_scale.expand(xq.shape[0], 1).contiguous(),
+            scale_b=weight_scale.view(1, -1),
+            out_dtype=torch.bfloat16,
+        )
         return out.to(x.dtype)
     w = weight.to(x.dtype) * weight_scale.to(x.dtype)[:, None]
     return linear(xq.to(x.dtype) * x_scale.to(x.dtype), w)

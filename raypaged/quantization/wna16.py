@@ -66,8 +66,9 @@ class GPTQMethod(WNA16Method):
         group_dim = None if replicated else 0
         return {
             "qweight": TensorSpec((k // pack, n), torch.int32, out_dim=1, in_dim=0, in_pack=pack),
-            "qzeros": TensorSpec((num_groups, n // pack), torch.int32, out_dim=1, out_pack=pack, in_dim=group_dim,
-                                 in_pack=g),
+            "qzeros": TensorSpec(
+                (num_groups, n // pack), torch.int32, out_dim=1, out_pack=pack, in_dim=group_dim, in_pack=g
+            ),
             "scales": TensorSpec((num_groups, n), torch.float32, out_dim=1, in_dim=group_dim, in_pack=g),
             "g_idx": TensorSpec((k,), torch.int32, in_dim=0, merge="same"),
         }
@@ -136,8 +137,9 @@ class PackedMethod(WNA16Method):
             "weight_scale": TensorSpec((n, k // g), torch.float32, out_dim=0, in_dim=1, in_pack=g),
         }
         if not self.symmetric:
-            specs["weight_zero_point"] = TensorSpec((n // pack, k // g), torch.int32, out_dim=0, out_pack=pack,
-                                                    in_dim=1, in_pack=g)
+            specs["weight_zero_point"] = TensorSpec(
+                (n // pack, k // g), torch.int32, out_dim=0, out_pack=pack, in_dim=1, in_pack=g
+            )
         return specs
 
     def checked(self, name: str, tensor: torch.Tensor, rows_read: int, shape: LinearShape) -> bool:
@@ -145,8 +147,10 @@ class PackedMethod(WNA16Method):
             return False
         rows, columns = tensor.tolist()
         if columns != shape.in_total or rows < rows_read:
-            raise ValueError(f"weight_shape {[rows, columns]} does not hold the layer's {rows_read} rows of "
-                             f"{shape.in_total} input features")
+            raise ValueError(
+                f"weight_shape {[rows, columns]} does not hold the layer's {rows_read} rows of "
+                f"{shape.in_total} input features"
+            )
         return True
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:

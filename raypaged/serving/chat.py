@@ -28,7 +28,10 @@ def chat_prompt_ids(inputs: InputProcessor, messages: pb.ChatMessages) -> list[i
 def conversation_chars(messages: pb.ChatMessages) -> int:
     """Characters of everything a conversation sends to the template."""
     turns = sum(
-        len(m.role) + len(m.content) + len(m.name) + len(m.tool_call_id)
+        len(m.role)
+        + len(m.content)
+        + len(m.name)
+        + len(m.tool_call_id)
         + sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls)
         for m in messages.messages
     )
@@ -44,8 +47,11 @@ def _turn(message: pb.ChatMessage) -> dict[str, Any]:
         turn["tool_call_id"] = message.tool_call_id
     if message.tool_calls:  # templates take the arguments as an object, as vLLM passes them
         turn["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.name, "arguments": _json(c.arguments, "messages", dict, {})}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": _json(c.arguments, "messages", dict, {})},
+            }
             for c in message.tool_calls
         ]
     return turn

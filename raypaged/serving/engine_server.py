@@ -177,7 +177,11 @@ class _Hold:
 
 class EngineServicer(pb_grpc.TextGenerationServiceServicer):
     def __init__(
-        self, models: dict[str, ServedModel], metrics: ServerMetrics, tenants: Tenants, share_prefix_cache: bool,
+        self,
+        models: dict[str, ServedModel],
+        metrics: ServerMetrics,
+        tenants: Tenants,
+        share_prefix_cache: bool,
         served_names: dict[str, str] | None = None,
     ) -> None:
         """``served_names`` maps every name a model answers to (its aliases too) to its own name."""
@@ -196,8 +200,9 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         if not name:
             if len(self.models) == 1:
                 return next(iter(self.models.values()))
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"model is required; served models: {', '.join(self.models)}")
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"model is required; served models: {', '.join(self.models)}"
+            )
         model = self.models.get(self.served_names.get(name, ""))
         if model is None:
             raise _Abort(
@@ -244,14 +249,27 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             try:
                 await hold.admit()
                 text, token_ids = await _prompt(model, request)
-                await engine.add_request(text, params, key[1], token_ids, priority, cache_salt=self._cache_salt(gate),
-                                         lora_request=lora, beam=beam)
+                await engine.add_request(
+                    text,
+                    params,
+                    key[1],
+                    token_ids,
+                    priority,
+                    cache_salt=self._cache_salt(gate),
+                    lora_request=lora,
+                    beam=beam,
+                )
             except _REFUSED as exc:
                 await hold.let_go(in_engine=False)
                 await _refuse(context, exc)
             yield messages.GenerateResponse(request_id=request_id)
-            tracker = DeltaTracker(request_id, params.with_vocabulary_logprobs(engine.config.hf_config.vocab_size),
-                                   model.tokenizer, messages, echo=request.echo)
+            tracker = DeltaTracker(
+                request_id,
+                params.with_vocabulary_logprobs(engine.config.hf_config.vocab_size),
+                model.tokenizer,
+                messages,
+                echo=request.echo,
+            )
             last: RequestOutput | None = None
             error: Exception | None = None
             stream = engine.stream(key[1])
@@ -336,12 +354,15 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         else:
             enabled = [m for m in self.models.values() if m.engine.config.enable_lora]
             if len(enabled) != 1:
-                raise InputError("base_model_name", "base_model_name is required: "
-                                 f"{len(enabled)} served models take LoRA adapters")
+                raise InputError(
+                    "base_model_name", f"base_model_name is required: {len(enabled)} served models take LoRA adapters"
+                )
             model = enabled[0]
         if not model.engine.config.enable_lora:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"the model {model.name!r} runs without LoRA: start it with --enable-lora")
+            raise _Abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the model {model.name!r} runs without LoRA: start it with --enable-lora",
+            )
         lora = LoRARequest(name, next(self._lora_ids), path)
         model.engine.engine.check_lora(lora)
         self.adapters[name] = (model.name, lora)
@@ -436,7 +457,10 @@ class EngineServer:
     """
 
     def __init__(
-        self, configs: list[EngineConfig], tenants: Tenants | None = None, share_prefix_cache: bool = False,
+        self,
+        configs: list[EngineConfig],
+        tenants: Tenants | None = None,
+        share_prefix_cache: bool = False,
         metrics_prefix: str = METRICS_PREFIX,
         lora_modules: Mapping[str, str | tuple[str, str]] | None = None,
     ) -> None:
@@ -452,8 +476,10 @@ class EngineServer:
         self.share_prefix_cache = share_prefix_cache
         # before the engines load, so a bad --metrics-prefix fails at once (the stats are read at scrape time)
         self.metrics = ServerMetrics(
-            {name: self._stats_of(name) for name in by_name}, configs[0].resolved_device,
-            prefix=metrics_prefix, configs=by_name,
+            {name: self._stats_of(name) for name in by_name},
+            configs[0].resolved_device,
+            prefix=metrics_prefix,
+            configs=by_name,
             lora_sources={name: self._lora_info_of(name) for name, c in by_name.items() if c.enable_lora},
         )
         engines = {name: LLMEngine(c, own_input_tokenizer=True) for name, c in by_name.items()}

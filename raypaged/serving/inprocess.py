@@ -82,9 +82,11 @@ class _StreamCall:
         except _Ended as ended:
             self._queue.put_nowait(ended.rpc_error())
         except Exception as exc:  # a handler bug: the call fails as gRPC fails it, UNKNOWN
-            self._queue.put_nowait(grpc.aio.AioRpcError(
-                grpc.StatusCode.UNKNOWN, grpc.aio.Metadata(), grpc.aio.Metadata(), f"{type(exc).__name__}: {exc}"
-            ))
+            self._queue.put_nowait(
+                grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNKNOWN, grpc.aio.Metadata(), grpc.aio.Metadata(), f"{type(exc).__name__}: {exc}"
+                )
+            )
         self._queue.put_nowait(_END)
 
     async def read(self) -> AnyResponse | object:
@@ -113,41 +115,51 @@ class InProcessStub:
 
     # the unary RPCs: each runs the servicer's handler of its name
 
-    async def Abort(self, request: pb.AbortRequest, metadata: Metadata | None = None,
-                    timeout: float | None = None) -> pb.AbortResponse:
+    async def Abort(
+        self, request: pb.AbortRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.AbortResponse:
         return await _unary(self._servicer.Abort, request, metadata, timeout)
 
-    async def Tokenize(self, request: pb.TokenizeRequest, metadata: Metadata | None = None,
-                       timeout: float | None = None) -> pb.TokenizeResponse:
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.TokenizeResponse:
         return await _unary(self._servicer.Tokenize, request, metadata, timeout)
 
-    async def Detokenize(self, request: pb.DetokenizeRequest, metadata: Metadata | None = None,
-                         timeout: float | None = None) -> pb.DetokenizeResponse:
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.DetokenizeResponse:
         return await _unary(self._servicer.Detokenize, request, metadata, timeout)
 
-    async def Info(self, request: pb.InfoRequest, metadata: Metadata | None = None,
-                   timeout: float | None = None) -> pb.InfoResponse:
+    async def Info(
+        self, request: pb.InfoRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.InfoResponse:
         return await _unary(self._servicer.Info, request, metadata, timeout)
 
-    async def Health(self, request: pb.HealthRequest, metadata: Metadata | None = None,
-                     timeout: float | None = None) -> pb.HealthResponse:
+    async def Health(
+        self, request: pb.HealthRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.HealthResponse:
         return await _unary(self._servicer.Health, request, metadata, timeout)
 
-    async def Metrics(self, request: pb.MetricsRequest, metadata: Metadata | None = None,
-                      timeout: float | None = None) -> pb.MetricsResponse:
+    async def Metrics(
+        self, request: pb.MetricsRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.MetricsResponse:
         return await _unary(self._servicer.Metrics, request, metadata, timeout)
 
-    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, metadata: Metadata | None = None,
-                              timeout: float | None = None) -> pb.LoadLoRAAdapterResponse:
+    async def LoadLoRAAdapter(
+        self, request: pb.LoadLoRAAdapterRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.LoadLoRAAdapterResponse:
         return await _unary(self._servicer.LoadLoRAAdapter, request, metadata, timeout)
 
-    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, metadata: Metadata | None = None,
-                                timeout: float | None = None) -> pb.UnloadLoRAAdapterResponse:
+    async def UnloadLoRAAdapter(
+        self, request: pb.UnloadLoRAAdapterRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.UnloadLoRAAdapterResponse:
         return await _unary(self._servicer.UnloadLoRAAdapter, request, metadata, timeout)
 
 
 async def _unary(
-    handler: Callable[[Request, _Context], Awaitable[Response]], request: Request, metadata: Metadata | None,
+    handler: Callable[[Request, _Context], Awaitable[Response]],
+    request: Request,
+    metadata: Metadata | None,
     timeout: float | None,
 ) -> Response:
     """One unary handler call; past ``timeout`` it fails ``DEADLINE_EXCEEDED``, as over gRPC."""

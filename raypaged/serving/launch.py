@@ -86,8 +86,9 @@ class GatewayOptions:
             raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
         self.root_path = self.root_path.rstrip("/")
         if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
-            raise ValueError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), "
-                             f"got {self.ssl_cert_reqs}")
+            raise ValueError(
+                f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {self.ssl_cert_reqs}"
+            )
         if (self.ssl_ca_certs is not None or self.ssl_cert_reqs) and self.ssl_certfile is None:
             raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (client certificates are HTTPS's)")
         if self.ssl_keyfile is not None and self.ssl_certfile is None:
@@ -96,8 +97,10 @@ class GatewayOptions:
             try:  # now, not when uvicorn starts after the models have loaded
                 ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
             except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"--ssl-certfile {self.ssl_certfile} with --ssl-keyfile {self.ssl_keyfile}: "
-                                 f"not a usable certificate and key ({exc})") from None
+                raise ValueError(
+                    f"--ssl-certfile {self.ssl_certfile} with --ssl-keyfile {self.ssl_keyfile}: "
+                    f"not a usable certificate and key ({exc})"
+                ) from None
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -165,10 +168,18 @@ class Gateway:
             assert options.tool_call_parser is not None  # GatewayOptions refuses the one without the other
             tool_parser = get_parser(options.tool_call_parser)
         app = build_app(
-            EngineRoutes(targets, local), self.tenants, options.max_body_bytes, options.log_requests, self.drain,
-            options.auth_exempt_paths, options.max_prompts_per_request, bind_host=options.host,
-            allowed_hosts=options.allowed_hosts, allowed_origins=options.allowed_origins,
-            allowed_methods=options.allowed_methods, allowed_headers=options.allowed_headers,
+            EngineRoutes(targets, local),
+            self.tenants,
+            options.max_body_bytes,
+            options.log_requests,
+            self.drain,
+            options.auth_exempt_paths,
+            options.max_prompts_per_request,
+            bind_host=options.host,
+            allowed_hosts=options.allowed_hosts,
+            allowed_origins=options.allowed_origins,
+            allowed_methods=options.allowed_methods,
+            allowed_headers=options.allowed_headers,
             allow_credentials=options.allow_credentials,
             tool_parser=tool_parser,
             response_role=options.response_role,
@@ -180,11 +191,19 @@ class Gateway:
         app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones
         self.socket = listen(options.host, options.port)
         self.port = self.socket.getsockname()[1]
-        self.server = _Server(uvicorn.Config(
-            app, log_level=options.uvicorn_log_level or options.log_level, access_log=options.access_log,
-            lifespan="off", timeout_graceful_shutdown=_CLOSE_CONNECTIONS_S, ssl_keyfile=options.ssl_keyfile,
-            ssl_certfile=options.ssl_certfile, ssl_ca_certs=options.ssl_ca_certs, ssl_cert_reqs=options.ssl_cert_reqs,
-        ))
+        self.server = _Server(
+            uvicorn.Config(
+                app,
+                log_level=options.uvicorn_log_level or options.log_level,
+                access_log=options.access_log,
+                lifespan="off",
+                timeout_graceful_shutdown=_CLOSE_CONNECTIONS_S,
+                ssl_keyfile=options.ssl_keyfile,
+                ssl_certfile=options.ssl_certfile,
+                ssl_ca_certs=options.ssl_ca_certs,
+                ssl_cert_reqs=options.ssl_cert_reqs,
+            )
+        )
         self._shutdown: asyncio.Task | None = None
 
     async def serve(self, handle_signals: bool = False) -> None:
@@ -214,8 +233,13 @@ class Gateway:
 
 
 async def run_engine(
-    configs: list[EngineConfig], host: str, grpc_port: int, drain_timeout_s: float, tenants: Tenants,
-    share_prefix_cache: bool = False, metrics_prefix: str = METRICS_PREFIX,
+    configs: list[EngineConfig],
+    host: str,
+    grpc_port: int,
+    drain_timeout_s: float,
+    tenants: Tenants,
+    share_prefix_cache: bool = False,
+    metrics_prefix: str = METRICS_PREFIX,
     lora_modules: dict[str, tuple[str, str]] | None = None,
 ) -> None:
     """The engine server until SIGTERM/SIGINT; then running calls get ``drain_timeout_s`` before they are cancelled."""
@@ -237,8 +261,12 @@ async def run_gateway(
 
 
 async def run_serve(
-    configs: list[EngineConfig], grpc_host: str, grpc_port: int, options: GatewayOptions,
-    share_prefix_cache: bool = False, metrics_prefix: str = METRICS_PREFIX,
+    configs: list[EngineConfig],
+    grpc_host: str,
+    grpc_port: int,
+    options: GatewayOptions,
+    share_prefix_cache: bool = False,
+    metrics_prefix: str = METRICS_PREFIX,
     lora_modules: dict[str, tuple[str, str]] | None = None,
 ) -> None:
     """Engines, their gRPC server and a gateway in front of it, in one process; the gateway drains first.

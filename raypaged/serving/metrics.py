@@ -48,12 +48,14 @@ _PREFIX_PATTERN = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*:")
 _UNKNOWN_MAX_MODEL_LEN = 1 << 20  # token-count buckets when no engine config is given
 
 # vLLM's bucket bounds
+# fmt: off
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                       20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
+# fmt: on
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 
@@ -71,8 +73,11 @@ _COUNTERS = (
 )
 # speculative decoding's, exported for the models that speculate (as vLLM)
 _SPEC_COUNTERS = (
-    ("spec_decode_num_drafts", "Verifications of draft tokens (one per sequence per step with drafts).",
-     "spec_decode_num_drafts"),
+    (
+        "spec_decode_num_drafts",
+        "Verifications of draft tokens (one per sequence per step with drafts).",
+        "spec_decode_num_drafts",
+    ),
     ("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_decode_num_draft_tokens"),
     ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_decode_num_accepted_tokens"),
 )
@@ -234,7 +239,8 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
         self.iteration_tokens = histogram(
-            "iteration_tokens_total", "Tokens per engine step: prompts whose prefill ended plus new tokens.",
+            "iteration_tokens_total",
+            "Tokens per engine step: prompts whose prefill ended plus new tokens.",
             _ITERATION_BUCKETS,
         )
         self.ttft = histogram("time_to_first_token_seconds", "Seconds from arrival to the first token.", _TTFT_BUCKETS)
@@ -242,11 +248,13 @@ class ServerMetrics:
             "inter_token_latency_seconds", "Seconds between a request's consecutive steps.", _TOKEN_GAP_BUCKETS
         )
         self.tpot = histogram(
-            "time_per_output_token_seconds", "Seconds between a request's consecutive steps (vLLM's older name).",
+            "time_per_output_token_seconds",
+            "Seconds between a request's consecutive steps (vLLM's older name).",
             _TOKEN_GAP_BUCKETS,
         )
         self.request_tpot = histogram(
-            "request_time_per_output_token_seconds", "Per finished request: decode seconds per token after the first.",
+            "request_time_per_output_token_seconds",
+            "Per finished request: decode seconds per token after the first.",
             _TOKEN_GAP_BUCKETS,
         )
         self.request_times = {suffix: histogram(suffix, doc, _REQUEST_BUCKETS) for suffix, doc in _REQUEST_TIMES}
@@ -304,8 +312,11 @@ class _StatsCollector(Collector):
             for name, values in stats.items():
                 counter.add_metric([name, ENGINE_INDEX], float(values[key]))
             yield counter
-        speculating = {name: values for name, values in stats.items()
-                       if name in self._configs and self._configs[name].speculative_config is not None}
+        speculating = {
+            name: values
+            for name, values in stats.items()
+            if name in self._configs and self._configs[name].speculative_config is not None
+        }
         if speculating:
             yield from self._spec_decode(speculating)
         yield self._cache_config(stats)
@@ -313,11 +324,13 @@ class _StatsCollector(Collector):
             yield self._lora_requests_info()
         utilization, memory = self._device_usage()
         util_family = GaugeMetricFamily(
-            f"{prefix}gpu_utilization", "Device utilization (0 to 1); on CPU the process's share of all cores.",
+            f"{prefix}gpu_utilization",
+            "Device utilization (0 to 1); on CPU the process's share of all cores.",
             labels=LABELS,
         )
         memory_family = GaugeMetricFamily(
-            f"{prefix}gpu_memory_usage_bytes", "Device memory in use; on CPU the process's resident memory.",
+            f"{prefix}gpu_memory_usage_bytes",
+            "Device memory in use; on CPU the process's resident memory.",
             labels=LABELS,
         )
         for name in stats:
@@ -333,8 +346,9 @@ class _StatsCollector(Collector):
             for name, values in stats.items():
                 counter.add_metric([name, ENGINE_INDEX], float(values[key]))
             yield counter
-        per_pos = CounterMetricFamily(f"{self._prefix}{ACCEPTED_PER_POS}", "Draft tokens accepted, by position.",
-                                      labels=(*LABELS, "position"))
+        per_pos = CounterMetricFamily(
+            f"{self._prefix}{ACCEPTED_PER_POS}", "Draft tokens accepted, by position.", labels=(*LABELS, "position")
+        )
         for name, values in stats.items():
             spec = self._configs[name].speculative_config
             assert isinstance(spec, SpeculativeConfig)  # parsed by EngineConfig; only speculating models come here
@@ -344,16 +358,30 @@ class _StatsCollector(Collector):
 
     def _cache_config(self, stats: dict[str, dict[str, int | float]]) -> GaugeMetricFamily:
         """1 per model, its KV-cache configuration in the labels (vLLM's ``cache_config_info``)."""
-        keys = ("block_size", "enable_prefix_caching", "gpu_memory_utilization", "num_gpu_blocks",
-                "num_gpu_blocks_override", "num_cpu_blocks", "swap_space")
+        keys = (
+            "block_size",
+            "enable_prefix_caching",
+            "gpu_memory_utilization",
+            "num_gpu_blocks",
+            "num_gpu_blocks_override",
+            "num_cpu_blocks",
+            "swap_space",
+        )
         family = GaugeMetricFamily(
-            f"{self._prefix}cache_config_info", "KV-cache configuration of each model, in its labels.",
+            f"{self._prefix}cache_config_info",
+            "KV-cache configuration of each model, in its labels.",
             labels=LABELS + keys,
         )
         for name, config in self._configs.items():
-            values = (config.block_size, config.enable_prefix_caching, config.gpu_memory_utilization,
-                      int(stats[name]["num_gpu_blocks_total"]), config.num_gpu_blocks_override,
-                      int(stats[name]["num_cpu_blocks_total"]), config.resolved_swap_space)
+            values = (
+                config.block_size,
+                config.enable_prefix_caching,
+                config.gpu_memory_utilization,
+                int(stats[name]["num_gpu_blocks_total"]),
+                config.num_gpu_blocks_override,
+                int(stats[name]["num_cpu_blocks_total"]),
+                config.resolved_swap_space,
+            )
             family.add_metric([name, ENGINE_INDEX, *map(str, values)], 1.0)
         return family
 
@@ -361,7 +389,8 @@ class _StatsCollector(Collector):
         """vLLM's ``lora_requests_info``: the adapters running and waiting, comma-separated in the labels;
         the value is when it was read (seconds since the epoch)."""
         family = GaugeMetricFamily(
-            f"{self._prefix}lora_requests_info", "Running stats on LoRA requests.",
+            f"{self._prefix}lora_requests_info",
+            "Running stats on LoRA requests.",
             labels=("running_lora_adapters", "waiting_lora_adapters", "max_lora"),
         )
         for name, source in self._lora_sources.items():

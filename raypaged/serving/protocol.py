@@ -60,8 +60,9 @@ def sampling_params_from_proto(
         allowed_token_ids=list(sampling.allowed_token_ids) or None,
         bad_words=list(sampling.bad_words) or None,
         skip_special_tokens=stopping.skip_special_tokens if stopping.HasField("skip_special_tokens") else True,
-        spaces_between_special_tokens=(stopping.spaces_between_special_tokens
-                                       if stopping.HasField("spaces_between_special_tokens") else True),
+        spaces_between_special_tokens=(
+            stopping.spaces_between_special_tokens if stopping.HasField("spaces_between_special_tokens") else True
+        ),
         include_stop_str_in_output=stopping.include_stop_str_in_output,
         truncate_prompt_tokens=request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
         output_kind=RequestOutputKind.DELTA,  # a stream: each response carries what is new
@@ -112,15 +113,23 @@ def beam_search_from_proto(request: pb.GenerateRequest, max_model_len: int) -> B
     }
     for name, asked in refused.items():
         if asked:
-            raise InputError(name, f"{name} is not supported with use_beam_search (beams are ranked by the "
-                                   "model's log-probabilities at temperature 1)")
+            raise InputError(
+                name,
+                f"{name} is not supported with use_beam_search (beams are ranked by the "
+                "model's log-probabilities at temperature 1)",
+            )
     length_penalty = request.beam_search.length_penalty
     if not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty}")
     max_tokens = stopping.max_tokens if stopping.HasField("max_tokens") else max_model_len
     structured = structured_from_proto(request.structured) if request.HasField("structured") else None
-    return BeamSearchParams(beam_width=sampling.n or 1, max_tokens=max(max_tokens, 1), ignore_eos=stopping.ignore_eos,
-                            length_penalty=length_penalty, structured_outputs=structured)
+    return BeamSearchParams(
+        beam_width=sampling.n or 1,
+        max_tokens=max(max_tokens, 1),
+        ignore_eos=stopping.ignore_eos,
+        length_penalty=length_penalty,
+        structured_outputs=structured,
+    )
 
 
 def structured_from_proto(message: pb.StructuredOutput) -> StructuredOutputsParams:
@@ -164,9 +173,11 @@ class DeltaTracker:
     def response(self, output: RequestOutput) -> AnyResponse:
         messages = self.messages
         deltas = [self._delta(c) for c in output.outputs if c.index not in self._done]
-        self._usage = messages.Usage(prompt_tokens=len(output.prompt_token_ids),
-                                     completion_tokens=output.num_generated_tokens,
-                                     cached_tokens=output.num_cached_tokens)
+        self._usage = messages.Usage(
+            prompt_tokens=len(output.prompt_token_ids),
+            completion_tokens=output.num_generated_tokens,
+            cached_tokens=output.num_cached_tokens,
+        )
         prompt = None
         if output.prompt_logprobs is not None:
             ids = output.prompt_token_ids
@@ -180,22 +191,36 @@ class DeltaTracker:
         if self.echo and deltas:
             prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
             self.echo = False
-        return messages.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=output.finished,
-                                         usage=self._usage, prompt_logprobs=prompt, prompt_text=prompt_text)
+        return messages.GenerateResponse(
+            request_id=self.request_id,
+            outputs=deltas,
+            finished=output.finished,
+            usage=self._usage,
+            prompt_logprobs=prompt,
+            prompt_text=prompt_text,
+        )
 
     def aborted(self) -> AnyResponse:
         """The last message of a request aborted by someone else: every unfinished completion ends."""
         indices = [i for i in range(self.params.n) if i not in self._done]
         deltas = [self.messages.CompletionDelta(index=i, finish_reason=pb.FINISH_REASON_ABORT) for i in indices]
-        return self.messages.GenerateResponse(request_id=self.request_id, outputs=deltas, finished=True,
-                                              usage=self._usage)
+        return self.messages.GenerateResponse(
+            request_id=self.request_id, outputs=deltas, finished=True, usage=self._usage
+        )
 
     def _delta(self, completion: CompletionOutput) -> AnyDelta:
-        delta = self.messages.CompletionDelta(index=completion.index, token_ids=completion.token_ids,
-                                              text=completion.text)
+        delta = self.messages.CompletionDelta(
+            index=completion.index, token_ids=completion.token_ids, text=completion.text
+        )
         if completion.logprobs is not None:
-            add_logprobs(delta, completion.token_ids, completion.logprobs, self.params.logprobs or 0, self.tokenizer,
-                         self.messages)
+            add_logprobs(
+                delta,
+                completion.token_ids,
+                completion.logprobs,
+                self.params.logprobs or 0,
+                self.tokenizer,
+                self.messages,
+            )
             delta.token_texts.extend(self.tokenizer.decode([t]) for t in completion.token_ids)
         if completion.finish_reason is not None:
             delta.finish_reason = FINISH_REASONS[completion.finish_reason]

@@ -28,8 +28,9 @@ def generate_stubs() -> dict[str, str]:
         if protoc.main([*args, *(str(PROTO_ROOT / p) for p in PROTO_FILES)]) != 0:
             raise RuntimeError(f"protoc failed on {PROTO_FILES}")
         generated = Path(out) / "raypaged" / "v1"
-        return {p.name: p.read_text().replace(_GENERATED_IMPORT, _PACKAGE_IMPORT)
-                for p in sorted(generated.glob("*.py*"))}
+        return {
+            p.name: p.read_text().replace(_GENERATED_IMPORT, _PACKAGE_IMPORT) for p in sorted(generated.glob("*.py*"))
+        }
 
 
 def main() -> int:

@@ -34,8 +34,10 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"--speculative-config method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError("--speculative-config num_speculative_tokens must be a positive integer, got "
-                             f"{self.num_speculative_tokens!r}")
+            raise ValueError(
+                "--speculative-config num_speculative_tokens must be a positive integer, got "
+                f"{self.num_speculative_tokens!r}"
+            )
         if self.method == "ngram":
             if self.model is not None:
                 raise ValueError("--speculative-config: method ngram takes no model")
@@ -43,8 +45,9 @@ class SpeculativeConfig:
             # vLLM: either bound alone sets both
             low, high = (low if low is not None else high or 1), (high if high is not None else low or 1)
             if low < 1 or high < low:
-                raise ValueError(f"--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                                 f"{low} and {high}")
+                raise ValueError(
+                    f"--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}"
+                )
             object.__setattr__(self, "prompt_lookup_min", low)
             object.__setattr__(self, "prompt_lookup_max", high)
         else:
@@ -54,8 +57,9 @@ class SpeculativeConfig:
                 if getattr(self, key) is not None:
                     raise ValueError(f"--speculative-config: {key} belongs to method ngram, not draft_model")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError(f"--speculative-config disable_by_batch_size must be at least 1, got "
-                             f"{self.disable_by_batch_size}")
+            raise ValueError(
+                f"--speculative-config disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}"
+            )
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -76,12 +80,20 @@ class SpeculativeConfig:
                 given = options.pop(key)
                 if given not in allowed:
                     raise ValueError(f"--speculative-config {key} {given!r} is not supported")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                 "disable_by_batch_size"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "model",
+            "disable_by_batch_size",
+        }
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(f"--speculative-config: unknown or unsupported key {unknown[0]!r}; supported: "
-                             f"{', '.join(sorted(known | set(_DEFAULT_ONLY)))}")
+            raise ValueError(
+                f"--speculative-config: unknown or unsupported key {unknown[0]!r}; supported: "
+                f"{', '.join(sorted(known | set(_DEFAULT_ONLY)))}"
+            )
         if "num_speculative_tokens" not in options:
             raise ValueError("--speculative-config needs num_speculative_tokens")
         method = options.pop("method", None) or ("draft_model" if options.get("model") else None)

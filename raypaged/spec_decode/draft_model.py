@@ -29,8 +29,15 @@ class _DraftState:
 
 
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, block_size: int, num_spec_tokens: int,
-                 max_model_len: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: KVCache,
+        block_size: int,
+        num_spec_tokens: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
         assert isinstance(model, LlamaForCausalLM)  # what load_model builds
         self.model = model
         self.cache = cache
@@ -71,7 +78,7 @@ class DraftModelProposer:
                 ids.append(tokens[pos])
                 positions.append(pos)
                 slots.append(block_ids[pos // bs] * bs + pos % bs)
-            spans.append((query_start, newest + 1 - start, newest + 1, block_ids[:-(-(newest + 1) // bs)]))
+            spans.append((query_start, newest + 1 - start, newest + 1, block_ids[: -(-(newest + 1) // bs)]))
             plans.append((seq_id, newest, num_steps, block_ids))
             state.valid, state.guesses = newest + 1, []
         if not plans:
@@ -85,8 +92,10 @@ class DraftModelProposer:
         )
         hidden = self.model(self._tensor(ids), self._tensor(positions), self.cache.layers, meta)
         last = self._tensor([q0 + n - 1 for q0, n, _, _ in spans])
-        drafts = {seq_id: [token] for (seq_id, *_), token in
-                  zip(plans, self.model.compute_logits(hidden[last]).argmax(-1).tolist())}
+        drafts = {
+            seq_id: [token]
+            for (seq_id, *_), token in zip(plans, self.model.compute_logits(hidden[last]).argmax(-1).tolist())
+        }
         for step in range(1, max(num_steps for _, _, num_steps, _ in plans)):
             batch = [(seq_id, newest + step, table) for seq_id, newest, num_steps, table in plans if step < num_steps]
             tokens_in = [drafts[seq_id][-1] for seq_id, _, _ in batch]

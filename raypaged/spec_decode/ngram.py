@@ -28,7 +28,7 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
     _, hits = found[-1]  # the longest n that occurs
     whole = hits[hits + 1 + k <= length]
     start = int(whole[-1] if whole.size else hits[0]) + 1
-    return tokens[start:start + k].tolist()
+    return tokens[start : start + k].tolist()
 
 
 class NgramProposer:
@@ -55,7 +55,7 @@ class NgramProposer:
         if size < num_prompt:
             buffer[size:num_prompt] = prompt_token_ids[size:]
             size = num_prompt
-        buffer[size:total] = output_token_ids[size - num_prompt:]
+        buffer[size:total] = output_token_ids[size - num_prompt :]
         self._buffers[seq_id] = (buffer, total)
         return propose_ngram(buffer[:total], min(k, self.k), self.min_n, self.max_n)
 

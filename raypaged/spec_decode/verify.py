@@ -26,5 +26,5 @@ def accepted_run(samples: list[SampledToken], drafts: list[int]) -> list[Sampled
     positions) up to and including the first that disagrees with its draft."""
     for j, draft in enumerate(drafts):
         if samples[j].token_id != draft:
-            return samples[:j + 1]
+            return samples[: j + 1]
     return samples

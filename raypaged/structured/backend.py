@@ -69,7 +69,8 @@ class GrammarBackend:
         ``reasoning``'s section when given; a constraint that does not compile raises
         ``InputError`` with the compiler's message."""
         any_whitespace = not (
-            self.config.disable_any_whitespace if params.disable_any_whitespace is None
+            self.config.disable_any_whitespace
+            if params.disable_any_whitespace is None
             else params.disable_any_whitespace
         )
         key = (params.kind, params.spec, str(any_whitespace), reasoning.name if reasoning else "")
@@ -96,8 +97,10 @@ class GrammarBackend:
         import xgrammar as xgr
 
         kind, spec = params.kind, params.spec
-        whitespace = {"any_whitespace": any_whitespace,
-                      "max_whitespace_cnt": max_whitespace if any_whitespace else None}
+        whitespace = {
+            "any_whitespace": any_whitespace,
+            "max_whitespace_cnt": max_whitespace if any_whitespace else None,
+        }
         try:
             if kind == "json":
                 _check_json(spec, "json")
@@ -125,8 +128,9 @@ class GrammarBackend:
         bitmask = self.allocate_bitmask(1)
         self.matcher(compiled).fill_next_token_bitmask(bitmask, 0)
         if not bool(bitmask.any()):
-            raise InputError(PARAM, "structured outputs: no token of this model's vocabulary can begin "
-                                    f"the {kind} constraint")
+            raise InputError(
+                PARAM, f"structured outputs: no token of this model's vocabulary can begin the {kind} constraint"
+            )
 
     def _uses_guidance(self, params: StructuredOutputsParams, reasoning: ReasoningParser | None) -> bool:
         """llguidance when configured, or (``auto``) for a JSON schema with a keyword xgrammar would
@@ -134,8 +138,9 @@ class GrammarBackend:
         backend = self.config.backend
         if backend == "guidance" or params.kind != "json":
             if backend == "guidance" and reasoning is not None:
-                raise InputError(PARAM, "structured outputs after a reasoning section need the xgrammar "
-                                        "or auto backend")
+                raise InputError(
+                    PARAM, "structured outputs after a reasoning section need the xgrammar or auto backend"
+                )
             return backend == "guidance"
         _check_json(params.spec, "json")
         found = unenforced_keyword(json.loads(params.spec))
@@ -143,17 +148,26 @@ class GrammarBackend:
             return False
         keyword, where = found
         if backend == "xgrammar":
-            raise InputError(PARAM, f"structured outputs: the xgrammar backend does not enforce the JSON schema "
-                                    f"keyword {keyword!r} (at {where}); the guidance or auto backend may")
+            raise InputError(
+                PARAM,
+                f"structured outputs: the xgrammar backend does not enforce the JSON schema "
+                f"keyword {keyword!r} (at {where}); the guidance or auto backend may",
+            )
         if reasoning is not None:
-            raise InputError(PARAM, f"structured outputs: the JSON schema keyword {keyword!r} (at {where}) needs the "
-                                    "guidance backend, which cannot follow a reasoning section")
+            raise InputError(
+                PARAM,
+                f"structured outputs: the JSON schema keyword {keyword!r} (at {where}) needs the "
+                "guidance backend, which cannot follow a reasoning section",
+            )
         try:
             self._guidance.compile(params, True, None)
         except InputError as exc:
             reason = str(exc).removeprefix("structured outputs: ")
-            raise InputError(PARAM, f"structured outputs: no backend enforces the JSON schema keyword {keyword!r} "
-                                    f"(at {where}): xgrammar ignores it, and {reason}") from None
+            raise InputError(
+                PARAM,
+                f"structured outputs: no backend enforces the JSON schema keyword {keyword!r} "
+                f"(at {where}): xgrammar ignores it, and {reason}",
+            ) from None
         return True
 
     def matcher(

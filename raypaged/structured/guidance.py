@@ -61,8 +61,7 @@ def closed_objects(schema: Any) -> Any:
         return [closed_objects(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    closed = {key: value if key in _VALUE_KEYWORDS else closed_objects(value)
-              for key, value in schema.items()}
+    closed = {key: value if key in _VALUE_KEYWORDS else closed_objects(value) for key, value in schema.items()}
     if "properties" in closed and "additionalProperties" not in closed:
         closed["additionalProperties"] = False
     return closed
@@ -139,8 +138,11 @@ class Guidance:
 
         kind, spec = params.kind, params.spec
         if kind not in GUIDANCE_KINDS:
-            raise InputError(PARAM, f"structured outputs: the guidance backend takes {', '.join(GUIDANCE_KINDS)} "
-                                    f"constraints; a {kind} constraint needs the xgrammar backend")
+            raise InputError(
+                PARAM,
+                f"structured outputs: the guidance backend takes {', '.join(GUIDANCE_KINDS)} "
+                f"constraints; a {kind} constraint needs the xgrammar backend",
+            )
         if kind in ("json", "json_object"):
             schema = json.dumps(closed_objects(json.loads(spec))) if kind == "json" else '{"type": "object"}'
             options: dict[str, Any] = {"whitespace_flexible": any_whitespace, "coerce_one_of": True}
@@ -160,8 +162,10 @@ class Guidance:
             )
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer())
         if is_error or messages:  # a warning is a keyword it would not enforce: refused, never ignored
-            raise InputError(PARAM, f"structured outputs: the guidance backend cannot enforce the {kind} "
-                                    f"constraint: {'; '.join(messages)}")
+            raise InputError(
+                PARAM,
+                f"structured outputs: the guidance backend cannot enforce the {kind} constraint: {'; '.join(messages)}",
+            )
         return GuidanceGrammar(grammar, kind)
 
     def matcher(self, compiled: GuidanceGrammar) -> GuidanceMatcher:

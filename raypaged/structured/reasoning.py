@@ -30,7 +30,7 @@ class ReasoningParser:
         opened = body.startswith(START)
         if not opened and not self.starts_inside:
             return None, text
-        inner = body[len(START):] if opened else text
+        inner = body[len(START) :] if opened else text
         reasoning, found, content = inner.partition(END)
         if not found:
             return inner, None

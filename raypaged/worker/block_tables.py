@@ -30,15 +30,16 @@ class BlockTables:
         end = start + len(block_ids)
         if end > self.array.shape[1]:
             grown = np.zeros((self.array.shape[0], max(end, 2 * self.array.shape[1])), dtype=np.int64)
-            grown[:, :self.array.shape[1]] = self.array
+            grown[:, : self.array.shape[1]] = self.array
             self.array = grown
         self.array[row, start:end] = block_ids
 
     def release(self, row: int) -> None:
         self._free.append(row)
 
-    def decode_inputs(self, rows: np.ndarray, positions: np.ndarray, block_size: int
-                      ) -> tuple[np.ndarray, np.ndarray, int]:
+    def decode_inputs(
+        self, rows: np.ndarray, positions: np.ndarray, block_size: int
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         """For decodes at ``positions`` (one token each) on ``rows``: their slots, their tables padded
         with 0 past each one's last block in use (``[len(rows), max_blocks]``), and max_blocks."""
         num_blocks = positions // block_size + 1
@@ -48,8 +49,9 @@ class BlockTables:
         slots = tables[np.arange(len(rows)), positions // block_size] * block_size + positions % block_size
         return slots, tables, max_blocks
 
-    def decode_inputs_list(self, rows: list[int], positions: list[int], block_size: int
-                           ) -> tuple[list[int], list[int], int]:
+    def decode_inputs_list(
+        self, rows: list[int], positions: list[int], block_size: int
+    ) -> tuple[list[int], list[int], int]:
         """:meth:`decode_inputs` as Python lists (the tables flattened), for a few decodes: below about
         five, a list per row costs less than the fixed cost of the numpy operations."""
         max_blocks = max(positions) // block_size + 1 if positions else 0

@@ -106,7 +106,9 @@ class DecodeGraphs:
         self.pool = pool
         logger.info(
             "captured CUDA graphs for %d decode batch sizes (1-%d) in %.1f s, %.2f GiB",
-            len(self.sizes), self.sizes[-1], time.monotonic() - started,
+            len(self.sizes),
+            self.sizes[-1],
+            time.monotonic() - started,
             (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
         )
 

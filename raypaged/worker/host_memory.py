@@ -68,7 +68,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
         mapping.madvise(mmap.MADV_HUGEPAGE, offset, length)
     except OSError as e:
         logger.debug("madvise(MADV_HUGEPAGE) failed (%s): the KV cache stays on ordinary pages", e)
-    return raw[offset:offset + nbytes].view(dtype).view(shape).zero_()
+    return raw[offset : offset + nbytes].view(dtype).view(shape).zero_()
 
 
 def retain_freed_memory() -> bool:

@@ -79,8 +79,9 @@ class CachedRequestState:
         outputs = self.output_token_ids
         num_output = len(outputs)
         extra = self.spec_token_ids or self.sampled_unsent
-        tail = np.array(outputs[first:last] + extra[max(first - num_output, 0):max(last - num_output, 0)],
-                        dtype=np.int64)
+        tail = np.array(
+            outputs[first:last] + extra[max(first - num_output, 0) : max(last - num_output, 0)], dtype=np.int64
+        )
         return np.concatenate((self.prompt_array[start:], tail)) if start < num_prompt else tail
 
     @property
@@ -165,7 +166,7 @@ class ModelRunner:
             if new_tokens := cached.new_token_ids:
                 state.output_token_ids.extend(new_tokens)
                 if state.sampled_unsent:  # they come back in the order they were sampled
-                    del state.sampled_unsent[:len(new_tokens)]
+                    del state.sampled_unsent[: len(new_tokens)]
             for index, block_id in cached.replaced_block_ids:
                 tables.write(state.row, index, [block_id])
             if cached.num_block_ids is not None:  # blocks of rejected drafts were freed
@@ -219,7 +220,7 @@ class ModelRunner:
                 positions.append(start)
                 rows.append(state.row)
             else:
-                table = self.block_tables.array[state.row, :-(-end // bs)].copy()  # its table's entries in use
+                table = self.block_tables.array[state.row, : -(-end // bs)].copy()  # its table's entries in use
                 span_pos = np.arange(start, end, dtype=np.int64)
                 span_ids.append(state.token_array(start, end))
                 span_positions.append(span_pos)
@@ -238,15 +239,27 @@ class ModelRunner:
         num_decodes = len(rows)
         if not spans and num_decodes <= _LIST_INPUTS_MAX_DECODES:
             slot_list, table_list, max_blocks = self.block_tables.decode_inputs_list(rows, positions, bs)
-            flat = torch.tensor(input_ids + positions + slot_list + [p + 1 for p in positions] + sample_indices
-                                + table_list, dtype=torch.int64)
+            flat = torch.tensor(
+                input_ids + positions + slot_list + [p + 1 for p in positions] + sample_indices + table_list,
+                dtype=torch.int64,
+            )
             num_table_entries = len(table_list)
         else:
             decode_positions = _ints(positions)
             slots, tables, max_blocks = self.block_tables.decode_inputs(_ints(rows), decode_positions, bs)
             # numpy reads the ints 4x faster than torch.tensor(list) (60 against 250 us at 256 sequences)
-            sections = [_ints(input_ids), *span_ids, decode_positions, *span_positions, slots, *span_slots,
-                        decode_positions + 1, _ints(sample_indices), tables.ravel(), *span_tables]
+            sections = [
+                _ints(input_ids),
+                *span_ids,
+                decode_positions,
+                *span_positions,
+                slots,
+                *span_slots,
+                decode_positions + 1,
+                _ints(sample_indices),
+                tables.ravel(),
+                *span_tables,
+            ]
             flat = torch.from_numpy(np.concatenate(sections))
             num_table_entries = tables.size
         if self.device.type != "cpu":
@@ -277,12 +290,14 @@ class ModelRunner:
         """Record CUDA graphs of the decode-only forward for a ladder of batch sizes; with
         ``$RAYPAGED_PIECEWISE_GRAPHS``, also the piecewise graphs of steps with prefill spans."""
         lora_step = self.lora.lora_model.step if self.lora is not None and self.lora.bgmv else None
-        self.graphs = DecodeGraphs(self.model, self.cache.layers, max_num_seqs, -(-max_model_len // self.block_size),
-                                   self.device, lora_step)
+        self.graphs = DecodeGraphs(
+            self.model, self.cache.layers, max_num_seqs, -(-max_model_len // self.block_size), self.device, lora_step
+        )
         self.graphs.capture()
         if max_num_batched_tokens and envs.piecewise_graphs():
-            self.piecewise = PiecewiseGraphs(self.model, self.cache.layers, max_num_batched_tokens, self.device,
-                                             lora_step)
+            self.piecewise = PiecewiseGraphs(
+                self.model, self.cache.layers, max_num_batched_tokens, self.device, lora_step
+            )
             self.piecewise.capture(pool=self.graphs.pool)
 
     @torch.inference_mode()
@@ -297,13 +312,24 @@ class ModelRunner:
             return ModelRunnerOutput()
         step = self.prepare_inputs(so)
         meta = step.meta
-        adapted = self.lora is not None and self.lora.lora_model.step.mapping is not None and (
-            not self.lora.lora_model.step.mapping.is_empty)
-        if (self.graphs is not None and not meta.prefills and (not adapted or self.graphs.records_lora)
-                and self.graphs.fits(meta.num_decode_tokens)):
+        adapted = (
+            self.lora is not None
+            and self.lora.lora_model.step.mapping is not None
+            and (not self.lora.lora_model.step.mapping.is_empty)
+        )
+        if (
+            self.graphs is not None
+            and not meta.prefills
+            and (not adapted or self.graphs.records_lora)
+            and self.graphs.fits(meta.num_decode_tokens)
+        ):
             hidden = self.graphs.run(step.input_ids, step.positions, meta)
-        elif (self.piecewise is not None and meta.prefills and (not adapted or self.piecewise.records_lora)
-              and self.piecewise.fits(len(step.input_ids))):
+        elif (
+            self.piecewise is not None
+            and meta.prefills
+            and (not adapted or self.piecewise.records_lora)
+            and self.piecewise.fits(len(step.input_ids))
+        ):
             hidden = self.piecewise.run(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.cache.layers, meta)
@@ -322,8 +348,11 @@ class ModelRunner:
             rows += [(request_id, j) for j in range(len(self.requests[request_id].spec_token_ids) + 1)]
         if (grammar := so.grammar_bitmask) is not None:  # a mask row for each of a request's rows, in order
             first_row = {request_id: row for row, (request_id, j) in enumerate(rows) if j == 0}
-            masked = [first_row[request_id] + j for request_id in grammar.request_ids
-                      for j in range(len(self.requests[request_id].spec_token_ids) + 1)]
+            masked = [
+                first_row[request_id] + j
+                for request_id in grammar.request_ids
+                for j in range(len(self.requests[request_id].spec_token_ids) + 1)
+            ]
             apply_token_bitmask(logits, grammar.ready(), masked)
         inputs = [self._sampling_input(self.requests[request_id], j) for request_id, j in rows]
         try:
@@ -346,8 +375,9 @@ class ModelRunner:
         outputs = state.known_output_token_ids
         if num_drafts_before:
             outputs = outputs + state.spec_token_ids[:num_drafts_before]
-        return SamplingInput(state.sampling_params, state.prompt_token_ids, outputs, self.eos_token_id,
-                             state.sample_index)
+        return SamplingInput(
+            state.sampling_params, state.prompt_token_ids, outputs, self.eos_token_id, state.sample_index
+        )
 
     def _runner_output(self, rows: list[tuple[str, int]], tokens: list[SampledToken]) -> ModelRunnerOutput:
         """Each request's token, or for one verifying drafts the run it keeps."""
@@ -357,7 +387,7 @@ class ModelRunner:
             request_id = rows[start][0]
             drafts = self.requests[request_id].spec_token_ids
             if drafts:
-                out.sampled_runs[request_id] = accepted_run(tokens[start:start + len(drafts) + 1], drafts)
+                out.sampled_runs[request_id] = accepted_run(tokens[start : start + len(drafts) + 1], drafts)
             else:
                 out.sampled[request_id] = tokens[start]
             start += len(drafts) + 1
@@ -370,7 +400,7 @@ class ModelRunner:
             state = self.requests[request_id]
             if state.num_spec_tokens:
                 context = state.prompt_token_ids + state.output_token_ids + [t.token_id for t in tokens]
-                seqs.append((request_id, context, self.block_tables.array[state.row, :state.num_blocks].tolist()))
+                seqs.append((request_id, context, self.block_tables.array[state.row, : state.num_blocks].tolist()))
         assert self.drafter is not None, "drafts proposed by a runner without a draft model"
         return self.drafter.propose(seqs) if seqs else {}
 
@@ -394,9 +424,9 @@ class ModelRunner:
         for offset in range(0, count, _PROMPT_LOGPROBS_CHUNK):
             size = min(_PROMPT_LOGPROBS_CHUNK, count - offset)
             logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden[first + offset:first + offset + size]).float(), -1
+                self.model.compute_logits(hidden[first + offset : first + offset + size]).float(), -1
             )
-            targets = state.prompt_token_ids[token + offset:token + offset + size]
+            targets = state.prompt_token_ids[token + offset : token + offset + size]
             chosen_t = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
             chosen = chosen_t.squeeze(1).tolist()
             ranks = ((logprobs > chosen_t).sum(-1) + 1).tolist()
@@ -406,19 +436,22 @@ class ModelRunner:
                 tops = list(zip(top_ids.tolist(), top_values.tolist()))
             else:
                 tops = [([], [])] * size
-            entries += [logprob_entry(target, value, rank, ids, values)
-                        for target, value, rank, (ids, values) in zip(targets, chosen, ranks, tops)]
+            entries += [
+                logprob_entry(target, value, rank, ids, values)
+                for target, value, rank, (ids, values) in zip(targets, chosen, ranks, tops)
+            ]
         return PromptLogprobs(token, entries)
 
-    def _sample_rows(self, logits: torch.Tensor, inputs: list[SamplingInput], rows: list[tuple[str, int]]
-                     ) -> ModelRunnerOutput:
+    def _sample_rows(
+        self, logits: torch.Tensor, inputs: list[SamplingInput], rows: list[tuple[str, int]]
+    ) -> ModelRunnerOutput:
         """Sample row by row; a request with a row that raises is reported in ``failed``, the others
         get their tokens."""
         tokens: list[SampledToken | None] = []
         failed: dict[str, str] = {}
         for row, ((request_id, _), row_input) in enumerate(zip(rows, inputs)):
             try:
-                tokens.append(sample(logits[row:row + 1], [row_input], self.generator)[0])
+                tokens.append(sample(logits[row : row + 1], [row_input], self.generator)[0])
             except Exception as exc:
                 logger.exception("sampling failed for request %s", request_id)
                 failed.setdefault(request_id, f"sampling failed: {type(exc).__name__}: {exc}")

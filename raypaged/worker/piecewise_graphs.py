@@ -167,7 +167,11 @@ class PiecewiseGraphs:
         self.pool = pool
         logger.info(
             "captured piecewise CUDA graphs for %d token buckets (%d-%d) x %d pieces in %.1f s, %.2f GiB",
-            len(self.buckets), self.buckets[0], self.buckets[-1], self.num_pieces, time.monotonic() - started,
+            len(self.buckets),
+            self.buckets[0],
+            self.buckets[-1],
+            self.num_pieces,
+            time.monotonic() - started,
             (free_before - torch.cuda.mem_get_info()[0]) / (1 << 30),
         )
 

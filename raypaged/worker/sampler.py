@@ -68,8 +68,9 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.G
         top = None
         if s.params.logprobs is not None:
             num = s.params.logprobs
-            top = logprob_entry(token_list[i], chosen[i], ranks[i], top_ids[i][:num] if num else [],
-                                top_values[i][:num] if num else [])
+            top = logprob_entry(
+                token_list[i], chosen[i], ranks[i], top_ids[i][:num] if num else [], top_values[i][:num] if num else []
+            )
         results.append(SampledToken(token_list[i], chosen[i], top))
     return results
 
@@ -195,10 +196,12 @@ def _repetition_penalty(logits: torch.Tensor, inputs: list[SamplingInput]) -> No
     rows = [i for i, s in enumerate(inputs) if s.params.repetition_penalty != 1.0]
     if not rows:
         return
-    flat = torch.unique(_flat_token_index(logits, rows, [inputs[i].prompt_token_ids + inputs[i].output_token_ids
-                                                         for i in rows]))
-    penalty = torch.tensor([s.params.repetition_penalty for s in inputs], dtype=logits.dtype,
-                           device=logits.device)[flat // logits.shape[-1]]
+    flat = torch.unique(
+        _flat_token_index(logits, rows, [inputs[i].prompt_token_ids + inputs[i].output_token_ids for i in rows])
+    )
+    penalty = torch.tensor([s.params.repetition_penalty for s in inputs], dtype=logits.dtype, device=logits.device)[
+        flat // logits.shape[-1]
+    ]
     view = logits.view(-1)
     values = view[flat]
     view[flat] = torch.where(values > 0, values / penalty, values * penalty)
@@ -206,12 +209,16 @@ def _repetition_penalty(logits: torch.Tensor, inputs: list[SamplingInput]) -> No
 
 def _presence_frequency_penalty(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
     """OpenAI's: each output token's logit lowers by frequency x its count, plus presence once."""
-    rows = [i for i, s in enumerate(inputs)
-            if (s.params.presence_penalty or s.params.frequency_penalty) and s.output_token_ids]
+    rows = [
+        i
+        for i, s in enumerate(inputs)
+        if (s.params.presence_penalty or s.params.frequency_penalty) and s.output_token_ids
+    ]
     if not rows:
         return
-    flat, counts = torch.unique(_flat_token_index(logits, rows, [inputs[i].output_token_ids for i in rows]),
-                                return_counts=True)
+    flat, counts = torch.unique(
+        _flat_token_index(logits, rows, [inputs[i].output_token_ids for i in rows]), return_counts=True
+    )
     row = flat // logits.shape[-1]
     frequency = torch.tensor([s.params.frequency_penalty for s in inputs], dtype=logits.dtype, device=logits.device)
     presence = torch.tensor([s.params.presence_penalty for s in inputs], dtype=logits.dtype, device=logits.device)
@@ -225,7 +232,7 @@ def _banned_by_words(words: list[list[int]], output_token_ids: list[int]) -> lis
     banned = []
     for word in words:
         prefix = word[:-1]
-        if not prefix or output_token_ids[len(output_token_ids) - len(prefix):] == prefix:
+        if not prefix or output_token_ids[len(output_token_ids) - len(prefix) :] == prefix:
             banned.append(word[-1])
     return banned
 
@@ -286,7 +293,8 @@ def _draw(probs: torch.Tensor, inputs: list[SamplingInput], generator: torch.Gen
     unseeded = [i for i, s in enumerate(inputs) if s.params.seed is None]
     if unseeded:
         noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_(
-            generator=generator)
+            generator=generator
+        )
     for i, s in enumerate(inputs):
         if s.params.seed is not None:
             stream = (s.params.seed, len(s.output_token_ids)) + ((s.sample_index,) if s.sample_index else ())

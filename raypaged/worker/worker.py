@@ -65,18 +65,27 @@ class Worker:
             retain_freed_memory()
         assert config.max_model_len is not None, "EngineConfig.__post_init__ resolves max_model_len"
         self.model = load_model(
-            config.model_path, config.hf_config, config.max_model_len, self.dtype, self.device, tp,
-            config.load_format, config.seed, config.quant_config,
+            config.model_path,
+            config.hf_config,
+            config.max_model_len,
+            self.dtype,
+            self.device,
+            tp,
+            config.load_format,
+            config.seed,
+            config.quant_config,
         )
         # the CUDA kernels read a cache of the model's dtype: there an fp8 cache is read and written in torch (the
         # CPU kernels read and write an fp8 e4m3 cache themselves; select_backend says when they cannot)
         backend = config.attention_backend
         if self.cache_dtype != self.dtype and self.device.type == "cuda":
             backend = "torch"
-            logger.info("--kv-cache-dtype %s: paged attention runs in torch, not the CUDA kernels",
-                        config.kv_cache_dtype)
-        self.attn_backend = select_backend(backend, self.device, head_dim_of(config.hf_config), config.block_size,
-                                           self.dtype, self.cache_dtype)
+            logger.info(
+                "--kv-cache-dtype %s: paged attention runs in torch, not the CUDA kernels", config.kv_cache_dtype
+            )
+        self.attn_backend = select_backend(
+            backend, self.device, head_dim_of(config.hf_config), config.block_size, self.dtype, self.cache_dtype
+        )
         self.model.set_attention_backend(self.attn_backend)
         self.lora: LoRAManager | None = None  # LoRA slots wrap the loaded model's linears
         if (lora_config := config.lora_config) is not None:
@@ -87,12 +96,22 @@ class Worker:
         self.draft_model: torch.nn.Module | None = None  # speculative decoding's draft model, beside the model
         if config.draft_model_path is not None:
             self.draft_model = load_model(
-                config.draft_model_path, config.draft_hf_config, config.max_model_len, self.dtype, self.device, tp,
-                config.load_format, config.seed,
+                config.draft_model_path,
+                config.draft_hf_config,
+                config.max_model_len,
+                self.dtype,
+                self.device,
+                tp,
+                config.load_format,
+                config.seed,
             )
             self.draft_backend = select_backend(
-                config.attention_backend, self.device, head_dim_of(config.draft_hf_config), config.block_size,
-                self.dtype)
+                config.attention_backend,
+                self.device,
+                head_dim_of(config.draft_hf_config),
+                config.block_size,
+                self.dtype,
+            )
             self.draft_model.set_attention_backend(self.draft_backend)
 
     def block_shape(self) -> tuple[int, int, int]:
@@ -112,8 +131,9 @@ class Worker:
         if self.draft_model is not None:
             assert self.config.draft_hf_config is not None  # resolved with the draft model's path
             draft_elem = torch.tensor([], dtype=self.dtype).element_size()
-            total += (2 * self.config.draft_hf_config.num_hidden_layers * math.prod(self.draft_block_shape())
-                      * draft_elem)
+            total += (
+                2 * self.config.draft_hf_config.num_hidden_layers * math.prod(self.draft_block_shape()) * draft_elem
+            )
         return total
 
     def determine_num_blocks(self) -> tuple[int, int]:
@@ -181,7 +201,11 @@ class Worker:
         logger.info(
             "device memory: %.2f GiB total, %.2f GiB peak in torch (weights + a %d-token step), %.2f GiB outside "
             "torch: %.2f GiB for the KV cache at gpu_memory_utilization %.2f",
-            total / _GIB, peak / _GIB, num_tokens, outside_torch / _GIB, max(0, budget) / _GIB,
+            total / _GIB,
+            peak / _GIB,
+            num_tokens,
+            outside_torch / _GIB,
+            max(0, budget) / _GIB,
             self.config.gpu_memory_utilization,
         )
         return max(0, budget)
@@ -194,8 +218,15 @@ class Worker:
         # EngineConfig.__post_init__ resolves both
         assert self.config.max_model_len is not None and self.config.max_num_batched_tokens is not None
         hf = self.config.hf_config
-        cache = KVCache(hf.num_hidden_layers, num_blocks, num_cpu_blocks, self.block_shape(), self.cache_dtype,
-                        self.device, use_kernels=self.attn_backend.name == "cuda")
+        cache = KVCache(
+            hf.num_hidden_layers,
+            num_blocks,
+            num_cpu_blocks,
+            self.block_shape(),
+            self.cache_dtype,
+            self.device,
+            use_kernels=self.attn_backend.name == "cuda",
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB), %d CPU swap blocks",
             num_blocks,
@@ -220,12 +251,22 @@ class Worker:
             # resolved with the draft model's path: a parsed config of method draft_model
             spec = self.config.speculative_config
             assert isinstance(spec, SpeculativeConfig) and self.config.draft_hf_config is not None
-            draft_cache = KVCache(self.config.draft_hf_config.num_hidden_layers, num_blocks, num_cpu_blocks,
-                                  self.draft_block_shape(), self.dtype, self.device,
-                                  use_kernels=self.draft_backend.name == "cuda")
+            draft_cache = KVCache(
+                self.config.draft_hf_config.num_hidden_layers,
+                num_blocks,
+                num_cpu_blocks,
+                self.draft_block_shape(),
+                self.dtype,
+                self.device,
+                use_kernels=self.draft_backend.name == "cuda",
+            )
             self.runner.drafter = DraftModelProposer(
-                self.draft_model, draft_cache, self.config.block_size,
-                spec.num_speculative_tokens, self.config.max_model_len, self.device,
+                self.draft_model,
+                draft_cache,
+                self.config.block_size,
+                spec.num_speculative_tokens,
+                self.config.max_model_len,
+                self.device,
             )
         if self.device.type == "cuda" and not self.config.enforce_eager:
             if self.tp.size > 1:
@@ -233,8 +274,9 @@ class Worker:
             elif self.attn_backend.name != "cuda":  # torch's reshape_and_cache syncs, which capture forbids
                 logger.info("CUDA graphs need the cuda attention backend; decode steps run eagerly")
             else:
-                self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len,
-                                                  self.config.max_num_batched_tokens)
+                self.runner.capture_decode_graphs(
+                    self.config.max_num_seqs, self.config.max_model_len, self.config.max_num_batched_tokens
+                )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache makes the runner"

@@ -31,14 +31,20 @@ def test_selection():
     assert select_backend("auto", cpu, 64, 16, torch.bfloat16) is TORCH  # the kernel reads float32 only
     assert select_backend("auto", cpu, 64, 16, torch.float32, torch.float8_e4m3fn) is CPU  # fp8 K/V widened in C
     assert select_backend("auto", cpu, 64, 16, torch.float32, torch.float8_e5m2) is TORCH
-    with pytest.raises(ValueError, match=r"^attention_backend 'cpu' cannot run: the KV cache is float8_e5m2 \(the "
-                                         r"kernels read float32 and float8_e4m3fn caches\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^attention_backend 'cpu' cannot run: the KV cache is float8_e5m2 \(the "
+        r"kernels read float32 and float8_e4m3fn caches\)$",
+    ):
         select_backend("cpu", cpu, 64, 16, torch.float32, torch.float8_e5m2)
     assert select_backend("auto", CUDA, 64, 128) is TORCH  # a block size with no kernel falls back
     with pytest.raises(ValueError, match="^attention_backend 'cuda' cannot run: block size 128 has no kernel"):
         select_backend("cuda", CUDA, 64, 128)
-    with pytest.raises(ValueError, match=r"^attention_backend 'cpu' cannot run: the model runs in bfloat16 \(the "
-                                         r"kernel reads float32\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^attention_backend 'cpu' cannot run: the model runs in bfloat16 \(the "
+        r"kernel reads float32\)$",
+    ):
         select_backend("cpu", cpu, 64, 16, torch.bfloat16)
     with pytest.raises(ValueError, match="^attention_backend 'cpu' cannot run: the device is cuda$"):
         select_backend("cpu", CUDA, 64, 16)
@@ -52,11 +58,13 @@ def test_auto_on_cpu_without_a_compiler_runs_torch(tmp_path, monkeypatch, caplog
     cpu_ops.library.cache_clear()
     try:
         assert cpu_unsupported_reason(torch.device("cpu"), torch.float32) == (
-            "no C compiler found (set $CC, or install gcc)")
+            "no C compiler found (set $CC, or install gcc)"
+        )
         with caplog.at_level("WARNING", logger="raypaged"):
             assert select_backend("auto", torch.device("cpu"), 64, 16) is TORCH
-        assert caplog.messages == ["paged attention runs in torch, not the CPU kernels: no C compiler found "
-                                   "(set $CC, or install gcc)"]
+        assert caplog.messages == [
+            "paged attention runs in torch, not the CPU kernels: no C compiler found (set $CC, or install gcc)"
+        ]
         with pytest.raises(ValueError, match=r"^attention_backend 'cpu' cannot run: no C compiler found"):
             select_backend("cpu", torch.device("cpu"), 64, 16)
     finally:

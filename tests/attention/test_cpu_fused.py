@@ -75,8 +75,9 @@ def test_rotary_and_cache_equals_rotate_then_cache_bit_for_bit(rows, threads, ca
     heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim) * 3
     v0 = (heads + kv_heads) * head_dim
-    qkv[0, v0:v0 + 10] = torch.tensor([1000.0, -500.0, 464.0, 449.0, 0.0029296875, -1e-3, 1e-9, float("nan"),
-                                       float("inf"), -0.0])  # V is cached as it is: each case exactly
+    qkv[0, v0 : v0 + 10] = torch.tensor(
+        [1000.0, -500.0, 464.0, 449.0, 0.0029296875, -1e-3, 1e-9, float("nan"), float("inf"), -0.0]
+    )  # V is cached as it is: each case exactly
     cos_sin = torch.randn(512, 2, head_dim // 2)
     positions = torch.randint(0, 512, (rows,))
     slots = torch.randperm(num_blocks * block_size)[:rows]
@@ -98,23 +99,34 @@ def test_rotary_and_cache_equals_rotate_then_cache_bit_for_bit(rows, threads, ca
 
 def _rotary_args(positions=None, slots=None, **changes):
     heads, kv_heads, head_dim = 4, 2, 8
-    args = dict(positions=torch.tensor([0, 1]) if positions is None else positions,
-                query=torch.zeros(2, heads, head_dim), key=torch.zeros(2, kv_heads, head_dim),
-                value=torch.zeros(2, kv_heads, head_dim), cos_sin=torch.zeros(16, 2, head_dim // 2),
-                key_cache=torch.zeros(3, kv_heads, 4, head_dim), value_cache=torch.zeros(3, kv_heads, 4, head_dim),
-                slot_mapping=torch.tensor([0, 5]) if slots is None else slots)
+    args = dict(
+        positions=torch.tensor([0, 1]) if positions is None else positions,
+        query=torch.zeros(2, heads, head_dim),
+        key=torch.zeros(2, kv_heads, head_dim),
+        value=torch.zeros(2, kv_heads, head_dim),
+        cos_sin=torch.zeros(16, 2, head_dim // 2),
+        key_cache=torch.zeros(3, kv_heads, 4, head_dim),
+        value_cache=torch.zeros(3, kv_heads, 4, head_dim),
+        slot_mapping=torch.tensor([0, 5]) if slots is None else slots,
+    )
     return args | changes
 
 
-@pytest.mark.parametrize(("changes", "error", "message"), [
-    (dict(positions=torch.tensor([0, 16])), ValueError, "^a position is outside the rotary table's 16 positions$"),
-    (dict(slots=torch.tensor([0, 12])), ValueError, "^a slot is outside the cache's 3 blocks of 4$"),
-    (dict(query=torch.zeros(2, 4, 8, dtype=torch.float64)), TypeError, "^query must have dtype torch.float32"),
-    (dict(key=torch.zeros(2, 8, 2).transpose(1, 2)), ValueError,
-     r"^key must have contiguous \[heads, head_dim\] rows; got strides \(16, 1, 2\)$"),
-    (dict(value_cache=torch.zeros(3, 2, 8, 8)), ValueError, r"^value_cache must have shape \(3, 2, 4, 8\)"),
-    (dict(slots=torch.tensor([0, 1], dtype=torch.int32)), TypeError, "^slot_mapping must have dtype torch.int64"),
-])
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        (dict(positions=torch.tensor([0, 16])), ValueError, "^a position is outside the rotary table's 16 positions$"),
+        (dict(slots=torch.tensor([0, 12])), ValueError, "^a slot is outside the cache's 3 blocks of 4$"),
+        (dict(query=torch.zeros(2, 4, 8, dtype=torch.float64)), TypeError, "^query must have dtype torch.float32"),
+        (
+            dict(key=torch.zeros(2, 8, 2).transpose(1, 2)),
+            ValueError,
+            r"^key must have contiguous \[heads, head_dim\] rows; got strides \(16, 1, 2\)$",
+        ),
+        (dict(value_cache=torch.zeros(3, 2, 8, 8)), ValueError, r"^value_cache must have shape \(3, 2, 4, 8\)"),
+        (dict(slots=torch.tensor([0, 1], dtype=torch.int32)), TypeError, "^slot_mapping must have dtype torch.int64"),
+    ],
+)
 def test_rotary_and_cache_refuses_bad_arguments_before_writing(changes, error, message):
     args = _rotary_args(changes.pop("positions", None), changes.pop("slots", None), **changes)
     args["query"] = args["query"] + 1.0

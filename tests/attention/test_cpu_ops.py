@@ -25,10 +25,10 @@ def random_step(seed, lens, block_size=16, num_heads=NUM_HEADS, num_kv_heads=NUM
     tables, taken = torch.zeros(len(lens), width, dtype=torch.long), 0
     for row, length in enumerate(lens.tolist()):
         used = -(-length // block_size)
-        tables[row, :used] = ids[taken:taken + used]
+        tables[row, :used] = ids[taken : taken + used]
         taken += used
     qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
-    query = qkv[:, :num_heads * head_dim].view(len(lens), num_heads, head_dim)
+    query = qkv[:, : num_heads * head_dim].view(len(lens), num_heads, head_dim)
     return query, key_cache, value_cache, tables, lens
 
 
@@ -71,8 +71,9 @@ def avx2_build(monkeypatch):
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 64), (12, 2, 128), (6, 3, 24)])
 def test_the_avx2_path_equals_the_torch_path(num_heads, num_kv_heads, head_dim, avx2_build):
-    query, key_cache, value_cache, tables, lens = random_step(7, [1, 17, 300, 700], 16, num_heads, num_kv_heads,
-                                                              head_dim)
+    query, key_cache, value_cache, tables, lens = random_step(
+        7, [1, 17, 300, 700], 16, num_heads, num_kv_heads, head_dim
+    )
     expected = torch_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
     out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
@@ -115,9 +116,12 @@ def test_decode_errors():
     bad[1, 2] = -1
     with pytest.raises(ValueError, match=r"^a block table holds a block id outside the cache's 400 blocks$"):
         decode(query, key_cache, value_cache, bad, lens, 0.125)
-    with pytest.raises(ValueError, match=r"^the CPU decode kernel reads a float32 query from float32 or "
-                                         r"float8_e4m3fn caches, got query torch.bfloat16, caches torch.float32 and "
-                                         r"torch.float32$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^the CPU decode kernel reads a float32 query from float32 or "
+        r"float8_e4m3fn caches, got query torch.bfloat16, caches torch.float32 and "
+        r"torch.float32$",
+    ):
         decode(query.bfloat16(), key_cache, value_cache, tables, lens, 0.125)
     with pytest.raises(ValueError, match=r"caches torch.float8_e5m2 and torch.float8_e5m2$"):
         decode(query, key_cache.to(torch.float8_e5m2), value_cache.to(torch.float8_e5m2), tables, lens, 0.125)
@@ -136,8 +140,10 @@ def test_decode_errors():
 def test_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch):
     """A fresh cache folder gets one built library; a second process finds it there and builds nothing."""
     monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path))
-    script = ("from raypaged.attention import cpu_ops; import os; lib = cpu_ops.library(); "
-              "print(sorted(os.listdir(os.path.join(os.environ['RAYPAGED_CACHE_DIR'], 'cpu_kernels'))))")
+    script = (
+        "from raypaged.attention import cpu_ops; import os; lib = cpu_ops.library(); "
+        "print(sorted(os.listdir(os.path.join(os.environ['RAYPAGED_CACHE_DIR'], 'cpu_kernels'))))"
+    )
     first = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     built = list((tmp_path / "cpu_kernels").iterdir())
     assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
@@ -146,10 +152,13 @@ def test_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch)
     assert first == second == f"{[built[0].name]}\n" and built[0].stat().st_mtime_ns == mtime
 
 
-@pytest.mark.parametrize(("cc", "reason"), [
-    ("no-such-compiler", "^no C compiler found \\(set \\$CC, or install gcc\\)$"),
-    ("false", "^false failed to build cpu_decode.c, cpu_prefill.c, cpu_fused.c and cpu_int8.c: $"),
-])
+@pytest.mark.parametrize(
+    ("cc", "reason"),
+    [
+        ("no-such-compiler", "^no C compiler found \\(set \\$CC, or install gcc\\)$"),
+        ("false", "^false failed to build cpu_decode.c, cpu_prefill.c, cpu_fused.c and cpu_int8.c: $"),
+    ],
+)
 def test_without_a_working_compiler_the_reason_is_given(tmp_path, monkeypatch, cc, reason):
     monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", cc)
@@ -182,11 +191,11 @@ def prefill_step(seed, spans, block_size=16, num_heads=NUM_HEADS, num_kv_heads=N
     tables, taken = torch.zeros(len(spans), max(-(-c // block_size) for _, c in spans), dtype=torch.long), 0
     for row, (_, context_len) in enumerate(spans):
         used = -(-context_len // block_size)
-        tables[row, :used] = ids[taken:taken + used]
+        tables[row, :used] = ids[taken : taken + used]
         taken += used
     tokens = sum(q for q, _ in spans)
     qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
-    query = qkv[:, :num_heads * head_dim].view(tokens, num_heads, head_dim)
+    query = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
     cu = torch.tensor([0, *torch.tensor([q for q, _ in spans]).cumsum(0).tolist()], dtype=torch.int32)
     context_lens = torch.tensor([c for _, c in spans], dtype=torch.int32)
     return query, key_cache, value_cache, cu, context_lens, tables
@@ -195,11 +204,19 @@ def prefill_step(seed, spans, block_size=16, num_heads=NUM_HEADS, num_kv_heads=N
 def prefill_reference(query, key_cache, value_cache, cu, context_lens, tables, scale):
     """The torch backend's per-span path: gather each span's blocks, causal SDPA with its prefix visible."""
     block_size = key_cache.shape[2]
-    return torch.cat([
-        torch_ops.paged_attention_prefill(query[cu[s]:cu[s + 1]], key_cache, value_cache,
-                                          tables[s, :-(-int(length) // block_size)], int(length), scale)
-        for s, length in enumerate(context_lens.tolist())
-    ])
+    return torch.cat(
+        [
+            torch_ops.paged_attention_prefill(
+                query[cu[s] : cu[s + 1]],
+                key_cache,
+                value_cache,
+                tables[s, : -(-int(length) // block_size)],
+                int(length),
+                scale,
+            )
+            for s, length in enumerate(context_lens.tolist())
+        ]
+    )
 
 
 PREFILL_SPANS = [(5, 5), (40, 40), (17, 100), (1, 33), (130, 130), (16, 16), (33, 600)]
@@ -266,17 +283,31 @@ def test_prefill_errors():
     prefill = cpu_ops.paged_prefill_attention
 
     def call(**changes):
-        args = dict(query=query, key_cache=key_cache, value_cache=value_cache, cu_seqlens_q=cu,
-                    context_lens=context_lens, block_tables=tables, scale=0.125, max_query_len=20)
+        args = dict(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            cu_seqlens_q=cu,
+            context_lens=context_lens,
+            block_tables=tables,
+            scale=0.125,
+            max_query_len=20,
+        )
         return prefill(**{**args, **changes})
 
-    with pytest.raises(ValueError, match=r"^cu_seqlens_q \[0, 20, 20\] does not ascend within the query's 25 rows "
-                                         r"with at least one token per span$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^cu_seqlens_q \[0, 20, 20\] does not ascend within the query's 25 rows "
+        r"with at least one token per span$",
+    ):
         call(cu_seqlens_q=torch.tensor([0, 20, 20], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"^cu_seqlens_q \[0, 20, 26\] does not ascend within the query's 25 rows"):
         call(cu_seqlens_q=torch.tensor([0, 20, 26], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"^a span's query is longer than its context \(cu_seqlens_q \[0, 20, 25\], "
-                                         r"context_lens \[19, 40\]\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^a span's query is longer than its context \(cu_seqlens_q \[0, 20, 25\], "
+        r"context_lens \[19, 40\]\)$",
+    ):
         call(context_lens=torch.tensor([19, 40], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"^a context length \(40\) is beyond its block table \(2 blocks of 16\)$"):
         call(block_tables=tables[:, :2])
@@ -284,17 +315,29 @@ def test_prefill_errors():
     bad[1, 2] = NUM_BLOCKS
     with pytest.raises(ValueError, match=r"^a block table holds a block id outside the cache's 400 blocks$"):
         call(block_tables=bad)
-    with pytest.raises(ValueError, match=r"^cu_seqlens_q and context_lens must be int32 and block_tables long, got "
-                                         r"torch.int64, torch.int32 and torch.int64$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^cu_seqlens_q and context_lens must be int32 and block_tables long, got "
+        r"torch.int64, torch.int32 and torch.int64$",
+    ):
         call(cu_seqlens_q=cu.long())
-    with pytest.raises(ValueError, match=r"^cu_seqlens_q \(3,\), context_lens \(1,\) and block_tables \(2, 3\) do not "
-                                         r"describe the same spans$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^cu_seqlens_q \(3,\), context_lens \(1,\) and block_tables \(2, 3\) do not "
+        r"describe the same spans$",
+    ):
         call(context_lens=context_lens[:1])
-    with pytest.raises(ValueError, match=r"^out must be a contiguous float32 tensor of \(25, 9, 64\), got "
-                                         r"torch.float32 \(24, 9, 64\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^out must be a contiguous float32 tensor of \(25, 9, 64\), got "
+        r"torch.float32 \(24, 9, 64\)$",
+    ):
         call(out=torch.empty(24, 9, 64))
-    with pytest.raises(ValueError, match=r"^the CPU prefill kernel reads a float32 query from float32 or "
-                                         r"float8_e4m3fn caches, got query torch.bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match=r"^the CPU prefill kernel reads a float32 query from float32 or "
+        r"float8_e4m3fn caches, got query torch.bfloat16",
+    ):
         call(query=query.bfloat16())
 
 
@@ -316,13 +359,17 @@ def test_decode_over_an_fp8_cache_equals_the_torch_path(block_size):
 def test_prefill_over_an_fp8_cache_equals_the_torch_path():
     query, key_cache, value_cache, cu, context_lens, tables = prefill_step(13, PREFILL_SPANS)
     step = (query, *to_fp8(key_cache, value_cache), cu, context_lens, tables)
-    torch.testing.assert_close(cpu_ops.paged_prefill_attention(*step, 0.125, 130), prefill_reference(*step, 0.125),
-                               rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(
+        cpu_ops.paged_prefill_attention(*step, 0.125, 130), prefill_reference(*step, 0.125), rtol=1e-5, atol=2e-6
+    )
 
 
 def test_fp8_cache_on_the_avx2_path(avx2_build):
     query, key_cache, value_cache, tables, lens = random_step(14, [3, 200, 600], 16, 12, 2, 128)
     key_cache, value_cache = to_fp8(key_cache, value_cache)
-    torch.testing.assert_close(cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.1),
-                               torch_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.1),
-                               rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(
+        cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.1),
+        torch_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.1),
+        rtol=1e-5,
+        atol=2e-6,
+    )

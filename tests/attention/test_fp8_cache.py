@@ -30,10 +30,12 @@ def test_fp8_cache_attention_is_within_tolerance_of_the_fp32_cache(cache_dtype):
     for dtype in (torch.float32, cache_dtype):
         key_cache, value_cache, block_ids = filled_caches(dtype, context_len)
         assert key_cache.element_size() == (4 if dtype == torch.float32 else 1)
-        decode = paged_attention_decode(query, key_cache, value_cache, block_ids[None], torch.tensor([context_len]),
-                                        DIM**-0.5)
-        prefill = paged_attention_prefill(query.expand(3, -1, -1), key_cache, value_cache, block_ids, context_len,
-                                          DIM**-0.5)
+        decode = paged_attention_decode(
+            query, key_cache, value_cache, block_ids[None], torch.tensor([context_len]), DIM**-0.5
+        )
+        prefill = paged_attention_prefill(
+            query.expand(3, -1, -1), key_cache, value_cache, block_ids, context_len, DIM**-0.5
+        )
         results[dtype] = (decode, prefill)
     tolerance = 0.1 if cache_dtype == torch.float8_e4m3fn else 0.2  # 3 and 2 mantissa bits
     for exact, rounded in zip(results[torch.float32], results[cache_dtype]):
@@ -46,8 +48,9 @@ def test_fp8_cache_holds_twice_the_fp16_blocks(tmp_path, smollm2_dir):
     path = make_tiny_model(tmp_path, smollm2_dir)
     counts = {}
     for kv_dtype in ("auto", "fp8"):
-        config = EngineConfig(model=str(path), dtype="float16", device="cpu", kv_cache_space=0.01,
-                              kv_cache_dtype=kv_dtype)
+        config = EngineConfig(
+            model=str(path), dtype="float16", device="cpu", kv_cache_space=0.01, kv_cache_dtype=kv_dtype
+        )
         worker = Worker(config, None)
         counts[kv_dtype] = worker.determine_num_blocks()[0]
         assert worker.attn_backend.name == "torch"
@@ -71,6 +74,11 @@ def test_block_copies_and_swaps_keep_fp8_blocks_bit_for_bit():
 def test_an_fp32_model_on_cpu_reads_an_e4m3_cache_in_c(tmp_path, smollm2_dir, kv_dtype, backend):
     """The CPU kernels widen and narrow an fp8 e4m3 cache themselves (tests/attention/test_cpu_ops.py); e5m2 stays
     in torch."""
-    config = EngineConfig(model=str(make_tiny_model(tmp_path, smollm2_dir)), dtype="float32", device="cpu",
-                          kv_cache_space=0.01, kv_cache_dtype=kv_dtype)
+    config = EngineConfig(
+        model=str(make_tiny_model(tmp_path, smollm2_dir)),
+        dtype="float32",
+        device="cpu",
+        kv_cache_space=0.01,
+        kv_cache_dtype=kv_dtype,
+    )
     assert Worker(config, None).attn_backend.name == backend

@@ -11,11 +11,14 @@ def gathered_by_loop(cache, block_tables):
     return torch.stack([torch.cat([cache[block] for block in table.tolist()], dim=1) for table in block_tables])
 
 
-@pytest.mark.parametrize(("num_kv_heads", "block_size", "table"), [
-    (3, 16, [[7, 2, 9], [0, 0, 0], [4, 4, 1]]),  # padding with block 0, a block repeated in a row
-    (1, 8, [[5]]),  # one head, one block
-    (2, 1, [[1, 2, 3, 4, 5, 6]]),  # one token per block
-])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "block_size", "table"),
+    [
+        (3, 16, [[7, 2, 9], [0, 0, 0], [4, 4, 1]]),  # padding with block 0, a block repeated in a row
+        (1, 8, [[5]]),  # one head, one block
+        (2, 1, [[1, 2, 3, 4, 5, 6]]),  # one token per block
+    ],
+)
 def test_gather_heads_first_matches_block_by_block(num_kv_heads, block_size, table):
     torch.manual_seed(num_kv_heads)
     cache = torch.randn(10, num_kv_heads, block_size, 4)

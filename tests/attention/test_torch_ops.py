@@ -33,15 +33,18 @@ def test_mixed_decode_and_prefill_step_matches_dense(seed):
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     # (tokens already cached, tokens computed now): decodes first, then a fresh prompt and a chunk
-    seqs = [(rng.randint(1, 20), 1) for _ in range(3)] + [(0, rng.randint(2, 9)),
-                                                          (rng.randint(1, 9), rng.randint(2, 7))]
+    seqs = [(rng.randint(1, 20), 1) for _ in range(3)] + [
+        (0, rng.randint(2, 9)),
+        (rng.randint(1, 9), rng.randint(2, 7)),
+    ]
     full_k, full_v, tables = [], [], []
     for cached, new in seqs:
         total = cached + new
         table = [free.pop() for _ in range(-(-total // BLOCK_SIZE))]
         k, v = torch.randn(total, NUM_KV_HEADS, HEAD_DIM), torch.randn(total, NUM_KV_HEADS, HEAD_DIM)
-        slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached)],
-                             dtype=torch.long)
+        slots = torch.tensor(
+            [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached)], dtype=torch.long
+        )
         reshape_and_cache(k[:cached], v[:cached], key_cache, value_cache, slots)
         full_k.append(k), full_v.append(v), tables.append(table)
 
@@ -75,8 +78,8 @@ def test_mixed_decode_and_prefill_step_matches_dense(seed):
     )
     start = 0
     for (cached, new), k, v in zip(seqs, full_k, full_v):
-        expected = dense_attention(q[start:start + new], k, v, cached)
-        torch.testing.assert_close(out[start:start + new], expected, rtol=1e-5, atol=1e-5)
+        expected = dense_attention(q[start : start + new], k, v, cached)
+        torch.testing.assert_close(out[start : start + new], expected, rtol=1e-5, atol=1e-5)
         start += new
 
 

@@ -15,15 +15,17 @@ from raypaged.attention.metadata import AttentionMetadata, PrefillSpan, build_va
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 64, 4, 8, 2, 16
 
 
-def varlen_reference(query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, scale, max_query_len,
-                     out=None):
+def varlen_reference(
+    query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, scale, max_query_len, out=None
+):
     """The varlen kernel's contract in torch: span s's rows cu[s]..cu[s+1]-1 attend over its cache."""
     out = torch.empty_like(query) if out is None else out
     for s in range(context_lens.shape[0]):
         a, b = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
         assert 1 <= b - a <= max_query_len
-        out[a:b] = torch_ops.paged_attention_prefill(query[a:b], key_cache, value_cache, block_tables[s],
-                                                     int(context_lens[s]), scale)
+        out[a:b] = torch_ops.paged_attention_prefill(
+            query[a:b], key_cache, value_cache, block_tables[s], int(context_lens[s]), scale
+        )
     return out
 
 
@@ -32,9 +34,13 @@ def span(start, query_len, context_len, num_blocks):
 
 
 def meta_of(prefills, num_decodes=0):
-    return AttentionMetadata(torch.zeros(0, dtype=torch.long), num_decodes,
-                             torch.zeros((num_decodes, 1), dtype=torch.long), torch.ones(num_decodes, dtype=torch.long),
-                             prefills)
+    return AttentionMetadata(
+        torch.zeros(0, dtype=torch.long),
+        num_decodes,
+        torch.zeros((num_decodes, 1), dtype=torch.long),
+        torch.ones(num_decodes, dtype=torch.long),
+        prefills,
+    )
 
 
 def test_packs_spans_after_the_decodes():
@@ -45,12 +51,15 @@ def test_packs_spans_after_the_decodes():
     assert varlen.block_tables.tolist() == [[10, 11, 12], [10, 0, 0], [10, 11, 0]]
 
 
-@pytest.mark.parametrize("prefills", [
-    [],
-    [span(0, 5, 9, 3), span(6, 2, 2, 1)],  # a gap: the spans are not one packed run
-    [span(0, 5, 5, 0)],  # the memory profile's spans: no blocks, nothing written to the cache
-    [span(0, 5, 9, 3), span(5, 6, 6, 1)],  # a table short of its context
-])
+@pytest.mark.parametrize(
+    "prefills",
+    [
+        [],
+        [span(0, 5, 9, 3), span(6, 2, 2, 1)],  # a gap: the spans are not one packed run
+        [span(0, 5, 5, 0)],  # the memory profile's spans: no blocks, nothing written to the cache
+        [span(0, 5, 9, 3), span(5, 6, 6, 1)],  # a table short of its context
+    ],
+)
 def test_no_packed_batch_without_back_to_back_spans_and_covering_tables(prefills):
     assert build_varlen_prefill(prefills, BLOCK_SIZE) is None
 
@@ -72,16 +81,26 @@ def random_step(seed, head_dim=HEAD_DIM, block_size=BLOCK_SIZE):
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     seqs = [(rng.randint(1, 20), 1) for _ in range(2)]  # decodes: (cached, new)
-    seqs += [(0, rng.randint(2, 9)), (rng.randint(1, 9), rng.randint(2, 7)), (rng.randint(1, 9), 1),
-             (rng.randint(5, 30), rng.randint(2, 12))]
+    seqs += [
+        (0, rng.randint(2, 9)),
+        (rng.randint(1, 9), rng.randint(2, 7)),
+        (rng.randint(1, 9), 1),
+        (rng.randint(5, 30), rng.randint(2, 12)),
+    ]
     slots, tables, prefills, keys, values, start = [], [], [], [], [], 0
     for i, (cached, new) in enumerate(seqs):
         total = cached + new
         table = [free.pop() for _ in range(-(-total // block_size))]
         k, v = torch.randn(total, NUM_KV_HEADS, head_dim), torch.randn(total, NUM_KV_HEADS, head_dim)
-        torch_ops.reshape_and_cache(k[:cached], v[:cached], key_cache, value_cache,
-                                    torch.tensor([table[p // block_size] * block_size + p % block_size
-                                                  for p in range(cached)], dtype=torch.long))
+        torch_ops.reshape_and_cache(
+            k[:cached],
+            v[:cached],
+            key_cache,
+            value_cache,
+            torch.tensor(
+                [table[p // block_size] * block_size + p % block_size for p in range(cached)], dtype=torch.long
+            ),
+        )
         slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, total)]
         keys.append(k[cached:]), values.append(v[cached:]), tables.append(table)
         if i >= 2:  # the one-token span too: a draft model's prefill span may have one query token
@@ -102,15 +121,17 @@ def random_step(seed, head_dim=HEAD_DIM, block_size=BLOCK_SIZE):
 @pytest.mark.parametrize("seed", range(4))
 def test_one_varlen_call_per_layer_matches_the_per_span_path(seed, monkeypatch):
     query, key, value, key_cache, value_cache, meta = random_step(seed)
-    expected = TORCH.forward(query, key, value, key_cache.clone(), value_cache.clone(), dataclasses.replace(meta),
-                             HEAD_DIM**-0.5)
+    expected = TORCH.forward(
+        query, key, value, key_cache.clone(), value_cache.clone(), dataclasses.replace(meta), HEAD_DIM**-0.5
+    )
     calls, builds = [], []
     import raypaged.attention.metadata as metadata
 
     real_build = metadata.build_varlen_prefill
     monkeypatch.setattr(metadata, "build_varlen_prefill", lambda *a: builds.append(1) or real_build(*a))
-    backend = dataclasses.replace(TORCH, name="varlen",
-                                  varlen_prefill=lambda *a, **k: calls.append(1) or varlen_reference(*a, **k))
+    backend = dataclasses.replace(
+        TORCH, name="varlen", varlen_prefill=lambda *a, **k: calls.append(1) or varlen_reference(*a, **k)
+    )
     for _layer in range(3):
         out = backend.forward(query, key, value, key_cache, value_cache, meta, HEAD_DIM**-0.5)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

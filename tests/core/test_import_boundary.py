@@ -16,8 +16,10 @@ def test_core_and_config_import_neither_torch_nor_transformers():
 
 
 def test_the_public_names_still_import_from_the_package():
-    code = ("from raypaged import LLM, SamplingParams, BeamSearchParams, RequestOutput, CompletionOutput; "
-            "print(LLM.__name__)")
+    code = (
+        "from raypaged import LLM, SamplingParams, BeamSearchParams, RequestOutput, CompletionOutput; "
+        "print(LLM.__name__)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "LLM"
 

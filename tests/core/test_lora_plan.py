@@ -11,8 +11,10 @@ ADAPTERS = {i: LoRARequest(f"a{i}", i, f"/adapters/a{i}") for i in range(1, 6)}
 
 
 def running(*ids: int | None) -> list[Request]:
-    return [Request(f"r{n}", [1, 2], SamplingParams(), 4, None, lora=None if i is None else ADAPTERS[i])
-            for n, i in enumerate(ids)]
+    return [
+        Request(f"r{n}", [1, 2], SamplingParams(), 4, None, lora=None if i is None else ADAPTERS[i])
+        for n, i in enumerate(ids)
+    ]
 
 
 def test_free_slots_first_then_the_least_recently_placed_unused_one():

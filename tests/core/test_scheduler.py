@@ -35,8 +35,9 @@ def run_step(scheduler: Scheduler, token_id: int = 7) -> SchedulerOutput:
     for request_id, n in out.num_scheduled_tokens.items():
         request = scheduler.requests[request_id]
         if request.num_computed_tokens + n == request.num_tokens:
-            top = ({token_id + i: -0.5 - i - len(request.output_token_ids) % 3 for i in range(4)} if request.gang
-                   else None)
+            top = (
+                {token_id + i: -0.5 - i - len(request.output_token_ids) % 3 for i in range(4)} if request.gang else None
+            )
             sampled[request_id] = SampledToken(token_id, -0.5, top)
     scheduler.update_from_output(out, ModelRunnerOutput(sampled=sampled))
     advance_beams(scheduler)
@@ -224,7 +225,9 @@ def test_a_group_prefills_once_then_forks_and_copies_the_shared_last_block():
     assert out.num_scheduled_tokens == {"g": 1, "g#1": 1, "g#2": 1}
     assert [d.request_id for d in out.new_requests] == ["g#1", "g#2"]
     assert [(d.sample_index, d.num_computed_tokens, d.block_ids) for d in out.new_requests] == [
-        (1, 9, [0, 1, 4]), (2, 9, [0, 1, 2])]
+        (1, 9, [0, 1, 4]),
+        (2, 9, [0, 1, 2]),
+    ]
     # position 9 sits in shared block 2: the first two writers copy it, the last owns it
     assert [(op.kind, op.src, op.dst) for op in out.block_ops] == [("copy", 2, 3), ("copy", 2, 4)]
     assert all(op.kind is BlockOpKind.COPY for op in out.block_ops)
@@ -292,9 +295,7 @@ def test_prefix_cache_hit_skips_the_shared_prefill():
 
 
 def test_priority_policy_admits_and_preempts_by_priority():
-    s = Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, policy="priority"), KVCacheManager(4, 4)
-    )
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, policy="priority"), KVCacheManager(4, 4))
     low = make_request("low", 8, max_tokens=20)
     low.priority = 5
     s.add_request(low)
@@ -331,8 +332,9 @@ def run_workload(ops, num_blocks, block_size, budget, mode, policy, caching) -> 
             else:
                 seqs = [make_request(str(next_id), size, max_tokens)]
             if op == "beam":
-                seqs[0].gang = BeamGroup(str(next_id), params=BeamSearchParams(beam_width=2, max_tokens=max_tokens),
-                                         eos_token_id=EOS)
+                seqs[0].gang = BeamGroup(
+                    str(next_id), params=BeamSearchParams(beam_width=2, max_tokens=max_tokens), eos_token_id=EOS
+                )
                 seqs[0].gang.members.append(seqs[0])
             for seq in seqs:
                 seq.priority = size % 3
@@ -411,20 +413,30 @@ def test_a_swapped_group_and_an_idle_beam_do_not_livelock():
         steps.append(run_step(s))
         s.kv.check_invariants()
     assert [out.num_scheduled_tokens for out in steps] == (
-        [{"0": 28, "1": 1}] + [{"0": 1}] * 5
-        + [{"1": 16, "0#1": 13}, {"1": 1}, {"0#1": 16}] + [{"0#1": 1}] * 4
-        + [{"1": 17, "1#1": 12}, {"1#1": 5}] + [{"1": 1, "1#1": 1}] * 3
-        + [{"0#2": 29}] + [{"0#2": 1}] * 4
+        [{"0": 28, "1": 1}]
+        + [{"0": 1}] * 5
+        + [{"1": 16, "0#1": 13}, {"1": 1}, {"0#1": 16}]
+        + [{"0#1": 1}] * 4
+        + [{"1": 17, "1#1": 12}, {"1#1": 5}]
+        + [{"1": 1, "1#1": 1}] * 3
+        + [{"0#2": 29}]
+        + [{"0#2": 1}] * 4
     )
     # step 7: 1#1 (a beam) is recomputed and 0#1 swapped out; at step 8 nothing could run
     # (0#1 does not fit beside beam 1, whose sibling waits behind the swapped 0#1): the
     # idle beam is recomputed and 0#1, the older, comes back with its 16 tokens
     assert [(op.kind, op.src, op.dst) for op in steps[7].block_ops] == [
-        ("swap_out", 6, 0), ("swap_out", 5, 1), ("swap_out", 4, 2), ("swap_out", 3, 3)
+        ("swap_out", 6, 0),
+        ("swap_out", 5, 1),
+        ("swap_out", 4, 2),
+        ("swap_out", 3, 3),
     ]
     assert steps[7].finished_request_ids == {"0#1", "1#1"}
     assert [(op.kind, op.src, op.dst) for op in steps[8].block_ops] == [
-        ("swap_in", 0, 1), ("swap_in", 1, 0), ("swap_in", 2, 3), ("swap_in", 3, 4)
+        ("swap_in", 0, 1),
+        ("swap_in", 1, 0),
+        ("swap_in", 2, 3),
+        ("swap_in", 3, 4),
     ]
     assert steps[8].finished_request_ids == {"1"}
     assert [d.request_id for d in steps[8].new_requests] == ["0#1"]
@@ -437,7 +449,8 @@ def test_a_swapped_group_and_an_idle_beam_do_not_livelock():
     ]
     assert beam.gang.done
     assert [(h.token_ids, h.finish_reason) for h in beam.gang.hypotheses] == [
-        ([7, 7, 7, 7, 7], "length"), ([8, 7, 7, 7, 7], "length")
+        ([7, 7, 7, 7, 7], "length"),
+        ([8, 7, 7, 7, 7], "length"),
     ]
     assert s.kv.num_free_blocks == 11 and s.kv.num_free_cpu_blocks == 5
 
@@ -446,11 +459,28 @@ def test_priority_never_preempts_for_a_request_that_would_not_fit_anyway():
     """Found by the random workloads: a swapped group came back and was swapped out again in
     the same step, for ever, to make room for a waiting beam that did not fit even then."""
     ops = [
-        ("add", 11, 10), ("beam", 23, 10), ("group", 10, 7), ("add", 12, 1), ("add", 1, 1),
-        ("add", 11, 10), ("add", 1, 1), ("step", 1, 1), ("add", 1, 1), ("step", 1, 1),
-        ("step", 1, 1), ("abort", 1, 1), ("add", 1, 1), ("add", 1, 1), ("add", 1, 1),
-        ("add", 3, 5), ("add", 1, 1), ("add", 27, 10), ("add", 6, 9), ("beam", 25, 6),
-        ("add", 1, 1), ("add", 1, 1),
+        ("add", 11, 10),
+        ("beam", 23, 10),
+        ("group", 10, 7),
+        ("add", 12, 1),
+        ("add", 1, 1),
+        ("add", 11, 10),
+        ("add", 1, 1),
+        ("step", 1, 1),
+        ("add", 1, 1),
+        ("step", 1, 1),
+        ("step", 1, 1),
+        ("abort", 1, 1),
+        ("add", 1, 1),
+        ("add", 1, 1),
+        ("add", 1, 1),
+        ("add", 3, 5),
+        ("add", 1, 1),
+        ("add", 27, 10),
+        ("add", 6, 9),
+        ("beam", 25, 6),
+        ("add", 1, 1),
+        ("add", 1, 1),
     ]
     s, seen = run_workload(ops, 23, 2, 37, "swap", "priority", False)
     assert (s.num_preemptions, s.num_swap_outs) == (18, 7)
@@ -469,8 +499,18 @@ def test_a_beam_search_that_no_longer_fits_is_finished_not_retried_for_ever():
     blocks: when nothing else can run the search is finished with what it has, once, rather
     than readmitted to compute a chunk and be preempted again, step after step."""
     ops = [
-        ("abort", 10, 7), ("step", 1, 1), ("add", 1, 1), ("beam", 17, 6), ("add", 1, 4), ("add", 11, 1),
-        ("add", 1, 1), ("add", 1, 1), ("step", 1, 1), ("add", 8, 1), ("abort", 11, 1), ("add", 1, 1),
+        ("abort", 10, 7),
+        ("step", 1, 1),
+        ("add", 1, 1),
+        ("beam", 17, 6),
+        ("add", 1, 4),
+        ("add", 11, 1),
+        ("add", 1, 1),
+        ("add", 1, 1),
+        ("step", 1, 1),
+        ("add", 8, 1),
+        ("abort", 11, 1),
+        ("add", 1, 1),
         ("add", 1, 1),
     ]
     s, seen = run_workload(ops, 24, 1, 38, None, "priority", True)

@@ -19,8 +19,9 @@ def make_scheduler(num_blocks: int = 16, budget: int = 64) -> Scheduler:
 
 
 def make_request(request_id: str, num_prompt: int, max_tokens: int = 8) -> Request:
-    return Request(request_id, list(range(1, num_prompt + 1)), SamplingParams(temperature=0, max_tokens=max_tokens),
-                   max_tokens, 0)
+    return Request(
+        request_id, list(range(1, num_prompt + 1)), SamplingParams(temperature=0, max_tokens=max_tokens), max_tokens, 0
+    )
 
 
 def sampled(*pairs: tuple[str, int]) -> ModelRunnerOutput:
@@ -37,8 +38,9 @@ def test_the_next_step_runs_on_placeholders_and_tokens_reach_the_workers_once():
     assert (a.num_computed_tokens, a.num_placeholders, a.num_tokens) == (6, 1, 7)
     second = s.schedule(overlap=True)  # the 7th token is not known yet: it is computed from the worker's sample
     assert second.num_scheduled_tokens == {"a": 1}
-    assert [(c.request_id, c.new_token_ids, c.new_block_ids, c.num_computed_tokens)
-            for c in second.cached_requests] == [("a", [], [], 6)]  # position 6 still fits block 1 (slots 4..7)
+    assert [
+        (c.request_id, c.new_token_ids, c.new_block_ids, c.num_computed_tokens) for c in second.cached_requests
+    ] == [("a", [], [], 6)]  # position 6 still fits block 1 (slots 4..7)
     s.update_from_output(first, sampled(("a", 11)))
     assert (a.output_token_ids, a.num_computed_tokens, a.num_placeholders) == ([11], 6, 0)
     s.commit_in_flight(second)
@@ -50,7 +52,8 @@ def test_the_next_step_runs_on_placeholders_and_tokens_reach_the_workers_once():
     s.commit_in_flight(third)
     fourth = s.schedule(overlap=True)  # position 8: block 2
     assert [(c.new_token_ids, c.new_block_ids, c.num_computed_tokens) for c in fourth.cached_requests] == [
-        ([12], [2], 8)]
+        ([12], [2], 8)
+    ]
     assert s.kv.get_block_ids("a") == [0, 1, 2]
 
 

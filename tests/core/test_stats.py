@@ -6,9 +6,20 @@ import pytest
 
 from raypaged.core.stats import SchedulerStats
 
-COUNTS = dict(num_gpu_blocks_total=10, num_gpu_blocks_free=7, num_cpu_blocks_total=4, num_cpu_blocks_free=4,
-              kv_cache_usage=0.3, num_requests_running=2, num_requests_waiting=1, num_requests_swapped=0,
-              num_preemptions=5, num_swap_outs=1, prefix_cache_queries=9, prefix_cache_hits=3)
+COUNTS = dict(
+    num_gpu_blocks_total=10,
+    num_gpu_blocks_free=7,
+    num_cpu_blocks_total=4,
+    num_cpu_blocks_free=4,
+    kv_cache_usage=0.3,
+    num_requests_running=2,
+    num_requests_waiting=1,
+    num_requests_swapped=0,
+    num_preemptions=5,
+    num_swap_outs=1,
+    prefix_cache_queries=9,
+    prefix_cache_hits=3,
+)
 
 
 def test_attributes_and_mapping_agree():

@@ -109,8 +109,9 @@ def _subcommand_parsers(parser: argparse.ArgumentParser) -> list[argparse.Argume
 def raypaged_flags() -> set[str]:
     """Every option string of every ``raypaged`` sub-command."""
     parser = build_parser()
-    return {option for sub in _subcommand_parsers(parser) for action in sub._actions
-            for option in action.option_strings}
+    return {
+        option for sub in _subcommand_parsers(parser) for action in sub._actions for option in action.option_strings
+    }
 
 
 def drain_timeout_s(args: argparse.Namespace) -> float:

@@ -114,8 +114,11 @@ def test_pins_match_the_makefile(image):
 
 @pytest.mark.parametrize("image", sorted(DOCKERFILES))
 def test_build_context_keeps_what_the_image_copies(image):
-    ignored = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")]
+    ignored = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     copies = [rest.split()[:-1] for key, rest in dockerfile_instructions(DOCKERFILES[image]) if key == "COPY"]
     for sources in copies:
         for source in sources:

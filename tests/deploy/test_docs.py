@@ -10,8 +10,17 @@ OPERATIONS = REPO / "docs" / "operations.md"
 # server flags being added alongside these docs
 PENDING_FLAGS = {"--drain-timeout", "--auth-exempt-paths", "--max-request-body-bytes"}
 # flags of docker, kubectl and ray in the examples
-OTHER_TOOLS_FLAGS = {"--rm", "--gpus", "--health-cmd", "--for", "--timeout", "--head", "--num-gpus", "--address",
-                     "--block"}
+OTHER_TOOLS_FLAGS = {
+    "--rm",
+    "--gpus",
+    "--health-cmd",
+    "--for",
+    "--timeout",
+    "--head",
+    "--num-gpus",
+    "--address",
+    "--block",
+}
 
 
 def test_operations_names_only_existing_flags():
@@ -22,9 +31,18 @@ def test_operations_names_only_existing_flags():
 
 def test_operations_covers_the_tuning_flags():
     text = OPERATIONS.read_text()
-    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
-                 "--swap-space", "--enable-prefix-caching", "--preemption-mode", "--scheduling-policy",
-                 "--enforce-eager", "--drain-timeout"):
+    for flag in (
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--block-size",
+        "--gpu-memory-utilization",
+        "--swap-space",
+        "--enable-prefix-caching",
+        "--preemption-mode",
+        "--scheduling-policy",
+        "--enforce-eager",
+        "--drain-timeout",
+    ):
         assert f"`{flag}" in text, flag
 
 

@@ -83,8 +83,9 @@ def _round_trip(model, doc: dict) -> dict:
     return model.model_validate(doc).model_dump(by_alias=True, exclude_unset=True, mode="json")
 
 
-@pytest.mark.parametrize("item", [i for i in k8s_documents() if i[1]["kind"] in ("PodMonitor", "ServiceMonitor")],
-                         ids=_id)
+@pytest.mark.parametrize(
+    "item", [i for i in k8s_documents() if i[1]["kind"] in ("PodMonitor", "ServiceMonitor")], ids=_id
+)
 def test_monitors_match_the_prometheus_operator_schema(item):
     # models generated from the operator's CRD schemas: a field they do not know is dropped
     _, doc = item
@@ -262,8 +263,9 @@ def test_ray_container_scripts_run_under_bash(role, tmp_path):
     _stub(tmp_path, "raypaged", f'echo "raypaged $*" >> {log}')
     env = {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
     env.update(PATH=f"{tmp_path}:/usr/bin:/bin", KUBERAY_GEN_RAY_START_CMD="ray start  --block  --port=6379 ")
-    result = subprocess.run(container["command"] + container["args"], env=env, capture_output=True, text=True,
-                            timeout=30)
+    result = subprocess.run(
+        container["command"] + container["args"], env=env, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0, result.stderr
     calls = log.read_text().splitlines()
     if role == "worker":

@@ -47,8 +47,10 @@ def _selectors(expr, functions: tuple[str, ...] = ()) -> Iterator[tuple[promql_p
     elif isinstance(expr, promql_parser.BinaryExpr):
         yield from _selectors(expr.lhs, functions)
         yield from _selectors(expr.rhs, functions)
-    elif isinstance(expr, (promql_parser.AggregateExpr, promql_parser.ParenExpr, promql_parser.UnaryExpr,
-                           promql_parser.SubqueryExpr)):
+    elif isinstance(
+        expr,
+        (promql_parser.AggregateExpr, promql_parser.ParenExpr, promql_parser.UnaryExpr, promql_parser.SubqueryExpr),
+    ):
         yield from _selectors(expr.expr, functions)
 
 
@@ -75,8 +77,9 @@ def test_dashboard_is_a_grafana_dashboard():
     for panel in panels:
         grid = panel["gridPos"]
         assert grid["x"] + grid["w"] <= 24, panel["title"]
-        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
-                for y in range(grid["y"], grid["y"] + grid["h"])}
+        area = {
+            (x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])
+        }
         assert not cells & area, f"{panel['title']} overlaps another panel"
         cells |= area
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
@@ -90,7 +93,7 @@ def test_dashboard_is_templated_on_model_name():
     model = variables["model_name"]
     expr = model["query"]["query"]
     assert expr.startswith("label_values(") and expr.endswith(", model_name)")
-    assert expr[len("label_values("):-len(", model_name)")] in _exported_series()
+    assert expr[len("label_values(") : -len(", model_name)")] in _exported_series()
     for title, query in _panel_queries():
         for selector, _ in _selectors(_parse(query)):
             matchers = {m.name: m.value for m in selector.matchers.matchers}
@@ -126,8 +129,9 @@ def test_every_exported_metric_has_a_panel():
 def test_a_new_metric_without_a_panel_is_caught(monkeypatch):
     from raypaged.serving import metrics
 
-    monkeypatch.setattr(metrics, "_GAUGES",
-                        metrics._GAUGES + (("num_new_thing", "A new gauge.", "num_gpu_blocks_free"),))
+    monkeypatch.setattr(
+        metrics, "_GAUGES", metrics._GAUGES + (("num_new_thing", "A new gauge.", "num_gpu_blocks_free"),)
+    )
     with pytest.raises(AssertionError, match="raypaged:num_new_thing"):
         test_every_exported_metric_has_a_panel()
 
@@ -139,8 +143,11 @@ def test_prometheus_config_scrapes_metrics():
     for job in jobs.values():
         assert job["metrics_path"] == "/metrics"
     assert jobs["raypaged"]["static_configs"][0]["targets"] == ["localhost:8000"]
-    kept = {tuple(r["source_labels"]): r["regex"] for r in jobs["raypaged-kubernetes"]["relabel_configs"]
-            if r.get("action") == "keep"}
+    kept = {
+        tuple(r["source_labels"]): r["regex"]
+        for r in jobs["raypaged-kubernetes"]["relabel_configs"]
+        if r.get("action") == "keep"
+    }
     assert kept[("__meta_kubernetes_pod_label_app_kubernetes_io_component",)] == "server"
     assert kept[("__meta_kubernetes_pod_container_port_name",)] == "http"
     for rule_file in config["rule_files"]:

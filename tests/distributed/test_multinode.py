@@ -31,4 +31,6 @@ def test_spread_places_one_worker_per_node_and_matches(tiny_llama, tiny_referenc
     # the forced start places its shards anew: one of its two ranks is on the other node
     assert re.fullmatch(
         re.escape(f"RAYPAGED_STEP_CHANNEL=shm needs every shard on the driver's node ({result['driver_node']}); ")
-        + r"ranks \[[01]\] run on other nodes", result["forced_shm_error"]), result["forced_shm_error"]
+        + r"ranks \[[01]\] run on other nodes",
+        result["forced_shm_error"],
+    ), result["forced_shm_error"]

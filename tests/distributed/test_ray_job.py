@@ -74,14 +74,30 @@ def dashboard_url() -> Iterator[str]:
     dashboard_port = free_port()
     ports = {
         flag: free_port()
-        for flag in ("port", "ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                     "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port")
+        for flag in (
+            "port",
+            "ray-client-server-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+            "node-manager-port",
+            "object-manager-port",
+        )
     }
     head = subprocess.Popen(
         [
-            str(RAY), "start", "--head", "--block", "--disable-usage-stats", "--num-cpus=2",
-            "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+            str(RAY),
+            "start",
+            "--head",
+            "--block",
+            "--disable-usage-stats",
+            "--num-cpus=2",
+            "--node-ip-address=127.0.0.1",
+            f"--temp-dir={temp_dir}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard_port}",
             *(f"--{flag}={port}" for flag, port in ports.items()),
         ],
         env=cluster_env(),
@@ -124,8 +140,16 @@ def test_ray_job_submit_batch_writes_outputs_jsonl(dashboard_url, tiny_llama, tm
     prompts_file.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
     outputs_file = tmp_path / "out" / "outputs.jsonl"
     job = run_script(
-        "submit_batch.sh", str(prompts_file), str(outputs_file), "--device", "cpu", "--max-tokens", str(MAX_TOKENS),
-        RAY_DASHBOARD=dashboard_url, TP="2", MODEL=str(tiny_llama),
+        "submit_batch.sh",
+        str(prompts_file),
+        str(outputs_file),
+        "--device",
+        "cpu",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        RAY_DASHBOARD=dashboard_url,
+        TP="2",
+        MODEL=str(tiny_llama),
     )
     log = job.stdout + job.stderr
     assert job.returncode == 0, log[-4000:]
@@ -147,8 +171,14 @@ def test_submit_server_command_parses(tiny_llama):
     script = ROOT / "deploy" / "ray" / "submit_server.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     printed = run_script(
-        "submit_server.sh", "--max-num-seqs", "8",
-        DRY_RUN="1", RAY_DASHBOARD="http://10.0.0.5:8265", TP="2", PORT="8123", MODEL=str(tiny_llama),
+        "submit_server.sh",
+        "--max-num-seqs",
+        "8",
+        DRY_RUN="1",
+        RAY_DASHBOARD="http://10.0.0.5:8265",
+        TP="2",
+        PORT="8123",
+        MODEL=str(tiny_llama),
     )
     assert printed.returncode == 0, printed.stderr
     argv = shlex.split(printed.stdout)
@@ -161,5 +191,8 @@ def test_submit_server_command_parses(tiny_llama):
     assert (args.command, args.model, args.host, args.port) == ("serve", [str(tiny_llama)], "0.0.0.0", 8123)
     [config] = engine_configs(args)  # the same validation `raypaged serve` runs before loading
     assert (config.tensor_parallel_size, config.ray_address, config.placement_strategy, config.max_num_seqs) == (
-        2, "auto", "STRICT_PACK", 8
+        2,
+        "auto",
+        "STRICT_PACK",
+        8,
     )

@@ -36,9 +36,7 @@ def start_tp2(tiny_llama, enable_recovery: bool) -> LLM:
 
 def add_all(llm: LLM) -> list[str]:
     engine = llm.llm_engine
-    return [
-        engine.add_request(None, TINY_PARAMS, prompt_token_ids=p["prompt_token_ids"]) for p in TINY_PROMPTS
-    ]
+    return [engine.add_request(None, TINY_PARAMS, prompt_token_ids=p["prompt_token_ids"]) for p in TINY_PROMPTS]
 
 
 def kill_rank_1(llm: LLM) -> str:
@@ -128,13 +126,17 @@ def test_without_recovery_requests_fail_naming_the_dead_worker(ray_session, tiny
 
 def test_without_recovery_requests_fail_naming_the_stalled_worker(ray_session, tiny_llama):
     fail_after_fault(
-        tiny_llama, stall_rank_1, WorkerStalledError,
+        tiny_llama,
+        stall_rank_1,
+        WorkerStalledError,
         r"worker rank 1 \(Ray actor {actor}\) stalled: no step result within 4 s \(rank 0 collective, rank 1 busy\)",
     )
 
 
 def test_without_recovery_requests_fail_naming_the_failing_worker(ray_session, tiny_llama):
     fail_after_fault(
-        tiny_llama, fail_rank_1, WorkerDiedError,
+        tiny_llama,
+        fail_rank_1,
+        WorkerDiedError,
         r"worker rank 1 \(Ray actor {actor}\) failed in its step: RuntimeError: injected fault",
     )

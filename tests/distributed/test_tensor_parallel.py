@@ -28,11 +28,13 @@ def test_tiny_llama_tp_matches_tp1(ray_session, tiny_llama, tiny_reference, tp):
         assert shard_threads(executor) == [expected_threads(max(1, CORES // tp))] * tp
         assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
         # grammar masks travel to the shards filled (the engine fills them during the step)
-        constrained = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(
-            regex="[a-z]{3}-[0-9]{2}"))
+        constrained = SamplingParams(
+            temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="[a-z]{3}-[0-9]{2}")
+        )
         outputs = llm.generate(TINY_PROMPTS, constrained, use_tqdm=False)
         assert all(re.fullmatch("[a-z]{3}-[0-9]{2}", o.outputs[0].text) for o in outputs), [
-            o.outputs[0].text for o in outputs]
+            o.outputs[0].text for o in outputs
+        ]
         stats = llm.stats()
         assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"] == 128
     finally:
@@ -116,10 +118,15 @@ def test_smollm2_tp3_matches_tp1(ray_session, smollm2_dir):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     reference = greedy_tokens(
         LLM(model=str(smollm2_dir), dtype="float32", device="cpu", num_gpu_blocks_override=64, max_model_len=1024),
-        prompts, params,
+        prompts,
+        params,
     )
     llm = LLM(
-        model=str(smollm2_dir), dtype="float32", device="cpu", tensor_parallel_size=3, num_gpu_blocks_override=64,
+        model=str(smollm2_dir),
+        dtype="float32",
+        device="cpu",
+        tensor_parallel_size=3,
+        num_gpu_blocks_override=64,
         max_model_len=1024,
     )
     try:
@@ -129,8 +136,9 @@ def test_smollm2_tp3_matches_tp1(ray_session, smollm2_dir):
 
 
 def test_heads_not_divisible_fail_at_start(smollm2_dir):
-    with pytest.raises(ValueError,
-                       match=r"^the model's num_attention_heads 9 is not divisible by tensor_parallel_size 2$"):
+    with pytest.raises(
+        ValueError, match=r"^the model's num_attention_heads 9 is not divisible by tensor_parallel_size 2$"
+    ):
         LLM(model=str(smollm2_dir), device="cpu", tensor_parallel_size=2)
 
 
@@ -152,16 +160,36 @@ def test_lora_adapters_under_tp_match_tp1(ray_session, tiny_llama, tmp_path):
     from tests.lora.conftest import make_peft_adapter
 
     adapters = [
-        LoRARequest("qv", 1, str(make_peft_adapter(tiny_llama, tmp_path / "qv", 1, std=0.3, r=4, lora_alpha=8,
-                                                   target_modules=["q_proj", "v_proj"]))),
-        LoRARequest("all", 2, str(make_peft_adapter(tiny_llama, tmp_path / "all", 2, std=0.3, r=8, lora_alpha=8,
-                                                    target_modules="all-linear"))),
+        LoRARequest(
+            "qv",
+            1,
+            str(
+                make_peft_adapter(
+                    tiny_llama, tmp_path / "qv", 1, std=0.3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+                )
+            ),
+        ),
+        LoRARequest(
+            "all",
+            2,
+            str(
+                make_peft_adapter(
+                    tiny_llama, tmp_path / "all", 2, std=0.3, r=8, lora_alpha=8, target_modules="all-linear"
+                )
+            ),
+        ),
     ]
     per_prompt = [None if i % 3 == 0 else adapters[i % 2] for i in range(len(TINY_PROMPTS))]
 
     def run(tp: int) -> list[list[int]]:
-        llm = LLM(model=str(tiny_llama), device="cpu", tensor_parallel_size=tp, num_gpu_blocks_override=128,
-                  enable_lora=True, max_loras=1)
+        llm = LLM(
+            model=str(tiny_llama),
+            device="cpu",
+            tensor_parallel_size=tp,
+            num_gpu_blocks_override=128,
+            enable_lora=True,
+            max_loras=1,
+        )
         try:
             outputs = llm.generate(TINY_PROMPTS, TINY_PARAMS, use_tqdm=False, lora_request=per_prompt)
             return [o.outputs[0].token_ids for o in outputs]
@@ -169,16 +197,22 @@ def test_lora_adapters_under_tp_match_tp1(ray_session, tiny_llama, tmp_path):
             llm.shutdown()
 
     reference = run(1)
-    assert reference != greedy_tokens(LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=128),
-                                      TINY_PROMPTS, TINY_PARAMS)  # the adapters change the tokens
+    assert reference != greedy_tokens(
+        LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=128), TINY_PROMPTS, TINY_PARAMS
+    )  # the adapters change the tokens
     assert run(2) == reference
 
 
 def test_ngram_speculation_under_tp_matches_tp1(ray_session, tiny_llama, tiny_reference):
     """Every shard verifies the driver's drafts in its forward and drops rejected ones' slots as told."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    llm = LLM(model=str(tiny_llama), device="cpu", tensor_parallel_size=2, num_gpu_blocks_override=128,
-              speculative_config=spec)
+    llm = LLM(
+        model=str(tiny_llama),
+        device="cpu",
+        tensor_parallel_size=2,
+        num_gpu_blocks_override=128,
+        speculative_config=spec,
+    )
     try:
         assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
         stats = llm.stats()

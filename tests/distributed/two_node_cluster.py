@@ -21,6 +21,7 @@ def main(model: str) -> None:
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     try:
+
         def start() -> LLM:
             return LLM(
                 model=model,

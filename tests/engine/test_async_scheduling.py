@@ -24,16 +24,30 @@ def mixed_params() -> list[SamplingParams]:
     kinds = [
         lambda i: SamplingParams(temperature=0, max_tokens=30 + i, stop_token_ids=[26077]),
         lambda i: SamplingParams(temperature=0.8, seed=i, max_tokens=36, logprobs=2, prompt_logprobs=1),
-        lambda i: SamplingParams(temperature=1.0, seed=i, max_tokens=40, repetition_penalty=1.3,
-                                 presence_penalty=0.5, frequency_penalty=0.2, min_tokens=4, stop=["ing"]),
+        lambda i: SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=40,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.2,
+            min_tokens=4,
+            stop=["ing"],
+        ),
         lambda i: SamplingParams(temperature=0.7, seed=i, n=2, best_of=3, max_tokens=30),
     ]
     return [kinds[i % 4](i) for i in range(len(PROMPTS))]
 
 
 def run(model_dir, async_scheduling: bool, **options) -> tuple[list, LLM]:
-    llm = LLM(str(model_dir), async_scheduling=async_scheduling, max_model_len=256, max_num_seqs=8,
-              max_num_batched_tokens=160, **options)
+    llm = LLM(
+        str(model_dir),
+        async_scheduling=async_scheduling,
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=160,
+        **options,
+    )
     outs = llm.generate(PROMPTS, mixed_params(), use_tqdm=False)
     got = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
     logprobs = [[c.cumulative_logprob for c in o.outputs] for o in outs]
@@ -95,13 +109,19 @@ def test_beam_search_and_grammars_run_synchronously_beside_it(tiny_model_dir):
     for mode in (False, True):
         llm = LLM(str(tiny_model_dir), async_scheduling=mode, num_gpu_blocks_override=64, max_model_len=256)
         beams = llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=8), use_tqdm=False)
-        constrained = llm.generate(PROMPTS[:3], [SamplingParams(temperature=0, max_tokens=10),
-                                                 SamplingParams(temperature=0, max_tokens=10,
-                                                                structured_outputs=constraint),
-                                                 SamplingParams(temperature=0.9, seed=3, max_tokens=10)],
-                                   use_tqdm=False)
-        results[mode] = ([[s.tokens for s in b.sequences] for b in beams],
-                         [o.outputs[0].token_ids for o in constrained])
+        constrained = llm.generate(
+            PROMPTS[:3],
+            [
+                SamplingParams(temperature=0, max_tokens=10),
+                SamplingParams(temperature=0, max_tokens=10, structured_outputs=constraint),
+                SamplingParams(temperature=0.9, seed=3, max_tokens=10),
+            ],
+            use_tqdm=False,
+        )
+        results[mode] = (
+            [[s.tokens for s in b.sequences] for b in beams],
+            [o.outputs[0].token_ids for o in constrained],
+        )
         assert constrained[1].outputs[0].text in ("yes please", "no thanks", "maybe")
         llm.shutdown()
     assert results[True] == results[False]
@@ -112,10 +132,17 @@ def test_async_scheduling_is_off_on_cpu_unless_asked_and_refused_where_it_cannot
     assert EngineConfig(model=str(tiny_model_dir), async_scheduling=True).resolved_async_scheduling is True
     with pytest.raises(ValueError) as tp:
         EngineConfig(model=str(tiny_model_dir), async_scheduling=True, tensor_parallel_size=2)
-    assert str(tp.value) == ("--async-scheduling runs on one shard: the next step needs the tokens only rank 0 "
-                             "samples (tensor_parallel_size is 2; use --no-async-scheduling)")
+    assert str(tp.value) == (
+        "--async-scheduling runs on one shard: the next step needs the tokens only rank 0 "
+        "samples (tensor_parallel_size is 2; use --no-async-scheduling)"
+    )
     with pytest.raises(ValueError) as spec:
-        EngineConfig(model=str(tiny_model_dir), async_scheduling=True,
-                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert str(spec.value) == ("--async-scheduling cannot run with --speculative-config: the next step's drafts "
-                               "depend on the tokens the step before accepts (use --no-async-scheduling)")
+        EngineConfig(
+            model=str(tiny_model_dir),
+            async_scheduling=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
+    assert str(spec.value) == (
+        "--async-scheduling cannot run with --speculative-config: the next step's drafts "
+        "depend on the tokens the step before accepts (use --no-async-scheduling)"
+    )

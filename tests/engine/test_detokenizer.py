@@ -78,14 +78,23 @@ def test_spaces_between_special_tokens_off_joins_consecutive_special_tokens(tmp_
     window decoder, get the flag from their own ``decode``.)"""
     from raypaged.model.synthetic import write_synthetic_model
 
-    tokenizer = AutoTokenizer.from_pretrained(write_synthetic_model(
-        tmp_path / "words", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2))
+    tokenizer = AutoTokenizer.from_pretrained(
+        write_synthetic_model(
+            tmp_path / "words",
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     ids = [5, 1, 2, 6, 2, 2, 7]  # t5 <s> </s> t6 </s> </s> t7
 
     def text(spaces: bool) -> str:
-        detok = IncrementalDetokenizer(tokenizer, [3, 4], skip_special_tokens=False,
-                                       spaces_between_special_tokens=spaces)
+        detok = IncrementalDetokenizer(
+            tokenizer, [3, 4], skip_special_tokens=False, spaces_between_special_tokens=spaces
+        )
         return "".join(detok.add_tokens([token]) for token in ids) + detok.flush()
 
     assert text(True).strip() == "t5 <s> </s> t6 </s> </s> t7"

@@ -33,8 +33,12 @@ def async_scheduling(request) -> bool:
 
 @pytest.fixture(scope="module")
 def core(tiny_model_dir, async_scheduling):
-    core = EngineCore(EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=64, max_model_len=256,
-                                   async_scheduling=async_scheduling), 2)
+    core = EngineCore(
+        EngineConfig(
+            model=str(tiny_model_dir), num_gpu_blocks_override=64, max_model_len=256, async_scheduling=async_scheduling
+        ),
+        2,
+    )
     yield core
     core.shutdown()
 
@@ -87,8 +91,11 @@ def test_the_first_delta_carries_prompt_logprobs_and_first_token_facts(core):
 
 
 def test_samples_are_sequences_of_their_own(core):
-    ids = core.add(EngineCoreRequest("s", PROMPTS[1], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=4,
-                                                                         ignore_eos=True), 4))
+    ids = core.add(
+        EngineCoreRequest(
+            "s", PROMPTS[1], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True), 4
+        )
+    )
     assert ids == ["s", "s#1", "s#2"]
     tokens: dict[str, list[int]] = {}
     for out in run(core):
@@ -119,8 +126,12 @@ def test_a_stop_the_caller_found_finishes_the_sequence(core):
 
 
 def test_a_sequence_the_core_ends_itself_comes_with_its_message(tiny_model_dir, async_scheduling):
-    small = EngineCore(EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=16, max_model_len=256,
-                                    async_scheduling=async_scheduling), 2)
+    small = EngineCore(
+        EngineConfig(
+            model=str(tiny_model_dir), num_gpu_blocks_override=16, max_model_len=256, async_scheduling=async_scheduling
+        ),
+        2,
+    )
     try:
         small.add(EngineCoreRequest("big", PROMPTS[0], greedy(400), 400))  # 16 blocks of 16 tokens: 256 at most
         deltas = [d for out in run(small) for d in out.seqs]
@@ -128,15 +139,18 @@ def test_a_sequence_the_core_ends_itself_comes_with_its_message(tiny_model_dir, 
         last = deltas[-1]
         assert last.new_token_ids == [] and last.finish_reason == FinishReason.LENGTH
         assert len(PROMPTS[0]) + len(tokens) == 257  # the pool's 256 slots computed, the newest token not
-        assert last.message == ("request big outgrew the whole KV cache (16 blocks of 16 tokens) at 257 tokens; "
-                                "finished with what it has")
+        assert last.message == (
+            "request big outgrew the whole KV cache (16 blocks of 16 tokens) at 257 tokens; finished with what it has"
+        )
         assert_all_blocks_free(small)
     finally:
         small.shutdown()
 
 
 def test_the_core_imports_neither_a_tokenizer_nor_torch():
-    code = ("import sys, raypaged.engine.core; "
-            "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))")
+    code = (
+        "import sys, raypaged.engine.core; "
+        "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -14,8 +14,9 @@ def test_outputs_carry_finish_reason_members(tiny_model_dir):  # noqa: F811
     completion = by_length.outputs[0]
     assert completion.finish_reason is FinishReason.LENGTH and completion.finish_reason == "length"
     first = completion.token_ids[0]
-    [by_stop] = llm.generate("hi", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, stop_token_ids=[first]),
-                             use_tqdm=False)
+    [by_stop] = llm.generate(
+        "hi", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, stop_token_ids=[first]), use_tqdm=False
+    )
     assert by_stop.outputs[0].finish_reason is FinishReason.STOP
     assert by_stop.outputs[0].stop_reason == first
     assert json.dumps({"finish_reason": completion.finish_reason}) == '{"finish_reason": "length"}'

@@ -43,8 +43,9 @@ def model_copy(root: Path, smollm2_dir: Path, generation_config: dict | None) ->
 @pytest.fixture(scope="module")
 def reference(smollm2_llm):
     """Unmodified greedy runs of 30 tokens, EOS ignored."""
-    return {prompt: greedy(smollm2_llm, prompt, max_tokens=30, ignore_eos=True).token_ids
-            for prompt in (STORY, CAPITAL)}
+    return {
+        prompt: greedy(smollm2_llm, prompt, max_tokens=30, ignore_eos=True).token_ids for prompt in (STORY, CAPITAL)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +69,13 @@ def llm(gen_dir):
 @pytest.fixture(scope="module")
 def stack(gen_dir):
     auto = EngineConfig(model=str(gen_dir), served_model_name="auto", **SMALL)
-    overridden = EngineConfig(model=str(gen_dir), served_model_name="vllm", generation_config="vllm",
-                              override_generation_config={"max_new_tokens": 3}, **SMALL)
+    overridden = EngineConfig(
+        model=str(gen_dir),
+        served_model_name="vllm",
+        generation_config="vllm",
+        override_generation_config={"max_new_tokens": 3},
+        **SMALL,
+    )
     stack = Stack([auto, overridden])
     yield stack
     stack.close()
@@ -126,14 +132,18 @@ def test_user_stop_token_ids_stay_as_given(llm, extra_eos):
 
 def test_grpc_and_http_stop_on_the_second_eos_id(stack, llm, reference, extra_eos):
     ids, reason, stop_reason = grpc_tokens(
-        stack, model="auto", text=STORY, sampling=pb.SamplingParameters(temperature=0),
+        stack,
+        model="auto",
+        text=STORY,
+        sampling=pb.SamplingParameters(temperature=0),
         stopping=pb.StoppingCriteria(max_tokens=30),
     )
     assert ids == reference[STORY][:5]
     assert (reason, stop_reason) == (pb.FINISH_REASON_STOP, extra_eos)
     with stack.client() as client:
-        body = client.post("/v1/completions", json={"model": "auto", "prompt": STORY, "max_tokens": 30,
-                                                    "temperature": 0}).json()
+        body = client.post(
+            "/v1/completions", json={"model": "auto", "prompt": STORY, "max_tokens": 30, "temperature": 0}
+        ).json()
     [choice] = body["choices"]
     assert choice["text"] == greedy(llm, STORY, max_tokens=30).text
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", extra_eos)  # a number, as vLLM
@@ -177,7 +187,8 @@ def test_proto_defaults_apply_to_its_optional_fields_only():
     assert (params.temperature, params.top_p, params.repetition_penalty, params.max_tokens) == (0.5, 0.9, 1.1, 5)
     assert (params.top_k, params.min_p) == (None, 0.0)  # not optional in the message: unset reads as 0
     given = pb.GenerateRequest(
-        text="x", sampling=pb.SamplingParameters(temperature=0, top_p=1.0, repetition_penalty=1.0),
+        text="x",
+        sampling=pb.SamplingParameters(temperature=0, top_p=1.0, repetition_penalty=1.0),
         stopping=pb.StoppingCriteria(max_tokens=9),
     )
     params = sampling_params_from_proto(given, InputLimits(), defaults)
@@ -202,13 +213,21 @@ def test_modes_folders_and_missing_files(tmp_path, smollm2_dir):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"generation_config": "hf"}, "--generation-config must be auto, vllm or a folder holding "
-                                      "generation_config.json, got 'hf'"),
+        (
+            {"generation_config": "hf"},
+            "--generation-config must be auto, vllm or a folder holding generation_config.json, got 'hf'",
+        ),
         ({"override_generation_config": [1]}, "--override-generation-config must be a JSON object, got [1]"),
-        ({"override_generation_config": {"seed": 1}}, "--override-generation-config: unknown field 'seed'; "
-         "allowed: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens"),
-        ({"override_generation_config": {"temperature": -1}}, "the generation config's sampling defaults "
-         "{'temperature': -1} are invalid: temperature must be non-negative, got -1"),
+        (
+            {"override_generation_config": {"seed": 1}},
+            "--override-generation-config: unknown field 'seed'; "
+            "allowed: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens",
+        ),
+        (
+            {"override_generation_config": {"temperature": -1}},
+            "the generation config's sampling defaults "
+            "{'temperature': -1} are invalid: temperature must be non-negative, got -1",
+        ),
     ],
 )
 def test_bad_settings_raise_value_errors(smollm2_dir, kwargs, message):

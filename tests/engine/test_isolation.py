@@ -85,7 +85,9 @@ def test_a_detokenizer_failure_ends_that_request_alone(llm, undisturbed, monkeyp
     victim = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, skip_special_tokens=False)
     outputs = run_with_victim(llm, victim)
     assert_only_the_victim_failed(
-        llm, outputs, undisturbed,
+        llm,
+        outputs,
+        undisturbed,
         "detokenizing or stop matching failed: UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in "
         "position 0: injected detokenizer fault",
     )
@@ -138,8 +140,9 @@ def test_a_grammar_failure_in_a_beam_ends_that_beam_search_alone(llm, undisturbe
     monkeypatch.setattr(xgrammar.GrammarMatcher, "fork", lambda self: (_ for _ in ()).throw(RuntimeError("no fork")))
     engine = llm.llm_engine
     constraint = StructuredOutputsParams(regex="[a-z]{4} [a-z]{4}")
-    search = engine.add_beam_search(PROMPTS[VICTIM],
-                                    BeamSearchParams(beam_width=2, max_tokens=10, structured_outputs=constraint))
+    search = engine.add_beam_search(
+        PROMPTS[VICTIM], BeamSearchParams(beam_width=2, max_tokens=10, structured_outputs=constraint)
+    )
     plain = [engine.add_request(prompt, PLAIN) for prompt in PROMPTS[:3]]
     finished = {}
     while engine.has_unfinished_requests():
@@ -153,9 +156,9 @@ def test_a_grammar_failure_in_a_beam_ends_that_beam_search_alone(llm, undisturbe
     stats = llm.stats()
     assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
     monkeypatch.setattr(xgrammar.GrammarMatcher, "fork", real)
-    [again] = llm.beam_search(PROMPTS[VICTIM],
-                              BeamSearchParams(beam_width=2, max_tokens=10, structured_outputs=constraint),
-                              use_tqdm=False)
+    [again] = llm.beam_search(
+        PROMPTS[VICTIM], BeamSearchParams(beam_width=2, max_tokens=10, structured_outputs=constraint), use_tqdm=False
+    )
     assert again.error is None and all(re.fullmatch("[a-z]{4} [a-z]{4}", beam.text) for beam in again.outputs)
 
 
@@ -191,8 +194,9 @@ def test_a_request_outgrowing_the_pool_is_reported_not_lost(llm, undisturbed):
     real_kv = engine.scheduler.kv
     engine.scheduler.kv = KVCacheManager(2, real_kv.block_size)  # a pool of 32 tokens for this test
     try:
-        [output] = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
-                                use_tqdm=False)
+        [output] = llm.generate(
+            PROMPTS[:1], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+        )
     finally:
         engine.scheduler.kv = real_kv
     [completion] = output.outputs
@@ -242,6 +246,10 @@ def test_a_pool_too_small_for_one_sequence_is_a_clear_startup_error(tiny_model_d
     from raypaged.config import EngineConfig
     from raypaged.engine.llm_engine import LLMEngine
 
-    with pytest.raises(ValueError, match=re.escape(
-        "the KV cache has 2 blocks of 16 tokens (32 tokens), but one sequence of max_model_len 256 needs 16 blocks")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "the KV cache has 2 blocks of 16 tokens (32 tokens), but one sequence of max_model_len 256 needs 16 blocks"
+        ),
+    ):
         LLMEngine(EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=2, max_model_len=256))

@@ -41,14 +41,25 @@ def expected(smollm2_dir, adapters, peft_smollm2) -> dict[tuple[str | None, str]
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir):
-    return LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=256,
-                                  max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=16))
+    return LLMEngine(
+        EngineConfig(
+            model=str(smollm2_dir),
+            dtype="float32",
+            num_gpu_blocks_override=256,
+            max_model_len=512,
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=16,
+        )
+    )
 
 
 def run(engine: LLMEngine, jobs: list[tuple[str | None, str]], adapters: dict[str, LoRARequest]) -> dict:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    ids = {engine.add_request(prompt, params, lora_request=adapters[name] if name else None): (name, prompt)
-           for name, prompt in jobs}
+    ids = {
+        engine.add_request(prompt, params, lora_request=adapters[name] if name else None): (name, prompt)
+        for name, prompt in jobs
+    }
     found = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -69,8 +80,11 @@ def test_one_batch_of_three_adapters_and_the_base_model_equals_peft(engine, adap
 
 def test_bad_adapters_are_refused_by_name(engine, adapters, smollm2_dir, tmp_path):
     params = SamplingParams(max_tokens=2)
-    big = LoRARequest("big", 9, str(make_peft_adapter(smollm2_dir, tmp_path / "big", 0, r=32, lora_alpha=32,
-                                                      target_modules=["q_proj"])))
+    big = LoRARequest(
+        "big",
+        9,
+        str(make_peft_adapter(smollm2_dir, tmp_path / "big", 0, r=32, lora_alpha=32, target_modules=["q_proj"])),
+    )
     with pytest.raises(ValueError, match=re.escape("rank 32") + ".*" + re.escape("16")):
         engine.add_request("x", params, lora_request=big)
     first = next(iter(adapters.values()))
@@ -81,8 +95,9 @@ def test_bad_adapters_are_refused_by_name(engine, adapters, smollm2_dir, tmp_pat
 
 
 def test_lora_off_refuses_an_adapter(smollm2_dir, adapters):
-    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=32,
-                                    max_model_len=256))
+    engine = LLMEngine(
+        EngineConfig(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=32, max_model_len=256)
+    )
     with pytest.raises(ValueError, match=re.escape("LoRA adapter 'qv-r4' asked for, but LoRA is off (--enable-lora")):
         engine.add_request("x", SamplingParams(max_tokens=2), lora_request=adapters["qv-r4"])
 
@@ -92,12 +107,19 @@ def test_llm_generate_takes_one_lora_request_or_one_per_prompt(smollm2_dir, adap
     from raypaged import LoRARequest as Exported
 
     assert Exported is LoRARequest
-    llm = LLM(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=128, max_model_len=512,
-              enable_lora=True, max_loras=1)
+    llm = LLM(
+        model=str(smollm2_dir),
+        dtype="float32",
+        num_gpu_blocks_override=128,
+        max_model_len=512,
+        enable_lora=True,
+        max_loras=1,
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     names = [None, *adapters]
-    per_prompt = llm.generate([PROMPTS[0]] * len(names), params, use_tqdm=False,
-                              lora_request=[adapters[n] if n else None for n in names])
+    per_prompt = llm.generate(
+        [PROMPTS[0]] * len(names), params, use_tqdm=False, lora_request=[adapters[n] if n else None for n in names]
+    )
     assert [o.outputs[0].token_ids for o in per_prompt] == [expected[(n, PROMPTS[0])] for n in names]
     one = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=adapters["qv-r4"])
     assert [o.outputs[0].token_ids for o in one] == [expected[("qv-r4", p)] for p in PROMPTS]

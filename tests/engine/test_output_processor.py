@@ -28,8 +28,14 @@ def tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def delta(seq_id: str, token_ids: list[int], cumulative: float = 0.0, finish: FinishReason | None = None,
-          run_logprobs: list[float] | None = None, **more) -> SeqDelta:
+def delta(
+    seq_id: str,
+    token_ids: list[int],
+    cumulative: float = 0.0,
+    finish: FinishReason | None = None,
+    run_logprobs: list[float] | None = None,
+    **more,
+) -> SeqDelta:
     return SeqDelta(seq_id, token_ids, None, run_logprobs, cumulative, finish, None, **more)
 
 
@@ -73,7 +79,8 @@ def test_a_run_of_drafts_is_cut_after_the_token_completing_a_stop_string(tokeniz
     processor = new(tokenizer, params)
     run = [-0.5, -0.25, -0.125, -1.0]  # "Hello", " world", "!", " By": the last two go
     outputs, stopped, _ = processor.process(
-        EngineCoreOutputs(seqs=[delta("0:r", HELLO[:4], cumulative=sum(run), run_logprobs=run)]), NOW)
+        EngineCoreOutputs(seqs=[delta("0:r", HELLO[:4], cumulative=sum(run), run_logprobs=run)]), NOW
+    )
     [completion] = outputs[0].outputs
     assert completion.token_ids == HELLO[:2] and completion.text == "Hello world"
     assert completion.cumulative_logprob == -0.75 and completion.finish_reason == FinishReason.STOP
@@ -83,11 +90,16 @@ def test_a_run_of_drafts_is_cut_after_the_token_completing_a_stop_string(tokeniz
 def test_best_of_shows_only_the_best_sample_and_only_at_the_end(tokenizer):
     params = SamplingParams(n=1, best_of=2, temperature=1.0)
     processor = new(tokenizer, params, seq_ids=("0:r", "0:r#1"))
-    first, _, _ = processor.process(EngineCoreOutputs(seqs=[delta("0:r", [19556], -1.0),
-                                                            delta("0:r#1", [504], -0.5)]), NOW)
+    first, _, _ = processor.process(
+        EngineCoreOutputs(seqs=[delta("0:r", [19556], -1.0), delta("0:r#1", [504], -0.5)]), NOW
+    )
     assert first == []
-    last, _, _ = processor.process(EngineCoreOutputs(seqs=[delta("0:r", [905], -1.5, FinishReason.LENGTH),
-                                                           delta("0:r#1", [2988], -3.0, FinishReason.LENGTH)]), NOW + 1)
+    last, _, _ = processor.process(
+        EngineCoreOutputs(
+            seqs=[delta("0:r", [905], -1.5, FinishReason.LENGTH), delta("0:r#1", [2988], -3.0, FinishReason.LENGTH)]
+        ),
+        NOW + 1,
+    )
     [output] = last
     assert [(c.index, c.token_ids, c.text) for c in output.outputs] == [(0, [19556, 905], "Hello world")]
     assert output.finished and output.num_generated_tokens == 4
@@ -97,8 +109,10 @@ def test_a_failure_ends_its_request_alone_with_every_sequence_to_abort(tokenizer
     processor = OutputProcessor(tokenizer)
     processor.add("bad", None, PROMPT, SamplingParams(n=2), ["0:bad", "0:bad#1"], 16, 1.0)
     processor.add("good", None, PROMPT, SamplingParams(), ["1:good"], 16, 1.0)
-    out = EngineCoreOutputs(seqs=[delta("0:bad#1", [19556]), delta("1:good", [19556])],
-                            failed={"0:bad": "sampling failed: RuntimeError: injected"})
+    out = EngineCoreOutputs(
+        seqs=[delta("0:bad#1", [19556]), delta("1:good", [19556])],
+        failed={"0:bad": "sampling failed: RuntimeError: injected"},
+    )
     outputs, stopped, to_abort = processor.process(out, NOW)
     by_id = {o.request_id: o for o in outputs}
     assert by_id["bad"].finished and by_id["bad"].error == "sampling failed: RuntimeError: injected"
@@ -110,22 +124,40 @@ def test_a_failure_ends_its_request_alone_with_every_sequence_to_abort(tokenizer
 @pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA], ids=str)
 def test_a_delta_stream_carries_metrics_on_its_last_output_only(tokenizer, kind):
     processor = new(tokenizer, SamplingParams(output_kind=kind))
-    steps = stream(processor, [delta("0:r", [19556], first_scheduled_time=50.0), delta("0:r", [905]),
-                               delta("0:r", [17], finish=FinishReason.LENGTH)])
+    steps = stream(
+        processor,
+        [
+            delta("0:r", [19556], first_scheduled_time=50.0),
+            delta("0:r", [905]),
+            delta("0:r", [17], finish=FinishReason.LENGTH),
+        ],
+    )
     metrics = [outputs[0].metrics for outputs, _, _ in steps]
     if kind is RequestOutputKind.DELTA:  # what is streamed is new tokens; the timeline comes at the end
         assert metrics[:2] == [None, None]
     else:
         assert [m.max_num_generation_tokens for m in metrics[:2]] == [1, 2] and metrics[1].last_token_time == NOW + 1
     assert (metrics[2].first_token_time, metrics[2].last_token_time, metrics[2].max_num_generation_tokens) == (
-        NOW, NOW + 2, 3)
+        NOW,
+        NOW + 2,
+        3,
+    )
 
 
 def test_metrics_come_from_the_deltas_and_the_steps_clock(tokenizer):
     processor = new(tokenizer, SamplingParams())
-    steps = stream(processor, [delta("0:r", [19556], first_scheduled_time=50.0, num_cached_tokens=16),
-                               delta("0:r", [905], finish=FinishReason.LENGTH)])
+    steps = stream(
+        processor,
+        [
+            delta("0:r", [19556], first_scheduled_time=50.0, num_cached_tokens=16),
+            delta("0:r", [905], finish=FinishReason.LENGTH),
+        ],
+    )
     metrics = steps[-1][0][0].metrics
     assert (metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time) == (
-        1.0, 50.0, NOW, NOW + 1)
+        1.0,
+        50.0,
+        NOW,
+        NOW + 1,
+    )
     assert metrics.max_num_generation_tokens == 2 and steps[-1][0][0].num_cached_tokens == 16

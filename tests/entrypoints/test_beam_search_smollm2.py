@@ -25,7 +25,7 @@ def test_best_beam_equals_transformers(smollm2_dir, smollm2_llm, hf_smollm2):
                 max_new_tokens=24,
                 min_new_tokens=24,
                 pad_token_id=0,
-            )[0, ids.shape[1]:].tolist()
+            )[0, ids.shape[1] :].tolist()
         beams = output.outputs
         assert beams[0].token_ids == reference
         assert len(beams) == 4 and [b.index for b in beams] == [0, 1, 2, 3]
@@ -39,8 +39,9 @@ def test_beams_share_the_prompt_blocks(smollm2_dir, smollm2_llm):
     prompt = smollm2_llm.get_tokenizer()("Write a long story about a cat. " * 25)["input_ids"][:200]
     llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=128, max_model_len=2048, enable_prefix_caching=False)
     engine = llm.llm_engine
-    engine.add_beam_search(None, BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True),
-                           prompt_token_ids=prompt)
+    engine.add_beam_search(
+        None, BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True), prompt_token_ids=prompt
+    )
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -73,11 +74,15 @@ def test_beam_search_returns_vllms_beam_search_output(smollm2_llm):
     for sequence, beam in zip(output.sequences, output.outputs):
         assert sequence.tokens == output.prompt_token_ids + beam.token_ids
         assert (sequence.text, sequence.cum_logprob, sequence.finish_reason) == (
-            beam.text, beam.cumulative_logprob, beam.finish_reason)
+            beam.text,
+            beam.cumulative_logprob,
+            beam.finish_reason,
+        )
         assert len(sequence.logprobs) == len(beam.token_ids)
         # each step's candidates hold the token the beam took; their logprobs add up to its score
         assert sum(step[token] for step, token in zip(sequence.logprobs, beam.token_ids)) == pytest.approx(
-            sequence.cum_logprob, abs=1e-4)
+            sequence.cum_logprob, abs=1e-4
+        )
         for step, token in zip(sequence.logprobs, beam.token_ids):
             assert len(step) >= 2 * params.beam_width and step[token].decoded_token == tokenizer.decode([token])
             assert sorted(v.rank for v in step.values())[0] == 1

@@ -4,15 +4,28 @@ import sys
 
 def run_cli(*args, stdin=None):
     return subprocess.run(
-        [sys.executable, "-m", "raypaged.entrypoints.cli", *args], input=stdin, capture_output=True, text=True,
+        [sys.executable, "-m", "raypaged.entrypoints.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
         timeout=300,
     )
 
 
 def test_generate_chat_answers_on_the_default_model(smollm2_dir):
     result = run_cli(
-        "generate", "--model", str(smollm2_dir), "--num-gpu-blocks-override", "64", "--max-model-len", "1024", "--chat",
-        "--prompt", "What is the capital of France?", "--max-tokens", "20",
+        "generate",
+        "--model",
+        str(smollm2_dir),
+        "--num-gpu-blocks-override",
+        "64",
+        "--max-model-len",
+        "1024",
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "20",
     )
     assert result.returncode == 0, result.stderr
     assert "### prompt: What is the capital of France?" in result.stdout
@@ -22,9 +35,18 @@ def test_generate_chat_answers_on_the_default_model(smollm2_dir):
 
 def test_prompts_from_stdin_and_debug_step_logs(smollm2_dir):
     result = run_cli(
-        "generate", "--model", str(smollm2_dir), "--num-gpu-blocks-override", "64", "--max-model-len", "1024",
-        "--max-tokens", "3",
-        "--log-level", "debug", stdin="Hello there\nThe sky is\n",
+        "generate",
+        "--model",
+        str(smollm2_dir),
+        "--num-gpu-blocks-override",
+        "64",
+        "--max-model-len",
+        "1024",
+        "--max-tokens",
+        "3",
+        "--log-level",
+        "debug",
+        stdin="Hello there\nThe sky is\n",
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("### 3 tokens, finish_reason=length") == 2
@@ -55,10 +77,32 @@ def test_serve_runs_engine_and_gateway_for_two_models(tmp_path, smollm2_dir):
     tiny = make_tiny_model(tmp_path, smollm2_dir)
     port, grpc_port = free_port(), free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "raypaged.entrypoints.cli", "serve", "--model", str(tiny), "--served-model-name", "a",
-         "--model", str(tiny), "--served-model-name", "b", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--num-gpu-blocks-override", "32", "--max-model-len", "128", "--disable-log-requests"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "raypaged.entrypoints.cli",
+            "serve",
+            "--model",
+            str(tiny),
+            "--served-model-name",
+            "a",
+            "--model",
+            str(tiny),
+            "--served-model-name",
+            "b",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--num-gpu-blocks-override",
+            "32",
+            "--max-model-len",
+            "128",
+            "--disable-log-requests",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
@@ -74,8 +118,9 @@ def test_serve_runs_engine_and_gateway_for_two_models(tmp_path, smollm2_dir):
                 time.sleep(0.2)
             assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["a", "b"]
             for name in ("a", "b"):
-                body = client.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 3,
-                                                            "ignore_eos": True}).json()
+                body = client.post(
+                    "/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+                ).json()
                 assert body["model"] == name and body["usage"]["completion_tokens"] == 3
     finally:
         server.terminate()

@@ -17,7 +17,10 @@ def parse(*argv: str) -> dict:
 def test_distribution_flags_pass_through():
     kwargs = parse("--tensor-parallel-size", "3", "--ray-address", "auto", "--placement-strategy", "SPREAD")
     assert (kwargs["tensor_parallel_size"], kwargs["ray_address"], kwargs["placement_strategy"]) == (
-        3, "auto", "SPREAD")
+        3,
+        "auto",
+        "SPREAD",
+    )
 
 
 def test_distribution_defaults():

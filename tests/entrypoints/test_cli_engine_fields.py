@@ -33,11 +33,14 @@ def test_every_engine_field_is_a_flag_with_the_same_default():
         assert f.name in actions, f"InputLimits.{f.name} has no flag"
 
 
-@pytest.mark.parametrize(("argv", "field", "value"), [
-    (["--no-enable-recovery"], "enable_recovery", False),
-    ([], "enable_recovery", True),
-    (["--placement-strategy", "SPREAD"], "placement_strategy", "SPREAD"),
-])
+@pytest.mark.parametrize(
+    ("argv", "field", "value"),
+    [
+        (["--no-enable-recovery"], "enable_recovery", False),
+        ([], "enable_recovery", True),
+        (["--placement-strategy", "SPREAD"], "placement_strategy", "SPREAD"),
+    ],
+)
 def test_flags_reach_the_config_fields(argv, field, value):
     kwargs = engine_kwargs(parser().parse_args(argv), ACCEPTED, None)
     assert kwargs[field] == value

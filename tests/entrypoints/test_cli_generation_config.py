@@ -24,10 +24,13 @@ def test_defaults_are_auto_and_no_override():
 
 
 def test_flags_reach_the_engine_config(smollm2_dir):
-    kwargs = parsed_kwargs("--generation-config", "vllm", "--override-generation-config",
-                           '{"temperature": 0.5, "max_new_tokens": 3}')
+    kwargs = parsed_kwargs(
+        "--generation-config", "vllm", "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 3}'
+    )
     assert (kwargs["generation_config"], kwargs["override_generation_config"]) == (
-        "vllm", {"temperature": 0.5, "max_new_tokens": 3})
+        "vllm",
+        {"temperature": 0.5, "max_new_tokens": 3},
+    )
     config = EngineConfig(**{**kwargs, "model": str(smollm2_dir)})
     assert config.generation_defaults == GenerationDefaults(temperature=0.5, max_tokens=3)
 
@@ -40,12 +43,16 @@ def test_override_that_is_not_json_names_the_flag():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--generation-config", "hf"],
-         "error: --generation-config must be auto, vllm or a folder holding generation_config.json, got 'hf'"),
+        (
+            ["--generation-config", "hf"],
+            "error: --generation-config must be auto, vllm or a folder holding generation_config.json, got 'hf'",
+        ),
         (["--override-generation-config", "[1]"], "error: --override-generation-config must be a JSON object, got [1]"),
-        (["--override-generation-config", '{"seed": 1}'],
-         "error: --override-generation-config: unknown field 'seed'; "
-         "allowed: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens"),
+        (
+            ["--override-generation-config", '{"seed": 1}'],
+            "error: --override-generation-config: unknown field 'seed'; "
+            "allowed: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens",
+        ),
     ],
 )
 def test_bad_values_exit_2_with_the_message(smollm2_dir, capsys, flags, message):

@@ -56,14 +56,16 @@ def snapshot(cache: Path, commit: str) -> Path:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "raypaged.entrypoints.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "raypaged.entrypoints.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def serve(tmp_path: Path, *args: str) -> tuple[ServerProcess, str]:
     port = free_port()
-    server = ServerProcess("serve", [*args, *ENGINE_FLAGS, "--port", str(port), "--grpc-port", "0"],
-                           tmp_path / "serve.log")
+    server = ServerProcess(
+        "serve", [*args, *ENGINE_FLAGS, "--port", str(port), "--grpc-port", "0"], tmp_path / "serve.log"
+    )
     url = f"http://127.0.0.1:{port}"
     server.wait_http_ready(url)
     return server, url
@@ -74,8 +76,11 @@ def test_serve_a_hub_id_from_the_cache_under_its_own_name(tmp_path, offline):
     try:
         models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
         assert [(m["id"], m["max_model_len"]) for m in models] == [(REPO_ID, 512)]  # main's snapshot
-        body = httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "model": REPO_ID, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True, "temperature": 0}).json()
+        body = httpx.post(
+            f"{url}/v1/completions",
+            timeout=60,
+            json={"model": REPO_ID, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True, "temperature": 0},
+        ).json()
         assert (body["model"], body["usage"]["completion_tokens"]) == (REPO_ID, 3)
     finally:
         server.close()
@@ -86,8 +91,9 @@ def test_revision_and_download_dir_pick_that_cache_and_snapshot(tmp_path, offlin
     elsewhere = tmp_path / "downloads"
     shutil.copytree(offline, elsewhere)
     shutil.rmtree(snapshot(elsewhere, MAIN))  # only v2 is there
-    server, url = serve(tmp_path, "--model", REPO_ID, "--revision", "v2", "--download-dir", str(elsewhere),
-                        "--tokenizer", REPO_ID)
+    server, url = serve(
+        tmp_path, "--model", REPO_ID, "--revision", "v2", "--download-dir", str(elsewhere), "--tokenizer", REPO_ID
+    )
     try:
         models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
         assert [(m["id"], m["max_model_len"]) for m in models] == [(REPO_ID, 256)]
@@ -116,25 +122,39 @@ def test_an_id_missing_from_the_cache_offline_names_the_id_the_cache_and_hf_hub_
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: model 'tiny-org/not-cached' is not a local folder and not in the Hugging Face cache {offline} "
-        "(HF_HUB_OFFLINE=1: nothing is downloaded); unset HF_HUB_OFFLINE to download it, or give its local folder")
+        "(HF_HUB_OFFLINE=1: nothing is downloaded); unset HF_HUB_OFFLINE to download it, or give its local folder"
+    )
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--model", REPO_ID, "--revision", "v3"],
-     "error: model 'tiny-org/tiny-llama' at revision 'v3' is not a local folder and not in the Hugging Face cache "
-     "{cache} (HF_HUB_OFFLINE=1: nothing is downloaded); unset HF_HUB_OFFLINE to download it, or give its local "
-     "folder"),
-    (["./no/such/folder"], "error: model './no/such/folder' is neither a local folder nor a Hugging Face Hub id "
-                           "(org/name)"),
-    (["{main}", "--revision", "v2"], "error: --revision v2 applies to Hugging Face Hub ids, but model '{main}' is a "
-                                     "local folder"),
-    (["{main}", "--download-dir", "/tmp"], "error: --download-dir /tmp applies to Hugging Face Hub ids, but model "
-                                           "'{main}' is a local folder"),
-    ([REPO_ID, "--tokenizer-revision", "v3"],
-     "error: tokenizer 'tiny-org/tiny-llama' at revision 'v3' is not a local folder and not in the Hugging Face "
-     "cache {cache} (HF_HUB_OFFLINE=1: nothing is downloaded); unset HF_HUB_OFFLINE to download it, or give its "
-     "local folder"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--model", REPO_ID, "--revision", "v3"],
+            "error: model 'tiny-org/tiny-llama' at revision 'v3' is not a local folder and not in the Hugging Face "
+            "cache {cache} (HF_HUB_OFFLINE=1: nothing is downloaded); unset HF_HUB_OFFLINE to download it, or give its "
+            "local folder",
+        ),
+        (
+            ["./no/such/folder"],
+            "error: model './no/such/folder' is neither a local folder nor a Hugging Face Hub id (org/name)",
+        ),
+        (
+            ["{main}", "--revision", "v2"],
+            "error: --revision v2 applies to Hugging Face Hub ids, but model '{main}' is a local folder",
+        ),
+        (
+            ["{main}", "--download-dir", "/tmp"],
+            "error: --download-dir /tmp applies to Hugging Face Hub ids, but model '{main}' is a local folder",
+        ),
+        (
+            [REPO_ID, "--tokenizer-revision", "v3"],
+            "error: tokenizer 'tiny-org/tiny-llama' at revision 'v3' is not a local folder and not in the Hugging Face "
+            "cache {cache} (HF_HUB_OFFLINE=1: nothing is downloaded); unset HF_HUB_OFFLINE to download it, or give its "
+            "local folder",
+        ),
+    ],
+)
 def test_resolution_errors_name_what_to_change(offline, args, message):
     names = {"cache": offline, "main": snapshot(offline, MAIN), "v2": snapshot(offline, V2)}
     result = run_cli("serve", *[a.format(**names) for a in args])

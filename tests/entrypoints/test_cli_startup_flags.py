@@ -28,7 +28,9 @@ ENGINE_FLAGS = ["--max-model-len", "128", "--num-gpu-blocks-override", "32"]
 INCORRECT = "Incorrect API key provided; send it as 'Authorization: Bearer KEY'"
 # the first sampled request of every server below: unseeded, so it draws from the engine's --seed generator
 FIRST_SAMPLE = pb.GenerateRequest(
-    model="tiny", text="Once upon a time", sampling=pb.SamplingParameters(temperature=1.0),
+    model="tiny",
+    text="Once upon a time",
+    sampling=pb.SamplingParameters(temperature=1.0),
     stopping=pb.StoppingCriteria(max_tokens=16, ignore_eos=True),
 )
 ACCESS_LINE = '"GET /v1/models HTTP/1.1" 200'
@@ -49,23 +51,41 @@ def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
     cert_path, key_path = folder / "cert.pem", folder / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_path, key_path
 
 
@@ -114,11 +134,35 @@ def https_server(tmp_path_factory, tiny_model_dir, certificate, trust):
     """HTTPS, --seed 5, keys k1 k2 (one flag) and k3 (a second), uvicorn at debug under --log-level warning."""
     cert, key = certificate
     port, grpc_port = free_port(), free_port()
-    process = ServerProcess("serve", [
-        str(tiny_model_dir), "--served-model-name", "tiny", *ENGINE_FLAGS, "--seed", "5",
-        "--port", str(port), "--grpc-port", str(grpc_port), "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
-        "--api-key", "k1", "k2", "--api-key", "k3", "--uvicorn-log-level", "debug", "--log-level", "warning",
-    ], tmp_path_factory.mktemp("https") / "serve.log")
+    process = ServerProcess(
+        "serve",
+        [
+            str(tiny_model_dir),
+            "--served-model-name",
+            "tiny",
+            *ENGINE_FLAGS,
+            "--seed",
+            "5",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--ssl-keyfile",
+            str(key),
+            "--ssl-certfile",
+            str(cert),
+            "--api-key",
+            "k1",
+            "k2",
+            "--api-key",
+            "k3",
+            "--uvicorn-log-level",
+            "debug",
+            "--log-level",
+            "warning",
+        ],
+        tmp_path_factory.mktemp("https") / "serve.log",
+    )
     try:
         url = f"https://127.0.0.1:{port}"
         process.wait_http_ready(url, verify=trust)
@@ -145,9 +189,20 @@ def config_server(tmp_path_factory, tiny_model_dir):
         "enable-prefix-caching: false\n"
     )
     port, grpc_port = free_port(), free_port()
-    process = ServerProcess("serve", [
-        "--config", str(config), "--served-model-name", "tiny", "--port", str(port), "--grpc-port", str(grpc_port),
-    ], folder / "serve.log")
+    process = ServerProcess(
+        "serve",
+        [
+            "--config",
+            str(config),
+            "--served-model-name",
+            "tiny",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+        ],
+        folder / "serve.log",
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         process.wait_http_ready(url)
@@ -160,10 +215,24 @@ def config_server(tmp_path_factory, tiny_model_dir):
 def engine_server(tmp_path_factory, tiny_model_dir):
     """``raypaged engine`` (gRPC only) with --seed 6 and keys e1 e2."""
     grpc_port = free_port()
-    process = ServerProcess("engine", [
-        "--model", str(tiny_model_dir), "--served-model-name", "tiny", *ENGINE_FLAGS, "--seed", "6",
-        "--grpc-port", str(grpc_port), "--api-key", "e1", "e2",
-    ], tmp_path_factory.mktemp("engine") / "engine.log")
+    process = ServerProcess(
+        "engine",
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--served-model-name",
+            "tiny",
+            *ENGINE_FLAGS,
+            "--seed",
+            "6",
+            "--grpc-port",
+            str(grpc_port),
+            "--api-key",
+            "e1",
+            "e2",
+        ],
+        tmp_path_factory.mktemp("engine") / "engine.log",
+    )
     try:
         wait_grpc_ready(process, grpc_port)
         yield Running(process, "", grpc_port, generate(grpc_port, "e2"))
@@ -244,11 +313,14 @@ def write(path: Path, text: str) -> str:
 
 
 def test_config_file_values_by_flag_kind(tmp_path, tiny_model_dir):
-    config = write(tmp_path / "c.yaml", (
-        f"model: {tiny_model_dir}\nseed: 5\nmax-model-len: 64\nenable-prefix-caching: false\n"
-        "served-model-name: [a, b]\napi-key: [c1, c2]\ntrust-remote-code: true\ndisable-log-requests: false\n"
-        'override-generation-config: {"temperature": 0.5}\n'
-    ))
+    config = write(
+        tmp_path / "c.yaml",
+        (
+            f"model: {tiny_model_dir}\nseed: 5\nmax-model-len: 64\nenable-prefix-caching: false\n"
+            "served-model-name: [a, b]\napi-key: [c1, c2]\ntrust-remote-code: true\ndisable-log-requests: false\n"
+            'override-generation-config: {"temperature": 0.5}\n'
+        ),
+    )
     args = build_parser().parse_args(["serve", "--config", config, "--max-model-len", "32", "--api-key", "k"])
     assert (args.model, args.model_tag, args.seed, args.max_model_len) == ([str(tiny_model_dir)], None, 5, 32)
     assert (args.enable_prefix_caching, args.trust_remote_code, args.disable_log_requests) == (False, True, False)
@@ -258,15 +330,21 @@ def test_config_file_values_by_flag_kind(tmp_path, tiny_model_dir):
     assert (positional.model_tag, positional.model) == ("other-model", None)  # it replaces the file's model
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("max-modle-len: 64\n", "'max-modle-len' is not a flag of this command (keys are flag names without the "
-                            "leading --, as max-model-len)"),
-    ("grpc-port: 1\n", "'grpc-port' is not a flag of this command"),  # a serve flag, given to gateway
-    ("allow-credentials: 3\n", "allow-credentials is a switch: give true or false, got 3"),
-    ("port: [1, 2]\n", "port takes one value, got [1, 2]"),
-    ("port:\n", "port has no value"),
-    ("- port\n", "must be a YAML mapping of flag names to values, got list"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "max-modle-len: 64\n",
+            "'max-modle-len' is not a flag of this command (keys are flag names without the "
+            "leading --, as max-model-len)",
+        ),
+        ("grpc-port: 1\n", "'grpc-port' is not a flag of this command"),  # a serve flag, given to gateway
+        ("allow-credentials: 3\n", "allow-credentials is a switch: give true or false, got 3"),
+        ("port: [1, 2]\n", "port takes one value, got [1, 2]"),
+        ("port:\n", "port has no value"),
+        ("- port\n", "must be a YAML mapping of flag names to values, got list"),
+    ],
+)
 def test_config_file_errors_name_the_file_and_the_key(tmp_path, capsys, text, message):
     config = write(tmp_path / "bad.yaml", text)
     with pytest.raises(SystemExit) as info:
@@ -282,14 +360,21 @@ def test_config_given_twice_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["gateway", "--engine", "a=127.0.0.1:1", "--config", config, "--config", config])
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "raypaged gateway: error: --config is given 2 times; give one file")
+        "raypaged gateway: error: --config is given 2 times; give one file"
+    )
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--ssl-keyfile", "key.pem"], "error: --ssl-keyfile needs --ssl-certfile (the certificate to serve HTTPS with)"),
-    (["--root-path", "llm"], "error: --root-path must start with '/', got 'llm'"),
-    (["--api-key", "k1", ""], "error: --api-key takes non-empty keys"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--ssl-keyfile", "key.pem"],
+            "error: --ssl-keyfile needs --ssl-certfile (the certificate to serve HTTPS with)",
+        ),
+        (["--root-path", "llm"], "error: --root-path must start with '/', got 'llm'"),
+        (["--api-key", "k1", ""], "error: --api-key takes non-empty keys"),
+    ],
+)
 def test_gateway_flag_errors(capsys, flags, message):
     assert main(["gateway", "--engine", "a=127.0.0.1:1", *flags]) == 2
     assert capsys.readouterr().err.strip() == message
@@ -299,38 +384,54 @@ def test_a_certificate_that_cannot_be_loaded_is_refused_before_serving(tmp_path,
     cert, _ = certificate
     not_a_key = write(tmp_path / "key.pem", "not a key\n")
     assert main(["gateway", "--engine", "a=127.0.0.1:1", "--ssl-certfile", str(cert), "--ssl-keyfile", not_a_key]) == 2
-    assert capsys.readouterr().err.strip().startswith(
-        f"error: --ssl-certfile {cert} with --ssl-keyfile {not_a_key}: not a usable certificate and key (")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .startswith(f"error: --ssl-certfile {cert} with --ssl-keyfile {not_a_key}: not a usable certificate and key (")
+    )
 
 
 def test_max_num_partial_prefills_accepts_1_and_refuses_others(tiny_model_dir):
-    [config] = engine_configs(build_parser().parse_args(
-        ["serve", str(tiny_model_dir), "--max-num-partial-prefills", "1", *ENGINE_FLAGS]))
+    [config] = engine_configs(
+        build_parser().parse_args(["serve", str(tiny_model_dir), "--max-num-partial-prefills", "1", *ENGINE_FLAGS])
+    )
     assert config.max_model_len == 128
     with pytest.raises(ValueError) as info:
         engine_configs(build_parser().parse_args(["serve", str(tiny_model_dir), "--max-num-partial-prefills", "2"]))
     assert str(info.value) == (
         "--max-num-partial-prefills 2 is not supported: the scheduler chunks one prompt at a time (a prompt cut at "
         "the step's --max-num-batched-tokens is its last; the prompts behind it wait for the next step), which is "
-        "--max-num-partial-prefills 1")
+        "--max-num-partial-prefills 1"
+    )
 
 
 def test_the_scheduler_prefills_one_prompt_in_chunks_at_a_time():
     """Why only 1 is accepted: three 20-token prompts under an 8-token budget are cut one after another."""
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64),
-                          KVCacheManager(32, 4))
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64), KVCacheManager(32, 4)
+    )
     for request_id in "abc":
         params = SamplingParams(temperature=0, max_tokens=2)
         scheduler.add_request(Request(request_id, list(range(1, 21)), params, 2, 0))
     steps = []
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        done = {rid: SampledToken(7, -0.5, None) for rid, n in out.num_scheduled_tokens.items()
-                if scheduler.requests[rid].num_computed_tokens + n == scheduler.requests[rid].num_tokens}
+        done = {
+            rid: SampledToken(7, -0.5, None)
+            for rid, n in out.num_scheduled_tokens.items()
+            if scheduler.requests[rid].num_computed_tokens + n == scheduler.requests[rid].num_tokens
+        }
         scheduler.update_from_output(out, ModelRunnerOutput(sampled=done))
         steps.append(out.num_scheduled_tokens)
     # each step cuts at most its last prompt; the one behind it waits for the next step
     assert steps == [
-        {"a": 8}, {"a": 8}, {"a": 4, "b": 4}, {"a": 1, "b": 7}, {"b": 8}, {"b": 1, "c": 7}, {"b": 1, "c": 7},
-        {"c": 6}, {"c": 1},
+        {"a": 8},
+        {"a": 8},
+        {"a": 4, "b": 4},
+        {"a": 1, "b": 7},
+        {"b": 8},
+        {"b": 1, "c": 7},
+        {"b": 1, "c": 7},
+        {"c": 6},
+        {"c": 1},
     ]

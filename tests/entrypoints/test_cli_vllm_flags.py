@@ -16,25 +16,50 @@ def configs(*argv: str):
 
 
 def test_vllm_style_flags_are_accepted(tiny_model_dir):
-    [config] = configs(str(tiny_model_dir), "-tp", "1", "--trust-remote-code", "--disable-log-stats",
-                       "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--max-model-len", "256")
+    [config] = configs(
+        str(tiny_model_dir),
+        "-tp",
+        "1",
+        "--trust-remote-code",
+        "--disable-log-stats",
+        "--enable-chunked-prefill",
+        "--kv-cache-dtype",
+        "auto",
+        "--max-model-len",
+        "256",
+    )
     assert (config.tensor_parallel_size, config.max_model_len) == (1, 256)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--quantization", "awq"], "--quantization awq needs a checkpoint quantized with awq, but the model's "
-                                "config.json has no quantization_config"),
-    (["-q", "bitsandbytes"], "--quantization bitsandbytes is not supported (supported: awq, compressed-tensors, "
-                             "fp8, gptq)"),
-    (["--kv-cache-dtype", "fp8", "--attention-backend", "cuda"],
-     "--kv-cache-dtype fp8 runs in the torch attention backend: --attention-backend cuda reads a cache of the "
-     "model's dtype"),
-    (["--kv-cache-dtype", "fp8_e5m2", "--attention-backend", "cpu"],
-     "--kv-cache-dtype fp8_e5m2 runs in the torch attention backend: --attention-backend cpu reads float32 and "
-     "fp8 e4m3 caches (--kv-cache-dtype fp8 or fp8_e4m3)"),
-    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported: long prefills are always "
-                                      "chunked within --max-num-batched-tokens"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--quantization", "awq"],
+            "--quantization awq needs a checkpoint quantized with awq, but the model's "
+            "config.json has no quantization_config",
+        ),
+        (
+            ["-q", "bitsandbytes"],
+            "--quantization bitsandbytes is not supported (supported: awq, compressed-tensors, fp8, gptq)",
+        ),
+        (
+            ["--kv-cache-dtype", "fp8", "--attention-backend", "cuda"],
+            "--kv-cache-dtype fp8 runs in the torch attention backend: --attention-backend cuda reads a cache of the "
+            "model's dtype",
+        ),
+        (
+            ["--kv-cache-dtype", "fp8_e5m2", "--attention-backend", "cpu"],
+            "--kv-cache-dtype fp8_e5m2 runs in the torch attention backend: --attention-backend cpu reads float32 and "
+            "fp8 e4m3 caches (--kv-cache-dtype fp8 or fp8_e4m3)",
+        ),
+        (
+            ["--no-enable-chunked-prefill"],
+            "--no-enable-chunked-prefill is not supported: long prefills are always "
+            "chunked within --max-num-batched-tokens",
+        ),
+    ],
+)
 def test_what_cannot_be_honoured_is_refused_by_name(tiny_model_dir, argv, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         configs(str(tiny_model_dir), *argv)
@@ -49,8 +74,11 @@ def test_quantization_and_kv_cache_dtype_flags_reach_the_engine_config(tiny_mode
 
 
 def test_structured_outputs_flags_set_the_engines_grammar_backend(tiny_model_dir):
-    [config] = configs(str(tiny_model_dir), "--structured-outputs-config",
-                       '{"backend": "auto", "disable_any_whitespace": false, "max_whitespace": 2}')
+    [config] = configs(
+        str(tiny_model_dir),
+        "--structured-outputs-config",
+        '{"backend": "auto", "disable_any_whitespace": false, "max_whitespace": 2}',
+    )
     assert config.structured_outputs_config == StructuredOutputsConfig(disable_any_whitespace=False, max_whitespace=2)
     [config] = configs(str(tiny_model_dir), "--guided-decoding-backend", "xgrammar")
     assert config.structured_outputs_config == StructuredOutputsConfig(backend="xgrammar")
@@ -58,14 +86,21 @@ def test_structured_outputs_flags_set_the_engines_grammar_backend(tiny_model_dir
     assert config.structured_outputs_config == StructuredOutputsConfig(backend="guidance", reasoning_parser="qwen3")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--guided-decoding-backend", "outlines"],
-     "structured outputs backend 'outlines' is not supported (not built into raypaged); "
-     "supported: auto, xgrammar, guidance"),
-    (["--structured-outputs-config", '{"backend": "xgrammar", "enable_in_thinking": true}'],
-     "--structured-outputs-config: unknown field 'enable_in_thinking'; allowed: backend, cache_size, "
-     "disable_any_whitespace, enable_in_reasoning, max_whitespace, reasoning_parser"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--guided-decoding-backend", "outlines"],
+            "structured outputs backend 'outlines' is not supported (not built into raypaged); "
+            "supported: auto, xgrammar, guidance",
+        ),
+        (
+            ["--structured-outputs-config", '{"backend": "xgrammar", "enable_in_thinking": true}'],
+            "--structured-outputs-config: unknown field 'enable_in_thinking'; allowed: backend, cache_size, "
+            "disable_any_whitespace, enable_in_reasoning, max_whitespace, reasoning_parser",
+        ),
+    ],
+)
 def test_structured_outputs_flags_refuse_what_they_cannot_honour(tiny_model_dir, argv, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         configs(str(tiny_model_dir), *argv)
@@ -94,7 +129,10 @@ def test_request_logging_is_off_unless_enabled():
         return gateway_options(build_parser().parse_args(["serve", *argv])).log_requests
 
     assert (logs(), logs("--enable-log-requests"), logs("--enable-log-requests", "--disable-log-requests")) == (
-        False, True, False)
+        False,
+        True,
+        False,
+    )
 
 
 def test_chat_flags_reach_the_engine_and_the_gateway(tiny_model_dir, tmp_path):
@@ -102,34 +140,64 @@ def test_chat_flags_reach_the_engine_and_the_gateway(tiny_model_dir, tmp_path):
 
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    args = build_parser().parse_args(["serve", str(tiny_model_dir), "--chat-template", str(template),
-                                      "--default-chat-template-kwargs", '{"enable_thinking": false}',
-                                      "--trust-request-chat-template", "--enable-auto-tool-choice",
-                                      "--tool-call-parser", "pythonic", "--response-role", "bot"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            str(tiny_model_dir),
+            "--chat-template",
+            str(template),
+            "--default-chat-template-kwargs",
+            '{"enable_thinking": false}',
+            "--trust-request-chat-template",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "pythonic",
+            "--response-role",
+            "bot",
+        ]
+    )
     [config] = engine_configs(args)
     assert (config.chat_template_text, config.default_chat_template_kwargs, config.trust_request_chat_template) == (
-        "{% for m in messages %}{{ m.content }}{% endfor %}", {"enable_thinking": False}, True)
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+        {"enable_thinking": False},
+        True,
+    )
     options = gateway_options(args)
     assert (options.enable_auto_tool_choice, options.tool_call_parser, options.response_role) == (
-        True, "pythonic", "bot")
+        True,
+        "pythonic",
+        "bot",
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--chat-template", "no-such-file.jinja"],
-     "--chat-template 'no-such-file.jinja' is neither a file nor a Jinja template"),
-    (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs must be a JSON object, got [1]"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--chat-template", "no-such-file.jinja"],
+            "--chat-template 'no-such-file.jinja' is neither a file nor a Jinja template",
+        ),
+        (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs must be a JSON object, got [1]"),
+    ],
+)
 def test_chat_flags_refuse_bad_values(tiny_model_dir, argv, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         configs(str(tiny_model_dir), *argv)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--enable-auto-tool-choice"],
-     "--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)"),
-    (["--tool-call-parser", "qwen9"],
-     "--tool-call-parser 'qwen9' is not supported; supported: hermes, llama3_json, mistral, pythonic"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--enable-auto-tool-choice"],
+            "--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)",
+        ),
+        (
+            ["--tool-call-parser", "qwen9"],
+            "--tool-call-parser 'qwen9' is not supported; supported: hermes, llama3_json, mistral, pythonic",
+        ),
+    ],
+)
 def test_tool_flags_refuse_what_they_cannot_honour(argv, message):
     from raypaged.entrypoints.cli import gateway_options
 
@@ -140,8 +208,20 @@ def test_tool_flags_refuse_what_they_cannot_honour(argv, message):
 def test_lora_flags_as_vllm(tiny_model_dir):
     from raypaged.entrypoints.cli import lora_modules
 
-    argv = ["serve", str(tiny_model_dir), "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
-            "--max-cpu-loras", "5", "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat"}']
+    argv = [
+        "serve",
+        str(tiny_model_dir),
+        "--enable-lora",
+        "--max-loras",
+        "3",
+        "--max-lora-rank",
+        "32",
+        "--max-cpu-loras",
+        "5",
+        "--lora-modules",
+        "sql=/a/sql",
+        '{"name": "chat", "path": "/a/chat"}',
+    ]
     args = build_parser().parse_args(argv)
     [config] = engine_configs(args)
     assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (True, 3, 32, 5)
@@ -150,13 +230,18 @@ def test_lora_flags_as_vllm(tiny_model_dir):
     assert plain.lora_config is None
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
-    (["--enable-lora", "--lora-modules", "a"], "--lora-modules takes name=path or JSON, got 'a'"),
-    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "--lora-modules names 'a' twice"),
-    (["--enable-lora", "--max-cpu-loras", "0"], "--max-cpu-loras 0 is below --max-loras 1: every adapter on the "
-                                                 "device is also kept on the CPU"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "a"], "--lora-modules takes name=path or JSON, got 'a'"),
+        (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "--lora-modules names 'a' twice"),
+        (
+            ["--enable-lora", "--max-cpu-loras", "0"],
+            "--max-cpu-loras 0 is below --max-loras 1: every adapter on the device is also kept on the CPU",
+        ),
+    ],
+)
 def test_lora_flags_refuse_what_they_cannot_honour(tiny_model_dir, argv, message):
     from raypaged.entrypoints.cli import lora_modules
 
@@ -166,26 +251,54 @@ def test_lora_flags_refuse_what_they_cannot_honour(tiny_model_dir, argv, message
         engine_configs(args)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["-pp", "2"], "--pipeline-parallel-size 2 is not supported: pipeline parallelism is not implemented: shard "
-                   "layers with -tp"),
-    (["--data-parallel-size", "2"], "--data-parallel-size 2 is not supported: run one server per replica behind a "
-                                    "load balancer (see deploy/)"),
-    (["--distributed-executor-backend", "mp"], "--distributed-executor-backend mp is not supported: shards are Ray "
-                                               "actors (ray)"),
-    (["--long-prefill-token-threshold", "512"], "--long-prefill-token-threshold 512 is not supported: the scheduler "
-                                                "prefills one prompt in chunks at a time"),
-    (["--max-long-partial-prefills", "2"], "--max-long-partial-prefills 2 is not supported: the scheduler prefills "
-                                           "one prompt in chunks at a time"),
-    (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4.0 is not supported: weights stay on the device"),
-    (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral is not supported: the model's own (fast) tokenizer "
-                                      "is used"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["-pp", "2"],
+            "--pipeline-parallel-size 2 is not supported: pipeline parallelism is not implemented: shard "
+            "layers with -tp",
+        ),
+        (
+            ["--data-parallel-size", "2"],
+            "--data-parallel-size 2 is not supported: run one server per replica behind a load balancer (see deploy/)",
+        ),
+        (
+            ["--distributed-executor-backend", "mp"],
+            "--distributed-executor-backend mp is not supported: shards are Ray actors (ray)",
+        ),
+        (
+            ["--long-prefill-token-threshold", "512"],
+            "--long-prefill-token-threshold 512 is not supported: the scheduler "
+            "prefills one prompt in chunks at a time",
+        ),
+        (
+            ["--max-long-partial-prefills", "2"],
+            "--max-long-partial-prefills 2 is not supported: the scheduler prefills one prompt in chunks at a time",
+        ),
+        (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4.0 is not supported: weights stay on the device"),
+        (
+            ["--tokenizer-mode", "mistral"],
+            "--tokenizer-mode mistral is not supported: the model's own (fast) tokenizer is used",
+        ),
+    ],
+)
 def test_vllm_flags_taken_only_at_their_default(tiny_model_dir, argv, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         configs(str(tiny_model_dir), *argv)
-    configs(str(tiny_model_dir), "-pp", "1", "-dp", "1", "--distributed-executor-backend", "ray",
-            "--tokenizer-mode", "auto", "--long-prefill-token-threshold", "0")
+    configs(
+        str(tiny_model_dir),
+        "-pp",
+        "1",
+        "-dp",
+        "1",
+        "--distributed-executor-backend",
+        "ray",
+        "--tokenizer-mode",
+        "auto",
+        "--long-prefill-token-threshold",
+        "0",
+    )
 
 
 def test_ssl_ca_certs_and_cert_reqs_require_client_certificates(tiny_model_dir, tmp_path):
@@ -195,14 +308,30 @@ def test_ssl_ca_certs_and_cert_reqs_require_client_certificates(tiny_model_dir, 
     from tests.entrypoints.test_cli_startup_flags import self_signed_certificate
 
     cert, key = self_signed_certificate(tmp_path)
-    args = build_parser().parse_args(["serve", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
-                                      "--ssl-ca-certs", str(cert), "--ssl-cert-reqs", "2"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--ssl-certfile",
+            str(cert),
+            "--ssl-keyfile",
+            str(key),
+            "--ssl-ca-certs",
+            str(cert),
+            "--ssl-cert-reqs",
+            "2",
+        ]
+    )
     from raypaged.entrypoints.cli import gateway_options
 
     options = gateway_options(args)
     assert (options.ssl_ca_certs, options.ssl_cert_reqs) == (str(cert), ssl.CERT_REQUIRED)
-    stack = Stack([tiny_config(tiny_model_dir, "tiny")], ssl_certfile=str(cert), ssl_keyfile=str(key),
-                  ssl_ca_certs=str(cert), ssl_cert_reqs=ssl.CERT_REQUIRED)
+    stack = Stack(
+        [tiny_config(tiny_model_dir, "tiny")],
+        ssl_certfile=str(cert),
+        ssl_keyfile=str(key),
+        ssl_ca_certs=str(cert),
+        ssl_cert_reqs=ssl.CERT_REQUIRED,
+    )
     url = stack.url.replace("http://", "https://")
     try:
         trusted = ssl.create_default_context(cafile=str(cert))

@@ -78,18 +78,33 @@ def test_every_init_field_is_an_llm_keyword_with_the_config_default():
     assert list(engine_keywords()) == [f.name for f in INIT_FIELDS]
     for f in INIT_FIELDS:
         assert keywords[f.name].default == default_of(f), f.name
-        assert keywords[f.name].kind is (inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "model"
-                                         else inspect.Parameter.KEYWORD_ONLY)
+        assert keywords[f.name].kind is (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "model" else inspect.Parameter.KEYWORD_ONLY
+        )
     assert keywords["vllm_options"].kind is inspect.Parameter.VAR_KEYWORD
 
 
 def test_flags_reach_the_fields(smollm2_dir):
-    args = build_parser().parse_args([
-        "serve", str(smollm2_dir), "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5",
-        "--no-enable-prefix-caching", "--enforce-eager", "--scheduling-policy", "priority",
-        "--kv-cache-dtype", "fp8_e5m2", "--default-chat-template-kwargs", '{"enable_thinking": false}',
-        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-    ])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            str(smollm2_dir),
+            "--max-num-seqs",
+            "8",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--no-enable-prefix-caching",
+            "--enforce-eager",
+            "--scheduling-policy",
+            "priority",
+            "--kv-cache-dtype",
+            "fp8_e5m2",
+            "--default-chat-template-kwargs",
+            '{"enable_thinking": false}',
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3}',
+        ]
+    )
     [config] = engine_configs(args)
     assert (config.max_num_seqs, config.gpu_memory_utilization) == (8, 0.5)
     assert (config.enable_prefix_caching, config.enforce_eager) == (False, True)
@@ -110,14 +125,18 @@ def test_a_field_flag_the_target_does_not_take_is_refused_unless_at_its_default(
     with pytest.raises(ValueError) as info:
         engine_kwargs(args, ACCEPTED - {"enforce_eager"}, None)
     assert str(info.value) == "--enforce-eager is not available in this build of the engine"
-    assert "enforce_eager" not in engine_kwargs(subcommand("generate").parse_args([]), ACCEPTED - {"enforce_eager"},
-                                                None)
+    assert "enforce_eager" not in engine_kwargs(
+        subcommand("generate").parse_args([]), ACCEPTED - {"enforce_eager"}, None
+    )
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"max_num_seq": 4}, "LLM got an unexpected keyword argument 'max_num_seq'; did you mean 'max_num_seqs'?"),
-    ({"model_path": "x"}, "LLM got an unexpected keyword argument 'model_path'; did you mean 'model'?"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_num_seq": 4}, "LLM got an unexpected keyword argument 'max_num_seq'; did you mean 'max_num_seqs'?"),
+        ({"model_path": "x"}, "LLM got an unexpected keyword argument 'model_path'; did you mean 'model'?"),
+    ],
+)
 def test_an_unknown_llm_keyword_names_the_closest_field(kwargs, message):
     with pytest.raises(TypeError) as info:
         LLM(model="/no/such/model", **kwargs)

@@ -35,11 +35,22 @@ def test_the_models_template_by_default(llm):
 def test_a_template_of_the_call_gets_names_tool_calls_tools_documents_and_variables(llm):
     messages = [
         {"role": "user", "name": "ann", "content": "weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+            ],
+        },
     ]
-    text = _prompt(llm, messages, chat_template=SHOW, tools=[{"type": "function", "function": {"name": "get_weather"}}],
-                   documents=[{"title": "faq", "text": "..."}], chat_template_kwargs={"greeting": "hello"})
+    text = _prompt(
+        llm,
+        messages,
+        chat_template=SHOW,
+        tools=[{"type": "function", "function": {"name": "get_weather"}}],
+        documents=[{"title": "faq", "text": "..."}],
+        chat_template_kwargs={"greeting": "hello"},
+    )
     assert text == "[user:ann]weather?[assistant]<get_weather Oslo>(tool get_weather)(doc faq)hello[assistant]"
 
 
@@ -49,12 +60,17 @@ def test_continue_final_message_extends_the_last_turn(llm):
     assert text.endswith("<|im_start|>assistant\n1, 2,")
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"chat_template": "{{ raise_exception('roles must alternate') }}"},
-     "the chat template failed: TemplateError: roles must alternate"),
-    ({"continue_final_message": True}, "continue_final_message and add_generation_prompt cannot both be true"),
-    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs may not set 'tools'"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"chat_template": "{{ raise_exception('roles must alternate') }}"},
+            "the chat template failed: TemplateError: roles must alternate",
+        ),
+        ({"continue_final_message": True}, "continue_final_message and add_generation_prompt cannot both be true"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs may not set 'tools'"),
+    ],
+)
 def test_what_cannot_render_is_a_value_error_naming_it(llm, kwargs, message):
     with pytest.raises(ValueError, match="^" + message + "$"):
         llm.chat([{"role": "user", "content": "hi"}], ONE, use_tqdm=False, **kwargs)

@@ -62,17 +62,17 @@ def test_token_id_prompts_give_the_same_tokens(smollm2_llm, hf_references):
 def test_seeded_request_is_the_same_alone_and_in_a_batch(smollm2_llm):
     seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=32, ignore_eos=True)
     [alone] = smollm2_llm.generate("Write a haiku about the sea.", seeded)
-    others = [
-        SamplingParams(temperature=1.0 + i / 10, max_tokens=8 + 3 * i, repetition_penalty=1.1) for i in range(16)
-    ]
+    others = [SamplingParams(temperature=1.0 + i / 10, max_tokens=8 + 3 * i, repetition_penalty=1.1) for i in range(16)]
     prompts = [f"Story number {i}: once" for i in range(16)]
-    batch = smollm2_llm.generate(prompts[:7] + ["Write a haiku about the sea."] + prompts[7:],
-                                 others[:7] + [seeded] + others[7:])
+    batch = smollm2_llm.generate(
+        prompts[:7] + ["Write a haiku about the sea."] + prompts[7:], others[:7] + [seeded] + others[7:]
+    )
     assert batch[7].outputs[0].token_ids == alone.outputs[0].token_ids
     assert len(alone.outputs[0].token_ids) == 32
     # a different seed gives different tokens
-    [other] = smollm2_llm.generate("Write a haiku about the sea.",
-                                   SamplingParams(temperature=0.9, seed=99, max_tokens=32))
+    [other] = smollm2_llm.generate(
+        "Write a haiku about the sea.", SamplingParams(temperature=0.9, seed=99, max_tokens=32)
+    )
     assert other.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
@@ -145,7 +145,8 @@ def test_logprobs_are_the_models_log_softmax(smollm2_llm, hf_smollm2):
         for token_id, logprob in top.items():
             assert logprob == pytest.approx(row[token_id].item(), abs=1e-4)
     assert completion.cumulative_logprob == pytest.approx(
-        sum(t[tok] for tok, t in zip(completion.token_ids, completion.logprobs)))
+        sum(t[tok] for tok, t in zip(completion.token_ids, completion.logprobs))
+    )
     [plain] = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert plain.outputs[0].logprobs is None
     assert math.isfinite(plain.outputs[0].cumulative_logprob)
@@ -203,8 +204,9 @@ def test_bad_sampling_params_name_the_field(kwargs, message):
 def test_bad_prompts_are_refused_before_anything_runs(smollm2_llm):
     with pytest.raises(ValueError, match="prompt must not be empty"):
         smollm2_llm.generate(["fine", ""], SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError,
-                       match="prompt has 8192 tokens, which leaves no room to generate within max_model_len 8192"):
+    with pytest.raises(
+        ValueError, match="prompt has 8192 tokens, which leaves no room to generate within max_model_len 8192"
+    ):
         smollm2_llm.generate({"prompt_token_ids": [5] * 8192})
     with pytest.raises(ValueError, match=r"prompt must be token ids in \[0, 49152\), got 49152"):
         smollm2_llm.generate({"prompt_token_ids": [5, 49152]})

@@ -26,28 +26,56 @@ def test_every_engine_field_is_an_llm_keyword_with_the_same_default():
 
 
 def test_vllm_engine_arguments_are_taken_at_the_values_that_change_nothing(tiny_model_dir):
-    llm = LLM(model=str(tiny_model_dir), num_gpu_blocks_override=16, max_model_len=128, trust_remote_code=True,
-              disable_log_stats=True, enable_chunked_prefill=True, pipeline_parallel_size=1, tokenizer_mode="auto",
-              distributed_executor_backend="ray", max_num_partial_prefills=1)
+    llm = LLM(
+        model=str(tiny_model_dir),
+        num_gpu_blocks_override=16,
+        max_model_len=128,
+        trust_remote_code=True,
+        disable_log_stats=True,
+        enable_chunked_prefill=True,
+        pipeline_parallel_size=1,
+        tokenizer_mode="auto",
+        distributed_executor_backend="ray",
+        max_num_partial_prefills=1,
+    )
     [output] = llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 2
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    ({"pipeline_parallel_size": 2}, ValueError,
-     "pipeline_parallel_size=2 is not supported: pipeline parallelism is not implemented: shard layers with -tp"),
-    ({"enable_chunked_prefill": False}, ValueError,
-     "enable_chunked_prefill=False is not supported: long prefills are always chunked within max_num_batched_tokens"),
-    ({"max_num_partial_prefills": 2}, ValueError,
-     "max_num_partial_prefills=2 is not supported: the scheduler chunks one prompt at a time (a prompt cut at the "
-     "step's max_num_batched_tokens is its last; the prompts behind it wait for the next step), which is "
-     "max_num_partial_prefills 1"),
-    ({"gpu_memory_utilisation": 0.5}, TypeError,
-     "LLM got an unexpected keyword argument 'gpu_memory_utilisation'; did you mean 'gpu_memory_utilization'?"),
-    ({"speculative_model": "x"}, TypeError,
-     "LLM got an unexpected keyword argument 'speculative_model'; did you mean 'speculative_config'?"),
-    ({"no_such_thing": 1}, TypeError, "LLM got an unexpected keyword argument 'no_such_thing'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (
+            {"pipeline_parallel_size": 2},
+            ValueError,
+            "pipeline_parallel_size=2 is not supported: pipeline parallelism is not implemented: shard layers with -tp",
+        ),
+        (
+            {"enable_chunked_prefill": False},
+            ValueError,
+            "enable_chunked_prefill=False is not supported: long prefills are always chunked within "
+            "max_num_batched_tokens",
+        ),
+        (
+            {"max_num_partial_prefills": 2},
+            ValueError,
+            "max_num_partial_prefills=2 is not supported: the scheduler chunks one prompt at a time (a prompt cut at "
+            "the step's max_num_batched_tokens is its last; the prompts behind it wait for the next step), which is "
+            "max_num_partial_prefills 1",
+        ),
+        (
+            {"gpu_memory_utilisation": 0.5},
+            TypeError,
+            "LLM got an unexpected keyword argument 'gpu_memory_utilisation'; did you mean 'gpu_memory_utilization'?",
+        ),
+        (
+            {"speculative_model": "x"},
+            TypeError,
+            "LLM got an unexpected keyword argument 'speculative_model'; did you mean 'speculative_config'?",
+        ),
+        ({"no_such_thing": 1}, TypeError, "LLM got an unexpected keyword argument 'no_such_thing'"),
+    ],
+)
 def test_anything_else_is_refused_by_name_before_a_model_loads(kwargs, error, message):
     with pytest.raises(error) as info:
         LLM(model="/no/such/model", **kwargs)

@@ -28,7 +28,8 @@ def folders(tmp_path_factory, smollm2_dir):
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, tokenizer / name)
     (tokenizer / "chat_template.jinja").write_text(
-        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    )
     return whole, bare, tokenizer
 
 
@@ -49,6 +50,9 @@ def test_the_flag_reaches_the_engine_and_a_foreign_tokenizer_is_refused(folders,
     [config] = engine_configs(build_parser().parse_args(["serve", str(bare), "--tokenizer", str(tokenizer)]))
     assert (config.model_path, config.tokenizer_path) == (bare, tokenizer)
     small = make_tiny_model(tmp_path, tokenizer, vocab_size=1000)  # SmolLM2's 49,152 tokens on a 1,000-row model
-    with pytest.raises(ValueError, match=f"the tokenizer in {tokenizer} has 49152 tokens, more than the model's "
-                                         "vocabulary of 1000: it is not this model's tokenizer"):
+    with pytest.raises(
+        ValueError,
+        match=f"the tokenizer in {tokenizer} has 49152 tokens, more than the model's "
+        "vocabulary of 1000: it is not this model's tokenizer",
+    ):
         LLM(model=str(small), tokenizer=str(tokenizer), num_gpu_blocks_override=32, max_model_len=128)

@@ -51,8 +51,9 @@ def test_parallel_samples_store_the_prompt_once(smollm2_dir, long_prompt):
     assert seen[-1]["num_gpu_blocks_free"] == 200
 
     # each sample is reproducible on its own stream; sample 0 is what n=1 with that seed gives
-    [single] = llm.generate({"prompt_token_ids": long_prompt},
-                            SamplingParams(temperature=1.0, seed=7, max_tokens=32, ignore_eos=True))
+    [single] = llm.generate(
+        {"prompt_token_ids": long_prompt}, SamplingParams(temperature=1.0, seed=7, max_tokens=32, ignore_eos=True)
+    )
     assert single.outputs[0].token_ids == output.outputs[0].token_ids
 
 
@@ -60,14 +61,15 @@ def test_best_of_returns_the_highest_cumulative_logprobs(smollm2_llm):
     params = SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
     [output] = smollm2_llm.generate("Name a color:", params)
     assert [c.index for c in output.outputs] == [0, 1]
-    all_five = smollm2_llm.generate("Name a color:",
-                                    SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True))[0]
+    all_five = smollm2_llm.generate(
+        "Name a color:", SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    )[0]
     ranked = sorted(all_five.outputs, key=lambda c: c.cumulative_logprob, reverse=True)
     assert [c.token_ids for c in output.outputs] == [c.token_ids for c in ranked[:2]]
 
 
 def test_prefix_cache_hits_and_gives_the_same_tokens(smollm2_dir, smollm2_llm, long_prompt):
-    system = long_prompt[:10 * BLOCK + 5]
+    system = long_prompt[: 10 * BLOCK + 5]
     first = {"prompt_token_ids": system + [1018, 253, 2000]}
     second = {"prompt_token_ids": system + [6391, 30, 18, 5, 905]}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -78,8 +80,9 @@ def test_prefix_cache_hits_and_gives_the_same_tokens(smollm2_dir, smollm2_llm, l
     after = llm.stats()
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 10 * BLOCK
     assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 10 * BLOCK + 10
-    uncached_llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=128, max_model_len=2048,
-                       enable_prefix_caching=False)
+    uncached_llm = LLM(
+        model=str(smollm2_dir), num_gpu_blocks_override=128, max_model_len=2048, enable_prefix_caching=False
+    )
     [uncached] = uncached_llm.generate(second, params)
     assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
     assert uncached_llm.stats()["prefix_cache_hits"] == 0
@@ -90,8 +93,9 @@ def test_swapping_under_pressure_changes_no_output(smollm2_dir, smollm2_llm):
     sampled = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=48, ignore_eos=True)
     sampled_ref = smollm2_llm.generate(PROMPTS[2], sampled)[0]
 
-    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=24, max_model_len=384, swap_space=0.1,
-              preemption_mode="swap")
+    llm = LLM(
+        model=str(smollm2_dir), num_gpu_blocks_override=24, max_model_len=384, swap_space=0.1, preemption_mode="swap"
+    )
     outputs, seen = run_tracking(llm, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in greedy_refs]
     assert max(s["num_requests_swapped"] for s in seen) > 0
@@ -109,11 +113,16 @@ def test_swapping_under_pressure_changes_no_output(smollm2_dir, smollm2_llm):
 
 def test_chunked_prefill_runs_beside_decodes_and_changes_no_output(smollm2_dir, smollm2_llm, long_prompt):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    short = [{"prompt_token_ids": long_prompt[i * 10:i * 10 + 12]} for i in range(8)]
+    short = [{"prompt_token_ids": long_prompt[i * 10 : i * 10 + 12]} for i in range(8)]
     reference = smollm2_llm.generate(short + [{"prompt_token_ids": long_prompt}], params)
 
-    llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=128, max_model_len=2048, max_num_batched_tokens=64,
-              enable_prefix_caching=False)
+    llm = LLM(
+        model=str(smollm2_dir),
+        num_gpu_blocks_override=128,
+        max_model_len=2048,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+    )
     engine = llm.llm_engine
     steps = []
     real_schedule = engine.scheduler.schedule
@@ -141,15 +150,18 @@ def test_chunked_prefill_runs_beside_decodes_and_changes_no_output(smollm2_dir, 
     assert all(s[seq[long_id]] == 64 - 8 for s in chunk_steps[:-1])
     assert all(all(s.get(seq[rid]) == 1 for rid in short_ids) for s in chunk_steps[:5])
     assert [results[i].outputs[0].token_ids for i in short_ids + [long_id]] == [
-        o.outputs[0].token_ids for o in reference]
+        o.outputs[0].token_ids for o in reference
+    ]
 
 
 def test_priority_scheduling_serves_the_urgent_request_first(smollm2_dir, long_prompt):
     llm = LLM(model=str(smollm2_dir), num_gpu_blocks_override=8, max_model_len=128, scheduling_policy="priority")
     engine = llm.llm_engine
     slow = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    low = [engine.add_request(None, slow, prompt_token_ids=long_prompt[i * 32:(i + 1) * 32], priority=10)
-           for i in range(4)]
+    low = [
+        engine.add_request(None, slow, prompt_token_ids=long_prompt[i * 32 : (i + 1) * 32], priority=10)
+        for i in range(4)
+    ]
     engine.step()  # the four prompts fill all 8 blocks
     assert llm.stats()["num_gpu_blocks_free"] == 0
     fast = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

@@ -31,9 +31,7 @@ def shards():
     (the steps it served) is checked by the test through ``channel.processes``."""
     channel = ShmStepChannel(3, slot_bytes=4096)
     context = multiprocessing.get_context("spawn")
-    channel.processes = [
-        context.Process(target=serve_and_exit, args=(channel.endpoints(rank),)) for rank in range(3)
-    ]
+    channel.processes = [context.Process(target=serve_and_exit, args=(channel.endpoints(rank),)) for rank in range(3)]
     for process in channel.processes:
         process.start()
     try:

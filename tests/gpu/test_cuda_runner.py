@@ -13,8 +13,15 @@ from tests.gpu import NEEDS_CUDA_AND_CUPY, random_llama
 
 pytestmark = NEEDS_CUDA_AND_CUPY
 
-SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=2048)  # head size 64, GQA 2:1
+SHAPE = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)  # head size 64, GQA 2:1
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
@@ -47,10 +54,16 @@ def hf_greedy(model_dir, prompts, dtype, max_tokens=32):
     for ids in prompts:
         ids_t = torch.tensor([ids], device="cuda")
         with torch.inference_mode():
-            out = model.generate(ids_t, attention_mask=torch.ones_like(ids_t), do_sample=False,
-                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens, eos_token_id=None,
-                                 pad_token_id=0)
-        outputs.append(out[0, len(ids):].tolist())
+            out = model.generate(
+                ids_t,
+                attention_mask=torch.ones_like(ids_t),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(ids) :].tolist())
     del model
     torch.cuda.empty_cache()
     return outputs
@@ -61,8 +74,9 @@ def hf_first_logprobs(model_dir, prompts, dtype):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
     with torch.no_grad():
-        rows = [model(torch.tensor([ids], device="cuda")).logits[0, -1].float().log_softmax(-1).cpu()
-                for ids in prompts]
+        rows = [
+            model(torch.tensor([ids], device="cuda")).logits[0, -1].float().log_softmax(-1).cpu() for ids in prompts
+        ]
     del model
     torch.cuda.empty_cache()
     return rows
@@ -104,9 +118,14 @@ def test_fp32_greedy_matches_transformers(model_dir, prompts, reference, enforce
 
 
 def test_async_scheduling_is_on_by_default_and_gives_the_synchronous_tokens(model_dir, prompts, reference):
-    params = [GREEDY if i % 2 == 0 else SamplingParams(temperature=0.8, seed=i, max_tokens=GREEDY.max_tokens,
-                                                      ignore_eos=True, repetition_penalty=1.2)
-              for i in range(len(prompts))]
+    params = [
+        GREEDY
+        if i % 2 == 0
+        else SamplingParams(
+            temperature=0.8, seed=i, max_tokens=GREEDY.max_tokens, ignore_eos=True, repetition_penalty=1.2
+        )
+        for i in range(len(prompts))
+    ]
     tokens = {}
     for mode in (None, False):  # the default first: on, with CUDA graphs
         llm = engine(model_dir, async_scheduling=mode)
@@ -127,9 +146,11 @@ def test_half_precision_logprobs_match_transformers(model_dir, prompts, dtype):
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     for eager in (True, False):
         llm = engine(model_dir, dtype=name, enforce_eager=eager)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5),
-                               use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5),
+            use_tqdm=False,
+        )
         for out, row in zip(outputs, ref):
             first = out.outputs[0].logprobs[0]
             for token, logprob in first.items():
@@ -141,8 +162,14 @@ def test_half_precision_logprobs_match_transformers(model_dir, prompts, dtype):
 
 def test_swap_through_copy_blocks_kernel_keeps_outputs(model_dir, prompts, reference):
     """A pool too small for the batch: groups swap out to pinned host blocks and back."""
-    llm = engine(model_dir, num_gpu_blocks_override=26, max_model_len=416, swap_space=0.05, preemption_mode="swap",
-                 enforce_eager=False)
+    llm = engine(
+        model_dir,
+        num_gpu_blocks_override=26,
+        max_model_len=416,
+        swap_space=0.05,
+        preemption_mode="swap",
+        enforce_eager=False,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, n=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:5]], params, use_tqdm=False)
     for out, ref in zip(outputs, reference[:5]):

@@ -80,8 +80,9 @@ def test_the_runner_samples_on_the_logits_device(monkeypatch):
     from raypaged import LLM
 
     llm = LLM(model=str(_tiny_model_dir()), load_format="dummy", device="cuda", max_model_len=128)
-    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
-                       SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True))
+    out = llm.generate(
+        [{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True)
+    )
     assert len(out[0].outputs[0].token_ids) == 4
     assert seen and set(seen) == {("cuda", "cuda")}
 
@@ -92,6 +93,13 @@ def _tiny_model_dir():
 
     from raypaged.model.synthetic import write_synthetic_model
 
-    return write_synthetic_model(Path(tempfile.mkdtemp()) / "tiny", vocab_size=512, hidden_size=64,
-                                 intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=256)
+    return write_synthetic_model(
+        Path(tempfile.mkdtemp()) / "tiny",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )

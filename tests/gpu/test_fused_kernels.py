@@ -25,6 +25,7 @@ def switched_on(monkeypatch):
     """The kernels are off by default until these tests have passed on a device."""
     monkeypatch.setenv("RAYPAGED_FUSED_KERNELS", "1")
 
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 NORM_RTOL = {torch.float32: 1e-5, torch.float16: 2 * ULP[torch.float16], torch.bfloat16: 2 * ULP[torch.bfloat16]}
@@ -81,8 +82,8 @@ def test_rms_norm_per_head_over_views_of_qkv(dtype, head_dim):
     tokens, heads, kv_heads = 13, 8, 2
     qkv, _ = random_rows(tokens, (heads + 2 * kv_heads) * head_dim, dtype, head_dim)
     weight = torch.empty(head_dim, device="cuda").uniform_(0.5, 1.5).to(dtype)
-    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     for view in (q, k):
         out = kernels.rms_norm(view, weight, 1e-6)
         assert out.is_contiguous()
@@ -132,14 +133,17 @@ def rotary_case(dtype, head_dim, block_size, num_heads, num_kv_heads, fused_qkv,
     if fused_qkv:  # q, k, v strided views of one buffer, as Llama's attention hands them over
         tensors = (torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, device="cuda").to(dtype),)
     else:  # separate contiguous q and k, as after Qwen3's q/k norms
-        tensors = tuple(torch.randn(num_tokens, h, head_dim, device="cuda").to(dtype)
-                        for h in (num_heads, num_kv_heads, num_kv_heads))
+        tensors = tuple(
+            torch.randn(num_tokens, h, head_dim, device="cuda").to(dtype)
+            for h in (num_heads, num_kv_heads, num_kv_heads)
+        )
 
     def views(*buffers):
         if not fused_qkv:
             return buffers
         qkv = buffers[0]
-        return qkv[:, :num_heads], qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]
+        return qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]
+
     expected = tuple(t.clone() for t in tensors)
     expected_caches = (key_cache.clone(), value_cache.clone())
     ref.rotary_and_cache(positions, *views(*expected), cos_sin, *expected_caches, slots)
@@ -158,8 +162,9 @@ def test_rotary_and_cache_equals_rotate_then_reshape_and_cache(dtype, head_dim, 
     rotary_case(dtype, head_dim, block_size, 8, 2, fused_qkv, seed=head_dim + block_size)
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (12, 2), (32, 1), (64, 8)],
-                         ids=["mha", "gqa6", "mqa", "wide"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads"), [(4, 4), (12, 2), (32, 1), (64, 8)], ids=["mha", "gqa6", "mqa", "wide"]
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rotary_and_cache_head_layouts(dtype, num_heads, num_kv_heads):
     rotary_case(dtype, 128, 16, num_heads, num_kv_heads, True, seed=num_heads, num_tokens=300)
@@ -170,19 +175,23 @@ def test_the_kernels_record_into_a_cuda_graph():
     them on new inputs copied into the same buffers."""
     dtype, tokens, hidden, d, heads, kv_heads, head_dim, block_size = torch.float16, 24, 256, 384, 4, 2, 64, 16
     cos_sin = rotary_table(head_dim, dtype, 512)
-    static = dict(x=torch.zeros(tokens, hidden, dtype=dtype, device="cuda"),
-                  residual=torch.zeros(tokens, hidden, dtype=dtype, device="cuda"),
-                  gate_up=torch.zeros(tokens, 2 * d, dtype=dtype, device="cuda"),
-                  qkv=torch.zeros(tokens, heads + 2 * kv_heads, head_dim, dtype=dtype, device="cuda"),
-                  positions=torch.zeros(tokens, dtype=torch.long, device="cuda"),
-                  slots=torch.full((tokens,), -1, dtype=torch.long, device="cuda"))
+    static = dict(
+        x=torch.zeros(tokens, hidden, dtype=dtype, device="cuda"),
+        residual=torch.zeros(tokens, hidden, dtype=dtype, device="cuda"),
+        gate_up=torch.zeros(tokens, 2 * d, dtype=dtype, device="cuda"),
+        qkv=torch.zeros(tokens, heads + 2 * kv_heads, head_dim, dtype=dtype, device="cuda"),
+        positions=torch.zeros(tokens, dtype=torch.long, device="cuda"),
+        slots=torch.full((tokens,), -1, dtype=torch.long, device="cuda"),
+    )
     weight = torch.empty(hidden, device="cuda").uniform_(0.5, 1.5).to(dtype)
     cache_shape = (8, kv_heads, block_size, head_dim)
-    caches = (torch.zeros(cache_shape, dtype=dtype, device="cuda"),
-              torch.zeros(cache_shape, dtype=dtype, device="cuda"))
+    caches = (
+        torch.zeros(cache_shape, dtype=dtype, device="cuda"),
+        torch.zeros(cache_shape, dtype=dtype, device="cuda"),
+    )
 
     def split(qkv):
-        return qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+        return qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
 
     def step(ops, x, residual, gate_up, qkv, positions, slots, key_cache, value_cache):
         normed = ops.rms_norm(x, weight, 1e-6)
@@ -201,12 +210,14 @@ def test_the_kernels_record_into_a_cuda_graph():
         outputs = step(kernels, **static, key_cache=caches[0], value_cache=caches[1])
     for seed in range(2):
         torch.manual_seed(seed)
-        fresh = dict(x=torch.randn(tokens, hidden, device="cuda").to(dtype),
-                     residual=torch.randn(tokens, hidden, device="cuda").to(dtype),
-                     gate_up=torch.randn(tokens, 2 * d, device="cuda").to(dtype),
-                     qkv=torch.randn(tokens, heads + 2 * kv_heads, head_dim, device="cuda").to(dtype),
-                     positions=torch.randint(0, 512, (tokens,), device="cuda"),
-                     slots=torch.randperm(8 * block_size, device="cuda")[:tokens])
+        fresh = dict(
+            x=torch.randn(tokens, hidden, device="cuda").to(dtype),
+            residual=torch.randn(tokens, hidden, device="cuda").to(dtype),
+            gate_up=torch.randn(tokens, 2 * d, device="cuda").to(dtype),
+            qkv=torch.randn(tokens, heads + 2 * kv_heads, head_dim, device="cuda").to(dtype),
+            positions=torch.randint(0, 512, (tokens,), device="cuda"),
+            slots=torch.randperm(8 * block_size, device="cuda")[:tokens],
+        )
         for name, value in fresh.items():
             static[name].copy_(value)
         for cache in caches:

@@ -46,21 +46,33 @@ def random_cache(dtype, block_size, num_kv_heads, head_size):
     return torch.randn(shape, dtype=dtype, device="cuda"), torch.randn(shape, dtype=dtype, device="cuda")
 
 
-def decode_case(dtype, head_size, block_size, num_heads, num_kv_heads, partition_size, seed, num_seqs=9,
-                max_context=None, min_context=1):
+def decode_case(
+    dtype,
+    head_size,
+    block_size,
+    num_heads,
+    num_kv_heads,
+    partition_size,
+    seed,
+    num_seqs=9,
+    max_context=None,
+    min_context=1,
+):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     key_cache, value_cache = random_cache(dtype, block_size, num_kv_heads, head_size)
-    block_tables, context_lens = random_layout(rng, num_seqs, block_size, max_context or NUM_BLOCKS * block_size // 12,
-                                               min_context)
+    block_tables, context_lens = random_layout(
+        rng, num_seqs, block_size, max_context or NUM_BLOCKS * block_size // 12, min_context
+    )
     query = torch.randn(num_seqs, num_heads, head_size, dtype=dtype, device="cuda")
     scale = head_size**-0.5
     ref = torch_ops.paged_attention_decode(
         query.float(), key_cache.float(), value_cache.float(), block_tables, context_lens, scale
     )
     poison_allocator(query.numel() * query.element_size())
-    out = kernels.paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
-                                         partition_size=partition_size)
+    out = kernels.paged_attention_decode(
+        query, key_cache, value_cache, block_tables, context_lens, scale, partition_size=partition_size
+    )
     assert not out.isnan().any(), "an output element was not written"
     assert relative_error(out, ref) <= TOLERANCE[dtype]
 
@@ -89,7 +101,7 @@ def test_reshape_and_cache_writes_its_slots_only(dtype):
     torch.manual_seed(0)
     num_tokens, num_kv_heads, head_size = 37, 2, 80
     qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_size, dtype=dtype, device="cuda")
-    key, value = qkv[:, :num_kv_heads], qkv[:, num_kv_heads:2 * num_kv_heads]  # strided rows, as from a fused qkv
+    key, value = qkv[:, :num_kv_heads], qkv[:, num_kv_heads : 2 * num_kv_heads]  # strided rows, as from a fused qkv
     slots = torch.randperm(NUM_BLOCKS * 16, device="cuda")[:num_tokens]
     slots[::5] = -1  # padding
     key_cache = torch.full((NUM_BLOCKS, num_kv_heads, 16, head_size), float("nan"), dtype=dtype, device="cuda")

@@ -59,7 +59,8 @@ def test_decode_graphs_replay_the_lora_product_for_any_slots():
             eager = model(ids, positions, caches["bgmv"], meta).clone()
             replayed = graphs.run(ids, positions, meta).clone()
             message = lambda m, index=index, token_slots=token_slots: (  # noqa: E731
-                f"step {index}, slots {token_slots}: {m}")
+                f"step {index}, slots {token_slots}: {m}"
+            )
             torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5, msg=message)
             torch.testing.assert_close(eager, expected, rtol=1e-4, atol=1e-4, msg=message)
             if index == 0:  # the adapters matter: rows of slots 0 and 2 are far from the base model's
@@ -99,8 +100,15 @@ def test_piecewise_graphs_replay_the_lora_product_for_any_slots():
     assert decode.replays == 1
 
 
-SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=2048)
+SHAPE = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
 
 
 def test_engine_tokens_with_the_lora_kernels_equal_the_torch_path(tmp_path, monkeypatch):
@@ -108,20 +116,32 @@ def test_engine_tokens_with_the_lora_kernels_equal_the_torch_path(tmp_path, monk
     and graphs equal the per-slot matmul path's (eager for adapter steps), and the graphs replay."""
     pytest.importorskip("peft")
     model_dir = random_llama(tmp_path / "tiny", **SHAPE)
-    options = [dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-               dict(r=8, lora_alpha=16, target_modules="all-linear"),
-               dict(r=2, lora_alpha=4, target_modules=["o_proj", "down_proj"])]
-    adapters = [LoRARequest(f"ad{i}", i + 1, str(make_peft_adapter(model_dir, tmp_path / f"ad{i}", seed=i, std=0.3,
-                                                                     **option)))
-                for i, option in enumerate(options)]
+    options = [
+        dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        dict(r=8, lora_alpha=16, target_modules="all-linear"),
+        dict(r=2, lora_alpha=4, target_modules=["o_proj", "down_proj"]),
+    ]
+    adapters = [
+        LoRARequest(f"ad{i}", i + 1, str(make_peft_adapter(model_dir, tmp_path / f"ad{i}", seed=i, std=0.3, **option)))
+        for i, option in enumerate(options)
+    ]
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 3 for j in range(5 + 13 * i)]} for i in range(8)]
     requests = [adapters[i % 4] if i % 4 < 3 else None for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     found = {}
     for switch in ("0", "1"):
         monkeypatch.setenv("RAYPAGED_LORA_KERNELS", switch)
-        llm = LLM(str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
-                  enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8)
+        llm = LLM(
+            str(model_dir),
+            device="cuda",
+            dtype="float32",
+            gpu_memory_utilization=0.3,
+            max_model_len=512,
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=8,
+            max_num_seqs=8,
+        )
         outputs = llm.generate(prompts, params, lora_request=requests, use_tqdm=False)
         found[switch] = [list(o.outputs[0].token_ids) for o in outputs]
         runner = llm.llm_engine.executor.worker.runner

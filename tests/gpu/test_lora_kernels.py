@@ -18,8 +18,10 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 3e-2}
 
 def adapter_rows(token_slots: list[int | None]) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [i for i, slot in enumerate(token_slots) if slot is not None]
-    return (torch.tensor(rows, dtype=torch.long, device="cuda"),
-            torch.tensor([token_slots[i] for i in rows], dtype=torch.long, device="cuda"))
+    return (
+        torch.tensor(rows, dtype=torch.long, device="cuda"),
+        torch.tensor([token_slots[i] for i in rows], dtype=torch.long, device="cuda"),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -30,7 +32,7 @@ def test_bgmv_equals_the_reference(dtype, rank, in_features, out_features):
     num_slots, num_tokens = 4, 77
     token_slots = [rng.choice([None, 0, 1, 2, 3]) for _ in range(num_tokens)]
     x = torch.randn(num_tokens, in_features, dtype=dtype, device="cuda")
-    lora_a = (torch.randn(num_slots, in_features, rank, device="cuda") / in_features ** 0.5).to(dtype)
+    lora_a = (torch.randn(num_slots, in_features, rank, device="cuda") / in_features**0.5).to(dtype)
     lora_b = torch.randn(num_slots, rank, out_features, dtype=dtype, device="cuda")
     y = torch.randn(num_tokens, out_features, dtype=dtype, device="cuda")
     expected = y.float().clone()

@@ -23,6 +23,7 @@ def switched_on(monkeypatch):
     """The kernels are off by default until these tests have passed on a device."""
     monkeypatch.setenv("RAYPAGED_VARLEN_PREFILL", "1")
 
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # fp32: FMA kernel, fp32 throughout. fp16/bf16: P is rounded to the input dtype before P V (as FlashAttention)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -34,8 +35,18 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def prefill_case(dtype, head_size, block_size, num_heads, num_kv_heads, spans, seed, tensor_cores=None,
-                 table_dtype=torch.int32, strided_query=False):
+def prefill_case(
+    dtype,
+    head_size,
+    block_size,
+    num_heads,
+    num_kv_heads,
+    spans,
+    seed,
+    tensor_cores=None,
+    table_dtype=torch.int32,
+    strided_query=False,
+):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     blocks_needed = [-(-context // block_size) for _, context in spans]
@@ -65,15 +76,26 @@ def prefill_case(dtype, head_size, block_size, num_heads, num_kv_heads, spans, s
     cu_seqlens = torch.tensor(cu, dtype=torch.int32, device="cuda")
     context_lens = torch.tensor([c for _, c in spans], dtype=torch.int32, device="cuda")
     out = torch.full((total, num_heads, head_size), float("nan"), dtype=dtype, device="cuda")
-    result = kernels.paged_prefill_attention(query, key_cache, value_cache, cu_seqlens, context_lens, block_tables,
-                                             scale, max(query_lens), out=out, tensor_cores=tensor_cores)
+    result = kernels.paged_prefill_attention(
+        query,
+        key_cache,
+        value_cache,
+        cu_seqlens,
+        context_lens,
+        block_tables,
+        scale,
+        max(query_lens),
+        out=out,
+        tensor_cores=tensor_cores,
+    )
     assert result is out
     assert not out.isnan().any(), "an output element was not written"
     for s, (query_len, context_len) in enumerate(spans):
-        ids = block_tables[s, :blocks_needed[s]].long()
-        ref = torch_ops.paged_attention_prefill(query[cu[s]:cu[s + 1]].float(), key_cache.float(),
-                                                value_cache.float(), ids, context_len, scale)
-        error = relative_error(out[cu[s]:cu[s + 1]], ref)
+        ids = block_tables[s, : blocks_needed[s]].long()
+        ref = torch_ops.paged_attention_prefill(
+            query[cu[s] : cu[s + 1]].float(), key_cache.float(), value_cache.float(), ids, context_len, scale
+        )
+        error = relative_error(out[cu[s] : cu[s + 1]], ref)
         assert error <= TOLERANCE[dtype], (s, query_len, context_len, error)
 
 
@@ -83,20 +105,34 @@ def kernels_for(dtype):
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128])
-@pytest.mark.parametrize("dtype, tensor_cores",
-                         [(d, t) for d in DTYPES for t in kernels_for(d)],
-                         ids=lambda v: str(v) if isinstance(v, torch.dtype) else {None: "auto", False: "fma"}[v])
+@pytest.mark.parametrize(
+    "dtype, tensor_cores",
+    [(d, t) for d in DTYPES for t in kernels_for(d)],
+    ids=lambda v: str(v) if isinstance(v, torch.dtype) else {None: "auto", False: "fma"}[v],
+)
 def test_mixed_spans_in_one_call_match_torch(dtype, tensor_cores, head_size, block_size):
-    prefill_case(dtype, head_size, block_size, num_heads=8, num_kv_heads=2, spans=MIXED, seed=head_size + block_size,
-                 tensor_cores=tensor_cores)
+    prefill_case(
+        dtype,
+        head_size,
+        block_size,
+        num_heads=8,
+        num_kv_heads=2,
+        spans=MIXED,
+        seed=head_size + block_size,
+        tensor_cores=tensor_cores,
+    )
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads",
-                         [(8, 8), (16, 4), (32, 4), (12, 2), (32, 1), (96, 1)],
-                         ids=["mha", "gqa4", "gqa8", "gqa6", "mqa32", "mqa96"])
-@pytest.mark.parametrize("dtype, tensor_cores",
-                         [(d, t) for d in DTYPES for t in kernels_for(d)],
-                         ids=lambda v: str(v) if isinstance(v, torch.dtype) else {None: "auto", False: "fma"}[v])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads",
+    [(8, 8), (16, 4), (32, 4), (12, 2), (32, 1), (96, 1)],
+    ids=["mha", "gqa4", "gqa8", "gqa6", "mqa32", "mqa96"],
+)
+@pytest.mark.parametrize(
+    "dtype, tensor_cores",
+    [(d, t) for d in DTYPES for t in kernels_for(d)],
+    ids=lambda v: str(v) if isinstance(v, torch.dtype) else {None: "auto", False: "fma"}[v],
+)
 def test_head_layouts_match_torch(dtype, tensor_cores, num_heads, num_kv_heads):
     # gqa6: 64 // 6 tokens per tile leaves rows unused; mqa96: more heads than a tile's rows, one head per block
     prefill_case(dtype, 128, 16, num_heads, num_kv_heads, spans=[(70, 70), (3, 90), (33, 161)], seed=num_heads)
@@ -126,8 +162,9 @@ def test_rows_outside_the_spans_are_untouched(dtype):
     tables = torch.tensor([[5, 1], [6, 0]], dtype=torch.int32, device="cuda")
     kernels.paged_prefill_attention(query, key_cache, value_cache, cu, lens, tables, 0.125, 4, out=out)
     assert out[:3].isnan().all() and out[9].isnan().all() and not out[3:9].isnan().any()
-    ref = torch_ops.paged_attention_prefill(query[3:7].float(), key_cache.float(), value_cache.float(),
-                                            tables[0].long(), 20, 0.125)
+    ref = torch_ops.paged_attention_prefill(
+        query[3:7].float(), key_cache.float(), value_cache.float(), tables[0].long(), 20, 0.125
+    )
     assert relative_error(out[3:7], ref) <= TOLERANCE[dtype]
 
 
@@ -143,11 +180,19 @@ def test_whole_prompt_matches_sdpa_over_its_fresh_keys():
     value_cache = key_cache.clone()
     ids = torch.randperm(40, device="cuda")[:10]
     positions = torch.arange(num_tokens, device="cuda")
-    kernels.reshape_and_cache(key, value, key_cache, value_cache, ids[positions // block_size] * block_size
-                              + positions % block_size)
+    kernels.reshape_and_cache(
+        key, value, key_cache, value_cache, ids[positions // block_size] * block_size + positions % block_size
+    )
     out = kernels.paged_prefill_attention(
-        query, key_cache, value_cache, torch.tensor([0, num_tokens], dtype=torch.int32, device="cuda"),
-        torch.tensor([num_tokens], dtype=torch.int32, device="cuda"), ids[None], 128**-0.5, num_tokens)
+        query,
+        key_cache,
+        value_cache,
+        torch.tensor([0, num_tokens], dtype=torch.int32, device="cuda"),
+        torch.tensor([num_tokens], dtype=torch.int32, device="cuda"),
+        ids[None],
+        128**-0.5,
+        num_tokens,
+    )
     ref = torch_ops.prefill_attention(query.float(), key.float(), value.float(), 128**-0.5)
     assert relative_error(out, ref) <= TOLERANCE[torch.float16]
 
@@ -162,9 +207,13 @@ def test_cuda_backend_step_matches_the_torch_backend(seed):
         return t.cuda()
 
     cuda_meta = dataclasses.replace(
-        meta, slot_mapping=to_cuda(meta.slot_mapping), decode_block_tables=to_cuda(meta.decode_block_tables),
-        decode_context_lens=to_cuda(meta.decode_context_lens), varlen_cache={},
-        prefills=[dataclasses.replace(s, block_ids=to_cuda(s.block_ids)) for s in meta.prefills])
+        meta,
+        slot_mapping=to_cuda(meta.slot_mapping),
+        decode_block_tables=to_cuda(meta.decode_block_tables),
+        decode_context_lens=to_cuda(meta.decode_context_lens),
+        varlen_cache={},
+        prefills=[dataclasses.replace(s, block_ids=to_cuda(s.block_ids)) for s in meta.prefills],
+    )
     expected = TORCH.forward(query, key, value, key_cache.clone(), value_cache.clone(), meta, 64**-0.5)
     backend = cuda_backend()
     kc, vc = to_cuda(key_cache), to_cuda(value_cache)

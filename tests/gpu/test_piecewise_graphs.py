@@ -20,8 +20,15 @@ from tests.worker.test_piecewise import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, NUM_
 
 pytestmark = NEEDS_CUDA_AND_CUPY
 
-SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=2048)  # head size 64, GQA 2:1
+SHAPE = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)  # head size 64, GQA 2:1
 
 
 @pytest.fixture(autouse=True)
@@ -85,8 +92,15 @@ def test_engine_gives_the_same_greedy_tokens_with_the_switch_on_and_off(model_di
     tokens, replays = {}, {}
     for switch in ("1", "0"):
         monkeypatch.setenv("RAYPAGED_PIECEWISE_GRAPHS", switch)
-        llm = LLM(str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_model_len=2048,
-                  max_num_batched_tokens=128, max_num_seqs=4)
+        llm = LLM(
+            str(model_dir),
+            device="cuda",
+            dtype="float32",
+            gpu_memory_utilization=0.3,
+            max_model_len=2048,
+            max_num_batched_tokens=128,
+            max_num_seqs=4,
+        )
         runner = llm.llm_engine.executor.worker.runner
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         tokens[switch] = [list(o.outputs[0].token_ids) for o in outputs]

@@ -46,7 +46,6 @@ def reshape_args(**overrides):
     return args
 
 
-
 @pytest.mark.parametrize(
     "overrides, error, message",
     [
@@ -61,12 +60,25 @@ def reshape_args(**overrides):
         (dict(query=torch.zeros(3, 3, HEAD_SIZE, dtype=torch.float16)), ValueError, "not a multiple of key_cache's 2"),
         (dict(block_tables=torch.zeros(2, 4, dtype=torch.long)), ValueError, r"block_tables must have shape \(3, \*\)"),
         (dict(context_lens=torch.ones(3, 1, dtype=torch.long)), ValueError, "context_lens must have 1 dimensions"),
-        (dict(query=torch.zeros(NUM_HEADS, 3, HEAD_SIZE, dtype=torch.float16).transpose(0, 1)), ValueError,
-         "query must be contiguous"),
-        (dict(key_cache=cache().transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
-         "key_cache must be contiguous"),
-        (dict(key_cache=torch.zeros(NUM_BLOCKS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_SIZE + 1, dtype=torch.float16)[1:]
-              .view(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)), ValueError, "key_cache must start on a 16-byte"),
+        (
+            dict(query=torch.zeros(NUM_HEADS, 3, HEAD_SIZE, dtype=torch.float16).transpose(0, 1)),
+            ValueError,
+            "query must be contiguous",
+        ),
+        (
+            dict(key_cache=cache().transpose(1, 2).contiguous().transpose(1, 2)),
+            ValueError,
+            "key_cache must be contiguous",
+        ),
+        (
+            dict(
+                key_cache=torch.zeros(NUM_BLOCKS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_SIZE + 1, dtype=torch.float16)[
+                    1:
+                ].view(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
+            ),
+            ValueError,
+            "key_cache must start on a 16-byte",
+        ),
         (dict(scale="0.1"), TypeError, "scale must be a float, got str"),
         (dict(), ValueError, "query must be on a CUDA device, got cpu"),
     ],
@@ -85,10 +97,16 @@ def test_decode_rejects_a_partition_larger_than_shared_memory():
     "overrides, error, message",
     [
         (dict(key=torch.zeros(5, NUM_KV_HEADS, HEAD_SIZE)), TypeError, "key, value, key_cache must share one dtype"),
-        (dict(value=torch.zeros(5, NUM_KV_HEADS, 32, dtype=torch.float16)), ValueError,
-         r"value must have shape \(\*, 2, 64\)"),
-        (dict(key=torch.zeros(5, HEAD_SIZE, NUM_KV_HEADS, dtype=torch.float16).transpose(1, 2)), ValueError,
-         "key must have contiguous"),
+        (
+            dict(value=torch.zeros(5, NUM_KV_HEADS, 32, dtype=torch.float16)),
+            ValueError,
+            r"value must have shape \(\*, 2, 64\)",
+        ),
+        (
+            dict(key=torch.zeros(5, HEAD_SIZE, NUM_KV_HEADS, dtype=torch.float16).transpose(1, 2)),
+            ValueError,
+            "key must have contiguous",
+        ),
         (dict(slot_mapping=torch.arange(4)), ValueError, r"slot_mapping must have shape \(5,\)"),
         (dict(slot_mapping=torch.arange(5, dtype=torch.int32)), TypeError, "slot_mapping must have dtype"),
         (dict(), ValueError, "key must be on a CUDA device, got cpu"),
@@ -101,7 +119,7 @@ def test_reshape_and_cache_rejects(overrides, error, message):
 
 def test_reshape_and_cache_accepts_rows_strided_out_of_a_fused_qkv():
     qkv = torch.zeros(5, 3 * NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16)
-    key, value = qkv[:, :NUM_KV_HEADS], qkv[:, NUM_KV_HEADS:2 * NUM_KV_HEADS]
+    key, value = qkv[:, :NUM_KV_HEADS], qkv[:, NUM_KV_HEADS : 2 * NUM_KV_HEADS]
     with pytest.raises(ValueError, match="key must be on a CUDA device"):  # layout passed, device is last
         reshape_and_cache(**reshape_args(key=key, value=value))
 
@@ -115,12 +133,22 @@ def pools(num_blocks=NUM_BLOCKS, dtype=torch.float16):
     [
         (pools(), pools(dtype=torch.float32), torch.zeros(1, 2, dtype=torch.long), TypeError, "src, dst must share"),
         (pools(), pools()[:1], torch.zeros(1, 2, dtype=torch.long), ValueError, "must match except in num_blocks"),
-        (pools(), pools(4), torch.zeros(1, 3, dtype=torch.long), ValueError,
-         r"block_mapping must have shape \(\*, 2\)"),
+        (
+            pools(),
+            pools(4),
+            torch.zeros(1, 3, dtype=torch.long),
+            ValueError,
+            r"block_mapping must have shape \(\*, 2\)",
+        ),
         (pools(), pools(4), torch.zeros(1, 2, dtype=torch.long), ValueError, "src is a CPU tensor but not in pinned"),
         (pools()[0], pools()[0], torch.zeros(1, 2, dtype=torch.long), ValueError, "src must have 6 dimensions"),
-        (torch.zeros(2, 2, 4, 1, 1, 3), torch.zeros(2, 2, 4, 1, 1, 3), torch.zeros(1, 2, dtype=torch.long), ValueError,
-         "src blocks of 12 bytes are not a multiple of 16"),
+        (
+            torch.zeros(2, 2, 4, 1, 1, 3),
+            torch.zeros(2, 2, 4, 1, 1, 3),
+            torch.zeros(1, 2, dtype=torch.long),
+            ValueError,
+            "src blocks of 12 bytes are not a multiple of 16",
+        ),
     ],
 )
 def test_copy_blocks_rejects(src, dst, mapping, error, message):

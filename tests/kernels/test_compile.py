@@ -30,8 +30,14 @@ def all_resources() -> dict:
 
 
 def test_every_kernel_source_is_covered():
-    assert SOURCES == ["copy_blocks.cu", "fused_ops.cu", "lora_bgmv.cu", "paged_attention.cu", "paged_prefill.cu",
-                       "reshape_and_cache.cu"]
+    assert SOURCES == [
+        "copy_blocks.cu",
+        "fused_ops.cu",
+        "lora_bgmv.cu",
+        "paged_attention.cu",
+        "paged_prefill.cu",
+        "reshape_and_cache.cu",
+    ]
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -49,8 +55,9 @@ def test_exports_every_kernel_the_wrappers_launch():
     expected = {"copy_blocks", "reshape_and_cache"}
     for dtype in ("f32", "f16", "bf16"):
         expected |= {f"lora_shrink_{dtype}", f"lora_expand_{dtype}"}
-        expected |= {f"{name}_{dtype}"
-                     for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")}
+        expected |= {
+            f"{name}_{dtype}" for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")
+        }
         for head_size in (64, 80, 96, 128):
             for variant in ("v1", "v2", "v2_reduce"):
                 expected.add(f"paged_attention_{variant}_{dtype}_{head_size}")
@@ -79,8 +86,11 @@ def test_fused_kernels_round_where_torch_rounds():
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fused_ops.ptx"
-        subprocess.run(["nvcc", "-ptx", "-arch=sm_90", "-I", str(KERNEL_DIR), str(KERNEL_DIR / "fused_ops.cu"), "-o",
-                        str(out)], check=True, capture_output=True)
+        subprocess.run(
+            ["nvcc", "-ptx", "-arch=sm_90", "-I", str(KERNEL_DIR), str(KERNEL_DIR / "fused_ops.cu"), "-o", str(out)],
+            check=True,
+            capture_output=True,
+        )
         bodies = entry_bodies(out.read_text())
     for dtype in ("f32", "f16", "bf16"):
         rotary = bodies[f"rotary_and_cache_{dtype}"]

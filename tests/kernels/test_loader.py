@@ -14,10 +14,15 @@ def test_runtime_source_inlines_common_header_and_includes_nothing(name):
     assert text.count("#define RAYPAGED_COMMON_CUH") == 1
 
 
-
 def test_sources_are_found_where_the_package_is():
-    assert SOURCES == ["copy_blocks.cu", "fused_ops.cu", "lora_bgmv.cu", "paged_attention.cu", "paged_prefill.cu",
-                       "reshape_and_cache.cu"]
+    assert SOURCES == [
+        "copy_blocks.cu",
+        "fused_ops.cu",
+        "lora_bgmv.cu",
+        "paged_attention.cu",
+        "paged_prefill.cu",
+        "reshape_and_cache.cu",
+    ]
 
 
 def test_a_built_wheel_carries_the_kernel_sources(tmp_path):
@@ -28,8 +33,23 @@ def test_a_built_wheel_carries_the_kernel_sources(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path), str(root)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     [wheel] = tmp_path.glob("raypaged-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for source in [*SOURCES, "common.cuh"]:

@@ -31,7 +31,6 @@ def prefill_args(**overrides):
     return args
 
 
-
 @pytest.mark.parametrize(
     "overrides, error, message",
     [
@@ -40,31 +39,59 @@ def prefill_args(**overrides):
         (dict(value_cache=cache(torch.bfloat16)), TypeError, "key_cache, value_cache must share one dtype"),
         (dict(query=torch.zeros(7, NUM_HEADS, 48, dtype=torch.float16)), ValueError, "head size 48 is not supported"),
         (dict(key_cache=cache(block_size=4), value_cache=cache(block_size=4)), ValueError, "block size 4"),
-        (dict(key_cache=cache(head_size=128), value_cache=cache(head_size=128)), ValueError,
-         r"key_cache must have shape \(\*, \*, \*, 64\)"),
+        (
+            dict(key_cache=cache(head_size=128), value_cache=cache(head_size=128)),
+            ValueError,
+            r"key_cache must have shape \(\*, \*, \*, 64\)",
+        ),
         (dict(query=torch.zeros(7, 3, HEAD_SIZE, dtype=torch.float16)), ValueError, "not a multiple of key_cache's 2"),
-        (dict(query=torch.zeros(NUM_HEADS, 7, HEAD_SIZE, dtype=torch.float16).transpose(0, 1)), ValueError,
-         "query must have contiguous"),
-        (dict(query=torch.zeros(7 * NUM_HEADS * HEAD_SIZE + 1, dtype=torch.float16)[1:]
-              .view(7, NUM_HEADS, HEAD_SIZE)), ValueError, "query must start on a 16-byte"),
-        (dict(key_cache=cache().transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
-         "key_cache must be contiguous"),
+        (
+            dict(query=torch.zeros(NUM_HEADS, 7, HEAD_SIZE, dtype=torch.float16).transpose(0, 1)),
+            ValueError,
+            "query must have contiguous",
+        ),
+        (
+            dict(
+                query=torch.zeros(7 * NUM_HEADS * HEAD_SIZE + 1, dtype=torch.float16)[1:].view(7, NUM_HEADS, HEAD_SIZE)
+            ),
+            ValueError,
+            "query must start on a 16-byte",
+        ),
+        (
+            dict(key_cache=cache().transpose(1, 2).contiguous().transpose(1, 2)),
+            ValueError,
+            "key_cache must be contiguous",
+        ),
         (dict(cu_seqlens_q=torch.tensor([0, 4, 7])), TypeError, "cu_seqlens_q must have dtype torch.int32"),
         (dict(cu_seqlens_q=torch.zeros(0, dtype=torch.int32)), ValueError, "cu_seqlens_q must have num_spans"),
         (dict(context_lens=torch.tensor([20, 3])), TypeError, "context_lens must have dtype torch.int32"),
         (dict(context_lens=torch.tensor([20], dtype=torch.int32)), ValueError, r"context_lens must have shape \(2,\)"),
         (dict(block_tables=torch.zeros(2, 2, dtype=torch.int16)), TypeError, "block_tables must have dtype"),
-        (dict(block_tables=torch.zeros(3, 2, dtype=torch.int32)), ValueError,
-         r"block_tables must have shape \(2, \*\)"),
-        (dict(block_tables=torch.zeros(2, 4, dtype=torch.int32)[:, ::2]), ValueError,
-         "block_tables must be contiguous"),
+        (
+            dict(block_tables=torch.zeros(3, 2, dtype=torch.int32)),
+            ValueError,
+            r"block_tables must have shape \(2, \*\)",
+        ),
+        (
+            dict(block_tables=torch.zeros(2, 4, dtype=torch.int32)[:, ::2]),
+            ValueError,
+            "block_tables must be contiguous",
+        ),
         (dict(scale="0.1"), TypeError, "scale must be a float, got str"),
         (dict(max_query_len=4.0), TypeError, "max_query_len must be an int, got float"),
         (dict(max_query_len=8), ValueError, r"max_query_len must be in \[0, 7\]"),
         (dict(out=torch.zeros(7, NUM_HEADS, HEAD_SIZE)), TypeError, "out, query must share one dtype"),
         (dict(out=torch.zeros(6, NUM_HEADS, HEAD_SIZE, dtype=torch.float16)), ValueError, "out must have shape"),
-        (dict(query=torch.zeros(7, NUM_HEADS, HEAD_SIZE), key_cache=cache(torch.float32),
-              value_cache=cache(torch.float32), tensor_cores=True), ValueError, "tensor_cores=True needs float16"),
+        (
+            dict(
+                query=torch.zeros(7, NUM_HEADS, HEAD_SIZE),
+                key_cache=cache(torch.float32),
+                value_cache=cache(torch.float32),
+                tensor_cores=True,
+            ),
+            ValueError,
+            "tensor_cores=True needs float16",
+        ),
         (dict(), ValueError, "query must be on a CUDA device, got cpu"),
     ],
 )

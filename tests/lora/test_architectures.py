@@ -24,13 +24,16 @@ VARIANTS = {
     "qwen3-qk-norm-bias": ("qwen3", {"head_dim": 16, "attention_bias": True, "tie_word_embeddings": True}),
     "llama-tied-mha": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 8}),
 }
-ADAPTER_OPTIONS = {"all": {"r": 4, "target_modules": "all-linear"},
-                   "qkv": {"r": 2, "lora_alpha": 3, "target_modules": ["q_proj", "k_proj", "v_proj"]}}
+ADAPTER_OPTIONS = {
+    "all": {"r": 4, "target_modules": "all-linear"},
+    "qkv": {"r": 2, "lora_alpha": 3, "target_modules": ["q_proj", "k_proj", "v_proj"]},
+}
 
 
 def attach(model, adapter_dirs) -> LoRAManager:
-    manager = LoRAManager(model, LoRAConfig(max_loras=2, max_lora_rank=4), TensorParallel(), torch.float32,
-                          torch.device("cpu"))
+    manager = LoRAManager(
+        model, LoRAConfig(max_loras=2, max_lora_rank=4), TensorParallel(), torch.float32, torch.device("cpu")
+    )
     for slot, (name, path) in enumerate(adapter_dirs.items()):
         manager.place(slot, LoRARequest(name, slot + 1, str(path)))
     return manager
@@ -43,15 +46,18 @@ def test_mixed_forward_equals_peft(tmp_path, smollm2_dir, variant):
 
     arch, overrides = VARIANTS[variant]
     model_dir = make_tiny_model(tmp_path, smollm2_dir, arch, **overrides)
-    adapter_dirs = {name: make_peft_adapter(model_dir, tmp_path / name, seed=i, std=0.3, **options)
-                    for i, (name, options) in enumerate(ADAPTER_OPTIONS.items())}
+    adapter_dirs = {
+        name: make_peft_adapter(model_dir, tmp_path / name, seed=i, std=0.3, **options)
+        for i, (name, options) in enumerate(ADAPTER_OPTIONS.items())
+    }
     model = load_raypaged(model_dir)
     manager = attach(model, adapter_dirs)
     slots = {name: i for i, name in enumerate(adapter_dirs)}
     manager.set_slot_mapping([slots.get(a) for a, p in zip(PROMPT_ADAPTERS, PROMPTS) for _ in p])
     got = prefill_logits(model, PROMPTS)
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter_dirs["all"],
-                                          adapter_name="all")
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_dir), adapter_dirs["all"], adapter_name="all"
+    )
     reference.load_adapter(adapter_dirs["qkv"], adapter_name="qkv")
     for name, prompt, logits in zip(PROMPT_ADAPTERS, PROMPTS, got):
         want = peft_logits(reference.eval(), name, prompt)
@@ -62,10 +68,18 @@ def test_mixed_forward_equals_peft(tmp_path, smollm2_dir, variant):
 
 def test_quantized_base_linears_take_lora_unchanged(tmp_path, smollm2_dir):
     model_dir = make_tiny_model(tmp_path, smollm2_dir, "llama")
-    adapter_dirs = {name: make_peft_adapter(model_dir, tmp_path / name, seed=i, std=0.3, **options)
-                    for i, (name, options) in enumerate(ADAPTER_OPTIONS.items())}
-    model = load_model(model_dir, AutoConfig.from_pretrained(model_dir), 64, torch.float32, torch.device("cpu"),
-                       quant_config=resolve_quantization("fp8", None))
+    adapter_dirs = {
+        name: make_peft_adapter(model_dir, tmp_path / name, seed=i, std=0.3, **options)
+        for i, (name, options) in enumerate(ADAPTER_OPTIONS.items())
+    }
+    model = load_model(
+        model_dir,
+        AutoConfig.from_pretrained(model_dir),
+        64,
+        torch.float32,
+        torch.device("cpu"),
+        quant_config=resolve_quantization("fp8", None),
+    )
     base_classes = {type(model.model.layers[0].self_attn.qkv_proj), type(model.model.layers[0].mlp.down_proj)}
     assert {cls.__name__ for cls in base_classes} == {"QuantLinear"}
     base_logits = prefill_logits(model, PROMPTS)

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def manager(smollm2_dir, smollm2_adapters):
     model = load_raypaged(smollm2_dir)
-    manager = LoRAManager(model, LoRAConfig(max_loras=3, max_lora_rank=16), TensorParallel(), torch.float32,
-                          torch.device("cpu"))
+    manager = LoRAManager(
+        model, LoRAConfig(max_loras=3, max_lora_rank=16), TensorParallel(), torch.float32, torch.device("cpu")
+    )
     for slot, (name, path) in enumerate(smollm2_adapters.items()):
         manager.place(slot, LoRARequest(name, slot + 1, str(path)))
     return manager, model
@@ -56,7 +57,7 @@ def test_mixed_batch_greedy_tokens_equal_peft_generate(manager, peft_smollm2):
         lora.set_slot_mapping([slots.get(name) for name, s in zip(SEQUENCE_ADAPTERS, sequences) for _ in s])
         for seq, logits in zip(sequences, prefill_logits(model, sequences)):
             seq.append(int(logits[-1].argmax()))
-    generated = {name: s[len(p):] for name, s, p in zip(SEQUENCE_ADAPTERS, sequences, PROMPTS)}
+    generated = {name: s[len(p) :] for name, s, p in zip(SEQUENCE_ADAPTERS, sequences, PROMPTS)}
     for name, prompt in zip(SEQUENCE_ADAPTERS, PROMPTS):
         if name is None:
             with peft_smollm2.disable_adapter():

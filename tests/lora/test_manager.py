@@ -22,9 +22,18 @@ NUM_TOKENS = sum(map(len, PROMPTS))
 def requests(tmp_path_factory, tiny_llama_dir) -> list[LoRARequest]:
     root = tmp_path_factory.mktemp("tiny_adapters")
     targets = [["q_proj", "o_proj"], ["gate_proj", "down_proj"], "all-linear"]
-    return [LoRARequest(f"ad{i}", i, str(make_peft_adapter(tiny_llama_dir, root / f"ad{i}", seed=i, std=0.3, r=2 * i,
-                                                               target_modules=targets[i - 1])))
-            for i in (1, 2, 3)]
+    return [
+        LoRARequest(
+            f"ad{i}",
+            i,
+            str(
+                make_peft_adapter(
+                    tiny_llama_dir, root / f"ad{i}", seed=i, std=0.3, r=2 * i, target_modules=targets[i - 1]
+                )
+            ),
+        )
+        for i in (1, 2, 3)
+    ]
 
 
 def new_manager(tiny_llama_dir, **config) -> tuple[LoRAManager, torch.nn.Module]:

@@ -73,14 +73,17 @@ def test_reference_is_the_per_token_formula():
     torch.testing.assert_close(y, expected)
 
 
-@pytest.mark.parametrize("token_slots", [
-    [None] * 5,
-    [2] * 7,  # one slot for all
-    [2, None, 2],  # one slot beside base tokens
-    [2, None, 0, 2, 0, 0, 1, 3, 3],  # padded batch
-    [0, 1, 2, 3] * 4,  # every slot active
-    [1] * 40 + [3, None, 0],  # skewed: per-slot loop
-])
+@pytest.mark.parametrize(
+    "token_slots",
+    [
+        [None] * 5,
+        [2] * 7,  # one slot for all
+        [2, None, 2],  # one slot beside base tokens
+        [2, None, 0, 2, 0, 0, 1, 3, 3],  # padded batch
+        [0, 1, 2, 3] * 4,  # every slot active
+        [1] * 40 + [3, None, 0],  # skewed: per-slot loop
+    ],
+)
 @pytest.mark.parametrize("build", [build_lora_mapping, build_bgmv_mapping], ids=["segments", "bgmv"])
 def test_add_lora_equals_reference(token_slots, build):
     lora_a, lora_b = weights()
@@ -106,8 +109,11 @@ def test_a_static_mapping_of_no_slot_leaves_y_bit_for_bit():
 def test_add_lora_checks_shapes():
     lora_a, lora_b = weights()
     mapping = build_lora_mapping([0, 4])
-    with pytest.raises(ValueError, match=r"^x \[3, 24\] and y \[2, 40\] do not fit a mapping of 2 tokens and lora_a "
-                                         r"\[4, 24, 6\], lora_b \[4, 6, 40\]$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^x \[3, 24\] and y \[2, 40\] do not fit a mapping of 2 tokens and lora_a "
+        r"\[4, 24, 6\], lora_b \[4, 6, 40\]$",
+    ):
         add_lora(torch.zeros(2, OUT), torch.zeros(3, IN), lora_a, lora_b, mapping)
     with pytest.raises(ValueError, match=r"^lora_b \[4, 5, 40\] does not match lora_a \[4, 24, 6\]$"):
         add_lora(torch.zeros(2, OUT), torch.zeros(2, IN), lora_a, lora_b[:, :5], mapping)
@@ -123,7 +129,8 @@ def test_row_sharded_shrinks_summed_then_expanded_equal_the_whole_product(token_
     mapping = build_lora_mapping(token_slots)
     half = IN // 2
     h = lora_shrink(x[:, :half], lora_a[:, :half].contiguous(), mapping) + lora_shrink(
-        x[:, half:], lora_a[:, half:].contiguous(), mapping)
+        x[:, half:], lora_a[:, half:].contiguous(), mapping
+    )
     got = torch.zeros(len(token_slots), OUT)
     lora_expand(got, h, lora_b, mapping)
     want = torch.zeros(len(token_slots), OUT)

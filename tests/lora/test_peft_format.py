@@ -104,8 +104,12 @@ def test_one_module_rank_above_max_lora_rank(tmp_path, tiny_llama_dir, tiny_conf
 
 def test_target_module_the_model_lacks(tmp_path, tiny_llama_dir, tiny_config):
     path = edit_config(adapter(tmp_path, tiny_llama_dir), target_modules=["q_proj", "c_attn"])
-    with pytest.raises(ValueError, match=re.escape(
-            f"LoRA adapter 'a' targets module 'c_attn', which the model lacks (LoRA applies to {SUPPORTED})")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"LoRA adapter 'a' targets module 'c_attn', which the model lacks (LoRA applies to {SUPPORTED})"
+        ),
+    ):
         add(tiny_config, path)
 
 
@@ -115,8 +119,12 @@ def test_weight_of_a_module_the_model_lacks(tmp_path, tiny_llama_dir, tiny_confi
 
     path = edit_tensors(edit_config(adapter(tmp_path, tiny_llama_dir), target_modules=".*"), rename)
     key = "base_model.model.model.layers.0.mlp.fc2.lora_A.weight"
-    with pytest.raises(ValueError, match=re.escape(
-            f"LoRA adapter 'a': weight '{key}' targets a module the model lacks (LoRA applies to {SUPPORTED})")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"LoRA adapter 'a': weight '{key}' targets a module the model lacks (LoRA applies to {SUPPORTED})"
+        ),
+    ):
         add(tiny_config, path)
 
 
@@ -125,43 +133,62 @@ def test_projection_under_the_wrong_block(tmp_path, tiny_llama_dir, tiny_config)
         return {k.replace("self_attn.q_proj", "mlp.q_proj"): v for k, v in tensors.items()}
 
     path = edit_tensors(adapter(tmp_path, tiny_llama_dir), move)
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "LoRA adapter 'a': weight 'base_model.model.model.layers.0.mlp.q_proj.lora_A.weight' targets a module "
-            "the model lacks")):
+            "the model lacks"
+        ),
+    ):
         add(tiny_config, path)
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"target_modules": ["q_proj", "lm_head"]}, f"LoRA on 'lm_head' is not supported (supported: {SUPPORTED})"),
-    ({"target_modules": ["embed_tokens"]}, f"LoRA on 'embed_tokens' is not supported (supported: {SUPPORTED})"),
-    ({"use_dora": True}, "DoRA (use_dora) is not supported"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save is not supported"),
-    ({"lora_bias": True}, "a LoRA bias (lora_bias) is not supported"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"target_modules": ["q_proj", "lm_head"]}, f"LoRA on 'lm_head' is not supported (supported: {SUPPORTED})"),
+        ({"target_modules": ["embed_tokens"]}, f"LoRA on 'embed_tokens' is not supported (supported: {SUPPORTED})"),
+        ({"use_dora": True}, "DoRA (use_dora) is not supported"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save is not supported"),
+        ({"lora_bias": True}, "a LoRA bias (lora_bias) is not supported"),
+    ],
+)
 def test_unsupported_peft_features_are_refused_by_name(tmp_path, tiny_llama_dir, tiny_config, options, message):
     path = adapter(tmp_path, tiny_llama_dir, **options)
     with pytest.raises(ValueError, match=f"^{re.escape(f'LoRA adapter {chr(39)}a{chr(39)}: {message}')}$"):
         add(tiny_config, path)
 
 
-@pytest.mark.parametrize(("target", "message"), [
-    (".*embed_tokens", "LoRA on embeddings ('base_model.model.model.embed_tokens.lora_embedding_A') is not supported"),
-    (".*lm_head", ("LoRA on 'lm_head' ('base_model.model.lm_head.lora_A.weight') is not supported "
-                  f"(supported: {SUPPORTED})")),
-])
-def test_unsupported_weights_behind_a_regex_target_are_refused_by_name(tmp_path, tiny_llama_dir, tiny_config,
-                                                                       target, message):
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (
+            ".*embed_tokens",
+            "LoRA on embeddings ('base_model.model.model.embed_tokens.lora_embedding_A') is not supported",
+        ),
+        (
+            ".*lm_head",
+            (f"LoRA on 'lm_head' ('base_model.model.lm_head.lora_A.weight') is not supported (supported: {SUPPORTED})"),
+        ),
+    ],
+)
+def test_unsupported_weights_behind_a_regex_target_are_refused_by_name(
+    tmp_path, tiny_llama_dir, tiny_config, target, message
+):
     path = adapter(tmp_path, tiny_llama_dir, target_modules=target)
     with pytest.raises(ValueError, match=f"^{re.escape(f'LoRA adapter {chr(39)}a{chr(39)}: {message}')}$"):
         add(tiny_config, path)
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"bias": "lora_only"}, "bias 'lora_only' is not supported (only 'none')"),
-    ({"peft_type": "IA3"}, "peft_type 'IA3' is not supported (only LORA)"),
-    ({"alpha_pattern": {"q_proj": 4}}, "alpha_pattern is not supported"),
-    ({"fan_in_fan_out": True}, "fan_in_fan_out is not supported"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"bias": "lora_only"}, "bias 'lora_only' is not supported (only 'none')"),
+        ({"peft_type": "IA3"}, "peft_type 'IA3' is not supported (only LORA)"),
+        ({"alpha_pattern": {"q_proj": 4}}, "alpha_pattern is not supported"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out is not supported"),
+    ],
+)
 def test_unsupported_config_fields_are_refused_by_name(tmp_path, tiny_llama_dir, tiny_config, changes, message):
     path = edit_config(adapter(tmp_path, tiny_llama_dir), **changes)
     with pytest.raises(ValueError, match=f"^{re.escape(f'LoRA adapter {chr(39)}a{chr(39)}: {message}')}$"):
@@ -171,18 +198,26 @@ def test_unsupported_config_fields_are_refused_by_name(tmp_path, tiny_llama_dir,
 def test_adapter_of_another_base_model_does_not_fit(tmp_path, smollm2_dir, tiny_llama_dir, tiny_config):
     other = make_tiny_model(tmp_path, smollm2_dir, "llama", hidden_size=32, num_attention_heads=4)
     path = adapter(tmp_path, other)
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             f"LoRA adapter 'a': layer 0 q_proj is [32, 32] (out, in) but the model's is [64, 64] "
-            f"(the adapter was made for '{other}')")):
+            f"(the adapter was made for '{other}')"
+        ),
+    ):
         add(tiny_config, path)
 
 
 def test_adapter_of_a_deeper_model_does_not_fit(tmp_path, smollm2_dir, tiny_llama_dir, tiny_config):
     deeper = make_tiny_model(tmp_path, smollm2_dir, "llama", num_hidden_layers=3)
     path = adapter(tmp_path, deeper)
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             f"LoRA adapter 'a' has weights for layer 2 q_proj, but the model has 2 layers "
-            f"(the adapter was made for '{deeper}')")):
+            f"(the adapter was made for '{deeper}')"
+        ),
+    ):
         add(tiny_config, path)
 
 
@@ -191,13 +226,18 @@ def test_broken_folders(tmp_path, tiny_llama_dir, tiny_config):
         add(tiny_config, tmp_path)
     path = adapter(tmp_path, tiny_llama_dir)
     (path / "adapter_model.safetensors").unlink()
-    with pytest.raises(ValueError, match=re.escape(
-            f"LoRA adapter 'a': no adapter_model.safetensors or adapter_model.bin in {path}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"LoRA adapter 'a': no adapter_model.safetensors or adapter_model.bin in {path}")
+    ):
         add(tiny_config, path)
     (path / "adapter_config.json").write_text("{'r': 8}")
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             f"LoRA adapter 'a': {path / 'adapter_config.json'} is not valid JSON (Expecting property name enclosed "
-            "in double quotes: line 1 column 2 (char 1))")):
+            "in double quotes: line 1 column 2 (char 1))"
+        ),
+    ):
         add(tiny_config, path)
 
 
@@ -208,8 +248,10 @@ def test_broken_weights(tmp_path, tiny_llama_dir, tiny_config):
         add(tiny_config, path)
     shutil.rmtree(path)
     path = edit_tensors(adapter(tmp_path, tiny_llama_dir), lambda t: {**t, key: t[key][:, :3].contiguous()})
-    with pytest.raises(ValueError, match=re.escape(
-            "LoRA adapter 'a': layer 1 q_proj lora_A [4, 64] and lora_B [64, 3] do not share a rank")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("LoRA adapter 'a': layer 1 q_proj lora_A [4, 64] and lora_B [64, 3] do not share a rank"),
+    ):
         add(tiny_config, path)
     shutil.rmtree(path)
     path = edit_tensors(adapter(tmp_path, tiny_llama_dir), lambda t: {})

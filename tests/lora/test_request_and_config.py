@@ -18,12 +18,15 @@ def test_request_equality_is_by_name_as_vllm():
     assert len({a, LoRARequest("sql", 1, "/adapters/sql")}) == 1
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (("", 1, "/p"), "a LoRA adapter needs a non-empty lora_name"),
-    (("a", 0, "/p"), "lora_int_id must be a positive integer, got 0"),
-    (("a", True, "/p"), "lora_int_id must be a positive integer, got True"),
-    (("a", 1, ""), "LoRA adapter 'a' needs a lora_path"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("", 1, "/p"), "a LoRA adapter needs a non-empty lora_name"),
+        (("a", 0, "/p"), "lora_int_id must be a positive integer, got 0"),
+        (("a", True, "/p"), "lora_int_id must be a positive integer, got True"),
+        (("a", 1, ""), "LoRA adapter 'a' needs a lora_path"),
+    ],
+)
 def test_request_validation(args, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
         LoRARequest(*args)
@@ -36,12 +39,16 @@ def test_config_defaults_and_validation():
         LoRAConfig(max_loras=0)
     with pytest.raises(ValueError, match=r"^--max-lora-rank must be at least 1, got 0$"):
         LoRAConfig(max_lora_rank=0)
-    with pytest.raises(ValueError, match=r"^--max-cpu-loras 2 is below --max-loras 4: every adapter on the device is "
-                                         r"also kept on the CPU$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--max-cpu-loras 2 is below --max-loras 4: every adapter on the device is "
+        r"also kept on the CPU$",
+    ):
         LoRAConfig(max_loras=4, max_cpu_loras=2)
 
 
 def test_driver_side_modules_import_no_torch():
-    code = ("import sys, raypaged.lora.request, raypaged.lora.config; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, raypaged.lora.request, raypaged.lora.config; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

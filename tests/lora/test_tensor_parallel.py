@@ -49,16 +49,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize(("tp_size", "shape"), [
-    (3, {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 96}),
-    (4, {}),  # 8 heads, 2 KV heads: each rank holds one KV head, two ranks the same one
-])
+@pytest.mark.parametrize(
+    ("tp_size", "shape"),
+    [
+        (3, {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 96}),
+        (4, {}),  # 8 heads, 2 KV heads: each rank holds one KV head, two ranks the same one
+    ],
+)
 def test_sharded_adapters_equal_one_shard(tmp_path, smollm2_dir, tp_size, shape):
     model_dir = make_tiny_model(tmp_path, smollm2_dir, "llama", **shape)
     adapter_dirs = [
         make_peft_adapter(model_dir, tmp_path / "ad1", seed=1, std=0.3, r=4, target_modules="all-linear"),
-        make_peft_adapter(model_dir, tmp_path / "ad2", seed=2, std=0.3, r=8, use_rslora=True,
-                          target_modules=["k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]),
+        make_peft_adapter(
+            model_dir,
+            tmp_path / "ad2",
+            seed=2,
+            std=0.3,
+            r=8,
+            use_rslora=True,
+            target_modules=["k_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+        ),
     ]
     out = tmp_path / "logits.pt"
     mp.spawn(_rank_main, args=(tp_size, free_port(), model_dir, adapter_dirs, out), nprocs=tp_size)
@@ -80,11 +90,13 @@ def test_a_row_parallel_lora_term_rides_in_its_bases_all_reduce(tmp_path, smollm
     adapter = make_peft_adapter(model_dir, tmp_path / "ad", seed=1, std=0.3, r=4, target_modules="all-linear")
     calls = []
     all_reduce = TensorParallel.all_reduce
-    monkeypatch.setattr(TensorParallel, "all_reduce",
-                        lambda self, x: calls.append(tuple(x.shape)) or all_reduce(self, x))
+    monkeypatch.setattr(
+        TensorParallel, "all_reduce", lambda self, x: calls.append(tuple(x.shape)) or all_reduce(self, x)
+    )
     model = load_raypaged(model_dir)
-    manager = LoRAManager(model, LoRAConfig(max_loras=1, max_lora_rank=8), TensorParallel(), torch.float32,
-                          torch.device("cpu"))
+    manager = LoRAManager(
+        model, LoRAConfig(max_loras=1, max_lora_rank=8), TensorParallel(), torch.float32, torch.device("cpu")
+    )
     manager.place(0, LoRARequest("ad", 1, str(adapter)))
     counts = []
     for slot in (None, 0):

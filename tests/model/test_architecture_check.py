@@ -40,4 +40,5 @@ def test_unsupported_draft_model_architecture(tiny_and_gpt2):
     with pytest.raises(ValueError) as info:
         EngineConfig(model=str(llama), device="cpu", speculative_config=spec, max_model_len=256)
     assert str(info.value) == (
-        f"draft model architecture ['GPT2LMHeadModel'] is not supported (supported: {SUPPORTED})")
+        f"draft model architecture ['GPT2LMHeadModel'] is not supported (supported: {SUPPORTED})"
+    )

@@ -23,8 +23,9 @@ def test_fused_path_gives_the_plain_paths_bits(architecture, dtype):
     calls: dict[str, int] = {}
     plain_hidden, plain_caches = ref.run_steps(model, TORCH, "cpu")
     assert model.model.fused_ops is None and not calls
-    fused_hidden, fused_caches = ref.run_steps(model, ref.fused_torch_backend(ref.counting(ref.REFERENCE_OPS, calls)),
-                                               "cpu")
+    fused_hidden, fused_caches = ref.run_steps(
+        model, ref.fused_torch_backend(ref.counting(ref.REFERENCE_OPS, calls)), "cpu"
+    )
     assert model.model.fused_ops is not None
     steps, layers = len(ref.STEPS), config.num_hidden_layers
     assert calls == dict(
@@ -56,8 +57,9 @@ def test_the_cuda_fused_kernels_are_off_unless_the_environment_turns_them_on(mon
     monkeypatch.setenv("RAYPAGED_FUSED_KERNELS", "0")
     assert cuda_backend().fused_ops is None
     monkeypatch.setenv("RAYPAGED_FUSED_KERNELS", "1")
-    assert cuda_backend().fused_ops == FusedOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.silu_and_mul,
-                                                kernels.rotary_and_cache)
+    assert cuda_backend().fused_ops == FusedOps(
+        kernels.rms_norm, kernels.fused_add_rms_norm, kernels.silu_and_mul, kernels.rotary_and_cache
+    )
     monkeypatch.setenv("RAYPAGED_FUSED_KERNELS", "yes")
     with pytest.raises(ValueError, match=r"\$RAYPAGED_FUSED_KERNELS must be 0 or 1, got 'yes'"):
         cuda_backend()

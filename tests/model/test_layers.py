@@ -19,8 +19,10 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-@pytest.mark.parametrize(("rows", "in_features", "out_features", "bias"),
-                         [(0, 16, 8, False), (1, 576, 960, False), (7, 33, 65, True), (300, 576, 1536, True)])
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features", "bias"),
+    [(0, 16, 8, False), (1, 576, 960, False), (7, 33, 65, True), (300, 576, 1536, True)],
+)
 def test_linear_matches_f_linear(rows, in_features, out_features, bias):
     torch.manual_seed(rows)
     x = torch.randn(rows, in_features)
@@ -53,7 +55,7 @@ def test_rms_norm_is_bit_identical_in_fp32(shape):
 def test_rms_norm_of_a_strided_view():
     torch.manual_seed(1)
     qkv = torch.randn(6, 5 * 64)
-    q = qkv[:, :3 * 64].view(6, 3, 64)  # Qwen3's per-head norm of the q part of qkv
+    q = qkv[:, : 3 * 64].view(6, 3, 64)  # Qwen3's per-head norm of the q part of qkv
     weight = torch.randn(64)
     assert torch.equal(rms_norm(q, weight, 1e-6), reference_rms_norm(q.contiguous(), weight, 1e-6))
 
@@ -71,17 +73,30 @@ def test_add_rms_norm_returns_the_norm_and_the_sum(rows):
 
 
 def rope_config(rope_parameters):
-    return LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=512,
-                       rope_parameters=rope_parameters)
+    return LlamaConfig(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=512, rope_parameters=rope_parameters
+    )
 
 
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
-@pytest.mark.parametrize("rope_parameters", [{"rope_type": "default", "rope_theta": 10000.0}, LLAMA3,
-                                             {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}],
-                         ids=["default", "llama3", "linear"])
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        LLAMA3,
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ],
+    ids=["default", "llama3", "linear"],
+)
 def test_rotary_in_place_on_qkv_matches_rotate_half(rope_parameters):
     """q and k rotated together as one strided view of the qkv buffer; v untouched."""
     torch.manual_seed(0)

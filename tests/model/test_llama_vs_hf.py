@@ -37,6 +37,7 @@ def test_greedy_tokens_match_transformers(variant, tmp_path, smollm2_dir):
 def test_unsupported_rope_type_is_a_clear_error(tmp_path, smollm2_dir):
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     path = make_tiny_model(tmp_path, smollm2_dir, "llama", rope_parameters=rope)
-    with pytest.raises(ValueError,
-                       match=r"rope type 'dynamic' is not supported \(supported: default, linear, llama3, yarn\)"):
+    with pytest.raises(
+        ValueError, match=r"rope type 'dynamic' is not supported \(supported: default, linear, llama3, yarn\)"
+    ):
         LLM(model=str(path), num_gpu_blocks_override=8)

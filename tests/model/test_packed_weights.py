@@ -10,8 +10,9 @@ from raypaged.model.loader import load_model
 from raypaged.model.parallel import RowParallelLinear
 from tests.conftest import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not packs_weights(torch.float32, torch.device("cpu")),
-                                reason="this torch has no oneDNN linear")
+pytestmark = pytest.mark.skipif(
+    not packs_weights(torch.float32, torch.device("cpu")), reason="this torch has no oneDNN linear"
+)
 
 
 @pytest.mark.parametrize("rows", [2, 3, 32, 129])

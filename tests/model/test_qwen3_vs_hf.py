@@ -52,7 +52,7 @@ def test_paged_prefill_and_decode_logits_match_transformers(qwen3_dir):
         for rid, num_new in schedule.items():
             end = num_computed[rid] + num_new
             num_outputs = max(0, end - len(PROMPTS[rid]))
-            new_token_ids = CONTINUATIONS[rid][num_outputs_sent[rid]:num_outputs]
+            new_token_ids = CONTINUATIONS[rid][num_outputs_sent[rid] : num_outputs]
             if index == 0:
                 so.new_requests.append(
                     NewRequestData(rid, PROMPTS[rid], new_token_ids, SamplingParams(temperature=0), BLOCK_IDS[rid], 0)
@@ -67,8 +67,7 @@ def test_paged_prefill_and_decode_logits_match_transformers(qwen3_dir):
         spans = [(rid, num_computed[rid], num_computed[rid] + n) for rid, n in schedule.items()]
         assert step.positions.tolist() == [p for _, start, end in spans for p in range(start, end)]
         rows = torch.cat([expected[rid][start:end] for rid, start, end in spans])
-        torch.testing.assert_close(logits, rows, rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, index=index: f"step {index}: {m}")
+        torch.testing.assert_close(logits, rows, rtol=1e-5, atol=1e-5, msg=lambda m, index=index: f"step {index}: {m}")
         for rid, num_new in schedule.items():
             num_computed[rid] += num_new
     assert num_computed == {rid: len(PROMPTS[rid]) + len(CONTINUATIONS[rid]) for rid in PROMPTS}

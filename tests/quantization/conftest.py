@@ -38,8 +38,10 @@ def tiny_float_dir(tmp_path_factory, smollm2_dir) -> Path:
 @pytest.fixture(scope="session")
 def quantized_dirs(tmp_path_factory, tiny_float_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("quantized")
-    return {name: quantize_checkpoint(tiny_float_dir, root / name, scheme, **options)
-            for name, (scheme, options) in CHECKPOINTS.items()}
+    return {
+        name: quantize_checkpoint(tiny_float_dir, root / name, scheme, **options)
+        for name, (scheme, options) in CHECKPOINTS.items()
+    }
 
 
 def load(path: Path, tp: TensorParallel = TensorParallel(), quantization: str | None = None) -> LlamaForCausalLM:

@@ -32,28 +32,43 @@ def test_the_checkpoint_decides_and_the_flag_may_repeat_it(quantized_dirs):
 
 
 def test_a_flag_contradicting_the_checkpoint_is_a_startup_error(quantized_dirs):
-    message = ("--quantization fp8 contradicts the checkpoint's quantization_config (quant_method 'awq'): "
-               "drop --quantization or pass --quantization awq")
+    message = (
+        "--quantization fp8 contradicts the checkpoint's quantization_config (quant_method 'awq'): "
+        "drop --quantization or pass --quantization awq"
+    )
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         EngineConfig(model=str(quantized_dirs["awq"]), quantization="fp8")
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True},
-     "the checkpoint's quantization_config quant_method 'bitsandbytes' is not supported (supported: awq, "
-     "compressed-tensors, fp8, gptq)"),
-    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq bits 3 is not supported (supported: 4, 8)"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
-     "awq version 'gemv' is not supported (only gemm, the layout vLLM reads)"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-     "fp8 weight_block_size [128, 128] (block-wise scales) is not supported: per-tensor or per-channel weight "
-     "scales only"),
-    ({"quant_method": "fp8", "kv_cache_quant": True},
-     "fp8 quantization_config field 'kv_cache_quant' is not supported (supported: activation_scheme, fmt, "
-     "ignored_layers, quant_method, weight_block_size)"),
-    ({**quantization_config("w8a8-int8", 128, True, False), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
-     "compressed-tensors kv_cache_scheme is not supported (got {'num_bits': 8, 'type': 'float'})"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {"quant_method": "bitsandbytes", "load_in_4bit": True},
+            "the checkpoint's quantization_config quant_method 'bitsandbytes' is not supported (supported: awq, "
+            "compressed-tensors, fp8, gptq)",
+        ),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq bits 3 is not supported (supported: 4, 8)"),
+        (
+            {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+            "awq version 'gemv' is not supported (only gemm, the layout vLLM reads)",
+        ),
+        (
+            {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+            "fp8 weight_block_size [128, 128] (block-wise scales) is not supported: per-tensor or per-channel weight "
+            "scales only",
+        ),
+        (
+            {"quant_method": "fp8", "kv_cache_quant": True},
+            "fp8 quantization_config field 'kv_cache_quant' is not supported (supported: activation_scheme, fmt, "
+            "ignored_layers, quant_method, weight_block_size)",
+        ),
+        (
+            {**quantization_config("w8a8-int8", 128, True, False), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+            "compressed-tensors kv_cache_scheme is not supported (got {'num_bits': 8, 'type': 'float'})",
+        ),
+    ],
+)
 def test_unsupported_checkpoint_quantization_is_named(config, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         resolve_quantization(None, config)
@@ -61,18 +76,31 @@ def test_unsupported_checkpoint_quantization_is_named(config, message):
 
 def test_an_unsupported_compressed_tensors_scheme_is_described():
     config = quantization_config("w4a16", 128, True, False)
-    config["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "strategy": "token",
-                                                               "dynamic": True, "symmetric": True}
-    with pytest.raises(ValueError, match=re.escape(
+    config["config_groups"]["group_0"]["input_activations"] = {
+        "num_bits": 8,
+        "type": "int",
+        "strategy": "token",
+        "dynamic": True,
+        "symmetric": True,
+    }
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "compressed-tensors scheme group_0 (format pack-quantized, weights int4 group (group 128), "
-            "input_activations int8 token) is not supported")):
+            "input_activations int8 token) is not supported"
+        ),
+    ):
         resolve_quantization("compressed-tensors", config)
 
 
 def test_a_float_checkpoint_needs_an_online_scheme(tiny_float_dir):
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "--quantization gptq needs a checkpoint quantized with gptq, but the model's config.json has no "
-            "quantization_config")):
+            "quantization_config"
+        ),
+    ):
         EngineConfig(model=str(tiny_float_dir), quantization="gptq")
     assert EngineConfig(model=str(tiny_float_dir), quantization="fp8").quant_config.serialized is False
 
@@ -84,6 +112,7 @@ def test_an_unsupported_checkpoint_is_refused_at_startup(tmp_path, tiny_float_di
 
 
 def test_dummy_weights_cannot_fill_a_quantized_checkpoint(quantized_dirs):
-    with pytest.raises(ValueError, match=re.escape(
-            "--load-format dummy cannot fill the gptq tensors of a quantized checkpoint")):
+    with pytest.raises(
+        ValueError, match=re.escape("--load-format dummy cannot fill the gptq tensors of a quantized checkpoint")
+    ):
         EngineConfig(model=str(quantized_dirs["gptq"]), load_format="dummy")

@@ -15,10 +15,18 @@ from raypaged.quantization.linear import QuantLinear
 from raypaged.quantization.packing import unpack
 from tests.quantization.conftest import float_weights, load
 
-PARTS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
-         "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
-COMPRESSORS = {"w8a8-int8": IntQuantizationCompressor, "w8a8-fp8": FloatQuantizationCompressor,
-               "w4a16": PackedQuantizationCompressor, "w4a16-asym": PackedQuantizationCompressor}
+PARTS = {
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "self_attn.o_proj": ("o_proj",),
+    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    "mlp.down_proj": ("down_proj",),
+}
+COMPRESSORS = {
+    "w8a8-int8": IntQuantizationCompressor,
+    "w8a8-fp8": FloatQuantizationCompressor,
+    "w4a16": PackedQuantizationCompressor,
+    "w4a16-asym": PackedQuantizationCompressor,
+}
 
 
 def layers(model):
@@ -31,8 +39,9 @@ def layers(model):
 def test_compressed_tensors_dequantizes_to_the_same_bits(name, quantized_dirs):
     path = quantized_dirs[name]
     group = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
-    scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"],
-                                input_activations=group["input_activations"])
+    scheme = QuantizationScheme(
+        targets=group["targets"], weights=group["weights"], input_activations=group["input_activations"]
+    )
     model = load(path)
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         tensors = {key: f.get_tensor(key) for key in f.keys()}
@@ -41,18 +50,27 @@ def test_compressed_tensors_dequantizes_to_the_same_bits(name, quantized_dirs):
         expected = []
         for part in parts:
             module = f"{prefix}.{'self_attn' if part in PARTS['self_attn.qkv_proj'] + ('o_proj',) else 'mlp'}.{part}."
-            state = {key[len(module):]: t for key, t in tensors.items() if key.startswith(module)}
+            state = {key[len(module) :]: t for key, t in tensors.items() if key.startswith(module)}
             expected.append(COMPRESSORS[name].decompress(state, scheme)["weight"])
         assert torch.equal(linear.dequantize(), torch.cat(expected))
 
 
-@pytest.mark.parametrize("name, step", [
-    ("fp8", None), ("w8a8-fp8", None), ("w8a8-int8", 1 / 127), ("w4a16", 1 / 7.5), ("w4a16-asym", 2 / 15),
-    ("gptq", 1 / 7.5), ("gptq-actorder-asym", 2 / 15), ("gptq-channel", 1 / 7.5), ("gptq-8bit-actorder", 1 / 127.5),
-    ("awq", 2 / 15),
-])
-def test_dequantized_weights_are_within_half_a_step_of_the_float_weights(name, step, quantized_dirs,
-                                                                         tiny_float_dir):
+@pytest.mark.parametrize(
+    "name, step",
+    [
+        ("fp8", None),
+        ("w8a8-fp8", None),
+        ("w8a8-int8", 1 / 127),
+        ("w4a16", 1 / 7.5),
+        ("w4a16-asym", 2 / 15),
+        ("gptq", 1 / 7.5),
+        ("gptq-actorder-asym", 2 / 15),
+        ("gptq-channel", 1 / 7.5),
+        ("gptq-8bit-actorder", 1 / 127.5),
+        ("awq", 2 / 15),
+    ],
+)
+def test_dequantized_weights_are_within_half_a_step_of_the_float_weights(name, step, quantized_dirs, tiny_float_dir):
     """``step``: the quantization step as a fraction of a group's amax (None: fp8, 2**-4 relative).
     GPTQ and AWQ store fp16 scales: the top level, 2**(bits-1) steps from zero, may sit that many
     times the scale's rounding (2**-11) further off, 2**bits * 2**-11 half steps."""
@@ -85,5 +103,8 @@ def test_gptq_act_order_groups_follow_g_idx(quantized_dirs):
 
 def test_online_fp8_keeps_one_byte_weights_and_per_channel_scales(tiny_float_dir):
     linear = load(tiny_float_dir, quantization="fp8").model.layers[0].mlp.gate_up_proj
-    assert (linear.weight.dtype, tuple(linear.weight.shape), tuple(linear.weight_scale.shape)) == \
-        (torch.float8_e4m3fn, (256, 64), (256, 1))
+    assert (linear.weight.dtype, tuple(linear.weight.shape), tuple(linear.weight_scale.shape)) == (
+        torch.float8_e4m3fn,
+        (256, 64),
+        (256, 1),
+    )

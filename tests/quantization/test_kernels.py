@@ -9,8 +9,9 @@ from tests.quantization.conftest import load
 GEN = torch.Generator().manual_seed(0)
 
 
-def reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-              weight_scale: torch.Tensor) -> torch.Tensor:
+def reference(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
     return (xq.double() * x_scale.double()) @ (weight.double() * weight_scale.double()[:, None]).t()
 
 
@@ -36,8 +37,12 @@ def test_fp8_linear_equals_its_reference(num_tokens):
     weight_scale = torch.rand(40, generator=GEN) / 100
     xq, x_scale = quantize_fp8(x, None)
     assert xq.dtype == FP8 and bool((xq.float().abs().amax(1) == 448).all())
-    torch.testing.assert_close(fp8_linear(x, weight, weight_scale, None).double(),
-                               reference(xq, x_scale, weight, weight_scale), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fp8_linear(x, weight, weight_scale, None).double(),
+        reference(xq, x_scale, weight, weight_scale),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("name", ["w4a16-asym", "gptq-actorder-asym", "awq"])
@@ -48,16 +53,17 @@ def test_4bit_layers_multiply_by_their_dequantized_weight(name, quantized_dirs):
     torch.testing.assert_close(linear(x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="fp8 tensor cores (compute capability 8.9+) only")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="fp8 tensor cores (compute capability 8.9+) only",
+)
 def test_scaled_mm_path_equals_the_reference_on_gpu():
     x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(128, 256, device="cuda").clamp(-448, 448).to(FP8)
     weight_scale = torch.rand(128, device="cuda") / 10
     xq, x_scale = quantize_fp8(x, None)
     expected = reference(xq.cpu(), x_scale.cpu(), weight.cpu(), weight_scale.cpu())
-    torch.testing.assert_close(fp8_linear(x, weight, weight_scale, None).double().cpu(), expected,
-                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fp8_linear(x, weight, weight_scale, None).double().cpu(), expected, rtol=2e-2, atol=2e-2)
 
 
 def torch_int8_linear(x, weight, weight_scale, input_scale):
@@ -75,8 +81,9 @@ def test_int8_linear_on_cpu_is_its_torch_path_bit_for_bit(num_tokens, static):
     weight = torch.randint(-128, 128, (48, 256), dtype=torch.int8, generator=GEN)
     weight_scale = torch.rand(48, generator=GEN) / 100
     input_scale = torch.tensor([0.03]) if static else None
-    assert torch.equal(int8_linear(x, weight, weight_scale, input_scale),
-                       torch_int8_linear(x, weight, weight_scale, input_scale))
+    assert torch.equal(
+        int8_linear(x, weight, weight_scale, input_scale), torch_int8_linear(x, weight, weight_scale, input_scale)
+    )
 
 
 def test_int8_quantization_rounds_ties_to_even_as_torch():

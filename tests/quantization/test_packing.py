@@ -7,8 +7,9 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32,
 from raypaged.quantization.packing import AWQ_ORDER, pack, unpack
 
 
-@pytest.mark.parametrize("bits, dim, order", [(4, 0, None), (4, 1, None), (8, 0, None), (8, 1, None),
-                                              (4, 0, AWQ_ORDER), (4, 1, AWQ_ORDER)])
+@pytest.mark.parametrize(
+    "bits, dim, order", [(4, 0, None), (4, 1, None), (8, 0, None), (8, 1, None), (4, 0, AWQ_ORDER), (4, 1, AWQ_ORDER)]
+)
 def test_unpack_inverts_pack(bits, dim, order):
     values = torch.randint(0, 1 << bits, (16, 24), generator=torch.Generator().manual_seed(bits + dim))
     assert torch.equal(unpack(pack(values, bits, dim, order), bits, dim, order), values.to(torch.int32))

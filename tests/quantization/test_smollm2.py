@@ -36,8 +36,9 @@ GREEDY_16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logpro
 def tokens_and_perplexity(model_dir: Path, **options) -> tuple[list[CompletionOutput], float]:
     """(the 16 greedy tokens of each prompt with their top 5, the perplexity of TEXT) of a model
     folder, fp32 on CPU."""
-    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", max_model_len=512, num_gpu_blocks_override=128,
-              **options)
+    llm = LLM(
+        model=str(model_dir), dtype="float32", device="cpu", max_model_len=512, num_gpu_blocks_override=128, **options
+    )
     try:
         tokens = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY_16, use_tqdm=False)]
         [scored] = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
@@ -53,8 +54,7 @@ def fp32_reference(smollm2_dir):
 
 
 def test_w8a8_int8_smollm2_agrees_with_fp32(tmp_path_factory, smollm2_dir, fp32_reference):
-    path = quantize_checkpoint(smollm2_dir, tmp_path_factory.mktemp("smollm2") / "w8a8", "w8a8-int8",
-                               smoothquant=0.6)
+    path = quantize_checkpoint(smollm2_dir, tmp_path_factory.mktemp("smollm2") / "w8a8", "w8a8-int8", smoothquant=0.6)
     tokens, perplexity = tokens_and_perplexity(path)
     reference_tokens, reference_perplexity = fp32_reference
     assert sum(agree(a, b) for a, b in zip(tokens, reference_tokens)) >= 7

@@ -17,8 +17,9 @@ def qkv_rows(model, layer: int) -> list[torch.Tensor]:
     return list(attn.qkv_proj.dequantize().split(attn.shard_sizes))
 
 
-@pytest.mark.parametrize("name", ["w8a8-int8", "fp8", "w4a16-asym", "gptq", "gptq-actorder-asym",
-                                  "gptq-8bit-actorder", "awq"])
+@pytest.mark.parametrize(
+    "name", ["w8a8-int8", "fp8", "w4a16-asym", "gptq", "gptq-actorder-asym", "gptq-8bit-actorder", "awq"]
+)
 def test_ranks_hold_their_share_of_every_quantized_layer(name, quantized_dirs):
     whole = load(quantized_dirs[name])
     ranks = [load(quantized_dirs[name], TensorParallel(rank, SIZE)) for rank in range(SIZE)]
@@ -27,8 +28,10 @@ def test_ranks_hold_their_share_of_every_quantized_layer(name, quantized_dirs):
             assert torch.equal(torch.cat(rows), qkv_rows(whole, i)[part])
         mlp = [r.model.layers[i].mlp for r in ranks]
         gate_up = [m.gate_up_proj.dequantize().chunk(2) for m in mlp]
-        assert torch.equal(torch.cat([g for g, _ in gate_up] + [u for _, u in gate_up]),
-                           whole.model.layers[i].mlp.gate_up_proj.dequantize())
+        assert torch.equal(
+            torch.cat([g for g, _ in gate_up] + [u for _, u in gate_up]),
+            whole.model.layers[i].mlp.gate_up_proj.dequantize(),
+        )
         for proj in ("self_attn.o_proj", "mlp.down_proj"):
             columns = [r.model.layers[i].get_submodule(proj).dequantize() for r in ranks]
             assert torch.equal(torch.cat(columns, dim=1), whole.model.layers[i].get_submodule(proj).dequantize())
@@ -49,8 +52,13 @@ def test_two_ray_shards_of_an_act_order_gptq_model_give_one_shards_tokens(ray_se
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     tokens = []
     for tp in (1, 2):
-        llm = LLM(model=str(quantized_dirs["gptq-actorder-asym"]), device="cpu", tensor_parallel_size=tp,
-                  num_gpu_blocks_override=32, max_model_len=64)
+        llm = LLM(
+            model=str(quantized_dirs["gptq-actorder-asym"]),
+            device="cpu",
+            tensor_parallel_size=tp,
+            num_gpu_blocks_override=32,
+            max_model_len=64,
+        )
         try:
             tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         finally:

@@ -34,7 +34,9 @@ class ServerProcess:
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "raypaged.entrypoints.cli", command, *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
     @property
@@ -83,7 +85,7 @@ def sse_events(lines: Iterator[str]) -> Iterator[str]:
     """The data of each server-sent event."""
     for line in lines:
         if line.startswith("data: "):
-            yield line[len("data: "):]
+            yield line[len("data: ") :]
 
 
 def stream_text_and_tail(events: list[str]) -> tuple[str, list[dict]]:

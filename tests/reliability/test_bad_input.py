@@ -34,8 +34,9 @@ def stack(tiny_model_dir):
 @pytest.fixture(scope="module")
 def good_text(tiny_model_dir) -> str:
     llm = LLM(model=str(tiny_model_dir), num_gpu_blocks_override=64, max_model_len=MAX_MODEL_LEN)
-    text = llm.generate(GOOD["prompt"],
-                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+    text = (
+        llm.generate(GOOD["prompt"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+    )
     llm.shutdown()
     return text
 
@@ -81,8 +82,13 @@ def test_schema_fuzzing_gives_no_5xx_and_no_hang(stack, good_text, soak):
     ran: list[tuple[str, int]] = []
     traffic = GoodTraffic(stack.url)
 
-    @settings(max_examples=num_cases, deadline=None, database=None, derandomize=not soak,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=num_cases,
+        deadline=None,
+        database=None,
+        derandomize=not soak,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=cases)
     def fuzz(case) -> None:
         response = case.call(base_url=stack.url, timeout=60)
@@ -95,8 +101,10 @@ def test_schema_fuzzing_gives_no_5xx_and_no_hang(stack, good_text, soak):
         fuzz()
     finally:
         texts = traffic.stop()
-    print(f"fuzz cases run: {len(ran)}; by operation: "
-          f"{json.dumps({op: sum(1 for o, _ in ran if o == op) for op in sorted({o for o, _ in ran})})}")
+    print(
+        f"fuzz cases run: {len(ran)}; by operation: "
+        f"{json.dumps({op: sum(1 for o, _ in ran if o == op) for op in sorted({o for o, _ in ran})})}"
+    )
     assert len(ran) >= num_cases
     assert texts and all(t == good_text for t in texts)
 
@@ -104,49 +112,118 @@ def test_schema_fuzzing_gives_no_5xx_and_no_hang(stack, good_text, soak):
 SURROGATE = "request body is not valid JSON: a string holds an unpaired UTF-16 surrogate"
 # (path, body as bytes or JSON, status, message, param)
 BAD_REQUESTS = [
-    ("/v1/completions", b"{not json", 400,
-     "request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
-     None),
-    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400,
-     "request body is not valid JSON: 'utf-8' codec can't decode byte 0xff in position 12: invalid start byte", None),
+    (
+        "/v1/completions",
+        b"{not json",
+        400,
+        "request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+        None,
+    ),
+    (
+        "/v1/completions",
+        b'{"prompt": "\xff\xfe"}',
+        400,
+        "request body is not valid JSON: 'utf-8' codec can't decode byte 0xff in position 12: invalid start byte",
+        None,
+    ),
     ("/v1/completions", b'{"prompt": "\\ud800"}', 400, SURROGATE, None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, SURROGATE, None),
     ("/tokenize", b'{"prompt": "a\\ud800b"}', 400, SURROGATE, None),
-    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400,
-     "request body is not valid JSON: NaN is not a JSON number", None),
+    (
+        "/v1/completions",
+        b'{"prompt": "x", "temperature": NaN}',
+        400,
+        "request body is not valid JSON: NaN is not a JSON number",
+        None,
+    ),
     ("/v1/completions", b'{"prompt": "x", "top_p": 1e400}', 400, "top_p: Input should be a finite number", "top_p"),
     ("/v1/completions", [1, 2], 400, "Input should be a valid dictionary or instance of CompletionRequest", None),
     ("/v1/completions", {"prompt": 5}, 400, "prompt.str: Input should be a valid string", "prompt.str"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400,
-     "max_tokens: Input should be a valid integer, unable to parse string as an integer", "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400,
-     "max_tokens: Input should be less than or equal to 4294967295", "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "n": 10**6}, 400,
-     "n has 1000000 samples, more than the limit of 128 (--max-num-samples)", "n"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": "ten"},
+        400,
+        "max_tokens: Input should be a valid integer, unable to parse string as an integer",
+        "max_tokens",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 10**12},
+        400,
+        "max_tokens: Input should be less than or equal to 4294967295",
+        "max_tokens",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "n": 10**6},
+        400,
+        "n has 1000000 samples, more than the limit of 128 (--max-num-samples)",
+        "n",
+    ),
     ("/v1/completions", {"prompt": "x", "n": 2**32}, 400, "n: Input should be less than or equal to 4294967295", "n"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400,
-     "logprobs 21 is more than the limit of 20 (--max-logprobs, at most the vocabulary size 49152)", "logprobs"),
-    ("/v1/completions", {"prompt": ["x"] * 1025}, 400,
-     "prompt has 1025 prompts, more than the limit of 1024 (--max-prompts-per-request)", "prompt"),
-    ("/v1/completions", {"prompt": [[5]] * 1025}, 400,
-     "prompt has 1025 prompts, more than the limit of 1024 (--max-prompts-per-request)", "prompt"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "logprobs": 21},
+        400,
+        "logprobs 21 is more than the limit of 20 (--max-logprobs, at most the vocabulary size 49152)",
+        "logprobs",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": ["x"] * 1025},
+        400,
+        "prompt has 1025 prompts, more than the limit of 1024 (--max-prompts-per-request)",
+        "prompt",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": [[5]] * 1025},
+        400,
+        "prompt has 1025 prompts, more than the limit of 1024 (--max-prompts-per-request)",
+        "prompt",
+    ),
     ("/v1/completions", b"[" * 100_000, 400, "request body is not valid JSON: it nests too deeply", None),
-    ("/v1/chat/completions", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
-     "request body is not valid JSON: it nests too deeply", None),
-    ("/v1/completions", {"prompt": "x", "seed": 2**70}, 400,
-     "seed: Input should be less than or equal to 9223372036854775807", "seed"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        400,
+        "request body is not valid JSON: it nests too deeply",
+        None,
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "seed": 2**70},
+        400,
+        "seed: Input should be less than or equal to 9223372036854775807",
+        "seed",
+    ),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be non-negative, got -1.0", None),
-    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 400,
-     "max_tokens: Input should be greater than or equal to 0", "max_tokens"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": -5},
+        400,
+        "max_tokens: Input should be greater than or equal to 0",
+        "max_tokens",
+    ),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0", None),
-    ("/v1/completions", {"prompt": "x", "min_tokens": 100, "max_tokens": 3}, 400,
-     "min_tokens must be less than or equal to max_tokens=3, got 100", None),
+    (
+        "/v1/completions",
+        {"prompt": "x", "min_tokens": 100, "max_tokens": 3},
+        400,
+        "min_tokens must be less than or equal to max_tokens=3, got 100",
+        None,
+    ),
     ("/v1/completions", {"prompt": ""}, 400, "prompt must not be empty", "prompt"),
     ("/v1/completions", {"prompt": [[]]}, 400, "prompt must not be empty", "prompt"),
     ("/v1/completions", {"prompt": [10**6]}, 400, "prompt must be token ids in [0, 49152), got 1000000", "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages must not be empty", "messages"),
-    ("/v1/completions", {"prompt": "x" * 10_000_000}, 400,
-     "prompt has 10000000 characters, more than the limit of 2048 (--max-prompt-chars) before tokenization", "prompt"),
+    (
+        "/v1/completions",
+        {"prompt": "x" * 10_000_000},
+        400,
+        "prompt has 10000000 characters, more than the limit of 2048 (--max-prompt-chars) before tokenization",
+        "prompt",
+    ),
     ("/detokenize", {"tokens": [2**33]}, 400, "tokens.0: Input should be less than or equal to 4294967295", "tokens.0"),
 ]
 

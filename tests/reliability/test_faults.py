@@ -29,8 +29,15 @@ def stream_all(url: str, num_streams: int, max_tokens: int, progressed: threadin
     events: list[list[str]] = [[] for _ in range(num_streams)]
 
     def run(i: int) -> None:
-        body = {"model": "tiny", "prompt": prompt_ids(i), "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "tiny",
+            "prompt": prompt_ids(i),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
             for event in sse_events(response.iter_lines()):
                 events[i].append(event)
@@ -47,21 +54,37 @@ def stream_all(url: str, num_streams: int, max_tokens: int, progressed: threadin
 
 def test_killed_shard_actor_mid_load_is_replaced_and_streams_finish_unchanged(ray_session, tiny_model_dir):
     reference = LLM(model=str(tiny_model_dir), num_gpu_blocks_override=128, max_model_len=256)
-    expected = [o.outputs[0].text for o in reference.generate(
-        [{"prompt_token_ids": prompt_ids(i)} for i in range(NUM_STREAMS)],
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)]
+    expected = [
+        o.outputs[0].text
+        for o in reference.generate(
+            [{"prompt_token_ids": prompt_ids(i)} for i in range(NUM_STREAMS)],
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            use_tqdm=False,
+        )
+    ]
     reference.shutdown()
-    config = EngineConfig(model=str(tiny_model_dir), served_model_name="tiny", device="cpu", tensor_parallel_size=2,
-                          num_gpu_blocks_override=128, max_model_len=256)
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        served_model_name="tiny",
+        device="cpu",
+        tensor_parallel_size=2,
+        num_gpu_blocks_override=128,
+        max_model_len=256,
+    )
     stack = Stack([config])
     try:
         executor = stack.engine().engine.executor
         killed = []
         # every stream has 3 chunks before the kill; none can finish meanwhile (24 tokens each)
         progressed = threading.Barrier(NUM_STREAMS + 1)
-        killer = threading.Thread(target=lambda: (
-            progressed.wait(timeout=120), killed.append(executor.workers[1]._actor_id.hex()),
-            ray.kill(executor.workers[1], no_restart=True), progressed.reset()))
+        killer = threading.Thread(
+            target=lambda: (
+                progressed.wait(timeout=120),
+                killed.append(executor.workers[1]._actor_id.hex()),
+                ray.kill(executor.workers[1], no_restart=True),
+                progressed.reset(),
+            )
+        )
         killer.start()
         events = stream_all(stack.url, NUM_STREAMS, MAX_TOKENS, progressed)
         killer.join(timeout=10)
@@ -82,8 +105,18 @@ def test_killed_shard_actor_mid_load_is_replaced_and_streams_finish_unchanged(ra
 
 def test_lost_engine_gives_503s_without_hanging_and_a_restarted_engine_serves_again(tmp_path, tiny_model_dir):
     grpc_port = free_port()
-    engine_args = ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--grpc-port", str(grpc_port),
-                   "--num-gpu-blocks-override", "64", "--max-model-len", "256"]
+    engine_args = [
+        "--model",
+        str(tiny_model_dir),
+        "--served-model-name",
+        "tiny",
+        "--grpc-port",
+        str(grpc_port),
+        "--num-gpu-blocks-override",
+        "64",
+        "--max-model-len",
+        "256",
+    ]
     engine = ServerProcess("engine", engine_args, tmp_path / "engine1.log")
     background = BackgroundLoop()
     gateway = Gateway({"tiny": f"127.0.0.1:{grpc_port}"}, GatewayOptions(port=0, log_level="warning"))

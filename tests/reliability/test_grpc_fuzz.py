@@ -94,6 +94,7 @@ def random_message(rng: random.Random) -> pb.ChatMessage:
 
 def bulk(make: Callable[[random.Random], Any], max_size: int) -> st.SearchStrategy[list]:
     """Lists of up to ``max_size`` items made from a drawn size and seed (hypothesis' own lists stay short)."""
+
     def build(size: int, seed: int) -> list:
         rng = random.Random(seed)
         return [make(rng) for _ in range(size)]
@@ -102,14 +103,17 @@ def bulk(make: Callable[[random.Random], Any], max_size: int) -> st.SearchStrate
 
 
 def long_texts(max_chars: int) -> st.SearchStrategy[str]:
-    return st.builds(lambda size, seed: random_text(random.Random(seed), size), st.integers(0, max_chars),
-                     st.integers(0, UINT32_MAX))
+    return st.builds(
+        lambda size, seed: random_text(random.Random(seed), size), st.integers(0, max_chars), st.integers(0, UINT32_MAX)
+    )
 
 
 CHARS = st.characters(exclude_categories=("Cs",))  # a lone surrogate cannot be put on the wire
 short_texts = st.one_of(st.text(CHARS, max_size=12), st.sampled_from(FRAGMENTS))
 token_ids = st.one_of(
-    st.integers(0, VOCAB_SIZE - 1), st.integers(VOCAB_SIZE - 2, VOCAB_SIZE + 2), st.integers(0, UINT32_MAX),
+    st.integers(0, VOCAB_SIZE - 1),
+    st.integers(VOCAB_SIZE - 2, VOCAB_SIZE + 2),
+    st.integers(0, UINT32_MAX),
 )
 
 
@@ -141,8 +145,15 @@ def prompts(texts: st.SearchStrategy, ids: st.SearchStrategy, turns: st.SearchSt
 
 
 small_ids = st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=40)
-few_turns = st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["system", "user", "assistant", "tool"]),
-                               content=st.text(CHARS, max_size=8)), min_size=1, max_size=3)
+few_turns = st.lists(
+    st.builds(
+        pb.ChatMessage,
+        role=st.sampled_from(["system", "user", "assistant", "tool"]),
+        content=st.text(CHARS, max_size=8),
+    ),
+    min_size=1,
+    max_size=3,
+)
 # each field: (a strategy of values a server should serve, one over the field's whole range and size)
 FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
     "model": (st.sampled_from(["tiny", ""]), st.text(CHARS, max_size=20)),
@@ -153,8 +164,10 @@ FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
             prompts(
                 st.one_of(short_texts, st.text(CHARS, max_size=200), long_texts(3000)),
                 st.one_of(st.lists(token_ids, max_size=80), bulk(random_token_id, 5000)),
-                st.one_of(st.lists(st.builds(pb.ChatMessage, role=short_texts, content=short_texts), max_size=6),
-                          bulk(random_message, 2000)),
+                st.one_of(
+                    st.lists(st.builds(pb.ChatMessage, role=short_texts, content=short_texts), max_size=6),
+                    bulk(random_message, 2000),
+                ),
             ),
             st.just({}),
         ),
@@ -163,24 +176,36 @@ FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
     "extra_best_of": (optional(st.integers(0, 3)), optional(uint32s(st.integers(0, 300), [UINT32_MAX]))),
     "temperature": (optional(st.floats(0, 2)), optional(doubles(st.floats(-2, 2)))),
     "top_p": (optional(st.floats(0.01, 1)), optional(doubles(st.floats(0, 1)))),
-    "top_k": (st.one_of(st.integers(-1, 50), st.sampled_from([VOCAB_SIZE - 1, VOCAB_SIZE, VOCAB_SIZE + 1])),
-              st.one_of(st.sampled_from(INT32), st.integers(*INT32))),
+    "top_k": (
+        st.one_of(st.integers(-1, 50), st.sampled_from([VOCAB_SIZE - 1, VOCAB_SIZE, VOCAB_SIZE + 1])),
+        st.one_of(st.sampled_from(INT32), st.integers(*INT32)),
+    ),
     "min_p": (st.floats(0, 1), doubles(st.floats(0, 1))),
     "repetition_penalty": (optional(st.floats(0.5, 2)), optional(doubles(st.floats(0, 2)))),
     "presence_penalty": (st.floats(-2, 2), doubles(st.floats(-2, 2))),
     "frequency_penalty": (st.floats(-2, 2), doubles(st.floats(-2, 2))),
     "seed": (optional(st.integers(0, 100)), st.one_of(st.sampled_from([*INT64, -1]), st.integers(*INT64))),
-    "max_tokens": (st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(1, 8), st.none()),
-                   uint32s(st.integers(0, 100), [0, 63, 64, 65, UINT32_MAX])),
+    "max_tokens": (
+        st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(1, 8), st.none()),
+        uint32s(st.integers(0, 100), [0, 63, 64, 65, UINT32_MAX]),
+    ),
     "min_tokens": (st.one_of(st.just(0), st.integers(0, 8)), uint32s(st.integers(0, 100), [63, 64, UINT32_MAX])),
-    "stop_sequences": (st.lists(st.text(CHARS, min_size=1, max_size=8), max_size=4),
-                       st.one_of(st.lists(short_texts, max_size=4), bulk(lambda rng: random_text(rng, 400), 100))),
-    "stop_token_ids": (st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=8),
-                       st.one_of(st.lists(token_ids, max_size=8), bulk(random_token_id, 2000))),
-    "logprobs": (st.one_of(st.none(), st.integers(0, 5), st.just(20)),
-                 st.one_of(st.sampled_from([21, VOCAB_SIZE, 100_000]), st.integers(0, 100_000))),
-    "priority": (st.one_of(st.just(0), st.just(MAX_PRIORITY), st.integers(0, MAX_PRIORITY)),
-                 st.one_of(st.sampled_from([*INT32, -1, MAX_PRIORITY + 1]), st.integers(*INT32))),
+    "stop_sequences": (
+        st.lists(st.text(CHARS, min_size=1, max_size=8), max_size=4),
+        st.one_of(st.lists(short_texts, max_size=4), bulk(lambda rng: random_text(rng, 400), 100)),
+    ),
+    "stop_token_ids": (
+        st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=8),
+        st.one_of(st.lists(token_ids, max_size=8), bulk(random_token_id, 2000)),
+    ),
+    "logprobs": (
+        st.one_of(st.none(), st.integers(0, 5), st.just(20)),
+        st.one_of(st.sampled_from([21, VOCAB_SIZE, 100_000]), st.integers(0, 100_000)),
+    ),
+    "priority": (
+        st.one_of(st.just(0), st.just(MAX_PRIORITY), st.integers(0, MAX_PRIORITY)),
+        st.one_of(st.sampled_from([*INT32, -1, MAX_PRIORITY + 1]), st.integers(*INT32)),
+    ),
 }
 
 
@@ -188,8 +213,15 @@ FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
 def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     """Any ``GenerateRequest``: every field servable, or one field over its whole range, or any field may be."""
     names = sorted(FIELDS)
-    wild = draw(st.one_of(st.just(frozenset()), st.just(frozenset()), st.sampled_from(names).map(lambda n: {n}),
-                          st.sampled_from(names).map(lambda n: {n}), st.just(frozenset(names))))
+    wild = draw(
+        st.one_of(
+            st.just(frozenset()),
+            st.just(frozenset()),
+            st.sampled_from(names).map(lambda n: {n}),
+            st.sampled_from(names).map(lambda n: {n}),
+            st.just(frozenset(names)),
+        )
+    )
 
     def field(name: str) -> Any:
         servable, whole_range = FIELDS[name]
@@ -206,20 +238,42 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     min_tokens = field("min_tokens")
     if "min_tokens" not in wild:
         min_tokens = min(min_tokens, max_tokens or 0)
-    sampling = pb.SamplingParameters(**present(
-        n=n, best_of=best_of,
-        **{name: field(name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                          "presence_penalty", "frequency_penalty", "seed")},
-    ))
-    stopping = pb.StoppingCriteria(**present(
-        max_tokens=max_tokens, min_tokens=min_tokens,
-        stop_sequences=field("stop_sequences"), stop_token_ids=field("stop_token_ids"),
-        ignore_eos=draw(st.booleans()), skip_special_tokens=draw(optional(st.booleans())),
-    ))
+    sampling = pb.SamplingParameters(
+        **present(
+            n=n,
+            best_of=best_of,
+            **{
+                name: field(name)
+                for name in (
+                    "temperature",
+                    "top_p",
+                    "top_k",
+                    "min_p",
+                    "repetition_penalty",
+                    "presence_penalty",
+                    "frequency_penalty",
+                    "seed",
+                )
+            },
+        )
+    )
+    stopping = pb.StoppingCriteria(
+        **present(
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            stop_sequences=field("stop_sequences"),
+            stop_token_ids=field("stop_token_ids"),
+            ignore_eos=draw(st.booleans()),
+            skip_special_tokens=draw(optional(st.booleans())),
+        )
+    )
     return pb.GenerateRequest(
-        **present(request_id=field("request_id"), model=field("model"), logprobs=field("logprobs"),
-                  priority=field("priority")),
-        sampling=sampling, stopping=stopping, **field("prompt"),
+        **present(
+            request_id=field("request_id"), model=field("model"), logprobs=field("logprobs"), priority=field("priority")
+        ),
+        sampling=sampling,
+        stopping=stopping,
+        **field("prompt"),
     )
 
 
@@ -421,8 +475,10 @@ def test_fuzzed_generate_requests_get_a_whole_stream_or_a_refusal(stack, stub, r
         fuzz()
     finally:
         num_canaries = canary.stop()
-    print(f"{sum(outcomes.values())} fuzzed requests in {time.monotonic() - start:.0f} s: {dict(outcomes)}; "
-          f"{num_canaries} canary streams; engine failures of one request: {engine_failures}")
+    print(
+        f"{sum(outcomes.values())} fuzzed requests in {time.monotonic() - start:.0f} s: {dict(outcomes)}; "
+        f"{num_canaries} canary streams; engine failures of one request: {engine_failures}"
+    )
     print("\n".join(f"{count:5d} {answer}" for answer, count in answers.most_common()))
     assert sum(outcomes.values()) >= num_cases and outcomes["stream"] > 0 and num_canaries > 0
     assert_engine_idle(stack)
@@ -451,17 +507,37 @@ def then_canary_unchanged(stack, stub, reference) -> Iterator[None]:
 @pytest.mark.parametrize(
     ("request_fields", "param", "message", "within_s"),
     [
-        (dict(stopping=pb.StoppingCriteria(max_tokens=4, stop_token_ids=[VOCAB_SIZE])),
-         "stop_token_ids", "stop_token_ids must be token ids in [0, 49152), got 49152", 5),
-        (dict(logprobs=100_000), "logprobs",
-         "logprobs 100000 is more than the limit of 20 (--max-logprobs, at most the vocabulary size 49152)", 5),
-        (dict(sampling=pb.SamplingParameters(n=1000)),
-         "n", "n has 1000 samples, more than the limit of 128 (--max-num-samples)", 5),
-        (dict(stopping=pb.StoppingCriteria(max_tokens=4, stop_sequences=[f"s{i}" for i in range(200_000)])),
-         "stop", "stop has 200000 stop strings, more than the limit of 64 (--max-stop-strings)", 1),
+        (
+            dict(stopping=pb.StoppingCriteria(max_tokens=4, stop_token_ids=[VOCAB_SIZE])),
+            "stop_token_ids",
+            "stop_token_ids must be token ids in [0, 49152), got 49152",
+            5,
+        ),
+        (
+            dict(logprobs=100_000),
+            "logprobs",
+            "logprobs 100000 is more than the limit of 20 (--max-logprobs, at most the vocabulary size 49152)",
+            5,
+        ),
+        (
+            dict(sampling=pb.SamplingParameters(n=1000)),
+            "n",
+            "n has 1000 samples, more than the limit of 128 (--max-num-samples)",
+            5,
+        ),
+        (
+            dict(stopping=pb.StoppingCriteria(max_tokens=4, stop_sequences=[f"s{i}" for i in range(200_000)])),
+            "stop",
+            "stop has 200000 stop strings, more than the limit of 64 (--max-stop-strings)",
+            1,
+        ),
         # about 3 MB on the wire: under MESSAGE_SIZE_OPTIONS' 256 MiB, so the input gate answers, not gRPC
-        (dict(stopping=pb.StoppingCriteria(max_tokens=4, stop_token_ids=[i % VOCAB_SIZE for i in range(1_000_000)])),
-         "stop_token_ids", "stop_token_ids has 1000000 ids, more than the limit of 1024 (--max-stop-token-ids)", 1),
+        (
+            dict(stopping=pb.StoppingCriteria(max_tokens=4, stop_token_ids=[i % VOCAB_SIZE for i in range(1_000_000)])),
+            "stop_token_ids",
+            "stop_token_ids has 1000000 ids, more than the limit of 1024 (--max-stop-token-ids)",
+            1,
+        ),
     ],
     ids=["stop_token_id_past_vocab", "logprobs_100000", "n_1000", "200k_stop_strings", "1m_stop_token_ids"],
 )

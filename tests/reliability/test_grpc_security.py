@@ -20,10 +20,12 @@ from tests.serving.conftest import BackgroundLoop, tiny_config
 A, B, Q = "sk-a", "sk-b", "sk-q"
 MISSING = "Missing API key; send it as 'Authorization: Bearer KEY'"
 INCORRECT = "Incorrect API key provided; send it as 'Authorization: Bearer KEY'"
-GREEDY = dict(sampling=pb.SamplingParameters(temperature=0),
-              stopping=pb.StoppingCriteria(max_tokens=8, ignore_eos=True))
-LONG = dict(sampling=pb.SamplingParameters(temperature=0),
-            stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True))
+GREEDY = dict(
+    sampling=pb.SamplingParameters(temperature=0), stopping=pb.StoppingCriteria(max_tokens=8, ignore_eos=True)
+)
+LONG = dict(
+    sampling=pb.SamplingParameters(temperature=0), stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True)
+)
 
 
 def key(api_key: str) -> tuple[tuple[str, str]]:
@@ -35,11 +37,13 @@ class Server:
 
     def __init__(self, configs) -> None:
         self.background = BackgroundLoop()
-        tenants = Tenants([
-            Tenant("a", api_keys=(A,)),
-            Tenant("b", api_keys=(B,), priority=5),
-            Tenant("q", api_keys=(Q,), max_concurrent_requests=1, max_queued_requests=0),
-        ])
+        tenants = Tenants(
+            [
+                Tenant("a", api_keys=(A,)),
+                Tenant("b", api_keys=(B,), priority=5),
+                Tenant("q", api_keys=(Q,), max_concurrent_requests=1, max_queued_requests=0),
+            ]
+        )
         self.engine_server = EngineServer(configs, tenants=tenants)
         port = self.background.run(self.engine_server.start("127.0.0.1", 0))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -95,8 +99,9 @@ def test_missing_or_wrong_key_is_unauthenticated_on_every_call_but_health_info_m
 
 
 def test_a_right_key_generates_and_the_users_id_comes_back(server):
-    responses = list(server.stub.Generate(pb.GenerateRequest(request_id="mine", text="Hello", **GREEDY),
-                                          metadata=key(A)))
+    responses = list(
+        server.stub.Generate(pb.GenerateRequest(request_id="mine", text="Hello", **GREEDY), metadata=key(A))
+    )
     assert {r.request_id for r in responses} == {"mine"}
     ids, reason = tokens(responses)
     assert (len(ids), reason) == (8, pb.FINISH_REASON_LENGTH)
@@ -120,8 +125,12 @@ def test_an_in_flight_duplicate_id_of_one_tenant_is_invalid(server):
     first = server.stub.Generate(pb.GenerateRequest(request_id="dup", text="Hello", **LONG), metadata=key(A))
     assert next(first).request_id == "dup"
     again = pb.GenerateRequest(request_id="dup", text="Hello", **GREEDY)
-    assert_refused(lambda: list(server.stub.Generate(again, metadata=key(A))), grpc.StatusCode.INVALID_ARGUMENT,
-                   "request_id 'dup' is already in use", "request_id")
+    assert_refused(
+        lambda: list(server.stub.Generate(again, metadata=key(A))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "request_id 'dup' is already in use",
+        "request_id",
+    )
     assert server.stub.Abort(pb.AbortRequest(request_ids=["dup"]), metadata=key(A)).num_aborted == 1
     assert tokens(first)[1] == pb.FINISH_REASON_ABORT
     ids, reason = tokens(server.stub.Generate(again, metadata=key(A)))  # free once its call has ended
@@ -132,9 +141,11 @@ def test_an_in_flight_duplicate_id_of_one_tenant_is_invalid(server):
 def test_priority_outside_the_tenants_range_is_invalid_and_names_the_field(server, priority):
     request = pb.GenerateRequest(text="Hello", priority=priority, **GREEDY)
     assert_refused(
-        lambda: list(server.stub.Generate(request, metadata=key(B))), grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: list(server.stub.Generate(request, metadata=key(B))),
+        grpc.StatusCode.INVALID_ARGUMENT,
         f"priority {priority} is outside [0, 1000000], the range of tenant b: a request may only lower its "
-        "priority (min_request_priority and max_request_priority of a tenant in --tenants set the range)", "priority",
+        "priority (min_request_priority and max_request_priority of a tenant in --tenants set the range)",
+        "priority",
     )
 
 
@@ -175,9 +186,12 @@ def test_a_huge_text_prompt_is_refused_at_once_and_the_server_goes_on(server):
     before, _ = tokens(server.stub.Generate(request, metadata=key(A)))
     huge = pb.GenerateRequest(text="x" * 4_000_000, **GREEDY)
     start = time.monotonic()
-    assert_refused(lambda: list(server.stub.Generate(huge, metadata=key(A))), grpc.StatusCode.INVALID_ARGUMENT,
-                   "prompt has 4000000 characters, more than the limit of 8192 (--max-prompt-chars) before "
-                   "tokenization", "prompt")
+    assert_refused(
+        lambda: list(server.stub.Generate(huge, metadata=key(A))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt has 4000000 characters, more than the limit of 8192 (--max-prompt-chars) before tokenization",
+        "prompt",
+    )
     assert time.monotonic() - start < 1.0
     after, _ = tokens(server.stub.Generate(request, metadata=key(A)))
     assert after == before and len(after) == 8
@@ -188,45 +202,68 @@ def test_prompt_ids_and_conversations_are_bounded_before_they_are_copied_or_rend
         return list(server.stub.Generate(request, metadata=metadata))
 
     ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 256), **GREEDY)
-    assert_refused(lambda: generate(ids, metadata=key(A)), grpc.StatusCode.INVALID_ARGUMENT,
-                   "prompt has 256 tokens, which leaves no room to generate within max_model_len 256 "
-                   "(--max-model-len)", "prompt")
+    assert_refused(
+        lambda: generate(ids, metadata=key(A)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt has 256 tokens, which leaves no room to generate within max_model_len 256 (--max-model-len)",
+        "prompt",
+    )
     chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")] * 1025)
-    assert_refused(lambda: generate(pb.GenerateRequest(messages=chat, **GREEDY), metadata=key(A)),
-                   grpc.StatusCode.INVALID_ARGUMENT,
-                   "messages has 1025 messages, more than the limit of 1024 (--max-chat-messages)", "messages")
+    assert_refused(
+        lambda: generate(pb.GenerateRequest(messages=chat, **GREEDY), metadata=key(A)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "messages has 1025 messages, more than the limit of 1024 (--max-chat-messages)",
+        "messages",
+    )
     long_turn = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x" * 8189)])
-    assert_refused(lambda: generate(pb.GenerateRequest(messages=long_turn, **GREEDY), metadata=key(A)),
-                   grpc.StatusCode.INVALID_ARGUMENT,
-                   "messages has 8193 characters, more than the limit of 8192 (--max-prompt-chars) before "
-                   "tokenization", "messages")
+    assert_refused(
+        lambda: generate(pb.GenerateRequest(messages=long_turn, **GREEDY), metadata=key(A)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "messages has 8193 characters, more than the limit of 8192 (--max-prompt-chars) before tokenization",
+        "messages",
+    )
 
 
 def test_tokenize_and_detokenize_are_bounded(server):
     stub = server.stub
     assert list(stub.Tokenize(pb.TokenizeRequest(text="Hello world"), metadata=key(A)).token_ids) == [19556, 905]
-    assert_refused(lambda: stub.Tokenize(pb.TokenizeRequest(text="x" * 8193), metadata=key(A)),
-                   grpc.StatusCode.INVALID_ARGUMENT,
-                   "prompt has 8193 characters, more than the limit of 8192 (--max-prompt-chars) before "
-                   "tokenization", "prompt")
+    assert_refused(
+        lambda: stub.Tokenize(pb.TokenizeRequest(text="x" * 8193), metadata=key(A)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt has 8193 characters, more than the limit of 8192 (--max-prompt-chars) before tokenization",
+        "prompt",
+    )
     chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")] * 1025)
-    assert_refused(lambda: stub.Tokenize(pb.TokenizeRequest(messages=chat), metadata=key(A)),
-                   grpc.StatusCode.INVALID_ARGUMENT,
-                   "messages has 1025 messages, more than the limit of 1024 (--max-chat-messages)", "messages")
+    assert_refused(
+        lambda: stub.Tokenize(pb.TokenizeRequest(messages=chat), metadata=key(A)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "messages has 1025 messages, more than the limit of 1024 (--max-chat-messages)",
+        "messages",
+    )
     assert stub.Detokenize(pb.DetokenizeRequest(token_ids=[19556, 905]), metadata=key(A)).text == "Hello world"
-    assert_refused(lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[1] * 257), metadata=key(A)),
-                   grpc.StatusCode.INVALID_ARGUMENT, "tokens has 257 ids, more than the limit of 256 (--max-model-len)",
-                   "tokens")
-    assert_refused(lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[1, 49152]), metadata=key(A)),
-                   grpc.StatusCode.INVALID_ARGUMENT, "tokens must be token ids in [0, 49152), got 49152", "tokens")
+    assert_refused(
+        lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[1] * 257), metadata=key(A)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "tokens has 257 ids, more than the limit of 256 (--max-model-len)",
+        "tokens",
+    )
+    assert_refused(
+        lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[1, 49152]), metadata=key(A)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "tokens must be token ids in [0, 49152), got 49152",
+        "tokens",
+    )
 
 
 def test_a_tenant_over_its_queue_limit_is_resource_exhausted(server):
     running = server.stub.Generate(pb.GenerateRequest(text="Hello", **LONG), metadata=key(Q))
     assert next(running).request_id
     second = pb.GenerateRequest(text="Hello", **GREEDY)
-    assert_refused(lambda: list(server.stub.Generate(second, metadata=key(Q))), grpc.StatusCode.RESOURCE_EXHAUSTED,
-                   "tenant q has 1 requests running and 0 queued, its limits; retry later")
+    assert_refused(
+        lambda: list(server.stub.Generate(second, metadata=key(Q))),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "tenant q has 1 requests running and 0 queued, its limits; retry later",
+    )
     ids, _ = tokens(server.stub.Generate(pb.GenerateRequest(text="Hello", **GREEDY), metadata=key(A)))  # others run
     assert len(ids) == 8
     ids, reason = tokens(running)
@@ -244,7 +281,9 @@ def test_a_request_of_k_prompts_holds_k_slots_and_more_than_the_limit_is_refused
         with pytest.raises(APIError) as info:
             await gate.admit(4)
         assert (info.value.status, info.value.message) == (
-            429, "the request has 4 prompts, more than tenant t's max_concurrent_requests 3; send at most 3 at once")
+            429,
+            "the request has 4 prompts, more than tenant t's max_concurrent_requests 3; send at most 3 at once",
+        )
         events = []
         await gate.admit(2)
         waiting = asyncio.ensure_future(gate.admit(2))
@@ -282,8 +321,9 @@ def test_a_cancelled_waiter_leaves_the_queue_and_wakes_the_next():
 
 def test_tenants_file_priority_range(tmp_path):
     path = tmp_path / "tenants.yaml"
-    path.write_text("tenants:\n  - name: t\n    api_keys: [k]\n    min_request_priority: -5\n"
-                    "    max_request_priority: 7\n")
+    path.write_text(
+        "tenants:\n  - name: t\n    api_keys: [k]\n    min_request_priority: -5\n    max_request_priority: 7\n"
+    )
     (tenant,) = load_tenants(path)
     assert (tenant.min_request_priority, tenant.max_request_priority, tenant.engine_priority(-5)) == (-5, 7, -5)
     path.write_text("tenants:\n  - name: t\n    max_request_priority: -1\n")
@@ -304,4 +344,5 @@ def test_engine_flags_for_keys_tenants_and_prefix_cache_sharing(tmp_path, capsys
     bad.write_text("tenants:\n  - name: t\n    max_request_priority: -1\n")
     assert main(["engine", "--tenants", str(bad)]) == 2  # before any model loads
     assert capsys.readouterr().err.strip() == (
-        "error: tenant t: min_request_priority must not exceed max_request_priority")
+        "error: tenant t: min_request_priority must not exceed max_request_priority"
+    )

@@ -46,8 +46,10 @@ class Server:
         deadline = time.monotonic() + within_s
         while True:
             stats = self.stats()
-            if (stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
-                    and stats["num_requests_running"] == stats["num_requests_waiting"] == 0):
+            if (
+                stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
+                and stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+            ):
                 return stats
             assert time.monotonic() < deadline, f"KV blocks still held after {within_s} s: {stats}"
             time.sleep(0.02)
@@ -56,11 +58,25 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
     port, grpc_port = free_port(), free_port()
-    process = ServerProcess("serve", [
-        "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--port", str(port),
-        "--grpc-port", str(grpc_port), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-        "--max-model-len", str(MAX_MODEL_LEN), "--disable-log-requests",
-    ], tmp_path_factory.mktemp("load") / "serve.log")
+    process = ServerProcess(
+        "serve",
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--served-model-name",
+            "tiny",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--num-gpu-blocks-override",
+            str(NUM_BLOCKS),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--disable-log-requests",
+        ],
+        tmp_path_factory.mktemp("load") / "serve.log",
+    )
     try:
         process.wait_http_ready(f"http://127.0.0.1:{port}")
         yield Server(process, port, grpc_port)
@@ -69,8 +85,15 @@ def server(tmp_path_factory, tiny_model_dir):
 
 
 async def one_stream(client: httpx.AsyncClient, i: int, max_tokens: int) -> dict:
-    body = {"model": "tiny", "prompt": prompt_ids(i), "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": prompt_ids(i),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.monotonic()
     first_token_at = None
     events = []
@@ -87,8 +110,12 @@ async def one_stream(client: httpx.AsyncClient, i: int, max_tokens: int) -> dict
     text, chunks = stream_text_and_tail(events)
     if "error" in chunks[-1]:
         return {"error": chunks[-1]["error"]["message"]}
-    return {"text": text, "tokens": chunks[-1]["usage"]["completion_tokens"],
-            "latency_s": time.monotonic() - start, "ttft_s": first_token_at - start}
+    return {
+        "text": text,
+        "tokens": chunks[-1]["usage"]["completion_tokens"],
+        "latency_s": time.monotonic() - start,
+        "ttft_s": first_token_at - start,
+    }
 
 
 async def load(url: str, num_clients: int, max_tokens: int) -> list[dict]:
@@ -101,9 +128,7 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def test_concurrent_streams_all_finish_identical_to_unloaded_with_preemption(
-    server, tiny_model_dir, soak, tmp_path
-):
+def test_concurrent_streams_all_finish_identical_to_unloaded_with_preemption(server, tiny_model_dir, soak, tmp_path):
     num_clients, max_tokens = sizes(soak)
     before = server.stats()
     started = time.monotonic()
@@ -115,11 +140,13 @@ def test_concurrent_streams_all_finish_identical_to_unloaded_with_preemption(
     assert failures == []
     # unloaded: the same prompts with room for all of them, so nothing waits or is preempted
     reference_started = time.monotonic()
-    unloaded = LLM(model=str(tiny_model_dir), num_gpu_blocks_override=4096, max_model_len=MAX_MODEL_LEN,
-                   max_num_seqs=num_clients)
+    unloaded = LLM(
+        model=str(tiny_model_dir), num_gpu_blocks_override=4096, max_model_len=MAX_MODEL_LEN, max_num_seqs=num_clients
+    )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    expected = unloaded.generate([{"prompt_token_ids": prompt_ids(i)} for i in range(num_clients)], params,
-                                 use_tqdm=False)
+    expected = unloaded.generate(
+        [{"prompt_token_ids": prompt_ids(i)} for i in range(num_clients)], params, use_tqdm=False
+    )
     assert unloaded.stats()["num_preemptions"] == 0
     unloaded.shutdown()
     reference_s = time.monotonic() - reference_started
@@ -133,11 +160,18 @@ def test_concurrent_streams_all_finish_identical_to_unloaded_with_preemption(
     latencies = [r["latency_s"] for r in results]
     ttfts = [r["ttft_s"] for r in results]
     figures = {
-        "requests": num_clients, "failed": 0, "tokens_per_request": max_tokens, "kv_blocks": NUM_BLOCKS,
-        "wall_s": round(wall_s, 2), "output_tokens_per_s": round(num_clients * max_tokens / wall_s, 1),
-        "latency_p50_s": round(percentile(latencies, 50), 3), "latency_p99_s": round(percentile(latencies, 99), 3),
-        "ttft_p50_s": round(percentile(ttfts, 50), 3), "ttft_p99_s": round(percentile(ttfts, 99), 3),
-        "preemptions": int(preemptions), "unloaded_reference_s": round(reference_s, 2),
+        "requests": num_clients,
+        "failed": 0,
+        "tokens_per_request": max_tokens,
+        "kv_blocks": NUM_BLOCKS,
+        "wall_s": round(wall_s, 2),
+        "output_tokens_per_s": round(num_clients * max_tokens / wall_s, 1),
+        "latency_p50_s": round(percentile(latencies, 50), 3),
+        "latency_p99_s": round(percentile(latencies, 99), 3),
+        "ttft_p50_s": round(percentile(ttfts, 50), 3),
+        "ttft_p99_s": round(percentile(ttfts, 99), 3),
+        "preemptions": int(preemptions),
+        "unloaded_reference_s": round(reference_s, 2),
     }
     print("load figures:", json.dumps(figures))
     (tmp_path / "load_figures.json").write_text(json.dumps(figures, indent=2))

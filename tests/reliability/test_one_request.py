@@ -62,66 +62,150 @@ def _stop_strings(count: int) -> list[str]:
 
 
 CASES = [
-    Case("stop token id past the vocabulary", {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [VOCAB]}, 400,
-         f"stop_token_ids must be token ids in [0, {VOCAB}), got {VOCAB}",
-         grpc_fields={"stopping": {"max_tokens": 4, "stop_token_ids": [VOCAB]}}, params={"stop_token_ids": [VOCAB]}),
-    Case("logprobs past the limit", {"prompt": "hi", "max_tokens": 4, "logprobs": 100_000}, 400,
-         f"logprobs 100000 is more than the limit of 20 (--max-logprobs, at most the vocabulary size {VOCAB})",
-         grpc_fields={"logprobs": 100_000}, params={"logprobs": 100_000}),
-    Case("n without bound", {"prompt": "hi", "max_tokens": 4, "n": 100_000}, 400,
-         "n has 100000 samples, more than the limit of 128 (--max-num-samples)",
-         grpc_fields={"sampling": {"n": 100_000}}, params={"n": 100_000}),
-    Case("best_of without bound", {"prompt": "hi", "max_tokens": 4, "best_of": 100_000}, 400,
-         "best_of has 100000 samples, more than the limit of 128 (--max-num-samples)",
-         grpc_fields={"sampling": {"best_of": 100_000}}, params={"best_of": 100_000}),
-    Case("200,000 stop strings", {"prompt": "hi", "max_tokens": 4, "stop": _stop_strings(200_000)}, 400,
-         "stop has 200000 stop strings, more than the limit of 64 (--max-stop-strings)",
-         grpc_fields={"stopping": {"max_tokens": 4, "stop_sequences": _stop_strings(200_000)}},
-         params={"stop": _stop_strings(200_000)}),
-    Case("a stop string of 100,000 characters", {"prompt": "hi", "max_tokens": 4, "stop": ["x" * 100_000]}, 400,
-         "stop has a string of 100000 characters, more than the limit of 256 (--max-stop-string-chars)",
-         grpc_fields={"stopping": {"max_tokens": 4, "stop_sequences": ["x" * 100_000]}},
-         params={"stop": ["x" * 100_000]}),
-    Case("1,000,000 stop token ids", {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [7] * 1_000_000}, 400,
-         "stop_token_ids has 1000000 ids, more than the limit of 1024 (--max-stop-token-ids)",
-         grpc_fields={"stopping": {"max_tokens": 4, "stop_token_ids": [7] * 1_000_000}},
-         params={"stop_token_ids": [7] * 1_000_000}),
-    Case("a 4M-token prompt", {"prompt": [5] * 4_000_000, "max_tokens": 4}, 400,
-         f"prompt has 4000000 tokens, which leaves no room to generate within max_model_len {MAX_MODEL_LEN} "
-         "(--max-model-len)",
-         grpc_fields={"token_ids": [5] * 4_000_000}),
-    Case("a 6M-character chat message",
-         {"messages": [{"role": "user", "content": "y" * 6_000_000}], "max_tokens": 4}, 400,
-         "messages has 6000004 characters, more than the limit of 2048 (--max-prompt-chars) before tokenization",
-         path="/v1/chat/completions", grpc_fields={"messages": [{"role": "user", "content": "y" * 6_000_000}]}),
-    Case("100,000 chat messages",
-         {"messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 4}, 400,
-         "messages has 100000 messages, more than the limit of 1024 (--max-chat-messages)",
-         path="/v1/chat/completions", grpc_fields={"messages": [{"role": "user", "content": "hi"}] * 100_000}),
-    Case("2,000,000 prompts", {"prompt": ["a"] * 2_000_000, "max_tokens": 4}, 400,
-         "prompt has 2000000 prompts, more than the limit of 1024 (--max-prompts-per-request)"),
-    Case("a bad first prompt of several", {"prompt": [[VOCAB], [5, 6, 7], [8, 9]], "max_tokens": 40}, 400,
-         f"prompt must be token ids in [0, {VOCAB}), got {VOCAB}"),
-    Case("tokenize 4M characters", {"prompt": "z" * 4_000_000}, 400,
-         "prompt has 4000000 characters, more than the limit of 2048 (--max-prompt-chars) before tokenization",
-         path="/tokenize"),
-    Case("detokenize 2M ids", {"tokens": [5] * 2_000_000}, 400,
-         f"tokens has 2000000 ids, more than the limit of {MAX_MODEL_LEN} (--max-model-len)", path="/detokenize"),
+    Case(
+        "stop token id past the vocabulary",
+        {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [VOCAB]},
+        400,
+        f"stop_token_ids must be token ids in [0, {VOCAB}), got {VOCAB}",
+        grpc_fields={"stopping": {"max_tokens": 4, "stop_token_ids": [VOCAB]}},
+        params={"stop_token_ids": [VOCAB]},
+    ),
+    Case(
+        "logprobs past the limit",
+        {"prompt": "hi", "max_tokens": 4, "logprobs": 100_000},
+        400,
+        f"logprobs 100000 is more than the limit of 20 (--max-logprobs, at most the vocabulary size {VOCAB})",
+        grpc_fields={"logprobs": 100_000},
+        params={"logprobs": 100_000},
+    ),
+    Case(
+        "n without bound",
+        {"prompt": "hi", "max_tokens": 4, "n": 100_000},
+        400,
+        "n has 100000 samples, more than the limit of 128 (--max-num-samples)",
+        grpc_fields={"sampling": {"n": 100_000}},
+        params={"n": 100_000},
+    ),
+    Case(
+        "best_of without bound",
+        {"prompt": "hi", "max_tokens": 4, "best_of": 100_000},
+        400,
+        "best_of has 100000 samples, more than the limit of 128 (--max-num-samples)",
+        grpc_fields={"sampling": {"best_of": 100_000}},
+        params={"best_of": 100_000},
+    ),
+    Case(
+        "200,000 stop strings",
+        {"prompt": "hi", "max_tokens": 4, "stop": _stop_strings(200_000)},
+        400,
+        "stop has 200000 stop strings, more than the limit of 64 (--max-stop-strings)",
+        grpc_fields={"stopping": {"max_tokens": 4, "stop_sequences": _stop_strings(200_000)}},
+        params={"stop": _stop_strings(200_000)},
+    ),
+    Case(
+        "a stop string of 100,000 characters",
+        {"prompt": "hi", "max_tokens": 4, "stop": ["x" * 100_000]},
+        400,
+        "stop has a string of 100000 characters, more than the limit of 256 (--max-stop-string-chars)",
+        grpc_fields={"stopping": {"max_tokens": 4, "stop_sequences": ["x" * 100_000]}},
+        params={"stop": ["x" * 100_000]},
+    ),
+    Case(
+        "1,000,000 stop token ids",
+        {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [7] * 1_000_000},
+        400,
+        "stop_token_ids has 1000000 ids, more than the limit of 1024 (--max-stop-token-ids)",
+        grpc_fields={"stopping": {"max_tokens": 4, "stop_token_ids": [7] * 1_000_000}},
+        params={"stop_token_ids": [7] * 1_000_000},
+    ),
+    Case(
+        "a 4M-token prompt",
+        {"prompt": [5] * 4_000_000, "max_tokens": 4},
+        400,
+        f"prompt has 4000000 tokens, which leaves no room to generate within max_model_len {MAX_MODEL_LEN} "
+        "(--max-model-len)",
+        grpc_fields={"token_ids": [5] * 4_000_000},
+    ),
+    Case(
+        "a 6M-character chat message",
+        {"messages": [{"role": "user", "content": "y" * 6_000_000}], "max_tokens": 4},
+        400,
+        "messages has 6000004 characters, more than the limit of 2048 (--max-prompt-chars) before tokenization",
+        path="/v1/chat/completions",
+        grpc_fields={"messages": [{"role": "user", "content": "y" * 6_000_000}]},
+    ),
+    Case(
+        "100,000 chat messages",
+        {"messages": [{"role": "user", "content": "hi"}] * 100_000, "max_tokens": 4},
+        400,
+        "messages has 100000 messages, more than the limit of 1024 (--max-chat-messages)",
+        path="/v1/chat/completions",
+        grpc_fields={"messages": [{"role": "user", "content": "hi"}] * 100_000},
+    ),
+    Case(
+        "2,000,000 prompts",
+        {"prompt": ["a"] * 2_000_000, "max_tokens": 4},
+        400,
+        "prompt has 2000000 prompts, more than the limit of 1024 (--max-prompts-per-request)",
+    ),
+    Case(
+        "a bad first prompt of several",
+        {"prompt": [[VOCAB], [5, 6, 7], [8, 9]], "max_tokens": 40},
+        400,
+        f"prompt must be token ids in [0, {VOCAB}), got {VOCAB}",
+    ),
+    Case(
+        "tokenize 4M characters",
+        {"prompt": "z" * 4_000_000},
+        400,
+        "prompt has 4000000 characters, more than the limit of 2048 (--max-prompt-chars) before tokenization",
+        path="/tokenize",
+    ),
+    Case(
+        "detokenize 2M ids",
+        {"tokens": [5] * 2_000_000},
+        400,
+        f"tokens has 2000000 ids, more than the limit of {MAX_MODEL_LEN} (--max-model-len)",
+        path="/detokenize",
+    ),
     Case("deeply nested JSON", b"[" * 100_000, 400, "request body is not valid JSON: it nests too deeply"),
-    Case("a priority above the tenant's", {"prompt": "hi", "max_tokens": 4, "priority": -5}, 400, None,
-         grpc_fields={"priority": -5}),
+    Case(
+        "a priority above the tenant's",
+        {"prompt": "hi", "max_tokens": 4, "priority": -5},
+        400,
+        None,
+        grpc_fields={"priority": -5},
+    ),
     Case("a cross-site text/plain POST", b'{"prompt": "hi"}', 415, None, headers={"Content-Type": "text/plain"}),
-    Case("a foreign Host header", {"prompt": "hi", "max_tokens": 4}, 400, None,
-         headers={"Content-Type": "application/json", "Host": "attacker.example"}),
-    Case("more tokens than the context holds", {"prompt": "hi", "max_tokens": 100}, 400,
-         f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested 101 tokens "
-         "(1 in the messages, 100 in the completion). Please reduce the length of the messages or completion.",
-         grpc_fields={"stopping": {"max_tokens": 100}}, params={"max_tokens": 100}),
-    Case("best_of 3 with n 1", {"prompt": "hi", "max_tokens": 5, "best_of": 3, "n": 1, "ignore_eos": True}, 200,
-         grpc_fields={"sampling": {"best_of": 3, "n": 1}, "stopping": {"max_tokens": 5, "ignore_eos": True}},
-         grpc_code=None, params={"best_of": 3, "n": 1, "max_tokens": 5, "ignore_eos": True}),
-    Case("best_of 2 with n 1, streamed",
-         {"prompt": "hi", "max_tokens": 5, "best_of": 2, "n": 1, "ignore_eos": True, "stream": True}, 200),
+    Case(
+        "a foreign Host header",
+        {"prompt": "hi", "max_tokens": 4},
+        400,
+        None,
+        headers={"Content-Type": "application/json", "Host": "attacker.example"},
+    ),
+    Case(
+        "more tokens than the context holds",
+        {"prompt": "hi", "max_tokens": 100},
+        400,
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested 101 tokens "
+        "(1 in the messages, 100 in the completion). Please reduce the length of the messages or completion.",
+        grpc_fields={"stopping": {"max_tokens": 100}},
+        params={"max_tokens": 100},
+    ),
+    Case(
+        "best_of 3 with n 1",
+        {"prompt": "hi", "max_tokens": 5, "best_of": 3, "n": 1, "ignore_eos": True},
+        200,
+        grpc_fields={"sampling": {"best_of": 3, "n": 1}, "stopping": {"max_tokens": 5, "ignore_eos": True}},
+        grpc_code=None,
+        params={"best_of": 3, "n": 1, "max_tokens": 5, "ignore_eos": True},
+    ),
+    Case(
+        "best_of 2 with n 1, streamed",
+        {"prompt": "hi", "max_tokens": 5, "best_of": 2, "n": 1, "ignore_eos": True, "stream": True},
+        200,
+    ),
 ]
 IDS = [case.name for case in CASES]
 
@@ -148,8 +232,11 @@ def assert_unharmed(stack: Stack, canary_text: str) -> None:
     deadline = time.monotonic() + 5
     while True:
         stats = stack.engine().stats()
-        idle = (stats["num_requests_running"], stats["num_requests_waiting"],
-                stats["num_requests_swapped"]) == (0, 0, 0)
+        idle = (stats["num_requests_running"], stats["num_requests_waiting"], stats["num_requests_swapped"]) == (
+            0,
+            0,
+            0,
+        )
         if idle and stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]:
             return
         assert time.monotonic() < deadline, stats
@@ -209,8 +296,9 @@ def test_grpc(stack, canary_text, case: Case):
 def test_grpc_ids_cannot_collide_with_sample_ids(stack, canary_text):
     stub = stack.grpc_stub()
     first = stub.Generate(grpc_request({"request_id": "x#1", "stopping": {"max_tokens": 30, "ignore_eos": True}}))
-    second = stub.Generate(grpc_request({"request_id": "x", "sampling": {"n": 2},
-                                         "stopping": {"max_tokens": 30, "ignore_eos": True}}))
+    second = stub.Generate(
+        grpc_request({"request_id": "x", "sampling": {"n": 2}, "stopping": {"max_tokens": 30, "ignore_eos": True}})
+    )
     results = {}
     for call in (first, second):
         responses = list(call)

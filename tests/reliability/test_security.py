@@ -19,8 +19,14 @@ from raypaged.serving.launch import Gateway, GatewayOptions
 from tests.serving.conftest import Stack, tiny_config
 
 KEY = "sk-guarded"
-MISSING = {"error": {"message": "Missing API key; send it as 'Authorization: Bearer KEY'",
-                     "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+MISSING = {
+    "error": {
+        "message": "Missing API key; send it as 'Authorization: Bearer KEY'",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +50,16 @@ def test_defaults_bind_loopback_and_protect_all_but_health_and_metrics():
     for command in (["serve"], ["gateway", "--engine", "a=127.0.0.1:1"]):
         options = gateway_options(parser.parse_args(command))
         assert (options.host, options.auth_exempt_paths, options.drain_timeout_s, options.max_body_bytes) == (
-            "127.0.0.1", ("/health", "/metrics"), 30.0, 16 * 1024 * 1024)
+            "127.0.0.1",
+            ("/health", "/metrics"),
+            30.0,
+            16 * 1024 * 1024,
+        )
     assert parser.parse_args(["serve"]).grpc_host == parser.parse_args(["engine"]).grpc_host == "127.0.0.1"
     assert parser.parse_args(["engine"]).drain_timeout == 30.0
-    options = gateway_options(parser.parse_args(["serve", "--auth-exempt-paths", "", "--max-request-body-bytes", "64",
-                                                 "--api-key", KEY]))
+    options = gateway_options(
+        parser.parse_args(["serve", "--auth-exempt-paths", "", "--max-request-body-bytes", "64", "--api-key", KEY])
+    )
     assert (options.auth_exempt_paths, options.max_body_bytes) == ((), 64)
     assert KEY not in repr(options)
 
@@ -63,13 +74,19 @@ def test_api_key_from_the_environment_stays_out_of_the_process_list(monkeypatch)
     assert gateway_options(parser.parse_args(["serve"])).api_keys == ()
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--auth-exempt-paths", "/health,/v1/completions"],
-     "error: --auth-exempt-paths cannot include /v1/completions: generation always needs a key when keys are set"),
-    (["--auth-exempt-paths", "health"], "error: --auth-exempt-paths takes paths starting with '/', got 'health'"),
-    (["--max-request-body-bytes", "0"], "error: --max-request-body-bytes must be at least 1, got 0"),
-    (["--drain-timeout", "-1"], "error: --drain-timeout must be at least 0 seconds, got -1"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--auth-exempt-paths", "/health,/v1/completions"],
+            "error: --auth-exempt-paths cannot include /v1/completions: generation always needs a key when keys are "
+            "set",
+        ),
+        (["--auth-exempt-paths", "health"], "error: --auth-exempt-paths takes paths starting with '/', got 'health'"),
+        (["--max-request-body-bytes", "0"], "error: --max-request-body-bytes must be at least 1, got 0"),
+        (["--drain-timeout", "-1"], "error: --drain-timeout must be at least 0 seconds, got -1"),
+    ],
+)
 def test_bad_security_flags_exit_2_with_a_message(flags, message, capsys):
     assert main(["gateway", "--engine", "a=127.0.0.1:1", *flags]) == 2
     assert capsys.readouterr().err.strip() == message
@@ -79,9 +96,15 @@ def test_key_needed_everywhere_but_exempt_paths(stack):
     with stack.client() as anonymous, stack.client(headers={"Authorization": f"Bearer {KEY}"}) as client:
         assert anonymous.get("/health").status_code == 200
         assert anonymous.get("/metrics").status_code == 200
-        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                             ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/openapi.json"),
-                             ("GET", "/v1/no-such-route")]:
+        for method, path in [
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/chat/completions"),
+            ("POST", "/tokenize"),
+            ("POST", "/detokenize"),
+            ("GET", "/openapi.json"),
+            ("GET", "/v1/no-such-route"),
+        ]:
             response = anonymous.request(method, path, json={"prompt": "x"})
             assert (response.status_code, response.json()) == (401, MISSING), path
         assert client.get("/v1/models").status_code == 200
@@ -106,8 +129,12 @@ def test_body_limit_holds_without_a_content_length(stack):
     with stack.client(headers={"Authorization": f"Bearer {KEY}"}) as client:
         response = client.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
         assert response.status_code == 413
-        assert response.json()["error"] == {"message": "request body exceeds the limit of 1000 bytes",
-                                            "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+        assert response.json()["error"] == {
+            "message": "request body exceeds the limit of 1000 bytes",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "request_too_large",
+        }
 
 
 def test_remote_code_is_never_trusted(tmp_path, tiny_model_dir):
@@ -141,31 +168,70 @@ def test_new_browser_flags_parse():
     parser = build_parser()
     options = gateway_options(parser.parse_args(["serve"]))
     assert (options.allowed_hosts, options.allowed_origins, options.max_prompts_per_request) == (None, (), 1024)
-    options = gateway_options(parser.parse_args([
-        "gateway", "--engine", "a=127.0.0.1:1", "--allowed-hosts", "llm.example, Other.example:8000",
-        "--allowed-origins", '["https://a.example", "https://b.example"]', "--allowed-methods", "GET,POST",
-        "--allowed-headers", '["Authorization"]', "--allow-credentials", "--max-prompts-per-request", "8",
-    ]))
-    assert (options.allowed_hosts, options.allowed_origins, options.allowed_methods, options.allowed_headers,
-            options.allow_credentials, options.max_prompts_per_request) == (
-        ("llm.example", "Other.example:8000"), ("https://a.example", "https://b.example"), ("GET", "POST"),
-        ("Authorization",), True, 8)
-    options = gateway_options(parser.parse_args(["serve", "--allowed-origins", "https://a.example,https://b.example",
-                                                 "--allowed-hosts", "*"]))
+    options = gateway_options(
+        parser.parse_args(
+            [
+                "gateway",
+                "--engine",
+                "a=127.0.0.1:1",
+                "--allowed-hosts",
+                "llm.example, Other.example:8000",
+                "--allowed-origins",
+                '["https://a.example", "https://b.example"]',
+                "--allowed-methods",
+                "GET,POST",
+                "--allowed-headers",
+                '["Authorization"]',
+                "--allow-credentials",
+                "--max-prompts-per-request",
+                "8",
+            ]
+        )
+    )
+    assert (
+        options.allowed_hosts,
+        options.allowed_origins,
+        options.allowed_methods,
+        options.allowed_headers,
+        options.allow_credentials,
+        options.max_prompts_per_request,
+    ) == (
+        ("llm.example", "Other.example:8000"),
+        ("https://a.example", "https://b.example"),
+        ("GET", "POST"),
+        ("Authorization",),
+        True,
+        8,
+    )
+    options = gateway_options(
+        parser.parse_args(["serve", "--allowed-origins", "https://a.example,https://b.example", "--allowed-hosts", "*"])
+    )
     assert (options.allowed_origins, options.allowed_methods, options.allowed_hosts) == (
-        ("https://a.example", "https://b.example"), ("*",), ("*",))
+        ("https://a.example", "https://b.example"),
+        ("*",),
+        ("*",),
+    )
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--allowed-origins", '["https://a.example", 3]'],
-     "error: --allowed-origins takes a JSON list of strings or a comma-separated list, "
-     """got '["https://a.example", 3]'"""),
-    (["--allowed-methods", "GET"], "error: --allowed-methods needs --allowed-origins (without it the server sends no "
-                                   "CORS headers)"),
-    (["--allow-credentials"], "error: --allow-credentials needs --allowed-origins (without it the server sends no "
-                              "CORS headers)"),
-    (["--max-prompts-per-request", "0"], "error: --max-prompts-per-request must be at least 1, got 0"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--allowed-origins", '["https://a.example", 3]'],
+            "error: --allowed-origins takes a JSON list of strings or a comma-separated list, "
+            """got '["https://a.example", 3]'""",
+        ),
+        (
+            ["--allowed-methods", "GET"],
+            "error: --allowed-methods needs --allowed-origins (without it the server sends no CORS headers)",
+        ),
+        (
+            ["--allow-credentials"],
+            "error: --allow-credentials needs --allowed-origins (without it the server sends no CORS headers)",
+        ),
+        (["--max-prompts-per-request", "0"], "error: --max-prompts-per-request must be at least 1, got 0"),
+    ],
+)
 def test_bad_browser_flags_exit_2_with_a_message(flags, message, capsys):
     assert main(["gateway", "--engine", "a=127.0.0.1:1", *flags]) == 2
     assert capsys.readouterr().err.strip() == message
@@ -181,13 +247,23 @@ def test_host_check_runs_on_loopback_binds_and_where_hosts_are_listed():
 def test_post_bodies_must_be_json(stack):
     with stack.client(headers={"Authorization": f"Bearer {KEY}"}) as client:
         body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
-        for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=b",
-                             "application/jsonx", "json"):
+        for content_type in (
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=b",
+            "application/jsonx",
+            "json",
+        ):
             for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/no-such-route"):
                 response = client.post(path, content=body, headers={"Content-Type": content_type})
-                assert (response.status_code, response.json()) == (415, error(
-                    f"Content-Type {content_type!r} is not supported: send the body as JSON with "
-                    f"'Content-Type: application/json'", "unsupported_media_type")), (path, content_type)
+                assert (response.status_code, response.json()) == (
+                    415,
+                    error(
+                        f"Content-Type {content_type!r} is not supported: send the body as JSON with "
+                        f"'Content-Type: application/json'",
+                        "unsupported_media_type",
+                    ),
+                ), (path, content_type)
         for content_type in ("application/json", "Application/JSON; charset=utf-8", "application/merge-patch+json"):
             response = client.post("/v1/completions", content=body, headers={"Content-Type": content_type})
             assert response.status_code == 200, (content_type, response.text)
@@ -197,9 +273,11 @@ def test_post_bodies_must_be_json(stack):
 
 
 def foreign_host(host: str) -> dict:
-    return error(f"Host {host!r} is not allowed: only loopback names (localhost, 127.0.0.1, [::1]) and the hosts "
-                 f"given to --allowed-hosts may address this server (it guards against DNS rebinding)",
-                 "host_not_allowed")
+    return error(
+        f"Host {host!r} is not allowed: only loopback names (localhost, 127.0.0.1, [::1]) and the hosts "
+        f"given to --allowed-hosts may address this server (it guards against DNS rebinding)",
+        "host_not_allowed",
+    )
 
 
 def raw_http(port: int, request: bytes) -> tuple[int, dict]:
@@ -216,23 +294,39 @@ def test_loopback_bind_refuses_foreign_host_headers(stack):
     port = stack.gateway.port
     with stack.client(headers={"Authorization": f"Bearer {KEY}"}) as client:
         for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "[2001:db8::1]:80", "10.0.0.1"):
-            for method, path in [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
-                                 ("POST", "/v1/completions"), ("OPTIONS", "/v1/completions")]:
+            for method, path in [
+                ("GET", "/health"),
+                ("GET", "/metrics"),
+                ("GET", "/v1/models"),
+                ("POST", "/v1/completions"),
+                ("OPTIONS", "/v1/completions"),
+            ]:
                 response = client.request(method, path, headers={"Host": host}, json={"prompt": "x", "max_tokens": 1})
                 assert (response.status_code, response.json()) == (400, foreign_host(host)), (host, path)
-        for host in ("localhost", f"LOCALHOST:{port}", "127.0.0.1", f"127.0.0.2:{port}", "[::1]", f"[::1]:{port}",
-                     "localhost."):
+        for host in (
+            "localhost",
+            f"LOCALHOST:{port}",
+            "127.0.0.1",
+            f"127.0.0.2:{port}",
+            "[::1]",
+            f"[::1]:{port}",
+            "localhost.",
+        ):
             assert client.get("/v1/models", headers={"Host": host}).status_code == 200, host
-    assert raw_http(port, b"GET /health HTTP/1.0\r\n\r\n") == (400, error(
-        "the request has no Host header; send the host it was addressed to", "host_not_allowed"))
+    assert raw_http(port, b"GET /health HTTP/1.0\r\n\r\n") == (
+        400,
+        error("the request has no Host header; send the host it was addressed to", "host_not_allowed"),
+    )
 
     gateway, serving = extra_gateway(stack, api_key=KEY, allowed_hosts=("llm.example",))
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{gateway.port}", timeout=30,
-                          headers={"Authorization": f"Bearer {KEY}"}) as client:
+        with httpx.Client(
+            base_url=f"http://127.0.0.1:{gateway.port}", timeout=30, headers={"Authorization": f"Bearer {KEY}"}
+        ) as client:
             assert client.get("/health", headers={"Host": f"llm.example:{gateway.port}"}).status_code == 200
-            response = client.post("/v1/completions", headers={"Host": "LLM.example"}, json={"prompt": "x",
-                                                                                          "max_tokens": 1})
+            response = client.post(
+                "/v1/completions", headers={"Host": "LLM.example"}, json={"prompt": "x", "max_tokens": 1}
+            )
             assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 1
             assert client.get("/health", headers={"Host": "localhost"}).status_code == 200
             response = client.get("/health", headers={"Host": "evil.example"})
@@ -242,8 +336,11 @@ def test_loopback_bind_refuses_foreign_host_headers(stack):
         serving.result(timeout=30)
 
 
-PREFLIGHT = {"Origin": "https://a.example", "Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization,content-type"}
+PREFLIGHT = {
+    "Origin": "https://a.example",
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization,content-type",
+}
 
 
 def test_cors_only_for_allowed_origins(stack):
@@ -262,9 +359,14 @@ def test_cors_only_for_allowed_origins(stack):
             assert "POST" in response.headers["access-control-allow-methods"]
             response = client.options("/v1/completions", headers={**PREFLIGHT, "Origin": "https://evil.example"})
             assert response.status_code == 400 and "access-control-allow-origin" not in response.headers
-            response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                                   headers={"Origin": "https://a.example", "Authorization": f"Bearer {KEY}"})
-            assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "https://a.example"
+            response = client.post(
+                "/v1/completions",
+                json={"prompt": "x", "max_tokens": 1},
+                headers={"Origin": "https://a.example", "Authorization": f"Bearer {KEY}"},
+            )
+            assert (
+                response.status_code == 200 and response.headers["access-control-allow-origin"] == "https://a.example"
+            )
             refused = client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": "https://a.example"})
             assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://a.example"
     finally:
@@ -272,8 +374,9 @@ def test_cors_only_for_allowed_origins(stack):
         serving.result(timeout=30)
 
 
-CROSS_SITE = ("cross-site request refused (Origin {!r}): list the origin in --allowed-origins to serve browser pages "
-              "from it")
+CROSS_SITE = (
+    "cross-site request refused (Origin {!r}): list the origin in --allowed-origins to serve browser pages from it"
+)
 
 
 def test_cross_site_posts_are_refused_unless_the_origin_is_allowed(stack):
@@ -288,8 +391,12 @@ def test_cross_site_posts_are_refused_unless_the_origin_is_allowed(stack):
         ):
             response = client.post("/v1/completions", json=body, headers={**auth, **headers})
             assert response.status_code == 403, response.text
-            assert response.json()["error"] == {"message": CROSS_SITE.format(origin), "type": "invalid_request_error",
-                                                "param": None, "code": "cross_site_request"}
+            assert response.json()["error"] == {
+                "message": CROSS_SITE.format(origin),
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "cross_site_request",
+            }
         same = f"http://127.0.0.1:{stack.url.rsplit(':', 1)[1]}"
         for headers in ({"Origin": same, "Sec-Fetch-Site": "same-origin"}, {"Sec-Fetch-Site": "none"}, {}):
             assert client.post("/v1/completions", json=body, headers={**auth, **headers}).status_code == 200

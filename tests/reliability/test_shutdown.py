@@ -17,33 +17,65 @@ API_KEY = "sk-never-in-logs-5b1f"
 SECRET_PROMPT = "zebra quartz mangrove"  # a prompt no log line may contain
 NUM_STREAMS = 8
 MAX_TOKENS = 400
-DRAINING = {"error": {
-    "message": "the server is draining: it is shutting down and accepts no new requests",
-    "type": "server_error", "param": None, "code": "server_draining",
-}}
+DRAINING = {
+    "error": {
+        "message": "the server is draining: it is shutting down and accepts no new requests",
+        "type": "server_error",
+        "param": None,
+        "code": "server_draining",
+    }
+}
 
 
 def test_sigterm_drains_streams_refuses_new_requests_and_exits_0(tmp_path, tiny_model_dir):
     port, grpc_port = free_port(), free_port()
-    server = ServerProcess("serve", [
-        "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--port", str(port),
-        "--grpc-port", str(grpc_port), "--num-gpu-blocks-override", "256", "--max-model-len", "512",
-        "--api-key", API_KEY, "--disable-log-requests", "--log-level", "debug",
-    ], tmp_path / "serve.log")
+    server = ServerProcess(
+        "serve",
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--served-model-name",
+            "tiny",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--num-gpu-blocks-override",
+            "256",
+            "--max-model-len",
+            "512",
+            "--api-key",
+            API_KEY,
+            "--disable-log-requests",
+            "--log-level",
+            "debug",
+        ],
+        tmp_path / "serve.log",
+    )
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         server.wait_http_ready(url)  # /health needs no key by default
-        listening = {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)  # gRPC listens on a v4-mapped socket
-                     for c in psutil.Process(server.pid).net_connections("tcp") if c.status == "LISTEN"}
+        listening = {
+            (c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)  # gRPC listens on a v4-mapped socket
+            for c in psutil.Process(server.pid).net_connections("tcp")
+            if c.status == "LISTEN"
+        }
         assert listening == {("127.0.0.1", port), ("127.0.0.1", grpc_port)}  # loopback only by default
 
         events: list[list[str]] = [[] for _ in range(NUM_STREAMS)]
         started = [threading.Event() for _ in range(NUM_STREAMS)]
 
         def stream(i: int) -> None:
-            body = {"model": "tiny", "prompt": f"{SECRET_PROMPT} {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": "tiny",
+                "prompt": f"{SECRET_PROMPT} {i}",
+                "max_tokens": MAX_TOKENS,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth, timeout=60) as response:
                 assert response.status_code == 200
                 for event in sse_events(response.iter_lines()):
@@ -103,9 +135,14 @@ def test_requests_left_at_the_drain_timeout_end_with_an_error_and_free_their_blo
                 rest = list(events)
                 response.close()
                 assert rest[-1] == "[DONE]"
-                assert json.loads(rest[-2]) == {"error": {
-                    "message": "the server shut down before this request finished (drain timeout 0.2 s)",
-                    "type": "server_error", "param": None, "code": "server_draining"}}
+                assert json.loads(rest[-2]) == {
+                    "error": {
+                        "message": "the server shut down before this request finished (drain timeout 0.2 s)",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "server_draining",
+                    }
+                }
         deadline = time.monotonic() + 10
         while (stats := stack.engine().stats())["num_gpu_blocks_free"] != stats["num_gpu_blocks_total"]:
             assert time.monotonic() < deadline, stats

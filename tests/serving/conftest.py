@@ -42,8 +42,12 @@ class Stack:
     """An engine server and a gateway in front of it; ``url`` is the gateway's base URL."""
 
     def __init__(
-        self, configs: list[EngineConfig], in_process: bool = True, metrics_prefix: str = "raypaged:",
-        lora_modules: dict[str, str] | None = None, **gateway_options: Any,
+        self,
+        configs: list[EngineConfig],
+        in_process: bool = True,
+        metrics_prefix: str = "raypaged:",
+        lora_modules: dict[str, str] | None = None,
+        **gateway_options: Any,
     ) -> None:
         """As ``raypaged serve``: the engine server gets the gateway's keys and tenants, and the gateway
         reaches it in process (``in_process=False``: over gRPC, as ``raypaged gateway`` does)."""

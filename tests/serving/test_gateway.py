@@ -77,8 +77,10 @@ def test_two_models_answer_under_their_own_names_and_match_llm_generate(stack, c
     assert [(m["id"], m["max_model_len"]) for m in listed["data"]] == [("tiny", 256), ("tiny-qwen", 256)]
     texts = {}
     for name in ("tiny", "tiny-qwen"):
-        body = client.post("/v1/completions", json={"model": name, "prompt": "Hello there", "max_tokens": 8,
-                                                    "temperature": 0, "ignore_eos": True}).json()
+        body = client.post(
+            "/v1/completions",
+            json={"model": name, "prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        ).json()
         assert body["model"] == name and body["object"] == "text_completion"
         assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
         texts[name] = body["choices"][0]["text"]
@@ -90,27 +92,64 @@ def test_two_models_answer_under_their_own_names_and_match_llm_generate(stack, c
 
 def test_every_error_has_its_status_and_openai_shape(stack, client):
     completions = "/v1/completions"
-    assert_error(client.post(completions, json={"model": "tiny", "prompt": "x", "temperature": -1}),
-                 400, "invalid_request_error", None, "temperature must be non-negative, got -1.0")
-    assert_error(client.post(completions, json={"model": "tiny", "prompt": [5] * 300}),
-                 400, "invalid_request_error", None, "prompt has 300 tokens")
+    assert_error(
+        client.post(completions, json={"model": "tiny", "prompt": "x", "temperature": -1}),
+        400,
+        "invalid_request_error",
+        None,
+        "temperature must be non-negative, got -1.0",
+    )
+    assert_error(
+        client.post(completions, json={"model": "tiny", "prompt": [5] * 300}),
+        400,
+        "invalid_request_error",
+        None,
+        "prompt has 300 tokens",
+    )
     assert "max_model_len 256" in client.post(completions, json={"model": "tiny", "prompt": [5] * 300}).text
-    assert_error(client.post(completions, content=b"{not json", headers={"Content-Type": "application/json"}),
-                 400, "invalid_request_error", None, "not valid JSON")
+    assert_error(
+        client.post(completions, content=b"{not json", headers={"Content-Type": "application/json"}),
+        400,
+        "invalid_request_error",
+        None,
+        "not valid JSON",
+    )
     assert_error(client.post(completions, json={"model": "tiny"}), 400, "invalid_request_error", None, "prompt")
-    assert_error(client.post(completions, json={"model": "tiny", "prompt": "x", "n": 0}),
-                 400, "invalid_request_error", None, "n:")
-    assert_error(client.post(completions, json={"prompt": "x"}),
-                 400, "invalid_request_error", None, "model is required")
-    assert_error(client.post(completions, json={"model": "gpt-9", "prompt": "x"}),
-                 404, "invalid_request_error", "model_not_found", "The model `gpt-9` does not exist.")
-    assert_error(client.post(completions, json={"model": "tiny", "prompt": "x" * 5000}),
-                 413, "invalid_request_error", "request_too_large", "exceeds the limit of 4096 bytes")
+    assert_error(
+        client.post(completions, json={"model": "tiny", "prompt": "x", "n": 0}),
+        400,
+        "invalid_request_error",
+        None,
+        "n:",
+    )
+    assert_error(
+        client.post(completions, json={"prompt": "x"}), 400, "invalid_request_error", None, "model is required"
+    )
+    assert_error(
+        client.post(completions, json={"model": "gpt-9", "prompt": "x"}),
+        404,
+        "invalid_request_error",
+        "model_not_found",
+        "The model `gpt-9` does not exist.",
+    )
+    assert_error(
+        client.post(completions, json={"model": "tiny", "prompt": "x" * 5000}),
+        413,
+        "invalid_request_error",
+        "request_too_large",
+        "exceeds the limit of 4096 bytes",
+    )
     with stack.client() as anonymous:
-        assert_error(anonymous.post(completions, json={"model": "tiny", "prompt": "x"}),
-                     401, "invalid_request_error", "invalid_api_key", "Missing API key")
-        wrong = anonymous.post(completions, json={"model": "tiny", "prompt": "x"},
-                               headers={"Authorization": "Bearer no"})
+        assert_error(
+            anonymous.post(completions, json={"model": "tiny", "prompt": "x"}),
+            401,
+            "invalid_request_error",
+            "invalid_api_key",
+            "Missing API key",
+        )
+        wrong = anonymous.post(
+            completions, json={"model": "tiny", "prompt": "x"}, headers={"Authorization": "Bearer no"}
+        )
         assert_error(wrong, 401, "invalid_request_error", "invalid_api_key", "Incorrect API key")
         assert anonymous.get("/health").status_code == 200
 
@@ -126,8 +165,13 @@ def test_unreachable_engine_is_503(stack):
             time.sleep(0.02)
         with httpx.Client(base_url=f"http://127.0.0.1:{gateway.port}", timeout=30) as client:
             assert_error(client.get("/health"), 503, "server_error", "engine_unavailable", "unreachable")
-            assert_error(client.post("/v1/completions", json={"prompt": "x"}), 503, "server_error",
-                         "engine_unavailable", "the engine is unavailable")
+            assert_error(
+                client.post("/v1/completions", json={"prompt": "x"}),
+                503,
+                "server_error",
+                "engine_unavailable",
+                "the engine is unavailable",
+            )
     finally:
         stack.background.loop.call_soon_threadsafe(gateway.stop)
         future.result(timeout=30)
@@ -136,9 +180,10 @@ def test_unreachable_engine_is_503(stack):
 def test_flooding_tenant_queues_behind_its_limit_and_cannot_starve_another(stack):
     body = {"model": "tiny", "prompt": "flood", "stream": True, **LONG, "max_tokens": 250}
     flood_gate = stack.gateway.tenants.tenant_for(f"Bearer {FLOOD}")
-    with stack.client(headers={"Authorization": f"Bearer {FLOOD}"}) as flood, stack.client(
-        headers={"Authorization": f"Bearer {CALM}"}
-    ) as calm:
+    with (
+        stack.client(headers={"Authorization": f"Bearer {FLOOD}"}) as flood,
+        stack.client(headers={"Authorization": f"Bearer {CALM}"}) as calm,
+    ):
         with flood.stream("POST", "/v1/completions", json=body) as first:
             lines = first.iter_lines()
             assert next(lines).startswith("data: ")  # running: the tenant's one slot is taken
@@ -151,8 +196,13 @@ def test_flooding_tenant_queues_behind_its_limit_and_cannot_starve_another(stack
             while flood_gate.num_queued == 0:  # the second waits in the tenant's queue at the gateway
                 assert time.monotonic() < deadline, "the second request was not queued"
                 time.sleep(0.002)
-            assert_error(flood.post("/v1/completions", json=body), 429, "requests", "rate_limit_exceeded",
-                         "tenant flood has 1 requests running and 1 queued")
+            assert_error(
+                flood.post("/v1/completions", json=body),
+                429,
+                "requests",
+                "rate_limit_exceeded",
+                "tenant flood has 1 requests running and 1 queued",
+            )
             answer = calm.post("/v1/completions", json={"model": "tiny", "prompt": "calm", "max_tokens": 3})
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
             assert not queued_done.is_set()
@@ -164,7 +214,9 @@ def test_flooding_tenant_queues_behind_its_limit_and_cannot_starve_another(stack
 def test_grpc_client_streams_and_cancelling_frees_blocks(stack):
     stub = stack.grpc_stub()
     request = pb.GenerateRequest(
-        model="tiny", text="stream me", sampling=pb.SamplingParameters(n=1, temperature=0),
+        model="tiny",
+        text="stream me",
+        sampling=pb.SamplingParameters(n=1, temperature=0),
         stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True),
     )
     call = stub.Generate(request, metadata=CALM_KEY)
@@ -183,9 +235,12 @@ def test_grpc_client_streams_and_cancelling_frees_blocks(stack):
 
 def test_abort_rpc_ends_the_stream_with_finish_reason_abort(stack):
     stub = stack.grpc_stub()
-    call = stub.Generate(pb.GenerateRequest(model="tiny", request_id="to-abort", text="x",
-                                            stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True)),
-                       metadata=CALM_KEY)
+    call = stub.Generate(
+        pb.GenerateRequest(
+            model="tiny", request_id="to-abort", text="x", stopping=pb.StoppingCriteria(max_tokens=200, ignore_eos=True)
+        ),
+        metadata=CALM_KEY,
+    )
     assert next(call).request_id == "to-abort"
     next(call)
     assert stub.Abort(pb.AbortRequest(request_ids=["to-abort", "unknown"]), metadata=CALM_KEY).num_aborted == 1
@@ -203,19 +258,31 @@ def test_grpc_errors_use_status_codes(stack):
         list(stub.Generate(pb.GenerateRequest(model="nope", text="x"), metadata=CALM_KEY))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(pb.GenerateRequest(model="tiny", text="x", sampling=pb.SamplingParameters(top_p=2)),
-                           metadata=CALM_KEY))
+        list(
+            stub.Generate(
+                pb.GenerateRequest(model="tiny", text="x", sampling=pb.SamplingParameters(top_p=2)), metadata=CALM_KEY
+            )
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p must be in (0, 1]" in err.value.details()
     info = stub.Info(pb.InfoRequest())
     assert [(m.name, m.block_size, m.max_model_len, m.tensor_parallel_size, m.num_gpu_blocks) for m in info.models] == [
-        ("tiny", 16, 256, 1, 64), ("tiny-qwen", 16, 256, 1, 20)]
+        ("tiny", 16, 256, 1, 64),
+        ("tiny-qwen", 16, 256, 1, 20),
+    ]
     assert stub.Health(pb.HealthRequest()).status == pb.SERVING_STATUS_SERVING
 
 
 def test_http_client_disconnect_aborts_the_request(stack, client):
-    with client.stream("POST", "/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "talk"}], "stream": True, **LONG,
-    }) as response:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "talk"}],
+            "stream": True,
+            **LONG,
+        },
+    ) as response:
         lines = response.iter_lines()
         for _ in range(4):
             next(lines)
@@ -224,11 +291,19 @@ def test_http_client_disconnect_aborts_the_request(stack, client):
 
 
 def test_streams_end_with_done_and_usage_when_asked(client):
-    response = client.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4,
-        "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True},
-    })
-    events = [line[len("data: "):] for line in response.text.splitlines() if line]
+    response = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    events = [line[len("data: ") :] for line in response.text.splitlines() if line]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -236,10 +311,16 @@ def test_streams_end_with_done_and_usage_when_asked(client):
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
-    whole = client.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True,
-        "temperature": 0,
-    }).json()
+    whole = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "temperature": 0,
+        },
+    ).json()
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": text}
     assert whole["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"]
 
@@ -248,7 +329,8 @@ def test_tokenize_and_detokenize(client):
     tokens = client.post("/tokenize", json={"model": "tiny", "prompt": "Hello world"}).json()
     assert tokens == {"count": 2, "max_model_len": 256, "tokens": [19556, 905]}
     assert client.post("/detokenize", json={"model": "tiny", "tokens": [19556, 905]}).json() == {
-        "prompt": "Hello world"}
+        "prompt": "Hello world"
+    }
     chat = client.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] > 5
     refused = client.post("/detokenize", json={"model": "tiny", "tokens": [10**6]})
@@ -301,9 +383,13 @@ def test_metrics_parse_and_move_under_load(stack, client):
 
 def test_a_request_holds_one_tenant_slot_per_prompt(stack):
     with stack.client(headers={"Authorization": f"Bearer {FLOOD}"}) as flood:
-        assert_error(flood.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "max_tokens": 2}),
-                     429, "requests", "rate_limit_exceeded",
-                     "the request has 2 prompts, more than tenant flood's max_concurrent_requests 1")
+        assert_error(
+            flood.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "max_tokens": 2}),
+            429,
+            "requests",
+            "rate_limit_exceeded",
+            "the request has 2 prompts, more than tenant flood's max_concurrent_requests 1",
+        )
         answer = flood.post("/v1/completions", json={"model": "tiny", "prompt": ["a"], "max_tokens": 2})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
 
@@ -318,14 +404,20 @@ def test_one_failed_prompt_fails_the_whole_request_and_frees_the_others(stack, c
 
 
 def sse_chunks(response) -> list[dict]:
-    events = [line[len("data: "):] for line in response.text.splitlines() if line]
+    events = [line[len("data: ") :] for line in response.text.splitlines() if line]
     assert events[-1] == "[DONE]", events
     return [json.loads(e) for e in events[:-1]]
 
 
 def test_best_of_returns_the_best_of_its_samples_streamed_or_not(client):
-    sampling = {"model": "tiny", "prompt": "Pick one", "max_tokens": 6, "ignore_eos": True, "temperature": 1.0,
-                "seed": 7}
+    sampling = {
+        "model": "tiny",
+        "prompt": "Pick one",
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": 7,
+    }
     samples = client.post("/v1/completions", json={**sampling, "n": 3, "logprobs": 0}).json()["choices"]
     assert len({c["text"] for c in samples}) == 3  # three different samples to choose from
     best = max(samples, key=lambda c: sum(c["logprobs"]["token_logprobs"]))
@@ -336,14 +428,21 @@ def test_best_of_returns_the_best_of_its_samples_streamed_or_not(client):
     assert {c["index"] for chunk in chunks for c in chunk["choices"]} == {0}
     assert "".join(c["choices"][0]["text"] for c in chunks) == best["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Pick"}], "max_tokens": 4, "ignore_eos": True,
-            "temperature": 1.0, "seed": 7}
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Pick"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": 7,
+    }
     chat_whole = client.post("/v1/chat/completions", json={**chat, "n": 2, "best_of": 4}).json()
     assert [c["index"] for c in chat_whole["choices"]] == [0, 1]
     chat_chunks = sse_chunks(client.post("/v1/chat/completions", json={**chat, "n": 2, "best_of": 4, "stream": True}))
     for index in (0, 1):
-        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chat_chunks
-                       if c["choices"][0]["index"] == index)
+        text = "".join(
+            c["choices"][0]["delta"].get("content", "") for c in chat_chunks if c["choices"][0]["index"] == index
+        )
         assert text == chat_whole["choices"][index]["message"]["content"]
 
 
@@ -377,14 +476,19 @@ class FakeEngine(pb_grpc.TextGenerationServiceServicer):
             except asyncio.CancelledError:
                 self.num_cancelled += 1
                 raise
-        yield pb.GenerateResponse(request_id="fake", outputs=[pb.CompletionDelta(index=0, token_ids=[1], text="a")],
-                                  usage=pb.Usage(prompt_tokens=1, completion_tokens=1))
+        yield pb.GenerateResponse(
+            request_id="fake",
+            outputs=[pb.CompletionDelta(index=0, token_ids=[1], text="a")],
+            usage=pb.Usage(prompt_tokens=1, completion_tokens=1),
+        )
         if verb == "fail":
             await context.abort(grpc.StatusCode[code], message)
-        yield pb.GenerateResponse(request_id="fake", finished=True,
-                                  usage=pb.Usage(prompt_tokens=1, completion_tokens=2),
-                                  outputs=[pb.CompletionDelta(index=0, token_ids=[2], text="b",
-                                                              finish_reason=pb.FINISH_REASON_LENGTH)])
+        yield pb.GenerateResponse(
+            request_id="fake",
+            finished=True,
+            usage=pb.Usage(prompt_tokens=1, completion_tokens=2),
+            outputs=[pb.CompletionDelta(index=0, token_ids=[2], text="b", finish_reason=pb.FINISH_REASON_LENGTH)],
+        )
 
     async def Tokenize(self, request, context):
         self._record("Tokenize", context)
@@ -423,21 +527,45 @@ def openai_error(message: str, error_type: str, code: str | None, param: str | N
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-@pytest.mark.parametrize(("prompt", "status", "body"), [
-    ("refuse:INVALID_ARGUMENT:stop has 70 stop strings", 400,
-     openai_error("stop has 70 stop strings", "invalid_request_error", None, "stop")),
-    ("refuse:UNAUTHENTICATED:Missing API key", 401, openai_error("Missing API key", "invalid_request_error",
-                                                                 "invalid_api_key")),
-    ("refuse:RESOURCE_EXHAUSTED:tenant t has 1 requests running", 429,
-     openai_error("tenant t has 1 requests running", "requests", "rate_limit_exceeded")),
-    ("refuse:RESOURCE_EXHAUSTED:Received message larger than max (9 vs. 8)", 413,
-     openai_error("the request is too large for the engine: Received message larger than max (9 vs. 8)",
-                  "invalid_request_error", "request_too_large")),
-    ("refuse:INTERNAL:the engine failed on request r1: step raised", 500,
-     openai_error("the engine failed on request r1: step raised", "server_error", "internal_error")),
-    ("refuse:UNKNOWN:secret detail", 500, openai_error("the engine failed on this request", "server_error",
-                                                       "internal_error")),
-])
+@pytest.mark.parametrize(
+    ("prompt", "status", "body"),
+    [
+        (
+            "refuse:INVALID_ARGUMENT:stop has 70 stop strings",
+            400,
+            openai_error("stop has 70 stop strings", "invalid_request_error", None, "stop"),
+        ),
+        (
+            "refuse:UNAUTHENTICATED:Missing API key",
+            401,
+            openai_error("Missing API key", "invalid_request_error", "invalid_api_key"),
+        ),
+        (
+            "refuse:RESOURCE_EXHAUSTED:tenant t has 1 requests running",
+            429,
+            openai_error("tenant t has 1 requests running", "requests", "rate_limit_exceeded"),
+        ),
+        (
+            "refuse:RESOURCE_EXHAUSTED:Received message larger than max (9 vs. 8)",
+            413,
+            openai_error(
+                "the request is too large for the engine: Received message larger than max (9 vs. 8)",
+                "invalid_request_error",
+                "request_too_large",
+            ),
+        ),
+        (
+            "refuse:INTERNAL:the engine failed on request r1: step raised",
+            500,
+            openai_error("the engine failed on request r1: step raised", "server_error", "internal_error"),
+        ),
+        (
+            "refuse:UNKNOWN:secret detail",
+            500,
+            openai_error("the engine failed on this request", "server_error", "internal_error"),
+        ),
+    ],
+)
 def test_engine_statuses_become_http_errors(fake, prompt, status, body):
     _, client = fake
     response = client.post("/v1/completions", json={"prompt": prompt})
@@ -449,8 +577,8 @@ def test_an_engine_error_mid_stream_is_one_error_event_then_done(fake):
     response = client.post("/v1/completions", json={"prompt": "fail:INTERNAL:boom", "stream": True})
     events = [line for line in response.text.splitlines() if line]
     assert response.status_code == 200 and len(events) == 3 and events[-1] == "data: [DONE]"
-    assert json.loads(events[0][len("data: "):])["choices"][0]["text"] == "a"
-    assert json.loads(events[1][len("data: "):]) == openai_error("boom", "server_error", "internal_error")
+    assert json.loads(events[0][len("data: ") :])["choices"][0]["text"] == "a"
+    assert json.loads(events[1][len("data: ") :]) == openai_error("boom", "server_error", "internal_error")
 
 
 def test_a_failed_prompt_ends_the_request_and_cancels_its_other_prompts(fake):
@@ -475,12 +603,20 @@ def test_engine_calls_carry_the_clients_authorization_and_own_priority(fake):
     assert client.post("/detokenize", json={"tokens": [1]}, headers=headers).status_code == 200
     assert client.post("/v1/completions", json={"prompt": "ok", "priority": -3}).status_code == 200
     assert [(method, metadata.get("authorization"), priority) for method, metadata, priority in engine.calls] == [
-        ("Generate", "Bearer sk-client", 5), ("Tokenize", "Bearer sk-client", 0),
-        ("Detokenize", "Bearer sk-client", 0), ("Generate", None, -3)]
+        ("Generate", "Bearer sk-client", 5),
+        ("Tokenize", "Bearer sk-client", 0),
+        ("Detokenize", "Bearer sk-client", 0),
+        ("Generate", None, -3),
+    ]
     response = client.post("/v1/completions", json={"prompt": "ok"}, headers={"Authorization": b"Bearer \xe9"})
-    assert (response.status_code, response.json()) == (401, openai_error(
-        "Incorrect API key provided: the Authorization header must be printable ASCII", "invalid_request_error",
-        "invalid_api_key"))
+    assert (response.status_code, response.json()) == (
+        401,
+        openai_error(
+            "Incorrect API key provided: the Authorization header must be printable ASCII",
+            "invalid_request_error",
+            "invalid_api_key",
+        ),
+    )
     assert len(engine.calls) == 4
 
 

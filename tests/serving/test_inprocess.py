@@ -32,8 +32,11 @@ CASES = [
     ("/v1/completions", dict(GREEDY, n=2, logprobs=2, stop=["zz"]), AUTH),
     ("/v1/completions", dict(GREEDY, stream=True, stream_options={"include_usage": True}), AUTH),
     ("/v1/completions", dict(GREEDY, best_of=3, n=1, temperature=1, seed=4), AUTH),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                              "temperature": 0}, AUTH),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0},
+        AUTH,
+    ),
     ("/v1/completions", dict(GREEDY, stop_token_ids=[49152]), AUTH),
     ("/v1/completions", dict(GREEDY, logprobs=50), AUTH),
     ("/v1/completions", dict(GREEDY, model="nope"), AUTH),
@@ -46,9 +49,20 @@ CASES = [
     ("/v1/completions", dict(GREEDY, echo=True, prompt_logprobs=1, logprobs=1, stream=True), AUTH),
     ("/v1/completions", dict(GREEDY, echo=True, max_tokens=0, logprobs=1), AUTH),
     ("/v1/completions", dict(GREEDY, echo=True, max_tokens=0, stream=True), AUTH),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                              "temperature": 0, "logprobs": True, "top_logprobs": 2, "stream": True,
-                              "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, AUTH),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        AUTH,
+    ),
     ("/tokenize", {"model": "tiny", "prompt": "Hello world"}, AUTH),
     ("/tokenize", {"model": "tiny", "prompt": "z" * 10_000}, AUTH),
     ("/detokenize", {"model": "tiny", "tokens": [19556, 905]}, AUTH),
@@ -65,8 +79,9 @@ def stack(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def grpc_gateway_url(stack):
-    gateway = Gateway({"tiny": f"127.0.0.1:{stack.grpc_port}"}, GatewayOptions(port=0, log_level="warning",
-                                                                             api_key=KEY))
+    gateway = Gateway(
+        {"tiny": f"127.0.0.1:{stack.grpc_port}"}, GatewayOptions(port=0, log_level="warning", api_key=KEY)
+    )
     serving = asyncio.run_coroutine_threadsafe(gateway.serve(), stack.background.loop)
     while not gateway.server.started:
         asyncio.run(asyncio.sleep(0.02))
@@ -101,8 +116,9 @@ def test_both_links_answer_a_stop_token_alike(stack, grpc_gateway_url):
     import httpx
 
     with stack.client() as local, httpx.Client(base_url=grpc_gateway_url, timeout=120) as remote:
-        named = local.post("/v1/completions", json=dict(GREEDY, logprobs=0, return_tokens_as_token_ids=True),
-                           headers=AUTH).json()["choices"][0]["logprobs"]["tokens"]
+        named = local.post(
+            "/v1/completions", json=dict(GREEDY, logprobs=0, return_tokens_as_token_ids=True), headers=AUTH
+        ).json()["choices"][0]["logprobs"]["tokens"]
         stop_token = int(named[2].removeprefix("token_id:"))
         answers = []
         for stream in (False, True):
@@ -119,7 +135,8 @@ def test_both_links_answer_a_stop_token_alike(stack, grpc_gateway_url):
 
 
 def test_every_entry_point_checks_its_inputs_in_the_engines_one_input_processor(
-        stack, grpc_gateway_url, tiny_model_dir, monkeypatch):
+    stack, grpc_gateway_url, tiny_model_dir, monkeypatch
+):
     """HTTP in process, HTTP over gRPC and ``LLM.generate`` all build the core's request in
     ``InputProcessor.process``: the same token ids and resolved params, and the same text back."""
     import httpx
@@ -137,12 +154,15 @@ def test_every_entry_point_checks_its_inputs_in_the_engines_one_input_processor(
 
     monkeypatch.setattr(InputProcessor, "process", spy)
     with stack.client() as local, httpx.Client(base_url=grpc_gateway_url, timeout=120) as remote:
-        texts = [client.post("/v1/completions", json=GREEDY, headers=AUTH).json()["choices"][0]["text"]
-                 for client in (local, remote)]
+        texts = [
+            client.post("/v1/completions", json=GREEDY, headers=AUTH).json()["choices"][0]["text"]
+            for client in (local, remote)
+        ]
     llm = LLM(model=str(tiny_model_dir), num_gpu_blocks_override=64, max_model_len=256)
     try:
-        [offline] = llm.generate(GREEDY["prompt"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                                 use_tqdm=False)
+        [offline] = llm.generate(
+            GREEDY["prompt"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )
     finally:
         llm.shutdown()
     served = stack.engine_server.models["tiny"].inputs
@@ -184,19 +204,33 @@ def test_a_model_with_several_served_names_answers_to_each(tiny_model_dir):
     from raypaged.entrypoints.cli import build_parser, engine_configs
 
     args = build_parser().parse_args(
-        ["serve", str(tiny_model_dir), "--served-model-name", "first", "second", "--max-model-len", "256",
-         "--num-gpu-blocks-override", "64"]
+        [
+            "serve",
+            str(tiny_model_dir),
+            "--served-model-name",
+            "first",
+            "second",
+            "--max-model-len",
+            "256",
+            "--num-gpu-blocks-override",
+            "64",
+        ]
     )
     [config] = engine_configs(args)
     assert (config.model, config.served_model_name, config.served_model_aliases) == (
-        str(tiny_model_dir), "first", ("second",))
+        str(tiny_model_dir),
+        "first",
+        ("second",),
+    )
     stack = Stack([config])
     try:
         with stack.client() as client:
             assert [c["id"] for c in client.get("/v1/models").json()["data"]] == ["first", "second"]
             assert client.get("/v1/models/second").json()["max_model_len"] == 256
-            texts = [client.post("/v1/completions", json=dict(GREEDY, model=name)).json()["choices"][0]["text"]
-                     for name in ("first", "second")]
+            texts = [
+                client.post("/v1/completions", json=dict(GREEDY, model=name)).json()["choices"][0]["text"]
+                for name in ("first", "second")
+            ]
             assert texts[0] == texts[1]
     finally:
         stack.close()
@@ -206,8 +240,21 @@ def test_a_positional_model_and_served_name_groups_parse_as_vllm_does(tiny_model
     from raypaged.entrypoints.cli import build_parser, engine_configs
 
     parser = build_parser()
-    args = parser.parse_args(["serve", str(tiny_model_dir), "--model", str(tiny_model_dir), "--served-model-name", "a",
-                              "--served-model-name", "b", "c", "--max-model-len", "256"])
+    args = parser.parse_args(
+        [
+            "serve",
+            str(tiny_model_dir),
+            "--model",
+            str(tiny_model_dir),
+            "--served-model-name",
+            "a",
+            "--served-model-name",
+            "b",
+            "c",
+            "--max-model-len",
+            "256",
+        ]
+    )
     configs = engine_configs(args)
     assert [(c.served_model_name, c.served_model_aliases) for c in configs] == [("a", ()), ("b", ("c",))]
     with pytest.raises(ValueError, match=r"served_model_name must be distinct, non-empty names, got \['a', 'a'\]"):
@@ -241,8 +288,9 @@ def not_plain(value: object, where: str = "response") -> list[str]:
     if type(value) is list:
         return [bad for i, item in enumerate(value) for bad in not_plain(item, f"{where}[{i}]")]
     if type(value) in {getattr(messages, name) for name in STREAM_MESSAGES}:
-        return [bad for f in dataclasses.fields(value)
-                for bad in not_plain(getattr(value, f.name), f"{where}.{f.name}")]
+        return [
+            bad for f in dataclasses.fields(value) for bad in not_plain(getattr(value, f.name), f"{where}.{f.name}")
+        ]
     kind = "protobuf message" if isinstance(value, Message) else type(value).__module__
     return [f"{where}: {kind} {type(value).__qualname__}"]
 
@@ -255,9 +303,12 @@ def test_the_plain_messages_mirror_the_protos_fields_and_defaults():
         assert not_plain(plain) == []
         assert not hasattr(plain, "__dict__")  # slotted
     assert not_plain(messages.GenerateResponse(usage=pb.Usage(), outputs=[pb.CompletionDelta()])) == [
-        "response.outputs[0]: protobuf message CompletionDelta", "response.usage: protobuf message Usage"]
+        "response.outputs[0]: protobuf message CompletionDelta",
+        "response.usage: protobuf message Usage",
+    ]
     assert not_plain(messages.CompletionDelta(token_ids=pb.CompletionDelta(token_ids=[1]).token_ids)) == [
-        "response.token_ids: google._upb._message RepeatedScalarContainer"]
+        "response.token_ids: google._upb._message RepeatedScalarContainer"
+    ]
     for message in (messages.Usage(), pb.Usage()):
         with pytest.raises(ValueError):
             message.HasField("prompt_tokens")  # no presence, on either form
@@ -273,8 +324,13 @@ async def _stream(stub, request: pb.GenerateRequest) -> list:
 
 def _request(**fields) -> pb.GenerateRequest:
     stopping = {"max_tokens": 6, "ignore_eos": True, **fields.pop("stopping", {})}
-    return pb.GenerateRequest(model="tiny", text="Both links", sampling=pb.SamplingParameters(n=2, temperature=0),
-                              stopping=pb.StoppingCriteria(**stopping), **fields)
+    return pb.GenerateRequest(
+        model="tiny",
+        text="Both links",
+        sampling=pb.SamplingParameters(n=2, temperature=0),
+        stopping=pb.StoppingCriteria(**stopping),
+        **fields,
+    )
 
 
 def test_the_in_process_stream_is_plain_objects_equal_to_the_grpc_streams_messages(stack):
@@ -282,8 +338,9 @@ def test_the_in_process_stream_is_plain_objects_equal_to_the_grpc_streams_messag
     local = InProcessStub(stack.engine_server.servicer)
     [_, first, *_] = stack.background.run(_stream(local, _request()))
     stop_token = first.outputs[0].token_ids[0]
-    request = _request(request_id="same", logprobs=2, prompt_logprobs=1, echo=True,
-                       stopping={"stop_token_ids": [stop_token]})
+    request = _request(
+        request_id="same", logprobs=2, prompt_logprobs=1, echo=True, stopping={"stop_token_ids": [stop_token]}
+    )
 
     async def both() -> tuple[list, list]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
@@ -295,8 +352,10 @@ def test_the_in_process_stream_is_plain_objects_equal_to_the_grpc_streams_messag
     assert [type(r) for r in protos] == [pb.GenerateResponse] * len(protos)
     assert [as_values(r) for r in plain] == [as_values(r) for r in protos]
     last = plain[-1]
-    assert last.finished and [(d.finish_reason, d.stop_token_id) for d in last.outputs] == [
-        (pb.FINISH_REASON_STOP, stop_token)] * 2
+    assert (
+        last.finished
+        and [(d.finish_reason, d.stop_token_id) for d in last.outputs] == [(pb.FINISH_REASON_STOP, stop_token)] * 2
+    )
     with_tokens = next(r for r in plain if r.outputs)
     assert with_tokens.prompt_text == "Both links" and with_tokens.prompt_logprobs.token_ids
     assert len(with_tokens.outputs[0].top_logprobs[0].token_ids) == 2
@@ -335,8 +394,11 @@ def test_the_gateway_reads_no_protobuf_from_the_in_process_link(stack, monkeypat
 
     monkeypatch.setattr(inprocess._StreamCall, "read", spy)
     with stack.client() as client:
-        answered = [client.post(path, json=body, headers=headers).status_code for path, body, headers in CASES
-                    if path.startswith("/v1/")]
+        answered = [
+            client.post(path, json=body, headers=headers).status_code
+            for path, body, headers in CASES
+            if path.startswith("/v1/")
+        ]
     responses = [item for item in seen if item is not grpc.aio.EOF]
     assert answered == [200] * 5 + [400, 400, 404, 400, 400, 400, 401] + [200] * 6  # CASES' statuses
     assert [bad for r in responses for bad in not_plain(r)] == []

@@ -44,16 +44,33 @@ def expected(smollm2_dir, adapter_dirs, peft_smollm2) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def stack(smollm2_dir, adapter_dirs):
     first = next(iter(adapter_dirs))
-    stack = Stack([EngineConfig(model=str(smollm2_dir), served_model_name="smollm2", dtype="float32",
-                                num_gpu_blocks_override=256, max_model_len=512, enable_lora=True, max_loras=2,
-                                max_lora_rank=16)], lora_modules={first: str(adapter_dirs[first])})
+    stack = Stack(
+        [
+            EngineConfig(
+                model=str(smollm2_dir),
+                served_model_name="smollm2",
+                dtype="float32",
+                num_gpu_blocks_override=256,
+                max_model_len=512,
+                enable_lora=True,
+                max_loras=2,
+                max_lora_rank=16,
+            )
+        ],
+        lora_modules={first: str(adapter_dirs[first])},
+    )
     yield stack
     stack.close()
 
 
 def complete(client: openai.OpenAI, model: str) -> str:
-    return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    return (
+        client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
 
 
 def test_adapters_are_models_and_each_answers_as_peft(stack, adapter_dirs, expected):
@@ -102,9 +119,11 @@ def test_unloading_and_bad_adapters_are_refused_by_name(stack, adapter_dirs, tmp
         refused = http.post("/v1/load_lora_adapter", json={"lora_name": "odd", "lora_path": str(odd)})
         assert refused.status_code == 400
         assert refused.json()["error"]["message"].startswith(
-            "LoRA adapter 'odd' targets module 'c_attn', which the model lacks")
-        big = make_peft_adapter(stack_model_dir(stack), tmp_path / "big", 0, r=32, lora_alpha=32,
-                                target_modules=["q_proj"])
+            "LoRA adapter 'odd' targets module 'c_attn', which the model lacks"
+        )
+        big = make_peft_adapter(
+            stack_model_dir(stack), tmp_path / "big", 0, r=32, lora_alpha=32, target_modules=["q_proj"]
+        )
         refused = http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big)})
         assert refused.status_code == 400
         assert refused.json()["error"]["message"] == "LoRA adapter 'big' has rank 32, above --max-lora-rank 16"

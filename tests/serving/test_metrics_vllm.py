@@ -21,11 +21,13 @@ from raypaged.sampling_params import RequestOutputKind, SamplingParams
 from raypaged.serving.metrics import ServerMetrics
 from tests.serving.conftest import Stack, tiny_config
 
+# fmt: off
 TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
         160.0, 640.0, 2560.0)
 TOKEN_GAP = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
            960.0, 1920.0, 7680.0)
+# fmt: on
 ITERATION = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SIZES_256 = (1, 2, 5, 10, 20, 50, 100, 200)  # vLLM's 1-2-5 series up to max_model_len (256 here)
 
@@ -55,30 +57,55 @@ V1_METRICS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None]] = {
     "request_max_num_generation_tokens": ("histogram", (), SIZES_256),
     "request_params_n": ("histogram", (), (1, 2, 5, 10, 20)),
     "request_params_max_tokens": ("histogram", (), SIZES_256),
-    "cache_config_info": ("gauge", ("block_size", "enable_prefix_caching", "gpu_memory_utilization",
-                                    "num_gpu_blocks", "num_gpu_blocks_override", "num_cpu_blocks", "swap_space"), None),
+    "cache_config_info": (
+        "gauge",
+        (
+            "block_size",
+            "enable_prefix_caching",
+            "gpu_memory_utilization",
+            "num_gpu_blocks",
+            "num_gpu_blocks_override",
+            "num_cpu_blocks",
+            "swap_space",
+        ),
+        None,
+    ),
 }
 # the series vLLM's example Grafana dashboard queries, the one KEDA scales on, the one inference gateways read
 VLLM_DASHBOARD_SERIES = (
-    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_sum",
     "vllm:e2e_request_latency_seconds_count",
-    "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-    "vllm:inter_token_latency_seconds_bucket", "vllm:inter_token_latency_seconds_sum",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:inter_token_latency_seconds_sum",
     "vllm:inter_token_latency_seconds_count",
-    "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum",
     "vllm:time_per_output_token_seconds_count",
-    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum",
     "vllm:time_to_first_token_seconds_count",
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_swapped",
     "vllm:kv_cache_usage_perc",
-    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
     "vllm:request_success_total",
-    "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
     "vllm:request_decode_time_seconds_sum",
     "vllm:request_max_num_generation_tokens_bucket",
 )
-PROCESS_SERIES = ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_start_time_seconds",
-                  "python_info", "python_gc_collections_total")
+PROCESS_SERIES = (
+    "process_cpu_seconds_total",
+    "process_resident_memory_bytes",
+    "process_start_time_seconds",
+    "python_info",
+    "python_gc_collections_total",
+)
 
 
 def families(text: str) -> dict[str, object]:
@@ -136,9 +163,17 @@ def test_the_gateway_exports_vllms_v1_set_under_raypaged_and_process_metrics(sta
 def test_a_completion_moves_every_request_metric_once(stack):
     before = samples(scrape(stack))
     with stack.client() as client:
-        response = client.post("/v1/completions", json={
-            "model": "tiny", "prompt": [7] * 20, "max_tokens": 5, "n": 2, "ignore_eos": True, "temperature": 1,
-        })
+        response = client.post(
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": [7] * 20,
+                "max_tokens": 5,
+                "n": 2,
+                "ignore_eos": True,
+                "temperature": 1,
+            },
+        )
     assert response.status_code == 200, response.text
     after = samples(scrape(stack))
 
@@ -159,8 +194,13 @@ def test_a_completion_moves_every_request_metric_once(stack):
     assert moved("time_to_first_token_seconds_count") == 1
     assert moved("inter_token_latency_seconds_count") == 4 == moved("time_per_output_token_seconds_count")
     assert moved("request_time_per_output_token_seconds_count") == 1
-    phases = ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-              "request_inference_time_seconds", "e2e_request_latency_seconds")
+    phases = (
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "e2e_request_latency_seconds",
+    )
     for phase in phases:
         assert moved(f"{phase}_count") == 1, phase
     queue, prefill, decode, inference, e2e = (moved(f"{phase}_sum") for phase in phases)
@@ -170,12 +210,25 @@ def test_a_completion_moves_every_request_metric_once(stack):
 
 
 def test_a_client_that_leaves_counts_one_aborted_request(stack):
-    aborted = ("raypaged:request_success_total", frozenset(
-        {"model_name": "tiny", "engine": "0", "finished_reason": "abort"}.items()))
+    aborted = (
+        "raypaged:request_success_total",
+        frozenset({"model_name": "tiny", "engine": "0", "finished_reason": "abort"}.items()),
+    )
     before = samples(scrape(stack))[aborted]
-    with stack.client() as client, client.stream("POST", "/v1/completions", json={
-        "model": "tiny", "prompt": [7] * 8, "max_tokens": 200, "ignore_eos": True, "stream": True,
-    }) as response:
+    with (
+        stack.client() as client,
+        client.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": [7] * 8,
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as response,
+    ):
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
@@ -238,9 +291,15 @@ def test_cache_config_info_states_the_kv_cache_configuration(compat):
     (sample,) = families(text)["vllm:cache_config_info"].samples
     assert sample.value == 1
     assert sample.labels == {
-        "model_name": "tiny", "engine": "0", "block_size": "16", "enable_prefix_caching": "True",
-        "gpu_memory_utilization": "0.9", "num_gpu_blocks": "64", "num_gpu_blocks_override": "64",
-        "num_cpu_blocks": "0", "swap_space": "0.0",
+        "model_name": "tiny",
+        "engine": "0",
+        "block_size": "16",
+        "enable_prefix_caching": "True",
+        "gpu_memory_utilization": "0.9",
+        "num_gpu_blocks": "64",
+        "num_gpu_blocks_override": "64",
+        "num_cpu_blocks": "0",
+        "swap_space": "0.0",
     }
 
 

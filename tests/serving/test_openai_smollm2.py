@@ -16,8 +16,14 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def stack(smollm2_dir):
-    stack = Stack([EngineConfig(model=str(smollm2_dir), served_model_name="smollm2", dtype="float32",
-                                num_gpu_blocks_override=1024)], api_key="sk-test")
+    stack = Stack(
+        [
+            EngineConfig(
+                model=str(smollm2_dir), served_model_name="smollm2", dtype="float32", num_gpu_blocks_override=1024
+            )
+        ],
+        api_key="sk-test",
+    )
     yield stack
     stack.close()
 
@@ -43,8 +49,14 @@ def test_chat_completion_greedy_equals_llm_chat(client, smollm2_llm):
 
 
 def test_streaming_chat_joins_to_the_whole_answer(client):
-    stream = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=QUESTION,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     whole = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=20, temperature=0)
@@ -58,8 +70,9 @@ def test_logprobs_and_stop(client, smollm2_llm):
     logprobs = completion.choices[0].logprobs
     assert logprobs.token_logprobs == pytest.approx([lp[t] for t, lp in zip(expected.token_ids, expected.logprobs)])
     assert all(len(top) == 2 for top in logprobs.top_logprobs)
-    chat = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=20, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=20, temperature=0, logprobs=True, top_logprobs=3
+    )
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
     assert all(len(entry.top_logprobs) == 3 for entry in chat.choices[0].logprobs.content)
     full = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
@@ -90,7 +103,8 @@ def test_best_of_gives_the_n_best_like_llm_generate_streamed_or_not(client, smol
     expected = smollm2_llm.generate(PROMPT, SamplingParams(temperature=0.8, max_tokens=8, seed=3, best_of=3))[0].outputs
     completion = client.completions.create(**sampling)
     assert [(c.index, c.text, c.finish_reason) for c in completion.choices] == [
-        (0, expected[0].text, expected[0].finish_reason)]
+        (0, expected[0].text, expected[0].finish_reason)
+    ]
     chunks = list(client.completions.create(**sampling, stream=True))
     assert {c.choices[0].index for c in chunks} == {0}
     assert "".join(c.choices[0].text for c in chunks) == expected[0].text

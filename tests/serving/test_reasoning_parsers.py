@@ -30,7 +30,7 @@ def test_streamed_in_pieces_gives_the_same_parts(name, output, expected, piece):
     stream = ReasoningStream(get_reasoning_parser(name))
     reasoning = content = ""
     for i in range(0, len(output), piece):
-        r, c = stream.feed(output[i:i + piece])
+        r, c = stream.feed(output[i : i + piece])
         reasoning, content = reasoning + r, content + c
     r, c = stream.finish()
     assert (reasoning + r or None, content + c or None) == expected
@@ -42,17 +42,22 @@ def test_an_unknown_parser_is_refused_by_name():
 
 
 def test_a_reasoning_server_answers_with_reasoning_content_whole_and_streamed(tiny_model_dir):
-    stack = Stack([tiny_config(tiny_model_dir, "tiny", structured_outputs_config={"reasoning_parser": "deepseek_r1"})],
-                  reasoning_parser="deepseek_r1")
+    stack = Stack(
+        [tiny_config(tiny_model_dir, "tiny", structured_outputs_config={"reasoning_parser": "deepseek_r1"})],
+        reasoning_parser="deepseek_r1",
+    )
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
     try:
         with stack.client() as http:
             whole = http.post("/v1/chat/completions", json=body).json()
-            plain = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 8,
-                                                        "temperature": 0}).json()
-            streamed = [line
-                        for line in http.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n")
-                        if line.startswith("data: {")]
+            plain = http.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 8, "temperature": 0}
+            ).json()
+            streamed = [
+                line
+                for line in http.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n")
+                if line.startswith("data: {")
+            ]
             constrained = http.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
     finally:
         stack.close()

@@ -21,24 +21,35 @@ LOCATE = {"type": "function", "function": {"name": "locate", "parameters": PLACE
 
 @pytest.fixture(scope="module")
 def client(smollm2_dir):
-    stack = Stack([EngineConfig(model=str(smollm2_dir), served_model_name="smollm2", dtype="float32",
-                                num_gpu_blocks_override=512, structured_outputs_config={"reasoning_parser": "qwen3"})],
-                  reasoning_parser="qwen3")
+    stack = Stack(
+        [
+            EngineConfig(
+                model=str(smollm2_dir),
+                served_model_name="smollm2",
+                dtype="float32",
+                num_gpu_blocks_override=512,
+                structured_outputs_config={"reasoning_parser": "qwen3"},
+            )
+        ],
+        reasoning_parser="qwen3",
+    )
     yield openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none")
     stack.close()
 
 
 def test_response_format_applies_after_the_reasoning_whole_and_streamed(client):
     response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}}
-    chat = client.chat.completions.create(model="smollm2", messages=ONE_SHOT, max_tokens=120, temperature=0,
-                                          response_format=response_format)
+    chat = client.chat.completions.create(
+        model="smollm2", messages=ONE_SHOT, max_tokens=120, temperature=0, response_format=response_format
+    )
     message = chat.choices[0].message
     assert message.reasoning_content == "The Colosseum is in Rome, Italy."
     assert message.content == '\n{"city": "Rome", "country": "Italy"}'
     jsonschema.validate(json.loads(message.content), PLACE)
     assert chat.choices[0].finish_reason == "stop"
-    stream = client.chat.completions.create(model="smollm2", messages=ONE_SHOT, max_tokens=120, temperature=0,
-                                            response_format=response_format, stream=True)
+    stream = client.chat.completions.create(
+        model="smollm2", messages=ONE_SHOT, max_tokens=120, temperature=0, response_format=response_format, stream=True
+    )
     reasoning = content = ""
     for chunk in stream:
         if chunk.choices:
@@ -49,8 +60,15 @@ def test_response_format_applies_after_the_reasoning_whole_and_streamed(client):
 
 
 def test_a_required_tool_is_called_after_the_reasoning(client):
-    chat = client.chat.completions.create(model="smollm2", messages=ONE_SHOT, max_tokens=160, temperature=0,
-                                          tools=[LOCATE], tool_choice="required", parallel_tool_calls=False)
+    chat = client.chat.completions.create(
+        model="smollm2",
+        messages=ONE_SHOT,
+        max_tokens=160,
+        temperature=0,
+        tools=[LOCATE],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     choice = chat.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.reasoning_content

@@ -24,25 +24,37 @@ def http(tiny_model_dir):
     stack.close()
 
 
-@pytest.mark.parametrize(("body", "field", "value"), [
-    (COMPLETION, "suffix", "end"),
-    (CHAT, "functions", [{"name": "f", "parameters": {}}]),
-    (CHAT, "prediction", {"type": "content", "content": "x"}),
-])
+@pytest.mark.parametrize(
+    ("body", "field", "value"),
+    [
+        (COMPLETION, "suffix", "end"),
+        (CHAT, "functions", [{"name": "f", "parameters": {}}]),
+        (CHAT, "prediction", {"type": "content", "content": "x"}),
+    ],
+)
 def test_a_known_field_it_cannot_honour_is_a_400_naming_it(http, body, field, value):
     answer = http.post("/v1/chat/completions" if body is CHAT else "/v1/completions", json={**body, field: value})
     assert answer.status_code == 400
     assert answer.json()["error"] == {
         "message": f"{field} is not supported by this server; send the request without it",
-        "type": "invalid_request_error", "param": field, "code": None,
+        "type": "invalid_request_error",
+        "param": field,
+        "code": None,
     }
 
 
-@pytest.mark.parametrize(("body", "field", "value"), [
-    (COMPLETION, "echo", False), (COMPLETION, "logit_bias", {}), (COMPLETION, "length_penalty", 1.0),
-    (CHAT, "functions", []), (CHAT, "function_call", "none"), (CHAT, "modalities", ["text"]),
-    (CHAT, "bad_words", None),
-])
+@pytest.mark.parametrize(
+    ("body", "field", "value"),
+    [
+        (COMPLETION, "echo", False),
+        (COMPLETION, "logit_bias", {}),
+        (COMPLETION, "length_penalty", 1.0),
+        (CHAT, "functions", []),
+        (CHAT, "function_call", "none"),
+        (CHAT, "modalities", ["text"]),
+        (CHAT, "bad_words", None),
+    ],
+)
 def test_the_same_fields_asking_for_nothing_are_accepted(http, body, field, value):
     answer = http.post("/v1/chat/completions" if body is CHAT else "/v1/completions", json={**body, field: value})
     assert answer.status_code == 200, answer.text
@@ -53,13 +65,17 @@ def test_messages_keep_no_field_silently(http):
     answer = http.post("/v1/chat/completions", json={**CHAT, "messages": [message]})
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == (
-        "messages: function_call is not supported by this server; send messages without it")
+        "messages: function_call is not supported by this server; send messages without it"
+    )
 
 
-@pytest.mark.parametrize(("body", "path", "field", "value", "message"), [
-    (COMPLETION, "/v1/completions", "add_special_tokens", False, "add_special_tokens: Input should be True"),
-    (CHAT, "/v1/chat/completions", "add_special_tokens", True, "add_special_tokens: Input should be False"),
-])
+@pytest.mark.parametrize(
+    ("body", "path", "field", "value", "message"),
+    [
+        (COMPLETION, "/v1/completions", "add_special_tokens", False, "add_special_tokens: Input should be True"),
+        (CHAT, "/v1/chat/completions", "add_special_tokens", True, "add_special_tokens: Input should be False"),
+    ],
+)
 def test_settings_only_honoured_at_their_default(http, body, path, field, value, message):
     answer = http.post(path, json={**body, field: value})
     assert answer.status_code == 400
@@ -78,30 +94,42 @@ def test_a_field_of_no_api_is_logged_once_and_ignored(http, caplog, monkeypatch)
 
 
 def test_a_templates_own_error_is_a_400_with_its_message(http):
-    answer = http.post("/v1/chat/completions", json={
-        **CHAT, "chat_template": "{{ raise_exception('Conversation roles must alternate user/assistant') }}"})
+    answer = http.post(
+        "/v1/chat/completions",
+        json={**CHAT, "chat_template": "{{ raise_exception('Conversation roles must alternate user/assistant') }}"},
+    )
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == (
-        "the chat template failed: TemplateError: Conversation roles must alternate user/assistant")
+        "the chat template failed: TemplateError: Conversation roles must alternate user/assistant"
+    )
     assert answer.json()["error"]["param"] == "messages"
 
 
 def test_a_trusted_request_template_renders_the_prompt(http):  # continued: cut after the last content
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
-    body = {**CHAT, "messages": messages, "chat_template": "{% for m in messages %}<{{ m.content }}>{% endfor %}",
-            "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 1}
+    body = {
+        **CHAT,
+        "messages": messages,
+        "chat_template": "{% for m in messages %}<{{ m.content }}>{% endfor %}",
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "max_tokens": 1,
+    }
     answer = http.post("/v1/chat/completions", json=body)
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["prompt_tokens"] == len(
-        http.post("/tokenize",
-                  json={"model": "tiny", "prompt": "<hi><Hel", "add_special_tokens": False}).json()["tokens"])
+        http.post("/tokenize", json={"model": "tiny", "prompt": "<hi><Hel", "add_special_tokens": False}).json()[
+            "tokens"
+        ]
+    )
 
 
 def _greedy_ids(http, **fields) -> list[int]:
     body = {**COMPLETION, "max_tokens": 4, "temperature": 0, "logprobs": 0, **fields}
     tokens = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
-    return http.post("/tokenize",
-                     json={"model": "tiny", "prompt": "".join(tokens), "add_special_tokens": False}).json()["tokens"]
+    return http.post(
+        "/tokenize", json={"model": "tiny", "prompt": "".join(tokens), "add_special_tokens": False}
+    ).json()["tokens"]
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words_steer_the_tokens(http):
@@ -110,18 +138,22 @@ def test_logit_bias_allowed_token_ids_and_bad_words_steer_the_tokens(http):
     assert allowed and set(allowed) <= {300, 301}
     free = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 1, "temperature": 0}).json()
     word = free["choices"][0]["text"]
-    banned = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 1, "temperature": 0,
-                                                 "bad_words": [word]}).json()
+    banned = http.post(
+        "/v1/completions", json={**COMPLETION, "max_tokens": 1, "temperature": 0, "bad_words": [word]}
+    ).json()
     assert word.strip() and banned["choices"][0]["text"] != word
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("logit_bias", {"x": 1}, "logit_bias keys must be token ids"),
-    ("logit_bias", {"5": 200}, "logit_bias values must be in [-100, 100], got 200.0"),
-    ("allowed_token_ids", [999999], "allowed_token_ids must be token ids in [0, 49152), got 999999"),
-    ("allowed_token_ids", [], "allowed_token_ids must not be empty"),
-    ("bad_words", [""], "bad_words must not contain empty strings"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("logit_bias", {"x": 1}, "logit_bias keys must be token ids"),
+        ("logit_bias", {"5": 200}, "logit_bias values must be in [-100, 100], got 200.0"),
+        ("allowed_token_ids", [999999], "allowed_token_ids must be token ids in [0, 49152), got 999999"),
+        ("allowed_token_ids", [], "allowed_token_ids must not be empty"),
+        ("bad_words", [""], "bad_words must not contain empty strings"),
+    ],
+)
 def test_bad_token_controls_are_a_400_naming_them(http, field, value, message):
     answer = http.post("/v1/completions", json={**COMPLETION, field: value})
     assert answer.status_code == 400
@@ -134,14 +166,17 @@ def test_include_stop_str_in_output_and_truncate_prompt_tokens(http):
     stop = text[2:4]
     cut = http.post("/v1/completions", json={**greedy, "stop": [stop]}).json()["choices"][0]
     kept = http.post("/v1/completions", json={**greedy, "stop": [stop], "include_stop_str_in_output": True}).json()
-    assert cut["text"] + stop == kept["choices"][0]["text"] == text[:text.index(stop) + len(stop)]
+    assert cut["text"] + stop == kept["choices"][0]["text"] == text[: text.index(stop) + len(stop)]
     long_prompt = list(range(100, 400))  # 300 tokens: over max_model_len 256 unless cut
     assert http.post("/v1/completions", json={**COMPLETION, "prompt": long_prompt}).status_code == 400
     truncated = http.post("/v1/completions", json={**COMPLETION, "prompt": long_prompt, "truncate_prompt_tokens": 8})
-    last = http.post("/v1/completions", json={**COMPLETION, "prompt": long_prompt[-8:], "temperature": 0,
-                                              "max_tokens": 4}).json()
-    again = http.post("/v1/completions", json={**COMPLETION, "prompt": long_prompt, "truncate_prompt_tokens": 8,
-                                               "temperature": 0, "max_tokens": 4}).json()
+    last = http.post(
+        "/v1/completions", json={**COMPLETION, "prompt": long_prompt[-8:], "temperature": 0, "max_tokens": 4}
+    ).json()
+    again = http.post(
+        "/v1/completions",
+        json={**COMPLETION, "prompt": long_prompt, "truncate_prompt_tokens": 8, "temperature": 0, "max_tokens": 4},
+    ).json()
     assert truncated.json()["usage"]["prompt_tokens"] == 8
     assert again["choices"][0]["text"] == last["choices"][0]["text"]
 
@@ -151,15 +186,19 @@ def test_pooling_endpoints_say_no_pooling_model_is_served(http, path):
     answer = http.post(path, json={"model": "tiny", "input": "hi"})
     assert answer.status_code == 404
     assert answer.json()["error"]["message"] == (
-        f"{path} is not available: the served models generate text, and no pooling (embedding) model is served")
+        f"{path} is not available: the served models generate text, and no pooling (embedding) model is served"
+    )
 
 
 def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(http):
     plain = http.post("/v1/completions", json={**COMPLETION, "logprobs": 2, "echo": True, "temperature": 0}).json()
-    by_id = http.post("/v1/completions", json={**COMPLETION, "logprobs": 2, "echo": True, "temperature": 0,
-                                               "return_tokens_as_token_ids": True}).json()
-    chat = http.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2,
-                                                   "return_tokens_as_token_ids": True}).json()
+    by_id = http.post(
+        "/v1/completions",
+        json={**COMPLETION, "logprobs": 2, "echo": True, "temperature": 0, "return_tokens_as_token_ids": True},
+    ).json()
+    chat = http.post(
+        "/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    ).json()
     [choice], [named] = plain["choices"], by_id["choices"]
     assert named["text"] == choice["text"]  # the text is decoded as always
     tokens = named["logprobs"]["tokens"]
@@ -175,19 +214,32 @@ def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(http):
 
 
 def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(http):
-    body = {**COMPLETION, "max_tokens": 6, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    chunks = [json.loads(line[6:]) for line in http.post("/v1/completions", json=body).text.split("\n")
-              if line.startswith("data: {")]
+    body = {
+        **COMPLETION,
+        "max_tokens": 6,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    chunks = [
+        json.loads(line[6:])
+        for line in http.post("/v1/completions", json=body).text.split("\n")
+        if line.startswith("data: {")
+    ]
     with_choices = [c for c in chunks if c["choices"]]
     completion_tokens = [c["usage"]["completion_tokens"] for c in with_choices]
     assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 6
-    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
-               for c in with_choices)
+    assert all(
+        c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+        for c in with_choices
+    )
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
     without = {**body, "stream_options": {"continuous_usage_stats": True}}  # only with include_usage, as vLLM
-    plain = [json.loads(line[6:]) for line in http.post("/v1/completions", json=without).text.split("\n")
-             if line.startswith("data: {")]
+    plain = [
+        json.loads(line[6:])
+        for line in http.post("/v1/completions", json=without).text.split("\n")
+        if line.startswith("data: {")
+    ]
     assert all("usage" not in c for c in plain)
 
 
@@ -195,12 +247,19 @@ def test_use_beam_search_answers_with_the_engines_beams(http, tiny_model_dir):
     from raypaged import LLM
     from raypaged.sampling_params import BeamSearchParams
 
-    body = {"model": "tiny", "prompt": "The sky is", "max_tokens": 6, "n": 3, "use_beam_search": True,
-            "length_penalty": 0.5}
+    body = {
+        "model": "tiny",
+        "prompt": "The sky is",
+        "max_tokens": 6,
+        "n": 3,
+        "use_beam_search": True,
+        "length_penalty": 0.5,
+    }
     answer = http.post("/v1/completions", json=body).json()
     llm = LLM(model=str(tiny_model_dir), num_gpu_blocks_override=64, max_model_len=256)
-    [expected] = llm.beam_search("The sky is", BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5),
-                                 use_tqdm=False)
+    [expected] = llm.beam_search(
+        "The sky is", BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5), use_tqdm=False
+    )
     assert [c["text"] for c in answer["choices"]] == [b.text for b in expected.outputs]
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
     assert answer["usage"]["completion_tokens"] == sum(len(b.token_ids) for b in expected.outputs)
@@ -208,15 +267,27 @@ def test_use_beam_search_answers_with_the_engines_beams(http, tiny_model_dir):
     assert len(chat["choices"]) == 2
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    ({"stream": True}, "use_beam_search does not stream: the beams come once they are finished"),
-    ({"temperature": 0.7}, "temperature is not supported with use_beam_search (beams are ranked by the model's "
-                           "log-probabilities at temperature 1)"),
-    ({"stop": ["x"]}, "stop is not supported with use_beam_search (beams are ranked by the model's "
-                      "log-probabilities at temperature 1)"),
-    ({"logprobs": 1}, "logprobs is not supported with use_beam_search (beams are ranked by the model's "
-                      "log-probabilities at temperature 1)"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"stream": True}, "use_beam_search does not stream: the beams come once they are finished"),
+        (
+            {"temperature": 0.7},
+            "temperature is not supported with use_beam_search (beams are ranked by the model's "
+            "log-probabilities at temperature 1)",
+        ),
+        (
+            {"stop": ["x"]},
+            "stop is not supported with use_beam_search (beams are ranked by the model's "
+            "log-probabilities at temperature 1)",
+        ),
+        (
+            {"logprobs": 1},
+            "logprobs is not supported with use_beam_search (beams are ranked by the model's "
+            "log-probabilities at temperature 1)",
+        ),
+    ],
+)
 def test_use_beam_search_refuses_what_beams_cannot_honour(http, extra, message):
     answer = http.post("/v1/completions", json={**COMPLETION, "use_beam_search": True, "n": 2, **extra})
     assert answer.status_code == 400
@@ -226,7 +297,9 @@ def test_use_beam_search_refuses_what_beams_cannot_honour(http, extra, message):
 def test_length_penalty_needs_use_beam_search(http):
     answer = http.post("/v1/completions", json={**COMPLETION, "length_penalty": 2.0})
     assert (answer.status_code, answer.json()["error"]["message"]) == (
-        400, "length_penalty applies to use_beam_search only")
+        400,
+        "length_penalty applies to use_beam_search only",
+    )
 
 
 def test_logprobs_minus_one_means_the_whole_vocabulary_within_max_logprobs(http, tiny_model_dir):
@@ -234,13 +307,15 @@ def test_logprobs_minus_one_means_the_whole_vocabulary_within_max_logprobs(http,
     assert refused.status_code == 400
     assert refused.json()["error"]["message"] == (
         "logprobs -1 (the whole vocabulary, 49152) is more than the limit of 20 (--max-logprobs, at most the "
-        "vocabulary size 49152)")
+        "vocabulary size 49152)"
+    )
     stack = Stack([tiny_config(tiny_model_dir, "tiny", limits=InputLimits(max_logprobs=-1))])
     try:
         with stack.client() as client:
             answer = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 1, "logprobs": -1}).json()
-            chat = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1, "logprobs": True,
-                                                             "top_logprobs": -1}).json()
+            chat = client.post(
+                "/v1/chat/completions", json={**CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": -1}
+            ).json()
     finally:
         stack.close()
     [top] = answer["choices"][0]["logprobs"]["top_logprobs"]
@@ -252,8 +327,14 @@ def test_chat_echo_opens_the_answer_with_the_last_message_of_its_role(http):
     """As vLLM: with echo, an assistant message being continued comes first in the answer, whole and
     streamed (in a chunk of its own after the role); a last message of another role is not echoed."""
     messages = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "Well, I"}]
-    body = {"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0,
-            "add_generation_prompt": False, "continue_final_message": True}
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 5,
+        "temperature": 0,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
     plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
     echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]
     assert echoed == {"role": "assistant", "content": "Well, I" + plain}
@@ -277,8 +358,9 @@ def test_spaces_between_special_tokens_reaches_the_engines_sampling_params():
 
     def params(**fields):
         body = CompletionRequest(**{**COMPLETION, **fields})
-        return sampling_params_from_proto(body.generate_request("tiny", {"text": "hi"}, None, 2, 0, None),
-                                          InputLimits())
+        return sampling_params_from_proto(
+            body.generate_request("tiny", {"text": "hi"}, None, 2, 0, None), InputLimits()
+        )
 
     assert params(spaces_between_special_tokens=False, skip_special_tokens=False).spaces_between_special_tokens is False
     assert params().spaces_between_special_tokens is True

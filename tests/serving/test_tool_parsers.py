@@ -15,10 +15,15 @@ CASES = {
         '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
         "Let me check.\n",
     ),
-    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
-                    '{"name": "get_time", "parameters": {}}', None),
-    "mistral": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
-                '{"name": "get_time", "arguments": {}}]', None),
+    "llama3_json": (
+        '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; {"name": "get_time", "parameters": {}}',
+        None,
+    ),
+    "mistral": (
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        None,
+    ),
     "pythonic": ('[get_weather(city="Paris", days=2), get_time()]', None),
 }
 
@@ -41,7 +46,7 @@ def test_each_format_gives_its_calls_and_the_content_before(name):
 def test_streamed_in_pieces_content_comes_first_and_calls_at_the_end(name, piece):
     output, content = CASES[name]
     stream = StreamingToolCalls(get_parser(name))
-    sent = "".join(stream.feed(output[i:i + piece]) for i in range(0, len(output), piece))
+    sent = "".join(stream.feed(output[i : i + piece]) for i in range(0, len(output), piece))
     rest, calls = stream.finish()
     assert sent + rest == (content or "")
     assert _calls(calls) == [("get_weather", WEATHER), ("get_time", {})]
@@ -55,13 +60,16 @@ def test_plain_text_is_content_and_streams_whole(name):
     assert "".join(stream.feed(c) for c in text) + stream.finish()[0] == text
 
 
-@pytest.mark.parametrize(("name", "output"), [
-    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": '),
-    ("llama3_json", '{"name": "get_weather", "parameters": '),
-    ("mistral", "[TOOL_CALLS] [{"),
-    ("pythonic", "[get_weather(city="),
-    ("pythonic", '[get_weather("Paris")]'),
-])
+@pytest.mark.parametrize(
+    ("name", "output"),
+    [
+        ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": '),
+        ("llama3_json", '{"name": "get_weather", "parameters": '),
+        ("mistral", "[TOOL_CALLS] [{"),
+        ("pythonic", "[get_weather(city="),
+        ("pythonic", '[get_weather("Paris")]'),
+    ],
+)
 def test_a_section_that_does_not_parse_is_content(name, output):
     assert get_parser(name).extract(output) == (output, [])
     stream = StreamingToolCalls(get_parser(name))
@@ -81,7 +89,10 @@ def test_a_marker_split_across_deltas_is_held_back_not_sent():
 
 
 def test_an_unknown_parser_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"^--tool-call-parser 'qwen9' is not supported; supported: hermes, "
-                                         r"llama3_json, mistral, pythonic$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--tool-call-parser 'qwen9' is not supported; supported: hermes, "
+        r"llama3_json, mistral, pythonic$",
+    ):
         get_parser("qwen9")
     assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]

@@ -59,32 +59,50 @@ def test_a_run_keeps_drafts_up_to_the_first_disagreement():
 
 # ---- the config -----------------------------------------------------------------------
 def test_speculative_config_parses_vllms_forms():
-    spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                                   '"prompt_lookup_min": 2}')
+    spec = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    )
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
-        "ngram", 4, 2, 4)
-    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
-                                   ).prompt_lookup_min == 5  # either bound alone sets both, as vLLM
+        "ngram",
+        4,
+        2,
+        4,
+    )
+    assert (
+        SpeculativeConfig.parse(
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
+        ).prompt_lookup_min
+        == 5
+    )  # either bound alone sets both, as vLLM
     draft = SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1})
     assert (draft.method, draft.model) == ("draft_model", "/m")
     assert SpeculativeConfig.parse(None) is None
 
 
-@pytest.mark.parametrize("value, message", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model, got 'eagle'"),
-    ({"method": "ngram"}, "needs num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer, got 0"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
-     "needs 1 <= prompt_lookup_min <= prompt_lookup_max, got 3 and 2"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "typical_acceptance_sampler"},
-     "unknown or unsupported key 'acceptance_method'"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "method draft_model needs a model"),
-    ({"model": "/m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
-     "draft_tensor_parallel_size 2 is not supported"),
-    ({"num_speculative_tokens": 2}, "needs a method (ngram or draft_model) or a draft model"),
-    ("[1]", "must be a JSON object, got [1]"),
-    ("{", "must be a JSON object: Expecting"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model, got 'eagle'"),
+        ({"method": "ngram"}, "needs num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer, got 0"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            "needs 1 <= prompt_lookup_min <= prompt_lookup_max, got 3 and 2",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "typical_acceptance_sampler"},
+            "unknown or unsupported key 'acceptance_method'",
+        ),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "method draft_model needs a model"),
+        (
+            {"model": "/m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+            "draft_tensor_parallel_size 2 is not supported",
+        ),
+        ({"num_speculative_tokens": 2}, "needs a method (ngram or draft_model) or a draft model"),
+        ("[1]", "must be a JSON object, got [1]"),
+        ("{", "must be a JSON object: Expecting"),
+    ],
+)
 def test_speculative_config_refuses_what_it_cannot_honour_by_name(value, message):
     with pytest.raises(ValueError, match="--speculative-config") as info:
         SpeculativeConfig.parse(value)
@@ -94,8 +112,13 @@ def test_speculative_config_refuses_what_it_cannot_honour_by_name(value, message
 # ---- scheduling drafts and rolling them back -----------------------------------------
 def make_scheduler(num_blocks=16, block_size=4, budget=64, k=3, lookahead=0, prefix_caching=False, max_model_len=64):
     return Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                        num_spec_tokens=k, num_lookahead_slots=lookahead),
+        SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            num_spec_tokens=k,
+            num_lookahead_slots=lookahead,
+        ),
         KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
     )
 
@@ -127,7 +150,11 @@ def test_drafts_are_scheduled_with_the_last_token_and_accepted_ones_are_sent_as_
     assert out.scheduled_spec_tokens == {"a": [51, 52, 53]}
     [cached] = out.cached_requests
     assert (cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens, cached.num_block_ids) == (
-        [50], [2], 6, 3)  # positions 6..9 reach block 2
+        [50],
+        [2],
+        6,
+        3,
+    )  # positions 6..9 reach block 2
     assert s.kv.get_block_ids("a") == [0, 1, 2]
     # 51 and 52 accepted, 60 instead of 53
     s.update_from_output(out, ModelRunnerOutput(sampled_runs={"a": tokens(51, 52, 60)}))
@@ -139,10 +166,14 @@ def test_drafts_are_scheduled_with_the_last_token_and_accepted_ones_are_sent_as_
     # the workers saw 51, 52 only as drafts: every output token they lack comes now
     assert (cached.new_token_ids, cached.num_computed_tokens) == ([51, 52, 60], 9)
     assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_spec_tokens == {}
-    assert s.spec.as_dict() == {"spec_decode_num_drafts": 1, "spec_decode_num_draft_tokens": 3,
-                                "spec_decode_num_accepted_tokens": 2, "spec_decode_num_accepted_tokens_per_pos_0": 1,
-                                "spec_decode_num_accepted_tokens_per_pos_1": 1,
-                                "spec_decode_num_accepted_tokens_per_pos_2": 0}
+    assert s.spec.as_dict() == {
+        "spec_decode_num_drafts": 1,
+        "spec_decode_num_draft_tokens": 3,
+        "spec_decode_num_accepted_tokens": 2,
+        "spec_decode_num_accepted_tokens_per_pos_0": 1,
+        "spec_decode_num_accepted_tokens_per_pos_1": 1,
+        "spec_decode_num_accepted_tokens_per_pos_2": 0,
+    }
 
 
 def test_rejected_drafts_give_their_blocks_back_to_the_front_of_the_free_list():
@@ -254,16 +285,19 @@ def test_lookahead_slots_follow_a_sampling_sequence_and_are_kept_after_a_rollbac
 
 
 def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size():
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, num_spec_tokens=2,
-                                  spec_disable_batch_size=1), KVCacheManager(16, 4))
+    s = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, num_spec_tokens=2, spec_disable_batch_size=1
+        ),
+        KVCacheManager(16, 4),
+    )
     a, b = make_request("a", range(1, 4), k=2), make_request("b", range(1, 4), k=2)
     prefill(s, a)
     s.add_request(b)
     a.spec_token_ids = [51, 52]
     out = s.schedule()  # one sequence runs as the step starts: a verifies its drafts, b is admitted
     assert out.propose_drafts and out.scheduled_spec_tokens == {"a": [51, 52]}
-    s.update_from_output(out, ModelRunnerOutput(sampled_runs={"a": tokens(51, 52, 53)},
-                                                sampled={"b": tokens(50)[0]}))
+    s.update_from_output(out, ModelRunnerOutput(sampled_runs={"a": tokens(51, 52, 53)}, sampled={"b": tokens(50)[0]}))
     a.spec_token_ids = [61, 62]
     out = s.schedule()  # two run now: no drafts, and no proposals for the next step
     assert not out.propose_drafts and out.scheduled_spec_tokens == {}

@@ -102,15 +102,22 @@ def test_smollm2_drafting_for_itself_is_accepted_whole(smollm2_dir, greedy_refer
 SELF_DRAFT = "self-draft"
 
 
-@pytest.mark.parametrize("method, overrides", [
-    ("ngram", {}),
-    (SELF_DRAFT, {}),
-    ("ngram", {"preemption_mode": "swap", "swap_space": 0.05}),
-    (SELF_DRAFT, {"preemption_mode": "swap", "swap_space": 0.05, "max_num_batched_tokens": 24}),  # chunked too
-], ids=["ngram-recompute", "draft-recompute", "ngram-swap", "draft-swap-chunked"])
+@pytest.mark.parametrize(
+    "method, overrides",
+    [
+        ("ngram", {}),
+        (SELF_DRAFT, {}),
+        ("ngram", {"preemption_mode": "swap", "swap_space": 0.05}),
+        (SELF_DRAFT, {"preemption_mode": "swap", "swap_space": 0.05, "max_num_batched_tokens": 24}),  # chunked too
+    ],
+    ids=["ngram-recompute", "draft-recompute", "ngram-swap", "draft-swap-chunked"],
+)
 def test_speculation_under_a_pool_small_enough_to_preempt(smollm2_dir, greedy_reference, method, overrides):
-    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(smollm2_dir),
-                                            "num_speculative_tokens": 3}
+    spec = (
+        NGRAM
+        if method == "ngram"
+        else {"method": "draft_model", "model": str(smollm2_dir), "num_speculative_tokens": 3}
+    )
     # 8 sequences of about 20 + 64 tokens want about 48 blocks of 16: 24 force preemptions
     llm = make_llm(smollm2_dir, spec, num_gpu_blocks_override=24, max_model_len=256, **overrides)
     try:
@@ -126,8 +133,9 @@ def test_speculation_under_a_pool_small_enough_to_preempt(smollm2_dir, greedy_re
 
 
 def test_seeded_samples_and_logprobs_equal_those_without_speculation(smollm2_dir, baseline):
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=32, logprobs=2, n=2)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=32, logprobs=2, n=2) for i in range(len(PROMPTS))
+    ]
     reference = baseline.generate(PROMPTS, params, use_tqdm=False)
     llm = make_llm(smollm2_dir, NGRAM)
     try:
@@ -141,7 +149,8 @@ def test_seeded_samples_and_logprobs_equal_those_without_speculation(smollm2_dir
                 for got_pos, want_pos in zip(got.logprobs, want.logprobs):
                     assert list(got_pos) == list(want_pos)
                     assert [v.logprob for v in got_pos.values()] == pytest.approx(
-                        [v.logprob for v in want_pos.values()], abs=1e-3)
+                        [v.logprob for v in want_pos.values()], abs=1e-3
+                    )
         check_pool(llm)
     finally:
         llm.shutdown()
@@ -158,7 +167,11 @@ def test_a_stop_string_inside_an_accepted_run_cuts_it_there(smollm2_dir, baselin
             got, want = output.outputs[0], ref.outputs[0]
             assert want.finish_reason == "stop"  # each prompt does reach its stop string
             assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
-                want.text, want.token_ids, want.finish_reason, want.stop_reason)
+                want.text,
+                want.token_ids,
+                want.finish_reason,
+                want.stop_reason,
+            )
             assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
         check_pool(llm)
     finally:
@@ -225,8 +238,12 @@ def test_constrained_outputs_with_speculation_equal_those_without(smollm2_dir, b
     from tests.structured.test_structured_llm import ARITHMETIC
 
     schemas = list(SCHEMAS.items())[:4]
-    all_of = {"allOf": [{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
-                        {"properties": {"n": {"maximum": 9}}}]}
+    all_of = {
+        "allOf": [
+            {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+            {"properties": {"n": {"maximum": 9}}},
+        ]
+    }
     constraints = [StructuredOutputsParams(json=schema) for _, schema in schemas] + [
         StructuredOutputsParams(json=all_of),  # llguidance (auto: xgrammar keeps one subschema of allOf)
         StructuredOutputsParams(regex=r"(\d{2}, ){6}\d{2}"),
@@ -234,21 +251,28 @@ def test_constrained_outputs_with_speculation_equal_those_without(smollm2_dir, b
         StructuredOutputsParams(grammar=ARITHMETIC),
     ]
     questions = [f"Answer in JSON: an example of {name.replace('_', ' ')}." for name, _ in schemas] + [
-        "Give a JSON object with an integer n.", "Count by twos from 10:", "Which animal is lazy?",
+        "Give a JSON object with an integer n.",
+        "Count by twos from 10:",
+        "Which animal is lazy?",
         "Write an arithmetic expression with three numbers.",
     ]
     conversations = [[{"role": "user", "content": q}] for q in questions]
     params = [SamplingParams(temperature=0, max_tokens=96, structured_outputs=c) for c in constraints]
     reference = baseline.chat(conversations, params, use_tqdm=False)
-    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(smollm2_dir),
-                                            "num_speculative_tokens": 3}
+    spec = (
+        NGRAM
+        if method == "ngram"
+        else {"method": "draft_model", "model": str(smollm2_dir), "num_speculative_tokens": 3}
+    )
     llm = make_llm(smollm2_dir, spec)
     try:
         outputs = llm.chat(conversations, params, use_tqdm=False)
         for output, want in zip(outputs, reference):
             assert output.error is None and want.error is None
             assert (output.outputs[0].token_ids, output.outputs[0].finish_reason) == (
-                want.outputs[0].token_ids, want.outputs[0].finish_reason)
+                want.outputs[0].token_ids,
+                want.outputs[0].finish_reason,
+            )
         stats = spec_stats(llm)
         assert stats["num_accepted_tokens"] > 0
         if method != "ngram":  # the unconstrained draft proposes tokens the grammar refuses: they are cut

@@ -59,54 +59,92 @@ def test_compiled_grammars_are_cached_by_constraint_least_recently_used_dropped(
     )
 
 
-@pytest.mark.parametrize(("params", "message"), [
-    (StructuredOutputsParams(grammar="root ::= ("),
-     "structured outputs: the grammar constraint does not compile: EBNF parser error at line 1, column 11: "
-     "Expect element, but got"),
-    (StructuredOutputsParams(json="{not json"),
-     "structured outputs: json is not valid JSON: Expecting property name enclosed in double quotes: "
-     "line 1 column 2 (char 1)"),
-    (StructuredOutputsParams(structural_tag='{"type": "structural_tag", "format": {"type": "nope"}}'),
-     "structured outputs: the structural_tag constraint does not compile: "),
-    (StructuredOutputsParams(choice=["\U00040000"]),  # found by fuzzing: every first token masked
-     "structured outputs: no token of this model's vocabulary can begin the choice constraint"),
-])
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (
+            StructuredOutputsParams(grammar="root ::= ("),
+            "structured outputs: the grammar constraint does not compile: EBNF parser error at line 1, column 11: "
+            "Expect element, but got",
+        ),
+        (
+            StructuredOutputsParams(json="{not json"),
+            "structured outputs: json is not valid JSON: Expecting property name enclosed in double quotes: "
+            "line 1 column 2 (char 1)",
+        ),
+        (
+            StructuredOutputsParams(structural_tag='{"type": "structural_tag", "format": {"type": "nope"}}'),
+            "structured outputs: the structural_tag constraint does not compile: ",
+        ),
+        (
+            StructuredOutputsParams(choice=["\U00040000"]),  # found by fuzzing: every first token masked
+            "structured outputs: no token of this model's vocabulary can begin the choice constraint",
+        ),
+    ],
+)
 def test_compile_errors_name_the_constraint(backend, params, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)) as raised:
         backend.compile(params)
     assert raised.value.param == "structured_outputs"
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({}, "structured outputs need exactly one of json, regex, choice, grammar, json_object or structural_tag, "
-         "got none"),
-    ({"regex": "a", "choice": ["b"]},
-     "structured outputs need exactly one of json, regex, choice, grammar, json_object or structural_tag, "
-     "got ['regex', 'choice']"),
-    ({"choice": []}, "structured outputs: choice must be a non-empty list of strings"),
-    ({"regex": 5}, "structured outputs: regex must be a string, got int"),
-    ({"json": {}, "whitespace_pattern": " "},
-     "structured outputs: whitespace_pattern is not supported by the xgrammar backend"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {},
+            "structured outputs need exactly one of json, regex, choice, grammar, json_object or structural_tag, "
+            "got none",
+        ),
+        (
+            {"regex": "a", "choice": ["b"]},
+            "structured outputs need exactly one of json, regex, choice, grammar, json_object or structural_tag, "
+            "got ['regex', 'choice']",
+        ),
+        ({"choice": []}, "structured outputs: choice must be a non-empty list of strings"),
+        ({"regex": 5}, "structured outputs: regex must be a string, got int"),
+        (
+            {"json": {}, "whitespace_pattern": " "},
+            "structured outputs: whitespace_pattern is not supported by the xgrammar backend",
+        ),
+    ],
+)
 def test_structured_outputs_params_are_checked(kwargs, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         StructuredOutputsParams(**kwargs)
 
 
-@pytest.mark.parametrize(("value", "backend", "message"), [
-    ('{"backend": "outlines"}', None,
-     "structured outputs backend 'outlines' is not supported (not built into raypaged); "
-     "supported: auto, xgrammar, guidance"),
-    (None, "lm-format-enforcer", "structured outputs backend 'lm-format-enforcer' is not supported (not built into "
-                                 "raypaged); supported: auto, xgrammar, guidance"),
-    ('{"backend": "xgrammar", "reasoning": 1}', None,
-     "--structured-outputs-config: unknown field 'reasoning'; allowed: backend, cache_size, disable_any_whitespace, "
-     "enable_in_reasoning, max_whitespace, reasoning_parser"),
-    ('{"reasoning_parser": "o1"}', None, "--reasoning-parser 'o1' is not supported; supported: deepseek_r1, qwen3"),
-    ("[1]", None, "--structured-outputs-config must be a JSON object, got [1]"),
-    ("{", None, "--structured-outputs-config is not valid JSON: Expecting property name enclosed in double quotes: "
-                "line 1 column 2 (char 1)"),
-])
+@pytest.mark.parametrize(
+    ("value", "backend", "message"),
+    [
+        (
+            '{"backend": "outlines"}',
+            None,
+            "structured outputs backend 'outlines' is not supported (not built into raypaged); "
+            "supported: auto, xgrammar, guidance",
+        ),
+        (
+            None,
+            "lm-format-enforcer",
+            "structured outputs backend 'lm-format-enforcer' is not supported (not built into "
+            "raypaged); supported: auto, xgrammar, guidance",
+        ),
+        (
+            '{"backend": "xgrammar", "reasoning": 1}',
+            None,
+            "--structured-outputs-config: unknown field 'reasoning'; allowed: backend, cache_size, "
+            "disable_any_whitespace, enable_in_reasoning, max_whitespace, reasoning_parser",
+        ),
+        ('{"reasoning_parser": "o1"}', None, "--reasoning-parser 'o1' is not supported; supported: deepseek_r1, qwen3"),
+        ("[1]", None, "--structured-outputs-config must be a JSON object, got [1]"),
+        (
+            "{",
+            None,
+            "--structured-outputs-config is not valid JSON: Expecting property name enclosed in double quotes: "
+            "line 1 column 2 (char 1)",
+        ),
+    ],
+)
 def test_the_servers_config_refuses_what_it_cannot_honour(value, backend, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         StructuredOutputsConfig.parse(value, backend)
@@ -122,17 +160,20 @@ def test_the_servers_config_parses_vllm_spellings():
 ALL_OF = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]}
 
 
-@pytest.mark.parametrize(("schema", "found"), [
-    ({"not": {"type": "string"}}, ("not", "#")),
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, ("uniqueItems", "#")),
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False}, None),
-    ({"type": "object", "properties": {"x": {"if": {"const": 1}, "then": {"const": 1}}}}, ("if", "#/properties/x")),
-    ({"anyOf": [{"type": "object", "dependentRequired": {"a": ["b"]}}]}, ("dependentRequired", "#/anyOf/0")),
-    (ALL_OF, ("allOf", "#")),
-    ({"allOf": [{"type": "integer"}]}, None),
-    ({"const": {"not": 1}, "enum": [{"uniqueItems": True}]}, None),  # values, not subschemas
-    ({"$defs": {"p": {"dependentSchemas": {}}}, "$ref": "#/$defs/p"}, ("dependentSchemas", "#/$defs/p")),
-])
+@pytest.mark.parametrize(
+    ("schema", "found"),
+    [
+        ({"not": {"type": "string"}}, ("not", "#")),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, ("uniqueItems", "#")),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False}, None),
+        ({"type": "object", "properties": {"x": {"if": {"const": 1}, "then": {"const": 1}}}}, ("if", "#/properties/x")),
+        ({"anyOf": [{"type": "object", "dependentRequired": {"a": ["b"]}}]}, ("dependentRequired", "#/anyOf/0")),
+        (ALL_OF, ("allOf", "#")),
+        ({"allOf": [{"type": "integer"}]}, None),
+        ({"const": {"not": 1}, "enum": [{"uniqueItems": True}]}, None),  # values, not subschemas
+        ({"$defs": {"p": {"dependentSchemas": {}}}, "$ref": "#/$defs/p"}, ("dependentSchemas", "#/$defs/p")),
+    ],
+)
 def test_keywords_xgrammar_would_not_enforce_are_found(schema, found):
     assert unenforced_keyword(schema) == found
 
@@ -147,17 +188,32 @@ def test_auto_sends_what_xgrammar_would_not_enforce_to_guidance(smollm2_dir):
     assert isinstance(compiled, GuidanceGrammar)
     matcher = auto.matcher(compiled)
     assert not matcher.accept_token(tokenizer.encode("{}")[0]) or not matcher.accept_token(tokenizer.encode("}")[0])
-    raw = xgr.GrammarMatcher(xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152))
-                             .compile_json_schema(json.dumps(ALL_OF), any_whitespace=False))
+    raw = xgr.GrammarMatcher(
+        xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152)).compile_json_schema(
+            json.dumps(ALL_OF), any_whitespace=False
+        )
+    )
     assert all(raw.accept_token(t) for t in tokenizer.encode("{}")) and raw.is_completed()  # what auto avoids
     assert isinstance(auto.compile(StructuredOutputsParams(json={"type": "integer"})), xgr.CompiledGrammar)
-    with pytest.raises(ValueError, match="^" + re.escape(
-        "structured outputs: the xgrammar backend does not enforce the JSON schema keyword 'allOf' (at #); "
-        "the guidance or auto backend may") + "$"):
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(
+            "structured outputs: the xgrammar backend does not enforce the JSON schema keyword 'allOf' (at #); "
+            "the guidance or auto backend may"
+        )
+        + "$",
+    ):
         xgrammar_only.compile(StructuredOutputsParams(json=ALL_OF))
-    with pytest.raises(ValueError, match="^" + re.escape(
-        "structured outputs: no backend enforces the JSON schema keyword 'not' (at #/properties/a): xgrammar ignores "
-        'it, and the guidance backend cannot enforce the json constraint: Unimplemented keys: ["not"]') + "$"):
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(
+            "structured outputs: no backend enforces the JSON schema keyword 'not' (at #/properties/a): xgrammar "
+            'ignores it, and the guidance backend cannot enforce the json constraint: Unimplemented keys: ["not"]'
+        )
+        + "$",
+    ):
         auto.compile(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}))
 
 
@@ -170,17 +226,29 @@ def test_the_guidance_backend_takes_json_regex_and_choice(smollm2_dir):
     logits = torch.zeros(1, 49152)
     apply_token_bitmask(logits, bitmask, [0])
     assert {tokenizer.decode([t]) for t in torch.nonzero(logits[0] == 0).flatten().tolist()} == {
-        "y", "ye", "yes", "n", "no"}
+        "y",
+        "ye",
+        "yes",
+        "n",
+        "no",
+    }
     fork = matcher.fork()
     assert matcher.accept_token(tokenizer.encode("yes")[0]) and matcher.is_terminated()
     assert not fork.is_terminated() and fork.accept_token(tokenizer.encode("no")[0])  # the fork kept its own state
     compact = guidance.matcher(guidance.compile(StructuredOutputsParams(json={"type": "object"})))
     assert all(compact.accept_token(t) for t in tokenizer.encode('{"a": [1, 2]}'))
-    closed = guidance.matcher(guidance.compile(StructuredOutputsParams(json={"type": "object", "properties": {
-        "a": {"type": "integer"}}})))  # no additionalProperties: none, as xgrammar's strict mode
+    closed = guidance.matcher(
+        guidance.compile(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}))
+    )  # no additionalProperties: none, as xgrammar's strict mode
     assert all(closed.accept_token(t) for t in tokenizer.encode('{"a": 1'))
     assert not all(closed.accept_token(t) for t in tokenizer.encode(', "b"'))
-    with pytest.raises(ValueError, match="^" + re.escape(
-        "structured outputs: the guidance backend takes json, json_object, regex, choice constraints; a grammar "
-        "constraint needs the xgrammar backend") + "$"):
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(
+            "structured outputs: the guidance backend takes json, json_object, regex, choice constraints; a grammar "
+            "constraint needs the xgrammar backend"
+        )
+        + "$",
+    ):
         guidance.compile(StructuredOutputsParams(grammar='root ::= "a"'))

@@ -15,21 +15,32 @@ from raypaged.structured.reasoning import get_reasoning_parser
 
 pytestmark = pytest.mark.slow
 
-PLACE = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
-         "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}}}
+PLACE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "country"],
+    "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+}
 ONE_SHOT = [
     {"role": "system", "content": "Think inside <think></think> first, then answer in JSON."},
     {"role": "user", "content": "Where is the Eiffel Tower?"},
-    {"role": "assistant",
-     "content": '<think>The Eiffel Tower is in Paris, in France.</think>\n{"city": "Paris", "country": "France"}'},
+    {
+        "role": "assistant",
+        "content": '<think>The Eiffel Tower is in Paris, in France.</think>\n{"city": "Paris", "country": "France"}',
+    },
     {"role": "user", "content": "Where is the Colosseum?"},
 ]
 
 
 @pytest.fixture(scope="module", params=["qwen3", "deepseek_r1"])
 def reasoning_llm(request, smollm2_dir):
-    llm = LLM(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=512, max_model_len=1024,
-              structured_outputs_config={"reasoning_parser": request.param})
+    llm = LLM(
+        model=str(smollm2_dir),
+        dtype="float32",
+        num_gpu_blocks_override=512,
+        max_model_len=1024,
+        structured_outputs_config={"reasoning_parser": request.param},
+    )
     yield request.param, llm
     llm.shutdown()
 
@@ -38,14 +49,18 @@ def test_the_answer_after_the_reasoning_follows_the_schema(reasoning_llm):
     name, llm = reasoning_llm
     parser = get_reasoning_parser(name)
     constraint = StructuredOutputsParams(json=PLACE)
-    [greedy] = llm.chat(ONE_SHOT, SamplingParams(temperature=0, max_tokens=120, structured_outputs=constraint),
-                        use_tqdm=False)
+    [greedy] = llm.chat(
+        ONE_SHOT, SamplingParams(temperature=0, max_tokens=120, structured_outputs=constraint), use_tqdm=False
+    )
     assert greedy.outputs[0].text == (
-        '<think>The Colosseum is in Rome, Italy.</think>\n{"city": "Rome", "country": "Italy"}')
+        '<think>The Colosseum is in Rome, Italy.</think>\n{"city": "Rome", "country": "Italy"}'
+    )
     assert greedy.outputs[0].finish_reason == "stop"
-    sampled = llm.chat([ONE_SHOT] * 8,
-                       [SamplingParams(temperature=0.8, seed=i, max_tokens=120, structured_outputs=constraint)
-                        for i in range(8)], use_tqdm=False)
+    sampled = llm.chat(
+        [ONE_SHOT] * 8,
+        [SamplingParams(temperature=0.8, seed=i, max_tokens=120, structured_outputs=constraint) for i in range(8)],
+        use_tqdm=False,
+    )
     closed = 0
     for output in sampled:
         completion = output.outputs[0]
@@ -63,19 +78,28 @@ def test_a_prompt_that_closed_the_section_is_constrained_from_the_first_token(re
     _, llm = reasoning_llm
     prompt = llm.get_tokenizer().apply_chat_template(ONE_SHOT, tokenize=False, add_generation_prompt=True)
     prompt += "<think>\n\n</think>\n\n"  # Qwen3's template without thinking ends so
-    [output] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60,
-                                                   structured_outputs=StructuredOutputsParams(json=PLACE)),
-                            use_tqdm=False)
+    [output] = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=PLACE)),
+        use_tqdm=False,
+    )
     jsonschema.validate(json.loads(output.outputs[0].text), PLACE)
 
 
 def test_enable_in_reasoning_applies_the_constraint_from_the_first_token(smollm2_dir):
-    llm = LLM(model=str(smollm2_dir), dtype="float32", num_gpu_blocks_override=128, max_model_len=1024,
-              structured_outputs_config={"reasoning_parser": "qwen3", "enable_in_reasoning": True})
+    llm = LLM(
+        model=str(smollm2_dir),
+        dtype="float32",
+        num_gpu_blocks_override=128,
+        max_model_len=1024,
+        structured_outputs_config={"reasoning_parser": "qwen3", "enable_in_reasoning": True},
+    )
     try:
-        [output] = llm.chat(ONE_SHOT, SamplingParams(temperature=0, max_tokens=60,
-                                                     structured_outputs=StructuredOutputsParams(json=PLACE)),
-                            use_tqdm=False)
+        [output] = llm.chat(
+            ONE_SHOT,
+            SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=PLACE)),
+            use_tqdm=False,
+        )
     finally:
         llm.shutdown()
     jsonschema.validate(json.loads(output.outputs[0].text), PLACE)

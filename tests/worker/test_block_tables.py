@@ -46,15 +46,22 @@ def _runner_after_two_steps(max_list_decodes: int, monkeypatch) -> tuple[ModelRu
     params = SamplingParams(temperature=0)
     prompts = {"a": [1, 2, 3, 4, 5], "b": [6, 7], "c": list(range(10, 19))}
     blocks = {"a": [4, 1], "b": [0], "c": [7, 2, 6]}
-    runner.update_states(SchedulerOutput(
-        num_scheduled_tokens={rid: len(p) for rid, p in prompts.items()},
-        new_requests=[NewRequestData(rid, prompts[rid], [], params, blocks[rid], 0) for rid in prompts]))
+    runner.update_states(
+        SchedulerOutput(
+            num_scheduled_tokens={rid: len(p) for rid, p in prompts.items()},
+            new_requests=[NewRequestData(rid, prompts[rid], [], params, blocks[rid], 0) for rid in prompts],
+        )
+    )
     # each sampled one token; "b" gets a block its decode does not reach yet (padded to 0), "c" has its
     # last block replaced (copy on write)
     so = SchedulerOutput(
         num_scheduled_tokens={"a": 1, "b": 1, "c": 1},
-        cached_requests=[CachedRequestData("a", [40], [], 5), CachedRequestData("b", [41], [3], 2),
-                         CachedRequestData("c", [42], [], 9, replaced_block_ids=[(2, 5)])])
+        cached_requests=[
+            CachedRequestData("a", [40], [], 5),
+            CachedRequestData("b", [41], [3], 2),
+            CachedRequestData("c", [42], [], 9, replaced_block_ids=[(2, 5)]),
+        ],
+    )
     runner.update_states(so)
     return runner, so
 
@@ -80,11 +87,16 @@ def test_each_request_keeps_only_its_table_length_beside_its_row(monkeypatch):
     runner, _ = _runner_after_two_steps(0, monkeypatch)
     state = {rid: runner.requests[rid] for rid in "abc"}
     assert {rid: s.num_blocks for rid, s in state.items()} == {"a": 2, "b": 2, "c": 3}
-    row = lambda rid: runner.block_tables.array[state[rid].row, :state[rid].num_blocks].tolist()  # noqa: E731
+    row = lambda rid: runner.block_tables.array[state[rid].row, : state[rid].num_blocks].tolist()  # noqa: E731
     assert (row("a"), row("b"), row("c")) == ([4, 1], [0, 3], [7, 2, 5])
-    runner.update_states(SchedulerOutput(
-        num_scheduled_tokens={"a": 1, "c": 1},
-        cached_requests=[CachedRequestData("a", [50], [8, 9], 6),  # two lookahead blocks
-                         CachedRequestData("c", [51], [11], 10, replaced_block_ids=[(0, 10)], num_block_ids=3)]))
+    runner.update_states(
+        SchedulerOutput(
+            num_scheduled_tokens={"a": 1, "c": 1},
+            cached_requests=[
+                CachedRequestData("a", [50], [8, 9], 6),  # two lookahead blocks
+                CachedRequestData("c", [51], [11], 10, replaced_block_ids=[(0, 10)], num_block_ids=3),
+            ],
+        )
+    )
     assert (row("a"), row("c")) == ([4, 1, 8, 9], [10, 2, 11])  # c: its third block freed, block 11 after the second
     assert (state["a"].num_blocks, state["c"].num_blocks) == (4, 3)

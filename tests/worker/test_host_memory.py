@@ -96,6 +96,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_freed_activations_stay_in_the_heap_for_the_next_step():
     """A 16 MiB block (a step's activation) comes from a fresh mapping by default; once freed memory
     is retained it comes from the heap, and allocating it again after freeing faults in no page."""
+
     def run(mode: str) -> tuple[str, int]:
         out = subprocess.run([sys.executable, "-c", _HEAP_SCRIPT, mode], capture_output=True, text=True, check=True)
         mmapped, faults = out.stdout.split()

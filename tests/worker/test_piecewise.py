@@ -37,17 +37,18 @@ def step_inputs(step, generator: torch.Generator, vocab_size: int, device: str =
         positions += span
         slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in span]
         if decode:
-            decodes.append((blocks[:-(-(first + 1) // BLOCK_SIZE)], first + 1))
+            decodes.append((blocks[: -(-(first + 1) // BLOCK_SIZE)], first + 1))
         else:
-            used = blocks[:-(-(first + count) // BLOCK_SIZE)]
+            used = blocks[: -(-(first + count) // BLOCK_SIZE)]
             prefills.append(PrefillSpan(start, count, first + count, torch.tensor(used, device=device)))
         start += count
     width = max((len(b) for b, _ in decodes), default=0)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, device=device),
         num_decode_tokens=len(decodes),
-        decode_block_tables=torch.tensor([b + [0] * (width - len(b)) for b, _ in decodes],
-                                         dtype=torch.long, device=device).view(len(decodes), width),
+        decode_block_tables=torch.tensor(
+            [b + [0] * (width - len(b)) for b, _ in decodes], dtype=torch.long, device=device
+        ).view(len(decodes), width),
         decode_context_lens=torch.tensor([n for _, n in decodes], dtype=torch.long, device=device),
         prefills=prefills,
     )
@@ -107,7 +108,7 @@ def test_padding_rows_write_nothing_into_the_cache():
             pieces.run(ids, positions, meta)
             written[meta.slot_mapping] = True
             bucket = next(b for b in pieces.buckets if b >= len(ids))
-            assert bucket > len(ids) and pieces.slot_mapping[len(ids):bucket].eq(-1).all()
+            assert bucket > len(ids) and pieces.slot_mapping[len(ids) : bucket].eq(-1).all()
     for key_cache, value_cache in caches:
         for cache in (key_cache, value_cache):
             slots = cache.transpose(1, 2).reshape(NUM_BLOCKS * BLOCK_SIZE, -1)  # [slot, heads * head_dim]
@@ -129,8 +130,9 @@ def test_the_runner_sends_steps_with_prefill_spans_that_fit_to_the_pieces(monkey
     cpu = torch.device("cpu")
 
     def new_runner():
-        cache = KVCache(len(model.model.layers), NUM_BLOCKS, 0, (attn.num_kv_heads, BLOCK_SIZE, attn.head_dim),
-                        torch.float32, cpu)
+        cache = KVCache(
+            len(model.model.layers), NUM_BLOCKS, 0, (attn.num_kv_heads, BLOCK_SIZE, attn.head_dim), torch.float32, cpu
+        )
         return ModelRunner(model, cache, BLOCK_SIZE, eos_token_id=None, seed=0, device=cpu)
 
     plain, pieced = new_runner(), new_runner()
@@ -141,16 +143,22 @@ def test_the_runner_sends_steps_with_prefill_spans_that_fit_to_the_pieces(monkey
     prompts = {"a": list(range(3, 15)), "b": [9, 8, 7, 6, 5], "c": list(range(40, 64)), "d": [4, 44, 4]}
     blocks = {"a": [5, 2], "b": [0, 7], "c": [3, 9, 10, 4], "d": [1]}
     # (request, tokens) per step; a new request's first entry starts it
-    schedule = [{"a": 9, "b": 5}, {"b": 1, "a": 3}, {"a": 1, "b": 1}, {"a": 1, "b": 1, "c": 24},
-                {"a": 1, "b": 1, "c": 1, "d": 3}]
+    schedule = [
+        {"a": 9, "b": 5},
+        {"b": 1, "a": 3},
+        {"a": 1, "b": 1},
+        {"a": 1, "b": 1, "c": 24},
+        {"a": 1, "b": 1, "c": 1, "d": 3},
+    ]
     computed: dict[str, int] = {}
     unsent: dict[str, list[int]] = {}
     for step in schedule:
         so = SchedulerOutput(num_scheduled_tokens=dict(step))
         for rid in step:
             if rid not in computed:
-                so.new_requests.append(NewRequestData(rid, prompts[rid], [], SamplingParams(temperature=0),
-                                                      blocks[rid], 0))
+                so.new_requests.append(
+                    NewRequestData(rid, prompts[rid], [], SamplingParams(temperature=0), blocks[rid], 0)
+                )
                 computed[rid] = 0
             else:
                 so.cached_requests.append(CachedRequestData(rid, unsent.pop(rid, []), [], computed[rid]))
@@ -196,9 +204,15 @@ def test_capture_records_every_bucket_and_piece_and_a_step_replays_its_buckets(m
         def wait_stream(self, other) -> None:
             pass
 
-    for name, fake in dict(CUDAGraph=FakeGraph, graph=fake_capture, Stream=Stream, current_stream=Stream,
-                           stream=lambda s: contextlib.nullcontext(), mem_get_info=lambda: (0, 0),
-                           synchronize=lambda: None).items():
+    for name, fake in dict(
+        CUDAGraph=FakeGraph,
+        graph=fake_capture,
+        Stream=Stream,
+        current_stream=Stream,
+        stream=lambda s: contextlib.nullcontext(),
+        mem_get_info=lambda: (0, 0),
+        synchronize=lambda: None,
+    ).items():
         monkeypatch.setattr(torch.cuda, name, fake)
     monkeypatch.setattr(FakeGraph, "pools", [])
     model = ref.random_model(ref.tiny_config("qwen3"), torch.float32, "cpu")
@@ -242,7 +256,7 @@ def attach_random_lora(model, device: torch.device):
     generator = torch.Generator().manual_seed(3)
     for linear in lora.linears.values():
         for slot, rank in ((0, 4), (2, 8)):
-            a_t = torch.randn(linear.target.in_features, rank, generator=generator) / linear.target.in_features ** 0.5
+            a_t = torch.randn(linear.target.in_features, rank, generator=generator) / linear.target.in_features**0.5
             b_t = torch.randn(rank, linear.target.out_features, generator=generator) * 0.5
             linear.set_slot(slot, (a_t.to(device), b_t.to(device)))
     return lora
@@ -279,7 +293,8 @@ def test_pieces_recording_lora_give_the_forward_bits_for_any_slots():
             torch.testing.assert_close(got, by_segments, rtol=1e-5, atol=1e-5)
             bucket = next(b for b in pieces.buckets if b >= len(ids))
             assert pieces.lora.slot_of[:bucket].tolist() == [-1 if s is None else s for s in token_slots] + [-1] * (
-                bucket - len(ids))
+                bucket - len(ids)
+            )
             assert lora.step.mapping.slot_of is not None  # the step's mapping is back after the pieces
             if index == 0:  # the adapters matter
                 lora.step.mapping = None

@@ -46,7 +46,7 @@ def reference_warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     ranked, order = row.sort(descending=True)
     keep = torch.ones_like(ranked, dtype=torch.bool)
     if p.top_k is not None:
-        keep[p.top_k:] = False
+        keep[p.top_k :] = False
     probs = ranked.masked_fill(~keep, float("-inf")).softmax(-1)
     keep &= (probs.cumsum(-1) - probs) < p.top_p
     keep[0] = True
@@ -113,11 +113,12 @@ def penalties_row_by_row(logits: torch.Tensor, inputs: list[SamplingInput]) -> t
             logits[i] = float("-inf")
             logits[i, allowed] = kept
         for word in p.bad_words_token_ids or []:
-            if len(word) == 1 or s.output_token_ids[len(s.output_token_ids) - len(word) + 1:] == word[:-1]:
+            if len(word) == 1 or s.output_token_ids[len(s.output_token_ids) - len(word) + 1 :] == word[:-1]:
                 logits[i, word[-1]] = float("-inf")
         if len(s.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + (
-                [s.eos_token_id] if s.eos_token_id is not None and not p.ignore_eos else [])
+                [s.eos_token_id] if s.eos_token_id is not None and not p.ignore_eos else []
+            )
             if banned:
                 logits[i, banned] = float("-inf")
     return logits
@@ -130,15 +131,20 @@ def test_batched_penalties_and_bans_equal_row_by_row_to_the_bit():
     vocab = 300
     inputs = []
     for i in range(12):
-        prompt = torch.randint(0, vocab, (int(torch.randint(1, 40, (1,), generator=generator)),),
-                               generator=generator).tolist()
+        prompt = torch.randint(
+            0, vocab, (int(torch.randint(1, 40, (1,), generator=generator)),), generator=generator
+        ).tolist()
         output = torch.randint(0, vocab, (i * 3,), generator=generator).tolist()  # repeats, and row 0 empty
-        params = SamplingParams(repetition_penalty=[1.0, 1.3, 0.7][i % 3], presence_penalty=[0.0, 0.5][i % 2],
-                                frequency_penalty=[0.0, 0.25, -0.4][i % 3],
-                                logit_bias={7 * i: 1.5, 290 - i: -2.25} if i % 4 == 1 else None,
-                                allowed_token_ids=[3, 5, 7 * i, 299] if i % 5 == 2 else None,
-                                min_tokens=16 if i % 3 == 0 else 0, stop_token_ids=[11, 12] if i % 2 == 0 else None,
-                                bad_words_token_ids=[[40 + i], output[-2:] + [250], [299, 298]] if i % 3 == 1 else None)
+        params = SamplingParams(
+            repetition_penalty=[1.0, 1.3, 0.7][i % 3],
+            presence_penalty=[0.0, 0.5][i % 2],
+            frequency_penalty=[0.0, 0.25, -0.4][i % 3],
+            logit_bias={7 * i: 1.5, 290 - i: -2.25} if i % 4 == 1 else None,
+            allowed_token_ids=[3, 5, 7 * i, 299] if i % 5 == 2 else None,
+            min_tokens=16 if i % 3 == 0 else 0,
+            stop_token_ids=[11, 12] if i % 2 == 0 else None,
+            bad_words_token_ids=[[40 + i], output[-2:] + [250], [299, 298]] if i % 3 == 1 else None,
+        )
         inputs.append(SamplingInput(params, prompt, output, eos_token_id=2 if i % 4 else None))
     logits = torch.randn(12, vocab, generator=generator) * 3
     batched = _apply_penalties(logits.clone(), inputs)

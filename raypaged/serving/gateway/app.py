@@ -88,11 +88,17 @@ def build_app(
     started = int(time.time())  # the models' "created"
     app = FastAPI(title="raypaged", docs_url=None, redoc_url=None)
     install_handlers(app)
-    app.add_middleware(Guard, tenants=tenants, drain=drain, exempt_paths=auth_exempt_paths,
-                       allowed_origins=allowed_origins)
+    app.add_middleware(
+        Guard, tenants=tenants, drain=drain, exempt_paths=auth_exempt_paths, allowed_origins=allowed_origins
+    )
     if allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=allowed_methods,
-                           allow_headers=allowed_headers, allow_credentials=allow_credentials)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=allowed_methods,
+            allow_headers=allowed_headers,
+            allow_credentials=allow_credentials,
+        )
     if host_check_needed(bind_host, allowed_hosts):
         app.add_middleware(HostCheck, allowed_hosts=allowed_hosts or ())
 
@@ -144,14 +150,22 @@ def build_app(
             ]
         except (ValueError, TypeError) as exc:  # a value the wire format cannot hold
             raise APIError(400, str(exc)) from None
-        shape = ResponseShape(chat, model, body.n, num_logprobs is not None, tools=tools, role=response_role,
-                              echo=body.echo and not chat, echo_only=body.echo_only,
-                              chat_echo=body.echoed(response_role) if isinstance(body, ChatCompletionRequest) else "",
-                              prompt_logprobs=body.prompt_logprobs is not None,
-                              prompt_tokens_details=prompt_tokens_details,
-                              request_id=body.request_id or _header_request_id(http),
-                              reasoning=reasoning_parser if chat else None,
-                              token_ids_as_text=body.return_tokens_as_token_ids)
+        shape = ResponseShape(
+            chat,
+            model,
+            body.n,
+            num_logprobs is not None,
+            tools=tools,
+            role=response_role,
+            echo=body.echo and not chat,
+            echo_only=body.echo_only,
+            chat_echo=body.echoed(response_role) if isinstance(body, ChatCompletionRequest) else "",
+            prompt_logprobs=body.prompt_logprobs is not None,
+            prompt_tokens_details=prompt_tokens_details,
+            request_id=body.request_id or _header_request_id(http),
+            reasoning=reasoning_parser if chat else None,
+            token_ids_as_text=body.return_tokens_as_token_ids,
+        )
         for index, request in enumerate(requests):  # the engine's ids follow the response's
             request.request_id = shape.id if len(requests) == 1 else f"{shape.id}-{index}"
         metadata = _metadata(http)
@@ -166,8 +180,15 @@ def build_app(
             _cancel(calls)
             raise
         if log_requests:
-            logger.info("request %s: model=%s tenant=%s prompts=%d n=%d stream=%s", shape.id, model,
-                        gate.tenant.name, len(prompts), body.n, body.stream)
+            logger.info(
+                "request %s: model=%s tenant=%s prompts=%d n=%d stream=%s",
+                shape.id,
+                model,
+                gate.tenant.name,
+                len(prompts),
+                body.n,
+                body.stream,
+            )
         headers = {"X-Request-Id": shape.request_id or shape.id} if request_id_headers else None
         if body.stream:
             writer = ChunkWriter(shape, len(prompts), body.include_usage or force_include_usage, body.continuous_usage)
@@ -188,8 +209,10 @@ def build_app(
     @app.post("/pooling")
     async def pooling(http: Request) -> Response:
         raise APIError(
-            404, f"{http.url.path} is not available: the served models generate text, and no pooling (embedding) "
-            "model is served", code="model_not_found",
+            404,
+            f"{http.url.path} is not available: the served models generate text, and no pooling (embedding) "
+            "model is served",
+            code="model_not_found",
         )
 
     @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
@@ -203,17 +226,32 @@ def build_app(
     async def card(name: str) -> dict:
         """A served model as OpenAI's (and vLLM's) model object."""
         info = await routes.model_info(name)
-        card = {"id": name, "object": "model", "created": started, "owned_by": "raypaged",
-                "root": info.root if info is not None and info.root else name,
-                "parent": info.parent if info is not None and info.parent else None}
+        card = {
+            "id": name,
+            "object": "model",
+            "created": started,
+            "owned_by": "raypaged",
+            "root": info.root if info is not None and info.root else name,
+            "parent": info.parent if info is not None and info.parent else None,
+        }
         if info is not None:
             card["max_model_len"] = info.max_model_len
-        card["permission"] = [{
-            "id": f"modelperm-{name}", "object": "model_permission", "created": started,
-            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
-            "group": None, "is_blocking": False,
-        }]
+        card["permission"] = [
+            {
+                "id": f"modelperm-{name}",
+                "object": "model_permission",
+                "created": started,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ]
         return card
 
     @app.get("/v1/models")
@@ -231,9 +269,12 @@ def build_app(
         """vLLM's runtime adapter loading (behind the API key, as every path but the probes)."""
         body = await parse(http, LoadLoRAAdapterBody)
         address = routes.address_for_base(body.base_model_name)
-        await routes.stub_at(address).LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
-            lora_name=body.lora_name, lora_path=body.lora_path, base_model_name=body.base_model_name or ""),
-            metadata=_metadata(http))
+        await routes.stub_at(address).LoadLoRAAdapter(
+            pb.LoadLoRAAdapterRequest(
+                lora_name=body.lora_name, lora_path=body.lora_path, base_model_name=body.base_model_name or ""
+            ),
+            metadata=_metadata(http),
+        )
         routes.adapters[body.lora_name] = address
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
@@ -245,8 +286,9 @@ def build_app(
         address = routes.adapters.get(body.lora_name)
         if address is None:
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name")
-        await routes.stub_at(address).UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=body.lora_name),
-                                                         metadata=_metadata(http))
+        await routes.stub_at(address).UnloadLoRAAdapter(
+            pb.UnloadLoRAAdapterRequest(lora_name=body.lora_name), metadata=_metadata(http)
+        )
         del routes.adapters[body.lora_name]
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
@@ -284,8 +326,11 @@ def build_app(
             assert body.prompt is not None  # exactly one of prompt and messages is given
             request.text = body.prompt
         response = await stub.Tokenize(request, metadata=_metadata(http))
-        return {"count": len(response.token_ids), "max_model_len": response.max_model_len,
-                "tokens": list(response.token_ids)}
+        return {
+            "count": len(response.token_ids),
+            "max_model_len": response.max_model_len,
+            "tokens": list(response.token_ids),
+        }
 
     @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeBody))
     async def detokenize(http: Request) -> dict:
@@ -295,8 +340,17 @@ def build_app(
         response = await stub.Detokenize(request, metadata=_metadata(http))
         return {"prompt": response.text}
 
-    _add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeBody, DetokenizeBody,
-                            LoadLoRAAdapterBody, UnloadLoRAAdapterBody])
+    _add_body_schemas(
+        app,
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            TokenizeBody,
+            DetokenizeBody,
+            LoadLoRAAdapterBody,
+            UnloadLoRAAdapterBody,
+        ],
+    )
     return app
 
 
@@ -415,9 +469,7 @@ def _cancel(calls: list[StreamCall]) -> None:
         call.cancel()
 
 
-async def _responses(
-    calls: list[StreamCall], drain: Drain
-) -> AsyncGenerator[tuple[int, AnyResponse], None]:
+async def _responses(calls: list[StreamCall], drain: Drain) -> AsyncGenerator[tuple[int, AnyResponse], None]:
     """Every call's responses as they come, tagged with the call's index; cancels them all when left.
 
     Raises the drain's expiry error if the drain timeout expires first.
@@ -479,9 +531,7 @@ def _event(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _sse(
-    calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain
-) -> AsyncIterator[str]:
+async def _sse(calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain) -> AsyncIterator[str]:
     """The stream's server-sent events, ending in ``data: [DONE]``; leaving it early aborts the requests."""
     try:
         for chunk in writer.role_chunks():

@@ -38,7 +38,8 @@ class Drain:
 
     def expiry_error(self) -> APIError:
         return APIError(
-            503, f"the server shut down before this request finished (drain timeout {self.timeout_s:g} s)",
+            503,
+            f"the server shut down before this request finished (drain timeout {self.timeout_s:g} s)",
             code="server_draining",
         )
 

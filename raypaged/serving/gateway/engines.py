@@ -86,8 +86,9 @@ class EngineRoutes:
             return self.targets[base]
         addresses = set(self.targets.values())
         if len(addresses) > 1:
-            raise APIError(400, f"base_model_name is required; served models: {', '.join(self.targets)}",
-                           "base_model_name")
+            raise APIError(
+                400, f"base_model_name is required; served models: {', '.join(self.targets)}", "base_model_name"
+            )
         return next(iter(addresses))
 
     def stub_at(self, address: str) -> EngineClient:
@@ -106,6 +107,7 @@ class EngineRoutes:
 
     async def health(self) -> str | None:
         """``None`` when every engine serves, else why not."""
+
         async def probe(address: str, stub: EngineClient) -> str | None:
             try:
                 response = await stub.Health(pb.HealthRequest(), timeout=_PROBE_TIMEOUT_S)
@@ -121,6 +123,7 @@ class EngineRoutes:
 
     async def metric_families(self) -> list[Metric]:
         """Every reachable engine's metrics, families of the same name merged."""
+
         async def scrape(stub: EngineClient) -> str:
             try:
                 return (await stub.Metrics(pb.MetricsRequest(), timeout=_PROBE_TIMEOUT_S)).prometheus_text

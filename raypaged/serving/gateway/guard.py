@@ -49,7 +49,7 @@ def route_path(scope: Scope) -> str:
     """The path a route matches: ``scope["path"]`` less the app's ``root_path`` when it starts with it."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and (path == root or path.startswith(root + "/")):
-        return path[len(root):] or "/"
+        return path[len(root) :] or "/"
     return path
 
 
@@ -59,8 +59,9 @@ def check_exempt_paths(paths: tuple[str, ...]) -> None:
         if not path.startswith("/"):
             raise ValueError(f"--auth-exempt-paths takes paths starting with '/', got {path!r}")
         if path in GENERATION_PATHS:
-            raise ValueError(f"--auth-exempt-paths cannot include {path}: "
-                             "generation always needs a key when keys are set")
+            raise ValueError(
+                f"--auth-exempt-paths cannot include {path}: generation always needs a key when keys are set"
+            )
 
 
 def host_name(host: str) -> str:
@@ -107,13 +108,15 @@ class HostCheck:
 
     def refusal(self, host: str | None) -> APIError | None:
         if host is None:
-            return APIError(400, "the request has no Host header; send the host it was addressed to",
-                            code="host_not_allowed")
+            return APIError(
+                400, "the request has no Host header; send the host it was addressed to", code="host_not_allowed"
+            )
         name = host_name(host)
         if is_loopback(name) or name in self.allowed_hosts:
             return None
         return APIError(
-            400, f"Host {host!r} is not allowed: only loopback names (localhost, 127.0.0.1, [::1]) and the hosts "
+            400,
+            f"Host {host!r} is not allowed: only loopback names (localhost, 127.0.0.1, [::1]) and the hosts "
             f"given to --allowed-hosts may address this server (it guards against DNS rebinding)",
             code="host_not_allowed",
         )
@@ -130,7 +133,11 @@ class Guard:
     """ASGI middleware: authentication, then refusal while draining, then a POST body must be JSON."""
 
     def __init__(
-        self, app: ASGIApp, tenants: Tenants, drain: Drain, exempt_paths: tuple[str, ...],
+        self,
+        app: ASGIApp,
+        tenants: Tenants,
+        drain: Drain,
+        exempt_paths: tuple[str, ...],
         allowed_origins: tuple[str, ...] = (),
     ) -> None:
         check_exempt_paths(exempt_paths)
@@ -160,20 +167,21 @@ class Guard:
             return
         await self.app(scope, receive, send)
 
-
     def _check_post(self, scope: Scope) -> None:
         origin = _header(scope, b"origin")
         allowed = "*" in self.allowed_origins or (origin is not None and origin.rstrip("/") in self.allowed_origins)
         if not allowed and _cross_site(origin, _header(scope, b"host"), _header(scope, b"sec-fetch-site")):
             raise APIError(
-                403, f"cross-site request refused (Origin {origin!r}): list the origin in --allowed-origins "
+                403,
+                f"cross-site request refused (Origin {origin!r}): list the origin in --allowed-origins "
                 f"to serve browser pages from it",
                 code="cross_site_request",
             )
         content_type = _header(scope, b"content-type")
         if content_type is not None and not is_json(content_type):
             raise APIError(
-                415, f"Content-Type {content_type!r} is not supported: send the body as JSON with "
+                415,
+                f"Content-Type {content_type!r} is not supported: send the body as JSON with "
                 f"'Content-Type: application/json'",
             )
 

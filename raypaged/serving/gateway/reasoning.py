@@ -36,18 +36,18 @@ class ReasoningStream:
         if self._state == "reasoning":
             end = self._text.find(END, self._sent)
             if end < 0:
-                safe = len(self._text) - marker_holdback(self._text[self._sent:], END)
-                reasoning, self._sent = self._text[self._sent:safe], safe
+                safe = len(self._text) - marker_holdback(self._text[self._sent :], END)
+                reasoning, self._sent = self._text[self._sent : safe], safe
                 return reasoning, ""
-            reasoning = self._text[self._sent:end]
+            reasoning = self._text[self._sent : end]
             self._sent = end + len(END)
             self._state = "content"
-        content, self._sent = self._text[self._sent:], len(self._text)
+        content, self._sent = self._text[self._sent :], len(self._text)
         return reasoning, content
 
     def finish(self) -> tuple[str, str]:
         """What is still held once the output ended."""
-        rest, self._sent = self._text[self._sent:], len(self._text)
+        rest, self._sent = self._text[self._sent :], len(self._text)
         if self._state == "undecided":
             return ("", rest) if not self.parser.starts_inside else (rest, "")
         return (rest, "") if self._state == "reasoning" else ("", rest)

@@ -69,8 +69,14 @@ class ResponseShape:
 
     def envelope(self, choices: list[dict], usage: dict | None, chunk: bool) -> dict:
         obj = "chat.completion.chunk" if chunk and self.chat else self.object
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
+        body = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices,
+        }
         if usage is not None or not chunk:
             body["usage"] = usage
         return body
@@ -90,18 +96,20 @@ class ResponseShape:
             return {key: echoed[key] + generated[key] for key in echoed}
         names = _token_names(delta.token_texts, delta.token_ids, as_ids)
         if self.chat:
-            return {"content": [
-                {
-                    "token": name,
-                    "logprob": _finite(logprob),
-                    "bytes": list(name.encode()),
-                    "top_logprobs": [
-                        {"token": t, "logprob": _finite(lp), "bytes": list(t.encode())}
-                        for t, lp in zip(_token_names(top.token_texts, top.token_ids, as_ids), top.logprobs)
-                    ],
-                }
-                for name, logprob, top in zip(names, delta.logprobs, delta.top_logprobs)
-            ]}
+            return {
+                "content": [
+                    {
+                        "token": name,
+                        "logprob": _finite(logprob),
+                        "bytes": list(name.encode()),
+                        "top_logprobs": [
+                            {"token": t, "logprob": _finite(lp), "bytes": list(t.encode())}
+                            for t, lp in zip(_token_names(top.token_texts, top.token_ids, as_ids), top.logprobs)
+                        ],
+                    }
+                    for name, logprob, top in zip(names, delta.logprobs, delta.top_logprobs)
+                ]
+            }
         offsets = []
         for text in delta.token_texts:
             offsets.append(text_offset)
@@ -153,9 +161,13 @@ def _stop_reason(delta: AnyDelta) -> int | str | None:
 
 def _without_tokens(delta: AnyDelta) -> CompletionDelta:
     """The delta without its tokens, text and logprobs: which completion, and how it ended."""
-    return CompletionDelta(index=delta.index, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-                           finish_message=delta.finish_message,
-                           stop_token_id=delta.stop_token_id if delta.HasField("stop_token_id") else None)
+    return CompletionDelta(
+        index=delta.index,
+        finish_reason=delta.finish_reason,
+        stop_reason=delta.stop_reason,
+        finish_message=delta.finish_message,
+        stop_token_id=delta.stop_token_id if delta.HasField("stop_token_id") else None,
+    )
 
 
 @dataclass
@@ -178,8 +190,10 @@ class _Prompt:
         for text in found.token_texts:
             offsets.append(offset)
             offset += len(text)
-        tops = [dict(zip(_token_names(top.token_texts, top.token_ids, as_ids), map(_finite, top.logprobs)))
-                for top in found.top_logprobs]
+        tops = [
+            dict(zip(_token_names(top.token_texts, top.token_ids, as_ids), map(_finite, top.logprobs)))
+            for top in found.top_logprobs
+        ]
         return {
             "tokens": _token_names(found.token_texts, found.token_ids, as_ids),
             "token_logprobs": [None, *(_finite(lp) for lp in found.logprobs)][: len(found.token_texts)],
@@ -194,8 +208,9 @@ class _Prompt:
             return None
         found = self.logprobs
         out: list[dict | None] = [None]
-        for token_id, text, logprob, top in zip(found.token_ids[1:], found.token_texts[1:], found.logprobs,
-                                               found.top_logprobs):
+        for token_id, text, logprob, top in zip(
+            found.token_ids[1:], found.token_texts[1:], found.logprobs, found.top_logprobs
+        ):
             ranks = {t: rank for rank, t in enumerate(top.token_ids, start=1)}
             entry = {str(token_id): {"logprob": _finite(logprob), "rank": ranks.get(token_id), "decoded_token": text}}
             for t, t_text, lp in zip(top.token_ids, top.token_texts, top.logprobs):
@@ -241,8 +256,12 @@ class Accumulator:
     def body(self) -> dict:
         choices = []
         for index, choice in enumerate(self.choices):
-            merged = CompletionDelta(token_ids=choice.token_ids, token_texts=choice.token_texts,
-                                     logprobs=choice.logprobs, top_logprobs=choice.top_logprobs)
+            merged = CompletionDelta(
+                token_ids=choice.token_ids,
+                token_texts=choice.token_texts,
+                logprobs=choice.logprobs,
+                top_logprobs=choice.top_logprobs,
+            )
             entry: dict = {"index": index}
             finish_reason = choice.finish_reason
             prompt = self.prompts[index // self.shape.n]
@@ -295,8 +314,10 @@ class ChunkWriter:
             for i in range(len(self._text_offsets))
         ]
         if self.shape.chat_echo:  # then, as vLLM, the echoed message in a chunk of its own
-            choices += [{"index": i, "delta": {"content": self.shape.chat_echo}, "logprobs": None,
-                         "finish_reason": None} for i in range(len(self._text_offsets))]
+            choices += [
+                {"index": i, "delta": {"content": self.shape.chat_echo}, "logprobs": None, "finish_reason": None}
+                for i in range(len(self._text_offsets))
+            ]
         return [self.shape.envelope([c], None, chunk=True) | self._null_usage() for c in choices]
 
     def chunks(self, prompt_index: int, response: AnyResponse) -> list[dict]:

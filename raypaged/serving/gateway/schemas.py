@@ -128,8 +128,9 @@ class _GenerationBody(BaseModel):
         if len(given) > 1:
             raise APIError(400, f"give one structured output constraint, got {', '.join(given)}", given[1])
         if self.guided_whitespace_pattern is not None:
-            raise APIError(400, "guided_whitespace_pattern is not supported by the xgrammar backend",
-                           "guided_whitespace_pattern")
+            raise APIError(
+                400, "guided_whitespace_pattern is not supported by the xgrammar backend", "guided_whitespace_pattern"
+            )
         if self.guided_decoding_backend not in (None, "xgrammar", "auto"):
             raise APIError(
                 400,
@@ -188,12 +189,21 @@ class _GenerationBody(BaseModel):
         structured = self.structured()
         implied = tools.constraint() if tools is not None else None
         if implied is not None and structured is not None:
-            raise APIError(400, "tool_choice required or a named function already constrains the output; "
-                           "send response_format or structured outputs without it", "tool_choice")
+            raise APIError(
+                400,
+                "tool_choice required or a named function already constrains the output; "
+                "send response_format or structured outputs without it",
+                "tool_choice",
+            )
         return implied or structured
 
     def generate_request(
-        self, model: str, prompt: dict, num_logprobs: int | None, max_tokens: int | None, priority: int,
+        self,
+        model: str,
+        prompt: dict,
+        num_logprobs: int | None,
+        max_tokens: int | None,
+        priority: int,
         constraint: pb.StructuredOutput | None,
     ) -> pb.GenerateRequest:
         """``prompt`` is one of ``{"text": ...}``, ``{"token_ids": ...}``, ``{"messages": ...}``.
@@ -226,8 +236,9 @@ class _GenerationBody(BaseModel):
         )
         if max_tokens is not None:
             stopping.max_tokens = max(max_tokens, 1) if self.echo_only else max_tokens
-        request = pb.GenerateRequest(model=model, sampling=sampling, stopping=stopping, priority=priority,
-                                     echo=self.echo, **prompt)
+        request = pb.GenerateRequest(
+            model=model, sampling=sampling, stopping=stopping, priority=priority, echo=self.echo, **prompt
+        )
         if (prompt_logprobs := self.resolved_prompt_logprobs) is not None:
             request.prompt_logprobs = ALL_LOGPROBS if prompt_logprobs == -1 else prompt_logprobs
         if self.truncate_prompt_tokens is not None:
@@ -266,6 +277,7 @@ class CompletionRequest(_GenerationBody):
                 return -1
             return max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
+
     add_special_tokens: Literal[True] = True  # prompts are tokenized with the BOS (as vLLM's default)
 
     @property
@@ -333,8 +345,10 @@ class ChatMessage(BaseModel):
             role=self.role,
             name=self.name or "",
             tool_call_id=self.tool_call_id or "",
-            tool_calls=[pb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
-                        for c in self.tool_calls or ()],
+            tool_calls=[
+                pb.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                for c in self.tool_calls or ()
+            ],
         )
         if self.content is not None or not self.tool_calls:  # none at all: an assistant turn that only calls tools
             message.content = self.text()
@@ -344,8 +358,9 @@ class ChatMessage(BaseModel):
     def _extra_fields(self) -> ChatMessage:
         for name, value in (self.model_extra or {}).items():
             if name in _UNSUPPORTED_IN_MESSAGES and value not in (None, "", [], {}):
-                raise APIError(400, f"messages: {name} is not supported by this server; send messages without it",
-                               "messages")
+                raise APIError(
+                    400, f"messages: {name} is not supported by this server; send messages without it", "messages"
+                )
         return self
 
     def text(self) -> str:

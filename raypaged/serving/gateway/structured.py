@@ -53,8 +53,9 @@ class ResponseFormat(BaseModel):
         if self.format is not None:
             return pb.StructuredOutput(structural_tag=json.dumps({"type": "structural_tag", "format": self.format}))
         if self.structures is None or self.triggers is None:
-            raise APIError(400, "response_format structural_tag needs format, or structures and triggers",
-                           "response_format")
+            raise APIError(
+                400, "response_format structural_tag needs format, or structures and triggers", "response_format"
+            )
         tags = [
             {"begin": s.begin, "content": {"type": "json_schema", "json_schema": s.json_schema or {}}, "end": s.end}
             for s in self.structures
@@ -80,8 +81,11 @@ class StructuredOutputsBody(BaseModel):
 
     def structured(self) -> pb.StructuredOutput:
         if self.whitespace_pattern is not None:
-            raise APIError(400, "structured_outputs.whitespace_pattern is not supported by the xgrammar backend",
-                           "structured_outputs")
+            raise APIError(
+                400,
+                "structured_outputs.whitespace_pattern is not supported by the xgrammar backend",
+                "structured_outputs",
+            )
         # StructuredOutput's keyword arguments: its oneof's fields
         kinds: dict[str, Any] = {
             "json_schema": self.json_ if isinstance(self.json_, str) or self.json_ is None else json.dumps(self.json_),

@@ -29,7 +29,12 @@ from raypaged.inputs.limits import InputError
 from raypaged.serving.gateway.errors import APIError
 
 _KEYS = {
-    "name", "api_keys", "max_concurrent_requests", "max_queued_requests", "priority", "min_request_priority",
+    "name",
+    "api_keys",
+    "max_concurrent_requests",
+    "max_queued_requests",
+    "priority",
+    "min_request_priority",
     "max_request_priority",
 }
 DEFAULT_MAX_REQUEST_PRIORITY = 1_000_000
@@ -141,8 +146,9 @@ class Tenants:
             gate = TenantGate(tenant)
             for key in tenant.api_keys:
                 if key in self._by_key:
-                    raise ValueError(f"api key of tenant {tenant.name} is also given to "
-                                     f"{self._by_key[key].tenant.name}")
+                    raise ValueError(
+                        f"api key of tenant {tenant.name} is also given to {self._by_key[key].tenant.name}"
+                    )
                 self._by_key[key] = gate
         self._open = None if self._by_key else TenantGate(Tenant("default"))
 
@@ -196,13 +202,15 @@ def load_tenants(path: Path) -> list[Tenant]:
         keys = entry.get("api_keys") or []
         if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
             raise ValueError(f"tenant {entry['name']}: api_keys must be a list of non-empty strings")
-        tenants.append(Tenant(
-            name=str(entry["name"]),
-            api_keys=tuple(keys),
-            max_concurrent_requests=entry.get("max_concurrent_requests"),
-            max_queued_requests=int(entry.get("max_queued_requests", 0)),
-            priority=int(entry.get("priority", 0)),
-            min_request_priority=int(entry.get("min_request_priority", 0)),
-            max_request_priority=int(entry.get("max_request_priority", DEFAULT_MAX_REQUEST_PRIORITY)),
-        ))
+        tenants.append(
+            Tenant(
+                name=str(entry["name"]),
+                api_keys=tuple(keys),
+                max_concurrent_requests=entry.get("max_concurrent_requests"),
+                max_queued_requests=int(entry.get("max_queued_requests", 0)),
+                priority=int(entry.get("priority", 0)),
+                min_request_priority=int(entry.get("min_request_priority", 0)),
+                max_request_priority=int(entry.get("max_request_priority", DEFAULT_MAX_REQUEST_PRIORITY)),
+            )
+        )
     return tenants

@@ -79,13 +79,15 @@ class ToolPlan:
             raise APIError(400, f"tools must have distinct function names, got {names}", "tools")
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in names:
-                raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not in tools",
-                               "tool_choice")
+                raise APIError(
+                    400, f"tool_choice names function {choice.function.name!r}, which is not in tools", "tool_choice"
+                )
             return cls(tools, "named", function=choice.function.name, parallel=parallel)
         mode = choice or "auto"
         if mode == "auto" and parser is None:
             raise APIError(
-                400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                400,
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                 "tool_choice",
             )
         return cls(tools, mode, parser=parser if mode == "auto" else None, parallel=parallel)
@@ -155,8 +157,12 @@ class ToolStream:
         if self.plan.mode == "named":
             if self._named is None:
                 self._named = ToolCall(self.plan.function or "", "")
-                return {"tool_calls": [{"index": 0, **self._named.as_openai()} | {
-                    "function": {"name": self._named.name, "arguments": text}}]}
+                return {
+                    "tool_calls": [
+                        {"index": 0, **self._named.as_openai()}
+                        | {"function": {"name": self._named.name, "arguments": text}}
+                    ]
+                }
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
         if self.plan.mode == "required":
             self._text += text

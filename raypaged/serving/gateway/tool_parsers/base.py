@@ -99,7 +99,7 @@ class StreamingToolCalls:
         if self._section is None:
             self._section = self.parser.section_start(self.text)
         safe = self._section if self._section is not None else len(self.text) - self.parser.holdback(self.text)
-        content = self.text[self._sent:safe]
+        content = self.text[self._sent : safe]
         self._sent = max(self._sent, safe)
         return content
 
@@ -108,6 +108,6 @@ class StreamingToolCalls:
         content, calls = self.parser.extract(self.text)
         if calls:
             return "", calls
-        rest = self.text[self._sent:]
+        rest = self.text[self._sent :]
         self._sent = len(self.text)
         return rest, []
