@@ -120,12 +120,6 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
         help="accepted for vLLM command lines: only built-in architectures run, never a model's code",
     )
     parser.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="on: long prefills are always chunked within --max-num-batched-tokens",
-    )
-    parser.add_argument(
         "--disable-log-stats",
         action="store_true",
         help="accepted for vLLM command lines: raypaged logs no periodic stats (see /metrics)",
@@ -134,8 +128,14 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
 
 def add_default_only_args(parser: argparse.ArgumentParser) -> None:
     for name, short, kind, allowed, why in DEFAULT_ONLY:
-        if kind is bool:
-            continue  # --enable-chunked-prefill is a switch of its own
+        if kind is bool:  # a switch, --name / --no-name
+            parser.add_argument(
+                vllm_flag(name),
+                action=argparse.BooleanOptionalAction,
+                default=allowed[0],
+                help=f"accepted {'on' if True in allowed else 'off'} only: {explain(why, as_flags=True)}",
+            )
+            continue
         names = (vllm_flag(name), short) if short else (vllm_flag(name),)
         shown = "ray" if name == "distributed_executor_backend" else allowed[0]
         parser.add_argument(

@@ -30,6 +30,13 @@ DEFAULT_ONLY: list[tuple[str, str | None, type, tuple[object, ...], str]] = [
         "the scheduler chunks one prompt at a time (a prompt cut at the step's {max_num_batched_tokens} is its last; "
         "the prompts behind it wait for the next step), which is {max_num_partial_prefills} 1",
     ),
+    (
+        "calculate_kv_scales",
+        None,
+        bool,
+        (False,),
+        "an fp8 KV cache ({kv_cache_dtype} fp8) stores K and V with scale 1.0, no per-layer scales",
+    ),
 ]  # {name}: the option's spelling, a flag on the command line and a keyword in LLM()
 # options accepted with any value, and why they change nothing here
 ANY_VALUE = {
@@ -49,9 +56,10 @@ def check_default_only(values: dict[str, object], as_flags: bool) -> None:
         if value in allowed:
             continue
         why = explain(why, as_flags)
-        if name == "enable_chunked_prefill" and as_flags:
-            raise ValueError(f"--no-enable-chunked-prefill is not supported: {why}")
-        shown = f"{flag(name)} {value}" if as_flags else f"{name}={value!r}"
+        if isinstance(value, bool) and as_flags:  # a switch: --name, or --no-name
+            shown = flag(name) if value else f"--no-{flag(name)[2:]}"
+        else:
+            shown = f"{flag(name)} {value}" if as_flags else f"{name}={value!r}"
         raise ValueError(f"{shown} is not supported: {why}")
 
 

@@ -54,6 +54,11 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
             "fp8 e4m3 caches (--kv-cache-dtype fp8 or fp8_e4m3)",
         ),
         (
+            ["--calculate-kv-scales"],
+            "--calculate-kv-scales is not supported: an fp8 KV cache (--kv-cache-dtype fp8) stores K and V with scale "
+            "1.0, no per-layer scales",
+        ),
+        (
             ["--no-enable-chunked-prefill"],
             "--no-enable-chunked-prefill is not supported: long prefills are always "
             "chunked within --max-num-batched-tokens",

@@ -51,6 +51,12 @@ def test_vllm_engine_arguments_are_taken_at_the_values_that_change_nothing(tiny_
             "pipeline_parallel_size=2 is not supported: pipeline parallelism is not implemented: shard layers with -tp",
         ),
         (
+            {"calculate_kv_scales": True},
+            ValueError,
+            "calculate_kv_scales=True is not supported: an fp8 KV cache (kv_cache_dtype fp8) stores K and V with scale "
+            "1.0, no per-layer scales",
+        ),
+        (
             {"enable_chunked_prefill": False},
             ValueError,
             "enable_chunked_prefill=False is not supported: long prefills are always chunked within "
