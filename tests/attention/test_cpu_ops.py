@@ -373,3 +373,19 @@ def test_fp8_cache_on_the_avx2_path(avx2_build):
         rtol=1e-5,
         atol=2e-6,
     )
+
+
+def test_every_fp8_code_is_widened_as_torch_widens_it():
+    """Over a context of one token the output is that token's V row widened, exactly: two sequences whose rows
+    hold each of the 254 finite e4m3 codes (subnormals, the largest, both signs) once or more."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    value_bytes = torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, 16, HEAD_DIM, dtype=torch.uint8)
+    value_bytes[:2, :, 0] = codes.repeat(2)[: 2 * NUM_KV_HEADS * HEAD_DIM].view(2, NUM_KV_HEADS, HEAD_DIM)
+    value_cache = value_bytes.view(torch.float8_e4m3fn)
+    key_cache = torch.ones(NUM_BLOCKS, NUM_KV_HEADS, 16, HEAD_DIM).to(torch.float8_e4m3fn)
+    query = torch.randn(2, NUM_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(16))
+    tables, lens = torch.tensor([[0], [1]]), torch.tensor([1, 1])
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    group = NUM_HEADS // NUM_KV_HEADS
+    expected = value_cache[:2, :, 0].float().repeat_interleave(group, dim=1)  # [2, heads, head_dim]
+    assert torch.equal(out, expected)  # value for value (-0.0 comes out as 0.0: the output is a sum from 0.0)
