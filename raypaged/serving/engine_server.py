@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import grpc
 from transformers import PreTrainedTokenizerBase
@@ -54,9 +54,6 @@ from raypaged.serving.protocol import DeltaTracker, beam_search_from_proto, samp
 logger = logging.getLogger("raypaged")
 T = TypeVar("T")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# generate_pb2 builds gRPC's stream. The module has every class StreamMessages names, but mypy checks a module
-# against the protocol's settable attributes as invariant (type[GenerateResponse] is not type), hence the cast.
-_GRPC_MESSAGES = cast(StreamMessages, pb)
 
 
 def _max_model_len(config: EngineConfig) -> int:
@@ -224,7 +221,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         return None if self.tenants.is_open or self.share_prefix_cache else gate.tenant.name
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, messages: StreamMessages = _GRPC_MESSAGES
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, messages: StreamMessages = pb
     ) -> AsyncIterator[AnyResponse]:
         """The request's responses as ``messages`` builds them: ``generate_pb2``'s for gRPC (the default,
         as gRPC calls the handler), the plain objects of ``messages.py`` for the in-process link."""

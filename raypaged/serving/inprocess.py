@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
 from raypaged.serving import messages
-from raypaged.serving.messages import AnyResponse, StreamMessages
+from raypaged.serving.messages import AnyResponse
 from raypaged.serving.proto import generate_pb2 as pb
 
 if TYPE_CHECKING:
@@ -33,9 +33,6 @@ Metadata = tuple[tuple[str, str], ...]
 Request = TypeVar("Request")
 Response = TypeVar("Response")
 _END = object()
-# messages.py builds the in-process stream. The module has every class StreamMessages names, but mypy checks a
-# module against the protocol's settable attributes as invariant (type[GenerateResponse] is not type), hence the cast.
-_PLAIN_MESSAGES = cast(StreamMessages, messages)
 
 
 class _Ended(Exception):
@@ -111,7 +108,7 @@ class InProcessStub:
         self._servicer = servicer
 
     def Generate(self, request: pb.GenerateRequest, metadata: Metadata | None = None) -> _StreamCall:
-        return _StreamCall(self._servicer.Generate(request, _Context(metadata), _PLAIN_MESSAGES))
+        return _StreamCall(self._servicer.Generate(request, _Context(metadata), messages))
 
     # the unary RPCs: each runs the servicer's handler of its name
 

@@ -80,13 +80,19 @@ class GenerateResponse(_Message):
 
 
 class StreamMessages(Protocol):
-    """What builds a ``Generate`` stream: this module (in process) or ``generate_pb2`` (gRPC)."""
+    """What builds a ``Generate`` stream: this module (in process) or ``generate_pb2`` (gRPC). The members are
+    read-only, so that either module, whose classes differ, is one."""
 
-    GenerateResponse: type
-    CompletionDelta: type
-    Usage: type
-    TopLogprobs: type
-    PromptLogprobs: type
+    @property
+    def GenerateResponse(self) -> type: ...
+    @property
+    def CompletionDelta(self) -> type: ...
+    @property
+    def Usage(self) -> type: ...
+    @property
+    def TopLogprobs(self) -> type: ...
+    @property
+    def PromptLogprobs(self) -> type: ...
 
 
 # what the gateway reads from a Generate stream, whichever link it came over
