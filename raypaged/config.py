@@ -395,6 +395,32 @@ class EngineConfig:
         assert isinstance(name, str), "__post_init__ resolves served_model_name to one name"
         return (name, *self.served_model_aliases)
 
+    # The fields below are resolved or parsed by __post_init__. Their declared types keep what a caller may pass
+    # (LLM's signature copies them); the engine reads the resolved values through these.
+
+    @property
+    def resolved_max_model_len(self) -> int:
+        """``max_model_len``: the one given, or the model's."""
+        assert self.max_model_len is not None, "__post_init__ resolves max_model_len"
+        return self.max_model_len
+
+    @property
+    def resolved_max_num_batched_tokens(self) -> int:
+        assert self.max_num_batched_tokens is not None, "__post_init__ resolves max_num_batched_tokens"
+        return self.max_num_batched_tokens
+
+    @property
+    def parsed_speculative_config(self) -> SpeculativeConfig | None:
+        spec = self.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig), "__post_init__ parses speculative_config"
+        return spec
+
+    @property
+    def parsed_structured_outputs_config(self) -> StructuredOutputsConfig:
+        structured = self.structured_outputs_config
+        assert isinstance(structured, StructuredOutputsConfig), "__post_init__ parses structured_outputs_config"
+        return structured
+
     def _resolve_tokenizer_path(self) -> Path:
         """The tokenizer's folder: the model's unless ``tokenizer``/``tokenizer_revision`` name another
         (a folder or a Hub id, whose tokenizer files alone are fetched), as vLLM's ``--tokenizer``."""

@@ -126,10 +126,8 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks, num_cpu_blocks)
         if config.resolved_async_scheduling:
             self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="raypaged-step")
-        max_num_batched_tokens, max_model_len = config.max_num_batched_tokens, config.max_model_len
-        assert max_num_batched_tokens is not None and max_model_len is not None, "EngineConfig resolves both"
-        spec = config.speculative_config
-        assert spec is None or isinstance(spec, SpeculativeConfig), "EngineConfig parses speculative_config"
+        max_num_batched_tokens, max_model_len = config.resolved_max_num_batched_tokens, config.resolved_max_model_len
+        spec = config.parsed_speculative_config
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -574,8 +572,7 @@ def _spec_scheduler_options(spec: SpeculativeConfig | None) -> _SpecSchedulerOpt
 
 def _check_pool_holds_one_sequence(num_blocks: int, config: EngineConfig) -> None:
     """One sequence of ``max_model_len`` tokens must fit the KV pool, or it could never finish."""
-    assert config.max_model_len is not None, "EngineConfig resolves max_model_len"
-    needed = -(-config.max_model_len // config.block_size)
+    needed = -(-config.resolved_max_model_len // config.block_size)
     if needed > num_blocks:
         raise ValueError(
             f"the KV cache has {num_blocks} blocks of {config.block_size} tokens ({num_blocks * config.block_size} "

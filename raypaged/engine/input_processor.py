@@ -24,10 +24,8 @@ from raypaged.engine.core import EngineCoreRequest
 from raypaged.inputs.chat_template import render_chat
 from raypaged.inputs.limits import InputError, check_context, check_count, check_prompt_ids, check_sampling, check_text
 from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
-from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
 from raypaged.structured.backend import GrammarBackend
-from raypaged.structured.config import StructuredOutputsConfig
 from raypaged.structured.reasoning import closed_in
 
 if TYPE_CHECKING:
@@ -50,7 +48,7 @@ class InputProcessor:
         self.eos_token_ids = self._eos_token_ids()
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the EOS; the others stop too
         self.grammars = GrammarBackend(
-            self.tokenizer, config.hf_config.vocab_size, self.eos_token_ids, _structured_outputs_config(config)
+            self.tokenizer, config.hf_config.vocab_size, self.eos_token_ids, config.parsed_structured_outputs_config
         )
         self._loras: dict[int, LoRARequest] = {}  # adapters checked against the model, by lora_int_id
         self._lora_lock = threading.Lock()
@@ -76,7 +74,7 @@ class InputProcessor:
         """A prompt's token ids, its size checked first; a text too long to leave room for one
         generated token (by a lower bound on its token count) is refused untokenized."""
         config = self.config
-        max_model_len = _max_model_len(config)
+        max_model_len = config.resolved_max_model_len
         check_text("prompt", len(text), config.limits, max_model_len)
         if self._max_token_bytes is not None:
             min_tokens = -(-len(text.encode()) // self._max_token_bytes)
@@ -107,7 +105,7 @@ class InputProcessor:
     ) -> list[int]:
         """The prompt's token ids (only the last ``truncate_to`` of them, when given, as vLLM's
         ``truncate_prompt_tokens``), sizes checked before tokenizing or copying."""
-        max_model_len = _max_model_len(self.config)
+        max_model_len = self.config.resolved_max_model_len
         if prompt_token_ids is None:
             if prompt is None:
                 raise InputError("prompt", "either prompt or prompt_token_ids is required")
@@ -125,8 +123,8 @@ class InputProcessor:
         """The constraint's grammar for this prompt, its size checked first; thread-safe (compiled
         grammars are cached). With a reasoning parser the constraint applies after the output's
         reasoning section, unless the prompt closed that section itself."""
-        check_text(STRUCTURED_PARAM, structured.num_chars, self.config.limits, _max_model_len(self.config))
-        reasoning = _structured_outputs_config(self.config).reasoning
+        check_text(STRUCTURED_PARAM, structured.num_chars, self.config.limits, self.config.resolved_max_model_len)
+        reasoning = self.config.parsed_structured_outputs_config.reasoning
         if reasoning is not None:
             tail = (
                 prompt[-64:]
@@ -201,7 +199,7 @@ class InputProcessor:
         check_sampling(params, config.hf_config.vocab_size, config.limits)
         params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
         prompt_token_ids = self._checked_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
-        max_model_len = _max_model_len(config)
+        max_model_len = config.resolved_max_model_len
         check_context(len(prompt_token_ids), params.max_tokens, max_model_len)
         max_tokens = params.max_tokens or max_model_len - len(prompt_token_ids)
         matchers = []
@@ -211,8 +209,7 @@ class InputProcessor:
         seq_params = self._with_eos_stops(params)
         if params.bad_words:
             seq_params = replace(seq_params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
-        spec = config.speculative_config
-        assert spec is None or isinstance(spec, SpeculativeConfig), "EngineConfig parses speculative_config"
+        spec = config.parsed_speculative_config
         return params, EngineCoreRequest(
             request_id,
             prompt_token_ids,
@@ -239,7 +236,7 @@ class InputProcessor:
         check_count("n", params.beam_width, config.limits.max_num_samples, "max_num_samples", "beams")
         lora = None if lora_request is None else self.check_lora(lora_request)
         prompt_token_ids = self._checked_prompt(prompt, prompt_token_ids)
-        max_tokens = min(params.max_tokens, _max_model_len(config) - len(prompt_token_ids))
+        max_tokens = min(params.max_tokens, config.resolved_max_model_len - len(prompt_token_ids))
         matchers = []
         if params.structured_outputs is not None:
             matchers = [
@@ -267,20 +264,6 @@ class InputProcessor:
         if params.ignore_eos or not extra:
             return params
         return replace(params, stop_token_ids=params.stop_token_ids + extra)
-
-
-def _max_model_len(config: EngineConfig) -> int:
-    """The context length, as ``EngineConfig`` resolved it (the model's when not given)."""
-    max_model_len = config.max_model_len
-    assert max_model_len is not None, "EngineConfig resolves max_model_len"
-    return max_model_len
-
-
-def _structured_outputs_config(config: EngineConfig) -> StructuredOutputsConfig:
-    """The grammar engine's settings, as ``EngineConfig`` parsed them (vLLM's dict form included)."""
-    structured = config.structured_outputs_config
-    assert isinstance(structured, StructuredOutputsConfig), "EngineConfig parses structured_outputs_config"
-    return structured
 
 
 def _prefix_namespace(cache_salt: str | None, lora: LoRARequest | None) -> str | None:

@@ -56,12 +56,6 @@ T = TypeVar("T")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _max_model_len(config: EngineConfig) -> int:
-    """``config.max_model_len``, which ``EngineConfig`` resolves (to the model's when not given)."""
-    assert config.max_model_len is not None
-    return config.max_model_len
-
-
 @dataclass
 class ServedModel:
     """One model: its engine, and the engine's input processor for the asyncio side.
@@ -231,7 +225,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             lora = self.adapters[request.model][1] if request.model in self.adapters else None
             engine = model.engine
             params = sampling_params_from_proto(request, engine.config.limits, engine.config.generation_defaults)
-            beam = beam_search_from_proto(request, _max_model_len(engine.config))
+            beam = beam_search_from_proto(request, engine.config.resolved_max_model_len)
             check_priority(request.priority, engine.config.scheduling_policy)
             priority = gate.tenant.engine_priority(request.priority)
             _check_prompt_size(model, request)
@@ -306,7 +300,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 _check_conversation(request.messages, config)
                 token_ids = await model.off_loop(chat_prompt_ids, model.inputs, request.messages)
             else:
-                check_text("prompt", len(request.text), config.limits, _max_model_len(config))
+                check_text("prompt", len(request.text), config.limits, config.resolved_max_model_len)
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 token_ids = await model.off_loop(model.inputs.tokenize, request.text, add_special)
         except _REFUSED as exc:
@@ -320,7 +314,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             self._caller(context)
             model = self._model(request.model)
             config = model.engine.config
-            check_count("tokens", len(request.token_ids), _max_model_len(config), "max_model_len", "ids")
+            check_count("tokens", len(request.token_ids), config.resolved_max_model_len, "max_model_len", "ids")
             token_ids = list(request.token_ids)
             check_token_ids("tokens", token_ids, config.hf_config.vocab_size)
         except _REFUSED as exc:
@@ -418,7 +412,7 @@ def _check_conversation(messages: pb.ChatMessages, config: EngineConfig) -> None
     """A conversation's turns and characters within the limits; the characters are only counted for few turns."""
     turns = messages.messages
     num_chars = conversation_chars(messages) if len(turns) <= config.limits.max_chat_messages else 0
-    check_messages(len(turns), num_chars, config.limits, _max_model_len(config))
+    check_messages(len(turns), num_chars, config.limits, config.resolved_max_model_len)
 
 
 def _check_prompt_size(model: ServedModel, request: pb.GenerateRequest) -> None:
@@ -426,12 +420,12 @@ def _check_prompt_size(model: ServedModel, request: pb.GenerateRequest) -> None:
     config = model.engine.config
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        check_text("prompt", len(request.text), config.limits, _max_model_len(config))
+        check_text("prompt", len(request.text), config.limits, config.resolved_max_model_len)
     elif kind == "messages":
         _check_conversation(request.messages, config)
     elif kind == "token_ids":
         if not request.HasField("truncate_prompt_tokens"):  # else the engine checks it once cut
-            check_prompt_len(len(request.token_ids.ids), _max_model_len(config))  # the engine checks the ids
+            check_prompt_len(len(request.token_ids.ids), config.resolved_max_model_len)  # the engine checks the ids
     else:
         raise InputError("prompt", "a prompt is required: text, token_ids or messages")
 

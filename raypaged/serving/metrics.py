@@ -33,7 +33,6 @@ from prometheus_client.registry import Collector
 
 from raypaged.core.scheduler import ACCEPTED_PER_POS
 from raypaged.outputs import FinishReason, RequestOutput
-from raypaged.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from raypaged.config import EngineConfig
@@ -101,12 +100,6 @@ def size_buckets(max_value: int) -> tuple[int, ...]:
                 return tuple(bounds)
             bounds.append(step * magnitude)
         magnitude *= 10
-
-
-def _max_model_len(config: EngineConfig) -> int:
-    """``config.max_model_len``, which ``EngineConfig`` resolves (to the model's when not given)."""
-    assert config.max_model_len is not None
-    return config.max_model_len
 
 
 @dataclass(slots=True)
@@ -227,7 +220,7 @@ class ServerMetrics:
         self.prefix = prefix
         self.registry = registry = CollectorRegistry()
         configs = configs or {}
-        max_len = max((_max_model_len(c) for c in configs.values()), default=_UNKNOWN_MAX_MODEL_LEN)
+        max_len = max((c.resolved_max_model_len for c in configs.values()), default=_UNKNOWN_MAX_MODEL_LEN)
 
         def counter(suffix: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"{prefix}{suffix}", doc, LABELS + extra, registry=registry)
@@ -350,8 +343,8 @@ class _StatsCollector(Collector):
             f"{self._prefix}{ACCEPTED_PER_POS}", "Draft tokens accepted, by position.", labels=(*LABELS, "position")
         )
         for name, values in stats.items():
-            spec = self._configs[name].speculative_config
-            assert isinstance(spec, SpeculativeConfig)  # parsed by EngineConfig; only speculating models come here
+            spec = self._configs[name].parsed_speculative_config
+            assert spec is not None  # only speculating models report accepted drafts by position
             for pos in range(spec.num_speculative_tokens):
                 per_pos.add_metric([name, ENGINE_INDEX, str(pos)], float(values[f"{ACCEPTED_PER_POS}_{pos}"]))
         yield per_pos

@@ -18,7 +18,6 @@ from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.model.llama import head_dim_of, num_kv_heads_per_rank
 from raypaged.model.loader import load_model
 from raypaged.model.parallel import TensorParallel
-from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.worker.cache import KVCache
 from raypaged.worker.host_memory import retain_freed_memory
 from raypaged.worker.model_runner import ModelRunner
@@ -63,11 +62,10 @@ class Worker:
             self._outside_baseline = self._memory_outside_torch()
         else:  # a step's activations stay in the heap for the next step instead of being faulted in anew
             retain_freed_memory()
-        assert config.max_model_len is not None, "EngineConfig.__post_init__ resolves max_model_len"
         self.model = load_model(
             config.model_path,
             config.hf_config,
-            config.max_model_len,
+            config.resolved_max_model_len,
             self.dtype,
             self.device,
             tp,
@@ -98,7 +96,7 @@ class Worker:
             self.draft_model = load_model(
                 config.draft_model_path,
                 config.draft_hf_config,
-                config.max_model_len,
+                config.resolved_max_model_len,
                 self.dtype,
                 self.device,
                 tp,
@@ -167,9 +165,9 @@ class Worker:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        # EngineConfig.__post_init__ resolves both
-        assert self.config.max_model_len is not None and self.config.max_num_batched_tokens is not None
-        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len)
+        num_tokens = min(
+            self.config.resolved_max_num_batched_tokens, self.config.max_num_seqs * self.config.resolved_max_model_len
+        )
         num_seqs = min(self.config.max_num_seqs, num_tokens)
         hf = self.config.hf_config
         # a one-block cache: every slot is -1 (nothing written), every span a whole prompt (nothing read)
@@ -215,8 +213,6 @@ class Worker:
         return (total - free) - torch.cuda.memory_reserved(self.device)
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        # EngineConfig.__post_init__ resolves both
-        assert self.config.max_model_len is not None and self.config.max_num_batched_tokens is not None
         hf = self.config.hf_config
         cache = KVCache(
             hf.num_hidden_layers,
@@ -249,8 +245,8 @@ class Worker:
             from raypaged.spec_decode.draft_model import DraftModelProposer
 
             # resolved with the draft model's path: a parsed config of method draft_model
-            spec = self.config.speculative_config
-            assert isinstance(spec, SpeculativeConfig) and self.config.draft_hf_config is not None
+            spec = self.config.parsed_speculative_config
+            assert spec is not None and self.config.draft_hf_config is not None
             draft_cache = KVCache(
                 self.config.draft_hf_config.num_hidden_layers,
                 num_blocks,
@@ -265,7 +261,7 @@ class Worker:
                 draft_cache,
                 self.config.block_size,
                 spec.num_speculative_tokens,
-                self.config.max_model_len,
+                self.config.resolved_max_model_len,
                 self.device,
             )
         if self.device.type == "cuda" and not self.config.enforce_eager:
@@ -275,7 +271,9 @@ class Worker:
                 logger.info("CUDA graphs need the cuda attention backend; decode steps run eagerly")
             else:
                 self.runner.capture_decode_graphs(
-                    self.config.max_num_seqs, self.config.max_model_len, self.config.max_num_batched_tokens
+                    self.config.max_num_seqs,
+                    self.config.resolved_max_model_len,
+                    self.config.resolved_max_num_batched_tokens,
                 )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
