@@ -232,42 +232,6 @@ static void softmax_rows(float *scores, int64_t G, int64_t D, int64_t run, float
     for (int64_t g = 0; g < G; ++g) online_softmax_row(scores + g * run, run, run, acc + g * D, D, stats + 2 * g);
 }
 
-/* rows[i] = the fp8 cache's values at fp8[i], i < n */
-static inline void widen_fp8(const uint8_t *fp8, int64_t n, float *rows) {
-    int64_t i = 0;
-#if WIDE_PATH
-    /* e4m3 as half-precision bits (sign to bit 15, exponent and mantissa to bits 13..7: the value / 2^8, subnormals
-     * included), widened by the hardware (F16C) and scaled back by 2^8, exactly; the NaN codes (magnitude 0x7f)
-     * set apart. 16 at a time with AVX-512, 8 with AVX2; the rest as fp8_e4m3_to_f32. */
-    const __m512i magnitude_mask = _mm512_set1_epi32(0x7f), nan_code = _mm512_set1_epi32(0x7f);
-    const __m512 scale = _mm512_set1_ps(256.0f), nan = _mm512_set1_ps(__builtin_nanf(""));
-    for (; i + 16 <= n; i += 16) {
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(fp8 + i)));
-        const __m512i magnitude = _mm512_and_si512(b, magnitude_mask);
-        const __m512i half = _mm512_or_si512(_mm512_slli_epi32(magnitude, 7),
-                                             _mm512_slli_epi32(_mm512_andnot_si512(magnitude_mask, b), 8));
-        __m512 value = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(half)), scale);
-        const __mmask16 is_nan = _mm512_cmpeq_epi32_mask(magnitude, nan_code);
-        value = _mm512_mask_mov_ps(value, is_nan, nan);
-        _mm512_storeu_ps(rows + i, value);
-    }
-#elif VECTOR_PATH && defined(__F16C__)
-    const __m256i magnitude_mask = _mm256_set1_epi32(0x7f), nan_code = _mm256_set1_epi32(0x7f);
-    const __m256 scale = _mm256_set1_ps(256.0f), nan = _mm256_set1_ps(__builtin_nanf(""));
-    for (; i + 8 <= n; i += 8) {
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(fp8 + i)));
-        const __m256i magnitude = _mm256_and_si256(b, magnitude_mask);
-        const __m256i half = _mm256_or_si256(_mm256_slli_epi32(magnitude, 7),
-                                             _mm256_slli_epi32(_mm256_andnot_si256(magnitude_mask, b), 8));
-        const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
-        const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(halves), scale);
-        const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(magnitude, nan_code));
-        _mm256_storeu_ps(rows + i, _mm256_blendv_ps(value, nan, is_nan));
-    }
-#endif
-    for (; i < n; ++i) rows[i] = fp8_e4m3_to_f32(fp8[i]);
-}
-
 /* One work item: all num_heads = H query heads over tokens [start, end) of one sequence (q [H, D]).
  * Writes each head's max and sum (stats[2 * h], stats[2 * h + 1]) and unnormalized output
  * (acc[h * D ..]); scores holds G * block_size floats. The caches hold float32, or fp8 e4m3 when fp8 is
@@ -283,7 +247,7 @@ static void attend_partition(const float *q, int64_t G, int64_t num_kv_heads, in
         stats[2 * h + 1] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * H * D);
-    /* where KV head 0 of token pos's block lies, in floats */
+    /* where the first block lies, in bytes */
     int64_t first = table[start / block_size] * block_bytes;
     prefetch2(k_bytes + first, v_bytes + first, block_bytes);
     for (int64_t pos = start, run; pos < end; pos += run) {
@@ -297,8 +261,8 @@ static void attend_partition(const float *q, int64_t G, int64_t num_kv_heads, in
             const int64_t row = (block * num_kv_heads + h) * head_floats + offset * D;
             const float *k = widened, *v = widened + head_floats;
             if (fp8) {
-                widen_fp8((const uint8_t *)k_bytes + row, run * D, widened);
-                widen_fp8((const uint8_t *)v_bytes + row, run * D, widened + head_floats);
+                widen_fp8_e4m3((const uint8_t *)k_bytes + row, run * D, widened);
+                widen_fp8_e4m3((const uint8_t *)v_bytes + row, run * D, widened + head_floats);
             } else {
                 k = (const float *)k_bytes + row;
                 v = (const float *)v_bytes + row;

@@ -45,24 +45,17 @@ static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
 static inline void store(float *p, vec v) { *(vec_unaligned *)p = v; }
 
 /* One work item's scratch, floats: the transposed K chunk ([D][CHUNK]), the tile's query rows and outputs
- * ([rows][D] each), the scores ([rows][CHUNK]), max and sum per row, then a chunk's V rows widened from an
- * fp8 cache ([CHUNK][D]). */
+ * ([rows][D] each), the scores ([rows][CHUNK]), max and sum per row, then a chunk's K or V rows widened from
+ * an fp8 cache ([CHUNK][D]). */
 static inline int64_t scratch_floats(int64_t rows, int64_t D) {
     return D * CHUNK + 2 * rows * D + rows * CHUNK + 2 * rows + CHUNK * D;
 }
 
-/* kt[d][j] = k_j[d] for the chunk's n (<= CHUNK) rows (float32, or fp8 e4m3 when fp8), zeros past them */
-static void transpose_chunk(const void *k, int fp8, int64_t n, int64_t D, float *kt) {
+/* kt[d][j] = k_j[d] for the chunk's n (<= CHUNK) rows, zeros past them */
+static void transpose_chunk(const float *k, int64_t n, int64_t D, float *kt) {
     if (n < CHUNK) memset(kt, 0, sizeof(float) * D * CHUNK);
-    if (fp8) {
-        const uint8_t *k8 = k;
-        for (int64_t j = 0; j < n; ++j)
-            for (int64_t d = 0; d < D; ++d) kt[d * CHUNK + j] = fp8_e4m3_to_f32(k8[j * D + d]);
-        return;
-    }
-    const float *k32 = k;
     for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; ++d) kt[d * CHUNK + j] = k32[j * D + d];
+        for (int64_t d = 0; d < D; ++d) kt[d * CHUNK + j] = k[j * D + d];
 }
 
 /* s[r][:] = scale * q_r . kt for rows [0, rows), SCORE_ROWS at a time */
@@ -141,8 +134,8 @@ static void softmax_chunk(float *s, int64_t rows, int64_t G, int64_t n, int64_t 
 /* Returns 0; -1 when scratch memory could not be allocated; -2 when a context is beyond its block
  * table's width; -3 when a block id in use is outside the cache (the codes of cpu_decode.c); -4 when the
  * spans' query offsets do not ascend within the query's rows or a span has no query token; -5 when a
- * span's query is longer than its context. Nothing is read from the cache before these checks pass. The caches hold float32,
- * or fp8 e4m3 (scale 1) when fp8 is set. */
+ * span's query is longer than its context. Nothing is read from the cache before these checks pass. The
+ * caches hold float32, or fp8 e4m3 (scale 1) when fp8 is set. */
 int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64_t query_head_stride,
                            int64_t num_tokens, const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
                            const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
@@ -181,7 +174,6 @@ int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64
         float *kt = local == NULL ? NULL : (float *)(((uintptr_t)local + 63) & ~(uintptr_t)63);
         float *q = kt + D * CHUNK, *o = q + rows_max * D, *s = o + rows_max * D, *max_sum = s + rows_max * CHUNK;
         float *widened = max_sum + 2 * rows_max;
-        const int64_t element = fp8 ? 1 : sizeof(float);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < tiles * num_kv_heads; ++item) {
             if (local == NULL) continue;
@@ -210,18 +202,14 @@ int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64
                 const int64_t block = table[key / block_size], offset = key % block_size;
                 int64_t n = block_size - offset < CHUNK ? block_size - offset : CHUNK;
                 n = n < last_pos + 1 - key ? n : last_pos + 1 - key;
-                const int64_t at = (((block * num_kv_heads + head) * block_size + offset) * D) * element;
-                transpose_chunk((const char *)k_cache + at, fp8, n, D, kt);
+                const int64_t at = ((block * num_kv_heads + head) * block_size + offset) * D; /* in elements */
+                /* an fp8 cache's K rows are widened for the transpose, then its V rows in the same place */
+                if (fp8) widen_fp8_e4m3((const uint8_t *)k_cache + at, n * D, widened);
+                transpose_chunk(fp8 ? widened : (const float *)k_cache + at, n, D, kt);
                 score_chunk(q, rows, D, kt, scale, s);
                 softmax_chunk(s, rows, G, n, first_pos, key, o, D, max_sum);
-                const float *v = (const float *)((const char *)v_cache + at);
-                if (fp8) {
-                    const uint8_t *v8 = (const uint8_t *)v_cache + at;
-#pragma omp simd
-                    for (int64_t i = 0; i < n * D; ++i) widened[i] = fp8_e4m3_to_f32(v8[i]);
-                    v = widened;
-                }
-                weigh_chunk(s, rows, v, n, D, o);
+                if (fp8) widen_fp8_e4m3((const uint8_t *)v_cache + at, n * D, widened);
+                weigh_chunk(s, rows, fp8 ? widened : (const float *)v_cache + at, n, D, o);
                 key += n;
             }
             for (int64_t i = 0; i < tokens; ++i)
