@@ -49,6 +49,13 @@ class LinearShape:
         return self.in_features != self.in_total
 
 
+def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` a method declared (``tensors``) or built (``finish``) on ``layer``."""
+    tensor = getattr(layer, name)
+    assert isinstance(tensor, torch.Tensor)
+    return tensor
+
+
 class LinearMethod(ABC):
     """How one quantized linear stores, loads and multiplies its weight."""
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from raypaged.model.layers import linear
-from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec
+from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, layer_tensor
 
 INT8_MAX = 127.0
 FP8 = torch.float8_e4m3fn
@@ -130,13 +130,6 @@ def fp8_linear(
     return linear(xq.to(x.dtype) * x_scale.to(x.dtype), w)
 
 
-def _tensor(layer: nn.Module, name: str) -> torch.Tensor:
-    """The parameter ``name`` the method declared (``tensors``) or built (``finish``) on ``layer``."""
-    tensor = getattr(layer, name)
-    assert isinstance(tensor, torch.Tensor)
-    return tensor
-
-
 class W8A8Method(LinearMethod):
     """int8 or fp8 weights as on disk (``weight`` [N, K], ``weight_scale`` [N, 1] or one per tensor);
     ``static``: a per-tensor ``input_scale`` from the checkpoint, else per-token scales at run time."""
@@ -163,7 +156,7 @@ class W8A8Method(LinearMethod):
         return self.kernel(x, weight, weight_scale.view(-1), input_scale)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return _tensor(layer, "weight").to(torch.float32) * _tensor(layer, "weight_scale")
+        return layer_tensor(layer, "weight").to(torch.float32) * layer_tensor(layer, "weight_scale")
 
 
 class Fp8OnlineMethod(W8A8Method):
@@ -177,7 +170,7 @@ class Fp8OnlineMethod(W8A8Method):
         return {"weight": TensorSpec((shape.out_features, shape.in_features), torch.float32, out_dim=0, in_dim=1)}
 
     def finish(self, layer: nn.Module) -> None:
-        weight = _tensor(layer, "weight").data.to(torch.float32)
+        weight = layer_tensor(layer, "weight").data.to(torch.float32)
         scale = weight.abs().amax(1, keepdim=True).clamp_(min=_MIN_SCALE).div_(FP8_MAX)  # [N, 1]
         layer.weight = nn.Parameter((weight / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)

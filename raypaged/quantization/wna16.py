@@ -12,15 +12,8 @@ from torch import nn
 
 from raypaged.model.layers import linear
 from raypaged.model.parallel import TensorParallel
-from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec
+from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, layer_tensor
 from raypaged.quantization.packing import AWQ_ORDER, unpack
-
-
-def _tensor(layer: nn.Module, name: str) -> torch.Tensor:
-    """The parameter or buffer ``name`` the method declared (``tensors``) or built (``finish``) on ``layer``."""
-    tensor = getattr(layer, name)
-    assert isinstance(tensor, torch.Tensor)
-    return tensor
 
 
 def _shape(layer: nn.Module) -> LinearShape:
@@ -81,13 +74,15 @@ class GPTQMethod(WNA16Method):
             tp = layer.tp
             assert isinstance(tp, TensorParallel)
             first_group = tp.rank * shape.in_features // self._group(shape)
-        layer.register_buffer("group_ids", _tensor(layer, "g_idx").data.to(torch.long) - first_group, persistent=False)
+        layer.register_buffer(
+            "group_ids", layer_tensor(layer, "g_idx").data.to(torch.long) - first_group, persistent=False
+        )
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        q = unpack(_tensor(layer, "qweight"), self.bits, 0)  # [K, N]
-        zeros = unpack(_tensor(layer, "qzeros"), self.bits, 1) + self.zero_offset  # [G, N]
-        ids = _tensor(layer, "group_ids")
-        return ((q - zeros[ids]).to(torch.float32) * _tensor(layer, "scales")[ids]).t()
+        q = unpack(layer_tensor(layer, "qweight"), self.bits, 0)  # [K, N]
+        zeros = unpack(layer_tensor(layer, "qzeros"), self.bits, 1) + self.zero_offset  # [G, N]
+        ids = layer_tensor(layer, "group_ids")
+        return ((q - zeros[ids]).to(torch.float32) * layer_tensor(layer, "scales")[ids]).t()
 
 
 class AWQMethod(WNA16Method):
@@ -111,9 +106,9 @@ class AWQMethod(WNA16Method):
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         g = self._group(_shape(layer))
-        q = unpack(_tensor(layer, "qweight"), 4, 1, AWQ_ORDER)  # [K, N]
-        zeros = unpack(_tensor(layer, "qzeros"), 4, 1, AWQ_ORDER).repeat_interleave(g, 0)
-        return ((q - zeros).to(torch.float32) * _tensor(layer, "scales").repeat_interleave(g, 0)).t()
+        q = unpack(layer_tensor(layer, "qweight"), 4, 1, AWQ_ORDER)  # [K, N]
+        zeros = unpack(layer_tensor(layer, "qzeros"), 4, 1, AWQ_ORDER).repeat_interleave(g, 0)
+        return ((q - zeros).to(torch.float32) * layer_tensor(layer, "scales").repeat_interleave(g, 0)).t()
 
 
 class PackedMethod(WNA16Method):
@@ -155,7 +150,9 @@ class PackedMethod(WNA16Method):
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         g = self._group(_shape(layer))
-        q = unpack(_tensor(layer, "weight_packed"), self.bits, 1) - self.offset  # [N, K] signed
+        q = unpack(layer_tensor(layer, "weight_packed"), self.bits, 1) - self.offset  # [N, K] signed
         if not self.symmetric:
-            q = q - (unpack(_tensor(layer, "weight_zero_point"), self.bits, 0) - self.offset).repeat_interleave(g, 1)
-        return q.to(torch.float32) * _tensor(layer, "weight_scale").repeat_interleave(g, 1)
+            q = q - (unpack(layer_tensor(layer, "weight_zero_point"), self.bits, 0) - self.offset).repeat_interleave(
+                g, 1
+            )
+        return q.to(torch.float32) * layer_tensor(layer, "weight_scale").repeat_interleave(g, 1)
