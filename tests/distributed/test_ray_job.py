@@ -50,11 +50,17 @@ def cluster_env() -> dict[str, str]:
     return env
 
 
+class ClusterStartFailed(Exception):
+    pass
+
+
 def wait_for(ready, what: str, head: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
-        assert head.poll() is None, f"ray start exited while waiting for {what}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s:\n{log.read_text()[-3000:]}"
+        if head.poll() is not None:
+            raise ClusterStartFailed(f"ray start exited while waiting for {what}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() >= deadline:
+            raise ClusterStartFailed(f"no {what} within {timeout_s} s:\n{log.read_text()[-3000:]}")
         time.sleep(0.25)
 
 
@@ -66,9 +72,34 @@ def dashboard_up(url: str) -> bool:
         return False
 
 
-@pytest.fixture
-def dashboard_url() -> Iterator[str]:
-    """A ``ray start --head --block`` cluster of 2 CPUs with its dashboard on a free port; its URL."""
+def ray_logs(temp_dir: Path) -> str:
+    """The tail of each raylet and GCS log of a cluster: why a node failed to come up."""
+    tails = []
+    for path in sorted(temp_dir.glob("session_*/logs/*")):
+        if path.is_file() and path.name.startswith(("raylet", "gcs_server")) and path.suffix in (".out", ".err"):
+            tails.append(f"--- {path.name}\n{path.read_text(errors='replace')[-1500:]}")
+    return "\n".join(tails)
+
+
+def stop_cluster(head: subprocess.Popen, temp_dir: Path) -> None:
+    head.send_signal(signal.SIGTERM)  # `ray start --block` drains and stops its processes (about 3 s)
+    try:
+        head.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(head.pid, signal.SIGKILL)  # whatever of this cluster is left
+    except ProcessLookupError:
+        pass
+    head.wait()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def start_cluster() -> tuple[subprocess.Popen, Path, str]:
+    """``ray start --head --block`` on fresh free ports in a fresh temp dir; waits for its dashboard.
+
+    Raises ``ClusterStartFailed`` with the head's output and the raylet/GCS logs when the node does
+    not come up (a port taken between choosing it and binding it, or a raylet that did not register)."""
     temp_dir = Path(tempfile.mkdtemp(prefix="rpjob-", dir="/tmp"))  # short: Ray's socket paths live under it
     log = temp_dir / "head.log"
     dashboard_port = free_port()
@@ -100,28 +131,39 @@ def dashboard_url() -> Iterator[str]:
             f"--dashboard-port={dashboard_port}",
             *(f"--{flag}={port}" for flag, port in ports.items()),
         ],
-        env=cluster_env(),
+        env=cluster_env() | {"RAY_raylet_start_wait_time_s": "90"},  # a loaded 2-core machine registers slowly
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: every process of this cluster, and nothing else
     )
     url = f"http://127.0.0.1:{dashboard_port}"
     try:
-        wait_for(lambda: "Ray runtime started" in log.read_text(), "Ray runtime", head, log)
+        wait_for(lambda: "Ray runtime started" in log.read_text(), "Ray runtime", head, log, timeout_s=150)
         wait_for(lambda: dashboard_up(url), "dashboard", head, log)
+    except ClusterStartFailed as failure:
+        failure.args = (f"{failure.args[0]}\n{ray_logs(temp_dir)}",)
+        stop_cluster(head, temp_dir)
+        raise
+    return head, temp_dir, url
+
+
+@pytest.fixture
+def dashboard_url() -> Iterator[str]:
+    """A ``ray start --head --block`` cluster of 2 CPUs with its dashboard on a free port; its URL.
+
+    A start that fails is tried once more on new ports (the ports are chosen free, then bound by
+    Ray's processes later, so another process can take one in between); both failures are shown."""
+    try:
+        head, temp_dir, url = start_cluster()
+    except ClusterStartFailed as first:
+        try:
+            head, temp_dir, url = start_cluster()
+        except ClusterStartFailed as second:
+            pytest.fail(f"ray start failed twice.\nFirst:\n{first}\nSecond:\n{second}")
+    try:
         yield url
     finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` drains and stops its processes (about 3 s)
-        try:
-            head.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(head.pid, signal.SIGKILL)  # whatever of this cluster is left
-        except ProcessLookupError:
-            pass
-        head.wait()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        stop_cluster(head, temp_dir)
 
 
 def run_script(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
