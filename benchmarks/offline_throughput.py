@@ -231,8 +231,8 @@ def bench_hf(
 
 
 def matmul_gflops(m: int, k: int, n: int, min_seconds: float = 0.5) -> float:
-    """[m x k] @ [k x n] through the model's own linear (``raypaged.model.layers.linear``: oneDNN for fp32 on CPU,
-    on a weight packed as the loader packs the model's)."""
+    """[m x k] @ [k x n] through the model's own linear (``raypaged.model.layers.linear``: for fp32 on CPU
+    ``cpu_gemm.c``, or oneDNN where the C kernels do not build, on a weight packed as the loader packs the model's)."""
     from raypaged.model.layers import linear, pack_weight, packs_weights
 
     x, weight = torch.randn(m, k), torch.randn(n, k)

@@ -92,8 +92,8 @@ PROJECTION_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
 
 
 def linear_times(rows: tuple[int, ...] = (1, 8, 32, 256, 2048), repeats: int = 15) -> list[dict]:
-    """Microseconds of one layer's four projections, fp32 (oneDNN, on weights packed as the model's
-    are) against W8A8 int8 (activation quantization included), timed alternately so that other load
+    """Microseconds of one layer's four projections, fp32 (on weights packed as the model's
+    are: ``cpu_gemm.c``) against W8A8 int8 (activation quantization included), timed alternately so that other load
     on the machine hits both alike."""
     import statistics
 
@@ -259,7 +259,7 @@ def markdown(report: dict) -> str:
         "",
         "One layer's four projections (SmolLM2 shapes), median microseconds, fp32 and int8 timed alternately:",
         "",
-        "| rows | fp32 (oneDNN, packed) | W8A8 int8 (`_int_mm`) | speedup |",
+        "| rows | fp32 (packed) | W8A8 int8 (`_int_mm`) | speedup |",
         "| ---: | ---: | ---: | ---: |",
     ]
     lines += [

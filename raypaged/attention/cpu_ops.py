@@ -1,7 +1,8 @@
 """Paged attention on CPU without a gather copy: decode (``cpu_decode.c``) and every prefill span of a step in
 one call (``cpu_prefill.c``), built with the host's C compiler into one library with the fused step ops of
-``cpu_fused.c`` (wrapped by ``cpu_fused``) and the float ends of the int8 linear (``cpu_int8.c``, wrapped in
-``raypaged.quantization.w8a8``).
+``cpu_fused.c`` (wrapped by ``cpu_fused``), the float ends of the int8 linear (``cpu_int8.c``, wrapped in
+``raypaged.quantization.w8a8``) and the fp32 linear on packed weights (``cpu_gemm.c``, wrapped in
+``raypaged.model.layers``).
 
 The torch path (``torch_ops.paged_attention_decode``) copies every sequence's K/V blocks into a
 dense tensor before SDPA, so each cached token is read, written and read again. The C kernel reads
@@ -12,7 +13,8 @@ It is compiled once per machine (``cc -O3 -march=native -fopenmp``, a second or 
 loaded with ctypes. Its OpenMP runtime is torch's own ``libgomp.so.1`` (already loaded, same soname),
 so kernel and torch share one thread pool; it runs with ``torch.get_num_threads()`` threads.
 Where no compiler is found or the build fails, :func:`unavailable_reason` says why and the torch
-path runs instead (``--attention-backend auto``) or startup fails (``--attention-backend cpu``).
+path runs instead (``--attention-backend auto``; linears through oneDNN) or startup fails
+(``--attention-backend cpu``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from raypaged import envs
 logger = logging.getLogger("raypaged")
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_fused.c", "cpu_int8.c")
+    Path(__file__).with_name(name)
+    for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_fused.c", "cpu_int8.c", "cpu_gemm.c")
 )
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # every header the sources may include: in the cache key
 # -fno-trapping-math: no kernel reads the floating-point exception flags, and without it GCC keeps branches
@@ -63,6 +66,9 @@ _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_rms_norm_f32": ((_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT), None),
     "raypaged_fused_add_rms_norm_f32": ((_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT), None),
     "raypaged_silu_and_mul_f32": ((_PTR, _PTR, _I64, _I64, _INT), None),
+    "raypaged_gemm_panel_width": ((), _INT),
+    "raypaged_pack_weight_f32": ((_PTR, _I64, _I64, _I64, _PTR, _INT), None),
+    "raypaged_linear_f32": ((_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT), None),
     "raypaged_rotary_and_cache_f32": ((_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64,
                                        _PTR, _I64, _I64, _I64, _I64, _I64, _INT), _INT),
 }

@@ -1,0 +1,128 @@
+/* The fp32 linear of every float projection and the LM head on CPU: y = x @ W^T (+ bias), on a weight packed
+ * once at load into column panels.
+ *
+ * Packed layout: W [n, k] becomes ceil(n / NR) panels, each [k][NR]: row kk of a panel holds W[j][kk] for its
+ * NR output columns j side by side (the last panel's missing columns are zeros). A tile of MR rows of x and one
+ * panel keeps MR x NR accumulators in registers; each step over kk loads NR weights and broadcasts MR inputs.
+ * Panels are split among the threads; every panel streams from memory once per chunk of MC rows (decode: once
+ * per step) while the next panel is prefetched, and its x rows come from cache.
+ *
+ * Every output is one sequential sum over kk, fused multiply-adds from zero, whatever the row count, the row's
+ * place in the batch or the thread count: a row's result does not depend on what it is batched with.
+ *
+ * Measured against oneDNN's packed fp32 linear on 2 AMD EPYC (Zen 5) cores, SmolLM2's decode step (30 layers'
+ * four projections and the LM head, weights from memory) at 32 rows: 26 -> 22 ms; with both limited to AVX2,
+ * 45 -> 38 ms. From 1 to 512 rows it is as fast or faster at each projection's shape; at 4,133 rows within 8%.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#define VEC 16 /* floats per vector */
+#define MR 8   /* rows of x per tile: MR x NV accumulators, NV weight vectors, one broadcast (of 32 registers) */
+#else
+#define VEC 8
+#define MR 4 /* of 16 registers */
+#endif
+#define NV 3
+#define NR (NV * VEC) /* output columns per panel */
+#define MC 512        /* rows of x per pass over the weight: a chunk's rows stay in cache */
+
+typedef float vec_t __attribute__((vector_size(VEC * 4)));
+typedef float vec_unaligned_t __attribute__((vector_size(VEC * 4), aligned(4)));
+
+int raypaged_gemm_panel_width(void) { return NR; }
+
+/* w: [n, k] with rows ldw apart -> packed: [ceil(n / NR), k, NR] (64-byte aligned by the caller: torch's) */
+void raypaged_pack_weight_f32(const float *w, int64_t n, int64_t k, int64_t ldw, float *packed, int threads) {
+    int64_t panels = (n + NR - 1) / NR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = packed + p * k * NR;
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int j = 0; j < NR; j++) {
+                int64_t col = p * NR + j;
+                dst[kk * NR + j] = col < n ? w[col * ldw + kk] : 0.0f;
+            }
+    }
+}
+
+/* ROWS (1..MR, a constant after inlining) rows of x against one panel: COLS (<= NR) columns of y.
+ * prefetch: the panel to bring into cache meanwhile (NULL: none). */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *panel, int64_t k,
+                                                       const float *bias, float *y, int64_t ldy, const int rows,
+                                                       int cols, const float *prefetch) {
+    vec_t acc[MR][NV];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = (vec_t){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        vec_t b[NV];
+        for (int v = 0; v < NV; v++) b[v] = *(const vec_t *)(panel + kk * NR + v * VEC);
+        if (prefetch)
+            for (int line = 0; line < NR * 4; line += 64) __builtin_prefetch((const char *)(prefetch + kk * NR) + line);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            if (r < rows) {
+                float a = x[r * ldx + kk];
+                for (int v = 0; v < NV; v++) acc[r][v] += a * b[v];
+            }
+        }
+    }
+    if (bias) {
+        float padded[NR] __attribute__((aligned(64))) = {0};
+        memcpy(padded, bias, (size_t)cols * 4);
+        for (int r = 0; r < rows; r++)
+            for (int v = 0; v < NV; v++) acc[r][v] += *(const vec_t *)(padded + v * VEC);
+    }
+    for (int r = 0; r < rows; r++) {
+        if (cols == NR) {
+            for (int v = 0; v < NV; v++) *(vec_unaligned_t *)(y + r * ldy + v * VEC) = acc[r][v];
+        } else {
+            float out[NR] __attribute__((aligned(64)));
+            for (int v = 0; v < NV; v++) *(vec_t *)(out + v * VEC) = acc[r][v];
+            memcpy(y + r * ldy, out, (size_t)cols * 4);
+        }
+    }
+}
+
+#define TILE_CASE(R)                                                                                                   \
+    case R:                                                                                                            \
+        tile(x, ldx, panel, k, bias, y, ldy, R, cols, prefetch);                                                       \
+        break;
+
+/* the tile of `rows` rows, each count its own unrolled copy */
+static void tile_rows(const float *x, int64_t ldx, const float *panel, int64_t k, const float *bias, float *y,
+                      int64_t ldy, int rows, int cols, const float *prefetch) {
+    switch (rows) {
+        TILE_CASE(1)
+        TILE_CASE(2)
+        TILE_CASE(3)
+        TILE_CASE(4)
+#if MR == 8
+        TILE_CASE(5)
+        TILE_CASE(6)
+        TILE_CASE(7)
+        TILE_CASE(8)
+#endif
+    }
+}
+
+/* y [m, n] (rows ldy apart) = x [m, k] (rows ldx apart) @ W^T + bias (NULL: none), W packed as above */
+void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+                         const float *bias, float *y, int64_t ldy, int threads) {
+    int64_t panels = (n + NR - 1) / NR;
+    for (int64_t chunk = 0; chunk < m; chunk += MC) {
+        int64_t chunk_end = chunk + MC < m ? chunk + MC : m;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            int cols = p * NR + NR <= n ? NR : (int)(n - p * NR);
+            const float *panel = packed + p * k * NR;
+            for (int64_t row = chunk; row < chunk_end; row += MR) {
+                int rows = chunk_end - row < MR ? (int)(chunk_end - row) : MR;
+                const float *prefetch = row == chunk && p + 1 < panels ? panel + k * NR : NULL;
+                tile_rows(x + row * ldx, ldx, panel, k, bias ? bias + p * NR : NULL, y + row * ldy + p * NR, ldy,
+                          rows, cols, prefetch);
+            }
+        }
+    }
+}
