@@ -31,7 +31,7 @@ from offline_throughput import agreement
 from raypaged.model.default_model import default_model_dir
 from raypaged.model.layers import linear, pack_weight, packs_weights
 from raypaged.quantization.quantizer import PROJECTIONS, quantize_8bit, quantize_checkpoint
-from raypaged.quantization.w8a8 import int8_linear
+from raypaged.quantization.w8a8 import PackedInt8Weight, int8_linear, pack_int8_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.quantization.test_smollm2 import agree, tokens_and_perplexity  # noqa: E402  (the acceptance measures)
@@ -91,15 +91,22 @@ def weight_bytes(model_dir: Path) -> dict[str, int]:
 PROJECTION_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
 
 
+def int8_gemm_name() -> str:
+    """Which int8 GEMM ``int8_linear`` runs on this machine's CPU."""
+    probe = pack_int8_weight(torch.zeros(1, 4, dtype=torch.int8))
+    return "packed, VNNI" if isinstance(probe, PackedInt8Weight) else "`_int_mm`"
+
+
 def linear_times(rows: tuple[int, ...] = (1, 8, 32, 256, 2048), repeats: int = 15) -> list[dict]:
     """Microseconds of one layer's four projections, fp32 (on weights packed as the model's
-    are: ``cpu_gemm.c``) against W8A8 int8 (activation quantization included), timed alternately so that other load
-    on the machine hits both alike."""
+    are: ``cpu_gemm.c``) against W8A8 int8 (activation quantization included; weights packed as the model's
+    are: the VNNI GEMM of ``cpu_int8.c`` where it builds, else ``torch._int_mm``), timed alternately so that
+    other load on the machine hits both alike."""
     import statistics
 
     gen = torch.Generator().manual_seed(0)
     plain = [torch.randn(n, k, generator=gen) for k, n in PROJECTION_SHAPES]
-    int8 = [quantize_8bit(w, torch.int8, per_tensor=False) for w in plain]
+    int8 = [(pack_int8_weight(q), s) for q, s in (quantize_8bit(w, torch.int8, per_tensor=False) for w in plain)]
     weights = [pack_weight(w) if packs_weights(w.dtype, w.device) else w for w in plain]
     out = []
     for m in rows:
@@ -219,6 +226,7 @@ def main() -> None:
         "wall_seconds": time.perf_counter() - started,
         "rows": rows,
         "linear_times": kernels,
+        "int8_gemm": int8_gemm_name(),
         "workload": {
             "w6": "offline_throughput --quick: 32 prompts of 50-200 tokens, 100 greedy tokens each",
             "quality": "tests/quantization/test_smollm2.py: 8 prompts x 16 greedy tokens, perplexity of its fixed text",
@@ -259,7 +267,7 @@ def markdown(report: dict) -> str:
         "",
         "One layer's four projections (SmolLM2 shapes), median microseconds, fp32 and int8 timed alternately:",
         "",
-        "| rows | fp32 (packed) | W8A8 int8 (`_int_mm`) | speedup |",
+        f"| rows | fp32 (packed) | W8A8 int8 ({report.get('int8_gemm', '`_int_mm`')}) | speedup |",
         "| ---: | ---: | ---: | ---: |",
     ]
     lines += [

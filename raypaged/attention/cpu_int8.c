@@ -56,3 +56,171 @@ __attribute__((optimize("fp-contract=off"))) void raypaged_int8_scale_f32(const 
         for (int64_t j = 0; j < n; ++j) o[j] = ((float)ar[j] * xs) * w_scales[j];
     }
 }
+
+/* The int8 GEMM itself, where the CPU has VNNI (AVX512-VNNI: 16 lanes, or AVX-VNNI: 8), in place of
+ * torch._int_mm: y = ((x_q @ W_q^T) as float * x_scale) * w_scale, the int32 sums exact, so the result is
+ * _int_mm's followed by raypaged_int8_scale_f32, bit for bit.
+ *
+ * VNNI multiplies unsigned by signed bytes, four at a time into each int32 lane: x_q is read as
+ * x_q + 128 (its sign bit flipped, 1..255), and 128 * sum_k W[j][k] (colsum, from packing) is taken back.
+ * Packed layout: W [n, k] becomes ceil(n / NR) panels, each [ceil(k / 4)][NR][4]: for each group of four
+ * inputs, each output column's four weights side by side (missing columns and inputs are zeros). As in
+ * cpu_gemm.c, a tile of MR rows and one panel keeps its MR x NV sums in registers; panels are split
+ * between the threads and the next one is prefetched. */
+#include <immintrin.h>
+#include <string.h>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define I8_LANES 16
+#define I8_MR 8
+typedef __m512i i8vec_t;
+#define I8_ZERO() _mm512_setzero_si512()
+#define I8_SET1(v) _mm512_set1_epi32(v)
+#define I8_LOAD(p) _mm512_load_si512((const void *)(p))
+#define I8_STORE(p, v) _mm512_storeu_si512((void *)(p), v)
+#define I8_DOT(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
+#elif defined(__AVXVNNI__)
+#define I8_LANES 8
+#define I8_MR 4
+typedef __m256i i8vec_t;
+#define I8_ZERO() _mm256_setzero_si256()
+#define I8_SET1(v) _mm256_set1_epi32(v)
+#define I8_LOAD(p) _mm256_load_si256((const __m256i *)(p))
+#define I8_STORE(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define I8_DOT(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#endif
+
+#ifdef I8_LANES
+#define I8_NV 3
+#define I8_NR (I8_NV * I8_LANES) /* output columns per panel */
+#define I8_MC 512                /* rows of x per pass over the weight */
+
+int raypaged_int8_gemm_panel_width(void) { return I8_NR; }
+
+/* w: [n, k] int8, rows ldw apart -> packed [ceil(n / NR), ceil(k / 4), NR, 4] (64-byte aligned), colsum [n] */
+void raypaged_pack_weight_int8(const int8_t *w, int64_t n, int64_t k, int64_t ldw, int8_t *packed, int32_t *colsum,
+                               int num_threads) {
+    int64_t panels = (n + I8_NR - 1) / I8_NR, groups = (k + 3) / 4;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        int8_t *dst = packed + p * groups * I8_NR * 4;
+        for (int j = 0; j < I8_NR; j++) {
+            int64_t col = p * I8_NR + j;
+            int32_t sum = 0;
+            for (int64_t g = 0; g < groups; g++)
+                for (int t = 0; t < 4; t++) {
+                    int8_t v = col < n && 4 * g + t < k ? w[col * ldw + 4 * g + t] : 0;
+                    dst[(g * I8_NR + j) * 4 + t] = v;
+                    sum += v;
+                }
+            if (col < n) colsum[col] = sum;
+        }
+    }
+}
+
+/* four bytes of a row of x_q from input 4 * g on (zeros past k), sign bits flipped: x_q + 128 as unsigned */
+static inline int32_t x_group(const int8_t *row, int64_t g, int64_t k) {
+    uint32_t v = 0;
+    if (4 * g + 4 <= k)
+        memcpy(&v, row + 4 * g, 4);
+    else
+        memcpy(&v, row + 4 * g, (size_t)(k - 4 * g));
+    return (int32_t)(v ^ 0x80808080u);
+}
+
+/* y[r][j] = ((float)(sums[r][j] - 128 * colsum[j]) * x_scale[r]) * w_scale[j], rounded after each product */
+__attribute__((optimize("fp-contract=off"))) static void scale_tile(const int32_t *sums, int rows, int cols,
+                                                                     const int32_t *colsum, const float *x_scales,
+                                                                     int64_t x_scale_stride, const float *w_scales,
+                                                                     float *y, int64_t ldy) {
+    for (int r = 0; r < rows; r++) {
+        const float xs = x_scales[r * x_scale_stride];
+        for (int j = 0; j < cols; j++) y[r * ldy + j] = ((float)(sums[r * I8_NR + j] - 128 * colsum[j]) * xs) * w_scales[j];
+    }
+}
+
+static inline __attribute__((always_inline)) void int8_tile(const int8_t *x, int64_t ldx, const int8_t *panel,
+                                                            int64_t k, const int rows, int32_t *sums,
+                                                            const int8_t *prefetch) {
+    int64_t groups = (k + 3) / 4, full = k / 4;
+    i8vec_t acc[I8_MR][I8_NV];
+    for (int r = 0; r < I8_MR; r++)
+        for (int v = 0; v < I8_NV; v++) acc[r][v] = I8_ZERO();
+    for (int64_t g = 0; g < groups; g++) {
+        i8vec_t b[I8_NV];
+        for (int v = 0; v < I8_NV; v++) b[v] = I8_LOAD(panel + (g * I8_NR + v * I8_LANES) * 4);
+        if (prefetch)
+            for (int line = 0; line < I8_NR * 4; line += 64) __builtin_prefetch(prefetch + g * I8_NR * 4 + line);
+#pragma GCC unroll 8
+        for (int r = 0; r < I8_MR; r++) {
+            if (r < rows) {
+                int32_t a4;
+                if (g < full) {
+                    uint32_t v;
+                    memcpy(&v, x + r * ldx + 4 * g, 4);
+                    a4 = (int32_t)(v ^ 0x80808080u);
+                } else {
+                    a4 = x_group(x + r * ldx, g, k);
+                }
+                i8vec_t a = I8_SET1(a4);
+                for (int v = 0; v < I8_NV; v++) acc[r][v] = I8_DOT(acc[r][v], a, b[v]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < I8_NV; v++) I8_STORE(sums + r * I8_NR + v * I8_LANES, acc[r][v]);
+}
+
+#define INT8_TILE_CASE(R)                                                                                              \
+    case R:                                                                                                            \
+        int8_tile(x, ldx, panel, k, R, sums, prefetch);                                                                \
+        break;
+
+static void int8_tile_rows(const int8_t *x, int64_t ldx, const int8_t *panel, int64_t k, int rows, int32_t *sums,
+                           const int8_t *prefetch) {
+    switch (rows) {
+        INT8_TILE_CASE(1)
+        INT8_TILE_CASE(2)
+        INT8_TILE_CASE(3)
+        INT8_TILE_CASE(4)
+#if I8_MR == 8
+        INT8_TILE_CASE(5)
+        INT8_TILE_CASE(6)
+        INT8_TILE_CASE(7)
+        INT8_TILE_CASE(8)
+#endif
+    }
+}
+
+/* y [m, n] (rows ldy apart) = ((x_q [m, k] @ W^T) * x_scale) * w_scale, W packed as above; x_q rows ldx apart,
+ * x_scales[r * x_scale_stride] (stride 0: one static scale) */
+void raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ldx, const int8_t *packed,
+                              const int32_t *colsum, int64_t n, const float *x_scales, int64_t x_scale_stride,
+                              const float *w_scales, float *y, int64_t ldy, int num_threads) {
+    int64_t panels = (n + I8_NR - 1) / I8_NR, panel_bytes = (k + 3) / 4 * I8_NR * 4;
+    for (int64_t chunk = 0; chunk < m; chunk += I8_MC) {
+        int64_t chunk_end = chunk + I8_MC < m ? chunk + I8_MC : m;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            int32_t sums[I8_MR * I8_NR] __attribute__((aligned(64)));
+            int cols = p * I8_NR + I8_NR <= n ? I8_NR : (int)(n - p * I8_NR);
+            const int8_t *panel = packed + p * panel_bytes;
+            for (int64_t row = chunk; row < chunk_end; row += I8_MR) {
+                int rows = chunk_end - row < I8_MR ? (int)(chunk_end - row) : I8_MR;
+                const int8_t *prefetch = row == chunk && p + 1 < panels ? panel + panel_bytes : NULL;
+                const int8_t *x = x_q + row * ldx;
+                int8_tile_rows(x, ldx, panel, k, rows, sums, prefetch);
+                scale_tile(sums, rows, cols, colsum + p * I8_NR, x_scales + row * x_scale_stride, x_scale_stride,
+                           w_scales + p * I8_NR, y + row * ldy + p * I8_NR, ldy);
+            }
+        }
+    }
+}
+#else /* no VNNI: torch._int_mm runs instead (raypaged_int8_gemm_panel_width() == 0) */
+int raypaged_int8_gemm_panel_width(void) { return 0; }
+void raypaged_pack_weight_int8(const int8_t *w, int64_t n, int64_t k, int64_t ldw, int8_t *packed, int32_t *colsum,
+                               int num_threads) {}
+void raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ldx, const int8_t *packed,
+                              const int32_t *colsum, int64_t n, const float *x_scales, int64_t x_scale_stride,
+                              const float *w_scales, float *y, int64_t ldy, int num_threads) {}
+#endif

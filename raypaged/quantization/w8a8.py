@@ -52,10 +52,56 @@ def _cpu_kernels() -> Any | None:
     return None if cpu_ops.unavailable_reason() else cpu_ops.library()
 
 
+class PackedInt8Weight(nn.Parameter):
+    """An int8 CPU weight ``[out_features, in_features]`` packed for ``cpu_int8.c``'s VNNI GEMM:
+    ``[ceil(out / panel), ceil(in / 4), panel, 4]``, with ``colsum`` (int32 ``[out]``, each row's sum, which
+    the kernel takes back after reading the activations as unsigned). :meth:`unpack` gives the weight back."""
+
+    out_features: int
+    in_features: int
+    colsum: torch.Tensor
+
+    @staticmethod
+    def pack(lib: Any, weight: torch.Tensor) -> PackedInt8Weight:
+        """``lib``: the CPU kernels, built with VNNI (``raypaged_int8_gemm_panel_width() > 0``)."""
+        out_features, in_features = weight.shape
+        width = lib.raypaged_int8_gemm_panel_width()
+        data = torch.empty(-(-out_features // width), -(-in_features // 4), width, 4, dtype=torch.int8)
+        colsum = torch.empty(out_features, dtype=torch.int32)
+        weight = weight.detach().contiguous()
+        lib.raypaged_pack_weight_int8(
+            weight.data_ptr(), out_features, in_features, in_features, data.data_ptr(), colsum.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        packed = PackedInt8Weight(data, requires_grad=False)
+        packed.out_features, packed.in_features, packed.colsum = out_features, in_features, colsum
+        return packed
+
+    def unpack(self) -> torch.Tensor:  # -> [out_features, in_features] int8
+        panels, groups, width, _ = self.shape
+        columns = self.detach().permute(0, 2, 1, 3).reshape(panels * width, groups * 4)
+        return columns[: self.out_features, : self.in_features].clone()
+
+
+def _int8_gemm_lib() -> Any | None:
+    """The CPU kernels where they build with the VNNI int8 GEMM (``cpu_int8.c``), else None."""
+    lib = _cpu_kernels()
+    return lib if lib is not None and lib.raypaged_int8_gemm_panel_width() > 0 else None
+
+
+def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An int8 CPU weight ``[N, K]`` as :func:`int8_linear` runs it fastest: a :class:`PackedInt8Weight`
+    where the kernels have the VNNI GEMM, else as it is (``torch._int_mm``)."""
+    if weight.dtype == torch.int8 and weight.device.type == "cpu" and (lib := _int8_gemm_lib()) is not None:
+        return PackedInt8Weight.pack(lib, weight)
+    return weight
+
+
 def _int8_linear_cpu(
     lib: Any, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
 ) -> torch.Tensor:
-    """``int8_linear`` for a float32 ``x`` with contiguous rows on CPU, its float ends in C: the same bits."""
+    """``int8_linear`` for a float32 ``x`` with contiguous rows on CPU, its float ends in C: the same bits.
+    A :class:`PackedInt8Weight` runs the VNNI GEMM, the rest ``torch._int_mm`` (the same int32 sums)."""
     num_tokens, k = x.shape
     threads = torch.get_num_threads()
     xq = torch.empty(num_tokens, k, dtype=torch.int8)
@@ -68,8 +114,16 @@ def _int8_linear_cpu(
     lib.raypaged_quantize_int8_f32(
         x.data_ptr(), x.stride(0), num_tokens, k, fixed, xq.data_ptr(), x_scale.data_ptr(), threads
     )
-    acc = torch._int_mm(xq, weight.t())  # [T, N] int32, exact
     weight_scale = weight_scale.to(torch.float32).contiguous()
+    if isinstance(weight, PackedInt8Weight):
+        n = weight.out_features
+        out = torch.empty(num_tokens, n, dtype=torch.float32)
+        lib.raypaged_int8_linear_f32(
+            xq.data_ptr(), num_tokens, k, k, weight.data_ptr(), weight.colsum.data_ptr(), n, x_scale.data_ptr(),
+            0 if input_scale is not None else 1, weight_scale.data_ptr(), out.data_ptr(), n, threads,
+        )  # fmt: skip
+        return out
+    acc = torch._int_mm(xq, weight.t())  # [T, N] int32, exact
     out = torch.empty(acc.shape, dtype=torch.float32)
     lib.raypaged_int8_scale_f32(
         acc.data_ptr(),
@@ -94,11 +148,17 @@ def int8_linear(
         and x.dtype == torch.float32
         and x.dim() == 2
         and x.stride(1) == 1
-        and weight_scale.numel() == weight.shape[0]
+        and x.shape[1] == (weight.in_features if isinstance(weight, PackedInt8Weight) else weight.shape[1])
+        and weight_scale.numel() == (weight.out_features if isinstance(weight, PackedInt8Weight) else weight.shape[0])
         and (input_scale is None or float(input_scale) > 0)
         and (lib := _cpu_kernels()) is not None
     ):
         return _int8_linear_cpu(lib, x, weight, weight_scale, input_scale)
+    if isinstance(weight, PackedInt8Weight):
+        raise ValueError(
+            f"a packed int8 weight takes float32 CPU inputs of {weight.in_features} features with contiguous rows, "
+            f"got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
     xq, x_scale = quantize_int8(x, input_scale)
     num_tokens = xq.shape[0]
     if xq.device.type == "cuda" and num_tokens <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
@@ -155,8 +215,17 @@ class W8A8Method(LinearMethod):
         assert input_scale is None or isinstance(input_scale, torch.Tensor)
         return self.kernel(x, weight, weight_scale.view(-1), input_scale)
 
+    def finish(self, layer: nn.Module) -> None:
+        """int8 weights on CPU, where the kernels build with VNNI: packed for its GEMM (:class:`PackedInt8Weight`)."""
+        packed = pack_int8_weight(layer_tensor(layer, "weight"))
+        if isinstance(packed, PackedInt8Weight):
+            layer.weight = packed
+
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return layer_tensor(layer, "weight").to(torch.float32) * layer_tensor(layer, "weight_scale")
+        weight = layer_tensor(layer, "weight")
+        if isinstance(weight, PackedInt8Weight):
+            weight = weight.unpack()
+        return weight.to(torch.float32) * layer_tensor(layer, "weight_scale")
 
 
 class Fp8OnlineMethod(W8A8Method):

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from raypaged.attention import cpu_ops
+from raypaged.quantization import w8a8
 from raypaged.quantization.w8a8 import FP8, fp8_linear, int8_linear, quantize_fp8, quantize_int8
 from tests.quantization.conftest import load
 
@@ -94,3 +96,81 @@ def test_int8_quantization_rounds_ties_to_even_as_torch():
     out = int8_linear(x, weight, torch.ones(8), None)
     assert out.tolist() == [[127.0, 2.0, -4.0, 0.0, -0.0, 2.0, 126.0, -127.0]]
     assert torch.equal(out, torch_int8_linear(x, weight, torch.ones(8), None))
+
+
+@pytest.fixture(params=["native", "avx2"])
+def vnni(request, monkeypatch):
+    """The CPU kernels with their VNNI int8 GEMM as built for this machine (AVX512-VNNI: 48-column panels of
+    8-row tiles) and built without AVX-512 (AVX-VNNI: 24 and 4); skipped where that build has no VNNI."""
+    if cpu_ops.unavailable_reason() is not None:
+        pytest.skip("the CPU kernels do not build")
+    library = cpu_ops.library
+    if request.param == "avx2":
+        monkeypatch.setattr(cpu_ops, "library", lambda: library(("-mno-avx512f",)))
+    monkeypatch.setattr(w8a8, "_cpu_kernels", cpu_ops.library)
+    lib = cpu_ops.library()
+    if lib.raypaged_int8_gemm_panel_width() == 0:
+        pytest.skip(f"no VNNI in the {request.param} build here")
+    return lib
+
+
+@pytest.mark.parametrize("out_features", [1, 23, 48, 49])
+@pytest.mark.parametrize("in_features", [4, 7, 96])
+def test_int8_packing_lays_out_groups_of_four_in_column_panels(vnni, out_features, in_features):
+    width = vnni.raypaged_int8_gemm_panel_width()
+    weight = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=GEN)
+    packed = w8a8.PackedInt8Weight.pack(vnni, weight)
+    assert tuple(packed.shape) == (-(-out_features // width), -(-in_features // 4), width, 4)
+    assert (packed.out_features, packed.in_features) == (out_features, in_features)
+    assert packed[0, 0, 0].tolist() == weight[0, :4].tolist() + [0] * (4 - min(4, in_features))
+    last = out_features - 1
+    assert torch.equal(packed[last // width, :, last % width].reshape(-1)[:in_features], weight[last])
+    assert torch.equal(packed.colsum, weight.sum(1, dtype=torch.int32))
+    assert torch.equal(packed.unpack(), weight)
+    columns = packed.detach().permute(0, 2, 1, 3).reshape(-1, packed.shape[1] * 4)
+    assert not columns[out_features:].any() and not columns[:, in_features:].any()
+
+
+@pytest.mark.parametrize(("num_tokens", "in_features", "out_features"), [(1, 96, 48), (3, 5, 1), (8, 259, 49),
+                         (13, 96, 100), (17, 576, 23), (22, 7, 48), (515, 36, 50)])  # fmt: skip
+@pytest.mark.parametrize("static", [False, True])
+def test_the_vnni_gemm_is_int_mm_and_its_scaling_bit_for_bit(vnni, num_tokens, in_features, out_features, static):
+    """Rows around the tiles and past the 512-row chunk, columns around the panels, inputs not a multiple of
+    four, the extreme weights -128 and 127 and activations of +-127: the exact int32 sums, scaled alike."""
+    x = torch.randn(num_tokens, in_features, generator=GEN) * 4
+    x[0, 0] = 1000.0  # quantizes to 127; a static scale saturates it
+    weight = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=GEN)
+    weight[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)[: min(2, in_features)]
+    weight_scale = torch.rand(out_features, generator=GEN) / 100
+    input_scale = torch.tensor([0.03]) if static else None
+    packed = w8a8.PackedInt8Weight.pack(vnni, weight)
+    expected = torch_int8_linear(x, weight, weight_scale, input_scale)
+    assert torch.equal(int8_linear(x, packed, weight_scale, input_scale), expected)
+    wide = torch.zeros(num_tokens, in_features + 9)
+    wide[:, 3 : 3 + in_features] = x  # rows apart: quantized in place
+    assert torch.equal(int8_linear(wide[:, 3 : 3 + in_features], packed, weight_scale, input_scale), expected)
+
+
+def test_a_packed_int8_weight_refuses_inputs_the_c_path_cannot_take(vnni):
+    packed = w8a8.PackedInt8Weight.pack(vnni, torch.ones(8, 16, dtype=torch.int8))
+    message = r"a packed int8 weight takes float32 CPU inputs of 16 features with contiguous rows, got torch.bfloat16"
+    with pytest.raises(ValueError, match=message):
+        int8_linear(torch.ones(2, 16, dtype=torch.bfloat16), packed, torch.ones(8), None)
+    with pytest.raises(ValueError, match=r"got torch.float32 \(2, 15\) on cpu"):
+        int8_linear(torch.ones(2, 15), packed, torch.ones(8), None)
+
+
+def test_an_int8_checkpoint_on_cpu_runs_packed_where_the_kernels_have_vnni(quantized_dirs):
+    """Loading packs every int8 projection once; its dequantized weight is the checkpoint's, and a layer's
+    output is the unpacked path's bit for bit."""
+    lib = w8a8._int8_gemm_lib()
+    if lib is None:
+        pytest.skip("no VNNI int8 GEMM here")
+    model = load(quantized_dirs["w8a8-int8"])
+    down = model.model.layers[1].mlp.down_proj
+    assert isinstance(down.weight, w8a8.PackedInt8Weight)
+    plain = down.weight.unpack()
+    x = torch.randn(5, down.weight.in_features, generator=GEN)
+    scale = down.weight_scale.view(-1)
+    assert torch.equal(down(x), torch_int8_linear(x, plain, scale, None))
+    assert torch.equal(down.dequantize(), plain.float() * down.weight_scale)
