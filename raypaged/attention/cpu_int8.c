@@ -68,7 +68,7 @@ __attribute__((optimize("fp-contract=off"))) void raypaged_int8_scale_f32(const 
  * cpu_gemm.c, a tile of MR rows and one panel keeps its MR x NV sums in registers; panels are split
  * between the threads and the next one is prefetched. */
 #include <immintrin.h>
-#include <string.h>
+#include <stdlib.h>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define I8_LANES 16
@@ -118,16 +118,6 @@ void raypaged_pack_weight_int8(const int8_t *w, int64_t n, int64_t k, int64_t ld
     }
 }
 
-/* four bytes of a row of x_q from input 4 * g on (zeros past k), sign bits flipped: x_q + 128 as unsigned */
-static inline int32_t x_group(const int8_t *row, int64_t g, int64_t k) {
-    uint32_t v = 0;
-    if (4 * g + 4 <= k)
-        memcpy(&v, row + 4 * g, 4);
-    else
-        memcpy(&v, row + 4 * g, (size_t)(k - 4 * g));
-    return (int32_t)(v ^ 0x80808080u);
-}
-
 /* y[r][j] = ((float)(sums[r][j] - 128 * colsum[j]) * x_scale[r]) * w_scale[j], rounded after each product */
 __attribute__((optimize("fp-contract=off"))) static void scale_tile(const int32_t *sums, int rows, int cols,
                                                                      const int32_t *colsum, const float *x_scales,
@@ -139,10 +129,11 @@ __attribute__((optimize("fp-contract=off"))) static void scale_tile(const int32_
     }
 }
 
-static inline __attribute__((always_inline)) void int8_tile(const int8_t *x, int64_t ldx, const int8_t *panel,
-                                                            int64_t k, const int rows, int32_t *sums,
+/* ROWS (1..I8_MR, a constant after inlining) rows of x (x_q + 128 as unsigned bytes, rows padded to whole
+ * groups of four, ldx apart) against one panel: the int32 sums into sums [I8_MR][I8_NR] */
+static inline __attribute__((always_inline)) void int8_tile(const uint8_t *x, int64_t ldx, const int8_t *panel,
+                                                            int64_t groups, const int rows, int32_t *sums,
                                                             const int8_t *prefetch) {
-    int64_t groups = (k + 3) / 4, full = k / 4;
     i8vec_t acc[I8_MR][I8_NV];
     for (int r = 0; r < I8_MR; r++)
         for (int v = 0; v < I8_NV; v++) acc[r][v] = I8_ZERO();
@@ -154,15 +145,7 @@ static inline __attribute__((always_inline)) void int8_tile(const int8_t *x, int
 #pragma GCC unroll 8
         for (int r = 0; r < I8_MR; r++) {
             if (r < rows) {
-                int32_t a4;
-                if (g < full) {
-                    uint32_t v;
-                    memcpy(&v, x + r * ldx + 4 * g, 4);
-                    a4 = (int32_t)(v ^ 0x80808080u);
-                } else {
-                    a4 = x_group(x + r * ldx, g, k);
-                }
-                i8vec_t a = I8_SET1(a4);
+                i8vec_t a = I8_SET1(*(const int32_t *)(x + r * ldx + 4 * g));
                 for (int v = 0; v < I8_NV; v++) acc[r][v] = I8_DOT(acc[r][v], a, b[v]);
             }
         }
@@ -173,11 +156,11 @@ static inline __attribute__((always_inline)) void int8_tile(const int8_t *x, int
 
 #define INT8_TILE_CASE(R)                                                                                              \
     case R:                                                                                                            \
-        int8_tile(x, ldx, panel, k, R, sums, prefetch);                                                                \
+        int8_tile(x, ldx, panel, groups, R, sums, prefetch);                                                           \
         break;
 
-static void int8_tile_rows(const int8_t *x, int64_t ldx, const int8_t *panel, int64_t k, int rows, int32_t *sums,
-                           const int8_t *prefetch) {
+static void int8_tile_rows(const uint8_t *x, int64_t ldx, const int8_t *panel, int64_t groups, int rows,
+                           int32_t *sums, const int8_t *prefetch) {
     switch (rows) {
         INT8_TILE_CASE(1)
         INT8_TILE_CASE(2)
@@ -193,11 +176,20 @@ static void int8_tile_rows(const int8_t *x, int64_t ldx, const int8_t *panel, in
 }
 
 /* y [m, n] (rows ldy apart) = ((x_q [m, k] @ W^T) * x_scale) * w_scale, W packed as above; x_q rows ldx apart,
- * x_scales[r * x_scale_stride] (stride 0: one static scale) */
-void raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ldx, const int8_t *packed,
-                              const int32_t *colsum, int64_t n, const float *x_scales, int64_t x_scale_stride,
-                              const float *w_scales, float *y, int64_t ldy, int num_threads) {
-    int64_t panels = (n + I8_NR - 1) / I8_NR, panel_bytes = (k + 3) / 4 * I8_NR * 4;
+ * x_scales[r * x_scale_stride] (stride 0: one static scale). Returns 0, or -1 when out of memory. */
+int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ldx, const int8_t *packed,
+                             const int32_t *colsum, int64_t n, const float *x_scales, int64_t x_scale_stride,
+                             const float *w_scales, float *y, int64_t ldy, int num_threads) {
+    int64_t panels = (n + I8_NR - 1) / I8_NR, groups = (k + 3) / 4, panel_bytes = groups * I8_NR * 4;
+    int64_t ldu = (groups * 4 + 63) / 64 * 64; /* x_q + 128 as unsigned, rows whole cache lines */
+    if (m == 0) return 0;
+    uint8_t *x_u = aligned_alloc(64, (size_t)(m * ldu));
+    if (!x_u) return -1;
+#pragma omp parallel for num_threads(num_threads) if (m * k >= PARALLEL_ELEMENTS) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t i = 0; i < k; i++) x_u[r * ldu + i] = (uint8_t)x_q[r * ldx + i] ^ 0x80;
+        for (int64_t i = k; i < groups * 4; i++) x_u[r * ldu + i] = 0; /* times the packed zeros */
+    }
     for (int64_t chunk = 0; chunk < m; chunk += I8_MC) {
         int64_t chunk_end = chunk + I8_MC < m ? chunk + I8_MC : m;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -208,19 +200,22 @@ void raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t l
             for (int64_t row = chunk; row < chunk_end; row += I8_MR) {
                 int rows = chunk_end - row < I8_MR ? (int)(chunk_end - row) : I8_MR;
                 const int8_t *prefetch = row == chunk && p + 1 < panels ? panel + panel_bytes : NULL;
-                const int8_t *x = x_q + row * ldx;
-                int8_tile_rows(x, ldx, panel, k, rows, sums, prefetch);
+                int8_tile_rows(x_u + row * ldu, ldu, panel, groups, rows, sums, prefetch);
                 scale_tile(sums, rows, cols, colsum + p * I8_NR, x_scales + row * x_scale_stride, x_scale_stride,
                            w_scales + p * I8_NR, y + row * ldy + p * I8_NR, ldy);
             }
         }
     }
+    free(x_u);
+    return 0;
 }
 #else /* no VNNI: torch._int_mm runs instead (raypaged_int8_gemm_panel_width() == 0) */
 int raypaged_int8_gemm_panel_width(void) { return 0; }
 void raypaged_pack_weight_int8(const int8_t *w, int64_t n, int64_t k, int64_t ldw, int8_t *packed, int32_t *colsum,
                                int num_threads) {}
-void raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ldx, const int8_t *packed,
-                              const int32_t *colsum, int64_t n, const float *x_scales, int64_t x_scale_stride,
-                              const float *w_scales, float *y, int64_t ldy, int num_threads) {}
+int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ldx, const int8_t *packed,
+                             const int32_t *colsum, int64_t n, const float *x_scales, int64_t x_scale_stride,
+                             const float *w_scales, float *y, int64_t ldy, int num_threads) {
+    return -2;
+}
 #endif

@@ -65,7 +65,7 @@ _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_int8_scale_f32": ((_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT), None),
     "raypaged_int8_gemm_panel_width": ((), _INT),
     "raypaged_pack_weight_int8": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT), None),
-    "raypaged_int8_linear_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT), None),
+    "raypaged_int8_linear_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT), _INT),
     "raypaged_rms_norm_f32": ((_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT), None),
     "raypaged_fused_add_rms_norm_f32": ((_PTR, _PTR, _PTR, _I64, _I64, _F32, _INT), None),
     "raypaged_silu_and_mul_f32": ((_PTR, _PTR, _I64, _I64, _INT), None),

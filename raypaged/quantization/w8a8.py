@@ -118,10 +118,12 @@ def _int8_linear_cpu(
     if isinstance(weight, PackedInt8Weight):
         n = weight.out_features
         out = torch.empty(num_tokens, n, dtype=torch.float32)
-        lib.raypaged_int8_linear_f32(
+        status = lib.raypaged_int8_linear_f32(
             xq.data_ptr(), num_tokens, k, k, weight.data_ptr(), weight.colsum.data_ptr(), n, x_scale.data_ptr(),
             0 if input_scale is not None else 1, weight_scale.data_ptr(), out.data_ptr(), n, threads,
         )  # fmt: skip
+        if status == -1:
+            raise MemoryError("the CPU int8 GEMM could not allocate its scratch memory")
         return out
     acc = torch._int_mm(xq, weight.t())  # [T, N] int32, exact
     out = torch.empty(acc.shape, dtype=torch.float32)
