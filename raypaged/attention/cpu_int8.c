@@ -1,7 +1,8 @@
-/* The float ends of the int8 W8A8 linear on CPU (raypaged.quantization.w8a8.int8_linear), one pass each,
- * bit for bit as its torch reference: quantizing the activations before torch._int_mm and scaling its
- * int32 products after, in place of about eight torch ops. Per projection at SmolLM2's shapes on 2 AVX-512
- * EPYC cores: 1.2-1.4x faster from 1 to 32 rows, 1.1x at 256.
+/* The int8 W8A8 linear on CPU (raypaged.quantization.w8a8.int8_linear). Its float ends, one pass each, bit
+ * for bit as its torch reference: quantizing the activations before torch._int_mm and scaling its int32
+ * products after, in place of about eight torch ops (per projection at SmolLM2's shapes on 2 AVX-512 EPYC
+ * cores: 1.2-1.4x faster from 1 to 32 rows, 1.1x at 256). And, where the CPU has VNNI, the GEMM itself
+ * (below), on weights packed at load.
  */
 #include <math.h>
 #include <stdint.h>
