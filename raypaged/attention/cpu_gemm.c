@@ -5,7 +5,8 @@
  * NR output columns j side by side (the last panel's missing columns are zeros). A tile of MR rows of x and one
  * panel keeps MR x NR accumulators in registers; each step over kk loads NR weights and broadcasts MR inputs.
  * Panels are split among the threads; every panel streams from memory once per chunk of MC rows (decode: once
- * per step) while the next panel is prefetched, and its x rows come from cache.
+ * per step), and its x rows come from cache. The next panel is prefetched meanwhile, spread evenly over the
+ * first tiles' passes (up to 4): all at once, it arrived too late for the first and not at all for the rest.
  *
  * Every output is one sequential sum over kk, fused multiply-adds from zero, whatever the row count, the row's
  * place in the batch or the thread count: a row's result does not depend on what it is batched with.
@@ -48,18 +49,20 @@ void raypaged_pack_weight_f32(const float *w, int64_t n, int64_t k, int64_t ldw,
 }
 
 /* ROWS (1..MR, a constant after inlining) rows of x against one panel: COLS (<= NR) columns of y.
- * prefetch: the panel to bring into cache meanwhile (NULL: none). */
+ * prefetch: the part of the next panel to bring into cache meanwhile, 2^-share of a panel (NULL: none). */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *panel, int64_t k,
                                                        const float *bias, float *y, int64_t ldy, const int rows,
-                                                       int cols, const float *prefetch) {
+                                                       int cols, const char *prefetch, int share) {
     vec_t acc[MR][NV];
     for (int r = 0; r < MR; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = (vec_t){0};
     for (int64_t kk = 0; kk < k; kk++) {
         vec_t b[NV];
         for (int v = 0; v < NV; v++) b[v] = *(const vec_t *)(panel + kk * NR + v * VEC);
-        if (prefetch)
-            for (int line = 0; line < NR * 4; line += 64) __builtin_prefetch((const char *)(prefetch + kk * NR) + line);
+        if (prefetch) /* this step's share of the part: spread over the whole pass */
+            for (const char *line = prefetch + ((kk * NR * 4) >> share), *end = prefetch + (((kk + 1) * NR * 4) >> share);
+                 line < end; line += 64)
+                __builtin_prefetch(line);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
             if (r < rows) {
@@ -87,12 +90,12 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 
 #define TILE_CASE(R)                                                                                                   \
     case R:                                                                                                            \
-        tile(x, ldx, panel, k, bias, y, ldy, R, cols, prefetch);                                                       \
+        tile(x, ldx, panel, k, bias, y, ldy, R, cols, prefetch, share);                                                \
         break;
 
 /* the tile of `rows` rows, each count its own unrolled copy */
 static void tile_rows(const float *x, int64_t ldx, const float *panel, int64_t k, const float *bias, float *y,
-                      int64_t ldy, int rows, int cols, const float *prefetch) {
+                      int64_t ldy, int rows, int cols, const char *prefetch, int share) {
     switch (rows) {
         TILE_CASE(1)
         TILE_CASE(2)
@@ -112,16 +115,21 @@ void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, cons
                          const float *bias, float *y, int64_t ldy, int threads) {
     int64_t panels = (n + NR - 1) / NR;
     for (int64_t chunk = 0; chunk < m; chunk += MC) {
-        int64_t chunk_end = chunk + MC < m ? chunk + MC : m;
+        int64_t chunk_end = chunk + MC < m ? chunk + MC : m, tiles = (chunk_end - chunk + MR - 1) / MR;
+        int share = tiles >= 4 ? 2 : tiles >= 2 ? 1 : 0;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             int cols = p * NR + NR <= n ? NR : (int)(n - p * NR);
             const float *panel = packed + p * k * NR;
             for (int64_t row = chunk; row < chunk_end; row += MR) {
                 int rows = chunk_end - row < MR ? (int)(chunk_end - row) : MR;
-                const float *prefetch = row == chunk && p + 1 < panels ? panel + k * NR : NULL;
+                /* the next panel is brought in by the first 1, 2 or 4 tiles, each a part of it */
+                int64_t tile_index = (row - chunk) / MR;
+                const char *prefetch = NULL;
+                if (p + 1 < panels && tile_index < (1 << share))
+                    prefetch = (const char *)(panel + k * NR) + tile_index * ((k * NR * 4) >> share);
                 tile_rows(x + row * ldx, ldx, panel, k, bias ? bias + p * NR : NULL, y + row * ldy + p * NR, ldy,
-                          rows, cols, prefetch);
+                          rows, cols, prefetch, share);
             }
         }
     }
