@@ -67,7 +67,7 @@ __attribute__((optimize("fp-contract=off"))) void raypaged_int8_scale_f32(const 
  * Packed layout: W [n, k] becomes ceil(n / NR) panels, each [ceil(k / 4)][NR][4]: for each group of four
  * inputs, each output column's four weights side by side (missing columns and inputs are zeros). As in
  * cpu_gemm.c, a tile of MR rows and one panel keeps its MR x NV sums in registers; panels are split
- * between the threads and the next one is prefetched. */
+ * between the threads and the next one is prefetched, spread over the first tiles' passes. */
 #include <immintrin.h>
 #include <stdlib.h>
 
@@ -134,15 +134,18 @@ __attribute__((optimize("fp-contract=off"))) static void scale_tile(const int32_
  * groups of four, ldx apart) against one panel: the int32 sums into sums [I8_MR][I8_NR] */
 static inline __attribute__((always_inline)) void int8_tile(const uint8_t *x, int64_t ldx, const int8_t *panel,
                                                             int64_t groups, const int rows, int32_t *sums,
-                                                            const int8_t *prefetch) {
+                                                            const char *prefetch, int share) {
     i8vec_t acc[I8_MR][I8_NV];
     for (int r = 0; r < I8_MR; r++)
         for (int v = 0; v < I8_NV; v++) acc[r][v] = I8_ZERO();
     for (int64_t g = 0; g < groups; g++) {
         i8vec_t b[I8_NV];
         for (int v = 0; v < I8_NV; v++) b[v] = I8_LOAD(panel + (g * I8_NR + v * I8_LANES) * 4);
-        if (prefetch)
-            for (int line = 0; line < I8_NR * 4; line += 64) __builtin_prefetch(prefetch + g * I8_NR * 4 + line);
+        if (prefetch) /* as in cpu_gemm.c: this step's share of the next panel's part */
+            for (const char *line = prefetch + ((g * I8_NR * 4) >> share),
+                            *end = prefetch + (((g + 1) * I8_NR * 4) >> share);
+                 line < end; line += 64)
+                __builtin_prefetch(line);
 #pragma GCC unroll 8
         for (int r = 0; r < I8_MR; r++) {
             if (r < rows) {
@@ -157,11 +160,11 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *x, in
 
 #define INT8_TILE_CASE(R)                                                                                              \
     case R:                                                                                                            \
-        int8_tile(x, ldx, panel, groups, R, sums, prefetch);                                                           \
+        int8_tile(x, ldx, panel, groups, R, sums, prefetch, share);                                                    \
         break;
 
 static void int8_tile_rows(const uint8_t *x, int64_t ldx, const int8_t *panel, int64_t groups, int rows,
-                           int32_t *sums, const int8_t *prefetch) {
+                           int32_t *sums, const char *prefetch, int share) {
     switch (rows) {
         INT8_TILE_CASE(1)
         INT8_TILE_CASE(2)
@@ -192,7 +195,8 @@ int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ld
         for (int64_t i = k; i < groups * 4; i++) x_u[r * ldu + i] = 0; /* times the packed zeros */
     }
     for (int64_t chunk = 0; chunk < m; chunk += I8_MC) {
-        int64_t chunk_end = chunk + I8_MC < m ? chunk + I8_MC : m;
+        int64_t chunk_end = chunk + I8_MC < m ? chunk + I8_MC : m, tiles = (chunk_end - chunk + I8_MR - 1) / I8_MR;
+        int share = tiles >= 4 ? 2 : tiles >= 2 ? 1 : 0;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             int32_t sums[I8_MR * I8_NR] __attribute__((aligned(64)));
@@ -200,8 +204,11 @@ int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ld
             const int8_t *panel = packed + p * panel_bytes;
             for (int64_t row = chunk; row < chunk_end; row += I8_MR) {
                 int rows = chunk_end - row < I8_MR ? (int)(chunk_end - row) : I8_MR;
-                const int8_t *prefetch = row == chunk && p + 1 < panels ? panel + panel_bytes : NULL;
-                int8_tile_rows(x_u + row * ldu, ldu, panel, groups, rows, sums, prefetch);
+                int64_t tile_index = (row - chunk) / I8_MR; /* the first 1, 2 or 4 tiles bring in the next panel */
+                const char *prefetch = NULL;
+                if (p + 1 < panels && tile_index < (1 << share))
+                    prefetch = (const char *)(panel + panel_bytes) + tile_index * (panel_bytes >> share);
+                int8_tile_rows(x_u + row * ldu, ldu, panel, groups, rows, sums, prefetch, share);
                 scale_tile(sums, rows, cols, colsum + p * I8_NR, x_scales + row * x_scale_stride, x_scale_stride,
                            w_scales + p * I8_NR, y + row * ldy + p * I8_NR, ldy);
             }
