@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_tiles.h"
+
 #ifdef __AVX512F__
 #define VEC 16 /* floats per vector */
 #define MR 8   /* rows of x per tile: MR x NV accumulators, NV weight vectors, one broadcast (of 32 registers) */
@@ -28,7 +30,7 @@
 #endif
 #define NV 3
 #define NR (NV * VEC) /* output columns per panel */
-#define MC 512        /* rows of x per pass over the weight: a chunk's rows stay in cache */
+#define MC 512        /* rows of x per chunk (cpu_tiles.h: chunk_rows) */
 
 typedef float vec_t __attribute__((vector_size(VEC * 4)));
 typedef float vec_unaligned_t __attribute__((vector_size(VEC * 4), aligned(4)));
@@ -111,27 +113,44 @@ static void tile_rows(const float *x, int64_t ldx, const float *panel, int64_t k
     }
 }
 
-/* y [m, n] (rows ldy apart) = x [m, k] (rows ldx apart) @ W^T + bias (NULL: none), W packed as above */
+/* One chunk of rows [chunk, chunk_end) against panel p */
+static inline void chunk_panel(const float *x, int64_t ldx, const float *packed, int64_t k, int64_t n, int64_t panels,
+                               const float *bias, float *y, int64_t ldy, int64_t chunk, int64_t chunk_end, int64_t p) {
+    const int share = prefetch_share((chunk_end - chunk + MR - 1) / MR);
+    const int cols = p * NR + NR <= n ? NR : (int)(n - p * NR);
+    const float *panel = packed + p * k * NR;
+    for (int64_t row = chunk; row < chunk_end; row += MR) {
+        int rows = chunk_end - row < MR ? (int)(chunk_end - row) : MR;
+        /* the next panel is brought in by the first 1, 2 or 4 tiles, each a part of it */
+        int64_t tile_index = (row - chunk) / MR;
+        const char *prefetch = NULL;
+        if (p + 1 < panels && tile_index < (1 << share))
+            prefetch = (const char *)(panel + k * NR) + tile_index * ((k * NR * 4) >> share);
+        tile_rows(x + row * ldx, ldx, panel, k, bias ? bias + p * NR : NULL, y + row * ldy + p * NR, ldy, rows, cols,
+                  prefetch, share);
+    }
+}
+
+/* y [m, n] (rows ldy apart) = x [m, k] (rows ldx apart) @ W^T + bias (NULL: none), W packed as above.
+ * Chunk by chunk, the threads sharing each chunk's panels (they share its rows in cache too); where there
+ * are fewer panels than threads, chunks are smaller (cpu_tiles.h) and (chunk, panel) pairs are shared. */
 void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                          const float *bias, float *y, int64_t ldy, int threads) {
-    int64_t panels = (n + NR - 1) / NR;
-    for (int64_t chunk = 0; chunk < m; chunk += MC) {
-        int64_t chunk_end = chunk + MC < m ? chunk + MC : m, tiles = (chunk_end - chunk + MR - 1) / MR;
-        int share = tiles >= 4 ? 2 : tiles >= 2 ? 1 : 0;
+    const int64_t panels = (n + NR - 1) / NR, rows_per_chunk = chunk_rows(m, panels, threads, MR, MC);
+    const int64_t chunks = (m + rows_per_chunk - 1) / rows_per_chunk;
+    if (panels >= threads) {
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t chunk = c * rows_per_chunk, end = chunk + rows_per_chunk < m ? chunk + rows_per_chunk : m;
 #pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t p = 0; p < panels; p++) chunk_panel(x, ldx, packed, k, n, panels, bias, y, ldy, chunk, end, p);
+        }
+        return;
+    }
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
         for (int64_t p = 0; p < panels; p++) {
-            int cols = p * NR + NR <= n ? NR : (int)(n - p * NR);
-            const float *panel = packed + p * k * NR;
-            for (int64_t row = chunk; row < chunk_end; row += MR) {
-                int rows = chunk_end - row < MR ? (int)(chunk_end - row) : MR;
-                /* the next panel is brought in by the first 1, 2 or 4 tiles, each a part of it */
-                int64_t tile_index = (row - chunk) / MR;
-                const char *prefetch = NULL;
-                if (p + 1 < panels && tile_index < (1 << share))
-                    prefetch = (const char *)(panel + k * NR) + tile_index * ((k * NR * 4) >> share);
-                tile_rows(x + row * ldx, ldx, panel, k, bias ? bias + p * NR : NULL, y + row * ldy + p * NR, ldy,
-                          rows, cols, prefetch, share);
-            }
+            const int64_t chunk = c * rows_per_chunk, end = chunk + rows_per_chunk < m ? chunk + rows_per_chunk : m;
+            chunk_panel(x, ldx, packed, k, n, panels, bias, y, ldy, chunk, end, p);
         }
     }
 }

@@ -71,6 +71,8 @@ __attribute__((optimize("fp-contract=off"))) void raypaged_int8_scale_f32(const 
 #include <immintrin.h>
 #include <stdlib.h>
 
+#include "cpu_tiles.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define I8_LANES 16
 #define I8_MR 8
@@ -94,7 +96,7 @@ typedef __m256i i8vec_t;
 #ifdef I8_LANES
 #define I8_NV 3
 #define I8_NR (I8_NV * I8_LANES) /* output columns per panel */
-#define I8_MC 512                /* rows of x per pass over the weight */
+#define I8_MC 512                /* rows of x per chunk (cpu_tiles.h: chunk_rows) */
 
 int raypaged_int8_gemm_panel_width(void) { return I8_NR; }
 
@@ -179,6 +181,27 @@ static void int8_tile_rows(const uint8_t *x, int64_t ldx, const int8_t *panel, i
     }
 }
 
+/* One chunk of rows [chunk, chunk_end) of x_u (x_q + 128) against panel p, scaled into y */
+static inline void int8_chunk_panel(const uint8_t *x_u, int64_t ldu, const int8_t *packed, int64_t groups,
+                                    int64_t panel_bytes, int64_t n, int64_t panels, const int32_t *colsum,
+                                    const float *x_scales, int64_t x_scale_stride, const float *w_scales, float *y,
+                                    int64_t ldy, int64_t chunk, int64_t chunk_end, int64_t p) {
+    const int share = prefetch_share((chunk_end - chunk + I8_MR - 1) / I8_MR);
+    int32_t sums[I8_MR * I8_NR] __attribute__((aligned(64)));
+    const int cols = p * I8_NR + I8_NR <= n ? I8_NR : (int)(n - p * I8_NR);
+    const int8_t *panel = packed + p * panel_bytes;
+    for (int64_t row = chunk; row < chunk_end; row += I8_MR) {
+        int rows = chunk_end - row < I8_MR ? (int)(chunk_end - row) : I8_MR;
+        int64_t tile_index = (row - chunk) / I8_MR; /* the first 1, 2 or 4 tiles bring in the next panel */
+        const char *prefetch = NULL;
+        if (p + 1 < panels && tile_index < (1 << share))
+            prefetch = (const char *)(panel + panel_bytes) + tile_index * (panel_bytes >> share);
+        int8_tile_rows(x_u + row * ldu, ldu, panel, groups, rows, sums, prefetch, share);
+        scale_tile(sums, rows, cols, colsum + p * I8_NR, x_scales + row * x_scale_stride, x_scale_stride,
+                   w_scales + p * I8_NR, y + row * ldy + p * I8_NR, ldy);
+    }
+}
+
 /* y [m, n] (rows ldy apart) = ((x_q [m, k] @ W^T) * x_scale) * w_scale, W packed as above; x_q rows ldx apart,
  * x_scales[r * x_scale_stride] (stride 0: one static scale). Returns 0, or -1 when out of memory. */
 int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ldx, const int8_t *packed,
@@ -194,23 +217,23 @@ int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ld
         for (int64_t i = 0; i < k; i++) x_u[r * ldu + i] = (uint8_t)x_q[r * ldx + i] ^ 0x80;
         for (int64_t i = k; i < groups * 4; i++) x_u[r * ldu + i] = 0; /* times the packed zeros */
     }
-    for (int64_t chunk = 0; chunk < m; chunk += I8_MC) {
-        int64_t chunk_end = chunk + I8_MC < m ? chunk + I8_MC : m, tiles = (chunk_end - chunk + I8_MR - 1) / I8_MR;
-        int share = tiles >= 4 ? 2 : tiles >= 2 ? 1 : 0;
+    const int64_t rows_per_chunk = chunk_rows(m, panels, num_threads, I8_MR, I8_MC);
+    const int64_t chunks = (m + rows_per_chunk - 1) / rows_per_chunk;
+    if (panels >= num_threads) { /* chunk by chunk, the threads sharing its panels (and its rows in cache) */
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t chunk = c * rows_per_chunk, end = chunk + rows_per_chunk < m ? chunk + rows_per_chunk : m;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            int32_t sums[I8_MR * I8_NR] __attribute__((aligned(64)));
-            int cols = p * I8_NR + I8_NR <= n ? I8_NR : (int)(n - p * I8_NR);
-            const int8_t *panel = packed + p * panel_bytes;
-            for (int64_t row = chunk; row < chunk_end; row += I8_MR) {
-                int rows = chunk_end - row < I8_MR ? (int)(chunk_end - row) : I8_MR;
-                int64_t tile_index = (row - chunk) / I8_MR; /* the first 1, 2 or 4 tiles bring in the next panel */
-                const char *prefetch = NULL;
-                if (p + 1 < panels && tile_index < (1 << share))
-                    prefetch = (const char *)(panel + panel_bytes) + tile_index * (panel_bytes >> share);
-                int8_tile_rows(x_u + row * ldu, ldu, panel, groups, rows, sums, prefetch, share);
-                scale_tile(sums, rows, cols, colsum + p * I8_NR, x_scales + row * x_scale_stride, x_scale_stride,
-                           w_scales + p * I8_NR, y + row * ldy + p * I8_NR, ldy);
+            for (int64_t p = 0; p < panels; p++)
+                int8_chunk_panel(x_u, ldu, packed, groups, panel_bytes, n, panels, colsum, x_scales, x_scale_stride,
+                                 w_scales, y, ldy, chunk, end, p);
+        }
+    } else { /* fewer panels than threads: smaller chunks (cpu_tiles.h), (chunk, panel) pairs shared */
+#pragma omp parallel for collapse(2) num_threads(num_threads) schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            for (int64_t p = 0; p < panels; p++) {
+                const int64_t chunk = c * rows_per_chunk, end = chunk + rows_per_chunk < m ? chunk + rows_per_chunk : m;
+                int8_chunk_panel(x_u, ldu, packed, groups, panel_bytes, n, panels, colsum, x_scales, x_scale_stride,
+                                 w_scales, y, ldy, chunk, end, p);
             }
         }
     }

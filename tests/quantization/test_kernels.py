@@ -174,3 +174,20 @@ def test_an_int8_checkpoint_on_cpu_runs_packed_where_the_kernels_have_vnni(quant
     scale = down.weight_scale.view(-1)
     assert torch.equal(down(x), torch_int8_linear(x, plain, scale, None))
     assert torch.equal(down.dequantize(), plain.float() * down.weight_scale)
+
+
+def test_the_vnni_gemm_gives_the_same_bits_on_any_thread_count(vnni):
+    """More threads than panels split the rows as well; each output is still one tile's sum."""
+    x = torch.randn(37, 96, generator=GEN)
+    weight = torch.randint(-128, 128, (50, 96), dtype=torch.int8, generator=GEN)
+    weight_scale = torch.rand(50, generator=GEN) / 100
+    packed = w8a8.PackedInt8Weight.pack(vnni, weight)
+    expected = torch_int8_linear(x, weight, weight_scale, None)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 7, 16):
+            torch.set_num_threads(count)
+            torch.full(expected.shape, float("nan"))  # freed at once: what an output row left unwritten would hold
+            assert torch.equal(int8_linear(x, packed, weight_scale, None), expected)
+    finally:
+        torch.set_num_threads(threads)
