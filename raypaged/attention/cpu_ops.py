@@ -155,6 +155,13 @@ def unavailable_reason() -> str | None:
     return None
 
 
+@functools.cache
+def builds() -> bool:
+    """Whether the kernels build and load here (:func:`unavailable_reason` is None), found out once per
+    process: what the per-call paths (the fp32 and int8 linears) ask, instead of trying the build again."""
+    return unavailable_reason() is None
+
+
 CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn)  # fp8: K/V narrowed with scale 1
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,7 +28,7 @@ class PackedWeight(nn.Parameter):
 
     @staticmethod
     def pack(weight: torch.Tensor) -> PackedWeight:
-        """Needs the CPU kernels (``cpu_ops.unavailable_reason()`` None)."""
+        """Needs the CPU kernels (``cpu_ops.builds()``)."""
         lib = cpu_ops.library()
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(1) != 1:
             raise ValueError(
@@ -49,12 +47,6 @@ class PackedWeight(nn.Parameter):
 
     def unpack(self) -> torch.Tensor:  # -> [out_features, in_features]
         return self.detach().transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].clone()
-
-
-@functools.cache
-def _cpu_gemm_builds() -> bool:
-    """Whether the C kernels of ``raypaged.attention.cpu_ops`` (its ``cpu_gemm.c``) build here."""
-    return cpu_ops.unavailable_reason() is None
 
 
 def _packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -100,7 +92,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model of ``dtype`` on ``device`` takes its linears' weights packed (:func:`pack_weight`):
     fp32 on the CPU, where the C kernels build or oneDNN is present."""
-    return dtype == torch.float32 and device.type == "cpu" and (_ONEDNN_LINEAR or _cpu_gemm_builds())
+    return dtype == torch.float32 and device.type == "cpu" and (_ONEDNN_LINEAR or cpu_ops.builds())
 
 
 def pack_weight(weight: torch.Tensor) -> nn.Parameter:
@@ -110,7 +102,7 @@ def pack_weight(weight: torch.Tensor) -> nn.Parameter:
     ``cpu_gemm.c`` against oneDNN's packed weight, SmolLM2's decode step at 32 rows on 2 Zen 5 cores: 26 ->
     19.6 ms (46 -> 35 ms with both on AVX2); as fast or faster at each projection from 1 to 512 rows.
     """
-    if _cpu_gemm_builds():
+    if cpu_ops.builds():
         return PackedWeight.pack(weight.detach())
     return pack_weight_onednn(weight)
 

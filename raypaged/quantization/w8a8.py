@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from raypaged.attention import cpu_ops
 from raypaged.model.layers import linear
 from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, layer_tensor
 
@@ -44,12 +45,9 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Ten
     return x32.div(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-@functools.cache
 def _cpu_kernels() -> Any | None:
     """The C library of ``raypaged.attention.cpu_ops`` (its ``cpu_int8.c``), or None where it cannot be built."""
-    from raypaged.attention import cpu_ops
-
-    return None if cpu_ops.unavailable_reason() else cpu_ops.library()
+    return cpu_ops.library() if cpu_ops.builds() else None
 
 
 class PackedInt8Weight(nn.Parameter):
@@ -145,20 +143,23 @@ def int8_linear(
 ) -> torch.Tensor:
     """``x @ W^T``, W = ``weight`` [N, K] int8 x ``weight_scale`` [N] float32; x quantized to int8. On CPU
     for float32 ``x`` the quantization and the scaling run in C (``cpu_int8.c``), with the same result."""
+    out_features, in_features = (
+        (weight.out_features, weight.in_features) if isinstance(weight, PackedInt8Weight) else weight.shape
+    )
     if (
         x.device.type == "cpu"
         and x.dtype == torch.float32
         and x.dim() == 2
         and x.stride(1) == 1
-        and x.shape[1] == (weight.in_features if isinstance(weight, PackedInt8Weight) else weight.shape[1])
-        and weight_scale.numel() == (weight.out_features if isinstance(weight, PackedInt8Weight) else weight.shape[0])
+        and x.shape[1] == in_features
+        and weight_scale.numel() == out_features
         and (input_scale is None or float(input_scale) > 0)
         and (lib := _cpu_kernels()) is not None
     ):
         return _int8_linear_cpu(lib, x, weight, weight_scale, input_scale)
     if isinstance(weight, PackedInt8Weight):
         raise ValueError(
-            f"a packed int8 weight takes float32 CPU inputs of {weight.in_features} features with contiguous rows, "
+            f"a packed int8 weight takes float32 CPU inputs of {in_features} features with contiguous rows, "
             f"got {x.dtype} {tuple(x.shape)} on {x.device}"
         )
     xq, x_scale = quantize_int8(x, input_scale)
