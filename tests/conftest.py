@@ -1,5 +1,5 @@
 """Shared fixtures: the real SmolLM2 weights, Hugging Face references, peft adapters of SmolLM2 and tiny
-random Llamas."""
+random Llamas; the CPU kernels built without AVX-512."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from raypaged.attention import cpu_ops
 from raypaged.model.default_model import default_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -163,3 +164,12 @@ def make_tiny_model(root: Path, smollm2_dir: Path, arch: str = "llama", **overri
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, path / name)
     return path
+
+
+def use_kernels_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on in the test, ``cpu_ops.library()`` is the CPU kernels built with ``-mno-avx512f``: on a
+    machine with AVX-512 their 8-wide loops (and AVX-VNNI) run, as on AVX2-only machines. Skips without AVX2."""
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 here")
+    library = cpu_ops.library
+    monkeypatch.setattr(cpu_ops, "library", lambda: library(("-mno-avx512f",)))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from raypaged.attention import cpu_ops, torch_ops
+from tests.conftest import use_kernels_without_avx512
 
 # SmolLM2's attention shape: 9 query heads over 3 KV heads of 64
 NUM_BLOCKS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 400, 9, 3, 64
@@ -63,10 +64,7 @@ def test_decode_head_layouts(num_heads, num_kv_heads, head_dim):
 def avx2_build(monkeypatch):
     """The kernels built without AVX-512: where a machine has it, the 16-wide loops run otherwise; this
     runs the 8-wide ones, as AVX2-only machines do."""
-    if "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("no AVX2 here")
-    library = cpu_ops.library
-    monkeypatch.setattr(cpu_ops, "library", lambda: library(("-mno-avx512f",)))
+    use_kernels_without_avx512(monkeypatch)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 64), (12, 2, 128), (6, 3, 24)])

@@ -10,7 +10,7 @@ from raypaged.attention import cpu_ops
 from raypaged.model.layers import Linear, PackedWeight, linear, pack_weight, pack_weight_onednn
 from raypaged.model.loader import load_model
 from raypaged.model.parallel import RowParallelLinear
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, use_kernels_without_avx512
 
 needs_kernels = pytest.mark.skipif(cpu_ops.unavailable_reason() is not None, reason="the CPU kernels do not build")
 needs_onednn = pytest.mark.skipif(
@@ -36,10 +36,7 @@ def build(request, monkeypatch):
     if cpu_ops.unavailable_reason() is not None:
         pytest.skip("the CPU kernels do not build")
     if request.param == "avx2":
-        if "avx2" not in open("/proc/cpuinfo").read():
-            pytest.skip("no AVX2 here")
-        library = cpu_ops.library
-        monkeypatch.setattr(cpu_ops, "library", lambda: library(("-mno-avx512f",)))
+        use_kernels_without_avx512(monkeypatch)
     return cpu_ops.library().raypaged_gemm_panel_width()
 
 

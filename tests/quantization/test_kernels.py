@@ -6,6 +6,7 @@ import torch
 from raypaged.attention import cpu_ops
 from raypaged.quantization import w8a8
 from raypaged.quantization.w8a8 import FP8, fp8_linear, int8_linear, quantize_fp8, quantize_int8
+from tests.conftest import use_kernels_without_avx512
 from tests.quantization.conftest import load
 
 GEN = torch.Generator().manual_seed(0)
@@ -104,10 +105,8 @@ def vnni(request, monkeypatch):
     8-row tiles) and built without AVX-512 (AVX-VNNI: 24 and 4); skipped where that build has no VNNI."""
     if cpu_ops.unavailable_reason() is not None:
         pytest.skip("the CPU kernels do not build")
-    library = cpu_ops.library
     if request.param == "avx2":
-        monkeypatch.setattr(cpu_ops, "library", lambda: library(("-mno-avx512f",)))
-    monkeypatch.setattr(w8a8, "_cpu_kernels", cpu_ops.library)
+        use_kernels_without_avx512(monkeypatch)
     lib = cpu_ops.library()
     if lib.raypaged_int8_gemm_panel_width() == 0:
         pytest.skip(f"no VNNI in the {request.param} build here")
