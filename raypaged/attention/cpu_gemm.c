@@ -62,10 +62,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     for (int64_t kk = 0; kk < k; kk++) {
         vec_t b[NV];
         for (int v = 0; v < NV; v++) b[v] = *(const vec_t *)(panel + kk * NR + v * VEC);
-        if (prefetch) /* this step's share of the part: spread over the whole pass */
-            for (const char *line = prefetch + ((kk * NR * 4) >> share), *end = prefetch + (((kk + 1) * NR * 4) >> share);
-                 line < end; line += 64)
-                __builtin_prefetch(line);
+        prefetch_step(prefetch, kk, NR * 4, share);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
             if (r < rows) {
@@ -113,44 +110,34 @@ static void tile_rows(const float *x, int64_t ldx, const float *panel, int64_t k
     }
 }
 
+/* What every (chunk, panel) of one call shares */
+struct linear_call {
+    const float *x, *packed, *bias;
+    float *y;
+    int64_t ldx, k, n, panels, ldy;
+};
+
 /* One chunk of rows [chunk, chunk_end) against panel p */
-static inline void chunk_panel(const float *x, int64_t ldx, const float *packed, int64_t k, int64_t n, int64_t panels,
-                               const float *bias, float *y, int64_t ldy, int64_t chunk, int64_t chunk_end, int64_t p) {
+static void chunk_panel(const void *call_ptr, int64_t chunk, int64_t chunk_end, int64_t p) {
+    const struct linear_call *c = call_ptr;
     const int share = prefetch_share((chunk_end - chunk + MR - 1) / MR);
-    const int cols = p * NR + NR <= n ? NR : (int)(n - p * NR);
-    const float *panel = packed + p * k * NR;
+    const int cols = p * NR + NR <= c->n ? NR : (int)(c->n - p * NR);
+    const float *panel = c->packed + p * c->k * NR;
     for (int64_t row = chunk; row < chunk_end; row += MR) {
         int rows = chunk_end - row < MR ? (int)(chunk_end - row) : MR;
-        /* the next panel is brought in by the first 1, 2 or 4 tiles, each a part of it */
-        int64_t tile_index = (row - chunk) / MR;
-        const char *prefetch = NULL;
-        if (p + 1 < panels && tile_index < (1 << share))
-            prefetch = (const char *)(panel + k * NR) + tile_index * ((k * NR * 4) >> share);
-        tile_rows(x + row * ldx, ldx, panel, k, bias ? bias + p * NR : NULL, y + row * ldy + p * NR, ldy, rows, cols,
-                  prefetch, share);
+        const char *prefetch =
+            next_panel_part(panel + c->k * NR, c->k * NR * 4, p + 1 < c->panels, (row - chunk) / MR, share);
+        tile_rows(c->x + row * c->ldx, c->ldx, panel, c->k, c->bias ? c->bias + p * NR : NULL,
+                  c->y + row * c->ldy + p * NR, c->ldy, rows, cols, prefetch, share);
     }
 }
 
-/* y [m, n] (rows ldy apart) = x [m, k] (rows ldx apart) @ W^T + bias (NULL: none), W packed as above.
- * Chunk by chunk, the threads sharing each chunk's panels (they share its rows in cache too); where there
- * are fewer panels than threads, chunks are smaller (cpu_tiles.h) and (chunk, panel) pairs are shared. */
+/* y [m, n] (rows ldy apart) = x [m, k] (rows ldx apart) @ W^T + bias (NULL: none), W packed as above; the
+ * (chunk, panel) pairs split between the threads as cpu_tiles.h says */
 void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                          const float *bias, float *y, int64_t ldy, int threads) {
-    const int64_t panels = (n + NR - 1) / NR, rows_per_chunk = chunk_rows(m, panels, threads, MR, MC);
-    const int64_t chunks = (m + rows_per_chunk - 1) / rows_per_chunk;
-    if (panels >= threads) {
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t chunk = c * rows_per_chunk, end = chunk + rows_per_chunk < m ? chunk + rows_per_chunk : m;
-#pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t p = 0; p < panels; p++) chunk_panel(x, ldx, packed, k, n, panels, bias, y, ldy, chunk, end, p);
-        }
-        return;
-    }
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-        for (int64_t p = 0; p < panels; p++) {
-            const int64_t chunk = c * rows_per_chunk, end = chunk + rows_per_chunk < m ? chunk + rows_per_chunk : m;
-            chunk_panel(x, ldx, packed, k, n, panels, bias, y, ldy, chunk, end, p);
-        }
-    }
+    const int64_t panels = (n + NR - 1) / NR;
+    const struct linear_call call = {
+        .x = x, .packed = packed, .bias = bias, .y = y, .ldx = ldx, .k = k, .n = n, .panels = panels, .ldy = ldy};
+    for_chunk_panels(m, panels, threads, MR, MC, chunk_panel, &call);
 }

@@ -128,7 +128,8 @@ __attribute__((optimize("fp-contract=off"))) static void scale_tile(const int32_
                                                                      float *y, int64_t ldy) {
     for (int r = 0; r < rows; r++) {
         const float xs = x_scales[r * x_scale_stride];
-        for (int j = 0; j < cols; j++) y[r * ldy + j] = ((float)(sums[r * I8_NR + j] - 128 * colsum[j]) * xs) * w_scales[j];
+        for (int j = 0; j < cols; j++)
+            y[r * ldy + j] = ((float)(sums[r * I8_NR + j] - 128 * colsum[j]) * xs) * w_scales[j];
     }
 }
 
@@ -143,11 +144,7 @@ static inline __attribute__((always_inline)) void int8_tile(const uint8_t *x, in
     for (int64_t g = 0; g < groups; g++) {
         i8vec_t b[I8_NV];
         for (int v = 0; v < I8_NV; v++) b[v] = I8_LOAD(panel + (g * I8_NR + v * I8_LANES) * 4);
-        if (prefetch) /* as in cpu_gemm.c: this step's share of the next panel's part */
-            for (const char *line = prefetch + ((g * I8_NR * 4) >> share),
-                            *end = prefetch + (((g + 1) * I8_NR * 4) >> share);
-                 line < end; line += 64)
-                __builtin_prefetch(line);
+        prefetch_step(prefetch, g, I8_NR * 4, share);
 #pragma GCC unroll 8
         for (int r = 0; r < I8_MR; r++) {
             if (r < rows) {
@@ -181,24 +178,30 @@ static void int8_tile_rows(const uint8_t *x, int64_t ldx, const int8_t *panel, i
     }
 }
 
+/* What every (chunk, panel) of one call shares */
+struct int8_linear_call {
+    const uint8_t *x_u;
+    const int8_t *packed;
+    const int32_t *colsum;
+    const float *x_scales, *w_scales;
+    float *y;
+    int64_t ldu, groups, panel_bytes, n, panels, x_scale_stride, ldy;
+};
+
 /* One chunk of rows [chunk, chunk_end) of x_u (x_q + 128) against panel p, scaled into y */
-static inline void int8_chunk_panel(const uint8_t *x_u, int64_t ldu, const int8_t *packed, int64_t groups,
-                                    int64_t panel_bytes, int64_t n, int64_t panels, const int32_t *colsum,
-                                    const float *x_scales, int64_t x_scale_stride, const float *w_scales, float *y,
-                                    int64_t ldy, int64_t chunk, int64_t chunk_end, int64_t p) {
+static void int8_chunk_panel(const void *call_ptr, int64_t chunk, int64_t chunk_end, int64_t p) {
+    const struct int8_linear_call *c = call_ptr;
     const int share = prefetch_share((chunk_end - chunk + I8_MR - 1) / I8_MR);
     int32_t sums[I8_MR * I8_NR] __attribute__((aligned(64)));
-    const int cols = p * I8_NR + I8_NR <= n ? I8_NR : (int)(n - p * I8_NR);
-    const int8_t *panel = packed + p * panel_bytes;
+    const int cols = p * I8_NR + I8_NR <= c->n ? I8_NR : (int)(c->n - p * I8_NR);
+    const int8_t *panel = c->packed + p * c->panel_bytes;
     for (int64_t row = chunk; row < chunk_end; row += I8_MR) {
         int rows = chunk_end - row < I8_MR ? (int)(chunk_end - row) : I8_MR;
-        int64_t tile_index = (row - chunk) / I8_MR; /* the first 1, 2 or 4 tiles bring in the next panel */
-        const char *prefetch = NULL;
-        if (p + 1 < panels && tile_index < (1 << share))
-            prefetch = (const char *)(panel + panel_bytes) + tile_index * (panel_bytes >> share);
-        int8_tile_rows(x_u + row * ldu, ldu, panel, groups, rows, sums, prefetch, share);
-        scale_tile(sums, rows, cols, colsum + p * I8_NR, x_scales + row * x_scale_stride, x_scale_stride,
-                   w_scales + p * I8_NR, y + row * ldy + p * I8_NR, ldy);
+        const char *prefetch =
+            next_panel_part(panel + c->panel_bytes, c->panel_bytes, p + 1 < c->panels, (row - chunk) / I8_MR, share);
+        int8_tile_rows(c->x_u + row * c->ldu, c->ldu, panel, c->groups, rows, sums, prefetch, share);
+        scale_tile(sums, rows, cols, c->colsum + p * I8_NR, c->x_scales + row * c->x_scale_stride, c->x_scale_stride,
+                   c->w_scales + p * I8_NR, c->y + row * c->ldy + p * I8_NR, c->ldy);
     }
 }
 
@@ -217,26 +220,11 @@ int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ld
         for (int64_t i = 0; i < k; i++) x_u[r * ldu + i] = (uint8_t)x_q[r * ldx + i] ^ 0x80;
         for (int64_t i = k; i < groups * 4; i++) x_u[r * ldu + i] = 0; /* times the packed zeros */
     }
-    const int64_t rows_per_chunk = chunk_rows(m, panels, num_threads, I8_MR, I8_MC);
-    const int64_t chunks = (m + rows_per_chunk - 1) / rows_per_chunk;
-    if (panels >= num_threads) { /* chunk by chunk, the threads sharing its panels (and its rows in cache) */
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t chunk = c * rows_per_chunk, end = chunk + rows_per_chunk < m ? chunk + rows_per_chunk : m;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-            for (int64_t p = 0; p < panels; p++)
-                int8_chunk_panel(x_u, ldu, packed, groups, panel_bytes, n, panels, colsum, x_scales, x_scale_stride,
-                                 w_scales, y, ldy, chunk, end, p);
-        }
-    } else { /* fewer panels than threads: smaller chunks (cpu_tiles.h), (chunk, panel) pairs shared */
-#pragma omp parallel for collapse(2) num_threads(num_threads) schedule(static)
-        for (int64_t c = 0; c < chunks; c++) {
-            for (int64_t p = 0; p < panels; p++) {
-                const int64_t chunk = c * rows_per_chunk, end = chunk + rows_per_chunk < m ? chunk + rows_per_chunk : m;
-                int8_chunk_panel(x_u, ldu, packed, groups, panel_bytes, n, panels, colsum, x_scales, x_scale_stride,
-                                 w_scales, y, ldy, chunk, end, p);
-            }
-        }
-    }
+    const struct int8_linear_call call = {
+        .x_u = x_u, .packed = packed, .colsum = colsum, .x_scales = x_scales, .w_scales = w_scales, .y = y,
+        .ldu = ldu, .groups = groups, .panel_bytes = panel_bytes, .n = n, .panels = panels,
+        .x_scale_stride = x_scale_stride, .ldy = ldy};
+    for_chunk_panels(m, panels, num_threads, I8_MR, I8_MC, int8_chunk_panel, &call);
     free(x_u);
     return 0;
 }

@@ -16,6 +16,41 @@ static inline int64_t chunk_rows(int64_t m, int64_t panels, int threads, int64_t
     return rows < tile_rows ? tile_rows : rows;
 }
 
-/* The next panel is prefetched by the first 1, 2 or 4 tiles of a chunk, each a 2^-share part of it */
+/* The next panel is prefetched by the first 1, 2 or 4 tiles of a chunk, each a 2^-share part of it, spread
+ * over its steps: all of it at once, it arrived too late for the first tile and left the others nothing. */
 static inline int prefetch_share(int64_t chunk_tiles) { return chunk_tiles >= 4 ? 2 : chunk_tiles >= 2 ? 1 : 0; }
+
+/* The part of the next panel (NULL: none) that the tile_index-th tile of a chunk prefetches */
+static inline const char *next_panel_part(const void *next_panel, int64_t panel_bytes, int has_next,
+                                          int64_t tile_index, int share) {
+    if (!has_next || tile_index >= (1 << share)) return NULL;
+    return (const char *)next_panel + tile_index * (panel_bytes >> share);
+}
+
+/* A tile's step `step` (of step_bytes of its own panel) asks for the same share of `part` */
+static inline void prefetch_step(const char *part, int64_t step, int64_t step_bytes, int share) {
+    if (!part) return;
+    for (const char *line = part + ((step * step_bytes) >> share), *end = part + (((step + 1) * step_bytes) >> share);
+         line < end; line += 64)
+        __builtin_prefetch(line);
+}
+
+/* Runs run(ctx, chunk, chunk_end, panel) for every chunk of rows [chunk, chunk_end) of x (chunk_rows) and
+ * every panel, on `threads` threads: chunk by chunk, the threads sharing its panels (and its rows in cache);
+ * where there are fewer panels than threads, (chunk, panel) pairs shared. */
+typedef void (*chunk_panel_fn)(const void *ctx, int64_t chunk, int64_t chunk_end, int64_t panel);
+static inline void for_chunk_panels(int64_t m, int64_t panels, int threads, int64_t tile_rows, int64_t max_rows,
+                                    chunk_panel_fn run, const void *ctx) {
+    const int64_t rows = chunk_rows(m, panels, threads, tile_rows, max_rows), chunks = (m + rows - 1) / rows;
+    if (panels >= threads) {
+        for (int64_t c = 0; c < chunks; c++) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t p = 0; p < panels; p++) run(ctx, c * rows, c * rows + rows < m ? c * rows + rows : m, p);
+        }
+        return;
+    }
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (int64_t c = 0; c < chunks; c++)
+        for (int64_t p = 0; p < panels; p++) run(ctx, c * rows, c * rows + rows < m ? c * rows + rows : m, p);
+}
 #endif
