@@ -1,6 +1,6 @@
 /* exp(x) for x <= 0 by range reduction and the Cephes single-precision polynomial (about 1 ulp),
  * written so that a loop over it vectorizes (no floorf, no union: GCC vectorizes neither).
- * Shared by the CPU kernels (cpu_decode.c, cpu_fused.c). */
+ * Shared by the CPU kernels (cpu_decode.c, and cpu_silu.h for cpu_fused.c and cpu_gemm.c). */
 #ifndef RAYPAGED_CPU_EXP_H
 #define RAYPAGED_CPU_EXP_H
 

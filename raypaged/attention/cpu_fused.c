@@ -12,8 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_exp.h"
 #include "cpu_fp8.h"
+#include "cpu_silu.h"
 
 #define PARALLEL_ELEMENTS 65536
 
@@ -45,17 +45,6 @@ void raypaged_fused_add_rms_norm_f32(float *x, float *residual, const float *w, 
 #pragma omp simd
         for (int64_t d = 0; d < n; ++d) res[d] += xr[d];
         norm_row(res, w, xr, n, eps);
-    }
-}
-
-/* out = silu(gate) * up over one row of n, silu(g) = g * sigmoid(g) with sigmoid from exp(-|g|) */
-static inline void silu_mul_row(const float *gate, const float *up, float *out, int64_t n) {
-#pragma omp simd
-    for (int64_t d = 0; d < n; ++d) {
-        const float g = gate[d];
-        const float e = exp_nonpositive(-fabsf(g));
-        const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
-        out[d] = g * sigmoid * up[d];
     }
 }
 

@@ -71,7 +71,7 @@ _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_silu_and_mul_f32": ((_PTR, _PTR, _I64, _I64, _INT), None),
     "raypaged_gemm_panel_width": ((), _INT),
     "raypaged_pack_weight_f32": ((_PTR, _I64, _I64, _I64, _PTR, _INT), None),
-    "raypaged_linear_f32": ((_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT), None),
+    "raypaged_linear_f32": ((_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT), None),
     "raypaged_rotary_and_cache_f32": ((_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64,
                                        _PTR, _I64, _I64, _I64, _I64, _I64, _INT), _INT),
 }

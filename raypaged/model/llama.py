@@ -199,8 +199,12 @@ class LlamaMLP(nn.Module):
         return self.first_row, shard * self.intermediate_size, self.intermediate_size
 
     def forward(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:
-        act = silu_and_mul if fused is None else fused.silu_and_mul
-        return self.down_proj(act(self.gate_up_proj(x)))
+        if fused is None:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if isinstance(gate_up, Linear):  # in one pass where its weight is packed gated (pack_weights)
+            return self.down_proj(gate_up.silu_and_mul(x, fused.silu_and_mul))
+        return self.down_proj(fused.silu_and_mul(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -337,9 +341,13 @@ class LlamaForCausalLM(nn.Module):
         self.model.fused_ops = backend.fused_ops
 
     def pack_weights(self) -> None:
-        """Every float linear's weight, the LM head's too, in oneDNN's layout (after loading; fp32 on a CPU)."""
+        """Every float linear's weight, the LM head's too, packed for ``layers.linear`` (after loading; fp32 on a
+        CPU); the MLPs' gate | up weights gated, for their fused silu_and_mul."""
+        gate_ups = {id(module.gate_up_proj) for module in self.modules() if isinstance(module, LlamaMLP)}
         for module in self.modules():
-            if isinstance(module, (Linear, RowParallelLinear)):
+            if isinstance(module, Linear):
+                module.pack(gated=id(module) in gate_ups)
+            elif isinstance(module, RowParallelLinear):
                 module.pack()
         if self.lm_head is None:
             self.model.embed_tokens.pack_head(tied=True)

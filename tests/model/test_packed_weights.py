@@ -6,8 +6,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from raypaged.attention import cpu_ops
-from raypaged.model.layers import Linear, PackedWeight, linear, pack_weight, pack_weight_onednn
+from raypaged.attention import cpu_fused, cpu_ops
+from raypaged.model.layers import (
+    Linear,
+    PackedWeight,
+    linear,
+    pack_weight,
+    pack_weight_onednn,
+    silu_and_mul_linear,
+)
 from raypaged.model.loader import load_model
 from raypaged.model.parallel import RowParallelLinear
 from tests.conftest import make_tiny_model, use_kernels_without_avx512
@@ -98,6 +105,56 @@ def test_a_row_gets_the_same_bits_in_any_batch_and_with_any_thread_count(build):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("half", [1, 11, 12, 24, 25, 70])
+def test_the_gated_layout_puts_each_panels_gate_rows_beside_the_same_up_rows(build, half):
+    width = build
+    weight = torch.randn(2 * half, 9)
+    packed = pack_weight(weight, gated=True)
+    assert packed.gated and (packed.out_features, packed.in_features) == (2 * half, 9)
+    panels = -(-half // (width // 2))
+    assert tuple(packed.shape) == (panels, 9, width)
+    columns = packed.detach().transpose(1, 2).reshape(panels, 2, width // 2, 9)
+    for j in (0, half - 1):  # gate row j and up row j: the same panel, the same place in its halves
+        assert torch.equal(columns[j // (width // 2), 0, j % (width // 2)], weight[j])
+        assert torch.equal(columns[j // (width // 2), 1, j % (width // 2)], weight[half + j])
+    halves = columns.transpose(0, 1).reshape(2, panels * (width // 2), 9)  # gate rows, up rows: zeros past half
+    assert torch.equal(halves[:, :half], weight.view(2, half, 9)) and not halves[:, half:].any()
+    assert torch.equal(packed.unpack(), weight)
+
+
+@pytest.mark.parametrize(("rows", "in_features", "half"), [(1, 5, 1), (4, 64, 24), (9, 80, 25), (515, 33, 37)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_gated_weight_gives_the_plain_bits_and_its_silu_those_of_the_separate_pass(
+    build, rows, in_features, half, bias
+):
+    x, weight, b, exact = integer_case(rows, in_features, 2 * half, bias)
+    gated = pack_weight(weight, gated=True)
+    assert torch.equal(linear(x, gated, b), exact)
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, in_features), torch.randn(2 * half, in_features)
+    b = torch.randn(2 * half) if bias else None
+    plain = linear(x, pack_weight(weight), b)
+    assert torch.equal(linear(x, pack_weight(weight, gated=True), b), plain)
+    fused = silu_and_mul_linear(x, pack_weight(weight, gated=True), b)
+    assert fused.shape == (rows, half) and torch.equal(fused, cpu_fused.silu_and_mul(plain))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(7)
+        torch.full(fused.shape, float("nan"))  # freed at once: what an output row left unwritten would hold
+        assert torch.equal(silu_and_mul_linear(x, pack_weight(weight, gated=True), b), fused)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_a_gated_weight_needs_even_rows_and_the_fused_silu_a_gated_weight():
+    with pytest.raises(ValueError, match="a gated \\(gate \\| up\\) weight has an even number of rows, got 7"):
+        PackedWeight.pack(torch.randn(7, 16), gated=True)
+    message = r"silu_and_mul_linear takes a weight packed gated \(PackedWeight.pack\(weight, gated=True\)\)"
+    with pytest.raises(ValueError, match=message):
+        silu_and_mul_linear(torch.randn(2, 16), PackedWeight.pack(torch.randn(8, 16)))
+
+
 @needs_kernels
 def test_a_packed_weight_refuses_other_inputs_by_shape_and_dtype():
     packed = pack_weight(torch.randn(8, 16))
@@ -145,6 +202,9 @@ def test_loading_an_fp32_model_on_cpu_packs_every_float_linear_and_the_head(tmp_
     assert len(linears) == 2 * 4 and all(isinstance(m.weight, PackedWeight) for m in linears)
     layer = model.model.layers[1]
     assert torch.equal(layer.self_attn.o_proj.weight.unpack(), checkpoint["model.layers.1.self_attn.o_proj.weight"])
+    assert [m.weight.gated for m in linears] == [False, False, True, False] * 2  # qkv, o, gate_up, down
+    gate_up = torch.cat([checkpoint[f"model.layers.1.mlp.{name}_proj.weight"] for name in ("gate", "up")])
+    assert torch.equal(layer.mlp.gate_up_proj.weight.unpack(), gate_up)
     embed = model.model.embed_tokens
     assert not isinstance(embed.weight, PackedWeight)  # looked up by row
     assert torch.equal(embed.weight, checkpoint["model.embed_tokens.weight"])
