@@ -7,22 +7,24 @@
  * row strides and a contiguous last dimension; the output is [num_seqs, num_heads, head_dim],
  * contiguous. Query heads h * G .. h * G + G - 1 share KV head h (G = num_heads / num_kv_heads).
  *
- * Work items are (sequence, context partition): each walks its blocks once, and for each block all
- * the KV heads in turn, so it reads one block's K rows (and then its V rows) as one contiguous run
- * of num_kv_heads * block_size * head_dim floats, scoring each K row once for all G query heads of
- * its KV head. The softmax is online (flash-decoding): a running max, sum and unnormalized output
- * per query head, rescaled when a block raises the max. A context longer than one partition
- * (PARTITION_TOKENS, rounded to whole blocks; smaller when a step has too few tokens to give every
- * thread work) is split, and a second pass combines its partitions. Partitions depend only on the
- * inputs, never on the thread count, so the result is the same on any number of threads.
+ * Work items are (sequence, context partition): each walks its blocks twice, for each block all the KV heads
+ * in turn, so that it reads one block's K rows (then, in the second pass, its V rows) as one contiguous run of
+ * num_kv_heads * block_size * head_dim floats, scoring each K row once for all G query heads of its KV head.
+ * Between the passes each query head's scores over the whole partition become softmax weights with their
+ * true max, so nothing is rescaled as a running max rises (the online softmax per block that this replaced
+ * spent more on its rescaling and its scalar max than on the dot products: a layer 133 -> 127 us from L3,
+ * 236 -> 224 us from a 4 GiB pool, W6 +3 %). A context longer than one partition (PARTITION_TOKENS, rounded
+ * to whole blocks; smaller when a step has too few tokens to give every thread work) is split, and a second
+ * pass combines its partitions (flash-decoding). Partitions depend only on the inputs, never on the thread
+ * count, so the result is the same on any number of threads.
  *
  * Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block: each
- * block's K and V rows of a KV head are asked for while the block before is scored for that head (all of
- * the next block at once, before the first head, arrived later: one layer from the 4 GiB pool 286-340 ->
- * 240-246 us, from L3 131-137 -> 129-131).
+ * block's rows of a KV head are asked for while the block before is worked on for that head (all of the
+ * next block at once, before the first head, arrived later: one layer from the 4 GiB pool 286-340 ->
+ * 240-246 us, from L3 131-137 -> 129-131), and the V pass's first block during the K pass's last.
  * Measured with 32 sequences of 100-260 tokens (SmolLM2's 9 query heads over 3 KV heads of 64) on
  * 2 AVX-512 EPYC cores: 20 -> 25-28 GB/s from a 4 GiB pool of huge pages, 49 -> 58-63 GB/s from L3,
- * against the per-head two-pass kernel before it.
+ * against the per-head two-pass kernel before those (which read each block once per KV head).
  *
  * Built by raypaged.attention.cpu_ops with the host's compiler and OpenMP (torch's own libgomp,
  * so both share one thread pool).
@@ -34,7 +36,6 @@
 
 #include "cpu_exp.h"
 #include "cpu_fp8.h"
-#include "cpu_softmax.h"
 
 #define PARTITION_TOKENS 512
 /* below this many work items a step's partitions shrink (to whole blocks, at least MIN_PARTITION_TOKENS) */
@@ -147,29 +148,26 @@ static inline __attribute__((always_inline)) void weighted_rows_wide(const float
 #define WIDE_PATH 0
 #endif
 
-/* Asks for the bytes [k, k + bytes) and [v, v + bytes) ahead of use, line by line in turn: a block's rows
- * lie far from the next block's, beyond where the hardware prefetcher follows a stream. */
-static inline void prefetch2(const void *k, const void *v, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch((const char *)k + b, 0, 3);
-        __builtin_prefetch((const char *)v + b, 0, 3);
-    }
+/* Asks for the bytes [p, p + bytes) ahead of use, line by line: a block's rows lie far from the next block's,
+ * beyond where the hardware prefetcher follows a stream. */
+static inline void prefetch_bytes(const void *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
 }
 
-/* scores[g * run + t] = scale * q_g . k_t for the run's K rows and the G query heads of one KV head */
+/* scores[g * n + t] = scale * q_g . k_t for the run's K rows and the G query heads of one KV head */
 static void score_rows(const float *q, int64_t G, int64_t D, const float *k, int64_t run, float scale,
-                       float *scores) {
+                       float *scores, int64_t n) {
     int64_t t = 0;
 #if WIDE_PATH
     if (D % 16 == 0) {
         for (int64_t g = 0; g < G; g += 3) {
             const float *qg = q + g * D;
-            float *s = scores + g * run;
+            float *s = scores + g * n;
             int64_t u = 0;
             switch (G - g) {
-                case 1: for (; u + 8 <= run; u += 8) dot8_wide(qg, D, k + u * D, scale, s + u, run, 1); break;
-                case 2: for (; u + 8 <= run; u += 8) dot8_wide(qg, D, k + u * D, scale, s + u, run, 2); break;
-                default: for (; u + 8 <= run; u += 8) dot8_wide(qg, D, k + u * D, scale, s + u, run, 3); break;
+                case 1: for (; u + 8 <= run; u += 8) dot8_wide(qg, D, k + u * D, scale, s + u, n, 1); break;
+                case 2: for (; u + 8 <= run; u += 8) dot8_wide(qg, D, k + u * D, scale, s + u, n, 2); break;
+                default: for (; u + 8 <= run; u += 8) dot8_wide(qg, D, k + u * D, scale, s + u, n, 3); break;
             }
             t = u;
         }
@@ -177,7 +175,7 @@ static void score_rows(const float *q, int64_t G, int64_t D, const float *k, int
 #endif
 #if VECTOR_PATH
     if (D % 8 == 0)
-        for (; t + 8 <= run; t += 8) dot8(q, G, D, k + t * D, scale, scores + t, run);
+        for (; t + 8 <= run; t += 8) dot8(q, G, D, k + t * D, scale, scores + t, n);
 #endif
     for (; t < run; ++t) {
         const float *kt = k + t * D;
@@ -186,20 +184,20 @@ static void score_rows(const float *q, int64_t G, int64_t D, const float *k, int
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
-            scores[g * run + t] = dot * scale;
+            scores[g * n + t] = dot * scale;
         }
     }
 }
 
-/* acc[g * D ..] += sum_t p[g * run + t] * v_t for the run's V rows, G query heads */
-static void accumulate_rows(const float *p, int64_t G, int64_t D, const float *v, int64_t run, float *acc) {
+/* acc[g * D ..] += sum_t p[g * n + t] * v_t for the run's V rows, G query heads */
+static void accumulate_rows(const float *p, int64_t n, int64_t G, int64_t D, const float *v, int64_t run, float *acc) {
 #if WIDE_PATH
     if (D % 16 == 0) {
         for (int64_t g = 0; g < G; g += 3) {
             switch (G - g) {
-                case 1: weighted_rows_wide(p + g * run, run, v, run, D, acc + g * D, 1); break;
-                case 2: weighted_rows_wide(p + g * run, run, v, run, D, acc + g * D, 2); break;
-                default: weighted_rows_wide(p + g * run, run, v, run, D, acc + g * D, 3); break;
+                case 1: weighted_rows_wide(p + g * n, n, v, run, D, acc + g * D, 1); break;
+                case 2: weighted_rows_wide(p + g * n, n, v, run, D, acc + g * D, 2); break;
+                default: weighted_rows_wide(p + g * n, n, v, run, D, acc + g * D, 3); break;
             }
         }
         return;
@@ -209,10 +207,10 @@ static void accumulate_rows(const float *p, int64_t G, int64_t D, const float *v
     if (D % 8 == 0) {
         for (int64_t g = 0; g < G; g += 4) {
             switch (G - g) {
-                case 1: weighted_rows(p + g * run, run, v, run, D, acc + g * D, 1); break;
-                case 2: weighted_rows(p + g * run, run, v, run, D, acc + g * D, 2); break;
-                case 3: weighted_rows(p + g * run, run, v, run, D, acc + g * D, 3); break;
-                default: weighted_rows(p + g * run, run, v, run, D, acc + g * D, 4); break;
+                case 1: weighted_rows(p + g * n, n, v, run, D, acc + g * D, 1); break;
+                case 2: weighted_rows(p + g * n, n, v, run, D, acc + g * D, 2); break;
+                case 3: weighted_rows(p + g * n, n, v, run, D, acc + g * D, 3); break;
+                default: weighted_rows(p + g * n, n, v, run, D, acc + g * D, 4); break;
             }
         }
         return;
@@ -221,61 +219,91 @@ static void accumulate_rows(const float *p, int64_t G, int64_t D, const float *v
     for (int64_t t = 0; t < run; ++t) {
         const float *vt = v + t * D;
         for (int64_t g = 0; g < G; ++g) {
-            float pg = p[g * run + t], *a = acc + g * D;
+            float pg = p[g * n + t], *a = acc + g * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) a[d] += pg * vt[d];
         }
     }
 }
 
-/* The online softmax over one run's scores (in place, into weights), per query head: stats[2 * g] is
- * the running max, stats[2 * g + 1] the running sum; acc[g * D ..] is rescaled when the max rises. */
-static void softmax_rows(float *scores, int64_t G, int64_t D, int64_t run, float *acc, float *stats) {
-    for (int64_t g = 0; g < G; ++g) online_softmax_row(scores + g * run, run, run, acc + g * D, D, stats + 2 * g);
+/* The softmax of each of the H rows of n scores (rows n apart), in place into the weights exp(s - max):
+ * stats[2 * h] is the row's max, stats[2 * h + 1] the sum of its weights */
+static void softmax_rows(float *scores, int64_t H, int64_t n, float *stats) {
+    for (int64_t h = 0; h < H; ++h) {
+        float *s = scores + h * n, max = s[0], sum = 0.0f, lanes[16];
+        int64_t t = 0;
+        if (n >= 16) { /* 16 running maxima side by side (a vector), then theirs */
+            for (int l = 0; l < 16; ++l) lanes[l] = s[l];
+            for (t = 16; t + 16 <= n; t += 16)
+                for (int l = 0; l < 16; ++l) lanes[l] = s[t + l] > lanes[l] ? s[t + l] : lanes[l];
+            for (int l = 0; l < 16; ++l) max = lanes[l] > max ? lanes[l] : max;
+        }
+        for (; t < n; ++t) max = s[t] > max ? s[t] : max;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; ++t) {
+            const float w = exp_nonpositive(s[t] - max);
+            s[t] = w;
+            sum += w;
+        }
+        stats[2 * h] = max;
+        stats[2 * h + 1] = sum;
+    }
 }
 
-/* One work item: all num_heads = H query heads over tokens [start, end) of one sequence (q [H, D]).
- * Writes each head's max and sum (stats[2 * h], stats[2 * h + 1]) and unnormalized output
- * (acc[h * D ..]); scores holds G * block_size floats. The caches hold float32, or fp8 e4m3 when fp8 is
- * set: then each run's K and V rows are widened into widened[0 .. 2 * block_size * D) first. */
-static void attend_partition(const float *q, int64_t G, int64_t num_kv_heads, int64_t D, const void *k_cache,
-                             const void *v_cache, int fp8, const int64_t *table, int64_t block_size, int64_t start,
-                             int64_t end, float scale, float *scores, float *acc, float *stats, float *widened) {
-    const int64_t H = G * num_kv_heads, head_floats = block_size * D, element = fp8 ? 1 : sizeof(float);
-    const int64_t block_bytes = element * num_kv_heads * head_floats;
-    const char *k_bytes = k_cache, *v_bytes = v_cache;
-    for (int64_t h = 0; h < H; ++h) {
-        stats[2 * h] = -FLT_MAX;
-        stats[2 * h + 1] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * H * D);
-    /* where the first block lies, in bytes */
-    int64_t first = table[start / block_size] * block_bytes;
-    prefetch2(k_bytes + first, v_bytes + first, block_bytes);
-    for (int64_t pos = start, run; pos < end; pos += run) {
-        const int64_t block = table[pos / block_size], offset = pos % block_size;
-        run = block_size - offset < end - pos ? block_size - offset : end - pos;
-        /* the next block, a KV head's rows at a time while this block's rows of that head are scored */
-        const int64_t next = pos + run < end ? table[(pos + run) / block_size] * block_bytes : -1;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-            if (next >= 0) {
-                const int64_t part = next + h * element * head_floats;
-                prefetch2(k_bytes + part, v_bytes + part, element * head_floats);
+/* One work item's tokens [start, end) of one sequence, the block table its blocks', and the layout */
+struct partition {
+    const int64_t *table;
+    int64_t block_size, num_kv_heads, G, D, start, end;
+    int fp8;
+};
+
+/* One pass over a partition's blocks, a block run at a time and each KV head's rows of it in turn (widened from
+ * fp8 into `widened` first, when fp8 is set), the next block's rows of that head asked for meanwhile (after the
+ * last run: the first block of `then`, the next pass's cache, unless NULL). The K pass (v NULL) writes the
+ * scores (rows n = end - start apart, G of each KV head in turn); the V pass (v set) adds the weights in
+ * their place times the V rows into acc [H, D]. */
+static void pass(const struct partition *w, const float *q, float scale, const void *cache, const void *then,
+                 int is_v, float *scores, float *acc, float *widened) {
+    const int64_t G = w->G, D = w->D, n = w->end - w->start, head_floats = w->block_size * D;
+    const int64_t head_bytes = (w->fp8 ? 1 : sizeof(float)) * head_floats, block_bytes = head_bytes * w->num_kv_heads;
+    for (int64_t pos = w->start, run; pos < w->end; pos += run) {
+        const int64_t block = w->table[pos / w->block_size], offset = pos % w->block_size;
+        run = w->block_size - offset < w->end - pos ? w->block_size - offset : w->end - pos;
+        const char *next = NULL;
+        if (pos + run < w->end)
+            next = (const char *)cache + w->table[(pos + run) / w->block_size] * block_bytes;
+        else if (then)
+            next = (const char *)then + w->table[w->start / w->block_size] * block_bytes;
+        for (int64_t h = 0; h < w->num_kv_heads; ++h) {
+            if (next) prefetch_bytes(next + h * head_bytes, head_bytes);
+            const int64_t row = (block * w->num_kv_heads + h) * head_floats + offset * D;
+            const float *rows = (const float *)cache + row;
+            if (w->fp8) {
+                widen_fp8_e4m3((const uint8_t *)cache + row, run * D, widened);
+                rows = widened;
             }
-            const int64_t row = (block * num_kv_heads + h) * head_floats + offset * D;
-            const float *k = widened, *v = widened + head_floats;
-            if (fp8) {
-                widen_fp8_e4m3((const uint8_t *)k_bytes + row, run * D, widened);
-                widen_fp8_e4m3((const uint8_t *)v_bytes + row, run * D, widened + head_floats);
-            } else {
-                k = (const float *)k_bytes + row;
-                v = (const float *)v_bytes + row;
-            }
-            score_rows(q + h * G * D, G, D, k, run, scale, scores);
-            softmax_rows(scores, G, D, run, acc + h * G * D, stats + 2 * h * G);
-            accumulate_rows(scores, G, D, v, run, acc + h * G * D);
+            float *s = scores + h * G * n + (pos - w->start);
+            if (is_v)
+                accumulate_rows(s, n, G, D, rows, run, acc + h * G * D);
+            else
+                score_rows(q + h * G * D, G, D, rows, run, scale, s, n);
         }
     }
+}
+
+/* One work item: all H query heads (q [H, D]) over its partition, in two passes over its blocks with the
+ * softmax between (no rescaling as a running max rises). Writes each head's max and sum (stats[2 * h],
+ * stats[2 * h + 1]) and unnormalized output (acc[h * D ..]); scores holds H * (end - start) floats, widened
+ * block_size * D (fp8 caches). */
+static void attend_partition(const struct partition *w, const float *q, const void *k_cache, const void *v_cache,
+                             float scale, float *scores, float *acc, float *stats, float *widened) {
+    const int64_t H = w->G * w->num_kv_heads, head_bytes = (w->fp8 ? 1 : sizeof(float)) * w->block_size * w->D;
+    const int64_t first = w->table[w->start / w->block_size] * head_bytes * w->num_kv_heads;
+    prefetch_bytes((const char *)k_cache + first, head_bytes * w->num_kv_heads);
+    pass(w, q, scale, k_cache, v_cache, 0, scores, acc, widened);
+    softmax_rows(scores, H, w->end - w->start, stats);
+    memset(acc, 0, sizeof(float) * H * w->D);
+    pass(w, q, scale, v_cache, NULL, 1, scores, acc, widened);
 }
 
 /* The caches hold float32, or fp8 e4m3 (scale 1: the stored values are the K/V) when fp8 is set.
@@ -322,7 +350,7 @@ int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t 
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *local = malloc(sizeof(float) * (G * block_size + 2 * H * D + 2 * H + (fp8 ? 2 * block_size * D : 0)));
+        float *local = malloc(sizeof(float) * (H * part + 2 * H * D + 2 * H + (fp8 ? block_size * D : 0)));
         if (local == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -336,7 +364,7 @@ int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t 
                 if (first[mid] <= item) lo = mid; else hi = mid;
             }
             const int64_t s = lo, len = context_lens[s], parts = first[s + 1] - first[s];
-            float *q = local + G * block_size, *acc = q + H * D, *stats = acc + H * D, *widened = stats + 2 * H;
+            float *q = local + H * part, *acc = q + H * D, *stats = acc + H * D, *widened = stats + 2 * H;
             float *o = out + s * H * D;
             if (len <= 0) {
                 memset(o, 0, sizeof(float) * H * D);
@@ -345,10 +373,16 @@ int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t 
             for (int64_t h = 0; h < H; ++h)
                 memcpy(q + h * D, query + s * query_seq_stride + h * query_head_stride, sizeof(float) * D);
             const int64_t start = (item - first[s]) * part, end = start + part < len ? start + part : len;
-            const int64_t *table = block_tables + s * table_stride;
+            const struct partition w = {.table = block_tables + s * table_stride,
+                                        .block_size = block_size,
+                                        .num_kv_heads = num_kv_heads,
+                                        .G = G,
+                                        .D = D,
+                                        .start = start,
+                                        .end = end,
+                                        .fp8 = fp8};
             if (parts == 1) {
-                attend_partition(q, G, num_kv_heads, D, k_cache, v_cache, fp8, table, block_size, start, end, scale,
-                                 local, acc, stats, widened);
+                attend_partition(&w, q, k_cache, v_cache, scale, local, acc, stats, widened);
                 for (int64_t h = 0; h < H; ++h) {
                     const float inv = 1.0f / stats[2 * h + 1];
 #pragma omp simd
@@ -356,8 +390,7 @@ int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t 
                 }
             } else {
                 float *row = scratch + item * per_item;
-                attend_partition(q, G, num_kv_heads, D, k_cache, v_cache, fp8, table, block_size, start, end, scale,
-                                 local, row, row + H * D, widened);
+                attend_partition(&w, q, k_cache, v_cache, scale, local, row, row + H * D, widened);
             }
         }
         /* combine the partitions of long sequences: weights exp(max_p - max) */

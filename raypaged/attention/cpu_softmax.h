@@ -1,4 +1,4 @@
-/* One row of an online (flash) softmax, shared by the CPU attention kernels (cpu_decode.c, cpu_prefill.c). */
+/* One row of an online (flash) softmax, for the CPU prefill kernel (cpu_prefill.c). */
 #ifndef RAYPAGED_CPU_SOFTMAX_H
 #define RAYPAGED_CPU_SOFTMAX_H
 

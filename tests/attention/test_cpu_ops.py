@@ -77,6 +77,25 @@ def test_the_avx2_path_equals_the_torch_path(num_heads, num_kv_heads, head_dim, 
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_score_far_above_the_rest_takes_all_the_weight_wherever_it_lies(where):
+    """Scores of 0 and one of 89.5, at the start, in the middle or at the end of a partition (44 tokens: the
+    16-wide max and its remainder): the softmax must subtract the true max (exp(89.5) overflows fp32), so the
+    output is that token's V row."""
+    query, key_cache, value_cache, tables, lens = random_step(9, [44, 44], 16)
+    key_cache.zero_()
+    token = {"first": 0, "middle": 31, "last": 43}[where]
+    for seq in range(2):
+        block, slot = tables[seq, token // 16], token % 16
+        firsts = query[seq].view(NUM_KV_HEADS, -1, HEAD_DIM)[:, 0]  # query head 0 of each KV head
+        key_cache[block, :, slot] = firsts * 716 / (firsts**2).sum(-1, keepdim=True)  # its score: 716 * 0.125
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    assert out.isfinite().all()
+    for seq in range(2):
+        block, slot = tables[seq, token // 16], token % 16
+        torch.testing.assert_close(out[seq, ::3], value_cache[block, :, slot], rtol=0, atol=1e-6)
+
+
 def test_decode_is_the_same_on_one_thread_and_two():
     """Each work item is computed whole by one thread: the result does not depend on the thread count."""
     query, key_cache, value_cache, tables, lens = random_step(4, [1, 90, 700, 1500, 30], 16)
