@@ -34,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_api.h"
 #include "cpu_exp.h"
 #include "cpu_fp8.h"
 

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_api.h"
 #include "cpu_fp8.h"
 #include "cpu_silu.h"
 

@@ -161,7 +161,12 @@ def rotary_and_cache(
         block_size,
         torch.get_num_threads(),
     )
+    raise_for_rotary_status(status, cos_sin.shape[0], num_blocks, block_size)
+
+
+def raise_for_rotary_status(status: int, max_positions: int, num_blocks: int, block_size: int) -> None:
+    """The rotary kernel's failures (-1 a position past the table, -2 a slot past the cache)."""
     if status == -1:
-        raise ValueError(f"a position is outside the rotary table's {cos_sin.shape[0]} positions")
+        raise ValueError(f"a position is outside the rotary table's {max_positions} positions")
     if status == -2:
         raise ValueError(f"a slot is outside the cache's {num_blocks} blocks of {block_size}")

@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_api.h"
 #include "cpu_silu.h"
 #include "cpu_tiles.h"
 

@@ -1,8 +1,9 @@
 """Paged attention on CPU without a gather copy: decode (``cpu_decode.c``) and every prefill span of a step in
 one call (``cpu_prefill.c``), built with the host's C compiler into one library with the fused step ops of
 ``cpu_fused.c`` (wrapped by ``cpu_fused``), the float ends of the int8 linear (``cpu_int8.c``, wrapped in
-``raypaged.quantization.w8a8``) and the fp32 linear on packed weights (``cpu_gemm.c``, wrapped in
-``raypaged.model.layers``).
+``raypaged.quantization.w8a8``), the fp32 linear on packed weights (``cpu_gemm.c``, wrapped in
+``raypaged.model.layers``) and a decode step's layers in one call (``cpu_step.c``, wrapped in
+``raypaged.model.cpu_step``).
 
 The torch path (``torch_ops.paged_attention_decode``) copies every sequence's K/V blocks into a
 dense tensor before SDPA, so each cached token is read, written and read again. The C kernel reads
@@ -38,7 +39,7 @@ logger = logging.getLogger("raypaged")
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_fused.c", "cpu_int8.c", "cpu_gemm.c")
+    for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_fused.c", "cpu_int8.c", "cpu_gemm.c", "cpu_step.c")
 )
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # every header the sources may include: in the cache key
 # -fno-trapping-math: no kernel reads the floating-point exception flags, and without it GCC keeps branches
@@ -74,6 +75,8 @@ _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_linear_f32": ((_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT), None),
     "raypaged_rotary_and_cache_f32": ((_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64,
                                        _PTR, _I64, _I64, _I64, _I64, _I64, _INT), _INT),
+    "raypaged_decode_layers": ((_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR,
+                                _PTR, _PTR, _PTR, _INT), _INT),
 }
 # fmt: on
 
@@ -187,7 +190,7 @@ def _check_query_and_caches(
     return key_cache.dtype == torch.float8_e4m3fn
 
 
-def _raise_for_status(
+def raise_for_status(
     kernel: str, status: int, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, num_blocks: int
 ) -> None:
     """The decode and prefill kernels' shared failures (-1 memory, -2 a context past its table, -3 a bad block id)."""
@@ -249,7 +252,7 @@ def paged_attention_decode(
         scale,
         torch.get_num_threads(),
     )
-    _raise_for_status("decode", status, context_lens, block_tables, block_size, num_blocks)
+    raise_for_status("decode", status, context_lens, block_tables, block_size, num_blocks)
     return out
 
 
@@ -330,5 +333,5 @@ def paged_prefill_attention(
             f"a span's query is longer than its context (cu_seqlens_q {cu_seqlens_q.tolist()}, "
             f"context_lens {context_lens.tolist()})"
         )
-    _raise_for_status("prefill", status, context_lens, block_tables, block_size, num_blocks)
+    raise_for_status("prefill", status, context_lens, block_tables, block_size, num_blocks)
     return out

@@ -173,7 +173,10 @@ def test_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch)
     ("cc", "reason"),
     [
         ("no-such-compiler", "^no C compiler found \\(set \\$CC, or install gcc\\)$"),
-        ("false", "^false failed to build cpu_decode.c, cpu_prefill.c, cpu_fused.c, cpu_int8.c and cpu_gemm.c: $"),
+        (
+            "false",
+            "^false failed to build cpu_decode.c, cpu_prefill.c, cpu_fused.c, cpu_int8.c, cpu_gemm.c and cpu_step.c: $",
+        ),
     ],
 )
 def test_without_a_working_compiler_the_reason_is_given(tmp_path, monkeypatch, cc, reason):

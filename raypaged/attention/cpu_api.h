@@ -1,0 +1,29 @@
+/* The CPU kernels that cpu_step.c calls from C, declared once for their definitions (cpu_decode.c, cpu_fused.c,
+ * cpu_gemm.c) and their callers to be checked against. Python calls them through ctypes (cpu_ops._SIGNATURES). */
+#ifndef RAYPAGED_CPU_API_H
+#define RAYPAGED_CPU_API_H
+
+#include <stdint.h>
+
+int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
+                          const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                          const int64_t *block_tables, int64_t table_stride, int64_t table_width,
+                          const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale, int num_threads);
+
+void raypaged_rms_norm_f32(const float *x, int64_t row_stride, int64_t head_stride, const float *w, float *out,
+                           int64_t rows, int64_t heads, int64_t n, float eps, int num_threads);
+
+void raypaged_fused_add_rms_norm_f32(float *x, float *residual, const float *w, int64_t rows, int64_t n, float eps,
+                                     int num_threads);
+
+int raypaged_rotary_and_cache_f32(const int64_t *positions, float *q, int64_t q_stride, float *k, int64_t k_stride,
+                                  const float *v, int64_t v_stride, const float *cos_sin, int64_t max_positions,
+                                  void *k_cache, void *v_cache, int fp8, int64_t num_blocks, const int64_t *slots,
+                                  int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t block_size,
+                                  int num_threads);
+
+void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+                         const float *bias, float *y, int64_t ldy, int gated, int threads);
+
+#endif

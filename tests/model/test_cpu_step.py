@@ -1,0 +1,152 @@
+"""A decode-only step's layers in one C call (raypaged.model.cpu_step, attention/cpu_step.c) against the same
+model's layer-by-layer fused path: the same bits, the same errors, and the layer path wherever the one call
+does not apply."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from transformers import Qwen2Config
+
+from raypaged.attention import cpu_ops
+from raypaged.attention.backend import CPU, TORCH
+from raypaged.model import cpu_step
+from tests import fused_reference as ref
+
+pytestmark = pytest.mark.skipif(cpu_ops.unavailable_reason() is not None, reason="the CPU kernels do not build")
+
+
+def packed_model(architecture):
+    if architecture == "qwen2":  # biases on q, k and v
+        config = ref.tiny_config("llama").to_dict()
+        config.pop("model_type", None)
+        config = Qwen2Config(**{k: v for k, v in config.items() if k in Qwen2Config().to_dict()})
+    else:
+        config = ref.tiny_config(architecture)
+    model = ref.random_model(config, torch.float32, "cpu")
+    if architecture == "qwen2":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.qkv_proj.bias.normal_(0, 0.5)
+    model.pack_weights()
+    return model
+
+
+@pytest.fixture
+def one_call_runs(monkeypatch):
+    """The tokens each one-call step ran"""
+    runs: list[int] = []
+    run = cpu_step.CpuDecodeStep.run
+
+    def counted(self, x, *args):
+        runs.append(x.shape[0])
+        return run(self, x, *args)
+
+    monkeypatch.setattr(cpu_step.CpuDecodeStep, "run", counted)
+    return runs
+
+
+def layer_by_layer(model, monkeypatch):
+    """``ref.run_steps`` through the CPU backend with the one call turned off"""
+    with monkeypatch.context() as m:
+        m.setattr(cpu_step.CpuDecodeStep, "build", staticmethod(lambda model: None))
+        return ref.run_steps(model, CPU, "cpu")
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_decode_steps_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs, monkeypatch):
+    model = packed_model(architecture)
+    hidden, caches = ref.run_steps(model, CPU, "cpu")
+    assert one_call_runs == [2, 2]  # the two decode-only steps of ref.STEPS; the prefill steps go layer by layer
+    expected_hidden, expected_caches = layer_by_layer(model, monkeypatch)
+    assert len(one_call_runs) == 2
+    for got, expected in zip(hidden, expected_hidden, strict=True):
+        assert torch.equal(got, expected)
+    for (k, v), (expected_k, expected_v) in zip(caches, expected_caches, strict=True):
+        assert k.abs().sum() > 0 and torch.equal(k, expected_k) and torch.equal(v, expected_v)
+
+
+def test_where_the_one_call_does_not_apply_it_says_why(monkeypatch):
+    model = packed_model("llama")
+    model.set_attention_backend(TORCH)
+    assert cpu_step.unsupported_reason(model.model) == "the model does not run the CPU backend's fused ops"
+    model.set_attention_backend(dataclasses.replace(CPU, decode=TORCH.decode))
+    assert cpu_step.unsupported_reason(model.model) == "the attention backend is cpu"
+    model.set_attention_backend(CPU)
+    assert cpu_step.unsupported_reason(model.model) is None and model.model.cpu_decode_step is not None
+    unpacked = ref.random_model(ref.tiny_config("llama"), torch.float32, "cpu")
+    unpacked.set_attention_backend(CPU)
+    assert cpu_step.unsupported_reason(unpacked.model) == "a linear's weight is not packed for cpu_gemm.c"
+    assert unpacked.model.cpu_decode_step is None
+    qwen3 = packed_model("qwen3")
+    qwen3.set_attention_backend(CPU)
+    assert cpu_step.unsupported_reason(qwen3.model) == "the model normalizes q and k per head"
+    model.model.layers[1].post_attention_layernorm.eps = 1e-5
+    assert cpu_step.unsupported_reason(model.model) == "the layers differ in rotary or norm epsilon"
+
+
+class Wrapped(nn.Module):
+    """What LoRA does to a linear after the backend is set: another module around it"""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+
+    def forward(self, x):
+        return self.base(x)
+
+
+def test_a_linear_wrapped_later_sends_the_steps_back_layer_by_layer(one_call_runs, monkeypatch):
+    model = packed_model("llama")
+    expected_hidden, _ = layer_by_layer(model, monkeypatch)
+    model.set_attention_backend(CPU)
+    layer = model.model.layers[1]
+    layer.mlp.down_proj = Wrapped(layer.mlp.down_proj)
+    real_set = model.set_attention_backend
+    monkeypatch.setattr(model, "set_attention_backend", lambda backend: None)  # keep the step built before the wrap
+    assert model.model.cpu_decode_step is not None
+    hidden, _ = ref.run_steps(model, CPU, "cpu")
+    assert one_call_runs == [] and model.model.cpu_decode_step is None
+    for got, expected in zip(hidden, expected_hidden, strict=True):
+        assert torch.equal(got, expected)
+    monkeypatch.setattr(model, "set_attention_backend", real_set)
+    model.set_attention_backend(CPU)
+    assert cpu_step.unsupported_reason(model.model) == "a linear is quantized or LoRA-wrapped"
+
+
+def decode_step():
+    positions, meta = ref._step_meta(ref.STEPS[2], "cpu")
+    return positions, meta
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        ("position", "a position is outside the rotary table's 64 positions"),
+        ("slot", "a slot is outside the cache's 10 blocks of 8"),
+        ("block", "a block table holds a block id outside the cache's 10 blocks"),
+        ("length", r"a context length \(17\) is beyond its block table \(2 blocks of 8\)"),
+    ],
+)
+def test_a_bad_step_fails_with_the_layer_paths_error(spoil, message, one_call_runs, monkeypatch):
+    model = packed_model("llama")
+    attn = model.model.layers[0].self_attn
+    shape = (ref.NUM_BLOCKS, attn.num_kv_heads, ref.BLOCK_SIZE, attn.head_dim)
+    for one_call in (True, False):
+        model.set_attention_backend(CPU)
+        if not one_call:
+            model.model.cpu_decode_step = None
+        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.model.layers]
+        positions, meta = decode_step()
+        if spoil == "position":
+            positions[1] = 64
+        elif spoil == "slot":
+            meta.slot_mapping[0] = ref.NUM_BLOCKS * ref.BLOCK_SIZE
+        elif spoil == "block":
+            meta.decode_block_tables[1, 0] = ref.NUM_BLOCKS
+        else:
+            meta.decode_context_lens[0] = 17
+        with torch.inference_mode(), pytest.raises(ValueError, match=message):
+            model(torch.tensor([1, 2]), positions, caches, meta)
+    assert one_call_runs == [2]
