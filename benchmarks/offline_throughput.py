@@ -17,7 +17,8 @@ spent inside the executor (for Ray shards: the compiled graph's send and return)
 
 The ceiling it prints is the run's GEMMs alone, at the rate the model's own linear reaches at the
 step's shapes (all prompt tokens in steps of the 8,192-token budget, then 99 decode steps of all the
-sequences), measured in the same process with the same threads; raypaged's fraction of it is the share
+sequences; the gate | up projection with its SiLU stored from the tiles, as the model runs it), measured
+in the same process with the same threads; raypaged's fraction of it is the share
 of its time spent in GEMMs at library speed. ``--attention-backend torch`` runs raypaged's decode
 attention as torch gather + SDPA instead of the CPU kernel.
 
@@ -230,37 +231,42 @@ def bench_hf(
     return result, outputs
 
 
-def matmul_gflops(m: int, k: int, n: int, min_seconds: float = 0.5) -> float:
+def matmul_gflops(m: int, k: int, n: int, gate_up: bool = False, min_seconds: float = 0.5) -> float:
     """[m x k] @ [k x n] through the model's own linear (``raypaged.model.layers.linear``: for fp32 on CPU
-    ``cpu_gemm.c``, or oneDNN where the C kernels do not build, on a weight packed as the loader packs the model's)."""
-    from raypaged.model.layers import linear, pack_weight, packs_weights
+    ``cpu_gemm.c``, or oneDNN where the C kernels do not build, on a weight packed as the loader packs the model's).
+    ``gate_up``: an MLP's gate | up projection, run as the model runs it: where the weight packs gated, with its
+    silu(gate) * up stored from the tiles (``silu_and_mul_linear``; [m x n/2] written instead of [m x n])."""
+    from raypaged.model.layers import PackedWeight, linear, pack_weight, packs_weights, silu_and_mul_linear
 
     x, weight = torch.randn(m, k), torch.randn(n, k)
     if packs_weights(x.dtype, x.device):
-        weight = pack_weight(weight)
-    linear(x, weight)  # warm-up
+        weight = pack_weight(weight, gated=gate_up)
+    run = linear
+    if isinstance(weight, PackedWeight) and weight.gated:
+        run = silu_and_mul_linear
+    run(x, weight)  # warm-up
     iters, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < min_seconds:
-        linear(x, weight)
+        run(x, weight)
         iters += 1
     return 2 * m * k * n * iters / elapsed / 1e9
 
 
-def model_linears(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
-    """One layer's (in, out) projections as the model runs them (fused qkv, o, fused gate_up, down),
-    the LM head's, and the layer count."""
+def model_linears(model_dir: Path) -> tuple[list[tuple[int, int, bool]], tuple[int, int, bool], int]:
+    """One layer's (in, out, is gate | up) projections as the model runs them (fused qkv, o, fused gate_up,
+    down), the LM head's, and the layer count."""
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     hidden, inter = hf.hidden_size, hf.intermediate_size
     layer = [
-        (hidden, (hf.num_attention_heads + 2 * hf.num_key_value_heads) * head_dim),
-        (hf.num_attention_heads * head_dim, hidden),
-        (hidden, 2 * inter),
-        (inter, hidden),
+        (hidden, (hf.num_attention_heads + 2 * hf.num_key_value_heads) * head_dim, False),
+        (hf.num_attention_heads * head_dim, hidden, False),
+        (hidden, 2 * inter, True),
+        (inter, hidden, False),
     ]
-    return layer, (hidden, hf.vocab_size), hf.num_hidden_layers
+    return layer, (hidden, hf.vocab_size, False), hf.num_hidden_layers
 
 
 def gemm_ceiling(model_dir: Path, prompts: Prompts, prefill_rows: int, decode_rows: int) -> dict[str, float | str]:
@@ -273,10 +279,11 @@ def gemm_ceiling(model_dir: Path, prompts: Prompts, prefill_rows: int, decode_ro
     prompt_tokens, requests = sum(map(len, prompts)), len(prompts)
     rates: dict[str, float] = {}
 
-    def seconds(m: int, shapes: list[tuple[int, int]], times: float) -> float:
+    def seconds(m: int, shapes: list[tuple[int, int, bool]], times: float) -> float:
         total = 0.0
-        for k, n in shapes:
-            rate = rates.setdefault(f"[{m} x {k}] @ [{k} x {n}]", matmul_gflops(m, k, n))
+        for k, n, gate_up in shapes:
+            name = f"[{m} x {k}] @ [{k} x {n}]" + (" gate | up" if gate_up else "")
+            rate = rates.setdefault(name, matmul_gflops(m, k, n, gate_up))
             total += 2 * m * k * n / (rate * 1e9)
         return total * times
 
