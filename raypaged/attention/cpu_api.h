@@ -1,5 +1,5 @@
 /* The CPU kernels that cpu_step.c calls from C, declared once for their definitions (cpu_decode.c, cpu_fused.c,
- * cpu_gemm.c) and their callers to be checked against. Python calls them through ctypes (cpu_ops._SIGNATURES). */
+ * cpu_gemm.c, cpu_int8.c) and their callers to be checked against. Python calls them through ctypes (cpu_ops._SIGNATURES). */
 #ifndef RAYPAGED_CPU_API_H
 #define RAYPAGED_CPU_API_H
 
@@ -22,6 +22,15 @@ int raypaged_rotary_and_cache_f32(const int64_t *positions, float *q, int64_t q_
                                   void *k_cache, void *v_cache, int fp8, int64_t num_blocks, const int64_t *slots,
                                   int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t block_size,
                                   int num_threads);
+
+void raypaged_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t n, int num_threads);
+
+void raypaged_quantize_int8_f32(const float *x, int64_t x_stride, int64_t rows, int64_t k, float fixed_scale,
+                                int8_t *q, float *scales, int num_threads);
+
+int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ldx, const int8_t *packed,
+                             const int32_t *colsum, int64_t n, const float *x_scales, int64_t x_scale_stride,
+                             const float *w_scales, float *y, int64_t ldy, int num_threads);
 
 void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                          const float *bias, float *y, int64_t ldy, int gated, int threads);

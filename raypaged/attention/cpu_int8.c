@@ -7,6 +7,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cpu_api.h"
+
 #define PARALLEL_ELEMENTS 65536
 #define MIN_SCALE 1e-12f
 #define INT8_LIMIT 127.0f

@@ -5,18 +5,31 @@
  * and this step's K/V written to their slots; attention over the cache; x = attn W_o; x = norm(residual += x);
  * h = silu(gate) * up from the gated gate | up weight; x = h W_down. After the last: x = norm(residual += x).
  *
- * Called from Python, each of those is a ctypes call behind its argument checks and a module call: about 3 ms of
- * SmolLM2's 26 ms decode step at 32 sequences on 2 cores, and 2.5 of 13 at one sequence.
+ * A projection is fp32 (cpu_gemm.c) or W8A8 int8 (cpu_int8.c, quantizing the activations first), each as its
+ * Python path runs it. Called from Python, each of those is a ctypes call behind its argument checks and a
+ * module call: about 3 ms of SmolLM2's 26 ms decode step at 32 sequences on 2 cores.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_api.h"
 
-/* One layer's weights (packed for cpu_gemm.c; gate_up gated; biases NULL where none) and KV caches */
+/* One projection: an fp32 weight packed for cpu_gemm.c (colsum NULL; a gate | up one packed gated), or an int8
+ * one packed for cpu_int8.c's VNNI GEMM (colsum its row sums, weight_scale [n], input_scale > 0 a static
+ * activation scale or 0 for per-token scales); bias NULL where none */
+struct decode_linear {
+    const void *weight;
+    const float *bias;
+    const int32_t *colsum;
+    const float *weight_scale;
+    float input_scale;
+};
+
+/* One layer's norms, projections and KV caches */
 struct decode_layer {
     const float *input_norm, *post_norm;
-    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    struct decode_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
 };
 
@@ -27,18 +40,53 @@ struct decode_shape {
     int fp8;
 };
 
+/* Scratch for the int8 projections: x quantized, its per-token scales, a gate | up's product before its silu */
+struct int8_scratch {
+    int8_t *xq;
+    float *scales, *gate_up;
+};
+
+/* y [m, n] = x [m, k] @ W^T (+ bias) as the layer's Python path runs the projection (layers.linear or
+ * w8a8.int8_linear, then QuantLinear's bias add); silu (a gate | up): y [m, n / 2] = silu(gate) * up, stored from
+ * the fp32 GEMM's tiles or a pass after the int8 one. Returns 0, or -20 when the int8 GEMM has no scratch. */
+static int project(const struct decode_linear *l, const float *x, int64_t m, int64_t k, int64_t n, float *y, int silu,
+                   const struct int8_scratch *s, int threads) {
+    if (!l->colsum) {
+        raypaged_linear_f32(x, m, k, k, l->weight, n, l->bias, y, silu ? n / 2 : n, silu ? 2 : 0, threads);
+        return 0;
+    }
+    const int fixed = l->input_scale > 0.0f;
+    raypaged_quantize_int8_f32(x, k, m, k, fixed ? l->input_scale : 0.0f, s->xq, s->scales, threads);
+    float *out = silu ? s->gate_up : y;
+    if (raypaged_int8_linear_f32(s->xq, m, k, k, l->weight, l->colsum, n, fixed ? &l->input_scale : s->scales,
+                                 fixed ? 0 : 1, l->weight_scale, out, n, threads))
+        return -20;
+    if (l->bias)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t j = 0; j < n; ++j) out[r * n + j] += l->bias[j];
+    if (silu) raypaged_silu_and_mul_f32(out, y, m, n / 2, threads);
+    return 0;
+}
+
 /* x [tokens, hidden]: the embeddings in, the final norm's output out; residual, qkv, attn and h: scratch of
  * [tokens, hidden], [tokens, (heads + 2 kv_heads) head_dim], [tokens, heads * head_dim], [tokens, intermediate].
  * Returns 0, or the first failure: the rotary kernel's status - 10 (-11: a position outside the table, -12: a
- * slot outside the cache), or the decode kernel's (-1 memory, -2 a context past its table, -3 a bad block id). */
+ * slot outside the cache), the decode kernel's (-1 memory, -2 a context past its table, -3 a bad block id), or
+ * -20 (the int8 GEMM's scratch memory). */
 int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers, const struct decode_shape *s,
                            const float *final_norm, float *x, float *residual, int64_t tokens, const int64_t *positions,
                            const int64_t *slots, const float *cos_sin, const int64_t *block_tables,
                            int64_t table_stride, int64_t table_width, const int64_t *context_lens, float *qkv,
                            float *attn, float *h, int threads) {
     const int64_t D = s->head_dim, q_width = s->num_heads * D, kv_width = s->num_kv_heads * D;
-    const int64_t qkv_width = q_width + 2 * kv_width;
-    for (int64_t i = 0; i < num_layers; ++i) {
+    const int64_t qkv_width = q_width + 2 * kv_width, widest = s->intermediate > q_width ? s->intermediate : q_width;
+    struct int8_scratch scratch = {
+        .xq = malloc((size_t)(tokens * (widest > s->hidden ? widest : s->hidden))),
+        .scales = malloc(sizeof(float) * (size_t)tokens),
+        .gate_up = malloc(sizeof(float) * (size_t)(tokens * 2 * s->intermediate)),
+    };
+    int status = scratch.xq && scratch.scales && scratch.gate_up ? 0 : -20;
+    for (int64_t i = 0; i < num_layers && !status; ++i) {
         const struct decode_layer *l = &layers[i];
         if (i == 0) {
             memcpy(residual, x, sizeof(float) * tokens * s->hidden);
@@ -46,24 +94,29 @@ int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers
         } else {
             raypaged_fused_add_rms_norm_f32(x, residual, l->input_norm, tokens, s->hidden, s->eps, threads);
         }
-        raypaged_linear_f32(x, tokens, s->hidden, s->hidden, l->qkv, qkv_width, l->qkv_bias, qkv, qkv_width, 0,
-                            threads);
-        int status = raypaged_rotary_and_cache_f32(
+        if ((status = project(&l->qkv, x, tokens, s->hidden, qkv_width, qkv, 0, &scratch, threads))) break;
+        status = raypaged_rotary_and_cache_f32(
             positions, qkv, qkv_width, qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, cos_sin,
             s->max_positions, l->k_cache, l->v_cache, s->fp8, s->num_blocks, slots, tokens, s->num_heads,
             s->num_kv_heads, D, s->block_size, threads);
-        if (status) return status - 10;
+        if (status) {
+            status -= 10;
+            break;
+        }
         status = raypaged_paged_decode(qkv, qkv_width, D, l->k_cache, l->v_cache, s->fp8, s->num_blocks, block_tables,
                                        table_stride, table_width, context_lens, attn, tokens, s->num_heads,
                                        s->num_kv_heads, s->block_size, D, s->scale, threads);
-        if (status) return status;
-        raypaged_linear_f32(attn, tokens, q_width, q_width, l->o, s->hidden, l->o_bias, x, s->hidden, 0, threads);
+        if (status) break;
+        if ((status = project(&l->o, attn, tokens, q_width, s->hidden, x, 0, &scratch, threads))) break;
         raypaged_fused_add_rms_norm_f32(x, residual, l->post_norm, tokens, s->hidden, s->eps, threads);
-        raypaged_linear_f32(x, tokens, s->hidden, s->hidden, l->gate_up, 2 * s->intermediate, l->gate_up_bias, h,
-                            s->intermediate, 2, threads);
-        raypaged_linear_f32(h, tokens, s->intermediate, s->intermediate, l->down, s->hidden, l->down_bias, x,
-                            s->hidden, 0, threads);
+        if ((status = project(&l->gate_up, x, tokens, s->hidden, 2 * s->intermediate, h, 1, &scratch, threads)))
+            break;
+        status = project(&l->down, h, tokens, s->intermediate, s->hidden, x, 0, &scratch, threads);
     }
+    free(scratch.xq);
+    free(scratch.scales);
+    free(scratch.gate_up);
+    if (status) return status;
     if (num_layers == 0)
         raypaged_rms_norm_f32(x, s->hidden, 0, final_norm, x, tokens, 1, s->hidden, s->eps, threads);
     else

@@ -1,11 +1,11 @@
-"""A decode-only step's decoder layers in one C call (``attention/cpu_step.c``): fp32 on CPU, where the model
-runs the CPU backend's fused path on packed weights.
+"""A decode-only step's decoder layers in one C call (``attention/cpu_step.c``): on CPU, where the model runs
+the CPU backend's fused path on packed weights, fp32 (``cpu_gemm.c``) or W8A8 int8 (``cpu_int8.c``).
 
 The C loop calls the kernels the fused path calls one Python call at a time, in the same order, so it gives
 the same bits; what it saves is the Python between them (module calls, views, argument checks, ctypes): about
-3 ms of SmolLM2's 26 ms decode step at 32 sequences on 2 cores, and 2.5 of 13 at one sequence. A model it
-cannot run (another backend or dtype, quantized or LoRA-wrapped linears, tensor parallelism, Qwen3's q/k
-norms) keeps the Python path: :func:`unsupported_reason` says why.
+3 ms of SmolLM2's 26 ms decode step at 32 sequences on 2 cores. A model it cannot run (another backend or
+dtype, LoRA-wrapped or otherwise quantized linears, tensor parallelism, Qwen3's q/k norms) keeps the Python
+path: :func:`unsupported_reason` says why.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from raypaged.attention.backend import CPU_FUSED
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.model.layers import Linear, PackedWeight
 from raypaged.model.parallel import RowParallelLinear
+from raypaged.quantization.linear import QuantLinear
+from raypaged.quantization.w8a8 import INT8_SCRATCH_ERROR, PackedInt8Weight, W8A8Method
 
 if TYPE_CHECKING:
     from raypaged.model.llama import LayerKVCache, LlamaDecoderLayer, LlamaModel
@@ -28,23 +30,17 @@ if TYPE_CHECKING:
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class _Linear(ctypes.Structure):  # cpu_step.c: struct decode_linear
+    _fields_ = [("weight", _P), ("bias", _P), ("colsum", _P), ("weight_scale", _P), ("input_scale", ctypes.c_float)]
+
+
 class _Layer(ctypes.Structure):  # cpu_step.c: struct decode_layer
     _fields_ = [
-        (name, _P)
-        for name in (
-            "input_norm",
-            "post_norm",
-            "qkv",
-            "qkv_bias",
-            "o",
-            "o_bias",
-            "gate_up",
-            "gate_up_bias",
-            "down",
-            "down_bias",
-            "k_cache",
-            "v_cache",
-        )
+        ("input_norm", _P),
+        ("post_norm", _P),
+        *[(name, _Linear) for name in ("qkv", "o", "gate_up", "down")],
+        ("k_cache", _P),
+        ("v_cache", _P),
     ]
 
 
@@ -81,6 +77,46 @@ def _linears(model: LlamaModel) -> list[tuple[nn.Module, ...]]:
     ]
 
 
+def _linear_reason(linear: nn.Module, row_parallel: bool, gate_up: bool) -> str | None:
+    """Why one projection cannot run in the one call: it must be fp32 packed for cpu_gemm.c (a gate | up
+    packed gated) or W8A8 int8 packed for cpu_int8.c's VNNI GEMM, and not sharded."""
+    if type(linear) is QuantLinear:
+        method = linear.method
+        if not isinstance(method, W8A8Method) or method.dtype != torch.int8:
+            kind = f"W8A8 {method.dtype}" if isinstance(method, W8A8Method) else type(method).__name__
+            return f"a linear is quantized as {kind}, not W8A8 int8"
+        if not isinstance(linear.weight, PackedInt8Weight):
+            return "an int8 weight is not packed for cpu_int8.c (no VNNI)"
+        if method.static and not float(cast(torch.Tensor, linear.input_scale)) > 0:
+            return "a static input scale is not positive"
+        if linear.tp.size != 1:
+            return "the model is sharded (tensor parallelism)"
+        return None
+    if type(linear) is not (RowParallelLinear if row_parallel else Linear):
+        return f"a linear is {type(linear).__name__} (LoRA-wrapped, or of a kind the one call does not run)"
+    weight = linear.weight
+    if not isinstance(weight, PackedWeight):
+        return "a linear's weight is not packed for cpu_gemm.c"
+    if weight.gated != gate_up:
+        return "the gate | up weight is not packed gated"
+    if isinstance(linear, RowParallelLinear) and linear.tp.size != 1:
+        return "the model is sharded (tensor parallelism)"
+    return None
+
+
+def _linear_fields(entry: ctypes.Structure, linear: nn.Module) -> None:
+    """``entry`` (a ``_Linear``) pointed at ``linear``'s tensors"""
+    weight, bias = cast(torch.Tensor, linear.weight), cast("torch.Tensor | None", linear.bias)
+    entry.weight, entry.bias = weight.data_ptr(), None if bias is None else bias.data_ptr()
+    entry.colsum = entry.weight_scale = None
+    entry.input_scale = 0.0
+    if isinstance(linear, QuantLinear):
+        entry.colsum = cast(PackedInt8Weight, weight).colsum.data_ptr()
+        entry.weight_scale = cast(torch.Tensor, linear.weight_scale).data_ptr()
+        if cast(W8A8Method, linear.method).static:
+            entry.input_scale = float(cast(torch.Tensor, linear.input_scale))
+
+
 def unsupported_reason(model: LlamaModel) -> str | None:
     """Why :class:`CpuDecodeStep` cannot run ``model``'s decode steps, or None when it can."""
     if model.fused_ops is not CPU_FUSED or not model.layers:
@@ -98,16 +134,14 @@ def unsupported_reason(model: LlamaModel) -> str | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm, model.norm)
         if attn.rotary is not first.self_attn.rotary or any(norm.eps != first.input_layernorm.eps for norm in norms):
             return "the layers differ in rotary or norm epsilon"
-        linears = (attn.qkv_proj, mlp.gate_up_proj, attn.o_proj, mlp.down_proj)
-        if tuple(map(type, linears)) != (Linear, Linear, RowParallelLinear, RowParallelLinear):
-            return "a linear is quantized or LoRA-wrapped"
-        weights = [linear.weight for linear in linears]
-        if not all(isinstance(weight, PackedWeight) for weight in weights):
-            return "a linear's weight is not packed for cpu_gemm.c"
-        if [cast(PackedWeight, weight).gated for weight in weights] != [False, True, False, False]:
-            return "the gate | up weight is not packed gated"
-        if cast(RowParallelLinear, attn.o_proj).tp.size != 1:
-            return "the model is sharded (tensor parallelism)"
+        for linear, row_parallel, gate_up in (
+            (attn.qkv_proj, False, False),
+            (attn.o_proj, True, False),
+            (mlp.gate_up_proj, False, True),
+            (mlp.down_proj, True, False),
+        ):
+            if (reason := _linear_reason(linear, row_parallel, gate_up)) is not None:
+                return reason
     return None
 
 
@@ -153,19 +187,11 @@ class CpuDecodeStep:
             for name, cache in (("k_cache", k), ("v_cache", v)):
                 if not cache.is_contiguous() or cache.shape != key_cache.shape or cache.dtype != key_cache.dtype:
                     raise ValueError(f"every layer's {name} must be contiguous and shaped {tuple(key_cache.shape)}")
-            tensors = {
-                "input_norm": layer.input_layernorm.weight,
-                "post_norm": layer.post_attention_layernorm.weight,
-                **{
-                    f"{name}{part}": getattr(module, attr)
-                    for name, module in (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down))
-                    for part, attr in (("", "weight"), ("_bias", "bias"))
-                },
-                "k_cache": k,
-                "v_cache": v,
-            }
-            for name, tensor in tensors.items():
-                setattr(entry, name, None if tensor is None else tensor.data_ptr())
+            entry.input_norm = layer.input_layernorm.weight.data_ptr()
+            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            for name, linear in (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down)):
+                _linear_fields(getattr(entry, name), linear)
+            entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
         self.caches = kv_caches
 
     def run(
@@ -211,6 +237,8 @@ class CpuDecodeStep:
             torch.get_num_threads(),
         )
         block_size, num_blocks = self.shape.block_size, self.shape.num_blocks
+        if status == -20:
+            raise MemoryError(INT8_SCRATCH_ERROR)
         if status <= -10:
             cpu_fused.raise_for_rotary_status(status + 10, self.cos_sin.shape[0], num_blocks, block_size)
         cpu_ops.raise_for_status("decode", status, lens, tables, block_size, num_blocks)

@@ -50,6 +50,9 @@ def _cpu_kernels() -> Any | None:
     return cpu_ops.library() if cpu_ops.builds() else None
 
 
+INT8_SCRATCH_ERROR = "the CPU int8 GEMM could not allocate its scratch memory"
+
+
 class PackedInt8Weight(nn.Parameter):
     """An int8 CPU weight ``[out_features, in_features]`` packed for ``cpu_int8.c``'s VNNI GEMM:
     ``[ceil(out / panel), ceil(in / 4), panel, 4]``, with ``colsum`` (int32 ``[out]``, each row's sum, which
@@ -121,7 +124,7 @@ def _int8_linear_cpu(
             0 if input_scale is not None else 1, weight_scale.data_ptr(), out.data_ptr(), n, threads,
         )  # fmt: skip
         if status == -1:
-            raise MemoryError("the CPU int8 GEMM could not allocate its scratch memory")
+            raise MemoryError(INT8_SCRATCH_ERROR)
         return out
     acc = torch._int_mm(xq, weight.t())  # [T, N] int32, exact
     out = torch.empty(acc.shape, dtype=torch.float32)

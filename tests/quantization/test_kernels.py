@@ -4,8 +4,12 @@ import pytest
 import torch
 
 from raypaged.attention import cpu_ops
+from raypaged.attention.backend import CPU
+from raypaged.model import cpu_step
 from raypaged.quantization import w8a8
+from raypaged.quantization.linear import QuantLinear
 from raypaged.quantization.w8a8 import FP8, fp8_linear, int8_linear, quantize_fp8, quantize_int8
+from tests import fused_reference as ref
 from tests.conftest import use_kernels_without_avx512
 from tests.quantization.conftest import load
 
@@ -190,3 +194,34 @@ def test_the_vnni_gemm_gives_the_same_bits_on_any_thread_count(vnni):
             assert torch.equal(int8_linear(x, packed, weight_scale, None), expected)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_int8_decode_steps_in_one_c_call_give_the_layer_paths_bits(quantized_dirs, static, monkeypatch):
+    """model.cpu_step runs a W8A8 int8 model's decode-only steps (qkv and o biases here) with the same bits
+    as its layer-by-layer path; with a static input scale as well."""
+    if w8a8._int8_gemm_lib() is None:
+        pytest.skip("no VNNI int8 GEMM here")
+    model = load(quantized_dirs["w8a8-int8"])
+    if static:
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.method = w8a8.W8A8Method(torch.int8, static=True)
+                module.input_scale = torch.nn.Parameter(torch.tensor([0.05]), requires_grad=False)
+    runs = []
+    run = cpu_step.CpuDecodeStep.run
+    monkeypatch.setattr(cpu_step.CpuDecodeStep, "run", lambda self, x, *a: runs.append(len(x)) or run(self, x, *a))
+    hidden, caches = ref.run_steps(model, CPU, "cpu")
+    assert runs == [2, 2] and cpu_step.unsupported_reason(model.model) is None
+    with monkeypatch.context() as m:
+        m.setattr(cpu_step.CpuDecodeStep, "build", staticmethod(lambda model: None))
+        expected_hidden, expected_caches = ref.run_steps(model, CPU, "cpu")
+    assert runs == [2, 2]
+    for got, expected in zip(hidden, expected_hidden, strict=True):
+        assert torch.equal(got, expected)
+    for (k, v), (expected_k, expected_v) in zip(caches, expected_caches, strict=True):
+        assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+    down = model.model.layers[0].mlp.down_proj
+    down.method = w8a8.W8A8Method(w8a8.FP8, static=False)
+    reason = "a linear is quantized as W8A8 torch.float8_e4m3fn, not W8A8 int8"
+    assert cpu_step.unsupported_reason(model.model) == reason
