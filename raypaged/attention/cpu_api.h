@@ -30,7 +30,8 @@ void raypaged_quantize_int8_f32(const float *x, int64_t x_stride, int64_t rows, 
 
 int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ldx, const int8_t *packed,
                              const int32_t *colsum, int64_t n, const float *x_scales, int64_t x_scale_stride,
-                             const float *w_scales, float *y, int64_t ldy, int num_threads);
+                             const float *w_scales, const float *bias, float *y, int64_t ldy, int gated,
+                             int num_threads);
 
 void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                          const float *bias, float *y, int64_t ldy, int gated, int threads);

@@ -72,7 +72,9 @@ __attribute__((optimize("fp-contract=off"))) void raypaged_int8_scale_f32(const 
  * between the threads and the next one is prefetched, spread over the first tiles' passes. */
 #include <immintrin.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "cpu_silu.h"
 #include "cpu_tiles.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
@@ -99,6 +101,7 @@ typedef __m256i i8vec_t;
 #define I8_NV 3
 #define I8_NR (I8_NV * I8_LANES) /* output columns per panel */
 #define I8_MC 512                /* rows of x per chunk (cpu_tiles.h: chunk_rows) */
+#define I8_HALF (I8_NR / 2)      /* gate (and up) columns per panel of the gated layout (as cpu_gemm.c's) */
 
 int raypaged_int8_gemm_panel_width(void) { return I8_NR; }
 
@@ -185,34 +188,70 @@ struct int8_linear_call {
     const uint8_t *x_u;
     const int8_t *packed;
     const int32_t *colsum;
-    const float *x_scales, *w_scales;
+    const float *x_scales, *w_scales, *bias;
     float *y;
     int64_t ldu, groups, panel_bytes, n, panels, x_scale_stride, ldy;
+    int gated;
 };
 
-/* One chunk of rows [chunk, chunk_end) of x_u (x_q + 128) against panel p, scaled into y */
+/* One chunk of rows [chunk, chunk_end) of x_u (x_q + 128) against panel p, scaled into y (gated: as
+ * raypaged_int8_linear_f32 says) */
 static void int8_chunk_panel(const void *call_ptr, int64_t chunk, int64_t chunk_end, int64_t p) {
     const struct int8_linear_call *c = call_ptr;
     const int share = prefetch_share((chunk_end - chunk + I8_MR - 1) / I8_MR);
     int32_t sums[I8_MR * I8_NR] __attribute__((aligned(64)));
-    const int cols = p * I8_NR + I8_NR <= c->n ? I8_NR : (int)(c->n - p * I8_NR);
+    const int64_t half = c->n / 2, width = c->gated ? I8_HALF : I8_NR, first = p * width;
+    const int64_t outputs = c->gated ? half : c->n;
+    const int cols = first + width <= outputs ? (int)width : (int)(outputs - first);
     const int8_t *panel = c->packed + p * c->panel_bytes;
+    float w_scales[I8_NR] = {0}, bias[I8_NR] = {0}; /* a gated panel's columns of them */
+    if (c->gated) {
+        memcpy(w_scales, c->w_scales + first, (size_t)cols * 4);
+        memcpy(w_scales + I8_HALF, c->w_scales + half + first, (size_t)cols * 4);
+        if (c->bias) {
+            memcpy(bias, c->bias + first, (size_t)cols * 4);
+            memcpy(bias + I8_HALF, c->bias + half + first, (size_t)cols * 4);
+        }
+    }
     for (int64_t row = chunk; row < chunk_end; row += I8_MR) {
         int rows = chunk_end - row < I8_MR ? (int)(chunk_end - row) : I8_MR;
         const char *prefetch =
             next_panel_part(panel + c->panel_bytes, c->panel_bytes, p + 1 < c->panels, (row - chunk) / I8_MR, share);
         int8_tile_rows(c->x_u + row * c->ldu, c->ldu, panel, c->groups, rows, sums, prefetch, share);
-        scale_tile(sums, rows, cols, c->colsum + p * I8_NR, c->x_scales + row * c->x_scale_stride, c->x_scale_stride,
-                   c->w_scales + p * I8_NR, c->y + row * c->ldy + p * I8_NR, c->ldy);
+        const float *x_scales = c->x_scales + row * c->x_scale_stride;
+        float *y = c->y + row * c->ldy + first;
+        if (!c->gated) {
+            scale_tile(sums, rows, cols, c->colsum + p * I8_NR, x_scales, c->x_scale_stride, c->w_scales + first, y,
+                       c->ldy);
+            continue;
+        }
+        float out[I8_MR * I8_NR];
+        scale_tile(sums, rows, I8_NR, c->colsum + p * I8_NR, x_scales, c->x_scale_stride, w_scales, out, I8_NR);
+        for (int r = 0; r < rows; r++) {
+            float *o = out + r * I8_NR;
+            if (c->gated == 1) {
+                memcpy(y + r * c->ldy, o, (size_t)cols * 4);
+                memcpy(y + r * c->ldy + half, o + I8_HALF, (size_t)cols * 4);
+                continue;
+            }
+            if (c->bias)
+                for (int j = 0; j < I8_NR; j++) o[j] += bias[j];
+            silu_mul_row(o, o + I8_HALF, y + r * c->ldy, cols);
+        }
     }
 }
 
-/* y [m, n] (rows ldy apart) = ((x_q [m, k] @ W^T) * x_scale) * w_scale, W packed as above; x_q rows ldx apart,
- * x_scales[r * x_scale_stride] (stride 0: one static scale). Returns 0, or -1 when out of memory. */
+/* y = ((x_q [m, k] @ W^T) * x_scale) * w_scale for W [n, k] packed as above (x_q rows ldx apart, x_scales[r *
+ * x_scale_stride], stride 0: one static scale; y's rows ldy apart): gated 0: the plain layout, y [m, n]; 1: the
+ * gated layout of cpu_gemm.c (n even; colsum in the packed order), y [m, n] in W's column order; 2: the gated
+ * layout, y [m, n / 2] = silu(gate + bias) * (up + bias) (bias [n] or NULL; used only here: the other forms
+ * leave the bias to their caller). Returns 0, or -1 when out of memory. */
 int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ldx, const int8_t *packed,
                              const int32_t *colsum, int64_t n, const float *x_scales, int64_t x_scale_stride,
-                             const float *w_scales, float *y, int64_t ldy, int num_threads) {
-    int64_t panels = (n + I8_NR - 1) / I8_NR, groups = (k + 3) / 4, panel_bytes = groups * I8_NR * 4;
+                             const float *w_scales, const float *bias, float *y, int64_t ldy, int gated,
+                             int num_threads) {
+    int64_t panels = gated ? (n / 2 + I8_HALF - 1) / I8_HALF : (n + I8_NR - 1) / I8_NR;
+    int64_t groups = (k + 3) / 4, panel_bytes = groups * I8_NR * 4;
     int64_t ldu = (groups * 4 + 63) / 64 * 64; /* x_q + 128 as unsigned, rows whole cache lines */
     if (m == 0) return 0;
     uint8_t *x_u = aligned_alloc(64, (size_t)(m * ldu));
@@ -223,9 +262,9 @@ int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ld
         for (int64_t i = k; i < groups * 4; i++) x_u[r * ldu + i] = 0; /* times the packed zeros */
     }
     const struct int8_linear_call call = {
-        .x_u = x_u, .packed = packed, .colsum = colsum, .x_scales = x_scales, .w_scales = w_scales, .y = y,
-        .ldu = ldu, .groups = groups, .panel_bytes = panel_bytes, .n = n, .panels = panels,
-        .x_scale_stride = x_scale_stride, .ldy = ldy};
+        .x_u = x_u, .packed = packed, .colsum = colsum, .x_scales = x_scales, .w_scales = w_scales, .bias = bias,
+        .y = y, .ldu = ldu, .groups = groups, .panel_bytes = panel_bytes, .n = n, .panels = panels,
+        .x_scale_stride = x_scale_stride, .ldy = ldy, .gated = gated};
     for_chunk_panels(m, panels, num_threads, I8_MR, I8_MC, int8_chunk_panel, &call);
     free(x_u);
     return 0;
@@ -236,7 +275,8 @@ void raypaged_pack_weight_int8(const int8_t *w, int64_t n, int64_t k, int64_t ld
                                int num_threads) {}
 int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ldx, const int8_t *packed,
                              const int32_t *colsum, int64_t n, const float *x_scales, int64_t x_scale_stride,
-                             const float *w_scales, float *y, int64_t ldy, int num_threads) {
+                             const float *w_scales, const float *bias, float *y, int64_t ldy, int gated,
+                             int num_threads) {
     return -2;
 }
 #endif

@@ -6,7 +6,7 @@
  * h = silu(gate) * up from the gated gate | up weight; x = h W_down. After the last: x = norm(residual += x).
  *
  * A projection is fp32 (cpu_gemm.c) or W8A8 int8 (cpu_int8.c, quantizing the activations first), each as its
- * Python path runs it. Called from Python, each of those is a ctypes call behind its argument checks and a
+ * Python path runs it; a gate | up one packed gated, its SiLU stored from the GEMM's tiles. Called from Python, each of those is a ctypes call behind its argument checks and a
  * module call: about 3 ms of SmolLM2's 26 ms decode step at 32 sequences on 2 cores.
  */
 #include <stdint.h>
@@ -15,9 +15,9 @@
 
 #include "cpu_api.h"
 
-/* One projection: an fp32 weight packed for cpu_gemm.c (colsum NULL; a gate | up one packed gated), or an int8
- * one packed for cpu_int8.c's VNNI GEMM (colsum its row sums, weight_scale [n], input_scale > 0 a static
- * activation scale or 0 for per-token scales); bias NULL where none */
+/* One projection: an fp32 weight packed for cpu_gemm.c (colsum NULL), or an int8 one packed for cpu_int8.c's
+ * VNNI GEMM (colsum its packed columns' sums, weight_scale [n], input_scale > 0 a static activation scale or 0
+ * for per-token scales); a gate | up one packed gated; bias NULL where none */
 struct decode_linear {
     const void *weight;
     const float *bias;
@@ -40,15 +40,15 @@ struct decode_shape {
     int fp8;
 };
 
-/* Scratch for the int8 projections: x quantized, its per-token scales, a gate | up's product before its silu */
+/* Scratch for the int8 projections: x quantized and its per-token scales */
 struct int8_scratch {
     int8_t *xq;
-    float *scales, *gate_up;
+    float *scales;
 };
 
-/* y [m, n] = x [m, k] @ W^T (+ bias) as the layer's Python path runs the projection (layers.linear or
- * w8a8.int8_linear, then QuantLinear's bias add); silu (a gate | up): y [m, n / 2] = silu(gate) * up, stored from
- * the fp32 GEMM's tiles or a pass after the int8 one. Returns 0, or -20 when the int8 GEMM has no scratch. */
+/* y [m, n] = x [m, k] @ W^T (+ bias) as the layer's Python path runs the projection (layers.linear, or
+ * w8a8.int8_linear and then QuantLinear's bias add); silu (a gate | up, packed gated): y [m, n / 2] =
+ * silu(gate) * up, stored from the GEMM's tiles. Returns 0, or -20 when the int8 GEMM has no scratch. */
 static int project(const struct decode_linear *l, const float *x, int64_t m, int64_t k, int64_t n, float *y, int silu,
                    const struct int8_scratch *s, int threads) {
     if (!l->colsum) {
@@ -57,14 +57,12 @@ static int project(const struct decode_linear *l, const float *x, int64_t m, int
     }
     const int fixed = l->input_scale > 0.0f;
     raypaged_quantize_int8_f32(x, k, m, k, fixed ? l->input_scale : 0.0f, s->xq, s->scales, threads);
-    float *out = silu ? s->gate_up : y;
     if (raypaged_int8_linear_f32(s->xq, m, k, k, l->weight, l->colsum, n, fixed ? &l->input_scale : s->scales,
-                                 fixed ? 0 : 1, l->weight_scale, out, n, threads))
+                                 fixed ? 0 : 1, l->weight_scale, l->bias, y, silu ? n / 2 : n, silu ? 2 : 0, threads))
         return -20;
-    if (l->bias)
+    if (l->bias && !silu)
         for (int64_t r = 0; r < m; ++r)
-            for (int64_t j = 0; j < n; ++j) out[r * n + j] += l->bias[j];
-    if (silu) raypaged_silu_and_mul_f32(out, y, m, n / 2, threads);
+            for (int64_t j = 0; j < n; ++j) y[r * n + j] += l->bias[j];
     return 0;
 }
 
@@ -83,9 +81,8 @@ int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers
     struct int8_scratch scratch = {
         .xq = malloc((size_t)(tokens * (widest > s->hidden ? widest : s->hidden))),
         .scales = malloc(sizeof(float) * (size_t)tokens),
-        .gate_up = malloc(sizeof(float) * (size_t)(tokens * 2 * s->intermediate)),
     };
-    int status = scratch.xq && scratch.scales && scratch.gate_up ? 0 : -20;
+    int status = scratch.xq && scratch.scales ? 0 : -20;
     for (int64_t i = 0; i < num_layers && !status; ++i) {
         const struct decode_layer *l = &layers[i];
         if (i == 0) {
@@ -115,7 +112,6 @@ int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers
     }
     free(scratch.xq);
     free(scratch.scales);
-    free(scratch.gate_up);
     if (status) return status;
     if (num_layers == 0)
         raypaged_rms_norm_f32(x, s->hidden, 0, final_norm, x, tokens, 1, s->hidden, s->eps, threads);

@@ -87,6 +87,8 @@ def _linear_reason(linear: nn.Module, row_parallel: bool, gate_up: bool) -> str 
             return f"a linear is quantized as {kind}, not W8A8 int8"
         if not isinstance(linear.weight, PackedInt8Weight):
             return "an int8 weight is not packed for cpu_int8.c (no VNNI)"
+        if linear.weight.gated != gate_up:
+            return "the gate | up weight is not packed gated"
         if method.static and not float(cast(torch.Tensor, linear.input_scale)) > 0:
             return "a static input scale is not positive"
         if linear.tp.size != 1:

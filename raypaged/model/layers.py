@@ -46,13 +46,7 @@ class PackedWeight(nn.Parameter):
         out_features, in_features = weight.shape
         width = lib.raypaged_gemm_panel_width()
         if gated:
-            if out_features % 2:
-                raise ValueError(f"a gated (gate | up) weight has an even number of rows, got {out_features}")
-            half, panels = out_features // 2, -(-out_features // width)
-            halves = weight.new_zeros(2, panels * width // 2, in_features)
-            halves[:, :half] = weight.view(2, half, in_features)
-            # [gate | up] -> panel by panel: its gate rows, then its up rows
-            weight = halves.view(2, panels, width // 2, in_features).transpose(0, 1).reshape(-1, in_features)
+            weight = gated_rows(weight, width)
         data = torch.empty(-(-weight.shape[0] // width), in_features, width)
         lib.raypaged_pack_weight_f32(
             weight.data_ptr(), weight.shape[0], in_features, weight.stride(0), data.data_ptr(), torch.get_num_threads()
@@ -64,10 +58,27 @@ class PackedWeight(nn.Parameter):
     def unpack(self) -> torch.Tensor:  # -> [out_features, in_features]
         rows = self.detach().transpose(1, 2).reshape(-1, self.in_features)
         if self.gated:
-            panels, width = self.shape[0], self.shape[2]
-            halves = rows.view(panels, 2, width // 2, self.in_features).transpose(0, 1)
-            return halves.reshape(2, -1, self.in_features)[:, : self.out_features // 2].reshape(-1, self.in_features)
+            return ungated_rows(rows, self.shape[2], self.out_features)
         return rows[: self.out_features].clone()
+
+
+def gated_rows(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """An MLP's ``[gate | up]`` weight (``[2 * h, in]``) in the row order of the gated layout for panels of
+    ``width`` columns: panel by panel, ``width / 2`` gate rows then the same up rows, ``h`` padded with zero
+    rows to whole panels."""
+    rows, in_features = weight.shape
+    if rows % 2:
+        raise ValueError(f"a gated (gate | up) weight has an even number of rows, got {rows}")
+    panels = -(-rows // width)
+    halves = weight.new_zeros(2, panels * width // 2, in_features)
+    halves[:, : rows // 2] = weight.view(2, rows // 2, in_features)
+    return halves.view(2, panels, width // 2, in_features).transpose(0, 1).reshape(-1, in_features)
+
+
+def ungated_rows(rows: torch.Tensor, width: int, out_features: int) -> torch.Tensor:
+    """:func:`gated_rows` undone: the ``[gate | up]`` weight's ``out_features`` rows back in their order."""
+    halves = rows.reshape(-1, 2, width // 2, rows.shape[1]).transpose(0, 1).reshape(2, -1, rows.shape[1])
+    return halves[:, : out_features // 2].reshape(-1, rows.shape[1])
 
 
 def _packed_linear(

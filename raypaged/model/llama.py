@@ -203,7 +203,7 @@ class LlamaMLP(nn.Module):
         if fused is None:
             return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate_up = self.gate_up_proj
-        if isinstance(gate_up, Linear):  # in one pass where its weight is packed gated (pack_weights)
+        if isinstance(gate_up, (Linear, QuantLinear)):  # in one pass where its weight is packed gated (pack_weights)
             return self.down_proj(gate_up.silu_and_mul(x, fused.silu_and_mul))
         return self.down_proj(fused.silu_and_mul(gate_up(x)))
 
@@ -357,6 +357,8 @@ class LlamaForCausalLM(nn.Module):
                 module.pack(gated=id(module) in gate_ups)
             elif isinstance(module, RowParallelLinear):
                 module.pack()
+            elif isinstance(module, QuantLinear) and id(module) in gate_ups:
+                module.method.pack_gated(module)
         if self.lm_head is None:
             self.model.embed_tokens.pack_head(tied=True)
         else:

@@ -79,6 +79,15 @@ class LinearMethod(ABC):
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         """The weight ``[out_features, in_features]`` in float32: the reference of ``apply``."""
 
+    def pack_gated(self, layer: nn.Module) -> None:  # noqa: B027  (not abstract: most methods have no gated form)
+        """For an MLP's gate | up layer, after ``finish``: its weight in a layout whose GEMM can store
+        ``silu(gate) * up`` itself (:meth:`silu_and_mul`), where the method has one."""
+
+    def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu_and_mul(layer(x))`` in one pass (bias included) where :meth:`pack_gated` gave the layer
+        such a weight and ``x`` suits it, the same bits as the C silu_and_mul after the layer; else None."""
+        return None
+
 
 class QuantizationConfig(ABC):
     """A scheme's settings: from a checkpoint's ``quantization_config``, or online (from float weights)."""

@@ -7,6 +7,7 @@ their product, the bias added once. Every tensor splits by its :class:`TensorSpe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -48,6 +49,12 @@ class QuantLinear(nn.Module):
         if self.row_parallel:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)
+
+    def silu_and_mul(self, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``act(self(x))`` for a gate | up projection, ``act`` being the step's silu_and_mul; one pass where
+        the method packed the weight gated (:meth:`LinearMethod.pack_gated`)."""
+        fused = None if self.row_parallel else self.method.silu_and_mul(self, x)
+        return act(self(x)) if fused is None else fused
 
     def load_part(self, name: str, tensor: torch.Tensor, first_row: int, offset: int, num_rows: int) -> None:
         """Rows ``first_row:first_row+num_rows`` of checkpoint output features go to ``offset`` here."""

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from raypaged.attention import cpu_ops
-from raypaged.model.layers import linear
+from raypaged.model.layers import gated_rows, linear, ungated_rows
 from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, layer_tensor
 
 INT8_MAX = 127.0
@@ -55,33 +55,42 @@ INT8_SCRATCH_ERROR = "the CPU int8 GEMM could not allocate its scratch memory"
 
 class PackedInt8Weight(nn.Parameter):
     """An int8 CPU weight ``[out_features, in_features]`` packed for ``cpu_int8.c``'s VNNI GEMM:
-    ``[ceil(out / panel), ceil(in / 4), panel, 4]``, with ``colsum`` (int32 ``[out]``, each row's sum, which
-    the kernel takes back after reading the activations as unsigned). :meth:`unpack` gives the weight back."""
+    ``[ceil(out / panel), ceil(in / 4), panel, 4]``, with ``colsum`` (int32, each packed column's sum, which
+    the kernel takes back after reading the activations as unsigned). :meth:`unpack` gives the weight back.
+    ``gated``: an MLP's ``gate | up`` weight in the gated layout of ``layers.PackedWeight`` (each panel half
+    gate rows, half the same up rows), for :func:`int8_silu_and_mul_linear`; ``colsum`` is then in the packed
+    order."""
 
     out_features: int
     in_features: int
     colsum: torch.Tensor
+    gated: bool
 
     @staticmethod
-    def pack(lib: Any, weight: torch.Tensor) -> PackedInt8Weight:
+    def pack(lib: Any, weight: torch.Tensor, gated: bool = False) -> PackedInt8Weight:
         """``lib``: the CPU kernels, built with VNNI (``raypaged_int8_gemm_panel_width() > 0``)."""
         out_features, in_features = weight.shape
         width = lib.raypaged_int8_gemm_panel_width()
-        data = torch.empty(-(-out_features // width), -(-in_features // 4), width, 4, dtype=torch.int8)
-        colsum = torch.empty(out_features, dtype=torch.int32)
         weight = weight.detach().contiguous()
+        if gated:
+            weight = gated_rows(weight, width)
+        rows = weight.shape[0]
+        data = torch.empty(-(-rows // width), -(-in_features // 4), width, 4, dtype=torch.int8)
+        colsum = torch.empty(rows, dtype=torch.int32)
         lib.raypaged_pack_weight_int8(
-            weight.data_ptr(), out_features, in_features, in_features, data.data_ptr(), colsum.data_ptr(),
+            weight.data_ptr(), rows, in_features, in_features, data.data_ptr(), colsum.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         packed = PackedInt8Weight(data, requires_grad=False)
-        packed.out_features, packed.in_features, packed.colsum = out_features, in_features, colsum
+        packed.out_features, packed.in_features, packed.colsum, packed.gated = out_features, in_features, colsum, gated
         return packed
 
     def unpack(self) -> torch.Tensor:  # -> [out_features, in_features] int8
         panels, groups, width, _ = self.shape
-        columns = self.detach().permute(0, 2, 1, 3).reshape(panels * width, groups * 4)
-        return columns[: self.out_features, : self.in_features].clone()
+        columns = self.detach().permute(0, 2, 1, 3).reshape(panels * width, groups * 4)[:, : self.in_features]
+        if self.gated:
+            return ungated_rows(columns, width, self.out_features)
+        return columns[: self.out_features].clone()
 
 
 def _int8_gemm_lib() -> Any | None:
@@ -99,10 +108,16 @@ def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _int8_linear_cpu(
-    lib: Any, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
+    lib: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    silu_bias: tuple[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """``int8_linear`` for a float32 ``x`` with contiguous rows on CPU, its float ends in C: the same bits.
-    A :class:`PackedInt8Weight` runs the VNNI GEMM, the rest ``torch._int_mm`` (the same int32 sums)."""
+    A :class:`PackedInt8Weight` runs the VNNI GEMM, the rest ``torch._int_mm`` (the same int32 sums).
+    ``silu_bias`` (a gated weight): ``(bias,)``, and the result is ``silu_and_mul(y + bias)``."""
     num_tokens, k = x.shape
     threads = torch.get_num_threads()
     xq = torch.empty(num_tokens, k, dtype=torch.int8)
@@ -118,10 +133,13 @@ def _int8_linear_cpu(
     weight_scale = weight_scale.to(torch.float32).contiguous()
     if isinstance(weight, PackedInt8Weight):
         n = weight.out_features
-        out = torch.empty(num_tokens, n, dtype=torch.float32)
+        bias = None if silu_bias is None or silu_bias[0] is None else silu_bias[0].to(torch.float32).contiguous()
+        outputs = n if silu_bias is None else n // 2
+        out = torch.empty(num_tokens, outputs, dtype=torch.float32)
         status = lib.raypaged_int8_linear_f32(
             xq.data_ptr(), num_tokens, k, k, weight.data_ptr(), weight.colsum.data_ptr(), n, x_scale.data_ptr(),
-            0 if input_scale is not None else 1, weight_scale.data_ptr(), out.data_ptr(), n, threads,
+            0 if input_scale is not None else 1, weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
+            out.data_ptr(), outputs, 2 if silu_bias is not None else int(weight.gated), threads,
         )  # fmt: skip
         if status == -1:
             raise MemoryError(INT8_SCRATCH_ERROR)
@@ -141,6 +159,35 @@ def _int8_linear_cpu(
     return out
 
 
+def int8_silu_and_mul_linear(
+    x: torch.Tensor,
+    weight: PackedInt8Weight,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``silu_and_mul(int8_linear(x, ...) + bias)`` in one pass for a gated :class:`PackedInt8Weight` and a float32
+    CPU ``x`` with contiguous rows: the same bits as those three calls (the C silu_and_mul's)."""
+    lib = _cpu_kernels()
+    if not weight.gated or lib is None or not _takes_c_path(x, weight.in_features, input_scale):
+        raise ValueError(
+            "int8_silu_and_mul_linear takes a gated packed int8 weight and float32 CPU inputs of "
+            f"{weight.in_features} features with contiguous rows, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    return _int8_linear_cpu(lib, x, weight, weight_scale.view(-1), input_scale, (bias,))
+
+
+def _takes_c_path(x: torch.Tensor, in_features: int, input_scale: torch.Tensor | None) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.shape[1] == in_features
+        and (input_scale is None or float(input_scale) > 0)
+    )
+
+
 def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
 ) -> torch.Tensor:
@@ -150,13 +197,8 @@ def int8_linear(
         (weight.out_features, weight.in_features) if isinstance(weight, PackedInt8Weight) else weight.shape
     )
     if (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and x.dim() == 2
-        and x.stride(1) == 1
-        and x.shape[1] == in_features
+        _takes_c_path(x, in_features, input_scale)
         and weight_scale.numel() == out_features
-        and (input_scale is None or float(input_scale) > 0)
         and (lib := _cpu_kernels()) is not None
     ):
         return _int8_linear_cpu(lib, x, weight, weight_scale, input_scale)
@@ -232,6 +274,24 @@ class W8A8Method(LinearMethod):
         if isinstance(weight, PackedInt8Weight):
             weight = weight.unpack()
         return weight.to(torch.float32) * layer_tensor(layer, "weight_scale")
+
+    def pack_gated(self, layer: nn.Module) -> None:
+        """A VNNI-packed int8 gate | up weight packed again, gated."""
+        weight = layer_tensor(layer, "weight")
+        if isinstance(weight, PackedInt8Weight) and not weight.gated and (lib := _int8_gemm_lib()) is not None:
+            layer.weight = PackedInt8Weight.pack(lib, weight.unpack(), gated=True)
+
+    def silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        weight = layer_tensor(layer, "weight")
+        input_scale = layer_tensor(layer, "input_scale") if self.static else None
+        if (
+            not isinstance(weight, PackedInt8Weight)
+            or not weight.gated
+            or not _takes_c_path(x, weight.in_features, input_scale)
+        ):
+            return None
+        bias = getattr(layer, "bias", None)
+        return int8_silu_and_mul_linear(x, weight, layer_tensor(layer, "weight_scale"), input_scale, bias)
 
 
 class Fp8OnlineMethod(W8A8Method):

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from raypaged.attention import cpu_ops
+from raypaged.attention import cpu_fused, cpu_ops
 from raypaged.attention.backend import CPU
 from raypaged.model import cpu_step
 from raypaged.quantization import w8a8
@@ -154,6 +155,43 @@ def test_the_vnni_gemm_is_int_mm_and_its_scaling_bit_for_bit(vnni, num_tokens, i
     assert torch.equal(int8_linear(wide[:, 3 : 3 + in_features], packed, weight_scale, input_scale), expected)
 
 
+@pytest.mark.parametrize(("num_tokens", "half"), [(1, 1), (5, 23), (9, 24), (3, 25), (17, 70)])
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_a_gated_int8_weight_gives_the_plain_bits_and_its_silu_those_of_the_three_calls(vnni, num_tokens, half, static):
+    """The gated layout (an MLP's gate | up: each panel half gate rows, half the same up rows): int8_linear on it
+    gives the plain weight's bits; int8_silu_and_mul_linear gives silu_and_mul(int8_linear + bias)'s."""
+    in_features = 40
+    x = torch.randn(num_tokens, in_features, generator=GEN)
+    weight = torch.randint(-128, 128, (2 * half, in_features), dtype=torch.int8, generator=GEN)
+    weight_scale = torch.rand(2 * half, generator=GEN) / 100
+    bias = torch.randn(2 * half, generator=GEN)
+    input_scale = torch.tensor([0.03]) if static else None
+    gated = w8a8.PackedInt8Weight.pack(vnni, weight, gated=True)
+    assert gated.gated and torch.equal(gated.unpack(), weight)
+    width = vnni.raypaged_int8_gemm_panel_width()
+    assert tuple(gated.shape) == (-(-half // (width // 2)), in_features // 4, width, 4)
+    plain = torch_int8_linear(x, weight, weight_scale, input_scale)
+    assert torch.equal(int8_linear(x, gated, weight_scale, input_scale), plain)
+    expected = cpu_fused.silu_and_mul(plain + bias)
+    threads = torch.get_num_threads()
+    try:
+        for count in (threads, 7):
+            torch.set_num_threads(count)
+            torch.full(expected.shape, float("nan"))  # freed at once: what an output row left unwritten would hold
+            fused = w8a8.int8_silu_and_mul_linear(x, gated, weight_scale, input_scale, bias)
+            assert torch.equal(fused, expected)
+    finally:
+        torch.set_num_threads(threads)
+    no_bias = w8a8.int8_silu_and_mul_linear(x, gated, weight_scale, input_scale, None)
+    assert torch.equal(no_bias, cpu_fused.silu_and_mul(plain))
+    message = (
+        "int8_silu_and_mul_linear takes a gated packed int8 weight and float32 CPU inputs of 40 features with "
+        r"contiguous rows, got torch.float32 \(1, 40\) on cpu"
+    )
+    with pytest.raises(ValueError, match=message):
+        w8a8.int8_silu_and_mul_linear(x[:1], w8a8.PackedInt8Weight.pack(vnni, weight), weight_scale, None, None)
+
+
 def test_a_packed_int8_weight_refuses_inputs_the_c_path_cannot_take(vnni):
     packed = w8a8.PackedInt8Weight.pack(vnni, torch.ones(8, 16, dtype=torch.int8))
     message = r"a packed int8 weight takes float32 CPU inputs of 16 features with contiguous rows, got torch.bfloat16"
@@ -171,7 +209,12 @@ def test_an_int8_checkpoint_on_cpu_runs_packed_where_the_kernels_have_vnni(quant
         pytest.skip("no VNNI int8 GEMM here")
     model = load(quantized_dirs["w8a8-int8"])
     down = model.model.layers[1].mlp.down_proj
-    assert isinstance(down.weight, w8a8.PackedInt8Weight)
+    assert isinstance(down.weight, w8a8.PackedInt8Weight) and not down.weight.gated
+    gate_up = model.model.layers[1].mlp.gate_up_proj
+    assert isinstance(gate_up.weight, w8a8.PackedInt8Weight) and gate_up.weight.gated  # its SiLU from its tiles
+    checkpoint = load_file(quantized_dirs["w8a8-int8"] / "model.safetensors")
+    on_disk = [checkpoint[f"model.layers.1.mlp.{name}_proj.weight"] for name in ("gate", "up")]
+    assert torch.equal(gate_up.weight.unpack(), torch.cat(on_disk))
     plain = down.weight.unpack()
     x = torch.randn(5, down.weight.in_features, generator=GEN)
     scale = down.weight_scale.view(-1)
