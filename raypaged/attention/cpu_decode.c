@@ -374,14 +374,9 @@ int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t 
             for (int64_t h = 0; h < H; ++h)
                 memcpy(q + h * D, query + s * query_seq_stride + h * query_head_stride, sizeof(float) * D);
             const int64_t start = (item - first[s]) * part, end = start + part < len ? start + part : len;
-            const struct partition w = {.table = block_tables + s * table_stride,
-                                        .block_size = block_size,
-                                        .num_kv_heads = num_kv_heads,
-                                        .G = G,
-                                        .D = D,
-                                        .start = start,
-                                        .end = end,
-                                        .fp8 = fp8};
+            const struct partition w = {
+                .table = block_tables + s * table_stride, .block_size = block_size, .num_kv_heads = num_kv_heads,
+                .G = G, .D = D, .start = start, .end = end, .fp8 = fp8};
             if (parts == 1) {
                 attend_partition(&w, q, k_cache, v_cache, scale, local, acc, stats, widened);
                 for (int64_t h = 0; h < H; ++h) {

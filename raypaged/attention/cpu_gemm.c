@@ -166,15 +166,8 @@ void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, cons
                          const float *bias, float *y, int64_t ldy, int gated, int threads) {
     const enum store store = gated == 2 ? GATED_SILU : gated == 1 ? GATED : PLAIN;
     const int64_t panels = store == PLAIN ? (n + NR - 1) / NR : (n / 2 + HALF - 1) / HALF;
-    const struct linear_call call = {.x = x,
-                                     .packed = packed,
-                                     .bias = bias,
-                                     .y = y,
-                                     .ldx = ldx,
-                                     .k = k,
-                                     .n = n,
-                                     .panels = panels,
-                                     .ldy = ldy,
-                                     .store = store};
+    const struct linear_call call = {
+        .x = x, .packed = packed, .bias = bias, .y = y, .ldx = ldx, .k = k, .n = n, .panels = panels, .ldy = ldy,
+        .store = store};
     for_chunk_panels(m, panels, threads, MR, MC, chunk_panel, &call);
 }
