@@ -151,7 +151,8 @@ class CpuDecodeStep:
     """``LlamaModel``'s layers and final norm for a decode-only step, built once (:meth:`build`)."""
 
     def __init__(self, model: LlamaModel) -> None:
-        self.model = model
+        # the model is passed to each call, not kept: the model keeps this, and a cycle between them would hold
+        # its weights (and the KV caches, were they kept here) until the cyclic garbage collector ran
         self.linears = _linears(model)
         layers = _layers(model)
         first = layers[0].self_attn
@@ -164,7 +165,7 @@ class CpuDecodeStep:
             layers[0].mlp.intermediate_size,
         )
         self.eps, self.scale = layers[0].input_layernorm.eps, first.scale
-        self.caches: list[LayerKVCache] | None = None
+        self.cache_ptrs: list[int] = []  # the caches the layer table points at
         self.layers = (_Layer * len(model.layers))()
         self.shape = _Shape()
 
@@ -172,11 +173,11 @@ class CpuDecodeStep:
     def build(model: LlamaModel) -> CpuDecodeStep | None:
         return None if unsupported_reason(model) is not None else CpuDecodeStep(model)
 
-    def still_applies(self) -> bool:
+    def still_applies(self, model: LlamaModel) -> bool:
         """Whether the model's linears are still those it was built on (LoRA wraps them later)."""
-        return self.linears == _linears(self.model)
+        return self.linears == _linears(model)
 
-    def _point_at(self, kv_caches: list[LayerKVCache]) -> None:
+    def _point_at(self, model: LlamaModel, kv_caches: list[LayerKVCache], cache_ptrs: list[int]) -> None:
         key_cache = kv_caches[0][0]
         shape = self.shape
         shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate = self.dims
@@ -184,7 +185,7 @@ class CpuDecodeStep:
         shape.max_positions, shape.eps, shape.scale = self.cos_sin.shape[0], self.eps, self.scale
         shape.fp8 = int(key_cache.dtype != torch.float32)
         for entry, layer, (qkv, o, gate_up, down), (k, v) in zip(
-            self.layers, _layers(self.model), self.linears, kv_caches, strict=True
+            self.layers, _layers(model), self.linears, kv_caches, strict=True
         ):
             for name, cache in (("k_cache", k), ("v_cache", v)):
                 if not cache.is_contiguous() or cache.shape != key_cache.shape or cache.dtype != key_cache.dtype:
@@ -194,13 +195,19 @@ class CpuDecodeStep:
             for name, linear in (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down)):
                 _linear_fields(getattr(entry, name), linear)
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
-        self.caches = kv_caches
+        self.cache_ptrs = cache_ptrs
 
     def run(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+        self,
+        model: LlamaModel,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
     ) -> torch.Tensor:  # x: the embeddings [num_seqs, hidden] -> the final norm's output, in x
-        if kv_caches is not self.caches:
-            self._point_at(kv_caches)
+        cache_ptrs = [cache.data_ptr() for layer in kv_caches for cache in layer]
+        if cache_ptrs != self.cache_ptrs:
+            self._point_at(model, kv_caches, cache_ptrs)
         hidden, heads, kv_heads, head_dim, intermediate = self.dims
         tokens = x.shape[0]
         tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens.contiguous(), meta.slot_mapping
@@ -222,7 +229,7 @@ class CpuDecodeStep:
             ctypes.addressof(self.layers),
             len(self.layers),
             ctypes.addressof(self.shape),
-            self.model.norm.weight.data_ptr(),
+            model.norm.weight.data_ptr(),
             x.data_ptr(),
             residual.data_ptr(),
             tokens,

@@ -3,6 +3,8 @@ model's layer-by-layer fused path: the same bits, the same errors, and the layer
 does not apply."""
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -39,9 +41,9 @@ def one_call_runs(monkeypatch):
     runs: list[int] = []
     run = cpu_step.CpuDecodeStep.run
 
-    def counted(self, x, *args):
+    def counted(self, model, x, *args):
         runs.append(x.shape[0])
-        return run(self, x, *args)
+        return run(self, model, x, *args)
 
     monkeypatch.setattr(cpu_step.CpuDecodeStep, "run", counted)
     return runs
@@ -151,3 +153,21 @@ def test_a_bad_step_fails_with_the_layer_paths_error(spoil, message, one_call_ru
         with torch.inference_mode(), pytest.raises(ValueError, match=message):
             model(torch.tensor([1, 2]), positions, caches, meta)
     assert one_call_runs == [2]
+
+
+def test_the_one_call_step_keeps_neither_its_model_nor_the_caches_alive(one_call_runs):
+    """No reference cycle through the step: dropping the model and the caches frees them at once, as the engine
+    expects when it shuts down (a cycle held a model's weights and its KV caches until the cyclic collector ran,
+    and a long test session ran out of memory)."""
+    model = packed_model("llama")
+    hidden, caches = ref.run_steps(model, CPU, "cpu")
+    assert one_call_runs == [2, 2]
+    assert model.model.cpu_decode_step is not None
+    refs = [weakref.ref(model.model), weakref.ref(model.model.layers[0].mlp.gate_up_proj.weight)]
+    refs.append(weakref.ref(caches[0][0]))
+    gc.disable()
+    try:
+        del model, caches, hidden
+        assert [ref() for ref in refs] == [None, None, None]
+    finally:
+        gc.enable()

@@ -253,7 +253,9 @@ def test_int8_decode_steps_in_one_c_call_give_the_layer_paths_bits(quantized_dir
                 module.input_scale = torch.nn.Parameter(torch.tensor([0.05]), requires_grad=False)
     runs = []
     run = cpu_step.CpuDecodeStep.run
-    monkeypatch.setattr(cpu_step.CpuDecodeStep, "run", lambda self, x, *a: runs.append(len(x)) or run(self, x, *a))
+    monkeypatch.setattr(
+        cpu_step.CpuDecodeStep, "run", lambda self, model, x, *a: runs.append(len(x)) or run(self, model, x, *a)
+    )
     hidden, caches = ref.run_steps(model, CPU, "cpu")
     assert runs == [2, 2] and cpu_step.unsupported_reason(model.model) is None
     with monkeypatch.context() as m:
