@@ -1,7 +1,8 @@
 /* A decode step's decoder layers on CPU in one call (raypaged.model.cpu_step): the same kernels, in the same
  * order, as LlamaDecoderLayer's fused path runs them one Python call at a time, so the same bits.
  *
- * A layer: x = norm(residual += x) (the first layer: residual = x, x = norm(x)); qkv = x W_qkv; q and k rotated
+ * A layer: x = norm(residual += x) (the first layer: residual = x, x = norm(x)); qkv = x W_qkv; q and k (each
+ * head normed first where the model has q/k norms) rotated
  * and this step's K/V written to their slots; attention over the cache; x = attn W_o; x = norm(residual += x);
  * h = silu(gate) * up from the gated gate | up weight; x = h W_down. After the last: x = norm(residual += x).
  *
@@ -26,9 +27,10 @@ struct decode_linear {
     float input_scale;
 };
 
-/* One layer's norms, projections and KV caches */
+/* One layer's norms (q_norm, k_norm: per head over q and k before rotary, as Qwen3's; NULL where none),
+ * projections and KV caches */
 struct decode_layer {
-    const float *input_norm, *post_norm;
+    const float *input_norm, *post_norm, *q_norm, *k_norm;
     struct decode_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
 };
@@ -82,7 +84,8 @@ int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers
         .xq = malloc((size_t)(tokens * (widest > s->hidden ? widest : s->hidden))),
         .scales = malloc(sizeof(float) * (size_t)tokens),
     };
-    int status = scratch.xq && scratch.scales ? 0 : -20;
+    float *normed = malloc(sizeof(float) * (size_t)(tokens * (q_width + kv_width))); /* q, k after their norms */
+    int status = scratch.xq && scratch.scales && normed ? 0 : -20;
     for (int64_t i = 0; i < num_layers && !status; ++i) {
         const struct decode_layer *l = &layers[i];
         if (i == 0) {
@@ -92,15 +95,23 @@ int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers
             raypaged_fused_add_rms_norm_f32(x, residual, l->input_norm, tokens, s->hidden, s->eps, threads);
         }
         if ((status = project(&l->qkv, x, tokens, s->hidden, qkv_width, qkv, 0, &scratch, threads))) break;
-        status = raypaged_rotary_and_cache_f32(
-            positions, qkv, qkv_width, qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, cos_sin,
-            s->max_positions, l->k_cache, l->v_cache, s->fp8, s->num_blocks, slots, tokens, s->num_heads,
-            s->num_kv_heads, D, s->block_size, threads);
+        float *q = qkv, *k = qkv + q_width;
+        int64_t q_stride = qkv_width, k_stride = qkv_width;
+        if (l->q_norm) { /* into rows of their own, as cpu_fused.rms_norm returns them */
+            q = normed, k = normed + tokens * q_width, q_stride = q_width, k_stride = kv_width;
+            raypaged_rms_norm_f32(qkv, qkv_width, D, l->q_norm, q, tokens, s->num_heads, D, s->eps, threads);
+            raypaged_rms_norm_f32(qkv + q_width, qkv_width, D, l->k_norm, k, tokens, s->num_kv_heads, D, s->eps,
+                                  threads);
+        }
+        status = raypaged_rotary_and_cache_f32(positions, q, q_stride, k, k_stride, qkv + q_width + kv_width, qkv_width,
+                                               cos_sin, s->max_positions, l->k_cache, l->v_cache, s->fp8,
+                                               s->num_blocks, slots, tokens, s->num_heads, s->num_kv_heads, D,
+                                               s->block_size, threads);
         if (status) {
             status -= 10;
             break;
         }
-        status = raypaged_paged_decode(qkv, qkv_width, D, l->k_cache, l->v_cache, s->fp8, s->num_blocks, block_tables,
+        status = raypaged_paged_decode(q, q_stride, D, l->k_cache, l->v_cache, s->fp8, s->num_blocks, block_tables,
                                        table_stride, table_width, context_lens, attn, tokens, s->num_heads,
                                        s->num_kv_heads, s->block_size, D, s->scale, threads);
         if (status) break;
@@ -112,6 +123,7 @@ int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers
     }
     free(scratch.xq);
     free(scratch.scales);
+    free(normed);
     if (status) return status;
     if (num_layers == 0)
         raypaged_rms_norm_f32(x, s->hidden, 0, final_norm, x, tokens, 1, s->hidden, s->eps, threads);

@@ -4,8 +4,8 @@ the CPU backend's fused path on packed weights, fp32 (``cpu_gemm.c``) or W8A8 in
 The C loop calls the kernels the fused path calls one Python call at a time, in the same order, so it gives
 the same bits; what it saves is the Python between them (module calls, views, argument checks, ctypes): about
 3 ms of SmolLM2's 26 ms decode step at 32 sequences on 2 cores. A model it cannot run (another backend or
-dtype, LoRA-wrapped or otherwise quantized linears, tensor parallelism, Qwen3's q/k norms) keeps the Python
-path: :func:`unsupported_reason` says why.
+dtype, LoRA-wrapped or otherwise quantized linears, tensor parallelism) keeps the Python path:
+:func:`unsupported_reason` says why.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ class _Layer(ctypes.Structure):  # cpu_step.c: struct decode_layer
     _fields_ = [
         ("input_norm", _P),
         ("post_norm", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
         *[(name, _Linear) for name in ("qkv", "o", "gate_up", "down")],
         ("k_cache", _P),
         ("v_cache", _P),
@@ -131,9 +133,10 @@ def unsupported_reason(model: LlamaModel) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.attn_backend.decode is not cpu_ops.paged_attention_decode:
             return f"the attention backend is {attn.attn_backend.name}"
-        if attn.q_norm is not None:
-            return "the model normalizes q and k per head"
-        norms = (layer.input_layernorm, layer.post_attention_layernorm, model.norm)
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, model.norm]
+        norms += [norm for norm in (attn.q_norm, attn.k_norm) if norm is not None]
+        if (attn.q_norm is None) != (attn.k_norm is None):
+            return "the layer normalizes only one of q and k"
         if attn.rotary is not first.self_attn.rotary or any(norm.eps != first.input_layernorm.eps for norm in norms):
             return "the layers differ in rotary or norm epsilon"
         for linear, row_parallel, gate_up in (
@@ -192,6 +195,9 @@ class CpuDecodeStep:
                     raise ValueError(f"every layer's {name} must be contiguous and shaped {tuple(key_cache.shape)}")
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            q_norm, k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm
+            entry.q_norm = None if q_norm is None else q_norm.weight.data_ptr()
+            entry.k_norm = None if k_norm is None else k_norm.weight.data_ptr()
             for name, linear in (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down)):
                 _linear_fields(getattr(entry, name), linear)
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()

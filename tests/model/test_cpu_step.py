@@ -56,7 +56,7 @@ def layer_by_layer(model, monkeypatch):
         return ref.run_steps(model, CPU, "cpu")
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
 def test_decode_steps_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs, monkeypatch):
     model = packed_model(architecture)
     hidden, caches = ref.run_steps(model, CPU, "cpu")
@@ -83,7 +83,9 @@ def test_where_the_one_call_does_not_apply_it_says_why(monkeypatch):
     assert unpacked.model.cpu_decode_step is None
     qwen3 = packed_model("qwen3")
     qwen3.set_attention_backend(CPU)
-    assert cpu_step.unsupported_reason(qwen3.model) == "the model normalizes q and k per head"
+    assert cpu_step.unsupported_reason(qwen3.model) is None  # q/k norms per head (its own head_dim of 64)
+    qwen3.model.layers[0].self_attn.k_norm.eps = 1e-5
+    assert cpu_step.unsupported_reason(qwen3.model) == "the layers differ in rotary or norm epsilon"
     model.model.layers[1].post_attention_layernorm.eps = 1e-5
     assert cpu_step.unsupported_reason(model.model) == "the layers differ in rotary or norm epsilon"
 
