@@ -4,6 +4,7 @@ path) and a few model steps to run the plain and the fused model paths on, side 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from transformers import LlamaConfig, Qwen3Config
@@ -136,10 +137,15 @@ def _step_meta(step, device: str) -> tuple[torch.Tensor, AttentionMetadata]:
 
 
 def run_steps(
-    model: LlamaForCausalLM, backend: AttentionBackend, device: str, plain: bool = False
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    device: str,
+    plain: bool = False,
+    before_step: Callable[[int], None] | None = None,
 ) -> tuple[list[torch.Tensor], list]:
     """Each step's hidden states and the caches after the last, through ``backend``; ``plain``: on the
-    plain path whatever fused ops the backend brings (its attention alone)."""
+    plain path whatever fused ops the backend brings (its attention alone); ``before_step(i)`` is called
+    before step ``i``."""
     model.set_attention_backend(dataclasses.replace(backend, fused_ops=None) if plain else backend)
     dtype = model.model.norm.weight.dtype
     attn = model.model.layers[0].self_attn
@@ -151,7 +157,9 @@ def run_steps(
     generator = torch.Generator().manual_seed(1)
     hidden = []
     with torch.inference_mode():
-        for step in STEPS:
+        for index, step in enumerate(STEPS):
+            if before_step is not None:
+                before_step(index)
             positions, meta = _step_meta(step, device)
             ids = torch.randint(0, model.config.vocab_size, positions.shape, generator=generator).to(device)
             hidden.append(model(ids, positions, caches, meta).clone())

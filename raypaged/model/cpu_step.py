@@ -4,8 +4,8 @@ the CPU backend's fused path on packed weights, fp32 (``cpu_gemm.c``) or W8A8 in
 The C loop calls the kernels the fused path calls one Python call at a time, in the same order, so it gives
 the same bits; what it saves is the Python between them (module calls, views, argument checks, ctypes): about
 3 ms of SmolLM2's 26 ms decode step at 32 sequences on 2 cores. A model it cannot run (another backend or
-dtype, LoRA-wrapped or otherwise quantized linears, tensor parallelism) keeps the Python path:
-:func:`unsupported_reason` says why.
+dtype, otherwise quantized linears, tensor parallelism) keeps the Python path: :func:`unsupported_reason`
+says why. With LoRA, a step in which some token has an adapter runs layer by layer; the others run here.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from raypaged.quantization.linear import QuantLinear
 from raypaged.quantization.w8a8 import INT8_SCRATCH_ERROR, PackedInt8Weight, W8A8Method
 
 if TYPE_CHECKING:
+    from raypaged.lora.layers import LoRAStep
     from raypaged.model.llama import LayerKVCache, LlamaDecoderLayer, LlamaModel
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -79,9 +80,30 @@ def _linears(model: LlamaModel) -> list[tuple[nn.Module, ...]]:
     ]
 
 
+def _base(linear: nn.Module) -> nn.Module:
+    """The projection itself: a LoRA-wrapped one's base (whose output it is in a step with no adapter)"""
+    from raypaged.lora.layers import LoRALinear  # here: raypaged.lora imports the model
+
+    return linear.base if isinstance(linear, LoRALinear) else linear
+
+
+def _lora_steps(model: LlamaModel) -> list[LoRAStep]:
+    """The LoRA step records the model's wrapped linears read (one per attach_lora), each ``.mapping``"""
+    from raypaged.lora.layers import LoRALinear
+
+    steps: list[LoRAStep] = []
+    for linears in _linears(model):
+        for linear in linears:
+            if isinstance(linear, LoRALinear) and not any(linear.step is step for step in steps):
+                steps.append(linear.step)
+    return steps
+
+
 def _linear_reason(linear: nn.Module, row_parallel: bool, gate_up: bool) -> str | None:
     """Why one projection cannot run in the one call: it must be fp32 packed for cpu_gemm.c (a gate | up
-    packed gated) or W8A8 int8 packed for cpu_int8.c's VNNI GEMM, and not sharded."""
+    packed gated) or W8A8 int8 packed for cpu_int8.c's VNNI GEMM, and not sharded; a LoRA-wrapped one is
+    judged by its base (the one call runs only steps with no adapter: :meth:`CpuDecodeStep.adapters_active`)."""
+    linear = _base(linear)
     if type(linear) is QuantLinear:
         method = linear.method
         if not isinstance(method, W8A8Method) or method.dtype != torch.int8:
@@ -97,7 +119,7 @@ def _linear_reason(linear: nn.Module, row_parallel: bool, gate_up: bool) -> str 
             return "the model is sharded (tensor parallelism)"
         return None
     if type(linear) is not (RowParallelLinear if row_parallel else Linear):
-        return f"a linear is {type(linear).__name__} (LoRA-wrapped, or of a kind the one call does not run)"
+        return f"a linear is {type(linear).__name__}, of a kind the one call does not run"
     weight = linear.weight
     if not isinstance(weight, PackedWeight):
         return "a linear's weight is not packed for cpu_gemm.c"
@@ -157,6 +179,7 @@ class CpuDecodeStep:
         # the model is passed to each call, not kept: the model keeps this, and a cycle between them would hold
         # its weights (and the KV caches, were they kept here) until the cyclic garbage collector ran
         self.linears = _linears(model)
+        self.lora_steps = _lora_steps(model)
         layers = _layers(model)
         first = layers[0].self_attn
         self.cos_sin = first.rotary.cos_sin
@@ -177,8 +200,13 @@ class CpuDecodeStep:
         return None if unsupported_reason(model) is not None else CpuDecodeStep(model)
 
     def still_applies(self, model: LlamaModel) -> bool:
-        """Whether the model's linears are still those it was built on (LoRA wraps them later)."""
+        """Whether the model's linears are still those it was built on (LoRA wraps them later: then build
+        again)."""
         return self.linears == _linears(model)
+
+    def adapters_active(self) -> bool:
+        """Whether this step's LoRA mapping gives any token an adapter (then the layers run it, one by one)."""
+        return any(step.mapping is not None and not step.mapping.is_empty for step in self.lora_steps)
 
     def _point_at(self, model: LlamaModel, kv_caches: list[LayerKVCache], cache_ptrs: list[int]) -> None:
         key_cache = kv_caches[0][0]
@@ -199,7 +227,7 @@ class CpuDecodeStep:
             entry.q_norm = None if q_norm is None else q_norm.weight.data_ptr()
             entry.k_norm = None if k_norm is None else k_norm.weight.data_ptr()
             for name, linear in (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down)):
-                _linear_fields(getattr(entry, name), linear)
+                _linear_fields(getattr(entry, name), _base(linear))
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
         self.cache_ptrs = cache_ptrs
 

@@ -295,9 +295,10 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         step = self.cpu_decode_step
         if step is not None and not meta.prefills and meta.num_decode_tokens == x.shape[0] > 0:
-            if step.still_applies(self):
+            if not step.still_applies(self):  # its linears were wrapped since (LoRA): built again, or never more
+                step = self.cpu_decode_step = CpuDecodeStep.build(self)
+            if step is not None and not step.adapters_active():
                 return step.run(self, x, positions, kv_caches, meta)
-            self.cpu_decode_step = None  # its linears were wrapped (LoRA): the layers' own path from now on
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta, self.fused_ops)
         return self.final_norm(x, residual)

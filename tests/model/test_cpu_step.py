@@ -13,7 +13,10 @@ from transformers import Qwen2Config
 
 from raypaged.attention import cpu_ops
 from raypaged.attention.backend import CPU, TORCH
+from raypaged.lora.layers import attach_lora
+from raypaged.lora.ops import build_lora_mapping
 from raypaged.model import cpu_step
+from raypaged.model.parallel import TensorParallel
 from tests import fused_reference as ref
 
 pytestmark = pytest.mark.skipif(cpu_ops.unavailable_reason() is not None, reason="the CPU kernels do not build")
@@ -111,12 +114,12 @@ def test_a_linear_wrapped_later_sends_the_steps_back_layer_by_layer(one_call_run
     monkeypatch.setattr(model, "set_attention_backend", lambda backend: None)  # keep the step built before the wrap
     assert model.model.cpu_decode_step is not None
     hidden, _ = ref.run_steps(model, CPU, "cpu")
-    assert one_call_runs == [] and model.model.cpu_decode_step is None
+    assert one_call_runs == [] and model.model.cpu_decode_step is None  # built again on the wrap: not eligible
     for got, expected in zip(hidden, expected_hidden, strict=True):
         assert torch.equal(got, expected)
     monkeypatch.setattr(model, "set_attention_backend", real_set)
     model.set_attention_backend(CPU)
-    reason = "a linear is Wrapped (LoRA-wrapped, or of a kind the one call does not run)"
+    reason = "a linear is Wrapped, of a kind the one call does not run"
     assert cpu_step.unsupported_reason(model.model) == reason
 
 
@@ -173,3 +176,31 @@ def test_the_one_call_step_keeps_neither_its_model_nor_the_caches_alive(one_call
         assert [ref() for ref in refs] == [None, None, None]
     finally:
         gc.enable()
+
+
+def test_lora_steps_without_an_adapter_run_in_one_call_and_those_with_one_layer_by_layer(one_call_runs, monkeypatch):
+    """attach_lora wraps the linears after the backend is set (as the worker does): the step is built again
+    around their bases; a decode step where a token has an adapter runs layer by layer, with its product."""
+    model = packed_model("llama")
+    model.set_attention_backend(CPU)
+    lora = attach_lora(model, 2, 8, TensorParallel(), torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    for linear in lora.linears.values():
+        a_t = torch.randn(linear.target.in_features, 4, generator=gen) * 0.2
+        linear.set_slot(1, (a_t, torch.randn(4, linear.target.out_features, generator=gen) * 0.2))
+
+    def adapters(index):  # the first decode-only step: sequence b with the adapter in slot 1
+        lora.step.mapping = build_lora_mapping([None, 1]) if index == 2 else None
+
+    hidden, caches = ref.run_steps(model, CPU, "cpu", before_step=adapters)
+    assert one_call_runs == [2]  # the second decode-only step; the first had an adapter
+    assert cpu_step.unsupported_reason(model.model) is None
+    with monkeypatch.context() as m:
+        m.setattr(cpu_step.CpuDecodeStep, "build", staticmethod(lambda model: None))
+        expected_hidden, expected_caches = ref.run_steps(model, CPU, "cpu", before_step=adapters)
+        base_hidden, _ = ref.run_steps(model, CPU, "cpu")
+    for got, expected in zip(hidden, expected_hidden, strict=True):
+        assert torch.equal(got, expected)
+    for (k, v), (expected_k, expected_v) in zip(caches, expected_caches, strict=True):
+        assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+    assert torch.equal(hidden[2][0], base_hidden[2][0]) and not torch.equal(hidden[2][1], base_hidden[2][1])
