@@ -295,7 +295,7 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         step = self.cpu_decode_step
         if step is not None and not meta.prefills and meta.num_decode_tokens == x.shape[0] > 0:
-            if not step.still_applies(self):  # its linears were wrapped since (LoRA): built again, or never more
+            if not step.still_applies():  # its linears were wrapped since (LoRA): built again, or never more
                 step = self.cpu_decode_step = CpuDecodeStep.build(self)
             if step is not None and not step.adapters_active():
                 return step.run(self, x, positions, kv_caches, meta)
