@@ -141,15 +141,12 @@ struct linear_call {
 static void chunk_panel(const void *call_ptr, int64_t chunk, int64_t chunk_end, int64_t p) {
     const struct linear_call *c = call_ptr;
     const int share = prefetch_share((chunk_end - chunk + MR - 1) / MR);
-    const int64_t half = c->n / 2, width = c->store == PLAIN ? NR : HALF, first = p * width;
-    const int64_t outputs = c->store == PLAIN ? c->n : half;
-    const int cols = first + width <= outputs ? (int)width : (int)(outputs - first);
+    int64_t first;
+    const int gated = c->store != PLAIN, cols = panel_columns(c->n, gated, NR, p, &first);
+    const int64_t half = c->n / 2;
     const float *panel = c->packed + p * c->k * NR;
-    float bias[NR] __attribute__((aligned(64))) = {0}; /* the panel's columns of it */
-    if (c->bias) {
-        memcpy(bias, c->bias + first, (size_t)cols * 4);
-        if (c->store != PLAIN) memcpy(bias + HALF, c->bias + half + first, (size_t)cols * 4);
-    }
+    float bias[NR] __attribute__((aligned(64))); /* the panel's columns of it */
+    if (c->bias) panel_values(bias, c->bias, c->n, gated, NR, first, cols);
     for (int64_t row = chunk; row < chunk_end; row += MR) {
         int rows = chunk_end - row < MR ? (int)(chunk_end - row) : MR;
         const char *prefetch =
@@ -165,7 +162,7 @@ static void chunk_panel(const void *call_ptr, int64_t chunk, int64_t chunk_end, 
 void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                          const float *bias, float *y, int64_t ldy, int gated, int threads) {
     const enum store store = gated == 2 ? GATED_SILU : gated == 1 ? GATED : PLAIN;
-    const int64_t panels = store == PLAIN ? (n + NR - 1) / NR : (n / 2 + HALF - 1) / HALF;
+    const int64_t panels = panel_count(n, store != PLAIN, NR);
     const struct linear_call call = {
         .x = x, .packed = packed, .bias = bias, .y = y, .ldx = ldx, .k = k, .n = n, .panels = panels, .ldy = ldy,
         .store = store};

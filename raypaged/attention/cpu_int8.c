@@ -200,19 +200,13 @@ static void int8_chunk_panel(const void *call_ptr, int64_t chunk, int64_t chunk_
     const struct int8_linear_call *c = call_ptr;
     const int share = prefetch_share((chunk_end - chunk + I8_MR - 1) / I8_MR);
     int32_t sums[I8_MR * I8_NR] __attribute__((aligned(64)));
-    const int64_t half = c->n / 2, width = c->gated ? I8_HALF : I8_NR, first = p * width;
-    const int64_t outputs = c->gated ? half : c->n;
-    const int cols = first + width <= outputs ? (int)width : (int)(outputs - first);
+    int64_t first;
+    const int cols = panel_columns(c->n, c->gated, I8_NR, p, &first);
+    const int64_t half = c->n / 2;
     const int8_t *panel = c->packed + p * c->panel_bytes;
-    float w_scales[I8_NR] = {0}, bias[I8_NR] = {0}; /* a gated panel's columns of them */
-    if (c->gated) {
-        memcpy(w_scales, c->w_scales + first, (size_t)cols * 4);
-        memcpy(w_scales + I8_HALF, c->w_scales + half + first, (size_t)cols * 4);
-        if (c->bias) {
-            memcpy(bias, c->bias + first, (size_t)cols * 4);
-            memcpy(bias + I8_HALF, c->bias + half + first, (size_t)cols * 4);
-        }
-    }
+    float w_scales[I8_NR], bias[I8_NR]; /* a gated panel's columns of them */
+    if (c->gated) panel_values(w_scales, c->w_scales, c->n, 1, I8_NR, first, cols);
+    if (c->gated && c->bias) panel_values(bias, c->bias, c->n, 1, I8_NR, first, cols);
     for (int64_t row = chunk; row < chunk_end; row += I8_MR) {
         int rows = chunk_end - row < I8_MR ? (int)(chunk_end - row) : I8_MR;
         const char *prefetch =
@@ -250,7 +244,7 @@ int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ld
                              const int32_t *colsum, int64_t n, const float *x_scales, int64_t x_scale_stride,
                              const float *w_scales, const float *bias, float *y, int64_t ldy, int gated,
                              int num_threads) {
-    int64_t panels = gated ? (n / 2 + I8_HALF - 1) / I8_HALF : (n + I8_NR - 1) / I8_NR;
+    int64_t panels = panel_count(n, gated, I8_NR);
     int64_t groups = (k + 3) / 4, panel_bytes = groups * I8_NR * 4;
     int64_t ldu = (groups * 4 + 63) / 64 * 64; /* x_q + 128 as unsigned, rows whole cache lines */
     if (m == 0) return 0;

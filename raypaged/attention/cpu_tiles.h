@@ -2,6 +2,7 @@
 #ifndef RAYPAGED_CPU_TILES_H
 #define RAYPAGED_CPU_TILES_H
 #include <stdint.h>
+#include <string.h>
 
 /* Rows of x per chunk: at most max_rows (one chunk's rows stay in cache while the panels pass), fewer when
  * the panels alone would leave threads idle (a step of few rows on many cores: each thread then takes a
@@ -14,6 +15,29 @@ static inline int64_t chunk_rows(int64_t m, int64_t panels, int threads, int64_t
         if (share < rows) rows = share;
     }
     return rows < tile_rows ? tile_rows : rows;
+}
+
+/* The output columns of a layout of `width`-column panels over n outputs; gated (an MLP's gate | up, n = 2h):
+ * each panel holds width / 2 gate columns and the same up columns. panel_count: how many panels;
+ * panel_columns: where panel p's (gate) columns start in y (*first) and how many it has. */
+static inline int64_t panel_count(int64_t n, int gated, int64_t width) {
+    const int64_t part = gated ? width / 2 : width, outputs = gated ? n / 2 : n;
+    return (outputs + part - 1) / part;
+}
+
+static inline int panel_columns(int64_t n, int gated, int64_t width, int64_t p, int64_t *first) {
+    const int64_t part = gated ? width / 2 : width, outputs = gated ? n / 2 : n;
+    *first = p * part;
+    return (int)(*first + part <= outputs ? part : outputs - *first);
+}
+
+/* dst [width]: a per-output vector's values (bias, scales) at panel p's columns (first, cols: panel_columns),
+ * zeros past them; gated: the gate columns' first, then from width / 2 the up columns' (n / 2 further in src) */
+static inline void panel_values(float *dst, const float *src, int64_t n, int gated, int64_t width, int64_t first,
+                                int cols) {
+    memset(dst, 0, sizeof(float) * (size_t)width);
+    memcpy(dst, src + first, sizeof(float) * (size_t)cols);
+    if (gated) memcpy(dst + width / 2, src + n / 2 + first, sizeof(float) * (size_t)cols);
 }
 
 /* The next panel is prefetched by the first 1, 2 or 4 tiles of a chunk, each a 2^-share part of it, spread
