@@ -113,11 +113,12 @@ def _int8_linear_cpu(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
-    silu_bias: tuple[torch.Tensor | None] | None = None,
+    silu: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``int8_linear`` for a float32 ``x`` with contiguous rows on CPU, its float ends in C: the same bits.
     A :class:`PackedInt8Weight` runs the VNNI GEMM, the rest ``torch._int_mm`` (the same int32 sums).
-    ``silu_bias`` (a gated weight): ``(bias,)``, and the result is ``silu_and_mul(y + bias)``."""
+    ``silu`` (a gated packed weight): the result is ``silu_and_mul(y + bias)``; ``bias`` is read only then."""
     num_tokens, k = x.shape
     threads = torch.get_num_threads()
     xq = torch.empty(num_tokens, k, dtype=torch.int8)
@@ -133,13 +134,13 @@ def _int8_linear_cpu(
     weight_scale = weight_scale.to(torch.float32).contiguous()
     if isinstance(weight, PackedInt8Weight):
         n = weight.out_features
-        bias = None if silu_bias is None or silu_bias[0] is None else silu_bias[0].to(torch.float32).contiguous()
-        outputs = n if silu_bias is None else n // 2
+        bias = bias.to(torch.float32).contiguous() if silu and bias is not None else None
+        outputs = n // 2 if silu else n
         out = torch.empty(num_tokens, outputs, dtype=torch.float32)
         status = lib.raypaged_int8_linear_f32(
             xq.data_ptr(), num_tokens, k, k, weight.data_ptr(), weight.colsum.data_ptr(), n, x_scale.data_ptr(),
             0 if input_scale is not None else 1, weight_scale.data_ptr(), None if bias is None else bias.data_ptr(),
-            out.data_ptr(), outputs, 2 if silu_bias is not None else int(weight.gated), threads,
+            out.data_ptr(), outputs, 2 if silu else int(weight.gated), threads,
         )  # fmt: skip
         if status == -1:
             raise MemoryError(INT8_SCRATCH_ERROR)
@@ -174,7 +175,7 @@ def int8_silu_and_mul_linear(
             "int8_silu_and_mul_linear takes a gated packed int8 weight and float32 CPU inputs of "
             f"{weight.in_features} features with contiguous rows, got {x.dtype} {tuple(x.shape)} on {x.device}"
         )
-    return _int8_linear_cpu(lib, x, weight, weight_scale.view(-1), input_scale, (bias,))
+    return _int8_linear_cpu(lib, x, weight, weight_scale.view(-1), input_scale, silu=True, bias=bias)
 
 
 def _takes_c_path(x: torch.Tensor, in_features: int, input_scale: torch.Tensor | None) -> bool:
@@ -288,10 +289,11 @@ class W8A8Method(LinearMethod):
             not isinstance(weight, PackedInt8Weight)
             or not weight.gated
             or not _takes_c_path(x, weight.in_features, input_scale)
+            or (lib := _cpu_kernels()) is None
         ):
             return None
-        bias = getattr(layer, "bias", None)
-        return int8_silu_and_mul_linear(x, weight, layer_tensor(layer, "weight_scale"), input_scale, bias)
+        weight_scale = layer_tensor(layer, "weight_scale").view(-1)
+        return _int8_linear_cpu(lib, x, weight, weight_scale, input_scale, silu=True, bias=getattr(layer, "bias", None))
 
 
 class Fp8OnlineMethod(W8A8Method):
