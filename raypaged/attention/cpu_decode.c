@@ -260,8 +260,8 @@ struct partition {
 
 /* One pass over a partition's blocks, a block run at a time and each KV head's rows of it in turn (widened from
  * fp8 into `widened` first, when fp8 is set), the next block's rows of that head asked for meanwhile (after the
- * last run: the first block of `then`, the next pass's cache, unless NULL). The K pass (v NULL) writes the
- * scores (rows n = end - start apart, G of each KV head in turn); the V pass (v set) adds the weights in
+ * last run: the first block of `then`, the next pass's cache, unless NULL). The K pass (is_v 0) writes the
+ * scores (rows n = end - start apart, G of each KV head in turn); the V pass (is_v 1) adds the weights in
  * their place times the V rows into acc [H, D]. */
 static void pass(const struct partition *w, const float *q, float scale, const void *cache, const void *then,
                  int is_v, float *scores, float *acc, float *widened) {

@@ -2,13 +2,14 @@
  * order, as LlamaDecoderLayer's fused path runs them one Python call at a time, so the same bits.
  *
  * A layer: x = norm(residual += x) (the first layer: residual = x, x = norm(x)); qkv = x W_qkv; q and k (each
- * head normed first where the model has q/k norms) rotated
- * and this step's K/V written to their slots; attention over the cache; x = attn W_o; x = norm(residual += x);
- * h = silu(gate) * up from the gated gate | up weight; x = h W_down. After the last: x = norm(residual += x).
+ * head normed first where the model has q/k norms) rotated and this step's K/V written to their slots;
+ * attention over the cache; x = attn W_o; x = norm(residual += x); h = silu(gate) * up from the gated gate | up
+ * weight; x = h W_down. After the last: x = norm(residual += x).
  *
  * A projection is fp32 (cpu_gemm.c) or W8A8 int8 (cpu_int8.c, quantizing the activations first), each as its
- * Python path runs it; a gate | up one packed gated, its SiLU stored from the GEMM's tiles. Called from Python, each of those is a ctypes call behind its argument checks and a
- * module call: about 3 ms of SmolLM2's 26 ms decode step at 32 sequences on 2 cores.
+ * Python path runs it; a gate | up one packed gated, its SiLU stored from the GEMM's tiles. Called from
+ * Python, each of those is a ctypes call behind its argument checks and a module call: about 3 ms of
+ * SmolLM2's 26 ms decode step at 32 sequences on 2 cores.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -68,7 +69,8 @@ static int project(const struct decode_linear *l, const float *x, int64_t m, int
     return 0;
 }
 
-/* x [tokens, hidden]: the embeddings in, the final norm's output out; residual, qkv, attn and h: scratch of
+/* num_layers >= 1 (raypaged.model.cpu_step takes no model without layers).
+ * x [tokens, hidden]: the embeddings in, the final norm's output out; residual, qkv, attn and h: scratch of
  * [tokens, hidden], [tokens, (heads + 2 kv_heads) head_dim], [tokens, heads * head_dim], [tokens, intermediate].
  * Returns 0, or the first failure: the rotary kernel's status - 10 (-11: a position outside the table, -12: a
  * slot outside the cache), the decode kernel's (-1 memory, -2 a context past its table, -3 a bad block id), or
@@ -125,9 +127,6 @@ int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers
     free(scratch.scales);
     free(normed);
     if (status) return status;
-    if (num_layers == 0)
-        raypaged_rms_norm_f32(x, s->hidden, 0, final_norm, x, tokens, 1, s->hidden, s->eps, threads);
-    else
-        raypaged_fused_add_rms_norm_f32(x, residual, final_norm, tokens, s->hidden, s->eps, threads);
+    raypaged_fused_add_rms_norm_f32(x, residual, final_norm, tokens, s->hidden, s->eps, threads);
     return 0;
 }
