@@ -173,3 +173,19 @@ def use_kernels_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip("no AVX2 here")
     library = cpu_ops.library
     monkeypatch.setattr(cpu_ops, "library", lambda: library(("-mno-avx512f",)))
+
+
+@pytest.fixture
+def one_call_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The tokens of each step raypaged.model.cpu_step ran in one C call, as they run"""
+    from raypaged.model import cpu_step
+
+    runs: list[int] = []
+    run = cpu_step.CpuDecodeStep.run
+
+    def counted(self, model, x, *args):
+        runs.append(x.shape[0])
+        return run(self, model, x, *args)
+
+    monkeypatch.setattr(cpu_step.CpuDecodeStep, "run", counted)
+    return runs

@@ -164,3 +164,21 @@ def run_steps(
             ids = torch.randint(0, model.config.vocab_size, positions.shape, generator=generator).to(device)
             hidden.append(model(ids, positions, caches, meta).clone())
     return hidden, caches
+
+
+def assert_same_steps(got: tuple[list[torch.Tensor], list], expected: tuple[list[torch.Tensor], list]) -> None:
+    """Two ``run_steps`` results bit for bit: every step's hidden states, and the caches (written: not all zero)."""
+    (hidden, caches), (expected_hidden, expected_caches) = got, expected
+    for step, expected_step in zip(hidden, expected_hidden, strict=True):
+        assert torch.equal(step, expected_step)
+    for (k, v), (expected_k, expected_v) in zip(caches, expected_caches, strict=True):
+        assert k.abs().sum() > 0 and torch.equal(k, expected_k) and torch.equal(v, expected_v)
+
+
+def run_steps_layer_by_layer(monkeypatch, model: LlamaForCausalLM, backend: AttentionBackend, **options):
+    """``run_steps`` with the one-call decode step (raypaged.model.cpu_step) turned off: the layers' own path"""
+    from raypaged.model import cpu_step
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_step.CpuDecodeStep, "build", staticmethod(lambda model: None))
+        return run_steps(model, backend, "cpu", **options)

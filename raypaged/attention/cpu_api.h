@@ -1,5 +1,6 @@
 /* The CPU kernels that cpu_step.c calls from C, declared once for their definitions (cpu_decode.c, cpu_fused.c,
- * cpu_gemm.c, cpu_int8.c) and their callers to be checked against. Python calls them through ctypes (cpu_ops._SIGNATURES). */
+ * cpu_gemm.c, cpu_int8.c) and their callers to be checked against. Python calls them through ctypes
+ * (cpu_ops._SIGNATURES). */
 #ifndef RAYPAGED_CPU_API_H
 #define RAYPAGED_CPU_API_H
 

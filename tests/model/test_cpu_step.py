@@ -38,38 +38,14 @@ def packed_model(architecture):
     return model
 
 
-@pytest.fixture
-def one_call_runs(monkeypatch):
-    """The tokens each one-call step ran"""
-    runs: list[int] = []
-    run = cpu_step.CpuDecodeStep.run
-
-    def counted(self, model, x, *args):
-        runs.append(x.shape[0])
-        return run(self, model, x, *args)
-
-    monkeypatch.setattr(cpu_step.CpuDecodeStep, "run", counted)
-    return runs
-
-
-def layer_by_layer(model, monkeypatch):
-    """``ref.run_steps`` through the CPU backend with the one call turned off"""
-    with monkeypatch.context() as m:
-        m.setattr(cpu_step.CpuDecodeStep, "build", staticmethod(lambda model: None))
-        return ref.run_steps(model, CPU, "cpu")
-
-
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
 def test_decode_steps_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs, monkeypatch):
     model = packed_model(architecture)
-    hidden, caches = ref.run_steps(model, CPU, "cpu")
+    got = ref.run_steps(model, CPU, "cpu")
     assert one_call_runs == [2, 2]  # the two decode-only steps of ref.STEPS; the prefill steps go layer by layer
-    expected_hidden, expected_caches = layer_by_layer(model, monkeypatch)
+    expected = ref.run_steps_layer_by_layer(monkeypatch, model, CPU)
     assert len(one_call_runs) == 2
-    for got, expected in zip(hidden, expected_hidden, strict=True):
-        assert torch.equal(got, expected)
-    for (k, v), (expected_k, expected_v) in zip(caches, expected_caches, strict=True):
-        assert k.abs().sum() > 0 and torch.equal(k, expected_k) and torch.equal(v, expected_v)
+    ref.assert_same_steps(got, expected)
 
 
 def test_where_the_one_call_does_not_apply_it_says_why(monkeypatch):
@@ -106,7 +82,7 @@ class Wrapped(nn.Module):
 
 def test_a_linear_wrapped_later_sends_the_steps_back_layer_by_layer(one_call_runs, monkeypatch):
     model = packed_model("llama")
-    expected_hidden, _ = layer_by_layer(model, monkeypatch)
+    expected_hidden, _ = ref.run_steps_layer_by_layer(monkeypatch, model, CPU)
     model.set_attention_backend(CPU)
     layer = model.model.layers[1]
     layer.mlp.down_proj = Wrapped(layer.mlp.down_proj)
@@ -192,15 +168,9 @@ def test_lora_steps_without_an_adapter_run_in_one_call_and_those_with_one_layer_
     def adapters(index):  # the first decode-only step: sequence b with the adapter in slot 1
         lora.step.mapping = build_lora_mapping([None, 1]) if index == 2 else None
 
-    hidden, caches = ref.run_steps(model, CPU, "cpu", before_step=adapters)
+    got = ref.run_steps(model, CPU, "cpu", before_step=adapters)
     assert one_call_runs == [2]  # the second decode-only step; the first had an adapter
     assert cpu_step.unsupported_reason(model.model) is None
-    with monkeypatch.context() as m:
-        m.setattr(cpu_step.CpuDecodeStep, "build", staticmethod(lambda model: None))
-        expected_hidden, expected_caches = ref.run_steps(model, CPU, "cpu", before_step=adapters)
-        base_hidden, _ = ref.run_steps(model, CPU, "cpu")
-    for got, expected in zip(hidden, expected_hidden, strict=True):
-        assert torch.equal(got, expected)
-    for (k, v), (expected_k, expected_v) in zip(caches, expected_caches, strict=True):
-        assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+    ref.assert_same_steps(got, ref.run_steps_layer_by_layer(monkeypatch, model, CPU, before_step=adapters))
+    hidden, base_hidden = got[0], ref.run_steps_layer_by_layer(monkeypatch, model, CPU)[0]
     assert torch.equal(hidden[2][0], base_hidden[2][0]) and not torch.equal(hidden[2][1], base_hidden[2][1])

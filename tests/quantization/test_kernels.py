@@ -240,7 +240,7 @@ def test_the_vnni_gemm_gives_the_same_bits_on_any_thread_count(vnni):
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
-def test_int8_decode_steps_in_one_c_call_give_the_layer_paths_bits(quantized_dirs, static, monkeypatch):
+def test_int8_decode_steps_in_one_c_call_give_the_layer_paths_bits(quantized_dirs, static, one_call_runs, monkeypatch):
     """model.cpu_step runs a W8A8 int8 model's decode-only steps (qkv and o biases here) with the same bits
     as its layer-by-layer path; with a static input scale as well."""
     if w8a8._int8_gemm_lib() is None:
@@ -251,21 +251,11 @@ def test_int8_decode_steps_in_one_c_call_give_the_layer_paths_bits(quantized_dir
             if isinstance(module, QuantLinear):
                 module.method = w8a8.W8A8Method(torch.int8, static=True)
                 module.input_scale = torch.nn.Parameter(torch.tensor([0.05]), requires_grad=False)
-    runs = []
-    run = cpu_step.CpuDecodeStep.run
-    monkeypatch.setattr(
-        cpu_step.CpuDecodeStep, "run", lambda self, model, x, *a: runs.append(len(x)) or run(self, model, x, *a)
-    )
-    hidden, caches = ref.run_steps(model, CPU, "cpu")
-    assert runs == [2, 2] and cpu_step.unsupported_reason(model.model) is None
-    with monkeypatch.context() as m:
-        m.setattr(cpu_step.CpuDecodeStep, "build", staticmethod(lambda model: None))
-        expected_hidden, expected_caches = ref.run_steps(model, CPU, "cpu")
-    assert runs == [2, 2]
-    for got, expected in zip(hidden, expected_hidden, strict=True):
-        assert torch.equal(got, expected)
-    for (k, v), (expected_k, expected_v) in zip(caches, expected_caches, strict=True):
-        assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+    got = ref.run_steps(model, CPU, "cpu")
+    assert one_call_runs == [2, 2] and cpu_step.unsupported_reason(model.model) is None
+    expected = ref.run_steps_layer_by_layer(monkeypatch, model, CPU)
+    assert one_call_runs == [2, 2]
+    ref.assert_same_steps(got, expected)
     down = model.model.layers[0].mlp.down_proj
     down.method = w8a8.W8A8Method(w8a8.FP8, static=False)
     reason = "a linear is quantized as W8A8 torch.float8_e4m3fn, not W8A8 int8"
