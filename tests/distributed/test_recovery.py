@@ -3,6 +3,7 @@ clear error."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -40,9 +41,20 @@ def add_all(llm: LLM) -> list[str]:
 
 
 def kill_rank_1(llm: LLM) -> str:
+    """Rank 1 killed, and dead before the caller's next step: ``ray.kill`` only asks for it, and a step sent
+    before the kill lands is served (the full suite once saw the step after the kill complete)."""
     worker = llm.llm_engine.executor.workers[1]
     ray.kill(worker, no_restart=True)
-    return worker._actor_id.hex()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:  # a live actor busy in its step loop answers nothing; a dead one raises at once
+            ray.get(worker.__ray_ready__.remote(), timeout=1)
+        except ray.exceptions.RayActorError:
+            return worker._actor_id.hex()
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    raise AssertionError("rank 1 still answers 60 s after ray.kill")
 
 
 def stall_rank_1(llm: LLM) -> str:
