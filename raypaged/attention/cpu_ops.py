@@ -2,8 +2,9 @@
 one call (``cpu_prefill.c``), built with the host's C compiler into one library with the fused step ops of
 ``cpu_fused.c`` (wrapped by ``cpu_fused``), the float ends of the int8 linear (``cpu_int8.c``, wrapped in
 ``raypaged.quantization.w8a8``), the fp32 linear on packed weights (``cpu_gemm.c``, wrapped in
-``raypaged.model.layers``) and a decode step's layers in one call (``cpu_step.c``, wrapped in
-``raypaged.model.cpu_step``).
+``raypaged.model.layers``), a decode step's layers in one call (``cpu_step.c``, wrapped in
+``raypaged.model.cpu_step``) and greedy sampling's argmax and log-probability (``cpu_sample.c``, in
+``raypaged.worker.sampler``).
 
 The torch path (``torch_ops.paged_attention_decode``) copies every sequence's K/V blocks into a
 dense tensor before SDPA, so each cached token is read, written and read again. The C kernel reads
@@ -39,7 +40,15 @@ logger = logging.getLogger("raypaged")
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_fused.c", "cpu_int8.c", "cpu_gemm.c", "cpu_step.c")
+    for name in (
+        "cpu_decode.c",
+        "cpu_prefill.c",
+        "cpu_fused.c",
+        "cpu_int8.c",
+        "cpu_gemm.c",
+        "cpu_step.c",
+        "cpu_sample.c",
+    )
 )
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # every header the sources may include: in the cache key
 # -fno-trapping-math: no kernel reads the floating-point exception flags, and without it GCC keeps branches
@@ -78,6 +87,7 @@ _SIGNATURES = {  # symbol: (argument types, result type)
                                        _PTR, _I64, _I64, _I64, _I64, _I64, _INT), _INT),
     "raypaged_decode_layers": ((_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR,
                                 _PTR, _PTR, _PTR, _INT), _INT),
+    "raypaged_greedy_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT), _INT),
 }
 # fmt: on
 

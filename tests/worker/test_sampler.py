@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from raypaged.sampling_params import SamplingParams
+from raypaged.worker import sampler
 from raypaged.worker.sampler import SamplingInput, greedy_fast_path, sample
 
 
@@ -12,15 +13,53 @@ def inputs(params: SamplingParams, rows: int, output_len: int = 3) -> list[Sampl
 
 
 def test_greedy_fast_path_equals_sample():
+    """The same tokens as the general path; on CPU the logprob comes from cpu_sample.c's sum, within
+    float rounding of log_softmax's (and closer to the float64 value than it)."""
     torch.manual_seed(0)
     logits = torch.randn(6, 1000) * 4
     batch = inputs(SamplingParams(temperature=0.0, max_tokens=8), 6)
     fast = greedy_fast_path(logits, batch)
     general = sample(logits, batch, torch.Generator().manual_seed(0))
-    assert [(t.token_id, t.logprob, t.top_logprobs) for t in fast] == [
-        (t.token_id, t.logprob, t.top_logprobs) for t in general
-    ]
+    assert [(t.token_id, t.top_logprobs) for t in fast] == [(t.token_id, t.top_logprobs) for t in general]
     assert [t.token_id for t in fast] == logits.argmax(-1).tolist()
+    assert [t.logprob for t in fast] == pytest.approx([t.logprob for t in general], abs=2e-6)
+    exact = torch.log_softmax(logits.double(), -1).amax(-1).tolist()
+    assert [t.logprob for t in fast] == pytest.approx(exact, abs=1e-6)
+
+
+@pytest.mark.skipif(sampler._greedy_kernel() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 33, 1000, 49152])
+def test_cpu_greedy_kernel_takes_the_first_max_at_every_vocab_edge(vocab):
+    """Rows of few distinct values (many ties) and every tail length: torch.argmax's first occurrence,
+    and the max's log-probability as float64 log_softmax gives it; rows that skip every other value of
+    a wider tensor (a row stride past the vocabulary) too; strided columns are left to torch."""
+    generator = torch.Generator().manual_seed(vocab)
+    wide = torch.randint(0, 4, (40, 2 * vocab), generator=generator).float() * 1.5
+    assert sampler._greedy_on_cpu(wide[:, ::2]) is None
+    for logits in (wide[:, :vocab].contiguous(), wide[:, :vocab]):
+        token_ids, logprobs = sampler._greedy_on_cpu(logits) or ([], [])  # [] when it declines
+        assert token_ids == logits.argmax(-1).tolist()
+        assert logprobs == pytest.approx(torch.log_softmax(logits.double(), -1).amax(-1).tolist(), abs=1e-6)
+
+
+@pytest.mark.skipif(sampler._greedy_kernel() is None, reason="the CPU kernels do not build here")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["first", "last", "every"])
+def test_cpu_greedy_kernel_leaves_rows_with_nan_or_inf_to_torch(bad, where):
+    """A row whose max or sum is not finite goes to torch's argmax and log_softmax, whose NaN and inf
+    semantics the fast path then has to the bit; a -inf that is not the max changes nothing."""
+    logits = torch.randn(3, 100)
+    column = {"first": [0], "last": [99], "every": slice(None)}[where]
+    logits[1, column] = bad
+    torch_path = (logits.argmax(-1).tolist(), torch.log_softmax(logits, -1).amax(-1).tolist())
+    batch = inputs(SamplingParams(temperature=0.0), 3)
+    fast = greedy_fast_path(logits, batch)
+    if bad == float("-inf") and where != "every":
+        assert sampler._greedy_on_cpu(logits) is not None
+        assert [t.token_id for t in fast] == torch_path[0]
+    else:
+        assert sampler._greedy_on_cpu(logits) is None
+        assert repr([(t.token_id, t.logprob) for t in fast]) == repr(list(zip(*torch_path)))  # nan == nan
 
 
 @pytest.mark.parametrize(
