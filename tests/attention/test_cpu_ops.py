@@ -175,7 +175,8 @@ def test_build_is_cached_by_source_flags_compiler_and_cpu(tmp_path, monkeypatch)
         ("no-such-compiler", "^no C compiler found \\(set \\$CC, or install gcc\\)$"),
         (
             "false",
-            "^false failed to build cpu_decode.c, cpu_prefill.c, cpu_fused.c, cpu_int8.c, cpu_gemm.c and cpu_step.c: $",
+            "^false failed to build cpu_decode.c, cpu_prefill.c, cpu_fused.c, cpu_int8.c, cpu_gemm.c, cpu_step.c and "
+            "cpu_sample.c: $",
         ),
     ],
 )
@@ -242,10 +243,10 @@ def prefill_reference(query, key_cache, value_cache, cu, context_lens, tables, s
 PREFILL_SPANS = [(5, 5), (40, 40), (17, 100), (1, 33), (130, 130), (16, 16), (33, 600)]
 
 
-@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 128])
 def test_prefill_equals_the_torch_path(block_size):
-    """Whole prompts, chunks after a cached prefix (or an earlier chunk), a one-token span, tiles of 16 and
-    their ragged ends, blocks shorter and longer than a key chunk."""
+    """Whole prompts, chunks after a cached prefix (or an earlier chunk), a one-token span, tiles of 16
+    tokens and their ragged ends, key chunks of 64 across many blocks and inside one."""
     step = prefill_step(block_size, PREFILL_SPANS, block_size)
     expected = prefill_reference(*step, 0.125)
     out = cpu_ops.paged_prefill_attention(*step, 0.125, 130)
@@ -253,7 +254,7 @@ def test_prefill_equals_the_torch_path(block_size):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
 
-PREFILL_LAYOUTS = [(4, 4, 64), (8, 1, 64), (12, 2, 128), (6, 3, 20)]
+PREFILL_LAYOUTS = [(4, 4, 64), (8, 1, 64), (12, 2, 128), (6, 3, 20), (10, 2, 64), (100, 2, 16)]
 
 
 def check_prefill_layout(num_heads, num_kv_heads, head_dim):
@@ -265,7 +266,9 @@ def check_prefill_layout(num_heads, num_kv_heads, head_dim):
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), PREFILL_LAYOUTS)
 def test_prefill_head_layouts(num_heads, num_kv_heads, head_dim):
-    """Multi-head, one KV head for eight, a head of 128, a head size that is not a whole number of vectors."""
+    """Multi-head, one KV head for eight, a head of 128, a head size that is not a whole number of vectors,
+    5 query heads a KV head (tiles of 9 tokens: 45 rows and padding) and 50 (a tile of one token, more row
+    vectors than one pass takes)."""
     check_prefill_layout(num_heads, num_kv_heads, head_dim)
 
 
