@@ -37,4 +37,16 @@ int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ld
 void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                          const float *bias, float *y, int64_t ldy, int gated, int threads);
 
+/* The fp32 linear that runs next (cpu_gemm.c: raypaged_linear_f32_then): its packed weight, in and out
+ * features, gated (nonzero: packed gated) */
+struct linear_next {
+    const float *packed;
+    int64_t k, n;
+    int gated;
+};
+
+void raypaged_linear_f32_then(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+                              const float *bias, float *y, int64_t ldy, int gated, int threads,
+                              const struct linear_next *then);
+
 #endif

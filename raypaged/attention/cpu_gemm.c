@@ -129,12 +129,14 @@ static void tile_rows(const float *x, int64_t ldx, const float *panel, int64_t k
     }
 }
 
-/* What every (chunk, panel) of one call shares */
+/* What every (chunk, panel) of one call shares; then: the call's next weight (NULL: none), whose first panel of
+ * its share each thread asks for during its last panel here */
 struct linear_call {
     const float *x, *packed, *bias;
     float *y;
     int64_t ldx, k, n, panels, ldy;
     enum store store;
+    const struct linear_next *then;
 };
 
 /* One chunk of rows [chunk, chunk_end) against panel p */
@@ -145,12 +147,20 @@ static void chunk_panel(const void *call_ptr, int64_t chunk, int64_t chunk_end, 
     const int gated = c->store != PLAIN, cols = panel_columns(c->n, gated, NR, p, &first);
     const int64_t half = c->n / 2;
     const float *panel = c->packed + p * c->k * NR;
+    const float *next_first = NULL; /* this thread's last panel: the next weight's first panel for it */
+    if (c->then) {
+        const int team = omp_get_num_threads(), t = omp_get_thread_num();
+        if (p + 1 == share_start(c->panels, team, t + 1))
+            next_first = c->then->packed +
+                         share_start(panel_count(c->then->n, c->then->gated, NR), team, t) * c->then->k * NR;
+    }
     float bias[NR] __attribute__((aligned(64))); /* the panel's columns of it */
     if (c->bias) panel_values(bias, c->bias, c->n, gated, NR, first, cols);
     for (int64_t row = chunk; row < chunk_end; row += MR) {
         int rows = chunk_end - row < MR ? (int)(chunk_end - row) : MR;
         const char *prefetch =
             next_panel_part(panel + c->k * NR, c->k * NR * 4, p + 1 < c->panels, (row - chunk) / MR, share);
+        if (next_first) prefetch = next_panel_part(next_first, c->then->k * NR * 4, 1, (row - chunk) / MR, share);
         tile_rows(c->x + row * c->ldx, c->ldx, panel, c->k, c->bias ? bias : NULL, c->y + row * c->ldy + first, c->ldy,
                   rows, cols, c->store, half, prefetch, share);
     }
@@ -158,13 +168,25 @@ static void chunk_panel(const void *call_ptr, int64_t chunk, int64_t chunk_end, 
 
 /* y = x [m, k] (rows ldx apart) @ W^T + bias (NULL: none) for W [n, k] packed as above, y's rows ldy apart:
  * gated 0: the plain layout, y [m, n]; 1: the gated layout (n even), y [m, n] in W's column order; 2: the gated
- * layout, y [m, n / 2] = silu(gate) * up. The (chunk, panel) pairs split between the threads as cpu_tiles.h says. */
-void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
-                         const float *bias, float *y, int64_t ldy, int gated, int threads) {
+ * layout, y [m, n / 2] = silu(gate) * up. The (chunk, panel) pairs split between the threads as cpu_tiles.h says.
+ * then (NULL: none): the weight of the linear that runs next on these threads (a decode step's next projection),
+ * whose first panel of each thread's share (cpu_tiles.h: share_start) that thread prefetches during its last
+ * panel here, so the next call does not start on a panel from memory. Only where it applies: both calls one
+ * chunk of rows with at least a panel a thread. Decode steps of SmolLM2 (32 rows, 30 layers' four projections,
+ * weights from memory, 2 EPYC cores): 14.78 -> 14.55 ms, against 13.85 with every weight in cache. */
+void raypaged_linear_f32_then(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+                              const float *bias, float *y, int64_t ldy, int gated, int threads,
+                              const struct linear_next *then) {
     const enum store store = gated == 2 ? GATED_SILU : gated == 1 ? GATED : PLAIN;
     const int64_t panels = panel_count(n, store != PLAIN, NR);
+    if (then && (m > MC || panels < threads || panel_count(then->n, then->gated, NR) < threads)) then = NULL;
     const struct linear_call call = {
         .x = x, .packed = packed, .bias = bias, .y = y, .ldx = ldx, .k = k, .n = n, .panels = panels, .ldy = ldy,
-        .store = store};
+        .store = store, .then = then};
     for_chunk_panels(m, panels, threads, MR, MC, chunk_panel, &call);
+}
+
+void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+                         const float *bias, float *y, int64_t ldy, int gated, int threads) {
+    raypaged_linear_f32_then(x, m, k, ldx, packed, n, bias, y, ldy, gated, threads, NULL);
 }

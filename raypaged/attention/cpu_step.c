@@ -53,9 +53,14 @@ struct int8_scratch {
  * w8a8.int8_linear and then QuantLinear's bias add); silu (a gate | up, packed gated): y [m, n / 2] =
  * silu(gate) * up, stored from the GEMM's tiles. Returns 0, or -20 when the int8 GEMM has no scratch. */
 static int project(const struct decode_linear *l, const float *x, int64_t m, int64_t k, int64_t n, float *y, int silu,
-                   const struct int8_scratch *s, int threads) {
+                   const struct int8_scratch *s, int threads, const struct decode_linear *then, int64_t then_k,
+                   int64_t then_n, int then_gated) {
     if (!l->colsum) {
-        raypaged_linear_f32(x, m, k, k, l->weight, n, l->bias, y, silu ? n / 2 : n, silu ? 2 : 0, threads);
+        /* the next projection's first panels asked for meanwhile, where it is fp32 too */
+        const struct linear_next next = {.packed = then ? then->weight : NULL, .k = then_k, .n = then_n,
+                                         .gated = then_gated};
+        raypaged_linear_f32_then(x, m, k, k, l->weight, n, l->bias, y, silu ? n / 2 : n, silu ? 2 : 0, threads,
+                                 then && !then->colsum ? &next : NULL);
         return 0;
     }
     const int fixed = l->input_scale > 0.0f;
@@ -96,7 +101,9 @@ int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers
         } else {
             raypaged_fused_add_rms_norm_f32(x, residual, l->input_norm, tokens, s->hidden, s->eps, threads);
         }
-        if ((status = project(&l->qkv, x, tokens, s->hidden, qkv_width, qkv, 0, &scratch, threads))) break;
+        if ((status = project(&l->qkv, x, tokens, s->hidden, qkv_width, qkv, 0, &scratch, threads, &l->o, q_width,
+                              s->hidden, 0)))
+            break;
         float *q = qkv, *k = qkv + q_width;
         int64_t q_stride = qkv_width, k_stride = qkv_width;
         if (l->q_norm) { /* into rows of their own, as cpu_fused.rms_norm returns them */
@@ -117,11 +124,15 @@ int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers
                                        table_stride, table_width, context_lens, attn, tokens, s->num_heads,
                                        s->num_kv_heads, s->block_size, D, s->scale, threads);
         if (status) break;
-        if ((status = project(&l->o, attn, tokens, q_width, s->hidden, x, 0, &scratch, threads))) break;
-        raypaged_fused_add_rms_norm_f32(x, residual, l->post_norm, tokens, s->hidden, s->eps, threads);
-        if ((status = project(&l->gate_up, x, tokens, s->hidden, 2 * s->intermediate, h, 1, &scratch, threads)))
+        if ((status = project(&l->o, attn, tokens, q_width, s->hidden, x, 0, &scratch, threads, &l->gate_up, s->hidden,
+                              2 * s->intermediate, 1)))
             break;
-        status = project(&l->down, h, tokens, s->intermediate, s->hidden, x, 0, &scratch, threads);
+        raypaged_fused_add_rms_norm_f32(x, residual, l->post_norm, tokens, s->hidden, s->eps, threads);
+        if ((status = project(&l->gate_up, x, tokens, s->hidden, 2 * s->intermediate, h, 1, &scratch, threads,
+                              &l->down, s->intermediate, s->hidden, 0)))
+            break;
+        status = project(&l->down, h, tokens, s->intermediate, s->hidden, x, 0, &scratch, threads,
+                         i + 1 < num_layers ? &layers[i + 1].qkv : NULL, s->hidden, qkv_width, 0);
     }
     free(scratch.xq);
     free(scratch.scales);

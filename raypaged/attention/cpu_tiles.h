@@ -1,6 +1,7 @@
 /* How the GEMMs of cpu_gemm.c and cpu_int8.c split their work: chunks of rows of x times column panels. */
 #ifndef RAYPAGED_CPU_TILES_H
 #define RAYPAGED_CPU_TILES_H
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -59,17 +60,28 @@ static inline void prefetch_step(const char *part, int64_t step, int64_t step_by
         __builtin_prefetch(line);
 }
 
+/* Where a chunk's panels split among `team` threads (panels >= team), thread t takes [share_start(t),
+ * share_start(t + 1)): whole runs, the first panels % team threads one panel more. */
+static inline int64_t share_start(int64_t panels, int team, int t) {
+    const int64_t q = panels / team, r = panels % team;
+    return t * q + (t < r ? t : r);
+}
+
 /* Runs run(ctx, chunk, chunk_end, panel) for every chunk of rows [chunk, chunk_end) of x (chunk_rows) and
- * every panel, on `threads` threads: chunk by chunk, the threads sharing its panels (and its rows in cache);
- * where there are fewer panels than threads, (chunk, panel) pairs shared. */
+ * every panel, on `threads` threads: chunk by chunk, the threads sharing its panels (and its rows in cache)
+ * as share_start says; where there are fewer panels than threads, (chunk, panel) pairs shared. */
 typedef void (*chunk_panel_fn)(const void *ctx, int64_t chunk, int64_t chunk_end, int64_t panel);
 static inline void for_chunk_panels(int64_t m, int64_t panels, int threads, int64_t tile_rows, int64_t max_rows,
                                     chunk_panel_fn run, const void *ctx) {
     const int64_t rows = chunk_rows(m, panels, threads, tile_rows, max_rows), chunks = (m + rows - 1) / rows;
     if (panels >= threads) {
         for (int64_t c = 0; c < chunks; c++) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t p = 0; p < panels; p++) run(ctx, c * rows, c * rows + rows < m ? c * rows + rows : m, p);
+#pragma omp parallel num_threads(threads)
+            {
+                const int team = omp_get_num_threads(), t = omp_get_thread_num();
+                for (int64_t p = share_start(panels, team, t); p < share_start(panels, team, t + 1); p++)
+                    run(ctx, c * rows, c * rows + rows < m ? c * rows + rows : m, p);
+            }
         }
         return;
     }
