@@ -181,11 +181,11 @@ def one_call_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from raypaged.model import cpu_step
 
     runs: list[int] = []
-    run = cpu_step.CpuDecodeStep.run
+    run = cpu_step.CpuStep.run
 
     def counted(self, model, x, *args):
         runs.append(x.shape[0])
         return run(self, model, x, *args)
 
-    monkeypatch.setattr(cpu_step.CpuDecodeStep, "run", counted)
+    monkeypatch.setattr(cpu_step.CpuStep, "run", counted)
     return runs

@@ -176,9 +176,9 @@ def assert_same_steps(got: tuple[list[torch.Tensor], list], expected: tuple[list
 
 
 def run_steps_layer_by_layer(monkeypatch, model: LlamaForCausalLM, backend: AttentionBackend, **options):
-    """``run_steps`` with the one-call decode step (raypaged.model.cpu_step) turned off: the layers' own path"""
+    """``run_steps`` with the one-call step (raypaged.model.cpu_step) turned off: the layers' own path"""
     from raypaged.model import cpu_step
 
     with monkeypatch.context() as m:
-        m.setattr(cpu_step.CpuDecodeStep, "build", staticmethod(lambda model: None))
+        m.setattr(cpu_step.CpuStep, "build", staticmethod(lambda model: None))
         return run_steps(model, backend, "cpu", **options)

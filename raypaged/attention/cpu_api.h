@@ -1,5 +1,5 @@
-/* The CPU kernels that cpu_step.c calls from C, declared once for their definitions (cpu_decode.c, cpu_fused.c,
- * cpu_gemm.c, cpu_int8.c) and their callers to be checked against. Python calls them through ctypes
+/* The CPU kernels that cpu_step.c calls from C, declared once for their definitions (cpu_decode.c, cpu_prefill.c,
+ * cpu_fused.c, cpu_gemm.c, cpu_int8.c) and their callers to be checked against. Python calls them through ctypes
  * (cpu_ops._SIGNATURES). */
 #ifndef RAYPAGED_CPU_API_H
 #define RAYPAGED_CPU_API_H
@@ -11,6 +11,13 @@ int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t 
                           const int64_t *block_tables, int64_t table_stride, int64_t table_width,
                           const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                           int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale, int num_threads);
+
+int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64_t query_head_stride,
+                           int64_t num_tokens, const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                           const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
+                           int64_t table_stride, int64_t table_width, float *out, int64_t num_spans,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                           float scale, int num_threads);
 
 void raypaged_rms_norm_f32(const float *x, int64_t row_stride, int64_t head_stride, const float *w, float *out,
                            int64_t rows, int64_t heads, int64_t n, float eps, int num_threads);

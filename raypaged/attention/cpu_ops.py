@@ -2,7 +2,7 @@
 one call (``cpu_prefill.c``), built with the host's C compiler into one library with the fused step ops of
 ``cpu_fused.c`` (wrapped by ``cpu_fused``), the float ends of the int8 linear (``cpu_int8.c``, wrapped in
 ``raypaged.quantization.w8a8``), the fp32 linear on packed weights (``cpu_gemm.c``, wrapped in
-``raypaged.model.layers``), a decode step's layers in one call (``cpu_step.c``, wrapped in
+``raypaged.model.layers``), a step's layers in one call (``cpu_step.c``, wrapped in
 ``raypaged.model.cpu_step``) and greedy sampling's argmax and log-probability (``cpu_sample.c``, in
 ``raypaged.worker.sampler``).
 
@@ -85,8 +85,8 @@ _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_linear_f32": ((_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT), None),
     "raypaged_rotary_and_cache_f32": ((_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64,
                                        _PTR, _I64, _I64, _I64, _I64, _I64, _INT), _INT),
-    "raypaged_decode_layers": ((_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR,
-                                _PTR, _PTR, _PTR, _INT), _INT),
+    "raypaged_step_layers": ((_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64,
+                              _PTR, _PTR, _PTR, _PTR, _PTR, _INT), _INT),
     "raypaged_greedy_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT), _INT),
 }
 # fmt: on
@@ -334,6 +334,20 @@ def paged_prefill_attention(
         scale,
         torch.get_num_threads(),
     )
+    raise_for_prefill_status(status, num_tokens, cu_seqlens_q, context_lens, block_tables, block_size, num_blocks)
+    return out
+
+
+def raise_for_prefill_status(
+    status: int,
+    num_tokens: int,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    num_blocks: int,
+) -> None:
+    """The prefill kernel's failures: its own (-4, -5) and those it shares with the decode kernel."""
     if status == -4:
         raise ValueError(
             f"cu_seqlens_q {cu_seqlens_q.tolist()} does not ascend within the query's {num_tokens} rows "
@@ -345,4 +359,3 @@ def paged_prefill_attention(
             f"context_lens {context_lens.tolist()})"
         )
     raise_for_status("prefill", status, context_lens, block_tables, block_size, num_blocks)
-    return out

@@ -30,8 +30,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_fp8.h"
+#include "cpu_api.h"
 #include "cpu_exp.h"
+#include "cpu_fp8.h"
 
 #if defined(__AVX512F__)
 #define ROW_LANES 16 /* rows per vector */

@@ -1,10 +1,12 @@
-/* A decode step's decoder layers on CPU in one call (raypaged.model.cpu_step): the same kernels, in the same
- * order, as LlamaDecoderLayer's fused path runs them one Python call at a time, so the same bits.
+/* A step's decoder layers on CPU in one call (raypaged.model.cpu_step): the same kernels, in the same order, as
+ * LlamaDecoderLayer's fused path runs them one Python call at a time, so the same bits. A step is its decode
+ * tokens (one per sequence) first, then the prefill spans' tokens, if any, back to back.
  *
  * A layer: x = norm(residual += x) (the first layer: residual = x, x = norm(x)); qkv = x W_qkv; q and k (each
  * head normed first where the model has q/k norms) rotated and this step's K/V written to their slots;
- * attention over the cache; x = attn W_o; x = norm(residual += x); h = silu(gate) * up from the gated gate | up
- * weight; x = h W_down. After the last: x = norm(residual += x).
+ * attention over the cache (the decode kernel for the decode tokens, the varlen prefill kernel for the spans);
+ * x = attn W_o; x = norm(residual += x); h = silu(gate) * up from the gated gate | up weight; x = h W_down.
+ * After the last: x = norm(residual += x).
  *
  * A projection is fp32 (cpu_gemm.c) or W8A8 int8 (cpu_int8.c, quantizing the activations first), each as its
  * Python path runs it; a gate | up one packed gated, its SiLU stored from the GEMM's tiles. Called from
@@ -17,10 +19,19 @@
 
 #include "cpu_api.h"
 
+/* A step's prefill spans (cpu_prefill.c's varlen inputs): span s owns tokens query_start + cu_seqlens_q[s] ..
+ * query_start + cu_seqlens_q[s + 1] - 1, with context_lens[s] tokens in the cache (its own included) through its
+ * row of block_tables (rows table_stride apart, table_width wide) */
+struct step_prefill {
+    const int32_t *cu_seqlens_q, *context_lens;
+    const int64_t *block_tables;
+    int64_t table_stride, table_width, num_spans, query_start, num_tokens;
+};
+
 /* One projection: an fp32 weight packed for cpu_gemm.c (colsum NULL), or an int8 one packed for cpu_int8.c's
  * VNNI GEMM (colsum its packed columns' sums, weight_scale [n], input_scale > 0 a static activation scale or 0
  * for per-token scales); a gate | up one packed gated; bias NULL where none */
-struct decode_linear {
+struct step_linear {
     const void *weight;
     const float *bias;
     const int32_t *colsum;
@@ -30,14 +41,14 @@ struct decode_linear {
 
 /* One layer's norms (q_norm, k_norm: per head over q and k before rotary, as Qwen3's; NULL where none),
  * projections and KV caches */
-struct decode_layer {
+struct step_layer {
     const float *input_norm, *post_norm, *q_norm, *k_norm;
-    struct decode_linear qkv, o, gate_up, down;
+    struct step_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
 };
 
 /* The model's shape and the cache's */
-struct decode_shape {
+struct step_shape {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, num_blocks, max_positions;
     float eps, scale;
     int fp8;
@@ -52,8 +63,8 @@ struct int8_scratch {
 /* y [m, n] = x [m, k] @ W^T (+ bias) as the layer's Python path runs the projection (layers.linear, or
  * w8a8.int8_linear and then QuantLinear's bias add); silu (a gate | up, packed gated): y [m, n / 2] =
  * silu(gate) * up, stored from the GEMM's tiles. Returns 0, or -20 when the int8 GEMM has no scratch. */
-static int project(const struct decode_linear *l, const float *x, int64_t m, int64_t k, int64_t n, float *y, int silu,
-                   const struct int8_scratch *s, int threads, const struct decode_linear *then, int64_t then_k,
+static int project(const struct step_linear *l, const float *x, int64_t m, int64_t k, int64_t n, float *y, int silu,
+                   const struct int8_scratch *s, int threads, const struct step_linear *then, int64_t then_k,
                    int64_t then_n, int then_gated) {
     if (!l->colsum) {
         /* the next projection's first panels asked for meanwhile, where it is fp32 too */
@@ -77,14 +88,16 @@ static int project(const struct decode_linear *l, const float *x, int64_t m, int
 /* num_layers >= 1 (raypaged.model.cpu_step takes no model without layers).
  * x [tokens, hidden]: the embeddings in, the final norm's output out; residual, qkv, attn and h: scratch of
  * [tokens, hidden], [tokens, (heads + 2 kv_heads) head_dim], [tokens, heads * head_dim], [tokens, intermediate].
+ * The first num_decodes tokens are decodes (block_tables and context_lens: num_decodes rows); prefill (NULL:
+ * none) the spans after them (query_start == num_decodes, num_tokens == tokens - num_decodes).
  * Returns 0, or the first failure: the rotary kernel's status - 10 (-11: a position outside the table, -12: a
- * slot outside the cache), the decode kernel's (-1 memory, -2 a context past its table, -3 a bad block id), or
- * -20 (the int8 GEMM's scratch memory). */
-int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers, const struct decode_shape *s,
-                           const float *final_norm, float *x, float *residual, int64_t tokens, const int64_t *positions,
-                           const int64_t *slots, const float *cos_sin, const int64_t *block_tables,
-                           int64_t table_stride, int64_t table_width, const int64_t *context_lens, float *qkv,
-                           float *attn, float *h, int threads) {
+ * slot outside the cache), the decode kernel's (-1 memory, -2 a context past its table, -3 a bad block id),
+ * -20 (the int8 GEMM's scratch memory), or the prefill kernel's status - 30 (-31 .. -35, as cpu_prefill.c's). */
+int raypaged_step_layers(const struct step_layer *layers, int64_t num_layers, const struct step_shape *s,
+                         const float *final_norm, float *x, float *residual, int64_t tokens, const int64_t *positions,
+                         const int64_t *slots, const float *cos_sin, int64_t num_decodes, const int64_t *block_tables,
+                         int64_t table_stride, int64_t table_width, const int64_t *context_lens,
+                         const struct step_prefill *prefill, float *qkv, float *attn, float *h, int threads) {
     const int64_t D = s->head_dim, q_width = s->num_heads * D, kv_width = s->num_kv_heads * D;
     const int64_t qkv_width = q_width + 2 * kv_width, widest = s->intermediate > q_width ? s->intermediate : q_width;
     struct int8_scratch scratch = {
@@ -94,7 +107,7 @@ int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers
     float *normed = malloc(sizeof(float) * (size_t)(tokens * (q_width + kv_width))); /* q, k after their norms */
     int status = scratch.xq && scratch.scales && normed ? 0 : -20;
     for (int64_t i = 0; i < num_layers && !status; ++i) {
-        const struct decode_layer *l = &layers[i];
+        const struct step_layer *l = &layers[i];
         if (i == 0) {
             memcpy(residual, x, sizeof(float) * tokens * s->hidden);
             raypaged_rms_norm_f32(residual, s->hidden, 0, l->input_norm, x, tokens, 1, s->hidden, s->eps, threads);
@@ -120,10 +133,23 @@ int raypaged_decode_layers(const struct decode_layer *layers, int64_t num_layers
             status -= 10;
             break;
         }
-        status = raypaged_paged_decode(q, q_stride, D, l->k_cache, l->v_cache, s->fp8, s->num_blocks, block_tables,
-                                       table_stride, table_width, context_lens, attn, tokens, s->num_heads,
-                                       s->num_kv_heads, s->block_size, D, s->scale, threads);
+        if (num_decodes > 0)
+            status = raypaged_paged_decode(q, q_stride, D, l->k_cache, l->v_cache, s->fp8, s->num_blocks,
+                                           block_tables, table_stride, table_width, context_lens, attn, num_decodes,
+                                           s->num_heads, s->num_kv_heads, s->block_size, D, s->scale, threads);
         if (status) break;
+        if (prefill) {
+            const int64_t first = prefill->query_start;
+            status = raypaged_paged_prefill(q + first * q_stride, q_stride, D, prefill->num_tokens, l->k_cache,
+                                            l->v_cache, s->fp8, s->num_blocks, prefill->cu_seqlens_q,
+                                            prefill->context_lens, prefill->block_tables, prefill->table_stride,
+                                            prefill->table_width, attn + first * q_width, prefill->num_spans,
+                                            s->num_heads, s->num_kv_heads, s->block_size, D, s->scale, threads);
+            if (status) {
+                status -= 30;
+                break;
+            }
+        }
         if ((status = project(&l->o, attn, tokens, q_width, s->hidden, x, 0, &scratch, threads, &l->gate_up, s->hidden,
                               2 * s->intermediate, 1)))
             break;

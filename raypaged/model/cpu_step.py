@@ -1,11 +1,14 @@
-"""A decode-only step's decoder layers in one C call (``attention/cpu_step.c``): on CPU, where the model runs
-the CPU backend's fused path on packed weights, fp32 (``cpu_gemm.c``) or W8A8 int8 (``cpu_int8.c``).
+"""A step's decoder layers in one C call (``attention/cpu_step.c``): on CPU, where the model runs the CPU
+backend's fused path on packed weights, fp32 (``cpu_gemm.c``) or W8A8 int8 (``cpu_int8.c``). A step is its
+decode tokens and its prefill spans (whole prompts, chunks, prefix-cache hits), in any mix.
 
 The C loop calls the kernels the fused path calls one Python call at a time, in the same order, so it gives
 the same bits; what it saves is the Python between them (module calls, views, argument checks, ctypes): about
-3 ms of SmolLM2's 26 ms decode step at 32 sequences on 2 cores. A model it cannot run (another backend or
-dtype, otherwise quantized linears, tensor parallelism) keeps the Python path: :func:`unsupported_reason`
-says why. With LoRA, a step in which some token has an adapter runs layer by layer; the others run here.
+3 ms of SmolLM2's 26 ms decode step at 32 sequences on 2 cores, and the same in every step that carries a
+prefill. A model it cannot run (another backend or dtype, otherwise quantized linears, tensor parallelism)
+keeps the Python path: :func:`unsupported_reason` says why. With LoRA, a step in which some token has an
+adapter runs layer by layer; the others run here. So does a step whose prefill spans are not one varlen batch
+(``AttentionMetadata.varlen_prefill``: the memory profile's, which writes no cache).
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ if TYPE_CHECKING:
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class _Linear(ctypes.Structure):  # cpu_step.c: struct decode_linear
+class _Linear(ctypes.Structure):  # cpu_step.c: struct step_linear
     _fields_ = [("weight", _P), ("bias", _P), ("colsum", _P), ("weight_scale", _P), ("input_scale", ctypes.c_float)]
 
 
-class _Layer(ctypes.Structure):  # cpu_step.c: struct decode_layer
+class _Layer(ctypes.Structure):  # cpu_step.c: struct step_layer
     _fields_ = [
         ("input_norm", _P),
         ("post_norm", _P),
@@ -47,7 +50,7 @@ class _Layer(ctypes.Structure):  # cpu_step.c: struct decode_layer
     ]
 
 
-class _Shape(ctypes.Structure):  # cpu_step.c: struct decode_shape
+class _Shape(ctypes.Structure):  # cpu_step.c: struct step_shape
     _fields_ = [
         *[
             (name, _I64)
@@ -65,6 +68,15 @@ class _Shape(ctypes.Structure):  # cpu_step.c: struct decode_shape
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("fp8", ctypes.c_int),
+    ]
+
+
+class _Prefill(ctypes.Structure):  # cpu_step.c: struct step_prefill
+    _fields_ = [
+        ("cu_seqlens_q", _P),
+        ("context_lens", _P),
+        ("block_tables", _P),
+        *[(name, _I64) for name in ("table_stride", "table_width", "num_spans", "query_start", "num_tokens")],
     ]
 
 
@@ -113,7 +125,7 @@ def _lora_steps(model: LlamaModel) -> list[LoRAStep]:
 def _linear_reason(linear: nn.Module, row_parallel: bool, gate_up: bool) -> str | None:
     """Why one projection cannot run in the one call: it must be fp32 packed for cpu_gemm.c (a gate | up
     packed gated) or W8A8 int8 packed for cpu_int8.c's VNNI GEMM, and not sharded; a LoRA-wrapped one is
-    judged by its base (the one call runs only steps with no adapter: :meth:`CpuDecodeStep.adapters_active`)."""
+    judged by its base (the one call runs only steps with no adapter: :meth:`CpuStep.adapters_active`)."""
     linear = _base(linear)
     if type(linear) is QuantLinear:
         method = linear.method
@@ -155,7 +167,7 @@ def _linear_fields(entry: ctypes.Structure, linear: nn.Module) -> None:
 
 
 def unsupported_reason(model: LlamaModel) -> str | None:
-    """Why :class:`CpuDecodeStep` cannot run ``model``'s decode steps, or None when it can."""
+    """Why :class:`CpuStep` cannot run ``model``'s steps, or None when it can."""
     if model.fused_ops is not CPU_FUSED or not model.layers:
         return "the model does not run the CPU backend's fused ops"
     if not cpu_ops.builds():
@@ -183,8 +195,8 @@ def unsupported_reason(model: LlamaModel) -> str | None:
     return None
 
 
-class CpuDecodeStep:
-    """``LlamaModel``'s layers and final norm for a decode-only step, built once (:meth:`build`)."""
+class CpuStep:
+    """``LlamaModel``'s layers and final norm for a step, built once (:meth:`build`)."""
 
     def __init__(self, model: LlamaModel) -> None:
         # the model is passed to each call, not kept: the model keeps this, and a cycle between them would hold
@@ -208,8 +220,8 @@ class CpuDecodeStep:
         self.shape = _Shape()
 
     @staticmethod
-    def build(model: LlamaModel) -> CpuDecodeStep | None:
-        return None if unsupported_reason(model) is not None else CpuDecodeStep(model)
+    def build(model: LlamaModel) -> CpuStep | None:
+        return None if unsupported_reason(model) is not None else CpuStep(model)
 
     def still_applies(self) -> bool:
         """Whether the model's layers still hold the modules it was built on (LoRA wraps the linears later: then
@@ -243,6 +255,14 @@ class CpuDecodeStep:
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
         self.cache_ptrs = cache_ptrs
 
+    def runs(self, meta: AttentionMetadata, block_size: int) -> bool:
+        """Whether the step's attention is one the C loop runs: decodes, and prefill spans that make one varlen
+        batch right after them (the layers' own condition for the varlen kernel)."""
+        if not meta.prefills:
+            return True
+        varlen = meta.varlen_prefill(block_size)
+        return varlen is not None and varlen.query_start == meta.num_decode_tokens
+
     def run(
         self,
         model: LlamaModel,
@@ -250,28 +270,52 @@ class CpuDecodeStep:
         positions: torch.Tensor,
         kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # x: the embeddings [num_seqs, hidden] -> the final norm's output, in x
+    ) -> torch.Tensor:  # x: the embeddings [num_tokens, hidden] -> the final norm's output, in x
         cache_ptrs = [cache.data_ptr() for layer in kv_caches for cache in layer]
         if cache_ptrs != self.cache_ptrs:
             self._point_at(model, kv_caches, cache_ptrs)
         hidden, heads, kv_heads, head_dim, intermediate = self.dims
-        tokens = x.shape[0]
+        tokens, decodes = x.shape[0], meta.num_decode_tokens
         tables, lens, slots = meta.decode_block_tables, meta.decode_context_lens.contiguous(), meta.slot_mapping
         if tables.stride(1) != 1:
             tables = tables.contiguous()
-        for name, index in (("positions", positions), ("slot_mapping", slots), ("context lengths", lens)):
-            if index.dtype != torch.long or index.shape != (tokens,) or not index.is_contiguous():
-                raise ValueError(f"{name} must be {tokens} contiguous longs, got {index.dtype} {tuple(index.shape)}")
-        if tables.dtype != torch.long or tables.shape[0] != tokens or x.shape[1] != hidden or not x.is_contiguous():
+        for name, index, rows in (("positions", positions, tokens), ("slot_mapping", slots, tokens)):
+            if index.dtype != torch.long or index.shape != (rows,) or not index.is_contiguous():
+                raise ValueError(f"{name} must be {rows} contiguous longs, got {index.dtype} {tuple(index.shape)}")
+        if lens.dtype != torch.long or lens.shape != (decodes,):
+            raise ValueError(f"context lengths must be {decodes} longs, got {lens.dtype} {tuple(lens.shape)}")
+        if tables.dtype != torch.long or tables.shape[0] != decodes or x.shape[1] != hidden or not x.is_contiguous():
             raise ValueError(
-                f"a decode step of {tokens} sequences takes contiguous [{tokens}, {hidden}] embeddings and long block "
-                f"tables of {tokens} rows, got {tuple(x.shape)} and {tables.dtype} {tuple(tables.shape)}"
+                f"a step of {tokens} tokens ({decodes} decodes) takes contiguous [{tokens}, {hidden}] embeddings and "
+                f"long block tables of {decodes} rows, got {tuple(x.shape)} and {tables.dtype} {tuple(tables.shape)}"
+            )
+        block_size, num_blocks = self.shape.block_size, self.shape.num_blocks
+        prefill, varlen = None, meta.varlen_prefill(block_size) if meta.prefills else None
+        spans: tuple[torch.Tensor, ...] = ()
+        if meta.prefills:
+            if varlen is None or varlen.query_start != decodes or decodes + varlen.num_tokens != tokens:
+                raise ValueError(
+                    f"the prefill spans of a step of {tokens} tokens ({decodes} decodes) are not one varlen batch "
+                    "right after its decodes"
+                )
+            spans = (
+                varlen.cu_seqlens_q.contiguous(),
+                varlen.context_lens.contiguous(),
+                varlen.block_tables.contiguous(),
+            )
+            prefill = _Prefill(
+                *(index.data_ptr() for index in spans),
+                spans[2].stride(0),
+                spans[2].shape[1],
+                spans[0].shape[0] - 1,
+                varlen.query_start,
+                varlen.num_tokens,
             )
         residual = torch.empty(tokens, hidden)
         qkv = torch.empty(tokens, (heads + 2 * kv_heads) * head_dim)
         attn = torch.empty(tokens, heads * head_dim)
         h = torch.empty(tokens, intermediate)
-        status = cpu_ops.library().raypaged_decode_layers(
+        status = cpu_ops.library().raypaged_step_layers(
             ctypes.addressof(self.layers),
             len(self.layers),
             ctypes.addressof(self.shape),
@@ -282,18 +326,24 @@ class CpuDecodeStep:
             positions.data_ptr(),
             slots.data_ptr(),
             self.cos_sin.data_ptr(),
+            decodes,
             tables.data_ptr(),
             tables.stride(0),
             tables.shape[1],
             lens.data_ptr(),
+            None if prefill is None else ctypes.addressof(prefill),
             qkv.data_ptr(),
             attn.data_ptr(),
             h.data_ptr(),
             torch.get_num_threads(),
         )
-        block_size, num_blocks = self.shape.block_size, self.shape.num_blocks
         if status == -20:
             raise MemoryError(INT8_SCRATCH_ERROR)
+        if status <= -30 and varlen is not None:
+            cu_seqlens_q, context_lens, varlen_tables = spans
+            cpu_ops.raise_for_prefill_status(
+                status + 30, varlen.num_tokens, cu_seqlens_q, context_lens, varlen_tables, block_size, num_blocks
+            )
         if status <= -10:
             cpu_fused.raise_for_rotary_status(status + 10, self.cos_sin.shape[0], num_blocks, block_size)
         cpu_ops.raise_for_status("decode", status, lens, tables, block_size, num_blocks)

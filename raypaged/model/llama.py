@@ -29,7 +29,7 @@ from transformers import PretrainedConfig
 
 from raypaged.attention.backend import TORCH, AttentionBackend, FusedOps
 from raypaged.attention.metadata import AttentionMetadata
-from raypaged.model.cpu_step import CpuDecodeStep
+from raypaged.model.cpu_step import CpuStep
 from raypaged.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
 from raypaged.quantization.base import QuantizationConfig
@@ -287,16 +287,16 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused_ops: FusedOps | None = None  # the attention backend's (set_attention_backend); None: plain torch
-        self.cpu_decode_step: CpuDecodeStep | None = None  # decode-only steps' layers in one C call, where it applies
+        self.cpu_step: CpuStep | None = None  # a step's layers in one C call, where it applies
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
         x, residual = self.embed_tokens(input_ids), None
-        step = self.cpu_decode_step
-        if step is not None and not meta.prefills and meta.num_decode_tokens == x.shape[0] > 0:
+        step = self.cpu_step
+        if step is not None and x.shape[0] > 0 and step.runs(meta, kv_caches[0][0].shape[2]):
             if not step.still_applies():  # its linears were wrapped since (LoRA): built again, or never more
-                step = self.cpu_decode_step = CpuDecodeStep.build(self)
+                step = self.cpu_step = CpuStep.build(self)
             if step is not None and not step.adapters_active():
                 return step.run(self, x, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -347,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.attn_backend = backend
         self.model.fused_ops = backend.fused_ops
-        self.model.cpu_decode_step = CpuDecodeStep.build(self.model)
+        self.model.cpu_step = CpuStep.build(self.model)
 
     def pack_weights(self) -> None:
         """Every float linear's weight, the LM head's too, packed for ``layers.linear`` (after loading; fp32 on a

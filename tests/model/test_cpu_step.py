@@ -1,6 +1,6 @@
-"""A decode-only step's layers in one C call (raypaged.model.cpu_step, attention/cpu_step.c) against the same
-model's layer-by-layer fused path: the same bits, the same errors, and the layer path wherever the one call
-does not apply."""
+"""A step's layers in one C call (raypaged.model.cpu_step, attention/cpu_step.c: decodes, prefills and both
+mixed) against the same model's layer-by-layer fused path: the same bits, the same errors, and the layer path
+wherever the one call does not apply."""
 
 import dataclasses
 import gc
@@ -39,13 +39,31 @@ def packed_model(architecture):
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
-def test_decode_steps_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs, monkeypatch):
+def test_steps_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs, monkeypatch):
+    """ref.STEPS: two fresh prompts, a decode with a chunk over its cached context, two decode-only steps."""
     model = packed_model(architecture)
     got = ref.run_steps(model, CPU, "cpu")
-    assert one_call_runs == [2, 2]  # the two decode-only steps of ref.STEPS; the prefill steps go layer by layer
+    assert one_call_runs == [15, 4, 2, 2]
     expected = ref.run_steps_layer_by_layer(monkeypatch, model, CPU)
-    assert len(one_call_runs) == 2
+    assert len(one_call_runs) == 4
     ref.assert_same_steps(got, expected)
+
+
+def test_a_step_whose_prefills_are_not_one_varlen_batch_runs_layer_by_layer(one_call_runs):
+    """The memory profile's step writes no cache: its spans' block ids do not cover their contexts, so the
+    layers attend over the fresh K/V instead, one span at a time."""
+    model = packed_model("llama")
+    model.set_attention_backend(CPU)
+    attn = model.model.layers[0].self_attn
+    shape = (ref.NUM_BLOCKS, attn.num_kv_heads, ref.BLOCK_SIZE, attn.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.model.layers]
+    positions, meta = ref._step_meta(ref.STEPS[0], "cpu")
+    for span in meta.prefills:
+        span.block_ids = span.block_ids[:0]
+    assert not model.model.cpu_step.runs(meta, ref.BLOCK_SIZE)
+    with torch.inference_mode():
+        model(torch.arange(15), positions, caches, meta)
+    assert one_call_runs == []
 
 
 def test_where_the_one_call_does_not_apply_it_says_why(monkeypatch):
@@ -55,11 +73,11 @@ def test_where_the_one_call_does_not_apply_it_says_why(monkeypatch):
     model.set_attention_backend(dataclasses.replace(CPU, decode=TORCH.decode))
     assert cpu_step.unsupported_reason(model.model) == "the attention backend is cpu"
     model.set_attention_backend(CPU)
-    assert cpu_step.unsupported_reason(model.model) is None and model.model.cpu_decode_step is not None
+    assert cpu_step.unsupported_reason(model.model) is None and model.model.cpu_step is not None
     unpacked = ref.random_model(ref.tiny_config("llama"), torch.float32, "cpu")
     unpacked.set_attention_backend(CPU)
     assert cpu_step.unsupported_reason(unpacked.model) == "a linear's weight is not packed for cpu_gemm.c"
-    assert unpacked.model.cpu_decode_step is None
+    assert unpacked.model.cpu_step is None
     qwen3 = packed_model("qwen3")
     qwen3.set_attention_backend(CPU)
     assert cpu_step.unsupported_reason(qwen3.model) is None  # q/k norms per head (its own head_dim of 64)
@@ -88,9 +106,9 @@ def test_a_linear_wrapped_later_sends_the_steps_back_layer_by_layer(one_call_run
     layer.mlp.down_proj = Wrapped(layer.mlp.down_proj)
     real_set = model.set_attention_backend
     monkeypatch.setattr(model, "set_attention_backend", lambda backend: None)  # keep the step built before the wrap
-    assert model.model.cpu_decode_step is not None
+    assert model.model.cpu_step is not None
     hidden, _ = ref.run_steps(model, CPU, "cpu")
-    assert one_call_runs == [] and model.model.cpu_decode_step is None  # built again on the wrap: not eligible
+    assert one_call_runs == [] and model.model.cpu_step is None  # built again on the wrap: not eligible
     for got, expected in zip(hidden, expected_hidden, strict=True):
         assert torch.equal(got, expected)
     monkeypatch.setattr(model, "set_attention_backend", real_set)
@@ -120,7 +138,7 @@ def test_a_bad_step_fails_with_the_layer_paths_error(spoil, message, one_call_ru
     for one_call in (True, False):
         model.set_attention_backend(CPU)
         if not one_call:
-            model.model.cpu_decode_step = None
+            model.model.cpu_step = None
         caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.model.layers]
         positions, meta = decode_step()
         if spoil == "position":
@@ -136,14 +154,33 @@ def test_a_bad_step_fails_with_the_layer_paths_error(spoil, message, one_call_ru
     assert one_call_runs == [2]
 
 
+def test_a_bad_prefill_span_fails_with_the_layer_paths_error(one_call_runs):
+    """A span whose query is longer than its context, in a step with a decode: the prefill kernel's own error,
+    raised by the one call as by the layers' varlen call."""
+    model = packed_model("llama")
+    attn = model.model.layers[0].self_attn
+    shape = (ref.NUM_BLOCKS, attn.num_kv_heads, ref.BLOCK_SIZE, attn.head_dim)
+    for one_call in (True, False):
+        model.set_attention_backend(CPU)
+        if not one_call:
+            model.model.cpu_step = None
+        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.model.layers]
+        positions, meta = ref._step_meta(ref.STEPS[1], "cpu")
+        meta.prefills[0].context_len = 2
+        message = r"^a span's query is longer than its context \(cu_seqlens_q \[0, 3\], context_lens \[2\]\)$"
+        with torch.inference_mode(), pytest.raises(ValueError, match=message):
+            model(torch.tensor([1, 2, 3, 4]), positions, caches, meta)
+    assert one_call_runs == [4]
+
+
 def test_the_one_call_step_keeps_neither_its_model_nor_the_caches_alive(one_call_runs):
     """No reference cycle through the step: dropping the model and the caches frees them at once, as the engine
     expects when it shuts down (a cycle held a model's weights and its KV caches until the cyclic collector ran,
     and a long test session ran out of memory)."""
     model = packed_model("llama")
     hidden, caches = ref.run_steps(model, CPU, "cpu")
-    assert one_call_runs == [2, 2]
-    assert model.model.cpu_decode_step is not None
+    assert one_call_runs == [15, 4, 2, 2]
+    assert model.model.cpu_step is not None
     refs = [weakref.ref(model.model), weakref.ref(model.model.layers[0].mlp.gate_up_proj.weight)]
     refs.append(weakref.ref(caches[0][0]))
     gc.disable()
@@ -156,7 +193,7 @@ def test_the_one_call_step_keeps_neither_its_model_nor_the_caches_alive(one_call
 
 def test_lora_steps_without_an_adapter_run_in_one_call_and_those_with_one_layer_by_layer(one_call_runs, monkeypatch):
     """attach_lora wraps the linears after the backend is set (as the worker does): the step is built again
-    around their bases; a decode step where a token has an adapter runs layer by layer, with its product."""
+    around their bases; a step where a token has an adapter runs layer by layer, with its product."""
     model = packed_model("llama")
     model.set_attention_backend(CPU)
     lora = attach_lora(model, 2, 8, TensorParallel(), torch.float32, torch.device("cpu"))
@@ -169,7 +206,7 @@ def test_lora_steps_without_an_adapter_run_in_one_call_and_those_with_one_layer_
         lora.step.mapping = build_lora_mapping([None, 1]) if index == 2 else None
 
     got = ref.run_steps(model, CPU, "cpu", before_step=adapters)
-    assert one_call_runs == [2]  # the second decode-only step; the first had an adapter
+    assert one_call_runs == [15, 4, 2]  # every step but the first decode-only one, which had an adapter
     assert cpu_step.unsupported_reason(model.model) is None
     ref.assert_same_steps(got, ref.run_steps_layer_by_layer(monkeypatch, model, CPU, before_step=adapters))
     hidden, base_hidden = got[0], ref.run_steps_layer_by_layer(monkeypatch, model, CPU)[0]

@@ -240,9 +240,9 @@ def test_the_vnni_gemm_gives_the_same_bits_on_any_thread_count(vnni):
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
-def test_int8_decode_steps_in_one_c_call_give_the_layer_paths_bits(quantized_dirs, static, one_call_runs, monkeypatch):
-    """model.cpu_step runs a W8A8 int8 model's decode-only steps (qkv and o biases here) with the same bits
-    as its layer-by-layer path; with a static input scale as well."""
+def test_int8_steps_in_one_c_call_give_the_layer_paths_bits(quantized_dirs, static, one_call_runs, monkeypatch):
+    """model.cpu_step runs a W8A8 int8 model's steps (prefills, decodes and both; qkv and o biases here) with
+    the same bits as its layer-by-layer path; with a static input scale as well."""
     if w8a8._int8_gemm_lib() is None:
         pytest.skip("no VNNI int8 GEMM here")
     model = load(quantized_dirs["w8a8-int8"])
@@ -252,9 +252,9 @@ def test_int8_decode_steps_in_one_c_call_give_the_layer_paths_bits(quantized_dir
                 module.method = w8a8.W8A8Method(torch.int8, static=True)
                 module.input_scale = torch.nn.Parameter(torch.tensor([0.05]), requires_grad=False)
     got = ref.run_steps(model, CPU, "cpu")
-    assert one_call_runs == [2, 2] and cpu_step.unsupported_reason(model.model) is None
+    assert one_call_runs == [15, 4, 2, 2] and cpu_step.unsupported_reason(model.model) is None
     expected = ref.run_steps_layer_by_layer(monkeypatch, model, CPU)
-    assert one_call_runs == [2, 2]
+    assert one_call_runs == [15, 4, 2, 2]
     ref.assert_same_steps(got, expected)
     down = model.model.layers[0].mlp.down_proj
     down.method = w8a8.W8A8Method(w8a8.FP8, static=False)
