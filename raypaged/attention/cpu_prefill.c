@@ -19,7 +19,7 @@
  * too. Nothing is transposed per chunk of keys, no horizontal sums, no scalar max, and a chunk is CHUNK keys
  * across as many blocks as it spans (each row read through the block table).
  * The chunk-of-16-keys kernel this replaced transposed each chunk's K rows and ran each row's softmax alone:
- * SmolLM2's W6 prefill (32 prompts of 50-200 tokens, 9 query heads over 3 KV heads of 64) 4.73 -> 3.03 ms a layer
+ * SmolLM2's W6 prefill (32 prompts of 50-200 tokens, 9 query heads over 3 KV heads of 64) 4.73 -> 2.7-2.9 ms a layer
  * on 2 AVX-512 EPYC cores. Causal masking touches only the chunks that reach past a tile's first position.
  *
  * The vectors are GCC's generic ones, ROW_LANES floats: an AVX-512 register where the CPU has them, an AVX
@@ -46,6 +46,8 @@
 #define CHUNK 64      /* keys per online-softmax step */
 
 typedef float vec __attribute__((vector_size(ROW_LANES * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(ROW_LANES * sizeof(int32_t))));
+typedef int32_t ivec_unaligned __attribute__((vector_size(ROW_LANES * sizeof(int32_t)), aligned(4)));
 
 /* scores[j][r] = scale * q_r . k_j for the rows of row vectors [v0, v0 + NV) (NV <= ROW_GROUP) and keys
  * [j0, j0 + KEY_GROUP); qt is [D][width] (width = lanes of all the tile's row vectors), k[j] a key's row */
@@ -112,22 +114,30 @@ static void weigh_chunk(const float *p, int64_t width, int64_t v0, int NV, const
 }
 
 /* One online-softmax step over the chunk's n keys (from key position key_pos) for every row lane [0, width):
- * scores ([n][width]) become the weights exp(s - max), zero where a key is past the row's position (pos[r]) or
- * where masked is 0 and j >= n; max_sum is the running max (first width floats) and sum (next width); the
+ * scores ([n][width]) become the weights exp(s - max), zero where masked and a key is past the row's position
+ * (pos[r]); max_sum is the running max (first width floats) and sum (next width); the
  * outputs ot ([D][width]) are rescaled by exp(old max - new max). */
-static void softmax_chunk(float *scores, int64_t width, int64_t n, int64_t key_pos, const int64_t *pos, int masked,
+static void softmax_chunk(float *scores, int64_t width, int64_t n, int64_t key_pos, const int32_t *pos, int masked,
                           float *ot, int64_t D, float *max_sum) {
     float *max = max_sum, *sum = max_sum + width;
     for (int64_t r0 = 0; r0 < width; r0 += ROW_LANES) {
         float m[ROW_LANES], c[ROW_LANES], add[ROW_LANES];
-        for (int l = 0; l < ROW_LANES; ++l) m[l] = max[r0 + l];
+        /* the running max as vectors: where a score beats one (and its key is visible), the compare's all-ones
+         * mask selects the score; four of them, keys j % 4, so that no step waits on the one before */
+        vec top[4];
+        for (int t = 0; t < 4; ++t) top[t] = *(const vec *)(max + r0);
+        const ivec row_pos = *(const ivec_unaligned *)(pos + r0);
         for (int64_t j = 0; j < n; ++j) {
-            const float *s = scores + j * width + r0;
-            if (masked)
-                for (int l = 0; l < ROW_LANES; ++l) m[l] = key_pos + j <= pos[r0 + l] && s[l] > m[l] ? s[l] : m[l];
-            else
-                for (int l = 0; l < ROW_LANES; ++l) m[l] = s[l] > m[l] ? s[l] : m[l];
+            const vec s = *(const vec *)(scores + j * width + r0);
+            ivec beats = s > top[j & 3];
+            if (masked) beats &= (int32_t)(key_pos + j) <= row_pos;
+            top[j & 3] = (vec)((beats & (ivec)s) | (~beats & (ivec)top[j & 3]));
         }
+        for (int t = 1; t < 4; ++t) {
+            const ivec beats = top[t] > top[0];
+            top[0] = (vec)((beats & (ivec)top[t]) | (~beats & (ivec)top[0]));
+        }
+        for (int l = 0; l < ROW_LANES; ++l) m[l] = top[0][l];
         for (int l = 0; l < ROW_LANES; ++l) {
             c[l] = exp_nonpositive(max[r0 + l] - m[l]); /* the first chunk: exp(-FLT_MAX - m) times zeros */
             add[l] = 0.0f;
@@ -239,7 +249,7 @@ int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64
     {
         /* the vectors are read and written whole: aligned to 64 bytes */
         float *local = malloc(sizeof(float) * scratch_floats(width, D) + 64);
-        int64_t *pos = malloc(sizeof(int64_t) * width);
+        int32_t *pos = malloc(sizeof(int32_t) * width); /* each row's position (< 2^31: a context's) */
         const float **rows = malloc(sizeof(float *) * 2 * CHUNK); /* the chunk's K rows, then its V rows */
         /* the transposes' rows: the queries', the outputs' and the columns of qt or ot */
         const float **query_rows = malloc(sizeof(float *) * width);
@@ -269,7 +279,7 @@ int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64
             const int64_t vectors = (n_rows + ROW_LANES - 1) / ROW_LANES;
             /* row r = i * G + g: token t0 + i, query head head * G + g; padding rows (zero queries) see every key */
             for (int64_t r = 0; r < width; ++r) {
-                pos[r] = r < n_rows ? first_pos + r / G : last_pos;
+                pos[r] = (int32_t)(r < n_rows ? first_pos + r / G : last_pos);
                 max_sum[r] = -FLT_MAX;
                 max_sum[width + r] = 0.0f;
                 query_rows[r] = r < n_rows ? query + (q_start + t0 + r / G) * query_token_stride +
