@@ -54,9 +54,7 @@ def test_a_step_whose_prefills_are_not_one_varlen_batch_runs_layer_by_layer(one_
     layers attend over the fresh K/V instead, one span at a time."""
     model = packed_model("llama")
     model.set_attention_backend(CPU)
-    attn = model.model.layers[0].self_attn
-    shape = (ref.NUM_BLOCKS, attn.num_kv_heads, ref.BLOCK_SIZE, attn.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.model.layers]
+    caches = empty_caches(model)
     positions, meta = ref._step_meta(ref.STEPS[0], "cpu")
     for span in meta.prefills:
         span.block_ids = span.block_ids[:0]
@@ -117,9 +115,10 @@ def test_a_linear_wrapped_later_sends_the_steps_back_layer_by_layer(one_call_run
     assert cpu_step.unsupported_reason(model.model) == reason
 
 
-def decode_step():
-    positions, meta = ref._step_meta(ref.STEPS[2], "cpu")
-    return positions, meta
+def empty_caches(model):
+    attn = model.model.layers[0].self_attn
+    shape = (ref.NUM_BLOCKS, attn.num_kv_heads, ref.BLOCK_SIZE, attn.head_dim)
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in model.model.layers]
 
 
 @pytest.mark.parametrize(
@@ -129,48 +128,33 @@ def decode_step():
         ("slot", "a slot is outside the cache's 10 blocks of 8"),
         ("block", "a block table holds a block id outside the cache's 10 blocks"),
         ("length", r"a context length \(17\) is beyond its block table \(2 blocks of 8\)"),
+        ("span", r"^a span's query is longer than its context \(cu_seqlens_q \[0, 3\], context_lens \[2\]\)$"),
     ],
 )
 def test_a_bad_step_fails_with_the_layer_paths_error(spoil, message, one_call_runs, monkeypatch):
+    """A decode-only step (ref.STEPS[2]) spoiled, or a decode with a chunk (ref.STEPS[1]) whose span's query is
+    longer than its context: the one call raises what the layers raise (for the span, the prefill kernel's
+    own error through their varlen call)."""
     model = packed_model("llama")
-    attn = model.model.layers[0].self_attn
-    shape = (ref.NUM_BLOCKS, attn.num_kv_heads, ref.BLOCK_SIZE, attn.head_dim)
+    step = ref.STEPS[1] if spoil == "span" else ref.STEPS[2]
     for one_call in (True, False):
         model.set_attention_backend(CPU)
         if not one_call:
             model.model.cpu_step = None
-        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.model.layers]
-        positions, meta = decode_step()
+        positions, meta = ref._step_meta(step, "cpu")
         if spoil == "position":
             positions[1] = 64
         elif spoil == "slot":
             meta.slot_mapping[0] = ref.NUM_BLOCKS * ref.BLOCK_SIZE
         elif spoil == "block":
             meta.decode_block_tables[1, 0] = ref.NUM_BLOCKS
-        else:
+        elif spoil == "length":
             meta.decode_context_lens[0] = 17
+        else:
+            meta.prefills[0].context_len = 2
         with torch.inference_mode(), pytest.raises(ValueError, match=message):
-            model(torch.tensor([1, 2]), positions, caches, meta)
-    assert one_call_runs == [2]
-
-
-def test_a_bad_prefill_span_fails_with_the_layer_paths_error(one_call_runs):
-    """A span whose query is longer than its context, in a step with a decode: the prefill kernel's own error,
-    raised by the one call as by the layers' varlen call."""
-    model = packed_model("llama")
-    attn = model.model.layers[0].self_attn
-    shape = (ref.NUM_BLOCKS, attn.num_kv_heads, ref.BLOCK_SIZE, attn.head_dim)
-    for one_call in (True, False):
-        model.set_attention_backend(CPU)
-        if not one_call:
-            model.model.cpu_step = None
-        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.model.layers]
-        positions, meta = ref._step_meta(ref.STEPS[1], "cpu")
-        meta.prefills[0].context_len = 2
-        message = r"^a span's query is longer than its context \(cu_seqlens_q \[0, 3\], context_lens \[2\]\)$"
-        with torch.inference_mode(), pytest.raises(ValueError, match=message):
-            model(torch.tensor([1, 2, 3, 4]), positions, caches, meta)
-    assert one_call_runs == [4]
+            model(torch.arange(1, positions.shape[0] + 1), positions, empty_caches(model), meta)
+    assert one_call_runs == [positions.shape[0]]
 
 
 def test_the_one_call_step_keeps_neither_its_model_nor_the_caches_alive(one_call_runs):
