@@ -204,6 +204,10 @@ class CpuStep:
         self.linears = _linears(model)
         self.held = [(holder, name, holder[name]) for holder, name in _holders(model)]  # as they are now
         self.lora_steps = _lora_steps(model)
+        # prefill spans run through cpu_prefill.c only where the layers would run them through it too
+        self.prefills_in_c = all(
+            layer.self_attn.attn_backend.varlen_prefill is cpu_ops.paged_prefill_attention for layer in _layers(model)
+        )
         layers = _layers(model)
         first = layers[0].self_attn
         self.cos_sin = first.rotary.cos_sin
@@ -257,9 +261,12 @@ class CpuStep:
 
     def runs(self, meta: AttentionMetadata, block_size: int) -> bool:
         """Whether the step's attention is one the C loop runs: decodes, and prefill spans that make one varlen
-        batch right after them (the layers' own condition for the varlen kernel)."""
+        batch right after them (the layers' own condition for the varlen kernel) where the backend's varlen
+        kernel is cpu_prefill.c's."""
         if not meta.prefills:
             return True
+        if not self.prefills_in_c:
+            return False
         varlen = meta.varlen_prefill(block_size)
         return varlen is not None and varlen.query_start == meta.num_decode_tokens
 

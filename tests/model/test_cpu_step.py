@@ -49,6 +49,16 @@ def test_steps_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs
     ref.assert_same_steps(got, expected)
 
 
+def test_prefills_go_layer_by_layer_where_the_backend_has_another_varlen_kernel(one_call_runs, monkeypatch):
+    """A backend with the CPU decode kernel but no varlen prefill kernel (its spans one at a time): the decode-only
+    steps still run in one call, the steps with spans layer by layer, and the bits are the layers' own."""
+    model = packed_model("llama")
+    backend = dataclasses.replace(CPU, varlen_prefill=None)
+    got = ref.run_steps(model, backend, "cpu")
+    assert one_call_runs == [2, 2]
+    ref.assert_same_steps(got, ref.run_steps_layer_by_layer(monkeypatch, model, backend))
+
+
 def test_a_step_whose_prefills_are_not_one_varlen_batch_runs_layer_by_layer(one_call_runs):
     """The memory profile's step writes no cache: its spans' block ids do not cover their contexts, so the
     layers attend over the fresh K/V instead, one span at a time."""
