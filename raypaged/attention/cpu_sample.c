@@ -2,10 +2,10 @@
  * [rows, vocab] log-softmax written out (raypaged.worker.sampler's greedy fast path).
  *
  * Pass 1 keeps 16 running maxima side by side with the first index of each, then takes the lowest index
- * among the lanes holding the greatest (torch.argmax's first occurrence). Pass 2 sums exp(x - max) in double,
- * 16 lanes; the chosen token's log-probability is then -log(sum), which is log_softmax's x - max - log(sum) at
- * the max. torch.argmax over [32, 49152] took 441 us and torch.log_softmax 343 us on 2 EPYC cores; this
- * takes both in one call.
+ * among the lanes holding the greatest (torch.argmax's first occurrence). Pass 2 sums exp(x - max) in 16 float
+ * lanes over runs of SUM_RUN values, each run's sums added into 16 double lanes; the chosen token's
+ * log-probability is then -log(sum), which is log_softmax's x - max - log(sum) at the max. On 2 EPYC cores,
+ * [32, 49152] logits: 214 us, against 1,240 for torch's argmax (441), log_softmax (343) and their gathers.
  *
  * A row whose max is not finite (a NaN, or +-inf at the max) or whose sum is not finite (a NaN past the max)
  * is left to torch: the function returns that row's index + 1, and the caller takes the general path for the
