@@ -113,14 +113,15 @@ static void weigh_chunk(const float *p, int64_t width, int64_t v0, int NV, const
         }
 }
 
-/* One online-softmax step over the chunk's n keys (from key position key_pos) for every row lane [0, width):
+/* One online-softmax step over the chunk's n keys (from key position key_pos) for the row lanes [0, lanes) (whole
+ * vectors, of the width lanes the arrays hold):
  * scores ([n][width]) become the weights exp(s - max), zero where masked and a key is past the row's position
  * (pos[r]); max_sum is the running max (first width floats) and sum (next width); the
  * outputs ot ([D][width]) are rescaled by exp(old max - new max). */
-static void softmax_chunk(float *scores, int64_t width, int64_t n, int64_t key_pos, const int32_t *pos, int masked,
-                          float *ot, int64_t D, float *max_sum) {
+static void softmax_chunk(float *scores, int64_t width, int64_t lanes, int64_t n, int64_t key_pos, const int32_t *pos,
+                          int masked, float *ot, int64_t D, float *max_sum) {
     float *max = max_sum, *sum = max_sum + width;
-    for (int64_t r0 = 0; r0 < width; r0 += ROW_LANES) {
+    for (int64_t r0 = 0; r0 < lanes; r0 += ROW_LANES) {
         float m[ROW_LANES], c[ROW_LANES], add[ROW_LANES];
         /* the running max as vectors: where a score beats one (and its key is visible), the compare's all-ones
          * mask selects the score; four of them, keys j % 4, so that no step waits on the one before */
@@ -254,17 +255,18 @@ int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64
         /* the transposes' rows: the queries', the outputs' and the columns of qt or ot */
         const float **query_rows = malloc(sizeof(float *) * width);
         float **out_rows = malloc(sizeof(float *) * (width + D)), **columns = out_rows + width;
-        if (local == NULL || pos == NULL || rows == NULL || query_rows == NULL || out_rows == NULL) {
+        const int ok = local != NULL && pos != NULL && rows != NULL && query_rows != NULL && out_rows != NULL;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
         float *qt = local == NULL ? NULL : (float *)(((uintptr_t)local + 63) & ~(uintptr_t)63);
         float *ot = qt + D * width, *scores = ot + D * width, *max_sum = scores + CHUNK * width;
         float *widened = max_sum + 2 * width, *zeros = widened + 2 * CHUNK * D;
-        if (local != NULL) memset(zeros, 0, sizeof(float) * D);
+        if (ok) memset(zeros, 0, sizeof(float) * D);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < tiles * num_kv_heads; ++item) {
-            if (local == NULL || pos == NULL || rows == NULL || query_rows == NULL || out_rows == NULL) continue;
+            if (!ok) continue;
             const int64_t tile = item / num_kv_heads, head = item % num_kv_heads;
             int64_t lo = 0, hi = num_spans; /* the span with first[lo] <= tile < first[lo + 1] */
             while (hi - lo > 1) {
@@ -276,9 +278,9 @@ int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64
             const int64_t tokens = q_len - t0 < tile_tokens ? q_len - t0 : tile_tokens, n_rows = tokens * G;
             const int64_t first_pos = context_lens[span] - q_len + t0, last_pos = first_pos + tokens - 1;
             const int64_t *table = block_tables + span * table_stride;
-            const int64_t vectors = (n_rows + ROW_LANES - 1) / ROW_LANES;
+            const int64_t vectors = (n_rows + ROW_LANES - 1) / ROW_LANES, lanes = vectors * ROW_LANES;
             /* row r = i * G + g: token t0 + i, query head head * G + g; padding rows (zero queries) see every key */
-            for (int64_t r = 0; r < width; ++r) {
+            for (int64_t r = 0; r < lanes; ++r) { /* the row vectors in use; the width's others stay idle */
                 pos[r] = (int32_t)(r < n_rows ? first_pos + r / G : last_pos);
                 max_sum[r] = -FLT_MAX;
                 max_sum[width + r] = 0.0f;
@@ -287,7 +289,7 @@ int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64
                                       : zeros;
             }
             for (int64_t d = 0; d < D; ++d) columns[d] = qt + d * width;
-            transpose(query_rows, width, D, columns);
+            transpose(query_rows, lanes, D, columns);
             memset(ot, 0, sizeof(float) * D * width);
             for (int64_t key = 0; key <= last_pos; key += CHUNK) {
                 const int64_t n = last_pos + 1 - key < CHUNK ? last_pos + 1 - key : CHUNK;
@@ -315,16 +317,16 @@ int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64
                     const int NV = vectors - v0 < ROW_GROUP ? (int)(vectors - v0) : ROW_GROUP;
                     score_chunk(qt, width, v0, NV, rows, n_padded, D, scale, scores);
                 }
-                softmax_chunk(scores, width, n_padded, key, pos, masked, ot, D, max_sum);
+                softmax_chunk(scores, width, lanes, n_padded, key, pos, masked, ot, D, max_sum);
                 for (int64_t v0 = 0; v0 < vectors; v0 += ROW_GROUP) {
                     const int NV = vectors - v0 < ROW_GROUP ? (int)(vectors - v0) : ROW_GROUP;
                     weigh_chunk(scores, width, v0, NV, rows + CHUNK, n, D, ot);
                 }
             }
-            for (int64_t r = 0; r < width; ++r) max_sum[width + r] = 1.0f / max_sum[width + r];
+            for (int64_t r = 0; r < lanes; ++r) max_sum[width + r] = 1.0f / max_sum[width + r];
             for (int64_t d = 0; d < D; ++d) {
 #pragma omp simd
-                for (int64_t r = 0; r < width; ++r) ot[d * width + r] *= max_sum[width + r];
+                for (int64_t r = 0; r < lanes; ++r) ot[d * width + r] *= max_sum[width + r];
                 columns[d] = ot + d * width;
             }
             for (int64_t r = 0; r < n_rows; ++r)
