@@ -24,6 +24,8 @@ class TensorSpec:
     ``same`` every part must bring the same tensor, ``max`` the largest part's value is kept.
     ``broadcast``: a one-element checkpoint tensor fills every row of its part (a per-tensor scale
     stored as per-channel).
+    ``out_block``: each on-disk entry along ``out_dim`` covers this many output rows (a block-wise
+    scale); the layer holds one entry per row, so a fused part or a rank's share may start mid-block.
     """
 
     shape: tuple[int, ...]
@@ -34,6 +36,7 @@ class TensorSpec:
     in_pack: int = 1
     merge: Merge = "shard"
     broadcast: bool = False
+    out_block: int = 1
 
 
 @dataclass(frozen=True, slots=True)

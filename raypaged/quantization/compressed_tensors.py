@@ -3,7 +3,9 @@
 Read schemes (one per ``config_groups`` entry, chosen for a module by its ``targets``): W8A8 int8
 (``int-quantized``: int8 weights with per-channel or per-tensor scales, int8 activations per token
 or per tensor), W8A8 fp8 (``float-quantized``, the same in fp8 e4m3) and W4A16/W8A16
-(``pack-quantized``: packed int weights with group or channel scales, symmetric or with zero points).
+(``pack-quantized``: packed int weights with group or channel scales, symmetric or with zero points),
+and W8A8 fp8 with block-wise weight scales (``FP8_BLOCK``: ``strategy: block``, activations per token and
+group of the block's inputs).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from raypaged.quantization.base import LinearMethod, QuantizationConfig, known_keys
+from raypaged.quantization.block_fp8 import BlockFp8Method
 from raypaged.quantization.w8a8 import FP8, W8A8Method
 from raypaged.quantization.wna16 import PackedMethod
 
@@ -56,8 +59,11 @@ class Scheme:
     group_size: int | None  # None: one scale per output channel (or per tensor for the 8-bit formats)
     symmetric: bool
     static_input: bool
+    block: tuple[int, int] | None = None  # [block_n, block_k] of block-wise fp8 weight scales
 
     def method(self) -> LinearMethod:
+        if self.block is not None:
+            return BlockFp8Method(*self.block, scale_name="weight_scale")
         if self.format == "pack-quantized":
             return PackedMethod(self.bits, self.group_size, self.symmetric)
         return W8A8Method(torch.int8 if self.format == "int-quantized" else FP8, self.static_input)
@@ -67,7 +73,7 @@ def _args(where: str, args: dict[str, Any]) -> dict[str, Any]:
     known_keys(f"compressed-tensors {where}", args, _ARG_KEYS)
     if args.get("dynamic") not in (False, None) and where == "weights":
         raise ValueError("compressed-tensors weights dynamic true is not supported")
-    if args.get("block_structure") is not None:
+    if args.get("block_structure") is not None and (where != "weights" or args.get("strategy") != "block"):
         raise ValueError(f"compressed-tensors {where} block_structure {args['block_structure']} is not supported")
     return args
 
@@ -90,6 +96,7 @@ def parse_scheme(name: str, group: dict[str, Any], default_format: str | None) -
     described = (
         f"format {fmt}, weights {kind}{bits} {strategy}"
         + (f" (group {weights.get('group_size')})" if strategy == "group" else "")
+        + (f" {weights.get('block_structure')}" if strategy == "block" else "")
         + (
             ""
             if inputs is None
@@ -104,6 +111,8 @@ def parse_scheme(name: str, group: dict[str, Any], default_format: str | None) -
         and strategy in ("group", "channel")
     ):
         return Scheme(fmt, bits, int(weights["group_size"]) if strategy == "group" else None, symmetric, False)
+    if (block := _fp8_block(fmt, kind, bits, symmetric, strategy, weights, inputs)) is not None:
+        return Scheme("float-quantized", 8, None, True, False, block)
     kinds = {"int-quantized": "int", "float-quantized": "float"}  # the 8-bit formats' weight and input type
     if (
         fmt in kinds
@@ -126,8 +135,38 @@ def parse_scheme(name: str, group: dict[str, Any], default_format: str | None) -
     raise ValueError(
         f"compressed-tensors scheme {name} ({described}) is not supported (supported: W8A8 int-quantized or "
         "float-quantized with channel/tensor weights and dynamic per-token or static per-tensor activations; "
-        "W4A16/W8A16 pack-quantized with group or channel weights)"
+        "W4A16/W8A16 pack-quantized with group or channel weights; float-quantized fp8 block weights with dynamic "
+        "fp8 activations per group of the block's inputs)"
     )
+
+
+def _fp8_block(
+    fmt: str | None,
+    kind: str,
+    bits: int,
+    symmetric: bool,
+    strategy: str | None,
+    weights: dict[str, Any],
+    inputs: dict[str, Any] | None,
+) -> tuple[int, int] | None:
+    """[block_n, block_k] of an FP8_BLOCK scheme (fp8 weights in blocks, fp8 activations dynamic per token and
+    group of block_k inputs), else None."""
+    block = weights.get("block_structure")
+    if not (fmt == "float-quantized" and kind == "float" and bits == 8 and symmetric and strategy == "block"):
+        return None
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        return None
+    inputs = _args("input_activations", inputs or {})
+    if (
+        inputs.get("type") == "float"
+        and int(inputs.get("num_bits", 0)) == 8
+        and inputs.get("symmetric", True)
+        and inputs.get("dynamic")
+        and inputs.get("strategy") == "group"
+        and inputs.get("group_size") == block[1]
+    ):
+        return block[0], block[1]
+    return None
 
 
 def _matches(name: str, pattern: str) -> bool:

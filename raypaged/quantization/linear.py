@@ -70,6 +70,8 @@ class QuantLinear(nn.Module):
         if spec.out_dim is None:
             raise ValueError(f"{name} of a fused layer must be per output feature")
         dim, pack = spec.out_dim, spec.out_pack
+        if spec.out_block > 1:
+            tensor = tensor.repeat_interleave(spec.out_block, dim)
         for value in (first_row, offset, num_rows):
             if value % pack:
                 raise ValueError(
@@ -95,6 +97,9 @@ class QuantLinear(nn.Module):
         if spec.in_dim is not None and self.shape.row_sharded:
             start, length = self.tp.chunk(self.shape.in_total)
             tensor = tensor.narrow(spec.in_dim, start // spec.in_pack, length // spec.in_pack)
+        if spec.out_dim is not None and spec.out_block > 1:
+            rows = param.shape[spec.out_dim]
+            tensor = tensor.repeat_interleave(spec.out_block, spec.out_dim).narrow(spec.out_dim, 0, rows)
         param.copy_(tensor.reshape(param.shape))
 
     def finish(self) -> None:

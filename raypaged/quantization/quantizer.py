@@ -5,6 +5,7 @@ checkpoint of that format has, so tests and benchmarks have real checkpoints to 
 
     python -m raypaged.quantization.quantizer SRC DST --scheme w8a8-int8
     python -m raypaged.quantization.quantizer SRC DST --scheme gptq --group-size 64 --act-order --asymmetric
+    python -m raypaged.quantization.quantizer SRC DST --scheme fp8-block --weight-block-size 128 128
 
 Act-order (GPTQ ``desc_act``) orders input features by decreasing squared column norm of the
 weights that share the input (q/k/v, gate/up), a data-free stand-in for GPTQ's Hessian diagonal.
@@ -25,7 +26,8 @@ from raypaged.model.loader import iter_checkpoint
 from raypaged.quantization.packing import AWQ_ORDER, pack
 from raypaged.quantization.w8a8 import FP8, FP8_MAX
 
-SCHEMES = ("fp8", "w8a8-int8", "w8a8-fp8", "w4a16", "gptq", "awq")
+SCHEMES = ("fp8", "fp8-block", "w8a8-int8", "w8a8-fp8", "w8a8-fp8-block", "w4a16", "gptq", "awq")
+BLOCK_SCHEMES = ("fp8-block", "w8a8-fp8-block")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # -> the part naming the group
 
@@ -57,6 +59,18 @@ def quantize_8bit(w: torch.Tensor, dtype: torch.dtype, per_tensor: bool) -> tupl
     scaled = w / scale
     q = torch.round(scaled).clamp(-128, 127) if dtype == torch.int8 else scaled.clamp(-FP8_MAX, FP8_MAX)
     return q.to(dtype), scale
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 e4m3 weight [N, K], float32 scale [ceil(N / block_n), ceil(K / block_k)]): one scale per tile,
+    amax / 448 (1 for an all-zero tile); edge tiles cover what is left."""
+    (n, k), (bn, bk) = w.shape, block
+    rows, cols = -(-n // bn), -(-k // bk)
+    tiles = torch.nn.functional.pad(w, (0, cols * bk - k, 0, rows * bn - n)).view(rows, bn, cols, bk)
+    amax = tiles.abs().amax((1, 3))
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    per_weight = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (w / per_weight).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def quantize_packed(w: torch.Tensor, group_size: int, symmetric: bool) -> dict[str, torch.Tensor]:
@@ -110,10 +124,13 @@ def quantization_config(
     symmetric: bool,
     act_order: bool,
     bits: int = 4,
+    block: tuple[int, int] = (128, 128),
 ) -> dict[str, Any]:
     """The config.json ``quantization_config`` of a checkpoint the quantizer writes."""
     if scheme == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if scheme == "fp8-block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
     if scheme == "gptq":
         return {
             "quant_method": "gptq",
@@ -138,6 +155,28 @@ def quantization_config(
             "observer": "minmax",
         }
         inputs = None
+    elif scheme == "w8a8-fp8-block":
+        fmt = "float-quantized"
+        weights = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "strategy": "block",
+            "block_structure": list(block),
+            "group_size": None,
+            "dynamic": False,
+            "actorder": None,
+            "observer": "minmax",
+        }
+        inputs = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "strategy": "group",
+            "group_size": block[1],
+            "dynamic": True,
+            "observer": None,
+        }
     else:
         kind = "int" if scheme == "w8a8-int8" else "float"
         fmt = f"{kind}-quantized"
@@ -210,6 +249,7 @@ def quantize_tensors(
     symmetric: bool = True,
     act_order: bool = False,
     bits: int = 4,
+    block: tuple[int, int] = (128, 128),
 ) -> dict[str, torch.Tensor]:
     """Every projection weight replaced by its quantized tensors; other tensors as they are."""
     if scheme not in SCHEMES:
@@ -225,6 +265,15 @@ def quantize_tensors(
         g = w.shape[1] if group_size == -1 else group_size
         if scheme == "fp8":
             parts = dict(zip(("weight", "weight_scale"), quantize_8bit(w, FP8, per_tensor=True)))
+        elif scheme in BLOCK_SCHEMES:
+            weight, scale = quantize_fp8_blocks(w, block)
+            # fp8 checkpoints (DeepSeek-V3, Qwen3) store the scale as weight_scale_inv in float32,
+            # compressed-tensors as weight_scale in the model's dtype
+            parts = (
+                {"weight": weight, "weight_scale_inv": scale}
+                if scheme == "fp8-block"
+                else {"weight": weight, "weight_scale": scale.to(tensor.dtype)}
+            )
         elif scheme in ("w8a8-int8", "w8a8-fp8"):
             weight, scale = quantize_8bit(w, torch.int8 if scheme == "w8a8-int8" else FP8, per_tensor=False)
             parts = {"weight": weight, "weight_scale": scale.to(tensor.dtype)}
@@ -248,6 +297,7 @@ def quantize_checkpoint(
     act_order: bool = False,
     smoothquant: float | None = None,
     bits: int = 4,
+    block: tuple[int, int] = (128, 128),
 ) -> Path:
     """Write ``dst``: ``src``'s files with the projections quantized and a ``quantization_config``;
     ``smoothquant``: first smooth the activations with this alpha (see ``smoothquant.py``)."""
@@ -255,6 +305,8 @@ def quantize_checkpoint(
         raise ValueError("act_order is a gptq option")
     if bits not in (4, 8) or (bits != 4 and scheme != "gptq"):
         raise ValueError(f"bits {bits}: the quantizer writes 4-bit w4a16/awq and 4- or 8-bit gptq")
+    if min(block) < 1:
+        raise ValueError(f"the weight block size must be positive, got {list(block)}")
     if not symmetric and scheme not in ("w4a16", "gptq"):
         raise ValueError(f"asymmetric is a w4a16 and gptq option ({scheme} is written as its format has it)")
     dst.mkdir(parents=True, exist_ok=True)
@@ -268,11 +320,11 @@ def quantize_checkpoint(
 
         tensors = smooth(tensors, input_maxima(src), config["num_hidden_layers"], smoothquant)
     save_file(
-        quantize_tensors(tensors, scheme, group_size, symmetric, act_order, bits),
+        quantize_tensors(tensors, scheme, group_size, symmetric, act_order, bits, block),
         str(dst / "model.safetensors"),
         metadata={"format": "pt"},
     )
-    config["quantization_config"] = quantization_config(scheme, group_size, symmetric, act_order, bits)
+    config["quantization_config"] = quantization_config(scheme, group_size, symmetric, act_order, bits, block)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
@@ -286,6 +338,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--asymmetric", action="store_true", help="w4a16 and gptq: zero points (awq always has them)")
     parser.add_argument("--act-order", action="store_true", help="gptq: desc_act, groups along a permutation")
     parser.add_argument("--bits", type=int, default=4, choices=[4, 8], help="gptq: 4 or 8 bits (others: 4)")
+    parser.add_argument(
+        "--weight-block-size",
+        type=int,
+        nargs=2,
+        default=[128, 128],
+        metavar=("N", "K"),
+        help="fp8-block, w8a8-fp8-block: output rows and input columns per weight scale",
+    )
     parser.add_argument(
         "--smoothquant",
         type=float,
@@ -303,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         args.act_order,
         args.smoothquant,
         args.bits,
+        tuple(args.weight_block_size),
     )
     print(f"wrote {args.dst}")
 

@@ -22,14 +22,14 @@ from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, la
 INT8_MAX = 127.0
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-_MIN_SCALE = 1e-12
+MIN_SCALE = 1e-12
 
 
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 x, float32 scale [num_tokens, 1] or [1, 1]): per token when ``scale`` is None, symmetric."""
     x32 = x.to(torch.float32)
     if scale is None:
-        scale = x32.abs().amax(-1, keepdim=True).clamp_(min=_MIN_SCALE).div_(INT8_MAX)
+        scale = x32.abs().amax(-1, keepdim=True).clamp_(min=MIN_SCALE).div_(INT8_MAX)
     else:
         scale = scale.reshape(1, 1)
     return x32.div(scale).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
@@ -39,7 +39,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Ten
     """(fp8 e4m3 x, float32 scale [num_tokens, 1] or [1, 1]): per token when ``scale`` is None."""
     x32 = x.to(torch.float32)
     if scale is None:
-        scale = x32.abs().amax(-1, keepdim=True).clamp_(min=_MIN_SCALE).div_(FP8_MAX)
+        scale = x32.abs().amax(-1, keepdim=True).clamp_(min=MIN_SCALE).div_(FP8_MAX)
     else:
         scale = scale.reshape(1, 1)
     return x32.div(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
@@ -308,6 +308,6 @@ class Fp8OnlineMethod(W8A8Method):
 
     def finish(self, layer: nn.Module) -> None:
         weight = layer_tensor(layer, "weight").data.to(torch.float32)
-        scale = weight.abs().amax(1, keepdim=True).clamp_(min=_MIN_SCALE).div_(FP8_MAX)  # [N, 1]
+        scale = weight.abs().amax(1, keepdim=True).clamp_(min=MIN_SCALE).div_(FP8_MAX)  # [N, 1]
         layer.weight = nn.Parameter((weight / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)

@@ -15,11 +15,14 @@ from raypaged.quantization import resolve_quantization
 from raypaged.quantization.quantizer import quantize_checkpoint
 from tests.conftest import make_tiny_model
 
-# name -> (scheme, quantizer options); group 32 divides every projection's input (64, 128) and a rank's half
+# name -> (scheme, quantizer options); group 32 divides every projection's input (64, 128) and a rank's half;
 CHECKPOINTS = {
     "fp8": ("fp8", {}),
     "w8a8-int8": ("w8a8-int8", {}),
     "w8a8-fp8": ("w8a8-fp8", {}),
+    # blocks that do not divide the fused parts' rows (q 64, k and v 16) or, for the second, the inputs (64, 128)
+    "fp8-block": ("fp8-block", {"block": (48, 32)}),
+    "w8a8-fp8-block": ("w8a8-fp8-block", {"block": (32, 48)}),
     "w4a16": ("w4a16", {"group_size": 32}),
     "w4a16-asym": ("w4a16", {"group_size": 32, "symmetric": False}),
     "gptq": ("gptq", {"group_size": 32}),

@@ -8,6 +8,7 @@ import pytest
 
 from raypaged.config import EngineConfig
 from raypaged.quantization import resolve_quantization
+from raypaged.quantization.block_fp8 import BlockFp8Method
 from raypaged.quantization.compressed_tensors import CompressedTensorsConfig
 from raypaged.quantization.gptq import GPTQConfig
 from raypaged.quantization.quantizer import quantization_config
@@ -54,14 +55,18 @@ def test_a_flag_contradicting_the_checkpoint_is_a_startup_error(quantized_dirs):
             "awq version 'gemv' is not supported (only gemm, the layout vLLM reads)",
         ),
         (
-            {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-            "fp8 weight_block_size [128, 128] (block-wise scales) is not supported: per-tensor or per-channel weight "
-            "scales only",
+            {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+            "fp8 weight_block_size [128, 128] with activation_scheme 'static' is not supported (block-wise scales "
+            "take dynamic activations only)",
+        ),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128]},
+            "fp8 weight_block_size must be two positive integers [block_n, block_k], got [128]",
         ),
         (
             {"quant_method": "fp8", "kv_cache_quant": True},
             "fp8 quantization_config field 'kv_cache_quant' is not supported (supported: activation_scheme, fmt, "
-            "ignored_layers, quant_method, weight_block_size)",
+            "ignored_layers, modules_to_not_convert, quant_method, weight_block_size)",
         ),
         (
             {**quantization_config("w8a8-int8", 128, True, False), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
@@ -116,3 +121,37 @@ def test_dummy_weights_cannot_fill_a_quantized_checkpoint(quantized_dirs):
         ValueError, match=re.escape("--load-format dummy cannot fill the gptq tensors of a quantized checkpoint")
     ):
         EngineConfig(model=str(quantized_dirs["gptq"]), load_format="dummy")
+
+
+def test_block_fp8_checkpoints_name_their_tiles_and_the_modules_left_float():
+    fp8 = resolve_quantization(
+        "fp8",
+        {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 64],
+            "modules_to_not_convert": ["mlp.down_proj"],
+        },
+    )
+    method = fp8.linear_method(("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"))
+    assert isinstance(method, BlockFp8Method)
+    assert (method.block_n, method.block_k, method.scale_name) == (128, 64, "weight_scale_inv")
+    assert fp8.linear_method(("model.layers.3.mlp.down_proj",)) is None  # transformers matches a substring
+    config = quantization_config("w8a8-fp8-block", 128, True, False, block=(64, 32))
+    method = resolve_quantization(None, config).linear_method(("model.layers.0.mlp.down_proj",))
+    assert isinstance(method, BlockFp8Method)
+    assert (method.block_n, method.block_k, method.scale_name) == (64, 32, "weight_scale")
+
+
+def test_a_block_fp8_compressed_tensors_scheme_needs_activation_groups_of_its_block():
+    config = quantization_config("w8a8-fp8-block", 128, True, False, block=(64, 32))
+    config["config_groups"]["group_0"]["input_activations"]["group_size"] = 64
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "compressed-tensors scheme group_0 (format float-quantized, weights float8 block [64, 32], "
+            "input_activations float8 group) is not supported"
+        ),
+    ):
+        resolve_quantization(None, config)

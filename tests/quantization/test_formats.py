@@ -3,6 +3,8 @@ lie on disk; the layers' dequantized weights equal compressed-tensors' decompres
 (where the package reads the format) and lie within half a quantization step of the float weights."""
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ PARTS = {
 COMPRESSORS = {
     "w8a8-int8": IntQuantizationCompressor,
     "w8a8-fp8": FloatQuantizationCompressor,
+    "w8a8-fp8-block": FloatQuantizationCompressor,
     "w4a16": PackedQuantizationCompressor,
     "w4a16-asym": PackedQuantizationCompressor,
 }
@@ -60,6 +63,8 @@ def test_compressed_tensors_dequantizes_to_the_same_bits(name, quantized_dirs):
     [
         ("fp8", None),
         ("w8a8-fp8", None),
+        ("fp8-block", None),
+        ("w8a8-fp8-block", None),
         ("w8a8-int8", 1 / 127),
         ("w4a16", 1 / 7.5),
         ("w4a16-asym", 2 / 15),
@@ -108,3 +113,39 @@ def test_online_fp8_keeps_one_byte_weights_and_per_channel_scales(tiny_float_dir
         (256, 64),
         (256, 1),
     )
+
+
+def test_block_scales_cover_their_tiles_across_fused_parts(quantized_dirs):
+    """fp8-block [48, 32]: q (64 rows), k and v (16) each start their own tiles; the layer's rows of a part
+    are the part's fp8 weight times its tile's weight_scale_inv."""
+    model = load(quantized_dirs["fp8-block"])
+    with safe_open(str(quantized_dirs["fp8-block"] / "model.safetensors"), framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    for prefix, linear, parts in layers(model):
+        assert linear.weight_scale_inv.shape == (linear.weight.shape[0], -(-linear.weight.shape[1] // 32))
+        expected = []
+        for part in parts:
+            module = "self_attn" if part in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            weight = tensors[f"{prefix}.{module}.{part}.weight"]
+            scale = tensors[f"{prefix}.{module}.{part}.weight_scale_inv"]
+            n, k = weight.shape
+            assert scale.shape == (-(-n // 48), -(-k // 32))
+            tiles = [[weight[r : r + 48, c : c + 32].float() * scale[r // 48, c // 32] for c in range(0, k, 32)]
+                     for r in range(0, n, 48)]  # fmt: skip
+            expected.append(torch.cat([torch.cat(row, 1) for row in tiles]))
+        assert torch.equal(linear.dequantize(), torch.cat(expected))
+
+
+def test_block_scales_that_do_not_fit_the_configured_block_are_refused(quantized_dirs, tmp_path):
+    """The fp8-block checkpoint's scales are 48 x 32 tiles; a config claiming 48 x 64 is refused at load."""
+    path = tmp_path / "wrong-block"
+    shutil.copytree(quantized_dirs["fp8-block"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [48, 64]
+    (path / "config.json").write_text(json.dumps(config))
+    message = (
+        "weight_scale_inv of shape [2, 4] does not fit weight_block_size [48, 64]: a weight of 64 rows and "
+        "128 inputs needs [2, 2]"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        load(path)

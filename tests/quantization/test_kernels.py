@@ -8,6 +8,7 @@ from raypaged.attention import cpu_fused, cpu_ops
 from raypaged.attention.backend import CPU
 from raypaged.model import cpu_step
 from raypaged.quantization import w8a8
+from raypaged.quantization.block_fp8 import block_fp8_linear, expand_columns, quantize_fp8_groups
 from raypaged.quantization.linear import QuantLinear
 from raypaged.quantization.w8a8 import FP8, fp8_linear, int8_linear, quantize_fp8, quantize_int8
 from tests import fused_reference as ref
@@ -53,25 +54,40 @@ def test_fp8_linear_equals_its_reference(num_tokens):
     )
 
 
+@pytest.mark.parametrize("num_tokens", [1, 9])
+@pytest.mark.parametrize("in_features", [96, 100])  # 100: a last group of 4 inputs
+def test_block_fp8_linear_equals_its_reference(num_tokens, in_features):
+    x = torch.randn(num_tokens, in_features, generator=GEN) * torch.linspace(0.1, 10, in_features)
+    weight = (torch.randn(40, in_features, generator=GEN) * 100).clamp(-448, 448).to(FP8)
+    scale = torch.rand(40, -(-in_features // 32), generator=GEN) / 100
+    xq, x_scale = quantize_fp8_groups(x, 32)
+    assert x_scale.shape == (num_tokens, -(-in_features // 32))
+    groups = [xq[:, g : g + 32].float().abs().amax(1) for g in range(0, in_features, 32)]
+    assert bool((torch.stack(groups, 1) == 448).all())  # each group's largest input at fp8's top
+    expected = (xq.double() * expand_columns(x_scale, 32, in_features).double()) @ (
+        weight.double() * expand_columns(scale, 32, in_features).double()
+    ).t()
+    torch.testing.assert_close(block_fp8_linear(x, weight, scale, 32).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["fp8-block", "w8a8-fp8-block"])
+def test_block_fp8_layers_multiply_by_their_dequantized_weight(name, quantized_dirs):
+    """The layer quantizes its input per token and group of block_k (32 / 48) inputs, then multiplies
+    by its dequantized weight."""
+    linear = load(quantized_dirs[name]).model.layers[1].mlp.down_proj
+    block_k = 32 if name == "fp8-block" else 48
+    x = torch.randn(5, 128, generator=GEN)
+    xq, x_scale = quantize_fp8_groups(x, block_k)
+    expected = (xq.double() * expand_columns(x_scale, block_k, 128).double()) @ linear.dequantize().double().t()
+    torch.testing.assert_close(linear(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["w4a16-asym", "gptq-actorder-asym", "awq"])
 def test_4bit_layers_multiply_by_their_dequantized_weight(name, quantized_dirs):
     linear = load(quantized_dirs[name]).model.layers[1].mlp.down_proj
     x = torch.randn(5, 128, generator=GEN)
     expected = x.double() @ linear.dequantize().double().t()
     torch.testing.assert_close(linear(x).double(), expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="fp8 tensor cores (compute capability 8.9+) only",
-)
-def test_scaled_mm_path_equals_the_reference_on_gpu():
-    x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(128, 256, device="cuda").clamp(-448, 448).to(FP8)
-    weight_scale = torch.rand(128, device="cuda") / 10
-    xq, x_scale = quantize_fp8(x, None)
-    expected = reference(xq.cpu(), x_scale.cpu(), weight.cpu(), weight_scale.cpu())
-    torch.testing.assert_close(fp8_linear(x, weight, weight_scale, None).double().cpu(), expected, rtol=2e-2, atol=2e-2)
 
 
 def torch_int8_linear(x, weight, weight_scale, input_scale):

@@ -67,3 +67,13 @@ def agree(ours: CompletionOutput, theirs: CompletionOutput) -> bool:
         if a != b:
             return a in theirs.logprobs[i] and b in ours.logprobs[i]
     return len(ours.token_ids) == len(theirs.token_ids)
+
+
+def test_block_fp8_smollm2_agrees_with_fp32(tmp_path_factory, smollm2_dir, fp32_reference):
+    """DeepSeek-V3's and Qwen3's FP8 layout: 128 x 128 weight tiles (SmolLM2's 576 inputs end in a half
+    tile; its q rows too), activations per token and group of 128 inputs."""
+    path = quantize_checkpoint(smollm2_dir, tmp_path_factory.mktemp("smollm2") / "fp8-block", "fp8-block")
+    tokens, perplexity = tokens_and_perplexity(path)
+    reference_tokens, reference_perplexity = fp32_reference
+    assert sum(agree(a, b) for a, b in zip(tokens, reference_tokens)) >= 7
+    assert abs(perplexity / reference_perplexity - 1) < 0.05

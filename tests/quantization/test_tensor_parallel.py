@@ -18,7 +18,7 @@ def qkv_rows(model, layer: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "name", ["w8a8-int8", "fp8", "w4a16-asym", "gptq", "gptq-actorder-asym", "gptq-8bit-actorder", "awq"]
+    "name", ["w8a8-int8", "fp8", "fp8-block", "w4a16-asym", "gptq", "gptq-actorder-asym", "gptq-8bit-actorder", "awq"]
 )
 def test_ranks_hold_their_share_of_every_quantized_layer(name, quantized_dirs):
     whole = load(quantized_dirs[name])
@@ -35,6 +35,17 @@ def test_ranks_hold_their_share_of_every_quantized_layer(name, quantized_dirs):
         for proj in ("self_attn.o_proj", "mlp.down_proj"):
             columns = [r.model.layers[i].get_submodule(proj).dequantize() for r in ranks]
             assert torch.equal(torch.cat(columns, dim=1), whole.model.layers[i].get_submodule(proj).dequantize())
+
+
+def test_block_scales_refuse_a_rank_share_of_partial_blocks(quantized_dirs):
+    """w8a8-fp8-block [32, 48]: a rank of o_proj (64 inputs) would hold 32, not whole blocks of 48
+    (vLLM refuses it too)."""
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8: the weight block size 48 does not divide a layer's 32 input features "
+        r"\(tensor parallelism splits the layer's 64\)$",
+    ):
+        load(quantized_dirs["w8a8-fp8-block"], TensorParallel(0, SIZE))
 
 
 def test_act_order_row_parallel_ranks_keep_every_group(quantized_dirs):

@@ -1,0 +1,93 @@
+"""fp8 e4m3 weights with block-wise scales: one scale per ``[block_n, block_k]`` tile of the weight, and
+activations quantized at run time per token and group of ``block_k`` inputs (vLLM's W8A8 block fp8: the
+format of DeepSeek-V3's and Qwen3's FP8 checkpoints, ``quant_method: fp8`` with ``weight_block_size``,
+and of compressed-tensors' ``FP8_BLOCK`` scheme).
+
+On disk the scale is ``[ceil(N / block_n), ceil(K / block_k)]``; the layer keeps it expanded to one row per
+output feature (``TensorSpec.out_block``), so fused parts (q/k/v, gate/up) and a rank's rows need not start on
+a block boundary. Every call dequantizes the weight and the activations and runs the float GEMM: the
+reference of vLLM's block-scaled GEMM, on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raypaged.model.layers import linear
+from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, layer_tensor
+from raypaged.quantization.w8a8 import FP8, FP8_MAX, MIN_SCALE
+from raypaged.quantization.wna16 import check_split
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 e4m3 x, float32 scales [num_tokens, ceil(K / group)]): one scale per token and run of ``group``
+    inputs (the last run may be shorter), amax / 448."""
+    x32 = x.to(torch.float32)
+    tokens, k = x32.shape
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x32, (0, groups * group - k)).view(tokens, groups, group)
+    scale = padded.abs().amax(-1).clamp_(min=MIN_SCALE).div_(FP8_MAX)
+    xq = padded.div(scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return xq.view(tokens, groups * group)[:, :k], scale
+
+
+def expand_columns(scale: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """[rows, ceil(k / group)] -> [rows, k]: each group's scale over its inputs."""
+    return scale.repeat_interleave(group, 1)[:, :k]
+
+
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:
+    """``x @ W^T``, W = ``weight`` [N, K] fp8 x ``scale`` [N, ceil(K / block_k)] (a row per output feature);
+    x quantized to fp8 per token and group of ``block_k`` inputs, then both dequantized into x's dtype."""
+    k = weight.shape[1]
+    xq, x_scale = quantize_fp8_groups(x, block_k)
+    xd = (xq.to(torch.float32) * expand_columns(x_scale, block_k, k)).to(x.dtype)
+    w = (weight.to(torch.float32) * expand_columns(scale.to(torch.float32), block_k, k)).to(x.dtype)
+    return linear(xd, w)
+
+
+class BlockFp8Method(LinearMethod):
+    """``weight`` [N, K] fp8 e4m3 and ``scale_name`` [ceil(N / block_n), ceil(K / block_k)] on disk
+    (``weight_scale_inv`` in fp8 checkpoints, ``weight_scale`` in compressed-tensors); dynamic activations.
+    Under row parallelism a rank's inputs must be whole blocks (``block_k`` divides them), as in vLLM."""
+
+    def __init__(self, block_n: int, block_k: int, scale_name: str) -> None:
+        self.block_n, self.block_k, self.scale_name = block_n, block_k, scale_name
+
+    def tensors(self, shape: LinearShape) -> dict[str, TensorSpec]:
+        n, k = shape.out_features, shape.in_features
+        if shape.row_sharded:
+            check_split("fp8", "the weight block size", k, self.block_k, shape)
+        return {
+            "weight": TensorSpec((n, k), FP8, out_dim=0, in_dim=1),
+            self.scale_name: TensorSpec(
+                (n, -(-k // self.block_k)),
+                torch.float32,
+                out_dim=0,
+                in_dim=1,
+                in_pack=self.block_k,
+                out_block=self.block_n,
+            ),  # fmt: skip
+        }
+
+    def checked(self, name: str, tensor: torch.Tensor, rows_read: int, shape: LinearShape) -> bool:
+        """The scale's tiles must cover the layer's inputs and the rows read (it is loaded, not only checked)."""
+        if name == self.scale_name:
+            columns, rows = -(-shape.in_total // self.block_k), -(-rows_read // self.block_n)
+            if tensor.dim() != 2 or tensor.shape[1] != columns or tensor.shape[0] < rows:
+                raise ValueError(
+                    f"{name} of shape {list(tensor.shape)} does not fit weight_block_size [{self.block_n}, "
+                    f"{self.block_k}]: a weight of {rows_read} rows and {shape.in_total} inputs needs "
+                    f"[{rows}, {columns}]"
+                )
+        return False
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return block_fp8_linear(x, layer_tensor(layer, "weight"), layer_tensor(layer, self.scale_name), self.block_k)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        weight = layer_tensor(layer, "weight")
+        return weight.to(torch.float32) * expand_columns(
+            layer_tensor(layer, self.scale_name).to(torch.float32), self.block_k, weight.shape[1]
+        )
