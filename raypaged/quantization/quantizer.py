@@ -155,36 +155,16 @@ def quantization_config(
             "observer": "minmax",
         }
         inputs = None
-    elif scheme == "w8a8-fp8-block":
-        fmt = "float-quantized"
-        weights = {
-            "num_bits": 8,
-            "type": "float",
-            "symmetric": True,
-            "strategy": "block",
-            "block_structure": list(block),
-            "group_size": None,
-            "dynamic": False,
-            "actorder": None,
-            "observer": "minmax",
-        }
-        inputs = {
-            "num_bits": 8,
-            "type": "float",
-            "symmetric": True,
-            "strategy": "group",
-            "group_size": block[1],
-            "dynamic": True,
-            "observer": None,
-        }
-    else:
+    else:  # the W8A8 formats: int8 or fp8 weights per channel (fp8 also in blocks), activations per token (group)
         kind = "int" if scheme == "w8a8-int8" else "float"
+        blocks = scheme == "w8a8-fp8-block"
         fmt = f"{kind}-quantized"
         weights = {
             "num_bits": 8,
             "type": kind,
             "symmetric": True,
-            "strategy": "channel",
+            "strategy": "block" if blocks else "channel",
+            **({"block_structure": list(block)} if blocks else {}),
             "group_size": None,
             "dynamic": False,
             "actorder": None,
@@ -194,7 +174,8 @@ def quantization_config(
             "num_bits": 8,
             "type": kind,
             "symmetric": True,
-            "strategy": "token",
+            "strategy": "group" if blocks else "token",
+            **({"group_size": block[1]} if blocks else {}),
             "dynamic": True,
             "observer": None,
         }
