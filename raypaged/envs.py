@@ -100,3 +100,10 @@ def piecewise_graphs() -> bool:
     where the decode graphs are captured: ``$RAYPAGED_PIECEWISE_GRAPHS``, ``0`` (the default: such
     steps run eagerly) or ``1``."""
     return _switch("RAYPAGED_PIECEWISE_GRAPHS")
+
+
+def block_fp8_scaled_mm() -> bool:
+    """Whether block-wise fp8 linears (``raypaged.quantization.block_fp8``) multiply through
+    ``torch._scaled_mm`` with 1 x 128 block scales on a Hopper GPU: ``$RAYPAGED_BLOCK_FP8_SCALED_MM``,
+    ``0`` (the default: the weight and the activations dequantized, then the float GEMM) or ``1``."""
+    return _switch("RAYPAGED_BLOCK_FP8_SCALED_MM")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raypaged import envs
 from raypaged.model.layers import linear
 from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, layer_tensor
 from raypaged.quantization.w8a8 import FP8, FP8_MAX, MIN_SCALE
@@ -37,14 +38,47 @@ def expand_columns(scale: torch.Tensor, group: int, k: int) -> torch.Tensor:
     return scale.repeat_interleave(group, 1)[:, :k]
 
 
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 ``q * expand_columns(scale)`` for ``q`` [rows, K] (fp8) and ``scale`` [rows, ceil(K / group)], without
+    the expanded copy where groups divide K."""
+    rows, k = q.shape
+    if k % group:
+        return q.to(torch.float32) * expand_columns(scale.to(torch.float32), group, k)
+    return (q.to(torch.float32).view(rows, k // group, group) * scale.to(torch.float32)[..., None]).view(rows, k)
+
+
+def scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
+    """Whether ``torch._scaled_mm`` runs this product with its 1 x 128 block scales on both sides (groups of
+    128 inputs, a scale per token and per output feature): ``$RAYPAGED_BLOCK_FP8_SCALED_MM`` on, a Hopper GPU
+    (compute capability 9.0+), block_k 128 and both of the weight's dims multiples of 16."""
+    return (
+        x.device.type == "cuda"
+        and envs.block_fp8_scaled_mm()
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and block_k == 128
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 16 == 0
+    )
+
+
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:
     """``x @ W^T``, W = ``weight`` [N, K] fp8 x ``scale`` [N, ceil(K / block_k)] (a row per output feature);
-    x quantized to fp8 per token and group of ``block_k`` inputs, then both dequantized into x's dtype."""
-    k = weight.shape[1]
+    x quantized to fp8 per token and group of ``block_k`` inputs. Where :func:`scaled_mm_takes`, the fp8
+    product runs on the tensor cores with both scales applied per group as it accumulates; elsewhere both
+    sides are dequantized into x's dtype and multiplied."""
     xq, x_scale = quantize_fp8_groups(x, block_k)
-    xd = (xq.to(torch.float32) * expand_columns(x_scale, block_k, k)).to(x.dtype)
-    w = (weight.to(torch.float32) * expand_columns(scale.to(torch.float32), block_k, k)).to(x.dtype)
-    return linear(xd, w)
+    if scaled_mm_takes(x, weight, block_k):
+        # cuBLASLt reads 1 x 128 scales outer-dim-major: the tokens' [M, G] with M fastest, the weight's [G, N]
+        return torch._scaled_mm(
+            xq.contiguous(),
+            weight.t(),
+            scale_a=x_scale.t().contiguous().t(),
+            scale_b=scale.to(torch.float32).t().contiguous(),
+            out_dtype=x.dtype,
+        )
+    return linear(
+        dequantize_groups(xq, x_scale, block_k).to(x.dtype), dequantize_groups(weight, scale, block_k).to(x.dtype)
+    )
 
 
 class BlockFp8Method(LinearMethod):
@@ -87,7 +121,4 @@ class BlockFp8Method(LinearMethod):
         return block_fp8_linear(x, layer_tensor(layer, "weight"), layer_tensor(layer, self.scale_name), self.block_k)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        weight = layer_tensor(layer, "weight")
-        return weight.to(torch.float32) * expand_columns(
-            layer_tensor(layer, self.scale_name).to(torch.float32), self.block_k, weight.shape[1]
-        )
+        return dequantize_groups(layer_tensor(layer, "weight"), layer_tensor(layer, self.scale_name), self.block_k)
