@@ -11,7 +11,9 @@
    paged prefill kernel (kernels/paged_prefill.cu) against gather + SDPA, SDPA on contiguous K/V, and a
    step of 4 mixed spans against the per-span loop, the LoRA kernels against their torch path, and the
    fused kernels of the model step (norms, SiLU-mul, rotary + cache write) against their torch
-   references and their memory floor (target: >= 80%);
+   references and their memory floor (target: >= 80%), and the W4A16 kernels (kernels/w4a16.cu) at
+   Llama-2-7B's projections: the GEMV at 1/4/8 rows against its memory floor, dequantize + matmul and
+   the fp16 matmul;
 4. W1 end to end on a Llama-2-7B-shaped model with random fp16 weights (no download):
    closed-loop clients at each concurrency, prompts of 50-200 tokens, exactly 100 generated
    tokens each, through the engine's own loop (no HTTP: the serving packages are not needed),
@@ -61,7 +63,7 @@ def seconds_per_call(fn, iters: int = 10, warmup: int = 3) -> float:
 
 def run_gpu_tests() -> bool:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu"]
-    return subprocess.run(cmd, cwd=ROOT, timeout=360).returncode == 0
+    return subprocess.run(cmd, cwd=ROOT, timeout=480).returncode == 0
 
 
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
@@ -386,6 +388,86 @@ def fused_kernels_vs_floor(bandwidth: float, tokens: int = 8192) -> dict:
     return dict(tokens=tokens, hidden=hidden, intermediate=d, heads=heads, head_dim=head_dim, kernels=rows)
 
 
+W4A16_SHAPES = {  # Llama-2-7B's projections: (in, out)
+    "qkv 4096->12288": (4096, 12288),
+    "o 4096->4096": (4096, 4096),
+    "gate|up 4096->22016": (4096, 22016),
+    "down 11008->4096": (11008, 4096),
+}
+W4A16_ROWS = (1, 4, 8, 512)
+
+
+def w4a16_vs_floor(bandwidth: float, group_size: int = 128) -> dict:
+    """kernels/w4a16.cu (raypaged.kernels.quant_ops) at Llama-2-7B's projections, fp16, groups of 128, random
+    4-bit weights with fp16 scales (as GPTQ stores them): the GEMV at 1, 4 and 8 rows against its memory floor
+    (packed weight + scales + zeros bytes / the measured copy bandwidth), against dequantize + torch.matmul (what
+    more than 8 rows run) and torch.matmul with the fp16 weight; at 512 rows dequantize + matmul against the fp16
+    matmul. Errors are relative to the largest value of x @ W^T in fp32 with the exact weight. About a second."""
+    layers = {}
+    for name, (k, n) in W4A16_SHAPES.items():
+        try:
+            layers[name] = w4a16_layer(k, n, group_size, bandwidth)
+        except Exception as err:  # one failing shape is reported, not fatal
+            layers[name] = dict(error=f"{type(err).__name__}: {err}")
+    print(
+        f"\nW4A16, Llama-2-7B projections, fp16, groups of {group_size} (floor: packed bytes / copy bandwidth):\n"
+        "| layer | rows | GEMV us | floor us | of floor | dequant+matmul us | fp16 matmul us | rel. error |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    for name, row in layers.items():
+        if "error" in row:
+            print(f"| {name} | {row['error']} | | | | | | |")
+            continue
+        for rows in W4A16_ROWS:
+            e = row[f"m{rows}"]
+            gemv = f"{e['gemv_us']:.1f} | {row['floor_us']:.1f} | {e['of_floor']:.0%}" if "gemv_us" in e else "| |"
+            print(
+                f"| {name} | {rows} | {gemv} | {e['dequant_matmul_us']:.1f} | {e['fp16_matmul_us']:.1f} "
+                f"| {e['rel_error']:.1e} |"
+            )
+    return dict(group_size=group_size, dtype="float16", layers=layers)
+
+
+def w4a16_layer(k: int, n: int, group_size: int, bandwidth: float) -> dict:
+    """One projection of :func:`w4a16_vs_floor`: its packed bytes, floor and, per row count, the timings."""
+    from raypaged.kernels.quant_ops import GEMV_MAX_ROWS, build_w4a16, w4a16_dequantize, w4a16_gemv, w4a16_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(k + n)
+    groups = k // group_size
+    weight = build_w4a16(
+        torch.randint(0, 16, (k, n), dtype=torch.uint8, device="cuda", generator=gen),
+        torch.randint(0, 16, (groups, n), device="cuda", generator=gen),
+        (torch.rand(groups, n, device="cuda", generator=gen) * 0.02 + 0.002).half().float(),
+        torch.arange(k, device="cuda") // group_size,
+    )
+    exact = w4a16_dequantize(weight, torch.float32)  # [K, N]
+    dense = exact.half()
+    packed_bytes = sum(t.numel() * t.element_size() for t in (weight.qweight, weight.scales, weight.zeros))
+    floor_s = packed_bytes / bandwidth
+    row: dict = dict(packed_bytes=packed_bytes, floor_us=floor_s * 1e6)
+
+    def dequantize_and_multiply(x: torch.Tensor) -> torch.Tensor:  # what more than GEMV_MAX_ROWS rows run
+        return torch.matmul(x, w4a16_dequantize(weight, x.dtype))
+
+    for rows in W4A16_ROWS:
+        x = torch.randn(rows, k, device="cuda").half()
+        reference = x.float() @ exact
+        dequant_matmul_s = seconds_per_call(functools.partial(dequantize_and_multiply, x), iters=20)
+        fp16_s = seconds_per_call(functools.partial(torch.matmul, x, dense), iters=20)
+        error = (w4a16_linear(x, weight).float() - reference).abs().max() / reference.abs().max()
+        entry = dict(dequant_matmul_us=dequant_matmul_s * 1e6, fp16_matmul_us=fp16_s * 1e6, rel_error=error.item())
+        if rows <= GEMV_MAX_ROWS:
+            gemv_s = seconds_per_call(functools.partial(w4a16_gemv, x, weight), iters=50)
+            entry.update(
+                gemv_us=gemv_s * 1e6,
+                of_floor=floor_s / gemv_s,
+                over_dequant_matmul=dequant_matmul_s / gemv_s,
+                over_fp16_matmul=fp16_s / gemv_s,
+            )
+        row[f"m{rows}"] = entry
+    return row
+
+
 def w1_workload(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(50, 200))] for _ in range(num_requests)]
@@ -589,6 +671,9 @@ def main() -> int:
         "RAYPAGED_VARLEN_PREFILL",
         "RAYPAGED_PIECEWISE_GRAPHS",
         "RAYPAGED_LORA_KERNELS",
+        "RAYPAGED_W4A16_KERNELS",
+        "RAYPAGED_FP8_KV_KERNELS",
+        "RAYPAGED_BLOCK_FP8_SCALED_MM",
     ):
         os.environ.setdefault(name, "1")
         print(f"{name}={os.environ[name]}")
@@ -638,6 +723,7 @@ def main() -> int:
         f"{lora['kernel_ms']:.3f} ms ({lora['kernel_over_torch']:.2f}x)"
     )
     fused = fused_kernels_vs_floor(bandwidth)
+    w4a16 = w4a16_vs_floor(bandwidth)
     print("\nW1 end to end, Llama-2-7B shape, random fp16 weights:", flush=True)
     e2e = end_to_end([int(c) for c in args.concurrency.split(",")])
     print_w1_table(e2e)
@@ -652,6 +738,7 @@ def main() -> int:
                     varlen_prefill=varlen,
                     lora=lora,
                     fused=fused,
+                    w4a16=w4a16,
                     end_to_end=e2e,
                 ),
                 indent=2,

@@ -11,7 +11,15 @@
 //       normalised partial output, max logit and exp-sum; v2_reduce merges them.
 // Dynamic shared memory (floats): q [group*D] + acc [group*D] + probs [group*partition]
 // + max/sum [2*group]. Launch bounds: 128 threads, 4 blocks per SM (<= 128 registers).
+//
+// Kernels: paged_attention_{v1,v2,v2_reduce}_{f32,f16,bf16}_D over a cache of the model's dtype, and
+// paged_attention_{v1,v2}_{f32,f16,bf16}_D_fp8 over an fp8 e4m3 cache (scale 1.0; the query and output in the
+// model's dtype; v2's partials are merged by the same paged_attention_v2_reduce_*). The cache's element type is a
+// template parameter: one 16-byte load holds 16 fp8 elements (16 / sizeof(T) otherwise; LANES and ROWS follow),
+// expanded once after the load into eight exact fp16x2 words (fp8.cuh) that every query head of the group then
+// reads as fp16 elements; V passes cover 2 query heads at a time instead of 4 (32 accumulators a thread).
 #include "common.cuh"
+#include "fp8.cuh"
 
 // Tuning knobs (benchmarks/gpu_check.py times alternatives with -D on one instantiation):
 // K/V rows each thread loads (raw 16-byte vectors, widened only when used) before using them,
@@ -40,23 +48,53 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// A 16-byte vector of K or V cache elements as a thread holds it from its load to its use. A cache of the model's
+// dtype: the raw four words, each element widened to fp32 where it is used.
+template <typename C> struct CacheVector {
+  static constexpr int ELEMS = 16 / sizeof(C);
+  unsigned w[4];
+  static __device__ __forceinline__ CacheVector expand(uint4 raw) { return CacheVector{{raw.x, raw.y, raw.z, raw.w}}; }
+  __device__ __forceinline__ float operator[](int i) const { return element<C>(w, i); }
+};
+// fp8: 16 elements, expanded once into fp16x2 words (exact); each is then widened as an fp16 element where it is
+// used, so the expansion is paid once per load, not once per query head. w[2j] holds elements 4j and 4j + 2,
+// w[2j + 1] elements 4j + 1 and 4j + 3 (fp8x4_to_f16x4's order).
+template <> struct CacheVector<fp8_e4m3_t> {
+  static constexpr int ELEMS = 16;
+  unsigned w[8];
+  static __device__ __forceinline__ CacheVector expand(uint4 raw) {
+    CacheVector v;
+    fp8x4_to_f16x4(raw.x, v.w[0], v.w[1]);
+    fp8x4_to_f16x4(raw.y, v.w[2], v.w[3]);
+    fp8x4_to_f16x4(raw.z, v.w[4], v.w[5]);
+    fp8x4_to_f16x4(raw.w, v.w[6], v.w[7]);
+    return v;
+  }
+  __device__ __forceinline__ float operator[](int i) const {
+    return to_float(half_t{(unsigned short)(w[2 * (i >> 2) + (i & 1)] >> (((i >> 1) & 1) * 16))});
+  }
+};
+
 // Element offset of token t's row (for KV head 0) in a cache through the block table.
 __device__ __forceinline__ long long token_offset(const long long* __restrict__ table, int t, int block_size,
                                                   long long block_stride, int row_stride) {
   return table[t / block_size] * block_stride + (long long)(t % block_size) * row_stride;
 }
 
-template <typename T, int D, bool PARTITIONED>
+// T: the query's and output's dtype; C: the cache's element type (T, or fp8_e4m3_t).
+template <typename T, typename C, int D, bool PARTITIONED>
 __device__ __forceinline__ void attention_partition(
     T* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_max,
-    float* __restrict__ partial_sum, const T* __restrict__ query, const T* __restrict__ key_cache,
-    const T* __restrict__ value_cache, const long long* __restrict__ block_tables,
+    float* __restrict__ partial_sum, const T* __restrict__ query, const C* __restrict__ key_cache,
+    const C* __restrict__ value_cache, const long long* __restrict__ block_tables,
     const long long* __restrict__ context_lens, float scale, int num_kv_heads, int group, int block_size,
     int max_blocks, int partition_size) {
-  constexpr int VEC = 16 / sizeof(T);
+  constexpr int VEC = CacheVector<C>::ELEMS;  // cache elements per 16-byte load
   constexpr int ROW_VECS = D / VEC;  // 16-byte vectors per K/V row
-  constexpr int LANES = ROW_VECS <= 8 ? 8 : (ROW_VECS <= 16 ? 16 : 32);
+  constexpr int LANES = ROW_VECS <= 4 ? 4 : (ROW_VECS <= 8 ? 8 : (ROW_VECS <= 16 ? 16 : 32));
   constexpr int ROWS = NUM_THREADS / LANES;  // tokens in flight per block
+  // query heads per pass over V: a thread's accumulators stay at 32 floats at most
+  constexpr int V_HEADS = VEC <= 8 ? HEADS_PER_V_PASS : HEADS_PER_V_PASS * 8 / VEC;
   const int kv_head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
   const int num_parts = gridDim.z;
   const int context_len = int(context_lens[seq]);
@@ -98,15 +136,17 @@ __device__ __forceinline__ void attention_partition(
         k[u] = load_raw16(key_cache + token_offset(table, start + t, block_size, block_stride, D) + head_offset);
       }
     }
+    CacheVector<C> kv[ROWS_UNROLL];  // expanded once, read by every query head
+#pragma unroll
+    for (int u = 0; u < ROWS_UNROLL; ++u) kv[u] = CacheVector<C>::expand(k[u]);
     for (int g = 0; g < group; ++g) {
 #pragma unroll
       for (int u = 0; u < ROWS_UNROLL; ++u) {
         const int t = t0 + u * ROWS + row;
         float dot = 0.0f;
         if (active) {
-          const unsigned words[4] = {k[u].x, k[u].y, k[u].z, k[u].w};
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) dot += q_s[g * D + lane * VEC + v] * element<T>(words, v);
+          for (int v = 0; v < VEC; ++v) dot += q_s[g * D + lane * VEC + v] * kv[u][v];
         }
 #pragma unroll
         for (int m = LANES / 2; m > 0; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
@@ -137,11 +177,11 @@ __device__ __forceinline__ void attention_partition(
   }
   __syncthreads();
 
-  // probs @ V: each V row loaded once per HEADS_PER_V_PASS query heads
-  for (int g0 = 0; g0 < group; g0 += HEADS_PER_V_PASS) {
-    float acc[HEADS_PER_V_PASS][VEC];
+  // probs @ V: each V row loaded once per V_HEADS query heads
+  for (int g0 = 0; g0 < group; g0 += V_HEADS) {
+    float acc[V_HEADS][VEC];
 #pragma unroll
-    for (int h = 0; h < HEADS_PER_V_PASS; ++h)
+    for (int h = 0; h < V_HEADS; ++h)
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[h][v] = 0.0f;
     for (int t0 = row; active && t0 < n; t0 += ROWS * ROWS_UNROLL) {
@@ -157,20 +197,20 @@ __device__ __forceinline__ void attention_partition(
 #pragma unroll
       for (int u = 0; u < ROWS_UNROLL; ++u) {
         const int t = t0 + u * ROWS;
-        const unsigned words[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
+        const CacheVector<C> words = CacheVector<C>::expand(val[u]);
 #pragma unroll
-        for (int h = 0; h < HEADS_PER_V_PASS; ++h) {
+        for (int h = 0; h < V_HEADS; ++h) {
           if (t < n && g0 + h < group) {
             const float p = prob_s[(g0 + h) * partition_size + t];
 #pragma unroll
-            for (int v = 0; v < VEC; ++v) acc[h][v] += p * element<T>(words, v);
+            for (int v = 0; v < VEC; ++v) acc[h][v] += p * words[v];
           }
         }
       }
     }
     if (active) {
 #pragma unroll
-      for (int h = 0; h < HEADS_PER_V_PASS; ++h) {
+      for (int h = 0; h < V_HEADS; ++h) {
         if (g0 + h < group) {
 #pragma unroll
           for (int v = 0; v < VEC; ++v) atomicAdd(&acc_s[(g0 + h) * D + lane * VEC + v], acc[h][v]);
@@ -223,31 +263,37 @@ __device__ __forceinline__ void reduce_partitions(T* __restrict__ out, const flo
   }
 }
 
-#define DECODE_ARGS                                                                                        \
-  const T *__restrict__ query, const T *__restrict__ key_cache, const T *__restrict__ value_cache,       \
-      const long long *__restrict__ block_tables, const long long *__restrict__ context_lens, float scale, \
+#define DECODE_ARGS(CACHE)                                                                                   \
+  const T *__restrict__ query, const CACHE *__restrict__ key_cache, const CACHE *__restrict__ value_cache,  \
+      const long long *__restrict__ block_tables, const long long *__restrict__ context_lens, float scale,  \
       int num_kv_heads, int group, int block_size, int max_blocks, int partition_size
 #define DECODE_PASS \
   query, key_cache, value_cache, block_tables, context_lens, scale, num_kv_heads, group, block_size, max_blocks, \
       partition_size
 
+// v1 and v2 of one query dtype, head size and cache element type (CACHE_SUFFIX: empty, or _fp8)
+#define DEFINE_DECODE_CACHE(TYPE, NAME, D, CACHE, CACHE_SUFFIX)                                                 \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, RP_MIN_BLOCKS)                                      \
+      paged_attention_v1_##NAME##_##D##CACHE_SUFFIX(TYPE* __restrict__ out, DECODE_ARGS(CACHE)) {              \
+    attention_partition<T, CACHE, D, false>(out, nullptr, nullptr, nullptr, DECODE_PASS);                      \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, RP_MIN_BLOCKS)                                      \
+      paged_attention_v2_##NAME##_##D##CACHE_SUFFIX(float* __restrict__ partial_out,                           \
+                                                    float* __restrict__ partial_max,                           \
+                                                    float* __restrict__ partial_sum, DECODE_ARGS(CACHE)) {     \
+    attention_partition<T, CACHE, D, true>(nullptr, partial_out, partial_max, partial_sum, DECODE_PASS);       \
+  }
+
 #define DEFINE_DECODE(TYPE, NAME, D)                                                                            \
-  extern "C" __global__ void __launch_bounds__(NUM_THREADS, RP_MIN_BLOCKS)                                                    \
-      paged_attention_v1_##NAME##_##D(TYPE* __restrict__ out, DECODE_ARGS) {                                   \
-    attention_partition<T, D, false>(out, nullptr, nullptr, nullptr, DECODE_PASS);                             \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(NUM_THREADS, RP_MIN_BLOCKS) paged_attention_v2_##NAME##_##D(                   \
-      float* __restrict__ partial_out, float* __restrict__ partial_max, float* __restrict__ partial_sum,      \
-      DECODE_ARGS) {                                                                                           \
-    attention_partition<T, D, true>(nullptr, partial_out, partial_max, partial_sum, DECODE_PASS);              \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(NUM_THREADS, RP_MIN_BLOCKS) paged_attention_v2_reduce_##NAME##_##D(            \
+  DEFINE_DECODE_CACHE(TYPE, NAME, D, TYPE, )                                                                   \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, RP_MIN_BLOCKS) paged_attention_v2_reduce_##NAME##_##D( \
       TYPE* __restrict__ out, const float* __restrict__ partial_out, const float* __restrict__ partial_max,   \
       const float* __restrict__ partial_sum, const long long* __restrict__ context_lens, int num_parts,       \
       int partition_size) {                                                                                    \
     reduce_partitions<T, D>(out, partial_out, partial_max, partial_sum, context_lens, num_parts,               \
                             partition_size);                                                                   \
-  }
+  }                                                                                                            \
+  DEFINE_DECODE_CACHE(TYPE, NAME, D, fp8_e4m3_t, _fp8)
 
 #define DEFINE_DECODE_ALL_HEADS(TYPE, NAME) \
   DEFINE_DECODE(TYPE, NAME, 64)             \
@@ -255,7 +301,7 @@ __device__ __forceinline__ void reduce_partitions(T* __restrict__ out, const flo
   DEFINE_DECODE(TYPE, NAME, 96)             \
   DEFINE_DECODE(TYPE, NAME, 128)
 
-#ifdef RP_TUNING_F16_128_ONLY  // one instantiation, for quick timing of the knobs above
+#ifdef RP_TUNING_F16_128_ONLY  // one head size, for quick timing of the knobs above
 #define T half_t
 DEFINE_DECODE(half_t, f16, 128)
 #undef T

@@ -23,9 +23,16 @@
 //   paged_prefill_simt_{f32,f16,bf16}_D: fp32 FMAs (any arch; fp32 inputs, and a reference path
 //     for the others). 16 rows per block, 4 per warp; K/V tiles of 32 keys, one per lane for
 //     Q K^T, one output element per lane per 32 columns for P V.
+//   ..._fp8 (paged_prefill_mma_{f16,bf16}_D_fp8, paged_prefill_simt_{f32,f16,bf16}_D_fp8): the same over an fp8
+//     e4m3 cache (scale 1.0; query and output in the model's dtype). The cache's element type is a template
+//     parameter. mma: each K/V tile's fp8 bytes land by cp.async in a staging area of BLOCK_N * D bytes of static
+//     shared memory (the copies overlap the same work as above), and each thread then widens the 16-byte chunks it
+//     copied itself (no barrier between) into the fp16/bf16 tile, exactly (fp8.cuh; every e4m3 value is an fp16
+//     and a bf16 one). simt: each element widened to fp32 as it is loaded.
 // Invariants (the wrapper cannot check them without a device sync): cu_seqlens_q ascending,
 // 1 <= query_len <= context_lens[s] <= max_blocks * block_size, block ids valid.
 #include "common.cuh"
+#include "fp8.cuh"
 
 constexpr int PF_THREADS = 128;
 constexpr int PF_WARP = 32;
@@ -77,9 +84,9 @@ __device__ __forceinline__ bool prefill_tile(PrefillTile& t, const int* __restri
   return true;
 }
 
-#define PREFILL_ARGS                                                                                      \
-  T *__restrict__ out, const T *__restrict__ query, const T *__restrict__ key_cache,                      \
-      const T *__restrict__ value_cache, const int *__restrict__ cu_seqlens_q,                            \
+#define PREFILL_ARGS(CACHE)                                                                               \
+  T *__restrict__ out, const T *__restrict__ query, const CACHE *__restrict__ key_cache,                  \
+      const CACHE *__restrict__ value_cache, const int *__restrict__ cu_seqlens_q,                        \
       const int *__restrict__ context_lens, const void *__restrict__ block_tables, int table_is_64,       \
       float scale, long long q_stride, int num_heads, int num_kv_heads, int heads_per_block, int block_size, \
       int max_blocks
@@ -164,12 +171,41 @@ template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float 
 
 __device__ __forceinline__ unsigned load_b32(const void* p) { return *static_cast<const unsigned*>(p); }
 
+// fp8 tiles: the staging area of one K or V tile's raw bytes (one per kernel instantiation that calls it).
+template <int BYTES> __device__ __forceinline__ uint4* fp8_stage() {
+  __shared__ uint4 stage[BYTES / 16];
+  return stage;
+}
+
+// Four e4m3 elements (element i in byte i of w) as four T (fp16 or bf16) elements in order, exactly: .x holds
+// elements 0 (low half) and 1, .y elements 2 and 3.
+template <typename T> __device__ __forceinline__ uint2 widen_fp8_word(unsigned w);
+template <> __device__ __forceinline__ uint2 widen_fp8_word<half_t>(unsigned w) {
+  unsigned even, odd;  // elements (0, 2) and (1, 3)
+  fp8x4_to_f16x4(w, even, odd);
+  return make_uint2((even & 0xffffu) | (odd << 16), (even >> 16) | (odd & 0xffff0000u));
+}
+template <> __device__ __forceinline__ uint2 widen_fp8_word<bf16_t>(unsigned w) {
+  const uint2 h = widen_fp8_word<half_t>(w);
+  const unsigned words[2] = {h.x, h.y};
+  unsigned out[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {  // fp16 -> fp32 -> its upper half: exact (3 mantissa bits fit bfloat16's 7)
+    const unsigned lo = __float_as_uint(to_float(half_t{(unsigned short)(words[j] & 0xffffu)}));
+    const unsigned hi = __float_as_uint(to_float(half_t{(unsigned short)(words[j] >> 16)}));
+    out[j] = (lo >> 16) | (hi & 0xffff0000u);
+  }
+  return make_uint2(out[0], out[1]);
+}
+
 // Fragment layouts (PTX ISA, mma.m16n8k16 with 16-bit inputs; g = lane / 4, c = lane % 4):
 //   A 16x16: a0 (row g, cols 2c..2c+1), a1 (row g + 8, same), a2 (row g, cols 2c+8..), a3 (row g + 8, cols 2c+8..)
 //   B 16x8:  b0 (rows 2c..2c+1, col g), b1 (rows 2c+8.., col g)
 //   C 16x8:  c0,c1 (row g, cols 2c, 2c+1), c2,c3 (row g + 8, same cols)
-template <typename T, int D, int BLOCK_N>
-__device__ __forceinline__ void prefill_mma(PREFILL_ARGS) {
+// T: the query's, output's and shared tiles' dtype; C: the cache's element type (T, or fp8_e4m3_t).
+template <typename T, typename C, int D, int BLOCK_N>
+__device__ __forceinline__ void prefill_mma(PREFILL_ARGS(C)) {
+  constexpr bool FP8 = sizeof(C) == 1;
   constexpr int BLOCK_M = MMA_BLOCK_M;
   constexpr int STRIDE = D + 8;  // shared row stride in elements: 16 bytes of padding
   constexpr int ROW_CHUNKS = D / 8;  // 16-byte chunks per row
@@ -217,8 +253,42 @@ __device__ __forceinline__ void prefill_mma(PREFILL_ARGS) {
       cp_async16(dst + r * STRIDE + col, src, valid);
     }
   };
-  load_tile(k_s, key_cache, 0);
-  cp_async_commit();
+  // fp8: a tile's bytes in 16-byte chunks (16 elements each), chunk c at stage[c]; stage_tile copies them like
+  // load_tile, widen_tile widens the chunks this thread copied (after its own cp.async wait) into dst
+  constexpr int FP8_ROW_CHUNKS = D / 16;
+  constexpr int FP8_CHUNKS = BLOCK_N * FP8_ROW_CHUNKS;
+  auto stage_tile = [&](const C* __restrict__ cache, int kv0) {
+    uint4* stage = fp8_stage<FP8_CHUNKS * 16>();
+    for (int c = tid; c < FP8_CHUNKS; c += PF_THREADS) {
+      const int r = c / FP8_ROW_CHUNKS, col = (c % FP8_ROW_CHUNKS) * 16;
+      const int pos = kv0 + r;
+      const bool valid = pos < tile.kv_end;
+      const C* src = cache;
+      if (valid) {
+        const long long block = table_entry(block_tables, table_is_64, tile.table_row + pos / block_size);
+        src = cache + block * block_stride + head_offset + (long long)(pos % block_size) * D + col;
+      }
+      cp_async16(stage + c, src, valid);
+    }
+  };
+  auto widen_tile = [&](T* dst) {  // a word (4 elements) at a time: few registers beside the accumulators
+    const unsigned* stage = reinterpret_cast<const unsigned*>(fp8_stage<FP8_CHUNKS * 16>());
+    for (int c = tid; c < FP8_CHUNKS; c += PF_THREADS) {
+      const int r = c / FP8_ROW_CHUNKS, col = (c % FP8_ROW_CHUNKS) * 16;
+      uint2* row = reinterpret_cast<uint2*>(dst + r * STRIDE + col);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) row[i] = widen_fp8_word<T>(stage[4 * c + i]);
+    }
+  };
+  if constexpr (FP8) {
+    stage_tile(key_cache, 0);
+    cp_async_commit();
+    cp_async_wait_all();
+    widen_tile(k_s);  // seen by every warp after the loop's first barrier
+  } else {
+    load_tile(k_s, key_cache, 0);
+    cp_async_commit();
+  }
 
   const int warp = tid / PF_WARP, lane = tid % PF_WARP, g = lane >> 2, c2 = (lane & 3) * 2;
   int qpos[2];  // each of the thread's two rows: its query position (-1: a padding row, sees nothing)
@@ -240,7 +310,11 @@ __device__ __forceinline__ void prefill_mma(PREFILL_ARGS) {
     const int kv0 = j * BLOCK_N;
     cp_async_wait_all();
     __syncthreads();  // K(j) (and Q) are in; every warp is done with V(j - 1)
-    load_tile(v_s, value_cache, kv0);
+    if constexpr (FP8) {
+      stage_tile(value_cache, kv0);
+    } else {
+      load_tile(v_s, value_cache, kv0);
+    }
     cp_async_commit();
 
     float s[S_TILES][4];
@@ -295,8 +369,13 @@ __device__ __forceinline__ void prefill_mma(PREFILL_ARGS) {
     }
 
     cp_async_wait_all();
+    if constexpr (FP8) widen_tile(v_s);  // every warp is done with V(j - 1) since the barrier above
     __syncthreads();  // V(j) is in; every warp is done with K(j)
-    if (j + 1 < num_tiles) load_tile(k_s, key_cache, kv0 + BLOCK_N);
+    if constexpr (FP8) {
+      if (j + 1 < num_tiles) stage_tile(key_cache, kv0 + BLOCK_N);
+    } else {
+      if (j + 1 < num_tiles) load_tile(k_s, key_cache, kv0 + BLOCK_N);
+    }
     cp_async_commit();
 
     // O += P V: S's accumulators for keys 16kk..16kk+15 are P's A fragment as they stand
@@ -313,6 +392,12 @@ __device__ __forceinline__ void prefill_mma(PREFILL_ARGS) {
         ldmatrix_x4_trans(b0, b1, b2, b3, vrow + n * 8);
         mma_16816<T>(o[n], a, b0, b1);
         mma_16816<T>(o[n + 1], a, b2, b3);
+      }
+    }
+    if constexpr (FP8) {
+      if (j + 1 < num_tiles) {  // every warp is done with K(j) since the barrier above
+        cp_async_wait_all();
+        widen_tile(k_s);
       }
     }
   }
@@ -337,8 +422,8 @@ __device__ __forceinline__ void prefill_mma(PREFILL_ARGS) {
 
 // ---- fp32 FMA path (any arch) --------------------------------------------------------------------
 
-template <typename T, int D>
-__device__ __forceinline__ void prefill_simt(PREFILL_ARGS) {
+template <typename T, typename C, int D>
+__device__ __forceinline__ void prefill_simt(PREFILL_ARGS(C)) {
   constexpr int BLOCK_M = SIMT_BLOCK_M;
   constexpr int BLOCK_N = SIMT_BLOCK_N;
   constexpr int ROWS = BLOCK_M / (PF_THREADS / PF_WARP);  // rows per warp
@@ -452,35 +537,43 @@ __device__ __forceinline__ void prefill_simt(PREFILL_ARGS) {
   }
 }
 
-#define DEFINE_PREFILL_MMA(TYPE, NAME, D, BLOCK_N)                                                   \
-  extern "C" __global__ void __launch_bounds__(PF_THREADS, 4) paged_prefill_mma_##NAME##_##D(PREFILL_ARGS) { \
-    prefill_mma<T, D, BLOCK_N>(PREFILL_PASS);                                                         \
+// CACHE: the cache's element type; CACHE_SUFFIX: empty, or _fp8
+#define DEFINE_PREFILL_MMA(TYPE, NAME, D, BLOCK_N, CACHE, CACHE_SUFFIX)                                  \
+  extern "C" __global__ void __launch_bounds__(PF_THREADS, 4)                                           \
+      paged_prefill_mma_##NAME##_##D##CACHE_SUFFIX(PREFILL_ARGS(CACHE)) {                               \
+    prefill_mma<T, CACHE, D, BLOCK_N>(PREFILL_PASS);                                                    \
   }
-#define DEFINE_PREFILL_SIMT(TYPE, NAME, D)                                                              \
-  extern "C" __global__ void __launch_bounds__(PF_THREADS) paged_prefill_simt_##NAME##_##D(PREFILL_ARGS) { \
-    prefill_simt<T, D>(PREFILL_PASS);                                                                    \
+#define DEFINE_PREFILL_SIMT(TYPE, NAME, D, CACHE, CACHE_SUFFIX)                                          \
+  extern "C" __global__ void __launch_bounds__(PF_THREADS)                                              \
+      paged_prefill_simt_##NAME##_##D##CACHE_SUFFIX(PREFILL_ARGS(CACHE)) {                              \
+    prefill_simt<T, CACHE, D>(PREFILL_PASS);                                                            \
   }
-#define DEFINE_PREFILL_SIMT_ALL_HEADS(TYPE, NAME) \
-  DEFINE_PREFILL_SIMT(TYPE, NAME, 64)             \
-  DEFINE_PREFILL_SIMT(TYPE, NAME, 80)             \
-  DEFINE_PREFILL_SIMT(TYPE, NAME, 96)             \
-  DEFINE_PREFILL_SIMT(TYPE, NAME, 128)
+#define DEFINE_PREFILL_SIMT_ALL_HEADS(TYPE, NAME, CACHE, CACHE_SUFFIX) \
+  DEFINE_PREFILL_SIMT(TYPE, NAME, 64, CACHE, CACHE_SUFFIX)             \
+  DEFINE_PREFILL_SIMT(TYPE, NAME, 80, CACHE, CACHE_SUFFIX)             \
+  DEFINE_PREFILL_SIMT(TYPE, NAME, 96, CACHE, CACHE_SUFFIX)             \
+  DEFINE_PREFILL_SIMT(TYPE, NAME, 128, CACHE, CACHE_SUFFIX)
 // K/V tiles of 64 keys, 32 at D = 80 and 128 (the 128-register budget; shared memory at D = 128:
-// Q 17 KiB + K and V 8.5 KiB each)
-#define DEFINE_PREFILL_MMA_ALL_HEADS(TYPE, NAME) \
-  DEFINE_PREFILL_MMA(TYPE, NAME, 64, 64)         \
-  DEFINE_PREFILL_MMA(TYPE, NAME, 80, 32)         \
-  DEFINE_PREFILL_MMA(TYPE, NAME, 96, 64)         \
-  DEFINE_PREFILL_MMA(TYPE, NAME, 128, 32)
+// Q 17 KiB + K and V 8.5 KiB each, and for an fp8 cache the 4 KiB staging area)
+#define DEFINE_PREFILL_MMA_ALL_HEADS(TYPE, NAME, CACHE, CACHE_SUFFIX) \
+  DEFINE_PREFILL_MMA(TYPE, NAME, 64, 64, CACHE, CACHE_SUFFIX)         \
+  DEFINE_PREFILL_MMA(TYPE, NAME, 80, 32, CACHE, CACHE_SUFFIX)         \
+  DEFINE_PREFILL_MMA(TYPE, NAME, 96, 64, CACHE, CACHE_SUFFIX)         \
+  DEFINE_PREFILL_MMA(TYPE, NAME, 128, 32, CACHE, CACHE_SUFFIX)
 
 #define T float
-DEFINE_PREFILL_SIMT_ALL_HEADS(float, f32)
+DEFINE_PREFILL_SIMT_ALL_HEADS(float, f32, float, )
+DEFINE_PREFILL_SIMT_ALL_HEADS(float, f32, fp8_e4m3_t, _fp8)
 #undef T
 #define T half_t
-DEFINE_PREFILL_SIMT_ALL_HEADS(half_t, f16)
-DEFINE_PREFILL_MMA_ALL_HEADS(half_t, f16)
+DEFINE_PREFILL_SIMT_ALL_HEADS(half_t, f16, half_t, )
+DEFINE_PREFILL_MMA_ALL_HEADS(half_t, f16, half_t, )
+DEFINE_PREFILL_SIMT_ALL_HEADS(half_t, f16, fp8_e4m3_t, _fp8)
+DEFINE_PREFILL_MMA_ALL_HEADS(half_t, f16, fp8_e4m3_t, _fp8)
 #undef T
 #define T bf16_t
-DEFINE_PREFILL_SIMT_ALL_HEADS(bf16_t, bf16)
-DEFINE_PREFILL_MMA_ALL_HEADS(bf16_t, bf16)
+DEFINE_PREFILL_SIMT_ALL_HEADS(bf16_t, bf16, bf16_t, )
+DEFINE_PREFILL_MMA_ALL_HEADS(bf16_t, bf16, bf16_t, )
+DEFINE_PREFILL_SIMT_ALL_HEADS(bf16_t, bf16, fp8_e4m3_t, _fp8)
+DEFINE_PREFILL_MMA_ALL_HEADS(bf16_t, bf16, fp8_e4m3_t, _fp8)
 #undef T

@@ -11,6 +11,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from raypaged import envs
 from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
 from raypaged.sampling_params import SamplingParams
@@ -246,7 +247,8 @@ class EngineConfig:
     # auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2: one byte per element
     kv_cache_dtype: str = _flag(
         "auto",
-        "KV cache element type: auto (the model's dtype) or fp8 (one byte, scale 1.0; attention in torch)",
+        "KV cache element type: auto (the model's dtype) or fp8 (one byte, scale 1.0; on CUDA attention in torch "
+        "unless RAYPAGED_FP8_KV_KERNELS=1)",
         choices=tuple(KV_CACHE_DTYPES),
     )
     limits: InputLimits = field(default_factory=InputLimits)  # per-request caps (--max-logprobs ...)
@@ -344,10 +346,12 @@ class EngineConfig:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
-        if self.kv_cache_dtype != "auto" and self.attention_backend == "cuda":
+        e4m3_kernels = self.kv_cache_dtype in ("fp8", "fp8_e4m3") and envs.fp8_kv_kernels()
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "cuda" and not e4m3_kernels:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype} runs in the torch attention backend: "
-                f"--attention-backend cuda reads a cache of the model's dtype"
+                "--attention-backend cuda reads a cache of the model's dtype (and an fp8 e4m3 one with "
+                "RAYPAGED_FP8_KV_KERNELS=1)"
             )
         if self.kv_cache_dtype == "fp8_e5m2" and self.attention_backend == "cpu":
             raise ValueError(

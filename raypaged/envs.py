@@ -86,6 +86,15 @@ def varlen_prefill() -> bool:
     return _switch("RAYPAGED_VARLEN_PREFILL")
 
 
+def fp8_kv_kernels() -> bool:
+    """Whether an fp8 e4m3 KV cache (``--kv-cache-dtype fp8`` / ``fp8_e4m3``) on a CUDA device runs in the
+    CUDA attention kernels, which narrow K/V into it and widen them from it themselves (the ``*_fp8``
+    kernels, ``kernels/fp8.cuh``): ``$RAYPAGED_FP8_KV_KERNELS``, ``0`` (the default: such a cache runs in
+    the torch attention backend, K/V gathered and widened in torch every step) or ``1``. An fp8_e5m2 cache
+    runs in torch either way."""
+    return _switch("RAYPAGED_FP8_KV_KERNELS")
+
+
 def lora_kernels() -> bool:
     """Whether LoRA steps run the BGMV CUDA kernels (``kernels/lora_bgmv.cu``) where the model is on
     a CUDA device, with the LoRA product recorded in the CUDA graphs (decode, and piecewise where
@@ -100,6 +109,14 @@ def piecewise_graphs() -> bool:
     where the decode graphs are captured: ``$RAYPAGED_PIECEWISE_GRAPHS``, ``0`` (the default: such
     steps run eagerly) or ``1``."""
     return _switch("RAYPAGED_PIECEWISE_GRAPHS")
+
+
+def w4a16_kernels() -> bool:
+    """Whether 4-bit GPTQ, AWQ and compressed-tensors layers on a CUDA device run the CuPy W4A16 kernels
+    (``raypaged.kernels.quant_ops``: the weight repacked once at load, a GEMV up to 8 rows, else a dequantize
+    kernel and cuBLAS): ``$RAYPAGED_W4A16_KERNELS``, ``0`` (the default: every call dequantizes the weight in
+    torch, then the float GEMM) or ``1``."""
+    return _switch("RAYPAGED_W4A16_KERNELS")
 
 
 def block_fp8_scaled_mm() -> bool:

@@ -14,6 +14,10 @@ reads the cache through the block tables in C (``cpu_ops``: decode and varlen pr
 gathering it, and it brings the C versions of the model step's fused elementwise ops (``FusedOps``;
 the CUDA ones with ``$RAYPAGED_FUSED_KERNELS``). A step whose spans do not form one packed batch with
 covering block tables (see ``build_varlen_prefill``) takes the per-span path.
+
+KV cache dtype: the CUDA kernels read a cache of the model's dtype, and with ``$RAYPAGED_FP8_KV_KERNELS`` an fp8
+e4m3 one (``--kv-cache-dtype fp8``, narrowed and widened in the kernels); the CPU kernels float32 and fp8 e4m3 ones;
+torch any (``cuda_cache_unsupported_reason``, ``cpu_unsupported_reason``).
 """
 
 from __future__ import annotations
@@ -139,7 +143,9 @@ CPU = AttentionBackend(
 )
 
 
-def cuda_backend() -> AttentionBackend:
+def cuda_backend(fp8_cache: bool = False) -> AttentionBackend:
+    """The CUDA kernels; ``fp8_cache``: over an fp8 e4m3 KV cache, where the model step's fused ops stay off (their
+    rotary kernel writes a cache of the model's dtype only: the K/V go through ``reshape_and_cache``'s fp8 kernel)."""
     from raypaged import kernels
 
     def decode(query: torch.Tensor, *args) -> torch.Tensor:
@@ -147,20 +153,49 @@ def cuda_backend() -> AttentionBackend:
         return kernels.paged_attention_decode(query.contiguous(), *args)
 
     fused = FusedOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.silu_and_mul, kernels.rotary_and_cache)
+    use_fused = envs.fused_kernels()
+    if use_fused and fp8_cache:
+        logger.info(
+            "the fused CUDA kernels are off over an fp8 KV cache (their rotary kernel writes the model's dtype)"
+        )
+        use_fused = False
     return AttentionBackend(
         "cuda",
         kernels.reshape_and_cache,
         decode,
         kernels.paged_attention_prefill,
         kernels.paged_prefill_attention if envs.varlen_prefill() else None,
-        fused if envs.fused_kernels() else None,
+        fused if use_fused else None,
     )
 
 
-def cuda_unsupported_reason(device: torch.device, head_size: int, block_size: int) -> str | None:
-    """Why the CUDA kernels cannot run this model here, or None when they can."""
+def cuda_cache_unsupported_reason(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> str | None:
+    """Why the CUDA kernels cannot read a KV cache of ``cache_dtype`` (None: the model's) for a model of ``dtype``,
+    or None when they can: a cache of the model's dtype always, an fp8 e4m3 one with ``$RAYPAGED_FP8_KV_KERNELS=1``
+    (off by default until ``benchmarks/gpu_check.py`` has run their tests on a device), no other."""
+    if cache_dtype is None or cache_dtype == dtype:
+        return None
+    name = str(cache_dtype).removeprefix("torch.")
+    if cache_dtype == torch.float8_e4m3fn:
+        if envs.fp8_kv_kernels():
+            return None
+        return f"the KV cache is {name} (its kernels run with $RAYPAGED_FP8_KV_KERNELS=1)"
+    return f"the KV cache is {name} (the kernels read caches of the model's dtype and float8_e4m3fn ones)"
+
+
+def cuda_unsupported_reason(
+    device: torch.device,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None = None,
+) -> str | None:
+    """Why the CUDA kernels cannot run this model (``dtype``) over this KV cache (``cache_dtype``, by default the
+    model's) here, or None when they can."""
     if device.type != "cuda":
         return f"the device is {device.type}"
+    if dtype is not None and (reason := cuda_cache_unsupported_reason(dtype, cache_dtype)) is not None:
+        return reason
     if head_size not in CUDA_HEAD_SIZES:
         return f"head size {head_size} has no kernel (supported: {', '.join(map(str, CUDA_HEAD_SIZES))})"
     if block_size not in CUDA_BLOCK_SIZES:
@@ -197,7 +232,8 @@ def select_backend(
 ) -> AttentionBackend:
     """``auto``: the CUDA kernels wherever they can run, on CPU the CPU kernels, else torch; ``cpu`` and
     ``cuda`` insist. ``dtype`` is the model's; ``cache_dtype`` the KV cache's, by default the model's (the
-    CUDA kernels read a cache of the model's dtype only: the caller picks torch for another)."""
+    CUDA kernels read a cache of the model's dtype, and an fp8 e4m3 one with ``$RAYPAGED_FP8_KV_KERNELS=1``:
+    ``cuda_cache_unsupported_reason``)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "torch":
@@ -211,9 +247,9 @@ def select_backend(
         if dtype == torch.float32:
             logger.warning("paged attention runs in torch, not the CPU kernels: %s", reason)
         return TORCH
-    reason = cuda_unsupported_reason(device, head_size, block_size)
+    reason = cuda_unsupported_reason(device, head_size, block_size, dtype, cache_dtype)
     if reason is None:
-        return cuda_backend()
+        return cuda_backend(fp8_cache=cache_dtype == torch.float8_e4m3fn and cache_dtype != dtype)
     if name == "cuda":
         raise ValueError(f"attention_backend 'cuda' cannot run: {reason}")
     if device.type == "cuda":

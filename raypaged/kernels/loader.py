@@ -8,6 +8,7 @@ cupy keeps the binary in its on-disk kernel cache across processes.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +16,27 @@ import torch
 
 # a link to the repository's kernels/ in a checkout, the sources themselves in an installed wheel
 KERNEL_DIR = Path(__file__).parent / "cuda"
-_INCLUDE = '#include "common.cuh"'
+_INCLUDE = re.compile(r'^#include "([^"]+)"[^\n]*$', re.MULTILINE)
 DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+FP8_CACHE_SUFFIX = "_fp8"  # the kernels reading or writing an fp8 e4m3 KV cache: the name of the model-dtype one + this
 
 
 def kernel_source(name: str) -> str:
-    """The .cu text with common.cuh inlined, so cupy's source-keyed cache sees header edits."""
-    text = (KERNEL_DIR / name).read_text()
-    return text.replace(_INCLUDE, (KERNEL_DIR / "common.cuh").read_text())
+    """The .cu text with the headers it includes from kernels/ (common.cuh, fp8.cuh, and what they include)
+    inlined, each once where it is first included, so NVRTC needs no include path and cupy's source-keyed cache
+    sees header edits."""
+    inlined: set[str] = set()
+
+    def inline(match: re.Match) -> str:
+        header = match[1]
+        if not (KERNEL_DIR / header).is_file():
+            raise ValueError(f"{name} includes {header!r}, which is not in {KERNEL_DIR}")
+        if header in inlined:
+            return ""
+        inlined.add(header)
+        return _INCLUDE.sub(inline, (KERNEL_DIR / header).read_text())
+
+    return _INCLUDE.sub(inline, (KERNEL_DIR / name).read_text())
 
 
 @functools.cache

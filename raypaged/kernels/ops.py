@@ -2,7 +2,9 @@
 
 Each wrapper checks its arguments (``checks``) before importing cupy or touching a
 device, allocates its outputs with torch and launches on torch's current stream.
-Cache layout per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+Cache layout per layer: ``[num_blocks, num_kv_heads, block_size, head_dim]``, of the model's dtype or
+``torch.float8_e4m3fn`` (``--kv-cache-dtype fp8``: K/V narrowed with scale 1.0 as ``.to(torch.float8_e4m3fn)``
+narrows them, and read back widened, as ``torch_ops`` does; the ``*_fp8`` kernels, ``kernels/fp8.cuh``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from raypaged.kernels.checks import (
     FLOAT_DTYPES,
     LONG,
     check_aligned,
-    check_cache_pair,
+    check_block_size,
     check_contiguous,
     check_cuda,
     check_head_size,
@@ -29,6 +31,43 @@ NUM_THREADS = 128  # paged_attention.cu
 COPY_THREADS = 256  # copy_blocks.cu, reshape_and_cache.cu
 MAX_SHARED_BYTES = 48 * 1024  # without opting in to more
 V2_PARTITION_SIZE = 512
+FP8_CACHE = torch.float8_e4m3fn  # an fp8 KV cache: e4m3, scale 1.0 (torch_ops' and the CPU kernels' type for it)
+CACHE_DTYPES = (*FLOAT_DTYPES, FP8_CACHE)
+
+
+def check_cache_tensor(name: str, cache: object, ndim: int = 4) -> torch.Tensor:
+    """A KV cache (or pool of them): of a float dtype, or ``torch.float8_e4m3fn``."""
+    if isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8:
+        raise TypeError(
+            f"{name} has dtype torch.uint8: an fp8 e4m3 cache must have dtype torch.float8_e4m3fn "
+            f"(view its bytes with .view(torch.float8_e4m3fn))"
+        )
+    return check_tensor(name, cache, CACHE_DTYPES, ndim)
+
+
+def check_kv_caches(key_cache: object, value_cache: object) -> bool:
+    """``checks.check_cache_pair`` for the kernels that also read or write an fp8 e4m3 cache: one dtype (a float
+    one or ``torch.float8_e4m3fn``), one shape, contiguous, 16-byte aligned, a supported block size. Returns
+    whether the caches are fp8."""
+    key_cache = check_cache_tensor("key_cache", key_cache)
+    value_cache = check_cache_tensor("value_cache", value_cache)
+    check_same_dtype(("key_cache", "value_cache"), (key_cache, value_cache))
+    check_shape("value_cache", value_cache, key_cache.shape)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_contiguous(name, cache)
+        check_aligned(name, cache)
+    check_block_size("key_cache", key_cache.shape[2])
+    return key_cache.dtype == FP8_CACHE
+
+
+def check_query_reads_cache(name: str, query: torch.Tensor, key_cache: torch.Tensor, fp8: bool) -> None:
+    """A query (or K/V rows) and the cache it meets: the same dtype, except that any float dtype meets an fp8 cache."""
+    if not fp8:
+        check_same_dtype((name, "key_cache"), (query, key_cache))
+
+
+def cache_suffix(fp8: bool) -> str:
+    return loader.FP8_CACHE_SUFFIX if fp8 else ""
 
 
 def reshape_and_cache(
@@ -38,8 +77,9 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] long, negative = skip
 ) -> None:
-    """Write each token's K/V into its slot (block_id * block_size + offset)."""
-    check_cache_pair(key_cache, value_cache)
+    """Write each token's K/V into its slot (block_id * block_size + offset); into an fp8 cache narrowed as
+    ``.to(torch.float8_e4m3fn)`` narrows them."""
+    fp8 = check_kv_caches(key_cache, value_cache)
     num_kv_heads, block_size, head_dim = key_cache.shape[1:]
     for name, rows in (("key", key), ("value", value)):
         check_tensor(name, rows, FLOAT_DTYPES, 3)
@@ -50,21 +90,25 @@ def reshape_and_cache(
                 f"got strides {rows.stride()}"
             )
         check_aligned(name, rows)
-    check_same_dtype(("key", "value", "key_cache"), (key, value, key_cache))
+    if fp8:
+        check_same_dtype(("key", "value"), (key, value))
+    else:
+        check_same_dtype(("key", "value", "key_cache"), (key, value, key_cache))
     check_shape("value", value, key.shape)
     check_tensor("slot_mapping", slot_mapping, LONG, 1)
     check_shape("slot_mapping", slot_mapping, (key.shape[0],))
     check_contiguous("slot_mapping", slot_mapping)
     head_bytes = head_dim * key.element_size()
-    if head_bytes % 16:
-        raise ValueError(f"key_cache heads of {head_bytes} bytes are not a multiple of 16")
+    if head_bytes % 16:  # key's: the kernels move (or narrow) the rows' 16-byte vectors
+        raise ValueError(f"{'key' if fp8 else 'key_cache'} heads of {head_bytes} bytes are not a multiple of 16")
     device = check_cuda(
         ("key", "value", "key_cache", "value_cache", "slot_mapping"), (key, value, key_cache, value_cache, slot_mapping)
     )
     if key.shape[0] == 0:
         return
     head_vecs = head_bytes // 16
-    kernel = loader.function("reshape_and_cache.cu", "reshape_and_cache", device)
+    name = f"reshape_and_cache_{loader.DTYPE_SUFFIX[key.dtype]}_fp8" if fp8 else "reshape_and_cache"
+    kernel = loader.function("reshape_and_cache.cu", name, device)
     threads = min(COPY_THREADS, -(-(num_kv_heads * head_vecs) // 32) * 32)
     args = (
         loader.device_pointer(key),
@@ -110,10 +154,11 @@ def paged_attention_decode(
     partition_size: int | None = None,  # tokens per thread block; None picks v1 or v2
     defines: tuple[str, ...] = (),  # compile-time knobs of paged_attention.cu (benchmarks/gpu_check.py)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """One query token per sequence attending to its first ``context_lens[i]`` cached tokens."""
-    check_cache_pair(key_cache, value_cache)
+    """One query token per sequence attending to its first ``context_lens[i]`` cached tokens (an fp8 cache's
+    elements widened as they are read; the output in the query's dtype)."""
+    fp8 = check_kv_caches(key_cache, value_cache)
     check_tensor("query", query, FLOAT_DTYPES, 3)
-    check_same_dtype(("query", "key_cache"), (query, key_cache))
+    check_query_reads_cache("query", query, key_cache, fp8)
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[1]
     check_head_size("query", head_size)
@@ -148,7 +193,7 @@ def paged_attention_decode(
         partition_size = decode_partition_size(num_seqs, num_kv_heads, group, head_size, max_context, num_sms)
     num_parts = -(-max_context // partition_size)
     shared = 4 * (2 * group * head_size + group * partition_size + 2 * group)
-    suffix = f"{loader.DTYPE_SUFFIX[query.dtype]}_{head_size}"
+    suffix = f"{loader.DTYPE_SUFFIX[query.dtype]}_{head_size}"  # v2's reduce: the same for either cache
     common = (
         loader.device_pointer(query),
         loader.device_pointer(key_cache),
@@ -163,7 +208,9 @@ def paged_attention_decode(
         np.int32(partition_size),
     )
     if num_parts == 1:
-        kernel = loader.function("paged_attention.cu", f"paged_attention_v1_{suffix}", device, defines)
+        kernel = loader.function(
+            "paged_attention.cu", f"paged_attention_v1_{suffix}{cache_suffix(fp8)}", device, defines
+        )
         loader.launch(
             kernel, device, (num_kv_heads, num_seqs, 1), (NUM_THREADS,), (loader.device_pointer(out), *common), shared
         )
@@ -172,7 +219,7 @@ def paged_attention_decode(
     partial_max = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=device)
     partial_sum = torch.empty_like(partial_max)
     partials = tuple(loader.device_pointer(t) for t in (partial_out, partial_max, partial_sum))
-    kernel = loader.function("paged_attention.cu", f"paged_attention_v2_{suffix}", device, defines)
+    kernel = loader.function("paged_attention.cu", f"paged_attention_v2_{suffix}{cache_suffix(fp8)}", device, defines)
     loader.launch(kernel, device, (num_kv_heads, num_seqs, num_parts), (NUM_THREADS,), (*partials, *common), shared)
     reduce = loader.function("paged_attention.cu", f"paged_attention_v2_reduce_{suffix}", device, defines)
     loader.launch(
@@ -201,7 +248,7 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     ``[num_pairs, 2]`` long on the CUDA device.
     """
     for name, pool in (("src", src), ("dst", dst)):
-        check_tensor(name, pool, FLOAT_DTYPES, 6)
+        check_cache_tensor(name, pool, 6)
         check_contiguous(name, pool)
         check_aligned(name, pool)
     check_same_dtype(("src", "dst"), (src, dst))
@@ -240,8 +287,9 @@ def _pool_pointer(pool: torch.Tensor):
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_seqs, max_blocks] block ids -> [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]."""
-    check_tensor("cache", cache, FLOAT_DTYPES, 4)
+    """[num_seqs, max_blocks] block ids -> [num_seqs, max_blocks * block_size, num_kv_heads, head_dim], in the
+    cache's dtype."""
+    check_cache_tensor("cache", cache)
     check_tensor("block_tables", block_tables, LONG, 2)
     check_contiguous("cache", cache)
     check_cuda(("cache", "block_tables"), (cache, block_tables))
@@ -264,10 +312,11 @@ def paged_attention_prefill(
     scale: float,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal attention of a sequence's last ``query_len`` positions over its cached context:
-    the gather kernel assembles the context, torch SDPA (flash/efficient backends) attends."""
-    check_cache_pair(key_cache, value_cache)
+    the gather kernel assembles the context (an fp8 one then widened to the query's dtype in torch, exactly),
+    torch SDPA (flash/efficient backends) attends."""
+    fp8 = check_kv_caches(key_cache, value_cache)
     check_tensor("query", query, FLOAT_DTYPES, 3)
-    check_same_dtype(("query", "key_cache"), (query, key_cache))
+    check_query_reads_cache("query", query, key_cache, fp8)
     check_shape("query", query, (None, None, key_cache.shape[3]))
     check_tensor("block_ids", block_ids, LONG, 1)
     if not query.shape[0] <= context_len <= block_ids.shape[0] * key_cache.shape[2]:
@@ -276,6 +325,6 @@ def paged_attention_prefill(
             f"{block_ids.shape[0]} blocks of {key_cache.shape[2]}"
         )
     check_cuda(("query", "key_cache", "value_cache", "block_ids"), (query, key_cache, value_cache, block_ids))
-    keys = gather_blocks(key_cache, block_ids[None])[0, :context_len]
-    values = gather_blocks(value_cache, block_ids[None])[0, :context_len]
+    keys = gather_blocks(key_cache, block_ids[None])[0, :context_len].to(query.dtype)
+    values = gather_blocks(value_cache, block_ids[None])[0, :context_len].to(query.dtype)
     return prefill_attention(query, keys, values, scale)

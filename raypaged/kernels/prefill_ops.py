@@ -2,7 +2,8 @@
 
 The spans' query tokens are packed back to back in ``query``; each span attends causally over
 its cached context (its own K/V of this step already written by ``reshape_and_cache``),
-reading K/V tiles through its block-table row: no gather. Reference: per span,
+reading K/V tiles through its block-table row: no gather. The cache may be fp8 e4m3 (``torch.float8_e4m3fn``, the
+``*_fp8`` kernels: tiles widened exactly to the query's dtype, fp32 for the FMA kernel). Reference: per span,
 ``raypaged.attention.torch_ops.paged_attention_prefill`` (or ``prefill_attention`` over the
 span's fresh K/V when nothing was cached before it).
 """
@@ -16,7 +17,6 @@ from raypaged.kernels import loader
 from raypaged.kernels.checks import (
     FLOAT_DTYPES,
     check_aligned,
-    check_cache_pair,
     check_contiguous,
     check_cuda,
     check_head_size,
@@ -24,6 +24,7 @@ from raypaged.kernels.checks import (
     check_shape,
     check_tensor,
 )
+from raypaged.kernels.ops import cache_suffix, check_kv_caches, check_query_reads_cache
 
 NUM_THREADS = 128  # kernels/paged_prefill.cu
 MMA_BLOCK_M = 64  # query rows (token x head) per thread block, tensor-core kernel
@@ -66,9 +67,9 @@ def paged_prefill_attention(
     ascending from any start and ending at most at ``total_q_tokens``, ``1 <= query_len_s <=
     max_query_len``, ``query_len_s <= context_lens[s] <= max_blocks * block_size``, block ids valid.
     """
-    check_cache_pair(key_cache, value_cache)
+    fp8 = check_kv_caches(key_cache, value_cache)
     check_tensor("query", query, FLOAT_DTYPES, 3)
-    check_same_dtype(("query", "key_cache"), (query, key_cache))
+    check_query_reads_cache("query", query, key_cache, fp8)
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     check_head_size("query", head_size)
@@ -132,7 +133,7 @@ def paged_prefill_attention(
     group = num_heads // num_kv_heads
     variant, block_m = ("mma", MMA_BLOCK_M) if tensor_cores else ("simt", SIMT_BLOCK_M)
     grid, per_block = launch_geometry(max_query_len, num_spans, num_heads, group, block_m)
-    name = f"paged_prefill_{variant}_{loader.DTYPE_SUFFIX[query.dtype]}_{head_size}"
+    name = f"paged_prefill_{variant}_{loader.DTYPE_SUFFIX[query.dtype]}_{head_size}{cache_suffix(fp8)}"
     kernel = loader.function("paged_prefill.cu", name, device)
     args = (
         loader.device_pointer(out),

@@ -1,15 +1,26 @@
 """Packed 4- or 8-bit integer weights with per-group scales (and zeros), 16/32-bit activations:
 the tensors of GPTQ, AWQ and compressed-tensors' pack-quantized format, as they lie on disk.
 
-On CPU every call dequantizes the weight into the activations' dtype and runs the float GEMM
-(the reference itself): memory holds the packed weights only.
+On CPU (and for 8 bits, without cupy, or without ``$RAYPAGED_W4A16_KERNELS=1``) every call
+dequantizes the weight into the activations' dtype and runs the float GEMM (the reference itself):
+memory holds the packed weights only. With the switch on, 4-bit layers on a CUDA device where cupy
+imports are repacked once at load (``finish``) into the one layout of the CuPy W4A16 kernels
+(``raypaged.kernels.quant_ops``; act-order features sorted by group), and the on-disk tensors are
+dropped: ``apply`` runs the GEMV kernel for up to 8 rows, else the weight dequantized by a kernel
+and cuBLAS; ``dequantize`` gives the same float32 weight as the on-disk formula, computed from the
+layout in torch.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from abc import abstractmethod
+
 import torch
 from torch import nn
 
+from raypaged import envs
+from raypaged.kernels import quant_ops
 from raypaged.model.layers import linear
 from raypaged.model.parallel import TensorParallel
 from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, layer_tensor
@@ -29,11 +40,62 @@ def check_split(scheme: str, what: str, features: int, size: int, shape: LinearS
         raise ValueError(f"{scheme}: {what} {size} does not divide a layer's {features} input features{total}")
 
 
+KERNEL_WEIGHT = "w4a16"  # the layer attribute holding its quant_ops.W4A16Weight
+
+
+def w4a16_kernels_usable(device: torch.device) -> bool:
+    """Whether 4-bit layers on ``device`` run the CuPy W4A16 kernels: a CUDA device where cupy is installed, with
+    ``$RAYPAGED_W4A16_KERNELS=1`` (off by default until ``benchmarks/gpu_check.py`` has run their tests on a
+    device; replaced in tests to compare with the dequantize-then-matmul path)."""
+    return device.type == "cuda" and envs.w4a16_kernels() and importlib.util.find_spec("cupy") is not None
+
+
+def kernel_weight(layer: nn.Module) -> quant_ops.W4A16Weight | None:
+    """The layer's weight in the W4A16 kernels' layout, where ``finish`` built one."""
+    weight = getattr(layer, KERNEL_WEIGHT, None)
+    assert weight is None or isinstance(weight, quant_ops.W4A16Weight)
+    return weight
+
+
+def four_bits_only(bits: int) -> None:
+    if bits != 4:
+        raise ValueError(f"the W4A16 kernels take 4-bit weights, not {bits}-bit")
+
+
 class WNA16Method(LinearMethod):
-    """Shared forward: dequantize, then the float GEMM."""
+    """Shared forward: the W4A16 kernels where ``finish`` built their layout, else dequantize, then the float GEMM."""
+
+    bits: int
+    derived: tuple[str, ...] = ()  # buffers ``finish`` builds from the on-disk tensors (dropped with them)
+
+    def finish(self, layer: nn.Module) -> None:
+        """4-bit on a CUDA device with cupy: the kernels' layout, built once; the on-disk tensors are dropped."""
+        device = layer_tensor(layer, next(iter(self.tensors(_shape(layer))))).device
+        if self.bits != 4 or not w4a16_kernels_usable(device):
+            return
+        weight = self.kernel_layout(layer)
+        for name in (*self.tensors(_shape(layer)), *self.derived):
+            delattr(layer, name)
+        setattr(layer, KERNEL_WEIGHT, weight)
+
+    @abstractmethod
+    def kernel_layout(self, layer: nn.Module) -> quant_ops.W4A16Weight:
+        """The layer's 4-bit weight repacked from its on-disk tensors into the kernels' layout."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.dequantize(layer).to(x.dtype))
+        weight = kernel_weight(layer)
+        if weight is None:
+            return linear(x, self.dequantize(layer).to(x.dtype))
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return quant_ops.w4a16_linear(rows, weight).reshape(*x.shape[:-1], weight.out_features)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        weight = kernel_weight(layer)
+        return self.dequantize_stored(layer) if weight is None else quant_ops.w4a16_reference(weight)
+
+    @abstractmethod
+    def dequantize_stored(self, layer: nn.Module) -> torch.Tensor:
+        """The float32 ``[out_features, in_features]`` weight from the on-disk tensors."""
 
 
 class GPTQMethod(WNA16Method):
@@ -45,6 +107,8 @@ class GPTQMethod(WNA16Method):
     def __init__(self, bits: int, group_size: int, desc_act: bool, zero_offset: int) -> None:
         self.bits, self.group_size, self.desc_act, self.zero_offset = bits, group_size, desc_act, zero_offset
         self.pack = 32 // bits
+
+    derived = ("group_ids",)
 
     def _group(self, shape: LinearShape) -> int:
         return shape.in_total if self.group_size == -1 else self.group_size
@@ -77,8 +141,19 @@ class GPTQMethod(WNA16Method):
         layer.register_buffer(
             "group_ids", layer_tensor(layer, "g_idx").data.to(torch.long) - first_group, persistent=False
         )
+        super().finish(layer)
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+    def kernel_layout(self, layer: nn.Module) -> quant_ops.W4A16Weight:
+        four_bits_only(self.bits)
+        return quant_ops.w4a16_from_gptq(
+            layer_tensor(layer, "qweight").data,
+            layer_tensor(layer, "qzeros").data,
+            layer_tensor(layer, "scales").data,
+            layer_tensor(layer, "group_ids"),
+            self.zero_offset,
+        )
+
+    def dequantize_stored(self, layer: nn.Module) -> torch.Tensor:
         q = unpack(layer_tensor(layer, "qweight"), self.bits, 0)  # [K, N]
         zeros = unpack(layer_tensor(layer, "qzeros"), self.bits, 1) + self.zero_offset  # [G, N]
         ids = layer_tensor(layer, "group_ids")
@@ -88,6 +163,8 @@ class GPTQMethod(WNA16Method):
 class AWQMethod(WNA16Method):
     """AWQ (GEMM layout): ``qweight`` [K, N / 8] and ``qzeros`` [G, N / 8] packed along output features
     in AWQ's interleaved order, ``scales`` [G, N]."""
+
+    bits = 4
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
@@ -104,7 +181,15 @@ class AWQMethod(WNA16Method):
             "scales": TensorSpec((k // g, n), torch.float32, out_dim=1, in_dim=0, in_pack=g),
         }
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+    def kernel_layout(self, layer: nn.Module) -> quant_ops.W4A16Weight:
+        return quant_ops.w4a16_from_awq(
+            layer_tensor(layer, "qweight").data,
+            layer_tensor(layer, "qzeros").data,
+            layer_tensor(layer, "scales").data,
+            self._group(_shape(layer)),
+        )
+
+    def dequantize_stored(self, layer: nn.Module) -> torch.Tensor:
         g = self._group(_shape(layer))
         q = unpack(layer_tensor(layer, "qweight"), 4, 1, AWQ_ORDER)  # [K, N]
         zeros = unpack(layer_tensor(layer, "qzeros"), 4, 1, AWQ_ORDER).repeat_interleave(g, 0)
@@ -148,7 +233,16 @@ class PackedMethod(WNA16Method):
             )
         return True
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+    def kernel_layout(self, layer: nn.Module) -> quant_ops.W4A16Weight:
+        four_bits_only(self.bits)
+        return quant_ops.w4a16_from_packed(
+            layer_tensor(layer, "weight_packed").data,
+            layer_tensor(layer, "weight_scale").data,
+            None if self.symmetric else layer_tensor(layer, "weight_zero_point").data,
+            self._group(_shape(layer)),
+        )
+
+    def dequantize_stored(self, layer: nn.Module) -> torch.Tensor:
         g = self._group(_shape(layer))
         q = unpack(layer_tensor(layer, "weight_packed"), self.bits, 1) - self.offset  # [N, K] signed
         if not self.symmetric:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from raypaged.attention.backend import select_backend
+from raypaged.attention.backend import cuda_cache_unsupported_reason, select_backend
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -73,10 +73,11 @@ class Worker:
             config.seed,
             config.quant_config,
         )
-        # the CUDA kernels read a cache of the model's dtype: there an fp8 cache is read and written in torch (the
-        # CPU kernels read and write an fp8 e4m3 cache themselves; select_backend says when they cannot)
+        # the CUDA kernels read a cache of the model's dtype, and an fp8 e4m3 one with $RAYPAGED_FP8_KV_KERNELS=1: for
+        # any other an fp8 cache is read and written in torch (the CPU kernels read and write an fp8 e4m3 cache
+        # themselves; select_backend says when they cannot)
         backend = config.attention_backend
-        if self.cache_dtype != self.dtype and self.device.type == "cuda":
+        if self.device.type == "cuda" and cuda_cache_unsupported_reason(self.dtype, self.cache_dtype) is not None:
             backend = "torch"
             logger.info(
                 "--kv-cache-dtype %s: paged attention runs in torch, not the CUDA kernels", config.kv_cache_dtype

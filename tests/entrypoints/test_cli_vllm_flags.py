@@ -46,7 +46,7 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         (
             ["--kv-cache-dtype", "fp8", "--attention-backend", "cuda"],
             "--kv-cache-dtype fp8 runs in the torch attention backend: --attention-backend cuda reads a cache of the "
-            "model's dtype",
+            "model's dtype (and an fp8 e4m3 one with RAYPAGED_FP8_KV_KERNELS=1)",
         ),
         (
             ["--kv-cache-dtype", "fp8_e5m2", "--attention-backend", "cpu"],

@@ -37,6 +37,7 @@ def test_every_kernel_source_is_covered():
         "paged_attention.cu",
         "paged_prefill.cu",
         "reshape_and_cache.cu",
+        "w4a16.cu",
     ]
 
 
@@ -64,6 +65,16 @@ def test_exports_every_kernel_the_wrappers_launch():
             expected.add(f"paged_prefill_simt_{dtype}_{head_size}")
             if dtype != "f32":  # tensor cores: 16-bit inputs only
                 expected.add(f"paged_prefill_mma_{dtype}_{head_size}")
+            # over an fp8 e4m3 cache (v2's reduce is the one above)
+            expected |= {f"paged_attention_{variant}_{dtype}_{head_size}_fp8" for variant in ("v1", "v2")}
+            expected.add(f"paged_prefill_simt_{dtype}_{head_size}_fp8")
+            if dtype != "f32":
+                expected.add(f"paged_prefill_mma_{dtype}_{head_size}_fp8")
+        expected.add(f"reshape_and_cache_{dtype}_fp8")  # K/V rows of dtype into an fp8 e4m3 cache
+        expected.add(f"w4a16_reduce_{dtype}")
+        for scale in ("f16", "f32"):  # raypaged.kernels.quant_ops: x's dtype, the scales' and the GEMV's rows
+            expected.add(f"w4a16_dequant_{dtype}_s{scale}")
+            expected |= {f"w4a16_gemv_{dtype}_s{scale}_r{rows}" for rows in (1, 2, 4, 8)}
     assert kernels == expected
 
 

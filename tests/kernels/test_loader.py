@@ -22,6 +22,7 @@ def test_sources_are_found_where_the_package_is():
         "paged_attention.cu",
         "paged_prefill.cu",
         "reshape_and_cache.cu",
+        "w4a16.cu",
     ]
 
 
@@ -52,5 +53,27 @@ def test_a_built_wheel_carries_the_kernel_sources(tmp_path):
     )
     [wheel] = tmp_path.glob("raypaged-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for source in [*SOURCES, "common.cuh"]:
+    for source in [*SOURCES, "common.cuh", "fp8.cuh"]:
         assert f"raypaged/kernels/cuda/{source}" in names
+
+
+@pytest.mark.parametrize("name", ["reshape_and_cache.cu", "paged_attention.cu", "paged_prefill.cu"])
+def test_runtime_source_inlines_the_fp8_header_once(name):
+    text = loader.kernel_source(name)
+    assert text.count("#define RAYPAGED_FP8_CUH") == 1 and text.count("#define RAYPAGED_COMMON_CUH") == 1
+    assert text.index("#define RAYPAGED_COMMON_CUH") < text.index("#define RAYPAGED_FP8_CUH")  # in include order
+
+
+def test_headers_are_inlined_where_first_included_and_edits_change_the_text(tmp_path, monkeypatch):
+    """A header included by a header is inlined too, each once; cupy keys its cache by this text."""
+    (tmp_path / "common.cuh").write_text("// common v1\n")
+    (tmp_path / "fp8.cuh").write_text('#include "common.cuh"\n// fp8\n')
+    (tmp_path / "k.cu").write_text('#include "fp8.cuh"  // trailing comment\n#include "common.cuh"\nkernel\n')
+    monkeypatch.setattr(loader, "KERNEL_DIR", tmp_path)
+    before = loader.kernel_source("k.cu")
+    assert before == "// common v1\n\n// fp8\n\n\nkernel\n"
+    (tmp_path / "common.cuh").write_text("// common v2\n")
+    assert loader.kernel_source("k.cu") != before
+    (tmp_path / "k.cu").write_text('#include "missing.cuh"\n')
+    with pytest.raises(ValueError, match="^k.cu includes 'missing.cuh', which is not in "):
+        loader.kernel_source("k.cu")
