@@ -7,7 +7,7 @@ imported or a kernel is launched and the checks can be tested on CPU tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -102,14 +102,20 @@ def check_cuda(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.d
     return devices.pop()
 
 
-def check_cache_pair(key_cache: object, value_cache: object) -> None:
+def check_cache_pair(
+    key_cache: object, value_cache: object, check_cache: Callable[[str, object], torch.Tensor] | None = None
+) -> torch.Tensor:
     """A layer's K and V caches: ``[num_blocks, num_kv_heads, block_size, head_dim]`` each, one dtype,
-    contiguous, 16-byte aligned, a supported block size."""
-    key_cache = check_tensor("key_cache", key_cache, FLOAT_DTYPES, 4)
-    value_cache = check_tensor("value_cache", value_cache, FLOAT_DTYPES, 4)
+    contiguous, 16-byte aligned, a supported block size. ``check_cache`` checks each one's type (by default:
+    a float dtype, 4 dims). Returns the K cache."""
+    if check_cache is None:
+        check_cache = lambda name, cache: check_tensor(name, cache, FLOAT_DTYPES, 4)  # noqa: E731
+    key_cache = check_cache("key_cache", key_cache)
+    value_cache = check_cache("value_cache", value_cache)
     check_same_dtype(("key_cache", "value_cache"), (key_cache, value_cache))
     check_shape("value_cache", value_cache, key_cache.shape)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_contiguous(name, cache)
         check_aligned(name, cache)
     check_block_size("key_cache", key_cache.shape[2])
+    return key_cache

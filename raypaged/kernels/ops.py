@@ -18,7 +18,7 @@ from raypaged.kernels.checks import (
     FLOAT_DTYPES,
     LONG,
     check_aligned,
-    check_block_size,
+    check_cache_pair,
     check_contiguous,
     check_cuda,
     check_head_size,
@@ -49,15 +49,7 @@ def check_kv_caches(key_cache: object, value_cache: object) -> bool:
     """``checks.check_cache_pair`` for the kernels that also read or write an fp8 e4m3 cache: one dtype (a float
     one or ``torch.float8_e4m3fn``), one shape, contiguous, 16-byte aligned, a supported block size. Returns
     whether the caches are fp8."""
-    key_cache = check_cache_tensor("key_cache", key_cache)
-    value_cache = check_cache_tensor("value_cache", value_cache)
-    check_same_dtype(("key_cache", "value_cache"), (key_cache, value_cache))
-    check_shape("value_cache", value_cache, key_cache.shape)
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_contiguous(name, cache)
-        check_aligned(name, cache)
-    check_block_size("key_cache", key_cache.shape[2])
-    return key_cache.dtype == FP8_CACHE
+    return check_cache_pair(key_cache, value_cache, check_cache_tensor).dtype == FP8_CACHE
 
 
 def check_query_reads_cache(name: str, query: torch.Tensor, key_cache: torch.Tensor, fp8: bool) -> None:

@@ -12,6 +12,26 @@ NEEDS_CUDA_AND_CUPY = [
 ]
 
 
+# a small Llama for engine tests: head size 64, GQA 2:1
+TINY_LLAMA = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+
+
+def ragged_prompts(vocab_size: int = TINY_LLAMA["vocab_size"]) -> list[list[int]]:
+    """Eight prompts of 3 to 1,100 random tokens; 700 and 1100 take the split-context (v2) decode."""
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (3, 17, 64, 100, 250, 700, 1100, 31)]
+
+
 def random_llama(path, **shape):
     """A small Llama of ``shape`` with random weights (std 0.08, norms left at 1) saved as safetensors,
     with a word-level tokenizer."""

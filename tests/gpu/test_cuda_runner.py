@@ -3,25 +3,16 @@ the kernel attention backend, eager and with decode CUDA graphs, fp32/fp16/bf16,
 swapping through the copy_blocks kernel, and KV sizing by gpu_memory_utilization."""
 
 import gc
-import random
 
 import pytest
 import torch
 
 from raypaged import LLM, SamplingParams
-from tests.gpu import NEEDS_CUDA_AND_CUPY, random_llama
+from tests.gpu import NEEDS_CUDA_AND_CUPY, TINY_LLAMA, ragged_prompts, random_llama
 
 pytestmark = NEEDS_CUDA_AND_CUPY
 
-SHAPE = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-)  # head size 64, GQA 2:1
+SHAPE = TINY_LLAMA
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
@@ -41,9 +32,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(0)
-    lengths = [3, 17, 64, 100, 250, 700, 1100, 31]  # 700 and 1100: split-context (v2) decode
-    return [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(n)] for n in lengths]
+    return ragged_prompts()
 
 
 def hf_greedy(model_dir, prompts, dtype, max_tokens=32):

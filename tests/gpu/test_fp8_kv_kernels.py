@@ -16,14 +16,15 @@ from raypaged import kernels
 from raypaged.attention import torch_ops
 from raypaged.attention.backend import TORCH, cuda_backend
 from tests.attention.test_varlen import random_step
-from tests.gpu import NEEDS_CUDA_AND_CUPY, random_llama
-from tests.gpu.test_kernels import NUM_BLOCKS, poison_allocator, random_layout, relative_error
+from tests.gpu import NEEDS_CUDA_AND_CUPY, TINY_LLAMA, ragged_prompts, random_llama
+from tests.gpu import test_kernels as base
+from tests.gpu.test_kernels import NUM_BLOCKS, random_layout, relative_error
+from tests.gpu.test_kernels import TOLERANCE as DECODE_TOLERANCE
 
 pytestmark = NEEDS_CUDA_AND_CUPY
 
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DECODE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}  # test_kernels.py's
 PREFILL_TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}  # test_paged_prefill.py's
 MIXED = [(37, 37), (1, 50), (64, 200), (130, 333), (5, 5), (17, 18), (1, 1)]  # (query_len, context_len)
 
@@ -96,24 +97,9 @@ def test_copy_and_gather_move_fp8_blocks_bit_for_bit():
 # ---- decode ----------------------------------------------------------------------------------------------------
 
 
-def decode_case(dtype, head_size, block_size, num_heads, num_kv_heads, partition_size, seed, num_seqs=9, **lengths):
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    key_cache, value_cache = fp8_caches(block_size, num_kv_heads, head_size)
-    max_context = lengths.get("max_context") or NUM_BLOCKS * block_size // 12
-    block_tables, context_lens = random_layout(rng, num_seqs, block_size, max_context, lengths.get("min_context", 1))
-    query = torch.randn(num_seqs, num_heads, head_size, dtype=dtype, device="cuda")
-    scale = head_size**-0.5
-    ref = torch_ops.paged_attention_decode(
-        query.float(), key_cache.float(), value_cache.float(), block_tables, context_lens, scale
-    )
-    poison_allocator(query.numel() * query.element_size())
-    out = kernels.paged_attention_decode(
-        query, key_cache, value_cache, block_tables, context_lens, scale, partition_size=partition_size
-    )
-    assert out.dtype == dtype
-    assert not out.isnan().any(), "an output element was not written"
-    assert relative_error(out, ref) <= DECODE_TOLERANCE[dtype]
+def decode_case(*args, **kwargs):
+    """tests/gpu/test_kernels.py's decode case (its tolerances) over fp8 caches."""
+    base.decode_case(*args, caches=lambda dtype, *shape: fp8_caches(*shape), **kwargs)
 
 
 @pytest.mark.parametrize("partition_size", [None, 32], ids=["v1", "v2"])
@@ -280,15 +266,7 @@ def test_cuda_backend_step_over_fp8_matches_torch(monkeypatch, seed, varlen):
 
 # ---- the engine ------------------------------------------------------------------------------------------------
 
-SHAPE = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-)  # head size 64, GQA 2:1 (tests/gpu/test_cuda_runner.py's)
+SHAPE = TINY_LLAMA
 
 
 @pytest.fixture(scope="module")
@@ -298,9 +276,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(0)
-    lengths = [3, 17, 64, 100, 250, 700, 1100, 31]  # 700 and 1100: split-context (v2) decode
-    return [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(n)] for n in lengths]
+    return ragged_prompts()
 
 
 def generate(model_dir, prompts, params, expect_backend, **kwargs):

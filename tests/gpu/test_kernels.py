@@ -57,10 +57,13 @@ def decode_case(
     num_seqs=9,
     max_context=None,
     min_context=1,
+    caches=random_cache,
 ):
+    """``caches(dtype, block_size, num_kv_heads, head_size)``: the K and V caches (of the query's dtype here; fp8
+    in tests/gpu/test_fp8_kv_kernels.py)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    key_cache, value_cache = random_cache(dtype, block_size, num_kv_heads, head_size)
+    key_cache, value_cache = caches(dtype, block_size, num_kv_heads, head_size)
     block_tables, context_lens = random_layout(
         rng, num_seqs, block_size, max_context or NUM_BLOCKS * block_size // 12, min_context
     )
@@ -73,6 +76,7 @@ def decode_case(
     out = kernels.paged_attention_decode(
         query, key_cache, value_cache, block_tables, context_lens, scale, partition_size=partition_size
     )
+    assert out.dtype == dtype
     assert not out.isnan().any(), "an output element was not written"
     assert relative_error(out, ref) <= TOLERANCE[dtype]
 

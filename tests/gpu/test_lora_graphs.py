@@ -16,7 +16,7 @@ from raypaged.worker.cuda_graphs import DecodeGraphs
 from raypaged.worker.piecewise_graphs import PiecewiseGraphs
 from tests import fused_reference as ref
 from tests.conftest import make_peft_adapter
-from tests.gpu import NEEDS_CUDA_AND_CUPY, random_llama
+from tests.gpu import NEEDS_CUDA_AND_CUPY, TINY_LLAMA, random_llama
 from tests.worker.test_piecewise import (
     MAX_NUM_BATCHED_TOKENS,
     STEPS,
@@ -100,15 +100,7 @@ def test_piecewise_graphs_replay_the_lora_product_for_any_slots():
     assert decode.replays == 1
 
 
-SHAPE = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-)
+SHAPE = TINY_LLAMA
 
 
 def test_engine_tokens_with_the_lora_kernels_equal_the_torch_path(tmp_path, monkeypatch):

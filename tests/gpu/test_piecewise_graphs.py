@@ -15,20 +15,12 @@ from raypaged.attention.backend import cuda_backend
 from raypaged.worker.cuda_graphs import DecodeGraphs
 from raypaged.worker.piecewise_graphs import PiecewiseGraphs
 from tests import fused_reference as ref
-from tests.gpu import NEEDS_CUDA_AND_CUPY, random_llama
+from tests.gpu import NEEDS_CUDA_AND_CUPY, TINY_LLAMA, random_llama
 from tests.worker.test_piecewise import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, NUM_BLOCKS, STEPS, new_caches, step_inputs
 
 pytestmark = NEEDS_CUDA_AND_CUPY
 
-SHAPE = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-)  # head size 64, GQA 2:1
+SHAPE = TINY_LLAMA
 
 
 @pytest.fixture(autouse=True)

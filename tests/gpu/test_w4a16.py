@@ -22,7 +22,7 @@ from raypaged.quantization.linear import QuantLinear
 from raypaged.quantization.packing import AWQ_ORDER, pack
 from raypaged.quantization.quantizer import quantize_checkpoint
 from raypaged.quantization.wna16 import AWQMethod, GPTQMethod, PackedMethod
-from tests.gpu import NEEDS_CUDA_AND_CUPY, random_llama
+from tests.gpu import NEEDS_CUDA_AND_CUPY, TINY_LLAMA, random_llama
 
 pytestmark = NEEDS_CUDA_AND_CUPY
 
@@ -201,15 +201,7 @@ def test_cuda_graphs_record_the_kernels(rows):
             torch.testing.assert_close(y, eager, rtol=1e-3, atol=1e-3)
 
 
-SHAPE = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-)
+SHAPE = TINY_LLAMA
 
 
 @pytest.fixture(scope="module")

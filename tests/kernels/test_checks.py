@@ -11,39 +11,16 @@ from raypaged.kernels import (
     reshape_and_cache,
 )
 from raypaged.kernels.ops import decode_partition_size, shared_bytes_limit_tokens
-
-NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, NUM_HEADS = 8, 16, 2, 64, 8
-
-
-def cache(dtype=torch.float16, **shape):
-    dims = dict(num_blocks=NUM_BLOCKS, kv_heads=NUM_KV_HEADS, block_size=BLOCK_SIZE, head_size=HEAD_SIZE)
-    dims.update(shape)
-    return torch.zeros(*dims.values(), dtype=dtype)
-
-
-def decode_args(**overrides):
-    args = dict(
-        query=torch.zeros(3, NUM_HEADS, HEAD_SIZE, dtype=torch.float16),
-        key_cache=cache(),
-        value_cache=cache(),
-        block_tables=torch.zeros(3, 4, dtype=torch.long),
-        context_lens=torch.ones(3, dtype=torch.long),
-        scale=0.125,
-    )
-    args.update(overrides)
-    return args
-
-
-def reshape_args(**overrides):
-    args = dict(
-        key=torch.zeros(5, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16),
-        value=torch.zeros(5, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16),
-        key_cache=cache(),
-        value_cache=cache(),
-        slot_mapping=torch.arange(5),
-    )
-    args.update(overrides)
-    return args
+from tests.kernels.wrapper_args import (
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    NUM_BLOCKS,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    cache,
+    decode_args,
+    reshape_args,
+)
 
 
 @pytest.mark.parametrize(

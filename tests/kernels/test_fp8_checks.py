@@ -2,6 +2,8 @@
 errors for what they do not, before cupy or a device is touched; and, with the device parts stubbed out, which
 kernel each launches with which arguments (the kernels themselves run in tests/gpu/test_fp8_kv_kernels.py)."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -17,53 +19,19 @@ from raypaged.kernels import (
     prefill_ops,
     reshape_and_cache,
 )
+from tests.kernels import wrapper_args
+from tests.kernels.wrapper_args import BLOCK_SIZE, HEAD_SIZE, NUM_BLOCKS, NUM_HEADS, NUM_KV_HEADS, rows
 
 FP8 = torch.float8_e4m3fn
-NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, NUM_HEADS = 8, 16, 2, 64, 8
 
 
 def cache(dtype=FP8, **shape):
-    dims = dict(num_blocks=NUM_BLOCKS, kv_heads=NUM_KV_HEADS, block_size=BLOCK_SIZE, head_size=HEAD_SIZE)
-    dims.update(shape)
-    return torch.zeros(*dims.values(), dtype=dtype)
+    return wrapper_args.cache(dtype, **shape)
 
 
-def rows(dtype=torch.float16, tokens=5, heads=NUM_KV_HEADS, head_size=HEAD_SIZE):
-    return torch.zeros(tokens, heads, head_size, dtype=dtype)
-
-
-def reshape_args(**overrides):
-    args = dict(key=rows(), value=rows(), key_cache=cache(), value_cache=cache(), slot_mapping=torch.arange(5))
-    args.update(overrides)
-    return args
-
-
-def decode_args(**overrides):
-    args = dict(
-        query=rows(tokens=3, heads=NUM_HEADS),
-        key_cache=cache(),
-        value_cache=cache(),
-        block_tables=torch.zeros(3, 4, dtype=torch.long),
-        context_lens=torch.ones(3, dtype=torch.long),
-        scale=0.125,
-    )
-    args.update(overrides)
-    return args
-
-
-def prefill_args(**overrides):
-    args = dict(
-        query=rows(tokens=7, heads=NUM_HEADS),
-        key_cache=cache(),
-        value_cache=cache(),
-        cu_seqlens_q=torch.tensor([0, 4, 7], dtype=torch.int32),
-        context_lens=torch.tensor([20, 3], dtype=torch.int32),
-        block_tables=torch.zeros(2, 2, dtype=torch.int32),
-        scale=0.125,
-        max_query_len=4,
-    )
-    args.update(overrides)
-    return args
+reshape_args = functools.partial(wrapper_args.reshape_args, FP8)
+decode_args = functools.partial(wrapper_args.decode_args, FP8)
+prefill_args = functools.partial(wrapper_args.prefill_args, FP8)
 
 
 CACHE_DTYPE_ERRORS = [

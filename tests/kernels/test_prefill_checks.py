@@ -6,29 +6,7 @@ import torch
 
 from raypaged.kernels import paged_prefill_attention
 from raypaged.kernels.prefill_ops import MMA_BLOCK_M, SIMT_BLOCK_M, heads_per_block, launch_geometry
-
-NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, NUM_HEADS = 8, 16, 2, 64, 8
-
-
-def cache(dtype=torch.float16, **shape):
-    dims = dict(num_blocks=NUM_BLOCKS, kv_heads=NUM_KV_HEADS, block_size=BLOCK_SIZE, head_size=HEAD_SIZE)
-    dims.update(shape)
-    return torch.zeros(*dims.values(), dtype=dtype)
-
-
-def prefill_args(**overrides):
-    args = dict(
-        query=torch.zeros(7, NUM_HEADS, HEAD_SIZE, dtype=torch.float16),
-        key_cache=cache(),
-        value_cache=cache(),
-        cu_seqlens_q=torch.tensor([0, 4, 7], dtype=torch.int32),
-        context_lens=torch.tensor([20, 3], dtype=torch.int32),
-        block_tables=torch.zeros(2, 2, dtype=torch.int32),
-        scale=0.125,
-        max_query_len=4,
-    )
-    args.update(overrides)
-    return args
+from tests.kernels.wrapper_args import HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS, cache, prefill_args
 
 
 @pytest.mark.parametrize(
