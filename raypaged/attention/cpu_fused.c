@@ -113,3 +113,23 @@ int raypaged_rotary_and_cache_f32(const int64_t *positions, float *q, int64_t q_
     }
     return 0;
 }
+
+/* out[r * cols + c] = fp8(w[r * cols + c]) * scale[r * scale_row_stride + c / group] for r < rows, c < cols: an fp8
+ * e4m3 weight dequantized as torch's weight.to(torch.float32) * scale (the widening exact, one rounding in the
+ * product), for the fp8 linears' float GEMM. group: inputs per scale (cols: one scale per row); scale_row_stride:
+ * scales per row (0: one scale for every row). */
+void raypaged_dequantize_fp8_f32(const uint8_t *w, int64_t rows, int64_t cols, const float *scale,
+                                 int64_t scale_row_stride, int64_t group, float *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *o = out + r * cols;
+        const float *s = scale + r * scale_row_stride;
+        widen_fp8_e4m3(w + r * cols, cols, o);
+        for (int64_t c0 = 0; c0 < cols; c0 += group) {
+            const int64_t end = c0 + group < cols ? c0 + group : cols;
+            const float g = s[c0 / group];
+#pragma omp simd
+            for (int64_t c = c0; c < end; ++c) o[c] *= g;
+        }
+    }
+}

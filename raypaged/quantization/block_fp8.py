@@ -17,7 +17,7 @@ from torch import nn
 from raypaged import envs
 from raypaged.model.layers import linear
 from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, layer_tensor
-from raypaged.quantization.w8a8 import FP8, FP8_MAX, MIN_SCALE
+from raypaged.quantization.w8a8 import FP8, FP8_MAX, MIN_SCALE, dequantize_fp8
 from raypaged.quantization.wna16 import check_split
 
 
@@ -36,15 +36,6 @@ def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
 def expand_columns(scale: torch.Tensor, group: int, k: int) -> torch.Tensor:
     """[rows, ceil(k / group)] -> [rows, k]: each group's scale over its inputs."""
     return scale.repeat_interleave(group, 1)[:, :k]
-
-
-def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """float32 ``q * expand_columns(scale)`` for ``q`` [rows, K] (fp8) and ``scale`` [rows, ceil(K / group)], without
-    the expanded copy where groups divide K."""
-    rows, k = q.shape
-    if k % group:
-        return q.to(torch.float32) * expand_columns(scale.to(torch.float32), group, k)
-    return (q.to(torch.float32).view(rows, k // group, group) * scale.to(torch.float32)[..., None]).view(rows, k)
 
 
 def scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
@@ -76,9 +67,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             scale_b=scale.to(torch.float32).t().contiguous(),
             out_dtype=x.dtype,
         )
-    return linear(
-        dequantize_groups(xq, x_scale, block_k).to(x.dtype), dequantize_groups(weight, scale, block_k).to(x.dtype)
-    )
+    return linear(dequantize_fp8(xq, x_scale, block_k).to(x.dtype), dequantize_fp8(weight, scale, block_k).to(x.dtype))
 
 
 class BlockFp8Method(LinearMethod):
@@ -121,4 +110,4 @@ class BlockFp8Method(LinearMethod):
         return block_fp8_linear(x, layer_tensor(layer, "weight"), layer_tensor(layer, self.scale_name), self.block_k)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return dequantize_groups(layer_tensor(layer, "weight"), layer_tensor(layer, self.scale_name), self.block_k)
+        return dequantize_fp8(layer_tensor(layer, "weight"), layer_tensor(layer, self.scale_name), self.block_k)

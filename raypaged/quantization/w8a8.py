@@ -216,6 +216,32 @@ def int8_linear(
     return acc.to(torch.float32).mul_(x_scale).mul_(weight_scale).to(x.dtype)
 
 
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 ``weight * scale`` for an fp8 e4m3 ``weight`` [rows, K] and a float ``scale`` [rows or 1,
+    ceil(K / group)] (each group of ``group`` inputs of a row scaled by its own; one row: every row by it):
+    torch's ``weight.to(torch.float32) * scale`` expanded, bit for bit. On CPU in C (``cpu_fused.c``: the
+    widening vectorized, about 4x torch's), else in torch."""
+    rows, k = weight.shape
+    groups = -(-k // group)
+    if scale.dim() != 2 or scale.shape[1] != groups or scale.shape[0] not in (1, rows):
+        raise ValueError(
+            f"an fp8 weight of {rows} x {k} in groups of {group} takes scales [{rows} or 1, {groups}], "
+            f"got {list(scale.shape)}"
+        )
+    scale = scale.to(torch.float32)
+    if weight.device.type == "cpu" and weight.is_contiguous() and (lib := _cpu_kernels()) is not None:
+        scale = scale.contiguous()
+        out = torch.empty(rows, k, dtype=torch.float32)
+        row_stride = groups if scale.shape[0] == rows else 0
+        lib.raypaged_dequantize_fp8_f32(
+            weight.data_ptr(), rows, k, scale.data_ptr(), row_stride, group, out.data_ptr(), torch.get_num_threads()
+        )
+        return out
+    if k % group == 0:
+        return (weight.to(torch.float32).view(rows, groups, group) * scale[..., None]).view(rows, k)
+    return weight.to(torch.float32) * scale.repeat_interleave(group, 1)[:, :k]
+
+
 @functools.cache
 def _has_fp8_gemm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -235,7 +261,10 @@ def fp8_linear(
             out_dtype=torch.bfloat16,
         )
         return out.to(x.dtype)
-    w = weight.to(x.dtype) * weight_scale.to(x.dtype)[:, None]
+    if x.dtype == torch.float32:
+        w = dequantize_fp8(weight, weight_scale.view(-1, 1), weight.shape[1])
+    else:
+        w = weight.to(x.dtype) * weight_scale.to(x.dtype)[:, None]
     return linear(xq.to(x.dtype) * x_scale.to(x.dtype), w)
 
 

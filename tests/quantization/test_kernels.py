@@ -10,7 +10,7 @@ from raypaged.model import cpu_step
 from raypaged.quantization import w8a8
 from raypaged.quantization.block_fp8 import block_fp8_linear, expand_columns, quantize_fp8_groups
 from raypaged.quantization.linear import QuantLinear
-from raypaged.quantization.w8a8 import FP8, fp8_linear, int8_linear, quantize_fp8, quantize_int8
+from raypaged.quantization.w8a8 import FP8, dequantize_fp8, fp8_linear, int8_linear, quantize_fp8, quantize_int8
 from tests import fused_reference as ref
 from tests.conftest import use_kernels_without_avx512
 from tests.quantization.conftest import load
@@ -276,3 +276,30 @@ def test_int8_steps_in_one_c_call_give_the_layer_paths_bits(quantized_dirs, stat
     down.method = w8a8.W8A8Method(w8a8.FP8, static=False)
     reason = "a linear is quantized as W8A8 torch.float8_e4m3fn, not W8A8 int8"
     assert cpu_step.unsupported_reason(model.model) == reason
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "group", "scale_rows"),
+    [(256, 96, 96, 256), (256, 100, 32, 256), (40, 576, 128, 40), (33, 64, 64, 1)],
+    ids=["per-row", "groups-last-of-4", "block-128", "one-scale"],
+)
+def test_fp8_dequantization_in_c_is_torchs_bit_for_bit(rows, cols, group, scale_rows):
+    """Every fp8 byte (NaN, subnormals, both zeros included) widened and scaled as torch's
+    ``weight.to(float32) * scale`` does; a transposed weight takes the torch path, with the same values."""
+    if not cpu_ops.builds():
+        pytest.skip("the CPU kernels do not build here")
+    weight = torch.arange(rows * cols, dtype=torch.int64).remainder(256).to(torch.uint8).view(FP8).view(rows, cols)
+    scale = torch.rand(scale_rows, -(-cols // group), generator=GEN) * 4 + 2**-7
+    expected = weight.to(torch.float32) * scale.repeat_interleave(group, 1)[:, :cols]
+    torch.testing.assert_close(dequantize_fp8(weight, scale, group), expected, rtol=0, atol=0, equal_nan=True)
+    transposed = weight.t().contiguous().t()
+    assert not transposed.is_contiguous()
+    torch.testing.assert_close(dequantize_fp8(transposed, scale, group), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp8_dequantization_refuses_scales_that_do_not_cover_the_weight():
+    weight = torch.zeros(8, 100, dtype=FP8)
+    with pytest.raises(
+        ValueError, match=r"^an fp8 weight of 8 x 100 in groups of 32 takes scales \[8 or 1, 4\], got \[8, 3\]$"
+    ):
+        dequantize_fp8(weight, torch.ones(8, 3), 32)
