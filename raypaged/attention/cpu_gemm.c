@@ -62,6 +62,36 @@ void raypaged_pack_weight_f32(const float *w, int64_t n, int64_t k, int64_t ldw,
     }
 }
 
+/* A 4-bit layer's weight in the W4A16 layout of raypaged/kernels/quant_ops.py (qweight int32 [kw, n4]: input
+ * feature 8r + i of column c in bits 4i .. 4i+3 of word (r, c); scales float32 and zeros uint8 [8 kw / group, n4];
+ * perm int32 [8 kw]: the input feature at each layout position, k for padding; NULL: the identity) dequantized
+ * straight into the column panels raypaged_linear_f32 reads ([ceil(n / NR), k, NR], columns past n zero):
+ * w[feature][c] = float(q - zero) * scale, one rounding, as the layout's torch reference. */
+void raypaged_dequantize_w4_packed_f32(const int32_t *qweight, const float *scales, const uint8_t *zeros,
+                                       const int32_t *perm, int64_t k, int64_t kw, int64_t n, int64_t n4,
+                                       int64_t group, float *packed, int threads) {
+    const int64_t panels = (n + NR - 1) / NR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = packed + p * k * NR;
+        const int64_t c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
+        for (int64_t r = 0; r < kw; r++) {
+            const int64_t g = 8 * r / group;
+            const int32_t *words = qweight + r * n4 + c0;
+            const float *s = scales + g * n4 + c0;
+            const uint8_t *z = zeros + g * n4 + c0;
+            for (int i = 0; i < 8; i++) {
+                const int64_t feature = perm ? perm[8 * r + i] : 8 * r + i;
+                if (feature >= k) continue; /* padding */
+                float *row = dst + feature * NR;
+#pragma omp simd
+                for (int64_t j = 0; j < cols; j++) row[j] = (float)(((words[j] >> (4 * i)) & 15) - (int32_t)z[j]) * s[j];
+                for (int64_t j = cols; j < NR; j++) row[j] = 0.0f;
+            }
+        }
+    }
+}
+
 /* ROWS (1..MR, a constant after inlining) rows of x against one panel, plus its bias (NULL: none; the panel's
  * columns, zero-padded): y's COLS (<= NR) columns as `store` says (GATED, GATED_SILU: cols <= HALF of each half,
  * the up half `half` columns right of y for GATED).

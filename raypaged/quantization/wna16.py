@@ -13,6 +13,7 @@ layout in torch.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from abc import abstractmethod
 
@@ -20,8 +21,9 @@ import torch
 from torch import nn
 
 from raypaged import envs
+from raypaged.attention import cpu_ops
 from raypaged.kernels import quant_ops
-from raypaged.model.layers import linear
+from raypaged.model.layers import PackedWeight, linear
 from raypaged.model.parallel import TensorParallel
 from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, layer_tensor
 from raypaged.quantization.packing import AWQ_ORDER, unpack
@@ -57,6 +59,26 @@ def kernel_weight(layer: nn.Module) -> quant_ops.W4A16Weight | None:
     return weight
 
 
+CPU_WEIGHT = "w4a16_cpu"  # the layer attribute holding, on CPU, its weight in the same layout with fp32 scales
+
+
+def packed_w4(weight: quant_ops.W4A16Weight) -> PackedWeight:
+    """A CPU layer's 4-bit weight (the W4A16 layout, fp32 scales) dequantized by ``cpu_gemm.c`` straight into the
+    column panels of a :class:`PackedWeight`, for the C GEMM: the same float32 values as ``w4a16_reference``."""
+    lib = cpu_ops.library()
+    width = lib.raypaged_gemm_panel_width()
+    k, n = weight.in_features, weight.out_features
+    data = torch.empty(-(-n // width), k, width)
+    lib.raypaged_dequantize_w4_packed_f32(
+        weight.qweight.data_ptr(), weight.scales.data_ptr(), weight.zeros.data_ptr(),
+        None if weight.perm is None else weight.perm.data_ptr(), k, weight.qweight.shape[0], n,
+        weight.qweight.shape[1], weight.group_size, data.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    packed = PackedWeight(data, requires_grad=False)
+    packed.out_features, packed.in_features, packed.gated = n, k, False
+    return packed
+
+
 def four_bits_only(bits: int) -> None:
     if bits != 4:
         raise ValueError(f"the W4A16 kernels take 4-bit weights, not {bits}-bit")
@@ -69,8 +91,13 @@ class WNA16Method(LinearMethod):
     derived: tuple[str, ...] = ()  # buffers ``finish`` builds from the on-disk tensors (dropped with them)
 
     def finish(self, layer: nn.Module) -> None:
-        """4-bit on a CUDA device with cupy: the kernels' layout, built once; the on-disk tensors are dropped."""
+        """4-bit on a CUDA device with cupy: the kernels' layout, built once; the on-disk tensors are dropped.
+        4-bit on CPU where the C kernels build: the same layout (fp32 scales) beside the on-disk tensors, which
+        each float32 call dequantizes straight into ``cpu_gemm.c``'s panels."""
         device = layer_tensor(layer, next(iter(self.tensors(_shape(layer))))).device
+        if self.bits == 4 and device.type == "cpu" and cpu_ops.builds():
+            weight = self.kernel_layout(layer)
+            setattr(layer, CPU_WEIGHT, dataclasses.replace(weight, scales=weight.scales.to(torch.float32)))
         if self.bits != 4 or not w4a16_kernels_usable(device):
             return
         weight = self.kernel_layout(layer)
@@ -84,6 +111,9 @@ class WNA16Method(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         weight = kernel_weight(layer)
+        cpu_weight = getattr(layer, CPU_WEIGHT, None)
+        if weight is None and cpu_weight is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return linear(x, packed_w4(cpu_weight))
         if weight is None:
             return linear(x, self.dequantize(layer).to(x.dtype))
         rows = x.reshape(-1, x.shape[-1]).contiguous()

@@ -184,3 +184,31 @@ def test_the_kernels_run_only_with_the_switch_on_a_cuda_device_with_cupy(monkeyp
     monkeypatch.setenv("RAYPAGED_W4A16_KERNELS", "1")
     assert wna16.w4a16_kernels_usable(torch.device("cuda"))
     assert not wna16.w4a16_kernels_usable(torch.device("cpu"))
+
+
+FORMATS_4BIT = ["gptq", "gptq-asym", "gptq-actorder-asym", "awq", "w4a16", "w4a16-asym"]
+
+
+@pytest.mark.parametrize(
+    ("name", "tp_rank"),
+    [(name, rank) for name in FORMATS_4BIT for rank in (None, 0, 1)] + [("gptq-channel", None)],
+    ids=lambda value: value if isinstance(value, str) else {None: "tp1", 0: "rank0", 1: "rank1"}[value],
+)
+def test_cpu_layers_dequantize_into_the_c_gemms_panels_bit_for_bit(name, tp_rank, checkpoints):
+    """On CPU a 4-bit layer keeps the layout beside its on-disk tensors; each float32 call dequantizes it in C
+    straight into cpu_gemm.c's panels: the unpacked panels are the on-disk dequantize() bit for bit, and the
+    layer's product is the C GEMM's over those (rank 1 of an act-order row-parallel layer: padded groups)."""
+    from raypaged.attention import cpu_ops
+    from raypaged.model.layers import linear
+
+    if not cpu_ops.builds():
+        pytest.skip("the CPU kernels do not build here")
+    tp = TensorParallel() if tp_rank is None else TensorParallel(tp_rank, 2)
+    for layer in quant_linears(load(checkpoints[name], tp)):
+        weight = getattr(layer, wna16.CPU_WEIGHT)
+        assert weight.scales.dtype == torch.float32
+        assert hasattr(layer, "weight_scale" if name.startswith("w4a16") else "scales")  # the on-disk tensors kept
+        packed = wna16.packed_w4(weight)
+        assert torch.equal(packed.unpack(), layer.method.dequantize_stored(layer))
+        x = torch.randn(3, layer.shape.in_features, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(layer.partial(x), linear(x, packed))
