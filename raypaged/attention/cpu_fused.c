@@ -133,3 +133,39 @@ void raypaged_dequantize_fp8_f32(const uint8_t *w, int64_t rows, int64_t cols, c
         }
     }
 }
+
+/* out = x quantized to fp8 e4m3 and back, per row and group of `group` inputs (group >= cols: per row), as
+ * torch's quantize-then-dequantize of the fp8 linears: scale = max(amax, min_scale) / 448 (or `fixed` when
+ * positive: one scale for everything), q = fp8(clamp(x / scale, -448, 448)), out = float(q) * scale. The
+ * same operations in the same order, so the same bits, NaN and infinities included (a NaN in a group makes
+ * its scale NaN, as torch's amax does). */
+void raypaged_fake_quantize_fp8_f32(const float *x, int64_t rows, int64_t cols, int64_t ldx, int64_t group,
+                                    float fixed, float min_scale, float *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * ldx;
+        float *o = out + r * cols;
+        for (int64_t c0 = 0; c0 < cols; c0 += group) {
+            const int64_t end = c0 + group < cols ? c0 + group : cols;
+            float scale = fixed;
+            if (!(fixed > 0.0f)) {
+                float amax = 0.0f;
+                int nan = 0;
+#pragma omp simd reduction(max : amax) reduction(| : nan)
+                for (int64_t c = c0; c < end; ++c) {
+                    const float a = fabsf(xr[c]);
+                    nan |= a != a;
+                    amax = a > amax ? a : amax;
+                }
+                amax = nan ? __builtin_nanf("") : (amax < min_scale ? min_scale : amax);
+                scale = amax / 448.0f;
+            }
+#pragma omp simd
+            for (int64_t c = c0; c < end; ++c) {
+                float v = xr[c] / scale;
+                v = v < -448.0f ? -448.0f : (v > 448.0f ? 448.0f : v);
+                o[c] = fp8_e4m3_to_f32(f32_to_fp8_e4m3(v)) * scale;
+            }
+        }
+    }
+}

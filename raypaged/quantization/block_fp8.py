@@ -17,7 +17,7 @@ from torch import nn
 from raypaged import envs
 from raypaged.model.layers import linear
 from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, layer_tensor
-from raypaged.quantization.w8a8 import FP8, FP8_MAX, MIN_SCALE, dequantize_fp8
+from raypaged.quantization.w8a8 import FP8, FP8_MAX, MIN_SCALE, dequantize_fp8, fake_quantize_fp8
 from raypaged.quantization.wna16 import check_split
 
 
@@ -57,6 +57,9 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     x quantized to fp8 per token and group of ``block_k`` inputs. Where :func:`scaled_mm_takes`, the fp8
     product runs on the tensor cores with both scales applied per group as it accumulates; elsewhere both
     sides are dequantized into x's dtype and multiplied."""
+    fake = fake_quantize_fp8(x, block_k)
+    if fake is not None:  # on CPU: the same values, in one C pass
+        return linear(fake, dequantize_fp8(weight, scale, block_k))
     xq, x_scale = quantize_fp8_groups(x, block_k)
     if scaled_mm_takes(x, weight, block_k):
         # cuBLASLt reads 1 x 128 scales outer-dim-major: the tokens' [M, G] with M fastest, the weight's [G, N]

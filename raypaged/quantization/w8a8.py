@@ -216,6 +216,28 @@ def int8_linear(
     return acc.to(torch.float32).mul_(x_scale).mul_(weight_scale).to(x.dtype)
 
 
+def fake_quantize_fp8(x: torch.Tensor, group: int, scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """float32 ``x`` [rows, K] quantized to fp8 per row and group of ``group`` inputs (``scale``: one per-tensor
+    scale instead), then dequantized: what the fp8 linears multiply, in C on CPU (``cpu_fused.c``), bit for bit
+    :func:`quantize_fp8` followed by ``xq.float() * x_scale``; None where the C path does not take ``x``."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or x.dim() != 2
+        or x.stride(1) != 1
+        or (scale is not None and not float(scale) > 0)
+        or (lib := _cpu_kernels()) is None
+    ):
+        return None
+    rows, k = x.shape
+    out = torch.empty(rows, k, dtype=torch.float32)
+    lib.raypaged_fake_quantize_fp8_f32(
+        x.data_ptr(), rows, k, x.stride(0), group, 0.0 if scale is None else float(scale), MIN_SCALE,
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """float32 ``weight * scale`` for an fp8 e4m3 ``weight`` [rows, K] and a float ``scale`` [rows or 1,
     ceil(K / group)] (each group of ``group`` inputs of a row scaled by its own; one row: every row by it):
@@ -251,6 +273,9 @@ def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
 ) -> torch.Tensor:
     """``x @ W^T``, W = ``weight`` [N, K] fp8 x ``weight_scale`` [N] float32; x quantized to fp8."""
+    fake = fake_quantize_fp8(x, x.shape[-1], input_scale) if x.dim() == 2 else None
+    if fake is not None:  # on CPU: the same values, in one C pass
+        return linear(fake, dequantize_fp8(weight, weight_scale.view(-1, 1), weight.shape[1]))
     xq, x_scale = quantize_fp8(x, input_scale)
     if _has_fp8_gemm(x.device):
         out = torch._scaled_mm(

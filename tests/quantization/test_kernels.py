@@ -10,7 +10,15 @@ from raypaged.model import cpu_step
 from raypaged.quantization import w8a8
 from raypaged.quantization.block_fp8 import block_fp8_linear, expand_columns, quantize_fp8_groups
 from raypaged.quantization.linear import QuantLinear
-from raypaged.quantization.w8a8 import FP8, dequantize_fp8, fp8_linear, int8_linear, quantize_fp8, quantize_int8
+from raypaged.quantization.w8a8 import (
+    FP8,
+    dequantize_fp8,
+    fake_quantize_fp8,
+    fp8_linear,
+    int8_linear,
+    quantize_fp8,
+    quantize_int8,
+)
 from tests import fused_reference as ref
 from tests.conftest import use_kernels_without_avx512
 from tests.quantization.conftest import load
@@ -303,3 +311,36 @@ def test_fp8_dequantization_refuses_scales_that_do_not_cover_the_weight():
         ValueError, match=r"^an fp8 weight of 8 x 100 in groups of 32 takes scales \[8 or 1, 4\], got \[8, 3\]$"
     ):
         dequantize_fp8(weight, torch.ones(8, 3), 32)
+
+
+@pytest.mark.parametrize(
+    ("cols", "group", "static"),
+    [(96, 96, False), (96, 96, True), (100, 32, False), (576, 128, False)],
+    ids=["per-token", "static", "groups", "block"],
+)
+def test_fp8_activation_quantization_in_c_is_torchs_bit_for_bit(cols, group, static):
+    """x quantized to fp8 and back in one C pass: the values of quantize_fp8 / quantize_fp8_groups then
+    ``xq.float() * scale``, also for a row holding a NaN, one holding an infinity, an all-zero row, values at
+    fp8's ties and far beyond 448 (static: clamped), and a row read through a stride."""
+    if not cpu_ops.builds():
+        pytest.skip("the CPU kernels do not build here")
+    x = torch.randn(9, cols + 3, generator=GEN) * torch.logspace(-6, 6, cols + 3)
+    x[1, 5], x[2, 7], x[3] = float("nan"), float("inf"), 0.0
+    x[4, :4] = torch.tensor([1.0625, -1.1875, 2.0**-10, 3 * 2.0**-10])
+    x = x[:, :cols]  # rows 3 floats apart beyond their length
+    input_scale = torch.tensor([0.37]) if static else None
+    if group == cols:
+        xq, x_scale = quantize_fp8(x, input_scale)
+        expected = xq.to(torch.float32) * x_scale
+    else:  # block-wise fp8 takes dynamic activations only
+        xq, x_scale = quantize_fp8_groups(x, group)
+        expected = xq.to(torch.float32) * expand_columns(x_scale, group, cols)
+    got = fake_quantize_fp8(x, group, input_scale)
+    assert got is not None
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert bool((got[3] == 0).all())
+    nan = got[1].isnan()
+    if static:  # only the NaN itself; the infinity clamps to 448 steps of the scale
+        assert int(nan.sum()) == 1 and float(got[2, 7]) == float(torch.tensor(448.0) * 0.37)
+    else:  # the NaN's (and the infinity's) group: its amax, so its scale, is NaN (inf / inf, 0 * inf)
+        assert bool(nan[:group].all()) and not bool(nan[group:].any()) and bool(got[2, :group].isnan().all())
