@@ -86,7 +86,6 @@ class W4A16Weight:
         check_shape("scales", self.scales, (num_groups, n4))
         check_tensor("zeros", self.zeros, (torch.uint8,), 2)
         check_shape("zeros", self.zeros, (num_groups, n4))
-        names, tensors = ["qweight", "scales", "zeros"], [qweight, self.scales, self.zeros]
         if self.perm is None:
             if self.in_features != layout_features:
                 raise ValueError(
@@ -100,14 +99,21 @@ class W4A16Weight:
                 raise ValueError(
                     f"in_features {self.in_features} must be positive and at most the layout's {layout_features}"
                 )
-            names.append("perm")
-            tensors.append(self.perm)
+        names, tensors = self.named_tensors()
         if len({t.device for t in tensors}) > 1:
             found = ", ".join(f"{n}={t.device}" for n, t in zip(names, tensors))
             raise ValueError(f"{', '.join(names)} must be on one device; got {found}")
         for name, tensor in zip(names, tensors):
             check_contiguous(name, tensor)
             check_aligned(name, tensor)
+
+    def named_tensors(self) -> tuple[list[str], list[torch.Tensor]]:
+        """The layout's tensors by name (``perm`` where there is one)."""
+        names, tensors = ["qweight", "scales", "zeros"], [self.qweight, self.scales, self.zeros]
+        if self.perm is not None:
+            names.append("perm")
+            tensors.append(self.perm)
+        return names, tensors
 
     @property
     def layout_features(self) -> int:
@@ -263,12 +269,8 @@ def _check_x(x: object, weight: W4A16Weight, max_rows: int | None = None) -> tor
             f"x has {x.shape[0]} rows; the GEMV kernel takes at most {max_rows} (w4a16_linear dequantizes "
             "and multiplies for more)"
         )
-    names = ["x", "qweight", "scales", "zeros"]
-    tensors = [x, weight.qweight, weight.scales, weight.zeros]
-    if weight.perm is not None:
-        names.append("perm")
-        tensors.append(weight.perm)
-    return check_cuda(names, tensors)
+    names, tensors = weight.named_tensors()
+    return check_cuda(["x", *names], [x, *tensors])
 
 
 @functools.cache
@@ -342,9 +344,7 @@ def w4a16_dequantize(weight: W4A16Weight, dtype: torch.dtype) -> torch.Tensor:
         raise TypeError(f"weight must be a W4A16Weight, got {type(weight).__name__}")
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of {', '.join(str(d) for d in FLOAT_DTYPES)}; got {dtype}")
-    names = ["qweight", "scales", "zeros"] + ([] if weight.perm is None else ["perm"])
-    tensors = [weight.qweight, weight.scales, weight.zeros] + ([] if weight.perm is None else [weight.perm])
-    device = check_cuda(names, tensors)
+    device = check_cuda(*weight.named_tensors())
     return _dequantize(weight, dtype, device)
 
 

@@ -33,9 +33,12 @@ def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     return xq.view(tokens, groups * group)[:, :k], scale
 
 
-def expand_columns(scale: torch.Tensor, group: int, k: int) -> torch.Tensor:
-    """[rows, ceil(k / group)] -> [rows, k]: each group's scale over its inputs."""
-    return scale.repeat_interleave(group, 1)[:, :k]
+def block_shape(value: object) -> tuple[int, int] | None:
+    """A checkpoint's ``[block_n, block_k]`` (fp8 ``weight_block_size``, compressed-tensors ``block_structure``)
+    when it is two positive integers, else None."""
+    if isinstance(value, list) and len(value) == 2 and all(type(b) is int and b > 0 for b in value):
+        return value[0], value[1]
+    return None
 
 
 def scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
@@ -57,20 +60,20 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     x quantized to fp8 per token and group of ``block_k`` inputs. Where :func:`scaled_mm_takes`, the fp8
     product runs on the tensor cores with both scales applied per group as it accumulates; elsewhere both
     sides are dequantized into x's dtype and multiplied."""
-    fake = fake_quantize_fp8(x, block_k)
-    if fake is not None:  # on CPU: the same values, in one C pass
-        return linear(fake, dequantize_fp8(weight, scale, block_k))
-    xq, x_scale = quantize_fp8_groups(x, block_k)
-    if scaled_mm_takes(x, weight, block_k):
-        # cuBLASLt reads 1 x 128 scales outer-dim-major: the tokens' [M, G] with M fastest, the weight's [G, N]
-        return torch._scaled_mm(
-            xq.contiguous(),
-            weight.t(),
-            scale_a=x_scale.t().contiguous().t(),
-            scale_b=scale.to(torch.float32).t().contiguous(),
-            out_dtype=x.dtype,
-        )
-    return linear(dequantize_fp8(xq, x_scale, block_k).to(x.dtype), dequantize_fp8(weight, scale, block_k).to(x.dtype))
+    xd = fake_quantize_fp8(x, block_k)  # on CPU: quantized and back in one C pass
+    if xd is None:
+        xq, x_scale = quantize_fp8_groups(x, block_k)
+        if scaled_mm_takes(x, weight, block_k):
+            # cuBLASLt reads 1 x 128 scales outer-dim-major: the tokens' [M, G] with M fastest, the weight's [G, N]
+            return torch._scaled_mm(
+                xq.contiguous(),
+                weight.t(),
+                scale_a=x_scale.t().contiguous().t(),
+                scale_b=scale.to(torch.float32).t().contiguous(),
+                out_dtype=x.dtype,
+            )
+        xd = dequantize_fp8(xq, x_scale, block_k).to(x.dtype)
+    return linear(xd, dequantize_fp8(weight, scale, block_k).to(x.dtype))
 
 
 class BlockFp8Method(LinearMethod):

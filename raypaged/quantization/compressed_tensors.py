@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from raypaged.quantization.base import LinearMethod, QuantizationConfig, known_keys
-from raypaged.quantization.block_fp8 import BlockFp8Method
+from raypaged.quantization.block_fp8 import BlockFp8Method, block_shape
 from raypaged.quantization.w8a8 import FP8, W8A8Method
 from raypaged.quantization.wna16 import PackedMethod
 
@@ -151,10 +151,10 @@ def _fp8_block(
 ) -> tuple[int, int] | None:
     """[block_n, block_k] of an FP8_BLOCK scheme (fp8 weights in blocks, fp8 activations dynamic per token and
     group of block_k inputs), else None."""
-    block = weights.get("block_structure")
-    if not (fmt == "float-quantized" and kind == "float" and bits == 8 and symmetric and strategy == "block"):
-        return None
-    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+    block = block_shape(weights.get("block_structure"))
+    if block is None or not (
+        fmt == "float-quantized" and kind == "float" and bits == 8 and symmetric and strategy == "block"
+    ):
         return None
     inputs = _args("input_activations", inputs or {})
     if (
@@ -165,7 +165,7 @@ def _fp8_block(
         and inputs.get("strategy") == "group"
         and inputs.get("group_size") == block[1]
     ):
-        return block[0], block[1]
+        return block
     return None
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raypaged.quantization.base import LinearMethod, QuantizationConfig, is_ignored, known_keys
-from raypaged.quantization.block_fp8 import BlockFp8Method
+from raypaged.quantization.block_fp8 import BlockFp8Method, block_shape
 from raypaged.quantization.w8a8 import FP8, Fp8OnlineMethod, W8A8Method
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
@@ -38,8 +38,9 @@ class Fp8Config(QuantizationConfig):
         if scheme not in ACTIVATION_SCHEMES:
             raise ValueError(f"fp8 activation_scheme {scheme!r} is not supported (supported: dynamic, static)")
         block = config.get("weight_block_size")
+        shape = None if block is None else block_shape(block)
         if block is not None:
-            if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+            if shape is None:
                 raise ValueError(f"fp8 weight_block_size must be two positive integers [block_n, block_k], got {block}")
             if scheme != "dynamic":
                 raise ValueError(
@@ -50,7 +51,7 @@ class Fp8Config(QuantizationConfig):
             True,
             scheme,
             tuple(config.get("ignored_layers") or ()),
-            None if block is None else (block[0], block[1]),
+            shape,
             tuple(config.get("modules_to_not_convert") or ()),
         )
 

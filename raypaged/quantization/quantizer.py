@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from raypaged.model.loader import iter_checkpoint
 from raypaged.quantization.packing import AWQ_ORDER, pack
-from raypaged.quantization.w8a8 import FP8, FP8_MAX
+from raypaged.quantization.w8a8 import FP8, FP8_MAX, expand_columns
 
 SCHEMES = ("fp8", "fp8-block", "w8a8-int8", "w8a8-fp8", "w8a8-fp8-block", "w4a16", "gptq", "awq")
 BLOCK_SCHEMES = ("fp8-block", "w8a8-fp8-block")
@@ -69,7 +69,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     tiles = torch.nn.functional.pad(w, (0, cols * bk - k, 0, rows * bn - n)).view(rows, bn, cols, bk)
     amax = tiles.abs().amax((1, 3))
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
-    per_weight = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    per_weight = expand_columns(scale.repeat_interleave(bn, 0)[:n], bk, k)
     return (w / per_weight).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

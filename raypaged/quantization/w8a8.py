@@ -238,6 +238,11 @@ def fake_quantize_fp8(x: torch.Tensor, group: int, scale: torch.Tensor | None = 
     return out
 
 
+def expand_columns(scale: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """[rows, ceil(k / group)] -> [rows, k]: each group's scale over its inputs."""
+    return scale.repeat_interleave(group, 1)[:, :k]
+
+
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """float32 ``weight * scale`` for an fp8 e4m3 ``weight`` [rows, K] and a float ``scale`` [rows or 1,
     ceil(K / group)] (each group of ``group`` inputs of a row scaled by its own; one row: every row by it):
@@ -261,7 +266,7 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, group: int) -> tor
         return out
     if k % group == 0:
         return (weight.to(torch.float32).view(rows, groups, group) * scale[..., None]).view(rows, k)
-    return weight.to(torch.float32) * scale.repeat_interleave(group, 1)[:, :k]
+    return weight.to(torch.float32) * expand_columns(scale, group, k)
 
 
 @functools.cache
@@ -273,24 +278,24 @@ def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None
 ) -> torch.Tensor:
     """``x @ W^T``, W = ``weight`` [N, K] fp8 x ``weight_scale`` [N] float32; x quantized to fp8."""
-    fake = fake_quantize_fp8(x, x.shape[-1], input_scale) if x.dim() == 2 else None
-    if fake is not None:  # on CPU: the same values, in one C pass
-        return linear(fake, dequantize_fp8(weight, weight_scale.view(-1, 1), weight.shape[1]))
-    xq, x_scale = quantize_fp8(x, input_scale)
-    if _has_fp8_gemm(x.device):
-        out = torch._scaled_mm(
-            xq,
-            weight.t(),
-            scale_a=x_scale.expand(xq.shape[0], 1).contiguous(),
-            scale_b=weight_scale.view(1, -1),
-            out_dtype=torch.bfloat16,
-        )
-        return out.to(x.dtype)
+    xd = fake_quantize_fp8(x, x.shape[-1], input_scale)  # on CPU: quantized and back in one C pass
+    if xd is None:
+        xq, x_scale = quantize_fp8(x, input_scale)
+        if _has_fp8_gemm(x.device):
+            out = torch._scaled_mm(
+                xq,
+                weight.t(),
+                scale_a=x_scale.expand(xq.shape[0], 1).contiguous(),
+                scale_b=weight_scale.view(1, -1),
+                out_dtype=torch.bfloat16,
+            )
+            return out.to(x.dtype)
+        xd = xq.to(x.dtype) * x_scale.to(x.dtype)
     if x.dtype == torch.float32:
         w = dequantize_fp8(weight, weight_scale.view(-1, 1), weight.shape[1])
     else:
         w = weight.to(x.dtype) * weight_scale.to(x.dtype)[:, None]
-    return linear(xq.to(x.dtype) * x_scale.to(x.dtype), w)
+    return linear(xd, w)
 
 
 class W8A8Method(LinearMethod):

@@ -1,14 +1,15 @@
 """Packed 4- or 8-bit integer weights with per-group scales (and zeros), 16/32-bit activations:
 the tensors of GPTQ, AWQ and compressed-tensors' pack-quantized format, as they lie on disk.
 
-On CPU (and for 8 bits, without cupy, or without ``$RAYPAGED_W4A16_KERNELS=1``) every call
-dequantizes the weight into the activations' dtype and runs the float GEMM (the reference itself):
-memory holds the packed weights only. With the switch on, 4-bit layers on a CUDA device where cupy
-imports are repacked once at load (``finish``) into the one layout of the CuPy W4A16 kernels
-(``raypaged.kernels.quant_ops``; act-order features sorted by group), and the on-disk tensors are
-dropped: ``apply`` runs the GEMV kernel for up to 8 rows, else the weight dequantized by a kernel
-and cuBLAS; ``dequantize`` gives the same float32 weight as the on-disk formula, computed from the
-layout in torch.
+Without a kernel (8 bits, or a float dtype other than float32 on CPU, or a CUDA device without cupy or
+``$RAYPAGED_W4A16_KERNELS=1``) every call dequantizes the weight into the activations' dtype and runs the
+float GEMM (the reference itself). 4-bit layers are repacked once at load (``finish``) into the one layout of
+the CuPy W4A16 kernels (``raypaged.kernels.quant_ops``; act-order features sorted by group):
+- on CPU, where the C kernels build, beside the on-disk tensors and with fp32 scales: each float32 call
+  dequantizes it in C straight into ``cpu_gemm.c``'s panels for the C GEMM (``packed_w4``);
+- on a CUDA device with the switch on, in place of the on-disk tensors: ``apply`` runs the GEMV kernel for up
+  to 8 rows, else the weight dequantized by a kernel and cuBLAS.
+``dequantize`` gives the same float32 weight as the on-disk formula either way.
 """
 
 from __future__ import annotations
@@ -91,19 +92,20 @@ class WNA16Method(LinearMethod):
     derived: tuple[str, ...] = ()  # buffers ``finish`` builds from the on-disk tensors (dropped with them)
 
     def finish(self, layer: nn.Module) -> None:
-        """4-bit on a CUDA device with cupy: the kernels' layout, built once; the on-disk tensors are dropped.
-        4-bit on CPU where the C kernels build: the same layout (fp32 scales) beside the on-disk tensors, which
-        each float32 call dequantizes straight into ``cpu_gemm.c``'s panels."""
+        """4-bit: the kernels' layout, built once; on CPU where the C kernels build, kept (with fp32 scales) beside
+        the on-disk tensors; on a CUDA device with the kernels usable, in their place."""
         device = layer_tensor(layer, next(iter(self.tensors(_shape(layer))))).device
-        if self.bits == 4 and device.type == "cpu" and cpu_ops.builds():
-            weight = self.kernel_layout(layer)
-            setattr(layer, CPU_WEIGHT, dataclasses.replace(weight, scales=weight.scales.to(torch.float32)))
-        if self.bits != 4 or not w4a16_kernels_usable(device):
+        on_cpu = device.type == "cpu" and cpu_ops.builds()
+        on_gpu = w4a16_kernels_usable(device)
+        if self.bits != 4 or not (on_cpu or on_gpu):
             return
         weight = self.kernel_layout(layer)
-        for name in (*self.tensors(_shape(layer)), *self.derived):
-            delattr(layer, name)
-        setattr(layer, KERNEL_WEIGHT, weight)
+        if on_cpu:
+            setattr(layer, CPU_WEIGHT, dataclasses.replace(weight, scales=weight.scales.to(torch.float32)))
+        if on_gpu:
+            for name in (*self.tensors(_shape(layer)), *self.derived):
+                delattr(layer, name)
+            setattr(layer, KERNEL_WEIGHT, weight)
 
     @abstractmethod
     def kernel_layout(self, layer: nn.Module) -> quant_ops.W4A16Weight:
@@ -111,13 +113,13 @@ class WNA16Method(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         weight = kernel_weight(layer)
+        if weight is not None:
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return quant_ops.w4a16_linear(rows, weight).reshape(*x.shape[:-1], weight.out_features)
         cpu_weight = getattr(layer, CPU_WEIGHT, None)
-        if weight is None and cpu_weight is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        if cpu_weight is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             return linear(x, packed_w4(cpu_weight))
-        if weight is None:
-            return linear(x, self.dequantize(layer).to(x.dtype))
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        return quant_ops.w4a16_linear(rows, weight).reshape(*x.shape[:-1], weight.out_features)
+        return linear(x, self.dequantize(layer).to(x.dtype))
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         weight = kernel_weight(layer)

@@ -5,8 +5,8 @@ block fp8) through the dequantize-then-matmul path, the same code as on CPU."""
 import pytest
 import torch
 
-from raypaged.quantization.block_fp8 import block_fp8_linear, expand_columns, quantize_fp8_groups, scaled_mm_takes
-from raypaged.quantization.w8a8 import FP8, fp8_linear, quantize_fp8
+from raypaged.quantization.block_fp8 import block_fp8_linear, quantize_fp8_groups, scaled_mm_takes
+from raypaged.quantization.w8a8 import FP8, expand_columns, fp8_linear, quantize_fp8
 from tests.gpu import NEEDS_CUDA_AND_CUPY
 
 pytestmark = NEEDS_CUDA_AND_CUPY

@@ -8,11 +8,12 @@ from raypaged.attention import cpu_fused, cpu_ops
 from raypaged.attention.backend import CPU
 from raypaged.model import cpu_step
 from raypaged.quantization import w8a8
-from raypaged.quantization.block_fp8 import block_fp8_linear, expand_columns, quantize_fp8_groups
+from raypaged.quantization.block_fp8 import block_fp8_linear, quantize_fp8_groups
 from raypaged.quantization.linear import QuantLinear
 from raypaged.quantization.w8a8 import (
     FP8,
     dequantize_fp8,
+    expand_columns,
     fake_quantize_fp8,
     fp8_linear,
     int8_linear,
