@@ -247,9 +247,15 @@ class EngineConfig:
     # auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2: one byte per element
     kv_cache_dtype: str = _flag(
         "auto",
-        "KV cache element type: auto (the model's dtype) or fp8 (one byte, scale 1.0; on CUDA attention in torch "
-        "unless RAYPAGED_FP8_KV_KERNELS=1)",
+        "KV cache element type: auto (the model's dtype) or fp8 (one byte; K/V divided by each layer's scales: the "
+        "checkpoint's, --calculate-kv-scales, or 1.0; on CUDA attention in torch unless RAYPAGED_FP8_KV_KERNELS=1)",
         choices=tuple(KV_CACHE_DTYPES),
+    )
+    calculate_kv_scales: bool = _flag(
+        False,
+        "fp8 KV cache: each layer's K and V scales from the first step's keys and values (max |k| / 200, "
+        "max |v| / 100), in place of the checkpoint's or 1.0",
+        action="store_true",
     )
     limits: InputLimits = field(default_factory=InputLimits)  # per-request caps (--max-logprobs ...)
     # auto: the model folder's generation_config.json; vllm: no defaults; a folder
@@ -352,6 +358,11 @@ class EngineConfig:
                 f"--kv-cache-dtype {self.kv_cache_dtype} runs in the torch attention backend: "
                 "--attention-backend cuda reads a cache of the model's dtype (and an fp8 e4m3 one with "
                 "RAYPAGED_FP8_KV_KERNELS=1)"
+            )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "--calculate-kv-scales sets an fp8 KV cache's scales: it needs --kv-cache-dtype fp8 "
+                "(the cache is the model's dtype, which takes no scales)"
             )
         if self.kv_cache_dtype == "fp8_e5m2" and self.attention_backend == "cpu":
             raise ValueError(

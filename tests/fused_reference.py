@@ -142,12 +142,13 @@ def run_steps(
     device: str,
     plain: bool = False,
     before_step: Callable[[int], None] | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[list[torch.Tensor], list]:
     """Each step's hidden states and the caches after the last, through ``backend``; ``plain``: on the
     plain path whatever fused ops the backend brings (its attention alone); ``before_step(i)`` is called
-    before step ``i``."""
+    before step ``i``; ``cache_dtype``: the caches' (the model's by default)."""
     model.set_attention_backend(dataclasses.replace(backend, fused_ops=None) if plain else backend)
-    dtype = model.model.norm.weight.dtype
+    dtype = cache_dtype or model.model.norm.weight.dtype
     attn = model.model.layers[0].self_attn
     shape = (NUM_BLOCKS, attn.num_kv_heads, BLOCK_SIZE, attn.head_dim)
     caches = [

@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from raypaged import envs
@@ -57,6 +58,30 @@ CPU_FUSED = FusedOps(
 )
 
 
+@dataclass(slots=True)
+class KVScales:
+    """One layer's fp8 KV cache scales (per tensor, as vLLM's ``k_scale``/``v_scale``): the cache holds
+    ``key / k`` and ``value / v``, narrowed. From the checkpoint, from ``--calculate-kv-scales`` (the first
+    step's ``max |key| / 200`` and ``max |value| / 100``), or 1.0. A cache of the model's dtype keeps 1.0."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+    @property
+    def unit(self) -> bool:
+        return self.k == 1.0 and self.v == 1.0
+
+    def set(self, k: float, v: float) -> None:
+        """Each scale rounded to float32, as the kernels and torch's float32 arithmetic take it."""
+        self.k, self.v = _float32(k), _float32(v)
+
+
+def _float32(x: float) -> float:
+    if not (x > 0.0 and x != float("inf")):
+        raise ValueError(f"a KV cache scale must be positive and finite, got {x}")
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
@@ -77,9 +102,24 @@ class AttentionBackend:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        self.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
-        return self.attend(query, key, value, key_cache, value_cache, meta, scale)
+        self.write_cache(key, value, key_cache, value_cache, meta.slot_mapping, kv_scales)
+        return self.attend(query, key, value, key_cache, value_cache, meta, scale, kv_scales)
+
+    def write_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scales: KVScales | None = None,
+    ) -> None:
+        """``reshape_and_cache`` of ``key / k_scale`` and ``value / v_scale`` (``kv_scales``: an fp8 cache's)."""
+        if kv_scales is not None and not kv_scales.unit:
+            key, value = key / kv_scales.k, value / kv_scales.v
+        self.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def attend(
         self,
@@ -90,16 +130,33 @@ class AttentionBackend:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` once this step's K/V are already in their slots (the CUDA model path
-        writes them with the rotary kernel, ``raypaged.kernels.rotary_and_cache``)."""
+        writes them with the rotary kernel, ``raypaged.kernels.rotary_and_cache``).
+
+        ``kv_scales`` (an fp8 cache's) fold into what reads the cache: q . (k_scale K) = (q . K) k_scale, so the
+        kernels take ``scale * k_scale``, and softmax(.) (v_scale V) = v_scale softmax(.) V, so their output is
+        multiplied by ``v_scale``; the kernels read the stored values as they are. A whole prompt's span attends
+        over this step's own K/V, unscaled."""
+        k_scale, v_scale = (1.0, 1.0) if kv_scales is None else (kv_scales.k, kv_scales.v)
+        # multiplied in float32, as cpu_step.c multiplies them
+        cached_scale = scale if k_scale == 1.0 else float(numpy.float32(scale) * numpy.float32(k_scale))
         num_decodes = meta.num_decode_tokens
         if num_decodes == query.shape[0] and not meta.prefills:
-            return self.decode(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+            out = self.decode(
+                query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, cached_scale
+            )
+            return _times(out, v_scale)
         out = torch.empty_like(query)
         if num_decodes:
             out[:num_decodes] = self.decode(
-                query[:num_decodes], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+                query[:num_decodes],
+                key_cache,
+                value_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                cached_scale,
             )
         if self.varlen_prefill is not None and (varlen := meta.varlen_prefill(key_cache.shape[2])) is not None:
             rows = slice(varlen.query_start, varlen.query_start + varlen.num_tokens)
@@ -110,11 +167,13 @@ class AttentionBackend:
                 varlen.cu_seqlens_q,
                 varlen.context_lens,
                 varlen.block_tables,
-                scale,
+                cached_scale,
                 varlen.max_query_len,
                 out=out[rows],
             )
-            return out
+            return _times(out, v_scale)
+        if num_decodes:
+            _times(out[:num_decodes], v_scale)
         for span in meta.prefills:
             end = span.query_start + span.query_len
             q = query[span.query_start : end]
@@ -123,10 +182,14 @@ class AttentionBackend:
                     q, key[span.query_start : end], value[span.query_start : end], scale
                 )
             else:
-                out[span.query_start : end] = self.paged_prefill(
-                    q, key_cache, value_cache, span.block_ids, span.context_len, scale
-                )
+                span_out = self.paged_prefill(q, key_cache, value_cache, span.block_ids, span.context_len, cached_scale)
+                out[span.query_start : end] = _times(span_out, v_scale)
         return out
+
+
+def _times(out: torch.Tensor, v_scale: float) -> torch.Tensor:
+    """``out`` multiplied in place by an fp8 cache's ``v_scale`` (nothing to do at 1.0)."""
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
 TORCH = AttentionBackend(

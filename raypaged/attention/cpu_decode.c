@@ -307,7 +307,8 @@ static void attend_partition(const struct partition *w, const float *q, const vo
     pass(w, q, scale, v_cache, NULL, 1, scores, acc, widened);
 }
 
-/* The caches hold float32, or fp8 e4m3 (scale 1: the stored values are the K/V) when fp8 is set.
+/* The caches hold float32, or fp8 e4m3 when fp8 is set, read as stored (a layer's K/V scales are the caller's: it
+ * passes scale * k_scale and multiplies the output by v_scale, as AttentionBackend.attend does).
  * Returns 0; -1 when scratch memory could not be allocated; -2 when a context length is beyond its
  * block table's width; -3 when a block id in use is outside the cache. Nothing is read from the
  * cache before these checks pass. */

@@ -107,10 +107,13 @@ def rotary_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """``RotaryEmbedding.rotate_(positions, query, key)``, then ``reshape_and_cache(key, value, key_cache,
     value_cache, slot_mapping)``, in one pass over the tokens (a negative slot: rotated, not cached). The cache
-    may be float32 or fp8 e4m3 (written as ``.to(torch.float8_e4m3fn)`` writes it).
+    may be float32 or fp8 e4m3, which holds ``key / k_scale`` and ``value / v_scale`` (written as
+    ``(key / k_scale).to(torch.float8_e4m3fn)`` writes it; the scales are an fp8 cache's only).
     The arguments' shapes are those of ``raypaged.kernels.fused_ops.rotary_and_cache``; here the token
     stride of query, key and value is free."""
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -137,6 +140,8 @@ def rotary_and_cache(
         ("positions", "query", "key", "value", "cos_sin", "key_cache", "value_cache", "slot_mapping"),
         (positions, query, key, value, cos_sin, key_cache, value_cache, slot_mapping),
     )
+    if key_cache.dtype == torch.float32 and (k_scale, v_scale) != (1.0, 1.0):
+        raise ValueError(f"K/V scales ({k_scale}, {v_scale}) apply to an fp8 cache, not a float32 one")
     if not tokens:
         return
     status = cpu_ops.library().raypaged_rotary_and_cache_f32(
@@ -152,6 +157,8 @@ def rotary_and_cache(
         key_cache.data_ptr(),
         value_cache.data_ptr(),
         key_cache.dtype != torch.float32,
+        k_scale,
+        v_scale,
         num_blocks,
         slot_mapping.data_ptr(),
         tokens,

@@ -83,8 +83,8 @@ _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_gemm_panel_width": ((), _INT),
     "raypaged_pack_weight_f32": ((_PTR, _I64, _I64, _I64, _PTR, _INT), None),
     "raypaged_linear_f32": ((_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT), None),
-    "raypaged_rotary_and_cache_f32": ((_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64,
-                                       _PTR, _I64, _I64, _I64, _I64, _I64, _INT), _INT),
+    "raypaged_rotary_and_cache_f32": ((_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT, _F32,
+                                       _F32, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT), _INT),
     "raypaged_step_layers": ((_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64,
                               _PTR, _PTR, _PTR, _PTR, _PTR, _INT), _INT),
     "raypaged_greedy_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT), _INT),
@@ -179,7 +179,7 @@ def builds() -> bool:
     return unavailable_reason() is None
 
 
-CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn)  # fp8: K/V narrowed with scale 1
+CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn)  # fp8: K/V divided by their layer's scales, then narrowed
 
 
 def _check_query_and_caches(

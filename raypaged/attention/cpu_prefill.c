@@ -216,7 +216,7 @@ static inline int64_t scratch_floats(int64_t width, int64_t D) {
  * table's width; -3 when a block id in use is outside the cache (the codes of cpu_decode.c); -4 when the
  * spans' query offsets do not ascend within the query's rows or a span has no query token; -5 when a
  * span's query is longer than its context. Nothing is read from the cache before these checks pass. The
- * caches hold float32, or fp8 e4m3 (scale 1) when fp8 is set. */
+ * caches hold float32, or fp8 e4m3 when fp8 is set, read as stored (K/V scales: as cpu_decode.c's). */
 int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64_t query_head_stride,
                            int64_t num_tokens, const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
                            const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,

@@ -40,11 +40,12 @@ struct step_linear {
 };
 
 /* One layer's norms (q_norm, k_norm: per head over q and k before rotary, as Qwen3's; NULL where none),
- * projections and KV caches */
+ * projections, KV caches and their scales (an fp8 cache holds k / k_scale and v / v_scale; 1 otherwise) */
 struct step_layer {
     const float *input_norm, *post_norm, *q_norm, *k_norm;
     struct step_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
+    float k_scale, v_scale;
 };
 
 /* The model's shape and the cache's */
@@ -127,16 +128,18 @@ int raypaged_step_layers(const struct step_layer *layers, int64_t num_layers, co
         }
         status = raypaged_rotary_and_cache_f32(positions, q, q_stride, k, k_stride, qkv + q_width + kv_width, qkv_width,
                                                cos_sin, s->max_positions, l->k_cache, l->v_cache, s->fp8,
-                                               s->num_blocks, slots, tokens, s->num_heads, s->num_kv_heads, D,
-                                               s->block_size, threads);
+                                               l->k_scale, l->v_scale, s->num_blocks, slots, tokens, s->num_heads,
+                                               s->num_kv_heads, D, s->block_size, threads);
         if (status) {
             status -= 10;
             break;
         }
+        /* the scales fold into the attention as AttentionBackend.attend folds them: every token's reads the cache */
+        const float cached_scale = s->scale * l->k_scale;
         if (num_decodes > 0)
             status = raypaged_paged_decode(q, q_stride, D, l->k_cache, l->v_cache, s->fp8, s->num_blocks,
                                            block_tables, table_stride, table_width, context_lens, attn, num_decodes,
-                                           s->num_heads, s->num_kv_heads, s->block_size, D, s->scale, threads);
+                                           s->num_heads, s->num_kv_heads, s->block_size, D, cached_scale, threads);
         if (status) break;
         if (prefill) {
             const int64_t first = prefill->query_start;
@@ -144,12 +147,14 @@ int raypaged_step_layers(const struct step_layer *layers, int64_t num_layers, co
                                             l->v_cache, s->fp8, s->num_blocks, prefill->cu_seqlens_q,
                                             prefill->context_lens, prefill->block_tables, prefill->table_stride,
                                             prefill->table_width, attn + first * q_width, prefill->num_spans,
-                                            s->num_heads, s->num_kv_heads, s->block_size, D, s->scale, threads);
+                                            s->num_heads, s->num_kv_heads, s->block_size, D, cached_scale, threads);
             if (status) {
                 status -= 30;
                 break;
             }
         }
+        if (l->v_scale != 1.0f)
+            for (int64_t i = 0; i < tokens * q_width; ++i) attn[i] *= l->v_scale;
         if ((status = project(&l->o, attn, tokens, q_width, s->hidden, x, 0, &scratch, threads, &l->gate_up, s->hidden,
                               2 * s->intermediate, 1)))
             break;

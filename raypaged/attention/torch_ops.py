@@ -4,8 +4,9 @@ Cache layout per layer: ``key_cache``/``value_cache`` are
 ``[num_blocks, num_kv_heads, block_size, head_dim]``: one KV head's tokens of a block are
 contiguous, so the CUDA decode kernel reads each (block, head) as one run of memory.
 
-An fp8 cache (``--kv-cache-dtype fp8``) holds each element in one byte with scale 1.0: K/V are
-rounded to it when written and read back in the query's dtype.
+An fp8 cache (``--kv-cache-dtype fp8``) holds each element in one byte: K/V are rounded to it when written
+and read back in the query's dtype. A layer's K/V scales (``KVScales``) are its callers': they write
+``key / k_scale`` and ``value / v_scale``, and fold the scales into the reads (``AttentionBackend.attend``).
 """
 
 from __future__ import annotations

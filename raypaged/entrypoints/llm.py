@@ -37,7 +37,8 @@ class LLM:
     release them. ``quantization`` (vLLM's names: fp8, awq, gptq, compressed-tensors) is read
     from the checkpoint's ``quantization_config`` when it has one (the argument may only repeat
     it); ``"fp8"`` on a float checkpoint quantizes it at load. ``kv_cache_dtype="fp8"`` keeps
-    the KV cache in one byte per element.
+    the KV cache in one byte per element, scaled per layer by the checkpoint's K/V scales where it has
+    them, or by ``calculate_kv_scales=True``'s (from the first step's keys and values), else 1.0.
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:

@@ -30,13 +30,6 @@ DEFAULT_ONLY: list[tuple[str, str | None, type, tuple[object, ...], str]] = [
         "the scheduler chunks one prompt at a time (a prompt cut at the step's {max_num_batched_tokens} is its last; "
         "the prompts behind it wait for the next step), which is {max_num_partial_prefills} 1",
     ),
-    (
-        "calculate_kv_scales",
-        None,
-        bool,
-        (False,),
-        "an fp8 KV cache ({kv_cache_dtype} fp8) stores K and V with scale 1.0, no per-layer scales",
-    ),
 ]  # {name}: the option's spelling, a flag on the command line and a keyword in LLM()
 # options accepted with any value, and why they change nothing here
 ANY_VALUE = {

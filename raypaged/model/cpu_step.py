@@ -47,6 +47,8 @@ class _Layer(ctypes.Structure):  # cpu_step.c: struct step_layer
         *[(name, _Linear) for name in ("qkv", "o", "gate_up", "down")],
         ("k_cache", _P),
         ("v_cache", _P),
+        ("k_scale", ctypes.c_float),
+        ("v_scale", ctypes.c_float),
     ]
 
 
@@ -257,6 +259,7 @@ class CpuStep:
             for name, linear in (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down)):
                 _linear_fields(getattr(entry, name), _base(linear))
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
+            entry.k_scale, entry.v_scale = layer.self_attn.kv_scales.k, layer.self_attn.kv_scales.v
         self.cache_ptrs = cache_ptrs
 
     def runs(self, meta: AttentionMetadata, block_size: int) -> bool:

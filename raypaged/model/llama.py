@@ -22,12 +22,13 @@ attention.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from raypaged.attention.backend import TORCH, AttentionBackend, FusedOps
+from raypaged.attention.backend import TORCH, AttentionBackend, FusedOps, KVScales
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.model.cpu_step import CpuStep
 from raypaged.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
@@ -37,6 +38,9 @@ from raypaged.quantization.linear import QuantLinear, build_linear
 
 # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
 LayerKVCache = tuple[torch.Tensor, torch.Tensor]
+# --calculate-kv-scales: a scale maps the first step's largest |key| to 200 and |value| to 100 (vLLM's
+# K_SCALE_CONSTANT and V_SCALE_CONSTANT), leaving fp8 e4m3's range (448) headroom for later tokens
+K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -122,6 +126,8 @@ class LlamaAttention(nn.Module):
         )
         self.rotary = rotary
         self.attn_backend: AttentionBackend = TORCH
+        self.kv_scales = KVScales()  # an fp8 KV cache's (the checkpoint's, or calculated); 1.0 otherwise
+        self.calculate_kv_scales = False  # set: this layer's next step calculates them first (calculate_kv_scales)
 
     def fused_rows(self, shard: int) -> tuple[int, int, int]:
         """(first checkpoint row, offset in ``qkv_proj``, rows) of q (0), k (1) or v (2) on this rank."""
@@ -147,11 +153,16 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        if fused is not None:
+        scales = self.kv_scales
+        if fused is not None and not self.calculate_kv_scales:
             if self.q_norm is not None and self.k_norm is not None:
                 q = fused.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
                 k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-            fused.rotary_and_cache(positions, q, k, v, self.rotary.cos_sin, key_cache, value_cache, slot_mapping)
+            # scaled only over an fp8 cache, which the CUDA fused ops never write (cuda_backend)
+            extra = {} if scales.unit else {"k_scale": scales.k, "v_scale": scales.v}
+            fused.rotary_and_cache(
+                positions, q, k, v, self.rotary.cos_sin, key_cache, value_cache, slot_mapping, **extra
+            )
             return q, k, v
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -159,15 +170,24 @@ class LlamaAttention(nn.Module):
         else:  # q and k side by side in qkv: one rotation over both
             qk = qkv[:, : self.shard_sizes[0] + self.shard_sizes[1]]
             self.rotary.rotate_(positions, qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
-        self.attn_backend.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
+        if self.calculate_kv_scales and num_tokens:
+            self.calculate_scales(k, v)
+        self.attn_backend.write_cache(k, v, key_cache, value_cache, slot_mapping, scales)
         return q, k, v
+
+    def calculate_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``--calculate-kv-scales``, as vLLM: this step's (rotated) keys and values set the layer's scales once,
+        ``max |k| / 200`` and ``max |v| / 100`` (1.0 where the maximum is 0), before they are written."""
+        k_max, v_max = float(k.abs().amax()), float(v.abs().amax())
+        self.kv_scales.set(k_max / K_SCALE_RANGE if k_max > 0 else 1.0, v_max / V_SCALE_RANGE if v_max > 0 else 1.0)
+        self.calculate_kv_scales = False
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:  # -> [num_tokens, num_heads, head_dim]
         """The attention over the cache (this step's K/V already in it), by the step's layout."""
         key_cache, value_cache = kv_cache
-        return self.attn_backend.attend(q, k, v, key_cache, value_cache, meta, self.scale)
+        return self.attn_backend.attend(q, k, v, key_cache, value_cache, meta, self.scale, self.kv_scales)
 
     def post_attention(self, out: torch.Tensor) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] -> [.., hidden]
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
@@ -288,12 +308,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused_ops: FusedOps | None = None  # the attention backend's (set_attention_backend); None: plain torch
         self.cpu_step: CpuStep | None = None  # a step's layers in one C call, where it applies
+        self.kv_scales_pending = False  # the next step calculates the K/V scales (the layers' path, not the C one)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
         x, residual = self.embed_tokens(input_ids), None
         step = self.cpu_step
+        if self.kv_scales_pending:  # this step calculates the layers' K/V scales, one layer at a time
+            step, self.kv_scales_pending = None, False
+            if self.cpu_step is not None:
+                self.cpu_step.cache_ptrs = []  # its layer table is filled again, with the scales, next time
         if step is not None and x.shape[0] > 0 and step.runs(meta, kv_caches[0][0].shape[2]):
             if not step.still_applies():  # its linears were wrapped since (LoRA): built again, or never more
                 step = self.cpu_step = CpuStep.build(self)
@@ -314,6 +339,24 @@ class LlamaModel(nn.Module):
         return x
 
 
+# a checkpoint's per-tensor fp8 KV cache scales, by the end of their names: the scales each sets
+_KV_SCALE_NAMES = {
+    ".self_attn.k_scale": "k",  # llm-compressor's kv_cache_scheme, and vLLM's fp8 checkpoints
+    ".self_attn.v_scale": "v",
+    ".self_attn.k_proj.output_scale": "k",  # AutoFP8's
+    ".self_attn.v_proj.output_scale": "v",
+    ".self_attn.kv_scale": "kv",  # one scale for both (older fp8 checkpoints)
+}
+
+
+def _kv_scale_of(name: str) -> tuple[str, str] | None:
+    """(the attention module's name, the scales it sets) of a KV cache scale tensor's name, else None."""
+    for suffix, which in _KV_SCALE_NAMES.items():
+        if name.endswith(suffix):
+            return name[: name.index(".self_attn.") + len(".self_attn")], which
+    return None
+
+
 class LlamaForCausalLM(nn.Module):
     """``quant_config``: the scheme of the four projections of every layer (embeddings, norms and the
     LM head stay in the model's dtype)."""
@@ -329,6 +372,7 @@ class LlamaForCausalLM(nn.Module):
         check_tensor_parallel(config, tp.size)
         self.config = config
         self.model = LlamaModel(config, max_positions, tp, quant_config)
+        self.checkpoint_kv_scales = False  # whether load_weights found fp8 KV cache scales
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
@@ -348,6 +392,18 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.attn_backend = backend
         self.model.fused_ops = backend.fused_ops
         self.model.cpu_step = CpuStep.build(self.model)
+
+    def calculate_kv_scales_next_step(self) -> None:
+        """``--calculate-kv-scales``: the next step with tokens sets every layer's fp8 KV cache scales from its own
+        keys and values (``LlamaAttention.calculate_scales``)."""
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.self_attn.calculate_kv_scales = True
+        self.model.kv_scales_pending = True
+
+    def kv_scales(self) -> list[KVScales]:
+        """Each layer's fp8 KV cache scales."""
+        return [cast(LlamaDecoderLayer, layer).self_attn.kv_scales for layer in self.model.layers]
 
     def pack_weights(self) -> None:
         """Every float linear's weight, the LM head's too, packed for ``layers.linear`` (after loading; fp32 on a
@@ -374,8 +430,20 @@ class LlamaForCausalLM(nn.Module):
         every parameter must be filled."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
+        kv_scales: dict[str, dict[str, float]] = {}  # attention module name -> its checkpoint's "k" and "v" scales
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name.startswith("lm_head.") and self.lm_head is None):
+                continue
+            if (kv_scale := _kv_scale_of(name)) is not None:
+                attn_name, which = kv_scale
+                if not isinstance(self._owner(name, attn_name), LlamaAttention):
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                if tensor.numel() != 1:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} holds {tuple(tensor.shape)} values: KV cache scales are "
+                        "supported per tensor only (one value)"
+                    )
+                kv_scales.setdefault(attn_name, {}).update(dict.fromkeys(which, float(tensor.float())))
                 continue
             for piece, (fused, shard) in _STACKED.items():
                 if piece in name:
@@ -415,6 +483,26 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - filled)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        self._set_kv_scales(kv_scales)
+
+    def _set_kv_scales(self, loaded: dict[str, dict[str, float]]) -> None:
+        """The checkpoint's fp8 KV cache scales into their layers: every layer's k and v scales, or none at all."""
+        self.checkpoint_kv_scales = bool(loaded)
+        if not loaded:
+            return
+        for index, layer in enumerate(self.model.layers):
+            attn_name = f"model.layers.{index}.self_attn"
+            scales = loaded.get(attn_name, {})
+            if set(scales) != {"k", "v"}:
+                lacking = " and ".join(f"{which}_scale" for which in "kv" if which not in scales)
+                raise ValueError(
+                    f"the checkpoint has KV cache scales for some layers but not {lacking} for {attn_name} "
+                    "(every layer needs both, or no layer any)"
+                )
+            try:
+                cast(LlamaDecoderLayer, layer).self_attn.kv_scales.set(scales["k"], scales["v"])
+            except ValueError as error:
+                raise ValueError(f"checkpoint KV cache scales of {attn_name}: {error}") from None
 
     def _owner(self, name: str, module_name: str) -> nn.Module:
         try:

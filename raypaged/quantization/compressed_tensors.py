@@ -5,7 +5,8 @@ Read schemes (one per ``config_groups`` entry, chosen for a module by its ``targ
 or per tensor), W8A8 fp8 (``float-quantized``, the same in fp8 e4m3) and W4A16/W8A16
 (``pack-quantized``: packed int weights with group or channel scales, symmetric or with zero points),
 and W8A8 fp8 with block-wise weight scales (``FP8_BLOCK``: ``strategy: block``, activations per token and
-group of the block's inputs).
+group of the block's inputs). A ``kv_cache_scheme`` of static per-tensor fp8 K/V scales is read too, alone or
+beside the groups: the checkpoint's ``k_scale``/``v_scale`` then scale an fp8 KV cache.
 """
 
 from __future__ import annotations
@@ -169,6 +170,22 @@ def _fp8_block(
     return None
 
 
+def check_kv_cache_scheme(scheme: dict[str, Any]) -> None:
+    """``kv_cache_scheme``: fp8 (8-bit float) K/V with one static symmetric scale per tensor, or an error naming
+    the field that differs (per-head scales, dynamic ones, int8 K/V)."""
+    known_keys("compressed-tensors kv_cache_scheme", scheme, _ARG_KEYS)
+    wanted = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    for key, value in wanted.items():
+        if scheme.get(key, value) != value:
+            raise ValueError(
+                f"compressed-tensors kv_cache_scheme {key} {scheme[key]!r} is not supported (fp8 K/V with one static "
+                "symmetric scale per tensor: num_bits 8, type float, strategy tensor, dynamic false)"
+            )
+    for key in ("group_size", "block_structure", "actorder"):
+        if scheme.get(key) is not None:
+            raise ValueError(f"compressed-tensors kv_cache_scheme {key} {scheme[key]!r} is not supported")
+
+
 def _matches(name: str, pattern: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
@@ -179,6 +196,9 @@ def _matches(name: str, pattern: str) -> bool:
 class CompressedTensorsConfig(QuantizationConfig):
     groups: tuple[tuple[tuple[str, ...], Scheme], ...]  # (targets, scheme), first match wins
     ignore: tuple[str, ...] = ()
+    # kv_cache_scheme: static per-tensor fp8 K/V scales in the checkpoint (each attention's k_scale and v_scale,
+    # which LlamaForCausalLM.load_weights reads; they apply to an fp8 KV cache, --kv-cache-dtype fp8)
+    kv_cache_scales: bool = False
     name = "compressed-tensors"
 
     @classmethod
@@ -190,17 +210,20 @@ class CompressedTensorsConfig(QuantizationConfig):
                 f"compressed-tensors quantization_status {status!r} is not supported (only compressed "
                 "checkpoints: their weights are stored quantized)"
             )
-        for key in ("sparsity_config", "kv_cache_scheme", "transform_config"):
+        for key in ("sparsity_config", "transform_config"):
             if config.get(key):
                 raise ValueError(f"compressed-tensors {key} is not supported (got {config[key]})")
+        kv_cache = config.get("kv_cache_scheme")
+        if kv_cache:
+            check_kv_cache_scheme(kv_cache)
         groups = config.get("config_groups") or {}
-        if not groups:
+        if not groups and not kv_cache:
             raise ValueError("compressed-tensors quantization_config has no config_groups")
         parsed = tuple(
             (tuple(group.get("targets") or ()), parse_scheme(name, group, config.get("format")))
             for name, group in groups.items()
         )
-        return cls(parsed, tuple(config.get("ignore") or ()))
+        return cls(parsed, tuple(config.get("ignore") or ()), bool(kv_cache))
 
     def scheme_of(self, module_name: str) -> Scheme | None:
         if any(_matches(module_name, pattern) for pattern in self.ignore):

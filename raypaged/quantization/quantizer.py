@@ -6,6 +6,11 @@ checkpoint of that format has, so tests and benchmarks have real checkpoints to 
     python -m raypaged.quantization.quantizer SRC DST --scheme w8a8-int8
     python -m raypaged.quantization.quantizer SRC DST --scheme gptq --group-size 64 --act-order --asymmetric
     python -m raypaged.quantization.quantizer SRC DST --scheme fp8-block --weight-block-size 128 128
+    python -m raypaged.quantization.quantizer SRC DST --scheme w8a8-fp8 --kv-cache-scales
+    python -m raypaged.quantization.quantizer SRC DST --scheme kv-fp8
+
+``--kv-cache-scales`` (and the kv-fp8 scheme, which quantizes no weights) adds each layer's static fp8 KV cache
+scales, calibrated on a short text (``kv_scales.py``): the only part that reads data.
 
 Act-order (GPTQ ``desc_act``) orders input features by decreasing squared column norm of the
 weights that share the input (q/k/v, gate/up), a data-free stand-in for GPTQ's Hessian diagonal.
@@ -26,7 +31,10 @@ from raypaged.model.loader import iter_checkpoint
 from raypaged.quantization.packing import AWQ_ORDER, pack
 from raypaged.quantization.w8a8 import FP8, FP8_MAX, expand_columns
 
-SCHEMES = ("fp8", "fp8-block", "w8a8-int8", "w8a8-fp8", "w8a8-fp8-block", "w4a16", "gptq", "awq")
+SCHEMES = ("fp8", "fp8-block", "w8a8-int8", "w8a8-fp8", "w8a8-fp8-block", "w4a16", "gptq", "awq", "kv-fp8")
+# the schemes whose checkpoints may carry fp8 KV cache scales (vLLM reads them from fp8 and compressed-tensors ones);
+# kv-fp8: those scales alone, the weights as they are (a compressed-tensors config with only a kv_cache_scheme)
+KV_SCALE_SCHEMES = ("fp8", "fp8-block", "w8a8-int8", "w8a8-fp8", "w8a8-fp8-block", "w4a16", "kv-fp8")
 BLOCK_SCHEMES = ("fp8-block", "w8a8-fp8-block")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # -> the part naming the group
@@ -126,7 +134,16 @@ def quantization_config(
     bits: int = 4,
     block: tuple[int, int] = (128, 128),
 ) -> dict[str, Any]:
-    """The config.json ``quantization_config`` of a checkpoint the quantizer writes."""
+    """The config.json ``quantization_config`` of a checkpoint the quantizer writes (without KV cache scales)."""
+    if scheme == "kv-fp8":
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "dense",
+            "quantization_status": "compressed",
+            "config_groups": {},
+            "ignore": [],
+            "kv_cache_scheme": None,
+        }
     if scheme == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
     if scheme == "fp8-block":
@@ -239,7 +256,7 @@ def quantize_tensors(
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         module, proj = _projection(name)
-        if proj is None:
+        if proj is None or scheme == "kv-fp8":
             out[name] = tensor
             continue
         w = tensor.to(torch.float32)
@@ -279,9 +296,17 @@ def quantize_checkpoint(
     smoothquant: float | None = None,
     bits: int = 4,
     block: tuple[int, int] = (128, 128),
+    kv_cache_scales: bool = False,
 ) -> Path:
     """Write ``dst``: ``src``'s files with the projections quantized and a ``quantization_config``;
-    ``smoothquant``: first smooth the activations with this alpha (see ``smoothquant.py``)."""
+    ``smoothquant``: first smooth the activations with this alpha (see ``smoothquant.py``); ``kv_cache_scales``
+    (always with kv-fp8): each layer's fp8 KV cache scales too (see ``kv_scales.py``)."""
+    kv_cache_scales = kv_cache_scales or scheme == "kv-fp8"
+    if kv_cache_scales and scheme not in KV_SCALE_SCHEMES:
+        raise ValueError(
+            f"KV cache scales go with fp8 and compressed-tensors checkpoints ({', '.join(KV_SCALE_SCHEMES)}), "
+            f"not {scheme}"
+        )
     if act_order and scheme != "gptq":
         raise ValueError("act_order is a gptq option")
     if bits not in (4, 8) or (bits != 4 and scheme != "gptq"):
@@ -300,12 +325,16 @@ def quantize_checkpoint(
         from raypaged.quantization.smoothquant import input_maxima, smooth
 
         tensors = smooth(tensors, input_maxima(src), config["num_hidden_layers"], smoothquant)
-    save_file(
-        quantize_tensors(tensors, scheme, group_size, symmetric, act_order, bits, block),
-        str(dst / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    config["quantization_config"] = quantization_config(scheme, group_size, symmetric, act_order, bits, block)
+    quantized = quantize_tensors(tensors, scheme, group_size, symmetric, act_order, bits, block)
+    quant_config = quantization_config(scheme, group_size, symmetric, act_order, bits, block)
+    if kv_cache_scales:
+        from raypaged.quantization.kv_scales import KV_CACHE_SCHEME, kv_maxima, kv_scale_tensors
+
+        quantized.update(kv_scale_tensors(kv_maxima(src)))
+        if quant_config["quant_method"] == "compressed-tensors":
+            quant_config["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
+    save_file(quantized, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = quant_config
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
@@ -334,6 +363,11 @@ def main(argv: list[str] | None = None) -> None:
         metavar="ALPHA",
         help="smooth activation outliers into the weights first (W8A8: 0.5 is usual)",
     )
+    parser.add_argument(
+        "--kv-cache-scales",
+        action="store_true",
+        help="add each layer's static fp8 KV cache scales, calibrated on a short text (kv-fp8: always)",
+    )
     args = parser.parse_args(argv)
     quantize_checkpoint(
         args.src,
@@ -345,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         args.smoothquant,
         args.bits,
         tuple(args.weight_block_size),
+        args.kv_cache_scales,
     )
     print(f"wrote {args.dst}")
 

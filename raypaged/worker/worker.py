@@ -15,7 +15,7 @@ from raypaged.attention.backend import cuda_cache_unsupported_reason, select_bac
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
-from raypaged.model.llama import head_dim_of, num_kv_heads_per_rank
+from raypaged.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_per_rank
 from raypaged.model.loader import load_model
 from raypaged.model.parallel import TensorParallel
 from raypaged.worker.cache import KVCache
@@ -86,6 +86,7 @@ class Worker:
             backend, self.device, head_dim_of(config.hf_config), config.block_size, self.dtype, self.cache_dtype
         )
         self.model.set_attention_backend(self.attn_backend)
+        self._check_kv_scales()
         self.lora: LoRAManager | None = None  # LoRA slots wrap the loaded model's linears
         if (lora_config := config.lora_config) is not None:
             from raypaged.lora.manager import LoRAManager
@@ -112,6 +113,8 @@ class Worker:
                 self.dtype,
             )
             self.draft_model.set_attention_backend(self.draft_backend)
+            if self.draft_model.checkpoint_kv_scales:  # its cache is the model's dtype
+                _drop_kv_scales(self.draft_model, config.resolved_dtype)
 
     def block_shape(self) -> tuple[int, int, int]:
         """One layer's K (or V) block on this rank: (kv_heads, block_size, head_dim)."""
@@ -213,6 +216,26 @@ class Worker:
         free, total = torch.cuda.mem_get_info(self.device)
         return (total - free) - torch.cuda.memory_reserved(self.device)
 
+    def _check_kv_scales(self) -> None:
+        """An fp8 cache takes the checkpoint's K/V scales (or, with --calculate-kv-scales, the first step's); a
+        cache of the model's dtype none, as vLLM: the checkpoint's are then set back to 1.0, and the log says so."""
+        from_checkpoint = self.model.checkpoint_kv_scales
+        if self.cache_dtype.itemsize != 1:
+            if from_checkpoint:
+                _drop_kv_scales(self.model, self.config.resolved_kv_cache_dtype)
+        elif self.config.calculate_kv_scales:
+            logger.info(
+                "fp8 KV cache: each layer's K/V scales come from the first step's keys and values%s",
+                " (in place of the checkpoint's)" if from_checkpoint else "",
+            )
+        elif from_checkpoint:
+            logger.info("fp8 KV cache: each layer's K/V scaled by the checkpoint's k_scale and v_scale")
+        else:
+            logger.warning(
+                "fp8 KV cache with K/V scales of 1.0 (the checkpoint has none): values beyond fp8's range (448) are "
+                "clamped and small ones lose precision; --calculate-kv-scales sets them from the first step"
+            )
+
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         hf = self.config.hf_config
         cache = KVCache(
@@ -265,9 +288,13 @@ class Worker:
                 self.config.resolved_max_model_len,
                 self.device,
             )
+        if self.config.calculate_kv_scales:  # from the first step with tokens: the profile runs are behind
+            self.model.calculate_kv_scales_next_step()
         if self.device.type == "cuda" and not self.config.enforce_eager:
             if self.tp.size > 1:
                 logger.info("CUDA graphs are off under tensor parallelism; decode steps run eagerly")
+            elif self.config.calculate_kv_scales:  # a graph would keep the scales of its capture, 1.0
+                logger.info("CUDA graphs are off with --calculate-kv-scales; decode steps run eagerly")
             elif self.attn_backend.name != "cuda":  # torch's reshape_and_cache syncs, which capture forbids
                 logger.info("CUDA graphs need the cuda attention backend; decode steps run eagerly")
             else:
@@ -280,3 +307,14 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache makes the runner"
         return self.runner.execute_model(scheduler_output)
+
+
+def _drop_kv_scales(model: LlamaForCausalLM, cache_dtype: str) -> None:
+    """A checkpoint's K/V scales set back to 1.0 over a cache that is not fp8 (vLLM does the same), said in the log."""
+    logger.info(
+        "the checkpoint's KV cache scales apply to an fp8 KV cache (--kv-cache-dtype fp8); this cache is %s, which "
+        "stores K/V as they are",
+        cache_dtype,
+    )
+    for scales in model.kv_scales():
+        scales.set(1.0, 1.0)

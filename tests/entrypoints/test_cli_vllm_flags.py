@@ -55,8 +55,8 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         ),
         (
             ["--calculate-kv-scales"],
-            "--calculate-kv-scales is not supported: an fp8 KV cache (--kv-cache-dtype fp8) stores K and V with scale "
-            "1.0, no per-layer scales",
+            "--calculate-kv-scales sets an fp8 KV cache's scales: it needs --kv-cache-dtype fp8 (the cache is the "
+            "model's dtype, which takes no scales)",
         ),
         (
             ["--no-enable-chunked-prefill"],

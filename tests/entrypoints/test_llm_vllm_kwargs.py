@@ -53,8 +53,8 @@ def test_vllm_engine_arguments_are_taken_at_the_values_that_change_nothing(tiny_
         (
             {"calculate_kv_scales": True},
             ValueError,
-            "calculate_kv_scales=True is not supported: an fp8 KV cache (kv_cache_dtype fp8) stores K and V with scale "
-            "1.0, no per-layer scales",
+            "--calculate-kv-scales sets an fp8 KV cache's scales: it needs --kv-cache-dtype fp8 (the cache is the "
+            "model's dtype, which takes no scales)",
         ),
         (
             {"enable_chunked_prefill": False},

@@ -1,4 +1,4 @@
-"""The CUDA kernels over an fp8 e4m3 KV cache (``torch.float8_e4m3fn``, scale 1.0; the ``*_fp8`` kernels, switched on
+"""The CUDA kernels over an fp8 e4m3 KV cache (``torch.float8_e4m3fn``; the ``*_fp8`` kernels, switched on
 by ``$RAYPAGED_FP8_KV_KERNELS``) against torch: the cache write narrows bit for bit as ``.to(torch.float8_e4m3fn)``;
 decode (v1, v2), the varlen prefill (tensor cores and FMA) and the gather prefill over an fp8 cache match the torch
 reference over the same cache (widened to float32) within the tolerances of tests/gpu/test_kernels.py and
@@ -14,7 +14,7 @@ import torch
 
 from raypaged import kernels
 from raypaged.attention import torch_ops
-from raypaged.attention.backend import TORCH, cuda_backend
+from raypaged.attention.backend import TORCH, KVScales, cuda_backend
 from tests.attention.test_varlen import random_step
 from tests.gpu import NEEDS_CUDA_AND_CUPY, TINY_LLAMA, ragged_prompts, random_llama
 from tests.gpu import test_kernels as base
@@ -234,12 +234,15 @@ def every_span_over_the_cache(query, key, value, key_cache, value_cache, meta, s
     return out
 
 
-@pytest.mark.parametrize("varlen", ["0", "1"], ids=["per-span", "varlen"])
+@pytest.mark.parametrize(
+    "varlen, scales", [("0", None), ("1", None), ("0", KVScales(0.011, 0.0043))], ids=["per-span", "varlen", "scaled"]
+)
 @pytest.mark.parametrize("seed", range(2))
-def test_cuda_backend_step_over_fp8_matches_torch(monkeypatch, seed, varlen):
+def test_cuda_backend_step_over_fp8_matches_torch(monkeypatch, seed, varlen, scales):
     """AttentionBackend.forward on CUDA over an fp8 cache (fp32 model): the cache bytes it writes are torch's, and
     its output is the torch backend's (per-span: whole prompts over their fresh K/V) or, with the varlen kernel,
-    that of every span read from the cache."""
+    that of every span read from the cache. Scaled: K/V divided by per-layer scales before the fp8 kernel writes
+    them, the scales folded into the kernels' reads (tests/attention/test_kv_scales.py checks the fold on CPU)."""
     monkeypatch.setenv("RAYPAGED_VARLEN_PREFILL", varlen)
     query, key, value, key_cache, value_cache, meta = random_step(seed, head_dim=64, block_size=8)
     key_cache, value_cache = key_cache.to(FP8), value_cache.to(FP8)  # the stale garbage too, saturated
@@ -255,11 +258,11 @@ def test_cuda_backend_step_over_fp8_matches_torch(monkeypatch, seed, varlen):
     if varlen == "1":
         expected = every_span_over_the_cache(query, key, value, ref_key, ref_value, meta, 64**-0.5)
     else:
-        expected = TORCH.forward(query, key, value, ref_key, ref_value, meta, 64**-0.5)
+        expected = TORCH.forward(query, key, value, ref_key, ref_value, meta, 64**-0.5, scales)
     backend = cuda_backend(fp8_cache=True)
     assert (backend.varlen_prefill is not None) == (varlen == "1")
     kc, vc = key_cache.cuda(), value_cache.cuda()
-    out = backend.forward(query.cuda(), key.cuda(), value.cuda(), kc, vc, cuda_meta, 64**-0.5)
+    out = backend.forward(query.cuda(), key.cuda(), value.cuda(), kc, vc, cuda_meta, 64**-0.5, scales)
     assert torch.equal(as_bytes(kc).cpu(), as_bytes(ref_key)) and torch.equal(as_bytes(vc).cpu(), as_bytes(ref_value))
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
 
@@ -323,6 +326,20 @@ def test_engine_greedy_tokens_with_the_fp8_kernels_are_the_torch_fallbacks(
     assert tokens(outputs) == tokens(fallback)
     assert (graphs is None) == enforce_eager and (enforce_eager or graphs.replays > 0)
     assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
+
+
+@pytest.mark.usefixtures("per_span")
+def test_engine_calculated_kv_scales_with_the_fp8_kernels_are_the_torch_fallbacks(monkeypatch, model_dir, prompts):
+    """--calculate-kv-scales: the first step sets each layer's scales on both paths alike; CUDA graphs stay off."""
+    from raypaged import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    monkeypatch.setenv("RAYPAGED_FP8_KV_KERNELS", "0")
+    fallback, _, _ = generate(model_dir, prompts, greedy, "torch", enforce_eager=True, calculate_kv_scales=True)
+    monkeypatch.setenv("RAYPAGED_FP8_KV_KERNELS", "1")
+    outputs, graphs, _ = generate(model_dir, prompts, greedy, "cuda", calculate_kv_scales=True)
+    assert graphs is None
+    assert tokens(outputs) == tokens(fallback)
 
 
 @pytest.mark.usefixtures("per_span")

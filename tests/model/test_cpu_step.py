@@ -49,6 +49,27 @@ def test_steps_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs
     ref.assert_same_steps(got, expected)
 
 
+def test_an_fp8_cache_with_kv_scales_gives_the_layer_paths_bits(one_call_runs, monkeypatch):
+    """Each layer's own K/V scales: the one call divides what it writes and folds them into the attention as the
+    layers do (AttentionBackend.attend), to the bit; the scales change the cache's bytes."""
+    model = packed_model("llama")
+    for index, layer in enumerate(model.model.layers):
+        layer.self_attn.kv_scales.set(0.01 * (index + 1), 0.004 * (index + 1))
+    fp8 = torch.float8_e4m3fn
+    hidden, caches = ref.run_steps(model, CPU, "cpu", cache_dtype=fp8)
+    assert one_call_runs == [15, 4, 2, 2]
+    expected_hidden, expected_caches = ref.run_steps_layer_by_layer(monkeypatch, model, CPU, cache_dtype=fp8)
+    for step, expected_step in zip(hidden, expected_hidden, strict=True):
+        assert torch.equal(step, expected_step)
+    for layer, expected_layer in zip(caches, expected_caches, strict=True):
+        for cache, expected_cache in zip(layer, expected_layer, strict=True):
+            assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    for layer in model.model.layers:
+        layer.self_attn.kv_scales.set(1.0, 1.0)
+    _, unscaled = ref.run_steps(model, CPU, "cpu", cache_dtype=fp8)
+    assert not torch.equal(unscaled[0][0].view(torch.uint8), caches[0][0].view(torch.uint8))
+
+
 def test_prefills_go_layer_by_layer_where_the_backend_has_another_varlen_kernel(one_call_runs, monkeypatch):
     """A backend with the CPU decode kernel but no varlen prefill kernel (its spans one at a time): the decode-only
     steps still run in one call, the steps with spans layer by layer, and the bits are the layers' own."""

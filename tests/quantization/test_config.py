@@ -69,8 +69,32 @@ def test_a_flag_contradicting_the_checkpoint_is_a_startup_error(quantized_dirs):
             "ignored_layers, modules_to_not_convert, quant_method, weight_block_size)",
         ),
         (
-            {**quantization_config("w8a8-int8", 128, True, False), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
-            "compressed-tensors kv_cache_scheme is not supported (got {'num_bits': 8, 'type': 'float'})",
+            {
+                **quantization_config("w8a8-int8", 128, True, False),
+                "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head"},
+            },
+            "compressed-tensors kv_cache_scheme strategy 'attn_head' is not supported (fp8 K/V with one static "
+            "symmetric scale per tensor: num_bits 8, type float, strategy tensor, dynamic false)",
+        ),
+        (
+            {**quantization_config("kv-fp8", 128, True, False), "kv_cache_scheme": {"num_bits": 8, "type": "int"}},
+            "compressed-tensors kv_cache_scheme type 'int' is not supported (fp8 K/V with one static symmetric scale "
+            "per tensor: num_bits 8, type float, strategy tensor, dynamic false)",
+        ),
+        (
+            {**quantization_config("kv-fp8", 128, True, False), "kv_cache_scheme": {"type": "float", "dynamic": True}},
+            "compressed-tensors kv_cache_scheme dynamic True is not supported (fp8 K/V with one static symmetric "
+            "scale per tensor: num_bits 8, type float, strategy tensor, dynamic false)",
+        ),
+        (
+            {**quantization_config("kv-fp8", 128, True, False), "kv_cache_scheme": {"num_bits": 8, "zero": 1}},
+            "compressed-tensors kv_cache_scheme quantization_config field 'zero' is not supported (supported: "
+            "actorder, block_structure, dynamic, group_size, num_bits, observer, observer_kwargs, scale_dtype, "
+            "strategy, symmetric, type, zp_dtype)",
+        ),
+        (
+            quantization_config("kv-fp8", 128, True, False),
+            "compressed-tensors quantization_config has no config_groups",
         ),
     ],
 )
