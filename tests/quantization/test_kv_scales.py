@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from raypaged.config import EngineConfig
 from raypaged.engine.core import EngineCore, EngineCoreRequest
+from raypaged.model.parallel import TensorParallel
 from raypaged.quantization.compressed_tensors import CompressedTensorsConfig
 from raypaged.quantization.kv_scales import KV_CACHE_SCHEME, kv_maxima
 from raypaged.quantization.quantizer import quantize_checkpoint
@@ -51,8 +52,10 @@ def test_the_quantizer_writes_each_layers_scales_as_llm_compressor_does(kv_dir, 
     assert isinstance(parsed, CompressedTensorsConfig) and parsed.kv_cache_scales and parsed.groups == ()
 
 
-def test_a_checkpoints_scales_load_into_their_layers(kv_dir):
-    model = load(kv_dir)
+@pytest.mark.parametrize("rank", [None, 0, 1])
+def test_a_checkpoints_scales_load_into_their_layers(kv_dir, rank):
+    """Per tensor: every tensor-parallel rank takes them whole (its KV heads' share of the cache, the same scale)."""
+    model = load(kv_dir) if rank is None else load(kv_dir, TensorParallel(rank, 2))
     tensors = load_file(kv_dir / "model.safetensors")
     assert model.checkpoint_kv_scales
     for index, scales in enumerate(model.kv_scales()):
