@@ -108,28 +108,27 @@ def test_scales_for_some_layers_only_are_an_error(tmp_path, kv_dir, rename, mess
         load(renamed(kv_dir, tmp_path / "partial", rename))
 
 
-def test_a_scale_that_is_not_one_positive_value_is_an_error(tmp_path, kv_dir):
-    path = renamed(kv_dir, tmp_path / "heads", lambda n: n)
-    tensors = load_file(path / "model.safetensors")
-    tensors["model.layers.0.self_attn.k_scale"] = torch.ones(2)
-    save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
+@pytest.mark.parametrize(
+    "k_scale, message",
+    [
+        (
+            torch.ones(2),
             "checkpoint tensor 'model.layers.0.self_attn.k_scale' holds (2,) values: KV cache scales are supported "
-            "per tensor only (one value)"
+            "per tensor only (one value)",
         ),
-    ):
-        load(path)
-    tensors["model.layers.0.self_attn.k_scale"] = torch.zeros(1)
-    save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
+        (
+            torch.zeros(1),
             "checkpoint KV cache scales of model.layers.0.self_attn: a KV cache scale must be positive and finite, "
-            "got 0.0"
+            "got 0.0",
         ),
-    ):
+    ],
+)
+def test_a_scale_that_is_not_one_positive_value_is_an_error(tmp_path, kv_dir, k_scale, message):
+    path = renamed(kv_dir, tmp_path / "bad", lambda n: n)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_scale"] = k_scale
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         load(path)
 
 
