@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes: completions, chat completions, models, health, metrics, tokenize."""
+"""The OpenAI-compatible routes: completions, chat completions, responses, models, health, metrics, tokenize."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import APIError, from_grpc, install_handlers
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, Guard, HostCheck, host_check_needed
+from raypaged.serving.gateway.openai_responses import (
+    Responder,
+    ResponseEvents,
+    ResponsesRequest,
+    ResponseStore,
+    sse_event,
+)
 from raypaged.serving.gateway.reasoning import ReasoningParser
 from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape
 from raypaged.serving.gateway.schemas import (
@@ -85,6 +92,7 @@ def build_app(
     if max_prompts_per_request < 1:
         raise ValueError(f"--max-prompts-per-request must be at least 1, got {max_prompts_per_request}")
     drain = drain or Drain(0)
+    responses_store = ResponseStore()
     started = int(time.time())  # the models' "created"
     app = FastAPI(title="raypaged", docs_url=None, redoc_url=None)
     install_handlers(app)
@@ -122,21 +130,33 @@ def build_app(
         except RecursionError:  # json and pydantic recurse once per level of nesting
             raise APIError(400, "request body is not valid JSON: it nests too deeply") from None
 
-    async def generate(http: Request, body_type: type[CompletionRequest] | type[ChatCompletionRequest]) -> Response:
+    async def generate(
+        http: Request, body_type: type[CompletionRequest] | type[ChatCompletionRequest] | type[ResponsesRequest]
+    ) -> Response:
         slot = _Slot(http.state.tenant_gate, drain)
         try:
-            return await generate_in(slot, http, body_type)
+            parsed = await parse(http, body_type)
+            if not isinstance(parsed, ResponsesRequest):
+                return await generate_in(slot, http, parsed)
+            history: list[dict] = []
+            if parsed.previous_response_id is not None:
+                tenant = slot.gate.tenant.name
+                _, history = responses_store.get(tenant, parsed.previous_response_id, "previous_response_id")
+            responder = Responder(parsed, history)
+            return await generate_in(
+                slot, http, _validated(parsed.chat_body(history), ChatCompletionRequest), responder
+            )
         except BaseException:
             slot.release()
             raise
 
     async def generate_in(
-        slot: _Slot, http: Request, body_type: type[CompletionRequest] | type[ChatCompletionRequest]
+        slot: _Slot, http: Request, body: CompletionRequest | ChatCompletionRequest, responder: Responder | None = None
     ) -> Response:
-        """Answers the request; ``slot`` is released when the response (or its stream) ends."""
+        """Answers the request (``responder``: a Responses API one, run as this chat request); ``slot`` is released
+        when the response (or its stream) ends."""
         gate = slot.gate
-        body = await parse(http, body_type)
-        chat = body_type is ChatCompletionRequest
+        chat = isinstance(body, ChatCompletionRequest)
         model, stub = await routes.find(body.model)
         check_count("prompt", body.num_prompts, max_prompts_per_request, "max_prompts_per_request", "prompts")
         tools = body.tool_plan(tool_parser) if isinstance(body, ChatCompletionRequest) else None
@@ -197,13 +217,23 @@ def build_app(
                 _cancel(calls)
                 slot.release()
 
+            if responder is not None:
+                events = _response_events(
+                    _chunks(calls, writer, slot, drain), ResponseEvents(responder, model), responses_store, gate
+                )
+                return _EventStream(events, cleanup, headers)
             return _EventStream(_sse(calls, writer, slot, drain), cleanup, headers)
         try:
             work = _collect(calls, Accumulator(shape, len(prompts)), drain)
-            return JSONResponse(await _unless_disconnected(http, work), headers=headers)
+            answer = await _unless_disconnected(http, work)
         finally:
             _cancel(calls)
             slot.release()
+        if responder is not None:
+            answer = responder.body(answer)
+            if responder.request.store:
+                responses_store.put(gate.tenant.name, answer, responder.conversation(answer["output"]))
+        return JSONResponse(answer, headers=headers)
 
     @app.post("/v1/embeddings")
     @app.post("/pooling")
@@ -214,6 +244,19 @@ def build_app(
             "model is served",
             code="model_not_found",
         )
+
+    @app.post("/v1/responses", openapi_extra=_body_doc(ResponsesRequest))
+    async def responses(http: Request) -> Response:
+        return await generate(http, ResponsesRequest)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(http: Request, response_id: str) -> dict:
+        return responses_store.get(http.state.tenant_gate.tenant.name, response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(http: Request, response_id: str) -> dict:
+        responses_store.delete(http.state.tenant_gate.tenant.name, response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
     async def completions(http: Request) -> Response:
@@ -345,6 +388,7 @@ def build_app(
         [
             CompletionRequest,
             ChatCompletionRequest,
+            ResponsesRequest,
             TokenizeBody,
             DetokenizeBody,
             LoadLoRAAdapterBody,
@@ -403,6 +447,11 @@ def _parse_json(raw: bytes, body_type: type[Body]) -> Body:
         json.dumps(data, ensure_ascii=False).encode()
     except UnicodeEncodeError:
         raise APIError(400, "request body is not valid JSON: a string holds an unpaired UTF-16 surrogate") from None
+    return _validated(data, body_type)
+
+
+def _validated(data: object, body_type: type[Body]) -> Body:
+    """Parsed JSON as a ``body_type``; anything else is a 400 naming what is wrong."""
     try:
         return body_type.model_validate(data)
     except ValidationError as exc:
@@ -531,22 +580,51 @@ def _event(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _sse(calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain) -> AsyncIterator[str]:
-    """The stream's server-sent events, ending in ``data: [DONE]``; leaving it early aborts the requests."""
+async def _chunks(
+    calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain
+) -> AsyncGenerator[dict, None]:
+    """The stream's chunks, an error's body last if one ends it; leaving it early aborts the requests."""
     try:
         for chunk in writer.role_chunks():
-            yield _event(chunk)
+            yield chunk
         async with contextlib.aclosing(_responses(calls, drain)) as responses:
             async for index, response in responses:
                 for chunk in writer.chunks(index, response):
-                    yield _event(chunk)
+                    yield chunk
         if (usage_chunk := writer.usage_chunk()) is not None:
-            yield _event(usage_chunk)
+            yield usage_chunk
     except grpc.aio.AioRpcError as exc:
-        yield _event(from_grpc(exc).body())
+        yield from_grpc(exc).body()
     except APIError as exc:
-        yield _event(exc.body())
+        yield exc.body()
     finally:
         _cancel(calls)
         slot.release()
+
+
+async def _sse(calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain) -> AsyncIterator[str]:
+    """The stream's server-sent events, ending in ``data: [DONE]``; leaving it early aborts the requests."""
+    async with contextlib.aclosing(_chunks(calls, writer, slot, drain)) as chunks:
+        async for chunk in chunks:
+            yield _event(chunk)
     yield _event("[DONE]")
+
+
+async def _response_events(
+    chunks: AsyncGenerator[dict, None], events: ResponseEvents, store: ResponseStore, gate: TenantGate
+) -> AsyncIterator[str]:
+    """A Responses stream: the chat chunks as its events; a stored response is kept once it completes."""
+    for event in events.start():
+        yield sse_event(event)
+    failed = False
+    async with contextlib.aclosing(chunks) as stream:
+        async for chunk in stream:
+            failed = failed or "error" in chunk
+            for event in events.feed(chunk):
+                yield sse_event(event)
+    if failed:
+        return
+    for event in events.finish():
+        yield sse_event(event)
+    if events.final is not None and events.responder.request.store:
+        store.put(gate.tenant.name, events.final, events.responder.conversation(events.final["output"]))

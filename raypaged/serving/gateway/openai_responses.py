@@ -1,0 +1,535 @@
+"""OpenAI's Responses API (``POST /v1/responses``, as vLLM serves it) on top of chat completions.
+
+A Responses request becomes one chat completion request (``ResponsesRequest.chat_body``): ``instructions`` a
+system message, ``input`` messages and function-call items chat messages and tool calls, function ``tools``,
+``tool_choice``, ``text.format`` the structured output, ``max_output_tokens`` the token limit. The chat
+path then validates, generates and parses tools as for ``/v1/chat/completions``; its answer becomes a
+``response`` object (``response_body``) and its stream of chunks the Responses stream's typed events
+(``ResponseEvents``). Stored responses (``store``, OpenAI's default) live in memory, per tenant, up to
+``STORE_SIZE`` of them (the oldest go first): ``previous_response_id`` continues one, ``GET`` and ``DELETE
+/v1/responses/{id}`` read and drop one. Fields the server cannot honour (hosted tools, images, background
+runs, conversations, prompt templates, truncation) are a 400 naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.gateway.schemas import _check_extra_fields
+
+STORE_SIZE = 4096  # stored responses kept per tenant
+_INPUT_TEXT = ("input_text", "output_text", "text")
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_LOGPROBS = "message.output_text.logprobs"
+
+
+class ResponsesRequest(BaseModel):
+    """The body of ``POST /v1/responses``; unknown fields are logged and ignored, as for chat completions."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=2**32 - 1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # a routing hint: the prefix cache serves every request alike
+    include: list[str] | None = None
+    service_tier: str | None = None
+    truncation: str | None = None
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+    stream_options: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _checked(self) -> ResponsesRequest:
+        _check_extra_fields(self.model_extra)
+        refused = {
+            "background": self.background,
+            "conversation": self.conversation,
+            "prompt": self.prompt,
+            "max_tool_calls": self.max_tool_calls,
+        }
+        for name, value in refused.items():
+            if value not in (None, False):
+                raise APIError(400, f"{name} is not supported by this server; send the request without it", name)
+        if self.truncation not in (None, "disabled"):
+            raise APIError(
+                400, f"truncation {self.truncation!r} is not supported (only disabled: a prompt too long is a 400)"
+            )
+        if self.service_tier not in (None, "auto", "default"):
+            raise APIError(
+                400, f"service_tier {self.service_tier!r} is not supported (auto or default)", "service_tier"
+            )
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+            raise APIError(
+                400,
+                "reasoning is not supported by this server (the model reasons as its chat template has it); send the "
+                "request without it",
+                "reasoning",
+            )
+        if (self.stream_options or {}).get("include_obfuscation"):
+            raise APIError(400, "stream_options include_obfuscation is not supported", "stream_options")
+        unknown = sorted(set(self.include or ()) - {_LOGPROBS})
+        if unknown:
+            raise APIError(400, f"include {unknown[0]!r} is not supported (only {_LOGPROBS!r})", "include")
+        if self.text is not None and set(self.text) - {"format", "verbosity"}:
+            raise APIError(400, f"text {sorted(set(self.text) - {'format', 'verbosity'})[0]!r} is not supported")
+        if (self.text or {}).get("verbosity") not in (None, "medium"):
+            raise APIError(400, "text verbosity is not supported (only medium)", "text")
+        return self
+
+    def chat_body(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chat completion request this one runs as; ``history``: the previous response's conversation."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        messages += history + input_messages(self.input)
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream}
+        optional = {
+            "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "user": self.user or self.safety_identifier,
+        }
+        body.update({name: value for name, value in optional.items() if value is not None})
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if _LOGPROBS in (self.include or ()) or self.top_logprobs:
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
+        if self.tools:
+            body["tools"] = [_chat_tool(tool) for tool in self.tools]
+            body["parallel_tool_calls"] = self.parallel_tool_calls
+        if self.tool_choice is not None:
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        if (response_format := _response_format((self.text or {}).get("format"))) is not None:
+            body["response_format"] = response_format
+        return body
+
+    def conversation_of(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """What a later ``previous_response_id`` continues: the history and this input (not the instructions,
+        which OpenAI does not carry over)."""
+        return history + input_messages(self.input)
+
+
+def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``input`` as chat messages: text for a user message; input items: messages, the function calls an
+    assistant made (consecutive ones one turn) and their outputs; reasoning items of earlier turns are dropped,
+    as the chat templates of reasoning models drop them."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(given):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise APIError(400, f"input[{index}] role {role!r} is not one of {', '.join(_ROLES)}", "input")
+            messages.append({"role": _ROLES[role], "content": _text_of(item.get("content"), index)})
+        elif kind == "function_call":
+            call = {
+                "id": _required(item, "call_id", index),
+                "type": "function",
+                "function": {"name": _required(item, "name", index), "arguments": item.get("arguments", "")},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            text = output if isinstance(output, str) else _text_of(output, index)
+            messages.append({"role": "tool", "tool_call_id": _required(item, "call_id", index), "content": text})
+        elif kind != "reasoning":
+            raise APIError(400, f"input[{index}] items of type {kind!r} are not supported", "input")
+    return messages
+
+
+def _required(item: dict[str, Any], name: str, index: int) -> str:
+    value = item.get(name)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"input[{index}] {item.get('type')} needs a {name}", "input")
+    return value
+
+
+def _text_of(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"input[{index}] content must be a string or a list of parts", "input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _INPUT_TEXT:
+            raise APIError(
+                400, f"input[{index}] content of type {kind!r} is not supported (the served models read text)", "input"
+            )
+        texts.append(part.get("text", ""))
+    return "".join(texts)
+
+
+def _chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise APIError(400, f"tools of type {tool.get('type')!r} are not supported (function tools only)", "tools")
+    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice  # none, auto, required: the chat path checks them
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, f"tool_choice {json.dumps(choice)} is not supported (none, auto, required or a function)")
+
+
+def _response_format(given: dict[str, Any] | None) -> dict[str, Any] | None:
+    if given is None or given.get("type") == "text":
+        return None
+    if given.get("type") == "json_object":
+        return {"type": "json_object"}
+    if given.get("type") == "json_schema":
+        schema = {key: given[key] for key in ("name", "schema", "strict", "description") if key in given}
+        return {"type": "json_schema", "json_schema": schema}
+    raise APIError(400, f"text format {given.get('type')!r} is not supported (text, json_object, json_schema)", "text")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if chat_usage is None:
+        return None
+    details = chat_usage.get("prompt_tokens_details") or {}
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": details.get("cached_tokens") or 0},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},  # not counted apart from the answer's
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+@dataclass
+class Responder:
+    """One Responses request's answer: its ids and the parts of ``response`` objects that echo the request."""
+
+    request: ResponsesRequest
+    history: list[dict[str, Any]]
+    id: str = field(default_factory=lambda: _new_id("resp"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        model: str,
+        usage: dict[str, Any] | None = None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
+        request = self.request
+        incomplete = status == "completed" and finish_reason == "length"
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": "incomplete" if incomplete else status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "model": model,
+            "output": output,
+            "parallel_tool_calls": request.parallel_tool_calls,
+            "previous_response_id": request.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": request.store,
+            "temperature": request.temperature,
+            "text": {"format": (request.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
+            "tools": request.tools or [],
+            "top_logprobs": request.top_logprobs,
+            "top_p": request.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": request.user,
+            "metadata": request.metadata or {},
+        }
+
+    def body(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """The ``response`` object of a chat completion's answer."""
+        choice = chat["choices"][0]
+        message = choice["message"]
+        output: list[dict[str, Any]] = []
+        if message.get("reasoning_content"):
+            output.append(_reasoning_item(_new_id("rs"), message["reasoning_content"]))
+        if message.get("content") is not None and (message["content"] or not message.get("tool_calls")):
+            logprobs = (choice.get("logprobs") or {}).get("content")
+            output.append(_message_item(_new_id("msg"), message["content"], "completed", logprobs))
+        for call in message.get("tool_calls") or ():
+            function = call["function"]
+            output.append(_call_item(_new_id("fc"), call["id"], function["name"], function["arguments"], "completed"))
+        return self.response("completed", output, chat["model"], _usage(chat.get("usage")), choice["finish_reason"])
+
+    def conversation(self, output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation a later request continues with ``previous_response_id``: this one's and its output."""
+        return self.request.conversation_of(self.history) + input_messages(
+            [item for item in output if item["type"] != "reasoning"]
+        )
+
+
+def _message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+@dataclass
+class _Open:
+    """An output item being streamed: its index in ``output`` and its item so far."""
+
+    index: int
+    item: dict[str, Any]
+
+
+class ResponseEvents:
+    """A chat completion's stream of chunks as the Responses stream's events: ``response.created`` and
+    ``response.in_progress``; each output item added, its text, reasoning text or call arguments in deltas, done;
+    then ``response.completed`` (``response.incomplete`` at the token limit) with the whole response. An error
+    chunk ends it with an ``error`` event."""
+
+    def __init__(self, responder: Responder, model: str) -> None:
+        self.responder = responder
+        self.model = model
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self.text: _Open | None = None
+        self.reasoning: _Open | None = None
+        self.calls: dict[int, _Open] = {}  # by the chat stream's tool call index
+        self.closed: set[int] = set()  # the output indices whose items are done
+        self.logprobs: list[dict[str, Any]] | None = None
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.final: dict[str, Any] | None = None  # the completed response, once the stream ends well
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return event
+
+    def start(self) -> Iterator[dict[str, Any]]:
+        response = self.responder.response("in_progress", [], self.model)
+        yield self._event("response.created", response=response)
+        yield self._event("response.in_progress", response=response)
+
+    def _open(self, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        self.output.append(item)
+        yield self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)
+
+    def feed(self, chunk: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The events of one chat chunk (``{"error": ...}``: the ``error`` event)."""
+        if "error" in chunk:
+            error = chunk["error"]
+            yield self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))
+            return
+        if chunk.get("usage"):
+            self.usage = _usage(chunk["usage"])
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                yield from self._reasoning_delta(delta["reasoning_content"])
+            if delta.get("content"):
+                yield from self._text_delta(delta["content"], (choice.get("logprobs") or {}).get("content"))
+            for call in delta.get("tool_calls") or ():
+                yield from self._call_delta(call)
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+
+    def _reasoning_delta(self, text: str) -> Iterator[dict[str, Any]]:
+        if self.reasoning is None:
+            item = _reasoning_item(_new_id("rs"), "")
+            yield from self._open(item)
+            self.reasoning = _Open(len(self.output) - 1, item)
+        self.reasoning.item["content"][0]["text"] += text
+        yield self._event(
+            "response.reasoning_text.delta",
+            item_id=self.reasoning.item["id"],
+            output_index=self.reasoning.index,
+            content_index=0,
+            delta=text,
+        )
+
+    def _text_delta(self, text: str, logprobs: list[dict[str, Any]] | None) -> Iterator[dict[str, Any]]:
+        yield from self._close_reasoning()
+        if self.text is None:
+            item = _message_item(_new_id("msg"), "", "in_progress", None)
+            yield from self._open(item)
+            self.text = _Open(len(self.output) - 1, item)
+            part = {"type": "output_text", "text": "", "annotations": []}
+            yield self._event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=self.text.index,
+                content_index=0,
+                part=part,
+            )
+        self.text.item["content"][0]["text"] += text
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + logprobs
+        yield self._event(
+            "response.output_text.delta",
+            item_id=self.text.item["id"],
+            output_index=self.text.index,
+            content_index=0,
+            delta=text,
+            logprobs=logprobs or [],
+        )
+
+    def _call_delta(self, call: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        yield from self._close_reasoning()
+        function = call.get("function") or {}
+        opened = self.calls.get(call.get("index", 0))
+        if opened is None:
+            yield from self._close_text()
+            item = _call_item(
+                _new_id("fc"), call.get("id") or _new_id("call"), function.get("name", ""), "", "in_progress"
+            )
+            yield from self._open(item)
+            opened = self.calls[call.get("index", 0)] = _Open(len(self.output) - 1, item)
+        if arguments := function.get("arguments"):
+            opened.item["arguments"] += arguments
+            yield self._event(
+                "response.function_call_arguments.delta",
+                item_id=opened.item["id"],
+                output_index=opened.index,
+                delta=arguments,
+            )
+
+    def _close_reasoning(self) -> Iterator[dict[str, Any]]:
+        opened = self.reasoning
+        if opened is None or opened.index in self.closed:
+            return
+        self.closed.add(opened.index)
+        item = opened.item
+        text = item["content"][0]["text"]
+        yield self._event(
+            "response.reasoning_text.done", item_id=item["id"], output_index=opened.index, content_index=0, text=text
+        )
+        yield self._event("response.output_item.done", output_index=opened.index, item=item)
+
+    def _close_text(self) -> Iterator[dict[str, Any]]:
+        opened = self.text
+        if opened is None or opened.index in self.closed:
+            return
+        self.closed.add(opened.index)
+        part = opened.item["content"][0]
+        if self.logprobs is not None:
+            part["logprobs"] = self.logprobs
+        item_id = opened.item["id"]
+        yield self._event(
+            "response.output_text.done",
+            item_id=item_id,
+            output_index=opened.index,
+            content_index=0,
+            text=part["text"],
+            logprobs=self.logprobs or [],
+        )
+        yield self._event(
+            "response.content_part.done", item_id=item_id, output_index=opened.index, content_index=0, part=part
+        )
+        opened.item["status"] = "completed"
+        yield self._event("response.output_item.done", output_index=opened.index, item=opened.item)
+
+    def finish(self) -> Iterator[dict[str, Any]]:
+        """The closing events once the chat stream ended without an error."""
+        yield from self._close_reasoning()
+        yield from self._close_text()
+        for opened in self.calls.values():
+            item = opened.item
+            yield self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=opened.index,
+                arguments=item["arguments"],
+            )
+            item["status"] = "completed"
+            yield self._event("response.output_item.done", output_index=opened.index, item=item)
+        self.final = self.responder.response("completed", self.output, self.model, self.usage, self.finish_reason)
+        kind = "response.incomplete" if self.final["status"] == "incomplete" else "response.completed"
+        yield self._event(kind, response=self.final)
+
+
+class ResponseStore:
+    """Stored responses in memory, per tenant, the newest ``size`` of each: the ``response`` object and the
+    conversation a later request continues."""
+
+    def __init__(self, size: int = STORE_SIZE) -> None:
+        self.size = size
+        self._kept: dict[str, OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]]] = {}
+
+    def put(self, tenant: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        kept = self._kept.setdefault(tenant, OrderedDict())
+        kept[response["id"]] = (response, conversation)
+        while len(kept) > self.size:
+            kept.popitem(last=False)
+
+    def get(self, tenant: str, response_id: str, param: str | None = None) -> tuple[dict[str, Any], list]:
+        kept = self._kept.get(tenant)
+        found = None if kept is None else kept.get(response_id)
+        if found is None:
+            raise APIError(
+                404 if param is None else 400,
+                f"response with id {response_id!r} not found (responses are kept in memory: the newest "
+                f"{self.size} stored ones)",
+                param,
+                code="response_not_found",
+            )
+        return found
+
+    def delete(self, tenant: str, response_id: str) -> None:
+        self.get(tenant, response_id)
+        del self._kept[tenant][response_id]
+
+
+def sse_event(event: dict[str, Any]) -> str:
+    """A Responses stream event as a server-sent event (named by its type; no ``[DONE]`` ends the stream)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
