@@ -254,3 +254,43 @@ def test_what_cannot_be_honoured_is_refused_by_name(client, options, message):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(**{"model": "smollm2", "input": QUESTION, "max_output_tokens": 4, **options})
     assert refused.value.body["message"] == message
+
+
+def test_an_openai_agents_sdk_agent_runs_its_tool_loop(stack):
+    """The OpenAI Agents SDK, unchanged but for its client's base_url, on its default Responses model: a function
+    call, the tool's output sent back as a function_call_output item, then the answer; streamed and not."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+
+    set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        cities.append(city)
+        return f"Sunny and 21 C in {city}"
+
+    agent = Agent(
+        name="weather",
+        instructions="You answer weather questions. Call get_weather for the city.",
+        tools=[get_weather],
+        model=OpenAIResponsesModel(
+            model="smollm2", openai_client=openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="sk-a")
+        ),
+        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60),
+    )
+
+    async def run() -> list:
+        result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+        streamed = Runner.run_streamed(agent, "What is the weather in Rome?", max_turns=4)
+        kinds = [event.type async for event in streamed.stream_events()]
+        assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+        return [result, streamed]
+
+    for result in asyncio.run(run()):
+        assert [type(item) for item in result.new_items] == [ToolCallItem, ToolCallOutputItem, MessageOutputItem]
+        assert isinstance(result.final_output, str) and result.final_output
+    assert len(cities) == 2 and all(cities)
