@@ -109,10 +109,13 @@ class RayExecutor(Executor):
         # shared-memory channel across nodes fails without loading the weights
         self.step_channel = self._choose_step_channel(self._wanted_channel, [bundle_nodes[r] for r in range(size)])
         actor_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(WorkerActor)
+        # the driver's $RAYPAGED_* switches are the shards' too, on whichever node they run and whenever Ray started
+        switches = {name: value for name, value in os.environ.items() if name.startswith("RAYPAGED_")}
         self.workers = [
             actor_class.options(
                 num_cpus=0 if on_gpu else 1,
                 num_gpus=1 if on_gpu else 0,
+                runtime_env={"env_vars": switches} if switches else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
                 ),

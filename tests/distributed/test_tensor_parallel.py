@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -77,6 +78,19 @@ def test_cpu_shards_split_the_cores(ray_session, tiny_llama, monkeypatch, tp, ov
     executor = RayExecutor(EngineConfig(model=str(tiny_llama), device="cpu", tensor_parallel_size=tp), eos_token_id=2)
     try:
         assert shard_threads(executor) == [expected_threads(threads)] * tp
+    finally:
+        executor.shutdown()
+
+
+def test_the_drivers_switches_reach_the_shards(ray_session, tiny_llama, monkeypatch):
+    """A $RAYPAGED_* switch set after Ray started (or where the shards' node never saw it) is the shards' too."""
+    monkeypatch.setenv("RAYPAGED_VARLEN_PREFILL", "1")
+    executor = RayExecutor(EngineConfig(model=str(tiny_llama), device="cpu", tensor_parallel_size=2), eos_token_id=2)
+    try:
+        seen = ray.get(
+            [w.__ray_call__.remote(lambda _: os.environ.get("RAYPAGED_VARLEN_PREFILL")) for w in executor.workers]
+        )
+        assert seen == ["1", "1"]
     finally:
         executor.shutdown()
 
