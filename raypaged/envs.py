@@ -124,3 +124,12 @@ def block_fp8_scaled_mm() -> bool:
     ``torch._scaled_mm`` with 1 x 128 block scales on a Hopper GPU: ``$RAYPAGED_BLOCK_FP8_SCALED_MM``,
     ``0`` (the default: the weight and the activations dequantized, then the float GEMM) or ``1``."""
     return _switch("RAYPAGED_BLOCK_FP8_SCALED_MM")
+
+
+def tp_cuda_graphs() -> bool:
+    """Whether CUDA graphs are captured under tensor parallelism (``--tensor-parallel-size`` above 1 on CUDA),
+    the shards' all-reduces then through NCCL called directly (``raypaged.worker.nccl``), which a graph can record:
+    ``$RAYPAGED_TP_CUDA_GRAPHS``, ``0`` (the default: under tensor parallelism every step runs eagerly, its
+    all-reduces through torch.distributed) or ``1``. Its test needs two GPUs
+    (``tests/gpu/test_tensor_parallel_cuda.py``)."""
+    return _switch("RAYPAGED_TP_CUDA_GRAPHS")

@@ -9,7 +9,8 @@ LM head (one all-gather of logits).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -18,16 +19,29 @@ from torch import nn
 from raypaged.model.layers import linear, pack_weight
 
 
+@dataclass(slots=True)
+class Communicator:
+    """How a shard group sums in place: torch.distributed's ``all_reduce`` unless ``all_reduce`` is set, as the
+    worker sets it for CUDA graphs under tensor parallelism (``raypaged.worker.nccl``: NCCL called directly, which
+    a graph can record; torch.distributed's collectives keep host-side state per call that a replay skips)."""
+
+    all_reduce: Callable[[torch.Tensor], None] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
     """This worker's place in its shard group (the default torch.distributed group when ``size > 1``)."""
 
     rank: int = 0
     size: int = 1
+    comm: Communicator = field(default_factory=Communicator, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x)
+            if self.comm.all_reduce is not None:
+                self.comm.all_reduce(x)
+            else:
+                dist.all_reduce(x)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, size * d]

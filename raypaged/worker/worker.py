@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from raypaged import envs
 from raypaged.attention.backend import cuda_cache_unsupported_reason, select_backend
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
@@ -57,6 +58,10 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index if self.device.index is not None else 0)
             self.device = torch.device("cuda", torch.cuda.current_device())
+            if tp.size > 1 and envs.tp_cuda_graphs() and not config.enforce_eager:
+                from raypaged.worker.nccl import NcclAllReduce
+
+                tp.comm.all_reduce = NcclAllReduce(tp)  # every rank builds it here, together
             # what this process held before this worker: other engines' memory is not this worker's footprint
             self._torch_baseline = torch.cuda.memory_allocated(self.device)
             self._outside_baseline = self._memory_outside_torch()
@@ -291,8 +296,11 @@ class Worker:
         if self.config.calculate_kv_scales:  # from the first step with tokens: the profile runs are behind
             self.model.calculate_kv_scales_next_step()
         if self.device.type == "cuda" and not self.config.enforce_eager:
-            if self.tp.size > 1:
-                logger.info("CUDA graphs are off under tensor parallelism; decode steps run eagerly")
+            if self.tp.size > 1 and self.tp.comm.all_reduce is None:
+                logger.info(
+                    "CUDA graphs are off under tensor parallelism (RAYPAGED_TP_CUDA_GRAPHS=1 turns them on); decode "
+                    "steps run eagerly"
+                )
             elif self.config.calculate_kv_scales:  # a graph would keep the scales of its capture, 1.0
                 logger.info("CUDA graphs are off with --calculate-kv-scales; decode steps run eagerly")
             elif self.attn_backend.name != "cuda":  # torch's reshape_and_cache syncs, which capture forbids
