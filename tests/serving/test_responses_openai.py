@@ -10,9 +10,8 @@ import jsonschema
 import openai
 import pytest
 
-from raypaged.config import EngineConfig
 from tests.serving.conftest import Stack
-from tests.serving.test_tools_openai import TEMPLATE, WEATHER
+from tests.serving.test_tools_openai import WEATHER, hermes_smollm2
 
 pytestmark = pytest.mark.slow
 TENANTS = """
@@ -30,15 +29,12 @@ TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a 
 def stack(smollm2_dir, tmp_path_factory):
     tenants = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
     tenants.write_text(TENANTS)
-    config = EngineConfig(
-        model=str(smollm2_dir),
-        served_model_name="smollm2",
-        dtype="float32",
-        num_gpu_blocks_override=512,
-        max_model_len=2048,
-        chat_template=str(TEMPLATE),
+    stack = Stack(
+        [hermes_smollm2(smollm2_dir)],
+        tenants_file=str(tenants),
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
     )
-    stack = Stack([config], tenants_file=str(tenants), enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield stack
     stack.close()
 

@@ -47,9 +47,9 @@ FEW_SHOT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def stack(smollm2_dir):
-    config = EngineConfig(
+def hermes_smollm2(smollm2_dir) -> EngineConfig:
+    """SmolLM2 fp32 served as "smollm2" with the Hermes-style tool template."""
+    return EngineConfig(
         model=str(smollm2_dir),
         served_model_name="smollm2",
         dtype="float32",
@@ -57,7 +57,11 @@ def stack(smollm2_dir):
         max_model_len=2048,
         chat_template=str(TEMPLATE),
     )
-    stack = Stack([config], enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_dir):
+    stack = Stack([hermes_smollm2(smollm2_dir)], enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield stack
     stack.close()
 

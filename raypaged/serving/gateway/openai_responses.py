@@ -17,7 +17,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -362,9 +362,12 @@ class ResponseEvents:
         yield self._event("response.created", response=response)
         yield self._event("response.in_progress", response=response)
 
-    def _open(self, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def _open(self, item: dict[str, Any]) -> Generator[dict[str, Any], None, _Open]:
+        """``response.output_item.added`` for a new item; returns it, open."""
         self.output.append(item)
-        yield self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)
+        opened = _Open(len(self.output) - 1, item)
+        yield self._event("response.output_item.added", output_index=opened.index, item=item)
+        return opened
 
     def feed(self, chunk: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The events of one chat chunk (``{"error": ...}``: the ``error`` event)."""
@@ -386,9 +389,7 @@ class ResponseEvents:
 
     def _reasoning_delta(self, text: str) -> Iterator[dict[str, Any]]:
         if self.reasoning is None:
-            item = _reasoning_item(_new_id("rs"), "")
-            yield from self._open(item)
-            self.reasoning = _Open(len(self.output) - 1, item)
+            self.reasoning = yield from self._open(_reasoning_item(_new_id("rs"), ""))
         self.reasoning.item["content"][0]["text"] += text
         yield self._event(
             "response.reasoning_text.delta",
@@ -401,20 +402,19 @@ class ResponseEvents:
     def _text_delta(self, text: str, logprobs: list[dict[str, Any]] | None) -> Iterator[dict[str, Any]]:
         yield from self._close_reasoning()
         if self.text is None:
-            item = _message_item(_new_id("msg"), "", "in_progress", None)
-            yield from self._open(item)
-            self.text = _Open(len(self.output) - 1, item)
+            self.text = yield from self._open(_message_item(_new_id("msg"), "", "in_progress", None))
             part = {"type": "output_text", "text": "", "annotations": []}
             yield self._event(
                 "response.content_part.added",
-                item_id=item["id"],
+                item_id=self.text.item["id"],
                 output_index=self.text.index,
                 content_index=0,
                 part=part,
             )
         self.text.item["content"][0]["text"] += text
         if logprobs is not None:
-            self.logprobs = (self.logprobs or []) + logprobs
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(logprobs)
         yield self._event(
             "response.output_text.delta",
             item_id=self.text.item["id"],
@@ -433,8 +433,7 @@ class ResponseEvents:
             item = _call_item(
                 _new_id("fc"), call.get("id") or _new_id("call"), function.get("name", ""), "", "in_progress"
             )
-            yield from self._open(item)
-            opened = self.calls[call.get("index", 0)] = _Open(len(self.output) - 1, item)
+            opened = self.calls[call.get("index", 0)] = yield from self._open(item)
         if arguments := function.get("arguments"):
             opened.item["arguments"] += arguments
             yield self._event(
