@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from raypaged import envs
 from raypaged.config import CliFlag, EngineConfig, cli_flag, json_flag_value
 from raypaged.entrypoints.config_file import CONFIG_FLAG, ArgumentParser
-from raypaged.entrypoints.vllm_compat import DEFAULT_ONLY, check_default_only, explain
+from raypaged.entrypoints.vllm_compat import ANY_VALUE, DEFAULT_ONLY, check_default_only, explain
 from raypaged.entrypoints.vllm_compat import flag as vllm_flag
 from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
 from raypaged.structured.config import StructuredOutputsConfig
@@ -114,16 +114,12 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     """Flags vLLM command lines carry that are no ``EngineConfig`` field: each is honoured, or refused by
     name in ``check_vllm_args`` (``LLM`` takes the same options as keywords, see ``vllm_compat``)."""
     add_default_only_args(parser)
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="accepted for vLLM command lines: only built-in architectures run, never a model's code",
-    )
-    parser.add_argument(
-        "--disable-log-stats",
-        action="store_true",
-        help="accepted for vLLM command lines: raypaged logs no periodic stats (see /metrics)",
-    )
+    for name, (kind, why) in ANY_VALUE.items():
+        accepted = f"accepted for vLLM command lines: {explain(why, as_flags=True)}"
+        if kind is bool:
+            parser.add_argument(vllm_flag(name), action="store_true", help=accepted)
+        else:
+            parser.add_argument(vllm_flag(name), type=kind, default=None, help=accepted)
 
 
 def add_default_only_args(parser: argparse.ArgumentParser) -> None:
@@ -345,6 +341,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disable-uvicorn-access-log", action="store_true", help="no uvicorn access-log line per HTTP request"
     )
+    parser.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="no OpenAPI document (/openapi.json); the Swagger and ReDoc pages are never served",
+    )
     parser.add_argument("--ssl-keyfile", default=None, help="private key (PEM) for HTTPS, with --ssl-certfile")
     parser.add_argument("--ssl-certfile", default=None, help="certificate chain (PEM): serve HTTPS instead of HTTP")
     parser.add_argument(
@@ -489,6 +490,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
+        openapi_docs=not args.disable_fastapi_docs,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path,

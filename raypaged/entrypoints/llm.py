@@ -257,7 +257,7 @@ def _check_vllm_options(options: dict[str, Any]) -> None:
     default_only = {name for name, *_ in DEFAULT_ONLY}
     for name in options:
         if name not in default_only and name not in ANY_VALUE:
-            raise unknown_keyword(name, [*engine_keywords(), *default_only, *ANY_VALUE])
+            raise unknown_keyword(name, engine_keywords(), [*default_only, *ANY_VALUE])
     check_default_only(options, as_flags=False)
 
 

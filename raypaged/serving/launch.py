@@ -54,6 +54,7 @@ class GatewayOptions:
     log_level: str = "info"
     uvicorn_log_level: str | None = None  # None: log_level
     access_log: bool = True  # uvicorn's line per HTTP request
+    openapi_docs: bool = True  # /openapi.json (--disable-fastapi-docs: none)
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None  # CA bundle that client certificates are checked against
@@ -187,6 +188,7 @@ class Gateway:
             force_include_usage=options.enable_force_include_usage,
             request_id_headers=options.enable_request_id_headers,
             reasoning_parser=get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None,
+            openapi_docs=options.openapi_docs,
         )
         app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones
         self.socket = listen(options.host, options.port)

@@ -5,7 +5,7 @@ import re
 import httpx
 import pytest
 
-from raypaged.entrypoints.cli import build_parser, engine_configs
+from raypaged.entrypoints.cli import build_parser, engine_configs, gateway_options
 from raypaged.serving.engine_server import EngineServer
 from raypaged.structured.config import StructuredOutputsConfig
 from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
@@ -27,6 +27,29 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         "auto",
         "--max-model-len",
         "256",
+        # taken at the values raypaged has, or at any value where they change nothing here
+        "--disable-custom-all-reduce",
+        "--max-seq-len-to-capture",
+        "8192",
+        "--max-log-len",
+        "100",
+        "--code-revision",
+        "main",
+        "--max-parallel-loading-workers",
+        "2",
+        "--task",
+        "generate",
+        "--runner",
+        "generate",
+        "-O0",
+        "--model-impl",
+        "auto",
+        "--config-format",
+        "hf",
+        "--chat-template-content-format",
+        "string",
+        "--prefix-caching-hash-algo",
+        "sha256",
     )
     assert (config.tensor_parallel_size, config.max_model_len) == (1, 256)
 
@@ -57,6 +80,51 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
             ["--calculate-kv-scales"],
             "--calculate-kv-scales sets an fp8 KV cache's scales: it needs --kv-cache-dtype fp8 (the cache is the "
             "model's dtype, which takes no scales)",
+        ),
+        (
+            ["-O3"],
+            "--compilation-config 3 is not supported: the model is not compiled with torch.compile (level 0); "
+            "CUDA graphs are on unless --enforce-eager",
+        ),
+        (
+            ["--task", "embed"],
+            "--task embed is not supported: raypaged serves generative models only (no embedding or scoring)",
+        ),
+        (
+            ["--enable-sleep-mode"],
+            "--enable-sleep-mode is not supported: the engine keeps its weights and KV cache for its lifetime",
+        ),
+        (
+            ["--kv-cache-memory-bytes", "1000000"],
+            "--kv-cache-memory-bytes 1000000 is not supported: the KV cache takes --gpu-memory-utilization of the "
+            "device (--kv-cache-space GiB on CPU), or --num-gpu-blocks-override blocks",
+        ),
+        (
+            ["--skip-tokenizer-init"],
+            "--skip-tokenizer-init is not supported: the engine tokenizes prompts and detokenizes outputs itself",
+        ),
+        (
+            ["--model-impl", "transformers"],
+            "--model-impl transformers is not supported: raypaged runs its own "
+            "implementation of each supported architecture",
+        ),
+        (
+            ["--enable-expert-parallel"],
+            "--enable-expert-parallel is not supported: no mixture-of-experts architecture is supported",
+        ),
+        (
+            ["--limit-mm-per-prompt", '{"image": 1}'],
+            '--limit-mm-per-prompt {"image": 1} is not supported: the served models read text only',
+        ),
+        (
+            ["--chat-template-content-format", "openai"],
+            "--chat-template-content-format openai is not supported: a "
+            "message's content reaches the chat template as one string (its text parts joined)",
+        ),
+        (
+            ["--prefix-caching-hash-algo", "builtin"],
+            "--prefix-caching-hash-algo builtin is not supported: "
+            "prefix-cache blocks are keyed by sha256 of their parent's key and their token ids",
         ),
         (
             ["--no-enable-chunked-prefill"],
@@ -348,3 +416,17 @@ def test_ssl_ca_certs_and_cert_reqs_require_client_certificates(tiny_model_dir, 
         stack.close()
     with pytest.raises(ValueError, match=re.escape("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")):
         gateway_options(build_parser().parse_args(["serve", "--ssl-ca-certs", str(cert)]))
+
+
+def test_disable_fastapi_docs_drops_the_openapi_document(tiny_model_dir):
+    """vLLM's --disable-fastapi-docs: no /openapi.json (the Swagger and ReDoc pages are never served)."""
+    args = build_parser().parse_args(["serve", str(tiny_model_dir), "--disable-fastapi-docs"])
+    assert gateway_options(args).openapi_docs is False
+    for openapi_docs, status in ((False, 404), (True, 200)):
+        stack = Stack([tiny_config(tiny_model_dir, "tiny")], openapi_docs=openapi_docs)
+        try:
+            with stack.client() as client:
+                assert client.get("/openapi.json").status_code == status
+                assert client.get("/docs").status_code == client.get("/redoc").status_code == 404
+        finally:
+            stack.close()

@@ -37,6 +37,11 @@ def test_vllm_engine_arguments_are_taken_at_the_values_that_change_nothing(tiny_
         tokenizer_mode="auto",
         distributed_executor_backend="ray",
         max_num_partial_prefills=1,
+        disable_custom_all_reduce=True,
+        max_seq_len_to_capture=8192,
+        task="generate",
+        compilation_config="0",
+        chat_template_content_format="string",
     )
     [output] = llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 2
@@ -55,6 +60,17 @@ def test_vllm_engine_arguments_are_taken_at_the_values_that_change_nothing(tiny_
             ValueError,
             "--calculate-kv-scales sets an fp8 KV cache's scales: it needs --kv-cache-dtype fp8 (the cache is the "
             "model's dtype, which takes no scales)",
+        ),
+        (
+            {"enable_sleep_mode": True},
+            ValueError,
+            "enable_sleep_mode=True is not supported: the engine keeps its weights and KV cache for its lifetime",
+        ),
+        (
+            {"kv_cache_memory_bytes": 2**30},
+            ValueError,
+            "kv_cache_memory_bytes=1073741824 is not supported: the KV cache takes gpu_memory_utilization of the "
+            "device (kv_cache_space GiB on CPU), or num_gpu_blocks_override blocks",
         ),
         (
             {"enable_chunked_prefill": False},

@@ -76,6 +76,7 @@ def build_app(
     force_include_usage: bool = False,
     request_id_headers: bool = False,
     reasoning_parser: ReasoningParser | None = None,
+    openapi_docs: bool = True,
 ) -> FastAPI:
     """The gateway's routes; ``drain`` (one per gateway) refuses and ends requests at shutdown.
 
@@ -85,7 +86,8 @@ def build_app(
     ``response_role`` is the role of chat answers; ``prompt_tokens_details`` adds usage's cached
     tokens, ``force_include_usage`` a usage chunk to every stream, ``request_id_headers`` the
     ``X-Request-Id`` response header (vLLM's flags of those names); ``reasoning_parser`` splits
-    chat answers' ``<think>`` sections into ``reasoning_content``.
+    chat answers' ``<think>`` sections into ``reasoning_content``; ``openapi_docs`` False (vLLM's
+    ``--disable-fastapi-docs``): no ``/openapi.json`` (the Swagger and ReDoc pages are never served).
     """
     if max_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {max_body_bytes}")
@@ -94,7 +96,9 @@ def build_app(
     drain = drain or Drain(0)
     responses_store = ResponseStore()
     started = int(time.time())  # the models' "created"
-    app = FastAPI(title="raypaged", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="raypaged", docs_url=None, redoc_url=None, openapi_url="/openapi.json" if openapi_docs else None
+    )
     install_handlers(app)
     app.add_middleware(
         Guard, tenants=tenants, drain=drain, exempt_paths=auth_exempt_paths, allowed_origins=allowed_origins
