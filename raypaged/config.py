@@ -264,6 +264,12 @@ class EngineConfig:
         "sampling defaults and extra EOS ids: auto (the model folder's generation_config.json), vllm (no "
         "sampling defaults) or a folder holding a generation_config.json",
     )
+    hf_overrides: dict[str, Any] | None = _flag(
+        None,
+        "JSON object read as if it were in the model's config.json, e.g. '{\"max_position_embeddings\": 4096}' "
+        "(an object merges into the one it names, key by key)",
+        parse=json_flag_value,
+    )
     override_generation_config: dict[str, Any] | None = _flag(
         None,
         "JSON object of sampling defaults over the generation config's, e.g. '{\"temperature\": 0.5}' "
@@ -386,7 +392,11 @@ class EngineConfig:
 
         self.model_path = resolve_model_path(self.model, self.revision, self.download_dir)
         self.tokenizer_path = self._resolve_tokenizer_path()
-        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.hf_config = (
+            AutoConfig.from_pretrained(self.model_path)
+            if not self.hf_overrides
+            else overridden_hf_config(self.model_path, self.hf_overrides)
+        )
         self.generation_defaults, self.generation_eos_token_ids = self._read_generation_config()
         self._check_architecture()
         check_tensor_parallel(self.hf_config, self.tensor_parallel_size)
@@ -627,6 +637,28 @@ def _chat_template_text(template: str | None) -> str | None:
     if "{{" in template or "{%" in template:
         return template
     raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja template")
+
+
+def overridden_hf_config(model_path: Path, overrides: dict[str, Any]) -> Any:
+    """The model's config as if its config.json held ``overrides`` too (``--hf-overrides``): an object merges
+    into the object it names, key by key; the config class then reads the merged values as it reads the file's."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--hf-overrides takes a JSON object, got {json.dumps(overrides)}")
+    values, _ = PretrainedConfig.get_config_dict(str(model_path))
+    merged = _merged(values, overrides)
+    model_type = merged.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ValueError(f"--hf-overrides: the config has no model_type to read it as (got {model_type!r})")
+    return AutoConfig.for_model(model_type, **merged)
+
+
+def _merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def check_architecture(hf_config: Any, what: str) -> None:
