@@ -342,6 +342,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--disable-uvicorn-access-log", action="store_true", help="no uvicorn access-log line per HTTP request"
     )
     parser.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="accepted for vLLM command lines: GET /load always reports the generation requests in flight",
+    )
+    parser.add_argument(
         "--disable-fastapi-docs",
         action="store_true",
         help="no OpenAPI document (/openapi.json); the Swagger and ReDoc pages are never served",

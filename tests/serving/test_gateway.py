@@ -625,6 +625,29 @@ def test_vllm_probe_and_model_endpoints(stack, client):
 
     assert client.get("/ping").status_code == 200
     assert client.get("/version").json() == {"version": __version__}
+    # vLLM's /load: the generation requests in flight, here a request waiting for its tenant's one slot
+    assert client.get("/load").json() == {"server_load": 0}
+    flood_gate = stack.gateway.tenants.tenant_for(f"Bearer {FLOOD}")
+    stack.background.run(flood_gate.admit(num_slots=1))  # the flood tenant's one slot, held here
+    with stack.client(headers={"Authorization": f"Bearer {FLOOD}"}) as flood:
+        waiting = threading.Thread(
+            target=flood.post,
+            args=("/v1/completions",),
+            kwargs={"json": {"model": "tiny", "prompt": "x", "max_tokens": 2}},
+        )
+        waiting.start()
+        deadline = time.monotonic() + 5
+        while flood_gate.num_queued == 0:
+            assert time.monotonic() < deadline, "the request was not queued"
+            time.sleep(0.002)
+        assert client.get("/load").json() == {"server_load": 1}
+
+        async def release() -> None:  # on the gateway's loop, as its requests release slots
+            flood_gate.release(num_slots=1)
+
+        stack.background.run(release())
+        waiting.join(timeout=30)
+    assert client.get("/load").json() == {"server_load": 0}
     listed = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
     assert client.get("/v1/models/tiny-qwen").json() == listed["tiny-qwen"]
     missing = client.get("/v1/models/nope")

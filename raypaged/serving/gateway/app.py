@@ -349,6 +349,10 @@ def build_app(
             return APIError(503, problem).response()
         return Response(status_code=200)
 
+    @app.get("/load")  # vLLM's: the generation requests in flight (every one is tracked here)
+    async def load() -> dict:
+        return {"server_load": drain.num_in_flight}
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": __version__}
