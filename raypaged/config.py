@@ -561,14 +561,15 @@ class EngineConfig:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.resolved_dtype
 
     def _resolve_max_model_len(self) -> int:
-        limit = self.hf_config.max_position_embeddings
+        limit, what = self.hf_config.max_position_embeddings, "max_position_embeddings"
         window = getattr(self.hf_config, "sliding_window", None)
         if window and getattr(self.hf_config, "use_sliding_window", True) and window < limit:
-            limit = window  # attention here is full-context: stay inside the window
+            # attention here is full-context: stay inside the window (vLLM's --disable-sliding-window)
+            limit, what = window, "sliding_window (attention here spans the whole context)"
         if self.max_model_len is None:
             return limit
         if self.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {what} {limit}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         return self.max_model_len

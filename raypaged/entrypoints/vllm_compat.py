@@ -77,6 +77,10 @@ ANY_VALUE: dict[str, tuple[type, str]] = {
     "max_log_len": (int, "request log lines carry no prompt text"),
     "code_revision": (str, "no model code runs: only raypaged's built-in architectures"),
     "max_parallel_loading_workers": (int, "each shard reads its own share of the checkpoint, tensor by tensor"),
+    "disable_sliding_window": (
+        bool,
+        "attention always spans the whole context: a model's sliding window caps {max_model_len}, as this flag asks",
+    ),
 }
 
 

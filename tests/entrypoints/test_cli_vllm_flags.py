@@ -37,6 +37,7 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         "main",
         "--max-parallel-loading-workers",
         "2",
+        "--disable-sliding-window",
         "--task",
         "generate",
         "--runner",
@@ -430,3 +431,19 @@ def test_disable_fastapi_docs_drops_the_openapi_document(tiny_model_dir):
                 assert client.get("/docs").status_code == client.get("/redoc").status_code == 404
         finally:
             stack.close()
+
+
+def test_a_sliding_window_caps_the_context_as_disable_sliding_window_asks(tiny_model_dir):
+    """Attention always spans the whole context, so a model's sliding window is its longest context: what vLLM's
+    --disable-sliding-window does (the flag is accepted; without it the window caps the context too)."""
+    window = ["--hf-overrides", '{"sliding_window": 100}']
+    for extra in ([], ["--disable-sliding-window"]):
+        [config] = configs(str(tiny_model_dir), *window, *extra)
+        assert config.resolved_max_model_len == 100
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "max_model_len 200 exceeds the model's sliding_window (attention here spans the whole context) 100"
+        ),
+    ):
+        configs(str(tiny_model_dir), *window, "--max-model-len", "200")
