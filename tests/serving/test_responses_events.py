@@ -13,6 +13,8 @@ from raypaged.serving.gateway.openai_responses import (
     ResponseEvents,
     ResponsesRequest,
     ResponseStore,
+    Stored,
+    input_items,
     input_messages,
 )
 
@@ -162,12 +164,32 @@ def test_bad_input_items_are_named(items, message):
 def test_the_store_keeps_the_newest_per_tenant():
     store = ResponseStore(size=2)
     for name in ("r1", "r2", "r3"):
-        store.put("a", {"id": name}, [])
-    store.put("b", {"id": "r1"}, [{"role": "user", "content": "b's"}])
+        store.put("a", Stored({"id": name}, [], []))
+    store.put("b", Stored({"id": "r1"}, [{"role": "user", "content": "b's"}], []))
     with pytest.raises(APIError, match="response with id 'r1' not found"):
         store.get("a", "r1")
-    assert store.get("a", "r3")[0] == {"id": "r3"} and store.get("b", "r1")[1][0]["content"] == "b's"
+    assert store.get("a", "r3").response == {"id": "r3"} and store.get("b", "r1").conversation[0]["content"] == "b's"
     store.delete("b", "r1")
     with pytest.raises(APIError) as missing:
         store.get("b", "r1", "previous_response_id")
     assert (missing.value.status, missing.value.param) == (400, "previous_response_id")
+
+
+def test_input_items_are_listed_as_the_responses_api_lists_them():
+    given = [
+        {"role": "user", "content": "Hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc_given"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+    ]
+    items = input_items(given)
+    assert items[0]["content"] == [{"type": "input_text", "text": "Hi"}] and items[0]["status"] == "completed"
+    assert items[0]["id"].startswith("msg_") and items[1]["id"] == "fc_given" and items[2]["id"].startswith("fco_")
+    stored = Stored({"id": "r"}, [], items)
+    newest = stored.input_page("desc", 2, None)
+    assert [i["id"] for i in newest["data"]] == [items[2]["id"], "fc_given"] and newest["has_more"]
+    rest = stored.input_page("desc", 2, newest["last_id"])
+    assert [i["id"] for i in rest["data"]] == [items[0]["id"]] and not rest["has_more"]
+    assert [i["id"] for i in stored.input_page("asc", 20, None)["data"]] == [i["id"] for i in items]
+    assert input_items("Hello")[0]["content"] == [{"type": "input_text", "text": "Hello"}]
+    with pytest.raises(APIError, match="order must be asc or desc, got 'up'"):
+        stored.input_page("up", 20, None)

@@ -98,6 +98,8 @@ def test_previous_response_id_continues_the_conversation_without_its_instruction
 def test_stored_responses_are_read_and_deleted_by_their_tenant_only(stack, client):
     response = client.responses.create(model="smollm2", input=QUESTION, max_output_tokens=4, temperature=0)
     assert client.responses.retrieve(response.id).model_dump() == response.model_dump()
+    [item] = client.responses.input_items.list(response.id).data
+    assert (item.type, item.role, item.content[0].text) == ("message", "user", QUESTION)
     other = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="sk-b")
     for call in (lambda: other.responses.retrieve(response.id), lambda: other.responses.delete(response.id)):
         with pytest.raises(openai.NotFoundError, match="response with id 'resp_"):

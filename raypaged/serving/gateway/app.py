@@ -145,7 +145,7 @@ def build_app(
             history: list[dict] = []
             if parsed.previous_response_id is not None:
                 tenant = slot.gate.tenant.name
-                _, history = responses_store.get(tenant, parsed.previous_response_id, "previous_response_id")
+                history = responses_store.get(tenant, parsed.previous_response_id, "previous_response_id").conversation
             responder = Responder(parsed, history)
             return await generate_in(
                 slot, http, _validated(parsed.chat_body(history), ChatCompletionRequest), responder
@@ -236,7 +236,7 @@ def build_app(
         if responder is not None:
             answer = responder.body(answer)
             if responder.request.store:
-                responses_store.put(gate.tenant.name, answer, responder.conversation(answer["output"]))
+                responses_store.put(gate.tenant.name, responder.stored(answer))
         return JSONResponse(answer, headers=headers)
 
     @app.post("/v1/embeddings")
@@ -255,7 +255,13 @@ def build_app(
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(http: Request, response_id: str) -> dict:
-        return responses_store.get(http.state.tenant_gate.tenant.name, response_id)[0]
+        return responses_store.get(http.state.tenant_gate.tenant.name, response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        http: Request, response_id: str, order: str = "desc", limit: int = 20, after: str | None = None
+    ) -> dict:
+        return responses_store.get(http.state.tenant_gate.tenant.name, response_id).input_page(order, limit, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(http: Request, response_id: str) -> dict:
@@ -635,4 +641,4 @@ async def _response_events(
     for event in events.finish():
         yield sse_event(event)
     if events.final is not None and events.responder.request.store:
-        store.put(gate.tenant.name, events.final, events.responder.conversation(events.final["output"]))
+        store.put(gate.tenant.name, events.responder.stored(events.final))

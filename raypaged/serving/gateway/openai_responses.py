@@ -295,11 +295,61 @@ class Responder:
             output.append(_call_item(_new_id("fc"), call["id"], function["name"], function["arguments"], "completed"))
         return self.response("completed", output, chat["model"], _usage(chat.get("usage")), choice["finish_reason"])
 
-    def conversation(self, output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The conversation a later request continues with ``previous_response_id``: this one's and its output."""
-        return self.request.conversation_of(self.history) + input_messages(
-            [item for item in output if item["type"] != "reasoning"]
+    def stored(self, response: dict[str, Any]) -> Stored:
+        """What the store keeps of this request's ``response``: it, the conversation a later request continues
+        with ``previous_response_id`` (this one's and its output), and this request's input items."""
+        conversation = self.request.conversation_of(self.history) + input_messages(
+            [item for item in response["output"] if item["type"] != "reasoning"]
         )
+        return Stored(response, conversation, input_items(self.request.input))
+
+
+_ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``input`` as the Responses API lists it (``GET /v1/responses/{id}/input_items``): items with their type and
+    an id (one made where the request gave none), a message's text as an ``input_text`` part."""
+    items = []
+    for given_item in [{"role": "user", "content": given}] if isinstance(given, str) else given:
+        item: dict[str, Any] = {"type": "message", **given_item}
+        if item["type"] == "message":
+            if isinstance(item.get("content"), str):
+                item["content"] = [{"type": "input_text", "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", _new_id(_ITEM_PREFIXES.get(item["type"], "item")))
+        items.append(item)
+    return items
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A stored response: the ``response`` object, the conversation as chat messages, the input items."""
+
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]
+    input_items: list[dict[str, Any]]
+
+    def input_page(self, order: str, limit: int, after: str | None) -> dict[str, Any]:
+        """``GET /v1/responses/{id}/input_items``: OpenAI's list, newest first (``order`` desc) or oldest first."""
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be asc or desc, got {order!r}", "order")
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be between 1 and 100, got {limit}", "limit")
+        items = self.input_items if order == "asc" else self.input_items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(400, f"no input item {after!r} in this response", "after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
 
 
 def _message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -498,20 +548,19 @@ class ResponseEvents:
 
 
 class ResponseStore:
-    """Stored responses in memory, per tenant, the newest ``size`` of each: the ``response`` object and the
-    conversation a later request continues."""
+    """Stored responses in memory, per tenant, the newest ``size`` of each (``Stored``)."""
 
     def __init__(self, size: int = STORE_SIZE) -> None:
         self.size = size
-        self._kept: dict[str, OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]]] = {}
+        self._kept: dict[str, OrderedDict[str, Stored]] = {}
 
-    def put(self, tenant: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    def put(self, tenant: str, stored: Stored) -> None:
         kept = self._kept.setdefault(tenant, OrderedDict())
-        kept[response["id"]] = (response, conversation)
+        kept[stored.response["id"]] = stored
         while len(kept) > self.size:
             kept.popitem(last=False)
 
-    def get(self, tenant: str, response_id: str, param: str | None = None) -> tuple[dict[str, Any], list]:
+    def get(self, tenant: str, response_id: str, param: str | None = None) -> Stored:
         kept = self._kept.get(tenant)
         found = None if kept is None else kept.get(response_id)
         if found is None:
