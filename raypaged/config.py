@@ -167,6 +167,12 @@ class EngineConfig:
     max_num_seqs: int = _flag(256, "most sequences in one batch", type=int)
     max_num_batched_tokens: int | None = _flag(None, "token budget of one step", type=int)
     kv_cache_space: float | None = _flag(None, "GiB of KV cache on CPU (default 4)", type=float)
+    kv_cache_memory_bytes: int | None = _flag(
+        None,
+        "bytes of KV cache per shard, on a device or on CPU, in place of --gpu-memory-utilization's profiling "
+        "(and of --kv-cache-space)",
+        type=int,
+    )
     num_gpu_blocks_override: int | None = _flag(None, "exact number of KV blocks", type=int)
     seed: int = _flag(
         0,
@@ -346,6 +352,12 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.kv_cache_space is not None and self.kv_cache_space <= 0:
             raise ValueError(f"kv_cache_space must be a positive number of GiB, got {self.kv_cache_space}")
+        if self.kv_cache_memory_bytes is not None:
+            if self.kv_cache_memory_bytes <= 0:
+                raise ValueError(f"kv_cache_memory_bytes must be a positive number, got {self.kv_cache_memory_bytes}")
+            for other in ("kv_cache_space", "num_gpu_blocks_override"):
+                if getattr(self, other) is not None:
+                    raise ValueError(f"give one of kv_cache_memory_bytes and {other}: both size the KV cache")
         if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:

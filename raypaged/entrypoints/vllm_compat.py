@@ -40,14 +40,6 @@ DEFAULT_ONLY: list[tuple[str, str | None, type, tuple[object, ...], str]] = [
         "the model is not compiled with torch.compile (level 0); CUDA graphs are on unless {enforce_eager}",
     ),
     ("enable_sleep_mode", None, bool, (False,), "the engine keeps its weights and KV cache for its lifetime"),
-    (
-        "kv_cache_memory_bytes",
-        None,
-        int,
-        (None,),
-        "the KV cache takes {gpu_memory_utilization} of the device ({kv_cache_space} GiB on CPU), or "
-        "{num_gpu_blocks_override} blocks",
-    ),
     ("skip_tokenizer_init", None, bool, (False,), "the engine tokenizes prompts and detokenizes outputs itself"),
     ("model_impl", None, str, ("auto",), "raypaged runs its own implementation of each supported architecture"),
     ("config_format", None, str, ("auto", "hf"), "the model folder's config.json (Hugging Face's format) is read"),

@@ -146,14 +146,22 @@ class Worker:
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) this worker can hold.
 
-        On CUDA the device blocks fill what ``gpu_memory_utilization`` of the device leaves
-        after the weights, the peak activations of a profiled worst-case step, and memory
-        held outside torch (cupy, NCCL, the CUDA context); on CPU ``kv_cache_space`` GiB.
+        ``kv_cache_memory_bytes`` bytes of blocks where it is given (vLLM's, on any device); else on CUDA the
+        device blocks fill what ``gpu_memory_utilization`` of the device leaves after the weights, the peak
+        activations of a profiled worst-case step, and memory held outside torch (cupy, NCCL, the CUDA
+        context); on CPU ``kv_cache_space`` GiB.
         """
         per_block = self.bytes_per_block()
         num_cpu_blocks = int(self.config.resolved_swap_space * _GIB) // per_block
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override, num_cpu_blocks
+        if (kv_bytes := self.config.kv_cache_memory_bytes) is not None:
+            if kv_bytes < per_block:
+                raise ValueError(
+                    f"--kv-cache-memory-bytes {kv_bytes} is less than one KV block ({per_block} bytes: "
+                    f"{self.config.block_size} tokens of every layer's K and V)"
+                )
+            return kv_bytes // per_block, num_cpu_blocks
         if self.device.type == "cuda":
             kv_bytes = self.profile_free_device_memory()
             if kv_bytes < per_block:

@@ -96,11 +96,6 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
             "--enable-sleep-mode is not supported: the engine keeps its weights and KV cache for its lifetime",
         ),
         (
-            ["--kv-cache-memory-bytes", "1000000"],
-            "--kv-cache-memory-bytes 1000000 is not supported: the KV cache takes --gpu-memory-utilization of the "
-            "device (--kv-cache-space GiB on CPU), or --num-gpu-blocks-override blocks",
-        ),
-        (
             ["--skip-tokenizer-init"],
             "--skip-tokenizer-init is not supported: the engine tokenizes prompts and detokenizes outputs itself",
         ),
@@ -447,3 +442,25 @@ def test_a_sliding_window_caps_the_context_as_disable_sliding_window_asks(tiny_m
         ),
     ):
         configs(str(tiny_model_dir), *window, "--max-model-len", "200")
+
+
+def test_kv_cache_memory_bytes_sizes_the_kv_cache(tiny_model_dir):
+    """vLLM's --kv-cache-memory-bytes: that many bytes of whole KV blocks per shard, on any device, in place of
+    --gpu-memory-utilization's profiling and of --kv-cache-space."""
+    from raypaged.config import EngineConfig
+    from raypaged.worker.worker import Worker
+
+    [config] = configs(str(tiny_model_dir), "--kv-cache-memory-bytes", "123456")
+    assert config.kv_cache_memory_bytes == 123456
+    per_block = Worker(config, None).bytes_per_block()
+    sized = EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_memory_bytes=10 * per_block + per_block // 2)
+    assert Worker(sized, None).determine_num_blocks()[0] == 10
+    tiny = EngineConfig(model=str(tiny_model_dir), device="cpu", kv_cache_memory_bytes=per_block - 1)
+    with pytest.raises(
+        ValueError, match=re.escape(f"--kv-cache-memory-bytes {per_block - 1} is less than one KV block")
+    ):
+        Worker(tiny, None).determine_num_blocks()
+    for other in ({"kv_cache_space": 1.0}, {"num_gpu_blocks_override": 8}):
+        name = next(iter(other))
+        with pytest.raises(ValueError, match=f"give one of kv_cache_memory_bytes and {name}: both size the KV cache"):
+            EngineConfig(model=str(tiny_model_dir), kv_cache_memory_bytes=per_block, **other)

@@ -67,12 +67,6 @@ def test_vllm_engine_arguments_are_taken_at_the_values_that_change_nothing(tiny_
             "enable_sleep_mode=True is not supported: the engine keeps its weights and KV cache for its lifetime",
         ),
         (
-            {"kv_cache_memory_bytes": 2**30},
-            ValueError,
-            "kv_cache_memory_bytes=1073741824 is not supported: the KV cache takes gpu_memory_utilization of the "
-            "device (kv_cache_space GiB on CPU), or num_gpu_blocks_override blocks",
-        ),
-        (
             {"enable_chunked_prefill": False},
             ValueError,
             "enable_chunked_prefill=False is not supported: long prefills are always chunked within "
