@@ -193,3 +193,44 @@ def test_input_items_are_listed_as_the_responses_api_lists_them():
     assert input_items("Hello")[0]["content"] == [{"type": "input_text", "text": "Hello"}]
     with pytest.raises(APIError, match="order must be asc or desc, got 'up'"):
         stored.input_page("up", 20, None)
+
+
+def test_a_request_maps_onto_its_chat_completion_body():
+    request = ResponsesRequest(
+        model="m",
+        instructions="Be brief.",
+        input="Weather?",
+        max_output_tokens=30,
+        temperature=0.2,
+        top_p=0.9,
+        top_logprobs=3,
+        tools=[{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}],
+        tool_choice={"type": "function", "name": "f"},
+        parallel_tool_calls=False,
+        text={"format": {"type": "json_object"}},
+        stream=True,
+        safety_identifier="u1",
+    )
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert request.chat_body(history) == {
+        "model": "m",
+        "messages": [{"role": "system", "content": "Be brief."}, *history, {"role": "user", "content": "Weather?"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_completion_tokens": 30,
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "user": "u1",
+        "logprobs": True,
+        "top_logprobs": 3,
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True},
+            }
+        ],
+        "parallel_tool_calls": False,
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "response_format": {"type": "json_object"},
+    }
+    assert request.conversation_of(history) == [*history, {"role": "user", "content": "Weather?"}]
