@@ -103,7 +103,7 @@ def test_an_error_chunk_ends_the_stream_with_an_error_event():
         "message": "the server is shutting down",
         "param": None,
     }
-    assert events.final is None
+    assert events.failed and list(events.finish()) == [] and events.final is None
 
 
 def test_input_items_become_chat_messages():
@@ -212,7 +212,9 @@ def test_a_request_maps_onto_its_chat_completion_body():
         safety_identifier="u1",
     )
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    assert request.chat_body(history) == {
+    responder = Responder(request, history)
+    assert responder.conversation == [*history, {"role": "user", "content": "Weather?"}]
+    assert responder.chat_body() == {
         "model": "m",
         "messages": [{"role": "system", "content": "Be brief."}, *history, {"role": "user", "content": "Weather?"}],
         "stream": True,
@@ -233,4 +235,3 @@ def test_a_request_maps_onto_its_chat_completion_body():
         "tool_choice": {"type": "function", "function": {"name": "f"}},
         "response_format": {"type": "json_object"},
     }
-    assert request.conversation_of(history) == [*history, {"role": "user", "content": "Weather?"}]

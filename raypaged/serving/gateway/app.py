@@ -147,9 +147,7 @@ def build_app(
                 tenant = slot.gate.tenant.name
                 history = responses_store.get(tenant, parsed.previous_response_id, "previous_response_id").conversation
             responder = Responder(parsed, history)
-            return await generate_in(
-                slot, http, _validated(parsed.chat_body(history), ChatCompletionRequest), responder
-            )
+            return await generate_in(slot, http, _validated(responder.chat_body(), ChatCompletionRequest), responder)
         except BaseException:
             slot.release()
             raise
@@ -235,8 +233,7 @@ def build_app(
             slot.release()
         if responder is not None:
             answer = responder.body(answer)
-            if responder.request.store:
-                responses_store.put(gate.tenant.name, responder.stored(answer))
+            responses_store.keep(gate.tenant.name, responder, answer)
         return JSONResponse(answer, headers=headers)
 
     @app.post("/v1/embeddings")
@@ -630,15 +627,11 @@ async def _response_events(
     """A Responses stream: the chat chunks as its events; a stored response is kept once it completes."""
     for event in events.start():
         yield sse_event(event)
-    failed = False
     async with contextlib.aclosing(chunks) as stream:
         async for chunk in stream:
-            failed = failed or "error" in chunk
             for event in events.feed(chunk):
                 yield sse_event(event)
-    if failed:
-        return
     for event in events.finish():
         yield sse_event(event)
-    if events.final is not None and events.responder.request.store:
-        store.put(gate.tenant.name, events.responder.stored(events.final))
+    if events.final is not None:
+        store.keep(gate.tenant.name, events.responder, events.final)

@@ -103,10 +103,11 @@ class ResponsesRequest(BaseModel):
             raise APIError(400, "text verbosity is not supported (only medium)", "text")
         return self
 
-    def chat_body(self, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """The chat completion request this one runs as; ``history``: the previous response's conversation."""
+    def chat_body(self, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chat completion request this one runs as: ``conversation`` (``Responder.conversation``: the previous
+        response's, then this input) after the instructions."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        messages += history + input_messages(self.input)
+        messages += conversation
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream}
         optional = {
             "max_completion_tokens": self.max_output_tokens,
@@ -127,11 +128,6 @@ class ResponsesRequest(BaseModel):
         if (response_format := _response_format((self.text or {}).get("format"))) is not None:
             body["response_format"] = response_format
         return body
-
-    def conversation_of(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """What a later ``previous_response_id`` continues: the history and this input (not the instructions,
-        which OpenAI does not carry over)."""
-        return history + input_messages(self.input)
 
 
 def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -239,9 +235,18 @@ class Responder:
     """One Responses request's answer: its ids and the parts of ``response`` objects that echo the request."""
 
     request: ResponsesRequest
-    history: list[dict[str, Any]]
+    history: list[dict[str, Any]]  # the previous response's conversation (previous_response_id), or none
     id: str = field(default_factory=lambda: _new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
+    # the history and this input as chat messages, not the instructions (OpenAI does not carry them over)
+    conversation: list[dict[str, Any]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.conversation = self.history + input_messages(self.request.input)
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat completion request this one runs as."""
+        return self.request.chat_body(self.conversation)
 
     def response(
         self,
@@ -298,7 +303,7 @@ class Responder:
     def stored(self, response: dict[str, Any]) -> Stored:
         """What the store keeps of this request's ``response``: it, the conversation a later request continues
         with ``previous_response_id`` (this one's and its output), and this request's input items."""
-        conversation = self.request.conversation_of(self.history) + input_messages(
+        conversation = self.conversation + input_messages(
             [item for item in response["output"] if item["type"] != "reasoning"]
         )
         return Stored(response, conversation, input_items(self.request.input))
@@ -400,6 +405,7 @@ class ResponseEvents:
         self.logprobs: list[dict[str, Any]] | None = None
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
+        self.failed = False  # an error chunk ended the stream: no closing events, nothing stored
         self.final: dict[str, Any] | None = None  # the completed response, once the stream ends well
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -422,6 +428,7 @@ class ResponseEvents:
     def feed(self, chunk: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The events of one chat chunk (``{"error": ...}``: the ``error`` event)."""
         if "error" in chunk:
+            self.failed = True
             error = chunk["error"]
             yield self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))
             return
@@ -529,7 +536,9 @@ class ResponseEvents:
         yield self._event("response.output_item.done", output_index=opened.index, item=opened.item)
 
     def finish(self) -> Iterator[dict[str, Any]]:
-        """The closing events once the chat stream ended without an error."""
+        """The closing events once the chat stream ended (none after an error's)."""
+        if self.failed:
+            return
         yield from self._close_reasoning()
         yield from self._close_text()
         for opened in self.calls.values():
@@ -553,6 +562,11 @@ class ResponseStore:
     def __init__(self, size: int = STORE_SIZE) -> None:
         self.size = size
         self._kept: dict[str, OrderedDict[str, Stored]] = {}
+
+    def keep(self, tenant: str, responder: Responder, response: dict[str, Any]) -> None:
+        """``response`` stored where its request asks for it (``store``, true unless sent false)."""
+        if responder.request.store:
+            self.put(tenant, responder.stored(response))
 
     def put(self, tenant: str, stored: Stored) -> None:
         kept = self._kept.setdefault(tenant, OrderedDict())
