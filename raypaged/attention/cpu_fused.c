@@ -83,9 +83,9 @@ static inline void cache_row(void *cache, int64_t row, const float *x, int64_t D
 
 /* Rotates q (heads of D at q + t * q_stride) and k in place by each token's position, then writes the
  * rotated k and v of each token with a slot >= 0 into the caches ([blocks, kv_heads, block_size, D];
- * float32, or, when fp8 is set, fp8 e4m3 holding k / k_scale and v / v_scale). Returns 0; -1 when a position is outside cos_sin
- * ([max_positions, 2, D / 2]); -2 when a slot is outside the cache. Nothing is written before these
- * checks pass. */
+ * float32, or, when fp8 is set, fp8 e4m3 holding k / k_scale and v / v_scale). Returns 0; -1 when a
+ * position is outside cos_sin ([max_positions, 2, D / 2]); -2 when a slot is outside the cache. Nothing
+ * is written before these checks pass. */
 int raypaged_rotary_and_cache_f32(const int64_t *positions, float *q, int64_t q_stride, float *k, int64_t k_stride,
                                   const float *v, int64_t v_stride, const float *cos_sin, int64_t max_positions,
                                   void *k_cache, void *v_cache, int fp8, float k_scale, float v_scale,

@@ -384,26 +384,28 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
+    def attentions(self) -> list[LlamaAttention]:
+        """Each layer's attention."""
+        return [cast(LlamaDecoderLayer, layer).self_attn for layer in self.model.layers]
+
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """The backend's paged attention in every layer, and its fused step ops (if it brings them) for
         the rest of the step."""
-        for layer in self.model.layers:
-            assert isinstance(layer, LlamaDecoderLayer)
-            layer.self_attn.attn_backend = backend
+        for attn in self.attentions():
+            attn.attn_backend = backend
         self.model.fused_ops = backend.fused_ops
         self.model.cpu_step = CpuStep.build(self.model)
 
     def calculate_kv_scales_next_step(self) -> None:
         """``--calculate-kv-scales``: the next step with tokens sets every layer's fp8 KV cache scales from its own
         keys and values (``LlamaAttention.calculate_scales``)."""
-        for layer in self.model.layers:
-            assert isinstance(layer, LlamaDecoderLayer)
-            layer.self_attn.calculate_kv_scales = True
+        for attn in self.attentions():
+            attn.calculate_kv_scales = True
         self.model.kv_scales_pending = True
 
     def kv_scales(self) -> list[KVScales]:
         """Each layer's fp8 KV cache scales."""
-        return [cast(LlamaDecoderLayer, layer).self_attn.kv_scales for layer in self.model.layers]
+        return [attn.kv_scales for attn in self.attentions()]
 
     def pack_weights(self) -> None:
         """Every float linear's weight, the LM head's too, packed for ``layers.linear`` (after loading; fp32 on a
@@ -490,7 +492,7 @@ class LlamaForCausalLM(nn.Module):
         self.checkpoint_kv_scales = bool(loaded)
         if not loaded:
             return
-        for index, layer in enumerate(self.model.layers):
+        for index, attn in enumerate(self.attentions()):
             attn_name = f"model.layers.{index}.self_attn"
             scales = loaded.get(attn_name, {})
             if set(scales) != {"k", "v"}:
@@ -500,7 +502,7 @@ class LlamaForCausalLM(nn.Module):
                     "(every layer needs both, or no layer any)"
                 )
             try:
-                cast(LlamaDecoderLayer, layer).self_attn.kv_scales.set(scales["k"], scales["v"])
+                attn.kv_scales.set(scales["k"], scales["v"])
             except ValueError as error:
                 raise ValueError(f"checkpoint KV cache scales of {attn_name}: {error}") from None
 

@@ -39,6 +39,3 @@ class NcclAllReduce:
             )
         stream = torch.cuda.current_stream(x.device).cuda_stream
         self.comm.allReduce(x.data_ptr(), x.data_ptr(), x.numel(), self.types[x.dtype], self._nccl.NCCL_SUM, stream)
-
-    def close(self) -> None:
-        self.comm.destroy()
