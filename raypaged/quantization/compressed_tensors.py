@@ -170,12 +170,27 @@ def _fp8_block(
     return None
 
 
+# the kv_cache_scheme read here, and the one the reference quantizer writes: static per-tensor fp8 K/V
+KV_CACHE_SCHEME = {
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "strategy": "tensor",
+    "dynamic": False,
+    "group_size": None,
+    "block_structure": None,
+    "actorder": None,
+    "observer": "minmax",
+    "observer_kwargs": {},
+}
+
+
 def check_kv_cache_scheme(scheme: dict[str, Any]) -> None:
-    """``kv_cache_scheme``: fp8 (8-bit float) K/V with one static symmetric scale per tensor, or an error naming
-    the field that differs (per-head scales, dynamic ones, int8 K/V)."""
+    """``kv_cache_scheme``: fp8 (8-bit float) K/V with one static symmetric scale per tensor (``KV_CACHE_SCHEME``'s
+    values, the observer aside), or an error naming the field that differs (per-head scales, dynamic ones, int8)."""
     known_keys("compressed-tensors kv_cache_scheme", scheme, _ARG_KEYS)
-    wanted = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
-    for key, value in wanted.items():
+    for key in ("num_bits", "type", "strategy", "dynamic", "symmetric"):
+        value = KV_CACHE_SCHEME[key]
         if scheme.get(key, value) != value:
             raise ValueError(
                 f"compressed-tensors kv_cache_scheme {key} {scheme[key]!r} is not supported (fp8 K/V with one static "

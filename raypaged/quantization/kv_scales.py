@@ -19,21 +19,6 @@ from raypaged.quantization.w8a8 import FP8_MAX
 _RECORDER = "raypaged_kv_maxima"  # the attention implementation registered with transformers for the pass
 _maxima: dict[int, tuple[float, float]] = {}  # layer index -> (max |key|, max |value|) of the running pass
 
-# compressed-tensors' kv_cache_scheme of static per-tensor fp8 K/V (what compressed_tensors.check_kv_cache_scheme
-# takes)
-KV_CACHE_SCHEME = {
-    "num_bits": 8,
-    "type": "float",
-    "symmetric": True,
-    "strategy": "tensor",
-    "dynamic": False,
-    "group_size": None,
-    "block_structure": None,
-    "actorder": None,
-    "observer": "minmax",
-    "observer_kwargs": {},
-}
-
 
 def _record(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """transformers' SDPA attention, after noting the layer's largest |key| and |value| ([batch, kv_heads, T, D])"""

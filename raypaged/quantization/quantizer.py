@@ -328,7 +328,8 @@ def quantize_checkpoint(
     quantized = quantize_tensors(tensors, scheme, group_size, symmetric, act_order, bits, block)
     quant_config = quantization_config(scheme, group_size, symmetric, act_order, bits, block)
     if kv_cache_scales:
-        from raypaged.quantization.kv_scales import KV_CACHE_SCHEME, kv_maxima, kv_scale_tensors
+        from raypaged.quantization.compressed_tensors import KV_CACHE_SCHEME
+        from raypaged.quantization.kv_scales import kv_maxima, kv_scale_tensors
 
         quantized.update(kv_scale_tensors(kv_maxima(src)))
         if quant_config["quant_method"] == "compressed-tensors":

@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 from raypaged.config import EngineConfig
 from raypaged.engine.core import EngineCore, EngineCoreRequest
 from raypaged.model.parallel import TensorParallel
-from raypaged.quantization.compressed_tensors import CompressedTensorsConfig
-from raypaged.quantization.kv_scales import KV_CACHE_SCHEME, kv_maxima
+from raypaged.quantization.compressed_tensors import KV_CACHE_SCHEME, CompressedTensorsConfig
+from raypaged.quantization.kv_scales import kv_maxima
 from raypaged.quantization.quantizer import quantize_checkpoint
 from raypaged.sampling_params import SamplingParams
 from raypaged.worker.worker import Worker
