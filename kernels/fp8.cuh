@@ -92,8 +92,13 @@ RP_FP8_FN void fp8x4_to_f16x4_div256(unsigned w, unsigned* even, unsigned* odd) 
 __device__ __forceinline__ void fp8x4_to_f16x4(unsigned w, unsigned& even, unsigned& odd) {
   fp8x4_to_f16x4_div256(w, &even, &odd);
   const unsigned scale = 0x5c005c00u;  // 256.0 in both fp16 halves
+#ifdef RP_HOST_EMULATION
+  even = rp_host::mul_f16x2(even, scale);
+  odd = rp_host::mul_f16x2(odd, scale);
+#else
   asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(even) : "r"(scale));
   asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(odd) : "r"(scale));
+#endif
 }
 
 __device__ __forceinline__ float to_float(fp8_e4m3_t x) { return fp8_e4m3_to_f32(x.bits); }

@@ -96,15 +96,23 @@ __device__ __forceinline__ bool prefill_tile(PrefillTile& t, const int* __restri
 
 // ---- tensor-core path (sm_80+) -------------------------------------------------------------------
 
+#ifndef RP_HOST_EMULATION
 __device__ __forceinline__ unsigned smem_address(const void* p) {
   unsigned address;
   asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
   return address;
 }
+#endif
 
 // 16 bytes global -> shared, asynchronously; src_bytes 0 fills the 16 bytes with zeros.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-#if __CUDA_ARCH__ >= 800
+#if defined(RP_HOST_EMULATION)  // at once
+  if (valid) {
+    __builtin_memcpy(dst, src, 16);
+  } else {
+    __builtin_memset(dst, 0, 16);
+  }
+#elif __CUDA_ARCH__ >= 800
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
                "r"(valid ? 16 : 0)
                : "memory");
@@ -114,13 +122,13 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 }
 
 __device__ __forceinline__ void cp_async_commit() {
-#if __CUDA_ARCH__ >= 800
+#if __CUDA_ARCH__ >= 800 && !defined(RP_HOST_EMULATION)
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 
 __device__ __forceinline__ void cp_async_wait_all() {
-#if __CUDA_ARCH__ >= 800
+#if __CUDA_ARCH__ >= 800 && !defined(RP_HOST_EMULATION)
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
 }
@@ -128,7 +136,9 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // Four 8x8 b16 matrices, transposed: lanes 8i..8i+7 give the row addresses of matrix i.
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
                                                   const void* row) {
-#if __CUDA_ARCH__ >= 800
+#if defined(RP_HOST_EMULATION)
+  rp_host::ldmatrix_x4_trans(r0, r1, r2, r3, row);
+#elif __CUDA_ARCH__ >= 800
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(smem_address(row))
@@ -142,7 +152,9 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, un
 // c[16x8] += a[16x16] (row) * b[16x8] (col), fp32 accumulate.
 template <typename T> __device__ __forceinline__ void mma_16816(float* c, const unsigned* a, unsigned b0, unsigned b1);
 template <> __device__ __forceinline__ void mma_16816<half_t>(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-#if __CUDA_ARCH__ >= 800
+#if defined(RP_HOST_EMULATION)
+  rp_host::mma_16816<false>(c, a, b0, b1);
+#elif __CUDA_ARCH__ >= 800
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
@@ -153,7 +165,9 @@ template <> __device__ __forceinline__ void mma_16816<half_t>(float* c, const un
 #endif
 }
 template <> __device__ __forceinline__ void mma_16816<bf16_t>(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-#if __CUDA_ARCH__ >= 800
+#if defined(RP_HOST_EMULATION)
+  rp_host::mma_16816<true>(c, a, b0, b1);
+#elif __CUDA_ARCH__ >= 800
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"

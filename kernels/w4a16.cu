@@ -160,7 +160,9 @@ __device__ __forceinline__ void w4a16_gemv(T* __restrict__ y, float* __restrict_
   const int first = r0 + warp * per_warp, last = min(r1, first + per_warp);
   if (quad < row_vectors) {  // the first loads' memory latency under the x gather's
     for (int r = first; r < min(last, first + UNROLL); ++r) {
+#ifndef RP_HOST_EMULATION
       asm volatile("prefetch.global.L2 [%0];" ::"l"(qweight + (long long)r * row_vectors + quad));
+#endif
     }
   }
   for (int i = threadIdx.x; i < m_rows * features; i += W4A16_THREADS) {

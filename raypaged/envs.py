@@ -70,6 +70,13 @@ def _switch(name: str) -> bool:
     return value == "1"
 
 
+def kernels_on_host() -> bool:
+    """Whether the CUDA kernels' wrappers take CPU tensors and run the kernels built for the host CPU
+    (``raypaged.kernels.host``, for tests without a GPU): ``$RAYPAGED_KERNELS_ON_HOST``, ``0`` (the default) or
+    ``1``."""
+    return _switch("RAYPAGED_KERNELS_ON_HOST")
+
+
 # Off by default: these kernels compile and their tests exist (tests/gpu), but they have not yet
 # run on a device; benchmarks/gpu_check.py turns them on, runs those tests and times them.
 def fused_kernels() -> bool:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from raypaged.kernels import host
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LONG = (torch.int64,)  # index tensors: block tables, slot mappings, token ids
 HEAD_SIZES = (64, 80, 96, 128)
@@ -91,11 +93,12 @@ def check_block_size(name: str, block_size: int) -> None:
 
 
 def check_cuda(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.device:
-    """All tensors on one CUDA device; returns it."""
+    """All tensors on one CUDA device (the CPU where the kernels run on the host); returns it."""
     devices = {t.device for t in tensors}
     for name, tensor in zip(names, tensors):
-        if tensor.device.type != "cuda":
-            raise ValueError(f"{name} must be on a CUDA device, got {tensor.device}")
+        if tensor.device.type != host.device_type():
+            where = f"the CPU ({host.ENV}=1)" if host.enabled() else "a CUDA device"
+            raise ValueError(f"{name} must be on {where}, got {tensor.device}")
     if len(devices) > 1:
         found = ", ".join(f"{n}={t.device}" for n, t in zip(names, tensors))
         raise ValueError(f"{', '.join(names)} must be on the same CUDA device; got {found}")

@@ -1,6 +1,8 @@
 """Compile kernels/*.cu with cupy.RawModule once per process and device, and launch on torch's stream.
 
-cupy is imported here only, lazily, after the wrappers' argument checks have passed.
+cupy is imported here only, lazily, after the wrappers' argument checks have passed. With
+``RAYPAGED_KERNELS_ON_HOST=1`` (``raypaged.kernels.host``) the same kernels are built for the CPU and run
+there on CPU tensors, for tests without a GPU.
 NVRTC compiles for the current device's architecture (cupy picks ``-arch`` from it), and
 cupy keeps the binary in its on-disk kernel cache across processes.
 """
@@ -8,11 +10,14 @@ cupy keeps the binary in its on-disk kernel cache across processes.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from raypaged.kernels import host
 
 # a link to the repository's kernels/ in a checkout, the sources themselves in an installed wheel
 KERNEL_DIR = Path(__file__).parent / "cuda"
@@ -53,8 +58,38 @@ def _module(name: str, device_index: int, defines: tuple[str, ...] = ()):
 def function(file_name: str, kernel_name: str, device: torch.device, defines: tuple[str, ...] = ()):
     """The compiled kernel ``kernel_name`` from ``kernels/<file_name>`` for ``device``;
     ``defines`` (``NAME=VALUE``) set a source's compile-time knobs (benchmarks)."""
+    if host.enabled():
+        return host.function(kernel_source(file_name), kernel_name, tuple(defines))
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _module(file_name, index, tuple(defines)).get_function(kernel_name)
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels run on ``device``: a CUDA device where cupy is installed (the CPU on the host)."""
+    if host.enabled():
+        return device.type == "cpu"
+    return device.type == "cuda" and importlib.util.find_spec("cupy") is not None
+
+
+def on_device(tensor: torch.Tensor) -> bool:
+    """Whether the kernels read ``tensor`` as device memory: a CUDA tensor (a CPU one when they run on the host)."""
+    return tensor.device.type == host.device_type()
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    return host.CAPABILITY if host.enabled() else torch.cuda.get_device_capability(device)
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's SM count (the wrappers size their grids by it)."""
+    if host.enabled():
+        return host.MULTIPROCESSORS
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def device_pointer(tensor: torch.Tensor) -> np.uint64:
@@ -78,6 +113,9 @@ def launch(
     kernel, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
 ) -> None:
     """Run ``kernel`` on torch's current stream of ``device``."""
+    if isinstance(kernel, host.HostKernel):
+        kernel(grid, block, args, shared_mem=shared_mem)
+        return
     import cupy
 
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -181,7 +181,7 @@ def paged_attention_decode(
     block_size, max_blocks = key_cache.shape[2], block_tables.shape[1]
     max_context = max_blocks * block_size  # an upper bound known without a device sync
     if partition_size is None:
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        num_sms = loader.multiprocessors(device)
         partition_size = decode_partition_size(num_seqs, num_kv_heads, group, head_size, max_context, num_sms)
     num_parts = -(-max_context // partition_size)
     shared = 4 * (2 * group * head_size + group * partition_size + 2 * group)
@@ -252,9 +252,9 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     check_tensor("block_mapping", block_mapping, LONG, 2)
     check_shape("block_mapping", block_mapping, (None, 2))
     check_contiguous("block_mapping", block_mapping)
-    on_device = [(n, t) for n, t in (("src", src), ("dst", dst)) if t.device.type == "cuda"]
+    on_device = [(n, t) for n, t in (("src", src), ("dst", dst)) if loader.on_device(t)]
     for name, pool in (("src", src), ("dst", dst)):
-        if pool.device.type == "cpu" and not pool.is_pinned():
+        if not loader.on_device(pool) and pool.device.type == "cpu" and not pool.is_pinned():
             raise ValueError(f"{name} is a CPU tensor but not in pinned memory; swap needs pinned host blocks")
     if not on_device:
         raise ValueError("src or dst must be on a CUDA device")
@@ -275,7 +275,7 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 
 def _pool_pointer(pool: torch.Tensor):
-    return loader.device_pointer(pool) if pool.is_cuda else loader.host_device_pointer(pool)
+    return loader.device_pointer(pool) if loader.on_device(pool) else loader.host_device_pointer(pool)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

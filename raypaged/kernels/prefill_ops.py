@@ -120,7 +120,7 @@ def paged_prefill_attention(
     if out is not None:
         tensors["out"] = out
     device = check_cuda(list(tensors), list(tensors.values()))
-    capable = torch.cuda.get_device_capability(device) >= (8, 0)
+    capable = loader.capability(device) >= (8, 0)
     if tensor_cores and not capable:
         raise ValueError("tensor_cores=True needs compute capability 8.0 or newer (mma.sync m16n8k16, cp.async)")
     if tensor_cores is None:

@@ -20,7 +20,6 @@ CUDA graphs record them.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -273,11 +272,6 @@ def _check_x(x: object, weight: W4A16Weight, max_rows: int | None = None) -> tor
     return check_cuda(["x", *names], [x, *tensors])
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _perm_pointer(weight: W4A16Weight) -> np.uint64:
     return np.uint64(0) if weight.perm is None else loader.device_pointer(weight.perm)
 
@@ -304,8 +298,7 @@ def _gemv(x: torch.Tensor, weight: W4A16Weight, device: torch.device) -> torch.T
     if rows == 0:
         return y
     words, padded_out = weight.qweight.shape
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    splits, per_split = gemv_splits(rows, words, padded_out, _sm_count(index))
+    splits, per_split = gemv_splits(rows, words, padded_out, loader.multiprocessors(device))
     tier = next(t for t in ROW_TIERS if t >= rows)
     suffix = loader.DTYPE_SUFFIX[x.dtype]
     kernel = loader.function("w4a16.cu", f"w4a16_gemv_{suffix}_s{_SCALE_SUFFIX[weight.scales.dtype]}_r{tier}", device)

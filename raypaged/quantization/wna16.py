@@ -15,7 +15,6 @@ the CuPy W4A16 kernels (``raypaged.kernels.quant_ops``; act-order features sorte
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from abc import abstractmethod
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 
 from raypaged import envs
 from raypaged.attention import cpu_ops
-from raypaged.kernels import quant_ops
+from raypaged.kernels import loader, quant_ops
 from raypaged.model.layers import PackedWeight, linear
 from raypaged.model.parallel import TensorParallel
 from raypaged.quantization.base import LinearMethod, LinearShape, TensorSpec, layer_tensor
@@ -50,7 +49,7 @@ def w4a16_kernels_usable(device: torch.device) -> bool:
     """Whether 4-bit layers on ``device`` run the CuPy W4A16 kernels: a CUDA device where cupy is installed, with
     ``$RAYPAGED_W4A16_KERNELS=1`` (off by default until ``benchmarks/gpu_check.py`` has run their tests on a
     device; replaced in tests to compare with the dequantize-then-matmul path)."""
-    return device.type == "cuda" and envs.w4a16_kernels() and importlib.util.find_spec("cupy") is not None
+    return envs.w4a16_kernels() and loader.runs_on(device)
 
 
 def kernel_weight(layer: nn.Module) -> quant_ops.W4A16Weight | None:

@@ -1,15 +1,35 @@
-"""Tests that need a CUDA device and cupy; every module here sets ``pytestmark = NEEDS_CUDA_AND_CUPY``."""
+"""The CUDA device's tests. Modules that need the device itself (CUDA graphs, the engine, NCCL) set
+``pytestmark = NEEDS_CUDA_AND_CUPY``; the kernels' own tests set ``NEEDS_KERNELS`` and run their tensors on
+``DEVICE``: the CUDA device, or, without one, the CPU, with the kernels built for the host
+(``raypaged.kernels.host``; the ``kernels_on_host`` fixture of conftest.py turns it on)."""
 
 import importlib.util
 
 import pytest
 import torch
 
+from raypaged.kernels import host
+
 NEEDS_CUDA_AND_CUPY = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="needs cupy (pip install raypaged[cuda])"),
 ]
+ON_HOST = not torch.cuda.is_available()
+DEVICE = "cpu" if ON_HOST else "cuda"
+NEEDS_KERNELS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(ON_HOST and host.compiler() is None, reason="needs a CUDA device or a C++ compiler"),
+    pytest.mark.skipif(
+        not ON_HOST and importlib.util.find_spec("cupy") is None, reason="needs cupy (pip install raypaged[cuda])"
+    ),
+]
+CUDA_ONLY = pytest.mark.skipif(ON_HOST, reason="needs a CUDA device (streams, CUDA graphs or the engine on it)")
+
+
+def synchronize() -> None:
+    if not ON_HOST:
+        torch.cuda.synchronize()
 
 
 # a small Llama for engine tests: head size 64, GQA 2:1

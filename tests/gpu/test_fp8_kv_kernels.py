@@ -16,12 +16,12 @@ from raypaged import kernels
 from raypaged.attention import torch_ops
 from raypaged.attention.backend import TORCH, KVScales, cuda_backend
 from tests.attention.test_varlen import random_step
-from tests.gpu import NEEDS_CUDA_AND_CUPY, TINY_LLAMA, ragged_prompts, random_llama
+from tests.gpu import CUDA_ONLY, DEVICE, NEEDS_KERNELS, ON_HOST, TINY_LLAMA, ragged_prompts, random_llama
 from tests.gpu import test_kernels as base
 from tests.gpu.test_kernels import NUM_BLOCKS, random_layout, relative_error
 from tests.gpu.test_kernels import TOLERANCE as DECODE_TOLERANCE
 
-pytestmark = NEEDS_CUDA_AND_CUPY
+pytestmark = NEEDS_KERNELS
 
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,7 +37,7 @@ def switched_on(monkeypatch):
 
 def fp8_cache(shape, scale=2.0):
     """Random K or V narrowed to fp8 (normal values and subnormals)."""
-    return (torch.randn(shape, device="cuda") * scale).to(FP8)
+    return (torch.randn(shape, device=DEVICE) * scale).to(FP8)
 
 
 def fp8_caches(block_size, num_kv_heads, head_size, num_blocks=NUM_BLOCKS):
@@ -57,17 +57,17 @@ def as_bytes(cache: torch.Tensor) -> torch.Tensor:
 def test_reshape_and_cache_narrows_as_torch_bit_for_bit(dtype, head_size):
     torch.manual_seed(0)
     num_tokens, num_kv_heads, block_size = 37, 2, 16
-    qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_size, device="cuda") * 64
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_size, device=DEVICE) * 64
     # the edges of the narrowing: ties, subnormals, saturation, infinities, NaN, signed zero
     edges = [448.0, 449.0, 464.0, 470.0, 1e6, float("inf"), -float("inf"), float("nan"), 2.0**-10, 3 * 2.0**-10]
     edges += [2.0**-7 + 2.0**-10, 1.0625, -1.1875, -0.0, 1e-30, -500.0]
-    positions = torch.randint(0, qkv.numel(), (20 * len(edges),), device="cuda")
-    qkv.view(-1)[positions] = torch.tensor(edges, device="cuda").repeat(20)
+    positions = torch.randint(0, qkv.numel(), (20 * len(edges),), device=DEVICE)
+    qkv.view(-1)[positions] = torch.tensor(edges, device=DEVICE).repeat(20)
     qkv = qkv.to(dtype)
     key, value = qkv[:, :num_kv_heads], qkv[:, num_kv_heads : 2 * num_kv_heads]  # strided rows, as from a fused qkv
-    slots = torch.randperm(NUM_BLOCKS * block_size, device="cuda")[:num_tokens]
+    slots = torch.randperm(NUM_BLOCKS * block_size, device=DEVICE)[:num_tokens]
     slots[::5] = -1  # padding
-    poison = torch.full((NUM_BLOCKS, num_kv_heads, block_size, head_size), 0x5A, dtype=torch.uint8, device="cuda")
+    poison = torch.full((NUM_BLOCKS, num_kv_heads, block_size, head_size), 0x5A, dtype=torch.uint8, device=DEVICE)
     key_cache, value_cache = poison.clone().view(FP8), poison.clone().view(FP8)
     kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
     # torch's narrowing on the device, written through byte views
@@ -85,7 +85,7 @@ def test_copy_and_gather_move_fp8_blocks_bit_for_bit():
     ref = as_bytes(pool).clone()
     for src, dst in [(3, 40), (7, 41)]:
         ref[:, :, dst] = ref[:, :, src]
-    kernels.copy_blocks(pool, pool, torch.tensor([(3, 40), (7, 41)], device="cuda"))
+    kernels.copy_blocks(pool, pool, torch.tensor([(3, 40), (7, 41)], device=DEVICE))
     assert torch.equal(as_bytes(pool), ref)
     key_cache, _ = fp8_caches(16, 4, 96)
     tables, _ = random_layout(random.Random(2), 5, 16, 200)
@@ -137,23 +137,23 @@ def prefill_case(dtype, head_size, block_size, num_heads, num_kv_heads, spans, s
     for needed in blocks_needed:
         used = [free.pop() for _ in range(needed)]
         tables.append(used + [rng.randrange(num_blocks) for _ in range(max_blocks - needed)])  # garbage padding
-    block_tables = torch.tensor(tables, dtype=layout.get("table_dtype", torch.int32), device="cuda")
+    block_tables = torch.tensor(tables, dtype=layout.get("table_dtype", torch.int32), device=DEVICE)
     cu = [0]
     for query_len, _ in spans:
         cu.append(cu[-1] + query_len)
     total = cu[-1]
     if layout.get("strided_query"):  # the query part of a fused qkv
-        query = torch.randn(total, num_heads + 2 * num_kv_heads, head_size, dtype=dtype, device="cuda")[:, :num_heads]
+        query = torch.randn(total, num_heads + 2 * num_kv_heads, head_size, dtype=dtype, device=DEVICE)[:, :num_heads]
     else:
-        query = torch.randn(total, num_heads, head_size, dtype=dtype, device="cuda")
+        query = torch.randn(total, num_heads, head_size, dtype=dtype, device=DEVICE)
     scale = head_size**-0.5
-    out = torch.full((total, num_heads, head_size), float("nan"), dtype=dtype, device="cuda")
+    out = torch.full((total, num_heads, head_size), float("nan"), dtype=dtype, device=DEVICE)
     result = kernels.paged_prefill_attention(
         query,
         key_cache,
         value_cache,
-        torch.tensor(cu, dtype=torch.int32, device="cuda"),
-        torch.tensor([c for _, c in spans], dtype=torch.int32, device="cuda"),
+        torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+        torch.tensor([c for _, c in spans], dtype=torch.int32, device=DEVICE),
         block_tables,
         scale,
         max(q for q, _ in spans),
@@ -195,7 +195,8 @@ def test_varlen_prefill_head_layouts_over_fp8_match_torch(dtype, tensor_cores, n
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_varlen_prefill_over_fp8_long_chunk_int64_tables_strided_query(dtype):
-    prefill_case(dtype, 128, 16, 16, 4, [(512, 2048), (300, 300)], seed=5)
+    # smaller on the host, where the kernels run thread by thread (tests/gpu/test_paged_prefill.py)
+    prefill_case(dtype, 128, 16, 16, 4, [(150, 700), (70, 70)] if ON_HOST else [(512, 2048), (300, 300)], seed=5)
     prefill_case(dtype, 128, 32, 8, 2, MIXED, seed=11, table_dtype=torch.int64, strided_query=True)
 
 
@@ -204,8 +205,8 @@ def test_varlen_prefill_over_fp8_long_chunk_int64_tables_strided_query(dtype):
 def test_gather_prefill_over_fp8_matches_torch(dtype, query_len):
     torch.manual_seed(3)
     key_cache, value_cache = fp8_caches(16, 2, 128)
-    block_ids = torch.randperm(NUM_BLOCKS, device="cuda")[:10]
-    query = torch.randn(query_len, 8, 128, dtype=dtype, device="cuda")
+    block_ids = torch.randperm(NUM_BLOCKS, device=DEVICE)[:10]
+    query = torch.randn(query_len, 8, 128, dtype=dtype, device=DEVICE)
     ref = torch_ops.paged_attention_prefill(
         query.float(), key_cache.float(), value_cache.float(), block_ids, 150, 128**-0.5
     )
@@ -248,11 +249,11 @@ def test_cuda_backend_step_over_fp8_matches_torch(monkeypatch, seed, varlen, sca
     key_cache, value_cache = key_cache.to(FP8), value_cache.to(FP8)  # the stale garbage too, saturated
     cuda_meta = dataclasses.replace(
         meta,
-        slot_mapping=meta.slot_mapping.cuda(),
-        decode_block_tables=meta.decode_block_tables.cuda(),
-        decode_context_lens=meta.decode_context_lens.cuda(),
+        slot_mapping=meta.slot_mapping.to(DEVICE),
+        decode_block_tables=meta.decode_block_tables.to(DEVICE),
+        decode_context_lens=meta.decode_context_lens.to(DEVICE),
         varlen_cache={},
-        prefills=[dataclasses.replace(s, block_ids=s.block_ids.cuda()) for s in meta.prefills],
+        prefills=[dataclasses.replace(s, block_ids=s.block_ids.to(DEVICE)) for s in meta.prefills],
     )
     ref_key, ref_value = key_cache.clone(), value_cache.clone()
     if varlen == "1":
@@ -261,8 +262,8 @@ def test_cuda_backend_step_over_fp8_matches_torch(monkeypatch, seed, varlen, sca
         expected = TORCH.forward(query, key, value, ref_key, ref_value, meta, 64**-0.5, scales)
     backend = cuda_backend(fp8_cache=True)
     assert (backend.varlen_prefill is not None) == (varlen == "1")
-    kc, vc = key_cache.cuda(), value_cache.cuda()
-    out = backend.forward(query.cuda(), key.cuda(), value.cuda(), kc, vc, cuda_meta, 64**-0.5, scales)
+    kc, vc = key_cache.to(DEVICE), value_cache.to(DEVICE)
+    out = backend.forward(query.to(DEVICE), key.to(DEVICE), value.to(DEVICE), kc, vc, cuda_meta, 64**-0.5, scales)
     assert torch.equal(as_bytes(kc).cpu(), as_bytes(ref_key)) and torch.equal(as_bytes(vc).cpu(), as_bytes(ref_value))
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
 
@@ -310,6 +311,7 @@ def per_span(monkeypatch):
     monkeypatch.setenv("RAYPAGED_VARLEN_PREFILL", "0")
 
 
+@CUDA_ONLY
 @pytest.mark.usefixtures("per_span")
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
 def test_engine_greedy_tokens_with_the_fp8_kernels_are_the_torch_fallbacks(
@@ -328,6 +330,7 @@ def test_engine_greedy_tokens_with_the_fp8_kernels_are_the_torch_fallbacks(
     assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
 
 
+@CUDA_ONLY
 @pytest.mark.usefixtures("per_span")
 def test_engine_calculated_kv_scales_with_the_fp8_kernels_are_the_torch_fallbacks(monkeypatch, model_dir, prompts):
     """--calculate-kv-scales: the first step sets each layer's scales on both paths alike; CUDA graphs stay off."""
@@ -342,6 +345,7 @@ def test_engine_calculated_kv_scales_with_the_fp8_kernels_are_the_torch_fallback
     assert tokens(outputs) == tokens(fallback)
 
 
+@CUDA_ONLY
 @pytest.mark.usefixtures("per_span")
 def test_engine_swaps_fp8_blocks_through_the_copy_kernel(model_dir, prompts):
     """A pool too small for the batch: groups swap out to pinned host blocks and back, bytes kept."""
@@ -363,6 +367,7 @@ def test_engine_swaps_fp8_blocks_through_the_copy_kernel(model_dir, prompts):
     assert tokens(swapped) == tokens(roomy)
 
 
+@CUDA_ONLY
 @pytest.mark.usefixtures("per_span")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_engine_half_precision_logprobs_with_the_fp8_kernels_are_the_torch_fallbacks(

@@ -15,9 +15,9 @@ from raypaged import kernels
 from raypaged.attention.backend import cuda_backend
 from raypaged.model.layers import RotaryEmbedding
 from tests import fused_reference as ref
-from tests.gpu import NEEDS_CUDA_AND_CUPY
+from tests.gpu import CUDA_ONLY, DEVICE, NEEDS_KERNELS
 
-pytestmark = NEEDS_CUDA_AND_CUPY
+pytestmark = NEEDS_KERNELS
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +35,7 @@ MAX_MISMATCH = 0.01  # fp16/bf16: share of elements (or 2, if more) that may dif
 
 def poison_allocator(num_bytes: int) -> None:
     """Free a block of 0xFF bytes (NaN in every float dtype) of the next output's size."""
-    torch.full((num_bytes,), 255, dtype=torch.uint8, device="cuda")
+    torch.full((num_bytes,), 255, dtype=torch.uint8, device=DEVICE)
 
 
 def assert_near(out: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
@@ -48,8 +48,8 @@ def assert_near(out: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
 
 def random_rows(rows: int, hidden: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
-    x = (torch.randn(rows, hidden, device="cuda") * 3).to(dtype)
-    weight = torch.empty(hidden, device="cuda").uniform_(0.5, 1.5).to(dtype)
+    x = (torch.randn(rows, hidden, device=DEVICE) * 3).to(dtype)
+    weight = torch.empty(hidden, device=DEVICE).uniform_(0.5, 1.5).to(dtype)
     return x, weight
 
 
@@ -81,7 +81,7 @@ def test_rms_norm_per_head_over_views_of_qkv(dtype, head_dim):
     """Qwen3's q/k norms: [tokens, heads, head_dim] views of the fused qkv output."""
     tokens, heads, kv_heads = 13, 8, 2
     qkv, _ = random_rows(tokens, (heads + 2 * kv_heads) * head_dim, dtype, head_dim)
-    weight = torch.empty(head_dim, device="cuda").uniform_(0.5, 1.5).to(dtype)
+    weight = torch.empty(head_dim, device=DEVICE).uniform_(0.5, 1.5).to(dtype)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     for view in (q, k):
@@ -94,7 +94,7 @@ def test_rms_norm_per_head_over_views_of_qkv(dtype, head_dim):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_add_rms_norm_matches_layers(dtype, rows, hidden):
     x, weight = random_rows(rows, hidden, dtype, rows * hidden)
-    residual = torch.randn(rows, hidden, device="cuda").to(dtype)
+    residual = torch.randn(rows, hidden, device=DEVICE).to(dtype)
     expected_x, expected_residual = x.clone(), residual.clone()
     ref.fused_add_rms_norm(expected_x, expected_residual, weight, 1e-5)
     kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
@@ -106,7 +106,7 @@ def test_fused_add_rms_norm_matches_layers(dtype, rows, hidden):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_and_mul_matches_layers(dtype, rows, d):
     torch.manual_seed(rows + d)
-    x = (torch.randn(rows, 2 * d, device="cuda") * 4).to(dtype)
+    x = (torch.randn(rows, 2 * d, device=DEVICE) * 4).to(dtype)
     before = x.clone()
     poison_allocator(rows * d * x.element_size())
     out = kernels.silu_and_mul(x)
@@ -116,25 +116,25 @@ def test_silu_and_mul_matches_layers(dtype, rows, d):
 
 def rotary_table(head_dim: int, dtype: torch.dtype, max_positions: int = 4096) -> torch.Tensor:
     config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, rope_theta=10000.0)
-    return RotaryEmbedding(config, head_dim, max_positions).to(device="cuda", dtype=dtype).cos_sin
+    return RotaryEmbedding(config, head_dim, max_positions).to(device=DEVICE, dtype=dtype).cos_sin
 
 
 def rotary_case(dtype, head_dim, block_size, num_heads, num_kv_heads, fused_qkv, seed, num_tokens=37):
     torch.manual_seed(seed)
     cos_sin = rotary_table(head_dim, dtype)
     num_blocks = 2 * -(-num_tokens // block_size) + 3
-    positions = torch.randint(0, cos_sin.shape[0], (num_tokens,), device="cuda")
+    positions = torch.randint(0, cos_sin.shape[0], (num_tokens,), device=DEVICE)
     positions[:3] = torch.tensor([0, cos_sin.shape[0] - 1, 0])  # the ends, and a repeat
-    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
     slots[::5] = -1  # padding: rotated, not cached
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    key_cache = torch.randn(shape, device="cuda").to(dtype)
-    value_cache = torch.randn(shape, device="cuda").to(dtype)
+    key_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    value_cache = torch.randn(shape, device=DEVICE).to(dtype)
     if fused_qkv:  # q, k, v strided views of one buffer, as Llama's attention hands them over
-        tensors = (torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, device="cuda").to(dtype),)
+        tensors = (torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, device=DEVICE).to(dtype),)
     else:  # separate contiguous q and k, as after Qwen3's q/k norms
         tensors = tuple(
-            torch.randn(num_tokens, h, head_dim, device="cuda").to(dtype)
+            torch.randn(num_tokens, h, head_dim, device=DEVICE).to(dtype)
             for h in (num_heads, num_kv_heads, num_kv_heads)
         )
 
@@ -170,6 +170,7 @@ def test_rotary_and_cache_head_layouts(dtype, num_heads, num_kv_heads):
     rotary_case(dtype, 128, 16, num_heads, num_kv_heads, True, seed=num_heads, num_tokens=300)
 
 
+@CUDA_ONLY
 def test_the_kernels_record_into_a_cuda_graph():
     """Each wrapper launches on torch's current stream with no host sync: a captured graph replays
     them on new inputs copied into the same buffers."""
@@ -244,10 +245,10 @@ def test_the_models_fused_path_matches_its_plain_path(architecture, dtype):
     """Prefills, a chunk over its cached context and decodes (tests/fused_reference.py) through the
     CUDA attention kernels, with the fused kernels and without: the same hidden states and caches
     within the norms' rounding."""
-    model = ref.random_model(ref.tiny_config(architecture), dtype, "cuda")
+    model = ref.random_model(ref.tiny_config(architecture), dtype, DEVICE)
     backend = cuda_backend()
-    plain_hidden, plain_caches = ref.run_steps(model, backend, "cuda", plain=True)
-    fused_hidden, fused_caches = ref.run_steps(model, backend, "cuda")
+    plain_hidden, plain_caches = ref.run_steps(model, backend, DEVICE, plain=True)
+    fused_hidden, fused_caches = ref.run_steps(model, backend, DEVICE)
     assert model.model.fused_ops is backend.fused_ops is not None
 
     def relative_error(out, expected):

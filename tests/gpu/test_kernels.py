@@ -9,9 +9,9 @@ import torch
 
 from raypaged import kernels
 from raypaged.attention import torch_ops
-from tests.gpu import NEEDS_CUDA_AND_CUPY
+from tests.gpu import CUDA_ONLY, DEVICE, NEEDS_KERNELS
 
-pytestmark = NEEDS_CUDA_AND_CUPY
+pytestmark = NEEDS_KERNELS
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -25,7 +25,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def poison_allocator(num_bytes: int) -> None:
     """Free a block of 0xFF bytes (NaN in fp32, fp16 and bf16) of exactly the next output's
     size: torch's caching allocator hands that block to the wrapper's output allocation."""
-    torch.full((num_bytes,), 255, dtype=torch.uint8, device="cuda")
+    torch.full((num_bytes,), 255, dtype=torch.uint8, device=DEVICE)
 
 
 def random_layout(rng: random.Random, num_seqs: int, block_size: int, max_context: int, min_context: int = 1):
@@ -38,12 +38,12 @@ def random_layout(rng: random.Random, num_seqs: int, block_size: int, max_contex
     for length in context_lens:
         used = [free.pop() for _ in range(-(-length // block_size))]
         tables.append(used + [rng.randrange(NUM_BLOCKS) for _ in range(max_blocks - len(used))])
-    return torch.tensor(tables, device="cuda"), torch.tensor(context_lens, device="cuda")
+    return torch.tensor(tables, device=DEVICE), torch.tensor(context_lens, device=DEVICE)
 
 
 def random_cache(dtype, block_size, num_kv_heads, head_size):
     shape = (NUM_BLOCKS, num_kv_heads, block_size, head_size)
-    return torch.randn(shape, dtype=dtype, device="cuda"), torch.randn(shape, dtype=dtype, device="cuda")
+    return torch.randn(shape, dtype=dtype, device=DEVICE), torch.randn(shape, dtype=dtype, device=DEVICE)
 
 
 def decode_case(
@@ -67,7 +67,7 @@ def decode_case(
     block_tables, context_lens = random_layout(
         rng, num_seqs, block_size, max_context or NUM_BLOCKS * block_size // 12, min_context
     )
-    query = torch.randn(num_seqs, num_heads, head_size, dtype=dtype, device="cuda")
+    query = torch.randn(num_seqs, num_heads, head_size, dtype=dtype, device=DEVICE)
     scale = head_size**-0.5
     ref = torch_ops.paged_attention_decode(
         query.float(), key_cache.float(), value_cache.float(), block_tables, context_lens, scale
@@ -104,11 +104,11 @@ def test_decode_default_picks_v2_for_one_long_sequence():
 def test_reshape_and_cache_writes_its_slots_only(dtype):
     torch.manual_seed(0)
     num_tokens, num_kv_heads, head_size = 37, 2, 80
-    qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_size, dtype=dtype, device="cuda")
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_size, dtype=dtype, device=DEVICE)
     key, value = qkv[:, :num_kv_heads], qkv[:, num_kv_heads : 2 * num_kv_heads]  # strided rows, as from a fused qkv
-    slots = torch.randperm(NUM_BLOCKS * 16, device="cuda")[:num_tokens]
+    slots = torch.randperm(NUM_BLOCKS * 16, device=DEVICE)[:num_tokens]
     slots[::5] = -1  # padding
-    key_cache = torch.full((NUM_BLOCKS, num_kv_heads, 16, head_size), float("nan"), dtype=dtype, device="cuda")
+    key_cache = torch.full((NUM_BLOCKS, num_kv_heads, 16, head_size), float("nan"), dtype=dtype, device=DEVICE)
     value_cache = key_cache.clone()
     ref_key, ref_value = key_cache.clone(), value_cache.clone()
     torch_ops.reshape_and_cache(key, value, ref_key, ref_value, slots)
@@ -126,16 +126,22 @@ def kv_pool(num_blocks, dtype, device, fill=None):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_copy_blocks_copy_on_write_and_swap_round_trip(dtype):
+def test_copy_blocks_copy_on_write(dtype):
     torch.manual_seed(1)
-    pool = kv_pool(NUM_BLOCKS, dtype, "cuda")
+    pool = kv_pool(NUM_BLOCKS, dtype, DEVICE)
     mapping = [(3, 40), (7, 41), (3, 90)]
     ref = pool.clone()
     for src, dst in mapping:
         ref[:, :, dst] = ref[:, :, src]
-    kernels.copy_blocks(pool, pool, torch.tensor(mapping, device="cuda"))
+    kernels.copy_blocks(pool, pool, torch.tensor(mapping, device=DEVICE))
     assert torch.equal(pool, ref)
 
+
+@CUDA_ONLY
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_copy_blocks_swap_round_trip(dtype):
+    torch.manual_seed(1)
+    pool = kv_pool(NUM_BLOCKS, dtype, "cuda")
     cpu_pool = kv_pool(16, dtype, "cpu", fill=float("nan"))
     kernels.copy_blocks(pool, cpu_pool, torch.tensor([(40, 0), (5, 9)], device="cuda"))  # swap out
     torch.cuda.current_stream().synchronize()
@@ -161,8 +167,8 @@ def test_prefill_matches_torch(dtype, query_len):
     torch.manual_seed(3)
     key_cache, value_cache = random_cache(dtype, 16, 2, 128)
     context_len = 150
-    block_ids = torch.randperm(NUM_BLOCKS, device="cuda")[:10]
-    query = torch.randn(query_len, 8, 128, dtype=dtype, device="cuda")
+    block_ids = torch.randperm(NUM_BLOCKS, device=DEVICE)[:10]
+    query = torch.randn(query_len, 8, 128, dtype=dtype, device=DEVICE)
     ref = torch_ops.paged_attention_prefill(
         query.float(), key_cache.float(), value_cache.float(), block_ids, context_len, 128**-0.5
     )

@@ -22,9 +22,9 @@ from raypaged.quantization.linear import QuantLinear
 from raypaged.quantization.packing import AWQ_ORDER, pack
 from raypaged.quantization.quantizer import quantize_checkpoint
 from raypaged.quantization.wna16 import AWQMethod, GPTQMethod, PackedMethod
-from tests.gpu import NEEDS_CUDA_AND_CUPY, TINY_LLAMA, random_llama
+from tests.gpu import CUDA_ONLY, DEVICE, NEEDS_KERNELS, ON_HOST, TINY_LLAMA, random_llama
 
-pytestmark = NEEDS_CUDA_AND_CUPY
+pytestmark = NEEDS_KERNELS
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +35,8 @@ def kernels_on(monkeypatch):
 
 
 FORMATS = ("gptq", "gptq-asym", "gptq-actorder", "gptq-v2", "awq", "ct-sym", "ct-asym")
-SHAPES = [(576, 1536), (1536, 576), (4096, 11008)]
+# on the host, where the kernels run thread by thread, a smaller third shape (still split over K)
+SHAPES = [(576, 1536), (1536, 576), (1024, 2752) if ON_HOST else (4096, 11008)]
 GROUPS = (32, 128, -1)
 CASES = [(k, n, g) for k, n in SHAPES for g in GROUPS if g == -1 or k % g == 0]
 ROWS = (1, 3, 8, 9, 64)
@@ -44,20 +45,20 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  
 
 def poison(num_bytes: int) -> None:
     """Free a block of 0xFF bytes (NaN in every float dtype) of the next output's size."""
-    torch.full((num_bytes,), 255, dtype=torch.uint8, device="cuda")
+    torch.full((num_bytes,), 255, dtype=torch.uint8, device=DEVICE)
 
 
 def fp16_scales(*shape: int, gen: torch.Generator) -> torch.Tensor:
-    return (torch.rand(*shape, generator=gen, device="cuda") * 0.02 + 0.002).half().float()
+    return (torch.rand(*shape, generator=gen, device=DEVICE) * 0.02 + 0.002).half().float()
 
 
 def nibbles(*shape: int, gen: torch.Generator, high: int = 16) -> torch.Tensor:
-    return torch.randint(0, high, shape, generator=gen, device="cuda")
+    return torch.randint(0, high, shape, generator=gen, device=DEVICE)
 
 
 def on_disk(name: str, k: int, n: int, group: int, seed: int = 0) -> tuple[object, dict[str, torch.Tensor]]:
     """(method, checkpoint tensors) of one random layer of format ``name``."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     size = k if group == -1 else group
     groups = k // size
     q = nibbles(k, n, gen=gen)  # [K, N]
@@ -65,9 +66,9 @@ def on_disk(name: str, k: int, n: int, group: int, seed: int = 0) -> tuple[objec
     if name.startswith("gptq"):
         zero_offset = 0 if name == "gptq-v2" else 1  # v1 stores zero - 1 (zeros 1..16)
         stored = torch.full_like(zeros, 8 - zero_offset) if name == "gptq" else zeros
-        g_idx = torch.arange(k, device="cuda") // size
+        g_idx = torch.arange(k, device=DEVICE) // size
         if name == "gptq-actorder":
-            g_idx = g_idx[torch.randperm(k, generator=gen, device="cuda")]
+            g_idx = g_idx[torch.randperm(k, generator=gen, device=DEVICE)]
         method = GPTQMethod(4, group, name == "gptq-actorder", zero_offset)
         tensors = {
             "qweight": pack(q, 4, 0),
@@ -87,7 +88,7 @@ def on_disk(name: str, k: int, n: int, group: int, seed: int = 0) -> tuple[objec
         method = PackedMethod(4, None if group == -1 else group, symmetric)
         tensors = {
             "weight_packed": pack(q.t(), 4, 1),
-            "weight_scale": torch.rand(n, groups, generator=gen, device="cuda") * 0.02 + 0.002,
+            "weight_scale": torch.rand(n, groups, generator=gen, device=DEVICE) * 0.02 + 0.002,
         }
         if not symmetric:
             tensors["weight_zero_point"] = pack(zeros.t(), 4, 0)
@@ -95,7 +96,7 @@ def on_disk(name: str, k: int, n: int, group: int, seed: int = 0) -> tuple[objec
 
 
 def make_layer(method, tensors, shape: LinearShape, tp: TensorParallel = TensorParallel()) -> QuantLinear:
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         layer = QuantLinear(shape, False, method, tp, row_parallel=shape.row_sharded)
     for name, tensor in tensors.items():
         getattr(layer, name).data.copy_(tensor)
@@ -122,13 +123,13 @@ def check_products(layer: QuantLinear, reference: torch.Tensor, seed: int) -> No
     weight = wna16.kernel_weight(layer)
     assert weight is not None
     k, n = weight.in_features, weight.out_features
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         poison(k * n * dtype.itemsize)
         dense = w4a16_dequantize(weight, dtype)
         assert torch.equal(dense, reference.t().to(dtype)), dtype  # one rounding of the exact fp32 weight
         for rows in ROWS if dtype != torch.float32 else (1, 9):
-            x = torch.randn(rows, k, generator=gen, device="cuda").to(dtype)
+            x = torch.randn(rows, k, generator=gen, device=DEVICE).to(dtype)
             expected = x.double() @ reference.double().t()
             poison(rows * n * dtype.itemsize)
             y = layer.partial(x)  # the method's apply: w4a16_linear
@@ -174,6 +175,7 @@ def test_output_features_not_a_multiple_of_4():
     check_products(layer, reference, seed=2)
 
 
+@CUDA_ONLY
 @pytest.mark.parametrize("rows", [1, 8, 9])
 def test_cuda_graphs_record_the_kernels(rows):
     """The GEMV (split over K, then reduced) and dequantize + matmul replay on fresh inputs as they run eagerly."""
@@ -230,6 +232,7 @@ def generate(model_dir, prompts, dtype: str, params: SamplingParams):
     return on_kernels, [o.outputs[0] for o in outputs]
 
 
+@CUDA_ONLY
 def test_a_gptq_models_greedy_tokens_equal_the_dequantize_path(gptq_dir, prompts, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     on_kernels, kernel_out = generate(gptq_dir, prompts, "float32", params)
@@ -240,6 +243,7 @@ def test_a_gptq_models_greedy_tokens_equal_the_dequantize_path(gptq_dir, prompts
     assert [list(o.token_ids) for o in kernel_out] == [list(o.token_ids) for o in plain_out]
 
 
+@CUDA_ONLY
 def test_a_gptq_models_fp16_logprobs_match_the_dequantize_path(gptq_dir, prompts, monkeypatch):
     """fp16: the GEMV multiplies by the exact fp32 weight, the dequantize path by its fp16 rounding."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)

@@ -1,0 +1,502 @@
+// The CUDA execution model on the host CPU, for running kernels/*.cu where there is no GPU (raypaged/kernels/host.py
+// compiles a .cu file's text after this header with the host C++ compiler). Each CUDA thread is a fiber on the
+// calling OS thread; the blocks of a grid run one after another, the fibers of a block by turns, each until it
+// reaches a barrier (__syncthreads, a warp collective) or ends. So barriers, shuffles, shared memory and the
+// tensor-core fragments (mma.sync m16n8k16, ldmatrix .trans) behave as the PTX ISA defines them, and a barrier
+// some threads never reach is reported instead of hanging. cp.async copies at once. Not a performance model.
+#ifndef RAYPAGED_HOST_RUNTIME_H
+#define RAYPAGED_HOST_RUNTIME_H
+#if !defined(__x86_64__)
+#error "the host runtime switches fibers in x86-64 assembly"
+#endif
+
+#include <math.h>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define RP_HOST_EMULATION 1
+#define __CUDA_ARCH__ 900  // the device code paths of an sm_90 GPU (an H100 / H200)
+#define __CUDACC_RTC__ 1   // as NVRTC (cupy.RawModule) compiles them
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static  // one instance, shared by the fibers of the block that is running
+#define __align__(n) alignas(n)
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
+static constexpr int warpSize = 32;
+
+namespace rp_host {
+
+constexpr size_t STACK_BYTES = 64 * 1024;
+constexpr int EXCHANGE_BYTES = 64;  // a lane's share of a warp collective
+
+struct Barrier {
+  int arrived = 0;
+  unsigned generation = 0;
+};
+
+// Switch stacks: save the callee-saved registers on this stack, store its pointer in *from, continue on `to`
+// (x86-64 System V; the scheduler and the fibers switch only through here, as plain calls).
+extern "C" void rp_host_switch(void** from, void* to);
+asm(R"(
+  .text
+  .p2align 4
+  .hidden rp_host_switch
+  .globl rp_host_switch
+  .type rp_host_switch, @function
+rp_host_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size rp_host_switch, .-rp_host_switch
+)");
+
+struct Fiber {
+  void* sp = nullptr;  // its saved stack pointer while it is not running
+  dim3 thread_idx;
+  int warp = 0, lane = 0;
+  bool done = false;
+  char* stack = nullptr;
+};
+
+// fiber stacks, kept from launch to launch (not zeroed: a thread's locals start as anything, as on a GPU)
+inline std::vector<char*>& stack_pool(size_t count) {
+  static std::vector<char*> pool;
+  while (pool.size() < count) pool.push_back(new char[STACK_BYTES]);
+  return pool;
+}
+
+struct Warp {
+  Barrier barrier;
+  unsigned alive = 0;  // lanes that have not returned
+  unsigned mask = 0;   // the lanes of the collective being waited on
+  unsigned char exchange[32][EXCHANGE_BYTES];
+};
+
+struct Launch {
+  dim3 grid, block, block_idx;
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  Barrier block_barrier;
+  int alive = 0;
+  unsigned long events = 0;  // arrivals, releases and returns: progress
+  void (*body)(void*) = nullptr;
+  void* body_arg = nullptr;
+  void* scheduler_sp = nullptr;
+  std::vector<unsigned char> dynamic_shared;
+  char error[512] = {0};
+};
+
+inline Launch* launch = nullptr;
+inline Fiber* current = nullptr;
+
+inline void yield() { rp_host_switch(&current->sp, launch->scheduler_sp); }
+
+// Stop the grid with `message` (the fiber that fails never runs again).
+[[noreturn]] inline void fail(const char* message) {
+  if (!launch->error[0]) {
+    snprintf(launch->error, sizeof(launch->error), "block (%u, %u, %u) thread (%u, %u, %u): %s", launch->block_idx.x,
+             launch->block_idx.y, launch->block_idx.z, current->thread_idx.x, current->thread_idx.y,
+             current->thread_idx.z, message);
+  }
+  current->done = true;
+  yield();
+  __builtin_unreachable();
+}
+
+inline void release(Barrier& barrier) {
+  barrier.arrived = 0;
+  ++barrier.generation;
+  ++launch->events;
+}
+
+// Wait until `expected` members have arrived (members that return meanwhile no longer count: the scheduler
+// releases the barrier when the ones left have all arrived).
+inline void arrive(Barrier& barrier, int expected) {
+  ++launch->events;
+  if (++barrier.arrived >= expected) {
+    release(barrier);
+    return;
+  }
+  const unsigned generation = barrier.generation;
+  while (barrier.generation == generation && !launch->error[0]) yield();
+  if (launch->error[0]) fail("stopped");
+}
+
+inline Warp& my_warp() { return launch->warps[current->warp]; }
+
+// A warp collective over the lanes of `mask`: every one of them must still be running.
+inline void warp_sync(unsigned mask) {
+  Warp& warp = my_warp();
+  if ((mask & warp.alive) != mask) fail("a warp collective's mask names lanes that have returned or do not exist");
+  if (!(mask >> current->lane & 1u)) fail("a warp collective's mask leaves out the calling lane");
+  warp.mask = mask;
+  arrive(warp.barrier, __builtin_popcount(mask & warp.alive));
+}
+
+inline unsigned char* slot(int lane) { return my_warp().exchange[lane]; }
+
+template <typename T> inline T shuffle(unsigned mask, T value, int source, int width) {
+  static_assert(sizeof(T) <= EXCHANGE_BYTES, "shuffled value too large");
+  if (width <= 0 || width > 32 || (width & (width - 1))) fail("a shuffle's width must be a power of 2 up to 32");
+  std::memcpy(slot(current->lane), &value, sizeof(T));
+  warp_sync(mask);
+  const int base = current->lane & ~(width - 1);
+  T result;
+  if (source < base || source >= base + width || !(mask >> source & 1u)) {
+    result = value;  // outside the segment (or not a participant): the lane keeps its own value
+  } else {
+    std::memcpy(&result, slot(source), sizeof(T));
+  }
+  warp_sync(mask);
+  return result;
+}
+
+// ---- number formats ----
+inline float bits_to_float(unsigned bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline unsigned float_to_bits(float f) {
+  unsigned bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+inline float half_to_float(unsigned short bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof h);
+  return (float)h;
+}
+inline unsigned short float_to_half(float x) {  // round to nearest even, as cvt.rn.f16.f32
+  const _Float16 h = (_Float16)x;
+  unsigned short bits;
+  std::memcpy(&bits, &h, sizeof bits);
+  return bits;
+}
+inline float bf16_to_float(unsigned short bits) { return bits_to_float((unsigned)bits << 16); }
+inline unsigned short float_to_bf16(float x) {  // round to nearest even, as cvt.rn.bf16.f32; NaN stays NaN
+  const unsigned bits = float_to_bits(x);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((bits >> 16) | 0x40u);
+  return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+// each fp16 half of `a` times that of `b`, rounded once (mul.rn.f16x2; fp16 subnormals kept)
+inline unsigned mul_f16x2(unsigned a, unsigned b) {
+  const unsigned lo = float_to_half(half_to_float((unsigned short)a) * half_to_float((unsigned short)b));
+  const unsigned hi = float_to_half(half_to_float((unsigned short)(a >> 16)) * half_to_float((unsigned short)(b >> 16)));
+  return lo | (hi << 16);
+}
+
+// ---- tensor-core fragments (PTX ISA, mma.m16n8k16 with 16-bit inputs and ldmatrix) ----
+// A 16x16 (row): register r of lane l holds rows g, g+8 (r odd) and columns 2c, 2c+1 (+8 for r >= 2), g = l/4,
+// c = l%4; B 16x8 (col): register r holds k rows 2c, 2c+1 (+8 for r = 1) of column g; C 16x8: c[i] is row g
+// (+8 for i >= 2), column 2c + (i & 1).
+template <bool BF16> inline float b16(unsigned word, int high) {
+  const unsigned short bits = (unsigned short)(word >> (16 * high));
+  return BF16 ? bf16_to_float(bits) : half_to_float(bits);
+}
+
+template <bool BF16> inline void mma_16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  unsigned words[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  std::memcpy(slot(current->lane), words, sizeof words);
+  warp_sync(0xffffffffu);
+  auto a_at = [](int row, int col) {  // A[row][col] from the lane holding it
+    const int lane = (row % 8) * 4 + (col % 8) / 2, reg = (row >= 8) + 2 * (col >= 8);
+    unsigned word;
+    std::memcpy(&word, slot(lane) + 4 * reg, 4);
+    return b16<BF16>(word, col & 1);
+  };
+  auto b_at = [](int k, int col) {  // B[k][col]
+    const int lane = col * 4 + (k % 8) / 2, reg = 4 + (k >= 8);
+    unsigned word;
+    std::memcpy(&word, slot(lane) + 4 * reg, 4);
+    return b16<BF16>(word, k & 1);
+  };
+  const int g = current->lane / 4, q = current->lane % 4;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >= 2), col = 2 * q + (i & 1);
+    float sum = c[i];
+    for (int k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
+    out[i] = sum;
+  }
+  warp_sync(0xffffffffu);
+  for (int i = 0; i < 4; ++i) c[i] = out[i];
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lanes 8i..8i+7 give the 8 row addresses (16 bytes each) of
+// matrix i; register i of lane l gets matrix i's elements (2(l%4), l/4) and (2(l%4)+1, l/4).
+inline void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* row) {
+  std::memcpy(slot(current->lane), &row, sizeof row);
+  warp_sync(0xffffffffu);
+  unsigned out[4];
+  const int l = current->lane;
+  for (int i = 0; i < 4; ++i) {
+    unsigned short halves[2];
+    for (int j = 0; j < 2; ++j) {
+      const unsigned char* address;
+      std::memcpy(&address, slot(8 * i + 2 * (l % 4) + j), sizeof address);
+      std::memcpy(&halves[j], address + 2 * (l / 4), 2);
+    }
+    out[i] = halves[0] | ((unsigned)halves[1] << 16);
+  }
+  warp_sync(0xffffffffu);
+  r0 = out[0], r1 = out[1], r2 = out[2], r3 = out[3];
+}
+
+inline void* dynamic_shared() { return launch->dynamic_shared.data(); }
+
+// ---- the grid ----
+inline void fiber_main() {
+  launch->body(launch->body_arg);
+  current->done = true;
+  Warp& warp = my_warp();
+  warp.alive &= ~(1u << current->lane);
+  --launch->alive;
+  ++launch->events;
+  yield();
+}
+
+// Barriers whose remaining members have all arrived, now that a member has returned; a warp collective waiting
+// on a lane that returned is an error (on a GPU it may hang or read garbage).
+inline void release_after_return() {
+  if (launch->block_barrier.arrived) {  // CUDA: __syncthreads only where every thread of the block reaches it
+    snprintf(launch->error, sizeof(launch->error),
+             "block (%u, %u, %u): a thread returned while others wait at __syncthreads", launch->block_idx.x,
+             launch->block_idx.y, launch->block_idx.z);
+    return;
+  }
+  for (Warp& warp : launch->warps) {
+    if (!warp.barrier.arrived) continue;
+    if (warp.mask & ~warp.alive) {
+      snprintf(launch->error, sizeof(launch->error),
+               "block (%u, %u, %u) warp %d: a warp collective's mask names lanes that have returned",
+               launch->block_idx.x, launch->block_idx.y, launch->block_idx.z, int(&warp - launch->warps.data()));
+      return;
+    }
+    if (warp.barrier.arrived >= __builtin_popcount(warp.alive)) release(warp.barrier);
+  }
+}
+
+inline int run_block() {
+  Launch& l = *launch;
+  const int threads = int(l.block.x * l.block.y * l.block.z);
+  for (int t = 0; t < threads; ++t) {
+    Fiber& f = l.fibers[t];
+    f.thread_idx = dim3{unsigned(t % l.block.x), unsigned(t / l.block.x % l.block.y), unsigned(t / (l.block.x * l.block.y))};
+    f.warp = t / 32, f.lane = t % 32, f.done = false;
+    // the first switch to the fiber pops six zero registers and returns into fiber_main, with the stack
+    // aligned as after a call (a zero return address above it: fiber_main never returns)
+    void** top = reinterpret_cast<void**>(f.stack + STACK_BYTES);
+    top[-1] = nullptr;
+    top[-2] = reinterpret_cast<void*>(&fiber_main);
+    for (int r = 3; r <= 8; ++r) top[-r] = nullptr;
+    f.sp = top - 8;
+  }
+  l.alive = threads;
+  l.block_barrier = Barrier{};
+  for (int w = 0; w < int(l.warps.size()); ++w) {
+    l.warps[w].barrier = Barrier{};
+    const int lanes = threads - 32 * w < 32 ? threads - 32 * w : 32;
+    l.warps[w].alive = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+  }
+  while (l.alive > 0) {
+    const unsigned long before = l.events;
+    for (int t = 0; t < threads; ++t) {
+      Fiber& f = l.fibers[t];
+      if (f.done) continue;
+      current = &f;
+      rp_host_switch(&l.scheduler_sp, f.sp);
+      if (l.error[0]) return 1;
+      if (f.done) release_after_return();
+      if (l.error[0]) return 1;
+    }
+    if (l.events == before) {
+      current = nullptr;
+      snprintf(l.error, sizeof(l.error),
+               "block (%u, %u, %u): %d threads wait at barriers the others never reach (a __syncthreads or warp "
+               "collective inside a branch)",
+               l.block_idx.x, l.block_idx.y, l.block_idx.z, l.alive);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+inline int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const unsigned* block, size_t shared_bytes,
+                    char* error, size_t error_bytes) {
+  Launch l;
+  l.grid = dim3{grid[0], grid[1], grid[2]};
+  l.block = dim3{block[0], block[1], block[2]};
+  const int threads = int(l.block.x * l.block.y * l.block.z);
+  if (threads < 1 || threads > 1024) {
+    snprintf(error, error_bytes, "a block of %d threads (CUDA allows 1 to 1024)", threads);
+    return 1;
+  }
+  l.fibers.resize(threads);
+  std::vector<char*>& stacks = stack_pool(threads);
+  for (int t = 0; t < threads; ++t) l.fibers[t].stack = stacks[t];
+  l.warps.resize((threads + 31) / 32);
+  l.dynamic_shared.assign(shared_bytes + 16, 0xff);  // NaN-filled, as uninitialised shared memory may hold anything
+  l.body = body;
+  l.body_arg = arg;
+  Launch* outer = launch;
+  launch = &l;
+  int status = 0;
+  for (unsigned z = 0; z < l.grid.z && !status; ++z) {
+    for (unsigned y = 0; y < l.grid.y && !status; ++y) {
+      for (unsigned x = 0; x < l.grid.x && !status; ++x) {
+        l.block_idx = dim3{x, y, z};
+        status = run_block();
+      }
+    }
+  }
+  if (status) snprintf(error, error_bytes, "%s", l.error);
+  launch = outer;
+  current = nullptr;
+  return status;
+}
+
+// ---- a kernel's launch from its parameters as cuLaunchKernel takes them ----
+// kind of a parameter: 'f' floating point, 'i' anything else (integers, pointers, structs passed by value)
+template <typename P> constexpr char kind_of() { return std::is_floating_point<P>::value ? 'f' : 'i'; }
+
+template <typename... P> struct Call {
+  void (*kernel)(P...);
+  void** args;
+};
+
+template <typename P> inline P read_argument(void* source) {
+  P value;
+  std::memcpy(&value, source, sizeof(P));
+  return value;
+}
+
+template <typename... P, size_t... I> inline void invoke(Call<P...>* call, std::index_sequence<I...>) {
+  call->kernel(read_argument<P>(call->args[I])...);
+}
+
+template <typename... P> inline void call_body(void* arg) {
+  invoke(static_cast<Call<P...>*>(arg), std::index_sequence_for<P...>{});
+}
+
+template <typename... P>
+inline int launch_kernel(void (*kernel)(P...), const char* name, const unsigned* grid, const unsigned* block,
+                         size_t shared_bytes, void** args, const size_t* sizes, const char* kinds, int nargs,
+                         char* error, size_t error_bytes) {
+  constexpr int n = sizeof...(P);
+  const size_t want[] = {sizeof(P)..., 0};
+  const char want_kind[] = {kind_of<P>()..., 0};
+  if (nargs != n) {
+    snprintf(error, error_bytes, "%s takes %d arguments, got %d", name, n, nargs);
+    return 2;
+  }
+  for (int i = 0; i < n; ++i) {
+    if (sizes[i] != want[i] || kinds[i] != want_kind[i]) {
+      snprintf(error, error_bytes,
+               "%s: argument %d is a %zu-byte %s, the kernel's parameter a %zu-byte %s (cupy passes a Python int as "
+               "8 bytes and a float as a double: pass numpy scalars of the parameter's type)",
+               name, i, sizes[i], kinds[i] == 'f' ? "float" : "integer", want[i],
+               want_kind[i] == 'f' ? "float" : "integer or pointer");
+      return 2;
+    }
+  }
+  Call<P...> call{kernel, args};
+  return run_grid(call_body<P...>, &call, grid, block, shared_bytes, error, error_bytes);
+}
+
+}  // namespace rp_host
+
+// ---- device functions the kernels call ----
+#define threadIdx (rp_host::current->thread_idx)
+#define blockIdx (rp_host::launch->block_idx)
+#define blockDim (rp_host::launch->block)
+#define gridDim (rp_host::launch->grid)
+
+inline void __syncthreads() { rp_host::arrive(rp_host::launch->block_barrier, rp_host::launch->alive); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { rp_host::warp_sync(mask); }
+template <typename T> inline T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
+  return rp_host::shuffle(mask, value, rp_host::current->lane ^ lane_mask, width);
+}
+template <typename T> inline T __shfl_down_sync(unsigned mask, T value, unsigned delta, int width = 32) {
+  const int source = rp_host::current->lane + int(delta);
+  const int end = (rp_host::current->lane & ~(width - 1)) + width;
+  return rp_host::shuffle(mask, value, source < end ? source : rp_host::current->lane, width);
+}
+template <typename T> inline T __shfl_sync(unsigned mask, T value, int source, int width = 32) {
+  return rp_host::shuffle(mask, value, (rp_host::current->lane & ~(width - 1)) + (source & (width - 1)), width);
+}
+template <typename T> inline T atomicAdd(T* address, T value) {  // one fiber runs at a time
+  const T old = *address;
+  *address = old + value;
+  return old;
+}
+inline float __uint_as_float(unsigned x) { return rp_host::bits_to_float(x); }
+inline unsigned __float_as_uint(float x) { return rp_host::float_to_bits(x); }
+inline float __int_as_float(int x) { return rp_host::bits_to_float((unsigned)x); }
+inline int __float_as_int(float x) { return (int)rp_host::float_to_bits(x); }
+// one rounding each, never contracted into an FMA with a neighbouring operation (the empty asm hides the value)
+inline float __fmul_rn(float a, float b) {
+  float r = a * b;
+  asm("" : "+x"(r));
+  return r;
+}
+inline float __fadd_rn(float a, float b) {
+  float r = a + b;
+  asm("" : "+x"(r));
+  return r;
+}
+inline float __fsub_rn(float a, float b) {
+  float r = a - b;
+  asm("" : "+x"(r));
+  return r;
+}
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long bytes = ((unsigned long long)y << 32) | x;
+  unsigned result = 0;
+  for (int i = 0; i < 4; ++i) result |= (unsigned)((bytes >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return result;
+}
+template <typename A, typename B> inline auto min(A a, B b) -> std::common_type_t<A, B> {
+  return b < a ? b : a;
+}
+template <typename A, typename B> inline auto max(A a, B b) -> std::common_type_t<A, B> {
+  return a < b ? b : a;
+}
+
+#endif  // RAYPAGED_HOST_RUNTIME_H
