@@ -47,14 +47,20 @@ def enabled() -> bool:
     return _State.enabled
 
 
+def set_enabled(enable: bool) -> None:
+    """From now on the kernel wrappers run on CPU tensors here (``enable``) or on a CUDA device."""
+    _State.enabled = enable
+
+
 @contextlib.contextmanager
 def on_host(enable: bool = True) -> Iterator[None]:
     """Within the block, the kernel wrappers run on CPU tensors here (``enable``) or on a CUDA device."""
-    before, _State.enabled = _State.enabled, enable
+    before = _State.enabled
+    set_enabled(enable)
     try:
         yield
     finally:
-        _State.enabled = before
+        set_enabled(before)
 
 
 def device_type() -> str:

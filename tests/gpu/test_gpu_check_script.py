@@ -1,0 +1,40 @@
+"""benchmarks/gpu_check.py, the script a lent GPU's minutes go to, run end to end without one (``--host``: the
+kernels built for the CPU, small shapes, W1 on a tiny model): every part runs and reports, and the JSON holds
+each part's numbers. Its numbers mean nothing; a script error found here costs no device time."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raypaged.kernels import host
+from tests.gpu import ON_HOST
+
+pytestmark = pytest.mark.skipif(not ON_HOST or host.compiler() is None, reason="the host check of the script")
+
+ROOT = Path(__file__).resolve().parents[2]
+PARTS = ("tests_passed", "copy_bandwidth", "decode", "prefill", "varlen_prefill", "lora", "fused", "w4a16")
+
+
+def test_every_part_of_gpu_check_runs_on_the_host(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    command = [sys.executable, "benchmarks/gpu_check.py", "--host", "--skip-tests", "--concurrency", "2,3"]
+    run = subprocess.run([*command, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    results = json.loads(out.read_text())
+    assert set(results) == {*PARTS, "end_to_end"}
+    for name, value in results.items():
+        assert not (isinstance(value, dict) and "error" in value), (name, value)
+    assert set(results["decode"]["kernels"]) == {"v1 (default)", "v2 (512-token partitions)"}
+    assert all("error" not in row for row in results["decode"]["tuning"].values())
+    assert all("error" not in row for row in results["fused"]["kernels"].values())
+    assert all("error" not in row for row in results["w4a16"]["layers"].values())
+    assert max(results["varlen_prefill"]["single_span"]["rel_error"].values()) < 1e-2
+    e2e = results["end_to_end"]
+    for system in ("raypaged", "raypaged_eager", "raypaged_no_async", "transformers"):
+        assert "error" not in e2e[system], e2e[system]
+    assert set(e2e["raypaged"]["levels"]) == {"2", "3"}
+    assert all(level["generated_tokens"] == 4 * c * 100 for c, level in zip((2, 3), e2e["raypaged"]["levels"].values()))
+    assert "| 3 |" in run.stdout  # the W1 table printed
