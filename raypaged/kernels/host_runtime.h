@@ -3,7 +3,9 @@
 // calling OS thread; the blocks of a grid run one after another, the fibers of a block by turns, each until it
 // reaches a barrier (__syncthreads, a warp collective) or ends. So barriers, shuffles, shared memory and the
 // tensor-core fragments (mma.sync m16n8k16, ldmatrix .trans) behave as the PTX ISA defines them, and a barrier
-// some threads never reach is reported instead of hanging. cp.async copies at once. Not a performance model.
+// some threads never reach is reported instead of hanging. The turns alternate in direction and shared memory
+// starts each block as 0xff bytes, so a race between a block's threads, or a read of shared memory nobody wrote,
+// changes the result. cp.async copies at once. Not a performance model.
 #ifndef RAYPAGED_HOST_RUNTIME_H
 #define RAYPAGED_HOST_RUNTIME_H
 #if !defined(__x86_64__)
@@ -14,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -27,7 +30,9 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static  // one instance, shared by the fibers of the block that is running
+// one instance, shared by the fibers of the block that is running; all of them in one section, which each block
+// starts by filling with 0xff bytes (NaN as a float), as a GPU's shared memory holds anything at a block's start
+#define __shared__ static __attribute__((section("rp_host_shared"), aligned(16)))
 #define __align__(n) alignas(n)
 
 struct dim3 {
@@ -311,8 +316,16 @@ inline void release_after_return() {
   }
 }
 
+// the linker's bounds of the section of the __shared__ variables (none: the weak symbols stay null)
+extern "C" char __start_rp_host_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_rp_host_shared[] __attribute__((weak, visibility("hidden")));
+
 inline int run_block() {
   Launch& l = *launch;
+  if (__start_rp_host_shared != nullptr) {
+    std::memset(__start_rp_host_shared, 0xff, size_t(__stop_rp_host_shared - __start_rp_host_shared));
+  }
+  std::fill(l.dynamic_shared.begin(), l.dynamic_shared.end(), (unsigned char)0xff);
   const int threads = int(l.block.x * l.block.y * l.block.z);
   for (int t = 0; t < threads; ++t) {
     Fiber& f = l.fibers[t];
@@ -333,10 +346,15 @@ inline int run_block() {
     const int lanes = threads - 32 * w < 32 ? threads - 32 * w : 32;
     l.warps[w].alive = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
   }
+  // The threads take turns in one direction, then the other, pass after pass (and blocks start alternately): a
+  // thread that reads what another wrote without a barrier between them sees the write in some passes and not in
+  // others, so such a race changes the kernel's result here instead of staying hidden behind one fixed order.
+  int pass = int(l.block_idx.x + l.block_idx.y + l.block_idx.z);
   while (l.alive > 0) {
     const unsigned long before = l.events;
-    for (int t = 0; t < threads; ++t) {
-      Fiber& f = l.fibers[t];
+    const bool backwards = pass++ & 1;
+    for (int i = 0; i < threads; ++i) {
+      Fiber& f = l.fibers[backwards ? threads - 1 - i : i];
       if (f.done) continue;
       current = &f;
       rp_host_switch(&l.scheduler_sp, f.sp);
@@ -370,7 +388,7 @@ inline int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const 
   std::vector<char*>& stacks = stack_pool(threads);
   for (int t = 0; t < threads; ++t) l.fibers[t].stack = stacks[t];
   l.warps.resize((threads + 31) / 32);
-  l.dynamic_shared.assign(shared_bytes + 16, 0xff);  // NaN-filled, as uninitialised shared memory may hold anything
+  l.dynamic_shared.resize(shared_bytes + 16);
   l.body = body;
   l.body_arg = arg;
   Launch* outer = launch;

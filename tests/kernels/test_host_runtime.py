@@ -82,6 +82,13 @@ extern "C" __global__ void shuffle_after_return(float* out) {
   out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
 }
 
+// thread t reads what thread t + 1 wrote, with no barrier between
+extern "C" __global__ void racy_shift(int* out) {
+  __shared__ int s[64];
+  s[threadIdx.x] = threadIdx.x;
+  out[blockIdx.x * 64 + threadIdx.x] = s[(threadIdx.x + 1) % 64];
+}
+
 extern "C" __global__ void scale(float* out, float s, long long n) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] *= s;
@@ -129,6 +136,16 @@ def test_ldmatrix_trans_gives_each_lane_the_transposed_elements():
     # register i of lane t: matrix i's elements (2 (t % 4) + j, t // 4), j = 0 in the low half
     expected = [[[64 * i + 8 * (2 * (t % 4) + j) + t // 4 for j in (0, 1)] for i in range(4)] for t in range(32)]
     assert got == expected
+
+
+def test_a_race_on_shared_memory_changes_the_result():
+    """The threads of a block take turns forwards and backwards, and shared memory starts each block as 0xff
+    bytes: a read of another thread's write with no barrier between sees it in some blocks and not in others."""
+    out = torch.zeros(4, 64, dtype=torch.int32)
+    for _ in range(2):  # the second launch's blocks start from a poisoned shared memory again
+        kernel("racy_shift")((4,), (64,), (pointer(out),))
+        assert out[0].tolist() == [-1] * 63 + [0]  # forwards: t + 1 has not written yet (but 0 has, for 63)
+        assert out[1].tolist() == list(range(1, 64)) + [-1]  # backwards: it has (but 0 has not, for 63)
 
 
 def test_a_barrier_some_threads_never_reach_is_reported():
