@@ -255,7 +255,9 @@ def cuda_unsupported_reason(
 ) -> str | None:
     """Why the CUDA kernels cannot run this model (``dtype``) over this KV cache (``cache_dtype``, by default the
     model's) here, or None when they can."""
-    if device.type != "cuda":
+    from raypaged.kernels import host
+
+    if device.type != host.device_type():  # cpu where the kernels run on the host (tests)
         return f"the device is {device.type}"
     if dtype is not None and (reason := cuda_cache_unsupported_reason(dtype, cache_dtype)) is not None:
         return reason
@@ -263,7 +265,7 @@ def cuda_unsupported_reason(
         return f"head size {head_size} has no kernel (supported: {', '.join(map(str, CUDA_HEAD_SIZES))})"
     if block_size not in CUDA_BLOCK_SIZES:
         return f"block size {block_size} has no kernel (supported: {', '.join(map(str, CUDA_BLOCK_SIZES))})"
-    if importlib.util.find_spec("cupy") is None:
+    if not host.enabled() and importlib.util.find_spec("cupy") is None:
         return "cupy is not installed (pip install 'raypaged[cuda]')"
     return None
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from raypaged import envs
+from raypaged.kernels import loader
 from raypaged.lora.config import LoRAConfig
 from raypaged.lora.layers import LoRAModel, attach_lora
 from raypaged.lora.layout import read_checked_adapter, shard_adapter
@@ -38,7 +39,7 @@ class LoRAManager:
         self.dtype = dtype
         self.lora_model: LoRAModel = attach_lora(model, config.max_loras, config.max_lora_rank, tp, dtype, device)
         # BGMV mappings: the CUDA kernels, and a LoRA product the CUDA graphs can record
-        self.bgmv = envs.lora_kernels() and device.type == "cuda"
+        self.bgmv = envs.lora_kernels() and loader.runs_on(device)
         self._cpu_cache: OrderedDict[tuple[int, str], ShardedAdapter] = OrderedDict()  # by (id, path)
 
     def place(self, slot: int, request: LoRARequest) -> None:

@@ -143,7 +143,9 @@ def lora_bgmv(
     equivalent, a gather of each token's weights."""
     slot_of = mapping.slot_of
     assert slot_of is not None, "lora_bgmv reads a BGMV mapping"
-    if y.is_cuda:
+    from raypaged.kernels import loader
+
+    if loader.on_device(y):
         from raypaged.kernels.lora_ops import lora_bgmv_expand, lora_bgmv_shrink
 
         h = lora_bgmv_shrink(x, lora_a, mapping.token_ids, slot_of)
