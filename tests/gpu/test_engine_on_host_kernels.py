@@ -116,3 +116,21 @@ def test_gptq_layers_through_the_w4a16_kernels_equal_the_dequantize_path(model_d
     monkeypatch.setenv("RAYPAGED_W4A16_KERNELS", "0")
     theirs, _, _ = generate(gptq, prompts[:5], "cuda")
     assert ours == theirs
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_logprobs_through_the_tensor_core_prefill_match_the_torch_backend(model_dir, prompts, dtype):
+    """fp16/bf16 (the host build takes an sm_90 GPU's paths: the varlen prefill on tensor cores): every prompt's
+    first logprobs within 5 % of torch's attention, as tests/gpu/test_cuda_runner.py asks of a GPU."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=5)
+    runs = {}
+    for backend in ("cuda", "torch"):
+        with host.on_host(backend == "cuda"):
+            llm = LLM(str(model_dir), device="cpu", dtype=dtype, attention_backend=backend, kv_cache_space=0.05)
+            runs[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for ours, theirs in zip(runs["cuda"], runs["torch"]):
+        first, reference = ours.outputs[0].logprobs[0], theirs.outputs[0].logprobs[0]
+        shared = first.keys() & reference.keys()
+        assert len(shared) >= 3
+        for token in shared:
+            assert abs(first[token] - reference[token]) <= 0.05 * max(1.0, abs(reference[token])), token
