@@ -28,7 +28,8 @@ import numpy as np
 
 from raypaged import envs
 
-RUNTIME = Path(__file__).with_name("host_runtime.h")
+RUNTIME = Path(__file__).with_name("host_runtime.h")  # which includes host_device.h
+HEADERS = (RUNTIME, RUNTIME.with_name("host_device.h"))
 ENV = "RAYPAGED_KERNELS_ON_HOST"
 # the properties wrappers ask a device for: an H200's (the code paths of sm_90 are the ones compiled)
 CAPABILITY = (9, 0)
@@ -183,7 +184,7 @@ def module(source: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The host build of a kernel source (cached on disk by the text's hash, like the CPU kernels)."""
     unit = host_source(source, defines)
     flags = ["-std=c++17", "-O2", "-march=native", "-fPIC", "-shared", "-w"]
-    key = hashlib.sha256("\0".join([unit, RUNTIME.read_text(), *flags]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([unit, *(h.read_text() for h in HEADERS), *flags]).encode()).hexdigest()[:24]
     directory = envs.cache_dir() / "host_kernels"
     library = directory / f"{key}.so"
     if not library.exists():
