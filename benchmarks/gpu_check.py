@@ -17,7 +17,8 @@
 4. W1 end to end on a Llama-2-7B-shaped model with random fp16 weights (no download):
    closed-loop clients at each concurrency, prompts of 50-200 tokens, exactly 100 generated
    tokens each, through the engine's own loop (no HTTP: the serving packages are not needed),
-   against transformers ``generate`` with static batches of the same size on the same GPU.
+   against transformers ``generate`` with static batches of the same size on the same GPU; also eager, without
+   async scheduling, and (at the top level) with the paths that are off by default (``SWITCHES``) off.
 Finishes in well under 8 minutes on one H200-class GPU. Each part is reported on its own: one that fails
 records its traceback and the others still run, and --json is rewritten after every part, so a run cut short
 keeps what it measured.
@@ -665,6 +666,10 @@ def end_to_end(concurrencies: list[int]) -> dict:
                 "raypaged_no_async",
                 lambda: raypaged_w1(model_dir, concurrencies, requests_per_level, False, DEVICE, False),
             ),
+            (  # the paths still off by default, off: what turning them on by default would gain
+                "raypaged_switches_off",
+                lambda: switches_off(raypaged_w1, model_dir, concurrencies[-1:], requests_per_level, False, DEVICE),
+            ),
             ("transformers", lambda: transformers_w1(model_dir, concurrencies, requests_per_level, DEVICE)),
         ):
             try:
@@ -688,6 +693,20 @@ SWITCHES = (  # off by default until verified here
     "RAYPAGED_BLOCK_FP8_SCALED_MM",
     "RAYPAGED_TP_CUDA_GRAPHS",  # its test needs two GPUs: skipped on one
 )
+
+
+def switches_off(fn, *args):
+    """``fn(*args)`` with every ``SWITCHES`` path off (as by default), then back as they were."""
+    before = {name: os.environ.get(name) for name in SWITCHES}
+    os.environ.update({name: "0" for name in SWITCHES})
+    try:
+        return fn(*args)
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def use_host() -> None:
@@ -832,6 +851,15 @@ def print_w1_table(e2e: dict) -> None:
         f"startup {ours['startup_s']:.0f} s, {ours['kv_blocks']} KV blocks, "
         f"peak {'-' if peak is None else f'{peak:.1f}'} GiB, preemptions {ours['preemptions']}"
     )
+    off = e2e.get("raypaged_switches_off", {})
+    if "levels" in off:
+        print(
+            "the switches on / off (the default): "
+            + ", ".join(
+                f"{c}: {ours['levels'][c]['tokens_per_s'] / row['tokens_per_s']:.2f}x"
+                for c, row in off["levels"].items()
+            )
+        )
     sync = e2e.get("raypaged_no_async", {})
     if "levels" in sync:
         print(

@@ -33,8 +33,8 @@ def test_every_part_of_gpu_check_runs_on_the_host(tmp_path):
     assert all("error" not in row for row in results["w4a16"]["layers"].values())
     assert max(results["varlen_prefill"]["single_span"]["rel_error"].values()) < 1e-2
     e2e = results["end_to_end"]
-    for system in ("raypaged", "raypaged_eager", "raypaged_no_async", "transformers"):
+    for system in ("raypaged", "raypaged_eager", "raypaged_no_async", "raypaged_switches_off", "transformers"):
         assert "error" not in e2e[system], e2e[system]
     assert set(e2e["raypaged"]["levels"]) == {"2", "3"}
     assert all(level["generated_tokens"] == 4 * c * 100 for c, level in zip((2, 3), e2e["raypaged"]["levels"].values()))
-    assert "| 3 |" in run.stdout  # the W1 table printed
+    assert "| 3 |" in run.stdout and "the switches on / off (the default): 3: " in run.stdout  # the W1 tables
