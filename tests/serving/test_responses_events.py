@@ -10,13 +10,13 @@ import pytest
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.openai_responses import (
     Responder,
-    ResponseEvents,
     ResponsesRequest,
     ResponseStore,
     Stored,
     input_items,
     input_messages,
 )
+from raypaged.serving.gateway.response_events import ResponseEvents
 
 
 def delta(**fields):

@@ -26,14 +26,9 @@ from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import APIError, from_grpc, install_handlers
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, Guard, HostCheck, host_check_needed
-from raypaged.serving.gateway.openai_responses import (
-    Responder,
-    ResponseEvents,
-    ResponsesRequest,
-    ResponseStore,
-    sse_event,
-)
+from raypaged.serving.gateway.openai_responses import Responder, ResponsesRequest, ResponseStore
 from raypaged.serving.gateway.reasoning import ReasoningParser
+from raypaged.serving.gateway.response_events import ResponseEvents, sse_event
 from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape
 from raypaged.serving.gateway.schemas import (
     ChatCompletionRequest,

@@ -5,25 +5,25 @@ system message, ``input`` messages and function-call items chat messages and too
 ``tool_choice``, ``text.format`` the structured output, ``max_output_tokens`` the token limit. The chat
 path then validates, generates and parses tools as for ``/v1/chat/completions``; its answer becomes a
 ``response`` object (``response_body``) and its stream of chunks the Responses stream's typed events
-(``ResponseEvents``). Stored responses (``store``, OpenAI's default) live in memory, per tenant, up to
-``STORE_SIZE`` of them (the oldest go first): ``previous_response_id`` continues one, ``GET`` and ``DELETE
-/v1/responses/{id}`` read and drop one. Fields the server cannot honour (hosted tools, images, background
-runs, conversations, prompt templates, truncation) are a 400 naming them.
+(``response_events.ResponseEvents``; the output items both build: ``response_items``). Stored responses
+(``store``, OpenAI's default) live in memory, per tenant, up to ``STORE_SIZE`` of them (the oldest go first):
+``previous_response_id`` continues one, ``GET`` and ``DELETE /v1/responses/{id}`` read and drop one. Fields the
+server cannot honour (hosted tools, images, background runs, conversations, prompt templates, truncation) are a
+400 naming them.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.gateway.response_items import call_item, message_item, new_id, reasoning_item, usage
 from raypaged.serving.gateway.schemas import _check_extra_fields
 
 STORE_SIZE = 4096  # stored responses kept per tenant
@@ -213,30 +213,13 @@ def _response_format(given: dict[str, Any] | None) -> dict[str, Any] | None:
     raise APIError(400, f"text format {given.get('type')!r} is not supported (text, json_object, json_schema)", "text")
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    if chat_usage is None:
-        return None
-    details = chat_usage.get("prompt_tokens_details") or {}
-    return {
-        "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": details.get("cached_tokens") or 0},
-        "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},  # not counted apart from the answer's
-        "total_tokens": chat_usage["total_tokens"],
-    }
-
-
 @dataclass
 class Responder:
     """One Responses request's answer: its ids and the parts of ``response`` objects that echo the request."""
 
     request: ResponsesRequest
     history: list[dict[str, Any]]  # the previous response's conversation (previous_response_id), or none
-    id: str = field(default_factory=lambda: _new_id("resp"))
+    id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     # the history and this input as chat messages, not the instructions (OpenAI does not carry them over)
     conversation: list[dict[str, Any]] = field(init=False)
@@ -291,14 +274,14 @@ class Responder:
         message = choice["message"]
         output: list[dict[str, Any]] = []
         if message.get("reasoning_content"):
-            output.append(_reasoning_item(_new_id("rs"), message["reasoning_content"]))
+            output.append(reasoning_item(new_id("rs"), message["reasoning_content"]))
         if message.get("content") is not None and (message["content"] or not message.get("tool_calls")):
             logprobs = (choice.get("logprobs") or {}).get("content")
-            output.append(_message_item(_new_id("msg"), message["content"], "completed", logprobs))
+            output.append(message_item(new_id("msg"), message["content"], "completed", logprobs))
         for call in message.get("tool_calls") or ():
             function = call["function"]
-            output.append(_call_item(_new_id("fc"), call["id"], function["name"], function["arguments"], "completed"))
-        return self.response("completed", output, chat["model"], _usage(chat.get("usage")), choice["finish_reason"])
+            output.append(call_item(new_id("fc"), call["id"], function["name"], function["arguments"], "completed"))
+        return self.response("completed", output, chat["model"], usage(chat.get("usage")), choice["finish_reason"])
 
     def stored(self, response: dict[str, Any]) -> Stored:
         """What the store keeps of this request's ``response``: it, the conversation a later request continues
@@ -322,7 +305,7 @@ def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if isinstance(item.get("content"), str):
                 item["content"] = [{"type": "input_text", "text": item["content"]}]
             item.setdefault("status", "completed")
-        item.setdefault("id", _new_id(_ITEM_PREFIXES.get(item["type"], "item")))
+        item.setdefault("id", new_id(_ITEM_PREFIXES.get(item["type"], "item")))
         items.append(item)
     return items
 
@@ -355,205 +338,6 @@ class Stored:
             "last_id": page[-1]["id"] if page else None,
             "has_more": len(items) > limit,
         }
-
-
-def _message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-    if logprobs is not None:
-        part["logprobs"] = logprobs
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
-
-
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
-
-
-@dataclass
-class _Open:
-    """An output item being streamed: its index in ``output`` and its item so far."""
-
-    index: int
-    item: dict[str, Any]
-
-
-class ResponseEvents:
-    """A chat completion's stream of chunks as the Responses stream's events: ``response.created`` and
-    ``response.in_progress``; each output item added, its text, reasoning text or call arguments in deltas, done;
-    then ``response.completed`` (``response.incomplete`` at the token limit) with the whole response. An error
-    chunk ends it with an ``error`` event."""
-
-    def __init__(self, responder: Responder, model: str) -> None:
-        self.responder = responder
-        self.model = model
-        self.sequence = 0
-        self.output: list[dict[str, Any]] = []
-        self.text: _Open | None = None
-        self.reasoning: _Open | None = None
-        self.calls: dict[int, _Open] = {}  # by the chat stream's tool call index
-        self.closed: set[int] = set()  # the output indices whose items are done
-        self.logprobs: list[dict[str, Any]] | None = None
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.failed = False  # an error chunk ended the stream: no closing events, nothing stored
-        self.final: dict[str, Any] | None = None  # the completed response, once the stream ends well
-
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return event
-
-    def start(self) -> Iterator[dict[str, Any]]:
-        response = self.responder.response("in_progress", [], self.model)
-        yield self._event("response.created", response=response)
-        yield self._event("response.in_progress", response=response)
-
-    def _open(self, item: dict[str, Any]) -> Generator[dict[str, Any], None, _Open]:
-        """``response.output_item.added`` for a new item; returns it, open."""
-        self.output.append(item)
-        opened = _Open(len(self.output) - 1, item)
-        yield self._event("response.output_item.added", output_index=opened.index, item=item)
-        return opened
-
-    def feed(self, chunk: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """The events of one chat chunk (``{"error": ...}``: the ``error`` event)."""
-        if "error" in chunk:
-            self.failed = True
-            error = chunk["error"]
-            yield self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))
-            return
-        if chunk.get("usage"):
-            self.usage = _usage(chunk["usage"])
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                yield from self._reasoning_delta(delta["reasoning_content"])
-            if delta.get("content"):
-                yield from self._text_delta(delta["content"], (choice.get("logprobs") or {}).get("content"))
-            for call in delta.get("tool_calls") or ():
-                yield from self._call_delta(call)
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
-
-    def _reasoning_delta(self, text: str) -> Iterator[dict[str, Any]]:
-        if self.reasoning is None:
-            self.reasoning = yield from self._open(_reasoning_item(_new_id("rs"), ""))
-        self.reasoning.item["content"][0]["text"] += text
-        yield self._event(
-            "response.reasoning_text.delta",
-            item_id=self.reasoning.item["id"],
-            output_index=self.reasoning.index,
-            content_index=0,
-            delta=text,
-        )
-
-    def _text_delta(self, text: str, logprobs: list[dict[str, Any]] | None) -> Iterator[dict[str, Any]]:
-        yield from self._close_reasoning()
-        if self.text is None:
-            self.text = yield from self._open(_message_item(_new_id("msg"), "", "in_progress", None))
-            part = {"type": "output_text", "text": "", "annotations": []}
-            yield self._event(
-                "response.content_part.added",
-                item_id=self.text.item["id"],
-                output_index=self.text.index,
-                content_index=0,
-                part=part,
-            )
-        self.text.item["content"][0]["text"] += text
-        if logprobs is not None:
-            self.logprobs = self.logprobs if self.logprobs is not None else []
-            self.logprobs.extend(logprobs)
-        yield self._event(
-            "response.output_text.delta",
-            item_id=self.text.item["id"],
-            output_index=self.text.index,
-            content_index=0,
-            delta=text,
-            logprobs=logprobs or [],
-        )
-
-    def _call_delta(self, call: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        yield from self._close_reasoning()
-        function = call.get("function") or {}
-        opened = self.calls.get(call.get("index", 0))
-        if opened is None:
-            yield from self._close_text()
-            item = _call_item(
-                _new_id("fc"), call.get("id") or _new_id("call"), function.get("name", ""), "", "in_progress"
-            )
-            opened = self.calls[call.get("index", 0)] = yield from self._open(item)
-        if arguments := function.get("arguments"):
-            opened.item["arguments"] += arguments
-            yield self._event(
-                "response.function_call_arguments.delta",
-                item_id=opened.item["id"],
-                output_index=opened.index,
-                delta=arguments,
-            )
-
-    def _close_reasoning(self) -> Iterator[dict[str, Any]]:
-        opened = self.reasoning
-        if opened is None or opened.index in self.closed:
-            return
-        self.closed.add(opened.index)
-        item = opened.item
-        text = item["content"][0]["text"]
-        yield self._event(
-            "response.reasoning_text.done", item_id=item["id"], output_index=opened.index, content_index=0, text=text
-        )
-        yield self._event("response.output_item.done", output_index=opened.index, item=item)
-
-    def _close_text(self) -> Iterator[dict[str, Any]]:
-        opened = self.text
-        if opened is None or opened.index in self.closed:
-            return
-        self.closed.add(opened.index)
-        part = opened.item["content"][0]
-        if self.logprobs is not None:
-            part["logprobs"] = self.logprobs
-        item_id = opened.item["id"]
-        yield self._event(
-            "response.output_text.done",
-            item_id=item_id,
-            output_index=opened.index,
-            content_index=0,
-            text=part["text"],
-            logprobs=self.logprobs or [],
-        )
-        yield self._event(
-            "response.content_part.done", item_id=item_id, output_index=opened.index, content_index=0, part=part
-        )
-        opened.item["status"] = "completed"
-        yield self._event("response.output_item.done", output_index=opened.index, item=opened.item)
-
-    def finish(self) -> Iterator[dict[str, Any]]:
-        """The closing events once the chat stream ended (none after an error's)."""
-        if self.failed:
-            return
-        yield from self._close_reasoning()
-        yield from self._close_text()
-        for opened in self.calls.values():
-            item = opened.item
-            yield self._event(
-                "response.function_call_arguments.done",
-                item_id=item["id"],
-                output_index=opened.index,
-                arguments=item["arguments"],
-            )
-            item["status"] = "completed"
-            yield self._event("response.output_item.done", output_index=opened.index, item=item)
-        self.final = self.responder.response("completed", self.output, self.model, self.usage, self.finish_reason)
-        kind = "response.incomplete" if self.final["status"] == "incomplete" else "response.completed"
-        yield self._event(kind, response=self.final)
 
 
 class ResponseStore:
@@ -590,8 +374,3 @@ class ResponseStore:
     def delete(self, tenant: str, response_id: str) -> None:
         self.get(tenant, response_id)
         del self._kept[tenant][response_id]
-
-
-def sse_event(event: dict[str, Any]) -> str:
-    """A Responses stream event as a server-sent event (named by its type; no ``[DONE]`` ends the stream)."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
