@@ -77,6 +77,15 @@ def kernels_on_host() -> bool:
     return _switch("RAYPAGED_KERNELS_ON_HOST")
 
 
+def host_kernels_sanitize() -> str | None:
+    """The sanitizer the kernels built for the host are compiled with: ``$RAYPAGED_HOST_KERNELS_SANITIZE``, unset
+    (none) or ``address`` (AddressSanitizer; the process must start with its runtime in ``LD_PRELOAD``)."""
+    value = os.environ.get("RAYPAGED_HOST_KERNELS_SANITIZE") or None
+    if value not in (None, "address"):
+        raise ValueError(f"$RAYPAGED_HOST_KERNELS_SANITIZE must be unset or address, got {value!r}")
+    return value
+
+
 # Off by default: these kernels compile and their tests exist (tests/gpu), but they have not yet
 # run on a device; benchmarks/gpu_check.py turns them on, runs those tests and times them.
 def fused_kernels() -> bool:

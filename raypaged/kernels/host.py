@@ -31,6 +31,7 @@ from raypaged import envs
 RUNTIME = Path(__file__).with_name("host_runtime.h")  # which includes host_device.h
 HEADERS = (RUNTIME, RUNTIME.with_name("host_device.h"))
 ENV = "RAYPAGED_KERNELS_ON_HOST"
+SANITIZE_ENV = "RAYPAGED_HOST_KERNELS_SANITIZE"
 # the properties wrappers ask a device for: an H200's (the code paths of sm_90 are the ones compiled)
 CAPABILITY = (9, 0)
 MULTIPROCESSORS = 132
@@ -179,11 +180,38 @@ def _body_end(text: str, open_brace: int) -> int:
     raise ValueError("a kernel's body does not close")
 
 
-@functools.cache
 def module(source: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The host build of a kernel source (cached on disk by the text's hash, like the CPU kernels)."""
+    """The host build of a kernel source (cached on disk by the text's hash, like the CPU kernels); with
+    ``$RAYPAGED_HOST_KERNELS_SANITIZE=address`` built with AddressSanitizer, so that a kernel's read or write
+    outside a tensor (which a GPU may let pass) stops the process with a report naming the kernel."""
+    sanitize = envs.host_kernels_sanitize()
+    if sanitize and not asan_loaded():
+        raise RuntimeError(
+            f"{SANITIZE_ENV}=address needs AddressSanitizer's runtime loaded before Python's libraries: start "
+            f"Python with LD_PRELOAD={asan_runtime() or 'libasan.so'} (and ASAN_OPTIONS=detect_leaks=0)"
+        )
+    return _module(source, defines, sanitize)
+
+
+def asan_runtime() -> str | None:
+    """The host compiler's AddressSanitizer runtime (for LD_PRELOAD), if it has one."""
+    cxx = compiler()
+    if cxx is None:
+        return None
+    found = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    return found if os.path.isabs(found) and os.path.exists(found) else None
+
+
+def asan_loaded() -> bool:
+    return "libasan" in Path("/proc/self/maps").read_text()
+
+
+@functools.cache
+def _module(source: str, defines: tuple[str, ...], sanitize: str | None) -> ctypes.CDLL:
     unit = host_source(source, defines)
     flags = ["-std=c++17", "-O2", "-march=native", "-fPIC", "-shared", "-w"]
+    if sanitize:
+        flags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"]
     key = hashlib.sha256("\0".join([unit, *(h.read_text() for h in HEADERS), *flags]).encode()).hexdigest()[:24]
     directory = envs.cache_dir() / "host_kernels"
     library = directory / f"{key}.so"
