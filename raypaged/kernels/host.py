@@ -36,7 +36,8 @@ SANITIZE_ENV = "RAYPAGED_HOST_KERNELS_SANITIZE"
 CAPABILITY = (9, 0)
 MULTIPROCESSORS = 132
 
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
+# an extern "C" kernel: its __launch_bounds__' first argument (the most threads a block may have), its name
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(([^,)]*)[^)]*\)\s*)?(\w+)\s*\(')
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
 _NUMPY_TYPES = {np.dtype(c).type for c in "?bhilqBHILQefd"}  # the scalar types cupy passes by value
 
@@ -113,6 +114,8 @@ class HostKernel:
         )
         if status == 2:
             raise TypeError(error.value.decode())
+        if status == 3:
+            raise ValueError(error.value.decode())
         if status:
             raise RuntimeError(f"{self.name}: {error.value.decode()}")
 
@@ -144,7 +147,7 @@ def expand(source: str, defines: tuple[str, ...] = ()) -> str:
 
 def kernel_names(source: str, defines: tuple[str, ...] = ()) -> list[str]:
     """The ``extern "C" __global__`` kernels of a .cu text."""
-    return list(dict.fromkeys(_KERNEL.findall(expand(source, defines))))
+    return list(dict.fromkeys(match[2] for match in _KERNEL.finditer(expand(source, defines))))
 
 
 def host_source(source: str, defines: tuple[str, ...] = ()) -> str:
@@ -154,13 +157,13 @@ def host_source(source: str, defines: tuple[str, ...] = ()) -> str:
     pieces, done = [f'#include "{RUNTIME}"\n'], 0
     for match in _KERNEL.finditer(text):
         end = _body_end(text, text.index("{", match.end()))
-        name = match[1]
+        bound, name = match[1] or "1024", match[2]
         pieces += [
             text[done:end],
             f'\nextern "C" int rp_host_launch_{name}(const unsigned* grid, const unsigned* block, size_t shared, '
             f"void** args, const size_t* sizes, const char* kinds, int nargs, char* error, size_t error_bytes) {{\n"
-            f'  return rp_host::launch_kernel({name}, "{name}", grid, block, shared, args, sizes, kinds, nargs, '
-            f"error, error_bytes);\n}}\n",
+            f'  return rp_host::launch_kernel({name}, "{name}", {bound}, grid, block, shared, args, sizes, kinds, '
+            f"nargs, error, error_bytes);\n}}\n",
         ]
         done = end
     pieces.append(text[done:])

@@ -338,10 +338,21 @@ template <typename... P> inline void call_body(void* arg) {
 }
 
 template <typename... P>
-inline int launch_kernel(void (*kernel)(P...), const char* name, const unsigned* grid, const unsigned* block,
-                         size_t shared_bytes, void** args, const size_t* sizes, const char* kinds, int nargs,
-                         char* error, size_t error_bytes) {
+inline int launch_kernel(void (*kernel)(P...), const char* name, int max_threads, const unsigned* grid,
+                         const unsigned* block, size_t shared_bytes, void** args, const size_t* sizes,
+                         const char* kinds, int nargs, char* error, size_t error_bytes) {
   constexpr int n = sizeof...(P);
+  const long threads = long(block[0]) * block[1] * block[2];
+  if (threads > max_threads) {  // a GPU refuses the launch ("too many resources requested")
+    snprintf(error, error_bytes, "%s: a block of %ld threads, more than its __launch_bounds__ (%d)", name, threads,
+             max_threads);
+    return 3;
+  }
+  if (shared_bytes > 48 * 1024) {  // the most dynamic shared memory without cudaFuncSetAttribute
+    snprintf(error, error_bytes, "%s: %zu bytes of dynamic shared memory, more than the 49152 a launch may ask for "
+             "without opting in", name, shared_bytes);
+    return 3;
+  }
   const size_t want[] = {sizeof(P)..., 0};
   const char want_kind[] = {kind_of<P>()..., 0};
   if (nargs != n) {

@@ -89,7 +89,7 @@ extern "C" __global__ void racy_shift(int* out) {
   out[blockIdx.x * 64 + threadIdx.x] = s[(threadIdx.x + 1) % 64];
 }
 
-extern "C" __global__ void scale(float* out, float s, long long n) {
+extern "C" __global__ void __launch_bounds__(256) scale(float* out, float s, long long n) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] *= s;
 }
@@ -177,6 +177,10 @@ def test_arguments_are_checked_against_the_kernels_parameters_as_cupy_passes_the
         scale((3,), (128,), (pointer(out), np.float32(2.0)))
     with pytest.raises(ValueError, match=r"scale: a block of 2048 threads \(CUDA allows 1 to 1024\)"):
         scale((1,), (2048,), (pointer(out), np.float32(2.0), 300))
+    with pytest.raises(ValueError, match=r"scale: a block of 512 threads, more than its __launch_bounds__ \(256\)"):
+        scale((1,), (512,), (pointer(out), np.float32(2.0), 300))
+    with pytest.raises(ValueError, match=r"scale: 49153 bytes of dynamic shared memory, more than the 49152"):
+        scale((3,), (128,), (pointer(out), np.float32(2.0), 300), shared_mem=48 * 1024 + 1)
 
 
 def test_the_wrappers_take_cpu_tensors_only_on_the_host():
