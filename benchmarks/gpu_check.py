@@ -23,6 +23,7 @@ Finishes in well under 8 minutes on one H200-class GPU. Each part is reported on
 records its traceback and the others still run, and --json is rewritten after every part, so a run cut short
 keeps what it measured.
 
+``--parts`` runs a subset (tests, kernels, w1), so the tests and the measurements can be separate calls.
 ``--host`` checks this script without a GPU: the kernels built for the CPU (raypaged.kernels.host), every part
 at small shapes, W1 on a tiny model on CPU (tests/gpu/test_gpu_check_script.py runs it). Its numbers mean
 nothing.
@@ -683,6 +684,8 @@ def end_to_end(concurrencies: list[int]) -> dict:
     return out
 
 
+PARTS = ("tests", "kernels", "w1")  # tests/gpu; the kernels' timings; W1 end to end
+CONCURRENCY = [10, 30, 50, 80]  # W1's levels (--concurrency)
 SWITCHES = (  # off by default until verified here
     "RAYPAGED_FUSED_KERNELS",
     "RAYPAGED_VARLEN_PREFILL",
@@ -777,11 +780,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     parser.add_argument("--concurrency", default="10,30,50,80", help="W1 concurrency levels")
-    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/gpu first")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/gpu first (--parts kernels,w1)")
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"what to run, in this order, a comma-separated subset of {', '.join(PARTS)} (a device's minutes are few: "
+        "run the measurements and the tests as separate calls if one would not fit)",
+    )
     parser.add_argument("--host", action="store_true", help="check this script without a GPU (small shapes, CPU)")
     args = parser.parse_args()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("raypaged").setLevel(logging.INFO)  # KV sizing and CUDA graph capture lines
+    global CONCURRENCY
+    CONCURRENCY = [int(c) for c in args.concurrency.split(",")]
     if args.host:
         use_host()
     elif not torch.cuda.is_available():
@@ -805,31 +816,41 @@ def main() -> int:
             args.json.write_text(json.dumps(results, indent=2, default=str))
         return results[name]
 
-    tests_passed = part("tests_passed", lambda: True if args.skip_tests else run_gpu_tests())
-    print(f"tests/gpu: {'skipped' if args.skip_tests else 'PASS' if tests_passed is True else 'FAIL'}", flush=True)
-    bandwidth = part("copy_bandwidth", copy_bandwidth)
-    if isinstance(bandwidth, dict):  # failed: the floors cannot be computed
-        return 1
-    part("decode", lambda: report_decode(decode_vs_floor(bandwidth)))
-    small = DEVICE == "cpu"  # --host: small shapes
-    part("prefill", lambda: report_prefill(prefill_gather_share(64 if small else 512)))
-    part("varlen_prefill", lambda: report_varlen(varlen_prefill(64 if small else 512)))
-    part("lora", lambda: report_lora(lora_kernels(hidden=256) if small else lora_kernels()))
-    part("fused", lambda: fused_kernels_vs_floor(bandwidth, tokens=64 if small else 8192))
-    part("w4a16", lambda: w4a16_vs_floor(bandwidth))
-    print(f"\nW1 end to end, {'a tiny Llama on CPU' if small else 'Llama-2-7B shape, random fp16 weights'}:")
-    e2e = part("end_to_end", lambda: end_to_end([int(c) for c in args.concurrency.split(",")]))
-    try:  # the numbers are in the JSON already
-        print_w1_table(e2e)
-    except Exception:
-        traceback.print_exc()
+    parts = [p for p in args.parts.split(",") if p and not (args.skip_tests and p == "tests")]
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
+    tests_passed = part("tests_passed", run_gpu_tests) if "tests" in parts else None
+    print(f"tests/gpu: {'not run' if tests_passed is None else 'PASS' if tests_passed is True else 'FAIL'}", flush=True)
+    if "kernels" in parts or "w1" in parts:
+        measure(part, [p for p in parts if p != "tests"])
     print(f"\ngpu_check finished in {time.monotonic() - started:.0f} s")
     failed = [name for name, value in results.items() if isinstance(value, dict) and "error" in value]
+    e2e = results.get("end_to_end", {})
     failed += [f"end_to_end.{key}" for key, value in e2e.items() if isinstance(value, dict) and "error" in value]
     if failed:
         print(f"failed: {', '.join(failed)}")
-    decode_ok = results["decode"].get("meets_target", False) or small
-    return 0 if tests_passed is True and decode_ok and not failed else 1
+    decode_ok = "decode" not in results or results["decode"].get("meets_target", False) or DEVICE == "cpu"
+    return 0 if tests_passed is not False and decode_ok and not failed else 1
+
+
+def measure(part, parts: list[str]) -> None:
+    """The kernels' timings against their floors and references, and W1 end to end (``parts``)."""
+    bandwidth = part("copy_bandwidth", copy_bandwidth)
+    small = DEVICE == "cpu"  # --host: small shapes
+    if "kernels" in parts and not isinstance(bandwidth, dict):  # a dict: failed, so there are no floors
+        part("decode", lambda: report_decode(decode_vs_floor(bandwidth)))
+        part("prefill", lambda: report_prefill(prefill_gather_share(64 if small else 512)))
+        part("varlen_prefill", lambda: report_varlen(varlen_prefill(64 if small else 512)))
+        part("lora", lambda: report_lora(lora_kernels(hidden=256) if small else lora_kernels()))
+        part("fused", lambda: fused_kernels_vs_floor(bandwidth, tokens=64 if small else 8192))
+        part("w4a16", lambda: w4a16_vs_floor(bandwidth))
+    if "w1" in parts:
+        print(f"\nW1 end to end, {'a tiny Llama on CPU' if small else 'Llama-2-7B shape, random fp16 weights'}:")
+        e2e = part("end_to_end", lambda: end_to_end(CONCURRENCY))
+        try:  # the numbers are in the JSON already
+            print_w1_table(e2e)
+        except Exception:
+            traceback.print_exc()
 
 
 def print_w1_table(e2e: dict) -> None:

@@ -15,7 +15,7 @@ from tests.gpu import ON_HOST
 pytestmark = pytest.mark.skipif(not ON_HOST or host.compiler() is None, reason="the host check of the script")
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("tests_passed", "copy_bandwidth", "decode", "prefill", "varlen_prefill", "lora", "fused", "w4a16")
+PARTS = ("copy_bandwidth", "decode", "prefill", "varlen_prefill", "lora", "fused", "w4a16")
 
 
 def test_every_part_of_gpu_check_runs_on_the_host(tmp_path):
