@@ -40,6 +40,7 @@ MULTIPROCESSORS = 132
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(([^,)]*)[^)]*\)\s*)?(\w+)\s*\(')
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
 _NUMPY_TYPES = {np.dtype(c).type for c in "?bhilqBHILQefd"}  # the scalar types cupy passes by value
+_DONE, _BAD_ARGUMENTS, _REFUSED = 0, 2, 3  # a launch's status (host_runtime.h's Status); 1: the kernel failed
 
 
 class _State:
@@ -90,11 +91,8 @@ class HostKernel:
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
         dims = [(tuple(dims) + (1, 1, 1))[:3] for dims in (grid, block)]
-        if any(d < 1 for d in dims[0]) or any(d < 1 for d in dims[1]):
-            raise ValueError(f"{self.name}: launch with grid {tuple(grid)} and block {tuple(block)}")
-        threads = dims[1][0] * dims[1][1] * dims[1][2]
-        if threads > 1024:
-            raise ValueError(f"{self.name}: a block of {threads} threads (CUDA allows 1 to 1024)")
+        if min(dims[0] + dims[1]) < 0:
+            raise ValueError(f"{self.name}: a grid of {dims[0]} blocks of {dims[1]} threads")
         values = [_by_value(a) for a in args]
         buffers = [ctypes.create_string_buffer(v.tobytes(), v.itemsize) for v in values]
         pointers = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(b) for b in buffers])
@@ -112,11 +110,11 @@ class HostKernel:
             error,
             ctypes.c_size_t(len(error)),
         )
-        if status == 2:
+        if status == _BAD_ARGUMENTS:
             raise TypeError(error.value.decode())
-        if status == 3:
+        if status == _REFUSED:
             raise ValueError(error.value.decode())
-        if status:
+        if status != _DONE:
             raise RuntimeError(f"{self.name}: {error.value.decode()}")
 
 

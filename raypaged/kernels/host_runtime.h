@@ -285,11 +285,7 @@ inline int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const 
   Launch l;
   l.grid = dim3{grid[0], grid[1], grid[2]};
   l.block = dim3{block[0], block[1], block[2]};
-  const int threads = int(l.block.x * l.block.y * l.block.z);
-  if (threads < 1 || threads > 1024) {
-    snprintf(error, error_bytes, "a block of %d threads (CUDA allows 1 to 1024)", threads);
-    return 1;
-  }
+  const int threads = int(l.block.x * l.block.y * l.block.z);  // 1 to 1024: launch_kernel checked
   l.fibers.resize(threads);
   std::vector<char*>& stacks = stack_pool(threads);
   for (int t = 0; t < threads; ++t) l.fibers[t].stack = stacks[t];
@@ -315,6 +311,9 @@ inline int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const 
 }
 
 // ---- a kernel's launch from its parameters as cuLaunchKernel takes them ----
+// what a launch returns (raypaged/kernels/host.py reads the same numbers)
+enum Status { DONE = 0, FAILED = 1, BAD_ARGUMENTS = 2, REFUSED = 3 };
+
 // kind of a parameter: 'f' floating point, 'i' anything else (integers, pointers, structs passed by value)
 template <typename P> constexpr char kind_of() { return std::is_floating_point<P>::value ? 'f' : 'i'; }
 
@@ -342,22 +341,28 @@ inline int launch_kernel(void (*kernel)(P...), const char* name, int max_threads
                          const unsigned* block, size_t shared_bytes, void** args, const size_t* sizes,
                          const char* kinds, int nargs, char* error, size_t error_bytes) {
   constexpr int n = sizeof...(P);
+  // launches a GPU refuses
   const long threads = long(block[0]) * block[1] * block[2];
-  if (threads > max_threads) {  // a GPU refuses the launch ("too many resources requested")
+  if (grid[0] * grid[1] * grid[2] == 0 || threads < 1 || threads > 1024) {
+    snprintf(error, error_bytes, "%s: a grid of (%u, %u, %u) blocks of %ld threads (CUDA allows 1 to 1024)", name,
+             grid[0], grid[1], grid[2], threads);
+    return REFUSED;
+  }
+  if (threads > max_threads) {  // "too many resources requested for launch"
     snprintf(error, error_bytes, "%s: a block of %ld threads, more than its __launch_bounds__ (%d)", name, threads,
              max_threads);
-    return 3;
+    return REFUSED;
   }
   if (shared_bytes > 48 * 1024) {  // the most dynamic shared memory without cudaFuncSetAttribute
     snprintf(error, error_bytes, "%s: %zu bytes of dynamic shared memory, more than the 49152 a launch may ask for "
              "without opting in", name, shared_bytes);
-    return 3;
+    return REFUSED;
   }
   const size_t want[] = {sizeof(P)..., 0};
   const char want_kind[] = {kind_of<P>()..., 0};
   if (nargs != n) {
     snprintf(error, error_bytes, "%s takes %d arguments, got %d", name, n, nargs);
-    return 2;
+    return BAD_ARGUMENTS;
   }
   for (int i = 0; i < n; ++i) {
     if (sizes[i] != want[i] || kinds[i] != want_kind[i]) {
@@ -366,7 +371,7 @@ inline int launch_kernel(void (*kernel)(P...), const char* name, int max_threads
                "8 bytes and a float as a double: pass numpy scalars of the parameter's type)",
                name, i, sizes[i], kinds[i] == 'f' ? "float" : "integer", want[i],
                want_kind[i] == 'f' ? "float" : "integer or pointer");
-      return 2;
+      return BAD_ARGUMENTS;
     }
   }
   Call<P...> call{kernel, args};

@@ -175,8 +175,10 @@ def test_arguments_are_checked_against_the_kernels_parameters_as_cupy_passes_the
         scale((3,), (128,), (pointer(out), np.int32(2), 300))
     with pytest.raises(TypeError, match="scale takes 3 arguments, got 2"):
         scale((3,), (128,), (pointer(out), np.float32(2.0)))
-    with pytest.raises(ValueError, match=r"scale: a block of 2048 threads \(CUDA allows 1 to 1024\)"):
+    with pytest.raises(ValueError, match=r"scale: a grid of \(1, 1, 1\) blocks of 2048 threads \(CUDA allows 1 to"):
         scale((1,), (2048,), (pointer(out), np.float32(2.0), 300))
+    with pytest.raises(ValueError, match=r"scale: a grid of \(0, 1, 1\) blocks of 128 threads"):
+        scale((0,), (128,), (pointer(out), np.float32(2.0), 300))
     with pytest.raises(ValueError, match=r"scale: a block of 512 threads, more than its __launch_bounds__ \(256\)"):
         scale((1,), (512,), (pointer(out), np.float32(2.0), 300))
     with pytest.raises(ValueError, match=r"scale: 49153 bytes of dynamic shared memory, more than the 49152"):
