@@ -47,11 +47,13 @@ from pathlib import Path
 
 import torch
 
-from raypaged import kernels
-from raypaged.attention import torch_ops
-from raypaged.attention.torch_ops import prefill_attention
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's raypaged, also where it is not installed (the GPU machine)
+
+from raypaged import kernels  # noqa: E402
+from raypaged.attention import torch_ops  # noqa: E402
+from raypaged.attention.torch_ops import prefill_attention  # noqa: E402
+
 BATCH, CONTEXT, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE = 256, 2048, 32, 128, 16
 FLOOR_TARGET = 0.70
 FUSED_FLOOR_TARGET = 0.80
