@@ -874,24 +874,14 @@ def print_w1_table(e2e: dict) -> None:
         f"startup {ours['startup_s']:.0f} s, {ours['kv_blocks']} KV blocks, "
         f"peak {'-' if peak is None else f'{peak:.1f}'} GiB, preemptions {ours['preemptions']}"
     )
-    off = e2e.get("raypaged_switches_off", {})
-    if "levels" in off:
-        print(
-            "the switches on / off (the default): "
-            + ", ".join(
-                f"{c}: {ours['levels'][c]['tokens_per_s'] / row['tokens_per_s']:.2f}x"
-                for c, row in off["levels"].items()
-            )
-        )
-    sync = e2e.get("raypaged_no_async", {})
-    if "levels" in sync:
-        print(
-            "async scheduling on / off: "
-            + ", ".join(
-                f"{c}: {row['tokens_per_s'] / sync['levels'][c]['tokens_per_s']:.2f}x"
-                for c, row in ours["levels"].items()
-            )
-        )
+    for label, key in (
+        ("the switches on / off (the default)", "raypaged_switches_off"),
+        ("async scheduling on / off", "raypaged_no_async"),
+    ):
+        other = e2e.get(key, {}).get("levels")
+        if other:  # ours over the other run, at the levels both ran
+            rate = {c: ours["levels"][c]["tokens_per_s"] / row["tokens_per_s"] for c, row in other.items()}
+            print(f"{label}: " + ", ".join(f"{c}: {r:.2f}x" for c, r in rate.items()))
 
 
 if __name__ == "__main__":
