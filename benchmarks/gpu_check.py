@@ -687,7 +687,6 @@ def end_to_end(concurrencies: list[int]) -> dict:
 
 
 PARTS = ("tests", "kernels", "w1")  # tests/gpu; the kernels' timings; W1 end to end
-CONCURRENCY = [10, 30, 50, 80]  # W1's levels (--concurrency)
 SWITCHES = (  # off by default until verified here
     "RAYPAGED_FUSED_KERNELS",
     "RAYPAGED_VARLEN_PREFILL",
@@ -793,8 +792,6 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("raypaged").setLevel(logging.INFO)  # KV sizing and CUDA graph capture lines
-    global CONCURRENCY
-    CONCURRENCY = [int(c) for c in args.concurrency.split(",")]
     if args.host:
         use_host()
     elif not torch.cuda.is_available():
@@ -824,7 +821,7 @@ def main() -> int:
     tests_passed = part("tests_passed", run_gpu_tests) if "tests" in parts else None
     print(f"tests/gpu: {'not run' if tests_passed is None else 'PASS' if tests_passed is True else 'FAIL'}", flush=True)
     if "kernels" in parts or "w1" in parts:
-        measure(part, [p for p in parts if p != "tests"])
+        measure(part, [p for p in parts if p != "tests"], [int(c) for c in args.concurrency.split(",")])
     print(f"\ngpu_check finished in {time.monotonic() - started:.0f} s")
     failed = [name for name, value in results.items() if isinstance(value, dict) and "error" in value]
     e2e = results.get("end_to_end", {})
@@ -835,8 +832,9 @@ def main() -> int:
     return 0 if tests_passed is not False and decode_ok and not failed else 1
 
 
-def measure(part, parts: list[str]) -> None:
-    """The kernels' timings against their floors and references, and W1 end to end (``parts``)."""
+def measure(part, parts: list[str], concurrencies: list[int]) -> None:
+    """The kernels' timings against their floors and references, and W1 end to end at ``concurrencies``
+    (``parts``)."""
     bandwidth = part("copy_bandwidth", copy_bandwidth)
     small = DEVICE == "cpu"  # --host: small shapes
     if "kernels" in parts and not isinstance(bandwidth, dict):  # a dict: failed, so there are no floors
@@ -848,7 +846,7 @@ def measure(part, parts: list[str]) -> None:
         part("w4a16", lambda: w4a16_vs_floor(bandwidth))
     if "w1" in parts:
         print(f"\nW1 end to end, {'a tiny Llama on CPU' if small else 'Llama-2-7B shape, random fp16 weights'}:")
-        e2e = part("end_to_end", lambda: end_to_end(CONCURRENCY))
+        e2e = part("end_to_end", lambda: end_to_end(concurrencies))
         try:  # the numbers are in the JSON already
             print_w1_table(e2e)
         except Exception:

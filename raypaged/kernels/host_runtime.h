@@ -128,14 +128,22 @@ struct Launch {
 inline Launch* launch = nullptr;
 inline Fiber* current = nullptr;
 
+// what a launch returns (raypaged/kernels/host.py reads the same numbers)
+enum Status { DONE = 0, FAILED = 1, BAD_ARGUMENTS = 2, REFUSED = 3 };
+
+// The grid's error: "block (x, y, z)" and what went wrong there.
+template <typename... A> inline void block_error(const char* format, A... args) {
+  const int n = snprintf(launch->error, sizeof(launch->error), "block (%u, %u, %u)", launch->block_idx.x,
+                         launch->block_idx.y, launch->block_idx.z);
+  snprintf(launch->error + n, sizeof(launch->error) - n, format, args...);
+}
+
 inline void yield() { rp_host_switch(&current->sp, launch->scheduler_sp); }
 
 // Stop the grid with `message` (the fiber that fails never runs again).
 [[noreturn]] inline void fail(const char* message) {
   if (!launch->error[0]) {
-    snprintf(launch->error, sizeof(launch->error), "block (%u, %u, %u) thread (%u, %u, %u): %s", launch->block_idx.x,
-             launch->block_idx.y, launch->block_idx.z, current->thread_idx.x, current->thread_idx.y,
-             current->thread_idx.z, message);
+    block_error(" thread (%u, %u, %u): %s", current->thread_idx.x, current->thread_idx.y, current->thread_idx.z, message);
   }
   current->done = true;
   yield();
@@ -205,17 +213,13 @@ inline void fiber_main() {
 // on a lane that returned is an error (on a GPU it may hang or read garbage).
 inline void release_after_return() {
   if (launch->block_barrier.arrived) {  // CUDA: __syncthreads only where every thread of the block reaches it
-    snprintf(launch->error, sizeof(launch->error),
-             "block (%u, %u, %u): a thread returned while others wait at __syncthreads", launch->block_idx.x,
-             launch->block_idx.y, launch->block_idx.z);
+    block_error(": a thread returned while others wait at __syncthreads");
     return;
   }
   for (Warp& warp : launch->warps) {
     if (!warp.barrier.arrived) continue;
     if (warp.mask & ~warp.alive) {
-      snprintf(launch->error, sizeof(launch->error),
-               "block (%u, %u, %u) warp %d: a warp collective's mask names lanes that have returned",
-               launch->block_idx.x, launch->block_idx.y, launch->block_idx.z, int(&warp - launch->warps.data()));
+      block_error(" warp %d: a warp collective's mask names lanes that have returned", int(&warp - launch->warps.data()));
       return;
     }
     if (warp.barrier.arrived >= __builtin_popcount(warp.alive)) release(warp.barrier);
@@ -264,20 +268,18 @@ inline int run_block() {
       if (f.done) continue;
       current = &f;
       rp_host_switch(&l.scheduler_sp, f.sp);
-      if (l.error[0]) return 1;
+      if (l.error[0]) return FAILED;
       if (f.done) release_after_return();
-      if (l.error[0]) return 1;
+      if (l.error[0]) return FAILED;
     }
     if (l.events == before) {
       current = nullptr;
-      snprintf(l.error, sizeof(l.error),
-               "block (%u, %u, %u): %d threads wait at barriers the others never reach (a __syncthreads or warp "
-               "collective inside a branch)",
-               l.block_idx.x, l.block_idx.y, l.block_idx.z, l.alive);
-      return 1;
+      block_error(": %d threads wait at barriers the others never reach (a __syncthreads or warp collective inside "
+                  "a branch)", l.alive);
+      return FAILED;
     }
   }
-  return 0;
+  return DONE;
 }
 
 inline int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const unsigned* block, size_t shared_bytes,
@@ -290,12 +292,12 @@ inline int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const 
   std::vector<char*>& stacks = stack_pool(threads);
   for (int t = 0; t < threads; ++t) l.fibers[t].stack = stacks[t];
   l.warps.resize((threads + 31) / 32);
-  l.dynamic_shared.resize(shared_bytes + 16);
+  l.dynamic_shared.resize(shared_bytes ? shared_bytes : 1);  // its exact size: AddressSanitizer sees an overrun
   l.body = body;
   l.body_arg = arg;
   Launch* outer = launch;
   launch = &l;
-  int status = 0;
+  int status = DONE;
   for (unsigned z = 0; z < l.grid.z && !status; ++z) {
     for (unsigned y = 0; y < l.grid.y && !status; ++y) {
       for (unsigned x = 0; x < l.grid.x && !status; ++x) {
@@ -311,8 +313,6 @@ inline int run_grid(void (*body)(void*), void* arg, const unsigned* grid, const 
 }
 
 // ---- a kernel's launch from its parameters as cuLaunchKernel takes them ----
-// what a launch returns (raypaged/kernels/host.py reads the same numbers)
-enum Status { DONE = 0, FAILED = 1, BAD_ARGUMENTS = 2, REFUSED = 3 };
 
 // kind of a parameter: 'f' floating point, 'i' anything else (integers, pointers, structs passed by value)
 template <typename P> constexpr char kind_of() { return std::is_floating_point<P>::value ? 'f' : 'i'; }

@@ -59,9 +59,15 @@ def function(file_name: str, kernel_name: str, device: torch.device, defines: tu
     """The compiled kernel ``kernel_name`` from ``kernels/<file_name>`` for ``device``;
     ``defines`` (``NAME=VALUE``) set a source's compile-time knobs (benchmarks)."""
     if host.enabled():
-        return host.function(kernel_source(file_name), kernel_name, tuple(defines))
+        return _host_function(file_name, kernel_name, tuple(defines))
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _module(file_name, index, tuple(defines)).get_function(kernel_name)
+
+
+@functools.cache
+def _host_function(file_name: str, kernel_name: str, defines: tuple[str, ...]):
+    """The kernel built for the host, once per process as ``_module`` is for a device."""
+    return host.function(kernel_source(file_name), kernel_name, defines)
 
 
 def runs_on(device: torch.device) -> bool:

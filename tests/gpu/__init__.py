@@ -27,11 +27,6 @@ NEEDS_KERNELS = [
 CUDA_ONLY = pytest.mark.skipif(ON_HOST, reason="needs a CUDA device (streams, CUDA graphs or the engine on it)")
 
 
-def synchronize() -> None:
-    if not ON_HOST:
-        torch.cuda.synchronize()
-
-
 # a small Llama for engine tests: head size 64, GQA 2:1
 TINY_LLAMA = dict(
     vocab_size=1024,
