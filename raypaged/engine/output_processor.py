@@ -123,8 +123,11 @@ class OutputProcessor:
     failed) comes back from ``process`` as sequence ids, for the caller to pass to the core.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
+        """``stream_interval`` (vLLM's ``--stream-interval``): a ``DELTA`` output goes out with a sequence's first
+        token, then once it has that many new tokens, and when it ends."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.states: dict[str, RequestState] = {}  # by request id
         self._seqs: dict[str, tuple[RequestState, SeqState]] = {}  # by sequence id
         self.beams: dict[str, tuple[RequestState, str]] = {}  # beam searches by request id, with the core's id
@@ -211,7 +214,7 @@ class OutputProcessor:
             output = None
             if state.error is None:
                 try:
-                    output = make_output(state)
+                    output = make_output(state, self.stream_interval)
                 except Exception as exc:
                     self._failed(state, "building the output", exc, to_abort)
             if state.error is not None:
@@ -364,8 +367,9 @@ _DELTA = RequestOutputKind.DELTA
 _FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
-def make_output(state: RequestState) -> RequestOutput | None:
-    """This step's output of the request in its ``output_kind``; ``None`` when there is none to give."""
+def make_output(state: RequestState, stream_interval: int = 1) -> RequestOutput | None:
+    """This step's output of the request in its ``output_kind``; ``None`` when there is none to give (a
+    ``DELTA`` output waits for ``stream_interval`` new tokens of a sequence, except its first and its last)."""
     params = state.params
     if len(state.seqs) == 1:  # the common case, built with no list comprehension or property in between
         seq = state.seqs[0]
@@ -374,6 +378,8 @@ def make_output(state: RequestState) -> RequestOutput | None:
         if kind is _FINAL_ONLY and not finished:
             return None
         delta = kind is _DELTA
+        if delta and stream_interval > 1 and not finished and not _due(seq, stream_interval):
+            return None
         completion = _delta(seq, params) if delta else _cumulative(seq, params)
         seq.done = finished
         return RequestOutput(
@@ -393,6 +399,10 @@ def make_output(state: RequestState) -> RequestOutput | None:
     if (ranked or params.output_kind == RequestOutputKind.FINAL_ONLY) and not finished:
         return None
     delta = params.output_kind == RequestOutputKind.DELTA and not ranked
+    if delta and stream_interval > 1 and not finished:
+        ended_now = [seq.finish_reason is not None and not seq.done for seq in state.seqs]
+        if not any(ended or _due(seq, stream_interval) for seq, ended in zip(state.seqs, ended_now)):
+            return None
     seqs = state.seqs
     if ranked:  # the n best by cumulative logprob (a stable sort: ties keep their sample order)
         seqs = sorted(seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)[: params.n]
@@ -415,6 +425,12 @@ def make_output(state: RequestState) -> RequestOutput | None:
         prompt_logprobs=state.prompt_logprobs(delta),
         num_cached_tokens=state.num_cached_tokens,
     )
+
+
+def _due(seq: SeqState, stream_interval: int) -> bool:
+    """Whether a streaming sequence's new tokens go out now: its first, or ``stream_interval`` of them."""
+    sent = seq.num_sent_tokens
+    return sent == 0 or len(seq.token_ids) - sent >= stream_interval
 
 
 def error_output(state: RequestState) -> RequestOutput:

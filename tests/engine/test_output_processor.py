@@ -161,3 +161,35 @@ def test_metrics_come_from_the_deltas_and_the_steps_clock(tokenizer):
         NOW + 1,
     )
     assert metrics.max_num_generation_tokens == 2 and steps[-1][0][0].num_cached_tokens == 16
+
+
+def test_a_stream_interval_sends_the_first_token_then_every_nth_and_the_end(tokenizer):
+    processor = OutputProcessor(tokenizer, stream_interval=3)
+    processor.add("r", None, PROMPT, SamplingParams(output_kind=RequestOutputKind.DELTA), ["0:r"], 16, 1.0)
+    tokens = ROCKET + HELLO[:3]
+    finals = [None] * (len(tokens) - 1) + [FinishReason.LENGTH]
+    steps = stream(processor, [delta("0:r", [t], -1.0 * (i + 1), f) for i, (t, f) in enumerate(zip(tokens, finals))])
+    sent = [outputs[0].outputs[0] for outputs, _, _ in steps if outputs]
+    assert [c.token_ids for c in sent] == [tokens[:1], tokens[1:4], tokens[4:7], tokens[7:]]
+    assert [o == [] for o, _, _ in steps] == [False, True, True, False, True, True, False, False]
+    assert "".join(c.text for c in sent) == tokenizer.decode(tokens)
+    assert (sent[-1].finish_reason, sent[-1].cumulative_logprob) == (FinishReason.LENGTH, -8.0)
+
+
+def test_a_stream_interval_holds_back_parallel_samples_until_one_is_due(tokenizer):
+    processor = OutputProcessor(tokenizer, stream_interval=2)
+    params = SamplingParams(n=2, output_kind=RequestOutputKind.DELTA)
+    processor.add("r", None, PROMPT, params, ["0:r", "1:r"], 16, 1.0)
+    steps = [
+        processor.process(EngineCoreOutputs(seqs=[delta("0:r", [a]), delta("1:r", [b], finish=f)]), NOW + i)
+        for i, (a, b, f) in enumerate(zip(HELLO[:3], ROCKET[:3], [None, None, FinishReason.STOP]))
+    ]
+    per_step = [[(c.index, c.token_ids) for c in outputs[0].outputs] if outputs else None for outputs, _, _ in steps]
+    assert (
+        per_step
+        == [
+            [(0, HELLO[:1]), (1, ROCKET[:1])],  # the first tokens go at once
+            None,  # one new token each: not yet two
+            [(0, HELLO[1:3]), (1, ROCKET[1:3])],  # two new each, and sample 1 ended
+        ]
+    )
