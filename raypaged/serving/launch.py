@@ -17,6 +17,8 @@ import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -47,6 +49,7 @@ class GatewayOptions:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    uds: str | None = None  # a Unix socket's path: serve on it instead of host:port
     api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
     tenants_file: str | None = None
     log_requests: bool = False  # a log line per request (--enable-log-requests)
@@ -54,11 +57,16 @@ class GatewayOptions:
     log_level: str = "info"
     uvicorn_log_level: str | None = None  # None: log_level
     access_log: bool = True  # uvicorn's line per HTTP request
+    access_log_skip_paths: tuple[str, ...] = ()  # requests of these paths get no access-log line
+    log_config: dict[str, Any] | None = None  # logging.config.dictConfig's dict, for ours and uvicorn's loggers
+    log_error_stack: bool = False  # log error responses with their exception's stack
+    h11_max_incomplete_event_size: int | None = None  # bytes of a request head (None: h11's 16 KiB)
     openapi_docs: bool = True  # /openapi.json (--disable-fastapi-docs: none)
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None  # CA bundle that client certificates are checked against
     ssl_cert_reqs: int = 0  # ssl.CERT_NONE (0), CERT_OPTIONAL (1) or CERT_REQUIRED (2): client certificates
+    ssl_ciphers: str | None = None  # OpenSSL cipher list (None: uvicorn's, TLSv1)
     root_path: str = ""  # a path-routing proxy's prefix (FastAPI's root_path)
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     auth_exempt_paths: tuple[str, ...] = DEFAULT_AUTH_EXEMPT_PATHS
@@ -71,6 +79,8 @@ class GatewayOptions:
     enable_auto_tool_choice: bool = False  # tool_choice "auto", parsed by tool_call_parser
     tool_call_parser: str | None = None
     response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False  # every request's logprobs name tokens "token_id:{id}"
+    sse_keep_alive_s: float = 0.0  # an idle stream sends a keep-alive comment this often (0: never)
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     enable_force_include_usage: bool = False  # every stream ends with a usage chunk
     enable_request_id_headers: bool = False  # answers carry X-Request-Id
@@ -83,6 +93,19 @@ class GatewayOptions:
             get_parser(self.tool_call_parser)  # an unknown name fails now
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)
+        if not self.sse_keep_alive_s >= 0:
+            raise ValueError(f"--sse-keep-alive-interval must be at least 0 seconds, got {self.sse_keep_alive_s:g}")
+        if self.h11_max_incomplete_event_size is not None and self.h11_max_incomplete_event_size < 1:
+            raise ValueError(
+                f"--h11-max-incomplete-event-size must be at least 1 byte, got {self.h11_max_incomplete_event_size}"
+            )
+        if self.ssl_ciphers is not None:
+            if self.ssl_certfile is None:
+                raise ValueError("--ssl-ciphers needs --ssl-certfile (cipher suites are HTTPS's)")
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).set_ciphers(self.ssl_ciphers)
+            except ssl.SSLError:
+                raise ValueError(f"--ssl-ciphers {self.ssl_ciphers!r}: no cipher suite matches") from None
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"--root-path must start with '/', got {self.root_path!r}")
         self.root_path = self.root_path.rstrip("/")
@@ -109,6 +132,36 @@ class GatewayOptions:
         if self.api_key is None:
             return ()
         return (self.api_key,) if isinstance(self.api_key, str) else self.api_key
+
+
+def listen_unix(path: str) -> socket.socket:
+    """A bound Unix stream socket at ``path`` (a stale socket file there is replaced), for uvicorn to serve on."""
+    target = Path(path)
+    if target.is_socket():
+        target.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen for HTTP on the Unix socket {path}: {exc.strerror}") from None
+    target.chmod(0o666)  # as uvicorn's --uds: who may connect is the folder's permissions' business
+    return sock
+
+
+class _SkipPaths(logging.Filter):
+    """Drops uvicorn access-log records of requests to ``paths`` (their query strings aside)."""
+
+    def __init__(self, paths: tuple[str, ...]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        # uvicorn's access record: (client, method, path with query, HTTP version, status)
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in self.paths
+        return True
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -189,13 +242,25 @@ class Gateway:
             request_id_headers=options.enable_request_id_headers,
             reasoning_parser=get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None,
             openapi_docs=options.openapi_docs,
+            return_tokens_as_token_ids=options.return_tokens_as_token_ids,
+            log_error_stack=options.log_error_stack,
+            sse_keep_alive_s=options.sse_keep_alive_s,
         )
         app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones
-        self.socket = listen(options.host, options.port)
-        self.port = self.socket.getsockname()[1]
+        self.uds = options.uds
+        if options.uds is not None:
+            self.socket = listen_unix(options.uds)
+            self.port = 0
+        else:
+            self.socket = listen(options.host, options.port)
+            self.port = self.socket.getsockname()[1]
+        ciphers = {"ssl_ciphers": options.ssl_ciphers} if options.ssl_ciphers is not None else {}
         self.server = _Server(
             uvicorn.Config(
                 app,
+                http="h11",  # the parser --h11-max-incomplete-event-size bounds, whatever else is installed
+                h11_max_incomplete_event_size=options.h11_max_incomplete_event_size,
+                log_config=options.log_config if options.log_config is not None else uvicorn.config.LOGGING_CONFIG,
                 log_level=options.uvicorn_log_level or options.log_level,
                 access_log=options.access_log,
                 lifespan="off",
@@ -204,8 +269,10 @@ class Gateway:
                 ssl_certfile=options.ssl_certfile,
                 ssl_ca_certs=options.ssl_ca_certs,
                 ssl_cert_reqs=options.ssl_cert_reqs,
+                **ciphers,
             )
         )
+        self._access_filter = _SkipPaths(options.access_log_skip_paths) if options.access_log_skip_paths else None
         self._shutdown: asyncio.Task | None = None
 
     async def serve(self, handle_signals: bool = False) -> None:
@@ -213,7 +280,16 @@ class Gateway:
         if handle_signals:
             on_shutdown_signals(self.begin_shutdown)
         logger.info("HTTP gateway on %s", self.socket.getsockname())
-        await self.server.serve(sockets=[self.socket])
+        access = logging.getLogger("uvicorn.access")
+        if self._access_filter is not None:
+            access.addFilter(self._access_filter)
+        try:
+            await self.server.serve(sockets=[self.socket])
+        finally:
+            if self._access_filter is not None:
+                access.removeFilter(self._access_filter)
+            if self.uds is not None:
+                Path(self.uds).unlink(missing_ok=True)
 
     def begin_shutdown(self) -> None:
         """Drain then stop (on the serving loop); called again during the drain, end in-flight requests now."""

@@ -7,17 +7,16 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import Receive, Scope, Send
 
 from raypaged import __version__
 from raypaged.inputs.limits import check_count
@@ -38,6 +37,7 @@ from raypaged.serving.gateway.schemas import (
     TokenizeBody,
     UnloadLoRAAdapterBody,
 )
+from raypaged.serving.gateway.sse import EventStream, sse_data
 from raypaged.serving.gateway.tenants import TenantGate, Tenants
 from raypaged.serving.gateway.tool_parsers import ToolParser
 from raypaged.serving.messages import AnyResponse
@@ -72,6 +72,9 @@ def build_app(
     request_id_headers: bool = False,
     reasoning_parser: ReasoningParser | None = None,
     openapi_docs: bool = True,
+    return_tokens_as_token_ids: bool = False,
+    log_error_stack: bool = False,
+    sse_keep_alive_s: float = 0.0,
 ) -> FastAPI:
     """The gateway's routes; ``drain`` (one per gateway) refuses and ends requests at shutdown.
 
@@ -82,7 +85,10 @@ def build_app(
     tokens, ``force_include_usage`` a usage chunk to every stream, ``request_id_headers`` the
     ``X-Request-Id`` response header (vLLM's flags of those names); ``reasoning_parser`` splits
     chat answers' ``<think>`` sections into ``reasoning_content``; ``openapi_docs`` False (vLLM's
-    ``--disable-fastapi-docs``): no ``/openapi.json`` (the Swagger and ReDoc pages are never served).
+    ``--disable-fastapi-docs``): no ``/openapi.json`` (the Swagger and ReDoc pages are never served);
+    ``return_tokens_as_token_ids``: every request's logprobs name tokens ``token_id:{id}``;
+    ``log_error_stack``: error responses are logged with their exception's stack; ``sse_keep_alive_s``: a
+    stream idle that long gets a keep-alive comment (0: none).
     """
     if max_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {max_body_bytes}")
@@ -94,7 +100,7 @@ def build_app(
     app = FastAPI(
         title="raypaged", docs_url=None, redoc_url=None, openapi_url="/openapi.json" if openapi_docs else None
     )
-    install_handlers(app)
+    install_handlers(app, log_error_stack)
     app.add_middleware(
         Guard, tenants=tenants, drain=drain, exempt_paths=auth_exempt_paths, allowed_origins=allowed_origins
     )
@@ -181,7 +187,7 @@ def build_app(
             prompt_tokens_details=prompt_tokens_details,
             request_id=body.request_id or _header_request_id(http),
             reasoning=reasoning_parser if chat else None,
-            token_ids_as_text=body.return_tokens_as_token_ids,
+            token_ids_as_text=body.return_tokens_as_token_ids or return_tokens_as_token_ids,
         )
         for index, request in enumerate(requests):  # the engine's ids follow the response's
             request.request_id = shape.id if len(requests) == 1 else f"{shape.id}-{index}"
@@ -218,8 +224,8 @@ def build_app(
                 events = _response_events(
                     _chunks(calls, writer, slot, drain), ResponseEvents(responder, model), responses_store, gate
                 )
-                return _EventStream(events, cleanup, headers)
-            return _EventStream(_sse(calls, writer, slot, drain), cleanup, headers)
+                return EventStream(events, cleanup, headers, sse_keep_alive_s)
+            return EventStream(_sse(calls, writer, slot, drain), cleanup, headers, sse_keep_alive_s)
         try:
             work = _collect(calls, Accumulator(shape, len(prompts)), drain)
             answer = await _unless_disconnected(http, work)
@@ -404,22 +410,6 @@ def build_app(
     return app
 
 
-class _EventStream(StreamingResponse):
-    """Server-sent events; ``cleanup`` runs however the response ends, even before its first event."""
-
-    def __init__(
-        self, events: AsyncIterator[str], cleanup: Callable[[], object], headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=headers)
-        self._cleanup = cleanup
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._cleanup()
-
-
 class _Slot:
     """A request's place at the gateway: counted by the drain, then holding one tenant slot per prompt once admitted."""
 
@@ -582,10 +572,6 @@ async def _unless_disconnected(http: Request, work: Awaitable[dict]) -> dict:
         task.cancel()
 
 
-def _event(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 async def _chunks(
     calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain
 ) -> AsyncGenerator[dict, None]:
@@ -612,8 +598,8 @@ async def _sse(calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain:
     """The stream's server-sent events, ending in ``data: [DONE]``; leaving it early aborts the requests."""
     async with contextlib.aclosing(_chunks(calls, writer, slot, drain)) as chunks:
         async for chunk in chunks:
-            yield _event(chunk)
-    yield _event("[DONE]")
+            yield sse_data(chunk)
+    yield sse_data("[DONE]")
 
 
 async def _response_events(

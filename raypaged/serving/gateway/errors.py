@@ -98,28 +98,36 @@ def _param(exc: grpc.aio.AioRpcError) -> str | None:
     return None
 
 
-def install_handlers(app: FastAPI) -> None:
+def install_handlers(app: FastAPI, log_error_stack: bool = False) -> None:
+    """OpenAI-shaped JSON for every error; ``log_error_stack`` (vLLM's ``--log-error-stack``): each error
+    response is logged with the stack of the exception behind it."""
+
+    def respond(request: Request, exc: Exception, error: APIError) -> JSONResponse:
+        if log_error_stack:
+            logger.error("error response %d on %s: %s", error.status, request.url.path, error.message, exc_info=exc)
+        return error.response()
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return respond(request, exc, exc)
 
     @app.exception_handler(InputError)
     async def _input_error(request: Request, exc: InputError) -> JSONResponse:
-        return from_input_error(exc).response()
+        return respond(request, exc, from_input_error(exc))
 
     @app.exception_handler(grpc.aio.AioRpcError)
     async def _rpc_error(request: Request, exc: grpc.aio.AioRpcError) -> JSONResponse:
-        return from_grpc(exc).response()
+        return respond(request, exc, from_grpc(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return APIError(400, f"{param}: {first.get('msg', 'invalid request')}", param).response()
+        return respond(request, exc, APIError(400, f"{param}: {first.get('msg', 'invalid request')}", param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        return respond(request, exc, APIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

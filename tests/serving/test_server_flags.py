@@ -1,0 +1,223 @@
+"""vLLM's server flags, honoured by a real gateway: logprob tokens as ids for every request, error responses
+logged with their stack, paths left out of the access log, a bound on request heads, a Unix socket, and the
+refusals of what the gateway cannot do."""
+
+import asyncio
+import json
+import logging
+import re
+
+import httpx
+import pytest
+
+from raypaged.entrypoints.cli import build_parser
+from raypaged.entrypoints.server_args import gateway_options
+from raypaged.serving.inprocess import InProcessStub
+from raypaged.serving.launch import Gateway, GatewayOptions
+from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir):
+    stack = Stack(
+        [tiny_config(tiny_model_dir, "tiny", stream_interval=4)],
+        uvicorn_log_level="info",
+        return_tokens_as_token_ids=True,
+        log_error_stack=True,
+        access_log_skip_paths=("/health", "/metrics"),
+        h11_max_incomplete_event_size=1 << 20,
+    )
+    yield stack
+    stack.close()
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def completion(client: httpx.Client, **fields) -> httpx.Response:
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 2, **fields}
+    return client.post("/v1/completions", json=body)
+
+
+def test_return_tokens_as_token_ids_names_every_requests_logprob_tokens_by_id(stack):
+    with stack.client() as client:
+        for fields in ({}, {"return_tokens_as_token_ids": False}):
+            logprobs = completion(client, **fields).json()["choices"][0]["logprobs"]
+            assert len(logprobs["tokens"]) == 3
+            assert all(re.fullmatch(r"token_id:\d+", token) for token in logprobs["tokens"])
+            assert all(re.fullmatch(r"token_id:\d+", token) for top in logprobs["top_logprobs"] for token in top)
+
+
+def test_stream_interval_sends_the_first_token_then_every_fourth_and_the_end(stack):
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    with stack.client() as client:
+        whole = client.post("/v1/completions", json=body).json()["choices"][0]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = [json.loads(line)["choices"][0] for line in lines]
+    assert [len(c["logprobs"]["tokens"]) for c in chunks] == [1, 4, 4, 1]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_log_error_stack_logs_each_error_response_with_its_exception(stack):
+    records = Records()
+    logging.getLogger("raypaged").addHandler(records)
+    try:
+        with stack.client() as client:
+            response = completion(client, max_tokens=-1)
+    finally:
+        logging.getLogger("raypaged").removeHandler(records)
+    assert response.status_code == 400
+    [record] = [r for r in records.records if r.getMessage().startswith("error response")]
+    message = response.json()["error"]["message"]
+    assert record.getMessage() == f"error response 400 on /v1/completions: {message}"
+    assert record.levelno == logging.ERROR and record.exc_info is not None
+
+
+def test_disabled_paths_get_no_access_log_line(stack):
+    records = Records()
+    access = logging.getLogger("uvicorn.access")
+    access.addHandler(records)
+    try:
+        with stack.client() as client:
+            assert client.get("/health").status_code == 200
+            assert client.get("/metrics?x=1").status_code == 200
+            assert client.get("/v1/models").status_code == 200
+    finally:
+        access.removeHandler(records)
+    assert [record.args[2] for record in records.records] == ["/v1/models"]
+
+
+def test_request_heads_are_bounded_by_the_h11_flag_not_h11s_default(stack):
+    # h11 checks the bound on a head still incomplete after a read (uvicorn reads 64 KiB at a time); its
+    # default, 16 KiB, refuses the first of these
+    with stack.client() as client:
+        assert client.get("/v1/models", headers={"X-Pad": "a" * 200_000}).status_code == 200
+    with stack.client() as client:  # refused: a 400, sent while the client still writes, may arrive as a reset
+        try:
+            status = client.get("/v1/models", headers={"X-Pad": "a" * (2 << 20)}).status_code
+        except (httpx.ReadError, httpx.WriteError):
+            status = 400
+        assert status == 400
+
+
+def test_uds_serves_on_a_unix_socket_and_removes_it_after(stack, tmp_path):
+    path = tmp_path / "raypaged.sock"
+    address = f"127.0.0.1:{stack.grpc_port}"
+    local = {address: InProcessStub(stack.engine_server.servicer)}
+    gateway = Gateway({"tiny": address}, GatewayOptions(uds=str(path), log_level="warning"), local)
+    serving = asyncio.run_coroutine_threadsafe(gateway.serve(), stack.background.loop)
+    try:
+        for _ in range(200):
+            if gateway.server.started:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert path.is_socket()
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://localhost") as client:
+            assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+            assert completion(client).status_code == 200
+    finally:
+        gateway.stop()
+        serving.result(timeout=30)
+    assert not path.exists()
+
+
+def options(*argv: str) -> GatewayOptions:
+    return gateway_options(build_parser().parse_args(["serve", *argv]))
+
+
+def test_server_flags_reach_the_gateway_options(tmp_path):
+    config = {"version": 1, "disable_existing_loggers": False, "loggers": {"raypaged.probe": {"level": "DEBUG"}}}
+    (tmp_path / "logging.json").write_text(json.dumps(config))
+    got = options(
+        "--shutdown-timeout",
+        "5",
+        "--uds",
+        "/tmp/x.sock",
+        "--disable-access-log-for-endpoints",
+        "/health,/metrics",
+        "--log-config-file",
+        str(tmp_path / "logging.json"),
+        "--return-tokens-as-token-ids",
+        "--log-error-stack",
+        "--h11-max-incomplete-event-size",
+        "65536",
+    )
+    assert (got.drain_timeout_s, got.uds, got.access_log_skip_paths) == (5.0, "/tmp/x.sock", ("/health", "/metrics"))
+    assert (got.log_config, got.return_tokens_as_token_ids, got.log_error_stack) == (config, True, True)
+    assert got.h11_max_incomplete_event_size == 65536
+    default = options()
+    assert (default.return_tokens_as_token_ids, default.log_error_stack, default.log_config) == (False, False, None)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--headless"], "--headless is not supported: the server always runs its HTTP API beside its engines"),
+        (["-asc", "4"], "--api-server-count 4 is not supported: one HTTP server process serves every model"),
+        (
+            ["--middleware", "a.b", "c.d"],
+            "--middleware a.b c.d is not supported: raypaged imports no plugin or user code",
+        ),
+        (["--enable-log-outputs"], "--enable-log-outputs is not supported: request log lines carry no generated text"),
+        (["--ssl-ciphers", "ECDHE"], "--ssl-ciphers needs --ssl-certfile (cipher suites are HTTPS's)"),
+        (["--h11-max-incomplete-event-size", "0"], "--h11-max-incomplete-event-size must be at least 1 byte, got 0"),
+    ],
+)
+def test_server_flags_raypaged_cannot_honour_are_refused_by_name(argv, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        options(*argv)
+
+
+def test_a_log_config_file_must_be_a_dict_config(tmp_path):
+    (tmp_path / "bad.json").write_text('{"loggers": {}}')
+    with pytest.raises(ValueError) as info:
+        options("--log-config-file", str(tmp_path / "bad.json"))
+    assert str(info.value) == (
+        f'--log-config-file {tmp_path / "bad.json"} must hold a logging.config.dictConfig mapping with "version": 1'
+    )
+
+
+def test_an_idle_stream_gets_keep_alive_comments_and_its_source_is_closed_with_it():
+    from raypaged.serving.gateway.sse import KEEP_ALIVE, keep_alive
+
+    closed = []
+
+    async def events():
+        try:
+            yield "data: 1\n\n"
+            await asyncio.sleep(0.35)  # idle: a comment at 0.1, 0.2 and 0.3 s
+            yield "data: 2\n\n"
+            await asyncio.sleep(10)
+            yield "data: never\n\n"
+        finally:
+            closed.append(True)
+
+    async def read() -> list[str]:
+        got: list[str] = []
+        stream = keep_alive(events(), 0.1)
+        async for event in stream:
+            got.append(event)
+            if got[-2:-1] == ["data: 2\n\n"]:  # one more after the second event
+                break
+        await stream.aclose()
+        return got
+
+    got = asyncio.run(read())
+    middle = got[1:-2]
+    assert (got[0], got[-2:]) == ("data: 1\n\n", ["data: 2\n\n", KEEP_ALIVE])
+    assert 1 <= len(middle) <= 4 and set(middle) == {KEEP_ALIVE}  # about one per 0.1 s of the 0.35 s wait
+    assert closed == [True]
+
+
+def test_sse_keep_alive_interval_reaches_the_gateway():
+    assert options("--sse-keep-alive-interval", "15").sse_keep_alive_s == 15.0
+    with pytest.raises(ValueError, match=re.escape("--sse-keep-alive-interval must be at least 0 seconds, got -1")):
+        options("--sse-keep-alive-interval", "-1")
