@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raypaged import envs
+from raypaged.human_int import human_int, human_int_or_auto
 from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
 from raypaged.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ def resolve_model_path(
     download_dir: str | None = None,
     what: str = "model",
     weights: bool = True,
+    token: str | bool | None = None,
 ) -> Path:
     """A local folder for ``model``: a folder as given, a Hugging Face Hub id's cached snapshot (see
     ``model/hub.py``: ``what`` names the flag in its errors, ``weights=False`` fetches no weights), or,
@@ -59,7 +61,7 @@ def resolve_model_path(
         return default_model_dir()
     from raypaged.model.hub import resolve_model_files
 
-    return resolve_model_files(model, revision, download_dir, what, weights)
+    return resolve_model_files(model, revision, download_dir, what, weights, token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,8 @@ class CliFlag:
     help: str | None = None
     aliases: tuple[str, ...] = ()  # option strings after --field-name (-tp, -q)
     type: Callable[[str], Any] | None = None  # argparse's type (int, float); None: the text itself
+    nargs: str | None = None  # argparse's nargs ("+": one or more values, "?": an optional value)
+    const: Any = None  # the value of a bare flag with nargs "?"
     choices: tuple[str, ...] | None = None
     # "store_true", argparse.BooleanOptionalAction (builtins.type: the field above is named type)
     action: str | builtins.type[argparse.Action] | None = None
@@ -118,9 +122,17 @@ class CliFlag:
     parse: Callable[[str, str], Any] | None = None
 
 
-def _flag(default: Any = MISSING, help: str | None = None, *, default_factory: Any = MISSING, **cli: Any) -> Any:
-    """An ``EngineConfig`` field that is a command-line flag (``CliFlag``'s arguments in ``cli``)."""
-    return field(default=default, default_factory=default_factory, metadata={CLI: CliFlag(help=help, **cli)})
+def _flag(
+    default: Any = MISSING,
+    help: str | None = None,
+    *,
+    default_factory: Any = MISSING,
+    repr: bool = True,
+    **cli: Any,
+) -> Any:
+    """An ``EngineConfig`` field that is a command-line flag (``CliFlag``'s arguments in ``cli``); ``repr`` False
+    keeps a secret out of the config's repr."""
+    return field(default=default, default_factory=default_factory, repr=repr, metadata={CLI: CliFlag(help=help, **cli)})
 
 
 def cli_flag(f: Field) -> CliFlag | None:
@@ -153,6 +165,15 @@ class EngineConfig:
     download_dir: str | None = _flag(
         None, "Hugging Face cache folder for Hub ids (default: $HF_HUB_CACHE, ~/.cache/huggingface/hub)"
     )
+    # Hub access token; True: the one `hf auth login` saved; None: $HF_TOKEN or that saved one, as huggingface_hub
+    hf_token: str | bool | None = _flag(
+        None,
+        "Hugging Face token for Hub ids (a bare --hf-token: the one `hf auth login` saved; default: $HF_TOKEN)",
+        repr=False,
+        nargs="?",
+        const=True,
+        metavar="TOKEN",
+    )
     # a tokenizer apart from the model's (a folder or Hub id) and its revision (default: --revision)
     tokenizer: str | None = _flag(
         None, "the tokenizer's folder or Hub id (default: the model's); its chat template too"
@@ -163,15 +184,23 @@ class EngineConfig:
     served_model_name: str | list[str] | None = None
     dtype: str = _flag("auto", "auto, half, float16, bfloat16, float, float32")
     block_size: int = _flag(16, "tokens per KV-cache block", type=int)
-    max_model_len: int | None = _flag(None, "context length (default: the model's)", type=int)
+    # -1 or "auto": the model's, lowered to what the KV cache holds for one sequence (vLLM's)
+    max_model_len: int | str | None = _flag(
+        None,
+        "context length (default: the model's; auto or -1: the model's, or the most the KV cache holds for one "
+        "sequence when that is less); 32k = 32,000, 32K = 32,768",
+        type=human_int_or_auto,
+    )
     max_num_seqs: int = _flag(256, "most sequences in one batch", type=int)
-    max_num_batched_tokens: int | None = _flag(None, "token budget of one step", type=int)
+    max_num_batched_tokens: int | None = _flag(
+        None, "token budget of one step (8k, 8K as --max-model-len)", type=human_int
+    )
     kv_cache_space: float | None = _flag(None, "GiB of KV cache on CPU (default 4)", type=float)
     kv_cache_memory_bytes: int | None = _flag(
         None,
         "bytes of KV cache per shard, on a device or on CPU, in place of --gpu-memory-utilization's profiling "
-        "(and of --kv-cache-space)",
-        type=int,
+        "(and of --kv-cache-space); 8G = 8 GiB, 8g = 8e9",
+        type=human_int,
     )
     num_gpu_blocks_override: int | None = _flag(None, "exact number of KV blocks", type=int)
     seed: int = _flag(
@@ -220,6 +249,25 @@ class EngineConfig:
     )
     enforce_eager: bool = _flag(
         False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs", action="store_true"
+    )
+    stream_interval: int = _flag(
+        1,
+        "streams send a sequence's first token, then every N new tokens, and its end (fewer, larger chunks: less "
+        "host work per token)",
+        type=int,
+        metavar="N",
+    )
+    # None: decode graphs for batch sizes 1, 2, 4, 8, 16, ... --max-num-seqs; piecewise ones for 8 ... 512 tokens
+    cudagraph_capture_sizes: list[int] | None = _flag(
+        None,
+        "CUDA: the step sizes recorded as graphs (decode: batch sizes up to --max-num-seqs; mixed steps: token "
+        "counts); larger steps run eagerly (default: 1 2 4 8 16 24 ... --max-num-seqs, and 8 16 24 32 48 ... 512)",
+        type=int,
+        nargs="+",
+        metavar="N",
+    )
+    max_cudagraph_capture_size: int | None = _flag(
+        None, "CUDA: the default graph sizes cut at this one (larger steps run eagerly)", type=int, metavar="N"
     )
     # None: on where it helps and runs (CUDA, one shard, no speculative decoding), else off
     async_scheduling: bool | None = _flag(
@@ -321,10 +369,12 @@ class EngineConfig:
         'speculative decoding as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": PATH, '
         '"num_speculative_tokens": 4}\' (also disable_by_batch_size)',
+        aliases=("-sc",),
         metavar="JSON",
         parse=_speculative_flag,
     )
     served_model_aliases: tuple[str, ...] = field(init=False, default=())
+    fit_max_model_len: bool = field(init=False, default=False)  # max_model_len auto: lowered to the KV cache's
     chat_template_text: str | None = field(init=False, default=None)  # --chat-template's text
     model_path: Path = field(init=False)
     tokenizer_path: Path = field(init=False)
@@ -391,6 +441,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}"
@@ -402,7 +454,7 @@ class EngineConfig:
 
         from raypaged.model.llama import check_tensor_parallel
 
-        self.model_path = resolve_model_path(self.model, self.revision, self.download_dir)
+        self.model_path = resolve_model_path(self.model, self.revision, self.download_dir, token=self.hf_token)
         self.tokenizer_path = self._resolve_tokenizer_path()
         self.hf_config = (
             AutoConfig.from_pretrained(self.model_path)
@@ -417,6 +469,7 @@ class EngineConfig:
         self._resolve_draft_model(spec)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
+        _ = self.cuda_graph_sizes  # the graph-size flags are checked now
         if isinstance(self.served_model_name, (list, tuple)):
             names = [str(n) for n in self.served_model_name]
             if not names or not all(names) or len(set(names)) != len(names):
@@ -437,14 +490,26 @@ class EngineConfig:
 
     @property
     def resolved_max_model_len(self) -> int:
-        """``max_model_len``: the one given, or the model's."""
-        assert self.max_model_len is not None, "__post_init__ resolves max_model_len"
+        """``max_model_len``: the one given, or the model's (with ``auto``, as the KV cache allows)."""
+        assert isinstance(self.max_model_len, int), "__post_init__ resolves max_model_len"
         return self.max_model_len
 
     @property
     def resolved_max_num_batched_tokens(self) -> int:
         assert self.max_num_batched_tokens is not None, "__post_init__ resolves max_num_batched_tokens"
         return self.max_num_batched_tokens
+
+    @property
+    def cuda_graph_sizes(self) -> tuple[list[int], list[int]]:
+        """The decode graphs' batch sizes and the piecewise graphs' token counts (``graph_sizes.capture_sizes``)."""
+        from raypaged.worker.graph_sizes import capture_sizes
+
+        return capture_sizes(
+            self.max_num_seqs,
+            self.resolved_max_num_batched_tokens,
+            self.cudagraph_capture_sizes,
+            self.max_cudagraph_capture_size,
+        )
 
     @property
     def parsed_speculative_config(self) -> SpeculativeConfig | None:
@@ -465,7 +530,9 @@ class EngineConfig:
             return self.model_path
         name = self.model if self.tokenizer is None else self.tokenizer
         revision = self.revision if self.tokenizer_revision is None else self.tokenizer_revision
-        path = resolve_model_path(name, revision, self.download_dir, what="tokenizer", weights=False)
+        path = resolve_model_path(
+            name, revision, self.download_dir, what="tokenizer", weights=False, token=self.hf_token
+        )
         if path.resolve() != self.model_path.resolve():
             at = f" at revision {revision}" if revision is not None else ""
             logger.info("tokenizer %s%s: %s", name, at, path)
@@ -553,7 +620,9 @@ class EngineConfig:
                 "--speculative-config draft_model runs on one shard: tensor_parallel_size must be 1 "
                 "(method ngram works under tensor parallelism)"
             )
-        self.draft_model_path = resolve_model_path(spec.model, None, self.download_dir, what="draft model")
+        self.draft_model_path = resolve_model_path(
+            spec.model, None, self.download_dir, what="draft model", token=self.hf_token
+        )
         self.draft_hf_config = draft = AutoConfig.from_pretrained(self.draft_model_path)
         check_architecture(draft, "draft model")
         if draft.vocab_size != self.hf_config.vocab_size:
@@ -573,6 +642,8 @@ class EngineConfig:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.resolved_dtype
 
     def _resolve_max_model_len(self) -> int:
+        if self.max_model_len in (-1, "auto"):
+            self.fit_max_model_len, self.max_model_len = True, None
         limit, what = self.hf_config.max_position_embeddings, "max_position_embeddings"
         window = getattr(self.hf_config, "sliding_window", None)
         if window and getattr(self.hf_config, "use_sliding_window", True) and window < limit:
@@ -580,6 +651,8 @@ class EngineConfig:
             limit, what = window, "sliding_window (attention here spans the whole context)"
         if self.max_model_len is None:
             return limit
+        if not isinstance(self.max_model_len, int):
+            raise ValueError(f"max_model_len takes a number of tokens, or auto, got {self.max_model_len!r}")
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {what} {limit}")
         if self.max_model_len < 1:

@@ -118,6 +118,8 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self.num_overlapped_steps = 0  # steps scheduled and submitted while the one before ran
         num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
+        if config.fit_max_model_len:
+            _fit_max_model_len(num_blocks, config)
         try:
             _check_pool_holds_one_sequence(num_blocks, config)
         except ValueError:
@@ -568,6 +570,19 @@ def _spec_scheduler_options(spec: SpeculativeConfig | None) -> _SpecSchedulerOpt
         "spec_disable_batch_size": spec.disable_by_batch_size,
         "num_lookahead_slots": spec.num_speculative_tokens if spec.method == "draft_model" else 0,
     }
+
+
+def _fit_max_model_len(num_blocks: int, config: EngineConfig) -> None:
+    """``--max-model-len auto``: the model's length, or what ``num_blocks`` hold for one sequence if that is less."""
+    fits = num_blocks * config.block_size
+    if fits < config.resolved_max_model_len:
+        logger.info(
+            "max_model_len auto: %d tokens, what the KV cache's %d blocks hold (the model's is %d)",
+            fits,
+            num_blocks,
+            config.resolved_max_model_len,
+        )
+        config.max_model_len = fits
 
 
 def _check_pool_holds_one_sequence(num_blocks: int, config: EngineConfig) -> None:

@@ -6,22 +6,26 @@ import argparse
 import asyncio
 import dataclasses
 import inspect
+import json
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raypaged import envs
 from raypaged.config import CliFlag, EngineConfig, cli_flag, json_flag_value
 from raypaged.entrypoints.config_file import CONFIG_FLAG, ArgumentParser
-from raypaged.entrypoints.vllm_compat import ANY_VALUE, DEFAULT_ONLY, check_default_only, explain
+from raypaged.entrypoints.server_args import (
+    add_api_key_arg,
+    add_drain_arg,
+    add_gateway_args,
+    api_keys,
+    gateway_options,
+    options_check,
+)
+from raypaged.entrypoints.vllm_compat import add_vllm_args, check_vllm_args
 from raypaged.entrypoints.vllm_compat import flag as vllm_flag
 from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
 from raypaged.structured.config import StructuredOutputsConfig
-
-if TYPE_CHECKING:
-    from raypaged.serving.launch import GatewayOptions
-
-UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 # EngineConfig's fields are flags generated from their CliFlag metadata (add_config_args), except:
 # - model: generate takes one --model; serve and engine a repeatable --model and vLLM's positional MODEL,
@@ -75,6 +79,8 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
         metavar="NAME",
         help="vLLM's older spelling of the structured outputs backend: xgrammar or auto",
     )
+    for name, key, kind in _SPEC_SHORTCUTS:
+        parser.add_argument(name, type=kind, default=None, help=f"speculative decoding's {key} (--speculative-config)")
     add_limit_args(parser)
     add_vllm_args(parser)
     # not a field: the process's logging, set before any engine starts
@@ -97,6 +103,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     for f, meta in config_flag_fields():
         options: dict[str, Any] = {  # add_argument's keywords
             "type": meta.type,
+            "nargs": meta.nargs,
+            "const": meta.const,
             "action": meta.action,
             "metavar": meta.metavar,
             "help": meta.help,
@@ -108,40 +116,6 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
             default=flag_default(f, meta),
             **{key: value for key, value in options.items() if value is not None},
         )
-
-
-def add_vllm_args(parser: argparse.ArgumentParser) -> None:
-    """Flags vLLM command lines carry that are no ``EngineConfig`` field: each is honoured, or refused by
-    name in ``check_vllm_args`` (``LLM`` takes the same options as keywords, see ``vllm_compat``)."""
-    add_default_only_args(parser)
-    for name, (kind, why) in ANY_VALUE.items():
-        accepted = f"accepted for vLLM command lines: {explain(why, as_flags=True)}"
-        if kind is bool:
-            parser.add_argument(vllm_flag(name), action="store_true", help=accepted)
-        else:
-            parser.add_argument(vllm_flag(name), type=kind, default=None, help=accepted)
-
-
-def add_default_only_args(parser: argparse.ArgumentParser) -> None:
-    for name, short, kind, allowed, why in DEFAULT_ONLY:
-        if kind is bool:  # a switch, --name / --no-name
-            parser.add_argument(
-                vllm_flag(name),
-                action=argparse.BooleanOptionalAction,
-                default=allowed[0],
-                help=f"accepted {'on' if True in allowed else 'off'} only: {explain(why, as_flags=True)}",
-            )
-            continue
-        names = (vllm_flag(name), short) if short else (vllm_flag(name),)
-        shown = "ray" if name == "distributed_executor_backend" else allowed[0]
-        parser.add_argument(
-            *names, type=kind, default=allowed[0], help=f"accepted at {shown} only: {explain(why, as_flags=True)}"
-        )
-
-
-def check_vllm_args(args: argparse.Namespace) -> None:
-    """Refuse, by name, what a vLLM command line asks for and this engine cannot do."""
-    check_default_only({name: getattr(args, name) for name, *_ in DEFAULT_ONLY}, as_flags=True)
 
 
 _LIMIT_HELP = {
@@ -179,6 +153,8 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
         if f.name == _STRUCTURED:
             continue  # below, with the flags that also set it
         value = getattr(args, f.name)
+        if f.name == "speculative_config":
+            value = speculative_config_text(args)
         if value is not None and meta.parse is not None:
             value = meta.parse(vllm_flag(f.name), value)
         if value is None:
@@ -193,6 +169,33 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
         args.structured_outputs_config, args.guided_decoding_backend, getattr(args, "reasoning_parser", None)
     )
     return kwargs
+
+
+# vLLM's shortcuts for keys of --speculative-config: (flag, key, type)
+_SPEC_SHORTCUTS = (
+    ("--spec-method", "method", str),
+    ("--spec-model", "model", str),
+    ("--spec-tokens", "num_speculative_tokens", int),
+)
+
+
+def speculative_config_text(args: argparse.Namespace) -> str | None:
+    """``--speculative-config``'s JSON with the keys ``--spec-method``, ``--spec-model`` and ``--spec-tokens`` set;
+    a key set both ways is an error naming both."""
+    given = {
+        key: value
+        for name, key, _ in _SPEC_SHORTCUTS
+        if (value := getattr(args, name[2:].replace("-", "_"))) is not None
+    }
+    if not given:
+        return args.speculative_config
+    config = json_flag_value("--speculative-config", args.speculative_config) if args.speculative_config else {}
+    if not isinstance(config, dict):
+        raise ValueError(f"--speculative-config takes a JSON object, got {args.speculative_config!r}")
+    for name, key, _ in _SPEC_SHORTCUTS:
+        if key in given and key in config:
+            raise ValueError(f"{name} and --speculative-config's {key!r} both set {key}: give one of them")
+    return json.dumps({**config, **given})
 
 
 def configure_logging(level: str) -> None:
@@ -276,16 +279,6 @@ def lora_modules(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
     return found
 
 
-def add_drain_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="on SIGTERM/SIGINT: how long in-flight requests may run before they are aborted",
-    )
-
-
 def add_metrics_prefix_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-prefix",
@@ -301,222 +294,6 @@ def add_share_prefix_cache_arg(parser: argparse.ArgumentParser) -> None:
         "--share-prefix-cache",
         action="store_true",
         help="with API keys: all tenants share prefix-cache blocks (default: each only its own)",
-    )
-
-
-def add_gateway_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
-    add_api_key_arg(
-        parser, "require one of these keys as 'Authorization: Bearer KEY' (repeatable; default: $RAYPAGED_API_KEY)"
-    )
-    parser.add_argument(
-        "--auth-exempt-paths",
-        default="/health,/metrics",
-        metavar="PATHS",
-        help="comma-separated paths open without a key when keys are set ('' protects every path)",
-    )
-    parser.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
-    parser.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=16 * 1024 * 1024,
-        metavar="BYTES",
-        help="larger request bodies are refused with 413",
-    )
-    parser.add_argument(
-        "--enable-log-requests", action="store_true", help="a log line per request (off by default, as vLLM)"
-    )
-    parser.add_argument(
-        "--disable-log-requests",
-        action="store_true",
-        help="vLLM's older flag: no log line per request (the default now)",
-    )
-    parser.add_argument(
-        "--uvicorn-log-level",
-        default=None,
-        choices=UVICORN_LOG_LEVELS,
-        help="log level of the HTTP server, uvicorn (default: --log-level)",
-    )
-    parser.add_argument(
-        "--disable-uvicorn-access-log", action="store_true", help="no uvicorn access-log line per HTTP request"
-    )
-    parser.add_argument(
-        "--enable-server-load-tracking",
-        action="store_true",
-        help="accepted for vLLM command lines: GET /load always reports the generation requests in flight",
-    )
-    parser.add_argument(
-        "--disable-fastapi-docs",
-        action="store_true",
-        help="no OpenAPI document (/openapi.json); the Swagger and ReDoc pages are never served",
-    )
-    parser.add_argument("--ssl-keyfile", default=None, help="private key (PEM) for HTTPS, with --ssl-certfile")
-    parser.add_argument("--ssl-certfile", default=None, help="certificate chain (PEM): serve HTTPS instead of HTTP")
-    parser.add_argument(
-        "--ssl-ca-certs", default=None, help="CA certificates (PEM) that client certificates must chain to"
-    )
-    parser.add_argument(
-        "--ssl-cert-reqs",
-        type=int,
-        default=0,
-        help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)",
-    )
-    parser.add_argument(
-        "--root-path",
-        default="",
-        help="the path prefix of a path-routing proxy in front (FastAPI's root_path): routes answer "
-        "under it as well as without it",
-    )
-    parser.add_argument(
-        "--max-prompts-per-request",
-        type=int,
-        default=1024,
-        metavar="N",
-        help="completions requests with more prompts are refused with 400",
-    )
-    parser.add_argument(
-        "--allowed-hosts",
-        default=None,
-        metavar="HOSTS",
-        help="comma-separated Host names served besides localhost, 127.x.y.z and ::1 ('*': any); "
-        "a loopback --host serves only loopback names without it (against DNS rebinding)",
-    )
-    parser.add_argument(
-        "--allowed-origins",
-        default=None,
-        metavar="ORIGINS",
-        help="CORS origins, a JSON list ('[\"https://a.example\"]') or comma-separated (default: no CORS)",
-    )
-    parser.add_argument(
-        "--allowed-methods",
-        default=None,
-        metavar="METHODS",
-        help="CORS methods with --allowed-origins, as that flag (default: '[\"*\"]')",
-    )
-    parser.add_argument(
-        "--allowed-headers",
-        default=None,
-        metavar="HEADERS",
-        help="CORS request headers with --allowed-origins, as that flag (default: '[\"*\"]')",
-    )
-    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    parser.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='tool_choice "auto": the model decides, its calls are found by --tool-call-parser',
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        default=None,
-        metavar="NAME",
-        help="how tool calls look in the model's output: hermes, llama3_json, mistral, pythonic",
-    )
-    parser.add_argument("--response-role", default="assistant", metavar="ROLE", help="the role of chat answers")
-    parser.add_argument(
-        "--enable-prompt-tokens-details",
-        action="store_true",
-        help="usage.prompt_tokens_details.cached_tokens: prompt tokens read from the prefix cache",
-    )
-    parser.add_argument(
-        "--enable-force-include-usage",
-        action="store_true",
-        help="every stream ends with a usage chunk, asked for or not",
-    )
-    parser.add_argument(
-        "--enable-request-id-headers",
-        action="store_true",
-        help="answers carry X-Request-Id (the client's, or the response id)",
-    )
-    parser.add_argument(
-        "--reasoning-parser",
-        default=None,
-        metavar="NAME",
-        help="deepseek_r1 or qwen3: chat answers' <think> section becomes reasoning_content",
-    )
-    add_drain_arg(parser)
-
-
-def add_api_key_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
-    parser.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY", help=help_text)
-
-
-def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """The ``--api-key`` keys (any one is accepted), else ``$RAYPAGED_API_KEY``; none: no key needed."""
-    if args.api_key is None:
-        key = envs.api_key()
-        return (key,) if key else ()
-    if not all(args.api_key):
-        raise ValueError("--api-key takes non-empty keys")
-    return tuple(args.api_key)
-
-
-def gateway_options(args: argparse.Namespace) -> GatewayOptions:
-    import json
-
-    from raypaged.serving.gateway.guard import check_exempt_paths
-    from raypaged.serving.launch import GatewayOptions
-
-    def names(flag_name: str, value: str) -> tuple[str, ...]:
-        """A JSON list of strings (as vLLM takes it) or a comma-separated list."""
-        if not value.strip().startswith("["):
-            return tuple(v.strip() for v in value.split(",") if v.strip())
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
-            raise ValueError(f"{flag_name} takes a JSON list of strings or a comma-separated list, got {value!r}")
-        return tuple(parsed)
-
-    if args.max_request_body_bytes < 1:
-        raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
-    if args.max_prompts_per_request < 1:
-        raise ValueError(f"--max-prompts-per-request must be at least 1, got {args.max_prompts_per_request}")
-    if args.drain_timeout < 0:
-        raise ValueError(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout:g}")
-    exempt = tuple(p.strip() for p in args.auth_exempt_paths.split(",") if p.strip())
-    check_exempt_paths(exempt)
-    origins = names("--allowed-origins", args.allowed_origins) if args.allowed_origins is not None else ()
-    cors_flags = {
-        "--allowed-methods": args.allowed_methods,
-        "--allowed-headers": args.allowed_headers,
-        "--allow-credentials": args.allow_credentials or None,
-    }
-    for cors_flag, value in cors_flags.items():
-        if value is not None and not origins:
-            raise ValueError(f"{cors_flag} needs --allowed-origins (without it the server sends no CORS headers)")
-    return GatewayOptions(
-        host=args.host,
-        port=args.port,
-        api_key=api_keys(args),
-        tenants_file=args.tenants,
-        log_requests=args.enable_log_requests and not args.disable_log_requests,
-        log_level=args.log_level,
-        uvicorn_log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log,
-        openapi_docs=not args.disable_fastapi_docs,
-        ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile,
-        root_path=args.root_path,
-        ssl_ca_certs=args.ssl_ca_certs,
-        ssl_cert_reqs=args.ssl_cert_reqs,
-        max_body_bytes=args.max_request_body_bytes,
-        drain_timeout_s=args.drain_timeout,
-        auth_exempt_paths=exempt,
-        max_prompts_per_request=args.max_prompts_per_request,
-        allowed_hosts=names("--allowed-hosts", args.allowed_hosts) if args.allowed_hosts is not None else None,
-        allowed_origins=origins,
-        allowed_methods=names("--allowed-methods", args.allowed_methods or '["*"]'),
-        allowed_headers=names("--allowed-headers", args.allowed_headers or '["*"]'),
-        allow_credentials=args.allow_credentials,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
-        response_role=args.response_role,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        enable_force_include_usage=args.enable_force_include_usage,
-        enable_request_id_headers=args.enable_request_id_headers,
-        reasoning_parser=args.reasoning_parser,
     )
 
 
@@ -570,13 +347,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     options_check(options)
     asyncio.run(run_gateway(parse_engine_targets(args.engine), options))
     return 0
-
-
-def options_check(options: GatewayOptions) -> None:
-    """Reads the tenants file now, so a bad one fails before any model loads (``serve``'s gRPC server reads it too)."""
-    from raypaged.serving.gateway.guard import tenants_for
-
-    tenants_for(options.api_keys, options.tenants_file)
 
 
 def add_config_arg(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,8 @@ from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.core.stats import SchedulerStats
 from raypaged.engine.llm_engine import LLMEngine
-from raypaged.entrypoints.vllm_compat import ANY_VALUE, DEFAULT_ONLY, check_default_only, unknown_keyword
+from raypaged.entrypoints.vllm_compat import check_default_only, unknown_keyword
+from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY
 from raypaged.inputs.limits import check_priority
 from raypaged.lora.request import LoRARequest
 from raypaged.outputs import BeamSearchOutput, RequestOutput

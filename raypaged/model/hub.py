@@ -37,14 +37,21 @@ MODEL_FILES = (
 
 
 def resolve_model_files(
-    name: str, revision: str | None, download_dir: str | None, what: str = "model", weights: bool = True
+    name: str,
+    revision: str | None,
+    download_dir: str | None,
+    what: str = "model",
+    weights: bool = True,
+    token: str | bool | None = None,
 ) -> Path:
     """A local folder for ``name``: the folder itself when it exists (it must hold a config.json, or for a
     tokenizer its tokenizer files), else the Hub snapshot of ``revision`` (default ``main``) under
     ``download_dir`` or the Hugging Face cache.
 
     ``what`` names the flag in messages (``model``, ``tokenizer``); ``weights=False`` fetches the config
-    and tokenizer files only. Every failure is a ``ValueError`` naming ``name`` and what to change.
+    and tokenizer files only; ``token`` (``--hf-token``) authenticates Hub downloads (``True``: the saved
+    login; ``None``: ``$HF_TOKEN`` or the saved login). Every failure is a ``ValueError`` naming ``name`` and
+    what to change.
     """
     path = Path(name).expanduser()
     if path.exists():
@@ -64,11 +71,17 @@ def resolve_model_files(
                     f"{flag} {value} applies to Hugging Face Hub ids, but {what} {name!r} is a local folder"
                 )
         return path
-    return _snapshot(name, revision, download_dir, what, MODEL_FILES if weights else ("config.json", *TOKENIZER_FILES))
+    files = MODEL_FILES if weights else ("config.json", *TOKENIZER_FILES)
+    return _snapshot(name, revision, download_dir, what, files, token)
 
 
 def _snapshot(
-    repo_id: str, revision: str | None, download_dir: str | None, what: str, patterns: tuple[str, ...]
+    repo_id: str,
+    revision: str | None,
+    download_dir: str | None,
+    what: str,
+    patterns: tuple[str, ...],
+    token: str | bool | None,
 ) -> Path:
     """The cached snapshot folder of ``repo_id`` at ``revision``, downloading it where the network allows."""
     from huggingface_hub import constants, snapshot_download
@@ -85,7 +98,12 @@ def _snapshot(
     offline = constants.HF_HUB_OFFLINE
     try:
         folder = snapshot_download(
-            repo_id, revision=revision, cache_dir=cache, allow_patterns=list(patterns), local_files_only=offline
+            repo_id,
+            revision=revision,
+            cache_dir=cache,
+            allow_patterns=list(patterns),
+            local_files_only=offline,
+            token=token,
         )
     except HFValidationError:
         raise ValueError(f"{what} {repo_id!r} is neither a local folder nor a Hugging Face Hub id (org/name)") from None
@@ -102,12 +120,13 @@ def _snapshot(
         ) from None
     except GatedRepoError:
         raise ValueError(
-            f"{what} {repo_id!r} is gated on the Hugging Face Hub: accept its terms on the Hub and set HF_TOKEN"
+            f"{what} {repo_id!r} is gated on the Hugging Face Hub: accept its terms on the Hub and set HF_TOKEN "
+            "or --hf-token"
         ) from None
     except RepositoryNotFoundError:
         raise ValueError(
             f"{what} {repo_id!r} is neither a local folder nor a model on the Hugging Face Hub "
-            "(private models need HF_TOKEN)"
+            "(private models need HF_TOKEN or --hf-token)"
         ) from None
     except RevisionNotFoundError:
         raise ValueError(f"{what} {repo_id!r} has no revision {revision!r} on the Hugging Face Hub") from None

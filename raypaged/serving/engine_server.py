@@ -92,7 +92,7 @@ class ServedModel:
         config = self.engine.config
         return pb.ModelInfo(
             name=self.name,
-            max_model_len=config.max_model_len,
+            max_model_len=config.resolved_max_model_len,
             block_size=config.block_size,
             tensor_parallel_size=getattr(config, "tensor_parallel_size", 1),
             num_gpu_blocks=int(self.engine.stats()["num_gpu_blocks_total"]),
@@ -305,7 +305,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 token_ids = await model.off_loop(model.inputs.tokenize, request.text, add_special)
         except _REFUSED as exc:
             await _refuse(context, exc)
-        return pb.TokenizeResponse(token_ids=token_ids, max_model_len=config.max_model_len)
+        return pb.TokenizeResponse(token_ids=token_ids, max_model_len=config.resolved_max_model_len)
 
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext

@@ -28,17 +28,12 @@ import torch
 
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.lora.layers import LoRAStep, StaticSlots
+from raypaged.worker.graph_sizes import batch_size_ladder
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger("raypaged")
-
-
-def batch_size_ladder(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 24, ... up to and including ``max_num_seqs`` (also when it is not a multiple of 8)."""
-    sizes = [n for n in (1, 2, 4) if n < max_num_seqs] + list(range(8, max_num_seqs, 8))
-    return sizes + [max_num_seqs]
 
 
 class DecodeGraphs:
@@ -50,11 +45,13 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         device: torch.device,
         lora_step: LoRAStep | None = None,
+        sizes: list[int] | None = None,
     ) -> None:
-        """``lora_step``: the LoRA model's step, when the graphs record its BGMV product."""
+        """``lora_step``: the LoRA model's step, when the graphs record its BGMV product; ``sizes``: the batch
+        sizes to record (default: ``batch_size_ladder(max_num_seqs)``)."""
         self.model = model
         self.kv_caches = kv_caches
-        self.sizes = batch_size_ladder(max_num_seqs)
+        self.sizes = sizes if sizes is not None else batch_size_ladder(max_num_seqs)
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)

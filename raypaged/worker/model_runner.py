@@ -286,17 +286,26 @@ class ModelRunner:
             prompt_spans=prompt_spans,
         )
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0) -> None:
-        """Record CUDA graphs of the decode-only forward for a ladder of batch sizes; with
-        ``$RAYPAGED_PIECEWISE_GRAPHS``, also the piecewise graphs of steps with prefill spans."""
+    def capture_decode_graphs(
+        self, decode_sizes: list[int], max_model_len: int, token_buckets: list[int] | None = None
+    ) -> None:
+        """Record CUDA graphs of the decode-only forward for ``decode_sizes`` (batch sizes); with
+        ``$RAYPAGED_PIECEWISE_GRAPHS``, also the piecewise graphs of steps with prefill spans for
+        ``token_buckets`` (token counts; see ``graph_sizes.capture_sizes``)."""
         lora_step = self.lora.lora_model.step if self.lora is not None and self.lora.bgmv else None
         self.graphs = DecodeGraphs(
-            self.model, self.cache.layers, max_num_seqs, -(-max_model_len // self.block_size), self.device, lora_step
+            self.model,
+            self.cache.layers,
+            decode_sizes[-1],
+            -(-max_model_len // self.block_size),
+            self.device,
+            lora_step,
+            sizes=decode_sizes,
         )
         self.graphs.capture()
-        if max_num_batched_tokens and envs.piecewise_graphs():
+        if token_buckets and envs.piecewise_graphs():
             self.piecewise = PiecewiseGraphs(
-                self.model, self.cache.layers, max_num_batched_tokens, self.device, lora_step
+                self.model, self.cache.layers, token_buckets[-1], self.device, lora_step, buckets=token_buckets
             )
             self.piecewise.capture(pool=self.graphs.pool)
 

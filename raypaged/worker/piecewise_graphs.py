@@ -30,7 +30,8 @@ row. Their outputs are ignored.
 
 Buckets: 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512 (powers of two and the halves
 between them, so padding is under a third of a bucket past 8), up to and including
-``min(max_num_batched_tokens, 512)``. A larger step runs eagerly: for a 7B model its GEMMs
+``min(max_num_batched_tokens, 512)`` (``graph_sizes.py``; vLLM's ``--cudagraph-capture-sizes`` and
+``--max-cudagraph-capture-size`` choose others). A larger step runs eagerly: for a 7B model its GEMMs
 (about 2 x 7e9 x 512 FLOP, several ms) already outweigh its ~1,200 launches (an estimate, not a
 measurement). The cap also bounds capture time (12 buckets x (layers + 1) graphs, about 400
 for a 32-layer model) and memory. Memory: the static buffers are sized for the largest bucket
@@ -60,6 +61,7 @@ import torch
 
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.lora.layers import LoRAStep, StaticSlots
+from raypaged.worker.graph_sizes import token_buckets
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -67,14 +69,6 @@ if TYPE_CHECKING:
     from raypaged.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger("raypaged")
-
-BUCKET_LADDER = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-
-
-def token_buckets(max_num_batched_tokens: int) -> list[int]:
-    """The ladder's sizes below ``min(max_num_batched_tokens, 512)``, then that cap itself."""
-    cap = min(max_num_batched_tokens, BUCKET_LADDER[-1])
-    return [n for n in BUCKET_LADDER if n < cap] + [cap]
 
 
 class PiecewiseGraphs:
@@ -85,13 +79,15 @@ class PiecewiseGraphs:
         max_num_batched_tokens: int,
         device: torch.device,
         lora_step: LoRAStep | None = None,
+        buckets: list[int] | None = None,
     ) -> None:
-        """``lora_step``: the LoRA model's step, when the pieces record its BGMV product."""
+        """``lora_step``: the LoRA model's step, when the pieces record its BGMV product; ``buckets``: the
+        token counts to record (default: ``token_buckets(max_num_batched_tokens)``)."""
         self.model = model.model  # LlamaModel: embed_tokens, layers, final_norm
         # the model's decoder layers (nn.ModuleList types its items as plain Modules)
         self.layers = cast("list[LlamaDecoderLayer]", list(self.model.layers))
         self.kv_caches = kv_caches
-        self.buckets = token_buckets(max_num_batched_tokens)
+        self.buckets = buckets if buckets is not None else token_buckets(max_num_batched_tokens)
         config = model.config
         n = self.buckets[-1]
         dtype = self.model.norm.weight.dtype

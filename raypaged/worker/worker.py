@@ -314,11 +314,8 @@ class Worker:
             elif self.attn_backend.name != "cuda":  # torch's reshape_and_cache syncs, which capture forbids
                 logger.info("CUDA graphs need the cuda attention backend; decode steps run eagerly")
             else:
-                self.runner.capture_decode_graphs(
-                    self.config.max_num_seqs,
-                    self.config.resolved_max_model_len,
-                    self.config.resolved_max_num_batched_tokens,
-                )
+                decode_sizes, token_buckets = self.config.cuda_graph_sizes
+                self.runner.capture_decode_graphs(decode_sizes, self.config.resolved_max_model_len, token_buckets)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_cache makes the runner"

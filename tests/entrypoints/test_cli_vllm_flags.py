@@ -5,7 +5,8 @@ import re
 import httpx
 import pytest
 
-from raypaged.entrypoints.cli import build_parser, engine_configs, gateway_options
+from raypaged.entrypoints.cli import build_parser, engine_configs
+from raypaged.entrypoints.server_args import gateway_options
 from raypaged.serving.engine_server import EngineServer
 from raypaged.structured.config import StructuredOutputsConfig
 from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
@@ -192,7 +193,6 @@ def test_a_bad_metrics_prefix_fails_before_any_model_loads(tiny_model_dir):
 
 
 def test_request_logging_is_off_unless_enabled():
-    from raypaged.entrypoints.cli import gateway_options
 
     def logs(*argv: str) -> bool:
         return gateway_options(build_parser().parse_args(["serve", *argv])).log_requests
@@ -205,7 +205,6 @@ def test_request_logging_is_off_unless_enabled():
 
 
 def test_chat_flags_reach_the_engine_and_the_gateway(tiny_model_dir, tmp_path):
-    from raypaged.entrypoints.cli import gateway_options
 
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -268,7 +267,6 @@ def test_chat_flags_refuse_bad_values(tiny_model_dir, argv, message):
     ],
 )
 def test_tool_flags_refuse_what_they_cannot_honour(argv, message):
-    from raypaged.entrypoints.cli import gateway_options
 
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         gateway_options(build_parser().parse_args(["serve", *argv]))
@@ -390,7 +388,6 @@ def test_ssl_ca_certs_and_cert_reqs_require_client_certificates(tiny_model_dir, 
             "2",
         ]
     )
-    from raypaged.entrypoints.cli import gateway_options
 
     options = gateway_options(args)
     assert (options.ssl_ca_certs, options.ssl_cert_reqs) == (str(cert), ssl.CERT_REQUIRED)

@@ -13,7 +13,8 @@ import pytest
 
 import raypaged
 from raypaged.config import EngineConfig
-from raypaged.entrypoints.cli import build_parser, gateway_options, main
+from raypaged.entrypoints.cli import build_parser, main
+from raypaged.entrypoints.server_args import gateway_options
 from raypaged.serving.gateway.guard import host_check_needed
 from raypaged.serving.launch import Gateway, GatewayOptions
 from tests.serving.conftest import Stack, tiny_config

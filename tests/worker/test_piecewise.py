@@ -13,7 +13,8 @@ import torch
 
 from raypaged.attention.backend import TORCH
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
-from raypaged.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
+from raypaged.worker.graph_sizes import token_buckets
+from raypaged.worker.piecewise_graphs import PiecewiseGraphs
 from tests import fused_reference as ref
 
 BLOCK_SIZE, NUM_BLOCKS = 8, 12  # block 11 is no sequence's: a slot -1 written by mistake lands in it

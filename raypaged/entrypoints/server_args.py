@@ -1,0 +1,315 @@
+"""The HTTP gateway's flags (``raypaged serve`` and ``raypaged gateway``, vLLM's names) and the gRPC engine's
+shared ones (API keys, draining), read into ``GatewayOptions``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING, Any
+
+from raypaged import envs
+from raypaged.entrypoints.vllm_compat import add_vllm_args, check_vllm_args
+
+if TYPE_CHECKING:
+    from raypaged.serving.launch import GatewayOptions
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_drain_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--drain-timeout",
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT: how long in-flight requests may run before they are aborted (0: at once)",
+    )
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--uds", default=None, metavar="PATH", help="serve HTTP on this Unix socket, not --host/--port")
+    add_api_key_arg(
+        parser, "require one of these keys as 'Authorization: Bearer KEY' (repeatable; default: $RAYPAGED_API_KEY)"
+    )
+    parser.add_argument(
+        "--auth-exempt-paths",
+        default="/health,/metrics",
+        metavar="PATHS",
+        help="comma-separated paths open without a key when keys are set ('' protects every path)",
+    )
+    parser.add_argument("--tenants", default=None, help="YAML file of tenants: API keys, limits, priorities")
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        metavar="BYTES",
+        help="larger request bodies are refused with 413",
+    )
+    parser.add_argument(
+        "--enable-log-requests", action="store_true", help="a log line per request (off by default, as vLLM)"
+    )
+    parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="vLLM's older flag: no log line per request (the default now)",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=UVICORN_LOG_LEVELS,
+        help="log level of the HTTP server, uvicorn (default: --log-level)",
+    )
+    parser.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no uvicorn access-log line per HTTP request"
+    )
+    parser.add_argument(
+        "--disable-access-log-for-endpoints",
+        default=None,
+        metavar="PATHS",
+        help="comma-separated paths (e.g. /health,/metrics) whose requests get no access-log line",
+    )
+    parser.add_argument(
+        "--log-config-file",
+        default=None,
+        metavar="FILE.json",
+        help="logging configuration (logging.config.dictConfig's JSON) for raypaged's and uvicorn's loggers",
+    )
+    parser.add_argument(
+        "--log-error-stack",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each error response (4xx and 5xx) with the stack of the exception behind it",
+    )
+    parser.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="accepted for vLLM command lines: GET /load always reports the generation requests in flight",
+    )
+    parser.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="no OpenAPI document (/openapi.json); the Swagger and ReDoc pages are never served",
+    )
+    parser.add_argument("--ssl-keyfile", default=None, help="private key (PEM) for HTTPS, with --ssl-certfile")
+    parser.add_argument("--ssl-certfile", default=None, help="certificate chain (PEM): serve HTTPS instead of HTTP")
+    parser.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates (PEM) that client certificates must chain to"
+    )
+    parser.add_argument("--ssl-ciphers", default=None, help="TLS cipher suites (OpenSSL's syntax; TLS 1.2 and below)")
+    parser.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)",
+    )
+    parser.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix of a path-routing proxy in front (FastAPI's root_path): routes answer "
+        "under it as well as without it",
+    )
+    parser.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="completions requests with more prompts are refused with 400",
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="HOSTS",
+        help="comma-separated Host names served besides localhost, 127.x.y.z and ::1 ('*': any); "
+        "a loopback --host serves only loopback names without it (against DNS rebinding)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="CORS origins, a JSON list ('[\"https://a.example\"]') or comma-separated (default: no CORS)",
+    )
+    parser.add_argument(
+        "--allowed-methods",
+        default=None,
+        metavar="METHODS",
+        help="CORS methods with --allowed-origins, as that flag (default: '[\"*\"]')",
+    )
+    parser.add_argument(
+        "--allowed-headers",
+        default=None,
+        metavar="HEADERS",
+        help="CORS request headers with --allowed-origins, as that flag (default: '[\"*\"]')",
+    )
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the model decides, its calls are found by --tool-call-parser',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool calls look in the model's output: hermes, llama3_json, mistral, pythonic",
+    )
+    parser.add_argument("--response-role", default="assistant", metavar="ROLE", help="the role of chat answers")
+    parser.add_argument(
+        "--return-tokens-as-token-ids",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="logprobs name every token 'token_id:{id}' (a request's return_tokens_as_token_ids does it for one)",
+    )
+    parser.add_argument(
+        "--sse-keep-alive-interval",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="a stream with no event for this long sends a keep-alive comment, and again after each such wait "
+        "(0: never)",
+    )
+    parser.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="most bytes of an HTTP request's head (request line and headers; default: uvicorn's, 16 KiB)",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens read from the prefix cache",
+    )
+    parser.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with a usage chunk, asked for or not",
+    )
+    parser.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answers carry X-Request-Id (the client's, or the response id)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="deepseek_r1 or qwen3: chat answers' <think> section becomes reasoning_content",
+    )
+    add_drain_arg(parser)
+    add_vllm_args(parser, server=True)
+
+
+def add_api_key_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY", help=help_text)
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ``--api-key`` keys (any one is accepted), else ``$RAYPAGED_API_KEY``; none: no key needed."""
+    if args.api_key is None:
+        key = envs.api_key()
+        return (key,) if key else ()
+    if not all(args.api_key):
+        raise ValueError("--api-key takes non-empty keys")
+    return tuple(args.api_key)
+
+
+def gateway_options(args: argparse.Namespace) -> GatewayOptions:
+    from raypaged.serving.gateway.guard import check_exempt_paths
+    from raypaged.serving.launch import GatewayOptions
+
+    def names(flag_name: str, value: str) -> tuple[str, ...]:
+        """A JSON list of strings (as vLLM takes it) or a comma-separated list."""
+        if not value.strip().startswith("["):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise ValueError(f"{flag_name} takes a JSON list of strings or a comma-separated list, got {value!r}")
+        return tuple(parsed)
+
+    check_vllm_args(args, server=True)
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
+    if args.max_prompts_per_request < 1:
+        raise ValueError(f"--max-prompts-per-request must be at least 1, got {args.max_prompts_per_request}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout:g}")
+    exempt = tuple(p.strip() for p in args.auth_exempt_paths.split(",") if p.strip())
+    check_exempt_paths(exempt)
+    origins = names("--allowed-origins", args.allowed_origins) if args.allowed_origins is not None else ()
+    cors_flags = {
+        "--allowed-methods": args.allowed_methods,
+        "--allowed-headers": args.allowed_headers,
+        "--allow-credentials": args.allow_credentials or None,
+    }
+    for cors_flag, value in cors_flags.items():
+        if value is not None and not origins:
+            raise ValueError(f"{cors_flag} needs --allowed-origins (without it the server sends no CORS headers)")
+    return GatewayOptions(
+        host=args.host,
+        port=args.port,
+        uds=args.uds,
+        api_key=api_keys(args),
+        tenants_file=args.tenants,
+        log_requests=args.enable_log_requests and not args.disable_log_requests,
+        log_level=args.log_level,
+        uvicorn_log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        access_log_skip_paths=names("--disable-access-log-for-endpoints", args.disable_access_log_for_endpoints or ""),
+        log_config=log_config(args.log_config_file),
+        log_error_stack=args.log_error_stack,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        openapi_docs=not args.disable_fastapi_docs,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        root_path=args.root_path,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        ssl_ciphers=args.ssl_ciphers,
+        max_body_bytes=args.max_request_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+        auth_exempt_paths=exempt,
+        max_prompts_per_request=args.max_prompts_per_request,
+        allowed_hosts=names("--allowed-hosts", args.allowed_hosts) if args.allowed_hosts is not None else None,
+        allowed_origins=origins,
+        allowed_methods=names("--allowed-methods", args.allowed_methods or '["*"]'),
+        allowed_headers=names("--allowed-headers", args.allowed_headers or '["*"]'),
+        allow_credentials=args.allow_credentials,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        sse_keep_alive_s=args.sse_keep_alive_interval,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_request_id_headers=args.enable_request_id_headers,
+        reasoning_parser=args.reasoning_parser,
+    )
+
+
+def log_config(path: str | None) -> dict[str, Any] | None:
+    """``--log-config-file``'s logging configuration (a ``logging.config.dictConfig`` mapping, as JSON)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            config = json.load(file)
+    except OSError as exc:
+        raise ValueError(f"--log-config-file {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--log-config-file {path} is not JSON ({exc})") from None
+    if not isinstance(config, dict) or config.get("version") != 1:
+        raise ValueError(f'--log-config-file {path} must hold a logging.config.dictConfig mapping with "version": 1')
+    return config
+
+
+def options_check(options: GatewayOptions) -> None:
+    """Reads the tenants file now, so a bad one fails before any model loads (``serve``'s gRPC server reads it too)."""
+    from raypaged.serving.gateway.guard import tenants_for
+
+    tenants_for(options.api_keys, options.tenants_file)

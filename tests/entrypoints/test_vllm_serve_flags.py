@@ -1,0 +1,244 @@
+"""Every flag of vLLM's ``vllm serve`` (``vllm_serve_flags.txt``: vLLM 0.29's, long name and short aliases per
+line) is a flag of ``raypaged serve``: honoured, taken where it changes nothing here, or refused by name with
+the reason, before any model loads."""
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from raypaged import LLM
+from raypaged.entrypoints.cli import build_parser, engine_configs
+from raypaged.human_int import human_int
+from raypaged.worker.graph_sizes import capture_sizes
+from tests.serving.conftest import tiny_model_dir  # noqa: F401  (session fixture)
+
+VLLM_FLAGS = [line.split() for line in (Path(__file__).parent / "vllm_serve_flags.txt").read_text().splitlines()]
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def configs(*argv: str):
+    return engine_configs(build_parser().parse_args(["serve", *argv]))
+
+
+def test_every_vllm_serve_flag_is_a_flag_of_raypaged_serve():
+    known = set(serve_parser()._option_string_actions)
+    assert len(VLLM_FLAGS) == 291
+    assert [name for names in VLLM_FLAGS for name in names if name not in known] == []
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("8192", 8192), ("1k", 1000), ("1K", 1024), ("25.6k", 25600), ("32K", 32768), ("2m", 2_000_000), ("1G", 2**30)],
+)
+def test_human_readable_integers_read_as_vllm_reads_them(text, value):
+    assert human_int(text) == value
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("2.5K", "'2.5K': K counts 1,024s and takes whole numbers; 2.5k counts 1,000s"),
+        ("lots", "'lots' is not an integer (a number, or one with k/m/g/t for 1,000s or K/M/G/T for 1,024s)"),
+    ],
+)
+def test_human_readable_integers_refuse_what_is_not_one(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match="^" + re.escape(message) + "$"):
+        human_int(text)
+
+
+def test_length_and_budget_flags_take_human_readable_integers(tiny_model_dir):
+    [config] = configs(str(tiny_model_dir), "--max-model-len", "0.25k", "--max-num-batched-tokens", "1K")
+    assert (config.max_model_len, config.max_num_batched_tokens) == (250, 1024)
+    [config] = configs(str(tiny_model_dir), "--kv-cache-memory-bytes", "2M", "--device", "cpu")
+    assert config.kv_cache_memory_bytes == 2 * 2**20
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tokenizer-mode", "hf"],
+        ["--ignore-patterns", "original/**/*"],
+        ["--safetensors-load-strategy", "lazy"],
+        ["--stream-interval", "1"],
+        ["--stream-interval", "8"],
+        ["--no-scheduler-reserve-full-isl"],
+        ["--skip-mm-profiling", "--language-model-only", "--disable-cascade-attn", "--no-use-tqdm-on-load"],
+        ["--show-hidden-metrics-for-version", "0.28"],
+        ["-asc", "1", "--no-headless"],
+        ["-dp", "1", "-dpl", "1", "-dpn", "0"],
+        ["--optimization-level", "0"],
+        ["--logprobs-mode", "raw_logprobs"],
+    ],
+)
+def test_vllm_flags_at_the_values_raypaged_has_are_taken(tiny_model_dir, argv):
+    [config] = configs(str(tiny_model_dir), *argv)
+    assert config.model == str(tiny_model_dir)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'],
+            '--kv-transfer-config {"kv_connector": "NixlConnector"} is not supported: prefill and decode run in the '
+            "same engine (no KV transfer)",
+        ),
+        (
+            ["--ignore-patterns", "*.bin", "extra/*"],
+            "--ignore-patterns *.bin extra/* is not supported: the weights are the *.safetensors files at the top "
+            "of the model folder (nothing under original/ is read)",
+        ),
+        (
+            ["--scheduler-reserve-full-isl"],
+            "--scheduler-reserve-full-isl is not supported: a request is admitted when its first chunk's blocks fit; "
+            "later chunks take blocks as they run",
+        ),
+        (
+            ["-dpl", "2"],
+            "--data-parallel-size-local 2 is not supported: run one server per replica behind a load "
+            "balancer (see deploy/)",
+        ),
+        (
+            ["-cc", "3"],
+            "--compilation-config 3 is not supported: the model is not compiled with torch.compile "
+            "(level 0); CUDA graphs are on unless --enforce-eager",
+        ),
+        (
+            ["--logprobs-mode", "processed_logprobs"],
+            "--logprobs-mode processed_logprobs is not supported: logprobs are the model's own (raw_logprobs): "
+            "log-softmax before penalties, temperature and top-k/p",
+        ),
+        (
+            ["--enable-lora", "--lora-dtype", "bfloat16"],
+            "--lora-dtype bfloat16 is not supported: adapters run in the base model's dtype (auto)",
+        ),
+        (
+            ["--max-num-scheduled-tokens", "2048"],
+            "--max-num-scheduled-tokens 2048 is not supported: a step schedules up to --max-num-batched-tokens "
+            "tokens: set that instead",
+        ),
+    ],
+)
+def test_vllm_engine_flags_raypaged_cannot_honour_are_refused_by_name(tiny_model_dir, argv, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        configs(str(tiny_model_dir), *argv)
+
+
+def test_vllm_engine_options_are_refused_by_name_as_llm_keywords_too():
+    with pytest.raises(ValueError) as info:
+        LLM(model="/no/such/model", kv_transfer_config={"kv_connector": "NixlConnector"})
+    assert str(info.value) == (
+        "kv_transfer_config={'kv_connector': 'NixlConnector'} is not supported: prefill and decode run in the "
+        "same engine (no KV transfer)"
+    )
+
+
+def test_spec_shortcuts_set_keys_of_the_speculative_config(tiny_model_dir):
+    [config] = configs(str(tiny_model_dir), "--spec-method", "ngram", "--spec-tokens", "3")
+    spec = config.parsed_speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 3)
+    [config] = configs(str(tiny_model_dir), "-sc", '{"method": "ngram", "prompt_lookup_max": 2}', "--spec-tokens", "2")
+    spec = config.parsed_speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 2, 2)
+    with pytest.raises(
+        ValueError,
+        match="^"
+        + re.escape(
+            "--spec-tokens and --speculative-config's 'num_speculative_tokens' both set "
+            "num_speculative_tokens: give one of them"
+        )
+        + "$",
+    ):
+        configs(str(tiny_model_dir), "-sc", '{"method": "ngram", "num_speculative_tokens": 4}', "--spec-tokens", "2")
+
+
+def test_hf_token_is_taken_bare_or_with_a_value_and_kept_out_of_the_configs_repr(tiny_model_dir):
+    args = build_parser().parse_args(["serve", str(tiny_model_dir), "--hf-token"])
+    assert args.hf_token is True
+    [config] = configs(str(tiny_model_dir), "--hf-token", "hf_secret_value")
+    assert config.hf_token == "hf_secret_value"
+    assert "hf_secret_value" not in repr(config)
+
+
+def test_hf_token_authenticates_hub_downloads(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from raypaged.model import hub
+
+    seen = {}
+
+    def snapshot_download(repo_id, **kwargs):  # the Hub cannot be reached from the test machine
+        seen.update(kwargs, repo_id=repo_id)
+        return str(tmp_path)
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert hub.resolve_model_files("org/private-model", None, None, token="hf_x") == tmp_path
+    assert (seen["repo_id"], seen["token"]) == ("org/private-model", "hf_x")
+
+
+@pytest.mark.parametrize(
+    "sizes, max_size, expected",
+    [
+        (None, None, ([1, 2, 4, 8, 16, 24, 32], [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512])),
+        (None, 16, ([1, 2, 4, 8, 16], [8, 16])),
+        (None, 1024, ([1, 2, 4, 8, 16, 24, 32], [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024])),
+        ([64, 1, 8, 8, 2048], None, ([1, 8], [1, 8, 64, 2048])),
+        ([1, 4, 32], 32, ([1, 4, 32], [1, 4, 32])),
+    ],
+)
+def test_cuda_graph_sizes_follow_vllms_capture_flags(sizes, max_size, expected):
+    assert capture_sizes(32, 2048, sizes, max_size) == expected
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--cudagraph-capture-sizes", "8", "16", "--max-cudagraph-capture-size", "32"],
+            "--max-cudagraph-capture-size 32 is not the largest of --cudagraph-capture-sizes (16): give one of the "
+            "two, or both in agreement",
+        ),
+        (
+            ["--cudagraph-capture-sizes", "512", "--max-num-seqs", "64"],
+            "--cudagraph-capture-sizes 512: none is at most --max-num-seqs 64, so no decode step could replay a graph",
+        ),
+        (["--cudagraph-capture-sizes", "0", "8"], "--cudagraph-capture-sizes takes sizes of at least 1, got [0, 8]"),
+        (["--max-cudagraph-capture-size", "0"], "--max-cudagraph-capture-size must be at least 1, got 0"),
+    ],
+)
+def test_bad_cuda_graph_sizes_fail_before_any_model_loads(tiny_model_dir, argv, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        configs(str(tiny_model_dir), *argv)
+
+
+def test_cuda_graph_size_flags_reach_the_engine_config(tiny_model_dir):
+    [config] = configs(str(tiny_model_dir), "--cudagraph-capture-sizes", "4", "1", "96", "--max-num-seqs", "8")
+    assert config.cuda_graph_sizes == ([1, 4], [1, 4, 96])
+
+
+def test_max_model_len_auto_is_the_models_length_or_what_the_kv_cache_holds(tiny_model_dir):
+    from raypaged import SamplingParams
+
+    [config] = configs(str(tiny_model_dir), "--max-model-len", "auto")
+    assert (config.fit_max_model_len, config.max_model_len) == (True, config.hf_config.max_position_embeddings)
+    llm = LLM(str(tiny_model_dir), max_model_len=-1, num_gpu_blocks_override=64)
+    try:  # the model's 512 tokens fit 64 blocks of 16: they stay
+        assert llm.llm_engine.config.max_model_len == config.hf_config.max_position_embeddings == 512
+    finally:
+        llm.shutdown()
+    llm = LLM(str(tiny_model_dir), max_model_len="auto", num_gpu_blocks_override=4)
+    try:  # 4 blocks of 16 tokens: one sequence may be 64 tokens long
+        assert llm.llm_engine.config.max_model_len == 64
+        [out] = llm.generate([{"prompt_token_ids": [1] * 60}], SamplingParams(max_tokens=None, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 4  # what is left of the 64-token context
+        with pytest.raises(ValueError, match="^This model's maximum context length is 64 tokens. However, you "):
+            llm.generate([{"prompt_token_ids": [1] * 60}], SamplingParams(max_tokens=10))
+    finally:
+        llm.shutdown()
