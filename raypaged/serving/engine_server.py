@@ -260,6 +260,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 model.tokenizer,
                 messages,
                 echo=request.echo,
+                return_token_ids=request.return_token_ids,
             )
             last: RequestOutput | None = None
             error: Exception | None = None

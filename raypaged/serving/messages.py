@@ -77,6 +77,7 @@ class GenerateResponse(_Message):
     usage: Usage = field(default_factory=Usage)
     prompt_logprobs: PromptLogprobs | None = None
     prompt_text: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 class StreamMessages(Protocol):

@@ -164,6 +164,7 @@ class DeltaTracker:
     tokenizer: PreTrainedTokenizerBase
     messages: StreamMessages
     echo: bool = False  # send the prompt's text with the first tokens
+    return_token_ids: bool = False  # send the prompt's token ids with the first tokens
     _done: set[int] = field(default_factory=set)
     _usage: AnyUsage = field(init=False)
 
@@ -191,6 +192,10 @@ class DeltaTracker:
         if self.echo and deltas:
             prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
             self.echo = False
+        prompt_token_ids: list[int] = []
+        if self.return_token_ids and deltas:
+            prompt_token_ids = output.prompt_token_ids
+            self.return_token_ids = False
         return messages.GenerateResponse(
             request_id=self.request_id,
             outputs=deltas,
@@ -198,6 +203,7 @@ class DeltaTracker:
             usage=self._usage,
             prompt_logprobs=prompt,
             prompt_text=prompt_text,
+            prompt_token_ids=prompt_token_ids,
         )
 
     def aborted(self) -> AnyResponse:

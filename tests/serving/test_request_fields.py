@@ -30,6 +30,15 @@ def http(tiny_model_dir):
         (COMPLETION, "suffix", "end"),
         (CHAT, "functions", [{"name": "f", "parameters": {}}]),
         (CHAT, "prediction", {"type": "content", "content": "x"}),
+        (COMPLETION, "watermarking", True),
+        (COMPLETION, "truncation_side", "right"),
+        (CHAT, "logprob_token_ids", [1, 2]),
+        (CHAT, "repetition_detection", {"max_pattern_size": 4}),
+        (CHAT, "thinking_token_budget", 64),
+        (COMPLETION, "stream_interval", 4),
+        (CHAT, "include_reasoning", False),
+        (CHAT, "return_prompt_text", True),
+        (COMPLETION, "ec_transfer_params", {"x": 1}),
     ],
 )
 def test_a_known_field_it_cannot_honour_is_a_400_naming_it(http, body, field, value):
@@ -53,6 +62,12 @@ def test_a_known_field_it_cannot_honour_is_a_400_naming_it(http, body, field, va
         (CHAT, "function_call", "none"),
         (CHAT, "modalities", ["text"]),
         (CHAT, "bad_words", None),
+        (COMPLETION, "watermarking", False),
+        (COMPLETION, "truncation_side", "left"),
+        (CHAT, "thinking_token_budget", -1),
+        (CHAT, "stream_interval", 1),
+        (CHAT, "include_reasoning", True),
+        (COMPLETION, "session_id", "conversation-7"),
     ],
 )
 def test_the_same_fields_asking_for_nothing_are_accepted(http, body, field, value):
@@ -364,3 +379,41 @@ def test_spaces_between_special_tokens_reaches_the_engines_sampling_params():
 
     assert params(spaces_between_special_tokens=False, skip_special_tokens=False).spaces_between_special_tokens is False
     assert params().spaces_between_special_tokens is True
+
+
+def test_every_vllm_request_field_is_declared_or_refused_unless_it_asks_for_nothing():
+    from pathlib import Path
+
+    from raypaged.serving.gateway.schemas import _UNSUPPORTED, ChatCompletionRequest, CompletionRequest
+
+    lines = (Path(__file__).parent / "vllm_request_fields.txt").read_text().splitlines()
+    fields = [line.split() for line in lines if not line.startswith("#")]
+    models = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+    assert len(fields) == 121
+    assert [(e, f) for e, f in fields if f not in models[e].model_fields and f not in _UNSUPPORTED] == []
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_token_ids(http):
+    prompt_ids = http.post("/tokenize", json={"model": "tiny", "prompt": "hi"}).json()["tokens"]
+    body = {**COMPLETION, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert (whole["prompt_token_ids"], len(whole["token_ids"])) == (prompt_ids, 4)
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(line)["choices"][0] for line in lines]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
+    assert (
+        "token_ids" not in http.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    )
+
+    chat = {**CHAT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    answer = http.post("/v1/chat/completions", json=chat).json()
+    templated = http.post("/tokenize", json={"model": "tiny", "messages": CHAT["messages"]}).json()["tokens"]
+    assert (answer["prompt_token_ids"], len(answer["choices"][0]["token_ids"])) == (templated, 3)
+    with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(line) for line in lines]
+    assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [templated]
+    streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids", [])]
+    assert streamed == answer["choices"][0]["token_ids"]

@@ -188,6 +188,7 @@ def build_app(
             request_id=body.request_id or _header_request_id(http),
             reasoning=reasoning_parser if chat else None,
             token_ids_as_text=body.return_tokens_as_token_ids or return_tokens_as_token_ids,
+            token_ids=bool(body.return_token_ids),
         )
         for index, request in enumerate(requests):  # the engine's ids follow the response's
             request.request_id = shape.id if len(requests) == 1 else f"{shape.id}-{index}"
@@ -204,13 +205,14 @@ def build_app(
             raise
         if log_requests:
             logger.info(
-                "request %s: model=%s tenant=%s prompts=%d n=%d stream=%s",
+                "request %s: model=%s tenant=%s prompts=%d n=%d stream=%s%s",
                 shape.id,
                 model,
                 gate.tenant.name,
                 len(prompts),
                 body.n,
                 body.stream,
+                f" session={body.session_id}" if body.session_id is not None else "",
             )
         headers = {"X-Request-Id": shape.request_id or shape.id} if request_id_headers else None
         if body.stream:

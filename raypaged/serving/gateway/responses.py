@@ -57,6 +57,7 @@ class ResponseShape:
     request_id: str | None = None  # the client's (X-Request-Id or request_id): the response id is made of it
     reasoning: ReasoningParser | None = None  # chat: <think> sections become reasoning_content (--reasoning-parser)
     token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
+    token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and each choice's token_ids
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -176,10 +177,13 @@ class _Prompt:
 
     text: str = ""
     logprobs: AnyPromptLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
     def take(self, response: AnyResponse) -> None:
         if response.prompt_text:
             self.text = response.prompt_text
+        if response.prompt_token_ids:
+            self.token_ids = list(response.prompt_token_ids)
         if response.HasField("prompt_logprobs"):
             self.logprobs = response.prompt_logprobs
 
@@ -276,10 +280,16 @@ class Accumulator:
                 entry["prompt_logprobs"] = prompt.vllm_logprobs()
             entry["finish_reason"] = finish_reason
             entry["stop_reason"] = choice.stop_reason
+            if self.shape.token_ids:  # vLLM's places: the prompt's per completions choice, once per chat answer
+                if not self.shape.chat:
+                    entry["prompt_token_ids"] = prompt.token_ids
+                entry["token_ids"] = list(choice.token_ids)
             choices.append(entry)
         body = self.shape.envelope(choices, self.shape.usage(self.usages), chunk=False)
         if self.shape.prompt_logprobs and self.shape.chat:
             body["prompt_logprobs"] = self.prompts[0].vllm_logprobs()
+        if self.shape.token_ids and self.shape.chat:
+            body["prompt_token_ids"] = self.prompts[0].token_ids
         return body
 
 
@@ -300,6 +310,7 @@ class ChunkWriter:
         )
         self._prompts = [_Prompt() for _ in range(num_prompts)]
         self._echoed: set[int] = set()  # choices whose stream already began with the prompt
+        self._ids_sent: set[int] = set()  # return_token_ids: choices whose prompt token ids went out
         reasoning = shape.reasoning
         self._reasoning_streams: list[ReasoningStream] | None = (
             None if reasoning is None else [ReasoningStream(reasoning) for _ in range(num_prompts * shape.n)]
@@ -337,7 +348,8 @@ class ChunkWriter:
             if self.shape.chat:
                 fields, finish_reason = self._chat_delta(index, delta.text, finish_reason)
             shown = fields if self.shape.chat else delta.text or echo is not None
-            if not shown and finish_reason is None and not (self.shape.wants_logprobs and delta.token_ids):
+            tokens_asked = self.shape.wants_logprobs or self.shape.token_ids
+            if not shown and finish_reason is None and not (tokens_asked and delta.token_ids):
                 continue
             choice: dict = {"index": index}
             if self.shape.chat:
@@ -351,9 +363,18 @@ class ChunkWriter:
             choice["finish_reason"] = finish_reason
             if finish_reason is not None:
                 choice["stop_reason"] = _stop_reason(delta)
+            first = self.shape.token_ids and index not in self._ids_sent
+            if self.shape.token_ids:
+                self._ids_sent.add(index)
+                if first and not self.shape.chat:
+                    choice["prompt_token_ids"] = prompt.token_ids
+                choice["token_ids"] = list(delta.token_ids)
             self._text_offsets[index] += len(delta.text) + (len(echo.text) if echo is not None else 0)
             usage = {"usage": self.shape.usage([response.usage])} if self.continuous_usage else self._null_usage()
-            out.append(self.shape.envelope([choice], None, chunk=True) | usage)
+            chunk = self.shape.envelope([choice], None, chunk=True) | usage
+            if first and self.shape.chat:
+                chunk["prompt_token_ids"] = prompt.token_ids
+            out.append(chunk)
         return out
 
     def _chat_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:

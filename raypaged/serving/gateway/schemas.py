@@ -48,6 +48,19 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "audio": (),
     "modalities": (["text"],),
     "reasoning_effort": (),
+    "watermarking": (False,),
+    "truncation_side": ("left",),  # truncate_prompt_tokens keeps the prompt's last tokens
+    "logprob_token_ids": (),
+    "routed_experts_prompt_start": (0,),
+    "return_token_offsets": (False,),
+    "return_mm_kwargs": (True, False),  # the /render endpoints' only
+    "ec_transfer_params": (),
+    "repetition_detection": (),
+    "thinking_token_budget": (-1,),
+    "stream_interval": (1,),  # a request may not stream less often than --stream-interval
+    "include_reasoning": (True,),
+    "media_io_kwargs": (),
+    "return_prompt_text": (False,),
 }
 _MAX_LOGGED_FIELDS = 256  # distinct unknown field names logged; a flood of made-up names logs no more
 _logged_fields: set[str] = set()
@@ -100,6 +113,8 @@ class _GenerationBody(BaseModel):
     prompt_logprobs: LogprobCount | None = None  # the engine caps it (--max-logprobs)
     echo: bool = False  # completions: the prompt first in the text (and its tokens first in the logprobs)
     return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:{id}" (vLLM's)
+    return_token_ids: bool | None = None  # the answer carries the prompt's and each choice's token ids (vLLM's)
+    session_id: str | None = Field(None, min_length=1, max_length=256)  # a conversation's id, in request log lines
     use_beam_search: bool = False  # vLLM's: n beams instead of n samples, answered once finished
     length_penalty: float = 1.0  # with use_beam_search: scores are cumulative logprob / length ** this
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")  # vLLM's
@@ -237,7 +252,13 @@ class _GenerationBody(BaseModel):
         if max_tokens is not None:
             stopping.max_tokens = max(max_tokens, 1) if self.echo_only else max_tokens
         request = pb.GenerateRequest(
-            model=model, sampling=sampling, stopping=stopping, priority=priority, echo=self.echo, **prompt
+            model=model,
+            sampling=sampling,
+            stopping=stopping,
+            priority=priority,
+            echo=self.echo,
+            return_token_ids=bool(self.return_token_ids),
+            **prompt,
         )
         if (prompt_logprobs := self.resolved_prompt_logprobs) is not None:
             request.prompt_logprobs = ALL_LOGPROBS if prompt_logprobs == -1 else prompt_logprobs
