@@ -84,6 +84,40 @@ class StructuredOutputsParams:
 
 
 @dataclass(slots=True)
+class RepetitionDetectionParams:
+    """vLLM's repetition detection: a sequence whose output ends in a pattern of ``min_pattern_size`` (0: 1) to
+    ``max_pattern_size`` tokens repeated ``min_count`` times in a row stops (``stop_reason``
+    ``"repetition_detected"``). ``max_pattern_size`` 0 turns it off."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_pattern_size < 0 or self.min_pattern_size < 0 or self.min_pattern_size > self.max_pattern_size:
+            raise ValueError(
+                "repetition_detection: max_pattern_size and min_pattern_size must be at least 0, with "
+                f"min_pattern_size <= max_pattern_size, got {self.min_pattern_size} and {self.max_pattern_size}"
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError(f"repetition_detection: min_count must be at least 2, got {self.min_count}")
+
+    def repeated_tail(self, token_ids: list[int], end: int) -> bool:
+        """Whether ``token_ids[:end]`` ends in a pattern repeated ``min_count`` times in a row."""
+        count = self.min_count
+        for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            if size * count > end:
+                return False
+            pattern = token_ids[end - size : end]
+            if all(token_ids[end - (k + 1) * size : end - k * size] == pattern for k in range(1, count)):
+                return True
+        return False
+
+
+REPETITION_DETECTED = "repetition_detected"  # the stop_reason of a sequence repetition detection ended
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
@@ -122,8 +156,13 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    repetition_detection: RepetitionDetectionParams | None = None  # vLLM's: stop at a repeating pattern
 
     def __post_init__(self) -> None:
+        if isinstance(self.repetition_detection, dict):  # vLLM's JSON form
+            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
+        if self.repetition_detection is not None and self.repetition_detection.max_pattern_size == 0:
+            self.repetition_detection = None  # off
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

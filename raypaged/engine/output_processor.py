@@ -44,7 +44,7 @@ from raypaged.outputs import (
     RequestOutput,
     decode_logprobs,
 )
-from raypaged.sampling_params import RequestOutputKind, SamplingParams
+from raypaged.sampling_params import REPETITION_DETECTED, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -316,7 +316,7 @@ def process_token(seq: SeqState, delta: SeqDelta, now: float) -> bool:
     if delta.new_logprobs is not None:
         seq.logprobs += _decoded_logprobs(delta.new_logprobs, seq.detokenizer.tokenizer)
     finished = delta.finish_reason is not None
-    if not params.stop:  # nothing to search: the whole run in one piece
+    if not params.stop and params.repetition_detection is None:  # nothing to search: the whole run in one piece
         seq.text += seq.detokenizer.add_tokens(new_ids)
         if finished:
             seq.text += seq.detokenizer.flush()
@@ -329,31 +329,49 @@ def process_token(seq: SeqState, delta: SeqDelta, now: float) -> bool:
 
 
 def _stopped_in_run(seq: SeqState, delta: SeqDelta, finished: bool) -> bool:
-    """Detokenize a run token by token (a stop string could end it inside) and search each new piece;
-    at a stop string, the run is cut after the token completing it and the sequence ends."""
+    """Detokenize a run token by token (a stop string could end it inside) and search each new piece, and
+    check each token for a repeating tail (``repetition_detection``); at a stop string or a repetition, the
+    run is cut after the token that made it and the sequence ends."""
     params = seq.params
+    repetition = params.repetition_detection
     new_ids = delta.new_token_ids
     pieces = [new_ids] if len(new_ids) == 1 else [[token_id] for token_id in new_ids]
     for i, piece in enumerate(pieces, 1):
         searched = max(0, len(seq.text) - params.max_stop_len + 1)
         seq.text += seq.detokenizer.add_tokens(piece)
-        if finished and i == len(pieces):
+        last = i == len(pieces)
+        if finished and last:
             seq.text += seq.detokenizer.flush()
-        cut = find_stop(seq.text, params.stop, searched)
+        cut = find_stop(seq.text, params.stop, searched) if params.stop else None
+        repeated = cut is None and repetition is not None
+        if repeated and repetition is not None:
+            repeated = repetition.repeated_tail(seq.token_ids, len(seq.token_ids) - (len(pieces) - i))
+        if cut is None and not repeated:
+            continue
+        _drop_run_tail(seq, delta, len(pieces) - i)
         if cut is not None:
-            if (num_dropped := len(pieces) - i) > 0:  # only a run of several tokens has a tail to drop
-                del seq.token_ids[-num_dropped:]
-                if delta.new_logprobs is not None:
-                    del seq.logprobs[-num_dropped:]
-                run_logprobs = delta.run_logprobs
-                assert run_logprobs is not None, "the core gives a run of several tokens its logprobs"
-                seq.cumulative_logprob -= sum(run_logprobs[-num_dropped:])
             seq.text, seq.stop_reason = cut
             if params.include_stop_str_in_output:
                 seq.text += cut[1]
-            seq.finish_reason = FinishReason.STOP
-            return True
+        else:
+            if not (finished and last):
+                seq.text += seq.detokenizer.flush()
+            seq.stop_reason = REPETITION_DETECTED
+        seq.finish_reason = FinishReason.STOP
+        return True
     return False
+
+
+def _drop_run_tail(seq: SeqState, delta: SeqDelta, num_dropped: int) -> None:
+    """Forget the last ``num_dropped`` tokens of a run: those after the one that ended the sequence."""
+    if num_dropped == 0:
+        return
+    del seq.token_ids[-num_dropped:]
+    if delta.new_logprobs is not None:
+        del seq.logprobs[-num_dropped:]
+    run_logprobs = delta.run_logprobs
+    assert run_logprobs is not None, "the core gives a run of several tokens its logprobs"
+    seq.cumulative_logprob -= sum(run_logprobs[-num_dropped:])
 
 
 def end_seq(seq: SeqState, delta: SeqDelta) -> None:

@@ -12,7 +12,13 @@ from transformers import PreTrainedTokenizerBase
 from raypaged.config import GenerationDefaults
 from raypaged.inputs.limits import InputError, InputLimits, check_count, check_stop_counts
 from raypaged.outputs import CompletionOutput, FinishReason, RequestOutput
-from raypaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from raypaged.sampling_params import (
+    BeamSearchParams,
+    RepetitionDetectionParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from raypaged.serving.messages import AnyDelta, AnyPromptLogprobs, AnyResponse, AnyUsage, StreamMessages
 from raypaged.serving.proto import generate_pb2 as pb
 
@@ -71,6 +77,11 @@ def sampling_params_from_proto(
         kwargs["best_of"] = sampling.best_of
     if request.HasField("structured"):
         kwargs["structured_outputs"] = structured_from_proto(request.structured)
+    if stopping.HasField("repetition_detection"):
+        found = stopping.repetition_detection
+        kwargs["repetition_detection"] = RepetitionDetectionParams(
+            found.max_pattern_size, found.min_pattern_size, found.min_count
+        )
     try:
         return SamplingParams(**kwargs)
     except TypeError as exc:  # a field this engine build does not know

@@ -9,13 +9,15 @@ sample only at the end; a failure ends its request alone, with every sequence to
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from transformers import AutoTokenizer
 
 from raypaged.engine.core import EngineCoreOutputs, SeqDelta
 from raypaged.engine.output_processor import OutputProcessor
 from raypaged.outputs import FinishReason
-from raypaged.sampling_params import RequestOutputKind, SamplingParams
+from raypaged.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
 
 PROMPT = [1, 504]
 HELLO = [19556, 905, 17, 1428, 85]  # "Hello", " world", "!", " By", "e"
@@ -193,3 +195,53 @@ def test_a_stream_interval_holds_back_parallel_samples_until_one_is_due(tokenize
             [(0, HELLO[1:3]), (1, ROCKET[1:3])],  # two new each, and sample 1 ended
         ]
     )
+
+
+def test_repetition_detection_ends_a_sequence_at_the_token_completing_the_repeats(tokenizer):
+    params = SamplingParams(
+        output_kind=RequestOutputKind.DELTA,
+        repetition_detection=RepetitionDetectionParams(max_pattern_size=3, min_pattern_size=2, min_count=3),
+    )
+    processor = new(tokenizer, params)
+    a, b, c = HELLO[:3]
+    tokens = [c, a, b, a, b, a, b, c]  # "a b" three times in a row once the 7th token is in
+    steps = stream(processor, [delta("0:r", [t], -1.0 * (i + 1)) for i, t in enumerate(tokens)])
+    # the 7th token completes the third "a b"; an 8th, from a step before the core heard, changes nothing
+    assert [stopped for _, stopped, _ in steps] == [[]] * 6 + [["0:r"], []]
+    assert steps[7][0] == []
+    last = steps[6][0][0].outputs[0]
+    assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, "repetition_detected")
+    assert "".join(o[0].outputs[0].text for o, _, _ in steps[:7]) == tokenizer.decode(tokens[:7])
+
+
+def test_repetition_detection_cuts_a_run_of_drafts_after_the_repeat(tokenizer):
+    params = SamplingParams(
+        output_kind=RequestOutputKind.CUMULATIVE,
+        logprobs=0,
+        repetition_detection=RepetitionDetectionParams(max_pattern_size=1, min_count=4),
+    )
+    processor = new(tokenizer, params)
+    a, b = HELLO[:2]
+    ids = [b, a, a, a, a, b]
+    run = SeqDelta("0:r", ids, [{t: -1.0} for t in ids], [-1.0] * 6, -6.0, None, None)
+    [output], stopped, _ = processor.process(EngineCoreOutputs(seqs=[run]), NOW)
+    completion = output.outputs[0]
+    assert stopped == ["0:r"] and completion.token_ids == [b, a, a, a, a]
+    assert (completion.cumulative_logprob, len(completion.logprobs)) == (-5.0, 5)
+    assert completion.stop_reason == "repetition_detected"
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2},
+            "min_pattern_size <= max_pattern_size, got 3 and 2",
+        ),
+        ({"max_pattern_size": 2, "min_count": 1}, "repetition_detection: min_count must be at least 2, got 1"),
+    ],
+)
+def test_repetition_detection_refuses_settings_vllm_refuses(settings, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(repetition_detection=settings)
+    assert SamplingParams(repetition_detection={"max_pattern_size": 0}).repetition_detection is None  # off

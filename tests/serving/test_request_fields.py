@@ -33,7 +33,6 @@ def http(tiny_model_dir):
         (COMPLETION, "watermarking", True),
         (COMPLETION, "truncation_side", "right"),
         (CHAT, "logprob_token_ids", [1, 2]),
-        (CHAT, "repetition_detection", {"max_pattern_size": 4}),
         (CHAT, "thinking_token_budget", 64),
         (COMPLETION, "stream_interval", 4),
         (CHAT, "include_reasoning", False),
@@ -417,3 +416,28 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_token_ids(http):
     assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [templated]
     streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids", [])]
     assert streamed == answer["choices"][0]["token_ids"]
+
+
+def test_repetition_detection_ends_an_answer_whose_tail_repeats(http):
+    from raypaged.sampling_params import RepetitionDetectionParams
+
+    detect = {"max_pattern_size": 4, "min_pattern_size": 2, "min_count": 3}
+    body = {**COMPLETION, "max_tokens": 16, "ignore_eos": True, "return_token_ids": True, "allowed_token_ids": [42]}
+    free = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    assert free == [42] * 16
+    rule = RepetitionDetectionParams(**detect)
+    end = next(n for n in range(1, len(free) + 1) if rule.repeated_tail(free, n))
+    assert end == 6  # "42 42" three times: patterns of one token are not looked for
+    choice = http.post("/v1/completions", json={**body, "repetition_detection": detect}).json()["choices"][0]
+    assert (choice["token_ids"], choice["finish_reason"], choice["stop_reason"]) == (
+        free[:end],
+        "stop",
+        "repetition_detected",
+    )
+    refused = http.post(
+        "/v1/completions", json={**body, "repetition_detection": {"max_pattern_size": 2, "min_count": 1}}
+    )
+    assert (refused.status_code, refused.json()["error"]["message"]) == (
+        400,
+        "repetition_detection: min_count must be at least 2, got 1",
+    )

@@ -25,6 +25,16 @@ Unsigned = Annotated[int, Field(ge=0, le=_UINT32_MAX)]
 LogprobCount = Annotated[int, Field(ge=-1, le=_UINT32_MAX - 1)]  # -1: the whole vocabulary (vLLM's)
 
 
+class RepetitionDetection(BaseModel):
+    """vLLM's ``repetition_detection``: end an output that ends in a pattern repeated ``min_count`` times."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_pattern_size: Unsigned = 0  # 0: off
+    min_pattern_size: Unsigned = 0  # 0: 1
+    min_count: Unsigned = 0
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # with include_usage: every chunk carries the usage so far
@@ -55,7 +65,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "return_token_offsets": (False,),
     "return_mm_kwargs": (True, False),  # the /render endpoints' only
     "ec_transfer_params": (),
-    "repetition_detection": (),
     "thinking_token_budget": (-1,),
     "stream_interval": (1,),  # a request may not stream less often than --stream-interval
     "include_reasoning": (True,),
@@ -115,6 +124,7 @@ class _GenerationBody(BaseModel):
     return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:{id}" (vLLM's)
     return_token_ids: bool | None = None  # the answer carries the prompt's and each choice's token ids (vLLM's)
     session_id: str | None = Field(None, min_length=1, max_length=256)  # a conversation's id, in request log lines
+    repetition_detection: RepetitionDetection | None = None
     use_beam_search: bool = False  # vLLM's: n beams instead of n samples, answered once finished
     length_penalty: float = 1.0  # with use_beam_search: scores are cumulative logprob / length ** this
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")  # vLLM's
@@ -251,6 +261,8 @@ class _GenerationBody(BaseModel):
         )
         if max_tokens is not None:
             stopping.max_tokens = max(max_tokens, 1) if self.echo_only else max_tokens
+        if self.repetition_detection is not None:
+            stopping.repetition_detection.CopyFrom(pb.RepetitionDetection(**self.repetition_detection.model_dump()))
         request = pb.GenerateRequest(
             model=model,
             sampling=sampling,

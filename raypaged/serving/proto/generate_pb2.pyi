@@ -113,7 +113,7 @@ class SamplingParameters(_message.Message):
     def __init__(self, n: _Optional[int] = ..., best_of: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StoppingCriteria(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "stop_sequences", "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens")
+    __slots__ = ("max_tokens", "min_tokens", "stop_sequences", "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens", "repetition_detection")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class StoppingCriteria(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_DETECTION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     stop_sequences: _containers.RepeatedScalarFieldContainer[str]
@@ -130,7 +131,18 @@ class StoppingCriteria(_message.Message):
     skip_special_tokens: bool
     include_stop_str_in_output: bool
     spaces_between_special_tokens: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ...) -> None: ...
+    repetition_detection: RepetitionDetection
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., repetition_detection: _Optional[_Union[RepetitionDetection, _Mapping]] = ...) -> None: ...
+
+class RepetitionDetection(_message.Message):
+    __slots__ = ("max_pattern_size", "min_pattern_size", "min_count")
+    MAX_PATTERN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_PATTERN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    max_pattern_size: int
+    min_pattern_size: int
+    min_count: int
+    def __init__(self, max_pattern_size: _Optional[int] = ..., min_pattern_size: _Optional[int] = ..., min_count: _Optional[int] = ...) -> None: ...
 
 class StructuredChoices(_message.Message):
     __slots__ = ("choices",)
