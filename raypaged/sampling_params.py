@@ -154,6 +154,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a stop string that ended the output stays in its text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
+    truncation_side: str = "left"  # truncate_prompt_tokens cuts on this side: "right" keeps the first tokens
+    stream_interval: int = 1  # DELTA outputs: every this many new tokens (never more often than the engine's)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     repetition_detection: RepetitionDetectionParams | None = None  # vLLM's: stop at a repeating pattern
@@ -208,6 +210,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be non-negative, or -1 for the whole vocabulary, got {self.logprobs}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise ValueError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}")
+        if self.truncation_side not in ("left", "right"):
+            raise ValueError(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
         if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
             raise ValueError(
                 f"prompt_logprobs must be non-negative, or -1 for the whole vocabulary, got {self.prompt_logprobs}"

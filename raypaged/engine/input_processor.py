@@ -101,10 +101,15 @@ class InputProcessor:
         return found
 
     def _checked_prompt(
-        self, prompt: str | None, prompt_token_ids: list[int] | None, truncate_to: int | None = None
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        truncate_to: int | None = None,
+        keep_first: bool = False,
     ) -> list[int]:
         """The prompt's token ids (only the last ``truncate_to`` of them, when given, as vLLM's
-        ``truncate_prompt_tokens``), sizes checked before tokenizing or copying."""
+        ``truncate_prompt_tokens``; the first with ``keep_first``, its ``truncation_side`` "right"), sizes
+        checked before tokenizing or copying."""
         max_model_len = self.config.resolved_max_model_len
         if prompt_token_ids is None:
             if prompt is None:
@@ -112,7 +117,7 @@ class InputProcessor:
             check_text("prompt", len(prompt), self.config.limits, max_model_len)
             prompt_token_ids = self.tokenize(prompt)
         if truncate_to is not None:
-            prompt_token_ids = prompt_token_ids[-truncate_to:]
+            prompt_token_ids = prompt_token_ids[:truncate_to] if keep_first else prompt_token_ids[-truncate_to:]
         check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, max_model_len)
         return list(prompt_token_ids)
 
@@ -198,7 +203,9 @@ class InputProcessor:
         lora = None if lora_request is None else self.check_lora(lora_request)
         check_sampling(params, config.hf_config.vocab_size, config.limits)
         params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
-        prompt_token_ids = self._checked_prompt(prompt, prompt_token_ids, params.truncate_prompt_tokens)
+        prompt_token_ids = self._checked_prompt(
+            prompt, prompt_token_ids, params.truncate_prompt_tokens, params.truncation_side == "right"
+        )
         max_model_len = config.resolved_max_model_len
         check_context(len(prompt_token_ids), params.max_tokens, max_model_len)
         max_tokens = params.max_tokens or max_model_len - len(prompt_token_ids)

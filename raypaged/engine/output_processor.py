@@ -214,7 +214,7 @@ class OutputProcessor:
             output = None
             if state.error is None:
                 try:
-                    output = make_output(state, self.stream_interval)
+                    output = make_output(state, max(self.stream_interval, state.params.stream_interval))
                 except Exception as exc:
                     self._failed(state, "building the output", exc, to_abort)
             if state.error is not None:

@@ -71,6 +71,8 @@ def sampling_params_from_proto(
         ),
         include_stop_str_in_output=stopping.include_stop_str_in_output,
         truncate_prompt_tokens=request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
+        truncation_side=request.truncation_side or "left",
+        stream_interval=request.stream_interval or 1,
         output_kind=RequestOutputKind.DELTA,  # a stream: each response carries what is new
     )
     if sampling.HasField("best_of"):

@@ -31,10 +31,8 @@ def http(tiny_model_dir):
         (CHAT, "functions", [{"name": "f", "parameters": {}}]),
         (CHAT, "prediction", {"type": "content", "content": "x"}),
         (COMPLETION, "watermarking", True),
-        (COMPLETION, "truncation_side", "right"),
         (CHAT, "logprob_token_ids", [1, 2]),
         (CHAT, "thinking_token_budget", 64),
-        (COMPLETION, "stream_interval", 4),
         (CHAT, "include_reasoning", False),
         (CHAT, "return_prompt_text", True),
         (COMPLETION, "ec_transfer_params", {"x": 1}),
@@ -441,3 +439,25 @@ def test_repetition_detection_ends_an_answer_whose_tail_repeats(http):
         400,
         "repetition_detection: min_count must be at least 2, got 1",
     )
+
+
+def test_truncation_side_chooses_which_end_of_the_prompt_truncate_prompt_tokens_keeps(http):
+    body = {**COMPLETION, "prompt": [11, 12, 13, 14, 15], "truncate_prompt_tokens": 2, "return_token_ids": True}
+    kept = {
+        side: http.post("/v1/completions", json={**body, "truncation_side": side}).json()["choices"][0]
+        for side in ("left", "right")
+    }
+    assert (kept["left"]["prompt_token_ids"], kept["right"]["prompt_token_ids"]) == ([14, 15], [11, 12])
+    assert http.post("/v1/completions", json=body).json()["choices"][0]["prompt_token_ids"] == [14, 15]
+    refused = http.post("/v1/completions", json={**body, "truncation_side": "middle"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncation_side"
+
+
+def test_a_requests_stream_interval_sends_fewer_larger_chunks(http):
+    body = {**COMPLETION, "max_tokens": 7, "temperature": 0, "ignore_eos": True, "logprobs": 0, "stream": True}
+    counts = {}
+    for interval in (1, 3):
+        with http.stream("POST", "/v1/completions", json={**body, "stream_interval": interval}) as response:
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+        counts[interval] = [len(json.loads(line)["choices"][0]["logprobs"]["tokens"]) for line in lines]
+    assert counts == {1: [1] * 7, 3: [1, 3, 3]}

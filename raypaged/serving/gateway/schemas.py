@@ -59,14 +59,12 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "modalities": (["text"],),
     "reasoning_effort": (),
     "watermarking": (False,),
-    "truncation_side": ("left",),  # truncate_prompt_tokens keeps the prompt's last tokens
     "logprob_token_ids": (),
     "routed_experts_prompt_start": (0,),
     "return_token_offsets": (False,),
     "return_mm_kwargs": (True, False),  # the /render endpoints' only
     "ec_transfer_params": (),
     "thinking_token_budget": (-1,),
-    "stream_interval": (1,),  # a request may not stream less often than --stream-interval
     "include_reasoning": (True,),
     "media_io_kwargs": (),
     "return_prompt_text": (False,),
@@ -130,6 +128,8 @@ class _GenerationBody(BaseModel):
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")  # vLLM's
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)  # keep the prompt's last N tokens
+    truncation_side: Literal["left", "right"] | None = None  # "right": truncate_prompt_tokens keeps the first N
+    stream_interval: int | None = Field(None, ge=1, le=_UINT32_MAX)  # tokens per chunk, at least --stream-interval
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI's string key) -> bias in [-100, 100]
     allowed_token_ids: list[Unsigned] | None = None
     bad_words: list[str] | None = None
@@ -276,6 +276,10 @@ class _GenerationBody(BaseModel):
             request.prompt_logprobs = ALL_LOGPROBS if prompt_logprobs == -1 else prompt_logprobs
         if self.truncate_prompt_tokens is not None:
             request.truncate_prompt_tokens = self.truncate_prompt_tokens
+        if self.truncation_side is not None:
+            request.truncation_side = self.truncation_side
+        if self.stream_interval is not None:
+            request.stream_interval = self.stream_interval
         if constraint is not None:
             request.structured.CopyFrom(constraint)
         if num_logprobs is not None:
