@@ -52,6 +52,25 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--enable-log-requests", action="store_true", help="a log line per request (off by default, as vLLM)"
     )
     parser.add_argument(
+        "--enable-log-outputs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --enable-log-requests: a log line with what each request generated",
+    )
+    parser.add_argument(
+        "--enable-log-deltas",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --enable-log-outputs: a streamed request logs each delta too (default: on)",
+    )
+    parser.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="logged outputs: texts and token id lists cut to N characters and ids (default: whole)",
+    )
+    parser.add_argument(
         "--disable-log-requests",
         action="store_true",
         help="vLLM's older flag: no log line per request (the default now)",
@@ -218,6 +237,7 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 def gateway_options(args: argparse.Namespace) -> GatewayOptions:
     from raypaged.serving.gateway.guard import check_exempt_paths
+    from raypaged.serving.gateway.output_log import OutputLogging
     from raypaged.serving.launch import GatewayOptions
 
     def names(flag_name: str, value: str) -> tuple[str, ...]:
@@ -233,6 +253,8 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         return tuple(parsed)
 
     check_vllm_args(args, server=True)
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be at least 0, got {args.max_log_len}")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
     if args.max_prompts_per_request < 1:
@@ -257,6 +279,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         api_key=api_keys(args),
         tenants_file=args.tenants,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
+        output_logging=OutputLogging(args.enable_log_deltas, args.max_log_len) if args.enable_log_outputs else None,
         log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,

@@ -305,7 +305,6 @@ ANY_VALUE: dict[str, tuple[type, str]] = {
     "disable_log_stats": (bool, "raypaged logs no periodic stats (see /metrics)"),
     "disable_custom_all_reduce": (bool, "tensor-parallel all-reduces are NCCL's: there is no custom all-reduce kernel"),
     "max_seq_len_to_capture": (int, "decode CUDA graphs cover every context up to {max_model_len}"),
-    "max_log_len": (int, "request log lines carry no prompt text"),
     "code_revision": (str, "no model code runs: only raypaged's built-in architectures"),
     "max_parallel_loading_workers": (int, "each shard reads its own share of the checkpoint, tensor by tensor"),
     "disable_sliding_window": (
@@ -335,7 +334,6 @@ SERVER_DEFAULT_ONLY: list[Option] = [
     ("exclude_tools_when_tool_choice_none", (), bool, (None, False), "the chat template always sees the tools"),
     ("enable_per_request_metrics", (), bool, (None, False), "request timings are /metrics histograms"),
     ("enable_tokenizer_info_endpoint", (), bool, (None, False), "/tokenize and /detokenize serve the tokenizer"),
-    ("enable_log_outputs", (), bool, (None, False), "request log lines carry no generated text"),
     ("cohere_is_reasoning_model", (), bool, (None, True), "no Cohere endpoint is served"),
     ("cohere_format", (), str, (None, "cmd4"), "no Cohere endpoint is served"),
     ("tokens_only", (), bool, (None, False), "the OpenAI endpoints are served"),
@@ -354,6 +352,5 @@ SERVER_DEFAULT_ONLY: list[Option] = [
 ]
 
 SERVER_ANY_VALUE: dict[str, tuple[type, str]] = {
-    "enable_log_deltas": (bool, "request log lines carry no generated text, so no deltas"),
     "enable_flash_late_interaction": (bool, "no late-interaction scoring model is served"),
 }

@@ -29,6 +29,7 @@ from raypaged.serving.gateway.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PRO
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, tenants_for
+from raypaged.serving.gateway.output_log import OutputLogging
 from raypaged.serving.gateway.reasoning import get_reasoning_parser
 from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.gateway.tool_parsers import get_parser
@@ -53,6 +54,7 @@ class GatewayOptions:
     api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
     tenants_file: str | None = None
     log_requests: bool = False  # a log line per request (--enable-log-requests)
+    output_logging: OutputLogging | None = None  # with log_requests: what each request generated is logged too
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
     uvicorn_log_level: str | None = None  # None: log_level
@@ -93,6 +95,8 @@ class GatewayOptions:
             get_parser(self.tool_call_parser)  # an unknown name fails now
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)
+        if self.output_logging is not None and not self.log_requests:
+            raise ValueError("--enable-log-outputs needs --enable-log-requests (the request log it adds to)")
         if not self.sse_keep_alive_s >= 0:
             raise ValueError(f"--sse-keep-alive-interval must be at least 0 seconds, got {self.sse_keep_alive_s:g}")
         if self.h11_max_incomplete_event_size is not None and self.h11_max_incomplete_event_size < 1:
@@ -245,6 +249,7 @@ class Gateway:
             return_tokens_as_token_ids=options.return_tokens_as_token_ids,
             log_error_stack=options.log_error_stack,
             sse_keep_alive_s=options.sse_keep_alive_s,
+            output_logging=options.output_logging,
         )
         app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones
         self.uds = options.uds

@@ -12,6 +12,7 @@ import pytest
 
 from raypaged.entrypoints.cli import build_parser
 from raypaged.entrypoints.server_args import gateway_options
+from raypaged.serving.gateway.output_log import OutputLogging
 from raypaged.serving.inprocess import InProcessStub
 from raypaged.serving.launch import Gateway, GatewayOptions
 from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
@@ -26,6 +27,8 @@ def stack(tiny_model_dir):
         log_error_stack=True,
         access_log_skip_paths=("/health", "/metrics"),
         h11_max_incomplete_event_size=1 << 20,
+        log_requests=True,
+        output_logging=OutputLogging(deltas=True, max_len=6),
     )
     yield stack
     stack.close()
@@ -64,6 +67,38 @@ def test_stream_interval_sends_the_first_token_then_every_fourth_and_the_end(sta
     assert [len(c["logprobs"]["tokens"]) for c in chunks] == [1, 4, 4, 1]
     assert "".join(c["text"] for c in chunks) == whole["text"]
     assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_log_outputs_logs_what_each_request_generated_cut_to_max_log_len(stack):
+    records = Records()
+    raypaged_logger = logging.getLogger("raypaged")
+    level = raypaged_logger.level
+    raypaged_logger.addHandler(records)
+    raypaged_logger.setLevel(logging.INFO)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    try:
+        with stack.client() as client:
+            whole = client.post("/v1/completions", json={**body, "return_token_ids": True}).json()
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                events = [line for line in response.iter_lines() if line.startswith("data: {")]
+    finally:
+        raypaged_logger.removeHandler(records)
+        raypaged_logger.setLevel(level)
+    streamed_id = json.loads(events[0][6:])["id"]
+    lines = [r.getMessage() for r in records.records if r.getMessage().startswith("Generated response")]
+    choice = whole["choices"][0]
+    assert lines[0] == (
+        f"Generated response {whole['id']}: output: {choice['text'][:6]!r}, output_token_ids: "
+        f"{choice['token_ids'][:6]}, finish_reason: length"
+    )
+    streamed = [line for line in lines[1:] if line.startswith(f"Generated response {streamed_id} ")]
+    # this engine's --stream-interval 4: the first token, then 4, then the last 3, and the whole
+    assert [line.split(":")[0] for line in streamed] == [f"Generated response {streamed_id} (streaming delta)"] * 3 + [
+        f"Generated response {streamed_id} (streaming complete)"
+    ]
+    assert streamed[-1].endswith(
+        f"output: {choice['text'][:6]!r}, output_token_ids: {choice['token_ids'][:6]}, finish_reason: length"
+    )
 
 
 def test_log_error_stack_logs_each_error_response_with_its_exception(stack):
@@ -166,9 +201,9 @@ def test_server_flags_reach_the_gateway_options(tmp_path):
             ["--middleware", "a.b", "c.d"],
             "--middleware a.b c.d is not supported: raypaged imports no plugin or user code",
         ),
-        (["--enable-log-outputs"], "--enable-log-outputs is not supported: request log lines carry no generated text"),
         (["--ssl-ciphers", "ECDHE"], "--ssl-ciphers needs --ssl-certfile (cipher suites are HTTPS's)"),
         (["--h11-max-incomplete-event-size", "0"], "--h11-max-incomplete-event-size must be at least 1 byte, got 0"),
+        (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests (the request log it adds to)"),
     ],
 )
 def test_server_flags_raypaged_cannot_honour_are_refused_by_name(argv, message):

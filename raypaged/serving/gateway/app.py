@@ -26,6 +26,7 @@ from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import APIError, from_grpc, install_handlers
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, Guard, HostCheck, host_check_needed
 from raypaged.serving.gateway.openai_responses import Responder, ResponsesRequest, ResponseStore
+from raypaged.serving.gateway.output_log import OutputLog, OutputLogging
 from raypaged.serving.gateway.reasoning import ReasoningParser
 from raypaged.serving.gateway.response_events import ResponseEvents, sse_event
 from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape
@@ -75,6 +76,7 @@ def build_app(
     return_tokens_as_token_ids: bool = False,
     log_error_stack: bool = False,
     sse_keep_alive_s: float = 0.0,
+    output_logging: OutputLogging | None = None,
 ) -> FastAPI:
     """The gateway's routes; ``drain`` (one per gateway) refuses and ends requests at shutdown.
 
@@ -88,7 +90,8 @@ def build_app(
     ``--disable-fastapi-docs``): no ``/openapi.json`` (the Swagger and ReDoc pages are never served);
     ``return_tokens_as_token_ids``: every request's logprobs name tokens ``token_id:{id}``;
     ``log_error_stack``: error responses are logged with their exception's stack; ``sse_keep_alive_s``: a
-    stream idle that long gets a keep-alive comment (0: none).
+    stream idle that long gets a keep-alive comment (0: none); ``output_logging`` (with ``log_requests``): what
+    each request generated is logged too.
     """
     if max_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {max_body_bytes}")
@@ -215,6 +218,7 @@ def build_app(
                 f" session={body.session_id}" if body.session_id is not None else "",
             )
         headers = {"X-Request-Id": shape.request_id or shape.id} if request_id_headers else None
+        log = OutputLog(output_logging, shape.id, body.n, body.stream) if log_requests and output_logging else None
         if body.stream:
             writer = ChunkWriter(shape, len(prompts), body.include_usage or force_include_usage, body.continuous_usage)
 
@@ -224,12 +228,12 @@ def build_app(
 
             if responder is not None:
                 events = _response_events(
-                    _chunks(calls, writer, slot, drain), ResponseEvents(responder, model), responses_store, gate
+                    _chunks(calls, writer, slot, drain, log), ResponseEvents(responder, model), responses_store, gate
                 )
                 return EventStream(events, cleanup, headers, sse_keep_alive_s)
-            return EventStream(_sse(calls, writer, slot, drain), cleanup, headers, sse_keep_alive_s)
+            return EventStream(_sse(calls, writer, slot, drain, log), cleanup, headers, sse_keep_alive_s)
         try:
-            work = _collect(calls, Accumulator(shape, len(prompts)), drain)
+            work = _collect(calls, Accumulator(shape, len(prompts)), drain, log)
             answer = await _unless_disconnected(http, work)
         finally:
             _cancel(calls)
@@ -553,10 +557,14 @@ async def _responses(calls: list[StreamCall], drain: Drain) -> AsyncGenerator[tu
         _cancel(calls)
 
 
-async def _collect(calls: list[StreamCall], accumulator: Accumulator, drain: Drain) -> dict:
+async def _collect(calls: list[StreamCall], accumulator: Accumulator, drain: Drain, log: OutputLog | None) -> dict:
     async with contextlib.aclosing(_responses(calls, drain)) as responses:
         async for index, response in responses:
             accumulator.add(index, response)
+            if log is not None:
+                log.feed(index, response)
+    if log is not None:
+        log.finish()
     return accumulator.body()
 
 
@@ -575,7 +583,7 @@ async def _unless_disconnected(http: Request, work: Awaitable[dict]) -> dict:
 
 
 async def _chunks(
-    calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain
+    calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain, log: OutputLog | None = None
 ) -> AsyncGenerator[dict, None]:
     """The stream's chunks, an error's body last if one ends it; leaving it early aborts the requests."""
     try:
@@ -583,8 +591,12 @@ async def _chunks(
             yield chunk
         async with contextlib.aclosing(_responses(calls, drain)) as responses:
             async for index, response in responses:
+                if log is not None:
+                    log.feed(index, response)
                 for chunk in writer.chunks(index, response):
                     yield chunk
+        if log is not None:
+            log.finish()
         if (usage_chunk := writer.usage_chunk()) is not None:
             yield usage_chunk
     except grpc.aio.AioRpcError as exc:
@@ -596,9 +608,11 @@ async def _chunks(
         slot.release()
 
 
-async def _sse(calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain) -> AsyncIterator[str]:
+async def _sse(
+    calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain, log: OutputLog | None
+) -> AsyncIterator[str]:
     """The stream's server-sent events, ending in ``data: [DONE]``; leaving it early aborts the requests."""
-    async with contextlib.aclosing(_chunks(calls, writer, slot, drain)) as chunks:
+    async with contextlib.aclosing(_chunks(calls, writer, slot, drain, log)) as chunks:
         async for chunk in chunks:
             yield sse_data(chunk)
     yield sse_data("[DONE]")
