@@ -15,7 +15,7 @@ from raypaged import envs
 from raypaged.human_int import human_int, human_int_or_auto
 from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
-from raypaged.sampling_params import SamplingParams
+from raypaged.sampling_params import LOGPROBS_MODES, RAW_LOGPROBS, SamplingParams
 from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.structured.config import StructuredOutputsConfig
 
@@ -249,6 +249,13 @@ class EngineConfig:
     )
     enforce_eager: bool = _flag(
         False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs", action="store_true"
+    )
+    logprobs_mode: str = _flag(
+        RAW_LOGPROBS,
+        "what the logprobs requests ask for hold: the model's log-probabilities (raw_logprobs) or logits "
+        "(raw_logits), or those the token was drawn from, after penalties, bias, temperature, top-k, top-p and "
+        "min-p (processed_logprobs, processed_logits); prompt logprobs and cumulative_logprob stay raw_logprobs",
+        choices=LOGPROBS_MODES,
     )
     stream_interval: int = _flag(
         1,

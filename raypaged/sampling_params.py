@@ -114,6 +114,16 @@ class RepetitionDetectionParams:
         return False
 
 
+# vLLM's --logprobs-mode: what the logprobs requests ask for hold (log-softmax or logits, before or after
+# penalties, bias, masks, temperature, top-k, top-p and min-p)
+RAW_LOGPROBS, RAW_LOGITS, PROCESSED_LOGPROBS, PROCESSED_LOGITS = (
+    "raw_logprobs",
+    "raw_logits",
+    "processed_logprobs",
+    "processed_logits",
+)
+LOGPROBS_MODES = (RAW_LOGPROBS, RAW_LOGITS, PROCESSED_LOGPROBS, PROCESSED_LOGITS)
+
 REPETITION_DETECTED = "repetition_detected"  # the stop_reason of a sequence repetition detection ended
 
 

@@ -101,13 +101,6 @@ DEFAULT_ONLY: list[Option] = [
     ("quantization_config", (), str, (None,), "{quantization} and the checkpoint's quantization_config choose it"),
     ("enable_return_routed_experts", (), bool, (None, False), _NO_MOE),
     ("return_sampling_mask", (), bool, (None, False), "responses carry tokens and logprobs, no sampling masks"),
-    (
-        "logprobs_mode",
-        (),
-        str,
-        ("raw_logprobs",),
-        "logprobs are the model's own (raw_logprobs): log-softmax before penalties, temperature and top-k/p",
-    ),
     ("use_fp64_gumbel", (), bool, (None, False), "tokens are drawn by inverse CDF from each row's generator"),
     ("enable_trace_replay", (), bool, (None, False), _NO_TRACING),
     ("enable_prompt_embeds", (), bool, (None, False), "prompts are text or token ids"),

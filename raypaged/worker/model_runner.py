@@ -18,7 +18,7 @@ import torch
 from raypaged import envs
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SampledToken, SchedulerOutput
-from raypaged.sampling_params import SamplingParams
+from raypaged.sampling_params import RAW_LOGPROBS, SamplingParams
 from raypaged.spec_decode.verify import accepted_run
 from raypaged.worker.block_tables import BlockTables
 from raypaged.worker.cache import KVCache
@@ -117,8 +117,10 @@ class ModelRunner:
         samples: bool = True,
         lora: LoRAManager | None = None,
         async_scheduling: bool = False,
+        logprobs_mode: str = RAW_LOGPROBS,
     ) -> None:
         """``samples``: this rank samples and reports tokens (rank 0); the others only run the forward.
+        ``logprobs_mode``: what the logprobs requests ask for hold (``sampler.sample``).
         ``lora``: the model's LoRA slots, filled as each step's ``lora_loads`` say.
         ``async_scheduling``: a step may be scheduled before the tokens of the one before it reach the
         scheduler; the runner keeps each sampled token until the scheduler sends it back (one shard only)."""
@@ -126,6 +128,7 @@ class ModelRunner:
         self.model = model
         self.samples = samples
         self.async_scheduling = async_scheduling
+        self.logprobs_mode = logprobs_mode
         self.cache = cache
         self.block_size = block_size
         self.eos_token_id = eos_token_id
@@ -367,7 +370,7 @@ class ModelRunner:
         try:
             tokens = greedy_fast_path(logits, inputs)
             if tokens is None:
-                tokens = sample(logits, inputs, self.generator)  # on the logits' device
+                tokens = sample(logits, inputs, self.generator, self.logprobs_mode)  # on the logits' device
             out = self._runner_output(rows, tokens)
         except Exception:  # one row's parameters broke the batch: find it, sample the others
             out = self._sample_rows(logits, inputs, rows)
@@ -460,7 +463,7 @@ class ModelRunner:
         failed: dict[str, str] = {}
         for row, ((request_id, _), row_input) in enumerate(zip(rows, inputs)):
             try:
-                tokens.append(sample(logits[row : row + 1], [row_input], self.generator)[0])
+                tokens.append(sample(logits[row : row + 1], [row_input], self.generator, self.logprobs_mode)[0])
             except Exception as exc:
                 logger.exception("sampling failed for request %s", request_id)
                 failed.setdefault(request_id, f"sampling failed: {type(exc).__name__}: {exc}")

@@ -24,7 +24,7 @@ import torch
 
 from raypaged.core.outputs import SampledToken
 from raypaged.outputs import Logprob
-from raypaged.sampling_params import SamplingParams
+from raypaged.sampling_params import PROCESSED_LOGITS, RAW_LOGITS, RAW_LOGPROBS, SamplingParams
 
 
 @dataclass(slots=True)
@@ -38,43 +38,74 @@ class SamplingInput:
     sample_index: int = 0  # samples of one request (n > 1) draw distinct streams
 
 
-def sample(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator) -> list[SampledToken]:
-    """``logits``: [num_seqs, vocab]; returns one token per row."""
-    logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
-    logits = _apply_penalties(logits.clone(), inputs)
+def sample(
+    logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator, logprobs_mode: str = RAW_LOGPROBS
+) -> list[SampledToken]:
+    """``logits``: [num_seqs, vocab]; returns one token per row. Each token's ``logprob`` (cumulative
+    logprobs, best_of and beam ranking) is its raw log-probability; the logprobs rows ask for are of
+    ``logprobs_mode`` (vLLM's ``--logprobs-mode``, see ``LOGPROBS_MODES``)."""
+    raw = logits.float()
+    raw_logprobs = torch.log_softmax(raw, dim=-1)
+    logits = _apply_penalties(raw.clone(), inputs)
 
     token_ids = torch.empty(len(inputs), dtype=torch.long, device=logits.device)
     greedy = [i for i, s in enumerate(inputs) if s.params.greedy]
     sampled = [i for i, s in enumerate(inputs) if not s.params.greedy]
+    warped = None
     if greedy:
         token_ids[greedy] = logits[greedy].argmax(dim=-1)
     if sampled:
-        probs = _warped_probs(logits[sampled], [inputs[i].params for i in sampled])
+        warped, probs = _warped(logits[sampled], [inputs[i].params for i in sampled])
         token_ids[sampled] = _draw(probs, [inputs[i] for i in sampled], generator)
 
     results = []
     token_list = token_ids.tolist()
-    chosen_t = raw_logprobs.gather(1, token_ids[:, None])
-    chosen = chosen_t.squeeze(1).tolist()
-    max_top = max((s.params.logprobs or 0) for s in inputs)
-    ranks: list[int] = []
-    if any(s.params.logprobs is not None for s in inputs):
-        ranks = ((raw_logprobs > chosen_t).sum(-1) + 1).tolist()  # 1: the most likely token
+    chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    if all(s.params.logprobs is None for s in inputs):
+        return [SampledToken(token, logprob, None) for token, logprob in zip(token_list, chosen)]
+    shown = _shown_logprobs(logprobs_mode, raw, raw_logprobs, logits, sampled, warped)
+    shown_chosen_t = shown.gather(1, token_ids[:, None])
+    shown_chosen = shown_chosen_t.squeeze(1).tolist()
+    ranks = ((shown > shown_chosen_t).sum(-1) + 1).tolist()  # 1: the most likely token
     top_values: list[list[float]] = []
     top_ids: list[list[int]] = []
-    if max_top:
-        top_values_t, top_ids_t = raw_logprobs.topk(max_top, dim=-1)
+    if max_top := max((s.params.logprobs or 0) for s in inputs):
+        top_values_t, top_ids_t = shown.topk(max_top, dim=-1)
         top_values, top_ids = top_values_t.tolist(), top_ids_t.tolist()
     for i, s in enumerate(inputs):
         top = None
         if s.params.logprobs is not None:
             num = s.params.logprobs
             top = logprob_entry(
-                token_list[i], chosen[i], ranks[i], top_ids[i][:num] if num else [], top_values[i][:num] if num else []
+                token_list[i],
+                shown_chosen[i],
+                ranks[i],
+                top_ids[i][:num] if num else [],
+                top_values[i][:num] if num else [],
             )
         results.append(SampledToken(token_list[i], chosen[i], top))
     return results
+
+
+def _shown_logprobs(
+    mode: str,
+    raw: torch.Tensor,
+    raw_logprobs: torch.Tensor,
+    processed: torch.Tensor,
+    sampled: list[int],
+    warped: torch.Tensor | None,
+) -> torch.Tensor:
+    """What the logprobs a request asks for hold: the raw logits or their log-softmax, or the processed ones
+    (``processed``: after penalties, bias and masks; the sampled rows as drawn from, ``warped``: also after
+    temperature, top-k, top-p and min-p, a cut token -inf), or their log-softmax."""
+    if mode == RAW_LOGPROBS:
+        return raw_logprobs
+    if mode == RAW_LOGITS:
+        return raw
+    if warped is not None:
+        processed = processed.clone()
+        processed[sampled] = warped
+    return processed if mode == PROCESSED_LOGITS else torch.log_softmax(processed, dim=-1)
 
 
 def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]) -> dict:
@@ -276,7 +307,9 @@ def _banned_by_words(words: list[list[int]], output_token_ids: list[int]) -> lis
     return banned
 
 
-def _warped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _warped(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits as sampled from (after temperature, top-k, top-p and min-p; a cut token -inf) and the
+    probabilities drawn from (min-p's cut tokens 0, the others as softmax gave them)."""
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     logits = logits / temperature[:, None]
     with_k = [i for i, p in enumerate(params) if p.top_k is not None]
@@ -287,9 +320,10 @@ def _warped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     probs = logits.softmax(dim=-1)
     if any(p.min_p > 0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
-        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
+        cut = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(cut, 0.0)
+        logits = logits.masked_fill(cut, float("-inf"))
+    return logits, probs
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

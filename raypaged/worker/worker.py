@@ -277,6 +277,7 @@ class Worker:
             samples=self.tp.rank == 0,
             lora=self.lora,
             async_scheduling=self.config.resolved_async_scheduling,
+            logprobs_mode=self.config.logprobs_mode,
         )
         if self.draft_model is not None:
             from raypaged.spec_decode.draft_model import DraftModelProposer

@@ -110,11 +110,6 @@ def test_vllm_flags_at_the_values_raypaged_has_are_taken(tiny_model_dir, argv):
             "(level 0); CUDA graphs are on unless --enforce-eager",
         ),
         (
-            ["--logprobs-mode", "processed_logprobs"],
-            "--logprobs-mode processed_logprobs is not supported: logprobs are the model's own (raw_logprobs): "
-            "log-softmax before penalties, temperature and top-k/p",
-        ),
-        (
             ["--enable-lora", "--lora-dtype", "bfloat16"],
             "--lora-dtype bfloat16 is not supported: adapters run in the base model's dtype (auto)",
         ),
@@ -242,3 +237,22 @@ def test_max_model_len_auto_is_the_models_length_or_what_the_kv_cache_holds(tiny
             llm.generate([{"prompt_token_ids": [1] * 60}], SamplingParams(max_tokens=10))
     finally:
         llm.shutdown()
+
+
+def test_logprobs_mode_processed_logprobs_shows_the_distribution_each_token_was_drawn_from(tiny_model_dir):
+    import math
+
+    from raypaged import SamplingParams
+
+    [config] = configs(str(tiny_model_dir), "--logprobs-mode", "processed_logprobs")
+    assert config.logprobs_mode == "processed_logprobs"
+    llm = LLM(str(tiny_model_dir), logprobs_mode="processed_logprobs", num_gpu_blocks_override=64)
+    try:
+        params = SamplingParams(temperature=0.8, top_k=2, logprobs=2, max_tokens=6, seed=3, ignore_eos=True)
+        [out] = llm.generate(["Hello there"], params)
+    finally:
+        llm.shutdown()
+    completion = out.outputs[0]
+    for token, position in zip(completion.token_ids, completion.logprobs):
+        top_two = sorted(position.values(), key=lambda entry: entry.rank)[:2]
+        assert token in position and sum(math.exp(e.logprob) for e in top_two) == pytest.approx(1.0, abs=1e-5)

@@ -98,7 +98,7 @@ def reference_warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def test_top_k_and_top_p_rows_equal_a_full_sort_of_each_row():
-    from raypaged.worker.sampler import _warped_probs
+    from raypaged.worker.sampler import _warped
 
     torch.manual_seed(0)
     logits = torch.randn(7, 500) * 3
@@ -111,10 +111,11 @@ def test_top_k_and_top_p_rows_equal_a_full_sort_of_each_row():
         SamplingParams(temperature=1.0, top_k=600, min_p=0.1),  # k past the vocabulary: every token
         SamplingParams(temperature=0.5, top_p=0.95, min_p=0.05),
     ]
-    warped = _warped_probs(logits.clone(), params)
+    warped_logits, warped = _warped(logits.clone(), params)
     for row, p in enumerate(params):
         assert torch.allclose(warped[row], reference_warp(logits[row], p), atol=1e-6), p
     assert (warped[0] > 0).sum() == 5 and (warped[4] > 0).sum() == 1
+    assert torch.equal(warped_logits.isfinite(), warped > 0)  # the logits drawn from: every cut token -inf
 
 
 def test_top_p_alone_ranks_the_whole_vocabulary_only_when_the_likeliest_fall_short():
@@ -125,7 +126,7 @@ def test_top_p_alone_ranks_the_whole_vocabulary_only_when_the_likeliest_fall_sho
     flat = torch.randn(3, 5000) * 0.01  # they hold about a fifth: the full sort runs
     params = [SamplingParams(temperature=1.0, top_p=q) for q in (0.5, 0.9, 0.99)]
     for logits in (peaked, flat):
-        warped = sampler._warped_probs(logits.clone(), params)
+        warped = sampler._warped(logits.clone(), params)[1]
         for row, p in enumerate(params):
             assert torch.allclose(warped[row], reference_warp(logits[row], p), atol=1e-6)
 
@@ -189,3 +190,43 @@ def test_batched_penalties_and_bans_equal_row_by_row_to_the_bit():
     batched = _apply_penalties(logits.clone(), inputs)
     assert torch.equal(batched, penalties_row_by_row(logits.clone(), inputs))
     assert not torch.equal(batched, logits)
+
+
+def test_logprobs_modes_show_raw_or_processed_logprobs_or_logits_and_keep_the_raw_logprob():
+    """vLLM's --logprobs-mode: a greedy row with a repetition penalty and a sampled row with temperature and
+    top-k, their logprobs as each mode shows them; the token's own logprob (cumulative logprobs) stays raw."""
+    from raypaged.sampling_params import LOGPROBS_MODES
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 50) * 3
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=3)
+    warm = SamplingParams(temperature=0.5, top_k=2, logprobs=3, seed=7)
+    batch = [SamplingInput(greedy, [5, 6], [7], None), SamplingInput(warm, [5, 6], [7], None)]
+    penalized = logits.clone()
+    for token in (5, 6, 7):  # the greedy row's prompt and output tokens, penalized as the sampler does
+        value = penalized[0, token]
+        penalized[0, token] = value / 1.5 if value > 0 else value * 1.5
+    scaled = logits[1] / 0.5
+    kept = scaled.topk(2).indices
+    drawn = torch.full_like(scaled, float("-inf"))
+    drawn[kept] = scaled[kept]
+    expected = {
+        "raw_logprobs": torch.log_softmax(logits, -1),
+        "raw_logits": logits,
+        "processed_logits": torch.stack([penalized[0], drawn]),
+        "processed_logprobs": torch.log_softmax(torch.stack([penalized[0], drawn]), -1),
+    }
+    raw = torch.log_softmax(logits, -1)
+    for mode in LOGPROBS_MODES:
+        tokens = sample(logits, batch, torch.Generator().manual_seed(0), mode)
+        assert tokens[0].token_id == int(penalized[0].argmax()) and tokens[1].token_id in kept.tolist()
+        for row, token in enumerate(tokens):
+            shown = expected[mode][row]
+            top = shown.topk(3)
+            assert token.logprob == pytest.approx(float(raw[row, token.token_id]), abs=1e-6)
+            assert token.top_logprobs[token.token_id].logprob == pytest.approx(float(shown[token.token_id]), abs=1e-5)
+            for rank, (value, top_id) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+                entry = token.top_logprobs[top_id]
+                assert entry.rank == rank and (
+                    entry.logprob == pytest.approx(value, abs=1e-5) or value == entry.logprob
+                )
