@@ -19,8 +19,10 @@ keeps of the engine's throughput. No request is cut off.
     python benchmarks/serving_overhead.py --quick    # 64 prompts, concurrency 32 (under a minute)
     python benchmarks/serving_overhead.py            # 256 prompts, concurrency 64
     python benchmarks/serving_overhead.py --server-env PYTHONPATH=/tmp/other   # serve another checkout's raypaged
+    python benchmarks/serving_overhead.py --server-arg=--stream-interval --server-arg=8   # more server flags
 
-Writes benchmarks/results/serving_overhead.json; prints a summary line and a Markdown table row.
+Writes benchmarks/results/serving_overhead.json (``--name``: another name); prints a summary line and a
+Markdown table row.
 """
 
 from __future__ import annotations
@@ -107,6 +109,15 @@ def parse_args() -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="set in the server's environment (repeatable)",
     )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument of the server's command line (repeatable: --server-arg=--stream-interval "
+        "--server-arg=8)",
+    )
+    parser.add_argument("--name", default="serving_overhead", help="results file: benchmarks/results/NAME.json")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.num_prompts = args.num_prompts or (64 if args.quick else 256)
@@ -175,6 +186,7 @@ def server_command(model_dir: Path, port: int, args: argparse.Namespace) -> list
         str(port),
         "--grpc-port",
         str(free_port()),
+        *args.server_arg,
     ]
 
 
@@ -352,6 +364,7 @@ def main() -> None:
             "repeats": args.repeats,
             "quick": args.quick,
             "seed": args.seed,
+            "server_args": args.server_arg,
             "client": "one asyncio httpx process, closed loop, streaming /v1/completions, on the same CPUs",
         },
         offline=offline,
@@ -359,7 +372,7 @@ def main() -> None:
         served_over_offline=served["tokens_per_s"] / offline["tokens_per_s"],
         served_over_offline_runs=[s["tokens_per_s"] / o["tokens_per_s"] for o, s in zip(offline_runs, served_runs)],
     )
-    path = write_json("serving_overhead", report)
+    path = write_json(args.name, report)
     ratios = ", ".join(f"{r:.0%}" for r in report["served_over_offline_runs"])
     env = f" (server env {args.server_env})" if args.server_env else ""
     print(

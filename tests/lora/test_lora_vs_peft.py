@@ -44,7 +44,9 @@ def test_one_mixed_forward_equals_peft_per_adapter(manager, peft_smollm2, bgmv, 
     logits = prefill_logits(model, PROMPTS)
     for name, prompt, got in zip(SEQUENCE_ADAPTERS, PROMPTS, logits):
         want = peft_logits(peft_smollm2, name, prompt)
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4, msg=f"adapter {name}")
+        # fp32 rounding: peft and raypaged sum in their own orders over 30 layers (up to 2.7e-4 on logits of about
+        # 25 with peft 0.21); an adapter moves them by more than 0.5 (below)
+        torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-4, msg=f"adapter {name}")
         if name is not None:  # the adapter changes the logits well beyond the tolerance
             assert (want - peft_logits(peft_smollm2, None, prompt)).abs().max() > 0.5
 
