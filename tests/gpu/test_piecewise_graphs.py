@@ -106,3 +106,34 @@ def test_engine_gives_the_same_greedy_tokens_with_the_switch_on_and_off(model_di
     assert replays["0"] is None and replays["1"] > 0
     assert tokens["1"] == tokens["0"]
     assert [len(t) for t in tokens["1"]] == [p.max_tokens for p in params]
+
+
+def test_vllms_capture_size_flags_choose_the_graphs_and_change_no_token(model_dir):
+    """--cudagraph-capture-sizes 1 3 32: decode graphs for batches 1 and 3 (a batch of 4 runs eagerly), piecewise
+    graphs for 1, 3 and 32 tokens (a step of more runs eagerly); the tokens equal the default sizes'."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(n)] for n in (3, 17, 40, 9, 25)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for sizes in (None, [1, 3, 32]):
+        llm = LLM(
+            str(model_dir),
+            device="cuda",
+            dtype="float32",
+            gpu_memory_utilization=0.3,
+            max_model_len=512,
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+            cudagraph_capture_sizes=sizes,
+        )
+        runner = llm.llm_engine.executor.worker.runner
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[str(sizes)] = [list(o.outputs[0].token_ids) for o in outputs]
+        assert runner.graphs is not None
+        if sizes is not None:
+            assert runner.graphs.sizes == [1, 3] and runner.piecewise.buckets == [1, 3, 32]
+            assert runner.graphs.replays > 0 and runner.piecewise.replays > 0
+        del llm, runner, outputs
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert tokens["None"] == tokens["[1, 3, 32]"]
