@@ -47,6 +47,8 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool | None = None
+    # from the first token, inside a reasoning section too (a chat request's include_reasoning: false, as vLLM)
+    in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]

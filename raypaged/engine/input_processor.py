@@ -129,7 +129,7 @@ class InputProcessor:
         grammars are cached). With a reasoning parser the constraint applies after the output's
         reasoning section, unless the prompt closed that section itself."""
         check_text(STRUCTURED_PARAM, structured.num_chars, self.config.limits, self.config.resolved_max_model_len)
-        reasoning = self.config.parsed_structured_outputs_config.reasoning
+        reasoning = None if structured.in_reasoning else self.config.parsed_structured_outputs_config.reasoning
         if reasoning is not None:
             tail = (
                 prompt[-64:]

@@ -153,7 +153,7 @@ def structured_from_proto(message: pb.StructuredOutput) -> StructuredOutputsPara
     value = list(message.choice.choices) if kind == "choice" else getattr(message, kind)
     whitespace = message.disable_any_whitespace if message.HasField("disable_any_whitespace") else None
     constraint: dict[str, Any] = {"json" if kind == "json_schema" else kind: value}  # the oneof's field, by name
-    return StructuredOutputsParams(**constraint, disable_any_whitespace=whitespace)
+    return StructuredOutputsParams(**constraint, disable_any_whitespace=whitespace, in_reasoning=message.in_reasoning)
 
 
 def _set_or(message: Any, name: str, default: float | None, fallback: float | None) -> Any:

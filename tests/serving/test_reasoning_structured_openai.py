@@ -75,3 +75,25 @@ def test_a_required_tool_is_called_after_the_reasoning(client):
     [call] = choice.message.tool_calls
     assert call.function.name == "locate"
     jsonschema.validate(json.loads(call.function.arguments), PLACE)
+
+
+def test_include_reasoning_false_returns_no_reasoning_and_constrains_from_the_first_token(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}}
+    settings = {"model": "smollm2", "messages": ONE_SHOT, "max_tokens": 120, "temperature": 0}
+    chat = client.chat.completions.create(
+        **settings, response_format=response_format, extra_body={"include_reasoning": False}
+    )
+    message = chat.choices[0].message
+    assert getattr(message, "reasoning_content", None) is None
+    jsonschema.validate(json.loads(message.content), PLACE)  # JSON from the first token: no <think> section
+    assert not message.content.lstrip().startswith("<think>")
+    stream = client.chat.completions.create(
+        **settings, response_format=response_format, extra_body={"include_reasoning": False}, stream=True
+    )
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    assert all(getattr(delta, "reasoning_content", None) is None for delta in deltas)
+    assert "".join(delta.content or "" for delta in deltas) == message.content
+    shown = client.chat.completions.create(**settings).choices[0].message
+    hidden = client.chat.completions.create(**settings, extra_body={"include_reasoning": False}).choices[0].message
+    assert shown.reasoning_content  # unconstrained, the model reasons; without include_reasoning it is not returned
+    assert (getattr(hidden, "reasoning_content", None), hidden.content) == (None, shown.content)

@@ -33,7 +33,6 @@ def http(tiny_model_dir):
         (COMPLETION, "watermarking", True),
         (CHAT, "logprob_token_ids", [1, 2]),
         (CHAT, "thinking_token_budget", 64),
-        (CHAT, "include_reasoning", False),
         (CHAT, "return_prompt_text", True),
         (COMPLETION, "ec_transfer_params", {"x": 1}),
     ],
@@ -63,7 +62,6 @@ def test_a_known_field_it_cannot_honour_is_a_400_naming_it(http, body, field, va
         (COMPLETION, "truncation_side", "left"),
         (CHAT, "thinking_token_budget", -1),
         (CHAT, "stream_interval", 1),
-        (CHAT, "include_reasoning", True),
         (COMPLETION, "session_id", "conversation-7"),
     ],
 )

@@ -169,6 +169,9 @@ def build_app(
         prompts = body.prompts(tools) if isinstance(body, ChatCompletionRequest) else body.prompts()
         num_logprobs = body.num_logprobs
         constraint = body.constraint(tools)
+        include_reasoning = body.include_reasoning if isinstance(body, ChatCompletionRequest) else True
+        if constraint is not None and not include_reasoning:
+            constraint.in_reasoning = True
         try:
             requests = [
                 body.generate_request(model, p, num_logprobs, body.resolved_max_tokens, body.priority, constraint)
@@ -190,6 +193,7 @@ def build_app(
             prompt_tokens_details=prompt_tokens_details,
             request_id=body.request_id or _header_request_id(http),
             reasoning=reasoning_parser if chat else None,
+            include_reasoning=include_reasoning,
             token_ids_as_text=body.return_tokens_as_token_ids or return_tokens_as_token_ids,
             token_ids=bool(body.return_token_ids),
         )

@@ -56,6 +56,7 @@ class ResponseShape:
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
     request_id: str | None = None  # the client's (X-Request-Id or request_id): the response id is made of it
     reasoning: ReasoningParser | None = None  # chat: <think> sections become reasoning_content (--reasoning-parser)
+    include_reasoning: bool = True  # False: the reasoning section is split off and not returned (vLLM's)
     token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
     token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and each choice's token_ids
     id: str = ""
@@ -129,7 +130,9 @@ class ResponseShape:
         """A whole chat answer as its message (reasoning split off, then tool calls) and its finish reason."""
         message: dict = {"role": self.role}
         if self.reasoning is not None:
-            message["reasoning_content"], content = self.reasoning.split(text)
+            thought, content = self.reasoning.split(text)
+            if self.include_reasoning:
+                message["reasoning_content"] = thought
             text = content or ""
         else:
             content = text
@@ -386,7 +389,7 @@ class ChunkWriter:
             if finish_reason is not None:
                 more, rest = self._reasoning_streams[index].finish()
                 thought, text = thought + more, text + rest
-            if thought:
+            if thought and self.shape.include_reasoning:
                 fields["reasoning_content"] = thought
         if self._tool_streams is None or self.shape.tools is None:
             return fields | ({"content": text} if text else {}), finish_reason

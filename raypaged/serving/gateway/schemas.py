@@ -65,7 +65,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "return_mm_kwargs": (True, False),  # the /render endpoints' only
     "ec_transfer_params": (),
     "thinking_token_budget": (-1,),
-    "include_reasoning": (True,),
     "media_io_kwargs": (),
     "return_prompt_text": (False,),
 }
@@ -421,6 +420,7 @@ class ChatCompletionRequest(_GenerationBody):
     parallel_tool_calls: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # false: no reasoning_content, and constraints apply from the first token
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None
