@@ -148,7 +148,7 @@ def json_flag_value(flag_name: str, value: str) -> Any:
         raise ValueError(f"{flag_name} takes a JSON object, got {value!r} ({exc})") from None
 
 
-def _speculative_flag(flag_name: str, value: str) -> SpeculativeConfig | None:
+def _speculative_flag(flag_name: str, value: str | dict[str, Any]) -> SpeculativeConfig | None:
     return SpeculativeConfig.parse(value)  # its errors name --speculative-config
 
 

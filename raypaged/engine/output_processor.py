@@ -343,9 +343,11 @@ def _stopped_in_run(seq: SeqState, delta: SeqDelta, finished: bool) -> bool:
         if finished and last:
             seq.text += seq.detokenizer.flush()
         cut = find_stop(seq.text, params.stop, searched) if params.stop else None
-        repeated = cut is None and repetition is not None
-        if repeated and repetition is not None:
-            repeated = repetition.repeated_tail(seq.token_ids, len(seq.token_ids) - (len(pieces) - i))
+        repeated = (
+            cut is None
+            and repetition is not None
+            and repetition.repeated_tail(seq.token_ids, len(seq.token_ids) - (len(pieces) - i))
+        )
         if cut is None and not repeated:
             continue
         _drop_run_tail(seq, delta, len(pieces) - i)
@@ -396,7 +398,7 @@ def make_output(state: RequestState, stream_interval: int = 1) -> RequestOutput 
         if kind is _FINAL_ONLY and not finished:
             return None
         delta = kind is _DELTA
-        if delta and stream_interval > 1 and not finished and not _due(seq, stream_interval):
+        if delta and stream_interval > 1 and not _due(seq, stream_interval):
             return None
         completion = _delta(seq, params) if delta else _cumulative(seq, params)
         seq.done = finished
@@ -417,10 +419,8 @@ def make_output(state: RequestState, stream_interval: int = 1) -> RequestOutput 
     if (ranked or params.output_kind == RequestOutputKind.FINAL_ONLY) and not finished:
         return None
     delta = params.output_kind == RequestOutputKind.DELTA and not ranked
-    if delta and stream_interval > 1 and not finished:
-        ended_now = [seq.finish_reason is not None and not seq.done for seq in state.seqs]
-        if not any(ended or _due(seq, stream_interval) for seq, ended in zip(state.seqs, ended_now)):
-            return None
+    if delta and stream_interval > 1 and not finished and not any(_due(seq, stream_interval) for seq in state.seqs):
+        return None
     seqs = state.seqs
     if ranked:  # the n best by cumulative logprob (a stable sort: ties keep their sample order)
         seqs = sorted(seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)[: params.n]
@@ -446,9 +446,11 @@ def make_output(state: RequestState, stream_interval: int = 1) -> RequestOutput 
 
 
 def _due(seq: SeqState, stream_interval: int) -> bool:
-    """Whether a streaming sequence's new tokens go out now: its first, or ``stream_interval`` of them."""
+    """Whether a streaming sequence's new tokens go out now: its first, ``stream_interval`` of them, or its end
+    (not yet sent)."""
     sent = seq.num_sent_tokens
-    return sent == 0 or len(seq.token_ids) - sent >= stream_interval
+    ended = seq.finish_reason is not None and not seq.done
+    return ended or sent == 0 or len(seq.token_ids) - sent >= stream_interval
 
 
 def error_output(state: RequestState) -> RequestOutput:

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import dataclasses
 import inspect
-import json
 import logging
 import sys
 from typing import Any
@@ -154,7 +153,7 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
             continue  # below, with the flags that also set it
         value = getattr(args, f.name)
         if f.name == "speculative_config":
-            value = speculative_config_text(args)
+            value = speculative_config_value(args)
         if value is not None and meta.parse is not None:
             value = meta.parse(vllm_flag(f.name), value)
         if value is None:
@@ -179,9 +178,9 @@ _SPEC_SHORTCUTS = (
 )
 
 
-def speculative_config_text(args: argparse.Namespace) -> str | None:
-    """``--speculative-config``'s JSON with the keys ``--spec-method``, ``--spec-model`` and ``--spec-tokens`` set;
-    a key set both ways is an error naming both."""
+def speculative_config_value(args: argparse.Namespace) -> str | dict[str, Any] | None:
+    """``--speculative-config``'s JSON text, or with ``--spec-method``, ``--spec-model`` or ``--spec-tokens``
+    given, its object with those keys set; a key set both ways is an error naming both."""
     given = {
         key: value
         for name, key, _ in _SPEC_SHORTCUTS
@@ -195,7 +194,7 @@ def speculative_config_text(args: argparse.Namespace) -> str | None:
     for name, key, _ in _SPEC_SHORTCUTS:
         if key in given and key in config:
             raise ValueError(f"{name} and --speculative-config's {key!r} both set {key}: give one of them")
-    return json.dumps({**config, **given})
+    return {**config, **given}
 
 
 def configure_logging(level: str) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from raypaged.core.outputs import SampledToken
 from raypaged.outputs import Logprob
-from raypaged.sampling_params import PROCESSED_LOGITS, RAW_LOGITS, RAW_LOGPROBS, SamplingParams
+from raypaged.sampling_params import PROCESSED_LOGITS, PROCESSED_LOGPROBS, RAW_LOGITS, RAW_LOGPROBS, SamplingParams
 
 
 @dataclass(slots=True)
@@ -52,10 +52,13 @@ def sample(
     greedy = [i for i, s in enumerate(inputs) if s.params.greedy]
     sampled = [i for i, s in enumerate(inputs) if not s.params.greedy]
     warped = None
+    shows_processed = logprobs_mode in (PROCESSED_LOGPROBS, PROCESSED_LOGITS) and any(
+        s.params.logprobs is not None for s in inputs
+    )
     if greedy:
         token_ids[greedy] = logits[greedy].argmax(dim=-1)
     if sampled:
-        warped, probs = _warped(logits[sampled], [inputs[i].params for i in sampled])
+        warped, probs = _warped(logits[sampled], [inputs[i].params for i in sampled], shows_processed)
         token_ids[sampled] = _draw(probs, [inputs[i] for i in sampled], generator)
 
     results = []
@@ -307,9 +310,12 @@ def _banned_by_words(words: list[list[int]], output_token_ids: list[int]) -> lis
     return banned
 
 
-def _warped(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits as sampled from (after temperature, top-k, top-p and min-p; a cut token -inf) and the
-    probabilities drawn from (min-p's cut tokens 0, the others as softmax gave them)."""
+def _warped(
+    logits: torch.Tensor, params: list[SamplingParams], cut_logits: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits as sampled from (after temperature, top-k and top-p, a cut token -inf; with ``cut_logits``,
+    min-p's cut tokens -inf too) and the probabilities drawn from (min-p's cut tokens 0, the others as softmax
+    gave them)."""
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     logits = logits / temperature[:, None]
     with_k = [i for i, p in enumerate(params) if p.top_k is not None]
@@ -322,7 +328,8 @@ def _warped(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.T
         min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
         cut = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(cut, 0.0)
-        logits = logits.masked_fill(cut, float("-inf"))
+        if cut_logits:  # only the processed logprobs show them
+            logits = logits.masked_fill(cut, float("-inf"))
     return logits, probs
 
 

@@ -52,7 +52,7 @@ class OutputLog:
 
     def _log(self, where: str, choice: int, text: str, token_ids: list[int], reason: str | None) -> None:
         cut = self.settings.max_len
-        shown = f"{self.request_id}" if self.n == 1 and not choice else f"{self.request_id} choice {choice}"
+        shown = self.request_id if self.n == 1 and not choice else f"{self.request_id} choice {choice}"
         logger.info(
             "Generated response %s%s: output: %r, output_token_ids: %s, finish_reason: %s",
             shown,
