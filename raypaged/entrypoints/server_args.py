@@ -194,7 +194,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="BYTES",
-        help="most bytes of an HTTP request's head (request line and headers; default: uvicorn's, 16 KiB)",
+        help="most bytes of an HTTP request's head (request line and headers; default: h11's, 16 KiB); past it a 400",
     )
     parser.add_argument(
         "--enable-prompt-tokens-details",

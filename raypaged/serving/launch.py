@@ -29,6 +29,7 @@ from raypaged.serving.gateway.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PRO
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, tenants_for
+from raypaged.serving.gateway.http_protocol import BoundedHttpToolsProtocol
 from raypaged.serving.gateway.output_log import OutputLogging
 from raypaged.serving.gateway.reasoning import get_reasoning_parser
 from raypaged.serving.gateway.tenants import Tenants
@@ -62,7 +63,7 @@ class GatewayOptions:
     access_log_skip_paths: tuple[str, ...] = ()  # requests of these paths get no access-log line
     log_config: dict[str, Any] | None = None  # logging.config.dictConfig's dict, for ours and uvicorn's loggers
     log_error_stack: bool = False  # log error responses with their exception's stack
-    h11_max_incomplete_event_size: int | None = None  # bytes of a request head (None: h11's 16 KiB)
+    h11_max_incomplete_event_size: int | None = None  # bytes of a request head (None: 16 KiB, h11's default)
     openapi_docs: bool = True  # /openapi.json (--disable-fastapi-docs: none)
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
@@ -263,7 +264,7 @@ class Gateway:
         self.server = _Server(
             uvicorn.Config(
                 app,
-                http="h11",  # the parser --h11-max-incomplete-event-size bounds, whatever else is installed
+                http=BoundedHttpToolsProtocol,  # httptools, heads bounded by --h11-max-incomplete-event-size
                 h11_max_incomplete_event_size=options.h11_max_incomplete_event_size,
                 log_config=options.log_config if options.log_config is not None else uvicorn.config.LOGGING_CONFIG,
                 log_level=options.uvicorn_log_level or options.log_level,

@@ -290,6 +290,19 @@ def test_http_client_disconnect_aborts_the_request(stack, client):
     wait_all_blocks_free(stack, "tiny", within_s=1.0)
 
 
+def test_request_heads_over_16_kib_are_refused_by_default(stack, client):
+    # without --h11-max-incomplete-event-size a head may hold 16 KiB (h11's default), as before httptools
+    assert client.get("/v1/models", headers={"X-Pad": "a" * 15_000}).status_code == 200
+    with stack.client() as fresh:  # refused: a 400, sent while the client still writes, may arrive as a reset
+        try:
+            response = fresh.get("/v1/models", headers={"X-Pad": "a" * 17_000})
+            status, text = response.status_code, response.text
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+            status, text = 400, "Invalid HTTP request received."
+        assert (status, text) == (400, "Invalid HTTP request received.")
+    assert client.get("/v1/models").status_code == 200  # the server serves on
+
+
 def test_streams_end_with_done_and_usage_when_asked(client):
     response = client.post(
         "/v1/chat/completions",
