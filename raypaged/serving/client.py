@@ -16,8 +16,10 @@ the same fields and ``HasField``, and the gateway reads them with the same code.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
+
+import grpc
 
 from raypaged.serving.messages import AnyResponse
 from raypaged.serving.proto import generate_pb2 as pb
@@ -29,6 +31,14 @@ class StreamCall(Protocol):
     async def read(self) -> AnyResponse | Any: ...  # the link's GenerateResponse, or grpc.aio.EOF at the end
 
     def cancel(self) -> bool: ...
+
+
+@runtime_checkable
+class ForwardingCall(StreamCall, Protocol):
+    """A call that can push its responses instead (the in-process link): after ``forward(sink)`` each
+    response goes to ``sink`` as it is made, a failure as its ``grpc.aio.AioRpcError``, the end as ``None``."""
+
+    def forward(self, sink: Callable[[AnyResponse | grpc.aio.AioRpcError | None], None]) -> None: ...
 
 
 @runtime_checkable

@@ -66,25 +66,27 @@ class _Context:
 
 
 class _StreamCall:
-    """A server-streaming call: ``read()`` gives each response, then ``grpc.aio.EOF``."""
+    """A server-streaming call: ``read()`` gives each response, then ``grpc.aio.EOF``; or, after
+    ``forward(sink)``, the handler hands each response straight to ``sink``."""
 
     def __init__(self, responses: AsyncIterator[AnyResponse]) -> None:
         self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._sink: Callable[[object], None] = self._queue.put_nowait
         self._task = asyncio.ensure_future(self._pump(responses))
 
     async def _pump(self, responses: AsyncIterator[AnyResponse]) -> None:
         try:
             async for response in responses:
-                self._queue.put_nowait(response)
+                self._sink(response)
         except _Ended as ended:
-            self._queue.put_nowait(ended.rpc_error())
+            self._sink(ended.rpc_error())
         except Exception as exc:  # a handler bug: the call fails as gRPC fails it, UNKNOWN
-            self._queue.put_nowait(
+            self._sink(
                 grpc.aio.AioRpcError(
                     grpc.StatusCode.UNKNOWN, grpc.aio.Metadata(), grpc.aio.Metadata(), f"{type(exc).__name__}: {exc}"
                 )
             )
-        self._queue.put_nowait(_END)
+        self._sink(_END)
 
     async def read(self) -> AnyResponse | object:
         item = await self._queue.get()
@@ -94,6 +96,18 @@ class _StreamCall:
         if isinstance(item, grpc.aio.AioRpcError):
             raise item
         return item
+
+    def forward(self, sink: Callable[[AnyResponse | grpc.aio.AioRpcError | None], None]) -> None:
+        """From now on each response goes to ``sink`` as the handler yields it, a failure as its
+        ``AioRpcError``, and the end as ``None`` (one consumer task fewer a token than ``read()``);
+        responses not yet read go first."""
+
+        def send(item: object) -> None:
+            sink(None if item is _END else item)
+
+        while not self._queue.empty():
+            send(self._queue.get_nowait())
+        self._sink = send
 
     def cancel(self) -> bool:
         return self._task.cancel()

@@ -385,22 +385,59 @@ def test_the_gateway_reads_no_protobuf_from_the_in_process_link(stack, monkeypat
     from raypaged.serving import inprocess
 
     seen = []
-    real = inprocess._StreamCall.read
+    real_read, real_forward = inprocess._StreamCall.read, inprocess._StreamCall.forward
 
-    async def spy(self):
-        item = await real(self)
+    async def read(self):
+        item = await real_read(self)
         seen.append(item)
         return item
 
-    monkeypatch.setattr(inprocess._StreamCall, "read", spy)
+    def forward(self, sink):
+        def spy(item):
+            seen.append(item)
+            sink(item)
+
+        real_forward(self, spy)
+
+    monkeypatch.setattr(inprocess._StreamCall, "read", read)
+    monkeypatch.setattr(inprocess._StreamCall, "forward", forward)
     with stack.client() as client:
         answered = [
             client.post(path, json=body, headers=headers).status_code
             for path, body, headers in CASES
             if path.startswith("/v1/")
         ]
-    responses = [item for item in seen if item is not grpc.aio.EOF]
+    responses = [item for item in seen if item is not grpc.aio.EOF and item is not None]
     assert answered == [200] * 5 + [400, 400, 404, 400, 400, 400, 401] + [200] * 6  # CASES' statuses
     assert [bad for r in responses for bad in not_plain(r)] == []
     assert any(r.prompt_logprobs is not None for r in responses)
     assert any(d.top_logprobs for r in responses for d in r.outputs)
+
+
+def test_a_forwarded_call_hands_on_queued_then_new_responses_then_its_status_then_none():
+    from raypaged.serving.inprocess import _Context, _StreamCall
+
+    async def handler(context, release):
+        yield "first"
+        yield "second"
+        await release.wait()
+        yield "third"
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the KV cache cannot hold it")
+
+    async def run() -> list:
+        release = asyncio.Event()
+        call = _StreamCall(handler(_Context(None), release))
+        assert await call.read() == "first"
+        await asyncio.sleep(0)  # the handler runs on to its wait: "second" is queued, not read
+        got: list = []
+        call.forward(got.append)
+        assert got == ["second"]
+        release.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return got
+
+    got = asyncio.run(run())
+    assert got[:2] == ["second", "third"] and got[3:] == [None]
+    assert isinstance(got[2], grpc.aio.AioRpcError)
+    assert (got[2].code(), got[2].details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "the KV cache cannot hold it")

@@ -7,7 +7,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import TypeVar
 
 import grpc
@@ -20,7 +21,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from raypaged import __version__
 from raypaged.inputs.limits import check_count
-from raypaged.serving.client import StreamCall
+from raypaged.serving.client import ForwardingCall, StreamCall
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import APIError, from_grpc, install_handlers
@@ -519,6 +520,12 @@ class _Families:
         return self._families
 
 
+def _tagged(
+    put: Callable[[tuple[int, AnyResponse | Exception | None]], None], index: int, item: AnyResponse | Exception | None
+) -> None:
+    put((index, item))
+
+
 def _cancel(calls: list[StreamCall]) -> None:
     for call in calls:
         call.cancel()
@@ -543,8 +550,12 @@ async def _responses(calls: list[StreamCall], drain: Drain) -> AsyncGenerator[tu
         await drain.expired.wait()
         queue.put_nowait((-1, drain.expiry_error()))
 
-    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(calls)]
-    tasks.append(asyncio.create_task(expire()))
+    tasks = [asyncio.create_task(expire())]
+    for index, call in enumerate(calls):
+        if isinstance(call, ForwardingCall):  # in process: the handler feeds the queue itself
+            call.forward(partial(_tagged, queue.put_nowait, index))
+        else:
+            tasks.append(asyncio.create_task(pump(index, call)))
     try:
         remaining = len(calls)
         while remaining:
