@@ -3,8 +3,9 @@
 ``LLMEngine`` is synchronous and not thread-safe, so every call on it happens on
 one thread, but its input processor's (``LLMEngine.process_request``): a coroutine runs
 that on a thread-pool thread (tokenizing, checking, compiling a grammar, reading an
-adapter), then queues the processed request. Adds and aborts are commands; the thread applies them
-between steps, runs ``step()`` while any request is unfinished, and hands each
+adapter), or on the event loop itself when that is only checks and copies (a short prompt
+of token ids, no grammar, no adapter), then queues the processed request. Adds and aborts
+are commands; the thread applies them between steps, runs ``step()`` while any request is unfinished, and hands each
 step's outputs to the per-request asyncio queues in one ``call_soon_threadsafe``.
 An abort is applied before the next step, so its KV blocks are free within one
 step's time.
@@ -81,6 +82,20 @@ class _Stream:
     arrival_time: float = field(default_factory=time.monotonic)
 
 
+_INLINE_PROMPT_TOKENS = 4096  # a prompt of token ids up to this long is checked on the event loop
+
+
+def _cheap(params: SamplingParams, prompt_token_ids: list[int] | None) -> bool:
+    """Whether processing the request is only checks and copies: no tokenizing, no grammar to
+    compile, no bad words to tokenize, a short prompt."""
+    return (
+        prompt_token_ids is not None
+        and len(prompt_token_ids) <= _INLINE_PROMPT_TOKENS
+        and params.structured_outputs is None
+        and not params.bad_words
+    )
+
+
 _END = object()  # queued after an abort or an engine failure: the stream ends
 
 
@@ -153,7 +168,10 @@ class AsyncLLMEngine:
             )
         else:
             process = partial(self.engine.process_beam_search, request_id, prompt, beam, prompt_token_ids, lora_request)
-        processed = await self._loop.run_in_executor(None, process)
+        if beam is None and lora_request is None and _cheap(params, prompt_token_ids):
+            processed = process()  # checks and a copy, under 0.1 ms: a thread hop would cost more under load
+        else:
+            processed = await self._loop.run_in_executor(None, process)
         if request_id in self._streams:  # taken while this one was processed
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = self._streams[request_id] = _Stream()
