@@ -51,6 +51,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
 _DISCONNECT_POLL_S = 0.2
 Body = TypeVar("Body", bound=BaseModel)
+Event = TypeVar("Event")
 
 
 def build_app(
@@ -233,7 +234,10 @@ def build_app(
 
             if responder is not None:
                 events = _response_events(
-                    _chunks(calls, writer, slot, drain, log), ResponseEvents(responder, model), responses_store, gate
+                    _chunks(calls, writer, slot, drain, log, _as_is),
+                    ResponseEvents(responder, model),
+                    responses_store,
+                    gate,
                 )
                 return EventStream(events, cleanup, headers, sse_keep_alive_s)
             return EventStream(_sse(calls, writer, slot, drain, log), cleanup, headers, sse_keep_alive_s)
@@ -598,39 +602,49 @@ async def _unless_disconnected(http: Request, work: Awaitable[dict]) -> dict:
 
 
 async def _chunks(
-    calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain, log: OutputLog | None = None
-) -> AsyncGenerator[dict, None]:
-    """The stream's chunks, an error's body last if one ends it; leaving it early aborts the requests."""
+    calls: list[StreamCall],
+    writer: ChunkWriter,
+    slot: _Slot,
+    drain: Drain,
+    log: OutputLog | None,
+    encode: Callable[[dict], Event],
+    last: Event | None = None,
+) -> AsyncGenerator[Event, None]:
+    """The stream's chunks, each as ``encode`` makes it, an error's body last if one ends it, then
+    ``last`` if given; leaving it early aborts the requests."""
     try:
         for chunk in writer.role_chunks():
-            yield chunk
+            yield encode(chunk)
         async with contextlib.aclosing(_responses(calls, drain)) as responses:
             async for index, response in responses:
                 if log is not None:
                     log.feed(index, response)
                 for chunk in writer.chunks(index, response):
-                    yield chunk
+                    yield encode(chunk)
         if log is not None:
             log.finish()
         if (usage_chunk := writer.usage_chunk()) is not None:
-            yield usage_chunk
+            yield encode(usage_chunk)
     except grpc.aio.AioRpcError as exc:
-        yield from_grpc(exc).body()
+        yield encode(from_grpc(exc).body())
     except APIError as exc:
-        yield exc.body()
+        yield encode(exc.body())
     finally:
         _cancel(calls)
         slot.release()
+    if last is not None:
+        yield last
 
 
-async def _sse(
+def _as_is(chunk: dict) -> dict:
+    return chunk
+
+
+def _sse(
     calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain, log: OutputLog | None
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """The stream's server-sent events, ending in ``data: [DONE]``; leaving it early aborts the requests."""
-    async with contextlib.aclosing(_chunks(calls, writer, slot, drain, log)) as chunks:
-        async for chunk in chunks:
-            yield sse_data(chunk)
-    yield sse_data("[DONE]")
+    return _chunks(calls, writer, slot, drain, log, sse_data, sse_data("[DONE]"))
 
 
 async def _response_events(

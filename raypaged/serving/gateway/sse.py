@@ -11,11 +11,12 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it; proxies see the connection in use
+_encode = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(ensure_ascii=False) builds one per call
 
 
 def sse_data(data: dict | str) -> str:
     """One ``data:`` event: a JSON object, or text as it is (``[DONE]``)."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {data if isinstance(data, str) else _encode(data)}\n\n"
 
 
 class EventStream(StreamingResponse):
