@@ -18,6 +18,7 @@ from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
 from raypaged.sampling_params import LOGPROBS_MODES, RAW_LOGPROBS, SamplingParams
 from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.structured.config import StructuredOutputsConfig
+from raypaged.structured.reasoning import ReasoningConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -345,6 +346,13 @@ class EngineConfig:
         default_factory=StructuredOutputsConfig,
         metavar="JSON",
     )
+    reasoning_config: ReasoningConfig | dict[str, str] | str | None = _flag(
+        None,
+        "where a reasoning section opens and closes, for requests' thinking_token_budget, as vLLM's: "
+        '\'{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}\' (either left out: '
+        "--reasoning-parser's, <think> and </think>)",
+        metavar="JSON",
+    )
     chat_template: str | None = _flag(
         None,
         "a Jinja chat template (a file, or the template itself) over the tokenizer's",
@@ -396,6 +404,7 @@ class EngineConfig:
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):  # vLLM's dict form
             self.structured_outputs_config = StructuredOutputsConfig.parse(self.structured_outputs_config)
+        self.reasoning_config = ReasoningConfig.parse(self.reasoning_config)
         self.chat_template_text = _chat_template_text(self.chat_template)
         if self.default_chat_template_kwargs is not None and not isinstance(self.default_chat_template_kwargs, dict):
             raise ValueError(
@@ -529,6 +538,17 @@ class EngineConfig:
         structured = self.structured_outputs_config
         assert isinstance(structured, StructuredOutputsConfig), "__post_init__ parses structured_outputs_config"
         return structured
+
+    @property
+    def reasoning_delimiters(self) -> tuple[str, str] | None:
+        """(start, end) of a reasoning section, from ``--reasoning-config`` and ``--reasoning-parser``;
+        ``None``: neither is given, and a ``thinking_token_budget`` is refused."""
+        config = self.reasoning_config
+        assert config is None or isinstance(config, ReasoningConfig), "__post_init__ parses reasoning_config"
+        parser = self.parsed_structured_outputs_config.reasoning_parser
+        if config is None:
+            return ReasoningConfig().delimiters(parser)
+        return config.delimiters(parser)
 
     def _resolve_tokenizer_path(self) -> Path:
         """The tokenizer's folder: the model's unless ``tokenizer``/``tokenizer_revision`` name another

@@ -171,8 +171,12 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     repetition_detection: RepetitionDetectionParams | None = None  # vLLM's: stop at a repeating pattern
+    # vLLM's: a reasoning section holds at most this many tokens, then its end is forced (None or -1: no budget)
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
         if isinstance(self.repetition_detection, dict):  # vLLM's JSON form
             self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
         if self.repetition_detection is not None and self.repetition_detection.max_pattern_size == 0:
@@ -194,6 +198,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {value}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            raise ValueError(
+                f"thinking_token_budget must be at least 0 (or -1: no budget), got {self.thinking_token_budget}"
+            )
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of must be greater than or equal to n={self.n}, got {self.best_of}")
         if self.temperature < 0:

@@ -27,6 +27,7 @@ from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
 from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
 from raypaged.structured.backend import GrammarBackend
 from raypaged.structured.reasoning import closed_in
+from raypaged.structured.thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:
     import xgrammar
@@ -55,6 +56,17 @@ class InputProcessor:
         self._max_token_bytes: int | None = None  # without a normalizer, the most bytes of text one token stands for
         if self.tokenizer.is_fast and self.tokenizer.backend_tokenizer.normalizer is None:
             self._max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
+        self._reasoning_ids = self._reasoning_delimiter_ids()
+
+    def _reasoning_delimiter_ids(self) -> tuple[list[int], list[int]] | None:
+        """The token ids of a reasoning section's start and end (for ``thinking_token_budget``)."""
+        delimiters = self.config.reasoning_delimiters
+        if delimiters is None:
+            return None
+        start, end = (self.tokenize(text, add_special_tokens=False) for text in delimiters)
+        if not start or not end:
+            raise ValueError(f"--reasoning-config: the reasoning section's start and end {delimiters} must be text")
+        return start, end
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends generation, without repeats: config.json's ``eos_token_id`` (an int or
@@ -213,6 +225,8 @@ class InputProcessor:
         if (structured := params.structured_outputs) is not None:  # cached when a server compiled it already
             grammar = self.compile_grammar(structured, prompt, prompt_token_ids)
             matchers = [self.grammars.matcher(grammar) for _ in range(params.num_samples)]
+        if params.thinking_token_budget is not None:
+            matchers = self._thinking_budgets(params, prompt_token_ids, matchers)
         seq_params = self._with_eos_stops(params)
         if params.bad_words:
             seq_params = replace(seq_params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
@@ -228,6 +242,19 @@ class InputProcessor:
             matchers=matchers,
             num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
         )
+
+    def _thinking_budgets(self, params: SamplingParams, prompt_token_ids: list[int], grammars: list) -> list:
+        """A ``ThinkingBudget`` per sample, over its grammar matcher if it has one."""
+        if self._reasoning_ids is None:
+            raise InputError(
+                "thinking_token_budget",
+                "thinking_token_budget needs to know where a reasoning section starts and ends: serve with "
+                "--reasoning-parser or --reasoning-config",
+            )
+        assert params.thinking_token_budget is not None
+        start, end = self._reasoning_ids
+        inner = grammars or [None] * params.num_samples
+        return [ThinkingBudget(params.thinking_token_budget, start, end, prompt_token_ids, m) for m in inner]
 
     def process_beam_search(
         self,

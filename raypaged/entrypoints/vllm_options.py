@@ -286,7 +286,6 @@ DEFAULT_ONLY: list[Option] = [
     ("kv_events_config", (), str, (None,), "the engine publishes no KV-cache events"),
     ("ec_transfer_config", (), str, (None,), _TEXT_ONLY),
     ("ec_manager_config", (), str, (None,), _TEXT_ONLY),
-    ("reasoning_config", (), str, (None,), "reasoning sections are parsed by {reasoning_parser}"),
     ("additional_config", (), str, (None, "{}"), "raypaged reads no platform-specific extras"),
     ("weight_transfer_config", (), str, (None,), "weights are loaded once at startup"),
     ("fail_on_environ_validation", (), bool, (None, False), "raypaged reads no VLLM_* environment variables"),

@@ -77,6 +77,8 @@ def sampling_params_from_proto(
     )
     if sampling.HasField("best_of"):
         kwargs["best_of"] = sampling.best_of
+    if sampling.HasField("thinking_token_budget"):
+        kwargs["thinking_token_budget"] = sampling.thinking_token_budget
     if request.HasField("structured"):
         kwargs["structured_outputs"] = structured_from_proto(request.structured)
     if stopping.HasField("repetition_detection"):
@@ -116,6 +118,7 @@ def beam_search_from_proto(request: pb.GenerateRequest, max_model_len: int) -> B
         "logit_bias": bool(sampling.logit_bias),
         "allowed_token_ids": bool(sampling.allowed_token_ids),
         "bad_words": bool(sampling.bad_words),
+        "thinking_token_budget": sampling.HasField("thinking_token_budget"),
         "stop": bool(stopping.stop_sequences),
         "stop_token_ids": bool(stopping.stop_token_ids),
         "min_tokens": stopping.min_tokens != 0,

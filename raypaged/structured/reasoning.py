@@ -8,7 +8,8 @@ gateway (which splits it into ``reasoning_content``) and for constraints (which 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -63,3 +64,46 @@ def closed_in(prompt_tail: str) -> bool:
     """The prompt itself closed the section (Qwen3's template without thinking ends in
     ``<think>\\n\\n</think>\\n\\n``): the answer starts at once."""
     return prompt_tail.rstrip().endswith(END)
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningConfig:
+    """vLLM's ``--reasoning-config``: the strings that open and close a reasoning section, for
+    ``thinking_token_budget``. Each left empty comes from ``reasoning_parser`` (or the server's
+    ``--reasoning-parser``): ``<think>`` and ``</think>``. A ``reasoning_end_str`` may carry words
+    before the end marker (``"\\nOut of time.</think>"``): a budget forces all of it."""
+
+    reasoning_parser: str = ""
+    reasoning_start_str: str = ""
+    reasoning_end_str: str = ""
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser:
+            get_reasoning_parser(self.reasoning_parser)
+
+    @classmethod
+    def parse(cls, value: str | dict | ReasoningConfig | None) -> ReasoningConfig | None:
+        """From ``--reasoning-config``'s JSON object (or its dict); unknown keys are refused by name."""
+        if value is None or isinstance(value, ReasoningConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--reasoning-config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--reasoning-config must be a JSON object, got {value!r}")
+        known = [f.name for f in fields(cls)]
+        for key, item in value.items():
+            if key not in known:
+                raise ValueError(f"--reasoning-config: unknown field {key!r}; allowed: {', '.join(known)}")
+            if not isinstance(item, str):
+                raise ValueError(f"--reasoning-config: {key} must be a string, got {item!r}")
+        return cls(**value)
+
+    def delimiters(self, server_parser: str = "") -> tuple[str, str] | None:
+        """(start, end) of a reasoning section; ``None`` when neither a string nor a parser gives both."""
+        parser = self.reasoning_parser or server_parser
+        start = self.reasoning_start_str or (START if parser else "")
+        end = self.reasoning_end_str or (END if parser else "")
+        return (start, end) if start and end else None

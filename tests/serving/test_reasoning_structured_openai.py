@@ -97,3 +97,29 @@ def test_include_reasoning_false_returns_no_reasoning_and_constrains_from_the_fi
     hidden = client.chat.completions.create(**settings, extra_body={"include_reasoning": False}).choices[0].message
     assert shown.reasoning_content  # unconstrained, the model reasons; without include_reasoning it is not returned
     assert (getattr(hidden, "reasoning_content", None), hidden.content) == (None, shown.content)
+
+
+def test_a_thinking_budget_ends_the_reasoning_then_the_answer_follows_the_schema(client, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    free = "The Colosseum is in Rome, Italy."  # the reasoning without a budget (the test above)
+    first_three = tokenizer.decode(tokenizer.encode(free, add_special_tokens=False)[:3])
+    response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}}
+    settings = {"model": "smollm2", "messages": ONE_SHOT, "max_tokens": 120, "temperature": 0}
+    chat = client.chat.completions.create(
+        **settings, response_format=response_format, extra_body={"thinking_token_budget": 3}
+    )
+    message = chat.choices[0].message
+    assert message.reasoning_content == first_three  # three tokens of reasoning, then </think> forced
+    jsonschema.validate(json.loads(message.content), PLACE)
+    stream = client.chat.completions.create(
+        **settings, response_format=response_format, extra_body={"thinking_token_budget": 3}, stream=True
+    )
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == first_three
+    assert "".join(d.content or "" for d in deltas) == message.content
+    with pytest.raises(
+        openai.BadRequestError, match="thinking_token_budget: Input should be greater than or equal to -1"
+    ):
+        client.chat.completions.create(**settings, extra_body={"thinking_token_budget": -2})

@@ -32,7 +32,6 @@ def http(tiny_model_dir):
         (CHAT, "prediction", {"type": "content", "content": "x"}),
         (COMPLETION, "watermarking", True),
         (CHAT, "logprob_token_ids", [1, 2]),
-        (CHAT, "thinking_token_budget", 64),
         (CHAT, "return_prompt_text", True),
         (COMPLETION, "ec_transfer_params", {"x": 1}),
     ],
@@ -44,6 +43,18 @@ def test_a_known_field_it_cannot_honour_is_a_400_naming_it(http, body, field, va
         "message": f"{field} is not supported by this server; send the request without it",
         "type": "invalid_request_error",
         "param": field,
+        "code": None,
+    }
+
+
+def test_a_thinking_budget_on_a_server_that_knows_no_reasoning_section_is_a_400_naming_it(http):
+    answer = http.post("/v1/chat/completions", json={**CHAT, "thinking_token_budget": 64})
+    assert answer.status_code == 400
+    assert answer.json()["error"] == {
+        "message": "thinking_token_budget needs to know where a reasoning section starts and ends: serve with "
+        "--reasoning-parser or --reasoning-config",
+        "type": "invalid_request_error",
+        "param": "thinking_token_budget",
         "code": None,
     }
 
@@ -294,6 +305,11 @@ def test_use_beam_search_answers_with_the_engines_beams(http, tiny_model_dir):
         (
             {"logprobs": 1},
             "logprobs is not supported with use_beam_search (beams are ranked by the model's "
+            "log-probabilities at temperature 1)",
+        ),
+        (
+            {"thinking_token_budget": 8},
+            "thinking_token_budget is not supported with use_beam_search (beams are ranked by the model's "
             "log-probabilities at temperature 1)",
         ),
     ],

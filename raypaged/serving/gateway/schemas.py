@@ -64,7 +64,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "return_token_offsets": (False,),
     "return_mm_kwargs": (True, False),  # the /render endpoints' only
     "ec_transfer_params": (),
-    "thinking_token_budget": (-1,),
     "media_io_kwargs": (),
     "return_prompt_text": (False,),
 }
@@ -132,6 +131,8 @@ class _GenerationBody(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI's string key) -> bias in [-100, 100]
     allowed_token_ids: list[Unsigned] | None = None
     bad_words: list[str] | None = None
+    # vLLM's: a reasoning section holds at most this many tokens, then its end is forced (-1: no budget)
+    thinking_token_budget: int | None = Field(None, ge=-1, le=_UINT32_MAX)
     # structured outputs: OpenAI's, vLLM's, and vLLM's older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -248,6 +249,8 @@ class _GenerationBody(BaseModel):
         for name in ("best_of", "temperature", "top_p", "repetition_penalty", "seed"):
             if (value := getattr(self, name)) is not None:
                 setattr(sampling, name, value)
+        if self.thinking_token_budget is not None and self.thinking_token_budget >= 0:
+            sampling.thinking_token_budget = self.thinking_token_budget
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         stopping = pb.StoppingCriteria(
             min_tokens=self.min_tokens,
