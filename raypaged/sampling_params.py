@@ -157,6 +157,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob (after the first) and this many top alternatives
+    # vLLM's: with logprobs, each generated position shows these tokens' logprobs in place of the most likely ones
+    logprob_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None  # added to these tokens' logits, in [-100, 100] (OpenAI's)
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # never generated (their token sequences, with and without a leading space)

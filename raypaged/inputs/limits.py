@@ -154,6 +154,14 @@ def check_sampling(params: SamplingParams, vocab_size: int, limits: InputLimits)
                 f"{name} {shown} is more than the limit of {limit} (--max-logprobs, at most the vocabulary size "
                 f"{vocab_size})",
             )
+    if params.logprob_token_ids:
+        if params.logprobs is None:
+            raise InputError(
+                "logprob_token_ids",
+                "logprob_token_ids needs logprobs (a completion's count, or a chat's logprobs: true)",
+            )
+        check_count("logprob_token_ids", len(params.logprob_token_ids), limit, "max_logprobs", "token ids")
+        check_token_ids("logprob_token_ids", params.logprob_token_ids, vocab_size)
     check_stop_counts(len(params.stop), len(params.stop_token_ids), limits)
     longest = params.max_stop_len
     if longest > limits.max_stop_string_chars:

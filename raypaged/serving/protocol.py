@@ -64,6 +64,7 @@ def sampling_params_from_proto(
         prompt_logprobs=_count(request.prompt_logprobs) if request.HasField("prompt_logprobs") else None,
         logit_bias=dict(sampling.logit_bias) or None,
         allowed_token_ids=list(sampling.allowed_token_ids) or None,
+        logprob_token_ids=list(sampling.logprob_token_ids) or None,
         bad_words=list(sampling.bad_words) or None,
         skip_special_tokens=stopping.skip_special_tokens if stopping.HasField("skip_special_tokens") else True,
         spaces_between_special_tokens=(
@@ -119,6 +120,7 @@ def beam_search_from_proto(request: pb.GenerateRequest, max_model_len: int) -> B
         "allowed_token_ids": bool(sampling.allowed_token_ids),
         "bad_words": bool(sampling.bad_words),
         "thinking_token_budget": sampling.HasField("thinking_token_budget"),
+        "logprob_token_ids": bool(sampling.logprob_token_ids),
         "stop": bool(stopping.stop_sequences),
         "stop_token_ids": bool(stopping.stop_token_ids),
         "min_tokens": stopping.min_tokens != 0,
@@ -239,7 +241,7 @@ class DeltaTracker:
                 delta,
                 completion.token_ids,
                 completion.logprobs,
-                self.params.logprobs or 0,
+                len(asked) + 1 if (asked := self.params.logprob_token_ids) else self.params.logprobs or 0,
                 self.tokenizer,
                 self.messages,
             )

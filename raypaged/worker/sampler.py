@@ -72,12 +72,14 @@ def sample(
     ranks = ((shown > shown_chosen_t).sum(-1) + 1).tolist()  # 1: the most likely token
     top_values: list[list[float]] = []
     top_ids: list[list[int]] = []
-    if max_top := max((s.params.logprobs or 0) for s in inputs):
+    if max_top := max(((s.params.logprobs or 0) for s in inputs if not s.params.logprob_token_ids), default=0):
         top_values_t, top_ids_t = shown.topk(max_top, dim=-1)
         top_values, top_ids = top_values_t.tolist(), top_ids_t.tolist()
     for i, s in enumerate(inputs):
         top = None
-        if s.params.logprobs is not None:
+        if s.params.logprob_token_ids:
+            top = _asked_entry(shown[i], token_list[i], shown_chosen[i], ranks[i], s.params.logprob_token_ids)
+        elif s.params.logprobs is not None:
             num = s.params.logprobs
             top = logprob_entry(
                 token_list[i],
@@ -117,6 +119,18 @@ def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: list[int], 
     entry = {token_id: Logprob(logprob, rank)}
     for j, (top_id, top_value) in enumerate(zip(top_ids, top_values)):
         entry.setdefault(top_id, Logprob(top_value, j + 1))
+    return entry
+
+
+def _asked_entry(row: torch.Tensor, token_id: int, logprob: float, rank: int, asked: list[int]) -> dict:
+    """One position's logprobs for ``logprob_token_ids``: the chosen token first, then each asked token
+    with its own rank in ``row``."""
+    ids = torch.tensor(asked, device=row.device)
+    values = row[ids]
+    ranks = ((row[None, :] > values[:, None]).sum(-1) + 1).tolist()
+    entry = {token_id: Logprob(logprob, rank)}
+    for asked_id, value, asked_rank in zip(asked, values.tolist(), ranks):
+        entry.setdefault(asked_id, Logprob(value, asked_rank))
     return entry
 
 

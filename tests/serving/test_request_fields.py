@@ -31,7 +31,6 @@ def http(tiny_model_dir):
         (CHAT, "functions", [{"name": "f", "parameters": {}}]),
         (CHAT, "prediction", {"type": "content", "content": "x"}),
         (COMPLETION, "watermarking", True),
-        (CHAT, "logprob_token_ids", [1, 2]),
         (CHAT, "return_prompt_text", True),
         (COMPLETION, "ec_transfer_params", {"x": 1}),
     ],
@@ -475,3 +474,59 @@ def test_a_requests_stream_interval_sends_fewer_larger_chunks(http):
             lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
         counts[interval] = [len(json.loads(line)["choices"][0]["logprobs"]["tokens"]) for line in lines]
     assert counts == {1: [1] * 7, 3: [1, 3, 3]}
+
+
+def test_logprob_token_ids_show_those_tokens_logprobs_at_each_generated_position(http, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    asked = [5, 7, 300]
+    body = {
+        **CHAT,
+        "max_tokens": 3,
+        "temperature": 0,
+        "logprobs": True,
+        "logprob_token_ids": asked,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+    answer = http.post("/v1/chat/completions", json=body).json()
+    prompt, generated = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated])).logits[0].float()
+    expected = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    positions = answer["choices"][0]["logprobs"]["content"]
+    assert len(positions) == 3
+    for k, (position, token_id) in enumerate(zip(positions, generated)):
+        shown = {entry["token"]: entry["logprob"] for entry in position["top_logprobs"]}
+        assert sorted(shown) == sorted(f"token_id:{t}" for t in {token_id, *asked})  # the chosen and the asked
+        for t in {token_id, *asked}:
+            assert shown[f"token_id:{t}"] == pytest.approx(expected[k, t].item(), abs=1e-4)
+        assert list(shown.values()) == sorted(shown.values(), reverse=True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({}, "logprob_token_ids needs logprobs (a completion's count, or a chat's logprobs: true)"),
+        ({"logprobs": 1, "logprob_token_ids": [49152]}, "logprob_token_ids must be token ids in [0, 49152), got 49152"),
+        (
+            {"logprobs": 1, "logprob_token_ids": list(range(21))},
+            "logprob_token_ids has 21 token ids, more than the limit of 20 (--max-logprobs)",
+        ),
+        (
+            {"logprobs": 1, "echo": True, "max_tokens": 0},
+            "logprob_token_ids applies to generated tokens, and an echo with max_tokens 0 generates none",
+        ),
+        (
+            {"logprobs": 1, "use_beam_search": True, "n": 2},
+            "logprob_token_ids is not supported with use_beam_search (beams are ranked by the model's "
+            "log-probabilities at temperature 1)",
+        ),
+    ],
+)
+def test_logprob_token_ids_refusals_name_the_field(http, extra, message):
+    answer = http.post("/v1/completions", json={"logprob_token_ids": [5], **COMPLETION, **extra})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == message

@@ -230,3 +230,20 @@ def test_logprobs_modes_show_raw_or_processed_logprobs_or_logits_and_keep_the_ra
                 assert entry.rank == rank and (
                     entry.logprob == pytest.approx(value, abs=1e-5) or value == entry.logprob
                 )
+
+
+def test_logprob_token_ids_show_the_chosen_and_the_asked_tokens_with_their_own_ranks():
+    """Rows asking for tokens get exactly those (and the chosen one), each with its rank in the row; a row
+    in the same batch asking for the top 2 still gets its top 2."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 50) * 3
+    asked = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, logprob_token_ids=[7, 3, 7, 41])
+    top = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)
+    first, second = sample(logits, [*inputs(asked, 1), *inputs(top, 1)], torch.Generator().manual_seed(0))
+    row = torch.log_softmax(logits[0], -1)
+    chosen = int(row.argmax())
+    rank = {t: int((row > row[t]).sum()) + 1 for t in range(50)}
+    assert list(first.top_logprobs) == list(dict.fromkeys([chosen, 7, 3, 41]))
+    for t, entry in first.top_logprobs.items():
+        assert (entry.logprob, entry.rank) == (pytest.approx(row[t].item(), abs=1e-6), rank[t])
+    assert len(second.top_logprobs) == 2 + (int(logits[1].argmax()) not in logits[1].topk(2).indices.tolist())

@@ -59,7 +59,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "modalities": (["text"],),
     "reasoning_effort": (),
     "watermarking": (False,),
-    "logprob_token_ids": (),
     "routed_experts_prompt_start": (0,),
     "return_token_offsets": (False,),
     "return_mm_kwargs": (True, False),  # the /render endpoints' only
@@ -133,6 +132,8 @@ class _GenerationBody(BaseModel):
     bad_words: list[str] | None = None
     # vLLM's: a reasoning section holds at most this many tokens, then its end is forced (-1: no budget)
     thinking_token_budget: int | None = Field(None, ge=-1, le=_UINT32_MAX)
+    # vLLM's: with logprobs, these tokens' logprobs at each generated position in place of the most likely ones
+    logprob_token_ids: list[Unsigned] | None = None
     # structured outputs: OpenAI's, vLLM's, and vLLM's older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -175,6 +176,16 @@ class _GenerationBody(BaseModel):
     @model_validator(mode="after")
     def _extra_fields(self) -> _GenerationBody:
         _check_extra_fields(self.model_extra)
+        return self
+
+    @model_validator(mode="after")
+    def _asked_logprobs_of_generated_tokens(self) -> _GenerationBody:
+        if self.logprob_token_ids and self.echo_only:
+            raise APIError(
+                400,
+                "logprob_token_ids applies to generated tokens, and an echo with max_tokens 0 generates none",
+                "logprob_token_ids",
+            )
         return self
 
     @model_validator(mode="after")
@@ -245,6 +256,7 @@ class _GenerationBody(BaseModel):
             logit_bias=self.token_logit_bias(),
             allowed_token_ids=self.allowed_token_ids or [],
             bad_words=self.bad_words or [],
+            logprob_token_ids=self.logprob_token_ids or [],
         )
         for name in ("best_of", "temperature", "top_p", "repetition_penalty", "seed"):
             if (value := getattr(self, name)) is not None:
