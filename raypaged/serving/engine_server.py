@@ -306,7 +306,10 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 token_ids = await model.off_loop(model.inputs.tokenize, request.text, add_special)
         except _REFUSED as exc:
             await _refuse(context, exc)
-        return pb.TokenizeResponse(token_ids=token_ids, max_model_len=config.resolved_max_model_len)
+        token_strs = model.inputs.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else []
+        return pb.TokenizeResponse(
+            token_ids=token_ids, max_model_len=config.resolved_max_model_len, token_strs=token_strs
+        )
 
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext

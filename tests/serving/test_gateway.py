@@ -340,7 +340,9 @@ def test_streams_end_with_done_and_usage_when_asked(client):
 
 def test_tokenize_and_detokenize(client):
     tokens = client.post("/tokenize", json={"model": "tiny", "prompt": "Hello world"}).json()
-    assert tokens == {"count": 2, "max_model_len": 256, "tokens": [19556, 905]}
+    assert tokens == {"count": 2, "max_model_len": 256, "tokens": [19556, 905], "token_strs": None}
+    strs = client.post("/tokenize", json={"model": "tiny", "prompt": "Hello world", "return_token_strs": True})
+    assert strs.json()["token_strs"] == ["Hello", "Ġworld"]
     assert client.post("/detokenize", json={"model": "tiny", "tokens": [19556, 905]}).json() == {
         "prompt": "Hello world"
     }
@@ -349,6 +351,41 @@ def test_tokenize_and_detokenize(client):
     refused = client.post("/detokenize", json={"model": "tiny", "tokens": [10**6]})
     assert_error(refused, 400, "invalid_request_error", None, "tokens must be token ids in [0, 49152), got 1000000")
     assert refused.json()["error"]["param"] == "tokens"
+
+
+def test_tokenize_takes_vllms_chat_fields_and_refuses_them_with_a_prompt(client, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    cases = [
+        ({}, {"add_generation_prompt": True}),
+        ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+        (
+            {"add_generation_prompt": False, "continue_final_message": True},
+            {"add_generation_prompt": False, "continue_final_message": True},
+        ),
+        ({"tools": [tool]}, {"add_generation_prompt": True, "tools": [tool]}),
+    ]
+    for fields, template_args in cases:
+        got = client.post("/tokenize", json={"model": "tiny", "messages": messages, **fields}).json()
+        expected = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **template_args)
+        assert got["tokens"] == list(expected), fields
+    bos = client.post("/tokenize", json={"model": "tiny", "messages": messages, "add_special_tokens": True})
+    assert_error(
+        bos,
+        400,
+        "invalid_request_error",
+        None,
+        "add_special_tokens applies to a prompt; the chat template writes a conversation's special tokens",
+    )
+    own = client.post("/tokenize", json={"model": "tiny", "messages": messages, "chat_template": "{{ 1 }}"})
+    assert own.status_code == 400 and "--trust-request-chat-template" in own.json()["error"]["message"]
+    refused = client.post("/tokenize", json={"model": "tiny", "prompt": "Hi", "add_generation_prompt": False})
+    assert_error(
+        refused, 400, "invalid_request_error", None, "add_generation_prompt applies to messages, not to a prompt"
+    )
 
 
 def scrape(client) -> dict[tuple[str, tuple], float]:

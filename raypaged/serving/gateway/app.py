@@ -389,9 +389,11 @@ def build_app(
         model, stub = await routes.find(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
-        request = pb.TokenizeRequest(model=model, add_special_tokens=body.add_special_tokens)
+        request = pb.TokenizeRequest(model=model, return_token_strs=body.return_token_strs)
+        if body.add_special_tokens is not None:
+            request.add_special_tokens = body.add_special_tokens
         if body.messages is not None:
-            request.messages.CopyFrom(pb.ChatMessages(messages=[m.to_proto() for m in body.messages]))
+            request.messages.CopyFrom(body.conversation())
         else:
             assert body.prompt is not None  # exactly one of prompt and messages is given
             request.text = body.prompt
@@ -400,6 +402,7 @@ def build_app(
             "count": len(response.token_ids),
             "max_model_len": response.max_model_len,
             "tokens": list(response.token_ids),
+            "token_strs": list(response.token_strs) if body.return_token_strs else None,
         }
 
     @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeBody))

@@ -482,19 +482,71 @@ class ChatCompletionRequest(_GenerationBody):
 
 
 class TokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """vLLM's ``POST /tokenize``: a ``prompt``, or ``messages`` through the chat template (with vLLM's chat
+    fields); ``return_token_strs`` adds each token's string. Unknown fields are handled as a generation
+    request's are."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # a prompt's: unset = true; messages: only false (the template writes them)
+    return_token_strs: bool = False
+    # with messages only
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+
+    @model_validator(mode="after")
+    def _extra_fields(self) -> TokenizeBody:
+        _check_extra_fields(self.model_extra)
+        if self.messages is not None and self.add_special_tokens:
+            raise APIError(
+                400,
+                "add_special_tokens applies to a prompt; the chat template writes a conversation's special tokens",
+                "add_special_tokens",
+            )
+        if self.prompt is not None:
+            for name in _CHAT_TOKENIZE_FIELDS:
+                if getattr(self, name) is not None:
+                    raise APIError(400, f"{name} applies to messages, not to a prompt", name)
+        return self
+
+    def conversation(self) -> pb.ChatMessages:
+        """``messages`` and the chat fields, as the engine's chat template takes them."""
+        assert self.messages is not None
+        return pb.ChatMessages(
+            messages=[m.to_proto() for m in self.messages],
+            tools_json=json.dumps([t.model_dump(exclude_none=True) for t in self.tools]) if self.tools else "",
+            chat_template=self.chat_template or "",
+            chat_template_kwargs_json=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "",
+            add_generation_prompt=True if self.add_generation_prompt is None else self.add_generation_prompt,
+            continue_final_message=bool(self.continue_final_message),
+        )
+
+
+_CHAT_TOKENIZE_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+)
 
 
 class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     tokens: list[Unsigned]
+
+    @model_validator(mode="after")
+    def _extra_fields(self) -> DetokenizeBody:
+        _check_extra_fields(self.model_extra)
+        return self
 
 
 class LoadLoRAAdapterBody(BaseModel):
