@@ -182,6 +182,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         help="logprobs name every token 'token_id:{id}' (a request's return_tokens_as_token_ids does it for one)",
     )
     parser.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info: a model's tokenizer settings and the server's chat template, as vLLM "
+        "(?model= picks one where several serve)",
+    )
+    parser.add_argument(
         "--sse-keep-alive-interval",
         type=float,
         default=0.0,
@@ -307,6 +313,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         tool_call_parser=args.tool_call_parser,
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         sse_keep_alive_s=args.sse_keep_alive_interval,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage,

@@ -325,7 +325,6 @@ SERVER_DEFAULT_ONLY: list[Option] = [
     ("tool_server", (), str, (None,), "no built-in (MCP) tools are served: function tools run on the client"),
     ("exclude_tools_when_tool_choice_none", (), bool, (None, False), "the chat template always sees the tools"),
     ("enable_per_request_metrics", (), bool, (None, False), "request timings are /metrics histograms"),
-    ("enable_tokenizer_info_endpoint", (), bool, (None, False), "/tokenize and /detokenize serve the tokenizer"),
     ("cohere_is_reasoning_model", (), bool, (None, True), "no Cohere endpoint is served"),
     ("cohere_format", (), str, (None, "cmd4"), "no Cohere endpoint is served"),
     ("tokens_only", (), bool, (None, False), "the OpenAI endpoints are served"),

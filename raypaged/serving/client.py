@@ -57,6 +57,10 @@ class EngineClient(Protocol):
         self, request: pb.DetokenizeRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> Awaitable[pb.DetokenizeResponse]: ...
 
+    def TokenizerInfo(
+        self, request: pb.TokenizerInfoRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.TokenizerInfoResponse]: ...
+
     def Info(
         self, request: pb.InfoRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> Awaitable[pb.InfoResponse]: ...

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from transformers import PreTrainedTokenizerBase
@@ -325,6 +326,18 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             await _refuse(context, exc)
         return pb.DetokenizeResponse(text=await model.off_loop(model.tokenizer.decode, token_ids))
 
+    async def TokenizerInfo(
+        self, request: pb.TokenizerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizerInfoResponse:
+        """The model's tokenizer settings, as vLLM's ``/tokenizer_info`` gives them."""
+        try:
+            self._caller(context)
+            model = self._model(request.model)
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        info = tokenizer_info(model.inputs.tokenizer, model.engine.config.chat_template_text)
+        return pb.TokenizerInfoResponse(config_json=json.dumps(info))
+
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         infos = []
         for name, own in self.served_names.items():  # an alias is listed as a model of its own
@@ -432,6 +445,34 @@ def _check_prompt_size(model: ServedModel, request: pb.GenerateRequest) -> None:
             check_prompt_len(len(request.token_ids.ids), config.resolved_max_model_len)  # the engine checks the ids
     else:
         raise InputError("prompt", "a prompt is required: text, token_ids or messages")
+
+
+_TOKENIZER_FILES = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")  # paths on this host, left out
+
+
+def tokenizer_info(tokenizer: Any, chat_template: str | None) -> dict[str, Any]:
+    """The tokenizer's settings as it was made with them (``init_kwargs``, without file paths, added
+    tokens as their text), ``tokenizer_class``, and ``chat_template`` when the server has its own."""
+    info = {
+        k: _plain(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items() if k not in _TOKENIZER_FILES
+    }
+    info["tokenizer_class"] = type(tokenizer).__name__
+    if chat_template:
+        info["chat_template"] = chat_template
+    return info
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON holds it: an added token as its text, containers item by item, the rest as text."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
 
 
 async def _prompt(model: ServedModel, request: pb.GenerateRequest) -> tuple[str | None, list[int]]:

@@ -141,6 +141,11 @@ class InProcessStub:
     ) -> pb.DetokenizeResponse:
         return await _unary(self._servicer.Detokenize, request, metadata, timeout)
 
+    async def TokenizerInfo(
+        self, request: pb.TokenizerInfoRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.TokenizerInfoResponse:
+        return await _unary(self._servicer.TokenizerInfo, request, metadata, timeout)
+
     async def Info(
         self, request: pb.InfoRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> pb.InfoResponse:

@@ -83,6 +83,7 @@ class GatewayOptions:
     tool_call_parser: str | None = None
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False  # every request's logprobs name tokens "token_id:{id}"
+    tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (--enable-tokenizer-info-endpoint)
     sse_keep_alive_s: float = 0.0  # an idle stream sends a keep-alive comment this often (0: never)
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     enable_force_include_usage: bool = False  # every stream ends with a usage chunk
@@ -248,6 +249,7 @@ class Gateway:
             reasoning_parser=get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None,
             openapi_docs=options.openapi_docs,
             return_tokens_as_token_ids=options.return_tokens_as_token_ids,
+            tokenizer_info_endpoint=options.tokenizer_info_endpoint,
             log_error_stack=options.log_error_stack,
             sse_keep_alive_s=options.sse_keep_alive_s,
             output_logging=options.output_logging,

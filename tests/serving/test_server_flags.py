@@ -27,6 +27,7 @@ def stack(tiny_model_dir):
         log_error_stack=True,
         access_log_skip_paths=("/health", "/metrics"),
         h11_max_incomplete_event_size=1 << 20,
+        tokenizer_info_endpoint=True,
         log_requests=True,
         output_logging=OutputLogging(deltas=True, max_len=6),
     )
@@ -143,6 +144,34 @@ def test_request_heads_are_bounded_by_the_h11_flag_not_h11s_default(stack):
         assert status == 400
 
 
+def test_tokenizer_info_gives_the_tokenizers_settings_without_file_paths(stack, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with stack.client() as client:
+        info = client.get("/tokenizer_info").json()
+        assert client.get("/tokenizer_info", params={"model": "tiny"}).json() == info
+        missing = client.get("/tokenizer_info", params={"model": "other"})
+    assert missing.status_code == 404
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert (info["eos_token"], info["bos_token"], info["model_max_length"]) == (
+        tokenizer.eos_token,
+        tokenizer.bos_token,
+        tokenizer.model_max_length,
+    )
+    assert not {"vocab_file", "merges_file", "tokenizer_file", "name_or_path"} & set(info)
+    assert info["chat_template"] == tokenizer.chat_template  # the tokenizer's (the server has none of its own)
+
+
+def test_without_the_flag_there_is_no_tokenizer_info_route(tiny_model_dir):
+    stack = Stack([tiny_config(tiny_model_dir, "tiny")])
+    try:
+        with stack.client() as client:
+            assert client.get("/tokenizer_info").status_code == 404
+    finally:
+        stack.close()
+
+
 def test_uds_serves_on_a_unix_socket_and_removes_it_after(stack, tmp_path):
     path = tmp_path / "raypaged.sock"
     address = f"127.0.0.1:{stack.grpc_port}"
@@ -184,11 +213,13 @@ def test_server_flags_reach_the_gateway_options(tmp_path):
         "--log-error-stack",
         "--h11-max-incomplete-event-size",
         "65536",
+        "--enable-tokenizer-info-endpoint",
     )
     assert (got.drain_timeout_s, got.uds, got.access_log_skip_paths) == (5.0, "/tmp/x.sock", ("/health", "/metrics"))
     assert (got.log_config, got.return_tokens_as_token_ids, got.log_error_stack) == (config, True, True)
-    assert got.h11_max_incomplete_event_size == 65536
+    assert (got.h11_max_incomplete_event_size, got.tokenizer_info_endpoint) == (65536, True)
     default = options()
+    assert not default.tokenizer_info_endpoint
     assert (default.return_tokens_as_token_ids, default.log_error_stack, default.log_config) == (False, False, None)
 
 

@@ -76,6 +76,7 @@ def build_app(
     reasoning_parser: ReasoningParser | None = None,
     openapi_docs: bool = True,
     return_tokens_as_token_ids: bool = False,
+    tokenizer_info_endpoint: bool = False,
     log_error_stack: bool = False,
     sse_keep_alive_s: float = 0.0,
     output_logging: OutputLogging | None = None,
@@ -91,6 +92,7 @@ def build_app(
     chat answers' ``<think>`` sections into ``reasoning_content``; ``openapi_docs`` False (vLLM's
     ``--disable-fastapi-docs``): no ``/openapi.json`` (the Swagger and ReDoc pages are never served);
     ``return_tokens_as_token_ids``: every request's logprobs name tokens ``token_id:{id}``;
+    ``tokenizer_info_endpoint``: ``GET /tokenizer_info`` is served (vLLM's ``--enable-tokenizer-info-endpoint``);
     ``log_error_stack``: error responses are logged with their exception's stack; ``sse_keep_alive_s``: a
     stream idle that long gets a keep-alive comment (0: none); ``output_logging`` (with ``log_requests``): what
     each request generated is logged too.
@@ -404,6 +406,15 @@ def build_app(
             "tokens": list(response.token_ids),
             "token_strs": list(response.token_strs) if body.return_token_strs else None,
         }
+
+    if tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info(http: Request, model: str | None = None) -> dict:
+            name, stub = await routes.find(model)
+            request = pb.TokenizerInfoRequest(model=name)
+            response = await stub.TokenizerInfo(request, metadata=_metadata(http))
+            return json.loads(response.config_json)
 
     @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeBody))
     async def detokenize(http: Request) -> dict:

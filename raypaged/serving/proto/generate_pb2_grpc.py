@@ -57,6 +57,11 @@ class TextGenerationServiceStub:
                 request_serializer=raypaged_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=raypaged_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.TokenizerInfo = channel.unary_unary(
+                '/raypaged.v1.TextGenerationService/TokenizerInfo',
+                request_serializer=raypaged_dot_v1_dot_generate__pb2.TokenizerInfoRequest.SerializeToString,
+                response_deserializer=raypaged_dot_v1_dot_generate__pb2.TokenizerInfoResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/raypaged.v1.TextGenerationService/Info',
                 request_serializer=raypaged_dot_v1_dot_generate__pb2.InfoRequest.SerializeToString,
@@ -115,6 +120,13 @@ class TextGenerationServiceServicer:
 
     def Detokenize(self, request, context):
         """/ Text of token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenizerInfo(self, request, context):
+        """/ The tokenizer's configuration (vLLM's /tokenizer_info).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -179,6 +191,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=raypaged_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
                     response_serializer=raypaged_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'TokenizerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenizerInfo,
+                    request_deserializer=raypaged_dot_v1_dot_generate__pb2.TokenizerInfoRequest.FromString,
+                    response_serializer=raypaged_dot_v1_dot_generate__pb2.TokenizerInfoResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -317,6 +334,33 @@ class TextGenerationService:
             '/raypaged.v1.TextGenerationService/Detokenize',
             raypaged_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
             raypaged_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenizerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/raypaged.v1.TextGenerationService/TokenizerInfo',
+            raypaged_dot_v1_dot_generate__pb2.TokenizerInfoRequest.SerializeToString,
+            raypaged_dot_v1_dot_generate__pb2.TokenizerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
