@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -538,6 +539,14 @@ class EngineConfig:
         structured = self.structured_outputs_config
         assert isinstance(structured, StructuredOutputsConfig), "__post_init__ parses structured_outputs_config"
         return structured
+
+    def config_hash(self) -> str:
+        """8 hex digits of a SHA-256 of every setting a flag sets (secrets left out) and the resolved
+        device and dtype: equal for two engines set up alike, across restarts (vLLM's ``compute_hash``)."""
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if cli_flag(f) is not None and f.repr}
+        settings["resolved"] = (self.resolved_device, self.resolved_dtype)
+        text = json.dumps(settings, sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
 
     @property
     def reasoning_delimiters(self) -> tuple[str, str] | None:

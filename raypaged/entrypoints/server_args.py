@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from raypaged import envs
 from raypaged.entrypoints.vllm_compat import add_vllm_args, check_vllm_args
+from raypaged.serving.gateway.fingerprint import FINGERPRINT_MODES
 
 if TYPE_CHECKING:
     from raypaged.serving.launch import GatewayOptions
@@ -188,6 +189,16 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "(?model= picks one where several serve)",
     )
     parser.add_argument(
+        "--fingerprint-mode",
+        choices=FINGERPRINT_MODES,
+        default="full",
+        help="answers' system_fingerprint: full (raypaged-VERSION[-tpN]-HASH of the engine's settings), hash "
+        "(raypaged-VERSION-HASH), custom (--fingerprint-value) or none (null)",
+    )
+    parser.add_argument(
+        "--fingerprint-value", default=None, metavar="TEXT", help="the system_fingerprint of --fingerprint-mode custom"
+    )
+    parser.add_argument(
         "--sse-keep-alive-interval",
         type=float,
         default=0.0,
@@ -314,6 +325,8 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        fingerprint_mode=args.fingerprint_mode,
+        fingerprint_value=args.fingerprint_value,
         sse_keep_alive_s=args.sse_keep_alive_interval,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage,

@@ -328,8 +328,6 @@ SERVER_DEFAULT_ONLY: list[Option] = [
     ("cohere_is_reasoning_model", (), bool, (None, True), "no Cohere endpoint is served"),
     ("cohere_format", (), str, (None, "cmd4"), "no Cohere endpoint is served"),
     ("tokens_only", (), bool, (None, False), "the OpenAI endpoints are served"),
-    ("fingerprint_mode", (), str, (None,), "system_fingerprint is raypaged's version"),
-    ("fingerprint_value", (), str, (None,), "system_fingerprint is raypaged's version"),
     ("enable_ssl_refresh", (), bool, (None, False), "the TLS certificate and key are read once at startup"),
     (
         "h11_max_header_count",

@@ -100,6 +100,7 @@ class ServedModel:
             device=config.resolved_device,
             dtype=config.resolved_dtype,
             root=config.model or DEFAULT_MODEL,
+            config_hash=config.config_hash(),
         )
 
 

@@ -28,6 +28,7 @@ from raypaged.serving.engine_server import EngineServer
 from raypaged.serving.gateway.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, build_app
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
+from raypaged.serving.gateway.fingerprint import check_fingerprint
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, tenants_for
 from raypaged.serving.gateway.http_protocol import BoundedHttpToolsProtocol
 from raypaged.serving.gateway.output_log import OutputLogging
@@ -84,6 +85,8 @@ class GatewayOptions:
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False  # every request's logprobs name tokens "token_id:{id}"
     tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (--enable-tokenizer-info-endpoint)
+    fingerprint_mode: str = "full"  # system_fingerprint: full, hash, custom (fingerprint_value) or none
+    fingerprint_value: str | None = None
     sse_keep_alive_s: float = 0.0  # an idle stream sends a keep-alive comment this often (0: never)
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     enable_force_include_usage: bool = False  # every stream ends with a usage chunk
@@ -97,6 +100,7 @@ class GatewayOptions:
             get_parser(self.tool_call_parser)  # an unknown name fails now
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)
+        check_fingerprint(self.fingerprint_mode, self.fingerprint_value)
         if self.output_logging is not None and not self.log_requests:
             raise ValueError("--enable-log-outputs needs --enable-log-requests (the request log it adds to)")
         if not self.sse_keep_alive_s >= 0:
@@ -250,6 +254,8 @@ class Gateway:
             openapi_docs=options.openapi_docs,
             return_tokens_as_token_ids=options.return_tokens_as_token_ids,
             tokenizer_info_endpoint=options.tokenizer_info_endpoint,
+            fingerprint_mode=options.fingerprint_mode,
+            fingerprint_value=options.fingerprint_value,
             log_error_stack=options.log_error_stack,
             sse_keep_alive_s=options.sse_keep_alive_s,
             output_logging=options.output_logging,

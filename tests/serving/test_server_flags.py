@@ -163,13 +163,30 @@ def test_tokenizer_info_gives_the_tokenizers_settings_without_file_paths(stack, 
     assert info["chat_template"] == tokenizer.chat_template  # the tokenizer's (the server has none of its own)
 
 
-def test_without_the_flag_there_is_no_tokenizer_info_route(tiny_model_dir):
-    stack = Stack([tiny_config(tiny_model_dir, "tiny")])
+def test_without_the_flag_there_is_no_tokenizer_info_route_and_a_custom_fingerprint_is_the_value(tiny_model_dir):
+    stack = Stack([tiny_config(tiny_model_dir, "tiny")], fingerprint_mode="custom", fingerprint_value="blue-7")
     try:
         with stack.client() as client:
             assert client.get("/tokenizer_info").status_code == 404
+            assert completion(client).json()["system_fingerprint"] == "blue-7"
     finally:
         stack.close()
+
+
+def test_the_full_fingerprint_is_the_version_and_the_hash_of_the_engines_settings(stack, tiny_model_dir):
+    from raypaged import __version__
+
+    config = stack.engine().config
+    with stack.client() as client:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        got = {
+            completion(client).json()["system_fingerprint"],
+            client.post("/v1/chat/completions", json=chat).json()["system_fingerprint"],
+        }
+    assert got == {f"raypaged-{__version__}-{config.config_hash()}"}
+    alike = tiny_config(tiny_model_dir, "tiny", stream_interval=4)
+    assert alike.config_hash() == config.config_hash()
+    assert tiny_config(tiny_model_dir, "tiny", stream_interval=2).config_hash() != config.config_hash()
 
 
 def test_uds_serves_on_a_unix_socket_and_removes_it_after(stack, tmp_path):
@@ -235,6 +252,11 @@ def test_server_flags_reach_the_gateway_options(tmp_path):
         (["--ssl-ciphers", "ECDHE"], "--ssl-ciphers needs --ssl-certfile (cipher suites are HTTPS's)"),
         (["--h11-max-incomplete-event-size", "0"], "--h11-max-incomplete-event-size must be at least 1 byte, got 0"),
         (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests (the request log it adds to)"),
+        (["--fingerprint-mode", "custom"], "--fingerprint-mode custom needs --fingerprint-value"),
+        (
+            ["--fingerprint-value", "x"],
+            "--fingerprint-value is the fingerprint of --fingerprint-mode custom, not of 'full'",
+        ),
     ],
 )
 def test_server_flags_raypaged_cannot_honour_are_refused_by_name(argv, message):

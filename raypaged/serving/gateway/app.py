@@ -25,6 +25,7 @@ from raypaged.serving.client import ForwardingCall, StreamCall
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import APIError, from_grpc, install_handlers
+from raypaged.serving.gateway.fingerprint import Fingerprints
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, Guard, HostCheck, host_check_needed
 from raypaged.serving.gateway.openai_responses import Responder, ResponsesRequest, ResponseStore
 from raypaged.serving.gateway.output_log import OutputLog, OutputLogging
@@ -77,6 +78,8 @@ def build_app(
     openapi_docs: bool = True,
     return_tokens_as_token_ids: bool = False,
     tokenizer_info_endpoint: bool = False,
+    fingerprint_mode: str = "full",
+    fingerprint_value: str | None = None,
     log_error_stack: bool = False,
     sse_keep_alive_s: float = 0.0,
     output_logging: OutputLogging | None = None,
@@ -93,6 +96,7 @@ def build_app(
     ``--disable-fastapi-docs``): no ``/openapi.json`` (the Swagger and ReDoc pages are never served);
     ``return_tokens_as_token_ids``: every request's logprobs name tokens ``token_id:{id}``;
     ``tokenizer_info_endpoint``: ``GET /tokenizer_info`` is served (vLLM's ``--enable-tokenizer-info-endpoint``);
+    ``fingerprint_mode`` and ``fingerprint_value``: the answers' ``system_fingerprint`` (``fingerprint.py``);
     ``log_error_stack``: error responses are logged with their exception's stack; ``sse_keep_alive_s``: a
     stream idle that long gets a keep-alive comment (0: none); ``output_logging`` (with ``log_requests``): what
     each request generated is logged too.
@@ -102,6 +106,7 @@ def build_app(
     if max_prompts_per_request < 1:
         raise ValueError(f"--max-prompts-per-request must be at least 1, got {max_prompts_per_request}")
     drain = drain or Drain(0)
+    fingerprints = Fingerprints(routes, fingerprint_mode, fingerprint_value)
     responses_store = ResponseStore()
     started = int(time.time())  # the models' "created"
     app = FastAPI(
@@ -200,6 +205,7 @@ def build_app(
             include_reasoning=include_reasoning,
             token_ids_as_text=body.return_tokens_as_token_ids or return_tokens_as_token_ids,
             token_ids=bool(body.return_token_ids),
+            fingerprint=await fingerprints.of(model),
         )
         for index, request in enumerate(requests):  # the engine's ids follow the response's
             request.request_id = shape.id if len(requests) == 1 else f"{shape.id}-{index}"

@@ -12,7 +12,6 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from raypaged import __version__
 from raypaged.outputs import FinishReason
 from raypaged.serving.gateway.reasoning import ReasoningParser, ReasoningStream
 from raypaged.serving.gateway.tools import ToolPlan, ToolStream
@@ -27,8 +26,6 @@ from raypaged.serving.messages import (
     Usage,
 )
 from raypaged.serving.proto import generate_pb2 as pb
-
-SYSTEM_FINGERPRINT = f"raypaged-{__version__}"
 
 # by the wire's FinishReason value (an int on either link)
 FINISH_REASONS: dict[int, FinishReason | None] = {
@@ -59,6 +56,7 @@ class ResponseShape:
     include_reasoning: bool = True  # False: the reasoning section is split off and not returned (vLLM's)
     token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
     token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and each choice's token_ids
+    fingerprint: str | None = None  # the answers' system_fingerprint (gateway/fingerprint.py)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -76,7 +74,7 @@ class ResponseShape:
             "object": obj,
             "created": self.created,
             "model": self.model,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "system_fingerprint": self.fingerprint,
             "choices": choices,
         }
         if usage is not None or not chunk:

@@ -359,7 +359,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_model_len", "block_size", "tensor_parallel_size", "num_gpu_blocks", "device", "dtype", "root", "parent")
+    __slots__ = ("name", "max_model_len", "block_size", "tensor_parallel_size", "num_gpu_blocks", "device", "dtype", "root", "parent", "config_hash")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +369,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_model_len: int
     block_size: int
@@ -378,7 +379,8 @@ class ModelInfo(_message.Message):
     dtype: str
     root: str
     parent: str
-    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., root: _Optional[str] = ..., parent: _Optional[str] = ...) -> None: ...
+    config_hash: str
+    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., root: _Optional[str] = ..., parent: _Optional[str] = ..., config_hash: _Optional[str] = ...) -> None: ...
 
 class LoadLoRAAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path", "base_model_name")
