@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from raypaged.flag_json import json_object
 
 METHODS = ("ngram", "draft_model")
 # vLLM keys with no effect here unless left at these values (refused by name otherwise)
@@ -67,14 +68,7 @@ class SpeculativeConfig:
         A ``model`` without a ``method`` is a draft model, as in vLLM."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--speculative-config must be a JSON object: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"--speculative-config must be a JSON object, got {value!r}")
-        options = dict(value)
+        options = json_object("--speculative-config", value)
         for key, allowed in _DEFAULT_ONLY.items():
             if key in options:
                 given = options.pop(key)

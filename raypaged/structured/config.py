@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from raypaged.flag_json import json_object
 from raypaged.structured.reasoning import ReasoningParser, get_reasoning_parser
 
 # auto: xgrammar, or llguidance for a JSON schema with keywords xgrammar would not enforce (as vLLM)
@@ -58,14 +58,7 @@ class StructuredOutputsConfig:
         """From ``--structured-outputs-config`` (a JSON object or a dict), the older
         ``--guided-decoding-backend`` (which sets ``backend``) and ``--reasoning-parser``;
         unknown keys are refused by name."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--structured-outputs-config is not valid JSON: {exc}") from None
-        if not isinstance(value, (dict, type(None))):
-            raise ValueError(f"--structured-outputs-config must be a JSON object, got {value!r}")
-        values = dict(value or {})
+        values = {} if value is None else json_object("--structured-outputs-config", value)
         known = {f.name for f in fields(cls)}
         unknown = [key for key in values if key not in known]
         if unknown:

@@ -8,9 +8,10 @@ gateway (which splits it into ``reasoning_content``) and for constraints (which 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
+
+from raypaged.flag_json import json_object
 
 if TYPE_CHECKING:
     import xgrammar
@@ -86,13 +87,7 @@ class ReasoningConfig:
         """From ``--reasoning-config``'s JSON object (or its dict); unknown keys are refused by name."""
         if value is None or isinstance(value, ReasoningConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--reasoning-config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"--reasoning-config must be a JSON object, got {value!r}")
+        value = json_object("--reasoning-config", value)
         known = [f.name for f in fields(cls)]
         for key, item in value.items():
             if key not in known:

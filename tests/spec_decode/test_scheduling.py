@@ -100,7 +100,7 @@ def test_speculative_config_parses_vllms_forms():
         ),
         ({"num_speculative_tokens": 2}, "needs a method (ngram or draft_model) or a draft model"),
         ("[1]", "must be a JSON object, got [1]"),
-        ("{", "must be a JSON object: Expecting"),
+        ("{", "is not valid JSON: Expecting"),
     ],
 )
 def test_speculative_config_refuses_what_it_cannot_honour_by_name(value, message):
