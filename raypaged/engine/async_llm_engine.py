@@ -167,7 +167,9 @@ class AsyncLLMEngine:
                 lora_request,
             )
         else:
-            process = partial(self.engine.process_beam_search, request_id, prompt, beam, prompt_token_ids, lora_request)
+            process = partial(
+                self.engine.process_beam_search, request_id, prompt, beam, prompt_token_ids, lora_request, cache_salt
+            )
         if beam is None and lora_request is None and _cheap(params, prompt_token_ids):
             processed = process()  # checks and a copy, under 0.1 ms: a thread hop would cost more under load
         else:

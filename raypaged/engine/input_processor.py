@@ -263,6 +263,7 @@ class InputProcessor:
         params: BeamSearchParams,
         prompt_token_ids: list[int] | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> tuple[SamplingParams, EngineCoreRequest]:
         """A beam search checked: its beams' params (greedy, the ``2 * beam_width`` best next
         tokens as logprobs) and the core's request."""
@@ -284,7 +285,7 @@ class InputProcessor:
             prompt_token_ids,
             beam_params,
             max_tokens,
-            cache_salt=_prefix_namespace(None, lora),
+            cache_salt=_prefix_namespace(cache_salt, lora),
             lora=lora,
             matchers=matchers,
             beam=params,

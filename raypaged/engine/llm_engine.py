@@ -128,10 +128,11 @@ class LLMEngine:
         params: BeamSearchParams,
         prompt_token_ids: list[int] | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> ProcessedRequest:
         """``process_request`` for a beam search."""
         beam_params, core_request = self.input_processor.process_beam_search(
-            self._seq_id(request_id), prompt, params, prompt_token_ids, lora_request
+            self._seq_id(request_id), prompt, params, prompt_token_ids, lora_request, cache_salt
         )
         return ProcessedRequest(request_id, prompt, beam_params, core_request)
 
@@ -191,10 +192,13 @@ class LLMEngine:
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a beam search; its output (beams best first) comes when it finishes."""
         request_id = self.new_request_id(request_id)
-        return self.add_processed(self.process_beam_search(request_id, prompt, params, prompt_token_ids, lora_request))
+        return self.add_processed(
+            self.process_beam_search(request_id, prompt, params, prompt_token_ids, lora_request, cache_salt)
+        )
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests (all their sequences); their blocks are free when this returns."""

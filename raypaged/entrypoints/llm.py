@@ -121,8 +121,16 @@ class LLM:
         # only the finished output is read: the engine builds nothing for the steps in between
         params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         submissions = [
-            partial(engine.add_request, text, params, prompt_token_ids=token_ids, priority=prio, lora_request=lora)
-            for (text, token_ids), params, prio, lora in zip(resolved, params_list, priorities, loras)
+            partial(
+                engine.add_request,
+                text,
+                params,
+                prompt_token_ids=token_ids,
+                priority=prio,
+                cache_salt=salt,
+                lora_request=lora,
+            )
+            for (text, token_ids, salt), params, prio, lora in zip(resolved, params_list, priorities, loras)
         ]
         return self._submit_and_run(submissions, use_tqdm)
 
@@ -139,8 +147,8 @@ class LLM:
             prompts = [prompts]
         engine = self.llm_engine
         submissions = [
-            partial(engine.add_beam_search, text, params, prompt_token_ids=token_ids)
-            for text, token_ids in (_prompt_input(p) for p in prompts)
+            partial(engine.add_beam_search, text, params, prompt_token_ids=token_ids, cache_salt=salt)
+            for text, token_ids, salt in (_prompt_input(p) for p in prompts)
         ]
         outputs = self._submit_and_run(submissions, use_tqdm)
         beams = [output for output in outputs if isinstance(output, BeamSearchOutput)]
@@ -222,13 +230,24 @@ def _is_conversation(messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
     return bool(messages) and isinstance(messages[0], dict)
 
 
-def _prompt_input(prompt: PromptType) -> tuple[str | None, list[int] | None]:
-    """(text, token ids) of a prompt; either may be None."""
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def _prompt_input(prompt: PromptType) -> tuple[str | None, list[int] | None, str | None]:
+    """(text, token ids, cache salt) of a prompt; any may be None. A key of vLLM's prompt dicts
+    that raypaged does not take (``multi_modal_data``, ``prompt_embeds``...) is refused by name."""
     if isinstance(prompt, str):
-        return prompt, None
+        return prompt, None, None
     if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
-        token_ids = prompt.get("prompt_token_ids")
-        return prompt.get("prompt"), None if token_ids is None else list(token_ids)
+        unknown = [key for key in prompt if key not in _PROMPT_KEYS]
+        if unknown:
+            raise ValueError(
+                f"a prompt's {unknown[0]!r} is not supported: a prompt dict takes {', '.join(_PROMPT_KEYS)}"
+            )
+        token_ids, salt = prompt.get("prompt_token_ids"), prompt.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"a prompt's cache_salt must be a non-empty string, got {salt!r}")
+        return prompt.get("prompt"), None if token_ids is None else list(token_ids), salt
     raise ValueError(f"a prompt must be a string or a dict with prompt_token_ids, got {type(prompt).__name__}")
 
 

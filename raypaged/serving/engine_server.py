@@ -213,8 +213,13 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         """The engine's id of a caller's request id: tenants never see each other's ids."""
         return request_id if self.tenants.is_open else f"{gate.tenant.name}/{request_id}"
 
-    def _cache_salt(self, gate: TenantGate) -> str | None:
-        return None if self.tenants.is_open or self.share_prefix_cache else gate.tenant.name
+    def _cache_salt(self, gate: TenantGate, requested: str = "") -> str | None:
+        """The request's prefix-cache namespace: its tenant's (unless all share, or there are no tenants),
+        and its own ``cache_salt`` within that; a salted namespace starts with NUL, which no name does."""
+        tenant = None if self.tenants.is_open or self.share_prefix_cache else gate.tenant.name
+        if not requested:
+            return tenant
+        return "\x00" + json.dumps([tenant, requested])
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, messages: StreamMessages = pb
@@ -248,7 +253,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                     key[1],
                     token_ids,
                     priority,
-                    cache_salt=self._cache_salt(gate),
+                    cache_salt=self._cache_salt(gate, request.cache_salt),
                     lora_request=lora,
                     beam=beam,
                 )

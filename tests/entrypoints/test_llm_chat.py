@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raypaged import LLM, SamplingParams
+from raypaged.sampling_params import BeamSearchParams
 from tests.serving.conftest import tiny_model_dir  # noqa: F401  (session fixture)
 
 ONE = SamplingParams(temperature=0, max_tokens=1)
@@ -87,3 +88,24 @@ def test_reset_prefix_cache_makes_the_next_prompt_compute_again(llm):
     hits = llm.stats()["prefix_cache_hits"]
     llm.generate(prompt, ONE, use_tqdm=False)
     assert llm.stats()["prefix_cache_hits"] == hits
+
+
+def test_a_prompts_cache_salt_keeps_its_prefix_blocks_to_its_own_salt(llm):
+    ids = list(range(300, 380))  # five full blocks of 16
+
+    def cached(**salt) -> int:
+        [output] = llm.generate({"prompt_token_ids": ids, **salt}, ONE, use_tqdm=False)
+        return output.num_cached_tokens
+
+    assert llm.reset_prefix_cache() is True
+    assert [cached(cache_salt="x"), cached(cache_salt="x"), cached(cache_salt="y"), cached()] == [0, 64, 0, 0]
+    assert llm.reset_prefix_cache() is True
+    beams = llm.beam_search(
+        [{"prompt_token_ids": ids, "cache_salt": "z"}], BeamSearchParams(beam_width=2, max_tokens=2)
+    )
+    assert len(beams[0].sequences) == 2
+    assert [cached(), cached(cache_salt="z")] == [0, 64]  # the beam search left its blocks under its salt only
+    with pytest.raises(ValueError, match="a prompt's 'multi_modal_data' is not supported: a prompt dict takes prompt"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": None}}, ONE, use_tqdm=False)
+    with pytest.raises(ValueError, match="a prompt's cache_salt must be a non-empty string, got ''"):
+        llm.generate({"prompt": "hi", "cache_salt": ""}, ONE, use_tqdm=False)

@@ -104,6 +104,20 @@ def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(url):
     assert cached == (second["prompt_tokens"] - 1) // 4 * 4 and cached > 0  # every full block but the last token's
 
 
+def test_cache_salt_shares_prefix_blocks_only_among_requests_of_the_same_salt(url):
+    def cached(**salt) -> int:
+        body = {"model": "a", "prompt": "Salted. " + LONG, "max_tokens": 1, "temperature": 0, **salt}
+        return httpx.post(f"{url}/v1/completions", json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="s-1") == 0
+    full = cached(cache_salt="s-1")
+    assert full > 0  # the same salt: its blocks
+    assert cached(cache_salt="s-2") == 0  # another salt: none of them
+    assert cached() == 0  # no salt: none either
+    empty = httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 1, "cache_salt": ""})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
+
+
 def test_every_stream_ends_with_usage(url):
     with httpx.stream(
         "POST", f"{url}/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 3, "stream": True}

@@ -53,7 +53,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "mm_processor_kwargs": (),
     "kv_transfer_params": (),
     "vllm_xargs": (),
-    "cache_salt": (),
     "prediction": (),
     "audio": (),
     "modalities": (["text"],),
@@ -134,6 +133,8 @@ class _GenerationBody(BaseModel):
     thinking_token_budget: int | None = Field(None, ge=-1, le=_UINT32_MAX)
     # vLLM's: with logprobs, these tokens' logprobs at each generated position in place of the most likely ones
     logprob_token_ids: list[Unsigned] | None = None
+    # vLLM's: prefix-cache blocks are shared only among requests of the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # structured outputs: OpenAI's, vLLM's, and vLLM's older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -294,6 +295,8 @@ class _GenerationBody(BaseModel):
             request.truncation_side = self.truncation_side
         if self.stream_interval is not None:
             request.stream_interval = self.stream_interval
+        if self.cache_salt is not None:
+            request.cache_salt = self.cache_salt
         if constraint is not None:
             request.structured.CopyFrom(constraint)
         if num_logprobs is not None:
