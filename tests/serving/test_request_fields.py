@@ -530,3 +530,25 @@ def test_logprob_token_ids_refusals_name_the_field(http, extra, message):
     answer = http.post("/v1/completions", json={"logprob_token_ids": [5], **COMPLETION, **extra})
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == message
+
+
+def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(http, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = "{{ reasoning_effort }}|{{ enable_thinking }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    def rendered(**fields) -> str:
+        body = {**CHAT, "max_tokens": 1, "chat_template": template, "return_token_ids": True, **fields}
+        answer = http.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        return tokenizer.decode(answer.json()["prompt_token_ids"])
+
+    assert rendered(reasoning_effort="low") == "low|True|hi"
+    assert rendered(reasoning_effort="none") == "none|False|hi"
+    assert rendered(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}) == "high|False|hi"
+    assert rendered() == "||hi"
+    refused = http.post("/v1/completions", json={**COMPLETION, "reasoning_effort": "low"})
+    assert refused.json()["error"]["message"] == (
+        "reasoning_effort is not supported by this server; send the request without it"
+    )

@@ -230,9 +230,12 @@ def test_output_text_logprobs_are_included_on_request(client):
         ({"background": True}, "background is not supported by this server; send the request without it"),
         ({"truncation": "auto"}, "truncation 'auto' is not supported (only disabled: a prompt too long is a 400)"),
         (
-            {"reasoning": {"effort": "high"}},
-            "reasoning is not supported by this server (the model reasons as its chat template has it); send the "
-            "request without it",
+            {"reasoning": {"effort": "high", "summary": "auto"}},
+            "reasoning.summary is not supported by this server (reasoning.effort is); send the request without it",
+        ),
+        (
+            {"reasoning": {"effort": "extreme"}},
+            "reasoning_effort: Input should be 'none', 'minimal', 'low', 'medium', 'high', 'xhigh' or 'max'",
         ),
         (
             {"include": ["reasoning.encrypted_content"]},

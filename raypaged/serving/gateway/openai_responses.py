@@ -85,11 +85,12 @@ class ResponsesRequest(BaseModel):
             raise APIError(
                 400, f"service_tier {self.service_tier!r} is not supported (auto or default)", "service_tier"
             )
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+        unknown = sorted(k for k, v in (self.reasoning or {}).items() if k != "effort" and v is not None)
+        if unknown:
             raise APIError(
                 400,
-                "reasoning is not supported by this server (the model reasons as its chat template has it); send the "
-                "request without it",
+                f"reasoning.{unknown[0]} is not supported by this server (reasoning.effort is); send the request "
+                "without it",
                 "reasoning",
             )
         if (self.stream_options or {}).get("include_obfuscation"):
@@ -125,6 +126,8 @@ class ResponsesRequest(BaseModel):
             body["parallel_tool_calls"] = self.parallel_tool_calls
         if self.tool_choice is not None:
             body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        if (effort := (self.reasoning or {}).get("effort")) is not None:
+            body["reasoning_effort"] = effort
         if (response_format := _response_format((self.text or {}).get("format"))) is not None:
             body["response_format"] = response_format
         return body
@@ -254,7 +257,7 @@ class Responder:
             "output": output,
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": (request.reasoning or {}).get("effort"), "summary": None},
             "store": request.store,
             "temperature": request.temperature,
             "text": {"format": (request.text or {}).get("format") or {"type": "text"}},

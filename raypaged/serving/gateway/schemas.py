@@ -439,6 +439,8 @@ class ChatCompletionRequest(_GenerationBody):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # false: no reasoning_content, and constraints apply from the first token
+    # vLLM's: a chat template variable (and enable_thinking: false for "none", true for the others)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None
@@ -466,12 +468,19 @@ class ChatCompletionRequest(_GenerationBody):
             messages=[m.to_proto() for m in self.messages],
             tools_json=tools.tools_json() if tools is not None else "",
             chat_template=self.chat_template or "",
-            chat_template_kwargs_json=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "",
+            chat_template_kwargs_json=json.dumps(variables) if (variables := self.template_variables()) else "",
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             documents_json=json.dumps(self.documents) if self.documents else "",
         )
         return [{"messages": conversation}]
+
+    def template_variables(self) -> dict[str, Any]:
+        """``chat_template_kwargs`` over what ``reasoning_effort`` sets (as vLLM: the effort itself, and
+        ``enable_thinking`` false for ``none``, true for the others)."""
+        effort = self.reasoning_effort
+        from_effort = {} if effort is None else {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+        return from_effort | (self.chat_template_kwargs or {})
 
     @property
     def num_logprobs(self) -> int | None:
