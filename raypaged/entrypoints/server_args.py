@@ -183,6 +183,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         help="logprobs name every token 'token_id:{id}' (a request's return_tokens_as_token_ids does it for one)",
     )
     parser.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="a chat request with tool_choice none renders its chat template without the tools",
+    )
+    parser.add_argument(
         "--enable-tokenizer-info-endpoint",
         action="store_true",
         help="serve GET /tokenizer_info: a model's tokenizer settings and the server's chat template, as vLLM "
@@ -325,6 +330,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         fingerprint_mode=args.fingerprint_mode,
         fingerprint_value=args.fingerprint_value,
         sse_keep_alive_s=args.sse_keep_alive_interval,

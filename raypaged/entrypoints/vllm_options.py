@@ -323,7 +323,6 @@ SERVER_DEFAULT_ONLY: list[Option] = [
     ("tool_parser_plugin", (), str, (None, ""), "tool-call parsers are built in ({tool_call_parser})"),
     ("reasoning_parser_plugin", (), str, (None, ""), "reasoning parsers are built in ({reasoning_parser})"),
     ("tool_server", (), str, (None,), "no built-in (MCP) tools are served: function tools run on the client"),
-    ("exclude_tools_when_tool_choice_none", (), bool, (None, False), "the chat template always sees the tools"),
     ("enable_per_request_metrics", (), bool, (None, False), "request timings are /metrics histograms"),
     ("cohere_is_reasoning_model", (), bool, (None, True), "no Cohere endpoint is served"),
     ("cohere_format", (), str, (None, "cmd4"), "no Cohere endpoint is served"),

@@ -85,6 +85,7 @@ class GatewayOptions:
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False  # every request's logprobs name tokens "token_id:{id}"
     tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (--enable-tokenizer-info-endpoint)
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice none: the template sees no tools
     fingerprint_mode: str = "full"  # system_fingerprint: full, hash, custom (fingerprint_value) or none
     fingerprint_value: str | None = None
     sse_keep_alive_s: float = 0.0  # an idle stream sends a keep-alive comment this often (0: never)
@@ -254,6 +255,7 @@ class Gateway:
             openapi_docs=options.openapi_docs,
             return_tokens_as_token_ids=options.return_tokens_as_token_ids,
             tokenizer_info_endpoint=options.tokenizer_info_endpoint,
+            exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
             fingerprint_mode=options.fingerprint_mode,
             fingerprint_value=options.fingerprint_value,
             log_error_stack=options.log_error_stack,

@@ -21,13 +21,14 @@ from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir):
     stack = Stack(
-        [tiny_config(tiny_model_dir, "tiny", stream_interval=4)],
+        [tiny_config(tiny_model_dir, "tiny", stream_interval=4, trust_request_chat_template=True)],
         uvicorn_log_level="info",
         return_tokens_as_token_ids=True,
         log_error_stack=True,
         access_log_skip_paths=("/health", "/metrics"),
         h11_max_incomplete_event_size=1 << 20,
         tokenizer_info_endpoint=True,
+        exclude_tools_when_tool_choice_none=True,
         log_requests=True,
         output_logging=OutputLogging(deltas=True, max_len=6),
     )
@@ -184,9 +185,37 @@ def test_the_full_fingerprint_is_the_version_and_the_hash_of_the_engines_setting
             client.post("/v1/chat/completions", json=chat).json()["system_fingerprint"],
         }
     assert got == {f"raypaged-{__version__}-{config.config_hash()}"}
-    alike = tiny_config(tiny_model_dir, "tiny", stream_interval=4)
+    alike = tiny_config(tiny_model_dir, "tiny", stream_interval=4, trust_request_chat_template=True)
     assert alike.config_hash() == config.config_hash()
-    assert tiny_config(tiny_model_dir, "tiny", stream_interval=2).config_hash() != config.config_hash()
+    assert tiny_config(tiny_model_dir, "tiny", stream_interval=4).config_hash() != config.config_hash()
+
+
+def test_tool_choice_none_renders_the_template_without_the_tools(stack, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = (
+        "{% for t in tools or [] %}(tool {{ t.function.name }}){% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+    def rendered(choice: str) -> str:
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "chat_template": template,
+            "tools": [tool],
+            "tool_choice": choice,
+            "return_token_ids": True,
+        }
+        with stack.client() as client:
+            answer = client.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        return tokenizer.decode(answer.json()["prompt_token_ids"])
+
+    assert (rendered("none"), rendered("required")) == ("hi", "(tool f)hi")
 
 
 def test_uds_serves_on_a_unix_socket_and_removes_it_after(stack, tmp_path):
@@ -231,12 +260,14 @@ def test_server_flags_reach_the_gateway_options(tmp_path):
         "--h11-max-incomplete-event-size",
         "65536",
         "--enable-tokenizer-info-endpoint",
+        "--exclude-tools-when-tool-choice-none",
     )
     assert (got.drain_timeout_s, got.uds, got.access_log_skip_paths) == (5.0, "/tmp/x.sock", ("/health", "/metrics"))
     assert (got.log_config, got.return_tokens_as_token_ids, got.log_error_stack) == (config, True, True)
     assert (got.h11_max_incomplete_event_size, got.tokenizer_info_endpoint) == (65536, True)
+    assert got.exclude_tools_when_tool_choice_none
     default = options()
-    assert not default.tokenizer_info_endpoint
+    assert not (default.tokenizer_info_endpoint or default.exclude_tools_when_tool_choice_none)
     assert (default.return_tokens_as_token_ids, default.log_error_stack, default.log_config) == (False, False, None)
 
 

@@ -78,6 +78,7 @@ def build_app(
     openapi_docs: bool = True,
     return_tokens_as_token_ids: bool = False,
     tokenizer_info_endpoint: bool = False,
+    exclude_tools_when_tool_choice_none: bool = False,
     fingerprint_mode: str = "full",
     fingerprint_value: str | None = None,
     log_error_stack: bool = False,
@@ -96,6 +97,7 @@ def build_app(
     ``--disable-fastapi-docs``): no ``/openapi.json`` (the Swagger and ReDoc pages are never served);
     ``return_tokens_as_token_ids``: every request's logprobs name tokens ``token_id:{id}``;
     ``tokenizer_info_endpoint``: ``GET /tokenizer_info`` is served (vLLM's ``--enable-tokenizer-info-endpoint``);
+    ``exclude_tools_when_tool_choice_none``: a chat request with ``tool_choice: "none"`` renders without its tools;
     ``fingerprint_mode`` and ``fingerprint_value``: the answers' ``system_fingerprint`` (``fingerprint.py``);
     ``log_error_stack``: error responses are logged with their exception's stack; ``sse_keep_alive_s``: a
     stream idle that long gets a keep-alive comment (0: none); ``output_logging`` (with ``log_requests``): what
@@ -175,7 +177,11 @@ def build_app(
         model, stub = await routes.find(body.model)
         check_count("prompt", body.num_prompts, max_prompts_per_request, "max_prompts_per_request", "prompts")
         tools = body.tool_plan(tool_parser) if isinstance(body, ChatCompletionRequest) else None
-        prompts = body.prompts(tools) if isinstance(body, ChatCompletionRequest) else body.prompts()
+        if isinstance(body, ChatCompletionRequest):
+            hidden = exclude_tools_when_tool_choice_none and tools is not None and tools.mode == "none"
+            prompts = body.prompts(None if hidden else tools)
+        else:
+            prompts = body.prompts()
         num_logprobs = body.num_logprobs
         constraint = body.constraint(tools)
         include_reasoning = body.include_reasoning if isinstance(body, ChatCompletionRequest) else True
