@@ -219,6 +219,13 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         help="most bytes of an HTTP request's head (request line and headers; default: h11's, 16 KiB); past it a 400",
     )
     parser.add_argument(
+        "--h11-max-header-count",
+        type=int,
+        default=256,
+        metavar="N",
+        help="most headers of an HTTP request; past it a 400",
+    )
+    parser.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="usage.prompt_tokens_details.cached_tokens: prompt tokens read from the prefix cache",
@@ -308,6 +315,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         access_log_skip_paths=names("--disable-access-log-for-endpoints", args.disable_access_log_for_endpoints or ""),
         log_config=log_config(args.log_config_file),
         log_error_stack=args.log_error_stack,
+        h11_max_header_count=args.h11_max_header_count,
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
         openapi_docs=not args.disable_fastapi_docs,
         ssl_keyfile=args.ssl_keyfile,

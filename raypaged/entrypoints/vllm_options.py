@@ -328,13 +328,6 @@ SERVER_DEFAULT_ONLY: list[Option] = [
     ("cohere_format", (), str, (None, "cmd4"), "no Cohere endpoint is served"),
     ("tokens_only", (), bool, (None, False), "the OpenAI endpoints are served"),
     ("enable_ssl_refresh", (), bool, (None, False), "the TLS certificate and key are read once at startup"),
-    (
-        "h11_max_header_count",
-        (),
-        int,
-        (None, 256),
-        "headers are bounded in bytes by {h11_max_incomplete_event_size}, not by count",
-    ),
     ("enable_offline_docs", (), bool, (None, False), "no Swagger or ReDoc page is served (only /openapi.json)"),
     ("enable_scale_out", (), bool, (None, False), "the OpenAI endpoints are served"),
 ]

@@ -30,7 +30,7 @@ from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.fingerprint import check_fingerprint
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, tenants_for
-from raypaged.serving.gateway.http_protocol import BoundedHttpToolsProtocol
+from raypaged.serving.gateway.http_protocol import DEFAULT_MAX_HEADER_COUNT, BoundedHttpToolsProtocol
 from raypaged.serving.gateway.output_log import OutputLogging
 from raypaged.serving.gateway.reasoning import get_reasoning_parser
 from raypaged.serving.gateway.tenants import Tenants
@@ -65,6 +65,7 @@ class GatewayOptions:
     log_config: dict[str, Any] | None = None  # logging.config.dictConfig's dict, for ours and uvicorn's loggers
     log_error_stack: bool = False  # log error responses with their exception's stack
     h11_max_incomplete_event_size: int | None = None  # bytes of a request head (None: 16 KiB, h11's default)
+    h11_max_header_count: int = DEFAULT_MAX_HEADER_COUNT  # headers of a request
     openapi_docs: bool = True  # /openapi.json (--disable-fastapi-docs: none)
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
@@ -110,6 +111,8 @@ class GatewayOptions:
             raise ValueError(
                 f"--h11-max-incomplete-event-size must be at least 1 byte, got {self.h11_max_incomplete_event_size}"
             )
+        if self.h11_max_header_count < 1:
+            raise ValueError(f"--h11-max-header-count must be at least 1, got {self.h11_max_header_count}")
         if self.ssl_ciphers is not None:
             if self.ssl_certfile is None:
                 raise ValueError("--ssl-ciphers needs --ssl-certfile (cipher suites are HTTPS's)")
@@ -274,7 +277,8 @@ class Gateway:
         self.server = _Server(
             uvicorn.Config(
                 app,
-                http=BoundedHttpToolsProtocol,  # httptools, heads bounded by --h11-max-incomplete-event-size
+                # httptools, heads bounded by --h11-max-incomplete-event-size and --h11-max-header-count
+                http=BoundedHttpToolsProtocol.with_header_count(options.h11_max_header_count),
                 h11_max_incomplete_event_size=options.h11_max_incomplete_event_size,
                 log_config=options.log_config if options.log_config is not None else uvicorn.config.LOGGING_CONFIG,
                 log_level=options.uvicorn_log_level or options.log_level,

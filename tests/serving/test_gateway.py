@@ -303,6 +303,19 @@ def test_request_heads_over_16_kib_are_refused_by_default(stack, client):
     assert client.get("/v1/models").status_code == 200  # the server serves on
 
 
+def test_a_request_with_more_than_256_headers_is_refused_by_default(stack, client):
+    few = {f"X-H{i}": "1" for i in range(240)}  # with httpx's own and the Authorization: under 256
+    assert client.get("/v1/models", headers=few).status_code == 200
+    many = {f"X-H{i}": "1" for i in range(257)}
+    with stack.client() as fresh:
+        try:
+            response = fresh.get("/v1/models", headers=many)
+            status, text = response.status_code, response.text
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+            status, text = 400, "Invalid HTTP request received."
+    assert (status, text) == (400, "Invalid HTTP request received.")
+
+
 def test_streams_end_with_done_and_usage_when_asked(client):
     response = client.post(
         "/v1/chat/completions",

@@ -282,6 +282,7 @@ def test_server_flags_reach_the_gateway_options(tmp_path):
         ),
         (["--ssl-ciphers", "ECDHE"], "--ssl-ciphers needs --ssl-certfile (cipher suites are HTTPS's)"),
         (["--h11-max-incomplete-event-size", "0"], "--h11-max-incomplete-event-size must be at least 1 byte, got 0"),
+        (["--h11-max-header-count", "0"], "--h11-max-header-count must be at least 1, got 0"),
         (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests (the request log it adds to)"),
         (["--fingerprint-mode", "custom"], "--fingerprint-mode custom needs --fingerprint-value"),
         (

@@ -1,11 +1,11 @@
-"""The gateway's HTTP/1.1 protocol: uvicorn's httptools parser with a bound on each request's head.
+"""The gateway's HTTP/1.1 protocol: uvicorn's httptools parser with bounds on each request's head.
 
 httptools (llhttp, in C) parses and writes faster than h11 (pure Python); what a streamed
 token costs the event loop is mostly this layer's send. h11 bounds a request's head (its
 request line and headers) with ``h11_max_incomplete_event_size`` and httptools has no such
 bound, so this protocol keeps one: the same option, the same default (h11's 16 KiB), the
 same answer past it (uvicorn's 400 "Invalid HTTP request received.", then the connection
-closes).
+closes). The number of headers is bounded too (vLLM's ``--h11-max-header-count``, 256 by default).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 DEFAULT_MAX_HEAD_BYTES = 16 * 1024  # h11's DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, what uvicorn's h11 protocol bounds
+DEFAULT_MAX_HEADER_COUNT = 256  # vLLM's --h11-max-header-count
 
 
 class HeadTooLargeError(Exception):
@@ -25,6 +26,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     incomplete once that many bytes are read for it, so no more than the bound and one read (uvicorn reads
     64 KiB at a time) is ever buffered for a head."""
 
+    max_header_count = DEFAULT_MAX_HEADER_COUNT  # headers a request may have (``with_header_count``)
     _in_head = True  # the bytes read now belong to a request head not yet complete
     _read_for_head = 0  # bytes read since this head began (a read may carry body bytes too)
     _head_bytes = 0  # the head's bytes as parsed so far
@@ -59,7 +61,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value) + 4)  # "name: value\r\n"
+        if len(self.headers) >= self.max_header_count:
+            raise HeadTooLargeError(f"request has more than {self.max_header_count} headers")
         super().on_header(name, value)
+
+    @classmethod
+    def with_header_count(cls, max_header_count: int) -> type[BoundedHttpToolsProtocol]:
+        """This protocol allowing ``max_header_count`` headers a request (vLLM's ``--h11-max-header-count``)."""
+        return type(cls.__name__, (cls,), {"max_header_count": max_header_count})
 
     def on_headers_complete(self) -> None:
         self._in_head = False
