@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
 _ALL = -1  # a bitmask word with every bit set: every token allowed
+_HISTORY = 256  # states kept for rollback (speculative drafts are far fewer)
 
 
 @dataclass(slots=True)
@@ -82,6 +83,8 @@ class ThinkingBudget:
             self._states.append(_State(False, 0, -1, tail))
         else:
             self._states.append(_State(state.inside, state.count + state.inside, -1, tail))
+        if len(self._states) > 2 * _HISTORY:  # rollbacks go back a few drafts at most: keep the last states
+            del self._states[:-_HISTORY]
         return True
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:

@@ -58,6 +58,15 @@ def test_an_end_the_model_already_began_is_continued_not_restarted():
     assert budget.forced_token is None
 
 
+def test_a_long_output_keeps_a_bounded_history_and_still_rolls_back_a_few_tokens():
+    budget = ThinkingBudget(5000, START, END, [1, 2])
+    accept_all(budget, [6] * 3000)
+    assert len(budget._states) <= 512
+    budget.rollback(10)
+    accept_all(budget, [6] * 2010)  # 5000 in all: the budget is spent
+    assert budget.forced_token == 3
+
+
 def test_rollback_and_fork_keep_each_state_apart():
     budget = ThinkingBudget(1, START, END, [1, 2])
     accept_all(budget, [6, 3])
