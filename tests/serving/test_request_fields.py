@@ -552,3 +552,25 @@ def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(http, tiny
     assert refused.json()["error"]["message"] == (
         "reasoning_effort is not supported by this server; send the request without it"
     )
+
+
+def test_invocations_answers_a_chat_or_a_completion_by_its_body(http):
+    chat = http.post("/invocations", json={**CHAT, "temperature": 0}).json()
+    assert chat["object"] == "chat.completion"
+    assert (
+        chat["choices"][0]["message"]
+        == http.post("/v1/chat/completions", json={**CHAT, "temperature": 0}).json()["choices"][0]["message"]
+    )
+    completion = http.post("/invocations", json={**COMPLETION, "temperature": 0}).json()
+    assert completion["object"] == "text_completion"
+    assert (
+        completion["choices"][0]["text"]
+        == http.post("/v1/completions", json={**COMPLETION, "temperature": 0}).json()["choices"][0]["text"]
+    )
+    neither = http.post("/invocations", json={"model": "tiny"})
+    assert (neither.status_code, neither.json()["error"]["message"]) == (
+        400,
+        "/invocations takes a chat completion request (with messages) or a completion request (with prompt)",
+    )
+    broken = http.post("/invocations", content=b"{", headers={"Content-Type": "application/json"})
+    assert broken.status_code == 400 and broken.json()["error"]["message"].startswith("request body is not valid JSON")

@@ -142,19 +142,22 @@ def build_app(
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def parse(http: Request, body_type: type[Body]) -> Body:
-        raw = await read_body(http)
+    async def parse(http: Request, body_type: type[Body], raw: bytes | None = None) -> Body:
+        """The request's body (``raw``: already read) as a ``body_type``."""
+        raw = await read_body(http) if raw is None else raw
         try:
             return _parse_json(raw, body_type)
         except RecursionError:  # json and pydantic recurse once per level of nesting
             raise APIError(400, "request body is not valid JSON: it nests too deeply") from None
 
     async def generate(
-        http: Request, body_type: type[CompletionRequest] | type[ChatCompletionRequest] | type[ResponsesRequest]
+        http: Request,
+        body_type: type[CompletionRequest] | type[ChatCompletionRequest] | type[ResponsesRequest],
+        raw: bytes | None = None,
     ) -> Response:
         slot = _Slot(http.state.tenant_gate, drain)
         try:
-            parsed = await parse(http, body_type)
+            parsed = await parse(http, body_type, raw)
             if not isinstance(parsed, ResponsesRequest):
                 return await generate_in(slot, http, parsed)
             history: list[dict] = []
@@ -302,6 +305,11 @@ def build_app(
     @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat_completions(http: Request) -> Response:
         return await generate(http, ChatCompletionRequest)
+
+    @app.post("/invocations")  # vLLM's (SageMaker's): a chat completion or a completion, by its body
+    async def invocations(http: Request) -> Response:
+        raw = await read_body(http)
+        return await generate(http, _invocation_type(raw), raw)
 
     async def card(name: str) -> dict:
         """A served model as OpenAI's (and vLLM's) model object."""
@@ -472,6 +480,22 @@ class _Slot:
         if self._num_slots:
             self.gate.release(num_slots=self._num_slots)
         self._drain.leave()
+
+
+def _invocation_type(raw: bytes) -> type[CompletionRequest] | type[ChatCompletionRequest]:
+    """What an ``/invocations`` body is: a chat completion (it has ``messages``) or a completion (``prompt``);
+    a body that is no JSON is left to the completion's parse to refuse."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return CompletionRequest
+    if isinstance(data, dict) and "messages" in data:
+        return ChatCompletionRequest
+    if isinstance(data, dict) and "prompt" in data:
+        return CompletionRequest
+    raise APIError(
+        400, "/invocations takes a chat completion request (with messages) or a completion request (with prompt)"
+    )
 
 
 def _parse_json(raw: bytes, body_type: type[Body]) -> Body:

@@ -32,7 +32,7 @@ from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tenants import Tenant, Tenants, load_tenants
 
 DEFAULT_AUTH_EXEMPT_PATHS = ("/health", "/metrics")
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
 _OPEN_WHILE_DRAINING = ("/health", "/metrics")
 ANY_HOST = "*"
 
