@@ -234,6 +234,16 @@ def test_output_text_logprobs_are_included_on_request(client):
             "reasoning.summary is not supported by this server (reasoning.effort is); send the request without it",
         ),
         (
+            {"extra_body": {"thinking_token_budget": 4}},
+            "thinking_token_budget needs to know where a reasoning section starts and ends: serve with "
+            "--reasoning-parser or --reasoning-config",
+        ),
+        ({"extra_body": {"cache_salt": ""}}, "cache_salt: String should have at least 1 character"),
+        (
+            {"extra_body": {"logprob_token_ids": [5]}},
+            "logprob_token_ids needs logprobs (a completion's count, or a chat's logprobs: true)",
+        ),
+        (
             {"reasoning": {"effort": "extreme"}},
             "reasoning_effort: Input should be 'none', 'minimal', 'low', 'medium', 'high', 'xhigh' or 'max'",
         ),

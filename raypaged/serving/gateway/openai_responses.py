@@ -64,6 +64,10 @@ class ResponsesRequest(BaseModel):
     prompt: dict[str, Any] | None = None
     max_tool_calls: int | None = None
     stream_options: dict[str, Any] | None = None
+    # vLLM's extensions, passed on to the chat completion this request runs as (which checks them)
+    cache_salt: str | None = None
+    thinking_token_budget: int | None = None
+    logprob_token_ids: list[int] | None = None
 
     @model_validator(mode="after")
     def _checked(self) -> ResponsesRequest:
@@ -128,6 +132,9 @@ class ResponsesRequest(BaseModel):
             body["tool_choice"] = _chat_tool_choice(self.tool_choice)
         if (effort := (self.reasoning or {}).get("effort")) is not None:
             body["reasoning_effort"] = effort
+        for name in ("cache_salt", "thinking_token_budget", "logprob_token_ids"):
+            if (value := getattr(self, name)) is not None:
+                body[name] = value
         if (response_format := _response_format((self.text or {}).get("format"))) is not None:
             body["response_format"] = response_format
         return body
