@@ -554,10 +554,7 @@ class EngineConfig:
         ``None``: neither is given, and a ``thinking_token_budget`` is refused."""
         config = self.reasoning_config
         assert config is None or isinstance(config, ReasoningConfig), "__post_init__ parses reasoning_config"
-        parser = self.parsed_structured_outputs_config.reasoning_parser
-        if config is None:
-            return ReasoningConfig().delimiters(parser)
-        return config.delimiters(parser)
+        return (config or ReasoningConfig()).delimiters(self.parsed_structured_outputs_config.reasoning_parser)
 
     def _resolve_tokenizer_path(self) -> Path:
         """The tokenizer's folder: the model's unless ``tokenizer``/``tokenizer_revision`` name another

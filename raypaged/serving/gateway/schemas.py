@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.structured import ResponseFormat, StructuredOutputsBody
 from raypaged.serving.gateway.tool_parsers import ToolParser
-from raypaged.serving.gateway.tools import NamedToolChoice, Tool, ToolPlan
+from raypaged.serving.gateway.tools import NamedToolChoice, Tool, ToolPlan, tools_json
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.protocol import ALL_LOGPROBS
 
@@ -464,14 +464,14 @@ class ChatCompletionRequest(_GenerationBody):
     def prompts(self, tools: ToolPlan | None = None) -> list[dict]:
         if not self.messages:
             raise APIError(400, "messages must not be empty", "messages")
-        conversation = pb.ChatMessages(
-            messages=[m.to_proto() for m in self.messages],
-            tools_json=tools.tools_json() if tools is not None else "",
-            chat_template=self.chat_template or "",
-            chat_template_kwargs_json=json.dumps(variables) if (variables := self.template_variables()) else "",
-            add_generation_prompt=self.add_generation_prompt,
-            continue_final_message=self.continue_final_message,
-            documents_json=json.dumps(self.documents) if self.documents else "",
+        conversation = chat_messages(
+            self.messages,
+            tools.tools_json() if tools is not None else "",
+            self.chat_template,
+            self.template_variables(),
+            self.add_generation_prompt,
+            self.continue_final_message,
+            self.documents,
         )
         return [{"messages": conversation}]
 
@@ -530,14 +530,35 @@ class TokenizeBody(BaseModel):
     def conversation(self) -> pb.ChatMessages:
         """``messages`` and the chat fields, as the engine's chat template takes them."""
         assert self.messages is not None
-        return pb.ChatMessages(
-            messages=[m.to_proto() for m in self.messages],
-            tools_json=json.dumps([t.model_dump(exclude_none=True) for t in self.tools]) if self.tools else "",
-            chat_template=self.chat_template or "",
-            chat_template_kwargs_json=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "",
-            add_generation_prompt=True if self.add_generation_prompt is None else self.add_generation_prompt,
-            continue_final_message=bool(self.continue_final_message),
+        return chat_messages(
+            self.messages,
+            tools_json(self.tools) if self.tools else "",
+            self.chat_template,
+            self.chat_template_kwargs,
+            True if self.add_generation_prompt is None else self.add_generation_prompt,
+            bool(self.continue_final_message),
         )
+
+
+def chat_messages(
+    messages: list[ChatMessage],
+    tools: str,
+    chat_template: str | None,
+    template_variables: dict[str, Any] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    documents: list[dict[str, Any]] | None = None,
+) -> pb.ChatMessages:
+    """A conversation as the engine's chat template takes it (``tools``: their JSON, or empty)."""
+    return pb.ChatMessages(
+        messages=[m.to_proto() for m in messages],
+        tools_json=tools,
+        chat_template=chat_template or "",
+        chat_template_kwargs_json=json.dumps(template_variables) if template_variables else "",
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        documents_json=json.dumps(documents) if documents else "",
+    )
 
 
 _CHAT_TOKENIZE_FIELDS = (

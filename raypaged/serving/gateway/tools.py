@@ -93,8 +93,7 @@ class ToolPlan:
         return cls(tools, mode, parser=parser if mode == "auto" else None, parallel=parallel)
 
     def tools_json(self) -> str:
-        """The tools as the chat template takes them."""
-        return json.dumps([t.model_dump(exclude_none=True) for t in self.tools])
+        return tools_json(self.tools)
 
     def constraint(self) -> pb.StructuredOutput | None:
         """The grammar of ``required`` and of a named function; ``None`` for the others."""
@@ -187,3 +186,8 @@ class ToolStream:
         if calls:
             delta["tool_calls"] = [{"index": i, **call.as_openai()} for i, call in enumerate(calls)]
         return delta, calls
+
+
+def tools_json(tools: list[Tool]) -> str:
+    """The tools as the chat template takes them."""
+    return json.dumps([t.model_dump(exclude_none=True) for t in tools])
