@@ -113,25 +113,28 @@ def _shown_logprobs(
     return processed if mode == PROCESSED_LOGITS else torch.log_softmax(processed, dim=-1)
 
 
-def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]) -> dict:
-    """One position's logprobs: the chosen token first, then the most likely ones in rank order
-    (the chosen token keeps its own entry when it is among them)."""
+def logprob_entry(
+    token_id: int,
+    logprob: float,
+    rank: int,
+    top_ids: list[int],
+    top_values: list[float],
+    top_ranks: list[int] | None = None,
+) -> dict:
+    """One position's logprobs: the chosen token first, then the most likely ones in rank order, or the
+    ``top_ids`` given with their own ``top_ranks`` (the chosen token keeps its own entry when it is among them)."""
     entry = {token_id: Logprob(logprob, rank)}
     for j, (top_id, top_value) in enumerate(zip(top_ids, top_values)):
-        entry.setdefault(top_id, Logprob(top_value, j + 1))
+        entry.setdefault(top_id, Logprob(top_value, j + 1 if top_ranks is None else top_ranks[j]))
     return entry
 
 
 def _asked_entry(row: torch.Tensor, token_id: int, logprob: float, rank: int, asked: list[int]) -> dict:
     """One position's logprobs for ``logprob_token_ids``: the chosen token first, then each asked token
     with its own rank in ``row``."""
-    ids = torch.tensor(asked, device=row.device)
-    values = row[ids]
+    values = row[torch.tensor(asked, device=row.device)]
     ranks = ((row[None, :] > values[:, None]).sum(-1) + 1).tolist()
-    entry = {token_id: Logprob(logprob, rank)}
-    for asked_id, value, asked_rank in zip(asked, values.tolist(), ranks):
-        entry.setdefault(asked_id, Logprob(value, asked_rank))
-    return entry
+    return logprob_entry(token_id, logprob, rank, asked, values.tolist(), ranks)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
