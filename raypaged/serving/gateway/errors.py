@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, and on the routes of Anthropic's
+Messages API in its shape, ``{"type": "error", "error": {"type", "message"}}``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from raypaged.inputs.limits import InputError
 from raypaged.serving.channel import PARAM_METADATA_KEY
@@ -26,6 +28,20 @@ _TYPES = {
     500: ("server_error", "internal_error"),
     503: ("server_error", "engine_unavailable"),
 }
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+# Anthropic's Messages API (anthropic.py): errors on its routes take its shape
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+_ANTHROPIC_PATHS = (MESSAGES_PATH, COUNT_TOKENS_PATH)
 _GRPC_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -59,10 +75,28 @@ class APIError(Exception):
         code = self.code or code
         return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": code}}
 
-    def response(self) -> JSONResponse:
-        """The error as a response; 429 and 503 tell the client when to retry (``Retry-After``, seconds)."""
+    def anthropic_body(self) -> dict:
+        error_type = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
+        return {"type": "error", "error": {"type": error_type, "message": self.message}}
+
+    def body_at(self, path: str) -> dict:
+        """The body as the route at ``path`` (``route_path``'s) answers: Anthropic's shape on the Messages API's
+        routes, OpenAI's on the others."""
+        return self.anthropic_body() if path in _ANTHROPIC_PATHS else self.body()
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as the route at ``path`` answers it (``body_at``); 429 and 503 tell the client when to retry
+        (``Retry-After``, seconds)."""
         headers = {"Retry-After": RETRY_AFTER_S} if self.status in (429, 503) else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body_at(path), status_code=self.status, headers=headers)
+
+
+def route_path(scope: Scope) -> str:
+    """The path a route matches: ``scope["path"]`` less the app's ``root_path`` when it starts with it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :] or "/"
+    return path
 
 
 def from_grpc(exc: grpc.aio.AioRpcError) -> APIError:
@@ -99,13 +133,13 @@ def _param(exc: grpc.aio.AioRpcError) -> str | None:
 
 
 def install_handlers(app: FastAPI, log_error_stack: bool = False) -> None:
-    """OpenAI-shaped JSON for every error; ``log_error_stack`` (vLLM's ``--log-error-stack``): each error
-    response is logged with the stack of the exception behind it."""
+    """JSON for every error, shaped as its route answers (``APIError.body_at``); ``log_error_stack`` (vLLM's
+    ``--log-error-stack``): each error response is logged with the stack of the exception behind it."""
 
     def respond(request: Request, exc: Exception, error: APIError) -> JSONResponse:
         if log_error_stack:
             logger.error("error response %d on %s: %s", error.status, request.url.path, error.message, exc_info=exc)
-        return error.response()
+        return error.response(route_path(request.scope))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -132,4 +166,4 @@ def install_handlers(app: FastAPI, log_error_stack: bool = False) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error on %s", request.url.path)
-        return APIError(500, "internal server error").response()
+        return APIError(500, "internal server error").response(route_path(request.scope))

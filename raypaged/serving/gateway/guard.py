@@ -7,9 +7,11 @@ the check runs only when ``--allowed-hosts`` is given.
 
 ``Guard``: with keys configured (``--api-key`` takes several: any one is accepted,
 all as tenant ``default``), every path needs one except ``exempt_paths``
-(by default ``/health`` and ``/metrics``; an empty set protects those too). The
+(by default ``/health`` and ``/metrics``; an empty set protects those too). A key
+comes as ``Authorization: Bearer KEY`` or, from Anthropic's clients, as
+``x-api-key: KEY`` (read as that ``Authorization`` when none is sent). The
 caller's tenant gate is left in ``request.state.tenant_gate`` and its
-``Authorization`` header (``None`` when absent) in ``request.state.authorization``.
+``Authorization`` (``None`` when neither header is sent) in ``request.state.authorization``.
 While the gateway drains, everything but ``/health`` and ``/metrics`` is
 refused with 503. A POST whose ``Content-Type`` is not JSON is refused with 415,
 so no HTML form or other cross-site "simple" request can reach a route; a POST
@@ -28,11 +30,11 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from raypaged.serving.gateway.drain import Drain
-from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.gateway.errors import MESSAGES_PATH, APIError, route_path
 from raypaged.serving.gateway.tenants import Tenant, Tenants, load_tenants
 
 DEFAULT_AUTH_EXEMPT_PATHS = ("/health", "/metrics")
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations", MESSAGES_PATH)
 _OPEN_WHILE_DRAINING = ("/health", "/metrics")
 ANY_HOST = "*"
 
@@ -43,14 +45,6 @@ def tenants_for(api_keys: tuple[str, ...], tenants_file: str | None) -> Tenants:
     if api_keys:
         tenants.append(Tenant("default", api_keys=api_keys))
     return Tenants(tenants)
-
-
-def route_path(scope: Scope) -> str:
-    """The path a route matches: ``scope["path"]`` less the app's ``root_path`` when it starts with it."""
-    path, root = scope["path"], scope.get("root_path", "")
-    if root and (path == root or path.startswith(root + "/")):
-        return path[len(root) :] or "/"
-    return path
 
 
 def check_exempt_paths(paths: tuple[str, ...]) -> None:
@@ -102,7 +96,7 @@ class HostCheck:
         if scope["type"] in ("http", "websocket"):
             problem = self.refusal(_header(scope, b"host"))
             if problem is not None:
-                await problem.response()(scope, receive, send)
+                await problem.response(route_path(scope))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -153,6 +147,8 @@ class Guard:
             return
         path = route_path(scope)
         authorization = _header(scope, b"authorization")
+        if authorization is None and (api_key := _header(scope, b"x-api-key")) is not None:
+            authorization = f"Bearer {api_key}"
         state = scope.setdefault("state", {})
         state["authorization"] = authorization
         try:
@@ -163,7 +159,7 @@ class Guard:
             if scope["method"] == "POST":
                 self._check_post(scope)
         except APIError as exc:
-            await exc.response()(scope, receive, send)
+            await exc.response(path)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
