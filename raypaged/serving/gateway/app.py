@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: completions, chat completions, responses, models, health, metrics, tokenize."""
+"""The OpenAI-compatible routes (completions, chat completions, responses, models, health, metrics, tokenize) and
+Anthropic's Messages API."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
@@ -22,9 +24,18 @@ from starlette.middleware.cors import CORSMiddleware
 from raypaged import __version__
 from raypaged.inputs.limits import check_count
 from raypaged.serving.client import ForwardingCall, StreamCall
+from raypaged.serving.gateway.anthropic import CountTokensRequest, MessagesRequest
+from raypaged.serving.gateway.anthropic_events import MessagesAnswer
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
-from raypaged.serving.gateway.errors import APIError, from_grpc, install_handlers
+from raypaged.serving.gateway.errors import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    APIError,
+    from_grpc,
+    install_handlers,
+    route_path,
+)
 from raypaged.serving.gateway.fingerprint import Fingerprints
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, Guard, HostCheck, host_check_needed
 from raypaged.serving.gateway.openai_responses import Responder, ResponsesRequest, ResponseStore
@@ -43,6 +54,7 @@ from raypaged.serving.gateway.schemas import (
 from raypaged.serving.gateway.sse import EventStream, sse_data
 from raypaged.serving.gateway.tenants import TenantGate, Tenants
 from raypaged.serving.gateway.tool_parsers import ToolParser
+from raypaged.serving.gateway.tools import ToolPlan
 from raypaged.serving.messages import AnyResponse
 from raypaged.serving.proto import generate_pb2 as pb
 
@@ -152,39 +164,50 @@ def build_app(
 
     async def generate(
         http: Request,
-        body_type: type[CompletionRequest] | type[ChatCompletionRequest] | type[ResponsesRequest],
+        body_type: type[CompletionRequest]
+        | type[ChatCompletionRequest]
+        | type[ResponsesRequest]
+        | type[MessagesRequest],
         raw: bytes | None = None,
     ) -> Response:
         slot = _Slot(http.state.tenant_gate, drain)
         try:
             parsed = await parse(http, body_type, raw)
+            if isinstance(parsed, MessagesRequest):
+                chat_body = parsed.chat_body(reasoning_parser is not None)
+                return await generate_in(slot, http, _validated(chat_body, ChatCompletionRequest), MessagesAnswer())
             if not isinstance(parsed, ResponsesRequest):
                 return await generate_in(slot, http, parsed)
+            tenant = slot.gate.tenant.name
             history: list[dict] = []
             if parsed.previous_response_id is not None:
-                tenant = slot.gate.tenant.name
                 history = responses_store.get(tenant, parsed.previous_response_id, "previous_response_id").conversation
             responder = Responder(parsed, history)
-            return await generate_in(slot, http, _validated(responder.chat_body(), ChatCompletionRequest), responder)
+            stored = _StoredResponse(responder, responses_store, tenant)
+            return await generate_in(slot, http, _validated(responder.chat_body(), ChatCompletionRequest), stored)
         except BaseException:
             slot.release()
             raise
 
+    def rendered(body: ChatCompletionRequest) -> tuple[ToolPlan | None, list[dict]]:
+        """A chat request's tool plan, and its prompt as the chat template takes it."""
+        tools = body.tool_plan(tool_parser)
+        hidden = exclude_tools_when_tool_choice_none and tools is not None and tools.mode == "none"
+        return tools, body.prompts(None if hidden else tools)
+
     async def generate_in(
-        slot: _Slot, http: Request, body: CompletionRequest | ChatCompletionRequest, responder: Responder | None = None
+        slot: _Slot,
+        http: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        translation: _Translation | None = None,
     ) -> Response:
-        """Answers the request (``responder``: a Responses API one, run as this chat request); ``slot`` is released
+        """Answers the request (``translation``: another API's, run as this chat request); ``slot`` is released
         when the response (or its stream) ends."""
         gate = slot.gate
         chat = isinstance(body, ChatCompletionRequest)
         model, stub = await routes.find(body.model)
         check_count("prompt", body.num_prompts, max_prompts_per_request, "max_prompts_per_request", "prompts")
-        tools = body.tool_plan(tool_parser) if isinstance(body, ChatCompletionRequest) else None
-        if isinstance(body, ChatCompletionRequest):
-            hidden = exclude_tools_when_tool_choice_none and tools is not None and tools.mode == "none"
-            prompts = body.prompts(None if hidden else tools)
-        else:
-            prompts = body.prompts()
+        tools, prompts = rendered(body) if isinstance(body, ChatCompletionRequest) else (None, body.prompts())
         num_logprobs = body.num_logprobs
         constraint = body.constraint(tools)
         include_reasoning = body.include_reasoning if isinstance(body, ChatCompletionRequest) else True
@@ -244,29 +267,24 @@ def build_app(
         log = OutputLog(output_logging, shape.id, body.n, body.stream) if log_requests and output_logging else None
         if body.stream:
             writer = ChunkWriter(shape, len(prompts), body.include_usage or force_include_usage, body.continuous_usage)
+            path = route_path(http.scope)
 
             def cleanup() -> None:
                 _cancel(calls)
                 slot.release()
 
-            if responder is not None:
-                events = _response_events(
-                    _chunks(calls, writer, slot, drain, log, _as_is),
-                    ResponseEvents(responder, model),
-                    responses_store,
-                    gate,
-                )
+            if translation is not None:
+                events = translation.events(_chunks(calls, writer, slot, drain, log, path, _as_is), model)
                 return EventStream(events, cleanup, headers, sse_keep_alive_s)
-            return EventStream(_sse(calls, writer, slot, drain, log), cleanup, headers, sse_keep_alive_s)
+            return EventStream(_sse(calls, writer, slot, drain, log, path), cleanup, headers, sse_keep_alive_s)
         try:
             work = _collect(calls, Accumulator(shape, len(prompts)), drain, log)
             answer = await _unless_disconnected(http, work)
         finally:
             _cancel(calls)
             slot.release()
-        if responder is not None:
-            answer = responder.body(answer)
-            responses_store.keep(gate.tenant.name, responder, answer)
+        if translation is not None:
+            answer = translation.body(answer)
         return JSONResponse(answer, headers=headers)
 
     @app.post("/v1/embeddings")
@@ -282,6 +300,22 @@ def build_app(
     @app.post("/v1/responses", openapi_extra=_body_doc(ResponsesRequest))
     async def responses(http: Request) -> Response:
         return await generate(http, ResponsesRequest)
+
+    @app.post(MESSAGES_PATH, openapi_extra=_body_doc(MessagesRequest))
+    async def messages(http: Request) -> Response:
+        """Anthropic's Messages API, run as a chat completion (``anthropic.py``)."""
+        return await generate(http, MessagesRequest)
+
+    @app.post(COUNT_TOKENS_PATH, openapi_extra=_body_doc(CountTokensRequest))
+    async def count_tokens(http: Request) -> dict:
+        """The input tokens of a Messages request: its chat request's prompt, as the chat template renders it."""
+        body = await parse(http, CountTokensRequest)
+        chat = _validated(body.chat_body(reasoning_parser is not None), ChatCompletionRequest)
+        model, stub = await routes.find(chat.model)
+        _, [prompt] = rendered(chat)
+        request = pb.TokenizeRequest(model=model, messages=prompt["messages"])
+        response = await stub.Tokenize(request, metadata=_metadata(http))
+        return {"input_tokens": len(response.token_ids)}
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(http: Request, response_id: str) -> dict:
@@ -450,6 +484,8 @@ def build_app(
             CompletionRequest,
             ChatCompletionRequest,
             ResponsesRequest,
+            MessagesRequest,
+            CountTokensRequest,
             TokenizeBody,
             DetokenizeBody,
             LoadLoRAAdapterBody,
@@ -657,11 +693,12 @@ async def _chunks(
     slot: _Slot,
     drain: Drain,
     log: OutputLog | None,
+    path: str,
     encode: Callable[[dict], Event],
     last: Event | None = None,
 ) -> AsyncGenerator[Event, None]:
-    """The stream's chunks, each as ``encode`` makes it, an error's body last if one ends it, then
-    ``last`` if given; leaving it early aborts the requests."""
+    """The stream's chunks, each as ``encode`` makes it, an error's body (as the route at ``path`` answers) last
+    if one ends it, then ``last`` if given; leaving it early aborts the requests."""
     try:
         for chunk in writer.role_chunks():
             yield encode(chunk)
@@ -676,9 +713,9 @@ async def _chunks(
         if (usage_chunk := writer.usage_chunk()) is not None:
             yield encode(usage_chunk)
     except grpc.aio.AioRpcError as exc:
-        yield encode(from_grpc(exc).body())
+        yield encode(from_grpc(exc).body_at(path))
     except APIError as exc:
-        yield encode(exc.body())
+        yield encode(exc.body_at(path))
     finally:
         _cancel(calls)
         slot.release()
@@ -691,23 +728,43 @@ def _as_is(chunk: dict) -> dict:
 
 
 def _sse(
-    calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain, log: OutputLog | None
+    calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain, log: OutputLog | None, path: str
 ) -> AsyncGenerator[str, None]:
     """The stream's server-sent events, ending in ``data: [DONE]``; leaving it early aborts the requests."""
-    return _chunks(calls, writer, slot, drain, log, sse_data, sse_data("[DONE]"))
+    return _chunks(calls, writer, slot, drain, log, path, sse_data, sse_data("[DONE]"))
 
 
-async def _response_events(
-    chunks: AsyncGenerator[dict, None], events: ResponseEvents, store: ResponseStore, gate: TenantGate
-) -> AsyncIterator[str]:
-    """A Responses stream: the chat chunks as its events; a stored response is kept once it completes."""
-    for event in events.start():
-        yield sse_event(event)
-    async with contextlib.aclosing(chunks) as stream:
-        async for chunk in stream:
-            for event in events.feed(chunk):
-                yield sse_event(event)
-    for event in events.finish():
-        yield sse_event(event)
-    if events.final is not None:
-        store.keep(gate.tenant.name, events.responder, events.final)
+class _Translation(Protocol):
+    """Another API's request, run as a chat completion request: its answer made of the chat answer (``body``), its
+    stream of the chat stream's chunks (``events``, server-sent events; ``model``: the model that answers)."""
+
+    def body(self, chat: dict) -> dict: ...
+
+    def events(self, chunks: AsyncGenerator[dict, None], model: str) -> AsyncIterator[str]: ...
+
+
+@dataclass(slots=True)
+class _StoredResponse:
+    """A Responses API request (``Responder``); its response is stored, per tenant, once it completes."""
+
+    responder: Responder
+    store: ResponseStore
+    tenant: str
+
+    def body(self, chat: dict) -> dict:
+        answer = self.responder.body(chat)
+        self.store.keep(self.tenant, self.responder, answer)
+        return answer
+
+    async def events(self, chunks: AsyncGenerator[dict, None], model: str) -> AsyncIterator[str]:
+        events = ResponseEvents(self.responder, model)
+        for event in events.start():
+            yield sse_event(event)
+        async with contextlib.aclosing(chunks) as stream:
+            async for chunk in stream:
+                for event in events.feed(chunk):
+                    yield sse_event(event)
+        for event in events.finish():
+            yield sse_event(event)
+        if events.final is not None:
+            self.store.keep(self.tenant, self.responder, events.final)
