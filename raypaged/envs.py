@@ -63,11 +63,18 @@ def step_channel() -> str:
     return value
 
 
-def _switch(name: str) -> bool:
-    value = os.environ.get(name) or "0"
+def _switch(name: str, default: str = "0") -> bool:
+    value = os.environ.get(name) or default
     if value not in ("0", "1"):
         raise ValueError(f"${name} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def engine_process() -> bool:
+    """Whether ``raypaged serve`` runs its engines in a child process of their own, linked to the gateway's
+    process by a socket pair (``raypaged.serving.engine_process``): ``$RAYPAGED_ENGINE_PROCESS``, ``1`` (the
+    default) or ``0`` (engines and gateway in one process, one interpreter lock, as before)."""
+    return _switch("RAYPAGED_ENGINE_PROCESS", default="1")
 
 
 def kernels_on_host() -> bool:

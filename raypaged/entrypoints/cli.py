@@ -297,22 +297,36 @@ def add_share_prefix_cache_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from raypaged.serving.launch import run_serve
+    from raypaged.serving.engine_process import EngineProcess, EngineProcessLost
 
-    options = gateway_options(args)
-    options_check(options)
-    adapters = lora_modules(args)
-    asyncio.run(
-        run_serve(
-            engine_configs(args),
-            args.grpc_host,
-            args.grpc_port,
-            options,
-            args.share_prefix_cache,
-            f"{args.metrics_prefix}:",
-            adapters,
+    # the engine process imports torch and the engine while this one reads its flags and imports the gateway
+    engine = EngineProcess() if envs.engine_process() else None
+    if engine is not None:
+        engine.launch()
+    try:
+        from raypaged.serving.launch import run_serve
+
+        options = gateway_options(args)
+        options_check(options)
+        adapters = lora_modules(args)
+        asyncio.run(
+            run_serve(
+                engine_configs(args),
+                args.grpc_host,
+                args.grpc_port,
+                options,
+                args.share_prefix_cache,
+                f"{args.metrics_prefix}:",
+                adapters,
+                engine,
+            )
         )
-    )
+    except EngineProcessLost as exc:  # as vLLM's API server when its engine core dies: exit, to be restarted
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if engine is not None:
+            engine.discard()
     return 0
 
 

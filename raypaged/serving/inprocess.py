@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 import grpc
 
@@ -32,7 +32,11 @@ if TYPE_CHECKING:
 Metadata = tuple[tuple[str, str], ...]
 Request = TypeVar("Request")
 Response = TypeVar("Response")
-_END = object()
+
+
+def rpc_error(code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> grpc.aio.AioRpcError:
+    """The error a gRPC client sees for a call ended with ``code``, ``details`` and trailing metadata."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
 
 
 class _Ended(Exception):
@@ -45,7 +49,7 @@ class _Ended(Exception):
         self.trailing = trailing
 
     def rpc_error(self) -> grpc.aio.AioRpcError:
-        return grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(*self.trailing), self.details)
+        return rpc_error(self.code, self.details, self.trailing)
 
 
 class _Context:
@@ -65,52 +69,62 @@ class _Context:
         raise _Ended(code, details, self._trailing)
 
 
-class _StreamCall:
-    """A server-streaming call: ``read()`` gives each response, then ``grpc.aio.EOF``; or, after
-    ``forward(sink)``, the handler hands each response straight to ``sink``."""
+Item: TypeAlias = AnyResponse | grpc.aio.AioRpcError | None
 
-    def __init__(self, responses: AsyncIterator[AnyResponse]) -> None:
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
-        self._sink: Callable[[object], None] = self._queue.put_nowait
-        self._task = asyncio.ensure_future(self._pump(responses))
 
-    async def _pump(self, responses: AsyncIterator[AnyResponse]) -> None:
-        try:
-            async for response in responses:
-                self._sink(response)
-        except _Ended as ended:
-            self._sink(ended.rpc_error())
-        except Exception as exc:  # a handler bug: the call fails as gRPC fails it, UNKNOWN
-            self._sink(
-                grpc.aio.AioRpcError(
-                    grpc.StatusCode.UNKNOWN, grpc.aio.Metadata(), grpc.aio.Metadata(), f"{type(exc).__name__}: {exc}"
-                )
-            )
-        self._sink(_END)
+class LinkedCall:
+    """A server-streaming call fed through ``deliver``: each response, then ``None`` at the end, or the
+    ``grpc.aio.AioRpcError`` that ended it. ``read()`` gives each response, then ``grpc.aio.EOF``; or,
+    after ``forward(sink)``, each item goes straight to ``sink`` as it is delivered. ``cancel()`` runs
+    ``on_cancel`` once."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.deliver: Callable[[Item], None] = self._queue.put_nowait
+        self.on_cancel: Callable[[], object] | None = None
 
     async def read(self) -> AnyResponse | object:
         item = await self._queue.get()
-        if item is _END:
-            self._queue.put_nowait(_END)  # later reads see the end too
+        if item is None:
+            self._queue.put_nowait(None)  # later reads see the end too
             return grpc.aio.EOF
         if isinstance(item, grpc.aio.AioRpcError):
             raise item
         return item
 
-    def forward(self, sink: Callable[[AnyResponse | grpc.aio.AioRpcError | None], None]) -> None:
-        """From now on each response goes to ``sink`` as the handler yields it, a failure as its
+    def forward(self, sink: Callable[[Item], None]) -> None:
+        """From now on each response goes to ``sink`` as it is delivered, a failure as its
         ``AioRpcError``, and the end as ``None`` (one consumer task fewer a token than ``read()``);
         responses not yet read go first."""
-
-        def send(item: object) -> None:
-            sink(None if item is _END else item)
-
         while not self._queue.empty():
-            send(self._queue.get_nowait())
-        self._sink = send
+            sink(self._queue.get_nowait())
+        self.deliver = sink
 
     def cancel(self) -> bool:
-        return self._task.cancel()
+        on_cancel, self.on_cancel = self.on_cancel, None
+        if on_cancel is None:
+            return False
+        on_cancel()
+        return True
+
+
+class _StreamCall(LinkedCall):
+    """A ``Generate`` handler's responses, pumped from its task (cancelling the call cancels the task)."""
+
+    def __init__(self, responses: AsyncIterator[AnyResponse]) -> None:
+        super().__init__()
+        self._task = asyncio.ensure_future(self._pump(responses))
+        self.on_cancel = self._task.cancel
+
+    async def _pump(self, responses: AsyncIterator[AnyResponse]) -> None:
+        try:
+            async for response in responses:
+                self.deliver(response)
+        except _Ended as ended:
+            self.deliver(ended.rpc_error())
+        except Exception as exc:  # a handler bug: the call fails as gRPC fails it, UNKNOWN
+            self.deliver(rpc_error(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}"))
+        self.deliver(None)
 
 
 class InProcessStub:

@@ -18,13 +18,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from raypaged import envs
 from raypaged.config import EngineConfig
 from raypaged.serving.client import EngineClient
-from raypaged.serving.engine_server import EngineServer
+from raypaged.serving.engine_process import EngineProcess, EngineProcessLost, ProcessStub
 from raypaged.serving.gateway.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, build_app
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
@@ -37,6 +38,9 @@ from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.gateway.tool_parsers import get_parser
 from raypaged.serving.inprocess import InProcessStub
 from raypaged.serving.metrics import PREFIX as METRICS_PREFIX
+
+if TYPE_CHECKING:
+    from raypaged.serving.engine_server import EngineServer
 
 logger = logging.getLogger("raypaged")
 
@@ -341,6 +345,8 @@ async def run_engine(
     lora_modules: dict[str, tuple[str, str]] | None = None,
 ) -> None:
     """The engine server until SIGTERM/SIGINT; then running calls get ``drain_timeout_s`` before they are cancelled."""
+    from raypaged.serving.engine_server import EngineServer
+
     server = EngineServer(configs, tenants, share_prefix_cache, metrics_prefix, lora_modules)
     await server.start(host, grpc_port)
     stopping = asyncio.Event()
@@ -366,20 +372,43 @@ async def run_serve(
     share_prefix_cache: bool = False,
     metrics_prefix: str = METRICS_PREFIX,
     lora_modules: dict[str, tuple[str, str]] | None = None,
+    engine: EngineProcess | None = None,
 ) -> None:
-    """Engines, their gRPC server and a gateway in front of it, in one process; the gateway drains first.
+    """Engines, their gRPC server and a gateway in front of them; the gateway drains first.
 
-    The gateway reaches the engines in process (``serving/inprocess.py``: the gRPC server's own
-    handlers, no socket); the gRPC server serves external clients. It takes the gateway's keys
-    and tenants, with gates of its own (the gateway's calls carry their client's key, so each
-    request holds one slot at each of the two).
+    By default (``$RAYPAGED_ENGINE_PROCESS``) the engines and their gRPC server run in a child process
+    (``serving/engine_process.py``) and the gateway reaches them over a socket pair; with it ``0``, in
+    this process (``serving/inprocess.py``: the gRPC server's own handlers, no socket). Either way the
+    gRPC server serves external clients and takes the gateway's keys and tenants, with gates of its
+    own (the gateway's calls carry their client's key, so each request holds one slot at each of the
+    two). If the engine process dies, the gateway stops and ``EngineProcessLost`` is raised. ``engine``:
+    an engine process launched already (``raypaged serve`` launches it first, to import in parallel).
     """
     tenants = tenants_for(options.api_keys, options.tenants_file)
-    server = EngineServer(configs, tenants, share_prefix_cache, metrics_prefix, lora_modules)
-    port = await server.start(grpc_host, grpc_port)
+    server_args = (configs, tenants, share_prefix_cache, metrics_prefix, lora_modules)
+    server: EngineServer | None = None
+    stub: EngineClient
+    if engine is None and envs.engine_process():
+        engine = EngineProcess()
+    if engine is not None:
+        await engine.start(server_args, grpc_host, grpc_port, options.log_config)
+        port, served_names, stub = engine.grpc_port, engine.served_names, ProcessStub(engine)
+    else:
+        from raypaged.serving.engine_server import EngineServer
+
+        server = EngineServer(*server_args)
+        port = await server.start(grpc_host, grpc_port)
+        served_names, stub = server.served_names, InProcessStub(server.servicer)
     address = f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"
     try:
-        targets = {name: address for name in server.served_names}
-        await run_gateway(targets, options, {address: InProcessStub(server.servicer)})
+        gateway = Gateway({name: address for name in served_names}, options, {address: stub})
+        if engine is not None:
+            engine.on_lost = lambda _: gateway.stop()
+        await gateway.serve(handle_signals=True)
     finally:
-        await server.stop()
+        if engine is not None:
+            await engine.stop()
+        if server is not None:
+            await server.stop()
+    if engine is not None and engine.lost is not None:
+        raise EngineProcessLost(engine.lost)

@@ -56,12 +56,18 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits_0(tmp_path, tiny_
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         server.wait_http_ready(url)  # /health needs no key by default
-        listening = {
-            (c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)  # gRPC listens on a v4-mapped socket
-            for c in psutil.Process(server.pid).net_connections("tcp")
-            if c.status == "LISTEN"
-        }
-        assert listening == {("127.0.0.1", port), ("127.0.0.1", grpc_port)}  # loopback only by default
+        gateway = psutil.Process(server.pid)
+        [engine] = gateway.children()  # the engines and their gRPC server, in a process of their own
+
+        def listening(process: psutil.Process) -> set[tuple[str, int]]:
+            return {
+                (c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)  # gRPC listens on a v4-mapped socket
+                for c in process.net_connections("tcp")
+                if c.status == "LISTEN"
+            }
+
+        # loopback only by default
+        assert (listening(gateway), listening(engine)) == ({("127.0.0.1", port)}, {("127.0.0.1", grpc_port)})
 
         events: list[list[str]] = [[] for _ in range(NUM_STREAMS)]
         started = [threading.Event() for _ in range(NUM_STREAMS)]
@@ -107,6 +113,7 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits_0(tmp_path, tiny_
             assert chunks[-2]["choices"][0]["finish_reason"] == "length"
             assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
         assert server.wait(within_s=60) == 0
+        assert not engine.is_running()  # the gateway waited for its engine process
         log = server.log()
         assert f"draining: {NUM_STREAMS} requests in flight, waiting up to 30 s for them" in log
         assert "drained" in log and "aborting" not in log
@@ -150,3 +157,34 @@ def test_requests_left_at_the_drain_timeout_end_with_an_error_and_free_their_blo
         assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
     finally:
         stack.close()
+
+
+def test_a_killed_engine_process_ends_its_streams_with_an_error_and_the_server_with_exit_code_1(
+    tmp_path, tiny_model_dir
+):
+    """As vLLM's API server when its engine core dies: the open streams end with an error, and the server
+    exits (non-zero, for its supervisor to restart it) instead of serving 503s."""
+    port = free_port()
+    server = ServerProcess(
+        "serve",
+        ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--port", str(port), "--grpc-port", "0"],
+        tmp_path / "serve.log",
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        server.wait_http_ready(url)
+        [engine] = psutil.Process(server.pid).children()
+        body = {"model": "tiny", "prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            events = sse_events(response.iter_lines())
+            first = next(events)
+            engine.kill()
+            rest = list(events)
+        assert server.wait(within_s=30) == 1
+    finally:
+        server.close()
+    assert json.loads(first)["choices"][0]["text"]
+    lost = "the engine process has exited (exit code -9)"  # SIGKILL
+    assert json.loads(rest[-2])["error"]["message"] == f"the engine is unavailable: {lost}"
+    assert rest[-1] == "[DONE]"
+    assert f"ERROR raypaged: {lost}" in server.log() and f"error: {lost}" in server.log()
