@@ -1,7 +1,7 @@
 """Bad input: schema-driven fuzzing of the HTTP API and hand-written malformed requests.
 
-Every bad request gets an OpenAI-shaped 4xx, nothing gets a 5xx or hangs, and a
-good request streaming beside them keeps its exact tokens.
+Every bad request gets an OpenAI-shaped 4xx (Anthropic-shaped on the Messages API's routes), nothing gets a
+5xx or hangs, and a good request streaming beside them keeps its exact tokens.
 """
 
 from __future__ import annotations
@@ -74,6 +74,14 @@ def assert_openai_error(response: httpx.Response) -> dict:
     return body["error"]
 
 
+def assert_anthropic_error(response: httpx.Response) -> dict:
+    """The Messages API's routes answer errors in Anthropic's shape."""
+    body = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+    return body["error"]
+
+
 def test_schema_fuzzing_gives_no_5xx_and_no_hang(stack, good_text, soak):
     document = httpx.get(f"{stack.url}/openapi.json").json()
     schema = schemathesis.openapi.from_dict(document)
@@ -95,7 +103,11 @@ def test_schema_fuzzing_gives_no_5xx_and_no_hang(stack, good_text, soak):
         ran.append((f"{case.method} {case.path}", response.status_code))
         assert response.status_code < 500, (case.as_curl_command(), response.status_code, response.text)
         if response.status_code >= 400:
-            assert_openai_error(httpx.Response(response.status_code, content=response.content))
+            answer = httpx.Response(response.status_code, content=response.content)
+            if case.path.startswith("/v1/messages"):
+                assert_anthropic_error(answer)
+            else:
+                assert_openai_error(answer)
 
     try:
         fuzz()
