@@ -14,9 +14,10 @@ ids and statuses are those of gRPC and of the in-process link. A failure crosses
 details and trailing metadata, and comes out as the ``grpc.aio.AioRpcError`` a gRPC client would see.
 
 Lifetimes: the parent starts the child and waits for its ``ready`` (the engines are loaded, its gRPC
-server listens) or for the error that stopped it. The child ignores SIGINT (a terminal's Ctrl-C
-reaches the whole process group; the parent drains and then closes the link) and stops when the
-link closes, so a parent that dies, however it dies, takes the child with it. When the child dies,
+server listens) or for the error that stopped it. The child ignores SIGINT and SIGTERM (a terminal's
+Ctrl-C reaches the whole process group, systemd signals every process of a service; the parent drains
+and then closes the link) and stops when the link closes, so a parent that dies, however it dies, takes
+the child with it. When the child dies,
 every open call fails ``UNAVAILABLE`` and the parent's ``on_lost`` callback runs (``raypaged serve``
 then stops, for its supervisor to restart it, as vLLM's API server exits when its engine core dies).
 """
@@ -202,6 +203,7 @@ async def _child_main(fd: int) -> None:
         await writer.drain()
         link.close()
         return
+    _ignore_stop_signals()  # again: starting Ray (tensor parallelism) installs its own SIGTERM handler
     link.send((_READY, bound, server.served_names))
     try:
         await _serve_link(InProcessStub(server.servicer), link)
@@ -210,10 +212,18 @@ async def _child_main(fd: int) -> None:
         await server.stop()
 
 
+def _ignore_stop_signals() -> None:
+    """SIGINT and SIGTERM are the parent's to act on: a terminal's Ctrl-C reaches the whole process group,
+    and systemd (``KillMode=control-group``) sends SIGTERM to every process of the service at once; the
+    parent drains its requests and then closes the link, which stops the child."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> None:
     """The child's entry: ``python -m raypaged.serving.engine_process FD``, FD its end of the socket pair."""
     [fd] = argv if argv is not None else sys.argv[1:]
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _ignore_stop_signals()
     asyncio.run(_child_main(int(fd)))
 
 

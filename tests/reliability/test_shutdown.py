@@ -94,6 +94,7 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits_0(tmp_path, tiny_
         for event in started:
             assert event.wait(60)
         server.signal(signal.SIGTERM)
+        engine.send_signal(signal.SIGTERM)  # as systemd signals every process of a service: the parent drains
         deadline = time.monotonic() + 10
         while (health := httpx.get(f"{url}/health", timeout=5)).status_code == 200:
             assert time.monotonic() < deadline
