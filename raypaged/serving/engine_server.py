@@ -90,6 +90,7 @@ class ServedModel:
         return await self.off_loop(self.inputs.prompt_ids, text)
 
     def info(self) -> pb.ModelInfo:
+        """The model's static configuration; a LoRA adapter's is its base's (``Info`` names it)."""
         config = self.engine.config
         return pb.ModelInfo(
             name=self.name,
@@ -101,6 +102,7 @@ class ServedModel:
             dtype=config.resolved_dtype,
             root=config.model or DEFAULT_MODEL,
             config_hash=config.config_hash(),
+            enable_prefix_caching=config.enable_prefix_caching,
         )
 
 

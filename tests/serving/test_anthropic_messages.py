@@ -1,7 +1,8 @@
 """Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``) through the official ``anthropic``
 client, against SmolLM2 behind the gateway (Hermes tools, the qwen3 reasoning format, an API key): the answers and
-usage of the same chat completions, whole and streamed; stop sequences, tool use, thinking, token counts, the key in
-``x-api-key``, and what is refused, by name, in Anthropic's error shape."""
+usage of the same chat completions, whole and streamed; stop sequences, tool use, thinking, token counts,
+``cache_control`` and the prefix cache's usage, the key in ``x-api-key``, and what is refused, by name, in Anthropic's
+error shape."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 
 from raypaged.config import EngineConfig
 from raypaged.serving.gateway.anthropic import MessagesRequest
-from raypaged.serving.gateway.anthropic_events import MessageEvents, stop
+from raypaged.serving.gateway.anthropic_events import MessageEvents, stop, usage
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.guard import check_exempt_paths
-from tests.serving.conftest import Stack
+from raypaged.serving.proto import generate_pb2 as pb
+from tests.serving.conftest import Stack, tiny_config
 from tests.serving.test_tools_openai import FEW_SHOT, TEMPLATE, TIME, TOOLS, WEATHER
 from tests.structured.test_reasoning_structured import ONE_SHOT
 
@@ -27,6 +29,10 @@ KEY = "sk-messages"
 SYSTEM = "Answer in one sentence."
 QUESTION = "What is the capital of France?"
 GREEDY = {"temperature": 0}  # the SDK sends sampling fields as extra_body
+BLOCK_SIZE = 16  # the stack's KV-cache blocks (EngineConfig's default)
+EPHEMERAL = {"type": "ephemeral"}
+MARK = {"cache_control": EPHEMERAL}
+USER = [{"role": "user", "content": "Hi"}]
 ANTHROPIC_TOOLS = [
     {"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER},
     {"name": "get_time", "description": "Time in a zone", "input_schema": TIME},
@@ -82,12 +88,37 @@ def http(stack):
 
 
 def without_ids(message: anthropic.types.Message) -> dict:
-    """The message without its id and its tool_use blocks' (each request makes its own)."""
+    """The message without what differs between two sends of one request: its id and its tool_use blocks' (each
+    request makes its own), and how its prompt tokens split between the prefix cache and the input (the first send
+    writes the blocks the next reads): their sum is kept."""
     dumped = message.model_dump(exclude={"id"})
     for block in dumped["content"]:
         if block["type"] == "tool_use":
             assert re.fullmatch("toolu_[0-9a-f]{32}", block.pop("id"))
+    dumped["usage"] = {"prompt_tokens": num_prompt_tokens(message.usage), "output_tokens": message.usage.output_tokens}
     return dumped
+
+
+def usage_of(num_prompt_tokens: int, num_cached_tokens: int, num_output_tokens: int) -> dict:
+    """Anthropic's usage of a prompt whose first ``num_cached_tokens`` were read from the prefix cache: the rest of
+    its full blocks are written to the cache, its last partial block's tokens are the input."""
+    num_in_full_blocks = num_prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
+    return {
+        "input_tokens": num_prompt_tokens - num_in_full_blocks,
+        "cache_creation_input_tokens": num_in_full_blocks - num_cached_tokens,
+        "cache_read_input_tokens": num_cached_tokens,
+        "output_tokens": num_output_tokens,
+    }
+
+
+def all_cached(num_prompt_tokens: int) -> int:
+    """The tokens a prompt sent before reads from the cache: its full blocks, never its last token."""
+    return (num_prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def num_prompt_tokens(usage: anthropic.types.Usage) -> int:
+    assert usage.cache_read_input_tokens is not None and usage.cache_creation_input_tokens is not None
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
 
 
 def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
@@ -124,12 +155,15 @@ def test_a_message_is_the_chat_completion_of_its_conversation_whole_and_streamed
         {"type": "text", "text": "The capital of France is Paris."}
     ]
     assert (message.stop_reason, message.stop_sequence) == ("end_turn", None)
-    assert (message.usage.input_tokens, message.usage.output_tokens) == (
+    assert (num_prompt_tokens(message.usage), message.usage.output_tokens) == (
         chat.usage.prompt_tokens,
         chat.usage.completion_tokens,
     )
     with client.messages.stream(**asked, extra_body=GREEDY) as stream:
         streamed = stream.get_final_message()
+    assert streamed.usage.model_dump(exclude_none=True) == usage_of(
+        chat.usage.prompt_tokens, all_cached(chat.usage.prompt_tokens), chat.usage.completion_tokens
+    )
     assert without_ids(streamed) == without_ids(message)
     raw = http.post("/v1/messages", json={**asked, **GREEDY, "stream": True})
     assert raw.status_code == 200 and raw.headers["content-type"].startswith("text/event-stream")
@@ -153,7 +187,7 @@ def test_a_message_is_the_chat_completion_of_its_conversation_whole_and_streamed
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": chat.usage.prompt_tokens, "output_tokens": 1},
+        "usage": usage_of(chat.usage.prompt_tokens, all_cached(chat.usage.prompt_tokens), 1),
     }
     assert block_start == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     assert all(d["index"] == 0 and d["delta"]["type"] == "text_delta" for d in deltas)
@@ -162,7 +196,7 @@ def test_a_message_is_the_chat_completion_of_its_conversation_whole_and_streamed
     assert message_delta == {
         "type": "message_delta",
         "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-        "usage": {"output_tokens": chat.usage.completion_tokens},
+        "usage": usage_of(chat.usage.prompt_tokens, all_cached(chat.usage.prompt_tokens), chat.usage.completion_tokens),
     }
     assert message_stop == {"type": "message_stop"}
 
@@ -194,7 +228,7 @@ def test_a_tool_call_is_a_tool_use_block_whole_and_streamed(client, chat_client)
     assert (block.type, block.name, block.input) == ("tool_use", "get_weather", {"city": "Paris"})
     assert json.loads(call.function.arguments) == block.input
     assert (message.stop_reason, message.stop_sequence) == ("tool_use", None)
-    assert (message.usage.input_tokens, message.usage.output_tokens) == (
+    assert (num_prompt_tokens(message.usage), message.usage.output_tokens) == (
         chat.usage.prompt_tokens,
         chat.usage.completion_tokens,
     )
@@ -258,7 +292,7 @@ def test_thinking_is_the_reasoning_with_its_budget(client, chat_client):
     ]
     assert answer.reasoning_content == "The Colosse"  # three tokens, then the budget closed the section
     assert (message.stop_reason, chat.choices[0].finish_reason) == ("end_turn", "stop")
-    assert (message.usage.input_tokens, message.usage.output_tokens) == (
+    assert (num_prompt_tokens(message.usage), message.usage.output_tokens) == (
         chat.usage.prompt_tokens,
         chat.usage.completion_tokens,
     )
@@ -275,12 +309,12 @@ def test_thinking_needs_the_servers_reasoning_parser():
         }
     )
     with pytest.raises(APIError) as raised:
-        request.chat_body(reasoning=False)
+        request.chat_body(reasoning=False, prefix_caching=True)
     assert raised.value.message == (
         "thinking is not supported by this server: it needs --reasoning-parser (which finds the reasoning the "
         "thinking blocks hold); send the request without it"
     )
-    assert request.chat_body(reasoning=True)["thinking_token_budget"] == 8
+    assert request.chat_body(reasoning=True, prefix_caching=True)["thinking_token_budget"] == 8
 
 
 def test_count_tokens_is_the_chat_templates_prompt(client, http, chat_client):
@@ -309,7 +343,146 @@ def test_count_tokens_is_the_chat_templates_prompt(client, http, chat_client):
     assert "<tool_response>\nError: Unknown city\n</tool_response>" in text
 
 
-USER = [{"role": "user", "content": "Hi"}]
+def chat_body(body: dict) -> dict:
+    return MessagesRequest.model_validate(body).chat_body(reasoning=True, prefix_caching=True)
+
+
+def test_cache_control_marks_change_nothing_but_where_the_prompt_comes_from(client):
+    plain = {
+        "model": "smollm2",
+        "max_tokens": 60,
+        "system": [{"type": "text", "text": "Call a tool when it helps."}],
+        "messages": ASKS_WEATHER,
+        "tools": ANTHROPIC_TOOLS,
+    }
+    marked = plain | {
+        "system": [plain["system"][0] | MARK],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": ASKS_WEATHER[0]["content"], **MARK}]},
+            {"role": "assistant", "content": [ASKS_WEATHER[1]["content"][0] | MARK]},
+            *ASKS_WEATHER[2:],
+        ],
+        "tools": [ANTHROPIC_TOOLS[0], ANTHROPIC_TOOLS[1] | MARK],
+        "cache_control": EPHEMERAL,  # the request's own: its last part
+    }
+    assert chat_body(marked) == chat_body(plain)
+    result = {"type": "tool_result", "tool_use_id": "c1", "content": [{"type": "text", "text": "Rain"}]}
+    answered = {"max_tokens": 8, "messages": [*ASKS_WEATHER[:2], {"role": "user", "content": [result]}]}
+    marked_result = result | MARK | {"content": [result["content"][0] | MARK]}
+    assert chat_body(answered | {"messages": [*ASKS_WEATHER[:2], {"role": "user", "content": [marked_result]}]}) == (
+        chat_body(answered)
+    )
+    first, again = (client.messages.create(**body, extra_body=GREEDY) for body in (plain, marked))
+    assert [(b.type, b.name, b.input) for b in again.content] == [("tool_use", "get_weather", {"city": "Paris"})]
+    assert without_ids(again) == without_ids(first)
+    num_tokens = num_prompt_tokens(first.usage)
+    assert again.usage.model_dump(exclude_none=True) == usage_of(
+        num_tokens, all_cached(num_tokens), first.usage.output_tokens
+    )
+
+
+LONG_SYSTEM = (
+    "You are the prefix cache's test assistant. Every request of this test begins with these sentences, so the "
+    "server computes their KV blocks once and reads them from its prefix cache for every later request."
+)
+
+
+def test_the_prompt_read_from_the_prefix_cache_is_cache_read_input_tokens(client, chat_client):
+    asked = {
+        "model": "smollm2",
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": LONG_SYSTEM, **MARK}],
+        "messages": [{"role": "user", "content": QUESTION}],
+    }
+    first = client.messages.create(**asked, extra_body=GREEDY)
+    second = client.messages.create(**asked, extra_body=GREEDY)
+    chat = chat_client.chat.completions.create(
+        model="smollm2",
+        max_tokens=8,
+        temperature=0,
+        messages=[{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": QUESTION}],
+    )
+    assert chat.usage.prompt_tokens_details is None  # the chat route answers as the gateway's option says
+    assert chat.usage.prompt_tokens == 61  # three full blocks and 13 tokens
+    assert first.usage.model_dump(exclude_none=True) == {
+        "input_tokens": 13,
+        "cache_creation_input_tokens": 48,  # its three full blocks, now in the cache
+        "cache_read_input_tokens": 0,
+        "output_tokens": chat.usage.completion_tokens,
+    }
+    assert second.usage.model_dump(exclude_none=True) == {
+        "input_tokens": 13,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 48,
+        "output_tokens": chat.usage.completion_tokens,
+    }
+    with client.messages.stream(**asked, extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.model_dump(exclude={"id"}) == second.model_dump(exclude={"id"})
+
+
+def test_usage_splits_the_prompt_between_the_prefix_cache_and_the_input():
+    def chat_usage(num_prompt_tokens: int, num_cached_tokens: int) -> dict:
+        details = {"cached_tokens": num_cached_tokens}
+        return {"prompt_tokens": num_prompt_tokens, "completion_tokens": 3, "prompt_tokens_details": details}
+
+    def split(found: dict) -> tuple[int, int, int]:
+        return found["input_tokens"], found["cache_creation_input_tokens"], found["cache_read_input_tokens"]
+
+    assert split(usage(chat_usage(61, 0), 16)) == (13, 48, 0)
+    assert split(usage(chat_usage(61, 32), 16)) == (13, 16, 32)
+    assert split(usage(chat_usage(32, 16), 16)) == (0, 16, 16)  # the last full block, computed again
+    assert split(usage(chat_usage(61, 0), None)) == (61, 0, 0)  # no prefix cache: nothing read or written
+    assert usage(chat_usage(61, 0), 16)["output_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("mark", "param"),
+    [
+        ({"type": "ephemeral", "ttl": "5m"}, "system.0.cache_control.ttl"),
+        ({"type": "x"}, "system.0.cache_control.type"),
+    ],
+)
+def test_a_refused_mark_is_named_as_the_param(mark, param):
+    with pytest.raises(APIError) as raised:
+        MessagesRequest.model_validate(
+            {"max_tokens": 8, "messages": USER, "system": [{"type": "text", "text": "Hi", "cache_control": mark}]}
+        )
+    assert (raised.value.status, raised.value.param) == (400, param)
+
+
+def test_cache_control_is_refused_where_the_model_has_no_prefix_cache(stack, tiny_model_dir):
+    assert [info.enable_prefix_caching for info in stack.grpc_stub().Info(pb.InfoRequest()).models] == [True]
+    uncached = Stack([tiny_config(tiny_model_dir, "tiny", enable_prefix_caching=False)])
+    try:
+        [info] = uncached.grpc_stub().Info(pb.InfoRequest()).models
+        asked = {"model": "tiny", "max_tokens": 2, "system": LONG_SYSTEM, "messages": USER}
+        marked = asked | {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", **MARK}]}]}
+        with uncached.client() as http:
+            answers = [http.post("/v1/messages", json=asked | GREEDY) for _ in range(2)]
+            refused = [
+                http.post("/v1/messages", json=marked),
+                http.post("/v1/messages/count_tokens", json={k: v for k, v in marked.items() if k != "max_tokens"}),
+            ]
+    finally:
+        uncached.close()
+    assert info.enable_prefix_caching is False
+    for answer in answers:  # nothing is cached, nothing is read
+        assert answer.json()["usage"] == {
+            "input_tokens": 55,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "output_tokens": 2,
+        }
+    message = (
+        "messages.0.content.0.cache_control is not supported by this server: it runs without its prefix cache "
+        "(--no-enable-prefix-caching), so nothing is cached for later requests; send the request without it"
+    )
+    for answer in refused:
+        assert (answer.status_code, answer.json()) == (
+            400,
+            {"type": "error", "error": {"type": "invalid_request_error", "message": message}},
+        )
 
 
 @pytest.mark.parametrize(
@@ -321,19 +494,18 @@ USER = [{"role": "user", "content": "Hi"}]
             "served models read text)",
         ),
         (
-            {
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}],
-                    }
-                ]
-            },
-            "messages.0.content.0.cache_control is not supported by this server; send the request without it",
+            {"system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
+            "system.0.cache_control.ttl is not supported by this server: its prefix cache frees the least recently "
+            "used blocks when it needs room, so it promises no lifetime; send cache_control without it",
         ),
         (
-            {"system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]},
-            "system.0.cache_control is not supported by this server; send the request without it",
+            {"tools": [ANTHROPIC_TOOLS[0] | {"cache_control": {"type": "persistent"}}]},
+            "tools.0.cache_control.type 'persistent' is not supported by this server: cache_control takes type "
+            "'ephemeral'",
+        ),
+        (
+            {"messages": [*USER, {"role": "assistant", "content": [{"type": "thinking", "thinking": "Hm", **MARK}]}]},
+            "messages.1.content.0.cache_control is not supported by this server; send the request without it",
         ),
         ({"service_tier": "auto"}, "service_tier is not supported by this server; send the request without it"),
         ({"container": "c"}, "container is not supported by this server; send the request without it"),
@@ -350,10 +522,6 @@ USER = [{"role": "user", "content": "Hi"}]
             {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
             "tools of type 'web_search_20250305' are not supported by this server (it calls no tools itself: give "
             "client tools, with an input_schema)",
-        ),
-        (
-            {"tools": [ANTHROPIC_TOOLS[0] | {"cache_control": {"type": "ephemeral"}}]},
-            "tools.0.cache_control is not supported by this server; send the request without it",
         ),
         (
             {"messages": [*USER, {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
@@ -427,7 +595,7 @@ def test_an_unknown_model_is_not_found(client):
 
 
 def test_an_error_ends_the_stream_as_an_error_event():
-    events = MessageEvents("smollm2")
+    events = MessageEvents("smollm2", BLOCK_SIZE)
     error = APIError(503, "the engine is unavailable: gone").anthropic_body()
     assert list(events.feed(error)) == [
         {"type": "error", "error": {"type": "overloaded_error", "message": "the engine is unavailable: gone"}}

@@ -11,15 +11,18 @@ blocks its tool calls and a user's ``tool_result`` blocks tool messages (one mar
 ``include_reasoning: false`` (no thinking block; a constraint, as a named tool's, holds from the first token).
 A final assistant message is a prefill: the answer continues it. The chat path then validates and generates as
 for ``/v1/chat/completions``, and its answer becomes a ``message`` (``anthropic_events``). ``count_tokens``
-renders the same conversation. Whatever the server cannot honour (images, documents, ``cache_control``, server tools,
-``service_tier``, any field not declared here) is a 400 naming it: nothing sent is ignored. The headers
-``anthropic-version`` and ``anthropic-beta`` are read by no route: every version since 2023-06-01 has the shapes
-served here, and a beta's features come as body fields, refused by name when not served.
+renders the same conversation. ``cache_control`` marks (``CacheControl``) on system text blocks, content blocks,
+tools or the request (its last part) ask the prefix cache for what it does to every prompt: they are taken where
+the served model has one, refused where it runs without. Whatever else the server cannot honour (images,
+documents, server tools, ``service_tier``, any field not declared here) is a 400 naming it: nothing sent is
+ignored. The headers ``anthropic-version`` and ``anthropic-beta`` are read by no route: every version since
+2023-06-01 has the shapes served here, and a beta's features come as body fields, refused by name when not served.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -31,45 +34,94 @@ _INT32_MAX = 2**31 - 1
 
 
 class _Part(BaseModel):
-    """A part of a Messages request. A field it does not declare is kept (``model_extra``) for ``refuse_undeclared``
+    """A part of a Messages request. A field it does not declare is kept (``model_extra``) for ``refuse_unhonoured``
     to name: nothing sent is accepted and ignored."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
+    def check(self, where: str) -> None:
+        """A 400 naming what of this part's own fields the server cannot honour (``where``: the part's path)."""
 
-def refuse_undeclared(part: BaseModel, where: str = "") -> None:
-    """A 400 naming the first field ``part`` (or a part inside it) does not declare; a null one asks for nothing."""
+    def cache_marks(self, where: str) -> Iterator[str]:
+        """The paths of the ``cache_control`` marks on this part (none: it cannot carry one)."""
+        return iter(())
+
+
+def refuse_unhonoured(part: _Part, where: str = "") -> None:
+    """A 400 naming the first field ``part`` (or a part inside it) does not declare or cannot honour; a null one
+    asks for nothing."""
     for name, value in (part.model_extra or {}).items():
         if value is not None:
             param = f"{where}{name}"
             raise APIError(400, f"{param} is not supported by this server; send the request without it", param)
+    part.check(where)
     for name in type(part).model_fields:
         value = getattr(part, name)
-        if isinstance(value, BaseModel):
-            refuse_undeclared(value, f"{where}{name}.")
+        if isinstance(value, _Part):
+            refuse_unhonoured(value, f"{where}{name}.")
         elif isinstance(value, list):
             for index, item in enumerate(value):
-                if isinstance(item, BaseModel):
-                    refuse_undeclared(item, f"{where}{name}.{index}.")
+                if isinstance(item, _Part):
+                    refuse_unhonoured(item, f"{where}{name}.{index}.")
 
 
-class TextBlock(_Part):
+class CacheControl(_Part):
+    """A mark asking to cache the prompt up to the part that carries it. The prefix cache keeps every prompt's full
+    KV blocks for later prompts that begin with the same tokens, which is what the mark asks for, so a mark changes
+    nothing in how the request runs; it is taken only where the served model has a prefix cache. A ``ttl`` is
+    refused: the cache frees its least recently used blocks when it needs room, so it promises no lifetime."""
+
+    type: str
+    ttl: str | None = None
+
+    def check(self, where: str) -> None:
+        if self.type != "ephemeral":
+            raise APIError(
+                400,
+                f"{where}type {self.type!r} is not supported by this server: cache_control takes type 'ephemeral'",
+                f"{where}type",
+            )
+        if self.ttl is not None:
+            raise APIError(
+                400,
+                f"{where}ttl is not supported by this server: its prefix cache frees the least recently used blocks "
+                "when it needs room, so it promises no lifetime; send cache_control without it",
+                f"{where}ttl",
+            )
+
+
+class _Cacheable(_Part):
+    """A part Anthropic lets carry a ``cache_control`` mark."""
+
+    cache_control: CacheControl | None = None
+
+    def cache_marks(self, where: str) -> Iterator[str]:
+        if self.cache_control is not None:
+            yield f"{where}cache_control"
+
+
+class TextBlock(_Cacheable):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Part):
+class ToolUseBlock(_Cacheable):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Part):
+class ToolResultBlock(_Cacheable):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
     is_error: bool = False
+
+    def cache_marks(self, where: str) -> Iterator[str]:
+        yield from super().cache_marks(where)
+        for index, block in enumerate(self.content if isinstance(self.content, list) else ()):
+            yield from block.cache_marks(f"{where}content.{index}.")
 
 
 class ThinkingBlock(_Part):
@@ -118,11 +170,11 @@ def _validated_block(block_type: type[_Part], given: dict[str, Any], at: str) ->
         first = exc.errors()[0]
         param = ".".join([at, *(str(p) for p in first["loc"])])
         raise APIError(400, f"{param}: {first['msg']}", at) from None
-    refuse_undeclared(block, f"{at}.")
+    refuse_unhonoured(block, f"{at}.")
     return block
 
 
-class ToolDefinition(_Part):
+class ToolDefinition(_Cacheable):
     """A client tool (Anthropic's ``custom`` type); server tools (web search, code execution, ...) are refused."""
 
     type: Literal["custom"] | None = None
@@ -176,8 +228,9 @@ class Metadata(_Part):
     user_id: str | None = None
 
 
-class CountTokensRequest(_Part):
-    """The body of ``POST /v1/messages/count_tokens``: the conversation of a Messages request."""
+class CountTokensRequest(_Cacheable):
+    """The body of ``POST /v1/messages/count_tokens``: the conversation of a Messages request (its own
+    ``cache_control`` marks the prompt's last part, as Anthropic's)."""
 
     model: str | None = None
     messages: list[InputMessage]
@@ -188,12 +241,33 @@ class CountTokensRequest(_Part):
 
     @model_validator(mode="after")
     def _checked(self) -> CountTokensRequest:
-        refuse_undeclared(self)
+        refuse_unhonoured(self)
         return self
 
-    def chat_body(self, reasoning: bool) -> dict[str, Any]:
+    def cache_marks(self, where: str = "") -> Iterator[str]:
+        """The paths of the request's ``cache_control`` marks: its own, then the prompt's in order (tools, system,
+        messages)."""
+        yield from super().cache_marks(where)
+        for index, tool in enumerate(self.tools or ()):
+            yield from tool.cache_marks(f"{where}tools.{index}.")
+        for index, block in enumerate(self.system if isinstance(self.system, list) else ()):
+            yield from block.cache_marks(f"{where}system.{index}.")
+        for index, message in enumerate(self.messages):
+            at = f"{where}messages.{index}"
+            for block_index, part in enumerate(message.blocks(at)):
+                yield from part.cache_marks(f"{at}.content.{block_index}.")
+
+    def chat_body(self, reasoning: bool, prefix_caching: bool) -> dict[str, Any]:
         """The chat completion request this conversation runs as (``reasoning``: the server splits reasoning off,
-        which ``thinking`` enabled needs)."""
+        which ``thinking`` enabled needs; ``prefix_caching``: the served model has a prefix cache, which
+        ``cache_control`` marks need). The marks change nothing else in it."""
+        if not prefix_caching and (mark := next(self.cache_marks(), None)) is not None:
+            raise APIError(
+                400,
+                f"{mark} is not supported by this server: it runs without its prefix cache "
+                "(--no-enable-prefix-caching), so nothing is cached for later requests; send the request without it",
+                mark,
+            )
         messages = [{"role": "system", "content": _text_parts(self.system)}] if self.system else []
         for index, message in enumerate(self.messages):
             messages += _chat_messages(message, f"messages.{index}")
@@ -242,8 +316,8 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
 
-    def chat_body(self, reasoning: bool) -> dict[str, Any]:
-        body = super().chat_body(reasoning)
+    def chat_body(self, reasoning: bool, prefix_caching: bool) -> dict[str, Any]:
+        body = super().chat_body(reasoning, prefix_caching)
         body.update(max_tokens=self.max_tokens, stream=self.stream)
         optional = {
             "stop": self.stop_sequences,

@@ -29,8 +29,28 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("chatcmpl-tool-")
 
 
-def usage(chat_usage: dict[str, Any]) -> dict[str, int]:
-    return {"input_tokens": chat_usage["prompt_tokens"], "output_tokens": chat_usage["completion_tokens"]}
+def usage(chat_usage: dict[str, Any], cache_block_size: int | None) -> dict[str, int]:
+    """Anthropic's usage of a chat answer's (whose ``prompt_tokens_details`` is given); ``cache_block_size``: tokens
+    per block of the served model's prefix cache, ``None`` when it runs without one.
+
+    The prompt's tokens are split in three, which add up to them as Anthropic's do: ``cache_read_input_tokens``,
+    those read from the prefix cache (a run of full blocks); ``cache_creation_input_tokens``, those this request
+    computed into full KV blocks, which the cache keeps for later prompts beginning with the same tokens (the
+    prompt's full blocks past the cached ones; none without a prefix cache); ``input_tokens``, the rest (the last,
+    partial block's, which no cache keeps). A full block the cache already held is counted as written when the
+    request computed it again, though the cache keeps its first copy: the last block of a prompt that ends on a
+    block's end (a hit never covers a prompt's last token), or one another request wrote while this one computed
+    it.
+    """
+    num_prompt_tokens = chat_usage["prompt_tokens"]
+    num_read = chat_usage["prompt_tokens_details"]["cached_tokens"]
+    num_in_full_blocks = num_prompt_tokens // cache_block_size * cache_block_size if cache_block_size else num_read
+    return {
+        "input_tokens": num_prompt_tokens - num_in_full_blocks,
+        "cache_creation_input_tokens": num_in_full_blocks - num_read,
+        "cache_read_input_tokens": num_read,
+        "output_tokens": chat_usage["completion_tokens"],
+    }
 
 
 def stop(finish_reason: str | None, matched: int | str | None, called: bool) -> tuple[str, str | None]:
@@ -79,8 +99,8 @@ def tool_use_block(call_id: str, name: str, tool_input: dict[str, Any]) -> dict[
     return {"type": "tool_use", "id": tool_use_id(call_id), "name": name, "input": tool_input}
 
 
-def message(chat: dict[str, Any]) -> dict[str, Any]:
-    """The ``message`` of a whole chat completion (of one choice)."""
+def message(chat: dict[str, Any], cache_block_size: int | None) -> dict[str, Any]:
+    """The ``message`` of a whole chat completion (of one choice); ``cache_block_size`` as ``usage``'s."""
     choice = chat["choices"][0]
     answer = choice["message"]
     content = []
@@ -93,7 +113,8 @@ def message(chat: dict[str, Any]) -> dict[str, Any]:
         function = call["function"]
         content.append(tool_use_block(call["id"], function["name"], _input(function["arguments"])))
     stop_reason, stop_sequence = stop(choice["finish_reason"], choice.get("stop_reason"), bool(calls))
-    return envelope(chat["id"], chat["model"], content, stop_reason, stop_sequence, usage(chat["usage"]))
+    answer_usage = usage(chat["usage"], cache_block_size)
+    return envelope(chat["id"], chat["model"], content, stop_reason, stop_sequence, answer_usage)
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -108,11 +129,13 @@ class MessageEvents:
     """A chat completion's chunks (with usage in each, ``stream_options.continuous_usage_stats``) as the Messages
     stream's events: ``message_start`` (with the input tokens, so once the first chunk from the engine came);
     per content block ``content_block_start``, its deltas (``thinking_delta``, ``text_delta``,
-    ``input_json_delta``), ``content_block_stop``; then ``message_delta`` (the stop reason, the output tokens) and
-    ``message_stop``. An error chunk (Anthropic's shape) is an ``error`` event, and the stream's end."""
+    ``input_json_delta``), ``content_block_stop``; then ``message_delta`` (the stop reason, the whole usage) and
+    ``message_stop``. An error chunk (Anthropic's shape) is an ``error`` event, and the stream's end.
+    ``cache_block_size`` as ``usage``'s."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, cache_block_size: int | None) -> None:
         self.model = model
+        self.cache_block_size = cache_block_size
         self.started = False
         self.failed = False
         self.num_blocks = 0
@@ -133,7 +156,7 @@ class MessageEvents:
             return  # the role's chunk, sent before the engine answered: nothing to tell yet
         if not self.started:
             self.started = True
-            start = envelope(chunk["id"], self.model, [], None, None, usage(self.usage))
+            start = envelope(chunk["id"], self.model, [], None, None, usage(self.usage, self.cache_block_size))
             yield {"type": "message_start", "message": start}
         for choice in chunk["choices"]:
             delta = choice["delta"]
@@ -187,19 +210,23 @@ class MessageEvents:
             return
         yield from self._close()
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
-        yield {"type": "message_delta", "delta": delta, "usage": {"output_tokens": self.usage["completion_tokens"]}}
+        yield {"type": "message_delta", "delta": delta, "usage": usage(self.usage, self.cache_block_size)}
         yield {"type": "message_stop"}
 
 
 class MessagesAnswer:
-    """A Messages request's answer, whole or streamed, from the chat completion it ran as."""
+    """A Messages request's answer, whole or streamed, from the chat completion it ran as (whose usage gives
+    ``prompt_tokens_details``); ``cache_block_size`` as ``usage``'s."""
+
+    def __init__(self, cache_block_size: int | None) -> None:
+        self.cache_block_size = cache_block_size
 
     def body(self, chat: dict[str, Any]) -> dict[str, Any]:
-        return message(chat)
+        return message(chat, self.cache_block_size)
 
     async def events(self, chunks: AsyncGenerator[dict[str, Any], None], model: str) -> AsyncIterator[str]:
         """The stream as server-sent events (each named by its type)."""
-        events = MessageEvents(model)
+        events = MessageEvents(model, self.cache_block_size)
         async with contextlib.aclosing(chunks) as stream:
             async for chunk in stream:
                 for event in events.feed(chunk):

@@ -174,8 +174,12 @@ def build_app(
         try:
             parsed = await parse(http, body_type, raw)
             if isinstance(parsed, MessagesRequest):
-                chat_body = parsed.chat_body(reasoning_parser is not None)
-                return await generate_in(slot, http, _validated(chat_body, ChatCompletionRequest), MessagesAnswer())
+                cache_block_size = await prefix_cache_block_size(parsed.model)
+                chat_body = _validated(
+                    parsed.chat_body(reasoning_parser is not None, cache_block_size is not None), ChatCompletionRequest
+                )
+                answer = MessagesAnswer(cache_block_size)
+                return await generate_in(slot, http, chat_body, answer, cached_tokens=True)
             if not isinstance(parsed, ResponsesRequest):
                 return await generate_in(slot, http, parsed)
             tenant = slot.gate.tenant.name
@@ -189,6 +193,17 @@ def build_app(
             slot.release()
             raise
 
+    async def prefix_cache_block_size(model: str | None) -> int | None:
+        """Tokens per block of the prefix cache of the model a Messages request names; ``None``: it runs without
+        one."""
+        name, _ = await routes.find(model)
+        info = await routes.model_info(name)
+        if info is None:
+            raise APIError(
+                503, f"the engine is unavailable: the one serving {name} did not answer; send the request again"
+            )
+        return info.block_size if info.enable_prefix_caching else None
+
     def rendered(body: ChatCompletionRequest) -> tuple[ToolPlan | None, list[dict]]:
         """A chat request's tool plan, and its prompt as the chat template takes it."""
         tools = body.tool_plan(tool_parser)
@@ -200,9 +215,11 @@ def build_app(
         http: Request,
         body: CompletionRequest | ChatCompletionRequest,
         translation: _Translation | None = None,
+        cached_tokens: bool = False,
     ) -> Response:
         """Answers the request (``translation``: another API's, run as this chat request); ``slot`` is released
-        when the response (or its stream) ends."""
+        when the response (or its stream) ends. ``cached_tokens``: usage gives ``prompt_tokens_details`` whatever
+        the gateway's ``prompt_tokens_details`` says (the translation reads them)."""
         gate = slot.gate
         chat = isinstance(body, ChatCompletionRequest)
         model, stub = await routes.find(body.model)
@@ -231,7 +248,7 @@ def build_app(
             echo_only=body.echo_only,
             chat_echo=body.echoed(response_role) if isinstance(body, ChatCompletionRequest) else "",
             prompt_logprobs=body.prompt_logprobs is not None,
-            prompt_tokens_details=prompt_tokens_details,
+            prompt_tokens_details=prompt_tokens_details or cached_tokens,
             request_id=body.request_id or _header_request_id(http),
             reasoning=reasoning_parser if chat else None,
             include_reasoning=include_reasoning,
@@ -310,7 +327,8 @@ def build_app(
     async def count_tokens(http: Request) -> dict:
         """The input tokens of a Messages request: its chat request's prompt, as the chat template renders it."""
         body = await parse(http, CountTokensRequest)
-        chat = _validated(body.chat_body(reasoning_parser is not None), ChatCompletionRequest)
+        prefix_caching = await prefix_cache_block_size(body.model) is not None
+        chat = _validated(body.chat_body(reasoning_parser is not None, prefix_caching), ChatCompletionRequest)
         model, stub = await routes.find(chat.model)
         _, [prompt] = rendered(chat)
         request = pb.TokenizeRequest(model=model, messages=prompt["messages"])
