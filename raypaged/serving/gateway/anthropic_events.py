@@ -9,13 +9,12 @@ they came.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 from raypaged.serving.gateway.errors import APIError
-from raypaged.serving.gateway.response_events import sse_event
+from raypaged.serving.gateway.response_events import fed_events
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -226,10 +225,5 @@ class MessagesAnswer:
 
     async def events(self, chunks: AsyncGenerator[dict[str, Any], None], model: str) -> AsyncIterator[str]:
         """The stream as server-sent events (each named by its type)."""
-        events = MessageEvents(model, self.cache_block_size)
-        async with contextlib.aclosing(chunks) as stream:
-            async for chunk in stream:
-                for event in events.feed(chunk):
-                    yield sse_event(event)
-        for event in events.finish():
-            yield sse_event(event)
+        async for event in fed_events(chunks, MessageEvents(model, self.cache_block_size)):
+            yield event

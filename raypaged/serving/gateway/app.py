@@ -41,7 +41,7 @@ from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, Guard, Hos
 from raypaged.serving.gateway.openai_responses import Responder, ResponsesRequest, ResponseStore
 from raypaged.serving.gateway.output_log import OutputLog, OutputLogging
 from raypaged.serving.gateway.reasoning import ReasoningParser
-from raypaged.serving.gateway.response_events import ResponseEvents, sse_event
+from raypaged.serving.gateway.response_events import ResponseEvents, fed_events, sse_event
 from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape
 from raypaged.serving.gateway.schemas import (
     ChatCompletionRequest,
@@ -778,11 +778,7 @@ class _StoredResponse:
         events = ResponseEvents(self.responder, model)
         for event in events.start():
             yield sse_event(event)
-        async with contextlib.aclosing(chunks) as stream:
-            async for chunk in stream:
-                for event in events.feed(chunk):
-                    yield sse_event(event)
-        for event in events.finish():
-            yield sse_event(event)
+        async for sse in fed_events(chunks, events):
+            yield sse
         if events.final is not None:
             self.store.keep(self.tenant, self.responder, events.final)

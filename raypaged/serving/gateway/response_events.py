@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from raypaged.serving.gateway.response_items import call_item, message_item, new_id, reasoning_item, usage
 
@@ -193,3 +194,20 @@ class ResponseEvents:
 def sse_event(event: dict[str, Any]) -> str:
     """A Responses stream event as a server-sent event (named by its type; no ``[DONE]`` ends the stream)."""
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+class EventFeed(Protocol):
+    def feed(self, chunk: dict[str, Any]) -> Iterable[dict[str, Any]]: ...
+
+    def finish(self) -> Iterable[dict[str, Any]]: ...
+
+
+async def fed_events(chunks: AsyncGenerator[dict[str, Any], None], events: EventFeed) -> AsyncIterator[str]:
+    """A chat stream's chunks through ``events`` (a translated API's event builder), as server-sent events;
+    ``chunks`` is closed however the stream ends."""
+    async with contextlib.aclosing(chunks) as stream:
+        async for chunk in stream:
+            for event in events.feed(chunk):
+                yield sse_event(event)
+    for event in events.finish():
+        yield sse_event(event)
