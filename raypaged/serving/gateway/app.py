@@ -23,7 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from raypaged import __version__
 from raypaged.inputs.limits import check_count
-from raypaged.serving.client import ForwardingCall, StreamCall
+from raypaged.serving.client import StreamCall
 from raypaged.serving.gateway.anthropic import CountTokensRequest, MessagesRequest
 from raypaged.serving.gateway.anthropic_events import MessagesAnswer
 from raypaged.serving.gateway.drain import Drain
@@ -660,8 +660,11 @@ async def _responses(calls: list[StreamCall], drain: Drain) -> AsyncGenerator[tu
 
     tasks = [asyncio.create_task(expire())]
     for index, call in enumerate(calls):
-        if isinstance(call, ForwardingCall):  # in process: the handler feeds the queue itself
-            call.forward(partial(_tagged, queue.put_nowait, index))
+        # a ForwardingCall (in process, or over the engine process's link) hands its responses to the queue;
+        # isinstance against the runtime-checkable protocol would cost more than the rest of this per request
+        forward: Callable[[Callable[..., None]], None] | None = getattr(call, "forward", None)
+        if forward is not None:
+            forward(partial(_tagged, queue.put_nowait, index))
         else:
             tasks.append(asyncio.create_task(pump(index, call)))
     try:
