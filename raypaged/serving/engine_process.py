@@ -54,7 +54,7 @@ _STOP_TIMEOUT_S = 30.0  # for the child to stop its engines once the link closes
 
 
 class EngineProcessLost(RuntimeError):
-    """The engine process ended while the gateway served."""
+    """The engine process ended while it started (a crash as it loaded the model) or while the gateway served."""
 
 
 def _message(name: str, data: bytes) -> Any:
@@ -289,7 +289,9 @@ class EngineProcess:
             first = (await self._link.receive())[0]
         except (asyncio.IncompleteReadError, ConnectionError):
             await self._wait_exit(None)
-            raise RuntimeError(f"the engine process exited while starting (exit code {process.returncode})") from None
+            raise EngineProcessLost(
+                f"the engine process exited while starting (exit code {process.returncode})"
+            ) from None
         except BaseException:  # cancelled, or interrupted, while the engines load
             process.kill()
             raise

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from raypaged.serving import messages
-from raypaged.serving.engine_process import EngineProcess, ProcessStub
+from raypaged.serving.engine_process import EngineProcess, EngineProcessLost, ProcessStub
 from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.inprocess import InProcessStub
 from raypaged.serving.launch import Gateway, GatewayOptions
@@ -197,3 +197,11 @@ def test_a_child_that_cannot_start_raises_its_error_in_the_parent(stack, tiny_mo
     twice = (tiny_config(tiny_model_dir, "same"), tiny_config(tiny_model_dir, "same"))
     with pytest.raises(ValueError, match=r"^served model names must be distinct, got \['same', 'same'\]$"):
         stack.background.run(start_engine(tiny_model_dir, *twice))
+
+
+def test_a_child_that_dies_while_starting_is_reported_with_its_exit_code(stack):
+    engine = EngineProcess()
+    engine.launch()
+    os.kill(engine.pid, signal.SIGKILL)
+    with pytest.raises(EngineProcessLost, match=r"^the engine process exited while starting \(exit code -9\)$"):
+        stack.background.run(engine.start(([],), "127.0.0.1", 0))
