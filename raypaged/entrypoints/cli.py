@@ -13,6 +13,7 @@ from typing import Any
 from raypaged import envs
 from raypaged.config import CliFlag, EngineConfig, cli_flag, json_flag_value
 from raypaged.entrypoints.config_file import CONFIG_FLAG, ArgumentParser
+from raypaged.entrypoints.run_batch import add_batch_args
 from raypaged.entrypoints.server_args import (
     add_api_key_arg,
     add_drain_arg,
@@ -362,6 +363,20 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from raypaged.entrypoints.run_batch import BatchJob, is_url, run_batch
+
+    job = BatchJob.from_args(args)
+    options = gateway_options(args)
+    try:
+        run_batch(job, engine_configs(args), options, lora_modules(args))
+    except KeyboardInterrupt:  # not main's quiet exit 0: the batch did not finish
+        left = "was not uploaded" if is_url(job.output_file) else "holds only the results written so far"
+        print(f"error: interrupted; {job.output_file} {left}", file=sys.stderr)
+        return 130
+    return 0
+
+
 def add_config_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         CONFIG_FLAG,
@@ -412,6 +427,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_drain_arg(engine)
     add_config_arg(engine)
     engine.set_defaults(func=cmd_engine)
+
+    batch = sub.add_parser(
+        "run-batch",
+        help="answer a file of OpenAI Batch requests (JSON lines) offline, as vLLM's run-batch",
+        usage="raypaged run-batch -i INPUT.jsonl -o OUTPUT.jsonl [--model MODEL] [flags]",
+    )
+    add_batch_args(batch)
+    add_engine_args(batch, many_models=True)
+    add_gateway_args(batch)
+    add_lora_modules_arg(batch)
+    add_config_arg(batch)
+    batch.set_defaults(func=cmd_run_batch)
 
     gateway = sub.add_parser("gateway", help="the HTTP gateway in front of running engines")
     gateway.add_argument(
