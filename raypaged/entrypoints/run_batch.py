@@ -316,37 +316,17 @@ async def answer_all(
     return num_errors
 
 
-def gateway_app(server: EngineServer, options: GatewayOptions) -> FastAPI:
+def batch_app(server: EngineServer, options: GatewayOptions) -> FastAPI:
     """``raypaged serve``'s HTTP app in front of ``server``'s engines, with the gateway flags a batch takes;
     no API key (the lines are the operator's own requests)."""
-    from raypaged.serving.gateway.app import build_app
+    from raypaged.serving.gateway.drain import Drain
     from raypaged.serving.gateway.engines import EngineRoutes
-    from raypaged.serving.gateway.reasoning import get_reasoning_parser
     from raypaged.serving.gateway.tenants import Tenants
-    from raypaged.serving.gateway.tool_parsers import get_parser
     from raypaged.serving.inprocess import InProcessStub
+    from raypaged.serving.launch import gateway_app
 
     routes = EngineRoutes({name: _LOCAL for name in server.served_names}, {_LOCAL: InProcessStub(server.servicer)})
-    return build_app(
-        routes,
-        Tenants([]),
-        options.max_body_bytes,
-        options.log_requests,
-        max_prompts_per_request=options.max_prompts_per_request,
-        tool_parser=get_parser(options.tool_call_parser)
-        if options.enable_auto_tool_choice and options.tool_call_parser
-        else None,
-        response_role=options.response_role,
-        prompt_tokens_details=options.enable_prompt_tokens_details,
-        force_include_usage=options.enable_force_include_usage,
-        reasoning_parser=get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None,
-        return_tokens_as_token_ids=options.return_tokens_as_token_ids,
-        exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
-        fingerprint_mode=options.fingerprint_mode,
-        fingerprint_value=options.fingerprint_value,
-        log_error_stack=options.log_error_stack,
-        output_logging=options.output_logging,
-    )
+    return gateway_app(routes, Tenants([]), Drain(options.drain_timeout_s), options)
 
 
 async def answer_file(
@@ -373,7 +353,7 @@ async def answer_file(
             except OSError as exc:
                 raise OSError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
             logger.info("run-batch: Prometheus metrics on http://%s:%d/metrics", host, port)
-        transport = httpx.ASGITransport(gateway_app(server, options), raise_app_exceptions=False)
+        transport = httpx.ASGITransport(batch_app(server, options), raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=None) as client:
             max_in_flight = _IN_FLIGHT_PER_SEQ * sum(c.max_num_seqs for c in configs)
             return await answer_all(client, lines, out, max_in_flight)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
+from fastapi import FastAPI
 
 from raypaged import envs
 from raypaged.config import EngineConfig
@@ -226,6 +227,46 @@ def on_shutdown_signals(callback: Callable[[], object]) -> None:
         loop.add_signal_handler(sig, callback)
 
 
+def gateway_app(routes: EngineRoutes, tenants: Tenants, drain: Drain, options: GatewayOptions) -> FastAPI:
+    """The gateway's app as ``options`` shape it: ``Gateway`` serves it, ``raypaged run-batch`` calls it in process."""
+    tool_parser = None
+    if options.enable_auto_tool_choice:
+        assert options.tool_call_parser is not None  # GatewayOptions refuses the one without the other
+        tool_parser = get_parser(options.tool_call_parser)
+    app = build_app(
+        routes,
+        tenants,
+        options.max_body_bytes,
+        options.log_requests,
+        drain,
+        options.auth_exempt_paths,
+        options.max_prompts_per_request,
+        bind_host=options.host,
+        allowed_hosts=options.allowed_hosts,
+        allowed_origins=options.allowed_origins,
+        allowed_methods=options.allowed_methods,
+        allowed_headers=options.allowed_headers,
+        allow_credentials=options.allow_credentials,
+        tool_parser=tool_parser,
+        response_role=options.response_role,
+        prompt_tokens_details=options.enable_prompt_tokens_details,
+        force_include_usage=options.enable_force_include_usage,
+        request_id_headers=options.enable_request_id_headers,
+        reasoning_parser=get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None,
+        openapi_docs=options.openapi_docs,
+        return_tokens_as_token_ids=options.return_tokens_as_token_ids,
+        tokenizer_info_endpoint=options.tokenizer_info_endpoint,
+        exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
+        fingerprint_mode=options.fingerprint_mode,
+        fingerprint_value=options.fingerprint_value,
+        log_error_stack=options.log_error_stack,
+        sse_keep_alive_s=options.sse_keep_alive_s,
+        output_logging=options.output_logging,
+    )
+    app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones
+    return app
+
+
 class Gateway:
     """The HTTP gateway on a bound socket; ``serve()`` runs until ``shutdown()``, ``stop()`` or a signal."""
 
@@ -235,41 +276,7 @@ class Gateway:
         """``local``: in-process stubs of engine servers in this process, by their address in ``targets``."""
         self.tenants = tenants_for(options.api_keys, options.tenants_file)
         self.drain = Drain(options.drain_timeout_s)
-        tool_parser = None
-        if options.enable_auto_tool_choice:
-            assert options.tool_call_parser is not None  # GatewayOptions refuses the one without the other
-            tool_parser = get_parser(options.tool_call_parser)
-        app = build_app(
-            EngineRoutes(targets, local),
-            self.tenants,
-            options.max_body_bytes,
-            options.log_requests,
-            self.drain,
-            options.auth_exempt_paths,
-            options.max_prompts_per_request,
-            bind_host=options.host,
-            allowed_hosts=options.allowed_hosts,
-            allowed_origins=options.allowed_origins,
-            allowed_methods=options.allowed_methods,
-            allowed_headers=options.allowed_headers,
-            allow_credentials=options.allow_credentials,
-            tool_parser=tool_parser,
-            response_role=options.response_role,
-            prompt_tokens_details=options.enable_prompt_tokens_details,
-            force_include_usage=options.enable_force_include_usage,
-            request_id_headers=options.enable_request_id_headers,
-            reasoning_parser=get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None,
-            openapi_docs=options.openapi_docs,
-            return_tokens_as_token_ids=options.return_tokens_as_token_ids,
-            tokenizer_info_endpoint=options.tokenizer_info_endpoint,
-            exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
-            fingerprint_mode=options.fingerprint_mode,
-            fingerprint_value=options.fingerprint_value,
-            log_error_stack=options.log_error_stack,
-            sse_keep_alive_s=options.sse_keep_alive_s,
-            output_logging=options.output_logging,
-        )
-        app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones
+        app = gateway_app(EngineRoutes(targets, local), self.tenants, self.drain, options)
         self.uds = options.uds
         if options.uds is not None:
             self.socket = listen_unix(options.uds)

@@ -168,7 +168,10 @@ def test_a_killed_engine_process_ends_its_streams_with_an_error_and_the_server_w
     port = free_port()
     server = ServerProcess(
         "serve",
-        ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--port", str(port), "--grpc-port", "0"],
+        [
+            *("--model", str(tiny_model_dir), "--served-model-name", "tiny", "--port", str(port), "--grpc-port", "0"),
+            *("--num-gpu-blocks-override", "64", "--max-model-len", "512"),
+        ],
         tmp_path / "serve.log",
     )
     url = f"http://127.0.0.1:{port}"
