@@ -5,9 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from raypaged.config import GenerationDefaults
 from raypaged.inputs.limits import InputError, InputLimits, check_count, check_stop_counts
@@ -21,6 +19,9 @@ from raypaged.sampling_params import (
 )
 from raypaged.serving.messages import AnyDelta, AnyPromptLogprobs, AnyResponse, AnyUsage, StreamMessages
 from raypaged.serving.proto import generate_pb2 as pb
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
