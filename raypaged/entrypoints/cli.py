@@ -198,9 +198,10 @@ def speculative_config_value(args: argparse.Namespace) -> str | dict[str, Any] |
     return {**config, **given}
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str | int) -> None:
+    """Log lines to stderr; the ``raypaged`` logger at ``level`` (a name such as ``info``, or a number)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("raypaged").setLevel(level.upper())
+    logging.getLogger("raypaged").setLevel(level.upper() if isinstance(level, str) else level)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -147,9 +147,9 @@ async def _serve_link(stub: InProcessStub, link: _Link) -> None:
 
         return sink
 
-    async def answer(cid: int, method: str, request: Any, metadata: Metadata, timeout: float | None) -> None:
+    async def answer(cid: int, method: str, request: Any, metadata: Metadata) -> None:
         try:
-            link.send((_RESULT, cid, await getattr(stub, method)(request, metadata, timeout)))
+            link.send((_RESULT, cid, await getattr(stub, method)(request, metadata)))
         except grpc.aio.AioRpcError as exc:
             link.send(_error_message(cid, exc))
         finally:
@@ -163,12 +163,12 @@ async def _serve_link(stub: InProcessStub, link: _Link) -> None:
                     if call is not None:
                         call.cancel()
                     continue
-                _, cid, method, request, metadata, timeout = message
+                _, cid, method, request, metadata = message
                 if method == "Generate":
                     call = streams[cid] = stub.Generate(request, metadata)
                     call.forward(forward(cid))
-                else:
-                    unary[cid] = asyncio.ensure_future(answer(cid, method, request, metadata, timeout))
+                else:  # a unary call's deadline is the parent's to keep: past it, the parent cancels the call
+                    unary[cid] = asyncio.ensure_future(answer(cid, method, request, metadata))
     except (asyncio.IncompleteReadError, ConnectionError):
         pass  # the parent closed the link: stop
     finally:
@@ -177,6 +177,7 @@ async def _serve_link(stub: InProcessStub, link: _Link) -> None:
 
 
 async def _child_main(fd: int) -> None:
+    from raypaged.entrypoints.cli import configure_logging
     from raypaged.serving.engine_server import EngineServer
 
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
@@ -185,8 +186,7 @@ async def _child_main(fd: int) -> None:
         [(server_args, host, port, log_level, log_config)] = await link.receive()
     except (asyncio.IncompleteReadError, ConnectionError):
         return  # the parent went away before it asked for the engines (a bad flag, an interrupt)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logger.setLevel(log_level)
+    configure_logging(log_level)  # as the parent logs
     if log_config is not None:
         logging.config.dictConfig(log_config)
     try:
@@ -327,21 +327,20 @@ class EngineProcess:
             self._process.kill()
         await self._wait_exit(_STOP_TIMEOUT_S if self._closing else None)
         assert self._process is not None
-        self.lost = f"the engine process has exited (exit code {self._process.returncode})"
-        lost = rpc_error(grpc.StatusCode.UNAVAILABLE, self.lost)
+        why = f"the engine process has exited (exit code {self._process.returncode})"
+        ended = rpc_error(grpc.StatusCode.UNAVAILABLE, why)
         for call in self._streams.values():
-            call.deliver(lost)
+            call.deliver(ended)
         for future in self._unary.values():
             if not future.done():
-                future.set_exception(lost)
+                future.set_exception(ended)
         self._streams.clear()
         self._unary.clear()
-        if self._closing:
-            self.lost = None  # stopped, not lost
-        else:
-            logger.error("%s", self.lost)
+        if not self._closing:  # lost, not stopped
+            self.lost = why
+            logger.error("%s", why)
             if self.on_lost is not None:
-                self.on_lost(self.lost)
+                self.on_lost(why)
 
     def _deliver(self, message: tuple[Any, ...]) -> None:
         kind, cid = message[0], message[1]
@@ -366,12 +365,12 @@ class EngineProcess:
             if future is not None and not future.done():
                 future.set_exception(error)
 
-    def _call(self, method: str, request: Any, metadata: Metadata | None, timeout: float | None) -> int:
+    def _call(self, method: str, request: Any, metadata: Metadata | None) -> int:
         if self.lost is not None:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, self.lost)
         assert self._link is not None
         self._next_id += 1
-        self._link.send((_CALL, self._next_id, method, request, tuple(metadata or ()), timeout))
+        self._link.send((_CALL, self._next_id, method, request, tuple(metadata or ())))
         return self._next_id
 
     def _cancel(self, cid: int) -> None:
@@ -382,7 +381,7 @@ class EngineProcess:
     def generate(self, request: pb.GenerateRequest, metadata: Metadata | None = None) -> LinkedCall:
         call = LinkedCall()
         try:
-            cid = self._call("Generate", request, metadata, None)
+            cid = self._call("Generate", request, metadata)
         except grpc.aio.AioRpcError as exc:
             call.deliver(exc)
             return call
@@ -391,9 +390,10 @@ class EngineProcess:
         return call
 
     async def unary(self, method: str, request: Any, metadata: Metadata | None, timeout: float | None) -> Any:
-        """One unary call; past ``timeout`` it fails ``DEADLINE_EXCEEDED`` here too, so a child that no
-        longer answers (its loop blocked) cannot hold the caller."""
-        cid = self._call(method, request, metadata, timeout)
+        """One unary call; past ``timeout`` it fails ``DEADLINE_EXCEEDED`` and is cancelled in the child. The
+        deadline is kept here, not in the child, so a child that no longer answers (its loop blocked) cannot
+        hold the caller."""
+        cid = self._call(method, request, metadata)
         future = self._unary[cid] = asyncio.get_running_loop().create_future()
         try:
             return await asyncio.wait_for(future, timeout)
