@@ -263,6 +263,14 @@ def test_a_named_tool_streams_its_input_as_json_deltas(client, http):
     parts = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"]
     assert json.loads("".join(parts)) == {"zone": "UTC"} and len(parts) > 1
     assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    inputs = []  # cut by max_tokens: the input is what the SDK's stream helper assembles from the same deltas
+    for max_tokens in range(2, len(parts) + 1):
+        cut = client.messages.create(**asked | {"max_tokens": max_tokens}, extra_body=GREEDY)
+        with client.messages.stream(**asked | {"max_tokens": max_tokens}, extra_body=GREEDY) as stream:
+            assert without_ids(stream.get_final_message()) == without_ids(cut)
+        assert cut.stop_reason == "max_tokens"
+        inputs.append(cut.content[0].input)
+    assert inputs[-1] == {"zone": "UTC"} and {} in inputs
     any_one = {"type": "any", "disable_parallel_tool_use": True}  # chat's required, without parallel calls
     message = client.messages.create(**asked | {"tool_choice": any_one}, extra_body=GREEDY)
     assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", {"city": "Paris"})]

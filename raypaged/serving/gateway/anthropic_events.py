@@ -2,9 +2,9 @@
 stream's events (``MessageEvents``); ``MessagesAnswer`` is both, for the gateway's translated routes.
 
 The content is a ``thinking`` block (the reasoning ``--reasoning-parser`` splits off), a ``text`` block, then a
-``tool_use`` block per tool call, each only when there is something in it. A tool call whose arguments are no
-whole JSON object (cut by ``max_tokens``) has the input ``{}`` when whole; streamed, its arguments went out as
-they came.
+``tool_use`` block per tool call, each only when there is something in it. A tool call cut by ``max_tokens`` has
+as its input what the SDK's stream helper makes of the same arguments streamed (``partial_json``); arguments that
+are no JSON object, whole or cut, are the input ``{}``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.gateway.partial_json import parse_partial
 from raypaged.serving.gateway.response_events import fed_events
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -119,8 +120,11 @@ def message(chat: dict[str, Any], cache_block_size: int | None) -> dict[str, Any
 def _input(arguments: str) -> dict[str, Any]:
     try:
         value = json.loads(arguments)
-    except ValueError:  # cut by max_tokens
-        return {}
+    except ValueError:
+        try:
+            value = parse_partial(arguments)  # cut by max_tokens
+        except ValueError:
+            return {}
     return value if isinstance(value, dict) else {}
 
 
