@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import inspect
 import logging
 import sys
@@ -306,6 +307,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if engine is not None:
         engine.launch()
     try:
+        from raypaged.entrypoints import cli  # by its name also when run as __main__: the engine process unpickles it
         from raypaged.serving.launch import run_serve
 
         options = gateway_options(args)
@@ -313,7 +315,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         adapters = lora_modules(args)
         asyncio.run(
             run_serve(
-                engine_configs(args),
+                # built with the engines, in the engine process (which has no use for the command's function)
+                functools.partial(cli.engine_configs, argparse.Namespace(**(vars(args) | {"func": None}))),
                 args.grpc_host,
                 args.grpc_port,
                 options,

@@ -190,7 +190,8 @@ async def _child_main(fd: int) -> None:
     if log_config is not None:
         logging.config.dictConfig(log_config)
     try:
-        server = EngineServer(*server_args)
+        configs = server_args[0]  # or a function that makes them here (run_serve)
+        server = EngineServer(configs if isinstance(configs, list) else configs(), *server_args[1:])
         bound = await server.start(host, port)
     except BaseException as exc:  # the parent raises it (or says what it was) and exits
         try:

@@ -372,7 +372,7 @@ async def run_gateway(
 
 
 async def run_serve(
-    configs: list[EngineConfig],
+    configs: list[EngineConfig] | Callable[[], list[EngineConfig]],
     grpc_host: str,
     grpc_port: int,
     options: GatewayOptions,
@@ -390,6 +390,9 @@ async def run_serve(
     own (the gateway's calls carry their client's key, so each request holds one slot at each of the
     two). If the engine process dies, the gateway stops and ``EngineProcessLost`` is raised. ``engine``:
     an engine process launched already (``raypaged serve`` launches it first, to import in parallel).
+    ``configs``: the engines' configs, or a picklable function that makes them, called where the engines
+    run (building a config reads the model's with transformers, which imports torch: ``raypaged serve``
+    leaves both out of the gateway's process).
     """
     tenants = tenants_for(options.api_keys, options.tenants_file)
     server_args = (configs, tenants, share_prefix_cache, metrics_prefix, lora_modules)
@@ -403,7 +406,7 @@ async def run_serve(
     else:
         from raypaged.serving.engine_server import EngineServer
 
-        server = EngineServer(*server_args)
+        server = EngineServer(configs if isinstance(configs, list) else configs(), *server_args[1:])
         port = await server.start(grpc_host, grpc_port)
         served_names, stub = server.served_names, InProcessStub(server.servicer)
     address = f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"

@@ -7,6 +7,7 @@ import json
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -68,6 +69,12 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits_0(tmp_path, tiny_
 
         # loopback only by default
         assert (listening(gateway), listening(engine)) == ({("127.0.0.1", port)}, {("127.0.0.1", grpc_port)})
+
+        def loads_torch(process: psutil.Process) -> bool:
+            return any("libtorch" in Path(m.path).name for m in process.memory_maps())
+
+        # the engines' configs are built in the engine process: the gateway's never imports torch
+        assert (loads_torch(gateway), loads_torch(engine)) == (False, True)
 
         events: list[list[str]] = [[] for _ in range(NUM_STREAMS)]
         started = [threading.Event() for _ in range(NUM_STREAMS)]
