@@ -3,14 +3,12 @@ Anthropic's Messages API."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol, TypeVar
 
 import grpc
@@ -23,9 +21,18 @@ from starlette.middleware.cors import CORSMiddleware
 
 from raypaged import __version__
 from raypaged.inputs.limits import check_count
-from raypaged.serving.client import StreamCall
+from raypaged.serving.client import EngineClient, StreamCall
 from raypaged.serving.gateway.anthropic import CountTokensRequest, MessagesRequest
 from raypaged.serving.gateway.anthropic_events import MessagesAnswer
+from raypaged.serving.gateway.calls import (
+    Slot,
+    cancel,
+    header_request_id,
+    merged_responses,
+    metadata,
+    start,
+    unless_disconnected,
+)
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import (
@@ -42,7 +49,7 @@ from raypaged.serving.gateway.openai_responses import Responder, ResponsesReques
 from raypaged.serving.gateway.output_log import OutputLog, OutputLogging
 from raypaged.serving.gateway.reasoning import ReasoningParser
 from raypaged.serving.gateway.response_events import ResponseEvents, fed_events, sse_event
-from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape
+from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape, engine_request_ids
 from raypaged.serving.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,10 +59,9 @@ from raypaged.serving.gateway.schemas import (
     UnloadLoRAAdapterBody,
 )
 from raypaged.serving.gateway.sse import EventStream, sse_data
-from raypaged.serving.gateway.tenants import TenantGate, Tenants
+from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.gateway.tool_parsers import ToolParser
 from raypaged.serving.gateway.tools import ToolPlan
-from raypaged.serving.messages import AnyResponse
 from raypaged.serving.proto import generate_pb2 as pb
 
 logger = logging.getLogger("raypaged")
@@ -170,7 +176,7 @@ def build_app(
         | type[MessagesRequest],
         raw: bytes | None = None,
     ) -> Response:
-        slot = _Slot(http.state.tenant_gate, drain)
+        slot = Slot(http.state.tenant_gate, drain)
         try:
             parsed = await parse(http, body_type, raw)
             if isinstance(parsed, MessagesRequest):
@@ -210,8 +216,28 @@ def build_app(
         hidden = exclude_tools_when_tool_choice_none and tools is not None and tools.mode == "none"
         return tools, body.prompts(None if hidden else tools)
 
+    async def engine_requests(
+        body: CompletionRequest | ChatCompletionRequest,
+    ) -> tuple[str, EngineClient, ToolPlan | None, list[pb.GenerateRequest]]:
+        """The model that answers ``body``, its engine, the body's tool plan, and one engine request per prompt."""
+        model, stub = await routes.find(body.model)
+        check_count("prompt", body.num_prompts, max_prompts_per_request, "max_prompts_per_request", "prompts")
+        tools, prompts = rendered(body) if isinstance(body, ChatCompletionRequest) else (None, body.prompts())
+        num_logprobs = body.num_logprobs
+        constraint = body.constraint(tools)
+        if constraint is not None and isinstance(body, ChatCompletionRequest) and not body.include_reasoning:
+            constraint.in_reasoning = True
+        try:
+            requests = [
+                body.generate_request(model, p, num_logprobs, body.resolved_max_tokens, body.priority, constraint)
+                for p in prompts
+            ]
+        except (ValueError, TypeError) as exc:  # a value the wire format cannot hold
+            raise APIError(400, str(exc)) from None
+        return model, stub, tools, requests
+
     async def generate_in(
-        slot: _Slot,
+        slot: Slot,
         http: Request,
         body: CompletionRequest | ChatCompletionRequest,
         translation: _Translation | None = None,
@@ -222,26 +248,13 @@ def build_app(
         the gateway's ``prompt_tokens_details`` says (the translation reads them)."""
         gate = slot.gate
         chat = isinstance(body, ChatCompletionRequest)
-        model, stub = await routes.find(body.model)
-        check_count("prompt", body.num_prompts, max_prompts_per_request, "max_prompts_per_request", "prompts")
-        tools, prompts = rendered(body) if isinstance(body, ChatCompletionRequest) else (None, body.prompts())
-        num_logprobs = body.num_logprobs
-        constraint = body.constraint(tools)
+        model, stub, tools, requests = await engine_requests(body)
         include_reasoning = body.include_reasoning if isinstance(body, ChatCompletionRequest) else True
-        if constraint is not None and not include_reasoning:
-            constraint.in_reasoning = True
-        try:
-            requests = [
-                body.generate_request(model, p, num_logprobs, body.resolved_max_tokens, body.priority, constraint)
-                for p in prompts
-            ]
-        except (ValueError, TypeError) as exc:  # a value the wire format cannot hold
-            raise APIError(400, str(exc)) from None
         shape = ResponseShape(
             chat,
             model,
             body.n,
-            num_logprobs is not None,
+            body.num_logprobs is not None,
             tools=tools,
             role=response_role,
             echo=body.echo and not chat,
@@ -249,33 +262,23 @@ def build_app(
             chat_echo=body.echoed(response_role) if isinstance(body, ChatCompletionRequest) else "",
             prompt_logprobs=body.prompt_logprobs is not None,
             prompt_tokens_details=prompt_tokens_details or cached_tokens,
-            request_id=body.request_id or _header_request_id(http),
+            request_id=body.request_id or header_request_id(http),
             reasoning=reasoning_parser if chat else None,
             include_reasoning=include_reasoning,
             token_ids_as_text=body.return_tokens_as_token_ids or return_tokens_as_token_ids,
             token_ids=bool(body.return_token_ids),
             fingerprint=await fingerprints.of(model),
         )
-        for index, request in enumerate(requests):  # the engine's ids follow the response's
-            request.request_id = shape.id if len(requests) == 1 else f"{shape.id}-{index}"
-        metadata = _metadata(http)
-        await slot.admit(len(prompts))
-        if drain.expired.is_set():
-            raise drain.expiry_error()
-        calls = [stub.Generate(r, metadata=metadata) for r in requests]
-        try:
-            for call in calls:  # the first message says the engine accepted the request
-                await call.read()
-        except BaseException:
-            _cancel(calls)
-            raise
+        for request, request_id in zip(requests, engine_request_ids(shape.id, len(requests))):
+            request.request_id = request_id
+        calls = await start(slot, http, stub, requests, drain)
         if log_requests:
             logger.info(
                 "request %s: model=%s tenant=%s prompts=%d n=%d stream=%s%s",
                 shape.id,
                 model,
                 gate.tenant.name,
-                len(prompts),
+                len(requests),
                 body.n,
                 body.stream,
                 f" session={body.session_id}" if body.session_id is not None else "",
@@ -283,11 +286,11 @@ def build_app(
         headers = {"X-Request-Id": shape.request_id or shape.id} if request_id_headers else None
         log = OutputLog(output_logging, shape.id, body.n, body.stream) if log_requests and output_logging else None
         if body.stream:
-            writer = ChunkWriter(shape, len(prompts), body.include_usage or force_include_usage, body.continuous_usage)
+            writer = ChunkWriter(shape, len(requests), body.include_usage or force_include_usage, body.continuous_usage)
             path = route_path(http.scope)
 
             def cleanup() -> None:
-                _cancel(calls)
+                cancel(calls)
                 slot.release()
 
             if translation is not None:
@@ -295,10 +298,10 @@ def build_app(
                 return EventStream(events, cleanup, headers, sse_keep_alive_s)
             return EventStream(_sse(calls, writer, slot, drain, log, path), cleanup, headers, sse_keep_alive_s)
         try:
-            work = _collect(calls, Accumulator(shape, len(prompts)), drain, log)
-            answer = await _unless_disconnected(http, work)
+            work = _collect(calls, Accumulator(shape, len(requests)), drain, log)
+            answer = await unless_disconnected(http, work)
         finally:
-            _cancel(calls)
+            cancel(calls)
             slot.release()
         if translation is not None:
             answer = translation.body(answer)
@@ -332,7 +335,7 @@ def build_app(
         model, stub = await routes.find(chat.model)
         _, [prompt] = rendered(chat)
         request = pb.TokenizeRequest(model=model, messages=prompt["messages"])
-        response = await stub.Tokenize(request, metadata=_metadata(http))
+        response = await stub.Tokenize(request, metadata=metadata(http))
         return {"input_tokens": len(response.token_ids)}
 
     @app.get("/v1/responses/{response_id}")
@@ -413,7 +416,7 @@ def build_app(
             pb.LoadLoRAAdapterRequest(
                 lora_name=body.lora_name, lora_path=body.lora_path, base_model_name=body.base_model_name or ""
             ),
-            metadata=_metadata(http),
+            metadata=metadata(http),
         )
         routes.adapters[body.lora_name] = address
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -427,7 +430,7 @@ def build_app(
         if address is None:
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name")
         await routes.stub_at(address).UnloadLoRAAdapter(
-            pb.UnloadLoRAAdapterRequest(lora_name=body.lora_name), metadata=_metadata(http)
+            pb.UnloadLoRAAdapterRequest(lora_name=body.lora_name), metadata=metadata(http)
         )
         del routes.adapters[body.lora_name]
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
@@ -471,7 +474,7 @@ def build_app(
         else:
             assert body.prompt is not None  # exactly one of prompt and messages is given
             request.text = body.prompt
-        response = await stub.Tokenize(request, metadata=_metadata(http))
+        response = await stub.Tokenize(request, metadata=metadata(http))
         return {
             "count": len(response.token_ids),
             "max_model_len": response.max_model_len,
@@ -485,7 +488,7 @@ def build_app(
         async def tokenizer_info(http: Request, model: str | None = None) -> dict:
             name, stub = await routes.find(model)
             request = pb.TokenizerInfoRequest(model=name)
-            response = await stub.TokenizerInfo(request, metadata=_metadata(http))
+            response = await stub.TokenizerInfo(request, metadata=metadata(http))
             return json.loads(response.config_json)
 
     @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeBody))
@@ -493,7 +496,7 @@ def build_app(
         body = await parse(http, DetokenizeBody)
         model, stub = await routes.find(body.model)
         request = pb.DetokenizeRequest(model=model, token_ids=body.tokens)
-        response = await stub.Detokenize(request, metadata=_metadata(http))
+        response = await stub.Detokenize(request, metadata=metadata(http))
         return {"prompt": response.text}
 
     _add_body_schemas(
@@ -511,29 +514,6 @@ def build_app(
         ],
     )
     return app
-
-
-class _Slot:
-    """A request's place at the gateway: counted by the drain, then holding one tenant slot per prompt once admitted."""
-
-    def __init__(self, gate: TenantGate, drain: Drain) -> None:
-        self.gate = gate
-        self._drain = drain
-        self._num_slots = 0  # tenant slots held
-        self._released = False
-        drain.enter()
-
-    async def admit(self, num_slots: int) -> None:
-        await self.gate.admit(num_slots=num_slots)
-        self._num_slots = num_slots
-
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        if self._num_slots:
-            self.gate.release(num_slots=self._num_slots)
-        self._drain.leave()
 
 
 def _invocation_type(raw: bytes) -> type[CompletionRequest] | type[ChatCompletionRequest]:
@@ -575,28 +555,8 @@ def _validated(data: object, body_type: type[Body]) -> Body:
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
 
 
-def _header_request_id(http: Request) -> str | None:
-    """The client's ``X-Request-Id``, when it is a usable id (printable ASCII, at most 256 characters)."""
-    found = http.headers.get("x-request-id")
-    if found is None:
-        return None
-    if not 0 < len(found) <= 256 or not all(0x21 <= ord(c) <= 0x7E for c in found):
-        raise APIError(400, "X-Request-Id must be 1 to 256 printable ASCII characters without spaces", "X-Request-Id")
-    return found
-
-
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
-
-
-def _metadata(http: Request) -> tuple[tuple[str, str], ...] | None:
-    """gRPC metadata for the engine calls made for ``http``: the client's ``Authorization``, when sent."""
-    authorization = http.state.authorization
-    if authorization is None:
-        return None
-    if not all(" " <= c <= "~" for c in authorization):  # all that gRPC metadata can carry
-        raise APIError(401, "Incorrect API key provided: the Authorization header must be printable ASCII")
-    return (("authorization", authorization),)
 
 
 def _body_doc(body_type: type[BaseModel]) -> dict:
@@ -628,63 +588,8 @@ class _Families:
         return self._families
 
 
-def _tagged(
-    put: Callable[[tuple[int, AnyResponse | Exception | None]], None], index: int, item: AnyResponse | Exception | None
-) -> None:
-    put((index, item))
-
-
-def _cancel(calls: list[StreamCall]) -> None:
-    for call in calls:
-        call.cancel()
-
-
-async def _responses(calls: list[StreamCall], drain: Drain) -> AsyncGenerator[tuple[int, AnyResponse], None]:
-    """Every call's responses as they come, tagged with the call's index; cancels them all when left.
-
-    Raises the drain's expiry error if the drain timeout expires first.
-    """
-    queue: asyncio.Queue[tuple[int, AnyResponse | Exception | None]] = asyncio.Queue()
-
-    async def pump(index: int, call: StreamCall) -> None:
-        try:
-            while (response := await call.read()) is not grpc.aio.EOF:
-                queue.put_nowait((index, response))
-        except grpc.aio.AioRpcError as exc:
-            queue.put_nowait((index, exc))
-        queue.put_nowait((index, None))
-
-    async def expire() -> None:
-        await drain.expired.wait()
-        queue.put_nowait((-1, drain.expiry_error()))
-
-    tasks = [asyncio.create_task(expire())]
-    for index, call in enumerate(calls):
-        # a ForwardingCall (in process, or over the engine process's link) hands its responses to the queue;
-        # isinstance against the runtime-checkable protocol would cost more than the rest of this per request
-        forward: Callable[[Callable[..., None]], None] | None = getattr(call, "forward", None)
-        if forward is not None:
-            forward(partial(_tagged, queue.put_nowait, index))
-        else:
-            tasks.append(asyncio.create_task(pump(index, call)))
-    try:
-        remaining = len(calls)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        _cancel(calls)
-
-
 async def _collect(calls: list[StreamCall], accumulator: Accumulator, drain: Drain, log: OutputLog | None) -> dict:
-    async with contextlib.aclosing(_responses(calls, drain)) as responses:
+    async with contextlib.aclosing(merged_responses(calls, drain)) as responses:
         async for index, response in responses:
             accumulator.add(index, response)
             if log is not None:
@@ -694,24 +599,10 @@ async def _collect(calls: list[StreamCall], accumulator: Accumulator, drain: Dra
     return accumulator.body()
 
 
-async def _unless_disconnected(http: Request, work: Awaitable[dict]) -> dict:
-    """Await ``work``; if the client goes away first, cancel it (which aborts the requests)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await http.is_disconnected():
-                raise APIError(400, "client disconnected")
-    finally:
-        task.cancel()
-
-
 async def _chunks(
     calls: list[StreamCall],
     writer: ChunkWriter,
-    slot: _Slot,
+    slot: Slot,
     drain: Drain,
     log: OutputLog | None,
     path: str,
@@ -723,7 +614,7 @@ async def _chunks(
     try:
         for chunk in writer.role_chunks():
             yield encode(chunk)
-        async with contextlib.aclosing(_responses(calls, drain)) as responses:
+        async with contextlib.aclosing(merged_responses(calls, drain)) as responses:
             async for index, response in responses:
                 if log is not None:
                     log.feed(index, response)
@@ -738,7 +629,7 @@ async def _chunks(
     except APIError as exc:
         yield encode(exc.body_at(path))
     finally:
-        _cancel(calls)
+        cancel(calls)
         slot.release()
     if last is not None:
         yield last
@@ -749,7 +640,7 @@ def _as_is(chunk: dict) -> dict:
 
 
 def _sse(
-    calls: list[StreamCall], writer: ChunkWriter, slot: _Slot, drain: Drain, log: OutputLog | None, path: str
+    calls: list[StreamCall], writer: ChunkWriter, slot: Slot, drain: Drain, log: OutputLog | None, path: str
 ) -> AsyncGenerator[str, None]:
     """The stream's server-sent events, ending in ``data: [DONE]``; leaving it early aborts the requests."""
     return _chunks(calls, writer, slot, drain, log, path, sse_data, sse_data("[DONE]"))

@@ -36,6 +36,17 @@ FINISH_REASONS: dict[int, FinishReason | None] = {
 }
 
 
+def response_id(chat: bool, request_id: str | None) -> str:
+    """A completion's (``cmpl-``) or chat completion's (``chatcmpl-``) id: the client's request id, or a new one."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
+
+
+def engine_request_ids(response_id: str, num_requests: int) -> list[str]:
+    """The engine's ids of a response's requests (one per prompt): the response's id, and its prompt's index
+    after it when there are several."""
+    return [response_id] if num_requests == 1 else [f"{response_id}-{index}" for index in range(num_requests)]
+
+
 @dataclass
 class ResponseShape:
     """What differs between completions and chat completions."""
@@ -61,7 +72,7 @@ class ResponseShape:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{self.request_id or uuid.uuid4().hex}"
+        self.id = response_id(self.chat, self.request_id)
 
     @property
     def object(self) -> str:
@@ -81,14 +92,14 @@ class ResponseShape:
             body["usage"] = usage
         return body
 
-    def logprobs(self, delta: AnyDelta, text_offset: int, prompt: _Prompt | None = None) -> dict | None:
+    def logprobs(self, delta: AnyDelta, text_offset: int, prompt: PromptParts | None = None) -> dict | None:
         """The delta's logprobs in the endpoint's format (``None`` when not asked for); completions
         that echo put the ``prompt``'s tokens first (the first has no logprob, as OpenAI's)."""
         if not self.wants_logprobs:
             return None
         return self._logprobs(delta, text_offset, prompt)
 
-    def _logprobs(self, delta: AnyDelta, text_offset: int, prompt: _Prompt | None = None) -> dict:
+    def _logprobs(self, delta: AnyDelta, text_offset: int, prompt: PromptParts | None = None) -> dict:
         as_ids = self.token_ids_as_text
         if prompt is not None and not self.chat:
             echoed = prompt.completion_logprobs(as_ids)
@@ -100,10 +111,10 @@ class ResponseShape:
                 "content": [
                     {
                         "token": name,
-                        "logprob": _finite(logprob),
+                        "logprob": finite_logprob(logprob),
                         "bytes": list(name.encode()),
                         "top_logprobs": [
-                            {"token": t, "logprob": _finite(lp), "bytes": list(t.encode())}
+                            {"token": t, "logprob": finite_logprob(lp), "bytes": list(t.encode())}
                             for t, lp in zip(_token_names(top.token_texts, top.token_ids, as_ids), top.logprobs)
                         ],
                     }
@@ -116,9 +127,9 @@ class ResponseShape:
             text_offset += len(text)
         return {
             "tokens": names,
-            "token_logprobs": [_finite(lp) for lp in delta.logprobs],
+            "token_logprobs": [finite_logprob(lp) for lp in delta.logprobs],
             "top_logprobs": [
-                dict(zip(_token_names(top.token_texts, top.token_ids, as_ids), map(_finite, top.logprobs)))
+                dict(zip(_token_names(top.token_texts, top.token_ids, as_ids), map(finite_logprob, top.logprobs)))
                 for top in delta.top_logprobs
             ],
             "text_offset": offsets,
@@ -173,7 +184,7 @@ def _without_tokens(delta: AnyDelta) -> CompletionDelta:
 
 
 @dataclass
-class _Prompt:
+class PromptParts:
     """What the engine sent once about one prompt: its text (echo) and its logprobs."""
 
     text: str = ""
@@ -196,12 +207,12 @@ class _Prompt:
             offsets.append(offset)
             offset += len(text)
         tops = [
-            dict(zip(_token_names(top.token_texts, top.token_ids, as_ids), map(_finite, top.logprobs)))
+            dict(zip(_token_names(top.token_texts, top.token_ids, as_ids), map(finite_logprob, top.logprobs)))
             for top in found.top_logprobs
         ]
         return {
             "tokens": _token_names(found.token_texts, found.token_ids, as_ids),
-            "token_logprobs": [None, *(_finite(lp) for lp in found.logprobs)][: len(found.token_texts)],
+            "token_logprobs": [None, *(finite_logprob(lp) for lp in found.logprobs)][: len(found.token_texts)],
             "top_logprobs": [None, *tops][: len(found.token_texts)],
             "text_offset": offsets,
         }
@@ -217,9 +228,11 @@ class _Prompt:
             found.token_ids[1:], found.token_texts[1:], found.logprobs, found.top_logprobs
         ):
             ranks = {t: rank for rank, t in enumerate(top.token_ids, start=1)}
-            entry = {str(token_id): {"logprob": _finite(logprob), "rank": ranks.get(token_id), "decoded_token": text}}
+            entry = {
+                str(token_id): {"logprob": finite_logprob(logprob), "rank": ranks.get(token_id), "decoded_token": text}
+            }
             for t, t_text, lp in zip(top.token_ids, top.token_texts, top.logprobs):
-                entry.setdefault(str(t), {"logprob": _finite(lp), "rank": ranks[t], "decoded_token": t_text})
+                entry.setdefault(str(t), {"logprob": finite_logprob(lp), "rank": ranks[t], "decoded_token": t_text})
             out.append(entry)
         return out
 
@@ -242,7 +255,7 @@ class Accumulator:
         self.shape = shape
         self.choices = [_Choice() for _ in range(num_prompts * shape.n)]
         self.usages: list[AnyUsage] = [Usage() for _ in range(num_prompts)]
-        self.prompts = [_Prompt() for _ in range(num_prompts)]
+        self.prompts = [PromptParts() for _ in range(num_prompts)]
 
     def add(self, prompt_index: int, response: AnyResponse) -> None:
         self.usages[prompt_index] = response.usage
@@ -309,7 +322,7 @@ class ChunkWriter:
         self._tool_streams: list[ToolStream] | None = (
             None if tools is None else [tools.stream() for _ in range(num_prompts * shape.n)]
         )
-        self._prompts = [_Prompt() for _ in range(num_prompts)]
+        self._prompts = [PromptParts() for _ in range(num_prompts)]
         self._echoed: set[int] = set()  # choices whose stream already began with the prompt
         self._ids_sent: set[int] = set()  # return_token_ids: choices whose prompt token ids went out
         reasoning = shape.reasoning
@@ -419,5 +432,5 @@ def _token_names(texts: Sequence[str], token_ids: Sequence[int], as_ids: bool) -
     return [f"token_id:{token_id}" for token_id in token_ids] if as_ids else list(texts)
 
 
-def _finite(logprob: float) -> float:
+def finite_logprob(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
