@@ -45,6 +45,10 @@ class ForwardingCall(StreamCall, Protocol):
 class EngineClient(Protocol):
     def Generate(self, request: pb.GenerateRequest, metadata: Metadata | None = None) -> StreamCall: ...
 
+    def Render(
+        self, request: pb.GenerateRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.RenderResponse]: ...
+
     def Abort(
         self, request: pb.AbortRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> Awaitable[pb.AbortResponse]: ...

@@ -425,6 +425,11 @@ class ProcessStub:
     def Generate(self, request: pb.GenerateRequest, metadata: Metadata | None = None) -> LinkedCall:
         return self._engine.generate(request, metadata)
 
+    async def Render(
+        self, request: pb.GenerateRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.RenderResponse:
+        return await self._engine.unary("Render", request, metadata, timeout)
+
     async def Abort(
         self, request: pb.AbortRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> pb.AbortResponse:

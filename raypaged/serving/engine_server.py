@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
@@ -28,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from raypaged.config import EngineConfig
 from raypaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from raypaged.engine.input_processor import InputProcessor
-from raypaged.engine.llm_engine import LLMEngine
+from raypaged.engine.llm_engine import LLMEngine, ProcessedRequest
 from raypaged.inputs.limits import (
     InputError,
     check_count,
@@ -41,6 +42,7 @@ from raypaged.inputs.limits import (
 from raypaged.lora.request import LoRARequest
 from raypaged.model.default_model import DEFAULT_MODEL
 from raypaged.outputs import RequestOutput
+from raypaged.sampling_params import BeamSearchParams, SamplingParams
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
 from raypaged.serving.chat import chat_prompt_ids, conversation_chars
 from raypaged.serving.gateway.errors import APIError
@@ -54,6 +56,8 @@ from raypaged.serving.protocol import DeltaTracker, beam_search_from_proto, samp
 
 logger = logging.getLogger("raypaged")
 T = TypeVar("T")
+# what Generate checks first: the caller's gate, the model, its adapter, params, beam search, engine priority
+_Checked = tuple[TenantGate, "ServedModel", LoRARequest | None, SamplingParams, BeamSearchParams | None, int]
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -229,15 +233,8 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         """The request's responses as ``messages`` builds them: ``generate_pb2``'s for gRPC (the default,
         as gRPC calls the handler), the plain objects of ``messages.py`` for the in-process link."""
         try:
-            gate = self._caller(context)
-            model = self._model(request.model)
-            lora = self.adapters[request.model][1] if request.model in self.adapters else None
+            gate, model, lora, params, beam, priority = self._checked(request, context)
             engine = model.engine
-            params = sampling_params_from_proto(request, engine.config.limits, engine.config.generation_defaults)
-            beam = beam_search_from_proto(request, engine.config.resolved_max_model_len)
-            check_priority(request.priority, engine.config.scheduling_policy)
-            priority = gate.tenant.engine_priority(request.priority)
-            _check_prompt_size(model, request)
             request_id = request.request_id or uuid.uuid4().hex
             key = (model.name, self._engine_id(gate, request_id))
             if key in self._in_flight:
@@ -291,6 +288,42 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             yield tracker.aborted() if last is None else tracker.response(last)
         finally:
             await hold.let_go(in_engine=True)
+
+    def _checked(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> _Checked:
+        """What ``Generate`` checks before it holds anything: the caller, the model (or adapter), the sampling
+        params with the model's defaults, the beam search, the priority, the prompt's size."""
+        gate = self._caller(context)
+        model = self._model(request.model)
+        lora = self.adapters[request.model][1] if request.model in self.adapters else None
+        config = model.engine.config
+        params = sampling_params_from_proto(request, config.limits, config.generation_defaults)
+        beam = beam_search_from_proto(request, config.resolved_max_model_len)
+        check_priority(request.priority, config.scheduling_policy)
+        _check_prompt_size(model, request)
+        return gate, model, lora, params, beam, gate.tenant.engine_priority(request.priority)
+
+    async def Render(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.RenderResponse:
+        """The request engine-ready, through the same checks and input processor as ``Generate``'s, which
+        holds and queues nothing (a beam search is refused: its beams are not one request's)."""
+        try:
+            gate, model, lora, params, beam, priority = self._checked(request, context)
+            if beam is not None:
+                raise InputError("use_beam_search", "a beam search cannot be rendered: its beams run as one search")
+            text, token_ids = await _prompt(model, request)
+            process = partial(
+                model.engine.engine.process_request,
+                request.request_id or "render",
+                text,
+                params,
+                token_ids,
+                priority,
+                self._cache_salt(gate, request.cache_salt),
+                lora,
+            )
+            processed = await asyncio.get_running_loop().run_in_executor(None, process)
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        return pb.RenderResponse(request=_engine_ready(request, processed))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Aborts the caller's own requests; another tenant's ids are not found."""
@@ -481,6 +514,22 @@ def _plain(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return str(value)
+
+
+def _engine_ready(request: pb.GenerateRequest, processed: ProcessedRequest) -> pb.GenerateRequest:
+    """``request`` as ``Render`` answers it: its prompt the token ids the core got, no truncation left to do,
+    and the values the engine resolved set where the request left them to the model's defaults."""
+    ready = pb.GenerateRequest()
+    ready.CopyFrom(request)
+    ready.token_ids.CopyFrom(pb.TokenIds(ids=processed.core_request.prompt_token_ids))
+    ready.ClearField("truncate_prompt_tokens")
+    ready.ClearField("truncation_side")
+    params = processed.params
+    ready.sampling.temperature = params.temperature
+    ready.sampling.top_p = params.top_p
+    ready.sampling.repetition_penalty = params.repetition_penalty
+    ready.stopping.max_tokens = processed.core_request.max_tokens
+    return ready
 
 
 async def _prompt(model: ServedModel, request: pb.GenerateRequest) -> tuple[str | None, list[int]]:

@@ -140,6 +140,11 @@ class InProcessStub:
 
     # the unary RPCs: each runs the servicer's handler of its name
 
+    async def Render(
+        self, request: pb.GenerateRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.RenderResponse:
+        return await _unary(self._servicer.Render, request, metadata, timeout)
+
     async def Abort(
         self, request: pb.AbortRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> pb.AbortResponse:

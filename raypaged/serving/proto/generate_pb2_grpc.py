@@ -42,6 +42,11 @@ class TextGenerationServiceStub:
                 request_serializer=raypaged_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=raypaged_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Render = channel.unary_unary(
+                '/raypaged.v1.TextGenerationService/Render',
+                request_serializer=raypaged_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=raypaged_dot_v1_dot_generate__pb2.RenderResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/raypaged.v1.TextGenerationService/Abort',
                 request_serializer=raypaged_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
@@ -99,6 +104,16 @@ class TextGenerationServiceServicer:
         """/ Generate for one prompt, streaming a response for every step that produced tokens.
         / The first response carries no tokens: it confirms the request was accepted.
         / Cancelling the call aborts the request and frees its KV blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Render(self, request, context):
+        """/ Check a generation request as Generate would and return it engine-ready, without generating: the
+        / prompt as the token ids Generate would run (tokenized or rendered with the chat template, then
+        / truncated), and the defaults Generate would apply set (temperature, top_p, repetition_penalty,
+        / max_tokens). Generate gives the same answer for the request it returns as for the one it was given.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,6 +192,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     request_deserializer=raypaged_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=raypaged_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
+            'Render': grpc.unary_unary_rpc_method_handler(
+                    servicer.Render,
+                    request_deserializer=raypaged_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=raypaged_dot_v1_dot_generate__pb2.RenderResponse.SerializeToString,
+            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=raypaged_dot_v1_dot_generate__pb2.AbortRequest.FromString,
@@ -253,6 +273,33 @@ class TextGenerationService:
             '/raypaged.v1.TextGenerationService/Generate',
             raypaged_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
             raypaged_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Render(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/raypaged.v1.TextGenerationService/Render',
+            raypaged_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+            raypaged_dot_v1_dot_generate__pb2.RenderResponse.FromString,
             options,
             channel_credentials,
             insecure,
