@@ -194,6 +194,13 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "(?model= picks one where several serve)",
     )
     parser.add_argument(
+        "--enable-scale-out",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve vLLM's scale-out endpoints: POST /v1/completions/render and /v1/chat/completions/render "
+        "(the engine-ready request of a body) and POST /inference/v1/generate (tokens in, tokens out)",
+    )
+    parser.add_argument(
         "--fingerprint-mode",
         choices=FINGERPRINT_MODES,
         default="full",
@@ -338,6 +345,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_scale_out=args.enable_scale_out,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         fingerprint_mode=args.fingerprint_mode,
         fingerprint_value=args.fingerprint_value,

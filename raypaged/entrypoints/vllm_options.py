@@ -326,10 +326,15 @@ SERVER_DEFAULT_ONLY: list[Option] = [
     ("enable_per_request_metrics", (), bool, (None, False), "request timings are /metrics histograms"),
     ("cohere_is_reasoning_model", (), bool, (None, True), "no Cohere endpoint is served"),
     ("cohere_format", (), str, (None, "cmd4"), "no Cohere endpoint is served"),
-    ("tokens_only", (), bool, (None, False), "the OpenAI endpoints are served"),
+    (
+        "tokens_only",
+        (),
+        bool,
+        (None, False),
+        "the OpenAI endpoints are served, and {enable_scale_out} adds /inference/v1/generate beside them",
+    ),
     ("enable_ssl_refresh", (), bool, (None, False), "the TLS certificate and key are read once at startup"),
     ("enable_offline_docs", (), bool, (None, False), "no Swagger or ReDoc page is served (only /openapi.json)"),
-    ("enable_scale_out", (), bool, (None, False), "the OpenAI endpoints are served"),
 ]
 
 SERVER_ANY_VALUE: dict[str, tuple[type, str]] = {

@@ -91,6 +91,7 @@ class GatewayOptions:
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False  # every request's logprobs name tokens "token_id:{id}"
     tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (--enable-tokenizer-info-endpoint)
+    enable_scale_out: bool = False  # the render endpoints and /inference/v1/generate (--enable-scale-out)
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice none: the template sees no tools
     fingerprint_mode: str = "full"  # system_fingerprint: full, hash, custom (fingerprint_value) or none
     fingerprint_value: str | None = None
@@ -262,6 +263,7 @@ def gateway_app(routes: EngineRoutes, tenants: Tenants, drain: Drain, options: G
         log_error_stack=options.log_error_stack,
         sse_keep_alive_s=options.sse_keep_alive_s,
         output_logging=options.output_logging,
+        scale_out=options.enable_scale_out,
     )
     app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones
     return app

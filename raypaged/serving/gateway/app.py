@@ -50,6 +50,7 @@ from raypaged.serving.gateway.output_log import OutputLog, OutputLogging
 from raypaged.serving.gateway.reasoning import ReasoningParser
 from raypaged.serving.gateway.response_events import ResponseEvents, fed_events, sse_event
 from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape, engine_request_ids
+from raypaged.serving.gateway.scale_out import GatewayParts, add_scale_out_routes
 from raypaged.serving.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -102,6 +103,7 @@ def build_app(
     log_error_stack: bool = False,
     sse_keep_alive_s: float = 0.0,
     output_logging: OutputLogging | None = None,
+    scale_out: bool = False,
 ) -> FastAPI:
     """The gateway's routes; ``drain`` (one per gateway) refuses and ends requests at shutdown.
 
@@ -119,7 +121,8 @@ def build_app(
     ``fingerprint_mode`` and ``fingerprint_value``: the answers' ``system_fingerprint`` (``fingerprint.py``);
     ``log_error_stack``: error responses are logged with their exception's stack; ``sse_keep_alive_s``: a
     stream idle that long gets a keep-alive comment (0: none); ``output_logging`` (with ``log_requests``): what
-    each request generated is logged too.
+    each request generated is logged too; ``scale_out`` (vLLM's ``--enable-scale-out``): the render endpoints and
+    ``/inference/v1/generate`` are served (``scale_out.py``).
     """
     if max_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {max_body_bytes}")
@@ -498,6 +501,20 @@ def build_app(
         request = pb.DetokenizeRequest(model=model, token_ids=body.tokens)
         response = await stub.Detokenize(request, metadata=metadata(http))
         return {"prompt": response.text}
+
+    if scale_out:
+        parts = GatewayParts(
+            routes,
+            drain,
+            parse,
+            engine_requests,
+            prompt_tokens_details,
+            return_tokens_as_token_ids,
+            sse_keep_alive_s,
+            log_requests,
+            output_logging,
+        )
+        add_scale_out_routes(app, parts)
 
     _add_body_schemas(
         app,

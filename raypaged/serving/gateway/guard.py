@@ -34,7 +34,14 @@ from raypaged.serving.gateway.errors import MESSAGES_PATH, APIError, route_path
 from raypaged.serving.gateway.tenants import Tenant, Tenants, load_tenants
 
 DEFAULT_AUTH_EXEMPT_PATHS = ("/health", "/metrics")
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations", MESSAGES_PATH)
+GENERATION_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/invocations",
+    MESSAGES_PATH,
+    "/inference/v1/generate",  # vLLM's scale-out endpoint (--enable-scale-out)
+)
 _OPEN_WHILE_DRAINING = ("/health", "/metrics")
 ANY_HOST = "*"
 

@@ -22,6 +22,8 @@ _UINT32_MAX = 2**32 - 1
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 Unsigned = Annotated[int, Field(ge=0, le=_UINT32_MAX)]
+Int32 = Annotated[int, Field(ge=-_INT32_MAX - 1, le=_INT32_MAX)]
+Int64 = Annotated[int, Field(ge=-_INT64_MAX - 1, le=_INT64_MAX)]
 LogprobCount = Annotated[int, Field(ge=-1, le=_UINT32_MAX - 1)]  # -1: the whole vocabulary (vLLM's)
 
 
@@ -69,12 +71,15 @@ _MAX_LOGGED_FIELDS = 256  # distinct unknown field names logged; a flood of made
 _logged_fields: set[str] = set()
 
 
-def _check_extra_fields(extra: dict[str, Any] | None) -> None:
-    """Fields the body model does not declare: a known one this server cannot honour is a 400
-    naming it; an unknown one is logged once per name and ignored (as vLLM does)."""
+def _check_extra_fields(
+    extra: dict[str, Any] | None, unsupported: dict[str, tuple[object, ...]] = _UNSUPPORTED
+) -> None:
+    """Fields the body model does not declare: a known one this server cannot honour (``unsupported``: with
+    the values that ask for nothing, besides null and empty ones) is a 400 naming it; an unknown one is logged
+    once per name and ignored (as vLLM does)."""
     for name, value in (extra or {}).items():
-        if name in _UNSUPPORTED:
-            if value is None or value in ({}, []) or value in _UNSUPPORTED[name]:
+        if name in unsupported:
+            if value is None or value in ({}, []) or value in unsupported[name]:
                 continue
             raise APIError(400, f"{name} is not supported by this server; send the request without it", name)
         if name not in _logged_fields and len(_logged_fields) < _MAX_LOGGED_FIELDS:
