@@ -185,21 +185,23 @@ __device__ __forceinline__ void silu_and_mul(T* __restrict__ out, const T* __res
   }
 }
 
-// One token per block. A head's halves x1 = x[:D/2], x2 = x[D/2:] become (as apply_rotary_,
-// each product and sum rounded to T) x1' = T(T(x1 * cos) - T(x2 * sin)), x2' = T(T(x2 * cos) +
-// T(x1 * sin)), with cos = cos_sin[pos, 0], sin = cos_sin[pos, 1] ([max_positions, 2, D/2]).
-// Units 0 .. (heads + kv_heads) * P - 1 rotate one vector pair of q or k (P = D/2 / E); the
-// k ones also store both vectors to the cache; v is copied to the cache after.
+// One token per block. The halves x1 = x[:R/2], x2 = x[R/2:R] of a head's first R features (R =
+// rotary_dim: D, or fewer for a partial rotation) become (as apply_rotary_, each product and sum
+// rounded to T) x1' = T(T(x1 * cos) - T(x2 * sin)), x2' = T(T(x2 * cos) + T(x1 * sin)), with
+// cos = cos_sin[pos, 0], sin = cos_sin[pos, 1] ([max_positions, 2, R/2]); x[R:] passes.
+// Units 0 .. (heads + kv_heads) * P - 1 rotate one vector pair of q or k (P = R/2 / E); the
+// k ones also store both vectors to the cache; v, and k's features past R, are copied to the cache after.
 template <typename T>
 __device__ __forceinline__ void rotary_and_cache(
     const long long* __restrict__ positions, T* __restrict__ query, T* __restrict__ key,
     const T* __restrict__ value, const T* __restrict__ cos_sin, T* __restrict__ key_cache,
     T* __restrict__ value_cache, const long long* __restrict__ slot_mapping, long long query_stride,
-    long long key_stride, long long value_stride, int num_heads, int num_kv_heads, int head_dim, int block_size) {
+    long long key_stride, long long value_stride, int num_heads, int num_kv_heads, int head_dim, int rotary_dim,
+    int block_size) {
   constexpr int E = 16 / sizeof(T);
   const int t = blockIdx.x;
-  const int half = head_dim / 2, pairs = half / E;
-  const T* cos_row = cos_sin + positions[t] * head_dim;
+  const int half = rotary_dim / 2, pairs = half / E;
+  const T* cos_row = cos_sin + positions[t] * rotary_dim;
   const T* sin_row = cos_row + half;
   const long long slot = slot_mapping[t];
   const long long block = slot >= 0 ? slot / block_size : 0;
@@ -237,6 +239,12 @@ __device__ __forceinline__ void rotary_and_cache(
     T* dst = value_cache + ((block * num_kv_heads + kv_head) * block_size + offset) * head_dim;
     *reinterpret_cast<uint4*>(dst + i) = load_raw16(value + t * value_stride + kv_head * head_dim + i);
   }
+  const int pass_vecs = (head_dim - rotary_dim) / E;  // k's features the rotation leaves (no thread writes them)
+  for (int u = threadIdx.x; u < num_kv_heads * pass_vecs; u += blockDim.x) {
+    const int kv_head = u / pass_vecs, i = rotary_dim + (u % pass_vecs) * E;
+    T* dst = key_cache + ((block * num_kv_heads + kv_head) * block_size + offset) * head_dim;
+    *reinterpret_cast<uint4*>(dst + i) = load_raw16(key + t * key_stride + kv_head * head_dim + i);
+  }
 }
 
 #define DEFINE_FUSED(SUFFIX, T)                                                                             \
@@ -259,10 +267,10 @@ __device__ __forceinline__ void rotary_and_cache(
       const T* __restrict__ value, const T* __restrict__ cos_sin, T* __restrict__ key_cache,               \
       T* __restrict__ value_cache, const long long* __restrict__ slot_mapping, long long query_stride,     \
       long long key_stride, long long value_stride, int num_heads, int num_kv_heads, int head_dim,         \
-      int block_size) {                                                                                     \
+      int rotary_dim, int block_size) {                                                                     \
     rotary_and_cache<T>(positions, query, key, value, cos_sin, key_cache, value_cache, slot_mapping,       \
                         query_stride, key_stride, value_stride, num_heads, num_kv_heads, head_dim,          \
-                        block_size);                                                                        \
+                        rotary_dim, block_size);                                                            \
   }
 
 DEFINE_FUSED(f32, float)

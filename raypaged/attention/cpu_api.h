@@ -29,7 +29,7 @@ int raypaged_rotary_and_cache_f32(const int64_t *positions, float *q, int64_t q_
                                   const float *v, int64_t v_stride, const float *cos_sin, int64_t max_positions,
                                   void *k_cache, void *v_cache, int fp8, float k_scale, float v_scale,
                                   int64_t num_blocks, const int64_t *slots, int64_t tokens, int64_t heads,
-                                  int64_t kv_heads, int64_t D, int64_t block_size, int num_threads);
+                                  int64_t kv_heads, int64_t D, int64_t R, int64_t block_size, int num_threads);
 
 void raypaged_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t n, int num_threads);
 

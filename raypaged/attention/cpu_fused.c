@@ -81,25 +81,26 @@ static inline void cache_row(void *cache, int64_t row, const float *x, int64_t D
     }
 }
 
-/* Rotates q (heads of D at q + t * q_stride) and k in place by each token's position, then writes the
- * rotated k and v of each token with a slot >= 0 into the caches ([blocks, kv_heads, block_size, D];
- * float32, or, when fp8 is set, fp8 e4m3 holding k / k_scale and v / v_scale). Returns 0; -1 when a
- * position is outside cos_sin ([max_positions, 2, D / 2]); -2 when a slot is outside the cache. Nothing
- * is written before these checks pass. */
+/* Rotates the first R features of each head of q (heads of D at q + t * q_stride) and k in place by each
+ * token's position (R = D but for a partial rotation, as Phi-3's; the others pass), then writes the whole
+ * k and v of each token with a slot >= 0 into the caches ([blocks, kv_heads, block_size, D]; float32, or,
+ * when fp8 is set, fp8 e4m3 holding k / k_scale and v / v_scale). Returns 0; -1 when a position is outside
+ * cos_sin ([max_positions, 2, R / 2]); -2 when a slot is outside the cache. Nothing is written before these
+ * checks pass. */
 int raypaged_rotary_and_cache_f32(const int64_t *positions, float *q, int64_t q_stride, float *k, int64_t k_stride,
                                   const float *v, int64_t v_stride, const float *cos_sin, int64_t max_positions,
                                   void *k_cache, void *v_cache, int fp8, float k_scale, float v_scale,
                                   int64_t num_blocks, const int64_t *slots, int64_t tokens, int64_t heads,
-                                  int64_t kv_heads, int64_t D, int64_t block_size, int num_threads) {
+                                  int64_t kv_heads, int64_t D, int64_t R, int64_t block_size, int num_threads) {
     for (int64_t t = 0; t < tokens; ++t) {
         if (positions[t] < 0 || positions[t] >= max_positions) return -1;
         if (slots[t] >= num_blocks * block_size) return -2;
     }
-    const int64_t half = D / 2;
+    const int64_t half = R / 2;
 #pragma omp parallel for num_threads(num_threads) if (tokens * (heads + 2 * kv_heads) * D >= PARALLEL_ELEMENTS) \
     schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
-        const float *cos = cos_sin + positions[t] * D, *sin = cos + half;
+        const float *cos = cos_sin + positions[t] * R, *sin = cos + half;
         for (int64_t h = 0; h < heads; ++h) rotate_head(q + t * q_stride + h * D, cos, sin, half);
         float *kt = k + t * k_stride;
         for (int64_t h = 0; h < kv_heads; ++h) rotate_head(kt + h * D, cos, sin, half);

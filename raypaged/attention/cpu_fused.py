@@ -18,6 +18,7 @@ from raypaged.kernels.checks import (
     check_eps,
     check_norm_input,
     check_norm_weight,
+    check_rotary_table,
     check_shape,
     check_tensor,
 )
@@ -111,7 +112,9 @@ def rotary_and_cache(
     v_scale: float = 1.0,
 ) -> None:
     """``RotaryEmbedding.rotate_(positions, query, key)``, then ``reshape_and_cache(key, value, key_cache,
-    value_cache, slot_mapping)``, in one pass over the tokens (a negative slot: rotated, not cached). The cache
+    value_cache, slot_mapping)``, in one pass over the tokens (a negative slot: rotated, not cached); ``cos_sin``
+    ``[max_positions, 2, R / 2]`` rotates the first ``R`` features of each head (a partial rotation where
+    ``R < head_dim``), as ``layers.apply_rotary_``. The cache
     may be float32 or fp8 e4m3, which holds ``key / k_scale`` and ``value / v_scale`` (written as
     ``(key / k_scale).to(torch.float8_e4m3fn)`` writes it; the scales are an fp8 cache's only).
     The arguments' shapes are those of ``raypaged.kernels.fused_ops.rotary_and_cache``; here the token
@@ -130,7 +133,7 @@ def rotary_and_cache(
     _check_rows("key", key, tokens, num_kv_heads, head_dim)
     _check_rows("value", value, tokens, num_kv_heads, head_dim)
     check_tensor("cos_sin", cos_sin, F32, 3)
-    check_shape("cos_sin", cos_sin, (None, 2, head_dim // 2))
+    rotary_dim = check_rotary_table(cos_sin, head_dim)
     check_contiguous("cos_sin", cos_sin)
     for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
         check_tensor(name, index, LONG, 1)
@@ -165,6 +168,7 @@ def rotary_and_cache(
         query.shape[1],
         num_kv_heads,
         head_dim,
+        rotary_dim,
         block_size,
         torch.get_num_threads(),
     )

@@ -84,7 +84,7 @@ _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_pack_weight_f32": ((_PTR, _I64, _I64, _I64, _PTR, _INT), None),
     "raypaged_linear_f32": ((_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT), None),
     "raypaged_rotary_and_cache_f32": ((_PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT, _F32,
-                                       _F32, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT), _INT),
+                                       _F32, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _INT), _INT),
     "raypaged_step_layers": ((_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64,
                               _PTR, _PTR, _PTR, _PTR, _PTR, _INT), _INT),
     "raypaged_greedy_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT), _INT),

@@ -3,10 +3,10 @@
  * tokens (one per sequence) first, then the prefill spans' tokens, if any, back to back.
  *
  * A layer: x = norm(residual += x) (the first layer: residual = x, x = norm(x)); qkv = x W_qkv; q and k (each
- * head normed first where the model has q/k norms) rotated and this step's K/V written to their slots;
- * attention over the cache (the decode kernel for the decode tokens, the varlen prefill kernel for the spans);
- * x = attn W_o; x = norm(residual += x); h = silu(gate) * up from the gated gate | up weight; x = h W_down.
- * After the last: x = norm(residual += x).
+ * head normed first where the model has q/k norms) rotated (the first rotary_dim features of each head) and
+ * this step's K/V written to their slots; attention over the cache (the decode kernel for the decode tokens,
+ * the varlen prefill kernel for the spans); x = attn W_o; x = norm(residual += x); h = silu(gate) * up from the
+ * gated gate | up weight; x = h W_down. After the last: x = norm(residual += x).
  *
  * A projection is fp32 (cpu_gemm.c) or W8A8 int8 (cpu_int8.c, quantizing the activations first), each as its
  * Python path runs it; a gate | up one packed gated, its SiLU stored from the GEMM's tiles. Called from
@@ -50,7 +50,8 @@ struct step_layer {
 
 /* The model's shape and the cache's */
 struct step_shape {
-    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, num_blocks, max_positions;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, block_size, num_blocks,
+        max_positions;
     float eps, scale;
     int fp8;
 };
@@ -129,7 +130,7 @@ int raypaged_step_layers(const struct step_layer *layers, int64_t num_layers, co
         status = raypaged_rotary_and_cache_f32(positions, q, q_stride, k, k_stride, qkv + q_width + kv_width, qkv_width,
                                                cos_sin, s->max_positions, l->k_cache, l->v_cache, s->fp8,
                                                l->k_scale, l->v_scale, s->num_blocks, slots, tokens, s->num_heads,
-                                               s->num_kv_heads, D, s->block_size, threads);
+                                               s->num_kv_heads, D, s->rotary_dim, s->block_size, threads);
         if (status) {
             status -= 10;
             break;

@@ -48,6 +48,18 @@ def check_norm_weight(weight: object, x: torch.Tensor, dtypes: Sequence[torch.dt
     check_same_dtype(("x", "weight"), (x, weight))
 
 
+def check_rotary_table(cos_sin: torch.Tensor, head_dim: int) -> int:
+    """A rotary table ``[max_positions, 2, R / 2]`` (``RotaryEmbedding.cos_sin``, 3-D) for heads of ``head_dim``:
+    it rotates their first ``R`` features, all of them or fewer (a partial rotation, as Phi-3's). Returns R."""
+    check_shape("cos_sin", cos_sin, (None, 2, None))
+    if not 0 < cos_sin.shape[2] <= head_dim // 2:
+        raise ValueError(
+            f"cos_sin must have shape (*, 2, {head_dim // 2}), or a narrower last dimension for a partial rotation; "
+            f"got {tuple(cos_sin.shape)}"
+        )
+    return 2 * cos_sin.shape[2]
+
+
 def check_eps(eps: object) -> None:
     """A norm's epsilon: a number >= 0."""
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):

@@ -26,6 +26,7 @@ from raypaged.kernels.checks import (
     check_eps,
     check_norm_input,
     check_norm_weight,
+    check_rotary_table,
     check_same_dtype,
     check_shape,
     check_tensor,
@@ -171,7 +172,7 @@ def rotary_and_cache(
     query: torch.Tensor,  # [tokens, num_heads, head_dim], rotated in place; rows may be strided (a view of qkv)
     key: torch.Tensor,  # [tokens, num_kv_heads, head_dim], rotated in place and written to key_cache
     value: torch.Tensor,  # [tokens, num_kv_heads, head_dim], written to value_cache
-    cos_sin: torch.Tensor,  # [max_positions, 2, head_dim / 2]: RotaryEmbedding.cos_sin
+    cos_sin: torch.Tensor,  # [max_positions, 2, rotary_dim / 2]: RotaryEmbedding.cos_sin
     key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [tokens] long, negative = skip
@@ -179,8 +180,9 @@ def rotary_and_cache(
     """``RotaryEmbedding.rotate_(positions, query, key)`` and then ``reshape_and_cache(key, value,
     key_cache, value_cache, slot_mapping)``, in one launch: q and k are rotated in place and the
     rotated k (with v) goes to its cache slot from registers. Tokens with a negative slot are
-    rotated but not cached. Rotate-half (neox) convention: head halves ``x1 = x[:D/2]``,
-    ``x2 = x[D/2:]`` become ``x1 cos - x2 sin`` and ``x2 cos + x1 sin``."""
+    rotated but not cached. Rotate-half (neox) convention over a head's first ``R = 2 * cos_sin.shape[2]``
+    features (``R = head_dim``, or fewer for a partial rotation: the rest pass): halves ``x1 = x[:R/2]``,
+    ``x2 = x[R/2:R]`` become ``x1 cos - x2 sin`` and ``x2 cos + x1 sin``."""
     check_cache_pair(key_cache, value_cache)
     num_kv_heads, block_size, head_dim = key_cache.shape[1:]
     _check_rows("query", query, None, head_dim)
@@ -190,7 +192,7 @@ def rotary_and_cache(
     check_shape("key", key, (tokens, None, None))
     check_shape("value", value, (tokens, None, None))
     check_tensor("cos_sin", cos_sin, FLOAT_DTYPES, 3)
-    check_shape("cos_sin", cos_sin, (None, 2, head_dim // 2))
+    rotary_dim = check_rotary_table(cos_sin, head_dim)
     check_contiguous("cos_sin", cos_sin)
     check_aligned("cos_sin", cos_sin)
     check_same_dtype(("query", "key", "value", "cos_sin", "key_cache"), (query, key, value, cos_sin, key_cache))
@@ -199,6 +201,12 @@ def rotary_and_cache(
         raise ValueError(
             f"head_dim {head_dim} is not supported: each half of a head ({half_bytes} bytes) must be a "
             f"multiple of {VECTOR_BYTES} bytes"
+        )
+    rotated_half_bytes = rotary_dim // 2 * query.element_size()  # then the features past it are whole vectors too
+    if rotated_half_bytes % VECTOR_BYTES:
+        raise ValueError(
+            f"a rotation of {rotary_dim} of {head_dim} features is not supported: each half of it "
+            f"({rotated_half_bytes} bytes) must be a multiple of {VECTOR_BYTES} bytes"
         )
     for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
         check_tensor(name, index, LONG, 1)
@@ -212,7 +220,7 @@ def rotary_and_cache(
         return
     num_heads = query.shape[1]
     vector = VECTOR_BYTES // query.element_size()
-    units = max((num_heads + num_kv_heads) * (head_dim // 2 // vector), num_kv_heads * head_dim // vector)
+    units = max((num_heads + num_kv_heads) * (rotary_dim // 2 // vector), num_kv_heads * head_dim // vector)
     kernel = loader.function("fused_ops.cu", f"rotary_and_cache_{loader.DTYPE_SUFFIX[query.dtype]}", device)
     args = (
         loader.device_pointer(positions),
@@ -229,6 +237,7 @@ def rotary_and_cache(
         np.int32(num_heads),
         np.int32(num_kv_heads),
         np.int32(head_dim),
+        np.int32(rotary_dim),
         np.int32(block_size),
     )
     loader.launch(kernel, device, (tokens,), (_warps(units, ROTARY_THREADS),), args)

@@ -61,6 +61,7 @@ class _Shape(ctypes.Structure):  # cpu_step.c: struct step_shape
                 "num_heads",
                 "num_kv_heads",
                 "head_dim",
+                "rotary_dim",
                 "intermediate",
                 "block_size",
                 "num_blocks",
@@ -221,6 +222,7 @@ class CpuStep:
             layers[0].mlp.intermediate_size,
         )
         self.eps, self.scale = layers[0].input_layernorm.eps, first.scale
+        self.rotary_dim = first.rotary.rotary_dim
         self.cache_ptrs: list[int] = []  # the caches the layer table points at
         self.layers = (_Layer * len(model.layers))()
         self.shape = _Shape()
@@ -244,6 +246,7 @@ class CpuStep:
         shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate = self.dims
         shape.block_size, shape.num_blocks = key_cache.shape[2], key_cache.shape[0]
         shape.max_positions, shape.eps, shape.scale = self.cos_sin.shape[0], self.eps, self.scale
+        shape.rotary_dim = self.rotary_dim
         shape.fp8 = int(key_cache.dtype != torch.float32)
         for entry, layer, (qkv, o, gate_up, down), (k, v) in zip(
             self.layers, _layers(model), self.linears, kv_caches, strict=True

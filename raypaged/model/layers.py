@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -12,7 +13,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from raypaged.attention import cpu_ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+logger = logging.getLogger("raypaged")
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 # oneDNN's fp32 GEMM against F.linear's (MKL sgemm) on a 2-core AVX-512 AMD EPYC, SmolLM2's projections
 # and LM head: about 2x faster from 32 rows, 1.1-3.7x from 8; at 1-2 rows within 10 us either way
@@ -196,47 +199,82 @@ class RMSNorm(nn.Module):
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
+    """The config's rope parameters; ``ValueError`` naming a rope type, or a partial rotation outside Phi-3
+    (whose transformers model alone rotates part of each head), that is not supported."""
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    partial = params.get("partial_rotary_factor", 1.0)
+    if partial != 1.0 and config.model_type != "phi3":
+        raise ValueError(
+            f"partial_rotary_factor {partial} is supported for Phi3ForCausalLM only (transformers rotates "
+            f"whole heads in {config.model_type})"
+        )
     return params
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with cos/sin of half the head size precomputed for every position."""
+    """Rotate-half RoPE over the first ``rotary_dim`` features of each head (all of them but where Phi-3's
+    ``partial_rotary_factor`` is below 1), cos/sin of ``rotary_dim / 2`` precomputed for every position.
 
-    cos_sin: torch.Tensor  # buffer [max_positions, 2, head_dim / 2]
+    ``longrope`` (Phi-3's short and long factors): transformers takes the short factors while a sequence is
+    within ``original_max_position_embeddings`` and the long ones past it, recomputing the whole cache when it
+    crosses; a paged cache cannot, so, as vLLM, a model of ``max_positions`` past that length takes the long
+    factors for every sequence, and one within it the short ones (transformers' values either way, for a
+    sequence on that side of the boundary)."""
+
+    cos_sin: torch.Tensor  # buffer [max_positions, 2, rotary_dim / 2]
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         params = rope_parameters(config)
         rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            base = params["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        if rope_type == "default":  # transformers' default: the rotated features' own frequencies
+            dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             scaling = 1.0
+        elif rope_type == "longrope":
+            original = params["original_max_position_embeddings"]
+            long = max_positions > original
+            if long:
+                logger.warning(
+                    "longrope: max_model_len %d exceeds original_max_position_embeddings %d, so every sequence "
+                    "takes the long factors (transformers takes the short ones for a sequence within %d tokens); "
+                    "--max-model-len %d keeps the short ones",
+                    max_positions,
+                    original,
+                    original,
+                    original,
+                )
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
+                config, torch.device("cpu"), seq_len=original + 1 if long else None
+            )
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        self.rotary_dim = 2 * inv_freq.shape[0]  # as transformers' apply_rotary_pos_emb: cos's width
+        if not 0 < self.rotary_dim <= head_dim:
+            raise ValueError(f"the rotary embedding spans {self.rotary_dim} features of heads of {head_dim}")
         positions = torch.arange(max_positions, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim / 2]
         cos_sin = torch.stack((freqs.cos() * scaling, freqs.sin() * scaling), dim=1)
-        self.register_buffer("cos_sin", cos_sin, persistent=False)  # [max_positions, 2, head_dim / 2]
+        self.register_buffer("cos_sin", cos_sin, persistent=False)  # [max_positions, 2, rotary_dim / 2]
 
     def rotate_(self, positions: torch.Tensor, *xs: torch.Tensor) -> None:
         """Rotate each ``x: [num_tokens, heads, head_dim]`` (strided views too) in place by its tokens' positions."""
-        cos_sin = self.cos_sin[positions]  # [T, 2, D/2]
-        cos, sin = cos_sin[:, None, None, 0], cos_sin[:, None, None, 1]  # [T, 1, 1, D/2]
+        cos_sin = self.cos_sin[positions]  # [T, 2, R/2]
+        cos, sin = cos_sin[:, None, None, 0], cos_sin[:, None, None, 1]  # [T, 1, 1, R/2]
         for x in xs:
             apply_rotary_(x, cos, sin)
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """``x = x * cos + rotate_half(x) * sin`` in place, bit for bit, without building ``rotate_half(x)``.
+    """``x = x * cos + rotate_half(x) * sin`` in place, bit for bit, without building ``rotate_half(x)``, over
+    the first ``R`` features of each head (the rest pass, as transformers' partial rotation leaves them).
 
-    x: [T, H, D]; cos, sin: [T, 1, 1, D/2] (the two halves of a head share them).
+    x: [T, H, D]; cos, sin: [T, 1, 1, R/2] (the two halves of the rotated features share them), R <= D.
     """
-    halves = x.unflatten(-1, (2, -1))  # [T, H, 2, D/2]: x1, x2
+    halves = x[..., : 2 * cos.shape[-1]].unflatten(-1, (2, -1))  # [T, H, 2, R/2]: x1, x2
     x_sin = halves * sin
     halves.mul_(cos)
     halves[..., 0, :].sub_(x_sin[..., 1, :])  # x1 * cos - x2 * sin

@@ -66,11 +66,12 @@ def test_silu_and_mul_equals_the_reference(rows, threads):
     _close(got, ref.silu_and_mul(x))
 
 
+@pytest.mark.parametrize("rotary_dim", [64, 40], ids=["whole-heads", "partial"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("rows", ROWS)
-def test_rotary_and_cache_equals_rotate_then_cache_bit_for_bit(rows, threads, cache_dtype):
+def test_rotary_and_cache_equals_rotate_then_cache_bit_for_bit(rows, threads, cache_dtype, rotary_dim):
     """float32 caches, and fp8 e4m3 ones narrowed as torch's .to() narrows (ties to even, saturation at 448,
-    subnormals, NaN)."""
+    subnormals, NaN); whole heads rotated, or their first 40 features (a partial rotation, as Phi-3's)."""
     torch.manual_seed(rows)
     heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim) * 3
@@ -78,7 +79,7 @@ def test_rotary_and_cache_equals_rotate_then_cache_bit_for_bit(rows, threads, ca
     qkv[0, v0 : v0 + 10] = torch.tensor(
         [1000.0, -500.0, 464.0, 449.0, 0.0029296875, -1e-3, 1e-9, float("nan"), float("inf"), -0.0]
     )  # V is cached as it is: each case exactly
-    cos_sin = torch.randn(512, 2, head_dim // 2)
+    cos_sin = torch.randn(512, 2, rotary_dim // 2)
     positions = torch.randint(0, 512, (rows,))
     slots = torch.randperm(num_blocks * block_size)[:rows]
     slots[1::3] = -1  # padding: rotated, not cached
@@ -125,6 +126,11 @@ def _rotary_args(positions=None, slots=None, **changes):
         ),
         (dict(value_cache=torch.zeros(3, 2, 8, 8)), ValueError, r"^value_cache must have shape \(3, 2, 4, 8\)"),
         (dict(slots=torch.tensor([0, 1], dtype=torch.int32)), TypeError, "^slot_mapping must have dtype torch.int64"),
+        (
+            dict(cos_sin=torch.zeros(16, 2, 5)),
+            ValueError,
+            r"^cos_sin must have shape \(\*, 2, 4\), or a narrower last dimension for a partial rotation; got",
+        ),
     ],
 )
 def test_rotary_and_cache_refuses_bad_arguments_before_writing(changes, error, message):

@@ -9,7 +9,7 @@ the wrong place fails even within tolerance."""
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Phi3Config
 
 from raypaged import kernels
 from raypaged.attention.backend import cuda_backend
@@ -114,14 +114,23 @@ def test_silu_and_mul_matches_layers(dtype, rows, d):
     assert_near(out, ref.silu_and_mul(x), 2 * ULP[dtype])
 
 
-def rotary_table(head_dim: int, dtype: torch.dtype, max_positions: int = 4096) -> torch.Tensor:
-    config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, rope_theta=10000.0)
+def rotary_table(
+    head_dim: int, dtype: torch.dtype, max_positions: int = 4096, partial_rotary_factor: float = 1.0
+) -> torch.Tensor:
+    """Llama's table, or Phi-3's rotating the first ``partial_rotary_factor`` of each head."""
+    shape = dict(hidden_size=head_dim * 4, num_attention_heads=4, rope_theta=10000.0)
+    if partial_rotary_factor == 1.0:
+        config = LlamaConfig(**shape)
+    else:
+        config = Phi3Config(**shape, partial_rotary_factor=partial_rotary_factor)
     return RotaryEmbedding(config, head_dim, max_positions).to(device=DEVICE, dtype=dtype).cos_sin
 
 
-def rotary_case(dtype, head_dim, block_size, num_heads, num_kv_heads, fused_qkv, seed, num_tokens=37):
+def rotary_case(
+    dtype, head_dim, block_size, num_heads, num_kv_heads, fused_qkv, seed, num_tokens=37, partial_rotary_factor=1.0
+):
     torch.manual_seed(seed)
-    cos_sin = rotary_table(head_dim, dtype)
+    cos_sin = rotary_table(head_dim, dtype, partial_rotary_factor=partial_rotary_factor)
     num_blocks = 2 * -(-num_tokens // block_size) + 3
     positions = torch.randint(0, cos_sin.shape[0], (num_tokens,), device=DEVICE)
     positions[:3] = torch.tensor([0, cos_sin.shape[0] - 1, 0])  # the ends, and a repeat
@@ -168,6 +177,15 @@ def test_rotary_and_cache_equals_rotate_then_reshape_and_cache(dtype, head_dim, 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rotary_and_cache_head_layouts(dtype, num_heads, num_kv_heads):
     rotary_case(dtype, 128, 16, num_heads, num_kv_heads, True, seed=num_heads, num_tokens=300)
+
+
+@pytest.mark.parametrize(("head_dim", "partial_rotary_factor"), [(128, 0.75), (64, 0.5)], ids=["phi4-mini", "half"])
+@pytest.mark.parametrize("fused_qkv", [True, False], ids=["qkv-views", "separate"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_and_cache_partial_rotation(dtype, fused_qkv, head_dim, partial_rotary_factor):
+    """Phi-3's partial rotation: the first features of each head rotated, the rest (q's in place, k's in the cache)
+    as they were."""
+    rotary_case(dtype, head_dim, 16, 8, 2, fused_qkv, seed=head_dim, partial_rotary_factor=partial_rotary_factor)
 
 
 @CUDA_ONLY

@@ -3,7 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Phi3Config
+from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
 from raypaged.model.layers import RotaryEmbedding, add_rms_norm, apply_rotary_, linear, rms_norm, silu_and_mul
 
@@ -136,6 +137,46 @@ def test_apply_rotary_on_separate_q_and_k():
     apply_rotary_(k, cos, sin)
     assert torch.equal(q, expected_q)
     assert torch.equal(k, expected_k)
+
+
+PHI3_LONGROPE = dict(
+    hidden_size=128,
+    num_attention_heads=2,  # heads of 64, the first 48 rotated (Phi-4-mini's 0.75)
+    max_position_embeddings=256,
+    original_max_position_embeddings=64,
+    rope_parameters={
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(24)],
+        "long_factor": [1.0 + 2.0 * i for i in range(24)],
+    },
+)
+
+
+@pytest.mark.parametrize(("max_positions", "factors"), [(64, "short"), (256, "long")])
+def test_phi3_longrope_partial_rotation_is_transformers_bit_for_bit(max_positions, factors, caplog):
+    """Within original_max_position_embeddings the short factors, past it the long ones (transformers' choice for a
+    sequence that long), said at load; the first 48 of 64 features rotated, with longrope's attention factor."""
+    config = Phi3Config(**PHI3_LONGROPE)
+    rotary = RotaryEmbedding(config, 64, max_positions)
+    assert rotary.rotary_dim == 48 and rotary.cos_sin.shape == (max_positions, 2, 24)
+    assert ("every sequence takes the long factors" in caplog.text) == (factors == "long")
+    positions = torch.arange(max_positions)
+    hf_cos, hf_sin = Phi3RotaryEmbedding(config)(torch.zeros(1), positions[None])  # the sequence's own choice
+    q, k = torch.randn(1, 3, max_positions, 64), torch.randn(1, 1, max_positions, 64)
+    want_q, want_k = apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
+    got_q, got_k = q[0].transpose(0, 1).clone(), k[0].transpose(0, 1).clone()  # [tokens, heads, 64]
+    rotary.rotate_(positions, got_q, got_k)
+    assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+def test_a_partial_rotation_outside_phi3_is_refused():
+    """transformers applies partial_rotary_factor in Phi-3 only (Llama's default rotation ignores it, its scaled
+    ones fail): refused elsewhere rather than guessed."""
+    config = rope_config({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match=r"^partial_rotary_factor 0.5 is supported for Phi3ForCausalLM only"):
+        RotaryEmbedding(config, 64, 16)
 
 
 @pytest.mark.parametrize(("rows", "intermediate"), [(0, 4), (1, 1536), (33, 7)])

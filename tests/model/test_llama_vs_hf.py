@@ -38,6 +38,6 @@ def test_unsupported_rope_type_is_a_clear_error(tmp_path, smollm2_dir):
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     path = make_tiny_model(tmp_path, smollm2_dir, "llama", rope_parameters=rope)
     with pytest.raises(
-        ValueError, match=r"rope type 'dynamic' is not supported \(supported: default, linear, llama3, yarn\)"
+        ValueError, match=r"rope type 'dynamic' is not supported \(supported: default, linear, llama3, yarn, longrope\)"
     ):
         LLM(model=str(path), num_gpu_blocks_override=8)
