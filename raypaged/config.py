@@ -479,7 +479,7 @@ class EngineConfig:
             else overridden_hf_config(self.model_path, self.hf_overrides)
         )
         self.generation_defaults, self.generation_eos_token_ids = self._read_generation_config()
-        self._check_architecture()
+        check_architecture(self.hf_config, "model")
         check_tensor_parallel(self.hf_config, self.tensor_parallel_size)
         self.quant_config = self._resolve_quantization()
         self.max_model_len = self._resolve_max_model_len()
@@ -611,12 +611,6 @@ class EngineConfig:
         sampling = {} if mode == "vllm" else values
         defaults = GenerationDefaults.from_generation_config({**sampling, **(self.override_generation_config or {})})
         return defaults, eos_ids
-
-    def _check_architecture(self) -> None:
-        from raypaged.model.layers import rope_parameters
-
-        check_architecture(self.hf_config, "model")
-        rope_parameters(self.hf_config)
 
     @property
     def lora_config(self) -> LoRAConfig | None:
@@ -781,11 +775,15 @@ def _merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_architecture(hf_config: Any, what: str) -> None:
-    """``ValueError`` naming ``what`` unless one of the config's architectures is supported."""
-    from raypaged.model.llama import SUPPORTED_ARCHITECTURES
+    """``ValueError`` naming ``what`` unless one of the config's architectures is supported, with the options
+    of its model type and rotary embedding that raypaged computes."""
+    from raypaged.model.architecture import SUPPORTED_ARCHITECTURES, architecture_of
+    from raypaged.model.layers import rope_parameters
 
     archs = getattr(hf_config, "architectures", None) or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(
             f"{what} architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    architecture_of(hf_config)
+    rope_parameters(hf_config)

@@ -6,7 +6,8 @@
  * head normed first where the model has q/k norms) rotated (the first rotary_dim features of each head) and
  * this step's K/V written to their slots; attention over the cache (the decode kernel for the decode tokens,
  * the varlen prefill kernel for the spans); x = attn W_o; x = norm(residual += x); h = silu(gate) * up from the
- * gated gate | up weight; x = h W_down. After the last: x = norm(residual += x).
+ * gated gate | up weight; x = h W_down. After the last: x = norm(residual += x). Where residual_scale is not 1
+ * (Granite's residual_multiplier), x is multiplied by it after W_o and after W_down, before its residual add.
  *
  * A projection is fp32 (cpu_gemm.c) or W8A8 int8 (cpu_int8.c, quantizing the activations first), each as its
  * Python path runs it; a gate | up one packed gated, its SiLU stored from the GEMM's tiles. Called from
@@ -52,9 +53,16 @@ struct step_layer {
 struct step_shape {
     int64_t hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, block_size, num_blocks,
         max_positions;
-    float eps, scale;
+    float eps, scale, residual_scale;
     int fp8;
 };
+
+/* x [n] *= scale, as torch's x.mul_(scale) (nothing at 1) */
+static void scale_rows(float *x, int64_t n, float scale, int threads) {
+    if (scale == 1.0f) return;
+#pragma omp parallel for simd num_threads(threads) if (n >= 1 << 16) schedule(static)
+    for (int64_t i = 0; i < n; ++i) x[i] *= scale;
+}
 
 /* Scratch for the int8 projections: x quantized and its per-token scales */
 struct int8_scratch {
@@ -159,12 +167,14 @@ int raypaged_step_layers(const struct step_layer *layers, int64_t num_layers, co
         if ((status = project(&l->o, attn, tokens, q_width, s->hidden, x, 0, &scratch, threads, &l->gate_up, s->hidden,
                               2 * s->intermediate, 1)))
             break;
+        scale_rows(x, tokens * s->hidden, s->residual_scale, threads);
         raypaged_fused_add_rms_norm_f32(x, residual, l->post_norm, tokens, s->hidden, s->eps, threads);
         if ((status = project(&l->gate_up, x, tokens, s->hidden, 2 * s->intermediate, h, 1, &scratch, threads,
                               &l->down, s->intermediate, s->hidden, 0)))
             break;
         status = project(&l->down, h, tokens, s->intermediate, s->hidden, x, 0, &scratch, threads,
                          i + 1 < num_layers ? &layers[i + 1].qkv : NULL, s->hidden, qkv_width, 0);
+        scale_rows(x, tokens * s->hidden, s->residual_scale, threads);
     }
     free(scratch.xq);
     free(scratch.scales);

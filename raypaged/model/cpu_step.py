@@ -70,6 +70,7 @@ class _Shape(ctypes.Structure):  # cpu_step.c: struct step_shape
         ],
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("residual_scale", ctypes.c_float),
         ("fp8", ctypes.c_int),
     ]
 
@@ -187,6 +188,8 @@ def unsupported_reason(model: LlamaModel) -> str | None:
             return "the layer normalizes only one of q and k"
         if attn.rotary is not first.self_attn.rotary or any(norm.eps != first.input_layernorm.eps for norm in norms):
             return "the layers differ in rotary or norm epsilon"
+        if layer.residual_multiplier != first.residual_multiplier or attn.scale != first.self_attn.scale:
+            return "the layers differ in residual multiplier or attention scale"
         for linear, row_parallel, gate_up in (
             (attn.qkv_proj, False, False),
             (attn.o_proj, True, False),
@@ -222,7 +225,7 @@ class CpuStep:
             layers[0].mlp.intermediate_size,
         )
         self.eps, self.scale = layers[0].input_layernorm.eps, first.scale
-        self.rotary_dim = first.rotary.rotary_dim
+        self.rotary_dim, self.residual_scale = first.rotary.rotary_dim, layers[0].residual_multiplier
         self.cache_ptrs: list[int] = []  # the caches the layer table points at
         self.layers = (_Layer * len(model.layers))()
         self.shape = _Shape()
@@ -246,7 +249,7 @@ class CpuStep:
         shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate = self.dims
         shape.block_size, shape.num_blocks = key_cache.shape[2], key_cache.shape[0]
         shape.max_positions, shape.eps, shape.scale = self.cos_sin.shape[0], self.eps, self.scale
-        shape.rotary_dim = self.rotary_dim
+        shape.rotary_dim, shape.residual_scale = self.rotary_dim, self.residual_scale
         shape.fp8 = int(key_cache.dtype != torch.float32)
         for entry, layer, (qkv, o, gate_up, down), (k, v) in zip(
             self.layers, _layers(model), self.linears, kv_caches, strict=True

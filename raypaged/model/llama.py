@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the flattened tokens of a step.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite: ``architecture``) over the flattened
+tokens of a step.
 
 No padding: ``input_ids`` and ``positions`` are ``[num_tokens]`` for all the
 sequences of the step together; attention reads K/V through block tables.
@@ -30,6 +31,7 @@ from transformers import PretrainedConfig
 
 from raypaged.attention.backend import TORCH, AttentionBackend, FusedOps, KVScales
 from raypaged.attention.metadata import AttentionMetadata
+from raypaged.model.architecture import Architecture, architecture_of
 from raypaged.model.cpu_step import CpuStep
 from raypaged.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
@@ -41,17 +43,6 @@ LayerKVCache = tuple[torch.Tensor, torch.Tensor]
 # --calculate-kv-scales: a scale maps the first step's largest |key| to 200 and |value| to 100 (vLLM's
 # K_SCALE_CONSTANT and V_SCALE_CONSTANT), leaving fp8 e4m3's range (448) headroom for later tokens
 K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-# checkpoint name piece -> (fused parameter name piece, shard index)
-_STACKED = {
-    ".q_proj.": (".qkv_proj.", 0),
-    ".k_proj.": (".qkv_proj.", 1),
-    ".v_proj.": (".qkv_proj.", 2),
-    ".gate_proj.": (".gate_up_proj.", 0),
-    ".up_proj.": (".gate_up_proj.", 1),
-}
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -83,6 +74,7 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         config: PretrainedConfig,
+        arch: Architecture,
         rotary: RotaryEmbedding,
         tp: TensorParallel,
         prefix: str,
@@ -94,31 +86,31 @@ class LlamaAttention(nn.Module):
         self.q_head_start = tp.rank * self.num_heads
         self.kv_head_start = tp.rank * config.num_key_value_heads // tp.size
         self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim**-0.5
-        qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        o_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)
+        self.scale = self.head_dim**-0.5 if arch.attention_scale is None else arch.attention_scale
         self.shard_sizes = [
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         ]
+        # where q, k and v start in a checkpoint that holds them fused (Phi-3's qkv_proj)
+        q_rows, kv_rows = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.part_starts = (0, q_rows, q_rows + kv_rows)
         self.qkv_proj = build_linear(
             config.hidden_size,
             sum(self.shard_sizes),
-            qkv_bias,
+            arch.qkv_bias,
             tp,
             False,
             quant_config,
-            tuple(f"{prefix}.{n}_proj" for n in "qkv"),
+            (f"{prefix}.qkv_proj",) if arch.fused_checkpoint else tuple(f"{prefix}.{n}_proj" for n in "qkv"),
         )
         # Qwen3: RMSNorm over each head's head_dim features of q and k, before rotary
-        has_qk_norm = config.model_type == "qwen3"
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.o_proj = build_linear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
-            o_bias,
+            arch.o_bias,
             tp,
             True,
             quant_config,
@@ -130,7 +122,8 @@ class LlamaAttention(nn.Module):
         self.calculate_kv_scales = False  # set: this layer's next step calculates them first (calculate_kv_scales)
 
     def fused_rows(self, shard: int) -> tuple[int, int, int]:
-        """(first checkpoint row, offset in ``qkv_proj``, rows) of q (0), k (1) or v (2) on this rank."""
+        """(first checkpoint row, offset in ``qkv_proj``, rows) of q (0), k (1) or v (2) on this rank; the row
+        counts in the q, k or v checkpoint tensor (``part_starts[shard]`` more in a fused one)."""
         first_head = self.q_head_start if shard == 0 else self.kv_head_start
         return first_head * self.head_dim, sum(self.shard_sizes[:shard]), self.shard_sizes[shard]
 
@@ -195,28 +188,38 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, tp: TensorParallel, prefix: str, quant_config: QuantizationConfig | None
+        self,
+        config: PretrainedConfig,
+        arch: Architecture,
+        tp: TensorParallel,
+        prefix: str,
+        quant_config: QuantizationConfig | None,
     ) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        bias = getattr(config, "mlp_bias", False)
         self.first_row, self.intermediate_size = tp.chunk(config.intermediate_size)
+        self.part_starts = (0, config.intermediate_size)  # where gate and up start in Phi-3's fused gate_up_proj
         self.gate_up_proj = build_linear(
             config.hidden_size,
             2 * self.intermediate_size,
-            bias,
+            arch.mlp_bias,
             tp,
             False,
             quant_config,
-            (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
+            (f"{prefix}.gate_up_proj",) if arch.fused_checkpoint else (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
         )
         self.down_proj = build_linear(
-            config.intermediate_size, config.hidden_size, bias, tp, True, quant_config, (f"{prefix}.down_proj",)
+            config.intermediate_size,
+            config.hidden_size,
+            arch.mlp_bias,
+            tp,
+            True,
+            quant_config,
+            (f"{prefix}.down_proj",),
         )
 
     def fused_rows(self, shard: int) -> tuple[int, int, int]:
-        """(first checkpoint row, offset in ``gate_up_proj``, rows) of gate (0) or up (1) on this rank."""
+        """(first checkpoint row, offset in ``gate_up_proj``, rows) of gate (0) or up (1) on this rank; the row
+        counts in the gate or up checkpoint tensor (``part_starts[shard]`` more in a fused one)."""
         return self.first_row, shard * self.intermediate_size, self.intermediate_size
 
     def forward(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:
@@ -232,21 +235,24 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
         config: PretrainedConfig,
+        arch: Architecture,
         rotary: RotaryEmbedding,
         tp: TensorParallel,
         prefix: str,
         quant_config: QuantizationConfig | None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, tp, f"{prefix}.self_attn", quant_config)
-        self.mlp = LlamaMLP(config, tp, f"{prefix}.mlp", quant_config)
+        self.self_attn = LlamaAttention(config, arch, rotary, tp, f"{prefix}.self_attn", quant_config)
+        self.mlp = LlamaMLP(config, arch, tp, f"{prefix}.mlp", quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = arch.residual_multiplier
 
     # The residual stream between layers is (x, residual). Plain path: ``x`` is the stream itself,
     # ``residual`` None. Fused path: ``x`` is the previous layer's MLP output not yet added to
     # ``residual`` (for the first layer: the embeddings, ``residual`` None), so that the add and
-    # the next norm are one kernel. Either way every add is rounded to the model's dtype.
+    # the next norm are one kernel. Either way every add is rounded to the model's dtype, and the
+    # attention's and the MLP's outputs are multiplied by Granite's residual_multiplier before theirs.
 
     def pre_attention(
         self,
@@ -273,13 +279,17 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer after its attention (``attn_out: [num_tokens, num_heads, head_dim]``): o_proj, the
         residual add and norm, the MLP. Returns the (x, residual) the next layer takes."""
-        x = self.self_attn.post_attention(attn_out)
+        x = self.scaled(self.self_attn.post_attention(attn_out))
         norm = self.post_attention_layernorm
         if fused is None:
             normed, x = norm.add_and_norm(x, residual)  # x: the residual stream after attention
-            return self.mlp(normed).add_(x), None
+            return self.scaled(self.mlp(normed)).add_(x), None
         fused.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
-        return self.mlp(x, fused), residual
+        return self.scaled(self.mlp(x, fused)), residual
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """An attention or MLP output (a fresh tensor) times the residual multiplier, in place."""
+        return x if self.residual_multiplier == 1.0 else x.mul_(self.residual_multiplier)
 
     def forward(
         self,
@@ -296,13 +306,18 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, max_positions: int, tp: TensorParallel, quant_config: QuantizationConfig | None
+        self,
+        config: PretrainedConfig,
+        arch: Architecture,
+        max_positions: int,
+        tp: TensorParallel,
+        quant_config: QuantizationConfig | None,
     ) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, arch.embedding_multiplier)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, tp, f"model.layers.{i}", quant_config)
+            LlamaDecoderLayer(config, arch, rotary, tp, f"model.layers.{i}", quant_config)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -339,24 +354,6 @@ class LlamaModel(nn.Module):
         return x
 
 
-# a checkpoint's per-tensor fp8 KV cache scales, by the end of their names: the scales each sets
-_KV_SCALE_NAMES = {
-    ".self_attn.k_scale": "k",  # llm-compressor's kv_cache_scheme, and vLLM's fp8 checkpoints
-    ".self_attn.v_scale": "v",
-    ".self_attn.k_proj.output_scale": "k",  # AutoFP8's
-    ".self_attn.v_proj.output_scale": "v",
-    ".self_attn.kv_scale": "kv",  # one scale for both (older fp8 checkpoints)
-}
-
-
-def _kv_scale_of(name: str) -> tuple[str, str] | None:
-    """(the attention module's name, the scales it sets) of a KV cache scale tensor's name, else None."""
-    for suffix, which in _KV_SCALE_NAMES.items():
-        if name.endswith(suffix):
-            return name[: name.index(".self_attn.") + len(".self_attn")], which
-    return None
-
-
 class LlamaForCausalLM(nn.Module):
     """``quant_config``: the scheme of the four projections of every layer (embeddings, norms and the
     LM head stay in the model's dtype)."""
@@ -371,7 +368,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         check_tensor_parallel(config, tp.size)
         self.config = config
-        self.model = LlamaModel(config, max_positions, tp, quant_config)
+        self.architecture = arch = architecture_of(config)
+        self.model = LlamaModel(config, arch, max_positions, tp, quant_config)
         self.checkpoint_kv_scales = False  # whether load_weights found fp8 KV cache scales
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -425,89 +423,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.logits(hidden)
+        logits, scaling = head.logits(hidden), self.architecture.logits_scaling
+        return logits if scaling == 1.0 else logits.div_(scaling)  # Granite's logits_scaling
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy this rank's share of the checkpoint tensors in, fusing q/k/v and gate/up;
-        every parameter must be filled."""
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
-        kv_scales: dict[str, dict[str, float]] = {}  # attention module name -> its checkpoint's "k" and "v" scales
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (name.startswith("lm_head.") and self.lm_head is None):
-                continue
-            if (kv_scale := _kv_scale_of(name)) is not None:
-                attn_name, which = kv_scale
-                if not isinstance(self._owner(name, attn_name), LlamaAttention):
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                if tensor.numel() != 1:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} holds {tuple(tensor.shape)} values: KV cache scales are "
-                        "supported per tensor only (one value)"
-                    )
-                kv_scales.setdefault(attn_name, {}).update(dict.fromkeys(which, float(tensor.float())))
-                continue
-            for piece, (fused, shard) in _STACKED.items():
-                if piece in name:
-                    target = name.replace(piece, fused)
-                    linear_name, param_name = target.rsplit(".", 1)
-                    owner = self._owner(name, linear_name.rsplit(".", 1)[0])
-                    fused_linear = self._owner(name, linear_name)
-                    if not (
-                        isinstance(owner, (LlamaAttention, LlamaMLP))
-                        and isinstance(fused_linear, (Linear, QuantLinear))
-                    ):
-                        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                    first_row, offset, num_rows = owner.fused_rows(shard)
-                    fused_linear.load_part(param_name, tensor, first_row, offset, num_rows)
-                    filled.add(f"{target}#{shard}")
-                    break
-            else:
-                module_name, param_name = name.rsplit(".", 1)
-                owner = self._owner(name, module_name)
-                if isinstance(owner, (QuantLinear, RowParallelLinear)):  # each checks the names it holds
-                    owner.load_shard(param_name, tensor)
-                elif name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                elif isinstance(owner, VocabParallelEmbedding):
-                    owner.load_shard(tensor)
-                else:
-                    params[name].data.copy_(tensor)
-                filled.add(name)
-        expected: set[str] = set()
-        for name in params:
-            if ".qkv_proj." in name:
-                expected.update(f"{name}#{i}" for i in range(3))
-            elif ".gate_up_proj." in name:
-                expected.update(f"{name}#{i}" for i in range(2))
-            else:
-                expected.add(name)
-        missing = sorted(expected - filled)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-        self._set_kv_scales(kv_scales)
+        """This rank's share of the checkpoint tensors (``checkpoint.load_weights``)."""
+        from raypaged.model.checkpoint import load_weights  # here: that module reads this one's layers
 
-    def _set_kv_scales(self, loaded: dict[str, dict[str, float]]) -> None:
-        """The checkpoint's fp8 KV cache scales into their layers: every layer's k and v scales, or none at all."""
-        self.checkpoint_kv_scales = bool(loaded)
-        if not loaded:
-            return
-        for index, attn in enumerate(self.attentions()):
-            attn_name = f"model.layers.{index}.self_attn"
-            scales = loaded.get(attn_name, {})
-            if set(scales) != {"k", "v"}:
-                lacking = " and ".join(f"{which}_scale" for which in "kv" if which not in scales)
-                raise ValueError(
-                    f"the checkpoint has KV cache scales for some layers but not {lacking} for {attn_name} "
-                    "(every layer needs both, or no layer any)"
-                )
-            try:
-                attn.kv_scales.set(scales["k"], scales["v"])
-            except ValueError as error:
-                raise ValueError(f"checkpoint KV cache scales of {attn_name}: {error}") from None
-
-    def _owner(self, name: str, module_name: str) -> nn.Module:
-        try:
-            return self.get_submodule(module_name)
-        except AttributeError:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in the model") from None
+        load_weights(self, weights)

@@ -109,11 +109,13 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a slice of the vocabulary's rows; tokens outside it embed to zero before the all-reduce."""
+    """Each rank holds a slice of the vocabulary's rows; tokens outside it embed to zero before the all-reduce.
+    ``multiplier``: the embeddings are multiplied by it (Granite's embedding_multiplier; not the LM head's)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel, multiplier: float = 1.0) -> None:
         super().__init__()
         self.tp = tp
+        self.multiplier = multiplier
         self.vocab_size = vocab_size
         self.vocab_start, num_rows = vocab_shard(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(num_rows, hidden_size))
@@ -121,12 +123,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         if self.tp.size == 1:
-            return nn.functional.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab_start
-        inside = (local >= 0) & (local < self.weight.shape[0])
-        out = nn.functional.embedding(local.masked_fill(~inside, 0), self.weight)
-        out.masked_fill_(~inside.unsqueeze(-1), 0)
-        return self.tp.all_reduce(out)
+            out = nn.functional.embedding(input_ids, self.weight)
+        else:
+            local = input_ids - self.vocab_start
+            inside = (local >= 0) & (local < self.weight.shape[0])
+            out = nn.functional.embedding(local.masked_fill(~inside, 0), self.weight)
+            out.masked_fill_(~inside.unsqueeze(-1), 0)
+            out = self.tp.all_reduce(out)
+        return out if self.multiplier == 1.0 else out.mul_(self.multiplier)
 
     def load_shard(self, tensor: torch.Tensor) -> None:
         self.weight.data.copy_(shard_rows(tensor, self.vocab_start, self.weight.shape[0]))

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import GraniteConfig, Phi3Config
 
 from raypaged import LLM, SamplingParams
+from tests import fused_reference as ref
 from tests.conftest import hf_greedy
 
 BATCH_PROMPTS = [[1, 5, 9, 300], list(range(100, 190)), [42] * 20, list(range(3000, 3077, 7))]
@@ -31,3 +33,29 @@ def assert_batch_greedy_matches_transformers(model_path: Path, max_tokens: int =
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     for prompt, output in zip(BATCH_PROMPTS, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf, prompt, max_tokens)
+
+
+def tiny_config(architecture: str):
+    """``fused_reference.tiny_config``'s shape (head size 64, GQA 2:1) as ``architecture``, with Phi-3's partial
+    rotation (the first 32 features of each head) and Granite's four multipliers."""
+    if architecture in ("llama", "qwen3"):
+        return ref.tiny_config(architecture)
+    llama = ref.tiny_config("llama")
+    shape = {
+        name: getattr(llama, name)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "rms_norm_eps",
+        )
+    }
+    if architecture == "phi3":
+        return Phi3Config(**shape, pad_token_id=0, partial_rotary_factor=0.5)
+    return GraniteConfig(
+        **shape, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0
+    )

@@ -11,7 +11,9 @@ import pytest
 from raypaged.config import EngineConfig
 from tests.conftest import make_tiny_model
 
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+SUPPORTED = (
+    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, GraniteForCausalLM"
+)
 
 
 @pytest.fixture(scope="module")

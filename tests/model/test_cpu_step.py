@@ -18,6 +18,7 @@ from raypaged.lora.ops import build_lora_mapping
 from raypaged.model import cpu_step
 from raypaged.model.parallel import TensorParallel
 from tests import fused_reference as ref
+from tests.model.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(cpu_ops.unavailable_reason() is not None, reason="the CPU kernels do not build")
 
@@ -28,7 +29,7 @@ def packed_model(architecture):
         config.pop("model_type", None)
         config = Qwen2Config(**{k: v for k, v in config.items() if k in Qwen2Config().to_dict()})
     else:
-        config = ref.tiny_config(architecture)
+        config = tiny_config(architecture)
     model = ref.random_model(config, torch.float32, "cpu")
     if architecture == "qwen2":
         with torch.no_grad():
@@ -38,9 +39,10 @@ def packed_model(architecture):
     return model
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "phi3", "granite"])
 def test_steps_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs, monkeypatch):
-    """ref.STEPS: two fresh prompts, a decode with a chunk over its cached context, two decode-only steps."""
+    """ref.STEPS: two fresh prompts, a decode with a chunk over its cached context, two decode-only steps (Phi-3:
+    half of each head rotated; Granite: its attention scale and residual multiplier)."""
     model = packed_model(architecture)
     got = ref.run_steps(model, CPU, "cpu")
     assert one_call_runs == [15, 4, 2, 2]
@@ -114,6 +116,11 @@ def test_where_the_one_call_does_not_apply_it_says_why(monkeypatch):
     assert cpu_step.unsupported_reason(qwen3.model) == "the layers differ in rotary or norm epsilon"
     model.model.layers[1].post_attention_layernorm.eps = 1e-5
     assert cpu_step.unsupported_reason(model.model) == "the layers differ in rotary or norm epsilon"
+    granite = packed_model("granite")
+    granite.set_attention_backend(CPU)
+    assert cpu_step.unsupported_reason(granite.model) is None
+    granite.model.layers[1].residual_multiplier = 1.0
+    assert cpu_step.unsupported_reason(granite.model) == "the layers differ in residual multiplier or attention scale"
 
 
 class Wrapped(nn.Module):

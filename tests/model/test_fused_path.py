@@ -13,12 +13,13 @@ import torch
 from raypaged import kernels
 from raypaged.attention.backend import CPU, CPU_FUSED, TORCH, FusedOps, cuda_backend
 from tests import fused_reference as ref
+from tests.model.conftest import tiny_config
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "phi3", "granite"])
 def test_fused_path_gives_the_plain_paths_bits(architecture, dtype):
-    config = ref.tiny_config(architecture)
+    config = tiny_config(architecture)
     model = ref.random_model(config, dtype, "cpu")
     calls: dict[str, int] = {}
     plain_hidden, plain_caches = ref.run_steps(model, TORCH, "cpu")

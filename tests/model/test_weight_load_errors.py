@@ -46,6 +46,9 @@ def test_a_bias_for_a_quantized_linear_without_one_is_refused(row_parallel):
         "model.layers.7.self_attn.q_proj.weight",
         "visual.blocks.0.mlp.up_proj.weight",
         "model.embed_tokens.k_proj.weight",
+        "model.layers.0.mlp.qkv_proj.weight",  # Phi-3's fused projections, under the other parent
+        "model.layers.0.self_attn.gate_up_proj.weight",
+        "model.norm.qkv_proj.weight",
     ],
 )
 def test_a_fused_projection_tensor_outside_the_layers_is_refused(name):
