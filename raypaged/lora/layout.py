@@ -6,7 +6,9 @@ each fused projection: its adapter keeps A whole and takes the same rows of B. A
 linear (``o_proj``, ``down_proj``) holds a slice of the input features: A takes those columns,
 B stays whole (the partial ``x_shard A_shard^T`` products add up over the ranks).
 A fused linear's adapter stacks its projections' ranks: A is ``[sum of ranks, in]`` and B is
-block diagonal, so one product covers q, k and v whatever subset of them the adapter has.
+block diagonal, so one product covers q, k and v whatever subset of them the adapter has. A Phi-3
+adapter adapts ``qkv_proj`` and ``gate_up_proj`` as its checkpoint holds them, whole: one A, and each
+part's rows of B from where the part starts in them.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from raypaged.lora.peft_format import PeftAdapter, read_peft_adapter
+from raypaged.lora.peft_format import PROJECTIONS, PeftAdapter, read_peft_adapter
 from raypaged.lora.request import LoRARequest
+from raypaged.model.architecture import architecture_of
 from raypaged.model.llama import LlamaForCausalLM, head_dim_of
 from raypaged.model.parallel import TensorParallel
 
@@ -36,6 +39,7 @@ class ProjectionSlice:
     out_first_row: int  # first checkpoint output row this rank holds
     out_offset: int  # where those rows start in the model linear's output
     out_rows: int
+    fused_start: int = 0  # where the projection's rows start in the fused linear (Phi-3's adapters adapt it whole)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,18 +56,19 @@ class LoRATarget:
 
 
 def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of each projection's checkpoint weight."""
+    """(out, in) of each projection's checkpoint weight: the ones an adapter of the model may adapt."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_out = config.num_attention_heads * head_dim_of(config)
     kv_out = config.num_key_value_heads * head_dim_of(config)
-    return {
+    rows = {"o_proj": (hidden, q_out), "down_proj": (hidden, inter)}
+    if architecture_of(config).fused_checkpoint:
+        return rows | {"qkv_proj": (q_out + 2 * kv_out, hidden), "gate_up_proj": (2 * inter, hidden)}
+    return rows | {
         "q_proj": (q_out, hidden),
         "k_proj": (kv_out, hidden),
         "v_proj": (kv_out, hidden),
-        "o_proj": (hidden, q_out),
         "gate_proj": (inter, hidden),
         "up_proj": (inter, hidden),
-        "down_proj": (hidden, inter),
     }
 
 
@@ -72,6 +77,11 @@ def check_adapter_fits(adapter: PeftAdapter, config: PretrainedConfig) -> None:
     projection (an adapter of another base model fails here); needs only the model's config."""
     shapes = checkpoint_shapes(config)
     for (layer, projection), weights in adapter.weights.items():
+        if projection not in shapes:
+            raise ValueError(
+                f"LoRA adapter {adapter.name!r}: layer {layer} {projection} targets a module the model lacks (its "
+                f"projections: {', '.join(sorted(shapes, key=PROJECTIONS.index))}){_trained_on(adapter)}"
+            )
         if layer >= config.num_hidden_layers:
             raise ValueError(
                 f"LoRA adapter {adapter.name!r} has weights for layer {layer} {projection}, but the model has "
@@ -105,7 +115,9 @@ def find_targets(model: LlamaForCausalLM, tp: TensorParallel) -> list[LoRATarget
             slices = []
             for shard, projection in enumerate(FUSED[fused]):
                 first_row, offset, rows = parent.fused_rows(shard)
-                slices.append(ProjectionSlice(projection, 0, hidden, first_row, offset, rows))
+                slices.append(
+                    ProjectionSlice(projection, 0, hidden, first_row, offset, rows, parent.part_starts[shard])
+                )
             prefix = f"model.layers.{index}.{parent_name}"
             targets.append(
                 LoRATarget(
@@ -136,6 +148,14 @@ def shard_adapter(
     (an adapter that passed :func:`check_adapter_fits`)."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for target in targets:
+        whole = adapter.weights.get((target.layer_index, target.name)) if len(target.slices) > 1 else None
+        if whole is not None:  # a Phi-3 adapter's qkv_proj or gate_up_proj: one A, each part's rows of B
+            b_t = torch.zeros(whole.rank, target.out_features, dtype=dtype)
+            for piece in target.slices:
+                rows = whole.lora_b[piece.fused_start + piece.out_first_row :][: piece.out_rows]
+                b_t[:, piece.out_offset : piece.out_offset + piece.out_rows] = rows.T
+            out[target.path] = (whole.lora_a.T.to(dtype).contiguous(), b_t)  # column-parallel: every input feature
+            continue
         present = [
             (s, adapter.weights[(target.layer_index, s.projection)])
             for s in target.slices

@@ -17,14 +17,18 @@ from typing import Any
 
 import torch
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# every architecture's projections (Phi-3's qkv_proj and gate_up_proj are fused in its checkpoint, and so in its
+# adapters: layout.checkpoint_shapes has each model's own)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 _PARENT = {
     "q_proj": "self_attn",
     "k_proj": "self_attn",
     "v_proj": "self_attn",
+    "qkv_proj": "self_attn",
     "o_proj": "self_attn",
     "gate_proj": "mlp",
     "up_proj": "mlp",
+    "gate_up_proj": "mlp",
     "down_proj": "mlp",
 }
 _UNSUPPORTED_MODULES = ("embed_tokens", "lm_head")

@@ -1,5 +1,6 @@
 """Adapters under tensor parallelism (gloo, one process per rank): the same logits as one shard,
-with even KV-head shards (tp 3) and replicated KV heads (tp 4 over 2 heads)."""
+with even KV-head shards (tp 3), replicated KV heads (tp 4 over 2 heads), and Phi-3's fused qkv_proj and
+gate_up_proj adapted whole (tp 2)."""
 
 from __future__ import annotations
 
@@ -50,25 +51,19 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize(
-    ("tp_size", "shape"),
+    ("tp_size", "arch", "shape"),
     [
-        (3, {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 96}),
-        (4, {}),  # 8 heads, 2 KV heads: each rank holds one KV head, two ranks the same one
+        (3, "llama", {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 96}),
+        (4, "llama", {}),  # 8 heads, 2 KV heads: each rank holds one KV head, two ranks the same one
+        (2, "phi3", {"pad_token_id": 0}),
     ],
 )
-def test_sharded_adapters_equal_one_shard(tmp_path, smollm2_dir, tp_size, shape):
-    model_dir = make_tiny_model(tmp_path, smollm2_dir, "llama", **shape)
+def test_sharded_adapters_equal_one_shard(tmp_path, smollm2_dir, tp_size, arch, shape):
+    model_dir = make_tiny_model(tmp_path, smollm2_dir, arch, **shape)
+    targets = ["qkv_proj", "down_proj"] if arch == "phi3" else ["k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
     adapter_dirs = [
         make_peft_adapter(model_dir, tmp_path / "ad1", seed=1, std=0.3, r=4, target_modules="all-linear"),
-        make_peft_adapter(
-            model_dir,
-            tmp_path / "ad2",
-            seed=2,
-            std=0.3,
-            r=8,
-            use_rslora=True,
-            target_modules=["k_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
-        ),
+        make_peft_adapter(model_dir, tmp_path / "ad2", seed=2, std=0.3, r=8, use_rslora=True, target_modules=targets),
     ]
     out = tmp_path / "logits.pt"
     mp.spawn(_rank_main, args=(tp_size, free_port(), model_dir, adapter_dirs, out), nprocs=tp_size)
