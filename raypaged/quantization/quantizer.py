@@ -36,7 +36,8 @@ SCHEMES = ("fp8", "fp8-block", "w8a8-int8", "w8a8-fp8", "w8a8-fp8-block", "w4a16
 # kv-fp8: those scales alone, the weights as they are (a compressed-tensors config with only a kv_cache_scheme)
 KV_SCALE_SCHEMES = ("fp8", "fp8-block", "w8a8-int8", "w8a8-fp8", "w8a8-fp8-block", "w4a16", "kv-fp8")
 BLOCK_SCHEMES = ("fp8-block", "w8a8-fp8-block")
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the linears quantized: Llama-family parts, and Phi-3's fused qkv_proj and gate_up_proj (quantized whole)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 _SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # -> the part naming the group
 
 

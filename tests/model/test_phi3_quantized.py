@@ -25,15 +25,13 @@ CHECKPOINTS = {
 
 @pytest.fixture(scope="module")
 def phi3_dirs(tmp_path_factory, smollm2_dir):
-    """A tiny Phi-3 (8 heads of 8, 2 KV heads) and its checkpoints, the quantizer taking its fused projections."""
+    """A tiny Phi-3 (8 heads of 8, 2 KV heads) and its checkpoints."""
     root = tmp_path_factory.mktemp("phi3_quantized")
     float_dir = make_tiny_model(root, smollm2_dir, "phi3", pad_token_id=0)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(quantizer, "PROJECTIONS", (*quantizer.PROJECTIONS, "qkv_proj", "gate_up_proj"))
-        return float_dir, {
-            name: quantizer.quantize_checkpoint(float_dir, root / name, scheme, **options)
-            for name, (scheme, options, _) in CHECKPOINTS.items()
-        }
+    return float_dir, {
+        name: quantizer.quantize_checkpoint(float_dir, root / name, scheme, **options)
+        for name, (scheme, options, _) in CHECKPOINTS.items()
+    }
 
 
 def load(path, tp: TensorParallel):
