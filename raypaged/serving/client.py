@@ -49,6 +49,10 @@ class EngineClient(Protocol):
         self, request: pb.GenerateRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> Awaitable[pb.RenderResponse]: ...
 
+    def Derender(
+        self, request: pb.DerenderRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.DerenderResponse]: ...
+
     def Abort(
         self, request: pb.AbortRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> Awaitable[pb.AbortResponse]: ...

@@ -430,6 +430,11 @@ class ProcessStub:
     ) -> pb.RenderResponse:
         return await self._engine.unary("Render", request, metadata, timeout)
 
+    async def Derender(
+        self, request: pb.DerenderRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.DerenderResponse:
+        return await self._engine.unary("Derender", request, metadata, timeout)
+
     async def Abort(
         self, request: pb.AbortRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> pb.AbortResponse:

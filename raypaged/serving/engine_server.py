@@ -27,7 +27,7 @@ import grpc
 from transformers import PreTrainedTokenizerBase
 
 from raypaged.config import EngineConfig
-from raypaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from raypaged.engine.async_llm_engine import AsyncLLMEngine, EngineBusyError, EngineDeadError, RequestFailedError
 from raypaged.engine.input_processor import InputProcessor
 from raypaged.engine.llm_engine import LLMEngine, ProcessedRequest
 from raypaged.inputs.limits import (
@@ -45,6 +45,7 @@ from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import BeamSearchParams, SamplingParams
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
 from raypaged.serving.chat import chat_prompt_ids, conversation_chars
+from raypaged.serving.derender import derendered
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tenants import AuthError, TenantGate, Tenants
 from raypaged.serving.messages import AnyResponse, StreamMessages
@@ -118,11 +119,13 @@ class _Abort(Exception):
         self.code = code
 
 
-# what ends a call early, and its status (the first matching type); APIError here is a tenant's 429
+# what ends a call early, and its status (the first matching type); APIError here is a tenant's 429, a busy
+# engine (over a queue limit) is unavailable to this request as vLLM's (the gateway's 503: retry elsewhere)
 _STATUS_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (APIError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (EngineBusyError, grpc.StatusCode.UNAVAILABLE),
     (RequestFailedError, grpc.StatusCode.INTERNAL),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
@@ -304,26 +307,66 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
 
     async def Render(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.RenderResponse:
         """The request engine-ready, through the same checks and input processor as ``Generate``'s, which
-        holds and queues nothing (a beam search is refused: its beams are not one request's)."""
+        holds and queues nothing."""
         try:
-            gate, model, lora, params, beam, priority = self._checked(request, context)
-            if beam is not None:
-                raise InputError("use_beam_search", "a beam search cannot be rendered: its beams run as one search")
-            text, token_ids = await _prompt(model, request)
-            process = partial(
-                model.engine.engine.process_request,
-                request.request_id or "render",
-                text,
-                params,
-                token_ids,
-                priority,
-                self._cache_salt(gate, request.cache_salt),
-                lora,
-            )
-            processed = await asyncio.get_running_loop().run_in_executor(None, process)
+            _, processed = await self._processed(request, context)
         except _REFUSED as exc:
             await _refuse(context, exc)
         return pb.RenderResponse(request=_engine_ready(request, processed))
+
+    async def _processed(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[ServedModel, ProcessedRequest]:
+        """``request`` through ``Generate``'s checks and input processor (a beam search is refused: its beams
+        are not one request's)."""
+        gate, model, lora, params, beam, priority = self._checked(request, context)
+        if beam is not None:
+            raise InputError("use_beam_search", "a beam search cannot be rendered: its beams run as one search")
+        text, token_ids = await _prompt(model, request)
+        process = partial(
+            model.engine.engine.process_request,
+            request.request_id or "render",
+            text,
+            params,
+            token_ids,
+            priority,
+            self._cache_salt(gate, request.cache_salt),
+            lora,
+        )
+        return model, await asyncio.get_running_loop().run_in_executor(None, process)
+
+    async def Derender(self, request: pb.DerenderRequest, context: grpc.aio.ServicerContext) -> pb.DerenderResponse:
+        """Generate's responses for tokens it generated, made again (``derender.py``): the request checked as
+        ``Generate`` checks it, its prompt (when it has one) processed as ``Render`` does, for the context."""
+        generate = request.request
+        try:
+            if generate.WhichOneof("prompt") is not None:
+                model, processed = await self._processed(generate, context)
+                prompt_token_ids, params = processed.core_request.prompt_token_ids, processed.params
+            else:
+                self._caller(context)
+                model = self._model(generate.model)
+                config = model.engine.config
+                params = sampling_params_from_proto(generate, config.limits, config.generation_defaults)
+                prompt_token_ids = []
+            config = model.engine.config
+            check_count("completions", len(request.completions), config.limits.max_num_samples, "max_num_samples")
+            for completion in request.completions:
+                check_count("token_ids", len(completion.token_ids), config.resolved_max_model_len, "max_model_len")
+                check_token_ids("token_ids", completion.token_ids, config.hf_config.vocab_size)
+            params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
+            responses = await model.off_loop(
+                derendered,
+                model.tokenizer,
+                generate.request_id,
+                prompt_token_ids,
+                params,
+                list(request.completions),
+                generate.return_token_ids,
+            )
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        return pb.DerenderResponse(responses=responses)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Aborts the caller's own requests; another tenant's ids are not found."""

@@ -145,6 +145,11 @@ class InProcessStub:
     ) -> pb.RenderResponse:
         return await _unary(self._servicer.Render, request, metadata, timeout)
 
+    async def Derender(
+        self, request: pb.DerenderRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.DerenderResponse:
+        return await _unary(self._servicer.Derender, request, metadata, timeout)
+
     async def Abort(
         self, request: pb.AbortRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> pb.AbortResponse:

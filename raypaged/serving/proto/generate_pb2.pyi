@@ -300,6 +300,36 @@ class RenderResponse(_message.Message):
     request: GenerateRequest
     def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
 
+class DerenderRequest(_message.Message):
+    __slots__ = ("request", "completions")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    completions: _containers.RepeatedCompositeFieldContainer[GeneratedCompletion]
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[GeneratedCompletion, _Mapping]]] = ...) -> None: ...
+
+class GeneratedCompletion(_message.Message):
+    __slots__ = ("token_ids", "finish_reason", "stop_reason", "stop_token_id", "candidates", "step_lens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    STEP_LENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    stop_reason: str
+    stop_token_id: int
+    candidates: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    step_lens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., step_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DerenderResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -47,6 +47,11 @@ class TextGenerationServiceStub:
                 request_serializer=raypaged_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=raypaged_dot_v1_dot_generate__pb2.RenderResponse.FromString,
                 _registered_method=True)
+        self.Derender = channel.unary_unary(
+                '/raypaged.v1.TextGenerationService/Derender',
+                request_serializer=raypaged_dot_v1_dot_generate__pb2.DerenderRequest.SerializeToString,
+                response_deserializer=raypaged_dot_v1_dot_generate__pb2.DerenderResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/raypaged.v1.TextGenerationService/Abort',
                 request_serializer=raypaged_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
@@ -114,6 +119,16 @@ class TextGenerationServiceServicer:
         / prompt as the token ids Generate would run (tokenized or rendered with the chat template, then
         / truncated), and the defaults Generate would apply set (temperature, top_p, repetition_penalty,
         / max_tokens). Generate gives the same answer for the request it returns as for the one it was given.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Derender(self, request, context):
+        """/ What Generate streamed for tokens it generated, made again without generating (vLLM's derender): the
+        / tokens run through Generate's own detokenizer (seeded with the prompt), stop strings, repetition
+        / detection and logprob texts, one token per step; a response per step of each completion, as Generate
+        / sent it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -196,6 +211,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Render,
                     request_deserializer=raypaged_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=raypaged_dot_v1_dot_generate__pb2.RenderResponse.SerializeToString,
+            ),
+            'Derender': grpc.unary_unary_rpc_method_handler(
+                    servicer.Derender,
+                    request_deserializer=raypaged_dot_v1_dot_generate__pb2.DerenderRequest.FromString,
+                    response_serializer=raypaged_dot_v1_dot_generate__pb2.DerenderResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -300,6 +320,33 @@ class TextGenerationService:
             '/raypaged.v1.TextGenerationService/Render',
             raypaged_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
             raypaged_dot_v1_dot_generate__pb2.RenderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Derender(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/raypaged.v1.TextGenerationService/Derender',
+            raypaged_dot_v1_dot_generate__pb2.DerenderRequest.SerializeToString,
+            raypaged_dot_v1_dot_generate__pb2.DerenderResponse.FromString,
             options,
             channel_credentials,
             insecure,
