@@ -50,7 +50,7 @@ from raypaged.serving.gateway.output_log import OutputLog, OutputLogging
 from raypaged.serving.gateway.reasoning import ReasoningParser
 from raypaged.serving.gateway.response_events import ResponseEvents, fed_events, sse_event
 from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape, engine_request_ids
-from raypaged.serving.gateway.scale_out import GatewayParts, add_scale_out_routes
+from raypaged.serving.gateway.scale_out import GatewayParts, add_disabled_scale_out_routes, add_scale_out_routes
 from raypaged.serving.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -213,6 +213,14 @@ def build_app(
             )
         return info.block_size if info.enable_prefix_caching else None
 
+    async def messages_chat(http: Request, body: MessagesRequest) -> tuple[ChatCompletionRequest, int | None]:
+        """The chat request a Messages request runs as, and its model's prefix-cache block size (``None``: none)."""
+        cache_block_size = await prefix_cache_block_size(body.model)
+        chat = _validated(
+            body.chat_body(reasoning_parser is not None, cache_block_size is not None), ChatCompletionRequest
+        )
+        return chat, cache_block_size
+
     def rendered(body: ChatCompletionRequest) -> tuple[ToolPlan | None, list[dict]]:
         """A chat request's tool plan, and its prompt as the chat template takes it."""
         tools = body.tool_plan(tool_parser)
@@ -239,21 +247,17 @@ def build_app(
             raise APIError(400, str(exc)) from None
         return model, stub, tools, requests
 
-    async def generate_in(
-        slot: Slot,
+    async def response_shape(
         http: Request,
         body: CompletionRequest | ChatCompletionRequest,
-        translation: _Translation | None = None,
+        model: str,
+        tools: ToolPlan | None,
         cached_tokens: bool = False,
-    ) -> Response:
-        """Answers the request (``translation``: another API's, run as this chat request); ``slot`` is released
-        when the response (or its stream) ends. ``cached_tokens``: usage gives ``prompt_tokens_details`` whatever
-        the gateway's ``prompt_tokens_details`` says (the translation reads them)."""
-        gate = slot.gate
+    ) -> ResponseShape:
+        """The OpenAI answer's shape for ``body``, answered by ``model`` with the body's ``tools``
+        (``cached_tokens``: see ``generate_in``)."""
         chat = isinstance(body, ChatCompletionRequest)
-        model, stub, tools, requests = await engine_requests(body)
-        include_reasoning = body.include_reasoning if isinstance(body, ChatCompletionRequest) else True
-        shape = ResponseShape(
+        return ResponseShape(
             chat,
             model,
             body.n,
@@ -267,11 +271,25 @@ def build_app(
             prompt_tokens_details=prompt_tokens_details or cached_tokens,
             request_id=body.request_id or header_request_id(http),
             reasoning=reasoning_parser if chat else None,
-            include_reasoning=include_reasoning,
+            include_reasoning=body.include_reasoning if isinstance(body, ChatCompletionRequest) else True,
             token_ids_as_text=body.return_tokens_as_token_ids or return_tokens_as_token_ids,
             token_ids=bool(body.return_token_ids),
             fingerprint=await fingerprints.of(model),
         )
+
+    async def generate_in(
+        slot: Slot,
+        http: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        translation: _Translation | None = None,
+        cached_tokens: bool = False,
+    ) -> Response:
+        """Answers the request (``translation``: another API's, run as this chat request); ``slot`` is released
+        when the response (or its stream) ends. ``cached_tokens``: usage gives ``prompt_tokens_details`` whatever
+        the gateway's ``prompt_tokens_details`` says (the translation reads them)."""
+        gate = slot.gate
+        model, stub, tools, requests = await engine_requests(body)
+        shape = await response_shape(http, body, model, tools, cached_tokens)
         for request, request_id in zip(requests, engine_request_ids(shape.id, len(requests))):
             request.request_id = request_id
         calls = await start(slot, http, stub, requests, drain)
@@ -508,6 +526,12 @@ def build_app(
             drain,
             parse,
             engine_requests,
+            response_shape,
+            messages_chat,
+            lambda given: _validated(given, ChatCompletionRequest),
+            tool_parser,
+            reasoning_parser,
+            response_role,
             prompt_tokens_details,
             return_tokens_as_token_ids,
             sse_keep_alive_s,
@@ -515,6 +539,8 @@ def build_app(
             output_logging,
         )
         add_scale_out_routes(app, parts)
+    else:
+        add_disabled_scale_out_routes(app)
 
     _add_body_schemas(
         app,

@@ -94,6 +94,10 @@ class EngineRoutes:
     def stub_at(self, address: str) -> EngineClient:
         return self._stub(address)
 
+    def engines(self) -> list[EngineClient]:
+        """Every engine's client, one per address."""
+        return list(self._all_stubs().values())
+
     async def model_info(self, model: str) -> pb.ModelInfo | None:
         """The engine's description of ``model`` (cached), or ``None`` while it is unreachable."""
         if model not in self._info:

@@ -40,7 +40,8 @@ GENERATION_PATHS = (
     "/v1/responses",
     "/invocations",
     MESSAGES_PATH,
-    "/inference/v1/generate",  # vLLM's scale-out endpoint (--enable-scale-out)
+    "/inference/v1/generate",  # vLLM's scale-out endpoints (--enable-scale-out)
+    "/inference/v1/abort_requests",  # a tenant's requests are found by its key
 )
 _OPEN_WHILE_DRAINING = ("/health", "/metrics")
 ANY_HOST = "*"

@@ -167,7 +167,7 @@ class ResponseShape:
         return body
 
 
-def _stop_reason(delta: AnyDelta) -> int | str | None:
+def stop_reason_of(delta: AnyDelta) -> int | str | None:
     """vLLM's ``stop_reason``: the stop token id as an int, the stop string as a string."""
     return delta.stop_token_id if delta.HasField("stop_token_id") else delta.stop_reason or None
 
@@ -269,7 +269,7 @@ class Accumulator:
             choice.top_logprobs.extend(delta.top_logprobs)
             if delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 choice.finish_reason = FINISH_REASONS[delta.finish_reason]
-                choice.stop_reason = _stop_reason(delta)
+                choice.stop_reason = stop_reason_of(delta)
 
     def body(self) -> dict:
         choices = []
@@ -376,7 +376,7 @@ class ChunkWriter:
                 choice["prompt_logprobs"] = echo.vllm_logprobs()
             choice["finish_reason"] = finish_reason
             if finish_reason is not None:
-                choice["stop_reason"] = _stop_reason(delta)
+                choice["stop_reason"] = stop_reason_of(delta)
             first = self.shape.token_ids and index not in self._ids_sent
             if self.shape.token_ids:
                 self._ids_sent.add(index)

@@ -1,60 +1,71 @@
-"""vLLM's scale-out endpoints (``--enable-scale-out``): render, then tokens in, tokens out.
+"""vLLM's scale-out endpoints (``--enable-scale-out``): render, generate tokens in and tokens out, derender, abort.
 
-``POST /v1/completions/render`` and ``POST /v1/chat/completions/render`` take the bodies of ``/v1/completions`` and
-``/v1/chat/completions``, run what those run before generating (the same checks and chat template, then the engine's
-``Render``: its input processor, as ``Generate``'s), and answer vLLM's ``GenerateRequest`` (completions: one per
-prompt, in a list). ``POST /inference/v1/generate`` runs a ``GenerateRequest`` and answers vLLM's
-``GenerateResponse``, or its stream. A rendered request generates exactly what its body does on the OpenAI route.
+``POST /v1/completions/render``, ``/v1/chat/completions/render``, ``/v1/messages/render`` and
+``/v1/responses/render`` take the bodies of ``/v1/completions``, ``/v1/chat/completions``, ``/v1/messages`` and
+``/v1/responses`` (the last two as the chat request those routes run them as), run what those run before
+generating (the same checks and chat template, then the engine's ``Render``: its input processor, as
+``Generate``'s) and answer vLLM's ``GenerateRequest`` (completions: one per prompt, in a list).
+``POST /inference/v1/generate`` runs a ``GenerateRequest`` and answers vLLM's ``GenerateResponse``, or its
+stream; ``POST /inference/v1/abort_requests`` aborts the requests it started, by their ids. The derender
+endpoints (``scale_out_derender.py``) turn its tokens back into the OpenAI routes' answers. A rendered request
+generates exactly what its body does on the OpenAI route, and derendered, answers what that route does.
+
+Without the flag every one of these paths answers 403, as vLLM's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
-from raypaged.serving.client import EngineClient, StreamCall
-from raypaged.serving.gateway.calls import (
-    Slot,
-    cancel,
-    header_request_id,
-    merged_responses,
-    metadata,
-    start,
-    unless_disconnected,
-)
+from raypaged.serving.client import EngineClient
+from raypaged.serving.gateway.anthropic import MessagesRequest
+from raypaged.serving.gateway.calls import Slot, cancel, header_request_id, metadata, start, unless_disconnected
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.engines import EngineRoutes
-from raypaged.serving.gateway.errors import APIError, from_grpc
+from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.gateway.openai_responses import Responder, ResponsesRequest
 from raypaged.serving.gateway.output_log import OutputLog, OutputLogging
-from raypaged.serving.gateway.responses import (
-    FINISH_REASONS,
-    PromptParts,
-    engine_request_ids,
-    finite_logprob,
-    response_id,
-)
-from raypaged.serving.gateway.scale_out_request import GenerateBody, generate_request_json
+from raypaged.serving.gateway.reasoning import ReasoningParser
+from raypaged.serving.gateway.responses import ResponseShape, engine_request_ids, response_id
+from raypaged.serving.gateway.scale_out_answer import GenerateAnswer, collect, events
+from raypaged.serving.gateway.scale_out_derender import add_derender_routes
+from raypaged.serving.gateway.scale_out_request import GenerateBody, generate_request_json, parse_context_json
 from raypaged.serving.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from raypaged.serving.gateway.sse import EventStream, sse_data
+from raypaged.serving.gateway.sse import EventStream
+from raypaged.serving.gateway.tool_parsers import ToolParser
 from raypaged.serving.gateway.tools import ToolPlan
-from raypaged.serving.messages import AnyDelta, AnyResponse, AnyUsage, Usage
 from raypaged.serving.proto import generate_pb2 as pb
 
 logger = logging.getLogger("raypaged")
 
 GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+SCALE_OUT_PATHS = (
+    "/v1/completions/render",
+    "/v1/chat/completions/render",
+    "/v1/messages/render",
+    "/v1/responses/render",
+    "/v1/completions/derender",
+    "/v1/chat/completions/derender",
+    GENERATE_PATH,
+    ABORT_PATH,
+)
+DISABLED_MESSAGE = (
+    "Scale-out endpoints are disabled. Restart raypaged serve (or raypaged gateway) with --enable-scale-out to "
+    "enable them."
+)
 Body = TypeVar("Body", bound=BaseModel)
+_aborting: set[asyncio.Task[None]] = set()  # aborts under way (a task is only weakly held by the loop)
+_LOGGED_IDS = 8  # an abort's log line names at most this many of its ids
 
 
 class Parse(Protocol):
@@ -67,17 +78,25 @@ EngineRequests = Callable[
     [CompletionRequest | ChatCompletionRequest],
     Awaitable[tuple[str, EngineClient, ToolPlan | None, list[pb.GenerateRequest]]],
 ]
+ShapeOf = Callable[[Request, CompletionRequest | ChatCompletionRequest, str, ToolPlan | None], Awaitable[ResponseShape]]
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayParts:
     """What the scale-out routes use of the gateway's (``app.build_app``): its engines, drain, body parser, the
-    OpenAI routes' engine requests of a body, and the flags that shape answers."""
+    OpenAI routes' engine requests and answer shape of a body, the chat request a Messages request runs as and
+    a chat request of a dict (checked as the Responses route checks its own), and the flags that shape answers."""
 
     routes: EngineRoutes
     drain: Drain
     parse: Parse
     engine_requests: EngineRequests
+    response_shape: ShapeOf
+    messages_chat: Callable[[Request, MessagesRequest], Awaitable[tuple[ChatCompletionRequest, int | None]]]
+    chat_request: Callable[[dict], ChatCompletionRequest]
+    tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None
+    response_role: str = "assistant"
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
     tokens_as_ids: bool = False  # output_mode text: logprobs name tokens "token_id:{id}"
     sse_keep_alive_s: float = 0.0
@@ -85,8 +104,30 @@ class GatewayParts:
     output_logging: OutputLogging | None = None
 
 
+class AbortRequestsBody(BaseModel):
+    """vLLM's ``AbortRequestsRequest``: the ids ``/inference/v1/generate`` answered with (``generate-tokens-...``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_ids: str | list[str]
+
+
+def add_disabled_scale_out_routes(app: FastAPI) -> None:
+    """Every scale-out path answers 403 with vLLM's message (in this server's words)."""
+
+    async def disabled() -> JSONResponse:
+        error = {"message": DISABLED_MESSAGE, "type": "PermissionDeniedError", "param": None, "code": 403}
+        return JSONResponse({"error": error}, status_code=403)
+
+    for path in SCALE_OUT_PATHS:
+        app.add_api_route(path, disabled, methods=["POST"], include_in_schema=False)
+
+
 def add_scale_out_routes(app: FastAPI, parts: GatewayParts) -> None:
-    async def render(http: Request, body: CompletionRequest | ChatCompletionRequest) -> list[dict]:
+    async def rendered(
+        http: Request, body: CompletionRequest | ChatCompletionRequest, request_id: str | None = None
+    ) -> list[pb.GenerateRequest]:
+        """The body's engine requests, engine-ready (``request_id``: their id, else the OpenAI route's)."""
         for name, asked in (("echo", body.echo), ("use_beam_search", body.use_beam_search)):
             if asked:
                 raise APIError(
@@ -94,21 +135,44 @@ def add_scale_out_routes(app: FastAPI, parts: GatewayParts) -> None:
                 )
         _, stub, _, requests = await parts.engine_requests(body)
         chat = isinstance(body, ChatCompletionRequest)
-        ids = engine_request_ids(response_id(chat, body.request_id or header_request_id(http)), len(requests))
-        for request, request_id in zip(requests, ids):
-            request.request_id = request_id
+        base = request_id or response_id(chat, body.request_id or header_request_id(http))
+        for request, engine_request_id in zip(requests, engine_request_ids(base, len(requests))):
+            request.request_id = engine_request_id
         engine_metadata = metadata(http)
-        rendered = await asyncio.gather(*(stub.Render(r, metadata=engine_metadata) for r in requests))
-        return [generate_request_json(r.request, body.stream, body.stream_options) for r in rendered]
+        answers = await asyncio.gather(*(stub.Render(r, metadata=engine_metadata) for r in requests))
+        return [answer.request for answer in answers]
+
+    async def render_chat(http: Request, body: ChatCompletionRequest) -> dict:
+        [request] = await rendered(http, body)
+        return generate_request_json(request, body.stream, body.stream_options, parse_context_json(body))
 
     @app.post("/v1/completions/render")
     async def render_completion(http: Request) -> list[dict]:
-        return await render(http, await parts.parse(http, CompletionRequest))
+        body = await parts.parse(http, CompletionRequest)
+        return [generate_request_json(r, body.stream, body.stream_options) for r in await rendered(http, body)]
 
     @app.post("/v1/chat/completions/render")
     async def render_chat_completion(http: Request) -> dict:
-        [rendered] = await render(http, await parts.parse(http, ChatCompletionRequest))
-        return rendered
+        return await render_chat(http, await parts.parse(http, ChatCompletionRequest))
+
+    @app.post("/v1/messages/render")
+    async def render_messages(http: Request) -> dict:
+        chat, _ = await parts.messages_chat(http, await parts.parse(http, MessagesRequest))
+        return await render_chat(http, chat)
+
+    @app.post("/v1/responses/render")
+    async def render_responses(http: Request) -> dict:
+        """A Responses request's chat request, rendered under the response's id (vLLM's: no parse context)."""
+        body = await parts.parse(http, ResponsesRequest)
+        if body.previous_response_id is not None:
+            raise APIError(
+                400,
+                "previous_response_id is not supported by the stateless render endpoint.",
+                "previous_response_id",
+            )
+        responder = Responder(body, [])
+        [request] = await rendered(http, parts.chat_request(responder.chat_body()), responder.id)
+        return generate_request_json(request, body.stream, None)
 
     @app.post(GENERATE_PATH)
     async def generate(http: Request) -> Response:
@@ -125,19 +189,22 @@ def add_scale_out_routes(app: FastAPI, parts: GatewayParts) -> None:
                 request = body.engine_request(model, request_id)
             except (ValueError, TypeError) as exc:  # a value the wire format cannot hold
                 raise APIError(400, str(exc)) from None
+            chat = _derender_shape(body, model, request, parts) if body.output_mode == "derender" else None
             calls = await start(slot, http, stub, [request], parts.drain)
         except BaseException:
             slot.release()
             raise
+        stream_options = body.stream_options if body.stream else None
         answer = GenerateAnswer(
             request_id,
             model,
             request,
-            body.output_mode == "text",
+            body.output_mode,
             parts.tokens_as_ids,
             parts.prompt_tokens_details,
-            bool(body.stream and body.stream_options and body.stream_options.include_usage),
-            bool(body.stream and body.stream_options and body.stream_options.continuous_usage_stats),
+            bool(stream_options and stream_options.include_usage),
+            bool(stream_options and stream_options.continuous_usage_stats),
+            chat,
         )
         n = request.sampling.n or 1
         if parts.log_requests:
@@ -159,206 +226,69 @@ def add_scale_out_routes(app: FastAPI, parts: GatewayParts) -> None:
                 cancel(calls)
                 slot.release()
 
-            return EventStream(_events(calls, answer, slot, parts.drain, log), cleanup, None, parts.sse_keep_alive_s)
+            return EventStream(events(calls, answer, slot, parts.drain, log), cleanup, None, parts.sse_keep_alive_s)
         try:
-            whole = await unless_disconnected(http, _collect(calls, answer, parts.drain, log))
+            whole = await unless_disconnected(http, collect(calls, answer, parts.drain, log))
         finally:
             cancel(calls)
             slot.release()
         return JSONResponse(whole)
 
+    @app.post(ABORT_PATH)
+    async def abort_requests(http: Request) -> Response:
+        """Aborts, in the background, the requests ``/inference/v1/generate`` started under these ids (each
+        engine finds a tenant's own only); answers 200 at once, with no body."""
+        body = await parts.parse(http, AbortRequestsBody)
+        ids = [body.request_ids] if isinstance(body.request_ids, str) else body.request_ids
+        task = asyncio.create_task(_abort(parts.routes.engines(), ids, metadata(http)))
+        _aborting.add(task)
+        task.add_done_callback(_aborting.discard)
+        return Response(status_code=200)
 
-@dataclass
-class _Choice:
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[dict] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-class GenerateAnswer:
-    """vLLM's ``GenerateResponse`` for one engine request (``add`` each response, then ``body()``), or its
-    stream's chunks (``chunks`` of each response, then ``usage_chunk()``).
-
-    Logprobs are vLLM's: per generated token its id (``output_mode`` text: its string and UTF-8 bytes), logprob
-    and rank, and ``top_logprobs`` with the sampled token first, then the most likely others, as many in all as
-    the request's ``logprobs`` (at least one). A rank is the token's place among the most likely ones the engine
-    returned (1: the most likely); null when it is not among them, or when ``logprob_token_ids`` chose them.
-    """
-
-    def __init__(
-        self,
-        request_id: str,
-        model: str,
-        request: pb.GenerateRequest,
-        text_mode: bool,
-        tokens_as_ids: bool,
-        prompt_tokens_details: bool,
-        include_usage: bool,
-        continuous_usage: bool,
-    ) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.text_mode = text_mode
-        self.tokens_as_ids = tokens_as_ids and text_mode
-        self.prompt_tokens_details = prompt_tokens_details
-        self.include_usage = include_usage
-        self.continuous_usage = include_usage and continuous_usage
-        self.wants_logprobs = request.HasField("logprobs")
-        self.ranked = not request.sampling.logprob_token_ids
-        self.return_token_ids = request.return_token_ids
-        self.choices = [_Choice() for _ in range(request.sampling.n or 1)]
-        self.prompt = PromptParts()
-        self.usage: AnyUsage = Usage()
-        self.created = int(time.time())
-
-    def add(self, response: AnyResponse) -> None:
-        self.usage = response.usage
-        self.prompt.take(response)
-        for delta in response.outputs:
-            self._take(delta)
-
-    def body(self) -> dict:
-        return {
-            "request_id": self.request_id,
-            "model": self.model,
-            "created": self.created,
-            "usage": self._usage(),
-            "prompt_logprobs": self.prompt.vllm_logprobs(),
-            "prompt_token_id_logprobs": None,
-            "prompt_token_ids": self.prompt.token_ids if self.return_token_ids else None,
-            "mm_placeholders": None,
-            "metrics": None,
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "output_mode": self._mode,
-            "choices": [
-                self._choice(index, c.token_ids, c.text, c.logprobs, c.finish_reason or "stop")
-                for index, c in enumerate(self.choices)
-            ],
-        }
-
-    def chunks(self, response: AnyResponse) -> list[dict]:
-        self.usage = response.usage
-        prompt_token_ids = list(response.prompt_token_ids) if self.return_token_ids else []  # sent once
-        out = []
-        for delta in response.outputs:
-            logprobs = self._take(delta)
-            finish_reason = self.choices[delta.index].finish_reason
-            if not (delta.token_ids or finish_reason is not None or (self.text_mode and delta.text)):
-                continue
-            choice = self._choice(delta.index, list(delta.token_ids), delta.text, logprobs, finish_reason)
-            chunk: dict = {"request_id": self.request_id, "usage": None}
-            if self.continuous_usage:
-                chunk["usage"] = self._usage(len(self.choices[delta.index].token_ids))
-            if prompt_token_ids:
-                chunk["prompt_token_ids"], prompt_token_ids = prompt_token_ids, []
-            chunk |= {"output_mode": self._mode, "choices": [choice]}
-            out.append(chunk)
-        return out
-
-    def usage_chunk(self) -> dict | None:
-        if not self.include_usage:
-            return None
-        usage = {k: v for k, v in self._usage().items() if v is not None}
-        return {"request_id": self.request_id, "usage": usage, "output_mode": self._mode, "choices": []}
-
-    @property
-    def _mode(self) -> str:
-        return "text" if self.text_mode else "tokens"
-
-    def _take(self, delta: AnyDelta) -> list[dict]:
-        """Adds ``delta`` to its choice; its logprob entries."""
-        choice = self.choices[delta.index]
-        logprobs = self._logprobs(delta)
-        choice.token_ids.extend(delta.token_ids)
-        choice.text += delta.text
-        choice.logprobs.extend(logprobs)
-        reason = FINISH_REASONS[delta.finish_reason]
-        if reason is not None:
-            choice.finish_reason = reason.value
-        return logprobs
-
-    def _choice(
-        self, index: int, token_ids: list[int], text: str, logprobs: list[dict], finish_reason: str | None
-    ) -> dict:
-        choice: dict = {
-            "index": index,
-            "finish_reason": finish_reason,
-            "token_ids": token_ids,
-            "routed_experts": None,
-            "sampling_mask": None,
-            "weight_versions": None,
-        }
-        if self.text_mode:
-            choice["text"] = text
-        choice["logprobs"] = {"content": logprobs} if self.wants_logprobs else None
-        return choice
-
-    def _usage(self, completion_tokens: int | None = None) -> dict:
-        """The request's token counts (``completion_tokens``: one choice's so far, in a continuous-usage chunk)."""
-        usage = self.usage
-        generated = usage.completion_tokens if completion_tokens is None else completion_tokens
-        return {
-            "prompt_tokens": usage.prompt_tokens,
-            "total_tokens": usage.prompt_tokens + generated,
-            "completion_tokens": generated,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens} if self.prompt_tokens_details else None,
-        }
-
-    def _logprobs(self, delta: AnyDelta) -> list[dict]:
-        out = []
-        for token_id, text, logprob, top in zip(delta.token_ids, delta.token_texts, delta.logprobs, delta.top_logprobs):
-            ranks = {t: rank for rank, t in enumerate(top.token_ids, start=1)} if self.ranked else {}
-            sampled = self._entry(token_id, text, logprob, ranks.get(token_id))
-            others = [
-                self._entry(t, t_text, lp, ranks.get(t))
-                for t, t_text, lp in zip(top.token_ids, top.token_texts, top.logprobs)
-                if t != token_id
-            ]
-            out.append(sampled | {"top_logprobs": [sampled, *others][: max(len(top.token_ids), 1)]})
-        return out
-
-    def _entry(self, token_id: int, text: str, logprob: float, rank: int | None) -> dict:
-        if not self.text_mode:
-            return {"token_id": token_id, "logprob": finite_logprob(logprob), "rank": rank}
-        if self.tokens_as_ids:
-            return {"token": f"token_id:{token_id}", "logprob": finite_logprob(logprob), "bytes": None}
-        return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode())}
+    add_derender_routes(app, parts)
 
 
-async def _collect(calls: list[StreamCall], answer: GenerateAnswer, drain: Drain, log: OutputLog | None) -> dict:
-    async with contextlib.aclosing(merged_responses(calls, drain)) as responses:
-        async for _, response in responses:
-            answer.add(response)
-            if log is not None:
-                log.feed(0, response)
-    if log is not None:
-        log.finish()
-    return answer.body()
+def _derender_shape(body: GenerateBody, model: str, request: pb.GenerateRequest, parts: GatewayParts) -> ResponseShape:
+    """Output mode ``derender``: the chat answer's shape, as the chat route makes it of the rendered chat request
+    (its ``parse_context``; without one, on a server with no parser, a plain message)."""
+    context = body.parse_context
+    if context is None:
+        if parts.tool_parser is not None or parts.reasoning_parser is not None:
+            raise APIError(
+                400,
+                "output_mode derender needs parse_context on this server, which parses answers "
+                "(--tool-call-parser or --reasoning-parser); send the one /v1/chat/completions/render wrote",
+                "parse_context",
+            )
+        tools = None
+        include_reasoning, as_ids = True, False
+    else:
+        tools = context.tool_plan(parts.tool_parser)
+        include_reasoning, as_ids = context.include_reasoning, bool(context.return_tokens_as_token_ids)
+    return ResponseShape(
+        True,
+        model,
+        request.sampling.n or 1,
+        request.HasField("logprobs"),
+        tools=tools,
+        role=parts.response_role,
+        reasoning=parts.reasoning_parser,
+        include_reasoning=include_reasoning,
+        token_ids_as_text=as_ids or parts.tokens_as_ids,
+        token_ids=True,  # each stream chunk's
+    )
 
 
-async def _events(
-    calls: list[StreamCall], answer: GenerateAnswer, slot: Slot, drain: Drain, log: OutputLog | None
-) -> AsyncGenerator[str, None]:
-    """The stream's server-sent events: a chunk per choice that changed, the usage chunk when asked, an error's
-    body if one ends it, then ``data: [DONE]``; leaving it early aborts the request."""
-    try:
-        async with contextlib.aclosing(merged_responses(calls, drain)) as responses:
-            async for _, response in responses:
-                if log is not None:
-                    log.feed(0, response)
-                for chunk in answer.chunks(response):
-                    yield sse_data(chunk)
-        if log is not None:
-            log.finish()
-        if (usage_chunk := answer.usage_chunk()) is not None:
-            yield sse_data(usage_chunk)
-    except grpc.aio.AioRpcError as exc:
-        yield sse_data(from_grpc(exc).body())
-    except APIError as exc:
-        yield sse_data(exc.body())
-    finally:
-        cancel(calls)
-        slot.release()
-    yield sse_data("[DONE]")
+async def _abort(engines: list[EngineClient], request_ids: list[str], engine_metadata: tuple | None) -> None:
+    """Every engine aborts the caller's requests of these ids; one log line says how many were running."""
+    request = pb.AbortRequest(request_ids=request_ids)
+    answers = await asyncio.gather(
+        *(engine.Abort(request, metadata=engine_metadata) for engine in engines), return_exceptions=True
+    )
+    shown = ",".join(request_ids[:_LOGGED_IDS]) + (
+        f" (+{len(request_ids) - _LOGGED_IDS})" if len(request_ids) > _LOGGED_IDS else ""
+    )
+    for failed in (a for a in answers if isinstance(a, BaseException)):
+        logger.warning("abort of %s failed on an engine: %s", shown, failed)
+    num_aborted = sum(a.num_aborted for a in answers if not isinstance(a, BaseException))
+    logger.info("abort of %s: %d running or queued, aborted", shown, num_aborted)

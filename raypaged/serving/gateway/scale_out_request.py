@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.schemas import (
+    ChatCompletionRequest,
     Int32,
     Int64,
     LogprobCount,
@@ -27,6 +28,8 @@ from raypaged.serving.gateway.schemas import (
     _check_extra_fields,
 )
 from raypaged.serving.gateway.structured import StructuredOutputsBody
+from raypaged.serving.gateway.tool_parsers import ToolParser
+from raypaged.serving.gateway.tools import Tool, ToolChoice, ToolPlan
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.protocol import ALL_LOGPROBS
 
@@ -74,6 +77,7 @@ _DEFAULT_ONLY: dict[str, tuple[object, ...]] = {
     "routed_experts_prompt_start": (0,),
     "trace_decode_token_ids": (),
     "output_text_buffer_length": (0,),
+    "watermarking": (False,),  # no watermark: as the OpenAI routes, a request that asks for one is refused
 }
 
 # vLLM's GenerateRequest fields this server cannot honour: taken only when they ask for nothing
@@ -215,10 +219,47 @@ def _structured_json(structured: pb.StructuredOutput) -> dict[str, Any]:
     return out
 
 
+class ParseContextBody(BaseModel):
+    """vLLM's ``parse_context``: what output mode ``derender`` parses a chat answer with, as render writes it
+    of a chat request. ``chat_template_kwargs`` and ``history_tool_call_cnt`` are taken at any value: this
+    server parses an answer alike whatever they say (its template reads the kwargs; its tool call ids are
+    random, not numbered after the conversation's). Fields it does not know are refused where they would be
+    read (output mode ``derender``), as vLLM does."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = "none"
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
+    return_tokens_as_token_ids: bool | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    history_tool_call_cnt: int = Field(0, ge=0)
+
+    def tool_plan(self, parser: ToolParser | None) -> ToolPlan | None:
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls is not False, parser)
+
+
+def parse_context_json(body: ChatCompletionRequest) -> dict[str, Any]:
+    """vLLM's ``parse_context`` of a chat request (a tool choice left out is ``auto`` with tools, else ``none``)."""
+    choice: Any = body.tool_choice if body.tool_choice is not None else "auto" if body.tools else "none"
+    context: dict[str, Any] = {
+        "tools": [tool.model_dump() for tool in body.tools] if body.tools is not None else None,
+        "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "include_reasoning": body.include_reasoning,
+    }
+    if "return_tokens_as_token_ids" in body.model_fields_set:
+        context["return_tokens_as_token_ids"] = body.return_tokens_as_token_ids
+    num_calls = sum(len(m.tool_calls or ()) for m in body.messages if m.role == "assistant")
+    return context | {"chat_template_kwargs": body.template_variables(), "history_tool_call_cnt": num_calls}
+
+
 class GenerateBody(BaseModel):
     """vLLM's ``GenerateRequest``: token ids in, token ids out. ``request_id`` (default: a random one; an
     ``X-Request-Id`` header takes its place, as vLLM) becomes ``generate-tokens-{request_id}``;
-    ``output_mode`` ``text`` adds each choice's text and decoded logprobs."""
+    ``output_mode`` ``text`` adds each choice's text and decoded logprobs, ``derender`` each choice's chat
+    message (parsed as the chat route parses it, with ``parse_context``, which only that mode reads)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -228,7 +269,8 @@ class GenerateBody(BaseModel):
     model: str | None = None
     reasoning_ended: bool | None = None  # true: a structured output applies from the first token
     return_token_ids: bool | None = None  # the answer carries the prompt's token ids
-    output_mode: Literal["tokens", "text"] = "tokens"
+    output_mode: Literal["tokens", "text", "derender"] = "tokens"
+    parse_context: ParseContextBody | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
@@ -237,6 +279,16 @@ class GenerateBody(BaseModel):
     @model_validator(mode="after")
     def _extra_fields(self) -> GenerateBody:
         _check_extra_fields(self.model_extra, _UNSUPPORTED)
+        unknown = sorted(self.parse_context.model_extra or ()) if self.parse_context is not None else []
+        if unknown and self.output_mode == "derender":
+            raise APIError(
+                400,
+                f"parse_context.{unknown[0]} is not supported by this server (the render server is newer); send "
+                "the request without it",
+                f"parse_context.{unknown[0]}",
+            )
+        if self.parse_context is not None:  # read in no other mode: its unknown fields are logged, as vLLM does
+            _check_extra_fields(self.parse_context.model_extra, {})
         return self
 
     def engine_request(self, model: str, request_id: str) -> pb.GenerateRequest:
@@ -254,9 +306,14 @@ class GenerateBody(BaseModel):
         return request
 
 
-def generate_request_json(request: pb.GenerateRequest, stream: bool, stream_options: StreamOptions | None) -> dict:
+def generate_request_json(
+    request: pb.GenerateRequest,
+    stream: bool,
+    stream_options: StreamOptions | None,
+    parse_context: dict[str, Any] | None = None,
+) -> dict:
     """An engine-ready ``request`` (``Render``'s: its prompt is token ids) as vLLM's ``GenerateRequest``, every
-    field of vLLM's present (null where this server has nothing to say)."""
+    field of vLLM's present (null where this server has nothing to say); ``parse_context``: a chat request's."""
     return {
         "request_id": request.request_id,
         "token_ids": list(request.token_ids.ids),
@@ -269,6 +326,7 @@ def generate_request_json(request: pb.GenerateRequest, stream: bool, stream_opti
         "reasoning_parser_kwargs": None,
         "return_token_ids": request.return_token_ids or None,
         "output_mode": "tokens",
+        "parse_context": parse_context,
         "stream": stream,
         "stream_options": stream_options.model_dump() if stream and stream_options is not None else None,
         "cache_salt": request.cache_salt or None,
