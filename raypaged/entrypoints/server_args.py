@@ -197,8 +197,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--enable-scale-out",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="serve vLLM's scale-out endpoints: POST /v1/completions/render and /v1/chat/completions/render "
-        "(the engine-ready request of a body) and POST /inference/v1/generate (tokens in, tokens out)",
+        help="serve vLLM's scale-out endpoints (without it they answer 403): POST /v1/completions/render, "
+        "/v1/chat/completions/render, /v1/messages/render and /v1/responses/render (the engine-ready request of "
+        "a body), /inference/v1/generate (tokens in, tokens out) and /inference/v1/abort_requests, and "
+        "/v1/completions/derender and /v1/chat/completions/derender (the OpenAI answer of generated tokens)",
     )
     parser.add_argument(
         "--fingerprint-mode",
