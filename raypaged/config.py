@@ -247,7 +247,10 @@ class EngineConfig:
         action=argparse.BooleanOptionalAction,
     )
     gpu_memory_utilization: float = _flag(
-        0.9, "fraction of GPU memory for weights, activations and KV cache", type=float
+        0.9,
+        "fraction of GPU memory for weights, activations and KV cache",
+        aliases=("--device-memory-utilization",),
+        type=float,
     )
     enforce_eager: bool = _flag(
         False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs", action="store_true"
@@ -389,6 +392,32 @@ class EngineConfig:
         metavar="JSON",
         parse=_speculative_flag,
     )
+    # vLLM's cap on the running batch below --max-num-seqs (which still sizes the CUDA graphs and buffers)
+    max_num_active_seqs: int | None = _flag(
+        None, "most sequences in the running batch, at most --max-num-seqs (default: --max-num-seqs)", type=int
+    )
+    # admission limits of a server's engine (vLLM's): a request over one is refused with 503, to be sent elsewhere
+    max_num_queued_reqs: int | None = _flag(
+        None,
+        "serve: a request is refused with 503 when its sequences (n) and the engine's unfinished ones would be "
+        "more than this (default: no limit)",
+        type=int,
+    )
+    max_num_queued_tokens: int | None = _flag(
+        None,
+        "serve: a request is refused with 503 while the engine's requests not yet past their prefill hold this "
+        "many prompt tokens (default: no limit; 8k, 8K as --max-model-len)",
+        type=human_int,
+    )
+    # Prometheus bucket bounds by vLLM's family name (serving/buckets.py), over the defaults
+    custom_histogram_buckets: dict[str, list[float]] | None = _flag(
+        None,
+        "JSON object of histogram bucket bounds by family, e.g. '{\"time_to_first_token\": [0.1, 0.5, 1]}' "
+        "(request_latency, time_to_first_token, inter_token_latency, iteration_tokens, request_params_n, "
+        "request_tokens)",
+        metavar="JSON",
+        parse=json_flag_value,
+    )
     served_model_aliases: tuple[str, ...] = field(init=False, default=())
     fit_max_model_len: bool = field(init=False, default=False)  # max_model_len auto: lowered to the KV cache's
     chat_template_text: str | None = field(init=False, default=None)  # --chat-template's text
@@ -466,6 +495,7 @@ class EngineConfig:
             )
         self._check_generation_config_args()
         self._check_async_scheduling()
+        self._check_admission_limits()
         _ = self.lora_config  # the LoRA flags are checked now
         from transformers import AutoConfig  # importing this module loads neither transformers nor torch
 
@@ -685,6 +715,20 @@ class EngineConfig:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         return self.max_model_len
+
+    def _check_admission_limits(self) -> None:
+        """The batch cap and the admission limits (vLLM's), and the histogram buckets."""
+        from raypaged.serving.buckets import check_custom_buckets
+
+        active = self.max_num_active_seqs
+        if active is not None and not 1 <= active <= self.max_num_seqs:
+            raise ValueError(
+                f"--max-num-active-seqs must be from 1 to --max-num-seqs {self.max_num_seqs}, got {active}"
+            )
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            if (limit := getattr(self, name)) is not None and limit < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {limit}")
+        check_custom_buckets(self.custom_histogram_buckets)
 
     def _check_async_scheduling(self) -> None:
         if not self.async_scheduling:

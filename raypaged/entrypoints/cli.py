@@ -8,12 +8,14 @@ import dataclasses
 import functools
 import inspect
 import logging
+import logging.config
 import sys
 from typing import Any
 
 from raypaged import envs
 from raypaged.config import CliFlag, EngineConfig, cli_flag, json_flag_value
 from raypaged.entrypoints.config_file import CONFIG_FLAG, ArgumentParser
+from raypaged.entrypoints.logging_setup import add_logging_args, logging_setup
 from raypaged.entrypoints.run_batch import add_batch_args
 from raypaged.entrypoints.server_args import (
     add_api_key_arg,
@@ -23,6 +25,7 @@ from raypaged.entrypoints.server_args import (
     gateway_options,
     options_check,
 )
+from raypaged.entrypoints.switch import Switch
 from raypaged.entrypoints.vllm_compat import add_vllm_args, check_vllm_args
 from raypaged.entrypoints.vllm_compat import flag as vllm_flag
 from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
@@ -84,8 +87,7 @@ def add_engine_args(parser: argparse.ArgumentParser, many_models: bool = False) 
         parser.add_argument(name, type=kind, default=None, help=f"speculative decoding's {key} (--speculative-config)")
     add_limit_args(parser)
     add_vllm_args(parser)
-    # not a field: the process's logging, set before any engine starts
-    parser.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
+    add_logging_args(parser)  # not fields: the process's logging, set before any engine starts
 
 
 def config_flag_fields() -> list[tuple[dataclasses.Field, CliFlag]]:
@@ -100,13 +102,15 @@ def flag_default(f: dataclasses.Field, meta: CliFlag) -> object:
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """One flag per ``EngineConfig`` field with ``CliFlag`` metadata: ``--field-name`` and its aliases,
-    with the metadata's type, action, choices, metavar and help."""
+    with the metadata's type, action, choices, metavar and help; a switch (``store_true``,
+    ``BooleanOptionalAction``) is a ``Switch``, turned off as vLLM 0.34 turns it off."""
     for f, meta in config_flag_fields():
+        switch = meta.action in ("store_true", argparse.BooleanOptionalAction)
         options: dict[str, Any] = {  # add_argument's keywords
             "type": meta.type,
             "nargs": meta.nargs,
             "const": meta.const,
-            "action": meta.action,
+            "action": Switch if switch else meta.action,
             "metavar": meta.metavar,
             "help": meta.help,
             "choices": None if meta.choices is None else list(meta.choices),
@@ -453,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a served model name and the engine serving it (repeatable)",
     )
     add_gateway_args(gateway)
-    gateway.add_argument("--log-level", default=envs.log_level(), choices=["debug", "info", "warning", "error"])
+    add_logging_args(gateway)
     add_config_arg(gateway)
     gateway.set_defaults(func=cmd_gateway)
     return parser
@@ -461,8 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
     try:
+        setup = logging_setup(args)
+        configure_logging(setup.level)
+        if setup.dict_config is not None:  # the gateway's uvicorn and the engine process apply it too
+            logging.config.dictConfig(setup.dict_config)
         return args.func(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

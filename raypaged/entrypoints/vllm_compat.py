@@ -7,6 +7,7 @@ import argparse
 import difflib
 from collections.abc import Iterable, Sequence
 
+from raypaged.entrypoints.switch import Switch, negative_forms
 from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY, SERVER_ANY_VALUE, SERVER_DEFAULT_ONLY, Option
 
 
@@ -21,8 +22,8 @@ def check_default_only(values: dict[str, object], as_flags: bool, options: Seque
         if value in allowed:
             continue
         why = explain(why, as_flags)
-        if isinstance(value, bool) and as_flags:  # a switch: --name, or --no-name
-            shown = flag(name) if value else f"--no-{flag(name)[2:]}"
+        if isinstance(value, bool) and as_flags:  # a switch: --name, or its negative form (--disable-x, --no-x)
+            shown = flag(name) if value else negative_forms(flag(name))[0]
         elif isinstance(value, list) and as_flags:
             shown = " ".join([flag(name), *map(str, value)])
         else:
@@ -37,11 +38,9 @@ def add_vllm_args(parser: argparse.ArgumentParser, server: bool = False) -> None
     for name, shorts, kind, allowed, why in SERVER_DEFAULT_ONLY if server else DEFAULT_ONLY:
         names = (flag(name), *shorts)
         taken = explain(why, as_flags=True)
-        if kind is bool:  # a switch, --name / --no-name
+        if kind is bool:  # a switch, --name / --disable-x or --no-name
             state = "on" if True in allowed else "off"
-            parser.add_argument(
-                *names, action=argparse.BooleanOptionalAction, default=allowed[0], help=f"taken {state} only: {taken}"
-            )
+            parser.add_argument(*names, action=Switch, default=allowed[0], help=f"taken {state} only: {taken}")
             continue
         shown = next((value for value in allowed if value is not None), None)
         taken = f"taken at {shown} only: {taken}" if shown is not None else f"not taken: {taken}"
@@ -50,7 +49,7 @@ def add_vllm_args(parser: argparse.ArgumentParser, server: bool = False) -> None
     for name, (kind, why) in (SERVER_ANY_VALUE if server else ANY_VALUE).items():
         accepted = f"accepted for vLLM command lines: {explain(why, as_flags=True)}"
         if kind is bool:
-            parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=None, help=accepted)
+            parser.add_argument(flag(name), action=Switch, default=None, help=accepted)
         else:
             parser.add_argument(flag(name), type=kind, default=None, help=accepted)
 

@@ -125,7 +125,7 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         ),
         (
             ["--no-enable-chunked-prefill"],
-            "--no-enable-chunked-prefill is not supported: long prefills are always "
+            "--disable-chunked-prefill is not supported: long prefills are always "
             "chunked within --max-num-batched-tokens",
         ),
     ],

@@ -15,6 +15,7 @@ from raypaged import LLM
 from raypaged.config import EngineConfig, cli_flag
 from raypaged.entrypoints.cli import build_parser, engine_configs, engine_kwargs
 from raypaged.entrypoints.llm import engine_keywords
+from raypaged.entrypoints.switch import negative_forms
 from raypaged.inputs.limits import InputLimits
 from raypaged.spec_decode.config import SpeculativeConfig
 
@@ -63,13 +64,23 @@ def test_field_flags_carry_the_fields_metadata():
             assert f.name in {"model", "served_model_name", "limits"}, f.name
             continue
         action = actions[f.name]
-        assert action.option_strings[1:] in (list(meta.aliases), ["--no-" + f.name.replace("_", "-")])
+        names = ["--" + f.name.replace("_", "-"), *meta.aliases]  # a switch's negative forms after them
+        negatives = [no for name in names if name.startswith("--") for no in negative_forms(name)]
+        assert action.option_strings == names + (negatives if action.nargs == 0 else [])
         assert (action.type, action.metavar) == (meta.type, meta.metavar)
         assert action.choices == (None if meta.choices is None else list(meta.choices))
         assert action.help == meta.help
     assert actions["tensor_parallel_size"].option_strings == ["--tensor-parallel-size", "-tp"]
     assert actions["quantization"].option_strings == ["--quantization", "-q"]
-    assert actions["enable_recovery"].option_strings == ["--enable-recovery", "--no-enable-recovery"]
+    assert actions["enable_recovery"].option_strings == [
+        "--enable-recovery",
+        "--disable-recovery",
+        "--no-enable-recovery",
+    ]
+    assert actions["gpu_memory_utilization"].option_strings == [
+        "--gpu-memory-utilization",
+        "--device-memory-utilization",
+    ]
 
 
 def test_every_init_field_is_an_llm_keyword_with_the_config_default():
