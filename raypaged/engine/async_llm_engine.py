@@ -8,7 +8,8 @@ of token ids, no grammar, no adapter), then queues the processed request. Adds a
 are commands; the thread applies them between steps, runs ``step()`` while any request is unfinished, and hands each
 step's outputs to the per-request asyncio queues in one ``call_soon_threadsafe``.
 An abort is applied before the next step, so its KV blocks are free within one
-step's time.
+step's time. A request over the engine's queue limits (``max_num_queued_reqs``, ``max_num_queued_tokens``,
+vLLM's admission control) is refused with ``EngineBusyError`` before it is queued.
 """
 
 from __future__ import annotations
@@ -38,11 +39,14 @@ T = TypeVar("T")
 
 
 class EngineObserver(Protocol):
-    """Told on the engine thread about every step's outputs and every abort (for metrics)."""
+    """Told on the engine thread about every step's outputs and every abort, and on the event loop about every
+    request refused by a queue limit (for metrics)."""
 
     def on_outputs(self, outputs: list[RequestOutput], arrival_times: dict[str, float], now: float) -> None: ...
 
     def on_abort(self, request_ids: list[str]) -> None: ...
+
+    def on_refused(self, reason: str) -> None: ...
 
 
 class EngineDeadError(RuntimeError):
@@ -51,6 +55,15 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine ended this request alone: handling it failed (the message says how)."""
+
+
+class EngineBusyError(RuntimeError):
+    """A request refused because it would pass the queue limit ``reason`` (``max_num_queued_reqs`` or
+    ``max_num_queued_tokens``): the client may send it again later, or to another replica."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -76,8 +89,10 @@ class _Abort:
 
 @dataclass(slots=True)
 class _Stream:
-    """One request's outputs, read by the coroutine that added it."""
+    """One request's outputs, read by the coroutine that added it; what it counts for the queue limits."""
 
+    num_seqs: int = 1  # the sequences it runs (n, best_of, beam width)
+    num_prefill_tokens: int = 0  # its prompt's tokens until its first output: 0 after
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -176,7 +191,9 @@ class AsyncLLMEngine:
             processed = await self._loop.run_in_executor(None, process)
         if request_id in self._streams:  # taken while this one was processed
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = self._streams[request_id] = _Stream()
+        num_seqs = beam.beam_width if beam is not None else params.num_samples
+        self._admit(num_seqs)
+        stream = self._streams[request_id] = _Stream(num_seqs, len(processed.core_request.prompt_token_ids))
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Add(processed, stream, accepted))
         try:
@@ -189,6 +206,44 @@ class AsyncLLMEngine:
                 self._abort_nowait([request_id])  # in order, so this abort comes after the add
             raise
         return request_id
+
+    def num_unfinished_seqs(self) -> int:
+        """The sequences of the requests added and not yet finished (waiting or running)."""
+        return sum(stream.num_seqs for stream in self._streams.values())
+
+    def num_queued_tokens(self) -> int:
+        """The prompt tokens of the unfinished requests without an output yet (queued or in their prefill)."""
+        return sum(stream.num_prefill_tokens for stream in self._streams.values())
+
+    def _admit(self, num_seqs: int) -> None:
+        """``EngineBusyError`` when a request of ``num_seqs`` sequences would pass a queue limit: the unfinished
+        requests' sequences and its own more than ``max_num_queued_reqs``, or the prompt tokens of the requests
+        without an output yet at ``max_num_queued_tokens`` already (vLLM's admission control)."""
+        config = self.config
+        refused: tuple[str, str] | None = None
+        if config.max_num_queued_reqs is not None:
+            unfinished = self.num_unfinished_seqs()
+            if unfinished + num_seqs > config.max_num_queued_reqs:
+                refused = (
+                    "max_num_queued_reqs",
+                    f"its {num_seqs} sequence(s) and the {unfinished} unfinished would be more than "
+                    f"--max-num-queued-reqs {config.max_num_queued_reqs}",
+                )
+        if refused is None and config.max_num_queued_tokens is not None:
+            queued = self.num_queued_tokens()
+            if queued >= config.max_num_queued_tokens:
+                refused = (
+                    "max_num_queued_tokens",
+                    f"{queued} prompt tokens wait for their prefill (--max-num-queued-tokens "
+                    f"{config.max_num_queued_tokens})",
+                )
+        if refused is not None:
+            reason, why = refused
+            self._observe(lambda observer: observer.on_refused(reason))
+            raise EngineBusyError(
+                reason,
+                f"{config.served_model_name} is busy: {why}; send the request again later, or to another replica",
+            )
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of an added request until it finishes; ends early if it is aborted.
@@ -344,6 +399,7 @@ class AsyncLLMEngine:
     def _deliver(self, routed: list[tuple[_Stream | None, RequestOutput]]) -> None:
         for stream, output in routed:
             if stream is not None:
+                stream.num_prefill_tokens = 0  # past its prefill
                 stream.outputs.put_nowait(output)
 
     def _push(self, stream: _Stream, item: object) -> None:

@@ -131,7 +131,7 @@ class EngineCore:
         max_num_batched_tokens, max_model_len = config.resolved_max_num_batched_tokens, config.resolved_max_model_len
         spec = config.parsed_speculative_config
         scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.max_num_active_seqs or config.max_num_seqs,  # the graphs are sized by max_num_seqs
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             policy=config.scheduling_policy,

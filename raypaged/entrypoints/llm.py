@@ -15,7 +15,7 @@ from raypaged.core.beam_search import BeamSearchParams
 from raypaged.core.stats import SchedulerStats
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.entrypoints.vllm_compat import check_default_only, unknown_keyword
-from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY
+from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY, Option
 from raypaged.inputs.limits import check_priority
 from raypaged.lora.request import LoRARequest
 from raypaged.outputs import BeamSearchOutput, RequestOutput
@@ -54,6 +54,7 @@ class LLM:
         keywords = engine_keywords()
         given = {name: options.pop(name) for name in list(options) if name in keywords}
         _check_vllm_options(options)
+        check_default_only(given, as_flags=False, options=_SERVER_ONLY)
         for name in _FACTORY_DEFAULTS:
             if name in given and given[name] is None:
                 del given[name]  # as before: None stands for the config's own default object
@@ -270,6 +271,13 @@ def engine_keywords() -> dict[str, inspect.Parameter]:
 
 
 # fields whose default is a default factory's object: LLM takes None for them, as it always has
+_BATCH = "LLM runs every prompt it is given: the queue limits refuse a server's requests (raypaged serve)"
+# engine fields a server honours and an offline batch has no use for: refused when set
+_SERVER_ONLY: list[Option] = [
+    ("max_num_queued_reqs", (), int, (None,), _BATCH),
+    ("max_num_queued_tokens", (), int, (None,), _BATCH),
+    ("custom_histogram_buckets", (), str, (None,), "LLM exports no Prometheus metrics (raypaged serve does)"),
+]
 _FACTORY_DEFAULTS = tuple(f.name for f in fields(EngineConfig) if f.init and f.default_factory is not MISSING)
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from raypaged.entrypoints.server_args import add_gateway_args
-from raypaged.entrypoints.vllm_compat import flag
-from raypaged.entrypoints.vllm_options import SERVER_ANY_VALUE, SERVER_DEFAULT_ONLY
+from raypaged.entrypoints.vllm_compat import check_default_only, flag
+from raypaged.entrypoints.vllm_options import SERVER_ANY_VALUE, SERVER_DEFAULT_ONLY, Option
 
 if TYPE_CHECKING:
     import httpx
@@ -73,6 +73,12 @@ _TAKEN_GATEWAY_FLAGS = frozenset(
     }
 )
 _METRICS_FLAGS = ("host", "port")
+# engine flags a batch refuses when set: a refused request would be an error line, never answered
+_ANSWERS_ALL = "a batch answers every request (the queue limits refuse a server's; --max-num-seqs caps each step)"
+_NOT_FOR_BATCHES: list[Option] = [
+    ("max_num_queued_reqs", (), int, (None,), _ANSWERS_ALL),
+    ("max_num_queued_tokens", (), int, (None,), _ANSWERS_ALL),
+]
 _LOCAL = "in-process"  # the engine server's address in the gateway's routes: its in-process stub
 _IN_FLIGHT_PER_SEQ = 2  # requests in flight per batch slot: the engines' batches stay full between answers
 _UPLOAD_ATTEMPTS = 5
@@ -132,7 +138,11 @@ class BatchJob:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BatchJob:
-        """The job of ``run-batch``'s flags, after refusing by name the gateway flags a batch cannot honour."""
+        """The job of ``run-batch``'s flags, after refusing by name the gateway and engine flags a batch cannot
+        honour."""
+        check_default_only(
+            {name: getattr(args, name) for name, *_ in _NOT_FOR_BATCHES}, as_flags=True, options=_NOT_FOR_BATCHES
+        )
         defaults = _gateway_defaults()
         for name, default in defaults.items():
             if name not in _TAKEN_GATEWAY_FLAGS and name not in _METRICS_FLAGS and getattr(args, name) != default:

@@ -27,7 +27,7 @@ import grpc
 from transformers import PreTrainedTokenizerBase
 
 from raypaged.config import EngineConfig
-from raypaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from raypaged.engine.async_llm_engine import AsyncLLMEngine, EngineBusyError, EngineDeadError, RequestFailedError
 from raypaged.engine.input_processor import InputProcessor
 from raypaged.engine.llm_engine import LLMEngine, ProcessedRequest
 from raypaged.inputs.limits import (
@@ -119,11 +119,13 @@ class _Abort(Exception):
         self.code = code
 
 
-# what ends a call early, and its status (the first matching type); APIError here is a tenant's 429
+# what ends a call early, and its status (the first matching type); APIError here is a tenant's 429, a busy
+# engine (over a queue limit) is unavailable to this request as vLLM's (the gateway's 503: retry elsewhere)
 _STATUS_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (APIError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (EngineBusyError, grpc.StatusCode.UNAVAILABLE),
     (RequestFailedError, grpc.StatusCode.INTERNAL),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from raypaged.core.scheduler import ACCEPTED_PER_POS
 from raypaged.outputs import FinishReason, RequestOutput
+from raypaged.serving.buckets import TOKEN_COUNTS, buckets
 
 if TYPE_CHECKING:
     from raypaged.config import EngineConfig
@@ -46,17 +47,7 @@ FINISH_REASONS = tuple(FinishReason)
 _PREFIX_PATTERN = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*:")
 _UNKNOWN_MAX_MODEL_LEN = 1 << 20  # token-count buckets when no engine config is given
 
-# vLLM's bucket bounds
-# fmt: off
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                      20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                    240.0, 480.0, 960.0, 1920.0, 7680.0)
-# fmt: on
-_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")  # the limits a request may be refused by
 
 # (metric suffix, help, stats key) read from engine stats at scrape time
 _GAUGES = (
@@ -90,18 +81,6 @@ _REQUEST_TIMES = (
 )
 
 
-def size_buckets(max_value: int) -> tuple[int, ...]:
-    """vLLM's 1-2-5 series up to ``max_value``: 1, 2, 5, 10, 20, 50, ..."""
-    bounds: list[int] = []
-    magnitude = 1
-    while True:
-        for step in (1, 2, 5):
-            if step * magnitude > max_value:
-                return tuple(bounds)
-            bounds.append(step * magnitude)
-        magnitude *= 10
-
-
 @dataclass(slots=True)
 class _Progress:
     arrival_time: float  # when the server got it
@@ -128,6 +107,9 @@ class RequestObserver:
         self._params_max_tokens = metrics.request_params_max_tokens.labels(*labels)
         self._times = {suffix: histogram.labels(*labels) for suffix, histogram in metrics.request_times.items()}
         self._success = {reason: metrics.request_success.labels(*labels, reason) for reason in FINISH_REASONS}
+        self._rejections = {
+            reason: metrics.admission_rejections.labels(model_name, reason) for reason in ADMISSION_REASONS
+        }
         self._progress: dict[str, _Progress] = {}
 
     def on_outputs(self, outputs: list[RequestOutput], arrival_times: dict[str, float], now: float) -> None:
@@ -159,6 +141,10 @@ class RequestObserver:
         for request_id in request_ids:
             self._progress.pop(request_id, None)
             self._success[FinishReason.ABORT].inc()
+
+    def on_refused(self, reason: str) -> None:
+        """A request refused by the queue limit ``reason`` (one of ``ADMISSION_REASONS``)."""
+        self._rejections[reason].inc()
 
     def _finished(self, output: RequestOutput, e2e: float) -> None:
         self._success[_finish_reason(output)].inc()
@@ -193,14 +179,23 @@ def _finish_reason(output: RequestOutput) -> FinishReason:
     return reason
 
 
+def _custom_buckets(configs: Mapping[str, EngineConfig]) -> dict[str, list[float]] | None:
+    """The models' ``custom_histogram_buckets``: one registry holds every model's histograms, so one setting."""
+    given = [config.custom_histogram_buckets for config in configs.values()]
+    if any(custom != given[0] for custom in given):
+        raise ValueError("models served together share their histograms: give them the same custom_histogram_buckets")
+    return given[0] if given else None
+
+
 class ServerMetrics:
     """The registry of one engine server: per-request histograms plus stats read at scrape time.
 
     ``stats_sources`` maps each served model name to a function returning its engine's
     ``LLMEngine.stats()`` (every key read must be there); ``configs`` maps the same names
-    to their ``EngineConfig``: ``cache_config_info`` and the token-count buckets, 1-2-5 up
+    to their ``EngineConfig``: ``cache_config_info``, the token-count buckets, 1-2-5 up
     to the largest ``max_model_len`` (without configs: no ``cache_config_info`` series and
-    buckets up to 2**20). ``prefix`` starts every metric name: ``raypaged:``, ``vllm:`` ...
+    buckets up to 2**20), and the ``custom_histogram_buckets`` over vLLM's bounds (``buckets.py``).
+    ``prefix`` starts every metric name: ``raypaged:``, ``vllm:`` ...
     """
 
     def __init__(
@@ -221,12 +216,14 @@ class ServerMetrics:
         self.registry = registry = CollectorRegistry()
         configs = configs or {}
         max_len = max((c.resolved_max_model_len for c in configs.values()), default=_UNKNOWN_MAX_MODEL_LEN)
+        custom = _custom_buckets(configs)
 
-        def counter(suffix: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"{prefix}{suffix}", doc, LABELS + extra, registry=registry)
+        def counter(suffix: str, doc: str, extra: tuple[str, ...] = (), labels: tuple[str, ...] = LABELS) -> Counter:
+            return Counter(f"{prefix}{suffix}", doc, labels + extra, registry=registry)
 
-        def histogram(suffix: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"{prefix}{suffix}", doc, LABELS, buckets=buckets, registry=registry)
+        def histogram(suffix: str, doc: str, family: str) -> Histogram:
+            bounds = buckets(family, custom, max_len)
+            return Histogram(f"{prefix}{suffix}", doc, LABELS, buckets=bounds, registry=registry)
 
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -234,34 +231,39 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total",
             "Tokens per engine step: prompts whose prefill ended plus new tokens.",
-            _ITERATION_BUCKETS,
+            "iteration_tokens",
         )
-        self.ttft = histogram("time_to_first_token_seconds", "Seconds from arrival to the first token.", _TTFT_BUCKETS)
-        self.itl = histogram(
-            "inter_token_latency_seconds", "Seconds between a request's consecutive steps.", _TOKEN_GAP_BUCKETS
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Seconds from arrival to the first token.", "time_to_first_token"
         )
+        gap = "inter_token_latency"
+        self.itl = histogram("inter_token_latency_seconds", "Seconds between a request's consecutive steps.", gap)
         self.tpot = histogram(
-            "time_per_output_token_seconds",
-            "Seconds between a request's consecutive steps (vLLM's older name).",
-            _TOKEN_GAP_BUCKETS,
+            "time_per_output_token_seconds", "Seconds between a request's consecutive steps (vLLM's older name).", gap
         )
         self.request_tpot = histogram(
             "request_time_per_output_token_seconds",
             "Per finished request: decode seconds per token after the first.",
-            _TOKEN_GAP_BUCKETS,
+            gap,
         )
-        self.request_times = {suffix: histogram(suffix, doc, _REQUEST_BUCKETS) for suffix, doc in _REQUEST_TIMES}
-        sizes = size_buckets(max_len)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.", sizes)
+        self.request_times = {suffix: histogram(suffix, doc, "request_latency") for suffix, doc in _REQUEST_TIMES}
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNTS
+        )
         self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Generated tokens per finished request, all its sequences.", sizes
+            "request_generation_tokens", "Generated tokens per finished request, all its sequences.", TOKEN_COUNTS
         )
         self.request_max_num_generation_tokens = histogram(
-            "request_max_num_generation_tokens", "Tokens of the longest sequence of each finished request.", sizes
+            "request_max_num_generation_tokens",
+            "Tokens of the longest sequence of each finished request.",
+            TOKEN_COUNTS,
         )
-        self.request_params_n = histogram("request_params_n", "The n of each finished request.", _PARAMS_N_BUCKETS)
+        self.request_params_n = histogram("request_params_n", "The n of each finished request.", "request_params_n")
         self.request_params_max_tokens = histogram(
-            "request_params_max_tokens", "The max_tokens of each finished request, resolved.", sizes
+            "request_params_max_tokens", "The max_tokens of each finished request, resolved.", TOKEN_COUNTS
+        )
+        self.admission_rejections = counter(
+            "admission_rejections", "Requests refused by a queue limit, by the limit.", labels=("model_name", "reason")
         )
         registry.register(_StatsCollector(prefix, stats_sources, configs, device, lora_sources or {}))
         ProcessCollector(registry=registry)
