@@ -60,7 +60,6 @@ _TAKEN_GATEWAY_FLAGS = frozenset(
         "fingerprint_mode",
         "fingerprint_value",
         "enable_log_requests",
-        "disable_log_requests",
         "enable_log_outputs",
         "enable_log_deltas",
         "max_log_len",

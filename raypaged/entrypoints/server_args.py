@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from raypaged import envs
+from raypaged.config import json_flag_value
+from raypaged.entrypoints.logging_setup import logging_setup
+from raypaged.entrypoints.switch import Switch
 from raypaged.entrypoints.vllm_compat import add_vllm_args, check_vllm_args
+from raypaged.serving.gateway.efforts import AUTO, DISABLED_THINKING_EFFORTS
 from raypaged.serving.gateway.fingerprint import FINGERPRINT_MODES
 
 if TYPE_CHECKING:
@@ -50,17 +54,20 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies are refused with 413",
     )
     parser.add_argument(
-        "--enable-log-requests", action="store_true", help="a log line per request (off by default, as vLLM)"
+        "--enable-log-requests",
+        action=Switch,
+        default=False,
+        help="a log line per request (off by default, as vLLM; --disable-log-requests is vLLM's older flag)",
     )
     parser.add_argument(
         "--enable-log-outputs",
-        action=argparse.BooleanOptionalAction,
+        action=Switch,
         default=False,
         help="with --enable-log-requests: a log line with what each request generated",
     )
     parser.add_argument(
         "--enable-log-deltas",
-        action=argparse.BooleanOptionalAction,
+        action=Switch,
         default=True,
         help="with --enable-log-outputs: a streamed request logs each delta too (default: on)",
     )
@@ -72,18 +79,16 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         help="logged outputs: texts and token id lists cut to N characters and ids (default: whole)",
     )
     parser.add_argument(
-        "--disable-log-requests",
-        action="store_true",
-        help="vLLM's older flag: no log line per request (the default now)",
-    )
-    parser.add_argument(
         "--uvicorn-log-level",
         default=None,
         choices=UVICORN_LOG_LEVELS,
         help="log level of the HTTP server, uvicorn (default: --log-level)",
     )
     parser.add_argument(
-        "--disable-uvicorn-access-log", action="store_true", help="no uvicorn access-log line per HTTP request"
+        "--disable-uvicorn-access-log",
+        action=Switch,
+        default=False,
+        help="no uvicorn access-log line per HTTP request",
     )
     parser.add_argument(
         "--disable-access-log-for-endpoints",
@@ -99,18 +104,20 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log-error-stack",
-        action=argparse.BooleanOptionalAction,
+        action=Switch,
         default=False,
         help="log each error response (4xx and 5xx) with the stack of the exception behind it",
     )
     parser.add_argument(
         "--enable-server-load-tracking",
-        action="store_true",
+        action=Switch,
+        default=False,
         help="accepted for vLLM command lines: GET /load always reports the generation requests in flight",
     )
     parser.add_argument(
         "--disable-fastapi-docs",
-        action="store_true",
+        action=Switch,
+        default=False,
         help="no OpenAPI document (/openapi.json); the Swagger and ReDoc pages are never served",
     )
     parser.add_argument("--ssl-keyfile", default=None, help="private key (PEM) for HTTPS, with --ssl-certfile")
@@ -163,10 +170,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         metavar="HEADERS",
         help="CORS request headers with --allowed-origins, as that flag (default: '[\"*\"]')",
     )
-    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    parser.add_argument("--allow-credentials", action=Switch, default=False, help="CORS: allow credentials")
     parser.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
+        action=Switch,
+        default=False,
         help='tool_choice "auto": the model decides, its calls are found by --tool-call-parser',
     )
     parser.add_argument(
@@ -178,24 +186,26 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-role", default="assistant", metavar="ROLE", help="the role of chat answers")
     parser.add_argument(
         "--return-tokens-as-token-ids",
-        action=argparse.BooleanOptionalAction,
+        action=Switch,
         default=False,
         help="logprobs name every token 'token_id:{id}' (a request's return_tokens_as_token_ids does it for one)",
     )
     parser.add_argument(
         "--exclude-tools-when-tool-choice-none",
-        action="store_true",
+        action=Switch,
+        default=False,
         help="a chat request with tool_choice none renders its chat template without the tools",
     )
     parser.add_argument(
         "--enable-tokenizer-info-endpoint",
-        action="store_true",
+        action=Switch,
+        default=False,
         help="serve GET /tokenizer_info: a model's tokenizer settings and the server's chat template, as vLLM "
         "(?model= picks one where several serve)",
     )
     parser.add_argument(
         "--enable-scale-out",
-        action=argparse.BooleanOptionalAction,
+        action=Switch,
         default=False,
         help="serve vLLM's scale-out endpoints (without it they answer 403): POST /v1/completions/render, "
         "/v1/chat/completions/render, /v1/messages/render and /v1/responses/render (the engine-ready request of "
@@ -236,17 +246,20 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--enable-prompt-tokens-details",
-        action="store_true",
+        action=Switch,
+        default=False,
         help="usage.prompt_tokens_details.cached_tokens: prompt tokens read from the prefix cache",
     )
     parser.add_argument(
         "--enable-force-include-usage",
-        action="store_true",
+        action=Switch,
+        default=False,
         help="every stream ends with a usage chunk, asked for or not",
     )
     parser.add_argument(
         "--enable-request-id-headers",
-        action="store_true",
+        action=Switch,
+        default=False,
         help="answers carry X-Request-Id (the client's, or the response id)",
     )
     parser.add_argument(
@@ -254,6 +267,21 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME",
         help="deepseek_r1 or qwen3: chat answers' <think> section becomes reasoning_content",
+    )
+    parser.add_argument(
+        "--reasoning-effort-map",
+        default=None,
+        metavar="JSON",
+        help="JSON object rewriting requests' reasoning efforts (chat, responses, messages) to the chat template's "
+        'names for them, e.g. \'{"medium": "low", "xhigh": "max"}\' (the others pass as they are)',
+    )
+    parser.add_argument(
+        "--anthropic-disabled-thinking-effort",
+        default=AUTO,
+        choices=DISABLED_THINKING_EFFORTS,
+        help="the reasoning_effort of Messages requests with thinking disabled: none (no thinking), an effort for "
+        "models that always think, or auto (per model: low where the chat template refuses none or renders it as "
+        "a thinking effort, else none)",
     )
     add_drain_arg(parser)
     add_vllm_args(parser, server=True)
@@ -291,6 +319,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         return tuple(parsed)
 
     check_vllm_args(args, server=True)
+    log_setup = logging_setup(args)
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be at least 0, got {args.max_log_len}")
     if args.max_request_body_bytes < 1:
@@ -316,13 +345,13 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         uds=args.uds,
         api_key=api_keys(args),
         tenants_file=args.tenants,
-        log_requests=args.enable_log_requests and not args.disable_log_requests,
+        log_requests=args.enable_log_requests,
         output_logging=OutputLogging(args.enable_log_deltas, args.max_log_len) if args.enable_log_outputs else None,
-        log_level=args.log_level,
+        log_level=log_setup.level,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         access_log_skip_paths=names("--disable-access-log-for-endpoints", args.disable_access_log_for_endpoints or ""),
-        log_config=log_config(args.log_config_file),
+        log_config=log_setup.dict_config,
         log_error_stack=args.log_error_stack,
         h11_max_header_count=args.h11_max_header_count,
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
@@ -356,23 +385,11 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         enable_force_include_usage=args.enable_force_include_usage,
         enable_request_id_headers=args.enable_request_id_headers,
         reasoning_parser=args.reasoning_parser,
+        reasoning_effort_map=(
+            json_flag_value("--reasoning-effort-map", args.reasoning_effort_map) if args.reasoning_effort_map else None
+        ),
+        anthropic_disabled_thinking_effort=args.anthropic_disabled_thinking_effort,
     )
-
-
-def log_config(path: str | None) -> dict[str, Any] | None:
-    """``--log-config-file``'s logging configuration (a ``logging.config.dictConfig`` mapping, as JSON)."""
-    if path is None:
-        return None
-    try:
-        with open(path, encoding="utf-8") as file:
-            config = json.load(file)
-    except OSError as exc:
-        raise ValueError(f"--log-config-file {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--log-config-file {path} is not JSON ({exc})") from None
-    if not isinstance(config, dict) or config.get("version") != 1:
-        raise ValueError(f'--log-config-file {path} must hold a logging.config.dictConfig mapping with "version": 1')
-    return config
 
 
 def options_check(options: GatewayOptions) -> None:

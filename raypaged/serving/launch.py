@@ -29,6 +29,7 @@ from raypaged.serving.client import EngineClient
 from raypaged.serving.engine_process import EngineProcess, EngineProcessLost, ProcessStub
 from raypaged.serving.gateway.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, build_app
 from raypaged.serving.gateway.drain import Drain
+from raypaged.serving.gateway.efforts import AUTO, DisabledThinking, check_effort_map
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.fingerprint import check_fingerprint
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, tenants_for
@@ -100,6 +101,8 @@ class GatewayOptions:
     enable_force_include_usage: bool = False  # every stream ends with a usage chunk
     enable_request_id_headers: bool = False  # answers carry X-Request-Id
     reasoning_parser: str | None = None  # deepseek_r1, qwen3: <think> sections become reasoning_content
+    reasoning_effort_map: dict[str, str] | None = None  # a request's effort -> the chat template's name for it
+    anthropic_disabled_thinking_effort: str = AUTO  # the effort of a Messages request's disabled thinking
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -109,6 +112,8 @@ class GatewayOptions:
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)
         check_fingerprint(self.fingerprint_mode, self.fingerprint_value)
+        check_effort_map(self.reasoning_effort_map)
+        DisabledThinking(self.anthropic_disabled_thinking_effort)  # an unknown effort fails now
         if self.output_logging is not None and not self.log_requests:
             raise ValueError("--enable-log-outputs needs --enable-log-requests (the request log it adds to)")
         if not self.sse_keep_alive_s >= 0:
@@ -264,6 +269,8 @@ def gateway_app(routes: EngineRoutes, tenants: Tenants, drain: Drain, options: G
         sse_keep_alive_s=options.sse_keep_alive_s,
         output_logging=options.output_logging,
         scale_out=options.enable_scale_out,
+        reasoning_effort_map=options.reasoning_effort_map,
+        disabled_thinking_effort=options.anthropic_disabled_thinking_effort,
     )
     app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones
     return app

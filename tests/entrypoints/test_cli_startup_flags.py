@@ -323,7 +323,7 @@ def test_config_file_values_by_flag_kind(tmp_path, tiny_model_dir):
     )
     args = build_parser().parse_args(["serve", "--config", config, "--max-model-len", "32", "--api-key", "k"])
     assert (args.model, args.model_tag, args.seed, args.max_model_len) == ([str(tiny_model_dir)], None, 5, 32)
-    assert (args.enable_prefix_caching, args.trust_remote_code, args.disable_log_requests) == (False, True, False)
+    assert (args.enable_prefix_caching, args.trust_remote_code, args.enable_log_requests) == (False, True, False)
     assert (args.served_model_name, args.api_key) == ([["a", "b"]], ["k"])  # the command line's key only
     assert args.override_generation_config == '{"temperature": 0.5}'
     positional = build_parser().parse_args(["serve", "other-model", f"--config={config}"])

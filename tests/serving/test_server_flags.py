@@ -1,11 +1,14 @@
 """vLLM's server flags, honoured by a real gateway: logprob tokens as ids for every request, error responses
-logged with their stack, paths left out of the access log, a bound on request heads, a Unix socket, and the
-refusals of what the gateway cannot do."""
+logged with their stack, paths left out of the access log, a bound on request heads, a Unix socket, queue limits
+and histogram buckets, and the refusals of what the gateway cannot do."""
 
 import asyncio
 import json
 import logging
 import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -17,11 +20,20 @@ from raypaged.serving.inprocess import InProcessStub
 from raypaged.serving.launch import Gateway, GatewayOptions
 from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
 
+# the engine of the module's stack: vLLM's queue limits and histogram buckets (sequential requests pass the limits)
+ENGINE_FLAGS = {
+    "stream_interval": 4,
+    "trust_request_chat_template": True,
+    "max_num_queued_reqs": 3,
+    "max_num_queued_tokens": 16,
+    "custom_histogram_buckets": {"time_to_first_token": [0.5, 1.0], "request_tokens": [4, 64]},
+}
+
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir):
     stack = Stack(
-        [tiny_config(tiny_model_dir, "tiny", stream_interval=4, trust_request_chat_template=True)],
+        [tiny_config(tiny_model_dir, "tiny", **ENGINE_FLAGS)],
         uvicorn_log_level="info",
         return_tokens_as_token_ids=True,
         log_error_stack=True,
@@ -185,7 +197,7 @@ def test_the_full_fingerprint_is_the_version_and_the_hash_of_the_engines_setting
             client.post("/v1/chat/completions", json=chat).json()["system_fingerprint"],
         }
     assert got == {f"raypaged-{__version__}-{config.config_hash()}"}
-    alike = tiny_config(tiny_model_dir, "tiny", stream_interval=4, trust_request_chat_template=True)
+    alike = tiny_config(tiny_model_dir, "tiny", **ENGINE_FLAGS)
     assert alike.config_hash() == config.config_hash()
     assert tiny_config(tiny_model_dir, "tiny", stream_interval=4).config_hash() != config.config_hash()
 
@@ -341,3 +353,153 @@ def test_sse_keep_alive_interval_reaches_the_gateway():
     assert options("--sse-keep-alive-interval", "15").sse_keep_alive_s == 15.0
     with pytest.raises(ValueError, match=re.escape("--sse-keep-alive-interval must be at least 0 seconds, got -1")):
         options("--sse-keep-alive-interval", "-1")
+
+
+def busy(why: str) -> dict:
+    message = f"the engine is unavailable: tiny is busy: {why}; send the request again later, or to another replica"
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": "engine_unavailable"}}
+
+
+def test_queue_limits_refuse_a_request_with_503_until_the_engine_catches_up(stack):
+    """vLLM's --max-num-queued-reqs 3 and --max-num-queued-tokens 16: a request whose sequences (n) and the unfinished
+    ones would be more than 3, or that comes while 16 prompt tokens wait for their prefill, is refused with 503 and
+    Retry-After (to be sent again, or elsewhere), counted by its limit in /metrics; once the engine caught up, taken."""
+    engine = stack.engine()
+    release = threading.Event()
+    held = asyncio.run_coroutine_threadsafe(engine.call(release.wait), stack.background.loop)  # no step runs
+    try:
+        with ThreadPoolExecutor(1) as pool, stack.client() as client, stack.client() as other:
+            waiting = pool.submit(completion, other, prompt="Hello there " * 12)  # 1 sequence, 24+ tokens
+            for _ in range(400):
+                if engine.num_unfinished_seqs():
+                    break
+                time.sleep(0.025)
+            queued = engine.num_queued_tokens()
+            assert (engine.num_unfinished_seqs(), queued >= 16) == (1, True)
+            by_count = completion(client, n=3, temperature=1.0)
+            by_tokens = completion(client, stream=True)
+            release.set()
+            assert waiting.result(timeout=60).status_code == 200
+            taken = completion(client, n=3, temperature=1.0)
+            scraped = client.get("/metrics").text
+    finally:
+        release.set()
+        held.result(timeout=60)
+    assert (by_count.status_code, by_count.json()) == (
+        503,
+        busy("its 3 sequence(s) and the 1 unfinished would be more than --max-num-queued-reqs 3"),
+    )
+    assert (by_tokens.status_code, by_tokens.json()) == (
+        503,
+        busy(f"{queued} prompt tokens wait for their prefill (--max-num-queued-tokens 16)"),
+    )
+    assert by_count.headers["retry-after"] == by_tokens.headers["retry-after"] == "1"
+    assert taken.status_code == 200 and len(taken.json()["choices"]) == 3
+    for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        assert f'raypaged:admission_rejections_total{{model_name="tiny",reason="{reason}"}} 1.0' in scraped
+
+
+def test_custom_histogram_buckets_replace_the_bounds_of_their_families(stack):
+    """vLLM's --custom-histogram-buckets: a family given (time_to_first_token, request_tokens) has its bounds in each
+    of its histograms; the others keep vLLM's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with stack.client() as client:
+        assert completion(client).status_code == 200
+        text = client.get("/metrics").text
+    bounds = {
+        family.name: [s.labels["le"] for s in family.samples if s.name.endswith("_bucket")]
+        for family in text_string_to_metric_families(text)
+        if family.type == "histogram"
+    }
+    assert bounds["raypaged:time_to_first_token_seconds"] == ["0.5", "1.0", "+Inf"]
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens"):
+        assert bounds[f"raypaged:{name}"] == ["4.0", "64.0", "+Inf"]
+    assert bounds["raypaged:inter_token_latency_seconds"][:3] == ["0.01", "0.025", "0.05"]  # vLLM's
+
+
+# the chat template of the effort stack: what reasoning_effort and enable_thinking it was rendered with
+EFFORT_TEMPLATE = (
+    "{% for m in messages %}{{ m.content }}{% endfor %}"
+    "{% if enable_thinking is defined %}{% if enable_thinking %} think {{ reasoning_effort }} at length"
+    "{% else %} no thinking ({{ reasoning_effort }}){% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def effort_stack(tiny_model_dir):
+    config = tiny_config(tiny_model_dir, "tiny", chat_template=EFFORT_TEMPLATE)
+    stack = Stack([config], reasoning_effort_map={"medium": "low"})
+    yield stack
+    stack.close()
+
+
+def rendered_prompt(client: httpx.Client, tiny_model_dir, **fields) -> str:
+    from transformers import AutoTokenizer
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **fields}
+    answer = client.post("/v1/chat/completions", json={**body, "return_token_ids": True})
+    assert answer.status_code == 200, answer.text
+    return AutoTokenizer.from_pretrained(tiny_model_dir).decode(answer.json()["prompt_token_ids"])
+
+
+def test_reasoning_effort_map_rewrites_a_requests_effort_for_the_chat_template(effort_stack, tiny_model_dir):
+    """vLLM's --reasoning-effort-map '{"medium": "low"}': medium renders as low (thinking), the others as sent."""
+    with effort_stack.client() as client:
+        got = [rendered_prompt(client, tiny_model_dir, reasoning_effort=e) for e in ("medium", "high", "none")]
+    assert got == ["Hi think low at length", "Hi think high at length", "Hi no thinking (none)"]
+
+
+def test_messages_with_thinking_disabled_render_with_the_flags_effort(effort_stack):
+    """vLLM's --anthropic-disabled-thinking-effort: auto is none where the chat template renders none apart from
+    every thinking effort (this one), the effort given otherwise (low here: a model that cannot stop thinking)."""
+    disabled = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "thinking": {"type": "disabled"}}
+
+    def counted(client: httpx.Client, body: dict) -> int:
+        answer = client.post("/v1/messages/count_tokens", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["input_tokens"]
+
+    def tokens(client: httpx.Client, **variables) -> int:
+        body = {"model": "tiny", "messages": disabled["messages"], "chat_template_kwargs": variables}
+        return client.post("/tokenize", json=body).json()["count"]
+
+    address = f"127.0.0.1:{effort_stack.grpc_port}"
+    low = GatewayOptions(port=0, log_level="warning", anthropic_disabled_thinking_effort="low")
+    gateway = Gateway({"tiny": address}, low, {address: InProcessStub(effort_stack.engine_server.servicer)})
+    serving = asyncio.run_coroutine_threadsafe(gateway.serve(), effort_stack.background.loop)
+    try:
+        for _ in range(200):
+            if gateway.server.started:
+                break
+            time.sleep(0.05)
+        with effort_stack.client() as client, httpx.Client(base_url=f"http://127.0.0.1:{gateway.port}") as lows:
+            none_tokens = tokens(client, reasoning_effort="none", enable_thinking=False)
+            low_tokens = tokens(client, reasoning_effort="low", enable_thinking=True)
+            assert none_tokens != low_tokens
+            assert (counted(client, disabled), counted(lows, disabled)) == (none_tokens, low_tokens)
+    finally:
+        gateway.stop()
+        serving.result(timeout=30)
+
+
+@pytest.mark.parametrize(
+    "renders, chosen",
+    [
+        ({"none": [1], "low": [2], "medium": [3], "high": [4], "xhigh": [5], "max": [6]}, "none"),
+        ({"none": [1], "low": [2], "medium": [3], "high": [1], "xhigh": [5], "max": [6]}, "low"),  # none as high
+        ({"none": None, "low": [2], "medium": [3], "high": [4], "xhigh": [5], "max": [6]}, "low"),  # none refused
+    ],
+)
+def test_auto_disabled_thinking_is_low_where_the_template_cannot_stop_thinking(renders, chosen):
+    from raypaged.serving.gateway.efforts import DisabledThinking
+
+    calls = []
+
+    async def render(effort: str) -> list[int] | None:
+        calls.append(effort)
+        return renders[effort]
+
+    auto = DisabledThinking()
+    assert asyncio.run(auto.effort_for("m", render)) == asyncio.run(auto.effort_for("m", render)) == chosen
+    assert len(calls) == len(set(calls))  # probed once per model

@@ -6,9 +6,10 @@ message; ``messages`` chat messages, where ``text`` blocks are a message's text 
 blocks its tool calls and a user's ``tool_result`` blocks tool messages (one marked ``is_error`` reads
 ``Error: `` before its content); ``tools`` function tools and ``tool_choice`` the chat's (``any`` is ``required``,
 ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``); ``stop_sequences`` stop strings;
-``metadata.user_id`` the ``user``; ``thinking`` the chat template's ``enable_thinking`` and, enabled, a
-``thinking_token_budget`` (only where the server splits reasoning off, ``--reasoning-parser``), disabled
-``include_reasoning: false`` (no thinking block; a constraint, as a named tool's, holds from the first token).
+``metadata.user_id`` the ``user``; ``thinking`` enabled the chat template's ``enable_thinking`` and a
+``thinking_token_budget`` (only where the server splits reasoning off, ``--reasoning-parser``), disabled the
+``reasoning_effort`` of ``--anthropic-disabled-thinking-effort`` (``efforts.py``) and ``include_reasoning: false``
+(no thinking block; a constraint, as a named tool's, holds from the first token).
 A final assistant message is a prefill: the answer continues it. The chat path then validates and generates as
 for ``/v1/chat/completions``, and its answer becomes a ``message`` (``anthropic_events``). ``count_tokens``
 renders the same conversation. ``cache_control`` marks (``CacheControl``) on system text blocks, content blocks,
@@ -257,10 +258,11 @@ class CountTokensRequest(_Cacheable):
             for block_index, part in enumerate(message.blocks(at)):
                 yield from part.cache_marks(f"{at}.content.{block_index}.")
 
-    def chat_body(self, reasoning: bool, prefix_caching: bool) -> dict[str, Any]:
+    def chat_body(self, reasoning: bool, prefix_caching: bool, disabled_effort: str = "none") -> dict[str, Any]:
         """The chat completion request this conversation runs as (``reasoning``: the server splits reasoning off,
         which ``thinking`` enabled needs; ``prefix_caching``: the served model has a prefix cache, which
-        ``cache_control`` marks need). The marks change nothing else in it."""
+        ``cache_control`` marks need; ``disabled_effort``: the ``reasoning_effort`` of ``thinking`` disabled).
+        The marks change nothing else in it."""
         if not prefix_caching and (mark := next(self.cache_marks(), None)) is not None:
             raise APIError(
                 400,
@@ -287,11 +289,11 @@ class CountTokensRequest(_Cacheable):
                     "reasoning the thinking blocks hold); send the request without it",
                     "thinking",
                 )
-            enabled = self.thinking.type == "enabled"
-            body["chat_template_kwargs"] = {"enable_thinking": enabled}
-            if enabled:
+            if self.thinking.type == "enabled":
+                body["chat_template_kwargs"] = {"enable_thinking": True}
                 body["thinking_token_budget"] = self.thinking.budget_tokens
             else:  # no thinking block, and a tool's (or any) constraint holds from the first token
+                body["reasoning_effort"] = disabled_effort  # enable_thinking false with none, true with the others
                 body["include_reasoning"] = False
         if self.messages and self.messages[-1].role == "assistant":  # a prefill: the answer continues it
             if "tool_calls" in messages[-1]:
@@ -316,8 +318,8 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
 
-    def chat_body(self, reasoning: bool, prefix_caching: bool) -> dict[str, Any]:
-        body = super().chat_body(reasoning, prefix_caching)
+    def chat_body(self, reasoning: bool, prefix_caching: bool, disabled_effort: str = "none") -> dict[str, Any]:
+        body = super().chat_body(reasoning, prefix_caching, disabled_effort)
         body.update(max_tokens=self.max_tokens, stream=self.stream)
         optional = {
             "stop": self.stop_sequences,

@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -34,6 +34,7 @@ from raypaged.serving.gateway.calls import (
     unless_disconnected,
 )
 from raypaged.serving.gateway.drain import Drain
+from raypaged.serving.gateway.efforts import AUTO, DisabledThinking
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import (
     COUNT_TOKENS_PATH,
@@ -104,6 +105,8 @@ def build_app(
     sse_keep_alive_s: float = 0.0,
     output_logging: OutputLogging | None = None,
     scale_out: bool = False,
+    reasoning_effort_map: Mapping[str, str] | None = None,
+    disabled_thinking_effort: str = AUTO,
 ) -> FastAPI:
     """The gateway's routes; ``drain`` (one per gateway) refuses and ends requests at shutdown.
 
@@ -122,7 +125,9 @@ def build_app(
     ``log_error_stack``: error responses are logged with their exception's stack; ``sse_keep_alive_s``: a
     stream idle that long gets a keep-alive comment (0: none); ``output_logging`` (with ``log_requests``): what
     each request generated is logged too; ``scale_out`` (vLLM's ``--enable-scale-out``): the render endpoints and
-    ``/inference/v1/generate`` are served (``scale_out.py``).
+    ``/inference/v1/generate`` are served (``scale_out.py``); ``reasoning_effort_map`` and
+    ``disabled_thinking_effort``: vLLM's ``--reasoning-effort-map`` and ``--anthropic-disabled-thinking-effort``
+    (``efforts.py``).
     """
     if max_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {max_body_bytes}")
@@ -130,6 +135,7 @@ def build_app(
         raise ValueError(f"--max-prompts-per-request must be at least 1, got {max_prompts_per_request}")
     drain = drain or Drain(0)
     fingerprints = Fingerprints(routes, fingerprint_mode, fingerprint_value)
+    disabled_thinking = DisabledThinking(disabled_thinking_effort)
     responses_store = ResponseStore()
     started = int(time.time())  # the models' "created"
     app = FastAPI(
@@ -184,8 +190,10 @@ def build_app(
             parsed = await parse(http, body_type, raw)
             if isinstance(parsed, MessagesRequest):
                 cache_block_size = await prefix_cache_block_size(parsed.model)
+                effort = await disabled_effort(http, parsed)
                 chat_body = _validated(
-                    parsed.chat_body(reasoning_parser is not None, cache_block_size is not None), ChatCompletionRequest
+                    parsed.chat_body(reasoning_parser is not None, cache_block_size is not None, effort),
+                    ChatCompletionRequest,
                 )
                 answer = MessagesAnswer(cache_block_size)
                 return await generate_in(slot, http, chat_body, answer, cached_tokens=True)
@@ -216,8 +224,9 @@ def build_app(
     async def messages_chat(http: Request, body: MessagesRequest) -> tuple[ChatCompletionRequest, int | None]:
         """The chat request a Messages request runs as, and its model's prefix-cache block size (``None``: none)."""
         cache_block_size = await prefix_cache_block_size(body.model)
+        effort = await disabled_effort(http, body)
         chat = _validated(
-            body.chat_body(reasoning_parser is not None, cache_block_size is not None), ChatCompletionRequest
+            body.chat_body(reasoning_parser is not None, cache_block_size is not None, effort), ChatCompletionRequest
         )
         return chat, cache_block_size
 
@@ -225,7 +234,29 @@ def build_app(
         """A chat request's tool plan, and its prompt as the chat template takes it."""
         tools = body.tool_plan(tool_parser)
         hidden = exclude_tools_when_tool_choice_none and tools is not None and tools.mode == "none"
-        return tools, body.prompts(None if hidden else tools)
+        return tools, body.prompts(None if hidden else tools, reasoning_effort_map)
+
+    async def disabled_effort(http: Request, body: CountTokensRequest) -> str:
+        """The ``reasoning_effort`` of a Messages request whose thinking is disabled (``efforts.DisabledThinking``:
+        with ``auto``, its model's chat template is probed with a one-turn conversation, once)."""
+        if body.thinking is None or body.thinking.type != "disabled":
+            return "none"  # not read
+        name, stub = await routes.find(body.model)
+
+        async def render(effort: str) -> list[int] | None:
+            turn = {"role": "user", "content": "Hi"}
+            probe = _validated({"model": name, "messages": [turn], "reasoning_effort": effort}, ChatCompletionRequest)
+            _, [prompt] = rendered(probe)
+            try:
+                request = pb.TokenizeRequest(model=name, messages=prompt["messages"])
+                answer = await stub.Tokenize(request, metadata=metadata(http))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                return None  # the template refuses the effort
+            return list(answer.token_ids)
+
+        return await disabled_thinking.effort_for(name, render)
 
     async def engine_requests(
         body: CompletionRequest | ChatCompletionRequest,
@@ -352,7 +383,8 @@ def build_app(
         """The input tokens of a Messages request: its chat request's prompt, as the chat template renders it."""
         body = await parse(http, CountTokensRequest)
         prefix_caching = await prefix_cache_block_size(body.model) is not None
-        chat = _validated(body.chat_body(reasoning_parser is not None, prefix_caching), ChatCompletionRequest)
+        effort = await disabled_effort(http, body)
+        chat = _validated(body.chat_body(reasoning_parser is not None, prefix_caching, effort), ChatCompletionRequest)
         model, stub = await routes.find(chat.model)
         _, [prompt] = rendered(chat)
         request = pb.TokenizeRequest(model=model, messages=prompt["messages"])

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from raypaged.serving.gateway.efforts import ReasoningEffort
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.structured import ResponseFormat, StructuredOutputsBody
 from raypaged.serving.gateway.tool_parsers import ToolParser
@@ -445,7 +447,7 @@ class ChatCompletionRequest(_GenerationBody):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # false: no reasoning_content, and constraints apply from the first token
     # vLLM's: a chat template variable (and enable_thinking: false for "none", true for the others)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None
@@ -466,24 +468,28 @@ class ChatCompletionRequest(_GenerationBody):
     def tool_plan(self, parser: ToolParser | None) -> ToolPlan | None:
         return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
-    def prompts(self, tools: ToolPlan | None = None) -> list[dict]:
+    def prompts(self, tools: ToolPlan | None = None, effort_map: Mapping[str, str] | None = None) -> list[dict]:
+        """The conversation as the chat template takes it (``effort_map``: see ``template_variables``)."""
         if not self.messages:
             raise APIError(400, "messages must not be empty", "messages")
         conversation = chat_messages(
             self.messages,
             tools.tools_json() if tools is not None else "",
             self.chat_template,
-            self.template_variables(),
+            self.template_variables(effort_map),
             self.add_generation_prompt,
             self.continue_final_message,
             self.documents,
         )
         return [{"messages": conversation}]
 
-    def template_variables(self) -> dict[str, Any]:
+    def template_variables(self, effort_map: Mapping[str, str] | None = None) -> dict[str, Any]:
         """``chat_template_kwargs`` over what ``reasoning_effort`` sets (as vLLM: the effort itself, and
-        ``enable_thinking`` false for ``none``, true for the others)."""
-        effort = self.reasoning_effort
+        ``enable_thinking`` false for ``none``, true for the others); ``effort_map`` (``--reasoning-effort-map``)
+        rewrites the effort first, where it names it."""
+        effort: str | None = self.reasoning_effort
+        if effort is not None and effort_map:
+            effort = effort_map.get(effort, effort)
         from_effort = {} if effort is None else {"reasoning_effort": effort, "enable_thinking": effort != "none"}
         return from_effort | (self.chat_template_kwargs or {})
 
