@@ -21,12 +21,16 @@ _NO_DCP = "tensor parallelism shards heads, and each shard keeps its heads' whol
 _NO_OFFLOAD = "weights stay on the device"
 _LOADER = "tensors are read from memory-mapped safetensors files as each shard places them"
 _NO_TRACING = "raypaged exports Prometheus metrics (/metrics) and request log lines, no traces or profiles"
+_NO_SLEEP = "the engine keeps its weights and KV cache for its lifetime"
+_ONE_CHUNKED = "the scheduler prefills one prompt in chunks at a time"
+_KERNELS = "raypaged's kernels are chosen per device"
 
 DEFAULT_ONLY: list[Option] = [
     ("pipeline_parallel_size", ("-pp",), int, (1,), "pipeline parallelism is not implemented: shard layers with -tp"),
     ("data_parallel_size", ("-dp",), int, (1,), _NO_DP),
-    ("max_long_partial_prefills", (), int, (1,), "the scheduler prefills one prompt in chunks at a time"),
-    ("long_prefill_token_threshold", (), int, (0,), "the scheduler prefills one prompt in chunks at a time"),
+    ("max_long_partial_prefills", (), int, (1,), _ONE_CHUNKED),
+    ("long_prefill_token_threshold", (), int, (0,), _ONE_CHUNKED),
+    ("long_prefill_token_threshold_adaptive", (), bool, (False,), _ONE_CHUNKED),
     ("cpu_offload_gb", (), float, (0.0,), _NO_OFFLOAD),
     ("tokenizer_mode", (), str, ("auto", "hf"), "the model's own (fast) tokenizer is used"),
     ("distributed_executor_backend", (), str, (None, "ray"), "shards are Ray actors (ray)"),
@@ -62,8 +66,13 @@ DEFAULT_ONLY: list[Option] = [
         (None, 0),
         "the model is not compiled with torch.compile (level 0); CUDA graphs are on unless {enforce_eager}",
     ),
-    ("enable_sleep_mode", (), bool, (False,), "the engine keeps its weights and KV cache for its lifetime"),
-    ("enable_cumem_allocator", (), bool, (None, False), "the engine keeps its weights and KV cache for its lifetime"),
+    ("enable_sleep_mode", (), bool, (False,), _NO_SLEEP),
+    ("enable_cumem_allocator", (), bool, (None, False), _NO_SLEEP),
+    ("sleep_mode_backend", (), str, ("cumem",), _NO_SLEEP),
+    ("sleep_mode_offload_cudagraph", (), bool, (False,), _NO_SLEEP),
+    ("sleep_preserve_parameter_names", (), list, (None,), _NO_SLEEP),
+    ("enable_nccl_comm_suspend", (), bool, (False,), _NO_SLEEP),
+    ("checkpoint_prepare_on_startup", (), bool, (False,), _NO_SLEEP),
     ("skip_tokenizer_init", (), bool, (False,), "the engine tokenizes prompts and detokenizes outputs itself"),
     ("model_impl", (), str, ("auto",), "raypaged runs its own implementation of each supported architecture"),
     (
@@ -128,6 +137,7 @@ DEFAULT_ONLY: list[Option] = [
         "the weights are the *.safetensors files at the top of the model folder (nothing under original/ is read)",
     ),
     ("pt_load_map_location", (), str, (None, "cpu"), "only safetensors checkpoints are read (no .pt files)"),
+    ("shuffle_safetensors_files", (), bool, (False,), f"{_LOADER}, in the files' order"),
     # parallel
     ("master_addr", (), str, (None, "127.0.0.1"), "Ray places the shards: join a cluster with {ray_address}"),
     ("master_port", (), int, (None, 29501), "Ray places the shards: join a cluster with {ray_address}"),
@@ -157,12 +167,22 @@ DEFAULT_ONLY: list[Option] = [
     ("disable_nccl_for_dp_synchronization", (), bool, (None,), _NO_DP),
     ("enable_batch_sharded_sampling", (), bool, (None, False), "each shard samples the whole batch itself"),
     ("enable_ep_weight_filter", (), bool, (None, False), _NO_MOE),
+    ("enable_hc_sp", (), bool, (False,), "no HyperConnection architecture is supported"),
+    (
+        "enable_shm_tensor_arena",
+        (),
+        bool,
+        (False,),
+        "a step's inputs reach the shards through Ray (no shared-memory arena)",
+    ),
+    ("dp_sync_interval", (), int, (16,), _NO_DP),
     ("all2all_backend", (), str, (None,), _NO_MOE),
     ("enable_dbo", (), bool, (None, False), "a step runs as one batch (no dual-batch overlap)"),
     ("ubatch_size", (), int, (None, 0), "a step runs as one batch (no micro-batches)"),
     ("dbo_decode_token_threshold", (), int, (None,), "a step runs as one batch (no dual-batch overlap)"),
     ("dbo_prefill_token_threshold", (), int, (None,), "a step runs as one batch (no dual-batch overlap)"),
     ("enable_elastic_ep", (), bool, (None, False), _NO_MOE),
+    ("elastic_ep_max_dp_size", (), int, (None,), _NO_MOE),
     ("enable_eplb", (), bool, (None, False), _NO_MOE),
     ("eplb_config", (), str, (None,), _NO_MOE),
     ("expert_placement_strategy", (), str, (None, "linear"), _NO_MOE),
@@ -181,6 +201,14 @@ DEFAULT_ONLY: list[Option] = [
     ("prefix_cache_retention_interval", (), int, (None, 0), _NO_MAMBA),
     ("kv_cache_dtype_skip_layers", (), list, (None,), "{kv_cache_dtype} applies to every layer"),
     ("kv_sharing_fast_prefill", (), bool, (None, False), "every layer keeps its own KV cache"),
+    (
+        "enable_extensible_kv_cache",
+        (),
+        bool,
+        (None, False),
+        "the KV cache is sized once at startup, by {gpu_memory_utilization}'s profiling or {kv_cache_memory_bytes}",
+    ),
+    ("enable_mamba_shared_prefix_checkpoint", (), bool, (False,), _NO_MAMBA),
     ("mamba_cache_dtype", (), str, (None, "auto"), _NO_MAMBA),
     ("mamba_ssm_cache_dtype", (), str, (None, "auto"), _NO_MAMBA),
     ("mamba_block_size", (), int, (None,), _NO_MAMBA),
@@ -236,6 +264,7 @@ DEFAULT_ONLY: list[Option] = [
     ("specialize_active_lora", (), bool, (None, False), "CUDA graphs record the LoRA path with a fixed slot count"),
     ("enable_mixed_moe_lora_format", (), bool, (None, False), _NO_MOE),
     ("enable_moe_shared_loras", (), bool, (None, False), _NO_MOE),
+    ("max_lora_cls_labels", (), int, (None,), "raypaged serves generative models only (no classification heads)"),
     # observability
     ("otlp_traces_endpoint", (), str, (None,), _NO_TRACING),
     ("collect_detailed_traces", (), str, (None,), _NO_TRACING),
@@ -268,19 +297,24 @@ DEFAULT_ONLY: list[Option] = [
         "a request is admitted when its first chunk's blocks fit; later chunks take blocks as they run",
     ),
     ("watermark", (), float, (None, 0.0), "requests are admitted while their next blocks fit (no reserve)"),
+    ("cache_aware_admission_window", (), int, (0,), "waiting requests are admitted in {scheduling_policy}'s order"),
+    ("max_num_inflight_kv_loads", (), int, (None,), "prefill and decode run in the same engine (no KV transfer)"),
     ("prefill_schedule_interval", (), int, (None, 1), "new prompts are admitted at every step"),
-    ("disable_hybrid_kv_cache_manager", (), bool, (None,), "every layer's KV cache is paged the same way"),
+    ("disable_hybrid_kv_cache_manager", (), bool, (None, True), "every layer's KV cache is paged the same way"),
     ("performance_mode", (), str, (None, "balanced"), "set {max_num_seqs} and {max_num_batched_tokens} directly"),
     # kernels and other configs
     ("attention_config", ("-ac",), str, (None,), "choose attention with {attention_backend} (auto, torch, cpu, cuda)"),
-    ("kernel_config", (), str, (None,), "raypaged's kernels are chosen per device"),
-    ("ir_op_priority", (), str, (None,), "raypaged's kernels are chosen per device"),
-    ("enable_flashinfer_autotune", (), bool, (None,), "raypaged's kernels are chosen per device"),
+    ("kernel_config", (), str, (None,), _KERNELS),
+    ("ir_op_priority", (), str, (None,), _KERNELS),
+    ("enable_flashinfer_autotune", (), bool, (None,), _KERNELS),
+    ("monokernel", (), bool, (False,), _KERNELS),
     ("enable_bf16x3_router_gemm", (), bool, (None,), _NO_MOE),
     ("moe_backend", (), str, (None, "auto"), _NO_MOE),
-    ("linear_backend", (), str, (None, "auto"), "raypaged's kernels are chosen per device"),
+    ("linear_backend", (), str, (None, "auto"), _KERNELS),
+    ("sparse_indexer_topk_backend", (), str, ("auto",), "no sparse-attention (DSA) architecture is supported"),
     ("gdn_prefill_backend", (), str, (None,), "no linear-attention (GatedDeltaNet) architecture is supported"),
     ("kda_prefill_backend", (), str, (None,), "no linear-attention (KDA) architecture is supported"),
+    ("kda_decode_backend", (), str, (None,), "no linear-attention (KDA) architecture is supported"),
     ("diffusion_config", ("-dc",), str, (None,), "raypaged serves autoregressive models only"),
     ("kv_transfer_config", (), str, (None,), "prefill and decode run in the same engine (no KV transfer)"),
     ("kv_events_config", (), str, (None,), "the engine publishes no KV-cache events"),
@@ -288,6 +322,17 @@ DEFAULT_ONLY: list[Option] = [
     ("ec_manager_config", (), str, (None,), _TEXT_ONLY),
     ("additional_config", (), str, (None, "{}"), "raypaged reads no platform-specific extras"),
     ("weight_transfer_config", (), str, (None,), "weights are loaded once at startup"),
+    ("watermark_config", (), str, (None,), "generated text is not watermarked"),
+    ("engram_config", (), str, (None,), "no Engram architecture is supported"),
+    ("aux_output_config", (), str, (None,), f"{_NO_MOE}, so there are no routed experts to return"),
+    (
+        "watchdog_config",
+        (),
+        str,
+        (None,),
+        "no thread stacks are dumped: a stalled shard is found by the step timeout ($RAYPAGED_STEP_TIMEOUT_S) "
+        "and its group restarted",
+    ),
     ("fail_on_environ_validation", (), bool, (None, False), "raypaged reads no VLLM_* environment variables"),
 ]
 
@@ -308,11 +353,14 @@ ANY_VALUE: dict[str, tuple[type, str]] = {
     "allow_deprecated_quantization": (bool, "no supported quantization method is deprecated"),
     "show_hidden_metrics_for_version": (str, "raypaged hides no metric behind a version"),
     "skip_mm_profiling": (bool, _TEXT_ONLY),
+    "swa_bounded_replay": (bool, "no supported architecture keeps a sliding-window KV cache apart"),
+    "cache_aware_admission_threshold": (float, "waiting requests are admitted in order: no cache-aware window engages"),
 }
 
 # gateway options (``raypaged serve`` and ``raypaged gateway``), as DEFAULT_ONLY
 SERVER_DEFAULT_ONLY: list[Option] = [
     ("headless", (), bool, (False,), "the server always runs its HTTP API beside its engines"),
+    ("headless_client_handshake_address", (), str, (None,), "the server always runs its HTTP API beside its engines"),
     ("api_server_count", ("-asc",), int, (None, 1), "one HTTP server process serves every model"),
     ("grpc", (), bool, (False,), "raypaged's gRPC API (its own protocol, not vLLM's) is `raypaged engine`"),
     ("data_parallel_supervisor_port", (), int, (None, 9256), _NO_DP),
@@ -323,6 +371,14 @@ SERVER_DEFAULT_ONLY: list[Option] = [
     ("tool_parser_plugin", (), str, (None, ""), "tool-call parsers are built in ({tool_call_parser})"),
     ("reasoning_parser_plugin", (), str, (None, ""), "reasoning parsers are built in ({reasoning_parser})"),
     ("tool_server", (), str, (None,), "no built-in (MCP) tools are served: function tools run on the client"),
+    (
+        "tool_strict_level",
+        (),
+        str,
+        (None, "auto"),
+        "tool calls of tool_choice auto are parsed from the model's text ({tool_call_parser}), not constrained; "
+        "tool_choice required or a named function constrains the call and its arguments",
+    ),
     ("enable_per_request_metrics", (), bool, (None, False), "request timings are /metrics histograms"),
     ("cohere_is_reasoning_model", (), bool, (None, True), "no Cohere endpoint is served"),
     ("cohere_format", (), str, (None, "cmd4"), "no Cohere endpoint is served"),
@@ -339,4 +395,5 @@ SERVER_DEFAULT_ONLY: list[Option] = [
 
 SERVER_ANY_VALUE: dict[str, tuple[type, str]] = {
     "enable_flash_late_interaction": (bool, "no late-interaction scoring model is served"),
+    "trust_request_mm_kwargs": (bool, f"{_TEXT_ONLY}: a request's mm_processor_kwargs and media_io_kwargs are refused"),
 }

@@ -1,8 +1,10 @@
-"""Every flag of vLLM's ``vllm serve`` (``vllm_serve_flags.txt``: vLLM 0.29's, long name and short aliases per
-line) is a flag of ``raypaged serve``: honoured, taken where it changes nothing here, or refused by name with
-the reason, before any model loads."""
+"""Every flag of vLLM's ``vllm serve`` (``vllm_serve_flags.txt``: vLLM 0.34's, one flag a line: its name, its
+other long names, then its short aliases; a switch's other long names are the spellings that turn it off) is a
+flag of ``raypaged serve``: honoured, taken where it changes nothing here, or refused by name with the reason,
+before any model loads."""
 
 import argparse
+import functools
 import re
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from tests.serving.conftest import tiny_model_dir  # noqa: F401  (session fixtur
 VLLM_FLAGS = [line.split() for line in (Path(__file__).parent / "vllm_serve_flags.txt").read_text().splitlines()]
 
 
+@functools.cache
 def serve_parser() -> argparse.ArgumentParser:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices["serve"]
@@ -28,8 +31,21 @@ def configs(*argv: str):
 
 def test_every_vllm_serve_flag_is_a_flag_of_raypaged_serve():
     known = set(serve_parser()._option_string_actions)
-    assert len(VLLM_FLAGS) == 291
+    assert len(VLLM_FLAGS) == 327
     assert [name for names in VLLM_FLAGS for name in names if name not in known] == []
+    assert {"--enable-bf16x3-router-gemm", "--token-level-profiling"} <= known  # vLLM 0.29's, for older lines
+
+
+@pytest.mark.parametrize("names", [names for names in VLLM_FLAGS if len(names) > 1], ids=lambda names: names[0])
+def test_every_spelling_of_a_vllm_flag_sets_its_value_as_vllm_does(names):
+    """A line's spellings are one flag: a short alias is its first name; a switch's other long names (vLLM 0.34's
+    --disable-x of --enable-x, --enable-x of --disable-x, --no-x) turn it off, as vLLM's do."""
+    parser = serve_parser()
+    action = parser._option_string_actions[names[0]]
+    assert [parser._option_string_actions[name] for name in names] == [action] * len(names)
+    if action.nargs == 0:
+        got = [getattr(parser.parse_args([name]), action.dest) for name in names]
+        assert got == [name == names[0] or not name.startswith("--") for name in names]
 
 
 @pytest.mark.parametrize(
@@ -256,3 +272,211 @@ def test_logprobs_mode_processed_logprobs_shows_the_distribution_each_token_was_
     for token, position in zip(completion.token_ids, completion.logprobs):
         top_two = sorted(position.values(), key=lambda entry: entry.rank)[:2]
         assert token in position and sum(math.exp(e.logprob) for e in top_two) == pytest.approx(1.0, abs=1e-5)
+
+
+def gateway(*argv: str):
+    from raypaged.entrypoints.server_args import gateway_options
+
+    return gateway_options(build_parser().parse_args(["serve", *argv]))
+
+
+def test_vllm_034s_negative_forms_and_aliases_reach_the_engine_and_the_gateway(tiny_model_dir):
+    [config] = configs(
+        str(tiny_model_dir),
+        "--disable-prefix-caching",
+        "--no-enforce-eager",
+        "--disable-lora",
+        "--device-memory-utilization",
+        "0.5",
+    )
+    assert (config.enable_prefix_caching, config.enforce_eager, config.enable_lora) == (False, False, False)
+    assert config.gpu_memory_utilization == 0.5
+    [config] = configs(str(tiny_model_dir), "--enforce-eager", "--enable-lora", "--no-enable-prefix-caching")
+    assert (config.enable_prefix_caching, config.enforce_eager, config.enable_lora) == (False, True, True)
+    on = gateway("--disable-uvicorn-access-log", "--enable-uvicorn-access-log", "--enable-log-requests")
+    off = gateway(
+        "--disable-uvicorn-access-log", "--enable-log-requests", "--disable-log-requests", "--disable-fastapi-docs"
+    )
+    assert (on.access_log, on.log_requests, on.openapi_docs) == (True, True, True)
+    assert (off.access_log, off.log_requests, off.openapi_docs) == (False, False, False)
+    both = gateway(
+        "--enable-auto-tool-choice", "--disable-auto-tool-choice", "--allow-credentials", "--no-allow-credentials"
+    )
+    assert (both.enable_auto_tool_choice, both.allow_credentials) == (False, False)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--sleep-mode-backend", "cumem", "--no-sleep-mode-offload-cudagraph", "--disable-nccl-comm-suspend"],
+        ["--no-checkpoint-prepare-on-startup", "--no-shuffle-safetensors-files", "--disable-hc-sp"],
+        ["--disable-shm-tensor-arena", "--dp-sync-interval", "16", "--disable-extensible-kv-cache", "--no-monokernel"],
+        [
+            "--swa-bounded-replay",
+            "--disable-mamba-shared-prefix-checkpoint",
+            "--no-long-prefill-token-threshold-adaptive",
+        ],
+        ["--cache-aware-admission-window", "0", "--cache-aware-admission-threshold", "0.9"],
+        ["--sparse-indexer-topk-backend", "auto", "--disable-hybrid-kv-cache-manager", "--enable-custom-all-reduce"],
+        ["--enable-sliding-window", "--enable-cascade-attn", "--enable-chunked-mm-input", "--disable-eplb"],
+    ],
+)
+def test_vllm_034_flags_at_the_values_raypaged_has_are_taken(tiny_model_dir, argv):
+    [config] = configs(str(tiny_model_dir), *argv)
+    assert config.model == str(tiny_model_dir)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--disable-chunked-prefill"],
+            "--disable-chunked-prefill is not supported: long prefills are always chunked within "
+            "--max-num-batched-tokens",
+        ),
+        (
+            ["--enable-hybrid-kv-cache-manager"],
+            "--enable-hybrid-kv-cache-manager is not supported: every layer's KV cache is paged the same way",
+        ),
+        (
+            ["--sleep-mode-backend", "criu"],
+            "--sleep-mode-backend criu is not supported: the engine keeps its weights and KV cache for its lifetime",
+        ),
+        (
+            ["--cache-aware-admission-window", "8"],
+            "--cache-aware-admission-window 8 is not supported: waiting requests are admitted in "
+            "--scheduling-policy's order",
+        ),
+        (
+            ["--max-num-inflight-kv-loads", "4"],
+            "--max-num-inflight-kv-loads 4 is not supported: prefill and decode run in the same engine "
+            "(no KV transfer)",
+        ),
+        (["--monokernel"], "--monokernel is not supported: raypaged's kernels are chosen per device"),
+        (
+            ["--watermark-config", '{"key": 7}'],
+            '--watermark-config {"key": 7} is not supported: generated text is not watermarked',
+        ),
+        (
+            ["--watchdog-config", '{"dump_dir": "/tmp/stacks"}'],
+            '--watchdog-config {"dump_dir": "/tmp/stacks"} is not supported: no thread stacks are dumped: a stalled '
+            "shard is found by the step timeout ($RAYPAGED_STEP_TIMEOUT_S) and its group restarted",
+        ),
+        (
+            ["--enable-expert-parallel"],
+            "--enable-expert-parallel is not supported: no mixture-of-experts architecture is supported",
+        ),
+        (["--max-num-active-seqs", "300"], "--max-num-active-seqs must be from 1 to --max-num-seqs 256, got 300"),
+        (["--max-num-queued-reqs", "-1"], "--max-num-queued-reqs must be at least 0, got -1"),
+        (
+            ["--custom-histogram-buckets", '{"request_num_preemptions": [1, 2]}'],
+            "--custom-histogram-buckets: request_num_preemptions is not supported: raypaged exports none of its "
+            "histograms",
+        ),
+        (
+            ["--custom-histogram-buckets", '{"ttft": [1]}'],
+            "--custom-histogram-buckets: unknown histogram family 'ttft'; families: request_latency, "
+            "time_to_first_token, inter_token_latency, iteration_tokens, request_params_n, request_tokens",
+        ),
+        (
+            ["--custom-histogram-buckets", '{"request_latency": [1, 0.5]}'],
+            "--custom-histogram-buckets: request_latency's bounds must increase, got [1, 0.5]",
+        ),
+        (
+            ["--custom-histogram-buckets", '{"request_latency": [0, true]}'],
+            "--custom-histogram-buckets: request_latency takes a non-empty list of finite bounds above 0, got "
+            "[0, True]",
+        ),
+    ],
+)
+def test_vllm_034_engine_flags_raypaged_cannot_honour_are_refused_by_name(tiny_model_dir, argv, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        configs(str(tiny_model_dir), *argv)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--tool-strict-level", "parameter"],
+            "--tool-strict-level parameter is not supported: tool calls of tool_choice auto are parsed from the "
+            "model's text (--tool-call-parser), not constrained; tool_choice required or a named function "
+            "constrains the call and its arguments",
+        ),
+        (
+            ["--headless-client-handshake-address", "tcp://10.0.0.1:5000"],
+            "--headless-client-handshake-address tcp://10.0.0.1:5000 is not supported: the server always runs its "
+            "HTTP API beside its engines",
+        ),
+        (
+            ["--disable-offline-docs", "--enable-offline-docs"],
+            "--enable-offline-docs is not supported: no Swagger or ReDoc page is served (only /openapi.json)",
+        ),
+        (
+            ["--reasoning-effort-map", '{"huge": "max"}'],
+            "--reasoning-effort-map: 'huge' is not a reasoning effort (efforts: none, minimal, low, medium, high, "
+            "xhigh, max)",
+        ),
+        (
+            ["--reasoning-effort-map", '{"low": 1}'],
+            "--reasoning-effort-map takes a JSON object of reasoning efforts and the chat template's names for them, "
+            'got {"low": 1}',
+        ),
+    ],
+)
+def test_vllm_034_server_flags_raypaged_cannot_honour_are_refused_by_name(argv, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        gateway(*argv)
+
+
+def test_vllm_034_server_flags_at_the_values_raypaged_has_are_taken():
+    options = gateway("--tool-strict-level", "auto", "--trust-request-mm-kwargs", "--disable-flash-late-interaction")
+    assert options.anthropic_disabled_thinking_effort == "auto"
+    options = gateway("--reasoning-effort-map", '{"xhigh": "max"}', "--anthropic-disabled-thinking-effort", "low")
+    assert (options.reasoning_effort_map, options.anthropic_disabled_thinking_effort) == ({"xhigh": "max"}, "low")
+
+
+def test_queue_limits_and_histogram_buckets_are_a_servers_and_refused_offline(tiny_model_dir):
+    from raypaged.entrypoints.run_batch import BatchJob
+
+    [config] = configs(
+        str(tiny_model_dir),
+        "--max-num-queued-reqs",
+        "8",
+        "--max-num-queued-tokens",
+        "2k",
+        "--custom-histogram-buckets",
+        '{"iteration_tokens": [1, 64]}',
+    )
+    assert (config.max_num_queued_reqs, config.max_num_queued_tokens) == (8, 2000)
+    assert config.custom_histogram_buckets == {"iteration_tokens": [1, 64]}
+    with pytest.raises(ValueError) as info:
+        LLM(str(tiny_model_dir), max_num_queued_reqs=8)
+    assert str(info.value) == (
+        "max_num_queued_reqs=8 is not supported: LLM runs every prompt it is given: the queue limits refuse a "
+        "server's requests (raypaged serve)"
+    )
+    batch = build_parser().parse_args(
+        ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--max-num-queued-tokens", "4k"]
+    )
+    with pytest.raises(ValueError) as info:
+        BatchJob.from_args(batch)
+    assert str(info.value) == (
+        "--max-num-queued-tokens 4000 is not supported: a batch answers every request (the queue limits refuse a "
+        "server's; --max-num-seqs caps each step)"
+    )
+
+
+def test_max_num_active_seqs_caps_the_running_batch_below_max_num_seqs(tiny_model_dir):
+    from raypaged import SamplingParams
+
+    llm = LLM(str(tiny_model_dir), max_num_active_seqs=2, max_num_seqs=8, num_gpu_blocks_override=64)
+    try:
+        engine = llm.llm_engine
+        for prompt in ("a", "b", "c", "d"):
+            engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        engine.step()
+        assert (engine.stats().num_requests_running, engine.stats().num_requests_waiting) == (2, 2)
+        assert engine.config.cuda_graph_sizes[0][-1] == 8  # the graphs are still max_num_seqs'
+    finally:
+        llm.shutdown()
