@@ -164,7 +164,6 @@ DEFAULT_ONLY: list[Option] = [
     ("data_parallel_hybrid_lb", ("-dph",), bool, (None, False), _NO_DP),
     ("data_parallel_external_lb", ("-dpe",), bool, (None, False), _NO_DP),
     ("data_parallel_multi_port_external_lb", ("-dpm",), bool, (None, False), _NO_DP),
-    ("disable_nccl_for_dp_synchronization", (), bool, (None,), _NO_DP),
     ("enable_batch_sharded_sampling", (), bool, (None, False), "each shard samples the whole batch itself"),
     ("enable_ep_weight_filter", (), bool, (None, False), _NO_MOE),
     ("enable_hc_sp", (), bool, (False,), "no HyperConnection architecture is supported"),
@@ -306,7 +305,7 @@ DEFAULT_ONLY: list[Option] = [
     ("attention_config", ("-ac",), str, (None,), "choose attention with {attention_backend} (auto, torch, cpu, cuda)"),
     ("kernel_config", (), str, (None,), _KERNELS),
     ("ir_op_priority", (), str, (None,), _KERNELS),
-    ("enable_flashinfer_autotune", (), bool, (None,), _KERNELS),
+    ("enable_flashinfer_autotune", (), bool, (None, False), "raypaged's kernels are chosen per device (no FlashInfer)"),
     ("monokernel", (), bool, (False,), _KERNELS),
     ("enable_bf16x3_router_gemm", (), bool, (None,), _NO_MOE),
     ("moe_backend", (), str, (None, "auto"), _NO_MOE),
@@ -354,6 +353,7 @@ ANY_VALUE: dict[str, tuple[type, str]] = {
     "show_hidden_metrics_for_version": (str, "raypaged hides no metric behind a version"),
     "skip_mm_profiling": (bool, _TEXT_ONLY),
     "swa_bounded_replay": (bool, "no supported architecture keeps a sliding-window KV cache apart"),
+    "disable_nccl_for_dp_synchronization": (bool, "one engine per model: there are no data-parallel ranks to sync"),
     "cache_aware_admission_threshold": (float, "waiting requests are admitted in order: no cache-aware window engages"),
 }
 

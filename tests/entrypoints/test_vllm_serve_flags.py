@@ -319,6 +319,7 @@ def test_vllm_034s_negative_forms_and_aliases_reach_the_engine_and_the_gateway(t
         ["--cache-aware-admission-window", "0", "--cache-aware-admission-threshold", "0.9"],
         ["--sparse-indexer-topk-backend", "auto", "--disable-hybrid-kv-cache-manager", "--enable-custom-all-reduce"],
         ["--enable-sliding-window", "--enable-cascade-attn", "--enable-chunked-mm-input", "--disable-eplb"],
+        ["--disable-flashinfer-autotune", "--enable-nccl-for-dp-synchronization", "--disable-expert-parallel"],
     ],
 )
 def test_vllm_034_flags_at_the_values_raypaged_has_are_taken(tiny_model_dir, argv):
@@ -353,6 +354,10 @@ def test_vllm_034_flags_at_the_values_raypaged_has_are_taken(tiny_model_dir, arg
             "(no KV transfer)",
         ),
         (["--monokernel"], "--monokernel is not supported: raypaged's kernels are chosen per device"),
+        (
+            ["--enable-flashinfer-autotune"],
+            "--enable-flashinfer-autotune is not supported: raypaged's kernels are chosen per device (no FlashInfer)",
+        ),
         (
             ["--watermark-config", '{"key": 7}'],
             '--watermark-config {"key": 7} is not supported: generated text is not watermarked',
