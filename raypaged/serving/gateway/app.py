@@ -189,12 +189,7 @@ def build_app(
         try:
             parsed = await parse(http, body_type, raw)
             if isinstance(parsed, MessagesRequest):
-                cache_block_size = await prefix_cache_block_size(parsed.model)
-                effort = await disabled_effort(http, parsed)
-                chat_body = _validated(
-                    parsed.chat_body(reasoning_parser is not None, cache_block_size is not None, effort),
-                    ChatCompletionRequest,
-                )
+                chat_body, cache_block_size = await messages_chat(http, parsed)
                 answer = MessagesAnswer(cache_block_size)
                 return await generate_in(slot, http, chat_body, answer, cached_tokens=True)
             if not isinstance(parsed, ResponsesRequest):
