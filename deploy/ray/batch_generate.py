@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from raypaged import LLM, SamplingParams
-from raypaged.entrypoints.cli import add_engine_args, configure_logging, engine_kwargs
+from raypaged.entrypoints.cli import add_engine_args, engine_kwargs, setup_logging
 
 
 def read_prompts(path: Path) -> tuple[list[str], list[dict]]:
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
-    configure_logging(args.log_level)
+    setup_logging(args)  # --log-level and --logging-config, as raypaged's commands
 
     ids, prompts = read_prompts(args.input)
     llm = LLM(**engine_kwargs(args, set(inspect.signature(LLM).parameters), args.model))

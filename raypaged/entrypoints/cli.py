@@ -463,13 +463,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def setup_logging(args: argparse.Namespace) -> None:
+    """This process's logging from ``--log-level`` and ``--logging-config`` (``ValueError`` naming the flag)."""
+    setup = logging_setup(args)
+    configure_logging(setup.level)
+    if setup.dict_config is not None:  # the gateway's uvicorn and the engine process apply it too
+        logging.config.dictConfig(setup.dict_config)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        setup = logging_setup(args)
-        configure_logging(setup.level)
-        if setup.dict_config is not None:  # the gateway's uvicorn and the engine process apply it too
-            logging.config.dictConfig(setup.dict_config)
+        setup_logging(args)
         return args.func(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
