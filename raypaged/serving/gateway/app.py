@@ -16,7 +16,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
-from pydantic.json_schema import models_json_schema
 from starlette.middleware.cors import CORSMiddleware
 
 from raypaged import __version__
@@ -51,7 +50,12 @@ from raypaged.serving.gateway.output_log import OutputLog, OutputLogging
 from raypaged.serving.gateway.reasoning import ReasoningParser
 from raypaged.serving.gateway.response_events import ResponseEvents, fed_events, sse_event
 from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape, engine_request_ids
-from raypaged.serving.gateway.scale_out import GatewayParts, add_disabled_scale_out_routes, add_scale_out_routes
+from raypaged.serving.gateway.scale_out import (
+    SCALE_OUT_BODIES,
+    GatewayParts,
+    add_disabled_scale_out_routes,
+    add_scale_out_routes,
+)
 from raypaged.serving.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,6 +63,8 @@ from raypaged.serving.gateway.schemas import (
     LoadLoRAAdapterBody,
     TokenizeBody,
     UnloadLoRAAdapterBody,
+    add_body_schemas,
+    body_doc,
 )
 from raypaged.serving.gateway.sse import EventStream, sse_data
 from raypaged.serving.gateway.tenants import Tenants
@@ -364,16 +370,16 @@ def build_app(
             code="model_not_found",
         )
 
-    @app.post("/v1/responses", openapi_extra=_body_doc(ResponsesRequest))
+    @app.post("/v1/responses", openapi_extra=body_doc(ResponsesRequest))
     async def responses(http: Request) -> Response:
         return await generate(http, ResponsesRequest)
 
-    @app.post(MESSAGES_PATH, openapi_extra=_body_doc(MessagesRequest))
+    @app.post(MESSAGES_PATH, openapi_extra=body_doc(MessagesRequest))
     async def messages(http: Request) -> Response:
         """Anthropic's Messages API, run as a chat completion (``anthropic.py``)."""
         return await generate(http, MessagesRequest)
 
-    @app.post(COUNT_TOKENS_PATH, openapi_extra=_body_doc(CountTokensRequest))
+    @app.post(COUNT_TOKENS_PATH, openapi_extra=body_doc(CountTokensRequest))
     async def count_tokens(http: Request) -> dict:
         """The input tokens of a Messages request: its chat request's prompt, as the chat template renders it."""
         body = await parse(http, CountTokensRequest)
@@ -401,11 +407,11 @@ def build_app(
         responses_store.delete(http.state.tenant_gate.tenant.name, response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
-    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
     async def completions(http: Request) -> Response:
         return await generate(http, CompletionRequest)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(http: Request) -> Response:
         return await generate(http, ChatCompletionRequest)
 
@@ -455,7 +461,7 @@ def build_app(
         await routes.find(model)  # a 404 for a name no engine serves
         return await card(model)
 
-    @app.post("/v1/load_lora_adapter", openapi_extra=_body_doc(LoadLoRAAdapterBody))
+    @app.post("/v1/load_lora_adapter", openapi_extra=body_doc(LoadLoRAAdapterBody))
     async def load_lora_adapter(http: Request) -> Response:
         """vLLM's runtime adapter loading (behind the API key, as every path but the probes)."""
         body = await parse(http, LoadLoRAAdapterBody)
@@ -469,7 +475,7 @@ def build_app(
         routes.adapters[body.lora_name] = address
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", openapi_extra=_body_doc(UnloadLoRAAdapterBody))
+    @app.post("/v1/unload_lora_adapter", openapi_extra=body_doc(UnloadLoRAAdapterBody))
     async def unload_lora_adapter(http: Request) -> Response:
         body = await parse(http, UnloadLoRAAdapterBody)
         if body.lora_name not in routes.adapters:
@@ -508,7 +514,7 @@ def build_app(
         registry.register(_Families(families))
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize", openapi_extra=_body_doc(TokenizeBody))
+    @app.post("/tokenize", openapi_extra=body_doc(TokenizeBody))
     async def tokenize(http: Request) -> dict:
         body = await parse(http, TokenizeBody)
         model, stub = await routes.find(body.model)
@@ -539,7 +545,7 @@ def build_app(
             response = await stub.TokenizerInfo(request, metadata=metadata(http))
             return json.loads(response.config_json)
 
-    @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeBody))
+    @app.post("/detokenize", openapi_extra=body_doc(DetokenizeBody))
     async def detokenize(http: Request) -> dict:
         body = await parse(http, DetokenizeBody)
         model, stub = await routes.find(body.model)
@@ -569,7 +575,7 @@ def build_app(
     else:
         add_disabled_scale_out_routes(app)
 
-    _add_body_schemas(
+    add_body_schemas(
         app,
         [
             CompletionRequest,
@@ -581,6 +587,7 @@ def build_app(
             DetokenizeBody,
             LoadLoRAAdapterBody,
             UnloadLoRAAdapterBody,
+            *(SCALE_OUT_BODIES if scale_out else ()),
         ],
     )
     return app
@@ -627,25 +634,6 @@ def _validated(data: object, body_type: type[Body]) -> Body:
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
-
-
-def _body_doc(body_type: type[BaseModel]) -> dict:
-    """OpenAPI text for a route that parses its JSON body itself (so the size limit comes first)."""
-    ref = {"$ref": f"#/components/schemas/{body_type.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
-
-
-def _add_body_schemas(app: FastAPI, body_types: list[type[BaseModel]]) -> None:
-    """Adds the request bodies' JSON schemas to the app's OpenAPI components."""
-    _, top = models_json_schema([(t, "validation") for t in body_types], ref_template="#/components/schemas/{model}")
-    plain_openapi = app.openapi
-
-    def openapi() -> dict:
-        document = plain_openapi()
-        document.setdefault("components", {}).setdefault("schemas", {}).update(top["$defs"])
-        return document
-
-    app.openapi = openapi
 
 
 class _Families:

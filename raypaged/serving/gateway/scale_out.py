@@ -38,8 +38,9 @@ from raypaged.serving.gateway.reasoning import ReasoningParser
 from raypaged.serving.gateway.responses import ResponseShape, engine_request_ids, response_id
 from raypaged.serving.gateway.scale_out_answer import GenerateAnswer, collect, events
 from raypaged.serving.gateway.scale_out_derender import add_derender_routes
+from raypaged.serving.gateway.scale_out_derender_body import DerenderChatBody, DerenderCompletionBody
 from raypaged.serving.gateway.scale_out_request import GenerateBody, generate_request_json, parse_context_json
-from raypaged.serving.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from raypaged.serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, body_doc
 from raypaged.serving.gateway.sse import EventStream
 from raypaged.serving.gateway.tool_parsers import ToolParser
 from raypaged.serving.gateway.tools import ToolPlan
@@ -112,6 +113,10 @@ class AbortRequestsBody(BaseModel):
     request_ids: str | list[str]
 
 
+# the request bodies of the scale-out routes that are not the OpenAI routes' own (add_scale_out_routes)
+SCALE_OUT_BODIES = (GenerateBody, AbortRequestsBody, DerenderChatBody, DerenderCompletionBody)
+
+
 def add_disabled_scale_out_routes(app: FastAPI) -> None:
     """Every scale-out path answers 403 with vLLM's message (in this server's words)."""
 
@@ -124,6 +129,9 @@ def add_disabled_scale_out_routes(app: FastAPI) -> None:
 
 
 def add_scale_out_routes(app: FastAPI, parts: GatewayParts) -> None:
+    """The scale-out routes, each documenting its body (``SCALE_OUT_BODIES``: the schemas that are not the OpenAI
+    routes' own) in the app's OpenAPI document."""
+
     async def rendered(
         http: Request, body: CompletionRequest | ChatCompletionRequest, request_id: str | None = None
     ) -> list[pb.GenerateRequest]:
@@ -146,21 +154,21 @@ def add_scale_out_routes(app: FastAPI, parts: GatewayParts) -> None:
         [request] = await rendered(http, body)
         return generate_request_json(request, body.stream, body.stream_options, parse_context_json(body))
 
-    @app.post("/v1/completions/render")
+    @app.post("/v1/completions/render", openapi_extra=body_doc(CompletionRequest))
     async def render_completion(http: Request) -> list[dict]:
         body = await parts.parse(http, CompletionRequest)
         return [generate_request_json(r, body.stream, body.stream_options) for r in await rendered(http, body)]
 
-    @app.post("/v1/chat/completions/render")
+    @app.post("/v1/chat/completions/render", openapi_extra=body_doc(ChatCompletionRequest))
     async def render_chat_completion(http: Request) -> dict:
         return await render_chat(http, await parts.parse(http, ChatCompletionRequest))
 
-    @app.post("/v1/messages/render")
+    @app.post("/v1/messages/render", openapi_extra=body_doc(MessagesRequest))
     async def render_messages(http: Request) -> dict:
         chat, _ = await parts.messages_chat(http, await parts.parse(http, MessagesRequest))
         return await render_chat(http, chat)
 
-    @app.post("/v1/responses/render")
+    @app.post("/v1/responses/render", openapi_extra=body_doc(ResponsesRequest))
     async def render_responses(http: Request) -> dict:
         """A Responses request's chat request, rendered under the response's id (vLLM's: no parse context)."""
         body = await parts.parse(http, ResponsesRequest)
@@ -174,7 +182,7 @@ def add_scale_out_routes(app: FastAPI, parts: GatewayParts) -> None:
         [request] = await rendered(http, parts.chat_request(responder.chat_body()), responder.id)
         return generate_request_json(request, body.stream, None)
 
-    @app.post(GENERATE_PATH)
+    @app.post(GENERATE_PATH, openapi_extra=body_doc(GenerateBody))
     async def generate(http: Request) -> Response:
         slot = Slot(http.state.tenant_gate, parts.drain)
         try:
@@ -234,7 +242,7 @@ def add_scale_out_routes(app: FastAPI, parts: GatewayParts) -> None:
             slot.release()
         return JSONResponse(whole)
 
-    @app.post(ABORT_PATH)
+    @app.post(ABORT_PATH, openapi_extra=body_doc(AbortRequestsBody))
     async def abort_requests(http: Request) -> Response:
         """Aborts, in the background, the requests ``/inference/v1/generate`` started under these ids (each
         engine finds a tenant's own only); answers 200 at once, with no body."""

@@ -33,7 +33,7 @@ from raypaged.serving.gateway.scale_out_derender_body import (
     TokensResponseBody,
     UsageBody,
 )
-from raypaged.serving.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from raypaged.serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, body_doc
 from raypaged.serving.messages import Usage
 from raypaged.serving.proto import generate_pb2 as pb
 
@@ -47,7 +47,7 @@ _STREAM_STOP = (
 
 
 def add_derender_routes(app: FastAPI, parts: GatewayParts) -> None:
-    @app.post("/v1/chat/completions/derender")
+    @app.post("/v1/chat/completions/derender", openapi_extra=body_doc(DerenderChatBody))
     async def derender_chat_completion(http: Request) -> dict:
         body = await parts.parse(http, DerenderChatBody)
         target = await _Target.of(http, parts, body, body.chat_request, True)
@@ -55,7 +55,7 @@ def add_derender_routes(app: FastAPI, parts: GatewayParts) -> None:
             return await target.chunk(http, body, body.prompt_tokens, body.prompt_token_ids)
         return await target.answer(http, body.whole_answers, [body.prompt_tokens], [body.prompt_token_ids])
 
-    @app.post("/v1/completions/derender")
+    @app.post("/v1/completions/derender", openapi_extra=body_doc(DerenderCompletionBody))
     async def derender_completion(http: Request) -> dict:
         body = await parts.parse(http, DerenderCompletionBody)
         target = await _Target.of(http, parts, body, body.completion_request, False)

@@ -7,7 +7,9 @@ import logging
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
+from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import models_json_schema
 
 from raypaged.serving.gateway.efforts import ReasoningEffort
 from raypaged.serving.gateway.errors import APIError
@@ -609,3 +611,22 @@ class UnloadLoRAAdapterBody(BaseModel):
 
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None  # vLLM's; the name says which
+
+
+def body_doc(body_type: type[BaseModel]) -> dict:
+    """OpenAPI text for a route that parses its JSON body itself (so the size limit comes first)."""
+    ref = {"$ref": f"#/components/schemas/{body_type.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def add_body_schemas(app: FastAPI, body_types: list[type[BaseModel]]) -> None:
+    """Adds the request bodies' JSON schemas to the app's OpenAPI components."""
+    _, top = models_json_schema([(t, "validation") for t in body_types], ref_template="#/components/schemas/{model}")
+    plain_openapi = app.openapi
+
+    def openapi() -> dict:
+        document = plain_openapi()
+        document.setdefault("components", {}).setdefault("schemas", {}).update(top["$defs"])
+        return document
+
+    app.openapi = openapi
