@@ -499,6 +499,7 @@ class EngineConfig:
         _ = self.lora_config  # the LoRA flags are checked now
         from transformers import AutoConfig  # importing this module loads neither transformers nor torch
 
+        from raypaged.model.architecture import check_options
         from raypaged.model.llama import check_tensor_parallel
 
         self.model_path = resolve_model_path(self.model, self.revision, self.download_dir, token=self.hf_token)
@@ -512,6 +513,7 @@ class EngineConfig:
         check_architecture(self.hf_config, "model")
         check_tensor_parallel(self.hf_config, self.tensor_parallel_size)
         self.quant_config = self._resolve_quantization()
+        check_options(self.hf_config, self.quant_config is not None, self.enable_lora, self.attention_backend)
         self.max_model_len = self._resolve_max_model_len()
         self._resolve_draft_model(spec)
         if self.max_num_batched_tokens is None:
@@ -699,10 +701,14 @@ class EngineConfig:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.resolved_dtype
 
     def _resolve_max_model_len(self) -> int:
+        from raypaged.model.architecture import applies_sliding_window
+
         if self.max_model_len in (-1, "auto"):
             self.fit_max_model_len, self.max_model_len = True, None
         limit, what = self.hf_config.max_position_embeddings, "max_position_embeddings"
         window = getattr(self.hf_config, "sliding_window", None)
+        if window and applies_sliding_window(self.hf_config):  # the layers apply it
+            window = None
         if window and getattr(self.hf_config, "use_sliding_window", True) and window < limit:
             # attention here is full-context: stay inside the window (vLLM's --disable-sliding-window)
             limit, what = window, "sliding_window (attention here spans the whole context)"

@@ -26,6 +26,7 @@ import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy
 import torch
@@ -92,6 +93,7 @@ class AttentionBackend:
     # every prefill span of a step in one call; None: the per-span loop
     varlen_prefill: Callable[..., torch.Tensor] | None = None
     fused_ops: FusedOps | None = None  # the model step's fused elementwise ops on this device; None: plain torch
+    windows: bool = False  # whether decode and the prefills take sliding_window and softcap (torch_ops' do)
 
     def forward(
         self,
@@ -131,6 +133,8 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_scales: KVScales | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` once this step's K/V are already in their slots (the CUDA model path
         writes them with the rotary kernel, ``raypaged.kernels.rotary_and_cache``).
@@ -138,14 +142,30 @@ class AttentionBackend:
         ``kv_scales`` (an fp8 cache's) fold into what reads the cache: q . (k_scale K) = (q . K) k_scale, so the
         kernels take ``scale * k_scale``, and softmax(.) (v_scale V) = v_scale softmax(.) V, so their output is
         multiplied by ``v_scale``; the kernels read the stored values as they are. A whole prompt's span attends
-        over this step's own K/V, unscaled."""
+        over this step's own K/V, unscaled.
+
+        ``sliding_window`` (a query sees at most that many of the newest keys) and ``softcap`` (Gemma 2's tanh cap
+        of the scores) are options of the torch attention ops only (``windows``)."""
+        options: dict[str, Any] = {}
+        if sliding_window is not None or softcap is not None:
+            options["sliding_window"] = sliding_window
+        if options:
+            if not self.windows:
+                raise ValueError(f"the {self.name} attention backend has no sliding-window or soft-capped attention")
+            options["softcap"] = softcap
         k_scale, v_scale = (1.0, 1.0) if kv_scales is None else (kv_scales.k, kv_scales.v)
         # multiplied in float32, as cpu_step.c multiplies them
         cached_scale = scale if k_scale == 1.0 else float(numpy.float32(scale) * numpy.float32(k_scale))
         num_decodes = meta.num_decode_tokens
         if num_decodes == query.shape[0] and not meta.prefills:
             out = self.decode(
-                query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, cached_scale
+                query,
+                key_cache,
+                value_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                cached_scale,
+                **options,
             )
             return _times(out, v_scale)
         out = torch.empty_like(query)
@@ -157,8 +177,13 @@ class AttentionBackend:
                 meta.decode_block_tables,
                 meta.decode_context_lens,
                 cached_scale,
+                **options,
             )
-        if self.varlen_prefill is not None and (varlen := meta.varlen_prefill(key_cache.shape[2])) is not None:
+        if (
+            self.varlen_prefill is not None
+            and not options
+            and (varlen := meta.varlen_prefill(key_cache.shape[2])) is not None
+        ):
             rows = slice(varlen.query_start, varlen.query_start + varlen.num_tokens)
             self.varlen_prefill(
                 query[rows],
@@ -179,10 +204,12 @@ class AttentionBackend:
             q = query[span.query_start : end]
             if span.context_len == span.query_len:  # nothing cached before it: its own K/V are the context
                 out[span.query_start : end] = torch_ops.prefill_attention(
-                    q, key[span.query_start : end], value[span.query_start : end], scale
+                    q, key[span.query_start : end], value[span.query_start : end], scale, **options
                 )
             else:
-                span_out = self.paged_prefill(q, key_cache, value_cache, span.block_ids, span.context_len, cached_scale)
+                span_out = self.paged_prefill(
+                    q, key_cache, value_cache, span.block_ids, span.context_len, cached_scale, **options
+                )
                 out[span.query_start : end] = _times(span_out, v_scale)
         return out
 
@@ -193,7 +220,11 @@ def _times(out: torch.Tensor, v_scale: float) -> torch.Tensor:
 
 
 TORCH = AttentionBackend(
-    "torch", torch_ops.reshape_and_cache, torch_ops.paged_attention_decode, torch_ops.paged_attention_prefill
+    "torch",
+    torch_ops.reshape_and_cache,
+    torch_ops.paged_attention_decode,
+    torch_ops.paged_attention_prefill,
+    windows=True,
 )
 
 CPU = AttentionBackend(

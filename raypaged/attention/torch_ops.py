@@ -59,20 +59,19 @@ def paged_attention_decode(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] long
     context_lens: torch.Tensor,  # [num_seqs] long
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """One query token per sequence attending to its first ``context_lens[i]`` cached tokens."""
+    """One query token per sequence attending to its first ``context_lens[i]`` cached tokens (``sliding_window``:
+    to the last ``sliding_window`` of them; ``softcap``: see :func:`attention`)."""
     keys = gather_heads_first(key_cache, block_tables).to(query.dtype)  # [S, Hkv, T, D]
     values = gather_heads_first(value_cache, block_tables).to(query.dtype)
-    max_len = keys.shape[2]
-    visible = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]  # [S, T]
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2),  # [S, H, 1, D]
-        keys,
-        values,
-        attn_mask=visible[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )
+    key_pos = torch.arange(keys.shape[2], device=query.device)[None, :]
+    visible = key_pos < context_lens[:, None]  # [S, T]
+    if sliding_window is not None:
+        visible &= key_pos >= context_lens[:, None] - sliding_window
+    out = attention(query.unsqueeze(2), keys, values, visible[:, None, None, :], scale, softcap)  # [S, H, 1, D]
     return out.squeeze(2)
 
 
@@ -83,11 +82,14 @@ def paged_attention_prefill(
     block_ids: torch.Tensor,  # [num_blocks] long
     context_len: int,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal attention of the last ``query_len`` positions of a sequence over its cached context."""
     keys = gather_blocks(key_cache, block_ids[None])[0, :context_len].to(query.dtype)
     values = gather_blocks(value_cache, block_ids[None])[0, :context_len].to(query.dtype)
-    return prefill_attention(query, keys, values, scale)
+    return prefill_attention(query, keys, values, scale, sliding_window=sliding_window, softcap=softcap)
 
 
 def prefill_attention(
@@ -95,23 +97,42 @@ def prefill_attention(
     keys: torch.Tensor,  # [context_len, num_kv_heads, head_dim]
     values: torch.Tensor,  # [context_len, num_kv_heads, head_dim]
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
-    """Causal SDPA of a sequence's newest ``query_len`` positions over its whole (gathered) context."""
+    """Causal SDPA of a sequence's newest ``query_len`` positions over its whole (gathered) context; with
+    ``sliding_window`` the query at position p sees the keys from ``max(0, p + 1 - sliding_window)`` to p."""
     query_len, context_len = query.shape[0], keys.shape[0]
-    if query_len == context_len:
-        mask, causal = None, True
-    else:
-        query_pos = torch.arange(context_len - query_len, context_len, device=query.device)
-        mask = torch.arange(context_len, device=query.device)[None, :] <= query_pos[:, None]
-        causal = False
     # 4-D inputs: torch's fused CPU kernel; 3-D ones fall back to the ~6x slower math path
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1)[None],
-        keys.transpose(0, 1)[None],
-        values.transpose(0, 1)[None],
-        attn_mask=mask,
-        is_causal=causal,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out[0].transpose(0, 1)
+    q, k, v = query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    if query_len == context_len and sliding_window is None and softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    query_pos = torch.arange(context_len - query_len, context_len, device=query.device)[:, None]
+    key_pos = torch.arange(context_len, device=query.device)[None, :]
+    mask = key_pos <= query_pos  # [query_len, context_len]
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    return attention(q, k, v, mask, scale, softcap)[0].transpose(0, 1)
+
+
+def attention(
+    query: torch.Tensor,  # [B, num_heads, Q, head_dim]
+    keys: torch.Tensor,  # [B, num_kv_heads, T, head_dim]
+    values: torch.Tensor,  # [B, num_kv_heads, T, head_dim]
+    visible: torch.Tensor,  # bool, broadcasting to [B, num_heads, Q, T]; each query sees at least one key
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [B, num_heads, Q, head_dim]
+    """Masked GQA attention; ``softcap`` (Gemma 2's attn_logit_softcapping): the scaled scores become
+    ``softcap * tanh(scores / softcap)`` before the mask, and the softmax is taken in fp32, as transformers' eager
+    attention computes them."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale, enable_gqa=True)
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, keys.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, values)

@@ -1,8 +1,13 @@
 """What each supported architecture changes in the one Llama-shaped decoder of ``raypaged.model.llama``.
 
-Every one is a pre-norm decoder of RMSNorms, rotate-half RoPE, GQA attention and a SiLU-gated MLP; they differ in
+Every one is a pre-norm decoder of RMSNorms, rotate-half RoPE, GQA attention and a gated MLP; they differ in
 biases, Qwen3's per-head q/k norms, Granite's four multipliers and Phi-3's checkpoint, which holds q/k/v and
-gate/up fused (its partial rotation and longrope are rotary options: ``layers.RotaryEmbedding``).
+gate/up fused (its partial rotation and longrope are rotary options: ``layers.RotaryEmbedding``). Gemma 2 and
+Gemma 3 (text) differ most: (1 + weight) RMSNorms, a norm after the attention and one each side of the MLP, a
+GeGLU MLP, embeddings times sqrt(hidden_size), ``query_pre_attn_scalar ** -0.5`` as the attention scale,
+sliding-window attention on the layers ``layer_types`` marks sliding, tanh soft-capping of attention scores and
+logits (Gemma 2), q/k norms and a rotary base of its own for the sliding layers (Gemma 3). Their attention runs in
+the torch attention ops only (``torch_attention_reason``).
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
     "GraniteForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
-_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3_text")
+_GEMMA_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +43,43 @@ class Architecture:
     residual_multiplier: float  # Granite: each attention and MLP output, before its residual add
     logits_scaling: float  # Granite: the logits are divided by it
     fused_checkpoint: bool  # Phi-3: the checkpoint holds qkv_proj ([q; k; v] rows) and gate_up_proj ([gate; up])
+    # Gemma: (1 + weight) RMSNorms, post-attention and pre/post-feedforward norms, GeGLU (gelu_pytorch_tanh), and the
+    # embeddings' multiplier rounded to the model's dtype
+    gemma: bool = False
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: the keys a query sees at most; empty or None: all
+    rope_layer_types: tuple[str | None, ...] = ()  # per layer: its key in a per-layer-type rope_parameters (Gemma 3)
+    attn_softcap: float | None = None  # Gemma 2: scores = softcap * tanh(scores / softcap), before the mask
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+
+
+def gemma_name(config: PretrainedConfig) -> str | None:
+    """The Gemma architecture of a config, or None for the others."""
+    return _GEMMA_TYPES.get(config.model_type)
+
+
+def torch_attention_reason(config: PretrainedConfig) -> str | None:
+    """Why the config's attention runs in the torch attention ops only (the CPU and CUDA kernels, the native CPU step
+    and the fused ops apply no sliding window, soft-capping or Gemma norms), or None where any backend runs it."""
+    name = gemma_name(config)
+    return None if name is None else f"{name}'s sliding-window attention runs in the torch attention ops only"
+
+
+def check_options(config: PretrainedConfig, quantized: bool, lora: bool, attention_backend: str) -> None:
+    """``ValueError`` naming what the engine's options ask of this architecture that raypaged does not do for it."""
+    name = gemma_name(config)
+    if name is None:
+        return
+    if quantized:
+        raise ValueError(f"quantized checkpoints (--quantization) are not supported for {name}")
+    if lora:
+        raise ValueError(f"LoRA (--enable-lora) is not supported for {name}")
+    if attention_backend not in ("auto", "torch"):
+        raise ValueError(f"--attention-backend {attention_backend} cannot run {name}: {torch_attention_reason(config)}")
+
+
+def applies_sliding_window(config: PretrainedConfig) -> bool:
+    """Whether raypaged applies the config's ``sliding_window`` (else max_model_len stays within it)."""
+    return gemma_name(config) is not None
 
 
 def architecture_of(config: PretrainedConfig) -> Architecture:
@@ -45,6 +90,8 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
             f"model_type {model_type!r} is not supported (supported: {', '.join(_MODEL_TYPES)}, the "
             f"model types of {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if gemma_name(config) is not None:
+        return _gemma(config)
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
     attention_bias = bool(getattr(config, "attention_bias", False))
@@ -59,4 +106,39 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
         residual_multiplier=float(config.residual_multiplier) if granite else 1.0,
         logits_scaling=float(config.logits_scaling) if granite else 1.0,
         fused_checkpoint=model_type == "phi3",
+    )
+
+
+def _gemma(config: PretrainedConfig) -> Architecture:
+    name = gemma_name(config)
+    if config.hidden_activation != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"{name}: hidden_activation {config.hidden_activation!r} is not supported (only gelu_pytorch_tanh)"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{name}: use_bidirectional_attention is not supported (a decoder attends causally)")
+    layer_types = tuple(config.layer_types)
+    if set(layer_types) - {"sliding_attention", "full_attention"} or len(layer_types) != config.num_hidden_layers:
+        raise ValueError(
+            f"{name}: layer_types must name sliding_attention or full_attention for each of the "
+            f"{config.num_hidden_layers} layers, got {list(layer_types)}"
+        )
+    window = config.sliding_window
+    attention_bias = bool(config.attention_bias)
+    softcap, final_softcap = config.attn_logit_softcapping, config.final_logit_softcapping
+    return Architecture(
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=False,
+        qk_norm=config.model_type == "gemma3_text",
+        attention_scale=float(config.query_pre_attn_scalar) ** -0.5,
+        embedding_multiplier=float(config.hidden_size) ** 0.5,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        fused_checkpoint=False,
+        gemma=True,
+        sliding_windows=tuple(int(window) if t == "sliding_attention" else None for t in layer_types),
+        rope_layer_types=layer_types if config.model_type == "gemma3_text" else (),
+        attn_softcap=None if softcap is None else float(softcap),
+        final_softcap=None if final_softcap is None else float(final_softcap),
     )

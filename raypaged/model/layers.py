@@ -198,10 +198,32 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def rope_parameters(config: PretrainedConfig) -> dict:
-    """The config's rope parameters; ``ValueError`` naming a rope type, or a partial rotation outside Phi-3
-    (whose transformers model alone rotates part of each head), that is not supported."""
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's: ``(x32 * rsqrt(mean(x32^2) + eps) * (1 + weight32)).to(x.dtype)``, its checkpoint's weight centred on
+    0 (as transformers computes it, in fp32 throughout)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed x + residual, x + residual), the sum written into ``x``."""
+        summed = x.add_(residual)
+        return self(summed), summed
+
+
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
+    """The config's rope parameters (``layer_type``: those of that type of layer, where they are per layer type, as
+    Gemma 3's; each type is checked without one); ``ValueError`` naming a rope type, or a partial rotation outside
+    Phi-3 (whose transformers model alone rotates part of each head), that is not supported."""
     params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
+    elif set(params) <= {"sliding_attention", "full_attention"} and params:
+        for each in params:
+            rope_parameters(config, each)
+        return params
     rope_type = params.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
@@ -226,9 +248,11 @@ class RotaryEmbedding(nn.Module):
 
     cos_sin: torch.Tensor  # buffer [max_positions, 2, rotary_dim / 2]
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, max_positions: int, layer_type: str | None = None
+    ) -> None:
         super().__init__()
-        params = rope_parameters(config)
+        params = rope_parameters(config, layer_type)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":  # transformers' default: the rotated features' own frequencies
             dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
@@ -250,6 +274,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
                 config, torch.device("cpu"), seq_len=original + 1 if long else None
             )
+        elif layer_type is not None:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         self.rotary_dim = 2 * inv_freq.shape[0]  # as transformers' apply_rotary_pos_emb: cos's width
@@ -285,6 +311,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [T, 2 * I] (gate | up) 
     """``silu(gate) * up`` with one output buffer."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [T, 2 * I] (gate | up) -> [T, I]
+    """``gelu_pytorch_tanh(gate) * up`` (Gemma's GeGLU) with one output buffer."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 class Linear(nn.Linear):

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite: ``architecture``) over the flattened
-tokens of a step.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2 and 3: ``architecture``) over the
+flattened tokens of a step (Gemma's layer: ``gemma``).
 
 No padding: ``input_ids`` and ``positions`` are ``[num_tokens]`` for all the
 sequences of the step together; attention reads K/V through block tables.
@@ -22,7 +22,7 @@ attention.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import torch
@@ -31,9 +31,9 @@ from transformers import PretrainedConfig
 
 from raypaged.attention.backend import TORCH, AttentionBackend, FusedOps, KVScales
 from raypaged.attention.metadata import AttentionMetadata
-from raypaged.model.architecture import Architecture, architecture_of
+from raypaged.model.architecture import Architecture, architecture_of, torch_attention_reason
 from raypaged.model.cpu_step import CpuStep
-from raypaged.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from raypaged.model.layers import GemmaRMSNorm, Linear, RMSNorm, RotaryEmbedding, gelu_tanh_and_mul, silu_and_mul
 from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
 from raypaged.quantization.base import QuantizationConfig
 from raypaged.quantization.linear import QuantLinear, build_linear
@@ -79,6 +79,7 @@ class LlamaAttention(nn.Module):
         tp: TensorParallel,
         prefix: str,
         quant_config: QuantizationConfig | None,
+        index: int,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads // tp.size
@@ -104,9 +105,12 @@ class LlamaAttention(nn.Module):
             quant_config,
             (f"{prefix}.qkv_proj",) if arch.fused_checkpoint else tuple(f"{prefix}.{n}_proj" for n in "qkv"),
         )
-        # Qwen3: RMSNorm over each head's head_dim features of q and k, before rotary
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        # Qwen3, Gemma 3: RMSNorm over each head's head_dim features of q and k, before rotary
+        norm: type[RMSNorm] = GemmaRMSNorm if arch.gemma else RMSNorm
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.sliding_window = arch.sliding_windows[index] if arch.sliding_windows else None
+        self.softcap = arch.attn_softcap
         self.o_proj = build_linear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
@@ -180,7 +184,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # -> [num_tokens, num_heads, head_dim]
         """The attention over the cache (this step's K/V already in it), by the step's layout."""
         key_cache, value_cache = kv_cache
-        return self.attn_backend.attend(q, k, v, key_cache, value_cache, meta, self.scale, self.kv_scales)
+        return self.attn_backend.attend(
+            q, k, v, key_cache, value_cache, meta, self.scale, self.kv_scales, self.sliding_window, self.softcap
+        )
 
     def post_attention(self, out: torch.Tensor) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] -> [.., hidden]
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
@@ -197,6 +203,8 @@ class LlamaMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.first_row, self.intermediate_size = tp.chunk(config.intermediate_size)
+        # [T, 2 * I] (gate | up) -> [T, I]: act(gate) * up
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul if arch.gemma else silu_and_mul
         self.part_starts = (0, config.intermediate_size)  # where gate and up start in Phi-3's fused gate_up_proj
         self.gate_up_proj = build_linear(
             config.hidden_size,
@@ -224,7 +232,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:
         if fused is None:
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+            return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         gate_up = self.gate_up_proj
         if isinstance(gate_up, (Linear, QuantLinear)):  # in one pass where its weight is packed gated (pack_weights)
             return self.down_proj(gate_up.silu_and_mul(x, fused.silu_and_mul))
@@ -240,12 +248,14 @@ class LlamaDecoderLayer(nn.Module):
         tp: TensorParallel,
         prefix: str,
         quant_config: QuantizationConfig | None,
+        index: int,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, arch, rotary, tp, f"{prefix}.self_attn", quant_config)
+        self.self_attn = LlamaAttention(config, arch, rotary, tp, f"{prefix}.self_attn", quant_config, index)
         self.mlp = LlamaMLP(config, arch, tp, f"{prefix}.mlp", quant_config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm: type[RMSNorm] = GemmaRMSNorm if arch.gemma else RMSNorm
+        self.input_layernorm: RMSNorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm: RMSNorm = norm(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = arch.residual_multiplier
 
     # The residual stream between layers is (x, residual). Plain path: ``x`` is the stream itself,
@@ -314,13 +324,20 @@ class LlamaModel(nn.Module):
         quant_config: QuantizationConfig | None,
     ) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, arch.embedding_multiplier)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, arch, rotary, tp, f"model.layers.{i}", quant_config)
-            for i in range(config.num_hidden_layers)
+        from raypaged.model.gemma import GemmaDecoderLayer  # here: that module's layer is this one's
+
+        num_layers = config.num_hidden_layers
+        rope_types = arch.rope_layer_types or (None,) * num_layers  # Gemma 3: a rotary per type of layer
+        rotaries = {t: RotaryEmbedding(config, head_dim_of(config), max_positions, t) for t in set(rope_types)}
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp, arch.embedding_multiplier, arch.gemma
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        layer = GemmaDecoderLayer if arch.gemma else LlamaDecoderLayer
+        self.layers = nn.ModuleList(
+            layer(config, arch, rotaries[rope_types[i]], tp, f"model.layers.{i}", quant_config, i)
+            for i in range(num_layers)
+        )
+        self.norm = (GemmaRMSNorm if arch.gemma else RMSNorm)(config.hidden_size, config.rms_norm_eps)
         self.fused_ops: FusedOps | None = None  # the attention backend's (set_attention_backend); None: plain torch
         self.cpu_step: CpuStep | None = None  # a step's layers in one C call, where it applies
         self.kv_scales_pending = False  # the next step calculates the K/V scales (the layers' path, not the C one)
@@ -388,7 +405,12 @@ class LlamaForCausalLM(nn.Module):
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """The backend's paged attention in every layer, and its fused step ops (if it brings them) for
-        the rest of the step."""
+        the rest of the step. A model whose attention runs in the torch ops only (``torch_attention_reason``) takes
+        the torch backend only."""
+        if not backend.windows and (reason := torch_attention_reason(self.config)) is not None:
+            raise ValueError(
+                f"attention_backend {backend.name!r} cannot run this model: {reason} (--attention-backend torch)"
+            )
         for attn in self.attentions():
             attn.attn_backend = backend
         self.model.fused_ops = backend.fused_ops
@@ -423,8 +445,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        logits, scaling = head.logits(hidden), self.architecture.logits_scaling
-        return logits if scaling == 1.0 else logits.div_(scaling)  # Granite's logits_scaling
+        logits, arch = head.logits(hidden), self.architecture
+        if arch.final_softcap is not None:  # Gemma 2's final_logit_softcapping
+            logits = logits.div_(arch.final_softcap).tanh_().mul_(arch.final_softcap)
+        return logits if arch.logits_scaling == 1.0 else logits.div_(arch.logits_scaling)  # Granite's logits_scaling
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """This rank's share of the checkpoint tensors (``checkpoint.load_weights``)."""

@@ -60,12 +60,14 @@ def load_model(
 
 
 def fill_dummy(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, seed: int) -> None:
-    """Every weight drawn uniformly from [-1e-3, 1e-3] (norm weights are 1) in ``dtype``."""
+    """Every weight drawn uniformly from [-1e-3, 1e-3] (norms scale by 1: Gemma's (1 + weight) ones hold 0) in
+    ``dtype``."""
     cast_model(model, dtype)
+    unit = 0.0 if model.architecture.gemma else 1.0
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                param.fill_(unit)
             else:
                 param.uniform_(-1e-3, 1e-3, generator=generator)

@@ -110,12 +110,21 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds a slice of the vocabulary's rows; tokens outside it embed to zero before the all-reduce.
-    ``multiplier``: the embeddings are multiplied by it (Granite's embedding_multiplier; not the LM head's)."""
+    ``multiplier``: the embeddings are multiplied by it (Granite's embedding_multiplier, Gemma's sqrt(hidden_size);
+    not the LM head's); ``multiplier_in_dtype``: rounded to fp32 and then to the embeddings' dtype first (Gemma's)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel, multiplier: float = 1.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: TensorParallel,
+        multiplier: float = 1.0,
+        multiplier_in_dtype: bool = False,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.multiplier = multiplier
+        self.multiplier_in_dtype = multiplier_in_dtype
         self.vocab_size = vocab_size
         self.vocab_start, num_rows = vocab_shard(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(num_rows, hidden_size))
@@ -130,7 +139,11 @@ class VocabParallelEmbedding(nn.Module):
             out = nn.functional.embedding(local.masked_fill(~inside, 0), self.weight)
             out.masked_fill_(~inside.unsqueeze(-1), 0)
             out = self.tp.all_reduce(out)
-        return out if self.multiplier == 1.0 else out.mul_(self.multiplier)
+        if self.multiplier == 1.0:
+            return out
+        if self.multiplier_in_dtype:
+            return out.mul_(torch.tensor(self.multiplier, dtype=torch.float32, device=out.device).to(out.dtype))
+        return out.mul_(self.multiplier)
 
     def load_shard(self, tensor: torch.Tensor) -> None:
         self.weight.data.copy_(shard_rows(tensor, self.vocab_start, self.weight.shape[0]))

@@ -16,6 +16,7 @@ from raypaged.attention.backend import cuda_cache_unsupported_reason, select_bac
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
+from raypaged.model.architecture import torch_attention_reason
 from raypaged.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_per_rank
 from raypaged.model.loader import load_model
 from raypaged.model.parallel import TensorParallel
@@ -87,6 +88,9 @@ class Worker:
             logger.info(
                 "--kv-cache-dtype %s: paged attention runs in torch, not the CUDA kernels", config.kv_cache_dtype
             )
+        if (reason := torch_attention_reason(config.hf_config)) is not None and backend == "auto":
+            backend = "torch"  # the config refuses the other backends for it (architecture.check_options)
+            logger.info("paged attention runs in torch: %s", reason)
         self.attn_backend = select_backend(
             backend, self.device, head_dim_of(config.hf_config), config.block_size, self.dtype, self.cache_dtype
         )

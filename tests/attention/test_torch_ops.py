@@ -12,19 +12,27 @@ from raypaged.attention.torch_ops import reshape_and_cache
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 64, 4, 8, 2, 16
 
 
-def dense_attention(q, k, v, num_cached):
-    """q: [Q, H, D] for positions num_cached.., k/v: [L, Hkv, D] for all positions."""
+def dense_attention(q, k, v, num_cached, window=None, softcap=None):
+    """q: [Q, H, D] for positions num_cached.., k/v: [L, Hkv, D] for all positions; ``window``: the query at p sees
+    keys p - window + 1 .. p; ``softcap``: scores capped by softcap * tanh(scores / softcap)."""
     group = NUM_HEADS // NUM_KV_HEADS
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
-    q_pos = torch.arange(num_cached, num_cached + q.shape[0])[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos, k_pos = torch.arange(num_cached, num_cached + q.shape[0])[:, None], torch.arange(k.shape[0])[None, :]
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (3, None), (5, 2.0), (None, 1.5)])
 @pytest.mark.parametrize("seed", range(5))
-def test_mixed_decode_and_prefill_step_matches_dense(seed):
+def test_mixed_decode_and_prefill_step_matches_dense(seed, window, softcap):
+    """``window`` and ``softcap``: Gemma's sliding-window and soft-capped attention (options of the torch ops)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     # stale garbage everywhere: only slots inside each context may be read
@@ -67,18 +75,13 @@ def test_mixed_decode_and_prefill_step_matches_dense(seed):
     )
     # the padding token's query row is ignored; the step's K/V are written by the backend
     q = torch.cat([q, torch.zeros(1, NUM_HEADS, HEAD_DIM)])
-    out = TORCH.forward(
-        q,
-        torch.cat([step_k, torch.zeros(1, NUM_KV_HEADS, HEAD_DIM)]),
-        torch.cat([step_v, torch.zeros(1, NUM_KV_HEADS, HEAD_DIM)]),
-        key_cache,
-        value_cache,
-        meta,
-        HEAD_DIM**-0.5,
-    )
+    step_k = torch.cat([step_k, torch.zeros(1, NUM_KV_HEADS, HEAD_DIM)])
+    step_v = torch.cat([step_v, torch.zeros(1, NUM_KV_HEADS, HEAD_DIM)])
+    TORCH.write_cache(step_k, step_v, key_cache, value_cache, meta.slot_mapping)
+    out = TORCH.attend(q, step_k, step_v, key_cache, value_cache, meta, HEAD_DIM**-0.5, None, window, softcap)
     start = 0
     for (cached, new), k, v in zip(seqs, full_k, full_v):
-        expected = dense_attention(q[start : start + new], k, v, cached)
+        expected = dense_attention(q[start : start + new], k, v, cached, window, softcap)
         torch.testing.assert_close(out[start : start + new], expected, rtol=1e-5, atol=1e-5)
         start += new
 

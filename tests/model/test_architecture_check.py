@@ -12,7 +12,8 @@ from raypaged.config import EngineConfig
 from tests.conftest import make_tiny_model
 
 SUPPORTED = (
-    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, GraniteForCausalLM"
+    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, GraniteForCausalLM, "
+    "Gemma2ForCausalLM, Gemma3ForCausalLM"
 )
 
 
