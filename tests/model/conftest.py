@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import GraniteConfig, Phi3Config
 
 from raypaged import LLM, SamplingParams
+from raypaged.model.synthetic import write_synthetic_model
 from tests import fused_reference as ref
-from tests.conftest import hf_greedy
+from tests.conftest import TOKENIZER_FILES, hf_greedy, make_tiny_model
 
 BATCH_PROMPTS = [[1, 5, 9, 300], list(range(100, 190)), [42] * 20, list(range(3000, 3077, 7))]
 NUM_BLOCKS, BLOCK_SIZE = 64, 8
@@ -59,3 +62,19 @@ def tiny_config(architecture: str):
     return GraniteConfig(
         **shape, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0
     )
+
+
+def tiny_models_with_word_tokenizer(
+    root: Path, smollm2_dir: Path, models: dict[str, tuple[str, dict[str, Any]]], tiny: dict[str, Any]
+) -> dict[str, Path]:
+    """Each of ``models`` (name -> (architecture or model type, config overrides)), ``tiny``'s shape, saved under
+    ``root`` with a word-level tokenizer of its ``tiny["vocab_size"]`` tokens (SmolLM2's has more than the model)."""
+    tokenizer = write_synthetic_model(root / "tokenizer", vocab_size=tiny["vocab_size"])
+    dirs = {}
+    for name, (arch, overrides) in models.items():
+        dirs[name] = path = make_tiny_model(root / name, smollm2_dir, arch, **tiny, **overrides)
+        for file in TOKENIZER_FILES:
+            (path / file).unlink(missing_ok=True)
+            if (tokenizer / file).exists():
+                shutil.copy(tokenizer / file, path / file)
+    return dirs

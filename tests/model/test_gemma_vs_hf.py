@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from raypaged import LLM, SamplingParams
 from raypaged.config import EngineConfig
-from raypaged.model.synthetic import write_synthetic_model
-from tests.conftest import TOKENIZER_FILES, hf_greedy, make_tiny_model
+from tests.conftest import hf_greedy
+from tests.model.conftest import tiny_models_with_word_tokenizer
 
 WINDOW = 8
 TINY = dict(
@@ -54,16 +54,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, l
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
     """Each model with a word-level tokenizer of its 512 tokens."""
-    root = tmp_path_factory.mktemp("gemma")
-    tokenizer = write_synthetic_model(root / "tokenizer", vocab_size=TINY["vocab_size"])
-    dirs = {}
-    for name, (model_type, overrides) in MODELS.items():
-        dirs[name] = path = make_tiny_model(root / name, smollm2_dir, model_type, **TINY, **overrides)
-        for file in TOKENIZER_FILES:
-            (path / file).unlink(missing_ok=True)
-            if (tokenizer / file).exists():
-                shutil.copy(tokenizer / file, path / file)
-    return dirs
+    return tiny_models_with_word_tokenizer(tmp_path_factory.mktemp("gemma"), smollm2_dir, MODELS, TINY)
 
 
 @pytest.fixture(scope="module")

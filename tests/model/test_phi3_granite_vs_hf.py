@@ -4,7 +4,6 @@ prompt and sampled token's logprob its logits, through the native CPU step, the 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from raypaged import LLM, SamplingParams
 from raypaged.config import EngineConfig
-from raypaged.model.synthetic import write_synthetic_model
-from tests.conftest import TOKENIZER_FILES, hf_greedy, make_tiny_model
+from tests.conftest import hf_greedy
+from tests.model.conftest import tiny_models_with_word_tokenizer
 
 TINY = dict(vocab_size=512, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)  # head_dim 16
 LONGROPE = {
@@ -53,16 +52,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
     """Each model with a word-level tokenizer of its 512 tokens (SmolLM2's has more than the model)."""
-    root = tmp_path_factory.mktemp("phi3_granite")
-    tokenizer = write_synthetic_model(root / "tokenizer", vocab_size=TINY["vocab_size"])
-    dirs = {}
-    for name, (arch, overrides) in MODELS.items():
-        dirs[name] = path = make_tiny_model(root / name, smollm2_dir, arch, **TINY, **overrides)
-        for file in TOKENIZER_FILES:
-            (path / file).unlink(missing_ok=True)
-            if (tokenizer / file).exists():
-                shutil.copy(tokenizer / file, path / file)
-    return dirs
+    return tiny_models_with_word_tokenizer(tmp_path_factory.mktemp("phi3_granite"), smollm2_dir, MODELS, TINY)
 
 
 @pytest.fixture(scope="module")
