@@ -148,11 +148,9 @@ class AttentionBackend:
         of the scores) are options of the torch attention ops only (``windows``)."""
         options: dict[str, Any] = {}
         if sliding_window is not None or softcap is not None:
-            options["sliding_window"] = sliding_window
-        if options:
             if not self.windows:
                 raise ValueError(f"the {self.name} attention backend has no sliding-window or soft-capped attention")
-            options["softcap"] = softcap
+            options = {"sliding_window": sliding_window, "softcap": softcap}
         k_scale, v_scale = (1.0, 1.0) if kv_scales is None else (kv_scales.k, kv_scales.v)
         # multiplied in float32, as cpu_step.c multiplies them
         cached_scale = scale if k_scale == 1.0 else float(numpy.float32(scale) * numpy.float32(k_scale))
