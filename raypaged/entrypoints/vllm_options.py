@@ -12,7 +12,9 @@ Option = tuple[str, tuple[str, ...], type, tuple[object, ...], str]
 
 _CHUNKED = "long prefills are always chunked within {max_num_batched_tokens}"
 _OWN_IMPL = "raypaged runs its own implementation of each supported architecture"
-_NO_MOE = "no mixture-of-experts architecture is supported"
+_EXPERTS_TP = "each shard holds its share of every expert (tensor parallelism; no expert parallelism)"
+_NO_ROUTED = "the experts' routing stays inside the engine (no routed experts are returned)"
+_TORCH_EXPERTS = "the experts run in torch, routed as transformers routes them"
 _TEXT_ONLY = "the served models read text only"
 _NO_DP = "run one server per replica behind a load balancer (see deploy/)"
 _NO_MAMBA = "no Mamba (state-space) architecture is supported"
@@ -90,7 +92,7 @@ DEFAULT_ONLY: list[Option] = [
         (None,),
         "the model folder's config.json is read ({hf_overrides} changes it)",
     ),
-    ("enable_expert_parallel", ("-ep",), bool, (False,), _NO_MOE),
+    ("enable_expert_parallel", ("-ep",), bool, (False,), _EXPERTS_TP),
     ("limit_mm_per_prompt", (), str, (None,), _TEXT_ONLY),
     (
         "chat_template_content_format",
@@ -108,7 +110,7 @@ DEFAULT_ONLY: list[Option] = [
     ),
     # model
     ("quantization_config", (), str, (None,), "{quantization} and the checkpoint's quantization_config choose it"),
-    ("enable_return_routed_experts", (), bool, (None, False), _NO_MOE),
+    ("enable_return_routed_experts", (), bool, (None, False), _NO_ROUTED),
     ("return_sampling_mask", (), bool, (None, False), "responses carry tokens and logprobs, no sampling masks"),
     ("use_fp64_gumbel", (), bool, (None, False), "tokens are drawn by inverse CDF from each row's generator"),
     ("enable_trace_replay", (), bool, (None, False), _NO_TRACING),
@@ -165,7 +167,7 @@ DEFAULT_ONLY: list[Option] = [
     ("data_parallel_external_lb", ("-dpe",), bool, (None, False), _NO_DP),
     ("data_parallel_multi_port_external_lb", ("-dpm",), bool, (None, False), _NO_DP),
     ("enable_batch_sharded_sampling", (), bool, (None, False), "each shard samples the whole batch itself"),
-    ("enable_ep_weight_filter", (), bool, (None, False), _NO_MOE),
+    ("enable_ep_weight_filter", (), bool, (None, False), _EXPERTS_TP),
     ("enable_hc_sp", (), bool, (False,), "no HyperConnection architecture is supported"),
     (
         "enable_shm_tensor_arena",
@@ -175,16 +177,16 @@ DEFAULT_ONLY: list[Option] = [
         "a step's inputs reach the shards through Ray (no shared-memory arena)",
     ),
     ("dp_sync_interval", (), int, (16,), _NO_DP),
-    ("all2all_backend", (), str, (None,), _NO_MOE),
+    ("all2all_backend", (), str, (None,), _EXPERTS_TP),
     ("enable_dbo", (), bool, (None, False), "a step runs as one batch (no dual-batch overlap)"),
     ("ubatch_size", (), int, (None, 0), "a step runs as one batch (no micro-batches)"),
     ("dbo_decode_token_threshold", (), int, (None,), "a step runs as one batch (no dual-batch overlap)"),
     ("dbo_prefill_token_threshold", (), int, (None,), "a step runs as one batch (no dual-batch overlap)"),
-    ("enable_elastic_ep", (), bool, (None, False), _NO_MOE),
-    ("elastic_ep_max_dp_size", (), int, (None,), _NO_MOE),
-    ("enable_eplb", (), bool, (None, False), _NO_MOE),
-    ("eplb_config", (), str, (None,), _NO_MOE),
-    ("expert_placement_strategy", (), str, (None, "linear"), _NO_MOE),
+    ("enable_elastic_ep", (), bool, (None, False), _EXPERTS_TP),
+    ("elastic_ep_max_dp_size", (), int, (None,), _EXPERTS_TP),
+    ("enable_eplb", (), bool, (None, False), _EXPERTS_TP),
+    ("eplb_config", (), str, (None,), _EXPERTS_TP),
+    ("expert_placement_strategy", (), str, (None, "linear"), _EXPERTS_TP),
     ("ray_workers_use_nsight", (), bool, (None, False), _NO_TRACING),
     ("worker_cls", (), str, (None, "auto"), _NO_PLUGINS),
     ("worker_extension_cls", (), str, (None, ""), _NO_PLUGINS),
@@ -261,8 +263,8 @@ DEFAULT_ONLY: list[Option] = [
     ("enable_tower_connector_lora", (), bool, (None, False), _TEXT_ONLY),
     ("default_mm_loras", (), str, (None,), _TEXT_ONLY),
     ("specialize_active_lora", (), bool, (None, False), "CUDA graphs record the LoRA path with a fixed slot count"),
-    ("enable_mixed_moe_lora_format", (), bool, (None, False), _NO_MOE),
-    ("enable_moe_shared_loras", (), bool, (None, False), _NO_MOE),
+    ("enable_mixed_moe_lora_format", (), bool, (None, False), "LoRA is not supported for mixture-of-experts models"),
+    ("enable_moe_shared_loras", (), bool, (None, False), "LoRA is not supported for mixture-of-experts models"),
     ("max_lora_cls_labels", (), int, (None,), "raypaged serves generative models only (no classification heads)"),
     # observability
     ("otlp_traces_endpoint", (), str, (None,), _NO_TRACING),
@@ -307,8 +309,8 @@ DEFAULT_ONLY: list[Option] = [
     ("ir_op_priority", (), str, (None,), _KERNELS),
     ("enable_flashinfer_autotune", (), bool, (None, False), "raypaged's kernels are chosen per device (no FlashInfer)"),
     ("monokernel", (), bool, (False,), _KERNELS),
-    ("enable_bf16x3_router_gemm", (), bool, (None,), _NO_MOE),
-    ("moe_backend", (), str, (None, "auto"), _NO_MOE),
+    ("enable_bf16x3_router_gemm", (), bool, (None,), _TORCH_EXPERTS),
+    ("moe_backend", (), str, (None, "auto"), _TORCH_EXPERTS),
     ("linear_backend", (), str, (None, "auto"), _KERNELS),
     ("sparse_indexer_topk_backend", (), str, ("auto",), "no sparse-attention (DSA) architecture is supported"),
     ("gdn_prefill_backend", (), str, (None,), "no linear-attention (GatedDeltaNet) architecture is supported"),
@@ -323,7 +325,7 @@ DEFAULT_ONLY: list[Option] = [
     ("weight_transfer_config", (), str, (None,), "weights are loaded once at startup"),
     ("watermark_config", (), str, (None,), "generated text is not watermarked"),
     ("engram_config", (), str, (None,), "no Engram architecture is supported"),
-    ("aux_output_config", (), str, (None,), f"{_NO_MOE}, so there are no routed experts to return"),
+    ("aux_output_config", (), str, (None,), _NO_ROUTED),
     (
         "watchdog_config",
         (),

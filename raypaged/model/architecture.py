@@ -7,7 +7,8 @@ Gemma 3 (text) differ most: (1 + weight) RMSNorms, a norm after the attention an
 GeGLU MLP, embeddings times sqrt(hidden_size), ``query_pre_attn_scalar ** -0.5`` as the attention scale,
 sliding-window attention on the layers ``layer_types`` marks sliding, tanh soft-capping of attention scores and
 logits (Gemma 2), q/k norms and a rotary base of its own for the sliding layers (Gemma 3). Their attention runs in
-the torch attention ops only (``torch_attention_reason``).
+the torch attention ops only (``torch_attention_reason``). Mixtral, Qwen2-MoE and Qwen3-MoE are Mistral's, Qwen2's
+and Qwen3's decoders with a sparse mixture of experts in place of the MLP (``MoeSpec``, ``raypaged.model.moe``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,39 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
-_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3_text")
+_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "granite",
+    "gemma2",
+    "gemma3_text",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 _GEMMA_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+_MOE_TYPES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A sparse mixture of experts in place of the MLP: a router picks each token's ``top_k`` of ``num_experts``
+    gated (SiLU) MLPs of ``intermediate_size`` and sums their outputs weighted by the router's softmax."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top_k weights are divided by their sum (Mixtral; Qwen's norm_topk_prob)
+    fp32_weights: bool  # Mixtral: the weights multiply each expert's output in fp32; Qwen: rounded to the dtype first
+    shared_intermediate_size: int  # Qwen2-MoE: one more MLP every token takes, scaled by a sigmoid gate; 0: none
+    sparse_layers: tuple[bool, ...]  # per layer: the experts, or the dense MLP of config.intermediate_size (Qwen's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +81,7 @@ class Architecture:
     rope_layer_types: tuple[str | None, ...] = ()  # per layer: its key in a per-layer-type rope_parameters (Gemma 3)
     attn_softcap: float | None = None  # Gemma 2: scores = softcap * tanh(scores / softcap), before the mask
     final_softcap: float | None = None  # Gemma 2: the same on the logits
+    moe: MoeSpec | None = None  # Mixtral, Qwen2-MoE, Qwen3-MoE: experts in place of the MLP (per ``sparse_layers``)
 
 
 def gemma_name(config: PretrainedConfig) -> str | None:
@@ -66,14 +98,14 @@ def torch_attention_reason(config: PretrainedConfig) -> str | None:
 
 def check_options(config: PretrainedConfig, quantized: bool, lora: bool, attention_backend: str) -> None:
     """``ValueError`` naming what the engine's options ask of this architecture that raypaged does not do for it."""
-    name = gemma_name(config)
+    name = gemma_name(config) or moe_name(config)
     if name is None:
         return
     if quantized:
         raise ValueError(f"quantized checkpoints (--quantization) are not supported for {name}")
     if lora:
         raise ValueError(f"LoRA (--enable-lora) is not supported for {name}")
-    if attention_backend not in ("auto", "torch"):
+    if gemma_name(config) is not None and attention_backend not in ("auto", "torch"):
         raise ValueError(f"--attention-backend {attention_backend} cannot run {name}: {torch_attention_reason(config)}")
 
 
@@ -95,17 +127,55 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
     attention_bias = bool(getattr(config, "attention_bias", False))
-    granite = model_type == "granite"
+    granite, qwen2 = model_type == "granite", model_type in ("qwen2", "qwen2_moe")
     return Architecture(
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=model_type != "qwen2" and attention_bias,
+        qkv_bias=qwen2 or attention_bias,
+        o_bias=not qwen2 and attention_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         attention_scale=float(config.attention_multiplier) if granite else None,
         embedding_multiplier=float(config.embedding_multiplier) if granite else 1.0,
         residual_multiplier=float(config.residual_multiplier) if granite else 1.0,
         logits_scaling=float(config.logits_scaling) if granite else 1.0,
         fused_checkpoint=model_type == "phi3",
+        moe=_moe(config),
+    )
+
+
+def moe_name(config: PretrainedConfig) -> str | None:
+    """The mixture-of-experts architecture of a config, or None for the others."""
+    return _MOE_TYPES.get(config.model_type)
+
+
+def _moe(config: PretrainedConfig) -> MoeSpec | None:
+    """The experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config, as transformers' ``*SparseMoeBlock`` computes them;
+    None for the other architectures."""
+    name = moe_name(config)
+    if name is None:
+        return None
+    layers, mixtral = config.num_hidden_layers, config.model_type == "mixtral"
+    num_experts, top_k = (config.num_local_experts if mixtral else config.num_experts), config.num_experts_per_tok
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"{name}: num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
+    if mixtral:
+        return MoeSpec(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=config.intermediate_size,
+            renormalize=True,
+            fp32_weights=True,
+            shared_intermediate_size=0,
+            sparse_layers=(True,) * layers,
+        )
+    dense, step = set(config.mlp_only_layers or ()), config.decoder_sparse_step
+    return MoeSpec(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=bool(config.norm_topk_prob),
+        fp32_weights=False,
+        shared_intermediate_size=config.shared_expert_intermediate_size if config.model_type == "qwen2_moe" else 0,
+        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
     )
 
 

@@ -23,13 +23,14 @@ from raypaged.attention import cpu_fused, cpu_ops
 from raypaged.attention.backend import CPU_FUSED
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.model.layers import Linear, PackedWeight
+from raypaged.model.moe import SparseMoeBlock
 from raypaged.model.parallel import RowParallelLinear
 from raypaged.quantization.linear import QuantLinear
 from raypaged.quantization.w8a8 import INT8_SCRATCH_ERROR, PackedInt8Weight, W8A8Method
 
 if TYPE_CHECKING:
     from raypaged.lora.layers import LoRAStep
-    from raypaged.model.llama import LayerKVCache, LlamaDecoderLayer, LlamaModel
+    from raypaged.model.llama import LayerKVCache, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -88,10 +89,15 @@ def _layers(model: LlamaModel) -> list[LlamaDecoderLayer]:
     return cast("list[LlamaDecoderLayer]", list(model.layers))
 
 
+def _mlp(layer: LlamaDecoderLayer) -> LlamaMLP:
+    """The layer's MLP: a plain one in every model the step runs (``unsupported_reason`` refuses experts)."""
+    return cast("LlamaMLP", layer.mlp)
+
+
 def _linears(model: LlamaModel) -> list[tuple[nn.Module, ...]]:
     """Each layer's (qkv, o, gate_up, down) modules as they are now."""
     return [
-        (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        (layer.self_attn.qkv_proj, layer.self_attn.o_proj, _mlp(layer).gate_up_proj, _mlp(layer).down_proj)
         for layer in _layers(model)
     ]
 
@@ -178,8 +184,10 @@ def unsupported_reason(model: LlamaModel) -> str | None:
         return "the CPU kernels do not build"
     layers = _layers(model)
     first = layers[0]
+    if any(isinstance(layer.mlp, SparseMoeBlock) for layer in _layers(model)):
+        return "the model's layers hold experts"
     for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = layer.self_attn, _mlp(layer)
         if attn.attn_backend.decode is not cpu_ops.paged_attention_decode:
             return f"the attention backend is {attn.attn_backend.name}"
         norms = [layer.input_layernorm, layer.post_attention_layernorm, model.norm]
@@ -222,7 +230,7 @@ class CpuStep:
             first.num_heads,
             first.num_kv_heads,
             first.head_dim,
-            layers[0].mlp.intermediate_size,
+            _mlp(layers[0]).intermediate_size,
         )
         self.eps, self.scale = layers[0].input_layernorm.eps, first.scale
         self.rotary_dim, self.residual_scale = first.rotary.rotary_dim, layers[0].residual_multiplier

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2 and 3: ``architecture``) over the
-flattened tokens of a step (Gemma's layer: ``gemma``).
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 2 and 3, and Mixtral, Qwen2-MoE and
+Qwen3-MoE: ``architecture``) over the flattened tokens of a step (Gemma's layer: ``gemma``; the experts that
+replace the MLP: ``moe``).
 
 No padding: ``input_ids`` and ``positions`` are ``[num_tokens]`` for all the
 sequences of the step together; attention reads K/V through block tables.
@@ -63,11 +64,16 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
         raise ValueError(
             f"the model's num_key_value_heads {kv_heads} and tensor_parallel_size {tp_size} must divide one another"
         )
-    if config.intermediate_size % tp_size:
-        raise ValueError(
-            f"the model's intermediate_size {config.intermediate_size} is not divisible by "
-            f"tensor_parallel_size {tp_size}"
-        )
+    moe = architecture_of(config).moe
+    sizes = {}  # what each rank takes an even share of
+    if moe is None or not all(moe.sparse_layers) or config.model_type == "mixtral":  # Mixtral's experts' size
+        sizes["intermediate_size"] = config.intermediate_size
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # Qwen-MoE's experts', shared expert's
+        if moe is not None and getattr(config, name, None):
+            sizes[name] = getattr(config, name)
+    for name, size in sizes.items():
+        if size % tp_size:
+            raise ValueError(f"the model's {name} {size} is not divisible by tensor_parallel_size {tp_size}")
 
 
 class LlamaAttention(nn.Module):
@@ -200,12 +206,14 @@ class LlamaMLP(nn.Module):
         tp: TensorParallel,
         prefix: str,
         quant_config: QuantizationConfig | None,
+        intermediate_size: int | None = None,  # config.intermediate_size unless given (Qwen2-MoE's shared expert)
     ) -> None:
         super().__init__()
-        self.first_row, self.intermediate_size = tp.chunk(config.intermediate_size)
+        total = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.first_row, self.intermediate_size = tp.chunk(total)
         # [T, 2 * I] (gate | up) -> [T, I]: act(gate) * up
         self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul if arch.gemma else silu_and_mul
-        self.part_starts = (0, config.intermediate_size)  # where gate and up start in Phi-3's fused gate_up_proj
+        self.part_starts = (0, total)  # where gate and up start in Phi-3's fused gate_up_proj
         self.gate_up_proj = build_linear(
             config.hidden_size,
             2 * self.intermediate_size,
@@ -216,7 +224,7 @@ class LlamaMLP(nn.Module):
             (f"{prefix}.gate_up_proj",) if arch.fused_checkpoint else (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
         )
         self.down_proj = build_linear(
-            config.intermediate_size,
+            total,
             config.hidden_size,
             arch.mlp_bias,
             tp,
@@ -251,8 +259,14 @@ class LlamaDecoderLayer(nn.Module):
         index: int,
     ) -> None:
         super().__init__()
+        from raypaged.model.moe import SparseMoeBlock  # here: that module's blocks hold this one's MLPs
+
         self.self_attn = LlamaAttention(config, arch, rotary, tp, f"{prefix}.self_attn", quant_config, index)
-        self.mlp = LlamaMLP(config, arch, tp, f"{prefix}.mlp", quant_config)
+        self.mlp: LlamaMLP | SparseMoeBlock
+        if arch.moe is not None and arch.moe.sparse_layers[index]:
+            self.mlp = SparseMoeBlock(config, arch, tp, f"{prefix}.mlp")
+        else:
+            self.mlp = LlamaMLP(config, arch, tp, f"{prefix}.mlp", quant_config)
         norm: type[RMSNorm] = GemmaRMSNorm if arch.gemma else RMSNorm
         self.input_layernorm: RMSNorm = norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm: RMSNorm = norm(config.hidden_size, config.rms_norm_eps)

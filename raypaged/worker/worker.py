@@ -316,6 +316,8 @@ class Worker:
                 )
             elif self.config.calculate_kv_scales:  # a graph would keep the scales of its capture, 1.0
                 logger.info("CUDA graphs are off with --calculate-kv-scales; decode steps run eagerly")
+            elif self.model.architecture.moe is not None:  # each step sizes its experts' runs on the host
+                logger.info("CUDA graphs are off for mixture-of-experts models; steps run eagerly")
             elif self.attn_backend.name != "cuda":  # torch's reshape_and_cache syncs, which capture forbids
                 logger.info("CUDA graphs need the cuda attention backend; decode steps run eagerly")
             else:

@@ -107,7 +107,8 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         ),
         (
             ["--enable-expert-parallel"],
-            "--enable-expert-parallel is not supported: no mixture-of-experts architecture is supported",
+            "--enable-expert-parallel is not supported: each shard holds its share of every expert "
+            "(tensor parallelism; no expert parallelism)",
         ),
         (
             ["--limit-mm-per-prompt", '{"image": 1}'],

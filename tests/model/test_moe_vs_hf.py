@@ -1,0 +1,206 @@
+"""Random-weight Mixtral, Qwen2-MoE (a gated shared expert, a dense layer among the sparse ones) and Qwen3-MoE (q/k
+norms, unnormalized top-k weights) models: greedy tokens equal transformers' ``generate`` and every prompt and sampled
+token's logprob its logits, whole prompts, in chunks after a prefix-cache hit, on the CPU attention backend's fused
+step and on two shards; the expert tensors load exactly where they belong; what raypaged does not run for them is
+refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from raypaged import LLM, SamplingParams
+from raypaged.config import EngineConfig
+from raypaged.model.architecture import MoeSpec, architecture_of
+from raypaged.model.llama import check_tensor_parallel
+from tests.conftest import hf_greedy
+from tests.model.conftest import tiny_models_with_word_tokenizer
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+MODELS = {
+    "mixtral": ("mixtral", {"num_hidden_layers": 2, "intermediate_size": 48, "num_local_experts": 6}),
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "num_hidden_layers": 3,
+            "intermediate_size": 80,  # the dense layer's
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": True,
+        },
+    ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "num_hidden_layers": 2,
+            "intermediate_size": 96,
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "head_dim": 16,
+        },
+    ),
+}
+PROMPTS = [list(range(200, 230)), [7, 8, 9] * 4, list(range(300, 321)), [42] * 9]
+MAX_TOKENS = 12
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
+    """Each model with a word-level tokenizer of its 512 tokens."""
+    return tiny_models_with_word_tokenizer(tmp_path_factory.mktemp("moe"), smollm2_dir, MODELS, TINY)
+
+
+@pytest.fixture(scope="module")
+def references(model_dirs) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+    """Per model, each prompt's greedy tokens from transformers' generate and the log-softmax of the logits of its
+    whole sequence in one forward."""
+    out = {}
+    for name, path in model_dirs.items():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        out[name] = []
+        for prompt in PROMPTS:
+            tokens = hf_greedy(hf, prompt, MAX_TOKENS)
+            with torch.inference_mode():
+                logits = hf(torch.tensor([prompt + tokens])).logits[0]
+            out[name].append((tokens, logits.log_softmax(-1)))
+    return out
+
+
+def assert_matches(model: str, model_dirs, references, **llm_options) -> None:
+    """The prompts in one batch: transformers' greedy tokens, and logprobs within 2e-5 of its logits'. With
+    ``enable_prefix_caching`` twice more, hitting the first run's blocks."""
+    llm = LLM(model=str(model_dirs[model]), device="cpu", num_gpu_blocks_override=64, block_size=4, **llm_options)
+    requests = [{"prompt_token_ids": p} for p in PROMPTS]
+    try:
+        runs = [llm.generate(requests, PARAMS, use_tqdm=False)]
+        if llm_options.get("enable_prefix_caching"):
+            cached = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+            runs.append(llm.generate(requests, cached, use_tqdm=False))
+            assert all(output.num_cached_tokens >= len(p) - len(p) % 4 - 4 for p, output in zip(PROMPTS, runs[-1]))
+    finally:
+        llm.shutdown()
+    for outputs in runs:
+        for prompt, output, (tokens, expected) in zip(PROMPTS, outputs, references[model], strict=True):
+            assert output.outputs[0].token_ids == tokens
+            sequence = prompt + tokens
+            got = [entry[token].logprob for entry, token in zip(output.outputs[0].logprobs, tokens, strict=True)]
+            first = len(prompt) - 1  # the first sampled token's row
+            if output.prompt_logprobs is not None:
+                got = [e[t].logprob for e, t in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)] + got
+                first = 0
+            want = expected[torch.arange(first, len(sequence) - 1), torch.tensor(sequence[first + 1 :])]
+            torch.testing.assert_close(torch.tensor(got), want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_matches_transformers(model, model_dirs, references):
+    assert_matches(model, model_dirs, references, attention_backend="torch")
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_chunked_prefill_and_prefix_cache_hits_on_the_cpu_backend_match_transformers(model, model_dirs, references):
+    """Prompts in chunks of at most 5 tokens, then again from their cached blocks, with the CPU backend's kernels
+    and fused norms around the experts (its one-call C step does not run experts: the layers do)."""
+    assert_matches(
+        model,
+        model_dirs,
+        references,
+        attention_backend="cpu",
+        max_num_batched_tokens=5,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+    )
+
+
+def test_two_shards_match_transformers(ray_session, model_dirs, references):
+    """tp=2: each shard holds half of every expert's and the shared expert's intermediate features; the router
+    and the shared expert's gate are whole on each, and one all-reduce sums the layer."""
+    assert_matches("qwen2_moe", model_dirs, references, tensor_parallel_size=2)
+
+
+def test_the_specs_are_transformers_routing(model_dirs):
+    specs = {
+        name: architecture_of(EngineConfig(model=str(path), device="cpu").hf_config).moe
+        for name, path in model_dirs.items()
+    }
+    assert specs == {
+        "mixtral": MoeSpec(
+            6, 2, 48, renormalize=True, fp32_weights=True, shared_intermediate_size=0, sparse_layers=(True, True)
+        ),
+        "qwen2_moe": MoeSpec(
+            8,
+            3,
+            32,
+            renormalize=True,
+            fp32_weights=False,
+            shared_intermediate_size=48,
+            sparse_layers=(True, False, True),
+        ),
+        "qwen3_moe": MoeSpec(
+            8, 2, 32, renormalize=False, fp32_weights=False, shared_intermediate_size=0, sparse_layers=(True, True)
+        ),
+    }
+
+
+def test_an_expert_tensor_loads_into_its_experts_rows(model_dirs):
+    """Mixtral's ``block_sparse_moe.experts.3.w3`` (up) fills rows 48:96 of expert 3's stacked gate | up weight,
+    and ``w2`` (down) its down weight, exactly."""
+    from safetensors.torch import load_file
+
+    from raypaged.model.checkpoint import load_weights
+    from raypaged.model.llama import LlamaForCausalLM
+
+    config = EngineConfig(model=str(model_dirs["mixtral"]), device="cpu").hf_config
+    tensors = load_file(model_dirs["mixtral"] / "model.safetensors")
+    model = LlamaForCausalLM(config, 64)
+    load_weights(model, tensors.items())
+    experts = model.model.layers[1].mlp.experts
+    prefix = "model.layers.1.block_sparse_moe.experts.3"
+    assert torch.equal(experts.gate_up[3, :48], tensors[f"{prefix}.w1.weight"])
+    assert torch.equal(experts.gate_up[3, 48:], tensors[f"{prefix}.w3.weight"])
+    assert torch.equal(experts.down[3], tensors[f"{prefix}.w2.weight"])
+    del tensors[f"{prefix}.w2.weight"]
+    with pytest.raises(
+        ValueError, match=r"missing 1 tensors, e\.g\. \['model\.layers\.1\.mlp\.experts#3\.down_proj'\]$"
+    ):
+        load_weights(LlamaForCausalLM(config, 64), tensors.items())
+    tensors[f"{prefix.replace('.3', '.6')}.w2.weight"] = torch.zeros(64, 48)
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.block_sparse_moe\.experts\.6\.w2\.weight' has no place"):
+        load_weights(LlamaForCausalLM(config, 64), tensors.items())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"enable_lora": True}, r"^LoRA \(--enable-lora\) is not supported for Qwen3MoeForCausalLM$"),
+        ({"quantization": "fp8"}, r"^quantized checkpoints \(--quantization\) are not supported for Qwen3MoeFo"),
+    ],
+)
+def test_refused_options_name_what_they_refuse(model_dirs, options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=str(model_dirs["qwen3_moe"]), device="cpu", **options)
+
+
+def test_a_tensor_parallel_size_that_splits_no_expert_evenly_is_refused(model_dirs):
+    config = EngineConfig(model=str(model_dirs["qwen2_moe"]), device="cpu").hf_config
+    check_tensor_parallel(config, 4)
+    config.moe_intermediate_size = 30
+    with pytest.raises(ValueError, match=r"^the model's moe_intermediate_size 30 is not divisible by tensor_parallel"):
+        check_tensor_parallel(config, 4)
