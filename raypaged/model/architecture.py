@@ -101,7 +101,7 @@ def check_options(config: PretrainedConfig, quantized: bool, lora: bool, attenti
     name = gemma_name(config) or moe_name(config)
     if name is None:
         return
-    if quantized:
+    if quantized and gemma_name(config) is not None:
         raise ValueError(f"quantized checkpoints (--quantization) are not supported for {name}")
     if lora:
         raise ValueError(f"LoRA (--enable-lora) is not supported for {name}")

@@ -3,8 +3,8 @@
 Checkpoints hold q/k/v and gate/up as separate projections (Llama, Mistral, Qwen, Granite), which load into the
 model's fused ``qkv_proj`` and ``gate_up_proj`` part by part, or fused already (Phi-3: ``[q; k; v]`` and
 ``[gate; up]`` rows), each part's rows then read from where the part starts. Either way a rank takes its heads'
-rows of q, k and v and its share of gate and of up. A mixture of experts' per-expert tensors (Mixtral's named as
-Qwen-MoE's: ``moe.canonical_name``) go into their layer's stacked expert weights, expert by expert.
+rows of q, k and v and its share of gate and of up. Each expert of a mixture of experts is such an MLP (Mixtral's
+tensors are read under Qwen-MoE's names: ``moe.canonical_name``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from raypaged.model.layers import Linear
 from raypaged.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from raypaged.model.moe import EXPERT_TENSOR, PROJECTIONS, Experts, canonical_name
+from raypaged.model.moe import canonical_name
 from raypaged.model.parallel import RowParallelLinear, VocabParallelEmbedding
 from raypaged.quantization.linear import QuantLinear
 
@@ -62,15 +62,6 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
                 )
             kv_scales.setdefault(attn_name, {}).update(dict.fromkeys(which, float(tensor.float())))
             continue
-        if (expert := EXPERT_TENSOR.search(name)) is not None:
-            experts_name = name[: expert.start()] + ".experts"
-            experts = _owner(model, checkpoint_name, experts_name)
-            if not isinstance(experts, Experts):
-                raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no place in the model")
-            index, projection = int(expert["index"]), expert["proj"]
-            experts.load_expert(checkpoint_name, index, projection, expert["param"], tensor)
-            filled.add(f"{experts_name}#{index}.{projection}")
-            continue
         if (whole := next((piece for piece in _FUSED if piece in name), None)) is not None:
             owner, fused_linear, param_name = _fused_linear(model, name, name)
             for shard in range(_FUSED[whole]):
@@ -98,10 +89,6 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
             params[name].data.copy_(tensor)
         filled.add(name)
     expected: set[str] = set()
-    for module_name, module in model.named_modules():
-        if isinstance(module, Experts):  # each expert's three tensors, not the stacked parameters
-            expected.update(f"{module_name}#{i}.{p}" for i in range(module.num_experts) for p in PROJECTIONS)
-            params = {k: v for k, v in params.items() if not k.startswith(f"{module_name}.")}
     for name in params:
         piece = next((piece for piece in _FUSED if piece in name), None)
         expected.update([name] if piece is None else (f"{name}#{i}" for i in range(_FUSED[piece])))

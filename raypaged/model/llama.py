@@ -239,12 +239,23 @@ class LlamaMLP(nn.Module):
         return self.first_row, shard * self.intermediate_size, self.intermediate_size
 
     def forward(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:
+        return self.down_proj(self.activated(x, fused))
+
+    def partial(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:
+        """This rank's share of the output, before the down projection's all-reduce and bias (a mixture of experts
+        sums its experts' shares first: ``moe``)."""
+        down = self.down_proj
+        assert isinstance(down, (RowParallelLinear, QuantLinear)), "the experts' linears are not wrapped (no LoRA)"
+        return down.partial(self.activated(x, fused))
+
+    def activated(self, x: torch.Tensor, fused: FusedOps | None) -> torch.Tensor:  # [T, hidden] -> [T, I]
+        """``act(gate) * up``, through the fused ops' silu_and_mul where the step runs them."""
         if fused is None:
-            return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+            return self.act_and_mul(self.gate_up_proj(x))
         gate_up = self.gate_up_proj
         if isinstance(gate_up, (Linear, QuantLinear)):  # in one pass where its weight is packed gated (pack_weights)
-            return self.down_proj(gate_up.silu_and_mul(x, fused.silu_and_mul))
-        return self.down_proj(fused.silu_and_mul(gate_up(x)))
+            return gate_up.silu_and_mul(x, fused.silu_and_mul)
+        return fused.silu_and_mul(gate_up(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -264,7 +275,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, arch, rotary, tp, f"{prefix}.self_attn", quant_config, index)
         self.mlp: LlamaMLP | SparseMoeBlock
         if arch.moe is not None and arch.moe.sparse_layers[index]:
-            self.mlp = SparseMoeBlock(config, arch, tp, f"{prefix}.mlp")
+            self.mlp = SparseMoeBlock(config, arch, tp, f"{prefix}.mlp", quant_config)
         else:
             self.mlp = LlamaMLP(config, arch, tp, f"{prefix}.mlp", quant_config)
         norm: type[RMSNorm] = GemmaRMSNorm if arch.gemma else RMSNorm

@@ -5,17 +5,17 @@ transformers' ``*SparseMoeBlock`` computes it::
     y = sum over the token's experts e of weight_e * down_e(silu(gate_e(x)) * up_e(x))
     y += sigmoid(x @ shared_gate^T) * shared_expert(x)                 # Qwen2-MoE only
 
-Each expert's gate | up weights are held stacked (``[num_experts, 2 * I, hidden]``, down ``[num_experts, hidden,
-I]``), filled expert by expert from the checkpoint's per-expert tensors. A step sorts its (token, expert) pairs by
-expert once, runs each chosen expert over its contiguous run of gathered rows, and adds the weighted rows back per
-token in ascending expert order, the order of transformers' loop. Under tensor parallelism every rank holds its
-share of every expert's intermediate features (and the shared expert's): the partial outputs are summed in one
-all-reduce per layer, the router and the shared gate are whole on every rank.
+Each expert is a gated MLP of the dense layers' kind (``LlamaMLP``: the checkpoint's per-expert tensors load as any
+MLP's, float or quantized, and a CPU packs each one's weights for its GEMMs). A step sorts its (token, expert)
+pairs by expert once, runs each chosen expert over its contiguous run of gathered rows, and adds the weighted rows
+back per token in ascending expert order, the order of transformers' loop. Under tensor parallelism every rank
+holds its share of every expert's intermediate features (and the shared expert's): the partial outputs are summed
+in one all-reduce per layer; the router and the shared gate are whole on every rank.
 """
 
 from __future__ import annotations
 
-import re
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,14 +23,13 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from raypaged.attention.backend import FusedOps
-from raypaged.model.architecture import Architecture, MoeSpec
-from raypaged.model.layers import silu_and_mul
-from raypaged.model.parallel import RowParallelLinear, TensorParallel
+from raypaged.model.architecture import Architecture
+from raypaged.model.parallel import TensorParallel
+from raypaged.quantization.base import QuantizationConfig
 
-# a checkpoint's per-expert tensor: "<layer>.mlp.experts.<index>.<projection>.<weight>" (Mixtral's block_sparse_moe
-# and w1 / w3 / w2 renamed first: ``canonical_name``)
-EXPERT_TENSOR = re.compile(r"\.experts\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<param>[^.]+)$")
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+if TYPE_CHECKING:
+    from raypaged.model.llama import LlamaMLP
+
 _MIXTRAL_NAMES = (
     (".block_sparse_moe.", ".mlp."),
     (".w1.", ".gate_proj."),
@@ -49,53 +48,17 @@ def canonical_name(name: str) -> str:
     return name
 
 
-class Experts(nn.Module):
-    """Every expert's gated MLP, this rank's share of each one's intermediate features."""
-
-    def __init__(self, spec: MoeSpec, hidden_size: int, tp: TensorParallel) -> None:
-        super().__init__()
-        self.num_experts, self.top_k = spec.num_experts, spec.top_k
-        self.first_row, self.intermediate_size = tp.chunk(spec.intermediate_size)
-        self.fp32_weights = spec.fp32_weights
-        size = self.intermediate_size
-        self.gate_up = nn.Parameter(torch.empty(spec.num_experts, 2 * size, hidden_size), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(spec.num_experts, hidden_size, size), requires_grad=False)
-
-    def load_expert(self, name: str, index: int, projection: str, param: str, tensor: torch.Tensor) -> None:
-        """This rank's rows (gate, up) or columns (down) of expert ``index``'s checkpoint tensor ``name``."""
-        if param != "weight" or not 0 <= index < self.num_experts:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-        first, size = self.first_row, self.intermediate_size
-        if projection == "down_proj":
-            self.down.data[index].copy_(tensor[:, first : first + size])
-        else:
-            offset = 0 if projection == "gate_proj" else size
-            self.gate_up.data[index, offset : offset + size].copy_(tensor[first : first + size])
-
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``x: [T, hidden]``, each token's ``experts`` and ``weights`` ``[T, top_k]`` -> the weighted sum of its
-        experts' outputs (this rank's share under tensor parallelism)."""
-        chosen = experts.flatten()
-        order = torch.argsort(chosen, stable=True)  # (token, expert) pairs by expert
-        rows = order // self.top_k  # each pair's token
-        counts = torch.bincount(chosen, minlength=self.num_experts).tolist()
-        gathered, pair_weights = x[rows], weights.flatten()[order, None]
-        out = torch.empty_like(gathered)
-        start = 0
-        for index, count in enumerate(counts):
-            if count:
-                end = start + count
-                hidden = silu_and_mul(F.linear(gathered[start:end], self.gate_up[index]))
-                y = F.linear(hidden, self.down[index])
-                out[start:end] = y * pair_weights[start:end]  # in fp32 for Mixtral's fp32 weights, then rounded
-                start = end
-        return torch.zeros_like(x).index_add_(0, rows, out)
-
-
 class SparseMoeBlock(nn.Module):
     """The router, the experts and (Qwen2-MoE) the gated shared expert of one layer."""
 
-    def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TensorParallel, prefix: str) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        arch: Architecture,
+        tp: TensorParallel,
+        prefix: str,
+        quant_config: QuantizationConfig | None,
+    ) -> None:
         super().__init__()
         from raypaged.model.llama import LlamaMLP  # here: that module builds this one's blocks
 
@@ -103,24 +66,44 @@ class SparseMoeBlock(nn.Module):
         assert spec is not None, "an architecture with experts"
         self.tp, self.spec = tp, spec
         self.gate = nn.Linear(config.hidden_size, spec.num_experts, bias=False)  # the router, whole on every rank
-        self.experts = Experts(spec, config.hidden_size, tp)
+        self.experts = nn.ModuleList(
+            LlamaMLP(config, arch, tp, f"{prefix}.experts.{i}", quant_config, spec.intermediate_size)
+            for i in range(spec.num_experts)
+        )
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if spec.shared_intermediate_size:
-            shared = LlamaMLP(config, arch, tp, f"{prefix}.shared_expert", None, spec.shared_intermediate_size)
+            shared = LlamaMLP(config, arch, tp, f"{prefix}.shared_expert", quant_config, spec.shared_intermediate_size)
             self.shared_expert, self.shared_expert_gate = shared, nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        """The block's output for the normed ``x`` (``fused`` changes nothing here: the experts run in torch)."""
+        """The block's output for the normed ``x`` (``fused``: its silu_and_mul in the experts)."""
         probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.spec.top_k, dim=-1)
         if self.spec.renormalize:
             weights /= weights.sum(dim=-1, keepdim=True)
-        out = self.experts(x, experts, weights if self.spec.fp32_weights else weights.to(x.dtype))
+        out = self.routed(x, experts, weights if self.spec.fp32_weights else weights.to(x.dtype), fused)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = self.shared_expert
-            down = shared.down_proj
-            assert isinstance(down, RowParallelLinear), "unquantized (check_options refuses quantized experts)"
-            partial = down.partial(shared.act_and_mul(shared.gate_up_proj(x)))  # the all-reduce below sums it
-            out += torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * partial
+            out += torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert.partial(x, fused)
         return self.tp.all_reduce(out)
+
+    def routed(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fused: FusedOps | None
+    ) -> torch.Tensor:
+        """Each token's ``experts`` ``[T, top_k]`` applied to it and summed with their ``weights`` (this rank's
+        share under tensor parallelism)."""
+        top_k = experts.shape[1]
+        chosen = experts.flatten()
+        order = torch.argsort(chosen, stable=True)  # (token, expert) pairs by expert
+        rows = order // top_k  # each pair's token
+        counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()
+        gathered, pair_weights = x[rows], weights.flatten()[order, None]
+        out = torch.empty_like(gathered)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                end = start + count
+                y = cast("LlamaMLP", expert).partial(gathered[start:end], fused)
+                out[start:end] = y * pair_weights[start:end]  # in fp32 for Mixtral's fp32 weights, then rounded
+                start = end
+        return torch.zeros_like(x).index_add_(0, rows, out)

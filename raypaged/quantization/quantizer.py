@@ -38,7 +38,9 @@ KV_SCALE_SCHEMES = ("fp8", "fp8-block", "w8a8-int8", "w8a8-fp8", "w8a8-fp8-block
 BLOCK_SCHEMES = ("fp8-block", "w8a8-fp8-block")
 # the linears quantized: Llama-family parts, and Phi-3's fused qkv_proj and gate_up_proj (quantized whole)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
-_SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}  # -> the part naming the group
+_MIXTRAL_EXPERT = ("w1", "w2", "w3")  # gate, down, up
+# -> the part naming the group
+_SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}
 
 
 def rtn(
@@ -236,9 +238,11 @@ def act_orders(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _projection(name: str) -> tuple[str, str | None]:
-    """(module prefix, projection) of a projection's ``weight``; (name, None) for any other tensor."""
+    """(module prefix, projection) of a projection's ``weight`` (Mixtral's experts' ``w1``, ``w2`` and ``w3`` too);
+    (name, None) for any other tensor."""
     module, _, proj = name[: -len(".weight")].rpartition(".")
-    return (module, proj) if name.endswith(".weight") and proj in PROJECTIONS else (name, None)
+    projection = proj in PROJECTIONS or (proj in _MIXTRAL_EXPERT and ".block_sparse_moe.experts." in module)
+    return (module, proj) if name.endswith(".weight") and projection else (name, None)
 
 
 def quantize_tensors(

@@ -6,16 +6,23 @@ refused by name."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from raypaged import LLM, SamplingParams
 from raypaged.config import EngineConfig
 from raypaged.model.architecture import MoeSpec, architecture_of
-from raypaged.model.llama import check_tensor_parallel
+from raypaged.model.llama import LlamaForCausalLM, check_tensor_parallel
+from raypaged.model.loader import iter_checkpoint, load_model
+from raypaged.model.moe import SparseMoeBlock
+from raypaged.model.parallel import TensorParallel
+from raypaged.quantization import quantizer, resolve_quantization
+from raypaged.quantization.linear import QuantLinear
 from tests.conftest import hf_greedy
 from tests.model.conftest import tiny_models_with_word_tokenizer
 
@@ -160,8 +167,8 @@ def test_the_specs_are_transformers_routing(model_dirs):
 
 
 def test_an_expert_tensor_loads_into_its_experts_rows(model_dirs):
-    """Mixtral's ``block_sparse_moe.experts.3.w3`` (up) fills rows 48:96 of expert 3's stacked gate | up weight,
-    and ``w2`` (down) its down weight, exactly."""
+    """Mixtral's ``block_sparse_moe.experts.3.w1`` (gate) and ``w3`` (up) fill expert 3's gate | up weight, ``w2``
+    (down) its down weight, exactly; a missing or an extra expert tensor is named."""
     from safetensors.torch import load_file
 
     from raypaged.model.checkpoint import load_weights
@@ -171,18 +178,17 @@ def test_an_expert_tensor_loads_into_its_experts_rows(model_dirs):
     tensors = load_file(model_dirs["mixtral"] / "model.safetensors")
     model = LlamaForCausalLM(config, 64)
     load_weights(model, tensors.items())
-    experts = model.model.layers[1].mlp.experts
+    expert = model.model.layers[1].mlp.experts[3]
     prefix = "model.layers.1.block_sparse_moe.experts.3"
-    assert torch.equal(experts.gate_up[3, :48], tensors[f"{prefix}.w1.weight"])
-    assert torch.equal(experts.gate_up[3, 48:], tensors[f"{prefix}.w3.weight"])
-    assert torch.equal(experts.down[3], tensors[f"{prefix}.w2.weight"])
+    assert torch.equal(expert.gate_up_proj.weight[:48], tensors[f"{prefix}.w1.weight"])
+    assert torch.equal(expert.gate_up_proj.weight[48:], tensors[f"{prefix}.w3.weight"])
+    assert torch.equal(expert.down_proj.weight, tensors[f"{prefix}.w2.weight"])
     del tensors[f"{prefix}.w2.weight"]
-    with pytest.raises(
-        ValueError, match=r"missing 1 tensors, e\.g\. \['model\.layers\.1\.mlp\.experts#3\.down_proj'\]$"
-    ):
+    missing = r"missing 1 tensors, e\.g\. \['model\.layers\.1\.mlp\.experts\.3\.down_proj\.weight'\]$"
+    with pytest.raises(ValueError, match=missing):
         load_weights(LlamaForCausalLM(config, 64), tensors.items())
     tensors[f"{prefix.replace('.3', '.6')}.w2.weight"] = torch.zeros(64, 48)
-    with pytest.raises(ValueError, match=r"'model\.layers\.1\.block_sparse_moe\.experts\.6\.w2\.weight' has no place"):
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.experts\.6\.down_proj\.weight' has no place"):
         load_weights(LlamaForCausalLM(config, 64), tensors.items())
 
 
@@ -190,7 +196,6 @@ def test_an_expert_tensor_loads_into_its_experts_rows(model_dirs):
     ("options", "message"),
     [
         ({"enable_lora": True}, r"^LoRA \(--enable-lora\) is not supported for Qwen3MoeForCausalLM$"),
-        ({"quantization": "fp8"}, r"^quantized checkpoints \(--quantization\) are not supported for Qwen3MoeFo"),
     ],
 )
 def test_refused_options_name_what_they_refuse(model_dirs, options, message):
@@ -204,3 +209,106 @@ def test_a_tensor_parallel_size_that_splits_no_expert_evenly_is_refused(model_di
     config.moe_intermediate_size = 30
     with pytest.raises(ValueError, match=r"^the model's moe_intermediate_size 30 is not divisible by tensor_parallel"):
         check_tensor_parallel(config, 4)
+
+
+# name -> (scheme, quantizer options, the largest error as a share of the float weight's largest |value|); group 8
+# divides every projection's input (64, Mixtral's 48 and Qwen2-MoE's 32, 48 and 80, and each of two ranks' half)
+QUANTIZED = {
+    "fp8-block": ("fp8-block", {"block": (16, 8)}, 2**-4),  # 16-row blocks across the gate | up boundary
+    "w8a8-int8": ("w8a8-int8", {}, 1 / 127),
+    "gptq-actorder-asym": ("gptq", {"group_size": 8, "act_order": True, "symmetric": False}, 2 / 15),
+    "awq": ("awq", {"group_size": 8}, 2 / 15),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tmp_path_factory, model_dirs) -> dict[tuple[str, str], Path]:
+    """Mixtral's and Qwen2-MoE's checkpoints in each format (Mixtral's experts as w1, w2 and w3)."""
+    root = tmp_path_factory.mktemp("moe_quantized")
+    return {
+        (model, name): quantizer.quantize_checkpoint(model_dirs[model], root / f"{model}-{name}", scheme, **options)
+        for model in ("mixtral", "qwen2_moe")
+        for name, (scheme, options, _) in QUANTIZED.items()
+    }
+
+
+def load_quantized(path: Path, tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+    config = AutoConfig.from_pretrained(path)
+    quant_config = resolve_quantization(None, config.quantization_config)
+    return load_model(path, config, 64, torch.float32, torch.device("cpu"), tp, quant_config=quant_config)
+
+
+def expert_names(model: str, layer: int, expert: int) -> tuple[str, str, str]:
+    """The checkpoint names of an expert's gate, up and down weights."""
+    if model == "mixtral":
+        prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
+        return f"{prefix}.w1.weight", f"{prefix}.w3.weight", f"{prefix}.w2.weight"
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+    return f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight", f"{prefix}.down_proj.weight"
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+@pytest.mark.parametrize("model", ["mixtral", "qwen2_moe"])
+def test_each_quantized_expert_dequantizes_to_its_float_weights_on_each_shard(model, name, model_dirs, quantized_dirs):
+    """Every expert (and the shared expert) loads quantized, within the scheme's error of its float weights; each of
+    two shards holds its half of every expert's intermediate rows (gate, up) and columns (down), exactly."""
+    weights = dict(iter_checkpoint(model_dirs[model]))
+    path = quantized_dirs[(model, name)]
+    whole = load_quantized(path)
+    shards = [load_quantized(path, TensorParallel(rank, 2)) for rank in range(2)]
+    tolerance = QUANTIZED[name][2]
+    checked = 0
+    for index, layer in enumerate(whole.model.layers):
+        if not isinstance(layer.mlp, SparseMoeBlock):
+            continue
+        for expert_index, expert in enumerate(layer.mlp.experts):
+            gate_name, up_name, down_name = expert_names(model, index, expert_index)
+            gate_up, down = expert.gate_up_proj, expert.down_proj
+            assert isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear)
+            for got, want in ((gate_up, torch.cat([weights[gate_name], weights[up_name]])), (down, weights[down_name])):
+                assert (got.dequantize() - want).abs().max() <= tolerance * want.abs().max()
+            half = expert.intermediate_size // 2
+            for rank, shard in enumerate(shards):
+                shard_expert = shard.model.layers[index].mlp.experts[expert_index]
+                mine = range(rank * half, (rank + 1) * half)
+                rows = [*mine, *(2 * half + row for row in mine)]
+                assert torch.equal(shard_expert.gate_up_proj.dequantize(), gate_up.dequantize()[rows])
+                assert torch.equal(shard_expert.down_proj.dequantize(), down.dequantize()[:, mine])
+            checked += 1
+        if layer.mlp.shared_expert is not None:
+            assert isinstance(layer.mlp.shared_expert.down_proj, QuantLinear)
+    assert checked == {"mixtral": 2 * 6, "qwen2_moe": 2 * 8}[model]
+
+
+def test_a_gptq_model_generates_as_transformers_with_its_dequantized_weights(model_dirs, quantized_dirs, tmp_path):
+    """Weight-only 4-bit (GPTQ, act order): raypaged's greedy tokens equal transformers' from a float checkpoint of
+    the weights raypaged dequantized, routing, experts, the shared expert and the dense layer alike."""
+    model = "qwen2_moe"
+    path = quantized_dirs[(model, "gptq-actorder-asym")]
+    loaded = load_quantized(path)
+    weights = dict(iter_checkpoint(model_dirs[model]))
+    for index, layer in enumerate(loaded.model.layers):
+        prefix = f"model.layers.{index}"
+        attn = layer.self_attn
+        for part, rows in zip("qkv", attn.qkv_proj.dequantize().split(attn.shard_sizes)):
+            weights[f"{prefix}.self_attn.{part}_proj.weight"] = rows
+        weights[f"{prefix}.self_attn.o_proj.weight"] = attn.o_proj.dequantize()
+        mlps = {f"{prefix}.mlp": layer.mlp} if not isinstance(layer.mlp, SparseMoeBlock) else {}
+        if isinstance(layer.mlp, SparseMoeBlock):
+            mlps |= {f"{prefix}.mlp.experts.{i}": expert for i, expert in enumerate(layer.mlp.experts)}
+            mlps[f"{prefix}.mlp.shared_expert"] = layer.mlp.shared_expert
+        for name, mlp in mlps.items():
+            gate, up = mlp.gate_up_proj.dequantize().chunk(2)
+            weights |= {f"{name}.gate_proj.weight": gate, f"{name}.up_proj.weight": up}
+            weights[f"{name}.down_proj.weight"] = mlp.down_proj.dequantize()
+    reference = tmp_path / "dequantized"
+    shutil.copytree(model_dirs[model], reference)
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, reference / "model.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    llm = LLM(model=str(path), device="cpu", num_gpu_blocks_override=64, block_size=4)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
