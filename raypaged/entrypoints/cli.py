@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from raypaged import envs
-from raypaged.config import CliFlag, EngineConfig, cli_flag, json_flag_value
+from raypaged.config import CliFlag, EngineConfig, cli_flag, json_flag_value, resolve_model_path
 from raypaged.entrypoints.config_file import CONFIG_FLAG, ArgumentParser
 from raypaged.entrypoints.logging_setup import add_logging_args, logging_setup
 from raypaged.entrypoints.run_batch import add_batch_args
@@ -232,7 +232,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
     """One ``EngineConfig`` per ``--model`` (none given: the default model)."""
-    models = ([args.model_tag] if args.model_tag else []) + (args.model or []) or [None]
+    models = served_models(args)
     names = args.served_model_name or [None] * len(models)
     if len(names) != len(models):
         raise ValueError(
@@ -244,6 +244,21 @@ def engine_configs(args: argparse.Namespace) -> list[EngineConfig]:
         EngineConfig(served_model_name=name, **engine_kwargs(args, accepted, model))
         for model, name in zip(models, names)
     ]
+
+
+def served_models(args: argparse.Namespace) -> list[str | None]:
+    """The ``--model`` values (the positional one first); ``[None]``: the default model."""
+    return ([args.model_tag] if args.model_tag else []) + (args.model or []) or [None]
+
+
+def check_models(args: argparse.Namespace) -> None:
+    """The engine flags read and every ``--model`` found (a Hub id downloaded if missing) as the engine will, so
+    that a flag or model name that cannot work stops the command before the engine process builds anything (it
+    imports no torch)."""
+    accepted = {f.name for f in dataclasses.fields(EngineConfig) if f.init}
+    for model in served_models(args):
+        kwargs = engine_kwargs(args, accepted, model)
+        resolve_model_path(model, kwargs.get("revision"), kwargs.get("download_dir"), token=kwargs.get("hf_token"))
 
 
 def add_lora_modules_arg(parser: argparse.ArgumentParser) -> None:
@@ -317,6 +332,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options = gateway_options(args)
         options_check(options)
         adapters = lora_modules(args)
+        check_models(args)
         asyncio.run(
             run_serve(
                 # built with the engines, in the engine process (which has no use for the command's function)
