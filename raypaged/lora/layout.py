@@ -56,12 +56,18 @@ class LoRATarget:
 
 
 def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of each projection's checkpoint weight: the ones an adapter of the model may adapt."""
+    """(out, in) of each projection's checkpoint weight: the ones an adapter of the model may adapt (of a mixture
+    of experts, the attention's)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_out = config.num_attention_heads * head_dim_of(config)
     kv_out = config.num_key_value_heads * head_dim_of(config)
+    arch = architecture_of(config)
+    if arch.moe is not None:  # the attention's only: an MLP projection of these models is an expert's
+        return {"q_proj": (q_out, hidden), "k_proj": (kv_out, hidden), "v_proj": (kv_out, hidden)} | {
+            "o_proj": (hidden, q_out)
+        }
     rows = {"o_proj": (hidden, q_out), "down_proj": (hidden, inter)}
-    if architecture_of(config).fused_checkpoint:
+    if arch.fused_checkpoint:
         return rows | {"qkv_proj": (q_out + 2 * kv_out, hidden), "gate_up_proj": (2 * inter, hidden)}
     return rows | {
         "q_proj": (q_out, hidden),
@@ -109,8 +115,11 @@ def find_targets(model: LlamaForCausalLM, tp: TensorParallel) -> list[LoRATarget
     hidden = model.config.hidden_size
     targets = []
     layer: nn.Module
+    parents = [("self_attn", "qkv_proj", "o_proj"), ("mlp", "gate_up_proj", "down_proj")]
+    if model.architecture.moe is not None:  # see checkpoint_shapes
+        parents = parents[:1]
     for index, layer in enumerate(model.model.layers):
-        for parent_name, fused, row in (("self_attn", "qkv_proj", "o_proj"), ("mlp", "gate_up_proj", "down_proj")):
+        for parent_name, fused, row in parents:
             parent = getattr(layer, parent_name)
             slices = []
             for shard, projection in enumerate(FUSED[fused]):

@@ -41,7 +41,7 @@ _REFUSED_FIELDS = {
     "trainable_token_indices": "trainable_token_indices",
     "layer_replication": "layer_replication",
     "alpha_pattern": "alpha_pattern",
-    "target_parameters": "target_parameters",
+    "target_parameters": "LoRA on parameters (target_parameters, as of a mixture of experts' expert weights)",
     "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
     "use_qalora": "QALoRA (use_qalora)",
     "use_bdlora": "BD-LoRA (use_bdlora)",

@@ -98,14 +98,14 @@ def torch_attention_reason(config: PretrainedConfig) -> str | None:
 
 def check_options(config: PretrainedConfig, quantized: bool, lora: bool, attention_backend: str) -> None:
     """``ValueError`` naming what the engine's options ask of this architecture that raypaged does not do for it."""
-    name = gemma_name(config) or moe_name(config)
+    name = gemma_name(config)
     if name is None:
         return
-    if quantized and gemma_name(config) is not None:
+    if quantized:
         raise ValueError(f"quantized checkpoints (--quantization) are not supported for {name}")
     if lora:
         raise ValueError(f"LoRA (--enable-lora) is not supported for {name}")
-    if gemma_name(config) is not None and attention_backend not in ("auto", "torch"):
+    if attention_backend not in ("auto", "torch"):
         raise ValueError(f"--attention-backend {attention_backend} cannot run {name}: {torch_attention_reason(config)}")
 
 

@@ -192,15 +192,69 @@ def test_an_expert_tensor_loads_into_its_experts_rows(model_dirs):
         load_weights(LlamaForCausalLM(config, 64), tensors.items())
 
 
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        ({"enable_lora": True}, r"^LoRA \(--enable-lora\) is not supported for Qwen3MoeForCausalLM$"),
-    ],
+EXPERTS_REFUSED = (
+    r"^LoRA adapter 'experts': LoRA on parameters \(target_parameters, as of a mixture of experts' expert weights\) "
+    r"is not supported$"
 )
-def test_refused_options_name_what_they_refuse(model_dirs, options, message):
-    with pytest.raises(ValueError, match=message):
-        EngineConfig(model=str(model_dirs["qwen3_moe"]), device="cpu", **options)
+
+
+def test_attention_adapters_equal_peft_in_one_batch_with_the_base_model(model_dirs, tmp_path):
+    """LoRA on a mixture-of-experts model adapts its attention: two peft adapters (q/v at rank 4; q/k/v/o at rank 8,
+    rsLoRA) and the base model in one batch give peft's greedy tokens; an adapter of the experts is refused by name."""
+    from peft import PeftModel
+
+    from raypaged.lora.request import LoRARequest
+    from tests.conftest import make_peft_adapter
+
+    path = model_dirs["qwen3_moe"]
+    options = {
+        "qv": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "qkvo": {
+            "r": 8,
+            "lora_alpha": 16,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+            "use_rslora": True,
+        },
+    }
+    adapters = {
+        name: make_peft_adapter(path, tmp_path / name, seed, std=0.2, **o)
+        for seed, (name, o) in enumerate(options.items())
+    }
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = {None: [hf_greedy(base, p, MAX_TOKENS) for p in PROMPTS[:2]]}
+    for name, adapter in adapters.items():
+        peft = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adapter
+        ).eval()
+        want[name] = [hf_greedy(peft, p, MAX_TOKENS) for p in PROMPTS[:2]]
+    assert len({tuple(map(tuple, tokens)) for tokens in want.values()}) == 3  # each adapter changes the tokens
+    experts = make_peft_adapter(
+        path, tmp_path / "experts", 3, r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]
+    )
+    llm = LLM(
+        model=str(path), device="cpu", num_gpu_blocks_override=64, block_size=4, enable_lora=True, max_lora_rank=8
+    )
+    requests = {name: LoRARequest(name, i + 1, str(adapters[name])) for i, name in enumerate(adapters)}
+    jobs = [(name, prompt) for name in want for prompt in PROMPTS[:2]]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        outputs = llm.generate(
+            [{"prompt_token_ids": prompt} for _, prompt in jobs],
+            params,
+            use_tqdm=False,
+            lora_request=[requests[name] if name else None for name, _ in jobs],
+        )
+        with pytest.raises(
+            ValueError,
+            match=EXPERTS_REFUSED,
+        ):
+            llm.generate(
+                [{"prompt_token_ids": PROMPTS[0]}], params, lora_request=LoRARequest("experts", 9, str(experts))
+            )
+    finally:
+        llm.shutdown()
+    got = {name: [o.outputs[0].token_ids for o in outputs[i * 2 : i * 2 + 2]] for i, name in enumerate(want)}
+    assert got == want
 
 
 def test_a_tensor_parallel_size_that_splits_no_expert_evenly_is_refused(model_dirs):
