@@ -78,3 +78,59 @@ def tiny_models_with_word_tokenizer(
             if (tokenizer / file).exists():
                 shutil.copy(tokenizer / file, path / file)
     return dirs
+
+
+# the prompts of the architectures' logprob comparisons: each longer than a sliding window of 8 (Gemma)
+LOGPROB_PROMPTS = [list(range(200, 230)), [7, 8, 9] * 4, list(range(300, 321)), [42] * 9]
+LOGPROB_TOKENS = 12
+LOGPROB_PARAMS = SamplingParams(
+    temperature=0, max_tokens=LOGPROB_TOKENS, ignore_eos=True, logprobs=1, prompt_logprobs=1
+)
+Reference = list[tuple[list[int], torch.Tensor]]
+
+
+def transformers_references(model_dirs: dict[str, Path], **hf_options) -> dict[str, Reference]:
+    """Per model, each of ``LOGPROB_PROMPTS``' greedy tokens from transformers' generate and the log-softmax of the
+    logits of its whole sequence in one forward."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name, path in model_dirs.items():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **hf_options).eval()
+        out[name] = []
+        for prompt in LOGPROB_PROMPTS:
+            tokens = hf_greedy(hf, prompt, LOGPROB_TOKENS)
+            with torch.inference_mode():
+                logits = hf(torch.tensor([prompt + tokens])).logits[0]
+            out[name].append((tokens, logits.log_softmax(-1)))
+    return out
+
+
+def assert_matches_transformers(model_dir: Path, reference: Reference, **llm_options) -> None:
+    """``LOGPROB_PROMPTS`` in one batch: transformers' greedy tokens, and logprobs within 2e-5 of its logits'. With
+    ``enable_prefix_caching`` twice more, hitting the first run's blocks (a request with prompt logprobs takes no
+    cached blocks: these ask for the sampled tokens' only)."""
+    llm = LLM(model=str(model_dir), device="cpu", num_gpu_blocks_override=64, block_size=4, **llm_options)
+    requests = [{"prompt_token_ids": p} for p in LOGPROB_PROMPTS]
+    try:
+        runs = [llm.generate(requests, LOGPROB_PARAMS, use_tqdm=False)]
+        if llm_options.get("enable_prefix_caching"):
+            cached = SamplingParams(temperature=0, max_tokens=LOGPROB_TOKENS, ignore_eos=True, logprobs=1)
+            runs.append(llm.generate(requests, cached, use_tqdm=False))
+            cached_enough = [
+                out.num_cached_tokens >= len(p) - len(p) % 4 - 4 for p, out in zip(LOGPROB_PROMPTS, runs[-1])
+            ]
+            assert all(cached_enough)
+    finally:
+        llm.shutdown()
+    for outputs in runs:
+        for prompt, output, (tokens, expected) in zip(LOGPROB_PROMPTS, outputs, reference, strict=True):
+            assert output.outputs[0].token_ids == tokens
+            sequence = prompt + tokens
+            got = [entry[token].logprob for entry, token in zip(output.outputs[0].logprobs, tokens, strict=True)]
+            first = len(prompt) - 1  # the first sampled token's row
+            if output.prompt_logprobs is not None:
+                got = [e[t].logprob for e, t in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)] + got
+                first = 0
+            want = expected[torch.arange(first, len(sequence) - 1), torch.tensor(sequence[first + 1 :])]
+            torch.testing.assert_close(torch.tensor(got), want, rtol=0, atol=2e-5)

@@ -9,13 +9,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from raypaged import LLM, SamplingParams
 from raypaged.config import EngineConfig
-from tests.conftest import hf_greedy
-from tests.model.conftest import tiny_models_with_word_tokenizer
+from tests.model.conftest import (
+    Reference,
+    assert_matches_transformers,
+    tiny_models_with_word_tokenizer,
+    transformers_references,
+)
 
 WINDOW = 8
 TINY = dict(
@@ -46,9 +47,6 @@ MODELS = {
         },
     ),
 }
-PROMPTS = [list(range(200, 230)), [7, 8, 9] * 4, list(range(300, 321)), [42] * 9]  # each past the window
-MAX_TOKENS = 12
-PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1, prompt_logprobs=1)
 
 
 @pytest.fixture(scope="module")
@@ -58,46 +56,13 @@ def model_dirs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def references(model_dirs) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
-    """Per model, each prompt's greedy tokens from transformers' generate (eager attention: Gemma 2's soft-capping)
-    and the log-softmax of the logits of its whole sequence in one forward."""
-    out = {}
-    for name, path in model_dirs.items():
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-        out[name] = []
-        for prompt in PROMPTS:
-            tokens = hf_greedy(hf, prompt, MAX_TOKENS)
-            with torch.inference_mode():
-                logits = hf(torch.tensor([prompt + tokens])).logits[0]
-            out[name].append((tokens, logits.log_softmax(-1)))
-    return out
+def references(model_dirs) -> dict[str, Reference]:
+    """Each model's references from transformers (eager attention: Gemma 2's soft-capping)."""
+    return transformers_references(model_dirs, attn_implementation="eager")
 
 
 def assert_matches(model: str, model_dirs, references, **llm_options) -> None:
-    """The prompts in one batch: transformers' greedy tokens, and logprobs within 2e-5 of its logits'. With
-    ``enable_prefix_caching`` twice more, hitting the first run's blocks (a request with prompt logprobs takes no
-    cached blocks: these ask for the sampled tokens' only)."""
-    llm = LLM(model=str(model_dirs[model]), device="cpu", num_gpu_blocks_override=64, block_size=4, **llm_options)
-    requests = [{"prompt_token_ids": p} for p in PROMPTS]
-    try:
-        runs = [llm.generate(requests, PARAMS, use_tqdm=False)]
-        if llm_options.get("enable_prefix_caching"):
-            cached = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-            runs.append(llm.generate(requests, cached, use_tqdm=False))
-            assert all(output.num_cached_tokens >= len(p) - len(p) % 4 - 4 for p, output in zip(PROMPTS, runs[-1]))
-    finally:
-        llm.shutdown()
-    for outputs in runs:
-        for prompt, output, (tokens, expected) in zip(PROMPTS, outputs, references[model], strict=True):
-            assert output.outputs[0].token_ids == tokens
-            sequence = prompt + tokens
-            got = [entry[token].logprob for entry, token in zip(output.outputs[0].logprobs, tokens, strict=True)]
-            first = len(prompt) - 1  # the first sampled token's row
-            if output.prompt_logprobs is not None:
-                got = [e[t].logprob for e, t in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)] + got
-                first = 0
-            want = expected[torch.arange(first, len(sequence) - 1), torch.tensor(sequence[first + 1 :])]
-            torch.testing.assert_close(torch.tensor(got), want, rtol=0, atol=2e-5)
+    assert_matches_transformers(model_dirs[model], references[model], **llm_options)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

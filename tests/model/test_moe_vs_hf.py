@@ -24,7 +24,14 @@ from raypaged.model.parallel import TensorParallel
 from raypaged.quantization import quantizer, resolve_quantization
 from raypaged.quantization.linear import QuantLinear
 from tests.conftest import hf_greedy
-from tests.model.conftest import tiny_models_with_word_tokenizer
+from tests.model.conftest import (
+    LOGPROB_PROMPTS,
+    LOGPROB_TOKENS,
+    Reference,
+    assert_matches_transformers,
+    tiny_models_with_word_tokenizer,
+    transformers_references,
+)
 
 TINY = dict(
     vocab_size=512,
@@ -63,9 +70,6 @@ MODELS = {
         },
     ),
 }
-PROMPTS = [list(range(200, 230)), [7, 8, 9] * 4, list(range(300, 321)), [42] * 9]
-MAX_TOKENS = 12
-PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1, prompt_logprobs=1)
 
 
 @pytest.fixture(scope="module")
@@ -75,45 +79,13 @@ def model_dirs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def references(model_dirs) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
-    """Per model, each prompt's greedy tokens from transformers' generate and the log-softmax of the logits of its
-    whole sequence in one forward."""
-    out = {}
-    for name, path in model_dirs.items():
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        out[name] = []
-        for prompt in PROMPTS:
-            tokens = hf_greedy(hf, prompt, MAX_TOKENS)
-            with torch.inference_mode():
-                logits = hf(torch.tensor([prompt + tokens])).logits[0]
-            out[name].append((tokens, logits.log_softmax(-1)))
-    return out
+def references(model_dirs) -> dict[str, Reference]:
+    """Each model's references from transformers."""
+    return transformers_references(model_dirs)
 
 
 def assert_matches(model: str, model_dirs, references, **llm_options) -> None:
-    """The prompts in one batch: transformers' greedy tokens, and logprobs within 2e-5 of its logits'. With
-    ``enable_prefix_caching`` twice more, hitting the first run's blocks."""
-    llm = LLM(model=str(model_dirs[model]), device="cpu", num_gpu_blocks_override=64, block_size=4, **llm_options)
-    requests = [{"prompt_token_ids": p} for p in PROMPTS]
-    try:
-        runs = [llm.generate(requests, PARAMS, use_tqdm=False)]
-        if llm_options.get("enable_prefix_caching"):
-            cached = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-            runs.append(llm.generate(requests, cached, use_tqdm=False))
-            assert all(output.num_cached_tokens >= len(p) - len(p) % 4 - 4 for p, output in zip(PROMPTS, runs[-1]))
-    finally:
-        llm.shutdown()
-    for outputs in runs:
-        for prompt, output, (tokens, expected) in zip(PROMPTS, outputs, references[model], strict=True):
-            assert output.outputs[0].token_ids == tokens
-            sequence = prompt + tokens
-            got = [entry[token].logprob for entry, token in zip(output.outputs[0].logprobs, tokens, strict=True)]
-            first = len(prompt) - 1  # the first sampled token's row
-            if output.prompt_logprobs is not None:
-                got = [e[t].logprob for e, t in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)] + got
-                first = 0
-            want = expected[torch.arange(first, len(sequence) - 1), torch.tensor(sequence[first + 1 :])]
-            torch.testing.assert_close(torch.tensor(got), want, rtol=0, atol=2e-5)
+    assert_matches_transformers(model_dirs[model], references[model], **llm_options)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -221,12 +193,12 @@ def test_attention_adapters_equal_peft_in_one_batch_with_the_base_model(model_di
         for seed, (name, o) in enumerate(options.items())
     }
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    want = {None: [hf_greedy(base, p, MAX_TOKENS) for p in PROMPTS[:2]]}
+    want = {None: [hf_greedy(base, p, LOGPROB_TOKENS) for p in LOGPROB_PROMPTS[:2]]}
     for name, adapter in adapters.items():
         peft = PeftModel.from_pretrained(
             AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adapter
         ).eval()
-        want[name] = [hf_greedy(peft, p, MAX_TOKENS) for p in PROMPTS[:2]]
+        want[name] = [hf_greedy(peft, p, LOGPROB_TOKENS) for p in LOGPROB_PROMPTS[:2]]
     assert len({tuple(map(tuple, tokens)) for tokens in want.values()}) == 3  # each adapter changes the tokens
     experts = make_peft_adapter(
         path, tmp_path / "experts", 3, r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]
@@ -235,8 +207,8 @@ def test_attention_adapters_equal_peft_in_one_batch_with_the_base_model(model_di
         model=str(path), device="cpu", num_gpu_blocks_override=64, block_size=4, enable_lora=True, max_lora_rank=8
     )
     requests = {name: LoRARequest(name, i + 1, str(adapters[name])) for i, name in enumerate(adapters)}
-    jobs = [(name, prompt) for name in want for prompt in PROMPTS[:2]]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    jobs = [(name, prompt) for name in want for prompt in LOGPROB_PROMPTS[:2]]
+    params = SamplingParams(temperature=0, max_tokens=LOGPROB_TOKENS, ignore_eos=True)
     try:
         outputs = llm.generate(
             [{"prompt_token_ids": prompt} for _, prompt in jobs],
@@ -249,7 +221,7 @@ def test_attention_adapters_equal_peft_in_one_batch_with_the_base_model(model_di
             match=EXPERTS_REFUSED,
         ):
             llm.generate(
-                [{"prompt_token_ids": PROMPTS[0]}], params, lora_request=LoRARequest("experts", 9, str(experts))
+                [{"prompt_token_ids": LOGPROB_PROMPTS[0]}], params, lora_request=LoRARequest("experts", 9, str(experts))
             )
     finally:
         llm.shutdown()
@@ -361,8 +333,8 @@ def test_a_gptq_model_generates_as_transformers_with_its_dequantized_weights(mod
     hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     llm = LLM(model=str(path), device="cpu", num_gpu_blocks_override=64, block_size=4)
     try:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=LOGPROB_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in LOGPROB_PROMPTS], params, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, LOGPROB_TOKENS) for p in LOGPROB_PROMPTS]
