@@ -41,12 +41,14 @@ struct step_linear {
 };
 
 /* One layer's norms (q_norm, k_norm: per head over q and k before rotary, as Qwen3's; NULL where none),
- * projections, KV caches and their scales (an fp8 cache holds k / k_scale and v / v_scale; 1 otherwise) */
+ * projections, KV caches and their scales (an fp8 cache holds k / k_scale and v / v_scale; 1 otherwise); nope: its q
+ * and k go unrotated (SmolLM3's NoPE layers) */
 struct step_layer {
     const float *input_norm, *post_norm, *q_norm, *k_norm;
     struct step_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     float k_scale, v_scale;
+    int nope;
 };
 
 /* The model's shape and the cache's */
@@ -138,7 +140,8 @@ int raypaged_step_layers(const struct step_layer *layers, int64_t num_layers, co
         status = raypaged_rotary_and_cache_f32(positions, q, q_stride, k, k_stride, qkv + q_width + kv_width, qkv_width,
                                                cos_sin, s->max_positions, l->k_cache, l->v_cache, s->fp8,
                                                l->k_scale, l->v_scale, s->num_blocks, slots, tokens, s->num_heads,
-                                               s->num_kv_heads, D, s->rotary_dim, s->block_size, threads);
+                                               s->num_kv_heads, D, l->nope ? 0 : s->rotary_dim, s->block_size,
+                                               threads); /* rotating 0 features: the cache write alone */
         if (status) {
             status -= 10;
             break;

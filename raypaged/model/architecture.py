@@ -9,6 +9,7 @@ sliding-window attention on the layers ``layer_types`` marks sliding, tanh soft-
 logits (Gemma 2), q/k norms and a rotary base of its own for the sliding layers (Gemma 3). Their attention runs in
 the torch attention ops only (``torch_attention_reason``). Mixtral, Qwen2-MoE and Qwen3-MoE are Mistral's, Qwen2's
 and Qwen3's decoders with a sparse mixture of experts in place of the MLP (``MoeSpec``, ``raypaged.model.moe``).
+SmolLM3 is Llama's with no rotary on every fourth layer (``no_rope_layers``: NoPE).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "SmolLM3ForCausalLM",
 )
 _MODEL_TYPES = (
     "llama",
@@ -42,6 +44,7 @@ _MODEL_TYPES = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "smollm3",
 )
 _GEMMA_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _MOE_TYPES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -82,6 +85,7 @@ class Architecture:
     attn_softcap: float | None = None  # Gemma 2: scores = softcap * tanh(scores / softcap), before the mask
     final_softcap: float | None = None  # Gemma 2: the same on the logits
     moe: MoeSpec | None = None  # Mixtral, Qwen2-MoE, Qwen3-MoE: experts in place of the MLP (per ``sparse_layers``)
+    nope_layers: tuple[bool, ...] = ()  # SmolLM3: per layer, whether its q and k go unrotated (NoPE); empty: none
 
 
 def gemma_name(config: PretrainedConfig) -> str | None:
@@ -139,6 +143,7 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
         logits_scaling=float(config.logits_scaling) if granite else 1.0,
         fused_checkpoint=model_type == "phi3",
         moe=_moe(config),
+        nope_layers=tuple(not rope for rope in config.no_rope_layers) if model_type == "smollm3" else (),
     )
 
 

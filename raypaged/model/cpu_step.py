@@ -50,6 +50,7 @@ class _Layer(ctypes.Structure):  # cpu_step.c: struct step_layer
         ("v_cache", _P),
         ("k_scale", ctypes.c_float),
         ("v_scale", ctypes.c_float),
+        ("nope", ctypes.c_int),
     ]
 
 
@@ -274,6 +275,7 @@ class CpuStep:
                 _linear_fields(getattr(entry, name), _base(linear))
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
             entry.k_scale, entry.v_scale = layer.self_attn.kv_scales.k, layer.self_attn.kv_scales.v
+            entry.nope = int(not layer.self_attn.rotates)
         self.cache_ptrs = cache_ptrs
 
     def runs(self, meta: AttentionMetadata, block_size: int) -> bool:

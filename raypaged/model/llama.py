@@ -115,6 +115,7 @@ class LlamaAttention(nn.Module):
         norm: type[RMSNorm] = GemmaRMSNorm if arch.gemma else RMSNorm
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.rotates = not (arch.nope_layers and arch.nope_layers[index])  # SmolLM3's NoPE layers: no rotary
         self.sliding_window = arch.sliding_windows[index] if arch.sliding_windows else None
         self.softcap = arch.attn_softcap
         self.o_proj = build_linear(
@@ -148,7 +149,8 @@ class LlamaAttention(nn.Module):
         """Everything before the attention proper, from the normed ``x: [num_tokens, hidden]``: the QKV
         projection, Qwen3's q/k norms, rotary, and this step's K/V written to their slots (a negative
         slot writes nothing). Returns q, k, v (``[num_tokens, heads, head_dim]`` views, q and k
-        rotated). ``fused``: through those ops, one call rotating q and k and writing k and v."""
+        rotated but on SmolLM3's NoPE layers). ``fused``: through those ops, one call rotating q and k and writing k
+        and v (a NoPE layer writes them as the plain path does)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.shard_sizes, dim=-1)
@@ -157,7 +159,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         scales = self.kv_scales
-        if fused is not None and not self.calculate_kv_scales:
+        if fused is not None and not self.calculate_kv_scales and self.rotates:
             if self.q_norm is not None and self.k_norm is not None:
                 q = fused.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
                 k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
@@ -169,8 +171,9 @@ class LlamaAttention(nn.Module):
             return q, k, v
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-            self.rotary.rotate_(positions, q, k)
-        else:  # q and k side by side in qkv: one rotation over both
+            if self.rotates:
+                self.rotary.rotate_(positions, q, k)
+        elif self.rotates:  # q and k side by side in qkv: one rotation over both
             qk = qkv[:, : self.shard_sizes[0] + self.shard_sizes[1]]
             self.rotary.rotate_(positions, qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
         if self.calculate_kv_scales and num_tokens:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GraniteConfig, Phi3Config
+from transformers import GraniteConfig, Phi3Config, SmolLM3Config
 
 from raypaged import LLM, SamplingParams
 from raypaged.model.synthetic import write_synthetic_model
@@ -40,7 +40,7 @@ def assert_batch_greedy_matches_transformers(model_path: Path, max_tokens: int =
 
 def tiny_config(architecture: str):
     """``fused_reference.tiny_config``'s shape (head size 64, GQA 2:1) as ``architecture``, with Phi-3's partial
-    rotation (the first 32 features of each head) and Granite's four multipliers."""
+    rotation (the first 32 features of each head), Granite's four multipliers and SmolLM3's last layer NoPE."""
     if architecture in ("llama", "qwen3"):
         return ref.tiny_config(architecture)
     llama = ref.tiny_config("llama")
@@ -59,6 +59,8 @@ def tiny_config(architecture: str):
     }
     if architecture == "phi3":
         return Phi3Config(**shape, pad_token_id=0, partial_rotary_factor=0.5)
+    if architecture == "smollm3":  # the last layer unrotated (NoPE)
+        return SmolLM3Config(**shape, pad_token_id=0, no_rope_layers=[1] * (shape["num_hidden_layers"] - 1) + [0])
     return GraniteConfig(
         **shape, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0
     )

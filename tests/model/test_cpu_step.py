@@ -39,10 +39,10 @@ def packed_model(architecture):
     return model
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "phi3", "granite"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "phi3", "granite", "smollm3"])
 def test_steps_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs, monkeypatch):
     """ref.STEPS: two fresh prompts, a decode with a chunk over its cached context, two decode-only steps (Phi-3:
-    half of each head rotated; Granite: its attention scale and residual multiplier)."""
+    half of each head rotated; Granite: its attention scale and residual multiplier; SmolLM3: a NoPE layer)."""
     model = packed_model(architecture)
     got = ref.run_steps(model, CPU, "cpu")
     assert one_call_runs == [15, 4, 2, 2]
