@@ -471,6 +471,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head.pack_head(tied=False)
 
+    def stack_experts(self) -> list[bool]:
+        """Each layer of experts' weights stacked for grouped GEMMs (``SparseMoeBlock.stack_experts``); whether each
+        such layer's were."""
+        from raypaged.model.moe import SparseMoeBlock
+
+        return [module.stack_experts() for module in self.modules() if isinstance(module, SparseMoeBlock)]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         logits, arch = head.logits(hidden), self.architecture

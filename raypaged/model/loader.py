@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 from raypaged.model.layers import packs_weights
 from raypaged.model.llama import LlamaForCausalLM
+from raypaged.model.moe import grouped_gemms_run
 from raypaged.model.parallel import TensorParallel
 from raypaged.quantization.base import QuantizationConfig
 from raypaged.quantization.linear import cast_model, finish_loading
@@ -44,7 +45,8 @@ def load_model(
     7B-shaped model is ready in seconds for benchmarks; quantized layers then quantize them as
     ``quant_config`` does online (fp8 only: other schemes need their checkpoint's tensors).
     ``quant_config``: the projections' scheme; their quantized tensors keep their own dtypes.
-    An fp32 model on a CPU ends with its float linears' weights packed for oneDNN (``pack_weights``).
+    An fp32 model on a CPU ends with its float linears' weights packed for oneDNN (``pack_weights``); a bf16 mixture
+    of experts on an H100 or H200 with its experts' weights stacked for grouped GEMMs (``stack_experts``).
     """
     with torch.device(device):
         model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config)
@@ -56,6 +58,8 @@ def load_model(
     finish_loading(model)
     if packs_weights(dtype, device):
         model.pack_weights()
+    elif model.architecture.moe is not None and grouped_gemms_run(dtype, device):
+        model.stack_experts()
     return model.eval()
 
 

@@ -24,7 +24,8 @@ from transformers import PretrainedConfig
 
 from raypaged.attention.backend import FusedOps
 from raypaged.model.architecture import Architecture
-from raypaged.model.parallel import TensorParallel
+from raypaged.model.layers import Linear, PackedWeight, silu_and_mul
+from raypaged.model.parallel import RowParallelLinear, TensorParallel
 from raypaged.quantization.base import QuantizationConfig
 
 if TYPE_CHECKING:
@@ -36,6 +37,13 @@ _MIXTRAL_NAMES = (
     (".w3.", ".up_proj."),
     (".w2.", ".down_proj."),
 )
+
+
+def grouped_gemms_run(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the experts run as grouped GEMMs there (``SparseMoeBlock.stack_experts``): bf16 on CUDA devices of
+    compute capability 9.0 and up (the H100 and H200), where ``torch._grouped_mm`` has its kernels. Elsewhere each
+    chosen expert runs its own GEMMs (on a CPU, over its weights packed for ``cpu_gemm.c``)."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def canonical_name(name: str) -> str:
@@ -75,6 +83,34 @@ class SparseMoeBlock(nn.Module):
         if spec.shared_intermediate_size:
             shared = LlamaMLP(config, arch, tp, f"{prefix}.shared_expert", quant_config, spec.shared_intermediate_size)
             self.shared_expert, self.shared_expert_gate = shared, nn.Linear(config.hidden_size, 1, bias=False)
+        # (gate | up [E, 2I, hidden], down [E, hidden, I]) where the experts run as two grouped GEMMs (stack_experts)
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def stack_experts(self) -> bool:
+        """Every expert's float gate | up and down weights into two stacked tensors, each expert's weights becoming
+        views of them (no copy kept), so that a step runs the experts as two grouped GEMMs with no host sync
+        (``grouped``). False, and nothing changed, where an expert is quantized or its weights are packed."""
+        from raypaged.model.llama import LlamaMLP
+
+        experts = [cast(LlamaMLP, expert) for expert in self.experts]
+        linears = [(e.gate_up_proj, e.down_proj) for e in experts]
+        if not all(type(g) is Linear and type(d) is RowParallelLinear for g, d in linears):
+            return False  # quantized
+        if any(getattr(m, "bias", None) is not None for pair in linears for m in pair):
+            return False
+        weights = [(cast(Linear, g).weight, cast(RowParallelLinear, d).weight) for g, d in linears]
+        size, hidden = experts[0].intermediate_size, self.gate.in_features
+        shapes = ((2 * size, hidden), (hidden, size))
+        for pair in weights:
+            for weight, shape in zip(pair, shapes):
+                if isinstance(weight, PackedWeight) or weight.layout != torch.strided or tuple(weight.shape) != shape:
+                    return False  # packed for the CPU GEMMs (cpu_gemm.c's or oneDNN's layout)
+        with torch.no_grad():
+            stacked = torch.stack([g for g, _ in weights]), torch.stack([d for _, d in weights])
+        for index, (gate_up, down) in enumerate(weights):
+            gate_up.data, down.data = stacked[0][index], stacked[1][index]
+        self.stacked = stacked
+        return True
 
     def forward(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         """The block's output for the normed ``x`` (``fused``: its silu_and_mul in the experts)."""
@@ -82,7 +118,8 @@ class SparseMoeBlock(nn.Module):
         weights, experts = torch.topk(probs, self.spec.top_k, dim=-1)
         if self.spec.renormalize:
             weights /= weights.sum(dim=-1, keepdim=True)
-        out = self.routed(x, experts, weights if self.spec.fp32_weights else weights.to(x.dtype), fused)
+        weights = weights if self.spec.fp32_weights else weights.to(x.dtype)
+        out = self.routed(x, experts, weights, fused) if self.stacked is None else self.grouped(x, experts, weights)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out += torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert.partial(x, fused)
         return self.tp.all_reduce(out)
@@ -107,3 +144,19 @@ class SparseMoeBlock(nn.Module):
                 out[start:end] = y * pair_weights[start:end]  # in fp32 for Mixtral's fp32 weights, then rounded
                 start = end
         return torch.zeros_like(x).index_add_(0, rows, out)
+
+    def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``routed`` as two grouped GEMMs over the stacked weights (``torch._grouped_mm``, each expert's run of rows
+        by the offsets), with no host sync: the expert counts stay on the device."""
+        assert self.stacked is not None
+        gate_up, down = self.stacked
+        top_k = experts.shape[1]
+        chosen = experts.flatten()
+        order = torch.argsort(chosen, stable=True)  # (token, expert) pairs by expert
+        rows = order // top_k
+        counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.int32))
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # where each expert's run ends
+        hidden = silu_and_mul(torch._grouped_mm(x[rows], gate_up.transpose(1, 2), offs=offsets))
+        out = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, rows, out.to(x.dtype))

@@ -338,3 +338,31 @@ def test_a_gptq_model_generates_as_transformers_with_its_dequantized_weights(mod
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, LOGPROB_TOKENS) for p in LOGPROB_PROMPTS]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_grouped_gemms_over_stacked_experts_equal_each_experts_own(model, model_dirs, quantized_dirs):
+    """``stack_experts``: every expert's weights become views of two stacked tensors, and the experts as two grouped
+    GEMMs (``torch._grouped_mm``, no host sync: what an H100/H200 runs in bf16) give each layer's output of the
+    expert-by-expert loop; a quantized model's or packed weights are left as they are."""
+    config = AutoConfig.from_pretrained(model_dirs[model])
+    loaded = LlamaForCausalLM(config, 64)
+    loaded.load_weights(iter_checkpoint(model_dirs[model]))
+    blocks = [layer.mlp for layer in loaded.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    x = torch.randn(37, TINY["hidden_size"], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        loops = [block(x) for block in blocks]
+    assert loaded.stack_experts() == [True] * len(blocks)
+    for block, loop in zip(blocks, loops):
+        assert block.stacked is not None
+        gate_up, down = block.stacked
+        for index, expert in enumerate(block.experts):
+            assert expert.gate_up_proj.weight.data_ptr() == gate_up[index].data_ptr()
+            assert expert.down_proj.weight.data_ptr() == down[index].data_ptr()
+        with torch.inference_mode():
+            torch.testing.assert_close(block(x), loop, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(block(x[:0]), loop[:0])
+    if model != "qwen3_moe":
+        assert not any(load_quantized(quantized_dirs[(model, "gptq-actorder-asym")]).stack_experts())
+    packed = load_model(model_dirs[model], config, 64, torch.float32, torch.device("cpu"), TensorParallel())
+    assert not any(packed.stack_experts())
