@@ -9,7 +9,8 @@ sliding-window attention on the layers ``layer_types`` marks sliding, tanh soft-
 logits (Gemma 2), q/k norms and a rotary base of its own for the sliding layers (Gemma 3). Their attention runs in
 the torch attention ops only (``torch_attention_reason``). Mixtral, Qwen2-MoE and Qwen3-MoE are Mistral's, Qwen2's
 and Qwen3's decoders with a sparse mixture of experts in place of the MLP (``MoeSpec``, ``raypaged.model.moe``).
-SmolLM3 is Llama's with no rotary on every fourth layer (``no_rope_layers``: NoPE).
+SmolLM3 is Llama's with no rotary on every fourth layer (``no_rope_layers``: NoPE); OLMo 2's norms come after the
+attention and the MLP, and its q/k norms span whole projections (``raypaged.model.olmo2``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM",
+    "Olmo2ForCausalLM",
 )
 _MODEL_TYPES = (
     "llama",
@@ -45,6 +47,7 @@ _MODEL_TYPES = (
     "qwen2_moe",
     "qwen3_moe",
     "smollm3",
+    "olmo2",
 )
 _GEMMA_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _MOE_TYPES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -86,6 +89,9 @@ class Architecture:
     final_softcap: float | None = None  # Gemma 2: the same on the logits
     moe: MoeSpec | None = None  # Mixtral, Qwen2-MoE, Qwen3-MoE: experts in place of the MLP (per ``sparse_layers``)
     nope_layers: tuple[bool, ...] = ()  # SmolLM3: per layer, whether its q and k go unrotated (NoPE); empty: none
+    # OLMo 2: no norm before the attention and the MLP, one after each (before its residual add), and q and k
+    # normed over their whole projection (every head together), every norm's weight applied in fp32
+    olmo2: bool = False
 
 
 def gemma_name(config: PretrainedConfig) -> str | None:
@@ -144,6 +150,7 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
         fused_checkpoint=model_type == "phi3",
         moe=_moe(config),
         nope_layers=tuple(not rope for rope in config.no_rope_layers) if model_type == "smollm3" else (),
+        olmo2=model_type == "olmo2",
     )
 
 

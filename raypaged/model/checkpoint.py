@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from raypaged.model.layers import Linear
+from raypaged.model.layers import Linear, Olmo2RMSNorm
 from raypaged.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from raypaged.model.moe import canonical_name
 from raypaged.model.parallel import RowParallelLinear, VocabParallelEmbedding
@@ -83,7 +83,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
             module.load_shard(param_name, tensor)
         elif name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-        elif isinstance(module, VocabParallelEmbedding):
+        elif isinstance(module, (VocabParallelEmbedding, Olmo2RMSNorm)):
             module.load_shard(tensor)
         else:
             params[name].data.copy_(tensor)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,9 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from raypaged.attention import cpu_ops
+
+if TYPE_CHECKING:
+    from raypaged.model.parallel import TensorParallel
 
 logger = logging.getLogger("raypaged")
 
@@ -196,6 +200,34 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed x + residual, x + residual), the sum written into ``x``."""
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Olmo2RMSNorm(RMSNorm):
+    """OLMo 2's: ``(weight * (x32 * rsqrt(mean(x32^2) + eps))).to(x.dtype)``, the weight applied in fp32 (Llama's
+    applies it after rounding to the dtype). Its q and k norms span a whole projection, every head of it: under
+    tensor parallelism a rank holds its heads' share of the weight and the mean of squares is summed over the
+    ranks (``tp``)."""
+
+    def __init__(self, hidden_size: int, eps: float, tp: TensorParallel | None = None, start: int = 0) -> None:
+        super().__init__(hidden_size, eps)
+        self.tp, self.start = tp, start  # this rank's first feature of the whole norm (q and k norms)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, ...] normed over all but the first dim
+        x32 = x.reshape(x.shape[0], -1).to(torch.float32)
+        if self.tp is None or self.tp.size == 1:
+            variance = x32.pow(2).mean(-1, keepdim=True)
+        else:  # a replicated KV head counts once per rank holding it, as the width does
+            variance = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / (x32.shape[1] * self.tp.size)
+        out = self.weight.to(torch.float32) * (x32 * torch.rsqrt(variance + self.eps))
+        return out.to(x.dtype).view(x.shape)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = x.add_(residual)
+        return self(summed), summed
+
+    def load_shard(self, tensor: torch.Tensor) -> None:
+        """This rank's features of the checkpoint's weight (all of it for a norm over the hidden state)."""
+        self.weight.data.copy_(tensor[self.start : self.start + self.weight.shape[0]])
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -34,7 +34,15 @@ from raypaged.attention.backend import TORCH, AttentionBackend, FusedOps, KVScal
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.model.architecture import Architecture, architecture_of, torch_attention_reason
 from raypaged.model.cpu_step import CpuStep
-from raypaged.model.layers import GemmaRMSNorm, Linear, RMSNorm, RotaryEmbedding, gelu_tanh_and_mul, silu_and_mul
+from raypaged.model.layers import (
+    GemmaRMSNorm,
+    Linear,
+    Olmo2RMSNorm,
+    RMSNorm,
+    RotaryEmbedding,
+    gelu_tanh_and_mul,
+    silu_and_mul,
+)
 from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
 from raypaged.quantization.base import QuantizationConfig
 from raypaged.quantization.linear import QuantLinear, build_linear
@@ -115,6 +123,10 @@ class LlamaAttention(nn.Module):
         norm: type[RMSNorm] = GemmaRMSNorm if arch.gemma else RMSNorm
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        if arch.olmo2:  # over the whole projections: this rank's heads' share of each weight
+            q_width, kv_width = self.shard_sizes[0], self.shard_sizes[1]
+            self.q_norm = Olmo2RMSNorm(q_width, config.rms_norm_eps, tp, self.q_head_start * self.head_dim)
+            self.k_norm = Olmo2RMSNorm(kv_width, config.rms_norm_eps, tp, self.kv_head_start * self.head_dim)
         self.rotates = not (arch.nope_layers and arch.nope_layers[index])  # SmolLM3's NoPE layers: no rotary
         self.sliding_window = arch.sliding_windows[index] if arch.sliding_windows else None
         self.softcap = arch.attn_softcap
@@ -352,7 +364,8 @@ class LlamaModel(nn.Module):
         quant_config: QuantizationConfig | None,
     ) -> None:
         super().__init__()
-        from raypaged.model.gemma import GemmaDecoderLayer  # here: that module's layer is this one's
+        from raypaged.model.gemma import GemmaDecoderLayer  # here: those modules' layers are this one's
+        from raypaged.model.olmo2 import Olmo2DecoderLayer
 
         num_layers = config.num_hidden_layers
         rope_types = arch.rope_layer_types or (None,) * num_layers  # Gemma 3: a rotary per type of layer
@@ -360,12 +373,13 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp, arch.embedding_multiplier, arch.gemma
         )
-        layer = GemmaDecoderLayer if arch.gemma else LlamaDecoderLayer
+        layer = GemmaDecoderLayer if arch.gemma else Olmo2DecoderLayer if arch.olmo2 else LlamaDecoderLayer
         self.layers = nn.ModuleList(
             layer(config, arch, rotaries[rope_types[i]], tp, f"model.layers.{i}", quant_config, i)
             for i in range(num_layers)
         )
-        self.norm = (GemmaRMSNorm if arch.gemma else RMSNorm)(config.hidden_size, config.rms_norm_eps)
+        final_norm: type[RMSNorm] = GemmaRMSNorm if arch.gemma else Olmo2RMSNorm if arch.olmo2 else RMSNorm
+        self.norm = final_norm(config.hidden_size, config.rms_norm_eps)
         self.fused_ops: FusedOps | None = None  # the attention backend's (set_attention_backend); None: plain torch
         self.cpu_step: CpuStep | None = None  # a step's layers in one C call, where it applies
         self.kv_scales_pending = False  # the next step calculates the K/V scales (the layers' path, not the C one)
@@ -441,7 +455,8 @@ class LlamaForCausalLM(nn.Module):
             )
         for attn in self.attentions():
             attn.attn_backend = backend
-        self.model.fused_ops = backend.fused_ops
+        # OLMo 2's norms after each sublayer leave no residual add to fold into the next norm: its layers run plain
+        self.model.fused_ops = None if self.architecture.olmo2 else backend.fused_ops
         self.model.cpu_step = CpuStep.build(self.model)
 
     def calculate_kv_scales_next_step(self) -> None:
