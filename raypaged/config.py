@@ -230,6 +230,13 @@ class EngineConfig:
     )
     # shards (Ray actors) per model
     tensor_parallel_size: int = _flag(1, "GPUs (or CPU shards) per model", aliases=("-tp",), type=int)
+    enable_expert_parallel: bool = _flag(
+        False,
+        "mixture-of-experts models: each shard holds num_experts / tensor_parallel_size whole experts instead of "
+        "its share of every expert (attention stays sharded by heads); no effect on a model without experts",
+        aliases=("-ep",),
+        action="store_true",
+    )
     # "auto", "ray://host:port", a GCS address; None: a local Ray when one is needed
     ray_address: str | None = _flag(
         None, "Ray cluster to join: auto, ray://host:port or host:port (default: a local one)"
@@ -511,7 +518,7 @@ class EngineConfig:
         )
         self.generation_defaults, self.generation_eos_token_ids = self._read_generation_config()
         check_architecture(self.hf_config, "model")
-        check_tensor_parallel(self.hf_config, self.tensor_parallel_size)
+        check_tensor_parallel(self.hf_config, self.tensor_parallel_size, self.enable_expert_parallel)
         self.quant_config = self._resolve_quantization()
         check_options(self.hf_config, self.quant_config is not None, self.enable_lora, self.attention_backend)
         self.max_model_len = self._resolve_max_model_len()

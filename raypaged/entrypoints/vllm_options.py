@@ -12,7 +12,10 @@ Option = tuple[str, tuple[str, ...], type, tuple[object, ...], str]
 
 _CHUNKED = "long prefills are always chunked within {max_num_batched_tokens}"
 _OWN_IMPL = "raypaged runs its own implementation of each supported architecture"
-_EXPERTS_TP = "each shard holds its share of every expert (tensor parallelism; no expert parallelism)"
+_EXPERTS_TP = (
+    "experts are split over the shards by tensor parallelism, or whole and in equal contiguous groups with "
+    "{enable_expert_parallel} (no data parallelism, all-to-all, load balancing or placement strategies)"
+)
 _NO_ROUTED = "the experts' routing stays inside the engine (no routed experts are returned)"
 _TORCH_EXPERTS = "the experts run in torch, routed as transformers routes them"
 _TEXT_ONLY = "the served models read text only"
@@ -92,7 +95,6 @@ DEFAULT_ONLY: list[Option] = [
         (None,),
         "the model folder's config.json is read ({hf_overrides} changes it)",
     ),
-    ("enable_expert_parallel", ("-ep",), bool, (False,), _EXPERTS_TP),
     ("limit_mm_per_prompt", (), str, (None,), _TEXT_ONLY),
     (
         "chat_template_content_format",

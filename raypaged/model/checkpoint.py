@@ -4,11 +4,13 @@ Checkpoints hold q/k/v and gate/up as separate projections (Llama, Mistral, Qwen
 model's fused ``qkv_proj`` and ``gate_up_proj`` part by part, or fused already (Phi-3: ``[q; k; v]`` and
 ``[gate; up]`` rows), each part's rows then read from where the part starts. Either way a rank takes its heads'
 rows of q, k and v and its share of gate and of up. Each expert of a mixture of experts is such an MLP (Mixtral's
-tensors are read under Qwen-MoE's names: ``moe.canonical_name``).
+tensors are read under Qwen-MoE's names: ``moe.canonical_name``); with expert parallelism a rank takes its own
+experts' tensors only.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -16,7 +18,7 @@ from torch import nn
 
 from raypaged.model.layers import Linear, Olmo2RMSNorm
 from raypaged.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from raypaged.model.moe import canonical_name
+from raypaged.model.moe import SparseMoeBlock, canonical_name
 from raypaged.model.parallel import RowParallelLinear, VocabParallelEmbedding
 from raypaged.quantization.linear import QuantLinear
 
@@ -30,6 +32,9 @@ _STACKED = {
 }
 # a fused parameter's name piece -> its shards, for a checkpoint that holds it whole (Phi-3)
 _FUSED = {".qkv_proj.": 3, ".gate_up_proj.": 2}
+
+# an expert's tensor: ".mlp.experts.<index>." (Mixtral's renamed first)
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 # a checkpoint's per-tensor fp8 KV cache scales, by the end of their names: the scales each sets
 _KV_SCALE_NAMES = {
@@ -49,6 +54,13 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
     kv_scales: dict[str, dict[str, float]] = {}  # attention module name -> its checkpoint's "k" and "v" scales
     for checkpoint_name, tensor in weights:
         name = canonical_name(checkpoint_name)
+        if (expert := _EXPERT.search(name)) is not None:  # its place on this rank (expert parallel: maybe none)
+            block, index = _owner(model, name, name[: expert.start()] + ".mlp"), int(expert[1])
+            if not isinstance(block, SparseMoeBlock) or index >= block.spec.num_experts:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            if (local := block.local_expert(index)) is None:
+                continue  # another rank's expert
+            name = f"{name[: expert.start()]}.mlp.experts.{local}.{name[expert.end() :]}"
         if "rotary_emb.inv_freq" in name or (name.startswith("lm_head.") and model.lm_head is None):
             continue
         if (kv_scale := _kv_scale_of(name)) is not None:

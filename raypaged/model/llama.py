@@ -63,8 +63,9 @@ def num_kv_heads_per_rank(config: PretrainedConfig, tp_size: int) -> int:
     return max(1, config.num_key_value_heads // tp_size)
 
 
-def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
-    """Raise ``ValueError`` unless heads, KV heads and the MLP split evenly over ``tp_size`` ranks."""
+def check_tensor_parallel(config: PretrainedConfig, tp_size: int, expert_parallel: bool = False) -> None:
+    """Raise ``ValueError`` unless heads, KV heads and the MLP split evenly over ``tp_size`` ranks (with
+    ``expert_parallel``, the experts themselves instead of each one's intermediate features)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % tp_size:
         raise ValueError(f"the model's num_attention_heads {heads} is not divisible by tensor_parallel_size {tp_size}")
@@ -79,6 +80,13 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
     for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # Qwen-MoE's experts', shared expert's
         if moe is not None and getattr(config, name, None):
             sizes[name] = getattr(config, name)
+    if moe is not None and expert_parallel:  # whole experts: their count splits, not their features
+        sizes.pop("moe_intermediate_size" if config.model_type != "mixtral" else "intermediate_size", None)
+        if moe.num_experts % tp_size:
+            raise ValueError(
+                f"--enable-expert-parallel: the model's {moe.num_experts} experts do not split evenly over "
+                f"tensor_parallel_size {tp_size}"
+            )
     for name, size in sizes.items():
         if size % tp_size:
             raise ValueError(f"the model's {name} {size} is not divisible by tensor_parallel_size {tp_size}")
@@ -425,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        check_tensor_parallel(config, tp.size)
+        check_tensor_parallel(config, tp.size, tp.expert_parallel)
         self.config = config
         self.architecture = arch = architecture_of(config)
         self.model = LlamaModel(config, arch, max_positions, tp, quant_config)

@@ -15,6 +15,7 @@ in one all-reduce per layer; the router and the shared gate are whole on every r
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -74,9 +75,21 @@ class SparseMoeBlock(nn.Module):
         assert spec is not None, "an architecture with experts"
         self.tp, self.spec = tp, spec
         self.gate = nn.Linear(config.hidden_size, spec.num_experts, bias=False)  # the router, whole on every rank
+        # --enable-expert-parallel: this rank's num_experts / size experts, whole; else a share of every expert
+        expert_parallel = tp.expert_parallel and tp.size > 1
+        count = spec.num_experts // tp.size if expert_parallel else spec.num_experts
+        self.first_expert = tp.rank * count if expert_parallel else 0
+        expert_tp = TensorParallel() if expert_parallel else tp
         self.experts = nn.ModuleList(
-            LlamaMLP(config, arch, tp, f"{prefix}.experts.{i}", quant_config, spec.intermediate_size)
-            for i in range(spec.num_experts)
+            LlamaMLP(
+                config,
+                arch,
+                expert_tp,
+                f"{prefix}.experts.{self.first_expert + i}",
+                quant_config,
+                spec.intermediate_size,
+            )
+            for i in range(count)
         )
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
@@ -86,12 +99,19 @@ class SparseMoeBlock(nn.Module):
         # (gate | up [E, 2I, hidden], down [E, hidden, I]) where the experts run as two grouped GEMMs (stack_experts)
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def local_expert(self, index: int) -> int | None:
+        """Where checkpoint expert ``index`` is in ``experts`` on this rank; None: another rank holds it."""
+        local = index - self.first_expert
+        return local if 0 <= local < len(self.experts) else None
+
     def stack_experts(self) -> bool:
         """Every expert's float gate | up and down weights into two stacked tensors, each expert's weights becoming
         views of them (no copy kept), so that a step runs the experts as two grouped GEMMs with no host sync
         (``grouped``). False, and nothing changed, where an expert is quantized or its weights are packed."""
         from raypaged.model.llama import LlamaMLP
 
+        if len(self.experts) != self.spec.num_experts:
+            return False  # expert parallel: the grouped GEMMs would take every expert's rows
         experts = [cast(LlamaMLP, expert) for expert in self.experts]
         linears = [(e.gate_up_proj, e.down_proj) for e in experts]
         if not all(type(g) is Linear and type(d) is RowParallelLinear for g, d in linears):
@@ -127,23 +147,28 @@ class SparseMoeBlock(nn.Module):
     def routed(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fused: FusedOps | None
     ) -> torch.Tensor:
-        """Each token's ``experts`` ``[T, top_k]`` applied to it and summed with their ``weights`` (this rank's
-        share under tensor parallelism)."""
+        """Each token's ``experts`` ``[T, top_k]`` applied to it and summed with their ``weights``: this rank's share
+        under tensor parallelism (with expert parallelism, the products of the experts it holds)."""
         top_k = experts.shape[1]
         chosen = experts.flatten()
         order = torch.argsort(chosen, stable=True)  # (token, expert) pairs by expert
-        rows = order // top_k  # each pair's token
-        counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()
-        gathered, pair_weights = x[rows], weights.flatten()[order, None]
-        out = torch.empty_like(gathered)
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                end = start + count
-                y = cast("LlamaMLP", expert).partial(gathered[start:end], fused)
-                out[start:end] = y * pair_weights[start:end]  # in fp32 for Mixtral's fp32 weights, then rounded
-                start = end
-        return torch.zeros_like(x).index_add_(0, rows, out)
+        counts = torch.bincount(chosen, minlength=self.spec.num_experts).tolist()
+        starts = list(itertools.accumulate(counts, initial=0))  # where each expert's run of pairs begins
+        first, last = self.first_expert, self.first_expert + len(self.experts)  # this rank's experts
+        out = torch.zeros_like(x)
+        lo, hi = starts[first], starts[last]
+        if lo == hi:
+            return out
+        pairs = order[lo:hi]
+        rows = pairs // top_k  # each pair's token
+        gathered, pair_weights = x[rows], weights.flatten()[pairs, None]
+        products = torch.empty_like(gathered)
+        for expert, start, end in zip(self.experts, starts[first:last], starts[first + 1 : last + 1]):
+            if end > start:
+                y = cast("LlamaMLP", expert).partial(gathered[start - lo : end - lo], fused)
+                # in fp32 for Mixtral's fp32 weights, then rounded
+                products[start - lo : end - lo] = y * pair_weights[start - lo : end - lo]
+        return out.index_add_(0, rows, products)
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``routed`` as two grouped GEMMs over the stacked weights (``torch._grouped_mm``, each expert's run of rows

@@ -35,6 +35,8 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     comm: Communicator = field(default_factory=Communicator, compare=False, repr=False)
+    # --enable-expert-parallel: a mixture of experts' layer gives each rank whole experts, not a share of each
+    expert_parallel: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -45,7 +46,7 @@ class Worker:
         init_method: str | None = None,
     ) -> None:
         self.config = config
-        self.tp = tp
+        tp = self.tp = dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel)
         self.device = torch.device(config.resolved_device)
         self.dtype = getattr(torch, config.resolved_dtype)
         self.cache_dtype = getattr(torch, config.resolved_kv_cache_dtype)

@@ -106,11 +106,6 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
             "implementation of each supported architecture",
         ),
         (
-            ["--enable-expert-parallel"],
-            "--enable-expert-parallel is not supported: each shard holds its share of every expert "
-            "(tensor parallelism; no expert parallelism)",
-        ),
-        (
             ["--limit-mm-per-prompt", '{"image": 1}'],
             '--limit-mm-per-prompt {"image": 1} is not supported: the served models read text only',
         ),

@@ -367,11 +367,6 @@ def test_vllm_034_flags_at_the_values_raypaged_has_are_taken(tiny_model_dir, arg
             '--watchdog-config {"dump_dir": "/tmp/stacks"} is not supported: no thread stacks are dumped: a stalled '
             "shard is found by the step timeout ($RAYPAGED_STEP_TIMEOUT_S) and its group restarted",
         ),
-        (
-            ["--enable-expert-parallel"],
-            "--enable-expert-parallel is not supported: each shard holds its share of every expert "
-            "(tensor parallelism; no expert parallelism)",
-        ),
         (["--max-num-active-seqs", "300"], "--max-num-active-seqs must be from 1 to --max-num-seqs 256, got 300"),
         (["--max-num-queued-reqs", "-1"], "--max-num-queued-reqs must be at least 0, got -1"),
         (

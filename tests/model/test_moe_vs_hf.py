@@ -114,6 +114,43 @@ def test_two_shards_match_transformers(ray_session, model_dirs, references):
     assert_matches("qwen2_moe", model_dirs, references, tensor_parallel_size=2)
 
 
+@pytest.mark.parametrize("model", ["mixtral", "qwen2_moe"])
+def test_expert_parallel_shards_match_transformers(ray_session, model, model_dirs, references):
+    """--enable-expert-parallel at tp=2: each shard holds half of the experts whole (Qwen2-MoE's shared expert and
+    dense layer still split by features) and sums only its experts' products before the layer's all-reduce."""
+    assert_matches(model, model_dirs, references, tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_expert_parallel_places_whole_experts_and_refuses_an_uneven_split(model_dirs):
+    config = AutoConfig.from_pretrained(model_dirs["mixtral"])
+    shards = [
+        load_model(
+            model_dirs["mixtral"],
+            config,
+            64,
+            torch.float32,
+            torch.device("cpu"),
+            TensorParallel(r, 2, expert_parallel=True),
+        )
+        for r in range(2)
+    ]
+    whole = load_model(model_dirs["mixtral"], config, 64, torch.float32, torch.device("cpu"), TensorParallel())
+    for rank, shard in enumerate(shards):
+        block = shard.model.layers[0].mlp
+        assert (block.first_expert, len(block.experts)) == (3 * rank, 3)
+        for local, expert in enumerate(block.experts):
+            want = whole.model.layers[0].mlp.experts[3 * rank + local]
+            assert torch.equal(expert.down_proj.weight.to_dense(), want.down_proj.weight.to_dense())
+    config.intermediate_size = 51  # whole experts need not split their features
+    check_tensor_parallel(config, 2, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"^the model's intermediate_size 51 is not divisible by tensor_parallel_size"):
+        check_tensor_parallel(config, 2)
+    with pytest.raises(
+        ValueError, match=r"^--enable-expert-parallel: the model's 6 experts do not split evenly over t"
+    ):
+        check_tensor_parallel(config, 4, expert_parallel=True)
+
+
 def test_the_specs_are_transformers_routing(model_dirs):
     specs = {
         name: architecture_of(EngineConfig(model=str(path), device="cpu").hf_config).moe
