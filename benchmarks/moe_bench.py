@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from common import build_prompts, check_args, count_parameters, load_average, machine_info, write_json
-from offline_throughput import SYSTEMS, markdown_table, run_systems
+from offline_throughput import SYSTEMS, add_w6_args, markdown_table, run_systems, w6_counts
 
 from raypaged import envs
 from raypaged.model.default_model import default_model_dir
@@ -65,21 +65,12 @@ def moe_model_dir() -> Path:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="32 prompts, 4 one-at-a-time, 1 repeat")
-    parser.add_argument("--num-prompts", type=int, help="prompts for raypaged and static batches (128; 32 quick)")
-    parser.add_argument("--single-prompts", type=int, help="subset run one at a time (8; 4 quick)")
-    parser.add_argument("--repeats", type=int, help="timed runs per system (3; 1 quick)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--batch-size", type=int, default=16, help="static batch size of hf-static")
-    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="raypaged's KV cache")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {list(SYSTEMS)}")
+    add_w6_args(parser, 128, 8)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     parser.add_argument("--name", default="moe_bench", help="results file stem under benchmarks/results/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    args.num_prompts = args.num_prompts or (32 if args.quick else 128)
-    args.single_prompts = min(args.single_prompts or (4 if args.quick else 8), args.num_prompts)
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    w6_counts(args, 128, 8)
     args.tensor_parallel_size, args.device = [1], "cpu"
     check_args(parser, args, SYSTEMS)
     return args

@@ -78,16 +78,31 @@ class SystemResult:
         return statistics.median(self.tokens_per_s)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_w6_args(parser: argparse.ArgumentParser, prompts: int, single: int) -> None:
+    """The options of a W6 run: prompts (``prompts`` and ``single`` one at a time unless --quick), repeats,
+    threads, the static batch, raypaged's KV cache and the systems."""
     parser.add_argument("--quick", action="store_true", help="32 prompts, 4 one-at-a-time, 1 repeat")
-    parser.add_argument("--num-prompts", type=int, help="prompts for raypaged and static batches (256; 32 quick)")
-    parser.add_argument("--single-prompts", type=int, help="subset run one at a time (32; 4 quick)")
+    parser.add_argument(
+        "--num-prompts", type=int, help=f"prompts for raypaged and static batches ({prompts}; 32 quick)"
+    )
+    parser.add_argument("--single-prompts", type=int, help=f"subset run one at a time ({single}; 4 quick)")
     parser.add_argument("--repeats", type=int, help="timed runs per system (3; 1 quick)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--batch-size", type=int, default=16, help="static batch size of hf-static")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="raypaged KV cache (split over the shards)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {list(SYSTEMS)}")
+
+
+def w6_counts(args: argparse.Namespace, prompts: int, single: int) -> None:
+    """``add_w6_args``' counts filled in: the given ones, else the --quick ones or ``prompts``, ``single`` and 3."""
+    args.num_prompts = args.num_prompts or (32 if args.quick else prompts)
+    args.single_prompts = min(args.single_prompts or (4 if args.quick else single), args.num_prompts)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_w6_args(parser, 256, 32)
     parser.add_argument("--tensor-parallel-size", default="1", help="comma-separated sizes raypaged runs at (1,3)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="raypaged's device")
     parser.add_argument(
@@ -105,9 +120,7 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--tensor-parallel-size takes comma-separated integers, got {args.tensor_parallel_size!r}")
     if min(args.tensor_parallel_size) < 1:
         parser.error("--tensor-parallel-size values must be at least 1")
-    args.num_prompts = args.num_prompts or (32 if args.quick else 256)
-    args.single_prompts = min(args.single_prompts or (4 if args.quick else 32), args.num_prompts)
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    w6_counts(args, 256, 32)
     check_args(parser, args, SYSTEMS)
     return args
 
