@@ -403,3 +403,18 @@ def test_grouped_gemms_over_stacked_experts_equal_each_experts_own(model, model_
         assert not any(load_quantized(quantized_dirs[(model, "gptq-actorder-asym")]).stack_experts())
     packed = load_model(model_dirs[model], config, 64, torch.float32, torch.device("cpu"), TensorParallel())
     assert not any(packed.stack_experts())
+
+
+def test_expert_parallel_shards_load_their_quantized_experts_whole(quantized_dirs):
+    """GPTQ (act order) Mixtral at tp 2 with expert parallelism: each shard's experts dequantize to the whole
+    model's, every row and column (their groups and g_idx unsplit)."""
+    path = quantized_dirs[("mixtral", "gptq-actorder-asym")]
+    whole = load_quantized(path)
+    for rank in range(2):
+        shard = load_quantized(path, TensorParallel(rank, 2, expert_parallel=True))
+        for whole_layer, layer in zip(whole.model.layers, shard.model.layers, strict=True):
+            assert len(layer.mlp.experts) == 3
+            for local, expert in enumerate(layer.mlp.experts):
+                want = whole_layer.mlp.experts[3 * rank + local]
+                assert torch.equal(expert.gate_up_proj.dequantize(), want.gate_up_proj.dequantize())
+                assert torch.equal(expert.down_proj.dequantize(), want.down_proj.dequantize())
