@@ -112,6 +112,7 @@ class EngineCore:
 
             self.executor = UniProcExecutor(config, eos_token_id)
         self._worker_error: WorkerLostError | None = None  # set when a worker was lost with recovery off
+        self._restarted_without_progress = False  # the shard group was restarted and has not finished a step since
         self._mask_thread: ThreadPoolExecutor | None = None  # fills the step's grammar masks during the forward
         # async scheduling: the thread the executor runs steps on, and the step running there
         self._step_thread: ThreadPoolExecutor | None = None
@@ -310,6 +311,7 @@ class EngineCore:
     ) -> EngineCoreOutputs:
         """A step's results into the scheduler, the grammars, the drafts and the beam searches;
         the deltas for the caller."""
+        self._restarted_without_progress = False
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         out = EngineCoreOutputs()
         failed = out.failed
@@ -477,8 +479,13 @@ class EngineCore:
             del self._matchers[seq_id]
 
     def _recover_from(self, err: WorkerLostError) -> None:
-        if not self.config.enable_recovery:
-            logger.error("%s; recovery is off: aborting every request", err)
+        """Restart the shard group and recompute the in-flight sequences; with recovery off, or when the group
+        is lost again before any step succeeded since the last restart (a step that fails whatever shards run
+        it, as a model that cannot run its batch: restarting would loop forever and stall every request), abort
+        every request and raise ``err``, now and on every later step."""
+        if not self.config.enable_recovery or self._restarted_without_progress:
+            why = "recovery is off" if not self.config.enable_recovery else "lost again before any step succeeded"
+            logger.error("%s; %s: aborting every request", err, why)
             self._worker_error = err
             for request_id in list(self._beams):
                 self.abort_beam_search(request_id)
@@ -489,6 +496,7 @@ class EngineCore:
         logger.error("%s; restarting the shard group, recomputing %d in-flight sequences", err, num_in_flight)
         self.executor.restart()
         self.scheduler.reset_after_worker_loss()
+        self._restarted_without_progress = True
 
     # ---- adapters, stats, lifecycle ------------------------------------------
     def lora_in_use(self, lora_int_id: int) -> bool:

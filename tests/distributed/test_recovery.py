@@ -152,3 +152,30 @@ def test_without_recovery_requests_fail_naming_the_failing_worker(ray_session, t
         WorkerDiedError,
         r"worker rank 1 \(Ray actor {actor}\) failed in its step: RuntimeError: injected fault",
     )
+
+
+def test_a_step_failing_again_after_the_restart_ends_the_requests_instead_of_restarting_forever(
+    ray_session, tiny_llama
+):
+    """The first failure restarts the shard group; the same batch failing on the new group before any step
+    succeeds is the batch's (a model that cannot run it), not a shard's: every request is aborted and the error
+    raised, now and on every later step, where restarting again would loop forever and stall every request."""
+    llm = start_tp2(tiny_llama, enable_recovery=True)
+    try:
+        engine = llm.llm_engine
+        add_all(llm)
+        for _ in range(FAULT_AFTER_STEPS):
+            engine.step()
+        first = fail_rank_1(llm)
+        assert engine.step() == []  # restarted: the in-flight sequences are recomputed
+        assert first not in [w._actor_id.hex() for w in engine.executor.workers]
+        second = fail_rank_1(llm)
+        message = rf"^worker rank 1 \(Ray actor {second}\) failed in its step: RuntimeError: injected fault$"
+        with pytest.raises(WorkerDiedError, match=message):
+            engine.step()
+        assert not engine.has_unfinished_requests()
+        assert_all_blocks_free(llm)
+        with pytest.raises(WorkerDiedError, match=message):
+            engine.step()
+    finally:
+        llm.shutdown()
