@@ -10,7 +10,8 @@ logits (Gemma 2), q/k norms and a rotary base of its own for the sliding layers 
 the torch attention ops only (``torch_attention_reason``). Mixtral, Qwen2-MoE and Qwen3-MoE are Mistral's, Qwen2's
 and Qwen3's decoders with a sparse mixture of experts in place of the MLP (``MoeSpec``, ``raypaged.model.moe``).
 SmolLM3 is Llama's with no rotary on every fourth layer (``no_rope_layers``: NoPE); OLMo 2's norms come after the
-attention and the MLP, and its q/k norms span whole projections (``raypaged.model.olmo2``).
+attention and the MLP, and its q/k norms span whole projections (``raypaged.model.olmo2``); ERNIE 4.5 rotates
+feature pairs (interleaved RoPE) and has one ``use_bias`` for every linear.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM",
     "Olmo2ForCausalLM",
+    "Ernie4_5ForCausalLM",
 )
 _MODEL_TYPES = (
     "llama",
@@ -48,6 +50,7 @@ _MODEL_TYPES = (
     "qwen3_moe",
     "smollm3",
     "olmo2",
+    "ernie4_5",
 )
 _GEMMA_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _MOE_TYPES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -92,6 +95,7 @@ class Architecture:
     # OLMo 2: no norm before the attention and the MLP, one after each (before its residual add), and q and k
     # normed over their whole projection (every head together), every norm's weight applied in fp32
     olmo2: bool = False
+    interleaved_rotary: bool = False  # ERNIE 4.5: RoPE rotates feature pairs (2i, 2i + 1), not halves
 
 
 def gemma_name(config: PretrainedConfig) -> str | None:
@@ -136,12 +140,13 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
         return _gemma(config)
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-    attention_bias = bool(getattr(config, "attention_bias", False))
+    ernie = model_type == "ernie4_5"  # one use_bias for every linear
+    attention_bias = bool(config.use_bias if ernie else getattr(config, "attention_bias", False))
     granite, qwen2 = model_type == "granite", model_type in ("qwen2", "qwen2_moe")
     return Architecture(
         qkv_bias=qwen2 or attention_bias,
         o_bias=not qwen2 and attention_bias,
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        mlp_bias=bool(config.use_bias if ernie else getattr(config, "mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         attention_scale=float(config.attention_multiplier) if granite else None,
         embedding_multiplier=float(config.embedding_multiplier) if granite else 1.0,
@@ -151,6 +156,7 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
         moe=_moe(config),
         nope_layers=tuple(not rope for rope in config.no_rope_layers) if model_type == "smollm3" else (),
         olmo2=model_type == "olmo2",
+        interleaved_rotary=ernie,
     )
 
 

@@ -195,6 +195,8 @@ def unsupported_reason(model: LlamaModel) -> str | None:
         norms += [norm for norm in (attn.q_norm, attn.k_norm) if norm is not None]
         if (attn.q_norm is None) != (attn.k_norm is None):
             return "the layer normalizes only one of q and k"
+        if attn.rotary.interleaved:
+            return "the rotary is interleaved (the C rotary rotates halves)"
         if attn.rotary is not first.self_attn.rotary or any(norm.eps != first.input_layernorm.eps for norm in norms):
             return "the layers differ in rotary or norm epsilon"
         if layer.residual_multiplier != first.residual_multiplier or attn.scale != first.self_attn.scale:

@@ -317,13 +317,16 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim / 2]
         cos_sin = torch.stack((freqs.cos() * scaling, freqs.sin() * scaling), dim=1)
         self.register_buffer("cos_sin", cos_sin, persistent=False)  # [max_positions, 2, rotary_dim / 2]
+        # ERNIE 4.5: feature pairs (2i, 2i + 1) rotate together, not the halves (i, i + R/2); the fused rotary ops and
+        # kernels rotate halves only
+        self.interleaved = False
 
     def rotate_(self, positions: torch.Tensor, *xs: torch.Tensor) -> None:
         """Rotate each ``x: [num_tokens, heads, head_dim]`` (strided views too) in place by its tokens' positions."""
         cos_sin = self.cos_sin[positions]  # [T, 2, R/2]
         cos, sin = cos_sin[:, None, None, 0], cos_sin[:, None, None, 1]  # [T, 1, 1, R/2]
         for x in xs:
-            apply_rotary_(x, cos, sin)
+            (apply_interleaved_rotary_ if self.interleaved else apply_rotary_)(x, cos, sin)
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -337,6 +340,18 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None
     halves.mul_(cos)
     halves[..., 0, :].sub_(x_sin[..., 1, :])  # x1 * cos - x2 * sin
     halves[..., 1, :].add_(x_sin[..., 0, :])  # x2 * cos + x1 * sin
+
+
+def apply_interleaved_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """``x = x * cos + rotate_interleaved(x) * sin`` in place over the first ``R`` features of each head, each pair
+    (2i, 2i + 1) by frequency i, in fp32 (as transformers' ERNIE 4.5 rotates, then rounds to x's dtype).
+
+    x: [T, H, D]; cos, sin: [T, 1, 1, R/2].
+    """
+    pairs = x[..., : 2 * cos.shape[-1]].unflatten(-1, (-1, 2))  # [T, H, R/2, 2]
+    x0, x1 = pairs[..., 0].float(), pairs[..., 1].float()
+    cos, sin = cos.squeeze(2), sin.squeeze(2)  # [T, 1, R/2], as x0 and x1's [T, H, R/2]
+    pairs.copy_(torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [T, 2 * I] (gate | up) -> [T, I]

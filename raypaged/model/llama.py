@@ -170,7 +170,7 @@ class LlamaAttention(nn.Module):
         projection, Qwen3's q/k norms, rotary, and this step's K/V written to their slots (a negative
         slot writes nothing). Returns q, k, v (``[num_tokens, heads, head_dim]`` views, q and k
         rotated but on SmolLM3's NoPE layers). ``fused``: through those ops, one call rotating q and k and writing k
-        and v (a NoPE layer writes them as the plain path does)."""
+        and v (a NoPE layer, or one whose rotary is interleaved, writes them as the plain path does)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.shard_sizes, dim=-1)
@@ -179,7 +179,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         scales = self.kv_scales
-        if fused is not None and not self.calculate_kv_scales and self.rotates:
+        if fused is not None and not self.calculate_kv_scales and self.rotates and not self.rotary.interleaved:
             if self.q_norm is not None and self.k_norm is not None:
                 q = fused.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
                 k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
@@ -378,6 +378,8 @@ class LlamaModel(nn.Module):
         num_layers = config.num_hidden_layers
         rope_types = arch.rope_layer_types or (None,) * num_layers  # Gemma 3: a rotary per type of layer
         rotaries = {t: RotaryEmbedding(config, head_dim_of(config), max_positions, t) for t in set(rope_types)}
+        for rotary in rotaries.values():
+            rotary.interleaved = arch.interleaved_rotary
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp, arch.embedding_multiplier, arch.gemma
         )

@@ -1,8 +1,9 @@
-"""Random-weight SmolLM3 (no rotary on every fourth layer, NoPE) and OLMo 2 (norms after the attention and the MLP,
-none before; q and k normed over their whole projections) models: greedy tokens equal transformers' ``generate``
-and every prompt and sampled token's logprob its logits, on the torch path, the CPU backend (chunked, after
-prefix-cache hits; SmolLM3 in the native one-call step) and two shards (OLMo 2's share one KV head, so the k norm's
-mean of squares is summed over both with the head counted twice, as its width is)."""
+"""Random-weight SmolLM3 (no rotary on every fourth layer, NoPE), OLMo 2 (norms after the attention and the MLP,
+none before; q and k normed over their whole projections) and ERNIE 4.5 (interleaved rotary, biases on every
+linear) models: greedy tokens equal transformers' ``generate`` and every prompt and sampled token's logprob its
+logits, on the torch path, the CPU backend (chunked, after prefix-cache hits; SmolLM3 in the native one-call step)
+and two shards (OLMo 2's share one KV head, so the k norm's mean of squares is summed over both with the head
+counted twice, as its width is)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,13 @@ TINY = dict(
 MODELS = {
     "smollm3": ("smollm3", {"num_hidden_layers": 4, "num_key_value_heads": 2}),  # layer 3 NoPE
     "olmo2": ("olmo2", {"num_hidden_layers": 2, "num_key_value_heads": 1}),
+    "ernie4_5": ("ernie4_5", {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16, "use_bias": True}),
 }
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
-    return tiny_models_with_word_tokenizer(tmp_path_factory.mktemp("smollm3_olmo2"), smollm2_dir, MODELS, TINY)
+    return tiny_models_with_word_tokenizer(tmp_path_factory.mktemp("variants"), smollm2_dir, MODELS, TINY)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,8 @@ def test_the_cpu_backend_in_chunks_and_after_prefix_hits_matches_transformers(
     model, model_dirs, references, one_call_runs
 ):
     """SmolLM3's steps run in the native step (one C call), which rotates q and k and writes K/V on the rotary
-    layers and only writes them on the NoPE layer; OLMo 2's layers run plain torch around the CPU kernels."""
+    layers and only writes them on the NoPE layer; OLMo 2's layers run plain torch around the CPU kernels, ERNIE
+    4.5's the fused ops but for its rotary (the fused one rotates halves)."""
     options = dict(attention_backend="cpu", max_num_batched_tokens=5, max_num_seqs=4, enable_prefix_caching=True)
     assert_matches_transformers(model_dirs[model], references[model], **options)
     assert bool(one_call_runs) == (model == "smollm3")
