@@ -62,20 +62,14 @@ def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
     q_out = config.num_attention_heads * head_dim_of(config)
     kv_out = config.num_key_value_heads * head_dim_of(config)
     arch = architecture_of(config)
+    attention = {"q_proj": (q_out, hidden), "k_proj": (kv_out, hidden), "v_proj": (kv_out, hidden)}
+    attention["o_proj"] = (hidden, q_out)
     if arch.moe is not None:  # the attention's only: an MLP projection of these models is an expert's
-        return {"q_proj": (q_out, hidden), "k_proj": (kv_out, hidden), "v_proj": (kv_out, hidden)} | {
-            "o_proj": (hidden, q_out)
-        }
-    rows = {"o_proj": (hidden, q_out), "down_proj": (hidden, inter)}
+        return attention
     if arch.fused_checkpoint:
-        return rows | {"qkv_proj": (q_out + 2 * kv_out, hidden), "gate_up_proj": (2 * inter, hidden)}
-    return rows | {
-        "q_proj": (q_out, hidden),
-        "k_proj": (kv_out, hidden),
-        "v_proj": (kv_out, hidden),
-        "gate_proj": (inter, hidden),
-        "up_proj": (inter, hidden),
-    }
+        fused = {"qkv_proj": (q_out + 2 * kv_out, hidden), "gate_up_proj": (2 * inter, hidden)}
+        return {"o_proj": attention["o_proj"], "down_proj": (hidden, inter)} | fused
+    return attention | {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
 
 def check_adapter_fits(adapter: PeftAdapter, config: PretrainedConfig) -> None:

@@ -185,7 +185,7 @@ def unsupported_reason(model: LlamaModel) -> str | None:
         return "the CPU kernels do not build"
     layers = _layers(model)
     first = layers[0]
-    if any(isinstance(layer.mlp, SparseMoeBlock) for layer in _layers(model)):
+    if any(isinstance(layer.mlp, SparseMoeBlock) for layer in layers):
         return "the model's layers hold experts"
     for layer in layers:
         attn, mlp = layer.self_attn, _mlp(layer)

@@ -75,18 +75,20 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int, expert_paralle
         )
     moe = architecture_of(config).moe
     sizes = {}  # what each rank takes an even share of
-    if moe is None or not all(moe.sparse_layers) or config.model_type == "mixtral":  # Mixtral's experts' size
+    if moe is None or not all(moe.sparse_layers):  # the dense MLPs'
         sizes["intermediate_size"] = config.intermediate_size
-    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # Qwen-MoE's experts', shared expert's
-        if moe is not None and getattr(config, name, None):
-            sizes[name] = getattr(config, name)
     if moe is not None and expert_parallel:  # whole experts: their count splits, not their features
-        sizes.pop("moe_intermediate_size" if config.model_type != "mixtral" else "intermediate_size", None)
         if moe.num_experts % tp_size:
             raise ValueError(
                 f"--enable-expert-parallel: the model's {moe.num_experts} experts do not split evenly over "
                 f"tensor_parallel_size {tp_size}"
             )
+    elif moe is not None:  # each expert's features: Mixtral's intermediate_size, Qwen-MoE's moe_intermediate_size
+        sizes["intermediate_size" if config.model_type == "mixtral" else "moe_intermediate_size"] = (
+            moe.intermediate_size
+        )
+    if moe is not None and moe.shared_intermediate_size:  # Qwen2-MoE's shared expert
+        sizes["shared_expert_intermediate_size"] = moe.shared_intermediate_size
     for name, size in sizes.items():
         if size % tp_size:
             raise ValueError(f"the model's {name} {size} is not divisible by tensor_parallel_size {tp_size}")

@@ -108,17 +108,16 @@ class SparseMoeBlock(nn.Module):
         """Every expert's float gate | up and down weights into two stacked tensors, each expert's weights becoming
         views of them (no copy kept), so that a step runs the experts as two grouped GEMMs with no host sync
         (``grouped``). False, and nothing changed, where an expert is quantized or its weights are packed."""
-        from raypaged.model.llama import LlamaMLP
-
         if len(self.experts) != self.spec.num_experts:
             return False  # expert parallel: the grouped GEMMs would take every expert's rows
-        experts = [cast(LlamaMLP, expert) for expert in self.experts]
+        experts = [cast("LlamaMLP", expert) for expert in self.experts]
         linears = [(e.gate_up_proj, e.down_proj) for e in experts]
         if not all(type(g) is Linear and type(d) is RowParallelLinear for g, d in linears):
             return False  # quantized
-        if any(getattr(m, "bias", None) is not None for pair in linears for m in pair):
+        plain = [(cast(Linear, g), cast(RowParallelLinear, d)) for g, d in linears]
+        if any(g.bias is not None or d.bias is not None for g, d in plain):
             return False
-        weights = [(cast(Linear, g).weight, cast(RowParallelLinear, d).weight) for g, d in linears]
+        weights = [(g.weight, d.weight) for g, d in plain]
         size, hidden = experts[0].intermediate_size, self.gate.in_features
         shapes = ((2 * size, hidden), (hidden, size))
         for pair in weights:
