@@ -11,30 +11,19 @@ does not allow (``LlamaForCausalLM.set_attention_backend`` takes the torch backe
 from __future__ import annotations
 
 import torch
-from transformers import PretrainedConfig
 
 from raypaged.attention.backend import FusedOps
-from raypaged.model.architecture import Architecture
-from raypaged.model.layers import GemmaRMSNorm, RotaryEmbedding
+from raypaged.model.layers import GemmaRMSNorm
 from raypaged.model.llama import LlamaDecoderLayer
-from raypaged.model.parallel import TensorParallel
-from raypaged.quantization.base import QuantizationConfig
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        arch: Architecture,
-        rotary: RotaryEmbedding,
-        tp: TensorParallel,
-        prefix: str,
-        quant_config: QuantizationConfig | None,
-        index: int,
-    ) -> None:
-        super().__init__(config, arch, rotary, tp, prefix, quant_config, index)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+    def add_norms(self, hidden_size: int, eps: float) -> None:
+        """Four (1 + weight) norms: before and after the attention, before and after the MLP."""
+        self.input_layernorm = GemmaRMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden_size, eps)
 
     def post_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor, fused: FusedOps | None

@@ -284,6 +284,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
     def __init__(
         self,
         config: PretrainedConfig,
@@ -303,10 +306,14 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(config, arch, tp, f"{prefix}.mlp", quant_config)
         else:
             self.mlp = LlamaMLP(config, arch, tp, f"{prefix}.mlp", quant_config)
-        norm: type[RMSNorm] = GemmaRMSNorm if arch.gemma else RMSNorm
-        self.input_layernorm: RMSNorm = norm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm: RMSNorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.add_norms(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = arch.residual_multiplier
+
+    def add_norms(self, hidden_size: int, eps: float) -> None:
+        """The layer's norms, named as its checkpoint names them: Llama's before the attention and before the MLP
+        (Gemma's and OLMo 2's layers have theirs)."""
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     # The residual stream between layers is (x, residual). Plain path: ``x`` is the stream itself,
     # ``residual`` None. Fused path: ``x`` is the previous layer's MLP output not yet added to

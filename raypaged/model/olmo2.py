@@ -11,31 +11,18 @@ Plain torch around any attention backend: with no norm before a sublayer there i
 from __future__ import annotations
 
 import torch
-from transformers import PretrainedConfig
 
 from raypaged.attention.backend import FusedOps
-from raypaged.model.architecture import Architecture
-from raypaged.model.layers import Olmo2RMSNorm, RotaryEmbedding
+from raypaged.model.layers import Olmo2RMSNorm
 from raypaged.model.llama import LayerKVCache, LlamaDecoderLayer
-from raypaged.model.parallel import TensorParallel
-from raypaged.quantization.base import QuantizationConfig
 
 
 class Olmo2DecoderLayer(LlamaDecoderLayer):
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        arch: Architecture,
-        rotary: RotaryEmbedding,
-        tp: TensorParallel,
-        prefix: str,
-        quant_config: QuantizationConfig | None,
-        index: int,
-    ) -> None:
-        super().__init__(config, arch, rotary, tp, prefix, quant_config, index)
-        del self.input_layernorm  # none: the checkpoint has no input_layernorm
-        self.post_attention_layernorm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_feedforward_layernorm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps)
+    def add_norms(self, hidden_size: int, eps: float) -> None:
+        """A norm after the attention and one after the MLP; none before either (the checkpoint has no
+        input_layernorm)."""
+        self.post_attention_layernorm = Olmo2RMSNorm(hidden_size, eps)
+        self.post_feedforward_layernorm = Olmo2RMSNorm(hidden_size, eps)
 
     def pre_attention(
         self,
