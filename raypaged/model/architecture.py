@@ -160,15 +160,10 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
     )
 
 
-def moe_name(config: PretrainedConfig) -> str | None:
-    """The mixture-of-experts architecture of a config, or None for the others."""
-    return _MOE_TYPES.get(config.model_type)
-
-
 def _moe(config: PretrainedConfig) -> MoeSpec | None:
     """The experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config, as transformers' ``*SparseMoeBlock`` computes them;
     None for the other architectures."""
-    name = moe_name(config)
+    name = _MOE_TYPES.get(config.model_type)
     if name is None:
         return None
     layers, mixtral = config.num_hidden_layers, config.model_type == "mixtral"

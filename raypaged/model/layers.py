@@ -281,9 +281,17 @@ class RotaryEmbedding(nn.Module):
     cos_sin: torch.Tensor  # buffer [max_positions, 2, rotary_dim / 2]
 
     def __init__(
-        self, config: PretrainedConfig, head_dim: int, max_positions: int, layer_type: str | None = None
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        max_positions: int,
+        layer_type: str | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
+        # ERNIE 4.5: feature pairs (2i, 2i + 1) rotate together, not the halves (i, i + R/2); the fused rotary ops and
+        # kernels rotate halves only
+        self.interleaved = interleaved
         params = rope_parameters(config, layer_type)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":  # transformers' default: the rotated features' own frequencies
@@ -317,9 +325,6 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim / 2]
         cos_sin = torch.stack((freqs.cos() * scaling, freqs.sin() * scaling), dim=1)
         self.register_buffer("cos_sin", cos_sin, persistent=False)  # [max_positions, 2, rotary_dim / 2]
-        # ERNIE 4.5: feature pairs (2i, 2i + 1) rotate together, not the halves (i, i + R/2); the fused rotary ops and
-        # kernels rotate halves only
-        self.interleaved = False
 
     def rotate_(self, positions: torch.Tensor, *xs: torch.Tensor) -> None:
         """Rotate each ``x: [num_tokens, heads, head_dim]`` (strided views too) in place by its tokens' positions."""

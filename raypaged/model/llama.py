@@ -386,9 +386,10 @@ class LlamaModel(nn.Module):
 
         num_layers = config.num_hidden_layers
         rope_types = arch.rope_layer_types or (None,) * num_layers  # Gemma 3: a rotary per type of layer
-        rotaries = {t: RotaryEmbedding(config, head_dim_of(config), max_positions, t) for t in set(rope_types)}
-        for rotary in rotaries.values():
-            rotary.interleaved = arch.interleaved_rotary
+        rotaries = {
+            t: RotaryEmbedding(config, head_dim_of(config), max_positions, t, arch.interleaved_rotary)
+            for t in set(rope_types)
+        }
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp, arch.embedding_multiplier, arch.gemma
         )

@@ -9,8 +9,9 @@ Each expert is a gated MLP of the dense layers' kind (``LlamaMLP``: the checkpoi
 MLP's, float or quantized, and a CPU packs each one's weights for its GEMMs). A step sorts its (token, expert)
 pairs by expert once, runs each chosen expert over its contiguous run of gathered rows, and adds the weighted rows
 back per token in ascending expert order, the order of transformers' loop. Under tensor parallelism every rank
-holds its share of every expert's intermediate features (and the shared expert's): the partial outputs are summed
-in one all-reduce per layer; the router and the shared gate are whole on every rank.
+holds its share of every expert's intermediate features, or with expert parallelism (``TensorParallel.
+expert_parallel``) ``num_experts / size`` whole experts; either way, with its share of the shared expert, a rank's
+partial outputs are summed in one all-reduce per layer. The router and the shared gate are whole on every rank.
 """
 
 from __future__ import annotations
