@@ -18,6 +18,7 @@ _EXPERTS_TP = (
 )
 _NO_ROUTED = "the experts' routing stays inside the engine (no routed experts are returned)"
 _TORCH_EXPERTS = "the experts run in torch, routed as transformers routes them"
+_NO_EXPERT_LORA = "LoRA adapters adapt a mixture-of-experts model's attention, never its experts"
 _TEXT_ONLY = "the served models read text only"
 _NO_DP = "run one server per replica behind a load balancer (see deploy/)"
 _NO_MAMBA = "no Mamba (state-space) architecture is supported"
@@ -265,8 +266,8 @@ DEFAULT_ONLY: list[Option] = [
     ("enable_tower_connector_lora", (), bool, (None, False), _TEXT_ONLY),
     ("default_mm_loras", (), str, (None,), _TEXT_ONLY),
     ("specialize_active_lora", (), bool, (None, False), "CUDA graphs record the LoRA path with a fixed slot count"),
-    ("enable_mixed_moe_lora_format", (), bool, (None, False), "LoRA is not supported for mixture-of-experts models"),
-    ("enable_moe_shared_loras", (), bool, (None, False), "LoRA is not supported for mixture-of-experts models"),
+    ("enable_mixed_moe_lora_format", (), bool, (None, False), _NO_EXPERT_LORA),
+    ("enable_moe_shared_loras", (), bool, (None, False), _NO_EXPERT_LORA),
     ("max_lora_cls_labels", (), int, (None,), "raypaged serves generative models only (no classification heads)"),
     # observability
     ("otlp_traces_endpoint", (), str, (None,), _NO_TRACING),
