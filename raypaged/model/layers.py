@@ -198,8 +198,10 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(normed x + residual, x + residual), the sum written into ``x``."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        """(normed x + residual, x + residual), the sum written into ``x``, through this norm's ``forward`` (Gemma's
+        and OLMo 2's have their own)."""
+        summed = x.add_(residual)
+        return self(summed), summed
 
 
 class Olmo2RMSNorm(RMSNorm):
@@ -221,10 +223,6 @@ class Olmo2RMSNorm(RMSNorm):
         out = self.weight.to(torch.float32) * (x32 * torch.rsqrt(variance + self.eps))
         return out.to(x.dtype).view(x.shape)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        summed = x.add_(residual)
-        return self(summed), summed
-
     def load_shard(self, tensor: torch.Tensor) -> None:
         """This rank's features of the checkpoint's weight (all of it for a norm over the hidden state)."""
         self.weight.data.copy_(tensor[self.start : self.start + self.weight.shape[0]])
@@ -238,11 +236,6 @@ class GemmaRMSNorm(RMSNorm):
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(normed x + residual, x + residual), the sum written into ``x``."""
-        summed = x.add_(residual)
-        return self(summed), summed
 
 
 def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
