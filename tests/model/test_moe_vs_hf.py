@@ -21,7 +21,7 @@ from raypaged.model.llama import LlamaForCausalLM, check_tensor_parallel
 from raypaged.model.loader import iter_checkpoint, load_model
 from raypaged.model.moe import SparseMoeBlock
 from raypaged.model.parallel import TensorParallel
-from raypaged.quantization import quantizer, resolve_quantization
+from raypaged.quantization import quantizer
 from raypaged.quantization.linear import QuantLinear
 from tests.conftest import hf_greedy
 from tests.model.conftest import (
@@ -32,6 +32,7 @@ from tests.model.conftest import (
     tiny_models_with_word_tokenizer,
     transformers_references,
 )
+from tests.quantization.conftest import load as load_quantized
 
 TINY = dict(
     vocab_size=512,
@@ -293,12 +294,6 @@ def quantized_dirs(tmp_path_factory, model_dirs) -> dict[tuple[str, str], Path]:
         for model in ("mixtral", "qwen2_moe")
         for name, (scheme, options, _) in QUANTIZED.items()
     }
-
-
-def load_quantized(path: Path, tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
-    config = AutoConfig.from_pretrained(path)
-    quant_config = resolve_quantization(None, config.quantization_config)
-    return load_model(path, config, 64, torch.float32, torch.device("cpu"), tp, quant_config=quant_config)
 
 
 def expert_names(model: str, layer: int, expert: int) -> tuple[str, str, str]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig
 
-from raypaged.model.loader import iter_checkpoint, load_model
+from raypaged.model.loader import iter_checkpoint
 from raypaged.model.parallel import TensorParallel
-from raypaged.quantization import quantizer, resolve_quantization
+from raypaged.quantization import quantizer
 from raypaged.quantization.linear import QuantLinear
 from tests.conftest import make_tiny_model
+from tests.quantization.conftest import load
 
 # name -> (scheme, quantizer options, the largest error as a share of the float weight's largest |value|)
 CHECKPOINTS = {
@@ -32,12 +32,6 @@ def phi3_dirs(tmp_path_factory, smollm2_dir):
         name: quantizer.quantize_checkpoint(float_dir, root / name, scheme, **options)
         for name, (scheme, options, _) in CHECKPOINTS.items()
     }
-
-
-def load(path, tp: TensorParallel):
-    config = AutoConfig.from_pretrained(path)
-    quant_config = resolve_quantization(None, config.quantization_config)
-    return load_model(path, config, 64, torch.float32, torch.device("cpu"), tp, quant_config=quant_config)
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
