@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from raypaged.entrypoints.llm import LLM
     from raypaged.lora.request import LoRARequest
-    from raypaged.outputs import CompletionOutput, RequestOutput
+    from raypaged.outputs import CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+    from raypaged.pooling_params import PoolingParams
     from raypaged.sampling_params import BeamSearchParams, SamplingParams
 
 _EXPORTS = {
@@ -22,8 +23,21 @@ _EXPORTS = {
     "RequestOutput": "raypaged.outputs",
     "CompletionOutput": "raypaged.outputs",
     "LoRARequest": "raypaged.lora.request",
+    "PoolingParams": "raypaged.pooling_params",
+    "PoolingRequestOutput": "raypaged.outputs",
+    "EmbeddingRequestOutput": "raypaged.outputs",
 }
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "LoRARequest",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+]
 __version__ = "0.1.0"
 
 

@@ -16,6 +16,7 @@ from raypaged import envs
 from raypaged.human_int import human_int, human_int_or_auto
 from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
+from raypaged.pooling import CONVERTS, RUNNERS, PoolerSettings, resolve_pooler, resolve_runner
 from raypaged.sampling_params import LOGPROBS_MODES, RAW_LOGPROBS, SamplingParams
 from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.structured.config import StructuredOutputsConfig
@@ -330,6 +331,27 @@ class EngineConfig:
         "max |v| / 100), in place of the checkpoint's or 1.0",
         action="store_true",
     )
+    # vLLM's --runner / --convert / --pooler-config: an embedding model pools its prompts' final hidden states
+    runner: str = _flag(
+        "auto",
+        "generate: a language model; pooling: an embedding model (/v1/embeddings, LLM.embed); auto: pooling for a "
+        "checkpoint without a language-model head (Qwen3Model, LlamaModel, ...) or with --convert embed",
+        choices=RUNNERS,
+    )
+    convert: str = _flag(
+        "auto",
+        "embed: serve a generative checkpoint as an embedding model (its final hidden states pooled); auto: "
+        "embed under --runner pooling",
+        choices=CONVERTS,
+    )
+    pooler_config: dict[str, Any] | None = _flag(
+        None,
+        'embedding models: JSON object over the model\'s pooling, e.g. \'{"pooling_type": "MEAN", '
+        '"normalize": false}\' (pooling_type LAST, MEAN or CLS; normalize; dimensions, matryoshka models only); '
+        "default: the folder's sentence-transformers modules, else LAST and normalized",
+        metavar="JSON",
+        parse=json_flag_value,
+    )
     limits: InputLimits = field(default_factory=InputLimits)  # per-request caps (--max-logprobs ...)
     # auto: the model folder's generation_config.json; vllm: no defaults; a folder
     generation_config: str = _flag(
@@ -436,6 +458,7 @@ class EngineConfig:
     quant_config: QuantizationConfig | None = field(init=False, default=None, repr=False)  # resolved --quantization
     draft_model_path: Path | None = field(init=False, default=None)  # the speculative draft model's folder
     draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
+    pooler: PoolerSettings | None = field(init=False, default=None)  # set exactly when the engine pools (--runner)
 
     def __post_init__(self) -> None:
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
@@ -518,6 +541,7 @@ class EngineConfig:
         )
         self.generation_defaults, self.generation_eos_token_ids = self._read_generation_config()
         check_architecture(self.hf_config, "model")
+        self._resolve_runner()
         check_tensor_parallel(self.hf_config, self.tensor_parallel_size, self.enable_expert_parallel)
         self.quant_config = self._resolve_quantization()
         check_options(self.hf_config, self.quant_config is not None, self.enable_lora, self.attention_backend)
@@ -743,6 +767,33 @@ class EngineConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {limit}")
         check_custom_buckets(self.custom_histogram_buckets)
 
+    def _resolve_runner(self) -> None:
+        """``pooler`` for an embedding model (``--runner``, ``--convert``), and the options an embedding model
+        runs without: each refused by name when given."""
+        architectures = list(getattr(self.hf_config, "architectures", None) or [])
+        if not resolve_runner(self.runner, self.convert, architectures):
+            if self.pooler_config is not None:
+                raise ValueError("--pooler-config applies to embedding models (--runner pooling)")
+            return
+        self.pooler = pooler = resolve_pooler(self.model_path, self.hf_config, self.pooler_config)
+        for given, flag in (
+            (self.speculative_config is not None, "--speculative-config"),
+            (self.enable_lora, "--enable-lora"),
+            (self.async_scheduling, "--async-scheduling"),
+        ):
+            if given:
+                raise ValueError(f"{flag} applies to generation: an embedding model (--runner pooling) runs without it")
+        if pooler.needs_every_token and self.enable_prefix_caching:
+            self.enable_prefix_caching = False
+            logger.info(
+                "embedding model: prefix caching is off (%s pooling reads every prompt token's hidden state, "
+                "which a cached prefix would skip)",
+                pooler.pooling_type,
+            )
+        logger.info(
+            "embedding model: %s pooling, %snormalized", pooler.pooling_type, "" if pooler.normalize else "not "
+        )
+
     def _check_async_scheduling(self) -> None:
         if not self.async_scheduling:
             return
@@ -763,6 +814,8 @@ class EngineConfig:
         """``async_scheduling``, or when not set: on CUDA with one shard and no speculative decoding."""
         if self.async_scheduling is not None:
             return self.async_scheduling
+        if self.pooler is not None:  # a request ends with its prefill: no next token to schedule ahead for
+            return False
         return self.resolved_device == "cuda" and self.tensor_parallel_size == 1 and self.speculative_config is None
 
     @property
@@ -838,9 +891,15 @@ def check_architecture(hf_config: Any, what: str) -> None:
     from raypaged.model.layers import rope_parameters
 
     archs = getattr(hf_config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    # a base model without its language-model head (Qwen3Model, ...) is an embedding model of its family
+    if not any(a in SUPPORTED_ARCHITECTURES or _causal_lm_of(a) in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(
             f"{what} architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     architecture_of(hf_config)
     rope_parameters(hf_config)
+
+
+def _causal_lm_of(architecture: str) -> str:
+    """``Qwen3Model`` -> ``Qwen3ForCausalLM`` (a base model's generative architecture)."""
+    return architecture.removesuffix("Model") + "ForCausalLM" if architecture.endswith("Model") else architecture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class FinishReason(enum.StrEnum):
@@ -122,6 +123,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: per prompt token its logprob and the top-N (None for the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed (vLLM's)
+    pooled: Any = None  # an embedding model's request (--runner pooling), finished: its embedding (float32 tensor)
 
 
 @dataclass(slots=True)
@@ -142,3 +144,61 @@ class BeamSearchOutput(RequestOutput):
     """A finished beam search: vLLM's ``sequences`` (best first), and the same beams as ``outputs``."""
 
     sequences: list[BeamSearchSequence] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """vLLM's: an embedding model's pooled vector (``data``: a float32 tensor)."""
+
+    data: Any
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's: an embedding as floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """vLLM's output of ``LLM.encode``: one prompt's pooled vector (``outputs.data``)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> PoolingRequestOutput:
+        """An embedding model's finished ``RequestOutput`` as vLLM returns it."""
+        assert output.pooled is not None, "only an embedding model's finished request has a vector"
+        return cls(
+            output.request_id, PoolingOutput(output.pooled), output.prompt_token_ids, True, output.num_cached_tokens
+        )
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's output of ``LLM.embed``: one prompt's embedding (``outputs.embedding``, floats)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(
+            output.request_id,
+            EmbeddingOutput(output.outputs.data.tolist()),
+            output.prompt_token_ids,
+            output.finished,
+            output.num_cached_tokens,
+        )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raypaged.sampling_params import SamplingParams
 
@@ -147,3 +147,6 @@ class ModelRunnerOutput:
     sampled_runs: dict[str, list[SampledToken]] = field(default_factory=dict)
     # request id -> the draft model's proposals for its next step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # an embedding model's requests: request id -> (first position of its chunk this step, what the chunk adds to
+    # its vector: a float32 CPU tensor, ``pooling.chunk_part``)
+    pooled: dict[str, tuple[int, Any]] = field(default_factory=dict)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raypaged.outputs import FinishReason
 from raypaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from raypaged.lora.request import LoRARequest
+    from raypaged.pooling_params import PoolingParams
 
 
 class RequestStatus(enum.Enum):
@@ -120,6 +121,10 @@ class Request:
     # async scheduling: tokens a step in flight is sampling for it, counted in ``num_tokens`` before they
     # are known (the workers have them already; the scheduler appends them when the step's results come)
     num_placeholders: int = 0
+    # an embedding model's request (--runner pooling): what it asks of its vector, and the vector so far (the
+    # pooled parts of its computed prompt chunks: a float32 tensor); it ends when its prompt is computed
+    pooling: PoolingParams | None = None
+    pooled: Any = None
     first_scheduled_time: float | None = field(default=None, init=False)
     _status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
 

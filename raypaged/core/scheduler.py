@@ -29,6 +29,7 @@ from raypaged.core.outputs import (
 from raypaged.core.request import Request, RequestStatus
 from raypaged.core.stats import SchedulerStats
 from raypaged.core.waiting_queue import WaitingQueue
+from raypaged.pooling import add_part
 
 logger = logging.getLogger("raypaged")
 
@@ -57,6 +58,7 @@ class SchedulerConfig:
     spec_disable_batch_size: int | None = None  # no drafts in a step while more sequences than this run
     # slots kept past a sampling sequence's tokens, where a draft model writes while it proposes
     num_lookahead_slots: int = 0
+    pooling_type: str | None = None  # an embedding model's (every request pools its prompt; see raypaged.pooling)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -636,6 +638,15 @@ class Scheduler:
             self._maybe_fork(request)
             if (prompt_logprobs := runner_output.prompt_logprobs.get(request_id)) is not None:
                 request.add_prompt_logprobs(prompt_logprobs.start, prompt_logprobs.logprobs)
+            if request.pooling is not None:  # an embedding: its chunk's part added; done with its prompt
+                if (part := runner_output.pooled.get(request_id)) is not None:
+                    assert self.config.pooling_type is not None, "pooled parts come from an embedding model's runner"
+                    request.pooled = add_part(self.config.pooling_type, request.pooled, part[1], part[0])
+                if request.num_computed_tokens >= request.num_prompt_tokens:
+                    self.running.remove(request)
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                    updated.append(request)
+                continue
             sampled = runner_output.sampled.get(request_id)
             if committed and request.num_placeholders:
                 request.num_placeholders -= 1  # the token comes now (or its row failed)

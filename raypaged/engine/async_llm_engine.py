@@ -33,6 +33,7 @@ from raypaged.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from raypaged.lora.request import LoRARequest
+    from raypaged.pooling_params import PoolingParams
 
 logger = logging.getLogger("raypaged")
 T = TypeVar("T")
@@ -157,9 +158,11 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         beam: BeamSearchParams | None = None,
+        pooling: PoolingParams | None = None,
     ) -> str:
         """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``.
-        With ``beam`` it is a beam search: one finished output, its beams best first.
+        With ``beam`` it is a beam search: one finished output, its beams best first. With ``pooling`` it is an
+        embedding model's request (``params`` unused): one finished output whose ``pooled`` is its embedding.
 
         A caller cancelled at any point, even while the engine thread is adding the
         request, leaves nothing running: an abort is queued behind the add.
@@ -170,7 +173,11 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         # checked, tokenized, its grammar compiled and its adapter read here, off the engine thread: the batch runs on
-        if beam is None:
+        if pooling is not None:
+            process = partial(
+                self.engine.process_pooling, request_id, prompt, pooling, prompt_token_ids, priority, cache_salt
+            )
+        elif beam is None:
             process = partial(
                 self.engine.process_request,
                 request_id,
@@ -284,6 +291,25 @@ class AsyncLLMEngine:
         request_id = await self.add_request(prompt, params, request_id, prompt_token_ids, priority, cache_salt)
         async for output in self.stream(request_id):
             yield output
+
+    async def encode(
+        self,
+        prompt: str | None,
+        params: PoolingParams,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestOutput:
+        """An embedding model's request, added and awaited: its finished output (``pooled``: the embedding).
+        Cancelling the caller aborts it."""
+        request_id = await self.add_request(
+            prompt, SamplingParams(), request_id, prompt_token_ids, priority, cache_salt, pooling=params
+        )
+        async for output in self.stream(request_id):
+            if output.finished:
+                return output
+        raise RequestFailedError(f"request {request_id} was aborted")
 
     async def abort(self, request_ids: list[str]) -> int:
         """Abort requests (running or queued); returns how many were unfinished. Their streams end."""

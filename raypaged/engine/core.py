@@ -30,6 +30,7 @@ from raypaged.core.stats import SchedulerStats
 from raypaged.executor.base import Executor, WorkerLostError
 from raypaged.heap import freeze_startup_heap, thaw
 from raypaged.outputs import FinishReason
+from raypaged.pooling import finish_embedding
 from raypaged.sampling_params import SamplingParams
 from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.spec_decode.ngram import NgramProposer
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from raypaged.lora.request import LoRARequest
+    from raypaged.pooling_params import PoolingParams
 
 logger = logging.getLogger("raypaged")
 
@@ -58,6 +60,7 @@ class EngineCoreRequest:
     beam: BeamSearchParams | None = None  # a beam search: one output, its hypotheses, when it ends
     arrival_time: float = field(default_factory=time.monotonic)  # queued in the engine (set when it is)
     num_spec_tokens: int = 0  # drafts each sequence may verify per step
+    pooling: PoolingParams | None = None  # an embedding model's request: it ends with its prompt, with its vector
 
 
 @dataclass(slots=True)
@@ -77,6 +80,7 @@ class SeqDelta:
     first_scheduled_time: float | None = None
     num_cached_tokens: int | None = None
     prompt_logprobs: list[dict[int, float]] | None = None  # of prompt tokens 1, 2, ... when asked
+    pooled: torch.Tensor | None = None  # an embedding model's request, ended: its embedding (float32, CPU)
 
 
 @dataclass(slots=True)
@@ -138,6 +142,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             preemption_mode=config.preemption_mode,
             max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
+            pooling_type=None if config.pooler is None else config.pooler.pooling_type,
             **_spec_scheduler_options(spec),
         )
         self.scheduler = Scheduler(
@@ -173,6 +178,7 @@ class EngineCore:
                 cache_salt=request.cache_salt,
                 lora=request.lora,
                 num_spec_tokens=request.num_spec_tokens,
+                pooling=request.pooling,
             )
             for i in range(num_samples)
         ]
@@ -374,11 +380,26 @@ class EngineCore:
                 delta.num_cached_tokens = request.num_cached_tokens
                 if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_missing:
                     delta.prompt_logprobs = request.prompt_logprobs
+            if request.pooling is not None:
+                try:
+                    delta.pooled = self._embedding(request)
+                except Exception as exc:
+                    logger.exception("sequence %s: finishing its embedding failed; ending its request alone", seq_id)
+                    failed[seq_id] = f"finishing the embedding failed: {type(exc).__name__}: {exc}"
+                    continue
             deltas.append(delta)
             if status.finished:
                 self._release(seq_id)
         self._step_beams(out, ended_beams, beam_failures)
         return out
+
+    def _embedding(self, request: Request) -> torch.Tensor:
+        """An embedding model's request, its prompt computed: its vector finished as it asked."""
+        pooler = self.config.pooler
+        assert pooler is not None and request.pooling is not None, "only an embedding model's requests pool"
+        if request.pooled is None:
+            raise RuntimeError("no hidden state of its prompt reached the pooler")
+        return finish_embedding(pooler.pooling_type, request.pooled, request.num_prompt_tokens, request.pooling, pooler)
 
     def _step_beams(
         self, out: EngineCoreOutputs, ended: dict[str, list[EndedRequest]], failures: dict[str, str]

@@ -22,8 +22,17 @@ from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.core import EngineCoreRequest
 from raypaged.inputs.chat_template import render_chat
-from raypaged.inputs.limits import InputError, check_context, check_count, check_prompt_ids, check_sampling, check_text
-from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
+from raypaged.inputs.limits import (
+    InputError,
+    check_context,
+    check_count,
+    check_prompt_ids,
+    check_sampling,
+    check_text,
+    check_token_ids,
+)
+from raypaged.pooling_params import PoolingParams
+from raypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
 from raypaged.structured.backend import GrammarBackend
 from raypaged.structured.reasoning import closed_in
@@ -212,6 +221,8 @@ class InputProcessor:
         vocabulary: what outputs are built by) and the core's request (``request_id`` is the id
         of its first sequence)."""
         config = self.config
+        if config.pooler is not None:
+            raise InputError("model", _NOT_GENERATIVE.format(name=config.served_model_name))
         lora = None if lora_request is None else self.check_lora(lora_request)
         check_sampling(params, config.hf_config.vocab_size, config.limits)
         params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
@@ -268,6 +279,8 @@ class InputProcessor:
         """A beam search checked: its beams' params (greedy, the ``2 * beam_width`` best next
         tokens as logprobs) and the core's request."""
         config = self.config
+        if config.pooler is not None:
+            raise InputError("model", _NOT_GENERATIVE.format(name=config.served_model_name))
         check_count("n", params.beam_width, config.limits.max_num_samples, "max_num_samples", "beams")
         lora = None if lora_request is None else self.check_lora(lora_request)
         prompt_token_ids = self._checked_prompt(prompt, prompt_token_ids)
@@ -291,6 +304,57 @@ class InputProcessor:
             beam=params,
         )
 
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: PoolingParams,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> tuple[SamplingParams, EngineCoreRequest]:
+        """An embedding request checked: the params its one output is built by (final only, no tokens) and the
+        core's request, which ends when its prompt is computed. The prompt may fill ``max_model_len`` (nothing is
+        generated after it); ``truncate_prompt_tokens`` keeps its last tokens (-1: ``max_model_len`` of them)."""
+        config = self.config
+        pooler = config.pooler
+        if pooler is None:
+            raise InputError(
+                "model",
+                f"{config.served_model_name} is a generative model: embeddings need an embedding model "
+                "(--runner pooling)",
+            )
+        pooler.check(params)
+        max_model_len = config.resolved_max_model_len
+        truncate = params.truncate_prompt_tokens
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InputError("input", "either a prompt or its token ids is required")
+            check_text("input", len(prompt), config.limits, max_model_len)
+            prompt_token_ids = self.tokenize(prompt)
+        if truncate is not None:
+            prompt_token_ids = prompt_token_ids[-(max_model_len if truncate == -1 else truncate) :]
+        if not prompt_token_ids:
+            raise InputError("input", "the input must not be empty")
+        if len(prompt_token_ids) > max_model_len:
+            raise InputError(
+                "input",
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{len(prompt_token_ids)} tokens in the input for embedding generation. Please reduce the length "
+                "of the input.",
+            )
+        check_token_ids("input", prompt_token_ids, config.hf_config.vocab_size)
+        seq_params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        return seq_params, EngineCoreRequest(
+            request_id,
+            list(prompt_token_ids),
+            seq_params,
+            1,
+            priority=priority,
+            cache_salt=_prefix_namespace(cache_salt, None),
+            pooling=params,
+        )
+
     def _with_eos_stops(self, params: SamplingParams) -> SamplingParams:
         """``params`` with the EOS ids after the first among its stop tokens, as vLLM adds a generation
         config's extra EOS ids to ``stop_token_ids``: such a stop reports its id as ``stop_reason`` and
@@ -299,6 +363,12 @@ class InputProcessor:
         if params.ignore_eos or not extra:
             return params
         return replace(params, stop_token_ids=params.stop_token_ids + extra)
+
+
+_NOT_GENERATIVE = (
+    "{name} is an embedding model (--runner pooling): it serves embeddings (/v1/embeddings, /pooling, LLM.embed), "
+    "not generation"
+)
 
 
 def _prefix_namespace(cache_salt: str | None, lora: LoRARequest | None) -> str | None:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from raypaged.core.scheduler import Scheduler
     from raypaged.lora.request import LoRARequest
+    from raypaged.pooling_params import PoolingParams
 
 logger = logging.getLogger("raypaged")
 
@@ -135,6 +136,36 @@ class LLMEngine:
             self._seq_id(request_id), prompt, params, prompt_token_ids, lora_request, cache_salt
         )
         return ProcessedRequest(request_id, prompt, beam_params, core_request)
+
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: PoolingParams,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> ProcessedRequest:
+        """``process_request`` for an embedding model's request (``InputProcessor.process_pooling``)."""
+        seq_params, core_request = self.input_processor.process_pooling(
+            self._seq_id(request_id), prompt, params, prompt_token_ids, priority, cache_salt
+        )
+        return ProcessedRequest(request_id, prompt, seq_params, core_request)
+
+    def add_pooling_request(
+        self,
+        prompt: str | None,
+        params: PoolingParams,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue an embedding model's request; its one output, when its prompt is computed, carries ``pooled``."""
+        request_id = self.new_request_id(request_id)
+        return self.add_processed(
+            self.process_pooling(request_id, prompt, params, prompt_token_ids, priority, cache_salt)
+        )
 
     def add_processed(self, processed: ProcessedRequest) -> str:
         """Queue a processed request in the core; returns its id."""

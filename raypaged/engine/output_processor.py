@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from raypaged.core.beam_search import Hypothesis
 from raypaged.engine.core import BeamResult, EngineCoreOutputs, SeqDelta
@@ -90,6 +90,7 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs_found: list[dict[int, float]] | None = None  # from the first sequence's first delta
     prompt_logprobs_sent: bool = False  # DELTA outputs: the prompt's logprobs went with the first
+    pooled: Any = None  # an embedding model's request, ended: its embedding (a float32 tensor)
 
     def prompt_logprobs(self, delta: bool) -> list[dict[int, Logprob] | None] | None:
         """The prompt's logprobs when asked for (``None`` for its first token, as vLLM), once its
@@ -200,6 +201,8 @@ class OutputProcessor:
                             state.num_cached_tokens = delta.num_cached_tokens or 0
                             if delta.prompt_logprobs is not None:
                                 state.prompt_logprobs_found = delta.prompt_logprobs
+                    if delta.pooled is not None:
+                        state.pooled = delta.pooled
                     if delta.message is not None:
                         end_seq(seq, delta)
                     elif process_token(seq, delta, now):
@@ -220,6 +223,8 @@ class OutputProcessor:
             if state.error is not None:
                 output = error_output(state)
             if output is not None:
+                if state.pooled is not None:
+                    output.pooled = state.pooled
                 outputs.append(output)
                 if output.finished:
                     self._forget(state)

@@ -18,7 +18,8 @@ from raypaged.entrypoints.vllm_compat import check_default_only, unknown_keyword
 from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY, Option
 from raypaged.inputs.limits import check_priority
 from raypaged.lora.request import LoRARequest
-from raypaged.outputs import BeamSearchOutput, RequestOutput
+from raypaged.outputs import BeamSearchOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from raypaged.pooling_params import PoolingParams
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -186,6 +187,52 @@ class LLM:
             )
             prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_task: str = "embed",
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """An embedding model's (``runner="pooling"``) pooled vector of every prompt, in input order, as vLLM's
+        ``LLM.encode``: each output's ``outputs.data`` is a float32 tensor. ``pooling_params``: one for all
+        prompts or one per prompt; ``truncate_prompt_tokens`` sets theirs (the prompt's last k tokens)."""
+        if lora_request is not None:
+            raise ValueError("lora_request: an embedding model (runner='pooling') runs without LoRA adapters")
+        if pooling_task not in ("embed", "encode"):
+            raise ValueError(f"pooling_task {pooling_task!r} is not supported (embed, encode: embeddings only)")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_given = PoolingParams() if pooling_params is None else pooling_params
+        params_list = [params_given] * len(prompts) if isinstance(params_given, PoolingParams) else list(params_given)
+        if len(params_list) != len(prompts):
+            raise ValueError(
+                f"got {len(params_list)} pooling_params for {len(prompts)} prompts; pass one or one per prompt"
+            )
+        if truncate_prompt_tokens is not None:
+            params_list = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        engine = self.llm_engine
+        submissions = [
+            partial(engine.add_pooling_request, text, params, prompt_token_ids=token_ids, cache_salt=salt)
+            for (text, token_ids, salt), params in zip((_prompt_input(p) for p in prompts), params_list)
+        ]
+        return [PoolingRequestOutput.of(output) for output in self._submit_and_run(submissions, use_tqdm)]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Every prompt's embedding (``outputs.embedding``: floats), as vLLM's ``LLM.embed``."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, lora_request, "embed", truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def _submit_and_run(self, submissions: Sequence[Callable[[], str]], use_tqdm: bool) -> list[RequestOutput]:
         """Queue every request, all or none (a bad one aborts those already queued), then run them."""

@@ -55,9 +55,14 @@ DEFAULT_ONLY: list[Option] = [
         "the scheduler chunks one prompt at a time (a prompt cut at the step's {max_num_batched_tokens} is its last; "
         "the prompts behind it wait for the next step), which is {max_num_partial_prefills} 1",
     ),
-    ("task", (), str, ("auto", "generate"), "raypaged serves generative models only (no embedding or scoring)"),
-    ("runner", (), str, ("auto", "generate"), "raypaged serves generative models only (no pooling runner)"),
-    ("convert", (), str, ("auto", "none"), "raypaged serves generative models only (no pooling conversion)"),
+    (
+        "task",
+        (),
+        str,
+        ("auto", "generate"),
+        "{task} is vLLM's older spelling: serve an embedding model with {runner} pooling (no scoring or reward "
+        "tasks)",
+    ),
     (
         "compilation_config",
         ("-O", "-cc"),
@@ -118,7 +123,6 @@ DEFAULT_ONLY: list[Option] = [
     ("use_fp64_gumbel", (), bool, (None, False), "tokens are drawn by inverse CDF from each row's generator"),
     ("enable_trace_replay", (), bool, (None, False), _NO_TRACING),
     ("enable_prompt_embeds", (), bool, (None, False), "prompts are text or token ids"),
-    ("pooler_config", (), str, (None,), "raypaged serves generative models only (no pooling)"),
     ("logits_processors", (), list, (None,), _NO_PLUGINS),
     ("io_processor_plugin", (), str, (None,), _NO_PLUGINS),
     ("renderer_num_workers", (), int, (1,), "prompts are rendered and tokenized by one input processor per model"),

@@ -46,6 +46,14 @@ _KV_SCALE_NAMES = {
 }
 
 
+_BASE_MODEL_NAMES = ("layers.", "embed_tokens.", "norm.")  # a base model's tensors (Qwen3Model's): no "model."
+
+
+def _prefixed(name: str) -> str:
+    """A base model's tensor name (an embedding model saved without its head) as the causal LM's."""
+    return f"model.{name}" if name.startswith(_BASE_MODEL_NAMES) else name
+
+
 def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy this rank's share of the checkpoint tensors into ``model``, fusing q/k/v and gate/up; every
     parameter must be filled, and a tensor with no place in the model is a ``ValueError`` naming it."""
@@ -53,7 +61,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
     filled: set[str] = set()
     kv_scales: dict[str, dict[str, float]] = {}  # attention module name -> its checkpoint's "k" and "v" scales
     for checkpoint_name, tensor in weights:
-        name = canonical_name(checkpoint_name)
+        name = canonical_name(_prefixed(checkpoint_name))
         if (expert := _EXPERT.search(name)) is not None:  # its place on this rank (expert parallel: maybe none)
             block, index = _owner(model, name, name[: expert.start()] + ".mlp"), int(expert[1])
             if not isinstance(block, SparseMoeBlock) or index >= block.spec.num_experts:

@@ -443,15 +443,17 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         tp: TensorParallel = TensorParallel(),
         quant_config: QuantizationConfig | None = None,
+        head: bool = True,
     ) -> None:
         super().__init__()
         check_tensor_parallel(config, tp.size, tp.expert_parallel)
+        self.has_head = head  # False: an embedding model's (--runner pooling): no logits, no lm_head weights
         self.config = config
         self.architecture = arch = architecture_of(config)
         self.model = LlamaModel(config, arch, max_positions, tp, quant_config)
         self.checkpoint_kv_scales = False  # whether load_weights found fp8 KV cache scales
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings or not head:
             self.lm_head = None
         else:
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
@@ -501,6 +503,8 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
             elif isinstance(module, QuantLinear) and id(module) in gate_ups:
                 module.method.pack_gated(module)
+        if not self.has_head:
+            return
         if self.lm_head is None:
             self.model.embed_tokens.pack_head(tied=True)
         else:

@@ -37,6 +37,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     quant_config: QuantizationConfig | None = None,
+    head: bool = True,
 ) -> LlamaForCausalLM:
     """This rank's shard of the model: each checkpoint tensor is read, sliced and dropped in turn.
 
@@ -44,12 +45,13 @@ def load_model(
     [-1e-3, 1e-3] (norm weights are 1), built directly in ``dtype`` on the device, so a
     7B-shaped model is ready in seconds for benchmarks; quantized layers then quantize them as
     ``quant_config`` does online (fp8 only: other schemes need their checkpoint's tensors).
-    ``quant_config``: the projections' scheme; their quantized tensors keep their own dtypes.
+    ``quant_config``: the projections' scheme; their quantized tensors keep their own dtypes. ``head`` False: an
+    embedding model's, without the language-model head (a checkpoint's ``lm_head`` tensors are skipped).
     An fp32 model on a CPU ends with its float linears' weights packed for oneDNN (``pack_weights``); a bf16 mixture
     of experts on an H100 or H200 with its experts' weights stacked for grouped GEMMs (``stack_experts``).
     """
     with torch.device(device):
-        model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config)
+        model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config, head)
     if load_format == "dummy":
         fill_dummy(model, dtype, device, seed + tp.rank)
     else:

@@ -18,6 +18,7 @@ import torch
 from raypaged import envs
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SampledToken, SchedulerOutput
+from raypaged.pooling import chunk_part
 from raypaged.sampling_params import RAW_LOGPROBS, SamplingParams
 from raypaged.spec_decode.verify import accepted_run
 from raypaged.worker.block_tables import BlockTables
@@ -118,17 +119,21 @@ class ModelRunner:
         lora: LoRAManager | None = None,
         async_scheduling: bool = False,
         logprobs_mode: str = RAW_LOGPROBS,
+        pooling_type: str | None = None,
     ) -> None:
         """``samples``: this rank samples and reports tokens (rank 0); the others only run the forward.
         ``logprobs_mode``: what the logprobs requests ask for hold (``sampler.sample``).
         ``lora``: the model's LoRA slots, filled as each step's ``lora_loads`` say.
         ``async_scheduling``: a step may be scheduled before the tokens of the one before it reach the
-        scheduler; the runner keeps each sampled token until the scheduler sends it back (one shard only)."""
+        scheduler; the runner keeps each sampled token until the scheduler sends it back (one shard only).
+        ``pooling_type``: an embedding model's (``raypaged.pooling``): no token is sampled; each step reports what
+        every chunk adds to its request's vector."""
         assert samples or not async_scheduling, "async scheduling needs the tokens of the rank that samples"
         self.model = model
         self.samples = samples
         self.async_scheduling = async_scheduling
         self.logprobs_mode = logprobs_mode
+        self.pooling_type = pooling_type
         self.cache = cache
         self.block_size = block_size
         self.eos_token_id = eos_token_id
@@ -194,7 +199,7 @@ class ModelRunner:
         token, however long the chunk). Everything is packed into one host array and sent to the
         device in a single copy; the step's tensors are contiguous slices of it.
         """
-        order = sorted(so.num_scheduled_tokens, key=lambda rid: so.num_scheduled_tokens[rid] != 1)
+        order = _batch_order(so)
         input_ids: list[int] = []  # the decodes'
         positions: list[int] = []
         rows: list[int] = []  # their BlockTables rows
@@ -345,6 +350,8 @@ class ModelRunner:
             hidden = self.piecewise.run(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.cache.layers, meta)
+        if self.pooling_type is not None:
+            return self._pooled_output(hidden, so) if self.samples else ModelRunnerOutput()
         prompt_logprobs = {
             request_id: self._prompt_logprobs(hidden, request_id, first, token, count)
             for request_id, first, token, count in step.prompt_spans
@@ -381,6 +388,31 @@ class ModelRunner:
         out.prompt_logprobs = prompt_logprobs
         if self.drafter is not None and so.propose_drafts:
             out.draft_token_ids = self._propose_drafts(out)
+        return out
+
+    def _pooled_output(self, hidden: torch.Tensor, so: SchedulerOutput) -> ModelRunnerOutput:
+        """An embedding model's step: each request's chunk's part of its vector (``pooling.chunk_part``; rows in
+        ``prepare_inputs``' order), copied to the host in one transfer."""
+        assert self.pooling_type is not None
+        ids: list[str] = []
+        starts: list[int] = []
+        parts: list[torch.Tensor] = []
+        row = 0
+        for request_id in _batch_order(so):
+            state, num_new = self.requests[request_id], so.num_scheduled_tokens[request_id]
+            start = state.num_computed_tokens
+            part = chunk_part(
+                self.pooling_type, hidden[row : row + num_new], start, start + num_new, len(state.prompt_token_ids)
+            )
+            if part is not None:
+                ids.append(request_id)
+                starts.append(start)
+                parts.append(part)
+            row += num_new
+        out = ModelRunnerOutput()
+        if parts:
+            host = torch.stack(parts).cpu()
+            out.pooled = {request_id: (start, host[i]) for i, (request_id, start) in enumerate(zip(ids, starts))}
         return out
 
     def _sampling_input(self, state: CachedRequestState, num_drafts_before: int) -> SamplingInput:
@@ -473,6 +505,11 @@ class ModelRunner:
         out = self._runner_output([row for row, _ in kept], [token for _, token in kept])
         out.failed = failed
         return out
+
+
+def _batch_order(so: SchedulerOutput) -> list[str]:
+    """The step's requests in batch order: decodes (one token) first, then prefill spans."""
+    return sorted(so.num_scheduled_tokens, key=lambda rid: so.num_scheduled_tokens[rid] != 1)
 
 
 def _ints(values: list[int]) -> np.ndarray:

@@ -79,6 +79,7 @@ class Worker:
             config.load_format,
             config.seed,
             config.quant_config,
+            head=config.pooler is None,
         )
         # the CUDA kernels read a cache of the model's dtype, and an fp8 e4m3 one with $RAYPAGED_FP8_KV_KERNELS=1: for
         # any other an fp8 cache is read and written in torch (the CPU kernels read and write an fp8 e4m3 cache
@@ -209,7 +210,8 @@ class Worker:
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         hidden = self.model(input_ids, positions, layers, meta)
         last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=self.device)
-        self.model.compute_logits(hidden[last]).float().log_softmax(-1)
+        if self.model.has_head:  # an embedding model's step ends with its hidden states
+            self.model.compute_logits(hidden[last]).float().log_softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - self._torch_baseline
         outside_torch = max(0, self._memory_outside_torch() - self._outside_baseline)  # cupy modules, cuBLAS, NCCL
@@ -283,6 +285,7 @@ class Worker:
             lora=self.lora,
             async_scheduling=self.config.resolved_async_scheduling,
             logprobs_mode=self.config.logprobs_mode,
+            pooling_type=None if self.config.pooler is None else self.config.pooler.pooling_type,
         )
         if self.draft_model is not None:
             from raypaged.spec_decode.draft_model import DraftModelProposer

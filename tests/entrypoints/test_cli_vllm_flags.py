@@ -90,7 +90,8 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         ),
         (
             ["--task", "embed"],
-            "--task embed is not supported: raypaged serves generative models only (no embedding or scoring)",
+            "--task embed is not supported: --task is vLLM's older spelling: serve an embedding model with --runner "
+            "pooling (no scoring or reward tasks)",
         ),
         (
             ["--enable-sleep-mode"],

@@ -1,0 +1,206 @@
+"""Embedding models (``--runner pooling``): how a prompt's final hidden states become one vector.
+
+The engine runs the prompt's prefill (in chunks like any other) and keeps, per request, what its
+pooling type needs of each chunk's final-norm hidden states: the last token's (``LAST``), the first
+token's (``CLS``) or their sum (``MEAN``). ``finish_embedding`` then takes the mean, cuts a matryoshka
+model's vector to the dimensions asked for, and L2-normalizes it.
+
+``PoolerSettings`` are resolved once per model, in this order: ``--pooler-config`` (vLLM's JSON), the
+model folder's sentence-transformers modules (``modules.json``: its ``Pooling`` module's mode and whether a
+``Normalize`` module follows), then ``LAST`` with normalization (vLLM's default for a decoder converted to
+an embedding model). This module imports no torch until a vector is finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from raypaged.inputs.limits import InputError
+from raypaged.pooling_params import PoolingParams
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("raypaged")
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
+# --pooler-config keys raypaged reads; vLLM's others (classification, reward and chunked-processing ones) refused
+_POOLER_KEYS = ("pooling_type", "seq_pooling_type", "normalize", "use_activation", "dimensions")
+# sentence-transformers Pooling modes -> pooling type (the modes raypaged has no pooling for are refused by name)
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
+_ST_PREFIX = "sentence_transformers.models."
+
+
+@dataclass(frozen=True, slots=True)
+class PoolerSettings:
+    """One embedding model's pooling: its type, whether vectors are normalized unless a request says,
+    the dimensions they are cut to unless a request says (``None``: all), its hidden size, and
+    the dimensions a request may ask for (``None``: not a matryoshka model; ``()``: any up to the size)."""
+
+    pooling_type: str
+    normalize: bool
+    dimensions: int | None
+    hidden_size: int
+    matryoshka: tuple[int, ...] | None
+
+    @property
+    def needs_every_token(self) -> bool:
+        """Whether the vector reads hidden states before the last token's (so no prefix-cache hit may skip them)."""
+        return self.pooling_type != "LAST"
+
+    def check(self, params: PoolingParams) -> None:
+        """``InputError`` naming the field a request's params cannot have on this model."""
+        if params.dimensions is not None:
+            self.check_dimensions(params.dimensions, "dimensions")
+
+    def check_dimensions(self, dimensions: int, where: str) -> None:
+        if self.matryoshka is None:
+            raise InputError(
+                where,
+                "Model does not support matryoshka representation, changing output dimensions will lead to poor "
+                f"results (its config sets neither is_matryoshka nor matryoshka_dimensions; {where} {dimensions})",
+            )
+        if self.matryoshka and dimensions not in self.matryoshka:
+            raise InputError(
+                where, f"Model only supports {list(self.matryoshka)} for matryoshka representation, got {dimensions}"
+            )
+        if not 1 <= dimensions <= self.hidden_size:
+            raise InputError(where, f"{where} must be between 1 and the model's {self.hidden_size}, got {dimensions}")
+
+
+def resolve_runner(runner: str, convert: str, architectures: list[str]) -> bool:
+    """Whether the engine pools (``--runner``/``--convert`` against the checkpoint's architectures): ``auto`` pools
+    a base model without a language-model head (``Qwen3Model``, ``LlamaModel``, ...), generates otherwise."""
+    if runner not in RUNNERS:
+        raise ValueError(f"--runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    if convert not in CONVERTS:
+        raise ValueError(
+            f"--convert must be one of {', '.join(CONVERTS)}, got {convert!r} (raypaged pools embeddings only: "
+            "no classify or reward conversion)"
+        )
+    headless = bool(architectures) and all(not a.endswith("ForCausalLM") for a in architectures)
+    pooling = runner == "pooling" or (runner == "auto" and (headless or convert == "embed"))
+    if convert == "embed" and runner == "generate":
+        raise ValueError("--convert embed makes an embedding model: it needs --runner pooling (or auto), not generate")
+    if pooling and convert == "none" and not headless:
+        raise ValueError(
+            f"--runner pooling with --convert none: architecture {architectures} is a generative model; "
+            "--convert embed (or auto) pools its final hidden states"
+        )
+    if not pooling and headless:
+        raise ValueError(
+            f"architecture {architectures} has no language-model head, so it cannot generate: serve it with "
+            "--runner pooling (embeddings)"
+        )
+    return pooling
+
+
+def resolve_pooler(model_path: Path, hf_config: Any, pooler_config: dict[str, Any] | None) -> PoolerSettings:
+    """The model's ``PoolerSettings`` (see the module's docstring); ``ValueError`` naming what is not supported."""
+    given = dict(pooler_config or {})
+    unknown = sorted(set(given) - set(_POOLER_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--pooler-config {unknown[0]!r} is not supported: raypaged's pooler reads "
+            f"{', '.join(_POOLER_KEYS)} (embedding models only)"
+        )
+    found = _sentence_transformers_pooling(model_path)
+    pooling_type = given.get("pooling_type") or given.get("seq_pooling_type") or found.get("pooling_type") or "LAST"
+    if pooling_type not in POOLING_TYPES:
+        raise ValueError(
+            f"--pooler-config pooling_type {pooling_type!r} is not supported (supported: {', '.join(POOLING_TYPES)})"
+        )
+    normalize = given.get("normalize", given.get("use_activation", found.get("normalize", True)))
+    if not isinstance(normalize, bool):
+        raise ValueError(f"--pooler-config normalize must be true or false, got {normalize!r}")
+    hidden_size = int(hf_config.hidden_size)
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    matryoshka = tuple(int(d) for d in dims) if dims else () if getattr(hf_config, "is_matryoshka", False) else None
+    settings = PoolerSettings(pooling_type, normalize, None, hidden_size, matryoshka)
+    dimensions = given.get("dimensions")
+    if dimensions is not None:
+        if isinstance(dimensions, bool) or not isinstance(dimensions, int):
+            raise ValueError(f"--pooler-config dimensions must be an integer, got {dimensions!r}")
+        try:
+            settings.check_dimensions(dimensions, "--pooler-config dimensions")
+        except InputError as exc:
+            raise ValueError(str(exc)) from None
+        settings = PoolerSettings(pooling_type, normalize, dimensions, hidden_size, matryoshka)
+    return settings
+
+
+def _sentence_transformers_pooling(model_path: Path) -> dict[str, Any]:
+    """The pooling type and normalization a sentence-transformers folder (``modules.json``) declares; {} without
+    one. A module raypaged does not run (a ``Dense`` projection, a pooling mode it has no pooling for) is refused
+    by name: serving the model without it would give other vectors than sentence-transformers does."""
+    modules_file = model_path / "modules.json"
+    if not modules_file.is_file():
+        return {}
+    modules = json.loads(modules_file.read_text())
+    found: dict[str, Any] = {"normalize": False}
+    for module in modules:
+        kind = str(module.get("type", "")).removeprefix(_ST_PREFIX)
+        if kind == "Transformer":
+            continue
+        if kind == "Normalize":
+            found["normalize"] = True
+        elif kind == "Pooling":
+            config = json.loads((model_path / module.get("path", "") / "config.json").read_text())
+            modes = sorted(key for key, on in config.items() if key.startswith("pooling_mode_") and on)
+            if len(modes) != 1 or modes[0] not in _ST_MODES:
+                raise ValueError(
+                    f"sentence-transformers pooling {modes} in {module.get('path')}/config.json is not supported "
+                    f"(supported: one of {', '.join(_ST_MODES)})"
+                )
+            if config.get("include_prompt", True) is False:
+                raise ValueError(
+                    f"sentence-transformers pooling with include_prompt false ({module.get('path')}/config.json) is "
+                    "not supported: raypaged pools every prompt token"
+                )
+            found["pooling_type"] = _ST_MODES[modes[0]]
+        else:
+            raise ValueError(
+                f"sentence-transformers module {module.get('type')!r} ({module.get('path')}) is not supported: "
+                "raypaged runs the Transformer, Pooling and Normalize modules only"
+            )
+    return found
+
+
+def chunk_part(pooling_type: str, hidden: torch.Tensor, start: int, end: int, num_prompt: int) -> torch.Tensor | None:
+    """What a chunk of prompt positions ``start..end-1`` (their final hidden states, ``hidden``) gives its request's
+    vector, in float32: the last position's row, the first's, or the rows' sum; ``None`` when nothing."""
+    if pooling_type == "LAST":
+        return hidden[-1].float() if end == num_prompt else None
+    if pooling_type == "CLS":
+        return hidden[0].float() if start == 0 else None
+    return hidden.float().sum(0)
+
+
+def add_part(pooling_type: str, total: torch.Tensor | None, part: torch.Tensor, start: int) -> torch.Tensor:
+    """A request's running vector after a chunk's ``part`` (a chunk from position 0 starts it again: the prompt
+    is being recomputed after a preemption)."""
+    if total is None or start == 0 or pooling_type != "MEAN":
+        return part
+    return total + part
+
+
+def finish_embedding(
+    pooling_type: str, total: torch.Tensor, num_prompt: int, params: PoolingParams, settings: PoolerSettings
+) -> torch.Tensor:
+    """The request's embedding: the mean (``MEAN``), cut to its dimensions, normalized as asked (float32, CPU)."""
+    import torch
+
+    vector = total / num_prompt if pooling_type == "MEAN" else total
+    dimensions = params.dimensions if params.dimensions is not None else settings.dimensions
+    if dimensions is not None:
+        vector = vector[:dimensions]
+    normalize = params.wants_normalize
+    if normalize if normalize is not None else settings.normalize:
+        vector = torch.nn.functional.normalize(vector, p=2, dim=-1)
+    return vector.float().cpu()
