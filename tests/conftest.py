@@ -166,6 +166,20 @@ def make_tiny_model(root: Path, smollm2_dir: Path, arch: str = "llama", **overri
     return path
 
 
+def make_tiny_embedding_model(root: Path, smollm2_dir: Path, arch: str = "qwen3", **overrides) -> Path:
+    """``make_tiny_model``'s weights saved as the base model (``Qwen3Model``: no head, tensor names without
+    ``model.``), as embedding checkpoints are, in ``root / "<arch>-embedding"``."""
+    from transformers import AutoModel
+
+    causal = make_tiny_model(root, smollm2_dir, arch, **overrides)
+    path = root / f"{arch}-embedding"
+    AutoModel.from_pretrained(causal, dtype=torch.float32).save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (causal / name).exists():
+            shutil.copy(causal / name, path / name)
+    return path
+
+
 def use_kernels_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
     """From here on in the test, ``cpu_ops.library()`` is the CPU kernels built with ``-mno-avx512f``: on a
     machine with AVX-512 their 8-wide loops (and AVX-VNNI) run, as on AVX2-only machines. Skips without AVX2."""

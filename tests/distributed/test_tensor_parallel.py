@@ -235,3 +235,29 @@ def test_ngram_speculation_under_tp_matches_tp1(ray_session, tiny_llama, tiny_re
         assert stats["num_gpu_blocks_free"] == 128
     finally:
         llm.shutdown()
+
+
+def test_embeddings_under_tp_equal_transformers(ray_session, tiny_llama):
+    """An embedding model over two shards: rank 0 pools the replicated final hidden states of every chunk."""
+    import torch
+    from transformers import AutoModel
+
+    base = AutoModel.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    prompts = [p["prompt_token_ids"] for p in TINY_PROMPTS[:4]] + [list(range(50, 90))]
+    with torch.inference_mode():
+        expected = [base(torch.tensor([p])).last_hidden_state[0].mean(0) for p in prompts]
+    llm = LLM(
+        model=str(tiny_llama),
+        device="cpu",
+        tensor_parallel_size=2,
+        num_gpu_blocks_override=128,
+        runner="pooling",
+        pooler_config={"pooling_type": "MEAN", "normalize": False},
+        max_num_batched_tokens=16,
+    )
+    try:
+        outputs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for output, vector in zip(outputs, expected, strict=True):
+        assert (torch.tensor(output.outputs.embedding) - vector).abs().max().item() < 2e-6
