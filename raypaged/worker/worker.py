@@ -320,6 +320,8 @@ class Worker:
                 )
             elif self.config.calculate_kv_scales:  # a graph would keep the scales of its capture, 1.0
                 logger.info("CUDA graphs are off with --calculate-kv-scales; decode steps run eagerly")
+            elif self.config.pooler is not None:  # no decode step: every request ends with its prefill
+                logger.info("CUDA graphs are off for embedding models (every step is a prefill); steps run eagerly")
             elif self.model.architecture.moe is not None:  # each step sizes its experts' runs on the host
                 logger.info("CUDA graphs are off for mixture-of-experts models; steps run eagerly")
             elif self.attn_backend.name != "cuda":  # torch's reshape_and_cache syncs, which capture forbids
