@@ -60,8 +60,7 @@ DEFAULT_ONLY: list[Option] = [
         (),
         str,
         ("auto", "generate"),
-        "{task} is vLLM's older spelling: serve an embedding model with {runner} pooling (no scoring or reward "
-        "tasks)",
+        "{task} is vLLM's older spelling: serve an embedding model with {runner} pooling (no scoring or reward tasks)",
     ),
     (
         "compilation_config",

@@ -66,9 +66,10 @@ def checkpoint_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
     attention["o_proj"] = (hidden, q_out)
     if arch.moe is not None:  # the attention's only: an MLP projection of these models is an expert's
         return attention
-    if arch.fused_checkpoint:
-        fused = {"qkv_proj": (q_out + 2 * kv_out, hidden), "gate_up_proj": (2 * inter, hidden)}
-        return {"o_proj": attention["o_proj"], "down_proj": (hidden, inter)} | fused
+    if arch.fused_checkpoint:  # Phi-3: q, k and v fused too
+        attention = {"qkv_proj": (q_out + 2 * kv_out, hidden), "o_proj": attention["o_proj"]}
+    if arch.fused_gate_up:
+        return attention | {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
     return attention | {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
 

@@ -35,6 +35,8 @@ SUPPORTED_ARCHITECTURES = (
     "SmolLM3ForCausalLM",
     "Olmo2ForCausalLM",
     "Ernie4_5ForCausalLM",
+    "GlmForCausalLM",
+    "Glm4ForCausalLM",
 )
 _MODEL_TYPES = (
     "llama",
@@ -51,6 +53,8 @@ _MODEL_TYPES = (
     "smollm3",
     "olmo2",
     "ernie4_5",
+    "glm",
+    "glm4",
 )
 _GEMMA_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _MOE_TYPES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -95,7 +99,11 @@ class Architecture:
     # OLMo 2: no norm before the attention and the MLP, one after each (before its residual add), and q and k
     # normed over their whole projection (every head together), every norm's weight applied in fp32
     olmo2: bool = False
-    interleaved_rotary: bool = False  # ERNIE 4.5: RoPE rotates feature pairs (2i, 2i + 1), not halves
+    interleaved_rotary: bool = False  # ERNIE 4.5, GLM: RoPE rotates feature pairs (2i, 2i + 1), not halves
+    fused_gate_up: bool = False  # Phi-3, GLM: the checkpoint holds gate_up_proj ([gate; up]) whole
+    # GLM-4: a norm after the attention and one after the MLP too (post_self_attn_layernorm, post_mlp_layernorm), each
+    # before its residual add; post_attention_layernorm is the norm before the MLP, as in Llama
+    sandwich_norms: bool = False
 
 
 def gemma_name(config: PretrainedConfig) -> str | None:
@@ -141,11 +149,12 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
     ernie = model_type == "ernie4_5"  # one use_bias for every linear
+    glm = model_type in ("glm", "glm4")  # biases on q, k and v only (never o_proj), whatever attention_bias says
     attention_bias = bool(config.use_bias if ernie else getattr(config, "attention_bias", False))
     granite, qwen2 = model_type == "granite", model_type in ("qwen2", "qwen2_moe")
     return Architecture(
         qkv_bias=qwen2 or attention_bias,
-        o_bias=not qwen2 and attention_bias,
+        o_bias=not qwen2 and not glm and attention_bias,
         mlp_bias=bool(config.use_bias if ernie else getattr(config, "mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         attention_scale=float(config.attention_multiplier) if granite else None,
@@ -156,7 +165,9 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
         moe=_moe(config),
         nope_layers=tuple(not rope for rope in config.no_rope_layers) if model_type == "smollm3" else (),
         olmo2=model_type == "olmo2",
-        interleaved_rotary=ernie,
+        interleaved_rotary=ernie or glm,
+        fused_gate_up=model_type == "phi3" or glm,
+        sandwich_norms=model_type == "glm4",
     )
 
 

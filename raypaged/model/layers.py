@@ -241,7 +241,7 @@ class GemmaRMSNorm(RMSNorm):
 def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
     """The config's rope parameters (``layer_type``: those of that type of layer, where they are per layer type, as
     Gemma 3's; each type is checked without one); ``ValueError`` naming a rope type, or a partial rotation outside
-    Phi-3 (whose transformers model alone rotates part of each head), that is not supported."""
+    Phi-3 and GLM (whose transformers models alone rotate part of each head), that is not supported."""
     params = getattr(config, "rope_parameters", None) or {}
     if layer_type is not None:
         params = params[layer_type]
@@ -253,12 +253,16 @@ def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> 
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     partial = params.get("partial_rotary_factor", 1.0)
-    if partial != 1.0 and config.model_type != "phi3":
+    if partial != 1.0 and config.model_type not in _PARTIAL_ROTARY_TYPES:
         raise ValueError(
-            f"partial_rotary_factor {partial} is supported for Phi3ForCausalLM only (transformers rotates "
-            f"whole heads in {config.model_type})"
+            f"partial_rotary_factor {partial} is supported for {', '.join(_PARTIAL_ROTARY_TYPES.values())} only "
+            f"(transformers rotates whole heads in {config.model_type})"
         )
     return params
+
+
+# the model types whose transformers models rotate only the first partial_rotary_factor of each head
+_PARTIAL_ROTARY_TYPES = {"phi3": "Phi3ForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
 
 
 class RotaryEmbedding(nn.Module):

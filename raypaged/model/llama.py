@@ -246,7 +246,7 @@ class LlamaMLP(nn.Module):
             tp,
             False,
             quant_config,
-            (f"{prefix}.gate_up_proj",) if arch.fused_checkpoint else (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
+            (f"{prefix}.gate_up_proj",) if arch.fused_gate_up else (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
         )
         self.down_proj = build_linear(
             total,
@@ -382,6 +382,7 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         from raypaged.model.gemma import GemmaDecoderLayer  # here: those modules' layers are this one's
+        from raypaged.model.glm4 import Glm4DecoderLayer
         from raypaged.model.olmo2 import Olmo2DecoderLayer
 
         num_layers = config.num_hidden_layers
@@ -393,7 +394,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp, arch.embedding_multiplier, arch.gemma
         )
-        layer = GemmaDecoderLayer if arch.gemma else Olmo2DecoderLayer if arch.olmo2 else LlamaDecoderLayer
+        layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
+        if arch.gemma or arch.olmo2 or arch.sandwich_norms:
+            layer = GemmaDecoderLayer if arch.gemma else Olmo2DecoderLayer if arch.olmo2 else Glm4DecoderLayer
         self.layers = nn.ModuleList(
             layer(config, arch, rotaries[rope_types[i]], tp, f"model.layers.{i}", quant_config, i)
             for i in range(num_layers)
@@ -477,8 +480,10 @@ class LlamaForCausalLM(nn.Module):
             )
         for attn in self.attentions():
             attn.attn_backend = backend
-        # OLMo 2's norms after each sublayer leave no residual add to fold into the next norm: its layers run plain
-        self.model.fused_ops = None if self.architecture.olmo2 else backend.fused_ops
+        # OLMo 2's and GLM-4's norms after each sublayer leave no residual add to fold into the next norm: their layers
+        # run plain
+        arch = self.architecture
+        self.model.fused_ops = None if arch.olmo2 or arch.sandwich_norms else backend.fused_ops
         self.model.cpu_step = CpuStep.build(self.model)
 
     def calculate_kv_scales_next_step(self) -> None:

@@ -171,11 +171,15 @@ def test_phi3_longrope_partial_rotation_is_transformers_bit_for_bit(max_position
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
 
 
-def test_a_partial_rotation_outside_phi3_is_refused():
-    """transformers applies partial_rotary_factor in Phi-3 only (Llama's default rotation ignores it, its scaled
-    ones fail): refused elsewhere rather than guessed."""
+def test_a_partial_rotation_outside_phi3_and_glm_is_refused():
+    """transformers applies partial_rotary_factor in Phi-3 and GLM only (Llama's default rotation ignores it, its
+    scaled ones fail): refused elsewhere rather than guessed."""
     config = rope_config({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
-    with pytest.raises(ValueError, match=r"^partial_rotary_factor 0.5 is supported for Phi3ForCausalLM only"):
+    message = (
+        r"^partial_rotary_factor 0.5 is supported for Phi3ForCausalLM, GlmForCausalLM, Glm4ForCausalLM only "
+        r"\(transformers rotates whole heads in llama\)"
+    )
+    with pytest.raises(ValueError, match=message):
         RotaryEmbedding(config, 64, 16)
 
 

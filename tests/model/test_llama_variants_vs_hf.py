@@ -1,9 +1,10 @@
 """Random-weight SmolLM3 (no rotary on every fourth layer, NoPE), OLMo 2 (norms after the attention and the MLP,
-none before; q and k normed over their whole projections) and ERNIE 4.5 (interleaved rotary, biases on every
-linear) models: greedy tokens equal transformers' ``generate`` and every prompt and sampled token's logprob its
-logits, on the torch path, the CPU backend (chunked, after prefix-cache hits; SmolLM3 in the native one-call step)
-and two shards (OLMo 2's share one KV head, so the k norm's mean of squares is summed over both with the head
-counted twice, as its width is)."""
+none before; q and k normed over their whole projections), ERNIE 4.5 (interleaved rotary, biases on every
+linear), GLM (interleaved rotary over half of each head, q/k/v biases, gate_up_proj whole) and GLM-4 (GLM's, with
+norms after the attention and the MLP too) models: greedy tokens equal transformers' ``generate`` and every prompt
+and sampled token's logprob its logits, on the torch path, the CPU backend (chunked, after prefix-cache hits;
+SmolLM3 in the native one-call step) and two shards (OLMo 2's share one KV head, so the k norm's mean of squares is
+summed over both with the head counted twice, as its width is)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ MODELS = {
     "smollm3": ("smollm3", {"num_hidden_layers": 4, "num_key_value_heads": 2}),  # layer 3 NoPE
     "olmo2": ("olmo2", {"num_hidden_layers": 2, "num_key_value_heads": 1}),
     "ernie4_5": ("ernie4_5", {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16, "use_bias": True}),
+    # interleaved rotary over the first half of each head, biases on q, k, v, gate_up_proj whole in the checkpoint
+    "glm": ("glm", {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16}),
+    "glm4": ("glm4", {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16}),  # and sandwich norms
 }
 
 
