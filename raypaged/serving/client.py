@@ -53,6 +53,10 @@ class EngineClient(Protocol):
         self, request: pb.DerenderRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> Awaitable[pb.DerenderResponse]: ...
 
+    def Embed(
+        self, request: pb.EmbedRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.EmbedResponse]: ...
+
     def Abort(
         self, request: pb.AbortRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> Awaitable[pb.AbortResponse]: ...

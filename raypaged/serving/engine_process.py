@@ -435,6 +435,11 @@ class ProcessStub:
     ) -> pb.DerenderResponse:
         return await self._engine.unary("Derender", request, metadata, timeout)
 
+    async def Embed(
+        self, request: pb.EmbedRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.EmbedResponse:
+        return await self._engine.unary("Embed", request, metadata, timeout)
+
     async def Abort(
         self, request: pb.AbortRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> pb.AbortResponse:

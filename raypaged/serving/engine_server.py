@@ -53,7 +53,12 @@ from raypaged.serving.metrics import PREFIX as METRICS_PREFIX
 from raypaged.serving.metrics import ServerMetrics
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
-from raypaged.serving.protocol import DeltaTracker, beam_search_from_proto, sampling_params_from_proto
+from raypaged.serving.protocol import (
+    DeltaTracker,
+    beam_search_from_proto,
+    pooling_params_from_proto,
+    sampling_params_from_proto,
+)
 
 logger = logging.getLogger("raypaged")
 T = TypeVar("T")
@@ -90,10 +95,6 @@ class ServedModel:
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
-    async def prompt_ids(self, text: str) -> list[int]:
-        """The text's token ids as the engine would make them; a text that cannot fit is refused untokenized."""
-        return await self.off_loop(self.inputs.prompt_ids, text)
-
     def info(self) -> pb.ModelInfo:
         """The model's static configuration; a LoRA adapter's is its base's (``Info`` names it)."""
         config = self.engine.config
@@ -108,6 +109,7 @@ class ServedModel:
             root=config.model or DEFAULT_MODEL,
             config_hash=config.config_hash(),
             enable_prefix_caching=config.enable_prefix_caching,
+            embedding=config.pooler is not None,
         )
 
 
@@ -239,16 +241,14 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             gate, model, lora, params, beam, priority = self._checked(request, context)
             engine = model.engine
             request_id = request.request_id or uuid.uuid4().hex
-            key = (model.name, self._engine_id(gate, request_id))
-            if key in self._in_flight:
-                raise InputError("request_id", f"request_id {request_id!r} is already in use")
+            key = self._key(gate, model, request_id)
         except _REFUSED as exc:
             await _refuse(context, exc)
         hold = _Hold(self._in_flight, key, gate, engine)
         try:
             try:
                 await hold.admit()
-                text, token_ids = await _prompt(model, request)
+                text, token_ids = await _prompt(model, request, model.inputs.prompt_ids)
                 await engine.add_request(
                     text,
                     params,
@@ -292,6 +292,48 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         finally:
             await hold.let_go(in_engine=True)
 
+    def _key(self, gate: TenantGate, model: ServedModel, request_id: str) -> tuple[str, str]:
+        """What a call holds while it runs (its ``_Hold``'s): its model and engine request id; an id in use is
+        refused."""
+        key = (model.name, self._engine_id(gate, request_id))
+        if key in self._in_flight:
+            raise InputError("request_id", f"request_id {request_id!r} is already in use")
+        return key
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        """One input's vector; the call holds its id and its tenant slot while the engine runs it, as ``Generate``
+        does, and cancelling it aborts the request."""
+        try:
+            gate = self._caller(context)
+            model = self._model(request.model)
+            config = model.engine.config
+            params = pooling_params_from_proto(request)
+            check_priority(request.priority, config.scheduling_policy)
+            priority = gate.tenant.engine_priority(request.priority)
+            _check_text_size(config, request, "input")
+            request_id = request.request_id or uuid.uuid4().hex
+            key = self._key(gate, model, request_id)
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        hold = _Hold(self._in_flight, key, gate, model.engine)
+        try:
+            try:
+                await hold.admit()
+                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                tokenize = partial(model.inputs.tokenize, add_special_tokens=add_special)
+                text, token_ids = await _prompt(model, request, tokenize, "input")
+                salt = self._cache_salt(gate, request.cache_salt)
+                output = await model.engine.encode(text, params, key[1], token_ids, priority, salt)
+            except _REFUSED as exc:
+                await hold.let_go(in_engine=False)
+                await _refuse(context, exc)
+            await hold.let_go(in_engine=False)  # finished: before the caller hears it (it may reuse the id)
+        finally:
+            await hold.let_go(in_engine=True)
+        return pb.EmbedResponse(
+            request_id=request_id, embedding=output.pooled.tolist(), prompt_tokens=len(output.prompt_token_ids)
+        )
+
     def _checked(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> _Checked:
         """What ``Generate`` checks before it holds anything: the caller, the model (or adapter), the sampling
         params with the model's defaults, the beam search, the priority, the prompt's size."""
@@ -322,7 +364,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         gate, model, lora, params, beam, priority = self._checked(request, context)
         if beam is not None:
             raise InputError("use_beam_search", "a beam search cannot be rendered: its beams run as one search")
-        text, token_ids = await _prompt(model, request)
+        text, token_ids = await _prompt(model, request, model.inputs.prompt_ids)
         process = partial(
             model.engine.engine.process_request,
             request.request_id or "render",
@@ -519,16 +561,21 @@ def _check_conversation(messages: pb.ChatMessages, config: EngineConfig) -> None
 def _check_prompt_size(model: ServedModel, request: pb.GenerateRequest) -> None:
     """The prompt within the limits, before it is tokenized, rendered or copied."""
     config = model.engine.config
-    kind = request.WhichOneof("prompt")
+    _check_text_size(config, request, "prompt")
+    if request.WhichOneof("prompt") == "token_ids" and not request.HasField("truncate_prompt_tokens"):  # else the
+        check_prompt_len(len(request.token_ids.ids), config.resolved_max_model_len)  # engine checks it once cut
+
+
+def _check_text_size(config: EngineConfig, request: pb.GenerateRequest | pb.EmbedRequest, oneof: str) -> None:
+    """The text or conversation of the request's ``oneof`` (its prompt, an ``Embed``'s input) within the limits,
+    before it is tokenized or rendered; token ids pass (their caller checks them); nothing given is refused."""
+    kind = request.WhichOneof(oneof)
     if kind == "text":
-        check_text("prompt", len(request.text), config.limits, config.resolved_max_model_len)
+        check_text(oneof, len(request.text), config.limits, config.resolved_max_model_len)
     elif kind == "messages":
         _check_conversation(request.messages, config)
-    elif kind == "token_ids":
-        if not request.HasField("truncate_prompt_tokens"):  # else the engine checks it once cut
-            check_prompt_len(len(request.token_ids.ids), config.resolved_max_model_len)  # the engine checks the ids
-    else:
-        raise InputError("prompt", "a prompt is required: text, token_ids or messages")
+    elif kind != "token_ids":
+        raise InputError(oneof, f"{oneof} is required: text, token_ids or messages")
 
 
 _TOKENIZER_FILES = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")  # paths on this host, left out
@@ -575,11 +622,17 @@ def _engine_ready(request: pb.GenerateRequest, processed: ProcessedRequest) -> p
     return ready
 
 
-async def _prompt(model: ServedModel, request: pb.GenerateRequest) -> tuple[str | None, list[int]]:
-    """The prompt's text (when it is one) and token ids; its size is already checked."""
-    kind = request.WhichOneof("prompt")
+async def _prompt(
+    model: ServedModel,
+    request: pb.GenerateRequest | pb.EmbedRequest,
+    tokenize: Callable[[str], list[int]],
+    oneof: str = "prompt",
+) -> tuple[str | None, list[int]]:
+    """The text (when it is one) and token ids of the request's ``oneof`` (its prompt, an ``Embed``'s input), text
+    made token ids by ``tokenize`` on the model's tokenizer thread; its size is already checked."""
+    kind = request.WhichOneof(oneof)
     if kind == "text":
-        return request.text, await model.prompt_ids(request.text)
+        return request.text, await model.off_loop(tokenize, request.text)
     if kind == "token_ids":
         return None, list(request.token_ids.ids)
     return None, await model.off_loop(chat_prompt_ids, model.inputs, request.messages)

@@ -150,6 +150,11 @@ class InProcessStub:
     ) -> pb.DerenderResponse:
         return await _unary(self._servicer.Derender, request, metadata, timeout)
 
+    async def Embed(
+        self, request: pb.EmbedRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.EmbedResponse:
+        return await _unary(self._servicer.Embed, request, metadata, timeout)
+
     async def Abort(
         self, request: pb.AbortRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> pb.AbortResponse:

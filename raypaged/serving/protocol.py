@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from raypaged.config import GenerationDefaults
 from raypaged.inputs.limits import InputError, InputLimits, check_count, check_stop_counts
 from raypaged.outputs import CompletionOutput, FinishReason, RequestOutput
+from raypaged.pooling_params import PoolingParams
 from raypaged.sampling_params import (
     BeamSearchParams,
     RepetitionDetectionParams,
@@ -149,6 +150,12 @@ def beam_search_from_proto(request: pb.GenerateRequest, max_model_len: int) -> B
         length_penalty=length_penalty,
         structured_outputs=structured,
     )
+
+
+def pooling_params_from_proto(request: pb.EmbedRequest) -> PoolingParams:
+    """An ``Embed`` request's ``PoolingParams``; bad values raise ``ValueError`` naming the field."""
+    fields = ("truncate_prompt_tokens", "dimensions", "normalize")
+    return PoolingParams(**{name: _set_or(request, name, None, None) for name in fields})
 
 
 def structured_from_proto(message: pb.StructuredOutput) -> StructuredOutputsParams:

@@ -52,6 +52,11 @@ class TextGenerationServiceStub:
                 request_serializer=raypaged_dot_v1_dot_generate__pb2.DerenderRequest.SerializeToString,
                 response_deserializer=raypaged_dot_v1_dot_generate__pb2.DerenderResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/raypaged.v1.TextGenerationService/Embed',
+                request_serializer=raypaged_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=raypaged_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/raypaged.v1.TextGenerationService/Abort',
                 request_serializer=raypaged_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
@@ -129,6 +134,15 @@ class TextGenerationServiceServicer:
         / tokens run through Generate's own detokenizer (seeded with the prompt), stop strings, repetition
         / detection and logprob texts, one token per step; a response per step of each completion, as Generate
         / sent it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """/ Embed one input with an embedding model (--runner pooling): its final hidden states pooled into one
+        / vector, as vLLM's /v1/embeddings does for each input. Cancelling the call aborts the request.
+        / INVALID_ARGUMENT: bad input, or a generative model; RESOURCE_EXHAUSTED: the tenant is at its limits.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -216,6 +230,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Derender,
                     request_deserializer=raypaged_dot_v1_dot_generate__pb2.DerenderRequest.FromString,
                     response_serializer=raypaged_dot_v1_dot_generate__pb2.DerenderResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=raypaged_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=raypaged_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -347,6 +366,33 @@ class TextGenerationService:
             '/raypaged.v1.TextGenerationService/Derender',
             raypaged_dot_v1_dot_generate__pb2.DerenderRequest.SerializeToString,
             raypaged_dot_v1_dot_generate__pb2.DerenderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/raypaged.v1.TextGenerationService/Embed',
+            raypaged_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+            raypaged_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
