@@ -202,11 +202,13 @@ def test_include_stop_str_in_output_and_truncate_prompt_tokens(http):
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])
-def test_pooling_endpoints_say_no_pooling_model_is_served(http, path):
+def test_pooling_endpoints_say_a_generative_model_serves_no_embeddings(http, path):
     answer = http.post(path, json={"model": "tiny", "input": "hi"})
-    assert answer.status_code == 404
-    assert answer.json()["error"]["message"] == (
-        f"{path} is not available: the served models generate text, and no pooling (embedding) model is served"
+    error = answer.json()["error"]
+    assert (answer.status_code, error["param"]) == (400, "model")
+    assert error["message"] == (
+        "The model `tiny` does not support the Embeddings API: it generates text; embeddings need an embedding model "
+        "(--runner pooling)"
     )
 
 

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible routes (completions, chat completions, responses, models, health, metrics, tokenize) and
-Anthropic's Messages API."""
+"""The OpenAI-compatible routes (completions, chat completions, responses, models, health, metrics, tokenize; the
+embeddings in ``embeddings.py``) and Anthropic's Messages API."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from raypaged.serving.gateway.calls import (
 )
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.efforts import AUTO, DisabledThinking
+from raypaged.serving.gateway.embeddings import EmbeddingBody, PoolingBody, add_embedding_routes, check_serves
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import (
     COUNT_TOKENS_PATH,
@@ -264,6 +265,7 @@ def build_app(
     ) -> tuple[str, EngineClient, ToolPlan | None, list[pb.GenerateRequest]]:
         """The model that answers ``body``, its engine, the body's tool plan, and one engine request per prompt."""
         model, stub = await routes.find(body.model)
+        await check_serves(routes, model, embeddings=False)
         check_count("prompt", body.num_prompts, max_prompts_per_request, "max_prompts_per_request", "prompts")
         tools, prompts = rendered(body) if isinstance(body, ChatCompletionRequest) else (None, body.prompts())
         num_logprobs = body.num_logprobs
@@ -359,16 +361,6 @@ def build_app(
         if translation is not None:
             answer = translation.body(answer)
         return JSONResponse(answer, headers=headers)
-
-    @app.post("/v1/embeddings")
-    @app.post("/pooling")
-    async def pooling(http: Request) -> Response:
-        raise APIError(
-            404,
-            f"{http.url.path} is not available: the served models generate text, and no pooling (embedding) "
-            "model is served",
-            code="model_not_found",
-        )
 
     @app.post("/v1/responses", openapi_extra=body_doc(ResponsesRequest))
     async def responses(http: Request) -> Response:
@@ -553,6 +545,7 @@ def build_app(
         response = await stub.Detokenize(request, metadata=metadata(http))
         return {"prompt": response.text}
 
+    add_embedding_routes(app, routes, drain, parse, max_prompts_per_request, log_requests, request_id_headers)
     if scale_out:
         parts = GatewayParts(
             routes,
@@ -583,6 +576,8 @@ def build_app(
             ResponsesRequest,
             MessagesRequest,
             CountTokensRequest,
+            EmbeddingBody,
+            PoolingBody,
             TokenizeBody,
             DetokenizeBody,
             LoadLoRAAdapterBody,

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from functools import partial
+from typing import TypeVar
 
 import grpc
 from fastapi import Request
 
-from raypaged.serving.client import EngineClient, StreamCall
+from raypaged.serving.client import EngineClient, Metadata, StreamCall
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tenants import TenantGate
@@ -18,6 +19,7 @@ from raypaged.serving.messages import AnyResponse
 from raypaged.serving.proto import generate_pb2 as pb
 
 _DISCONNECT_POLL_S = 0.2
+T = TypeVar("T")
 
 
 class Slot:
@@ -53,7 +55,7 @@ def header_request_id(http: Request) -> str | None:
     return found
 
 
-def metadata(http: Request) -> tuple[tuple[str, str], ...] | None:
+def metadata(http: Request) -> Metadata | None:
     """gRPC metadata for the engine calls made for ``http``: the client's ``Authorization``, when sent."""
     authorization = http.state.authorization
     if authorization is None:
@@ -63,15 +65,22 @@ def metadata(http: Request) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", authorization),)
 
 
+async def admit(slot: Slot, http: Request, num_requests: int, drain: Drain) -> Metadata | None:
+    """The engine calls' metadata for ``http``, once ``slot`` holds a tenant slot for each of ``num_requests``
+    (a drain that has expired meanwhile refuses them)."""
+    engine_metadata = metadata(http)
+    await slot.admit(num_requests)
+    if drain.expired.is_set():
+        raise drain.expiry_error()
+    return engine_metadata
+
+
 async def start(
     slot: Slot, http: Request, stub: EngineClient, requests: list[pb.GenerateRequest], drain: Drain
 ) -> list[StreamCall]:
     """The requests' calls, once ``slot`` holds a tenant slot for each and the engine has accepted each (its
     first response); the calls are cancelled if that fails."""
-    engine_metadata = metadata(http)
-    await slot.admit(len(requests))
-    if drain.expired.is_set():
-        raise drain.expiry_error()
+    engine_metadata = await admit(slot, http, len(requests), drain)
     calls = [stub.Generate(r, metadata=engine_metadata) for r in requests]
     try:
         for call in calls:  # the first message says the engine accepted the request
@@ -137,7 +146,32 @@ async def merged_responses(calls: list[StreamCall], drain: Drain) -> AsyncGenera
         cancel(calls)
 
 
-async def unless_disconnected(http: Request, work: Awaitable[dict]) -> dict:
+async def all_answered(calls: list[Awaitable[T]], drain: Drain) -> list[T]:
+    """Every unary call's answer, the calls running at once; the first to fail, or the drain's expiry, cancels
+    the others and is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    expiry = asyncio.ensure_future(_expiry(drain))
+    pending: set[asyncio.Future] = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait({*pending, expiry}, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(expiry)
+            failures = [task.exception() for task in done]  # each failure read (none is left unretrieved)
+            for failure in failures:
+                if failure is not None:
+                    raise failure
+        return [task.result() for task in tasks]
+    finally:
+        for task in (*tasks, expiry):
+            task.cancel()
+
+
+async def _expiry(drain: Drain) -> None:
+    await drain.expired.wait()
+    raise drain.expiry_error()
+
+
+async def unless_disconnected(http: Request, work: Awaitable[T]) -> T:
     """Await ``work``; if the client goes away first, cancel it (which aborts the requests)."""
     task = asyncio.ensure_future(work)
     try:

@@ -42,6 +42,8 @@ GENERATION_PATHS = (
     MESSAGES_PATH,
     "/inference/v1/generate",  # vLLM's scale-out endpoints (--enable-scale-out)
     "/inference/v1/abort_requests",  # a tenant's requests are found by its key
+    "/v1/embeddings",  # an embedding model's requests hold tenant slots too
+    "/pooling",
 )
 _OPEN_WHILE_DRAINING = ("/health", "/metrics")
 ANY_HOST = "*"

@@ -20,7 +20,6 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -40,7 +39,7 @@ from raypaged.serving.gateway.scale_out_answer import GenerateAnswer, collect, e
 from raypaged.serving.gateway.scale_out_derender import add_derender_routes
 from raypaged.serving.gateway.scale_out_derender_body import DerenderChatBody, DerenderCompletionBody
 from raypaged.serving.gateway.scale_out_request import GenerateBody, generate_request_json, parse_context_json
-from raypaged.serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, body_doc
+from raypaged.serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, Parse, body_doc
 from raypaged.serving.gateway.sse import EventStream
 from raypaged.serving.gateway.tool_parsers import ToolParser
 from raypaged.serving.gateway.tools import ToolPlan
@@ -64,15 +63,8 @@ DISABLED_MESSAGE = (
     "Scale-out endpoints are disabled. Restart raypaged serve (or raypaged gateway) with --enable-scale-out to "
     "enable them."
 )
-Body = TypeVar("Body", bound=BaseModel)
 _aborting: set[asyncio.Task[None]] = set()  # aborts under way (a task is only weakly held by the loop)
 _LOGGED_IDS = 8  # an abort's log line names at most this many of its ids
-
-
-class Parse(Protocol):
-    """The gateway's body parser: a request's JSON body as a ``body_type``, or the 400 (413) that refuses it."""
-
-    def __call__(self, http: Request, body_type: type[Body]) -> Awaitable[Body]: ...
 
 
 EngineRequests = Callable[

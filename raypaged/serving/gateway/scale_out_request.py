@@ -18,11 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.schemas import (
+    CacheSalt,
     ChatCompletionRequest,
     Int32,
     Int64,
     LogprobCount,
     RepetitionDetection,
+    RequestId,
     StreamOptions,
     Unsigned,
     _check_extra_fields,
@@ -263,7 +265,7 @@ class GenerateBody(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
+    request_id: RequestId | None = None
     token_ids: list[Unsigned] = Field(min_length=1)
     sampling_params: SamplingParamsBody
     model: str | None = None
@@ -273,7 +275,7 @@ class GenerateBody(BaseModel):
     parse_context: ParseContextBody | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    cache_salt: CacheSalt | None = None
     priority: Int32 = 0
 
     @model_validator(mode="after")

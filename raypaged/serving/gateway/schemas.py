@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from collections.abc import Awaitable, Mapping
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import models_json_schema
 
@@ -20,6 +20,7 @@ from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.protocol import ALL_LOGPROBS
 
 logger = logging.getLogger("raypaged")
+Body = TypeVar("Body", bound=BaseModel)
 
 # integer bounds of the gRPC fields the values travel in
 _UINT32_MAX = 2**32 - 1
@@ -29,6 +30,9 @@ Unsigned = Annotated[int, Field(ge=0, le=_UINT32_MAX)]
 Int32 = Annotated[int, Field(ge=-_INT32_MAX - 1, le=_INT32_MAX)]
 Int64 = Annotated[int, Field(ge=-_INT64_MAX - 1, le=_INT64_MAX)]
 LogprobCount = Annotated[int, Field(ge=-1, le=_UINT32_MAX - 1)]  # -1: the whole vocabulary (vLLM's)
+RequestId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]  # vLLM's request_id
+CacheSalt = Annotated[str, Field(min_length=1, max_length=1024)]  # vLLM's: prefix-cache blocks shared per salt
+Prompts = str | list[str] | list[Unsigned] | list[list[Unsigned]]  # a text, texts, token ids, lists of token ids
 
 
 class RepetitionDetection(BaseModel):
@@ -85,10 +89,15 @@ def _check_extra_fields(
         if name in unsupported:
             if value is None or value in ({}, []) or value in unsupported[name]:
                 continue
-            raise APIError(400, f"{name} is not supported by this server; send the request without it", name)
+            raise unsupported_field(name)
         if name not in _logged_fields and len(_logged_fields) < _MAX_LOGGED_FIELDS:
             _logged_fields.add(name)
             logger.warning("request field %r is not part of the API and is ignored", name[:64])
+
+
+def unsupported_field(name: str) -> APIError:
+    """The 400 of a request field this server does not honour."""
+    return APIError(400, f"{name} is not supported by this server; send the request without it", name)
 
 
 class _GenerationBody(BaseModel):
@@ -130,7 +139,7 @@ class _GenerationBody(BaseModel):
     repetition_detection: RepetitionDetection | None = None
     use_beam_search: bool = False  # vLLM's: n beams instead of n samples, answered once finished
     length_penalty: float = 1.0  # with use_beam_search: scores are cumulative logprob / length ** this
-    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")  # vLLM's
+    request_id: RequestId | None = None
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)  # keep the prompt's last N tokens
     truncation_side: Literal["left", "right"] | None = None  # "right": truncate_prompt_tokens keeps the first N
@@ -142,8 +151,7 @@ class _GenerationBody(BaseModel):
     thinking_token_budget: int | None = Field(None, ge=-1, le=_UINT32_MAX)
     # vLLM's: with logprobs, these tokens' logprobs at each generated position in place of the most likely ones
     logprob_token_ids: list[Unsigned] | None = None
-    # vLLM's: prefix-cache blocks are shared only among requests of the same salt
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    cache_salt: CacheSalt | None = None
     # structured outputs: OpenAI's, vLLM's, and vLLM's older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -329,7 +337,7 @@ def _token_id(key: str) -> int | None:
 
 
 class CompletionRequest(_GenerationBody):
-    prompt: str | list[str] | list[Unsigned] | list[list[Unsigned]]
+    prompt: Prompts
     logprobs: LogprobCount | None = None  # the engine caps it (--max-logprobs)
 
     @property
@@ -346,21 +354,11 @@ class CompletionRequest(_GenerationBody):
     @property
     def num_prompts(self) -> int:
         """Prompts in the body (one engine request each), known without building them."""
-        prompt = self.prompt
-        return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+        return count_prompts(self.prompt)
 
     def prompts(self) -> list[dict]:
         """One ``GenerateRequest`` prompt per prompt of the body."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [{"text": prompt}]
-        if not prompt:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        if isinstance(prompt[0], int):
-            return [{"token_ids": pb.TokenIds(ids=prompt)}]
-        if isinstance(prompt[0], str):
-            return [{"text": p} for p in prompt]
-        return [{"token_ids": pb.TokenIds(ids=p)} for p in prompt]
+        return split_prompts(self.prompt, "prompt")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -369,6 +367,25 @@ class CompletionRequest(_GenerationBody):
     @property
     def resolved_max_tokens(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens
+
+
+def count_prompts(prompts: Prompts) -> int:
+    """How many prompts ``prompts`` holds, known without building them."""
+    return 1 if isinstance(prompts, str) or not prompts or isinstance(prompts[0], int) else len(prompts)
+
+
+def split_prompts(prompts: Prompts, param: str) -> list[dict]:
+    """Each prompt of ``prompts`` (the body's field ``param``) as a request's ``{"text": ...}`` or
+    ``{"token_ids": ...}``."""
+    if isinstance(prompts, str):
+        return [{"text": prompts}]
+    if not prompts:
+        raise APIError(400, f"{param} must not be empty", param)
+    if isinstance(prompts[0], int):
+        return [{"token_ids": pb.TokenIds(ids=prompts)}]
+    if isinstance(prompts[0], str):
+        return [{"text": p} for p in prompts]
+    return [{"token_ids": pb.TokenIds(ids=p)} for p in prompts]
 
 
 class TextPart(BaseModel):
@@ -528,16 +545,7 @@ class TokenizeBody(BaseModel):
     @model_validator(mode="after")
     def _extra_fields(self) -> TokenizeBody:
         _check_extra_fields(self.model_extra)
-        if self.messages is not None and self.add_special_tokens:
-            raise APIError(
-                400,
-                "add_special_tokens applies to a prompt; the chat template writes a conversation's special tokens",
-                "add_special_tokens",
-            )
-        if self.prompt is not None:
-            for name in _CHAT_TOKENIZE_FIELDS:
-                if getattr(self, name) is not None:
-                    raise APIError(400, f"{name} applies to messages, not to a prompt", name)
+        check_chat_fields(self, self.prompt is not None, "a prompt", _CHAT_TOKENIZE_FIELDS)
         return self
 
     def conversation(self) -> pb.ChatMessages:
@@ -572,6 +580,22 @@ def chat_messages(
         continue_final_message=continue_final_message,
         documents_json=json.dumps(documents) if documents else "",
     )
+
+
+def check_chat_fields(body: Any, text_given: bool, text: str, chat_fields: tuple[str, ...]) -> None:
+    """A body of a text (``text`` says which) or ``messages``: ``add_special_tokens`` true is the text's
+    (the chat template writes a conversation's), ``chat_fields`` are the conversation's; a 400 names the field
+    given wrongly."""
+    if body.messages is not None and body.add_special_tokens:
+        raise APIError(
+            400,
+            f"add_special_tokens applies to {text}; the chat template writes a conversation's special tokens",
+            "add_special_tokens",
+        )
+    if text_given:
+        for name in chat_fields:
+            if getattr(body, name) is not None:
+                raise APIError(400, f"{name} applies to messages, not to {text}", name)
 
 
 _CHAT_TOKENIZE_FIELDS = (
@@ -611,6 +635,12 @@ class UnloadLoRAAdapterBody(BaseModel):
 
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None  # vLLM's; the name says which
+
+
+class Parse(Protocol):
+    """The gateway's body parser: a request's JSON body as a ``body_type``, or the 400 (413) that refuses it."""
+
+    def __call__(self, http: Request, body_type: type[Body]) -> Awaitable[Body]: ...
 
 
 def body_doc(body_type: type[BaseModel]) -> dict:
