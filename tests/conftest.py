@@ -158,6 +158,9 @@ def make_tiny_model(root: Path, smollm2_dir: Path, arch: str = "llama", **overri
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.2)  # sharper than init, so greedy tokens are far from ties
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's router bias: a buffer, saved with the weights
+                buffer.normal_(0, 0.2)
     path = root / arch
     model.save_pretrained(path)
     for name in TOKENIZER_FILES:

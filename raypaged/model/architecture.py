@@ -37,6 +37,7 @@ SUPPORTED_ARCHITECTURES = (
     "Ernie4_5ForCausalLM",
     "GlmForCausalLM",
     "Glm4ForCausalLM",
+    "Glm4MoeForCausalLM",
 )
 _MODEL_TYPES = (
     "llama",
@@ -55,9 +56,17 @@ _MODEL_TYPES = (
     "ernie4_5",
     "glm",
     "glm4",
+    "glm4_moe",
 )
+# attention_bias puts biases on q, k and v only (o_proj never has one)
+_NO_O_BIAS = ("qwen2", "qwen2_moe", "glm", "glm4", "glm4_moe")
 _GEMMA_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-_MOE_TYPES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_MOE_TYPES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +81,14 @@ class MoeSpec:
     fp32_weights: bool  # Mixtral: the weights multiply each expert's output in fp32; Qwen: rounded to the dtype first
     shared_intermediate_size: int  # Qwen2-MoE: one more MLP every token takes, scaled by a sigmoid gate; 0: none
     sparse_layers: tuple[bool, ...]  # per layer: the experts, or the dense MLP of config.intermediate_size (Qwen's)
+    # GLM-4.5 (DeepSeek-V3's router): sigmoid scores in fp32 from an fp32 router; experts chosen by score plus a
+    # per-expert bias, only within the ``topk_groups`` groups (of ``num_groups`` equal ones) whose two best sum
+    # highest; weights are the chosen scores (renormalized where ``renormalize``) times ``routed_scaling``
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    shared_gated: bool = True  # Qwen2-MoE's shared expert is scaled by a sigmoid gate; GLM-4.5's are added as they are
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,14 +166,14 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
     ernie = model_type == "ernie4_5"  # one use_bias for every linear
-    glm = model_type in ("glm", "glm4")  # biases on q, k and v only (never o_proj), whatever attention_bias says
+    glm = model_type in ("glm", "glm4")  # interleaved partial rotary, gate_up_proj whole
     attention_bias = bool(config.use_bias if ernie else getattr(config, "attention_bias", False))
     granite, qwen2 = model_type == "granite", model_type in ("qwen2", "qwen2_moe")
     return Architecture(
         qkv_bias=qwen2 or attention_bias,
-        o_bias=not qwen2 and not glm and attention_bias,
+        o_bias=attention_bias and model_type not in _NO_O_BIAS,
         mlp_bias=bool(config.use_bias if ernie else getattr(config, "mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(config.use_qk_norm)),
         attention_scale=float(config.attention_multiplier) if granite else None,
         embedding_multiplier=float(config.embedding_multiplier) if granite else 1.0,
         residual_multiplier=float(config.residual_multiplier) if granite else 1.0,
@@ -172,15 +189,19 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
 
 
 def _moe(config: PretrainedConfig) -> MoeSpec | None:
-    """The experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config, as transformers' ``*SparseMoeBlock`` computes them;
-    None for the other architectures."""
+    """The experts of a Mixtral, Qwen2-MoE, Qwen3-MoE or GLM-4.5 config, as transformers' ``*SparseMoeBlock`` computes
+    them; None for the other architectures."""
     name = _MOE_TYPES.get(config.model_type)
     if name is None:
         return None
     layers, mixtral = config.num_hidden_layers, config.model_type == "mixtral"
-    num_experts, top_k = (config.num_local_experts if mixtral else config.num_experts), config.num_experts_per_tok
+    # Mixtral's and GLM-4.5's config name it num_local_experts (GLM's an alias of n_routed_experts)
+    local = mixtral or config.model_type == "glm4_moe"
+    num_experts, top_k = (config.num_local_experts if local else config.num_experts), config.num_experts_per_tok
     if not 0 < top_k <= num_experts:
         raise ValueError(f"{name}: num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
+    if config.model_type == "glm4_moe":
+        return _glm4_moe(config, name, num_experts, top_k)
     if mixtral:
         return MoeSpec(
             num_experts=num_experts,
@@ -200,6 +221,31 @@ def _moe(config: PretrainedConfig) -> MoeSpec | None:
         fp32_weights=False,
         shared_intermediate_size=config.shared_expert_intermediate_size if config.model_type == "qwen2_moe" else 0,
         sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+    )
+
+
+def _glm4_moe(config: PretrainedConfig, name: str, num_experts: int, top_k: int) -> MoeSpec:
+    groups, topk_groups = config.n_group, config.topk_group
+    if num_experts % groups or num_experts // groups < 2 or not 0 < topk_groups <= groups:
+        raise ValueError(
+            f"{name}: {num_experts} experts in n_group {groups} groups (of two or more experts each), topk_group "
+            f"{topk_groups} of them: not a routing transformers runs"
+        )
+    if top_k > topk_groups * (num_experts // groups):
+        raise ValueError(f"{name}: num_experts_per_tok {top_k} is more than the {topk_groups} groups chosen hold")
+    return MoeSpec(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=bool(config.norm_topk_prob),
+        fp32_weights=True,
+        shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+        sparse_layers=tuple(i >= config.first_k_dense_replace for i in range(config.num_hidden_layers)),
+        scoring="sigmoid",
+        num_groups=groups,
+        topk_groups=topk_groups,
+        routed_scaling=float(config.routed_scaling_factor),
+        shared_gated=False,
     )
 
 

@@ -54,14 +54,29 @@ def _prefixed(name: str) -> str:
     return f"model.{name}" if name.startswith(_BASE_MODEL_NAMES) else name
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _is_extra_layer(name: str, num_layers: int, num_mtp_layers: int) -> bool:
+    """A tensor of the multi-token-prediction layers some checkpoints keep after the model's own (GLM-4.5's
+    ``num_nextn_predict_layers``), which generation does not run (transformers skips them too)."""
+    if not num_mtp_layers or (layer := _LAYER.match(name)) is None:
+        return False
+    return num_layers <= int(layer[1]) < num_layers + num_mtp_layers
+
+
 def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy this rank's share of the checkpoint tensors into ``model``, fusing q/k/v and gate/up; every
     parameter must be filled, and a tensor with no place in the model is a ``ValueError`` naming it."""
     params = dict(model.named_parameters())
+    num_layers = model.config.num_hidden_layers
+    num_mtp_layers = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
     filled: set[str] = set()
     kv_scales: dict[str, dict[str, float]] = {}  # attention module name -> its checkpoint's "k" and "v" scales
     for checkpoint_name, tensor in weights:
         name = canonical_name(_prefixed(checkpoint_name))
+        if _is_extra_layer(name, num_layers, num_mtp_layers):
+            continue
         if (expert := _EXPERT.search(name)) is not None:  # its place on this rank (expert parallel: maybe none)
             block, index = _owner(model, name, name[: expert.start()] + ".mlp"), int(expert[1])
             if not isinstance(block, SparseMoeBlock) or index >= block.spec.num_experts:

@@ -262,7 +262,12 @@ def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> 
 
 
 # the model types whose transformers models rotate only the first partial_rotary_factor of each head
-_PARTIAL_ROTARY_TYPES = {"phi3": "Phi3ForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
+_PARTIAL_ROTARY_TYPES = {
+    "phi3": "Phi3ForCausalLM",
+    "glm": "GlmForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+}
 
 
 class RotaryEmbedding(nn.Module):
@@ -366,6 +371,19 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [T, 2 * I] (gate |
     """``gelu_pytorch_tanh(gate) * up`` (Gemma's GeGLU) with one output buffer."""
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+class Router(nn.Linear):
+    """A mixture of experts' router (``[num_experts, hidden]``, no bias, whole on every rank). ``fp32``: its weight,
+    and ``e_score_correction_bias`` (a per-expert bias added to the scores that choose the experts, GLM-4.5's) where
+    ``score_bias``, stay fp32 in any model dtype (``keeps_dtype``), as transformers keeps them."""
+
+    def __init__(self, hidden_size: int, num_experts: int, fp32: bool = False, score_bias: bool = False) -> None:
+        super().__init__(hidden_size, num_experts, bias=False)
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if score_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.keeps_dtype = {"weight", "e_score_correction_bias"} if fp32 else set()
 
 
 class Linear(nn.Linear):

@@ -1,9 +1,11 @@
-"""The sparse mixture-of-experts block of Mixtral, Qwen2-MoE and Qwen3-MoE, in place of a decoder layer's MLP, as
-transformers' ``*SparseMoeBlock`` computes it::
+"""The sparse mixture-of-experts block of Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5, in place of a decoder layer's
+MLP, as transformers' ``*SparseMoeBlock`` (``Glm4MoeMoE``) computes it::
 
     weights, experts = topk(softmax(x @ router^T, in fp32), top_k)    # renormalized to sum 1 where the spec says
     y = sum over the token's experts e of weight_e * down_e(silu(gate_e(x)) * up_e(x))
-    y += sigmoid(x @ shared_gate^T) * shared_expert(x)                 # Qwen2-MoE only
+    y += sigmoid(x @ shared_gate^T) * shared_expert(x)                 # Qwen2-MoE only (GLM-4.5: ungated)
+
+GLM-4.5 routes by sigmoid scores instead (``SparseMoeBlock.route``, DeepSeek-V3's router, in fp32).
 
 Each expert is a gated MLP of the dense layers' kind (``LlamaMLP``: the checkpoint's per-expert tensors load as any
 MLP's, float or quantized, and a CPU packs each one's weights for its GEMMs). A step sorts its (token, expert)
@@ -26,7 +28,7 @@ from transformers import PretrainedConfig
 
 from raypaged.attention.backend import FusedOps
 from raypaged.model.architecture import Architecture
-from raypaged.model.layers import Linear, PackedWeight, silu_and_mul
+from raypaged.model.layers import Linear, PackedWeight, Router, silu_and_mul
 from raypaged.model.parallel import RowParallelLinear, TensorParallel
 from raypaged.quantization.base import QuantizationConfig
 
@@ -50,7 +52,10 @@ def grouped_gemms_run(dtype: torch.dtype, device: torch.device) -> bool:
 
 def canonical_name(name: str) -> str:
     """A Mixtral checkpoint tensor's name as Qwen-MoE's spell it (``block_sparse_moe`` -> ``mlp``; an expert's
-    ``w1``, ``w3``, ``w2`` -> ``gate_proj``, ``up_proj``, ``down_proj``); other names unchanged."""
+    ``w1``, ``w3``, ``w2`` -> ``gate_proj``, ``up_proj``, ``down_proj``), GLM-4.5's ``shared_experts`` as Qwen2-MoE's
+    ``shared_expert``; other names unchanged."""
+    if ".mlp.shared_experts." in name:
+        return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
     if ".block_sparse_moe." not in name:
         return name
     for old, new in _MIXTRAL_NAMES:
@@ -75,7 +80,8 @@ class SparseMoeBlock(nn.Module):
         spec = arch.moe
         assert spec is not None, "an architecture with experts"
         self.tp, self.spec = tp, spec
-        self.gate = nn.Linear(config.hidden_size, spec.num_experts, bias=False)  # the router, whole on every rank
+        sigmoid = spec.scoring == "sigmoid"
+        self.gate = Router(config.hidden_size, spec.num_experts, fp32=sigmoid, score_bias=sigmoid)
         # --enable-expert-parallel: this rank's num_experts / size experts, whole; else a share of every expert
         expert_parallel = tp.expert_parallel and tp.size > 1
         count = spec.num_experts // tp.size if expert_parallel else spec.num_experts
@@ -96,7 +102,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: nn.Linear | None = None
         if spec.shared_intermediate_size:
             shared = LlamaMLP(config, arch, tp, f"{prefix}.shared_expert", quant_config, spec.shared_intermediate_size)
-            self.shared_expert, self.shared_expert_gate = shared, nn.Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert = shared
+            if spec.shared_gated:
+                self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         # (gate | up [E, 2I, hidden], down [E, hidden, I]) where the experts run as two grouped GEMMs (stack_experts)
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -134,15 +142,38 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         """The block's output for the normed ``x`` (``fused``: its silu_and_mul in the experts)."""
-        probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.spec.top_k, dim=-1)
-        if self.spec.renormalize:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        weights, experts = self.route(x)
         weights = weights if self.spec.fp32_weights else weights.to(x.dtype)
         out = self.routed(x, experts, weights, fused) if self.stacked is None else self.grouped(x, experts, weights)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out += torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert.partial(x, fused)
+        if self.shared_expert is not None:
+            shared = self.shared_expert.partial(x, fused)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
+            out += shared
         return self.tp.all_reduce(out)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts ``[T, top_k]`` and their weights (fp32), as the spec's router chooses them."""
+        spec = self.spec
+        if spec.scoring == "softmax":
+            probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)
+            weights, experts = torch.topk(probs, spec.top_k, dim=-1)
+            if spec.renormalize:
+                weights /= weights.sum(dim=-1, keepdim=True)
+            return weights, experts
+        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
+        bias = self.gate.e_score_correction_bias
+        choice = scores if bias is None else scores + bias.float()
+        if spec.num_groups > 1:  # only the experts of the groups whose two best scores sum highest compete
+            groups = choice.unflatten(-1, (spec.num_groups, -1))
+            best = groups.topk(2, dim=-1)[0].sum(-1).topk(spec.topk_groups, dim=-1, sorted=False)[1]
+            kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
+            choice = groups.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
+        experts = torch.topk(choice, spec.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if spec.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return weights * spec.routed_scaling, experts
 
     def routed(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fused: FusedOps | None

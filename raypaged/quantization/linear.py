@@ -13,7 +13,7 @@ from typing import NoReturn
 import torch
 from torch import nn
 
-from raypaged.model.layers import Linear
+from raypaged.model.layers import Linear, Router
 from raypaged.model.parallel import RowParallelLinear, TensorParallel
 from raypaged.quantization.base import LinearMethod, LinearShape, QuantizationConfig, TensorSpec
 
@@ -166,7 +166,7 @@ def finish_loading(model: nn.Module) -> None:
 def cast_model(model: nn.Module, dtype: torch.dtype) -> None:
     """``model.to(dtype)`` except the quantized tensors, which keep their own dtypes."""
     for module in model.modules():
-        keep = module.keeps_dtype if isinstance(module, QuantLinear) else set()
+        keep = module.keeps_dtype if isinstance(module, (QuantLinear, Router)) else set()
         for name, param in module.named_parameters(recurse=False):
             if name not in keep and param.is_floating_point():
                 param.data = param.data.to(dtype)

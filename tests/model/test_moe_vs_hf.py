@@ -1,5 +1,6 @@
-"""Random-weight Mixtral, Qwen2-MoE (a gated shared expert, a dense layer among the sparse ones) and Qwen3-MoE (q/k
-norms, unnormalized top-k weights) models: greedy tokens equal transformers' ``generate`` and every prompt and sampled
+"""Random-weight Mixtral, Qwen2-MoE (a gated shared expert, a dense layer among the sparse ones), Qwen3-MoE (q/k
+norms, unnormalized top-k weights) and GLM-4.5 (a sigmoid router with a score bias and expert groups, an ungated
+shared expert) models: greedy tokens equal transformers' ``generate`` and every prompt and sampled
 token's logprob its logits, whole prompts, in chunks after a prefix-cache hit, on the CPU attention backend's fused
 step and on two shards; the expert tensors load exactly where they belong; what raypaged does not run for them is
 refused by name."""
@@ -70,6 +71,27 @@ MODELS = {
             "head_dim": 16,
         },
     ),
+    # sigmoid router with a score bias, 2 of 4 groups, scaled weights; an ungated shared expert; dense layer 0;
+    # q/k norms; half of each head rotated
+    "glm4_moe": (
+        "glm4_moe",
+        {
+            "num_hidden_layers": 3,
+            "intermediate_size": 96,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 3,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "use_qk_norm": True,
+            "attention_bias": True,
+            "head_dim": 16,
+            "partial_rotary_factor": 0.5,
+        },
+    ),
 }
 
 
@@ -109,10 +131,12 @@ def test_chunked_prefill_and_prefix_cache_hits_on_the_cpu_backend_match_transfor
     )
 
 
-def test_two_shards_match_transformers(ray_session, model_dirs, references):
+@pytest.mark.parametrize("model", ["qwen2_moe", "glm4_moe"])
+def test_two_shards_match_transformers(ray_session, model, model_dirs, references):
     """tp=2: each shard holds half of every expert's and the shared expert's intermediate features; the router
-    and the shared expert's gate are whole on each, and one all-reduce sums the layer."""
-    assert_matches("qwen2_moe", model_dirs, references, tensor_parallel_size=2)
+    (GLM-4.5's with its score bias) and the shared expert's gate are whole on each, and one all-reduce sums the
+    layer."""
+    assert_matches(model, model_dirs, references, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("model", ["mixtral", "qwen2_moe"])
@@ -172,6 +196,20 @@ def test_the_specs_are_transformers_routing(model_dirs):
         ),
         "qwen3_moe": MoeSpec(
             8, 2, 32, renormalize=False, fp32_weights=False, shared_intermediate_size=0, sparse_layers=(True, True)
+        ),
+        "glm4_moe": MoeSpec(
+            8,
+            3,
+            32,
+            renormalize=True,
+            fp32_weights=True,
+            shared_intermediate_size=32,
+            sparse_layers=(False, True, True),
+            scoring="sigmoid",
+            num_groups=4,
+            topk_groups=2,
+            routed_scaling=2.5,
+            shared_gated=False,
         ),
     }
 
@@ -394,7 +432,7 @@ def test_grouped_gemms_over_stacked_experts_equal_each_experts_own(model, model_
         with torch.inference_mode():
             torch.testing.assert_close(block(x), loop, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(block(x[:0]), loop[:0])
-    if model != "qwen3_moe":
+    if (model, "gptq-actorder-asym") in quantized_dirs:
         assert not any(load_quantized(quantized_dirs[(model, "gptq-actorder-asym")]).stack_experts())
     packed = load_model(model_dirs[model], config, 64, torch.float32, torch.device("cpu"), TensorParallel())
     assert not any(packed.stack_experts())
@@ -413,3 +451,32 @@ def test_expert_parallel_shards_load_their_quantized_experts_whole(quantized_dir
                 want = whole_layer.mlp.experts[3 * rank + local]
                 assert torch.equal(expert.gate_up_proj.dequantize(), want.gate_up_proj.dequantize())
                 assert torch.equal(expert.down_proj.dequantize(), want.down_proj.dequantize())
+
+
+def test_glm4_moe_router_stays_fp32_and_its_mtp_layer_is_skipped(model_dirs):
+    """GLM-4.5's router weight and score bias stay fp32 in a bf16 model (transformers keeps them so); the
+    multi-token-prediction layer a checkpoint keeps after the model's (``num_nextn_predict_layers``) is not loaded,
+    and a layer past it is named."""
+    from safetensors.torch import load_file
+
+    from raypaged.model.checkpoint import load_weights
+
+    path = model_dirs["glm4_moe"]
+    config = AutoConfig.from_pretrained(path)
+    assert (config.num_hidden_layers, config.num_nextn_predict_layers) == (3, 1)
+    model = load_model(path, config, 64, torch.bfloat16, torch.device("cpu"))
+    router = model.model.layers[1].mlp.gate
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[1].mlp.experts[0].down_proj.weight.dtype == torch.bfloat16
+    tensors = load_file(path / "model.safetensors")
+    assert torch.equal(
+        LlamaForCausalLM(config, 64).model.layers[1].mlp.gate.e_score_correction_bias, torch.zeros(8)
+    )  # what the loader overwrites: the checkpoint's bias
+    loaded = LlamaForCausalLM(config, 64)
+    load_weights(loaded, [*tensors.items(), ("model.layers.3.eh_proj.weight", torch.zeros(64, 128))])
+    bias = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(loaded.model.layers[1].mlp.gate.e_score_correction_bias, bias) and bias.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"'model\.layers\.4\.eh_proj\.weight' has no place in the model"):
+        load_weights(
+            LlamaForCausalLM(config, 64), [*tensors.items(), ("model.layers.4.eh_proj.weight", torch.zeros(1))]
+        )
