@@ -58,6 +58,10 @@ class RequestFailedError(RuntimeError):
     """The engine ended this request alone: handling it failed (the message says how)."""
 
 
+class RequestAbortedError(RuntimeError):
+    """A request awaited whole (``encode``) was aborted before it finished (by ``abort``, or a drain)."""
+
+
 class EngineBusyError(RuntimeError):
     """A request refused because it would pass the queue limit ``reason`` (``max_num_queued_reqs`` or
     ``max_num_queued_tokens``): the client may send it again later, or to another replica."""
@@ -309,7 +313,7 @@ class AsyncLLMEngine:
         async for output in self.stream(request_id):
             if output.finished:
                 return output
-        raise RequestFailedError(f"request {request_id} was aborted")
+        raise RequestAbortedError(f"request {request_id} was aborted before it finished")
 
     async def abort(self, request_ids: list[str]) -> int:
         """Abort requests (running or queued); returns how many were unfinished. Their streams end."""

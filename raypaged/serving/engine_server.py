@@ -27,7 +27,13 @@ import grpc
 from transformers import PreTrainedTokenizerBase
 
 from raypaged.config import EngineConfig
-from raypaged.engine.async_llm_engine import AsyncLLMEngine, EngineBusyError, EngineDeadError, RequestFailedError
+from raypaged.engine.async_llm_engine import (
+    AsyncLLMEngine,
+    EngineBusyError,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from raypaged.engine.input_processor import InputProcessor
 from raypaged.engine.llm_engine import LLMEngine, ProcessedRequest
 from raypaged.inputs.limits import (
@@ -129,6 +135,7 @@ _STATUS_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (EngineBusyError, grpc.StatusCode.UNAVAILABLE),
     (RequestFailedError, grpc.StatusCode.INTERNAL),
+    (RequestAbortedError, grpc.StatusCode.CANCELLED),  # Embed's request, aborted by an Abort call meanwhile
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
 _REFUSED: tuple[type[Exception], ...] = (_Abort, *(kind for kind, _ in _STATUS_CODES))

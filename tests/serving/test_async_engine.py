@@ -103,3 +103,34 @@ def test_a_reused_id_never_gets_the_old_requests_outputs(tiny_model_dir):
 
     reused, alone = asyncio.run(scenario())
     assert reused == alone and len(reused) == 4
+
+
+def test_an_embedding_aborted_before_it_finishes_raises_aborted(tmp_path, smollm2_dir):
+    """``encode`` of a request an ``abort`` ends first raises ``RequestAbortedError`` (the gRPC Embed's CANCELLED),
+    never a failure; the engine thread is held between the add and the abort so that no step runs in between."""
+    from raypaged.engine.async_llm_engine import RequestAbortedError
+    from raypaged.pooling_params import PoolingParams
+    from tests.conftest import make_tiny_embedding_model
+
+    engine_core = LLMEngine(tiny_config(make_tiny_embedding_model(tmp_path, smollm2_dir), "embed", device="cpu"))
+    release = threading.Event()
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(engine_core)
+        try:
+            held = asyncio.ensure_future(engine.call(lambda: release.wait(10)))
+            encode = asyncio.ensure_future(engine.encode(None, PoolingParams(), "e1", [5, 6, 7]))
+            await asyncio.sleep(0.05)  # the add is queued behind the held call
+            aborted = asyncio.ensure_future(engine.abort(["e1"]))
+            await asyncio.sleep(0.05)
+            release.set()
+            await held
+            assert await aborted == 1
+            with pytest.raises(RequestAbortedError, match="^request e1 was aborted before it finished$"):
+                await encode
+            done = await engine.encode(None, PoolingParams(), "e2", [5, 6, 7])
+            assert done.pooled is not None and done.pooled.shape == (64,)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(scenario())
