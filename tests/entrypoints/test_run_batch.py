@@ -24,6 +24,7 @@ COMPLETION = {"model": "tiny", "prompt": "The sky is", "max_tokens": 6, "tempera
 BAD_BODY = {**COMPLETION, "max_tokens": -1}
 NO_MODEL = {**CHAT, "model": "nope"}
 BROKEN = '{"custom_id": "broken", "method": "POST"'
+EMBED = {"model": "tiny", "input": "x"}
 
 
 def line(custom_id: str, url: str, body: dict, method: str = "POST") -> str:
@@ -45,15 +46,18 @@ LINES: list[tuple[str, tuple[str, dict] | str | None]] = [
     (line("bad-body", COMPLETION_URL, BAD_BODY), (COMPLETION_URL, BAD_BODY)),
     (line("no-model", CHAT_URL, NO_MODEL), (CHAT_URL, NO_MODEL)),
     (BROKEN, f"line 6 is not JSON: {json_error(BROKEN)}"),
+    # sent as the server takes it: this generative model refuses embeddings with a 400 naming model
+    (line("embed", "/v1/embeddings", EMBED), ("/v1/embeddings", EMBED)),
     (
-        line("embed", "/v1/embeddings", {"model": "tiny", "input": "x"}),
-        "url '/v1/embeddings' is not supported by raypaged run-batch: use /v1/chat/completions or /v1/completions",
+        line("score", "/v1/score", {"model": "tiny", "text_1": "a", "text_2": "b"}),
+        "url '/v1/score' is not supported by raypaged run-batch: use /v1/chat/completions or /v1/completions or "
+        "/v1/embeddings",
     ),
     (
         line("streamed", CHAT_URL, {**CHAT, "stream": True}),
         '"stream": true is not supported in a batch: each request gets one JSON answer',
     ),
-    (json.dumps({"method": "POST", "url": COMPLETION_URL, "body": COMPLETION}), "line 9 has no custom_id"),
+    (json.dumps({"method": "POST", "url": COMPLETION_URL, "body": COMPLETION}), "line 10 has no custom_id"),
     (line("get", COMPLETION_URL, COMPLETION, method="GET"), "method 'GET' is not supported: batch requests are POST"),
 ]
 
@@ -83,7 +87,7 @@ def test_lines_are_answered_as_the_server_answers_them(tmp_path, tiny_model_dir)
         stack.close()
     _, stderr = batch.communicate(timeout=300)
     assert batch.returncode == 0, stderr
-    assert "Running batch: 9/9 requests" in stderr
+    assert "Running batch: 10/10 requests" in stderr
 
     results = [json.loads(text) for text in results_path.read_text().splitlines()]
     custom_ids = [None if text == BROKEN else json.loads(text).get("custom_id") for text, _ in kept]
@@ -107,6 +111,10 @@ def test_lines_are_answered_as_the_server_answers_them(tmp_path, tiny_model_dir)
     assert by_id["chat"]["response"]["body"]["choices"][0]["message"]["role"] == "bot"
     assert by_id["bad-body"]["response"]["status_code"] == 400
     assert by_id["no-model"]["error"]["error"]["message"] == "The model `nope` does not exist."
+    assert by_id["embed"]["response"]["status_code"] == 400
+    assert by_id["embed"]["error"]["error"]["message"].startswith(
+        "The model `tiny` does not support the Embeddings API"
+    )
     assert len({r["id"] for r in results}) == len({r["response"]["request_id"] for r in results}) == len(results)
 
 
