@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 
 class FinishReason(enum.StrEnum):
@@ -146,6 +146,9 @@ class BeamSearchOutput(RequestOutput):
     sequences: list[BeamSearchSequence] = field(default_factory=list)
 
 
+_Pooled = TypeVar("_Pooled")
+
+
 @dataclass(slots=True)
 class PoolingOutput:
     """vLLM's: an embedding model's pooled vector (``data``: a float32 tensor)."""
@@ -165,36 +168,31 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
-class PoolingRequestOutput:
-    """vLLM's output of ``LLM.encode``: one prompt's pooled vector (``outputs.data``)."""
+class PoolingRequestOutput(Generic[_Pooled]):
+    """vLLM's output of ``LLM.encode``: one prompt's pooled vector (``outputs.data``); ``EmbeddingRequestOutput``
+    (``LLM.embed``) holds it as floats."""
 
     request_id: str
-    outputs: PoolingOutput
+    outputs: _Pooled
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0
 
     @classmethod
-    def of(cls, output: RequestOutput) -> PoolingRequestOutput:
+    def of(cls, output: RequestOutput) -> PoolingRequestOutput[PoolingOutput]:
         """An embedding model's finished ``RequestOutput`` as vLLM returns it."""
         assert output.pooled is not None, "only an embedding model's finished request has a vector"
-        return cls(
+        return PoolingRequestOutput(
             output.request_id, PoolingOutput(output.pooled), output.prompt_token_ids, True, output.num_cached_tokens
         )
 
 
 @dataclass(slots=True)
-class EmbeddingRequestOutput:
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
     """vLLM's output of ``LLM.embed``: one prompt's embedding (``outputs.embedding``, floats)."""
 
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-    num_cached_tokens: int = 0
-
     @classmethod
-    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+    def from_base(cls, output: PoolingRequestOutput[PoolingOutput]) -> EmbeddingRequestOutput:
         return cls(
             output.request_id,
             EmbeddingOutput(output.outputs.data.tolist()),

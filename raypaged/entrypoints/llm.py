@@ -18,7 +18,13 @@ from raypaged.entrypoints.vllm_compat import check_default_only, unknown_keyword
 from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY, Option
 from raypaged.inputs.limits import check_priority
 from raypaged.lora.request import LoRARequest
-from raypaged.outputs import BeamSearchOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from raypaged.outputs import (
+    BeamSearchOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from raypaged.pooling_params import PoolingParams
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -196,7 +202,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         pooling_task: str = "embed",
         truncate_prompt_tokens: int | None = None,
-    ) -> list[PoolingRequestOutput]:
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
         """An embedding model's (``runner="pooling"``) pooled vector of every prompt, in input order, as vLLM's
         ``LLM.encode``: each output's ``outputs.data`` is a float32 tensor. ``pooling_params``: one for all
         prompts or one per prompt; ``truncate_prompt_tokens`` sets theirs (the prompt's last k tokens)."""
