@@ -176,7 +176,8 @@ def test_a_partial_rotation_outside_phi3_and_glm_is_refused():
     scaled ones fail): refused elsewhere rather than guessed."""
     config = rope_config({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
     message = (
-        r"^partial_rotary_factor 0.5 is supported for Phi3ForCausalLM, GlmForCausalLM, Glm4ForCausalLM only "
+        r"^partial_rotary_factor 0.5 is supported for Phi3ForCausalLM, GlmForCausalLM, Glm4ForCausalLM, "
+        r"Glm4MoeForCausalLM only "
         r"\(transformers rotates whole heads in llama\)"
     )
     with pytest.raises(ValueError, match=message):

@@ -205,3 +205,41 @@ def test_a_child_that_dies_while_starting_is_reported_with_its_exit_code(stack):
     os.kill(engine.pid, signal.SIGKILL)
     with pytest.raises(EngineProcessLost, match=r"^the engine process exited while starting \(exit code -9\)$"):
         stack.background.run(engine.start(([],), "127.0.0.1", 0))
+
+
+def test_embed_crosses_the_link_as_in_process(stack, tmp_path, smollm2_dir):
+    """``raypaged serve``'s default link carries ``Embed`` too: the child's vector equals the in-process
+    engine's, and its refusal crosses with its code and field."""
+    from raypaged.engine.llm_engine import LLMEngine
+    from raypaged.pooling_params import PoolingParams
+    from tests.conftest import make_tiny_embedding_model
+
+    path = make_tiny_embedding_model(tmp_path, smollm2_dir)
+    prompt = list(range(100, 137))
+    expected = LLMEngine(tiny_config(path, "embed", device="cpu"))
+    expected.add_pooling_request(None, PoolingParams(), "local", prompt)
+    while not (done := [o for o in expected.step() if o.finished]):
+        pass
+    vector = done[0].pooled.tolist()
+
+    async def linked() -> tuple[pb.EmbedResponse, tuple]:
+        engine = await start_engine(None, tiny_config(path, "embed", device="cpu"))
+        try:
+            stub = ProcessStub(engine)
+            answer = await stub.Embed(
+                pb.EmbedRequest(model="embed", request_id="p-1", token_ids=pb.TokenIds(ids=prompt)), metadata=METADATA
+            )
+            try:
+                await stub.Embed(pb.EmbedRequest(model="embed", text="hi", dimensions=8), metadata=METADATA)
+            except grpc.aio.AioRpcError as exc:
+                return answer, (exc.code(), exc.details(), tuple(exc.trailing_metadata()))
+            raise AssertionError("dimensions on a model that is not matryoshka was taken")
+        finally:
+            await engine.stop()
+
+    answer, refusal = stack.background.run(linked())
+    assert (answer.request_id, answer.prompt_tokens) == ("p-1", 37)
+    assert max(abs(a - b) for a, b in zip(answer.embedding, vector, strict=True)) < 1e-6
+    assert refusal[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert refusal[1].startswith("Model does not support matryoshka representation")
+    assert ("raypaged-param", "dimensions") in refusal[2]
