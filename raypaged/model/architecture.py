@@ -38,6 +38,8 @@ SUPPORTED_ARCHITECTURES = (
     "GlmForCausalLM",
     "Glm4ForCausalLM",
     "Glm4MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 _MODEL_TYPES = (
     "llama",
@@ -57,6 +59,8 @@ _MODEL_TYPES = (
     "glm",
     "glm4",
     "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
 )
 # attention_bias puts biases on q, k and v only (o_proj never has one)
 _NO_O_BIAS = ("qwen2", "qwen2_moe", "glm", "glm4", "glm4_moe")
@@ -66,7 +70,10 @@ _MOE_TYPES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+_MLA_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +90,14 @@ class MoeSpec:
     sparse_layers: tuple[bool, ...]  # per layer: the experts, or the dense MLP of config.intermediate_size (Qwen's)
     # GLM-4.5 (DeepSeek-V3's router): sigmoid scores in fp32 from an fp32 router; experts chosen by score plus a
     # per-expert bias, only within the ``topk_groups`` groups (of ``num_groups`` equal ones) whose two best sum
-    # highest; weights are the chosen scores (renormalized where ``renormalize``) times ``routed_scaling``
+    # highest; weights are the chosen scores (renormalized where ``renormalize``) times ``routed_scaling``.
+    # DeepSeek-V2: softmax scores from an fp32 router, groups ranked by their best score (``group_score`` "max")
     scoring: str = "softmax"
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
+    fp32_router: bool = False  # the router's weight stays fp32 and its logits are computed in fp32
+    group_score: str = "top2_sum"
     shared_gated: bool = True  # Qwen2-MoE's shared expert is scaled by a sigmoid gate; GLM-4.5's are added as they are
 
 
@@ -121,6 +131,8 @@ class Architecture:
     # GLM-4: a norm after the attention and one after the MLP too (post_self_attn_layernorm, post_mlp_layernorm), each
     # before its residual add; post_attention_layernorm is the norm before the MLP, as in Llama
     sandwich_norms: bool = False
+    # DeepSeek-V3: multi-head latent attention (``mla.MlaAttention``) in place of q/k/v projections
+    mla: bool = False
 
 
 def gemma_name(config: PretrainedConfig) -> str | None:
@@ -131,13 +143,15 @@ def gemma_name(config: PretrainedConfig) -> str | None:
 def torch_attention_reason(config: PretrainedConfig) -> str | None:
     """Why the config's attention runs in the torch attention ops only (the CPU and CUDA kernels, the native CPU step
     and the fused ops apply no sliding window, soft-capping or Gemma norms), or None where any backend runs it."""
+    if (mla := _MLA_TYPES.get(config.model_type)) is not None:
+        return f"{mla}'s latent attention runs in the torch attention ops only"
     name = gemma_name(config)
     return None if name is None else f"{name}'s sliding-window attention runs in the torch attention ops only"
 
 
 def check_options(config: PretrainedConfig, quantized: bool, lora: bool, attention_backend: str) -> None:
     """``ValueError`` naming what the engine's options ask of this architecture that raypaged does not do for it."""
-    name = gemma_name(config)
+    name = gemma_name(config) or _MLA_TYPES.get(config.model_type)
     if name is None:
         return
     if quantized:
@@ -182,9 +196,14 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
         moe=_moe(config),
         nope_layers=tuple(not rope for rope in config.no_rope_layers) if model_type == "smollm3" else (),
         olmo2=model_type == "olmo2",
-        interleaved_rotary=ernie or glm,
+        # DeepSeek-V2 rotates by complex multiplication: pairs, always
+        interleaved_rotary=ernie
+        or glm
+        or model_type == "deepseek_v2"
+        or (model_type == "deepseek_v3" and bool(config.rope_interleave)),
         fused_gate_up=model_type == "phi3" or glm,
         sandwich_norms=model_type == "glm4",
+        mla=model_type in _MLA_TYPES,
     )
 
 
@@ -196,12 +215,14 @@ def _moe(config: PretrainedConfig) -> MoeSpec | None:
         return None
     layers, mixtral = config.num_hidden_layers, config.model_type == "mixtral"
     # Mixtral's and GLM-4.5's config name it num_local_experts (GLM's an alias of n_routed_experts)
-    local = mixtral or config.model_type == "glm4_moe"
+    local = mixtral or config.model_type in ("glm4_moe", "deepseek_v3")
     num_experts, top_k = (config.num_local_experts if local else config.num_experts), config.num_experts_per_tok
     if not 0 < top_k <= num_experts:
         raise ValueError(f"{name}: num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
-    if config.model_type == "glm4_moe":
-        return _glm4_moe(config, name, num_experts, top_k)
+    if config.model_type in ("glm4_moe", "deepseek_v3"):
+        return _sigmoid_router_moe(config, name, num_experts, top_k)
+    if config.model_type == "deepseek_v2":
+        return _deepseek_v2_moe(config, name, num_experts, top_k)
     if mixtral:
         return MoeSpec(
             num_experts=num_experts,
@@ -224,8 +245,7 @@ def _moe(config: PretrainedConfig) -> MoeSpec | None:
     )
 
 
-def _glm4_moe(config: PretrainedConfig, name: str, num_experts: int, top_k: int) -> MoeSpec:
-    groups, topk_groups = config.n_group, config.topk_group
+def _check_groups(name: str, num_experts: int, top_k: int, groups: int, topk_groups: int) -> None:
     if num_experts % groups or num_experts // groups < 2 or not 0 < topk_groups <= groups:
         raise ValueError(
             f"{name}: {num_experts} experts in n_group {groups} groups (of two or more experts each), topk_group "
@@ -233,6 +253,39 @@ def _glm4_moe(config: PretrainedConfig, name: str, num_experts: int, top_k: int)
         )
     if top_k > topk_groups * (num_experts // groups):
         raise ValueError(f"{name}: num_experts_per_tok {top_k} is more than the {topk_groups} groups chosen hold")
+
+
+def _deepseek_v2_moe(config: PretrainedConfig, name: str, num_experts: int, top_k: int) -> MoeSpec:
+    """DeepSeek-V2's experts: softmax scores (fp32 router), ``topk_method`` greedy or group_limited_greedy (groups
+    ranked by their best score), the chosen scores times ``routed_scaling_factor`` (never renormalized:
+    transformers' router does not read ``norm_topk_prob``)."""
+    method = config.topk_method
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"{name}: topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    groups, topk_groups = (config.n_group, config.topk_group) if method == "group_limited_greedy" else (1, 1)
+    if groups > 1:
+        _check_groups(name, num_experts, top_k, groups, topk_groups)
+    return MoeSpec(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=False,
+        fp32_weights=True,
+        shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+        sparse_layers=tuple(i >= config.first_k_dense_replace for i in range(config.num_hidden_layers)),
+        num_groups=groups,
+        topk_groups=topk_groups,
+        routed_scaling=float(config.routed_scaling_factor),
+        shared_gated=False,
+        fp32_router=True,
+        group_score="max",
+    )
+
+
+def _sigmoid_router_moe(config: PretrainedConfig, name: str, num_experts: int, top_k: int) -> MoeSpec:
+    """GLM-4.5's and DeepSeek-V3's experts (``MoeSpec.scoring`` "sigmoid")."""
+    _check_groups(name, num_experts, top_k, config.n_group, config.topk_group)
+    groups, topk_groups = config.n_group, config.topk_group
     return MoeSpec(
         num_experts=num_experts,
         top_k=top_k,
@@ -246,6 +299,7 @@ def _glm4_moe(config: PretrainedConfig, name: str, num_experts: int, top_k: int)
         topk_groups=topk_groups,
         routed_scaling=float(config.routed_scaling_factor),
         shared_gated=False,
+        fp32_router=True,
     )
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from raypaged.model.layers import Linear, Olmo2RMSNorm
 from raypaged.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from raypaged.model.mla import HeadRowsLinear, KvUpProjection
 from raypaged.model.moe import SparseMoeBlock, canonical_name
 from raypaged.model.parallel import RowParallelLinear, VocabParallelEmbedding
 from raypaged.quantization.linear import QuantLinear
@@ -70,6 +71,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
     parameter must be filled, and a tensor with no place in the model is a ``ValueError`` naming it."""
     params = dict(model.named_parameters())
     num_layers = model.config.num_hidden_layers
+    # latent attention (DeepSeek) has a q_proj of its own (no fused qkv): only the MLPs' projections stack
+    stacked_pieces = [p for p in _STACKED if not (model.architecture.mla and _STACKED[p][0] == ".qkv_proj.")]
     num_mtp_layers = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
     filled: set[str] = set()
     kv_scales: dict[str, dict[str, float]] = {}  # attention module name -> its checkpoint's "k" and "v" scales
@@ -104,7 +107,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
                 fused_linear.load_part(param_name, tensor, owner.part_starts[shard] + first_row, offset, num_rows)
                 filled.add(f"{name}#{shard}")
             continue
-        if (stacked := next((piece for piece in _STACKED if piece in name), None)) is not None:
+        if (stacked := next((piece for piece in stacked_pieces if piece in name), None)) is not None:
             fused, shard = _STACKED[stacked]
             target = name.replace(stacked, fused)
             owner, fused_linear, param_name = _fused_linear(model, name, target)
@@ -118,7 +121,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
             module.load_shard(param_name, tensor)
         elif name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-        elif isinstance(module, (VocabParallelEmbedding, Olmo2RMSNorm)):
+        elif isinstance(module, (VocabParallelEmbedding, Olmo2RMSNorm, KvUpProjection, HeadRowsLinear)):
             module.load_shard(tensor)
         else:
             params[name].data.copy_(tensor)

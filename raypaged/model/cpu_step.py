@@ -23,6 +23,7 @@ from raypaged.attention import cpu_fused, cpu_ops
 from raypaged.attention.backend import CPU_FUSED
 from raypaged.attention.metadata import AttentionMetadata
 from raypaged.model.layers import Linear, PackedWeight
+from raypaged.model.mla import MlaAttention
 from raypaged.model.moe import SparseMoeBlock
 from raypaged.model.parallel import RowParallelLinear
 from raypaged.quantization.linear import QuantLinear
@@ -30,7 +31,7 @@ from raypaged.quantization.w8a8 import INT8_SCRATCH_ERROR, PackedInt8Weight, W8A
 
 if TYPE_CHECKING:
     from raypaged.lora.layers import LoRAStep
-    from raypaged.model.llama import LayerKVCache, LlamaDecoderLayer, LlamaMLP, LlamaModel
+    from raypaged.model.llama import LayerKVCache, LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -90,6 +91,12 @@ def _layers(model: LlamaModel) -> list[LlamaDecoderLayer]:
     return cast("list[LlamaDecoderLayer]", list(model.layers))
 
 
+def _attn(layer: LlamaDecoderLayer) -> LlamaAttention:
+    """The layer's attention: q/k/v projections in every model the step runs (``unsupported_reason`` refuses
+    latent attention)."""
+    return cast("LlamaAttention", layer.self_attn)
+
+
 def _mlp(layer: LlamaDecoderLayer) -> LlamaMLP:
     """The layer's MLP: a plain one in every model the step runs (``unsupported_reason`` refuses experts)."""
     return cast("LlamaMLP", layer.mlp)
@@ -98,7 +105,7 @@ def _mlp(layer: LlamaDecoderLayer) -> LlamaMLP:
 def _linears(model: LlamaModel) -> list[tuple[nn.Module, ...]]:
     """Each layer's (qkv, o, gate_up, down) modules as they are now."""
     return [
-        (layer.self_attn.qkv_proj, layer.self_attn.o_proj, _mlp(layer).gate_up_proj, _mlp(layer).down_proj)
+        (_attn(layer).qkv_proj, _attn(layer).o_proj, _mlp(layer).gate_up_proj, _mlp(layer).down_proj)
         for layer in _layers(model)
     ]
 
@@ -187,8 +194,10 @@ def unsupported_reason(model: LlamaModel) -> str | None:
     first = layers[0]
     if any(isinstance(layer.mlp, SparseMoeBlock) for layer in layers):
         return "the model's layers hold experts"
+    if any(isinstance(layer.self_attn, MlaAttention) for layer in layers):
+        return "the model's attention is DeepSeek's latent attention"
     for layer in layers:
-        attn, mlp = layer.self_attn, _mlp(layer)
+        attn, mlp = _attn(layer), _mlp(layer)
         if attn.attn_backend.decode is not cpu_ops.paged_attention_decode:
             return f"the attention backend is {attn.attn_backend.name}"
         norms = [layer.input_layernorm, layer.post_attention_layernorm, model.norm]

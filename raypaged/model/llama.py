@@ -43,6 +43,7 @@ from raypaged.model.layers import (
     gelu_tanh_and_mul,
     silu_and_mul,
 )
+from raypaged.model.mla import MlaAttention, is_mla, mla_cache_head_dim
 from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
 from raypaged.quantization.base import QuantizationConfig
 from raypaged.quantization.linear import QuantLinear, build_linear
@@ -55,12 +56,19 @@ K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
+    """The features of a rotated head (DeepSeek's latent attention: of its rotated part, ``qk_rope_head_dim``)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def cache_head_dim(config: PretrainedConfig) -> int:
+    """The features of a KV cache head: ``head_dim_of``'s, or the latent and rotated key of DeepSeek's."""
+    return mla_cache_head_dim(config) if is_mla(config) else head_dim_of(config)
+
+
 def num_kv_heads_per_rank(config: PretrainedConfig, tp_size: int) -> int:
-    """KV heads each rank holds: an even split, or one replicated head when there are fewer heads than ranks."""
-    return max(1, config.num_key_value_heads // tp_size)
+    """KV heads each rank holds: an even split, or one replicated head when there are fewer heads than ranks (and
+    the one latent head of DeepSeek's attention, whole on every rank)."""
+    return 1 if is_mla(config) else max(1, config.num_key_value_heads // tp_size)
 
 
 def check_tensor_parallel(config: PretrainedConfig, tp_size: int, expert_parallel: bool = False) -> None:
@@ -300,7 +308,11 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         from raypaged.model.moe import SparseMoeBlock  # here: that module's blocks hold this one's MLPs
 
-        self.self_attn = LlamaAttention(config, arch, rotary, tp, f"{prefix}.self_attn", quant_config, index)
+        self.self_attn: LlamaAttention | MlaAttention
+        if arch.mla:
+            self.self_attn = MlaAttention(config, rotary, tp, f"{prefix}.self_attn")
+        else:
+            self.self_attn = LlamaAttention(config, arch, rotary, tp, f"{prefix}.self_attn", quant_config, index)
         self.mlp: LlamaMLP | SparseMoeBlock
         if arch.moe is not None and arch.moe.sparse_layers[index]:
             self.mlp = SparseMoeBlock(config, arch, tp, f"{prefix}.mlp", quant_config)
@@ -466,7 +478,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def attentions(self) -> list[LlamaAttention]:
+    def attentions(self) -> list[LlamaAttention | MlaAttention]:
         """Each layer's attention."""
         return [cast(LlamaDecoderLayer, layer).self_attn for layer in self.model.layers]
 
@@ -483,7 +495,7 @@ class LlamaForCausalLM(nn.Module):
         # OLMo 2's and GLM-4's norms after each sublayer leave no residual add to fold into the next norm: their layers
         # run plain
         arch = self.architecture
-        self.model.fused_ops = None if arch.olmo2 or arch.sandwich_norms else backend.fused_ops
+        self.model.fused_ops = None if arch.olmo2 or arch.sandwich_norms or arch.mla else backend.fused_ops
         self.model.cpu_step = CpuStep.build(self.model)
 
     def calculate_kv_scales_next_step(self) -> None:

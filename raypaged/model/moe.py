@@ -80,8 +80,9 @@ class SparseMoeBlock(nn.Module):
         spec = arch.moe
         assert spec is not None, "an architecture with experts"
         self.tp, self.spec = tp, spec
-        sigmoid = spec.scoring == "sigmoid"
-        self.gate = Router(config.hidden_size, spec.num_experts, fp32=sigmoid, score_bias=sigmoid)
+        self.gate = Router(
+            config.hidden_size, spec.num_experts, fp32=spec.fp32_router, score_bias=spec.scoring == "sigmoid"
+        )
         # --enable-expert-parallel: this rank's num_experts / size experts, whole; else a share of every expert
         expert_parallel = tp.expert_parallel and tp.size > 1
         count = spec.num_experts // tp.size if expert_parallel else spec.num_experts
@@ -154,21 +155,23 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts ``[T, top_k]`` and their weights (fp32), as the spec's router chooses them."""
-        spec = self.spec
-        if spec.scoring == "softmax":
-            probs = torch.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)
-            weights, experts = torch.topk(probs, spec.top_k, dim=-1)
+        spec, weight = self.spec, self.gate.weight
+        logits = F.linear(x.float(), weight.float()) if spec.fp32_router else F.linear(x, weight)
+        if spec.scoring == "softmax" and spec.num_groups == 1 and not spec.fp32_router:  # Mixtral's, Qwen-MoE's
+            weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), spec.top_k, dim=-1)
             if spec.renormalize:
                 weights /= weights.sum(dim=-1, keepdim=True)
             return weights, experts
-        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
+        sigmoid = spec.scoring == "sigmoid"
+        scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1, dtype=torch.float32)
         bias = self.gate.e_score_correction_bias
         choice = scores if bias is None else scores + bias.float()
-        if spec.num_groups > 1:  # only the experts of the groups whose two best scores sum highest compete
+        if spec.num_groups > 1:  # only the experts of the best groups compete (V3: two best summed; V2: the best)
             groups = choice.unflatten(-1, (spec.num_groups, -1))
-            best = groups.topk(2, dim=-1)[0].sum(-1).topk(spec.topk_groups, dim=-1, sorted=False)[1]
-            kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
-            choice = groups.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
+            group_scores = groups.topk(2, dim=-1)[0].sum(-1) if spec.group_score == "top2_sum" else groups.amax(-1)
+            best = group_scores.topk(spec.topk_groups, dim=-1, sorted=False)[1]
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = groups.masked_fill(~kept[..., None], float("-inf") if sigmoid else 0.0).flatten(-2)
         experts = torch.topk(choice, spec.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, experts)
         if spec.renormalize:

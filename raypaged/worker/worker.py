@@ -18,7 +18,7 @@ from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.model.architecture import torch_attention_reason
-from raypaged.model.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_per_rank
+from raypaged.model.llama import LlamaForCausalLM, cache_head_dim, num_kv_heads_per_rank
 from raypaged.model.loader import load_model
 from raypaged.model.parallel import TensorParallel
 from raypaged.worker.cache import KVCache
@@ -94,7 +94,7 @@ class Worker:
             backend = "torch"  # the config refuses the other backends for it (architecture.check_options)
             logger.info("paged attention runs in torch: %s", reason)
         self.attn_backend = select_backend(
-            backend, self.device, head_dim_of(config.hf_config), config.block_size, self.dtype, self.cache_dtype
+            backend, self.device, cache_head_dim(config.hf_config), config.block_size, self.dtype, self.cache_dtype
         )
         self.model.set_attention_backend(self.attn_backend)
         self._check_kv_scales()
@@ -119,7 +119,7 @@ class Worker:
             self.draft_backend = select_backend(
                 config.attention_backend,
                 self.device,
-                head_dim_of(config.draft_hf_config),
+                cache_head_dim(config.draft_hf_config),
                 config.block_size,
                 self.dtype,
             )
@@ -130,12 +130,12 @@ class Worker:
     def block_shape(self) -> tuple[int, int, int]:
         """One layer's K (or V) block on this rank: (kv_heads, block_size, head_dim)."""
         hf = self.config.hf_config
-        return num_kv_heads_per_rank(hf, self.tp.size), self.config.block_size, head_dim_of(hf)
+        return num_kv_heads_per_rank(hf, self.tp.size), self.config.block_size, cache_head_dim(hf)
 
     def draft_block_shape(self) -> tuple[int, int, int]:
         """One layer's K (or V) block of the draft model (it runs unsharded)."""
         draft = self.config.draft_hf_config
-        return num_kv_heads_per_rank(draft, 1), self.config.block_size, head_dim_of(draft)
+        return num_kv_heads_per_rank(draft, 1), self.config.block_size, cache_head_dim(draft)
 
     def bytes_per_block(self) -> int:
         """A block's bytes over every layer, the draft model's included."""

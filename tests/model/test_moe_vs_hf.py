@@ -210,6 +210,7 @@ def test_the_specs_are_transformers_routing(model_dirs):
             topk_groups=2,
             routed_scaling=2.5,
             shared_gated=False,
+            fp32_router=True,
         ),
     }
 
