@@ -534,11 +534,20 @@ class EngineConfig:
 
         self.model_path = resolve_model_path(self.model, self.revision, self.download_dir, token=self.hf_token)
         self.tokenizer_path = self._resolve_tokenizer_path()
-        self.hf_config = (
+        from raypaged.model.architecture import language_model_config
+
+        self.hf_config = language_model_config(
             AutoConfig.from_pretrained(self.model_path)
             if not self.hf_overrides
             else overridden_hf_config(self.model_path, self.hf_overrides)
         )
+        if (wrapper := getattr(self.hf_config, "raypaged_multimodal", None)) is not None:
+            logger.info(
+                "%s: serving its language model (%s) for text; its vision tower is not loaded, and a request with "
+                "an image is refused",
+                wrapper,
+                self.hf_config.architectures[0],
+            )
         self.generation_defaults, self.generation_eos_token_ids = self._read_generation_config()
         check_architecture(self.hf_config, "model")
         self._resolve_runner()

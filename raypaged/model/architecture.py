@@ -135,6 +135,31 @@ class Architecture:
     mla: bool = False
 
 
+# image-text checkpoints whose language model raypaged serves for text: the wrapper -> its language model's
+# architecture (their vision tower and projector are not loaded; a request with an image is refused by name)
+MULTIMODAL_WRAPPERS = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+}
+_TOP_LEVEL_KEYS = ("tie_word_embeddings", "dtype", "quantization_config")  # read from the wrapper's config
+
+
+def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config of the model raypaged runs: an image-text checkpoint's ``text_config`` (``MULTIMODAL_WRAPPERS``),
+    named as its language model's architecture and marked ``raypaged_multimodal`` (the wrapper's name) so that the
+    loader reads its tensors under their wrapper names and skips the vision ones; any other config as it is."""
+    wrapper = next((a for a in getattr(config, "architectures", None) or [] if a in MULTIMODAL_WRAPPERS), None)
+    if wrapper is None:
+        return config
+    text = config.text_config
+    text.architectures = [MULTIMODAL_WRAPPERS[wrapper]]
+    for key in _TOP_LEVEL_KEYS:
+        if getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    text.raypaged_multimodal = wrapper
+    return text
+
+
 def gemma_name(config: PretrainedConfig) -> str | None:
     """The Gemma architecture of a config, or None for the others."""
     return _GEMMA_TYPES.get(config.model_type)

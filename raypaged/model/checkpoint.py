@@ -51,8 +51,22 @@ _BASE_MODEL_NAMES = ("layers.", "embed_tokens.", "norm.")  # a base model's tens
 
 
 def _prefixed(name: str) -> str:
-    """A base model's tensor name (an embedding model saved without its head) as the causal LM's."""
-    return f"model.{name}" if name.startswith(_BASE_MODEL_NAMES) else name
+    """A base model's tensor name (an embedding model saved without its head), or an image-text checkpoint's
+    language-model tensor name (``language_model.model.*``, ``model.language_model.*``), as the causal LM's."""
+    if name.startswith(_BASE_MODEL_NAMES):
+        return f"model.{name}"
+    for wrapped, plain in _LANGUAGE_MODEL_NAMES:
+        if name.startswith(wrapped):
+            return plain + name[len(wrapped) :]
+    return name
+
+
+_LANGUAGE_MODEL_NAMES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_VISION_NAMES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -71,12 +85,15 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
     parameter must be filled, and a tensor with no place in the model is a ``ValueError`` naming it."""
     params = dict(model.named_parameters())
     num_layers = model.config.num_hidden_layers
+    multimodal = getattr(model.config, "raypaged_multimodal", None) is not None
     # latent attention (DeepSeek) has a q_proj of its own (no fused qkv): only the MLPs' projections stack
     stacked_pieces = [p for p in _STACKED if not (model.architecture.mla and _STACKED[p][0] == ".qkv_proj.")]
     num_mtp_layers = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
     filled: set[str] = set()
     kv_scales: dict[str, dict[str, float]] = {}  # attention module name -> its checkpoint's "k" and "v" scales
     for checkpoint_name, tensor in weights:
+        if multimodal and checkpoint_name.startswith(_VISION_NAMES):
+            continue  # an image-text checkpoint's vision tower and projector: text only is served
         name = canonical_name(_prefixed(checkpoint_name))
         if _is_extra_layer(name, num_layers, num_mtp_layers):
             continue
