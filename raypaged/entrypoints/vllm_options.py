@@ -7,6 +7,8 @@ spelling: a flag on the command line, a keyword in ``LLM()``. ``list`` options t
 
 from __future__ import annotations
 
+import json
+
 # option (as a keyword), its short flags, type, the values taken (the first is the default), why another is refused
 Option = tuple[str, tuple[str, ...], type, tuple[object, ...], str]
 
@@ -30,6 +32,33 @@ _NO_TRACING = "raypaged exports Prometheus metrics (/metrics) and request log li
 _NO_SLEEP = "the engine keeps its weights and KV cache for its lifetime"
 _ONE_CHUNKED = "the scheduler prefills one prompt in chunks at a time"
 _KERNELS = "raypaged's kernels are chosen per device"
+
+
+class _NoMedia:
+    """``--limit-mm-per-prompt`` at 0 for every modality (vLLM's text-only serving of an image-text model), as JSON
+    text or a dict: ``{"image": 0, "video": 0}``, or ``{"image": {"count": 0}}``."""
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            try:
+                other = json.loads(other)
+            except json.JSONDecodeError:
+                return False
+        if not isinstance(other, dict) or not other:
+            return False
+        counts = [limit.get("count") if isinstance(limit, dict) else limit for limit in other.values()]
+        return all(type(count) is int and count == 0 for count in counts)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __str__(self) -> str:
+        return '{"image": 0}'
+
+    __repr__ = __str__
+
+
+NO_MEDIA = _NoMedia()
 
 DEFAULT_ONLY: list[Option] = [
     ("pipeline_parallel_size", ("-pp",), int, (1,), "pipeline parallelism is not implemented: shard layers with -tp"),
@@ -100,7 +129,13 @@ DEFAULT_ONLY: list[Option] = [
         (None,),
         "the model folder's config.json is read ({hf_overrides} changes it)",
     ),
-    ("limit_mm_per_prompt", (), str, (None,), _TEXT_ONLY),
+    (
+        "limit_mm_per_prompt",
+        (),
+        str,
+        (None, NO_MEDIA),
+        "the served models read text only (an image-text checkpoint's language model): every modality's limit is 0",
+    ),
     (
         "chat_template_content_format",
         (),

@@ -39,6 +39,8 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         "--max-parallel-loading-workers",
         "2",
         "--disable-sliding-window",
+        "--limit-mm-per-prompt",
+        '{"image": 0, "video": {"count": 0}}',
         "--task",
         "generate",
         "--runner",
@@ -108,7 +110,8 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         ),
         (
             ["--limit-mm-per-prompt", '{"image": 1}'],
-            '--limit-mm-per-prompt {"image": 1} is not supported: the served models read text only',
+            '--limit-mm-per-prompt {"image": 1} is not supported: the served models read text only (an image-text '
+            "checkpoint's language model): every modality's limit is 0",
         ),
         (
             ["--chat-template-content-format", "openai"],

@@ -42,6 +42,7 @@ def test_vllm_engine_arguments_are_taken_at_the_values_that_change_nothing(tiny_
         task="generate",
         compilation_config="0",
         chat_template_content_format="string",
+        limit_mm_per_prompt={"image": 0},  # text only, as an image-text checkpoint's language model is served
     )
     [output] = llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 2
