@@ -140,7 +140,13 @@ class Architecture:
 MULTIMODAL_WRAPPERS = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+    "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
 }
+# their language models' model types, as the family's (Qwen-VL's multimodal rotary is the plain one over text alone:
+# a text token's three position axes are the same position)
+_TEXT_MODEL_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _TOP_LEVEL_KEYS = ("tie_word_embeddings", "dtype", "quantization_config")  # read from the wrapper's config
 
 
@@ -194,7 +200,7 @@ def applies_sliding_window(config: PretrainedConfig) -> bool:
 
 def architecture_of(config: PretrainedConfig) -> Architecture:
     """``ValueError`` for a config of a model type none of the supported architectures has."""
-    model_type = config.model_type
+    model_type = _TEXT_MODEL_TYPES.get(config.model_type, config.model_type)
     if model_type not in _MODEL_TYPES:
         raise ValueError(
             f"model_type {model_type!r} is not supported (supported: {', '.join(_MODEL_TYPES)}, the "

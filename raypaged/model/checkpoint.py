@@ -66,7 +66,14 @@ _LANGUAGE_MODEL_NAMES = (
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
-_VISION_NAMES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_VISION_NAMES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "visual.",  # Qwen-VL's
+    "model.visual.",
+)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -1,4 +1,4 @@
-"""Image-text checkpoints served for text (``Gemma3ForConditionalGeneration``, ``Mistral3ForConditionalGeneration``):
+"""Image-text checkpoints served for text (Gemma 3's, Mistral 3's, Qwen2.5-VL's and Qwen3-VL's):
 the language model's greedy tokens and logprobs equal transformers' whole image-text model's on text prompts; the
 vision tower is not loaded; an image in a request is refused by name."""
 
@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, Gemma3Config, Mistral3Config
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    Gemma3Config,
+    Mistral3Config,
+    Qwen2_5_VLConfig,
+    Qwen3VLConfig,
+)
 
 from raypaged import LLM
 from raypaged.config import EngineConfig
@@ -30,6 +37,9 @@ TEXT = dict(
     pad_token_id=0,
 )
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14)
+QWEN_TOKENS = dict(image_token_id=500, video_token_id=501, vision_start_token_id=498, vision_end_token_id=499)
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 CONFIGS = {
     "gemma3": lambda: Gemma3Config(
         text_config=dict(TEXT, sliding_window=8, query_pre_attn_scalar=16),
@@ -44,6 +54,23 @@ CONFIGS = {
         vision_config=dict(VISION, patch_size=14, head_dim=16),
         image_token_index=500,
     ),
+    # multimodal rotary over three position axes, which are one position for text
+    "qwen2_5_vl": lambda: Qwen2_5_VLConfig(
+        text_config=dict(TEXT, rope_parameters=dict(MROPE)),
+        vision_config=dict(QWEN_VISION, window_size=28, fullatt_block_indexes=[0]),
+        **QWEN_TOKENS,
+    ),
+    "qwen3_vl": lambda: Qwen3VLConfig(
+        text_config=dict(TEXT, rope_parameters=dict(MROPE, mrope_interleaved=True)),
+        vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0], num_position_embeddings=16),
+        **QWEN_TOKENS,
+    ),
+}
+CAUSAL = {
+    "gemma3": "Gemma3ForCausalLM",
+    "mistral3": "MistralForCausalLM",
+    "qwen2_5_vl": "Qwen2ForCausalLM",
+    "qwen3_vl": "Qwen3ForCausalLM",
 }
 
 
@@ -86,7 +113,7 @@ def test_text_prompts_match_the_image_text_model(name, model_dirs, references):
     config = EngineConfig(model=str(model_dirs[name]), device="cpu")
     wrapper = AutoConfig.from_pretrained(model_dirs[name]).architectures[0]
     assert config.hf_config.raypaged_multimodal == wrapper
-    assert config.hf_config.architectures == [{"gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM"}[name]]
+    assert config.hf_config.architectures == [CAUSAL[name]]
     assert_matches_transformers(model_dirs[name], references[name], enable_prefix_caching=True)
 
 
