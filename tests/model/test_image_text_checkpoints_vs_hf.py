@@ -1,4 +1,4 @@
-"""Image-text checkpoints served for text (Gemma 3's, Mistral 3's, Qwen2.5-VL's and Qwen3-VL's):
+"""Image-text checkpoints served for text (Gemma 3's, Mistral 3's, Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's):
 the language model's greedy tokens and logprobs equal transformers' whole image-text model's on text prompts; the
 vision tower is not loaded; an image in a request is refused by name."""
 
@@ -15,6 +15,7 @@ from transformers import (
     Gemma3Config,
     Mistral3Config,
     Qwen2_5_VLConfig,
+    Qwen2VLConfig,
     Qwen3VLConfig,
 )
 
@@ -60,6 +61,11 @@ CONFIGS = {
         vision_config=dict(QWEN_VISION, window_size=28, fullatt_block_indexes=[0]),
         **QWEN_TOKENS,
     ),
+    "qwen2_vl": lambda: Qwen2VLConfig(
+        text_config=dict(TEXT, rope_parameters=dict(MROPE)),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14),
+        **QWEN_TOKENS,
+    ),
     "qwen3_vl": lambda: Qwen3VLConfig(
         text_config=dict(TEXT, rope_parameters=dict(MROPE, mrope_interleaved=True)),
         vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0], num_position_embeddings=16),
@@ -70,6 +76,7 @@ CAUSAL = {
     "gemma3": "Gemma3ForCausalLM",
     "mistral3": "MistralForCausalLM",
     "qwen2_5_vl": "Qwen2ForCausalLM",
+    "qwen2_vl": "Qwen2ForCausalLM",
     "qwen3_vl": "Qwen3ForCausalLM",
 }
 
