@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from raypaged.entrypoints.llm import LLM
     from raypaged.lora.request import LoRARequest
-    from raypaged.outputs import CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+    from raypaged.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
     from raypaged.pooling_params import PoolingParams
     from raypaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -26,6 +33,8 @@ _EXPORTS = {
     "PoolingParams": "raypaged.pooling_params",
     "PoolingRequestOutput": "raypaged.outputs",
     "EmbeddingRequestOutput": "raypaged.outputs",
+    "ClassificationRequestOutput": "raypaged.outputs",
+    "ScoringRequestOutput": "raypaged.outputs",
 }
 __all__ = [
     "LLM",
@@ -37,6 +46,8 @@ __all__ = [
     "PoolingParams",
     "PoolingRequestOutput",
     "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
+    "ScoringRequestOutput",
 ]
 __version__ = "0.1.0"
 

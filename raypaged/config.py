@@ -780,11 +780,12 @@ class EngineConfig:
         """``pooler`` for an embedding model (``--runner``, ``--convert``), and the options an embedding model
         runs without: each refused by name when given."""
         architectures = list(getattr(self.hf_config, "architectures", None) or [])
-        if not resolve_runner(self.runner, self.convert, architectures):
+        task = resolve_runner(self.runner, self.convert, architectures)
+        if task is None:
             if self.pooler_config is not None:
                 raise ValueError("--pooler-config applies to embedding models (--runner pooling)")
             return
-        self.pooler = pooler = resolve_pooler(self.model_path, self.hf_config, self.pooler_config)
+        self.pooler = pooler = resolve_pooler(self.model_path, self.hf_config, self.pooler_config, task)
         for given, flag in (
             (self.speculative_config is not None, "--speculative-config"),
             (self.enable_lora, "--enable-lora"),
@@ -799,9 +800,12 @@ class EngineConfig:
                 "which a cached prefix would skip)",
                 pooler.pooling_type,
             )
-        logger.info(
-            "embedding model: %s pooling, %snormalized", pooler.pooling_type, "" if pooler.normalize else "not "
-        )
+        if task == "classify":
+            logger.info("classifier: %d labels (%s) from its last token's state", len(pooler.labels), pooler.labels)
+        else:
+            logger.info(
+                "embedding model: %s pooling, %snormalized", pooler.pooling_type, "" if pooler.normalize else "not "
+            )
 
     def _check_async_scheduling(self) -> None:
         if not self.async_scheduling:
@@ -910,5 +914,9 @@ def check_architecture(hf_config: Any, what: str) -> None:
 
 
 def _causal_lm_of(architecture: str) -> str:
-    """``Qwen3Model`` -> ``Qwen3ForCausalLM`` (a base model's generative architecture)."""
-    return architecture.removesuffix("Model") + "ForCausalLM" if architecture.endswith("Model") else architecture
+    """``Qwen3Model`` -> ``Qwen3ForCausalLM`` (a base model's generative architecture), and a classifier's
+    (``Qwen3ForSequenceClassification``) likewise."""
+    for suffix in ("ForSequenceClassification", "Model"):
+        if architecture.endswith(suffix):
+            return architecture.removesuffix(suffix) + "ForCausalLM"
+    return architecture

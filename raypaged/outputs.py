@@ -200,3 +200,41 @@ class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
             output.finished,
             output.num_cached_tokens,
         )
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """vLLM's: a classifier's class probabilities (its head's logits through softmax, or sigmoid for one label)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    """vLLM's output of ``LLM.classify``: one prompt's class probabilities (``outputs.probs``)."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput[PoolingOutput]) -> ClassificationRequestOutput:
+        return cls(
+            output.request_id,
+            ClassificationOutput(output.outputs.data.tolist()),
+            output.prompt_token_ids,
+            output.finished,
+            output.num_cached_tokens,
+        )
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """vLLM's: one pair's score (a cross-encoder's probability, or two embeddings' cosine similarity)."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """vLLM's output of ``LLM.score``: one pair's score (``outputs.score``)."""

@@ -29,7 +29,8 @@ logger = logging.getLogger("raypaged")
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
-CONVERTS = ("auto", "none", "embed")
+CONVERTS = ("auto", "none", "embed", "classify")
+TASKS = ("embed", "classify")  # what a pooling engine serves: vectors, or a classification head's scores
 # --pooler-config keys raypaged reads; vLLM's others (classification, reward and chunked-processing ones) refused
 _POOLER_KEYS = ("pooling_type", "seq_pooling_type", "normalize", "use_activation", "dimensions")
 # sentence-transformers Pooling modes -> pooling type (the modes raypaged has no pooling for are refused by name)
@@ -44,10 +45,12 @@ class PoolerSettings:
     the dimensions a request may ask for (``None``: not a matryoshka model; ``()``: any up to the size)."""
 
     pooling_type: str
-    normalize: bool
+    normalize: bool  # classify: apply the activation (softmax, or sigmoid for one label), vLLM's use_activation
     dimensions: int | None
     hidden_size: int
     matryoshka: tuple[int, ...] | None
+    task: str = "embed"
+    labels: tuple[str, ...] = ()  # classify: each class's name (the config's id2label), in order
 
     @property
     def needs_every_token(self) -> bool:
@@ -56,7 +59,16 @@ class PoolerSettings:
 
     def check(self, params: PoolingParams) -> None:
         """``InputError`` naming the field a request's params cannot have on this model."""
+        task = params.task or self.task
+        if self.task == "classify" and task not in ("classify", "score"):
+            raise InputError(
+                "task", f"this model classifies (--convert classify): task {task!r} is not served (classify, score)"
+            )
+        if self.task == "embed" and task not in ("embed", "encode", "score"):
+            raise InputError("task", f"this model embeds: task {task!r} is not served (embed, encode, score)")
         if params.dimensions is not None:
+            if self.task == "classify":
+                raise InputError("dimensions", "dimensions applies to embeddings, not to a classifier's scores")
             self.check_dimensions(params.dimensions, "dimensions")
 
     def check_dimensions(self, dimensions: int, where: str) -> None:
@@ -74,20 +86,27 @@ class PoolerSettings:
             raise InputError(where, f"{where} must be between 1 and the model's {self.hidden_size}, got {dimensions}")
 
 
-def resolve_runner(runner: str, convert: str, architectures: list[str]) -> bool:
-    """Whether the engine pools (``--runner``/``--convert`` against the checkpoint's architectures): ``auto`` pools
-    a base model without a language-model head (``Qwen3Model``, ``LlamaModel``, ...), generates otherwise."""
+def resolve_runner(runner: str, convert: str, architectures: list[str]) -> str | None:
+    """What the engine serves (``--runner``/``--convert`` against the checkpoint's architectures): ``None`` to
+    generate, ``"embed"`` or ``"classify"`` to pool. ``auto`` pools a base model without a language-model head
+    (``Qwen3Model``, ``LlamaModel``, ...) into embeddings, and classifies with a ``*ForSequenceClassification``'s
+    head; it generates otherwise."""
     if runner not in RUNNERS:
         raise ValueError(f"--runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
     if convert not in CONVERTS:
-        raise ValueError(
-            f"--convert must be one of {', '.join(CONVERTS)}, got {convert!r} (raypaged pools embeddings only: "
-            "no classify or reward conversion)"
-        )
+        raise ValueError(f"--convert must be one of {', '.join(CONVERTS)}, got {convert!r} (no reward conversion)")
+    classifier = bool(architectures) and all(a.endswith("ForSequenceClassification") for a in architectures)
     headless = bool(architectures) and all(not a.endswith("ForCausalLM") for a in architectures)
-    pooling = runner == "pooling" or (runner == "auto" and (headless or convert == "embed"))
-    if convert == "embed" and runner == "generate":
-        raise ValueError("--convert embed makes an embedding model: it needs --runner pooling (or auto), not generate")
+    pooling = runner == "pooling" or (runner == "auto" and (headless or convert in ("embed", "classify")))
+    if convert in ("embed", "classify") and runner == "generate":
+        raise ValueError(
+            f"--convert {convert} makes a pooling model: it needs --runner pooling (or auto), not generate"
+        )
+    if convert == "classify" and not classifier:
+        raise ValueError(
+            f"--convert classify needs a classification head (a *ForSequenceClassification checkpoint's score "
+            f"weight); architecture {architectures} has none"
+        )
     if pooling and convert == "none" and not headless:
         raise ValueError(
             f"--runner pooling with --convert none: architecture {architectures} is a generative model; "
@@ -96,14 +115,31 @@ def resolve_runner(runner: str, convert: str, architectures: list[str]) -> bool:
     if not pooling and headless:
         raise ValueError(
             f"architecture {architectures} has no language-model head, so it cannot generate: serve it with "
-            "--runner pooling (embeddings)"
+            "--runner pooling (embeddings, or its classification head's scores)"
         )
-    return pooling
+    if not pooling:
+        return None
+    return "classify" if classifier and convert != "embed" else "embed"
 
 
-def resolve_pooler(model_path: Path, hf_config: Any, pooler_config: dict[str, Any] | None) -> PoolerSettings:
-    """The model's ``PoolerSettings`` (see the module's docstring); ``ValueError`` naming what is not supported."""
+def resolve_pooler(
+    model_path: Path, hf_config: Any, pooler_config: dict[str, Any] | None, task: str = "embed"
+) -> PoolerSettings:
+    """The model's ``PoolerSettings`` (see the module's docstring); ``ValueError`` naming what is not supported.
+    A classifier (``task`` classify) pools its last token (vLLM's default) through its head and applies the
+    activation unless told not to; ``dimensions`` is refused for it."""
     given = dict(pooler_config or {})
+    if task == "classify":
+        if "dimensions" in given:
+            raise ValueError("--pooler-config dimensions applies to embedding models, not to a classifier")
+        labels = tuple(str(hf_config.id2label[i]) for i in range(int(hf_config.num_labels)))
+        base = resolve_pooler(model_path, hf_config, given, "embed")
+        if base.pooling_type != "LAST":
+            raise ValueError(
+                f"--pooler-config pooling_type {base.pooling_type!r} is not supported for a classifier: its head "
+                "reads the last token's state, as transformers' *ForSequenceClassification"
+            )
+        return PoolerSettings(base.pooling_type, base.normalize, None, base.hidden_size, None, "classify", labels)
     unknown = sorted(set(given) - set(_POOLER_KEYS))
     if unknown:
         raise ValueError(
@@ -193,9 +229,15 @@ def add_part(pooling_type: str, total: torch.Tensor | None, part: torch.Tensor, 
 def finish_embedding(
     pooling_type: str, total: torch.Tensor, num_prompt: int, params: PoolingParams, settings: PoolerSettings
 ) -> torch.Tensor:
-    """The request's embedding: the mean (``MEAN``), cut to its dimensions, normalized as asked (float32, CPU)."""
+    """The request's embedding: the mean (``MEAN``), cut to its dimensions, normalized as asked (float32, CPU); a
+    classifier's scores (``total``: its head's logits) through the activation, softmax or (one label) sigmoid."""
     import torch
 
+    if settings.task == "classify":
+        activate = params.wants_normalize if params.wants_normalize is not None else settings.normalize
+        if not activate:
+            return total.float().cpu()
+        return (torch.sigmoid(total) if total.shape[-1] == 1 else torch.softmax(total, dim=-1)).float().cpu()
     vector = total / num_prompt if pooling_type == "MEAN" else total
     dimensions = params.dimensions if params.dimensions is not None else settings.dimensions
     if dimensions is not None:

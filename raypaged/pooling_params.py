@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_TASKS = ("embed", "encode")  # "encode": the pooled hidden state as the model's pooler gives it
+# "encode": the pooled hidden state as the model's pooler gives it; "classify", "score": a classifier's scores
+POOLING_TASKS = ("embed", "encode", "classify", "score")
 
 
 @dataclass(slots=True)
@@ -12,7 +13,8 @@ class PoolingParams:
     """``truncate_prompt_tokens``: keep the prompt's last k tokens (-1: as many as ``max_model_len`` holds).
     ``dimensions``: the embedding's first N values, normalized again (matryoshka models only).
     ``use_activation``: L2-normalize the embedding (``None``: the pooler's default, see ``PoolerSettings``);
-    ``normalize`` is vLLM's older name of the same switch. ``task``: ``embed`` or ``encode`` (``None``: embed)."""
+    ``normalize`` is vLLM's older name of the same switch; on a classifier, the softmax (sigmoid for one label).
+    ``task``: ``embed``, ``encode``, ``classify`` or ``score`` (``None``: what the model serves)."""
 
     truncate_prompt_tokens: int | None = None
     dimensions: int | None = None

@@ -8,6 +8,7 @@ from dataclasses import MISSING, fields, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch
 from tqdm.auto import tqdm
 
 from raypaged.config import EngineConfig
@@ -20,12 +21,15 @@ from raypaged.inputs.limits import check_priority
 from raypaged.lora.request import LoRARequest
 from raypaged.outputs import (
     BeamSearchOutput,
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingOutput,
     PoolingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
-from raypaged.pooling_params import PoolingParams
+from raypaged.pooling_params import POOLING_TASKS, PoolingParams
 from raypaged.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -200,16 +204,18 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        pooling_task: str = "embed",
+        pooling_task: str | None = None,
         truncate_prompt_tokens: int | None = None,
     ) -> list[PoolingRequestOutput[PoolingOutput]]:
-        """An embedding model's (``runner="pooling"``) pooled vector of every prompt, in input order, as vLLM's
-        ``LLM.encode``: each output's ``outputs.data`` is a float32 tensor. ``pooling_params``: one for all
-        prompts or one per prompt; ``truncate_prompt_tokens`` sets theirs (the prompt's last k tokens)."""
+        """A pooling model's (``runner="pooling"``) output for every prompt, in input order, as vLLM's
+        ``LLM.encode``: each output's ``outputs.data`` is a float32 tensor (an embedding, or a classifier's
+        probabilities). ``pooling_params``: one for all prompts or one per prompt; ``pooling_task`` (``embed``,
+        ``encode``, ``classify``, ``score``; default: what the model serves) and ``truncate_prompt_tokens`` (the
+        prompt's last k tokens) set theirs."""
         if lora_request is not None:
-            raise ValueError("lora_request: an embedding model (runner='pooling') runs without LoRA adapters")
-        if pooling_task not in ("embed", "encode"):
-            raise ValueError(f"pooling_task {pooling_task!r} is not supported (embed, encode: embeddings only)")
+            raise ValueError("lora_request: a pooling model (runner='pooling') runs without LoRA adapters")
+        if pooling_task is not None and pooling_task not in POOLING_TASKS:
+            raise ValueError(f"pooling_task {pooling_task!r} is not supported ({', '.join(POOLING_TASKS)})")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -221,6 +227,8 @@ class LLM:
             )
         if truncate_prompt_tokens is not None:
             params_list = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        if pooling_task is not None:
+            params_list = [p if p.task is not None else replace(p, task=pooling_task) for p in params_list]
         engine = self.llm_engine
         submissions = [
             partial(engine.add_pooling_request, text, params, prompt_token_ids=token_ids, cache_salt=salt)
@@ -239,6 +247,68 @@ class LLM:
         """Every prompt's embedding (``outputs.embedding``: floats), as vLLM's ``LLM.embed``."""
         outputs = self.encode(prompts, pooling_params, use_tqdm, lora_request, "embed", truncate_prompt_tokens)
         return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """A classifier's (a ``*ForSequenceClassification`` checkpoint) class probabilities of every prompt
+        (``outputs.probs``), as vLLM's ``LLM.classify``."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, lora_request, "classify", truncate_prompt_tokens)
+        return [ClassificationRequestOutput.from_base(output) for output in outputs]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Each pair's score, as vLLM's ``LLM.score``: ``data_1`` one text against every text of ``data_2``, or
+        the two lists pairwise. A classifier of one label (a cross-encoder) scores the pair tokenized together (the
+        tokenizer's text pair) through its sigmoid; an embedding model scores the cosine similarity of the two
+        embeddings."""
+        firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+        seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(firsts) == 1:
+            firsts *= len(seconds)
+        if len(firsts) != len(seconds) or not seconds:
+            raise ValueError(
+                f"data_1 has {len(firsts)} texts and data_2 {len(seconds)}: give one against many, or as many of each"
+            )
+        pooler = self.llm_engine.config.pooler
+        if pooler is None:
+            raise ValueError(
+                "LLM.score needs a pooling model (runner='pooling'): a classifier of one label or an embedding model"
+            )
+        if pooler.task == "classify":
+            if len(pooler.labels) != 1:
+                raise ValueError(
+                    f"LLM.score needs a classifier of one label (a cross-encoder); this one has {len(pooler.labels)}"
+                )
+            tokenizer = self.get_tokenizer()
+            pairs = [{"prompt_token_ids": tokenizer(a, b)["input_ids"]} for a, b in zip(firsts, seconds)]
+            outputs = self.encode(pairs, pooling_params, use_tqdm, lora_request, "score", truncate_prompt_tokens)
+            scores = [float(output.outputs.data[0]) for output in outputs]
+        else:
+            vectors = self.encode(
+                firsts + seconds, pooling_params, use_tqdm, lora_request, "embed", truncate_prompt_tokens
+            )
+            outputs = vectors[len(firsts) :]
+            scores = [
+                float(torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0))
+                for a, b in zip(vectors[: len(firsts)], outputs)
+            ]
+        return [
+            ScoringRequestOutput(o.request_id, ScoringOutput(score), o.prompt_token_ids, True, o.num_cached_tokens)
+            for o, score in zip(outputs, scores)
+        ]
 
     def _submit_and_run(self, submissions: Sequence[Callable[[], str]], use_tqdm: bool) -> list[RequestOutput]:
         """Queue every request, all or none (a bad one aborts those already queued), then run them."""

@@ -459,10 +459,13 @@ class LlamaForCausalLM(nn.Module):
         tp: TensorParallel = TensorParallel(),
         quant_config: QuantizationConfig | None = None,
         head: bool = True,
+        num_labels: int = 0,
     ) -> None:
         super().__init__()
         check_tensor_parallel(config, tp.size, tp.expert_parallel)
         self.has_head = head  # False: an embedding model's (--runner pooling): no logits, no lm_head weights
+        # a classifier's head (*ForSequenceClassification's ``score``), whole on every rank
+        self.score = nn.Linear(config.hidden_size, num_labels, bias=False) if num_labels else None
         self.config = config
         self.architecture = arch = architecture_of(config)
         self.model = LlamaModel(config, arch, max_positions, tp, quant_config)

@@ -38,6 +38,7 @@ def load_model(
     seed: int = 0,
     quant_config: QuantizationConfig | None = None,
     head: bool = True,
+    num_labels: int = 0,
 ) -> LlamaForCausalLM:
     """This rank's shard of the model: each checkpoint tensor is read, sliced and dropped in turn.
 
@@ -46,12 +47,13 @@ def load_model(
     7B-shaped model is ready in seconds for benchmarks; quantized layers then quantize them as
     ``quant_config`` does online (fp8 only: other schemes need their checkpoint's tensors).
     ``quant_config``: the projections' scheme; their quantized tensors keep their own dtypes. ``head`` False: an
-    embedding model's, without the language-model head (a checkpoint's ``lm_head`` tensors are skipped).
+    embedding model's, without the language-model head (a checkpoint's ``lm_head`` tensors are skipped); ``num_labels``:
+    a classifier's, with its ``score`` head of that many labels.
     An fp32 model on a CPU ends with its float linears' weights packed for oneDNN (``pack_weights``); a bf16 mixture
     of experts on an H100 or H200 with its experts' weights stacked for grouped GEMMs (``stack_experts``).
     """
     with torch.device(device):
-        model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config, head)
+        model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config, head, num_labels)
     if load_format == "dummy":
         fill_dummy(model, dtype, device, seed + tp.rank)
     else:

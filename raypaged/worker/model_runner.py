@@ -411,7 +411,10 @@ class ModelRunner:
             row += num_new
         out = ModelRunnerOutput()
         if parts:
-            host = torch.stack(parts).cpu()
+            stacked = torch.stack(parts)
+            if (score := self.model.score) is not None:  # a classifier: its head's logits (the last token's state)
+                stacked = score(stacked.to(score.weight.dtype)).float()
+            host = stacked.cpu()
             out.pooled = {request_id: (start, host[i]) for i, (request_id, start) in enumerate(zip(ids, starts))}
         return out
 

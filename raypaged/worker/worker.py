@@ -80,6 +80,7 @@ class Worker:
             config.seed,
             config.quant_config,
             head=config.pooler is None,
+            num_labels=0 if config.pooler is None else len(config.pooler.labels),
         )
         # the CUDA kernels read a cache of the model's dtype, and an fp8 e4m3 one with $RAYPAGED_FP8_KV_KERNELS=1: for
         # any other an fp8 cache is read and written in torch (the CPU kernels read and write an fp8 e4m3 cache
