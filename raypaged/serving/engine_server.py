@@ -116,6 +116,8 @@ class ServedModel:
             config_hash=config.config_hash(),
             enable_prefix_caching=config.enable_prefix_caching,
             embedding=config.pooler is not None,
+            pooling_task=config.pooler.task if config.pooler is not None else "",
+            labels=config.pooler.labels if config.pooler is not None else (),
         )
 
 
@@ -327,7 +329,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             try:
                 await hold.admit()
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                tokenize = partial(model.inputs.tokenize, add_special_tokens=add_special)
+                tokenize = partial(_token_ids, model.tokenizer, add_special_tokens=add_special)
                 text, token_ids = await _prompt(model, request, tokenize, "input")
                 salt = self._cache_salt(gate, request.cache_salt)
                 output = await model.engine.encode(text, params, key[1], token_ids, priority, salt)
@@ -579,12 +581,16 @@ def _check_text_size(config: EngineConfig, request: pb.GenerateRequest | pb.Embe
     kind = request.WhichOneof(oneof)
     if kind == "text":
         check_text(oneof, len(request.text), config.limits, config.resolved_max_model_len)
+    elif kind == "text_pair":
+        pair = request.text_pair
+        check_text(oneof, len(pair.text_1) + len(pair.text_2), config.limits, config.resolved_max_model_len)
     elif kind == "messages":
         _check_conversation(request.messages, config)
     elif kind != "token_ids":
-        raise InputError(oneof, f"{oneof} is required: text, token_ids or messages")
+        raise InputError(oneof, f"{oneof} is required: {_INPUT_KINDS[oneof]}")
 
 
+_INPUT_KINDS = {"prompt": "text, token_ids or messages", "input": "text, token_ids, messages or text_pair"}
 _TOKENIZER_FILES = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")  # paths on this host, left out
 
 
@@ -613,6 +619,11 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+def _token_ids(tokenizer: PreTrainedTokenizerBase, *texts: str, add_special_tokens: bool) -> list[int]:
+    """The token ids of a text, or of two tokenized together as the tokenizer's text pair."""
+    return tokenizer(*texts, add_special_tokens=add_special_tokens)["input_ids"]
+
+
 def _engine_ready(request: pb.GenerateRequest, processed: ProcessedRequest) -> pb.GenerateRequest:
     """``request`` as ``Render`` answers it: its prompt the token ids the core got, no truncation left to do,
     and the values the engine resolved set where the request left them to the model's defaults."""
@@ -632,14 +643,18 @@ def _engine_ready(request: pb.GenerateRequest, processed: ProcessedRequest) -> p
 async def _prompt(
     model: ServedModel,
     request: pb.GenerateRequest | pb.EmbedRequest,
-    tokenize: Callable[[str], list[int]],
+    tokenize: Callable[..., list[int]],
     oneof: str = "prompt",
 ) -> tuple[str | None, list[int]]:
     """The text (when it is one) and token ids of the request's ``oneof`` (its prompt, an ``Embed``'s input), text
-    made token ids by ``tokenize`` on the model's tokenizer thread; its size is already checked."""
+    (or an ``Embed``'s text pair, both texts given to it) made token ids by ``tokenize`` on the model's tokenizer
+    thread; its size is already checked."""
     kind = request.WhichOneof(oneof)
     if kind == "text":
         return request.text, await model.off_loop(tokenize, request.text)
+    if kind == "text_pair":
+        assert isinstance(request, pb.EmbedRequest)  # the only request with a text pair
+        return None, await model.off_loop(tokenize, request.text_pair.text_1, request.text_pair.text_2)
     if kind == "token_ids":
         return None, list(request.token_ids.ids)
     return None, await model.off_loop(chat_prompt_ids, model.inputs, request.messages)

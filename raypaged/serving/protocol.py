@@ -154,7 +154,7 @@ def beam_search_from_proto(request: pb.GenerateRequest, max_model_len: int) -> B
 
 def pooling_params_from_proto(request: pb.EmbedRequest) -> PoolingParams:
     """An ``Embed`` request's ``PoolingParams``; bad values raise ``ValueError`` naming the field."""
-    fields = ("truncate_prompt_tokens", "dimensions", "normalize")
+    fields = ("truncate_prompt_tokens", "dimensions", "normalize", "task")
     return PoolingParams(**{name: _set_or(request, name, None, None) for name in fields})
 
 

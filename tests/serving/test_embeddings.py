@@ -218,8 +218,8 @@ def test_each_model_refuses_the_other_kind_of_request(http):
 
 def test_grpc_embed(stack, hf_base):
     stub = stack.grpc_stub()
-    info = {m.name: m.embedding for m in stub.Info(pb.InfoRequest()).models}
-    assert info == {"embed": True, "tiny": False}
+    info = {m.name: (m.embedding, m.pooling_task, list(m.labels)) for m in stub.Info(pb.InfoRequest()).models}
+    assert info == {"embed": (True, "embed", []), "tiny": (False, "", [])}
     answer = stub.Embed(pb.EmbedRequest(model="embed", request_id="g-1", token_ids=pb.TokenIds(ids=LONG)))
     assert (answer.request_id, answer.prompt_tokens) == ("g-1", 37)
     assert_close(list(answer.embedding), expected(hf_base, LONG))
@@ -239,5 +239,5 @@ def test_grpc_embed(stack, hf_base):
         stub.Embed(pb.EmbedRequest(model="embed"))
     assert (empty.value.code(), empty.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT,
-        "input is required: text, token_ids or messages",
+        "input is required: text, token_ids, messages or text_pair",
     )

@@ -331,30 +331,42 @@ class DerenderResponse(_message.Message):
     def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "dimensions", "normalize", "truncate_prompt_tokens", "priority", "cache_salt", "add_special_tokens")
+    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "text_pair", "dimensions", "normalize", "truncate_prompt_tokens", "priority", "cache_salt", "add_special_tokens", "task")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_PAIR_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
     token_ids: TokenIds
     messages: ChatMessages
+    text_pair: TextPair
     dimensions: int
     normalize: bool
     truncate_prompt_tokens: int
     priority: int
     cache_salt: str
     add_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    task: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., text_pair: _Optional[_Union[TextPair, _Mapping]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., task: _Optional[str] = ...) -> None: ...
+
+class TextPair(_message.Message):
+    __slots__ = ("text_1", "text_2")
+    TEXT_1_FIELD_NUMBER: _ClassVar[int]
+    TEXT_2_FIELD_NUMBER: _ClassVar[int]
+    text_1: str
+    text_2: str
+    def __init__(self, text_1: _Optional[str] = ..., text_2: _Optional[str] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
     __slots__ = ("request_id", "embedding", "prompt_tokens")
@@ -433,7 +445,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_model_len", "block_size", "tensor_parallel_size", "num_gpu_blocks", "device", "dtype", "root", "parent", "config_hash", "enable_prefix_caching", "embedding")
+    __slots__ = ("name", "max_model_len", "block_size", "tensor_parallel_size", "num_gpu_blocks", "device", "dtype", "root", "parent", "config_hash", "enable_prefix_caching", "embedding", "pooling_task", "labels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +458,8 @@ class ModelInfo(_message.Message):
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TASK_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_model_len: int
     block_size: int
@@ -458,7 +472,9 @@ class ModelInfo(_message.Message):
     config_hash: str
     enable_prefix_caching: bool
     embedding: bool
-    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., root: _Optional[str] = ..., parent: _Optional[str] = ..., config_hash: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., embedding: _Optional[bool] = ...) -> None: ...
+    pooling_task: str
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., root: _Optional[str] = ..., parent: _Optional[str] = ..., config_hash: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., embedding: _Optional[bool] = ..., pooling_task: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadLoRAAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path", "base_model_name")

@@ -140,8 +140,9 @@ class TextGenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Embed(self, request, context):
-        """/ Embed one input with an embedding model (--runner pooling): its final hidden states pooled into one
-        / vector, as vLLM's /v1/embeddings does for each input. Cancelling the call aborts the request.
+        """/ Embed one input with a pooling model (--runner pooling): its final hidden states pooled into one
+        / vector, as vLLM's /v1/embeddings does for each input, or a classifier's scores of it, as /classify and
+        / /score do. Cancelling the call aborts the request.
         / INVALID_ARGUMENT: bad input, or a generative model; RESOURCE_EXHAUSTED: the tenant is at its limits.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
