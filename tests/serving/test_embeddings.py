@@ -197,8 +197,8 @@ def test_each_model_refuses_the_other_kind_of_request(http):
     assert error_of(generate) == (
         400,
         invalid(
-            "The model `embed` is an embedding model (--runner pooling): it serves /v1/embeddings and /pooling, not "
-            "generation",
+            "The model `embed` is an embedding model (--runner pooling): it serves /v1/embeddings, /pooling, /score "
+            "and /rerank, not generation",
             "model",
         ),
     )

@@ -1,5 +1,6 @@
 """The OpenAI-compatible routes (completions, chat completions, responses, models, health, metrics, tokenize; the
-embeddings in ``embeddings.py``) and Anthropic's Messages API."""
+embeddings in ``embeddings.py``, classification, scores and reranking in ``scoring.py``) and Anthropic's Messages
+API."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from raypaged.serving.gateway.calls import (
 )
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.efforts import AUTO, DisabledThinking
-from raypaged.serving.gateway.embeddings import EmbeddingBody, PoolingBody, add_embedding_routes, check_serves
+from raypaged.serving.gateway.embeddings import EmbeddingBody, PoolingBody, add_embedding_routes
 from raypaged.serving.gateway.engines import EngineRoutes
 from raypaged.serving.gateway.errors import (
     COUNT_TOKENS_PATH,
@@ -48,6 +49,7 @@ from raypaged.serving.gateway.fingerprint import Fingerprints
 from raypaged.serving.gateway.guard import DEFAULT_AUTH_EXEMPT_PATHS, Guard, HostCheck, host_check_needed
 from raypaged.serving.gateway.openai_responses import Responder, ResponsesRequest, ResponseStore
 from raypaged.serving.gateway.output_log import OutputLog, OutputLogging
+from raypaged.serving.gateway.pooled import PoolingRunner, check_serves
 from raypaged.serving.gateway.reasoning import ReasoningParser
 from raypaged.serving.gateway.response_events import ResponseEvents, fed_events, sse_event
 from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape, engine_request_ids
@@ -67,6 +69,7 @@ from raypaged.serving.gateway.schemas import (
     add_body_schemas,
     body_doc,
 )
+from raypaged.serving.gateway.scoring import ClassifyBody, RerankBody, ScoreBody, add_scoring_routes
 from raypaged.serving.gateway.sse import EventStream, sse_data
 from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.gateway.tool_parsers import ToolParser
@@ -216,11 +219,7 @@ def build_app(
         """Tokens per block of the prefix cache of the model a Messages request names; ``None``: it runs without
         one."""
         name, _ = await routes.find(model)
-        info = await routes.model_info(name)
-        if info is None:
-            raise APIError(
-                503, f"the engine is unavailable: the one serving {name} did not answer; send the request again"
-            )
+        info = await routes.answered_info(name)
         return info.block_size if info.enable_prefix_caching else None
 
     async def messages_chat(http: Request, body: MessagesRequest) -> tuple[ChatCompletionRequest, int | None]:
@@ -265,7 +264,7 @@ def build_app(
     ) -> tuple[str, EngineClient, ToolPlan | None, list[pb.GenerateRequest]]:
         """The model that answers ``body``, its engine, the body's tool plan, and one engine request per prompt."""
         model, stub = await routes.find(body.model)
-        await check_serves(routes, model, embeddings=False)
+        await check_serves(routes, model, None)
         check_count("prompt", body.num_prompts, max_prompts_per_request, "max_prompts_per_request", "prompts")
         tools, prompts = rendered(body) if isinstance(body, ChatCompletionRequest) else (None, body.prompts())
         num_logprobs = body.num_logprobs
@@ -545,7 +544,9 @@ def build_app(
         response = await stub.Detokenize(request, metadata=metadata(http))
         return {"prompt": response.text}
 
-    add_embedding_routes(app, routes, drain, parse, max_prompts_per_request, log_requests, request_id_headers)
+    pooling = PoolingRunner(routes, drain, parse, max_prompts_per_request, log_requests, request_id_headers)
+    add_embedding_routes(app, pooling)
+    add_scoring_routes(app, pooling)
     if scale_out:
         parts = GatewayParts(
             routes,
@@ -578,6 +579,9 @@ def build_app(
             CountTokensRequest,
             EmbeddingBody,
             PoolingBody,
+            ClassifyBody,
+            ScoreBody,
+            RerankBody,
             TokenizeBody,
             DetokenizeBody,
             LoadLoRAAdapterBody,

@@ -109,6 +109,15 @@ class EngineRoutes:
             self._info.update({m.name: m for m in response.models})
         return self._info.get(model)
 
+    async def answered_info(self, model: str) -> pb.ModelInfo:
+        """``model_info``, which a request cannot do without: a 503 while the engine does not answer."""
+        info = await self.model_info(model)
+        if info is None:
+            raise APIError(
+                503, f"the engine is unavailable: the one serving {model} did not answer; send the request again"
+            )
+        return info
+
     async def health(self) -> str | None:
         """``None`` when every engine serves, else why not."""
 

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from raypaged.serving.gateway.drain import Drain
 from raypaged.serving.gateway.errors import MESSAGES_PATH, APIError, route_path
+from raypaged.serving.gateway.scoring import RERANK_PATHS, SCORE_PATHS
 from raypaged.serving.gateway.tenants import Tenant, Tenants, load_tenants
 
 DEFAULT_AUTH_EXEMPT_PATHS = ("/health", "/metrics")
@@ -42,8 +43,11 @@ GENERATION_PATHS = (
     MESSAGES_PATH,
     "/inference/v1/generate",  # vLLM's scale-out endpoints (--enable-scale-out)
     "/inference/v1/abort_requests",  # a tenant's requests are found by its key
-    "/v1/embeddings",  # an embedding model's requests hold tenant slots too
+    "/v1/embeddings",  # a pooling model's requests hold tenant slots too
     "/pooling",
+    "/classify",
+    *SCORE_PATHS,
+    *RERANK_PATHS,
 )
 _OPEN_WHILE_DRAINING = ("/health", "/metrics")
 ANY_HOST = "*"
