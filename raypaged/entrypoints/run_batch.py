@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("raypaged")
 
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
 # the gateway flags (add_gateway_args) a batch honours; --host and --port place the metrics server, and the
 # vLLM ones (vllm_options' SERVER tables) are checked as serve checks them; any other is refused when given
 _TAKEN_GATEWAY_FLAGS = frozenset(

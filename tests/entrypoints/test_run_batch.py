@@ -49,9 +49,9 @@ LINES: list[tuple[str, tuple[str, dict] | str | None]] = [
     # sent as the server takes it: this generative model refuses embeddings with a 400 naming model
     (line("embed", "/v1/embeddings", EMBED), ("/v1/embeddings", EMBED)),
     (
-        line("score", "/v1/score", {"model": "tiny", "text_1": "a", "text_2": "b"}),
-        "url '/v1/score' is not supported by raypaged run-batch: use /v1/chat/completions or /v1/completions or "
-        "/v1/embeddings",
+        line("transcribe", "/v1/audio/transcriptions", {"model": "tiny", "file": "a.wav"}),
+        "url '/v1/audio/transcriptions' is not supported by raypaged run-batch: use /v1/chat/completions or "
+        "/v1/completions or /v1/embeddings or /v1/score or /v1/rerank",
     ),
     (
         line("streamed", CHAT_URL, {**CHAT, "stream": True}),
