@@ -206,3 +206,37 @@ def one_call_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(cpu_step.CpuStep, "run", counted)
     return runs
+
+
+CLASSIFIER_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+)
+
+
+def make_classifier(root: Path, smollm2_dir: Path, arch: str, num_labels: int) -> Path:
+    """A random-weight ``*ForSequenceClassification`` of ``num_labels`` (named ``class_i`` where several) with
+    SmolLM2's tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.for_model(arch, **CLASSIFIER_SHAPE, num_labels=num_labels)
+    if num_labels > 1:
+        config.id2label = {i: f"class_{i}" for i in range(num_labels)}
+        config.label2id = {name: i for i, name in config.id2label.items()}
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    path = root / f"{arch}-{num_labels}"
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, path / name)
+    return path

@@ -5,46 +5,17 @@ classifier cannot do is refused by name."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification
 
 from raypaged import LLM, PoolingParams
-from tests.conftest import TOKENIZER_FILES
+from tests.conftest import make_classifier
 
 PROMPTS = [list(range(100, 137)), [5, 9, 300], [42] * 20]
 OPTIONS = {"device": "cpu", "num_gpu_blocks_override": 64, "block_size": 4, "max_model_len": 64}
-SHAPE = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    pad_token_id=0,
-)
-
-
-def make_classifier(root: Path, smollm2_dir: Path, arch: str, num_labels: int) -> Path:
-    config = AutoConfig.for_model(arch, **SHAPE, num_labels=num_labels)
-    if num_labels > 1:
-        config.id2label = {i: f"class_{i}" for i in range(num_labels)}
-        config.label2id = {name: i for i, name in config.id2label.items()}
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.2)
-    path = root / f"{arch}-{num_labels}"
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
-    return path
 
 
 @pytest.fixture(scope="module")

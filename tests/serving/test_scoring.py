@@ -16,8 +16,7 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerFast
 
 from raypaged.serving.proto import generate_pb2 as pb
-from tests.conftest import make_tiny_embedding_model
-from tests.model.test_classifiers_vs_hf import make_classifier
+from tests.conftest import make_classifier, make_tiny_embedding_model
 from tests.serving.conftest import Stack, tiny_config
 
 BOS_ID, SEP_ID = 1, 2  # the tokenizers add them: "<bos> A" and "<bos> A <sep> B"
