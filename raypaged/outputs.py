@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 
 class FinishReason(enum.StrEnum):
@@ -147,6 +147,7 @@ class BeamSearchOutput(RequestOutput):
 
 
 _Pooled = TypeVar("_Pooled")
+_Other = TypeVar("_Other")
 
 
 @dataclass(slots=True)
@@ -186,6 +187,11 @@ class PoolingRequestOutput(Generic[_Pooled]):
             output.request_id, PoolingOutput(output.pooled), output.prompt_token_ids, True, output.num_cached_tokens
         )
 
+    def with_outputs(self, outputs: _Other, kind: type[PoolingRequestOutput[_Other]]) -> PoolingRequestOutput[_Other]:
+        """The same request's output as ``kind`` holding ``outputs`` (an embedding's floats, a classifier's
+        probabilities, a pair's score)."""
+        return kind(self.request_id, outputs, self.prompt_token_ids, self.finished, self.num_cached_tokens)
+
 
 @dataclass(slots=True)
 class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
@@ -193,13 +199,7 @@ class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput[PoolingOutput]) -> EmbeddingRequestOutput:
-        return cls(
-            output.request_id,
-            EmbeddingOutput(output.outputs.data.tolist()),
-            output.prompt_token_ids,
-            output.finished,
-            output.num_cached_tokens,
-        )
+        return cast(EmbeddingRequestOutput, output.with_outputs(EmbeddingOutput(output.outputs.data.tolist()), cls))
 
 
 @dataclass(slots=True)
@@ -219,13 +219,8 @@ class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput[PoolingOutput]) -> ClassificationRequestOutput:
-        return cls(
-            output.request_id,
-            ClassificationOutput(output.outputs.data.tolist()),
-            output.prompt_token_ids,
-            output.finished,
-            output.num_cached_tokens,
-        )
+        probs = ClassificationOutput(output.outputs.data.tolist())
+        return cast(ClassificationRequestOutput, output.with_outputs(probs, cls))
 
 
 @dataclass(slots=True)

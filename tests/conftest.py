@@ -152,16 +152,21 @@ def make_tiny_model(root: Path, smollm2_dir: Path, arch: str = "llama", **overri
         eos_token_id=2,
     )
     base.update(overrides)
-    config = AutoConfig.for_model(arch, **base)
+    return save_random(AutoModelForCausalLM, AutoConfig.for_model(arch, **base), root / arch, smollm2_dir)
+
+
+def save_random(auto_class, config, path: Path, smollm2_dir: Path) -> Path:
+    """``auto_class``'s model of ``config`` with weights drawn from N(0, 0.2) (sharper than init, so greedy tokens
+    are far from ties; GLM-4.5's router bias too, a buffer saved with the weights), saved at ``path`` with SmolLM2's
+    tokenizer."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto_class.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
-            param.normal_(0, 0.2)  # sharper than init, so greedy tokens are far from ties
+            param.normal_(0, 0.2)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # GLM-4.5's router bias: a buffer, saved with the weights
+            if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0, 0.2)
-    path = root / arch
     model.save_pretrained(path)
     for name in TOKENIZER_FILES:
         if (smollm2_dir / name).exists():
@@ -229,14 +234,4 @@ def make_classifier(root: Path, smollm2_dir: Path, arch: str, num_labels: int) -
     if num_labels > 1:
         config.id2label = {i: f"class_{i}" for i in range(num_labels)}
         config.label2id = {name: i for i, name in config.id2label.items()}
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.2)
-    path = root / f"{arch}-{num_labels}"
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
-    return path
+    return save_random(AutoModelForSequenceClassification, config, root / f"{arch}-{num_labels}", smollm2_dir)

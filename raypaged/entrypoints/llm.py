@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, fields, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -257,7 +257,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
     ) -> list[ClassificationRequestOutput]:
         """A classifier's (a ``*ForSequenceClassification`` checkpoint) class probabilities of every prompt
-        (``outputs.probs``), as vLLM's ``LLM.classify``."""
+        (``outputs.probs``), as vLLM's ``LLM.classify``; the arguments are ``embed``'s."""
         outputs = self.encode(prompts, pooling_params, use_tqdm, lora_request, "classify", truncate_prompt_tokens)
         return [ClassificationRequestOutput.from_base(output) for output in outputs]
 
@@ -306,8 +306,8 @@ class LLM:
                 for a, b in zip(vectors[: len(firsts)], outputs)
             ]
         return [
-            ScoringRequestOutput(o.request_id, ScoringOutput(score), o.prompt_token_ids, True, o.num_cached_tokens)
-            for o, score in zip(outputs, scores)
+            cast(ScoringRequestOutput, output.with_outputs(ScoringOutput(score), ScoringRequestOutput))
+            for output, score in zip(outputs, scores)
         ]
 
     def _submit_and_run(self, submissions: Sequence[Callable[[], str]], use_tqdm: bool) -> list[RequestOutput]:
