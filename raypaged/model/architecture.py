@@ -157,7 +157,9 @@ def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
     wrapper = next((a for a in getattr(config, "architectures", None) or [] if a in MULTIMODAL_WRAPPERS), None)
     if wrapper is None:
         return config
-    text = config.text_config
+    text = getattr(config, "text_config", None)
+    if text is None:
+        raise ValueError(f"architecture {wrapper}: its config has no text_config (no language model to serve)")
     text.architectures = [MULTIMODAL_WRAPPERS[wrapper]]
     for key in _TOP_LEVEL_KEYS:
         if getattr(config, key, None) is not None:
