@@ -72,7 +72,7 @@ def test_the_cpu_backend_in_chunks_and_after_prefix_hits_matches_transformers(
     assert bool(one_call_runs) == (model == "smollm3")
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", sorted(set(MODELS) - {"glm"}))  # GLM's sharding is GLM-4's, which runs
 def test_two_shards_match_transformers(ray_session, model, model_dirs, references):
     assert_matches_transformers(model_dirs[model], references[model], tensor_parallel_size=2)
 
