@@ -16,7 +16,14 @@ from raypaged import envs
 from raypaged.human_int import human_int, human_int_or_auto
 from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
-from raypaged.pooling import CONVERTS, RUNNERS, PoolerSettings, resolve_pooler, resolve_runner
+from raypaged.pooling import (
+    CONVERTS,
+    RUNNERS,
+    PoolerSettings,
+    resolve_pooler,
+    resolve_runner,
+    set_classifier_tokens,
+)
 from raypaged.sampling_params import LOGPROBS_MODES, RAW_LOGPROBS, SamplingParams
 from raypaged.spec_decode.config import SpeculativeConfig
 from raypaged.structured.config import StructuredOutputsConfig
@@ -785,6 +792,10 @@ class EngineConfig:
             if self.pooler_config is not None:
                 raise ValueError("--pooler-config applies to embedding models (--runner pooling)")
             return
+        if task == "classify" and getattr(self.hf_config, "classifier_from_token", None) is not None:
+            from transformers import AutoTokenizer
+
+            set_classifier_tokens(self.hf_config, AutoTokenizer.from_pretrained(self.tokenizer_path))
         self.pooler = pooler = resolve_pooler(self.model_path, self.hf_config, self.pooler_config, task)
         for given, flag in (
             (self.speculative_config is not None, "--speculative-config"),

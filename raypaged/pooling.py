@@ -171,6 +171,35 @@ def resolve_pooler(
     return settings
 
 
+def set_classifier_tokens(hf_config: Any, tokenizer: Any) -> None:
+    """vLLM's ``classifier_from_token`` (``--hf-overrides``): a causal LM served as a classifier whose head is rows of
+    its language-model head, one label per token; with ``is_original_qwen3_reranker`` (``["no", "yes"]``), one label,
+    the yes row minus the no row (``sigmoid(logit_yes - logit_no)``: the reranker's p(yes)). Records the token ids
+    on the config (``raypaged_classifier_token_ids``) for the loader, and the labels."""
+    tokens = hf_config.classifier_from_token
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must be a list of token strings, got {tokens!r}")
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens]
+    unknown = [t for t, i in zip(tokens, ids) if i is None or i == tokenizer.unk_token_id]
+    if unknown:
+        raise ValueError(f"classifier_from_token {unknown[0]!r} is not one token of the model's tokenizer")
+    difference = bool(getattr(hf_config, "is_original_qwen3_reranker", False))
+    if difference and len(tokens) != 2:
+        raise ValueError(f"is_original_qwen3_reranker reads two classifier_from_token (no, yes), got {tokens}")
+    hf_config.raypaged_classifier_token_ids = ids
+    hf_config.raypaged_classifier_difference = difference
+    hf_config.num_labels = 1 if difference else len(tokens)
+    if not difference:
+        hf_config.id2label = dict(enumerate(tokens))
+
+
+def classifier_head(head: torch.Tensor, hf_config: Any) -> torch.Tensor:
+    """The classifier's ``score`` weight from its language-model head ``[vocab, hidden]``
+    (``set_classifier_tokens``)."""
+    rows = head[hf_config.raypaged_classifier_token_ids]
+    return (rows[1] - rows[0])[None] if hf_config.raypaged_classifier_difference else rows
+
+
 def _sentence_transformers_pooling(model_path: Path) -> dict[str, Any]:
     """The pooling type and normalization a sentence-transformers folder (``modules.json``) declares; {} without
     one. A module raypaged does not run (a ``Dense`` projection, a pooling mode it has no pooling for) is refused

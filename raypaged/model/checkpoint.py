@@ -21,6 +21,7 @@ from raypaged.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from raypaged.model.mla import HeadRowsLinear, KvUpProjection
 from raypaged.model.moe import SparseMoeBlock, canonical_name
 from raypaged.model.parallel import RowParallelLinear, VocabParallelEmbedding
+from raypaged.pooling import classifier_head
 from raypaged.quantization.linear import QuantLinear
 
 # checkpoint name piece -> (fused parameter name piece, shard index)
@@ -93,6 +94,10 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
     params = dict(model.named_parameters())
     num_layers = model.config.num_hidden_layers
     multimodal = getattr(model.config, "raypaged_multimodal", None) is not None
+    # a causal LM served as a classifier (classifier_from_token): its head rows, from the tied embeddings or lm_head
+    score = model.score if getattr(model.config, "raypaged_classifier_token_ids", None) else None
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     # latent attention (DeepSeek) has a q_proj of its own (no fused qkv): only the MLPs' projections stack
     stacked_pieces = [p for p in _STACKED if not (model.architecture.mla and _STACKED[p][0] == ".qkv_proj.")]
     num_mtp_layers = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
@@ -111,6 +116,9 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
             if (local := block.local_expert(index)) is None:
                 continue  # another rank's expert
             name = f"{name[: expert.start()]}.mlp.experts.{local}.{name[expert.end() :]}"
+        if score is not None and name == head_name:  # the classifier's head: rows of the language-model head
+            score.weight.data.copy_(classifier_head(tensor, model.config))
+            filled.add("score.weight")
         if "rotary_emb.inv_freq" in name or (name.startswith("lm_head.") and model.lm_head is None):
             continue
         if (kv_scale := _kv_scale_of(name)) is not None:

@@ -92,3 +92,34 @@ def test_what_a_classifier_cannot_be_is_refused(classifier_dir, smollm2_dir):
         LLM(model=str(smollm2_dir), convert="classify", **OPTIONS)
     with pytest.raises(ValueError, match=r"pooling_type 'MEAN' is not supported for a classifier"):
         LLM(model=str(classifier_dir), pooler_config={"pooling_type": "MEAN"}, **OPTIONS)
+
+
+@pytest.mark.parametrize(
+    "arch, tied, tokens, reranker",
+    [("qwen3", True, ["no", "yes"], True), ("llama", False, ["yes", "no", "maybe"], False)],
+    ids=["qwen3-reranker", "tokens"],
+)
+def test_a_causal_lm_classifies_with_rows_of_its_head(tmp_path, smollm2_dir, arch, tied, tokens, reranker):
+    """vLLM's ``classifier_from_token`` (by ``hf_overrides``): Qwen3-Reranker's p(yes) is sigmoid(logit_yes -
+    logit_no) of the causal LM's last position; other token lists give one label per token, softmax over their
+    logits. The head rows come from the tied embeddings or from lm_head."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model(tmp_path, smollm2_dir, arch, tie_word_embeddings=tied)
+    overrides = {"architectures": [f"{'Qwen3' if arch == 'qwen3' else 'Llama'}ForSequenceClassification"]}
+    overrides |= {"classifier_from_token": tokens} | ({"is_original_qwen3_reranker": True} if reranker else {})
+    llm = LLM(model=str(path), runner="pooling", hf_overrides=overrides, **OPTIONS)
+    try:
+        assert llm.llm_engine.config.pooler.labels == (("LABEL_0",) if reranker else tuple(tokens))
+        outputs = llm.classify([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+        ids = [llm.get_tokenizer().convert_tokens_to_ids(t) for t in tokens]
+    finally:
+        llm.shutdown()
+    causal = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        with torch.inference_mode():
+            logits = causal(torch.tensor([prompt])).logits[0, -1, ids]
+        expected = (logits[1] - logits[0]).sigmoid()[None] if reranker else logits.softmax(-1)
+        assert (torch.tensor(output.outputs.probs) - expected).abs().max() < 1e-5
