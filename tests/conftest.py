@@ -134,23 +134,23 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+# the tiny random models' shape: SmolLM2's vocabulary and tokenizer, 8 heads over 2 KV heads of 8
+TINY_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
 def make_tiny_model(root: Path, smollm2_dir: Path, arch: str = "llama", **overrides) -> Path:
     """A random-weight model folder of the given architecture with SmolLM2's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    base = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    base = dict(TINY_SHAPE, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     base.update(overrides)
     return save_random(AutoModelForCausalLM, AutoConfig.for_model(arch, **base), root / arch, smollm2_dir)
 
@@ -213,16 +213,7 @@ def one_call_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return runs
 
 
-CLASSIFIER_SHAPE = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    pad_token_id=0,
-)
+CLASSIFIER_SHAPE = dict(TINY_SHAPE, pad_token_id=0)
 
 
 def make_classifier(root: Path, smollm2_dir: Path, arch: str, num_labels: int) -> Path:
