@@ -26,7 +26,7 @@ from raypaged.entrypoints.server_args import (
     options_check,
 )
 from raypaged.entrypoints.switch import Switch
-from raypaged.entrypoints.vllm_compat import add_vllm_args, check_vllm_args
+from raypaged.entrypoints.vllm_compat import add_vllm_args, check_vllm_args, task_as_runner
 from raypaged.entrypoints.vllm_compat import flag as vllm_flag
 from raypaged.inputs.limits import PROMPT_CHARS_PER_TOKEN, InputLimits, flag
 from raypaged.structured.config import StructuredOutputsConfig
@@ -152,6 +152,7 @@ def engine_kwargs(args: argparse.Namespace, accepted: set[str], model: str | Non
 
     A flag whose field is not ``accepted`` is an error when set to anything but its default.
     """
+    args.task, args.runner, args.convert = task_as_runner(args.task, args.runner, args.convert, as_flags=True)
     check_vllm_args(args)
     kwargs: dict = {"model": model}
     for f, meta in config_flag_fields():

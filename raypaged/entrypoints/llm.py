@@ -15,7 +15,7 @@ from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.core.stats import SchedulerStats
 from raypaged.engine.llm_engine import LLMEngine
-from raypaged.entrypoints.vllm_compat import check_default_only, unknown_keyword
+from raypaged.entrypoints.vllm_compat import check_default_only, task_as_runner, unknown_keyword
 from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY, Option
 from raypaged.inputs.limits import check_priority
 from raypaged.lora.request import LoRARequest
@@ -64,6 +64,9 @@ class LLM:
         closest one there is."""
         keywords = engine_keywords()
         given = {name: options.pop(name) for name in list(options) if name in keywords}
+        if "task" in options:  # vLLM's older spelling of runner and convert
+            runner, convert = given.get("runner", "auto"), given.get("convert", "auto")
+            options["task"], given["runner"], given["convert"] = task_as_runner(options["task"], runner, convert, False)
         _check_vllm_options(options)
         check_default_only(given, as_flags=False, options=_SERVER_ONLY)
         for name in _FACTORY_DEFAULTS:

@@ -54,6 +54,25 @@ def add_vllm_args(parser: argparse.ArgumentParser, server: bool = False) -> None
             parser.add_argument(flag(name), type=kind, default=None, help=accepted)
 
 
+# vLLM's older --task: the pooling tasks as the --runner and --convert they became
+_TASKS = {"embed": "embed", "classify": "classify", "score": "classify"}
+
+
+def task_as_runner(task: object, runner: str, convert: str, as_flags: bool) -> tuple[object, str, str]:
+    """vLLM's older ``task`` (embed, classify, score) as ``runner`` pooling and its ``convert``; (the task left to
+    check, runner, convert). A task that contradicts a runner or convert given with it is refused naming both."""
+    if task not in _TASKS:
+        return task, runner, convert
+    wanted = _TASKS[str(task)]
+    if runner not in ("auto", "pooling") or convert not in ("auto", wanted):
+        names = (flag("task"), flag("runner"), flag("convert")) if as_flags else ("task", "runner", "convert")
+        raise ValueError(
+            f"{names[0]} {task} asks for {names[1]} pooling with {names[2]} {wanted}, but {names[1]} {runner} and "
+            f"{names[2]} {convert} were given"
+        )
+    return "auto", "pooling", wanted
+
+
 def check_vllm_args(args: argparse.Namespace, server: bool = False) -> None:
     """Refuse, by name, what a vLLM command line asks for and this engine (``server``: gateway) cannot do."""
     options = SERVER_DEFAULT_ONLY if server else DEFAULT_ONLY

@@ -89,7 +89,8 @@ DEFAULT_ONLY: list[Option] = [
         (),
         str,
         ("auto", "generate"),
-        "{task} is vLLM's older spelling: serve an embedding model with {runner} pooling (no scoring or reward tasks)",
+        "{task} is vLLM's older spelling of {runner} and {convert}: embed, classify and score are taken (as {runner} "
+        "pooling), generate and auto as they are; no reward or transcription task",
     ),
     (
         "compilation_config",

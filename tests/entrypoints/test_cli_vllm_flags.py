@@ -91,9 +91,15 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
             "CUDA graphs are on unless --enforce-eager",
         ),
         (
-            ["--task", "embed"],
-            "--task embed is not supported: --task is vLLM's older spelling: serve an embedding model with --runner "
-            "pooling (no scoring or reward tasks)",
+            ["--task", "reward"],
+            "--task reward is not supported: --task is vLLM's older spelling of --runner and --convert: embed, "
+            "classify and score are taken (as --runner pooling), generate and auto as they are; no reward or "
+            "transcription task",
+        ),
+        (
+            ["--task", "embed", "--convert", "classify"],
+            "--task embed asks for --runner pooling with --convert embed, but --runner auto and --convert classify "
+            "were given",
         ),
         (
             ["--enable-sleep-mode"],
@@ -461,3 +467,17 @@ def test_kv_cache_memory_bytes_sizes_the_kv_cache(tiny_model_dir):
         name = next(iter(other))
         with pytest.raises(ValueError, match=f"give one of kv_cache_memory_bytes and {name}: both size the KV cache"):
             EngineConfig(model=str(tiny_model_dir), kv_cache_memory_bytes=per_block, **other)
+
+
+def test_vllms_older_task_flag_is_its_runner_and_convert(tiny_model_dir):  # noqa: F811
+    """``--task embed`` (and ``LLM(task="embed")``) as ``--runner pooling --convert embed``, as older vLLM command
+    lines spell an embedding model."""
+    from raypaged import LLM
+
+    [config] = configs(str(tiny_model_dir), "--task", "embed", "--max-model-len", "256")
+    assert (config.runner, config.convert, config.pooler is not None) == ("pooling", "embed", True)
+    llm = LLM(model=str(tiny_model_dir), task="embed", device="cpu", max_model_len=256, num_gpu_blocks_override=64)
+    try:
+        assert llm.llm_engine.config.pooler is not None and len(llm.embed("hi", use_tqdm=False)[0].outputs.embedding)
+    finally:
+        llm.shutdown()
