@@ -341,14 +341,16 @@ class EngineConfig:
     # vLLM's --runner / --convert / --pooler-config: an embedding model pools its prompts' final hidden states
     runner: str = _flag(
         "auto",
-        "generate: a language model; pooling: an embedding model (/v1/embeddings, LLM.embed); auto: pooling for a "
-        "checkpoint without a language-model head (Qwen3Model, LlamaModel, ...) or with --convert embed",
+        "generate: a language model; pooling: an embedding model or a classifier (/v1/embeddings, /classify, /score, "
+        "/rerank, LLM.embed, LLM.classify); auto: pooling for a checkpoint without a language-model head "
+        "(Qwen3Model, *ForSequenceClassification, ...) or with --convert embed or classify",
         choices=RUNNERS,
     )
     convert: str = _flag(
         "auto",
-        "embed: serve a generative checkpoint as an embedding model (its final hidden states pooled); auto: "
-        "embed under --runner pooling",
+        "embed: serve a generative checkpoint as an embedding model (its final hidden states pooled); classify: "
+        "serve a *ForSequenceClassification checkpoint's head; auto: as the checkpoint is, embed under --runner "
+        "pooling for a generative one",
         choices=CONVERTS,
     )
     pooler_config: dict[str, Any] | None = _flag(

@@ -14,7 +14,6 @@ an embedding model). This module imports no torch until a vector is finished.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,12 +24,9 @@ from raypaged.pooling_params import PoolingParams
 if TYPE_CHECKING:
     import torch
 
-logger = logging.getLogger("raypaged")
-
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
-TASKS = ("embed", "classify")  # what a pooling engine serves: vectors, or a classification head's scores
 # --pooler-config keys raypaged reads; vLLM's others (classification, reward and chunked-processing ones) refused
 _POOLER_KEYS = ("pooling_type", "seq_pooling_type", "normalize", "use_activation", "dimensions")
 # sentence-transformers Pooling modes -> pooling type (the modes raypaged has no pooling for are refused by name)
@@ -256,7 +252,7 @@ def add_part(pooling_type: str, total: torch.Tensor | None, part: torch.Tensor, 
 
 
 def finish_embedding(
-    pooling_type: str, total: torch.Tensor, num_prompt: int, params: PoolingParams, settings: PoolerSettings
+    total: torch.Tensor, num_prompt: int, params: PoolingParams, settings: PoolerSettings
 ) -> torch.Tensor:
     """The request's embedding: the mean (``MEAN``), cut to its dimensions, normalized as asked (float32, CPU); a
     classifier's scores (``total``: its head's logits) through the activation, softmax or (one label) sigmoid."""
@@ -267,7 +263,7 @@ def finish_embedding(
         if not activate:
             return total.float().cpu()
         return (torch.sigmoid(total) if total.shape[-1] == 1 else torch.softmax(total, dim=-1)).float().cpu()
-    vector = total / num_prompt if pooling_type == "MEAN" else total
+    vector = total / num_prompt if settings.pooling_type == "MEAN" else total
     dimensions = params.dimensions if params.dimensions is not None else settings.dimensions
     if dimensions is not None:
         vector = vector[:dimensions]

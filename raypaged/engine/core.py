@@ -399,7 +399,7 @@ class EngineCore:
         assert pooler is not None and request.pooling is not None, "only an embedding model's requests pool"
         if request.pooled is None:
             raise RuntimeError("no hidden state of its prompt reached the pooler")
-        return finish_embedding(pooler.pooling_type, request.pooled, request.num_prompt_tokens, request.pooling, pooler)
+        return finish_embedding(request.pooled, request.num_prompt_tokens, request.pooling, pooler)
 
     def _step_beams(
         self, out: EngineCoreOutputs, ended: dict[str, list[EndedRequest]], failures: dict[str, str]

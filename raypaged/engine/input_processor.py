@@ -26,6 +26,7 @@ from raypaged.inputs.limits import (
     InputError,
     check_context,
     check_count,
+    check_pooling_len,
     check_prompt_ids,
     check_sampling,
     check_text,
@@ -334,15 +335,7 @@ class InputProcessor:
             prompt_token_ids = self.tokenize(prompt)
         if truncate is not None:
             prompt_token_ids = prompt_token_ids[-(max_model_len if truncate == -1 else truncate) :]
-        if not prompt_token_ids:
-            raise InputError("input", "the input must not be empty")
-        if len(prompt_token_ids) > max_model_len:
-            raise InputError(
-                "input",
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{len(prompt_token_ids)} tokens in the input for embedding generation. Please reduce the length "
-                "of the input.",
-            )
+        check_pooling_len(len(prompt_token_ids), max_model_len)
         check_token_ids("input", prompt_token_ids, config.hf_config.vocab_size)
         seq_params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         return seq_params, EngineCoreRequest(

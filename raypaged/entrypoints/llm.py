@@ -279,12 +279,11 @@ class LLM:
         embeddings."""
         firsts = [data_1] if isinstance(data_1, str) else list(data_1)
         seconds = [data_2] if isinstance(data_2, str) else list(data_2)
-        if len(firsts) == 1:
-            firsts *= len(seconds)
-        if len(firsts) != len(seconds) or not seconds:
+        if len(firsts) not in (1, len(seconds)) or not seconds:
             raise ValueError(
                 f"data_1 has {len(firsts)} texts and data_2 {len(seconds)}: give one against many, or as many of each"
             )
+        first_of = [0] * len(seconds) if len(firsts) == 1 else list(range(len(seconds)))  # each pair's data_1 text
         pooler = self.llm_engine.config.pooler
         if pooler is None:
             raise ValueError(
@@ -296,17 +295,18 @@ class LLM:
                     f"LLM.score needs a classifier of one label (a cross-encoder); this one has {len(pooler.labels)}"
                 )
             tokenizer = self.get_tokenizer()
-            pairs = [{"prompt_token_ids": tokenizer(a, b)["input_ids"]} for a, b in zip(firsts, seconds)]
+            pairs = [{"prompt_token_ids": tokenizer(firsts[i], b)["input_ids"]} for i, b in zip(first_of, seconds)]
             outputs = self.encode(pairs, pooling_params, use_tqdm, lora_request, "score", truncate_prompt_tokens)
             scores = [float(output.outputs.data[0]) for output in outputs]
         else:
+            # each data_1 text is embedded once (one text against many: once in all)
             vectors = self.encode(
                 firsts + seconds, pooling_params, use_tqdm, lora_request, "embed", truncate_prompt_tokens
             )
             outputs = vectors[len(firsts) :]
             scores = [
-                float(torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0))
-                for a, b in zip(vectors[: len(firsts)], outputs)
+                float(torch.nn.functional.cosine_similarity(vectors[i].outputs.data, b.outputs.data, dim=0))
+                for i, b in zip(first_of, outputs)
             ]
         return [
             cast(ScoringRequestOutput, output.with_outputs(ScoringOutput(score), ScoringRequestOutput))

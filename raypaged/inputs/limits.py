@@ -87,6 +87,18 @@ def check_prompt_len(num_tokens: int, max_model_len: int) -> None:
         )
 
 
+def check_pooling_len(num_tokens: int, max_model_len: int) -> None:
+    """A pooling model's input of ``num_tokens``: it may fill ``max_model_len`` (nothing is generated after it)."""
+    if num_tokens == 0:
+        raise InputError("input", "the input must not be empty")
+    if num_tokens > max_model_len:
+        raise InputError(
+            "input",
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_tokens} tokens in the input for embedding generation. Please reduce the length of the input.",
+        )
+
+
 def check_prompt_ids(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
     """A prompt that leaves room for at least one generated token, with every id in the vocabulary."""
     check_prompt_len(len(token_ids), max_model_len)
