@@ -223,7 +223,7 @@ class InputProcessor:
         of its first sequence)."""
         config = self.config
         if config.pooler is not None:
-            raise InputError("model", _NOT_GENERATIVE.format(name=config.served_model_name))
+            raise _not_generative(config)
         lora = None if lora_request is None else self.check_lora(lora_request)
         check_sampling(params, config.hf_config.vocab_size, config.limits)
         params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
@@ -281,7 +281,7 @@ class InputProcessor:
         tokens as logprobs) and the core's request."""
         config = self.config
         if config.pooler is not None:
-            raise InputError("model", _NOT_GENERATIVE.format(name=config.served_model_name))
+            raise _not_generative(config)
         check_count("n", params.beam_width, config.limits.max_num_samples, "max_num_samples", "beams")
         lora = None if lora_request is None else self.check_lora(lora_request)
         prompt_token_ids = self._checked_prompt(prompt, prompt_token_ids)
@@ -358,10 +358,15 @@ class InputProcessor:
         return replace(params, stop_token_ids=params.stop_token_ids + extra)
 
 
-_NOT_GENERATIVE = (
-    "{name} is an embedding model (--runner pooling): it serves embeddings (/v1/embeddings, /pooling, LLM.embed), "
-    "not generation"
-)
+def _not_generative(config: EngineConfig) -> InputError:
+    """A generation request to a pooling model, refused naming what the model serves."""
+    assert config.pooler is not None
+    serves = (
+        "an embedding model (--runner pooling): it serves embeddings (/v1/embeddings, /pooling, LLM.embed)"
+        if config.pooler.task == "embed"
+        else "a classifier (--runner pooling): it serves its scores (/classify, /score, /rerank, LLM.classify)"
+    )
+    return InputError("model", f"{config.served_model_name} is {serves}, not generation")
 
 
 def _prefix_namespace(cache_salt: str | None, lora: LoRARequest | None) -> str | None:

@@ -44,6 +44,8 @@ def test_class_probabilities_equal_transformers(classifier_dir):
         raw = llm.encode({"prompt_token_ids": PROMPTS[0]}, PoolingParams(use_activation=False), use_tqdm=False)
         with pytest.raises(ValueError, match=r"this model classifies \(--convert classify\): task 'embed' is not"):
             llm.embed("hi", use_tqdm=False)
+        with pytest.raises(ValueError, match=r"is a classifier \(--runner pooling\): it serves its scores \(/classify"):
+            llm.generate("hi", use_tqdm=False)
         with pytest.raises(ValueError, match=r"^dimensions applies to embeddings, not to a classifier's scores$"):
             llm.classify("hi", PoolingParams(dimensions=2), use_tqdm=False)
         with pytest.raises(ValueError, match=r"^LLM.score needs a classifier of one label \(a cross-encoder\); this"):
