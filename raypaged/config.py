@@ -468,6 +468,7 @@ class EngineConfig:
     draft_model_path: Path | None = field(init=False, default=None)  # the speculative draft model's folder
     draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
     pooler: PoolerSettings | None = field(init=False, default=None)  # set exactly when the engine pools (--runner)
+    encoder: bool = field(init=False, default=False)  # BERT, RoBERTa, XLM-R: prompts computed whole, no KV cache
 
     def __post_init__(self) -> None:
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
@@ -539,6 +540,7 @@ class EngineConfig:
         from transformers import AutoConfig  # importing this module loads neither transformers nor torch
 
         from raypaged.model.architecture import check_options
+        from raypaged.model.encoder import check_encoder_options, is_encoder
         from raypaged.model.llama import check_tensor_parallel
 
         self.model_path = resolve_model_path(self.model, self.revision, self.download_dir, token=self.hf_token)
@@ -558,15 +560,34 @@ class EngineConfig:
                 self.hf_config.architectures[0],
             )
         self.generation_defaults, self.generation_eos_token_ids = self._read_generation_config()
+        self.encoder = is_encoder(self.hf_config)
         check_architecture(self.hf_config, "model")
         self._resolve_runner()
-        check_tensor_parallel(self.hf_config, self.tensor_parallel_size, self.enable_expert_parallel)
         self.quant_config = self._resolve_quantization()
-        check_options(self.hf_config, self.quant_config is not None, self.enable_lora, self.attention_backend)
+        if self.encoder:
+            check_encoder_options(
+                self.hf_config,
+                self.tensor_parallel_size,
+                self.quant_config is not None,
+                self.enable_lora,
+                self.attention_backend,
+            )
+            if self.kv_cache_dtype != "auto" or self.calculate_kv_scales:
+                raise ValueError(
+                    "--kv-cache-dtype and --calculate-kv-scales do not apply to an encoder: it keeps no KV cache"
+                )
+        else:
+            check_tensor_parallel(self.hf_config, self.tensor_parallel_size, self.enable_expert_parallel)
+            check_options(self.hf_config, self.quant_config is not None, self.enable_lora, self.attention_backend)
         self.max_model_len = self._resolve_max_model_len()
         self._resolve_draft_model(spec)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
+        if self.encoder and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"--max-num-batched-tokens {self.max_num_batched_tokens} is below max_model_len {self.max_model_len}: "
+                "an encoder computes each prompt whole, in one step (raise it, or lower --max-model-len)"
+            )
         _ = self.cuda_graph_sizes  # the graph-size flags are checked now
         if isinstance(self.served_model_name, (list, tuple)):
             names = [str(n) for n in self.served_model_name]
@@ -733,6 +754,10 @@ class EngineConfig:
         )
         self.draft_hf_config = draft = AutoConfig.from_pretrained(self.draft_model_path)
         check_architecture(draft, "draft model")
+        from raypaged.model.encoder import is_encoder
+
+        if is_encoder(draft):
+            raise ValueError(f"the draft model {spec.model} is an encoder ({draft.model_type}): it cannot generate")
         if draft.vocab_size != self.hf_config.vocab_size:
             raise ValueError(
                 f"the draft model {spec.model} has a vocabulary of {draft.vocab_size} tokens, the model "
@@ -755,6 +780,10 @@ class EngineConfig:
         if self.max_model_len in (-1, "auto"):
             self.fit_max_model_len, self.max_model_len = True, None
         limit, what = self.hf_config.max_position_embeddings, "max_position_embeddings"
+        if self.encoder:  # RoBERTa's first position row is padding_idx + 1
+            from raypaged.model.encoder import max_prompt_len
+
+            limit, what = max_prompt_len(self.hf_config), "position embeddings"
         window = getattr(self.hf_config, "sliding_window", None)
         if window and applies_sliding_window(self.hf_config):  # the layers apply it
             window = None
@@ -798,7 +827,9 @@ class EngineConfig:
             from transformers import AutoTokenizer
 
             set_classifier_tokens(self.hf_config, AutoTokenizer.from_pretrained(self.tokenizer_path))
-        self.pooler = pooler = resolve_pooler(self.model_path, self.hf_config, self.pooler_config, task)
+        self.pooler = pooler = resolve_pooler(
+            self.model_path, self.hf_config, self.pooler_config, task, "CLS" if self.encoder else "LAST"
+        )
         for given, flag in (
             (self.speculative_config is not None, "--speculative-config"),
             (self.enable_lora, "--enable-lora"),
@@ -806,7 +837,10 @@ class EngineConfig:
         ):
             if given:
                 raise ValueError(f"{flag} applies to generation: an embedding model (--runner pooling) runs without it")
-        if pooler.needs_every_token and self.enable_prefix_caching:
+        if self.encoder and self.enable_prefix_caching:
+            self.enable_prefix_caching = False
+            logger.info("encoder: prefix caching is off (it keeps no KV cache: every prompt is computed whole)")
+        elif pooler.needs_every_token and self.enable_prefix_caching:
             self.enable_prefix_caching = False
             logger.info(
                 "embedding model: prefix caching is off (%s pooling reads every prompt token's hidden state, "
@@ -814,7 +848,12 @@ class EngineConfig:
                 pooler.pooling_type,
             )
         if task == "classify":
-            logger.info("classifier: %d labels (%s) from its last token's state", len(pooler.labels), pooler.labels)
+            logger.info(
+                "classifier: %d labels (%s) from its %s token's state",
+                len(pooler.labels),
+                pooler.labels,
+                "first" if pooler.pooling_type == "CLS" else "last",
+            )
         else:
             logger.info(
                 "embedding model: %s pooling, %snormalized", pooler.pooling_type, "" if pooler.normalize else "not "
@@ -914,13 +953,22 @@ def check_architecture(hf_config: Any, what: str) -> None:
     """``ValueError`` naming ``what`` unless one of the config's architectures is supported, with the options
     of its model type and rotary embedding that raypaged computes."""
     from raypaged.model.architecture import SUPPORTED_ARCHITECTURES, architecture_of
+    from raypaged.model.encoder import ENCODER_ARCHITECTURES, check_encoder, is_encoder
     from raypaged.model.layers import rope_parameters
 
     archs = getattr(hf_config, "architectures", None) or []
+    if is_encoder(hf_config):
+        if not any(a in ENCODER_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"{what} architecture {archs} is not supported (encoders: {', '.join(ENCODER_ARCHITECTURES)})"
+            )
+        check_encoder(hf_config)
+        return
     # a base model without its language-model head (Qwen3Model, ...) is an embedding model of its family
     if not any(a in SUPPORTED_ARCHITECTURES or _causal_lm_of(a) in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(
-            f"{what} architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{what} architecture {archs} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)}, their "
+            f"*Model and *ForSequenceClassification, and the encoders {', '.join(ENCODER_ARCHITECTURES)})"
         )
     architecture_of(hf_config)
     rope_parameters(hf_config)

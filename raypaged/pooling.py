@@ -119,21 +119,24 @@ def resolve_runner(runner: str, convert: str, architectures: list[str]) -> str |
 
 
 def resolve_pooler(
-    model_path: Path, hf_config: Any, pooler_config: dict[str, Any] | None, task: str = "embed"
+    model_path: Path, hf_config: Any, pooler_config: dict[str, Any] | None, task: str = "embed", default: str = "LAST"
 ) -> PoolerSettings:
     """The model's ``PoolerSettings`` (see the module's docstring); ``ValueError`` naming what is not supported.
-    A classifier (``task`` classify) pools its last token (vLLM's default) through its head and applies the
-    activation unless told not to; ``dimensions`` is refused for it."""
+    ``default``: the model's own pooling type, where neither the flag nor a sentence-transformers folder says (an
+    encoder's is CLS, a decoder's LAST). A classifier (``task`` classify) pools the token its head reads (that
+    default: a decoder's last, an encoder's first) and applies the activation unless told not to; ``dimensions`` is
+    refused for it."""
     given = dict(pooler_config or {})
     if task == "classify":
         if "dimensions" in given:
             raise ValueError("--pooler-config dimensions applies to embedding models, not to a classifier")
         labels = tuple(str(hf_config.id2label[i]) for i in range(int(hf_config.num_labels)))
-        base = resolve_pooler(model_path, hf_config, given, "embed")
-        if base.pooling_type != "LAST":
+        base = resolve_pooler(model_path, hf_config, {"pooling_type": default, **given}, "embed", default)
+        if base.pooling_type != default:
             raise ValueError(
-                f"--pooler-config pooling_type {base.pooling_type!r} is not supported for a classifier: its head "
-                "reads the last token's state, as transformers' *ForSequenceClassification"
+                f"--pooler-config pooling_type {base.pooling_type!r} is not supported for this classifier: its head "
+                f"reads the {'last' if default == 'LAST' else 'first'} token's state ({default}), as transformers' "
+                "*ForSequenceClassification"
             )
         return PoolerSettings(base.pooling_type, base.normalize, None, base.hidden_size, None, "classify", labels)
     unknown = sorted(set(given) - set(_POOLER_KEYS))
@@ -143,7 +146,7 @@ def resolve_pooler(
             f"{', '.join(_POOLER_KEYS)} (embedding models only)"
         )
     found = _sentence_transformers_pooling(model_path)
-    pooling_type = given.get("pooling_type") or given.get("seq_pooling_type") or found.get("pooling_type") or "LAST"
+    pooling_type = given.get("pooling_type") or given.get("seq_pooling_type") or found.get("pooling_type") or default
     if pooling_type not in POOLING_TYPES:
         raise ValueError(
             f"--pooler-config pooling_type {pooling_type!r} is not supported (supported: {', '.join(POOLING_TYPES)})"

@@ -226,3 +226,69 @@ def make_classifier(root: Path, smollm2_dir: Path, arch: str, num_labels: int) -
         config.id2label = {i: f"class_{i}" for i in range(num_labels)}
         config.label2id = {name: i for i, name in config.id2label.items()}
     return save_random(AutoModelForSequenceClassification, config, root / f"{arch}-{num_labels}", smollm2_dir)
+
+
+ENCODER_WORDS = (
+    "what is paged attention a kv cache in blocks cat on mat over pages of keys bread the encoder embeds text "
+    "and scores pairs query document"
+).split()
+
+
+def save_encoder_tokenizer(path: Path, arch: str) -> None:
+    """A small WordPiece tokenizer over ``ENCODER_WORDS`` and the letters, saved at ``path``: BERT's
+    ``[CLS] A [SEP] B [SEP]`` (token types 0, then 1) for ``bert``, RoBERTa's ``<s> A </s></s> B </s>`` otherwise."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    bert = arch == "bert"
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] if bert else ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = {t: i for i, t in enumerate([*specials, *ENCODER_WORDS, *letters, *("##" + c for c in letters)])}
+    pad, unk, cls, sep, mask = specials
+    backend = Tokenizer(models.WordPiece(vocab, unk_token=unk))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    if bert:
+        backend.post_processor = processors.BertProcessing((sep, vocab[sep]), (cls, vocab[cls]))
+    else:
+        backend.post_processor = processors.RobertaProcessing((sep, vocab[sep]), (cls, vocab[cls]))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=pad,
+        unk_token=unk,
+        cls_token=cls,
+        sep_token=sep,
+        mask_token=mask,
+        bos_token=None if bert else cls,
+        eos_token=None if bert else sep,
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"]
+        if bert
+        else ["input_ids", "attention_mask"],
+    )
+    tokenizer.save_pretrained(path)
+
+
+def make_tiny_encoder(root: Path, arch: str = "bert", num_labels: int = 0) -> Path:
+    """A random-weight BERT or XLM-RoBERTa (``arch``: ``bert``, ``xlm-roberta``) with its own small tokenizer: the
+    base model, or with ``num_labels`` its ``*ForSequenceClassification``."""
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=66 if arch != "bert" else 64,
+        pad_token_id=0 if arch == "bert" else 1,
+        type_vocab_size=2 if arch == "bert" else 1,  # as the published checkpoints
+        **({"num_labels": num_labels} if num_labels else {}),
+    )
+    if num_labels > 1:
+        config.id2label = {i: f"class_{i}" for i in range(num_labels)}
+        config.label2id = {name: i for i, name in config.id2label.items()}
+    auto = AutoModelForSequenceClassification if num_labels else AutoModel
+    path = save_random(auto, config, root / f"{arch}-{num_labels}", root)
+    save_encoder_tokenizer(path, arch)
+    return path

@@ -34,6 +34,7 @@ class NewRequestData:
     sample_index: int = 0
     lora_int_id: int | None = None  # its adapter (in the slot a step's lora_loads put it in)
     num_spec_tokens: int = 0  # drafts it may verify per step (a draft model proposes them for it)
+    token_type_start: int | None = None  # BERT's text pair: its second text's first token (token type 1 from there)
 
 
 @dataclass(slots=True)

@@ -125,6 +125,7 @@ class Request:
     # pooled parts of its computed prompt chunks: a float32 tensor); it ends when its prompt is computed
     pooling: PoolingParams | None = None
     pooled: Any = None
+    token_type_start: int | None = None  # BERT's text pair: its second text's first token (token type 1 from there)
     first_scheduled_time: float | None = field(default=None, init=False)
     _status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
 

@@ -59,6 +59,7 @@ class SchedulerConfig:
     # slots kept past a sampling sequence's tokens, where a draft model writes while it proposes
     num_lookahead_slots: int = 0
     pooling_type: str | None = None  # an embedding model's (every request pools its prompt; see raypaged.pooling)
+    whole_prompts: bool = False  # an encoder's: a prompt is scheduled whole in one step, never cut into chunks
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -289,6 +290,8 @@ class Scheduler:
             request = self._next_waiting()
             if request is None:
                 break  # every waiting request's adapter wants a slot that running sequences hold
+            if self.config.whole_prompts and request.num_tokens > self._budget:
+                break  # an encoder's prompt is computed whole: it waits for a step with room for all of it
             if not self._admit(request):
                 if self._preempt_for(request):
                     continue  # a lower-priority sequence made room: try again
@@ -407,6 +410,7 @@ class Scheduler:
             sample_index=request.sample_index,
             lora_int_id=None if request.lora is None else request.lora.lora_int_id,
             num_spec_tokens=request.num_spec_tokens,
+            token_type_start=request.token_type_start,
         )
 
     def _admit(self, request: Request) -> bool:

@@ -163,10 +163,12 @@ class AsyncLLMEngine:
         lora_request: LoRARequest | None = None,
         beam: BeamSearchParams | None = None,
         pooling: PoolingParams | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> str:
         """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``.
         With ``beam`` it is a beam search: one finished output, its beams best first. With ``pooling`` it is an
-        embedding model's request (``params`` unused): one finished output whose ``pooled`` is its embedding.
+        embedding model's request (``params`` unused): one finished output whose ``pooled`` is its embedding
+        (``token_type_ids``: a BERT text pair's).
 
         A caller cancelled at any point, even while the engine thread is adding the
         request, leaves nothing running: an abort is queued behind the add.
@@ -179,7 +181,14 @@ class AsyncLLMEngine:
         # checked, tokenized, its grammar compiled and its adapter read here, off the engine thread: the batch runs on
         if pooling is not None:
             process = partial(
-                self.engine.process_pooling, request_id, prompt, pooling, prompt_token_ids, priority, cache_salt
+                self.engine.process_pooling,
+                request_id,
+                prompt,
+                pooling,
+                prompt_token_ids,
+                priority,
+                cache_salt,
+                token_type_ids,
             )
         elif beam is None:
             process = partial(
@@ -304,11 +313,19 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> RequestOutput:
         """An embedding model's request, added and awaited: its finished output (``pooled``: the embedding).
-        Cancelling the caller aborts it."""
+        ``token_type_ids``: a BERT text pair's. Cancelling the caller aborts it."""
         request_id = await self.add_request(
-            prompt, SamplingParams(), request_id, prompt_token_ids, priority, cache_salt, pooling=params
+            prompt,
+            SamplingParams(),
+            request_id,
+            prompt_token_ids,
+            priority,
+            cache_salt,
+            pooling=params,
+            token_type_ids=token_type_ids,
         )
         async for output in self.stream(request_id):
             if output.finished:

@@ -61,6 +61,7 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.monotonic)  # queued in the engine (set when it is)
     num_spec_tokens: int = 0  # drafts each sequence may verify per step
     pooling: PoolingParams | None = None  # an embedding model's request: it ends with its prompt, with its vector
+    token_type_start: int | None = None  # BERT's text pair: its second text's first token (token type 1 from there)
 
 
 @dataclass(slots=True)
@@ -143,6 +144,7 @@ class EngineCore:
             preemption_mode=config.preemption_mode,
             max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
             pooling_type=None if config.pooler is None else config.pooler.pooling_type,
+            whole_prompts=config.encoder,
             **_spec_scheduler_options(spec),
         )
         self.scheduler = Scheduler(
@@ -179,6 +181,7 @@ class EngineCore:
                 lora=request.lora,
                 num_spec_tokens=request.num_spec_tokens,
                 pooling=request.pooling,
+                token_type_start=request.token_type_start,
             )
             for i in range(num_samples)
         ]

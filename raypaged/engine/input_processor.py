@@ -313,10 +313,13 @@ class InputProcessor:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> tuple[SamplingParams, EngineCoreRequest]:
         """An embedding request checked: the params its one output is built by (final only, no tokens) and the
         core's request, which ends when its prompt is computed. The prompt may fill ``max_model_len`` (nothing is
-        generated after it); ``truncate_prompt_tokens`` keeps its last tokens (-1: ``max_model_len`` of them)."""
+        generated after it); ``truncate_prompt_tokens`` keeps its last tokens (-1: ``max_model_len`` of them).
+        ``token_type_ids``: a BERT text pair's, one per token (the tokenizer's: 0 for the first text, 1 for the
+        second), cut with the prompt."""
         config = self.config
         pooler = config.pooler
         if pooler is None:
@@ -333,8 +336,13 @@ class InputProcessor:
                 raise InputError("input", "either a prompt or its token ids is required")
             check_text("input", len(prompt), config.limits, max_model_len)
             prompt_token_ids = self.tokenize(prompt)
+        token_type_start = None if token_type_ids is None else self._token_type_start(prompt_token_ids, token_type_ids)
         if truncate is not None:
-            prompt_token_ids = prompt_token_ids[-(max_model_len if truncate == -1 else truncate) :]
+            keep = max_model_len if truncate == -1 else truncate
+            cut = max(0, len(prompt_token_ids) - keep)
+            prompt_token_ids = prompt_token_ids[cut:]
+            if token_type_start is not None:
+                token_type_start = max(0, token_type_start - cut)
         check_pooling_len(len(prompt_token_ids), max_model_len)
         check_token_ids("input", prompt_token_ids, config.hf_config.vocab_size)
         seq_params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -346,7 +354,29 @@ class InputProcessor:
             priority=priority,
             cache_salt=_prefix_namespace(cache_salt, None),
             pooling=params,
+            token_type_start=token_type_start,
         )
+
+    def _token_type_start(self, prompt_token_ids: list[int], token_type_ids: list[int]) -> int | None:
+        """The first token of type 1 (None: all are 0); ``InputError`` for types this model does not have, or not
+        one per token, or a type 0 after a type 1 (a text pair's types are the first text's 0s, then 1s)."""
+        from raypaged.model.encoder import uses_token_types
+
+        if len(token_type_ids) != len(prompt_token_ids):
+            raise InputError(
+                "token_type_ids",
+                f"token_type_ids has {len(token_type_ids)} entries for {len(prompt_token_ids)} prompt tokens",
+            )
+        start = next((i for i, t in enumerate(token_type_ids) if t != 0), None)
+        if start is None:
+            return None
+        if not uses_token_types(self.config.hf_config):
+            raise InputError("token_type_ids", "this model has one token type (0): token_type_ids must all be 0")
+        if any(t != 1 for t in token_type_ids[start:]):
+            raise InputError(
+                "token_type_ids", "token_type_ids must be 0s then 1s (a text pair's first and second texts)"
+            )
+        return start
 
     def _with_eos_stops(self, params: SamplingParams) -> SamplingParams:
         """``params`` with the EOS ids after the first among its stop tokens, as vLLM adds a generation

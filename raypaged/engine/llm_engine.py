@@ -145,10 +145,11 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> ProcessedRequest:
         """``process_request`` for an embedding model's request (``InputProcessor.process_pooling``)."""
         seq_params, core_request = self.input_processor.process_pooling(
-            self._seq_id(request_id), prompt, params, prompt_token_ids, priority, cache_salt
+            self._seq_id(request_id), prompt, params, prompt_token_ids, priority, cache_salt, token_type_ids
         )
         return ProcessedRequest(request_id, prompt, seq_params, core_request)
 
@@ -160,11 +161,13 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> str:
-        """Queue an embedding model's request; its one output, when its prompt is computed, carries ``pooled``."""
+        """Queue an embedding model's request; its one output, when its prompt is computed, carries ``pooled``.
+        ``token_type_ids``: a BERT text pair's (``InputProcessor.process_pooling``)."""
         request_id = self.new_request_id(request_id)
         return self.add_processed(
-            self.process_pooling(request_id, prompt, params, prompt_token_ids, priority, cache_salt)
+            self.process_pooling(request_id, prompt, params, prompt_token_ids, priority, cache_salt, token_type_ids)
         )
 
     def add_processed(self, processed: ProcessedRequest) -> str:

@@ -19,6 +19,7 @@ from raypaged.entrypoints.vllm_compat import check_default_only, task_as_runner,
 from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY, Option
 from raypaged.inputs.limits import check_priority
 from raypaged.lora.request import LoRARequest
+from raypaged.model.encoder import uses_token_types
 from raypaged.outputs import (
     BeamSearchOutput,
     ClassificationRequestOutput,
@@ -234,8 +235,16 @@ class LLM:
             params_list = [p if p.task is not None else replace(p, task=pooling_task) for p in params_list]
         engine = self.llm_engine
         submissions = [
-            partial(engine.add_pooling_request, text, params, prompt_token_ids=token_ids, cache_salt=salt)
-            for (text, token_ids, salt), params in zip((_prompt_input(p) for p in prompts), params_list)
+            partial(
+                engine.add_pooling_request,
+                text,
+                params,
+                prompt_token_ids=token_ids,
+                cache_salt=salt,
+                token_type_ids=prompt.get("token_type_ids") if isinstance(prompt, dict) else None,
+            )
+            for prompt, params in zip(prompts, params_list)
+            for text, token_ids, salt in [_prompt_input(prompt, _POOLING_PROMPT_KEYS)]
         ]
         return [PoolingRequestOutput.of(output) for output in self._submit_and_run(submissions, use_tqdm)]
 
@@ -295,7 +304,8 @@ class LLM:
                     f"LLM.score needs a classifier of one label (a cross-encoder); this one has {len(pooler.labels)}"
                 )
             tokenizer = self.get_tokenizer()
-            pairs = [{"prompt_token_ids": tokenizer(firsts[i], b)["input_ids"]} for i, b in zip(first_of, seconds)]
+            types = uses_token_types(self.llm_engine.config.hf_config)
+            pairs = [_pair_prompt(tokenizer(firsts[i], b), types) for i, b in zip(first_of, seconds)]
             outputs = self.encode(pairs, pooling_params, use_tqdm, lora_request, "score", truncate_prompt_tokens)
             scores = [float(output.outputs.data[0]) for output in outputs]
         else:
@@ -358,19 +368,30 @@ def _is_conversation(messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
 
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+_POOLING_PROMPT_KEYS = (*_PROMPT_KEYS, "token_type_ids")  # a BERT text pair's token types (vLLM's TokensPrompt)
 
 
-def _prompt_input(prompt: PromptType) -> tuple[str | None, list[int] | None, str | None]:
+def _pair_prompt(encoding: Any, token_types: bool) -> dict[str, Any]:
+    """A tokenizer's encoding of a text pair as a prompt: its ids, and (``token_types``: the model embeds them, as
+    BERT) its token types, where the tokenizer gives them (else they are all 0, as in transformers)."""
+    prompt = {"prompt_token_ids": encoding["input_ids"]}
+    if token_types and (types := encoding.get("token_type_ids")) is not None:
+        prompt["token_type_ids"] = types
+    return prompt
+
+
+def _prompt_input(
+    prompt: PromptType, keys: tuple[str, ...] = _PROMPT_KEYS
+) -> tuple[str | None, list[int] | None, str | None]:
     """(text, token ids, cache salt) of a prompt; any may be None. A key of vLLM's prompt dicts
-    that raypaged does not take (``multi_modal_data``, ``prompt_embeds``...) is refused by name."""
+    that raypaged does not take (``multi_modal_data``, ``prompt_embeds``...; ``token_type_ids`` but in ``keys``) is
+    refused by name."""
     if isinstance(prompt, str):
         return prompt, None, None
     if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
-        unknown = [key for key in prompt if key not in _PROMPT_KEYS]
+        unknown = [key for key in prompt if key not in keys]
         if unknown:
-            raise ValueError(
-                f"a prompt's {unknown[0]!r} is not supported: a prompt dict takes {', '.join(_PROMPT_KEYS)}"
-            )
+            raise ValueError(f"a prompt's {unknown[0]!r} is not supported: a prompt dict takes {', '.join(keys)}")
         token_ids, salt = prompt.get("prompt_token_ids"), prompt.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError(f"a prompt's cache_salt must be a non-empty string, got {salt!r}")

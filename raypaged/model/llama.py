@@ -68,7 +68,10 @@ def cache_head_dim(config: PretrainedConfig) -> int:
 def num_kv_heads_per_rank(config: PretrainedConfig, tp_size: int) -> int:
     """KV heads each rank holds: an even split, or one replicated head when there are fewer heads than ranks (and
     the one latent head of DeepSeek's attention, whole on every rank)."""
-    return 1 if is_mla(config) else max(1, config.num_key_value_heads // tp_size)
+    if is_mla(config):
+        return 1
+    # an encoder's config (BERT's) names no KV heads: it attends with all of them (and keeps no cache)
+    return max(1, getattr(config, "num_key_value_heads", config.num_attention_heads) // tp_size)
 
 
 def check_tensor_parallel(config: PretrainedConfig, tp_size: int, expert_parallel: bool = False) -> None:

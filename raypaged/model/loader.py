@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
+from raypaged.model.encoder import EncoderModel, is_encoder
 from raypaged.model.layers import packs_weights
 from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.moe import grouped_gemms_run
@@ -52,6 +54,15 @@ def load_model(
     An fp32 model on a CPU ends with its float linears' weights packed for oneDNN (``pack_weights``); a bf16 mixture
     of experts on an H100 or H200 with its experts' weights stacked for grouped GEMMs (``stack_experts``).
     """
+    if is_encoder(hf_config):  # BERT, RoBERTa, XLM-R (their own module: no KV cache, no fused or packed paths)
+        with torch.device(device):
+            encoder = EncoderModel(hf_config, num_labels)
+        if load_format == "dummy":
+            fill_dummy(encoder, dtype, device, seed)
+        else:
+            encoder.load_weights(iter_checkpoint(model_path))
+            encoder.to(dtype)
+        return cast(LlamaForCausalLM, encoder.eval())  # the runner's model: the same calls as a decoder's
     with torch.device(device):
         model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config, head, num_labels)
     if load_format == "dummy":
@@ -67,11 +78,11 @@ def load_model(
     return model.eval()
 
 
-def fill_dummy(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, seed: int) -> None:
+def fill_dummy(model: LlamaForCausalLM | EncoderModel, dtype: torch.dtype, device: torch.device, seed: int) -> None:
     """Every weight drawn uniformly from [-1e-3, 1e-3] (norms scale by 1: Gemma's (1 + weight) ones hold 0) in
     ``dtype``."""
     cast_model(model, dtype)
-    unit = 0.0 if model.architecture.gemma else 1.0
+    unit = 0.0 if isinstance(model, LlamaForCausalLM) and model.architecture.gemma else 1.0
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -47,6 +47,7 @@ from raypaged.inputs.limits import (
 )
 from raypaged.lora.request import LoRARequest
 from raypaged.model.default_model import DEFAULT_MODEL
+from raypaged.model.encoder import uses_token_types
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import BeamSearchParams, SamplingParams
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
@@ -329,10 +330,17 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             try:
                 await hold.admit()
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                tokenize = partial(_token_ids, model.tokenizer, add_special_tokens=add_special)
-                text, token_ids = await _prompt(model, request, tokenize, "input")
+                token_types = None
+                if request.WhichOneof("input") == "text_pair" and uses_token_types(config.hf_config):
+                    pair = request.text_pair  # BERT: the second text embeds as token type 1
+                    encode = partial(model.tokenizer, add_special_tokens=add_special)
+                    encoding = await model.off_loop(encode, pair.text_1, pair.text_2)
+                    text, token_ids, token_types = None, encoding["input_ids"], encoding.get("token_type_ids")
+                else:
+                    tokenize = partial(_token_ids, model.tokenizer, add_special_tokens=add_special)
+                    text, token_ids = await _prompt(model, request, tokenize, "input")
                 salt = self._cache_salt(gate, request.cache_salt)
-                output = await model.engine.encode(text, params, key[1], token_ids, priority, salt)
+                output = await model.engine.encode(text, params, key[1], token_ids, priority, salt, token_types)
             except _REFUSED as exc:
                 await hold.let_go(in_engine=False)
                 await _refuse(context, exc)

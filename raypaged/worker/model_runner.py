@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ import torch
 from raypaged import envs
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SampledToken, SchedulerOutput
+from raypaged.model.encoder import EncoderModel, uses_token_types
 from raypaged.pooling import chunk_part
 from raypaged.sampling_params import RAW_LOGPROBS, SamplingParams
 from raypaged.spec_decode.verify import accepted_run
@@ -56,6 +57,7 @@ class CachedRequestState:
     # first (the next step may be scheduled before they reach the scheduler: it computes them from here)
     sampled_unsent: list[int] = field(default_factory=list)
     prompt_array: np.ndarray | None = None  # the prompt as int64, made for its first span of several tokens
+    token_type_start: int | None = None  # BERT's text pair: its second text's first token (type 1 from there)
     row: int = -1  # its row of the runner's BlockTables
 
     def token_at(self, position: int) -> int:
@@ -134,6 +136,8 @@ class ModelRunner:
         self.async_scheduling = async_scheduling
         self.logprobs_mode = logprobs_mode
         self.pooling_type = pooling_type
+        # BERT's token types: a pair's second text embeds as type 1 (from its request's token_type_start)
+        self.token_types = isinstance(model, EncoderModel) and uses_token_types(model.config)
         self.cache = cache
         self.block_size = block_size
         self.eos_token_id = eos_token_id
@@ -168,6 +172,7 @@ class ModelRunner:
                 new.lora_int_id,
                 new.num_spec_tokens,
                 row=tables.add(new.block_ids),
+                token_type_start=new.token_type_start,
             )
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
@@ -348,6 +353,9 @@ class ModelRunner:
             and self.piecewise.fits(len(step.input_ids))
         ):
             hidden = self.piecewise.run(step.input_ids, step.positions, meta)
+        elif self.token_types:
+            encoder = cast(EncoderModel, self.model)
+            hidden = encoder(step.input_ids, step.positions, self.cache.layers, meta, self._token_types(so))
         else:
             hidden = self.model(step.input_ids, step.positions, self.cache.layers, meta)
         if self.pooling_type is not None:
@@ -412,11 +420,23 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if parts:
             stacked = torch.stack(parts)
-            if (score := self.model.score) is not None:  # a classifier: its head's logits (the last token's state)
-                stacked = score(stacked.to(score.weight.dtype)).float()
+            if (score := self.model.score) is not None:  # a classifier: its head's logits (of its pooled state)
+                stacked = score(stacked.to(next(score.parameters()).dtype)).float()
             host = stacked.cpu()
             out.pooled = {request_id: (start, host[i]) for i, (request_id, start) in enumerate(zip(ids, starts))}
         return out
+
+    def _token_types(self, so: SchedulerOutput) -> torch.Tensor:
+        """Each step token's type (BERT's, rows in ``prepare_inputs``' order): 1 from its request's
+        ``token_type_start`` on (a text pair's second text), 0 before it and for a single text."""
+        parts = []
+        for request_id in _batch_order(so):
+            state, num_new = self.requests[request_id], so.num_scheduled_tokens[request_id]
+            first = state.token_type_start
+            start = state.num_computed_tokens
+            positions = np.arange(start, start + num_new, dtype=np.int64)
+            parts.append(positions >= first if first is not None else np.zeros(num_new, dtype=bool))
+        return torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)
 
     def _sampling_input(self, state: CachedRequestState, num_drafts_before: int) -> SamplingInput:
         outputs = state.known_output_token_ids

@@ -521,3 +521,22 @@ def test_a_beam_search_that_no_longer_fits_is_finished_not_retried_for_ever():
         "1#1": (RequestStatus.FINISHED_ABORTED, 1),
         "1#2": (RequestStatus.FINISHED_LENGTH, 3),
     }
+
+
+def test_whole_prompts_are_never_cut():
+    """An encoder's scheduler (``whole_prompts``) admits a prompt only where all of it fits the step's budget: the
+    second prompt waits for the next step instead of computing 4 of its 6 tokens, and the third, which fits the
+    step after it beside nothing else, never shares a step it would overflow."""
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=10, whole_prompts=True),
+        KVCacheManager(16, 4),
+    )
+    for request_id, num_prompt in (("a", 6), ("b", 6), ("c", 5)):
+        s.add_request(make_request(request_id, num_prompt, max_tokens=1))
+    steps = [run_step(s).num_scheduled_tokens for _ in range(2)]
+    assert steps == [{"a": 6}, {"b": 6}]
+    assert run_step(s).num_scheduled_tokens == {"c": 5}
+    plain = make_scheduler(budget=10)
+    for request_id, num_prompt in (("a", 6), ("b", 6)):
+        plain.add_request(make_request(request_id, num_prompt, max_tokens=1))
+    assert plain.schedule().num_scheduled_tokens == {"a": 6, "b": 4}  # the decoder's scheduler cuts it

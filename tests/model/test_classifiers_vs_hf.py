@@ -92,7 +92,11 @@ def test_what_a_classifier_cannot_be_is_refused(classifier_dir, smollm2_dir):
         LLM(model=str(classifier_dir), runner="generate", **OPTIONS)
     with pytest.raises(ValueError, match=r"^--convert classify needs a classification head"):
         LLM(model=str(smollm2_dir), convert="classify", **OPTIONS)
-    with pytest.raises(ValueError, match=r"pooling_type 'MEAN' is not supported for a classifier"):
+    with pytest.raises(
+        ValueError,
+        match=r"pooling_type 'MEAN' is not supported for this classifier: its head reads the last token's state "
+        r"\(LAST\)",
+    ):
         LLM(model=str(classifier_dir), pooler_config={"pooling_type": "MEAN"}, **OPTIONS)
 
 

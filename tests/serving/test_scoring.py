@@ -16,7 +16,7 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerFast
 
 from raypaged.serving.proto import generate_pb2 as pb
-from tests.conftest import make_classifier, make_tiny_embedding_model
+from tests.conftest import make_classifier, make_tiny_embedding_model, make_tiny_encoder
 from tests.serving.conftest import Stack, tiny_config
 
 BOS_ID, SEP_ID = 1, 2  # the tokenizers add them: "<bos> A" and "<bos> A <sep> B"
@@ -46,6 +46,7 @@ def dirs(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
         "classifier": classifier,
         "cross": with_pair_template(make_classifier(root, smollm2_dir, "llama", 1)),
         "embed": make_tiny_embedding_model(root, smollm2_dir, "qwen3", head_dim=16),
+        "bert-cross": make_tiny_encoder(root, "bert", num_labels=1),
     }
 
 
@@ -57,7 +58,7 @@ def http(stack):
 
 @pytest.fixture(scope="module")
 def stack(dirs, tiny_model_dir):
-    """One server: the three pooling models under their ``dirs`` names, and the generative ``tiny``."""
+    """One server: the four pooling models under their ``dirs`` names, and the generative ``tiny``."""
     configs = [tiny_config(path, name, max_model_len=64) for name, path in dirs.items()]
     stack = Stack([*configs, tiny_config(tiny_model_dir, "tiny")], max_prompts_per_request=MAX_PROMPTS)
     yield stack
@@ -73,7 +74,7 @@ def tokenizer(dirs) -> PreTrainedTokenizerFast:
 def hf(dirs) -> dict[str, torch.nn.Module]:
     models = {
         name: AutoModelForSequenceClassification.from_pretrained(dirs[name], dtype=torch.float32).eval()
-        for name in ("classifier", "cross")
+        for name in ("classifier", "cross", "bert-cross")
     }
     return {**models, "embed": AutoModel.from_pretrained(dirs["embed"], dtype=torch.float32).eval()}
 
@@ -151,6 +152,22 @@ def test_a_cross_encoder_scores_each_text_pair_as_transformers(http, hf, tokeniz
         assert abs(item["score"] - float(logits(hf, "cross", tokenizer(a, b)["input_ids"]).sigmoid()[0])) < 1e-5
     raw = post(http, "/score", model="cross", text_1=QUERY, text_2=DOCUMENTS[0], use_activation=False)
     assert abs(raw["data"][0]["score"] - float(logits(hf, "cross", pairs[0])[0])) < 1e-5
+
+
+def test_a_bert_cross_encoder_scores_pairs_with_their_token_types(http, hf, dirs):
+    """BERT's pair ``[CLS] A [SEP] B [SEP]`` over HTTP (gRPC ``Embed``'s text pair): the second text embeds as token
+    type 1, so the scores equal transformers' with the tokenizer's token types; reranking orders by them."""
+    tokenizer = AutoTokenizer.from_pretrained(dirs["bert-cross"])
+    encodings = [tokenizer(QUERY, d, return_tensors="pt") for d in DOCUMENTS]
+    assert encodings[0]["token_type_ids"][0, -1] == 1
+    with torch.inference_mode():
+        scores = [float(hf["bert-cross"](**e).logits[0, 0].sigmoid()) for e in encodings]
+    answer = post(http, "/score", model="bert-cross", text_1=QUERY, text_2=DOCUMENTS)
+    assert answer["usage"]["prompt_tokens"] == sum(e["input_ids"].shape[1] for e in encodings)
+    for item, score in zip(answer["data"], scores, strict=True):
+        assert abs(item["score"] - score) < 1e-5
+    ranked = post(http, "/rerank", model="bert-cross", query=QUERY, documents=DOCUMENTS)
+    assert [r["index"] for r in ranked["results"]] == sorted(range(len(DOCUMENTS)), key=lambda i: -scores[i])
 
 
 def test_an_embedding_model_scores_the_cosine_similarity(http, hf, dirs):
@@ -271,6 +288,7 @@ def test_grpc_embed_takes_a_text_pair_and_a_task(stack, hf, tokenizer):
         "classifier": (True, "classify", LABELS),
         "cross": (True, "classify", ["LABEL_0"]),
         "embed": (True, "embed", []),
+        "bert-cross": (True, "classify", ["LABEL_0"]),
         "tiny": (False, "", []),
     }
     pair = pb.TextPair(text_1=QUERY, text_2=DOCUMENTS[0])

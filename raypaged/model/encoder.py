@@ -1,0 +1,279 @@
+"""Encoder-only embedding models and cross-encoders: BERT, RoBERTa and XLM-RoBERTa (``--runner pooling``).
+
+They are not decoders: every token attends to every other token of its prompt (no causal mask), the norms are
+LayerNorms after each sublayer's residual add, positions are learned absolute embeddings (RoBERTa's start after
+its padding index), BERT adds a token-type embedding (0 for a text, 1 for the second text of a pair), and the MLP
+is one GELU projection. A prompt is therefore computed whole, in one step (the scheduler never chunks it:
+``SchedulerConfig.whole_prompts``), and nothing is read from or written to the KV cache: attention runs over the
+step's own keys and values, one prompt at a time, in torch's ``scaled_dot_product_attention``.
+
+A ``*ForSequenceClassification`` checkpoint's head reads the first token's ([CLS], ``<s>``) final state: BERT's
+pooler (a dense layer and tanh) and classifier, RoBERTa's ``classifier.dense``, tanh and ``classifier.out_proj``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from raypaged.attention.metadata import AttentionMetadata
+
+ENCODER_ARCHITECTURES = (
+    "BertModel",
+    "BertForSequenceClassification",
+    "RobertaModel",
+    "RobertaForSequenceClassification",
+    "XLMRobertaModel",
+    "XLMRobertaForSequenceClassification",
+)
+_ROBERTA_TYPES = ("roberta", "xlm-roberta")  # positions start after padding_idx; the head is classifier.dense/out_proj
+ENCODER_MODEL_TYPES = ("bert", *_ROBERTA_TYPES)
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def is_encoder(config: PretrainedConfig) -> bool:
+    return getattr(config, "model_type", None) in ENCODER_MODEL_TYPES
+
+
+def position_offset(config: PretrainedConfig) -> int:
+    """The position embedding of a prompt's first token: RoBERTa's count from ``padding_idx + 1`` (``pad_token_id``
+    is its padding index), BERT's from 0."""
+    return int(config.pad_token_id) + 1 if config.model_type in _ROBERTA_TYPES else 0
+
+
+def max_prompt_len(config: PretrainedConfig) -> int:
+    """The longest prompt the position embeddings hold (514 rows are 512 tokens for RoBERTa)."""
+    return int(config.max_position_embeddings) - position_offset(config)
+
+
+def uses_token_types(config: PretrainedConfig) -> bool:
+    """Whether the second text of a pair embeds differently from the first (BERT's two token types)."""
+    return int(getattr(config, "type_vocab_size", 1)) > 1
+
+
+def check_encoder(config: PretrainedConfig) -> None:
+    """``ValueError`` naming what of an encoder's config raypaged does not compute."""
+    name = (getattr(config, "architectures", None) or [config.model_type])[0]
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise ValueError(f"{name} configured as a decoder (is_decoder, add_cross_attention) is not supported")
+    kind = getattr(config, "position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"{name}: position_embedding_type {kind!r} is not supported (only absolute)")
+    if config.hidden_act not in _ACTIVATIONS:
+        raise ValueError(
+            f"{name}: hidden_act {config.hidden_act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})"
+        )
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(
+            f"{name}: hidden_size {config.hidden_size} is not a multiple of num_attention_heads "
+            f"{config.num_attention_heads}"
+        )
+
+
+def check_encoder_options(
+    config: PretrainedConfig, tensor_parallel_size: int, quantized: bool, lora: bool, attention_backend: str
+) -> None:
+    """``ValueError`` naming each engine option an encoder runs without."""
+    name = (getattr(config, "architectures", None) or [config.model_type])[0]
+    for given, what in (
+        (tensor_parallel_size > 1, f"--tensor-parallel-size {tensor_parallel_size}"),
+        (quantized, "--quantization"),
+        (lora, "--enable-lora"),
+        (attention_backend not in ("auto", "torch"), f"--attention-backend {attention_backend}"),
+    ):
+        if given:
+            raise ValueError(
+                f"{what} is not supported for {name}, an encoder: it runs on one shard, unquantized, its attention "
+                "in torch over each prompt's own keys (no KV cache)"
+            )
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention over each prompt (q, k and v as one projection), then the MLP; a LayerNorm after each
+    residual add."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.layer_norm_eps
+        self.num_heads = config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.attn_out = nn.Linear(hidden, hidden)
+        self.attn_norm = nn.LayerNorm(hidden, eps=eps)
+        self.up = nn.Linear(hidden, config.intermediate_size)
+        self.down = nn.Linear(config.intermediate_size, hidden)
+        self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:  # [T, hidden]
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        out = torch.empty_like(q)
+        for start, length in spans:
+            rows = slice(start, start + length)
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            ).transpose(0, 1)
+        x = self.attn_norm(self.attn_out(out.view(x.shape)) + x)
+        return self.mlp_norm(self.down(self.act(self.up(x))) + x)
+
+
+class ClassificationHead(nn.Module):
+    """A cross-encoder's head over its first token's final state: a dense layer, tanh, then the labels' projection
+    (BERT's pooler and classifier, RoBERTa's classifier.dense and out_proj)."""
+
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, num_labels]
+        return self.out_proj(torch.tanh(self.dense(first)))
+
+
+class EncoderModel(nn.Module):
+    """The runner's model for an encoder: ``forward`` gives every token's final hidden state. ``num_labels``: a
+    classifier's, whose ``score`` head reads the first token's (pooling type CLS)."""
+
+    has_head = False  # no language-model head: nothing is sampled
+    checkpoint_kv_scales = False
+
+    def __init__(self, config: PretrainedConfig, num_labels: int = 0) -> None:
+        super().__init__()
+        check_encoder(config)
+        self.config = config
+        hidden = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, hidden)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, hidden)
+        self.token_type_embeddings = nn.Embedding(int(getattr(config, "type_vocab_size", 1)), hidden)
+        self.embed_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.score = ClassificationHead(hidden, num_labels) if num_labels else None
+        self.roberta = config.model_type in _ROBERTA_TYPES
+        self.padding_idx = int(config.pad_token_id) if self.roberta else -1
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Any,
+        meta: AttentionMetadata,
+        token_types: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # -> [num_tokens, hidden]
+        """``kv_caches`` are not read (each prompt is whole in its step); ``token_types``: each token's type (None:
+        all 0)."""
+        spans = [(i, 1) for i in range(meta.num_decode_tokens)]
+        for span in meta.prefills:
+            if span.context_len != span.query_len:
+                raise RuntimeError("an encoder computes each prompt whole, in one step; this one was cut")
+            spans.append((span.query_start, span.query_len))
+        x = self.word_embeddings(input_ids) + self.position_embeddings(self._positions(input_ids, positions, spans))
+        if token_types is None:
+            token_types = torch.zeros_like(input_ids)
+        x = self.embed_norm(x + self.token_type_embeddings(token_types))
+        for layer in self.layers:
+            x = layer(x, spans)
+        return x
+
+    def _positions(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        """Each token's position embedding row: BERT's is its position; RoBERTa's counts the prompt's tokens that are
+        not its padding token, from ``padding_idx + 1`` (a padding token's row is ``padding_idx``), as transformers'
+        ``create_position_ids_from_input_ids``."""
+        if not self.roberta:
+            return positions
+        kept = (input_ids != self.padding_idx).long()
+        rows = torch.empty_like(positions)
+        for start, length in spans:
+            span = kept[start : start + length]
+            rows[start : start + length] = torch.cumsum(span, 0) * span
+        return rows + self.padding_idx
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an encoder has no language-model head: it embeds and classifies, it does not generate")
+
+    def set_attention_backend(self, backend: Any) -> None:
+        """Its attention is torch's over each prompt's own keys; the paged backends have nothing to run."""
+
+    def kv_scales(self) -> list[Any]:
+        return []
+
+    def calculate_kv_scales_next_step(self) -> None:
+        raise RuntimeError("an encoder writes no KV cache: --calculate-kv-scales does not apply")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A ``*Model`` or ``*ForSequenceClassification`` checkpoint's tensors (with or without the ``bert.``,
+        ``roberta.`` prefix; TF-era ``gamma``/``beta`` LayerNorm names too); the pooler of a base model and the
+        language-model head of a masked LM are not read. ``ValueError`` for a missing or unknown tensor."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._target(name)
+            if target is None:
+                continue
+            key, rows = target
+            if key not in params:
+                raise ValueError(f"checkpoint tensor {name} has no place in {type(self).__name__} (as {key})")
+            param = params[key]
+            part = (
+                param.data
+                if rows is None
+                else param.data[rows * param.shape[0] // 3 : (rows + 1) * param.shape[0] // 3]
+            )
+            if part.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {list(tensor.shape)}, expected {list(part.shape)}"
+                )
+            part.copy_(tensor)
+            loaded.add(key if rows is None else f"{key}#{rows}")
+        expected = {f"{key}#{i}" for key in params if key.startswith("layers.") and ".qkv." in key for i in range(3)}
+        expected |= {key for key in params if ".qkv." not in key}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[0]}")
+
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        """The parameter a checkpoint tensor fills (and which third of a fused q/k/v one), None to skip it."""
+        name = re.sub(r"^(bert|roberta)\.", "", name)
+        name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        if name.startswith(("lm_head.", "cls.")) or name.endswith("position_ids"):
+            return None  # a masked LM's head, a buffer
+        if name.startswith("pooler."):
+            if self.score is None or self.roberta:
+                return None  # a base model's pooler: embeddings are pooled by the pooling type instead
+            return "score.dense." + name.removeprefix("pooler.dense."), None
+        if name.startswith("classifier."):
+            if self.score is None:
+                return None
+            if self.roberta:  # classifier.dense / classifier.out_proj
+                return "score." + name.removeprefix("classifier."), None
+            return "score.out_proj." + name.removeprefix("classifier."), None
+        if name.startswith("embeddings."):
+            rest = name.removeprefix("embeddings.")
+            return ("embed_norm." + rest.removeprefix("LayerNorm.") if rest.startswith("LayerNorm.") else rest), None
+        match = re.fullmatch(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)", name)
+        if match is None:
+            return "<unknown>" + name, None
+        index, module, kind = match.groups()
+        qkv = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
+        if module in qkv:
+            return f"layers.{index}.qkv.{kind}", qkv[module]
+        local = {
+            "attention.output.dense": "attn_out",
+            "attention.output.LayerNorm": "attn_norm",
+            "intermediate.dense": "up",
+            "output.dense": "down",
+            "output.LayerNorm": "mlp_norm",
+        }.get(module)
+        return (f"layers.{index}.{local}.{kind}" if local else f"<unknown>{name}"), None
