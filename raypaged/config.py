@@ -729,6 +729,25 @@ class EngineConfig:
         checkpoint = getattr(self.hf_config, "quantization_config", None)
         if checkpoint is not None and not isinstance(checkpoint, dict):
             checkpoint = checkpoint.to_dict()
+        mxfp4 = checkpoint is not None and checkpoint.get("quant_method") == "mxfp4"
+        if self.quantization == "mxfp4" or mxfp4:
+            if not (mxfp4 and self.hf_config.model_type == "gpt_oss"):
+                raise ValueError(
+                    "mxfp4 is read from gpt-oss checkpoints only (quant_method mxfp4, their experts' weights): "
+                    f"this checkpoint's is {None if checkpoint is None else checkpoint.get('quant_method')!r} "
+                    f"({self.hf_config.architectures})"
+                )
+            if self.quantization not in (None, "mxfp4"):
+                raise ValueError(
+                    f"--quantization {self.quantization} contradicts the checkpoint's quantization_config "
+                    "(quant_method 'mxfp4'): drop --quantization or pass --quantization mxfp4"
+                )
+            logger.info(
+                "gpt-oss MXFP4 experts: dequantized at load to %s (no MXFP4 GEMMs: the experts take 4x their "
+                "checkpoint's memory in bf16)",
+                self.resolved_dtype,
+            )
+            return None
         quant_config = resolve_quantization(self.quantization, checkpoint)
         if quant_config is not None and self.load_format == "dummy" and checkpoint is not None:
             raise ValueError(

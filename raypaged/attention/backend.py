@@ -135,6 +135,7 @@ class AttentionBackend:
         kv_scales: KVScales | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` once this step's K/V are already in their slots (the CUDA model path
         writes them with the rotary kernel, ``raypaged.kernels.rotary_and_cache``).
@@ -144,13 +145,18 @@ class AttentionBackend:
         multiplied by ``v_scale``; the kernels read the stored values as they are. A whole prompt's span attends
         over this step's own K/V, unscaled.
 
-        ``sliding_window`` (a query sees at most that many of the newest keys) and ``softcap`` (Gemma 2's tanh cap
-        of the scores) are options of the torch attention ops only (``windows``)."""
+        ``sliding_window`` (a query sees at most that many of the newest keys), ``softcap`` (Gemma 2's tanh cap
+        of the scores) and ``sinks`` (gpt-oss's per-head sink logits) are options of the torch attention ops only
+        (``windows``)."""
         options: dict[str, Any] = {}
-        if sliding_window is not None or softcap is not None:
+        if sliding_window is not None or softcap is not None or sinks is not None:
             if not self.windows:
-                raise ValueError(f"the {self.name} attention backend has no sliding-window or soft-capped attention")
+                raise ValueError(
+                    f"the {self.name} attention backend has no sliding-window, soft-capped or sink attention"
+                )
             options = {"sliding_window": sliding_window, "softcap": softcap}
+            if sinks is not None:
+                options["sinks"] = sinks
         k_scale, v_scale = (1.0, 1.0) if kv_scales is None else (kv_scales.k, kv_scales.v)
         # multiplied in float32, as cpu_step.c multiplies them
         cached_scale = scale if k_scale == 1.0 else float(numpy.float32(scale) * numpy.float32(k_scale))

@@ -62,6 +62,7 @@ def paged_attention_decode(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its first ``context_lens[i]`` cached tokens (``sliding_window``:
     to the last ``sliding_window`` of them; ``softcap``: see :func:`attention`)."""
@@ -71,7 +72,7 @@ def paged_attention_decode(
     visible = key_pos < context_lens[:, None]  # [S, T]
     if sliding_window is not None:
         visible &= key_pos >= context_lens[:, None] - sliding_window
-    out = attention(query.unsqueeze(2), keys, values, visible[:, None, None, :], scale, softcap)  # [S, H, 1, D]
+    out = attention(query.unsqueeze(2), keys, values, visible[:, None, None, :], scale, softcap, sinks)  # [S, H, 1, D]
     return out.squeeze(2)
 
 
@@ -85,11 +86,12 @@ def paged_attention_prefill(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal attention of the last ``query_len`` positions of a sequence over its cached context."""
     keys = gather_blocks(key_cache, block_ids[None])[0, :context_len].to(query.dtype)
     values = gather_blocks(value_cache, block_ids[None])[0, :context_len].to(query.dtype)
-    return prefill_attention(query, keys, values, scale, sliding_window=sliding_window, softcap=softcap)
+    return prefill_attention(query, keys, values, scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
 
 
 def prefill_attention(
@@ -100,13 +102,14 @@ def prefill_attention(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal SDPA of a sequence's newest ``query_len`` positions over its whole (gathered) context; with
     ``sliding_window`` the query at position p sees the keys from ``max(0, p + 1 - sliding_window)`` to p."""
     query_len, context_len = query.shape[0], keys.shape[0]
     # 4-D inputs: torch's fused CPU kernel; 3-D ones fall back to the ~6x slower math path
     q, k, v = query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-    if query_len == context_len and sliding_window is None and softcap is None:
+    if query_len == context_len and sliding_window is None and softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     query_pos = torch.arange(context_len - query_len, context_len, device=query.device)[:, None]
@@ -114,7 +117,7 @@ def prefill_attention(
     mask = key_pos <= query_pos  # [query_len, context_len]
     if sliding_window is not None:
         mask &= key_pos > query_pos - sliding_window
-    return attention(q, k, v, mask, scale, softcap)[0].transpose(0, 1)
+    return attention(q, k, v, mask, scale, softcap, sinks)[0].transpose(0, 1)
 
 
 def attention(
@@ -124,15 +127,22 @@ def attention(
     visible: torch.Tensor,  # bool, broadcasting to [B, num_heads, Q, T]; each query sees at least one key
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [B, num_heads, Q, head_dim]
     """Masked GQA attention; ``softcap`` (Gemma 2's attn_logit_softcapping): the scaled scores become
     ``softcap * tanh(scores / softcap)`` before the mask, and the softmax is taken in fp32, as transformers' eager
-    attention computes them."""
-    if softcap is None:
+    attention computes them. ``sinks`` (gpt-oss's): each head's sink logit joins every query's scores as one more
+    column of the softmax, which is then dropped (the probabilities of the keys sum to less than 1)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale, enable_gqa=True)
     groups = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, keys.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(probs, values)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(query.dtype), values)
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(scores.shape[0], -1, scores.shape[2], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(query.dtype), values)

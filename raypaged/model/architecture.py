@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES = (
     "Glm4MoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
 )
 _MODEL_TYPES = (
     "llama",
@@ -61,6 +62,7 @@ _MODEL_TYPES = (
     "glm4_moe",
     "deepseek_v2",
     "deepseek_v3",
+    "gpt_oss",
 )
 # attention_bias puts biases on q, k and v only (o_proj never has one)
 _NO_O_BIAS = ("qwen2", "qwen2_moe", "glm", "glm4", "glm4_moe")
@@ -73,6 +75,7 @@ _MOE_TYPES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+_GPT_OSS = {"gpt_oss": "GptOssForCausalLM"}
 _MLA_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
@@ -99,6 +102,10 @@ class MoeSpec:
     fp32_router: bool = False  # the router's weight stays fp32 and its logits are computed in fp32
     group_score: str = "top2_sum"
     shared_gated: bool = True  # Qwen2-MoE's shared expert is scaled by a sigmoid gate; GLM-4.5's are added as they are
+    router_bias: bool = False  # gpt-oss: the router's logits have a bias (a linear's)
+    # gpt-oss: each expert's act(gate) * up is clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate) with gate at
+    # most ``limit`` and up within [-limit, limit], (alpha, limit); None: SiLU(gate) * up
+    clamped_swiglu: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +140,8 @@ class Architecture:
     sandwich_norms: bool = False
     # DeepSeek-V3: multi-head latent attention (``mla.MlaAttention``) in place of q/k/v projections
     mla: bool = False
+    # gpt-oss: a learned logit per head (its "sink") joins each query's softmax as one more column, then is dropped
+    attn_sinks: bool = False
 
 
 # image-text checkpoints whose language model raypaged serves for text: the wrapper -> its language model's
@@ -175,16 +184,19 @@ def gemma_name(config: PretrainedConfig) -> str | None:
 
 def torch_attention_reason(config: PretrainedConfig) -> str | None:
     """Why the config's attention runs in the torch attention ops only (the CPU and CUDA kernels, the native CPU step
-    and the fused ops apply no sliding window, soft-capping or Gemma norms), or None where any backend runs it."""
+    and the fused ops apply no sliding window, soft-capping, sinks or Gemma norms), or None where any backend runs
+    it."""
     if (mla := _MLA_TYPES.get(config.model_type)) is not None:
         return f"{mla}'s latent attention runs in the torch attention ops only"
+    if config.model_type == "gpt_oss":
+        return "GptOssForCausalLM's attention sinks and sliding windows run in the torch attention ops only"
     name = gemma_name(config)
     return None if name is None else f"{name}'s sliding-window attention runs in the torch attention ops only"
 
 
 def check_options(config: PretrainedConfig, quantized: bool, lora: bool, attention_backend: str) -> None:
     """``ValueError`` naming what the engine's options ask of this architecture that raypaged does not do for it."""
-    name = gemma_name(config) or _MLA_TYPES.get(config.model_type)
+    name = gemma_name(config) or _MLA_TYPES.get(config.model_type) or _GPT_OSS.get(config.model_type)
     if name is None:
         return
     if quantized:
@@ -197,7 +209,7 @@ def check_options(config: PretrainedConfig, quantized: bool, lora: bool, attenti
 
 def applies_sliding_window(config: PretrainedConfig) -> bool:
     """Whether raypaged applies the config's ``sliding_window`` (else max_model_len stays within it)."""
-    return gemma_name(config) is not None
+    return gemma_name(config) is not None or config.model_type == "gpt_oss"
 
 
 def architecture_of(config: PretrainedConfig) -> Architecture:
@@ -210,6 +222,8 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
         )
     if gemma_name(config) is not None:
         return _gemma(config)
+    if model_type == "gpt_oss":
+        return _gpt_oss(config)
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
     ernie = model_type == "ernie4_5"  # one use_bias for every linear
@@ -336,6 +350,52 @@ def _sigmoid_router_moe(config: PretrainedConfig, name: str, num_experts: int, t
     )
 
 
+def _layer_windows(config: PretrainedConfig, name: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window (``sliding_window`` on the layers ``layer_types`` marks sliding_attention, None on
+    full_attention ones)."""
+    layer_types = tuple(config.layer_types)
+    if set(layer_types) - {"sliding_attention", "full_attention"} or len(layer_types) != config.num_hidden_layers:
+        raise ValueError(
+            f"{name}: layer_types must name sliding_attention or full_attention for each of the "
+            f"{config.num_hidden_layers} layers, got {list(layer_types)}"
+        )
+    return tuple(int(config.sliding_window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def _gpt_oss(config: PretrainedConfig) -> Architecture:
+    """gpt-oss: Mixtral's decoder with biases on q/k/v/o, a sink per head, sliding-window attention on alternate
+    layers, and experts with biases, a router with a bias (softmax over the chosen logits) and clamped SwiGLU."""
+    name = "GptOssForCausalLM"
+    num_experts, top_k = config.num_local_experts, config.num_experts_per_tok
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"{name}: num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
+    attention_bias = bool(config.attention_bias)
+    return Architecture(
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=True,
+        qk_norm=False,
+        attention_scale=None,
+        embedding_multiplier=1.0,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        fused_checkpoint=False,
+        sliding_windows=_layer_windows(config, name),
+        moe=MoeSpec(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=config.intermediate_size,
+            renormalize=True,  # a softmax over the chosen logits: the chosen softmax weights renormalized
+            fp32_weights=False,
+            shared_intermediate_size=0,
+            sparse_layers=(True,) * config.num_hidden_layers,
+            router_bias=True,
+            clamped_swiglu=(float(config.swiglu_alpha), float(config.swiglu_limit)),
+        ),
+        attn_sinks=True,
+    )
+
+
 def _gemma(config: PretrainedConfig) -> Architecture:
     name = gemma_name(config)
     if config.hidden_activation != "gelu_pytorch_tanh":
@@ -344,13 +404,7 @@ def _gemma(config: PretrainedConfig) -> Architecture:
         )
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(f"{name}: use_bidirectional_attention is not supported (a decoder attends causally)")
-    layer_types = tuple(config.layer_types)
-    if set(layer_types) - {"sliding_attention", "full_attention"} or len(layer_types) != config.num_hidden_layers:
-        raise ValueError(
-            f"{name}: layer_types must name sliding_attention or full_attention for each of the "
-            f"{config.num_hidden_layers} layers, got {list(layer_types)}"
-        )
-    window = config.sliding_window
+    windows = _layer_windows(config, str(name))
     attention_bias = bool(config.attention_bias)
     softcap, final_softcap = config.attn_logit_softcapping, config.final_logit_softcapping
     return Architecture(
@@ -364,8 +418,8 @@ def _gemma(config: PretrainedConfig) -> Architecture:
         logits_scaling=1.0,
         fused_checkpoint=False,
         gemma=True,
-        sliding_windows=tuple(int(window) if t == "sliding_attention" else None for t in layer_types),
-        rope_layer_types=layer_types if config.model_type == "gemma3_text" else (),
+        sliding_windows=windows,
+        rope_layer_types=tuple(config.layer_types) if config.model_type == "gemma3_text" else (),
         attn_softcap=None if softcap is None else float(softcap),
         final_softcap=None if final_softcap is None else float(final_softcap),
     )

@@ -92,6 +92,10 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
     """Copy this rank's share of the checkpoint tensors into ``model``, fusing q/k/v and gate/up; every
     parameter must be filled, and a tensor with no place in the model is a ``ValueError`` naming it."""
     params = dict(model.named_parameters())
+    if model.config.model_type == "gpt_oss":  # stacked (or MXFP4) experts, split per expert
+        from raypaged.model.gpt_oss import expert_tensors
+
+        weights = expert_tensors(weights, model.model.embed_tokens.weight.dtype)
     num_layers = model.config.num_hidden_layers
     multimodal = getattr(model.config, "raypaged_multimodal", None) is not None
     # a causal LM served as a classifier (classifier_from_token): its head rows, from the tied embeddings or lm_head
@@ -149,7 +153,9 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
             continue
         module_name, param_name = name.rsplit(".", 1)
         module = _owner(model, name, module_name)
-        if isinstance(module, (QuantLinear, RowParallelLinear)):  # each checks the names it holds
+        if isinstance(module, LlamaAttention) and param_name == "sinks" and module.sinks is not None:
+            module.load_sinks(tensor)  # gpt-oss's: this rank's heads'
+        elif isinstance(module, (QuantLinear, RowParallelLinear)):  # each checks the names it holds
             module.load_shard(param_name, tensor)
         elif name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")

@@ -367,6 +367,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [T, 2 * I] (gate | up) 
     return F.silu(gate).mul_(up)
 
 
+def clamped_swiglu(alpha: float, limit: float, x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] (gate | up) -> [T, I]
+    """gpt-oss's experts' activation: ``(up + 1) * gate * sigmoid(alpha * gate)``, gate clamped to at most ``limit``
+    and up to ``[-limit, limit]``, as transformers' ``GptOssExperts``."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [T, 2 * I] (gate | up) -> [T, I]
     """``gelu_pytorch_tanh(gate) * up`` (Gemma's GeGLU) with one output buffer."""
     gate, up = x.chunk(2, dim=-1)
@@ -374,12 +382,15 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [T, 2 * I] (gate |
 
 
 class Router(nn.Linear):
-    """A mixture of experts' router (``[num_experts, hidden]``, no bias, whole on every rank). ``fp32``: its weight,
+    """A mixture of experts' router (``[num_experts, hidden]``, whole on every rank; ``bias``: gpt-oss's logits have
+    one). ``fp32``: its weight,
     and ``e_score_correction_bias`` (a per-expert bias added to the scores that choose the experts, GLM-4.5's) where
     ``score_bias``, stay fp32 in any model dtype (``keeps_dtype``), as transformers keeps them."""
 
-    def __init__(self, hidden_size: int, num_experts: int, fp32: bool = False, score_bias: bool = False) -> None:
-        super().__init__(hidden_size, num_experts, bias=False)
+    def __init__(
+        self, hidden_size: int, num_experts: int, fp32: bool = False, score_bias: bool = False, bias: bool = False
+    ) -> None:
+        super().__init__(hidden_size, num_experts, bias=bias)
         self.e_score_correction_bias: nn.Parameter | None = None
         if score_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)

@@ -24,6 +24,7 @@ attention.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import cast
 
 import torch
@@ -40,6 +41,7 @@ from raypaged.model.layers import (
     Olmo2RMSNorm,
     RMSNorm,
     RotaryEmbedding,
+    clamped_swiglu,
     gelu_tanh_and_mul,
     silu_and_mul,
 )
@@ -95,7 +97,7 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int, expert_paralle
                 f"tensor_parallel_size {tp_size}"
             )
     elif moe is not None:  # each expert's features: Mixtral's intermediate_size, Qwen-MoE's moe_intermediate_size
-        sizes["intermediate_size" if config.model_type == "mixtral" else "moe_intermediate_size"] = (
+        sizes["intermediate_size" if config.model_type in ("mixtral", "gpt_oss") else "moe_intermediate_size"] = (
             moe.intermediate_size
         )
     if moe is not None and moe.shared_intermediate_size:  # Qwen2-MoE's shared expert
@@ -151,6 +153,8 @@ class LlamaAttention(nn.Module):
         self.rotates = not (arch.nope_layers and arch.nope_layers[index])  # SmolLM3's NoPE layers: no rotary
         self.sliding_window = arch.sliding_windows[index] if arch.sliding_windows else None
         self.softcap = arch.attn_softcap
+        # gpt-oss: this rank's heads' sink logits (``load_sinks``)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if arch.attn_sinks else None
         self.o_proj = build_linear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
@@ -226,9 +230,28 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # -> [num_tokens, num_heads, head_dim]
         """The attention over the cache (this step's K/V already in it), by the step's layout."""
         key_cache, value_cache = kv_cache
+        if self.sinks is not None:  # the torch ops alone take them (architecture.torch_attention_reason)
+            return self.attn_backend.attend(
+                q,
+                k,
+                v,
+                key_cache,
+                value_cache,
+                meta,
+                self.scale,
+                self.kv_scales,
+                self.sliding_window,
+                self.softcap,
+                self.sinks,
+            )
         return self.attn_backend.attend(
             q, k, v, key_cache, value_cache, meta, self.scale, self.kv_scales, self.sliding_window, self.softcap
         )
+
+    def load_sinks(self, tensor: torch.Tensor) -> None:
+        """This rank's heads' sinks of the checkpoint's ``[num_attention_heads]``."""
+        assert self.sinks is not None
+        self.sinks.data.copy_(tensor[self.q_head_start : self.q_head_start + self.num_heads])
 
     def post_attention(self, out: torch.Tensor) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] -> [.., hidden]
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
@@ -249,6 +272,8 @@ class LlamaMLP(nn.Module):
         self.first_row, self.intermediate_size = tp.chunk(total)
         # [T, 2 * I] (gate | up) -> [T, I]: act(gate) * up
         self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul if arch.gemma else silu_and_mul
+        if arch.moe is not None and arch.moe.clamped_swiglu is not None:  # gpt-oss's experts
+            self.act_and_mul = partial(clamped_swiglu, *arch.moe.clamped_swiglu)
         self.part_starts = (0, total)  # where gate and up start in Phi-3's fused gate_up_proj
         self.gate_up_proj = build_linear(
             config.hidden_size,
@@ -501,7 +526,8 @@ class LlamaForCausalLM(nn.Module):
         # OLMo 2's and GLM-4's norms after each sublayer leave no residual add to fold into the next norm: their layers
         # run plain
         arch = self.architecture
-        self.model.fused_ops = None if arch.olmo2 or arch.sandwich_norms or arch.mla else backend.fused_ops
+        plain = arch.olmo2 or arch.sandwich_norms or arch.mla or arch.attn_sinks  # gpt-oss: clamped SwiGLU experts
+        self.model.fused_ops = None if plain else backend.fused_ops
         self.model.cpu_step = CpuStep.build(self.model)
 
     def calculate_kv_scales_next_step(self) -> None:

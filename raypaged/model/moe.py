@@ -81,13 +81,19 @@ class SparseMoeBlock(nn.Module):
         assert spec is not None, "an architecture with experts"
         self.tp, self.spec = tp, spec
         self.gate = Router(
-            config.hidden_size, spec.num_experts, fp32=spec.fp32_router, score_bias=spec.scoring == "sigmoid"
+            config.hidden_size,
+            spec.num_experts,
+            fp32=spec.fp32_router,
+            score_bias=spec.scoring == "sigmoid",
+            bias=spec.router_bias,
         )
         # --enable-expert-parallel: this rank's num_experts / size experts, whole; else a share of every expert
         expert_parallel = tp.expert_parallel and tp.size > 1
         count = spec.num_experts // tp.size if expert_parallel else spec.num_experts
         self.first_expert = tp.rank * count if expert_parallel else 0
         expert_tp = TensorParallel() if expert_parallel else tp
+        # gpt-oss's experts' down biases: added (weighted) by the rank whose share holds them, once per expert
+        self.adds_down_bias = expert_parallel or tp.rank == 0
         self.experts = nn.ModuleList(
             LlamaMLP(
                 config,
@@ -156,7 +162,7 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts ``[T, top_k]`` and their weights (fp32), as the spec's router chooses them."""
         spec, weight = self.spec, self.gate.weight
-        logits = F.linear(x.float(), weight.float()) if spec.fp32_router else F.linear(x, weight)
+        logits = F.linear(x.float(), weight.float()) if spec.fp32_router else F.linear(x, weight, self.gate.bias)
         if spec.scoring == "softmax" and spec.num_groups == 1 and not spec.fp32_router:  # Mixtral's, Qwen-MoE's
             weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), spec.top_k, dim=-1)
             if spec.renormalize:
@@ -199,7 +205,10 @@ class SparseMoeBlock(nn.Module):
         products = torch.empty_like(gathered)
         for expert, start, end in zip(self.experts, starts[first:last], starts[first + 1 : last + 1]):
             if end > start:
-                y = cast("LlamaMLP", expert).partial(gathered[start - lo : end - lo], fused)
+                mlp = cast("LlamaMLP", expert)
+                y = mlp.partial(gathered[start - lo : end - lo], fused)
+                if (bias := getattr(mlp.down_proj, "bias", None)) is not None and self.adds_down_bias:  # gpt-oss's
+                    y = y + bias
                 # in fp32 for Mixtral's fp32 weights, then rounded
                 products[start - lo : end - lo] = y * pair_weights[start - lo : end - lo]
         return out.index_add_(0, rows, products)
