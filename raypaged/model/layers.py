@@ -390,10 +390,11 @@ class Router(nn.Linear):
     def __init__(
         self, hidden_size: int, num_experts: int, fp32: bool = False, score_bias: bool = False, bias: bool = False
     ) -> None:
-        super().__init__(hidden_size, num_experts, bias=bias)
+        super().__init__(hidden_size, num_experts, bias=bias, dtype=torch.float32 if fp32 else None)
         self.e_score_correction_bias: nn.Parameter | None = None
         if score_bias:
-            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+            dtype = torch.float32 if fp32 else None
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=dtype), requires_grad=False)
         self.keeps_dtype = {"weight", "e_score_correction_bias"} if fp32 else set()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
@@ -55,7 +56,7 @@ def load_model(
     of experts on an H100 or H200 with its experts' weights stacked for grouped GEMMs (``stack_experts``).
     """
     if is_encoder(hf_config):  # BERT, RoBERTa, XLM-R (their own module: no KV cache, no fused or packed paths)
-        with torch.device(device):
+        with torch.device(device), default_dtype(dtype):
             encoder = EncoderModel(hf_config, num_labels)
         if load_format == "dummy":
             fill_dummy(encoder, dtype, device, seed)
@@ -63,7 +64,7 @@ def load_model(
             encoder.load_weights(iter_checkpoint(model_path))
             encoder.to(dtype)
         return cast(LlamaForCausalLM, encoder.eval())  # the runner's model: the same calls as a decoder's
-    with torch.device(device):
+    with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never takes fp32's memory
         model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config, head, num_labels)
     if load_format == "dummy":
         fill_dummy(model, dtype, device, seed + tp.rank)
@@ -76,6 +77,18 @@ def load_model(
     elif model.architecture.moe is not None and grouped_gemms_run(dtype, device):
         model.stack_experts()
     return model.eval()
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default float dtype set to ``dtype`` within (parameters that keep their own dtype, as quantized tensors
+    and fp32 routers, name it)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def fill_dummy(model: LlamaForCausalLM | EncoderModel, dtype: torch.dtype, device: torch.device, seed: int) -> None:

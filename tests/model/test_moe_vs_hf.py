@@ -454,22 +454,33 @@ def test_expert_parallel_shards_load_their_quantized_experts_whole(quantized_dir
                 assert torch.equal(expert.down_proj.dequantize(), want.down_proj.dequantize())
 
 
-def test_glm4_moe_router_stays_fp32_and_its_mtp_layer_is_skipped(model_dirs):
-    """GLM-4.5's router weight and score bias stay fp32 in a bf16 model (transformers keeps them so); the
-    multi-token-prediction layer a checkpoint keeps after the model's (``num_nextn_predict_layers``) is not loaded,
-    and a layer past it is named."""
+def test_glm4_moe_router_stays_fp32_and_its_mtp_layer_is_skipped(model_dirs, monkeypatch):
+    """A bf16 model is built in bf16 (never in fp32 first), and GLM-4.5's router weight and score bias stay fp32 in it,
+    the checkpoint's values exactly (transformers keeps them so); the multi-token-prediction layer a checkpoint keeps
+    after the model's (``num_nextn_predict_layers``) is not loaded, and a layer past it is named."""
     from safetensors.torch import load_file
 
+    from raypaged.model import loader
     from raypaged.model.checkpoint import load_weights
 
     path = model_dirs["glm4_moe"]
     config = AutoConfig.from_pretrained(path)
     assert (config.num_hidden_layers, config.num_nextn_predict_layers) == (3, 1)
+    built_in = []
+
+    class Recorded(LlamaForCausalLM):
+        def __init__(self, *args, **kwargs) -> None:
+            built_in.append(torch.get_default_dtype())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "LlamaForCausalLM", Recorded)
     model = load_model(path, config, 64, torch.bfloat16, torch.device("cpu"))
+    assert built_in == [torch.bfloat16] and torch.get_default_dtype() == torch.float32
     router = model.model.layers[1].mlp.gate
     assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
     assert model.model.layers[1].mlp.experts[0].down_proj.weight.dtype == torch.bfloat16
     tensors = load_file(path / "model.safetensors")
+    assert torch.equal(router.weight, tensors["model.layers.1.mlp.gate.weight"])
     assert torch.equal(
         LlamaForCausalLM(config, 64).model.layers[1].mlp.gate.e_score_correction_bias, torch.zeros(8)
     )  # what the loader overwrites: the checkpoint's bias
