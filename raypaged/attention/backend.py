@@ -136,6 +136,7 @@ class AttentionBackend:
         sliding_window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` once this step's K/V are already in their slots (the CUDA model path
         writes them with the rotary kernel, ``raypaged.kernels.rotary_and_cache``).
@@ -146,17 +147,20 @@ class AttentionBackend:
         over this step's own K/V, unscaled.
 
         ``sliding_window`` (a query sees at most that many of the newest keys), ``softcap`` (Gemma 2's tanh cap
-        of the scores) and ``sinks`` (gpt-oss's per-head sink logits) are options of the torch attention ops only
+        of the scores), ``sinks`` (gpt-oss's per-head sink logits) and ``chunk`` (Llama 4's chunked attention: a
+        query sees the keys of its own chunk of that many positions) are options of the torch attention ops only
         (``windows``)."""
         options: dict[str, Any] = {}
-        if sliding_window is not None or softcap is not None or sinks is not None:
+        if sliding_window is not None or softcap is not None or sinks is not None or chunk is not None:
             if not self.windows:
                 raise ValueError(
-                    f"the {self.name} attention backend has no sliding-window, soft-capped or sink attention"
+                    f"the {self.name} attention backend has no sliding-window, soft-capped, sink or chunked attention"
                 )
             options = {"sliding_window": sliding_window, "softcap": softcap}
             if sinks is not None:
                 options["sinks"] = sinks
+            if chunk is not None:
+                options["chunk"] = chunk
         k_scale, v_scale = (1.0, 1.0) if kv_scales is None else (kv_scales.k, kv_scales.v)
         # multiplied in float32, as cpu_step.c multiplies them
         cached_scale = scale if k_scale == 1.0 else float(numpy.float32(scale) * numpy.float32(k_scale))

@@ -63,6 +63,7 @@ def paged_attention_decode(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to its first ``context_lens[i]`` cached tokens (``sliding_window``:
     to the last ``sliding_window`` of them; ``softcap``: see :func:`attention`)."""
@@ -72,6 +73,8 @@ def paged_attention_decode(
     visible = key_pos < context_lens[:, None]  # [S, T]
     if sliding_window is not None:
         visible &= key_pos >= context_lens[:, None] - sliding_window
+    if chunk is not None:  # the keys of the query's own chunk (the query is at context_len - 1)
+        visible &= key_pos >= (context_lens[:, None] - 1) // chunk * chunk
     out = attention(query.unsqueeze(2), keys, values, visible[:, None, None, :], scale, softcap, sinks)  # [S, H, 1, D]
     return out.squeeze(2)
 
@@ -87,11 +90,14 @@ def paged_attention_prefill(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal attention of the last ``query_len`` positions of a sequence over its cached context."""
     keys = gather_blocks(key_cache, block_ids[None])[0, :context_len].to(query.dtype)
     values = gather_blocks(value_cache, block_ids[None])[0, :context_len].to(query.dtype)
-    return prefill_attention(query, keys, values, scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    return prefill_attention(
+        query, keys, values, scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk=chunk
+    )
 
 
 def prefill_attention(
@@ -103,13 +109,14 @@ def prefill_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal SDPA of a sequence's newest ``query_len`` positions over its whole (gathered) context; with
     ``sliding_window`` the query at position p sees the keys from ``max(0, p + 1 - sliding_window)`` to p."""
     query_len, context_len = query.shape[0], keys.shape[0]
     # 4-D inputs: torch's fused CPU kernel; 3-D ones fall back to the ~6x slower math path
     q, k, v = query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-    if query_len == context_len and sliding_window is None and softcap is None and sinks is None:
+    if query_len == context_len and sliding_window is None and softcap is None and sinks is None and chunk is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     query_pos = torch.arange(context_len - query_len, context_len, device=query.device)[:, None]
@@ -117,6 +124,8 @@ def prefill_attention(
     mask = key_pos <= query_pos  # [query_len, context_len]
     if sliding_window is not None:
         mask &= key_pos > query_pos - sliding_window
+    if chunk is not None:  # Llama 4's chunked attention: only the keys of the query's chunk
+        mask &= key_pos >= query_pos // chunk * chunk
     return attention(q, k, v, mask, scale, softcap, sinks)[0].transpose(0, 1)
 
 

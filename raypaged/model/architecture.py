@@ -41,6 +41,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",
+    "Llama4ForCausalLM",
 )
 _MODEL_TYPES = (
     "llama",
@@ -63,6 +64,7 @@ _MODEL_TYPES = (
     "deepseek_v2",
     "deepseek_v3",
     "gpt_oss",
+    "llama4_text",
 )
 # attention_bias puts biases on q, k and v only (o_proj never has one)
 _NO_O_BIAS = ("qwen2", "qwen2_moe", "glm", "glm4", "glm4_moe")
@@ -75,7 +77,7 @@ _MOE_TYPES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
-_GPT_OSS = {"gpt_oss": "GptOssForCausalLM"}
+_TORCH_ATTENTION_TYPES = {"gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM"}  # torch attention only
 _MLA_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
@@ -103,6 +105,8 @@ class MoeSpec:
     group_score: str = "top2_sum"
     shared_gated: bool = True  # Qwen2-MoE's shared expert is scaled by a sigmoid gate; GLM-4.5's are added as they are
     router_bias: bool = False  # gpt-oss: the router's logits have a bias (a linear's)
+    score_correction_bias: bool = False  # GLM-4.5, DeepSeek-V3: the sigmoid router's e_score_correction_bias
+    weight_inputs: bool = False  # Llama 4: each chosen expert takes the token times its weight (not its output)
     # gpt-oss: each expert's act(gate) * up is clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate) with gate at
     # most ``limit`` and up within [-limit, limit], (alpha, limit); None: SiLU(gate) * up
     clamped_swiglu: tuple[float, float] | None = None
@@ -142,6 +146,14 @@ class Architecture:
     mla: bool = False
     # gpt-oss: a learned logit per head (its "sink") joins each query's softmax as one more column, then is dropped
     attn_sinks: bool = False
+    # Llama 4: per layer, chunked attention (a query sees the keys of its own chunk of this many positions, from the
+    # chunk's start) or None; q and k of its rotary layers normed (RMS, no weight) after rotary; on its NoPE layers q
+    # scaled by log1p(floor((position + 1) / floor_scale)) * attn_scale + 1, (floor_scale, attn_scale); its dense
+    # layers' MLPs of their own size (intermediate_size_mlp)
+    attention_chunks: tuple[int | None, ...] = ()
+    qk_l2_norm: bool = False
+    temperature_tuning: tuple[float, float] | None = None
+    dense_intermediate_size: int | None = None
 
 
 # image-text checkpoints whose language model raypaged serves for text: the wrapper -> its language model's
@@ -152,6 +164,7 @@ MULTIMODAL_WRAPPERS = {
     "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
 # their language models' model types, as the family's (Qwen-VL's multimodal rotary is the plain one over text alone:
 # a text token's three position axes are the same position)
@@ -190,13 +203,15 @@ def torch_attention_reason(config: PretrainedConfig) -> str | None:
         return f"{mla}'s latent attention runs in the torch attention ops only"
     if config.model_type == "gpt_oss":
         return "GptOssForCausalLM's attention sinks and sliding windows run in the torch attention ops only"
+    if config.model_type == "llama4_text":
+        return "Llama4ForCausalLM's chunked attention and post-rotary q/k norms run in the torch attention ops only"
     name = gemma_name(config)
     return None if name is None else f"{name}'s sliding-window attention runs in the torch attention ops only"
 
 
 def check_options(config: PretrainedConfig, quantized: bool, lora: bool, attention_backend: str) -> None:
     """``ValueError`` naming what the engine's options ask of this architecture that raypaged does not do for it."""
-    name = gemma_name(config) or _MLA_TYPES.get(config.model_type) or _GPT_OSS.get(config.model_type)
+    name = gemma_name(config) or _MLA_TYPES.get(config.model_type) or _TORCH_ATTENTION_TYPES.get(config.model_type)
     if name is None:
         return
     if quantized:
@@ -224,6 +239,8 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
         return _gemma(config)
     if model_type == "gpt_oss":
         return _gpt_oss(config)
+    if model_type == "llama4_text":
+        return _llama4(config)
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
     ernie = model_type == "ernie4_5"  # one use_bias for every linear
@@ -347,6 +364,7 @@ def _sigmoid_router_moe(config: PretrainedConfig, name: str, num_experts: int, t
         routed_scaling=float(config.routed_scaling_factor),
         shared_gated=False,
         fp32_router=True,
+        score_correction_bias=True,
     )
 
 
@@ -393,6 +411,64 @@ def _gpt_oss(config: PretrainedConfig) -> Architecture:
             clamped_swiglu=(float(config.swiglu_alpha), float(config.swiglu_limit)),
         ),
         attn_sinks=True,
+    )
+
+
+def _llama4(config: PretrainedConfig) -> Architecture:
+    """Llama 4's text model: NoPE every ``no_rope_layers`` zero, chunked attention on the rotary layers (global on the
+    NoPE ones), rotary over interleaved pairs, experts on ``moe_layers`` (a sigmoid router over the top-k logits whose
+    weights scale the experts' inputs, plus an ungated shared expert) and dense MLPs of ``intermediate_size_mlp``
+    elsewhere."""
+    name = "Llama4ForCausalLM"
+    num_experts, top_k, layers = config.num_local_experts, config.num_experts_per_tok, config.num_hidden_layers
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"{name}: num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
+    if config.hidden_act != "silu":
+        raise ValueError(f"{name}: hidden_act {config.hidden_act!r} is not supported (only silu)")
+    rotary = tuple(bool(r) for r in config.no_rope_layers)
+    chunk = config.attention_chunk_size
+    layer_types = tuple(config.layer_types)
+    if (
+        len(rotary) != layers
+        or len(layer_types) != layers
+        or set(layer_types) - {"chunked_attention", "full_attention"}
+    ):
+        raise ValueError(
+            f"{name}: no_rope_layers and layer_types (chunked_attention or full_attention) must name each of the "
+            f"{layers} layers, got {list(config.no_rope_layers)} and {layer_types}"
+        )
+    moe_layers = set(config.moe_layers)
+    attention_bias = bool(config.attention_bias)
+    return Architecture(
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=False,
+        qk_norm=False,
+        attention_scale=None,
+        embedding_multiplier=1.0,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        fused_checkpoint=False,
+        moe=MoeSpec(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=config.intermediate_size,
+            renormalize=False,
+            fp32_weights=False,
+            shared_intermediate_size=config.intermediate_size,
+            sparse_layers=tuple(i in moe_layers for i in range(layers)),
+            scoring="sigmoid",
+            shared_gated=False,
+            weight_inputs=True,
+        ),
+        nope_layers=tuple(not r for r in rotary),
+        interleaved_rotary=True,
+        attention_chunks=tuple(int(chunk) if t == "chunked_attention" and chunk else None for t in layer_types),
+        qk_l2_norm=bool(config.use_qk_norm),
+        temperature_tuning=(float(config.floor_scale), float(config.attn_scale))
+        if config.attn_temperature_tuning
+        else None,
+        dense_intermediate_size=int(config.intermediate_size_mlp),
     )
 
 

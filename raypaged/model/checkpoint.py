@@ -21,6 +21,7 @@ from raypaged.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from raypaged.model.mla import HeadRowsLinear, KvUpProjection
 from raypaged.model.moe import SparseMoeBlock, canonical_name
 from raypaged.model.parallel import RowParallelLinear, VocabParallelEmbedding
+from raypaged.model.stacked_experts import STACKED_EXPERT_TYPES, expert_tensors
 from raypaged.pooling import classifier_head
 from raypaged.quantization.linear import QuantLinear
 
@@ -68,6 +69,7 @@ _LANGUAGE_MODEL_NAMES = (
     ("language_model.lm_head.", "lm_head."),
 )
 _VISION_NAMES = (
+    "vision_model.",  # Llama 4's
     "vision_tower.",
     "multi_modal_projector.",
     "model.vision_tower.",
@@ -92,10 +94,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
     """Copy this rank's share of the checkpoint tensors into ``model``, fusing q/k/v and gate/up; every
     parameter must be filled, and a tensor with no place in the model is a ``ValueError`` naming it."""
     params = dict(model.named_parameters())
-    if model.config.model_type == "gpt_oss":  # stacked (or MXFP4) experts, split per expert
-        from raypaged.model.gpt_oss import expert_tensors
-
-        weights = expert_tensors(weights, model.model.embed_tokens.weight.dtype)
+    if (model_type := model.config.model_type) in STACKED_EXPERT_TYPES:  # stacked (or MXFP4) experts, split
+        weights = expert_tensors(weights, model_type, model.model.embed_tokens.weight.dtype)
     num_layers = model.config.num_hidden_layers
     multimodal = getattr(model.config, "raypaged_multimodal", None) is not None
     # a causal LM served as a classifier (classifier_from_token): its head rows, from the tied embeddings or lm_head

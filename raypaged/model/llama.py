@@ -76,6 +76,9 @@ def num_kv_heads_per_rank(config: PretrainedConfig, tp_size: int) -> int:
     return max(1, getattr(config, "num_key_value_heads", config.num_attention_heads) // tp_size)
 
 
+_EXPERT_SIZE_TYPES = ("mixtral", "gpt_oss", "llama4_text")  # their experts' size is the config's intermediate_size
+
+
 def check_tensor_parallel(config: PretrainedConfig, tp_size: int, expert_parallel: bool = False) -> None:
     """Raise ``ValueError`` unless heads, KV heads and the MLP split evenly over ``tp_size`` ranks (with
     ``expert_parallel``, the experts themselves instead of each one's intermediate features)."""
@@ -86,10 +89,14 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int, expert_paralle
         raise ValueError(
             f"the model's num_key_value_heads {kv_heads} and tensor_parallel_size {tp_size} must divide one another"
         )
-    moe = architecture_of(config).moe
+    arch = architecture_of(config)
+    moe = arch.moe
     sizes = {}  # what each rank takes an even share of
-    if moe is None or not all(moe.sparse_layers):  # the dense MLPs'
-        sizes["intermediate_size"] = config.intermediate_size
+    if moe is None or not all(moe.sparse_layers):  # the dense MLPs' (Llama 4's are intermediate_size_mlp)
+        if arch.dense_intermediate_size is not None:
+            sizes["intermediate_size_mlp"] = arch.dense_intermediate_size
+        else:
+            sizes["intermediate_size"] = config.intermediate_size
     if moe is not None and expert_parallel:  # whole experts: their count splits, not their features
         if moe.num_experts % tp_size:
             raise ValueError(
@@ -97,7 +104,7 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int, expert_paralle
                 f"tensor_parallel_size {tp_size}"
             )
     elif moe is not None:  # each expert's features: Mixtral's intermediate_size, Qwen-MoE's moe_intermediate_size
-        sizes["intermediate_size" if config.model_type in ("mixtral", "gpt_oss") else "moe_intermediate_size"] = (
+        sizes["intermediate_size" if config.model_type in _EXPERT_SIZE_TYPES else "moe_intermediate_size"] = (
             moe.intermediate_size
         )
     if moe is not None and moe.shared_intermediate_size:  # Qwen2-MoE's shared expert
@@ -152,7 +159,12 @@ class LlamaAttention(nn.Module):
             self.k_norm = Olmo2RMSNorm(kv_width, config.rms_norm_eps, tp, self.kv_head_start * self.head_dim)
         self.rotates = not (arch.nope_layers and arch.nope_layers[index])  # SmolLM3's NoPE layers: no rotary
         self.sliding_window = arch.sliding_windows[index] if arch.sliding_windows else None
+        self.attention_chunk = arch.attention_chunks[index] if arch.attention_chunks else None
         self.softcap = arch.attn_softcap
+        # Llama 4: q and k of a rotary layer RMS-normed (no weight) after rotary; a NoPE layer's q temperature-tuned
+        self.l2_qk = arch.qk_l2_norm and self.rotates
+        self.temperature_tuning = None if self.rotates else arch.temperature_tuning
+        self.norm_eps = float(config.rms_norm_eps)
         # gpt-oss: this rank's heads' sink logits (``load_sinks``)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if arch.attn_sinks else None
         self.o_proj = build_linear(
@@ -213,6 +225,12 @@ class LlamaAttention(nn.Module):
         elif self.rotates:  # q and k side by side in qkv: one rotation over both
             qk = qkv[:, : self.shard_sizes[0] + self.shard_sizes[1]]
             self.rotary.rotate_(positions, qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
+        if self.l2_qk:
+            q, k = _weightless_rms_norm(q, self.norm_eps), _weightless_rms_norm(k, self.norm_eps)
+        elif self.temperature_tuning is not None:
+            floor_scale, attn_scale = self.temperature_tuning
+            tuned = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = (q * tuned[:, None, None]).to(q.dtype)
         if self.calculate_kv_scales and num_tokens:
             self.calculate_scales(k, v)
         self.attn_backend.write_cache(k, v, key_cache, value_cache, slot_mapping, scales)
@@ -230,7 +248,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # -> [num_tokens, num_heads, head_dim]
         """The attention over the cache (this step's K/V already in it), by the step's layout."""
         key_cache, value_cache = kv_cache
-        if self.sinks is not None:  # the torch ops alone take them (architecture.torch_attention_reason)
+        if self.sinks is not None or self.attention_chunk is not None:  # the torch ops alone take them
             return self.attn_backend.attend(
                 q,
                 k,
@@ -243,6 +261,7 @@ class LlamaAttention(nn.Module):
                 self.sliding_window,
                 self.softcap,
                 self.sinks,
+                self.attention_chunk,
             )
         return self.attn_backend.attend(
             q, k, v, key_cache, value_cache, meta, self.scale, self.kv_scales, self.sliding_window, self.softcap
@@ -255,6 +274,12 @@ class LlamaAttention(nn.Module):
 
     def post_attention(self, out: torch.Tensor) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] -> [.., hidden]
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+
+
+def _weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama 4's q/k norm: ``x * rsqrt(mean(x^2) + eps)`` over each head's features, in fp32 (no weight)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 class LlamaMLP(nn.Module):
@@ -344,8 +369,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp: LlamaMLP | SparseMoeBlock
         if arch.moe is not None and arch.moe.sparse_layers[index]:
             self.mlp = SparseMoeBlock(config, arch, tp, f"{prefix}.mlp", quant_config)
-        else:
-            self.mlp = LlamaMLP(config, arch, tp, f"{prefix}.mlp", quant_config)
+        else:  # Llama 4's dense layers have a size of their own
+            self.mlp = LlamaMLP(config, arch, tp, f"{prefix}.mlp", quant_config, arch.dense_intermediate_size)
         self.add_norms(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = arch.residual_multiplier
 
@@ -526,7 +551,8 @@ class LlamaForCausalLM(nn.Module):
         # OLMo 2's and GLM-4's norms after each sublayer leave no residual add to fold into the next norm: their layers
         # run plain
         arch = self.architecture
-        plain = arch.olmo2 or arch.sandwich_norms or arch.mla or arch.attn_sinks  # gpt-oss: clamped SwiGLU experts
+        # gpt-oss's clamped SwiGLU experts, Llama 4's post-rotary norms and temperature tuning: the plain path's
+        plain = arch.olmo2 or arch.sandwich_norms or arch.mla or arch.attn_sinks or bool(arch.attention_chunks)
         self.model.fused_ops = None if plain else backend.fused_ops
         self.model.cpu_step = CpuStep.build(self.model)
 

@@ -84,7 +84,7 @@ class SparseMoeBlock(nn.Module):
             config.hidden_size,
             spec.num_experts,
             fp32=spec.fp32_router,
-            score_bias=spec.scoring == "sigmoid",
+            score_bias=spec.score_correction_bias,
             bias=spec.router_bias,
         )
         # --enable-expert-parallel: this rank's num_experts / size experts, whole; else a share of every expert
@@ -202,6 +202,9 @@ class SparseMoeBlock(nn.Module):
         pairs = order[lo:hi]
         rows = pairs // top_k  # each pair's token
         gathered, pair_weights = x[rows], weights.flatten()[pairs, None]
+        scaled_outputs: torch.Tensor | None = pair_weights
+        if self.spec.weight_inputs:  # Llama 4: each expert takes its token times its weight
+            gathered, scaled_outputs = gathered * pair_weights, None
         products = torch.empty_like(gathered)
         for expert, start, end in zip(self.experts, starts[first:last], starts[first + 1 : last + 1]):
             if end > start:
@@ -210,7 +213,8 @@ class SparseMoeBlock(nn.Module):
                 if (bias := getattr(mlp.down_proj, "bias", None)) is not None and self.adds_down_bias:  # gpt-oss's
                     y = y + bias
                 # in fp32 for Mixtral's fp32 weights, then rounded
-                products[start - lo : end - lo] = y * pair_weights[start - lo : end - lo]
+                weight = None if scaled_outputs is None else scaled_outputs[start - lo : end - lo]
+                products[start - lo : end - lo] = y if weight is None else y * weight
         return out.index_add_(0, rows, products)
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -225,6 +229,10 @@ class SparseMoeBlock(nn.Module):
         counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.int32))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # where each expert's run ends
-        hidden = silu_and_mul(torch._grouped_mm(x[rows], gate_up.transpose(1, 2), offs=offsets))
-        out = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets) * weights.flatten()[order, None]
+        pair_weights = weights.flatten()[order, None]
+        inputs = x[rows] * pair_weights if self.spec.weight_inputs else x[rows]  # Llama 4: its inputs weighted
+        hidden = silu_and_mul(torch._grouped_mm(inputs.to(x.dtype), gate_up.transpose(1, 2), offs=offsets))
+        out = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
+        if not self.spec.weight_inputs:
+            out = out * pair_weights
         return torch.zeros_like(x).index_add_(0, rows, out.to(x.dtype))

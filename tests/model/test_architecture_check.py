@@ -15,7 +15,8 @@ SUPPORTED = (
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, GraniteForCausalLM, "
     "Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "
     "SmolLM3ForCausalLM, Olmo2ForCausalLM, Ernie4_5ForCausalLM, GlmForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, "
-    "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, GptOssForCausalLM, their *Model and *ForSequenceClassification, "
+    "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, GptOssForCausalLM, Llama4ForCausalLM, their *Model and "
+    "*ForSequenceClassification, "
     "and the encoders BertModel, BertForSequenceClassification, RobertaModel, RobertaForSequenceClassification, "
     "XLMRobertaModel, XLMRobertaForSequenceClassification"
 )

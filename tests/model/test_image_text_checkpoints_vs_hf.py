@@ -1,4 +1,4 @@
-"""Image-text checkpoints served for text (Gemma 3's, Mistral 3's, Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's):
+"""Image-text checkpoints served for text (Gemma 3's, Mistral 3's, Llama 4's, Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's):
 the language model's greedy tokens and logprobs equal transformers' whole image-text model's on text prompts; the
 vision tower is not loaded; an image in a request is refused by name."""
 
@@ -13,6 +13,7 @@ from transformers import (
     AutoConfig,
     AutoModelForImageTextToText,
     Gemma3Config,
+    Llama4Config,
     Mistral3Config,
     Qwen2_5_VLConfig,
     Qwen2VLConfig,
@@ -66,6 +67,23 @@ CONFIGS = {
         vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14),
         **QWEN_TOKENS,
     ),
+    # experts on layer 1, chunked attention over chunks of 8 (see test_llama4_vs_hf.py)
+    "llama4": lambda: Llama4Config(
+        text_config=dict(
+            TEXT,
+            intermediate_size=32,
+            intermediate_size_mlp=48,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+            floor_scale=4,
+        ),
+        vision_config=dict(
+            VISION, patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64
+        ),
+        image_token_index=500,
+    ),
     "qwen3_vl": lambda: Qwen3VLConfig(
         text_config=dict(TEXT, rope_parameters=dict(MROPE, mrope_interleaved=True)),
         vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0], num_position_embeddings=16),
@@ -78,6 +96,7 @@ CAUSAL = {
     "qwen2_5_vl": "Qwen2ForCausalLM",
     "qwen2_vl": "Qwen2ForCausalLM",
     "qwen3_vl": "Qwen3ForCausalLM",
+    "llama4": "Llama4ForCausalLM",
 }
 
 

@@ -211,6 +211,7 @@ def test_the_specs_are_transformers_routing(model_dirs):
             routed_scaling=2.5,
             shared_gated=False,
             fp32_router=True,
+            score_correction_bias=True,
         ),
     }
 
