@@ -158,7 +158,7 @@ class InputProcessor:
                 if prompt_token_ids is None and prompt is not None
                 else self.tokenizer.decode((prompt_token_ids or [])[-16:])
             )
-            if closed_in(tail):
+            if closed_in(tail, reasoning.end):
                 reasoning = None
         return self.grammars.compile(structured, reasoning)
 

@@ -181,7 +181,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         default=None,
         metavar="NAME",
-        help="how tool calls look in the model's output: hermes, llama3_json, mistral, pythonic",
+        help="how tool calls look in the model's output: hermes, llama3_json, mistral, pythonic, openai (gpt-oss's "
+        "harmony messages; implies --reasoning-parser openai_gptoss)",
     )
     parser.add_argument("--response-role", default="assistant", metavar="ROLE", help="the role of chat answers")
     parser.add_argument(
@@ -266,7 +267,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         default=None,
         metavar="NAME",
-        help="deepseek_r1 or qwen3: chat answers' <think> section becomes reasoning_content",
+        help="deepseek_r1 or qwen3: chat answers' <think> section becomes reasoning_content; openai_gptoss: "
+        "gpt-oss's harmony analysis messages do, its final messages the content",
     )
     parser.add_argument(
         "--reasoning-effort-map",

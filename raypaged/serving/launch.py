@@ -100,7 +100,7 @@ class GatewayOptions:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     enable_force_include_usage: bool = False  # every stream ends with a usage chunk
     enable_request_id_headers: bool = False  # answers carry X-Request-Id
-    reasoning_parser: str | None = None  # deepseek_r1, qwen3: <think> sections become reasoning_content
+    reasoning_parser: str | None = None  # deepseek_r1, qwen3, openai_gptoss: the reasoning becomes reasoning_content
     reasoning_effort_map: dict[str, str] | None = None  # a request's effort -> the chat template's name for it
     anthropic_disabled_thinking_effort: str = AUTO  # the effort of a Messages request's disabled thinking
 
@@ -108,7 +108,12 @@ class GatewayOptions:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)")
         if self.tool_call_parser is not None:
-            get_parser(self.tool_call_parser)  # an unknown name fails now
+            needed = get_parser(self.tool_call_parser).reasoning_parser  # an unknown name fails now
+            if needed is not None and self.reasoning_parser not in (None, needed):
+                raise ValueError(
+                    f"--tool-call-parser {self.tool_call_parser} reads the messages of --reasoning-parser {needed}, "
+                    f"not {self.reasoning_parser}"
+                )
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)
         check_fingerprint(self.fingerprint_mode, self.fingerprint_value)
@@ -239,6 +244,8 @@ def gateway_app(routes: EngineRoutes, tenants: Tenants, drain: Drain, options: G
     if options.enable_auto_tool_choice:
         assert options.tool_call_parser is not None  # GatewayOptions refuses the one without the other
         tool_parser = get_parser(options.tool_call_parser)
+    # a tool-call format inside a reasoning format's messages (harmony's) implies that reasoning parser, as vLLM
+    reasoning = options.reasoning_parser or (tool_parser.reasoning_parser if tool_parser is not None else None)
     app = build_app(
         routes,
         tenants,
@@ -258,7 +265,7 @@ def gateway_app(routes: EngineRoutes, tenants: Tenants, drain: Drain, options: G
         prompt_tokens_details=options.enable_prompt_tokens_details,
         force_include_usage=options.enable_force_include_usage,
         request_id_headers=options.enable_request_id_headers,
-        reasoning_parser=get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None,
+        reasoning_parser=get_reasoning_parser(reasoning) if reasoning else None,
         openapi_docs=options.openapi_docs,
         return_tokens_as_token_ids=options.return_tokens_as_token_ids,
         tokenizer_info_endpoint=options.tokenizer_info_endpoint,

@@ -268,7 +268,7 @@ def test_chat_flags_refuse_bad_values(tiny_model_dir, argv, message):
         ),
         (
             ["--tool-call-parser", "qwen9"],
-            "--tool-call-parser 'qwen9' is not supported; supported: hermes, llama3_json, mistral, pythonic",
+            "--tool-call-parser 'qwen9' is not supported; supported: hermes, llama3_json, mistral, openai, pythonic",
         ),
     ],
 )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from raypaged.serving.gateway.reasoning import ReasoningStream, get_reasoning_parser
+from raypaged.serving.gateway.reasoning import get_reasoning_parser
 from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
 
 CASES = [
@@ -27,7 +27,7 @@ def test_split_whole(name, output, expected):
 @pytest.mark.parametrize(("name", "output", "expected"), CASES)
 @pytest.mark.parametrize("piece", [1, 2, 5])
 def test_streamed_in_pieces_gives_the_same_parts(name, output, expected, piece):
-    stream = ReasoningStream(get_reasoning_parser(name))
+    stream = get_reasoning_parser(name).stream()
     reasoning = content = ""
     for i in range(0, len(output), piece):
         r, c = stream.feed(output[i : i + piece])
@@ -37,7 +37,9 @@ def test_streamed_in_pieces_gives_the_same_parts(name, output, expected, piece):
 
 
 def test_an_unknown_parser_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"^--reasoning-parser 'r2' is not supported; supported: deepseek_r1, qwen3$"):
+    with pytest.raises(
+        ValueError, match=r"^--reasoning-parser 'r2' is not supported; supported: deepseek_r1, openai_gptoss, qwen3$"
+    ):
         get_reasoning_parser("r2")
 
 

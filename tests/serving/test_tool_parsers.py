@@ -92,7 +92,7 @@ def test_an_unknown_parser_is_refused_by_name():
     with pytest.raises(
         ValueError,
         match=r"^--tool-call-parser 'qwen9' is not supported; supported: hermes, "
-        r"llama3_json, mistral, pythonic$",
+        r"llama3_json, mistral, openai, pythonic$",
     ):
         get_parser("qwen9")
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
+    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "openai", "pythonic"]

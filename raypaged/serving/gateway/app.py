@@ -126,7 +126,8 @@ def build_app(
     ``response_role`` is the role of chat answers; ``prompt_tokens_details`` adds usage's cached
     tokens, ``force_include_usage`` a usage chunk to every stream, ``request_id_headers`` the
     ``X-Request-Id`` response header (vLLM's flags of those names); ``reasoning_parser`` splits
-    chat answers' ``<think>`` sections into ``reasoning_content``; ``openapi_docs`` False (vLLM's
+    chat answers' reasoning into ``reasoning_content`` (harmony's: chat requests keep the special tokens in
+    the text, and refuse ``skip_special_tokens: true``); ``openapi_docs`` False (vLLM's
     ``--disable-fastapi-docs``): no ``/openapi.json`` (the Swagger and ReDoc pages are never served);
     ``return_tokens_as_token_ids``: every request's logprobs name tokens ``token_id:{id}``;
     ``tokenizer_info_endpoint``: ``GET /tokenizer_info`` is served (vLLM's ``--enable-tokenizer-info-endpoint``);
@@ -278,6 +279,16 @@ def build_app(
             ]
         except (ValueError, TypeError) as exc:  # a value the wire format cannot hold
             raise APIError(400, str(exc)) from None
+        if isinstance(body, ChatCompletionRequest) and reasoning_parser is not None and reasoning_parser.special_tokens:
+            if body.skip_special_tokens and "skip_special_tokens" in body.model_fields_set:
+                raise APIError(
+                    400,
+                    f"skip_special_tokens true would erase the markers that --reasoning-parser {reasoning_parser.name} "
+                    "reads in the answer; send the request without it",
+                    "skip_special_tokens",
+                )
+            for request in requests:
+                request.stopping.skip_special_tokens = False
         return model, stub, tools, requests
 
     async def response_shape(

@@ -63,7 +63,7 @@ class ResponseShape:
     prompt_logprobs: bool = False  # the prompt's logprobs, vLLM's field
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
     request_id: str | None = None  # the client's (X-Request-Id or request_id): the response id is made of it
-    reasoning: ReasoningParser | None = None  # chat: <think> sections become reasoning_content (--reasoning-parser)
+    reasoning: ReasoningParser | None = None  # chat: the reasoning becomes reasoning_content (--reasoning-parser)
     include_reasoning: bool = True  # False: the reasoning section is split off and not returned (vLLM's)
     token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
     token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and each choice's token_ids
@@ -135,18 +135,19 @@ class ResponseShape:
             "text_offset": offsets,
         }
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    def message(self, output: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A whole chat answer as its message (reasoning split off, then tool calls) and its finish reason."""
         message: dict = {"role": self.role}
+        text = output
         if self.reasoning is not None:
-            thought, content = self.reasoning.split(text)
+            thought, content = self.reasoning.split(output)
             if self.include_reasoning:
                 message["reasoning_content"] = thought
             text = content or ""
         else:
-            content = text
+            content = output
         if self.tools is not None:
-            content, calls = self.tools.extract(text)
+            content, calls = self.tools.extract(output if self.tools.reads_whole_output else text)
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
             finish_reason = self.tools.finish_reason(calls, finish_reason)
@@ -327,7 +328,7 @@ class ChunkWriter:
         self._ids_sent: set[int] = set()  # return_token_ids: choices whose prompt token ids went out
         reasoning = shape.reasoning
         self._reasoning_streams: list[ReasoningStream] | None = (
-            None if reasoning is None else [ReasoningStream(reasoning) for _ in range(num_prompts * shape.n)]
+            None if reasoning is None else [reasoning.stream() for _ in range(num_prompts * shape.n)]
         )
 
     def role_chunks(self) -> list[dict]:
@@ -391,12 +392,13 @@ class ChunkWriter:
             out.append(chunk)
         return out
 
-    def _chat_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """A chat chunk's ``delta`` (the text, or its reasoning, content and tool-call deltas) and
+    def _chat_delta(self, index: int, output: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A chat chunk's ``delta`` (the output's text, or its reasoning, content and tool-call deltas) and
         its finish reason (``tool_calls`` when the last one ends with calls)."""
         fields: dict = {}
+        text = output
         if self._reasoning_streams is not None:
-            thought, text = self._reasoning_streams[index].feed(text)
+            thought, text = self._reasoning_streams[index].feed(output)
             if finish_reason is not None:
                 more, rest = self._reasoning_streams[index].finish()
                 thought, text = thought + more, text + rest
@@ -405,7 +407,7 @@ class ChunkWriter:
         if self._tool_streams is None or self.shape.tools is None:
             return fields | ({"content": text} if text else {}), finish_reason
         stream = self._tool_streams[index]
-        fields |= stream.feed(text)
+        fields |= stream.feed(output if self.shape.tools.reads_whole_output else text)
         if finish_reason is None:
             return fields, None
         last, calls = stream.finish()

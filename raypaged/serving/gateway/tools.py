@@ -129,6 +129,12 @@ class ToolPlan:
             return content, calls[: None if self.parallel else 1]
         return text, []
 
+    @property
+    def reads_whole_output(self) -> bool:
+        """The calls are parsed from the whole output, reasoning and all, not from its content (harmony's, whose
+        messages each name their channel); the parser's content is then the answer's."""
+        return self.mode == "auto" and self.parser is not None and self.parser.reasoning_parser is not None
+
     def finish_reason(self, calls: list[ToolCall], finish_reason: str | None) -> str | None:
         """``tool_calls`` when the model called tools on its own and stopped (a named call, which the
         caller asked for, keeps ``stop``, as OpenAI and vLLM)."""
@@ -149,7 +155,7 @@ class ToolStream:
 
     def __post_init__(self) -> None:
         if self.plan.mode == "auto" and self.plan.parser is not None:
-            self._parsed = StreamingToolCalls(self.plan.parser)
+            self._parsed = self.plan.parser.stream()
 
     def feed(self, text: str) -> dict[str, Any]:
         """The chunk's ``delta`` fields for this piece of text (``{}``: nothing to send yet)."""

@@ -6,10 +6,11 @@ from raypaged.serving.gateway.tool_parsers.base import StreamingToolCalls, ToolC
 from raypaged.serving.gateway.tool_parsers.hermes import HermesParser
 from raypaged.serving.gateway.tool_parsers.llama3_json import Llama3JsonParser
 from raypaged.serving.gateway.tool_parsers.mistral import MistralParser
+from raypaged.serving.gateway.tool_parsers.openai import OpenAIParser
 from raypaged.serving.gateway.tool_parsers.pythonic import PythonicParser
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, OpenAIParser, PythonicParser)
 }
 
 

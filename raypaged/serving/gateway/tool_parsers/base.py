@@ -8,6 +8,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from raypaged.structured.harmony import held_back
+
 
 @dataclass(slots=True)
 class ToolCall:
@@ -37,6 +39,9 @@ class ToolParser(ABC):
     section that runs to its end; a section that does not parse is content after all."""
 
     name: ClassVar[str]
+    # the reasoning format whose messages carry this format's calls (harmony's): the server parses reasoning
+    # with it, and this parser reads the whole output, reasoning and all, for its content and calls
+    reasoning_parser: ClassVar[str | None] = None
 
     @abstractmethod
     def section_start(self, text: str) -> int | None:
@@ -61,6 +66,10 @@ class ToolParser(ABC):
             return text, []
         return (text[:start] if text[:start].strip() else None), calls
 
+    def stream(self) -> StreamingToolCalls:
+        """One streamed output through this parser."""
+        return StreamingToolCalls(self)
+
 
 class MarkerParser(ToolParser):
     """A format whose tool-call section begins at a marker anywhere in the output."""
@@ -72,15 +81,7 @@ class MarkerParser(ToolParser):
         return None if found < 0 else found
 
     def holdback(self, text: str) -> int:
-        return marker_holdback(text, self.marker)
-
-
-def marker_holdback(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker``."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
+        return held_back(text, (self.marker,))
 
 
 class StreamingToolCalls:
