@@ -112,6 +112,28 @@ class InputProcessor:
         """A conversation's prompt token ids, rendered with the chat template (``render_chat``'s options)."""
         return render_chat(self.tokenizer, conversation, self.config, **options)
 
+    def truncated_text_ids(self, text: str, token_ids: list[int], keep: int, keep_first: bool = False) -> list[int]:
+        """A text's ``token_ids`` (with the special tokens the tokenizer adds) cut to ``keep`` tokens as the
+        tokenizer's own truncation cuts them, which vLLM's ``truncate_prompt_tokens`` asks of it: the text keeps its
+        last tokens (``keep_first``: its first), and the special tokens around them stay (BERT's [CLS] and [SEP], a
+        BOS). ``InputError`` when ``keep`` leaves no room beside those special tokens."""
+        if len(token_ids) <= keep:
+            return token_ids
+        content = self.tokenize(text, add_special_tokens=False)
+        extra = len(token_ids) - len(content)
+        start = next((i for i in range(max(extra, 0) + 1) if token_ids[i : i + len(content)] == content), None)
+        if start is None:  # not the text's tokens with specials around them: cut the ids themselves
+            return token_ids[:keep] if keep_first else token_ids[-keep:]
+        prefix, suffix = token_ids[:start], token_ids[start + len(content) :]
+        room = keep - len(prefix) - len(suffix)
+        if room < 1:
+            raise InputError(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens {keep} leaves no room for the text beside the {len(prefix) + len(suffix)} "
+                "special tokens the tokenizer adds",
+            )
+        return prefix + (content[:room] if keep_first else content[-room:]) + suffix
+
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids as it would be written alone and after a space, as vLLM bans them."""
         found: list[list[int]] = []
@@ -138,7 +160,9 @@ class InputProcessor:
                 raise InputError("prompt", "either prompt or prompt_token_ids is required")
             check_text("prompt", len(prompt), self.config.limits, max_model_len)
             prompt_token_ids = self.tokenize(prompt)
-        if truncate_to is not None:
+        if truncate_to is not None and prompt is not None:  # a text's: as its tokenizer truncates it
+            prompt_token_ids = self.truncated_text_ids(prompt, prompt_token_ids, truncate_to, keep_first)
+        elif truncate_to is not None:
             prompt_token_ids = prompt_token_ids[:truncate_to] if keep_first else prompt_token_ids[-truncate_to:]
         check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, max_model_len)
         return list(prompt_token_ids)
@@ -336,6 +360,11 @@ class InputProcessor:
                 raise InputError("input", "either a prompt or its token ids is required")
             check_text("input", len(prompt), config.limits, max_model_len)
             prompt_token_ids = self.tokenize(prompt)
+        if truncate is not None and prompt is not None and token_type_ids is None:  # the tokenizer's truncation
+            prompt_token_ids = self.truncated_text_ids(
+                prompt, prompt_token_ids, max_model_len if truncate == -1 else truncate
+            )
+            truncate = None
         token_type_start = None if token_type_ids is None else self._token_type_start(prompt_token_ids, token_type_ids)
         if truncate is not None:
             keep = max_model_len if truncate == -1 else truncate

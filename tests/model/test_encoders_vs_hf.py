@@ -53,6 +53,16 @@ def test_embeddings_equal_transformers(root, arch):
     mean = LLM(model=str(path), pooler_config={"pooling_type": "MEAN", "normalize": False}, **OPTIONS)
     for output, state in zip(mean.embed(PROMPTS), states, strict=True):
         torch.testing.assert_close(torch.tensor(output.outputs.embedding), state.mean(0), atol=2e-6, rtol=0)
+    # truncate_prompt_tokens as the tokenizer truncates (vLLM's, from the left): the text's first tokens go, the
+    # special tokens around it stay, so the first token read is still [CLS] / <s>
+    tokenizer = AutoTokenizer.from_pretrained(path, truncation_side="left")
+    expected_ids = tokenizer(PROMPTS[3], truncation=True, max_length=6)["input_ids"]
+    (output,) = mean.embed(PROMPTS[3], truncate_prompt_tokens=6)
+    assert output.prompt_token_ids == expected_ids and len(expected_ids) == 6
+    (state,) = hf_states(path, [tokenizer.decode(expected_ids[1:-1])])
+    torch.testing.assert_close(torch.tensor(output.outputs.embedding), state.mean(0), atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"^truncate_prompt_tokens 2 leaves no room for the text beside the 2 special"):
+        mean.embed(PROMPTS[3], truncate_prompt_tokens=2)
 
 
 @pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])

@@ -135,7 +135,11 @@ def test_structured_outputs_params_are_checked(kwargs, message):
             "--structured-outputs-config: unknown field 'reasoning'; allowed: backend, cache_size, "
             "disable_any_whitespace, enable_in_reasoning, max_whitespace, reasoning_parser",
         ),
-        ('{"reasoning_parser": "o1"}', None, "--reasoning-parser 'o1' is not supported; supported: deepseek_r1, openai_gptoss, qwen3"),
+        (
+            '{"reasoning_parser": "o1"}',
+            None,
+            "--reasoning-parser 'o1' is not supported; supported: deepseek_r1, openai_gptoss, qwen3",
+        ),
         ("[1]", None, "--structured-outputs-config must be a JSON object, got [1]"),
         (
             "{",
