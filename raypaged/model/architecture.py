@@ -17,6 +17,7 @@ feature pairs (interleaved RoPE) and has one ``use_bias`` for every linear.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PretrainedConfig
 
@@ -380,6 +381,23 @@ def _layer_windows(config: PretrainedConfig, name: str) -> tuple[int | None, ...
     return tuple(int(config.sliding_window) if t == "sliding_attention" else None for t in layer_types)
 
 
+def _unscaled(attention_bias: bool, mlp_bias: bool, **features: Any) -> Architecture:
+    """An architecture with ``attention_bias`` on q, k, v and o, no q/k norm, the default attention scale and no
+    multipliers (Granite's), its checkpoint's projections unfused, and ``features``."""
+    return Architecture(
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=mlp_bias,
+        qk_norm=False,
+        attention_scale=None,
+        embedding_multiplier=1.0,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        fused_checkpoint=False,
+        **features,
+    )
+
+
 def _gpt_oss(config: PretrainedConfig) -> Architecture:
     """gpt-oss: Mixtral's decoder with biases on q/k/v/o, a sink per head, sliding-window attention on alternate
     layers, and experts with biases, a router with a bias (softmax over the chosen logits) and clamped SwiGLU."""
@@ -387,17 +405,9 @@ def _gpt_oss(config: PretrainedConfig) -> Architecture:
     num_experts, top_k = config.num_local_experts, config.num_experts_per_tok
     if not 0 < top_k <= num_experts:
         raise ValueError(f"{name}: num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
-    attention_bias = bool(config.attention_bias)
-    return Architecture(
-        qkv_bias=attention_bias,
-        o_bias=attention_bias,
+    return _unscaled(
+        bool(config.attention_bias),
         mlp_bias=True,
-        qk_norm=False,
-        attention_scale=None,
-        embedding_multiplier=1.0,
-        residual_multiplier=1.0,
-        logits_scaling=1.0,
-        fused_checkpoint=False,
         sliding_windows=_layer_windows(config, name),
         moe=MoeSpec(
             num_experts=num_experts,
@@ -438,17 +448,9 @@ def _llama4(config: PretrainedConfig) -> Architecture:
             f"{layers} layers, got {list(config.no_rope_layers)} and {layer_types}"
         )
     moe_layers = set(config.moe_layers)
-    attention_bias = bool(config.attention_bias)
-    return Architecture(
-        qkv_bias=attention_bias,
-        o_bias=attention_bias,
+    return _unscaled(
+        bool(config.attention_bias),
         mlp_bias=False,
-        qk_norm=False,
-        attention_scale=None,
-        embedding_multiplier=1.0,
-        residual_multiplier=1.0,
-        logits_scaling=1.0,
-        fused_checkpoint=False,
         moe=MoeSpec(
             num_experts=num_experts,
             top_k=top_k,

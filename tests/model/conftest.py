@@ -82,6 +82,17 @@ def tiny_models_with_word_tokenizer(
     return dirs
 
 
+# the shape of the mixture-of-experts models' tests (each adds its experts and layers)
+MOE_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
 # the prompts of the architectures' logprob comparisons: each longer than a sliding window of 8 (Gemma)
 LOGPROB_PROMPTS = [list(range(200, 230)), [7, 8, 9] * 4, list(range(300, 321)), [42] * 9]
 LOGPROB_TOKENS = 12

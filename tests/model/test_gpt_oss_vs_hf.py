@@ -18,22 +18,15 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from raypaged import LLM
 from raypaged.quantization import mxfp4
 from tests.model.conftest import (
+    MOE_TINY as TINY,
+)
+from tests.model.conftest import (
     Reference,
     assert_matches_transformers,
     tiny_models_with_word_tokenizer,
     transformers_references,
 )
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
 GPT_OSS = {
     "num_hidden_layers": 2,
     "intermediate_size": 32,

@@ -13,22 +13,15 @@ import pytest
 
 from raypaged import LLM
 from tests.model.conftest import (
+    MOE_TINY as TINY,
+)
+from tests.model.conftest import (
     Reference,
     assert_matches_transformers,
     tiny_models_with_word_tokenizer,
     transformers_references,
 )
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
 LLAMA4 = {
     "num_hidden_layers": 4,  # rotary, rotary, rotary, NoPE (no_rope_layer_interval 4); experts on layers 1 and 3
     "head_dim": 16,

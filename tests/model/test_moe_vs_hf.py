@@ -33,18 +33,11 @@ from tests.model.conftest import (
     tiny_models_with_word_tokenizer,
     transformers_references,
 )
+from tests.model.conftest import (
+    MOE_TINY as TINY,
+)
 from tests.quantization.conftest import load as load_quantized
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
 MODELS = {
     "mixtral": ("mixtral", {"num_hidden_layers": 2, "intermediate_size": 48, "num_local_experts": 6}),
     "qwen2_moe": (
