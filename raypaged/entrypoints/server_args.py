@@ -181,8 +181,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         default=None,
         metavar="NAME",
-        help="how tool calls look in the model's output: hermes, llama3_json, mistral, pythonic, openai (gpt-oss's "
-        "harmony messages; implies --reasoning-parser openai_gptoss)",
+        help="how tool calls look in the model's output: hermes, llama3_json, mistral, pythonic, llama4_pythonic, "
+        "deepseek_v3, deepseek_v31, glm45, qwen3_coder, kimi_k2, openai (gpt-oss's harmony messages; implies "
+        "--reasoning-parser openai_gptoss)",
     )
     parser.add_argument("--response-role", default="assistant", metavar="ROLE", help="the role of chat answers")
     parser.add_argument(

@@ -91,8 +91,20 @@ def test_a_marker_split_across_deltas_is_held_back_not_sent():
 def test_an_unknown_parser_is_refused_by_name():
     with pytest.raises(
         ValueError,
-        match=r"^--tool-call-parser 'qwen9' is not supported; supported: hermes, "
-        r"llama3_json, mistral, openai, pythonic$",
+        match=r"^--tool-call-parser 'qwen9' is not supported; supported: deepseek_v3, deepseek_v31, glm45, hermes, "
+        r"kimi_k2, llama3_json, llama4_pythonic, mistral, openai, pythonic, qwen3_coder$",
     ):
         get_parser("qwen9")
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "openai", "pythonic"]
+    assert sorted(PARSERS) == [
+        "deepseek_v3",
+        "deepseek_v31",
+        "glm45",
+        "hermes",
+        "kimi_k2",
+        "llama3_json",
+        "llama4_pythonic",
+        "mistral",
+        "openai",
+        "pythonic",
+        "qwen3_coder",
+    ]

@@ -122,7 +122,8 @@ def build_app(
 
     Middleware, outermost first: the ``Host`` check (see ``guard.py``; ``bind_host`` is the
     listening address), CORS (only with ``allowed_origins``), then the ``Guard``. ``tool_parser``
-    finds the tool calls of ``tool_choice: "auto"`` (``None``: such requests are refused);
+    finds the tool calls of ``tool_choice: "auto"`` (``None``: such requests are refused; one whose markers are
+    special tokens, DeepSeek's or Kimi's, has those requests keep them in the text, as harmony's below);
     ``response_role`` is the role of chat answers; ``prompt_tokens_details`` adds usage's cached
     tokens, ``force_include_usage`` a usage chunk to every stream, ``request_id_headers`` the
     ``X-Request-Id`` response header (vLLM's flags of those names); ``reasoning_parser`` splits
@@ -260,6 +261,15 @@ def build_app(
 
         return await disabled_thinking.effort_for(name, render)
 
+    def special_tokens_reader(tools: ToolPlan | None) -> str | None:
+        """The parser (as its flag names it) that reads markers which are special tokens in a chat answer with
+        ``tools``, so the answer's text keeps special tokens; ``None``: none does."""
+        if reasoning_parser is not None and reasoning_parser.special_tokens:
+            return f"--reasoning-parser {reasoning_parser.name}"
+        if tools is not None and tools.mode == "auto" and tools.parser is not None and tools.parser.special_tokens:
+            return f"--tool-call-parser {tools.parser.name}"
+        return None
+
     async def engine_requests(
         body: CompletionRequest | ChatCompletionRequest,
     ) -> tuple[str, EngineClient, ToolPlan | None, list[pb.GenerateRequest]]:
@@ -279,12 +289,13 @@ def build_app(
             ]
         except (ValueError, TypeError) as exc:  # a value the wire format cannot hold
             raise APIError(400, str(exc)) from None
-        if isinstance(body, ChatCompletionRequest) and reasoning_parser is not None and reasoning_parser.special_tokens:
+        reader = special_tokens_reader(tools) if isinstance(body, ChatCompletionRequest) else None
+        if reader is not None:
             if body.skip_special_tokens and "skip_special_tokens" in body.model_fields_set:
                 raise APIError(
                     400,
-                    f"skip_special_tokens true would erase the markers that --reasoning-parser {reasoning_parser.name} "
-                    "reads in the answer; send the request without it",
+                    f"skip_special_tokens true would erase the markers that {reader} reads in the answer; "
+                    "send the request without it",
                     "skip_special_tokens",
                 )
             for request in requests:

@@ -90,7 +90,11 @@ class ToolPlan:
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                 "tool_choice",
             )
-        return cls(tools, mode, parser=parser if mode == "auto" else None, parallel=parallel)
+        if mode != "auto" or parser is None:
+            return cls(tools, mode, parallel=parallel)
+        # the parser reads this request's tools' parameter schemas (GLM-4.5's and Qwen3-Coder's typed values)
+        parameters = {t.function.name: t.function.parameters for t in tools}
+        return cls(tools, mode, parser=parser.for_tools(parameters), parallel=parallel)
 
     def tools_json(self) -> str:
         return tools_json(self.tools)

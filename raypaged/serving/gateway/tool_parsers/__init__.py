@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 from raypaged.serving.gateway.tool_parsers.base import StreamingToolCalls, ToolCall, ToolParser
+from raypaged.serving.gateway.tool_parsers.deepseek import DeepSeekV3Parser, DeepSeekV31Parser
+from raypaged.serving.gateway.tool_parsers.glm45 import Glm45Parser
 from raypaged.serving.gateway.tool_parsers.hermes import HermesParser
+from raypaged.serving.gateway.tool_parsers.kimi_k2 import KimiK2Parser
 from raypaged.serving.gateway.tool_parsers.llama3_json import Llama3JsonParser
+from raypaged.serving.gateway.tool_parsers.llama4_pythonic import Llama4PythonicParser
 from raypaged.serving.gateway.tool_parsers.mistral import MistralParser
 from raypaged.serving.gateway.tool_parsers.openai import OpenAIParser
 from raypaged.serving.gateway.tool_parsers.pythonic import PythonicParser
+from raypaged.serving.gateway.tool_parsers.qwen3_coder import Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, OpenAIParser, PythonicParser)
+    p.name: p
+    for p in (
+        DeepSeekV3Parser,
+        DeepSeekV31Parser,
+        Glm45Parser,
+        HermesParser,
+        KimiK2Parser,
+        Llama3JsonParser,
+        Llama4PythonicParser,
+        MistralParser,
+        OpenAIParser,
+        PythonicParser,
+        Qwen3CoderParser,
+    )
 }
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,12 +28,31 @@ class ToolCall:
         ``ValueError``."""
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             raise ValueError(f"not a tool call: {value!r}")
-        arguments: Any = next((value[k] for k in arguments_keys if k in value), {})  # JSON
-        if isinstance(arguments, str):
-            arguments = json.loads(arguments)
-        if not isinstance(arguments, dict):
-            raise ValueError(f"tool call arguments are not an object: {arguments!r}")
-        return cls(value["name"], json.dumps(arguments, ensure_ascii=False))
+        return cls(value["name"], object_json(next((value[k] for k in arguments_keys if k in value), {})))
+
+
+def object_json(arguments: Any) -> str:
+    """A call's arguments (an object, or JSON text of one) as the JSON text every parser gives; anything else
+    raises ``ValueError``."""
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        raise ValueError(f"tool call arguments are not an object: {arguments!r}")
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def decoded_value(text: str, json_first: bool = True) -> Any:
+    """The value ``text`` writes: JSON (tried first with ``json_first``), else a Python literal, else the text
+    itself. Only a value JSON can hold counts (no sets, bytes or non-finite numbers)."""
+    readers = (json.loads, ast.literal_eval) if json_first else (ast.literal_eval,)
+    for read in readers:
+        try:
+            value = read(text)
+            json.dumps(value, allow_nan=False)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            continue
+        return value
+    return text
 
 
 class ToolParser(ABC):
@@ -42,6 +63,8 @@ class ToolParser(ABC):
     # the reasoning format whose messages carry this format's calls (harmony's): the server parses reasoning
     # with it, and this parser reads the whole output, reasoning and all, for its content and calls
     reasoning_parser: ClassVar[str | None] = None
+    # the markers are special tokens: chat requests whose calls it reads keep special tokens in the output's text
+    special_tokens: ClassVar[bool] = False
 
     @abstractmethod
     def section_start(self, text: str) -> int | None:
@@ -62,7 +85,7 @@ class ToolParser(ABC):
             return text, []
         try:
             calls = self.parse_section(text[start:])
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, TypeError):  # TypeError: a literal JSON cannot hold (a set)
             return text, []
         return (text[:start] if text[:start].strip() else None), calls
 
@@ -70,18 +93,40 @@ class ToolParser(ABC):
         """One streamed output through this parser."""
         return StreamingToolCalls(self)
 
+    def for_tools(self, parameters: Mapping[str, Mapping[str, Any] | None]) -> ToolParser:
+        """This parser for a request whose tools take these ``parameters`` schemas (by function name): a format
+        whose argument values are text types them by those schemas; one that writes JSON needs none."""
+        return self
+
 
 class MarkerParser(ToolParser):
-    """A format whose tool-call section begins at a marker anywhere in the output."""
+    """A format whose tool-call section begins at a marker (the first found of ``marker`` and its
+    ``alternatives``) anywhere in the output."""
 
     marker: ClassVar[str]
+    alternatives: ClassVar[tuple[str, ...]] = ()
 
     def section_start(self, text: str) -> int | None:
-        found = text.find(self.marker)
-        return None if found < 0 else found
+        found = [i for i in (text.find(m) for m in (self.marker, *self.alternatives)) if i >= 0]
+        return min(found, default=None)
 
     def holdback(self, text: str) -> int:
-        return held_back(text, (self.marker,))
+        return held_back(text, (self.marker, *self.alternatives))
+
+
+class TypedArgumentsParser(MarkerParser):
+    """A format whose argument values are text, typed by their parameters' schemas in the request's tools."""
+
+    def __init__(self, parameters: Mapping[str, Mapping[str, Any] | None] | None = None) -> None:
+        self._parameters = dict(parameters or {})  # function name -> its parameters' JSON schema
+
+    def for_tools(self, parameters: Mapping[str, Mapping[str, Any] | None]) -> ToolParser:
+        return type(self)(parameters)
+
+    def properties(self, function: str) -> Mapping[str, Any]:
+        """The schemas of ``function``'s parameters by name (none for a function the tools do not have)."""
+        properties = (self._parameters.get(function) or {}).get("properties")
+        return properties if isinstance(properties, Mapping) else {}
 
 
 class StreamingToolCalls:
