@@ -235,6 +235,8 @@ TORCH = AttentionBackend(
     windows=True,
 )
 
+# the decode kernel takes the attention options (windows, chunks, sinks, soft-capping); a step with them runs its
+# prefill spans in the torch ops
 CPU = AttentionBackend(
     "cpu",
     torch_ops.reshape_and_cache,
@@ -242,6 +244,7 @@ CPU = AttentionBackend(
     torch_ops.paged_attention_prefill,
     cpu_ops.paged_prefill_attention,
     CPU_FUSED,
+    windows=True,
 )
 
 

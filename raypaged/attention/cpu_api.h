@@ -12,6 +12,14 @@ int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t 
                           const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                           int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale, int num_threads);
 
+int raypaged_paged_decode_windowed(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
+                                   const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                                   const int64_t *block_tables, int64_t table_stride, int64_t table_width,
+                                   const int64_t *context_lens, const int64_t *starts, const float *sinks,
+                                   float softcap, float *out, int64_t num_seqs, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale,
+                                   int num_threads);
+
 int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64_t query_head_stride,
                            int64_t num_tokens, const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
                            const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,

@@ -26,10 +26,17 @@
  * 2 AVX-512 EPYC cores: 20 -> 25-28 GB/s from a 4 GiB pool of huge pages, 49 -> 58-63 GB/s from L3,
  * against the per-head two-pass kernel before those (which read each block once per KV head).
  *
+ * raypaged_paged_decode_windowed takes three options of the attention some models need: a first visible position per
+ * sequence (a sliding window's, Gemma's and gpt-oss's, or the start of a Llama 4 attention chunk: the partitions
+ * cover [start, len) only), a sink logit per query head (gpt-oss: one more term of each head's softmax denominator,
+ * exp(sink - max), with no value row) and Gemma 2's soft-capping of the scores (softcap * tanh(score / softcap),
+ * before the softmax).
+ *
  * Built by raypaged.attention.cpu_ops with the host's compiler and OpenMP (torch's own libgomp,
  * so both share one thread pool).
  */
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -229,9 +236,12 @@ static void accumulate_rows(const float *p, int64_t n, int64_t G, int64_t D, con
 
 /* The softmax of each of the H rows of n scores (rows n apart), in place into the weights exp(s - max):
  * stats[2 * h] is the row's max, stats[2 * h + 1] the sum of its weights */
-static void softmax_rows(float *scores, int64_t H, int64_t n, float *stats) {
+static void softmax_rows(float *scores, int64_t H, int64_t n, float *stats, float softcap) {
     for (int64_t h = 0; h < H; ++h) {
-        float *s = scores + h * n, max = s[0], sum = 0.0f, lanes[16];
+        float *s = scores + h * n;
+        if (softcap > 0.0f)
+            for (int64_t t = 0; t < n; ++t) s[t] = softcap * tanhf(s[t] / softcap);
+        float max = s[0], sum = 0.0f, lanes[16];
         int64_t t = 0;
         if (n >= 16) { /* 16 running maxima side by side (a vector), then theirs */
             for (int l = 0; l < 16; ++l) lanes[l] = s[l];
@@ -297,12 +307,12 @@ static void pass(const struct partition *w, const float *q, float scale, const v
  * stats[2 * h + 1]) and unnormalized output (acc[h * D ..]); scores holds H * (end - start) floats, widened
  * block_size * D (fp8 caches). */
 static void attend_partition(const struct partition *w, const float *q, const void *k_cache, const void *v_cache,
-                             float scale, float *scores, float *acc, float *stats, float *widened) {
+                             float scale, float softcap, float *scores, float *acc, float *stats, float *widened) {
     const int64_t H = w->G * w->num_kv_heads, head_bytes = (w->fp8 ? 1 : sizeof(float)) * w->block_size * w->D;
     const int64_t first = w->table[w->start / w->block_size] * head_bytes * w->num_kv_heads;
     prefetch_bytes((const char *)k_cache + first, head_bytes * w->num_kv_heads);
     pass(w, q, scale, k_cache, v_cache, 0, scores, acc, widened);
-    softmax_rows(scores, H, w->end - w->start, stats);
+    softmax_rows(scores, H, w->end - w->start, stats, softcap);
     memset(acc, 0, sizeof(float) * H * w->D);
     pass(w, q, scale, v_cache, NULL, 1, scores, acc, widened);
 }
@@ -317,14 +327,35 @@ int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t 
                           const int64_t *block_tables, int64_t table_stride, int64_t table_width,
                           const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                           int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale, int num_threads) {
+    return raypaged_paged_decode_windowed(query, query_seq_stride, query_head_stride, k_cache, v_cache, fp8,
+                                          num_blocks, block_tables, table_stride, table_width, context_lens, NULL,
+                                          NULL, 0.0f, out, num_seqs, num_heads, num_kv_heads, block_size, head_dim,
+                                          scale, num_threads);
+}
+
+/* The first position sequence s sees (starts NULL: 0), within [0, len) */
+static inline int64_t first_seen(const int64_t *starts, int64_t s, int64_t len) {
+    const int64_t start = starts ? starts[s] : 0;
+    return start < 0 ? 0 : (start > len ? len : start);
+}
+
+/* ``starts`` (NULL: every sequence from 0), ``sinks`` ([num_heads], NULL: none) and ``softcap`` (0: none): see the
+ * top of this file. Returns as raypaged_paged_decode. */
+int raypaged_paged_decode_windowed(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
+                                   const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                                   const int64_t *block_tables, int64_t table_stride, int64_t table_width,
+                                   const int64_t *context_lens, const int64_t *starts, const float *sinks,
+                                   float softcap, float *out, int64_t num_seqs, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale,
+                                   int num_threads) {
     const int64_t G = num_heads / num_kv_heads, D = head_dim, H = num_heads;
     int64_t total = 0, part = PARTITION_TOKENS / block_size * block_size;
     for (int64_t s = 0; s < num_seqs; ++s) {
         int64_t len = context_lens[s], used = len > 0 ? (len + block_size - 1) / block_size : 0;
         if (used > table_width) return -2;
-        for (int64_t j = 0; j < used; ++j)
+        for (int64_t j = first_seen(starts, s, len) / block_size; j < used; ++j)
             if (block_tables[s * table_stride + j] < 0 || block_tables[s * table_stride + j] >= num_blocks) return -3;
-        total += len > 0 ? len : 0;
+        total += len > 0 ? len - first_seen(starts, s, len) : 0;
     }
     if (total < MIN_ITEMS * part) { /* few tokens in the step: smaller partitions, so every thread has work */
         int64_t want = (total + MIN_ITEMS - 1) / MIN_ITEMS;
@@ -338,9 +369,9 @@ int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t 
     if (first == NULL) return -1;
     int64_t items = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
-        int64_t len = context_lens[s];
+        int64_t seen = context_lens[s] - first_seen(starts, s, context_lens[s]);
         first[s] = items;
-        items += len > 0 ? (len + part - 1) / part : 1;
+        items += seen > 0 ? (seen + part - 1) / part : 1;
     }
     first[num_seqs] = items;
     const int64_t per_item = H * (D + 2); /* unnormalized output, then max and sum per head */
@@ -366,40 +397,48 @@ int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t 
                 if (first[mid] <= item) lo = mid; else hi = mid;
             }
             const int64_t s = lo, len = context_lens[s], parts = first[s + 1] - first[s];
+            const int64_t seen_from = first_seen(starts, s, len);
             float *q = local + H * part, *acc = q + H * D, *stats = acc + H * D, *widened = stats + 2 * H;
             float *o = out + s * H * D;
-            if (len <= 0) {
+            if (len - seen_from <= 0) {
                 memset(o, 0, sizeof(float) * H * D);
                 continue;
             }
             for (int64_t h = 0; h < H; ++h)
                 memcpy(q + h * D, query + s * query_seq_stride + h * query_head_stride, sizeof(float) * D);
-            const int64_t start = (item - first[s]) * part, end = start + part < len ? start + part : len;
+            const int64_t start = seen_from + (item - first[s]) * part, end = start + part < len ? start + part : len;
             const struct partition w = {
                 .table = block_tables + s * table_stride, .block_size = block_size, .num_kv_heads = num_kv_heads,
                 .G = G, .D = D, .start = start, .end = end, .fp8 = fp8};
             if (parts == 1) {
-                attend_partition(&w, q, k_cache, v_cache, scale, local, acc, stats, widened);
+                attend_partition(&w, q, k_cache, v_cache, scale, softcap, local, acc, stats, widened);
                 for (int64_t h = 0; h < H; ++h) {
-                    const float inv = 1.0f / stats[2 * h + 1];
+                    float keep = 1.0f, sum = stats[2 * h + 1];
+                    if (sinks) { /* the sink joins the denominator: everything relative to the larger max */
+                        const float max = stats[2 * h], top = sinks[h] > max ? sinks[h] : max;
+                        keep = exp_nonpositive(max - top);
+                        sum = sum * keep + exp_nonpositive(sinks[h] - top);
+                    }
+                    const float inv = keep / sum;
 #pragma omp simd
                     for (int64_t d = 0; d < D; ++d) o[h * D + d] = acc[h * D + d] * inv;
                 }
             } else {
                 float *row = scratch + item * per_item;
-                attend_partition(&w, q, k_cache, v_cache, scale, local, row, row + H * D, widened);
+                attend_partition(&w, q, k_cache, v_cache, scale, softcap, local, row, row + H * D, widened);
             }
         }
         /* combine the partitions of long sequences: weights exp(max_p - max) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_seqs * H; ++item) {
             const int64_t s = item / H, h = item % H, parts = first[s + 1] - first[s];
-            if (parts == 1 || context_lens[s] <= 0) continue;
-            float *o = out + (s * H + h) * D, max = -FLT_MAX, sum = 0.0f;
+            if (parts == 1 || context_lens[s] - first_seen(starts, s, context_lens[s]) <= 0) continue;
+            float *o = out + (s * H + h) * D, max = sinks ? sinks[h] : -FLT_MAX, sum = 0.0f;
             for (int64_t p = 0; p < parts; ++p) {
                 const float *stats = scratch + (first[s] + p) * per_item + H * D;
                 max = stats[2 * h] > max ? stats[2 * h] : max;
             }
+            if (sinks) sum = exp_nonpositive(sinks[h] - max); /* the sink's term of the denominator */
             memset(o, 0, sizeof(float) * D);
             for (int64_t p = 0; p < parts; ++p) {
                 const float *row = scratch + (first[s] + p) * per_item;

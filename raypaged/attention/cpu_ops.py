@@ -69,6 +69,8 @@ _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_paged_decode": ((_PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                _I64, _I64, _F32, _INT), _INT),
+    "raypaged_paged_decode_windowed": ((_PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR,
+                                        _F32, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _INT), _INT),
     "raypaged_paged_prefill": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR,
                                 _I64, _I64, _I64, _I64, _I64, _F32, _INT), _INT),
     "raypaged_quantize_int8_f32": ((_PTR, _I64, _I64, _I64, _F32, _PTR, _PTR, _INT), None),
@@ -226,8 +228,15 @@ def paged_attention_decode(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] long
     context_lens: torch.Tensor,  # [num_seqs] long
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """``torch_ops.paged_attention_decode`` read through the block tables, for fp32 on CPU."""
+    """``torch_ops.paged_attention_decode`` read through the block tables, for fp32 on CPU, with its options:
+    ``sliding_window`` and ``chunk`` (Llama 4's attention chunks) as each sequence's first visible position,
+    ``sinks`` (gpt-oss's per-head sink logits) and ``softcap`` (Gemma 2's) inside the kernel."""
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
     fp8 = _check_query_and_caches("decode", query, key_cache, value_cache)
@@ -245,7 +254,18 @@ def paged_attention_decode(
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     if num_seqs == 0:
         return out
-    status = library().raypaged_paged_decode(
+    starts = None  # the first position each sequence's query sees
+    if sliding_window is not None:
+        starts = (context_lens - sliding_window).clamp_(min=0)
+    if chunk is not None:
+        chunk_starts = (context_lens - 1).clamp_(min=0) // chunk * chunk
+        starts = chunk_starts if starts is None else torch.maximum(starts, chunk_starts)
+    starts = None if starts is None else starts.contiguous()  # held here while the kernel reads it
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must hold one logit per query head ({num_heads}), got {tuple(sinks.shape)}")
+        sinks = sinks.to(torch.float32).contiguous()
+    status = library().raypaged_paged_decode_windowed(
         query.data_ptr(),
         query.stride(0),
         query.stride(1),
@@ -257,6 +277,9 @@ def paged_attention_decode(
         block_tables.stride(0),
         block_tables.shape[1],
         context_lens.data_ptr(),
+        None if starts is None else starts.data_ptr(),
+        None if sinks is None else sinks.data_ptr(),
+        0.0 if softcap is None else float(softcap),
         out.data_ptr(),
         num_seqs,
         num_heads,

@@ -196,18 +196,27 @@ def gemma_name(config: PretrainedConfig) -> str | None:
     return _GEMMA_TYPES.get(config.model_type)
 
 
+def attention_backends(config: PretrainedConfig) -> tuple[str, ...] | None:
+    """The attention backends that run the config's attention (None: every one). DeepSeek's latent attention runs in
+    the torch ops only; Gemma's, gpt-oss's and Llama 4's options of the attention (sliding windows, soft-capping,
+    sinks, chunks) in the torch ops and the CPU kernels (``AttentionBackend.windows``), not the CUDA ones."""
+    if config.model_type in _MLA_TYPES:
+        return ("torch",)
+    if gemma_name(config) is not None or config.model_type in _TORCH_ATTENTION_TYPES:
+        return ("torch", "cpu")
+    return None
+
+
 def torch_attention_reason(config: PretrainedConfig) -> str | None:
-    """Why the config's attention runs in the torch attention ops only (the CPU and CUDA kernels, the native CPU step
-    and the fused ops apply no sliding window, soft-capping, sinks or Gemma norms), or None where any backend runs
-    it."""
+    """Why the config's attention runs only on ``attention_backends``' backends, or None where any runs it."""
     if (mla := _MLA_TYPES.get(config.model_type)) is not None:
         return f"{mla}'s latent attention runs in the torch attention ops only"
     if config.model_type == "gpt_oss":
-        return "GptOssForCausalLM's attention sinks and sliding windows run in the torch attention ops only"
+        return "GptOssForCausalLM's attention sinks and sliding windows run in the torch ops and the CPU kernels only"
     if config.model_type == "llama4_text":
-        return "Llama4ForCausalLM's chunked attention and post-rotary q/k norms run in the torch attention ops only"
+        return "Llama4ForCausalLM's chunked attention runs in the torch ops and the CPU kernels only"
     name = gemma_name(config)
-    return None if name is None else f"{name}'s sliding-window attention runs in the torch attention ops only"
+    return None if name is None else f"{name}'s sliding-window attention runs in the torch ops and the CPU kernels only"
 
 
 def check_options(config: PretrainedConfig, quantized: bool, lora: bool, attention_backend: str) -> None:
@@ -219,7 +228,8 @@ def check_options(config: PretrainedConfig, quantized: bool, lora: bool, attenti
         raise ValueError(f"quantized checkpoints (--quantization) are not supported for {name}")
     if lora:
         raise ValueError(f"LoRA (--enable-lora) is not supported for {name}")
-    if attention_backend not in ("auto", "torch"):
+    allowed = attention_backends(config) or ()
+    if attention_backend not in ("auto", *allowed):
         raise ValueError(f"--attention-backend {attention_backend} cannot run {name}: {torch_attention_reason(config)}")
 
 

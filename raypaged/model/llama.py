@@ -33,7 +33,7 @@ from transformers import PretrainedConfig
 
 from raypaged.attention.backend import TORCH, AttentionBackend, FusedOps, KVScales
 from raypaged.attention.metadata import AttentionMetadata
-from raypaged.model.architecture import Architecture, architecture_of, torch_attention_reason
+from raypaged.model.architecture import Architecture, architecture_of, attention_backends, torch_attention_reason
 from raypaged.model.cpu_step import CpuStep
 from raypaged.model.layers import (
     GemmaRMSNorm,
@@ -542,7 +542,9 @@ class LlamaForCausalLM(nn.Module):
         """The backend's paged attention in every layer, and its fused step ops (if it brings them) for
         the rest of the step. A model whose attention runs in the torch ops only (``torch_attention_reason``) takes
         the torch backend only."""
-        if not backend.windows and (reason := torch_attention_reason(self.config)) is not None:
+        allowed = attention_backends(self.config)
+        if allowed is not None and backend.name not in allowed:
+            reason = torch_attention_reason(self.config)
             raise ValueError(
                 f"attention_backend {backend.name!r} cannot run this model: {reason} (--attention-backend torch)"
             )
@@ -553,6 +555,7 @@ class LlamaForCausalLM(nn.Module):
         arch = self.architecture
         # gpt-oss's clamped SwiGLU experts, Llama 4's post-rotary norms and temperature tuning: the plain path's
         plain = arch.olmo2 or arch.sandwich_norms or arch.mla or arch.attn_sinks or bool(arch.attention_chunks)
+        plain = plain or arch.gemma  # Gemma's (1 + weight) norms and GeGLU: not the fused ops'
         self.model.fused_ops = None if plain else backend.fused_ops
         self.model.cpu_step = CpuStep.build(self.model)
 

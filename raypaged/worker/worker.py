@@ -17,7 +17,7 @@ from raypaged.attention.backend import cuda_cache_unsupported_reason, select_bac
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
-from raypaged.model.architecture import torch_attention_reason
+from raypaged.model.architecture import attention_backends, torch_attention_reason
 from raypaged.model.llama import LlamaForCausalLM, cache_head_dim, num_kv_heads_per_rank
 from raypaged.model.loader import load_model
 from raypaged.model.parallel import TensorParallel
@@ -91,12 +91,16 @@ class Worker:
             logger.info(
                 "--kv-cache-dtype %s: paged attention runs in torch, not the CUDA kernels", config.kv_cache_dtype
             )
-        if (reason := torch_attention_reason(config.hf_config)) is not None and backend == "auto":
-            backend = "torch"  # the config refuses the other backends for it (architecture.check_options)
-            logger.info("paged attention runs in torch: %s", reason)
+        head_dim = cache_head_dim(config.hf_config)
         self.attn_backend = select_backend(
-            backend, self.device, cache_head_dim(config.hf_config), config.block_size, self.dtype, self.cache_dtype
+            backend, self.device, head_dim, config.block_size, self.dtype, self.cache_dtype
         )
+        allowed = attention_backends(config.hf_config)
+        if allowed is not None and self.attn_backend.name not in allowed:  # auto chose kernels that cannot run it
+            logger.info("paged attention runs in torch: %s", torch_attention_reason(config.hf_config))
+            self.attn_backend = select_backend(
+                "torch", self.device, head_dim, config.block_size, self.dtype, self.cache_dtype
+            )
         self.model.set_attention_backend(self.attn_backend)
         self._check_kv_scales()
         self.lora: LoRAManager | None = None  # LoRA slots wrap the loaded model's linears

@@ -60,6 +60,29 @@ def test_decode_head_layouts(num_heads, num_kv_heads, head_dim):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"sliding_window": 8},  # inside one block
+        {"sliding_window": 600},  # over partitions of several blocks
+        {"chunk": 64},
+        {"sinks": "random"},
+        {"softcap": 5.0},
+        {"sliding_window": 40, "sinks": "random", "softcap": 3.0},
+        {"chunk": 256, "sinks": "random"},
+    ],
+)
+def test_decode_options_equal_the_torch_path(options):
+    """Gemma's and gpt-oss's windows, Llama 4's chunks, gpt-oss's sinks and Gemma 2's soft-capping, in contexts of one
+    token, of one block and of several partitions (the window's start inside a block)."""
+    query, key_cache, value_cache, tables, lens = random_step(7, [1, 13, 100, 700, 1500], 16, 6, 2, 64)
+    if options.get("sinks") == "random":
+        options = {**options, "sinks": torch.randn(6, generator=torch.Generator().manual_seed(3))}
+    expected = torch_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125, **options)
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125, **options)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
 @pytest.fixture
 def avx2_build(monkeypatch):
     """The kernels built without AVX-512: where a machine has it, the 16-wide loops run otherwise; this

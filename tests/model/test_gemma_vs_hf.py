@@ -65,9 +65,11 @@ def assert_matches(model: str, model_dirs, references, **llm_options) -> None:
     assert_matches_transformers(model_dirs[model], references[model], **llm_options)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_matches_transformers(model, model_dirs, references):
-    assert_matches(model, model_dirs, references)
+def test_matches_transformers(model, model_dirs, references, backend):
+    """The torch attention ops, and the CPU decode kernel with the window (and Gemma 2's soft-capping)."""
+    assert_matches(model, model_dirs, references, attention_backend=backend)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -84,7 +86,10 @@ def test_max_model_len_is_not_capped_at_the_window(model_dirs):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"attention_backend": "cpu"}, r"--attention-backend cpu cannot run Gemma3ForCausalLM: .* torch attention"),
+        (
+            {"attention_backend": "cuda"},
+            r"--attention-backend cuda cannot run Gemma3ForCausalLM: .* and the CPU kernels",
+        ),
         ({"enable_lora": True}, r"^LoRA \(--enable-lora\) is not supported for Gemma3ForCausalLM$"),
         ({"quantization": "fp8"}, r"^quantized checkpoints \(--quantization\) are not supported for Gemma3Fo"),
     ],

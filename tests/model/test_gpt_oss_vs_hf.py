@@ -77,8 +77,10 @@ def references(dirs) -> dict[str, Reference]:
     return transformers_references({"float": dirs["float"], "dequantized": dirs["dequantized"]})
 
 
-def test_matches_transformers(dirs, references):
-    assert_matches_transformers(dirs["float"], references["float"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_matches_transformers(dirs, references, backend):
+    """The torch attention ops, and the CPU decode kernel with the sinks and the window."""
+    assert_matches_transformers(dirs["float"], references["float"], attention_backend=backend)
 
 
 def test_chunked_prefill_and_prefix_cache_hits_match_transformers(dirs, references):

@@ -48,8 +48,10 @@ def reference(model_dir) -> Reference:
     return transformers_references({"llama4": model_dir})["llama4"]
 
 
-def test_matches_transformers(model_dir, reference):
-    assert_matches_transformers(model_dir, reference)
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_matches_transformers(model_dir, reference, backend):
+    """The torch attention ops, and the CPU decode kernel over each query's chunk."""
+    assert_matches_transformers(model_dir, reference, attention_backend=backend)
 
 
 def test_chunked_prefill_and_prefix_cache_hits_match_transformers(model_dir, reference):
@@ -65,7 +67,7 @@ def test_two_shards_match_transformers(ray_session, model_dir, reference):
 
 def test_refused_options(model_dir):
     for options, message in (
-        ({"attention_backend": "cpu"}, r"^--attention-backend cpu cannot run Llama4ForCausalLM: .*chunked attention"),
+        ({"attention_backend": "cuda"}, r"^--attention-backend cuda cannot run Llama4ForCausalLM: .*chunked attention"),
         ({"enable_lora": True}, r"^LoRA \(--enable-lora\) is not supported for Llama4ForCausalLM"),
         ({"quantization": "fp8"}, r"^quantized checkpoints \(--quantization\) are not supported for Llama4ForCausalLM"),
     ):
