@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 
 from raypaged.attention.backend import FusedOps
 from raypaged.model.architecture import Architecture
-from raypaged.model.layers import Linear, PackedWeight, Router, silu_and_mul
+from raypaged.model.layers import Linear, PackedWeight, Router
 from raypaged.model.parallel import RowParallelLinear, TensorParallel
 from raypaged.quantization.base import QuantizationConfig
 
@@ -112,8 +112,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = shared
             if spec.shared_gated:
                 self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        # (gate | up [E, 2I, hidden], down [E, hidden, I]) where the experts run as two grouped GEMMs (stack_experts)
+        # (gate | up [E, 2I, hidden], down [E, hidden, I]) where the experts run as two grouped GEMMs (stack_experts),
+        # and gpt-oss's biases stacked the same way ([E, 2I], [E, hidden])
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.stacked_biases: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def local_expert(self, index: int) -> int | None:
         """Where checkpoint expert ``index`` is in ``experts`` on this rank; None: another rank holds it."""
@@ -121,9 +123,10 @@ class SparseMoeBlock(nn.Module):
         return local if 0 <= local < len(self.experts) else None
 
     def stack_experts(self) -> bool:
-        """Every expert's float gate | up and down weights into two stacked tensors, each expert's weights becoming
-        views of them (no copy kept), so that a step runs the experts as two grouped GEMMs with no host sync
-        (``grouped``). False, and nothing changed, where an expert is quantized or its weights are packed."""
+        """Every expert's float gate | up and down weights into two stacked tensors (and their biases, gpt-oss's),
+        each expert's becoming views of them (no copy kept), so that a step runs the experts as two grouped GEMMs
+        with no host sync (``grouped``). False, and nothing changed, where an expert is quantized or its weights are
+        packed."""
         if len(self.experts) != self.spec.num_experts:
             return False  # expert parallel: the grouped GEMMs would take every expert's rows
         experts = [cast("LlamaMLP", expert) for expert in self.experts]
@@ -131,8 +134,9 @@ class SparseMoeBlock(nn.Module):
         if not all(type(g) is Linear and type(d) is RowParallelLinear for g, d in linears):
             return False  # quantized
         plain = [(cast(Linear, g), cast(RowParallelLinear, d)) for g, d in linears]
-        if any(g.bias is not None or d.bias is not None for g, d in plain):
-            return False
+        kinds = {(g.bias is not None, d.bias is not None) for g, d in plain}
+        if kinds not in ({(False, False)}, {(True, True)}):
+            return False  # biases on some experts' linears only
         weights = [(g.weight, d.weight) for g, d in plain]
         size, hidden = experts[0].intermediate_size, self.gate.in_features
         shapes = ((2 * size, hidden), (hidden, size))
@@ -145,6 +149,12 @@ class SparseMoeBlock(nn.Module):
         for index, (gate_up, down) in enumerate(weights):
             gate_up.data, down.data = stacked[0][index], stacked[1][index]
         self.stacked = stacked
+        if kinds == {(True, True)}:
+            biases = [(cast(torch.Tensor, g.bias), cast(torch.Tensor, d.bias)) for g, d in plain]
+            with torch.no_grad():
+                self.stacked_biases = torch.stack([g for g, _ in biases]), torch.stack([d for _, d in biases])
+            for index, (gate_up_bias, down_bias) in enumerate(biases):
+                gate_up_bias.data, down_bias.data = self.stacked_biases[0][index], self.stacked_biases[1][index]
         return True
 
     def forward(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -231,8 +241,14 @@ class SparseMoeBlock(nn.Module):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # where each expert's run ends
         pair_weights = weights.flatten()[order, None]
         inputs = x[rows] * pair_weights if self.spec.weight_inputs else x[rows]  # Llama 4: its inputs weighted
-        hidden = silu_and_mul(torch._grouped_mm(inputs.to(x.dtype), gate_up.transpose(1, 2), offs=offsets))
+        gated = torch._grouped_mm(inputs.to(x.dtype), gate_up.transpose(1, 2), offs=offsets)
+        expert_of = chosen[order]  # each sorted pair's expert
+        if self.stacked_biases is not None:  # gpt-oss's: each row's expert's biases
+            gated = gated + self.stacked_biases[0][expert_of]
+        hidden = cast("LlamaMLP", self.experts[0]).act_and_mul(gated)  # SiLU, or gpt-oss's clamped SwiGLU
         out = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
+        if self.stacked_biases is not None and self.adds_down_bias:
+            out = out + self.stacked_biases[1][expert_of]
         if not self.spec.weight_inputs:
             out = out * pair_weights
         return torch.zeros_like(x).index_add_(0, rows, out.to(x.dtype))

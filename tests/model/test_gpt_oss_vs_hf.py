@@ -112,3 +112,26 @@ def test_an_mxfp4_checkpoint_dequantizes_as_transformers(dirs, references):
         LLM(model=str(dirs["mxfp4"]), quantization="fp8", device="cpu")
     with pytest.raises(ValueError, match=r"^mxfp4 is read from gpt-oss checkpoints only"):
         LLM(model=str(dirs["float"]), quantization="mxfp4", device="cpu")
+
+
+def test_grouped_gemms_over_stacked_experts_equal_each_experts_own(dirs):
+    """``stack_experts`` stacks gpt-oss's experts and their biases; the two grouped GEMMs (what an H100/H200 runs in
+    bf16) add each row's expert's biases and run the clamped SwiGLU, as the expert-by-expert loop does."""
+    from transformers import AutoConfig
+
+    from raypaged.model.llama import LlamaForCausalLM
+    from raypaged.model.loader import iter_checkpoint
+    from raypaged.model.moe import SparseMoeBlock
+
+    loaded = LlamaForCausalLM(AutoConfig.from_pretrained(dirs["float"]), 64)
+    loaded.load_weights(iter_checkpoint(dirs["float"]))
+    blocks = [layer.mlp for layer in loaded.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    x = torch.randn(37, TINY["hidden_size"], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        loops = [block(x) for block in blocks]
+    assert loaded.stack_experts() == [True] * len(blocks)
+    for block, loop in zip(blocks, loops, strict=True):
+        assert block.stacked_biases is not None
+        assert block.experts[1].down_proj.bias.data_ptr() == block.stacked_biases[1][1].data_ptr()
+        with torch.inference_mode():
+            torch.testing.assert_close(block(x), loop, rtol=1e-5, atol=1e-5)

@@ -73,3 +73,24 @@ def test_refused_options(model_dir):
     ):
         with pytest.raises(ValueError, match=message):
             LLM(model=str(model_dir), device="cpu", **options)
+
+
+def test_grouped_gemms_over_stacked_experts_equal_each_experts_own(model_dir):
+    """The grouped GEMMs (what an H100/H200 runs in bf16) scale each expert's inputs by its weight, as the loop."""
+    import torch
+    from transformers import AutoConfig
+
+    from raypaged.model.llama import LlamaForCausalLM
+    from raypaged.model.loader import iter_checkpoint
+    from raypaged.model.moe import SparseMoeBlock
+
+    loaded = LlamaForCausalLM(AutoConfig.from_pretrained(model_dir), 64)
+    loaded.load_weights(iter_checkpoint(model_dir))
+    blocks = [layer.mlp for layer in loaded.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    x = torch.randn(37, TINY["hidden_size"], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        loops = [block(x) for block in blocks]
+    assert loaded.stack_experts() == [True] * len(blocks) and len(blocks) == 2
+    for block, loop in zip(blocks, loops, strict=True):
+        with torch.inference_mode():
+            torch.testing.assert_close(block(x), loop, rtol=1e-5, atol=1e-5)
