@@ -469,6 +469,9 @@ class EngineConfig:
     draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
     pooler: PoolerSettings | None = field(init=False, default=None)  # set exactly when the engine pools (--runner)
     encoder: bool = field(init=False, default=False)  # BERT, RoBERTa, XLM-R: prompts computed whole, no KV cache
+    # every token attends to its whole prompt (an encoder, or a decoder with use_bidirectional_attention, as
+    # EmbeddingGemma): a prompt is computed whole in one step, and nothing is generated
+    whole_prompts: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
@@ -561,6 +564,7 @@ class EngineConfig:
             )
         self.generation_defaults, self.generation_eos_token_ids = self._read_generation_config()
         self.encoder = is_encoder(self.hf_config)
+        self.whole_prompts = self.encoder or bool(getattr(self.hf_config, "use_bidirectional_attention", False))
         check_architecture(self.hf_config, "model")
         self._resolve_runner()
         self.quant_config = self._resolve_quantization()
@@ -583,10 +587,11 @@ class EngineConfig:
         self._resolve_draft_model(spec)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, self.max_num_seqs)
-        if self.encoder and self.max_num_batched_tokens < self.max_model_len:
+        if self.whole_prompts and self.max_num_batched_tokens < self.max_model_len:
+            what = "an encoder" if self.encoder else "a model of bidirectional attention"
             raise ValueError(
                 f"--max-num-batched-tokens {self.max_num_batched_tokens} is below max_model_len {self.max_model_len}: "
-                "an encoder computes each prompt whole, in one step (raise it, or lower --max-model-len)"
+                f"{what} computes each prompt whole, in one step (raise it, or lower --max-model-len)"
             )
         _ = self.cuda_graph_sizes  # the graph-size flags are checked now
         if isinstance(self.served_model_name, (list, tuple)):
@@ -841,6 +846,11 @@ class EngineConfig:
         if task is None:
             if self.pooler_config is not None:
                 raise ValueError("--pooler-config applies to embedding models (--runner pooling)")
+            if self.whole_prompts:
+                raise ValueError(
+                    f"{architectures} with use_bidirectional_attention attends to whole prompts: it embeds (--runner "
+                    "pooling), it cannot generate"
+                )
             return
         if task == "classify" and getattr(self.hf_config, "classifier_from_token", None) is not None:
             from transformers import AutoTokenizer
@@ -856,9 +866,9 @@ class EngineConfig:
         ):
             if given:
                 raise ValueError(f"{flag} applies to generation: an embedding model (--runner pooling) runs without it")
-        if self.encoder and self.enable_prefix_caching:
+        if self.whole_prompts and self.enable_prefix_caching:
             self.enable_prefix_caching = False
-            logger.info("encoder: prefix caching is off (it keeps no KV cache: every prompt is computed whole)")
+            logger.info("prefix caching is off: every token attends to its whole prompt, which is computed whole")
         elif pooler.needs_every_token and self.enable_prefix_caching:
             self.enable_prefix_caching = False
             logger.info(
@@ -993,9 +1003,14 @@ def check_architecture(hf_config: Any, what: str) -> None:
     rope_parameters(hf_config)
 
 
+_BASE_MODELS = {"Gemma3TextModel": "Gemma3ForCausalLM"}  # base models not named as their causal LM minus its suffix
+
+
 def _causal_lm_of(architecture: str) -> str:
     """``Qwen3Model`` -> ``Qwen3ForCausalLM`` (a base model's generative architecture), and a classifier's
     (``Qwen3ForSequenceClassification``) likewise."""
+    if architecture in _BASE_MODELS:
+        return _BASE_MODELS[architecture]
     for suffix in ("ForSequenceClassification", "Model"):
         if architecture.endswith(suffix):
             return architecture.removesuffix(suffix) + "ForCausalLM"

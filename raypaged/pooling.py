@@ -6,13 +6,14 @@ token's (``CLS``) or their sum (``MEAN``). ``finish_embedding`` then takes the m
 model's vector to the dimensions asked for, and L2-normalizes it.
 
 ``PoolerSettings`` are resolved once per model, in this order: ``--pooler-config`` (vLLM's JSON), the
-model folder's sentence-transformers modules (``modules.json``: its ``Pooling`` module's mode and whether a
-``Normalize`` module follows), then ``LAST`` with normalization (vLLM's default for a decoder converted to
-an embedding model). This module imports no torch until a vector is finished.
+model folder's sentence-transformers modules (``modules.json``: its ``Pooling`` module's mode, the ``Dense``
+projections after it, and whether a ``Normalize`` module follows), then ``LAST`` with normalization (vLLM's
+default for a decoder converted to an embedding model). This module imports no torch until a vector is finished.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,29 @@ _POOLER_KEYS = ("pooling_type", "seq_pooling_type", "normalize", "use_activation
 # sentence-transformers Pooling modes -> pooling type (the modes raypaged has no pooling for are refused by name)
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 _ST_PREFIX = "sentence_transformers.models."
+# sentence-transformers Dense activations raypaged applies, by their class path
+_DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
+
+
+@dataclass(frozen=True, slots=True)
+class DenseLayer:
+    """A sentence-transformers ``Dense`` module after the pooling: ``activation(W x + b)``, its weights in ``path``."""
+
+    path: str  # the module's folder (model.safetensors: linear.weight, linear.bias)
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # identity or tanh
+
+
+@functools.lru_cache(maxsize=8)
+def _dense_weights(path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A Dense module's float32 weight and bias, read once."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    bias = tensors.get("linear.bias")
+    return tensors["linear.weight"].float(), None if bias is None else bias.float()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +71,7 @@ class PoolerSettings:
     matryoshka: tuple[int, ...] | None
     task: str = "embed"
     labels: tuple[str, ...] = ()  # classify: each class's name (the config's id2label), in order
+    dense: tuple[DenseLayer, ...] = ()  # sentence-transformers Dense projections after the pooling, in order
 
     @property
     def needs_every_token(self) -> bool:
@@ -154,10 +179,16 @@ def resolve_pooler(
     normalize = given.get("normalize", given.get("use_activation", found.get("normalize", True)))
     if not isinstance(normalize, bool):
         raise ValueError(f"--pooler-config normalize must be true or false, got {normalize!r}")
-    hidden_size = int(hf_config.hidden_size)
+    dense: tuple[DenseLayer, ...] = found.get("dense", ())
+    if dense and dense[0].in_features != int(hf_config.hidden_size):
+        raise ValueError(
+            f"sentence-transformers Dense module {dense[0].path} takes {dense[0].in_features} features, the model's "
+            f"hidden size is {hf_config.hidden_size}"
+        )
+    hidden_size = dense[-1].out_features if dense else int(hf_config.hidden_size)  # the vector's size
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     matryoshka = tuple(int(d) for d in dims) if dims else () if getattr(hf_config, "is_matryoshka", False) else None
-    settings = PoolerSettings(pooling_type, normalize, None, hidden_size, matryoshka)
+    settings = PoolerSettings(pooling_type, normalize, None, hidden_size, matryoshka, dense=dense)
     dimensions = given.get("dimensions")
     if dimensions is not None:
         if isinstance(dimensions, bool) or not isinstance(dimensions, int):
@@ -166,7 +197,7 @@ def resolve_pooler(
             settings.check_dimensions(dimensions, "--pooler-config dimensions")
         except InputError as exc:
             raise ValueError(str(exc)) from None
-        settings = PoolerSettings(pooling_type, normalize, dimensions, hidden_size, matryoshka)
+        settings = PoolerSettings(pooling_type, normalize, dimensions, hidden_size, matryoshka, dense=dense)
     return settings
 
 
@@ -200,19 +231,30 @@ def classifier_head(head: torch.Tensor, hf_config: Any) -> torch.Tensor:
 
 
 def _sentence_transformers_pooling(model_path: Path) -> dict[str, Any]:
-    """The pooling type and normalization a sentence-transformers folder (``modules.json``) declares; {} without
-    one. A module raypaged does not run (a ``Dense`` projection, a pooling mode it has no pooling for) is refused
-    by name: serving the model without it would give other vectors than sentence-transformers does."""
+    """The pooling type, the Dense projections after it and the normalization a sentence-transformers folder
+    (``modules.json``) declares; {} without one. A module raypaged does not run (a pooling mode it has no pooling
+    for, a Dense activation other than identity and tanh, a module out of the Transformer, Pooling, Dense,
+    Normalize order) is refused by name: serving the model without it would give other vectors than
+    sentence-transformers does."""
     modules_file = model_path / "modules.json"
     if not modules_file.is_file():
         return {}
     modules = json.loads(modules_file.read_text())
     found: dict[str, Any] = {"normalize": False}
+    dense: list[DenseLayer] = []
     for module in modules:
         kind = str(module.get("type", "")).removeprefix(_ST_PREFIX)
         if kind == "Transformer":
             continue
-        if kind == "Normalize":
+        if found["normalize"] or (kind == "Dense" and "pooling_type" not in found):
+            raise ValueError(
+                f"sentence-transformers module {module.get('type')!r} ({module.get('path')}) is out of the order "
+                "raypaged runs them in: Transformer, Pooling, Dense..., Normalize"
+            )
+        if kind == "Dense":
+            dense.append(_dense_layer(model_path / module.get("path", "")))
+            found["dense"] = tuple(dense)
+        elif kind == "Normalize":
             found["normalize"] = True
         elif kind == "Pooling":
             config = json.loads((model_path / module.get("path", "") / "config.json").read_text())
@@ -231,9 +273,25 @@ def _sentence_transformers_pooling(model_path: Path) -> dict[str, Any]:
         else:
             raise ValueError(
                 f"sentence-transformers module {module.get('type')!r} ({module.get('path')}) is not supported: "
-                "raypaged runs the Transformer, Pooling and Normalize modules only"
+                "raypaged runs the Transformer, Pooling, Dense and Normalize modules only"
             )
     return found
+
+
+def _dense_layer(folder: Path) -> DenseLayer:
+    """A sentence-transformers Dense module's settings (its folder's config.json), its weights checked there."""
+    config = json.loads((folder / "config.json").read_text())
+    activation = _DENSE_ACTIVATIONS.get(str(config.get("activation_function", "torch.nn.modules.linear.Identity")))
+    if activation is None:
+        raise ValueError(
+            f"sentence-transformers Dense activation {config.get('activation_function')!r} ({folder.name}) is not "
+            f"supported (supported: {', '.join(_DENSE_ACTIVATIONS)})"
+        )
+    if not (folder / "model.safetensors").is_file():
+        raise ValueError(f"sentence-transformers Dense module {folder.name} has no model.safetensors")
+    return DenseLayer(
+        str(folder), int(config["in_features"]), int(config["out_features"]), bool(config.get("bias", True)), activation
+    )
 
 
 def chunk_part(pooling_type: str, hidden: torch.Tensor, start: int, end: int, num_prompt: int) -> torch.Tensor | None:
@@ -267,6 +325,11 @@ def finish_embedding(
             return total.float().cpu()
         return (torch.sigmoid(total) if total.shape[-1] == 1 else torch.softmax(total, dim=-1)).float().cpu()
     vector = total / num_prompt if settings.pooling_type == "MEAN" else total
+    for layer in settings.dense:  # sentence-transformers Dense projections, in float32
+        weight, bias = _dense_weights(layer.path)
+        vector = torch.nn.functional.linear(vector.float(), weight, bias)
+        if layer.activation == "tanh":
+            vector = torch.tanh(vector)
     dimensions = params.dimensions if params.dimensions is not None else settings.dimensions
     if dimensions is not None:
         vector = vector[:dimensions]

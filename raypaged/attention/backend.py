@@ -137,6 +137,7 @@ class AttentionBackend:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         chunk: int | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
         """:meth:`forward` once this step's K/V are already in their slots (the CUDA model path
         writes them with the rotary kernel, ``raypaged.kernels.rotary_and_cache``).
@@ -149,7 +150,8 @@ class AttentionBackend:
         ``sliding_window`` (a query sees at most that many of the newest keys), ``softcap`` (Gemma 2's tanh cap
         of the scores), ``sinks`` (gpt-oss's per-head sink logits) and ``chunk`` (Llama 4's chunked attention: a
         query sees the keys of its own chunk of that many positions) are options of the torch attention ops only
-        (``windows``)."""
+        (``windows``). ``causal`` False: bidirectional attention over whole prompts (EmbeddingGemma's), in the torch
+        ops (a one-token prompt is a decode row: its one key is itself either way)."""
         options: dict[str, Any] = {}
         if sliding_window is not None or softcap is not None or sinks is not None or chunk is not None:
             if not self.windows:
@@ -190,6 +192,7 @@ class AttentionBackend:
         if (
             self.varlen_prefill is not None
             and not options
+            and causal
             and (varlen := meta.varlen_prefill(key_cache.shape[2])) is not None
         ):
             rows = slice(varlen.query_start, varlen.query_start + varlen.num_tokens)
@@ -212,8 +215,10 @@ class AttentionBackend:
             q = query[span.query_start : end]
             if span.context_len == span.query_len:  # nothing cached before it: its own K/V are the context
                 out[span.query_start : end] = torch_ops.prefill_attention(
-                    q, key[span.query_start : end], value[span.query_start : end], scale, **options
+                    q, key[span.query_start : end], value[span.query_start : end], scale, causal=causal, **options
                 )
+            elif not causal:
+                raise ValueError("bidirectional attention takes whole prompts: a prompt was cut into chunks")
             else:
                 span_out = self.paged_prefill(
                     q, key_cache, value_cache, span.block_ids, span.context_len, cached_scale, **options

@@ -110,10 +110,22 @@ def prefill_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal SDPA of a sequence's newest ``query_len`` positions over its whole (gathered) context; with
-    ``sliding_window`` the query at position p sees the keys from ``max(0, p + 1 - sliding_window)`` to p."""
+    ``sliding_window`` the query at position p sees the keys from ``max(0, p + 1 - sliding_window)`` to p.
+    ``causal`` False (a whole prompt of bidirectional attention, EmbeddingGemma's): every key, or with
+    ``sliding_window`` those fewer than that many positions away on either side."""
     query_len, context_len = query.shape[0], keys.shape[0]
+    if not causal:
+        if query_len != context_len:
+            raise ValueError(f"bidirectional attention takes whole prompts, got {query_len} queries over {context_len}")
+        q, k, v = query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        if sliding_window is None and softcap is None and sinks is None:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        pos = torch.arange(context_len, device=query.device)
+        near = (pos[None, :] - pos[:, None]).abs() < (sliding_window or context_len + 1)
+        return attention(q, k, v, near, scale, softcap, sinks)[0].transpose(0, 1)
     # 4-D inputs: torch's fused CPU kernel; 3-D ones fall back to the ~6x slower math path
     q, k, v = query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     if query_len == context_len and sliding_window is None and softcap is None and sinks is None and chunk is None:

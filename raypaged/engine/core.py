@@ -144,7 +144,7 @@ class EngineCore:
             preemption_mode=config.preemption_mode,
             max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
             pooling_type=None if config.pooler is None else config.pooler.pooling_type,
-            whole_prompts=config.encoder,
+            whole_prompts=config.whole_prompts,
             **_spec_scheduler_options(spec),
         )
         self.scheduler = Scheduler(

@@ -147,6 +147,9 @@ class Architecture:
     mla: bool = False
     # gpt-oss: a learned logit per head (its "sink") joins each query's softmax as one more column, then is dropped
     attn_sinks: bool = False
+    # EmbeddingGemma (Gemma 3's use_bidirectional_attention): every token attends to its whole prompt (a sliding layer
+    # to the keys fewer than sliding_window positions away on either side); prompts are computed whole
+    bidirectional: bool = False
     # Llama 4: per layer, chunked attention (a query sees the keys of its own chunk of this many positions, from the
     # chunk's start) or None; q and k of its rotary layers normed (RMS, no weight) after rotary; on its NoPE layers q
     # scaled by log1p(floor((position + 1) / floor_scale)) * attn_scale + 1, (floor_scale, attn_scale); its dense
@@ -490,8 +493,6 @@ def _gemma(config: PretrainedConfig) -> Architecture:
         raise ValueError(
             f"{name}: hidden_activation {config.hidden_activation!r} is not supported (only gelu_pytorch_tanh)"
         )
-    if getattr(config, "use_bidirectional_attention", False):
-        raise ValueError(f"{name}: use_bidirectional_attention is not supported (a decoder attends causally)")
     windows = _layer_windows(config, str(name))
     attention_bias = bool(config.attention_bias)
     softcap, final_softcap = config.attn_logit_softcapping, config.final_logit_softcapping
@@ -510,4 +511,5 @@ def _gemma(config: PretrainedConfig) -> Architecture:
         rope_layer_types=tuple(config.layer_types) if config.model_type == "gemma3_text" else (),
         attn_softcap=None if softcap is None else float(softcap),
         final_softcap=None if final_softcap is None else float(final_softcap),
+        bidirectional=bool(getattr(config, "use_bidirectional_attention", False)),
     )

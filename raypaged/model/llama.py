@@ -160,6 +160,7 @@ class LlamaAttention(nn.Module):
         self.rotates = not (arch.nope_layers and arch.nope_layers[index])  # SmolLM3's NoPE layers: no rotary
         self.sliding_window = arch.sliding_windows[index] if arch.sliding_windows else None
         self.attention_chunk = arch.attention_chunks[index] if arch.attention_chunks else None
+        self.causal = not arch.bidirectional  # EmbeddingGemma: whole prompts, every key
         self.softcap = arch.attn_softcap
         # Llama 4: q and k of a rotary layer RMS-normed (no weight) after rotary; a NoPE layer's q temperature-tuned
         self.l2_qk = arch.qk_l2_norm and self.rotates
@@ -248,6 +249,20 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # -> [num_tokens, num_heads, head_dim]
         """The attention over the cache (this step's K/V already in it), by the step's layout."""
         key_cache, value_cache = kv_cache
+        if not self.causal:
+            return self.attn_backend.attend(
+                q,
+                k,
+                v,
+                key_cache,
+                value_cache,
+                meta,
+                self.scale,
+                self.kv_scales,
+                self.sliding_window,
+                self.softcap,
+                causal=False,
+            )
         if self.sinks is not None or self.attention_chunk is not None:  # the torch ops alone take them
             return self.attn_backend.attend(
                 q,

@@ -158,8 +158,16 @@ def test_sentence_transformers_modules(tmp_path):
     settings = resolve_pooler(write(both[:2], {"pooling_mode_lasttoken": True}), config, {"normalize": True})
     assert (settings.pooling_type, settings.normalize) == ("LAST", True)
     assert resolve_pooler(write(both[:2], {"pooling_mode_cls_token": True}), config, None).normalize is False
-    with pytest.raises(ValueError, match=r"module 'sentence_transformers.models.Dense' \(2_Dense\) is not supported"):
-        resolve_pooler(write([*both[:2], ("Dense", "2_Dense")], mean), config, None)
+    relu = write([*both[:2], ("Dense", "2_Dense")], mean)
+    (relu / "2_Dense").mkdir()
+    dense = {"in_features": 64, "out_features": 8, "activation_function": "torch.nn.modules.activation.ReLU"}
+    (relu / "2_Dense" / "config.json").write_text(json.dumps(dense))
+    with pytest.raises(ValueError, match=r"Dense activation 'torch.nn.modules.activation.ReLU' \(2_Dense\) is not sup"):
+        resolve_pooler(relu, config, None)
+    with pytest.raises(
+        ValueError, match=r"module 'sentence_transformers.models.Dense' \(2_Dense\) is out of the order"
+    ):
+        resolve_pooler(write([both[0], ("Dense", "2_Dense"), both[1]], mean), config, None)
     with pytest.raises(ValueError, match=r"pooling \['pooling_mode_max_tokens'\] in 1_Pooling/config.json"):
         resolve_pooler(write(both[:2], {"pooling_mode_max_tokens": True}), config, None)
     with pytest.raises(ValueError, match=r"^--pooler-config 'softmax' is not supported"):
@@ -175,3 +183,75 @@ def test_what_an_embedding_model_cannot_do_is_refused(embedding_dir, smollm2_dir
         LLM(model=str(embedding_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **OPTIONS)
     with pytest.raises(ValueError, match=r"^--pooler-config applies to embedding models \(--runner pooling\)"):
         LLM(model=str(smollm2_dir), pooler_config={"pooling_type": "MEAN"}, **OPTIONS)
+
+
+def embedding_gemma(root: Path, smollm2_dir: Path) -> Path:
+    """An EmbeddingGemma-shaped folder: a Gemma 3 base model with use_bidirectional_attention (a sliding layer of 4
+    and a global one) and sentence-transformers modules: mean pooling, two Dense projections (64 -> 96 -> 64, no
+    bias, identity) and Normalize, as google/embeddinggemma-300m's."""
+    from safetensors.torch import save_file
+
+    path = make_tiny_embedding_model(
+        root,
+        smollm2_dir,
+        "gemma3_text",
+        head_dim=16,
+        num_key_value_heads=1,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+        use_bidirectional_attention=True,
+    )
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 4, "name": "4", "path": "4_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True})
+    )
+    generator = torch.Generator().manual_seed(1)
+    for folder, (n_in, n_out) in (("2_Dense", (64, 96)), ("3_Dense", (96, 64))):
+        (path / folder).mkdir()
+        dense = {
+            "in_features": n_in,
+            "out_features": n_out,
+            "bias": False,
+            "activation_function": "torch.nn.modules.linear.Identity",
+        }
+        (path / folder / "config.json").write_text(json.dumps(dense))
+        save_file(
+            {"linear.weight": torch.randn(n_out, n_in, generator=generator) * 0.1}, path / folder / "model.safetensors"
+        )
+    (path / "4_Normalize").mkdir()
+    return path
+
+
+def test_embedding_gemma_attends_both_ways_and_runs_its_dense_projections(tmp_path_factory, smollm2_dir):
+    """Bidirectional attention over whole prompts (the sliding layer's window on either side), mean pooling, the two
+    Dense projections and the normalization: transformers' Gemma3TextModel and the modules' own weights, within
+    2e-6; prompts are never cut (a budget of 64 tokens waits for room), and generation is refused."""
+    from safetensors.torch import load_file
+
+    path = embedding_gemma(tmp_path_factory.mktemp("embeddinggemma"), smollm2_dir)
+    hf = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    dense = [load_file(path / f / "model.safetensors")["linear.weight"] for f in ("2_Dense", "3_Dense")]
+    expected = []
+    for prompt in PROMPTS:
+        vector = final_states(hf, prompt).mean(0)
+        for weight in dense:
+            vector = weight @ vector
+        expected.append(torch.nn.functional.normalize(vector, dim=-1))
+    llm = LLM(model=str(path), **{**OPTIONS, "max_num_batched_tokens": 64})
+    try:
+        assert llm.llm_engine.config.whole_prompts and not llm.llm_engine.config.enable_prefix_caching
+        for got, want in zip(embeddings(llm), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match=r"use_bidirectional_attention attends to whole prompts: it embeds"):
+        LLM(model=str(path), hf_overrides={"architectures": ["Gemma3ForCausalLM"]}, **OPTIONS)
