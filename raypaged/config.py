@@ -809,7 +809,7 @@ class EngineConfig:
 
             limit, what = max_prompt_len(self.hf_config), "position embeddings"
         window = getattr(self.hf_config, "sliding_window", None)
-        if window and applies_sliding_window(self.hf_config):  # the layers apply it
+        if window and (self.encoder or applies_sliding_window(self.hf_config)):  # the layers apply it
             window = None
         if window and getattr(self.hf_config, "use_sliding_window", True) and window < limit:
             # attention here is full-context: stay inside the window (vLLM's --disable-sliding-window)
@@ -857,7 +857,7 @@ class EngineConfig:
 
             set_classifier_tokens(self.hf_config, AutoTokenizer.from_pretrained(self.tokenizer_path))
         self.pooler = pooler = resolve_pooler(
-            self.model_path, self.hf_config, self.pooler_config, task, "CLS" if self.encoder else "LAST"
+            self.model_path, self.hf_config, self.pooler_config, task, self._default_pooling()
         )
         for given, flag in (
             (self.speculative_config is not None, "--speculative-config"),
@@ -887,6 +887,13 @@ class EngineConfig:
             logger.info(
                 "embedding model: %s pooling, %snormalized", pooler.pooling_type, "" if pooler.normalize else "not "
             )
+
+    def _default_pooling(self) -> str:
+        """The pooling type a model reads unless told otherwise: a decoder's last token, an encoder's first (a
+        ModernBERT classifier's, its ``classifier_pooling``)."""
+        from raypaged.model.encoder import classifier_pooling
+
+        return classifier_pooling(self.hf_config) if self.encoder else "LAST"
 
     def _check_async_scheduling(self) -> None:
         if not self.async_scheduling:

@@ -234,7 +234,7 @@ ENCODER_WORDS = (
 ).split()
 
 
-def save_encoder_tokenizer(path: Path, arch: str) -> None:
+def save_encoder_tokenizer(path: Path, arch: str, token_types: bool = True) -> None:
     """A small WordPiece tokenizer over ``ENCODER_WORDS`` and the letters, saved at ``path``: BERT's
     ``[CLS] A [SEP] B [SEP]`` (token types 0, then 1) for ``bert``, RoBERTa's ``<s> A </s></s> B </s>`` otherwise."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
@@ -262,33 +262,44 @@ def save_encoder_tokenizer(path: Path, arch: str) -> None:
         bos_token=None if bert else cls,
         eos_token=None if bert else sep,
         model_input_names=["input_ids", "token_type_ids", "attention_mask"]
-        if bert
+        if bert and token_types
         else ["input_ids", "attention_mask"],
     )
     tokenizer.save_pretrained(path)
 
 
-def make_tiny_encoder(root: Path, arch: str = "bert", num_labels: int = 0) -> Path:
-    """A random-weight BERT or XLM-RoBERTa (``arch``: ``bert``, ``xlm-roberta``) with its own small tokenizer: the
-    base model, or with ``num_labels`` its ``*ForSequenceClassification``."""
+def make_tiny_encoder(root: Path, arch: str = "bert", num_labels: int = 0, **overrides) -> Path:
+    """A random-weight BERT, XLM-RoBERTa or ModernBERT (``arch``: ``bert``, ``xlm-roberta``, ``modernbert``: a
+    global layer, then two sliding ones of 4 either way) with its own small tokenizer (ModernBERT's as BERT's, one
+    token type): the base model, or with ``num_labels`` its ``*ForSequenceClassification``."""
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
-    config = AutoConfig.for_model(
-        arch,
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=66 if arch != "bert" else 64,
-        pad_token_id=0 if arch == "bert" else 1,
-        type_vocab_size=2 if arch == "bert" else 1,  # as the published checkpoints
-        **({"num_labels": num_labels} if num_labels else {}),
+    shape: dict = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
     )
+    if arch == "modernbert":
+        shape.update(
+            num_hidden_layers=3,
+            local_attention=8,
+            global_attn_every_n_layers=3,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            cls_token_id=2,
+            sep_token_id=3,
+            bos_token_id=2,
+            eos_token_id=3,
+        )
+    else:
+        shape.update(
+            max_position_embeddings=66 if arch != "bert" else 64,
+            pad_token_id=0 if arch == "bert" else 1,
+            type_vocab_size=2 if arch == "bert" else 1,  # as the published checkpoints
+        )
+    config = AutoConfig.for_model(arch, **shape, **overrides, **({"num_labels": num_labels} if num_labels else {}))
     if num_labels > 1:
         config.id2label = {i: f"class_{i}" for i in range(num_labels)}
         config.label2id = {name: i for i, name in config.id2label.items()}
     auto = AutoModelForSequenceClassification if num_labels else AutoModel
-    path = save_random(auto, config, root / f"{arch}-{num_labels}", root)
-    save_encoder_tokenizer(path, arch)
+    path = save_random(auto, config, root / f"{arch}-{num_labels}-{len(overrides)}", root)
+    save_encoder_tokenizer(path, "bert" if arch == "modernbert" else arch, token_types=arch == "bert")
     return path

@@ -31,9 +31,11 @@ ENCODER_ARCHITECTURES = (
     "RobertaForSequenceClassification",
     "XLMRobertaModel",
     "XLMRobertaForSequenceClassification",
+    "ModernBertModel",
+    "ModernBertForSequenceClassification",
 )
 _ROBERTA_TYPES = ("roberta", "xlm-roberta")  # positions start after padding_idx; the head is classifier.dense/out_proj
-ENCODER_MODEL_TYPES = ("bert", *_ROBERTA_TYPES)
+ENCODER_MODEL_TYPES = ("bert", *_ROBERTA_TYPES, "modernbert")
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -62,9 +64,19 @@ def uses_token_types(config: PretrainedConfig) -> bool:
     return int(getattr(config, "type_vocab_size", 1)) > 1
 
 
+def classifier_pooling(config: PretrainedConfig) -> str:
+    """The pooling type a classifier's head reads: ModernBERT's ``classifier_pooling`` (cls or mean), else CLS."""
+    return "MEAN" if getattr(config, "classifier_pooling", "cls") == "mean" else "CLS"
+
+
 def check_encoder(config: PretrainedConfig) -> None:
     """``ValueError`` naming what of an encoder's config raypaged does not compute."""
     name = (getattr(config, "architectures", None) or [config.model_type])[0]
+    if config.model_type == "modernbert":
+        from raypaged.model.modernbert import check_modernbert
+
+        check_modernbert(config, name, _ACTIVATIONS)
+        return
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
         raise ValueError(f"{name} configured as a decoder (is_decoder, add_cross_attention) is not supported")
     kind = getattr(config, "position_embedding_type", "absolute")
@@ -141,12 +153,69 @@ class ClassificationHead(nn.Module):
         return self.out_proj(torch.tanh(self.dense(first)))
 
 
-class EncoderModel(nn.Module):
-    """The runner's model for an encoder: ``forward`` gives every token's final hidden state. ``num_labels``: a
-    classifier's, whose ``score`` head reads the first token's (pooling type CLS)."""
+class Encoder(nn.Module):
+    """What the runner and the worker ask of a model, for an encoder: ``forward(input_ids, positions, kv_caches,
+    meta)`` gives every token's final hidden state, ``score`` a classifier's head (None: an embedding model);
+    there is no language-model head and no KV cache."""
 
     has_head = False  # no language-model head: nothing is sampled
     checkpoint_kv_scales = False
+    score: nn.Module | None
+
+    @staticmethod
+    def spans(meta: AttentionMetadata) -> list[tuple[int, int]]:
+        """The step's prompts as (first row, length): each whole (a one-token prompt is a decode row)."""
+        spans = [(i, 1) for i in range(meta.num_decode_tokens)]
+        for span in meta.prefills:
+            if span.context_len != span.query_len:
+                raise RuntimeError("an encoder computes each prompt whole, in one step; this one was cut")
+            spans.append((span.query_start, span.query_len))
+        return spans
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("an encoder has no language-model head: it embeds and classifies, it does not generate")
+
+    def set_attention_backend(self, backend: Any) -> None:
+        """Its attention is torch's over each prompt's own keys; the paged backends have nothing to run."""
+
+    def kv_scales(self) -> list[Any]:
+        return []
+
+    def calculate_kv_scales_next_step(self) -> None:
+        raise RuntimeError("an encoder writes no KV cache: --calculate-kv-scales does not apply")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def fill(params: dict[str, nn.Parameter], targets: Iterable[tuple[str, str, torch.Tensor]]) -> set[str]:
+        """Copy each (checkpoint name, parameter name, tensor) into its parameter, checking the shapes; the names
+        filled."""
+        filled = set()
+        for name, key, tensor in targets:
+            if key not in params:
+                raise ValueError(f"checkpoint tensor {name} has no place in the model (as {key})")
+            if params[key].shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {list(tensor.shape)}, expected {list(params[key].shape)}"
+                )
+            params[key].data.copy_(tensor)
+            filled.add(key)
+        return filled
+
+
+def build_encoder(config: PretrainedConfig, num_labels: int = 0) -> Encoder:
+    """The encoder of ``config``'s model type (BERT and RoBERTa's ``EncoderModel``, or ModernBERT's)."""
+    if config.model_type == "modernbert":
+        from raypaged.model.modernbert import ModernBertEncoder
+
+        return ModernBertEncoder(config, num_labels)
+    return EncoderModel(config, num_labels)
+
+
+class EncoderModel(Encoder):
+    """BERT's and RoBERTa's encoder. ``num_labels``: a classifier's, whose ``score`` head reads the first token's
+    (pooling type CLS)."""
 
     def __init__(self, config: PretrainedConfig, num_labels: int = 0) -> None:
         super().__init__()
@@ -172,11 +241,7 @@ class EncoderModel(nn.Module):
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
         """``kv_caches`` are not read (each prompt is whole in its step); ``token_types``: each token's type (None:
         all 0)."""
-        spans = [(i, 1) for i in range(meta.num_decode_tokens)]
-        for span in meta.prefills:
-            if span.context_len != span.query_len:
-                raise RuntimeError("an encoder computes each prompt whole, in one step; this one was cut")
-            spans.append((span.query_start, span.query_len))
+        spans = self.spans(meta)
         x = self.word_embeddings(input_ids) + self.position_embeddings(self._positions(input_ids, positions, spans))
         if token_types is None:
             token_types = torch.zeros_like(input_ids)
@@ -199,18 +264,6 @@ class EncoderModel(nn.Module):
             span = kept[start : start + length]
             rows[start : start + length] = torch.cumsum(span, 0) * span
         return rows + self.padding_idx
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("an encoder has no language-model head: it embeds and classifies, it does not generate")
-
-    def set_attention_backend(self, backend: Any) -> None:
-        """Its attention is torch's over each prompt's own keys; the paged backends have nothing to run."""
-
-    def kv_scales(self) -> list[Any]:
-        return []
-
-    def calculate_kv_scales_next_step(self) -> None:
-        raise RuntimeError("an encoder writes no KV cache: --calculate-kv-scales does not apply")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A ``*Model`` or ``*ForSequenceClassification`` checkpoint's tensors (with or without the ``bert.``,

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
-from raypaged.model.encoder import EncoderModel, is_encoder
+from raypaged.model.encoder import Encoder, build_encoder, is_encoder
 from raypaged.model.layers import packs_weights
 from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.moe import grouped_gemms_run
@@ -57,7 +57,7 @@ def load_model(
     """
     if is_encoder(hf_config):  # BERT, RoBERTa, XLM-R (their own module: no KV cache, no fused or packed paths)
         with torch.device(device), default_dtype(dtype):
-            encoder = EncoderModel(hf_config, num_labels)
+            encoder = build_encoder(hf_config, num_labels)
         if load_format == "dummy":
             fill_dummy(encoder, dtype, device, seed)
         else:
@@ -91,7 +91,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def fill_dummy(model: LlamaForCausalLM | EncoderModel, dtype: torch.dtype, device: torch.device, seed: int) -> None:
+def fill_dummy(model: LlamaForCausalLM | Encoder, dtype: torch.dtype, device: torch.device, seed: int) -> None:
     """Every weight drawn uniformly from [-1e-3, 1e-3] (norms scale by 1: Gemma's (1 + weight) ones hold 0) in
     ``dtype``."""
     cast_model(model, dtype)

@@ -137,7 +137,7 @@ class ModelRunner:
         self.logprobs_mode = logprobs_mode
         self.pooling_type = pooling_type
         # BERT's token types: a pair's second text embeds as type 1 (from its request's token_type_start)
-        self.token_types = isinstance(model, EncoderModel) and uses_token_types(model.config)
+        self.token_types = isinstance(model, EncoderModel) and uses_token_types(model.config)  # BERT's
         self.cache = cache
         self.block_size = block_size
         self.eos_token_id = eos_token_id
@@ -405,6 +405,7 @@ class ModelRunner:
         ids: list[str] = []
         starts: list[int] = []
         parts: list[torch.Tensor] = []
+        counts: list[int] = []  # each part's prompt tokens (a classifier's mean is taken before its head)
         row = 0
         for request_id in _batch_order(so):
             state, num_new = self.requests[request_id], so.num_scheduled_tokens[request_id]
@@ -416,11 +417,14 @@ class ModelRunner:
                 ids.append(request_id)
                 starts.append(start)
                 parts.append(part)
+                counts.append(len(state.prompt_token_ids))
             row += num_new
         out = ModelRunnerOutput()
         if parts:
             stacked = torch.stack(parts)
             if (score := self.model.score) is not None:  # a classifier: its head's logits (of its pooled state)
+                if self.pooling_type == "MEAN":  # ModernBERT's mean pooling: a whole prompt's sum (an encoder's)
+                    stacked = stacked / torch.tensor(counts, dtype=stacked.dtype, device=stacked.device)[:, None]
                 stacked = score(stacked.to(next(score.parameters()).dtype)).float()
             host = stacked.cpu()
             out.pooled = {request_id: (start, host[i]) for i, (request_id, start) in enumerate(zip(ids, starts))}

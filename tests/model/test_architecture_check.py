@@ -18,7 +18,7 @@ SUPPORTED = (
     "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, GptOssForCausalLM, Llama4ForCausalLM, their *Model and "
     "*ForSequenceClassification, "
     "and the encoders BertModel, BertForSequenceClassification, RobertaModel, RobertaForSequenceClassification, "
-    "XLMRobertaModel, XLMRobertaForSequenceClassification"
+    "XLMRobertaModel, XLMRobertaForSequenceClassification, ModernBertModel, ModernBertForSequenceClassification"
 )
 
 

@@ -37,7 +37,7 @@ def hf_states(path: Path, texts: list[str]) -> list[torch.Tensor]:
         return [model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0] for text in texts]
 
 
-@pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta", "modernbert"])
 def test_embeddings_equal_transformers(root, arch):
     """CLS pooling (an encoder's default), normalized; MEAN over every token with --pooler-config; the fourth
     prompt waits for a step of its own (a prompt is never cut)."""
@@ -65,7 +65,7 @@ def test_embeddings_equal_transformers(root, arch):
         mean.embed(PROMPTS[3], truncate_prompt_tokens=2)
 
 
-@pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta", "modernbert"])
 def test_cross_encoder_scores_equal_transformers(root, arch):
     """``LLM.score``: each pair tokenized together (BERT's second text of token type 1), its head over the first
     token's state, through the sigmoid; the same pair given as token ids with vLLM's ``token_type_ids``."""
@@ -139,3 +139,16 @@ def test_xlm_roberta_has_one_token_type(root):
     llm = LLM(model=str(path), **OPTIONS)
     with pytest.raises(ValueError, match=r"^this model has one token type \(0\)"):
         llm.encode({"prompt_token_ids": [0, 5, 2], "token_type_ids": [0, 1, 1]})
+
+
+def test_modernbert_classifier_pooling_the_mean(root):
+    """A ModernBERT classifier of ``classifier_pooling`` mean: its head reads the mean of the prompt's final states."""
+    path = make_tiny_encoder(root, "modernbert", num_labels=3, classifier_pooling="mean")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        expected = [model(**tokenizer(text, return_tensors="pt")).logits[0].softmax(-1) for text in PROMPTS]
+    llm = LLM(model=str(path), **OPTIONS)
+    assert llm.llm_engine.config.pooler.pooling_type == "MEAN"
+    probs = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS)])
+    torch.testing.assert_close(probs, torch.stack(expected), atol=1e-6, rtol=0)
