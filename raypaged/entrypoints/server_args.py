@@ -268,8 +268,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         default=None,
         metavar="NAME",
-        help="deepseek_r1 or qwen3: chat answers' <think> section becomes reasoning_content; openai_gptoss: "
-        "gpt-oss's harmony analysis messages do, its final messages the content",
+        help="deepseek_r1, deepseek_v3, ernie45, glm45, granite, minimax_m2, mistral, qwen3 or seed_oss: chat "
+        "answers' reasoning section (<think>...</think>, [THINK]...[/THINK], ...) becomes reasoning_content "
+        "(deepseek_v3's only when a request's chat_template_kwargs turn thinking or enable_thinking on); "
+        "minimax_m2_append_think: the reasoning stays in the content, after <think>; openai_gptoss: gpt-oss's "
+        "harmony analysis messages are the reasoning, its final messages the content",
     )
     parser.add_argument(
         "--reasoning-effort-map",

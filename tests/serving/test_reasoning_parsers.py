@@ -38,7 +38,9 @@ def test_streamed_in_pieces_gives_the_same_parts(name, output, expected, piece):
 
 def test_an_unknown_parser_is_refused_by_name():
     with pytest.raises(
-        ValueError, match=r"^--reasoning-parser 'r2' is not supported; supported: deepseek_r1, openai_gptoss, qwen3$"
+        ValueError,
+        match=r"^--reasoning-parser 'r2' is not supported; supported: deepseek_r1, deepseek_v3, ernie45, glm45, "
+        r"granite, minimax_m2, minimax_m2_append_think, mistral, openai_gptoss, qwen3, seed_oss$",
     ):
         get_reasoning_parser("r2")
 

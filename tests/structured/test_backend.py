@@ -138,7 +138,8 @@ def test_structured_outputs_params_are_checked(kwargs, message):
         (
             '{"reasoning_parser": "o1"}',
             None,
-            "--reasoning-parser 'o1' is not supported; supported: deepseek_r1, openai_gptoss, qwen3",
+            "--reasoning-parser 'o1' is not supported; supported: deepseek_r1, deepseek_v3, ernie45, glm45, granite, "
+            "minimax_m2, minimax_m2_append_think, mistral, openai_gptoss, qwen3, seed_oss",
         ),
         ("[1]", None, "--structured-outputs-config must be a JSON object, got [1]"),
         (

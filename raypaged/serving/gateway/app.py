@@ -127,8 +127,9 @@ def build_app(
     ``response_role`` is the role of chat answers; ``prompt_tokens_details`` adds usage's cached
     tokens, ``force_include_usage`` a usage chunk to every stream, ``request_id_headers`` the
     ``X-Request-Id`` response header (vLLM's flags of those names); ``reasoning_parser`` splits
-    chat answers' reasoning into ``reasoning_content`` (harmony's: chat requests keep the special tokens in
-    the text, and refuse ``skip_special_tokens: true``); ``openapi_docs`` False (vLLM's
+    chat answers' reasoning into ``reasoning_content``, as each request's template variables shape it (DeepSeek-V3.1's
+    thinks only when they say so); one whose markers are special tokens (harmony's, Mistral's) has chat requests
+    keep them in the text, and refuse ``skip_special_tokens: true``; ``openapi_docs`` False (vLLM's
     ``--disable-fastapi-docs``): no ``/openapi.json`` (the Swagger and ReDoc pages are never served);
     ``return_tokens_as_token_ids``: every request's logprobs name tokens ``token_id:{id}``;
     ``tokenizer_info_endpoint``: ``GET /tokenizer_info`` is served (vLLM's ``--enable-tokenizer-info-endpoint``);
@@ -261,6 +262,12 @@ def build_app(
 
         return await disabled_thinking.effort_for(name, render)
 
+    def request_reasoning(body: ChatCompletionRequest) -> ReasoningParser | None:
+        """The reasoning format of a chat request's answers (DeepSeek-V3.1's depends on its template variables)."""
+        if reasoning_parser is None:
+            return None
+        return reasoning_parser.for_template(body.template_variables(reasoning_effort_map))
+
     def special_tokens_reader(tools: ToolPlan | None) -> str | None:
         """The parser (as its flag names it) that reads markers which are special tokens in a chat answer with
         ``tools``, so the answer's text keeps special tokens; ``None``: none does."""
@@ -280,8 +287,10 @@ def build_app(
         tools, prompts = rendered(body) if isinstance(body, ChatCompletionRequest) else (None, body.prompts())
         num_logprobs = body.num_logprobs
         constraint = body.constraint(tools)
-        if constraint is not None and isinstance(body, ChatCompletionRequest) and not body.include_reasoning:
-            constraint.in_reasoning = True
+        if constraint is not None and isinstance(body, ChatCompletionRequest):
+            reasoning = request_reasoning(body)
+            if not body.include_reasoning or (reasoning is not None and not reasoning.thinking):
+                constraint.in_reasoning = True  # from the first token
         try:
             requests = [
                 body.generate_request(model, p, num_logprobs, body.resolved_max_tokens, body.priority, constraint)
@@ -325,7 +334,7 @@ def build_app(
             prompt_logprobs=body.prompt_logprobs is not None,
             prompt_tokens_details=prompt_tokens_details or cached_tokens,
             request_id=body.request_id or header_request_id(http),
-            reasoning=reasoning_parser if chat else None,
+            reasoning=request_reasoning(body) if isinstance(body, ChatCompletionRequest) else None,
             include_reasoning=body.include_reasoning if isinstance(body, ChatCompletionRequest) else True,
             token_ids_as_text=body.return_tokens_as_token_ids or return_tokens_as_token_ids,
             token_ids=bool(body.return_token_ids),
