@@ -56,7 +56,7 @@ class LLMEngine:
             config.generation_defaults.as_dict() or "none",
         )
         self.core = EngineCore(config, self.eos_token_id)
-        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval, self.eos_token_id)
         self._ids = itertools.count()  # request ids for callers that give none
         self._seq_numbers = itertools.count()  # the core's sequence ids: "<n>:<request id>", never a user's id
 

@@ -73,6 +73,7 @@ class SeqState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None  # time.monotonic() when its first and newest tokens were processed
     last_token_time: float | None = None
+    eos_token_id: int | None = None  # the EOS: ending on it, the sequence's text leaves it out
 
 
 @dataclass(slots=True)
@@ -124,10 +125,12 @@ class OutputProcessor:
     failed) comes back from ``process`` as sequence ids, for the caller to pass to the core.
     """
 
-    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
+    def __init__(self, tokenizer, stream_interval: int = 1, eos_token_id: int | None = None) -> None:
         """``stream_interval`` (vLLM's ``--stream-interval``): a ``DELTA`` output goes out with a sequence's first
-        token, then once it has that many new tokens, and when it ends."""
+        token, then once it has that many new tokens, and when it ends. ``eos_token_id``: the EOS the core stops
+        on, whose text (as a stop token id's) is not part of a sequence's text."""
         self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
         self.stream_interval = stream_interval
         self.states: dict[str, RequestState] = {}  # by request id
         self._seqs: dict[str, tuple[RequestState, SeqState]] = {}  # by sequence id
@@ -152,7 +155,7 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
             )
-            seq = SeqState(seq_id, index, params, detok)
+            seq = SeqState(seq_id, index, params, detok, eos_token_id=self.eos_token_id)
             state.seqs.append(seq)
             self._seqs[seq_id] = (state, seq)
         self.states[request_id] = state
@@ -321,11 +324,14 @@ def process_token(seq: SeqState, delta: SeqDelta, now: float) -> bool:
     if delta.new_logprobs is not None:
         seq.logprobs += _decoded_logprobs(delta.new_logprobs, seq.detokenizer.tokenizer)
     finished = delta.finish_reason is not None
+    text_ids = new_ids
+    if finished and not params.include_stop_str_in_output and _ends_on_stop_token(delta, params, seq.eos_token_id):
+        text_ids = new_ids[:-1]  # as vLLM: a stop token (EOS, stop_token_ids) is not part of the text
     if not params.stop and params.repetition_detection is None:  # nothing to search: the whole run in one piece
-        seq.text += seq.detokenizer.add_tokens(new_ids)
+        seq.text += seq.detokenizer.add_tokens(text_ids)
         if finished:
             seq.text += seq.detokenizer.flush()
-    elif _stopped_in_run(seq, delta, finished):
+    elif _stopped_in_run(seq, delta, finished, text_ids):
         return True
     if finished:
         seq.finish_reason = delta.finish_reason
@@ -333,14 +339,28 @@ def process_token(seq: SeqState, delta: SeqDelta, now: float) -> bool:
     return False
 
 
-def _stopped_in_run(seq: SeqState, delta: SeqDelta, finished: bool) -> bool:
+def _ends_on_stop_token(delta: SeqDelta, params: SamplingParams, eos_token_id: int | None) -> bool:
+    """Whether the core ended the sequence on its newest token because it is a stop token: the EOS (unless
+    ``ignore_eos``) or one of ``stop_token_ids`` (its ``stop_reason``)."""
+    if delta.finish_reason != FinishReason.STOP or not delta.new_token_ids:
+        return False
+    last = delta.new_token_ids[-1]
+    if delta.stop_reason is not None:
+        return delta.stop_reason == last
+    return last == eos_token_id and not params.ignore_eos
+
+
+def _stopped_in_run(seq: SeqState, delta: SeqDelta, finished: bool, text_ids: list[int]) -> bool:
     """Detokenize a run token by token (a stop string could end it inside) and search each new piece, and
     check each token for a repeating tail (``repetition_detection``); at a stop string or a repetition, the
-    run is cut after the token that made it and the sequence ends."""
+    run is cut after the token that made it and the sequence ends. ``text_ids``: the run's tokens that are
+    text (all but a final stop token)."""
     params = seq.params
     repetition = params.repetition_detection
     new_ids = delta.new_token_ids
-    pieces = [new_ids] if len(new_ids) == 1 else [[token_id] for token_id in new_ids]
+    pieces = [text_ids] if len(text_ids) == 1 else [[token_id] for token_id in text_ids]
+    if finished and not pieces:  # the run was the stop token alone
+        seq.text += seq.detokenizer.flush()
     for i, piece in enumerate(pieces, 1):
         searched = max(0, len(seq.text) - params.max_stop_len + 1)
         seq.text += seq.detokenizer.add_tokens(piece)
@@ -351,11 +371,11 @@ def _stopped_in_run(seq: SeqState, delta: SeqDelta, finished: bool) -> bool:
         repeated = (
             cut is None
             and repetition is not None
-            and repetition.repeated_tail(seq.token_ids, len(seq.token_ids) - (len(pieces) - i))
+            and repetition.repeated_tail(seq.token_ids, len(seq.token_ids) - (len(new_ids) - i))
         )
         if cut is None and not repeated:
             continue
-        _drop_run_tail(seq, delta, len(pieces) - i)
+        _drop_run_tail(seq, delta, len(new_ids) - i)
         if cut is not None:
             seq.text, seq.stop_reason = cut
             if params.include_stop_str_in_output:

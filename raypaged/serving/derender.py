@@ -54,7 +54,7 @@ def derendered(
         stream_interval=1,
         output_kind=RequestOutputKind.DELTA,
     )
-    processor = OutputProcessor(tokenizer)
+    processor = OutputProcessor(tokenizer, eos_token_id=getattr(tokenizer, "eos_token_id", None))
     seq_ids = [str(index) for index in range(len(completions))]
     processor.add(request_id, None, prompt_token_ids, params, seq_ids, 0, 0.0)
     tracker = DeltaTracker(request_id, params, tokenizer, pb, return_token_ids=return_token_ids)

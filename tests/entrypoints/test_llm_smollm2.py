@@ -1,6 +1,7 @@
 """The offline API on the real SmolLM2-135M-Instruct weights, against transformers."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,6 +100,36 @@ def test_stop_token_ids_end_on_that_token(smollm2_llm):
     cut = _greedy_text(smollm2_llm, PROMPTS[3], max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token])
     assert cut.token_ids == full.token_ids[: first + 1]
     assert (cut.finish_reason, cut.stop_reason) == ("stop", stop_token)
+
+
+def test_a_stop_token_is_not_part_of_the_text_unless_asked(smollm2_llm):
+    """As vLLM: the token that stops a sequence (the EOS, or one of stop_token_ids) is in its token ids but not its
+    text, even where special tokens are kept; include_stop_str_in_output puts it back. Stop strings are found in the
+    text before it."""
+    tokenizer = smollm2_llm.get_tokenizer()
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False)
+    [kept] = smollm2_llm.chat(chat, params)
+    answer = kept.outputs[0]
+    eos = smollm2_llm.llm_engine.eos_token_id
+    assert answer.finish_reason == "stop" and answer.token_ids[-1] == eos
+    assert answer.text == tokenizer.decode(answer.token_ids[:-1], skip_special_tokens=False)
+    [shown] = smollm2_llm.chat(chat, replace(params, include_stop_str_in_output=True))
+    assert shown.outputs[0].text == answer.text + tokenizer.decode([eos])
+    full = _greedy_text(smollm2_llm, PROMPTS[3], max_tokens=40, ignore_eos=True)
+    stop_token = full.token_ids[10]
+    first = full.token_ids.index(stop_token)
+    cut = _greedy_text(smollm2_llm, PROMPTS[3], max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token])
+    assert cut.text == tokenizer.decode(full.token_ids[:first]) and cut.token_ids[-1] == stop_token
+    with_it = _greedy_text(
+        smollm2_llm,
+        PROMPTS[3],
+        max_tokens=40,
+        ignore_eos=True,
+        stop_token_ids=[stop_token],
+        include_stop_str_in_output=True,
+    )
+    assert with_it.text == tokenizer.decode(full.token_ids[: first + 1])
 
 
 def test_max_tokens_min_tokens_and_ignore_eos(smollm2_llm):
