@@ -220,6 +220,7 @@ def http(tiny_model_dir):
             tiny_config(tiny_model_dir, "tiny-r", structured_outputs_config={"reasoning_parser": "deepseek_v3"}),
         ],
         reasoning_parser="deepseek_v3",
+        enable_scale_out=True,
     )
     try:
         with stack.client() as client:
@@ -277,3 +278,13 @@ def test_a_deepseek_v3_constraint_waits_for_the_section_only_when_the_request_th
     message = at_once["choices"][0]["message"]
     assert message["reasoning_content"] is None and message["content"].startswith("{")
     assert message["content"] == unreasoned["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(("extra", "expected"), [({}, PLAIN), ({"chat_template_kwargs": {"thinking": True}}, THOUGHT)])
+def test_a_derendered_deepseek_v3_answer_thinks_as_its_rendered_request_says(http, extra, expected):
+    """Output mode derender parses the answer as the chat route would: its parse_context's template variables say
+    whether it thinks."""
+    rendered = http.post("/v1/chat/completions/render", json=_chat(**extra)).json()
+    answer = http.post("/inference/v1/generate", json={**rendered, "output_mode": "derender"}).json()
+    message = answer["choices"][0]["message"]
+    assert {k: message.get(k) for k in expected} == expected

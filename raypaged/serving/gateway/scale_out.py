@@ -265,6 +265,9 @@ def _derender_shape(body: GenerateBody, model: str, request: pb.GenerateRequest,
     else:
         tools = context.tool_plan(parts.tool_parser)
         include_reasoning, as_ids = context.include_reasoning, bool(context.return_tokens_as_token_ids)
+    reasoning = parts.reasoning_parser
+    if reasoning is not None and context is not None:  # deepseek_v3's thinking: as the rendered request's template
+        reasoning = reasoning.for_template(context.chat_template_kwargs)
     return ResponseShape(
         True,
         model,
@@ -272,7 +275,7 @@ def _derender_shape(body: GenerateBody, model: str, request: pb.GenerateRequest,
         request.HasField("logprobs"),
         tools=tools,
         role=parts.response_role,
-        reasoning=parts.reasoning_parser,
+        reasoning=reasoning,
         include_reasoning=include_reasoning,
         token_ids_as_text=as_ids or parts.tokens_as_ids,
         token_ids=True,  # each stream chunk's

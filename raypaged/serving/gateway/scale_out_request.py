@@ -223,9 +223,9 @@ def _structured_json(structured: pb.StructuredOutput) -> dict[str, Any]:
 
 class ParseContextBody(BaseModel):
     """vLLM's ``parse_context``: what output mode ``derender`` parses a chat answer with, as render writes it
-    of a chat request. ``chat_template_kwargs`` and ``history_tool_call_cnt`` are taken at any value: this
-    server parses an answer alike whatever they say (its template reads the kwargs; its tool call ids are
-    random, not numbered after the conversation's). Fields it does not know are refused where they would be
+    of a chat request. ``chat_template_kwargs`` (which render writes over what the request's reasoning effort set)
+    say whether a ``deepseek_v3`` answer thinks; ``history_tool_call_cnt`` is taken at any value (this server's tool
+    call ids are random, not numbered after the conversation's). Fields it does not know are refused where they would be
     read (output mode ``derender``), as vLLM does."""
 
     model_config = ConfigDict(extra="allow")
