@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raypaged import envs
 from raypaged.config import json_flag_value
@@ -395,7 +395,15 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
             json_flag_value("--reasoning-effort-map", args.reasoning_effort_map) if args.reasoning_effort_map else None
         ),
         anthropic_disabled_thinking_effort=args.anthropic_disabled_thinking_effort,
+        default_chat_template_kwargs=_template_kwargs(getattr(args, "default_chat_template_kwargs", None)),
     )
+
+
+def _template_kwargs(value: Any) -> dict[str, Any] | None:
+    """The engines' ``--default-chat-template-kwargs`` (``serve``'s flag; a gateway alone has none), parsed."""
+    if value is None or isinstance(value, dict):
+        return value
+    return json_flag_value("--default-chat-template-kwargs", value)
 
 
 def options_check(options: GatewayOptions) -> None:

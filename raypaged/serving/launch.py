@@ -102,6 +102,8 @@ class GatewayOptions:
     enable_request_id_headers: bool = False  # answers carry X-Request-Id
     reasoning_parser: str | None = None  # deepseek_r1, qwen3, openai_gptoss: the reasoning becomes reasoning_content
     reasoning_effort_map: dict[str, str] | None = None  # a request's effort -> the chat template's name for it
+    # the engines' --default-chat-template-kwargs (serve's): under each request's, they say whether deepseek_v3 thinks
+    default_chat_template_kwargs: dict[str, Any] | None = None
     anthropic_disabled_thinking_effort: str = AUTO  # the effort of a Messages request's disabled thinking
 
     def __post_init__(self) -> None:
@@ -277,6 +279,7 @@ def gateway_app(routes: EngineRoutes, tenants: Tenants, drain: Drain, options: G
         output_logging=options.output_logging,
         scale_out=options.enable_scale_out,
         reasoning_effort_map=options.reasoning_effort_map,
+        default_chat_template_kwargs=options.default_chat_template_kwargs,
         disabled_thinking_effort=options.anthropic_disabled_thinking_effort,
     )
     app.root_path = options.root_path  # as vLLM: the prefixed paths route, and so do the bare ones

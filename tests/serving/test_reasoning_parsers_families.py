@@ -288,3 +288,23 @@ def test_a_derendered_deepseek_v3_answer_thinks_as_its_rendered_request_says(htt
     answer = http.post("/inference/v1/generate", json={**rendered, "output_mode": "derender"}).json()
     message = answer["choices"][0]["message"]
     assert {k: message.get(k) for k in expected} == expected
+
+
+def test_the_servers_default_template_variables_turn_deepseek_v3_thinking_on(tiny_model_dir):
+    """``serve``'s --default-chat-template-kwargs '{"thinking": true}' reaches both the template and the parser: a
+    request that says nothing thinks, one that turns thinking off does not."""
+    defaults = {"thinking": True}
+    stack = Stack(
+        [tiny_config(tiny_model_dir, "tiny", default_chat_template_kwargs=defaults)],
+        reasoning_parser="deepseek_v3",
+        default_chat_template_kwargs=defaults,
+    )
+    try:
+        with stack.client() as http:
+            message = http.post("/v1/chat/completions", json=_chat()).json()["choices"][0]["message"]
+            assert {k: message.get(k) for k in THOUGHT} == THOUGHT
+            off = _chat(chat_template_kwargs={"thinking": False})
+            message = http.post("/v1/chat/completions", json=off).json()["choices"][0]["message"]
+            assert {k: message.get(k) for k in PLAIN} == PLAIN
+    finally:
+        stack.close()

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
@@ -116,6 +116,7 @@ def build_app(
     output_logging: OutputLogging | None = None,
     scale_out: bool = False,
     reasoning_effort_map: Mapping[str, str] | None = None,
+    default_chat_template_kwargs: Mapping[str, Any] | None = None,
     disabled_thinking_effort: str = AUTO,
 ) -> FastAPI:
     """The gateway's routes; ``drain`` (one per gateway) refuses and ends requests at shutdown.
@@ -266,7 +267,8 @@ def build_app(
         """The reasoning format of a chat request's answers (DeepSeek-V3.1's depends on its template variables)."""
         if reasoning_parser is None:
             return None
-        return reasoning_parser.for_template(body.template_variables(reasoning_effort_map))
+        variables = {**(default_chat_template_kwargs or {}), **body.template_variables(reasoning_effort_map)}
+        return reasoning_parser.for_template(variables)
 
     def special_tokens_reader(tools: ToolPlan | None) -> str | None:
         """The parser (as its flag names it) that reads markers which are special tokens in a chat answer with
