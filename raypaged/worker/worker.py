@@ -133,9 +133,11 @@ class Worker:
                 _drop_kv_scales(self.draft_model, config.resolved_dtype)
 
     def block_shape(self) -> tuple[int, int, int]:
-        """One layer's K (or V) block on this rank: (kv_heads, block_size, head_dim)."""
+        """One layer's K (or V) block on this rank: (kv_heads, block_size, head_dim); an encoder's hold nothing (it
+        keeps no KV cache: its blocks are only the scheduler's count of the tokens in flight)."""
         hf = self.config.hf_config
-        return num_kv_heads_per_rank(hf, self.tp.size), self.config.block_size, cache_head_dim(hf)
+        head_dim = 0 if self.config.encoder else cache_head_dim(hf)
+        return num_kv_heads_per_rank(hf, self.tp.size), self.config.block_size, head_dim
 
     def draft_block_shape(self) -> tuple[int, int, int]:
         """One layer's K (or V) block of the draft model (it runs unsharded)."""
@@ -162,6 +164,10 @@ class Worker:
         activations of a profiled worst-case step, and memory held outside torch (cupy, NCCL, the CUDA
         context); on CPU ``kv_cache_space`` GiB.
         """
+        if self.config.encoder:  # no cache: as many blocks as a full batch of the longest prompts takes
+            config = self.config
+            per_seq = -(-config.resolved_max_model_len // config.block_size)
+            return config.num_gpu_blocks_override or per_seq * config.max_num_seqs, 0
         per_block = self.bytes_per_block()
         num_cpu_blocks = int(self.config.resolved_swap_space * _GIB) // per_block
         if self.config.num_gpu_blocks_override is not None:

@@ -46,6 +46,7 @@ def test_embeddings_equal_transformers(root, arch):
     llm = LLM(model=str(path), **OPTIONS)
     assert llm.llm_engine.config.pooler.pooling_type == "CLS"
     assert not llm.llm_engine.config.enable_prefix_caching
+    assert llm.llm_engine.executor.worker.runner.cache.device_blocks.numel() == 0  # no KV cache: blocks count tokens
     for output, state in zip(llm.embed(PROMPTS), states, strict=True):
         expected = torch.nn.functional.normalize(state[0], dim=-1)
         assert len(output.prompt_token_ids) == state.shape[0]
