@@ -12,19 +12,17 @@ backends are compared token for token.
 from __future__ import annotations
 
 import argparse
-import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 from common import load_average, machine_info, write_json
+from transformers import AutoConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.conftest import make_tiny_model  # noqa: E402  (the repository's model builder)
-
-from raypaged import LLM, SamplingParams  # noqa: E402
-from raypaged.model.default_model import default_model_dir  # noqa: E402
+from raypaged import LLM, SamplingParams
+from raypaged.model.default_model import default_model_dir
 
 SHAPE = dict(
     vocab_size=49152,
@@ -40,6 +38,18 @@ SHAPE = dict(
     tie_word_embeddings=True,
 )
 NUM_PROMPTS, MAX_TOKENS = 16, 128
+
+
+def gemma3_folder() -> Path:
+    """The model's config (its weights are dummy: raypaged fills them at load) and SmolLM2's tokenizer."""
+    path = Path(tempfile.mkdtemp(prefix="gemma3-"))
+    config = AutoConfig.for_model("gemma3_text", **SHAPE)
+    config.architectures = ["Gemma3ForCausalLM"]
+    config.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (default_model_dir() / name).exists():
+            shutil.copy(default_model_dir() / name, path / name)
+    return path
 
 
 def run(path: Path, backend: str, prompts: list[dict]) -> tuple[float, list[list[int]]]:
@@ -59,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    path = make_tiny_model(Path(tempfile.mkdtemp(prefix="gemma3-")), default_model_dir(), "gemma3_text", **SHAPE)
+    path = gemma3_folder()
     prompts = [{"prompt_token_ids": list(range(100 + i, 250 + i + 10 * i))} for i in range(NUM_PROMPTS)]
     rates: dict[str, list[float]] = {"torch": [], "cpu": []}
     tokens: dict[str, list[list[int]]] = {}
