@@ -249,37 +249,20 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # -> [num_tokens, num_heads, head_dim]
         """The attention over the cache (this step's K/V already in it), by the step's layout."""
         key_cache, value_cache = kv_cache
-        if not self.causal:
-            return self.attn_backend.attend(
-                q,
-                k,
-                v,
-                key_cache,
-                value_cache,
-                meta,
-                self.scale,
-                self.kv_scales,
-                self.sliding_window,
-                self.softcap,
-                causal=False,
-            )
-        if self.sinks is not None or self.attention_chunk is not None:  # the torch ops alone take them
-            return self.attn_backend.attend(
-                q,
-                k,
-                v,
-                key_cache,
-                value_cache,
-                meta,
-                self.scale,
-                self.kv_scales,
-                self.sliding_window,
-                self.softcap,
-                self.sinks,
-                self.attention_chunk,
-            )
         return self.attn_backend.attend(
-            q, k, v, key_cache, value_cache, meta, self.scale, self.kv_scales, self.sliding_window, self.softcap
+            q,
+            k,
+            v,
+            key_cache,
+            value_cache,
+            meta,
+            self.scale,
+            self.kv_scales,
+            self.sliding_window,
+            self.softcap,
+            self.sinks,  # gpt-oss's, Llama 4's chunks, EmbeddingGemma's two-way attention: the torch ops' and CPU's
+            self.attention_chunk,
+            self.causal,
         )
 
     def load_sinks(self, tensor: torch.Tensor) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +106,65 @@ def tiny_qwen_dir(tmp_path_factory, smollm2_dir) -> Path:
 def tiny_config(model_dir: Path, name: str, **overrides: Any) -> EngineConfig:
     settings: dict[str, Any] = {"num_gpu_blocks_override": 64, "max_model_len": 256, **overrides}
     return EngineConfig(model=str(model_dir), served_model_name=name, **settings)
+
+
+def serving(configs: list[EngineConfig], **gateway_options: Any) -> Iterator[httpx.Client]:
+    """A module fixture's body: a ``Stack`` of ``configs`` and its HTTP client, closed after the module."""
+    stack = Stack(configs, **gateway_options)
+    try:
+        with stack.client() as client:
+            yield client
+    finally:
+        stack.close()
+
+
+def after_section_ends(tokenizer_dir: Path, parser: str) -> Callable[[str], bool | None]:
+    """For ``{"ok": true|false}`` constrained after ``parser``'s reasoning section: whether the grammar may end after
+    a text (None: it refuses the text)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from raypaged.structured.reasoning import get_reasoning_parser
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    grammar = get_reasoning_parser(parser).after_section(xgr.Grammar.from_regex('\\{"ok": (true|false)\\}'))
+    compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_grammar(grammar)
+
+    def ends(text: str) -> bool | None:
+        matcher = xgr.GrammarMatcher(compiled)
+        if not all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False)):
+            return None
+        return matcher.accept_token(tokenizer.eos_token_id)
+
+    return ends
+
+
+def streamed_chunks(shape: Any, pieces: list[str]) -> tuple[list[dict], list[str | None]]:
+    """The chat chunks' deltas and finish reasons a ``ChunkWriter`` of ``shape`` makes of an answer arriving in
+    ``pieces`` (the last one ends it)."""
+    from raypaged.serving.gateway.responses import ChunkWriter
+    from raypaged.serving.proto import generate_pb2 as pb
+
+    writer = ChunkWriter(shape, 1, include_usage=False)
+    deltas, finish_reasons = [], []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        delta = pb.CompletionDelta(text=piece, finish_reason=pb.FINISH_REASON_STOP if last else 0)
+        for chunk in writer.chunks(0, pb.GenerateResponse(outputs=[delta])):
+            deltas.append(chunk["choices"][0]["delta"])
+            finish_reasons.append(chunk["choices"][0]["finish_reason"])
+    return deltas, finish_reasons
+
+
+def streamed_parts(parser: str, output: str, piece: int) -> tuple[str, str]:
+    """(reasoning, content) of ``output`` fed to ``parser``'s stream ``piece`` characters at a time."""
+    from raypaged.structured.reasoning import get_reasoning_parser
+
+    stream = get_reasoning_parser(parser).stream()
+    reasoning = content = ""
+    for i in range(0, len(output), piece):
+        r, c = stream.feed(output[i : i + piece])
+        reasoning, content = reasoning + r, content + c
+    r, c = stream.finish()
+    return reasoning + r, content + c

@@ -9,14 +9,18 @@ import json
 import pytest
 
 from raypaged.serving.gateway.reasoning import get_reasoning_parser
-from raypaged.serving.gateway.responses import ChunkWriter, ResponseShape
+from raypaged.serving.gateway.responses import ResponseShape
 from raypaged.serving.gateway.tool_parsers import get_parser
 from raypaged.serving.gateway.tools import Tool, ToolPlan
 from raypaged.serving.launch import GatewayOptions
-from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.structured import harmony
 from raypaged.structured.reasoning import ReasoningConfig, closed_in
-from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
+from tests.serving.conftest import (
+    after_section_ends,
+    serving,
+    streamed_chunks,  # noqa: F401  (tiny_model_dir: a session fixture)
+    tiny_config,
+)
 
 REASON = "<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant"
 CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>'
@@ -188,20 +192,7 @@ def test_the_reasoning_ends_where_the_final_channel_opens_and_a_budget_forces_th
 
 
 def test_a_constraint_applies_after_the_final_channel_opens(smollm2_dir):
-    import xgrammar as xgr
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
-    grammar = get_reasoning_parser("openai_gptoss").after_section(xgr.Grammar.from_regex('\\{"ok": (true|false)\\}'))
-    compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_grammar(grammar)
-
-    def ends(text: str) -> bool | None:
-        """None: the grammar refuses ``text``; else whether the output may end after it."""
-        matcher = xgr.GrammarMatcher(compiled)
-        if not all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False)):
-            return None
-        return matcher.accept_token(tokenizer.eos_token_id)
+    ends = after_section_ends(smollm2_dir, "openai_gptoss")
 
     assert ends(REASON + '<|channel|>final<|message|>{"ok": true}') is True
     assert ends('<|channel|>final<|message|>\n{"ok": false}') is True  # no reasoning at all
@@ -245,15 +236,7 @@ def test_a_chat_answer_has_the_reasoning_the_preamble_and_the_calls():
 
 @pytest.mark.parametrize("size", [1, 4, 9])
 def test_a_chat_stream_sends_reasoning_and_content_as_they_come_and_the_calls_last(size):
-    writer = ChunkWriter(_shape(), 1, include_usage=False)
-    pieces = _pieces(PREAMBLE_AND_CALLS, size)
-    deltas, finish_reasons = [], []
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
-        delta = pb.CompletionDelta(text=piece, finish_reason=pb.FINISH_REASON_STOP if last else 0)
-        for chunk in writer.chunks(0, pb.GenerateResponse(outputs=[delta])):
-            deltas.append(chunk["choices"][0]["delta"])
-            finish_reasons.append(chunk["choices"][0]["finish_reason"])
+    deltas, finish_reasons = streamed_chunks(_shape(), _pieces(PREAMBLE_AND_CALLS, size))
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user greets."
     assert "".join(d.get("content", "") for d in deltas) == "Let me look."
     assert [[c["function"] for c in d["tool_calls"]] for d in deltas if "tool_calls" in d] == [
@@ -281,17 +264,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 @pytest.fixture(scope="module")
 def http(tiny_model_dir):
     # --tool-call-parser openai implies --reasoning-parser openai_gptoss
-    stack = Stack(
+    yield from serving(
         [tiny_config(tiny_model_dir, "tiny", max_model_len=512)],
         enable_auto_tool_choice=True,
         tool_call_parser="openai",
         enable_scale_out=True,
     )
-    try:
-        with stack.client() as client:
-            yield client
-    finally:
-        stack.close()
 
 
 def _chat(forced: str, **extra) -> dict:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from raypaged.serving.gateway.reasoning import get_reasoning_parser
-from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
+from tests.serving.conftest import Stack, streamed_parts, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
 
 CASES = [
     ("deepseek_r1", "<think>plan it</think>The answer.", ("plan it", "The answer.")),
@@ -27,13 +27,8 @@ def test_split_whole(name, output, expected):
 @pytest.mark.parametrize(("name", "output", "expected"), CASES)
 @pytest.mark.parametrize("piece", [1, 2, 5])
 def test_streamed_in_pieces_gives_the_same_parts(name, output, expected, piece):
-    stream = get_reasoning_parser(name).stream()
-    reasoning = content = ""
-    for i in range(0, len(output), piece):
-        r, c = stream.feed(output[i : i + piece])
-        reasoning, content = reasoning + r, content + c
-    r, c = stream.finish()
-    assert (reasoning + r or None, content + c or None) == expected
+    reasoning, content = streamed_parts(name, output, piece)
+    assert (reasoning or None, content or None) == expected
 
 
 def test_an_unknown_parser_is_refused_by_name():

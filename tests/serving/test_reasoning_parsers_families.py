@@ -10,7 +10,13 @@ import pytest
 
 from raypaged.serving.gateway.reasoning import PARSERS, get_reasoning_parser
 from raypaged.structured.reasoning import ReasoningConfig, closed_in
-from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
+from tests.serving.conftest import (
+    Stack,
+    after_section_ends,
+    serving,
+    streamed_parts,  # noqa: F401  (tiny_model_dir: a session fixture)
+    tiny_config,
+)
 
 WHOLE = [
     # GLM-4.5/4.6 write <think> themselves: only an output that opens with it has a section
@@ -64,13 +70,7 @@ def test_split_whole(name, output, expected):
 @pytest.mark.parametrize(("name", "output", "expected"), WHOLE)
 @pytest.mark.parametrize("piece", [1, 2, 3, 7])
 def test_streamed_in_pieces_gives_the_same_parts(name, output, expected, piece):
-    stream = get_reasoning_parser(name).stream()
-    reasoning = content = ""
-    for i in range(0, len(output), piece):
-        r, c = stream.feed(output[i : i + piece])
-        reasoning, content = reasoning + r, content + c
-    r, c = stream.finish()
-    assert (reasoning + r, content + c) == (expected[0] or "", expected[1] or "")
+    assert streamed_parts(name, output, piece) == (expected[0] or "", expected[1] or "")
 
 
 def _deltas(name: str, pieces: list[str]) -> list[tuple[str, str]]:
@@ -184,20 +184,7 @@ ANSWER = '{"ok": true}'
     ],
 )
 def test_a_constraint_applies_after_the_section(smollm2_dir, name, reasoned, answer_alone):
-    import xgrammar as xgr
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
-    grammar = get_reasoning_parser(name).after_section(xgr.Grammar.from_regex('\\{"ok": (true|false)\\}'))
-    compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_grammar(grammar)
-
-    def ends(text: str) -> bool | None:
-        """None: the grammar refuses ``text``; else whether the output may end after it."""
-        matcher = xgr.GrammarMatcher(compiled)
-        if not all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False)):
-            return None
-        return matcher.accept_token(tokenizer.eos_token_id)
+    ends = after_section_ends(smollm2_dir, name)
 
     assert ends(reasoned + ANSWER) is True
     assert ends(reasoned + "Hello") is None
@@ -214,7 +201,7 @@ PLAIN = {"role": "assistant", "reasoning_content": None, "content": FORCED}
 
 @pytest.fixture(scope="module")
 def http(tiny_model_dir):
-    stack = Stack(
+    yield from serving(
         [
             tiny_config(tiny_model_dir, "tiny"),
             tiny_config(tiny_model_dir, "tiny-r", structured_outputs_config={"reasoning_parser": "deepseek_v3"}),
@@ -222,11 +209,6 @@ def http(tiny_model_dir):
         reasoning_parser="deepseek_v3",
         enable_scale_out=True,
     )
-    try:
-        with stack.client() as client:
-            yield client
-    finally:
-        stack.close()
 
 
 def _chat(model: str = "tiny", **extra) -> dict:

@@ -8,11 +8,10 @@ import json
 
 import pytest
 
-from raypaged.serving.gateway.responses import ChunkWriter, ResponseShape
+from raypaged.serving.gateway.responses import ResponseShape
 from raypaged.serving.gateway.tool_parsers import PARSERS, StreamingToolCalls, ToolParser, get_parser
 from raypaged.serving.gateway.tools import Tool, ToolPlan
-from raypaged.serving.proto import generate_pb2 as pb
-from tests.serving.conftest import Stack, tiny_config
+from tests.serving.conftest import serving, streamed_chunks, tiny_config
 
 WEATHER = {"city": "Paris", "days": 2}
 PARAMETERS = {
@@ -342,15 +341,8 @@ def test_a_chat_answer_with_calls_finishes_with_tool_calls(name):
 @pytest.mark.parametrize("size", [1, 5])
 def test_a_chat_stream_sends_the_content_as_it_comes_and_the_calls_last_with_no_marker(name, size):
     output, content = CASES[name]
-    writer = ChunkWriter(_shape(name), 1, include_usage=False)
     pieces = [output[i : i + size] for i in range(0, len(output), size)]
-    deltas, finish_reasons = [], []
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
-        delta = pb.CompletionDelta(text=piece, finish_reason=pb.FINISH_REASON_STOP if last else 0)
-        for chunk in writer.chunks(0, pb.GenerateResponse(outputs=[delta])):
-            deltas.append(chunk["choices"][0]["delta"])
-            finish_reasons.append(chunk["choices"][0]["finish_reason"])
+    deltas, finish_reasons = streamed_chunks(_shape(name), pieces)
     assert "".join(d.get("content") or "" for d in deltas) == (content or "")
     [last] = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert [(c["index"], c["function"]) for c in last] == [
@@ -383,17 +375,12 @@ KIMI_TOOLS = [{"type": "function", "function": {"name": "get_weather", "paramete
 def kimi_http(tiny_model_dir):
     """A real server reading Kimi K2's calls; its answers are forced to the Kimi case's text (a structured-outputs
     choice: SmolLM2's tokenizer writes the markers as plain text)."""
-    stack = Stack(
+    yield from serving(
         [tiny_config(tiny_model_dir, "tiny", max_model_len=512)],
         enable_auto_tool_choice=True,
         tool_call_parser="kimi_k2",
         enable_scale_out=True,
     )
-    try:
-        with stack.client() as client:
-            yield client
-    finally:
-        stack.close()
 
 
 def _kimi_chat(**extra) -> dict:
