@@ -182,7 +182,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME",
         help="how tool calls look in the model's output: hermes, llama3_json, mistral, pythonic, llama4_pythonic, "
-        "deepseek_v3, deepseek_v31, glm45, qwen3_coder, kimi_k2, openai (gpt-oss's harmony messages; implies "
+        "deepseek_v3, deepseek_v31, glm45, qwen3_coder, kimi_k2, granite, phi4_mini_json, openai (gpt-oss's harmony "
+        "messages; implies "
         "--reasoning-parser openai_gptoss)",
     )
     parser.add_argument("--response-role", default="assistant", metavar="ROLE", help="the role of chat answers")

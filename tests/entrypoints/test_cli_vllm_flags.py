@@ -268,8 +268,8 @@ def test_chat_flags_refuse_bad_values(tiny_model_dir, argv, message):
         ),
         (
             ["--tool-call-parser", "qwen9"],
-            "--tool-call-parser 'qwen9' is not supported; supported: deepseek_v3, deepseek_v31, glm45, hermes, "
-            "kimi_k2, llama3_json, llama4_pythonic, mistral, openai, pythonic, qwen3_coder",
+            "--tool-call-parser 'qwen9' is not supported; supported: deepseek_v3, deepseek_v31, glm45, granite, "
+            "hermes, kimi_k2, llama3_json, llama4_pythonic, mistral, openai, phi4_mini_json, pythonic, qwen3_coder",
         ),
     ],
 )

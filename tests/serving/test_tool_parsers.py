@@ -91,20 +91,22 @@ def test_a_marker_split_across_deltas_is_held_back_not_sent():
 def test_an_unknown_parser_is_refused_by_name():
     with pytest.raises(
         ValueError,
-        match=r"^--tool-call-parser 'qwen9' is not supported; supported: deepseek_v3, deepseek_v31, glm45, hermes, "
-        r"kimi_k2, llama3_json, llama4_pythonic, mistral, openai, pythonic, qwen3_coder$",
+        match=r"^--tool-call-parser 'qwen9' is not supported; supported: deepseek_v3, deepseek_v31, glm45, granite, "
+        r"hermes, kimi_k2, llama3_json, llama4_pythonic, mistral, openai, phi4_mini_json, pythonic, qwen3_coder$",
     ):
         get_parser("qwen9")
     assert sorted(PARSERS) == [
         "deepseek_v3",
         "deepseek_v31",
         "glm45",
+        "granite",
         "hermes",
         "kimi_k2",
         "llama3_json",
         "llama4_pythonic",
         "mistral",
         "openai",
+        "phi4_mini_json",
         "pythonic",
         "qwen3_coder",
     ]

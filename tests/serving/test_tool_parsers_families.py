@@ -71,6 +71,16 @@ CASES = {  # name -> (output, content)
         "On it. ",
     ),
     "llama4_pythonic": ('<|python_start|>[get_weather(city="Paris", days=2), get_time()]<|python_end|>', None),
+    "granite": (
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        None,
+    ),
+    "phi4_mini_json": (
+        'Checking. functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+        '{"name": "get_time", "parameters": {}}]',
+        "Checking. ",
+    ),
 }
 KIMI_IDS = ["functions.get_weather:0", "functions.get_time:1"]
 
@@ -91,8 +101,13 @@ def _streamed(parser: ToolParser, pieces: list[str]) -> tuple[str, list]:
     return sent + rest, calls
 
 
-def test_the_parsers_whose_markers_are_special_tokens_are_deepseeks_and_kimis():
-    assert sorted(n for n, p in PARSERS.items() if p.special_tokens) == ["deepseek_v3", "deepseek_v31", "kimi_k2"]
+def test_the_parsers_whose_markers_are_special_tokens_are_deepseeks_kimis_and_granites():
+    assert sorted(n for n, p in PARSERS.items() if p.special_tokens) == [
+        "deepseek_v3",
+        "deepseek_v31",
+        "granite",
+        "kimi_k2",
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -415,3 +430,8 @@ def test_a_kimi_server_answers_calls_keeps_special_tokens_and_refuses_skipping_t
         "send the request without it"
     )
     assert refused.json()["error"]["param"] == "skip_special_tokens"
+
+
+def test_granite_31s_text_marker_starts_the_calls_too():
+    content, calls = get_parser("granite").extract('<tool_call>[{"name": "get_time", "arguments": {"zone": "UTC"}}]')
+    assert (content, [(c.name, c.arguments) for c in calls]) == (None, [("get_time", '{"zone": "UTC"}')])
