@@ -111,6 +111,24 @@ def check_encoder_options(
             )
 
 
+def span_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], window: int | None = None
+) -> torch.Tensor:  # [T, heads, head_dim] each -> [T, heads, head_dim]
+    """Each prompt's (first row, length) tokens attending to all of its own (``window``: to those at most that many
+    positions away on either side), in torch's SDPA."""
+    out = torch.empty_like(q)
+    for start, length in spans:
+        rows = slice(start, start + length)
+        mask = None
+        if window is not None and length > window:
+            pos = torch.arange(length, device=q.device)
+            mask = (pos[None, :] - pos[:, None]).abs() <= window
+        out[rows] = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1), attn_mask=mask
+        ).transpose(0, 1)
+    return out
+
+
 class EncoderLayer(nn.Module):
     """Self-attention over each prompt (q, k and v as one projection), then the MLP; a LayerNorm after each
     residual add."""
@@ -130,13 +148,7 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:  # [T, hidden]
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        out = torch.empty_like(q)
-        for start, length in spans:
-            rows = slice(start, start + length)
-            out[rows] = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-            ).transpose(0, 1)
-        x = self.attn_norm(self.attn_out(out.view(x.shape)) + x)
+        x = self.attn_norm(self.attn_out(span_attention(q, k, v, spans).view(x.shape)) + x)
         return self.mlp_norm(self.down(self.act(self.up(x))) + x)
 
 
@@ -161,6 +173,7 @@ class Encoder(nn.Module):
     has_head = False  # no language-model head: nothing is sampled
     checkpoint_kv_scales = False
     score: nn.Module | None
+    fused_qkv: str | None = None  # the q/k/v linear the checkpoint fills in thirds (``fill``), if any
 
     @staticmethod
     def spans(meta: AttentionMetadata) -> list[tuple[int, int]]:
@@ -187,21 +200,30 @@ class Encoder(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
-    @staticmethod
-    def fill(params: dict[str, nn.Parameter], targets: Iterable[tuple[str, str, torch.Tensor]]) -> set[str]:
-        """Copy each (checkpoint name, parameter name, tensor) into its parameter, checking the shapes; the names
-        filled."""
-        filled = set()
-        for name, key, tensor in targets:
+    def fill(self, targets: Iterable[tuple[str, str, int | None, torch.Tensor]]) -> None:
+        """Copy each (checkpoint name, parameter name, third or None, tensor) into its parameter (a third: that
+        third of its rows, one of a fused q/k/v), checking the shapes; ``ValueError`` for an unknown tensor or a
+        parameter (or third) left unfilled."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        for name, key, third, tensor in targets:
             if key not in params:
-                raise ValueError(f"checkpoint tensor {name} has no place in the model (as {key})")
-            if params[key].shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name} has no place in {type(self).__name__} (as {key})")
+            part = params[key].data
+            if third is not None:
+                size = part.shape[0] // 3
+                part = part[third * size : (third + 1) * size]
+            if part.shape != tensor.shape:
                 raise ValueError(
-                    f"checkpoint tensor {name} has shape {list(tensor.shape)}, expected {list(params[key].shape)}"
+                    f"checkpoint tensor {name} has shape {list(tensor.shape)}, expected {list(part.shape)}"
                 )
-            params[key].data.copy_(tensor)
-            filled.add(key)
-        return filled
+            part.copy_(tensor)
+            filled.add(key if third is None else f"{key}#{third}")
+        fused = {key for key in params if self.fused_qkv is not None and f".{self.fused_qkv}." in key}
+        expected = {f"{key}#{i}" for key in fused for i in range(3)} | (set(params) - fused)
+        missing = sorted(expected - filled)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[0]}")
 
 
 def build_encoder(config: PretrainedConfig, num_labels: int = 0) -> Encoder:
@@ -216,6 +238,8 @@ def build_encoder(config: PretrainedConfig, num_labels: int = 0) -> Encoder:
 class EncoderModel(Encoder):
     """BERT's and RoBERTa's encoder. ``num_labels``: a classifier's, whose ``score`` head reads the first token's
     (pooling type CLS)."""
+
+    fused_qkv = "qkv"  # the checkpoint's query, key and value fill it in thirds
 
     def __init__(self, config: PretrainedConfig, num_labels: int = 0) -> None:
         super().__init__()
@@ -269,32 +293,7 @@ class EncoderModel(Encoder):
         """A ``*Model`` or ``*ForSequenceClassification`` checkpoint's tensors (with or without the ``bert.``,
         ``roberta.`` prefix; TF-era ``gamma``/``beta`` LayerNorm names too); the pooler of a base model and the
         language-model head of a masked LM are not read. ``ValueError`` for a missing or unknown tensor."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target = self._target(name)
-            if target is None:
-                continue
-            key, rows = target
-            if key not in params:
-                raise ValueError(f"checkpoint tensor {name} has no place in {type(self).__name__} (as {key})")
-            param = params[key]
-            part = (
-                param.data
-                if rows is None
-                else param.data[rows * param.shape[0] // 3 : (rows + 1) * param.shape[0] // 3]
-            )
-            if part.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name} has shape {list(tensor.shape)}, expected {list(part.shape)}"
-                )
-            part.copy_(tensor)
-            loaded.add(key if rows is None else f"{key}#{rows}")
-        expected = {f"{key}#{i}" for key in params if key.startswith("layers.") and ".qkv." in key for i in range(3)}
-        expected |= {key for key in params if ".qkv." not in key}
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[0]}")
+        self.fill((n, *target, t) for n, t in weights if (target := self._target(n)) is not None)
 
     def _target(self, name: str) -> tuple[str, int | None] | None:
         """The parameter a checkpoint tensor fills (and which third of a fused q/k/v one), None to skip it."""

@@ -55,22 +55,19 @@ def load_model(
     An fp32 model on a CPU ends with its float linears' weights packed for oneDNN (``pack_weights``); a bf16 mixture
     of experts on an H100 or H200 with its experts' weights stacked for grouped GEMMs (``stack_experts``).
     """
-    if is_encoder(hf_config):  # BERT, RoBERTa, XLM-R (their own module: no KV cache, no fused or packed paths)
-        with torch.device(device), default_dtype(dtype):
-            encoder = build_encoder(hf_config, num_labels)
-        if load_format == "dummy":
-            fill_dummy(encoder, dtype, device, seed)
-        else:
-            encoder.load_weights(iter_checkpoint(model_path))
-            encoder.to(dtype)
-        return cast(LlamaForCausalLM, encoder.eval())  # the runner's model: the same calls as a decoder's
+    model: LlamaForCausalLM | Encoder
     with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never takes fp32's memory
-        model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config, head, num_labels)
+        if is_encoder(hf_config):  # their own modules: no KV cache, no fused, packed or quantized paths
+            model = build_encoder(hf_config, num_labels)
+        else:
+            model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config, head, num_labels)
     if load_format == "dummy":
         fill_dummy(model, dtype, device, seed + tp.rank)
     else:
         model.load_weights(iter_checkpoint(model_path))
         cast_model(model, dtype)
+    if isinstance(model, Encoder):
+        return cast(LlamaForCausalLM, model.eval())  # the runner's model: the same calls as a decoder's
     finish_loading(model)
     if packs_weights(dtype, device):
         model.pack_weights()

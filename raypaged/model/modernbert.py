@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from raypaged.attention.metadata import AttentionMetadata
-from raypaged.model.encoder import Encoder
-from raypaged.model.layers import apply_rotary_
+from raypaged.model.encoder import Encoder, span_attention
+from raypaged.model.layers import RotaryEmbedding
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -62,24 +62,11 @@ class _Layer(nn.Module):
         self.act = act
 
     def forward(
-        self, x: torch.Tensor, cos_sin: torch.Tensor, spans: list[tuple[int, int]]
+        self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor, spans: list[tuple[int, int]]
     ) -> torch.Tensor:  # [T, hidden]
         q, k, v = self.Wqkv(self.attn_norm(x)).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = q.clone(), k.clone()
-        cos, sin = cos_sin[:, None, None, 0], cos_sin[:, None, None, 1]
-        apply_rotary_(q, cos, sin)
-        apply_rotary_(k, cos, sin)
-        out = torch.empty_like(q)
-        for start, length in spans:
-            rows = slice(start, start + length)
-            mask = None
-            if self.window is not None and length > self.window:
-                pos = torch.arange(length, device=x.device)
-                mask = (pos[None, :] - pos[:, None]).abs() <= self.window
-            out[rows] = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1), attn_mask=mask
-            ).transpose(0, 1)
-        x = x + self.attn_Wo(out.reshape(x.shape))
+        rotary.rotate_(positions, q, k)  # in place, in the projection's output
+        x = x + self.attn_Wo(span_attention(q, k, v, spans, self.window).reshape(x.shape))
         value, gate = self.Wi(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.mlp_Wo(self.act(value) * gate)
 
@@ -111,33 +98,25 @@ class ModernBertEncoder(Encoder):
         self.layers = nn.ModuleList(_Layer(config, i, act) for i in range(config.num_hidden_layers))
         self.final_norm = _norm(config)
         self.score = _Head(config, num_labels, _ACTIVATIONS[config.classifier_activation]) if num_labels else None
-        head_dim = config.hidden_size // config.num_attention_heads
-        for layer_type in set(config.layer_types):
-            base = float(config.rope_parameters[layer_type]["rope_theta"])
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-            self.register_buffer(f"inv_freq_{layer_type}", inv_freq, persistent=False)
+        head_dim, max_positions = config.hidden_size // config.num_attention_heads, config.max_position_embeddings
+        # each layer type's rotary base (rope_parameters per layer type, as Gemma 3's)
+        self.rotary = nn.ModuleDict(
+            {t: RotaryEmbedding(config, head_dim, max_positions, t) for t in sorted(set(config.layer_types))}
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: object, meta: AttentionMetadata
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
         spans = self.spans(meta)
         x = self.embed_norm(self.tok_embeddings(input_ids))
-        cos_sin = {}
-        for layer_type in {layer.layer_type for layer in self.layers}:
-            freqs = positions.float()[:, None] * getattr(self, f"inv_freq_{layer_type}")[None, :]
-            cos_sin[layer_type] = torch.stack((freqs.cos(), freqs.sin()), dim=1).to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos_sin[layer.layer_type], spans)
+        for layer in cast("list[_Layer]", self.layers):
+            x = layer(x, cast(RotaryEmbedding, self.rotary[layer.layer_type]), positions, spans)
         return self.final_norm(x)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A ``ModernBertModel`` or ``*ForSequenceClassification`` checkpoint's tensors (a masked LM's head and
         decoder are not read); ``ValueError`` for a missing or unknown tensor."""
-        params = dict(self.named_parameters())
-        filled = self.fill(params, ((n, k, t) for n, t in weights if (k := self._target(n)) is not None))
-        missing = sorted(set(params) - filled)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[0]}")
+        self.fill((n, k, None, t) for n, t in weights if (k := self._target(n)) is not None)
 
     def _target(self, name: str) -> str | None:
         name = name.removeprefix("model.")

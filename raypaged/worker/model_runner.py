@@ -137,7 +137,7 @@ class ModelRunner:
         self.logprobs_mode = logprobs_mode
         self.pooling_type = pooling_type
         # BERT's token types: a pair's second text embeds as type 1 (from its request's token_type_start)
-        self.token_types = isinstance(model, EncoderModel) and uses_token_types(model.config)  # BERT's
+        self.token_types = isinstance(model, EncoderModel) and uses_token_types(model.config)
         self.cache = cache
         self.block_size = block_size
         self.eos_token_id = eos_token_id
