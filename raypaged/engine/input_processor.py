@@ -112,17 +112,21 @@ class InputProcessor:
         """A conversation's prompt token ids, rendered with the chat template (``render_chat``'s options)."""
         return render_chat(self.tokenizer, conversation, self.config, **options)
 
-    def truncated_text_ids(self, text: str, token_ids: list[int], keep: int, keep_first: bool = False) -> list[int]:
-        """A text's ``token_ids`` (with the special tokens the tokenizer adds) cut to ``keep`` tokens as the
-        tokenizer's own truncation cuts them, which vLLM's ``truncate_prompt_tokens`` asks of it: the text keeps its
-        last tokens (``keep_first``: its first), and the special tokens around them stay (BERT's [CLS] and [SEP], a
-        BOS). ``InputError`` when ``keep`` leaves no room beside those special tokens."""
+    def truncated_ids(
+        self, text: str | None, token_ids: list[int], keep: int, keep_first: bool = False
+    ) -> list[int]:
+        """``token_ids`` cut to ``keep`` tokens, as vLLM's ``truncate_prompt_tokens``: their last (``keep_first``:
+        their first). A text's (``text``: the ids are its tokens with the special tokens the tokenizer adds) is cut as
+        the tokenizer's own truncation cuts it: the special tokens around the text stay (BERT's [CLS] and [SEP], a
+        BOS); ``InputError`` when ``keep`` leaves no room beside them. Token ids alone are cut as they are."""
         if len(token_ids) <= keep:
             return token_ids
-        content = self.tokenize(text, add_special_tokens=False)
-        extra = len(token_ids) - len(content)
-        start = next((i for i in range(max(extra, 0) + 1) if token_ids[i : i + len(content)] == content), None)
-        if start is None:  # not the text's tokens with specials around them: cut the ids themselves
+        content = None if text is None else self.tokenize(text, add_special_tokens=False)
+        start = None
+        if content is not None:
+            extra = len(token_ids) - len(content)
+            start = next((i for i in range(max(extra, 0) + 1) if token_ids[i : i + len(content)] == content), None)
+        if content is None or start is None:  # no text, or not its tokens with specials around them
             return token_ids[:keep] if keep_first else token_ids[-keep:]
         prefix, suffix = token_ids[:start], token_ids[start + len(content) :]
         room = keep - len(prefix) - len(suffix)
@@ -160,10 +164,8 @@ class InputProcessor:
                 raise InputError("prompt", "either prompt or prompt_token_ids is required")
             check_text("prompt", len(prompt), self.config.limits, max_model_len)
             prompt_token_ids = self.tokenize(prompt)
-        if truncate_to is not None and prompt is not None:  # a text's: as its tokenizer truncates it
-            prompt_token_ids = self.truncated_text_ids(prompt, prompt_token_ids, truncate_to, keep_first)
-        elif truncate_to is not None:
-            prompt_token_ids = prompt_token_ids[:truncate_to] if keep_first else prompt_token_ids[-truncate_to:]
+        if truncate_to is not None:
+            prompt_token_ids = self.truncated_ids(prompt, prompt_token_ids, truncate_to, keep_first)
         check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, max_model_len)
         return list(prompt_token_ids)
 
@@ -360,18 +362,16 @@ class InputProcessor:
                 raise InputError("input", "either a prompt or its token ids is required")
             check_text("input", len(prompt), config.limits, max_model_len)
             prompt_token_ids = self.tokenize(prompt)
-        if truncate is not None and prompt is not None and token_type_ids is None:  # the tokenizer's truncation
-            prompt_token_ids = self.truncated_text_ids(
-                prompt, prompt_token_ids, max_model_len if truncate == -1 else truncate
-            )
-            truncate = None
         token_type_start = None if token_type_ids is None else self._token_type_start(prompt_token_ids, token_type_ids)
         if truncate is not None:
             keep = max_model_len if truncate == -1 else truncate
-            cut = max(0, len(prompt_token_ids) - keep)
-            prompt_token_ids = prompt_token_ids[cut:]
-            if token_type_start is not None:
-                token_type_start = max(0, token_type_start - cut)
+            if token_type_ids is None:
+                prompt_token_ids = self.truncated_ids(prompt, prompt_token_ids, keep)
+            else:  # a pair's ids and types, cut together
+                cut = max(0, len(prompt_token_ids) - keep)
+                prompt_token_ids = prompt_token_ids[cut:]
+                if token_type_start is not None:
+                    token_type_start = max(0, token_type_start - cut)
         check_pooling_len(len(prompt_token_ids), max_model_len)
         check_token_ids("input", prompt_token_ids, config.hf_config.vocab_size)
         seq_params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
