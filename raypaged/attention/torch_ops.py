@@ -117,22 +117,18 @@ def prefill_attention(
     ``causal`` False (a whole prompt of bidirectional attention, EmbeddingGemma's): every key, or with
     ``sliding_window`` those fewer than that many positions away on either side."""
     query_len, context_len = query.shape[0], keys.shape[0]
-    if not causal:
-        if query_len != context_len:
-            raise ValueError(f"bidirectional attention takes whole prompts, got {query_len} queries over {context_len}")
-        q, k, v = query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-        if sliding_window is None and softcap is None and sinks is None:
-            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-        pos = torch.arange(context_len, device=query.device)
-        near = (pos[None, :] - pos[:, None]).abs() < (sliding_window or context_len + 1)
-        return attention(q, k, v, near, scale, softcap, sinks)[0].transpose(0, 1)
+    if not causal and query_len != context_len:
+        raise ValueError(f"bidirectional attention takes whole prompts, got {query_len} queries over {context_len}")
     # 4-D inputs: torch's fused CPU kernel; 3-D ones fall back to the ~6x slower math path
     q, k, v = query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     if query_len == context_len and sliding_window is None and softcap is None and sinks is None and chunk is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     query_pos = torch.arange(context_len - query_len, context_len, device=query.device)[:, None]
     key_pos = torch.arange(context_len, device=query.device)[None, :]
+    if not causal:  # EmbeddingGemma's: every key, or those within the window on either side
+        near = (key_pos - query_pos).abs() < (sliding_window or context_len + 1)
+        return attention(q, k, v, near, scale, softcap, sinks)[0].transpose(0, 1)
     mask = key_pos <= query_pos  # [query_len, context_len]
     if sliding_window is not None:
         mask &= key_pos > query_pos - sliding_window

@@ -538,8 +538,8 @@ class LlamaForCausalLM(nn.Module):
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """The backend's paged attention in every layer, and its fused step ops (if it brings them) for
-        the rest of the step. A model whose attention runs in the torch ops only (``torch_attention_reason``) takes
-        the torch backend only."""
+        the rest of the step. A model whose attention only some backends run (``architecture.attention_backends``)
+        takes one of those only."""
         allowed = attention_backends(self.config)
         if allowed is not None and backend.name not in allowed:
             reason = torch_attention_reason(self.config)
