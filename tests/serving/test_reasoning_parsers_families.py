@@ -280,6 +280,7 @@ def test_the_servers_default_template_variables_turn_deepseek_v3_thinking_on(tin
         [tiny_config(tiny_model_dir, "tiny", default_chat_template_kwargs=defaults)],
         reasoning_parser="deepseek_v3",
         default_chat_template_kwargs=defaults,
+        enable_scale_out=True,
     )
     try:
         with stack.client() as http:
@@ -288,5 +289,9 @@ def test_the_servers_default_template_variables_turn_deepseek_v3_thinking_on(tin
             off = _chat(chat_template_kwargs={"thinking": False})
             message = http.post("/v1/chat/completions", json=off).json()["choices"][0]["message"]
             assert {k: message.get(k) for k in PLAIN} == PLAIN
+            rendered = http.post("/v1/chat/completions/render", json=_chat()).json()  # derendered alike
+            answer = http.post("/inference/v1/generate", json={**rendered, "output_mode": "derender"}).json()
+            message = answer["choices"][0]["message"]
+            assert {k: message.get(k) for k in THOUGHT} == THOUGHT
     finally:
         stack.close()

@@ -263,12 +263,16 @@ def build_app(
 
         return await disabled_thinking.effort_for(name, render)
 
-    def request_reasoning(body: ChatCompletionRequest) -> ReasoningParser | None:
-        """The reasoning format of a chat request's answers (DeepSeek-V3.1's depends on its template variables)."""
+    def reasoning_for(variables: Mapping[str, Any]) -> ReasoningParser | None:
+        """The reasoning format of an answer whose chat template got ``variables`` over the server's defaults
+        (DeepSeek-V3.1's thinks only when they say so)."""
         if reasoning_parser is None:
             return None
-        variables = {**(default_chat_template_kwargs or {}), **body.template_variables(reasoning_effort_map)}
-        return reasoning_parser.for_template(variables)
+        return reasoning_parser.for_template({**(default_chat_template_kwargs or {}), **variables})
+
+    def request_reasoning(body: ChatCompletionRequest) -> ReasoningParser | None:
+        """The reasoning format of a chat request's answers."""
+        return reasoning_for(body.template_variables(reasoning_effort_map))
 
     def special_tokens_reader(tools: ToolPlan | None) -> str | None:
         """The parser (as its flag names it) that reads markers which are special tokens in a chat answer with
@@ -597,6 +601,7 @@ def build_app(
             sse_keep_alive_s,
             log_requests,
             output_logging,
+            reasoning_for,
         )
         add_scale_out_routes(app, parts)
     else:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -95,6 +96,8 @@ class GatewayParts:
     sse_keep_alive_s: float = 0.0
     log_requests: bool = False
     output_logging: OutputLogging | None = None
+    # the reasoning format of an answer whose chat template got these variables (the server's defaults under them)
+    reasoning_for: Callable[[Mapping[str, Any]], ReasoningParser | None] = lambda variables: None
 
 
 class AbortRequestsBody(BaseModel):
@@ -265,9 +268,8 @@ def _derender_shape(body: GenerateBody, model: str, request: pb.GenerateRequest,
     else:
         tools = context.tool_plan(parts.tool_parser)
         include_reasoning, as_ids = context.include_reasoning, bool(context.return_tokens_as_token_ids)
-    reasoning = parts.reasoning_parser
-    if reasoning is not None and context is not None:  # deepseek_v3's thinking: as the rendered request's template
-        reasoning = reasoning.for_template(context.chat_template_kwargs)
+    # deepseek_v3's thinking: as the rendered request's template variables (and the server's defaults) say
+    reasoning = parts.reasoning_parser if context is None else parts.reasoning_for(context.chat_template_kwargs)
     return ResponseShape(
         True,
         model,
