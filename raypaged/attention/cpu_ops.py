@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from raypaged import envs
+from raypaged.attention import torch_ops
 
 logger = logging.getLogger("raypaged")
 
@@ -254,12 +255,7 @@ def paged_attention_decode(
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     if num_seqs == 0:
         return out
-    starts = None  # the first position each sequence's query sees
-    if sliding_window is not None:
-        starts = (context_lens - sliding_window).clamp_(min=0)
-    if chunk is not None:
-        chunk_starts = (context_lens - 1).clamp_(min=0) // chunk * chunk
-        starts = chunk_starts if starts is None else torch.maximum(starts, chunk_starts)
+    starts = torch_ops.first_visible(context_lens, sliding_window, chunk)
     starts = None if starts is None else starts.contiguous()  # held here while the kernel reads it
     if sinks is not None:
         if sinks.shape != (num_heads,):

@@ -71,12 +71,24 @@ def paged_attention_decode(
     values = gather_heads_first(value_cache, block_tables).to(query.dtype)
     key_pos = torch.arange(keys.shape[2], device=query.device)[None, :]
     visible = key_pos < context_lens[:, None]  # [S, T]
-    if sliding_window is not None:
-        visible &= key_pos >= context_lens[:, None] - sliding_window
-    if chunk is not None:  # the keys of the query's own chunk (the query is at context_len - 1)
-        visible &= key_pos >= (context_lens[:, None] - 1) // chunk * chunk
+    if (starts := first_visible(context_lens, sliding_window, chunk)) is not None:
+        visible &= key_pos >= starts[:, None]
     out = attention(query.unsqueeze(2), keys, values, visible[:, None, None, :], scale, softcap, sinks)  # [S, H, 1, D]
     return out.squeeze(2)
+
+
+def first_visible(
+    context_lens: torch.Tensor, sliding_window: int | None, chunk: int | None
+) -> torch.Tensor | None:  # [num_seqs] long
+    """The first key each decode query (at position ``context_len - 1``) sees: the window's, and the start of its
+    Llama 4 chunk; None when it sees them all."""
+    starts = None
+    if sliding_window is not None:
+        starts = (context_lens - sliding_window).clamp(min=0)
+    if chunk is not None:
+        chunk_starts = (context_lens - 1).clamp(min=0) // chunk * chunk
+        starts = chunk_starts if starts is None else torch.maximum(starts, chunk_starts)
+    return starts
 
 
 def paged_attention_prefill(
