@@ -112,9 +112,16 @@ class InputProcessor:
         """A conversation's prompt token ids, rendered with the chat template (``render_chat``'s options)."""
         return render_chat(self.tokenizer, conversation, self.config, **options)
 
-    def truncated_ids(
-        self, text: str | None, token_ids: list[int], keep: int, keep_first: bool = False
-    ) -> list[int]:
+    def pair_ids(self, text_1: str, text_2: str, add_special_tokens: bool = True) -> tuple[list[int], list[int] | None]:
+        """A text pair tokenized together (the tokenizer's pair template) and, where the model embeds token types
+        (BERT's), the tokenizer's token types (None: all 0)."""
+        from raypaged.model.encoder import uses_token_types
+
+        encoding = self.tokenizer(text_1, text_2, add_special_tokens=add_special_tokens)
+        types = encoding.get("token_type_ids") if uses_token_types(self.config.hf_config) else None
+        return encoding["input_ids"], types
+
+    def truncated_ids(self, text: str | None, token_ids: list[int], keep: int, keep_first: bool = False) -> list[int]:
         """``token_ids`` cut to ``keep`` tokens, as vLLM's ``truncate_prompt_tokens``: their last (``keep_first``:
         their first). A text's (``text``: the ids are its tokens with the special tokens the tokenizer adds) is cut as
         the tokenizer's own truncation cuts it: the special tokens around the text stay (BERT's [CLS] and [SEP], a

@@ -19,7 +19,6 @@ from raypaged.entrypoints.vllm_compat import check_default_only, task_as_runner,
 from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY, Option
 from raypaged.inputs.limits import check_priority
 from raypaged.lora.request import LoRARequest
-from raypaged.model.encoder import uses_token_types
 from raypaged.outputs import (
     BeamSearchOutput,
     ClassificationRequestOutput,
@@ -303,9 +302,8 @@ class LLM:
                 raise ValueError(
                     f"LLM.score needs a classifier of one label (a cross-encoder); this one has {len(pooler.labels)}"
                 )
-            tokenizer = self.get_tokenizer()
-            types = uses_token_types(self.llm_engine.config.hf_config)
-            pairs = [_pair_prompt(tokenizer(firsts[i], b), types) for i, b in zip(first_of, seconds)]
+            inputs = self.llm_engine.input_processor
+            pairs = [_pair_prompt(*inputs.pair_ids(firsts[i], b)) for i, b in zip(first_of, seconds)]
             outputs = self.encode(pairs, pooling_params, use_tqdm, lora_request, "score", truncate_prompt_tokens)
             scores = [float(output.outputs.data[0]) for output in outputs]
         else:
@@ -371,12 +369,11 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 _POOLING_PROMPT_KEYS = (*_PROMPT_KEYS, "token_type_ids")  # a BERT text pair's token types (vLLM's TokensPrompt)
 
 
-def _pair_prompt(encoding: Any, token_types: bool) -> dict[str, Any]:
-    """A tokenizer's encoding of a text pair as a prompt: its ids, and (``token_types``: the model embeds them, as
-    BERT) its token types, where the tokenizer gives them (else they are all 0, as in transformers)."""
-    prompt = {"prompt_token_ids": encoding["input_ids"]}
-    if token_types and (types := encoding.get("token_type_ids")) is not None:
-        prompt["token_type_ids"] = types
+def _pair_prompt(token_ids: list[int], token_types: list[int] | None) -> dict[str, Any]:
+    """A text pair's prompt (``InputProcessor.pair_ids``): its ids, and its token types where the model has them."""
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if token_types is not None:
+        prompt["token_type_ids"] = token_types
     return prompt
 
 

@@ -47,7 +47,6 @@ from raypaged.inputs.limits import (
 )
 from raypaged.lora.request import LoRARequest
 from raypaged.model.default_model import DEFAULT_MODEL
-from raypaged.model.encoder import uses_token_types
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import BeamSearchParams, SamplingParams
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
@@ -330,12 +329,13 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             try:
                 await hold.admit()
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                token_types = None
-                if request.WhichOneof("input") == "text_pair" and uses_token_types(config.hf_config):
-                    pair = request.text_pair  # BERT: the second text embeds as token type 1
-                    encode = partial(model.tokenizer, add_special_tokens=add_special)
-                    encoding = await model.off_loop(encode, pair.text_1, pair.text_2)
-                    text, token_ids, token_types = None, encoding["input_ids"], encoding.get("token_type_ids")
+                token_types = None  # BERT's pair: its second text embeds as token type 1
+                if request.WhichOneof("input") == "text_pair":
+                    pair_ids = partial(model.inputs.pair_ids, add_special_tokens=add_special)
+                    text = None
+                    token_ids, token_types = await model.off_loop(
+                        pair_ids, request.text_pair.text_1, request.text_pair.text_2
+                    )
                 else:
                     tokenize = partial(_token_ids, model.tokenizer, add_special_tokens=add_special)
                     text, token_ids = await _prompt(model, request, tokenize, "input")
@@ -627,9 +627,9 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def _token_ids(tokenizer: PreTrainedTokenizerBase, *texts: str, add_special_tokens: bool) -> list[int]:
-    """The token ids of a text, or of two tokenized together as the tokenizer's text pair."""
-    return tokenizer(*texts, add_special_tokens=add_special_tokens)["input_ids"]
+def _token_ids(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool) -> list[int]:
+    """The token ids of a text."""
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 def _engine_ready(request: pb.GenerateRequest, processed: ProcessedRequest) -> pb.GenerateRequest:
@@ -654,15 +654,12 @@ async def _prompt(
     tokenize: Callable[..., list[int]],
     oneof: str = "prompt",
 ) -> tuple[str | None, list[int]]:
-    """The text (when it is one) and token ids of the request's ``oneof`` (its prompt, an ``Embed``'s input), text
-    (or an ``Embed``'s text pair, both texts given to it) made token ids by ``tokenize`` on the model's tokenizer
+    """The text (when it is one) and token ids of the request's ``oneof`` (its prompt, an ``Embed``'s input but a
+    text pair, which ``Embed`` tokenizes itself), text made token ids by ``tokenize`` on the model's tokenizer
     thread; its size is already checked."""
     kind = request.WhichOneof(oneof)
     if kind == "text":
         return request.text, await model.off_loop(tokenize, request.text)
-    if kind == "text_pair":
-        assert isinstance(request, pb.EmbedRequest)  # the only request with a text pair
-        return None, await model.off_loop(tokenize, request.text_pair.text_1, request.text_pair.text_2)
     if kind == "token_ids":
         return None, list(request.token_ids.ids)
     return None, await model.off_loop(chat_prompt_ids, model.inputs, request.messages)
