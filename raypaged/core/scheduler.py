@@ -59,7 +59,9 @@ class SchedulerConfig:
     # slots kept past a sampling sequence's tokens, where a draft model writes while it proposes
     num_lookahead_slots: int = 0
     pooling_type: str | None = None  # an embedding model's (every request pools its prompt; see raypaged.pooling)
-    whole_prompts: bool = False  # an encoder's: a prompt is scheduled whole in one step, never cut into chunks
+    # an encoder's, EmbeddingGemma's (every token attends to its whole prompt): a prompt is scheduled whole in one
+    # step, never cut into chunks
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -291,7 +293,7 @@ class Scheduler:
             if request is None:
                 break  # every waiting request's adapter wants a slot that running sequences hold
             if self.config.whole_prompts and request.num_tokens > self._budget:
-                break  # an encoder's prompt is computed whole: it waits for a step with room for all of it
+                break  # a whole prompt: it waits for a step with room for all of it
             if not self._admit(request):
                 if self._preempt_for(request):
                     continue  # a lower-priority sequence made room: try again
