@@ -319,12 +319,34 @@ def add_share_prefix_cache_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def data_parallel_ranks(args: argparse.Namespace) -> int:
+    """``raypaged serve``'s ``--data-parallel-size`` (and ``--data-parallel-size-local``, which can only be the same:
+    every rank runs on this node), checked; ``args`` is left with one engine's values, as each rank's engine
+    process reads them."""
+    size, local = args.data_parallel_size, args.data_parallel_size_local
+    if size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {size}")
+    if local not in (None, size):
+        raise ValueError(
+            f"--data-parallel-size-local {local} is not supported: `raypaged serve` runs all "
+            f"--data-parallel-size {size} ranks on this node"
+        )
+    if size > 1 and args.enable_expert_parallel:
+        raise ValueError(
+            f"--enable-expert-parallel with --data-parallel-size {size} is not supported: experts are split over "
+            "each replica's tensor-parallel shards, never across data-parallel ranks"
+        )
+    args.data_parallel_size, args.data_parallel_size_local = 1, None
+    return size
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from raypaged.serving.engine_process import EngineProcess, EngineProcessLost
 
-    # the engine process imports torch and the engine while this one reads its flags and imports the gateway
-    engine = EngineProcess() if envs.engine_process() else None
-    if engine is not None:
+    ranks = data_parallel_ranks(args)
+    # the engine processes import torch and the engine while this one reads its flags and imports the gateway
+    engines = EngineProcess.for_ranks(ranks, args.tensor_parallel_size or 1) if envs.engine_process() else None
+    for engine in engines or ():
         engine.launch()
     try:
         from raypaged.entrypoints import cli  # by its name also when run as __main__: the engine process unpickles it
@@ -344,14 +366,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 args.share_prefix_cache,
                 f"{args.metrics_prefix}:",
                 adapters,
-                engine,
+                engines,
+                ranks,
+                args.tensor_parallel_size or 1,
             )
         )
     except EngineProcessLost as exc:  # as vLLM's API server when its engine core dies: exit, to be restarted
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        if engine is not None:
+        for engine in engines or ():
             engine.discard()
     return 0
 

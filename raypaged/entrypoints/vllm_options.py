@@ -22,7 +22,15 @@ _NO_ROUTED = "the experts' routing stays inside the engine (no routed experts ar
 _TORCH_EXPERTS = "the experts run in torch, routed as transformers routes them"
 _NO_EXPERT_LORA = "LoRA adapters adapt a mixture-of-experts model's attention, never its experts"
 _TEXT_ONLY = "the served models read text only"
-_NO_DP = "run one server per replica behind a load balancer (see deploy/)"
+_NO_DP = (
+    "`raypaged serve` runs its data-parallel ranks as engine processes on its own node (--data-parallel-size); "
+    "for ranks on other nodes run `raypaged engine` on each and name every one on `raypaged gateway` "
+    "(--engine NAME=host:port, once per rank)"
+)
+_ONE_ENGINE = (
+    "this runs one engine; `raypaged serve -dp N` runs N engine processes behind its gateway, and `raypaged "
+    "gateway` balances over the engines named with --engine NAME=host:port, once per rank"
+)
 _NO_MAMBA = "no Mamba (state-space) architecture is supported"
 _NO_PLUGINS = "raypaged imports no plugin or user code"
 _NO_DCP = "tensor parallelism shards heads, and each shard keeps its heads' whole context (no context parallelism)"
@@ -62,7 +70,7 @@ NO_MEDIA = _NoMedia()
 
 DEFAULT_ONLY: list[Option] = [
     ("pipeline_parallel_size", ("-pp",), int, (1,), "pipeline parallelism is not implemented: shard layers with -tp"),
-    ("data_parallel_size", ("-dp",), int, (1,), _NO_DP),
+    ("data_parallel_size", ("-dp",), int, (1,), _ONE_ENGINE),
     ("max_long_partial_prefills", (), int, (1,), _ONE_CHUNKED),
     ("long_prefill_token_threshold", (), int, (0,), _ONE_CHUNKED),
     ("long_prefill_token_threshold_adaptive", (), bool, (False,), _ONE_CHUNKED),
@@ -201,7 +209,7 @@ DEFAULT_ONLY: list[Option] = [
     ("prefill_context_parallel_size", ("-pcp",), int, (1,), _NO_DCP),
     ("data_parallel_rank", ("-dpn",), int, (None, 0), _NO_DP),
     ("data_parallel_start_rank", ("-dpr",), int, (None, 0), _NO_DP),
-    ("data_parallel_size_local", ("-dpl",), int, (None, 1), _NO_DP),
+    ("data_parallel_size_local", ("-dpl",), int, (None, 1), _ONE_ENGINE),
     ("data_parallel_address", ("-dpa",), str, (None,), _NO_DP),
     ("data_parallel_rpc_port", ("-dpp",), int, (None,), _NO_DP),
     ("data_parallel_backend", ("-dpb",), str, (None, "mp"), _NO_DP),

@@ -30,6 +30,7 @@ import copyreg
 import io
 import logging
 import logging.config
+import os
 import pickle
 import signal
 import socket
@@ -231,6 +232,25 @@ def main(argv: list[str] | None = None) -> None:
 # ---- the parent: an EngineClient over the link
 
 
+def data_parallel_env(rank: int, size: int, tensor_parallel_size: int, environ: dict[str, str]) -> dict[str, str]:
+    """The environment of data-parallel rank ``rank`` of ``size``: its share of this process's CPUs
+    (``OMP_NUM_THREADS``, unless set) and its ``tensor_parallel_size`` GPUs (``CUDA_VISIBLE_DEVICES``: the
+    rank's slice of those visible here, or of all)."""
+    env = dict(environ)
+    if "OMP_NUM_THREADS" not in environ:
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // size))
+    wanted = size * tensor_parallel_size
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(wanted)]
+    if len(devices) < wanted:
+        raise ValueError(
+            f"--data-parallel-size {size} with --tensor-parallel-size {tensor_parallel_size} takes {wanted} "
+            f"devices, but CUDA_VISIBLE_DEVICES lists {len(devices)}"
+        )
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[rank * tensor_parallel_size : (rank + 1) * tensor_parallel_size])
+    return env
+
+
 class EngineProcess:
     """A child process serving an ``EngineServer``; ``ProcessStub(self)`` is its ``EngineClient`` here.
 
@@ -241,7 +261,9 @@ class EngineProcess:
     that was launched but will not be started. If the child ends while the link is open, ``lost`` says
     how and ``on_lost`` is called with it."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        """``env``: the child's environment (default: this process's)."""
+        self.env = env
         self.grpc_port = 0
         self.served_names: dict[str, str] = {}
         self.on_lost: Callable[[str], object] | None = None
@@ -255,6 +277,16 @@ class EngineProcess:
         self._unary: dict[int, asyncio.Future[Any]] = {}
         self._closing = False
 
+    @classmethod
+    def for_ranks(cls, data_parallel_size: int, tensor_parallel_size: int) -> list[EngineProcess]:
+        """One engine process per data-parallel rank, each with its ``data_parallel_env`` (one: this environment)."""
+        if data_parallel_size == 1:
+            return [cls()]
+        return [
+            cls(data_parallel_env(rank, data_parallel_size, tensor_parallel_size, dict(os.environ)))
+            for rank in range(data_parallel_size)
+        ]
+
     @property
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
@@ -267,6 +299,7 @@ class EngineProcess:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "raypaged.serving.engine_process", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
+                env=self.env,
             )
 
     def discard(self) -> None:

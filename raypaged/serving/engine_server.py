@@ -679,9 +679,11 @@ class EngineServer:
         share_prefix_cache: bool = False,
         metrics_prefix: str = METRICS_PREFIX,
         lora_modules: Mapping[str, str | tuple[str, str]] | None = None,
+        engine_index: int = 0,
     ) -> None:
         """``lora_modules``: LoRA adapters served from the start (vLLM's ``--lora-modules``), name ->
-        PEFT folder, or (folder, base model name) where several models take LoRA."""
+        PEFT folder, or (folder, base model name) where several models take LoRA. ``engine_index``: this
+        server's data-parallel rank (``raypaged serve -dp``), its metrics' ``engine`` label."""
         names = [name for c in configs for name in c.served_model_names]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be distinct, got {names}")
@@ -697,6 +699,7 @@ class EngineServer:
             prefix=metrics_prefix,
             configs=by_name,
             lora_sources={name: self._lora_info_of(name) for name, c in by_name.items() if c.enable_lora},
+            engine_index=engine_index,
         )
         engines = {name: LLMEngine(c, own_input_tokenizer=True) for name, c in by_name.items()}
         self.models = {

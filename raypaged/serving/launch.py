@@ -15,7 +15,7 @@ import signal
 import socket
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -211,16 +211,17 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def parse_engine_targets(specs: list[str]) -> dict[str, str]:
-    """``NAME=host:port`` flags as a name → address map."""
-    targets: dict[str, str] = {}
+def parse_engine_targets(specs: list[str]) -> dict[str, tuple[str, ...]]:
+    """``NAME=host:port`` flags as a name → addresses map: a name given more than once is served by data-parallel
+    replicas, one per address."""
+    targets: dict[str, tuple[str, ...]] = {}
     for spec in specs:
         name, sep, address = spec.partition("=")
         if not sep or not name or ":" not in address:
             raise ValueError(f"--engine takes NAME=host:port, got {spec!r}")
-        if name in targets:
-            raise ValueError(f"--engine {name} is given twice")
-        targets[name] = address
+        if address in targets.get(name, ()):
+            raise ValueError(f"--engine {name}={address} is given twice")
+        targets[name] = (*targets.get(name, ()), address)
     return targets
 
 
@@ -290,7 +291,10 @@ class Gateway:
     """The HTTP gateway on a bound socket; ``serve()`` runs until ``shutdown()``, ``stop()`` or a signal."""
 
     def __init__(
-        self, targets: dict[str, str], options: GatewayOptions, local: dict[str, EngineClient] | None = None
+        self,
+        targets: Mapping[str, str | tuple[str, ...]],
+        options: GatewayOptions,
+        local: dict[str, EngineClient] | None = None,
     ) -> None:
         """``local``: in-process stubs of engine servers in this process, by their address in ``targets``."""
         self.tenants = tenants_for(options.api_keys, options.tenants_file)
@@ -385,7 +389,7 @@ async def run_engine(
 
 
 async def run_gateway(
-    targets: dict[str, str], options: GatewayOptions, local: dict[str, EngineClient] | None = None
+    targets: Mapping[str, str | tuple[str, ...]], options: GatewayOptions, local: dict[str, EngineClient] | None = None
 ) -> None:
     await Gateway(targets, options, local).serve(handle_signals=True)
 
@@ -398,7 +402,9 @@ async def run_serve(
     share_prefix_cache: bool = False,
     metrics_prefix: str = METRICS_PREFIX,
     lora_modules: dict[str, tuple[str, str]] | None = None,
-    engine: EngineProcess | None = None,
+    engines: list[EngineProcess] | None = None,
+    data_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> None:
     """Engines, their gRPC server and a gateway in front of them; the gateway drains first.
 
@@ -407,37 +413,61 @@ async def run_serve(
     this process (``serving/inprocess.py``: the gRPC server's own handlers, no socket). Either way the
     gRPC server serves external clients and takes the gateway's keys and tenants, with gates of its
     own (the gateway's calls carry their client's key, so each request holds one slot at each of the
-    two). If the engine process dies, the gateway stops and ``EngineProcessLost`` is raised. ``engine``:
-    an engine process launched already (``raypaged serve`` launches it first, to import in parallel).
-    ``configs``: the engines' configs, or a picklable function that makes them, called where the engines
-    run (building a config reads the model's with transformers, which imports torch: ``raypaged serve``
-    leaves both out of the gateway's process).
+    two). If an engine process dies, the gateway stops and ``EngineProcessLost`` is raised. ``engines``:
+    engine processes launched already, one per data-parallel rank (``raypaged serve`` launches them first, to
+    import in parallel). ``configs``: the engines' configs, or a picklable function that makes them, called
+    where the engines run (building a config reads the model's with transformers, which imports torch:
+    ``raypaged serve`` leaves both out of the gateway's process).
+
+    ``data_parallel_size`` (vLLM's ``-dp``): that many copies of the engine server, each its own process (with
+    its own environment, ``engine_process.data_parallel_env``: ``tensor_parallel_size`` devices a rank), its
+    gRPC server on ``grpc_port`` + its rank (0: free ports) and its metrics labelled ``engine="RANK"``; the
+    gateway balances each request to one of them (``gateway/replicas.py``).
     """
     tenants = tenants_for(options.api_keys, options.tenants_file)
-    server_args = (configs, tenants, share_prefix_cache, metrics_prefix, lora_modules)
-    server: EngineServer | None = None
-    stub: EngineClient
-    if engine is None and envs.engine_process():
-        engine = EngineProcess()
-    if engine is not None:
-        await engine.start(server_args, grpc_host, grpc_port, options.log_config)
-        port, served_names, stub = engine.grpc_port, engine.served_names, ProcessStub(engine)
-    else:
-        from raypaged.serving.engine_server import EngineServer
+    ranks = range(data_parallel_size)
+    if engines is None and envs.engine_process():
+        engines = EngineProcess.for_ranks(data_parallel_size, tensor_parallel_size)
+    servers: list[EngineServer] = []
+    local: dict[str, EngineClient] = {}
+    served_names: dict[str, str] = {}
 
-        server = EngineServer(configs if isinstance(configs, list) else configs(), *server_args[1:])
-        port = await server.start(grpc_host, grpc_port)
-        served_names, stub = server.served_names, InProcessStub(server.servicer)
-    address = f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"
+    def rank_args(rank: int) -> tuple[Any, ...]:
+        return (configs, tenants, share_prefix_cache, metrics_prefix, lora_modules, rank)
+
+    def port_of(rank: int) -> int:
+        return grpc_port + rank if grpc_port else 0
+
+    def address(port: int) -> str:
+        return f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"
+
     try:
-        gateway = Gateway({name: address for name in served_names}, options, {address: stub})
-        if engine is not None:
+        if engines is not None:
+            started = await asyncio.gather(
+                *(e.start(rank_args(r), grpc_host, port_of(r), options.log_config) for r, e in zip(ranks, engines)),
+                return_exceptions=True,  # every rank loads or fails before the others are stopped
+            )
+            for failure in started:
+                if isinstance(failure, BaseException):
+                    raise failure
+            for engine in engines:
+                local[address(engine.grpc_port)] = ProcessStub(engine)
+                served_names = engine.served_names
+        else:
+            from raypaged.serving.engine_server import EngineServer
+
+            for rank in ranks:
+                made = configs if isinstance(configs, list) else configs()
+                server = EngineServer(made, *rank_args(rank)[1:])
+                servers.append(server)
+                local[address(await server.start(grpc_host, port_of(rank)))] = InProcessStub(server.servicer)
+                served_names = server.served_names
+        gateway = Gateway({name: tuple(local) for name in served_names}, options, local)
+        for engine in engines or ():
             engine.on_lost = lambda _: gateway.stop()
         await gateway.serve(handle_signals=True)
     finally:
-        if engine is not None:
-            await engine.stop()
-        if server is not None:
-            await server.stop()
-    if engine is not None and engine.lost is not None:
-        raise EngineProcessLost(engine.lost)
+        await asyncio.gather(*(engine.stop() for engine in engines or ()), *(server.stop() for server in servers))
+    lost = [engine.lost for engine in engines or () if engine.lost is not None]
+    if lost:
+        raise EngineProcessLost(lost[0])

@@ -5,7 +5,8 @@ Names, types, label names (``model_name``, ``engine``) and bucket bounds are vLL
 unchanged. Request histograms and token counters are fed from the engine thread after
 every step (``RequestObserver``); gauges, engine counters and ``cache_config_info`` are
 read from each engine's stats at scrape time. Process metrics (``process_*``,
-``python_*``) are unprefixed, as in vLLM. Each served model is one engine: ``engine="0"``.
+``python_*``) are unprefixed, as in vLLM. Each served model is one engine: ``engine="0"``; with
+data parallelism (``-dp``), rank R's series carry ``engine="R"``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ disable_created_metrics()  # no *_created series: the gateway re-exposes engine 
 
 PREFIX = "raypaged:"
 LABELS = ("model_name", "engine")
-ENGINE_INDEX = "0"  # vLLM numbers the engines of a model; raypaged runs one per served model
 FINISH_REASONS = tuple(FinishReason)
 _PREFIX_PATTERN = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*:")
 _UNKNOWN_MAX_MODEL_LEN = 1 << 20  # token-count buckets when no engine config is given
@@ -92,7 +92,7 @@ class RequestObserver:
     """Feeds one model's request histograms and token counters from its engine's outputs."""
 
     def __init__(self, metrics: ServerMetrics, model_name: str) -> None:
-        labels = (model_name, ENGINE_INDEX)
+        labels = (model_name, metrics.engine)
         self._ttft = metrics.ttft.labels(*labels)
         self._itl = metrics.itl.labels(*labels)
         self._tpot = metrics.tpot.labels(*labels)
@@ -205,14 +205,18 @@ class ServerMetrics:
         prefix: str = PREFIX,
         configs: Mapping[str, EngineConfig] | None = None,
         lora_sources: Mapping[str, Callable[[], tuple[list[str], list[str]]]] | None = None,
+        engine_index: int = 0,
     ) -> None:
-        """``lora_sources``: per model with LoRA, its running and waiting adapters (``lora_requests_info``)."""
+        """``lora_sources``: per model with LoRA, its running and waiting adapters (``lora_requests_info``).
+        ``engine_index``: the server's data-parallel rank, its series' ``engine`` label (vLLM numbers a model's
+        engines so); the process metrics are the first engine's only, so that ranks' expositions add up."""
         if not _PREFIX_PATTERN.fullmatch(prefix):
             raise ValueError(
                 f"metric prefix {prefix!r} is not a Prometheus name followed by ':'; --metrics-prefix takes a "
                 "name of letters, digits and underscores, like vllm"
             )
         self.prefix = prefix
+        self.engine = str(engine_index)
         self.registry = registry = CollectorRegistry()
         configs = configs or {}
         max_len = max((c.resolved_max_model_len for c in configs.values()), default=_UNKNOWN_MAX_MODEL_LEN)
@@ -265,10 +269,11 @@ class ServerMetrics:
         self.admission_rejections = counter(
             "admission_rejections", "Requests refused by a queue limit, by the limit.", labels=("model_name", "reason")
         )
-        registry.register(_StatsCollector(prefix, stats_sources, configs, device, lora_sources or {}))
-        ProcessCollector(registry=registry)
-        PlatformCollector(registry=registry)
-        GCCollector(registry=registry)
+        registry.register(_StatsCollector(prefix, stats_sources, configs, device, lora_sources or {}, self.engine))
+        if engine_index == 0:
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+            GCCollector(registry=registry)
 
     def observer(self, model_name: str) -> RequestObserver:
         return RequestObserver(self, model_name)
@@ -285,8 +290,10 @@ class _StatsCollector(Collector):
         configs: Mapping[str, EngineConfig],
         device: str,
         lora_sources: Mapping[str, Callable[[], tuple[list[str], list[str]]]],
+        engine: str,
     ) -> None:
         self._prefix = prefix
+        self._engine = engine
         self._sources = stats_sources
         self._lora_sources = lora_sources
         self._configs = configs
@@ -300,12 +307,12 @@ class _StatsCollector(Collector):
         for suffix, doc, key in _GAUGES:
             family = GaugeMetricFamily(f"{prefix}{suffix}", doc, labels=LABELS)
             for name, values in stats.items():
-                family.add_metric([name, ENGINE_INDEX], float(values[key]))
+                family.add_metric([name, self._engine], float(values[key]))
             yield family
         for suffix, doc, key in _COUNTERS:
             counter = CounterMetricFamily(f"{prefix}{suffix}", doc, labels=LABELS)
             for name, values in stats.items():
-                counter.add_metric([name, ENGINE_INDEX], float(values[key]))
+                counter.add_metric([name, self._engine], float(values[key]))
             yield counter
         speculating = {
             name: values
@@ -329,8 +336,8 @@ class _StatsCollector(Collector):
             labels=LABELS,
         )
         for name in stats:
-            util_family.add_metric([name, ENGINE_INDEX], utilization)
-            memory_family.add_metric([name, ENGINE_INDEX], memory)
+            util_family.add_metric([name, self._engine], utilization)
+            memory_family.add_metric([name, self._engine], memory)
         yield util_family
         yield memory_family
 
@@ -339,7 +346,7 @@ class _StatsCollector(Collector):
         for suffix, doc, key in _SPEC_COUNTERS:
             counter = CounterMetricFamily(f"{self._prefix}{suffix}", doc, labels=LABELS)
             for name, values in stats.items():
-                counter.add_metric([name, ENGINE_INDEX], float(values[key]))
+                counter.add_metric([name, self._engine], float(values[key]))
             yield counter
         per_pos = CounterMetricFamily(
             f"{self._prefix}{ACCEPTED_PER_POS}", "Draft tokens accepted, by position.", labels=(*LABELS, "position")
@@ -348,7 +355,7 @@ class _StatsCollector(Collector):
             spec = self._configs[name].parsed_speculative_config
             assert spec is not None  # only speculating models report accepted drafts by position
             for pos in range(spec.num_speculative_tokens):
-                per_pos.add_metric([name, ENGINE_INDEX, str(pos)], float(values[f"{ACCEPTED_PER_POS}_{pos}"]))
+                per_pos.add_metric([name, self._engine, str(pos)], float(values[f"{ACCEPTED_PER_POS}_{pos}"]))
         yield per_pos
 
     def _cache_config(self, stats: dict[str, dict[str, int | float]]) -> GaugeMetricFamily:
@@ -377,7 +384,7 @@ class _StatsCollector(Collector):
                 int(stats[name]["num_cpu_blocks_total"]),
                 config.resolved_swap_space,
             )
-            family.add_metric([name, ENGINE_INDEX, *map(str, values)], 1.0)
+            family.add_metric([name, self._engine, *map(str, values)], 1.0)
         return family
 
     def _lora_requests_info(self) -> GaugeMetricFamily:

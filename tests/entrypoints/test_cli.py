@@ -67,66 +67,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_runs_engine_and_gateway_for_two_models(tmp_path, smollm2_dir):
-    import time
-
-    import httpx
-
-    from tests.conftest import make_tiny_model
-
-    tiny = make_tiny_model(tmp_path, smollm2_dir)
-    port, grpc_port = free_port(), free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "raypaged.entrypoints.cli",
-            "serve",
-            "--model",
-            str(tiny),
-            "--served-model-name",
-            "a",
-            "--model",
-            str(tiny),
-            "--served-model-name",
-            "b",
-            "--port",
-            str(port),
-            "--grpc-port",
-            str(grpc_port),
-            "--num-gpu-blocks-override",
-            "32",
-            "--max-model-len",
-            "128",
-            "--disable-log-requests",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                assert server.poll() is None, server.stdout.read()
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
-            assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["a", "b"]
-            for name in ("a", "b"):
-                body = client.post(
-                    "/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
-                ).json()
-                assert body["model"] == name and body["usage"]["completion_tokens"] == 3
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
 def test_serve_flag_errors_exit_with_a_message(smollm2_dir):
     result = run_cli("serve", "--model", str(smollm2_dir), "--served-model-name", "a", "--served-model-name", "b")
     assert result.returncode == 2

@@ -334,10 +334,6 @@ def test_lora_flags_refuse_what_they_cannot_honour(tiny_model_dir, argv, message
             "layers with -tp",
         ),
         (
-            ["--data-parallel-size", "2"],
-            "--data-parallel-size 2 is not supported: run one server per replica behind a load balancer (see deploy/)",
-        ),
-        (
             ["--distributed-executor-backend", "mp"],
             "--distributed-executor-backend mp is not supported: shards are Ray actors (ray)",
         ),

@@ -63,6 +63,13 @@ def test_vllm_engine_arguments_are_taken_at_the_values_that_change_nothing(tiny_
             "model's dtype, which takes no scales)",
         ),
         (
+            {"data_parallel_size": 2},
+            ValueError,
+            "data_parallel_size=2 is not supported: this runs one engine; `raypaged serve -dp N` runs N engine "
+            "processes behind its gateway, and `raypaged gateway` balances over the engines named with --engine "
+            "NAME=host:port, once per rank",
+        ),
+        (
             {"enable_sleep_mode": True},
             ValueError,
             "enable_sleep_mode=True is not supported: the engine keeps its weights and KV cache for its lifetime",

@@ -116,9 +116,10 @@ def test_vllm_flags_at_the_values_raypaged_has_are_taken(tiny_model_dir, argv):
             "later chunks take blocks as they run",
         ),
         (
-            ["-dpl", "2"],
-            "--data-parallel-size-local 2 is not supported: run one server per replica behind a load "
-            "balancer (see deploy/)",
+            ["-dpn", "1"],
+            "--data-parallel-rank 1 is not supported: `raypaged serve` runs its data-parallel ranks as engine "
+            "processes on its own node (--data-parallel-size); for ranks on other nodes run `raypaged engine` on each "
+            "and name every one on `raypaged gateway` (--engine NAME=host:port, once per rank)",
         ),
         (
             ["-cc", "3"],

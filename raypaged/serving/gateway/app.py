@@ -493,14 +493,14 @@ def build_app(
     async def load_lora_adapter(http: Request) -> Response:
         """vLLM's runtime adapter loading (behind the API key, as every path but the probes)."""
         body = await parse(http, LoadLoRAAdapterBody)
-        address = routes.address_for_base(body.base_model_name)
-        await routes.stub_at(address).LoadLoRAAdapter(
+        engines = routes.engines_for_base(body.base_model_name)
+        await routes.client(engines).LoadLoRAAdapter(
             pb.LoadLoRAAdapterRequest(
                 lora_name=body.lora_name, lora_path=body.lora_path, base_model_name=body.base_model_name or ""
             ),
             metadata=metadata(http),
         )
-        routes.adapters[body.lora_name] = address
+        routes.adapters[body.lora_name] = engines
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", openapi_extra=body_doc(UnloadLoRAAdapterBody))
@@ -508,10 +508,10 @@ def build_app(
         body = await parse(http, UnloadLoRAAdapterBody)
         if body.lora_name not in routes.adapters:
             await routes.refresh_adapters()
-        address = routes.adapters.get(body.lora_name)
-        if address is None:
+        engines = routes.adapters.get(body.lora_name)
+        if engines is None:
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name")
-        await routes.stub_at(address).UnloadLoRAAdapter(
+        await routes.client(engines).UnloadLoRAAdapter(
             pb.UnloadLoRAAdapterRequest(lora_name=body.lora_name), metadata=metadata(http)
         )
         del routes.adapters[body.lora_name]

@@ -1,8 +1,10 @@
-"""The gateway's view of its engines: one gRPC channel per engine address, routes by model name."""
+"""The gateway's view of its engines: one gRPC channel per engine address, routes by model name (a name served by
+several engines, its data-parallel replicas, routes to their ``Replicas``)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 import grpc
 from prometheus_client.core import Metric
@@ -11,27 +13,35 @@ from prometheus_client.parser import text_string_to_metric_families
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, RECONNECT_OPTIONS
 from raypaged.serving.client import EngineClient
 from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.gateway.replicas import Replicas
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
 
 _PROBE_TIMEOUT_S = 2.0
 
 
+Addresses = tuple[str, ...]  # the engines serving a name: one, or its data-parallel replicas
+
+
 class EngineRoutes:
-    """``targets`` maps each served model name to the ``host:port`` of the engine serving it.
+    """``targets`` maps each served model name to the ``host:port`` of the engine serving it, or to the
+    addresses of its data-parallel replicas.
 
     ``local`` maps addresses of engine servers in this process to their in-process clients
     (``InProcessStub``, for ``raypaged serve``); every other address is reached over gRPC.
-    Either way the gateway holds an ``EngineClient`` per address.
+    Either way the gateway holds an ``EngineClient`` per address, and a ``Replicas`` per group of them.
     """
 
-    def __init__(self, targets: dict[str, str], local: dict[str, EngineClient] | None = None) -> None:
+    def __init__(self, targets: Mapping[str, str | Addresses], local: dict[str, EngineClient] | None = None) -> None:
         if not targets:
             raise ValueError("the gateway needs at least one engine (--engine NAME=host:port)")
-        self.targets = dict(targets)
+        self.targets: dict[str, Addresses] = {
+            name: (where,) if isinstance(where, str) else tuple(where) for name, where in targets.items()
+        }
         self._stubs: dict[str, EngineClient] = dict(local or {})
+        self._groups: dict[Addresses, Replicas] = {}
         self._info: dict[str, pb.ModelInfo] = {}
-        self.adapters: dict[str, str] = {}  # LoRA adapter name -> the address of the engine serving it
+        self.adapters: dict[str, Addresses] = {}  # LoRA adapter name -> the engines serving it
 
     def _stub(self, address: str) -> EngineClient:
         """The stub of ``address``; gRPC channels are made on first use, on the serving loop."""
@@ -41,8 +51,17 @@ class EngineRoutes:
             stub = self._stubs[address] = pb_grpc.TextGenerationServiceStub(channel)
         return stub
 
+    def client(self, addresses: Addresses) -> EngineClient:
+        """The client of one engine, or the ``Replicas`` of several (one per group, so each counts its calls)."""
+        if len(addresses) == 1:
+            return self._stub(addresses[0])
+        group = self._groups.get(addresses)
+        if group is None:
+            group = self._groups[addresses] = Replicas([self._stub(a) for a in addresses])
+        return group
+
     def _all_stubs(self) -> dict[str, EngineClient]:
-        return {address: self._stub(address) for address in sorted(set(self.targets.values()))}
+        return {address: self._stub(address) for address in sorted({a for g in self.targets.values() for a in g})}
 
     def resolve(self, model: str | None) -> tuple[str, EngineClient]:
         """The served name and stub for a request's ``model`` (omitted: the only model)."""
@@ -50,10 +69,10 @@ class EngineRoutes:
             if len(self.targets) > 1:
                 raise APIError(400, f"model is required; served models: {', '.join(self.targets)}", "model")
             model = next(iter(self.targets))
-        address = self.targets.get(model) or self.adapters.get(model)
-        if address is None:
+        addresses = self.targets.get(model) or self.adapters.get(model)
+        if addresses is None:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
-        return model, self._stub(address)
+        return model, self.client(addresses)
 
     async def find(self, model: str | None) -> tuple[str, EngineClient]:
         """``resolve``, after asking the engines for their LoRA adapters when ``model`` is no name known here."""
@@ -62,37 +81,37 @@ class EngineRoutes:
         return self.resolve(model)
 
     async def refresh_adapters(self) -> None:
-        """The LoRA adapters every reachable engine serves now (``Info`` lists them with their parent)."""
-        found: dict[str, str] = {}
+        """The LoRA adapters every reachable engine serves now (``Info`` lists them with their parent); an adapter
+        goes to the engines of its parent's group that hold it."""
+        held: dict[str, set[str]] = {}
         for address, stub in self._all_stubs().items():
             try:
                 response = await stub.Info(pb.InfoRequest(), timeout=_PROBE_TIMEOUT_S)
-            except grpc.aio.AioRpcError:
-                found.update({name: a for name, a in self.adapters.items() if a == address})  # keep what was known
+            except grpc.aio.AioRpcError:  # keep what was known
+                for name in (name for name, group in self.adapters.items() if address in group):
+                    held.setdefault(name, set()).add(address)
                 continue
             for info in response.models:
                 if info.parent:
-                    found[info.name] = address
+                    held.setdefault(info.name, set()).add(address)
                     self._info[info.name] = info
+        found = {name: tuple(sorted(addresses)) for name, addresses in held.items()}
         for gone in set(self.adapters) - set(found):
             self._info.pop(gone, None)
         self.adapters = found
 
-    def address_for_base(self, base: str | None) -> str:
-        """The engine a new LoRA adapter goes to: ``base``'s, or the only engine's."""
+    def engines_for_base(self, base: str | None) -> Addresses:
+        """The engines a new LoRA adapter goes to: ``base``'s (each replica), or the only group's."""
         if base:
             if base not in self.targets:
                 raise APIError(404, f"The model `{base}` does not exist.", "base_model_name")
             return self.targets[base]
-        addresses = set(self.targets.values())
-        if len(addresses) > 1:
+        groups = set(self.targets.values())
+        if len(groups) > 1:
             raise APIError(
                 400, f"base_model_name is required; served models: {', '.join(self.targets)}", "base_model_name"
             )
-        return next(iter(addresses))
-
-    def stub_at(self, address: str) -> EngineClient:
-        return self._stub(address)
+        return next(iter(groups))
 
     def engines(self) -> list[EngineClient]:
         """Every engine's client, one per address."""
@@ -144,10 +163,19 @@ class EngineRoutes:
                 return ""
 
         merged: dict[str, Metric] = {}
+        at: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}  # a sample's name and labels -> its index
         for text in await asyncio.gather(*(scrape(s) for s in self._all_stubs().values())):
             for family in text_string_to_metric_families(text):
-                if family.name in merged:
-                    merged[family.name].samples.extend(family.samples)
-                else:
-                    merged[family.name] = family
+                samples = family.samples
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = family
+                    family.samples = []
+                for sample in samples:
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    if key not in at:
+                        at[key] = len(into.samples)
+                        into.samples.append(sample)
+                    elif into.type == "counter":  # a counter without an engine label, from data-parallel ranks
+                        into.samples[at[key]] = sample._replace(value=into.samples[at[key]].value + sample.value)
         return list(merged.values())

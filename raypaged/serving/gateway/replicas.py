@@ -1,0 +1,194 @@
+"""Data-parallel replicas: several engines serving the same models, behind one ``EngineClient``.
+
+``raypaged serve -dp N`` runs N engine processes; ``raypaged gateway`` takes one ``--engine NAME=host:port``
+per replica of a name. ``Replicas`` sends each request to the replica with the fewest calls in flight from
+this gateway (a ``Generate`` stream counts until its end, failure or cancel; an ``Embed``, ``Render`` or
+``Derender`` until its answer), the next one in turn among equals, as vLLM's data-parallel load balancer
+weighs its engines by their queues. A request keeps its replica for its whole life. What changes an
+engine's state goes to every replica: ``Abort`` (a request id may be on any of them: the counts are added)
+and loading or unloading a LoRA adapter (in turn; the first failure is the call's, and a load that one
+replica refuses is undone on the others).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from raypaged.serving.client import EngineClient, Metadata, StreamCall
+from raypaged.serving.messages import AnyResponse
+from raypaged.serving.proto import generate_pb2 as pb
+
+
+class _CountedCall:
+    """A ``Generate`` call that gives its replica's slot back once, at its end, failure or cancel."""
+
+    def __init__(self, call: StreamCall, release: Callable[[], None]) -> None:
+        self._call = call
+        self._release: Callable[[], None] | None = release
+
+    def _done(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    async def read(self) -> AnyResponse | Any:
+        try:
+            response = await self._call.read()
+        except BaseException:
+            self._done()
+            raise
+        if response is grpc.aio.EOF:
+            self._done()
+        return response
+
+    def cancel(self) -> bool:
+        self._done()
+        return self._call.cancel()
+
+
+class _CountedForwardingCall(_CountedCall):
+    """``_CountedCall`` of a call that can push its responses (the in-process and engine-process links)."""
+
+    def forward(self, sink: Callable[[AnyResponse | grpc.aio.AioRpcError | None], None]) -> None:
+        def counted(item: AnyResponse | grpc.aio.AioRpcError | None) -> None:
+            if item is None or isinstance(item, grpc.aio.AioRpcError):
+                self._done()
+            sink(item)
+
+        self._call.forward(counted)  # type: ignore[attr-defined]
+
+
+class Replicas:
+    """An ``EngineClient`` over ``stubs``, the engines of one data-parallel group (``in_flight[i]``: the calls
+    this gateway has running on replica ``i``)."""
+
+    def __init__(self, stubs: Sequence[EngineClient]) -> None:
+        if len(stubs) < 2:
+            raise ValueError(f"data-parallel replicas are at least 2 engines, got {len(stubs)}")
+        self.stubs = list(stubs)
+        self.in_flight = [0] * len(stubs)
+        self._next = 0
+
+    def _least_loaded(self) -> int:
+        """The replica with the fewest calls in flight; among equals, the first from the one after the last taken."""
+        least = min(self.in_flight)
+        count = len(self.stubs)
+        return next(i % count for i in range(self._next, self._next + count) if self.in_flight[i % count] == least)
+
+    def _take(self) -> tuple[int, Callable[[], None]]:
+        index = self._least_loaded()
+        self._next = index + 1
+        self.in_flight[index] += 1
+
+        def release() -> None:
+            self.in_flight[index] -= 1
+
+        return index, release
+
+    def Generate(self, request: pb.GenerateRequest, metadata: Metadata | None = None) -> StreamCall:
+        index, release = self._take()
+        try:
+            call = self.stubs[index].Generate(request, metadata)
+        except BaseException:
+            release()
+            raise
+        kind = _CountedForwardingCall if hasattr(call, "forward") else _CountedCall
+        return kind(call, release)
+
+    async def _counted(self, method: str, request: Any, metadata: Metadata | None, timeout: float | None) -> Any:
+        index, release = self._take()
+        try:
+            return await getattr(self.stubs[index], method)(request, metadata=metadata, timeout=timeout)
+        finally:
+            release()
+
+    def Embed(
+        self, request: pb.EmbedRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.EmbedResponse]:
+        return self._counted("Embed", request, metadata, timeout)
+
+    def Render(
+        self, request: pb.GenerateRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.RenderResponse]:
+        return self._counted("Render", request, metadata, timeout)
+
+    def Derender(
+        self, request: pb.DerenderRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.DerenderResponse]:
+        return self._counted("Derender", request, metadata, timeout)
+
+    def _any(self) -> EngineClient:
+        """A replica for a call that reads what they all hold alike (the tokenizer, the models' descriptions); it is
+        not counted, and leaves the turn where it was."""
+        return self.stubs[self._least_loaded()]
+
+    def Tokenize(
+        self, request: pb.TokenizeRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.TokenizeResponse]:
+        return self._any().Tokenize(request, metadata=metadata, timeout=timeout)
+
+    def Detokenize(
+        self, request: pb.DetokenizeRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.DetokenizeResponse]:
+        return self._any().Detokenize(request, metadata=metadata, timeout=timeout)
+
+    def TokenizerInfo(
+        self, request: pb.TokenizerInfoRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.TokenizerInfoResponse]:
+        return self._any().TokenizerInfo(request, metadata=metadata, timeout=timeout)
+
+    def Info(
+        self, request: pb.InfoRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.InfoResponse]:
+        return self._any().Info(request, metadata=metadata, timeout=timeout)
+
+    async def Health(
+        self, request: pb.HealthRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.HealthResponse:
+        """Serving while every replica serves; else the first that does not, as it answered."""
+        for stub in self.stubs:
+            response = await stub.Health(request, metadata=metadata, timeout=timeout)
+            if response.status != pb.SERVING_STATUS_SERVING:
+                return response
+        return response
+
+    async def Metrics(
+        self, request: pb.MetricsRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.MetricsResponse:
+        """Every replica's exposition, one after the other (their series differ by the ``engine`` label)."""
+        texts = [(await s.Metrics(request, metadata=metadata, timeout=timeout)).prometheus_text for s in self.stubs]
+        return pb.MetricsResponse(prometheus_text="".join(texts))
+
+    async def Abort(
+        self, request: pb.AbortRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.AbortResponse:
+        aborted = 0
+        for stub in self.stubs:
+            aborted += (await stub.Abort(request, metadata=metadata, timeout=timeout)).num_aborted
+        return pb.AbortResponse(num_aborted=aborted)
+
+    async def LoadLoRAAdapter(
+        self, request: pb.LoadLoRAAdapterRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.LoadLoRAAdapterResponse:
+        """On every replica; if one refuses, the replicas that took it unload it again, so all hold the same."""
+        for count, stub in enumerate(self.stubs):
+            try:
+                await stub.LoadLoRAAdapter(request, metadata=metadata, timeout=timeout)
+            except grpc.aio.AioRpcError:
+                undo = pb.UnloadLoRAAdapterRequest(lora_name=request.lora_name)
+                for loaded in self.stubs[:count]:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await loaded.UnloadLoRAAdapter(undo, metadata=metadata, timeout=timeout)
+                raise
+        return pb.LoadLoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(
+        self, request: pb.UnloadLoRAAdapterRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.UnloadLoRAAdapterResponse:
+        for stub in self.stubs:
+            await stub.UnloadLoRAAdapter(request, metadata=metadata, timeout=timeout)
+        return pb.UnloadLoRAAdapterResponse()
