@@ -30,7 +30,9 @@ llama-server is a benchmark-only peer: build it with `benchmarks/build_llama_ser
 (or pass `--llama-server PATH`); it gets one slot per client of the largest level
 (`--parallel`), each slot the context a W1 request needs.
 
-Writes benchmarks/results/serve_bench.{json,png} and prints a Markdown table.
+`raypaged-dp2` is `raypaged serve -dp 2`: two engine processes with half the threads each, behind one gateway.
+
+Writes benchmarks/results/serve_bench.{json,png} (`--name` another stem) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -75,11 +77,12 @@ from raypaged.model.default_model import default_model_dir, shipped_gguf
 SYSTEMS = {
     "raypaged": "`raypaged serve`",
     "raypaged-w8a8": "`raypaged serve` W8A8 int8",
+    "raypaged-dp2": "`raypaged serve -dp 2` (two engine processes, half the threads each)",
     "transformers": "`transformers serve --continuous-batching`",
     "llama.cpp": "`llama-server` (shipped GGUF, Q4_1)",
 }
 PEERS = ("transformers", "llama.cpp")
-OURS = ("raypaged", "raypaged-w8a8")
+OURS = ("raypaged", "raypaged-w8a8", "raypaged-dp2")
 LLAMA_SLOT_CONTEXT = 512  # tokens per llama-server slot: a 200-token prompt, 100 generated, and room
 VENV_BIN = Path(sys.executable).parent
 STARTUP_TIMEOUT_S = 300
@@ -156,6 +159,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="raypaged --kv-cache-space")
     parser.add_argument("--llama-server", help="llama-server binary (default: what build_llama_server.sh built)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="serve_bench", help="results file stem under benchmarks/results/")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in (args.concurrency or ("10,30" if args.quick else "10,30,50,80")).split(",")]
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -236,6 +240,7 @@ def server_command(system: str, model_dir: Path, port: int, args: argparse.Names
             "--disable-log-requests",
             "--log-level",
             "warning",
+            *(["-dp", "2"] if system == "raypaged-dp2" else []),
         ]
     if system == "llama.cpp":
         slots = max(args.concurrency)
@@ -533,7 +538,8 @@ def bench_system(
     print(f"[{system}] starting: {' '.join(command)}", flush=True)
     started = time.perf_counter()
     try:
-        server = Server(command, port, args.threads)
+        # -dp 2: each engine process gets half the threads, as a rank takes its share of the node
+        server = Server(command, port, max(1, args.threads // 2) if system == "raypaged-dp2" else args.threads)
     except OSError as exc:
         run.available, run.why_not = False, f"could not start {command[0]}: {exc}"
         return run
@@ -636,6 +642,7 @@ def plot(runs: list[SystemRun], info: dict, path: Path) -> None:
     colors = {
         "raypaged": "tab:green",
         "raypaged-w8a8": "tab:olive",
+        "raypaged-dp2": "tab:cyan",
         "transformers": "tab:gray",
         "llama.cpp": "tab:orange",
     }
@@ -746,7 +753,7 @@ def print_report(runs: list[SystemRun], report: dict) -> None:
         f"load average (1/5/15 min) before {info['load_average']['before']}, after {info['load_average']['after']}"
         f" on {info['nproc']} CPUs — {CONTENTION_NOTE}"
     )
-    print(f"wall time {report['wall_seconds']:.0f} s; wrote {RESULTS_DIR}/serve_bench.json and .png")
+    print(f"wall time {report['wall_seconds']:.0f} s; wrote {RESULTS_DIR}/{report['name']}.json and .png")
 
 
 def main() -> None:
@@ -766,8 +773,9 @@ def main() -> None:
     loads["after"] = load_average()
     report = build_report(runs, model_dir, args, [len(i) for i in ids], loads)
     report["wall_seconds"] = time.perf_counter() - started
-    write_json("serve_bench", report)
-    plot(runs, report["machine"], RESULTS_DIR / "serve_bench.png")
+    report["name"] = args.name
+    write_json(args.name, report)
+    plot(runs, report["machine"], RESULTS_DIR / f"{args.name}.png")
     print_report(runs, report)
 
 
