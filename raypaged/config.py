@@ -51,6 +51,8 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m
 DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
 DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD")
+WAKE_TAGS = ("weights", "kv_cache")  # what sleep mode frees and wake_up(tags) brings back, in that order
+SLEEP_MODE_OFF = "sleep mode is off: start the engine with --enable-sleep-mode (LLM(enable_sleep_mode=True))"
 GENERATION_CONFIG_MODES = ("auto", "vllm")
 # generation-config fields that become sampling defaults (max_new_tokens is SamplingParams' max_tokens)
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -269,6 +271,12 @@ class EngineConfig:
     )
     enforce_eager: bool = _flag(
         False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs", action="store_true"
+    )
+    enable_sleep_mode: bool = _flag(
+        False,
+        "allow sleep(level) and wake_up(tags) (LLM; /sleep and /wake_up over HTTP): asleep, the engine holds "
+        "neither weights nor KV cache and steps nothing; requests wait, and those in flight are recomputed after",
+        action="store_true",
     )
     logprobs_mode: str = _flag(
         RAW_LOGPROBS,

@@ -151,7 +151,7 @@ class Scheduler:
         self._unsent_ids.discard(request.request_id)
         del self.requests[request.request_id]
 
-    def reset_after_worker_loss(self) -> None:
+    def reset_after_worker_loss(self, reason: str = "workers restarted") -> None:
         """The workers' KV caches are gone: recompute every live sequence from its tokens.
 
         Every block table (device and swapped) is freed and the block pools start
@@ -179,7 +179,7 @@ class Scheduler:
         self._unsent_ids.clear()
         if self.loras is not None:
             self.loras.reset()
-        logger.warning("workers restarted: %d in-flight sequences will be recomputed", len(in_flight))
+        logger.warning("%s: %d in-flight sequences will be recomputed", reason, len(in_flight))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -212,6 +212,12 @@ class AsyncLLMEngine:
         if request_id in self._streams:  # taken while this one was processed
             raise ValueError(f"request_id {request_id!r} is already in use")
         num_seqs = beam.beam_width if beam is not None else params.num_samples
+        if self.engine.is_sleeping():  # as vLLM: new work is refused (in-flight requests wait for the wake-up)
+            raise EngineBusyError(
+                "sleeping",
+                f"{self.config.served_model_name} is sleeping (sleep mode): send the request again once it is woken "
+                "up (POST /wake_up), or to another replica",
+            )
         self._admit(num_seqs)
         stream = self._streams[request_id] = _Stream(num_seqs, len(processed.core_request.prompt_token_ids))
         accepted: concurrent.futures.Future = concurrent.futures.Future()
@@ -347,6 +353,16 @@ class AsyncLLMEngine:
         self._commands.put(_Call(fn, done))
         return await asyncio.wrap_future(done)
 
+    async def sleep(self, level: int = 1) -> None:
+        """``LLMEngine.sleep`` between steps; the requests in flight wait, to be recomputed once awake."""
+        await self.call(lambda: self.engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.call(lambda: self.engine.wake_up(tags))
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     def _abort_nowait(self, request_ids: list[str]) -> None:
         self._commands.put(_Abort(list(request_ids), concurrent.futures.Future()))
 
@@ -365,14 +381,15 @@ class AsyncLLMEngine:
         engine = self.engine
         try:
             while True:
-                busy = engine.has_unfinished_requests()
+                busy = engine.has_unfinished_requests() and not engine.is_sleeping()  # asleep: requests wait
                 command = self._next_command(block=not busy)
                 while command is not None:
                     self._apply(command)
                     command = self._next_command(block=False)
                 if self._stopping:
                     break
-                outputs = engine.step() if engine.has_unfinished_requests() else None
+                busy = engine.has_unfinished_requests() and not engine.is_sleeping()
+                outputs = engine.step() if busy else None
                 # the counters first: a caller that got a step's outputs sees the step in them too
                 self._stats = engine.stats()
                 if self.config.enable_lora:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from raypaged.config import EngineConfig
+from raypaged.config import SLEEP_MODE_OFF, WAKE_TAGS, EngineConfig
 from raypaged.core import beam_search
 from raypaged.core.beam_search import BeamGroup, BeamSearchParams, Hypothesis
 from raypaged.core.block_manager import KVCacheManager
@@ -123,6 +124,8 @@ class EngineCore:
         self._step_thread: ThreadPoolExecutor | None = None
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self.num_overlapped_steps = 0  # steps scheduled and submitted while the one before ran
+        self.sleep_level = 0  # sleep mode: 0 awake, else the level of the last sleep() until wake_up() ends it
+        self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back (WAKE_TAGS)
         num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
         if config.fit_max_model_len:
             _fit_max_model_len(num_blocks, config)
@@ -264,6 +267,8 @@ class EngineCore:
         """
         if self._worker_error is not None:
             raise self._worker_error
+        if self.sleep_level:
+            return EngineCoreOutputs()  # asleep: requests wait for wake_up()
         if (step_thread := self._step_thread) is not None:
             return self._step_async(step_thread)
         scheduler_output = self._schedule()
@@ -521,6 +526,47 @@ class EngineCore:
         self.executor.restart()
         self.scheduler.reset_after_worker_loss()
         self._restarted_without_progress = True
+
+    # ---- sleep mode ------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights and the KV cache until ``wake_up`` (vLLM's levels 1 and 2 alike: both go, and
+        ``wake_up`` reads the weights back from the checkpoint). A step running under async scheduling ends
+        first and its tokens are dropped; the sequences in flight are recomputed once awake, as after a lost
+        worker (the prefix cache starts over empty), and requests added meanwhile wait."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError(SLEEP_MODE_OFF)
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (offload the weights) or 2 (discard them), got {level!r}")
+        if self._in_flight is not None:
+            _, future = self._in_flight
+            self._in_flight = None
+            future.exception()  # waits; a lost worker goes with the others
+        if len(self._asleep) < len(WAKE_TAGS):
+            self.scheduler.reset_after_worker_loss("engine put to sleep")
+            thaw()  # the start-up heap's cycles, the model's among them, can be collected
+            self.executor.sleep()
+            self._asleep = set(WAKE_TAGS)
+        self.sleep_level = level
+        logger.info("engine %s asleep (level %d): weights and KV cache freed", self.config.served_model_name, level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back the weights, the KV cache or both (``tags`` of ``WAKE_TAGS``; ``None``: all); the KV cache
+        needs the weights back first. Awake once both are, and the waiting requests run."""
+        wanted = list(WAKE_TAGS) if tags is None else list(tags)
+        for tag in wanted:
+            if tag not in WAKE_TAGS:
+                raise ValueError(f"wake_up tags are 'weights' and 'kv_cache', got {tag!r}")
+        weights, kv_cache = ("weights" in wanted and "weights" in self._asleep), "kv_cache" in wanted
+        kv_cache = kv_cache and "kv_cache" in self._asleep
+        if kv_cache and "weights" in self._asleep and not weights:
+            raise ValueError("the KV cache wakes with or after the weights: wake_up(tags=['weights']) first")
+        if weights or kv_cache:
+            self.executor.wake_up(weights, kv_cache)
+            self._asleep -= {tag for tag, woken in (("weights", weights), ("kv_cache", kv_cache)) if woken}
+        if self.sleep_level and not self._asleep:
+            self.sleep_level = 0
+            freeze_startup_heap("engine woken")
+            logger.info("engine %s awake", self.config.served_model_name)
 
     # ---- adapters, stats, lifecycle ------------------------------------------
     def lora_in_use(self, lora_int_id: int) -> bool:

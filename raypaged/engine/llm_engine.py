@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -280,6 +281,17 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's blocks; False (nothing done) while requests hold blocks."""
         return self.core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Sleep mode (``enable_sleep_mode``): free the weights and the KV cache (``EngineCore.sleep``)."""
+        self.core.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back the ``tags`` (``"weights"``, ``"kv_cache"``; ``None``: both) that ``sleep`` freed."""
+        self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.core.sleep_level > 0
 
 
 @dataclass(slots=True, frozen=True)

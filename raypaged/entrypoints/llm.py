@@ -338,6 +338,8 @@ class LLM:
         wanted = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not show_progress)
         try:
+            if engine.is_sleeping():  # nothing would ever step them
+                raise RuntimeError("the engine is asleep: call LLM.wake_up() before giving it requests")
             while len(finished) < len(request_ids):
                 for output in engine.step():
                     if output.finished and output.request_id in wanted:
@@ -353,6 +355,16 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block (as vLLM's); False while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the model's weights and KV cache (needs ``enable_sleep_mode=True``), as vLLM's ``LLM.sleep``:
+        level 1 and level 2 both free them here, and ``wake_up`` reads the weights back from the checkpoint."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what ``sleep`` freed: ``tags`` ``["weights"]`` then ``["kv_cache"]`` (to stage the memory
+        they take), or both at once (``None``)."""
+        self.llm_engine.wake_up(tags)
 
     def stats(self) -> SchedulerStats:
         """Engine counters: device and CPU blocks total/free, running/waiting/swapped

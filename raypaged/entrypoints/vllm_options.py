@@ -37,7 +37,10 @@ _NO_DCP = "tensor parallelism shards heads, and each shard keeps its heads' whol
 _NO_OFFLOAD = "weights stay on the device"
 _LOADER = "tensors are read from memory-mapped safetensors files as each shard places them"
 _NO_TRACING = "raypaged exports Prometheus metrics (/metrics) and request log lines, no traces or profiles"
-_NO_SLEEP = "the engine keeps its weights and KV cache for its lifetime"
+_NO_SLEEP = (
+    "{enable_sleep_mode} releases the weights and the KV cache by freeing them, and wake_up reads the weights back "
+    "from the checkpoint (no cumem allocator)"
+)
 _ONE_CHUNKED = "the scheduler prefills one prompt in chunks at a time"
 _KERNELS = "raypaged's kernels are chosen per device"
 
@@ -114,7 +117,6 @@ DEFAULT_ONLY: list[Option] = [
         (None, 0),
         "the model is not compiled with torch.compile (level 0); CUDA graphs are on unless {enforce_eager}",
     ),
-    ("enable_sleep_mode", (), bool, (False,), _NO_SLEEP),
     ("enable_cumem_allocator", (), bool, (None, False), _NO_SLEEP),
     ("sleep_mode_backend", (), str, ("cumem",), _NO_SLEEP),
     ("sleep_mode_offload_cudagraph", (), bool, (False,), _NO_SLEEP),

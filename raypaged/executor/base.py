@@ -41,5 +41,15 @@ class Executor(ABC):
         workers can be lost need to)."""
         raise NotImplementedError(f"{type(self).__name__} cannot lose a worker, so it has none to restart")
 
+    @abstractmethod
+    def sleep(self) -> None:
+        """Sleep mode: free every worker's weights and KV cache (the workers go; steps cannot run until
+        ``wake_up`` has brought both back)."""
+
+    @abstractmethod
+    def wake_up(self, weights: bool, kv_cache: bool) -> None:
+        """Bring back what ``sleep`` freed: the ``weights`` (read again from the checkpoint), and then the
+        ``kv_cache`` (the same number of blocks, empty)."""
+
     def shutdown(self) -> None:  # noqa: B027  (not abstract: nothing to release by default)
         """Release the workers; the executor is unusable after. Nothing to release by default."""

@@ -165,6 +165,18 @@ class RayExecutor(Executor):
         if self.num_blocks is not None:
             self.initialize_cache(*self.num_blocks)
 
+    def sleep(self) -> None:
+        """The shard actors and their placement group go (their weights and caches with them)."""
+        self.shutdown()
+
+    def wake_up(self, weights: bool, kv_cache: bool) -> None:
+        """Weights: new shard actors load them; the KV cache: the shards make theirs, and the step channel opens."""
+        if weights:
+            self._start_workers()
+        if kv_cache:
+            assert self.num_blocks is not None, "initialize_cache() has not run"
+            self.initialize_cache(*self.num_blocks)
+
     def shutdown(self) -> None:
         """Kill every shard actor and free the placement group; idempotent."""
         self._teardown_step_channel()

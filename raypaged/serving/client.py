@@ -92,3 +92,15 @@ class EngineClient(Protocol):
     def UnloadLoRAAdapter(
         self, request: pb.UnloadLoRAAdapterRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> Awaitable[pb.UnloadLoRAAdapterResponse]: ...
+
+    def Sleep(
+        self, request: pb.SleepRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.SleepResponse]: ...
+
+    def WakeUp(
+        self, request: pb.WakeUpRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.SleepResponse]: ...
+
+    def IsSleeping(
+        self, request: pb.IsSleepingRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> Awaitable[pb.SleepResponse]: ...

@@ -518,6 +518,21 @@ class ProcessStub:
     ) -> pb.UnloadLoRAAdapterResponse:
         return await self._engine.unary("UnloadLoRAAdapter", request, metadata, timeout)
 
+    async def Sleep(
+        self, request: pb.SleepRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.SleepResponse:
+        return await self._engine.unary("Sleep", request, metadata, timeout)
+
+    async def WakeUp(
+        self, request: pb.WakeUpRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.SleepResponse:
+        return await self._engine.unary("WakeUp", request, metadata, timeout)
+
+    async def IsSleeping(
+        self, request: pb.IsSleepingRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.SleepResponse:
+        return await self._engine.unary("IsSleeping", request, metadata, timeout)
+
 
 if __name__ == "__main__":  # run as the module of its name, so that what crosses the link pickles by that name
     from raypaged.serving.engine_process import main as engine_main

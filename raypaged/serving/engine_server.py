@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import grpc
 from transformers import PreTrainedTokenizerBase
 
-from raypaged.config import EngineConfig
+from raypaged.config import SLEEP_MODE_OFF, WAKE_TAGS, EngineConfig
 from raypaged.engine.async_llm_engine import (
     AsyncLLMEngine,
     EngineBusyError,
@@ -551,6 +551,49 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         except _REFUSED as exc:
             await _refuse(context, exc)
         return pb.UnloadLoRAAdapterResponse()
+
+    def _sleepers(self, name: str) -> list[ServedModel]:
+        """The models a sleep call is about: ``name``'s, or every one; FAILED_PRECONDITION for one without sleep
+        mode (before any of them changes)."""
+        models = [self._model(name)] if name else list(self.models.values())
+        off = [m.name for m in models if not m.engine.config.enable_sleep_mode]
+        if off:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, f"{SLEEP_MODE_OFF} (model {', '.join(off)})")
+        return models
+
+    async def Sleep(self, request: pb.SleepRequest, context: grpc.aio.ServicerContext) -> pb.SleepResponse:
+        try:
+            self._caller(context)
+            models = self._sleepers(request.model)
+            if request.level not in (0, 1, 2):
+                raise ValueError(
+                    f"sleep level must be 1 (offload the weights) or 2 (discard them), got {request.level}"
+                )
+            for model in models:
+                await model.engine.sleep(request.level or 1)
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        return pb.SleepResponse(is_sleeping=True)
+
+    async def WakeUp(self, request: pb.WakeUpRequest, context: grpc.aio.ServicerContext) -> pb.SleepResponse:
+        try:
+            self._caller(context)
+            models = self._sleepers(request.model)
+            for tag in request.tags:  # checked before any engine wakes
+                if tag not in WAKE_TAGS:
+                    raise ValueError(f"wake_up tags are 'weights' and 'kv_cache', got {tag!r}")
+            for model in models:
+                await model.engine.wake_up(list(request.tags) or None)
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        return pb.SleepResponse(is_sleeping=any(m.engine.is_sleeping() for m in models))
+
+    async def IsSleeping(self, request: pb.IsSleepingRequest, context: grpc.aio.ServicerContext) -> pb.SleepResponse:
+        try:
+            models = [self._model(request.model)] if request.model else list(self.models.values())
+        except _REFUSED as exc:
+            await _refuse(context, exc)
+        return pb.SleepResponse(is_sleeping=any(m.engine.is_sleeping() for m in models))
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         failed = [name for name, m in self.models.items() if not m.engine.is_running]

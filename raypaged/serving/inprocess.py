@@ -200,6 +200,21 @@ class InProcessStub:
     ) -> pb.UnloadLoRAAdapterResponse:
         return await _unary(self._servicer.UnloadLoRAAdapter, request, metadata, timeout)
 
+    async def Sleep(
+        self, request: pb.SleepRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.SleepResponse:
+        return await _unary(self._servicer.Sleep, request, metadata, timeout)
+
+    async def WakeUp(
+        self, request: pb.WakeUpRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.SleepResponse:
+        return await _unary(self._servicer.WakeUp, request, metadata, timeout)
+
+    async def IsSleeping(
+        self, request: pb.IsSleepingRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.SleepResponse:
+        return await _unary(self._servicer.IsSleeping, request, metadata, timeout)
+
 
 async def _unary(
     handler: Callable[[Request, _Context], Awaitable[Response]],

@@ -52,6 +52,23 @@ def test_compiled_graph_channel_matches_tp1(ray_session, tiny_llama, tiny_refere
         llm.shutdown()
 
 
+def test_sleep_mode_lets_the_shards_go_and_new_ones_answer_alike(ray_session, tiny_llama, tiny_reference):
+    llm = LLM(
+        model=str(tiny_llama), device="cpu", tensor_parallel_size=2, num_gpu_blocks_override=128, enable_sleep_mode=True
+    )
+    try:
+        executor = llm.llm_engine.executor
+        old = [worker._actor_id for worker in executor.workers]
+        llm.sleep(level=1)
+        assert executor.workers == [] and executor.placement_group is None
+        llm.wake_up(["weights"])
+        assert len(executor.workers) == 2 and not {w._actor_id for w in executor.workers} & set(old)
+        llm.wake_up(["kv_cache"])
+        assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
+    finally:
+        llm.shutdown()
+
+
 def test_bad_step_channel(ray_session, tiny_llama, monkeypatch):
     monkeypatch.setenv("RAYPAGED_STEP_CHANNEL", "zmq")
     with pytest.raises(ValueError, match=r"^\$RAYPAGED_STEP_CHANNEL must be one of auto, shm, graph, got 'zmq'$"):

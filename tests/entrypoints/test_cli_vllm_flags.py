@@ -102,8 +102,9 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
             "were given",
         ),
         (
-            ["--enable-sleep-mode"],
-            "--enable-sleep-mode is not supported: the engine keeps its weights and KV cache for its lifetime",
+            ["--enable-sleep-mode", "--enable-cumem-allocator"],
+            "--enable-cumem-allocator is not supported: --enable-sleep-mode releases the weights and the KV cache by "
+            "freeing them, and wake_up reads the weights back from the checkpoint (no cumem allocator)",
         ),
         (
             ["--skip-tokenizer-init"],

@@ -70,9 +70,10 @@ def test_vllm_engine_arguments_are_taken_at_the_values_that_change_nothing(tiny_
             "NAME=host:port, once per rank",
         ),
         (
-            {"enable_sleep_mode": True},
+            {"sleep_mode_backend": "criu"},
             ValueError,
-            "enable_sleep_mode=True is not supported: the engine keeps its weights and KV cache for its lifetime",
+            "sleep_mode_backend='criu' is not supported: enable_sleep_mode releases the weights and the KV cache by "
+            "freeing them, and wake_up reads the weights back from the checkpoint (no cumem allocator)",
         ),
         (
             {"enable_chunked_prefill": False},

@@ -342,7 +342,8 @@ def test_vllm_034_flags_at_the_values_raypaged_has_are_taken(tiny_model_dir, arg
         ),
         (
             ["--sleep-mode-backend", "criu"],
-            "--sleep-mode-backend criu is not supported: the engine keeps its weights and KV cache for its lifetime",
+            "--sleep-mode-backend criu is not supported: --enable-sleep-mode releases the weights and the KV cache "
+            "by freeing them, and wake_up reads the weights back from the checkpoint (no cumem allocator)",
         ),
         (
             ["--cache-aware-admission-window", "8"],

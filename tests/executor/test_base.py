@@ -25,6 +25,12 @@ def test_the_base_cannot_restart_and_has_nothing_to_release():
         def execute_model(self, scheduler_output):
             raise AssertionError("not called")
 
+        def sleep(self):
+            raise AssertionError("not called")
+
+        def wake_up(self, weights, kv_cache):
+            raise AssertionError("not called")
+
     idle = Idle()
     idle.shutdown()
     with pytest.raises(NotImplementedError, match="^Idle cannot lose a worker, so it has none to restart$"):

@@ -517,6 +517,29 @@ def build_app(
         del routes.adapters[body.lora_name]
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
+    @app.post("/sleep")
+    async def sleep(http: Request) -> Response:
+        """vLLM's sleep mode: every engine frees its weights and KV cache (``?level=1`` or ``2``); requests wait."""
+        level = http.query_params.get("level", "1")
+        if level not in ("1", "2"):
+            raise APIError(400, f"level must be 1 or 2, got {level!r}", "level")
+        for engine in routes.engines():
+            await engine.Sleep(pb.SleepRequest(level=int(level)), metadata=metadata(http))
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(http: Request) -> Response:
+        """Every engine brings back the ``?tags=`` (``weights``, then ``kv_cache``; none: both)."""
+        tags = http.query_params.getlist("tags")
+        for engine in routes.engines():
+            await engine.WakeUp(pb.WakeUpRequest(tags=tags), metadata=metadata(http))
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(http: Request) -> dict:
+        answers = [await e.IsSleeping(pb.IsSleepingRequest(), metadata=metadata(http)) for e in routes.engines()]
+        return {"is_sleeping": any(answer.is_sleeping for answer in answers)}
+
     @app.get("/health")
     @app.get("/ping")  # vLLM's (and SageMaker's) name for the same probe
     async def health() -> Response:

@@ -5,9 +5,10 @@ per replica of a name. ``Replicas`` sends each request to the replica with the f
 this gateway (a ``Generate`` stream counts until its end, failure or cancel; an ``Embed``, ``Render`` or
 ``Derender`` until its answer), the next one in turn among equals, as vLLM's data-parallel load balancer
 weighs its engines by their queues. A request keeps its replica for its whole life. What changes an
-engine's state goes to every replica: ``Abort`` (a request id may be on any of them: the counts are added)
-and loading or unloading a LoRA adapter (in turn; the first failure is the call's, and a load that one
-replica refuses is undone on the others).
+engine's state goes to every replica, in turn: ``Abort`` (a request id may be on any of them: the counts
+are added), sleep mode (``Sleep``, ``WakeUp``; ``IsSleeping`` is true while any replica sleeps), and loading
+or unloading a LoRA adapter (the first failure is the call's, and a load that one replica refuses is undone
+on the others).
 """
 
 from __future__ import annotations
@@ -192,3 +193,22 @@ class Replicas:
         for stub in self.stubs:
             await stub.UnloadLoRAAdapter(request, metadata=metadata, timeout=timeout)
         return pb.UnloadLoRAAdapterResponse()
+
+    async def Sleep(
+        self, request: pb.SleepRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.SleepResponse:
+        for stub in self.stubs:
+            await stub.Sleep(request, metadata=metadata, timeout=timeout)
+        return pb.SleepResponse(is_sleeping=True)
+
+    async def WakeUp(
+        self, request: pb.WakeUpRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.SleepResponse:
+        sleeping = [(await s.WakeUp(request, metadata=metadata, timeout=timeout)).is_sleeping for s in self.stubs]
+        return pb.SleepResponse(is_sleeping=any(sleeping))
+
+    async def IsSleeping(
+        self, request: pb.IsSleepingRequest, metadata: Metadata | None = None, timeout: float | None = None
+    ) -> pb.SleepResponse:
+        sleeping = [(await s.IsSleeping(request, metadata=metadata, timeout=timeout)).is_sleeping for s in self.stubs]
+        return pb.SleepResponse(is_sleeping=any(sleeping))

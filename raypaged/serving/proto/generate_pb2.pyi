@@ -506,6 +506,34 @@ class InfoResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
+class SleepRequest(_message.Message):
+    __slots__ = ("model", "level")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    level: int
+    def __init__(self, model: _Optional[str] = ..., level: _Optional[int] = ...) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("model", "tags")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class IsSleepingRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ("is_sleeping",)
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    is_sleeping: bool
+    def __init__(self, is_sleeping: _Optional[bool] = ...) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -102,6 +102,21 @@ class TextGenerationServiceStub:
                 request_serializer=raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/raypaged.v1.TextGenerationService/Sleep',
+                request_serializer=raypaged_dot_v1_dot_generate__pb2.SleepRequest.SerializeToString,
+                response_deserializer=raypaged_dot_v1_dot_generate__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/raypaged.v1.TextGenerationService/WakeUp',
+                request_serializer=raypaged_dot_v1_dot_generate__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=raypaged_dot_v1_dot_generate__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/raypaged.v1.TextGenerationService/IsSleeping',
+                request_serializer=raypaged_dot_v1_dot_generate__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=raypaged_dot_v1_dot_generate__pb2.SleepResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -214,6 +229,29 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """/ Sleep mode (engines started with --enable-sleep-mode): free the weights and KV cache until WakeUp.
+        / Requests wait meanwhile; those in flight are recomputed once awake. FAILED_PRECONDITION: sleep mode is off;
+        / INVALID_ARGUMENT: a level other than 1 or 2.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """/ Bring back what Sleep freed. INVALID_ARGUMENT: an unknown tag, or the KV cache before the weights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """/ Whether an engine sleeps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +319,21 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=raypaged_dot_v1_dot_generate__pb2.SleepRequest.FromString,
+                    response_serializer=raypaged_dot_v1_dot_generate__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=raypaged_dot_v1_dot_generate__pb2.WakeUpRequest.FromString,
+                    response_serializer=raypaged_dot_v1_dot_generate__pb2.SleepResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=raypaged_dot_v1_dot_generate__pb2.IsSleepingRequest.FromString,
+                    response_serializer=raypaged_dot_v1_dot_generate__pb2.SleepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -637,6 +690,87 @@ class TextGenerationService:
             '/raypaged.v1.TextGenerationService/UnloadLoRAAdapter',
             raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             raypaged_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/raypaged.v1.TextGenerationService/Sleep',
+            raypaged_dot_v1_dot_generate__pb2.SleepRequest.SerializeToString,
+            raypaged_dot_v1_dot_generate__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/raypaged.v1.TextGenerationService/WakeUp',
+            raypaged_dot_v1_dot_generate__pb2.WakeUpRequest.SerializeToString,
+            raypaged_dot_v1_dot_generate__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/raypaged.v1.TextGenerationService/IsSleeping',
+            raypaged_dot_v1_dot_generate__pb2.IsSleepingRequest.SerializeToString,
+            raypaged_dot_v1_dot_generate__pb2.SleepResponse.FromString,
             options,
             channel_credentials,
             insecure,
