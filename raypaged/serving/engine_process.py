@@ -450,10 +450,18 @@ class EngineProcess:
 
 
 class ProcessStub:
-    """The ``EngineClient`` of an ``EngineProcess``: each call crosses the link to the child's handlers."""
+    """The ``EngineClient`` of an ``EngineProcess``: each call crosses the link to the child's handlers.
+
+    A data-parallel rank's stub outlives its process: ``replace`` points it at the process started in the dead
+    one's place, and ``available`` is false in between (``Replicas`` sends nothing to it then)."""
 
     def __init__(self, engine: EngineProcess) -> None:
         self._engine = engine
+        self.available = True
+
+    def replace(self, engine: EngineProcess) -> None:
+        self._engine = engine
+        self.available = True
 
     def Generate(self, request: pb.GenerateRequest, metadata: Metadata | None = None) -> LinkedCall:
         return self._engine.generate(request, metadata)

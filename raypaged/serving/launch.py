@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +49,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("raypaged")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-_CLOSE_CONNECTIONS_S = 5.0  # after a drain: for responses still being written
+_CLOSE_CONNECTIONS_S = 5.0
+_MAX_RESTARTS = 2  # a data-parallel rank's process started again at most this often within the window
+_RESTART_WINDOW_S = 60.0  # after a drain: for responses still being written
 
 
 @dataclass
@@ -413,7 +417,8 @@ async def run_serve(
     this process (``serving/inprocess.py``: the gRPC server's own handlers, no socket). Either way the
     gRPC server serves external clients and takes the gateway's keys and tenants, with gates of its
     own (the gateway's calls carry their client's key, so each request holds one slot at each of the
-    two). If an engine process dies, the gateway stops and ``EngineProcessLost`` is raised. ``engines``:
+    two). If the engine process dies, the gateway stops and ``EngineProcessLost`` is raised (with data
+    parallelism, a rank's process is started again first: ``_Ranks``). ``engines``:
     engine processes launched already, one per data-parallel rank (``raypaged serve`` launches them first, to
     import in parallel). ``configs``: the engines' configs, or a picklable function that makes them, called
     where the engines run (building a config reads the model's with transformers, which imports torch:
@@ -441,17 +446,23 @@ async def run_serve(
     def address(port: int) -> str:
         return f"{'127.0.0.1' if grpc_host in ('0.0.0.0', '') else grpc_host}:{port}"
 
+    ranks_alive: _Ranks | None = None
+
+    async def start_rank(rank: int, engine: EngineProcess) -> None:
+        await engine.start(rank_args(rank), grpc_host, port_of(rank), options.log_config)
+
     try:
         if engines is not None:
             started = await asyncio.gather(
-                *(e.start(rank_args(r), grpc_host, port_of(r), options.log_config) for r, e in zip(ranks, engines)),
+                *(start_rank(r, e) for r, e in zip(ranks, engines)),
                 return_exceptions=True,  # every rank loads or fails before the others are stopped
             )
             for failure in started:
                 if isinstance(failure, BaseException):
                     raise failure
-            for engine in engines:
-                local[address(engine.grpc_port)] = ProcessStub(engine)
+            ranks_alive = _Ranks(engines, start_rank)
+            for engine, stub in zip(engines, ranks_alive.stubs):
+                local[address(engine.grpc_port)] = stub
                 served_names = engine.served_names
         else:
             from raypaged.serving.engine_server import EngineServer
@@ -463,11 +474,69 @@ async def run_serve(
                 local[address(await server.start(grpc_host, port_of(rank)))] = InProcessStub(server.servicer)
                 served_names = server.served_names
         gateway = Gateway({name: tuple(local) for name in served_names}, options, local)
-        for engine in engines or ():
-            engine.on_lost = lambda _: gateway.stop()
+        if ranks_alive is not None:
+            ranks_alive.watch(gateway.stop)
         await gateway.serve(handle_signals=True)
     finally:
-        await asyncio.gather(*(engine.stop() for engine in engines or ()), *(server.stop() for server in servers))
-    lost = [engine.lost for engine in engines or () if engine.lost is not None]
-    if lost:
-        raise EngineProcessLost(lost[0])
+        stopping = [ranks_alive.stop()] if ranks_alive is not None else [e.stop() for e in engines or ()]
+        await asyncio.gather(*stopping, *(server.stop() for server in servers))
+    if ranks_alive is not None and ranks_alive.lost is not None:
+        raise EngineProcessLost(ranks_alive.lost)
+
+
+class _Ranks:
+    """The engine processes of ``raypaged serve``, one per data-parallel rank. With one, its death stops the server
+    (for its supervisor to start it again, as vLLM's API server exits with its engine core). With several, a rank
+    whose process dies is started again (its environment, its gRPC port) while the others serve: its open calls
+    fail ``UNAVAILABLE`` and ``Replicas`` sends new ones elsewhere until it is back. A rank lost more than
+    ``_MAX_RESTARTS`` times within ``_RESTART_WINDOW_S``, or that cannot start again, stops the server."""
+
+    def __init__(self, engines: list[EngineProcess], start: Callable[[int, EngineProcess], Awaitable[None]]) -> None:
+        self.engines = list(engines)
+        self.stubs = [ProcessStub(engine) for engine in engines]
+        self.lost: str | None = None  # why the server stopped
+        self._start = start
+        self._stop_server: Callable[[], None] = lambda: None
+        self._deaths: list[list[float]] = [[] for _ in engines]
+        self._restarts: set[asyncio.Task[None]] = set()
+
+    def watch(self, stop_server: Callable[[], None]) -> None:
+        self._stop_server = stop_server
+        for rank, engine in enumerate(self.engines):
+            engine.on_lost = functools.partial(self._on_lost, rank)
+
+    def _on_lost(self, rank: int, why: str) -> None:
+        if len(self.engines) == 1:
+            self._give_up(why)
+            return
+        now = time.monotonic()
+        deaths = self._deaths[rank] = [t for t in self._deaths[rank] if now - t < _RESTART_WINDOW_S] + [now]
+        if len(deaths) > _MAX_RESTARTS:
+            self._give_up(f"data-parallel rank {rank}: {why}, {len(deaths)} times within {_RESTART_WINDOW_S:.0f} s")
+            return
+        logger.error("data-parallel rank %d: %s; starting it again while the other ranks serve", rank, why)
+        self.stubs[rank].available = False
+        task = asyncio.ensure_future(self._restart(rank))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, rank: int) -> None:
+        engine = self.engines[rank] = EngineProcess(self.engines[rank].env)
+        try:
+            await self._start(rank, engine)
+        except Exception as exc:
+            self._give_up(f"data-parallel rank {rank} could not start again: {type(exc).__name__}: {exc}")
+            return
+        engine.on_lost = functools.partial(self._on_lost, rank)
+        self.stubs[rank].replace(engine)
+        logger.info("data-parallel rank %d serves again (gRPC port %d)", rank, engine.grpc_port)
+
+    def _give_up(self, why: str) -> None:
+        if self.lost is None:
+            self.lost = why
+        self._stop_server()
+
+    async def stop(self) -> None:
+        for task in list(self._restarts):
+            task.cancel()
+        await asyncio.gather(*(engine.stop() for engine in self.engines))

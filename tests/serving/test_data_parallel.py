@@ -113,14 +113,48 @@ def test_serve_runs_two_models_on_two_balanced_engine_processes(tmp_path, smollm
                     assert stream.read().endswith(b"data: [DONE]\n\n")
             assert served(successes(client)) == {"0": 5.0, "1": 5.0}
 
-        # one engine process dies: the server stops, for its supervisor to restart it
-        engines[1].send_signal(signal.SIGKILL)
+            # rank 1's process dies: rank 0 serves every request while rank 1 is started again, then both do
+            seen = {engine.pid for engine in engines}
+            engines[1].send_signal(signal.SIGKILL)
+            wait_for_ranks(client, {"0"})
+            for _ in range(3):
+                assert complete(client, "a") == texts["a"]
+            wait_for_ranks(client, {"0", "1"})
+            assert served(successes(client)) == {"0": 8.0, "1": 0.0}  # the new rank 1 has served nothing yet
+            assert [complete(client, "a"), complete(client, "a")] == [texts["a"], texts["a"]]
+            assert served(successes(client)) == {"0": 9.0, "1": 1.0}
+
+            # lost more than twice within a minute: the server stops, for its supervisor to start it again
+            for again in range(2):
+                [rank_1] = [p for p in psutil.Process(server.pid).children() if p.pid not in seen]
+                seen.add(rank_1.pid)
+                rank_1.send_signal(signal.SIGKILL)
+                if again == 0:
+                    wait_for_ranks(client, {"0"})
+                    wait_for_ranks(client, {"0", "1"})
         assert server.wait(timeout=60) == 1
-        assert re.search(r"error: .*engine process", server.stdout.read())
+        assert re.search(
+            r"error: data-parallel rank 1: the engine process has exited \(exit code -9\), 3 times within 60 s",
+            server.stdout.read(),
+        )
     finally:
         if server.poll() is None:
             server.terminate()
             server.wait(timeout=30)
+
+
+def complete(client: httpx.Client, name: str) -> set[str]:
+    body = {"model": name, "prompt": "Hi", "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    return {client.post("/v1/completions", json=body).json()["choices"][0]["text"]}
+
+
+def wait_for_ranks(client: httpx.Client, ranks: set[str], timeout_s: float = 60) -> None:
+    """Until the engines answering ``/metrics`` are ``ranks``; ``/health`` is 200 all the while (one rank serves)."""
+    deadline = time.monotonic() + timeout_s
+    while {engine for _, engine, _ in successes(client)} != ranks:
+        assert client.get("/health").status_code == 200
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_gateway_engines_named_more_than_once_are_replicas():

@@ -138,7 +138,7 @@ class EngineRoutes:
         return info
 
     async def health(self) -> str | None:
-        """``None`` when every engine serves, else why not."""
+        """``None`` when every engine serves (of a data-parallel group: one of its replicas), else why not."""
 
         async def probe(address: str, stub: EngineClient) -> str | None:
             try:
@@ -149,7 +149,8 @@ class EngineRoutes:
                 return f"engine {address} not serving: {response.message}"
             return None
 
-        problems = await asyncio.gather(*(probe(a, s) for a, s in self._all_stubs().items()))
+        groups = sorted(set(self.targets.values()))  # a data-parallel group serves while one of its replicas does
+        problems = await asyncio.gather(*(probe(",".join(g), self.client(g)) for g in groups))
         found = [p for p in problems if p]
         return "; ".join(found) if found else None
 

@@ -13,6 +13,7 @@ on the others).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -74,11 +75,22 @@ class Replicas:
         self.in_flight = [0] * len(stubs)
         self._next = 0
 
+    def _up(self) -> list[int]:
+        """The replicas to send calls to: those not being started again after their process died (all, if none is
+        up: their calls fail UNAVAILABLE at once)."""
+        up = [i for i, stub in enumerate(self.stubs) if getattr(stub, "available", True)]
+        return up or list(range(len(self.stubs)))
+
     def _least_loaded(self) -> int:
-        """The replica with the fewest calls in flight; among equals, the first from the one after the last taken."""
-        least = min(self.in_flight)
+        """The replica up with the fewest calls in flight; among equals, the first from the one after the last taken."""
+        up = self._up()
+        least = min(self.in_flight[i] for i in up)
         count = len(self.stubs)
-        return next(i % count for i in range(self._next, self._next + count) if self.in_flight[i % count] == least)
+        return next(
+            i % count
+            for i in range(self._next, self._next + count)
+            if i % count in up and self.in_flight[i % count] == least
+        )
 
     def _take(self) -> tuple[int, Callable[[], None]]:
         index = self._least_loaded()
@@ -150,12 +162,18 @@ class Replicas:
     async def Health(
         self, request: pb.HealthRequest, metadata: Metadata | None = None, timeout: float | None = None
     ) -> pb.HealthResponse:
-        """Serving while every replica serves; else the first that does not, as it answered."""
-        for stub in self.stubs:
-            response = await stub.Health(request, metadata=metadata, timeout=timeout)
-            if response.status != pb.SERVING_STATUS_SERVING:
-                return response
-        return response
+        """Serving while a replica serves (the others' requests go to it while they start again); else the first
+        replica's answer, or its failure."""
+        answers = await asyncio.gather(
+            *(self.stubs[i].Health(request, metadata=metadata, timeout=timeout) for i in self._up()),
+            return_exceptions=True,
+        )
+        for answer in answers:
+            if isinstance(answer, pb.HealthResponse) and answer.status == pb.SERVING_STATUS_SERVING:
+                return answer
+        if isinstance(answers[0], BaseException):
+            raise answers[0]
+        return answers[0]
 
     async def Metrics(
         self, request: pb.MetricsRequest, metadata: Metadata | None = None, timeout: float | None = None
