@@ -376,6 +376,19 @@ class EngineConfig:
         "sampling defaults and extra EOS ids: auto (the model folder's generation_config.json), vllm (no "
         "sampling defaults) or a folder holding a generation_config.json",
     )
+    limit_mm_per_prompt: dict[str, Any] | None = _flag(
+        None,
+        'images a prompt may carry, as vLLM\'s JSON: \'{"image": 2}\' (or {"image": {"count": 2}}); 0 serves an '
+        "image-text model's text only; other modalities are taken at 0 only (default: any number of images)",
+        metavar="JSON",
+        parse=json_flag_value,
+    )
+    allowed_local_media_path: str | None = _flag(
+        None, "requests' image URLs may be file:// URLs of files under this folder (default: none)", metavar="PATH"
+    )
+    allowed_media_domains: list[str] | None = _flag(
+        None, "requests' http(s) image URLs only to these host names (default: any)", nargs="+", metavar="HOST"
+    )
     hf_overrides: dict[str, Any] | None = _flag(
         None,
         "JSON object read as if it were in the model's config.json, e.g. '{\"max_position_embeddings\": 4096}' "
@@ -475,6 +488,9 @@ class EngineConfig:
     quant_config: QuantizationConfig | None = field(init=False, default=None, repr=False)  # resolved --quantization
     draft_model_path: Path | None = field(init=False, default=None)  # the speculative draft model's folder
     draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
+    # an image-text checkpoint whose images are read (architecture.IMAGE_WRAPPERS): its whole config, else None
+    image_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
+    images_per_prompt: int | None = field(init=False, default=None)  # limit_mm_per_prompt's image count
     pooler: PoolerSettings | None = field(init=False, default=None)  # set exactly when the engine pools (--runner)
     encoder: bool = field(init=False, default=False)  # BERT, RoBERTa, XLM-R: prompts computed whole, no KV cache
     # every token attends to its whole prompt (an encoder, or a decoder with use_bidirectional_attention, as
@@ -556,14 +572,20 @@ class EngineConfig:
 
         self.model_path = resolve_model_path(self.model, self.revision, self.download_dir, token=self.hf_token)
         self.tokenizer_path = self._resolve_tokenizer_path()
-        from raypaged.model.architecture import language_model_config
+        from raypaged.model.architecture import image_model_config, language_model_config
 
-        self.hf_config = language_model_config(
+        whole = (
             AutoConfig.from_pretrained(self.model_path)
             if not self.hf_overrides
             else overridden_hf_config(self.model_path, self.hf_overrides)
         )
-        if (wrapper := getattr(self.hf_config, "raypaged_multimodal", None)) is not None:
+        self.image_hf_config = image_model_config(whole)
+        self.hf_config = language_model_config(whole)
+        if self.image_hf_config is not None:
+            logger.info(
+                "%s: serving its language model with its vision tower (images)", self.hf_config.raypaged_multimodal
+            )
+        elif (wrapper := getattr(self.hf_config, "raypaged_multimodal", None)) is not None:
             logger.info(
                 "%s: serving its language model (%s) for text; its vision tower is not loaded, and a request with "
                 "an image is refused",
@@ -602,6 +624,7 @@ class EngineConfig:
                 f"{what} computes each prompt whole, in one step (raise it, or lower --max-model-len)"
             )
         _ = self.cuda_graph_sizes  # the graph-size flags are checked now
+        self.images_per_prompt = self._resolve_image_limit()
         if isinstance(self.served_model_name, (list, tuple)):
             names = [str(n) for n in self.served_model_name]
             if not names or not all(names) or len(set(names)) != len(names):
@@ -609,6 +632,33 @@ class EngineConfig:
             self.served_model_name, self.served_model_aliases = names[0], tuple(names[1:])
         if self.served_model_name is None:
             self.served_model_name = DEFAULT_MODEL if self.model is None else self.model
+
+    def _resolve_image_limit(self) -> int | None:
+        """``limit_mm_per_prompt``'s image count (None: no limit); any other modality only at 0, and images only
+        where the model reads them."""
+        given = self.limit_mm_per_prompt
+        if given is None:
+            return None
+        if isinstance(given, str):
+            given = json_flag_value("--limit-mm-per-prompt", given)
+        if not isinstance(given, dict):
+            raise ValueError(f"--limit-mm-per-prompt takes a JSON object of modalities, got {given!r}")
+        counts = {}
+        for modality, limit in given.items():
+            count = limit.get("count") if isinstance(limit, dict) else limit
+            if type(count) is not int or count < 0:
+                raise ValueError(f"--limit-mm-per-prompt {modality}: a count of 0 or more, got {limit!r}")
+            counts[modality] = count
+        other = next((m for m, count in counts.items() if m != "image" and count), None)
+        if other is not None:
+            raise ValueError(
+                f"--limit-mm-per-prompt {other}: {counts[other]} is not supported: models read images only"
+            )
+        if counts.get("image") and self.image_hf_config is None:
+            raise ValueError(
+                f"--limit-mm-per-prompt image: {counts['image']} is not supported: the model reads text only"
+            )
+        return counts.get("image")
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

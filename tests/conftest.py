@@ -174,6 +174,52 @@ def save_random(auto_class, config, path: Path, smollm2_dir: Path) -> Path:
     return path
 
 
+def make_tiny_llava(root: Path, smollm2_dir: Path) -> Path:
+    """A random LLaVA-1.5 (``LlavaForConditionalGeneration``) of tiny shapes in ``root / "llava"``: a CLIP tower of
+    28-pixel images in 14-pixel patches (4 tokens an image), TINY_SHAPE's Llama, SmolLM2's tokenizer and chat
+    template with ``<image>`` added, weights drawn from N(0, 0.2) as ``save_random``'s."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    path, staging = root / "llava", root / "llava-tokenizer"
+    staging.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, staging / name)
+    tokenizer = AutoTokenizer.from_pretrained(staging)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = LlamaConfig(**{**TINY_SHAPE, "vocab_size": len(tokenizer)}, tie_word_embeddings=False, eos_token_id=2)
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=tokenizer.convert_tokens_to_ids("<image>")
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    model.save_pretrained(path)
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(path)
+    shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
+    return path
+
+
 def make_tiny_embedding_model(root: Path, smollm2_dir: Path, arch: str = "qwen3", **overrides) -> Path:
     """``make_tiny_model``'s weights saved as the base model (``Qwen3Model``: no head, tensor names without
     ``model.``), as embedding checkpoints are, in ``root / "<arch>-embedding"``."""

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from raypaged.lora.request import LoRARequest
+    from raypaged.multimodal import ImageInputs
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class NewRequestData:
     lora_int_id: int | None = None  # its adapter (in the slot a step's lora_loads put it in)
     num_spec_tokens: int = 0  # drafts it may verify per step (a draft model proposes them for it)
     token_type_start: int | None = None  # BERT's text pair: its second text's first token (token type 1 from there)
+    images: ImageInputs | None = None  # the prompt's images (sent again with a request rebuilt after preemption)
 
 
 @dataclass(slots=True)

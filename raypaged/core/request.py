@@ -12,6 +12,7 @@ from raypaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from raypaged.lora.request import LoRARequest
+    from raypaged.multimodal import ImageInputs
     from raypaged.pooling_params import PoolingParams
 
 
@@ -126,6 +127,7 @@ class Request:
     pooling: PoolingParams | None = None
     pooled: Any = None
     token_type_start: int | None = None  # BERT's text pair: its second text's first token (token type 1 from there)
+    images: ImageInputs | None = None  # the prompt's images: the workers encode them where their tokens are computed
     first_scheduled_time: float | None = field(default=None, init=False)
     _status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
 

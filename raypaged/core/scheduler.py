@@ -413,6 +413,7 @@ class Scheduler:
             lora_int_id=None if request.lora is None else request.lora.lora_int_id,
             num_spec_tokens=request.num_spec_tokens,
             token_type_start=request.token_type_start,
+            images=request.images,
         )
 
     def _admit(self, request: Request) -> bool:

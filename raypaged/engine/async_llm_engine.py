@@ -24,10 +24,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine, ProcessedRequest
+from raypaged.inputs.limits import InputError
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -164,11 +165,14 @@ class AsyncLLMEngine:
         beam: BeamSearchParams | None = None,
         pooling: PoolingParams | None = None,
         token_type_ids: list[int] | None = None,
+        images: list[Any] | None = None,
+        rendered: bool = False,
     ) -> str:
         """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``.
         With ``beam`` it is a beam search: one finished output, its beams best first. With ``pooling`` it is an
         embedding model's request (``params`` unused): one finished output whose ``pooled`` is its embedding
-        (``token_type_ids``: a BERT text pair's).
+        (``token_type_ids``: a BERT text pair's). ``images``: PIL images for a text prompt's image placeholders
+        (``rendered``: the prompt is a chat template's rendering).
 
         A caller cancelled at any point, even while the engine thread is adding the
         request, leaves nothing running: an abort is queued behind the add.
@@ -200,8 +204,12 @@ class AsyncLLMEngine:
                 priority,
                 cache_salt,
                 lora_request,
+                images,
+                rendered,
             )
         else:
+            if images:
+                raise InputError("multi_modal_data", "a beam search with images is not supported")
             process = partial(
                 self.engine.process_beam_search, request_id, prompt, beam, prompt_token_ids, lora_request, cache_salt
             )

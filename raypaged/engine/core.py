@@ -30,6 +30,7 @@ from raypaged.core.scheduler import EndedRequest, Scheduler, SchedulerConfig
 from raypaged.core.stats import SchedulerStats
 from raypaged.executor.base import Executor, WorkerLostError
 from raypaged.heap import freeze_startup_heap, thaw
+from raypaged.multimodal import ImageInputs
 from raypaged.outputs import FinishReason
 from raypaged.pooling import finish_embedding
 from raypaged.sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class EngineCoreRequest:
     num_spec_tokens: int = 0  # drafts each sequence may verify per step
     pooling: PoolingParams | None = None  # an embedding model's request: it ends with its prompt, with its vector
     token_type_start: int | None = None  # BERT's text pair: its second text's first token (token type 1 from there)
+    images: ImageInputs | None = None  # the prompt's images (a model with a vision tower)
 
 
 @dataclass(slots=True)
@@ -185,6 +187,7 @@ class EngineCore:
                 num_spec_tokens=request.num_spec_tokens,
                 pooling=request.pooling,
                 token_type_start=request.token_type_start,
+                images=request.images,
             )
             for i in range(num_samples)
         ]
@@ -215,6 +218,7 @@ class EngineCore:
             gang=group,
             cache_salt=request.cache_salt,
             lora=request.lora,
+            images=request.images,
         )
         group.members.append(first)
         if request.matchers:

@@ -12,16 +12,18 @@ Bad input raises ``InputError`` (a ``ValueError``) naming the field.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers import AutoTokenizer
 
 from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.core import EngineCoreRequest
-from raypaged.inputs.chat_template import render_chat
+from raypaged.inputs.chat_template import render_chat, render_chat_text
 from raypaged.inputs.limits import (
     InputError,
     check_context,
@@ -32,6 +34,8 @@ from raypaged.inputs.limits import (
     check_text,
     check_token_ids,
 )
+from raypaged.inputs.media import MediaError, MediaOptions, load_image
+from raypaged.multimodal import ImageInputs, has_chat_images, image_cache_salt, split_chat_images
 from raypaged.pooling_params import PoolingParams
 from raypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
@@ -67,6 +71,7 @@ class InputProcessor:
         if self.tokenizer.is_fast and self.tokenizer.backend_tokenizer.normalizer is None:
             self._max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
         self._reasoning_ids = self._reasoning_delimiter_ids()
+        self._processor: Any = None  # an image-text model's Hugging Face processor, made on its first image
 
     def _reasoning_delimiter_ids(self) -> tuple[list[int], list[int]] | None:
         """The token ids of a reasoning section's start and end (for ``thinking_token_budget``)."""
@@ -110,7 +115,27 @@ class InputProcessor:
 
     def chat_ids(self, conversation: list[dict[str, Any]], **options: Any) -> list[int]:
         """A conversation's prompt token ids, rendered with the chat template (``render_chat``'s options)."""
+        if has_chat_images(conversation):
+            raise InputError("messages", "a conversation with images is rendered with its images (chat_with_images)")
         return render_chat(self.tokenizer, conversation, self.config, **options)
+
+    def chat_with_images(self, conversation: list[dict[str, Any]], **options: Any) -> tuple[str, list[Any]]:
+        """A conversation with image content parts: its text rendered with the chat template (each message's images
+        as placeholder lines before its text) and its images in order, URLs or PIL images, for ``process``."""
+        if self.config.image_hf_config is None:
+            raise InputError("messages", f"the model {self.config.served_model_names[0]} reads text only (no images)")
+        try:
+            conversation, images = split_chat_images(conversation, self._image_processor().image_token)
+        except ValueError as exc:
+            raise InputError("messages", str(exc)) from None
+        return render_chat_text(self.tokenizer, conversation, self.config, **options), images
+
+    @property
+    def media_options(self) -> MediaOptions:
+        """Where a request's image URLs may point (``--allowed-local-media-path``, ``--allowed-media-domains``)."""
+        config = self.config
+        domains = config.allowed_media_domains
+        return MediaOptions(config.allowed_local_media_path, None if domains is None else tuple(domains))
 
     def pair_ids(self, text_1: str, text_2: str, add_special_tokens: bool = True) -> tuple[list[int], list[int] | None]:
         """A text pair tokenized together (the tokenizer's pair template) and, where the model embeds token types
@@ -175,6 +200,67 @@ class InputProcessor:
             prompt_token_ids = self.truncated_ids(prompt, prompt_token_ids, truncate_to, keep_first)
         check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, max_model_len)
         return list(prompt_token_ids)
+
+    # ---- images ------------------------------------------------------------------
+    def image_prompt(self, prompt: str, images: list[Any], rendered: bool = False) -> tuple[list[int], ImageInputs]:
+        """A text prompt with images: the model's own processor expands each image placeholder of the text into the
+        image's run of tokens and makes its pixel values (``InputError`` naming ``multi_modal_data`` when the model
+        reads no images, or when the placeholders and the images do not match). ``rendered``: the text is a chat
+        template's, whose special tokens are its own (the tokenizer adds none)."""
+        config = self.config
+        image_config = config.image_hf_config
+        if image_config is None:
+            raise InputError(
+                "multi_modal_data", f"the model {config.served_model_names[0]} reads text only (no images)"
+            )
+        limit = config.images_per_prompt
+        if limit is not None and len(images) > limit:
+            raise InputError(
+                "multi_modal_data", f"{len(images)} images in one prompt; --limit-mm-per-prompt allows {limit}"
+            )
+        check_text("prompt", len(prompt), config.limits, config.resolved_max_model_len)
+        processor = self._image_processor()
+        image_token = processor.image_token
+        if prompt.count(image_token) != len(images):
+            raise InputError(
+                "multi_modal_data",
+                f"the prompt has {prompt.count(image_token)} image placeholders ({image_token}) for "
+                f"{len(images)} images",
+            )
+        try:
+            encoded = processor(text=prompt, images=images, return_tensors="pt", add_special_tokens=not rendered)
+        except (ValueError, TypeError, OSError) as exc:
+            raise InputError("multi_modal_data", f"the images cannot be processed: {exc}") from None
+        ids = encoded["input_ids"][0].tolist()
+        pixels = encoded["pixel_values"].to(torch.float32).contiguous()
+        token_id = image_config.image_token_index
+        positions = [i for i, t in enumerate(ids) if t == token_id]
+        per_image = len(positions) // len(images)
+        placeholders = []
+        for k in range(len(images)):
+            run = positions[k * per_image : (k + 1) * per_image]
+            if not run or run[-1] - run[0] + 1 != per_image:
+                raise InputError("multi_modal_data", "an image's tokens are not one run in the processed prompt")
+            placeholders.append((run[0], per_image))
+        hashes = tuple(hashlib.sha256(pixels[k].numpy().tobytes()).hexdigest() for k in range(len(images)))
+        return ids, ImageInputs(pixels, tuple(placeholders), hashes)
+
+    def loaded(self, image: Any) -> Any:
+        """A request's image: a PIL image as it is, a URL loaded (``media.load_image``: data, http(s), file)."""
+        if not isinstance(image, str):
+            return image
+        try:
+            return load_image(image, self.media_options)
+        except MediaError as exc:
+            raise InputError(exc.param, str(exc)) from None
+
+    def _image_processor(self) -> Any:
+        """The model's Hugging Face processor (its image processor, with this engine's tokenizer), made once."""
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(self.config.model_path, tokenizer=self.tokenizer)
+        return self._processor
 
     # ---- constraints and adapters ----------------------------------------------
     def compile_grammar(
@@ -250,16 +336,28 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        images: list[Any] | None = None,
+        rendered: bool = False,
     ) -> tuple[SamplingParams, EngineCoreRequest]:
         """The request checked and resolved: the caller's params (logprobs resolved against the
         vocabulary: what outputs are built by) and the core's request (``request_id`` is the id
-        of its first sequence)."""
+        of its first sequence). ``images``: PIL images for the ``<image>`` placeholders of the text ``prompt``
+        (``image_prompt``; ``rendered``: the prompt is a chat template's rendering)."""
         config = self.config
         if config.pooler is not None:
             raise _not_generative(config)
         lora = None if lora_request is None else self.check_lora(lora_request)
         check_sampling(params, config.hf_config.vocab_size, config.limits)
         params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
+        image_inputs = None
+        if images:
+            images = [self.loaded(image) for image in images]
+            if prompt_token_ids is not None or prompt is None:
+                raise InputError("multi_modal_data", "images go with a text prompt (its image placeholders), not ids")
+            if params.truncate_prompt_tokens is not None:
+                raise InputError("truncate_prompt_tokens", "truncate_prompt_tokens would cut a prompt's image tokens")
+            prompt_token_ids, image_inputs = self.image_prompt(prompt, images, rendered)
+            cache_salt = image_cache_salt(cache_salt, image_inputs)
         prompt_token_ids = self._checked_prompt(
             prompt, prompt_token_ids, params.truncate_prompt_tokens, params.truncation_side == "right"
         )
@@ -286,6 +384,7 @@ class InputProcessor:
             lora=lora,
             matchers=matchers,
             num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
+            images=image_inputs,
         )
 
     def _thinking_budgets(self, params: SamplingParams, prompt_token_ids: list[int], grammars: list) -> list:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
 
@@ -115,11 +115,21 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        images: list[Any] | None = None,
+        rendered: bool = False,
     ) -> ProcessedRequest:
         """The input processor's half of ``add_request``: touches no engine state, so servers run it
         off the engine thread and hand the result to ``add_processed`` there."""
         params, core_request = self.input_processor.process(
-            self._seq_id(request_id), prompt, sampling_params, prompt_token_ids, priority, cache_salt, lora_request
+            self._seq_id(request_id),
+            prompt,
+            sampling_params,
+            prompt_token_ids,
+            priority,
+            cache_salt,
+            lora_request,
+            images,
+            rendered,
         )
         return ProcessedRequest(request_id, prompt, params, core_request)
 
@@ -205,18 +215,29 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        images: list[Any] | None = None,
+        rendered: bool = False,
     ) -> str:
         """Validate and queue one request; returns its id. Bad input raises ``ValueError``.
 
         ``prompt_token_ids``, when given, are used as they are (``prompt`` is then
         only reported back); otherwise ``prompt`` is tokenized. Requests with
         different ``cache_salt`` never share prefix-cache blocks, nor do requests on
-        different LoRA adapters (``lora_request``; ``None``: the base model).
+        different LoRA adapters (``lora_request``; ``None``: the base model). ``images``: PIL images for the
+        image placeholders of a text ``prompt`` (an image-text model's).
         """
         request_id = self.new_request_id(request_id)
         return self.add_processed(
             self.process_request(
-                request_id, prompt, sampling_params, prompt_token_ids, priority, cache_salt, lora_request
+                request_id,
+                prompt,
+                sampling_params,
+                prompt_token_ids,
+                priority,
+                cache_salt,
+                lora_request,
+                images,
+                rendered,
             )
         )
 

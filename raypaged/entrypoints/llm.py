@@ -19,6 +19,7 @@ from raypaged.entrypoints.vllm_compat import check_default_only, task_as_runner,
 from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY, Option
 from raypaged.inputs.limits import check_priority
 from raypaged.lora.request import LoRARequest
+from raypaged.multimodal import has_chat_images
 from raypaged.outputs import (
     BeamSearchOutput,
     ClassificationRequestOutput,
@@ -96,7 +97,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
-        A prompt is a string or ``{"prompt_token_ids": [...]}``. One
+        A prompt is a string, ``{"prompt_token_ids": [...]}``, or (an image-text model's) ``{"prompt": text,
+        "multi_modal_data": {"image": image or [images]}}`` with one image placeholder in the text per PIL image. One
         ``SamplingParams`` applies to all prompts, or pass one per prompt;
         ``priority`` (one per prompt, lower first) matters under
         ``scheduling_policy="priority"``. Every prompt is validated before any
@@ -105,6 +107,18 @@ class LLM:
         the LoRA adapter of every prompt, or one per prompt (``None``: the base model),
         as vLLM's (needs ``enable_lora=True``).
         """
+        return self._generate(prompts, sampling_params, use_tqdm, priority, lora_request)
+
+    def _generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        rendered: bool = False,
+    ) -> list[RequestOutput]:
+        """``generate``; ``rendered``: the prompts' texts are chat templates' renderings (``chat``'s with images)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -132,7 +146,8 @@ class LLM:
                     f"got {len(loras)} lora_request for {len(prompts)} prompts; pass one or one per prompt"
                 )
         engine = self.llm_engine
-        resolved = [_prompt_input(p) for p in prompts]
+        resolved = [_prompt_input(p, _GENERATE_PROMPT_KEYS) for p in prompts]
+        images = [_prompt_images(p) for p in prompts]
         # only the finished output is read: the engine builds nothing for the steps in between
         params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         submissions = [
@@ -144,8 +159,12 @@ class LLM:
                 priority=prio,
                 cache_salt=salt,
                 lora_request=lora,
+                images=prompt_images,
+                rendered=rendered,
             )
-            for (text, token_ids, salt), params, prio, lora in zip(resolved, params_list, priorities, loras)
+            for (text, token_ids, salt), params, prio, lora, prompt_images in zip(
+                resolved, params_list, priorities, loras, images
+            )
         ]
         return self._submit_and_run(submissions, use_tqdm)
 
@@ -186,20 +205,28 @@ class LLM:
         (``chat_template`` replaces the model's for this call), as vLLM's ``LLM.chat``."""
         conversations = [messages] if _is_conversation(messages) else messages
         engine = self.llm_engine
-        prompts = []
+        inputs = engine.input_processor
+        options = dict(
+            tools=tools,
+            documents=documents,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            trusted=True,
+        )
+        prompts: list[PromptType] = []
+        with_images = [has_chat_images(c) for c in conversations]
+        if any(with_images) and not all(with_images):
+            raise ValueError("LLM.chat takes conversations that all have images, or none that has")
         for conversation in conversations:
-            ids = engine.input_processor.chat_ids(
-                conversation,
-                tools=tools,
-                documents=documents,
-                chat_template=chat_template,
-                chat_template_kwargs=chat_template_kwargs,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                trusted=True,
-            )
-            prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+            if with_images[0]:
+                text, images = inputs.chat_with_images(conversation, **options)
+                prompts.append({"prompt": text, "multi_modal_data": {"image": [inputs.loaded(i) for i in images]}})
+            else:
+                ids = inputs.chat_ids(conversation, **options)
+                prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
+        return self._generate(prompts, sampling_params, use_tqdm, rendered=with_images[0])
 
     def encode(
         self,
@@ -379,6 +406,28 @@ def _is_conversation(messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 _POOLING_PROMPT_KEYS = (*_PROMPT_KEYS, "token_type_ids")  # a BERT text pair's token types (vLLM's TokensPrompt)
+_GENERATE_PROMPT_KEYS = (*_PROMPT_KEYS, "multi_modal_data")  # an image-text model's images (vLLM's TextPrompt)
+
+
+def _prompt_images(prompt: PromptType) -> list[Any] | None:
+    """The PIL images of a prompt's ``multi_modal_data`` (``{"image": image or [images]}``, as vLLM's), or None; any
+    other modality is refused by name."""
+    if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+        return None
+    from PIL import Image
+
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, dict):
+        raise ValueError(f"a prompt's multi_modal_data must be a dict of modalities, got {type(data).__name__}")
+    other = next((key for key in data if key != "image"), None)
+    if other is not None:
+        raise ValueError(f"a prompt's multi_modal_data {other!r} is not supported: the served models read images")
+    images = data.get("image")
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    for image in images:
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"a prompt's multi_modal_data images must be PIL images, got {type(image).__name__}")
+    return images
 
 
 def _pair_prompt(token_ids: list[int], token_types: list[int] | None) -> dict[str, Any]:

@@ -7,8 +7,6 @@ spelling: a flag on the command line, a keyword in ``LLM()``. ``list`` options t
 
 from __future__ import annotations
 
-import json
-
 # option (as a keyword), its short flags, type, the values taken (the first is the default), why another is refused
 Option = tuple[str, tuple[str, ...], type, tuple[object, ...], str]
 
@@ -21,7 +19,10 @@ _EXPERTS_TP = (
 _NO_ROUTED = "the experts' routing stays inside the engine (no routed experts are returned)"
 _TORCH_EXPERTS = "the experts run in torch, routed as transformers routes them"
 _NO_EXPERT_LORA = "LoRA adapters adapt a mixture-of-experts model's attention, never its experts"
-_TEXT_ONLY = "the served models read text only"
+_TEXT_ONLY = (
+    "image inputs take no options here: the model's own processor reads them and its vision tower encodes them in "
+    "the step (LLaVA)"
+)
 _NO_DP = (
     "`raypaged serve` runs its data-parallel ranks as engine processes on its own node (--data-parallel-size); "
     "for ranks on other nodes run `raypaged engine` on each and name every one on `raypaged gateway` "
@@ -44,32 +45,6 @@ _NO_SLEEP = (
 _ONE_CHUNKED = "the scheduler prefills one prompt in chunks at a time"
 _KERNELS = "raypaged's kernels are chosen per device"
 
-
-class _NoMedia:
-    """``--limit-mm-per-prompt`` at 0 for every modality (vLLM's text-only serving of an image-text model), as JSON
-    text or a dict: ``{"image": 0, "video": 0}``, or ``{"image": {"count": 0}}``."""
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
-            try:
-                other = json.loads(other)
-            except json.JSONDecodeError:
-                return False
-        if not isinstance(other, dict) or not other:
-            return False
-        counts = [limit.get("count") if isinstance(limit, dict) else limit for limit in other.values()]
-        return all(type(count) is int and count == 0 for count in counts)
-
-    def __hash__(self) -> int:
-        return 0
-
-    def __str__(self) -> str:
-        return '{"image": 0}'
-
-    __repr__ = __str__
-
-
-NO_MEDIA = _NoMedia()
 
 DEFAULT_ONLY: list[Option] = [
     ("pipeline_parallel_size", ("-pp",), int, (1,), "pipeline parallelism is not implemented: shard layers with -tp"),
@@ -139,13 +114,6 @@ DEFAULT_ONLY: list[Option] = [
         str,
         (None,),
         "the model folder's config.json is read ({hf_overrides} changes it)",
-    ),
-    (
-        "limit_mm_per_prompt",
-        (),
-        str,
-        (None, NO_MEDIA),
-        "the served models read text only (an image-text checkpoint's language model): every modality's limit is 0",
     ),
     (
         "chat_template_content_format",
@@ -304,8 +272,6 @@ DEFAULT_ONLY: list[Option] = [
     ("mm_processor_device", (), str, (None,), _TEXT_ONLY),
     ("mm_ipc_gpu_memory_gb", (), float, (None,), _TEXT_ONLY),
     ("mm_device_do_normalize", (), bool, (None,), _TEXT_ONLY),
-    ("allowed_local_media_path", (), str, (None, ""), _TEXT_ONLY),
-    ("allowed_media_domains", (), list, (None,), _TEXT_ONLY),
     ("disable_chunked_mm_input", (), bool, (None, False), _TEXT_ONLY),
     ("enable_multimodal_encoder_data_parallel", (), bool, (None, False), _TEXT_ONLY),
     # LoRA

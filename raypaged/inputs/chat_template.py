@@ -33,7 +33,12 @@ _RESERVED_KWARGS = frozenset(
 )
 
 
-def render_chat(
+def render_chat(tokenizer: PreTrainedTokenizerBase, *args: Any, **kwargs: Any) -> list[int]:
+    """Token ids of ``render_chat_text``'s text (its special tokens are the template's own: none are added)."""
+    return tokenizer(render_chat_text(tokenizer, *args, **kwargs), add_special_tokens=False)["input_ids"]
+
+
+def render_chat_text(
     tokenizer: PreTrainedTokenizerBase,
     conversation: list[dict[str, Any]],
     config: EngineConfig,
@@ -45,10 +50,10 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     trusted: bool = False,
-) -> list[int]:
-    """Token ids of ``conversation``; ``chat_template`` (a request's own) needs ``trusted`` (the
-    caller is the operator: ``LLM.chat``) or ``config.trust_request_chat_template``. Bad input
-    raises ``InputError``."""
+) -> str:
+    """``conversation`` rendered with the chat template; ``chat_template`` (a request's own) needs ``trusted`` (the
+    caller is the operator: ``LLM.chat``) or ``config.trust_request_chat_template``. Bad input raises
+    ``InputError``."""
     if not conversation:
         raise InputError("messages", "messages must not be empty")
     template = config.chat_template_text
@@ -84,4 +89,4 @@ def render_chat(
         )
     except Exception as exc:  # jinja2's TemplateError (raise_exception) and the template's own bugs
         raise InputError("messages", f"the chat template failed: {type(exc).__name__}: {exc}") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text

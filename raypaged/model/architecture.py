@@ -160,9 +160,11 @@ class Architecture:
     dense_intermediate_size: int | None = None
 
 
-# image-text checkpoints whose language model raypaged serves for text: the wrapper -> its language model's
-# architecture (their vision tower and projector are not loaded; a request with an image is refused by name)
+# image-text checkpoints whose language model raypaged serves: the wrapper -> its language model's architecture.
+# Those of IMAGE_WRAPPERS read images too (their vision tower and projector are loaded); for the others, text only is
+# served (their vision tensors are not loaded; a request with an image is refused by name)
 MULTIMODAL_WRAPPERS = {
+    "LlavaForConditionalGeneration": "LlamaForCausalLM",
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",
     "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
@@ -170,6 +172,7 @@ MULTIMODAL_WRAPPERS = {
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
+IMAGE_WRAPPERS = ("LlavaForConditionalGeneration",)
 # their language models' model types, as the family's (Qwen-VL's multimodal rotary is the plain one over text alone:
 # a text token's three position axes are the same position)
 _TEXT_MODEL_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
@@ -192,6 +195,13 @@ def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
             setattr(text, key, getattr(config, key))
     text.raypaged_multimodal = wrapper
     return text
+
+
+def image_model_config(config: PretrainedConfig) -> PretrainedConfig | None:
+    """The whole config of a checkpoint whose images raypaged reads (``IMAGE_WRAPPERS``: its vision tower, projector
+    and image token are in it), or None for a model of text only."""
+    architectures = getattr(config, "architectures", None) or []
+    return config if any(a in IMAGE_WRAPPERS for a in architectures) else None
 
 
 def gemma_name(config: PretrainedConfig) -> str | None:

@@ -471,9 +471,17 @@ class LlamaModel(nn.Module):
         self.kv_scales_pending = False  # the next step calculates the K/V scales (the layers' path, not the C one)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
+        """``embeds``: (token indices, their embeddings) that replace the token embeddings there (images')."""
         x, residual = self.embed_tokens(input_ids), None
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
         step = self.cpu_step
         if self.kv_scales_pending:  # this step calculates the layers' K/V scales, one layer at a time
             step, self.kv_scales_pending = None, False
@@ -528,9 +536,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, embeds)
 
     def attentions(self) -> list[LlamaAttention | MlaAttention]:
         """Each layer's attention."""

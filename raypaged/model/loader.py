@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
@@ -14,20 +14,46 @@ from transformers import PretrainedConfig
 from raypaged.model.encoder import Encoder, build_encoder, is_encoder
 from raypaged.model.layers import packs_weights
 from raypaged.model.llama import LlamaForCausalLM
+from raypaged.model.llava_vision import LlavaImageEncoder, is_vision_tensor
 from raypaged.model.moe import grouped_gemms_run
 from raypaged.model.parallel import TensorParallel
 from raypaged.quantization.base import QuantizationConfig
 from raypaged.quantization.linear import cast_model, finish_loading
 
 
-def iter_checkpoint(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(
+    model_path: Path, select: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's safetensors files (``select``: only the names it takes are read)."""
     files = sorted(model_path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {model_path}")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if select is None or select(name):
+                    yield name, f.get_tensor(name)
+
+
+def load_image_encoder(
+    model_path: Path,
+    image_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str,
+    seed: int,
+) -> LlavaImageEncoder:
+    """An image-text checkpoint's vision tower and projector (whole on every tensor-parallel rank), in ``dtype``."""
+    with torch.device(device), default_dtype(dtype):
+        encoder = LlavaImageEncoder(image_config)
+    if load_format == "dummy":
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for param in encoder.parameters():
+                param.uniform_(-1e-3, 1e-3, generator=generator)
+    else:
+        encoder.load_weights(iter_checkpoint(model_path, is_vision_tensor))
+    return encoder.to(dtype).eval()
 
 
 def load_model(

@@ -13,9 +13,25 @@ if TYPE_CHECKING:
 
 
 def chat_prompt_ids(inputs: InputProcessor, messages: pb.ChatMessages) -> list[int]:
-    """Token ids of the conversation rendered with its template; bad input raises ``InputError``."""
-    return inputs.chat_ids(
-        [_turn(m) for m in messages.messages],
+    """Token ids of the conversation rendered with its template; bad input raises ``InputError`` (a conversation with
+    images too: only ``Generate`` reads them, through ``chat_prompt_with_images``)."""
+    if has_images(messages):
+        raise InputError("messages", "messages with images are read by generation only (not tokenized or rendered)")
+    return inputs.chat_ids([_turn(m) for m in messages.messages], **_options(messages))
+
+
+def has_images(messages: pb.ChatMessages) -> bool:
+    return any(m.image_urls for m in messages.messages)
+
+
+def chat_prompt_with_images(inputs: InputProcessor, messages: pb.ChatMessages) -> tuple[str, list[str]]:
+    """The conversation rendered with its template, its images as placeholder lines, and the images' URLs in order
+    (``InputProcessor.chat_with_images``)."""
+    return inputs.chat_with_images([_turn(m) for m in messages.messages], **_options(messages))
+
+
+def _options(messages: pb.ChatMessages) -> dict[str, Any]:
+    return dict(
         tools=_json(messages.tools_json, "tools", list, None),
         documents=_json(messages.documents_json, "documents", list, None),
         chat_template=messages.chat_template or None,
@@ -41,6 +57,9 @@ def conversation_chars(messages: pb.ChatMessages) -> int:
 
 def _turn(message: pb.ChatMessage) -> dict[str, Any]:
     turn: dict[str, Any] = {"role": message.role, "content": message.content if message.HasField("content") else None}
+    if message.image_urls:  # content parts, as the chat API's: the images, then the text
+        images = [{"type": "image_url", "image_url": {"url": url}} for url in message.image_urls]
+        turn["content"] = [*images, {"type": "text", "text": turn["content"] or ""}]
     if message.name:
         turn["name"] = message.name
     if message.tool_call_id:

@@ -45,12 +45,13 @@ from raypaged.inputs.limits import (
     check_text,
     check_token_ids,
 )
+from raypaged.inputs.media import MediaError, MediaOptions, load_image_async
 from raypaged.lora.request import LoRARequest
 from raypaged.model.default_model import DEFAULT_MODEL
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import BeamSearchParams, SamplingParams
 from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
-from raypaged.serving.chat import chat_prompt_ids, conversation_chars
+from raypaged.serving.chat import chat_prompt_ids, chat_prompt_with_images, conversation_chars, has_images
 from raypaged.serving.derender import derendered
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tenants import AuthError, TenantGate, Tenants
@@ -257,7 +258,14 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         try:
             try:
                 await hold.admit()
-                text, token_ids = await _prompt(model, request, model.inputs.prompt_ids)
+                images = None
+                text: str | None
+                token_ids: list[int] | None
+                if request.WhichOneof("prompt") == "messages" and has_images(request.messages):
+                    text, urls = await model.off_loop(chat_prompt_with_images, model.inputs, request.messages)
+                    token_ids, images = None, await _images(urls, model.inputs.media_options)
+                else:
+                    text, token_ids = await _prompt(model, request, model.inputs.prompt_ids)
                 await engine.add_request(
                     text,
                     params,
@@ -267,6 +275,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                     cache_salt=self._cache_salt(gate, request.cache_salt),
                     lora_request=lora,
                     beam=beam,
+                    **({} if images is None else _with_images(images)),
                 )
             except _REFUSED as exc:
                 await hold.let_go(in_engine=False)
@@ -689,6 +698,20 @@ def _engine_ready(request: pb.GenerateRequest, processed: ProcessedRequest) -> p
     ready.sampling.repetition_penalty = params.repetition_penalty
     ready.stopping.max_tokens = processed.core_request.max_tokens
     return ready
+
+
+def _with_images(images: list[Any]) -> dict[str, Any]:
+    """``add_request``'s keywords for a conversation's images (its text is the chat template's rendering)."""
+    return {"images": images, "rendered": True}
+
+
+async def _images(urls: list[Any], options: MediaOptions) -> list[Any]:
+    """A conversation's images, fetched and decoded together (``InputError`` naming the field of the first that
+    cannot be loaded)."""
+    try:
+        return list(await asyncio.gather(*(load_image_async(url, options, "messages") for url in urls)))
+    except MediaError as exc:
+        raise InputError(exc.param, str(exc)) from None
 
 
 async def _prompt(

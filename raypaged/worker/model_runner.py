@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from raypaged.lora.manager import LoRAManager
     from raypaged.lora.request import LoRARequest
     from raypaged.model.llama import LlamaForCausalLM
+    from raypaged.model.llava_vision import LlavaImageEncoder
+    from raypaged.multimodal import ImageInputs
     from raypaged.spec_decode.draft_model import DraftModelProposer
 
 logger = logging.getLogger("raypaged")
@@ -59,6 +61,8 @@ class CachedRequestState:
     prompt_array: np.ndarray | None = None  # the prompt as int64, made for its first span of several tokens
     token_type_start: int | None = None  # BERT's text pair: its second text's first token (type 1 from there)
     row: int = -1  # its row of the runner's BlockTables
+    images: ImageInputs | None = None  # the prompt's images
+    image_embeds: torch.Tensor | None = None  # their embeddings, one row per image token, once a step needs them
 
     def token_at(self, position: int) -> int:
         num_prompt = len(self.prompt_token_ids)
@@ -106,6 +110,7 @@ class StepInputs:
     sampled_request_ids: list[str]
     # requests wanting prompt logprobs: (request id, first step token index, first prompt token predicted, count)
     prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # image rows: (step token indices, embeddings)
 
 
 class ModelRunner:
@@ -122,6 +127,7 @@ class ModelRunner:
         async_scheduling: bool = False,
         logprobs_mode: str = RAW_LOGPROBS,
         pooling_type: str | None = None,
+        image_encoder: LlavaImageEncoder | None = None,
     ) -> None:
         """``samples``: this rank samples and reports tokens (rank 0); the others only run the forward.
         ``logprobs_mode``: what the logprobs requests ask for hold (``sampler.sample``).
@@ -151,6 +157,7 @@ class ModelRunner:
         self._lora_slot_of: dict[int, int] = {}  # adapter id -> the slot holding it
         self.spec_states: list[CachedRequestState] = []  # the requests verifying drafts this step
         self.drafter: DraftModelProposer | None = None  # speculative decoding with a draft model
+        self.image_encoder = image_encoder  # an image-text model's: encodes a request's images when first needed
 
     def update_states(self, so: SchedulerOutput) -> None:
         tables = self.block_tables
@@ -173,6 +180,7 @@ class ModelRunner:
                 new.num_spec_tokens,
                 row=tables.add(new.block_ids),
                 token_type_start=new.token_type_start,
+                images=new.images,
             )
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
@@ -216,6 +224,7 @@ class ModelRunner:
         sample_indices: list[int] = []
         sampled_ids: list[str] = []
         prompt_spans: list[tuple[str, int, int, int]] = []
+        image_spans: list[tuple[CachedRequestState, int, int, int]] = []  # (state, query start, start, end)
         token_slots: list[int | None] | None = [] if self.lora is not None else None
         bs = self.block_size
         num_step_tokens = 0
@@ -240,6 +249,8 @@ class ModelRunner:
                 span_slots.append(table[span_pos // bs] * bs + span_pos % bs)
                 span_tables.append(table)
                 spans.append((query_start, num_new, end))
+            if state.images is not None and state.images.overlaps(start, end):
+                image_spans.append((state, query_start, start, end))
             num_drafts = len(state.spec_token_ids)
             if end == state.num_tokens + num_drafts:  # the last known token: its logits give the next one
                 # a run of drafts: every position's logits, each verifying the draft after it
@@ -297,7 +308,32 @@ class ModelRunner:
             sample_indices=sample_t,
             sampled_request_ids=sampled_ids,
             prompt_spans=prompt_spans,
+            embeds=self._image_rows(image_spans) if image_spans else None,
         )
+
+    def _image_rows(self, spans: list[tuple[CachedRequestState, int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows at image positions and their embeddings: each request's images are encoded when a step
+        first reaches them (again after a preemption that rebuilt it) and dropped once its prompt is computed."""
+        encoder = self.image_encoder
+        assert encoder is not None, "a request with images reached a model without a vision tower"
+        indices: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for state, query_start, start, end in spans:
+            images = state.images
+            assert images is not None
+            if state.image_embeds is None:
+                pixels = images.pixel_values.to(self.device)
+                state.image_embeds = encoder(pixels).flatten(0, 1)  # [num_images * tokens_per_image, hidden]
+            first_row = 0  # the image's first row of image_embeds
+            for offset, length in images.placeholders:
+                lo, hi = max(start, offset), min(end, offset + length)
+                if lo < hi:
+                    indices.append(torch.arange(query_start + lo - start, query_start + hi - start))
+                    values.append(state.image_embeds[first_row + lo - offset : first_row + hi - offset])
+                first_row += length
+            if end >= images.placeholders[-1][0] + images.placeholders[-1][1]:
+                state.image_embeds = None  # every image token is computed: no later step reads them
+        return torch.cat(indices).to(self.device), torch.cat(values)
 
     def capture_decode_graphs(
         self, decode_sizes: list[int], max_model_len: int, token_buckets: list[int] | None = None
@@ -339,7 +375,9 @@ class ModelRunner:
             and self.lora.lora_model.step.mapping is not None
             and (not self.lora.lora_model.step.mapping.is_empty)
         )
-        if (
+        if step.embeds is not None:  # image rows: the eager forward takes them (no graph records embeddings)
+            hidden = self.model(step.input_ids, step.positions, self.cache.layers, meta, step.embeds)
+        elif (
             self.graphs is not None
             and not meta.prefills
             and (not adapted or self.graphs.records_lora)

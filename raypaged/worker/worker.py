@@ -19,7 +19,7 @@ from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.model.architecture import attention_backends, torch_attention_reason
 from raypaged.model.llama import LlamaForCausalLM, cache_head_dim, num_kv_heads_per_rank
-from raypaged.model.loader import load_model
+from raypaged.model.loader import load_image_encoder, load_model
 from raypaged.model.parallel import TensorParallel
 from raypaged.worker.cache import KVCache
 from raypaged.worker.host_memory import retain_freed_memory
@@ -82,6 +82,11 @@ class Worker:
             head=config.pooler is None,
             num_labels=0 if config.pooler is None else len(config.pooler.labels),
         )
+        self.image_encoder = None  # an image-text model's vision tower and projector (LlavaImageEncoder)
+        if config.image_hf_config is not None:
+            self.image_encoder = load_image_encoder(
+                config.model_path, config.image_hf_config, self.dtype, self.device, config.load_format, config.seed
+            )
         # the CUDA kernels read a cache of the model's dtype, and an fp8 e4m3 one with $RAYPAGED_FP8_KV_KERNELS=1: for
         # any other an fp8 cache is read and written in torch (the CPU kernels read and write an fp8 e4m3 cache
         # themselves; select_backend says when they cannot)
@@ -297,6 +302,7 @@ class Worker:
             async_scheduling=self.config.resolved_async_scheduling,
             logprobs_mode=self.config.logprobs_mode,
             pooling_type=None if self.config.pooler is None else self.config.pooler.pooling_type,
+            image_encoder=self.image_encoder,
         )
         if self.draft_model is not None:
             from raypaged.spec_decode.draft_model import DraftModelProposer

@@ -117,8 +117,7 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         ),
         (
             ["--limit-mm-per-prompt", '{"image": 1}'],
-            '--limit-mm-per-prompt {"image": 1} is not supported: the served models read text only (an image-text '
-            "checkpoint's language model): every modality's limit is 0",
+            "--limit-mm-per-prompt image: 1 is not supported: the model reads text only",
         ),
         (
             ["--chat-template-content-format", "openai"],

@@ -4,6 +4,7 @@ variables, continuing the last turn; a template's own error is a ``ValueError`` 
 from __future__ import annotations
 
 import pytest
+from PIL import Image
 
 from raypaged import LLM, SamplingParams
 from raypaged.sampling_params import BeamSearchParams
@@ -105,7 +106,7 @@ def test_a_prompts_cache_salt_keeps_its_prefix_blocks_to_its_own_salt(llm):
     )
     assert len(beams[0].sequences) == 2
     assert [cached(), cached(cache_salt="z")] == [0, 64]  # the beam search left its blocks under its salt only
-    with pytest.raises(ValueError, match="a prompt's 'multi_modal_data' is not supported: a prompt dict takes prompt"):
-        llm.generate({"prompt": "hi", "multi_modal_data": {"image": None}}, ONE, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"reads text only \(no images\)$"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": Image.new("RGB", (4, 4))}}, ONE, use_tqdm=False)
     with pytest.raises(ValueError, match="a prompt's cache_salt must be a non-empty string, got ''"):
         llm.generate({"prompt": "hi", "cache_salt": ""}, ONE, use_tqdm=False)

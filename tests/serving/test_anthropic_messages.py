@@ -534,7 +534,7 @@ def test_cache_control_is_refused_where_the_model_has_no_prefix_cache(stack, tin
         (
             {"messages": [*USER, {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
             "messages.1.content.0: assistant messages take content blocks of type text, tool_use, thinking, not "
-            "'redacted_thinking' (the served models read text)",
+            "'redacted_thinking' (this API reads text; images go through /v1/chat/completions)",
         ),
         (
             {"messages": [*USER, ASKS_WEATHER[1]]},

@@ -225,7 +225,8 @@ def test_output_text_logprobs_are_included_on_request(client):
         ({"tools": [{"type": "web_search"}]}, "tools of type 'web_search' are not supported (function tools only)"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
-            "input[0] content of type 'input_image' is not supported (the served models read text)",
+            "input[0] content of type 'input_image' is not supported (this API reads text; images go through "
+            "/v1/chat/completions)",
         ),
         ({"background": True}, "background is not supported by this server; send the request without it"),
         ({"truncation": "auto"}, "truncation 'auto' is not supported (only disabled: a prompt too long is a 400)"),

@@ -157,7 +157,7 @@ class InputMessage(_Part):
                 raise APIError(
                     400,
                     f"{at}: {self.role} messages take content blocks of type {', '.join(kinds)}, not {kind!r} "
-                    "(the served models read text)",
+                    "(this API reads text; images go through /v1/chat/completions)",
                     at,
                 )
             blocks.append(_validated_block(kinds[kind], given, at))

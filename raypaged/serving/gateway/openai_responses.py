@@ -191,7 +191,10 @@ def _text_of(content: Any, index: int) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _INPUT_TEXT:
             raise APIError(
-                400, f"input[{index}] content of type {kind!r} is not supported (the served models read text)", "input"
+                400,
+                f"input[{index}] content of type {kind!r} is not supported (this API reads text; images go through "
+                "/v1/chat/completions)",
+                "input",
             )
         texts.append(part.get("text", ""))
     return "".join(texts)

@@ -388,9 +388,34 @@ def split_prompts(prompts: Prompts, param: str) -> list[dict]:
     return [{"token_ids": pb.TokenIds(ids=p)} for p in prompts]
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    detail: str | None = None  # OpenAI's resolution hint: only "auto" (the model's own resolution) is taken
+
+
 class TextPart(BaseModel):
+    """A message content part: ``text``, or ``image_url`` (an image-text model's image)."""
+
     type: str
     text: str | None = None
+    image_url: ImageUrl | str | None = None
+
+    def url(self) -> str:
+        """An ``image_url`` part's URL; a 400 naming what is missing or refused."""
+        image = self.image_url
+        url = image.url if isinstance(image, ImageUrl) else image
+        if not url:
+            raise APIError(400, "an image_url content part needs image_url.url", "messages")
+        if isinstance(image, ImageUrl) and image.detail not in (None, "auto"):
+            raise APIError(
+                400,
+                f"image_url.detail {image.detail!r} is not supported: images are read at the model's own resolution "
+                "(detail 'auto')",
+                "messages",
+            )
+        return url
 
 
 _UNSUPPORTED_IN_MESSAGES = ("function_call",)
@@ -432,6 +457,8 @@ class ChatMessage(BaseModel):
         )
         if self.content is not None or not self.tool_calls:  # none at all: an assistant turn that only calls tools
             message.content = self.text()
+        if isinstance(self.content, list):
+            message.image_urls.extend(p.url() for p in self.content if p.type == "image_url")
         return message
 
     @model_validator(mode="after")
@@ -446,10 +473,12 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        unsupported = [p.type for p in self.content if p.type != "text"]
+        unsupported = [p.type for p in self.content if p.type not in ("text", "image_url")]
         if unsupported:
-            raise APIError(400, f"only text content parts are supported, got {unsupported[0]!r}", "messages")
-        return "".join(p.text or "" for p in self.content)
+            raise APIError(
+                400, f"only text and image_url content parts are supported, got {unsupported[0]!r}", "messages"
+            )
+        return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
 class ChatCompletionRequest(_GenerationBody):

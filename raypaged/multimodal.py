@@ -1,0 +1,83 @@
+"""A prompt's images, as they travel from the input processor to the model runner (no torch import here: the core
+and the scheduler hold them without reading them).
+
+The input processor runs the model's own Hugging Face processor: it expands each image's placeholder in the prompt
+into the run of image tokens the model reads, and makes the pixel values. The scheduler keeps them on the request
+and sends them to the workers with the request (again after a preemption that drops its KV cache). The runner
+encodes a request's images once, when a step first computes one of their positions, and each step's rows at those
+positions take the image's embeddings instead of the token embedding of the placeholder id. Prefix-cache keys
+carry each image's hash (the request's cache salt), so that prompts with different images never share blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInputs:
+    """A prompt's images: their pixels as the model's processor made them, where their tokens are, their hashes."""
+
+    pixel_values: Any  # torch.Tensor [num_images, 3, height, width], float32 on the CPU
+    placeholders: tuple[tuple[int, int], ...]  # per image: (its first prompt position, its number of tokens)
+    hashes: tuple[str, ...]  # per image: the sha256 of its pixel values
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether prompt positions ``start..end-1`` hold image tokens."""
+        return any(offset < end and start < offset + length for offset, length in self.placeholders)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(length for _, length in self.placeholders)
+
+
+def image_cache_salt(salt: str | None, images: ImageInputs) -> str:
+    """The prefix-cache namespace of a prompt with ``images``: its own salt and its images' hashes."""
+    return f"{salt or ''}|images:{','.join(images.hashes)}"
+
+
+IMAGE_PART_TYPES = ("image_url", "image_pil")  # a chat message's image content parts (OpenAI's; vLLM's offline PIL)
+
+
+def split_chat_images(conversation: list[dict[str, Any]], placeholder: str) -> tuple[list[dict[str, Any]], list[Any]]:
+    """A conversation's images taken out of its messages' content parts, in order (each an image URL, or a PIL
+    image from ``image_pil``), and the conversation for the chat template: a message with images becomes its text
+    after one ``placeholder`` line per image, as vLLM renders content for the ``string`` format. Messages without
+    images are left as they are; a part of any other type is refused by name."""
+    images: list[Any] = []
+    rendered = []
+    for message in conversation:
+        content = message.get("content")
+        if not isinstance(content, list) or not any(_part_type(part) in IMAGE_PART_TYPES for part in content):
+            rendered.append(message)
+            continue
+        texts, found = [], []
+        for part in content:
+            kind = _part_type(part)
+            if kind == "text":
+                texts.append(part.get("text") or "")
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise ValueError("an image_url content part needs image_url.url")
+                found.append(url)
+            elif kind == "image_pil":
+                found.append(part.get("image_pil"))
+            else:
+                raise ValueError(f"content parts of type {kind!r} are not supported: text and images only")
+        images += found
+        rendered.append({**message, "content": "\n".join([placeholder] * len(found) + ["".join(texts)])})
+    return rendered, images
+
+
+def has_chat_images(conversation: list[dict[str, Any]]) -> bool:
+    return any(
+        isinstance(m.get("content"), list) and any(_part_type(p) in IMAGE_PART_TYPES for p in m["content"])
+        for m in conversation
+    )
+
+
+def _part_type(part: Any) -> str | None:
+    return part.get("type") if isinstance(part, dict) else None
