@@ -123,6 +123,55 @@ def test_data_url_and_fetched_images_answer_as_transformers_and_llm_chat(stack, 
     assert offline.outputs[0].text == answers[0]
 
 
+def test_the_responses_and_messages_apis_take_images_as_chat_does(stack, image_server):
+    base, images = image_server
+    url = data_url(images["/a.png"])
+    with stack.client() as client:
+        answer = chat(client, conversation(url)).json()["choices"][0]["message"]["content"]
+        response = client.post(
+            "/v1/responses",
+            json={
+                "model": "llava",
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "What is in the picture?"},
+                            {"type": "input_image", "image_url": url, "detail": "auto"},
+                        ],
+                    }
+                ],
+                "max_output_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["output"][0]["content"][0]["text"] == answer
+        plain = {"model": "llava", "messages": conversation(url), "max_tokens": MAX_TOKENS, "temperature": 0}
+        answer = client.post("/v1/chat/completions", json=plain).json()["choices"][0]["message"]["content"]
+        source = {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}
+        message = client.post(
+            "/v1/messages",
+            json={
+                "model": "llava",
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "What is in the picture?"},
+                            {"type": "image", "source": source},
+                        ],
+                    }
+                ],
+            },
+        )
+        assert message.status_code == 200, message.text
+        assert message.json()["content"][0]["text"] == answer
+
+
 def error(response) -> tuple[int, str, str | None]:
     body = response.json()["error"]
     return response.status_code, body["message"], body["param"]

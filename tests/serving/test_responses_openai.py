@@ -225,8 +225,15 @@ def test_output_text_logprobs_are_included_on_request(client):
         ({"tools": [{"type": "web_search"}]}, "tools of type 'web_search' are not supported (function tools only)"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
-            "input[0] content of type 'input_image' is not supported (this API reads text; images go through "
-            "/v1/chat/completions)",
+            "the model smollm2 reads text only (no images)",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+            "input[0] input_image needs an image_url (a URL; got file_id)",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
+            "input[0] content of type 'input_file' is not supported (text and input_image parts)",
         ),
         ({"background": True}, "background is not supported by this server; send the request without it"),
         ({"truncation": "auto"}, "truncation 'auto' is not supported (only disabled: a prompt too long is a 400)"),

@@ -106,6 +106,32 @@ class TextBlock(_Cacheable):
     text: str
 
 
+class ImageSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["base64", "url"]
+    media_type: str | None = None  # base64: image/png, image/jpeg, image/gif, image/webp
+    data: str | None = None
+    url: str | None = None
+
+    def chat_url(self, at: str) -> str:
+        """The image as the chat API's ``image_url``: a data URL of the base64 data, or the URL."""
+        if self.type == "url":
+            if not self.url:
+                raise APIError(400, f"{at}.source: a url source needs its url", at)
+            return self.url
+        if not self.data or not self.media_type:
+            raise APIError(400, f"{at}.source: a base64 source needs media_type and data", at)
+        return f"data:{self.media_type};base64,{self.data}"
+
+
+class ImageBlock(_Cacheable):
+    """A user's image: it becomes a chat ``image_url`` part (an image-text model reads it)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+
 class ToolUseBlock(_Cacheable):
     type: Literal["tool_use"]
     id: str
@@ -135,7 +161,7 @@ class ThinkingBlock(_Part):
 
 
 _BLOCKS: dict[str, dict[str, type[_Part]]] = {
-    "user": {"text": TextBlock, "tool_result": ToolResultBlock},
+    "user": {"text": TextBlock, "image": ImageBlock, "tool_result": ToolResultBlock},
     "assistant": {"text": TextBlock, "tool_use": ToolUseBlock, "thinking": ThinkingBlock},
 }
 
@@ -156,8 +182,7 @@ class InputMessage(_Part):
             if kind not in kinds:
                 raise APIError(
                     400,
-                    f"{at}: {self.role} messages take content blocks of type {', '.join(kinds)}, not {kind!r} "
-                    "(this API reads text; images go through /v1/chat/completions)",
+                    f"{at}: {self.role} messages take content blocks of type {', '.join(kinds)}, not {kind!r}",
                     at,
                 )
             blocks.append(_validated_block(kinds[kind], given, at))
@@ -346,18 +371,22 @@ def _chat_messages(message: InputMessage, where: str) -> list[dict[str, Any]]:
             assistant["tool_calls"] = calls
         return [assistant]
     out: list[dict[str, Any]] = []
-    texts = []
-    for block in blocks:
+    parts: list[dict[str, Any]] = []  # the user's text and images since the last tool result
+    for index, block in enumerate(blocks):
         if isinstance(block, TextBlock):
-            texts.append(block)
+            parts.append({"type": "text", "text": block.text})
             continue
-        assert isinstance(block, ToolResultBlock)  # the user's kinds: text and tool_result
-        if texts:
-            out.append({"role": "user", "content": _text_parts(texts)})
-            texts = []
+        if isinstance(block, ImageBlock):
+            url = block.source.chat_url(f"{where}.content.{index}")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
+        assert isinstance(block, ToolResultBlock)  # the user's kinds: text, image and tool_result
+        if parts:
+            out.append({"role": "user", "content": parts})
+            parts = []
         out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_parts(block)})
-    if texts:
-        out.append({"role": "user", "content": _text_parts(texts)})
+    if parts:
+        out.append({"role": "user", "content": parts})
     return out
 
 

@@ -153,7 +153,7 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _ROLES:
                 raise APIError(400, f"input[{index}] role {role!r} is not one of {', '.join(_ROLES)}", "input")
-            messages.append({"role": _ROLES[role], "content": _text_of(item.get("content"), index)})
+            messages.append({"role": _ROLES[role], "content": _content_of(item.get("content"), index)})
         elif kind == "function_call":
             call = {
                 "id": _required(item, "call_id", index),
@@ -181,6 +181,29 @@ def _required(item: dict[str, Any], name: str, index: int) -> str:
     return value
 
 
+def _content_of(content: Any, index: int) -> str | list[dict[str, Any]]:
+    """A message's content for the chat API: its text, or its text and ``input_image`` parts (``image_url`` parts of
+    the chat API, for an image-text model) when it has images."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    ):
+        return _text_of(content, index)
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                given = "file_id" if part.get("file_id") else "no image_url"
+                raise APIError(400, f"input[{index}] input_image needs an image_url (a URL; got {given})", "input")
+            image: dict[str, Any] = {"url": url}
+            if part.get("detail") is not None:
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], index)})
+    return parts
+
+
 def _text_of(content: Any, index: int) -> str:
     if isinstance(content, str):
         return content
@@ -192,8 +215,7 @@ def _text_of(content: Any, index: int) -> str:
         if kind not in _INPUT_TEXT:
             raise APIError(
                 400,
-                f"input[{index}] content of type {kind!r} is not supported (this API reads text; images go through "
-                "/v1/chat/completions)",
+                f"input[{index}] content of type {kind!r} is not supported (text and input_image parts)",
                 "input",
             )
         texts.append(part.get("text", ""))
