@@ -218,6 +218,14 @@ class InputProcessor:
             raise InputError(
                 "multi_modal_data", f"{len(images)} images in one prompt; --limit-mm-per-prompt allows {limit}"
             )
+        vision = image_config.vision_config  # before any is processed: their tokens must fit the context
+        per_image = (vision.image_size // vision.patch_size) ** 2
+        if len(images) * per_image >= config.resolved_max_model_len:
+            raise InputError(
+                "multi_modal_data",
+                f"{len(images)} images of {per_image} tokens each leave no room in max_model_len "
+                f"{config.resolved_max_model_len}",
+            )
         check_text("prompt", len(prompt), config.limits, config.resolved_max_model_len)
         processor = self._image_processor()
         image_token = processor.image_token

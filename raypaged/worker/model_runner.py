@@ -158,6 +158,7 @@ class ModelRunner:
         self.spec_states: list[CachedRequestState] = []  # the requests verifying drafts this step
         self.drafter: DraftModelProposer | None = None  # speculative decoding with a draft model
         self.image_encoder = image_encoder  # an image-text model's: encodes a request's images when first needed
+        self.image_failures: dict[str, str] = {}  # this step's requests whose images could not be encoded
 
     def update_states(self, so: SchedulerOutput) -> None:
         tables = self.block_tables
@@ -311,7 +312,9 @@ class ModelRunner:
             embeds=self._image_rows(image_spans) if image_spans else None,
         )
 
-    def _image_rows(self, spans: list[tuple[CachedRequestState, int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _image_rows(
+        self, spans: list[tuple[CachedRequestState, int, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's rows at image positions and their embeddings: each request's images are encoded when a step
         first reaches them (again after a preemption that rebuilt it) and dropped once its prompt is computed."""
         encoder = self.image_encoder
@@ -322,8 +325,13 @@ class ModelRunner:
             images = state.images
             assert images is not None
             if state.image_embeds is None:
-                pixels = images.pixel_values.to(self.device)
-                state.image_embeds = encoder(pixels).flatten(0, 1)  # [num_images * tokens_per_image, hidden]
+                try:
+                    pixels = images.pixel_values.to(self.device)
+                    state.image_embeds = encoder(pixels).flatten(0, 1)  # [num_images * tokens_per_image, hidden]
+                except Exception as exc:  # this request fails alone: its rows keep the placeholder's embedding
+                    logger.exception("encoding the images of request %s failed", state.request_id)
+                    self.image_failures[state.request_id] = f"encoding its images failed: {type(exc).__name__}: {exc}"
+                    continue
             first_row = 0  # the image's first row of image_embeds
             for offset, length in images.placeholders:
                 lo, hi = max(start, offset), min(end, offset + length)
@@ -333,6 +341,8 @@ class ModelRunner:
                 first_row += length
             if end >= images.placeholders[-1][0] + images.placeholders[-1][1]:
                 state.image_embeds = None  # every image token is computed: no later step reads them
+        if not indices:
+            return None
         return torch.cat(indices).to(self.device), torch.cat(values)
 
     def capture_decode_graphs(
@@ -360,6 +370,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.image_failures = {}
+        out = self._execute_model(so)
+        if self.image_failures and self.samples:  # those requests fail alone; their tokens (if any) are dropped
+            for request_id, message in self.image_failures.items():
+                out.failed.setdefault(request_id, message)
+                out.sampled.pop(request_id, None)
+                out.sampled_runs.pop(request_id, None)
+        return out
+
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
         self.cache.run_block_ops(so.block_ops)
         if self.drafter is not None:

@@ -166,3 +166,41 @@ def test_two_ray_shards_read_images_as_one(ray_session, llava_dir, hf_llava):
         assert generate(llm) == expected
     finally:
         llm.shutdown()
+
+
+def test_a_request_whose_images_fail_to_encode_fails_alone(llava_dir, hf_llava):
+    """Pixels the vision tower refuses (an image of the wrong size, as no processor makes): that request ends with
+    the error, the others in its steps get transformers' tokens."""
+    from dataclasses import replace
+
+    llm = LLM(model=str(llava_dir), num_gpu_blocks_override=64, max_model_len=128)
+    try:
+        engine = llm.llm_engine
+        processed = [
+            engine.process_request(str(i), text, GREEDY, images=images) for i, (text, images) in enumerate(PROMPTS)
+        ]
+        images = processed[0].core_request.images
+        processed[0].core_request.images = replace(images, pixel_values=images.pixel_values[:, :, :14, :14])
+        for request in processed:
+            engine.add_processed(request)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert done["0"].error == (
+            "encoding its images failed: ValueError: image of 14x14 pixels, the vision tower takes 28x28"
+        )
+        for i in (1, 2, 3):
+            assert list(done[str(i)].outputs[0].token_ids) == hf_tokens(hf_llava, llava_dir, *PROMPTS[i])
+        assert llm.stats()["num_gpu_blocks_free"] == 64
+    finally:
+        llm.shutdown()
+
+
+def test_more_images_than_the_context_holds_are_refused_before_any_is_processed(llava_dir):
+    llm = LLM(model=str(llava_dir), num_gpu_blocks_override=16, max_model_len=32)
+    try:
+        with pytest.raises(ValueError) as info:
+            llm.generate({"prompt": "<image>" * 8, "multi_modal_data": {"image": [image(1)] * 8}}, GREEDY)
+        assert str(info.value) == "8 images of 4 tokens each leave no room in max_model_len 32"
+    finally:
+        llm.shutdown()
