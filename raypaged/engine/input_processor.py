@@ -213,19 +213,7 @@ class InputProcessor:
             raise InputError(
                 "multi_modal_data", f"the model {config.served_model_names[0]} reads text only (no images)"
             )
-        limit = config.images_per_prompt
-        if limit is not None and len(images) > limit:
-            raise InputError(
-                "multi_modal_data", f"{len(images)} images in one prompt; --limit-mm-per-prompt allows {limit}"
-            )
-        vision = image_config.vision_config  # before any is processed: their tokens must fit the context
-        per_image = (vision.image_size // vision.patch_size) ** 2
-        if len(images) * per_image >= config.resolved_max_model_len:
-            raise InputError(
-                "multi_modal_data",
-                f"{len(images)} images of {per_image} tokens each leave no room in max_model_len "
-                f"{config.resolved_max_model_len}",
-            )
+        self.check_image_count(len(images))
         check_text("prompt", len(prompt), config.limits, config.resolved_max_model_len)
         processor = self._image_processor()
         image_token = processor.image_token
@@ -261,6 +249,27 @@ class InputProcessor:
             return load_image(image, self.media_options)
         except MediaError as exc:
             raise InputError(exc.param, str(exc)) from None
+
+    def check_image_count(self, count: int) -> None:
+        """``InputError`` for more images than ``--limit-mm-per-prompt`` allows, or than the context holds (checked
+        before any image is fetched, decoded or processed)."""
+        config = self.config
+        image_config = config.image_hf_config
+        if image_config is None:
+            raise InputError(
+                "multi_modal_data", f"the model {config.served_model_names[0]} reads text only (no images)"
+            )
+        limit = config.images_per_prompt
+        if limit is not None and count > limit:
+            raise InputError("multi_modal_data", f"{count} images in one prompt; --limit-mm-per-prompt allows {limit}")
+        vision = image_config.vision_config
+        per_image = (vision.image_size // vision.patch_size) ** 2
+        if count * per_image >= config.resolved_max_model_len:
+            raise InputError(
+                "multi_modal_data",
+                f"{count} images of {per_image} tokens each leave no room in max_model_len "
+                f"{config.resolved_max_model_len}",
+            )
 
     def _image_processor(self) -> Any:
         """The model's Hugging Face processor (its image processor, with this engine's tokenizer), made once."""
@@ -359,6 +368,7 @@ class InputProcessor:
         params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
         image_inputs = None
         if images:
+            self.check_image_count(len(images))  # before any is fetched or decoded
             images = [self.loaded(image) for image in images]
             if prompt_token_ids is not None or prompt is None:
                 raise InputError("multi_modal_data", "images go with a text prompt (its image placeholders), not ids")

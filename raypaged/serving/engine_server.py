@@ -263,6 +263,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 token_ids: list[int] | None
                 if request.WhichOneof("prompt") == "messages" and has_images(request.messages):
                     text, urls = await model.off_loop(chat_prompt_with_images, model.inputs, request.messages)
+                    model.inputs.check_image_count(len(urls))  # before any is fetched
                     token_ids, images = None, await _images(urls, model.inputs.media_options)
                 else:
                     text, token_ids = await _prompt(model, request, model.inputs.prompt_ids)
