@@ -19,9 +19,12 @@ from typing import Any
 class ImageInputs:
     """A prompt's images: their pixels as the model's processor made them, where their tokens are, their hashes."""
 
-    pixel_values: Any  # torch.Tensor [num_images, 3, height, width], float32 on the CPU
+    pixel_values: Any  # torch.Tensor [num_images (LLaVA-NeXT: their patches), 3, height, width], float32 on the CPU
     placeholders: tuple[tuple[int, int], ...]  # per image: (its first prompt position, its number of tokens)
     hashes: tuple[str, ...]  # per image: the sha256 of its pixel values
+    # LLaVA-NeXT: per image, its rows of pixel_values (the base image, then its grid's patches) and its original
+    # (height, width); None: one row an image
+    patches: tuple[tuple[int, tuple[int, int]], ...] | None = None
 
     def overlaps(self, start: int, end: int) -> bool:
         """Whether prompt positions ``start..end-1`` hold image tokens."""

@@ -174,10 +174,12 @@ def save_random(auto_class, config, path: Path, smollm2_dir: Path) -> Path:
     return path
 
 
-def make_tiny_llava(root: Path, smollm2_dir: Path) -> Path:
+def make_tiny_llava(root: Path, smollm2_dir: Path, next_: bool = False) -> Path:
     """A random LLaVA-1.5 (``LlavaForConditionalGeneration``) of tiny shapes in ``root / "llava"``: a CLIP tower of
     28-pixel images in 14-pixel patches (4 tokens an image), TINY_SHAPE's Llama, SmolLM2's tokenizer and chat
-    template with ``<image>`` added, weights drawn from N(0, 0.2) as ``save_random``'s."""
+    template with ``<image>`` added, weights drawn from N(0, 0.2) as ``save_random``'s. ``next_``: LLaVA-NeXT
+    (``LlavaNextForConditionalGeneration``, in ``root / "llava-next"``), its images cut into a grid of 28-pixel
+    patches of 28x56, 56x28 or 56x56 beside the whole image."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -185,10 +187,15 @@ def make_tiny_llava(root: Path, smollm2_dir: Path) -> Path:
         LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
         LlavaProcessor,
     )
 
-    path, staging = root / "llava", root / "llava-tokenizer"
+    name = "llava-next" if next_ else "llava"
+    path, staging = root / name, root / f"{name}-tokenizer"
     staging.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if (smollm2_dir / name).exists():
@@ -199,21 +206,31 @@ def make_tiny_llava(root: Path, smollm2_dir: Path) -> Path:
     vision = CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14
     )
-    config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=tokenizer.convert_tokens_to_ids("<image>")
-    )
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    pinpoints = [[28, 56], [56, 28], [56, 56]]
+    if next_:
+        config = LlavaNextConfig(
+            vision_config=vision, text_config=text, image_token_index=image_token, image_grid_pinpoints=pinpoints
+        )
+    else:
+        config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token)
     torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    model = (LlavaNextForConditionalGeneration if next_ else LlavaForConditionalGeneration)(config).to(torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.2)
     model.save_pretrained(path)
-    processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
-        tokenizer=tokenizer,
-        patch_size=14,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
+    sizes = {"size": {"shortest_edge": 28}, "crop_size": {"height": 28, "width": 28}}
+    options = {
+        "tokenizer": tokenizer,
+        "patch_size": 14,
+        "vision_feature_select_strategy": "default",
+        "num_additional_image_tokens": 1,  # CLIP's class token, which the default strategy then drops
+    }
+    processor = (
+        LlavaNextProcessor(image_processor=LlavaNextImageProcessor(**sizes, image_grid_pinpoints=pinpoints), **options)
+        if next_
+        else LlavaProcessor(image_processor=CLIPImageProcessor(**sizes), **options)
     )
     processor.save_pretrained(path)
     shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")

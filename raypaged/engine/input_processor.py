@@ -228,18 +228,34 @@ class InputProcessor:
         except (ValueError, TypeError, OSError) as exc:
             raise InputError("multi_modal_data", f"the images cannot be processed: {exc}") from None
         ids = encoded["input_ids"][0].tolist()
-        pixels = encoded["pixel_values"].to(torch.float32).contiguous()
         token_id = image_config.image_token_index
         positions = [i for i, t in enumerate(ids) if t == token_id]
-        per_image = len(positions) // len(images)
+        sizes = [(image.height, image.width) for image in images]  # as the processor counts each image's tokens
+        counts = processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
+        if sum(counts) != len(positions):
+            raise InputError(
+                "multi_modal_data", f"the processed prompt has {len(positions)} image tokens, not {sum(counts)}"
+            )
         placeholders = []
-        for k in range(len(images)):
-            run = positions[k * per_image : (k + 1) * per_image]
-            if not run or run[-1] - run[0] + 1 != per_image:
+        for count in counts:
+            run, positions = positions[:count], positions[count:]
+            if run[-1] - run[0] + 1 != count:
                 raise InputError("multi_modal_data", "an image's tokens are not one run in the processed prompt")
-            placeholders.append((run[0], per_image))
-        hashes = tuple(hashlib.sha256(pixels[k].numpy().tobytes()).hexdigest() for k in range(len(images)))
-        return ids, ImageInputs(pixels, tuple(placeholders), hashes)
+            placeholders.append((run[0], count))
+        pixels = encoded["pixel_values"].to(torch.float32)
+        patches = None  # LLaVA-NeXT: each image's patches (base, then its grid), at their original size
+        if "image_sizes" in encoded:
+            from raypaged.model.llava_next_vision import num_patches
+
+            image_sizes = tuple((int(h), int(w)) for h, w in encoded["image_sizes"].tolist())
+            rows = [num_patches(image_config, size) for size in image_sizes]
+            per_image = [pixels[k, :n] for k, n in enumerate(rows)]
+            patches = tuple(zip(rows, image_sizes))
+            pixels = torch.cat(per_image)
+        else:
+            per_image = list(pixels)
+        hashes = tuple(hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in per_image)
+        return ids, ImageInputs(pixels.contiguous(), tuple(placeholders), hashes, patches)
 
     def loaded(self, image: Any) -> Any:
         """A request's image: a PIL image as it is, a URL loaded (``media.load_image``: data, http(s), file)."""

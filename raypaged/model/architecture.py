@@ -164,7 +164,8 @@ class Architecture:
 # Those of IMAGE_WRAPPERS read images too (their vision tower and projector are loaded); for the others, text only is
 # served (their vision tensors are not loaded; a request with an image is refused by name)
 MULTIMODAL_WRAPPERS = {
-    "LlavaForConditionalGeneration": "LlamaForCausalLM",
+    "LlavaForConditionalGeneration": "LlamaForCausalLM",  # or the causal LM of its text model's type (_LLAVA_TEXT)
+    "LlavaNextForConditionalGeneration": "LlamaForCausalLM",
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",
     "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
@@ -172,7 +173,9 @@ MULTIMODAL_WRAPPERS = {
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
-IMAGE_WRAPPERS = ("LlavaForConditionalGeneration",)
+IMAGE_WRAPPERS = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+# LLaVA's language models: Llama (Vicuna) or Mistral (BakLLaVA, llava-v1.6-mistral)
+_LLAVA_TEXT = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 # their language models' model types, as the family's (Qwen-VL's multimodal rotary is the plain one over text alone:
 # a text token's three position axes are the same position)
 _TEXT_MODEL_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
@@ -190,6 +193,8 @@ def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
     if text is None:
         raise ValueError(f"architecture {wrapper}: its config has no text_config (no language model to serve)")
     text.architectures = [MULTIMODAL_WRAPPERS[wrapper]]
+    if wrapper in IMAGE_WRAPPERS:
+        text.architectures = [_LLAVA_TEXT.get(text.model_type, text.architectures[0])]
     for key in _TOP_LEVEL_KEYS:
         if getattr(config, key, None) is not None:
             setattr(text, key, getattr(config, key))

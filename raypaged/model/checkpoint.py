@@ -76,6 +76,8 @@ _VISION_NAMES = (
     "model.multi_modal_projector.",
     "visual.",  # Qwen-VL's
     "model.visual.",
+    "image_newline",  # LLaVA-NeXT's row separator embedding
+    "model.image_newline",
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors import safe_open
@@ -19,6 +19,9 @@ from raypaged.model.moe import grouped_gemms_run
 from raypaged.model.parallel import TensorParallel
 from raypaged.quantization.base import QuantizationConfig
 from raypaged.quantization.linear import cast_model, finish_loading
+
+if TYPE_CHECKING:
+    from raypaged.model.llava_next_vision import LlavaNextImageEncoder
 
 
 def iter_checkpoint(
@@ -42,17 +45,25 @@ def load_image_encoder(
     device: torch.device,
     load_format: str,
     seed: int,
-) -> LlavaImageEncoder:
-    """An image-text checkpoint's vision tower and projector (whole on every tensor-parallel rank), in ``dtype``."""
+) -> LlavaImageEncoder | LlavaNextImageEncoder:
+    """An image-text checkpoint's vision tower and projector (whole on every tensor-parallel rank), in ``dtype``:
+    LLaVA-1.5's, or LLaVA-NeXT's (which packs each image's grid of patches)."""
+    encoder: LlavaImageEncoder | LlavaNextImageEncoder
+    select = is_vision_tensor
     with torch.device(device), default_dtype(dtype):
-        encoder = LlavaImageEncoder(image_config)
+        if "LlavaNextForConditionalGeneration" in (image_config.architectures or []):
+            from raypaged.model.llava_next_vision import LlavaNextImageEncoder, is_next_vision_tensor
+
+            encoder, select = LlavaNextImageEncoder(image_config), is_next_vision_tensor
+        else:
+            encoder = LlavaImageEncoder(image_config)
     if load_format == "dummy":
         generator = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for param in encoder.parameters():
                 param.uniform_(-1e-3, 1e-3, generator=generator)
     else:
-        encoder.load_weights(iter_checkpoint(model_path, is_vision_tensor))
+        encoder.load_weights(iter_checkpoint(model_path, select))
     return encoder.to(dtype).eval()
 
 

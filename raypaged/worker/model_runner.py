@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from raypaged.lora.manager import LoRAManager
     from raypaged.lora.request import LoRARequest
     from raypaged.model.llama import LlamaForCausalLM
+    from raypaged.model.llava_next_vision import LlavaNextImageEncoder
     from raypaged.model.llava_vision import LlavaImageEncoder
     from raypaged.multimodal import ImageInputs
     from raypaged.spec_decode.draft_model import DraftModelProposer
@@ -127,7 +128,7 @@ class ModelRunner:
         async_scheduling: bool = False,
         logprobs_mode: str = RAW_LOGPROBS,
         pooling_type: str | None = None,
-        image_encoder: LlavaImageEncoder | None = None,
+        image_encoder: LlavaImageEncoder | LlavaNextImageEncoder | None = None,
     ) -> None:
         """``samples``: this rank samples and reports tokens (rank 0); the others only run the forward.
         ``logprobs_mode``: what the logprobs requests ask for hold (``sampler.sample``).
@@ -326,8 +327,7 @@ class ModelRunner:
             assert images is not None
             if state.image_embeds is None:
                 try:
-                    pixels = images.pixel_values.to(self.device)
-                    state.image_embeds = encoder(pixels).flatten(0, 1)  # [num_images * tokens_per_image, hidden]
+                    state.image_embeds = _encoded(encoder, images, self.device)
                 except Exception as exc:  # this request fails alone: its rows keep the placeholder's embedding
                     logger.exception("encoding the images of request %s failed", state.request_id)
                     self.image_failures[state.request_id] = f"encoding its images failed: {type(exc).__name__}: {exc}"
@@ -599,3 +599,15 @@ def _batch_order(so: SchedulerOutput) -> list[str]:
 
 def _ints(values: list[int]) -> np.ndarray:
     return np.fromiter(values, dtype=np.int64, count=len(values))
+
+
+def _encoded(encoder: Any, images: ImageInputs, device: torch.device) -> torch.Tensor:
+    """A prompt's images through the vision tower and projector: one row per image token, in prompt order."""
+    pixels = images.pixel_values.to(device)
+    if images.patches is None:  # LLaVA: one row of pixels an image, the same number of tokens each
+        return encoder(pixels).flatten(0, 1)
+    features, first = [], 0  # LLaVA-NeXT: each image's patches and original size
+    for rows, size in images.patches:
+        features.append(encoder(pixels[first : first + rows], size))
+        first += rows
+    return torch.cat(features)

@@ -204,3 +204,31 @@ def test_more_images_than_the_context_holds_are_refused_before_any_is_processed(
         assert str(info.value) == "8 images of 4 tokens each leave no room in max_model_len 32"
     finally:
         llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def next_dir(tmp_path_factory, smollm2_dir) -> Path:
+    return make_tiny_llava(tmp_path_factory.mktemp("llava_next"), smollm2_dir, next_=True)
+
+
+NEXT_PROMPTS = [
+    ("USER: <image>\nWhat is in the picture? ASSISTANT:", [image(5, (40, 90))]),  # wide: a 28x56 grid
+    ("Compare <image> with <image> please", [image(6, (90, 40)), image(7, (50, 50))]),  # tall, square
+    ("A plain text prompt", []),
+]
+
+
+def test_llava_next_images_of_every_shape_equal_transformers_whole_and_chunked(next_dir):
+    """LLaVA-NeXT (``LlavaNextForConditionalGeneration``): each image is its whole picture and a grid of patches,
+    packed with a newline row embedding and unpadded to the image's aspect ratio, so images of other shapes take
+    other numbers of tokens."""
+    from transformers import LlavaNextForConditionalGeneration
+
+    hf = LlavaNextForConditionalGeneration.from_pretrained(next_dir, dtype=torch.float32).eval()
+    expected = [hf_tokens(hf, next_dir, text, images) for text, images in NEXT_PROMPTS]
+    for options in ({}, {"max_num_batched_tokens": 5, "max_num_seqs": 2, "enable_prefix_caching": False}):
+        llm = LLM(model=str(next_dir), num_gpu_blocks_override=64, block_size=8, max_model_len=128, **options)
+        try:
+            assert generate(llm, NEXT_PROMPTS) == expected
+        finally:
+            llm.shutdown()
