@@ -179,7 +179,7 @@ def make_tiny_llava(root: Path, smollm2_dir: Path, next_: bool = False) -> Path:
     28-pixel images in 14-pixel patches (4 tokens an image), TINY_SHAPE's Llama, SmolLM2's tokenizer and chat
     template with ``<image>`` added, weights drawn from N(0, 0.2) as ``save_random``'s. ``next_``: LLaVA-NeXT
     (``LlavaNextForConditionalGeneration``, in ``root / "llava-next"``), its images cut into a grid of 28-pixel
-    patches of 28x56, 56x28 or 56x56 beside the whole image."""
+    patches of 28x56, 56x28 or 56x56 beside the whole image, on a Mistral language model."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -192,6 +192,7 @@ def make_tiny_llava(root: Path, smollm2_dir: Path, next_: bool = False) -> Path:
         LlavaNextImageProcessor,
         LlavaNextProcessor,
         LlavaProcessor,
+        MistralConfig,
     )
 
     name = "llava-next" if next_ else "llava"
@@ -202,7 +203,8 @@ def make_tiny_llava(root: Path, smollm2_dir: Path, next_: bool = False) -> Path:
             shutil.copy(smollm2_dir / name, staging / name)
     tokenizer = AutoTokenizer.from_pretrained(staging)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    text = LlamaConfig(**{**TINY_SHAPE, "vocab_size": len(tokenizer)}, tie_word_embeddings=False, eos_token_id=2)
+    text_class = MistralConfig if next_ else LlamaConfig  # as llava-v1.6-mistral, and llava-1.5's Vicuna
+    text = text_class(**{**TINY_SHAPE, "vocab_size": len(tokenizer)}, tie_word_embeddings=False, eos_token_id=2)
     vision = CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14
     )
