@@ -336,6 +336,11 @@ def data_parallel_ranks(args: argparse.Namespace) -> int:
             f"--enable-expert-parallel with --data-parallel-size {size} is not supported: experts are split over "
             "each replica's tensor-parallel shards, never across data-parallel ranks"
         )
+    if size == 1 and args.data_parallel_routing != "least_loaded":
+        raise ValueError(
+            f"--data-parallel-routing {args.data_parallel_routing} needs --data-parallel-size above 1 (one engine "
+            "serves every request)"
+        )
     args.data_parallel_size, args.data_parallel_size_local = 1, None
     return size
 
@@ -408,7 +413,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     options = gateway_options(args)
     options_check(options)
-    asyncio.run(run_gateway(parse_engine_targets(args.engine), options))
+    targets = parse_engine_targets(args.engine)
+    if options.data_parallel_routing != "least_loaded" and all(len(a) == 1 for a in targets.values()):
+        raise ValueError(
+            f"--data-parallel-routing {options.data_parallel_routing} needs a model served by several engines "
+            "(--engine NAME=host:port given more than once for a name)"
+        )
+    asyncio.run(run_gateway(targets, options))
     return 0
 
 
@@ -417,6 +428,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
     job = BatchJob.from_args(args)
     options = gateway_options(args)
+    if options.data_parallel_routing != "least_loaded":
+        raise ValueError("--data-parallel-routing is not supported by run-batch: one engine per model answers the file")
     try:
         run_batch(job, engine_configs(args), options, lora_modules(args))
     except KeyboardInterrupt:  # not main's quiet exit 0: the batch did not finish

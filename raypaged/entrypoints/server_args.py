@@ -248,6 +248,14 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         help="most headers of an HTTP request; past it a 400",
     )
     parser.add_argument(
+        "--data-parallel-routing",
+        choices=("least_loaded", "cache_aware"),
+        default="least_loaded",
+        help="how a model served by several engines (-dp, or a name given to --engine more than once) picks one for "
+        "a request: the one with the fewest requests in flight (vLLM's), or cache_aware: the one its conversation "
+        "(or prompt prefix) hashes to, where its cached prefix is, unless that one is 4 requests busier",
+    )
+    parser.add_argument(
         "--enable-prompt-tokens-details",
         action=Switch,
         default=False,
@@ -389,6 +397,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         fingerprint_value=args.fingerprint_value,
         sse_keep_alive_s=args.sse_keep_alive_interval,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        data_parallel_routing=args.data_parallel_routing,
         enable_force_include_usage=args.enable_force_include_usage,
         enable_request_id_headers=args.enable_request_id_headers,
         reasoning_parser=args.reasoning_parser,

@@ -102,6 +102,7 @@ class GatewayOptions:
     fingerprint_value: str | None = None
     sse_keep_alive_s: float = 0.0  # an idle stream sends a keep-alive comment this often (0: never)
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    data_parallel_routing: str = "least_loaded"  # a data-parallel group's choice of replica (replicas.ROUTING)
     enable_force_include_usage: bool = False  # every stream ends with a usage chunk
     enable_request_id_headers: bool = False  # answers carry X-Request-Id
     reasoning_parser: str | None = None  # deepseek_r1, qwen3, openai_gptoss: the reasoning becomes reasoning_content
@@ -303,7 +304,8 @@ class Gateway:
         """``local``: in-process stubs of engine servers in this process, by their address in ``targets``."""
         self.tenants = tenants_for(options.api_keys, options.tenants_file)
         self.drain = Drain(options.drain_timeout_s)
-        app = gateway_app(EngineRoutes(targets, local), self.tenants, self.drain, options)
+        routes = EngineRoutes(targets, local, options.data_parallel_routing)
+        app = gateway_app(routes, self.tenants, self.drain, options)
         self.uds = options.uds
         if options.uds is not None:
             self.socket = listen_unix(options.uds)

@@ -161,6 +161,15 @@ def test_gateway_engines_named_more_than_once_are_replicas():
     assert parse_engine_targets(["m=h:1", "n=h:3", "m=h:2"]) == {"m": ("h:1", "h:2"), "n": ("h:3",)}
     with pytest.raises(ValueError, match=r"^--engine m=h:1 is given twice$"):
         parse_engine_targets(["m=h:1", "m=h:1"])
+    from raypaged.entrypoints.cli import cmd_gateway
+
+    args = build_parser().parse_args(["gateway", "--engine", "m=h:1", "--data-parallel-routing", "cache_aware"])
+    with pytest.raises(ValueError) as info:
+        cmd_gateway(args)
+    assert str(info.value) == (
+        "--data-parallel-routing cache_aware needs a model served by several engines (--engine NAME=host:port given "
+        "more than once for a name)"
+    )
 
 
 def test_each_rank_takes_its_share_of_threads_and_its_devices():
@@ -182,6 +191,10 @@ def test_each_rank_takes_its_share_of_threads_and_its_devices():
             ["-dp", "2", "-dpl", "1"],
             "--data-parallel-size-local 1 is not supported: `raypaged serve` runs all --data-parallel-size 2 ranks "
             "on this node",
+        ),
+        (
+            ["--data-parallel-routing", "cache_aware"],
+            "--data-parallel-routing cache_aware needs --data-parallel-size above 1 (one engine serves every request)",
         ),
         (
             ["-dp", "2", "--enable-expert-parallel"],
@@ -211,3 +224,53 @@ def test_one_engine_refuses_data_parallelism(tiny_model_dir):
         "processes behind its gateway, and `raypaged gateway` balances over the engines named with --engine "
         "NAME=host:port, once per rank"
     )
+
+
+@pytest.mark.parametrize("routing", ["cache_aware", "least_loaded"])
+def test_cache_aware_routing_keeps_a_conversation_on_its_replica(tiny_model_dir, routing):
+    """Two engine servers behind one gateway, three conversations of three turns each, one request at a time: with
+    cache_aware routing every later turn finds its conversation's earlier turns in its replica's prefix cache;
+    least_loaded alternates the replicas, so here no later turn does."""
+    import asyncio
+
+    from raypaged.serving.engine_server import EngineServer
+    from raypaged.serving.inprocess import InProcessStub
+    from raypaged.serving.launch import Gateway, GatewayOptions
+    from tests.serving.conftest import BackgroundLoop, tiny_config
+
+    background = BackgroundLoop()
+    servers = [EngineServer([tiny_config(tiny_model_dir, "tiny", block_size=4)], engine_index=i) for i in range(2)]
+    ports = [background.run(server.start("127.0.0.1", 0)) for server in servers]
+    local = {f"127.0.0.1:{port}": InProcessStub(server.servicer) for port, server in zip(ports, servers)}
+    options = GatewayOptions(
+        port=0, log_level="warning", enable_prompt_tokens_details=True, data_parallel_routing=routing
+    )
+    gateway = Gateway({"tiny": tuple(local)}, options, local)
+    serving = asyncio.run_coroutine_threadsafe(gateway.serve(), background.loop)
+    try:
+        while not gateway.server.started:
+            time.sleep(0.05)
+        found_earlier_turns = []  # per later turn: whether its replica held the turn before it (all but a block)
+        with httpx.Client(base_url=f"http://127.0.0.1:{gateway.port}", timeout=60) as client:
+            conversations = [[{"role": "user", "content": f"Tell me story number {n} about a cat."}] for n in range(3)]
+            before = [0] * 3  # each conversation's last prompt length
+            for turn in range(3):
+                for n, messages in enumerate(conversations):
+                    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}
+                    usage = (answer := client.post("/v1/chat/completions", json={**body, "ignore_eos": True}).json())[
+                        "usage"
+                    ]
+                    if turn:
+                        found_earlier_turns.append(usage["prompt_tokens_details"]["cached_tokens"] >= before[n] - 4)
+                    before[n] = usage["prompt_tokens"]
+                    messages += [answer["choices"][0]["message"], {"role": "user", "content": f"And then {turn}?"}]
+        if routing == "cache_aware":
+            assert found_earlier_turns == [True] * 6
+        else:  # three conversations over two replicas in turn: each later turn runs where the one before did not
+            assert found_earlier_turns == [False] * 6
+    finally:
+        gateway.stop()
+        serving.result(timeout=30)
+        for server in servers:
+            background.run(server.stop())
+        background.close()

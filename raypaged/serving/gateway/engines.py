@@ -32,7 +32,13 @@ class EngineRoutes:
     Either way the gateway holds an ``EngineClient`` per address, and a ``Replicas`` per group of them.
     """
 
-    def __init__(self, targets: Mapping[str, str | Addresses], local: dict[str, EngineClient] | None = None) -> None:
+    def __init__(
+        self,
+        targets: Mapping[str, str | Addresses],
+        local: dict[str, EngineClient] | None = None,
+        routing: str = "least_loaded",
+    ) -> None:
+        """``routing``: how a data-parallel group picks the replica of a request (``replicas.ROUTING``)."""
         if not targets:
             raise ValueError("the gateway needs at least one engine (--engine NAME=host:port)")
         self.targets: dict[str, Addresses] = {
@@ -40,6 +46,7 @@ class EngineRoutes:
         }
         self._stubs: dict[str, EngineClient] = dict(local or {})
         self._groups: dict[Addresses, Replicas] = {}
+        self.routing = routing
         self._info: dict[str, pb.ModelInfo] = {}
         self.adapters: dict[str, Addresses] = {}  # LoRA adapter name -> the engines serving it
 
@@ -57,7 +64,7 @@ class EngineRoutes:
             return self._stub(addresses[0])
         group = self._groups.get(addresses)
         if group is None:
-            group = self._groups[addresses] = Replicas([self._stub(a) for a in addresses])
+            group = self._groups[addresses] = Replicas([self._stub(a) for a in addresses], self.routing)
         return group
 
     def _all_stubs(self) -> dict[str, EngineClient]:

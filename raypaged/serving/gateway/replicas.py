@@ -4,7 +4,10 @@
 per replica of a name. ``Replicas`` sends each request to the replica with the fewest calls in flight from
 this gateway (a ``Generate`` stream counts until its end, failure or cancel; an ``Embed``, ``Render`` or
 ``Derender`` until its answer), the next one in turn among equals, as vLLM's data-parallel load balancer
-weighs its engines by their queues. A request keeps its replica for its whole life. What changes an
+weighs its engines by their queues (``least_loaded``). With ``cache_aware`` routing, a request goes to the replica its
+prefix hashes to (``affinity_key``: a conversation's system messages and first user message, so every turn of one
+conversation meets its cached prefix there), unless that replica has ``AFFINITY_SLACK`` more calls in flight than
+the least loaded one. A request keeps its replica for its whole life. What changes an
 engine's state goes to every replica, in turn: ``Abort`` (a request id may be on any of them: the counts
 are added), sleep mode (``Sleep``, ``WakeUp``; ``IsSleeping`` is true while any replica sleeps), and loading
 or unloading a LoRA adapter (the first failure is the call's, and a load that one replica refuses is undone
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -64,13 +68,41 @@ class _CountedForwardingCall(_CountedCall):
         self._call.forward(counted)  # type: ignore[attr-defined]
 
 
+ROUTING = ("least_loaded", "cache_aware")  # --data-parallel-routing
+AFFINITY_SLACK = 4  # cache_aware: calls in flight above the least loaded replica's that its own replica may have
+_TEXT_PREFIX_CHARS = 1024  # a text prompt's characters, and token-id prompt's ids, that its affinity reads
+_ID_PREFIX = 256
+
+
+def affinity_key(request: pb.GenerateRequest) -> bytes | None:
+    """What a request shares with the requests that can reuse its cached prefix: a conversation's messages up to
+    its first user message (every later turn starts with them), a text prompt's first characters, a token-id
+    prompt's first ids; with the model's name."""
+    kind = request.WhichOneof("prompt")
+    if kind == "messages":
+        head = []
+        for message in request.messages.messages:
+            head.append((message.role, message.content, tuple(message.image_urls)))
+            if message.role == "user":
+                break
+        return repr((request.model, head)).encode()
+    if kind == "text":
+        return repr((request.model, request.text[:_TEXT_PREFIX_CHARS])).encode()
+    if kind == "token_ids":
+        return repr((request.model, list(request.token_ids.ids[:_ID_PREFIX]))).encode()
+    return None
+
+
 class Replicas:
     """An ``EngineClient`` over ``stubs``, the engines of one data-parallel group (``in_flight[i]``: the calls
-    this gateway has running on replica ``i``)."""
+    this gateway has running on replica ``i``); ``routing``: one of ``ROUTING``."""
 
-    def __init__(self, stubs: Sequence[EngineClient]) -> None:
+    def __init__(self, stubs: Sequence[EngineClient], routing: str = "least_loaded") -> None:
         if len(stubs) < 2:
             raise ValueError(f"data-parallel replicas are at least 2 engines, got {len(stubs)}")
+        if routing not in ROUTING:
+            raise ValueError(f"--data-parallel-routing takes {' or '.join(ROUTING)}, got {routing!r}")
+        self.routing = routing
         self.stubs = list(stubs)
         self.in_flight = [0] * len(stubs)
         self._next = 0
@@ -92,9 +124,19 @@ class Replicas:
             if i % count in up and self.in_flight[i % count] == least
         )
 
-    def _take(self) -> tuple[int, Callable[[], None]]:
-        index = self._least_loaded()
-        self._next = index + 1
+    def _preferred(self, key: bytes) -> int | None:
+        """The replica up that ``key`` hashes highest with (rendezvous hashing: replicas that go and come back
+        move only their own keys), if it is within ``AFFINITY_SLACK`` calls of the least loaded one."""
+        up = self._up()
+        index = max(up, key=lambda i: hashlib.blake2b(key + i.to_bytes(2, "big"), digest_size=8).digest())
+        least = min(self.in_flight[i] for i in up)
+        return index if self.in_flight[index] - least <= AFFINITY_SLACK else None
+
+    def _take(self, key: bytes | None = None) -> tuple[int, Callable[[], None]]:
+        index = self._preferred(key) if key is not None and self.routing == "cache_aware" else None
+        if index is None:
+            index = self._least_loaded()
+            self._next = index + 1
         self.in_flight[index] += 1
 
         def release() -> None:
@@ -103,7 +145,7 @@ class Replicas:
         return index, release
 
     def Generate(self, request: pb.GenerateRequest, metadata: Metadata | None = None) -> StreamCall:
-        index, release = self._take()
+        index, release = self._take(affinity_key(request) if self.routing == "cache_aware" else None)
         try:
             call = self.stubs[index].Generate(request, metadata)
         except BaseException:
