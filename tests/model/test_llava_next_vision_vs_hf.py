@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors import safe_open
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     CLIPVisionConfig,
@@ -33,6 +32,7 @@ from raypaged.model.llava_next_vision import (
     is_next_vision_tensor,
     num_patches,
 )
+from raypaged.model.loader import iter_checkpoint
 
 PINPOINTS = [[28, 56], [56, 28], [56, 56], [56, 112], [112, 56]]
 # (height, width) -> the grid's feature map after unpadding (rows x columns, 2 x 2 features a 28-pixel tile)
@@ -87,12 +87,7 @@ def make_config(image_token_index: int, vocab_size: int) -> LlavaNextConfig:
 
 
 def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
+    return dict(iter_checkpoint(path))
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
 from raypaged.model.llava_vision import LlavaImageEncoder, is_vision_tensor
+from raypaged.model.loader import iter_checkpoint
 
 NUM_VISION_LAYERS = 3
 
@@ -56,12 +56,7 @@ def save_model(config: LlavaConfig, path: Path) -> LlavaForConditionalGeneration
 
 
 def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
+    return dict(iter_checkpoint(path))
 
 
 @pytest.fixture(scope="module")
