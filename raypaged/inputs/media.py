@@ -6,7 +6,12 @@ Accepted URLs (vLLM's forms):
   type is not checked (the bytes say what the image is); data URLs that are not base64 are refused.
 * ``http://`` and ``https://``: fetched with httpx, streamed so that ``max_image_bytes`` stops a large body
   early, following at most :data:`MAX_REDIRECTS` redirects; ``allowed_media_domains`` applies to every hop.
-  ``fetch_timeout_s`` bounds each network operation and the whole fetch.
+  ``fetch_timeout_s`` bounds each network operation and the whole fetch. A host that ``allowed_media_domains``
+  does not name must resolve to public (globally routable) addresses only: loopback, private, link-local (cloud
+  metadata, 169.254.169.254), shared, reserved and multicast ones are refused, on every hop, and the address
+  checked is the one connected to (the request goes to that IP, with the host's name in ``Host`` and TLS's SNI),
+  so a DNS answer that changes between the check and the connection reaches nothing else. A host named in
+  ``allowed_media_domains`` is the operator's to trust, private or not.
 * ``file:///path`` (or ``file://localhost/path``): only with ``allowed_local_media_path``, and only for a
   regular file whose resolved path (``..`` and symbolic links followed) lies inside that folder.
 
@@ -27,12 +32,15 @@ import asyncio
 import base64
 import binascii
 import io
+import ipaddress
 import os
 import re
+import socket
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
@@ -240,6 +248,34 @@ def _file_url_bytes(url: str, options: MediaOptions, param: str) -> bytes:
     return data
 
 
+def _public_address(fetch: _Fetch, host: str, infos: list[Any]) -> str:
+    """The first of ``host``'s resolved addresses, all of which must be public (``fetch``'s error otherwise)."""
+    addresses = [str(info[4][0]).split("%", 1)[0] for info in infos]
+    if not addresses:
+        raise fetch.fetch_error(f"the host {host!r} has no address")
+    for address in addresses:
+        if not ipaddress.ip_address(address).is_global:
+            raise fetch.error(
+                f"the host {host!r} is at a non-public address ({address}): name it in --allowed-media-domains to "
+                "fetch images from it"
+            )
+    return addresses[0]
+
+
+def _pinned(fetch: _Fetch, client: httpx.Client | httpx.AsyncClient, url: str, address: str | None) -> httpx.Request:
+    """The GET of ``url``, sent to ``address`` (the checked IP; None: to the URL's host, a trusted one) with the
+    host's name in ``Host`` and, for https, in TLS's SNI and certificate check."""
+    if address is None:
+        return client.build_request("GET", url, timeout=fetch.timeout())
+    target = httpx.URL(url)
+    request = client.build_request(
+        "GET", target.copy_with(host=address), headers={"Host": target.netloc.decode()}, timeout=fetch.timeout()
+    )
+    if target.scheme == "https":
+        request.extensions["sni_hostname"] = target.host
+    return request
+
+
 class _Fetch:
     """One http(s) image fetch: the checks on each hop, the body's size and the deadline, and the messages."""
 
@@ -248,6 +284,7 @@ class _Fetch:
         self.options = options
         self.param = param
         self.deadline = time.monotonic() + options.fetch_timeout_s
+        self.current = url  # the URL of the hop in progress (a redirect's Location is read against it)
         self.hops = 0
         self.body = bytearray()
         try:
@@ -268,6 +305,33 @@ class _Fetch:
     def host_allowed(self, host: str) -> bool:
         domains = self.options.allowed_media_domains
         return domains is None or host.lower() in domains
+
+    def trusted(self, host: str) -> bool:
+        """A host the operator named in ``allowed_media_domains``: fetched from wherever it is."""
+        domains = self.options.allowed_media_domains
+        return domains is not None and host.lower() in domains
+
+    def address(self, url: str) -> str | None:
+        """The checked address to send ``url``'s GET to (None: a trusted host, reached by its name)."""
+        target = httpx.URL(url)
+        if self.trusted(target.host):
+            return None
+        try:
+            infos = socket.getaddrinfo(target.host, target.port or (443 if target.scheme == "https" else 80))
+        except OSError as exc:
+            raise self.fetch_error(f"cannot resolve {target.host!r}: {_reason(exc)}") from None
+        return _public_address(self, target.host, infos)
+
+    async def address_async(self, url: str) -> str | None:
+        target = httpx.URL(url)
+        if self.trusted(target.host):
+            return None
+        port = target.port or (443 if target.scheme == "https" else 80)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(target.host, port)
+        except OSError as exc:
+            raise self.fetch_error(f"cannot resolve {target.host!r}: {_reason(exc)}") from None
+        return _public_address(self, target.host, infos)
 
     def timeout(self) -> httpx.Timeout:
         """Each network operation gets the time left of the whole fetch."""
@@ -291,12 +355,14 @@ class _Fetch:
         self.hops += 1
         if self.hops > MAX_REDIRECTS:
             raise self.fetch_error(f"more than {MAX_REDIRECTS} redirects")
-        target = response.next_request.url
+        # against the URL asked for, not the address it was sent to: a relative Location stays on its host
+        target = httpx.URL(self.current).join(response.headers["location"])
         if target.scheme not in ("http", "https"):
             raise self.fetch_error("it redirects to a URL that is not http(s)")
         if not self.host_allowed(target.host):
             raise self.fetch_error(f"it redirects to host {target.host!r}, which is not in --allowed-media-domains")
-        return str(target)
+        self.current = str(target)
+        return self.current
 
     def add(self, chunk: bytes) -> None:
         self.body += chunk
@@ -321,7 +387,7 @@ def _fetch(url: str, options: MediaOptions, param: str) -> bytes:
         with httpx.Client(follow_redirects=False) as client:
             next_url: str | None = url
             while next_url is not None:
-                request = client.build_request("GET", next_url, timeout=fetch.timeout())
+                request = _pinned(fetch, client, next_url, fetch.address(next_url))
                 response = client.send(request, stream=True)
                 try:
                     next_url = fetch.next_url(response)
@@ -343,7 +409,7 @@ async def _fetch_async(url: str, options: MediaOptions, param: str) -> bytes:
         async with httpx.AsyncClient(follow_redirects=False) as client:
             next_url: str | None = url
             while next_url is not None:
-                request = client.build_request("GET", next_url, timeout=fetch.timeout())
+                request = _pinned(fetch, client, next_url, await fetch.address_async(next_url))
                 response = await client.send(request, stream=True)
                 try:
                     next_url = fetch.next_url(response)

@@ -17,9 +17,11 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 from PIL import Image
 
+import raypaged.inputs.media as media_module
 from raypaged.inputs.media import (
     MAX_REDIRECTS,
     MediaError,
@@ -30,7 +32,8 @@ from raypaged.inputs.media import (
 )
 
 Loader = Callable[..., Image.Image]
-DEFAULTS = MediaOptions()
+LOCAL = ("127.0.0.1",)  # the test server's host, named as the operator names a host it trusts
+DEFAULTS = MediaOptions(allowed_media_domains=LOCAL)
 
 
 def encode(image: Image.Image, fmt: str) -> bytes:
@@ -82,7 +85,11 @@ def pixels(image: Image.Image) -> list[tuple[int, ...]]:
 @pytest.fixture(params=["sync", "async"])
 def load(request: pytest.FixtureRequest) -> Loader:
     if request.param == "sync":
-        return load_image
+
+        def sync(url: str, options: MediaOptions = DEFAULTS, param: str = "image_url") -> Image.Image:
+            return load_image(url, options, param)
+
+        return sync
 
     def run(url: str, options: MediaOptions = DEFAULTS, param: str = "image_url") -> Image.Image:
         return asyncio.run(load_image_async(url, options, param))
@@ -174,6 +181,8 @@ class Handler(BaseHTTPRequestHandler):
             self.redirect(f"http://localhost:{port}/img.png")
         elif path == "/to-file":
             self.redirect("file:///etc/passwd")
+        elif path == "/host":  # what the client sent as its Host
+            self.body(self.headers["Host"].encode(), "text/plain")
         else:
             self.body(b"unknown path", "text/plain", status=500)
 
@@ -372,29 +381,29 @@ def test_a_body_that_is_no_image(load: Loader, server: str) -> None:
 
 def test_a_slow_server_times_out(load: Loader, server: str) -> None:
     start = time.monotonic()
-    message = refused(load, f"{server}/slow", MediaOptions(fetch_timeout_s=0.2))
+    message = refused(load, f"{server}/slow", MediaOptions(None, LOCAL, fetch_timeout_s=0.2))
     assert message == f"image_url: cannot fetch {server}/slow: timed out after 0.2 s"
     assert time.monotonic() - start < 2
 
 
 def test_the_timeout_bounds_the_whole_fetch_not_each_read(load: Loader, server: str) -> None:
     start = time.monotonic()
-    message = refused(load, f"{server}/drip", MediaOptions(fetch_timeout_s=0.3))
+    message = refused(load, f"{server}/drip", MediaOptions(None, LOCAL, fetch_timeout_s=0.3))
     assert message == f"image_url: cannot fetch {server}/drip: timed out after 0.3 s"
     assert time.monotonic() - start < 2
 
 
 def test_a_large_body_is_refused_by_its_length(load: Loader, server: str) -> None:
-    options = MediaOptions(max_image_bytes=1000)
+    options = MediaOptions(None, LOCAL, max_image_bytes=1000)
     assert refused(load, f"{server}/big", options) == "image_url: the image is larger than 1000 bytes"
-    assert load(f"{server}/img.png", MediaOptions(max_image_bytes=len(PNG))).size == (4, 3)
+    assert load(f"{server}/img.png", MediaOptions(None, LOCAL, max_image_bytes=len(PNG))).size == (4, 3)
 
 
 def test_a_large_download_stops_early(load: Loader, server: str) -> None:
     while not ENDLESS_SENT.empty():
         ENDLESS_SENT.get_nowait()
     start = time.monotonic()
-    message = refused(load, f"{server}/endless", MediaOptions(max_image_bytes=1000))
+    message = refused(load, f"{server}/endless", MediaOptions(None, LOCAL, max_image_bytes=1000))
     assert message == "image_url: the image is larger than 1000 bytes"
     assert time.monotonic() - start < 2
     assert ENDLESS_SENT.get(timeout=5) < 64 * 1024 * 1024  # the server was cut off, far from its 256 MiB
@@ -511,3 +520,46 @@ def test_media_options_are_checked(tmp_path: Path) -> None:
         MediaOptions(allowed_local_media_path=str(tmp_path / "absent"))
     assert MediaOptions(allowed_local_media_path="").allowed_local_media_path is None
     assert MediaOptions(allowed_media_domains=("Example.COM",)).allowed_media_domains == ("example.com",)
+
+
+def test_hosts_at_non_public_addresses_are_refused_unless_named(load: Loader, server: str) -> None:
+    """Loopback, private and link-local (cloud metadata) addresses are refused before any connection, by IP or by a
+    name that resolves there; the host named in allowed_media_domains is fetched (the operator's to trust)."""
+    port = server.rsplit(":", 1)[1]
+    for url, host, address in (
+        (f"{server}/img.png", "127.0.0.1", "127.0.0.1"),
+        ("http://169.254.169.254/latest/meta-data/", "169.254.169.254", "169.254.169.254"),
+        ("http://10.1.2.3/a.png", "10.1.2.3", "10.1.2.3"),
+        ("http://[::1]:1/a.png", "::1", "::1"),
+    ):
+        assert refused(load, url, MediaOptions()) == (
+            f"image_url: the host {host!r} is at a non-public address ({address}): name it in --allowed-media-domains "
+            "to fetch images from it"
+        )
+    message = refused(load, f"http://localhost:{port}/img.png", MediaOptions())
+    assert message.startswith("image_url: the host 'localhost' is at a non-public address (")
+    assert load(f"{server}/img.png", MediaOptions(allowed_media_domains=LOCAL)).size == (4, 3)
+
+
+def test_a_checked_address_is_the_one_connected_to() -> None:
+    """The request goes to the address that was checked, with the URL's host in Host (and in TLS's SNI): a DNS
+    answer that changes after the check reaches nothing else."""
+    fetch = media_module._Fetch("https://images.example:8443/a.png", MediaOptions(), "image_url")
+    with httpx.Client() as client:
+        request = media_module._pinned(fetch, client, "https://images.example:8443/a.png", "93.184.216.34")
+        assert (str(request.url), request.headers["Host"]) == (
+            "https://93.184.216.34:8443/a.png",
+            "images.example:8443",
+        )
+        assert request.extensions["sni_hostname"] == "images.example"
+        v6 = media_module._pinned(fetch, client, "http://images.example/a.png", "2606:2800::1")
+        assert (str(v6.url), v6.headers["Host"]) == ("http://[2606:2800::1]/a.png", "images.example")
+
+
+def test_a_pinned_request_reaches_its_address_with_the_hosts_name(server: str) -> None:
+    port = int(server.rsplit(":", 1)[1])
+    url = f"http://images.example:{port}/host"
+    fetch = media_module._Fetch(url, MediaOptions(), "image_url")
+    with httpx.Client() as client:
+        response = client.send(media_module._pinned(fetch, client, url, "127.0.0.1"))
+    assert response.text == f"images.example:{port}"

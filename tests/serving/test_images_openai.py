@@ -48,7 +48,13 @@ def llava_dir(tmp_path_factory, smollm2_dir) -> Path:
 def stack(llava_dir, tiny_model_dir):
     stack = Stack(
         [
-            tiny_config(llava_dir, "llava", max_model_len=128, limit_mm_per_prompt={"image": 2}),
+            tiny_config(
+                llava_dir,
+                "llava",
+                max_model_len=128,
+                limit_mm_per_prompt={"image": 2},
+                allowed_media_domains=["127.0.0.1"],  # the test's image server: loopback, fetched only when named
+            ),
             tiny_config(tiny_model_dir, "text"),
         ]
     )
