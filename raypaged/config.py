@@ -7,7 +7,7 @@ import builtins
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +53,21 @@ DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD")
 WAKE_TAGS = ("weights", "kv_cache")  # what sleep mode frees and wake_up(tags) brings back, in that order
 SLEEP_MODE_OFF = "sleep mode is off: start the engine with --enable-sleep-mode (LLM(enable_sleep_mode=True))"
+
+
+def check_sleep_level(level: object) -> None:
+    """``ValueError`` for a sleep level other than vLLM's 1 and 2."""
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 (offload the weights) or 2 (discard them), got {level!r}")
+
+
+def check_wake_tags(tags: Iterable[str]) -> None:
+    """``ValueError`` for a ``wake_up`` tag other than ``WAKE_TAGS``."""
+    for tag in tags:
+        if tag not in WAKE_TAGS:
+            raise ValueError(f"wake_up tags are 'weights' and 'kv_cache', got {tag!r}")
+
+
 GENERATION_CONFIG_MODES = ("auto", "vllm")
 # generation-config fields that become sampling defaults (max_new_tokens is SamplingParams' max_tokens)
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")

@@ -12,7 +12,7 @@ carry each image's hash (the request's cache salt), so that prompts with differe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +29,6 @@ class ImageInputs:
     def overlaps(self, start: int, end: int) -> bool:
         """Whether prompt positions ``start..end-1`` hold image tokens."""
         return any(offset < end and start < offset + length for offset, length in self.placeholders)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(length for _, length in self.placeholders)
 
 
 def image_cache_salt(salt: str | None, images: ImageInputs) -> str:
@@ -52,7 +48,7 @@ def split_chat_images(conversation: list[dict[str, Any]], placeholder: str) -> t
     rendered = []
     for message in conversation:
         content = message.get("content")
-        if not isinstance(content, list) or not any(_part_type(part) in IMAGE_PART_TYPES for part in content):
+        if not _has_images(content):
             rendered.append(message)
             continue
         texts, found = [], []
@@ -76,10 +72,12 @@ def split_chat_images(conversation: list[dict[str, Any]], placeholder: str) -> t
 
 
 def has_chat_images(conversation: list[dict[str, Any]]) -> bool:
-    return any(
-        isinstance(m.get("content"), list) and any(_part_type(p) in IMAGE_PART_TYPES for p in m["content"])
-        for m in conversation
-    )
+    return any(_has_images(message.get("content")) for message in conversation)
+
+
+def _has_images(content: Any) -> TypeGuard[list[Any]]:
+    """Whether a message's content is a list of parts with an image among them."""
+    return isinstance(content, list) and any(_part_type(part) in IMAGE_PART_TYPES for part in content)
 
 
 def _part_type(part: Any) -> str | None:

@@ -120,6 +120,11 @@ def _cheap(params: SamplingParams, prompt_token_ids: list[int] | None) -> bool:
 _END = object()  # queued after an abort or an engine failure: the stream ends
 
 
+def _has_work(engine: LLMEngine) -> bool:
+    """Whether the engine has a step to run: unfinished requests, and it is awake (asleep, they wait)."""
+    return engine.has_unfinished_requests() and not engine.is_sleeping()
+
+
 class AsyncLLMEngine:
     """Adds from any number of coroutines; ``generate`` yields cumulative ``RequestOutput`` s."""
 
@@ -389,15 +394,13 @@ class AsyncLLMEngine:
         engine = self.engine
         try:
             while True:
-                busy = engine.has_unfinished_requests() and not engine.is_sleeping()  # asleep: requests wait
-                command = self._next_command(block=not busy)
+                command = self._next_command(block=not _has_work(engine))
                 while command is not None:
                     self._apply(command)
                     command = self._next_command(block=False)
                 if self._stopping:
                     break
-                busy = engine.has_unfinished_requests() and not engine.is_sleeping()
-                outputs = engine.step() if busy else None
+                outputs = engine.step() if _has_work(engine) else None
                 # the counters first: a caller that got a step's outputs sees the step in them too
                 self._stats = engine.stats()
                 if self.config.enable_lora:

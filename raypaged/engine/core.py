@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from raypaged.config import SLEEP_MODE_OFF, WAKE_TAGS, EngineConfig
+from raypaged.config import SLEEP_MODE_OFF, WAKE_TAGS, EngineConfig, check_sleep_level, check_wake_tags
 from raypaged.core import beam_search
 from raypaged.core.beam_search import BeamGroup, BeamSearchParams, Hypothesis
 from raypaged.core.block_manager import KVCacheManager
@@ -539,8 +539,7 @@ class EngineCore:
         worker (the prefix cache starts over empty), and requests added meanwhile wait."""
         if not self.config.enable_sleep_mode:
             raise ValueError(SLEEP_MODE_OFF)
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (offload the weights) or 2 (discard them), got {level!r}")
+        check_sleep_level(level)
         if self._in_flight is not None:
             _, future = self._in_flight
             self._in_flight = None
@@ -556,17 +555,14 @@ class EngineCore:
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Bring back the weights, the KV cache or both (``tags`` of ``WAKE_TAGS``; ``None``: all); the KV cache
         needs the weights back first. Awake once both are, and the waiting requests run."""
-        wanted = list(WAKE_TAGS) if tags is None else list(tags)
-        for tag in wanted:
-            if tag not in WAKE_TAGS:
-                raise ValueError(f"wake_up tags are 'weights' and 'kv_cache', got {tag!r}")
-        weights, kv_cache = ("weights" in wanted and "weights" in self._asleep), "kv_cache" in wanted
-        kv_cache = kv_cache and "kv_cache" in self._asleep
+        wanted = set(WAKE_TAGS if tags is None else tags)
+        check_wake_tags(wanted)
+        weights, kv_cache = ("weights" in wanted & self._asleep), ("kv_cache" in wanted & self._asleep)
         if kv_cache and "weights" in self._asleep and not weights:
             raise ValueError("the KV cache wakes with or after the weights: wake_up(tags=['weights']) first")
         if weights or kv_cache:
             self.executor.wake_up(weights, kv_cache)
-            self._asleep -= {tag for tag, woken in (("weights", weights), ("kv_cache", kv_cache)) if woken}
+            self._asleep -= wanted
         if self.sleep_level and not self._asleep:
             self.sleep_level = 0
             freeze_startup_heap("engine woken")

@@ -45,7 +45,7 @@ from raypaged.structured.thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:
     import xgrammar
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from raypaged.lora.request import LoRARequest
 
@@ -208,12 +208,7 @@ class InputProcessor:
         reads no images, or when the placeholders and the images do not match). ``rendered``: the text is a chat
         template's, whose special tokens are its own (the tokenizer adds none)."""
         config = self.config
-        image_config = config.image_hf_config
-        if image_config is None:
-            raise InputError(
-                "multi_modal_data", f"the model {config.served_model_names[0]} reads text only (no images)"
-            )
-        self.check_image_count(len(images))
+        image_config = self.check_image_count(len(images))
         check_text("prompt", len(prompt), config.limits, config.resolved_max_model_len)
         processor = self._image_processor()
         image_token = processor.image_token
@@ -266,9 +261,10 @@ class InputProcessor:
         except MediaError as exc:
             raise InputError(exc.param, str(exc)) from None
 
-    def check_image_count(self, count: int) -> None:
-        """``InputError`` for more images than ``--limit-mm-per-prompt`` allows, or than the context holds (checked
-        before any image is fetched, decoded or processed)."""
+    def check_image_count(self, count: int) -> PretrainedConfig:
+        """``InputError`` for images on a model of text only, for more images than ``--limit-mm-per-prompt``
+        allows, or than the context holds (checked before any image is fetched, decoded or processed); else the
+        model's image config."""
         config = self.config
         image_config = config.image_hf_config
         if image_config is None:
@@ -286,6 +282,7 @@ class InputProcessor:
                 f"{count} images of {per_image} tokens each leave no room in max_model_len "
                 f"{config.resolved_max_model_len}",
             )
+        return image_config
 
     def _image_processor(self) -> Any:
         """The model's Hugging Face processor (its image processor, with this engine's tokenizer), made once."""

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import grpc
 from transformers import PreTrainedTokenizerBase
 
-from raypaged.config import SLEEP_MODE_OFF, WAKE_TAGS, EngineConfig
+from raypaged.config import SLEEP_MODE_OFF, EngineConfig, check_sleep_level, check_wake_tags
 from raypaged.engine.async_llm_engine import (
     AsyncLLMEngine,
     EngineBusyError,
@@ -575,10 +575,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         try:
             self._caller(context)
             models = self._sleepers(request.model)
-            if request.level not in (0, 1, 2):
-                raise ValueError(
-                    f"sleep level must be 1 (offload the weights) or 2 (discard them), got {request.level}"
-                )
+            check_sleep_level(request.level or 1)  # 0: unset, vLLM's default level
             for model in models:
                 await model.engine.sleep(request.level or 1)
         except _REFUSED as exc:
@@ -589,9 +586,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         try:
             self._caller(context)
             models = self._sleepers(request.model)
-            for tag in request.tags:  # checked before any engine wakes
-                if tag not in WAKE_TAGS:
-                    raise ValueError(f"wake_up tags are 'weights' and 'kv_cache', got {tag!r}")
+            check_wake_tags(request.tags)  # before any engine wakes
             for model in models:
                 await model.engine.wake_up(list(request.tags) or None)
         except _REFUSED as exc:

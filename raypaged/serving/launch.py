@@ -49,9 +49,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("raypaged")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-_CLOSE_CONNECTIONS_S = 5.0
+_CLOSE_CONNECTIONS_S = 5.0  # after a drain: for responses still being written
 _MAX_RESTARTS = 2  # a data-parallel rank's process started again at most this often within the window
-_RESTART_WINDOW_S = 60.0  # after a drain: for responses still being written
+_RESTART_WINDOW_S = 60.0
 
 
 @dataclass
