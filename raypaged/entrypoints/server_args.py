@@ -14,6 +14,7 @@ from raypaged.entrypoints.switch import Switch
 from raypaged.entrypoints.vllm_compat import add_vllm_args, check_vllm_args
 from raypaged.serving.gateway.efforts import AUTO, DISABLED_THINKING_EFFORTS
 from raypaged.serving.gateway.fingerprint import FINGERPRINT_MODES
+from raypaged.serving.gateway.replicas import ROUTING
 
 if TYPE_CHECKING:
     from raypaged.serving.launch import GatewayOptions
@@ -249,7 +250,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--data-parallel-routing",
-        choices=("least_loaded", "cache_aware"),
+        choices=ROUTING,
         default="least_loaded",
         help="how a model served by several engines (-dp, or a name given to --engine more than once) picks one for "
         "a request: the one with the fewest requests in flight (vLLM's), or cache_aware: the one its conversation "

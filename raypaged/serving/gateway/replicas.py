@@ -70,8 +70,8 @@ class _CountedForwardingCall(_CountedCall):
 
 ROUTING = ("least_loaded", "cache_aware")  # --data-parallel-routing
 AFFINITY_SLACK = 4  # cache_aware: calls in flight above the least loaded replica's that its own replica may have
-_TEXT_PREFIX_CHARS = 1024  # a text prompt's characters, and token-id prompt's ids, that its affinity reads
-_ID_PREFIX = 256
+_TEXT_PREFIX_CHARS = 1024  # a text prompt's characters that its affinity reads
+_ID_PREFIX = 256  # a token-id prompt's ids that its affinity reads
 
 
 def affinity_key(request: pb.GenerateRequest) -> bytes | None:
@@ -133,7 +133,7 @@ class Replicas:
         return index if self.in_flight[index] - least <= AFFINITY_SLACK else None
 
     def _take(self, key: bytes | None = None) -> tuple[int, Callable[[], None]]:
-        index = self._preferred(key) if key is not None and self.routing == "cache_aware" else None
+        index = None if key is None else self._preferred(key)  # a key only with cache_aware routing
         if index is None:
             index = self._least_loaded()
             self._next = index + 1
