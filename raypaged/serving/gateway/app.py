@@ -519,7 +519,8 @@ def build_app(
 
     @app.post("/sleep")
     async def sleep(http: Request) -> Response:
-        """vLLM's sleep mode: every engine frees its weights and KV cache (``?level=1`` or ``2``); requests wait."""
+        """vLLM's sleep mode: every engine frees its weights and KV cache (``?level=1`` or ``2``); its running requests
+        wait for the wake-up, new ones get 503."""
         level = http.query_params.get("level", "1")
         if level not in ("1", "2"):
             raise APIError(400, f"level must be 1 or 2, got {level!r}", "level")
