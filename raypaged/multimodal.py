@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class ImageInputs:
@@ -25,10 +27,36 @@ class ImageInputs:
     # LLaVA-NeXT: per image, its rows of pixel_values (the base image, then its grid's patches) and its original
     # (height, width); None: one row an image
     patches: tuple[tuple[int, tuple[int, int]], ...] | None = None
+    # Qwen2-VL: per image, its grid of patches (temporal, height, width), its rows of pixel_values being their
+    # product, and the vision tower's spatial_merge_size (merge x merge patches make one token); None: another model
+    grids: tuple[tuple[int, int, int], ...] | None = None
+    merge_size: int = 1
 
     def overlaps(self, start: int, end: int) -> bool:
         """Whether prompt positions ``start..end-1`` hold image tokens."""
         return any(offset < end and start < offset + length for offset, length in self.placeholders)
+
+
+def mrope_positions(num_prompt: int, images: ImageInputs) -> tuple[np.ndarray, int]:
+    """Qwen2-VL's M-RoPE positions of a prompt with images: ``[3, num_prompt]`` (temporal, height, width) and the
+    shift of every later token's position (``position = index + shift`` on all three axes). A text token's three
+    positions are one, one after the previous token's largest; an image's tokens, a grid of ``height / merge`` rows
+    of ``width / merge``, sit at the next position plus their (frame, row, column) in the grid; the text after it
+    goes on from there plus the grid's longer side, so an image takes fewer positions than tokens."""
+    assert images.grids is not None, "M-RoPE positions of a model without image grids"
+    positions = np.empty((3, num_prompt), dtype=np.int64)
+    next_position = index = 0
+    for (offset, length), (frames, height, width) in zip(images.placeholders, images.grids):
+        positions[:, index:offset] = np.arange(next_position, next_position + offset - index)
+        next_position += offset - index
+        rows, columns = height // images.merge_size, width // images.merge_size
+        grid = np.indices((frames, rows, columns)).reshape(3, -1)
+        assert grid.shape[1] == length, "an image's placeholder does not match its grid"
+        positions[:, offset : offset + length] = grid + next_position
+        next_position += max(rows, columns)
+        index = offset + length
+    positions[:, index:] = np.arange(next_position, next_position + num_prompt - index)
+    return positions, int(positions.max(initial=-1)) + 1 - num_prompt
 
 
 def image_cache_salt(salt: str | None, images: ImageInputs) -> str:

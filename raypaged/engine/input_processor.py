@@ -35,6 +35,7 @@ from raypaged.inputs.limits import (
     check_token_ids,
 )
 from raypaged.inputs.media import MediaError, MediaOptions, load_image
+from raypaged.model.architecture import reads_image_grids
 from raypaged.multimodal import ImageInputs, has_chat_images, image_cache_salt, split_chat_images
 from raypaged.pooling_params import PoolingParams
 from raypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -125,7 +126,7 @@ class InputProcessor:
         if self.config.image_hf_config is None:
             raise InputError("messages", f"the model {self.config.served_model_names[0]} reads text only (no images)")
         try:
-            conversation, images = split_chat_images(conversation, self._image_processor().image_token)
+            conversation, images = split_chat_images(conversation, self._image_placeholder())
         except ValueError as exc:
             raise InputError("messages", str(exc)) from None
         return render_chat_text(self.tokenizer, conversation, self.config, **options), images
@@ -211,32 +212,23 @@ class InputProcessor:
         image_config = self.check_image_count(len(images))
         check_text("prompt", len(prompt), config.limits, config.resolved_max_model_len)
         processor = self._image_processor()
-        image_token = processor.image_token
+        image_token = self._image_token()
         if prompt.count(image_token) != len(images):
             raise InputError(
                 "multi_modal_data",
                 f"the prompt has {prompt.count(image_token)} image placeholders ({image_token}) for "
                 f"{len(images)} images",
             )
+        if reads_image_grids(image_config):
+            return self._grid_image_prompt(prompt, images, rendered, image_token)
         try:
             encoded = processor(text=prompt, images=images, return_tensors="pt", add_special_tokens=not rendered)
         except (ValueError, TypeError, OSError) as exc:
             raise InputError("multi_modal_data", f"the images cannot be processed: {exc}") from None
         ids = encoded["input_ids"][0].tolist()
-        token_id = image_config.image_token_index
-        positions = [i for i, t in enumerate(ids) if t == token_id]
         sizes = [(image.height, image.width) for image in images]  # as the processor counts each image's tokens
         counts = processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
-        if sum(counts) != len(positions):
-            raise InputError(
-                "multi_modal_data", f"the processed prompt has {len(positions)} image tokens, not {sum(counts)}"
-            )
-        placeholders = []
-        for count in counts:
-            run, positions = positions[:count], positions[count:]
-            if run[-1] - run[0] + 1 != count:
-                raise InputError("multi_modal_data", "an image's tokens are not one run in the processed prompt")
-            placeholders.append((run[0], count))
+        placeholders = self._placeholders(ids, counts)
         pixels = encoded["pixel_values"].to(torch.float32)
         patches = None  # LLaVA-NeXT: each image's patches (base, then its grid), at their original size
         if "image_sizes" in encoded:
@@ -250,7 +242,50 @@ class InputProcessor:
         else:
             per_image = list(pixels)
         hashes = tuple(hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in per_image)
-        return ids, ImageInputs(pixels.contiguous(), tuple(placeholders), hashes, patches)
+        return ids, ImageInputs(pixels.contiguous(), placeholders, hashes, patches)
+
+    def _grid_image_prompt(
+        self, prompt: str, images: list[Any], rendered: bool, image_token: str
+    ) -> tuple[list[int], ImageInputs]:
+        """Qwen2-VL's ``image_prompt``: the image processor cuts each image into its grid of patches, and each
+        placeholder becomes one image token per ``merge_size`` x ``merge_size`` patches of its image."""
+        processor = self._image_processor()
+        try:
+            encoded = processor(images=images, return_tensors="pt")
+        except (ValueError, TypeError, OSError) as exc:
+            raise InputError("multi_modal_data", f"the images cannot be processed: {exc}") from None
+        grids = tuple((int(t), int(h), int(w)) for t, h, w in encoded["image_grid_thw"].tolist())
+        merge = int(processor.merge_size)
+        counts = [t * h * w // merge**2 for t, h, w in grids]
+        first, *rest = prompt.split(image_token)
+        text = first + "".join(image_token * count + piece for count, piece in zip(counts, rest))
+        ids = self.tokenizer(text, add_special_tokens=not rendered)["input_ids"]
+        pixels = encoded["pixel_values"].to(torch.float32).contiguous()
+        hashes, row = [], 0
+        for t, h, w in grids:  # an image's hash covers its grid and its rows of patches
+            digest = hashlib.sha256(f"{t}x{h}x{w}".encode())
+            digest.update(pixels[row : row + t * h * w].numpy().tobytes())
+            hashes.append(digest.hexdigest())
+            row += t * h * w
+        placeholders = self._placeholders(ids, counts)
+        return ids, ImageInputs(pixels, placeholders, tuple(hashes), grids=grids, merge_size=merge)
+
+    def _placeholders(self, ids: list[int], counts: list[int]) -> tuple[tuple[int, int], ...]:
+        """Each image's (first position, number of tokens) in a processed prompt whose images have ``counts``
+        tokens; ``InputError`` where the image tokens are not one run of that many an image."""
+        token_id = self._image_token_id()
+        positions = [i for i, t in enumerate(ids) if t == token_id]
+        if sum(counts) != len(positions):
+            raise InputError(
+                "multi_modal_data", f"the processed prompt has {len(positions)} image tokens, not {sum(counts)}"
+            )
+        placeholders = []
+        for count in counts:
+            run, positions = positions[:count], positions[count:]
+            if run[-1] - run[0] + 1 != count:
+                raise InputError("multi_modal_data", "an image's tokens are not one run in the processed prompt")
+            placeholders.append((run[0], count))
+        return tuple(placeholders)
 
     def loaded(self, image: Any) -> Any:
         """A request's image: a PIL image as it is, a URL loaded (``media.load_image``: data, http(s), file)."""
@@ -275,7 +310,8 @@ class InputProcessor:
         if limit is not None and count > limit:
             raise InputError("multi_modal_data", f"{count} images in one prompt; --limit-mm-per-prompt allows {limit}")
         vision = image_config.vision_config
-        per_image = (vision.image_size // vision.patch_size) ** 2
+        # Qwen2-VL: an image's tokens depend on its size, one at least
+        per_image = 1 if reads_image_grids(image_config) else (vision.image_size // vision.patch_size) ** 2
         if count * per_image >= config.resolved_max_model_len:
             raise InputError(
                 "multi_modal_data",
@@ -285,12 +321,43 @@ class InputProcessor:
         return image_config
 
     def _image_processor(self) -> Any:
-        """The model's Hugging Face processor (its image processor, with this engine's tokenizer), made once."""
+        """The model's Hugging Face processor (its image processor, with this engine's tokenizer), made once;
+        Qwen2-VL's image processor alone (its processor needs a video processor, and expands placeholders as
+        ``_grid_image_prompt`` does)."""
         if self._processor is None:
-            from transformers import AutoProcessor
+            from transformers import AutoImageProcessor, AutoProcessor
 
-            self._processor = AutoProcessor.from_pretrained(self.config.model_path, tokenizer=self.tokenizer)
+            path = self.config.model_path
+            if reads_image_grids(self._image_config()):
+                self._processor = AutoImageProcessor.from_pretrained(path)
+            else:
+                self._processor = AutoProcessor.from_pretrained(path, tokenizer=self.tokenizer)
         return self._processor
+
+    def _image_config(self) -> PretrainedConfig:
+        image_config = self.config.image_hf_config
+        assert image_config is not None, "images on a model of text only"
+        return image_config
+
+    def _image_token_id(self) -> int:
+        image_config = self._image_config()
+        token_id = getattr(image_config, "image_token_id", None)  # Qwen2-VL's name; LLaVA's image_token_index
+        return int(image_config.image_token_index if token_id is None else token_id)
+
+    def _image_token(self) -> str:
+        """The token a prompt holds for each of its images (the processor expands it)."""
+        return str(self.tokenizer.convert_ids_to_tokens(self._image_token_id()))
+
+    def _image_placeholder(self) -> str:
+        """What a chat message holds for each of its images: the image token, between Qwen2-VL's vision start
+        and end tokens."""
+        image_config, token = self._image_config(), self._image_token()
+        if not reads_image_grids(image_config):
+            return token
+        start, end = self.tokenizer.convert_ids_to_tokens(
+            [image_config.vision_start_token_id, image_config.vision_end_token_id]
+        )
+        return f"{start}{token}{end}"
 
     # ---- constraints and adapters ----------------------------------------------
     def compile_grammar(

@@ -173,7 +173,9 @@ MULTIMODAL_WRAPPERS = {
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
-IMAGE_WRAPPERS = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+# Qwen2-VL's and Qwen2.5-VL's: an image of any size is cut into a grid of patches, its tokens placed by M-RoPE
+GRID_IMAGE_WRAPPERS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+IMAGE_WRAPPERS = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", *GRID_IMAGE_WRAPPERS)
 # LLaVA's language models: Llama (Vicuna) or Mistral (BakLLaVA, llava-v1.6-mistral)
 _LLAVA_TEXT = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 # their language models' model types, as the family's (Qwen-VL's multimodal rotary is the plain one over text alone:
@@ -207,6 +209,11 @@ def image_model_config(config: PretrainedConfig) -> PretrainedConfig | None:
     and image token are in it), or None for a model of text only."""
     architectures = getattr(config, "architectures", None) or []
     return config if any(a in IMAGE_WRAPPERS for a in architectures) else None
+
+
+def reads_image_grids(image_config: PretrainedConfig) -> bool:
+    """Whether an image-text config's images are grids of patches placed by M-RoPE (Qwen2-VL, Qwen2.5-VL)."""
+    return any(a in GRID_IMAGE_WRAPPERS for a in getattr(image_config, "architectures", None) or [])
 
 
 def gemma_name(config: PretrainedConfig) -> str | None:

@@ -278,9 +278,17 @@ class RotaryEmbedding(nn.Module):
     within ``original_max_position_embeddings`` and the long ones past it, recomputing the whole cache when it
     crosses; a paged cache cannot, so, as vLLM, a model of ``max_positions`` past that length takes the long
     factors for every sequence, and one within it the short ones (transformers' values either way, for a
-    sequence on that side of the boundary)."""
+    sequence on that side of the boundary).
+
+    Qwen2-VL's multimodal rotary (M-RoPE, ``mrope_section`` in the rope parameters): a token has three positions
+    (temporal, height, width; all three its one position for text) and the frequencies are cut into sections,
+    the ``i``-th taking its angle from position ``i % 3``. Steps whose tokens all have equal positions use
+    ``cos_sin`` as any rotary; a step with image tokens sets ``step_table`` to its rows (``mrope_rows``) and
+    indexes it by token.
+    """
 
     cos_sin: torch.Tensor  # buffer [max_positions, 2, rotary_dim / 2]
+    step_table: torch.Tensor | None  # M-RoPE: this step's rows [num_tokens, 2, rotary_dim / 2], or None
 
     def __init__(
         self,
@@ -327,10 +335,30 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim / 2]
         cos_sin = torch.stack((freqs.cos() * scaling, freqs.sin() * scaling), dim=1)
         self.register_buffer("cos_sin", cos_sin, persistent=False)  # [max_positions, 2, rotary_dim / 2]
+        section = params.get("mrope_section")
+        self.mrope_section = None if section is None else [int(n) for n in section]
+        if self.mrope_section is not None and sum(self.mrope_section) != self.rotary_dim // 2:
+            raise ValueError(
+                f"mrope_section {self.mrope_section} sums to {sum(self.mrope_section)}, not the "
+                f"{self.rotary_dim // 2} rotary frequencies of a head"
+            )
+        self.step_table = None
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The rows positions index: ``cos_sin``, or this step's M-RoPE rows (indexed by token)."""
+        return self.cos_sin if self.step_table is None else self.step_table
+
+    def mrope_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """M-RoPE's cos/sin rows ``[num_tokens, 2, rotary_dim / 2]`` of tokens at ``positions: [3, num_tokens]``:
+        each section of frequencies at its own axis's position."""
+        assert self.mrope_section is not None, "M-RoPE positions for a rotary without mrope_section"
+        rows = self.cos_sin[positions]  # [3, T, 2, R/2]
+        return torch.cat([part[i % 3] for i, part in enumerate(rows.split(self.mrope_section, dim=-1))], dim=-1)
 
     def rotate_(self, positions: torch.Tensor, *xs: torch.Tensor) -> None:
         """Rotate each ``x: [num_tokens, heads, head_dim]`` (strided views too) in place by its tokens' positions."""
-        cos_sin = self.cos_sin[positions]  # [T, 2, R/2]
+        cos_sin = self.table[positions]  # [T, 2, R/2]
         cos, sin = cos_sin[:, None, None, 0], cos_sin[:, None, None, 1]  # [T, 1, 1, R/2]
         for x in xs:
             (apply_interleaved_rotary_ if self.interleaved else apply_rotary_)(x, cos, sin)

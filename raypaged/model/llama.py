@@ -215,9 +215,7 @@ class LlamaAttention(nn.Module):
                 k = fused.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
             # scaled only over an fp8 cache, which the CUDA fused ops never write (cuda_backend)
             extra = {} if scales.unit else {"k_scale": scales.k, "v_scale": scales.v}
-            fused.rotary_and_cache(
-                positions, q, k, v, self.rotary.cos_sin, key_cache, value_cache, slot_mapping, **extra
-            )
+            fused.rotary_and_cache(positions, q, k, v, self.rotary.table, key_cache, value_cache, slot_mapping, **extra)
             return q, k, v
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -454,6 +452,7 @@ class LlamaModel(nn.Module):
             t: RotaryEmbedding(config, head_dim_of(config), max_positions, t, arch.interleaved_rotary)
             for t in set(rope_types)
         }
+        self.rotaries = list(rotaries.values())  # not registered here: each is its layers' submodule
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp, arch.embedding_multiplier, arch.gemma
         )
@@ -477,11 +476,22 @@ class LlamaModel(nn.Module):
         kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
         embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mrope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
-        """``embeds``: (token indices, their embeddings) that replace the token embeddings there (images')."""
-        x, residual = self.embed_tokens(input_ids), None
+        """``embeds``: (token indices, their embeddings) that replace the token embeddings there (images').
+        ``mrope_positions``: ``[3, num_tokens]``, M-RoPE's positions of a step with image tokens (Qwen2-VL), which
+        then take the place of ``positions``."""
+        x = self.embed_tokens(input_ids)
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
+        if mrope_positions is not None:  # the layers' path, each token indexing its own row of the step's table
+            for rotary in self.rotaries:
+                rotary.step_table = rotary.mrope_rows(mrope_positions)
+            try:
+                return self._layers(torch.arange(x.shape[0], device=x.device), x, kv_caches, meta)
+            finally:
+                for rotary in self.rotaries:
+                    rotary.step_table = None
         step = self.cpu_step
         if self.kv_scales_pending:  # this step calculates the layers' K/V scales, one layer at a time
             step, self.kv_scales_pending = None, False
@@ -492,6 +502,12 @@ class LlamaModel(nn.Module):
                 step = self.cpu_step = CpuStep.build(self)
             if step is not None and not step.adapters_active():
                 return step.run(self, x, positions, kv_caches, meta)
+        return self._layers(positions, x, kv_caches, meta)
+
+    def _layers(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta, self.fused_ops)
         return self.final_norm(x, residual)
@@ -542,8 +558,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
         embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mrope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta, embeds)
+        return self.model(input_ids, positions, kv_caches, meta, embeds, mrope_positions)
 
     def attentions(self) -> list[LlamaAttention | MlaAttention]:
         """Each layer's attention."""

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
+from raypaged.model.architecture import reads_image_grids
 from raypaged.model.encoder import Encoder, build_encoder, is_encoder
 from raypaged.model.layers import packs_weights
 from raypaged.model.llama import LlamaForCausalLM
@@ -22,6 +23,9 @@ from raypaged.quantization.linear import cast_model, finish_loading
 
 if TYPE_CHECKING:
     from raypaged.model.llava_next_vision import LlavaNextImageEncoder
+    from raypaged.model.qwen2_vl_vision import Qwen2VLImageEncoder
+
+    ImageEncoder = LlavaImageEncoder | LlavaNextImageEncoder | Qwen2VLImageEncoder
 
 
 def iter_checkpoint(
@@ -45,13 +49,18 @@ def load_image_encoder(
     device: torch.device,
     load_format: str,
     seed: int,
-) -> LlavaImageEncoder | LlavaNextImageEncoder:
+) -> ImageEncoder:
     """An image-text checkpoint's vision tower and projector (whole on every tensor-parallel rank), in ``dtype``:
-    LLaVA-1.5's, or LLaVA-NeXT's (which packs each image's grid of patches)."""
-    encoder: LlavaImageEncoder | LlavaNextImageEncoder
+    LLaVA-1.5's, LLaVA-NeXT's (which packs each image's grid of patches), or Qwen2-VL's and Qwen2.5-VL's (images of
+    any size in patches, merged)."""
+    encoder: ImageEncoder
     select = is_vision_tensor
     with torch.device(device), default_dtype(dtype):
-        if "LlavaNextForConditionalGeneration" in (image_config.architectures or []):
+        if reads_image_grids(image_config):
+            from raypaged.model.qwen2_vl_vision import Qwen2VLImageEncoder, is_qwen2_vl_vision_tensor
+
+            encoder, select = Qwen2VLImageEncoder(image_config), is_qwen2_vl_vision_tensor
+        elif "LlavaNextForConditionalGeneration" in (image_config.architectures or []):
             from raypaged.model.llava_next_vision import LlavaNextImageEncoder, is_next_vision_tensor
 
             encoder, select = LlavaNextImageEncoder(image_config), is_next_vision_tensor

@@ -19,6 +19,7 @@ from raypaged import envs
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SampledToken, SchedulerOutput
 from raypaged.model.encoder import EncoderModel, uses_token_types
+from raypaged.multimodal import ImageInputs, mrope_positions
 from raypaged.pooling import chunk_part
 from raypaged.sampling_params import RAW_LOGPROBS, SamplingParams
 from raypaged.spec_decode.verify import accepted_run
@@ -32,9 +33,7 @@ if TYPE_CHECKING:
     from raypaged.lora.manager import LoRAManager
     from raypaged.lora.request import LoRARequest
     from raypaged.model.llama import LlamaForCausalLM
-    from raypaged.model.llava_next_vision import LlavaNextImageEncoder
-    from raypaged.model.llava_vision import LlavaImageEncoder
-    from raypaged.multimodal import ImageInputs
+    from raypaged.model.loader import ImageEncoder
     from raypaged.spec_decode.draft_model import DraftModelProposer
 
 logger = logging.getLogger("raypaged")
@@ -64,6 +63,17 @@ class CachedRequestState:
     row: int = -1  # its row of the runner's BlockTables
     images: ImageInputs | None = None  # the prompt's images
     image_embeds: torch.Tensor | None = None  # their embeddings, one row per image token, once a step needs them
+    # Qwen2-VL's M-RoPE: the prompt's positions [3, num_prompt] and the shift of the later tokens' (None: a
+    # request whose positions are its token indices)
+    mrope: np.ndarray | None = None
+    mrope_shift: int = 0
+
+    def rope_positions(self, start: int, end: int) -> np.ndarray:
+        """M-RoPE positions ``[3, end - start]`` of tokens ``start..end-1``."""
+        assert self.mrope is not None
+        num_prompt = self.mrope.shape[1]
+        later = np.arange(max(start, num_prompt), max(end, num_prompt), dtype=np.int64) + self.mrope_shift
+        return np.concatenate([self.mrope[:, start:end], np.broadcast_to(later, (3, len(later)))], axis=1)
 
     def token_at(self, position: int) -> int:
         num_prompt = len(self.prompt_token_ids)
@@ -112,6 +122,7 @@ class StepInputs:
     # requests wanting prompt logprobs: (request id, first step token index, first prompt token predicted, count)
     prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # image rows: (step token indices, embeddings)
+    mrope_positions: torch.Tensor | None = None  # [3, num_tokens]: M-RoPE's, where the step has image tokens
 
 
 class ModelRunner:
@@ -128,7 +139,7 @@ class ModelRunner:
         async_scheduling: bool = False,
         logprobs_mode: str = RAW_LOGPROBS,
         pooling_type: str | None = None,
-        image_encoder: LlavaImageEncoder | LlavaNextImageEncoder | None = None,
+        image_encoder: ImageEncoder | None = None,
     ) -> None:
         """``samples``: this rank samples and reports tokens (rank 0); the others only run the forward.
         ``logprobs_mode``: what the logprobs requests ask for hold (``sampler.sample``).
@@ -184,6 +195,9 @@ class ModelRunner:
                 token_type_start=new.token_type_start,
                 images=new.images,
             )
+            if new.images is not None and new.images.grids is not None:
+                state = self.requests[new.request_id]
+                state.mrope, state.mrope_shift = mrope_positions(len(new.prompt_token_ids), new.images)
         for cached in so.cached_requests:
             state = self.requests[cached.request_id]
             if new_tokens := cached.new_token_ids:
@@ -227,6 +241,7 @@ class ModelRunner:
         sampled_ids: list[str] = []
         prompt_spans: list[tuple[str, int, int, int]] = []
         image_spans: list[tuple[CachedRequestState, int, int, int]] = []  # (state, query start, start, end)
+        mrope_rows: list[tuple[int, np.ndarray]] = []  # M-RoPE requests': (query start, their positions [3, n])
         token_slots: list[int | None] | None = [] if self.lora is not None else None
         bs = self.block_size
         num_step_tokens = 0
@@ -253,6 +268,8 @@ class ModelRunner:
                 spans.append((query_start, num_new, end))
             if state.images is not None and state.images.overlaps(start, end):
                 image_spans.append((state, query_start, start, end))
+            if state.mrope is not None:
+                mrope_rows.append((query_start, state.rope_positions(start, end)))
             num_drafts = len(state.spec_token_ids)
             if end == state.num_tokens + num_drafts:  # the last known token: its logits give the next one
                 # a run of drafts: every position's logits, each verifying the draft after it
@@ -293,6 +310,15 @@ class ModelRunner:
         sizes = [num_step_tokens] * 3 + [num_decodes, len(sample_indices), num_table_entries, *map(len, span_tables)]
         input_ids_t, positions_t, slots_t, lens_t, sample_t, tables_t, *span_blocks = flat.split(sizes)
         prefills = [PrefillSpan(q0, n, end, ids) for (q0, n, end), ids in zip(spans, span_blocks)]
+        mrope = None
+        if mrope_rows:  # positions that are not token indices (the slots and lengths above are by index)
+            rope = np.broadcast_to(np.concatenate([_ints(positions), *span_positions]), (3, num_step_tokens)).copy()
+            for query_start, request_rope in mrope_rows:
+                rope[:, query_start : query_start + request_rope.shape[1]] = request_rope
+            if (rope[0] == rope[1]).all() and (rope[0] == rope[2]).all():  # text only: one position a token
+                positions_t = torch.from_numpy(rope[0]).to(self.device)
+            else:
+                mrope = torch.from_numpy(rope).to(self.device)
         if token_slots is not None:  # LoRA on: every step maps its tokens (none adapted: an empty mapping)
             assert self.lora is not None  # token_slots is a list exactly when LoRA is on
             self.lora.set_slot_mapping(token_slots)
@@ -311,6 +337,7 @@ class ModelRunner:
             sampled_request_ids=sampled_ids,
             prompt_spans=prompt_spans,
             embeds=self._image_rows(image_spans) if image_spans else None,
+            mrope_positions=mrope,
         )
 
     def _image_rows(
@@ -395,8 +422,10 @@ class ModelRunner:
             and self.lora.lora_model.step.mapping is not None
             and (not self.lora.lora_model.step.mapping.is_empty)
         )
-        if step.embeds is not None:  # image rows: the eager forward takes them (no graph records embeddings)
-            hidden = self.model(step.input_ids, step.positions, self.cache.layers, meta, step.embeds)
+        if step.embeds is not None or step.mrope_positions is not None:  # image rows: the eager forward takes them
+            hidden = self.model(  # (no graph records embeddings)
+                step.input_ids, step.positions, self.cache.layers, meta, step.embeds, step.mrope_positions
+            )
         elif (
             self.graphs is not None
             and not meta.prefills
@@ -604,6 +633,8 @@ def _ints(values: list[int]) -> np.ndarray:
 def _encoded(encoder: Any, images: ImageInputs, device: torch.device) -> torch.Tensor:
     """A prompt's images through the vision tower and projector: one row per image token, in prompt order."""
     pixels = images.pixel_values.to(device)
+    if images.grids is not None:  # Qwen2-VL: each image's grid of patches
+        return encoder(pixels, torch.tensor(images.grids, dtype=torch.int64))
     if images.patches is None:  # LLaVA: one row of pixels an image, the same number of tokens each
         return encoder(pixels).flatten(0, 1)
     features, first = [], 0  # LLaVA-NeXT: each image's patches and original size

@@ -1,6 +1,7 @@
-"""Image-text checkpoints served for text (Gemma 3's, Mistral 3's, Llama 4's, Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's):
-the language model's greedy tokens and logprobs equal transformers' whole image-text model's on text prompts; the
-vision tower is not loaded; an image in a request is refused by name."""
+"""Image-text checkpoints on text prompts (Gemma 3's, Mistral 3's, Llama 4's, Qwen2-VL's, Qwen2.5-VL's and
+Qwen3-VL's): the language model's greedy tokens and logprobs equal transformers' whole image-text model's. Those served
+for text only (all but Qwen2-VL and Qwen2.5-VL, which read images: tests/model/test_qwen2_vl_vs_hf.py) load no vision
+tower, and an image in a request is refused by name."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
-"""Images over the OpenAI chat API on a real gateway and engine server (a tiny random LLaVA): ``image_url`` content
-parts, as data URLs and fetched over HTTP, answer as ``LLM.chat`` and transformers do on the same rendered
-conversation; bad images and image parts where they cannot go are refused by name."""
+"""Images over the OpenAI chat API on a real gateway and engine server (a tiny random LLaVA and Qwen2-VL):
+``image_url`` content parts, as data URLs and fetched over HTTP, answer as ``LLM.chat`` and transformers do on the
+same rendered conversation; bad images and image parts where they cannot go are refused by name."""
 
 from __future__ import annotations
 
 import base64
 import http.server
 import io
+import json
 import threading
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
 from raypaged import LLM, SamplingParams
-from tests.conftest import make_tiny_llava
+from tests.conftest import make_tiny_llava, make_tiny_qwen2_vl
 from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
 
 MAX_TOKENS = 10
@@ -45,9 +46,15 @@ def llava_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(llava_dir, tiny_model_dir):
+def qwen_dir(tmp_path_factory, smollm2_dir) -> Path:
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen_vl_http"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def stack(llava_dir, qwen_dir, tiny_model_dir):
     stack = Stack(
         [
+            tiny_config(qwen_dir, "qwen-vl", max_model_len=128),
             tiny_config(
                 llava_dir,
                 "llava",
@@ -127,6 +134,39 @@ def test_data_url_and_fetched_images_answer_as_transformers_and_llm_chat(stack, 
     finally:
         llm.shutdown()
     assert offline.outputs[0].text == answers[0]
+
+
+def test_qwen2_vl_answers_as_llm_chat(stack, qwen_dir, image_server):
+    """Qwen2-VL's images (each its own number of tokens, by its size) over HTTP, streamed, as ``LLM.chat`` answers
+    (whose tokens equal transformers', tests/model/test_qwen2_vl_vs_hf.py)."""
+    _, images = image_server
+    messages = conversation(data_url(images["/a.png"]), data_url(images["/b.png"]))
+    with stack.client() as client:
+        whole = chat(client, messages, model="qwen-vl")
+        streamed = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "qwen-vl",
+                "messages": messages,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    assert whole.status_code == 200, whole.text
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    llm = LLM(model=str(qwen_dir), num_gpu_blocks_override=32, max_model_len=128)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        [offline] = llm.chat(messages, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert whole.json()["choices"][0]["message"]["content"] == text == offline.outputs[0].text
+    usage = whole.json()["usage"]["prompt_tokens"]
+    assert usage == chunks[-1]["usage"]["prompt_tokens"] == len(offline.prompt_token_ids) > 20
 
 
 def test_the_responses_and_messages_apis_take_images_as_chat_does(stack, image_server):
