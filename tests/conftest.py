@@ -242,17 +242,17 @@ def make_tiny_llava(root: Path, smollm2_dir: Path, next_: bool = False) -> Path:
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def make_tiny_qwen2_vl(root: Path, smollm2_dir: Path, qwen2_5: bool = False) -> Path:
-    """A random Qwen2-VL (``Qwen2VLForConditionalGeneration``; ``qwen2_5``: Qwen2.5-VL, with window attention in its
-    first vision block) of tiny shapes in ``root / "qwen2-vl"`` (``"qwen2.5-vl"``): TINY_SHAPE's Qwen2 with M-RoPE
-    sections (1, 1, 2), a 2-block vision tower of 14-pixel patches merged 2 x 2, SmolLM2's tokenizer and chat
-    template with Qwen-VL's vision tokens added, weights drawn from N(0, 0.2) as ``save_random``'s, and an image
-    processor that makes images of 56x56 to about 112x224 pixels (1 to 32 tokens)."""
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+def make_tiny_qwen_vl(root: Path, smollm2_dir: Path, family: str = "qwen2-vl") -> Path:
+    """A random Qwen-VL of tiny shapes in ``root / family``: ``qwen2-vl`` (``Qwen2VLForConditionalGeneration``),
+    ``qwen2.5-vl`` (with window attention in its first vision block) or ``qwen3-vl`` (16-pixel patches, learned
+    position embeddings of a 4 x 4 grid, deepstack features from both vision blocks, interleaved M-RoPE). TINY_SHAPE's
+    Qwen2 (Qwen3) with M-RoPE sections (1, 1, 2) ((2, 1, 1)), a 2-block vision tower whose patches merge 2 x 2,
+    SmolLM2's tokenizer and chat template with Qwen-VL's vision tokens added, weights drawn from N(0, 0.2) as
+    ``save_random``'s, and an image processor that makes images of 4 to 32 merged patches (1 to 32 tokens)."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    path = root / ("qwen2.5-vl" if qwen2_5 else "qwen2-vl")
+    path = root / family
     path.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if (smollm2_dir / name).exists():
@@ -260,15 +260,24 @@ def make_tiny_qwen2_vl(root: Path, smollm2_dir: Path, qwen2_5: bool = False) -> 
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VL_TOKENS)})
     start, end, image, video = tokenizer.convert_tokens_to_ids(list(QWEN_VL_TOKENS))
-    text = {
-        **TINY_SHAPE,
-        "vocab_size": len(tokenizer),
-        "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
-        "eos_token_id": 2,
-        "tie_word_embeddings": False,
-    }
-    vision: dict = dict(patch_size=14, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, depth=2)
-    if qwen2_5:
+    rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+    if family == "qwen3-vl":
+        rope.update(mrope_section=[2, 1, 1], mrope_interleaved=True)
+    text = {**TINY_SHAPE, "vocab_size": len(tokenizer), "rope_parameters": rope, "eos_token_id": 2}
+    text["head_dim"] = TINY_SHAPE["hidden_size"] // TINY_SHAPE["num_attention_heads"]  # Qwen3's default is 128
+    text["tie_word_embeddings"] = False
+    patch = 16 if family == "qwen3-vl" else 14
+    vision: dict = dict(patch_size=patch, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, depth=2)
+    if family == "qwen3-vl":
+        vision.update(
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            out_hidden_size=TINY_SHAPE["hidden_size"],
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        )
+    elif family == "qwen2.5-vl":
         vision.update(
             hidden_size=32,
             intermediate_size=64,
@@ -280,17 +289,17 @@ def make_tiny_qwen2_vl(root: Path, smollm2_dir: Path, qwen2_5: bool = False) -> 
     else:
         vision.update(embed_dim=32, hidden_size=TINY_SHAPE["hidden_size"], num_heads=4, mlp_ratio=2)
     tokens = dict(image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
-    config_class = Qwen2_5_VLConfig if qwen2_5 else Qwen2VLConfig
+    config_class = {"qwen2-vl": Qwen2VLConfig, "qwen2.5-vl": Qwen2_5_VLConfig, "qwen3-vl": Qwen3VLConfig}[family]
     config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **tokens)
     torch.manual_seed(0)
-    model_class = Qwen2_5_VLForConditionalGeneration if qwen2_5 else Qwen2VLForConditionalGeneration
-    model = model_class(config).to(torch.float32)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.2)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 224).save_pretrained(path)
+    unit = 2 * patch  # a merged patch's side
+    Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=4 * unit**2, max_pixels=32 * unit**2).save_pretrained(path)
     shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
     return path
 

@@ -173,8 +173,13 @@ MULTIMODAL_WRAPPERS = {
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
-# Qwen2-VL's and Qwen2.5-VL's: an image of any size is cut into a grid of patches, its tokens placed by M-RoPE
-GRID_IMAGE_WRAPPERS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's: an image of any size is cut into a grid of patches, its tokens placed by
+# M-RoPE
+GRID_IMAGE_WRAPPERS = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+)
 IMAGE_WRAPPERS = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", *GRID_IMAGE_WRAPPERS)
 # LLaVA's language models: Llama (Vicuna) or Mistral (BakLLaVA, llava-v1.6-mistral)
 _LLAVA_TEXT = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
@@ -212,7 +217,8 @@ def image_model_config(config: PretrainedConfig) -> PretrainedConfig | None:
 
 
 def reads_image_grids(image_config: PretrainedConfig) -> bool:
-    """Whether an image-text config's images are grids of patches placed by M-RoPE (Qwen2-VL, Qwen2.5-VL)."""
+    """Whether an image-text config's images are grids of patches placed by M-RoPE (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL)."""
     return any(a in GRID_IMAGE_WRAPPERS for a in getattr(image_config, "architectures", None) or [])
 
 

@@ -159,6 +159,18 @@ def pack_weight(weight: torch.Tensor, gated: bool = False) -> nn.Parameter:
     return pack_weight_onednn(weight)
 
 
+def pack_linears(module: nn.Module) -> None:
+    """Every plain ``nn.Linear`` inside ``module`` (an image encoder's) made a :class:`Linear` with its weight packed
+    (:func:`pack_weight`): for fp32 on the CPU (:func:`packs_weights`), after loading."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                packed = Linear(child.in_features, child.out_features, child.bias is not None, device="meta")
+                packed.weight, packed.bias = child.weight, child.bias
+                packed.pack()
+                setattr(parent, name, packed)
+
+
 def pack_weight_onednn(weight: torch.Tensor) -> nn.Parameter:
     """An fp32 CPU weight ``[out, in]`` in oneDNN's blocked layout, for :func:`linear` (where the C kernels
     cannot be built).
@@ -282,9 +294,10 @@ class RotaryEmbedding(nn.Module):
 
     Qwen2-VL's multimodal rotary (M-RoPE, ``mrope_section`` in the rope parameters): a token has three positions
     (temporal, height, width; all three its one position for text) and the frequencies are cut into sections,
-    the ``i``-th taking its angle from position ``i % 3``. Steps whose tokens all have equal positions use
-    ``cos_sin`` as any rotary; a step with image tokens sets ``step_table`` to its rows (``mrope_rows``) and
-    indexes it by token.
+    the ``i``-th taking its angle from position ``i % 3``; Qwen3-VL's (``mrope_interleaved``) takes frequency ``j``'s
+    from axis ``j % 3`` instead (height and width only as far as their sections' counts go, the rest temporal).
+    Steps whose tokens all have equal positions use ``cos_sin`` as any rotary; a step with image tokens sets
+    ``step_table`` to its rows (``mrope_rows``) and indexes it by token.
     """
 
     cos_sin: torch.Tensor  # buffer [max_positions, 2, rotary_dim / 2]
@@ -336,12 +349,8 @@ class RotaryEmbedding(nn.Module):
         cos_sin = torch.stack((freqs.cos() * scaling, freqs.sin() * scaling), dim=1)
         self.register_buffer("cos_sin", cos_sin, persistent=False)  # [max_positions, 2, rotary_dim / 2]
         section = params.get("mrope_section")
-        self.mrope_section = None if section is None else [int(n) for n in section]
-        if self.mrope_section is not None and sum(self.mrope_section) != self.rotary_dim // 2:
-            raise ValueError(
-                f"mrope_section {self.mrope_section} sums to {sum(self.mrope_section)}, not the "
-                f"{self.rotary_dim // 2} rotary frequencies of a head"
-            )
+        # M-RoPE: each frequency's position axis (0 temporal, 1 height, 2 width)
+        self.mrope_axes = None if section is None else _mrope_axes(section, self.rotary_dim // 2, params)
         self.step_table = None
 
     @property
@@ -352,9 +361,10 @@ class RotaryEmbedding(nn.Module):
     def mrope_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """M-RoPE's cos/sin rows ``[num_tokens, 2, rotary_dim / 2]`` of tokens at ``positions: [3, num_tokens]``:
         each section of frequencies at its own axis's position."""
-        assert self.mrope_section is not None, "M-RoPE positions for a rotary without mrope_section"
+        axes = self.mrope_axes
+        assert axes is not None, "M-RoPE positions for a rotary without mrope_section"
         rows = self.cos_sin[positions]  # [3, T, 2, R/2]
-        return torch.cat([part[i % 3] for i, part in enumerate(rows.split(self.mrope_section, dim=-1))], dim=-1)
+        return rows.gather(0, axes.to(rows.device).expand(1, *rows.shape[1:])).squeeze(0)
 
     def rotate_(self, positions: torch.Tensor, *xs: torch.Tensor) -> None:
         """Rotate each ``x: [num_tokens, heads, head_dim]`` (strided views too) in place by its tokens' positions."""
@@ -362,6 +372,22 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin[:, None, None, 0], cos_sin[:, None, None, 1]  # [T, 1, 1, R/2]
         for x in xs:
             (apply_interleaved_rotary_ if self.interleaved else apply_rotary_)(x, cos, sin)
+
+
+def _mrope_axes(section: list[int], num_frequencies: int, params: dict) -> torch.Tensor:
+    """M-RoPE's position axis of each of a head's ``num_frequencies`` frequencies: by consecutive sections, or
+    interleaved (``mrope_interleaved``: frequency ``j`` of axis ``j % 3`` while that axis's section lasts)."""
+    if sum(section) != num_frequencies:
+        raise ValueError(
+            f"mrope_section {list(section)} sums to {sum(section)}, not the {num_frequencies} rotary frequencies of a "
+            "head"
+        )
+    if not params.get("mrope_interleaved"):
+        return torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+    axes = torch.zeros(num_frequencies, dtype=torch.int64)
+    for axis in (1, 2):
+        axes[axis : 3 * section[axis] : 3] = axis
+    return axes
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ attention.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
 from typing import cast
 
@@ -432,6 +433,17 @@ class LlamaDecoderLayer(nn.Module):
         return self.post_attention(self.self_attn.attend(q, k, v, kv_cache, meta), residual, fused)
 
 
+@dataclass(frozen=True, slots=True)
+class ImageRows:
+    """A step's rows at image positions: their indices in the step, the embeddings that replace their token
+    embeddings, and Qwen3-VL's deepstack features (one tensor per early layer, added to those rows' hidden state
+    after that layer)."""
+
+    indices: torch.Tensor
+    embeddings: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...] = ()
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -475,23 +487,24 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
-        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        embeds: ImageRows | None = None,
         mrope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
-        """``embeds``: (token indices, their embeddings) that replace the token embeddings there (images').
-        ``mrope_positions``: ``[3, num_tokens]``, M-RoPE's positions of a step with image tokens (Qwen2-VL), which
-        then take the place of ``positions``."""
+        """``embeds``: the step's image rows. ``mrope_positions``: ``[3, num_tokens]``, M-RoPE's positions of a step
+        with image tokens (Qwen2-VL), which then take the place of ``positions``."""
         x = self.embed_tokens(input_ids)
         if embeds is not None:
-            x[embeds[0]] = embeds[1].to(x.dtype)
+            x[embeds.indices] = embeds.embeddings.to(x.dtype)
         if mrope_positions is not None:  # the layers' path, each token indexing its own row of the step's table
             for rotary in self.rotaries:
                 rotary.step_table = rotary.mrope_rows(mrope_positions)
             try:
-                return self._layers(torch.arange(x.shape[0], device=x.device), x, kv_caches, meta)
+                return self._layers(torch.arange(x.shape[0], device=x.device), x, kv_caches, meta, embeds)
             finally:
                 for rotary in self.rotaries:
                     rotary.step_table = None
+        if embeds is not None and embeds.deepstack:
+            return self._layers(positions, x, kv_caches, meta, embeds)
         step = self.cpu_step
         if self.kv_scales_pending:  # this step calculates the layers' K/V scales, one layer at a time
             step, self.kv_scales_pending = None, False
@@ -505,11 +518,20 @@ class LlamaModel(nn.Module):
         return self._layers(positions, x, kv_caches, meta)
 
     def _layers(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+        embeds: ImageRows | None = None,
     ) -> torch.Tensor:
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        deepstack = embeds.deepstack if embeds is not None else ()
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(positions, x, residual, kv_cache, meta, self.fused_ops)
+            if index < len(deepstack):  # the layer's output is x + residual: added to x
+                assert embeds is not None
+                x[embeds.indices] += deepstack[index].to(x.dtype)
         return self.final_norm(x, residual)
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -557,7 +579,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
-        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        embeds: ImageRows | None = None,
         mrope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta, embeds, mrope_positions)

@@ -14,26 +14,16 @@ deepest one picked are built and run. ``post_layernorm`` is not used for these f
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+from raypaged.model.vision_common import activation, load_named_weights
+
 _LAYER = re.compile(r"^vision_tower\.encoder\.layers\.(\d+)\.")
-
-
-def _activation(name: str, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name not in _ACTIVATIONS:
-        raise ValueError(f"LLaVA {what} {name!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
-    return _ACTIVATIONS[name]
 
 
 def _module_name(name: str) -> str | None:
@@ -101,7 +91,7 @@ class _Mlp(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.act = _activation(config.hidden_act, "vision hidden_act")
+        self.act = activation(config.hidden_act, "LLaVA vision hidden_act")
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
 
@@ -153,7 +143,7 @@ class _Projector(nn.Module):
     def __init__(self, config: PretrainedConfig, in_features: int) -> None:
         super().__init__()
         text_hidden, bias = config.text_config.hidden_size, getattr(config, "multimodal_projector_bias", True)
-        self.act = _activation(config.projector_hidden_act, "projector_hidden_act")
+        self.act = activation(config.projector_hidden_act, "LLaVA projector_hidden_act")
         self.linear_1 = nn.Linear(in_features, text_hidden, bias=bias)
         self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias)
 
@@ -209,21 +199,9 @@ class LlavaImageEncoder(nn.Module):
         """Copy the vision tower's and the projector's tensors (either layout) out of all of a checkpoint's tensors;
         the others are not read. ``ValueError`` naming a vision or projector tensor with no place or of the wrong
         shape, or the parameters left unfilled."""
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
-        for name, tensor in weights:
+
+        def key_of(name: str) -> str | None:
             key = _module_name(name)
-            if key is None or self._skipped(key):
-                continue
-            if key not in params:
-                raise ValueError(f"checkpoint tensor {name} has no place in LlavaImageEncoder (as {key})")
-            if params[key].shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name} has shape {list(tensor.shape)}, expected {list(params[key].shape)}"
-                )
-            with torch.no_grad():
-                params[key].copy_(tensor)
-            filled.add(key)
-        missing = sorted(set(params) - filled)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors of LlavaImageEncoder: {', '.join(missing)}")
+            return None if key is None or self._skipped(key) else key
+
+        load_named_weights(self, weights, key_of)

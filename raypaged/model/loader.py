@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from raypaged.model.architecture import reads_image_grids
 from raypaged.model.encoder import Encoder, build_encoder, is_encoder
-from raypaged.model.layers import packs_weights
+from raypaged.model.layers import pack_linears, packs_weights
 from raypaged.model.llama import LlamaForCausalLM
 from raypaged.model.llava_vision import LlavaImageEncoder, is_vision_tensor
 from raypaged.model.moe import grouped_gemms_run
@@ -24,8 +24,9 @@ from raypaged.quantization.linear import cast_model, finish_loading
 if TYPE_CHECKING:
     from raypaged.model.llava_next_vision import LlavaNextImageEncoder
     from raypaged.model.qwen2_vl_vision import Qwen2VLImageEncoder
+    from raypaged.model.qwen3_vl_vision import Qwen3VLImageEncoder
 
-    ImageEncoder = LlavaImageEncoder | LlavaNextImageEncoder | Qwen2VLImageEncoder
+    ImageEncoder = LlavaImageEncoder | LlavaNextImageEncoder | Qwen2VLImageEncoder | Qwen3VLImageEncoder
 
 
 def iter_checkpoint(
@@ -51,12 +52,16 @@ def load_image_encoder(
     seed: int,
 ) -> ImageEncoder:
     """An image-text checkpoint's vision tower and projector (whole on every tensor-parallel rank), in ``dtype``:
-    LLaVA-1.5's, LLaVA-NeXT's (which packs each image's grid of patches), or Qwen2-VL's and Qwen2.5-VL's (images of
-    any size in patches, merged)."""
+    LLaVA-1.5's, LLaVA-NeXT's (which packs each image's grid of patches), or Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's
+    (images of any size in patches, merged; Qwen3-VL's with deepstack features)."""
     encoder: ImageEncoder
     select = is_vision_tensor
     with torch.device(device), default_dtype(dtype):
-        if reads_image_grids(image_config):
+        if "Qwen3VLForConditionalGeneration" in (image_config.architectures or []):
+            from raypaged.model.qwen3_vl_vision import Qwen3VLImageEncoder, is_qwen3_vl_vision_tensor
+
+            encoder, select = Qwen3VLImageEncoder(image_config), is_qwen3_vl_vision_tensor
+        elif reads_image_grids(image_config):
             from raypaged.model.qwen2_vl_vision import Qwen2VLImageEncoder, is_qwen2_vl_vision_tensor
 
             encoder, select = Qwen2VLImageEncoder(image_config), is_qwen2_vl_vision_tensor
@@ -73,7 +78,10 @@ def load_image_encoder(
                 param.uniform_(-1e-3, 1e-3, generator=generator)
     else:
         encoder.load_weights(iter_checkpoint(model_path, select))
-    return encoder.to(dtype).eval()
+    encoder = encoder.to(dtype).eval()
+    if packs_weights(dtype, device):  # its linears through the model's CPU GEMM
+        pack_linears(encoder)
+    return encoder
 
 
 def load_model(

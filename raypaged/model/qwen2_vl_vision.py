@@ -39,25 +39,19 @@ block row, which is the order of the image's placeholder tokens in the prompt.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "silu": lambda x: F.silu(x),
-    "swish": lambda x: F.silu(x),
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-_NORM_EPS = 1e-6
-_DEFAULT_ROPE_THETA = 10000.0
+from raypaged.model.vision_common import activation, load_named_weights
+
+NORM_EPS = 1e-6
+DEFAULT_ROPE_THETA = 10000.0
 # a buffer some checkpoints may hold: the frequencies are recomputed from the config, never read
-_DERIVED_SUFFIXES = ("rotary_pos_emb.inv_freq",)
+DERIVED_SUFFIXES = ("rotary_pos_emb.inv_freq",)
 
 Grid = tuple[int, int, int]
 # attention groups: each tensor [segments, length] holds the token indices of equally long segments, each segment
@@ -65,7 +59,7 @@ Grid = tuple[int, int, int]
 Groups = list[torch.Tensor] | None
 
 
-def _module_name(name: str) -> str | None:
+def visual_name(name: str) -> str | None:
     """A checkpoint tensor's name inside ``Qwen2VLImageEncoder``, None for a tensor outside the vision encoder. Both
     layouts: ``model.visual.X`` (transformers 4.52+ and 5) and ``visual.X`` (the published Qwen checkpoints)."""
     name = name.removeprefix("model.")
@@ -74,15 +68,16 @@ def _module_name(name: str) -> str | None:
     return None
 
 
+def visual_key(name: str) -> str | None:
+    """The parameter a checkpoint tensor fills (``visual_name``), None for one not read (outside the encoder, or
+    derived from the config)."""
+    key = visual_name(name)
+    return None if key is None or key.endswith(DERIVED_SUFFIXES) else key
+
+
 def is_qwen2_vl_vision_tensor(name: str) -> bool:
     """Whether a checkpoint tensor belongs to the vision encoder (either layout)."""
-    return _module_name(name) is not None
-
-
-def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name not in _ACTIVATIONS:
-        raise ValueError(f"Qwen2-VL vision hidden_act {name!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
-    return _ACTIVATIONS[name]
+    return visual_name(name) is not None
 
 
 class _RMSNorm(nn.Module):
@@ -94,12 +89,12 @@ class _RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + _NORM_EPS)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + NORM_EPS)
         return self.weight * normed.to(x.dtype)
 
 
 def _norm(size: int, rms: bool) -> nn.Module:
-    return _RMSNorm(size) if rms else nn.LayerNorm(size, eps=_NORM_EPS)
+    return _RMSNorm(size) if rms else nn.LayerNorm(size, eps=NORM_EPS)
 
 
 class _PatchEmbed(nn.Module):
@@ -153,7 +148,7 @@ class _Mlp(nn.Module):
 
     def __init__(self, width: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.act = _activation(act)
+        self.act = activation(act, "Qwen2-VL vision hidden_act")
         self.fc1 = nn.Linear(width, hidden)
         self.fc2 = nn.Linear(hidden, width)
 
@@ -166,7 +161,7 @@ class _GatedMlp(nn.Module):
 
     def __init__(self, width: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.act = _activation(act)
+        self.act = activation(act, "Qwen2-VL vision hidden_act")
         self.gate_proj = nn.Linear(width, hidden)
         self.up_proj = nn.Linear(width, hidden)
         self.down_proj = nn.Linear(hidden, width)
@@ -175,7 +170,7 @@ class _GatedMlp(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class _Block(nn.Module):
+class VisionBlock(nn.Module):
     """``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
 
     def __init__(self, width: int, num_heads: int, mlp: nn.Module, rms: bool) -> None:
@@ -203,7 +198,7 @@ class _Merger(nn.Module):
         return self.mlp(self.ln_q(x).reshape(-1, self.merged))
 
 
-def _group_segments(lengths: list[int], order: torch.Tensor | None, device: torch.device) -> Groups:
+def group_segments(lengths: list[int], order: torch.Tensor | None, device: torch.device) -> Groups:
     """Attention groups for consecutive segments of ``lengths`` tokens of ``order`` (token indices; None: the
     tokens in their own order); segments of one length are batched into one ``[segments, length]`` index."""
     if order is None and len(lengths) == 1:
@@ -247,7 +242,7 @@ class Qwen2VLImageEncoder(nn.Module):
         self.patch_size: int = vision.patch_size
         self.patch_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
         self.head_dim = width // num_heads
-        self.rope_theta = float((getattr(vision, "rope_parameters", None) or {}).get("rope_theta", _DEFAULT_ROPE_THETA))
+        self.rope_theta = float((getattr(vision, "rope_parameters", None) or {}).get("rope_theta", DEFAULT_ROPE_THETA))
         self.window_units = 0  # merge units on a window's side; 0: no window attention
         self.window_blocks: frozenset[int] = frozenset()
         if self.kind == "qwen2_5_vl":
@@ -266,7 +261,7 @@ class Qwen2VLImageEncoder(nn.Module):
             return _Mlp(width, int(width * vision.mlp_ratio), vision.hidden_act)
 
         self.patch_embed = _PatchEmbed(vision, width)
-        self.blocks = nn.ModuleList(_Block(width, num_heads, mlp(), rms) for _ in range(vision.depth))
+        self.blocks = nn.ModuleList(VisionBlock(width, num_heads, mlp(), rms) for _ in range(vision.depth))
         self.merger = _Merger(width, self.spatial_merge_size, out_size, rms)
 
     def _grids(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[Grid]:
@@ -300,7 +295,7 @@ class Qwen2VLImageEncoder(nn.Module):
 
     def _frame_groups(self, grids: list[Grid], device: torch.device) -> Groups:
         """Each frame of each image attends to itself."""
-        return _group_segments([h * w for t, h, w in grids for _ in range(t)], None, device)
+        return group_segments([h * w for t, h, w in grids for _ in range(t)], None, device)
 
     def _window_groups(self, grids: list[Grid], device: torch.device) -> Groups:
         """Qwen2.5-VL's windows: per frame, squares of ``window_units`` merge units from the top-left corner, window
@@ -320,7 +315,7 @@ class Qwen2VLImageEncoder(nn.Module):
             counts = torch.bincount(window)
             lengths += (counts[counts > 0] * m2).tolist()
             offset += t * h * w
-        return _group_segments(lengths, torch.cat(orders), device)
+        return group_segments(lengths, torch.cat(orders), device)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` [total_patches, channels * temporal_patch_size * patch_size**2] (cast to the parameters'
@@ -340,21 +335,4 @@ class Qwen2VLImageEncoder(nn.Module):
         """Copy the vision encoder's tensors (either layout) out of all of a checkpoint's tensors; the others are not
         read. ``ValueError`` naming a vision tensor with no place or of the wrong shape, or the parameters left
         unfilled."""
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
-        for name, tensor in weights:
-            key = _module_name(name)
-            if key is None or key.endswith(_DERIVED_SUFFIXES):
-                continue
-            if key not in params:
-                raise ValueError(f"checkpoint tensor {name} has no place in Qwen2VLImageEncoder (as {key})")
-            if params[key].shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name} has shape {list(tensor.shape)}, expected {list(params[key].shape)}"
-                )
-            with torch.no_grad():
-                params[key].copy_(tensor)
-            filled.add(key)
-        missing = sorted(set(params) - filled)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors of Qwen2VLImageEncoder: {', '.join(missing)}")
+        load_named_weights(self, weights, visual_key)

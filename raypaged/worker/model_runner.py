@@ -19,6 +19,7 @@ from raypaged import envs
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SampledToken, SchedulerOutput
 from raypaged.model.encoder import EncoderModel, uses_token_types
+from raypaged.model.llama import ImageRows
 from raypaged.multimodal import ImageInputs, mrope_positions
 from raypaged.pooling import chunk_part
 from raypaged.sampling_params import RAW_LOGPROBS, SamplingParams
@@ -121,7 +122,7 @@ class StepInputs:
     sampled_request_ids: list[str]
     # requests wanting prompt logprobs: (request id, first step token index, first prompt token predicted, count)
     prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
-    embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # image rows: (step token indices, embeddings)
+    embeds: ImageRows | None = None  # the step's image rows
     mrope_positions: torch.Tensor | None = None  # [3, num_tokens]: M-RoPE's, where the step has image tokens
 
 
@@ -340,9 +341,7 @@ class ModelRunner:
             mrope_positions=mrope,
         )
 
-    def _image_rows(
-        self, spans: list[tuple[CachedRequestState, int, int, int]]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _image_rows(self, spans: list[tuple[CachedRequestState, int, int, int]]) -> ImageRows | None:
         """The step's rows at image positions and their embeddings: each request's images are encoded when a step
         first reaches them (again after a preemption that rebuilt it) and dropped once its prompt is computed."""
         encoder = self.image_encoder
@@ -370,7 +369,9 @@ class ModelRunner:
                 state.image_embeds = None  # every image token is computed: no later step reads them
         if not indices:
             return None
-        return torch.cat(indices).to(self.device), torch.cat(values)
+        # Qwen3-VL: each row's deepstack features after its embedding (see _encoded)
+        parts = torch.cat(values).chunk(1 + getattr(encoder, "num_deepstack", 0), dim=-1)
+        return ImageRows(torch.cat(indices).to(self.device), parts[0], parts[1:])
 
     def capture_decode_graphs(
         self, decode_sizes: list[int], max_model_len: int, token_buckets: list[int] | None = None
@@ -634,7 +635,10 @@ def _encoded(encoder: Any, images: ImageInputs, device: torch.device) -> torch.T
     """A prompt's images through the vision tower and projector: one row per image token, in prompt order."""
     pixels = images.pixel_values.to(device)
     if images.grids is not None:  # Qwen2-VL: each image's grid of patches
-        return encoder(pixels, torch.tensor(images.grids, dtype=torch.int64))
+        encoded = encoder(pixels, torch.tensor(images.grids, dtype=torch.int64))
+        if isinstance(encoded, tuple):  # Qwen3-VL: each row's deepstack features beside its embedding
+            return torch.cat([encoded[0], *encoded[1]], dim=-1)
+        return encoded
     if images.patches is None:  # LLaVA: one row of pixels an image, the same number of tokens each
         return encoder(pixels).flatten(0, 1)
     features, first = [], 0  # LLaVA-NeXT: each image's patches and original size

@@ -1,7 +1,7 @@
-"""Qwen2-VL and Qwen2.5-VL with images, through ``LLM.generate`` (vLLM's ``multi_modal_data``) and ``LLM.chat``:
-greedy tokens equal transformers' ``generate`` on the same processed inputs, whole and chunked across an image's
-tokens, beside text-only prompts, after a preemption, and from the prefix cache; M-RoPE's positions equal
-transformers' ``get_rope_index``."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (deepstack, interleaved M-RoPE) with images, through ``LLM.generate`` (vLLM's
+``multi_modal_data``) and ``LLM.chat``: greedy tokens equal transformers' ``generate`` on the same processed inputs,
+whole and chunked across an image's tokens, beside text-only prompts, after a preemption, and from the prefix cache;
+logprobs equal its logits'; M-RoPE's positions equal transformers' ``get_rope_index``."""
 
 from __future__ import annotations
 
@@ -11,12 +11,18 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer, Qwen2VLProcessor
+from transformers import (
+    AutoImageProcessor,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    Qwen2VLProcessor,
+    Qwen3VLProcessor,
+)
 from transformers.processing_utils import ProcessorMixin
 
 from raypaged import LLM, SamplingParams
 from raypaged.multimodal import ImageInputs, mrope_positions
-from tests.conftest import make_tiny_qwen2_vl
+from tests.conftest import make_tiny_qwen_vl
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -37,14 +43,15 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl"])
+@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
 def model_dir(request, tmp_path_factory, smollm2_dir) -> Path:
     root = tmp_path_factory.mktemp("qwen-vl")
-    return make_tiny_qwen2_vl(root, smollm2_dir, qwen2_5=request.param == "qwen2.5-vl")
+    return make_tiny_qwen_vl(root, smollm2_dir, request.param)
 
 
-def hf_processor(path: Path) -> Qwen2VLProcessor:
+def hf_processor(path: Path) -> Qwen2VLProcessor | Qwen3VLProcessor:
     """transformers' processor of the model (made without a video processor, which needs torchvision)."""
+    processor = Qwen3VLProcessor if path.name == "qwen3-vl" else Qwen2VLProcessor
     check = ProcessorMixin.check_argument_for_proper_class
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
@@ -52,7 +59,7 @@ def hf_processor(path: Path) -> Qwen2VLProcessor:
             "check_argument_for_proper_class",
             lambda self, name, arg: None if arg is None else check(self, name, arg),
         )
-        return Qwen2VLProcessor(
+        return processor(
             image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path)
         )
 
@@ -108,6 +115,34 @@ def test_images_greedy_tokens_equal_transformers_whole_and_chunked(model_dir, ex
             assert llm.stats()["num_gpu_blocks_free"] == 64
         finally:
             llm.shutdown()
+
+
+def test_logprobs_equal_transformers_logits(model_dir):
+    """Prompt and sampled logprobs of a two-image prompt within 1e-4 of transformers' log-softmax, whole and in
+    5-token chunks: every position's rotary (M-RoPE's three axes) and every image row counts."""
+    text, images = PROMPTS[1]
+    inputs = hf_processor(model_dir)(text=text, images=images, return_tensors="pt")
+    prompt = inputs["input_ids"][0].tolist()
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        tokens = hf.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)[0, len(prompt) :].tolist()
+        whole = {**inputs, "input_ids": torch.tensor([prompt + tokens])}
+        whole["attention_mask"] = torch.ones_like(whole["input_ids"])
+        whole["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, len(tokens)))
+        expected = hf(**whole).logits[0, :-1].log_softmax(-1)
+    targets = prompt[1:] + tokens
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    for options in ({}, {"max_num_batched_tokens": 5, "enable_prefix_caching": False}):
+        llm = LLM(model=str(model_dir), num_gpu_blocks_override=64, block_size=8, max_model_len=128, **options)
+        try:
+            [out] = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        assert out.prompt_token_ids == prompt and list(out.outputs[0].token_ids) == tokens
+        got = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+        got += [e[t].logprob for e, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
+        want = expected[torch.arange(len(targets)), torch.tensor(targets)]
+        torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0)
 
 
 def test_prefix_cache_and_preemption(model_dir, expected):

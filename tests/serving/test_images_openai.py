@@ -18,7 +18,7 @@ from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
 from raypaged import LLM, SamplingParams
-from tests.conftest import make_tiny_llava, make_tiny_qwen2_vl
+from tests.conftest import make_tiny_llava, make_tiny_qwen_vl
 from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
 
 MAX_TOKENS = 10
@@ -47,7 +47,7 @@ def llava_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory, smollm2_dir) -> Path:
-    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen_vl_http"), smollm2_dir)
+    return make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen_vl_http"), smollm2_dir)
 
 
 @pytest.fixture(scope="module")
