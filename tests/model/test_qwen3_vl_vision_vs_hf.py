@@ -9,17 +9,23 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
-from raypaged.model.loader import iter_checkpoint
 from raypaged.model.qwen3_vl_vision import Qwen3VLImageEncoder, is_qwen3_vl_vision_tensor
+from tests.model.vision_helpers import (
+    GRIDS,
+    Saved,
+    VisionEncoder,
+    check_vision_tensor_names,
+    message,
+    perturb,
+    save_random_model,
+)
 
 PATCH_VALUES = 3 * 2 * 16 * 16  # channels * temporal_patch_size * patch_size**2
 TEXT_HIDDEN = 64
@@ -51,97 +57,30 @@ VISION = dict(
     deepstack_visual_indexes=[0, 1],
 )
 TOKENS = dict(image_token_id=999, video_token_id=998, vision_start_token_id=997, vision_end_token_id=996)
+QWEN3 = VisionEncoder(Qwen3VLImageEncoder, PATCH_VALUES, deepstack=2, text_hidden=TEXT_HIDDEN)
 
 
 def make_config(**vision: Any) -> Qwen3VLConfig:
     return Qwen3VLConfig(vision_config=dict(VISION, **vision), text_config=TEXT, **TOKENS)
 
 
-Saved = tuple[Qwen3VLForConditionalGeneration, dict[str, torch.Tensor]]
-
-
-def _perturb(module: torch.nn.Module) -> None:
-    """Every parameter moved off its initial value: no bias zero, no norm weight one."""
-    with torch.no_grad():
-        for param in module.parameters():
-            param.add_(0.1 * torch.randn_like(param))
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Saved:
-    """A seeded random model saved by transformers; the model and its checkpoint's tensors."""
-    torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(make_config()).eval()
-    _perturb(model)
-    path = tmp_path_factory.mktemp("qwen3_vl")
-    model.save_pretrained(path)
-    return model, dict(iter_checkpoint(path))
+    """A seeded random model (every parameter perturbed: no bias zero, no norm weight one), saved by transformers;
+    the model and its checkpoint's tensors."""
+    return save_random_model(
+        lambda: Qwen3VLForConditionalGeneration(make_config()), tmp_path_factory.mktemp("qwen3_vl")
+    )
 
 
-def encoder_for(config: Any, tensors: dict[str, torch.Tensor]) -> Qwen3VLImageEncoder:
-    encoder = Qwen3VLImageEncoder(config).eval()
-    encoder.load_weights(iter(tensors.items()))
-    return encoder
-
-
-def pixels_for(grids: list[list[int]], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    grid = torch.tensor(grids)
-    return torch.randn(int(grid.prod(-1).sum()), PATCH_VALUES, generator=torch.Generator().manual_seed(seed)), grid
-
-
-def hf_features(
-    model: Qwen3VLForConditionalGeneration, pixels: torch.Tensor, grid: torch.Tensor
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """transformers' merged embeddings and DeepStack embeddings: a tuple of one tensor per image, concatenated; the
-    DeepStack ones a list (one per deepstack index) of such tuples."""
-    with torch.no_grad():
-        out = model.model.get_image_features(pixels, grid)
-    assert isinstance(out.pooler_output, tuple) and len(out.pooler_output) == len(grid)
-    assert len(out.deepstack_features) == len(model.config.vision_config.deepstack_visual_indexes)
-    for per_image in out.deepstack_features:
-        assert isinstance(per_image, tuple) and len(per_image) == len(grid)
-    return torch.cat(out.pooler_output), [torch.cat(per_image) for per_image in out.deepstack_features]
-
-
-def assert_matches(
-    encoder: Qwen3VLImageEncoder, model: Qwen3VLForConditionalGeneration, pixels: torch.Tensor, grid: torch.Tensor
-) -> None:
-    with torch.no_grad():
-        ours, ours_deep = encoder(pixels, grid)
-    theirs, theirs_deep = hf_features(model, pixels, grid)
-    tokens = int(grid.prod(-1).sum()) // 4
-    assert ours.shape == theirs.shape == (tokens, TEXT_HIDDEN)
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
-    assert len(ours_deep) == len(theirs_deep) == encoder.num_deepstack == 2
-    for mine, reference in zip(ours_deep, theirs_deep):
-        assert mine.shape == reference.shape == (tokens, TEXT_HIDDEN)
-        torch.testing.assert_close(mine, reference, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize(
-    "grids",
-    [
-        [[1, 4, 4], [1, 8, 12], [1, 12, 8]],  # the table's own size, then stretched wide and tall
-        [[1, 6, 10]],  # a single image: one attention segment
-        [[2, 4, 6], [1, 6, 10]],  # a two-frame video first: each frame attends to itself only
-        [[1, 2, 2], [1, 16, 2]],  # one merge unit (the table's corners only); a column of them
-    ],
-)
+@pytest.mark.parametrize("grids", GRIDS)
 def test_matches_transformers(saved: Saved, grids: list[list[int]]) -> None:
-    model, tensors = saved
-    encoder = encoder_for(model.config, tensors)
-    assert encoder.spatial_merge_size == 2 and encoder.num_deepstack == 2
-    assert_matches(encoder, model, *pixels_for(grids))
+    """The merged embeddings and both DeepStack embeddings."""
+    QWEN3.check_matches_transformers(saved, grids)
 
 
 def test_image_processor_output_matches_transformers(saved: Saved) -> None:
     """The real processor with Qwen3-VL's settings (patch 16, merge 2, mean and std 0.5) on images of three shapes."""
-    model, tensors = saved
-    rng = np.random.default_rng(0)
-    images = [
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-        for height, width in [(96, 160), (128, 64), (100, 90)]
-    ]
     processor = Qwen2VLImageProcessorPil(
         patch_size=16,
         merge_size=2,
@@ -150,18 +89,15 @@ def test_image_processor_output_matches_transformers(saved: Saved) -> None:
         image_mean=[0.5] * 3,
         image_std=[0.5] * 3,
     )
-    inputs = processor(images=images, return_tensors="pt")
-    grid = inputs["image_grid_thw"]
-    assert grid.tolist() == [[1, 6, 10], [1, 8, 4], [1, 6, 6]]
-    assert inputs["pixel_values"].shape == (60 + 32 + 36, PATCH_VALUES)
-    assert_matches(encoder_for(model.config, tensors), model, inputs["pixel_values"], grid)
+    sizes = [(96, 160), (128, 64), (100, 90)]
+    QWEN3.check_image_processor_output(saved, processor, sizes, grids=[[1, 6, 10], [1, 8, 4], [1, 6, 6]])
 
 
 def test_learned_positions_are_the_table_stretched_bilinearly(saved: Saved) -> None:
     """Independently of transformers: the positions added to a frame are the 4x4 table resized to h x w by
     ``F.interpolate(bilinear, align_corners=True)``, in merge-unit order."""
     model, tensors = saved
-    encoder = encoder_for(model.config, tensors)
+    encoder = QWEN3.load(model.config, tensors)
     table = encoder.pos_embed.weight.detach().T.reshape(1, 32, 4, 4)
     for h, w in [(4, 4), (8, 12), (2, 2), (6, 10)]:
         resized = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
@@ -175,15 +111,7 @@ def test_learned_positions_are_the_table_stretched_bilinearly(saved: Saved) -> N
 
 
 def test_images_are_encoded_independently(saved: Saved) -> None:
-    model, tensors = saved
-    encoder = encoder_for(model.config, tensors)
-    pixels, grid = pixels_for([[1, 4, 4], [1, 8, 12]])
-    with torch.no_grad():
-        both, both_deep = encoder(pixels, grid)
-        second, second_deep = encoder(pixels[16:], grid[1:])
-    torch.testing.assert_close(both[4:], second, atol=1e-5, rtol=0)
-    for whole, alone in zip(both_deep, second_deep):
-        torch.testing.assert_close(whole[4:], alone, atol=1e-5, rtol=0)
+    QWEN3.check_images_are_encoded_independently(saved)
 
 
 def _other_layout(name: str) -> str:
@@ -198,39 +126,25 @@ def _other_layout(name: str) -> str:
 def test_checkpoint_layouts(saved: Saved) -> None:
     """transformers 5's ``save_pretrained`` writes ``model.visual.X`` (the published Qwen3-VL layout); ``visual.X`` and
     a stray saved ``inv_freq`` load the same."""
-    model, tensors = saved
+    _, tensors = saved
     assert "model.visual.deepstack_merger_list.1.norm.weight" in tensors
     assert "model.visual.pos_embed.weight" in tensors and "model.visual.patch_embed.proj.bias" in tensors
     assert not any(name.startswith("visual.") for name in tensors)
-    renamed = {_other_layout(name): tensor for name, tensor in tensors.items()}
-    renamed["visual.rotary_pos_emb.inv_freq"] = torch.ones(2)
-    pixels, grid = pixels_for([[1, 4, 4], [1, 8, 12]])
-    with torch.no_grad():
-        expected, expected_deep = encoder_for(model.config, tensors)(pixels, grid)
-        got, got_deep = encoder_for(model.config, renamed)(pixels, grid)
-    assert torch.equal(got, expected)
-    assert all(torch.equal(a, b) for a, b in zip(got_deep, expected_deep))
-
-
-def _message(text: str) -> str:
-    return "^" + re.escape(text) + "$"
+    QWEN3.check_loads_the_same(saved, _other_layout, {"visual.rotary_pos_emb.inv_freq": torch.ones(2)})
 
 
 def test_missing_tensors_are_named(saved: Saved) -> None:
-    model, tensors = saved
-    partial = {n: t for n, t in tensors.items() if n != "model.visual.pos_embed.weight"}
-    with pytest.raises(
-        ValueError, match=_message("checkpoint lacks 1 tensors of Qwen3VLImageEncoder: pos_embed.weight")
-    ):
-        encoder_for(model.config, partial)
-    no_deepstack = {n: t for n, t in tensors.items() if not n.startswith("model.visual.deepstack_merger_list.1.")}
+    QWEN3.assert_load_refused_without(
+        saved, "model.visual.pos_embed.weight", "checkpoint lacks 1 tensors of Qwen3VLImageEncoder: pos_embed.weight"
+    )
     expected = ", ".join(
         f"deepstack_merger_list.1.{name}"
         for name in ("linear_fc1.bias", "linear_fc1.weight", "linear_fc2.bias", "linear_fc2.weight")
     )
     expected += ", deepstack_merger_list.1.norm.bias, deepstack_merger_list.1.norm.weight"
-    with pytest.raises(ValueError, match=_message(f"checkpoint lacks 6 tensors of Qwen3VLImageEncoder: {expected}")):
-        encoder_for(model.config, no_deepstack)
+    QWEN3.assert_load_refused_without(
+        saved, "model.visual.deepstack_merger_list.1.", f"checkpoint lacks 6 tensors of Qwen3VLImageEncoder: {expected}"
+    )
 
 
 def test_misplaced_tensors_are_named(saved: Saved) -> None:
@@ -241,41 +155,38 @@ def test_misplaced_tensors_are_named(saved: Saved) -> None:
         ("model.visual.deepstack_merger_list.2.norm.weight", "deepstack_merger_list.2.norm.weight"),  # a third one
         ("model.visual.merger.ln_q.weight", "merger.ln_q.weight"),  # Qwen2-VL's merger names
     ]:
-        extra = dict(tensors, **{name: torch.zeros(8)})
-        with pytest.raises(
-            ValueError, match=_message(f"checkpoint tensor {name} has no place in Qwen3VLImageEncoder (as {key})")
-        ):
-            encoder_for(model.config, extra)
-    wrong = dict(tensors, **{"model.visual.patch_embed.proj.weight": torch.zeros(32, 3, 1, 16, 16)})
-    with pytest.raises(
-        ValueError,
-        match=_message(
-            "checkpoint tensor model.visual.patch_embed.proj.weight has shape [32, 3, 1, 16, 16], "
-            "expected [32, 3, 2, 16, 16]"
-        ),
-    ):
-        encoder_for(model.config, wrong)
+        QWEN3.assert_load_refused(
+            model.config,
+            dict(tensors, **{name: torch.zeros(8)}),
+            f"checkpoint tensor {name} has no place in Qwen3VLImageEncoder (as {key})",
+        )
+    QWEN3.assert_load_refused(
+        model.config,
+        dict(tensors, **{"model.visual.patch_embed.proj.weight": torch.zeros(32, 3, 1, 16, 16)}),
+        "checkpoint tensor model.visual.patch_embed.proj.weight has shape [32, 3, 1, 16, 16], "
+        "expected [32, 3, 2, 16, 16]",
+    )
 
 
 def test_is_qwen3_vl_vision_tensor(saved: Saved) -> None:
-    _, tensors = saved
-    for name in (
-        "model.visual.blocks.0.attn.qkv.weight",
-        "visual.merger.linear_fc1.bias",
-        "model.visual.pos_embed.weight",
-        "model.visual.deepstack_merger_list.0.norm.weight",
-    ):
-        assert is_qwen3_vl_vision_tensor(name), name
-    for name in (
-        "model.language_model.layers.0.self_attn.q_proj.weight",
-        "model.language_model.embed_tokens.weight",
-        "lm_head.weight",
-        "visual_extra.weight",
-        "model.language_model.visual.weight",
-    ):
-        assert not is_qwen3_vl_vision_tensor(name), name
-    language = {n for n in tensors if n.startswith("model.language_model.") or n.startswith("lm_head.")}
-    assert language and {n for n in tensors if not is_qwen3_vl_vision_tensor(n)} == language
+    check_vision_tensor_names(
+        is_qwen3_vl_vision_tensor,
+        saved[1],
+        vision=(
+            "model.visual.blocks.0.attn.qkv.weight",
+            "visual.merger.linear_fc1.bias",
+            "model.visual.pos_embed.weight",
+            "model.visual.deepstack_merger_list.0.norm.weight",
+        ),
+        other=(
+            "model.language_model.layers.0.self_attn.q_proj.weight",
+            "model.language_model.embed_tokens.weight",
+            "lm_head.weight",
+            "visual_extra.weight",
+            "model.language_model.visual.weight",
+        ),
+        language_prefixes=("model.language_model.", "lm_head."),
+    )
 
 
 def test_moe_models_vision_tower() -> None:
@@ -283,9 +194,9 @@ def test_moe_models_vision_tower() -> None:
     config = Qwen3VLMoeConfig(vision_config=dict(VISION), text_config=TEXT, **TOKENS)
     torch.manual_seed(1)
     visual = Qwen3VLMoeVisionModel._from_config(config.vision_config).eval()
-    _perturb(visual)
-    encoder = encoder_for(config, {f"model.visual.{n}": t for n, t in visual.state_dict().items()})
-    pixels, grid = pixels_for([[1, 4, 4], [1, 6, 10]])
+    perturb(visual)
+    encoder = QWEN3.load(config, {f"model.visual.{n}": t for n, t in visual.state_dict().items()})
+    pixels, grid = QWEN3.pixels([[1, 4, 4], [1, 6, 10]])
     with torch.no_grad():
         ours, ours_deep = encoder(pixels, grid)
         theirs = visual(pixels, grid_thw=grid)
@@ -297,30 +208,13 @@ def test_moe_models_vision_tower() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_runs_in_the_parameters_dtype(saved: Saved, dtype: torch.dtype) -> None:
-    model, tensors = saved
-    encoder = encoder_for(model.config, tensors)
-    pixels, grid = pixels_for([[1, 4, 4], [1, 8, 12]])
-    with torch.no_grad():
-        fp32, fp32_deep = encoder(pixels, grid)
-        half, half_deep = encoder.to(dtype)(pixels, grid)  # fp32 pixels, cast to the parameters' dtype
-    assert half.dtype == dtype and all(t.dtype == dtype for t in half_deep)
-    torch.testing.assert_close(half.float(), fp32, atol=0.15, rtol=0.05)
-    for low, full in zip(half_deep, fp32_deep):
-        torch.testing.assert_close(low.float(), full, atol=0.15, rtol=0.05)
+    """The merged embeddings and both DeepStack embeddings."""
+    QWEN3.check_runs_in_the_parameters_dtype(saved, dtype)
 
 
 def test_bad_inputs_are_refused(saved: Saved) -> None:
-    model, tensors = saved
-    encoder = encoder_for(model.config, tensors)
-    pixels, grid = pixels_for([[1, 4, 6]])
-    with pytest.raises(
-        ValueError, match=_message("pixel_values of shape [23, 1536], expected [24, 1536] for [(1, 4, 6)]")
-    ):
-        encoder(pixels[1:], grid)
-    with pytest.raises(ValueError, match=re.escape("image grid (t, h, w) = (1, 3, 8) is not a positive grid of 2x2")):
-        encoder(pixels, torch.tensor([[1, 3, 8]]))
-    with pytest.raises(ValueError, match=re.escape("grid_thw of shape [3], expected [num_images, 3]")):
-        encoder(pixels, grid[0])
+    """A patch too few ([23, 1536] for 24), a grid not whole merge units, a grid not [num_images, 3]."""
+    QWEN3.check_bad_inputs_are_refused(saved)
 
 
 def test_configs_it_cannot_serve_are_refused() -> None:
@@ -328,7 +222,7 @@ def test_configs_it_cannot_serve_are_refused() -> None:
         ValueError, match="vision_config.out_hidden_size 48 differs from the language model's hidden_size 64"
     ):
         Qwen3VLImageEncoder(make_config(out_hidden_size=48))
-    with pytest.raises(ValueError, match=_message("num_position_embeddings 20 is not a square grid's")):
+    with pytest.raises(ValueError, match=message("num_position_embeddings 20 is not a square grid's")):
         Qwen3VLImageEncoder(make_config(num_position_embeddings=20))
     for indexes in ([1, 0], [1, 1], [0, 3]):
         with pytest.raises(ValueError, match=re.escape(f"deepstack_visual_indexes {indexes} are not increasing")):
