@@ -640,6 +640,7 @@ class EngineConfig:
             )
         _ = self.cuda_graph_sizes  # the graph-size flags are checked now
         self.images_per_prompt = self._resolve_image_limit()
+        self._check_whole_images()
         if isinstance(self.served_model_name, (list, tuple)):
             names = [str(n) for n in self.served_model_name]
             if not names or not all(names) or len(set(names)) != len(names):
@@ -674,6 +675,21 @@ class EngineConfig:
                 f"--limit-mm-per-prompt image: {counts['image']} is not supported: the model reads text only"
             )
         return counts.get("image")
+
+    def _check_whole_images(self) -> None:
+        """Gemma 3 computes each image's tokens in one step: the step's token budget must hold one image."""
+        from raypaged.model.architecture import attends_images_both_ways
+
+        image_config = self.image_hf_config
+        if image_config is None or self.images_per_prompt == 0 or not attends_images_both_ways(image_config):
+            return
+        per_image = int(image_config.mm_tokens_per_image)
+        if self.resolved_max_num_batched_tokens < per_image:
+            raise ValueError(
+                f"--max-num-batched-tokens {self.max_num_batched_tokens} is below the {per_image} tokens of one "
+                f"image: {image_config.architectures[0]} computes an image's tokens in one step (raise it, or serve "
+                "text only with --limit-mm-per-prompt '{\"image\": 0}')"
+            )
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

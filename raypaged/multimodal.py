@@ -31,10 +31,25 @@ class ImageInputs:
     # product, and the vision tower's spatial_merge_size (merge x merge patches make one token); None: another model
     grids: tuple[tuple[int, int, int], ...] | None = None
     merge_size: int = 1
+    # Gemma 3: an image's tokens attend to each other both ways, so a step computes an image's tokens together (a
+    # chunk never ends inside one)
+    bidirectional: bool = False
 
     def overlaps(self, start: int, end: int) -> bool:
         """Whether prompt positions ``start..end-1`` hold image tokens."""
         return any(offset < end and start < offset + length for offset, length in self.placeholders)
+
+    def blocks(self, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """The (first, end) positions of the images with tokens among positions ``start..end-1``."""
+        return tuple((o, o + n) for o, n in self.placeholders if o < end and start < o + n)
+
+    def whole_images_end(self, start: int, end: int) -> int:
+        """Where a chunk of positions ``start..end-1`` must end so that no image is cut (``bidirectional``): before
+        the image its end falls in, or after it where the chunk starts inside it (``start``: none fits)."""
+        for offset, length in self.placeholders:
+            if offset < end < offset + length:
+                return offset if offset > start else start
+        return end
 
 
 def mrope_positions(num_prompt: int, images: ImageInputs) -> tuple[np.ndarray, int]:

@@ -239,6 +239,59 @@ def make_tiny_llava(root: Path, smollm2_dir: Path, next_: bool = False) -> Path:
     return path
 
 
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def make_tiny_gemma3(root: Path, smollm2_dir: Path) -> Path:
+    """A random Gemma 3 (``Gemma3ForConditionalGeneration``) of tiny shapes in ``root / "gemma3"``: a 2-layer
+    Gemma 3 text model (a sliding layer of window 8, then a global one), a 2-layer SigLIP tower of 56-pixel images in
+    14-pixel patches pooled to 4 tokens an image, SmolLM2's tokenizer and chat template with Gemma 3's image tokens
+    added, weights drawn from N(0, 0.05) (wider ones make its greedy tokens repeat one token)."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Gemma3Config, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    path = root / "gemma3"
+    path.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, path / name)
+    tokenizer = AutoTokenizer.from_pretrained(path, extra_special_tokens=GEMMA3_TOKENS)
+    boi, eoi, image = tokenizer.convert_tokens_to_ids(list(GEMMA3_TOKENS.values()))
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"],
+        eos_token_id=2,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56)
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=dict(vision, patch_size=14),
+        mm_tokens_per_image=4,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        image_token_index=image,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.05)
+    model.save_pretrained(path)
+    image_processor = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4).save_pretrained(path)
+    shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
+    return path
+
+
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 

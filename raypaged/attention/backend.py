@@ -189,10 +189,14 @@ class AttentionBackend:
                 cached_scale,
                 **options,
             )
+        image_blocks = any(span.image_blocks for span in meta.prefills)
+        if image_blocks and not self.windows:
+            raise ValueError(f"the {self.name} attention backend has no bidirectional attention over images")
         if (
             self.varlen_prefill is not None
             and not options
             and causal
+            and not image_blocks
             and (varlen := meta.varlen_prefill(key_cache.shape[2])) is not None
         ):
             rows = slice(varlen.query_start, varlen.query_start + varlen.num_tokens)
@@ -213,15 +217,16 @@ class AttentionBackend:
         for span in meta.prefills:
             end = span.query_start + span.query_len
             q = query[span.query_start : end]
+            span_options = {**options, "image_blocks": span.image_blocks} if span.image_blocks else options
             if span.context_len == span.query_len:  # nothing cached before it: its own K/V are the context
                 out[span.query_start : end] = torch_ops.prefill_attention(
-                    q, key[span.query_start : end], value[span.query_start : end], scale, causal=causal, **options
+                    q, key[span.query_start : end], value[span.query_start : end], scale, causal=causal, **span_options
                 )
             elif not causal:
                 raise ValueError("bidirectional attention takes whole prompts: a prompt was cut into chunks")
             else:
                 span_out = self.paged_prefill(
-                    q, key_cache, value_cache, span.block_ids, span.context_len, cached_scale, **options
+                    q, key_cache, value_cache, span.block_ids, span.context_len, cached_scale, **span_options
                 )
                 out[span.query_start : end] = _times(span_out, v_scale)
         return out

@@ -15,6 +15,8 @@ class PrefillSpan:
     query_len: int
     context_len: int  # tokens in the cache once this step's K/V are written
     block_ids: torch.Tensor  # [num_blocks] long, covering context_len
+    # (first, end) positions of images whose tokens attend to each other both ways (Gemma 3's), beside causally
+    image_blocks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,12 +103,21 @@ def paged_attention_prefill(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk: int | None = None,
+    image_blocks: tuple[tuple[int, int], ...] = (),
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal attention of the last ``query_len`` positions of a sequence over its cached context."""
     keys = gather_blocks(key_cache, block_ids[None])[0, :context_len].to(query.dtype)
     values = gather_blocks(value_cache, block_ids[None])[0, :context_len].to(query.dtype)
     return prefill_attention(
-        query, keys, values, scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, chunk=chunk
+        query,
+        keys,
+        values,
+        scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+        chunk=chunk,
+        image_blocks=image_blocks,
     )
 
 
@@ -123,9 +132,12 @@ def prefill_attention(
     sinks: torch.Tensor | None = None,
     chunk: int | None = None,
     causal: bool = True,
+    image_blocks: tuple[tuple[int, int], ...] = (),
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """Causal SDPA of a sequence's newest ``query_len`` positions over its whole (gathered) context; with
     ``sliding_window`` the query at position p sees the keys from ``max(0, p + 1 - sliding_window)`` to p.
+    ``image_blocks`` ((first, end) positions, Gemma 3's images): a query in one also sees every key of it, later
+    ones too (those are in the context: a chunk never ends inside an image).
     ``causal`` False (a whole prompt of bidirectional attention, EmbeddingGemma's): every key, or with
     ``sliding_window`` those fewer than that many positions away on either side."""
     query_len, context_len = query.shape[0], keys.shape[0]
@@ -133,7 +145,8 @@ def prefill_attention(
         raise ValueError(f"bidirectional attention takes whole prompts, got {query_len} queries over {context_len}")
     # 4-D inputs: torch's fused CPU kernel; 3-D ones fall back to the ~6x slower math path
     q, k, v = query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-    if query_len == context_len and sliding_window is None and softcap is None and sinks is None and chunk is None:
+    plain = sliding_window is None and softcap is None and sinks is None and chunk is None and not image_blocks
+    if query_len == context_len and plain:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     query_pos = torch.arange(context_len - query_len, context_len, device=query.device)[:, None]
@@ -146,6 +159,8 @@ def prefill_attention(
         mask &= key_pos > query_pos - sliding_window
     if chunk is not None:  # Llama 4's chunked attention: only the keys of the query's chunk
         mask &= key_pos >= query_pos // chunk * chunk
+    for first, end in image_blocks:
+        mask |= (query_pos >= first) & (query_pos < end) & (key_pos >= first) & (key_pos < end)
     return attention(q, k, v, mask, scale, softcap, sinks)[0].transpose(0, 1)
 
 

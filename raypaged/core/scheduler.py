@@ -294,6 +294,9 @@ class Scheduler:
                 break  # every waiting request's adapter wants a slot that running sequences hold
             if self.config.whole_prompts and request.num_tokens > self._budget:
                 break  # a whole prompt: it waits for a step with room for all of it
+            images = request.images
+            if images is not None and images.bidirectional and max(n for _, n in images.placeholders) > self._budget:
+                break  # its images are computed whole: it waits for a step with room for the largest
             if not self._admit(request):
                 if self._preempt_for(request):
                     continue  # a lower-priority sequence made room: try again
@@ -325,10 +328,14 @@ class Scheduler:
                 self._out.lora_loads.append((slot, request.lora))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        start = request.num_computed_tokens
+        num_new = min(request.num_tokens - start, budget)
         group = request.group
         if group is not None and group.pending_children:
-            num_new = min(num_new, group.fork_at - request.num_computed_tokens)
+            num_new = min(num_new, group.fork_at - start)
+        images = request.images
+        if images is not None and images.bidirectional:  # Gemma 3: an image's tokens in one step (0: not this one)
+            num_new = images.whole_images_end(start, start + num_new) - start
         return num_new
 
     def _drafts(self, request: Request, num_new: int) -> list[int]:

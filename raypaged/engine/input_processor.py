@@ -35,7 +35,7 @@ from raypaged.inputs.limits import (
     check_token_ids,
 )
 from raypaged.inputs.media import MediaError, MediaOptions, load_image
-from raypaged.model.architecture import reads_image_grids
+from raypaged.model.architecture import attends_images_both_ways, min_image_tokens, reads_image_grids
 from raypaged.multimodal import ImageInputs, has_chat_images, image_cache_salt, split_chat_images
 from raypaged.pooling_params import PoolingParams
 from raypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -242,7 +242,8 @@ class InputProcessor:
         else:
             per_image = list(pixels)
         hashes = tuple(hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in per_image)
-        return ids, ImageInputs(pixels.contiguous(), placeholders, hashes, patches)
+        bidirectional = attends_images_both_ways(image_config)
+        return ids, ImageInputs(pixels.contiguous(), placeholders, hashes, patches, bidirectional=bidirectional)
 
     def _grid_image_prompt(
         self, prompt: str, images: list[Any], rendered: bool, image_token: str
@@ -309,9 +310,7 @@ class InputProcessor:
         limit = config.images_per_prompt
         if limit is not None and count > limit:
             raise InputError("multi_modal_data", f"{count} images in one prompt; --limit-mm-per-prompt allows {limit}")
-        vision = image_config.vision_config
-        # Qwen2-VL: an image's tokens depend on its size, one at least
-        per_image = 1 if reads_image_grids(image_config) else (vision.image_size // vision.patch_size) ** 2
+        per_image = min_image_tokens(image_config)
         if count * per_image >= config.resolved_max_model_len:
             raise InputError(
                 "multi_modal_data",
@@ -345,8 +344,11 @@ class InputProcessor:
         return int(image_config.image_token_index if token_id is None else token_id)
 
     def _image_token(self) -> str:
-        """The token a prompt holds for each of its images (the processor expands it)."""
-        return str(self.tokenizer.convert_ids_to_tokens(self._image_token_id()))
+        """The token a prompt holds for each of its images, which the processor expands (Qwen-VL's: the image token
+        itself; Gemma 3's: its begin-image token)."""
+        if reads_image_grids(self._image_config()):
+            return str(self.tokenizer.convert_ids_to_tokens(self._image_token_id()))
+        return str(self._image_processor().image_token)
 
     def _image_placeholder(self) -> str:
         """What a chat message holds for each of its images: the image token, between Qwen2-VL's vision start

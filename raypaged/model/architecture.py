@@ -180,7 +180,12 @@ GRID_IMAGE_WRAPPERS = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
 )
-IMAGE_WRAPPERS = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", *GRID_IMAGE_WRAPPERS)
+IMAGE_WRAPPERS = (
+    "LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    *GRID_IMAGE_WRAPPERS,
+)
 # LLaVA's language models: Llama (Vicuna) or Mistral (BakLLaVA, llava-v1.6-mistral)
 _LLAVA_TEXT = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 # their language models' model types, as the family's (Qwen-VL's multimodal rotary is the plain one over text alone:
@@ -220,6 +225,22 @@ def reads_image_grids(image_config: PretrainedConfig) -> bool:
     """Whether an image-text config's images are grids of patches placed by M-RoPE (Qwen2-VL, Qwen2.5-VL,
     Qwen3-VL)."""
     return any(a in GRID_IMAGE_WRAPPERS for a in getattr(image_config, "architectures", None) or [])
+
+
+def attends_images_both_ways(image_config: PretrainedConfig) -> bool:
+    """Whether an image-text model's image tokens attend to each other both ways (Gemma 3's)."""
+    return "Gemma3ForConditionalGeneration" in (getattr(image_config, "architectures", None) or [])
+
+
+def min_image_tokens(image_config: PretrainedConfig) -> int:
+    """The fewest tokens an image takes in a prompt of the image-text model: Qwen-VL's, by its size (one at least);
+    Gemma 3's, ``mm_tokens_per_image``; LLaVA's, one per patch of its tower's image (LLaVA-NeXT's more)."""
+    if reads_image_grids(image_config):
+        return 1
+    if attends_images_both_ways(image_config):
+        return int(image_config.mm_tokens_per_image)
+    vision = image_config.vision_config
+    return int((vision.image_size // vision.patch_size) ** 2)
 
 
 def gemma_name(config: PretrainedConfig) -> str | None:

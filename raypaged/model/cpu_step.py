@@ -292,10 +292,10 @@ class CpuStep:
     def runs(self, meta: AttentionMetadata, block_size: int) -> bool:
         """Whether the step's attention is one the C loop runs: decodes, and prefill spans that make one varlen
         batch right after them (the layers' own condition for the varlen kernel) where the backend's varlen
-        kernel is cpu_prefill.c's."""
+        kernel is cpu_prefill.c's, and no span attends to images both ways."""
         if not meta.prefills:
             return True
-        if not self.prefills_in_c:
+        if not self.prefills_in_c or any(span.image_blocks for span in meta.prefills):
             return False
         varlen = meta.varlen_prefill(block_size)
         return varlen is not None and varlen.query_start == meta.num_decode_tokens

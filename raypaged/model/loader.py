@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
-from raypaged.model.architecture import reads_image_grids
+from raypaged.model.architecture import attends_images_both_ways, reads_image_grids
 from raypaged.model.encoder import Encoder, build_encoder, is_encoder
 from raypaged.model.layers import pack_linears, packs_weights
 from raypaged.model.llama import LlamaForCausalLM
@@ -22,11 +22,14 @@ from raypaged.quantization.base import QuantizationConfig
 from raypaged.quantization.linear import cast_model, finish_loading
 
 if TYPE_CHECKING:
+    from raypaged.model.gemma3_vision import Gemma3ImageEncoder
     from raypaged.model.llava_next_vision import LlavaNextImageEncoder
     from raypaged.model.qwen2_vl_vision import Qwen2VLImageEncoder
     from raypaged.model.qwen3_vl_vision import Qwen3VLImageEncoder
 
-    ImageEncoder = LlavaImageEncoder | LlavaNextImageEncoder | Qwen2VLImageEncoder | Qwen3VLImageEncoder
+    ImageEncoder = (
+        LlavaImageEncoder | LlavaNextImageEncoder | Gemma3ImageEncoder | Qwen2VLImageEncoder | Qwen3VLImageEncoder
+    )
 
 
 def iter_checkpoint(
@@ -57,7 +60,11 @@ def load_image_encoder(
     encoder: ImageEncoder
     select = is_vision_tensor
     with torch.device(device), default_dtype(dtype):
-        if "Qwen3VLForConditionalGeneration" in (image_config.architectures or []):
+        if attends_images_both_ways(image_config):
+            from raypaged.model.gemma3_vision import Gemma3ImageEncoder, is_gemma3_vision_tensor
+
+            encoder, select = Gemma3ImageEncoder(image_config), is_gemma3_vision_tensor
+        elif "Qwen3VLForConditionalGeneration" in (image_config.architectures or []):
             from raypaged.model.qwen3_vl_vision import Qwen3VLImageEncoder, is_qwen3_vl_vision_tensor
 
             encoder, select = Qwen3VLImageEncoder(image_config), is_qwen3_vl_vision_tensor

@@ -234,6 +234,7 @@ class ModelRunner:
         positions: list[int] = []
         rows: list[int] = []  # their BlockTables rows
         spans: list[tuple[int, int, int]] = []  # (query start, query length, context length)
+        span_images: list[tuple[tuple[int, int], ...]] = []  # each span's images attended both ways (Gemma 3's)
         span_ids: list[np.ndarray] = []
         span_positions: list[np.ndarray] = []
         span_slots: list[np.ndarray] = []
@@ -267,6 +268,8 @@ class ModelRunner:
                 span_slots.append(table[span_pos // bs] * bs + span_pos % bs)
                 span_tables.append(table)
                 spans.append((query_start, num_new, end))
+                images = state.images
+                span_images.append(images.blocks(start, end) if images is not None and images.bidirectional else ())
             if state.images is not None and state.images.overlaps(start, end):
                 image_spans.append((state, query_start, start, end))
             if state.mrope is not None:
@@ -310,7 +313,10 @@ class ModelRunner:
             flat = flat.pin_memory().to(self.device, non_blocking=True)
         sizes = [num_step_tokens] * 3 + [num_decodes, len(sample_indices), num_table_entries, *map(len, span_tables)]
         input_ids_t, positions_t, slots_t, lens_t, sample_t, tables_t, *span_blocks = flat.split(sizes)
-        prefills = [PrefillSpan(q0, n, end, ids) for (q0, n, end), ids in zip(spans, span_blocks)]
+        prefills = [
+            PrefillSpan(q0, n, end, ids, images)
+            for (q0, n, end), ids, images in zip(spans, span_blocks, span_images, strict=True)
+        ]
         mrope = None
         if mrope_rows:  # positions that are not token indices (the slots and lengths above are by index)
             rope = np.broadcast_to(np.concatenate([_ints(positions), *span_positions]), (3, num_step_tokens)).copy()
