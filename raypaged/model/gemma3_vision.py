@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from raypaged.model.llava_vision import _Encoder
+from raypaged.model.llava_vision import EncoderLayers
 from raypaged.model.vision_common import activation, load_named_weights
 
 
@@ -70,7 +70,7 @@ class _VisionTower(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.embeddings = _Embeddings(config)
-        self.encoder = _Encoder(config, config.num_hidden_layers)
+        self.encoder = EncoderLayers(config, config.num_hidden_layers)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [n, C, H, W] -> [n, patches, hidden]

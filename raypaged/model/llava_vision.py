@@ -114,7 +114,7 @@ class _EncoderLayer(nn.Module):
         return x + self.mlp(self.layer_norm2(x))
 
 
-class _Encoder(nn.Module):
+class EncoderLayers(nn.Module):
     def __init__(self, config: PretrainedConfig, num_layers: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(_EncoderLayer(config) for _ in range(num_layers))
@@ -127,7 +127,7 @@ class _VisionTower(nn.Module):
         super().__init__()
         self.embeddings = _Embeddings(config)
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.encoder = _Encoder(config, num_layers)
+        self.encoder = EncoderLayers(config, num_layers)
 
     def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         """The hidden states: the normalized embeddings, then each layer's output (``num_layers + 1`` of them)."""
