@@ -22,7 +22,8 @@ class ImageInputs:
     """A prompt's images: their pixels as the model's processor made them, where their tokens are, their hashes."""
 
     pixel_values: Any  # torch.Tensor [num_images (LLaVA-NeXT: their patches), 3, height, width], float32 on the CPU
-    placeholders: tuple[tuple[int, int], ...]  # per image: (its first prompt position, its number of tokens)
+    # per image: (its first prompt position, its number of tokens); Mistral 3's: per row of an image's tokens
+    placeholders: tuple[tuple[int, int], ...]
     hashes: tuple[str, ...]  # per image: the sha256 of its pixel values
     # LLaVA-NeXT: per image, its rows of pixel_values (the base image, then its grid's patches) and its original
     # (height, width); None: one row an image
@@ -31,6 +32,9 @@ class ImageInputs:
     # product, and the vision tower's spatial_merge_size (merge x merge patches make one token); None: another model
     grids: tuple[tuple[int, int, int], ...] | None = None
     merge_size: int = 1
+    # Mistral 3 (Pixtral): per image, its (height, width) in pixels inside pixel_values' padded [3, H, W] (its
+    # placeholders are its rows of tokens); None: another model
+    image_sizes: tuple[tuple[int, int], ...] | None = None
     # Gemma 3: an image's tokens attend to each other both ways, so a step computes an image's tokens together (a
     # chunk never ends inside one)
     bidirectional: bool = False

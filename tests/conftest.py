@@ -292,6 +292,50 @@ def make_tiny_gemma3(root: Path, smollm2_dir: Path) -> Path:
     return path
 
 
+PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+
+
+def make_tiny_mistral3(root: Path, smollm2_dir: Path) -> Path:
+    """A random Mistral 3 (``Mistral3ForConditionalGeneration``, Mistral Small 3.1's layout) of tiny shapes in
+    ``root / "mistral3"``: TINY_SHAPE's Mistral, a 2-layer Pixtral tower of 14-pixel patches merged 2 x 2 (images of
+    at most 112 pixels a side: up to 4 rows of 4 tokens), SmolLM2's tokenizer and chat template with Pixtral's image
+    tokens added, weights drawn from N(0, 0.2) as ``save_random``'s."""
+    from transformers import (
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+        Mistral3Config,
+        MistralConfig,
+        PixtralVisionConfig,
+    )
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    path = root / "mistral3"
+    path.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, path / name)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(PIXTRAL_TOKENS)})
+    text = MistralConfig(**{**TINY_SHAPE, "vocab_size": len(tokenizer)}, tie_word_embeddings=False, eos_token_id=2)
+    vision = PixtralVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8, patch_size=14
+    )
+    vision.image_size = 112
+    config = Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=tokenizer.convert_tokens_to_ids("[IMG]")
+    )
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)  # Pixtral's processor needs torchvision: its image processor alone
+    PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14).save_pretrained(path)
+    shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
+    return path
+
+
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 

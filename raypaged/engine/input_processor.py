@@ -35,7 +35,12 @@ from raypaged.inputs.limits import (
     check_token_ids,
 )
 from raypaged.inputs.media import MediaError, MediaOptions, load_image
-from raypaged.model.architecture import attends_images_both_ways, min_image_tokens, reads_image_grids
+from raypaged.model.architecture import (
+    attends_images_both_ways,
+    min_image_tokens,
+    reads_image_grids,
+    splits_image_rows,
+)
 from raypaged.multimodal import ImageInputs, has_chat_images, image_cache_salt, split_chat_images
 from raypaged.pooling_params import PoolingParams
 from raypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -49,6 +54,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from raypaged.lora.request import LoRARequest
+
+
+_IMAGE_BREAK, _IMAGE_END = "[IMG_BREAK]", "[IMG_END]"  # Pixtral's tokens after a row of image tokens, and last
 
 
 class InputProcessor:
@@ -221,15 +229,17 @@ class InputProcessor:
             )
         if reads_image_grids(image_config):
             return self._grid_image_prompt(prompt, images, rendered, image_token)
+        if splits_image_rows(image_config):
+            return self._row_image_prompt(prompt, images, rendered, image_token)
         try:
             encoded = processor(text=prompt, images=images, return_tensors="pt", add_special_tokens=not rendered)
         except (ValueError, TypeError, OSError) as exc:
             raise InputError("multi_modal_data", f"the images cannot be processed: {exc}") from None
         ids = encoded["input_ids"][0].tolist()
+        pixels = encoded["pixel_values"].to(torch.float32)
         sizes = [(image.height, image.width) for image in images]  # as the processor counts each image's tokens
         counts = processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
         placeholders = self._placeholders(ids, counts)
-        pixels = encoded["pixel_values"].to(torch.float32)
         patches = None  # LLaVA-NeXT: each image's patches (base, then its grid), at their original size
         if "image_sizes" in encoded:
             from raypaged.model.llava_next_vision import num_patches
@@ -270,6 +280,53 @@ class InputProcessor:
             row += t * h * w
         placeholders = self._placeholders(ids, counts)
         return ids, ImageInputs(pixels, placeholders, tuple(hashes), grids=grids, merge_size=merge)
+
+    def _row_image_prompt(
+        self, prompt: str, images: list[Any], rendered: bool, image_token: str
+    ) -> tuple[list[int], ImageInputs]:
+        """Mistral 3's (Pixtral's) ``image_prompt``: the image processor sizes each image to whole merged patches
+        (``patch_size * spatial_merge_size`` pixels, at most its ``longest_edge``) and pads them to the largest, and
+        each placeholder becomes the image's rows of image tokens, ``[IMG_BREAK]`` after each row and ``[IMG_END]``
+        in place of the last, as Pixtral's processor writes them (which needs torchvision; the image processor
+        alone does not). Each row of tokens is a placeholder of its own, the rows of all images in order."""
+        image_config = self._image_config()
+        unit = image_config.vision_config.patch_size * image_config.spatial_merge_size
+        try:
+            encoded = self._image_processor()(
+                images=images, patch_size={"height": unit, "width": unit}, return_tensors="pt"
+            )
+        except (ValueError, TypeError, OSError) as exc:
+            raise InputError("multi_modal_data", f"the images cannot be processed: {exc}") from None
+        sizes = [(int(h), int(w)) for h, w in encoded["image_sizes"].tolist()]
+        expanded = []
+        for height, width in sizes:
+            rows = [image_token * (width // unit) + _IMAGE_BREAK] * (height // unit)
+            expanded.append("".join(rows).removesuffix(_IMAGE_BREAK) + _IMAGE_END)
+        first, *rest = prompt.split(image_token)
+        text = first + "".join(tokens + piece for tokens, piece in zip(expanded, rest))
+        ids = self.tokenizer(text, add_special_tokens=not rendered)["input_ids"]
+        pixels = encoded["pixel_values"].to(torch.float32)
+        token_id = self._image_token_id()
+        runs: list[list[int]] = []  # [first position, length] of each run of image tokens
+        for position, token in enumerate(ids):
+            if token != token_id:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == position:
+                runs[-1][1] += 1
+            else:
+                runs.append([position, 1])
+        expected = [w // unit for h, w in sizes for _ in range(h // unit)]
+        if [length for _, length in runs] != expected:
+            raise InputError(
+                "multi_modal_data",
+                f"the processed prompt's rows of image tokens are {[n for _, n in runs]}, the images' {expected}",
+            )
+        hashes = tuple(
+            hashlib.sha256(pixels[k, :, :h, :w].contiguous().numpy().tobytes()).hexdigest()
+            for k, (h, w) in enumerate(sizes)
+        )
+        placeholders = tuple((start, length) for start, length in runs)
+        return ids, ImageInputs(pixels.contiguous(), placeholders, hashes, image_sizes=tuple(sizes))
 
     def _placeholders(self, ids: list[int], counts: list[int]) -> tuple[tuple[int, int], ...]:
         """Each image's (first position, number of tokens) in a processed prompt whose images have ``counts``
@@ -321,16 +378,19 @@ class InputProcessor:
 
     def _image_processor(self) -> Any:
         """The model's Hugging Face processor (its image processor, with this engine's tokenizer), made once;
-        Qwen2-VL's image processor alone (its processor needs a video processor, and expands placeholders as
-        ``_grid_image_prompt`` does)."""
+        Qwen-VL's and Mistral 3's image processor alone (their processors need torchvision, for a video processor or
+        Pixtral's; placeholders are expanded as ``_grid_image_prompt`` and ``_row_image_prompt`` do)."""
         if self._processor is None:
             from transformers import AutoImageProcessor, AutoProcessor
 
-            path = self.config.model_path
-            if reads_image_grids(self._image_config()):
-                self._processor = AutoImageProcessor.from_pretrained(path)
-            else:
-                self._processor = AutoProcessor.from_pretrained(path, tokenizer=self.tokenizer)
+            path, image_config = self.config.model_path, self._image_config()
+            try:
+                if reads_image_grids(image_config) or splits_image_rows(image_config):
+                    self._processor = AutoImageProcessor.from_pretrained(path)
+                else:
+                    self._processor = AutoProcessor.from_pretrained(path, tokenizer=self.tokenizer)
+            except (OSError, ValueError, ImportError) as exc:  # the request fails alone, saying why
+                raise InputError("multi_modal_data", f"the model's image processor cannot be loaded: {exc}") from None
         return self._processor
 
     def _image_config(self) -> PretrainedConfig:
@@ -346,7 +406,8 @@ class InputProcessor:
     def _image_token(self) -> str:
         """The token a prompt holds for each of its images, which the processor expands (Qwen-VL's: the image token
         itself; Gemma 3's: its begin-image token)."""
-        if reads_image_grids(self._image_config()):
+        image_config = self._image_config()
+        if reads_image_grids(image_config) or splits_image_rows(image_config):
             return str(self.tokenizer.convert_ids_to_tokens(self._image_token_id()))
         return str(self._image_processor().image_token)
 

@@ -184,6 +184,7 @@ IMAGE_WRAPPERS = (
     "LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
     *GRID_IMAGE_WRAPPERS,
 )
 # LLaVA's language models: Llama (Vicuna) or Mistral (BakLLaVA, llava-v1.6-mistral)
@@ -232,10 +233,17 @@ def attends_images_both_ways(image_config: PretrainedConfig) -> bool:
     return "Gemma3ForConditionalGeneration" in (getattr(image_config, "architectures", None) or [])
 
 
+def splits_image_rows(image_config: PretrainedConfig) -> bool:
+    """Whether an image-text model's image tokens come in rows with a break token after each (Mistral 3's, Pixtral's):
+    each row is its own placeholder."""
+    return "Mistral3ForConditionalGeneration" in (getattr(image_config, "architectures", None) or [])
+
+
 def min_image_tokens(image_config: PretrainedConfig) -> int:
-    """The fewest tokens an image takes in a prompt of the image-text model: Qwen-VL's, by its size (one at least);
-    Gemma 3's, ``mm_tokens_per_image``; LLaVA's, one per patch of its tower's image (LLaVA-NeXT's more)."""
-    if reads_image_grids(image_config):
+    """The fewest tokens an image takes in a prompt of the image-text model: Qwen-VL's and Mistral 3's, by its size
+    (one at least); Gemma 3's, ``mm_tokens_per_image``; LLaVA's, one per patch of its tower's image (LLaVA-NeXT's
+    more)."""
+    if reads_image_grids(image_config) or splits_image_rows(image_config):
         return 1
     if attends_images_both_ways(image_config):
         return int(image_config.mm_tokens_per_image)

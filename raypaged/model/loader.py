@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
-from raypaged.model.architecture import attends_images_both_ways, reads_image_grids
+from raypaged.model.architecture import attends_images_both_ways, reads_image_grids, splits_image_rows
 from raypaged.model.encoder import Encoder, build_encoder, is_encoder
 from raypaged.model.layers import pack_linears, packs_weights
 from raypaged.model.llama import LlamaForCausalLM
@@ -24,11 +24,17 @@ from raypaged.quantization.linear import cast_model, finish_loading
 if TYPE_CHECKING:
     from raypaged.model.gemma3_vision import Gemma3ImageEncoder
     from raypaged.model.llava_next_vision import LlavaNextImageEncoder
+    from raypaged.model.pixtral_vision import Mistral3ImageEncoder
     from raypaged.model.qwen2_vl_vision import Qwen2VLImageEncoder
     from raypaged.model.qwen3_vl_vision import Qwen3VLImageEncoder
 
     ImageEncoder = (
-        LlavaImageEncoder | LlavaNextImageEncoder | Gemma3ImageEncoder | Qwen2VLImageEncoder | Qwen3VLImageEncoder
+        LlavaImageEncoder
+        | LlavaNextImageEncoder
+        | Gemma3ImageEncoder
+        | Mistral3ImageEncoder
+        | Qwen2VLImageEncoder
+        | Qwen3VLImageEncoder
     )
 
 
@@ -60,7 +66,11 @@ def load_image_encoder(
     encoder: ImageEncoder
     select = is_vision_tensor
     with torch.device(device), default_dtype(dtype):
-        if attends_images_both_ways(image_config):
+        if splits_image_rows(image_config):
+            from raypaged.model.pixtral_vision import Mistral3ImageEncoder, is_pixtral_vision_tensor
+
+            encoder, select = Mistral3ImageEncoder(image_config), is_pixtral_vision_tensor
+        elif attends_images_both_ways(image_config):
             from raypaged.model.gemma3_vision import Gemma3ImageEncoder, is_gemma3_vision_tensor
 
             encoder, select = Gemma3ImageEncoder(image_config), is_gemma3_vision_tensor

@@ -1,7 +1,7 @@
 """Image-text checkpoints on text prompts (Gemma 3's, Mistral 3's, Llama 4's, Qwen2-VL's, Qwen2.5-VL's and
 Qwen3-VL's): the language model's greedy tokens and logprobs equal transformers' whole image-text model's. Those served
-for text only (all but Qwen2-VL and Qwen2.5-VL, which read images: tests/model/test_qwen2_vl_vs_hf.py) load no vision
-tower, and an image in a request is refused by name."""
+for text only (Llama 4's; the others read images: tests/model/test_*_images_vs_hf.py, test_qwen2_vl_vs_hf.py) load
+no vision tower, and an image in a request is refused by name."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def test_text_prompts_match_the_image_text_model(name, model_dirs, references):
 
 
 def test_an_image_is_refused_and_the_vision_tower_is_not_loaded(model_dirs):
-    llm = LLM(model=str(model_dirs["mistral3"]), device="cpu", num_gpu_blocks_override=64, max_model_len=64)
+    llm = LLM(model=str(model_dirs["llama4"]), device="cpu", num_gpu_blocks_override=64, max_model_len=64)
     try:
         names = {name for name, _ in llm.llm_engine.executor.worker.model.named_parameters()}
         assert not any("vision" in n or "projector" in n for n in names)
