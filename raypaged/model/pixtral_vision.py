@@ -42,7 +42,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from raypaged.model.layers import rms_norm
-from raypaged.model.qwen2_vl_vision import Groups, _rotate, group_segments
+from raypaged.model.qwen2_vl_vision import Groups, group_segments, rotate, segment_attention
 from raypaged.model.vision_common import activation, load_named_weights
 
 VISION_NORM_EPS = 1e-5
@@ -98,18 +98,7 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: Groups) -> torch.Tensor:
         n = len(x)
         q, k, v = (proj(x).view(n, self.num_heads, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if groups is None:  # one image: the whole sequence
-            whole = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, N, d]
-            out = F.scaled_dot_product_attention(whole[0], whole[1], whole[2])[0].transpose(0, 1)
-        else:
-            out = torch.empty_like(q)
-            for index in groups:  # [images, length]: one batched call for the images of one patch count
-                images, length = index.shape
-                flat = index.reshape(-1)
-                qs, ks, vs = (t[flat].view(images, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-                attended = F.scaled_dot_product_attention(qs, ks, vs)  # scale head_dim ** -0.5
-                out[flat] = attended.transpose(1, 2).reshape(images * length, self.num_heads, -1)
+        out = segment_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, groups)  # each image to itself
         return self.o_proj(out.reshape(n, -1))
 
 

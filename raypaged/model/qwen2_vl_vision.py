@@ -109,7 +109,7 @@ class _PatchEmbed(nn.Module):
         return F.linear(patches, self.proj.weight.flatten(1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` [N, heads, d] by the float32 ``cos``/``sin`` [N, d], rotate-half pairing."""
     x32 = x.float()
     first, second = x32.chunk(2, dim=-1)
@@ -128,19 +128,25 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: Groups) -> torch.Tensor:
         n = len(x)
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # each [N, heads, d]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if groups is None:
-            whole = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, N, d]
-            out = F.scaled_dot_product_attention(whole[0], whole[1], whole[2])[0].transpose(0, 1)
-        else:
-            out = torch.empty_like(q)
-            for index in groups:  # [segments, length]: one batched call for all the segments of one length
-                segments, length = index.shape
-                flat = index.reshape(-1)
-                qs, ks, vs = (t[flat].view(segments, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-                attended = F.scaled_dot_product_attention(qs, ks, vs)  # scale head_dim ** -0.5
-                out[flat] = attended.transpose(1, 2).reshape(segments * length, self.num_heads, -1)
+        out = segment_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, groups)
         return self.proj(out.reshape(n, -1))
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Attention of ``q, k, v: [N, heads, d]`` inside each segment of ``groups`` (one batched call for all the segments
+    of one length; None: the whole sequence), scaled by ``d ** -0.5``."""
+    if groups is None:
+        whole = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, N, d]
+        return F.scaled_dot_product_attention(whole[0], whole[1], whole[2])[0].transpose(0, 1)
+    out = torch.empty_like(q)
+    heads = q.shape[1]
+    for index in groups:  # [segments, length]
+        segments, length = index.shape
+        flat = index.reshape(-1)
+        qs, ks, vs = (t[flat].view(segments, length, heads, -1).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(qs, ks, vs)
+        out[flat] = attended.transpose(1, 2).reshape(segments * length, heads, -1)
+    return out
 
 
 class _Mlp(nn.Module):
