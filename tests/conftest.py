@@ -4,7 +4,7 @@ random Llamas; the CPU kernels built without AVX-512."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -174,6 +174,39 @@ def save_random(auto_class, config, path: Path, smollm2_dir: Path) -> Path:
     return path
 
 
+def _tiny_image_tokenizer(smollm2_dir: Path, folder: Path, added: Sequence[str] = (), **options):
+    """SmolLM2's tokenizer files copied into ``folder`` and loaded from there with ``options``, ``added`` (an image
+    model's tokens) added as special tokens: the tokenizer of the tiny image models below."""
+    from transformers import AutoTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, folder / name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **options)
+    if added:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(added)})
+    return tokenizer
+
+
+def _save_tiny_image_model(config, path: Path, smollm2_dir: Path, std: float, *parts) -> Path:
+    """``config``'s image-text model (``AutoModelForImageTextToText``) with weights drawn from N(0, ``std``) after
+    seed 0, saved at ``path`` with ``parts`` (its tokenizer, processor or image processor: each ``save_pretrained``
+    there) and SmolLM2's chat template."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, std)
+    model.save_pretrained(path)
+    for part in parts:
+        part.save_pretrained(path)
+    shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
+    return path
+
+
 def make_tiny_llava(root: Path, smollm2_dir: Path, next_: bool = False) -> Path:
     """A random LLaVA-1.5 (``LlavaForConditionalGeneration``) of tiny shapes in ``root / "llava"``: a CLIP tower of
     28-pixel images in 14-pixel patches (4 tokens an image), TINY_SHAPE's Llama, SmolLM2's tokenizer and chat
@@ -181,14 +214,11 @@ def make_tiny_llava(root: Path, smollm2_dir: Path, next_: bool = False) -> Path:
     (``LlavaNextForConditionalGeneration``, in ``root / "llava-next"``), its images cut into a grid of 28-pixel
     patches of 28x56, 56x28 or 56x56 beside the whole image, on a Mistral language model."""
     from transformers import (
-        AutoTokenizer,
         CLIPImageProcessor,
         CLIPVisionConfig,
         LlamaConfig,
         LlavaConfig,
-        LlavaForConditionalGeneration,
         LlavaNextConfig,
-        LlavaNextForConditionalGeneration,
         LlavaNextImageProcessor,
         LlavaNextProcessor,
         LlavaProcessor,
@@ -196,13 +226,8 @@ def make_tiny_llava(root: Path, smollm2_dir: Path, next_: bool = False) -> Path:
     )
 
     name = "llava-next" if next_ else "llava"
-    path, staging = root / name, root / f"{name}-tokenizer"
-    staging.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, staging / name)
-    tokenizer = AutoTokenizer.from_pretrained(staging)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    path = root / name
+    tokenizer = _tiny_image_tokenizer(smollm2_dir, root / f"{name}-tokenizer", ["<image>"])
     text_class = MistralConfig if next_ else LlamaConfig  # as llava-v1.6-mistral, and llava-1.5's Vicuna
     text = text_class(**{**TINY_SHAPE, "vocab_size": len(tokenizer)}, tie_word_embeddings=False, eos_token_id=2)
     vision = CLIPVisionConfig(
@@ -216,12 +241,6 @@ def make_tiny_llava(root: Path, smollm2_dir: Path, next_: bool = False) -> Path:
         )
     else:
         config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token)
-    torch.manual_seed(0)
-    model = (LlavaNextForConditionalGeneration if next_ else LlavaForConditionalGeneration)(config).to(torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.2)
-    model.save_pretrained(path)
     sizes = {"size": {"shortest_edge": 28}, "crop_size": {"height": 28, "width": 28}}
     options = {
         "tokenizer": tokenizer,
@@ -234,9 +253,7 @@ def make_tiny_llava(root: Path, smollm2_dir: Path, next_: bool = False) -> Path:
         if next_
         else LlavaProcessor(image_processor=CLIPImageProcessor(**sizes), **options)
     )
-    processor.save_pretrained(path)
-    shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
-    return path
+    return _save_tiny_image_model(config, path, smollm2_dir, 0.2, processor)
 
 
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
@@ -247,15 +264,11 @@ def make_tiny_gemma3(root: Path, smollm2_dir: Path) -> Path:
     Gemma 3 text model (a sliding layer of window 8, then a global one), a 2-layer SigLIP tower of 56-pixel images in
     14-pixel patches pooled to 4 tokens an image, SmolLM2's tokenizer and chat template with Gemma 3's image tokens
     added, weights drawn from N(0, 0.05) (wider ones make its greedy tokens repeat one token)."""
-    from transformers import AutoModelForImageTextToText, AutoTokenizer, Gemma3Config, Gemma3Processor
+    from transformers import Gemma3Config, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     path = root / "gemma3"
-    path.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
-    tokenizer = AutoTokenizer.from_pretrained(path, extra_special_tokens=GEMMA3_TOKENS)
+    tokenizer = _tiny_image_tokenizer(smollm2_dir, path, extra_special_tokens=GEMMA3_TOKENS)
     boi, eoi, image = tokenizer.convert_tokens_to_ids(list(GEMMA3_TOKENS.values()))
     text = dict(
         vocab_size=len(tokenizer),
@@ -280,16 +293,9 @@ def make_tiny_gemma3(root: Path, smollm2_dir: Path) -> Path:
         eoi_token_index=eoi,
         image_token_index=image,
     )
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.05)
-    model.save_pretrained(path)
     image_processor = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
-    Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4).save_pretrained(path)
-    shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
-    return path
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4)
+    return _save_tiny_image_model(config, path, smollm2_dir, 0.05, processor)
 
 
 PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
@@ -300,22 +306,11 @@ def make_tiny_mistral3(root: Path, smollm2_dir: Path) -> Path:
     ``root / "mistral3"``: TINY_SHAPE's Mistral, a 2-layer Pixtral tower of 14-pixel patches merged 2 x 2 (images of
     at most 112 pixels a side: up to 4 rows of 4 tokens), SmolLM2's tokenizer and chat template with Pixtral's image
     tokens added, weights drawn from N(0, 0.2) as ``save_random``'s."""
-    from transformers import (
-        AutoModelForImageTextToText,
-        AutoTokenizer,
-        Mistral3Config,
-        MistralConfig,
-        PixtralVisionConfig,
-    )
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
     path = root / "mistral3"
-    path.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(PIXTRAL_TOKENS)})
+    tokenizer = _tiny_image_tokenizer(smollm2_dir, path, PIXTRAL_TOKENS)
     text = MistralConfig(**{**TINY_SHAPE, "vocab_size": len(tokenizer)}, tie_word_embeddings=False, eos_token_id=2)
     vision = PixtralVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8, patch_size=14
@@ -324,16 +319,9 @@ def make_tiny_mistral3(root: Path, smollm2_dir: Path) -> Path:
     config = Mistral3Config(
         text_config=text, vision_config=vision, image_token_index=tokenizer.convert_tokens_to_ids("[IMG]")
     )
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.2)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)  # Pixtral's processor needs torchvision: its image processor alone
-    PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14).save_pretrained(path)
-    shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
-    return path
+    image_processor = PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14)
+    # Pixtral's processor needs torchvision: the tokenizer and its image processor alone
+    return _save_tiny_image_model(config, path, smollm2_dir, 0.2, tokenizer, image_processor)
 
 
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -341,64 +329,48 @@ QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 
 def make_tiny_qwen_vl(root: Path, smollm2_dir: Path, family: str = "qwen2-vl") -> Path:
     """A random Qwen-VL of tiny shapes in ``root / family``: ``qwen2-vl`` (``Qwen2VLForConditionalGeneration``),
-    ``qwen2.5-vl`` (with window attention in its first vision block) or ``qwen3-vl`` (16-pixel patches, learned
-    position embeddings of a 4 x 4 grid, deepstack features from both vision blocks, interleaved M-RoPE). TINY_SHAPE's
-    Qwen2 (Qwen3) with M-RoPE sections (1, 1, 2) ((2, 1, 1)), a 2-block vision tower whose patches merge 2 x 2,
+    ``qwen2.5-vl`` (with window attention in its first vision block), ``qwen3-vl`` (16-pixel patches, learned
+    position embeddings of a 4 x 4 grid, deepstack features from both vision blocks, interleaved M-RoPE) or
+    ``qwen3-vl-moe`` (the same on a Qwen3-MoE of 4 experts, 2 a token). TINY_SHAPE's Qwen2 (Qwen3) with M-RoPE
+    sections (1, 1, 2) ((2, 1, 1)), a 2-block vision tower whose patches merge 2 x 2,
     SmolLM2's tokenizer and chat template with Qwen-VL's vision tokens added, weights drawn from N(0, 0.2) as
     ``save_random``'s, and an image processor that makes images of 4 to 32 merged patches (1 to 32 tokens)."""
-    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     path = root / family
-    path.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VL_TOKENS)})
+    tokenizer = _tiny_image_tokenizer(smollm2_dir, path, QWEN_VL_TOKENS)
     start, end, image, video = tokenizer.convert_tokens_to_ids(list(QWEN_VL_TOKENS))
     rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
-    if family == "qwen3-vl":
+    qwen3 = family.startswith("qwen3")
+    if qwen3:
         rope.update(mrope_section=[2, 1, 1], mrope_interleaved=True)
     text = {**TINY_SHAPE, "vocab_size": len(tokenizer), "rope_parameters": rope, "eos_token_id": 2}
     text["head_dim"] = TINY_SHAPE["hidden_size"] // TINY_SHAPE["num_attention_heads"]  # Qwen3's default is 128
     text["tie_word_embeddings"] = False
-    patch = 16 if family == "qwen3-vl" else 14
+    if family == "qwen3-vl-moe":
+        text.update(moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
+    patch = 16 if qwen3 else 14
     vision: dict = dict(patch_size=patch, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, depth=2)
-    if family == "qwen3-vl":
-        vision.update(
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=4,
-            out_hidden_size=TINY_SHAPE["hidden_size"],
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0, 1],
-        )
-    elif family == "qwen2.5-vl":
-        vision.update(
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=4,
-            out_hidden_size=TINY_SHAPE["hidden_size"],
-            window_size=56,
-            fullatt_block_indexes=[1],
-        )
-    else:
+    if family == "qwen2-vl":
         vision.update(embed_dim=32, hidden_size=TINY_SHAPE["hidden_size"], num_heads=4, mlp_ratio=2)
+    else:
+        vision.update(hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=TINY_SHAPE["hidden_size"])
+        if qwen3:
+            vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+        else:
+            vision.update(window_size=56, fullatt_block_indexes=[1])
     tokens = dict(image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
-    config_class = {"qwen2-vl": Qwen2VLConfig, "qwen2.5-vl": Qwen2_5_VLConfig, "qwen3-vl": Qwen3VLConfig}[family]
+    config_class = {
+        "qwen2-vl": Qwen2VLConfig,
+        "qwen2.5-vl": Qwen2_5_VLConfig,
+        "qwen3-vl": Qwen3VLConfig,
+        "qwen3-vl-moe": Qwen3VLMoeConfig,
+    }[family]
     config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **tokens)
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.2)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
     unit = 2 * patch  # a merged patch's side
-    Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=4 * unit**2, max_pixels=32 * unit**2).save_pretrained(path)
-    shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
-    return path
+    image_processor = Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=4 * unit**2, max_pixels=32 * unit**2)
+    return _save_tiny_image_model(config, path, smollm2_dir, 0.2, tokenizer, image_processor)
 
 
 def make_tiny_embedding_model(root: Path, smollm2_dir: Path, arch: str = "qwen3", **overrides) -> Path:

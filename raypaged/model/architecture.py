@@ -171,6 +171,7 @@ MULTIMODAL_WRAPPERS = {
     "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
 }
 # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's: an image of any size is cut into a grid of patches, its tokens placed by
@@ -179,6 +180,7 @@ GRID_IMAGE_WRAPPERS = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
 )
 IMAGE_WRAPPERS = (
     "LlavaForConditionalGeneration",
@@ -191,7 +193,12 @@ IMAGE_WRAPPERS = (
 _LLAVA_TEXT = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 # their language models' model types, as the family's (Qwen-VL's multimodal rotary is the plain one over text alone:
 # a text token's three position axes are the same position)
-_TEXT_MODEL_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+_TEXT_MODEL_TYPES = {
+    "qwen2_vl_text": "qwen2",
+    "qwen2_5_vl_text": "qwen2",
+    "qwen3_vl_text": "qwen3",
+    "qwen3_vl_moe_text": "qwen3_moe",
+}
 _TOP_LEVEL_KEYS = ("tie_word_embeddings", "dtype", "quantization_config")  # read from the wrapper's config
 
 
@@ -345,7 +352,7 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
 def _moe(config: PretrainedConfig) -> MoeSpec | None:
     """The experts of a Mixtral, Qwen2-MoE, Qwen3-MoE or GLM-4.5 config, as transformers' ``*SparseMoeBlock`` computes
     them; None for the other architectures."""
-    name = _MOE_TYPES.get(config.model_type)
+    name = _MOE_TYPES.get(_TEXT_MODEL_TYPES.get(config.model_type, config.model_type))
     if name is None:
         return None
     layers, mixtral = config.num_hidden_layers, config.model_type == "mixtral"
@@ -373,7 +380,8 @@ def _moe(config: PretrainedConfig) -> MoeSpec | None:
         num_experts=num_experts,
         top_k=top_k,
         intermediate_size=config.moe_intermediate_size,
-        renormalize=bool(config.norm_topk_prob),
+        # Qwen3-VL-MoE's config has no norm_topk_prob: its router always renormalizes
+        renormalize=bool(getattr(config, "norm_topk_prob", True)),
         fp32_weights=False,
         shared_intermediate_size=config.shared_expert_intermediate_size if config.model_type == "qwen2_moe" else 0,
         sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),

@@ -97,7 +97,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
     parameter must be filled, and a tensor with no place in the model is a ``ValueError`` naming it."""
     params = dict(model.named_parameters())
     if (model_type := model.config.model_type) in STACKED_EXPERT_TYPES:  # stacked (or MXFP4) experts, split
-        weights = expert_tensors(weights, model_type, model.model.embed_tokens.weight.dtype)
+        weights = expert_tensors(weights, model_type, model.model.embed_tokens.weight.dtype, model.config.hidden_size)
     num_layers = model.config.num_hidden_layers
     multimodal = getattr(model.config, "raypaged_multimodal", None) is not None
     # a causal LM served as a classifier (classifier_from_token): its head rows, from the tied embeddings or lm_head

@@ -74,7 +74,7 @@ def load_image_encoder(
             from raypaged.model.gemma3_vision import Gemma3ImageEncoder, is_gemma3_vision_tensor
 
             encoder, select = Gemma3ImageEncoder(image_config), is_gemma3_vision_tensor
-        elif "Qwen3VLForConditionalGeneration" in (image_config.architectures or []):
+        elif image_config.model_type in ("qwen3_vl", "qwen3_vl_moe"):
             from raypaged.model.qwen3_vl_vision import Qwen3VLImageEncoder, is_qwen3_vl_vision_tensor
 
             encoder, select = Qwen3VLImageEncoder(image_config), is_qwen3_vl_vision_tensor

@@ -1,4 +1,4 @@
-"""Checkpoints that keep every expert of a layer in stacked tensors (gpt-oss, Llama 4), under the names of
+"""Checkpoints that keep every expert of a layer in stacked tensors (gpt-oss, Llama 4, Qwen3-VL-MoE), under the names of
 raypaged's mixture-of-experts layers: each expert's tensors come out as a Mixtral expert's under Qwen-MoE's names
 (``mlp.experts.<e>.gate_proj.weight``, ...), the router's as ``mlp.gate``.
 
@@ -18,20 +18,22 @@ import torch
 
 from raypaged.quantization import mxfp4
 
-STACKED_EXPERT_TYPES = ("gpt_oss", "llama4_text")
+STACKED_EXPERT_TYPES = ("gpt_oss", "llama4_text", "qwen3_vl_moe_text")
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 _RENAMES = {
     "gpt_oss": ((".mlp.router.", ".mlp.gate."),),
     "llama4_text": ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp.")),
+    "qwen3_vl_moe_text": (),
 }
 
 
 def expert_tensors(
-    weights: Iterable[tuple[str, torch.Tensor]], model_type: str, dtype: torch.dtype
+    weights: Iterable[tuple[str, torch.Tensor]], model_type: str, dtype: torch.dtype, hidden_size: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` of a ``STACKED_EXPERT_TYPES`` checkpoint with the stacked expert tensors split into each expert's
     (MXFP4 ones dequantized to ``dtype`` once both their blocks and scales have come) and the MLP and router renamed;
-    the others as they are."""
+    the others as they are. Qwen3-VL-MoE's come either way: ``[E, in, out]`` as published, or ``[E, out, in]`` as
+    transformers 5 saves them, told apart by which side is ``hidden_size``."""
     interleaved = model_type == "gpt_oss"
     pending: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 weight's name -> its blocks or scales so far
     for name, tensor in weights:
@@ -53,11 +55,20 @@ def expert_tensors(
         elif kind == "_bias":
             yield from _experts(prefix, projection, "bias", tensor, False, interleaved)
         else:
-            yield from _experts(prefix, projection, "weight", tensor, True, interleaved)
+            transposed = model_type != "qwen3_vl_moe_text" or _stored_in_out(projection, tensor, hidden_size)
+            yield from _experts(prefix, projection, "weight", tensor, transposed, interleaved)
     if pending:
         name, parts = next(iter(pending.items()))
         lacking = "_scales" if "_blocks" in parts else "_blocks"
         raise ValueError(f"checkpoint has {name}{next(iter(parts))} but not {name}{lacking}")
+
+
+def _stored_in_out(projection: str, stacked: torch.Tensor, hidden_size: int) -> bool:
+    """Whether a stacked weight is ``[E, in, out]``: gate_up's ``[E, hidden, 2I]`` (not ``[E, 2I, hidden]``), down's
+    ``[E, I, hidden]`` (not ``[E, hidden, I]``); the published form where both sides are the hidden size."""
+    if projection == "down_proj":
+        return stacked.shape[2] == hidden_size
+    return stacked.shape[1] == hidden_size
 
 
 def _experts(

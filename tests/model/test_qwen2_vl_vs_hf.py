@@ -1,13 +1,14 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (deepstack, interleaved M-RoPE) with images, through ``LLM.generate`` (vLLM's
-``multi_modal_data``) and ``LLM.chat``: greedy tokens equal transformers' ``generate`` on the same processed inputs,
-whole and chunked across an image's tokens, beside text-only prompts, after a preemption, and from the prefix cache;
-logprobs equal its logits'; M-RoPE's positions equal transformers' ``get_rope_index``."""
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL (deepstack, interleaved M-RoPE) and Qwen3-VL-MoE with images, through
+``LLM.generate`` (vLLM's ``multi_modal_data``) and ``LLM.chat``: greedy tokens equal transformers' ``generate`` on the
+same processed inputs, whole and chunked across an image's tokens, beside text-only prompts, after a preemption, and
+from the prefix cache; logprobs equal its logits'; M-RoPE's positions equal transformers' ``get_rope_index``;
+Qwen3-VL-MoE's experts load alike from either stacked layout."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -20,9 +21,19 @@ from transformers import (
 )
 from transformers.processing_utils import ProcessorMixin
 
-from raypaged import LLM, SamplingParams
+from raypaged import SamplingParams
 from raypaged.multimodal import ImageInputs, mrope_positions
 from tests.conftest import make_tiny_qwen_vl
+from tests.model.image_checks import (
+    check_chat_with_image_parts,
+    check_greedy_tokens,
+    check_logprobs_equal_transformers,
+    check_preempted,
+    check_prefix_cache_keys_images,
+    serving,
+    transformers_greedy,
+)
+from tests.model.image_checks import image as random_image
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -30,8 +41,7 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def image(seed: int, size: tuple[int, int] = (90, 130)) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
+    return random_image(seed, size)
 
 
 PROMPTS = [
@@ -43,7 +53,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe"])
 def model_dir(request, tmp_path_factory, smollm2_dir) -> Path:
     root = tmp_path_factory.mktemp("qwen-vl")
     return make_tiny_qwen_vl(root, smollm2_dir, request.param)
@@ -51,7 +61,7 @@ def model_dir(request, tmp_path_factory, smollm2_dir) -> Path:
 
 def hf_processor(path: Path) -> Qwen2VLProcessor | Qwen3VLProcessor:
     """transformers' processor of the model (made without a video processor, which needs torchvision)."""
-    processor = Qwen3VLProcessor if path.name == "qwen3-vl" else Qwen2VLProcessor
+    processor = Qwen3VLProcessor if path.name.startswith("qwen3") else Qwen2VLProcessor
     check = ProcessorMixin.check_argument_for_proper_class
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
@@ -65,26 +75,21 @@ def hf_processor(path: Path) -> Qwen2VLProcessor | Qwen3VLProcessor:
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir) -> list[list[int]]:
+def hf(model_dir):
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir, hf) -> list[list[int]]:
     """transformers' greedy tokens of each of PROMPTS."""
-    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     processor = hf_processor(model_dir)
-    out = []
-    for text, images in PROMPTS:
-        inputs = processor(text=text, images=images or None, return_tensors="pt")
-        with torch.no_grad():
-            tokens = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
-        out.append(tokens[0, inputs["input_ids"].shape[1] :].tolist())
-    return out
+    return [
+        transformers_greedy(hf, processor(text=text, images=images or None, return_tensors="pt"), MAX_TOKENS)
+        for text, images in PROMPTS
+    ]
 
 
-def generate(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
-    requests = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text for text, images in prompts]
-    return [list(o.outputs[0].token_ids) for o in llm.generate(requests, GREEDY, use_tqdm=False)]
-
-
-def test_mrope_positions_equal_transformers(model_dir):
-    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+def test_mrope_positions_equal_transformers(model_dir, hf):
     text, images = PROMPTS[1]
     inputs = hf_processor(model_dir)(text=f"{text} and more text", images=images, return_tensors="pt")
     positions, deltas = hf.model.get_rope_index(
@@ -103,108 +108,42 @@ def test_mrope_positions_equal_transformers(model_dir):
 
 def test_images_greedy_tokens_equal_transformers_whole_and_chunked(model_dir, expected):
     assert expected[0] != expected[3]  # the image, not the text alone, decides
-    for options in (
+    option_sets = (
         {},
         {"max_num_batched_tokens": 3, "max_num_seqs": 2, "enable_prefix_caching": False},  # chunks cut images
         {"async_scheduling": True},
         {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}},
-    ):
-        llm = LLM(model=str(model_dir), num_gpu_blocks_override=64, block_size=8, max_model_len=128, **options)
-        try:
-            assert generate(llm) == expected
-            assert llm.stats()["num_gpu_blocks_free"] == 64
-        finally:
-            llm.shutdown()
+    )
+    check_greedy_tokens(model_dir, PROMPTS, GREEDY, expected, option_sets, block_size=8)
 
 
-def test_logprobs_equal_transformers_logits(model_dir):
+def test_logprobs_equal_transformers_logits(model_dir, hf):
     """Prompt and sampled logprobs of a two-image prompt within 1e-4 of transformers' log-softmax, whole and in
     5-token chunks: every position's rotary (M-RoPE's three axes) and every image row counts."""
     text, images = PROMPTS[1]
     inputs = hf_processor(model_dir)(text=text, images=images, return_tensors="pt")
-    prompt = inputs["input_ids"][0].tolist()
-    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        tokens = hf.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)[0, len(prompt) :].tolist()
-        whole = {**inputs, "input_ids": torch.tensor([prompt + tokens])}
-        whole["attention_mask"] = torch.ones_like(whole["input_ids"])
-        whole["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, len(tokens)))
-        expected = hf(**whole).logits[0, :-1].log_softmax(-1)
-    targets = prompt[1:] + tokens
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
-    for options in ({}, {"max_num_batched_tokens": 5, "enable_prefix_caching": False}):
-        llm = LLM(model=str(model_dir), num_gpu_blocks_override=64, block_size=8, max_model_len=128, **options)
-        try:
-            [out] = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], params, use_tqdm=False)
-        finally:
-            llm.shutdown()
-        assert out.prompt_token_ids == prompt and list(out.outputs[0].token_ids) == tokens
-        got = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
-        got += [e[t].logprob for e, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
-        want = expected[torch.arange(len(targets)), torch.tensor(targets)]
-        torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=0)
+    chunked = {"max_num_batched_tokens": 5, "enable_prefix_caching": False}
+    check_logprobs_equal_transformers(
+        model_dir, hf, PROMPTS[1], inputs, ({}, chunked), block_size=8, token_types="mm_token_type_ids"
+    )
 
 
 def test_prefix_cache_and_preemption(model_dir, expected):
-    llm = LLM(model=str(model_dir), num_gpu_blocks_override=64, block_size=4, max_model_len=128)
-    try:
-        first = llm.generate(
-            [{"prompt": PROMPTS[0][0], "multi_modal_data": {"image": PROMPTS[0][1]}}], GREEDY, use_tqdm=False
-        )
-        again = llm.generate(
-            [{"prompt": PROMPTS[0][0], "multi_modal_data": {"image": PROMPTS[0][1]}}], GREEDY, use_tqdm=False
-        )
-        other = llm.generate(
-            [{"prompt": PROMPTS[3][0], "multi_modal_data": {"image": PROMPTS[3][1]}}], GREEDY, use_tqdm=False
-        )
-        assert again[0].num_cached_tokens > 0 and other[0].num_cached_tokens == 0
-        assert list(first[0].outputs[0].token_ids) == list(again[0].outputs[0].token_ids) == expected[0]
-        assert list(other[0].outputs[0].token_ids) == expected[3]
-    finally:
-        llm.shutdown()
-    llm = LLM(
-        model=str(model_dir),
-        num_gpu_blocks_override=12,
-        block_size=4,
-        max_model_len=48,
-        preemption_mode="recompute",
-        enable_prefix_caching=False,
-    )
-    try:
-        assert generate(llm) == expected
-        assert llm.stats()["num_preemptions"] > 0
-    finally:
-        llm.shutdown()
+    first, other = check_prefix_cache_keys_images(model_dir, GREEDY, PROMPTS[0], PROMPTS[3])
+    assert first == expected[0]
+    assert other == expected[3]
+    check_preempted(model_dir, PROMPTS, GREEDY, expected, num_gpu_blocks_override=12, max_model_len=48)
 
 
-def test_chat_with_image_parts(model_dir, expected):
+def test_chat_with_image_parts(model_dir, hf):
     """A chat message's images go before its text, each between the vision start and end tokens, as vLLM renders
     Qwen-VL's content for a chat template of strings."""
-    llm = LLM(model=str(model_dir), num_gpu_blocks_override=64, block_size=8, max_model_len=128)
-    images = PROMPTS[1][1]
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "Compare these"},
-                *({"type": "image_pil", "image_pil": im} for im in images),
-            ],
-        }
-    ]
-    try:
-        out = llm.chat(messages, GREEDY, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{IMAGE}\n{IMAGE}\nCompare these"}], tokenize=False, add_generation_prompt=True
-    )
-    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    inputs = hf_processor(model_dir)(text=text, images=images, return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        tokens = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
-    assert out[0].prompt_token_ids == inputs["input_ids"][0].tolist()
-    assert list(out[0].outputs[0].token_ids) == tokens[0, inputs["input_ids"].shape[1] :].tolist()
+    processor = hf_processor(model_dir)
+
+    def process(text, images):
+        return processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+
+    check_chat_with_image_parts(model_dir, hf, PROMPTS[1][1], IMAGE, process, GREEDY, block_size=8)
 
 
 @pytest.mark.parametrize(
@@ -217,10 +156,33 @@ def test_chat_with_image_parts(model_dir, expected):
     ],
 )
 def test_bad_image_prompts_are_refused(model_dir, prompt, message):
-    llm = LLM(model=str(model_dir), num_gpu_blocks_override=64, block_size=8, max_model_len=128)
-    try:
+    with serving(model_dir, num_gpu_blocks_override=64, block_size=8, max_model_len=128) as llm:
         with pytest.raises(ValueError) as info:
             llm.generate(prompt, GREEDY, use_tqdm=False)
         assert str(info.value).endswith(message)
-    finally:
-        llm.shutdown()
+
+
+def test_published_stacked_experts_load_as_transformers_5_saves_them(tmp_path, smollm2_dir):
+    """Qwen3-VL-MoE's published checkpoints stack each layer's experts as ``[E, in, out]``; transformers 5 saves
+    ``[E, out, in]``: both load the same weights (the same logprobs, bit for bit)."""
+    from safetensors.torch import load_file, save_file
+
+    saved = make_tiny_qwen_vl(tmp_path / "saved", smollm2_dir, "qwen3-vl-moe")
+    published = tmp_path / "published"
+    shutil.copytree(saved, published)
+    tensors = load_file(saved / "model.safetensors")
+    stacked = [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(stacked) == 4  # two layers, each its gate_up and down
+    save_file(
+        {n: t.transpose(1, 2).contiguous() if n in stacked else t for n, t in tensors.items()},
+        published / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    text, images = PROMPTS[1]
+    outputs = []
+    for path in (saved, published):
+        with serving(path, num_gpu_blocks_override=64, block_size=8, max_model_len=128) as llm:
+            [out] = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], params, use_tqdm=False)
+        outputs.append((list(out.outputs[0].token_ids), [sorted(e.items()) for e in out.prompt_logprobs[1:]]))
+    assert outputs[0] == outputs[1]
