@@ -167,6 +167,9 @@ def cli_flag(f: Field) -> CliFlag | None:
     return f.metadata.get(CLI)
 
 
+PIXEL_BOUNDS = ("min_pixels", "max_pixels")  # --mm-processor-kwargs' keys: Qwen-VL's image processor's
+
+
 def json_flag_value(flag_name: str, value: str) -> Any:
     """A flag's JSON text, parsed; ``ValueError`` naming the flag."""
     try:
@@ -395,6 +398,13 @@ class EngineConfig:
         None,
         'images a prompt may carry, as vLLM\'s JSON: \'{"image": 2}\' (or {"image": {"count": 2}}); 0 serves an '
         "image-text model's text only; other modalities are taken at 0 only (default: any number of images)",
+        metavar="JSON",
+        parse=json_flag_value,
+    )
+    mm_processor_kwargs: dict[str, Any] | None = _flag(
+        None,
+        "the image processor's options, as vLLM's JSON: Qwen-VL's '{\"min_pixels\": N, \"max_pixels\": M}' (the "
+        "pixels an image is resized to stay between; default: the checkpoint's)",
         metavar="JSON",
         parse=json_flag_value,
     )
@@ -641,6 +651,7 @@ class EngineConfig:
         _ = self.cuda_graph_sizes  # the graph-size flags are checked now
         self.images_per_prompt = self._resolve_image_limit()
         self._check_whole_images()
+        self._check_processor_kwargs()
         if isinstance(self.served_model_name, (list, tuple)):
             names = [str(n) for n in self.served_model_name]
             if not names or not all(names) or len(set(names)) != len(names):
@@ -675,6 +686,32 @@ class EngineConfig:
                 f"--limit-mm-per-prompt image: {counts['image']} is not supported: the model reads text only"
             )
         return counts.get("image")
+
+    def _check_processor_kwargs(self) -> None:
+        """``--mm-processor-kwargs``: Qwen-VL's pixel bounds, positive whole numbers, the least not above the most;
+        anything else refused by name."""
+        from raypaged.model.architecture import reads_image_grids
+
+        given = self.mm_processor_kwargs
+        if not given:
+            return
+        if not isinstance(given, dict):
+            raise ValueError(f"--mm-processor-kwargs takes a JSON object, got {given!r}")
+        image_config = self.image_hf_config
+        if image_config is None:
+            raise ValueError("--mm-processor-kwargs applies to image-text models: the model reads text only")
+        for key, value in given.items():
+            if key not in PIXEL_BOUNDS or not reads_image_grids(image_config):
+                raise ValueError(
+                    f"--mm-processor-kwargs {key!r} is not supported for {image_config.architectures[0]} (supported: "
+                    f"{', '.join(PIXEL_BOUNDS)}, for Qwen2-VL, Qwen2.5-VL and Qwen3-VL)"
+                )
+            if type(value) is not int or value < 1:
+                raise ValueError(f"--mm-processor-kwargs {key}: a whole number of pixels of 1 or more, got {value!r}")
+        if given.get("min_pixels", 0) > given.get("max_pixels", given.get("min_pixels", 0)):
+            raise ValueError(
+                f"--mm-processor-kwargs min_pixels {given['min_pixels']} is above max_pixels {given['max_pixels']}"
+            )
 
     def _check_whole_images(self) -> None:
         """Gemma 3 computes each image's tokens in one step: the step's token budget must hold one image."""

@@ -261,8 +261,16 @@ class InputProcessor:
         """Qwen2-VL's ``image_prompt``: the image processor cuts each image into its grid of patches, and each
         placeholder becomes one image token per ``merge_size`` x ``merge_size`` patches of its image."""
         processor = self._image_processor()
+        bounds = self.config.mm_processor_kwargs or {}
+        options = {}  # --mm-processor-kwargs: the pixel bounds given, the checkpoint's for the others
+        if bounds:
+            least = bounds.get("min_pixels", processor.size.shortest_edge)
+            options["size"] = {
+                "shortest_edge": least,
+                "longest_edge": bounds.get("max_pixels", processor.size.longest_edge),
+            }
         try:
-            encoded = processor(images=images, return_tensors="pt")
+            encoded = processor(images=images, return_tensors="pt", **options)
         except (ValueError, TypeError, OSError) as exc:
             raise InputError("multi_modal_data", f"the images cannot be processed: {exc}") from None
         grids = tuple((int(t), int(h), int(w)) for t, h, w in encoded["image_grid_thw"].tolist())

@@ -20,8 +20,8 @@ _NO_ROUTED = "the experts' routing stays inside the engine (no routed experts ar
 _TORCH_EXPERTS = "the experts run in torch, routed as transformers routes them"
 _NO_EXPERT_LORA = "LoRA adapters adapt a mixture-of-experts model's attention, never its experts"
 _TEXT_ONLY = (
-    "image inputs take no options here: the model's own processor reads them and its vision tower encodes them in "
-    "the step (LLaVA)"
+    "image inputs take no other options here: the model's own image processor reads them (with "
+    "--mm-processor-kwargs' pixel bounds for Qwen-VL) and its vision tower encodes them in the step"
 )
 _NO_DP = (
     "`raypaged serve` runs its data-parallel ranks as engine processes on its own node (--data-parallel-size); "
@@ -253,7 +253,6 @@ DEFAULT_ONLY: list[Option] = [
     # multimodal
     ("enable_mm_embeds", (), bool, (None, False), _TEXT_ONLY),
     ("media_io_kwargs", (), str, (None, "{}"), _TEXT_ONLY),
-    ("mm_processor_kwargs", (), str, (None,), _TEXT_ONLY),
     ("mm_processor_cache_gb", (), float, (None,), _TEXT_ONLY),
     ("mm_processor_cache_type", (), str, (None,), _TEXT_ONLY),
     ("mm_hasher_algorithm", (), str, (None,), _TEXT_ONLY),

@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 from transformers import (
+    AutoConfig,
     AutoImageProcessor,
     AutoModelForImageTextToText,
     AutoTokenizer,
@@ -186,3 +187,47 @@ def test_published_stacked_experts_load_as_transformers_5_saves_them(tmp_path, s
             [out] = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], params, use_tqdm=False)
         outputs.append((list(out.outputs[0].token_ids), [sorted(e.items()) for e in out.prompt_logprobs[1:]]))
     assert outputs[0] == outputs[1]
+
+
+def test_mm_processor_kwargs_bound_an_images_pixels(model_dir, hf):
+    """``--mm-processor-kwargs`` min_pixels/max_pixels (vLLM's, for Qwen-VL) resize the image as transformers'
+    processor does with the same bounds: fewer image tokens, and transformers' tokens after them."""
+    unit = 32 if model_dir.name.startswith("qwen3") else 28  # a merged patch's side
+    bounds = {"min_pixels": 4 * unit**2, "max_pixels": 6 * unit**2}
+    text, images = PROMPTS[1]
+    with serving(model_dir, num_gpu_blocks_override=64, block_size=8, max_model_len=128) as llm:
+        [default] = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], GREEDY, use_tqdm=False)
+    with serving(
+        model_dir, num_gpu_blocks_override=64, block_size=8, max_model_len=128, mm_processor_kwargs=bounds
+    ) as llm:
+        [out] = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], GREEDY, use_tqdm=False)
+    processor = hf_processor(model_dir)
+    processor.image_processor.size = {"shortest_edge": bounds["min_pixels"], "longest_edge": bounds["max_pixels"]}
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert len(out.prompt_token_ids) < len(default.prompt_token_ids)
+    assert list(out.outputs[0].token_ids) == transformers_greedy(hf, inputs, MAX_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"do_resize": False},
+            "--mm-processor-kwargs 'do_resize' is not supported for {arch} (supported: min_pixels, max_pixels, for "
+            "Qwen2-VL, Qwen2.5-VL and Qwen3-VL)",
+        ),
+        ({"max_pixels": 0}, "--mm-processor-kwargs max_pixels: a whole number of pixels of 1 or more, got 0"),
+        (
+            {"min_pixels": 5000, "max_pixels": 4000},
+            "--mm-processor-kwargs min_pixels 5000 is above max_pixels 4000",
+        ),
+    ],
+)
+def test_bad_mm_processor_kwargs_are_refused(model_dir, kwargs, message):
+    from raypaged.config import EngineConfig
+
+    with pytest.raises(ValueError) as refused:
+        EngineConfig(model=str(model_dir), mm_processor_kwargs=kwargs)
+    arch = AutoConfig.from_pretrained(model_dir).architectures[0]
+    assert str(refused.value) == message.format(arch=arch)
