@@ -35,6 +35,9 @@ class ImageInputs:
     # Mistral 3 (Pixtral): per image, its (height, width) in pixels inside pixel_values' padded [3, H, W] (its
     # placeholders are its rows of tokens); None: another model
     image_sizes: tuple[tuple[int, int], ...] | None = None
+    # Idefics3 (SmolVLM): each tile's pixel mask [tiles, H, W] (pixel_values being the tiles; each tile one
+    # placeholder); None: another model
+    tile_masks: Any = None
     # Gemma 3: an image's tokens attend to each other both ways, so a step computes an image's tokens together (a
     # chunk never ends inside one)
     bidirectional: bool = False

@@ -373,6 +373,42 @@ def make_tiny_qwen_vl(root: Path, smollm2_dir: Path, family: str = "qwen2-vl") -
     return _save_tiny_image_model(config, path, smollm2_dir, 0.2, tokenizer, image_processor)
 
 
+IDEFICS3_TOKENS = (
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+    "<global-img>",
+    *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)),
+)
+
+
+def make_tiny_idefics3(root: Path, smollm2_dir: Path) -> Path:
+    """A random Idefics3 (``Idefics3ForConditionalGeneration``, SmolVLM's architecture) of tiny shapes in
+    ``root / "idefics3"``: a 2-layer SigLIP tower of 56-pixel tiles in 14-pixel patches, pixel-shuffled 2 x 2 (4
+    tokens a tile), TINY_SHAPE's Llama, SmolLM2's tokenizer and chat template with Idefics3's image tokens added,
+    weights drawn from N(0, 0.2) as ``save_random``'s, and SmolVLM's processor settings at these sizes: an image's
+    longest edge resized to 112 and cut into 56-pixel tiles (up to 2 x 2), the whole image after them."""
+    from transformers import Idefics3Config, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    path = root / "idefics3"
+    tokenizer = _tiny_image_tokenizer(smollm2_dir, path, IDEFICS3_TOKENS)
+    text = {**TINY_SHAPE, "vocab_size": len(tokenizer), "tie_word_embeddings": False, "eos_token_id": 2}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56)
+    config = Idefics3Config(
+        vision_config=dict(vision, patch_size=14),
+        text_config=dict(text, model_type="llama"),
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=False,
+    )
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )
+    processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=4)
+    return _save_tiny_image_model(config, path, smollm2_dir, 0.2, processor)
+
+
 def make_tiny_embedding_model(root: Path, smollm2_dir: Path, arch: str = "qwen3", **overrides) -> Path:
     """``make_tiny_model``'s weights saved as the base model (``Qwen3Model``: no head, tensor names without
     ``model.``), as embedding checkpoints are, in ``root / "<arch>-embedding"``."""

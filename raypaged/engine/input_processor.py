@@ -40,6 +40,7 @@ from raypaged.model.architecture import (
     min_image_tokens,
     reads_image_grids,
     splits_image_rows,
+    tiles_images,
 )
 from raypaged.multimodal import ImageInputs, has_chat_images, image_cache_salt, split_chat_images
 from raypaged.pooling_params import PoolingParams
@@ -237,6 +238,8 @@ class InputProcessor:
             raise InputError("multi_modal_data", f"the images cannot be processed: {exc}") from None
         ids = encoded["input_ids"][0].tolist()
         pixels = encoded["pixel_values"].to(torch.float32)
+        if tiles_images(image_config):
+            return ids, self._tiled_images(ids, pixels[0], encoded["pixel_attention_mask"][0])
         sizes = [(image.height, image.width) for image in images]  # as the processor counts each image's tokens
         counts = processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
         placeholders = self._placeholders(ids, counts)
@@ -314,15 +317,7 @@ class InputProcessor:
         text = first + "".join(tokens + piece for tokens, piece in zip(expanded, rest))
         ids = self.tokenizer(text, add_special_tokens=not rendered)["input_ids"]
         pixels = encoded["pixel_values"].to(torch.float32)
-        token_id = self._image_token_id()
-        runs: list[list[int]] = []  # [first position, length] of each run of image tokens
-        for position, token in enumerate(ids):
-            if token != token_id:
-                continue
-            if runs and runs[-1][0] + runs[-1][1] == position:
-                runs[-1][1] += 1
-            else:
-                runs.append([position, 1])
+        runs = self._image_runs(ids)
         expected = [w // unit for h, w in sizes for _ in range(h // unit)]
         if [length for _, length in runs] != expected:
             raise InputError(
@@ -333,8 +328,37 @@ class InputProcessor:
             hashlib.sha256(pixels[k, :, :h, :w].contiguous().numpy().tobytes()).hexdigest()
             for k, (h, w) in enumerate(sizes)
         )
-        placeholders = tuple((start, length) for start, length in runs)
-        return ids, ImageInputs(pixels.contiguous(), placeholders, hashes, image_sizes=tuple(sizes))
+        return ids, ImageInputs(pixels.contiguous(), runs, hashes, image_sizes=tuple(sizes))
+
+    def _tiled_images(self, ids: list[int], pixels: torch.Tensor, masks: torch.Tensor) -> ImageInputs:
+        """Idefics3's (SmolVLM's) images: each is its tiles (its grid's, row by row, then the whole image), the
+        prompt's tiles padded with all-zero ones to the batch's most, each tile a run of ``image_seq_len`` image
+        tokens: the real tiles and their pixel masks, each run a placeholder of its own."""
+        real = pixels.flatten(1).any(dim=1)  # transformers drops the all-zero padding tiles
+        pixels, masks = pixels[real].contiguous(), masks[real].bool().contiguous()
+        runs = self._image_runs(ids)
+        per_tile = min_image_tokens(self._image_config())
+        if len(runs) != len(pixels) or any(length != per_tile for _, length in runs):
+            raise InputError(
+                "multi_modal_data",
+                f"the processed prompt's runs of image tokens are {[n for _, n in runs]}, for {len(pixels)} tiles of "
+                f"{per_tile} tokens",
+            )
+        hashes = tuple(hashlib.sha256(tile.numpy().tobytes()).hexdigest() for tile in pixels)
+        return ImageInputs(pixels, runs, hashes, tile_masks=masks)
+
+    def _image_runs(self, ids: list[int]) -> tuple[tuple[int, int], ...]:
+        """(first position, length) of each run of image tokens in a processed prompt, in order."""
+        token_id = self._image_token_id()
+        runs: list[list[int]] = []
+        for position, token in enumerate(ids):
+            if token != token_id:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == position:
+                runs[-1][1] += 1
+            else:
+                runs.append([position, 1])
+        return tuple((first, length) for first, length in runs)
 
     def _placeholders(self, ids: list[int], counts: list[int]) -> tuple[tuple[int, int], ...]:
         """Each image's (first position, number of tokens) in a processed prompt whose images have ``counts``

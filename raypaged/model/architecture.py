@@ -173,6 +173,7 @@ MULTIMODAL_WRAPPERS = {
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+    "Idefics3ForConditionalGeneration": "LlamaForCausalLM",  # SmolVLM's
 }
 # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's: an image of any size is cut into a grid of patches, its tokens placed by
 # M-RoPE
@@ -187,6 +188,7 @@ IMAGE_WRAPPERS = (
     "LlavaNextForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
     *GRID_IMAGE_WRAPPERS,
 )
 # LLaVA's language models: Llama (Vicuna) or Mistral (BakLLaVA, llava-v1.6-mistral)
@@ -246,14 +248,23 @@ def splits_image_rows(image_config: PretrainedConfig) -> bool:
     return "Mistral3ForConditionalGeneration" in (getattr(image_config, "architectures", None) or [])
 
 
+def tiles_images(image_config: PretrainedConfig) -> bool:
+    """Whether an image-text model cuts each image into tiles of its tower's size plus the whole image, each tile a
+    run of image tokens (Idefics3's, SmolVLM's)."""
+    return "Idefics3ForConditionalGeneration" in (getattr(image_config, "architectures", None) or [])
+
+
 def min_image_tokens(image_config: PretrainedConfig) -> int:
     """The fewest tokens an image takes in a prompt of the image-text model: Qwen-VL's and Mistral 3's, by its size
     (one at least); Gemma 3's, ``mm_tokens_per_image``; LLaVA's, one per patch of its tower's image (LLaVA-NeXT's
-    more)."""
+    more); Idefics3's, one tile's (``image_seq_len``, the whole image when it is not split)."""
     if reads_image_grids(image_config) or splits_image_rows(image_config):
         return 1
     if attends_images_both_ways(image_config):
         return int(image_config.mm_tokens_per_image)
+    if tiles_images(image_config):
+        vision = image_config.vision_config
+        return int((vision.image_size // vision.patch_size) ** 2 // image_config.scale_factor**2)
     vision = image_config.vision_config
     return int((vision.image_size // vision.patch_size) ** 2)
 

@@ -67,6 +67,7 @@ _LANGUAGE_MODEL_NAMES = (
     ("language_model.model.", "model."),
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
+    ("model.text_model.", "model."),  # Idefics3's
 )
 _VISION_NAMES = (
     "vision_model.",  # Llama 4's
@@ -78,6 +79,8 @@ _VISION_NAMES = (
     "model.visual.",
     "image_newline",  # LLaVA-NeXT's row separator embedding
     "model.image_newline",
+    "model.vision_model.",  # Idefics3's tower and connector
+    "model.connector.",
 )
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
-from raypaged.model.architecture import attends_images_both_ways, reads_image_grids, splits_image_rows
+from raypaged.model.architecture import attends_images_both_ways, reads_image_grids, splits_image_rows, tiles_images
 from raypaged.model.encoder import Encoder, build_encoder, is_encoder
 from raypaged.model.layers import pack_linears, packs_weights
 from raypaged.model.llama import LlamaForCausalLM
@@ -23,6 +23,7 @@ from raypaged.quantization.linear import cast_model, finish_loading
 
 if TYPE_CHECKING:
     from raypaged.model.gemma3_vision import Gemma3ImageEncoder
+    from raypaged.model.idefics3_vision import Idefics3ImageEncoder
     from raypaged.model.llava_next_vision import LlavaNextImageEncoder
     from raypaged.model.pixtral_vision import Mistral3ImageEncoder
     from raypaged.model.qwen2_vl_vision import Qwen2VLImageEncoder
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
         LlavaImageEncoder
         | LlavaNextImageEncoder
         | Gemma3ImageEncoder
+        | Idefics3ImageEncoder
         | Mistral3ImageEncoder
         | Qwen2VLImageEncoder
         | Qwen3VLImageEncoder
@@ -66,7 +68,11 @@ def load_image_encoder(
     encoder: ImageEncoder
     select = is_vision_tensor
     with torch.device(device), default_dtype(dtype):
-        if splits_image_rows(image_config):
+        if tiles_images(image_config):
+            from raypaged.model.idefics3_vision import Idefics3ImageEncoder, is_idefics3_vision_tensor
+
+            encoder, select = Idefics3ImageEncoder(image_config), is_idefics3_vision_tensor
+        elif splits_image_rows(image_config):
             from raypaged.model.pixtral_vision import Mistral3ImageEncoder, is_pixtral_vision_tensor
 
             encoder, select = Mistral3ImageEncoder(image_config), is_pixtral_vision_tensor

@@ -640,6 +640,8 @@ def _ints(values: list[int]) -> np.ndarray:
 def _encoded(encoder: Any, images: ImageInputs, device: torch.device) -> torch.Tensor:
     """A prompt's images through the vision tower and projector: one row per image token, in prompt order."""
     pixels = images.pixel_values.to(device)
+    if images.tile_masks is not None:  # Idefics3: its tiles, each a placeholder's tokens
+        return encoder(pixels, images.tile_masks.to(device)).flatten(0, 1)
     if images.image_sizes is not None:  # Mistral 3: each image's size inside the padded pixels
         return encoder(pixels, torch.tensor(images.image_sizes, dtype=torch.int64))
     if images.grids is not None:  # Qwen2-VL: each image's grid of patches
