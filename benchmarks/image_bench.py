@@ -3,14 +3,18 @@
 ``--family llava`` (default): LLaVA-1.5's vision side at its real shape (CLIP ViT-L/14 at 336 pixels: 24 layers of
 1024, 576 tokens an image, the two-layer projector). ``--family qwen2.5-vl``: Qwen2.5-VL-3B/7B's vision tower at its
 real shape (32 blocks of 1280, window attention of 112 pixels but in blocks 7, 15, 23 and 31, the 2 x 2 merger), 336
-pixel images (576 patches, 144 tokens). Either on SmolLM2-135M's language model, with random weights (written once to
-a temporary folder; nothing is downloaded) and SmolLM2's tokenizer with the image tokens added. Every system answers
+pixel images (576 patches, 144 tokens). ``--family smolvlm``: SmolVLM-256M's (Idefics3: SigLIP-B/16 at 512 pixels, 12
+layers of 768, pixel-shuffled 4 x 4 to 64 tokens a tile; an image resized to 512 pixels is one tile and the whole
+image, 128 tokens), whose language model is SmolLM2-135M. Each on SmolLM2-135M's language model, with random
+weights (written once to a temporary folder; nothing is downloaded) and SmolLM2's tokenizer with the image tokens
+added. Every system answers
 the same prompts, one noise image each, with exactly ``--max-tokens`` greedy tokens, fp32, the same threads; one
 timed run after a warm-up on other images. Peer: transformers' ``generate`` in left-padded batches of ``--batch``.
 Tokens are compared with raypaged's.
 
     python benchmarks/image_bench.py --quick
     python benchmarks/image_bench.py --quick --family qwen2.5-vl
+    python benchmarks/image_bench.py --quick --family smolvlm
     python benchmarks/image_bench.py --num-prompts 32
 """
 
@@ -32,7 +36,15 @@ from raypaged.model.default_model import default_model_dir
 PROMPTS = {
     "llava": "USER: <image>\nDescribe the picture in detail. ASSISTANT:",
     "qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>Describe the picture in detail.",
+    "smolvlm": "User:<image>Describe the picture in detail.<end_of_utterance>\nAssistant:",
 }
+IDEFICS3_TOKENS = (
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+    "<global-img>",
+    *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)),
+)
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -98,6 +110,30 @@ def qwen_vl_shaped(path: Path, seed: int) -> Path:
     tokenizer.save_pretrained(path / "qwen2.5-vl")
     Qwen2VLImageProcessorPil(min_pixels=336 * 336, max_pixels=336 * 336).save_pretrained(path / "qwen2.5-vl")
     return path / "qwen2.5-vl"
+
+
+def smolvlm_shaped(path: Path, seed: int) -> Path:
+    """A random SmolVLM-256M-shaped checkpoint (Idefics3: SigLIP-B/16-512, the 4 x 4 pixel-shuffle connector, on
+    SmolLM2-135M), its processor resizing an image to 512 pixels: one tile and the whole image."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer, text = smollm2_tokenizer(path, list(IDEFICS3_TOKENS))
+    vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, image_size=512)
+    config = Idefics3Config(
+        vision_config=dict(vision, patch_size=16),
+        text_config=text.to_dict(),
+        scale_factor=4,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=True,
+    )
+    model = randomized(Idefics3ForConditionalGeneration(config).to(torch.float32), seed)
+    model.save_pretrained(path / "smolvlm")
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 512}, max_image_size={"longest_edge": 512}, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )
+    Idefics3Processor(image_processor, tokenizer, image_seq_len=64).save_pretrained(path / "smolvlm")
+    return path / "smolvlm"
 
 
 def llava_shaped(path: Path, seed: int) -> Path:
@@ -210,11 +246,15 @@ def main() -> None:
     args = parser.parse_args()
     count = 16 if args.quick else args.num_prompts
     family = args.family
-    make = qwen_vl_shaped if family == "qwen2.5-vl" else llava_shaped
+    make = {"llava": llava_shaped, "qwen2.5-vl": qwen_vl_shaped, "smolvlm": smolvlm_shaped}[family]
     model_dir = make(Path(tempfile.mkdtemp(prefix=f"{family}-shaped-")), args.seed)
     timed, warm_up = images(count, args.seed), images(4, args.seed + 1)
     results, reference = [], None
-    peer = "Qwen2_5_VLForConditionalGeneration" if family == "qwen2.5-vl" else "LlavaForConditionalGeneration"
+    peer = {
+        "llava": "LlavaForConditionalGeneration",
+        "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
+        "smolvlm": "Idefics3ForConditionalGeneration",
+    }[family]
     systems = {
         "raypaged LLM.generate": lambda: bench_raypaged(model_dir, family, timed, warm_up, args.max_tokens),
         f"transformers {peer}.generate, batches of {args.batch}": lambda: bench_hf(
@@ -235,11 +275,11 @@ def main() -> None:
             }
         )
     base = results[0]["seconds"]
-    shape = (
-        "Qwen2.5-VL's vision tower (144 image tokens) + SmolLM2-135M"
-        if family == "qwen2.5-vl"
-        else "CLIP ViT-L/14-336 (576 image tokens) + SmolLM2-135M"
-    )
+    shape = {
+        "llava": "CLIP ViT-L/14-336 (576 image tokens) + SmolLM2-135M",
+        "qwen2.5-vl": "Qwen2.5-VL's vision tower (144 image tokens) + SmolLM2-135M",
+        "smolvlm": "SmolVLM-256M (SigLIP-B/16-512, 2 tiles of 64 image tokens) on SmolLM2-135M",
+    }[family]
     print(
         f"{count} prompts with one 336-pixel image each, {args.max_tokens} greedy tokens each, {shape} shapes, "
         f"random weights, fp32, {torch.get_num_threads()} threads"

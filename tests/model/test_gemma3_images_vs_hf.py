@@ -104,5 +104,11 @@ def test_a_token_budget_below_one_image_is_refused(model_dir):
         "--max-num-batched-tokens 3 is below the 4 tokens of one image: Gemma3ForConditionalGeneration computes an "
         "image's tokens in one step (raise it, or serve text only with --limit-mm-per-prompt '{\"image\": 0}')"
     )
-    llm = LLM(model=str(model_dir), max_num_batched_tokens=3, max_model_len=128, limit_mm_per_prompt={"image": 0})
+    llm = LLM(
+        model=str(model_dir),
+        max_num_batched_tokens=3,
+        max_model_len=128,
+        limit_mm_per_prompt={"image": 0},
+        num_gpu_blocks_override=32,
+    )
     llm.shutdown()
