@@ -167,7 +167,16 @@ def cli_flag(f: Field) -> CliFlag | None:
     return f.metadata.get(CLI)
 
 
-PIXEL_BOUNDS = ("min_pixels", "max_pixels")  # --mm-processor-kwargs' keys: Qwen-VL's image processor's
+# --mm-processor-kwargs' keys and their types, by family: Qwen-VL's pixel bounds, Gemma 3's pan-and-scan crops
+PROCESSOR_KWARGS: dict[str, dict[str, type]] = {
+    "Qwen2-VL, Qwen2.5-VL and Qwen3-VL": {"min_pixels": int, "max_pixels": int},
+    "Gemma 3": {
+        "do_pan_and_scan": bool,
+        "pan_and_scan_min_crop_size": int,
+        "pan_and_scan_max_num_crops": int,
+        "pan_and_scan_min_ratio_to_activate": float,
+    },
+}
 
 
 def json_flag_value(flag_name: str, value: str) -> Any:
@@ -404,7 +413,8 @@ class EngineConfig:
     mm_processor_kwargs: dict[str, Any] | None = _flag(
         None,
         "the image processor's options, as vLLM's JSON: Qwen-VL's '{\"min_pixels\": N, \"max_pixels\": M}' (the "
-        "pixels an image is resized to stay between; default: the checkpoint's)",
+        "pixels an image is resized to stay between), Gemma 3's '{\"do_pan_and_scan\": true}' (and its "
+        "pan_and_scan_* options: crops of a wide or tall image beside it); default: the checkpoint's",
         metavar="JSON",
         parse=json_flag_value,
     )
@@ -688,9 +698,9 @@ class EngineConfig:
         return counts.get("image")
 
     def _check_processor_kwargs(self) -> None:
-        """``--mm-processor-kwargs``: Qwen-VL's pixel bounds, positive whole numbers, the least not above the most;
-        anything else refused by name."""
-        from raypaged.model.architecture import reads_image_grids
+        """``--mm-processor-kwargs``: the keys of the model's family (``PROCESSOR_KWARGS``), each of its type (whole
+        numbers of 1 or more, Qwen-VL's least pixels not above its most); anything else refused by name."""
+        from raypaged.model.architecture import processor_kwargs_family
 
         given = self.mm_processor_kwargs
         if not given:
@@ -700,14 +710,22 @@ class EngineConfig:
         image_config = self.image_hf_config
         if image_config is None:
             raise ValueError("--mm-processor-kwargs applies to image-text models: the model reads text only")
+        family = processor_kwargs_family(image_config)
+        allowed = PROCESSOR_KWARGS.get(family or "", {})
         for key, value in given.items():
-            if key not in PIXEL_BOUNDS or not reads_image_grids(image_config):
+            if key not in allowed:
+                supported = "; ".join(f"{', '.join(keys)} for {name}" for name, keys in PROCESSOR_KWARGS.items())
                 raise ValueError(
-                    f"--mm-processor-kwargs {key!r} is not supported for {image_config.architectures[0]} (supported: "
-                    f"{', '.join(PIXEL_BOUNDS)}, for Qwen2-VL, Qwen2.5-VL and Qwen3-VL)"
+                    f"--mm-processor-kwargs {key!r} is not supported for {image_config.architectures[0]} "
+                    f"(supported: {supported})"
                 )
-            if type(value) is not int or value < 1:
-                raise ValueError(f"--mm-processor-kwargs {key}: a whole number of pixels of 1 or more, got {value!r}")
+            kind = allowed[key]
+            if kind is bool and type(value) is not bool:
+                raise ValueError(f"--mm-processor-kwargs {key}: true or false, got {value!r}")
+            if kind is int and (type(value) is not int or value < 1):
+                raise ValueError(f"--mm-processor-kwargs {key}: a whole number of 1 or more, got {value!r}")
+            if kind is float and (type(value) not in (int, float) or value <= 0):
+                raise ValueError(f"--mm-processor-kwargs {key}: a number above 0, got {value!r}")
         if given.get("min_pixels", 0) > given.get("max_pixels", given.get("min_pixels", 0)):
             raise ValueError(
                 f"--mm-processor-kwargs min_pixels {given['min_pixels']} is above max_pixels {given['max_pixels']}"

@@ -232,14 +232,19 @@ class InputProcessor:
             return self._grid_image_prompt(prompt, images, rendered, image_token)
         if splits_image_rows(image_config):
             return self._row_image_prompt(prompt, images, rendered, image_token)
+        options = self.config.mm_processor_kwargs or {}  # Gemma 3's pan-and-scan (checked by EngineConfig)
         try:
-            encoded = processor(text=prompt, images=images, return_tensors="pt", add_special_tokens=not rendered)
+            encoded = processor(
+                text=prompt, images=images, return_tensors="pt", add_special_tokens=not rendered, **options
+            )
         except (ValueError, TypeError, OSError) as exc:
             raise InputError("multi_modal_data", f"the images cannot be processed: {exc}") from None
         ids = encoded["input_ids"][0].tolist()
         pixels = encoded["pixel_values"].to(torch.float32)
         if tiles_images(image_config):
             return ids, self._tiled_images(ids, pixels[0], encoded["pixel_attention_mask"][0])
+        if attends_images_both_ways(image_config):
+            return ids, self._gemma_images(ids, pixels)
         sizes = [(image.height, image.width) for image in images]  # as the processor counts each image's tokens
         counts = processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
         placeholders = self._placeholders(ids, counts)
@@ -255,8 +260,22 @@ class InputProcessor:
         else:
             per_image = list(pixels)
         hashes = tuple(hashlib.sha256(p.contiguous().numpy().tobytes()).hexdigest() for p in per_image)
-        bidirectional = attends_images_both_ways(image_config)
-        return ids, ImageInputs(pixels.contiguous(), placeholders, hashes, patches, bidirectional=bidirectional)
+        return ids, ImageInputs(pixels.contiguous(), placeholders, hashes, patches)
+
+    def _gemma_images(self, ids: list[int], pixels: torch.Tensor) -> ImageInputs:
+        """Gemma 3's images: each a run of ``mm_tokens_per_image`` tokens attending to each other both ways, and,
+        with pan-and-scan (``--mm-processor-kwargs``), its crops after it, each a run (and a pixel row) of its
+        own."""
+        runs = self._image_runs(ids)
+        per_image = min_image_tokens(self._image_config())
+        if len(runs) != len(pixels) or any(length != per_image for _, length in runs):
+            raise InputError(
+                "multi_modal_data",
+                f"the processed prompt's runs of image tokens are {[n for _, n in runs]}, for {len(pixels)} images "
+                f"and crops of {per_image} tokens",
+            )
+        hashes = tuple(hashlib.sha256(row.contiguous().numpy().tobytes()).hexdigest() for row in pixels)
+        return ImageInputs(pixels.contiguous(), runs, hashes, bidirectional=True)
 
     def _grid_image_prompt(
         self, prompt: str, images: list[Any], rendered: bool, image_token: str

@@ -254,6 +254,15 @@ def tiles_images(image_config: PretrainedConfig) -> bool:
     return "Idefics3ForConditionalGeneration" in (getattr(image_config, "architectures", None) or [])
 
 
+def processor_kwargs_family(image_config: PretrainedConfig) -> str | None:
+    """The family whose ``--mm-processor-kwargs`` an image-text model takes (``config.PROCESSOR_KWARGS``' key)."""
+    if reads_image_grids(image_config):
+        return "Qwen2-VL, Qwen2.5-VL and Qwen3-VL"
+    if attends_images_both_ways(image_config):
+        return "Gemma 3"
+    return None
+
+
 def min_image_tokens(image_config: PretrainedConfig) -> int:
     """The fewest tokens an image takes in a prompt of the image-text model: Qwen-VL's and Mistral 3's, by its size
     (one at least); Gemma 3's, ``mm_tokens_per_image``; LLaVA's, one per patch of its tower's image (LLaVA-NeXT's

@@ -76,6 +76,20 @@ def test_logprobs_equal_transformers_logits(model_dir, hf):
     )
 
 
+def test_pan_and_scan_crops_equal_transformers(model_dir, hf):
+    """``--mm-processor-kwargs '{"do_pan_and_scan": true}'`` (vLLM's): a wide image's crops follow it, each its own
+    run of image tokens attending to itself both ways; logprobs within 1e-4 of transformers' with the same option,
+    whole and in 5-token chunks."""
+    pan = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}
+    prompt = (f"Compare {BOI} with {BOI}", [image(6, (30, 120)), image(7, (40, 40))])  # a wide one and a square one
+    inputs = AutoProcessor.from_pretrained(model_dir)(text=prompt[0], images=prompt[1], return_tensors="pt", **pan)
+    assert inputs["pixel_values"].shape[0] == 1 + 4 + 1  # the wide image, its 4 crops, the square image
+    option_sets = ({"mm_processor_kwargs": pan}, {"mm_processor_kwargs": pan, "max_num_batched_tokens": 5})
+    check_logprobs_equal_transformers(
+        model_dir, hf, prompt, inputs, option_sets, block_size=4, token_types="token_type_ids"
+    )
+
+
 def test_greedy_tokens_equal_transformers(model_dir, expected):
     assert expected[0] != expected[3]  # the image, not the text alone, decides
     option_sets = ({}, {"max_num_batched_tokens": 5, "max_num_seqs": 2}, {"async_scheduling": True})

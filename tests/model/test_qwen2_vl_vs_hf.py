@@ -214,10 +214,17 @@ def test_mm_processor_kwargs_bound_an_images_pixels(model_dir, hf):
     [
         (
             {"do_resize": False},
-            "--mm-processor-kwargs 'do_resize' is not supported for {arch} (supported: min_pixels, max_pixels, for "
-            "Qwen2-VL, Qwen2.5-VL and Qwen3-VL)",
+            "--mm-processor-kwargs 'do_resize' is not supported for {arch} (supported: min_pixels, max_pixels for "
+            "Qwen2-VL, Qwen2.5-VL and Qwen3-VL; do_pan_and_scan, pan_and_scan_min_crop_size, "
+            "pan_and_scan_max_num_crops, pan_and_scan_min_ratio_to_activate for Gemma 3)",
         ),
-        ({"max_pixels": 0}, "--mm-processor-kwargs max_pixels: a whole number of pixels of 1 or more, got 0"),
+        ({"max_pixels": 0}, "--mm-processor-kwargs max_pixels: a whole number of 1 or more, got 0"),
+        (
+            {"do_pan_and_scan": True},
+            "--mm-processor-kwargs 'do_pan_and_scan' is not supported for {arch} (supported: min_pixels, max_pixels "
+            "for Qwen2-VL, Qwen2.5-VL and Qwen3-VL; do_pan_and_scan, pan_and_scan_min_crop_size, "
+            "pan_and_scan_max_num_crops, pan_and_scan_min_ratio_to_activate for Gemma 3)",
+        ),
         (
             {"min_pixels": 5000, "max_pixels": 4000},
             "--mm-processor-kwargs min_pixels 5000 is above max_pixels 4000",
