@@ -29,7 +29,7 @@ from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImagePr
 
 from raypaged.model.gemma3_vision import Gemma3ImageEncoder, is_gemma3_vision_tensor
 from raypaged.model.loader import iter_checkpoint
-from tests.model.vision_helpers import Saved, check_vision_tensor_names, message, save_random_model
+from tests.model.vision_helpers import Saved, check_vision_tensor_names, message, refusers, save_random_model
 
 IMAGE_SIZE = 56  # 14-pixel patches: a 4x4 grid, pooled over 2x2 blocks to 2x2 tokens
 TOKENS = 4
@@ -240,11 +240,7 @@ def test_head_and_position_ids_are_skipped(saved, pixels) -> None:
 
 
 def test_missing_tensors_are_named(saved) -> None:
-    model, tensors = saved
-
-    def refused_without(prefix: str, text: str) -> None:
-        with pytest.raises(ValueError, match=message(text)):
-            load(model.config, {n: t for n, t in tensors.items() if not n.startswith(prefix)})
+    refused_without, _ = refusers(load, saved)
 
     refused_without(
         "vision_tower.encoder.layers.1.mlp.fc2.bias",
@@ -262,11 +258,7 @@ def test_missing_tensors_are_named(saved) -> None:
 
 
 def test_misplaced_and_wrong_shape_tensors_are_named(saved) -> None:
-    model, tensors = saved
-
-    def refused_with(name: str, tensor: torch.Tensor, text: str) -> None:
-        with pytest.raises(ValueError, match=message(text)):
-            load(model.config, tensors | {name: tensor})
+    _, refused_with = refusers(load, saved)
 
     refused_with(  # the tower has 2 layers
         "vision_tower.vision_model.encoder.layers.2.mlp.fc1.weight",

@@ -33,7 +33,7 @@ from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddi
 
 from raypaged.model.idefics3_vision import Idefics3ImageEncoder, _Embeddings, is_idefics3_vision_tensor
 from raypaged.model.loader import iter_checkpoint
-from tests.model.vision_helpers import Saved, check_vision_tensor_names, message, save_random_model
+from tests.model.vision_helpers import Saved, check_vision_tensor_names, message, refusers, save_random_model
 
 IMAGE_SIZE = 56  # 14-pixel patches: a 4x4 grid, pixel-shuffled by 2 into 2x2 tokens
 TOKENS = 4
@@ -323,11 +323,7 @@ def test_position_ids_buffer_is_skipped(saved) -> None:
 
 
 def test_missing_tensors_are_named(saved) -> None:
-    model, tensors = saved
-
-    def refused_without(prefix: str, text: str) -> None:
-        with pytest.raises(ValueError, match=message(text)):
-            load(model.config, {n: t for n, t in tensors.items() if not n.startswith(prefix)})
+    refused_without, _ = refusers(load, saved)
 
     refused_without(
         "model.vision_model.encoder.layers.1.mlp.fc2.bias",
@@ -345,11 +341,7 @@ def test_missing_tensors_are_named(saved) -> None:
 
 
 def test_misplaced_and_wrong_shape_tensors_are_named(saved) -> None:
-    model, tensors = saved
-
-    def refused_with(name: str, tensor: torch.Tensor, text: str) -> None:
-        with pytest.raises(ValueError, match=message(text)):
-            load(model.config, tensors | {name: tensor})
+    _, refused_with = refusers(load, saved)
 
     refused_with(  # the tower has 2 layers
         "model.vision_model.encoder.layers.2.mlp.fc1.weight",

@@ -38,6 +38,29 @@ def message(text: str) -> str:
     return "^" + re.escape(text) + "$"
 
 
+def load_refused(
+    load: Callable[..., Any], config: PretrainedConfig, tensors: dict[str, torch.Tensor], text: str
+) -> None:
+    """``load(config, tensors)`` raises a ValueError saying exactly ``text``."""
+    with pytest.raises(ValueError, match=message(text)):
+        load(config, tensors)
+
+
+def refusers(load: Callable[..., Any], saved: Saved) -> tuple[Callable[..., None], Callable[..., None]]:
+    """Two checks on the saved checkpoint's tensors: ``without(prefix, text)`` (those whose names start with
+    ``prefix`` dropped) and ``with_(name, tensor, text)`` (one more tensor, or one replaced), each refused by
+    ``load`` saying exactly ``text``."""
+    model, tensors = saved
+
+    def without(prefix: str, text: str) -> None:
+        load_refused(load, model.config, {n: t for n, t in tensors.items() if not n.startswith(prefix)}, text)
+
+    def with_(name: str, tensor: torch.Tensor, text: str) -> None:
+        load_refused(load, model.config, tensors | {name: tensor}, text)
+
+    return without, with_
+
+
 def perturb(module: torch.nn.Module) -> None:
     """Every parameter moved off its initial value: no bias zero, no norm weight one."""
     with torch.no_grad():
