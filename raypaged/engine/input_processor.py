@@ -266,14 +266,7 @@ class InputProcessor:
         """Gemma 3's images: each a run of ``mm_tokens_per_image`` tokens attending to each other both ways, and,
         with pan-and-scan (``--mm-processor-kwargs``), its crops after it, each a run (and a pixel row) of its
         own."""
-        runs = self._image_runs(ids)
-        per_image = min_image_tokens(self._image_config())
-        if len(runs) != len(pixels) or any(length != per_image for _, length in runs):
-            raise InputError(
-                "multi_modal_data",
-                f"the processed prompt's runs of image tokens are {[n for _, n in runs]}, for {len(pixels)} images "
-                f"and crops of {per_image} tokens",
-            )
+        runs = self._equal_runs(ids, len(pixels), "images and crops")
         hashes = tuple(hashlib.sha256(row.contiguous().numpy().tobytes()).hexdigest() for row in pixels)
         return ImageInputs(pixels.contiguous(), runs, hashes, bidirectional=True)
 
@@ -355,16 +348,22 @@ class InputProcessor:
         tokens: the real tiles and their pixel masks, each run a placeholder of its own."""
         real = pixels.flatten(1).any(dim=1)  # transformers drops the all-zero padding tiles
         pixels, masks = pixels[real].contiguous(), masks[real].bool().contiguous()
-        runs = self._image_runs(ids)
-        per_tile = min_image_tokens(self._image_config())
-        if len(runs) != len(pixels) or any(length != per_tile for _, length in runs):
-            raise InputError(
-                "multi_modal_data",
-                f"the processed prompt's runs of image tokens are {[n for _, n in runs]}, for {len(pixels)} tiles of "
-                f"{per_tile} tokens",
-            )
+        runs = self._equal_runs(ids, len(pixels), "tiles")
         hashes = tuple(hashlib.sha256(tile.numpy().tobytes()).hexdigest() for tile in pixels)
         return ImageInputs(pixels, runs, hashes, tile_masks=masks)
+
+    def _equal_runs(self, ids: list[int], count: int, what: str) -> tuple[tuple[int, int], ...]:
+        """The prompt's runs of image tokens, which must be ``count`` runs (one a pixel row: ``what``) of the model's
+        tokens an image each; ``InputError`` else."""
+        runs = self._image_runs(ids)
+        per_run = min_image_tokens(self._image_config())
+        if len(runs) != count or any(length != per_run for _, length in runs):
+            raise InputError(
+                "multi_modal_data",
+                f"the processed prompt's runs of image tokens are {[n for _, n in runs]}, for {count} {what} of "
+                f"{per_run} tokens",
+            )
+        return runs
 
     def _image_runs(self, ids: list[int]) -> tuple[tuple[int, int], ...]:
         """(first position, length) of each run of image tokens in a processed prompt, in order."""
