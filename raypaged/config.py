@@ -179,6 +179,34 @@ PROCESSOR_KWARGS: dict[str, dict[str, type]] = {
 }
 
 
+def check_processor_kwargs(image_config: PretrainedConfig | None, given: Any, name: str) -> None:
+    """An image processor's options (``name``: the flag or the request field that gave them): the keys of the
+    model's family (``PROCESSOR_KWARGS``), each of its type (whole numbers of 1 or more, Qwen-VL's least pixels not
+    above its most); ``ValueError`` naming anything else."""
+    from raypaged.model.architecture import processor_kwargs_family
+
+    if not isinstance(given, dict):
+        raise ValueError(f"{name} takes a JSON object, got {given!r}")
+    if image_config is None:
+        raise ValueError(f"{name} applies to image-text models: the model reads text only")
+    allowed = PROCESSOR_KWARGS.get(processor_kwargs_family(image_config) or "", {})
+    for key, value in given.items():
+        if key not in allowed:
+            supported = "; ".join(f"{', '.join(keys)} for {family}" for family, keys in PROCESSOR_KWARGS.items())
+            raise ValueError(
+                f"{name} {key!r} is not supported for {image_config.architectures[0]} (supported: {supported})"
+            )
+        kind = allowed[key]
+        if kind is bool and type(value) is not bool:
+            raise ValueError(f"{name} {key}: true or false, got {value!r}")
+        if kind is int and (type(value) is not int or value < 1):
+            raise ValueError(f"{name} {key}: a whole number of 1 or more, got {value!r}")
+        if kind is float and (type(value) not in (int, float) or value <= 0):
+            raise ValueError(f"{name} {key}: a number above 0, got {value!r}")
+    if given.get("min_pixels", 0) > given.get("max_pixels", given.get("min_pixels", 0)):
+        raise ValueError(f"{name} min_pixels {given['min_pixels']} is above max_pixels {given['max_pixels']}")
+
+
 def json_flag_value(flag_name: str, value: str) -> Any:
     """A flag's JSON text, parsed; ``ValueError`` naming the flag."""
     try:
@@ -698,38 +726,9 @@ class EngineConfig:
         return counts.get("image")
 
     def _check_processor_kwargs(self) -> None:
-        """``--mm-processor-kwargs``: the keys of the model's family (``PROCESSOR_KWARGS``), each of its type (whole
-        numbers of 1 or more, Qwen-VL's least pixels not above its most); anything else refused by name."""
-        from raypaged.model.architecture import processor_kwargs_family
-
-        given = self.mm_processor_kwargs
-        if not given:
-            return
-        if not isinstance(given, dict):
-            raise ValueError(f"--mm-processor-kwargs takes a JSON object, got {given!r}")
-        image_config = self.image_hf_config
-        if image_config is None:
-            raise ValueError("--mm-processor-kwargs applies to image-text models: the model reads text only")
-        family = processor_kwargs_family(image_config)
-        allowed = PROCESSOR_KWARGS.get(family or "", {})
-        for key, value in given.items():
-            if key not in allowed:
-                supported = "; ".join(f"{', '.join(keys)} for {name}" for name, keys in PROCESSOR_KWARGS.items())
-                raise ValueError(
-                    f"--mm-processor-kwargs {key!r} is not supported for {image_config.architectures[0]} "
-                    f"(supported: {supported})"
-                )
-            kind = allowed[key]
-            if kind is bool and type(value) is not bool:
-                raise ValueError(f"--mm-processor-kwargs {key}: true or false, got {value!r}")
-            if kind is int and (type(value) is not int or value < 1):
-                raise ValueError(f"--mm-processor-kwargs {key}: a whole number of 1 or more, got {value!r}")
-            if kind is float and (type(value) not in (int, float) or value <= 0):
-                raise ValueError(f"--mm-processor-kwargs {key}: a number above 0, got {value!r}")
-        if given.get("min_pixels", 0) > given.get("max_pixels", given.get("min_pixels", 0)):
-            raise ValueError(
-                f"--mm-processor-kwargs min_pixels {given['min_pixels']} is above max_pixels {given['max_pixels']}"
-            )
+        """``--mm-processor-kwargs``: ``check_processor_kwargs``'s."""
+        if self.mm_processor_kwargs:
+            check_processor_kwargs(self.image_hf_config, self.mm_processor_kwargs, "--mm-processor-kwargs")
 
     def _check_whole_images(self) -> None:
         """Gemma 3 computes each image's tokens in one step: the step's token budget must hold one image."""

@@ -172,12 +172,14 @@ class AsyncLLMEngine:
         token_type_ids: list[int] | None = None,
         images: list[Any] | None = None,
         rendered: bool = False,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``.
         With ``beam`` it is a beam search: one finished output, its beams best first. With ``pooling`` it is an
         embedding model's request (``params`` unused): one finished output whose ``pooled`` is its embedding
         (``token_type_ids``: a BERT text pair's). ``images``: PIL images for a text prompt's image placeholders
-        (``rendered``: the prompt is a chat template's rendering).
+        (``rendered``: the prompt is a chat template's rendering; ``processor_kwargs``: the request's
+        ``mm_processor_kwargs``).
 
         A caller cancelled at any point, even while the engine thread is adding the
         request, leaves nothing running: an abort is queued behind the add.
@@ -211,10 +213,13 @@ class AsyncLLMEngine:
                 lora_request,
                 images,
                 rendered,
+                processor_kwargs,
             )
         else:
             if images:
                 raise InputError("multi_modal_data", "a beam search with images is not supported")
+            if processor_kwargs:
+                raise InputError("mm_processor_kwargs", "mm_processor_kwargs applies to a request with images")
             process = partial(
                 self.engine.process_beam_search, request_id, prompt, beam, prompt_token_ids, lora_request, cache_salt
             )

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoTokenizer
 
-from raypaged.config import EngineConfig
+from raypaged.config import EngineConfig, check_processor_kwargs
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.core import EngineCoreRequest
 from raypaged.inputs.chat_template import render_chat, render_chat_text
@@ -212,11 +212,14 @@ class InputProcessor:
         return list(prompt_token_ids)
 
     # ---- images ------------------------------------------------------------------
-    def image_prompt(self, prompt: str, images: list[Any], rendered: bool = False) -> tuple[list[int], ImageInputs]:
+    def image_prompt(
+        self, prompt: str, images: list[Any], rendered: bool = False, options: dict[str, Any] | None = None
+    ) -> tuple[list[int], ImageInputs]:
         """A text prompt with images: the model's own processor expands each image placeholder of the text into the
         image's run of tokens and makes its pixel values (``InputError`` naming ``multi_modal_data`` when the model
-        reads no images, or when the placeholders and the images do not match). ``rendered``: the text is a chat
-        template's, whose special tokens are its own (the tokenizer adds none)."""
+        reads no images, or when the placeholders and the images do not match). ``options``: the image processor's
+        (``--mm-processor-kwargs`` and the request's, already checked; None: the server's). ``rendered``: the text is
+        a chat template's, whose special tokens are its own (the tokenizer adds none)."""
         config = self.config
         image_config = self.check_image_count(len(images))
         check_text("prompt", len(prompt), config.limits, config.resolved_max_model_len)
@@ -229,10 +232,11 @@ class InputProcessor:
                 f"{len(images)} images",
             )
         if reads_image_grids(image_config):
-            return self._grid_image_prompt(prompt, images, rendered, image_token)
+            return self._grid_image_prompt(prompt, images, rendered, image_token, options)
         if splits_image_rows(image_config):
             return self._row_image_prompt(prompt, images, rendered, image_token)
-        options = self.config.mm_processor_kwargs or {}  # Gemma 3's pan-and-scan (checked by EngineConfig)
+        if options is None:  # Gemma 3's pan-and-scan
+            options = self.config.mm_processor_kwargs or {}
         try:
             encoded = processor(
                 text=prompt, images=images, return_tensors="pt", add_special_tokens=not rendered, **options
@@ -271,21 +275,21 @@ class InputProcessor:
         return ImageInputs(pixels.contiguous(), runs, hashes, bidirectional=True)
 
     def _grid_image_prompt(
-        self, prompt: str, images: list[Any], rendered: bool, image_token: str
+        self, prompt: str, images: list[Any], rendered: bool, image_token: str, options: dict[str, Any] | None
     ) -> tuple[list[int], ImageInputs]:
         """Qwen2-VL's ``image_prompt``: the image processor cuts each image into its grid of patches, and each
         placeholder becomes one image token per ``merge_size`` x ``merge_size`` patches of its image."""
         processor = self._image_processor()
-        bounds = self.config.mm_processor_kwargs or {}
-        options = {}  # --mm-processor-kwargs: the pixel bounds given, the checkpoint's for the others
+        bounds = (self.config.mm_processor_kwargs or {}) if options is None else options
+        size = {}  # --mm-processor-kwargs: the pixel bounds given, the checkpoint's for the others
         if bounds:
             least = bounds.get("min_pixels", processor.size.shortest_edge)
-            options["size"] = {
+            size["size"] = {
                 "shortest_edge": least,
                 "longest_edge": bounds.get("max_pixels", processor.size.longest_edge),
             }
         try:
-            encoded = processor(images=images, return_tensors="pt", **options)
+            encoded = processor(images=images, return_tensors="pt", **size)
         except (ValueError, TypeError, OSError) as exc:
             raise InputError("multi_modal_data", f"the images cannot be processed: {exc}") from None
         grids = tuple((int(t), int(h), int(w)) for t, h, w in encoded["image_grid_thw"].tolist())
@@ -351,6 +355,17 @@ class InputProcessor:
         runs = self._equal_runs(ids, len(pixels), "tiles")
         hashes = tuple(hashlib.sha256(tile.numpy().tobytes()).hexdigest() for tile in pixels)
         return ImageInputs(pixels, runs, hashes, tile_masks=masks)
+
+    def _processor_options(self, given: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A request's ``mm_processor_kwargs`` checked (``config.check_processor_kwargs``) over the server's
+        ``--mm-processor-kwargs``; None: the server's alone."""
+        if not given:
+            return None
+        try:
+            check_processor_kwargs(self.config.image_hf_config, given, "mm_processor_kwargs")
+        except ValueError as exc:
+            raise InputError("mm_processor_kwargs", str(exc)) from None
+        return {**(self.config.mm_processor_kwargs or {}), **given}
 
     def _equal_runs(self, ids: list[int], count: int, what: str) -> tuple[tuple[int, int], ...]:
         """The prompt's runs of image tokens, which must be ``count`` runs (one a pixel row: ``what``) of the model's
@@ -548,11 +563,13 @@ class InputProcessor:
         lora_request: LoRARequest | None = None,
         images: list[Any] | None = None,
         rendered: bool = False,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> tuple[SamplingParams, EngineCoreRequest]:
         """The request checked and resolved: the caller's params (logprobs resolved against the
         vocabulary: what outputs are built by) and the core's request (``request_id`` is the id
         of its first sequence). ``images``: PIL images for the ``<image>`` placeholders of the text ``prompt``
-        (``image_prompt``; ``rendered``: the prompt is a chat template's rendering)."""
+        (``image_prompt``; ``rendered``: the prompt is a chat template's rendering; ``processor_kwargs``: the
+        request's ``mm_processor_kwargs``, over ``--mm-processor-kwargs``)."""
         config = self.config
         if config.pooler is not None:
             raise _not_generative(config)
@@ -560,6 +577,8 @@ class InputProcessor:
         check_sampling(params, config.hf_config.vocab_size, config.limits)
         params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
         image_inputs = None
+        if processor_kwargs and not images:
+            raise InputError("mm_processor_kwargs", "mm_processor_kwargs applies to a request with images")
         if images:
             self.check_image_count(len(images))  # before any is fetched or decoded
             images = [self.loaded(image) for image in images]
@@ -567,7 +586,8 @@ class InputProcessor:
                 raise InputError("multi_modal_data", "images go with a text prompt (its image placeholders), not ids")
             if params.truncate_prompt_tokens is not None:
                 raise InputError("truncate_prompt_tokens", "truncate_prompt_tokens would cut a prompt's image tokens")
-            prompt_token_ids, image_inputs = self.image_prompt(prompt, images, rendered)
+            options = self._processor_options(processor_kwargs)
+            prompt_token_ids, image_inputs = self.image_prompt(prompt, images, rendered, options)
             cache_salt = image_cache_salt(cache_salt, image_inputs)
         prompt_token_ids = self._checked_prompt(
             prompt, prompt_token_ids, params.truncate_prompt_tokens, params.truncation_side == "right"

@@ -117,6 +117,7 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         images: list[Any] | None = None,
         rendered: bool = False,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> ProcessedRequest:
         """The input processor's half of ``add_request``: touches no engine state, so servers run it
         off the engine thread and hand the result to ``add_processed`` there."""
@@ -130,6 +131,7 @@ class LLMEngine:
             lora_request,
             images,
             rendered,
+            processor_kwargs,
         )
         return ProcessedRequest(request_id, prompt, params, core_request)
 
@@ -217,6 +219,7 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         images: list[Any] | None = None,
         rendered: bool = False,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Validate and queue one request; returns its id. Bad input raises ``ValueError``.
 
@@ -224,7 +227,8 @@ class LLMEngine:
         only reported back); otherwise ``prompt`` is tokenized. Requests with
         different ``cache_salt`` never share prefix-cache blocks, nor do requests on
         different LoRA adapters (``lora_request``; ``None``: the base model). ``images``: PIL images for the
-        image placeholders of a text ``prompt`` (an image-text model's).
+        image placeholders of a text ``prompt`` (an image-text model's; ``processor_kwargs``: the request's
+        ``mm_processor_kwargs``).
         """
         request_id = self.new_request_id(request_id)
         return self.add_processed(
@@ -238,6 +242,7 @@ class LLMEngine:
                 lora_request,
                 images,
                 rendered,
+                processor_kwargs,
             )
         )
 

@@ -161,9 +161,10 @@ class LLM:
                 lora_request=lora,
                 images=prompt_images,
                 rendered=rendered,
+                processor_kwargs=given.get("mm_processor_kwargs") if isinstance(given, dict) else None,
             )
-            for (text, token_ids, salt), params, prio, lora, prompt_images in zip(
-                resolved, params_list, priorities, loras, images
+            for (text, token_ids, salt), params, prio, lora, prompt_images, given in zip(
+                resolved, params_list, priorities, loras, images, prompts
             )
         ]
         return self._submit_and_run(submissions, use_tqdm)
@@ -200,9 +201,11 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         documents: list[dict[str, Any]] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the chat template
-        (``chat_template`` replaces the model's for this call), as vLLM's ``LLM.chat``."""
+        (``chat_template`` replaces the model's for this call), as vLLM's ``LLM.chat`` (``mm_processor_kwargs``:
+        the image processor's options for these conversations' images)."""
         conversations = [messages] if _is_conversation(messages) else messages
         engine = self.llm_engine
         inputs = engine.input_processor
@@ -222,7 +225,13 @@ class LLM:
         for conversation in conversations:
             if with_images[0]:
                 text, images = inputs.chat_with_images(conversation, **options)
-                prompts.append({"prompt": text, "multi_modal_data": {"image": [inputs.loaded(i) for i in images]}})
+                prompts.append(
+                    {
+                        "prompt": text,
+                        "multi_modal_data": {"image": [inputs.loaded(i) for i in images]},
+                        "mm_processor_kwargs": mm_processor_kwargs,
+                    }
+                )
             else:
                 ids = inputs.chat_ids(conversation, **options)
                 prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
@@ -406,7 +415,8 @@ def _is_conversation(messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 _POOLING_PROMPT_KEYS = (*_PROMPT_KEYS, "token_type_ids")  # a BERT text pair's token types (vLLM's TokensPrompt)
-_GENERATE_PROMPT_KEYS = (*_PROMPT_KEYS, "multi_modal_data")  # an image-text model's images (vLLM's TextPrompt)
+# an image-text model's images and its image processor's options (vLLM's TextPrompt)
+_GENERATE_PROMPT_KEYS = (*_PROMPT_KEYS, "multi_modal_data", "mm_processor_kwargs")
 
 
 def _prompt_images(prompt: PromptType) -> list[Any] | None:

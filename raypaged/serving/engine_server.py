@@ -277,6 +277,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                     lora_request=lora,
                     beam=beam,
                     **({} if images is None else _with_images(images)),
+                    **_processor_kwargs(request.mm_processor_kwargs_json),
                 )
             except _REFUSED as exc:
                 await hold.let_go(in_engine=False)
@@ -694,6 +695,16 @@ def _engine_ready(request: pb.GenerateRequest, processed: ProcessedRequest) -> p
     ready.sampling.repetition_penalty = params.repetition_penalty
     ready.stopping.max_tokens = processed.core_request.max_tokens
     return ready
+
+
+def _processor_kwargs(text: str) -> dict[str, Any]:
+    """``add_request``'s keyword for a request's ``mm_processor_kwargs`` (JSON; empty: none)."""
+    if not text:
+        return {}
+    try:
+        return {"processor_kwargs": json.loads(text)}
+    except json.JSONDecodeError:
+        raise InputError("mm_processor_kwargs", "mm_processor_kwargs must be a JSON object") from None
 
 
 def _with_images(images: list[Any]) -> dict[str, Any]:

@@ -201,11 +201,27 @@ def test_mm_processor_kwargs_bound_an_images_pixels(model_dir, hf):
         model_dir, num_gpu_blocks_override=64, block_size=8, max_model_len=128, mm_processor_kwargs=bounds
     ) as llm:
         [out] = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}], GREEDY, use_tqdm=False)
+        # a request's own (vLLM's prompt mm_processor_kwargs) over the server's: the checkpoint's bounds again
+        [own] = llm.generate(
+            [{"prompt": text, "multi_modal_data": {"image": images}, "mm_processor_kwargs": {"max_pixels": 12845056}}],
+            GREEDY,
+            use_tqdm=False,
+        )
+    with serving(model_dir, num_gpu_blocks_override=64, block_size=8, max_model_len=128) as llm:
+        [per_request] = llm.generate(
+            [{"prompt": text, "multi_modal_data": {"image": images}, "mm_processor_kwargs": bounds}],
+            GREEDY,
+            use_tqdm=False,
+        )
+        with pytest.raises(ValueError) as refused:
+            llm.generate({"prompt": "no image", "mm_processor_kwargs": bounds}, GREEDY, use_tqdm=False)
+        assert str(refused.value) == "mm_processor_kwargs applies to a request with images"
     processor = hf_processor(model_dir)
     processor.image_processor.size = {"shortest_edge": bounds["min_pixels"], "longest_edge": bounds["max_pixels"]}
     inputs = processor(text=text, images=images, return_tensors="pt")
-    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
-    assert len(out.prompt_token_ids) < len(default.prompt_token_ids)
+    assert out.prompt_token_ids == per_request.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert len(out.prompt_token_ids) < len(default.prompt_token_ids) == len(own.prompt_token_ids)
+    assert list(out.outputs[0].token_ids) == list(per_request.outputs[0].token_ids)
     assert list(out.outputs[0].token_ids) == transformers_greedy(hf, inputs, MAX_TOKENS)
 
 

@@ -169,6 +169,42 @@ def test_qwen2_vl_answers_as_llm_chat(stack, qwen_dir, image_server):
     assert usage == chunks[-1]["usage"]["prompt_tokens"] == len(offline.prompt_token_ids) > 20
 
 
+def test_a_requests_mm_processor_kwargs_resize_its_images(stack, qwen_dir, image_server):
+    """vLLM's ``mm_processor_kwargs`` in a chat request (Qwen-VL's pixel bounds): the answer ``LLM.chat`` gives with
+    the same option, more prompt tokens (a larger least size); one without images, or with a key the model does not
+    take, is a 400."""
+    _, images = image_server
+    messages = conversation(data_url(images["/a.png"]))
+    bounds = {"min_pixels": 16 * 28 * 28}  # 16 tokens at least: the image is 40 x 52 pixels
+    with stack.client() as client:
+        plain = chat(client, messages, model="qwen-vl")
+        bounded = chat(client, messages, model="qwen-vl", mm_processor_kwargs=bounds)
+        no_image = chat(client, conversation(), model="qwen-vl", mm_processor_kwargs=bounds)
+        bad = chat(client, messages, model="qwen-vl", mm_processor_kwargs={"do_pan_and_scan": True})
+    assert bounded.status_code == 200, bounded.text
+    assert bounded.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"]
+    llm = LLM(model=str(qwen_dir), num_gpu_blocks_override=32, max_model_len=128)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        [offline] = llm.chat(messages, params, use_tqdm=False, mm_processor_kwargs=bounds)
+    finally:
+        llm.shutdown()
+    assert bounded.json()["choices"][0]["message"]["content"] == offline.outputs[0].text
+    assert bounded.json()["usage"]["prompt_tokens"] == len(offline.prompt_token_ids)
+    assert error(no_image) == (
+        400,
+        "mm_processor_kwargs applies to a request with images",
+        "mm_processor_kwargs",
+    )
+    assert error(bad) == (
+        400,
+        "mm_processor_kwargs 'do_pan_and_scan' is not supported for Qwen2VLForConditionalGeneration (supported: "
+        "min_pixels, max_pixels for Qwen2-VL, Qwen2.5-VL and Qwen3-VL; do_pan_and_scan, pan_and_scan_min_crop_size, "
+        "pan_and_scan_max_num_crops, pan_and_scan_min_ratio_to_activate for Gemma 3)",
+        "mm_processor_kwargs",
+    )
+
+
 def test_the_responses_and_messages_apis_take_images_as_chat_does(stack, image_server):
     base, images = image_server
     url = data_url(images["/a.png"])

@@ -299,6 +299,7 @@ def test_render_refuses_what_the_openai_route_refuses_with_the_same_error(http, 
     [
         ("/v1/completions/render", {**GREEDY, "echo": True}, "echo"),
         ("/v1/chat/completions/render", {**CHAT, "use_beam_search": True, "n": 2}, "use_beam_search"),
+        ("/v1/chat/completions/render", {**CHAT, "mm_processor_kwargs": {"max_pixels": 9}}, "mm_processor_kwargs"),
     ],
 )
 def test_render_refuses_what_a_generate_request_cannot_carry(http, path, body, refused):
@@ -433,7 +434,8 @@ def test_every_field_of_an_engine_request_crosses_the_generate_request_and_back(
         stream_interval=3,
         cache_salt="salt",
     )
-    not_carried = {"text", "messages", "echo", "beam_search", "truncation_side"}  # refused, or resolved by render
+    # refused, or resolved by render
+    not_carried = {"text", "messages", "echo", "beam_search", "truncation_side", "mm_processor_kwargs_json"}
     set_fields = {f.name for f, _ in request.ListFields()}
     assert {f.name for f in pb.GenerateRequest.DESCRIPTOR.fields} - set_fields == not_carried
     for message in (request.sampling, request.stopping):

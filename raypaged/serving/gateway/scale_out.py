@@ -131,7 +131,11 @@ def add_scale_out_routes(app: FastAPI, parts: GatewayParts) -> None:
         http: Request, body: CompletionRequest | ChatCompletionRequest, request_id: str | None = None
     ) -> list[pb.GenerateRequest]:
         """The body's engine requests, engine-ready (``request_id``: their id, else the OpenAI route's)."""
-        for name, asked in (("echo", body.echo), ("use_beam_search", body.use_beam_search)):
+        for name, asked in (
+            ("echo", body.echo),
+            ("use_beam_search", body.use_beam_search),
+            ("mm_processor_kwargs", bool(body.mm_processor_kwargs)),  # for images, which render refuses
+        ):
             if asked:
                 raise APIError(
                     400, f"{name} is not supported by the render endpoints: a GenerateRequest cannot carry it", name

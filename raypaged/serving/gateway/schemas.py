@@ -60,7 +60,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "prompt_embeds": (),
     "functions": (),
     "function_call": ("none", "auto"),
-    "mm_processor_kwargs": (),
     "kv_transfer_params": (),
     "vllm_xargs": (),
     "prediction": (),
@@ -152,6 +151,8 @@ class _GenerationBody(BaseModel):
     # vLLM's: with logprobs, these tokens' logprobs at each generated position in place of the most likely ones
     logprob_token_ids: list[Unsigned] | None = None
     cache_salt: CacheSalt | None = None
+    # vLLM's: the image processor's options for this request's images (--mm-processor-kwargs' keys)
+    mm_processor_kwargs: dict[str, Any] | None = None
     # structured outputs: OpenAI's, vLLM's, and vLLM's older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -314,6 +315,8 @@ class _GenerationBody(BaseModel):
             request.stream_interval = self.stream_interval
         if self.cache_salt is not None:
             request.cache_salt = self.cache_salt
+        if self.mm_processor_kwargs:
+            request.mm_processor_kwargs_json = json.dumps(self.mm_processor_kwargs)
         if constraint is not None:
             request.structured.CopyFrom(constraint)
         if num_logprobs is not None:
