@@ -21,27 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from raypaged.model.llava_vision import EncoderLayers
+from raypaged.model.llava_vision import EncoderLayers, tower_name
 from raypaged.model.vision_common import activation, load_named_weights
-
-
-def _module_name(name: str) -> str | None:
-    """A checkpoint tensor's name inside ``Gemma3ImageEncoder``, None for a tensor outside the vision tower and the
-    projector. Every layout: ``model.`` before ``vision_tower.``/``multi_modal_projector.`` or not (transformers 5 in
-    memory; the published checkpoints and transformers 5's ``save_pretrained``: not), ``vision_model.`` after
-    ``vision_tower.`` or not (the published checkpoints: with it; transformers 5: without)."""
-    name = name.removeprefix("model.")
-    if name.startswith("vision_tower."):
-        return "vision_tower." + name.removeprefix("vision_tower.").removeprefix("vision_model.")
-    if name.startswith("multi_modal_projector."):
-        return name
-    return None
 
 
 def is_gemma3_vision_tensor(name: str) -> bool:
     """Whether a checkpoint tensor belongs to the vision tower (the unused attention-pooling head included) or the
-    projector, in any layout; the others are the language model's."""
-    return _module_name(name) is not None
+    projector, in any layout (LLaVA's names); the others are the language model's."""
+    return tower_name(name) is not None
 
 
 class _Embeddings(nn.Module):
@@ -149,7 +136,7 @@ class Gemma3ImageEncoder(nn.Module):
         left unfilled."""
 
         def key_of(name: str) -> str | None:
-            key = _module_name(name)
+            key = tower_name(name)
             if key is None or key.startswith("vision_tower.head.") or key.endswith(".position_ids"):
                 return None
             return key

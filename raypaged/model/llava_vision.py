@@ -26,10 +26,12 @@ from raypaged.model.vision_common import activation, load_named_weights
 _LAYER = re.compile(r"^vision_tower\.encoder\.layers\.(\d+)\.")
 
 
-def _module_name(name: str) -> str | None:
-    """A checkpoint tensor's name inside ``LlavaImageEncoder``, None for a tensor outside the vision tower and the
-    projector. Both layouts: ``model.`` before ``vision_tower.``/``multi_modal_projector.`` or not, and
-    ``vision_model.`` after ``vision_tower.`` or not."""
+def tower_name(name: str) -> str | None:
+    """A checkpoint tensor's name inside ``LlavaImageEncoder`` (and Gemma 3's, whose tower and projector are named
+    alike), None for a tensor outside the vision tower and the projector. Every layout: ``model.`` before
+    ``vision_tower.``/``multi_modal_projector.`` or not (transformers 5 in memory: with it), and ``vision_model.``
+    after ``vision_tower.`` or not (the published checkpoints: with it; transformers 5's ``save_pretrained``:
+    without)."""
     name = name.removeprefix("model.")
     if name.startswith("vision_tower."):
         return "vision_tower." + name.removeprefix("vision_tower.").removeprefix("vision_model.")
@@ -40,7 +42,7 @@ def _module_name(name: str) -> str | None:
 
 def is_vision_tensor(name: str) -> bool:
     """Whether a checkpoint tensor belongs to the vision tower or the projector (either layout)."""
-    return _module_name(name) is not None
+    return tower_name(name) is not None
 
 
 class _Embeddings(nn.Module):
@@ -201,7 +203,7 @@ class LlavaImageEncoder(nn.Module):
         shape, or the parameters left unfilled."""
 
         def key_of(name: str) -> str | None:
-            key = _module_name(name)
+            key = tower_name(name)
             return None if key is None or self._skipped(key) else key
 
         load_named_weights(self, weights, key_of)
