@@ -24,11 +24,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine, ProcessedRequest
 from raypaged.inputs.limits import InputError
+from raypaged.inputs.multimodal_input import MultiModalInput
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -170,16 +171,13 @@ class AsyncLLMEngine:
         beam: BeamSearchParams | None = None,
         pooling: PoolingParams | None = None,
         token_type_ids: list[int] | None = None,
-        images: list[Any] | None = None,
-        rendered: bool = False,
-        processor_kwargs: dict[str, Any] | None = None,
+        multi_modal: MultiModalInput | None = None,
     ) -> str:
         """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``.
         With ``beam`` it is a beam search: one finished output, its beams best first. With ``pooling`` it is an
         embedding model's request (``params`` unused): one finished output whose ``pooled`` is its embedding
-        (``token_type_ids``: a BERT text pair's). ``images``: PIL images for a text prompt's image placeholders
-        (``rendered``: the prompt is a chat template's rendering; ``processor_kwargs``: the request's
-        ``mm_processor_kwargs``).
+        (``token_type_ids``: a BERT text pair's). ``multi_modal``: the images for a text prompt's image
+        placeholders with their options.
 
         A caller cancelled at any point, even while the engine thread is adding the
         request, leaves nothing running: an abort is queued behind the add.
@@ -211,14 +209,12 @@ class AsyncLLMEngine:
                 priority,
                 cache_salt,
                 lora_request,
-                images,
-                rendered,
-                processor_kwargs,
+                multi_modal,
             )
         else:
-            if images:
+            if multi_modal is not None and multi_modal.images:
                 raise InputError("multi_modal_data", "a beam search with images is not supported")
-            if processor_kwargs:
+            if multi_modal is not None and multi_modal.processor_kwargs:
                 raise InputError("mm_processor_kwargs", "mm_processor_kwargs applies to a request with images")
             process = partial(
                 self.engine.process_beam_search, request_id, prompt, beam, prompt_token_ids, lora_request, cache_salt

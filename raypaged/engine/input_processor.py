@@ -35,6 +35,7 @@ from raypaged.inputs.limits import (
     check_token_ids,
 )
 from raypaged.inputs.media import MediaError, MediaOptions, load_image
+from raypaged.inputs.multimodal_input import MultiModalInput
 from raypaged.model.architecture import (
     attends_images_both_ways,
     min_image_tokens,
@@ -552,6 +553,21 @@ class InputProcessor:
             self._loras.pop(lora_int_id, None)
 
     # ---- requests --------------------------------------------------------------
+    def _multi_modal_prompt(
+        self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams, given: MultiModalInput
+    ) -> tuple[list[int], ImageInputs]:
+        """A text prompt's token ids with its images' placeholders expanded, and the images' inputs."""
+        if not given.images:
+            raise InputError("mm_processor_kwargs", "mm_processor_kwargs applies to a request with images")
+        self.check_image_count(len(given.images))  # before any is fetched or decoded
+        images = [self.loaded(image) for image in given.images]
+        if prompt_token_ids is not None or prompt is None:
+            raise InputError("multi_modal_data", "images go with a text prompt (its image placeholders), not ids")
+        if params.truncate_prompt_tokens is not None:
+            raise InputError("truncate_prompt_tokens", "truncate_prompt_tokens would cut a prompt's image tokens")
+        options = self._processor_options(given.processor_kwargs)
+        return self.image_prompt(prompt, images, given.rendered, options)
+
     def process(
         self,
         request_id: str,
@@ -561,15 +577,12 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
-        images: list[Any] | None = None,
-        rendered: bool = False,
-        processor_kwargs: dict[str, Any] | None = None,
+        multi_modal: MultiModalInput | None = None,
     ) -> tuple[SamplingParams, EngineCoreRequest]:
         """The request checked and resolved: the caller's params (logprobs resolved against the
         vocabulary: what outputs are built by) and the core's request (``request_id`` is the id
-        of its first sequence). ``images``: PIL images for the ``<image>`` placeholders of the text ``prompt``
-        (``image_prompt``; ``rendered``: the prompt is a chat template's rendering; ``processor_kwargs``: the
-        request's ``mm_processor_kwargs``, over ``--mm-processor-kwargs``)."""
+        of its first sequence). ``multi_modal``: the images for the image placeholders of the text ``prompt``
+        (``image_prompt``) with their options."""
         config = self.config
         if config.pooler is not None:
             raise _not_generative(config)
@@ -577,17 +590,8 @@ class InputProcessor:
         check_sampling(params, config.hf_config.vocab_size, config.limits)
         params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
         image_inputs = None
-        if processor_kwargs and not images:
-            raise InputError("mm_processor_kwargs", "mm_processor_kwargs applies to a request with images")
-        if images:
-            self.check_image_count(len(images))  # before any is fetched or decoded
-            images = [self.loaded(image) for image in images]
-            if prompt_token_ids is not None or prompt is None:
-                raise InputError("multi_modal_data", "images go with a text prompt (its image placeholders), not ids")
-            if params.truncate_prompt_tokens is not None:
-                raise InputError("truncate_prompt_tokens", "truncate_prompt_tokens would cut a prompt's image tokens")
-            options = self._processor_options(processor_kwargs)
-            prompt_token_ids, image_inputs = self.image_prompt(prompt, images, rendered, options)
+        if multi_modal is not None and (multi_modal.images or multi_modal.processor_kwargs):
+            prompt_token_ids, image_inputs = self._multi_modal_prompt(prompt, prompt_token_ids, params, multi_modal)
             cache_salt = image_cache_salt(cache_salt, image_inputs)
         prompt_token_ids = self._checked_prompt(
             prompt, prompt_token_ids, params.truncate_prompt_tokens, params.truncation_side == "right"

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
@@ -28,6 +28,7 @@ from raypaged.engine.input_processor import InputProcessor
 from raypaged.engine.output_processor import OutputProcessor
 from raypaged.executor.base import Executor, WorkerLostError
 from raypaged.inputs.limits import InputError
+from raypaged.inputs.multimodal_input import MultiModalInput
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -115,9 +116,7 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
-        images: list[Any] | None = None,
-        rendered: bool = False,
-        processor_kwargs: dict[str, Any] | None = None,
+        multi_modal: MultiModalInput | None = None,
     ) -> ProcessedRequest:
         """The input processor's half of ``add_request``: touches no engine state, so servers run it
         off the engine thread and hand the result to ``add_processed`` there."""
@@ -129,9 +128,7 @@ class LLMEngine:
             priority,
             cache_salt,
             lora_request,
-            images,
-            rendered,
-            processor_kwargs,
+            multi_modal,
         )
         return ProcessedRequest(request_id, prompt, params, core_request)
 
@@ -217,18 +214,15 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
-        images: list[Any] | None = None,
-        rendered: bool = False,
-        processor_kwargs: dict[str, Any] | None = None,
+        multi_modal: MultiModalInput | None = None,
     ) -> str:
         """Validate and queue one request; returns its id. Bad input raises ``ValueError``.
 
         ``prompt_token_ids``, when given, are used as they are (``prompt`` is then
         only reported back); otherwise ``prompt`` is tokenized. Requests with
         different ``cache_salt`` never share prefix-cache blocks, nor do requests on
-        different LoRA adapters (``lora_request``; ``None``: the base model). ``images``: PIL images for the
-        image placeholders of a text ``prompt`` (an image-text model's; ``processor_kwargs``: the request's
-        ``mm_processor_kwargs``).
+        different LoRA adapters (``lora_request``; ``None``: the base model). ``multi_modal``: the images for the
+        image placeholders of a text ``prompt`` (an image-text model's) with their options.
         """
         request_id = self.new_request_id(request_id)
         return self.add_processed(
@@ -240,9 +234,7 @@ class LLMEngine:
                 priority,
                 cache_salt,
                 lora_request,
-                images,
-                rendered,
-                processor_kwargs,
+                multi_modal,
             )
         )
 

@@ -18,6 +18,7 @@ from raypaged.engine.llm_engine import LLMEngine
 from raypaged.entrypoints.vllm_compat import check_default_only, task_as_runner, unknown_keyword
 from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY, Option
 from raypaged.inputs.limits import check_priority
+from raypaged.inputs.multimodal_input import MultiModalInput
 from raypaged.lora.request import LoRARequest
 from raypaged.multimodal import has_chat_images
 from raypaged.outputs import (
@@ -147,7 +148,7 @@ class LLM:
                 )
         engine = self.llm_engine
         resolved = [_prompt_input(p, _GENERATE_PROMPT_KEYS) for p in prompts]
-        images = [_prompt_images(p) for p in prompts]
+        multi_modals = [_multi_modal_input(p, rendered) for p in prompts]
         # only the finished output is read: the engine builds nothing for the steps in between
         params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         submissions = [
@@ -159,12 +160,10 @@ class LLM:
                 priority=prio,
                 cache_salt=salt,
                 lora_request=lora,
-                images=prompt_images,
-                rendered=rendered,
-                processor_kwargs=given.get("mm_processor_kwargs") if isinstance(given, dict) else None,
+                multi_modal=multi_modal,
             )
-            for (text, token_ids, salt), params, prio, lora, prompt_images, given in zip(
-                resolved, params_list, priorities, loras, images, prompts
+            for (text, token_ids, salt), params, prio, lora, multi_modal in zip(
+                resolved, params_list, priorities, loras, multi_modals
             )
         ]
         return self._submit_and_run(submissions, use_tqdm)
@@ -419,10 +418,18 @@ _POOLING_PROMPT_KEYS = (*_PROMPT_KEYS, "token_type_ids")  # a BERT text pair's t
 _GENERATE_PROMPT_KEYS = (*_PROMPT_KEYS, "multi_modal_data", "mm_processor_kwargs")
 
 
-def _prompt_images(prompt: PromptType) -> list[Any] | None:
+def _multi_modal_input(prompt: PromptType, rendered: bool) -> MultiModalInput | None:
+    """A prompt's images (its ``multi_modal_data``) with its ``mm_processor_kwargs``, as vLLM's TextPrompt; None: the
+    prompt has neither. ``rendered``: its text is a chat template's rendering."""
+    if not isinstance(prompt, dict):
+        return None
+    return MultiModalInput.of(_prompt_images(prompt), prompt.get("mm_processor_kwargs"), rendered)
+
+
+def _prompt_images(prompt: dict[str, Any]) -> list[Any] | None:
     """The PIL images of a prompt's ``multi_modal_data`` (``{"image": image or [images]}``, as vLLM's), or None; any
     other modality is refused by name."""
-    if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+    if prompt.get("multi_modal_data") is None:
         return None
     from PIL import Image
 

@@ -46,6 +46,7 @@ from raypaged.inputs.limits import (
     check_token_ids,
 )
 from raypaged.inputs.media import MediaError, MediaOptions, load_image_async
+from raypaged.inputs.multimodal_input import MultiModalInput
 from raypaged.lora.request import LoRARequest
 from raypaged.model.default_model import DEFAULT_MODEL
 from raypaged.outputs import RequestOutput
@@ -276,8 +277,9 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                     cache_salt=self._cache_salt(gate, request.cache_salt),
                     lora_request=lora,
                     beam=beam,
-                    **({} if images is None else _with_images(images)),
-                    **_processor_kwargs(request.mm_processor_kwargs_json),
+                    multi_modal=MultiModalInput.of(
+                        images, _processor_kwargs(request.mm_processor_kwargs_json), rendered=True
+                    ),
                 )
             except _REFUSED as exc:
                 await hold.let_go(in_engine=False)
@@ -697,19 +699,14 @@ def _engine_ready(request: pb.GenerateRequest, processed: ProcessedRequest) -> p
     return ready
 
 
-def _processor_kwargs(text: str) -> dict[str, Any]:
-    """``add_request``'s keyword for a request's ``mm_processor_kwargs`` (JSON; empty: none)."""
+def _processor_kwargs(text: str) -> Any:
+    """A request's ``mm_processor_kwargs`` (JSON; empty: None), checked as an object by the input processor."""
     if not text:
-        return {}
+        return None
     try:
-        return {"processor_kwargs": json.loads(text)}
+        return json.loads(text)
     except json.JSONDecodeError:
         raise InputError("mm_processor_kwargs", "mm_processor_kwargs must be a JSON object") from None
-
-
-def _with_images(images: list[Any]) -> dict[str, Any]:
-    """``add_request``'s keywords for a conversation's images (its text is the chat template's rendering)."""
-    return {"images": images, "rendered": True}
 
 
 async def _images(urls: list[Any], options: MediaOptions) -> list[Any]:

@@ -15,6 +15,7 @@ from transformers import (
 )
 
 from raypaged import LLM, SamplingParams
+from raypaged.inputs.multimodal_input import MultiModalInput
 from tests.conftest import make_tiny_llava
 from tests.model.image_checks import (
     check_greedy_tokens,
@@ -134,7 +135,8 @@ def test_a_request_whose_images_fail_to_encode_fails_alone(llava_dir, expected):
     with serving(llava_dir, num_gpu_blocks_override=64, max_model_len=128) as llm:
         engine = llm.llm_engine
         processed = [
-            engine.process_request(str(i), text, GREEDY, images=images) for i, (text, images) in enumerate(PROMPTS)
+            engine.process_request(str(i), text, GREEDY, multi_modal=MultiModalInput.of(images))
+            for i, (text, images) in enumerate(PROMPTS)
         ]
         images = processed[0].core_request.images
         processed[0].core_request.images = replace(images, pixel_values=images.pixel_values[:, :, :14, :14])
