@@ -333,6 +333,12 @@ class EngineConfig:
         "neither weights nor KV cache and steps nothing; requests wait, and those in flight are recomputed after",
         action="store_true",
     )
+    enable_prompt_embeds: bool = _flag(
+        False,
+        "take prompts as embeddings (vLLM's prompt_embeds: a [num_tokens, hidden_size] float tensor; over HTTP "
+        "base64 of its torch.save bytes), fed to the model in place of token embeddings",
+        action="store_true",
+    )
     logprobs_mode: str = _flag(
         RAW_LOGPROBS,
         "what the logprobs requests ask for hold: the model's log-probabilities (raw_logprobs) or logits "
@@ -690,6 +696,7 @@ class EngineConfig:
         self.images_per_prompt = self._resolve_image_limit()
         self._check_whole_images()
         self._check_processor_kwargs()
+        self._check_prompt_embeds()
         if isinstance(self.served_model_name, (list, tuple)):
             names = [str(n) for n in self.served_model_name]
             if not names or not all(names) or len(set(names)) != len(names):
@@ -724,6 +731,25 @@ class EngineConfig:
                 f"--limit-mm-per-prompt image: {counts['image']} is not supported: the model reads text only"
             )
         return counts.get("image")
+
+    def _check_prompt_embeds(self) -> None:
+        """``--enable-prompt-embeds``: a generative text model that takes its input embeddings as they are."""
+        if not self.enable_prompt_embeds:
+            return
+        from raypaged.model.architecture import architecture_of
+
+        why = None
+        if self.pooler is not None:
+            why = "the engine pools, it does not generate"
+        elif self.image_hf_config is not None:
+            why = "an image-text model's prompts are text and images"
+        elif self.parsed_speculative_config is not None:
+            why = "speculative decoding proposes drafts from the prompt's token ids"
+        elif architecture_of(self.hf_config).embedding_multiplier != 1.0:
+            why = "the model scales its input embeddings"
+        if why is not None:
+            name = (self.hf_config.architectures or [self.hf_config.model_type])[0]
+            raise ValueError(f"--enable-prompt-embeds is not supported for {name}: {why}")
 
     def _check_processor_kwargs(self) -> None:
         """``--mm-processor-kwargs``: ``check_processor_kwargs``'s."""

@@ -112,7 +112,7 @@ def _interval(start: float | None, end: float | None) -> float | None:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None: the prompt was given as embeddings (vLLM's prompt_embeds)
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     # tokens sampled for this request so far, over all its sequences (best_of counts every sample once)
@@ -124,6 +124,12 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed (vLLM's)
     pooled: Any = None  # an embedding model's request (--runner pooling), finished: its embedding (float32 tensor)
+    num_prompt_embeds: int = 0  # a prompt given as embeddings: its rows (prompt_token_ids is None)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt's tokens: its ids, or its embedding rows."""
+        return self.num_prompt_embeds if self.prompt_token_ids is None else len(self.prompt_token_ids)
 
 
 @dataclass(slots=True)
@@ -183,6 +189,7 @@ class PoolingRequestOutput(Generic[_Pooled]):
     def of(cls, output: RequestOutput) -> PoolingRequestOutput[PoolingOutput]:
         """An embedding model's finished ``RequestOutput`` as vLLM returns it."""
         assert output.pooled is not None, "only an embedding model's finished request has a vector"
+        assert output.prompt_token_ids is not None, "an embedding model's prompt is token ids"
         return PoolingRequestOutput(
             output.request_id, PoolingOutput(output.pooled), output.prompt_token_ids, True, output.num_cached_tokens
         )

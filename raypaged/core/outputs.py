@@ -37,6 +37,7 @@ class NewRequestData:
     num_spec_tokens: int = 0  # drafts it may verify per step (a draft model proposes them for it)
     token_type_start: int | None = None  # BERT's text pair: its second text's first token (token type 1 from there)
     images: ImageInputs | None = None  # the prompt's images (sent again with a request rebuilt after preemption)
+    prompt_embeds: Any = None  # its prompt's embedding rows (vLLM's prompt_embeds; sent again as images are)
 
 
 @dataclass(slots=True)

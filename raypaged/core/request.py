@@ -128,6 +128,7 @@ class Request:
     pooled: Any = None
     token_type_start: int | None = None  # BERT's text pair: its second text's first token (token type 1 from there)
     images: ImageInputs | None = None  # the prompt's images: the workers encode them where their tokens are computed
+    prompt_embeds: Any = None  # vLLM's prompt_embeds ([num_prompt, hidden] tensor): its prompt ids are placeholders
     first_scheduled_time: float | None = field(default=None, init=False)
     _status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
 

@@ -421,6 +421,7 @@ class Scheduler:
             num_spec_tokens=request.num_spec_tokens,
             token_type_start=request.token_type_start,
             images=request.images,
+            prompt_embeds=request.prompt_embeds,
         )
 
     def _admit(self, request: Request) -> bool:

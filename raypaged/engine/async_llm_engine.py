@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine, ProcessedRequest
@@ -172,12 +172,13 @@ class AsyncLLMEngine:
         pooling: PoolingParams | None = None,
         token_type_ids: list[int] | None = None,
         multi_modal: MultiModalInput | None = None,
+        prompt_embeds: Any = None,
     ) -> str:
         """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``.
         With ``beam`` it is a beam search: one finished output, its beams best first. With ``pooling`` it is an
         embedding model's request (``params`` unused): one finished output whose ``pooled`` is its embedding
         (``token_type_ids``: a BERT text pair's). ``multi_modal``: the images for a text prompt's image
-        placeholders with their options.
+        placeholders with their options. ``prompt_embeds``: the prompt as embedding rows (``LLMEngine.add_request``).
 
         A caller cancelled at any point, even while the engine thread is adding the
         request, leaves nothing running: an abort is queued behind the add.
@@ -187,6 +188,9 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if pooling is not None and (prompt_embeds is not None or multi_modal is not None):
+            param = "prompt_embeds" if multi_modal is None else "multi_modal_data"
+            raise InputError(param, f"{param} does not apply to a pooling request")
         # checked, tokenized, its grammar compiled and its adapter read here, off the engine thread: the batch runs on
         if pooling is not None:
             process = partial(
@@ -210,16 +214,19 @@ class AsyncLLMEngine:
                 cache_salt,
                 lora_request,
                 multi_modal,
+                prompt_embeds,
             )
         else:
             if multi_modal is not None and multi_modal.images:
                 raise InputError("multi_modal_data", "a beam search with images is not supported")
             if multi_modal is not None and multi_modal.processor_kwargs:
                 raise InputError("mm_processor_kwargs", "mm_processor_kwargs applies to a request with images")
+            if prompt_embeds is not None:
+                raise InputError("prompt_embeds", "a beam search with prompt_embeds is not supported")
             process = partial(
                 self.engine.process_beam_search, request_id, prompt, beam, prompt_token_ids, lora_request, cache_salt
             )
-        if beam is None and lora_request is None and _cheap(params, prompt_token_ids):
+        if beam is None and lora_request is None and prompt_embeds is None and _cheap(params, prompt_token_ids):
             processed = process()  # checks and a copy, under 0.1 ms: a thread hop would cost more under load
         else:
             processed = await self._loop.run_in_executor(None, process)

@@ -65,6 +65,9 @@ class EngineCoreRequest:
     pooling: PoolingParams | None = None  # an embedding model's request: it ends with its prompt, with its vector
     token_type_start: int | None = None  # BERT's text pair: its second text's first token (token type 1 from there)
     images: ImageInputs | None = None  # the prompt's images (a model with a vision tower)
+    # vLLM's prompt_embeds: one float row per prompt token ([num_prompt, hidden]); prompt_token_ids then hold
+    # placeholders (0), which the workers' embedding rows replace
+    prompt_embeds: Any = None
 
 
 @dataclass(slots=True)
@@ -188,6 +191,7 @@ class EngineCore:
                 pooling=request.pooling,
                 token_type_start=request.token_type_start,
                 images=request.images,
+                prompt_embeds=request.prompt_embeds,
             )
             for i in range(num_samples)
         ]

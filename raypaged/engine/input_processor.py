@@ -36,6 +36,7 @@ from raypaged.inputs.limits import (
 )
 from raypaged.inputs.media import MediaError, MediaOptions, load_image
 from raypaged.inputs.multimodal_input import MultiModalInput
+from raypaged.inputs.prompt_embeds import checked_prompt_embeds, embeds_salt, load_prompt_embeds, truncated
 from raypaged.model.architecture import (
     attends_images_both_ways,
     min_image_tokens,
@@ -568,6 +569,22 @@ class InputProcessor:
         options = self._processor_options(given.processor_kwargs)
         return self.image_prompt(prompt, images, given.rendered, options)
 
+    def _prompt_embeds(self, given: Any, params: SamplingParams) -> torch.Tensor:
+        """A request's ``prompt_embeds`` checked (``inputs/prompt_embeds.py``) and truncated as its
+        ``truncate_prompt_tokens`` asks; what needs the prompt's token ids is refused by name."""
+        config = self.config
+        if not config.enable_prompt_embeds:
+            raise InputError("prompt_embeds", "prompt_embeds needs the engine started with --enable-prompt-embeds")
+        if params.prompt_logprobs is not None:
+            raise InputError("prompt_logprobs", "prompt_logprobs needs the prompt's token ids, not prompt_embeds")
+        tensor = checked_prompt_embeds(
+            load_prompt_embeds(given) if isinstance(given, bytes) else given, config.hf_config.hidden_size
+        )
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = config.resolved_max_model_len
+        return truncated(tensor, keep, params.truncation_side == "right")
+
     def process(
         self,
         request_id: str,
@@ -578,11 +595,13 @@ class InputProcessor:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         multi_modal: MultiModalInput | None = None,
+        prompt_embeds: Any = None,
     ) -> tuple[SamplingParams, EngineCoreRequest]:
         """The request checked and resolved: the caller's params (logprobs resolved against the
         vocabulary: what outputs are built by) and the core's request (``request_id`` is the id
         of its first sequence). ``multi_modal``: the images for the image placeholders of the text ``prompt``
-        (``image_prompt``) with their options."""
+        (``image_prompt``) with their options. ``prompt_embeds``: the prompt as embedding rows (a tensor, or the
+        bytes ``torch.save`` wrote), instead of ``prompt``/``prompt_token_ids`` (``--enable-prompt-embeds``)."""
         config = self.config
         if config.pooler is not None:
             raise _not_generative(config)
@@ -593,18 +612,27 @@ class InputProcessor:
         if multi_modal is not None and (multi_modal.images or multi_modal.processor_kwargs):
             prompt_token_ids, image_inputs = self._multi_modal_prompt(prompt, prompt_token_ids, params, multi_modal)
             cache_salt = image_cache_salt(cache_salt, image_inputs)
-        prompt_token_ids = self._checked_prompt(
-            prompt, prompt_token_ids, params.truncate_prompt_tokens, params.truncation_side == "right"
-        )
+        known_ids: list[int] | None = None  # the prompt's token ids as grammars and thinking budgets read them
+        if prompt_embeds is not None:
+            if multi_modal is not None or prompt_token_ids is not None or prompt is not None:
+                raise InputError("prompt_embeds", "prompt_embeds is the whole prompt: no text, ids or images beside it")
+            prompt_embeds = self._prompt_embeds(prompt_embeds, params)
+            prompt_token_ids, known_ids = [0] * prompt_embeds.shape[0], []  # placeholders: the rows replace them
+            cache_salt = embeds_salt(cache_salt, prompt_embeds)
+            check_prompt_ids(prompt_token_ids, config.hf_config.vocab_size, config.resolved_max_model_len)
+        else:
+            prompt_token_ids = self._checked_prompt(
+                prompt, prompt_token_ids, params.truncate_prompt_tokens, params.truncation_side == "right"
+            )
         max_model_len = config.resolved_max_model_len
         check_context(len(prompt_token_ids), params.max_tokens, max_model_len)
         max_tokens = params.max_tokens or max_model_len - len(prompt_token_ids)
         matchers = []
         if (structured := params.structured_outputs) is not None:  # cached when a server compiled it already
-            grammar = self.compile_grammar(structured, prompt, prompt_token_ids)
+            grammar = self.compile_grammar(structured, prompt, prompt_token_ids if known_ids is None else known_ids)
             matchers = [self.grammars.matcher(grammar) for _ in range(params.num_samples)]
         if params.thinking_token_budget is not None:
-            matchers = self._thinking_budgets(params, prompt_token_ids, matchers)
+            matchers = self._thinking_budgets(params, prompt_token_ids if known_ids is None else known_ids, matchers)
         seq_params = self._with_eos_stops(params)
         if params.bad_words:
             seq_params = replace(seq_params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
@@ -620,6 +648,7 @@ class InputProcessor:
             matchers=matchers,
             num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
             images=image_inputs,
+            prompt_embeds=prompt_embeds,
         )
 
     def _thinking_budgets(self, params: SamplingParams, prompt_token_ids: list[int], grammars: list) -> list:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
 
@@ -117,6 +117,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         multi_modal: MultiModalInput | None = None,
+        prompt_embeds: Any = None,
     ) -> ProcessedRequest:
         """The input processor's half of ``add_request``: touches no engine state, so servers run it
         off the engine thread and hand the result to ``add_processed`` there."""
@@ -129,6 +130,7 @@ class LLMEngine:
             cache_salt,
             lora_request,
             multi_modal,
+            prompt_embeds,
         )
         return ProcessedRequest(request_id, prompt, params, core_request)
 
@@ -194,11 +196,12 @@ class LLMEngine:
             self.output_processor.add(
                 request_id,
                 processed.prompt,
-                core_request.prompt_token_ids,
+                core_request.prompt_token_ids if core_request.prompt_embeds is None else None,
                 processed.params,
                 seq_ids,
                 core_request.max_tokens,
                 core_request.arrival_time,
+                0 if core_request.prompt_embeds is None else len(core_request.prompt_token_ids),
             )
         return request_id
 
@@ -215,6 +218,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         multi_modal: MultiModalInput | None = None,
+        prompt_embeds: Any = None,
     ) -> str:
         """Validate and queue one request; returns its id. Bad input raises ``ValueError``.
 
@@ -222,7 +226,9 @@ class LLMEngine:
         only reported back); otherwise ``prompt`` is tokenized. Requests with
         different ``cache_salt`` never share prefix-cache blocks, nor do requests on
         different LoRA adapters (``lora_request``; ``None``: the base model). ``multi_modal``: the images for the
-        image placeholders of a text ``prompt`` (an image-text model's) with their options.
+        image placeholders of a text ``prompt`` (an image-text model's) with their options. ``prompt_embeds``: the
+        prompt as a ``[num_tokens, hidden_size]`` float tensor (or its ``torch.save`` bytes), vLLM's, instead of
+        ``prompt``/``prompt_token_ids`` (needs ``enable_prompt_embeds``).
         """
         request_id = self.new_request_id(request_id)
         return self.add_processed(
@@ -235,6 +241,7 @@ class LLMEngine:
                 cache_salt,
                 lora_request,
                 multi_modal,
+                prompt_embeds,
             )
         )
 

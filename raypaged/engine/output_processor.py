@@ -82,7 +82,7 @@ class RequestState:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None: a prompt given as embeddings
     params: SamplingParams
     seqs: list[SeqState]
     arrival_time: float = 0.0
@@ -92,6 +92,7 @@ class RequestState:
     prompt_logprobs_found: list[dict[int, float]] | None = None  # from the first sequence's first delta
     prompt_logprobs_sent: bool = False  # DELTA outputs: the prompt's logprobs went with the first
     pooled: Any = None  # an embedding model's request, ended: its embedding (a float32 tensor)
+    num_prompt_embeds: int = 0  # a prompt given as embeddings: its rows
 
     def prompt_logprobs(self, delta: bool) -> list[dict[int, Logprob] | None] | None:
         """The prompt's logprobs when asked for (``None`` for its first token, as vLLM), once its
@@ -144,16 +145,19 @@ class OutputProcessor:
         self,
         request_id: str,
         prompt: str | None,
-        prompt_token_ids: list[int],
+        prompt_token_ids: list[int] | None,
         params: SamplingParams,
         seq_ids: list[str],
         max_tokens: int,
         arrival_time: float,
+        num_prompt_embeds: int = 0,
     ) -> None:
+        """``prompt_token_ids`` None: the prompt was ``num_prompt_embeds`` embedding rows (its text starts afresh)."""
         state = RequestState(request_id, prompt, prompt_token_ids, params, [], arrival_time, max_tokens)
+        state.num_prompt_embeds = num_prompt_embeds
         for index, seq_id in enumerate(seq_ids):
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+                self.tokenizer, prompt_token_ids or [], params.skip_special_tokens, params.spaces_between_special_tokens
             )
             seq = SeqState(seq_id, index, params, detok, eos_token_id=self.eos_token_id)
             state.seqs.append(seq)
@@ -284,10 +288,11 @@ def beam_output(state: RequestState, hypotheses: list[Hypothesis], tokenizer) ->
         for rank, (hyp, text) in enumerate(zip(hypotheses, texts))
     ]
     sequences = []
+    prompt_ids = state.prompt_token_ids or []  # (a beam search's prompt is token ids)
     for hyp, text in zip(hypotheses, texts):
         sequences.append(
             BeamSearchSequence(
-                state.prompt_token_ids + hyp.token_ids,
+                prompt_ids + hyp.token_ids,
                 _decoded_logprobs(hyp.logprobs, tokenizer),
                 hyp.cumulative_logprob,
                 text,
@@ -438,6 +443,7 @@ def make_output(state: RequestState, stream_interval: int = 1) -> RequestOutput 
             request_metrics(state) if finished or not delta else None,
             state.prompt_logprobs(delta),
             state.num_cached_tokens,
+            num_prompt_embeds=state.num_prompt_embeds,
         )
     finished = state.finished
     ranked = params.num_samples > params.n
@@ -467,6 +473,7 @@ def make_output(state: RequestState, stream_interval: int = 1) -> RequestOutput 
         metrics=request_metrics(state),
         prompt_logprobs=state.prompt_logprobs(delta),
         num_cached_tokens=state.num_cached_tokens,
+        num_prompt_embeds=state.num_prompt_embeds,
     )
 
 
@@ -488,6 +495,7 @@ def error_output(state: RequestState) -> RequestOutput:
         num_generated_tokens=state.num_generated_tokens,
         error=state.error,
         metrics=request_metrics(state),
+        num_prompt_embeds=state.num_prompt_embeds,
     )
 
 

@@ -161,9 +161,10 @@ class LLM:
                 cache_salt=salt,
                 lora_request=lora,
                 multi_modal=multi_modal,
+                prompt_embeds=given.get("prompt_embeds") if isinstance(given, dict) else None,
             )
-            for (text, token_ids, salt), params, prio, lora, multi_modal in zip(
-                resolved, params_list, priorities, loras, multi_modals
+            for (text, token_ids, salt), params, prio, lora, multi_modal, given in zip(
+                resolved, params_list, priorities, loras, multi_modals, prompts
             )
         ]
         return self._submit_and_run(submissions, use_tqdm)
@@ -415,7 +416,7 @@ def _is_conversation(messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 _POOLING_PROMPT_KEYS = (*_PROMPT_KEYS, "token_type_ids")  # a BERT text pair's token types (vLLM's TokensPrompt)
 # an image-text model's images and its image processor's options (vLLM's TextPrompt)
-_GENERATE_PROMPT_KEYS = (*_PROMPT_KEYS, "multi_modal_data", "mm_processor_kwargs")
+_GENERATE_PROMPT_KEYS = (*_PROMPT_KEYS, "multi_modal_data", "mm_processor_kwargs", "prompt_embeds")
 
 
 def _multi_modal_input(prompt: PromptType, rendered: bool) -> MultiModalInput | None:
@@ -463,7 +464,7 @@ def _prompt_input(
     refused by name."""
     if isinstance(prompt, str):
         return prompt, None, None
-    if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
+    if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt or "prompt_embeds" in prompt):
         unknown = [key for key in prompt if key not in keys]
         if unknown:
             raise ValueError(f"a prompt's {unknown[0]!r} is not supported: a prompt dict takes {', '.join(keys)}")

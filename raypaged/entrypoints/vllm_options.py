@@ -135,7 +135,6 @@ DEFAULT_ONLY: list[Option] = [
     ("return_sampling_mask", (), bool, (None, False), "responses carry tokens and logprobs, no sampling masks"),
     ("use_fp64_gumbel", (), bool, (None, False), "tokens are drawn by inverse CDF from each row's generator"),
     ("enable_trace_replay", (), bool, (None, False), _NO_TRACING),
-    ("enable_prompt_embeds", (), bool, (None, False), "prompts are text or token ids"),
     ("logits_processors", (), list, (None,), _NO_PLUGINS),
     ("io_processor_plugin", (), str, (None,), _NO_PLUGINS),
     ("renderer_num_workers", (), int, (1,), "prompts are rendered and tokenized by one input processor per model"),

@@ -259,10 +259,14 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         try:
             try:
                 await hold.admit()
-                images = None
+                images = embeds = None
                 text: str | None
                 token_ids: list[int] | None
-                if request.WhichOneof("prompt") == "messages" and has_images(request.messages):
+                if request.WhichOneof("prompt") == "prompt_embeds":  # loaded and checked by the input processor
+                    if request.echo:
+                        raise InputError("echo", "echo needs the prompt's text: prompt_embeds have none")
+                    text, token_ids, embeds = None, None, request.prompt_embeds
+                elif request.WhichOneof("prompt") == "messages" and has_images(request.messages):
                     text, urls = await model.off_loop(chat_prompt_with_images, model.inputs, request.messages)
                     model.inputs.check_image_count(len(urls))  # before any is fetched
                     token_ids, images = None, await _images(urls, model.inputs.media_options)
@@ -280,6 +284,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                     multi_modal=MultiModalInput.of(
                         images, _processor_kwargs(request.mm_processor_kwargs_json), rendered=True
                     ),
+                    prompt_embeds=embeds,
                 )
             except _REFUSED as exc:
                 await hold.let_go(in_engine=False)
@@ -361,7 +366,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         finally:
             await hold.let_go(in_engine=True)
         return pb.EmbedResponse(
-            request_id=request_id, embedding=output.pooled.tolist(), prompt_tokens=len(output.prompt_token_ids)
+            request_id=request_id, embedding=output.pooled.tolist(), prompt_tokens=output.num_prompt_tokens
         )
 
     def _checked(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> _Checked:
@@ -394,6 +399,8 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         gate, model, lora, params, beam, priority = self._checked(request, context)
         if beam is not None:
             raise InputError("use_beam_search", "a beam search cannot be rendered: its beams run as one search")
+        if request.WhichOneof("prompt") == "prompt_embeds":
+            raise InputError("prompt_embeds", "prompt_embeds cannot be rendered: they are no token ids")
         text, token_ids = await _prompt(model, request, model.inputs.prompt_ids)
         process = partial(
             model.engine.engine.process_request,
@@ -645,11 +652,14 @@ def _check_text_size(config: EngineConfig, request: pb.GenerateRequest | pb.Embe
         check_text(oneof, len(pair.text_1) + len(pair.text_2), config.limits, config.resolved_max_model_len)
     elif kind == "messages":
         _check_conversation(request.messages, config)
-    elif kind != "token_ids":
+    elif kind not in ("token_ids", "prompt_embeds"):  # embeddings: bounded by the message size, checked when loaded
         raise InputError(oneof, f"{oneof} is required: {_INPUT_KINDS[oneof]}")
 
 
-_INPUT_KINDS = {"prompt": "text, token_ids or messages", "input": "text, token_ids, messages or text_pair"}
+_INPUT_KINDS = {
+    "prompt": "text, token_ids, messages or prompt_embeds",
+    "input": "text, token_ids, messages or text_pair",
+}
 _TOKENIZER_FILES = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")  # paths on this host, left out
 
 

@@ -120,8 +120,8 @@ class RequestObserver:
             if progress is None:
                 arrival = arrival_times.get(output.request_id, now)
                 self._ttft.observe(now - arrival)
-                self._prompt_tokens.inc(len(output.prompt_token_ids))
-                num_step_tokens += len(output.prompt_token_ids)
+                self._prompt_tokens.inc(output.num_prompt_tokens)
+                num_step_tokens += output.num_prompt_tokens
                 progress = self._progress[output.request_id] = _Progress(arrival, now)
             else:
                 self._itl.observe(now - progress.last_time)
@@ -148,7 +148,7 @@ class RequestObserver:
 
     def _finished(self, output: RequestOutput, e2e: float) -> None:
         self._success[_finish_reason(output)].inc()
-        self._request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self._request_prompt_tokens.observe(output.num_prompt_tokens)
         self._request_generation_tokens.observe(output.num_generated_tokens)
         self._times["e2e_request_latency_seconds"].observe(e2e)
         metrics = output.metrics

@@ -201,13 +201,13 @@ class DeltaTracker:
         messages = self.messages
         deltas = [self._delta(c) for c in output.outputs if c.index not in self._done]
         self._usage = messages.Usage(
-            prompt_tokens=len(output.prompt_token_ids),
+            prompt_tokens=output.num_prompt_tokens,
             completion_tokens=output.num_generated_tokens,
             cached_tokens=output.num_cached_tokens,
         )
         prompt = None
         if output.prompt_logprobs is not None:
-            ids = output.prompt_token_ids
+            ids = output.prompt_token_ids or []  # (refused for a prompt given as embeddings)
             prompt = messages.PromptLogprobs(token_ids=ids, token_texts=[self.tokenizer.decode([t]) for t in ids])
             logprobs = []
             for entry in output.prompt_logprobs[1:]:
@@ -220,7 +220,7 @@ class DeltaTracker:
             self.echo = False
         prompt_token_ids: list[int] = []
         if self.return_token_ids and deltas:
-            prompt_token_ids = output.prompt_token_ids
+            prompt_token_ids = output.prompt_token_ids or []  # none for a prompt given as embeddings
             self.return_token_ids = False
         return messages.GenerateResponse(
             request_id=self.request_id,

@@ -63,6 +63,7 @@ class CachedRequestState:
     token_type_start: int | None = None  # BERT's text pair: its second text's first token (type 1 from there)
     row: int = -1  # its row of the runner's BlockTables
     images: ImageInputs | None = None  # the prompt's images
+    prompt_embeds: torch.Tensor | None = None  # vLLM's prompt_embeds: a row per prompt token (its ids are placeholders)
     image_embeds: torch.Tensor | None = None  # their embeddings, one row per image token, once a step needs them
     # Qwen2-VL's M-RoPE: the prompt's positions [3, num_prompt] and the shift of the later tokens' (None: a
     # request whose positions are its token indices)
@@ -195,6 +196,7 @@ class ModelRunner:
                 row=tables.add(new.block_ids),
                 token_type_start=new.token_type_start,
                 images=new.images,
+                prompt_embeds=new.prompt_embeds,
             )
             if new.images is not None and new.images.grids is not None:
                 state = self.requests[new.request_id]
@@ -270,7 +272,9 @@ class ModelRunner:
                 spans.append((query_start, num_new, end))
                 images = state.images
                 span_images.append(images.blocks(start, end) if images is not None and images.bidirectional else ())
-            if state.images is not None and state.images.overlaps(start, end):
+            if (state.images is not None and state.images.overlaps(start, end)) or (
+                state.prompt_embeds is not None and start < len(state.prompt_token_ids)
+            ):
                 image_spans.append((state, query_start, start, end))
             if state.mrope is not None:
                 mrope_rows.append((query_start, state.rope_positions(start, end)))
@@ -343,18 +347,24 @@ class ModelRunner:
             sample_indices=sample_t,
             sampled_request_ids=sampled_ids,
             prompt_spans=prompt_spans,
-            embeds=self._image_rows(image_spans) if image_spans else None,
+            embeds=self._embedding_rows(image_spans) if image_spans else None,
             mrope_positions=mrope,
         )
 
-    def _image_rows(self, spans: list[tuple[CachedRequestState, int, int, int]]) -> ImageRows | None:
+    def _embedding_rows(self, spans: list[tuple[CachedRequestState, int, int, int]]) -> ImageRows | None:
         """The step's rows at image positions and their embeddings: each request's images are encoded when a step
-        first reaches them (again after a preemption that rebuilt it) and dropped once its prompt is computed."""
+        first reaches them (again after a preemption that rebuilt it) and dropped once its prompt is computed. A
+        request's ``prompt_embeds`` give its prompt's rows as they are."""
         encoder = self.image_encoder
-        assert encoder is not None, "a request with images reached a model without a vision tower"
         indices: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         for state, query_start, start, end in spans:
+            if state.prompt_embeds is not None:
+                last = min(end, len(state.prompt_token_ids))
+                indices.append(torch.arange(query_start, query_start + last - start))
+                values.append(state.prompt_embeds[start:last].to(self.device))
+                continue
+            assert encoder is not None, "a request with images reached a model without a vision tower"
             images = state.images
             assert images is not None
             if state.image_embeds is None:
@@ -376,7 +386,7 @@ class ModelRunner:
         if not indices:
             return None
         # Qwen3-VL: each row's deepstack features after its embedding (see _encoded)
-        parts = torch.cat(values).chunk(1 + getattr(encoder, "num_deepstack", 0), dim=-1)
+        parts = torch.cat(values).chunk(1 + getattr(encoder, "num_deepstack", 0), dim=-1)  # (no prompt_embeds there)
         return ImageRows(torch.cat(indices).to(self.device), parts[0], parts[1:])
 
     def capture_decode_graphs(
@@ -540,9 +550,9 @@ class ModelRunner:
         outputs = state.known_output_token_ids
         if num_drafts_before:
             outputs = outputs + state.spec_token_ids[:num_drafts_before]
-        return SamplingInput(
-            state.sampling_params, state.prompt_token_ids, outputs, self.eos_token_id, state.sample_index
-        )
+        # a prompt given as embeddings has no token ids: penalties see the generated tokens only, as transformers'
+        prompt = state.prompt_token_ids if state.prompt_embeds is None else []
+        return SamplingInput(state.sampling_params, prompt, outputs, self.eos_token_id, state.sample_index)
 
     def _runner_output(self, rows: list[tuple[str, int]], tokens: list[SampledToken]) -> ModelRunnerOutput:
         """Each request's token, or for one verifying drafts the run it keeps."""

@@ -435,7 +435,15 @@ def test_every_field_of_an_engine_request_crosses_the_generate_request_and_back(
         cache_salt="salt",
     )
     # refused, or resolved by render
-    not_carried = {"text", "messages", "echo", "beam_search", "truncation_side", "mm_processor_kwargs_json"}
+    not_carried = {
+        "text",
+        "messages",
+        "prompt_embeds",
+        "echo",
+        "beam_search",
+        "truncation_side",
+        "mm_processor_kwargs_json",
+    }
     set_fields = {f.name for f, _ in request.ListFields()}
     assert {f.name for f in pb.GenerateRequest.DESCRIPTOR.fields} - set_fields == not_carried
     for message in (request.sampling, request.stopping):

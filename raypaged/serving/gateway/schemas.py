@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 from collections.abc import Awaitable, Mapping
@@ -57,7 +59,7 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "suffix": ("",),
     "logits_processors": (),
-    "prompt_embeds": (),
+    "prompt_embeds": (),  # a completion's are taken (CompletionRequest.prompt_embeds); a chat body has none
     "functions": (),
     "function_call": ("none", "auto"),
     "kv_transfer_params": (),
@@ -340,7 +342,10 @@ def _token_id(key: str) -> int | None:
 
 
 class CompletionRequest(_GenerationBody):
-    prompt: Prompts
+    prompt: Prompts | None = None  # "" or none with prompt_embeds: only those (as vLLM)
+    # vLLM's: base64 of the bytes torch.save writes for a [num_tokens, hidden_size] float tensor, or a list of
+    # them; each is a prompt of its own, before the body's text prompts (--enable-prompt-embeds)
+    prompt_embeds: str | list[str] | None = None
     logprobs: LogprobCount | None = None  # the engine caps it (--max-logprobs)
 
     @property
@@ -357,11 +362,29 @@ class CompletionRequest(_GenerationBody):
     @property
     def num_prompts(self) -> int:
         """Prompts in the body (one engine request each), known without building them."""
-        return count_prompts(self.prompt)
+        embeds = self.prompt_embeds
+        num_embeds = 0 if embeds is None else 1 if isinstance(embeds, str) else len(embeds)
+        text = self._text_prompt()
+        return num_embeds + (0 if text is None else count_prompts(text))
 
     def prompts(self) -> list[dict]:
-        """One ``GenerateRequest`` prompt per prompt of the body."""
-        return split_prompts(self.prompt, "prompt")
+        """One ``GenerateRequest`` prompt per prompt of the body: its ``prompt_embeds`` first, then its texts or
+        token ids (as vLLM orders them)."""
+        embeds = self.prompt_embeds
+        if embeds is None or embeds == []:
+            if self.prompt is None:
+                raise APIError(400, "prompt is required (or prompt_embeds)", "prompt")
+            return split_prompts(self.prompt, "prompt")
+        if self.echo:
+            raise APIError(400, "echo needs the prompt's text: prompt_embeds have none", "echo")
+        found = [{"prompt_embeds": _base64_bytes(e)} for e in ([embeds] if isinstance(embeds, str) else embeds)]
+        text = self._text_prompt()
+        return found + ([] if text is None else split_prompts(text, "prompt"))
+
+    def _text_prompt(self) -> Prompts | None:
+        """The body's text or token-id prompts; None: none ("" beside prompt_embeds is none)."""
+        prompt = self.prompt
+        return None if prompt is None or (prompt == "" and self.prompt_embeds) else prompt
 
     @property
     def num_logprobs(self) -> int | None:
@@ -370,6 +393,14 @@ class CompletionRequest(_GenerationBody):
     @property
     def resolved_max_tokens(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens
+
+
+def _base64_bytes(text: str) -> bytes:
+    """A ``prompt_embeds`` entry's bytes (strict base64: padded, no whitespace)."""
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, "prompt_embeds must be base64 of the bytes torch.save writes", "prompt_embeds") from None
 
 
 def count_prompts(prompts: Prompts) -> int:
