@@ -262,6 +262,12 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _flag(
         None, "token budget of one step (8k, 8K as --max-model-len)", type=human_int
     )
+    long_prefill_token_threshold: int = _flag(
+        0,
+        "most tokens one sequence computes in a step (0: the step's budget): a long prompt is prefilled in chunks of "
+        "this size, leaving room in each step for the prompts behind it",
+        type=human_int,
+    )
     kv_cache_space: float | None = _flag(None, "GiB of KV cache on CPU (default 4)", type=float)
     kv_cache_memory_bytes: int | None = _flag(
         None,
@@ -697,6 +703,14 @@ class EngineConfig:
         self._check_whole_images()
         self._check_processor_kwargs()
         self._check_prompt_embeds()
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"--long-prefill-token-threshold must be 0 or more, got {self.long_prefill_token_threshold}"
+            )
+        if self.long_prefill_token_threshold and self.whole_prompts:
+            raise ValueError(
+                "--long-prefill-token-threshold does not apply: the model computes each prompt whole, in one step"
+            )
         if isinstance(self.served_model_name, (list, tuple)):
             names = [str(n) for n in self.served_model_name]
             if not names or not all(names) or len(set(names)) != len(names):

@@ -62,6 +62,9 @@ class SchedulerConfig:
     # an encoder's, EmbeddingGemma's (every token attends to its whole prompt): a prompt is scheduled whole in one
     # step, never cut into chunks
     whole_prompts: bool = False
+    # vLLM's long_prefill_token_threshold: a sequence computes at most this many tokens a step (0: the budget's),
+    # so one long prompt leaves room in each step for the prompts behind it
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -333,10 +336,18 @@ class Scheduler:
         group = request.group
         if group is not None and group.pending_children:
             num_new = min(num_new, group.fork_at - start)
+        threshold = self.config.long_prefill_token_threshold
+        capped = min(num_new, threshold) if 0 < threshold < num_new else num_new
         images = request.images
         if images is not None and images.bidirectional:  # Gemma 3: an image's tokens in one step (0: not this one)
-            num_new = images.whole_images_end(start, start + num_new) - start
-        return num_new
+            whole = images.whole_images_end(start, start + capped) - start
+            if whole or capped == num_new:
+                return whole
+            # the threshold cut an image that starts the chunk: that image whole, within the budget
+            cut = start + capped
+            image_end = next(offset + n for offset, n in images.placeholders if offset < cut < offset + n)
+            return images.whole_images_end(start, min(image_end, start + num_new)) - start
+        return capped
 
     def _drafts(self, request: Request, num_new: int) -> list[int]:
         """The drafts a decoding sequence verifies this step: as many of its proposals as the budget,

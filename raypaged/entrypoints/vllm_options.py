@@ -42,7 +42,7 @@ _NO_SLEEP = (
     "{enable_sleep_mode} releases the weights and the KV cache by freeing them, and wake_up reads the weights back "
     "from the checkpoint (no cumem allocator)"
 )
-_ONE_CHUNKED = "the scheduler prefills one prompt in chunks at a time"
+_ONE_CHUNKED = "long prompts are not limited apart from the others: each is cut at {long_prefill_token_threshold}"
 _KERNELS = "raypaged's kernels are chosen per device"
 
 
@@ -50,7 +50,6 @@ DEFAULT_ONLY: list[Option] = [
     ("pipeline_parallel_size", ("-pp",), int, (1,), "pipeline parallelism is not implemented: shard layers with -tp"),
     ("data_parallel_size", ("-dp",), int, (1,), _ONE_ENGINE),
     ("max_long_partial_prefills", (), int, (1,), _ONE_CHUNKED),
-    ("long_prefill_token_threshold", (), int, (0,), _ONE_CHUNKED),
     ("long_prefill_token_threshold_adaptive", (), bool, (False,), _ONE_CHUNKED),
     ("cpu_offload_gb", (), float, (0.0,), _NO_OFFLOAD),
     ("tokenizer_mode", (), str, ("auto", "hf"), "the model's own (fast) tokenizer is used"),
@@ -67,8 +66,8 @@ DEFAULT_ONLY: list[Option] = [
         (),
         int,
         (1,),
-        "the scheduler chunks one prompt at a time (a prompt cut at the step's {max_num_batched_tokens} is its last; "
-        "the prompts behind it wait for the next step), which is {max_num_partial_prefills} 1",
+        "prompts are chunked within the step's {max_num_batched_tokens} and {long_prefill_token_threshold}, with no "
+        "other bound on how many are partly prefilled at once, as vLLM V1's scheduler; only its default 1 is taken",
     ),
     (
         "task",

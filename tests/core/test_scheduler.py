@@ -10,6 +10,7 @@ from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.outputs import BlockOpKind, ModelRunnerOutput, SampledToken, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
+from raypaged.multimodal import ImageInputs
 from raypaged.sampling_params import SamplingParams
 
 EOS = 0
@@ -540,3 +541,44 @@ def test_whole_prompts_are_never_cut():
     for request_id, num_prompt in (("a", 6), ("b", 6)):
         plain.add_request(make_request(request_id, num_prompt, max_tokens=1))
     assert plain.schedule().num_scheduled_tokens == {"a": 6, "b": 4}  # the decoder's scheduler cuts it
+
+
+def test_long_prefill_token_threshold_cuts_every_long_prompt_and_admits_the_ones_behind():
+    """vLLM's long_prefill_token_threshold: no sequence computes more than 6 tokens a step, so three prompts share
+    each step's budget of 16 (the third gets what is left), a decode keeps its token, and blocks follow the chunks."""
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=1024, long_prefill_token_threshold=6),
+        KVCacheManager(32, 4),
+    )
+    for request_id, n in (("a", 14), ("b", 9), ("c", 3)):
+        s.add_request(make_request(request_id, n))
+    steps = [dict(run_step(s).num_scheduled_tokens) for _ in range(4)]
+    assert steps == [
+        {"a": 6, "b": 6, "c": 3},
+        {"a": 6, "b": 3, "c": 1},
+        {"a": 2, "b": 1, "c": 1},
+        {"a": 1, "b": 1, "c": 1},
+    ]
+    # blocks as each chunk needed them: a's 6, b's 6 (2, 3), c's 3 (4); a's 12 (5), b's 9 (6); a's 14 (7), c's 5th (8)
+    blocks = [s.kv.get_block_ids(r) for r in "abc"]
+    assert blocks == [[0, 1, 5, 7], [2, 3, 6], [4, 8]]
+
+
+def test_long_prefill_token_threshold_off_gives_the_budget_to_the_first_prompt():
+    s = make_scheduler(num_blocks=32, budget=16)
+    for request_id, n in (("a", 14), ("b", 9)):
+        s.add_request(make_request(request_id, n))
+    assert run_step(s).num_scheduled_tokens == {"a": 14, "b": 2}
+
+
+def test_long_prefill_token_threshold_keeps_a_bidirectional_image_whole():
+    """Gemma 3's images are computed whole: a threshold of 3 cuts the text before the 6-token image at 3, then the
+    image comes whole in one step (within the budget), and the text after it in chunks of 3 again."""
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=1024, long_prefill_token_threshold=3),
+        KVCacheManager(32, 4),
+    )
+    request = make_request("a", 14)
+    request.images = ImageInputs(None, ((4, 6),), ("",), bidirectional=True)
+    s.add_request(request)
+    assert [run_step(s).num_scheduled_tokens["a"] for _ in range(5)] == [3, 1, 6, 3, 1]

@@ -399,9 +399,9 @@ def test_max_num_partial_prefills_accepts_1_and_refuses_others(tiny_model_dir):
     with pytest.raises(ValueError) as info:
         engine_configs(build_parser().parse_args(["serve", str(tiny_model_dir), "--max-num-partial-prefills", "2"]))
     assert str(info.value) == (
-        "--max-num-partial-prefills 2 is not supported: the scheduler chunks one prompt at a time (a prompt cut at "
-        "the step's --max-num-batched-tokens is its last; the prompts behind it wait for the next step), which is "
-        "--max-num-partial-prefills 1"
+        "--max-num-partial-prefills 2 is not supported: prompts are chunked within the step's "
+        "--max-num-batched-tokens and --long-prefill-token-threshold, with no other bound on how many are partly "
+        "prefilled at once, as vLLM V1's scheduler; only its default 1 is taken"
     )
 
 

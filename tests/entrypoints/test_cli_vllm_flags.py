@@ -338,13 +338,9 @@ def test_lora_flags_refuse_what_they_cannot_honour(tiny_model_dir, argv, message
             "--distributed-executor-backend mp is not supported: shards are Ray actors (ray)",
         ),
         (
-            ["--long-prefill-token-threshold", "512"],
-            "--long-prefill-token-threshold 512 is not supported: the scheduler "
-            "prefills one prompt in chunks at a time",
-        ),
-        (
             ["--max-long-partial-prefills", "2"],
-            "--max-long-partial-prefills 2 is not supported: the scheduler prefills one prompt in chunks at a time",
+            "--max-long-partial-prefills 2 is not supported: long prompts are not limited apart from the others: "
+            "each is cut at --long-prefill-token-threshold",
         ),
         (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4.0 is not supported: weights stay on the device"),
         (

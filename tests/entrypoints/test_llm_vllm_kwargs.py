@@ -84,9 +84,9 @@ def test_vllm_engine_arguments_are_taken_at_the_values_that_change_nothing(tiny_
         (
             {"max_num_partial_prefills": 2},
             ValueError,
-            "max_num_partial_prefills=2 is not supported: the scheduler chunks one prompt at a time (a prompt cut at "
-            "the step's max_num_batched_tokens is its last; the prompts behind it wait for the next step), which is "
-            "max_num_partial_prefills 1",
+            "max_num_partial_prefills=2 is not supported: prompts are chunked within the step's max_num_batched_tokens "
+            "and long_prefill_token_threshold, with no other bound on how many are partly prefilled at once, as vLLM "
+            "V1's scheduler; only its default 1 is taken",
         ),
         (
             {"gpu_memory_utilisation": 0.5},
