@@ -301,6 +301,13 @@ class EngineConfig:
     )
     # shards (Ray actors) per model
     tensor_parallel_size: int = _flag(1, "GPUs (or CPU shards) per model", aliases=("-tp",), type=int)
+    pipeline_parallel_size: int = _flag(
+        1,
+        "pipeline stages per model, each of --tensor-parallel-size shards holding a contiguous share of the layers "
+        "(and their KV cache); a step's residual stream passes from stage to stage",
+        aliases=("-pp",),
+        type=int,
+    )
     enable_expert_parallel: bool = _flag(
         False,
         "mixture-of-experts models: each shard holds num_experts / tensor_parallel_size whole experts instead of "
@@ -629,6 +636,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -703,6 +712,7 @@ class EngineConfig:
         self._check_whole_images()
         self._check_processor_kwargs()
         self._check_prompt_embeds()
+        self._check_pipeline_parallel()
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"--long-prefill-token-threshold must be 0 or more, got {self.long_prefill_token_threshold}"
@@ -745,6 +755,28 @@ class EngineConfig:
                 f"--limit-mm-per-prompt image: {counts['image']} is not supported: the model reads text only"
             )
         return counts.get("image")
+
+    def _check_pipeline_parallel(self) -> None:
+        """``--pipeline-parallel-size``: at least one layer a stage, and nothing that needs every layer on one shard."""
+        stages = self.pipeline_parallel_size
+        if stages == 1:
+            return
+        num_layers = self.hf_config.num_hidden_layers
+        why = None
+        if num_layers < stages:
+            why = f"the model has {num_layers} layers, fewer than the stages"
+        elif self.pooler is not None or self.encoder:
+            why = "an embedding model or an encoder runs whole on each shard"
+        elif self.image_hf_config is not None:
+            why = "an image-text model's vision tower feeds the first layer"
+        elif self.enable_lora:
+            why = "LoRA adapters are placed on every layer of one shard group"
+        elif self.speculative_config is not None:
+            why = "speculative decoding's proposer runs beside the whole model"
+        elif self.enable_prompt_embeds:
+            why = "prompt embeddings are taken by one shard group's first layer"
+        if why is not None:
+            raise ValueError(f"--pipeline-parallel-size {stages} is not supported: {why}")
 
     def _check_prompt_embeds(self) -> None:
         """``--enable-prompt-embeds``: a generative text model that takes its input embeddings as they are."""
@@ -1081,11 +1113,11 @@ class EngineConfig:
     def _check_async_scheduling(self) -> None:
         if not self.async_scheduling:
             return
-        if self.tensor_parallel_size > 1:
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             raise ValueError(
                 "--async-scheduling runs on one shard: the next step needs the tokens only rank 0 "
-                f"samples (tensor_parallel_size is {self.tensor_parallel_size}; "
-                "use --no-async-scheduling)"
+                f"samples (tensor_parallel_size is {self.tensor_parallel_size}, pipeline_parallel_size "
+                f"{self.pipeline_parallel_size}; use --no-async-scheduling)"
             )
         if self.speculative_config is not None:
             raise ValueError(
@@ -1100,12 +1132,17 @@ class EngineConfig:
             return self.async_scheduling
         if self.pooler is not None:  # a request ends with its prefill: no next token to schedule ahead for
             return False
-        return self.resolved_device == "cuda" and self.tensor_parallel_size == 1 and self.speculative_config is None
+        return (
+            self.resolved_device == "cuda"
+            and self.tensor_parallel_size == 1
+            and self.pipeline_parallel_size == 1
+            and self.speculative_config is None
+        )
 
     @property
     def uses_ray(self) -> bool:
         """Shards run as Ray actors: more than one, or a Ray cluster was named."""
-        return self.tensor_parallel_size > 1 or self.ray_address is not None
+        return self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or self.ray_address is not None
 
     @property
     def resolved_device(self) -> str:

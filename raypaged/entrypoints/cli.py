@@ -349,8 +349,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from raypaged.serving.engine_process import EngineProcess, EngineProcessLost
 
     ranks = data_parallel_ranks(args)
+    # the devices an engine takes: its shards, every pipeline stage's
+    shards = (args.tensor_parallel_size or 1) * (getattr(args, "pipeline_parallel_size", None) or 1)
     # the engine processes import torch and the engine while this one reads its flags and imports the gateway
-    engines = EngineProcess.for_ranks(ranks, args.tensor_parallel_size or 1) if envs.engine_process() else None
+    engines = EngineProcess.for_ranks(ranks, shards) if envs.engine_process() else None
     for engine in engines or ():
         engine.launch()
     try:
@@ -373,7 +375,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 adapters,
                 engines,
                 ranks,
-                args.tensor_parallel_size or 1,
+                shards,
             )
         )
     except EngineProcessLost as exc:  # as vLLM's API server when its engine core dies: exit, to be restarted

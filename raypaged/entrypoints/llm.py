@@ -61,7 +61,7 @@ class LLM:
         for ``limits`` or ``structured_outputs_config`` is their default too.
 
         The other keywords are vLLM engine arguments taken here at one value (``trust_remote_code``,
-        ``disable_log_stats``, ``enable_chunked_prefill=True``, ``pipeline_parallel_size=1`` ...);
+        ``disable_log_stats``, ``enable_chunked_prefill=True``, ``data_parallel_size=1`` ...);
         another value is refused naming it, and an unknown keyword is a ``TypeError`` naming the
         closest one there is."""
         keywords = engine_keywords()

@@ -47,7 +47,6 @@ _KERNELS = "raypaged's kernels are chosen per device"
 
 
 DEFAULT_ONLY: list[Option] = [
-    ("pipeline_parallel_size", ("-pp",), int, (1,), "pipeline parallelism is not implemented: shard layers with -tp"),
     ("data_parallel_size", ("-dp",), int, (1,), _ONE_ENGINE),
     ("max_long_partial_prefills", (), int, (1,), _ONE_CHUNKED),
     ("long_prefill_token_threshold_adaptive", (), bool, (False,), _ONE_CHUNKED),

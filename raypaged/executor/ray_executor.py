@@ -32,7 +32,7 @@ from raypaged.executor import shm_channel
 from raypaged.executor.base import Executor, WorkerLostError
 from raypaged.executor.step_times import StepTimes
 from raypaged.executor.worker_actor import CONCURRENCY_GROUPS, WorkerActor
-from raypaged.model.parallel import TensorParallel
+from raypaged.model.parallel import PipelineStage, TensorParallel
 
 logger = logging.getLogger("raypaged")
 
@@ -64,12 +64,14 @@ def connect_ray(config: EngineConfig) -> None:
         return
     num_cpus = None
     if config.resolved_device == "cpu":
-        num_cpus = max(os.cpu_count() or 1, config.tensor_parallel_size)
+        num_cpus = max(os.cpu_count() or 1, config.tensor_parallel_size * config.pipeline_parallel_size)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
 
 
 class RayExecutor(Executor):
-    """The shard group of one engine: ``tensor_parallel_size`` actors, rank 0 samples."""
+    """The shard group of one engine: ``tensor_parallel_size`` actors, rank 0 samples. With pipeline parallelism,
+    ``pipeline_parallel_size`` such groups, one per stage (global rank ``stage * tp + r``); rank 0 of the last
+    stage samples."""
 
     def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
         self.config = config
@@ -81,6 +83,8 @@ class RayExecutor(Executor):
         self.node_ids: list[str] = []  # the Ray node of each shard, by rank
         self.num_blocks: tuple[int, int] | None = None  # (device, CPU) once the cache exists
         self.step_times = StepTimes()
+        # the rank that samples and reports the step: rank 0 of the last pipeline stage
+        self._sampling_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self._wanted_channel = envs.step_channel()  # read (and checked) once, before Ray starts
         self.step_channel = self._wanted_channel  # "shm" or "graph" once the shards are placed
         self._step_graph: CompiledDAG | None = None  # compiled once the cache exists
@@ -92,7 +96,8 @@ class RayExecutor(Executor):
     # ---- lifecycle -------------------------------------------------------------
     def _start_workers(self) -> None:
         config = self.config
-        size = config.tensor_parallel_size
+        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        size = tp_size * pp_size
         on_gpu = config.resolved_device == "cuda"
         bundle = {"GPU": 1} if on_gpu else {"CPU": 1}
         self.placement_group = placement_group([bundle] * size, strategy=config.placement_strategy)
@@ -127,14 +132,20 @@ class RayExecutor(Executor):
         init_method = ray.get(self.workers[0].rendezvous_address.remote())
         self._call_all(
             [
-                worker.start.remote(config, self.eos_token_id, TensorParallel(rank, size), init_method)
+                worker.start.remote(
+                    config,
+                    self.eos_token_id,
+                    TensorParallel(rank % tp_size, tp_size, pp=PipelineStage(rank // tp_size, pp_size, tp_size)),
+                    init_method,
+                )
                 for rank, worker in enumerate(self.workers)
             ]
         )
         self.node_ids = self._call_all([worker.node_id.remote() for worker in self.workers])
         logger.info(
-            "started %d shard actors (%s, %s, steps through %s)",
+            "started %d shard actors (%s%s, %s, steps through %s)",
             size,
+            f"{pp_size} pipeline stages of {tp_size}, " if pp_size > 1 else "",
             config.placement_strategy,
             "GPU" if on_gpu else "CPU",
             "shared memory" if self.step_channel == "shm" else "a Ray Compiled Graph",
@@ -259,7 +270,7 @@ class RayExecutor(Executor):
             except (RayActorError, RayChannelError) as err:  # the graph reports a dead shard either way
                 raise self._dead_worker(err) from err
         self.step_times.add(time.perf_counter() - start, max(seconds for _, seconds in results))
-        return results[0][0]
+        return results[self._sampling_rank][0]
 
     def _step_through_channel(
         self, channel: shm_channel.ShmStepChannel, scheduler_output: SchedulerOutput

@@ -118,6 +118,11 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         name = canonical_name(_prefixed(checkpoint_name))
         if _is_extra_layer(name, num_layers, num_mtp_layers):
             continue
+        if (layer := _LAYER.match(name)) is not None and len(model.model.layers) < num_layers:  # a pipeline stage's
+            in_stage = int(layer[1]) - model.model.first_layer
+            if not 0 <= in_stage < len(model.model.layers):
+                continue  # another stage's layer
+            name = f"model.layers.{in_stage}.{name[layer.end() :]}"
         if (expert := _EXPERT.search(name)) is not None:  # its place on this rank (expert parallel: maybe none)
             block, index = _owner(model, name, name[: expert.start()] + ".mlp"), int(expert[1])
             if not isinstance(block, SparseMoeBlock) or index >= block.spec.num_experts:

@@ -471,9 +471,12 @@ class LlamaModel(nn.Module):
         layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
         if arch.gemma or arch.olmo2 or arch.sandwich_norms:
             layer = GemmaDecoderLayer if arch.gemma else Olmo2DecoderLayer if arch.olmo2 else Glm4DecoderLayer
+        # pipeline parallelism: this stage's layers only (``layers[j]`` is the checkpoint's layer first_layer + j)
+        self.tp = tp
+        stage = tp.pp.layers(num_layers)
+        self.first_layer = stage.start
         self.layers = nn.ModuleList(
-            layer(config, arch, rotaries[rope_types[i]], tp, f"model.layers.{i}", quant_config, i)
-            for i in range(num_layers)
+            layer(config, arch, rotaries[rope_types[i]], tp, f"model.layers.{i}", quant_config, i) for i in stage
         )
         final_norm: type[RMSNorm] = GemmaRMSNorm if arch.gemma else Olmo2RMSNorm if arch.olmo2 else RMSNorm
         self.norm = final_norm(config.hidden_size, config.rms_norm_eps)
@@ -492,6 +495,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
         """``embeds``: the step's image rows. ``mrope_positions``: ``[3, num_tokens]``, M-RoPE's positions of a step
         with image tokens (Qwen2-VL), which then take the place of ``positions``."""
+        if self.tp.pp.size > 1:
+            return self._stage(input_ids, positions, kv_caches, meta)
         x = self.embed_tokens(input_ids)
         if embeds is not None:
             x[embeds.indices] = embeds.embeddings.to(x.dtype)
@@ -516,6 +521,31 @@ class LlamaModel(nn.Module):
             if step is not None and not step.adapters_active():
                 return step.run(self, x, positions, kv_caches, meta)
         return self._layers(positions, x, kv_caches, meta)
+
+    def _stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """A pipeline stage's part of the step: the embeddings (the first stage) or the stream the stage before sent,
+        this stage's layers, then the stream to the next stage (an empty tensor returned), or the final norm (the
+        last stage).
+        The stream crosses as one tensor, the residual added in (the next stage's first layer starts from it, as a
+        first layer starts from the embeddings)."""
+        pp = self.tp.pp
+        if pp.first:
+            x = self.embed_tokens(input_ids)
+        else:
+            weight = self.embed_tokens.weight  # the stream's width and dtype
+            x = self.tp.receive_from_previous_stage(
+                torch.empty(input_ids.shape[0], weight.shape[1], dtype=weight.dtype, device=input_ids.device)
+            )
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta, self.fused_ops)
+        if not pp.last:
+            stream = x if residual is None else x + residual
+            self.tp.send_to_next_stage(stream)
+            return stream[:0]
+        return self.final_norm(x, residual)
 
     def _layers(
         self,
@@ -607,7 +637,8 @@ class LlamaForCausalLM(nn.Module):
         plain = arch.olmo2 or arch.sandwich_norms or arch.mla or arch.attn_sinks or bool(arch.attention_chunks)
         plain = plain or arch.gemma  # Gemma's (1 + weight) norms and GeGLU: not the fused ops'
         self.model.fused_ops = None if plain else backend.fused_ops
-        self.model.cpu_step = CpuStep.build(self.model)
+        # a pipeline stage runs its layers in Python: the stream crosses to the next stage between them
+        self.model.cpu_step = CpuStep.build(self.model) if self.model.tp.pp.size == 1 else None
 
     def calculate_kv_scales_next_step(self) -> None:
         """``--calculate-kv-scales``: the next step with tokens sets every layer's fp8 KV cache scales from its own

@@ -1,16 +1,20 @@
-"""Tensor parallelism: the shard group of one worker and the layers that talk across it.
+"""Tensor and pipeline parallelism: the shard group of one worker and the layers that talk across it.
 
 Column-parallel linears are plain ``nn.Linear`` with their output rows sharded at
 load (quantized linears, in ``raypaged/quantization/linear.py``, split the same way);
 the layers here are the ones that communicate: row-parallel linears (one
 all-reduce), the vocab-parallel embedding (one all-reduce) and the vocab-parallel
 LM head (one all-gather of logits).
+
+With pipeline parallelism (``PipelineStage``) the layers are split into contiguous stages, each run by its own
+shard group; a stage hands its residual stream to the same tensor-parallel rank of the next stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,30 +32,76 @@ class Communicator:
     all_reduce: Callable[[torch.Tensor], None] | None = None
 
 
+def stage_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Each pipeline stage's layers: ``num_layers // num_stages`` each, the remainder one more each on the stages
+    before the last, from the last but one back (the last stage also runs the LM head), as vLLM splits them."""
+    sizes = [num_layers // num_stages] * num_stages
+    for i in range(2, num_layers % num_stages + 2):
+        sizes[-i] += 1
+    starts = [sum(sizes[:i]) for i in range(num_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineStage:
+    """Which pipeline stage a shard group runs (``index`` of ``size``); every stage has ``tp_size`` ranks, so global
+    rank ``index * tp_size + r`` is tensor-parallel rank ``r`` of stage ``index``."""
+
+    index: int = 0
+    size: int = 1
+    tp_size: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+    def layers(self, num_layers: int) -> range:
+        return stage_layers(num_layers, self.size)[self.index]
+
+    def global_rank(self, tp_rank: int, stage: int | None = None) -> int:
+        return (self.index if stage is None else stage) * self.tp_size + tp_rank
+
+
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
-    """This worker's place in its shard group (the default torch.distributed group when ``size > 1``)."""
+    """This worker's place in its shard group (the default torch.distributed group when ``size > 1``; with pipeline
+    parallelism, ``group``: its stage's ranks) and its pipeline stage (``pp``)."""
 
     rank: int = 0
     size: int = 1
     comm: Communicator = field(default_factory=Communicator, compare=False, repr=False)
     # --enable-expert-parallel: a mixture of experts' layer gives each rank whole experts, not a share of each
     expert_parallel: bool = False
+    pp: PipelineStage = field(default_factory=PipelineStage)
+    group: Any = field(default=None, compare=False, repr=False)  # a torch.distributed group; None: the default
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             if self.comm.all_reduce is not None:
                 self.comm.all_reduce(x)
             else:
-                dist.all_reduce(x)
+                dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, size * d]
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def send_to_next_stage(self, x: torch.Tensor) -> None:
+        """The residual stream to this rank's peer in the next pipeline stage."""
+        dist.send(x.contiguous(), dst=self.pp.global_rank(self.rank, self.pp.index + 1))
+
+    def receive_from_previous_stage(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream from this rank's peer in the stage before, into ``x`` (its shape and dtype)."""
+        dist.recv(x, src=self.pp.global_rank(self.rank, self.pp.index - 1))
+        return x
 
     def chunk(self, total: int) -> tuple[int, int]:
         """(start, length) of this rank's even share of ``total`` (which the size divides)."""

@@ -142,8 +142,10 @@ class ModelRunner:
         logprobs_mode: str = RAW_LOGPROBS,
         pooling_type: str | None = None,
         image_encoder: ImageEncoder | None = None,
+        last_stage: bool = True,
     ) -> None:
         """``samples``: this rank samples and reports tokens (rank 0); the others only run the forward.
+        ``last_stage`` False: a pipeline stage before the last, whose forward hands its stream on (no logits).
         ``logprobs_mode``: what the logprobs requests ask for hold (``sampler.sample``).
         ``lora``: the model's LoRA slots, filled as each step's ``lora_loads`` say.
         ``async_scheduling``: a step may be scheduled before the tokens of the one before it reach the
@@ -153,6 +155,7 @@ class ModelRunner:
         assert samples or not async_scheduling, "async scheduling needs the tokens of the rank that samples"
         self.model = model
         self.samples = samples
+        self.last_stage = last_stage
         self.async_scheduling = async_scheduling
         self.logprobs_mode = logprobs_mode
         self.pooling_type = pooling_type
@@ -462,6 +465,8 @@ class ModelRunner:
             hidden = encoder(step.input_ids, step.positions, self.cache.layers, meta, self._token_types(so))
         else:
             hidden = self.model(step.input_ids, step.positions, self.cache.layers, meta)
+        if not self.last_stage:
+            return ModelRunnerOutput()
         if self.pooling_type is not None:
             return self._pooled_output(hidden, so) if self.samples else ModelRunnerOutput()
         prompt_logprobs = {

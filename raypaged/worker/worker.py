@@ -36,7 +36,9 @@ _COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
 class Worker:
     """Rank ``tp.rank`` of a shard group: with ``tp.size > 1`` it first joins the group's
-    torch.distributed process group at ``init_method`` (gloo on CPU, NCCL on CUDA)."""
+    torch.distributed process group at ``init_method`` (gloo on CPU, NCCL on CUDA). With pipeline
+    parallelism (``tp.pp``) the process group holds every stage's ranks, and each stage's ranks get a group of
+    their own for their collectives."""
 
     def __init__(
         self,
@@ -51,16 +53,24 @@ class Worker:
         self.dtype = getattr(torch, config.resolved_dtype)
         self.cache_dtype = getattr(torch, config.resolved_kv_cache_dtype)
         self.eos_token_id = eos_token_id
-        if tp.size > 1:
+        pp = tp.pp
+        if tp.size * pp.size > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(
-                backend, init_method=init_method, rank=tp.rank, world_size=tp.size, timeout=_COLLECTIVE_TIMEOUT
+                backend,
+                init_method=init_method,
+                rank=pp.global_rank(tp.rank),
+                world_size=tp.size * pp.size,
+                timeout=_COLLECTIVE_TIMEOUT,
             )
+        if pp.size > 1:  # every rank makes every stage's group, in the same order
+            groups = [dist.new_group([pp.global_rank(r, stage) for r in range(tp.size)]) for stage in range(pp.size)]
+            tp = self.tp = dataclasses.replace(tp, group=groups[pp.index])
         torch.manual_seed(config.seed)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index if self.device.index is not None else 0)
             self.device = torch.device("cuda", torch.cuda.current_device())
-            if tp.size > 1 and envs.tp_cuda_graphs() and not config.enforce_eager:
+            if tp.size > 1 and pp.size == 1 and envs.tp_cuda_graphs() and not config.enforce_eager:
                 from raypaged.worker.nccl import NcclAllReduce
 
                 tp.comm.all_reduce = NcclAllReduce(tp)  # every rank builds it here, together
@@ -137,6 +147,11 @@ class Worker:
             if self.draft_model.checkpoint_kv_scales:  # its cache is the model's dtype
                 _drop_kv_scales(self.draft_model, config.resolved_dtype)
 
+    @property
+    def num_layers(self) -> int:
+        """The layers this shard runs (and caches K/V for): all of them, or its pipeline stage's."""
+        return len(self.tp.pp.layers(self.config.hf_config.num_hidden_layers))
+
     def block_shape(self) -> tuple[int, int, int]:
         """One layer's K (or V) block on this rank: (kv_heads, block_size, head_dim); an encoder's hold nothing (it
         keeps no KV cache: its blocks are only the scheduler's count of the tokens in flight)."""
@@ -152,7 +167,7 @@ class Worker:
     def bytes_per_block(self) -> int:
         """A block's bytes over every layer, the draft model's included."""
         elem = torch.tensor([], dtype=self.cache_dtype).element_size()
-        total = 2 * self.config.hf_config.num_hidden_layers * math.prod(self.block_shape()) * elem
+        total = 2 * self.num_layers * math.prod(self.block_shape()) * elem
         if self.draft_model is not None:
             assert self.config.draft_hf_config is not None  # resolved with the draft model's path
             draft_elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -208,10 +223,9 @@ class Worker:
             self.config.resolved_max_num_batched_tokens, self.config.max_num_seqs * self.config.resolved_max_model_len
         )
         num_seqs = min(self.config.max_num_seqs, num_tokens)
-        hf = self.config.hf_config
         # a one-block cache: every slot is -1 (nothing written), every span a whole prompt (nothing read)
         block = torch.zeros((1, *self.block_shape()), dtype=self.cache_dtype, device=self.device)
-        layers = [(block, block)] * hf.num_hidden_layers
+        layers = [(block, block)] * self.num_layers
         lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
         starts = [0, *itertools.accumulate(lengths[:-1])]
         no_blocks = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -226,7 +240,7 @@ class Worker:
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         hidden = self.model(input_ids, positions, layers, meta)
         last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=self.device)
-        if self.model.has_head:  # an embedding model's step ends with its hidden states
+        if self.model.has_head and self.tp.pp.last:  # an embedding model's step ends with its hidden states
             self.model.compute_logits(hidden[last]).float().log_softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - self._torch_baseline
@@ -273,9 +287,8 @@ class Worker:
             )
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        hf = self.config.hf_config
         cache = KVCache(
-            hf.num_hidden_layers,
+            self.num_layers,
             num_blocks,
             num_cpu_blocks,
             self.block_shape(),
@@ -297,7 +310,8 @@ class Worker:
             self.eos_token_id,
             self.config.seed,
             self.device,
-            samples=self.tp.rank == 0,
+            samples=self.tp.rank == 0 and self.tp.pp.last,
+            last_stage=self.tp.pp.last,
             lora=self.lora,
             async_scheduling=self.config.resolved_async_scheduling,
             logprobs_mode=self.config.logprobs_mode,
@@ -330,7 +344,9 @@ class Worker:
         if self.config.calculate_kv_scales:  # from the first step with tokens: the profile runs are behind
             self.model.calculate_kv_scales_next_step()
         if self.device.type == "cuda" and not self.config.enforce_eager:
-            if self.tp.size > 1 and self.tp.comm.all_reduce is None:
+            if self.tp.pp.size > 1:
+                logger.info("CUDA graphs are off under pipeline parallelism; steps run eagerly")
+            elif self.tp.size > 1 and self.tp.comm.all_reduce is None:
                 logger.info(
                     "CUDA graphs are off under tensor parallelism (RAYPAGED_TP_CUDA_GRAPHS=1 turns them on); decode "
                     "steps run eagerly"

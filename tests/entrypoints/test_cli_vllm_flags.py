@@ -329,11 +329,6 @@ def test_lora_flags_refuse_what_they_cannot_honour(tiny_model_dir, argv, message
     "argv, message",
     [
         (
-            ["-pp", "2"],
-            "--pipeline-parallel-size 2 is not supported: pipeline parallelism is not implemented: shard "
-            "layers with -tp",
-        ),
-        (
             ["--distributed-executor-backend", "mp"],
             "--distributed-executor-backend mp is not supported: shards are Ray actors (ray)",
         ),

@@ -52,9 +52,11 @@ def test_vllm_engine_arguments_are_taken_at_the_values_that_change_nothing(tiny_
     "kwargs, error, message",
     [
         (
-            {"pipeline_parallel_size": 2},
+            {"data_parallel_size": 2},
             ValueError,
-            "pipeline_parallel_size=2 is not supported: pipeline parallelism is not implemented: shard layers with -tp",
+            "data_parallel_size=2 is not supported: this runs one engine; `raypaged serve -dp N` runs N engine "
+            "processes behind its gateway, and `raypaged gateway` balances over the engines named with --engine "
+            "NAME=host:port, once per rank",
         ),
         (
             {"calculate_kv_scales": True},

@@ -190,7 +190,7 @@ def test_vllm_run_batch_command_lines_parse() -> None:
         (["--api-key", "sk-1"], "--api-key is not taken by raypaged run-batch"),
         (["--sse-keep-alive-interval", "5"], "--sse-keep-alive-interval is not taken by raypaged run-batch"),
         (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
-        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2 is not supported"),
+        (["--data-parallel-size", "2"], "--data-parallel-size 2 is not supported: this runs one engine"),
     ],
 )
 def test_flags_a_batch_cannot_honour_are_refused_by_name(flags, message, tmp_path, capsys) -> None:

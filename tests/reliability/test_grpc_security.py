@@ -160,7 +160,7 @@ def test_the_engine_gets_the_tenants_priority_plus_the_requests_and_its_name_as_
     original = engine.add_request
     monkeypatch.setattr(engine, "add_request", add_request)
     list(server.stub.Generate(pb.GenerateRequest(request_id="p", text="Hello", priority=3, **GREEDY), metadata=key(B)))
-    assert seen == [("b/p", 8, "b", {"lora_request": None, "beam": None})]
+    assert seen == [("b/p", 8, "b", {"lora_request": None, "beam": None, "multi_modal": None, "prompt_embeds": None})]
 
 
 def test_a_request_the_engine_failed_alone_ends_internal_with_its_message(server, monkeypatch):

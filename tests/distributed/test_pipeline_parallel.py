@@ -1,0 +1,118 @@
+"""Pipeline parallelism over Ray actors on CPU (gloo): each stage holds its contiguous layers and their KV cache,
+the residual stream goes from stage to stage, and the tokens and logprobs are one shard's."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from raypaged import LLM, SamplingParams
+from raypaged.config import EngineConfig
+from raypaged.executor.ray_executor import RayExecutor
+from raypaged.model.parallel import stage_layers
+from tests.conftest import make_tiny_model
+from tests.distributed.conftest import TINY_PARAMS, TINY_PROMPTS, greedy_tokens
+from tests.distributed.test_recovery import kill_rank_1
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+PROMPTS = [{"prompt_token_ids": list(range(100 + i, 100 + i + n))} for i, n in enumerate((41, 7, 23))]
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory, smollm2_dir):
+    """3 layers (stages of 2 and 1, or 1 each), its LM head the embeddings (as SmolLM2's): the last stage reads it."""
+    return make_tiny_model(tmp_path_factory.mktemp("pp"), smollm2_dir, num_hidden_layers=3, tie_word_embeddings=True)
+
+
+def tokens_and_logprobs(llm: LLM) -> tuple[list[list[int]], list[float]]:
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    logprobs = [e[t].logprob for o in outputs for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+    logprobs += [e[t].logprob for o in outputs for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+    return [list(o.outputs[0].token_ids) for o in outputs], logprobs
+
+
+def start(model, **options) -> LLM:
+    return LLM(model=str(model), num_gpu_blocks_override=64, max_model_len=128, max_num_batched_tokens=16, **options)
+
+
+@pytest.fixture(scope="module")
+def one_shard(tied_model):
+    return tokens_and_logprobs(start(tied_model))
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (3, 1), (2, 2)])
+def test_stages_give_one_shards_tokens_and_logprobs(ray_session, tied_model, one_shard, pp, tp):
+    """In 16-token chunks (the prompts' prefills cross steps); tp 2 within stages sums in another order, so its
+    logprobs are close, the others' equal."""
+    llm = start(tied_model, pipeline_parallel_size=pp, tensor_parallel_size=tp)
+    try:
+        executor = llm.llm_engine.executor
+        assert isinstance(executor, RayExecutor) and len(executor.workers) == pp * tp
+        tokens, logprobs = tokens_and_logprobs(llm)
+    finally:
+        llm.shutdown()
+    assert tokens == one_shard[0]
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(one_shard[1]), atol=1e-5 if tp > 1 else 0, rtol=0)
+
+
+def test_each_stage_caches_its_own_layers(ray_session, tiny_llama, tiny_reference):
+    """The same --kv-cache-space holds twice the blocks at 2 stages of the tiny Llama's 2 layers: each stage caches
+    one layer; and the tokens are one shard's."""
+    counts = []
+    for pp in (1, 2):
+        llm = LLM(model=str(tiny_llama), device="cpu", pipeline_parallel_size=pp, kv_cache_space=0.01)
+        try:
+            counts.append(llm.stats()["num_gpu_blocks_total"])
+            if pp == 2:
+                assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
+        finally:
+            llm.shutdown()
+    assert counts[1] == 2 * counts[0]
+
+
+def test_a_lost_stage_is_replaced_and_requests_finish_unchanged(ray_session, tiny_llama, tiny_reference):
+    """The last stage's actor (the one that samples) killed mid-batch: the whole group is replaced and every
+    request recomputed to the same tokens."""
+    llm = LLM(model=str(tiny_llama), device="cpu", pipeline_parallel_size=2, num_gpu_blocks_override=128)
+    try:
+        engine = llm.llm_engine
+        request_ids = [
+            engine.add_request(None, TINY_PARAMS, prompt_token_ids=p["prompt_token_ids"]) for p in TINY_PROMPTS
+        ]
+        finished, step = {}, 0
+        while engine.has_unfinished_requests():
+            if step == 4:
+                lost = kill_rank_1(llm)
+            finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            step += 1
+        assert [finished[r] for r in request_ids] == tiny_reference
+        assert lost not in [w._actor_id.hex() for w in engine.executor.workers]
+    finally:
+        llm.shutdown()
+
+
+def test_layers_split_as_vllm_splits_them():
+    assert [len(r) for r in stage_layers(30, 4)] == [7, 8, 8, 7]
+    assert [len(r) for r in stage_layers(32, 4)] == [8, 8, 8, 8]
+    assert [len(r) for r in stage_layers(5, 3)] == [2, 2, 1]
+    assert stage_layers(3, 2) == [range(0, 2), range(2, 3)]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"pipeline_parallel_size": 4}, "--pipeline-parallel-size 4 is not supported: the model has 3 layers, fewer"),
+        ({"pipeline_parallel_size": 2, "enable_lora": True}, "LoRA adapters are placed on every layer of one shard"),
+        (
+            {"pipeline_parallel_size": 2, "async_scheduling": True},
+            "--async-scheduling runs on one shard: the next step needs the tokens only rank 0 samples "
+            "(tensor_parallel_size is 1, pipeline_parallel_size 2; use --no-async-scheduling)",
+        ),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be at least 1, got 0"),
+    ],
+)
+def test_what_stages_cannot_run_is_refused_at_start(tied_model, options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(model=str(tied_model), **options)
