@@ -39,14 +39,15 @@ def embeds_of(hf, ids: list[int], seed: int) -> torch.Tensor:
     return rows + 0.05 * torch.randn(rows.shape, generator=generator)
 
 
-def hf_tokens(hf, embeds: torch.Tensor, **options) -> list[int]:
+def hf_tokens(hf, embeds: torch.Tensor, max_tokens: int = MAX_TOKENS, **options) -> list[int]:
+    """Transformers' greedy tokens for ``inputs_embeds``, EOS ignored."""
     with torch.inference_mode():
         out = hf.generate(
             inputs_embeds=embeds[None],
             attention_mask=torch.ones(1, embeds.shape[0], dtype=torch.long),
             do_sample=False,
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
             eos_token_id=None,
             pad_token_id=0,
             **options,
@@ -150,17 +151,7 @@ def test_preempted_embeds_prompts_are_recomputed_from_their_rows(model_dir, hf, 
     outputs = llm.generate([{"prompt_embeds": e} for e in prompts * 2], params, use_tqdm=False)
     assert llm.llm_engine.stats().num_preemptions > 0
     for output, embeds in zip(outputs, prompts * 2):
-        with torch.inference_mode():
-            expected = hf.generate(
-                inputs_embeds=embeds[None],
-                attention_mask=torch.ones(1, embeds.shape[0], dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=24,
-                min_new_tokens=24,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0]
-        assert output.outputs[0].token_ids == expected.tolist()
+        assert output.outputs[0].token_ids == hf_tokens(hf, embeds, 24)
 
 
 def saved(value) -> bytes:

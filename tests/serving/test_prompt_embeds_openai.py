@@ -14,9 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from raypaged.serving.proto import generate_pb2 as pb
+from tests.entrypoints.test_prompt_embeds import MAX_TOKENS, hf_tokens
 from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
-
-MAX_TOKENS = 8
 
 
 def encoded(rows: torch.Tensor) -> str:
@@ -36,19 +35,6 @@ def rows(hf) -> list[torch.Tensor]:
     with torch.no_grad():
         embeds = [hf.get_input_embeddings()(torch.arange(500, 500 + n)) for n in (6, 19)]
     return [e + 0.05 * torch.randn(e.shape, generator=generator) for e in embeds]
-
-
-def hf_tokens(hf, embeds: torch.Tensor) -> list[int]:
-    with torch.inference_mode():
-        return hf.generate(
-            inputs_embeds=embeds[None],
-            attention_mask=torch.ones(1, embeds.shape[0], dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0].tolist()
 
 
 @pytest.fixture(scope="module")
