@@ -110,9 +110,10 @@ class RayExecutor(Executor):
                 f"{_PLACEMENT_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}"
             ) from None
         bundle_nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]  # bundle index -> node
+        bundles = ranks_by_node([bundle_nodes[b] for b in range(size)])  # rank -> its bundle
         # the channel is chosen from where the shards will run, before any of them starts: a forced
         # shared-memory channel across nodes fails without loading the weights
-        self.step_channel = self._choose_step_channel(self._wanted_channel, [bundle_nodes[r] for r in range(size)])
+        self.step_channel = self._choose_step_channel(self._wanted_channel, [bundle_nodes[b] for b in bundles])
         actor_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(WorkerActor)
         # the driver's $RAYPAGED_* switches are the shards' too, on whichever node they run and whenever Ray started
         switches = {name: value for name, value in os.environ.items() if name.startswith("RAYPAGED_")}
@@ -122,12 +123,12 @@ class RayExecutor(Executor):
                 num_gpus=1 if on_gpu else 0,
                 runtime_env={"env_vars": switches} if switches else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=rank
+                    self.placement_group, placement_group_bundle_index=bundle
                 ),
             ).remote(
-                None if on_gpu else list(bundle_nodes.values()).count(bundle_nodes[rank]), self.cpu_threads_override
+                None if on_gpu else list(bundle_nodes.values()).count(bundle_nodes[bundle]), self.cpu_threads_override
             )
-            for rank in range(size)
+            for bundle in bundles
         ]
         init_method = ray.get(self.workers[0].rendezvous_address.remote())
         self._call_all(
@@ -350,6 +351,15 @@ class RayExecutor(Executor):
 
     def _call_all(self, refs: list[ray.ObjectRef]) -> list:
         return call_all(refs, self.workers)
+
+
+def ranks_by_node(bundle_nodes: list[str]) -> list[int]:
+    """The bundle each rank runs in (``bundle_nodes[b]``: bundle ``b``'s node): bundles grouped by node, nodes in the
+    order their first bundle comes, bundle order within a node. Consecutive ranks share a node where they can, so
+    a pipeline stage's tensor-parallel ranks (``stage * tp`` to ``stage * tp + tp - 1``) sit together whenever each
+    node holds a multiple of ``tp`` bundles, and its all-reduces stay on the node."""
+    first_seen = {node: i for i, node in reversed(list(enumerate(bundle_nodes)))}
+    return sorted(range(len(bundle_nodes)), key=lambda b: (first_seen[bundle_nodes[b]], b))
 
 
 def call_all(refs: list[ray.ObjectRef], workers: list[ray.actor.ActorHandle]) -> list:

@@ -229,7 +229,7 @@ def test_shards_fit_the_gpu_worker_group():
         assert worker["resources"]["requests"]["nvidia.com/gpu"] == limits["nvidia.com/gpu"]
         num_gpus += group["replicas"] * int(limits["nvidia.com/gpu"])
         num_pods += group["replicas"]
-    assert args.tensor_parallel_size == num_gpus
+    assert args.tensor_parallel_size * args.pipeline_parallel_size == num_gpus
     if num_pods > 1:
         assert args.placement_strategy != "STRICT_PACK", "STRICT_PACK needs every shard on one node"
 

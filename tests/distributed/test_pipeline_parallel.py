@@ -10,7 +10,7 @@ import torch
 
 from raypaged import LLM, SamplingParams
 from raypaged.config import EngineConfig
-from raypaged.executor.ray_executor import RayExecutor
+from raypaged.executor.ray_executor import RayExecutor, ranks_by_node
 from raypaged.model.parallel import stage_layers
 from tests.conftest import make_tiny_model
 from tests.distributed.conftest import TINY_PARAMS, TINY_PROMPTS, greedy_tokens
@@ -116,3 +116,10 @@ def test_layers_split_as_vllm_splits_them():
 def test_what_stages_cannot_run_is_refused_at_start(tied_model, options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineConfig(model=str(tied_model), **options)
+
+
+def test_ranks_run_in_bundles_grouped_by_node():
+    """Two nodes holding alternate bundles: ranks 0-1 (stage 0 at tp 2) on the first node, 2-3 on the second."""
+    assert ranks_by_node(["a", "b", "a", "b"]) == [0, 2, 1, 3]
+    assert ranks_by_node(["b", "a", "a", "b"]) == [0, 3, 1, 2]
+    assert ranks_by_node(["a", "a", "a"]) == [0, 1, 2]
