@@ -71,7 +71,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     w6_counts(args, 128, 8)
-    args.tensor_parallel_size, args.device = [1], "cpu"
+    args.tensor_parallel_size, args.pipeline_parallel_size, args.device = [1], [1], "cpu"
     check_args(parser, args, SYSTEMS)
     return args
 

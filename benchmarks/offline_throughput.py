@@ -9,6 +9,9 @@ greedily, in fp32, on the same weights and torch thread count, in one process:
     python benchmarks/offline_throughput.py --quick --systems raypaged --tensor-parallel-size 1,3 \
         --name offline_throughput_tp
 
+``--pipeline-parallel-size 2`` also runs raypaged as that many pipeline stages of one shard each (Ray
+CPU shards, each with its layers' share of the same total KV cache).
+
 ``--tensor-parallel-size 1,3`` runs raypaged at each size: 1 in this process, N > 1 as N Ray
 CPU shards (threads per shard: max(1, cores // N) unless $RAYPAGED_CPU_THREADS_PER_SHARD), with
 the same total KV cache. For each it reports the per-step driver overhead: the wall time of
@@ -104,6 +107,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_w6_args(parser, 256, 32)
     parser.add_argument("--tensor-parallel-size", default="1", help="comma-separated sizes raypaged runs at (1,3)")
+    parser.add_argument(
+        "--pipeline-parallel-size", default="1", help="comma-separated stage counts raypaged also runs at (2,3)"
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="raypaged's device")
     parser.add_argument(
         "--attention-backend",
@@ -114,12 +120,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--name", default="offline_throughput", help="results file stem under benchmarks/results/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    try:
-        args.tensor_parallel_size = [int(tp) for tp in args.tensor_parallel_size.split(",")]
-    except ValueError:
-        parser.error(f"--tensor-parallel-size takes comma-separated integers, got {args.tensor_parallel_size!r}")
-    if min(args.tensor_parallel_size) < 1:
-        parser.error("--tensor-parallel-size values must be at least 1")
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
+        given = getattr(args, flag)
+        name = "--" + flag.replace("_", "-")
+        try:
+            setattr(args, flag, [int(size) for size in given.split(",")])
+        except ValueError:
+            parser.error(f"{name} takes comma-separated integers, got {given!r}")
+        if min(getattr(args, flag)) < 1:
+            parser.error(f"{name} values must be at least 1")
     w6_counts(args, 256, 32)
     check_args(parser, args, SYSTEMS)
     return args
@@ -142,12 +151,17 @@ def check_lengths(system: str, outputs: Prompts) -> int:
     return len(outputs) * MAX_TOKENS
 
 
-def raypaged_system(tp: int) -> str:
-    return "raypaged" if tp == 1 else f"raypaged-tp{tp}"
+def raypaged_system(tp: int, pp: int = 1) -> str:
+    return "raypaged" + ("" if tp == 1 else f"-tp{tp}") + ("" if pp == 1 else f"-pp{pp}")
+
+
+def layouts(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(tensor-parallel size, pipeline stages) of each raypaged run: the tp sizes, then the stage counts at tp 1."""
+    return [(tp, 1) for tp in args.tensor_parallel_size] + [(1, pp) for pp in args.pipeline_parallel_size if pp > 1]
 
 
 def bench_raypaged(
-    model_dir: Path, prompts: Prompts, tp: int, args: argparse.Namespace
+    model_dir: Path, prompts: Prompts, tp: int, args: argparse.Namespace, pp: int = 1
 ) -> tuple[SystemResult, Prompts]:
     from raypaged import LLM, SamplingParams
 
@@ -156,8 +170,9 @@ def bench_raypaged(
         model=str(model_dir),
         dtype="float32",
         device=args.device,
-        kv_cache_space=args.kv_cache_gib / tp,
+        kv_cache_space=args.kv_cache_gib / (tp * pp),  # per shard: the same total, each stage its layers'
         tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         attention_backend=args.attention_backend,
         enable_prefix_caching=False,
     )
@@ -174,7 +189,7 @@ def bench_raypaged(
         seconds, outputs = timed_runs(lambda: run(prompts, params), args.repeats)
         times = executor.step_times
         stats = llm.stats()
-        threads = [args.threads] if tp == 1 else [s["torch_threads"] for s in executor_thread_settings(executor)]
+        threads = [args.threads] if tp * pp == 1 else [s["torch_threads"] for s in executor_thread_settings(executor)]
     finally:
         llm.shutdown()
     hf = llm.llm_engine.config.hf_config
@@ -183,8 +198,9 @@ def bench_raypaged(
     blocks = int(stats["num_gpu_blocks_total"])
     extra = {
         "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
         # the backend that ran (auto resolves per device); Ray shards resolve it the same way
-        "attention_backend": executor.worker.attn_backend.name if tp == 1 else args.attention_backend,
+        "attention_backend": executor.worker.attn_backend.name if tp * pp == 1 else args.attention_backend,
         "threads_per_shard": "/".join(map(str, threads)),
         "steps": times.num_steps,
         "forward_ms_per_step": 1e3 * times.worker_s / times.num_steps,
@@ -195,8 +211,9 @@ def bench_raypaged(
         "kv_gib_if_all_live": sum(len(p) + MAX_TOKENS for p in prompts) * kv_bytes_per_token / 2**30,
         "preemptions": int(stats["num_preemptions"]),
     }
-    system = raypaged_system(tp)
+    system = raypaged_system(tp, pp)
     label = SYSTEMS["raypaged"] + ("" if tp == 1 else f", tp {tp} ({tp} Ray CPU shards)")
+    label += "" if pp == 1 else f", {pp} pipeline stages ({tp * pp} Ray CPU shards)"
     result = SystemResult(system, label, len(prompts), check_lengths(system, outputs), seconds, peak_rss_mib(), extra)
     return result, outputs
 
@@ -365,15 +382,16 @@ def plot(results: list[SystemResult], ceiling: dict, info: dict, path: Path) -> 
 def tp_table(results: list[SystemResult]) -> str:
     """raypaged at each tensor-parallel size: throughput and where a step's time goes."""
     lines = [
-        "| tp | threads per shard | tokens/s (median) | steps | shard forward ms/step "
+        "| tp | pp | threads per shard | tokens/s (median) | steps | shard forward ms/step "
         "| driver overhead ms/step | of which executor (Ray) ms/step |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         if r.system.startswith("raypaged"):
             e = r.extra
             lines.append(
-                f"| {e['tensor_parallel_size']} | {e['threads_per_shard']} | {r.median:.1f} | {e['steps']} | "
+                f"| {e['tensor_parallel_size']} | {e.get('pipeline_parallel_size', 1)} | {e['threads_per_shard']} | "
+                f"{r.median:.1f} | {e['steps']} | "
                 f"{e['forward_ms_per_step']:.1f} | {e['driver_overhead_ms_per_step']:.2f} | "
                 f"{e['executor_overhead_ms_per_step']:.2f} |"
             )
@@ -414,8 +432,8 @@ def run_systems(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> 
     """Each chosen system in turn (raypaged first, so its peak RSS holds no transformers model)."""
     results, outputs = [], {}
     if "raypaged" in args.systems:
-        for tp in args.tensor_parallel_size:
-            result, outputs[raypaged_system(tp)] = bench_raypaged(model_dir, prompts, tp, args)
+        for tp, pp in layouts(args):
+            result, outputs[raypaged_system(tp, pp)] = bench_raypaged(model_dir, prompts, tp, args, pp)
             results.append(result)
     if {"hf-single", "hf-static"} & set(args.systems):
         from transformers import AutoModelForCausalLM
@@ -453,6 +471,7 @@ def build_report(
             "model": str(model_dir),
             "parameters": params,
             "tensor_parallel_sizes": args.tensor_parallel_size,
+            "pipeline_parallel_sizes": args.pipeline_parallel_size,
         },
         "name": args.name,
         "load_average": {"start": args.load_at_start, "end": load_average()},

@@ -1114,10 +1114,12 @@ class EngineConfig:
         if not self.async_scheduling:
             return
         if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            shards = f"tensor_parallel_size is {self.tensor_parallel_size}"
+            if self.pipeline_parallel_size > 1:
+                shards += f", pipeline_parallel_size {self.pipeline_parallel_size}"
             raise ValueError(
-                "--async-scheduling runs on one shard: the next step needs the tokens only rank 0 "
-                f"samples (tensor_parallel_size is {self.tensor_parallel_size}, pipeline_parallel_size "
-                f"{self.pipeline_parallel_size}; use --no-async-scheduling)"
+                f"--async-scheduling runs on one shard: the next step needs the tokens only rank 0 samples ({shards}; "
+                "use --no-async-scheduling)"
             )
         if self.speculative_config is not None:
             raise ValueError(
