@@ -773,8 +773,6 @@ class EngineConfig:
             why = "LoRA adapters are placed on every layer of one shard group"
         elif self.speculative_config is not None:
             why = "speculative decoding's proposer runs beside the whole model"
-        elif self.enable_prompt_embeds:
-            why = "prompt embeddings are taken by one shard group's first layer"
         if why is not None:
             raise ValueError(f"--pipeline-parallel-size {stages} is not supported: {why}")
 

@@ -496,7 +496,7 @@ class LlamaModel(nn.Module):
         """``embeds``: the step's image rows. ``mrope_positions``: ``[3, num_tokens]``, M-RoPE's positions of a step
         with image tokens (Qwen2-VL), which then take the place of ``positions``."""
         if self.tp.pp.size > 1:
-            return self._stage(input_ids, positions, kv_caches, meta)
+            return self._stage(input_ids, positions, kv_caches, meta, embeds)
         x = self.embed_tokens(input_ids)
         if embeds is not None:
             x[embeds.indices] = embeds.embeddings.to(x.dtype)
@@ -523,16 +523,23 @@ class LlamaModel(nn.Module):
         return self._layers(positions, x, kv_caches, meta)
 
     def _stage(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+        embeds: ImageRows | None = None,
     ) -> torch.Tensor:
         """A pipeline stage's part of the step: the embeddings (the first stage) or the stream the stage before sent,
         this stage's layers, then the stream to the next stage (an empty tensor returned), or the final norm (the
-        last stage).
+        last stage). ``embeds``: rows in place of token embeddings (prompt embeddings), on the first stage.
         The stream crosses as one tensor, the residual added in (the next stage's first layer starts from it, as a
         first layer starts from the embeddings)."""
         pp = self.tp.pp
         if pp.first:
             x = self.embed_tokens(input_ids)
+            if embeds is not None:
+                x[embeds.indices] = embeds.embeddings.to(x.dtype)
         else:
             weight = self.embed_tokens.weight  # the stream's width and dtype
             x = self.tp.receive_from_previous_stage(

@@ -57,6 +57,22 @@ def test_stages_give_one_shards_tokens_and_logprobs(ray_session, tied_model, one
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(one_shard[1]), atol=1e-5 if tp > 1 else 0, rtol=0)
 
 
+def test_prompt_embeddings_enter_at_the_first_stage(ray_session, tied_model):
+    """Rows given as the prompt replace the first stage's token embeddings: 2 stages answer as one shard."""
+    generator = torch.Generator().manual_seed(3)
+    rows = [0.2 * torch.randn(n, 64, generator=generator) for n in (5, 21)]
+    prompts = [{"prompt_embeds": r} for r in rows]
+    tokens = []
+    for pp in (1, 2):
+        llm = start(tied_model, pipeline_parallel_size=pp, enable_prompt_embeds=True)
+        try:
+            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+            tokens.append([o.outputs[0].token_ids for o in outputs])
+        finally:
+            llm.shutdown()
+    assert tokens[1] == tokens[0]
+
+
 def test_each_stage_caches_its_own_layers(ray_session, tiny_llama, tiny_reference):
     """The same --kv-cache-space holds twice the blocks at 2 stages of the tiny Llama's 2 layers: each stage caches
     one layer; and the tokens are one shard's."""
