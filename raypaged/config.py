@@ -769,8 +769,6 @@ class EngineConfig:
             why = "an embedding model or an encoder runs whole on each shard"
         elif self.image_hf_config is not None:
             why = "an image-text model's vision tower feeds the first layer"
-        elif self.enable_lora:
-            why = "LoRA adapters are placed on every layer of one shard group"
         elif self.speculative_config is not None:
             why = "speculative decoding's proposer runs beside the whole model"
         if why is not None:

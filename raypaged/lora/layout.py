@@ -44,7 +44,8 @@ class ProjectionSlice:
 
 @dataclass(frozen=True, slots=True)
 class LoRATarget:
-    """A model linear that takes LoRA: ``model.layers.{layer_index}.{parent}.{name}``."""
+    """A model linear that takes LoRA: ``path`` in the built model (``model.layers.{i}.{parent}.{name}``, ``i`` its
+    place in a pipeline stage's layers), the model's ``layer_index`` (the adapter's layer)."""
 
     path: str
     layer_index: int
@@ -105,7 +106,8 @@ def read_checked_adapter(request: LoRARequest, config: PretrainedConfig, max_lor
 
 
 def find_targets(model: LlamaForCausalLM, tp: TensorParallel) -> list[LoRATarget]:
-    """Every linear of a built Llama-family ``model`` that takes LoRA, with its projections' shards."""
+    """Every linear of a built Llama-family ``model`` that takes LoRA, with its projections' shards. A pipeline
+    stage's: its own layers (module paths by their place in the stage, adapter weights by the model's layer index)."""
     shapes = checkpoint_shapes(model.config)
     hidden = model.config.hidden_size
     targets = []
@@ -113,7 +115,9 @@ def find_targets(model: LlamaForCausalLM, tp: TensorParallel) -> list[LoRATarget
     parents = [("self_attn", "qkv_proj", "o_proj"), ("mlp", "gate_up_proj", "down_proj")]
     if model.architecture.moe is not None:  # see checkpoint_shapes
         parents = parents[:1]
+    first_layer = model.model.first_layer
     for index, layer in enumerate(model.model.layers):
+        layer_index = first_layer + index
         for parent_name, fused, row in parents:
             parent = getattr(layer, parent_name)
             slices = []
@@ -126,7 +130,7 @@ def find_targets(model: LlamaForCausalLM, tp: TensorParallel) -> list[LoRATarget
             targets.append(
                 LoRATarget(
                     f"{prefix}.{fused}",
-                    index,
+                    layer_index,
                     fused,
                     tuple(slices),
                     hidden,
@@ -136,7 +140,9 @@ def find_targets(model: LlamaForCausalLM, tp: TensorParallel) -> list[LoRATarget
             )
             in_start, in_len = tp.chunk(shapes[row][1])
             row_slice = ProjectionSlice(row, in_start, in_len, 0, 0, hidden)
-            targets.append(LoRATarget(f"{prefix}.{row}", index, row, (row_slice,), in_len, hidden, row_parallel=True))
+            targets.append(
+                LoRATarget(f"{prefix}.{row}", layer_index, row, (row_slice,), in_len, hidden, row_parallel=True)
+            )
     return targets
 
 

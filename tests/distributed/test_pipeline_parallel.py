@@ -11,8 +11,9 @@ import torch
 from raypaged import LLM, SamplingParams
 from raypaged.config import EngineConfig
 from raypaged.executor.ray_executor import RayExecutor, ranks_by_node
+from raypaged.lora.request import LoRARequest
 from raypaged.model.parallel import stage_layers
-from tests.conftest import make_tiny_model
+from tests.conftest import make_peft_adapter, make_tiny_model
 from tests.distributed.conftest import TINY_PARAMS, TINY_PROMPTS, greedy_tokens
 from tests.distributed.test_recovery import kill_rank_1
 
@@ -120,7 +121,10 @@ def test_layers_split_as_vllm_splits_them():
     ("options", "message"),
     [
         ({"pipeline_parallel_size": 4}, "--pipeline-parallel-size 4 is not supported: the model has 3 layers, fewer"),
-        ({"pipeline_parallel_size": 2, "enable_lora": True}, "LoRA adapters are placed on every layer of one shard"),
+        (
+            {"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            "--pipeline-parallel-size 2 is not supported: speculative decoding's proposer runs beside the whole model",
+        ),
         (
             {"pipeline_parallel_size": 2, "async_scheduling": True},
             "--async-scheduling runs on one shard: the next step needs the tokens only rank 0 samples "
@@ -139,3 +143,35 @@ def test_ranks_run_in_bundles_grouped_by_node():
     assert ranks_by_node(["a", "b", "a", "b"]) == [0, 2, 1, 3]
     assert ranks_by_node(["b", "a", "a", "b"]) == [0, 3, 1, 2]
     assert ranks_by_node(["a", "a", "a"]) == [0, 1, 2]
+
+
+def test_adapters_apply_on_every_stage(ray_session, tiny_llama, tmp_path):
+    """Two adapters on every linear and the base model in one batch: each stage adds its layers' adapter terms,
+    and 2 stages give one shard's tokens."""
+    adapters = [
+        LoRARequest(
+            "a", 1, str(make_peft_adapter(tiny_llama, tmp_path / "a", 1, 0.3, r=4, target_modules="all-linear"))
+        ),
+        LoRARequest(
+            "b", 2, str(make_peft_adapter(tiny_llama, tmp_path / "b", 2, 0.3, r=8, target_modules="all-linear"))
+        ),
+        None,
+    ]
+    prompts = TINY_PROMPTS[:1] * 3  # one prompt: the adapters' tokens differ from the base model's
+    tokens = []
+    for pp in (1, 2):
+        llm = LLM(
+            model=str(tiny_llama),
+            device="cpu",
+            pipeline_parallel_size=pp,
+            enable_lora=True,
+            max_lora_rank=8,
+            num_gpu_blocks_override=64,
+        )
+        try:
+            outputs = llm.generate(prompts, TINY_PARAMS, use_tqdm=False, lora_request=adapters)
+            tokens.append([o.outputs[0].token_ids for o in outputs])
+        finally:
+            llm.shutdown()
+    assert tokens[1] == tokens[0]
+    assert tokens[0][0] != tokens[0][2] and tokens[0][1] != tokens[0][2]
