@@ -769,8 +769,8 @@ class EngineConfig:
             why = "an embedding model or an encoder runs whole on each shard"
         elif self.image_hf_config is not None:
             why = "an image-text model's vision tower feeds the first layer"
-        elif self.speculative_config is not None:
-            why = "speculative decoding's proposer runs beside the whole model"
+        elif (spec := self.parsed_speculative_config) is not None and spec.method == "draft_model":
+            why = "a draft model runs beside the whole model on one shard (n-gram speculation runs at any size)"
         if why is not None:
             raise ValueError(f"--pipeline-parallel-size {stages} is not supported: {why}")
 

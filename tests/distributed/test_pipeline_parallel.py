@@ -74,6 +74,24 @@ def test_prompt_embeddings_enter_at_the_first_stage(ray_session, tied_model):
     assert tokens[1] == tokens[0]
 
 
+def test_ngram_drafts_are_verified_by_the_last_stage(ray_session, tied_model):
+    """N-gram speculation (proposed by the engine, verified by the last stage's sampler): 2 stages give one shard's
+    tokens, and drafts were accepted."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    prompts = [{"prompt_token_ids": [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]}, {"prompt_token_ids": list(range(300, 340))}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens, accepted = [], []
+    for pp in (1, 2):
+        llm = start(tied_model, pipeline_parallel_size=pp, speculative_config=spec)
+        try:
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            accepted.append(llm.stats()["spec_decode_num_accepted_tokens"])
+        finally:
+            llm.shutdown()
+    assert tokens[1] == tokens[0]
+    assert accepted[1] == accepted[0] > 0
+
+
 def test_each_stage_caches_its_own_layers(ray_session, tiny_llama, tiny_reference):
     """The same --kv-cache-space holds twice the blocks at 2 stages of the tiny Llama's 2 layers: each stage caches
     one layer; and the tokens are one shard's."""
@@ -122,8 +140,11 @@ def test_layers_split_as_vllm_splits_them():
     [
         ({"pipeline_parallel_size": 4}, "--pipeline-parallel-size 4 is not supported: the model has 3 layers, fewer"),
         (
-            {"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-            "--pipeline-parallel-size 2 is not supported: speculative decoding's proposer runs beside the whole model",
+            {
+                "pipeline_parallel_size": 2,
+                "speculative_config": {"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
+            },
+            "--pipeline-parallel-size 2 is not supported: a draft model runs beside the whole model on one shard",
         ),
         (
             {"pipeline_parallel_size": 2, "async_scheduling": True},
@@ -134,6 +155,8 @@ def test_layers_split_as_vllm_splits_them():
     ],
 )
 def test_what_stages_cannot_run_is_refused_at_start(tied_model, options, message):
+    if "speculative_config" in options:  # the model drafts for itself
+        options = {**options, "speculative_config": {**options["speculative_config"], "model": str(tied_model)}}
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineConfig(model=str(tied_model), **options)
 
