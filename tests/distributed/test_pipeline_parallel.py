@@ -16,6 +16,7 @@ from raypaged.model.parallel import stage_layers
 from tests.conftest import make_peft_adapter, make_tiny_model
 from tests.distributed.conftest import TINY_PARAMS, TINY_PROMPTS, greedy_tokens
 from tests.distributed.test_recovery import kill_rank_1
+from tests.serving.conftest import Stack
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1)
 PROMPTS = [{"prompt_token_ids": list(range(100 + i, 100 + i + n))} for i, n in enumerate((41, 7, 23))]
@@ -198,3 +199,20 @@ def test_adapters_apply_on_every_stage(ray_session, tiny_llama, tmp_path):
             llm.shutdown()
     assert tokens[1] == tokens[0]
     assert tokens[0][0] != tokens[0][2] and tokens[0][1] != tokens[0][2]
+
+
+def test_a_served_model_in_stages_answers_as_one_shard(ray_session, tied_model):
+    """`raypaged serve -pp 2`'s stack (engine server and gateway): the completion and its usage are one shard's."""
+    configs = [
+        EngineConfig(model=str(tied_model), served_model_name=name, num_gpu_blocks_override=64, max_model_len=128, **o)
+        for name, o in (("one", {}), ("stages", {"pipeline_parallel_size": 2}))
+    ]
+    stack = Stack(configs)
+    try:
+        with stack.client() as http:
+            body = {"prompt": "The cat sat on", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            answers = [http.post("/v1/completions", json={**body, "model": m}).json() for m in ("one", "stages")]
+    finally:
+        stack.close()
+    assert answers[1]["choices"][0]["text"] == answers[0]["choices"][0]["text"]
+    assert answers[1]["usage"] == answers[0]["usage"]
