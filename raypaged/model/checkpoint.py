@@ -100,7 +100,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
     parameter must be filled, and a tensor with no place in the model is a ``ValueError`` naming it."""
     params = dict(model.named_parameters())
     if (model_type := model.config.model_type) in STACKED_EXPERT_TYPES:  # stacked (or MXFP4) experts, split
-        weights = expert_tensors(weights, model_type, model.model.embed_tokens.weight.dtype, model.config.hidden_size)
+        weights = expert_tensors(weights, model_type, model.model.norm.weight.dtype, model.config.hidden_size)
     num_layers = model.config.num_hidden_layers
     multimodal = getattr(model.config, "raypaged_multimodal", None) is not None
     # a causal LM served as a classifier (classifier_from_token): its head rows, from the tied embeddings or lm_head
@@ -135,6 +135,8 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
             filled.add("score.weight")
         if "rotary_emb.inv_freq" in name or (name.startswith("lm_head.") and model.lm_head is None):
             continue
+        if name.startswith("model.embed_tokens.") and model.model.embed_tokens is None:
+            continue  # a pipeline stage that does not read the embeddings
         if (kv_scale := _kv_scale_of(name)) is not None:
             attn_name, which = kv_scale
             if not isinstance(_owner(model, name, attn_name), LlamaAttention):

@@ -465,9 +465,14 @@ class LlamaModel(nn.Module):
             for t in set(rope_types)
         }
         self.rotaries = list(rotaries.values())  # not registered here: each is its layers' submodule
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp, arch.embedding_multiplier, arch.gemma
-        )
+        # a pipeline stage holds the embeddings where it reads them: the first stage, and the last one when they
+        # are its LM head too (tied)
+        pp, tied = tp.pp, bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if pp.first or (pp.last and tied):
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, tp, arch.embedding_multiplier, arch.gemma
+            )
         layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
         if arch.gemma or arch.olmo2 or arch.sandwich_norms:
             layer = GemmaDecoderLayer if arch.gemma else Olmo2DecoderLayer if arch.olmo2 else Glm4DecoderLayer
@@ -497,7 +502,7 @@ class LlamaModel(nn.Module):
         with image tokens (Qwen2-VL), which then take the place of ``positions``."""
         if self.tp.pp.size > 1:
             return self._stage(input_ids, positions, kv_caches, meta, embeds)
-        x = self.embed_tokens(input_ids)
+        x = self.embeddings(input_ids)
         if embeds is not None:
             x[embeds.indices] = embeds.embeddings.to(x.dtype)
         if mrope_positions is not None:  # the layers' path, each token indexing its own row of the step's table
@@ -522,6 +527,12 @@ class LlamaModel(nn.Module):
                 return step.run(self, x, positions, kv_caches, meta)
         return self._layers(positions, x, kv_caches, meta)
 
+    @property
+    def embeddings(self) -> VocabParallelEmbedding:
+        """The token embeddings (a pipeline stage that reads them holds them)."""
+        assert self.embed_tokens is not None, "a pipeline stage without the embeddings read them"
+        return self.embed_tokens
+
     def _stage(
         self,
         input_ids: torch.Tensor,
@@ -537,13 +548,13 @@ class LlamaModel(nn.Module):
         first layer starts from the embeddings)."""
         pp = self.tp.pp
         if pp.first:
-            x = self.embed_tokens(input_ids)
+            x = self.embeddings(input_ids)
             if embeds is not None:
                 x[embeds.indices] = embeds.embeddings.to(x.dtype)
         else:
-            weight = self.embed_tokens.weight  # the stream's width and dtype
+            weight = self.norm.weight  # the stream's width and dtype
             x = self.tp.receive_from_previous_stage(
-                torch.empty(input_ids.shape[0], weight.shape[1], dtype=weight.dtype, device=input_ids.device)
+                torch.empty(input_ids.shape[0], weight.shape[0], dtype=weight.dtype, device=input_ids.device)
             )
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -605,7 +616,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, arch, max_positions, tp, quant_config)
         self.checkpoint_kv_scales = False  # whether load_weights found fp8 KV cache scales
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings or not head:
+        if self.tie_word_embeddings or not head or not tp.pp.last:  # (only the last pipeline stage has logits)
             self.lm_head = None
         else:
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
@@ -671,10 +682,10 @@ class LlamaForCausalLM(nn.Module):
                 module.method.pack_gated(module)
         if not self.has_head:
             return
-        if self.lm_head is None:
-            self.model.embed_tokens.pack_head(tied=True)
-        else:
+        if self.lm_head is not None:
             self.lm_head.pack_head(tied=False)
+        elif self.model.embed_tokens is not None:  # tied (a pipeline stage before the last has no head)
+            self.model.embed_tokens.pack_head(tied=True)
 
     def stack_experts(self) -> list[bool]:
         """Each layer of experts' weights stacked for grouped GEMMs (``SparseMoeBlock.stack_experts``); whether each
@@ -684,7 +695,7 @@ class LlamaForCausalLM(nn.Module):
         return [module.stack_experts() for module in self.modules() if isinstance(module, SparseMoeBlock)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        head = self.model.embeddings if self.lm_head is None else self.lm_head
         logits, arch = head.logits(hidden), self.architecture
         if arch.final_softcap is not None:  # Gemma 2's final_logit_softcapping
             logits = logits.div_(arch.final_softcap).tanh_().mul_(arch.final_softcap)

@@ -131,7 +131,7 @@ class PiecewiseGraphs:
         fused = model.fused_ops
         residual_buf = self.residual[:tokens]
         if index == 0:
-            x, residual = model.embed_tokens(self.input_ids[:tokens]), None
+            x, residual = model.embeddings(self.input_ids[:tokens]), None
         else:
             x, residual = self.layers[index - 1].post_attention(self.attn_out[:tokens], residual_buf, fused)
         if index == len(self.layers):

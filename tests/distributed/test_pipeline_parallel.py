@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import ray
 import torch
 
 from raypaged import LLM, SamplingParams
@@ -103,6 +104,9 @@ def test_each_stage_caches_its_own_layers(ray_session, tiny_llama, tiny_referenc
             counts.append(llm.stats()["num_gpu_blocks_total"])
             if pp == 2:
                 assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
+                # each stage holds what it reads: the embeddings the first, the LM head the last
+                held = [ray.get(w.__ray_call__.remote(_held_modules)) for w in llm.llm_engine.executor.workers]
+                assert held == [(1, True, False), (1, False, True)]
         finally:
             llm.shutdown()
     assert counts[1] == 2 * counts[0]
@@ -160,6 +164,11 @@ def test_what_stages_cannot_run_is_refused_at_start(tied_model, options, message
         options = {**options, "speculative_config": {**options["speculative_config"], "model": str(tied_model)}}
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineConfig(model=str(tied_model), **options)
+
+
+def _held_modules(actor) -> tuple[int, bool, bool]:
+    model = actor.worker.model
+    return len(model.model.layers), model.model.embed_tokens is not None, model.lm_head is not None
 
 
 def test_ranks_run_in_bundles_grouped_by_node():
