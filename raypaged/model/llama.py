@@ -502,9 +502,7 @@ class LlamaModel(nn.Module):
         with image tokens (Qwen2-VL), which then take the place of ``positions``."""
         if self.tp.pp.size > 1:
             return self._stage(input_ids, positions, kv_caches, meta, embeds)
-        x = self.embeddings(input_ids)
-        if embeds is not None:
-            x[embeds.indices] = embeds.embeddings.to(x.dtype)
+        x = self._embedded(input_ids, embeds)
         if mrope_positions is not None:  # the layers' path, each token indexing its own row of the step's table
             for rotary in self.rotaries:
                 rotary.step_table = rotary.mrope_rows(mrope_positions)
@@ -527,6 +525,13 @@ class LlamaModel(nn.Module):
                 return step.run(self, x, positions, kv_caches, meta)
         return self._layers(positions, x, kv_caches, meta)
 
+    def _embedded(self, input_ids: torch.Tensor, embeds: ImageRows | None) -> torch.Tensor:
+        """The step's token embeddings, ``embeds``' rows (images, prompt embeddings) in their place."""
+        x = self.embeddings(input_ids)
+        if embeds is not None:
+            x[embeds.indices] = embeds.embeddings.to(x.dtype)
+        return x
+
     @property
     def embeddings(self) -> VocabParallelEmbedding:
         """The token embeddings (a pipeline stage that reads them holds them)."""
@@ -548,17 +553,13 @@ class LlamaModel(nn.Module):
         first layer starts from the embeddings)."""
         pp = self.tp.pp
         if pp.first:
-            x = self.embeddings(input_ids)
-            if embeds is not None:
-                x[embeds.indices] = embeds.embeddings.to(x.dtype)
+            x = self._embedded(input_ids, embeds)
         else:
             weight = self.norm.weight  # the stream's width and dtype
             x = self.tp.receive_from_previous_stage(
                 torch.empty(input_ids.shape[0], weight.shape[0], dtype=weight.dtype, device=input_ids.device)
             )
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta, self.fused_ops)
+        x, residual = self._through_layers(positions, x, kv_caches, meta)
         if not pp.last:
             stream = x if residual is None else x + residual
             self.tp.send_to_next_stage(stream)
@@ -573,6 +574,17 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         embeds: ImageRows | None = None,
     ) -> torch.Tensor:
+        return self.final_norm(*self._through_layers(positions, x, kv_caches, meta, embeds))
+
+    def _through_layers(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+        embeds: ImageRows | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stream (x, residual) after this model's layers (Qwen3-VL's deepstack features added after the first)."""
         residual = None
         deepstack = embeds.deepstack if embeds is not None else ()
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -580,7 +592,7 @@ class LlamaModel(nn.Module):
             if index < len(deepstack):  # the layer's output is x + residual: added to x
                 assert embeds is not None
                 x[embeds.indices] += deepstack[index].to(x.dtype)
-        return self.final_norm(x, residual)
+        return x, residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The last layer's (x, residual) (see LlamaDecoderLayer) through the final norm."""
