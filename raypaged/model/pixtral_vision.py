@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from raypaged.model.layers import rms_norm
+from raypaged.model.layers import RMSNorm
 from raypaged.model.qwen2_vl_vision import Groups, group_segments, rotate, segment_attention
 from raypaged.model.vision_common import activation, load_named_weights
 
@@ -70,18 +70,6 @@ def pixtral_key(name: str) -> str | None:
 def is_pixtral_vision_tensor(name: str) -> bool:
     """Whether a checkpoint tensor belongs to the image encoder: the vision tower or the projector (either layout)."""
     return pixtral_name(name) is not None
-
-
-class _RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x**2) + eps)``, the normalization in float32, cast back before the weight."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 class _Attention(nn.Module):
@@ -122,9 +110,9 @@ class _Layer(nn.Module):
     def __init__(self, vision: PretrainedConfig) -> None:
         super().__init__()
         width = vision.hidden_size
-        self.attention_norm = _RMSNorm(width, VISION_NORM_EPS)
+        self.attention_norm = RMSNorm(width, VISION_NORM_EPS)
         self.attention = _Attention(width, vision.num_attention_heads)
-        self.ffn_norm = _RMSNorm(width, VISION_NORM_EPS)
+        self.ffn_norm = RMSNorm(width, VISION_NORM_EPS)
         self.feed_forward = _FeedForward(width, vision.intermediate_size, vision.hidden_act)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: Groups) -> torch.Tensor:
@@ -145,7 +133,7 @@ class _VisionTower(nn.Module):
         super().__init__()
         p = vision.patch_size
         self.patch_conv = nn.Conv2d(vision.num_channels, vision.hidden_size, kernel_size=p, stride=p, bias=False)
-        self.ln_pre = _RMSNorm(vision.hidden_size, VISION_NORM_EPS)
+        self.ln_pre = RMSNorm(vision.hidden_size, VISION_NORM_EPS)
         self.transformer = _Transformer(vision)
 
 
@@ -175,7 +163,7 @@ class _Projector(nn.Module):
         super().__init__()
         width, text = config.vision_config.hidden_size, config.text_config
         bias = bool(config.multimodal_projector_bias)
-        self.norm = _RMSNorm(width, text.rms_norm_eps)
+        self.norm = RMSNorm(width, text.rms_norm_eps)
         self.patch_merger = _PatchMerger(width, config.spatial_merge_size)
         self.act = activation(config.projector_hidden_act, "projector_hidden_act")
         self.linear_1 = nn.Linear(width, text.hidden_size, bias=bias)

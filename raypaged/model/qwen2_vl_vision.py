@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from raypaged.model.layers import RMSNorm
 from raypaged.model.vision_common import activation, load_named_weights
 
 NORM_EPS = 1e-6
@@ -80,33 +81,21 @@ def is_qwen2_vl_vision_tensor(name: str) -> bool:
     return visual_name(name) is not None
 
 
-class _RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x**2) + eps)``, the normalization in float32, cast back before the weight."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + NORM_EPS)
-        return self.weight * normed.to(x.dtype)
-
-
 def _norm(size: int, rms: bool) -> nn.Module:
-    return _RMSNorm(size) if rms else nn.LayerNorm(size, eps=NORM_EPS)
+    return RMSNorm(size, NORM_EPS) if rms else nn.LayerNorm(size, eps=NORM_EPS)
 
 
-class _PatchEmbed(nn.Module):
-    """The patch convolution (kernel = stride = one patch, no bias) as a matmul over the flattened patches."""
+class PatchEmbed(nn.Module):
+    """The patch convolution (kernel = stride = one patch; Qwen2-VL's without a bias, Qwen3-VL's with one) as a
+    matmul over the flattened patches."""
 
-    def __init__(self, vision: PretrainedConfig, width: int) -> None:
+    def __init__(self, vision: PretrainedConfig, width: int, bias: bool = False) -> None:
         super().__init__()
         kernel = (vision.temporal_patch_size, vision.patch_size, vision.patch_size)
-        self.proj = nn.Conv3d(vision.in_channels, width, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(vision.in_channels, width, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:  # [N, C*T*P*P] -> [N, width]
-        return F.linear(patches, self.proj.weight.flatten(1))
+        return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -266,7 +255,7 @@ class Qwen2VLImageEncoder(nn.Module):
                 return _GatedMlp(width, vision.intermediate_size, vision.hidden_act)
             return _Mlp(width, int(width * vision.mlp_ratio), vision.hidden_act)
 
-        self.patch_embed = _PatchEmbed(vision, width)
+        self.patch_embed = PatchEmbed(vision, width)
         self.blocks = nn.ModuleList(VisionBlock(width, num_heads, mlp(), rms) for _ in range(vision.depth))
         self.merger = _Merger(width, self.spatial_merge_size, out_size, rms)
 

@@ -46,6 +46,7 @@ from raypaged.model.qwen2_vl_vision import (
     DEFAULT_ROPE_THETA,
     NORM_EPS,
     Grid,
+    PatchEmbed,
     VisionBlock,
     group_segments,
     visual_key,
@@ -59,18 +60,6 @@ _MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 def is_qwen3_vl_vision_tensor(name: str) -> bool:
     """Whether a checkpoint tensor belongs to the vision encoder (``model.visual.X`` or ``visual.X``)."""
     return visual_name(name) is not None
-
-
-class _PatchEmbed(nn.Module):
-    """The patch convolution (kernel = stride = one patch, with bias) as a matmul over the flattened patches."""
-
-    def __init__(self, vision: PretrainedConfig) -> None:
-        super().__init__()
-        kernel = (vision.temporal_patch_size, vision.patch_size, vision.patch_size)
-        self.proj = nn.Conv3d(vision.in_channels, vision.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
-
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:  # [N, C*T*P*P] -> [N, width]
-        return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
 
 
 class _Mlp(nn.Module):
@@ -165,7 +154,7 @@ class Qwen3VLImageEncoder(nn.Module):
         self.head_dim = width // num_heads
         m, out_size = self.spatial_merge_size, vision.out_hidden_size
 
-        self.patch_embed = _PatchEmbed(vision)
+        self.patch_embed = PatchEmbed(vision, vision.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(vision.num_position_embeddings, width)
         self.blocks = nn.ModuleList(
             VisionBlock(width, num_heads, _Mlp(width, vision.intermediate_size, vision.hidden_act), rms=False)
