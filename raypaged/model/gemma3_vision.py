@@ -137,8 +137,6 @@ class Gemma3ImageEncoder(nn.Module):
 
         def key_of(name: str) -> str | None:
             key = tower_name(name)
-            if key is None or key.startswith("vision_tower.head.") or key.endswith(".position_ids"):
-                return None
-            return key
+            return None if key is None or key.startswith("vision_tower.head.") else key
 
-        load_named_weights(self, weights, key_of)
+        load_named_weights(self, weights, key_of, (".position_ids",))

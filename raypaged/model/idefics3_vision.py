@@ -220,8 +220,4 @@ class Idefics3ImageEncoder(nn.Module):
         are not read, nor is a saved ``position_ids`` buffer. ``ValueError`` naming a vision or connector tensor with
         no place or of the wrong shape, or the parameters left unfilled."""
 
-        def key_of(name: str) -> str | None:
-            key = _module_name(name)
-            return None if key is None or key.endswith(".position_ids") else key
-
-        load_named_weights(self, weights, key_of)
+        load_named_weights(self, weights, _module_name, (".position_ids",))

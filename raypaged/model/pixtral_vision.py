@@ -60,13 +60,6 @@ def pixtral_name(name: str) -> str | None:
     return name if name.startswith(PREFIXES) else None
 
 
-def pixtral_key(name: str) -> str | None:
-    """The parameter a checkpoint tensor fills (``pixtral_name``), None for one not read (outside the encoder, or
-    derived from the config)."""
-    key = pixtral_name(name)
-    return None if key is None or key.endswith(DERIVED_SUFFIXES) else key
-
-
 def is_pixtral_vision_tensor(name: str) -> bool:
     """Whether a checkpoint tensor belongs to the image encoder: the vision tower or the projector (either layout)."""
     return pixtral_name(name) is not None
@@ -278,4 +271,4 @@ class Mistral3ImageEncoder(nn.Module):
         """Copy the image encoder's tensors (either layout) out of all of a checkpoint's tensors; the others are not
         read. ``ValueError`` naming an encoder tensor with no place or of the wrong shape, or the parameters left
         unfilled."""
-        load_named_weights(self, weights, pixtral_key)
+        load_named_weights(self, weights, pixtral_name, DERIVED_SUFFIXES)

@@ -69,13 +69,6 @@ def visual_name(name: str) -> str | None:
     return None
 
 
-def visual_key(name: str) -> str | None:
-    """The parameter a checkpoint tensor fills (``visual_name``), None for one not read (outside the encoder, or
-    derived from the config)."""
-    key = visual_name(name)
-    return None if key is None or key.endswith(DERIVED_SUFFIXES) else key
-
-
 def is_qwen2_vl_vision_tensor(name: str) -> bool:
     """Whether a checkpoint tensor belongs to the vision encoder (either layout)."""
     return visual_name(name) is not None
@@ -330,4 +323,4 @@ class Qwen2VLImageEncoder(nn.Module):
         """Copy the vision encoder's tensors (either layout) out of all of a checkpoint's tensors; the others are not
         read. ``ValueError`` naming a vision tensor with no place or of the wrong shape, or the parameters left
         unfilled."""
-        load_named_weights(self, weights, visual_key)
+        load_named_weights(self, weights, visual_name, DERIVED_SUFFIXES)

@@ -44,12 +44,12 @@ from transformers import PretrainedConfig
 
 from raypaged.model.qwen2_vl_vision import (
     DEFAULT_ROPE_THETA,
+    DERIVED_SUFFIXES,
     NORM_EPS,
     Grid,
     PatchEmbed,
     VisionBlock,
     group_segments,
-    visual_key,
     visual_name,
 )
 from raypaged.model.vision_common import activation, load_named_weights
@@ -221,4 +221,4 @@ class Qwen3VLImageEncoder(nn.Module):
         """Copy the vision encoder's tensors (either layout) out of all of a checkpoint's tensors; the others are not
         read. ``ValueError`` naming a vision tensor with no place or of the wrong shape, or the parameters left
         unfilled."""
-        load_named_weights(self, weights, visual_key)
+        load_named_weights(self, weights, visual_name, DERIVED_SUFFIXES)

@@ -30,15 +30,17 @@ def load_named_weights(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
     key_of: Callable[[str], str | None],
+    derived: tuple[str, ...] = (),
 ) -> None:
     """Copy into ``module``'s parameters the checkpoint tensors ``key_of`` names a parameter for (None: a tensor not
-    read). ``ValueError`` naming a tensor with no place or of the wrong shape, or the parameters left unfilled."""
+    read; nor is one whose key ends with a ``derived`` suffix: a buffer the module computes from its config).
+    ``ValueError`` naming a tensor with no place or of the wrong shape, or the parameters left unfilled."""
     owner = type(module).__name__
     params = dict(module.named_parameters())
     filled: set[str] = set()
     for name, tensor in weights:
         key = key_of(name)
-        if key is None:
+        if key is None or key.endswith(derived):
             continue
         if key not in params:
             raise ValueError(f"checkpoint tensor {name} has no place in {owner} (as {key})")
