@@ -30,6 +30,7 @@ from raypaged.inputs.limits import (
     check_count,
     check_pooling_len,
     check_prompt_ids,
+    check_prompt_len,
     check_sampling,
     check_text,
     check_token_ids,
@@ -612,16 +613,16 @@ class InputProcessor:
         if multi_modal is not None and (multi_modal.images or multi_modal.processor_kwargs):
             prompt_token_ids, image_inputs = self._multi_modal_prompt(prompt, prompt_token_ids, params, multi_modal)
             cache_salt = image_cache_salt(cache_salt, image_inputs)
-        known_ids: list[int] | None = None  # the prompt's token ids as grammars and thinking budgets read them
         if prompt_embeds is not None:
             if multi_modal is not None or prompt_token_ids is not None or prompt is not None:
                 raise InputError("prompt_embeds", "prompt_embeds is the whole prompt: no text, ids or images beside it")
             prompt_embeds = self._prompt_embeds(prompt_embeds, params)
-            prompt_token_ids, known_ids = [0] * prompt_embeds.shape[0], []  # placeholders: the rows replace them
+            check_prompt_len(prompt_embeds.shape[0], config.resolved_max_model_len)
+            prompt_token_ids = [0] * prompt_embeds.shape[0]  # placeholders: the rows replace them
+            known_ids: list[int] = []  # the prompt's token ids as grammars and thinking budgets read them: none
             cache_salt = embeds_salt(cache_salt, prompt_embeds)
-            check_prompt_ids(prompt_token_ids, config.hf_config.vocab_size, config.resolved_max_model_len)
         else:
-            prompt_token_ids = self._checked_prompt(
+            prompt_token_ids = known_ids = self._checked_prompt(
                 prompt, prompt_token_ids, params.truncate_prompt_tokens, params.truncation_side == "right"
             )
         max_model_len = config.resolved_max_model_len
@@ -629,10 +630,10 @@ class InputProcessor:
         max_tokens = params.max_tokens or max_model_len - len(prompt_token_ids)
         matchers = []
         if (structured := params.structured_outputs) is not None:  # cached when a server compiled it already
-            grammar = self.compile_grammar(structured, prompt, prompt_token_ids if known_ids is None else known_ids)
+            grammar = self.compile_grammar(structured, prompt, known_ids)
             matchers = [self.grammars.matcher(grammar) for _ in range(params.num_samples)]
         if params.thinking_token_budget is not None:
-            matchers = self._thinking_budgets(params, prompt_token_ids if known_ids is None else known_ids, matchers)
+            matchers = self._thinking_budgets(params, known_ids, matchers)
         seq_params = self._with_eos_stops(params)
         if params.bad_words:
             seq_params = replace(seq_params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))

@@ -153,8 +153,16 @@ class OutputProcessor:
         num_prompt_embeds: int = 0,
     ) -> None:
         """``prompt_token_ids`` None: the prompt was ``num_prompt_embeds`` embedding rows (its text starts afresh)."""
-        state = RequestState(request_id, prompt, prompt_token_ids, params, [], arrival_time, max_tokens)
-        state.num_prompt_embeds = num_prompt_embeds
+        state = RequestState(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            [],
+            arrival_time,
+            max_tokens,
+            num_prompt_embeds=num_prompt_embeds,
+        )
         for index, seq_id in enumerate(seq_ids):
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids or [], params.skip_special_tokens, params.spaces_between_special_tokens
