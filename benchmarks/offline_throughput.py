@@ -189,6 +189,7 @@ def bench_raypaged(
         seconds, outputs = timed_runs(lambda: run(prompts, params), args.repeats)
         times = executor.step_times
         stats = llm.stats()
+        pipelined = llm.llm_engine.core.num_pipelined_steps
         threads = [args.threads] if tp * pp == 1 else [s["torch_threads"] for s in executor_thread_settings(executor)]
     finally:
         llm.shutdown()
@@ -211,6 +212,8 @@ def bench_raypaged(
         "kv_gib_if_all_live": sum(len(p) + MAX_TOKENS for p in prompts) * kv_bytes_per_token / 2**30,
         "preemptions": int(stats["num_preemptions"]),
     }
+    if pp > 1:  # micro-batches sent while others were in flight (the stages overlap)
+        extra["pipelined_steps"] = pipelined
     system = raypaged_system(tp, pp)
     label = SYSTEMS["raypaged"] + ("" if tp == 1 else f", tp {tp} ({tp} Ray CPU shards)")
     label += "" if pp == 1 else f", {pp} pipeline stages ({tp * pp} Ray CPU shards)"

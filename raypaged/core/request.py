@@ -122,6 +122,9 @@ class Request:
     # async scheduling: tokens a step in flight is sampling for it, counted in ``num_tokens`` before they
     # are known (the workers have them already; the scheduler appends them when the step's results come)
     num_placeholders: int = 0
+    # pipeline parallelism: a micro-batch in flight computes it; no other is scheduled for it until that one's
+    # results come
+    in_flight: bool = False
     # an embedding model's request (--runner pooling): what it asks of its vector, and the vector so far (the
     # pooled parts of its computed prompt chunks: a float32 tensor); it ends when its prompt is computed
     pooling: PoolingParams | None = None

@@ -101,6 +101,9 @@ class Scheduler:
         self._committed: SchedulerOutput | None = None
         self._committed_requests: list[tuple[Request, int]] = []
         self._overlap = False  # schedule() runs beside a step in flight: it never preempts
+        self._max_batch_seqs: int | None = None  # schedule()'s cap on the step's sequences
+        # pipeline parallelism: the micro-batches in flight (by their output's id), each with its sequences
+        self._in_flight_batches: dict[int, list[tuple[Request, int]]] = {}
         self.loras = LoRASlotPlan(config.max_loras) if config.max_loras else None
         self.spec = SpecDecodeStats(config.num_spec_tokens)
 
@@ -177,6 +180,10 @@ class Scheduler:
             request.num_preemptions += 1
             self._enqueue(request, front=True)
         self._forget_ids.clear()
+        for batch in self._in_flight_batches.values():
+            for request, _ in batch:
+                request.in_flight = False
+        self._in_flight_batches.clear()
         self._committed = None
         self._committed_requests = []
         self._unsent_ids.clear()
@@ -206,20 +213,36 @@ class Scheduler:
         self._committed = so
         self._committed_requests = committed
 
+    def mark_in_flight(self, so: SchedulerOutput) -> None:
+        """Pipeline parallelism: ``so`` runs as one of several micro-batches in flight. Its sequences sit out
+        every schedule until ``update_from_output(so, ...)`` brings their results (scheduled with ``overlap``
+        meanwhile, so none of them is preempted); the sequence objects are kept, so that a sequence that ends
+        meanwhile and a new one under the same id are told apart."""
+        requests = self.requests
+        batch = []
+        for request_id, num_tokens in so.num_scheduled_tokens.items():
+            request = requests[request_id]
+            request.in_flight = True
+            batch.append((request, num_tokens))
+        self._in_flight_batches[id(so)] = batch
+
     def forget_later(self, so: SchedulerOutput) -> None:
         """A scheduled step that will not run (it had nothing to compute): the workers hear of its
         finished sequences with the next one."""
         self._forget_ids |= so.finished_request_ids
 
-    def schedule(self, overlap: bool = False) -> SchedulerOutput:
+    def schedule(self, overlap: bool = False, max_batch_seqs: int | None = None) -> SchedulerOutput:
         """The next step. ``overlap``: it is scheduled while the step committed by
         ``commit_in_flight`` runs, so it only takes what is free: no sequence is preempted, swapped out
         or ended (one short of blocks waits, and no waiting one is admitted after it), a sequence whose
         coming token is its last is left out, and a step that can run nothing is left to the next
-        schedule without ``overlap`` (which breaks stalls)."""
+        schedule without ``overlap`` (which breaks stalls). A sequence of a micro-batch in flight
+        (``mark_in_flight``) is left out, and ``max_batch_seqs`` caps the sequences of this one (pipeline
+        parallelism's micro-batches share the running sequences instead of the first taking them all)."""
         self._out = out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
         self._overlap = overlap
+        self._max_batch_seqs = max_batch_seqs
         preempted = False
 
         speculate = self.config.num_spec_tokens > 0 and (
@@ -227,10 +250,10 @@ class Scheduler:
         )
         out.propose_drafts = speculate
         for request in list(self.running):
-            if self._budget <= 0:
+            if self._budget <= 0 or self._batch_full():
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
+            if request.status != RequestStatus.RUNNING or request.in_flight:
+                continue  # preempted earlier in this step, or computed by a micro-batch in flight
             num_new = self._num_new_tokens(request, self._budget)
             if num_new == 0:
                 continue
@@ -253,9 +276,9 @@ class Scheduler:
                 self._end(request, message)
                 continue
             drafts = self._drafts(request, num_new) if speculate and request.spec_token_ids else []
-            if overlap:
-                if not self._allocate(request, num_new):
-                    preempted = True  # short of blocks: no one is preempted beside a step in flight
+            if overlap:  # short of blocks: no one is preempted beside a step in flight (drafts go first)
+                if not self._allocate(request, num_new, drafts) and not (drafts and self._allocate(request, num_new)):
+                    preempted = True
                 continue
             while request.status == RequestStatus.RUNNING and not self._allocate(request, num_new, drafts):
                 if drafts:  # drafts never preempt anyone: without them first
@@ -287,10 +310,15 @@ class Scheduler:
             )
         return out
 
+    def _batch_full(self) -> bool:
+        """The step has as many sequences as ``schedule``'s ``max_batch_seqs``."""
+        cap = self._max_batch_seqs
+        return cap is not None and len(self._out.num_scheduled_tokens) >= cap
+
     def _admit_waiting(self) -> None:
         """Admit waiting sequences in policy order while the batch and the pool have room."""
         while self.waiting and self._budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= self.config.max_num_seqs or self._batch_full():
                 break
             request = self._next_waiting()
             if request is None:
@@ -594,7 +622,7 @@ class Scheduler:
         a group larger than the batch limits or short of spare blocks still
         progresses (its newest sequences are recomputed if it must shrink).
         """
-        while self.swapped and self._budget > 0:
+        while self.swapped and self._budget > 0 and not self._batch_full():
             group = self.swapped[0]
             if self.running:
                 if len(self.running) + len(group) > self.config.max_num_seqs:
@@ -633,21 +661,23 @@ class Scheduler:
         """
         updated = []
         committed = scheduler_output is self._committed
-        if committed:  # its tokens were counted when the next step was scheduled beside it
-            self._committed = None
-            requests = self.requests
+        # a micro-batch's own sequences, or under async scheduling those whose tokens were counted when the
+        # next step was scheduled beside this one: those still running (not finished or preempted meanwhile)
+        batch = self._in_flight_batches.pop(id(scheduler_output), None)
+        if committed:
+            batch, self._committed, self._committed_requests = self._committed_requests, None, []
+        if batch is not None:
+            for request, _ in batch:
+                request.in_flight = False
             scheduled = [
-                (request, num_tokens)
-                for request, num_tokens in self._committed_requests
-                if requests.get(request.request_id) is request and request.status == RequestStatus.RUNNING
+                (request, num_tokens) for request, num_tokens in batch if request.status == RequestStatus.RUNNING
             ]
-            self._committed_requests = []
         else:
             scheduled = [
-                (request, num_tokens)
+                (found, num_tokens)
                 for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
-                if (request := self.requests.get(request_id)) is not None and request.status == RequestStatus.RUNNING
-            ]  # not finished or preempted meanwhile
+                if (found := self.requests.get(request_id)) is not None and found.status == RequestStatus.RUNNING
+            ]
         for request, num_tokens in scheduled:
             request_id = request.request_id
             if (run := runner_output.sampled_runs.get(request_id)) is not None:

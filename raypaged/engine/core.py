@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from raypaged.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOu
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import EndedRequest, Scheduler, SchedulerConfig
 from raypaged.core.stats import SchedulerStats
-from raypaged.executor.base import Executor, WorkerLostError
+from raypaged.executor.base import Executor, PendingStep, WorkerLostError
 from raypaged.heap import freeze_startup_heap, thaw
 from raypaged.multimodal import ImageInputs
 from raypaged.outputs import FinishReason
@@ -129,6 +130,10 @@ class EngineCore:
         self._step_thread: ThreadPoolExecutor | None = None
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
         self.num_overlapped_steps = 0  # steps scheduled and submitted while the one before ran
+        # pipeline parallelism: up to one micro-batch per stage in flight, oldest first
+        self._max_batches = config.pipeline_parallel_size
+        self._batches: deque[PendingStep] = deque()
+        self.num_pipelined_steps = 0  # micro-batches submitted while others were in flight
         self.sleep_level = 0  # sleep mode: 0 awake, else the level of the last sleep() until wake_up() ends it
         self._asleep: set[str] = set()  # what sleep() freed and wake_up() has not brought back (WAKE_TAGS)
         num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()
@@ -260,7 +265,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Sequences are live. (Under async scheduling a step may still run for sequences that ended
         meanwhile; the next ``step`` applies it, to no one.)"""
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batches)
 
     def in_flight_seq_ids(self) -> list[str]:
         return list(self.scheduler.requests)
@@ -280,6 +285,8 @@ class EngineCore:
             return EngineCoreOutputs()  # asleep: requests wait for wake_up()
         if (step_thread := self._step_thread) is not None:
             return self._step_async(step_thread)
+        if self._max_batches > 1:
+            return self._step_pipelined()
         scheduler_output = self._schedule()
         try:
             runner_output = self.executor.execute_model(scheduler_output)
@@ -290,8 +297,8 @@ class EngineCore:
             fill_failures = _grammar_fill_failures(scheduler_output.grammar_bitmask)
         return self._apply(scheduler_output, runner_output, fill_failures)
 
-    def _schedule(self, overlap: bool = False) -> SchedulerOutput:
-        scheduler_output = self.scheduler.schedule(overlap=True) if overlap else self.scheduler.schedule()
+    def _schedule(self, overlap: bool = False, max_batch_seqs: int | None = None) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule(overlap, max_batch_seqs)
         if self._matchers:
             scheduler_output.grammar_bitmask = self._grammar_bitmask(scheduler_output)
         return scheduler_output
@@ -328,6 +335,57 @@ class EngineCore:
                 self._in_flight = following, step_thread.submit(self.executor.execute_model, following)
                 self.num_overlapped_steps += 1
         return self._apply(scheduler_output, runner_output, fill_failures)
+
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """Pipeline parallelism's micro-batches (vLLM's batch queue): while fewer than one per stage are in
+        flight, schedule another from the sequences no micro-batch in flight computes and submit it (the first
+        stage starts it while the later ones finish those before); return nothing while it found one and room
+        is left, else collect the oldest and apply its results. A micro-batch scheduled beside others preempts,
+        swaps out and ends no one (``Scheduler.schedule``'s ``overlap``): the full schedule, which breaks
+        stalls, runs when none is in flight. Each micro-batch takes at most its share of the live sequences
+        (``max_num_seqs`` of them at most) over the stages, so that the stages stay evenly busy. A live beam
+        search runs one micro-batch at a time, uncapped (its beams wait for each other)."""
+        batches = self._batches
+        submitted = False
+        if len(batches) < self._max_batches and not (batches and self._beams):
+            scheduler = self.scheduler
+            share = None
+            if not self._beams:
+                live = len(scheduler.running) + len(scheduler.waiting) + sum(len(g) for g in scheduler.swapped)
+                share = -(-min(live, scheduler.config.max_num_seqs) // self._max_batches)
+            scheduler_output = self._schedule(bool(batches), share)
+            if not batches or scheduler_output.num_scheduled_tokens or scheduler_output.block_ops:
+                try:
+                    step = self.executor.submit_step(scheduler_output)
+                except WorkerLostError as err:
+                    _grammar_fill_failures(scheduler_output.grammar_bitmask)
+                    return self._lost_in_pipeline(err)
+                self.scheduler.mark_in_flight(scheduler_output)
+                self.num_pipelined_steps += bool(batches)
+                batches.append(step)
+                submitted = bool(scheduler_output.num_scheduled_tokens) and not self._beams
+            else:
+                self.scheduler.forget_later(scheduler_output)  # nothing to run beside: the next one tells
+        if submitted and len(batches) < self._max_batches:
+            return EngineCoreOutputs()
+        step = batches.popleft()
+        scheduler_output = step.scheduler_output
+        try:
+            runner_output = self.executor.collect_step(step)
+        except WorkerLostError as err:
+            return self._lost_in_pipeline(err)
+        finally:
+            fill_failures = _grammar_fill_failures(scheduler_output.grammar_bitmask)
+        return self._apply(scheduler_output, runner_output, fill_failures)
+
+    def _lost_in_pipeline(self, err: WorkerLostError) -> EngineCoreOutputs:
+        """A shard was lost with micro-batches in flight: they are lost with it (their sequences are
+        recomputed with the others)."""
+        for step in self._batches:
+            _grammar_fill_failures(step.scheduler_output.grammar_bitmask)
+        self._batches.clear()
+        self._recover_from(err)
+        return EngineCoreOutputs()
 
     def _apply(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, fill_failures: dict[str, str]
@@ -549,6 +607,14 @@ class EngineCore:
             _, future = self._in_flight
             self._in_flight = None
             future.exception()  # waits; a lost worker goes with the others
+        while self._batches:  # micro-batches in flight end first
+            step = self._batches.popleft()
+            try:
+                self.executor.collect_step(step)
+            except WorkerLostError:
+                self._batches.clear()  # a lost worker goes with the others
+            finally:
+                _grammar_fill_failures(step.scheduler_output.grammar_bitmask)
         if len(self._asleep) < len(WAKE_TAGS):
             self.scheduler.reset_after_worker_loss("engine put to sleep")
             thaw()  # the start-up heap's cycles, the model's among them, can be collected

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.executor.step_times import StepTimes
@@ -14,6 +17,16 @@ class WorkerLostError(RuntimeError):
     The engine recovers from it (``Executor.restart`` and every in-flight sequence recomputed) or,
     with recovery off, aborts every request and raises it.
     """
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A step handed to the workers whose output is still to be collected: when it was handed over, and the
+    executor's own token for it (a channel's sequence number, a graph's result; None: it runs when collected)."""
+
+    scheduler_output: SchedulerOutput
+    started: float
+    token: Any = None
 
 
 class Executor(ABC):
@@ -35,6 +48,17 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every worker; rank 0's output. Raises :class:`WorkerLostError` when a worker is gone."""
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Hand a step to the workers without waiting for its output, so that more may follow before the first
+        is collected (pipeline parallelism: the first stage starts the next micro-batch while the later stages
+        finish this one). By default the step runs when it is collected."""
+        return PendingStep(scheduler_output, time.perf_counter())
+
+    def collect_step(self, step: PendingStep) -> ModelRunnerOutput:
+        """The output of ``step``, the oldest submitted step not collected yet. Raises
+        :class:`WorkerLostError` when a worker is gone (the steps after it are lost with it)."""
+        return self.execute_model(step.scheduler_output)
 
     def restart(self) -> None:
         """Replace lost workers with fresh ones and caches of the same size (only executors whose

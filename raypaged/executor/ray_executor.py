@@ -14,9 +14,11 @@ replaces the whole shard group with an empty KV cache of the same size.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
@@ -29,7 +31,7 @@ from raypaged import envs
 from raypaged.config import EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
 from raypaged.executor import shm_channel
-from raypaged.executor.base import Executor, WorkerLostError
+from raypaged.executor.base import Executor, PendingStep, WorkerLostError
 from raypaged.executor.step_times import StepTimes
 from raypaged.executor.worker_actor import CONCURRENCY_GROUPS, WorkerActor
 from raypaged.model.parallel import PipelineStage, TensorParallel
@@ -233,10 +235,13 @@ class RayExecutor(Executor):
             return
         with InputNode() as scheduler_output:
             graph = MultiOutputNode([worker.execute_model.bind(scheduler_output) for worker in self.workers])
-        self._step_graph = graph.experimental_compile(_submit_timeout=self.step_timeout_s)
+        stages = self.config.pipeline_parallel_size  # a micro-batch in flight per stage
+        self._step_graph = graph.experimental_compile(
+            _submit_timeout=self.step_timeout_s, _max_inflight_executions=stages if stages > 1 else None
+        )
 
     def _open_channel(self) -> None:
-        self._channel = shm_channel.ShmStepChannel(len(self.workers))
+        self._channel = shm_channel.ShmStepChannel(len(self.workers), depth=self.config.pipeline_parallel_size)
         self._loops = [
             worker.serve_steps.remote(self._channel.endpoints(rank)) for rank, worker in enumerate(self.workers)
         ]
@@ -259,26 +264,36 @@ class RayExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Rank 0's output of one step on every shard; a shard that died or hung raises
         :class:`WorkerDiedError` / :class:`WorkerStalledError`."""
-        start = time.perf_counter()
+        return self.collect_step(self.submit_step(scheduler_output))
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Send the step to every shard; with pipeline parallelism up to ``pipeline_parallel_size`` steps may be
+        on their way at once (each stage runs them in order)."""
+        step = PendingStep(scheduler_output, time.perf_counter())
         if self._channel is not None:
-            results = self._step_through_channel(self._channel, scheduler_output)
+            with self._shard_failures():
+                step.token = self._channel.send(scheduler_output, self.step_timeout_s)
         else:
             assert self._step_graph is not None, "initialize_cache() has not run"
-            try:
-                results = ray.get(self._step_graph.execute(scheduler_output), timeout=self.step_timeout_s)
-            except RayChannelTimeoutError as err:  # before RayChannelError: it is one
-                raise self._stalled_worker(err) from err
-            except (RayActorError, RayChannelError) as err:  # the graph reports a dead shard either way
-                raise self._dead_worker(err) from err
-        self.step_times.add(time.perf_counter() - start, max(seconds for _, seconds in results))
+            with self._shard_failures():
+                step.token = self._step_graph.execute(scheduler_output)
+        return step
+
+    def collect_step(self, step: PendingStep) -> ModelRunnerOutput:
+        if self._channel is not None:
+            results = self._replies_through_channel(self._channel)
+        else:
+            with self._shard_failures():
+                results = ray.get(step.token, timeout=self.step_timeout_s)
+        self.step_times.add(time.perf_counter() - step.started, max(seconds for _, seconds in results))
         return results[self._sampling_rank][0]
 
-    def _step_through_channel(
-        self, channel: shm_channel.ShmStepChannel, scheduler_output: SchedulerOutput
-    ) -> list[tuple[ModelRunnerOutput, float]]:
+    @contextlib.contextmanager
+    def _shard_failures(self) -> Iterator[None]:
+        """A channel or graph error as the shard it names: dead (:class:`WorkerDiedError`) or hung
+        (:class:`WorkerStalledError`)."""
         try:
-            channel.send(scheduler_output, self.step_timeout_s)
-            replies = channel.receive(self.step_timeout_s, self._check_loops)
+            yield
         except shm_channel.ChannelTimeout as err:
             self._check_loops()  # a shard that died while we waited is a death, not a stall
             raise self._stalled_worker(err) from err
@@ -286,6 +301,14 @@ class RayExecutor(Executor):
             ray.wait(self._loops, num_returns=1, timeout=_PROBE_TIMEOUT_S)
             self._check_loops()
             raise self._dead_worker(err) from err
+        except (RayChannelTimeoutError, GetTimeoutError) as err:  # before RayChannelError: one is one
+            raise self._stalled_worker(err) from err
+        except (RayActorError, RayChannelError) as err:  # the graph reports a dead shard either way
+            raise self._dead_worker(err) from err
+
+    def _replies_through_channel(self, channel: shm_channel.ShmStepChannel) -> list[tuple[ModelRunnerOutput, float]]:
+        with self._shard_failures():
+            replies = channel.receive(self.step_timeout_s, self._check_loops)
         for rank, reply in enumerate(replies):
             if reply is not None and reply[0] == "error":
                 error = reply[1]

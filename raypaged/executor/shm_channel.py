@@ -203,17 +203,24 @@ class ShardEndpoints:
 
 
 class ShmStepChannel:
-    """The driver's end: broadcast a step to every shard, collect each shard's reply."""
+    """The driver's end: broadcast a step to every shard, collect each shard's reply.
 
-    def __init__(self, num_ranks: int, slot_bytes: int = 1 << 20) -> None:
+    Up to ``depth`` steps may be sent before the first one's replies are collected (pipeline parallelism's
+    micro-batches: the first stage starts the next step while the last one finishes this one); ``receive``
+    collects them in the order they were sent."""
+
+    def __init__(self, num_ranks: int, slot_bytes: int = 1 << 20, depth: int = 1) -> None:
         token = f"raypaged-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.num_ranks = num_ranks
-        self._steps = ShmRing(os.path.join(SHM_DIR, token + "-steps"), True, num_ranks, slot_bytes=slot_bytes)
+        num_slots = max(2, depth + 1)
+        self._steps = ShmRing(
+            os.path.join(SHM_DIR, token + "-steps"), True, num_ranks, num_slots=num_slots, slot_bytes=slot_bytes
+        )
         self._results: list[ShmRing] = []
         try:
             for rank in range(num_ranks):
                 path = os.path.join(SHM_DIR, f"{token}-result{rank}")
-                self._results.append(ShmRing(path, True, 1, slot_bytes=slot_bytes))
+                self._results.append(ShmRing(path, True, 1, num_slots=num_slots, slot_bytes=slot_bytes))
             self._bell = Doorbell(token + "-driver")
         except BaseException:
             self.close()
@@ -221,6 +228,8 @@ class ShmStepChannel:
         self._bells = [f"{token}-rank{rank}" for rank in range(num_ranks)]
         self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._seq = 0  # the last message sent (the step ring's sequence number)
+        self._received = 0  # the last message whose replies were collected
+        self._unread = [0] * num_ranks  # replies each shard has rung for that no receive has taken yet
 
     def endpoints(self, rank: int) -> ShardEndpoints:
         return ShardEndpoints(rank, self._steps.path, self._results[rank].path, self._bell.name, self._bells[rank])
@@ -228,33 +237,53 @@ class ShmStepChannel:
     def wait_attached(self, timeout: float, on_wait: Callable[[], None]) -> None:
         """Wait until every shard has mapped the rings and bound its doorbell, then unlink the files."""
         self._collect(timeout, on_wait, lambda rank: False)
+        self._unread = [0] * self.num_ranks  # those rings said "attached", not "replied"
         self._steps.unlink()
         for ring_ in self._results:
             ring_.unlink()
 
-    def send(self, message: Any, timeout: float) -> None:
-        """``message`` to every shard (``None`` ends their loops); :class:`PeerGone` if a shard left."""
+    def send(self, message: Any, timeout: float) -> int:
+        """``message`` to every shard (``None`` ends their loops); its sequence number. :class:`PeerGone` if a
+        shard left."""
         self._seq = self._steps.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), timeout)
         for name in self._bells:
             ring(self._sender, name)
+        return self._seq
 
     def receive(self, timeout: float, on_wait: Callable[[], None]) -> list[Any]:
-        """Every shard's reply to the last message, by rank, or as soon as one reply is an
-        ``("error", ...)``, the replies so far (``None`` for the others: a failed shard's peers
-        may wait for it forever). ``on_wait`` runs every 0.1 s while waiting (it raises to give
-        up); :class:`ChannelTimeout` after ``timeout`` seconds."""
+        """Every shard's reply to the oldest message whose replies are not collected yet, by rank, or as
+        soon as one reply is an ``("error", ...)``, the replies so far (``None`` for the others: a failed
+        shard's peers may wait for it forever). ``on_wait`` runs every 0.1 s while waiting (it raises to
+        give up); :class:`ChannelTimeout` after ``timeout`` seconds."""
+        if self._received >= self._seq:
+            raise RuntimeError("receive() without a message whose replies are still to come")
         replies: list[Any] = [None] * self.num_ranks
-        seq = self._seq
+        seq = self._received + 1
 
         def take(rank: int) -> bool:
             replies[rank] = pickle.loads(self._results[rank].get(0, seq))
             return replies[rank][0] == "error"
 
-        self._collect(timeout, on_wait, take)
+        try:
+            self._collect(timeout, on_wait, take)
+        except BaseException:  # the message stays uncollected: a retry takes the replies read so far again
+            for rank, reply in enumerate(replies):
+                self._unread[rank] += reply is not None
+            raise
+        self._received = seq
         return replies
 
     def _collect(self, timeout: float, on_wait: Callable[[], None], take: Callable[[int], bool]) -> None:
+        """One ring of each shard, each handed to ``take`` (True: stop). A shard that rang before (for a
+        later message's reply, while an earlier one was collected) counts at once."""
+        unread = self._unread
         waiting = set(range(self.num_ranks))
+        for rank in range(self.num_ranks):
+            if unread[rank]:
+                unread[rank] -= 1
+                waiting.discard(rank)
+                if take(rank):
+                    return
         deadline = time.monotonic() + timeout
         while waiting:
             left = deadline - time.monotonic()
@@ -264,6 +293,9 @@ class ShmStepChannel:
                 rank = _FIELD.unpack(self._bell.wait(min(left, _WAIT_SLICE_S)))[0]
             except ChannelTimeout:
                 on_wait()
+                continue
+            if rank not in waiting:  # its reply to a later message
+                unread[rank] += 1
                 continue
             waiting.discard(rank)
             if take(rank):

@@ -47,13 +47,15 @@ def one_shard(tied_model):
 
 @pytest.mark.parametrize(("pp", "tp"), [(2, 1), (3, 1), (2, 2)])
 def test_stages_give_one_shards_tokens_and_logprobs(ray_session, tied_model, one_shard, pp, tp):
-    """In 16-token chunks (the prompts' prefills cross steps); tp 2 within stages sums in another order, so its
-    logprobs are close, the others' equal."""
+    """In 16-token chunks (the prompts' prefills cross steps), as micro-batches of different sequences in flight
+    together (one per stage at most); tp 2 within stages sums in another order, so its logprobs are close, the
+    others' equal."""
     llm = start(tied_model, pipeline_parallel_size=pp, tensor_parallel_size=tp)
     try:
         executor = llm.llm_engine.executor
         assert isinstance(executor, RayExecutor) and len(executor.workers) == pp * tp
         tokens, logprobs = tokens_and_logprobs(llm)
+        assert llm.llm_engine.core.num_pipelined_steps > 0
     finally:
         llm.shutdown()
     assert tokens == one_shard[0]
@@ -129,6 +131,54 @@ def test_a_lost_stage_is_replaced_and_requests_finish_unchanged(ray_session, tin
             step += 1
         assert [finished[r] for r in request_ids] == tiny_reference
         assert lost not in [w._actor_id.hex() for w in engine.executor.workers]
+    finally:
+        llm.shutdown()
+
+
+def test_micro_batches_share_the_sequences_and_results_reach_only_their_own(ray_session, tiny_llama, tiny_reference):
+    """2 stages, 16 sequences: each micro-batch takes at most 8, and while one is in flight the next takes the
+    others. A request aborted in flight and a new one under its id: the old one's results never reach the new
+    one, which gives its prompt's tokens; every other request gives one shard's."""
+    llm = LLM(model=str(tiny_llama), device="cpu", pipeline_parallel_size=2, num_gpu_blocks_override=128)
+    try:
+        engine = llm.llm_engine
+        core = engine.core
+        ids = [engine.add_request(None, TINY_PARAMS, prompt_token_ids=p["prompt_token_ids"]) for p in TINY_PROMPTS]
+        assert engine.step() == []  # the first micro-batch is sent and nothing is collected yet
+        [first] = core._batches
+        assert request_ids(first.scheduler_output) == ids[:8]
+        engine.step()  # the second, beside it; then the first's tokens come
+        second = core._batches[0].scheduler_output
+        assert request_ids(second) == ids[8:]
+        in_flight = ids[8]
+        engine.abort_request([in_flight])
+        again = engine.add_request(
+            None, TINY_PARAMS, request_id=in_flight, prompt_token_ids=TINY_PROMPTS[3]["prompt_token_ids"]
+        )
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        assert finished[again] == tiny_reference[3]
+        assert [finished[r] for r in ids if r != in_flight] == [t for i, t in enumerate(tiny_reference) if i != 8]
+        assert core.num_pipelined_steps > 0 and not core._batches
+        assert llm.stats()["num_gpu_blocks_free"] == 128
+    finally:
+        llm.shutdown()
+
+
+def request_ids(scheduler_output) -> list[str]:
+    """The requests of a step's sequences (a sequence id is its request's id, ``:``, a counter)."""
+    return [seq_id.split(":")[0] for seq_id in scheduler_output.num_scheduled_tokens]
+
+
+def test_micro_batches_through_the_compiled_graph_channel(ray_session, tiny_llama, tiny_reference, monkeypatch):
+    """The step channel between nodes (a Ray Compiled Graph) takes a micro-batch per stage in flight too."""
+    monkeypatch.setenv("RAYPAGED_STEP_CHANNEL", "graph")
+    llm = LLM(model=str(tiny_llama), device="cpu", pipeline_parallel_size=2, num_gpu_blocks_override=128)
+    try:
+        assert llm.llm_engine.executor.step_channel == "graph"
+        assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == tiny_reference
+        assert llm.llm_engine.core.num_pipelined_steps > 0
     finally:
         llm.shutdown()
 
