@@ -16,6 +16,7 @@ from raypaged import envs
 from raypaged.human_int import human_int, human_int_or_auto
 from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
+from raypaged.model.stages import stage_layers
 from raypaged.pooling import (
     CONVERTS,
     RUNNERS,
@@ -767,12 +768,20 @@ class EngineConfig:
             why = f"the model has {num_layers} layers, fewer than the stages"
         elif self.pooler is not None or self.encoder:
             why = "an embedding model or an encoder runs whole on each shard"
-        elif self.image_hf_config is not None:
-            why = "an image-text model's vision tower feeds the first layer"
+        elif (deepstack := self._deepstack_layers()) > (first := len(stage_layers(num_layers, stages)[0])):
+            why = (
+                f"the vision tower's DeepStack features feed the first {deepstack} layers, and the first stage "
+                f"holds {first}"
+            )
         elif (spec := self.parsed_speculative_config) is not None and spec.method == "draft_model":
             why = "a draft model runs beside the whole model on one shard (n-gram speculation runs at any size)"
         if why is not None:
             raise ValueError(f"--pipeline-parallel-size {stages} is not supported: {why}")
+
+    def _deepstack_layers(self) -> int:
+        """Qwen3-VL: the language layers its vision tower's DeepStack features are added to (the first ones)."""
+        vision = getattr(self.image_hf_config, "vision_config", None)
+        return len(getattr(vision, "deepstack_visual_indexes", None) or ())
 
     def _check_prompt_embeds(self) -> None:
         """``--enable-prompt-embeds``: a generative text model that takes its input embeddings as they are."""

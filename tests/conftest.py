@@ -327,11 +327,12 @@ def make_tiny_mistral3(root: Path, smollm2_dir: Path) -> Path:
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def make_tiny_qwen_vl(root: Path, smollm2_dir: Path, family: str = "qwen2-vl") -> Path:
+def make_tiny_qwen_vl(root: Path, smollm2_dir: Path, family: str = "qwen2-vl", num_hidden_layers: int = 2) -> Path:
     """A random Qwen-VL of tiny shapes in ``root / family``: ``qwen2-vl`` (``Qwen2VLForConditionalGeneration``),
     ``qwen2.5-vl`` (with window attention in its first vision block), ``qwen3-vl`` (16-pixel patches, learned
     position embeddings of a 4 x 4 grid, deepstack features from both vision blocks, interleaved M-RoPE) or
-    ``qwen3-vl-moe`` (the same on a Qwen3-MoE of 4 experts, 2 a token). TINY_SHAPE's Qwen2 (Qwen3) with M-RoPE
+    ``qwen3-vl-moe`` (the same on a Qwen3-MoE of 4 experts, 2 a token). TINY_SHAPE's Qwen2 (Qwen3; with
+    ``num_hidden_layers`` layers) with M-RoPE
     sections (1, 1, 2) ((2, 1, 1)), a 2-block vision tower whose patches merge 2 x 2,
     SmolLM2's tokenizer and chat template with Qwen-VL's vision tokens added, weights drawn from N(0, 0.2) as
     ``save_random``'s, and an image processor that makes images of 4 to 32 merged patches (1 to 32 tokens)."""
@@ -346,6 +347,7 @@ def make_tiny_qwen_vl(root: Path, smollm2_dir: Path, family: str = "qwen2-vl") -
     if qwen3:
         rope.update(mrope_section=[2, 1, 1], mrope_interleaved=True)
     text = {**TINY_SHAPE, "vocab_size": len(tokenizer), "rope_parameters": rope, "eos_token_id": 2}
+    text["num_hidden_layers"] = num_hidden_layers
     text["head_dim"] = TINY_SHAPE["hidden_size"] // TINY_SHAPE["num_attention_heads"]  # Qwen3's default is 128
     text["tie_word_embeddings"] = False
     if family == "qwen3-vl-moe":

@@ -35,6 +35,7 @@ from raypaged.executor.base import Executor, PendingStep, WorkerLostError
 from raypaged.executor.step_times import StepTimes
 from raypaged.executor.worker_actor import CONCURRENCY_GROUPS, WorkerActor
 from raypaged.model.parallel import PipelineStage, TensorParallel
+from raypaged.worker.model_runner import fail_alone
 
 logger = logging.getLogger("raypaged")
 
@@ -286,7 +287,10 @@ class RayExecutor(Executor):
             with self._shard_failures():
                 results = ray.get(step.token, timeout=self.step_timeout_s)
         self.step_times.add(time.perf_counter() - step.started, max(seconds for _, seconds in results))
-        return results[self._sampling_rank][0]
+        output = results[self._sampling_rank][0]
+        if self._sampling_rank and (failures := results[0][0].failed):  # the first stage's inputs that failed
+            fail_alone(output, failures)
+        return output
 
     @contextlib.contextmanager
     def _shard_failures(self) -> Iterator[None]:

@@ -23,7 +23,8 @@ attention.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import cast
@@ -501,16 +502,11 @@ class LlamaModel(nn.Module):
         """``embeds``: the step's image rows. ``mrope_positions``: ``[3, num_tokens]``, M-RoPE's positions of a step
         with image tokens (Qwen2-VL), which then take the place of ``positions``."""
         if self.tp.pp.size > 1:
-            return self._stage(input_ids, positions, kv_caches, meta, embeds)
+            return self._stage(input_ids, positions, kv_caches, meta, embeds, mrope_positions)
         x = self._embedded(input_ids, embeds)
         if mrope_positions is not None:  # the layers' path, each token indexing its own row of the step's table
-            for rotary in self.rotaries:
-                rotary.step_table = rotary.mrope_rows(mrope_positions)
-            try:
+            with self._rope_rows(mrope_positions):
                 return self._layers(torch.arange(x.shape[0], device=x.device), x, kv_caches, meta, embeds)
-            finally:
-                for rotary in self.rotaries:
-                    rotary.step_table = None
         if embeds is not None and embeds.deepstack:
             return self._layers(positions, x, kv_caches, meta, embeds)
         step = self.cpu_step
@@ -524,6 +520,18 @@ class LlamaModel(nn.Module):
             if step is not None and not step.adapters_active():
                 return step.run(self, x, positions, kv_caches, meta)
         return self._layers(positions, x, kv_caches, meta)
+
+    @contextlib.contextmanager
+    def _rope_rows(self, mrope_positions: torch.Tensor) -> Iterator[None]:
+        """M-RoPE: within, the rotary embeddings read the step's own rows (``mrope_positions``), the layers taking
+        each token's index in the step as its position."""
+        for rotary in self.rotaries:
+            rotary.step_table = rotary.mrope_rows(mrope_positions)
+        try:
+            yield
+        finally:
+            for rotary in self.rotaries:
+                rotary.step_table = None
 
     def _embedded(self, input_ids: torch.Tensor, embeds: ImageRows | None) -> torch.Tensor:
         """The step's token embeddings, ``embeds``' rows (images, prompt embeddings) in their place."""
@@ -545,12 +553,14 @@ class LlamaModel(nn.Module):
         kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
         embeds: ImageRows | None = None,
+        mrope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A pipeline stage's part of the step: the embeddings (the first stage) or the stream the stage before sent,
         this stage's layers, then the stream to the next stage (an empty tensor returned), or the final norm (the
-        last stage). ``embeds``: rows in place of token embeddings (prompt embeddings), on the first stage.
-        The stream crosses as one tensor, the residual added in (the next stage's first layer starts from it, as a
-        first layer starts from the embeddings)."""
+        last stage). ``embeds``: rows in place of token embeddings (images, prompt embeddings) and DeepStack
+        features, on the first stage; ``mrope_positions`` as ``forward``'s, on every stage. The stream crosses as
+        one tensor, the residual added in (the next stage's first layer starts from it, as a first layer starts
+        from the embeddings)."""
         pp = self.tp.pp
         if pp.first:
             x = self._embedded(input_ids, embeds)
@@ -559,7 +569,12 @@ class LlamaModel(nn.Module):
             x = self.tp.receive_from_previous_stage(
                 torch.empty(input_ids.shape[0], weight.shape[0], dtype=weight.dtype, device=input_ids.device)
             )
-        x, residual = self._through_layers(positions, x, kv_caches, meta)
+        if mrope_positions is not None:
+            with self._rope_rows(mrope_positions):
+                steps = torch.arange(x.shape[0], device=x.device)
+                x, residual = self._through_layers(steps, x, kv_caches, meta, embeds)
+        else:
+            x, residual = self._through_layers(positions, x, kv_caches, meta, embeds)
         if not pp.last:
             stream = x if residual is None else x + residual
             self.tp.send_to_next_stage(stream)

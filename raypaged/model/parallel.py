@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raypaged.model.layers import linear, pack_weight
+from raypaged.model.stages import stage_layers
 
 
 @dataclass(slots=True)
@@ -30,16 +31,6 @@ class Communicator:
     a graph can record; torch.distributed's collectives keep host-side state per call that a replay skips)."""
 
     all_reduce: Callable[[torch.Tensor], None] | None = None
-
-
-def stage_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Each pipeline stage's layers: ``num_layers // num_stages`` each, the remainder one more each on the stages
-    before the last, from the last but one back (the last stage also runs the LM head), as vLLM splits them."""
-    sizes = [num_layers // num_stages] * num_stages
-    for i in range(2, num_layers % num_stages + 2):
-        sizes[-i] += 1
-    starts = [sum(sizes[:i]) for i in range(num_stages)]
-    return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
 @dataclass(frozen=True, slots=True)

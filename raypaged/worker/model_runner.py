@@ -143,9 +143,14 @@ class ModelRunner:
         pooling_type: str | None = None,
         image_encoder: ImageEncoder | None = None,
         last_stage: bool = True,
+        first_stage: bool = True,
+        reports_inputs: bool = True,
     ) -> None:
         """``samples``: this rank samples and reports tokens (rank 0); the others only run the forward.
         ``last_stage`` False: a pipeline stage before the last, whose forward hands its stream on (no logits).
+        ``first_stage`` False: a pipeline stage after the first, whose forward takes the stream from the stage
+        before (no embeddings: images and prompt embeddings are the first stage's). ``reports_inputs``: this rank
+        reports the requests whose inputs failed (images that could not be encoded): rank 0 of the first stage.
         ``logprobs_mode``: what the logprobs requests ask for hold (``sampler.sample``).
         ``lora``: the model's LoRA slots, filled as each step's ``lora_loads`` say.
         ``async_scheduling``: a step may be scheduled before the tokens of the one before it reach the
@@ -156,6 +161,8 @@ class ModelRunner:
         self.model = model
         self.samples = samples
         self.last_stage = last_stage
+        self.first_stage = first_stage
+        self.reports_inputs = reports_inputs
         self.async_scheduling = async_scheduling
         self.logprobs_mode = logprobs_mode
         self.pooling_type = pooling_type
@@ -275,8 +282,9 @@ class ModelRunner:
                 spans.append((query_start, num_new, end))
                 images = state.images
                 span_images.append(images.blocks(start, end) if images is not None and images.bidirectional else ())
-            if (state.images is not None and state.images.overlaps(start, end)) or (
-                state.prompt_embeds is not None and start < len(state.prompt_token_ids)
+            if self.first_stage and (
+                (state.images is not None and state.images.overlaps(start, end))
+                or (state.prompt_embeds is not None and start < len(state.prompt_token_ids))
             ):
                 image_spans.append((state, query_start, start, end))
             if state.mrope is not None:
@@ -419,11 +427,8 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.image_failures = {}
         out = self._execute_model(so)
-        if self.image_failures and self.samples:  # those requests fail alone; their tokens (if any) are dropped
-            for request_id, message in self.image_failures.items():
-                out.failed.setdefault(request_id, message)
-                out.sampled.pop(request_id, None)
-                out.sampled_runs.pop(request_id, None)
+        if self.image_failures and self.reports_inputs:  # those requests fail alone; their tokens are dropped
+            fail_alone(out, self.image_failures)
         return out
 
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -650,6 +655,15 @@ def _batch_order(so: SchedulerOutput) -> list[str]:
 
 def _ints(values: list[int]) -> np.ndarray:
     return np.fromiter(values, dtype=np.int64, count=len(values))
+
+
+def fail_alone(out: ModelRunnerOutput, failures: dict[str, str]) -> None:
+    """Requests whose step failed on their own (``failures``: id -> why) end with that message, their tokens
+    (if any) dropped."""
+    for request_id, message in failures.items():
+        out.failed.setdefault(request_id, message)
+        out.sampled.pop(request_id, None)
+        out.sampled_runs.pop(request_id, None)
 
 
 def _encoded(encoder: Any, images: ImageInputs, device: torch.device) -> torch.Tensor:

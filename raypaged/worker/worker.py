@@ -93,7 +93,7 @@ class Worker:
             num_labels=0 if config.pooler is None else len(config.pooler.labels),
         )
         self.image_encoder = None  # an image-text model's vision tower and projector (LlavaImageEncoder)
-        if config.image_hf_config is not None:
+        if config.image_hf_config is not None and tp.pp.first:  # images enter at the first pipeline stage
             self.image_encoder = load_image_encoder(
                 config.model_path, config.image_hf_config, self.dtype, self.device, config.load_format, config.seed
             )
@@ -312,6 +312,8 @@ class Worker:
             self.device,
             samples=self.tp.rank == 0 and self.tp.pp.last,
             last_stage=self.tp.pp.last,
+            first_stage=self.tp.pp.first,
+            reports_inputs=self.tp.rank == 0 and self.tp.pp.first,
             lora=self.lora,
             async_scheduling=self.config.resolved_async_scheduling,
             logprobs_mode=self.config.logprobs_mode,

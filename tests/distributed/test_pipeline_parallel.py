@@ -13,7 +13,7 @@ from raypaged import LLM, SamplingParams
 from raypaged.config import EngineConfig
 from raypaged.executor.ray_executor import RayExecutor, ranks_by_node
 from raypaged.lora.request import LoRARequest
-from raypaged.model.parallel import stage_layers
+from raypaged.model.stages import stage_layers
 from tests.conftest import make_peft_adapter, make_tiny_model
 from tests.distributed.conftest import TINY_PARAMS, TINY_PROMPTS, greedy_tokens
 from tests.distributed.test_recovery import kill_rank_1

@@ -130,9 +130,22 @@ def test_two_ray_shards_read_images_as_one(ray_session, llava_dir, expected):
 def test_a_request_whose_images_fail_to_encode_fails_alone(llava_dir, expected):
     """Pixels the vision tower refuses (an image of the wrong size, as no processor makes): that request ends with
     the error, the others in its steps get transformers' tokens."""
+    check_a_bad_image_fails_alone(llava_dir, expected)
+
+
+def test_two_pipeline_stages_read_images_as_one_and_a_bad_image_fails_alone(ray_session, llava_dir, expected):
+    """The first stage alone holds the vision tower and encodes the images; its rank reports the request whose
+    image it could not encode, though the last stage samples."""
+    options = dict(device="cpu", pipeline_parallel_size=2, num_gpu_blocks_override=64, max_model_len=128)
+    with serving(llava_dir, **options) as llm:
+        assert generate(llm, PROMPTS, GREEDY) == expected
+    check_a_bad_image_fails_alone(llava_dir, expected, pipeline_parallel_size=2)
+
+
+def check_a_bad_image_fails_alone(llava_dir, expected, **options) -> None:
     from dataclasses import replace
 
-    with serving(llava_dir, num_gpu_blocks_override=64, max_model_len=128) as llm:
+    with serving(llava_dir, num_gpu_blocks_override=64, max_model_len=128, **options) as llm:
         engine = llm.llm_engine
         processed = [
             engine.process_request(str(i), text, GREEDY, multi_modal=MultiModalInput.of(images))
