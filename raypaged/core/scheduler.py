@@ -99,11 +99,12 @@ class Scheduler:
         # async scheduling: the step in flight whose tokens count as computed already, its sequences
         # with their scheduled tokens (the objects: an id may be reused once a sequence ends)
         self._committed: SchedulerOutput | None = None
-        self._committed_requests: list[tuple[Request, int]] = []
+        self._committed_requests: list[tuple[Request, int, bool]] = []
         self._overlap = False  # schedule() runs beside a step in flight: it never preempts
         self._max_batch_seqs: int | None = None  # schedule()'s cap on the step's sequences
         # pipeline parallelism: the micro-batches in flight (by their output's id), each with its sequences
-        self._in_flight_batches: dict[int, list[tuple[Request, int]]] = {}
+        # (sequence, its tokens, whether they were counted as computed when it was sent)
+        self._in_flight_batches: dict[int, list[tuple[Request, int, bool]]] = {}
         self.loras = LoRASlotPlan(config.max_loras) if config.max_loras else None
         self.spec = SpecDecodeStats(config.num_spec_tokens)
 
@@ -181,7 +182,7 @@ class Scheduler:
             self._enqueue(request, front=True)
         self._forget_ids.clear()
         for batch in self._in_flight_batches.values():
-            for request, _ in batch:
+            for request, _, _ in batch:
                 request.in_flight = False
         self._in_flight_batches.clear()
         self._committed = None
@@ -209,21 +210,28 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens:  # it samples: its next token is coming
                 request.num_placeholders += 1
             self._maybe_fork(request)
-            committed.append((request, num_tokens))
+            committed.append((request, num_tokens, True))
         self._committed = so
         self._committed_requests = committed
 
     def mark_in_flight(self, so: SchedulerOutput) -> None:
-        """Pipeline parallelism: ``so`` runs as one of several micro-batches in flight. Its sequences sit out
-        every schedule until ``update_from_output(so, ...)`` brings their results (scheduled with ``overlap``
-        meanwhile, so none of them is preempted); the sequence objects are kept, so that a sequence that ends
-        meanwhile and a new one under the same id are told apart."""
+        """Pipeline parallelism: ``so`` runs as one of several micro-batches in flight. A chunk of a prompt that
+        samples nothing counts as computed now, so that the prompt's next chunk can go in the next micro-batch (each
+        stage computes them in order); every other sequence of ``so`` sits out every schedule until
+        ``update_from_output(so, ...)`` brings its results (scheduled with ``overlap`` meanwhile, so none is
+        preempted). The sequence objects are kept: one that ends meanwhile and a new one under its id are told
+        apart."""
         requests = self.requests
         batch = []
         for request_id, num_tokens in so.num_scheduled_tokens.items():
             request = requests[request_id]
-            request.in_flight = True
-            batch.append((request, num_tokens))
+            ahead = request.num_computed_tokens + num_tokens < request.num_tokens
+            if ahead:
+                request.num_computed_tokens += num_tokens
+                self._maybe_fork(request)
+            else:
+                request.in_flight = True
+            batch.append((request, num_tokens, ahead))
         self._in_flight_batches[id(so)] = batch
 
     def forget_later(self, so: SchedulerOutput) -> None:
@@ -667,18 +675,17 @@ class Scheduler:
         if committed:
             batch, self._committed, self._committed_requests = self._committed_requests, None, []
         if batch is not None:
-            for request, _ in batch:
-                request.in_flight = False
-            scheduled = [
-                (request, num_tokens) for request, num_tokens in batch if request.status == RequestStatus.RUNNING
-            ]
+            for request, _, counted in batch:
+                if not counted:  # a chunk counted ahead set no flag (a later one may have)
+                    request.in_flight = False
+            scheduled = [entry for entry in batch if entry[0].status == RequestStatus.RUNNING]
         else:
             scheduled = [
-                (found, num_tokens)
+                (found, num_tokens, False)
                 for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
                 if (found := self.requests.get(request_id)) is not None and found.status == RequestStatus.RUNNING
             ]
-        for request, num_tokens in scheduled:
+        for request, num_tokens, counted in scheduled:
             request_id = request.request_id
             if (run := runner_output.sampled_runs.get(request_id)) is not None:
                 num_drafts = len(scheduler_output.scheduled_spec_tokens.get(request_id, ()))
@@ -686,7 +693,7 @@ class Scheduler:
                 request.spec_token_ids = runner_output.draft_token_ids.get(request_id, [])
                 updated.append(request)
                 continue
-            if not committed:
+            if not counted:
                 request.num_computed_tokens += num_tokens
             self.kv.cache_blocks(
                 request_id, request.prompt_token_ids, request.output_token_ids, request.num_computed_tokens

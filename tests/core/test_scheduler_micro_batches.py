@@ -6,7 +6,7 @@ from raypaged.core.block_manager import KVCacheManager
 from raypaged.core.outputs import ModelRunnerOutput, SampledToken
 from raypaged.core.request import RequestStatus
 from raypaged.core.scheduler import Scheduler, SchedulerConfig
-from tests.core.test_scheduler import make_request, make_scheduler
+from tests.core.test_scheduler import make_group, make_request, make_scheduler
 
 
 def sampled(*request_ids: str, token_id: int = 7) -> ModelRunnerOutput:
@@ -90,3 +90,47 @@ def test_a_lost_shard_group_forgets_the_micro_batches_in_flight():
     s.reset_after_worker_loss()
     assert s._in_flight_batches == {} and not s.requests["a"].in_flight
     assert s.schedule().num_scheduled_tokens == {"a": 5}
+
+
+def test_a_long_prompts_chunks_go_in_consecutive_micro_batches():
+    """A 40-token prompt in 16-token steps: a chunk that samples nothing counts as computed when its micro-batch is
+    sent, so the next chunk goes in the next micro-batch (the stages compute them in order); the last chunk
+    samples, and its sequence then waits for that result."""
+    s = make_scheduler(num_blocks=32, budget=16)
+    s.add_request(make_request("a", 40))
+    chunks = []
+    for _ in range(3):
+        so = s.schedule(overlap=bool(chunks))
+        s.mark_in_flight(so)
+        chunks.append(so)
+    assert [dict(so.num_scheduled_tokens) for so in chunks] == [{"a": 16}, {"a": 16}, {"a": 8}]
+    assert [d.num_computed_tokens for d in chunks[1].cached_requests + chunks[2].cached_requests] == [16, 32]
+    assert s.kv.get_block_ids("a") == list(range(10))
+    assert s.schedule(overlap=True).num_scheduled_tokens == {}  # its last chunk samples: it waits
+    request = s.requests["a"]
+    assert request.num_computed_tokens == 32 and request.in_flight
+    assert s.update_from_output(chunks[0], ModelRunnerOutput()) == []
+    assert s.update_from_output(chunks[1], ModelRunnerOutput()) == []
+    assert request.num_computed_tokens == 32 and request.in_flight  # the last chunk is still out
+    assert s.update_from_output(chunks[2], sampled("a")) == [request]
+    assert request.num_computed_tokens == 40 and request.output_token_ids == [7] and not request.in_flight
+    assert s.schedule().num_scheduled_tokens == {"a": 1}
+
+
+def test_samples_fork_from_a_prompt_chunk_counted_ahead():
+    """n=3 over a 10-token prompt in 6-token steps: the first sequence computes 6, then up to the fork point (9);
+    the samples fork as that chunk is sent, and each computes the last prompt token in the next micro-batch (the
+    shared block copied first)."""
+    s = make_scheduler(num_blocks=32, block_size=4, budget=6)
+    first, *_ = group = make_group("g", 10, 3)
+    s.add_request(first)
+    one = s.schedule()
+    s.mark_in_flight(one)
+    two = s.schedule(overlap=True)
+    s.mark_in_flight(two)
+    assert [dict(one.num_scheduled_tokens), dict(two.num_scheduled_tokens)] == [{"g": 6}, {"g": 3}]
+    assert [r.request_id for r in s.running] == [r.request_id for r in group]
+    three = s.schedule(overlap=True)
+    assert three.num_scheduled_tokens == {r.request_id: 1 for r in group}
+    # position 9 sits in shared block 2: the first two writers copy it (after the chunk in flight wrote it)
+    assert [(op.kind, op.src, op.dst) for op in three.block_ops] == [("copy", 2, 3), ("copy", 2, 4)]
