@@ -16,6 +16,7 @@ from raypaged import envs
 from raypaged.human_int import human_int, human_int_or_auto
 from raypaged.inputs.limits import InputLimits
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
+from raypaged.model.mistral_format import CONFIG_FORMATS
 from raypaged.model.stages import stage_layers
 from raypaged.pooling import (
     CONVERTS,
@@ -396,8 +397,17 @@ class EngineConfig:
     # auto: the folder's safetensors; dummy: random weights (benchmarks, no checkpoint)
     load_format: str = _flag(
         "auto",
-        "dummy: random weights of the model folder's shape (benchmarks; no checkpoint read)",
-        choices=("auto", "dummy"),
+        "dummy: random weights of the model folder's shape (benchmarks; no checkpoint read); mistral: the folder's "
+        "consolidated*.safetensors in Mistral's names (auto reads them when the config is params.json)",
+        choices=("auto", "dummy", "mistral"),
+    )
+    # vLLM's --config-format: hf reads config.json, mistral params.json, auto config.json if the folder has one,
+    # else params.json
+    config_format: str = _flag(
+        "auto",
+        "the model's config: hf (config.json), mistral (params.json, Mistral's own format), or auto: config.json "
+        "if the folder has one, else params.json",
+        choices=CONFIG_FORMATS,
     )
     # vLLM's --quantization: the checkpoint's quantization_config decides (this may only repeat it); on a
     # float checkpoint, fp8 quantizes at load
@@ -610,8 +620,10 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or cuda, got {self.attention_backend!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.load_format not in ("auto", "dummy", "mistral"):
+            raise ValueError(f"load_format must be auto, dummy or mistral, got {self.load_format!r}")
+        if self.config_format not in CONFIG_FORMATS:
+            raise ValueError(f"config_format must be one of {', '.join(CONFIG_FORMATS)}, got {self.config_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
@@ -658,12 +670,16 @@ class EngineConfig:
         self.model_path = resolve_model_path(self.model, self.revision, self.download_dir, token=self.hf_token)
         self.tokenizer_path = self._resolve_tokenizer_path()
         from raypaged.model.architecture import image_model_config, language_model_config
+        from raypaged.model.mistral_format import mistral_config, reads_mistral_config
 
-        whole = (
-            AutoConfig.from_pretrained(self.model_path)
-            if not self.hf_overrides
-            else overridden_hf_config(self.model_path, self.hf_overrides)
-        )
+        if reads_mistral_config(self.model_path, self.config_format):  # params.json (vLLM's --config-format mistral)
+            whole = mistral_config(self.model_path)
+            if self.hf_overrides:
+                whole = overridden_hf_config(self.model_path, self.hf_overrides, whole.to_dict())
+        elif self.hf_overrides:
+            whole = overridden_hf_config(self.model_path, self.hf_overrides)
+        else:
+            whole = AutoConfig.from_pretrained(self.model_path)
         self.image_hf_config = image_model_config(whole)
         self.hf_config = language_model_config(whole)
         if self.image_hf_config is not None:
@@ -1190,14 +1206,16 @@ def _chat_template_text(template: str | None) -> str | None:
     raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja template")
 
 
-def overridden_hf_config(model_path: Path, overrides: dict[str, Any]) -> Any:
-    """The model's config as if its config.json held ``overrides`` too (``--hf-overrides``): an object merges
-    into the object it names, key by key; the config class then reads the merged values as it reads the file's."""
+def overridden_hf_config(model_path: Path, overrides: dict[str, Any], values: dict[str, Any] | None = None) -> Any:
+    """The model's config as if its config.json (or ``values``: a config read from another format) held
+    ``overrides`` too (``--hf-overrides``): an object merges into the object it names, key by key; the config class
+    then reads the merged values as it reads the file's."""
     from transformers import AutoConfig, PretrainedConfig
 
     if not isinstance(overrides, dict):
         raise ValueError(f"--hf-overrides takes a JSON object, got {json.dumps(overrides)}")
-    values, _ = PretrainedConfig.get_config_dict(str(model_path))
+    if values is None:
+        values, _ = PretrainedConfig.get_config_dict(str(model_path))
     merged = _merged(values, overrides)
     model_type = merged.pop("model_type", None)
     if not isinstance(model_type, str):

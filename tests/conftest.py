@@ -155,6 +155,54 @@ def make_tiny_model(root: Path, smollm2_dir: Path, arch: str = "llama", **overri
     return save_random(AutoModelForCausalLM, AutoConfig.for_model(arch, **base), root / arch, smollm2_dir)
 
 
+def make_tiny_mistral_format(root: Path, smollm2_dir: Path) -> tuple[Path, Path]:
+    """A random Mistral of TINY_SHAPE with Mistral's vocabulary (131,072 tokens) twice: in Hugging Face's format
+    (``root / "hf" / "mistral"``, SmolLM2's tokenizer: transformers' reference) and the same weights in Mistral's own
+    (``root / "consolidated"``: ``params.json``, ``consolidated.safetensors`` in Mistral's names with the query and
+    key rows back in interleaved rotary order, and mistral_common's Tekken tokenizer as ``tekken.json``), written
+    as Mistral's repositories hold them."""
+    import importlib.util
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    hf = make_tiny_model(root / "hf", smollm2_dir, "mistral", vocab_size=131072, sliding_window=None, head_dim=8)
+    out = root / "consolidated"
+    out.mkdir(parents=True)
+    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
+    names["lm_head.weight"] = "output.weight"
+    parts = {
+        "self_attn.q_proj": "attention.wq",
+        "self_attn.k_proj": "attention.wk",
+        "self_attn.v_proj": "attention.wv",
+        "self_attn.o_proj": "attention.wo",
+        "input_layernorm": "attention_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "feed_forward.w1",
+        "mlp.down_proj": "feed_forward.w2",
+        "mlp.up_proj": "feed_forward.w3",
+    }
+    heads = {"q_proj": TINY_SHAPE["num_attention_heads"], "k_proj": TINY_SHAPE["num_key_value_heads"]}
+    tensors = {}
+    for name, tensor in load_file(hf / "model.safetensors").items():
+        if name in names:
+            tensors[names[name]] = tensor
+            continue
+        layer, part = name.removeprefix("model.layers.").split(".", 1)
+        part = part.removesuffix(".weight")
+        if (n := heads.get(part.rsplit(".", 1)[-1])) is not None:  # half-split rotary order -> interleaved pairs
+            rows, columns = tensor.shape
+            tensor = tensor.view(n, 2, rows // n // 2, columns).transpose(1, 2).reshape(rows, columns)
+        tensors[f"layers.{layer}.{parts[part]}.weight"] = tensor.contiguous()
+    save_file(tensors, out / "consolidated.safetensors")
+    params = {"dim": 64, "n_layers": 2, "head_dim": 8, "hidden_dim": 128, "n_heads": 8, "n_kv_heads": 2}
+    params.update(norm_eps=1e-5, vocab_size=131072, rope_theta=10000.0, max_seq_len=512)
+    (out / "params.json").write_text(json.dumps(params))
+    tekken = Path(importlib.util.find_spec("mistral_common").origin).parent / "data" / "tekken_240911.json"
+    shutil.copy(tekken, out / "tekken.json")
+    return hf, out
+
+
 def save_random(auto_class, config, path: Path, smollm2_dir: Path) -> Path:
     """``auto_class``'s model of ``config`` with weights drawn from N(0, 0.2) (sharper than init, so greedy tokens
     are far from ties; GLM-4.5's router bias too, a buffer saved with the weights), saved at ``path`` with SmolLM2's

@@ -105,7 +105,6 @@ DEFAULT_ONLY: list[Option] = [
         (None,),
         "raypaged runs its own implementation of each supported architecture",
     ),
-    ("config_format", (), str, ("auto", "hf"), "the model folder's config.json (Hugging Face's format) is read"),
     (
         "hf_config_path",
         (),

@@ -29,6 +29,7 @@ TOKENIZER_FILES = (
 )
 MODEL_FILES = (
     "config.json",
+    "params.json",  # Mistral's own format (its weights are consolidated*.safetensors)
     "generation_config.json",
     "*.safetensors",
     "model.safetensors.index.json",
@@ -60,8 +61,10 @@ def resolve_model_files(
                 raise ValueError(
                     f"tokenizer {name!r} is not a tokenizer folder (no tokenizer.json or tokenizer_config.json there)"
                 )
-        elif not (path / "config.json").is_file():
-            raise ValueError(f"{what} {name!r} is not a Hugging Face model folder (no config.json there)")
+        elif not any((path / file).is_file() for file in ("config.json", "params.json")):
+            raise ValueError(
+                f"{what} {name!r} is not a model folder (no config.json, nor Mistral's params.json, there)"
+            )
         for flag, value in (
             (f"--{what}-revision" if what != "model" else "--revision", revision),
             ("--download-dir", download_dir),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -11,6 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
+from raypaged.model import mistral_format
 from raypaged.model.architecture import attends_images_both_ways, reads_image_grids, splits_image_rows, tiles_images
 from raypaged.model.encoder import Encoder, build_encoder, is_encoder
 from raypaged.model.layers import pack_linears, packs_weights
@@ -41,12 +43,21 @@ if TYPE_CHECKING:
 
 
 def iter_checkpoint(
-    model_path: Path, select: Callable[[str], bool] | None = None
+    model_path: Path, select: Callable[[str], bool] | None = None, pattern: str = "*.safetensors"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the folder's safetensors files (``select``: only the names it takes are read)."""
-    files = sorted(model_path.glob("*.safetensors"))
+    """Every tensor of the folder's safetensors files (``select``: only the names it takes are read). Hugging Face's
+    files (``pattern`` left as it is) leave out Mistral's ``consolidated*.safetensors`` of a folder that holds both
+    formats, as vLLM does."""
+    files = sorted(model_path.glob(pattern))
+    if pattern == "*.safetensors" and (hf_files := [f for f in files if not fnmatch(f.name, "consolidated*")]) != files:
+        if not hf_files:
+            raise ValueError(
+                f"no Hugging Face *.safetensors weights in {model_path}, only Mistral's consolidated*.safetensors "
+                "(--load-format mistral reads them)"
+            )
+        files = hf_files
     if not files:
-        raise ValueError(f"no *.safetensors weights in {model_path}")
+        raise ValueError(f"no {pattern} weights in {model_path}")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -141,7 +152,12 @@ def load_model(
     if load_format == "dummy":
         fill_dummy(model, dtype, device, seed + tp.rank)
     else:
-        model.load_weights(iter_checkpoint(model_path))
+        if mistral_format.reads_mistral_weights(model_path, load_format, hf_config):
+            consolidated = iter_checkpoint(model_path, pattern=mistral_format.WEIGHTS_GLOB)
+            tensors = mistral_format.hf_weights(consolidated, hf_config)
+        else:
+            tensors = iter_checkpoint(model_path)
+        model.load_weights(tensors)
         cast_model(model, dtype)
     if isinstance(model, Encoder):
         return cast(LlamaForCausalLM, model.eval())  # the runner's model: the same calls as a decoder's
