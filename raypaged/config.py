@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from raypaged import envs
 from raypaged.human_int import human_int, human_int_or_auto
 from raypaged.inputs.limits import InputLimits
+from raypaged.inputs.tokenizer import TOKENIZER_MODES, resolve_tokenizer_mode
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
 from raypaged.model.mistral_format import CONFIG_FORMATS
 from raypaged.model.stages import stage_layers
@@ -248,6 +249,15 @@ class EngineConfig:
         None, "the tokenizer's folder or Hub id (default: the model's); its chat template too"
     )
     tokenizer_revision: str | None = _flag(None, "branch, tag or commit of --tokenizer (default: --revision)")
+    # vLLM's --tokenizer-mode: hf (Hugging Face's tokenizer and chat template), mistral (mistral_common's tokenizer and
+    # request encoding), auto (mistral where the folder has a Mistral tokenizer and no Hugging Face one)
+    tokenizer_mode: str = _flag(
+        "auto",
+        "hf: the Hugging Face tokenizer and chat template; mistral: Mistral's tokenizer (tekken.json or "
+        "tokenizer.model.v*) and mistral_common's conversation encoding; auto: mistral where the folder has a "
+        "Mistral tokenizer and no Hugging Face one",
+        choices=TOKENIZER_MODES,
+    )
     # the name clients use; a list gives the model several (vLLM's --served-model-name a b): the first
     # is its name, the others (``served_model_aliases``) reach it too
     served_model_name: str | list[str] | None = None
@@ -575,6 +585,7 @@ class EngineConfig:
     chat_template_text: str | None = field(init=False, default=None)  # --chat-template's text
     model_path: Path = field(init=False)
     tokenizer_path: Path = field(init=False)
+    resolved_tokenizer_mode: str = field(init=False, default="hf")  # tokenizer_mode, auto resolved: hf or mistral
     hf_config: PretrainedConfig = field(init=False, repr=False)
     generation_defaults: GenerationDefaults = field(init=False)
     generation_eos_token_ids: tuple[int, ...] = field(init=False)  # the generation config's eos_token_id
@@ -622,6 +633,11 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch, cpu or cuda, got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy", "mistral"):
             raise ValueError(f"load_format must be auto, dummy or mistral, got {self.load_format!r}")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(
+                f"--tokenizer-mode {self.tokenizer_mode} is not supported: hf (the Hugging Face tokenizer), mistral "
+                "(Mistral's tokenizer) or auto"
+            )
         if self.config_format not in CONFIG_FORMATS:
             raise ValueError(f"config_format must be one of {', '.join(CONFIG_FORMATS)}, got {self.config_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -669,6 +685,12 @@ class EngineConfig:
 
         self.model_path = resolve_model_path(self.model, self.revision, self.download_dir, token=self.hf_token)
         self.tokenizer_path = self._resolve_tokenizer_path()
+        self.resolved_tokenizer_mode = resolve_tokenizer_mode(self.tokenizer_mode, self.tokenizer_path)
+        if self.resolved_tokenizer_mode == "mistral" and self.chat_template is not None:
+            raise ValueError(
+                "--chat-template does not apply with Mistral's tokenizer (--tokenizer-mode mistral): mistral_common "
+                "encodes conversations itself"
+            )
         from raypaged.model.architecture import image_model_config, language_model_config
         from raypaged.model.mistral_format import mistral_config, reads_mistral_config
 
@@ -1089,9 +1111,9 @@ class EngineConfig:
                 )
             return
         if task == "classify" and getattr(self.hf_config, "classifier_from_token", None) is not None:
-            from transformers import AutoTokenizer
+            from raypaged.inputs.tokenizer import load_tokenizer
 
-            set_classifier_tokens(self.hf_config, AutoTokenizer.from_pretrained(self.tokenizer_path))
+            set_classifier_tokens(self.hf_config, load_tokenizer(self.tokenizer_path, self.resolved_tokenizer_mode))
         self.pooler = pooler = resolve_pooler(
             self.model_path, self.hf_config, self.pooler_config, task, self._default_pooling()
         )

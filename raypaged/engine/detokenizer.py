@@ -6,6 +6,8 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
+from raypaged.inputs.tokenizer import is_mistral
+
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5
 
@@ -31,14 +33,21 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
+        # Mistral's tokenizer (mistral_common) takes no spaces option: spaced_decode puts them in
+        self._mistral_spaces = is_mistral(tokenizer) and not skip_special_tokens and spaces_between_special_tokens
+        self._special = frozenset(tokenizer.all_special_ids) if self._mistral_spaces else frozenset()
+        self._decode_options = {"skip_special_tokens": skip_special_tokens}
+        if not is_mistral(tokenizer):
+            self._decode_options["spaces_between_special_tokens"] = spaces_between_special_tokens
+        fast = getattr(tokenizer, "is_fast", False)
         # streamed: an added token right after another shows its bare content (no space before it), as vLLM
         self._joined: dict[int, str] | None = None
-        if not (skip_special_tokens or spaces_between_special_tokens) and tokenizer.is_fast:
+        if not (skip_special_tokens or spaces_between_special_tokens) and fast:
             self._joined = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
         self._last_added = False
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) if tokenizer.is_fast else None
-        self._backend: Tokenizer | None = tokenizer.backend_tokenizer if tokenizer.is_fast else None
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) if fast else None
+        self._backend: Tokenizer | None = tokenizer.backend_tokenizer if fast else None
         self._held: list[int] = []  # streamed tokens whose text the stream still holds
         # the window decoder's state (slow tokenizers)
         self.token_ids: list[int] = context
@@ -46,11 +55,9 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-        )
+        if self._mistral_spaces:
+            return spaced_decode(self.tokenizer, ids, self._special)
+        return self.tokenizer.decode(ids, **self._decode_options)
 
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
@@ -97,3 +104,22 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
         return delta
+
+
+def spaced_decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], special: frozenset[int]) -> str:
+    """Special tokens (``special``: their ids) kept and set apart by spaces, as Hugging Face's
+    ``spaces_between_special_tokens`` does: each special token and each run of others decoded on its own, joined by
+    single spaces (for tokenizers that take no such option, as Mistral's)."""
+    parts: list[str] = []
+    run: list[int] = []
+    for token_id in ids:
+        if token_id in special:
+            if run:
+                parts.append(tokenizer.decode(run))
+                run = []
+            parts.append(tokenizer.decode([token_id]))
+        else:
+            run.append(token_id)
+    if run:
+        parts.append(tokenizer.decode(run))
+    return " ".join(part for part in parts if part)

@@ -18,7 +18,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoTokenizer
 
 from raypaged.config import EngineConfig, check_processor_kwargs
 from raypaged.core.beam_search import BeamSearchParams
@@ -38,6 +37,7 @@ from raypaged.inputs.limits import (
 from raypaged.inputs.media import MediaError, MediaOptions, load_image
 from raypaged.inputs.multimodal_input import MultiModalInput
 from raypaged.inputs.prompt_embeds import checked_prompt_embeds, embeds_salt, load_prompt_embeds, truncated
+from raypaged.inputs.tokenizer import load_tokenizer
 from raypaged.model.architecture import (
     attends_images_both_ways,
     min_image_tokens,
@@ -66,7 +66,11 @@ _IMAGE_BREAK, _IMAGE_END = "[IMG_BREAK]", "[IMG_END]"  # Pixtral's tokens after 
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.config = config
-        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(config.tokenizer_path)
+        self.tokenizer = (
+            tokenizer
+            if tokenizer is not None
+            else load_tokenizer(config.tokenizer_path, config.resolved_tokenizer_mode)
+        )
         if len(self.tokenizer) > config.hf_config.vocab_size:
             raise ValueError(
                 f"the tokenizer in {config.tokenizer_path} has {len(self.tokenizer)} tokens, more than "
@@ -81,7 +85,7 @@ class InputProcessor:
         self._loras: dict[int, LoRARequest] = {}  # adapters checked against the model, by lora_int_id
         self._lora_lock = threading.Lock()
         self._max_token_bytes: int | None = None  # without a normalizer, the most bytes of text one token stands for
-        if self.tokenizer.is_fast and self.tokenizer.backend_tokenizer.normalizer is None:
+        if getattr(self.tokenizer, "is_fast", False) and self.tokenizer.backend_tokenizer.normalizer is None:
             self._max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
         self._reasoning_ids = self._reasoning_delimiter_ids()
         self._processor: Any = None  # an image-text model's Hugging Face processor, made on its first image

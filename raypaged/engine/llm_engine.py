@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from transformers import AutoTokenizer
-
 from raypaged.config import EngineConfig
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.core.request import RequestStatus
@@ -29,6 +27,7 @@ from raypaged.engine.output_processor import OutputProcessor
 from raypaged.executor.base import Executor, WorkerLostError
 from raypaged.inputs.limits import InputError
 from raypaged.inputs.multimodal_input import MultiModalInput
+from raypaged.inputs.tokenizer import load_tokenizer
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -47,7 +46,7 @@ class LLMEngine:
         """``own_input_tokenizer``: the input processor loads a tokenizer of its own, for servers
         that process inputs on other threads than the engine's (which detokenizes)."""
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
+        self.tokenizer = load_tokenizer(config.tokenizer_path, config.resolved_tokenizer_mode)
         self.input_processor = InputProcessor(config, None if own_input_tokenizer else self.tokenizer)
         self.eos_token_ids = self.input_processor.eos_token_ids
         self.eos_token_id = self.input_processor.eos_token_id  # the EOS; the others stop too

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,19 @@ from typing import Any
 import yaml
 
 CONFIG_FLAG = "--config"
+
+
+def dashed(args: Sequence[str]) -> list[str]:
+    """Long flags spelled with underscores as with dashes (``--tokenizer_mode`` is ``--tokenizer-mode``), as vLLM's
+    parser takes them; a value after ``=`` is left as it is, and so is everything after ``--``."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + list(args[i:])
+        if arg.startswith("--") and "_" in (name := arg.partition("=")[0]):
+            arg = name.replace("_", "-") + arg[len(name) :]
+        out.append(arg)
+    return out
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -42,8 +56,9 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
-        if args is not None and CONFIG_FLAG in self.flags:
-            args = self._with_config_file(list(args))
+        args = dashed(sys.argv[1:] if args is None else args)
+        if CONFIG_FLAG in self.flags:
+            args = self._with_config_file(args)
         return super().parse_known_args(args, namespace)
 
     def _with_config_file(self, args: list[str]) -> list[str]:

@@ -51,7 +51,6 @@ DEFAULT_ONLY: list[Option] = [
     ("max_long_partial_prefills", (), int, (1,), _ONE_CHUNKED),
     ("long_prefill_token_threshold_adaptive", (), bool, (False,), _ONE_CHUNKED),
     ("cpu_offload_gb", (), float, (0.0,), _NO_OFFLOAD),
-    ("tokenizer_mode", (), str, ("auto", "hf"), "the model's own (fast) tokenizer is used"),
     ("distributed_executor_backend", (), str, (None, "ray"), "shards are Ray actors (ray)"),
     (
         "enable_chunked_prefill",

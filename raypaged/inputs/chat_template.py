@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from raypaged.inputs.limits import InputError
+from raypaged.inputs.tokenizer import is_mistral
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -34,8 +35,53 @@ _RESERVED_KWARGS = frozenset(
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, *args: Any, **kwargs: Any) -> list[int]:
-    """Token ids of ``render_chat_text``'s text (its special tokens are the template's own: none are added)."""
+    """Token ids of ``render_chat_text``'s text (its special tokens are the template's own: none are added); with
+    Mistral's tokenizer, mistral_common's encoding of the conversation (``render_mistral_chat``)."""
+    if is_mistral(tokenizer):
+        return render_mistral_chat(tokenizer, *args, **kwargs)
     return tokenizer(render_chat_text(tokenizer, *args, **kwargs), add_special_tokens=False)["input_ids"]
+
+
+def render_mistral_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+    config: EngineConfig,
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    trusted: bool = False,
+) -> list[int]:
+    """A conversation encoded by mistral_common (``--tokenizer-mode mistral``), as vLLM encodes it: the turns and
+    ``tools`` become Mistral's control tokens; there is no template to replace or feed, so a ``chat_template``,
+    ``chat_template_kwargs`` and ``documents`` are refused by name. Bad input raises ``InputError``."""
+    _check_turns(conversation, add_generation_prompt, continue_final_message)
+    for name, value in (
+        ("chat_template", chat_template),
+        ("chat_template_kwargs", {**(config.default_chat_template_kwargs or {}), **(chat_template_kwargs or {})}),
+        ("documents", documents),
+    ):
+        if value:
+            raise InputError(
+                name, f"{name} does not apply with Mistral's tokenizer: mistral_common encodes conversations itself"
+            )
+    try:
+        ids = tokenizer.apply_chat_template(
+            conversation,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+            return_dict=False,
+        )
+    except Exception as exc:  # mistral_common's validation: roles out of order, a tool call without its id...
+        raise InputError(
+            "messages", f"Mistral's encoding refused the conversation: {type(exc).__name__}: {exc}"
+        ) from None
+    return list(ids)
 
 
 def render_chat_text(
@@ -53,9 +99,22 @@ def render_chat_text(
 ) -> str:
     """``conversation`` rendered with the chat template; ``chat_template`` (a request's own) needs ``trusted`` (the
     caller is the operator: ``LLM.chat``) or ``config.trust_request_chat_template``. Bad input raises
-    ``InputError``."""
-    if not conversation:
-        raise InputError("messages", "messages must not be empty")
+    ``InputError``. With Mistral's tokenizer: the text of ``render_mistral_chat``'s token ids."""
+    if is_mistral(tokenizer):
+        ids = render_mistral_chat(
+            tokenizer,
+            conversation,
+            config,
+            tools=tools,
+            documents=documents,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            trusted=trusted,
+        )
+        return tokenizer.decode(ids)
+    _check_turns(conversation, add_generation_prompt, continue_final_message)
     template = config.chat_template_text
     if chat_template:
         if not (trusted or config.trust_request_chat_template):
@@ -67,12 +126,6 @@ def render_chat_text(
         template = chat_template
     if template is None and tokenizer.chat_template is None:
         raise InputError("messages", "this model's tokenizer has no chat template; use completions or --chat-template")
-    if continue_final_message and add_generation_prompt:
-        raise InputError(
-            "continue_final_message", "continue_final_message and add_generation_prompt cannot both be true"
-        )
-    if continue_final_message and conversation[-1].get("role") != "assistant":
-        raise InputError("continue_final_message", "continue_final_message needs an assistant turn last")
     kwargs = {**(config.default_chat_template_kwargs or {}), **(chat_template_kwargs or {})}
     if clash := sorted(_RESERVED_KWARGS & kwargs.keys()):
         raise InputError("chat_template_kwargs", f"chat_template_kwargs may not set {clash[0]!r}")
@@ -90,3 +143,14 @@ def render_chat_text(
     except Exception as exc:  # jinja2's TemplateError (raise_exception) and the template's own bugs
         raise InputError("messages", f"the chat template failed: {type(exc).__name__}: {exc}") from None
     return text
+
+
+def _check_turns(conversation: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if not conversation:
+        raise InputError("messages", "messages must not be empty")
+    if continue_final_message and add_generation_prompt:
+        raise InputError(
+            "continue_final_message", "continue_final_message and add_generation_prompt cannot both be true"
+        )
+    if continue_final_message and conversation[-1].get("role") != "assistant":
+        raise InputError("continue_final_message", "continue_final_message needs an assistant turn last")

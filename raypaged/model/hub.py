@@ -26,6 +26,8 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "chat_template.jinja",
     "chat_template.json",
+    "tekken.json",  # Mistral's own tokenizers (--tokenizer-mode mistral)
+    "tokenizer.model.v*",
 )
 MODEL_FILES = (
     "config.json",
@@ -57,9 +59,12 @@ def resolve_model_files(
     path = Path(name).expanduser()
     if path.exists():
         if what == "tokenizer":
-            if not any((path / file).is_file() for file in ("tokenizer.json", "tokenizer_config.json")):
+            if not any((path / file).is_file() for file in ("tokenizer.json", "tokenizer_config.json")) and not any(
+                path.glob(pattern) for pattern in ("tekken.json", "tokenizer.model.v*")
+            ):
                 raise ValueError(
-                    f"tokenizer {name!r} is not a tokenizer folder (no tokenizer.json or tokenizer_config.json there)"
+                    f"tokenizer {name!r} is not a tokenizer folder (no tokenizer.json or tokenizer_config.json there, "
+                    "nor Mistral's tekken.json or tokenizer.model.v*)"
                 )
         elif not any((path / file).is_file() for file in ("config.json", "params.json")):
             raise ValueError(

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from raypaged.inputs.limits import InputError
+from raypaged.inputs.tokenizer import is_mistral, token_bytes
 from raypaged.sampling_params import StructuredOutputsParams
 from raypaged.structured.config import StructuredOutputsConfig
 from raypaged.structured.guidance import Guidance, GuidanceGrammar, GuidanceMatcher, unenforced_keyword
@@ -56,9 +57,17 @@ class GrammarBackend:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
-                )
+                if is_mistral(self._tokenizer):  # Tekken's tokens are raw bytes
+                    info = xgr.TokenizerInfo(
+                        token_bytes(self._tokenizer),
+                        vocab_type=xgr.VocabType.RAW,
+                        vocab_size=self._vocab_size,
+                        stop_token_ids=self._stop_token_ids,
+                    )
+                else:
+                    info = xgr.TokenizerInfo.from_huggingface(
+                        self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
+                    )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 

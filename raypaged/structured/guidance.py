@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from raypaged.inputs.limits import InputError
+from raypaged.inputs.tokenizer import is_mistral, token_bytes
 from raypaged.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -123,11 +124,18 @@ class Guidance:
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            import llguidance.hf
+            eos = self._eos[0] if self._eos else None
+            if is_mistral(self._hf_tokenizer):
+                from llguidance import LLTokenizer, TokenizerWrapper
 
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos[0] if self._eos else None
-            )
+                wrapped = TokenizerWrapper(_MistralTokens(self._hf_tokenizer, eos))
+                self._tokenizer = LLTokenizer(wrapped, n_vocab=self._vocab_size)
+            else:
+                import llguidance.hf
+
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=eos
+                )
         return self._tokenizer
 
     def compile(
@@ -172,3 +180,20 @@ class Guidance:
         from llguidance import LLMatcher
 
         return GuidanceMatcher(LLMatcher(self.tokenizer(), compiled.grammar, log_level=0))
+
+
+class _MistralTokens:
+    """Mistral's tokenizer as llguidance's ``TokenizerWrapper`` reads one: each token's bytes (a control token as
+    0xFF and its name, llguidance's mark of a special token), the special ids, and an encoder of text."""
+
+    def __init__(self, tokenizer: Any, eos_token_id: int | None) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = list(tokenizer.all_special_ids)
+        self.tokens = token_bytes(tokenizer)
+        for token_id, name in zip(self.special_token_ids, tokenizer.convert_ids_to_tokens(self.special_token_ids)):
+            self.tokens[token_id] = b"\xff" + name.encode()
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)

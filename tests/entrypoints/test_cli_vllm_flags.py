@@ -338,10 +338,6 @@ def test_lora_flags_refuse_what_they_cannot_honour(tiny_model_dir, argv, message
             "each is cut at --long-prefill-token-threshold",
         ),
         (["--cpu-offload-gb", "4"], "--cpu-offload-gb 4.0 is not supported: weights stay on the device"),
-        (
-            ["--tokenizer-mode", "mistral"],
-            "--tokenizer-mode mistral is not supported: the model's own (fast) tokenizer is used",
-        ),
     ],
 )
 def test_vllm_flags_taken_only_at_their_default(tiny_model_dir, argv, message):
@@ -360,6 +356,25 @@ def test_vllm_flags_taken_only_at_their_default(tiny_model_dir, argv, message):
         "--long-prefill-token-threshold",
         "0",
     )
+
+
+def test_flags_spelled_with_underscores_are_the_dashed_flags(tiny_model_dir):
+    """As vLLM's parser (Mistral's model cards write --tokenizer_mode mistral): the flag's name, not its value."""
+    [config] = configs(
+        str(tiny_model_dir),
+        "--max_model_len",
+        "256",
+        "--tokenizer_mode=hf",
+        "--served_model_name",
+        "my_model",
+        "--block_size=8",
+    )
+    assert (config.max_model_len, config.tokenizer_mode, config.block_size) == (256, "hf", 8)
+    assert config.served_model_name == "my_model"
+    with pytest.raises(SystemExit):  # argparse refuses an unknown flag however it is spelled
+        configs(str(tiny_model_dir), "--no_such_flag", "1")
+    with pytest.raises(SystemExit):
+        configs(str(tiny_model_dir), "--tokenizer_mode", "slow")
 
 
 def test_ssl_ca_certs_and_cert_reqs_require_client_certificates(tiny_model_dir, tmp_path):

@@ -1,0 +1,202 @@
+"""Mistral's tokenizer (vLLM's --tokenizer-mode mistral) on a tiny Mistral-format model: prompts and conversations
+(tools included) are encoded exactly as mistral_common encodes them, the tokens are transformers' for those ids, the
+text is mistral_common's decoding, streamed text never breaks a UTF-8 character, structured outputs hold under both
+grammar backends, and Mistral's recommended vLLM command line serves it over HTTP."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+import torch
+
+from raypaged import LLM, SamplingParams
+from raypaged.config import EngineConfig
+from raypaged.engine.detokenizer import IncrementalDetokenizer
+from raypaged.inputs.limits import InputError
+from raypaged.sampling_params import StructuredOutputsParams
+from tests.conftest import hf_greedy, make_tiny_mistral_format
+from tests.reliability.conftest import ServerProcess, free_port
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, smollm2_dir):
+    return make_tiny_mistral_format(tmp_path_factory.mktemp("mistral_tok"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(folders):
+    """mistral_common's own tokenizer, and transformers' model of the same weights."""
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folders[0], dtype=torch.float32).eval()
+    return MistralTokenizer.from_file(str(folders[1] / "tekken.json")), model
+
+
+@pytest.fixture(scope="module")
+def llm(folders):
+    llm = LLM(model=str(folders[1]), num_gpu_blocks_override=64, max_model_len=256)
+    yield llm
+    llm.shutdown()
+
+
+def test_auto_picks_mistrals_tokenizer_for_a_folder_without_a_hugging_face_one(folders, llm):
+    assert llm.llm_engine.config.resolved_tokenizer_mode == "mistral"
+    assert type(llm.get_tokenizer()).__name__ == "MistralCommonBackend"
+    assert EngineConfig(model=str(folders[1]), tokenizer_mode="mistral").resolved_tokenizer_mode == "mistral"
+
+
+def test_a_text_prompt_is_mistral_commons_encoding_and_gives_transformers_tokens(llm, reference):
+    tokenizer, model = reference
+    text = "Hello, my name is Zoë 🎉"
+    [out] = llm.generate([text], GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == tokenizer.instruct_tokenizer.tokenizer.encode(text, bos=True, eos=False)
+    assert list(out.outputs[0].token_ids) == hf_greedy(model, out.prompt_token_ids, 8)
+    assert out.outputs[0].text == tokenizer.decode(list(out.outputs[0].token_ids))
+
+
+def test_a_conversation_with_tools_is_mistral_commons_request_encoding(llm, reference):
+    from mistral_common.protocol.instruct.messages import SystemMessage, UserMessage
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.protocol.instruct.tool_calls import Function, Tool
+
+    tokenizer, model = reference
+    [out] = llm.chat(CONVERSATION, GREEDY, tools=TOOLS, use_tqdm=False)
+    function = TOOLS[0]["function"]
+    request = ChatCompletionRequest(
+        messages=[SystemMessage(content="Be brief."), UserMessage(content="Weather in Paris?")],
+        tools=[Tool(function=Function(**function))],
+    )
+    assert out.prompt_token_ids == tokenizer.encode_chat_completion(request).tokens
+    assert list(out.outputs[0].token_ids) == hf_greedy(model, out.prompt_token_ids, 8)
+
+
+def test_what_mistral_common_does_not_read_is_refused_by_name(llm, folders):
+    engine = llm.llm_engine
+    for options, message in [
+        ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs does not apply"),
+        ({"documents": [{"title": "t", "text": "x"}]}, "documents does not apply"),
+        ({"chat_template": "{{ messages }}", "trusted": True}, "chat_template does not apply"),
+    ]:
+        with pytest.raises(InputError) as refused:
+            engine.input_processor.chat_ids(CONVERSATION, **options)
+        assert str(refused.value).startswith(message + " with Mistral's tokenizer: mistral_common encodes")
+    with pytest.raises(InputError, match=r"^Mistral's encoding refused the conversation: "):
+        engine.input_processor.chat_ids([{"role": "assistant", "content": "first"}, *CONVERSATION])
+    with pytest.raises(ValueError) as refused:
+        EngineConfig(model=str(folders[1]), chat_template="{{ messages }}")
+    assert str(refused.value) == (
+        "--chat-template does not apply with Mistral's tokenizer (--tokenizer-mode mistral): mistral_common encodes "
+        "conversations itself"
+    )
+    with pytest.raises(ValueError, match=r"^--tokenizer-mode mistral: .* has no Mistral tokenizer \(tekken\.json or "):
+        EngineConfig(model=str(folders[0]), tokenizer_mode="mistral")
+    with pytest.raises(ValueError, match=r"^--tokenizer-mode slow is not supported: hf \(the Hugging Face"):
+        EngineConfig(model=str(folders[1]), tokenizer_mode="slow")
+
+
+def test_streamed_text_never_breaks_a_character_and_keeps_control_tokens_apart(llm, reference):
+    tokenizer = llm.get_tokenizer()
+    text = "naïve 🎉🎉 你好 — ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some tokens are parts of a character
+    detokenizer = IncrementalDetokenizer(tokenizer, [1])
+    pieces = [detokenizer.add_tokens([i]) for i in ids]
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert "".join(pieces) + detokenizer.flush() == text
+    kept = IncrementalDetokenizer(tokenizer, [1], skip_special_tokens=False)
+    control = [9, *tokenizer.encode("[1]", add_special_tokens=False), 2]  # [TOOL_CALLS] ... </s>
+    # spaces between special tokens, the prompt's <s> included (as Hugging Face's slow tokenizers space them)
+    assert "".join(kept.add_tokens([i]) for i in control) + kept.flush() == " [TOOL_CALLS] [1] </s>"
+    tight = IncrementalDetokenizer(tokenizer, [1], skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert "".join(tight.add_tokens([i]) for i in control) + tight.flush() == "[TOOL_CALLS][1]</s>"
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_structured_outputs_hold_with_mistrals_token_bytes(folders, backend):
+    llm = LLM(
+        model=str(folders[1]),
+        num_gpu_blocks_override=64,
+        max_model_len=256,
+        structured_outputs_config={"backend": backend},
+    )
+    try:
+        schema = {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}}, "required": ["c"]}
+        outputs = llm.generate(
+            ["Pick one", "A colour"],
+            [
+                SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema)),
+                SamplingParams(
+                    temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="[a-c]{3}-[0-9]")
+                ),
+            ],
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    assert json.loads(outputs[0].outputs[0].text)["c"] in ("red", "blue")
+    assert re.fullmatch("[a-c]{3}-[0-9]", outputs[1].outputs[0].text)
+
+
+def test_mistrals_recommended_vllm_command_line_serves_chat_with_tools(folders, tmp_path):
+    """``vllm serve ... --tokenizer_mode mistral --config_format mistral --load_format mistral --tool-call-parser
+    mistral --enable-auto-tool-choice``, as Mistral's model cards give it (underscores and all)."""
+    port, grpc_port = free_port(), free_port()
+    process = ServerProcess(
+        "serve",
+        [
+            str(folders[1]),
+            "--tokenizer_mode",
+            "mistral",
+            "--config_format",
+            "mistral",
+            "--load_format",
+            "mistral",
+            "--tool-call-parser",
+            "mistral",
+            "--enable-auto-tool-choice",
+            "--max-model-len",
+            "256",
+            "--num-gpu-blocks-override",
+            "64",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+        ],
+        tmp_path / "serve.log",
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        process.wait_http_ready(url)
+        body = {
+            "model": str(folders[1]),
+            "messages": CONVERSATION,
+            "tools": TOOLS,
+            "max_tokens": 6,
+            "temperature": 0,
+        }
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        tokenized = httpx.post(
+            f"{url}/tokenize", json={"model": body["model"], "messages": CONVERSATION, "tools": TOOLS}
+        ).json()
+    finally:
+        process.close()
+    assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] == 6
+    assert answer["usage"]["prompt_tokens"] == tokenized["count"]
