@@ -127,8 +127,8 @@ def test_chunked_prefill_runs_beside_decodes_and_changes_no_output(smollm2_dir, 
     steps = []
     real_schedule = engine.scheduler.schedule
 
-    def recording_schedule():
-        out = real_schedule()
+    def recording_schedule(*args, **kwargs):
+        out = real_schedule(*args, **kwargs)
         steps.append(dict(out.num_scheduled_tokens))
         return out
 
