@@ -35,14 +35,20 @@ _RESERVED_KWARGS = frozenset(
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, *args: Any, **kwargs: Any) -> list[int]:
-    """Token ids of ``render_chat_text``'s text (its special tokens are the template's own: none are added); with
-    Mistral's tokenizer, mistral_common's encoding of the conversation (``render_mistral_chat``)."""
-    if is_mistral(tokenizer):
-        return render_mistral_chat(tokenizer, *args, **kwargs)
-    return tokenizer(render_chat_text(tokenizer, *args, **kwargs), add_special_tokens=False)["input_ids"]
+    """The conversation's prompt token ids (``rendered``'s arguments): the chat template's text tokenized (its
+    special tokens are the template's own: none are added), or Mistral's encoding."""
+    found = rendered(tokenizer, *args, **kwargs)
+    return found if isinstance(found, list) else tokenizer(found, add_special_tokens=False)["input_ids"]
 
 
-def render_mistral_chat(
+def render_chat_text(tokenizer: PreTrainedTokenizerBase, *args: Any, **kwargs: Any) -> str:
+    """The conversation's prompt as text (``rendered``'s arguments): the chat template's, or Mistral's encoding
+    decoded."""
+    found = rendered(tokenizer, *args, **kwargs)
+    return tokenizer.decode(found) if isinstance(found, list) else found
+
+
+def rendered(
     tokenizer: PreTrainedTokenizerBase,
     conversation: list[dict[str, Any]],
     config: EngineConfig,
@@ -54,67 +60,37 @@ def render_mistral_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     trusted: bool = False,
-) -> list[int]:
-    """A conversation encoded by mistral_common (``--tokenizer-mode mistral``), as vLLM encodes it: the turns and
-    ``tools`` become Mistral's control tokens; there is no template to replace or feed, so a ``chat_template``,
+) -> str | list[int]:
+    """``conversation`` rendered with the chat template (text); ``chat_template`` (a request's own) needs ``trusted``
+    (the caller is the operator: ``LLM.chat``) or ``config.trust_request_chat_template``. With Mistral's tokenizer
+    (``--tokenizer-mode mistral``), mistral_common's encoding of it (token ids), as vLLM's: the turns and ``tools``
+    become Mistral's control tokens, and with no template to replace or feed, a ``chat_template``,
     ``chat_template_kwargs`` and ``documents`` are refused by name. Bad input raises ``InputError``."""
     _check_turns(conversation, add_generation_prompt, continue_final_message)
-    for name, value in (
-        ("chat_template", chat_template),
-        ("chat_template_kwargs", {**(config.default_chat_template_kwargs or {}), **(chat_template_kwargs or {})}),
-        ("documents", documents),
-    ):
-        if value:
-            raise InputError(
-                name, f"{name} does not apply with Mistral's tokenizer: mistral_common encodes conversations itself"
-            )
-    try:
-        ids = tokenizer.apply_chat_template(
-            conversation,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=True,
-            return_dict=False,
-        )
-    except Exception as exc:  # mistral_common's validation: roles out of order, a tool call without its id...
-        raise InputError(
-            "messages", f"Mistral's encoding refused the conversation: {type(exc).__name__}: {exc}"
-        ) from None
-    return list(ids)
-
-
-def render_chat_text(
-    tokenizer: PreTrainedTokenizerBase,
-    conversation: list[dict[str, Any]],
-    config: EngineConfig,
-    *,
-    tools: list[dict[str, Any]] | None = None,
-    documents: list[dict[str, Any]] | None = None,
-    chat_template: str | None = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    trusted: bool = False,
-) -> str:
-    """``conversation`` rendered with the chat template; ``chat_template`` (a request's own) needs ``trusted`` (the
-    caller is the operator: ``LLM.chat``) or ``config.trust_request_chat_template``. Bad input raises
-    ``InputError``. With Mistral's tokenizer: the text of ``render_mistral_chat``'s token ids."""
     if is_mistral(tokenizer):
-        ids = render_mistral_chat(
-            tokenizer,
-            conversation,
-            config,
-            tools=tools,
-            documents=documents,
-            chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            trusted=trusted,
-        )
-        return tokenizer.decode(ids)
-    _check_turns(conversation, add_generation_prompt, continue_final_message)
+        for name, value in (
+            ("chat_template", chat_template),
+            ("chat_template_kwargs", {**(config.default_chat_template_kwargs or {}), **(chat_template_kwargs or {})}),
+            ("documents", documents),
+        ):
+            if value:
+                raise InputError(
+                    name, f"{name} does not apply with Mistral's tokenizer: mistral_common encodes conversations itself"
+                )
+        try:
+            ids = tokenizer.apply_chat_template(
+                conversation,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                return_dict=False,
+            )
+        except Exception as exc:  # mistral_common's validation: roles out of order, a tool call without its id...
+            raise InputError(
+                "messages", f"Mistral's encoding refused the conversation: {type(exc).__name__}: {exc}"
+            ) from None
+        return list(ids)
     template = config.chat_template_text
     if chat_template:
         if not (trusted or config.trust_request_chat_template):
