@@ -83,15 +83,17 @@ def resolve_model_path(
     what: str = "model",
     weights: bool = True,
     token: str | bool | None = None,
+    formats: tuple[str, str] = ("auto", "auto"),
 ) -> Path:
     """A local folder for ``model``: a folder as given, a Hugging Face Hub id's cached snapshot (see
-    ``model/hub.py``: ``what`` names the flag in its errors, ``weights=False`` fetches no weights), or,
+    ``model/hub.py``: ``what`` names the flag in its errors, ``weights=False`` fetches no weights, ``formats``
+    (``--config-format``, ``--load-format``) pick the weights of a repository that holds two formats), or,
     for ``None`` or the default model's id without a revision or download folder, the bundled default model."""
     if model is None or (model == DEFAULT_MODEL and revision is None and download_dir is None):
         return default_model_dir()
     from raypaged.model.hub import resolve_model_files
 
-    return resolve_model_files(model, revision, download_dir, what, weights, token)
+    return resolve_model_files(model, revision, download_dir, what, weights, token, formats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -683,7 +685,13 @@ class EngineConfig:
         from raypaged.model.encoder import check_encoder_options, is_encoder
         from raypaged.model.llama import check_tensor_parallel
 
-        self.model_path = resolve_model_path(self.model, self.revision, self.download_dir, token=self.hf_token)
+        self.model_path = resolve_model_path(
+            self.model,
+            self.revision,
+            self.download_dir,
+            token=self.hf_token,
+            formats=(self.config_format, "auto" if self.load_format == "dummy" else self.load_format),
+        )
         self.tokenizer_path = self._resolve_tokenizer_path()
         self.resolved_tokenizer_mode = resolve_tokenizer_mode(self.tokenizer_mode, self.tokenizer_path)
         if self.resolved_tokenizer_mode == "mistral" and self.chat_template is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from raypaged.model import mistral_format
+
 logger = logging.getLogger("raypaged")
 
 TOKENIZER_FILES = (
@@ -46,6 +48,7 @@ def resolve_model_files(
     what: str = "model",
     weights: bool = True,
     token: str | bool | None = None,
+    formats: tuple[str, str] = ("auto", "auto"),
 ) -> Path:
     """A local folder for ``name``: the folder itself when it exists (it must hold a config.json, or for a
     tokenizer its tokenizer files), else the Hub snapshot of ``revision`` (default ``main``) under
@@ -53,7 +56,8 @@ def resolve_model_files(
 
     ``what`` names the flag in messages (``model``, ``tokenizer``); ``weights=False`` fetches the config
     and tokenizer files only; ``token`` (``--hf-token``) authenticates Hub downloads (``True``: the saved
-    login; ``None``: ``$HF_TOKEN`` or the saved login). Every failure is a ``ValueError`` naming ``name`` and
+    login; ``None``: ``$HF_TOKEN`` or the saved login); ``formats`` (``--config-format``, ``--load-format``) decide
+    which weights a Hub id fetches (``weight_patterns``). Every failure is a ``ValueError`` naming ``name`` and
     what to change.
     """
     path = Path(name).expanduser()
@@ -79,8 +83,23 @@ def resolve_model_files(
                     f"{flag} {value} applies to Hugging Face Hub ids, but {what} {name!r} is a local folder"
                 )
         return path
-    files = MODEL_FILES if weights else ("config.json", *TOKENIZER_FILES)
-    return _snapshot(name, revision, download_dir, what, files, token)
+    if not weights:
+        return _snapshot(name, revision, download_dir, what, ("config.json", *TOKENIZER_FILES), token)
+    # one format's weights, where a repository holds Hugging Face's and Mistral's (as most of Mistral's do)
+    configs = _snapshot(name, revision, download_dir, what, ("config.json", "params.json"), token)
+    files, ignored = weight_patterns(configs, *formats)
+    return _snapshot(name, revision, download_dir, what, files, token, ignored)
+
+
+def weight_patterns(folder: Path, config_format: str, load_format: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The files to fetch of a model whose configs are in ``folder``, and those to leave out: Mistral's
+    ``consolidated*.safetensors`` where its format is read (``--load-format mistral``, or ``params.json`` read as
+    the config), else every other ``*.safetensors``, never both sets of weights."""
+    if load_format == "mistral" or (
+        load_format == "auto" and mistral_format.reads_mistral_config(folder, config_format)
+    ):
+        return (*[f for f in MODEL_FILES if f != "*.safetensors"], mistral_format.WEIGHTS_GLOB), ()
+    return MODEL_FILES, (mistral_format.WEIGHTS_GLOB,)
 
 
 def _snapshot(
@@ -90,8 +109,10 @@ def _snapshot(
     what: str,
     patterns: tuple[str, ...],
     token: str | bool | None,
+    ignored: tuple[str, ...] = (),
 ) -> Path:
-    """The cached snapshot folder of ``repo_id`` at ``revision``, downloading it where the network allows."""
+    """The cached snapshot folder of ``repo_id`` at ``revision``, downloading it where the network allows (the files
+    of ``patterns`` but those of ``ignored``)."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -110,6 +131,7 @@ def _snapshot(
             revision=revision,
             cache_dir=cache,
             allow_patterns=list(patterns),
+            ignore_patterns=list(ignored) or None,
             local_files_only=offline,
             token=token,
         )

@@ -102,3 +102,21 @@ def test_flags_that_find_no_such_files_are_refused(folders):
         EngineConfig(model=str(hf), config_format="mistral")
     with pytest.raises(ValueError, match=r"^--load-format mistral: .* has no consolidated\*\.safetensors$"):
         greedy(hf, load_format="mistral")
+
+
+def test_a_hub_id_fetches_one_formats_weights(folders, tmp_path):
+    """A repository with both formats (most of Mistral's) fetches Hugging Face's weights unless Mistral's are read;
+    one with params.json alone fetches its consolidated files (decided from the configs fetched first)."""
+    from raypaged.model.hub import MODEL_FILES, weight_patterns
+
+    hf, consolidated = folders
+    both = tmp_path / "both"
+    both.mkdir()
+    for source in (hf / "config.json", consolidated / "params.json"):
+        shutil.copy(source, both)
+    mistral = (*[f for f in MODEL_FILES if f != "*.safetensors"], "consolidated*.safetensors")
+    assert weight_patterns(hf, "auto", "auto") == (MODEL_FILES, ("consolidated*.safetensors",))
+    assert weight_patterns(both, "auto", "auto") == (MODEL_FILES, ("consolidated*.safetensors",))
+    assert weight_patterns(both, "mistral", "auto") == (mistral, ())
+    assert weight_patterns(both, "hf", "mistral") == (mistral, ())
+    assert weight_patterns(consolidated, "auto", "auto") == (mistral, ())
