@@ -155,18 +155,23 @@ def make_tiny_model(root: Path, smollm2_dir: Path, arch: str = "llama", **overri
     return save_random(AutoModelForCausalLM, AutoConfig.for_model(arch, **base), root / arch, smollm2_dir)
 
 
-def make_tiny_mistral_format(root: Path, smollm2_dir: Path) -> tuple[Path, Path]:
-    """A random Mistral of TINY_SHAPE with Mistral's vocabulary (131,072 tokens) twice: in Hugging Face's format
-    (``root / "hf" / "mistral"``, SmolLM2's tokenizer: transformers' reference) and the same weights in Mistral's own
-    (``root / "consolidated"``: ``params.json``, ``consolidated.safetensors`` in Mistral's names with the query and
-    key rows back in interleaved rotary order, and mistral_common's Tekken tokenizer as ``tekken.json``), written
-    as Mistral's repositories hold them."""
+def make_tiny_mistral_format(root: Path, smollm2_dir: Path, tokenizer: str = "tekken") -> tuple[Path, Path]:
+    """A random Mistral of TINY_SHAPE with Mistral's vocabulary twice: in Hugging Face's format (``root / "hf" /
+    "mistral"``, SmolLM2's tokenizer: transformers' reference) and the same weights in Mistral's own (``root /
+    "consolidated"``: ``params.json``, ``consolidated.safetensors`` in Mistral's names with the query and key rows
+    back in interleaved rotary order, and one of mistral_common's tokenizers: ``tekken`` as ``tekken.json``, 131,072
+    tokens, or ``v3``, SentencePiece's, as ``tokenizer.model.v3``, 32,768), written as Mistral's repositories hold
+    them."""
     import importlib.util
     import json
 
     from safetensors.torch import load_file, save_file
 
-    hf = make_tiny_model(root / "hf", smollm2_dir, "mistral", vocab_size=131072, sliding_window=None, head_dim=8)
+    vocab, source, tokenizer_file = {
+        "tekken": (131072, "tekken_240911.json", "tekken.json"),
+        "v3": (32768, "mistral_instruct_tokenizer_240323.model.v3", "tokenizer.model.v3"),
+    }[tokenizer]
+    hf = make_tiny_model(root / "hf", smollm2_dir, "mistral", vocab_size=vocab, sliding_window=None, head_dim=8)
     out = root / "consolidated"
     out.mkdir(parents=True)
     names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
@@ -196,10 +201,9 @@ def make_tiny_mistral_format(root: Path, smollm2_dir: Path) -> tuple[Path, Path]
         tensors[f"layers.{layer}.{parts[part]}.weight"] = tensor.contiguous()
     save_file(tensors, out / "consolidated.safetensors")
     params = {"dim": 64, "n_layers": 2, "head_dim": 8, "hidden_dim": 128, "n_heads": 8, "n_kv_heads": 2}
-    params.update(norm_eps=1e-5, vocab_size=131072, rope_theta=10000.0, max_seq_len=512)
+    params.update(norm_eps=1e-5, vocab_size=vocab, rope_theta=10000.0, max_seq_len=512)
     (out / "params.json").write_text(json.dumps(params))
-    tekken = Path(importlib.util.find_spec("mistral_common").origin).parent / "data" / "tekken_240911.json"
-    shutil.copy(tekken, out / "tekken.json")
+    shutil.copy(Path(importlib.util.find_spec("mistral_common").origin).parent / "data" / source, out / tokenizer_file)
     return hf, out
 
 

@@ -8,7 +8,7 @@ structured outputs read its token bytes (``token_bytes``). No torch import here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,11 +56,28 @@ def is_mistral(tokenizer: Any) -> bool:
     return type(tokenizer).__name__ == "MistralCommonBackend"
 
 
-def token_bytes(tokenizer: Any) -> list[bytes]:
-    """A Mistral tokenizer's tokens as the bytes each stands for, by id; a control token (``[INST]``, ``</s>``...)
-    as no bytes, so that a grammar never produces one as text."""
-    from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+def is_tekken(tokenizer: Any) -> bool:
+    """Whether a Mistral tokenizer is Tekken (byte-level BPE), not SentencePiece (v1 to v3)."""
+    return hasattr(tokenizer.tokenizer.instruct_tokenizer.tokenizer, "id_to_byte_piece")
 
+
+def grammar_vocab(tokenizer: Any) -> tuple[list[bytes] | list[str], bool]:
+    """A Mistral tokenizer's vocabulary as a grammar compiler reads it, by id, and whether it is SentencePiece's
+    pieces (``▁`` for a space, ``<0xNN>`` for a byte: xgrammar's byte-fallback kind) rather than Tekken's bytes. A
+    generated text follows its prompt, so a first token's ``▁`` is a space of the text like any other. A control
+    token (``[INST]``, ``</s>``...) is empty, so that a grammar never produces one as text."""
     inner = tokenizer.tokenizer.instruct_tokenizer.tokenizer
-    special = set(tokenizer.all_special_ids)
-    return [b"" if i in special else inner.id_to_byte_piece(i, SpecialTokenPolicy.IGNORE) for i in range(inner.n_words)]
+    special = {*tokenizer.all_special_ids, tokenizer.unk_token_id}
+    if is_tekken(tokenizer):
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+
+        ignore = SpecialTokenPolicy.IGNORE
+        return [b"" if i in special else inner.id_to_byte_piece(i, ignore) for i in range(inner.n_words)], False
+    return ["" if i in special else inner.id_to_piece(i) for i in range(inner.n_words)], True
+
+
+def token_bytes(tokenizer: Any) -> list[bytes]:
+    """A Tekken tokenizer's tokens as the bytes each stands for, by id (a control token as none)."""
+    assert is_tekken(tokenizer), "SentencePiece's pieces are not bytes"
+    vocab, _ = grammar_vocab(tokenizer)
+    return cast(list[bytes], vocab)

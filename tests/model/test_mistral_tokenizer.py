@@ -154,6 +154,46 @@ def test_structured_outputs_hold_with_mistrals_token_bytes(folders, backend):
     assert re.fullmatch("[a-c]{3}-[0-9]", outputs[1].outputs[0].text)
 
 
+def test_a_sentencepiece_tokenizer_encodes_decodes_and_constrains_as_mistral_common(tmp_path, smollm2_dir):
+    """v1 to v3 tokenizers (tokenizer.model.v3: Mistral 7B v0.3, Mixtral, Codestral): mistral_common's encoding and
+    text, and a regex under xgrammar, whose vocabulary takes SentencePiece's pieces (a first token's space is text:
+    the output follows its prompt); the guidance backend is refused by name."""
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    from transformers import AutoModelForCausalLM
+
+    hf, consolidated = make_tiny_mistral_format(tmp_path, smollm2_dir, "v3")
+    reference = MistralTokenizer.from_file(str(consolidated / "tokenizer.model.v3"))
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    llm = LLM(model=str(consolidated), num_gpu_blocks_override=64, max_model_len=256)
+    try:
+        assert llm.llm_engine.config.resolved_tokenizer_mode == "mistral"
+        text = "Hello wörld 你好"
+        regex = SamplingParams(
+            temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="[a-c]{3}-[0-9]")
+        )
+        plain, constrained = llm.generate([text, "Code:"], [GREEDY, regex], use_tqdm=False)
+        assert plain.prompt_token_ids == reference.instruct_tokenizer.tokenizer.encode(text, bos=True, eos=False)
+        assert list(plain.outputs[0].token_ids) == hf_greedy(model, plain.prompt_token_ids, 8)
+        # the text follows the prompt: a first token that begins a word (SentencePiece's "▁") begins with its space,
+        # which mistral_common's decoding of the output alone drops
+        ids = list(plain.outputs[0].token_ids)
+        starts_word = reference.instruct_tokenizer.tokenizer.id_to_piece(ids[0]).startswith("\u2581")
+        assert plain.outputs[0].text == " " * starts_word + reference.decode(ids)
+        assert re.fullmatch("[a-c]{3}-[0-9]", constrained.outputs[0].text)
+    finally:
+        llm.shutdown()
+    guided = LLM(model=str(consolidated), num_gpu_blocks_override=64, structured_outputs_config={"backend": "guidance"})
+    try:
+        with pytest.raises(ValueError) as refused:
+            guided.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a")))
+    finally:
+        guided.shutdown()
+    assert str(refused.value).endswith(
+        "structured outputs: the guidance backend reads Tekken and Hugging Face tokenizers, not Mistral's "
+        "SentencePiece ones: use the xgrammar backend"
+    )
+
+
 def test_mistrals_recommended_vllm_command_line_serves_chat_with_tools(folders, tmp_path):
     """``vllm serve ... --tokenizer_mode mistral --config_format mistral --load_format mistral --tool-call-parser
     mistral --enable-auto-tool-choice``, as Mistral's model cards give it (underscores and all)."""
