@@ -155,13 +155,15 @@ def make_tiny_model(root: Path, smollm2_dir: Path, arch: str = "llama", **overri
     return save_random(AutoModelForCausalLM, AutoConfig.for_model(arch, **base), root / arch, smollm2_dir)
 
 
-def make_tiny_mistral_format(root: Path, smollm2_dir: Path, tokenizer: str = "tekken") -> tuple[Path, Path]:
-    """A random Mistral of TINY_SHAPE with Mistral's vocabulary twice: in Hugging Face's format (``root / "hf" /
-    "mistral"``, SmolLM2's tokenizer: transformers' reference) and the same weights in Mistral's own (``root /
-    "consolidated"``: ``params.json``, ``consolidated.safetensors`` in Mistral's names with the query and key rows
-    back in interleaved rotary order, and one of mistral_common's tokenizers: ``tekken`` as ``tekken.json``, 131,072
-    tokens, or ``v3``, SentencePiece's, as ``tokenizer.model.v3``, 32,768), written as Mistral's repositories hold
-    them."""
+def make_tiny_mistral_format(
+    root: Path, smollm2_dir: Path, tokenizer: str = "tekken", arch: str = "mistral"
+) -> tuple[Path, Path]:
+    """A random Mistral (``arch`` ``mixtral``: a Mixtral of 4 experts, 2 a token) of TINY_SHAPE with Mistral's
+    vocabulary twice: in Hugging Face's format (``root / "hf" / arch``, SmolLM2's tokenizer: transformers'
+    reference) and the same weights in Mistral's own (``root / "consolidated"``: ``params.json``,
+    ``consolidated.safetensors`` in Mistral's names with the query and key rows back in interleaved rotary order,
+    and one of mistral_common's tokenizers: ``tekken`` as ``tekken.json``, 131,072 tokens, or ``v3``,
+    SentencePiece's, as ``tokenizer.model.v3``, 32,768), written as Mistral's repositories hold them."""
     import importlib.util
     import json
 
@@ -171,7 +173,8 @@ def make_tiny_mistral_format(root: Path, smollm2_dir: Path, tokenizer: str = "te
         "tekken": (131072, "tekken_240911.json", "tekken.json"),
         "v3": (32768, "mistral_instruct_tokenizer_240323.model.v3", "tokenizer.model.v3"),
     }[tokenizer]
-    hf = make_tiny_model(root / "hf", smollm2_dir, "mistral", vocab_size=vocab, sliding_window=None, head_dim=8)
+    experts = {"num_local_experts": 4, "num_experts_per_tok": 2} if arch == "mixtral" else {}
+    hf = make_tiny_model(root / "hf", smollm2_dir, arch, vocab_size=vocab, sliding_window=None, head_dim=8, **experts)
     out = root / "consolidated"
     out.mkdir(parents=True)
     names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
@@ -195,6 +198,9 @@ def make_tiny_mistral_format(root: Path, smollm2_dir: Path, tokenizer: str = "te
             continue
         layer, part = name.removeprefix("model.layers.").split(".", 1)
         part = part.removesuffix(".weight")
+        if part.startswith("block_sparse_moe."):  # Mixtral's router and experts (w1, w2, w3 alike in both formats)
+            tensors[f"layers.{layer}.feed_forward.{part.removeprefix('block_sparse_moe.')}.weight"] = tensor
+            continue
         if (n := heads.get(part.rsplit(".", 1)[-1])) is not None:  # half-split rotary order -> interleaved pairs
             rows, columns = tensor.shape
             tensor = tensor.view(n, 2, rows // n // 2, columns).transpose(1, 2).reshape(rows, columns)
@@ -202,6 +208,8 @@ def make_tiny_mistral_format(root: Path, smollm2_dir: Path, tokenizer: str = "te
     save_file(tensors, out / "consolidated.safetensors")
     params = {"dim": 64, "n_layers": 2, "head_dim": 8, "hidden_dim": 128, "n_heads": 8, "n_kv_heads": 2}
     params.update(norm_eps=1e-5, vocab_size=vocab, rope_theta=10000.0, max_seq_len=512)
+    if experts:
+        params["moe"] = {"num_experts": 4, "num_experts_per_tok": 2}
     (out / "params.json").write_text(json.dumps(params))
     shutil.copy(Path(importlib.util.find_spec("mistral_common").origin).parent / "data" / source, out / tokenizer_file)
     return hf, out

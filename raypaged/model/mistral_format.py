@@ -4,10 +4,10 @@ names, the query and key projections' rows in the interleaved rotary order of Mi
 Mistral's Hugging Face repositories hold both formats; a folder with ``params.json`` and no ``config.json`` is read in
 this one unless told otherwise.
 
-The config becomes a Hugging Face ``MistralConfig`` (so the rest of the engine reads one format), and each weight is
-renamed and, for the query and key projections, its rows put in the half-split rotary order Hugging Face's
-conversion script gives them. What this reader does not know (a vision encoder, experts, a quantized checkpoint,
-rope scaling) is refused naming the key, never skipped.
+The config becomes a Hugging Face ``MistralConfig`` (``MixtralConfig`` with ``moe``), so the rest of the engine reads
+one format, and each weight is renamed and, for the query and key projections, its rows put in the half-split rotary
+order Hugging Face's conversion script gives them. What this reader does not know (a vision encoder, a quantized
+checkpoint, rope scaling) is refused naming the key, never skipped.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ _CONFIG_KEYS = {
 _REQUIRED = ("dim", "n_layers", "hidden_dim", "n_heads", "vocab_size")
 _WHY_NOT = {
     "vision_encoder": "Mistral-format image models are not read: serve the repository's Hugging Face format",
-    "moe": "Mistral-format mixtures of experts are not read: serve the repository's Hugging Face format",
     "quantization": "Mistral-format quantized checkpoints are not read: serve the repository's Hugging Face format",
 }
+_MOE_KEYS = {"num_experts": "num_local_experts", "num_experts_per_tok": "num_experts_per_tok"}  # Mixtral's
 
 # consolidated name -> Hugging Face name (a layer's: after "layers.{i}.")
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
@@ -64,6 +64,8 @@ _LAYER = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
 }
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
+# Mixtral's: the router, and each expert's w1 (gate), w2 (down) and w3 (up) under Hugging Face's Mixtral names
+_EXPERT_PART = re.compile(r"feed_forward\.(gate\.weight|experts\.\d+\.w[123]\.weight)")
 
 
 def reads_mistral_config(model_path: Path, config_format: str) -> bool:
@@ -83,6 +85,7 @@ def mistral_config(model_path: Path) -> PretrainedConfig:
     params = json.loads((model_path / PARAMS).read_text())
     if not isinstance(params, dict):
         raise ValueError(f"{model_path / PARAMS} is not a JSON object")
+    moe = params.pop("moe", None)
     for key in params:
         if key in _WHY_NOT:
             raise ValueError(f"--config-format mistral: {PARAMS} has {key!r}: {_WHY_NOT[key]}")
@@ -102,13 +105,20 @@ def mistral_config(model_path: Path) -> PretrainedConfig:
     fields.setdefault("sliding_window", None)  # MistralConfig's default is 4096
     fields.setdefault("tie_word_embeddings", False)
     theta = fields.pop("rope_theta")
-    config = MistralConfig(
-        **fields,
-        rope_parameters={"rope_type": "default", "rope_theta": float(theta)},
-        bos_token_id=1,
-        eos_token_id=2,
-        architectures=["MistralForCausalLM"],
-    )
+    common = dict(rope_parameters={"rope_type": "default", "rope_theta": float(theta)}, bos_token_id=1, eos_token_id=2)
+    config: PretrainedConfig
+    if moe is not None:  # Mixtral: every layer's MLP is experts and a router
+        from transformers import MixtralConfig
+
+        if not isinstance(moe, dict) or set(moe) != set(_MOE_KEYS):
+            raise ValueError(
+                f"--config-format mistral: {PARAMS}'s 'moe' must hold num_experts and num_experts_per_tok, got "
+                f"{json.dumps(moe)}"
+            )
+        experts = {_MOE_KEYS[key]: value for key, value in moe.items()}
+        config = MixtralConfig(**fields, **experts, **common, architectures=["MixtralForCausalLM"])
+    else:
+        config = MistralConfig(**fields, **common, architectures=["MistralForCausalLM"])
     config.raypaged_config_format = "mistral"
     return config
 
@@ -135,6 +145,8 @@ def hf_weights(
             continue
         match = _LAYER_NAME.fullmatch(name)
         part = _LAYER.get(match.group(2)) if match else None
+        if match is not None and (expert := _EXPERT_PART.fullmatch(match.group(2))) is not None:
+            part = f"block_sparse_moe.{expert.group(1)}"
         if match is None or part is None:
             raise ValueError(f"--load-format mistral: tensor {name!r} is not one raypaged reads")
         if part == "self_attn.q_proj.weight":

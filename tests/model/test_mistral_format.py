@@ -47,6 +47,18 @@ def test_params_json_and_consolidated_weights_give_transformers_tokens(folders, 
     assert greedy(consolidated, tokenizer=str(hf), **flags) == expected
 
 
+def test_a_mixtral_in_mistrals_format_gives_transformers_tokens(tmp_path, smollm2_dir):
+    """params.json's moe (4 experts, 2 a token) makes a Mixtral; each layer's router and experts are read from
+    feed_forward.gate and feed_forward.experts.N.w1/w2/w3."""
+    from transformers import AutoModelForCausalLM
+
+    hf, consolidated = make_tiny_mistral_format(tmp_path, smollm2_dir, arch="mixtral")
+    config = EngineConfig(model=str(consolidated), tokenizer=str(hf))
+    assert config.hf_config.architectures == ["MixtralForCausalLM"] and config.hf_config.num_local_experts == 4
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assert greedy(consolidated, tokenizer=str(hf)) == [hf_greedy(model, prompt, 8) for prompt in PROMPTS]
+
+
 def test_a_folder_with_both_formats_reads_hugging_faces_unless_told(folders, expected, tmp_path):
     """As Mistral's repositories: config.json and model.safetensors beside params.json and consolidated.safetensors.
     auto reads Hugging Face's (the consolidated file is left out, not loaded twice); the flags read Mistral's."""
@@ -71,9 +83,9 @@ def test_a_folder_with_both_formats_reads_hugging_faces_unless_told(folders, exp
     ("change", "message"),
     [
         (
-            {"moe": {"num_experts": 8, "num_experts_per_tok": 2}},
-            "--config-format mistral: params.json has 'moe': Mistral-format mixtures of experts are not read: serve "
-            "the repository's Hugging Face format",
+            {"moe": {"num_experts": 8}},
+            "--config-format mistral: params.json's 'moe' must hold num_experts and num_experts_per_tok, got "
+            '{"num_experts": 8}',
         ),
         (
             {"vision_encoder": {}},
