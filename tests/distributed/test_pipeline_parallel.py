@@ -171,6 +171,24 @@ def request_ids(scheduler_output) -> list[str]:
     return [seq_id.split(":")[0] for seq_id in scheduler_output.num_scheduled_tokens]
 
 
+def test_beam_search_over_stages_equals_one_shard(ray_session, tiny_llama):
+    """Beams wait for each other, so a live beam search runs one micro-batch at a time, uncapped: its beams and
+    scores are one shard's."""
+    from raypaged.core.beam_search import BeamSearchParams
+
+    prompts = TINY_PROMPTS[:3]
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    answers = []
+    for pp in (1, 2):
+        llm = LLM(model=str(tiny_llama), device="cpu", pipeline_parallel_size=pp, num_gpu_blocks_override=128)
+        try:
+            beams = llm.beam_search(prompts, params, use_tqdm=False)
+            answers.append([[(s.tokens, round(s.cum_logprob, 4)) for s in out.sequences] for out in beams])
+        finally:
+            llm.shutdown()
+    assert answers[1] == answers[0]
+
+
 def test_micro_batches_through_the_compiled_graph_channel(ray_session, tiny_llama, tiny_reference, monkeypatch):
     """The step channel between nodes (a Ray Compiled Graph) takes a micro-batch per stage in flight too."""
     monkeypatch.setenv("RAYPAGED_STEP_CHANNEL", "graph")
