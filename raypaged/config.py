@@ -251,13 +251,13 @@ class EngineConfig:
         None, "the tokenizer's folder or Hub id (default: the model's); its chat template too"
     )
     tokenizer_revision: str | None = _flag(None, "branch, tag or commit of --tokenizer (default: --revision)")
-    # vLLM's --tokenizer-mode: hf (Hugging Face's tokenizer and chat template), mistral (mistral_common's tokenizer and
-    # request encoding), auto (mistral where the folder has a Mistral tokenizer and no Hugging Face one)
+    # vLLM's --tokenizer-mode: hf (Hugging Face's tokenizer and chat template), mistral (mistral_common's Tekken
+    # tokenizer and request encoding), auto (mistral where the folder has tekken.json and no Hugging Face tokenizer)
     tokenizer_mode: str = _flag(
         "auto",
-        "hf: the Hugging Face tokenizer and chat template; mistral: Mistral's tokenizer (tekken.json or "
-        "tokenizer.model.v*) and mistral_common's conversation encoding; auto: mistral where the folder has a "
-        "Mistral tokenizer and no Hugging Face one",
+        "hf: the Hugging Face tokenizer and chat template; mistral: Mistral's Tekken tokenizer (tekken.json) and "
+        "mistral_common's conversation encoding; auto: mistral where the folder has tekken.json and no Hugging Face "
+        "tokenizer",
         choices=TOKENIZER_MODES,
     )
     # the name clients use; a list gives the model several (vLLM's --served-model-name a b): the first

@@ -1,41 +1,43 @@
-"""The model's tokenizer, as vLLM's ``--tokenizer-mode`` picks it: Hugging Face's (``hf``), or Mistral's own through
-``mistral_common`` (``mistral``: ``tekken.json`` or ``tokenizer.model.v*``, wrapped by transformers'
-``MistralCommonBackend``). ``auto`` takes Mistral's when the folder has a Mistral tokenizer and no Hugging Face one.
+"""The model's tokenizer, as vLLM's ``--tokenizer-mode`` picks it: Hugging Face's (``hf``), or Mistral's own Tekken
+tokenizer through ``mistral_common`` (``mistral``: ``tekken.json``, wrapped by transformers' ``MistralCommonBackend``).
+``auto`` takes Mistral's when the folder has ``tekken.json`` and no Hugging Face tokenizer.
 
 A Mistral tokenizer renders conversations with ``mistral_common``'s own request encoding (no Jinja chat template), and
-structured outputs read its token bytes (``token_bytes``). No torch import here."""
+structured outputs read its token bytes (``token_bytes``). Mistral's older SentencePiece tokenizers
+(``tokenizer.model.v1`` to ``v3``) are refused in this mode: ``mistral_common`` reads them through the
+``sentencepiece`` package, whose wheel maps an OpenMP runtime of its own beside torch's into the engine's process
+(two runtimes oversubscribe the cores and are known to crash), and the repositories that carry them all ship the
+same tokenizer in Hugging Face's format. No torch import here."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_MODES = ("auto", "hf", "mistral")
-MISTRAL_TOKENIZER_FILES = ("tekken.json", "tokenizer.model.v*")
+TEKKEN = "tekken.json"
+SENTENCEPIECE_GLOB = "tokenizer.model.v*"
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def has_mistral_tokenizer(folder: Path) -> bool:
-    return any(any(folder.glob(pattern)) for pattern in MISTRAL_TOKENIZER_FILES)
-
-
 def resolve_tokenizer_mode(mode: str, folder: Path) -> str:
-    """``hf`` or ``mistral``: ``mode``, or for ``auto`` Mistral's when ``folder`` has a Mistral tokenizer and no Hugging
-    Face one. ``mistral`` on a folder without a Mistral tokenizer is refused naming the files looked for."""
+    """``hf`` or ``mistral``: ``mode``, or for ``auto`` Mistral's when ``folder`` has ``tekken.json`` and no Hugging
+    Face tokenizer. ``mistral`` without ``tekken.json`` is refused, naming a SentencePiece tokenizer found instead."""
+    tekken = (folder / TEKKEN).is_file()
     if mode == "mistral":
-        if not has_mistral_tokenizer(folder):
+        if tekken:
+            return "mistral"
+        if found := sorted(folder.glob(SENTENCEPIECE_GLOB)):
             raise ValueError(
-                f"--tokenizer-mode mistral: {folder} has no Mistral tokenizer ({' or '.join(MISTRAL_TOKENIZER_FILES)})"
+                f"--tokenizer-mode mistral reads Tekken tokenizers ({TEKKEN}); {folder} has SentencePiece's "
+                f"{found[0].name}, which raypaged reads in Hugging Face's format: serve the repository's "
+                "tokenizer.json (--tokenizer-mode hf)"
             )
-        return "mistral"
-    if (
-        mode == "auto"
-        and has_mistral_tokenizer(folder)
-        and not any((folder / f).is_file() for f in _HF_TOKENIZER_FILES)
-    ):
+        raise ValueError(f"--tokenizer-mode mistral: {folder} has no Mistral tokenizer ({TEKKEN})")
+    if mode == "auto" and tekken and not any((folder / f).is_file() for f in _HF_TOKENIZER_FILES):
         return "mistral"
     return "hf"
 
@@ -56,28 +58,12 @@ def is_mistral(tokenizer: Any) -> bool:
     return type(tokenizer).__name__ == "MistralCommonBackend"
 
 
-def is_tekken(tokenizer: Any) -> bool:
-    """Whether a Mistral tokenizer is Tekken (byte-level BPE), not SentencePiece (v1 to v3)."""
-    return hasattr(tokenizer.tokenizer.instruct_tokenizer.tokenizer, "id_to_byte_piece")
-
-
-def grammar_vocab(tokenizer: Any) -> tuple[list[bytes] | list[str], bool]:
-    """A Mistral tokenizer's vocabulary as a grammar compiler reads it, by id, and whether it is SentencePiece's
-    pieces (``▁`` for a space, ``<0xNN>`` for a byte: xgrammar's byte-fallback kind) rather than Tekken's bytes. A
-    generated text follows its prompt, so a first token's ``▁`` is a space of the text like any other. A control
-    token (``[INST]``, ``</s>``...) is empty, so that a grammar never produces one as text."""
-    inner = tokenizer.tokenizer.instruct_tokenizer.tokenizer
-    special = {*tokenizer.all_special_ids, tokenizer.unk_token_id}
-    if is_tekken(tokenizer):
-        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
-
-        ignore = SpecialTokenPolicy.IGNORE
-        return [b"" if i in special else inner.id_to_byte_piece(i, ignore) for i in range(inner.n_words)], False
-    return ["" if i in special else inner.id_to_piece(i) for i in range(inner.n_words)], True
-
-
 def token_bytes(tokenizer: Any) -> list[bytes]:
-    """A Tekken tokenizer's tokens as the bytes each stands for, by id (a control token as none)."""
-    assert is_tekken(tokenizer), "SentencePiece's pieces are not bytes"
-    vocab, _ = grammar_vocab(tokenizer)
-    return cast(list[bytes], vocab)
+    """A Mistral (Tekken) tokenizer's tokens as the bytes each stands for, by id; a control token (``[INST]``,
+    ``</s>``...) as no bytes, so that a grammar never produces one as text."""
+    from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+
+    inner = tokenizer.tokenizer.instruct_tokenizer.tokenizer
+    special = set(tokenizer.all_special_ids)
+    ignore = SpecialTokenPolicy.IGNORE
+    return [b"" if i in special else inner.id_to_byte_piece(i, ignore) for i in range(inner.n_words)]

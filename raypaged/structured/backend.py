@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from raypaged.inputs.limits import InputError
-from raypaged.inputs.tokenizer import grammar_vocab, is_mistral
+from raypaged.inputs.tokenizer import is_mistral, token_bytes
 from raypaged.sampling_params import StructuredOutputsParams
 from raypaged.structured.config import StructuredOutputsConfig
 from raypaged.structured.guidance import Guidance, GuidanceGrammar, GuidanceMatcher, unenforced_keyword
@@ -57,11 +57,10 @@ class GrammarBackend:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                if is_mistral(self._tokenizer):  # Tekken's tokens are bytes, SentencePiece's pieces fall back to bytes
-                    vocab, pieces = grammar_vocab(self._tokenizer)
+                if is_mistral(self._tokenizer):  # Tekken's tokens are raw bytes
                     info = xgr.TokenizerInfo(
-                        vocab,
-                        vocab_type=xgr.VocabType.BYTE_FALLBACK if pieces else xgr.VocabType.RAW,
+                        token_bytes(self._tokenizer),
+                        vocab_type=xgr.VocabType.RAW,
                         vocab_size=self._vocab_size,
                         stop_token_ids=self._stop_token_ids,
                     )

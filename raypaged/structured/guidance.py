@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from raypaged.inputs.limits import InputError
-from raypaged.inputs.tokenizer import is_mistral, is_tekken, token_bytes
+from raypaged.inputs.tokenizer import is_mistral, token_bytes
 from raypaged.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -126,12 +126,6 @@ class Guidance:
         if self._tokenizer is None:
             eos = self._eos[0] if self._eos else None
             if is_mistral(self._hf_tokenizer):
-                if not is_tekken(self._hf_tokenizer):
-                    raise InputError(
-                        PARAM,
-                        "structured outputs: the guidance backend reads Tekken and Hugging Face tokenizers, not "
-                        "Mistral's SentencePiece ones: use the xgrammar backend",
-                    )
                 from llguidance import LLTokenizer, TokenizerWrapper
 
                 wrapped = TokenizerWrapper(_MistralTokens(self._hf_tokenizer, eos))

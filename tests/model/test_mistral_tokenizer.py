@@ -16,6 +16,7 @@ from raypaged import LLM, SamplingParams
 from raypaged.config import EngineConfig
 from raypaged.engine.detokenizer import IncrementalDetokenizer
 from raypaged.inputs.limits import InputError
+from raypaged.inputs.tokenizer import resolve_tokenizer_mode
 from raypaged.sampling_params import StructuredOutputsParams
 from tests.conftest import hf_greedy, make_tiny_mistral_format
 from tests.reliability.conftest import ServerProcess, free_port
@@ -105,7 +106,7 @@ def test_what_mistral_common_does_not_read_is_refused_by_name(llm, folders):
         "--chat-template does not apply with Mistral's tokenizer (--tokenizer-mode mistral): mistral_common encodes "
         "conversations itself"
     )
-    with pytest.raises(ValueError, match=r"^--tokenizer-mode mistral: .* has no Mistral tokenizer \(tekken\.json or "):
+    with pytest.raises(ValueError, match=r"^--tokenizer-mode mistral: .* has no Mistral tokenizer \(tekken\.json\)$"):
         EngineConfig(model=str(folders[0]), tokenizer_mode="mistral")
     with pytest.raises(ValueError, match=r"^--tokenizer-mode slow is not supported: hf \(the Hugging Face"):
         EngineConfig(model=str(folders[1]), tokenizer_mode="slow")
@@ -154,44 +155,19 @@ def test_structured_outputs_hold_with_mistrals_token_bytes(folders, backend):
     assert re.fullmatch("[a-c]{3}-[0-9]", outputs[1].outputs[0].text)
 
 
-def test_a_sentencepiece_tokenizer_encodes_decodes_and_constrains_as_mistral_common(tmp_path, smollm2_dir):
-    """v1 to v3 tokenizers (tokenizer.model.v3: Mistral 7B v0.3, Mixtral, Codestral): mistral_common's encoding and
-    text, and a regex under xgrammar, whose vocabulary takes SentencePiece's pieces (a first token's space is text:
-    the output follows its prompt); the guidance backend is refused by name."""
-    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
-    from transformers import AutoModelForCausalLM
-
-    hf, consolidated = make_tiny_mistral_format(tmp_path, smollm2_dir, "v3")
-    reference = MistralTokenizer.from_file(str(consolidated / "tokenizer.model.v3"))
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    llm = LLM(model=str(consolidated), num_gpu_blocks_override=64, max_model_len=256)
-    try:
-        assert llm.llm_engine.config.resolved_tokenizer_mode == "mistral"
-        text = "Hello wörld 你好"
-        regex = SamplingParams(
-            temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="[a-c]{3}-[0-9]")
-        )
-        plain, constrained = llm.generate([text, "Code:"], [GREEDY, regex], use_tqdm=False)
-        assert plain.prompt_token_ids == reference.instruct_tokenizer.tokenizer.encode(text, bos=True, eos=False)
-        assert list(plain.outputs[0].token_ids) == hf_greedy(model, plain.prompt_token_ids, 8)
-        # the text follows the prompt: a first token that begins a word (SentencePiece's "▁") begins with its space,
-        # which mistral_common's decoding of the output alone drops
-        ids = list(plain.outputs[0].token_ids)
-        starts_word = reference.instruct_tokenizer.tokenizer.id_to_piece(ids[0]).startswith("\u2581")
-        assert plain.outputs[0].text == " " * starts_word + reference.decode(ids)
-        assert re.fullmatch("[a-c]{3}-[0-9]", constrained.outputs[0].text)
-    finally:
-        llm.shutdown()
-    guided = LLM(model=str(consolidated), num_gpu_blocks_override=64, structured_outputs_config={"backend": "guidance"})
-    try:
-        with pytest.raises(ValueError) as refused:
-            guided.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a")))
-    finally:
-        guided.shutdown()
-    assert str(refused.value).endswith(
-        "structured outputs: the guidance backend reads Tekken and Hugging Face tokenizers, not Mistral's "
-        "SentencePiece ones: use the xgrammar backend"
+def test_a_sentencepiece_tokenizer_is_refused_in_mistral_mode_and_read_in_hugging_faces(tmp_path, smollm2_dir):
+    """tokenizer.model.v3 (Mistral 7B v0.3, Mixtral, Codestral) would load the sentencepiece package, whose wheel maps
+    a second OpenMP runtime beside torch's: refused by name in mistral mode, and auto leaves such a folder to
+    Hugging Face's tokenizer (which those repositories ship)."""
+    _, consolidated = make_tiny_mistral_format(tmp_path, smollm2_dir, "v3")
+    with pytest.raises(ValueError) as refused:
+        EngineConfig(model=str(consolidated), tokenizer_mode="mistral")
+    assert str(refused.value) == (
+        f"--tokenizer-mode mistral reads Tekken tokenizers (tekken.json); {consolidated} has SentencePiece's "
+        "tokenizer.model.v3, which raypaged reads in Hugging Face's format: serve the repository's tokenizer.json "
+        "(--tokenizer-mode hf)"
     )
+    assert resolve_tokenizer_mode("auto", consolidated) == "hf"
 
 
 def test_mistrals_recommended_vllm_command_line_serves_chat_with_tools(folders, tmp_path):
