@@ -37,7 +37,7 @@ from raypaged.inputs.limits import (
 from raypaged.inputs.media import MediaError, MediaOptions, load_image
 from raypaged.inputs.multimodal_input import MultiModalInput
 from raypaged.inputs.prompt_embeds import checked_prompt_embeds, embeds_salt, load_prompt_embeds, truncated
-from raypaged.inputs.tokenizer import load_tokenizer
+from raypaged.inputs.tokenizer import is_mistral, load_tokenizer
 from raypaged.model.architecture import (
     attends_images_both_ways,
     min_image_tokens,
@@ -95,10 +95,19 @@ class InputProcessor:
         delimiters = self.config.reasoning_delimiters
         if delimiters is None:
             return None
-        start, end = (self.tokenize(text, add_special_tokens=False) for text in delimiters)
+        start, end = (self._delimiter_ids(text) for text in delimiters)
         if not start or not end:
             raise ValueError(f"--reasoning-config: the reasoning section's start and end {delimiters} must be text")
         return start, end
+
+    def _delimiter_ids(self, text: str) -> list[int]:
+        """A reasoning delimiter's token ids: a control token's own id where Mistral's tokenizer has one by that name
+        (it encodes a control token's name as text, as any other), else the text's tokens."""
+        if is_mistral(self.tokenizer):
+            token_id = self.tokenizer.convert_tokens_to_ids(text)
+            if token_id in self.tokenizer.all_special_ids and self.tokenizer.convert_ids_to_tokens(token_id) == text:
+                return [token_id]
+        return self.tokenize(text, add_special_tokens=False)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends generation, without repeats: config.json's ``eos_token_id`` (an int or

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import httpx
 import pytest
@@ -153,6 +154,36 @@ def test_structured_outputs_hold_with_mistrals_token_bytes(folders, backend):
         llm.shutdown()
     assert json.loads(outputs[0].outputs[0].text)["c"] in ("red", "blue")
     assert re.fullmatch("[a-c]{3}-[0-9]", outputs[1].outputs[0].text)
+
+
+def test_reasoning_delimiters_that_are_control_tokens_are_their_ids(folders, tmp_path):
+    """Magistral's [THINK] and [/THINK] are control tokens (34 and 35 here, in a Tekken file that names them): a
+    thinking_token_budget counts and ends a section by those ids, not by their names' text pieces; a tokenizer
+    without them takes the names' text."""
+    tekken = json.loads((folders[1] / "tekken.json").read_text())
+    names = [f"<SPECIAL_{i}>" for i in range(1000)]
+    for rank, name in enumerate(
+        ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]"]
+        + ["[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]"]
+        + ["[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]"]
+    ):
+        names[rank] = name
+    names[34], names[35] = "[THINK]", "[/THINK]"
+    tekken["special_tokens"] = [{"rank": i, "token_str": n, "is_control": True} for i, n in enumerate(names)]
+    magistral = tmp_path / "magistral"
+    shutil.copytree(folders[1], magistral)
+    (magistral / "tekken.json").write_text(json.dumps(tekken))
+    reasoning = {"reasoning_parser": "mistral"}
+    for folder, expected in ((magistral, ([34], [35])), (folders[1], None)):
+        llm = LLM(model=str(folder), num_gpu_blocks_override=16, max_model_len=64, structured_outputs_config=reasoning)
+        try:
+            found = llm.llm_engine.input_processor._reasoning_ids
+            tokenizer = llm.get_tokenizer()
+        finally:
+            llm.shutdown()
+        text_ids = [tokenizer.encode(t, add_special_tokens=False) for t in ("[THINK]", "[/THINK]")]
+        assert found == (expected or tuple(text_ids))
+        assert expected is not None or len(text_ids[0]) > 1  # the plain Tekken file has no such control token
 
 
 def test_a_sentencepiece_tokenizer_is_refused_in_mistral_mode_and_read_in_hugging_faces(tmp_path, smollm2_dir):
