@@ -34,10 +34,11 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         # Mistral's tokenizer (mistral_common) takes no spaces option: spaced_decode puts them in
-        self._mistral_spaces = is_mistral(tokenizer) and not skip_special_tokens and spaces_between_special_tokens
+        mistral = is_mistral(tokenizer)
+        self._mistral_spaces = mistral and not skip_special_tokens and spaces_between_special_tokens
         self._special = frozenset(tokenizer.all_special_ids) if self._mistral_spaces else frozenset()
         self._decode_options = {"skip_special_tokens": skip_special_tokens}
-        if not is_mistral(tokenizer):
+        if not mistral:
             self._decode_options["spaces_between_special_tokens"] = spaces_between_special_tokens
         fast = getattr(tokenizer, "is_fast", False)
         # streamed: an added token right after another shows its bare content (no space before it), as vLLM

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from raypaged.inputs.tokenizer import SENTENCEPIECE_GLOB, TEKKEN
 from raypaged.model import mistral_format
 
 logger = logging.getLogger("raypaged")
@@ -28,8 +29,8 @@ TOKENIZER_FILES = (
     "vocab.txt",
     "chat_template.jinja",
     "chat_template.json",
-    "tekken.json",  # Mistral's own tokenizers (--tokenizer-mode mistral)
-    "tokenizer.model.v*",
+    TEKKEN,  # Mistral's own tokenizers (--tokenizer-mode mistral reads Tekken, names SentencePiece's to refuse it)
+    SENTENCEPIECE_GLOB,
 )
 MODEL_FILES = (
     "config.json",
@@ -64,11 +65,11 @@ def resolve_model_files(
     if path.exists():
         if what == "tokenizer":
             if not any((path / file).is_file() for file in ("tokenizer.json", "tokenizer_config.json")) and not any(
-                path.glob(pattern) for pattern in ("tekken.json", "tokenizer.model.v*")
+                path.glob(pattern) for pattern in (TEKKEN, SENTENCEPIECE_GLOB)
             ):
                 raise ValueError(
                     f"tokenizer {name!r} is not a tokenizer folder (no tokenizer.json or tokenizer_config.json there, "
-                    "nor Mistral's tekken.json or tokenizer.model.v*)"
+                    f"nor Mistral's {TEKKEN} or {SENTENCEPIECE_GLOB})"
                 )
         elif not any((path / file).is_file() for file in ("config.json", "params.json")):
             raise ValueError(

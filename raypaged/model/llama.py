@@ -505,8 +505,8 @@ class LlamaModel(nn.Module):
             return self._stage(input_ids, positions, kv_caches, meta, embeds, mrope_positions)
         x = self._embedded(input_ids, embeds)
         if mrope_positions is not None:  # the layers' path, each token indexing its own row of the step's table
-            with self._rope_rows(mrope_positions):
-                return self._layers(torch.arange(x.shape[0], device=x.device), x, kv_caches, meta, embeds)
+            with self._rope_rows(mrope_positions) as steps:
+                return self._layers(steps, x, kv_caches, meta, embeds)
         if embeds is not None and embeds.deepstack:
             return self._layers(positions, x, kv_caches, meta, embeds)
         step = self.cpu_step
@@ -522,13 +522,13 @@ class LlamaModel(nn.Module):
         return self._layers(positions, x, kv_caches, meta)
 
     @contextlib.contextmanager
-    def _rope_rows(self, mrope_positions: torch.Tensor) -> Iterator[None]:
-        """M-RoPE: within, the rotary embeddings read the step's own rows (``mrope_positions``), the layers taking
-        each token's index in the step as its position."""
+    def _rope_rows(self, mrope_positions: torch.Tensor) -> Iterator[torch.Tensor]:
+        """M-RoPE: within, the rotary embeddings read the step's own rows (``mrope_positions``); yields the positions
+        the layers take, each token's index in the step."""
         for rotary in self.rotaries:
             rotary.step_table = rotary.mrope_rows(mrope_positions)
         try:
-            yield
+            yield torch.arange(mrope_positions.shape[1], device=mrope_positions.device)
         finally:
             for rotary in self.rotaries:
                 rotary.step_table = None
@@ -569,12 +569,9 @@ class LlamaModel(nn.Module):
             x = self.tp.receive_from_previous_stage(
                 torch.empty(input_ids.shape[0], weight.shape[0], dtype=weight.dtype, device=input_ids.device)
             )
-        if mrope_positions is not None:
-            with self._rope_rows(mrope_positions):
-                steps = torch.arange(x.shape[0], device=x.device)
-                x, residual = self._through_layers(steps, x, kv_caches, meta, embeds)
-        else:
-            x, residual = self._through_layers(positions, x, kv_caches, meta, embeds)
+        rope = contextlib.nullcontext(positions) if mrope_positions is None else self._rope_rows(mrope_positions)
+        with rope as layer_positions:
+            x, residual = self._through_layers(layer_positions, x, kv_caches, meta, embeds)
         if not pp.last:
             stream = x if residual is None else x + residual
             self.tp.send_to_next_stage(stream)

@@ -49,7 +49,8 @@ def iter_checkpoint(
     files (``pattern`` left as it is) leave out Mistral's ``consolidated*.safetensors`` of a folder that holds both
     formats, as vLLM does."""
     files = sorted(model_path.glob(pattern))
-    if pattern == "*.safetensors" and (hf_files := [f for f in files if not fnmatch(f.name, "consolidated*")]) != files:
+    hf_files = [file for file in files if not fnmatch(file.name, mistral_format.WEIGHTS_GLOB)]
+    if pattern == "*.safetensors" and hf_files != files:
         if not hf_files:
             raise ValueError(
                 f"no Hugging Face *.safetensors weights in {model_path}, only Mistral's consolidated*.safetensors "

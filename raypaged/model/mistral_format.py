@@ -79,7 +79,8 @@ def reads_mistral_config(model_path: Path, config_format: str) -> bool:
 
 
 def mistral_config(model_path: Path) -> PretrainedConfig:
-    """``params.json`` as a Hugging Face ``MistralConfig``; a key this reader does not know is refused by name."""
+    """``params.json`` as a Hugging Face ``MistralConfig`` (``MixtralConfig`` with ``moe``); a key this reader does not
+    know is refused by name."""
     from transformers import MistralConfig
 
     params = json.loads((model_path / PARAMS).read_text())
