@@ -117,7 +117,8 @@ class RequestOutput:
     finished: bool = False
     # tokens sampled for this request so far, over all its sequences (best_of counts every sample once)
     num_generated_tokens: int = 0
-    # set when the engine ended this request alone because handling it failed (finished, finish_reason "error")
+    # set when the engine ended this request alone (finished, finish_reason "error"): handling it failed, or its
+    # own fields left nothing to do (error_param names the field)
     error: str | None = None
     metrics: RequestMetrics | None = None  # None for beam searches, and a DELTA stream's outputs before its last
     # with SamplingParams.prompt_logprobs: per prompt token its logprob and the top-N (None for the first)
@@ -125,6 +126,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed (vLLM's)
     pooled: Any = None  # an embedding model's request (--runner pooling), finished: its embedding (float32 tensor)
     num_prompt_embeds: int = 0  # a prompt given as embeddings: its rows (prompt_token_ids is None)
+    # with ``error``: the request field whose value left nothing to do (the request's own doing, a client
+    # error); None when handling it failed
+    error_param: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -139,12 +139,22 @@ class PromptLogprobs:
     logprobs: list[dict[int, float]]
 
 
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """Why one request ended alone, the others unharmed. ``param``: the request field whose value left the
+    engine nothing it could do (the request's own doing: a client error, 400 over HTTP); ``None``: handling
+    the request failed (a server error, 500)."""
+
+    message: str
+    param: str | None = None
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     # request id -> the token sampled for it; requests mid-prefill are absent
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     # request id -> why sampling its row failed (that request alone ends with an error)
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, RequestFailure] = field(default_factory=dict)
     # request id -> the prompt logprobs this step's positions gave (requests that asked for them)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # requests that verified drafts: the accepted drafts then the target's own next token (absent from sampled)

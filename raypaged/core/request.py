@@ -195,15 +195,15 @@ class Request:
         del self.run_logprobs[-num_dropped:]
 
     def check_stop(self) -> RequestStatus | None:
-        """The finished status the newest token puts this request in, if any."""
+        """The finished status the newest token puts this request in, if any. A stop token ends it even below
+        ``min_tokens``: the sampler bans them there unless they are all its row allows (a complete grammar)."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
-            last = self.output_token_ids[-1]
-            if not params.ignore_eos and last == self.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:
-                self.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last == self.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -307,6 +307,8 @@ class AsyncLLMEngine:
                     self._check_alive()
                     return
                 finished = item.finished
+                if item.error is not None and item.error_param:  # its own fields left nothing to do: a client error
+                    raise InputError(item.error_param, item.error)
                 if item.error is not None:
                     raise RequestFailedError(item.error)
                 yield item

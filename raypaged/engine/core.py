@@ -25,7 +25,7 @@ from raypaged.config import SLEEP_MODE_OFF, WAKE_TAGS, EngineConfig, check_sleep
 from raypaged.core import beam_search
 from raypaged.core.beam_search import BeamGroup, BeamSearchParams, Hypothesis
 from raypaged.core.block_manager import KVCacheManager
-from raypaged.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from raypaged.core.outputs import GrammarBitmask, ModelRunnerOutput, RequestFailure, SchedulerOutput
 from raypaged.core.request import Request, RequestStatus, SequenceGroup
 from raypaged.core.scheduler import EndedRequest, Scheduler, SchedulerConfig
 from raypaged.core.stats import SchedulerStats
@@ -97,7 +97,7 @@ class BeamResult:
 
     request_id: str
     hypotheses: list[Hypothesis]
-    error: str | None = None
+    error: RequestFailure | None = None
 
 
 @dataclass(slots=True)
@@ -106,7 +106,7 @@ class EngineCoreOutputs:
     requests with the message; ``seqs`` are the sequences that got tokens or were ended by the core."""
 
     seqs: list[SeqDelta] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, RequestFailure] = field(default_factory=dict)
     beams: list[BeamResult] = field(default_factory=list)
 
 
@@ -388,7 +388,10 @@ class EngineCore:
         return EngineCoreOutputs()
 
     def _apply(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, fill_failures: dict[str, str]
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        fill_failures: dict[str, RequestFailure],
     ) -> EngineCoreOutputs:
         """A step's results into the scheduler, the grammars, the drafts and the beam searches;
         the deltas for the caller."""
@@ -396,12 +399,12 @@ class EngineCore:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         out = EngineCoreOutputs()
         failed = out.failed
-        beam_failures: dict[str, str] = {}
-        for seq_id, message in (*fill_failures.items(), *runner_output.failed.items()):
+        beam_failures: dict[str, RequestFailure] = {}
+        for seq_id, failure in (*fill_failures.items(), *runner_output.failed.items()):
             if (group := self._beam_of(seq_id)) is not None:  # a beam: its whole search fails
-                beam_failures.setdefault(group.group_id, message)
+                beam_failures.setdefault(group.group_id, failure)
             else:
-                failed.setdefault(seq_id, message)
+                failed.setdefault(seq_id, failure)
         deltas = out.seqs
         ended_beams: dict[str, list[EndedRequest]] = {}
         for ended in self.scheduler.take_ended():
@@ -436,7 +439,7 @@ class EngineCore:
                     self._advance_grammar(matcher, request)
                 except Exception as exc:
                     logger.exception("sequence %s: advancing the grammar failed; ending its request alone", seq_id)
-                    failed[seq_id] = f"advancing the grammar failed: {type(exc).__name__}: {exc}"
+                    failed[seq_id] = RequestFailure(f"advancing the grammar failed: {type(exc).__name__}: {exc}")
                     continue
             num_new = request.num_new_tokens
             num_output = len(request.output_token_ids)
@@ -460,7 +463,7 @@ class EngineCore:
                     delta.pooled = self._embedding(request)
                 except Exception as exc:
                     logger.exception("sequence %s: finishing its embedding failed; ending its request alone", seq_id)
-                    failed[seq_id] = f"finishing the embedding failed: {type(exc).__name__}: {exc}"
+                    failed[seq_id] = RequestFailure(f"finishing the embedding failed: {type(exc).__name__}: {exc}")
                     continue
             deltas.append(delta)
             if status.finished:
@@ -477,7 +480,7 @@ class EngineCore:
         return finish_embedding(request.pooled, request.num_prompt_tokens, request.pooling, pooler)
 
     def _step_beams(
-        self, out: EngineCoreOutputs, ended: dict[str, list[EndedRequest]], failures: dict[str, str]
+        self, out: EngineCoreOutputs, ended: dict[str, list[EndedRequest]], failures: dict[str, RequestFailure]
     ) -> None:
         """Beam searches, after the step: the scheduler's own ends settled, a beam step for every
         search whose live beams all sampled (the scheduler held their candidates), the grammars of
@@ -491,7 +494,7 @@ class EngineCore:
                         self._advance_beam_grammars(group)
                     except Exception as exc:
                         logger.exception("beam search %s: advancing the grammar failed; ending it alone", request_id)
-                        error = f"advancing the grammar failed: {type(exc).__name__}: {exc}"
+                        error = RequestFailure(f"advancing the grammar failed: {type(exc).__name__}: {exc}")
                 group.lineage.clear()
             if error is not None and not group.done:
                 beam_search.abort(self.scheduler, group)
@@ -672,7 +675,7 @@ class EngineCore:
         thaw()
 
 
-def _grammar_fill_failures(grammar: GrammarBitmask | None) -> dict[str, str]:
+def _grammar_fill_failures(grammar: GrammarBitmask | None) -> dict[str, RequestFailure]:
     """Waits for the step's masks; the sequences whose matcher raised (their rows allowed every
     token), each with its message: those requests fail alone."""
     if grammar is None:
@@ -680,7 +683,7 @@ def _grammar_fill_failures(grammar: GrammarBitmask | None) -> dict[str, str]:
     return grammar.pending.result() if grammar.pending is not None else {}
 
 
-def _fill_masks(rows: list[tuple[str, Any, list[int]]], bitmask: torch.Tensor) -> dict[str, str]:
+def _fill_masks(rows: list[tuple[str, Any, list[int]]], bitmask: torch.Tensor) -> dict[str, RequestFailure]:
     """Fill ``bitmask`` from ``rows``' matchers (on the mask thread): a sequence verifying drafts
     has a row per position, each its matcher's after the drafts before it (then rolled back). A
     matcher that raises leaves its rows allowing every token and is returned with its message."""
@@ -697,7 +700,7 @@ def _fill_masks(rows: list[tuple[str, Any, list[int]]], bitmask: torch.Tensor) -
         except Exception as exc:
             logger.exception("request %s: filling the grammar mask failed; ending it alone", seq_id)
             bitmask[row : row + len(drafts) + 1].fill_(-1)
-            failures[seq_id] = f"filling the grammar mask failed: {type(exc).__name__}: {exc}"
+            failures[seq_id] = RequestFailure(f"filling the grammar mask failed: {type(exc).__name__}: {exc}")
         row += len(drafts) + 1
     return failures
 

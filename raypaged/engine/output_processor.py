@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from raypaged.core.beam_search import Hypothesis
+from raypaged.core.outputs import RequestFailure
 from raypaged.engine.core import BeamResult, EngineCoreOutputs, SeqDelta
 from raypaged.engine.detokenizer import IncrementalDetokenizer
 from raypaged.outputs import (
@@ -87,7 +88,7 @@ class RequestState:
     seqs: list[SeqState]
     arrival_time: float = 0.0
     max_tokens: int = 0
-    error: str | None = None  # handling this request failed: it ended alone, with this message
+    error: RequestFailure | None = None  # it ended alone: handling it failed, or its own fields left nothing to do
     num_cached_tokens: int = 0
     prompt_logprobs_found: list[dict[int, float]] | None = None  # from the first sequence's first delta
     prompt_logprobs_sent: bool = False  # DELTA outputs: the prompt's logprobs went with the first
@@ -197,9 +198,9 @@ class OutputProcessor:
         sequences of requests that failed (to abort there). ``now`` is the step's one clock reading."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
-        for seq_id, message in out.failed.items():
+        for seq_id, failure in out.failed.items():
             if (found := self._seqs.get(seq_id)) is not None:
-                self._fail(found[0], message, to_abort)
+                self._fail(found[0], failure, to_abort)
                 touched[found[0].request_id] = found[0]
         stopped = []
         seqs = self._seqs
@@ -255,14 +256,14 @@ class OutputProcessor:
     def _failed(self, state: RequestState, doing: str, exc: Exception, to_abort: list[str]) -> None:
         """``doing`` raised ``exc`` for one request (call inside its ``except``): it alone fails."""
         logger.exception("request %s: %s failed; ending it alone", state.request_id, doing)
-        self._fail(state, f"{doing} failed: {type(exc).__name__}: {exc}", to_abort)
+        self._fail(state, RequestFailure(f"{doing} failed: {type(exc).__name__}: {exc}"), to_abort)
 
-    def _fail(self, state: RequestState, message: str, to_abort: list[str]) -> None:
+    def _fail(self, state: RequestState, failure: RequestFailure, to_abort: list[str]) -> None:
         """End a request whose handling failed: its sequences go to ``to_abort`` (the caller aborts
         them, freeing their blocks) and it is reported once, finished, with ``error`` set."""
         if state.error is not None:
             return
-        state.error = message
+        state.error = failure
         to_abort.extend(seq.seq_id for seq in state.seqs)
         for seq in state.seqs:
             if seq.finish_reason is None:
@@ -276,7 +277,13 @@ class OutputProcessor:
     def _beam_output(self, state: RequestState, result: BeamResult) -> BeamSearchOutput:
         if result.error is not None:  # no beams: a BeamSearchOutput still, as every beam search's output is
             return BeamSearchOutput(
-                state.request_id, state.prompt, state.prompt_token_ids, [], finished=True, error=result.error
+                state.request_id,
+                state.prompt,
+                state.prompt_token_ids,
+                [],
+                finished=True,
+                error=result.error.message,
+                error_param=result.error.param,
             )
         return beam_output(state, result.hypotheses, self.tokenizer)
 
@@ -501,7 +508,8 @@ def error_output(state: RequestState) -> RequestOutput:
         outputs=[],
         finished=True,
         num_generated_tokens=state.num_generated_tokens,
-        error=state.error,
+        error=state.error.message if state.error is not None else None,
+        error_param=state.error.param if state.error is not None else None,
         metrics=request_metrics(state),
         num_prompt_embeds=state.num_prompt_embeds,
     )

@@ -309,7 +309,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                             last = output
                             break
                         yield tracker.response(output)
-                except (EngineDeadError, RequestFailedError) as exc:
+                except (EngineDeadError, RequestFailedError, InputError) as exc:
                     error = exc
             # before the caller hears the end: from then on it may reuse the id, and the tenant its slot
             await hold.let_go(in_engine=last is None)

@@ -17,7 +17,7 @@ import torch
 
 from raypaged import envs
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
-from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, SampledToken, SchedulerOutput
+from raypaged.core.outputs import ModelRunnerOutput, PromptLogprobs, RequestFailure, SampledToken, SchedulerOutput
 from raypaged.model.encoder import EncoderModel, uses_token_types
 from raypaged.model.llama import ImageRows
 from raypaged.multimodal import ImageInputs, mrope_positions
@@ -28,7 +28,14 @@ from raypaged.worker.block_tables import BlockTables
 from raypaged.worker.cache import KVCache
 from raypaged.worker.cuda_graphs import DecodeGraphs
 from raypaged.worker.piecewise_graphs import PiecewiseGraphs
-from raypaged.worker.sampler import SamplingInput, apply_token_bitmask, greedy_fast_path, logprob_entry, sample
+from raypaged.worker.sampler import (
+    NoTokenLeft,
+    SamplingInput,
+    apply_token_bitmask,
+    greedy_fast_path,
+    logprob_entry,
+    sample,
+)
 
 if TYPE_CHECKING:
     from raypaged.lora.manager import LoRAManager
@@ -182,7 +189,7 @@ class ModelRunner:
         self.spec_states: list[CachedRequestState] = []  # the requests verifying drafts this step
         self.drafter: DraftModelProposer | None = None  # speculative decoding with a draft model
         self.image_encoder = image_encoder  # an image-text model's: encodes a request's images when first needed
-        self.image_failures: dict[str, str] = {}  # this step's requests whose images could not be encoded
+        self.image_failures: dict[str, RequestFailure] = {}  # this step's requests whose images did not encode
 
     def update_states(self, so: SchedulerOutput) -> None:
         tables = self.block_tables
@@ -383,7 +390,9 @@ class ModelRunner:
                     state.image_embeds = _encoded(encoder, images, self.device)
                 except Exception as exc:  # this request fails alone: its rows keep the placeholder's embedding
                     logger.exception("encoding the images of request %s failed", state.request_id)
-                    self.image_failures[state.request_id] = f"encoding its images failed: {type(exc).__name__}: {exc}"
+                    self.image_failures[state.request_id] = RequestFailure(
+                        f"encoding its images failed: {type(exc).__name__}: {exc}"
+                    )
                     continue
             first_row = 0  # the image's first row of image_embeds
             for offset, length in images.placeholders:
@@ -502,7 +511,7 @@ class ModelRunner:
                 tokens = sample(logits, inputs, self.generator, self.logprobs_mode)  # on the logits' device
             out = self._runner_output(rows, tokens)
         except Exception:  # one row's parameters broke the batch: find it, sample the others
-            out = self._sample_rows(logits, inputs, rows)
+            out = self._sample_rows(logits, inputs, rows, set(grammar.request_ids) if grammar is not None else set())
         if self.async_scheduling:
             requests = self.requests
             for request_id, token in out.sampled.items():
@@ -628,24 +637,53 @@ class ModelRunner:
         return PromptLogprobs(token, entries)
 
     def _sample_rows(
-        self, logits: torch.Tensor, inputs: list[SamplingInput], rows: list[tuple[str, int]]
+        self, logits: torch.Tensor, inputs: list[SamplingInput], rows: list[tuple[str, int]], grammar_ids: set[str]
     ) -> ModelRunnerOutput:
         """Sample row by row; a request with a row that raises is reported in ``failed``, the others
-        get their tokens."""
+        get their tokens. A row its masks left no token (``NoTokenLeft``) fails its request as the request's
+        own doing, unless it verifies a draft that an earlier row of it rejected (the row is never read)."""
         tokens: list[SampledToken | None] = []
-        failed: dict[str, str] = {}
-        for row, ((request_id, _), row_input) in enumerate(zip(rows, inputs)):
+        failed: dict[str, RequestFailure] = {}
+        for row, ((request_id, j), row_input) in enumerate(zip(rows, inputs)):
             try:
                 tokens.append(sample(logits[row : row + 1], [row_input], self.generator, self.logprobs_mode)[0])
+            except NoTokenLeft:
+                drafts = self.requests[request_id].spec_token_ids
+                earlier = tokens[row - j : row]
+                if any(token is not None and token.token_id != drafts[i] for i, token in enumerate(earlier)):
+                    tokens.append(earlier[-1])  # after a rejected draft: a stand-in that is never read
+                    continue
+                failed.setdefault(request_id, no_token_left(row_input, request_id in grammar_ids))
+                logger.info("request %s: %s", request_id, failed[request_id].message)
+                tokens.append(None)
             except Exception as exc:
                 logger.exception("sampling failed for request %s", request_id)
-                failed.setdefault(request_id, f"sampling failed: {type(exc).__name__}: {exc}")
+                failed.setdefault(request_id, RequestFailure(f"sampling failed: {type(exc).__name__}: {exc}"))
                 tokens.append(None)
         # a row's token is None only when its request failed
         kept = [(row, token) for row, token in zip(rows, tokens) if token is not None and row[0] not in failed]
         out = self._runner_output([row for row, _ in kept], [token for _, token in kept])
         out.failed = failed
         return out
+
+
+def no_token_left(row: SamplingInput, grammar: bool) -> RequestFailure:
+    """The failure of a request whose masks left its row no token, naming them (the first is its ``param``)."""
+    params = row.params
+    masks = [
+        name
+        for name, applies in (
+            ("allowed_token_ids", params.allowed_token_ids is not None),
+            ("bad_words", bool(params.bad_words_token_ids)),
+            ("structured_outputs", grammar),
+        )
+        if applies
+    ]
+    where = f"no token is left to sample after {len(row.output_token_ids)} output tokens"
+    if not masks:
+        return RequestFailure(f"{where}: no logit of its row is finite")
+    shown = " and ".join("the structured output's grammar" if name == "structured_outputs" else name for name in masks)
+    return RequestFailure(f"{where}: {shown} {'allows' if len(masks) == 1 else 'together allow'} no token", masks[0])
 
 
 def _batch_order(so: SchedulerOutput) -> list[str]:
@@ -657,11 +695,11 @@ def _ints(values: list[int]) -> np.ndarray:
     return np.fromiter(values, dtype=np.int64, count=len(values))
 
 
-def fail_alone(out: ModelRunnerOutput, failures: dict[str, str]) -> None:
-    """Requests whose step failed on their own (``failures``: id -> why) end with that message, their tokens
+def fail_alone(out: ModelRunnerOutput, failures: dict[str, RequestFailure]) -> None:
+    """Requests whose step failed on their own (``failures``: id -> why) end with that failure, their tokens
     (if any) dropped."""
-    for request_id, message in failures.items():
-        out.failed.setdefault(request_id, message)
+    for request_id, failure in failures.items():
+        out.failed.setdefault(request_id, failure)
         out.sampled.pop(request_id, None)
         out.sampled_runs.pop(request_id, None)
 

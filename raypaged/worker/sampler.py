@@ -1,7 +1,10 @@
 """Pick one token per sequence from its logits.
 
 Order: penalties and ``min_tokens`` masking on the raw logits, then greedy
-argmax or temperature → top-k → top-p → min-p → a draw. Logprobs are those of
+argmax or temperature → top-k → top-p → min-p → a draw. A row whose masks (a
+grammar's, ``allowed_token_ids``, ``bad_words``) leave no token is never drawn
+from: ``sample`` raises :class:`NoTokenLeft` naming it (``min_tokens`` alone
+never empties a row: it yields where a row allows nothing but ending). Logprobs are those of
 the raw model distribution. A seeded request draws from a generator seeded by
 ``(seed, number of tokens generated so far)``, so its tokens do not depend on
 what else is in the batch, nor on preemption.
@@ -27,6 +30,14 @@ from raypaged.outputs import Logprob
 from raypaged.sampling_params import PROCESSED_LOGITS, PROCESSED_LOGPROBS, RAW_LOGITS, RAW_LOGPROBS, SamplingParams
 
 
+class NoTokenLeft(ValueError):
+    """Rows of ``sample``'s logits whose masks left every token -inf: nothing can be drawn for them."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(f"rows {rows} have no token left to sample")
+        self.rows = rows
+
+
 @dataclass(slots=True)
 class SamplingInput:
     """What the sampler needs to know of one sequence."""
@@ -47,6 +58,8 @@ def sample(
     raw = logits.float()
     raw_logprobs = torch.log_softmax(raw, dim=-1)
     logits = _apply_penalties(raw.clone(), inputs)
+    if dead := torch.isneginf(logits.amax(dim=-1)).nonzero().flatten().tolist():
+        raise NoTokenLeft(dead)
 
     token_ids = torch.empty(len(inputs), dtype=torch.long, device=logits.device)
     greedy = [i for i, s in enumerate(inputs) if s.params.greedy]
@@ -152,7 +165,7 @@ def greedy_fast_path(logits: torch.Tensor, inputs: list[SamplingInput]) -> list[
     """``sample`` for a batch that is all plain greedy (no penalties, no min_tokens mask in force,
     no top logprobs): the same tokens and logprobs with no copy of the logits, computed where
     they are (on a GPU only two numbers per row cross to the host); ``None`` when any row
-    needs the general path."""
+    needs the general path (or has no finite logit, which the general path names)."""
     for s in inputs:
         p = s.params
         if (
@@ -171,8 +184,10 @@ def greedy_fast_path(logits: torch.Tensor, inputs: list[SamplingInput]) -> list[
     if (picked := _greedy_on_cpu(logits)) is not None:
         return [SampledToken(t, lp, None) for t, lp in zip(*picked)]
     token_ids = logits.argmax(dim=-1)
-    chosen = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).squeeze(1)
-    return [SampledToken(t, lp, None) for t, lp in zip(token_ids.tolist(), chosen.tolist())]
+    chosen = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).squeeze(1).tolist()
+    if any(lp != lp for lp in chosen):  # NaN: a row without a finite logit (a grammar left it no token)
+        return None
+    return [SampledToken(t, lp, None) for t, lp in zip(token_ids.tolist(), chosen)]
 
 
 @functools.cache
@@ -259,7 +274,9 @@ def _logit_bias(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
 
 
 def _min_tokens_bans(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
-    """Below ``min_tokens``, a sequence may not end: its stop token ids and EOS (unless ignored) are banned."""
+    """Below ``min_tokens``, a sequence may not end: its stop token ids and EOS (unless ignored) are banned,
+    unless they are all its row allows (a grammar that is complete, ``allowed_token_ids`` of stop tokens):
+    then the ban is lifted there, and the sequence may end early (as vLLM lets a grammar end it)."""
     banned: dict[int, list[int]] = {}
     for i, s in enumerate(inputs):
         p = s.params
@@ -269,8 +286,15 @@ def _min_tokens_bans(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
                 ids.append(s.eos_token_id)
             if ids:
                 banned[i] = ids
-    if banned:
-        logits.view(-1)[_flat_token_index(logits, list(banned), list(banned.values()))] = float("-inf")
+    if not banned:
+        return
+    rows = list(banned)
+    flat = _flat_token_index(logits, rows, list(banned.values()))
+    view = logits.view(-1)
+    kept = view[flat]
+    view[flat] = float("-inf")
+    emptied = torch.isneginf(logits.amax(dim=-1))[flat // logits.shape[-1]]  # each banned pair's row emptied
+    view[flat] = torch.where(emptied, kept, float("-inf"))
 
 
 def _flat_token_index(logits: torch.Tensor, rows: list[int], tokens: list[list[int]]) -> torch.Tensor:

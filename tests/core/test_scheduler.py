@@ -166,11 +166,12 @@ def test_stop_conditions_finish_and_free():
     s = make_scheduler()
     params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[5], min_tokens=2)
     s.add_request(Request("a", [1, 2], params, 10, EOS))
-    run_step(s, token_id=5)  # below min_tokens: not a stop
+    run_step(s, token_id=4)
     assert "a" in s.requests
+    # a stop token ends it even below min_tokens: the sampler bans them there unless they are all its row
+    # allows (a complete grammar), so one drawn there ends it
     run_step(s, token_id=5)
-    assert "a" not in s.requests
-    assert s.kv.num_free_blocks == s.kv.num_blocks
+    assert "a" not in s.requests and s.kv.num_free_blocks == s.kv.num_blocks
 
     s.add_request(Request("b", [1], SamplingParams(temperature=0), 16, EOS))
     run_step(s, token_id=EOS)

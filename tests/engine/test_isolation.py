@@ -135,6 +135,61 @@ def test_a_grammar_mask_failure_ends_that_request_alone(llm, undisturbed, monkey
     assert calls == ["MainThread", "raypaged-grammar-mask_0", "raypaged-grammar-mask_0"]  # the compile check first
 
 
+HELLO, SPACE_HELLO, SEVEN, LETTER_A = 28120, 33662, 39, 81  # "hello", " hello", "7", "a" in SmolLM2's vocabulary
+
+
+@pytest.mark.parametrize(
+    "victim, message",
+    [
+        (
+            SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=[HELLO, SPACE_HELLO], bad_words=["hello"]),
+            "allowed_token_ids and bad_words together allow no token",
+        ),
+        (
+            SamplingParams(
+                temperature=0.8,
+                seed=3,
+                max_tokens=12,
+                allowed_token_ids=[LETTER_A],
+                structured_outputs=StructuredOutputsParams(regex="[0-9]+"),
+            ),
+            "allowed_token_ids and the structured output's grammar together allow no token",
+        ),
+    ],
+    ids=["allowed-and-bad-words", "allowed-and-grammar"],
+)
+def test_masks_that_leave_no_token_end_that_request_alone_as_its_own_error(llm, undisturbed, victim, message):
+    """Nothing is drawn from a row whose masks exclude every token (vLLM draws token 0 there, outside
+    allowed_token_ids): the request ends with an error naming its fields, a client's error."""
+    outputs = run_with_victim(llm, victim)
+    assert_only_the_victim_failed(
+        llm, outputs, undisturbed, f"no token is left to sample after 0 output tokens: {message}"
+    )
+    assert outputs[VICTIM].error_param == "allowed_token_ids"
+    assert all(o.error_param is None for i, o in enumerate(outputs) if i != VICTIM)
+
+
+def test_a_complete_grammar_ends_a_request_below_its_min_tokens(llm, undisturbed):
+    """A grammar that allows nothing but EOS lifts min_tokens' ban on it: the request stops with its valid
+    output (vLLM's rule) instead of failing; min_tokens still holds while other tokens are allowed."""
+    victim = SamplingParams(
+        temperature=0,
+        max_tokens=12,
+        min_tokens=10,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
+    outputs = run_with_victim(llm, victim)
+    done = outputs[VICTIM].outputs[0]
+    assert outputs[VICTIM].error is None and done.finish_reason == "stop"
+    assert done.text in ("yes", "no") and len(done.token_ids) < 10
+    others = [o.outputs[0].token_ids for i, o in enumerate(outputs) if i != VICTIM]
+    assert others == [ids for i, ids in enumerate(undisturbed) if i != VICTIM]
+    digits = SamplingParams(
+        temperature=0, max_tokens=6, min_tokens=6, allowed_token_ids=[SEVEN, llm.get_tokenizer().eos_token_id]
+    )
+    assert llm.generate(PROMPTS[:1], digits, use_tqdm=False)[0].outputs[0].token_ids == [SEVEN] * 6
+
+
 def test_a_grammar_failure_in_a_beam_ends_that_beam_search_alone(llm, undisturbed, monkeypatch):
     real = xgrammar.GrammarMatcher.fork
     monkeypatch.setattr(xgrammar.GrammarMatcher, "fork", lambda self: (_ for _ in ()).throw(RuntimeError("no fork")))
@@ -253,3 +308,28 @@ def test_a_pool_too_small_for_one_sequence_is_a_clear_startup_error(tiny_model_d
         ),
     ):
         LLMEngine(EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=2, max_model_len=256))
+
+
+WORLD = 905  # " world"
+
+
+def test_a_row_left_no_token_after_a_rejected_draft_is_never_read(tiny_model_dir):
+    """A row verifying drafts is sampled as if the drafts before it were accepted. Here the n-gram draft
+    " hello" is rejected by the row before (only " world" is allowed), and the row after it, where
+    bad_words bans " world" after " hello", has no token: it is never read, so the request goes on."""
+    llm = LLM(
+        model=str(tiny_model_dir),
+        num_gpu_blocks_override=64,
+        max_model_len=128,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+    )
+    try:
+        params = SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=[WORLD], bad_words=["hello world"]
+        )
+        # after " world", " world": the n-gram drafts " hello", " world" (the prompt's continuation)
+        out = llm.generate({"prompt_token_ids": [WORLD, WORLD, SPACE_HELLO, WORLD]}, params, use_tqdm=False)[0]
+        assert out.error is None and out.outputs[0].token_ids == [WORLD] * 8
+        assert llm.stats()["spec_decode_num_drafts"] > 0  # drafts were proposed (and rejected)
+    finally:
+        llm.shutdown()

@@ -14,6 +14,7 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
+from raypaged.core.outputs import RequestFailure
 from raypaged.engine.core import EngineCoreOutputs, SeqDelta
 from raypaged.engine.output_processor import OutputProcessor
 from raypaged.outputs import FinishReason
@@ -113,11 +114,12 @@ def test_a_failure_ends_its_request_alone_with_every_sequence_to_abort(tokenizer
     processor.add("good", None, PROMPT, SamplingParams(), ["1:good"], 16, 1.0)
     out = EngineCoreOutputs(
         seqs=[delta("0:bad#1", [19556]), delta("1:good", [19556])],
-        failed={"0:bad": "sampling failed: RuntimeError: injected"},
+        failed={"0:bad": RequestFailure("sampling failed: RuntimeError: injected")},
     )
     outputs, stopped, to_abort = processor.process(out, NOW)
     by_id = {o.request_id: o for o in outputs}
     assert by_id["bad"].finished and by_id["bad"].error == "sampling failed: RuntimeError: injected"
+    assert by_id["bad"].error_param is None  # the engine's failure, not the request's own doing
     assert by_id["bad"].outputs == [] and to_abort == ["0:bad", "0:bad#1"] and stopped == []
     assert by_id["good"].error is None and by_id["good"].outputs[0].text == "Hello"
     assert "bad" not in processor and "good" in processor

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
 import jsonschema
 import openai
 import pytest
@@ -214,3 +215,51 @@ def test_grpc_takes_the_constraint_in_its_own_field(stack):
     )
     text = "".join(d.text for r in stack.grpc_stub().Generate(request, timeout=60) for d in r.outputs)
     assert text in ("wet", "dry")
+
+
+LETTER_A = 81  # "a" in SmolLM2's vocabulary
+NO_TOKEN = (
+    "no token is left to sample after 0 output tokens: allowed_token_ids and the structured output's grammar "
+    "together allow no token"
+)
+
+
+def test_a_grammar_that_allowed_token_ids_leave_no_token_is_the_requests_own_400(stack):
+    """Found as it samples: a 400 before any byte, an error event in a stream, INVALID_ARGUMENT over gRPC;
+    the request beside it is unharmed (vLLM answers 200 with token 0, outside allowed_token_ids)."""
+    body = {
+        "model": "smollm2",
+        "prompt": "Count:",
+        "max_tokens": 4,
+        "allowed_token_ids": [LETTER_A],
+        "structured_outputs": {"regex": "[0-9]+"},
+    }
+    with stack.client() as http:
+        answer = http.post("/v1/completions", json=body)
+        assert answer.status_code == 400
+        assert answer.json() == {
+            "error": {"message": NO_TOKEN, "type": "invalid_request_error", "param": "allowed_token_ids", "code": None}
+        }
+        streamed = http.post("/v1/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200
+        events = [line[len("data: ") :] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"] == {
+            "message": NO_TOKEN,
+            "type": "invalid_request_error",
+            "param": "allowed_token_ids",
+            "code": None,
+        }
+        beside = http.post("/v1/completions", json={**body, "allowed_token_ids": None})
+        assert beside.status_code == 200 and re.fullmatch("[0-9]+", beside.json()["choices"][0]["text"])
+    request = pb.GenerateRequest(
+        model="smollm2",
+        text="Count:",
+        stopping=pb.StoppingCriteria(max_tokens=4),
+        sampling=pb.SamplingParameters(temperature=0, allowed_token_ids=[LETTER_A]),
+        structured=pb.StructuredOutput(regex="[0-9]+"),
+    )
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stack.grpc_stub().Generate(request, timeout=60))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == NO_TOKEN

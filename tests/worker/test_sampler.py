@@ -46,8 +46,9 @@ def test_cpu_greedy_kernel_takes_the_first_max_at_every_vocab_edge(vocab):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("where", ["first", "last", "every"])
 def test_cpu_greedy_kernel_leaves_rows_with_nan_or_inf_to_torch(bad, where):
-    """A row whose max or sum is not finite goes to torch's argmax and log_softmax, whose NaN and inf
-    semantics the fast path then has to the bit; a -inf that is not the max changes nothing."""
+    """A row whose max or sum is not finite goes to torch's argmax and log_softmax; one whose chosen logprob is
+    then NaN goes to the general path (which names a row of -inf alone: nothing can be drawn from it); a -inf
+    that is not the max changes nothing."""
     logits = torch.randn(3, 100)
     column = {"first": [0], "last": [99], "every": slice(None)}[where]
     logits[1, column] = bad
@@ -57,9 +58,15 @@ def test_cpu_greedy_kernel_leaves_rows_with_nan_or_inf_to_torch(bad, where):
     if bad == float("-inf") and where != "every":
         assert sampler._greedy_on_cpu(logits) is not None
         assert [t.token_id for t in fast] == torch_path[0]
+        return
+    assert sampler._greedy_on_cpu(logits) is None
+    assert fast is None
+    if bad == float("-inf"):
+        with pytest.raises(sampler.NoTokenLeft) as raised:
+            sample(logits, batch, torch.Generator())
+        assert raised.value.rows == [1]
     else:
-        assert sampler._greedy_on_cpu(logits) is None
-        assert repr([(t.token_id, t.logprob) for t in fast]) == repr(list(zip(*torch_path)))  # nan == nan
+        assert [t.token_id for t in sample(logits, batch, torch.Generator())] == torch_path[0]
 
 
 @pytest.mark.parametrize(
