@@ -123,9 +123,10 @@ class InputProcessor:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def prompt_ids(self, text: str) -> list[int]:
-        """A prompt's token ids, its size checked first; a text too long to leave room for one
-        generated token (by a lower bound on its token count) is refused untokenized."""
+    def prompt_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (with the tokenizer's special tokens unless ``add_special_tokens`` is false), its
+        size checked first; a text too long to leave room for one generated token (by a lower bound on its token
+        count) is refused untokenized."""
         config = self.config
         max_model_len = config.resolved_max_model_len
         check_text("prompt", len(text), config.limits, max_model_len)
@@ -137,10 +138,11 @@ class InputProcessor:
                     f"prompt has at least {min_tokens} tokens, which leaves no room to generate within "
                     f"max_model_len {config.max_model_len}",
                 )
-        return self.tokenize(text)
+        return self.tokenize(text, add_special_tokens)
 
     def chat_ids(self, conversation: list[dict[str, Any]], **options: Any) -> list[int]:
-        """A conversation's prompt token ids, rendered with the chat template (``render_chat``'s options)."""
+        """A conversation's prompt token ids, rendered with the chat template (``render_chat``'s options, with its
+        ``add_special_tokens``)."""
         if has_chat_images(conversation):
             raise InputError("messages", "a conversation with images is rendered with its images (chat_with_images)")
         return render_chat(self.tokenizer, conversation, self.config, **options)

@@ -34,11 +34,18 @@ _RESERVED_KWARGS = frozenset(
 )
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, *args: Any, **kwargs: Any) -> list[int]:
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, *args: Any, add_special_tokens: bool = False, **kwargs: Any
+) -> list[int]:
     """The conversation's prompt token ids (``rendered``'s arguments): the chat template's text tokenized (its
-    special tokens are the template's own: none are added), or Mistral's encoding."""
+    special tokens are the template's own: the tokenizer adds its own only with ``add_special_tokens``, as
+    vLLM's), or Mistral's encoding (which writes them all: ``add_special_tokens`` is refused there)."""
     found = rendered(tokenizer, *args, **kwargs)
-    return found if isinstance(found, list) else tokenizer(found, add_special_tokens=False)["input_ids"]
+    if not isinstance(found, list):
+        return tokenizer(found, add_special_tokens=add_special_tokens)["input_ids"]
+    if add_special_tokens:
+        raise InputError("add_special_tokens", "add_special_tokens: Mistral's chat encoding writes its special tokens")
+    return found
 
 
 def render_chat_text(tokenizer: PreTrainedTokenizerBase, *args: Any, **kwargs: Any) -> str:

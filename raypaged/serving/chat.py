@@ -12,12 +12,14 @@ if TYPE_CHECKING:
     from raypaged.engine.input_processor import InputProcessor
 
 
-def chat_prompt_ids(inputs: InputProcessor, messages: pb.ChatMessages) -> list[int]:
-    """Token ids of the conversation rendered with its template; bad input raises ``InputError`` (a conversation with
-    images too: only ``Generate`` reads them, through ``chat_prompt_with_images``)."""
+def chat_prompt_ids(inputs: InputProcessor, messages: pb.ChatMessages, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of the conversation rendered with its template (with the tokenizer's own special tokens too when
+    ``add_special_tokens``); bad input raises ``InputError`` (a conversation with images too: only ``Generate``
+    reads them, through ``chat_prompt_with_images``)."""
     if has_images(messages):
         raise InputError("messages", "messages with images are read by generation only (not tokenized or rendered)")
-    return inputs.chat_ids([_turn(m) for m in messages.messages], **_options(messages))
+    turns = [_turn(m) for m in messages.messages]
+    return inputs.chat_ids(turns, add_special_tokens=add_special_tokens, **_options(messages))
 
 
 def has_images(messages: pb.ChatMessages) -> bool:

@@ -265,6 +265,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 if request.WhichOneof("prompt") == "prompt_embeds":  # loaded and checked by the input processor
                     if request.echo:
                         raise InputError("echo", "echo needs the prompt's text: prompt_embeds have none")
+                    _add_special_tokens(request)  # (refuses true: the rows are the whole prompt)
                     text, token_ids, embeds = None, None, request.prompt_embeds
                 elif request.WhichOneof("prompt") == "messages" and has_images(request.messages):
                     text, urls = await model.off_loop(chat_prompt_with_images, model.inputs, request.messages)
@@ -281,8 +282,10 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                     cache_salt=self._cache_salt(gate, request.cache_salt),
                     lora_request=lora,
                     beam=beam,
-                    multi_modal=MultiModalInput.of(
-                        images, _processor_kwargs(request.mm_processor_kwargs_json), rendered=True
+                    multi_modal=MultiModalInput.of(  # rendered: the template wrote the special tokens, unless asked
+                        images,
+                        _processor_kwargs(request.mm_processor_kwargs_json),
+                        rendered=not _add_special_tokens(request),
                     ),
                     prompt_embeds=embeds,
                 )
@@ -346,16 +349,15 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
         try:
             try:
                 await hold.admit()
-                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 token_types = None  # BERT's pair: its second text embeds as token type 1
                 if request.WhichOneof("input") == "text_pair":
-                    pair_ids = partial(model.inputs.pair_ids, add_special_tokens=add_special)
+                    pair_ids = partial(model.inputs.pair_ids, add_special_tokens=_add_special_tokens(request, "input"))
                     text = None
                     token_ids, token_types = await model.off_loop(
                         pair_ids, request.text_pair.text_1, request.text_pair.text_2
                     )
                 else:
-                    tokenize = partial(_token_ids, model.tokenizer, add_special_tokens=add_special)
+                    tokenize = partial(_token_ids, model.tokenizer)
                     text, token_ids = await _prompt(model, request, tokenize, "input")
                 salt = self._cache_salt(gate, request.cache_salt)
                 output = await model.engine.encode(text, params, key[1], token_ids, priority, salt, token_types)
@@ -461,12 +463,12 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             self._caller(context)
             model = self._model(request.model)
             config = model.engine.config
+            add_special = _add_special_tokens(request, "input")
             if request.HasField("messages"):
                 _check_conversation(request.messages, config)
-                token_ids = await model.off_loop(chat_prompt_ids, model.inputs, request.messages)
+                token_ids = await model.off_loop(chat_prompt_ids, model.inputs, request.messages, add_special)
             else:
                 check_text("prompt", len(request.text), config.limits, config.resolved_max_model_len)
-                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 token_ids = await model.off_loop(model.inputs.tokenize, request.text, add_special)
         except _REFUSED as exc:
             await _refuse(context, exc)
@@ -735,14 +737,31 @@ async def _prompt(
     oneof: str = "prompt",
 ) -> tuple[str | None, list[int]]:
     """The text (when it is one) and token ids of the request's ``oneof`` (its prompt, an ``Embed``'s input but a
-    text pair, which ``Embed`` tokenizes itself), text made token ids by ``tokenize`` on the model's tokenizer
-    thread; its size is already checked."""
+    text pair, which ``Embed`` tokenizes itself), text made token ids by ``tokenize(text, add_special_tokens)`` on
+    the model's tokenizer thread; its size is already checked."""
+    add_special = _add_special_tokens(request, oneof)
     kind = request.WhichOneof(oneof)
     if kind == "text":
-        return request.text, await model.off_loop(tokenize, request.text)
+        return request.text, await model.off_loop(tokenize, request.text, add_special)
     if kind == "token_ids":
         return None, list(request.token_ids.ids)
-    return None, await model.off_loop(chat_prompt_ids, model.inputs, request.messages)
+    return None, await model.off_loop(chat_prompt_ids, model.inputs, request.messages, add_special)
+
+
+def _add_special_tokens(
+    request: pb.GenerateRequest | pb.EmbedRequest | pb.TokenizeRequest, oneof: str = "prompt"
+) -> bool:
+    """Whether the tokenizer adds its special tokens (a BOS) to the request's ``oneof``: ``add_special_tokens``, or
+    when unset, true for a text and false for messages (their template writes them). Token ids and prompt
+    embeddings are used as they are: true is refused for them."""
+    kind = request.WhichOneof(oneof)
+    if not request.HasField("add_special_tokens"):
+        return kind in ("text", "text_pair")
+    if request.add_special_tokens and kind not in ("text", "text_pair", "messages"):
+        raise InputError(
+            "add_special_tokens", f"add_special_tokens applies to a text or messages: {kind} are used as they are"
+        )
+    return request.add_special_tokens
 
 
 class EngineServer:

@@ -92,6 +92,24 @@ def _with_chat_template(path: Path, smollm2_dir: Path) -> Path:
     return path
 
 
+BOS_ID = 1  # what add_bos's tokenizer puts first
+
+
+def add_bos(path: Path) -> Path:
+    """The model folder's tokenizer made to add a BOS (``BOS_ID``) before every text, as Llama's does (SmolLM2's
+    adds none), so ``add_special_tokens`` has something to add or leave out."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    bos = tokenizer.convert_ids_to_tokens(BOS_ID)
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, BOS_ID)]
+    )
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     return _with_chat_template(make_tiny_model(tmp_path_factory.mktemp("tiny"), smollm2_dir), smollm2_dir)

@@ -12,14 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from tokenizers.processors import TemplateProcessing
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerFast
 
 from raypaged.serving.proto import generate_pb2 as pb
 from tests.conftest import make_tiny_embedding_model
-from tests.serving.conftest import Stack, tiny_config
+from tests.serving.conftest import BOS_ID, Stack, add_bos, tiny_config
 
-BOS_ID = 1  # the tokenizer adds it (so add_special_tokens: false has something to leave out)
 LONG = list(range(100, 137))  # 37 tokens
 SHORT = [5, 9, 300]
 MAX_MODEL_LEN = 64
@@ -29,13 +27,7 @@ MAX_MODEL_LEN = 64
 def embedding_dir(tmp_path_factory, smollm2_dir) -> Path:
     path = make_tiny_embedding_model(tmp_path_factory.mktemp("embed"), smollm2_dir, "qwen3", head_dim=16)
     shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    bos = tokenizer.convert_ids_to_tokens(BOS_ID)
-    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, BOS_ID)]
-    )
-    tokenizer.save_pretrained(path)
-    return path
+    return add_bos(path)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +128,9 @@ def test_pooling_fields_and_the_chat_form(http, hf_base, tokenizer, stack):
     ids = rendered.json()["tokens"]
     assert chat["usage"]["prompt_tokens"] == len(ids)
     assert_close(chat["data"][0]["embedding"], expected(hf_base, ids))
+    with_bos = embed(http, messages=messages, add_special_tokens=True)  # the template's ids after the tokenizer's BOS
+    assert with_bos["usage"]["prompt_tokens"] == len(ids) + 1
+    assert_close(with_bos["data"][0]["embedding"], expected(hf_base, [BOS_ID, *ids]))
     pooled = http.post("/pooling", json={"model": "embed", "input": [SHORT], "task": "embed"}).json()
     assert pooled["id"].startswith("pool-") and pooled["object"] == "list"
     [item] = pooled["data"]

@@ -6,22 +6,33 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
+from pathlib import Path
 
+import grpc
 import pytest
 
 from raypaged.inputs.limits import InputLimits
-from tests.serving.conftest import Stack, tiny_config
+from raypaged.serving.proto import generate_pb2 as pb
+from tests.serving.conftest import BOS_ID, Stack, add_bos, tiny_config
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def http(tiny_model_dir):
-    stack = Stack([tiny_config(tiny_model_dir, "tiny", trust_request_chat_template=True)])
+def stack(tiny_model_dir, tmp_path_factory):
+    """``tiny``, and ``bos``: the same model with a tokenizer that adds a BOS (as Llama's)."""
+    bos_dir = add_bos(Path(shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("bos") / "model")))
+    stack = Stack([tiny_config(tiny_model_dir, "tiny", trust_request_chat_template=True), tiny_config(bos_dir, "bos")])
+    yield stack
+    stack.close()
+
+
+@pytest.fixture(scope="module")
+def http(stack):
     with stack.client() as client:
         yield client
-    stack.close()
 
 
 @pytest.mark.parametrize(
@@ -89,17 +100,38 @@ def test_messages_keep_no_field_silently(http):
     )
 
 
-@pytest.mark.parametrize(
-    ("body", "path", "field", "value", "message"),
-    [
-        (COMPLETION, "/v1/completions", "add_special_tokens", False, "add_special_tokens: Input should be True"),
-        (CHAT, "/v1/chat/completions", "add_special_tokens", True, "add_special_tokens: Input should be False"),
-    ],
-)
-def test_settings_only_honoured_at_their_default(http, body, path, field, value, message):
-    answer = http.post(path, json={**body, field: value})
-    assert answer.status_code == 400
-    assert answer.json()["error"]["message"] == message
+def test_add_special_tokens_adds_or_leaves_out_the_tokenizers_bos(http, stack):
+    """vLLM's defaults (a text prompt gets the BOS, a chat's template writes its own) and both overrides, on
+    completions, chat, /tokenize and gRPC; token ids are used as they are (true is refused for them)."""
+    text = http.post("/tokenize", json={"model": "bos", "prompt": "hi", "add_special_tokens": False}).json()["tokens"]
+    template = http.post("/tokenize", json={"model": "bos", "messages": CHAT["messages"]}).json()["tokens"]
+    tokenized = http.post("/tokenize", json={"model": "bos", "messages": CHAT["messages"], "add_special_tokens": True})
+    assert tokenized.json()["tokens"] == [BOS_ID, *template]
+
+    def prompt_ids(body: dict, **fields: object) -> list[int]:
+        chat = "messages" in body
+        answer = http.post(
+            "/v1/chat/completions" if chat else "/v1/completions",
+            json={**body, "model": "bos", "return_token_ids": True, **fields},
+        )
+        assert answer.status_code == 200, answer.text
+        return answer.json()["prompt_token_ids"] if chat else answer.json()["choices"][0]["prompt_token_ids"]
+
+    assert prompt_ids(COMPLETION) == [BOS_ID, *text]
+    assert prompt_ids(COMPLETION, add_special_tokens=False) == text
+    assert prompt_ids(CHAT) == template
+    assert prompt_ids(CHAT, add_special_tokens=True) == [BOS_ID, *template]
+    assert prompt_ids({**COMPLETION, "prompt": text}, add_special_tokens=False) == text
+    ids = pb.GenerateRequest(
+        model="bos",
+        token_ids=pb.TokenIds(ids=text),
+        stopping=pb.StoppingCriteria(max_tokens=2),
+        add_special_tokens=True,
+    )
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stack.grpc_stub().Generate(ids, timeout=60))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == "add_special_tokens applies to a text or messages: token_ids are used as they are"
 
 
 def test_a_field_of_no_api_is_logged_once_and_ignored(http, caplog, monkeypatch):

@@ -37,7 +37,7 @@ class InputBody(PoolingFields):
 
     input: Prompts | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # input: unset = true; messages: only false (the template writes them)
+    add_special_tokens: bool | None = None  # unset: true for input, false for messages (their template writes them)
     # with messages only
     add_generation_prompt: bool | None = None  # unset = false, as vLLM's pooling chat requests
     continue_final_message: bool | None = None
@@ -56,6 +56,7 @@ class InputBody(PoolingFields):
 
     def inputs(self) -> list[dict]:
         """Each input as an ``EmbedRequest``'s ``input`` (a conversation is one)."""
+        special = {} if self.add_special_tokens is None else {"add_special_tokens": self.add_special_tokens}
         if self.messages is not None:
             conversation = chat_messages(
                 self.messages,
@@ -65,10 +66,9 @@ class InputBody(PoolingFields):
                 bool(self.add_generation_prompt),
                 bool(self.continue_final_message),
             )
-            return [{"messages": conversation}]
+            return [{"messages": conversation, **special}]
         assert self.input is not None  # exactly one of input and messages is given
-        special = {} if self.add_special_tokens is None else {"add_special_tokens": self.add_special_tokens}
-        return [{**one, **special} if "text" in one else one for one in split_prompts(self.input, "input")]
+        return [{**one, **special} for one in split_prompts(self.input, "input")]
 
 
 class EmbeddingBody(InputBody):

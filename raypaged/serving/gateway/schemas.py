@@ -309,6 +309,12 @@ class _GenerationBody(BaseModel):
         )
         if (prompt_logprobs := self.resolved_prompt_logprobs) is not None:
             request.prompt_logprobs = ALL_LOGPROBS if prompt_logprobs == -1 else prompt_logprobs
+        add_special_tokens = getattr(self, "add_special_tokens", None)
+        if (
+            add_special_tokens is not None
+            and add_special_tokens != type(self).model_fields["add_special_tokens"].default
+        ):
+            request.add_special_tokens = add_special_tokens  # (the defaults are the engine's: a text's, messages')
         if self.truncate_prompt_tokens is not None:
             request.truncate_prompt_tokens = self.truncate_prompt_tokens
         if self.truncation_side is not None:
@@ -357,7 +363,7 @@ class CompletionRequest(_GenerationBody):
             return max(self.logprobs, self.prompt_logprobs or 0)
         return self.prompt_logprobs
 
-    add_special_tokens: Literal[True] = True  # prompts are tokenized with the BOS (as vLLM's default)
+    add_special_tokens: bool = True  # a text prompt is tokenized with the BOS (vLLM's default); ids as they are
 
     @property
     def num_prompts(self) -> int:
@@ -520,7 +526,7 @@ class ChatCompletionRequest(_GenerationBody):
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None  # the engine caps it (--max-logprobs)
     max_completion_tokens: Unsigned | None = None
-    add_special_tokens: Literal[False] = False  # the chat template writes the special tokens (as vLLM's default)
+    add_special_tokens: bool = False  # the chat template writes the special tokens (vLLM's default); true adds a BOS
     echo: bool = False  # the last message's content opens the answer when its role is the answer's (vLLM's)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -596,7 +602,7 @@ class TokenizeBody(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # a prompt's: unset = true; messages: only false (the template writes them)
+    add_special_tokens: bool | None = None  # unset: true for a prompt, false for messages (their template writes them)
     return_token_strs: bool = False
     # with messages only
     add_generation_prompt: bool | None = None
@@ -646,15 +652,8 @@ def chat_messages(
 
 
 def check_chat_fields(body: Any, text_given: bool, text: str, chat_fields: tuple[str, ...]) -> None:
-    """A body of a text (``text`` says which) or ``messages``: ``add_special_tokens`` true is the text's
-    (the chat template writes a conversation's), ``chat_fields`` are the conversation's; a 400 names the field
-    given wrongly."""
-    if body.messages is not None and body.add_special_tokens:
-        raise APIError(
-            400,
-            f"add_special_tokens applies to {text}; the chat template writes a conversation's special tokens",
-            "add_special_tokens",
-        )
+    """A body of a text (``text`` says which) or ``messages``: ``chat_fields`` are the conversation's; a 400 names
+    the field given wrongly."""
     if text_given:
         for name in chat_fields:
             if getattr(body, name) is not None:

@@ -177,7 +177,7 @@ class StructuredOutput(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[StructuredChoices, _Mapping]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ..., in_reasoning: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "prompt_embeds", "sampling", "stopping", "logprobs", "priority", "structured", "prompt_logprobs", "echo", "truncate_prompt_tokens", "beam_search", "return_token_ids", "truncation_side", "stream_interval", "cache_salt", "mm_processor_kwargs_json")
+    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "prompt_embeds", "sampling", "stopping", "logprobs", "priority", "structured", "prompt_logprobs", "echo", "truncate_prompt_tokens", "beam_search", "return_token_ids", "truncation_side", "stream_interval", "cache_salt", "mm_processor_kwargs_json", "add_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class GenerateRequest(_message.Message):
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MM_PROCESSOR_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -218,7 +219,8 @@ class GenerateRequest(_message.Message):
     stream_interval: int
     cache_salt: str
     mm_processor_kwargs_json: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_embeds: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., return_token_ids: _Optional[bool] = ..., truncation_side: _Optional[str] = ..., stream_interval: _Optional[int] = ..., cache_salt: _Optional[str] = ..., mm_processor_kwargs_json: _Optional[str] = ...) -> None: ...
+    add_special_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_embeds: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., return_token_ids: _Optional[bool] = ..., truncation_side: _Optional[str] = ..., stream_interval: _Optional[int] = ..., cache_salt: _Optional[str] = ..., mm_processor_kwargs_json: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class BeamSearch(_message.Message):
     __slots__ = ("length_penalty",)
