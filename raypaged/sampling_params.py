@@ -167,7 +167,7 @@ class SamplingParams:
     # with skip_special_tokens off: False joins consecutive special (added) tokens without the space between
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # a stop string that ended the output stays in its text
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens (-1: max_model_len)
     truncation_side: str = "left"  # truncate_prompt_tokens cuts on this side: "right" keeps the first tokens
     stream_interval: int = 1  # DELTA outputs: every this many new tokens (never more often than the engine's)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -230,8 +230,15 @@ class SamplingParams:
             )
         if self.logprobs is not None and self.logprobs < -1:
             raise ValueError(f"logprobs must be non-negative, or -1 for the whole vocabulary, got {self.logprobs}")
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-            raise ValueError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}")
+        if (
+            self.truncate_prompt_tokens is not None
+            and self.truncate_prompt_tokens < 1
+            and self.truncate_prompt_tokens != -1
+        ):
+            raise ValueError(
+                f"truncate_prompt_tokens must be at least 1, or -1 for as many as max_model_len holds, got "
+                f"{self.truncate_prompt_tokens}"
+            )
         if self.truncation_side not in ("left", "right"):
             raise ValueError(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}")
         if self.stream_interval < 1:

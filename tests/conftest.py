@@ -146,6 +146,24 @@ TINY_SHAPE = dict(
 )
 
 
+BOS_ID = 1  # what add_bos's tokenizer puts first
+
+
+def add_bos(path: Path) -> Path:
+    """The model folder's tokenizer made to add a BOS (``BOS_ID``) before every text, as Llama's does (SmolLM2's
+    adds none), so ``add_special_tokens`` has something to add or leave out."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    bos = tokenizer.convert_ids_to_tokens(BOS_ID)
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, BOS_ID)]
+    )
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def make_tiny_model(root: Path, smollm2_dir: Path, arch: str = "llama", **overrides) -> Path:
     """A random-weight model folder of the given architecture with SmolLM2's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -216,7 +216,8 @@ class InputProcessor:
         keep_first: bool = False,
     ) -> list[int]:
         """The prompt's token ids (only the last ``truncate_to`` of them, when given, as vLLM's
-        ``truncate_prompt_tokens``; the first with ``keep_first``, its ``truncation_side`` "right"), sizes
+        ``truncate_prompt_tokens``, -1 for ``max_model_len``; the first with ``keep_first``, its ``truncation_side``
+        "right"), sizes
         checked before tokenizing or copying."""
         max_model_len = self.config.resolved_max_model_len
         if prompt_token_ids is None:
@@ -225,7 +226,8 @@ class InputProcessor:
             check_text("prompt", len(prompt), self.config.limits, max_model_len)
             prompt_token_ids = self.tokenize(prompt)
         if truncate_to is not None:
-            prompt_token_ids = self.truncated_ids(prompt, prompt_token_ids, truncate_to, keep_first)
+            keep = max_model_len if truncate_to == -1 else truncate_to
+            prompt_token_ids = self.truncated_ids(prompt, prompt_token_ids, keep, keep_first)
         check_prompt_ids(prompt_token_ids, self.config.hf_config.vocab_size, max_model_len)
         return list(prompt_token_ids)
 

@@ -73,7 +73,11 @@ def sampling_params_from_proto(
             stopping.spaces_between_special_tokens if stopping.HasField("spaces_between_special_tokens") else True
         ),
         include_stop_str_in_output=stopping.include_stop_str_in_output,
-        truncate_prompt_tokens=request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
+        truncate_prompt_tokens=(
+            (-1 if request.truncate_prompt_tokens == WHOLE_CONTEXT else request.truncate_prompt_tokens)
+            if request.HasField("truncate_prompt_tokens")
+            else None
+        ),
         truncation_side=request.truncation_side or "left",
         stream_interval=request.stream_interval or 1,
         output_kind=RequestOutputKind.DELTA,  # a stream: each response carries what is new
@@ -96,6 +100,7 @@ def sampling_params_from_proto(
 
 
 ALL_LOGPROBS = 0xFFFFFFFF  # logprobs / prompt_logprobs on the wire: the whole vocabulary (-1 over HTTP, as vLLM)
+WHOLE_CONTEXT = 0xFFFFFFFF  # truncate_prompt_tokens on the wire: as many as max_model_len holds (-1, as vLLM)
 
 
 def _count(value: int) -> int:

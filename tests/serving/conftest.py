@@ -19,7 +19,7 @@ from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.inprocess import InProcessStub
 from raypaged.serving.launch import Gateway, GatewayOptions
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
-from tests.conftest import make_tiny_model
+from tests.conftest import BOS_ID, add_bos, make_tiny_model  # noqa: F401  (theirs, imported by tests)
 
 
 class BackgroundLoop:
@@ -89,24 +89,6 @@ class Stack:
 
 def _with_chat_template(path: Path, smollm2_dir: Path) -> Path:
     shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
-    return path
-
-
-BOS_ID = 1  # what add_bos's tokenizer puts first
-
-
-def add_bos(path: Path) -> Path:
-    """The model folder's tokenizer made to add a BOS (``BOS_ID``) before every text, as Llama's does (SmolLM2's
-    adds none), so ``add_special_tokens`` has something to add or leave out."""
-    from tokenizers.processors import TemplateProcessing
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    bos = tokenizer.convert_ids_to_tokens(BOS_ID)
-    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, BOS_ID)]
-    )
-    tokenizer.save_pretrained(path)
     return path
 
 

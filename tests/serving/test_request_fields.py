@@ -134,6 +134,19 @@ def test_add_special_tokens_adds_or_leaves_out_the_tokenizers_bos(http, stack):
     assert raised.value.details() == "add_special_tokens applies to a text or messages: token_ids are used as they are"
 
 
+def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_holds(http):
+    """vLLM's -1 crosses the gRPC wire (as 4294967295) to the engine, which keeps max_model_len tokens."""
+    assert http.post(
+        "/v1/completions",
+        json={**COMPLETION, "prompt": [5, 6, 7], "truncate_prompt_tokens": -1, "return_token_ids": True},
+    ).json()["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    long = http.post("/v1/completions", json={**COMPLETION, "prompt": [5] * 300, "truncate_prompt_tokens": -1})
+    assert long.status_code == 400
+    assert long.json()["error"]["message"] == (
+        "prompt has 256 tokens, which leaves no room to generate within max_model_len 256 (--max-model-len)"
+    )
+
+
 def test_a_field_of_no_api_is_logged_once_and_ignored(http, caplog, monkeypatch):
     from raypaged.serving.gateway import schemas
 

@@ -33,7 +33,7 @@ from raypaged.serving.gateway.structured import StructuredOutputsBody
 from raypaged.serving.gateway.tool_parsers import ToolParser
 from raypaged.serving.gateway.tools import Tool, ToolChoice, ToolPlan
 from raypaged.serving.proto import generate_pb2 as pb
-from raypaged.serving.protocol import ALL_LOGPROBS
+from raypaged.serving.protocol import ALL_LOGPROBS, WHOLE_CONTEXT
 
 Count = Annotated[Unsigned, Field(ge=1)]
 
@@ -66,6 +66,8 @@ _SAMPLING: dict[str, tuple[str, str]] = {
     "logprobs": ("", "logprobs"),
     "prompt_logprobs": ("", "prompt_logprobs"),
 }
+# counts whose -1 (vLLM's: the whole vocabulary, the whole context) travels as a uint32 value of its own
+_MINUS_ONE = {"logprobs": ALL_LOGPROBS, "prompt_logprobs": ALL_LOGPROBS, "truncate_prompt_tokens": WHOLE_CONTEXT}
 _WRITTEN_ALWAYS = ("max_tokens",)  # what the engine resolved for it, even at vLLM's default (16)
 
 # vLLM's other SamplingParams fields: taken at the values that ask for nothing (null and empty ones too)
@@ -131,7 +133,7 @@ class SamplingParamsBody(BaseModel):
     bad_words: list[str] | None = None
     thinking_token_budget: int | None = Field(default=None, ge=-1, le=2**32 - 1)  # -1: no budget
     repetition_detection: RepetitionDetection | None = None
-    truncate_prompt_tokens: Count | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**32 - 2)] | None = None  # -1: max_model_len
     output_kind: Literal[0, 1, 2] | None = None
     skip_clone: bool | None = None
 
@@ -151,8 +153,8 @@ class SamplingParamsBody(BaseModel):
         """Sets the parameters on ``request`` (``reasoning_ended``: the constraint applies from the first token)."""
         for name, (message, field) in _SAMPLING.items():
             value = getattr(self, name)
-            if name in ("logprobs", "prompt_logprobs") and value == -1:
-                value = ALL_LOGPROBS
+            if name in _MINUS_ONE and value == -1:
+                value = _MINUS_ONE[name]
             elif name == "thinking_token_budget" and value == -1:
                 value = None
             elif name == "stop" and isinstance(value, str):
@@ -186,7 +188,7 @@ def sampling_json(request: pb.GenerateRequest) -> dict[str, Any]:
             value = getattr(source, field)
         else:
             value = list(getattr(source, field))
-        if name in ("logprobs", "prompt_logprobs") and value == ALL_LOGPROBS:
+        if name in _MINUS_ONE and value == _MINUS_ONE[name]:
             value = -1
         if name == "stream_interval" and value == 0:  # the server's
             continue

@@ -19,7 +19,7 @@ from raypaged.serving.gateway.structured import ResponseFormat, StructuredOutput
 from raypaged.serving.gateway.tool_parsers import ToolParser
 from raypaged.serving.gateway.tools import NamedToolChoice, Tool, ToolPlan, tools_json
 from raypaged.serving.proto import generate_pb2 as pb
-from raypaged.serving.protocol import ALL_LOGPROBS
+from raypaged.serving.protocol import ALL_LOGPROBS, WHOLE_CONTEXT
 
 logger = logging.getLogger("raypaged")
 Body = TypeVar("Body", bound=BaseModel)
@@ -142,7 +142,7 @@ class _GenerationBody(BaseModel):
     length_penalty: float = 1.0  # with use_beam_search: scores are cumulative logprob / length ** this
     request_id: RequestId | None = None
     include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)  # keep the prompt's last N tokens
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=_UINT32_MAX - 1)  # the prompt's last N (-1: the context)
     truncation_side: Literal["left", "right"] | None = None  # "right": truncate_prompt_tokens keeps the first N
     stream_interval: int | None = Field(None, ge=1, le=_UINT32_MAX)  # tokens per chunk, at least --stream-interval
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI's string key) -> bias in [-100, 100]
@@ -315,8 +315,8 @@ class _GenerationBody(BaseModel):
             and add_special_tokens != type(self).model_fields["add_special_tokens"].default
         ):
             request.add_special_tokens = add_special_tokens  # (the defaults are the engine's: a text's, messages')
-        if self.truncate_prompt_tokens is not None:
-            request.truncate_prompt_tokens = self.truncate_prompt_tokens
+        if (truncate := self.truncate_prompt_tokens) is not None:
+            request.truncate_prompt_tokens = WHOLE_CONTEXT if truncate == -1 else truncate
         if self.truncation_side is not None:
             request.truncation_side = self.truncation_side
         if self.stream_interval is not None:
