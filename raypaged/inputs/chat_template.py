@@ -112,6 +112,9 @@ def rendered(
     kwargs = {**(config.default_chat_template_kwargs or {}), **(chat_template_kwargs or {})}
     if clash := sorted(_RESERVED_KWARGS & kwargs.keys()):
         raise InputError("chat_template_kwargs", f"chat_template_kwargs may not set {clash[0]!r}")
+    # a turn without content (an assistant's tool calls) gets "", as vLLM renders it: transformers drops a None
+    # content, and templates that read message['content'] fail on the missing key
+    conversation = [turn if turn.get("content") is not None else {**turn, "content": ""} for turn in conversation]
     try:
         text = tokenizer.apply_chat_template(
             conversation,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from transformers import AutoTokenizer
 
 from raypaged.inputs.limits import InputLimits
 from raypaged.serving.proto import generate_pb2 as pb
@@ -145,6 +146,25 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_holds(http):
     assert long.json()["error"]["message"] == (
         "prompt has 256 tokens, which leaves no room to generate within max_model_len 256 (--max-model-len)"
     )
+
+
+def test_a_turn_without_content_renders_as_empty_text(http, tiny_model_dir):
+    """An assistant's tool calls with content null reach the template with content "", as vLLM renders them
+    (transformers would drop the key, and a template reading message['content'] would fail)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    got = http.post("/tokenize", json={"model": "tiny", "messages": turns})
+    assert got.status_code == 200, got.text
+    plain = [turns[0], {"role": "assistant", "content": ""}, {"role": "tool", "content": "ok"}]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # SmolLM2's template reads roles and contents only
+    expected = tokenizer.apply_chat_template(plain, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert got.json()["tokens"] == list(expected)
+    answer = http.post("/v1/chat/completions", json={**CHAT, "messages": turns})
+    assert answer.status_code == 200, answer.text
 
 
 def test_a_field_of_no_api_is_logged_once_and_ignored(http, caplog, monkeypatch):
