@@ -11,6 +11,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,3 +97,45 @@ def stream_text_and_tail(events: list[str]) -> tuple[str, list[dict]]:
     chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
     return text, chunks
+
+
+class GoodTraffic:
+    """Greedy completions (``body``) sent one after another on a thread while others arrive; each must keep its
+    text."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        self.texts: list[str] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(url, body))
+        self._thread.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            while not self._stop.is_set():
+                response = client.post("/v1/completions", json=body)
+                if response.status_code != 200:
+                    self.errors.append(response.text)
+                else:
+                    self.texts.append(response.json()["choices"][0]["text"])
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        assert self.errors == []
+        return self.texts
+
+
+def assert_openai_error(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"], body
+    return body["error"]
+
+
+def assert_anthropic_error(response: httpx.Response) -> dict:
+    """The Messages API's routes answer errors in Anthropic's shape."""
+    body = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+    return body["error"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 
 import httpx
 import pytest
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from raypaged import LLM, SamplingParams
+from tests.reliability.conftest import GoodTraffic, assert_anthropic_error, assert_openai_error
 from tests.serving.conftest import Stack, tiny_config
 
 MAX_MODEL_LEN = 64
@@ -44,54 +44,13 @@ def good_text(tiny_model_dir) -> str:
     return text
 
 
-class GoodTraffic:
-    """Greedy requests sent one after another on a thread while bad ones arrive; each must keep its text."""
-
-    def __init__(self, url: str) -> None:
-        self.texts: list[str] = []
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(url,))
-        self._thread.start()
-
-    def _run(self, url: str) -> None:
-        with httpx.Client(base_url=url, timeout=120) as client:
-            while not self._stop.is_set():
-                response = client.post("/v1/completions", json=GOOD)
-                if response.status_code != 200:
-                    self.errors.append(response.text)
-                else:
-                    self.texts.append(response.json()["choices"][0]["text"])
-
-    def stop(self) -> list[str]:
-        self._stop.set()
-        self._thread.join(timeout=120)
-        assert self.errors == []
-        return self.texts
-
-
-def assert_openai_error(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["message"], body
-    return body["error"]
-
-
-def assert_anthropic_error(response: httpx.Response) -> dict:
-    """The Messages API's routes answer errors in Anthropic's shape."""
-    body = response.json()
-    assert set(body) == {"type", "error"} and body["type"] == "error", body
-    assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
-    return body["error"]
-
-
 def test_schema_fuzzing_gives_no_5xx_and_no_hang(stack, good_text, soak):
     document = httpx.get(f"{stack.url}/openapi.json").json()
     schema = schemathesis.openapi.from_dict(document)
     cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
     num_cases = 1000 if soak else 120
     ran: list[tuple[str, int]] = []
-    traffic = GoodTraffic(stack.url)
+    traffic = GoodTraffic(stack.url, GOOD)
 
     @settings(
         max_examples=num_cases,
@@ -244,7 +203,7 @@ BAD_REQUESTS = [
 
 
 def test_bad_requests_get_exact_4xx_and_leave_a_good_request_unchanged(stack, good_text, caplog):
-    traffic = GoodTraffic(stack.url)
+    traffic = GoodTraffic(stack.url, GOOD)
     try:
         with stack.client() as client:
             for path, body, status, message, param in BAD_REQUESTS:

@@ -19,7 +19,7 @@ import pytest
 from raypaged import LLM, SamplingParams
 from raypaged.serving.proto import generate_pb2 as pb
 from tests.engine.test_isolation import fail_stop_matching
-from tests.reliability.test_bad_input import assert_openai_error
+from tests.reliability.conftest import assert_openai_error
 from tests.serving.conftest import Stack, tiny_config
 
 MAX_MODEL_LEN = 64
