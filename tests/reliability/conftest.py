@@ -13,10 +13,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+from hypothesis import HealthCheck, given, settings
 
 from tests.serving.conftest import tiny_model_dir  # noqa: F401  (a session fixture of this folder too)
 
@@ -139,3 +141,31 @@ def assert_anthropic_error(response: httpx.Response) -> dict:
     assert set(body) == {"type", "error"} and body["type"] == "error", body
     assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
     return body["error"]
+
+
+def fuzz_beside_good_traffic(
+    url: str, good: dict, cases: Any, check: Callable[[Any], None], num_cases: int, soak: bool
+) -> list[str]:
+    """``check`` on ``num_cases`` examples of the hypothesis strategy ``cases`` (derandomized unless ``soak``) while
+    ``GoodTraffic`` sends ``good`` beside them; the good request's texts, once every case ran."""
+    ran: list[int] = []
+    traffic = GoodTraffic(url, good)
+
+    @settings(
+        max_examples=num_cases,
+        deadline=None,
+        database=None,
+        derandomize=not soak,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=cases)
+    def fuzz(case: Any) -> None:
+        check(case)
+        ran.append(1)
+
+    try:
+        fuzz()
+    finally:
+        texts = traffic.stop()
+    assert len(ran) >= num_cases
+    return texts

@@ -12,12 +12,16 @@ import logging
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from raypaged import LLM, SamplingParams
-from tests.reliability.conftest import GoodTraffic, assert_anthropic_error, assert_openai_error
+from tests.reliability.conftest import (
+    GoodTraffic,
+    assert_anthropic_error,
+    assert_openai_error,
+    fuzz_beside_good_traffic,
+)
 from tests.serving.conftest import Stack, tiny_config
 
 MAX_MODEL_LEN = 64
@@ -48,19 +52,9 @@ def test_schema_fuzzing_gives_no_5xx_and_no_hang(stack, good_text, soak):
     document = httpx.get(f"{stack.url}/openapi.json").json()
     schema = schemathesis.openapi.from_dict(document)
     cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
-    num_cases = 1000 if soak else 120
     ran: list[tuple[str, int]] = []
-    traffic = GoodTraffic(stack.url, GOOD)
 
-    @settings(
-        max_examples=num_cases,
-        deadline=None,
-        database=None,
-        derandomize=not soak,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(case=cases)
-    def fuzz(case) -> None:
+    def check(case) -> None:
         response = case.call(base_url=stack.url, timeout=60)
         ran.append((f"{case.method} {case.path}", response.status_code))
         assert response.status_code < 500, (case.as_curl_command(), response.status_code, response.text)
@@ -71,15 +65,11 @@ def test_schema_fuzzing_gives_no_5xx_and_no_hang(stack, good_text, soak):
             else:
                 assert_openai_error(answer)
 
-    try:
-        fuzz()
-    finally:
-        texts = traffic.stop()
+    texts = fuzz_beside_good_traffic(stack.url, GOOD, cases, check, 1000 if soak else 120, soak)
     print(
         f"fuzz cases run: {len(ran)}; by operation: "
         f"{json.dumps({op: sum(1 for o, _ in ran if o == op) for op in sorted({o for o, _ in ran})})}"
     )
-    assert len(ran) >= num_cases
     assert texts and all(t == good_text for t in texts)
 
 

@@ -13,11 +13,10 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raypaged import LLM, SamplingParams
-from tests.reliability.conftest import GoodTraffic, assert_anthropic_error, assert_openai_error
+from tests.reliability.conftest import assert_anthropic_error, assert_openai_error, fuzz_beside_good_traffic
 from tests.serving.conftest import Stack, tiny_config
 
 MAX_MODEL_LEN = 128
@@ -176,29 +175,12 @@ def check_answer(path: str, body: dict, response: httpx.Response) -> None:
 
 
 def test_valid_fields_in_any_combination_give_no_5xx_and_leave_the_others_exact(stack, good_text, soak):
-    num_cases = 1000 if soak else 150
-    ran: list[int] = []
-    traffic = GoodTraffic(stack.url, GOOD)
-
-    @settings(
-        max_examples=num_cases,
-        deadline=None,
-        database=None,
-        derandomize=not soak,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(request=requests)
-    def fuzz(request: tuple[str, dict]) -> None:
+    def check(request: tuple[str, dict]) -> None:
         path, body = request
         with httpx.Client(base_url=stack.url, timeout=120) as client:
             check_answer(path, body, client.post(path, json=body))
-        ran.append(1)
 
-    try:
-        fuzz()
-    finally:
-        texts = traffic.stop()
-    assert len(ran) >= num_cases
+    texts = fuzz_beside_good_traffic(stack.url, GOOD, requests, check, 1000 if soak else 150, soak)
     assert texts and all(t == good_text for t in texts)
     stats = stack.engine().stats()
     assert stats["num_gpu_blocks_free"] == stats["num_gpu_blocks_total"]
