@@ -202,10 +202,19 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         documents: list[dict[str, Any]] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the chat template
         (``chat_template`` replaces the model's for this call), as vLLM's ``LLM.chat`` (``mm_processor_kwargs``:
-        the image processor's options for these conversations' images)."""
+        the image processor's options for these conversations' images; ``lora_request``: as ``generate``'s).
+        A message's content reaches the template as one string: ``chat_template_content_format`` "auto" or
+        "string" (vLLM's "openai", content as a list of parts, is refused)."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(
+                f"chat_template_content_format {chat_template_content_format!r} is not supported: a message's "
+                "content reaches the chat template as one string (auto, string)"
+            )
         conversations = [messages] if _is_conversation(messages) else messages
         engine = self.llm_engine
         inputs = engine.input_processor
@@ -235,7 +244,7 @@ class LLM:
             else:
                 ids = inputs.chat_ids(conversation, **options)
                 prompts.append({"prompt_token_ids": ids, "prompt": engine.tokenizer.decode(ids)})
-        return self._generate(prompts, sampling_params, use_tqdm, rendered=with_images[0])
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request=lora_request, rendered=with_images[0])
 
     def encode(
         self,

@@ -125,6 +125,14 @@ def test_llm_generate_takes_one_lora_request_or_one_per_prompt(smollm2_dir, adap
     assert [o.outputs[0].token_ids for o in one] == [expected[("qv-r4", p)] for p in PROMPTS]
     with pytest.raises(ValueError, match="got 2 lora_request for 3 prompts"):
         llm.generate(PROMPTS, params, lora_request=[None, None])
+    conversation = [{"role": "user", "content": PROMPTS[0]}]
+    rendered = llm.get_tokenizer().apply_chat_template(conversation, add_generation_prompt=True, return_dict=False)
+    chat = llm.chat(conversation, params, use_tqdm=False, lora_request=adapters["qv-r4"])[0].outputs[0].token_ids
+    generated = llm.generate(
+        {"prompt_token_ids": list(rendered)}, params, lora_request=adapters["qv-r4"], use_tqdm=False
+    )
+    assert chat == generated[0].outputs[0].token_ids
+    assert chat != llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].token_ids  # the adapter changes it
 
 
 def test_lora_info_names_running_and_waiting_adapters(engine, adapters):

@@ -71,6 +71,11 @@ def test_continue_final_message_extends_the_last_turn(llm):
         ),
         ({"continue_final_message": True}, "continue_final_message and add_generation_prompt cannot both be true"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs may not set 'tools'"),
+        (
+            {"chat_template_content_format": "openai"},
+            "chat_template_content_format 'openai' is not supported: a message's content reaches the chat template "
+            "as one string \\(auto, string\\)",
+        ),
     ],
 )
 def test_what_cannot_render_is_a_value_error_naming_it(llm, kwargs, message):
