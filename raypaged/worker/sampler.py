@@ -20,6 +20,7 @@ the same noise on every device.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,8 +59,7 @@ def sample(
     raw = logits.float()
     raw_logprobs = torch.log_softmax(raw, dim=-1)
     logits = _apply_penalties(raw.clone(), inputs)
-    if dead := torch.isneginf(logits.amax(dim=-1)).nonzero().flatten().tolist():
-        raise NoTokenLeft(dead)
+    dead = torch.isneginf(logits.amax(dim=-1))  # rows their masks left no token (their draws, in range, are void)
 
     token_ids = torch.empty(len(inputs), dtype=torch.long, device=logits.device)
     greedy = [i for i, s in enumerate(inputs) if s.params.greedy]
@@ -75,7 +75,9 @@ def sample(
         token_ids[sampled] = _draw(probs, [inputs[i] for i in sampled], generator)
 
     results = []
-    token_list = token_ids.tolist()
+    token_list = token_ids.masked_fill(dead, -1).tolist()  # (one copy to the host tells the dead rows too)
+    if token_list and min(token_list) < 0:
+        raise NoTokenLeft([i for i, token in enumerate(token_list) if token < 0])
     chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
     if all(s.params.logprobs is None for s in inputs):
         return [SampledToken(token, logprob, None) for token, logprob in zip(token_list, chosen)]
@@ -185,7 +187,7 @@ def greedy_fast_path(logits: torch.Tensor, inputs: list[SamplingInput]) -> list[
         return [SampledToken(t, lp, None) for t, lp in zip(*picked)]
     token_ids = logits.argmax(dim=-1)
     chosen = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).squeeze(1).tolist()
-    if any(lp != lp for lp in chosen):  # NaN: a row without a finite logit (a grammar left it no token)
+    if any(map(math.isnan, chosen)):  # a row without a finite logit (a grammar left it no token)
         return None
     return [SampledToken(t, lp, None) for t, lp in zip(token_ids.tolist(), chosen)]
 
