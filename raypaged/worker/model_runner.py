@@ -508,7 +508,7 @@ class ModelRunner:
         try:
             tokens = greedy_fast_path(logits, inputs)
             if tokens is None:
-                tokens = sample(logits, inputs, self.generator, self.logprobs_mode)  # on the logits' device
+                tokens = sample(logits, inputs, self.generator, self.logprobs_mode, grammar is not None)  # on device
             out = self._runner_output(rows, tokens)
         except Exception:  # one row's parameters broke the batch: find it, sample the others
             out = self._sample_rows(logits, inputs, rows, set(grammar.request_ids) if grammar is not None else set())
@@ -646,7 +646,8 @@ class ModelRunner:
         failed: dict[str, RequestFailure] = {}
         for row, ((request_id, j), row_input) in enumerate(zip(rows, inputs)):
             try:
-                tokens.append(sample(logits[row : row + 1], [row_input], self.generator, self.logprobs_mode)[0])
+                masked = request_id in grammar_ids
+                tokens.append(sample(logits[row : row + 1], [row_input], self.generator, self.logprobs_mode, masked)[0])
             except NoTokenLeft:
                 drafts = self.requests[request_id].spec_token_ids
                 earlier = tokens[row - j : row]

@@ -51,15 +51,23 @@ class SamplingInput:
 
 
 def sample(
-    logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator, logprobs_mode: str = RAW_LOGPROBS
+    logits: torch.Tensor,
+    inputs: list[SamplingInput],
+    generator: torch.Generator,
+    logprobs_mode: str = RAW_LOGPROBS,
+    grammar_masked: bool = False,
 ) -> list[SampledToken]:
     """``logits``: [num_seqs, vocab]; returns one token per row. Each token's ``logprob`` (cumulative
     logprobs, best_of and beam ranking) is its raw log-probability; the logprobs rows ask for are of
-    ``logprobs_mode`` (vLLM's ``--logprobs-mode``, see ``LOGPROBS_MODES``)."""
+    ``logprobs_mode`` (vLLM's ``--logprobs-mode``, see ``LOGPROBS_MODES``). ``grammar_masked``: a grammar's
+    bitmask was applied to some rows (with ``allowed_token_ids`` and ``bad_words``, what can leave a row no
+    token: ``NoTokenLeft``)."""
     raw = logits.float()
     raw_logprobs = torch.log_softmax(raw, dim=-1)
     logits = _apply_penalties(raw.clone(), inputs)
-    dead = torch.isneginf(logits.amax(dim=-1))  # rows their masks left no token (their draws, in range, are void)
+    dead = None  # rows their masks left no token (their draws, in range, are void)
+    if grammar_masked or any(s.params.allowed_token_ids is not None or s.params.bad_words_token_ids for s in inputs):
+        dead = torch.isneginf(logits.amax(dim=-1))
 
     token_ids = torch.empty(len(inputs), dtype=torch.long, device=logits.device)
     greedy = [i for i, s in enumerate(inputs) if s.params.greedy]
@@ -75,9 +83,12 @@ def sample(
         token_ids[sampled] = _draw(probs, [inputs[i] for i in sampled], generator)
 
     results = []
-    token_list = token_ids.masked_fill(dead, -1).tolist()  # (one copy to the host tells the dead rows too)
-    if token_list and min(token_list) < 0:
-        raise NoTokenLeft([i for i, token in enumerate(token_list) if token < 0])
+    if dead is None:
+        token_list = token_ids.tolist()
+    else:  # one copy to the host tells the dead rows too
+        token_list = token_ids.masked_fill(dead, -1).tolist()
+        if token_list and min(token_list) < 0:
+            raise NoTokenLeft([i for i, token in enumerate(token_list) if token < 0])
     chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
     if all(s.params.logprobs is None for s in inputs):
         return [SampledToken(token, logprob, None) for token, logprob in zip(token_list, chosen)]

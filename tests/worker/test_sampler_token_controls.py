@@ -61,7 +61,7 @@ def test_a_grammar_mask_that_empties_a_greedy_row_leaves_it_to_the_general_path(
     rows = [SamplingInput(SamplingParams(temperature=0), [0], [], eos_token_id=None)] * 2
     assert greedy_fast_path(logits, rows) is None
     with pytest.raises(NoTokenLeft) as raised:
-        sample(logits, rows, torch.Generator())
+        sample(logits, rows, torch.Generator(), grammar_masked=True)
     assert raised.value.rows == [1]
 
 
