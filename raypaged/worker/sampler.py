@@ -306,8 +306,9 @@ def _min_tokens_bans(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
     view = logits.view(-1)
     kept = view[flat]
     view[flat] = float("-inf")
-    emptied = torch.isneginf(logits.amax(dim=-1))[flat // logits.shape[-1]]  # each banned pair's row emptied
-    view[flat] = torch.where(emptied, kept, float("-inf"))
+    emptied = torch.isneginf(logits.index_select(0, torch.tensor(rows, device=logits.device)).amax(dim=-1))
+    counts = torch.tensor([len(ids) for ids in banned.values()], device=logits.device)
+    view[flat] = torch.where(torch.repeat_interleave(emptied, counts), kept, float("-inf"))  # per banned pair
 
 
 def _flat_token_index(logits: torch.Tensor, rows: list[int], tokens: list[list[int]]) -> torch.Tensor:
