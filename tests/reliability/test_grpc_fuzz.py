@@ -29,6 +29,7 @@ from raypaged.serving.channel import MESSAGE_SIZE_OPTIONS, PARAM_METADATA_KEY
 from raypaged.serving.gateway.tenants import DEFAULT_MAX_REQUEST_PRIORITY
 from raypaged.serving.proto import generate_pb2 as pb
 from raypaged.serving.proto import generate_pb2_grpc as pb_grpc
+from raypaged.serving.protocol import WHOLE_CONTEXT
 from tests.serving.conftest import Stack, tiny_config
 
 logger = logging.getLogger(__name__)
@@ -206,6 +207,11 @@ FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
         st.one_of(st.just(0), st.just(MAX_PRIORITY), st.integers(0, MAX_PRIORITY)),
         st.one_of(st.sampled_from([*INT32, -1, MAX_PRIORITY + 1]), st.integers(*INT32)),
     ),
+    "truncate_prompt_tokens": (
+        optional(st.sampled_from([2, 8, WHOLE_CONTEXT])),
+        optional(uint32s(st.integers(0, 100), [0, 1, 63, 64, 65, UINT32_MAX - 1])),
+    ),
+    "add_special_tokens": (optional(st.booleans()), optional(st.booleans())),
 }
 
 
@@ -269,7 +275,12 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     )
     return pb.GenerateRequest(
         **present(
-            request_id=field("request_id"), model=field("model"), logprobs=field("logprobs"), priority=field("priority")
+            request_id=field("request_id"),
+            model=field("model"),
+            logprobs=field("logprobs"),
+            priority=field("priority"),
+            truncate_prompt_tokens=field("truncate_prompt_tokens"),
+            add_special_tokens=field("add_special_tokens"),
         ),
         sampling=sampling,
         stopping=stopping,
