@@ -167,6 +167,38 @@ def test_a_turn_without_content_renders_as_empty_text(http, tiny_model_dir):
     assert answer.status_code == 200, answer.text
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "nulls"),
+    [
+        (
+            "/v1/completions",
+            {**COMPLETION, "max_tokens": 6, "temperature": 0},
+            ["n", "stream", "echo", "logprobs", "presence_penalty", "frequency_penalty", "min_p"],
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "max_tokens": 6, "temperature": 0},
+            ["n", "stream", "logprobs", "presence_penalty", "frequency_penalty", "parallel_tool_calls"],
+        ),
+        (
+            "/v1/responses",
+            {"model": "tiny", "input": "hi", "max_output_tokens": 6, "temperature": 0},
+            ["stream", "store"],
+        ),
+    ],
+    ids=["completions", "chat", "responses"],
+)
+def test_openais_nullable_fields_take_their_default_when_null(http, path, body, nulls):
+    """Clients that write every field send OpenAI's nullable ones as null: the answer is the one without them."""
+    plain = http.post(path, json=body)
+    nulled = http.post(path, json={**body, **dict.fromkeys(nulls)})
+    assert plain.status_code == nulled.status_code == 200, nulled.text
+    if path == "/v1/responses":
+        assert nulled.json()["output"][0]["content"][0]["text"] == plain.json()["output"][0]["content"][0]["text"]
+    else:
+        assert nulled.json()["choices"] == plain.json()["choices"]
+
+
 def test_a_field_of_no_api_is_logged_once_and_ignored(http, caplog, monkeypatch):
     from raypaged.serving.gateway import schemas
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.response_items import call_item, message_item, new_id, reasoning_item, usage
-from raypaged.serving.gateway.schemas import _check_extra_fields
+from raypaged.serving.gateway.schemas import _check_extra_fields, defaults_for_nulls
 
 STORE_SIZE = 4096  # stored responses kept per tenant
 _INPUT_TEXT = ("input_text", "output_text", "text")
@@ -36,6 +36,11 @@ class ResponsesRequest(BaseModel):
     """The body of ``POST /v1/responses``; unknown fields are logged and ignored, as for chat completions."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return defaults_for_nulls(data)
 
     model: str | None = None
     input: str | list[dict[str, Any]]

@@ -101,13 +101,44 @@ def unsupported_field(name: str) -> APIError:
     return APIError(400, f"{name} is not supported by this server; send the request without it", name)
 
 
+# fields whose null asks for their default: OpenAI's nullable ones (clients that write every field send them as
+# null) and vLLM's optional ones
+NULL_MEANS_DEFAULT = frozenset(
+    {
+        "n",
+        "stream",
+        "store",
+        "echo",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "parallel_tool_calls",
+        "min_p",
+        "return_tokens_as_token_ids",
+    }
+)
+
+
+def defaults_for_nulls(data: Any) -> Any:
+    """A body's JSON with the ``NULL_MEANS_DEFAULT`` fields that are null left out (so they take their default)."""
+    if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_MEANS_DEFAULT):
+        return {name: value for name, value in data.items() if value is not None or name not in NULL_MEANS_DEFAULT}
+    return data
+
+
 class _GenerationBody(BaseModel):
     """Fields shared by completions and chat completions; unknown fields are ignored (as vLLM does).
 
-    Numbers must be finite and fit the gRPC fields they travel in.
+    Numbers must be finite and fit the gRPC fields they travel in; a null asks for the default where OpenAI's
+    field is nullable (``NULL_MEANS_DEFAULT``).
     """
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return defaults_for_nulls(data)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=_UINT32_MAX)  # the engine caps n and best_of (--max-num-samples)
