@@ -101,6 +101,8 @@ def test_what_mistral_common_does_not_read_is_refused_by_name(llm, folders):
         assert str(refused.value).startswith(message + " with Mistral's tokenizer: mistral_common encodes")
     with pytest.raises(InputError, match=r"^Mistral's encoding refused the conversation: "):
         engine.input_processor.chat_ids([{"role": "assistant", "content": "first"}, *CONVERSATION])
+    with pytest.raises(InputError, match=r"^add_special_tokens: Mistral's chat encoding writes its special tokens$"):
+        engine.input_processor.chat_ids(CONVERSATION, add_special_tokens=True)
     with pytest.raises(ValueError) as refused:
         EngineConfig(model=str(folders[1]), chat_template="{{ messages }}")
     assert str(refused.value) == (
