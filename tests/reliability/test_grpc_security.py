@@ -331,8 +331,11 @@ def test_tenants_file_priority_range(tmp_path):
         load_tenants(path)
     with pytest.raises(ValueError, match="tenant name 'a/b' must be non-empty and without '/'"):
         Tenant("a/b")
-    with pytest.raises(ValueError, match=r"priority -1 is outside \[0, 1000000\], the range of tenant default"):
-        Tenants([]).tenant_for(None).tenant.engine_priority(-1)  # without keys too: a request may only lower its own
+    # without a tenants file (open, or one --api-key), any int32 priority, as vLLM's
+    assert Tenants([]).tenant_for(None).tenant.engine_priority(-(2**31)) == -(2**31)
+    assert Tenants.from_args("k", None).tenant_for("Bearer k").tenant.engine_priority(-5) == -5
+    with pytest.raises(ValueError, match=r"^priority 2147483648 is outside \[-2147483648, 2147483647\], the range"):
+        Tenants([]).tenant_for(None).tenant.engine_priority(2**31)
 
 
 def test_engine_flags_for_keys_tenants_and_prefix_cache_sharing(tmp_path, capsys):

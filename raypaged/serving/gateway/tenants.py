@@ -38,6 +38,7 @@ _KEYS = {
     "max_request_priority",
 }
 DEFAULT_MAX_REQUEST_PRIORITY = 1_000_000
+ANY_PRIORITY = (-(2**31), 2**31 - 1)  # vLLM's: any priority the int32 field holds (an open server, --api-key)
 
 
 class AuthError(Exception):
@@ -77,6 +78,15 @@ class Tenant:
                 f"max_request_priority of a tenant in --tenants set the range)",
             )
         return self.priority + priority
+
+
+def vllm_tenant(api_key: str | None = None) -> Tenant:
+    """The one tenant of a server without a tenants file (open, or behind ``--api-key``), as vLLM serves: no
+    limits, and a request may ask for any priority (lower runs first)."""
+    low, high = ANY_PRIORITY
+    return Tenant(
+        "default", api_keys=(api_key,) if api_key else (), min_request_priority=low, max_request_priority=high
+    )
 
 
 class TenantGate:
@@ -150,13 +160,13 @@ class Tenants:
                         f"api key of tenant {tenant.name} is also given to {self._by_key[key].tenant.name}"
                     )
                 self._by_key[key] = gate
-        self._open = None if self._by_key else TenantGate(Tenant("default"))
+        self._open = None if self._by_key else TenantGate(vllm_tenant())
 
     @classmethod
     def from_args(cls, api_key: str | None, tenants_file: str | None) -> Tenants:
         tenants = load_tenants(Path(tenants_file)) if tenants_file else []
         if api_key:
-            tenants.append(Tenant("default", api_keys=(api_key,)))
+            tenants.append(vllm_tenant(api_key))
         return cls(tenants)
 
     @property
