@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from raypaged import envs
 from raypaged.human_int import human_int, human_int_or_auto
+from raypaged.inputs.chat_format import CONTENT_FORMATS
 from raypaged.inputs.limits import InputLimits
 from raypaged.inputs.tokenizer import TOKENIZER_MODES, resolve_tokenizer_mode
 from raypaged.model.default_model import DEFAULT_MODEL, default_model_dir
@@ -525,6 +526,14 @@ class EngineConfig:
         None,
         "a Jinja chat template (a file, or the template itself) over the tokenizer's",
         metavar="FILE_OR_TEMPLATE",
+    )
+    # vLLM's --chat-template-content-format: how a message's content reaches the template
+    chat_template_content_format: str = _flag(
+        "auto",
+        "string: a message's content is one string (its text parts joined by newlines); openai: a list of parts, "
+        'as OpenAI\'s API ([{"type": "text", "text": ...}]); auto: openai where the template loops over a '
+        "message's content, string otherwise",
+        choices=CONTENT_FORMATS,
     )
     default_chat_template_kwargs: dict[str, Any] | None = _flag(
         None,

@@ -17,6 +17,7 @@ from raypaged.core.stats import SchedulerStats
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.entrypoints.vllm_compat import check_default_only, task_as_runner, unknown_keyword
 from raypaged.entrypoints.vllm_options import ANY_VALUE, DEFAULT_ONLY, Option
+from raypaged.inputs.chat_format import CONTENT_FORMATS
 from raypaged.inputs.limits import check_priority
 from raypaged.inputs.multimodal_input import MultiModalInput
 from raypaged.lora.request import LoRARequest
@@ -203,17 +204,16 @@ class LLM:
         documents: list[dict[str, Any]] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        chat_template_content_format: str = "auto",
+        chat_template_content_format: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the chat template
         (``chat_template`` replaces the model's for this call), as vLLM's ``LLM.chat`` (``mm_processor_kwargs``:
-        the image processor's options for these conversations' images; ``lora_request``: as ``generate``'s).
-        A message's content reaches the template as one string: ``chat_template_content_format`` "auto" or
-        "string" (vLLM's "openai", content as a list of parts, is refused)."""
-        if chat_template_content_format not in ("auto", "string"):
+        the image processor's options for these conversations' images; ``lora_request``: as ``generate``'s;
+        ``chat_template_content_format``: auto, string or openai, over the engine's)."""
+        if chat_template_content_format not in (None, *CONTENT_FORMATS):
             raise ValueError(
-                f"chat_template_content_format {chat_template_content_format!r} is not supported: a message's "
-                "content reaches the chat template as one string (auto, string)"
+                f"chat_template_content_format {chat_template_content_format!r} is not one of "
+                f"{', '.join(CONTENT_FORMATS)}"
             )
         conversations = [messages] if _is_conversation(messages) else messages
         engine = self.llm_engine
@@ -226,6 +226,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             trusted=True,
+            content_format=chat_template_content_format,
         )
         prompts: list[PromptType] = []
         with_images = [has_chat_images(c) for c in conversations]

@@ -112,13 +112,6 @@ DEFAULT_ONLY: list[Option] = [
         "the model folder's config.json is read ({hf_overrides} changes it)",
     ),
     (
-        "chat_template_content_format",
-        (),
-        str,
-        ("auto", "string"),
-        "a message's content reaches the chat template as one string (its text parts joined)",
-    ),
-    (
         "prefix_caching_hash_algo",
         (),
         str,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from raypaged.inputs.chat_format import resolve_content_format, with_content_format
 from raypaged.inputs.limits import InputError
 from raypaged.inputs.tokenizer import is_mistral
 
@@ -67,12 +68,15 @@ def rendered(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     trusted: bool = False,
+    content_format: str | None = None,
 ) -> str | list[int]:
     """``conversation`` rendered with the chat template (text); ``chat_template`` (a request's own) needs ``trusted``
     (the caller is the operator: ``LLM.chat``) or ``config.trust_request_chat_template``. With Mistral's tokenizer
     (``--tokenizer-mode mistral``), mistral_common's encoding of it (token ids), as vLLM's: the turns and ``tools``
     become Mistral's control tokens, and with no template to replace or feed, a ``chat_template``,
-    ``chat_template_kwargs`` and ``documents`` are refused by name. Bad input raises ``InputError``."""
+    ``chat_template_kwargs`` and ``documents`` are refused by name. ``content_format`` (``chat_format``'s, over
+    ``--chat-template-content-format``): how each turn's content reaches the template. Bad input raises
+    ``InputError``."""
     _check_turns(conversation, add_generation_prompt, continue_final_message)
     if is_mistral(tokenizer):
         for name, value in (
@@ -112,9 +116,14 @@ def rendered(
     kwargs = {**(config.default_chat_template_kwargs or {}), **(chat_template_kwargs or {})}
     if clash := sorted(_RESERVED_KWARGS & kwargs.keys()):
         raise InputError("chat_template_kwargs", f"chat_template_kwargs may not set {clash[0]!r}")
-    # a turn without content (an assistant's tool calls) gets "", as vLLM renders it: transformers drops a None
-    # content, and templates that read message['content'] fail on the missing key
-    conversation = [turn if turn.get("content") is not None else {**turn, "content": ""} for turn in conversation]
+    # each turn's content as the template reads it (``content_format`` over --chat-template-content-format), as
+    # vLLM renders it: a turn without content (an assistant's tool calls) gets "" or no part, never a None that
+    # transformers would drop (and a template reading message['content'] fail on)
+    source = template if template is not None else tokenizer.chat_template
+    found = resolve_content_format(
+        content_format or config.chat_template_content_format, source if isinstance(source, str) else None
+    )
+    conversation = with_content_format(conversation, found)
     try:
         text = tokenizer.apply_chat_template(
             conversation,

@@ -56,6 +56,7 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         "sha256",
     )
     assert (config.tensor_parallel_size, config.max_model_len) == (1, 256)
+    assert config.chat_template_content_format == "string"
 
 
 @pytest.mark.parametrize(
@@ -118,11 +119,6 @@ def test_vllm_style_flags_are_accepted(tiny_model_dir):
         (
             ["--limit-mm-per-prompt", '{"image": 1}'],
             "--limit-mm-per-prompt image: 1 is not supported: the model reads text only",
-        ),
-        (
-            ["--chat-template-content-format", "openai"],
-            "--chat-template-content-format openai is not supported: a "
-            "message's content reaches the chat template as one string (its text parts joined)",
         ),
         (
             ["--prefix-caching-hash-algo", "builtin"],

@@ -62,6 +62,36 @@ def test_continue_final_message_extends_the_last_turn(llm):
     assert text.endswith("<|im_start|>assistant\n1, 2,")
 
 
+PARTS = (
+    "{% for m in messages %}[{{ m.role }}]{% for p in m['content'] %}({{ p.type }}:{{ p.text }}){% endfor %}"
+    "{% endfor %}"
+)
+
+
+def test_content_reaches_the_template_as_its_format_asks_and_auto_reads_the_template(llm):
+    """vLLM's content formats: a template that loops over a message's parts gets parts under auto (and openai);
+    string gives it one string (its text parts joined), which such a template reads as characters."""
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "c"},
+        {"role": "assistant", "content": None},
+    ]
+    parts = "[user](text:a)(text:b)[assistant](text:c)[assistant]"
+    assert _prompt(llm, messages, chat_template=PARTS, add_generation_prompt=False) == parts
+    openai = _prompt(
+        llm, messages, chat_template=PARTS, add_generation_prompt=False, chat_template_content_format="openai"
+    )
+    assert openai == parts
+    joined = _prompt(
+        llm, messages, chat_template=SHOW, add_generation_prompt=False, chat_template_content_format="auto"
+    )
+    assert joined == "[user]a\nb[assistant]c[assistant]"  # SHOW reads content whole: one string, parts joined
+    as_string = _prompt(
+        llm, messages, chat_template=PARTS, add_generation_prompt=False, chat_template_content_format="string"
+    )
+    assert as_string == "[user](:)(:)(:)[assistant](:)[assistant]"  # "a\nb" and "c", character by character
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -72,9 +102,8 @@ def test_continue_final_message_extends_the_last_turn(llm):
         ({"continue_final_message": True}, "continue_final_message and add_generation_prompt cannot both be true"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs may not set 'tools'"),
         (
-            {"chat_template_content_format": "openai"},
-            "chat_template_content_format 'openai' is not supported: a message's content reaches the chat template "
-            "as one string \\(auto, string\\)",
+            {"chat_template_content_format": "parts"},
+            "chat_template_content_format 'parts' is not one of auto, string, openai",
         ),
     ],
 )
