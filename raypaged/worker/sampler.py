@@ -260,12 +260,9 @@ def _allowed_tokens(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
     allowed = {i: ids for i, s in enumerate(inputs) if (ids := s.params.allowed_token_ids) is not None}
     if not allowed:
         return
-    rows = list(allowed)
-    flat = _flat_token_index(logits, rows, list(allowed.values()))
-    view = logits.view(-1)
-    kept = view[flat]
-    logits[torch.tensor(rows, device=logits.device)] = float("-inf")
-    view[flat] = kept
+    flat, kept = _pairs(logits, allowed)
+    logits[torch.tensor(list(allowed), device=logits.device)] = float("-inf")
+    logits.view(-1)[flat] = kept
 
 
 def _bad_words(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
@@ -301,14 +298,18 @@ def _min_tokens_bans(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
                 banned[i] = ids
     if not banned:
         return
-    rows = list(banned)
-    flat = _flat_token_index(logits, rows, list(banned.values()))
+    flat, kept = _pairs(logits, banned)
     view = logits.view(-1)
-    kept = view[flat]
     view[flat] = float("-inf")
-    emptied = torch.isneginf(logits.index_select(0, torch.tensor(rows, device=logits.device)).amax(dim=-1))
+    emptied = torch.isneginf(logits.index_select(0, torch.tensor(list(banned), device=logits.device)).amax(dim=-1))
     counts = torch.tensor([len(ids) for ids in banned.values()], device=logits.device)
     view[flat] = torch.where(torch.repeat_interleave(emptied, counts), kept, float("-inf"))  # per banned pair
+
+
+def _pairs(logits: torch.Tensor, tokens_by_row: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions in ``logits.view(-1)`` of each (row, token) pair of ``tokens_by_row``, and their logits now."""
+    flat = _flat_token_index(logits, list(tokens_by_row), list(tokens_by_row.values()))
+    return flat, logits.view(-1)[flat]
 
 
 def _flat_token_index(logits: torch.Tensor, rows: list[int], tokens: list[list[int]]) -> torch.Tensor:
