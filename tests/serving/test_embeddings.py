@@ -128,6 +128,10 @@ def test_pooling_fields_and_the_chat_form(http, hf_base, tokenizer, stack):
     ids = rendered.json()["tokens"]
     assert chat["usage"]["prompt_tokens"] == len(ids)
     assert_close(chat["data"][0]["embedding"], expected(hf_base, ids))
+    for special in (True, False):  # token ids are used as they are, as vLLM's (true, its default, adds nothing)
+        ids_as_given = embed(http, input=SHORT, add_special_tokens=special)
+        assert ids_as_given["usage"]["prompt_tokens"] == len(SHORT)
+        assert_close(ids_as_given["data"][0]["embedding"], expected(hf_base, SHORT))
     with_bos = embed(http, messages=messages, add_special_tokens=True)  # the template's ids after the tokenizer's BOS
     assert with_bos["usage"]["prompt_tokens"] == len(ids) + 1
     assert_close(with_bos["data"][0]["embedding"], expected(hf_base, [BOS_ID, *ids]))

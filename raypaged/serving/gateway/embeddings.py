@@ -68,7 +68,11 @@ class InputBody(PoolingFields):
             )
             return [{"messages": conversation, **special}]
         assert self.input is not None  # exactly one of input and messages is given
-        return [{**one, **special} for one in split_prompts(self.input, "input")]
+        # token ids are used as they are: true, vLLM's default, asks nothing of them (as on completions)
+        return [
+            {**one, **special} if "text" in one or not self.add_special_tokens else one
+            for one in split_prompts(self.input, "input")
+        ]
 
 
 class EmbeddingBody(InputBody):
