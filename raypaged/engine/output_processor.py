@@ -501,6 +501,9 @@ def _due(seq: SeqState, stream_interval: int) -> bool:
 
 
 def error_output(state: RequestState) -> RequestOutput:
+    """The one output of a request that failed (``state.error`` set)."""
+    failure = state.error
+    assert failure is not None, "an error output is of a failed request"
     return RequestOutput(
         request_id=state.request_id,
         prompt=state.prompt,
@@ -508,8 +511,8 @@ def error_output(state: RequestState) -> RequestOutput:
         outputs=[],
         finished=True,
         num_generated_tokens=state.num_generated_tokens,
-        error=state.error.message if state.error is not None else None,
-        error_param=state.error.param if state.error is not None else None,
+        error=failure.message,
+        error_param=failure.param,
         metrics=request_metrics(state),
         num_prompt_embeds=state.num_prompt_embeds,
     )

@@ -262,17 +262,17 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 images = embeds = None
                 text: str | None
                 token_ids: list[int] | None
+                add_special = _add_special_tokens(request)  # (refused true for token ids and prompt_embeds)
                 if request.WhichOneof("prompt") == "prompt_embeds":  # loaded and checked by the input processor
                     if request.echo:
                         raise InputError("echo", "echo needs the prompt's text: prompt_embeds have none")
-                    _add_special_tokens(request)  # (refuses true: the rows are the whole prompt)
                     text, token_ids, embeds = None, None, request.prompt_embeds
                 elif request.WhichOneof("prompt") == "messages" and has_images(request.messages):
                     text, urls = await model.off_loop(chat_prompt_with_images, model.inputs, request.messages)
                     model.inputs.check_image_count(len(urls))  # before any is fetched
                     token_ids, images = None, await _images(urls, model.inputs.media_options)
                 else:
-                    text, token_ids = await _prompt(model, request, model.inputs.prompt_ids)
+                    text, token_ids = await _prompt(model, request, model.inputs.prompt_ids, add_special)
                 await engine.add_request(
                     text,
                     params,
@@ -285,7 +285,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                     multi_modal=MultiModalInput.of(  # rendered: the template wrote the special tokens, unless asked
                         images,
                         _processor_kwargs(request.mm_processor_kwargs_json),
-                        rendered=not _add_special_tokens(request),
+                        rendered=not add_special,
                     ),
                     prompt_embeds=embeds,
                 )
@@ -350,15 +350,16 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             try:
                 await hold.admit()
                 token_types = None  # BERT's pair: its second text embeds as token type 1
+                add_special = _add_special_tokens(request, "input")
                 if request.WhichOneof("input") == "text_pair":
-                    pair_ids = partial(model.inputs.pair_ids, add_special_tokens=_add_special_tokens(request, "input"))
+                    pair_ids = partial(model.inputs.pair_ids, add_special_tokens=add_special)
                     text = None
                     token_ids, token_types = await model.off_loop(
                         pair_ids, request.text_pair.text_1, request.text_pair.text_2
                     )
                 else:
                     tokenize = partial(_token_ids, model.tokenizer)
-                    text, token_ids = await _prompt(model, request, tokenize, "input")
+                    text, token_ids = await _prompt(model, request, tokenize, add_special, "input")
                 salt = self._cache_salt(gate, request.cache_salt)
                 output = await model.engine.encode(text, params, key[1], token_ids, priority, salt, token_types)
             except _REFUSED as exc:
@@ -403,7 +404,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             raise InputError("use_beam_search", "a beam search cannot be rendered: its beams run as one search")
         if request.WhichOneof("prompt") == "prompt_embeds":
             raise InputError("prompt_embeds", "prompt_embeds cannot be rendered: they are no token ids")
-        text, token_ids = await _prompt(model, request, model.inputs.prompt_ids)
+        text, token_ids = await _prompt(model, request, model.inputs.prompt_ids, _add_special_tokens(request))
         process = partial(
             model.engine.engine.process_request,
             request.request_id or "render",
@@ -734,12 +735,13 @@ async def _prompt(
     model: ServedModel,
     request: pb.GenerateRequest | pb.EmbedRequest,
     tokenize: Callable[..., list[int]],
+    add_special: bool,
     oneof: str = "prompt",
 ) -> tuple[str | None, list[int]]:
     """The text (when it is one) and token ids of the request's ``oneof`` (its prompt, an ``Embed``'s input but a
-    text pair, which ``Embed`` tokenizes itself), text made token ids by ``tokenize(text, add_special_tokens)`` on
-    the model's tokenizer thread; its size is already checked."""
-    add_special = _add_special_tokens(request, oneof)
+    text pair, which ``Embed`` tokenizes itself), text made token ids by ``tokenize(text, add_special)`` on the
+    model's tokenizer thread, a conversation rendered with the tokenizer's special tokens when ``add_special``
+    (``_add_special_tokens``); its size is already checked."""
     kind = request.WhichOneof(oneof)
     if kind == "text":
         return request.text, await model.off_loop(tokenize, request.text, add_special)

@@ -74,9 +74,7 @@ def sampling_params_from_proto(
         ),
         include_stop_str_in_output=stopping.include_stop_str_in_output,
         truncate_prompt_tokens=(
-            (-1 if request.truncate_prompt_tokens == WHOLE_CONTEXT else request.truncate_prompt_tokens)
-            if request.HasField("truncate_prompt_tokens")
-            else None
+            _count(request.truncate_prompt_tokens) if request.HasField("truncate_prompt_tokens") else None
         ),
         truncation_side=request.truncation_side or "left",
         stream_interval=request.stream_interval or 1,
@@ -104,7 +102,8 @@ WHOLE_CONTEXT = 0xFFFFFFFF  # truncate_prompt_tokens on the wire: as many as max
 
 
 def _count(value: int) -> int:
-    return -1 if value == ALL_LOGPROBS else value
+    """A count as the wire carries it, its -1 (``ALL_LOGPROBS``, ``WHOLE_CONTEXT``) as -1."""
+    return -1 if value in (ALL_LOGPROBS, WHOLE_CONTEXT) else value
 
 
 def beam_search_from_proto(request: pb.GenerateRequest, max_model_len: int) -> BeamSearchParams | None:

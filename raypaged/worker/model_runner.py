@@ -645,8 +645,8 @@ class ModelRunner:
         tokens: list[SampledToken | None] = []
         failed: dict[str, RequestFailure] = {}
         for row, ((request_id, j), row_input) in enumerate(zip(rows, inputs)):
+            masked = request_id in grammar_ids
             try:
-                masked = request_id in grammar_ids
                 tokens.append(sample(logits[row : row + 1], [row_input], self.generator, self.logprobs_mode, masked)[0])
             except NoTokenLeft:
                 drafts = self.requests[request_id].spec_token_ids
@@ -654,7 +654,7 @@ class ModelRunner:
                 if any(token is not None and token.token_id != drafts[i] for i, token in enumerate(earlier)):
                     tokens.append(earlier[-1])  # after a rejected draft: a stand-in that is never read
                     continue
-                failed.setdefault(request_id, no_token_left(row_input, request_id in grammar_ids))
+                failed.setdefault(request_id, no_token_left(row_input, masked))
                 logger.info("request %s: %s", request_id, failed[request_id].message)
                 tokens.append(None)
             except Exception as exc:

@@ -173,6 +173,7 @@ class _GenerationBody(BaseModel):
     length_penalty: float = 1.0  # with use_beam_search: scores are cumulative logprob / length ** this
     request_id: RequestId | None = None
     include_stop_str_in_output: bool = False
+    add_special_tokens: bool = True  # (each API's default: its subclass's)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=_UINT32_MAX - 1)  # the prompt's last N (-1: the context)
     truncation_side: Literal["left", "right"] | None = None  # "right": truncate_prompt_tokens keeps the first N
     stream_interval: int | None = Field(None, ge=1, le=_UINT32_MAX)  # tokens per chunk, at least --stream-interval
@@ -340,12 +341,8 @@ class _GenerationBody(BaseModel):
         )
         if (prompt_logprobs := self.resolved_prompt_logprobs) is not None:
             request.prompt_logprobs = ALL_LOGPROBS if prompt_logprobs == -1 else prompt_logprobs
-        add_special_tokens = getattr(self, "add_special_tokens", None)
-        if (
-            add_special_tokens is not None
-            and add_special_tokens != type(self).model_fields["add_special_tokens"].default
-        ):
-            request.add_special_tokens = add_special_tokens  # (the defaults are the engine's: a text's, messages')
+        if self.add_special_tokens != type(self).model_fields["add_special_tokens"].default:
+            request.add_special_tokens = self.add_special_tokens  # (the defaults are the engine's: a text's, messages')
         if (truncate := self.truncate_prompt_tokens) is not None:
             request.truncate_prompt_tokens = WHOLE_CONTEXT if truncate == -1 else truncate
         if self.truncation_side is not None:
