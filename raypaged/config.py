@@ -54,6 +54,9 @@ _BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
 DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
+# a step's default token budget: a GPU's step stays short at 8192 tokens, a CPU's would take seconds, and every running
+# stream waits for it (on CPU the prefill GEMMs run at the same rate from a few hundred rows, so chunks cost nothing)
+DEFAULT_STEP_TOKENS = {"cuda": 8192, "cpu": 512}
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD")
 WAKE_TAGS = ("weights", "kv_cache")  # what sleep mode frees and wake_up(tags) brings back, in that order
 SLEEP_MODE_OFF = "sleep mode is off: start the engine with --enable-sleep-mode (LLM(enable_sleep_mode=True))"
@@ -275,7 +278,11 @@ class EngineConfig:
     )
     max_num_seqs: int = _flag(256, "most sequences in one batch", type=int)
     max_num_batched_tokens: int | None = _flag(
-        None, "token budget of one step (8k, 8K as --max-model-len)", type=human_int
+        None,
+        "token budget of one step (8k, 8K as --max-model-len); default 8192 on CUDA, 512 on CPU (a long prompt is "
+        "prefilled in chunks, so running streams wait at most one chunk's step), at least --max-num-seqs, and "
+        "max_model_len for a model that computes each prompt whole",
+        type=human_int,
     )
     long_prefill_token_threshold: int = _flag(
         0,
@@ -756,7 +763,8 @@ class EngineConfig:
         self.max_model_len = self._resolve_max_model_len()
         self._resolve_draft_model(spec)
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(8192, self.max_num_seqs)
+            whole = self.max_model_len if self.whole_prompts else 0
+            self.max_num_batched_tokens = max(DEFAULT_STEP_TOKENS[self.resolved_device], self.max_num_seqs, whole)
         if self.whole_prompts and self.max_num_batched_tokens < self.max_model_len:
             what = "an encoder" if self.encoder else "a model of bidirectional attention"
             raise ValueError(

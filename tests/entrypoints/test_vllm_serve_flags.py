@@ -75,6 +75,16 @@ def test_length_and_budget_flags_take_human_readable_integers(tiny_model_dir):
     assert config.kv_cache_memory_bytes == 2 * 2**20
 
 
+def test_the_step_budget_defaults_to_512_tokens_on_cpu_and_8192_on_cuda(tiny_model_dir):
+    """A step prefills at most the budget; on a CPU an 8192-token step took 7.6 s, and every stream waited it out."""
+    [config] = configs(str(tiny_model_dir), "--device", "cpu")
+    assert config.max_num_batched_tokens == 512
+    [config] = configs(str(tiny_model_dir), "--device", "cpu", "--max-num-seqs", "600")
+    assert config.max_num_batched_tokens == 600  # a step holds a token of every running sequence
+    [config] = configs(str(tiny_model_dir), "--device", "cuda")
+    assert config.max_num_batched_tokens == 8192
+
+
 @pytest.mark.parametrize(
     "argv",
     [

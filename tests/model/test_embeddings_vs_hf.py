@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModel
 
 from raypaged import LLM, PoolingParams, SamplingParams
+from raypaged.config import DEFAULT_STEP_TOKENS, EngineConfig
 from raypaged.pooling import resolve_pooler
 from tests.conftest import make_tiny_embedding_model, make_tiny_model
 
@@ -231,7 +232,7 @@ def embedding_gemma(root: Path, smollm2_dir: Path) -> Path:
     return path
 
 
-def test_embedding_gemma_attends_both_ways_and_runs_its_dense_projections(tmp_path_factory, smollm2_dir):
+def test_embedding_gemma_attends_both_ways_and_runs_its_dense_projections(tmp_path_factory, smollm2_dir, monkeypatch):
     """Bidirectional attention over whole prompts (the sliding layer's window on either side), mean pooling, the two
     Dense projections and the normalization: transformers' Gemma3TextModel and the modules' own weights, within
     2e-6; prompts are never cut (a budget of 64 tokens waits for room), and generation is refused."""
@@ -246,6 +247,10 @@ def test_embedding_gemma_attends_both_ways_and_runs_its_dense_projections(tmp_pa
         for weight in dense:
             vector = weight @ vector
         expected.append(torch.nn.functional.normalize(vector, dim=-1))
+    monkeypatch.setitem(DEFAULT_STEP_TOKENS, "cpu", 16)  # a prompt is computed whole: the budget holds the longest
+    default = EngineConfig(model=str(path), device="cpu")
+    assert default.max_num_batched_tokens == default.resolved_max_model_len == 512
+    monkeypatch.undo()
     llm = LLM(model=str(path), **{**OPTIONS, "max_num_batched_tokens": 64})
     try:
         assert llm.llm_engine.config.whole_prompts and not llm.llm_engine.config.enable_prefix_caching
