@@ -155,6 +155,15 @@ def many_prompts(num_prompts: int) -> Load:
     )
 
 
+def new_schema(i: int) -> dict:
+    """A JSON schema of integer properties, new with each request (nothing cached), as large as the gate allows: one
+    compile takes a core for seconds."""
+    properties: dict[str, dict] = {}
+    while len(json.dumps(properties)) < 0.9 * MAX_PROMPT_CHARS - 200:
+        properties[f"k{tag(i)}_{len(properties)}"] = {"type": "integer"}
+    return {"type": "object", "properties": properties}
+
+
 def build_loads(client: httpx.Client) -> tuple[list[Load], dict]:
     filler, prompt_tokens = longest_prompt(client)
     num_messages, chat_tokens, full_chat_tokens = longest_chat(client)
@@ -192,6 +201,17 @@ def build_loads(client: httpx.Client) -> tuple[list[Load], dict]:
         ),
         many_prompts(num_prompts),
         many_prompts(num_prompts // 4),
+        Load(
+            "new JSON schemas",
+            "/v1/completions",
+            lambda i: {
+                "prompt": f"{tag(i)} As JSON:",
+                "max_tokens": 8,
+                "temperature": 0,
+                "structured_outputs": {"json": new_schema(i)},
+            },
+            f"a new JSON schema of {len(new_schema(0)['properties'])} integer properties each request, max_tokens 8",
+        ),
         Load(
             "n=16",
             "/v1/completions",

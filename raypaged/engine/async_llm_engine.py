@@ -32,6 +32,7 @@ from raypaged.inputs.limits import InputError
 from raypaged.inputs.multimodal_input import MultiModalInput
 from raypaged.outputs import RequestOutput
 from raypaged.sampling_params import BeamSearchParams, SamplingParams
+from raypaged.structured.backend import COMPILE_SLOTS
 
 if TYPE_CHECKING:
     from raypaged.lora.request import LoRARequest
@@ -143,6 +144,7 @@ class AsyncLLMEngine:
         self._active: dict[str, _Stream] = {}
         self._stopping = False
         self.error: BaseException | None = None
+        self._grammar_threads = concurrent.futures.ThreadPoolExecutor(COMPILE_SLOTS, "raypaged-grammar")
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.config.served_model_name}", daemon=True)
         self._thread.start()
 
@@ -229,7 +231,7 @@ class AsyncLLMEngine:
         if beam is None and lora_request is None and prompt_embeds is None and _cheap(params, prompt_token_ids):
             processed = process()  # checks and a copy, under 0.1 ms: a thread hop would cost more under load
         else:
-            processed = await self._loop.run_in_executor(None, process)
+            processed = await self._loop.run_in_executor(self._executor(params, prompt, prompt_token_ids), process)
         if request_id in self._streams:  # taken while this one was processed
             raise ValueError(f"request_id {request_id!r} is already in use")
         num_seqs = beam.beam_width if beam is not None else params.num_samples
@@ -386,12 +388,24 @@ class AsyncLLMEngine:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()
 
+    def _executor(
+        self, params: SamplingParams, prompt: str | None, prompt_token_ids: list[int] | None
+    ) -> concurrent.futures.ThreadPoolExecutor | None:
+        """Where a request is processed: one whose grammar must be compiled on the grammar threads (its
+        compile may take minutes, and it must not hold a thread every other request's processing
+        needs), any other on the loop's default executor."""
+        structured = params.structured_outputs
+        if structured is None or self.engine.input_processor.grammar_is_cached(structured, prompt, prompt_token_ids):
+            return None
+        return self._grammar_threads
+
     def _abort_nowait(self, request_ids: list[str]) -> None:
         self._commands.put(_Abort(list(request_ids), concurrent.futures.Future()))
 
     def shutdown(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=30)
+        self._grammar_threads.shutdown(wait=False, cancel_futures=True)
 
     def _check_alive(self) -> None:
         if self.error is not None:

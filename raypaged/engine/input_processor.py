@@ -50,7 +50,7 @@ from raypaged.pooling_params import PoolingParams
 from raypaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from raypaged.structured.backend import PARAM as STRUCTURED_PARAM
 from raypaged.structured.backend import GrammarBackend
-from raypaged.structured.reasoning import closed_in
+from raypaged.structured.reasoning import ReasoningParser, closed_in
 from raypaged.structured.thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:
@@ -515,6 +515,19 @@ class InputProcessor:
         grammars are cached). With a reasoning parser the constraint applies after the output's
         reasoning section, unless the prompt closed that section itself."""
         check_text(STRUCTURED_PARAM, structured.num_chars, self.config.limits, self.config.resolved_max_model_len)
+        return self.grammars.compile(structured, self._reasoning(structured, prompt, prompt_token_ids))
+
+    def grammar_is_cached(
+        self, structured: StructuredOutputsParams, prompt: str | None = None, prompt_token_ids: list[int] | None = None
+    ) -> bool:
+        """Whether ``compile_grammar`` would find the grammar compiled (it then neither compiles nor waits)."""
+        return self.grammars.cached(structured, self._reasoning(structured, prompt, prompt_token_ids)) is not None
+
+    def _reasoning(
+        self, structured: StructuredOutputsParams, prompt: str | None, prompt_token_ids: list[int] | None
+    ) -> ReasoningParser | None:
+        """The reasoning section the constraint waits for: none where it applies in reasoning too, or where the
+        prompt closed that section itself."""
         reasoning = None if structured.in_reasoning else self.config.parsed_structured_outputs_config.reasoning
         if reasoning is not None:
             tail = (
@@ -523,8 +536,8 @@ class InputProcessor:
                 else self.tokenizer.decode((prompt_token_ids or [])[-16:])
             )
             if closed_in(tail, reasoning.end):
-                reasoning = None
-        return self.grammars.compile(structured, reasoning)
+                return None
+        return reasoning
 
     def check_lora(self, lora: LoRARequest) -> LoRARequest:
         """The adapter, read and checked against the model once per ``lora_int_id`` (``InputError``

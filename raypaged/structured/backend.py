@@ -3,12 +3,15 @@ fill the token bitmasks of a step.
 
 A compiled grammar is immutable and shared by every request with the same constraint; a
 matcher is one sequence's position in it (advanced with each sampled token). Compiling is
-thread-safe: servers compile off the engine thread, and the engine then finds it cached.
+thread-safe: servers compile off the engine thread, and the engine then finds it cached. At most
+``COMPILE_SLOTS`` grammars compile at once: a constraint can take a core for a minute (a JSON schema of a few
+thousand properties), and compiles on every core would slow every running stream.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: "
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 PARAM = "structured_outputs"
+COMPILE_SLOTS = max(1, min((os.cpu_count() or 1) // 2, 8))  # grammars compiling at once (as vLLM's compile pool)
 
 
 class GrammarBackend:
@@ -49,6 +53,7 @@ class GrammarBackend:
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None  # built on first use: most servers never need it
         self._lock = threading.Lock()
+        self._compiling = threading.BoundedSemaphore(COMPILE_SLOTS)
         self._cache: OrderedDict[tuple[str, ...], xgrammar.CompiledGrammar | GuidanceGrammar] = OrderedDict()
         self._guidance = Guidance(tokenizer, vocab_size, stop_token_ids)
 
@@ -77,29 +82,46 @@ class GrammarBackend:
         """The compiled grammar of ``params`` (from the cache when it was compiled before), behind
         ``reasoning``'s section when given; a constraint that does not compile raises
         ``InputError`` with the compiler's message."""
-        any_whitespace = not (
-            self.config.disable_any_whitespace
-            if params.disable_any_whitespace is None
-            else params.disable_any_whitespace
-        )
-        key = (params.kind, params.spec, str(any_whitespace), reasoning.name if reasoning else "")
-        with self._lock:
-            if (found := self._cache.get(key)) is not None:
-                self._cache.move_to_end(key)
+        if (found := self.cached(params, reasoning)) is not None:
+            return found
+        any_whitespace = self._any_whitespace(params)
+        with self._compiling:
+            if (found := self.cached(params, reasoning)) is not None:  # compiled while this one waited
                 return found
-        if self._uses_guidance(params, reasoning):
-            compiled = self._guidance.compile(params, any_whitespace, self.config.max_whitespace)
-        else:
-            grammar = self._grammar(params, any_whitespace, self.config.max_whitespace)
-            compiled = self._xgr_compiler().compile_grammar(
-                grammar if reasoning is None else reasoning.after_section(grammar)
-            )
-        self._check_can_start(compiled, params.kind)
+            if self._uses_guidance(params, reasoning):
+                compiled = self._guidance.compile(params, any_whitespace, self.config.max_whitespace)
+            else:
+                grammar = self._grammar(params, any_whitespace, self.config.max_whitespace)
+                compiled = self._xgr_compiler().compile_grammar(
+                    grammar if reasoning is None else reasoning.after_section(grammar)
+                )
+            self._check_can_start(compiled, params.kind)
+        key = self._key(params, reasoning)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self.config.cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def cached(
+        self, params: StructuredOutputsParams, reasoning: ReasoningParser | None = None
+    ) -> xgrammar.CompiledGrammar | GuidanceGrammar | None:
+        """``compile``'s grammar when it is cached, else ``None``; never waits for a compile."""
+        key = self._key(params, reasoning)
+        with self._lock:
+            if (found := self._cache.get(key)) is not None:
+                self._cache.move_to_end(key)
+            return found
+
+    def _any_whitespace(self, params: StructuredOutputsParams) -> bool:
+        return not (
+            self.config.disable_any_whitespace
+            if params.disable_any_whitespace is None
+            else params.disable_any_whitespace
+        )
+
+    def _key(self, params: StructuredOutputsParams, reasoning: ReasoningParser | None) -> tuple[str, ...]:
+        return (params.kind, params.spec, str(self._any_whitespace(params)), reasoning.name if reasoning else "")
 
     @staticmethod
     def _grammar(params: StructuredOutputsParams, any_whitespace: bool, max_whitespace: int | None) -> xgrammar.Grammar:

@@ -4,13 +4,14 @@ a failing metrics observer never stops the engine."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
 
 from raypaged.engine.async_llm_engine import AsyncLLMEngine
 from raypaged.engine.llm_engine import LLMEngine
-from raypaged.sampling_params import SamplingParams
+from raypaged.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.serving.conftest import tiny_config
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -134,3 +135,56 @@ def test_an_embedding_aborted_before_it_finishes_raises_aborted(tmp_path, smollm
             engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_grammars_waiting_to_compile_hold_no_thread_other_requests_need(tiny_model_dir, monkeypatch):
+    """More requests with new grammars than the loop's executor has threads, the first compile held: text prompts
+    and a request whose grammar is compiled already go on meanwhile, and every held request then completes."""
+    engine_core = LLMEngine(tiny_config(tiny_model_dir, "tiny", max_num_seqs=64))
+    grammars = engine_core.input_processor.grammars
+    compiling, release = threading.Event(), threading.Event()
+    real_grammar = grammars._grammar
+
+    def held(params, *args):
+        if params.spec.startswith("[0-9]"):
+            compiling.set()
+            release.wait(30)
+        return real_grammar(params, *args)
+
+    monkeypatch.setattr(grammars, "_grammar", held)
+    constrained = [
+        SamplingParams(
+            temperature=0, max_tokens=n + 1, structured_outputs=StructuredOutputsParams(regex=f"[0-9]{{{n}}}")
+        )
+        for n in range(1, min(32, (os.cpu_count() or 1) + 4) + 3)  # past the default executor's threads
+    ]
+    compiled = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+
+    async def text(engine: AsyncLLMEngine, prompt: str, params: SamplingParams) -> str:
+        outputs = [o async for o in engine.generate(prompt, params)]
+        return outputs[-1].outputs[0].text
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        engine = AsyncLLMEngine(engine_core)
+        try:
+            await text(engine, "warm", compiled)
+            waiting = [asyncio.ensure_future(text(engine, f"digits {n}", p)) for n, p in enumerate(constrained)]
+            await asyncio.get_running_loop().run_in_executor(None, compiling.wait, 10)
+            await asyncio.sleep(0.2)  # every constrained request is in its executor's queue
+            others = await asyncio.wait_for(
+                asyncio.gather(
+                    *(text(engine, f"a text prompt {i}", SamplingParams(max_tokens=3)) for i in range(8)),
+                    text(engine, "again", compiled),
+                ),
+                timeout=30,
+            )
+            assert not any(task.done() for task in waiting)
+            release.set()
+            return others, await asyncio.wait_for(asyncio.gather(*waiting), timeout=60)
+        finally:
+            release.set()
+            engine.shutdown()
+
+    others, digits = asyncio.run(scenario())
+    assert len(others) == 9 and others[-1].isalpha()
+    assert [len(d) for d in digits] == list(range(1, len(constrained) + 1)) and all(d.isdigit() for d in digits)

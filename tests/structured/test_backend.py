@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from raypaged.sampling_params import StructuredOutputsParams
+from raypaged.structured import backend as backend_module
 from raypaged.structured.backend import GrammarBackend
 from raypaged.structured.config import StructuredOutputsConfig
 from raypaged.structured.guidance import GuidanceGrammar, unenforced_keyword
@@ -257,3 +260,44 @@ def test_the_guidance_backend_takes_json_regex_and_choice(smollm2_dir):
         + "$",
     ):
         guidance.compile(StructuredOutputsParams(grammar='root ::= "a"'))
+
+
+def test_cached_never_compiles_and_finds_what_compile_made(backend):
+    params = StructuredOutputsParams(regex="[0-9]{3}-[a-z]")
+    assert backend.cached(params) is None
+    assert backend.cached(params) is None  # asking compiles nothing
+    compiled = backend.compile(params)
+    assert backend.cached(params) is compiled
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_at_most_compile_slots_grammars_compile_at_once(smollm2_dir, monkeypatch, slots):
+    """A grammar can take a core for a minute: compiles beyond the slots wait, so they never take every core."""
+    monkeypatch.setattr(backend_module, "COMPILE_SLOTS", slots)
+    grammars = GrammarBackend(AutoTokenizer.from_pretrained(smollm2_dir), 49152, [2], StructuredOutputsConfig())
+    inside, most = [0], [0]
+    lock = threading.Lock()
+    together = threading.Barrier(slots, timeout=10)  # the slots fill up before any compile ends
+    real = grammars._check_can_start
+
+    def compiling(compiled, kind):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        together.wait()
+        time.sleep(0.1)  # room for a compile past the slots to come in
+        with lock:
+            inside[0] -= 1
+        real(compiled, kind)
+
+    monkeypatch.setattr(grammars, "_check_can_start", compiling)
+    threads = [
+        threading.Thread(target=grammars.compile, args=(StructuredOutputsParams(regex=f"[a-z]{{{n}}}"),))
+        for n in range(1, 5)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert most[0] == slots
+    assert all(grammars.cached(StructuredOutputsParams(regex=f"[a-z]{{{n}}}")) is not None for n in range(1, 5))
