@@ -231,7 +231,7 @@ class AsyncLLMEngine:
         if beam is None and lora_request is None and prompt_embeds is None and _cheap(params, prompt_token_ids):
             processed = process()  # checks and a copy, under 0.1 ms: a thread hop would cost more under load
         else:
-            processed = await self._loop.run_in_executor(self._executor(params, prompt, prompt_token_ids), process)
+            processed = await self._loop.run_in_executor(self.executor_for(params, prompt, prompt_token_ids), process)
         if request_id in self._streams:  # taken while this one was processed
             raise ValueError(f"request_id {request_id!r} is already in use")
         num_seqs = beam.beam_width if beam is not None else params.num_samples
@@ -388,7 +388,7 @@ class AsyncLLMEngine:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()
 
-    def _executor(
+    def executor_for(
         self, params: SamplingParams, prompt: str | None, prompt_token_ids: list[int] | None
     ) -> concurrent.futures.ThreadPoolExecutor | None:
         """Where a request is processed: one whose grammar must be compiled on the grammar threads (its

@@ -415,7 +415,8 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
             self._cache_salt(gate, request.cache_salt),
             lora,
         )
-        return model, await asyncio.get_running_loop().run_in_executor(None, process)
+        executor = model.engine.executor_for(params, text, token_ids)
+        return model, await asyncio.get_running_loop().run_in_executor(executor, process)
 
     async def Derender(self, request: pb.DerenderRequest, context: grpc.aio.ServicerContext) -> pb.DerenderResponse:
         """Generate's responses for tokens it generated, made again (``derender.py``): the request checked as
