@@ -117,7 +117,7 @@ def split_chat_images(conversation: list[dict[str, Any]], placeholder: str) -> t
             else:
                 raise ValueError(f"content parts of type {kind!r} are not supported: text and images only")
         images += found
-        rendered.append({**message, "content": "\n".join([placeholder] * len(found) + ["".join(texts)])})
+        rendered.append({**message, "content": "\n".join([placeholder] * len(found) + ["\n".join(texts)])})
     return rendered, images
 
 

@@ -23,7 +23,7 @@ def chat_prompt_ids(inputs: InputProcessor, messages: pb.ChatMessages, add_speci
 
 
 def has_images(messages: pb.ChatMessages) -> bool:
-    return any(m.image_urls for m in messages.messages)
+    return any(m.image_urls or any(p.WhichOneof("part") == "image_url" for p in m.parts) for m in messages.messages)
 
 
 def chat_prompt_with_images(inputs: InputProcessor, messages: pb.ChatMessages) -> tuple[str, list[str]]:
@@ -48,6 +48,7 @@ def conversation_chars(messages: pb.ChatMessages) -> int:
     turns = sum(
         len(m.role)
         + len(m.content)
+        + sum(len(p.text) for p in m.parts)
         + len(m.name)
         + len(m.tool_call_id)
         + sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls)
@@ -59,7 +60,11 @@ def conversation_chars(messages: pb.ChatMessages) -> int:
 
 def _turn(message: pb.ChatMessage) -> dict[str, Any]:
     turn: dict[str, Any] = {"role": message.role, "content": message.content if message.HasField("content") else None}
-    if message.image_urls:  # content parts, as the chat API's: the images, then the text
+    if message.parts:
+        if message.HasField("content") or message.image_urls:
+            raise InputError("messages", "a message's parts are its whole content: send no content or image_urls")
+        turn["content"] = [_part(p) for p in message.parts]
+    elif message.image_urls:  # content parts, as the chat API's: the images, then the text
         images = [{"type": "image_url", "image_url": {"url": url}} for url in message.image_urls]
         turn["content"] = [*images, {"type": "text", "text": turn["content"] or ""}]
     if message.name:
@@ -76,6 +81,15 @@ def _turn(message: pb.ChatMessage) -> dict[str, Any]:
             for c in message.tool_calls
         ]
     return turn
+
+
+def _part(part: pb.ContentPart) -> dict[str, Any]:
+    kind = part.WhichOneof("part")
+    if kind == "text":
+        return {"type": "text", "text": part.text}
+    if kind == "image_url" and part.image_url:
+        return {"type": "image_url", "image_url": {"url": part.image_url}}
+    raise InputError("messages", "a content part is a text or an image_url (a non-empty URL)")
 
 
 def _json(text: str, param: str, kind: type, empty: Any) -> Any:

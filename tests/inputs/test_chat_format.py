@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raypaged.inputs.chat_format import resolve_content_format, with_content_format
+from raypaged.multimodal import split_chat_images
 
 LOOPS = [
     "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}",
@@ -48,3 +49,28 @@ def test_each_format_shapes_every_turn_and_keeps_the_rest():
         {"role": "assistant", "content": [], "tool_calls": [{"id": "c"}]},
         {"role": "user", "content": [{"type": "text", "text": "c"}], "name": "ann"},
     ]
+
+
+def test_a_message_with_images_reads_one_placeholder_line_per_image_then_its_texts_by_lines():
+    """vLLM's string format for an image-text model: the images' placeholders, each on its line, before the texts
+    joined by newlines (a message of images alone ends in an empty line); images come out in order."""
+    turns = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image_url", "image_url": {"url": "data:1"}},
+                {"type": "text", "text": "b"},
+                {"type": "image_url", "image_url": "data:2"},
+            ],
+        },
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:3"}}]},
+        {"role": "assistant", "content": "c"},
+    ]
+    rendered, images = split_chat_images(turns, "<image>")
+    assert rendered == [
+        {"role": "user", "content": "<image>\n<image>\na\nb"},
+        {"role": "user", "content": "<image>\n"},
+        turns[2],
+    ]
+    assert images == ["data:1", "data:2", "data:3"]

@@ -673,3 +673,46 @@ def test_invocations_answers_a_chat_or_a_completion_by_its_body(http):
     )
     broken = http.post("/invocations", content=b"{", headers={"Content-Type": "application/json"})
     assert broken.status_code == 400 and broken.json()["error"]["message"].startswith("request body is not valid JSON")
+
+
+PARTS = (
+    "{% for m in messages %}[{{ m.role }}]{% for p in m['content'] %}({{ p.type }}:{{ p.text }}){% endfor %}"
+    "{% endfor %}"
+)
+WHOLE = "{% for m in messages %}[{{ m.role }}]{{ m['content'] }}{% endfor %}"
+
+
+def test_content_parts_reach_the_template_in_order_or_joined_by_newlines(http, stack):
+    """A message's parts cross the gRPC wire as parts (``ChatMessage.parts``): a template that loops over them gets
+    each (vLLM's openai content format), one that reads the content whole gets the texts joined by newlines (its
+    string format), over HTTP and gRPC alike."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b c"}]
+    messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": "d"}]
+
+    def rendered(template: str) -> list[int]:
+        answer = http.post("/tokenize", json={"model": "tiny", "messages": messages, "chat_template": template})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["tokens"]
+
+    def text(prompt: str) -> list[int]:
+        return http.post("/tokenize", json={"model": "tiny", "prompt": prompt, "add_special_tokens": False}).json()[
+            "tokens"
+        ]
+
+    assert rendered(PARTS) == text("[user](text:a)(text:b c)[assistant](text:d)")
+    assert rendered(WHOLE) == text("[user]a\nb c[assistant]d")
+    conversation = pb.ChatMessages(
+        messages=[
+            pb.ChatMessage(role="user", parts=[pb.ContentPart(text="a"), pb.ContentPart(text="b c")]),
+            pb.ChatMessage(role="assistant", content="d"),
+        ],
+        chat_template=WHOLE,
+    )
+    stub = stack.grpc_stub()
+    tokenized = stub.Tokenize(pb.TokenizeRequest(model="tiny", messages=conversation), timeout=60)
+    assert list(tokenized.token_ids) == text("[user]a\nb c[assistant]d")
+    conversation.messages[0].content = "a"
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Tokenize(pb.TokenizeRequest(model="tiny", messages=conversation), timeout=60)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == "a message's parts are its whole content: send no content or image_urls"

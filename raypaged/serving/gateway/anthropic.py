@@ -401,8 +401,12 @@ def _result_parts(result: ToolResultBlock) -> str | list[dict[str, str]]:
     content = _text_parts(result.content)
     if not result.is_error:
         return content
-    error = [{"type": "text", "text": "Error: "}]
-    return error + (content if isinstance(content, list) else [{"type": "text", "text": content}])
+    if isinstance(content, str):  # the error's text opens the result's first text
+        return "Error: " + content
+    if not content:
+        return "Error: "
+    first, *rest = content
+    return [{**first, "text": "Error: " + first["text"]}, *rest]
 
 
 def _chat_call(block: ToolUseBlock) -> dict[str, Any]:

@@ -82,7 +82,8 @@ def affinity_key(request: pb.GenerateRequest) -> bytes | None:
     if kind == "messages":
         head = []
         for message in request.messages.messages:
-            head.append((message.role, message.content, tuple(message.image_urls)))
+            parts = tuple((p.text, p.image_url) for p in message.parts)
+            head.append((message.role, message.content, tuple(message.image_urls), parts))
             if message.role == "user":
                 break
         return repr((request.model, head)).encode()

@@ -523,10 +523,14 @@ class ChatMessage(BaseModel):
                 for c in self.tool_calls or ()
             ],
         )
-        if self.content is not None or not self.tool_calls:  # none at all: an assistant turn that only calls tools
-            message.content = self.text()
-        if isinstance(self.content, list):
-            message.image_urls.extend(p.url() for p in self.content if p.type == "image_url")
+        if isinstance(self.content, list):  # the parts in order: the engine renders them in the template's format
+            self._check_part_types()
+            message.parts.extend(
+                pb.ContentPart(text=p.text or "") if p.type == "text" else pb.ContentPart(image_url=p.url())
+                for p in self.content
+            )
+        elif self.content is not None or not self.tool_calls:  # none at all: an assistant turn only calling tools
+            message.content = self.content or ""
         return message
 
     @model_validator(mode="after")
@@ -539,14 +543,19 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
+        """The content as text: its text parts joined by newlines (vLLM's ``string`` content format)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
+        self._check_part_types()
+        return "\n".join(p.text or "" for p in self.content if p.type == "text")
+
+    def _check_part_types(self) -> None:
+        assert isinstance(self.content, list)
         unsupported = [p.type for p in self.content if p.type not in ("text", "image_url")]
         if unsupported:
             raise APIError(
                 400, f"only text and image_url content parts are supported, got {unsupported[0]!r}", "messages"
             )
-        return "".join(p.text or "" for p in self.content if p.type == "text")
 
 
 class ChatCompletionRequest(_GenerationBody):
