@@ -130,7 +130,7 @@ def test_input_items_become_chat_messages():
     ]
     assert input_messages(items) == [
         {"role": "system", "content": "Be terse."},
-        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
         {
             "role": "assistant",
             "content": None,
@@ -141,7 +141,7 @@ def test_input_items_become_chat_messages():
         },
         {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
         {"role": "tool", "tool_call_id": "c2", "content": "Noon"},
-        {"role": "assistant", "content": "Sunny at noon."},
+        {"role": "assistant", "content": [{"type": "text", "text": "Sunny at noon."}]},
     ]
 
 

@@ -187,11 +187,10 @@ def _required(item: dict[str, Any], name: str, index: int) -> str:
 
 
 def _content_of(content: Any, index: int) -> str | list[dict[str, Any]]:
-    """A message's content for the chat API: its text, or its text and ``input_image`` parts (``image_url`` parts of
-    the chat API, for an image-text model) when it has images."""
-    if not isinstance(content, list) or not any(
-        isinstance(p, dict) and p.get("type") == "input_image" for p in content
-    ):
+    """A message's content for the chat API: a string as it is, a list as the chat API's parts in order (its texts,
+    and its ``input_image`` parts as ``image_url`` parts for an image-text model), which the chat template reads as
+    any chat message's."""
+    if not isinstance(content, list):
         return _text_of(content, index)
     parts: list[dict[str, Any]] = []
     for part in content:
