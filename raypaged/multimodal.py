@@ -89,11 +89,15 @@ def image_cache_salt(salt: str | None, images: ImageInputs) -> str:
 IMAGE_PART_TYPES = ("image_url", "image_pil")  # a chat message's image content parts (OpenAI's; vLLM's offline PIL)
 
 
-def split_chat_images(conversation: list[dict[str, Any]], placeholder: str) -> tuple[list[dict[str, Any]], list[Any]]:
+def split_chat_images(
+    conversation: list[dict[str, Any]], placeholder: str, as_parts: bool = False
+) -> tuple[list[dict[str, Any]], list[Any]]:
     """A conversation's images taken out of its messages' content parts, in order (each an image URL, or a PIL
-    image from ``image_pil``), and the conversation for the chat template: a message with images becomes its text
-    after one ``placeholder`` line per image, as vLLM renders content for the ``string`` format. Messages without
-    images are left as they are; a part of any other type is refused by name."""
+    image from ``image_pil``), and the conversation for the chat template, as vLLM renders its content formats:
+    for ``string``, a message with images becomes its text after one ``placeholder`` line per image (its texts
+    joined by newlines); ``as_parts`` (``openai``), each image becomes an ``{"type": "image"}`` part where it
+    stands, for the template to write the model's image tokens there. Messages without images are left as they
+    are; a part of any other type is refused by name."""
     images: list[Any] = []
     rendered = []
     for message in conversation:
@@ -101,12 +105,14 @@ def split_chat_images(conversation: list[dict[str, Any]], placeholder: str) -> t
         if not _has_images(content):
             rendered.append(message)
             continue
-        texts, found = [], []
+        texts, found, parts = [], [], []
         for part in content:
             kind = _part_type(part)
             if kind == "text":
                 texts.append(part.get("text") or "")
-            elif kind == "image_url":
+                parts.append(part)
+                continue
+            if kind == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url:
@@ -116,8 +122,10 @@ def split_chat_images(conversation: list[dict[str, Any]], placeholder: str) -> t
                 found.append(part.get("image_pil"))
             else:
                 raise ValueError(f"content parts of type {kind!r} are not supported: text and images only")
+            parts.append({"type": "image"})
         images += found
-        rendered.append({**message, "content": "\n".join([placeholder] * len(found) + ["\n".join(texts)])})
+        text = "\n".join([placeholder] * len(found) + ["\n".join(texts)])
+        rendered.append({**message, "content": parts if as_parts else text})
     return rendered, images
 
 

@@ -22,7 +22,7 @@ import torch
 from raypaged.config import EngineConfig, check_processor_kwargs
 from raypaged.core.beam_search import BeamSearchParams
 from raypaged.engine.core import EngineCoreRequest
-from raypaged.inputs.chat_template import render_chat, render_chat_text
+from raypaged.inputs.chat_template import content_format_of, render_chat, render_chat_text
 from raypaged.inputs.limits import (
     InputError,
     check_context,
@@ -148,12 +148,16 @@ class InputProcessor:
         return render_chat(self.tokenizer, conversation, self.config, **options)
 
     def chat_with_images(self, conversation: list[dict[str, Any]], **options: Any) -> tuple[str, list[Any]]:
-        """A conversation with image content parts: its text rendered with the chat template (each message's images
-        as placeholder lines before its text) and its images in order, URLs or PIL images, for ``process``."""
+        """A conversation with image content parts: its text rendered with the chat template and its images in order,
+        URLs or PIL images, for ``process``. A template that loops over a message's parts (the ``openai`` content
+        format) gets each image as an ``{"type": "image"}`` part where it stands and writes the image tokens itself;
+        one that reads content whole (``string``) gets each image as a placeholder line before the message's text."""
         if self.config.image_hf_config is None:
             raise InputError("messages", f"the model {self.config.served_model_names[0]} reads text only (no images)")
+        template, content_format = options.get("chat_template"), options.get("content_format")
+        as_parts = content_format_of(self.tokenizer, self.config, template, content_format) == "openai"
         try:
-            conversation, images = split_chat_images(conversation, self._image_placeholder())
+            conversation, images = split_chat_images(conversation, self._image_placeholder(), as_parts)
         except ValueError as exc:
             raise InputError("messages", str(exc)) from None
         return render_chat_text(self.tokenizer, conversation, self.config, **options), images

@@ -56,6 +56,21 @@ def render_chat_text(tokenizer: PreTrainedTokenizerBase, *args: Any, **kwargs: A
     return tokenizer.decode(found) if isinstance(found, list) else found
 
 
+def content_format_of(
+    tokenizer: PreTrainedTokenizerBase,
+    config: EngineConfig,
+    chat_template: str | None = None,
+    content_format: str | None = None,
+) -> str:
+    """``string`` or ``openai``: how turns reach ``chat_template`` (a request's own; else the server's or the
+    tokenizer's), by ``content_format`` over ``--chat-template-content-format``."""
+    template = chat_template if chat_template is not None else config.chat_template_text
+    source = template if template is not None else tokenizer.chat_template
+    return resolve_content_format(
+        content_format or config.chat_template_content_format, source if isinstance(source, str) else None
+    )
+
+
 def rendered(
     tokenizer: PreTrainedTokenizerBase,
     conversation: list[dict[str, Any]],
@@ -119,11 +134,7 @@ def rendered(
     # each turn's content as the template reads it (``content_format`` over --chat-template-content-format), as
     # vLLM renders it: a turn without content (an assistant's tool calls) gets "" or no part, never a None that
     # transformers would drop (and a template reading message['content'] fail on)
-    source = template if template is not None else tokenizer.chat_template
-    found = resolve_content_format(
-        content_format or config.chat_template_content_format, source if isinstance(source, str) else None
-    )
-    conversation = with_content_format(conversation, found)
+    conversation = with_content_format(conversation, content_format_of(tokenizer, config, template, content_format))
     try:
         text = tokenizer.apply_chat_template(
             conversation,

@@ -139,17 +139,24 @@ def check_chat_with_image_parts(
     process: Callable[[str, list[Image.Image]], Mapping[str, Any]],
     params: SamplingParams,
     block_size: int,
+    chat_template: str | None = None,
 ) -> None:
     """``LLM.chat`` of a user message of text, then ``images`` as image parts, on an LLM (64 blocks of ``block_size``,
     128 tokens a sequence): its prompt is the chat template's of the string content of a ``placeholder`` line an
     image before the text, as ``process`` (the model's processing of a text, special tokens not added, and its images)
-    makes it, and its tokens transformers' greedy ones after that."""
+    makes it, and its tokens transformers' greedy ones after that. A ``chat_template`` that loops over a message's
+    parts gets the parts instead, each image an ``{"type": "image"}`` part where it stands (vLLM's ``openai``
+    content format), and writes the image tokens itself."""
     content = [{"type": "text", "text": "Compare these"}, *({"type": "image_pil", "image_pil": i} for i in images)]
     with serving(model_dir, num_gpu_blocks_override=64, block_size=block_size, max_model_len=128) as llm:
-        [out] = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)
+        [out] = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False, chat_template=chat_template)
     lines = "".join(f"{placeholder}\n" for _ in images)
+    parts = [{"type": "text", "text": "Compare these"}, *({"type": "image"} for _ in images)]
     text = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
-        [{"role": "user", "content": f"{lines}Compare these"}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": f"{lines}Compare these" if chat_template is None else parts}],
+        chat_template=chat_template,
+        tokenize=False,
+        add_generation_prompt=True,
     )
     inputs = process(text, images)
     assert out.prompt_token_ids == inputs["input_ids"][0].tolist()

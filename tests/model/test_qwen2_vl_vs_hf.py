@@ -147,6 +147,27 @@ def test_chat_with_image_parts(model_dir, hf):
     check_chat_with_image_parts(model_dir, hf, PROMPTS[1][1], IMAGE, process, GREEDY, block_size=8)
 
 
+# Qwen2-VL's own template, in short: it loops over a message's parts and writes each image's vision tokens in place
+QWEN_PARTS = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_loops_over_parts_writes_the_images_where_they_stand(model_dir, hf):
+    """vLLM's openai content format (auto, for a template that loops over parts): the text, then the image's vision
+    tokens as the template writes them, with no placeholder line; tokens equal transformers'."""
+    processor = hf_processor(model_dir)
+
+    def process(text, images):
+        return processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+
+    check_chat_with_image_parts(model_dir, hf, PROMPTS[1][1], IMAGE, process, GREEDY, 8, chat_template=QWEN_PARTS)
+
+
 @pytest.mark.parametrize(
     "prompt, message",
     [
