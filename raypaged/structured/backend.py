@@ -88,13 +88,16 @@ class GrammarBackend:
         with self._compiling:
             if (found := self.cached(params, reasoning)) is not None:  # compiled while this one waited
                 return found
-            if self._uses_guidance(params, reasoning):
-                compiled = self._guidance.compile(params, any_whitespace, self.config.max_whitespace)
-            else:
-                grammar = self._grammar(params, any_whitespace, self.config.max_whitespace)
-                compiled = self._xgr_compiler().compile_grammar(
-                    grammar if reasoning is None else reasoning.after_section(grammar)
-                )
+            try:
+                if self._uses_guidance(params, reasoning):
+                    compiled = self._guidance.compile(params, any_whitespace, self.config.max_whitespace)
+                else:
+                    grammar = self._grammar(params, any_whitespace, self.config.max_whitespace)
+                    compiled = self._xgr_compiler().compile_grammar(
+                        grammar if reasoning is None else reasoning.after_section(grammar)
+                    )
+            except RecursionError:  # a JSON text nested past what the parsers recurse through
+                raise InputError(PARAM, f"structured outputs: the {params.kind} constraint nests too deeply") from None
             self._check_can_start(compiled, params.kind)
         key = self._key(params, reasoning)
         with self._lock:
@@ -148,7 +151,7 @@ class GrammarBackend:
             _check_json(spec, "structural_tag")
             return xgr.Grammar.from_structural_tag(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
-            if isinstance(exc, InputError):
+            if isinstance(exc, (InputError, RecursionError)):
                 raise
             message = _LOCATION.sub("", str(exc).strip())
             raise InputError(PARAM, f"structured outputs: the {kind} constraint does not compile: {message}") from None

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from raypaged import LLM, SamplingParams
+from raypaged.sampling_params import StructuredOutputsParams
 from raypaged.serving.proto import generate_pb2 as pb
 from tests.engine.test_isolation import fail_stop_matching
 from tests.reliability.conftest import assert_openai_error
@@ -55,6 +56,9 @@ def grpc_request(fields: dict[str, Any]) -> pb.GenerateRequest:
     if not any(k in fields for k in ("text", "token_ids", "messages")):
         fields["text"] = "hello"
     return pb.GenerateRequest(sampling=sampling, stopping=stopping, **fields)
+
+
+DEEP_JSON = "[" * 1000 + "]" * 1000  # within the characters a structured output may have, past the parsers' recursion
 
 
 def _stop_strings(count: int) -> list[str]:
@@ -167,6 +171,14 @@ CASES = [
         400,
         f"tokens has 2000000 ids, more than the limit of {MAX_MODEL_LEN} (--max-model-len)",
         path="/detokenize",
+    ),
+    Case(
+        "a JSON schema text nested 1,000 deep",
+        {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"json": DEEP_JSON}},
+        400,
+        "structured outputs: the json constraint nests too deeply",
+        grpc_fields={"structured": pb.StructuredOutput(json_schema=DEEP_JSON)},
+        params={"structured_outputs": StructuredOutputsParams(json=DEEP_JSON)},
     ),
     Case("deeply nested JSON", b"[" * 100_000, 400, "request body is not valid JSON: it nests too deeply"),
     Case(
