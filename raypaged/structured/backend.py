@@ -53,12 +53,13 @@ class GrammarBackend:
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None  # built on first use: most servers never need it
         self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()
         self._compiling = threading.BoundedSemaphore(COMPILE_SLOTS)
         self._cache: OrderedDict[tuple[str, ...], xgrammar.CompiledGrammar | GuidanceGrammar] = OrderedDict()
         self._guidance = Guidance(tokenizer, vocab_size, stop_token_ids)
 
     def _xgr_compiler(self) -> xgrammar.GrammarCompiler:
-        with self._lock:
+        with self._compiler_lock:  # not the cache's lock: building it takes a while, and cache lookups never wait
             if self._compiler is None:
                 import xgrammar as xgr
 
