@@ -154,12 +154,15 @@ class InputProcessor:
         one that reads content whole (``string``) gets each image as a placeholder line before the message's text."""
         if self.config.image_hf_config is None:
             raise InputError("messages", f"the model {self.config.served_model_names[0]} reads text only (no images)")
-        template, content_format = options.get("chat_template"), options.get("content_format")
-        as_parts = content_format_of(self.tokenizer, self.config, template, content_format) == "openai"
+        content_format = content_format_of(
+            self.tokenizer, self.config, options.get("chat_template"), options.get("content_format")
+        )
+        as_parts = content_format == "openai"
         try:
             conversation, images = split_chat_images(conversation, self._image_placeholder(), as_parts)
         except ValueError as exc:
             raise InputError("messages", str(exc)) from None
+        options = {**options, "content_format": content_format}  # the template renders what was split for it
         return render_chat_text(self.tokenizer, conversation, self.config, **options), images
 
     @property

@@ -83,11 +83,12 @@ class GrammarBackend:
         """The compiled grammar of ``params`` (from the cache when it was compiled before), behind
         ``reasoning``'s section when given; a constraint that does not compile raises
         ``InputError`` with the compiler's message."""
-        if (found := self.cached(params, reasoning)) is not None:
+        key = self._key(params, reasoning)
+        if (found := self._lookup(key)) is not None:
             return found
         any_whitespace = self._any_whitespace(params)
         with self._compiling:
-            if (found := self.cached(params, reasoning)) is not None:  # compiled while this one waited
+            if (found := self._lookup(key)) is not None:  # compiled while this one waited
                 return found
             try:
                 if self._uses_guidance(params, reasoning):
@@ -100,7 +101,6 @@ class GrammarBackend:
             except RecursionError:  # a JSON text nested past what the parsers recurse through
                 raise InputError(PARAM, f"structured outputs: the {params.kind} constraint nests too deeply") from None
             self._check_can_start(compiled, params.kind)
-        key = self._key(params, reasoning)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self.config.cache_size:
@@ -111,7 +111,9 @@ class GrammarBackend:
         self, params: StructuredOutputsParams, reasoning: ReasoningParser | None = None
     ) -> xgrammar.CompiledGrammar | GuidanceGrammar | None:
         """``compile``'s grammar when it is cached, else ``None``; never waits for a compile."""
-        key = self._key(params, reasoning)
+        return self._lookup(self._key(params, reasoning))
+
+    def _lookup(self, key: tuple[str, ...]) -> xgrammar.CompiledGrammar | GuidanceGrammar | None:
         with self._lock:
             if (found := self._cache.get(key)) is not None:
                 self._cache.move_to_end(key)
