@@ -518,7 +518,7 @@ class EngineConfig:
     # --guided-decoding-backend and --reasoning-parser into it)
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] = _flag(
         help='structured outputs as vLLM\'s: \'{"backend": "xgrammar", "disable_any_whitespace": true, '
-        '"max_whitespace": 4, "cache_size": 256}\' (backend xgrammar or auto)',
+        '"max_whitespace": 4, "cache_size": 256, "cache_mb": 512}\' (backend xgrammar or auto)',
         default_factory=StructuredOutputsConfig,
         metavar="JSON",
     )

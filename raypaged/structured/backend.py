@@ -36,6 +36,13 @@ PARAM = "structured_outputs"
 COMPILE_SLOTS = max(1, min((os.cpu_count() or 1) // 2, 8))  # grammars compiling at once (as vLLM's compile pool)
 
 
+def grammar_bytes(compiled: xgrammar.CompiledGrammar | GuidanceGrammar) -> int:
+    """The memory a compiled grammar takes: xgrammar's own count, or a guidance grammar's text."""
+    if isinstance(compiled, GuidanceGrammar):
+        return len(compiled.grammar)
+    return int(compiled.memory_size_bytes)
+
+
 class GrammarBackend:
     """One model's grammar compiler. ``stop_token_ids`` are the ids that end generation: the
     grammar allows them exactly where its output is complete."""
@@ -56,6 +63,7 @@ class GrammarBackend:
         self._compiler_lock = threading.Lock()
         self._compiling = threading.BoundedSemaphore(COMPILE_SLOTS)
         self._cache: OrderedDict[tuple[str, ...], xgrammar.CompiledGrammar | GuidanceGrammar] = OrderedDict()
+        self._cache_bytes = 0  # what the cached grammars take, by ``grammar_bytes``
         self._guidance = Guidance(tokenizer, vocab_size, stop_token_ids)
 
     def _xgr_compiler(self) -> xgrammar.GrammarCompiler:
@@ -101,11 +109,20 @@ class GrammarBackend:
             except RecursionError:  # a JSON text nested past what the parsers recurse through
                 raise InputError(PARAM, f"structured outputs: the {params.kind} constraint nests too deeply") from None
             self._check_can_start(compiled, params.kind)
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self.config.cache_size:
-                self._cache.popitem(last=False)
+        self._keep(key, compiled)
         return compiled
+
+    def _keep(self, key: tuple[str, ...], compiled: xgrammar.CompiledGrammar | GuidanceGrammar) -> None:
+        """``compiled`` cached under ``key``; the least recently used go while more than ``cache_size``
+        are kept or they take more than ``cache_mb``; a grammar larger than ``cache_mb`` alone is not kept."""
+        limit, size = self.config.cache_mb << 20, grammar_bytes(compiled)
+        with self._lock:
+            if key in self._cache or size > limit:  # compiled twice at once (keep one), or too large to keep
+                return
+            self._cache[key] = compiled
+            self._cache_bytes += size
+            while len(self._cache) > self.config.cache_size or self._cache_bytes > limit:
+                self._cache_bytes -= grammar_bytes(self._cache.popitem(last=False)[1])
 
     def cached(
         self, params: StructuredOutputsParams, reasoning: ReasoningParser | None = None

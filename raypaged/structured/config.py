@@ -20,7 +20,9 @@ class StructuredOutputsConfig:
     ``disable_any_whitespace``: JSON outputs are compact (one space after ``:`` and ``,``), so a
     small model cannot loop on whitespace; ``False`` allows free whitespace, up to
     ``max_whitespace`` characters between two tokens of JSON (``None``: unbounded, as vLLM).
-    ``cache_size``: compiled grammars kept, least recently used dropped first.
+    ``cache_size`` and ``cache_mb``: compiled grammars kept, and the most memory they take (a large
+    JSON schema compiles to megabytes), least recently used dropped first; a grammar larger than
+    ``cache_mb`` is used by its request and not kept.
     ``reasoning_parser`` (set by ``--reasoning-parser``): constraints apply after the output's
     reasoning section, unless ``enable_in_reasoning``, where they apply from the first token."""
 
@@ -28,6 +30,7 @@ class StructuredOutputsConfig:
     disable_any_whitespace: bool = True
     max_whitespace: int | None = 4
     cache_size: int = 256
+    cache_mb: int = 512  # vLLM's VLLM_XGRAMMAR_CACHE_MB default
     reasoning_parser: str = ""
     enable_in_reasoning: bool = False
 
@@ -41,6 +44,8 @@ class StructuredOutputsConfig:
             raise ValueError(f"structured outputs max_whitespace must be at least 1, got {self.max_whitespace}")
         if self.cache_size < 1:
             raise ValueError(f"structured outputs cache_size must be at least 1, got {self.cache_size}")
+        if self.cache_mb < 1:
+            raise ValueError(f"structured outputs cache_mb must be at least 1, got {self.cache_mb}")
         if self.reasoning_parser:
             get_reasoning_parser(self.reasoning_parser)
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from raypaged.sampling_params import StructuredOutputsParams
 from raypaged.structured import backend as backend_module
-from raypaged.structured.backend import GrammarBackend
+from raypaged.structured.backend import GrammarBackend, grammar_bytes
 from raypaged.structured.config import StructuredOutputsConfig
 from raypaged.structured.guidance import GuidanceGrammar, unenforced_keyword
 from raypaged.worker.sampler import apply_token_bitmask
@@ -60,6 +60,29 @@ def test_compiled_grammars_are_cached_by_constraint_least_recently_used_dropped(
     assert backend.compile(StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=False)) is not (
         backend.compile(StructuredOutputsParams(json={"type": "object"}))
     )
+
+
+def _properties(count: int, prefix: str) -> StructuredOutputsParams:
+    return StructuredOutputsParams(
+        json={"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(count)}}
+    )
+
+
+def test_the_cache_keeps_at_most_cache_mb_of_grammars_least_recently_used_dropped(smollm2_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    grammars = GrammarBackend(tokenizer, 49152, [2], StructuredOutputsConfig(cache_mb=1))
+    a, b, c = (grammars.compile(_properties(100, name)) for name in "abc")
+    sizes = [grammar_bytes(g) for g in (a, b, c)]
+    assert all(300_000 < size < 2**19 for size in sizes)  # two fit in 1 MiB, three do not
+    assert grammars.cached(_properties(100, "a")) is None  # the least recently used went
+    assert grammars.cached(_properties(100, "b")) is b and grammars.cached(_properties(100, "c")) is c
+    assert grammars._cache_bytes == sizes[1] + sizes[2]
+    big = grammars.compile(_properties(400, "d"))  # larger than the whole cache: used, not kept, nothing dropped
+    assert grammar_bytes(big) > 2**20
+    assert grammars.cached(_properties(400, "d")) is None
+    assert grammars.cached(_properties(100, "b")) is b and grammars.cached(_properties(100, "c")) is c
+    assert grammars._cache_bytes == sizes[1] + sizes[2]
+    assert grammar_bytes(GuidanceGrammar("start: /[a-z]+/", "grammar")) == 15
 
 
 @pytest.mark.parametrize(
@@ -135,8 +158,8 @@ def test_structured_outputs_params_are_checked(kwargs, message):
         (
             '{"backend": "xgrammar", "reasoning": 1}',
             None,
-            "--structured-outputs-config: unknown field 'reasoning'; allowed: backend, cache_size, "
-            "disable_any_whitespace, enable_in_reasoning, max_whitespace, reasoning_parser",
+            "--structured-outputs-config: unknown field 'reasoning'; allowed: backend, cache_mb, "
+            "cache_size, disable_any_whitespace, enable_in_reasoning, max_whitespace, reasoning_parser",
         ),
         (
             '{"reasoning_parser": "o1"}',
@@ -144,6 +167,8 @@ def test_structured_outputs_params_are_checked(kwargs, message):
             "--reasoning-parser 'o1' is not supported; supported: deepseek_r1, deepseek_v3, ernie45, glm45, granite, "
             "minimax_m2, minimax_m2_append_think, mistral, openai_gptoss, qwen3, seed_oss",
         ),
+        ('{"cache_mb": 0}', None, "structured outputs cache_mb must be at least 1, got 0"),
+        ('{"cache_size": 0}', None, "structured outputs cache_size must be at least 1, got 0"),
         ("[1]", None, "--structured-outputs-config must be a JSON object, got [1]"),
         (
             "{",
