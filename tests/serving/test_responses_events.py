@@ -175,6 +175,26 @@ def test_the_store_keeps_the_newest_per_tenant():
     assert (missing.value.status, missing.value.param) == (400, "previous_response_id")
 
 
+def test_the_store_keeps_at_most_max_mb_per_tenant_oldest_dropped():
+    store = ResponseStore(size=100, max_mb=1)
+    text = "x" * 400_000  # three of these take more than 1 MiB, two do not
+    stored = [Stored({"id": f"r{i}"}, [{"role": "user", "content": text}], []) for i in range(3)]
+    assert stored[0].size == len('[{"id": "r0"}, [{"role": "user", "content": ""}], []]') + 400_000
+    for one in stored:
+        store.put("a", one)
+    store.put("b", stored[0])  # another tenant's budget is its own
+    with pytest.raises(APIError, match=re.escape("the newest 100 stored ones, up to 1 MiB of them")):
+        store.get("a", "r0")
+    assert store.get("a", "r1") is stored[1] and store.get("a", "r2") is stored[2] and store.get("b", "r0") is stored[0]
+    store.delete("a", "r1")
+    store.put("a", Stored({"id": "r3"}, [{"role": "user", "content": text}], []))  # fits again: r2 stays
+    assert store.get("a", "r2") is stored[2] and store.get("a", "r3").response == {"id": "r3"}
+    store.put("a", Stored({"id": "big"}, [{"role": "user", "content": "y" * 2**20}], []))  # over 1 MiB alone
+    with pytest.raises(APIError, match="response with id 'big' not found"):
+        store.get("a", "big")
+    assert store.get("a", "r2") is stored[2]  # nothing dropped for it
+
+
 def test_input_items_are_listed_as_the_responses_api_lists_them():
     given = [
         {"role": "user", "content": "Hi"},

@@ -265,7 +265,8 @@ def test_output_text_logprobs_are_included_on_request(client):
         ),
         (
             {"previous_response_id": "resp_unknown"},
-            "response with id 'resp_unknown' not found (responses are kept in memory: the newest 4096 stored ones)",
+            "response with id 'resp_unknown' not found (responses are kept in memory: the newest 4096 stored ones, "
+            "up to 256 MiB of them)",
         ),
     ],
 )

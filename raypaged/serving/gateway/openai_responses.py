@@ -6,7 +6,8 @@ system message, ``input`` messages and function-call items chat messages and too
 path then validates, generates and parses tools as for ``/v1/chat/completions``; its answer becomes a
 ``response`` object (``response_body``) and its stream of chunks the Responses stream's typed events
 (``response_events.ResponseEvents``; the output items both build: ``response_items``). Stored responses
-(``store``, OpenAI's default) live in memory, per tenant, up to ``STORE_SIZE`` of them (the oldest go first):
+(``store``, OpenAI's default) live in memory, per tenant, up to ``STORE_SIZE`` of them taking up to ``STORE_MB``
+(the oldest go first):
 ``previous_response_id`` continues one, ``GET`` and ``DELETE /v1/responses/{id}`` read and drop one. Fields the
 server cannot honour (hosted tools, images, background runs, conversations, prompt templates, truncation) are a
 400 naming them.
@@ -27,6 +28,7 @@ from raypaged.serving.gateway.response_items import call_item, message_item, new
 from raypaged.serving.gateway.schemas import _check_extra_fields, defaults_for_nulls
 
 STORE_SIZE = 4096  # stored responses kept per tenant
+STORE_MB = 256  # ... and the most their JSON may take, per tenant: a long-context model's prompt can be megabytes
 _INPUT_TEXT = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _LOGPROBS = "message.output_text.logprobs"
@@ -357,6 +359,12 @@ class Stored:
     conversation: list[dict[str, Any]]
     input_items: list[dict[str, Any]]
 
+    @property
+    def size(self) -> int:
+        """The characters of its JSON: what the store counts against ``STORE_MB`` (a conversation continued
+        from another counts whole, though it shares its messages: the bound holds whichever goes first)."""
+        return len(json.dumps([self.response, self.conversation, self.input_items], ensure_ascii=False))
+
     def input_page(self, order: str, limit: int, after: str | None) -> dict[str, Any]:
         """``GET /v1/responses/{id}/input_items``: OpenAI's list, newest first (``order`` desc) or oldest first."""
         if order not in ("asc", "desc"):
@@ -380,11 +388,13 @@ class Stored:
 
 
 class ResponseStore:
-    """Stored responses in memory, per tenant, the newest ``size`` of each (``Stored``)."""
+    """Stored responses in memory, per tenant: the newest ``size`` of each, taking at most ``max_mb`` (``Stored.size``)."""
 
-    def __init__(self, size: int = STORE_SIZE) -> None:
+    def __init__(self, size: int = STORE_SIZE, max_mb: int = STORE_MB) -> None:
         self.size = size
-        self._kept: dict[str, OrderedDict[str, Stored]] = {}
+        self.max_chars = max_mb << 20
+        self._kept: dict[str, OrderedDict[str, tuple[Stored, int]]] = {}
+        self._chars: dict[str, int] = {}
 
     def keep(self, tenant: str, responder: Responder, response: dict[str, Any]) -> None:
         """``response`` stored where its request asks for it (``store``, true unless sent false)."""
@@ -392,24 +402,30 @@ class ResponseStore:
             self.put(tenant, responder.stored(response))
 
     def put(self, tenant: str, stored: Stored) -> None:
+        """``stored`` kept, the tenant's oldest dropped while it has more than ``size`` or they take more than
+        ``max_mb``; one larger than ``max_mb`` alone is not kept (reading it is a 404, as for one dropped)."""
+        chars = stored.size
+        if chars > self.max_chars:
+            return
         kept = self._kept.setdefault(tenant, OrderedDict())
-        kept[stored.response["id"]] = stored
-        while len(kept) > self.size:
-            kept.popitem(last=False)
+        replaced = kept.pop(stored.response["id"], None)
+        self._chars[tenant] = self._chars.get(tenant, 0) + chars - (replaced[1] if replaced else 0)
+        kept[stored.response["id"]] = (stored, chars)
+        while len(kept) > self.size or self._chars[tenant] > self.max_chars:
+            self._chars[tenant] -= kept.popitem(last=False)[1][1]
 
     def get(self, tenant: str, response_id: str, param: str | None = None) -> Stored:
-        kept = self._kept.get(tenant)
-        found = None if kept is None else kept.get(response_id)
+        found = self._kept.get(tenant, {}).get(response_id)
         if found is None:
             raise APIError(
                 404 if param is None else 400,
                 f"response with id {response_id!r} not found (responses are kept in memory: the newest "
-                f"{self.size} stored ones)",
+                f"{self.size} stored ones, up to {self.max_chars >> 20} MiB of them)",
                 param,
                 code="response_not_found",
             )
-        return found
+        return found[0]
 
     def delete(self, tenant: str, response_id: str) -> None:
         self.get(tenant, response_id)
-        del self._kept[tenant][response_id]
+        self._chars[tenant] -= self._kept[tenant].pop(response_id)[1]
