@@ -388,7 +388,8 @@ class Stored:
 
 
 class ResponseStore:
-    """Stored responses in memory, per tenant: the newest ``size`` of each, taking at most ``max_mb`` (``Stored.size``)."""
+    """Stored responses in memory, per tenant: the newest ``size`` of each, taking at most ``max_mb``
+    (``Stored.size``)."""
 
     def __init__(self, size: int = STORE_SIZE, max_mb: int = STORE_MB) -> None:
         self.size = size
@@ -415,7 +416,8 @@ class ResponseStore:
             self._chars[tenant] -= kept.popitem(last=False)[1][1]
 
     def get(self, tenant: str, response_id: str, param: str | None = None) -> Stored:
-        found = self._kept.get(tenant, {}).get(response_id)
+        kept = self._kept.get(tenant)
+        found = None if kept is None else kept.get(response_id)
         if found is None:
             raise APIError(
                 404 if param is None else 400,
