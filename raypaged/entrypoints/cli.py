@@ -347,7 +347,9 @@ def data_parallel_ranks(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from raypaged.serving.engine_process import EngineProcess, EngineProcessLost
+    from raypaged.serving.listener import raise_open_files_limit
 
+    raise_open_files_limit()  # before the engine processes start: they inherit it
     ranks = data_parallel_ranks(args)
     # the devices an engine takes: its shards, every pipeline stage's
     shards = (args.tensor_parallel_size or 1) * (getattr(args, "pipeline_parallel_size", None) or 1)
@@ -390,7 +392,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_engine(args: argparse.Namespace) -> int:
     from raypaged.serving.gateway.guard import tenants_for
     from raypaged.serving.launch import run_engine
+    from raypaged.serving.listener import raise_open_files_limit
 
+    raise_open_files_limit()
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout:g}")
     tenants = tenants_for(api_keys(args), args.tenants)  # a bad file fails before models load
@@ -412,7 +416,9 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from raypaged.serving.launch import parse_engine_targets, run_gateway
+    from raypaged.serving.listener import raise_open_files_limit
 
+    raise_open_files_limit()
     options = gateway_options(args)
     options_check(options)
     targets = parse_engine_targets(args.engine)

@@ -41,6 +41,7 @@ from raypaged.serving.gateway.reasoning import get_reasoning_parser
 from raypaged.serving.gateway.tenants import Tenants
 from raypaged.serving.gateway.tool_parsers import get_parser
 from raypaged.serving.inprocess import InProcessStub
+from raypaged.serving.listener import GuardedListener
 from raypaged.serving.metrics import PREFIX as METRICS_PREFIX
 
 if TYPE_CHECKING:
@@ -171,12 +172,12 @@ class GatewayOptions:
         return (self.api_key,) if isinstance(self.api_key, str) else self.api_key
 
 
-def listen_unix(path: str) -> socket.socket:
+def listen_unix(path: str) -> GuardedListener:
     """A bound Unix stream socket at ``path`` (a stale socket file there is replaced), for uvicorn to serve on."""
     target = Path(path)
     if target.is_socket():
         target.unlink()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = GuardedListener(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
     except OSError as exc:
@@ -201,12 +202,13 @@ class _SkipPaths(logging.Filter):
         return True
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A bound TCP socket (port 0 = a free one), for uvicorn to serve on."""
+def listen(host: str, port: int) -> GuardedListener:
+    """A bound TCP socket (port 0 = a free one), for uvicorn to serve on; connections that would leave the
+    process too few descriptors wait until others close (``GuardedListener``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it
     # every response after the first on a kept-alive connection waits ~40 ms for a delayed ACK
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = GuardedListener(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

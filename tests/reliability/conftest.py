@@ -29,10 +29,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class ServerProcess:
-    """``raypaged <command> ...`` as a child process, its log in ``log_path``."""
+def _limit_open_files(limit: int) -> None:
+    import resource
 
-    def __init__(self, command: str, args: list[str], log_path: Path) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+
+class ServerProcess:
+    """``raypaged <command> ...`` as a child process, its log in ``log_path``; ``open_files``: its soft and hard
+    limits on open files."""
+
+    def __init__(self, command: str, args: list[str], log_path: Path, open_files: int | None = None) -> None:
         self.log_path = log_path
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
@@ -40,6 +47,7 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=None if open_files is None else lambda: _limit_open_files(open_files),
         )
 
     @property
