@@ -240,6 +240,35 @@ def test_a_group_prefills_once_then_forks_and_copies_the_shared_last_block():
     s.kv.check_invariants()
 
 
+def test_a_request_of_many_samples_gives_way_to_requests_running_alone():
+    s = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=8, budget=64)
+    s.add_request(make_group("g", 4, 3, max_tokens=12)[0])
+    s.add_request(make_request("a", 4, max_tokens=12))
+    outs = []
+    for step in range(8):
+        if step == 4:
+            s.add_request(make_request("b", 4, max_tokens=4))
+        if step == 6:
+            s.add_request(make_request("c", 4, max_tokens=2))
+        outs.append(run_step(s))
+    # the pool runs dry at step 5 and again at 6: the newest sample of g goes each time, not b (the newest
+    # sequence, which FCFS took before) nor a
+    assert outs[5].num_scheduled_tokens == {"g": 1, "a": 1, "g#1": 1, "b": 1}
+    assert outs[5].finished_request_ids == {"g#2"}
+    assert outs[6].num_scheduled_tokens == {"g": 1, "a": 1, "b": 1}
+    assert outs[6].finished_request_ids == {"g#1"}
+    # c came after g's preempted samples, and g still runs one: c is admitted first, into block 6
+    assert outs[7].num_scheduled_tokens == {"g": 1, "a": 1, "b": 1, "c": 4}
+    assert [r.request_id for r in s.waiting] == ["g#1", "g#2"]
+    assert s.kv.get_block_ids("c") == [6]
+    for _ in range(100):
+        if not s.has_unfinished_requests():
+            break
+        run_step(s)
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 10
+    s.kv.check_invariants()
+
+
 def test_swap_mode_moves_a_whole_group_to_cpu_and_back():
     s = Scheduler(
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption_mode=None),
