@@ -35,6 +35,7 @@ from raypaged.worker.sampler import (
     greedy_fast_path,
     logprob_entry,
     sample,
+    token_ranks,
 )
 
 if TYPE_CHECKING:
@@ -623,7 +624,7 @@ class ModelRunner:
             targets = state.prompt_token_ids[token + offset : token + offset + size]
             chosen_t = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
             chosen = chosen_t.squeeze(1).tolist()
-            ranks = ((logprobs > chosen_t).sum(-1, dtype=torch.int32) + 1).tolist()  # int32: half the time of int64
+            ranks = token_ranks(logprobs, chosen_t)
             tops: list[tuple[list[int], list[float]]]
             if num_top:
                 top_values, top_ids = logprobs.topk(num_top, dim=-1)

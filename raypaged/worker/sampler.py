@@ -95,7 +95,7 @@ def sample(
     shown = _shown_logprobs(logprobs_mode, raw, raw_logprobs, logits, sampled, warped)
     shown_chosen_t = shown.gather(1, token_ids[:, None])
     shown_chosen = shown_chosen_t.squeeze(1).tolist()
-    ranks = ((shown > shown_chosen_t).sum(-1, dtype=torch.int32) + 1).tolist()  # 1: the most likely token
+    ranks = token_ranks(shown, shown_chosen_t)
     top_values: list[list[float]] = []
     top_ids: list[list[int]] = []
     if max_top := max(((s.params.logprobs or 0) for s in inputs if not s.params.logprob_token_ids), default=0):
@@ -139,6 +139,12 @@ def _shown_logprobs(
     return processed if mode == PROCESSED_LOGITS else torch.log_softmax(processed, dim=-1)
 
 
+def token_ranks(values: torch.Tensor, chosen: torch.Tensor) -> list[int]:
+    """The rank of each row's ``chosen`` value among ``values`` (1: the largest): one more than the values above
+    it, counted in int32 (a [rows, vocab] comparison sums in half the time of int64)."""
+    return ((values > chosen).sum(-1, dtype=torch.int32) + 1).tolist()
+
+
 def logprob_entry(
     token_id: int,
     logprob: float,
@@ -159,7 +165,7 @@ def _asked_entry(row: torch.Tensor, token_id: int, logprob: float, rank: int, as
     """One position's logprobs for ``logprob_token_ids``: the chosen token first, then each asked token
     with its own rank in ``row``."""
     values = row[torch.tensor(asked, device=row.device)]
-    ranks = ((row[None, :] > values[:, None]).sum(-1, dtype=torch.int32) + 1).tolist()
+    ranks = token_ranks(row[None, :], values[:, None])
     return logprob_entry(token_id, logprob, rank, asked, values.tolist(), ranks)
 
 
