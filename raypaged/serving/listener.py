@@ -58,7 +58,6 @@ class GuardedListener(socket.socket):
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         limit = OPEN_FILES_TARGET if limit == resource.RLIM_INFINITY else limit
         self.max_fd = limit - connection_reserve(limit)  # a connection's descriptor must be below this
-        self.full_times = 0  # the times accepting paused for want of descriptors
         self._paused_until = 0.0
 
     def accept(self) -> tuple[socket.socket, Any]:
@@ -70,7 +69,6 @@ class GuardedListener(socket.socket):
             except OSError as exc:
                 if exc.errno not in (errno.EMFILE, errno.ENFILE):
                     raise
-        self.full_times += 1
         self._paused_until = time.monotonic() + _PAUSE_S
         raise OSError(
             errno.EMFILE,
