@@ -360,11 +360,16 @@ class Scheduler:
         busy = self._busy_groups(head)
         if (self.loras is None or head.lora is None) and not busy:
             return head
-        fits = list(self.waiting)
-        if self.loras is not None:
-            loras, in_use = self.loras, self.loras.in_use(self.running)
-            fits = [r for r in fits if r.lora is None or loras.fits([r], in_use)]
-        return next((r for r in fits if not self._yields(r, busy)), fits[0] if fits else None)
+        loras = self.loras
+        in_use = loras.in_use(self.running) if loras is not None else set()
+        first = None  # the first that fits, should every one that fits yield
+        for request in self.waiting:
+            if loras is not None and request.lora is not None and not loras.fits([request], in_use):
+                continue
+            if not self._yields(request, busy):
+                return request
+            first = first or request
+        return first
 
     def _busy_groups(self, head: Request) -> set[int]:
         """FCFS, with ``head`` a sample of a request: the ids of the sample groups with a sequence running."""
