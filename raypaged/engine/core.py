@@ -126,6 +126,7 @@ class EngineCore:
         self._worker_error: WorkerLostError | None = None  # set when a worker was lost with recovery off
         self._restarted_without_progress = False  # the shard group was restarted and has not finished a step since
         self._mask_thread: ThreadPoolExecutor | None = None  # fills the step's grammar masks during the forward
+        self._grammar_limit = GrammarLimit.of(config)
         # async scheduling: the thread the executor runs steps on, and the step running there
         self._step_thread: ThreadPoolExecutor | None = None
         self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
@@ -437,6 +438,9 @@ class EngineCore:
             if matchers and (matcher := matchers.get(seq_id)) is not None:
                 try:
                     self._advance_grammar(matcher, request)
+                except GrammarTooSlow as exc:
+                    failed[seq_id] = exc.failure
+                    continue
                 except Exception as exc:
                     logger.exception("sequence %s: advancing the grammar failed; ending its request alone", seq_id)
                     failed[seq_id] = RequestFailure(f"advancing the grammar failed: {type(exc).__name__}: {exc}")
@@ -492,6 +496,8 @@ class EngineCore:
                 if error is None:
                     try:
                         self._advance_beam_grammars(group)
+                    except GrammarTooSlow as exc:
+                        error = exc.failure
                     except Exception as exc:
                         logger.exception("beam search %s: advancing the grammar failed; ending it alone", request_id)
                         error = RequestFailure(f"advancing the grammar failed: {type(exc).__name__}: {exc}")
@@ -529,7 +535,7 @@ class EngineCore:
         )
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="raypaged-grammar-mask")
-        pending = self._mask_thread.submit(_fill_masks, rows, bitmask)
+        pending = self._mask_thread.submit(_fill_masks, rows, bitmask, self._grammar_limit)
         return GrammarBitmask([rid for rid, _, _ in rows], bitmask, pending)
 
     def _advance_grammar(self, matcher: Any, request: Request) -> None:
@@ -539,9 +545,13 @@ class EngineCore:
         The mask thread walks the kept drafts again next step (it needs the matcher's state at each
         position to fill that position's mask, and runs while the forward does); cutting here costs
         an accept and a rollback per draft, against a forward slot for every refused one."""
-        for token_id in request.output_token_ids[-request.num_new_tokens :]:
+        num_new = request.num_new_tokens
+        start = time.thread_time()
+        for token_id in request.output_token_ids[-num_new:]:
             if not matcher.accept_token(token_id):
                 raise RuntimeError(f"the grammar refused token {token_id}")
+        if (limit := self._grammar_limit) is not None:
+            limit.check(time.thread_time() - start, num_new, "taking the sampled token")
         if matcher.is_terminated() and not request.status.finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         elif request.spec_token_ids:
@@ -559,8 +569,11 @@ class EngineCore:
                 if beam_id is not None
             ]
             for beam_id, matcher, token_id in kept:
+                start = time.thread_time()
                 if not matcher.accept_token(token_id):
                     raise RuntimeError(f"the grammar refused token {token_id}")
+                if (limit := self._grammar_limit) is not None:
+                    limit.check(time.thread_time() - start, 1, "taking the sampled token")
                 self._matchers[beam_id] = matcher
 
     def _beam_of(self, seq_id: str) -> BeamGroup | None:
@@ -683,13 +696,51 @@ def _grammar_fill_failures(grammar: GrammarBitmask | None) -> dict[str, RequestF
     return grammar.pending.result() if grammar.pending is not None else {}
 
 
-def _fill_masks(rows: list[tuple[str, Any, list[int]]], bitmask: torch.Tensor) -> dict[str, RequestFailure]:
+@dataclass(slots=True, frozen=True)
+class GrammarLimit:
+    """The most CPU time one request's grammar may spend on one token (``max_grammar_ms`` of
+    ``--structured-outputs-config``): every sequence of the batch waits for the step's masks."""
+
+    seconds: float
+    ms: float
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> GrammarLimit | None:
+        ms = config.parsed_structured_outputs_config.max_grammar_ms
+        return None if ms is None else cls(ms / 1000, ms)
+
+    def check(self, seconds: float, num_tokens: int, what: str) -> None:
+        """Raise :class:`GrammarTooSlow` if ``seconds`` of CPU for ``num_tokens`` tokens are over the limit."""
+        if seconds > self.seconds * num_tokens:
+            raise GrammarTooSlow(
+                RequestFailure(
+                    f"the request's grammar took {seconds * 1000 / num_tokens:.2f} ms of CPU for one token "
+                    f"({what}), more than the limit of {self.ms:g} ms (max_grammar_ms of "
+                    "--structured-outputs-config); every request in the batch waits for it",
+                    "structured_outputs",
+                )
+            )
+
+
+class GrammarTooSlow(Exception):
+    """A request's grammar went over its :class:`GrammarLimit`: the request ends alone, a client error."""
+
+    def __init__(self, failure: RequestFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def _fill_masks(
+    rows: list[tuple[str, Any, list[int]]], bitmask: torch.Tensor, limit: GrammarLimit | None
+) -> dict[str, RequestFailure]:
     """Fill ``bitmask`` from ``rows``' matchers (on the mask thread): a sequence verifying drafts
     has a row per position, each its matcher's after the drafts before it (then rolled back). A
-    matcher that raises leaves its rows allowing every token and is returned with its message."""
+    matcher that raises leaves its rows allowing every token and is returned with its message; one
+    over ``limit`` keeps its rows and is returned too."""
     failures = {}
     row = 0
     for seq_id, matcher, drafts in rows:
+        start = time.thread_time()
         try:
             for j in range(len(drafts) + 1):
                 matcher.fill_next_token_bitmask(bitmask, row + j)
@@ -697,6 +748,10 @@ def _fill_masks(rows: list[tuple[str, Any, list[int]]], bitmask: torch.Tensor) -
                     raise RuntimeError(f"the grammar refused draft token {drafts[j]}, checked when proposed")
             if drafts:
                 matcher.rollback(len(drafts))
+            if limit is not None:
+                limit.check(time.thread_time() - start, len(drafts) + 1, "filling its token mask")
+        except GrammarTooSlow as exc:
+            failures[seq_id] = exc.failure
         except Exception as exc:
             logger.exception("request %s: filling the grammar mask failed; ending it alone", seq_id)
             bitmask[row : row + len(drafts) + 1].fill_(-1)

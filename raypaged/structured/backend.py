@@ -14,6 +14,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -178,13 +179,29 @@ class GrammarBackend:
 
     def _check_can_start(self, compiled: xgrammar.CompiledGrammar, kind: str) -> None:
         """A grammar whose first token no token of this vocabulary can be would end every request
-        that uses it at its first step: refuse it once, when it compiles."""
+        that uses it at its first step, and one whose first mask takes more than ``max_grammar_ms``
+        would stall every request of its batch: refuse either once, when it compiles."""
         bitmask = self.allocate_bitmask(1)
-        self.matcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        limit, ms = self.config.max_grammar_ms, self._first_mask_ms(compiled, bitmask)
+        if limit is not None and ms > limit:
+            # the first mask a backend fills also builds what it keeps for later ones (llguidance: 0.9 s for
+            # SmolLM2's vocabulary); a request's first mask costs what a second one does
+            ms = self._first_mask_ms(compiled, bitmask)
+        if limit is not None and ms > limit:
+            raise InputError(
+                PARAM,
+                f"structured outputs: the {kind} constraint took {ms:.1f} ms of CPU for its first token's mask, more "
+                f"than the limit of {limit:g} ms (max_grammar_ms of --structured-outputs-config)",
+            )
         if not bool(bitmask.any()):
             raise InputError(
                 PARAM, f"structured outputs: no token of this model's vocabulary can begin the {kind} constraint"
             )
+
+    def _first_mask_ms(self, compiled: xgrammar.CompiledGrammar | GuidanceGrammar, bitmask: torch.Tensor) -> float:
+        start = time.thread_time()
+        self.matcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        return (time.thread_time() - start) * 1000
 
     def _uses_guidance(self, params: StructuredOutputsParams, reasoning: ReasoningParser | None) -> bool:
         """llguidance when configured, or (``auto``) for a JSON schema with a keyword xgrammar would

@@ -23,6 +23,11 @@ class StructuredOutputsConfig:
     ``cache_size`` and ``cache_mb``: compiled grammars kept, and the most memory they take (a large
     JSON schema compiles to megabytes), least recently used dropped first; a grammar larger than
     ``cache_mb`` is used by its request and not kept.
+    ``max_grammar_ms``: the most CPU time, in milliseconds, one request's grammar may spend on one
+    token (filling its mask, or taking the sampled token). An ambiguous EBNF grammar can cost more
+    with every token (``s ::= s s | "a"``: 35 ms a mask at 200 tokens, 290 ms at 400), and every
+    sequence of the batch waits for the masks; past the limit the request ends alone with an error
+    naming it. ``None``: no limit.
     ``reasoning_parser`` (set by ``--reasoning-parser``): constraints apply after the output's
     reasoning section, unless ``enable_in_reasoning``, where they apply from the first token."""
 
@@ -31,6 +36,7 @@ class StructuredOutputsConfig:
     max_whitespace: int | None = 4
     cache_size: int = 256
     cache_mb: int = 512  # vLLM's VLLM_XGRAMMAR_CACHE_MB default
+    max_grammar_ms: float | None = 100.0
     reasoning_parser: str = ""
     enable_in_reasoning: bool = False
 
@@ -46,6 +52,11 @@ class StructuredOutputsConfig:
             raise ValueError(f"structured outputs cache_size must be at least 1, got {self.cache_size}")
         if self.cache_mb < 1:
             raise ValueError(f"structured outputs cache_mb must be at least 1, got {self.cache_mb}")
+        limit = self.max_grammar_ms
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float) or not limit > 0):
+            raise ValueError(
+                f"structured outputs max_grammar_ms must be a number above 0 (null: no limit), got {limit!r}"
+            )
         if self.reasoning_parser:
             get_reasoning_parser(self.reasoning_parser)
 

@@ -135,6 +135,40 @@ def test_a_grammar_mask_failure_ends_that_request_alone(llm, undisturbed, monkey
     assert calls == ["MainThread", "raypaged-grammar-mask_0", "raypaged-grammar-mask_0"]  # the compile check first
 
 
+AMBIGUOUS = 'root ::= s\ns ::= s s | "a" | "aa"'  # an Earley parse whose work grows with every "a"
+TOO_SLOW = re.compile(
+    r"the request's grammar took (\d+\.\d\d) ms of CPU for one token \((filling its token mask|taking the sampled "
+    r"token)\), more than the limit of 2 ms \(max_grammar_ms of --structured-outputs-config\); every request in "
+    r"the batch waits for it"
+)
+
+
+def test_a_grammar_slower_than_max_grammar_ms_ends_that_request_alone(tiny_model_dir, undisturbed):
+    """An ambiguous grammar costs more CPU with every token, and every sequence of the batch waits for its
+    mask: past max_grammar_ms it ends, a client error; the same grammar within the limit runs as asked."""
+    strict = LLM(
+        model=str(tiny_model_dir),
+        num_gpu_blocks_override=128,
+        max_model_len=512,
+        structured_outputs_config={"max_grammar_ms": 2},
+    )
+    try:
+        grammar = StructuredOutputsParams(grammar=AMBIGUOUS)
+        short = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, structured_outputs=grammar)
+        [done] = strict.generate(PROMPTS[:1], short, use_tqdm=False)
+        assert done.error is None and len(done.outputs[0].token_ids) == 4
+        assert set(done.outputs[0].text) == {"a"}
+        victim = SamplingParams(temperature=0, max_tokens=200, min_tokens=200, structured_outputs=grammar)
+        outputs = run_with_victim(strict, victim)
+        error = outputs[VICTIM].error
+        assert error is not None and (match := TOO_SLOW.fullmatch(error)), error
+        assert float(match[1]) >= 2
+        assert outputs[VICTIM].error_param == "structured_outputs"
+        assert_only_the_victim_failed(strict, outputs, undisturbed, error)
+    finally:
+        strict.shutdown()
+
+
 HELLO, SPACE_HELLO, SEVEN, LETTER_A = 28120, 33662, 39, 81  # "hello", " hello", "7", "a" in SmolLM2's vocabulary
 
 

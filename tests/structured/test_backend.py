@@ -12,6 +12,7 @@ import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
+from raypaged.inputs.limits import InputError
 from raypaged.sampling_params import StructuredOutputsParams
 from raypaged.structured import backend as backend_module
 from raypaged.structured.backend import GrammarBackend, grammar_bytes
@@ -159,7 +160,8 @@ def test_structured_outputs_params_are_checked(kwargs, message):
             '{"backend": "xgrammar", "reasoning": 1}',
             None,
             "--structured-outputs-config: unknown field 'reasoning'; allowed: backend, cache_mb, "
-            "cache_size, disable_any_whitespace, enable_in_reasoning, max_whitespace, reasoning_parser",
+            "cache_size, disable_any_whitespace, enable_in_reasoning, max_grammar_ms, max_whitespace, "
+            "reasoning_parser",
         ),
         (
             '{"reasoning_parser": "o1"}',
@@ -169,6 +171,16 @@ def test_structured_outputs_params_are_checked(kwargs, message):
         ),
         ('{"cache_mb": 0}', None, "structured outputs cache_mb must be at least 1, got 0"),
         ('{"cache_size": 0}', None, "structured outputs cache_size must be at least 1, got 0"),
+        (
+            '{"max_grammar_ms": 0}',
+            None,
+            "structured outputs max_grammar_ms must be a number above 0 (null: no limit), got 0",
+        ),
+        (
+            '{"max_grammar_ms": "50"}',
+            None,
+            "structured outputs max_grammar_ms must be a number above 0 (null: no limit), got '50'",
+        ),
         ("[1]", None, "--structured-outputs-config must be a JSON object, got [1]"),
         (
             "{",
@@ -188,6 +200,29 @@ def test_the_servers_config_parses_vllm_spellings():
     assert (config.backend, config.disable_any_whitespace, config.max_whitespace) == ("auto", False, 4)
     assert StructuredOutputsConfig.parse(None, "xgrammar") == StructuredOutputsConfig(backend="xgrammar")
     assert StructuredOutputsConfig().backend == "auto"  # vLLM's default
+    assert StructuredOutputsConfig.parse('{"max_grammar_ms": null}').max_grammar_ms is None
+    assert StructuredOutputsConfig.parse('{"max_grammar_ms": 2.5}').max_grammar_ms == 2.5
+    assert StructuredOutputsConfig().max_grammar_ms == 100
+
+
+def test_a_grammar_whose_first_mask_takes_more_than_max_grammar_ms_is_refused_when_it_compiles(smollm2_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    strict = GrammarBackend(tokenizer, 49152, [2], StructuredOutputsConfig(max_grammar_ms=1e-6))
+    with pytest.raises(InputError) as info:
+        strict.compile(StructuredOutputsParams(regex="[a-z]+"))
+    assert info.value.param == "structured_outputs"
+    assert re.fullmatch(
+        r"structured outputs: the regex constraint took \d+\.\d ms of CPU for its first token's mask, more than "
+        r"the limit of 1e-06 ms \(max_grammar_ms of --structured-outputs-config\)",
+        str(info.value),
+    ), str(info.value)
+    assert strict.cached(StructuredOutputsParams(regex="[a-z]+")) is None
+    assert (
+        GrammarBackend(tokenizer, 49152, [2], StructuredOutputsConfig()).compile(
+            StructuredOutputsParams(regex="[a-z]+")
+        )
+        is not None
+    )
 
 
 ALL_OF = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]}
