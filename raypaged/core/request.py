@@ -132,6 +132,9 @@ class Request:
     token_type_start: int | None = None  # BERT's text pair: its second text's first token (token type 1 from there)
     images: ImageInputs | None = None  # the prompt's images: the workers encode them where their tokens are computed
     prompt_embeds: Any = None  # vLLM's prompt_embeds ([num_prompt, hidden] tensor): its prompt ids are placeholders
+    # FCFS: the request it gave its slot to (``Scheduler._free_slot_for``); it may have the slot back once that
+    # one has ended, even in a batch that its group's forks took past max_num_seqs
+    gave_slot_to: Request | None = field(default=None, init=False)
     first_scheduled_time: float | None = field(default=None, init=False)
     _status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
 

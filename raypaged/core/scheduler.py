@@ -332,7 +332,7 @@ class Scheduler:
     def _admit_waiting(self) -> None:
         """Admit waiting sequences in policy order while the batch and the pool have room."""
         while self.waiting and self._budget > 0:
-            if len(self.running) >= self.config.max_num_seqs or self._batch_full():
+            if self._batch_full():
                 break
             request = self._next_waiting()
             if request is None:
@@ -342,6 +342,9 @@ class Scheduler:
             images = request.images
             if images is not None and images.bidirectional and max(n for _, n in images.placeholders) > self._budget:
                 break  # its images are computed whole: it waits for a step with room for the largest
+            if len(self.running) >= self.config.max_num_seqs and not self._slot_back(request):
+                if not self._free_slot_for(request):
+                    break
             if not self._admit(request):
                 if self._preempt_for(request):
                     continue  # a lower-priority sequence made room: try again
@@ -380,6 +383,38 @@ class Scheduler:
     @staticmethod
     def _yields(request: Request, busy: set[int]) -> bool:
         return request.group is not None and id(request.group) in busy
+
+    def _free_slot_for(self, request: Request) -> bool:
+        """FCFS, the batch at ``max_num_seqs``: a waiting request with nothing running takes the slot of the
+        newest sample of the request running the most (two at least), which is recomputed later (it waits
+        behind the requests with nothing running, ``_yields``). One for one: a batch that a group's forks
+        took past ``max_num_seqs`` keeps its size. Without this, one request of many samples kept every
+        later request waiting until it ended."""
+        if self.config.policy != "fcfs" or self._overlap:
+            return False
+        if request.group is not None and any(r.group is request.group for r in self.running):
+            return False  # a sample of a request that runs already: it waits its turn
+        victim = self._newest_of_the_largest_group(self.running)
+        if victim is None:
+            return False
+        self._recompute_later(victim)
+        victim.gave_slot_to = request
+        logger.info(
+            "preempted request %s (recompute, %d tokens) to give request %s its slot",
+            victim.request_id,
+            victim.num_tokens,
+            request.request_id,
+        )
+        return True
+
+    @staticmethod
+    def _slot_back(request: Request) -> bool:
+        """``request`` gave its slot to a request that has ended since: the slot is its own again."""
+        holder = request.gave_slot_to
+        if holder is None or not holder.status.finished:
+            return False
+        request.gave_slot_to = None
+        return True
 
     def _place_loras(self, requests: list[Request]) -> None:
         """Slots for the adapters of sequences that just joined the batch; new ones are loaded this step."""
@@ -514,6 +549,7 @@ class Scheduler:
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        request.gave_slot_to = None
         if self.kv.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
@@ -632,6 +668,15 @@ class Scheduler:
                     len(copies),
                 )
                 return
+        self._recompute_later(victim)
+        logger.warning(
+            "No free blocks available: preempted request %s (recompute, %d tokens)",
+            victim.request_id,
+            victim.num_tokens,
+        )
+
+    def _recompute_later(self, victim: Request) -> None:
+        """Preempt ``victim`` by recomputation: its blocks are freed and it waits at the front of the queue."""
         self._drop_from_batch(victim)
         self.kv.free(victim.request_id)
         if victim.gang is not None:
@@ -641,11 +686,6 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(victim, front=True)
-        logger.warning(
-            "No free blocks available: preempted request %s (recompute, %d tokens)",
-            victim.request_id,
-            victim.num_tokens,
-        )
 
     def _drop_from_batch(self, request: Request) -> None:
         """Take a running sequence out of the batch, and out of this step's output if it was in."""

@@ -269,6 +269,39 @@ def test_a_request_of_many_samples_gives_way_to_requests_running_alone():
     s.kv.check_invariants()
 
 
+def test_a_request_with_nothing_running_takes_a_slot_from_the_request_running_the_most_samples():
+    """FCFS at max_num_seqs: a newcomer waited until every sample of the requests before it had ended; now the
+    newest sample of the request running the most gives up its slot, one for one (the forks of n took this
+    batch one past max_num_seqs, and it keeps that size), and has it back when the newcomer ends."""
+    s = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=6, budget=64)
+    s.add_request(make_group("g", 4, 4, max_tokens=12)[0])
+    s.add_request(make_group("h", 4, 3, max_tokens=12)[0])
+    outs = [run_step(s), run_step(s)]
+    assert len(outs[1].num_scheduled_tokens) == 7
+    s.add_request(make_request("a", 4, max_tokens=3))
+    outs.append(run_step(s))
+    assert outs[2].num_scheduled_tokens == {"g": 1, "h": 1, "g#1": 1, "g#2": 1, "h#1": 1, "h#2": 1, "a": 4}
+    assert outs[2].finished_request_ids == {"g#3"}  # g ran the most samples
+    assert s.kv.get_block_ids("a") == [14]
+    s.add_request(make_request("b", 4, max_tokens=2))
+    outs.append(run_step(s))
+    assert outs[3].num_scheduled_tokens == {"g": 1, "h": 1, "g#1": 1, "g#2": 1, "h#1": 1, "a": 1, "b": 4}
+    assert outs[3].finished_request_ids == {"h#2"}  # g and h ran 3 each: the newer request gives
+    assert [r.request_id for r in s.waiting] == ["h#2", "g#3"]
+    assert s.kv.get_block_ids("b") == [16]
+    outs.append(run_step(s))  # the preempted samples take no slot from each other
+    assert outs[4].num_scheduled_tokens == {"g": 1, "h": 1, "g#1": 1, "g#2": 1, "h#1": 1, "a": 1, "b": 1}
+    outs.append(run_step(s))  # a and b ended: their slots go back to h#2 and g#3 (7 again), both recomputed
+    assert outs[5].num_scheduled_tokens == {"g": 1, "h": 1, "g#1": 1, "g#2": 1, "h#1": 1, "h#2": 6, "g#3": 5}
+    assert not s.waiting
+    for _ in range(100):
+        if not s.has_unfinished_requests():
+            break
+        run_step(s)
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 32
+    s.kv.check_invariants()
+
+
 def test_swap_mode_moves_a_whole_group_to_cpu_and_back():
     s = Scheduler(
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption_mode=None),
