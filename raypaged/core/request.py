@@ -108,6 +108,9 @@ class Request:
     priority: int = 0  # lower runs first under the priority policy
     sample_index: int = 0  # which sample of its group: seeds a distinct random stream
     group: SequenceGroup | None = None
+    # the client request it is a part of (the prompts of one multi-prompt completion share it): FCFS shares the
+    # batch and the pool between owners, else between sample groups (``Scheduler._share_key``); None: its own
+    owner: str | None = None
     gang: Gang | None = None  # set on every live member of a gang (the beams of a beam search)
     cache_salt: str | None = None  # prefix-cache namespace: only equal salts share cached blocks
     lora: LoRARequest | None = None  # the adapter it runs on (None: the base model)

@@ -374,15 +374,17 @@ class Scheduler:
             first = first or request
         return first
 
-    def _busy_groups(self, head: Request) -> set[int]:
-        """FCFS, with ``head`` a sample of a request: the ids of the sample groups with a sequence running."""
-        if self.config.policy != "fcfs" or head.group is None:
+    def _busy_groups(self, head: Request) -> set[int | str]:
+        """FCFS, with ``head`` a sample of a request or a prompt of a client request: the share keys
+        (``_share_key``) of the running sequences."""
+        if self.config.policy != "fcfs" or _share_key(head) is None:
             return set()
-        return {id(r.group) for r in self.running if r.group is not None}
+        return {key for r in self.running if (key := _share_key(r)) is not None}
 
     @staticmethod
-    def _yields(request: Request, busy: set[int]) -> bool:
-        return request.group is not None and id(request.group) in busy
+    def _yields(request: Request, busy: set[int | str]) -> bool:
+        key = _share_key(request)
+        return key is not None and key in busy
 
     def _free_slot_for(self, request: Request) -> bool:
         """FCFS, the batch at ``max_num_seqs``: a waiting request with nothing running takes the slot of the
@@ -392,8 +394,8 @@ class Scheduler:
         later request waiting until it ended."""
         if self.config.policy != "fcfs" or self._overlap:
             return False
-        if request.group is not None and any(r.group is request.group for r in self.running):
-            return False  # a sample of a request that runs already: it waits its turn
+        if self._yields(request, self._busy_groups(request)):
+            return False  # a sample (or prompt) of a request that runs already: it waits its turn
         victim = self._newest_of_the_largest_group(self.running)
         if victim is None:
             return False
@@ -593,12 +595,12 @@ class Scheduler:
     @staticmethod
     def _newest_of_the_largest_group(pool: list[Request]) -> Request | None:
         """The newest running sample of the request with the most samples running (two at least; the newest
-        such request on a tie): FCFS takes from it before any request running alone."""
-        counts: dict[int, int] = {}
-        newest: dict[int, Request] = {}
+        such request on a tie; a client request's prompts count as its samples, ``_share_key``): FCFS takes
+        from it before any request running alone."""
+        counts: dict[int | str, int] = {}
+        newest: dict[int | str, Request] = {}
         for request in pool:
-            if request.group is not None and request.gang is None:
-                key = id(request.group)
+            if request.gang is None and (key := _share_key(request)) is not None:
                 counts[key] = counts.get(key, 0) + 1
                 newest[key] = request
         if not counts or max(counts.values()) < 2:
@@ -947,3 +949,11 @@ class SpecDecodeStats:
 
 
 ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+
+
+def _share_key(request: Request) -> int | str | None:
+    """What shares the batch and the KV pool under FCFS: the client request of several prompts (``owner``),
+    else the sample group of ``n``/``best_of``; None: a request of one sequence, on its own."""
+    if request.owner is not None:
+        return request.owner
+    return None if request.group is None else id(request.group)

@@ -175,12 +175,14 @@ class AsyncLLMEngine:
         token_type_ids: list[int] | None = None,
         multi_modal: MultiModalInput | None = None,
         prompt_embeds: Any = None,
+        owner: str | None = None,
     ) -> str:
         """Queue a request; returns its id once the engine accepted it. Bad input raises ``ValueError``.
         With ``beam`` it is a beam search: one finished output, its beams best first. With ``pooling`` it is an
         embedding model's request (``params`` unused): one finished output whose ``pooled`` is its embedding
         (``token_type_ids``: a BERT text pair's). ``multi_modal``: the images for a text prompt's image
         placeholders with their options. ``prompt_embeds``: the prompt as embedding rows (``LLMEngine.add_request``).
+        ``owner``: the client request it is a part of (``EngineCoreRequest.owner``).
 
         A caller cancelled at any point, even while the engine thread is adding the
         request, leaves nothing running: an abort is queued behind the add.
@@ -234,6 +236,8 @@ class AsyncLLMEngine:
             processed = await self._loop.run_in_executor(self.executor_for(params, prompt, prompt_token_ids), process)
         if request_id in self._streams:  # taken while this one was processed
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if owner is not None:
+            processed.core_request.owner = owner
         num_seqs = beam.beam_width if beam is not None else params.num_samples
         if self.engine.is_sleeping():  # as vLLM: new work is refused (in-flight requests wait for the wake-up)
             raise EngineBusyError(

@@ -69,6 +69,9 @@ class EngineCoreRequest:
     # vLLM's prompt_embeds: one float row per prompt token ([num_prompt, hidden]); prompt_token_ids then hold
     # placeholders (0), which the workers' embedding rows replace
     prompt_embeds: Any = None
+    # the client request it is a part of (one of a multi-prompt completion's prompts): under FCFS the scheduler
+    # shares slots and blocks between client requests (``Request.owner``); None: its own
+    owner: str | None = None
 
 
 @dataclass(slots=True)
@@ -192,6 +195,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 sample_index=i,
+                owner=request.owner,
                 cache_salt=request.cache_salt,
                 lora=request.lora,
                 num_spec_tokens=request.num_spec_tokens,

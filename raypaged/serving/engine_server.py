@@ -288,6 +288,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                         rendered=not add_special,
                     ),
                     prompt_embeds=embeds,
+                    owner=self._engine_id(gate, request.parent_request_id) if request.parent_request_id else None,
                 )
             except _REFUSED as exc:
                 await hold.let_go(in_engine=False)

@@ -302,6 +302,33 @@ def test_a_request_with_nothing_running_takes_a_slot_from_the_request_running_th
     s.kv.check_invariants()
 
 
+def test_the_prompts_of_one_client_request_share_the_batch_as_its_samples_do():
+    """A multi-prompt completion's prompts share an owner (the gateway's parent_request_id): a later request
+    takes the newest prompt's slot, and the prompts left waiting go after it."""
+    s = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=3, budget=64)
+    for i in range(4):
+        prompt = make_request(f"p-{i}", 4, max_tokens=6)
+        prompt.owner = "p"
+        s.add_request(prompt)
+    outs = [run_step(s)]
+    assert outs[0].num_scheduled_tokens == {"p-0": 4, "p-1": 4, "p-2": 4}
+    s.add_request(make_request("a", 4, max_tokens=2))
+    outs.append(run_step(s))
+    assert outs[1].num_scheduled_tokens == {"p-0": 1, "p-1": 1, "a": 4}
+    assert outs[1].finished_request_ids == {"p-2"}
+    assert [r.request_id for r in s.waiting] == ["p-2", "p-3"]
+    assert s.kv.get_block_ids("a") == [6]
+    outs += [run_step(s), run_step(s)]
+    assert outs[3].num_scheduled_tokens == {"p-0": 1, "p-1": 1, "p-2": 5}  # a ended: p-2 has its slot back
+    assert outs[3].finished_request_ids == {"a"}
+    for _ in range(100):
+        if not s.has_unfinished_requests():
+            break
+        run_step(s)
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 32
+    s.kv.check_invariants()
+
+
 def test_swap_mode_moves_a_whole_group_to_cpu_and_back():
     s = Scheduler(
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption_mode=None),

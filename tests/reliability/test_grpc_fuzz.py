@@ -212,6 +212,7 @@ FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
         optional(uint32s(st.integers(0, 100), [0, 1, 63, 64, 65, UINT32_MAX - 1])),
     ),
     "add_special_tokens": (optional(st.booleans()), optional(st.booleans())),
+    "parent_request_id": (st.one_of(st.just(""), st.sampled_from(["batch-a", "batch-b"])), long_texts(5000)),
 }
 
 
@@ -281,6 +282,7 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
             priority=field("priority"),
             truncate_prompt_tokens=field("truncate_prompt_tokens"),
             add_special_tokens=field("add_special_tokens"),
+            parent_request_id=field("parent_request_id"),
         ),
         sampling=sampling,
         stopping=stopping,

@@ -362,6 +362,8 @@ def build_app(
         shape = await response_shape(http, body, model, tools, cached_tokens)
         for request, request_id in zip(requests, engine_request_ids(shape.id, len(requests))):
             request.request_id = request_id
+            if len(requests) > 1:  # its prompts share the batch as one request (the scheduler's FCFS fairness)
+                request.parent_request_id = shape.id
         calls = await start(slot, http, stub, requests, drain)
         if log_requests:
             logger.info(

@@ -187,7 +187,7 @@ class StructuredOutput(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[StructuredChoices, _Mapping]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ..., in_reasoning: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "prompt_embeds", "sampling", "stopping", "logprobs", "priority", "structured", "prompt_logprobs", "echo", "truncate_prompt_tokens", "beam_search", "return_token_ids", "truncation_side", "stream_interval", "cache_salt", "mm_processor_kwargs_json", "add_special_tokens")
+    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "prompt_embeds", "sampling", "stopping", "logprobs", "priority", "structured", "prompt_logprobs", "echo", "truncate_prompt_tokens", "beam_search", "return_token_ids", "truncation_side", "stream_interval", "cache_salt", "mm_processor_kwargs_json", "add_special_tokens", "parent_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MM_PROCESSOR_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -230,7 +231,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     mm_processor_kwargs_json: str
     add_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_embeds: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., return_token_ids: _Optional[bool] = ..., truncation_side: _Optional[str] = ..., stream_interval: _Optional[int] = ..., cache_salt: _Optional[str] = ..., mm_processor_kwargs_json: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    parent_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_embeds: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., return_token_ids: _Optional[bool] = ..., truncation_side: _Optional[str] = ..., stream_interval: _Optional[int] = ..., cache_salt: _Optional[str] = ..., mm_processor_kwargs_json: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., parent_request_id: _Optional[str] = ...) -> None: ...
 
 class BeamSearch(_message.Message):
     __slots__ = ("length_penalty",)
