@@ -112,13 +112,24 @@ def test_required_always_gives_valid_calls(client, temperature):
 
 
 def test_required_streamed(client):
-    stream = client.chat.completions.create(
-        model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0, stream=True
-    )
-    content, calls, finish = _streamed_calls(stream)
-    assert (content, finish) == ("", "tool_calls") and calls
+    """Each call's id and name come as soon as its name is whole, then its arguments as they are written (the
+    whole calls used to come in the last chunk); joined, they are the calls of the same request unstreamed."""
+    asked = {"model": "smollm2", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80}
+    whole = client.chat.completions.create(**asked, temperature=0).choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(**asked, temperature=0, stream=True))
+    content, calls, finish = _streamed_calls(chunks)
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
     for call in calls.values():
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        assert call["id"].startswith("chatcmpl-tool-")
+    pieces = [p for chunk in chunks if chunk.choices for p in chunk.choices[0].delta.tool_calls or ()]
+    first = pieces[0]
+    assert first.id == calls[0]["id"] and first.function.name == whole[0].function.name
+    assert all(p.id is None and p.function.name is None for p in pieces if p.index == 0 and p is not first)
+    assert len([p for p in pieces if p.index == 0]) > 3  # the arguments came in pieces
 
 
 def test_parallel_tool_calls_false_makes_one_call(client):
@@ -159,12 +170,18 @@ def test_auto_parses_hermes_calls_whole_and_streamed(client):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
         ("get_weather", {"city": "Paris"})
     ]
-    stream = client.chat.completions.create(
-        model="smollm2", messages=FEW_SHOT, tools=TOOLS, max_tokens=60, temperature=0, stream=True
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2", messages=FEW_SHOT, tools=TOOLS, max_tokens=60, temperature=0, stream=True
+        )
     )
-    content, calls, finish = _streamed_calls(stream)
+    content, calls, finish = _streamed_calls(chunks)
     assert (content, finish) == ("", "tool_calls")
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Paris"})]
+    # the call's name came once whole, its arguments as written: joined, the model's text of them
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", '{"city": "Paris"}')]
+    pieces = [p for chunk in chunks if chunk.choices for p in chunk.choices[0].delta.tool_calls or ()]
+    assert pieces[0].id == calls[0]["id"] and pieces[0].function.name == "get_weather"
+    assert len(pieces) > 2 and all(p.id is None and p.function.name is None for p in pieces[1:])
 
 
 def test_auto_answers_plain_text_as_content(client):

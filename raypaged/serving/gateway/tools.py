@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tool_parsers import StreamingToolCalls, ToolCall, ToolParser
+from raypaged.serving.gateway.tool_parsers.streamed import StreamedCalls
 from raypaged.serving.proto import generate_pb2 as pb
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -153,13 +154,18 @@ class ToolStream:
     """One streamed choice: its text deltas become content deltas and tool-call deltas."""
 
     plan: ToolPlan
-    _text: str = ""
     _named: ToolCall | None = None
     _parsed: StreamingToolCalls | None = field(default=None)
+    _required: RequiredCalls | None = field(default=None)
 
     def __post_init__(self) -> None:
+        max_calls = None if self.plan.parallel else 1
         if self.plan.mode == "auto" and self.plan.parser is not None:
             self._parsed = self.plan.parser.stream()
+            if self._parsed.calls is not None:
+                self._parsed.calls.max_calls = max_calls
+        elif self.plan.mode == "required":
+            self._required = RequiredCalls(max_calls)
 
     def feed(self, text: str) -> dict[str, Any]:
         """The chunk's ``delta`` fields for this piece of text (``{}``: nothing to send yet)."""
@@ -173,29 +179,55 @@ class ToolStream:
                     ]
                 }
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
-        if self.plan.mode == "required":
-            self._text += text
-            return {}
+        if self._required is not None:
+            calls = self._required.feed(text)
+            return {"tool_calls": calls} if calls else {}
         if self._parsed is not None:
             content = self._parsed.feed(text)
-            return {"content": content} if content else {}
+            fields: dict[str, Any] = {"content": content} if content else {}
+            if calls := self._parsed.call_deltas():
+                fields["tool_calls"] = calls
+            return fields
         return {"content": text} if text else {}
 
     def finish(self) -> tuple[dict[str, Any], list[ToolCall]]:
         """The last ``delta`` fields once the output ended, and the calls it made."""
         if self.plan.mode == "named":
             return {}, [self._named] if self._named is not None else []
-        if self.plan.mode == "required":
-            content, calls = self.plan.extract(self._text)
-        elif self._parsed is not None:
+        if self._required is not None:
+            return self._required.finish(self.plan)
+        if self._parsed is not None:
             content, calls = self._parsed.finish()
             calls = calls[: None if self.plan.parallel else 1]
         else:
             return {}, []
         delta: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            delta["tool_calls"] = [{"index": i, **call.as_openai()} for i, call in enumerate(calls)]
+        streamed = self._parsed.calls
+        deltas = (
+            streamed.settle(calls)
+            if streamed is not None
+            else [{"index": i, **call.as_openai()} for i, call in enumerate(calls)]
+        )
+        if deltas:
+            delta["tool_calls"] = deltas
         return delta, calls
+
+
+class RequiredCalls(StreamedCalls):
+    """The ``required`` tool choice's output (a JSON array of ``{"name", "parameters"}`` objects) streamed as
+    tool-call deltas."""
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        super().__init__(("parameters",), call_depth=1, max_calls=max_calls)
+
+    def finish(self, plan: ToolPlan) -> tuple[dict[str, Any], list[ToolCall]]:
+        """The last delta and the calls. An output cut before its calls were whole (``max_tokens``, a stop
+        string) has no calls; what was streamed of them stays, and no content follows."""
+        content, calls = plan.extract(self.scanner.text)
+        if not calls:
+            return ({"content": content} if content and not self.started else {}), []
+        deltas = self.settle(calls)
+        return ({"tool_calls": deltas} if deltas else {}), calls
 
 
 def tools_json(tools: list[Tool]) -> str:

@@ -8,9 +8,12 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from raypaged.structured.harmony import held_back
+
+if TYPE_CHECKING:
+    from raypaged.serving.gateway.tool_parsers.streamed import StreamedCalls
 
 
 @dataclass(slots=True)
@@ -131,13 +134,17 @@ class TypedArgumentsParser(MarkerParser):
 
 class StreamingToolCalls:
     """One streamed choice through a parser: content before the tool-call section streams as it
-    comes (but for what could begin one), the section is held and parsed when the output ends."""
+    comes (but for what could begin one), the section is parsed when the output ends. A format of
+    JSON calls streams them as they are written too (``calls``: their names once whole, then their
+    arguments), and its parsed calls then settle what was sent."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, calls: StreamedCalls | None = None) -> None:
         self.parser = parser
+        self.calls = calls
         self.text = ""
         self._sent = 0  # characters of text already sent as content
         self._section: int | None = None
+        self._scanned = 0  # characters of text the section's calls have read
 
     def feed(self, delta: str) -> str:
         """Content to send now."""
@@ -149,11 +156,22 @@ class StreamingToolCalls:
         self._sent = max(self._sent, safe)
         return content
 
+    def call_deltas(self) -> list[dict[str, Any]]:
+        """The tool-call deltas of the section's text fed since the last call (none before the section)."""
+        if self.calls is None or self._section is None:
+            return []
+        start = max(self._scanned, self._section)
+        self._scanned = len(self.text)
+        return self.calls.feed(self.text[start:])
+
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not sent yet, the tool calls) once the output ended."""
+        """(content not sent yet, the tool calls) once the output ended. Calls streamed in a section that does
+        not parse after all stay as sent, and the section is not sent again as content."""
         content, calls = self.parser.extract(self.text)
         if calls:
             return "", calls
+        if self.calls is not None and self.calls.started:
+            return "", []
         rest = self.text[self._sent :]
         self._sent = len(self.text)
         return rest, []

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from raypaged.serving.gateway.tool_parsers.base import MarkerParser, ToolCall
+from raypaged.serving.gateway.tool_parsers.base import MarkerParser, StreamingToolCalls, ToolCall
+from raypaged.serving.gateway.tool_parsers.streamed import StreamedCalls
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
@@ -14,6 +15,10 @@ _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re
 class HermesParser(MarkerParser):
     name = "hermes"
     marker = START
+
+    def stream(self) -> StreamingToolCalls:
+        """Calls streamed as they are written: each block holds one JSON object."""
+        return StreamingToolCalls(self, StreamedCalls(("arguments",), call_depth=0))
 
     def parse_section(self, section: str) -> list[ToolCall]:
         blocks = [b.strip() for b in _BLOCK.findall(section)]
