@@ -160,7 +160,11 @@ def test_the_engine_gets_the_tenants_priority_plus_the_requests_and_its_name_as_
     original = engine.add_request
     monkeypatch.setattr(engine, "add_request", add_request)
     list(server.stub.Generate(pb.GenerateRequest(request_id="p", text="Hello", priority=3, **GREEDY), metadata=key(B)))
-    assert seen == [("b/p", 8, "b", {"lora_request": None, "beam": None, "multi_modal": None, "prompt_embeds": None})]
+    more = {"lora_request": None, "beam": None, "multi_modal": None, "prompt_embeds": None, "owner": None}
+    assert seen == [("b/p", 8, "b", more)]
+    part = pb.GenerateRequest(request_id="q", parent_request_id="batch", text="Hello", **GREEDY)
+    list(server.stub.Generate(part, metadata=key(B)))
+    assert seen[1] == ("b/q", 5, "b", more | {"owner": "b/batch"})  # the client request's id, in its tenant
 
 
 def test_a_request_the_engine_failed_alone_ends_internal_with_its_message(server, monkeypatch):
