@@ -127,3 +127,34 @@ def test_a_hermes_section_that_does_not_parse_after_a_streamed_call_adds_no_cont
     content, calls, _, final = _stream(_hermes_plan(), 'Hi<tool_call>\n{"name": "a", "arguments": {"x": 1}} oops', 0)
     assert (content, final) == ("Hi", [])
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("a", '{"x": 1}')]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": "1 } 2"}}; {"name": "b", "parameters": {}}'),
+        ("granite", '<|tool_call|>[{"name": "a", "arguments": {"x": "1 } 2"}}, {"name": "b", "arguments": {}}]'),
+        ("phi4_mini_json", 'functools[{"name": "a", "arguments": {"x": "1 } 2"}}, {"name": "b", "arguments": {}}]'),
+        ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": "1 } 2"}}, {"name": "b", "arguments": {}}]'),
+    ],
+)
+@pytest.mark.parametrize("seed", range(3))
+def test_every_json_format_streams_its_calls_as_they_are_written(parser, text, seed):
+    tools = [Tool.model_validate({"type": "function", "function": {"name": n}}) for n in ("a", "b")]
+    content, calls, pieces, final = _stream(ToolPlan(tools, "auto", parser=get_parser(parser)), text, seed)
+    assert content == ""
+    assert [(c.name, c.arguments) for c in final] == [("a", '{"x": "1 } 2"}'), ("b", "{}")]
+    assert [(c["id"], c["name"], c["arguments"]) for c in calls.values()] == [
+        (call.id, call.name, call.arguments) for call in final
+    ]
+    assert [p["index"] for p in pieces if "id" in p] == [0, 1]
+    assert len(pieces) > 2  # not whole at the end
+
+
+def test_a_mistral_call_that_is_no_list_comes_whole_at_the_end():
+    plan = ToolPlan(
+        [Tool.model_validate({"type": "function", "function": {"name": "a"}})], "auto", parser=get_parser("mistral")
+    )
+    content, calls, pieces, final = _stream(plan, '[TOOL_CALLS]{"name": "a", "arguments": {"x": 1}}', 0)
+    assert [(c.name, c.arguments) for c in final] == [("a", '{"x": 1}')]
+    assert pieces == [{"index": 0, **final[0].as_openai()}]

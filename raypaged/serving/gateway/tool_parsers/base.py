@@ -68,6 +68,9 @@ class ToolParser(ABC):
     reasoning_parser: ClassVar[str | None] = None
     # the markers are special tokens: chat requests whose calls it reads keep special tokens in the output's text
     special_tokens: ClassVar[bool] = False
+    # a format whose calls are JSON objects: the keys their arguments may have, and how deep the objects sit in
+    # the section (0: at its top level, 1: items of an array); its streams send the calls as they are written
+    json_calls: ClassVar[tuple[tuple[str, ...], int] | None] = None
 
     @abstractmethod
     def section_start(self, text: str) -> int | None:
@@ -94,7 +97,12 @@ class ToolParser(ABC):
 
     def stream(self) -> StreamingToolCalls:
         """One streamed output through this parser."""
-        return StreamingToolCalls(self)
+        if self.json_calls is None:
+            return StreamingToolCalls(self)
+        from raypaged.serving.gateway.tool_parsers.streamed import StreamedCalls  # which imports this module
+
+        keys, call_depth = self.json_calls
+        return StreamingToolCalls(self, StreamedCalls(keys, call_depth))
 
     def for_tools(self, parameters: Mapping[str, Mapping[str, Any] | None]) -> ToolParser:
         """This parser for a request whose tools take these ``parameters`` schemas (by function name): a format

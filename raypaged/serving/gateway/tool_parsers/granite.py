@@ -16,6 +16,7 @@ class GraniteParser(MarkerParser):
     marker = START
     alternatives = (START_TEXT,)
     special_tokens = True
+    json_calls = (("arguments",), 1)
 
     def parse_section(self, section: str) -> list[ToolCall]:
         body = section.removeprefix(START).removeprefix(START_TEXT).strip()

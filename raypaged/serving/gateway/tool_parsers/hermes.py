@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from raypaged.serving.gateway.tool_parsers.base import MarkerParser, StreamingToolCalls, ToolCall
-from raypaged.serving.gateway.tool_parsers.streamed import StreamedCalls
+from raypaged.serving.gateway.tool_parsers.base import MarkerParser, ToolCall
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
@@ -15,10 +14,7 @@ _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re
 class HermesParser(MarkerParser):
     name = "hermes"
     marker = START
-
-    def stream(self) -> StreamingToolCalls:
-        """Calls streamed as they are written: each block holds one JSON object."""
-        return StreamingToolCalls(self, StreamedCalls(("arguments",), call_depth=0))
+    json_calls = (("arguments",), 0)
 
     def parse_section(self, section: str) -> list[ToolCall]:
         blocks = [b.strip() for b in _BLOCK.findall(section)]

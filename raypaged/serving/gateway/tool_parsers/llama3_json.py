@@ -12,6 +12,7 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    json_calls = (("parameters", "arguments"), 0)
 
     def section_start(self, text: str) -> int | None:
         body = text.lstrip()

@@ -12,6 +12,7 @@ START = "[TOOL_CALLS]"
 class MistralParser(MarkerParser):
     name = "mistral"
     marker = START
+    json_calls = (("arguments",), 1)  # past the marker's own brackets (one object, not a list: whole at the end)
 
     def parse_section(self, section: str) -> list[ToolCall]:
         value = json.loads(section.removeprefix(START).strip())

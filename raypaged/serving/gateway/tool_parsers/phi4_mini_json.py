@@ -13,6 +13,7 @@ START = "functools["
 class Phi4MiniJsonParser(MarkerParser):
     name = "phi4_mini_json"
     marker = START
+    json_calls = (("arguments", "parameters"), 1)  # the marker opens the array
 
     def parse_section(self, section: str) -> list[ToolCall]:
         values = json.loads("[" + section.removeprefix(START))
