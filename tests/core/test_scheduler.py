@@ -240,6 +240,15 @@ def test_a_group_prefills_once_then_forks_and_copies_the_shared_last_block():
     s.kv.check_invariants()
 
 
+def assert_finishes_with_every_block_free(s: Scheduler, num_blocks: int) -> None:
+    for _ in range(100):
+        if not s.has_unfinished_requests():
+            break
+        run_step(s)
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == num_blocks
+    s.kv.check_invariants()
+
+
 def test_a_request_of_many_samples_gives_way_to_requests_running_alone():
     s = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=8, budget=64)
     s.add_request(make_group("g", 4, 3, max_tokens=12)[0])
@@ -261,12 +270,7 @@ def test_a_request_of_many_samples_gives_way_to_requests_running_alone():
     assert outs[7].num_scheduled_tokens == {"g": 1, "a": 1, "b": 1, "c": 4}
     assert [r.request_id for r in s.waiting] == ["g#1", "g#2"]
     assert s.kv.get_block_ids("c") == [6]
-    for _ in range(100):
-        if not s.has_unfinished_requests():
-            break
-        run_step(s)
-    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 10
-    s.kv.check_invariants()
+    assert_finishes_with_every_block_free(s, 10)
 
 
 def test_a_request_with_nothing_running_takes_a_slot_from_the_request_running_the_most_samples():
@@ -294,12 +298,7 @@ def test_a_request_with_nothing_running_takes_a_slot_from_the_request_running_th
     outs.append(run_step(s))  # a and b ended: their slots go back to h#2 and g#3 (7 again), both recomputed
     assert outs[5].num_scheduled_tokens == {"g": 1, "h": 1, "g#1": 1, "g#2": 1, "h#1": 1, "h#2": 6, "g#3": 5}
     assert not s.waiting
-    for _ in range(100):
-        if not s.has_unfinished_requests():
-            break
-        run_step(s)
-    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 32
-    s.kv.check_invariants()
+    assert_finishes_with_every_block_free(s, 32)
 
 
 def test_the_prompts_of_one_client_request_share_the_batch_as_its_samples_do():
@@ -321,12 +320,7 @@ def test_the_prompts_of_one_client_request_share_the_batch_as_its_samples_do():
     outs += [run_step(s), run_step(s)]
     assert outs[3].num_scheduled_tokens == {"p-0": 1, "p-1": 1, "p-2": 5}  # a ended: p-2 has its slot back
     assert outs[3].finished_request_ids == {"a"}
-    for _ in range(100):
-        if not s.has_unfinished_requests():
-            break
-        run_step(s)
-    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 32
-    s.kv.check_invariants()
+    assert_finishes_with_every_block_free(s, 32)
 
 
 def test_swap_mode_moves_a_whole_group_to_cpu_and_back():
