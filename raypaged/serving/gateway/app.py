@@ -4,6 +4,7 @@ API."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -14,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.middleware.cors import CORSMiddleware
@@ -52,7 +53,14 @@ from raypaged.serving.gateway.output_log import OutputLog, OutputLogging
 from raypaged.serving.gateway.pooled import PoolingRunner, check_serves
 from raypaged.serving.gateway.reasoning import ReasoningParser
 from raypaged.serving.gateway.response_events import ResponseEvents, fed_events, sse_event
-from raypaged.serving.gateway.responses import Accumulator, ChunkWriter, ResponseShape, engine_request_ids
+from raypaged.serving.gateway.responses import (
+    LARGE_ANSWER,
+    Accumulator,
+    ChunkWriter,
+    ResponseShape,
+    answer_json,
+    engine_request_ids,
+)
 from raypaged.serving.gateway.scale_out import (
     SCALE_OUT_BODIES,
     GatewayParts,
@@ -392,13 +400,15 @@ def build_app(
             return EventStream(_sse(calls, writer, slot, drain, log, path), cleanup, headers, sse_keep_alive_s)
         try:
             work = _collect(calls, Accumulator(shape, len(requests)), drain, log)
-            answer = await unless_disconnected(http, work)
+            accumulator = await unless_disconnected(http, work)
         finally:
             cancel(calls)
             slot.release()
-        if translation is not None:
-            answer = translation.body(answer)
-        return JSONResponse(answer, headers=headers)
+        if accumulator.size() < LARGE_ANSWER:
+            content = _answer_json(accumulator, translation)
+        else:  # off the event loop, which every other stream's chunks wait on, letting it run after each choice
+            content = await asyncio.to_thread(_answer_json, accumulator, translation, _let_the_loop_run)
+        return Response(content, media_type="application/json", headers=headers)
 
     @app.post("/v1/responses", openapi_extra=body_doc(ResponsesRequest))
     async def responses(http: Request) -> Response:
@@ -709,7 +719,9 @@ class _Families:
         return self._families
 
 
-async def _collect(calls: list[StreamCall], accumulator: Accumulator, drain: Drain, log: OutputLog | None) -> dict:
+async def _collect(
+    calls: list[StreamCall], accumulator: Accumulator, drain: Drain, log: OutputLog | None
+) -> Accumulator:
     async with contextlib.aclosing(merged_responses(calls, drain)) as responses:
         async for index, response in responses:
             accumulator.add(index, response)
@@ -717,7 +729,19 @@ async def _collect(calls: list[StreamCall], accumulator: Accumulator, drain: Dra
                 log.feed(index, response)
     if log is not None:
         log.finish()
-    return accumulator.body()
+    return accumulator
+
+
+def _answer_json(
+    accumulator: Accumulator, translation: _Translation | None, pause: Callable[[], None] = lambda: None
+) -> bytes:
+    """The non-streaming answer's JSON (another API's, with ``translation``), with ``pause`` after each choice."""
+    answer = accumulator.body(pause)
+    return answer_json(translation.body(answer) if translation is not None else answer, pause)
+
+
+def _let_the_loop_run() -> None:
+    time.sleep(0)  # gives up the interpreter lock: the event loop runs until it waits for I/O again
 
 
 async def _chunks(

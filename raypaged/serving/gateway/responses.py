@@ -7,9 +7,10 @@ prompt index × n + completion index, as OpenAI numbers them.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from raypaged.outputs import FinishReason
@@ -200,6 +201,11 @@ class PromptParts:
         if response.HasField("prompt_logprobs"):
             self.logprobs = response.prompt_logprobs
 
+    def size(self) -> int:
+        """About how many values its logprobs hold."""
+        found = self.logprobs
+        return 0 if found is None else len(found.token_ids) + sum(len(top.token_ids) for top in found.top_logprobs)
+
     def completion_logprobs(self, as_ids: bool = False) -> dict:
         """The prompt's tokens in completions' logprobs format: the first without a logprob."""
         found = self.logprobs or PromptLogprobs()
@@ -249,6 +255,37 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
+def _nothing() -> None:
+    pass
+
+
+# an answer of more values than this (``Accumulator.size``) is built and written off the gateway's event loop:
+# n=32 x 500 tokens x 20 top logprobs (24 MB of JSON) held the loop, and every stream with it, for 1.6 s
+LARGE_ANSWER = 20_000
+
+
+def answer_json(body: dict, pause: Callable[[], None] = _nothing) -> bytes:
+    """``body`` as ``JSONResponse`` writes it (compact UTF-8 JSON, no NaN), each item of a top-level list written by
+    a call of its own with ``pause`` after it (one ``json.dumps`` holds the interpreter lock to its end; a thread
+    writing a large answer lets the event loop run between them)."""
+    parts = []
+    for key, value in body.items():
+        if isinstance(value, list):
+            items = []
+            for item in value:
+                items.append(_json(item))
+                pause()
+            encoded = "[" + ",".join(items) + "]"
+        else:
+            encoded = _json(value)
+        parts.append(f"{_json(key)}:{encoded}")
+    return ("{" + ",".join(parts) + "}").encode()
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
 class Accumulator:
     """Collects every delta of every prompt into one non-streaming response body."""
 
@@ -272,7 +309,13 @@ class Accumulator:
                 choice.finish_reason = FINISH_REASONS[delta.finish_reason]
                 choice.stop_reason = stop_reason_of(delta)
 
-    def body(self) -> dict:
+    def size(self) -> int:
+        """About how many values the body will hold: its tokens, their top logprobs and the prompts' logprobs."""
+        tokens = sum(len(c.token_ids) + sum(len(top.token_ids) for top in c.top_logprobs) for c in self.choices)
+        return tokens + sum(prompt.size() for prompt in self.prompts)
+
+    def body(self, pause: Callable[[], None] = _nothing) -> dict:
+        """The response body, with ``pause`` after each choice is built (see ``answer_json``)."""
         choices = []
         for index, choice in enumerate(self.choices):
             merged = CompletionDelta(
@@ -300,6 +343,7 @@ class Accumulator:
                     entry["prompt_token_ids"] = prompt.token_ids
                 entry["token_ids"] = list(choice.token_ids)
             choices.append(entry)
+            pause()
         body = self.shape.envelope(choices, self.shape.usage(self.usages), chunk=False)
         if self.shape.prompt_logprobs and self.shape.chat:
             body["prompt_logprobs"] = self.prompts[0].vllm_logprobs()
