@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from raypaged.entrypoints.vllm_options import LEGACY_FLAGS
+
 CONFIG_FLAG = "--config"
 
 
@@ -57,6 +59,10 @@ class ArgumentParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         args = dashed(sys.argv[1:] if args is None else args)
+        for arg in args:
+            flag = arg.partition("=")[0]
+            if flag in LEGACY_FLAGS and flag not in self.flags:
+                self.error(f"{flag} is no longer a vLLM flag: {LEGACY_FLAGS[flag]}")
         if CONFIG_FLAG in self.flags:
             args = self._with_config_file(args)
         return super().parse_known_args(args, namespace)

@@ -404,3 +404,28 @@ SERVER_ANY_VALUE: dict[str, tuple[type, str]] = {
     "enable_flash_late_interaction": (bool, "no late-interaction scoring model is served"),
     "trust_request_mm_kwargs": (bool, f"{_TEXT_ONLY}: a request's mm_processor_kwargs and media_io_kwargs are refused"),
 }
+
+_SPEC = (
+    'give the draft as --speculative-config JSON ({"method": "ngram" or "draft_model", "model": ..., '
+    '"num_speculative_tokens": N, "prompt_lookup_max": N, ...})'
+)
+# flags that vLLM's older command lines carry and vLLM itself no longer takes: refused by name, with what replaced
+# them (argparse alone would only call them unrecognized)
+LEGACY_FLAGS: dict[str, str] = {
+    "--num-scheduler-steps": "every step is scheduled (--async-scheduling overlaps scheduling with the step)",
+    "--use-v2-block-manager": "the paged block manager is the only one",
+    "--speculative-model": _SPEC,
+    "--num-speculative-tokens": _SPEC,
+    "--ngram-prompt-lookup-max": _SPEC,
+    "--ngram-prompt-lookup-min": _SPEC,
+    "--speculative-draft-tensor-parallel-size": _SPEC,
+    "--speculative-max-model-len": _SPEC,
+    "--speculative-disable-by-batch-size": _SPEC,
+    "--enable-reasoning": "--reasoning-parser NAME alone separates the reasoning",
+    "--disable-async-output-proc": "outputs are processed beside the step, with nothing to turn off",
+    "--rope-scaling": "give it as --hf-overrides '{\"rope_scaling\": {...}}'",
+    "--rope-theta": "give it as --hf-overrides '{\"rope_theta\": ...}'",
+    "--tokenizer-pool-size": "prompts are tokenized on the server's own threads",
+    "--worker-use-ray": "use --distributed-executor-backend ray",
+    "--override-pooler-config": "use --pooler-config",
+}

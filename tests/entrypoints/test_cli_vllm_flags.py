@@ -5,8 +5,9 @@ import re
 import httpx
 import pytest
 
-from raypaged.entrypoints.cli import build_parser, engine_configs
+from raypaged.entrypoints.cli import build_parser, engine_configs, main
 from raypaged.entrypoints.server_args import gateway_options
+from raypaged.entrypoints.vllm_options import LEGACY_FLAGS
 from raypaged.serving.engine_server import EngineServer
 from raypaged.structured.config import StructuredOutputsConfig
 from tests.serving.conftest import Stack, tiny_config, tiny_model_dir  # noqa: F401  (session fixture)
@@ -481,3 +482,13 @@ def test_vllms_older_task_flag_is_its_runner_and_convert(tiny_model_dir):  # noq
         assert llm.llm_engine.config.pooler is not None and len(llm.embed("hi", use_tqdm=False)[0].outputs.embedding)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("flag", sorted(LEGACY_FLAGS))
+def test_flags_vllm_no_longer_takes_are_refused_with_what_replaced_them(flag, capsys):
+    """Older vLLM command lines (multi-step scheduling, the v2 block manager, --speculative-model, ...)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "m", flag.replace("-", "_").replace("__", "--", 1) + "=1"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error == f"raypaged: error: {flag} is no longer a vLLM flag: {LEGACY_FLAGS[flag]}"
