@@ -122,7 +122,11 @@ def fail_after_fault(tiny_llama, fault: Callable[[LLM], str], expected: type[Wor
             engine.step()
         lost_actor = fault(llm)
         with pytest.raises(expected, match="^" + message.format(actor=lost_actor) + "$"):
-            engine.step()
+            # Ray reports a killed actor dead before its process is gone: under a loaded CI machine that process
+            # served one more step (twice in full runs), so the error may come a step later; the requests
+            # (24 tokens each) are far from their end either way
+            for _ in range(3):
+                engine.step()
         assert not engine.has_unfinished_requests()
         assert_all_blocks_free(llm)
         assert engine.executor.workers == []  # the survivor was released too
