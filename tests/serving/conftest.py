@@ -157,6 +157,23 @@ def streamed_chunks(shape: Any, pieces: list[str]) -> tuple[list[dict], list[str
     return deltas, finish_reasons
 
 
+def streamed_calls(deltas: list[dict]) -> list[dict]:
+    """The calls that the ``tool_calls`` of chat chunks' ``deltas`` make, in index order: each one's id, type and
+    name from its first delta, its arguments joined."""
+    calls: dict[int, dict] = {}
+    for piece in (p for delta in deltas for p in delta.get("tool_calls") or ()):
+        call = calls.get(piece["index"])
+        if call is None:
+            call = calls[piece["index"]] = {"id": piece["id"], "type": piece["type"], "function": piece["function"]}
+        else:
+            assert set(piece) == {"index", "function"} and set(piece["function"]) == {"arguments"}, piece
+            call["function"] = {
+                **call["function"],
+                "arguments": call["function"]["arguments"] + piece["function"]["arguments"],
+            }
+    return [calls[i] for i in sorted(calls)]
+
+
 def streamed_parts(parser: str, output: str, piece: int) -> tuple[str, str]:
     """(reasoning, content) of ``output`` fed to ``parser``'s stream ``piece`` characters at a time."""
     from raypaged.structured.reasoning import get_reasoning_parser

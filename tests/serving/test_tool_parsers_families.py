@@ -11,7 +11,7 @@ import pytest
 from raypaged.serving.gateway.responses import ResponseShape
 from raypaged.serving.gateway.tool_parsers import PARSERS, StreamingToolCalls, ToolParser, get_parser
 from raypaged.serving.gateway.tools import Tool, ToolPlan
-from tests.serving.conftest import serving, streamed_chunks, tiny_config
+from tests.serving.conftest import serving, streamed_calls, streamed_chunks, tiny_config
 
 WEATHER = {"city": "Paris", "days": 2}
 PARAMETERS = {
@@ -355,29 +355,20 @@ def test_a_chat_answer_with_calls_finishes_with_tool_calls(name):
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("size", [1, 5])
 def test_a_chat_stream_sends_the_content_as_it_comes_and_the_calls_with_no_marker(name, size):
-    """A format of JSON calls (``json_calls``) streams each call as it is written; the others' calls come whole
-    in the last chunk."""
+    """Every format streams each call as it is written."""
     output, content = CASES[name]
     pieces = [output[i : i + size] for i in range(0, len(output), size)]
     deltas, finish_reasons = streamed_chunks(_shape(name), pieces)
     assert "".join(d.get("content") or "" for d in deltas) == (content or "")
-    sent = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-    calls: dict[int, dict] = {}
-    for piece in (p for chunk in sent for p in chunk):
-        call = calls.setdefault(piece["index"], {"id": piece.get("id"), "name": None, "arguments": ""})
-        call["name"] = call["name"] or piece["function"].get("name")
-        call["arguments"] += piece["function"].get("arguments", "")
-    assert [(i, {"name": c["name"], "arguments": c["arguments"]}) for i, c in calls.items()] == [
-        (0, {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}),
-        (1, {"name": "get_time", "arguments": "{}"}),
+    calls = streamed_calls(deltas)
+    assert [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
+        {"name": "get_time", "arguments": "{}"},
     ]
-    assert all(c["id"] for c in calls.values())
-    if _parser(name).json_calls is None:
-        assert len(sent) == 1  # whole, in the last chunk
-    else:
-        assert len(sent) > 2
+    assert all(c["id"] for c in calls)
+    assert len([d for d in deltas if "tool_calls" in d]) > 2  # not whole in the last chunk
     if name == "kimi_k2":
-        assert [c["id"] for c in calls.values()] == KIMI_IDS
+        assert [c["id"] for c in calls] == KIMI_IDS
     assert finish_reasons[-1] == "tool_calls"
 
 
@@ -430,7 +421,7 @@ def test_a_kimi_server_answers_calls_keeps_special_tokens_and_refuses_skipping_t
     chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == "On it. " and "<|" not in text
-    assert [c["id"] for d in deltas for c in d.get("tool_calls", [])] == KIMI_IDS
+    assert [c["id"] for c in streamed_calls(deltas)] == KIMI_IDS
     rendered = kimi_http.post("/v1/chat/completions/render", json=_kimi_chat(tools=KIMI_TOOLS)).json()
     assert rendered["sampling_params"]["skip_special_tokens"] is False
     plain = kimi_http.post("/v1/chat/completions/render", json=_kimi_chat(tools=KIMI_TOOLS, tool_choice="none"))

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from raypaged.serving.gateway.errors import APIError
 from raypaged.serving.gateway.tool_parsers import StreamingToolCalls, ToolCall, ToolParser
-from raypaged.serving.gateway.tool_parsers.streamed import StreamedCalls
+from raypaged.serving.gateway.tool_parsers.streamed import CallScanner, StreamedCalls
 from raypaged.serving.proto import generate_pb2 as pb
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -218,12 +218,13 @@ class RequiredCalls(StreamedCalls):
     tool-call deltas."""
 
     def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(("parameters",), call_depth=1, max_calls=max_calls)
+        self.json = CallScanner(("parameters",), call_depth=1)
+        super().__init__(self.json, max_calls)
 
     def finish(self, plan: ToolPlan) -> tuple[dict[str, Any], list[ToolCall]]:
         """The last delta and the calls. An output cut before its calls were whole (``max_tokens``, a stop
         string) has no calls; what was streamed of them stays, and no content follows."""
-        content, calls = plan.extract(self.scanner.text)
+        content, calls = plan.extract(self.json.text)
         if not calls:
             return ({"content": content} if content and not self.started else {}), []
         deltas = self.settle(calls)

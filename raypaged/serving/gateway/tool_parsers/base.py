@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from raypaged.structured.harmony import held_back
 
 if TYPE_CHECKING:
-    from raypaged.serving.gateway.tool_parsers.streamed import StreamedCalls
+    from raypaged.serving.gateway.tool_parsers.streamed import Scanner, StreamedCalls
 
 
 @dataclass(slots=True)
@@ -69,7 +69,7 @@ class ToolParser(ABC):
     # the markers are special tokens: chat requests whose calls it reads keep special tokens in the output's text
     special_tokens: ClassVar[bool] = False
     # a format whose calls are JSON objects: the keys their arguments may have, and how deep the objects sit in
-    # the section (0: at its top level, 1: items of an array); its streams send the calls as they are written
+    # the section (0: at its top level, 1: items of an array)
     json_calls: ClassVar[tuple[tuple[str, ...], int] | None] = None
 
     @abstractmethod
@@ -95,14 +95,22 @@ class ToolParser(ABC):
             return text, []
         return (text[:start] if text[:start].strip() else None), calls
 
-    def stream(self) -> StreamingToolCalls:
-        """One streamed output through this parser."""
+    def scanner(self) -> Scanner | None:
+        """What reads this format's calls as the section streams in (``None``: the calls come whole once the
+        output ended)."""
         if self.json_calls is None:
-            return StreamingToolCalls(self)
+            return None
+        from raypaged.serving.gateway.tool_parsers.streamed import CallScanner  # which imports this module
+
+        return CallScanner(*self.json_calls)
+
+    def stream(self) -> StreamingToolCalls:
+        """One streamed output through this parser: its calls stream as they are written where a scanner reads
+        them."""
         from raypaged.serving.gateway.tool_parsers.streamed import StreamedCalls  # which imports this module
 
-        keys, call_depth = self.json_calls
-        return StreamingToolCalls(self, StreamedCalls(keys, call_depth))
+        scanner = self.scanner()
+        return StreamingToolCalls(self, None if scanner is None else StreamedCalls(scanner))
 
     def for_tools(self, parameters: Mapping[str, Mapping[str, Any] | None]) -> ToolParser:
         """This parser for a request whose tools take these ``parameters`` schemas (by function name): a format
@@ -142,9 +150,9 @@ class TypedArgumentsParser(MarkerParser):
 
 class StreamingToolCalls:
     """One streamed choice through a parser: content before the tool-call section streams as it
-    comes (but for what could begin one), the section is parsed when the output ends. A format of
-    JSON calls streams them as they are written too (``calls``: their names once whole, then their
-    arguments), and its parsed calls then settle what was sent."""
+    comes (but for what could begin one), the section is parsed when the output ends. The calls
+    stream as they are written too (``calls``: their names once whole, then their arguments), and
+    the parsed calls then settle what was sent."""
 
     def __init__(self, parser: ToolParser, calls: StreamedCalls | None = None) -> None:
         self.parser = parser

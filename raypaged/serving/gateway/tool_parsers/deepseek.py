@@ -9,6 +9,7 @@ import re
 from typing import ClassVar
 
 from raypaged.serving.gateway.tool_parsers.base import MarkerParser, ToolCall, object_json
+from raypaged.serving.gateway.tool_parsers.streamed import MarkedScanner
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -30,7 +31,19 @@ class DeepSeekV3Parser(MarkerParser):
             raise ValueError("no tool call")
         return calls
 
+    def scanner(self) -> MarkedScanner:
+        return MarkedScanner(CALL_BEGIN, "\n```json\n", "\n```" + CALL_END, _v3_name)
+
 
 class DeepSeekV31Parser(DeepSeekV3Parser):
     name = "deepseek_v31"
     call = re.compile(_B + r"(.*?)" + _S + r"(.*?)" + _E, re.DOTALL)
+
+    def scanner(self) -> MarkedScanner:
+        return MarkedScanner(CALL_BEGIN, SEP, CALL_END, lambda header: (header.strip() or None, None))
+
+
+def _v3_name(header: str) -> tuple[str | None, None]:
+    """A V3 call's name: after the separator, on the header's line (``function<｜tool▁sep｜>NAME``)."""
+    _, found, name = header.partition(SEP)
+    return (name.strip() or None) if found and "\n" not in header else None, None

@@ -12,11 +12,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from raypaged.serving.gateway.tool_parsers.base import ToolCall, TypedArgumentsParser, decoded_value, object_json
+from raypaged.serving.gateway.tool_parsers.streamed import TagScanner
+from raypaged.structured.harmony import held_back
 
 TOOL_CALL, FUNCTION = "<tool_call>", "<function="
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _FUNCTION = re.compile(r"<function=(.*?)(?:</function>|$)", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
+_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>")  # what ends a parameter's value
 _STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 _INTEGER_TYPES = ("int", "uint", "long", "short", "unsigned")  # prefixes
 
@@ -47,12 +50,68 @@ class Qwen3CoderParser(TypedArgumentsParser):
             arguments[key] = typed(text, properties.get(key))
         return ToolCall(name, object_json(arguments))
 
+    def scanner(self) -> Qwen3CoderScanner:
+        return Qwen3CoderScanner(self)
+
+
+class Qwen3CoderScanner(TagScanner):
+    """Reads the calls as they are written: a call's name once its ``<function=NAME>`` is whole, each parameter
+    once its value ends, and the value of a text parameter (typed ``string`` or the like, or one the tool does not
+    have) as it is written."""
+
+    ends = {
+        "out": re.compile(re.escape(FUNCTION)),
+        "name": re.compile(">"),
+        "body": re.compile(r"<parameter=|</function>"),
+        "key": re.compile(">"),
+        "value": re.compile(r"</parameter>|(?=<parameter=)|(?=</function>)"),  # the next marker is the body's
+    }
+
+    def __init__(self, parser: Qwen3CoderParser) -> None:
+        super().__init__(parser.properties)
+
+    def read(self, state: str, text: str, marker: str) -> str:
+        if state == "out":
+            return "name"
+        if state == "name":
+            self.open_named(text)
+            return "body"
+        if state == "body":
+            if marker == "</function>":
+                self.close_call()
+                return "out"
+            return "key"
+        if state == "key":
+            self.key = text
+            return "value"
+        self.built.add(self.key, typed(text.removeprefix("\n").removesuffix("\n"), self.properties.get(self.key)))
+        return "body"
+
+    def grow(self, written: str) -> None:
+        """A text parameter's value as far as it is sure: without the newline that may end it or what may begin
+        the marker after it, and not while it could still be ``null``."""
+        if not written or not is_text(self.properties.get(self.key)):
+            return
+        written = written.removeprefix("\n")
+        written = written[: len(written) - held_back(written, _VALUE_ENDS)].removesuffix("\n")
+        if not "null".startswith(written.lower()):
+            self.built.grow(self.key, written)
+
+
+def is_text(schema: Any) -> bool:
+    """A parameter of this ``schema`` (``None``: one the tool does not have) keeps its text (but ``null``)."""
+    return _kind(schema) in _STRING_TYPES
+
+
+def _kind(schema: Any) -> str:
+    return str(schema["type"]).strip().lower() if isinstance(schema, Mapping) and "type" in schema else "string"
+
 
 def typed(text: str, schema: Any) -> Any:
     """A parameter's text as the value its ``schema``'s type makes it (``None``: no schema, text)."""
     if text.lower() == "null":
         return None
-    kind = str(schema["type"]).strip().lower() if isinstance(schema, Mapping) and "type" in schema else "string"
+    kind = _kind(schema)
     if kind in _STRING_TYPES:
         return text
     if kind.startswith(_INTEGER_TYPES):

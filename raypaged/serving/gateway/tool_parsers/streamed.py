@@ -1,6 +1,11 @@
-"""Tool calls written as JSON objects (``{"name": ..., "arguments": {...}}``), read as the text streams in, so
-a stream can send each call's name as soon as it is whole and its arguments as they are written (as vLLM and
-OpenAI stream them) instead of the whole call once the output ends.
+"""Tool calls read as the text streams in, so a stream can send each call's name as soon as it is whole and its
+arguments as they are written (as vLLM and OpenAI stream them) instead of the whole call once the output ends.
+
+A scanner (:class:`Scanner`) reads one format: :class:`CallScanner` calls written as JSON objects
+(``{"name": ..., "arguments": {...}}``), :class:`MarkedScanner` calls whose JSON arguments sit between markers
+(DeepSeek's, Kimi K2's), and the formats whose arguments are not JSON as written (Qwen3-Coder's and GLM-4.5's
+tags, pythonic calls) build theirs with :class:`BuiltArguments`. :class:`StreamedCalls` turns any of them into
+tool-call deltas.
 
 :class:`CallScanner` reads each character once. It follows strings (with their escapes) and how deep the
 containers are open; a call is an object opened at ``call_depth`` (0: calls at the top level, as between
@@ -11,21 +16,39 @@ them). Text between calls that holds no quote or bracket (markers, newlines, com
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 from raypaged.serving.gateway.tool_parsers.base import ToolCall
+from raypaged.structured.harmony import held_back
 
 
 @dataclass(slots=True)
 class ScannedCall:
-    """One call as far as the text goes: its name once whole, where its arguments' value begins and (once it
-    is whole) ends in the text."""
+    """One call as far as the text goes: its name once whole (and the id the model gave it, if any), where its
+    arguments' value begins and (once it is whole) ends in the text."""
 
     name: str | None = None
     args_start: int | None = None
     args_end: int | None = None
     done: bool = False
+    id: str | None = None
+    built: BuiltArguments | None = None  # its arguments written anew, where the format does not write JSON
+
+
+class Scanner(Protocol):
+    """Reads one format's tool-call section as it grows."""
+
+    calls: list[ScannedCall]
+
+    def feed(self, chunk: str) -> None:
+        """Read ``chunk``, the section's next text."""
+
+    def arguments(self, call: ScannedCall) -> str:
+        """The JSON text of ``call``'s arguments as far as it is sure: it only grows, and it begins the whole
+        call's arguments as the format's parser gives them (or as the model wrote them)."""
 
 
 class CallScanner:
@@ -119,12 +142,162 @@ class CallScanner:
         self._value_start = None
 
 
+class MarkedScanner:
+    """Calls written ``begin`` HEADER ``opens`` ARGUMENTS ``closes``, their arguments JSON text as the model
+    writes it (DeepSeek's, Kimi K2's): ``header`` reads the call's (name, id) from HEADER. The arguments leave
+    out the whitespace around them, and hold back what could begin ``closes``."""
+
+    def __init__(
+        self, begin: str, opens: str, closes: str, header: Callable[[str], tuple[str | None, str | None]]
+    ) -> None:
+        self.begin, self.opens, self.closes, self.header = begin, opens, closes, header
+        self.text = ""
+        self.calls: list[ScannedCall] = []
+        self._at = 0  # where the next marker is looked for
+        self._header_start: int | None = None  # in a header: where it begins
+
+    def feed(self, chunk: str) -> None:
+        self.text += chunk
+        while True:
+            open_call = self.calls[-1] if self.calls and not self.calls[-1].done else None
+            if open_call is not None:
+                assert open_call.args_start is not None
+                end = self.text.find(self.closes, max(self._at, open_call.args_start))
+                if end < 0:
+                    self._at = max(open_call.args_start, len(self.text) - len(self.closes) + 1)
+                    return
+                open_call.args_end, open_call.done = end, True
+                self._at = end + len(self.closes)
+            elif self._header_start is not None:
+                end = self.text.find(self.opens, self._at)
+                if end < 0:
+                    self._at = max(self._header_start, len(self.text) - len(self.opens) + 1)
+                    return
+                name, call_id = self.header(self.text[self._header_start : end])
+                self.calls.append(ScannedCall(name, args_start=end + len(self.opens), id=call_id))
+                self._header_start, self._at = None, end + len(self.opens)
+            else:
+                begin = self.text.find(self.begin, self._at)
+                if begin < 0:
+                    self._at = max(self._at, len(self.text) - len(self.begin) + 1)
+                    return
+                self._header_start = self._at = begin + len(self.begin)
+
+    def arguments(self, call: ScannedCall) -> str:
+        assert call.args_start is not None
+        if call.args_end is not None:
+            return self.text[call.args_start : call.args_end].strip()
+        written = self.text[call.args_start :]
+        return written[: len(written) - held_back(written, (self.closes,))].strip()
+
+
+@dataclass(slots=True)
+class BuiltArguments:
+    """A call's arguments written anew as JSON, as its parser writes them (``json.dumps`` of the object, keys in
+    the order written): ``{``, each argument once its value is whole, a text value as it grows (``grow``), ``}``
+    once the call ends. A call whose arguments cannot be read (``broken``) sends no more of them. A key written
+    twice ends what is sent too: the parsed call keeps the key's first place and its last value."""
+
+    whole: list[str] = field(default_factory=list)  # '"key": value' of each whole argument
+    growing: str = ""  # '"key": "text so far' of a text value being written
+    closed: bool = False
+    broken: bool = False
+    _keys: set[str] = field(default_factory=set)
+
+    def add(self, key: str, value: Any) -> None:
+        if self.broken or self.closed:
+            return
+        try:
+            piece = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+        except (TypeError, ValueError):
+            piece = None
+        self.growing = ""
+        if piece is None or key in self._keys:
+            self.broken = True
+            return
+        self._keys.add(key)
+        self.whole.append(piece)
+
+    def grow(self, key: str, text: str) -> None:
+        """The text value of ``key`` so far (a string the parser keeps as it is)."""
+        if not self.broken and not self.closed and key not in self._keys:
+            self.growing = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(text, ensure_ascii=False)[:-1]}"
+
+    def close(self) -> None:
+        if not self.broken:
+            self.closed = True
+
+    def text(self) -> str:
+        pieces = [*self.whole, self.growing] if self.growing else self.whole
+        return "{" + ", ".join(pieces) + ("}" if self.closed else "")
+
+
+class BuiltScanner:
+    """A scanner of a format whose arguments are not JSON as written: each call's are built anew."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[ScannedCall] = []
+
+    def arguments(self, call: ScannedCall) -> str:
+        assert call.built is not None
+        return call.built.text()
+
+    def open_call(self, name: str | None) -> BuiltArguments:
+        """A new call named ``name`` (``None``: a name the parser does not read); its arguments."""
+        built = BuiltArguments()
+        self.calls.append(ScannedCall(name, built=built))
+        return built
+
+    def close_call(self) -> None:
+        call = self.calls[-1]
+        assert call.built is not None
+        call.built.close()
+        call.done = True
+
+
+class TagScanner(BuiltScanner):
+    """A format of tags (Qwen3-Coder's, GLM-4.5's), read one marker at a time: the text of each ``state`` runs to
+    the first match of ``ends[state]``; :meth:`read` takes it (and the marker) and gives the next state. A
+    ``value`` state's text so far goes to :meth:`grow` while its end has not come."""
+
+    ends: ClassVar[Mapping[str, re.Pattern[str]]]  # by state ("out" first)
+
+    def __init__(self, properties: Callable[[str], Mapping[str, Any]]) -> None:
+        super().__init__()
+        self.properties_of = properties  # a function's parameters' schemas by name
+        self.properties: Mapping[str, Any] = {}  # the open call's
+        self.built = BuiltArguments()  # the open call's arguments
+        self.key = ""  # the argument being read
+        self._state = "out"
+        self._mark = 0  # where the text of the state begins
+
+    def feed(self, chunk: str) -> None:
+        self.text += chunk
+        while (found := self.ends[self._state].search(self.text, self._mark)) is not None:
+            self._state = self.read(self._state, self.text[self._mark : found.start()], found.group())
+            self._mark = found.end()
+        if self._state == "value":
+            self.grow(self.text[self._mark :])
+
+    def read(self, state: str, text: str, marker: str) -> str:
+        """The next state, once the ``text`` of ``state`` ended at ``marker``."""
+        raise NotImplementedError
+
+    def grow(self, written: str) -> None:
+        """A value as far as it is written (its end not come yet)."""
+
+    def open_named(self, name: str) -> None:
+        self.built = self.open_call(name or None)
+        self.properties = self.properties_of(name)
+
+
 class StreamedCalls:
-    """The tool-call deltas of the calls a :class:`CallScanner` reads: each call's id, type and name (with its
+    """The tool-call deltas of the calls a :class:`Scanner` reads: each call's id, type and name (with its
     arguments so far) once its name is whole, then its arguments as they grow; at most ``max_calls``."""
 
-    def __init__(self, args_keys: tuple[str, ...], call_depth: int, max_calls: int | None = None) -> None:
-        self.scanner = CallScanner(args_keys, call_depth)
+    def __init__(self, scanner: Scanner, max_calls: int | None = None) -> None:
+        self.scanner = scanner
         self.max_calls = max_calls
         self._sent: list[tuple[ToolCall, int]] = []  # per call announced: its id and name, argument characters sent
 
@@ -141,7 +314,7 @@ class StreamedCalls:
             if index == len(self._sent):
                 if call.name is None:
                     break
-                announced = ToolCall(call.name, "")
+                announced = ToolCall(call.name, "") if call.id is None else ToolCall(call.name, "", call.id)
                 self._sent.append((announced, 0))
                 deltas.append({"index": index, **announced.as_openai()})
             announced, num_sent = self._sent[index]
