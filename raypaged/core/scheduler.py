@@ -342,9 +342,9 @@ class Scheduler:
             images = request.images
             if images is not None and images.bidirectional and max(n for _, n in images.placeholders) > self._budget:
                 break  # its images are computed whole: it waits for a step with room for the largest
-            if len(self.running) >= self.config.max_num_seqs and not self._slot_back(request):
-                if not self._free_slot_for(request):
-                    break
+            full = len(self.running) >= self.config.max_num_seqs
+            if full and not self._slot_back(request) and not self._free_slot_for(request):
+                break
             if not self._admit(request):
                 if self._preempt_for(request):
                     continue  # a lower-priority sequence made room: try again

@@ -705,17 +705,16 @@ class GrammarLimit:
     """The most CPU time one request's grammar may spend on one token (``max_grammar_ms`` of
     ``--structured-outputs-config``): every sequence of the batch waits for the step's masks."""
 
-    seconds: float
     ms: float
 
     @classmethod
     def of(cls, config: EngineConfig) -> GrammarLimit | None:
         ms = config.parsed_structured_outputs_config.max_grammar_ms
-        return None if ms is None else cls(ms / 1000, ms)
+        return None if ms is None else cls(ms)
 
     def check(self, seconds: float, num_tokens: int, what: str) -> None:
         """Raise :class:`GrammarTooSlow` if ``seconds`` of CPU for ``num_tokens`` tokens are over the limit."""
-        if seconds > self.seconds * num_tokens:
+        if seconds * 1000 > self.ms * num_tokens:
             raise GrammarTooSlow(
                 RequestFailure(
                     f"the request's grammar took {seconds * 1000 / num_tokens:.2f} ms of CPU for one token "

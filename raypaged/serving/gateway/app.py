@@ -60,6 +60,7 @@ from raypaged.serving.gateway.responses import (
     ResponseShape,
     answer_json,
     engine_request_ids,
+    no_pause,
 )
 from raypaged.serving.gateway.scale_out import (
     SCALE_OUT_BODIES,
@@ -405,7 +406,7 @@ def build_app(
             cancel(calls)
             slot.release()
         if accumulator.size() < LARGE_ANSWER:
-            content = _answer_json(accumulator, translation)
+            content = _answer_json(accumulator, translation, no_pause)
         else:  # off the event loop, which every other stream's chunks wait on, letting it run after each choice
             content = await asyncio.to_thread(_answer_json, accumulator, translation, _let_the_loop_run)
         return Response(content, media_type="application/json", headers=headers)
@@ -732,9 +733,7 @@ async def _collect(
     return accumulator
 
 
-def _answer_json(
-    accumulator: Accumulator, translation: _Translation | None, pause: Callable[[], None] = lambda: None
-) -> bytes:
+def _answer_json(accumulator: Accumulator, translation: _Translation | None, pause: Callable[[], None]) -> bytes:
     """The non-streaming answer's JSON (another API's, with ``translation``), with ``pause`` after each choice."""
     answer = accumulator.body(pause)
     return answer_json(translation.body(answer) if translation is not None else answer, pause)

@@ -255,8 +255,8 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
-def _nothing() -> None:
-    pass
+def no_pause() -> None:
+    """Write on without a pause (an answer written on the event loop)."""
 
 
 # an answer of more values than this (``Accumulator.size``) is built and written off the gateway's event loop:
@@ -264,7 +264,7 @@ def _nothing() -> None:
 LARGE_ANSWER = 20_000
 
 
-def answer_json(body: dict, pause: Callable[[], None] = _nothing) -> bytes:
+def answer_json(body: dict, pause: Callable[[], None] = no_pause) -> bytes:
     """``body`` as ``JSONResponse`` writes it (compact UTF-8 JSON, no NaN), each item of a top-level list written by
     a call of its own with ``pause`` after it (one ``json.dumps`` holds the interpreter lock to its end; a thread
     writing a large answer lets the event loop run between them)."""
@@ -314,7 +314,7 @@ class Accumulator:
         tokens = sum(len(c.token_ids) + sum(len(top.token_ids) for top in c.top_logprobs) for c in self.choices)
         return tokens + sum(prompt.size() for prompt in self.prompts)
 
-    def body(self, pause: Callable[[], None] = _nothing) -> dict:
+    def body(self, pause: Callable[[], None] = no_pause) -> dict:
         """The response body, with ``pause`` after each choice is built (see ``answer_json``)."""
         choices = []
         for index, choice in enumerate(self.choices):
