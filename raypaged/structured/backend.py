@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from raypaged.inputs.limits import InputError
 from raypaged.inputs.tokenizer import is_mistral, token_bytes
 from raypaged.sampling_params import StructuredOutputsParams
+from raypaged.structured import compile_trial
 from raypaged.structured.config import StructuredOutputsConfig
 from raypaged.structured.guidance import Guidance, GuidanceGrammar, GuidanceMatcher, unenforced_keyword
 from raypaged.structured.reasoning import ReasoningParser
@@ -66,6 +67,7 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, ...], xgrammar.CompiledGrammar | GuidanceGrammar] = OrderedDict()
         self._cache_bytes = 0  # what the cached grammars take, by ``grammar_bytes``
         self._guidance = Guidance(tokenizer, vocab_size, stop_token_ids)
+        self._trial_tokenizer: compile_trial.Tokenizer | None = None  # the compiler's tokenizer, as trials take it
 
     def _xgr_compiler(self) -> xgrammar.GrammarCompiler:
         with self._compiler_lock:  # not the cache's lock: building it takes a while, and cache lookups never wait
@@ -84,6 +86,7 @@ class GrammarBackend:
                         self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
                     )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._trial_tokenizer = compile_trial.Tokenizer.of(info)
             return self._compiler
 
     def compile(
@@ -103,7 +106,8 @@ class GrammarBackend:
                 if self._uses_guidance(params, reasoning):
                     compiled = self._guidance.compile(params, any_whitespace, self.config.max_whitespace)
                 else:
-                    grammar = self._grammar(params, any_whitespace, self.config.max_whitespace)
+                    self._try(params, any_whitespace, reasoning)
+                    grammar = self.build(params, any_whitespace, self.config.max_whitespace)
                     compiled = self._xgr_compiler().compile_grammar(
                         grammar if reasoning is None else reasoning.after_section(grammar)
                     )
@@ -112,6 +116,26 @@ class GrammarBackend:
             self._check_can_start(compiled, params.kind)
         self._keep(key, compiled)
         return compiled
+
+    def _try(self, params: StructuredOutputsParams, any_whitespace: bool, reasoning: ReasoningParser | None) -> None:
+        """With ``max_compile_s``: compile ``params`` in a child first, and refuse it if that is not done in
+        time (``compile_trial``)."""
+        limit = self.config.max_compile_s
+        if limit is None:
+            return
+        self._xgr_compiler()
+        assert self._trial_tokenizer is not None
+        name = reasoning.name if reasoning is not None else None
+        try:
+            compile_trial.try_compile(
+                self._trial_tokenizer, params, any_whitespace, self.config.max_whitespace, name, limit
+            )
+        except compile_trial.CompileTooSlow:
+            raise InputError(
+                PARAM,
+                f"structured outputs: the {params.kind} constraint did not compile within {limit:g} s "
+                "(max_compile_s of --structured-outputs-config)",
+            ) from None
 
     def _keep(self, key: tuple[str, ...], compiled: xgrammar.CompiledGrammar | GuidanceGrammar) -> None:
         """``compiled`` cached under ``key``; the least recently used go while more than ``cache_size``
@@ -148,7 +172,8 @@ class GrammarBackend:
         return (params.kind, params.spec, str(self._any_whitespace(params)), reasoning.name if reasoning else "")
 
     @staticmethod
-    def _grammar(params: StructuredOutputsParams, any_whitespace: bool, max_whitespace: int | None) -> xgrammar.Grammar:
+    def build(params: StructuredOutputsParams, any_whitespace: bool, max_whitespace: int | None) -> xgrammar.Grammar:
+        """The xgrammar grammar of ``params`` (before it is compiled for a tokenizer)."""
         import xgrammar as xgr
 
         kind, spec = params.kind, params.spec

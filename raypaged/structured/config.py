@@ -28,6 +28,10 @@ class StructuredOutputsConfig:
     with every token (``s ::= s s | "a"``: 35 ms a mask at 200 tokens, 290 ms at 400), and every
     sequence of the batch waits for the masks; past the limit the request ends alone with an error
     naming it. ``None``: no limit.
+    ``max_compile_s``: the most time, in seconds, a new constraint may take to compile (xgrammar's; tried in a
+    child process that is killed at the limit, ``compile_trial``): a JSON schema's ``"pattern": "^[a-z]{1,50000}$"``
+    took 392 s, and would hold a core and every other new constraint's compile. Past it the request is refused
+    with an error naming the limit. ``None``: no limit, and no trial.
     ``reasoning_parser`` (set by ``--reasoning-parser``): constraints apply after the output's
     reasoning section, unless ``enable_in_reasoning``, where they apply from the first token."""
 
@@ -37,6 +41,7 @@ class StructuredOutputsConfig:
     cache_size: int = 256
     cache_mb: int = 512  # vLLM's VLLM_XGRAMMAR_CACHE_MB default
     max_grammar_ms: float | None = 100.0
+    max_compile_s: float | None = 10.0  # as vLLM's grammar compilation timeout
     reasoning_parser: str = ""
     enable_in_reasoning: bool = False
 
@@ -52,11 +57,10 @@ class StructuredOutputsConfig:
             raise ValueError(f"structured outputs cache_size must be at least 1, got {self.cache_size}")
         if self.cache_mb < 1:
             raise ValueError(f"structured outputs cache_mb must be at least 1, got {self.cache_mb}")
-        limit = self.max_grammar_ms
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float) or not limit > 0):
-            raise ValueError(
-                f"structured outputs max_grammar_ms must be a number above 0 (null: no limit), got {limit!r}"
-            )
+        for name in ("max_grammar_ms", "max_compile_s"):
+            limit = getattr(self, name)
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float) or not limit > 0):
+                raise ValueError(f"structured outputs {name} must be a number above 0 (null: no limit), got {limit!r}")
         if self.reasoning_parser:
             get_reasoning_parser(self.reasoning_parser)
 

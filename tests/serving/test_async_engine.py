@@ -143,7 +143,7 @@ def test_grammars_waiting_to_compile_hold_no_thread_other_requests_need(tiny_mod
     engine_core = LLMEngine(tiny_config(tiny_model_dir, "tiny", max_num_seqs=64))
     grammars = engine_core.input_processor.grammars
     compiling, release = threading.Event(), threading.Event()
-    real_grammar = grammars._grammar
+    real_grammar = grammars.build
 
     def held(params, *args):
         if params.spec.startswith("[0-9]"):
@@ -151,7 +151,7 @@ def test_grammars_waiting_to_compile_hold_no_thread_other_requests_need(tiny_mod
             release.wait(30)
         return real_grammar(params, *args)
 
-    monkeypatch.setattr(grammars, "_grammar", held)
+    monkeypatch.setattr(grammars, "build", held)
     constrained = [
         SamplingParams(
             temperature=0, max_tokens=n + 1, structured_outputs=StructuredOutputsParams(regex=f"[0-9]{{{n}}}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import grpc
 import jsonschema
@@ -18,6 +19,9 @@ from tests.structured.schemas import SCHEMAS
 pytestmark = pytest.mark.slow
 PERSON = SCHEMAS["person"]
 ASK = [{"role": "user", "content": "Give me a person as JSON."}]
+MAX_COMPILE_S = 2
+# a small schema xgrammar takes about 100 s to compile (the nested repetition of its pattern)
+SLOW_TO_COMPILE = {"type": "string", "pattern": "^([a-z]{1,60}){1,60}$"}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,11 @@ def stack(smollm2_dir):
     stack = Stack(
         [
             EngineConfig(
-                model=str(smollm2_dir), served_model_name="smollm2", dtype="float32", num_gpu_blocks_override=1024
+                model=str(smollm2_dir),
+                served_model_name="smollm2",
+                dtype="float32",
+                num_gpu_blocks_override=1024,
+                structured_outputs_config={"max_compile_s": MAX_COMPILE_S},
             )
         ]
     )
@@ -194,6 +202,28 @@ def test_bad_constraints_are_a_400_naming_the_problem(client, extra, message, pa
     error = raised.value.body
     assert error["message"].strip() == message
     assert error["param"] == param
+
+
+def test_a_constraint_slower_to_compile_than_max_compile_s_is_a_400_and_the_next_one_compiles(client):
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="smollm2", messages=ASK, max_tokens=8, response_format=_json_schema_format(SLOW_TO_COMPILE)
+        )
+    assert time.monotonic() - started < 30  # not the compile's 100 s
+    assert raised.value.body["message"] == (
+        "structured outputs: the json constraint did not compile within 2 s (max_compile_s of "
+        "--structured-outputs-config)"
+    )
+    assert raised.value.body["param"] == "structured_outputs"
+    answer = client.chat.completions.create(
+        model="smollm2",
+        messages=ASK,
+        max_tokens=8,
+        temperature=0,
+        response_format=_json_schema_format({"type": "string", "pattern": "^[a-z]{1,3}$"}),
+    )
+    assert re.fullmatch(r'"[a-z]{1,3}"', answer.choices[0].message.content or "")
 
 
 def test_an_unknown_response_format_type_is_a_400(stack):

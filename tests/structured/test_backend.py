@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from raypaged.inputs.limits import InputError
 from raypaged.sampling_params import StructuredOutputsParams
 from raypaged.structured import backend as backend_module
+from raypaged.structured import compile_trial
 from raypaged.structured.backend import GrammarBackend, grammar_bytes
 from raypaged.structured.config import StructuredOutputsConfig
 from raypaged.structured.guidance import GuidanceGrammar, unenforced_keyword
@@ -160,8 +161,8 @@ def test_structured_outputs_params_are_checked(kwargs, message):
             '{"backend": "xgrammar", "reasoning": 1}',
             None,
             "--structured-outputs-config: unknown field 'reasoning'; allowed: backend, cache_mb, "
-            "cache_size, disable_any_whitespace, enable_in_reasoning, max_grammar_ms, max_whitespace, "
-            "reasoning_parser",
+            "cache_size, disable_any_whitespace, enable_in_reasoning, max_compile_s, max_grammar_ms, "
+            "max_whitespace, reasoning_parser",
         ),
         (
             '{"reasoning_parser": "o1"}',
@@ -180,6 +181,11 @@ def test_structured_outputs_params_are_checked(kwargs, message):
             '{"max_grammar_ms": "50"}',
             None,
             "structured outputs max_grammar_ms must be a number above 0 (null: no limit), got '50'",
+        ),
+        (
+            '{"max_compile_s": -1}',
+            None,
+            "structured outputs max_compile_s must be a number above 0 (null: no limit), got -1",
         ),
         ("[1]", None, "--structured-outputs-config must be a JSON object, got [1]"),
         (
@@ -203,6 +209,34 @@ def test_the_servers_config_parses_vllm_spellings():
     assert StructuredOutputsConfig.parse('{"max_grammar_ms": null}').max_grammar_ms is None
     assert StructuredOutputsConfig.parse('{"max_grammar_ms": 2.5}').max_grammar_ms == 2.5
     assert StructuredOutputsConfig().max_grammar_ms == 100
+    assert StructuredOutputsConfig().max_compile_s == 10
+    assert StructuredOutputsConfig.parse('{"max_compile_s": null}').max_compile_s is None
+
+
+# a small schema xgrammar takes about 100 s to compile (the nested repetition of its pattern)
+SLOW_TO_COMPILE = {"type": "string", "pattern": "^([a-z]{1,60}){1,60}$"}
+
+
+def test_a_constraint_slower_to_compile_than_max_compile_s_is_refused_and_its_trial_killed(smollm2_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    backend = GrammarBackend(tokenizer, 49152, [2], StructuredOutputsConfig(max_compile_s=1))
+    fast = StructuredOutputsParams(json={"type": "string", "pattern": "^[a-z]{1,3}$"})
+    assert backend.compile(fast) is not None  # a child started, tried it and is kept for the next
+    child = compile_trial._IDLE[-1]  # the one the next compile takes
+    started = time.monotonic()
+    with pytest.raises(InputError) as info:
+        backend.compile(StructuredOutputsParams(json=SLOW_TO_COMPILE))
+    assert time.monotonic() - started < 30  # not the compile's 100 s
+    assert (info.value.param, str(info.value)) == (
+        "structured_outputs",
+        "structured outputs: the json constraint did not compile within 1 s (max_compile_s of "
+        "--structured-outputs-config)",
+    )
+    assert child.process.poll() is not None  # killed
+    assert backend.cached(StructuredOutputsParams(json=SLOW_TO_COMPILE)) is None
+    assert backend.compile(StructuredOutputsParams(regex="[0-9]+")) is not None  # a new child tries the next one
+    unbounded = GrammarBackend(tokenizer, 49152, [2], StructuredOutputsConfig(max_compile_s=None))
+    assert unbounded.compile(StructuredOutputsParams(regex="[0-9]{2}")) is not None
 
 
 def test_a_grammar_whose_first_mask_takes_more_than_max_grammar_ms_is_refused_when_it_compiles(smollm2_dir):
