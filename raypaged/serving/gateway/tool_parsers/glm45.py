@@ -56,12 +56,7 @@ class Glm45Scanner(TagScanner):
         "value": re.compile(re.escape(VALUE_END)),
     }
 
-    def __init__(self, parser: Glm45Parser) -> None:
-        super().__init__(parser.properties)
-
     def read(self, state: str, text: str, marker: str) -> str:
-        if state == "out":
-            return "name"
         if state == "name":
             self.open_named(text.strip())
         if state in ("name", "body"):

@@ -67,12 +67,7 @@ class Qwen3CoderScanner(TagScanner):
         "value": re.compile(r"</parameter>|(?=<parameter=)|(?=</function>)"),  # the next marker is the body's
     }
 
-    def __init__(self, parser: Qwen3CoderParser) -> None:
-        super().__init__(parser.properties)
-
     def read(self, state: str, text: str, marker: str) -> str:
-        if state == "out":
-            return "name"
         if state == "name":
             self.open_named(text)
             return "body"

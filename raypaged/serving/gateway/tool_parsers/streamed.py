@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from raypaged.serving.gateway.tool_parsers.base import ToolCall
+from raypaged.serving.gateway.tool_parsers.base import ToolCall, TypedArgumentsParser
 from raypaged.structured.harmony import held_back
 
 
@@ -257,15 +257,16 @@ class BuiltScanner:
 
 
 class TagScanner(BuiltScanner):
-    """A format of tags (Qwen3-Coder's, GLM-4.5's), read one marker at a time: the text of each ``state`` runs to
-    the first match of ``ends[state]``; :meth:`read` takes it (and the marker) and gives the next state. A
-    ``value`` state's text so far goes to :meth:`grow` while its end has not come."""
+    """A format of tags (Qwen3-Coder's, GLM-4.5's) that ``parser`` reads, read one marker at a time: the text of
+    each ``state`` runs to the first match of ``ends[state]``; the ``out`` state's marker opens a call, whose
+    ``name`` follows; :meth:`read` takes the text of the other states (and the marker) and gives the next state.
+    A ``value`` state's text so far goes to :meth:`grow` while its end has not come."""
 
     ends: ClassVar[Mapping[str, re.Pattern[str]]]  # by state ("out" first)
 
-    def __init__(self, properties: Callable[[str], Mapping[str, Any]]) -> None:
+    def __init__(self, parser: TypedArgumentsParser) -> None:
         super().__init__()
-        self.properties_of = properties  # a function's parameters' schemas by name
+        self.properties_of = parser.properties  # a function's parameters' schemas by name
         self.properties: Mapping[str, Any] = {}  # the open call's
         self.built = BuiltArguments()  # the open call's arguments
         self.key = ""  # the argument being read
@@ -275,7 +276,8 @@ class TagScanner(BuiltScanner):
     def feed(self, chunk: str) -> None:
         self.text += chunk
         while (found := self.ends[self._state].search(self.text, self._mark)) is not None:
-            self._state = self.read(self._state, self.text[self._mark : found.start()], found.group())
+            state, text = self._state, self.text[self._mark : found.start()]
+            self._state = "name" if state == "out" else self.read(state, text, found.group())
             self._mark = found.end()
         if self._state == "value":
             self.grow(self.text[self._mark :])
