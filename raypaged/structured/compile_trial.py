@@ -120,8 +120,13 @@ def _start() -> _Child:
         connection = Connection(os.dup(ours.fileno()))
     child = _Child(process, connection)
     if not connection.poll(START_S) or not _ready(connection):
+        exit_code = process.poll()
         _kill(child)
-        raise RuntimeError(f"the grammar compile trial process did not start within {START_S:g} s")
+        why = f"exited with code {exit_code}" if exit_code is not None else f"did not start within {START_S:g} s"
+        raise RuntimeError(
+            f"the process that tries grammars before they compile {why} (its error is in the server's log); "
+            "max_compile_s: null in --structured-outputs-config compiles without it"
+        )
     return child
 
 

@@ -239,6 +239,19 @@ def test_a_constraint_slower_to_compile_than_max_compile_s_is_refused_and_its_tr
     assert unbounded.compile(StructuredOutputsParams(regex="[0-9]{2}")) is not None
 
 
+def test_a_trial_process_that_cannot_start_is_an_error_naming_the_way_out(monkeypatch):
+    monkeypatch.setattr(compile_trial, "_IDLE", [])
+    monkeypatch.setattr(compile_trial.sys, "executable", "/bin/false")
+    with pytest.raises(RuntimeError) as info:
+        compile_trial.try_compile(
+            compile_trial.Tokenizer("{}", "k"), StructuredOutputsParams(regex="a"), True, None, None, 1
+        )
+    assert str(info.value) == (
+        "the process that tries grammars before they compile exited with code 1 (its error is in the server's log); "
+        "max_compile_s: null in --structured-outputs-config compiles without it"
+    )
+
+
 def test_a_grammar_whose_first_mask_takes_more_than_max_grammar_ms_is_refused_when_it_compiles(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     strict = GrammarBackend(tokenizer, 49152, [2], StructuredOutputsConfig(max_grammar_ms=1e-6))
