@@ -43,3 +43,17 @@ def test_the_flag_reaches_the_engine_and_a_negative_one_is_refused(tiny_model_di
     with pytest.raises(ValueError) as refused:
         engine_configs(build_parser().parse_args(["serve", str(tiny_model_dir), "--long-prefill-token-threshold=-1"]))
     assert str(refused.value) == "--long-prefill-token-threshold must be 0 or more, got -1"
+
+
+def test_on_cpu_the_default_is_a_quarter_of_the_budget_and_zero_keeps_the_whole_budget(tiny_model_dir):
+    """A long prompt leaves three quarters of each step to the requests arriving during its prefill (0: none)."""
+    [default] = engine_configs(build_parser().parse_args(["serve", str(tiny_model_dir)]))
+    assert (default.resolved_max_num_batched_tokens, default.resolved_long_prefill_token_threshold) == (512, 128)
+    [budget] = engine_configs(
+        build_parser().parse_args(["serve", str(tiny_model_dir), "--max-num-batched-tokens", "2k"])
+    )
+    assert budget.resolved_long_prefill_token_threshold == 500
+    [off] = engine_configs(
+        build_parser().parse_args(["serve", str(tiny_model_dir), "--long-prefill-token-threshold", "0"])
+    )
+    assert off.resolved_long_prefill_token_threshold == 0

@@ -170,8 +170,8 @@ def test_structured_outputs_flags_set_the_engines_grammar_backend(tiny_model_dir
         (
             ["--structured-outputs-config", '{"backend": "xgrammar", "enable_in_thinking": true}'],
             "--structured-outputs-config: unknown field 'enable_in_thinking'; allowed: backend, cache_mb, "
-            "cache_size, disable_any_whitespace, enable_in_reasoning, max_grammar_ms, max_whitespace, "
-            "reasoning_parser",
+            "cache_size, disable_any_whitespace, enable_in_reasoning, max_compile_s, max_grammar_ms, "
+            "max_whitespace, reasoning_parser",
         ),
     ],
 )
