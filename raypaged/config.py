@@ -284,11 +284,17 @@ class EngineConfig:
         "max_model_len for a model that computes each prompt whole",
         type=human_int,
     )
-    long_prefill_token_threshold: int | None = _flag(
-        None,
+    long_prefill_token_threshold: int = _flag(
+        0,
         "most tokens one sequence computes in a step (0: the step's budget): a long prompt is prefilled in chunks of "
-        "this size, leaving room in each step for the prompts behind it; default a quarter of the budget on CPU, 0 "
-        "on CUDA",
+        "this size, leaving room in each step for the prompts behind it",
+        type=human_int,
+    )
+    long_prompt_chunk: int | None = _flag(
+        None,
+        "most tokens a prompt with more than a step's budget left computes in a step (0: the budget's), so the "
+        "requests arriving during its prefill share each step; shorter prompts are not cut; default a quarter of "
+        "--max-num-batched-tokens on CPU, 0 on CUDA",
         type=human_int,
     )
     kv_cache_space: float | None = _flag(None, "GiB of KV cache on CPU (default 4)", type=float)
@@ -778,11 +784,15 @@ class EngineConfig:
         self._check_processor_kwargs()
         self._check_prompt_embeds()
         self._check_pipeline_parallel()
-        if self.long_prefill_token_threshold is None:
-            # on CPU a 512-token chunk is a 1.3 s step: a long prompt taking every step's budget held each request
-            # arriving meanwhile for its whole prefill (19 s for 6,000 tokens), and smaller chunks cost it nothing
+        if self.long_prompt_chunk is None:
+            # on CPU a 512-token chunk is a 1.3 s step, and a prompt longer than the budget took every step's budget:
+            # a request arriving during a 6,000-token prefill waited 19 s for it; chunks of 128 cost that prompt nothing
             cpu = self.resolved_device == "cpu" and not self.whole_prompts
-            self.long_prefill_token_threshold = self.max_num_batched_tokens // 4 if cpu else 0
+            self.long_prompt_chunk = self.max_num_batched_tokens // 4 if cpu else 0
+        if self.long_prompt_chunk < 0:
+            raise ValueError(f"--long-prompt-chunk must be 0 or more, got {self.long_prompt_chunk}")
+        if self.long_prompt_chunk and self.whole_prompts:
+            raise ValueError("--long-prompt-chunk does not apply: the model computes each prompt whole, in one step")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"--long-prefill-token-threshold must be 0 or more, got {self.long_prefill_token_threshold}"
@@ -908,9 +918,9 @@ class EngineConfig:
         return self.max_model_len
 
     @property
-    def resolved_long_prefill_token_threshold(self) -> int:
-        assert self.long_prefill_token_threshold is not None, "__post_init__ resolves long_prefill_token_threshold"
-        return self.long_prefill_token_threshold
+    def resolved_long_prompt_chunk(self) -> int:
+        assert self.long_prompt_chunk is not None, "__post_init__ resolves long_prompt_chunk"
+        return self.long_prompt_chunk
 
     @property
     def resolved_max_num_batched_tokens(self) -> int:

@@ -71,6 +71,9 @@ class SchedulerConfig:
     # vLLM's long_prefill_token_threshold: a sequence computes at most this many tokens a step (0: the budget's),
     # so one long prompt leaves room in each step for the prompts behind it
     long_prefill_token_threshold: int = 0
+    # a prompt with more tokens left to compute than a step's budget computes at most this many a step (0: the
+    # budget's), leaving the rest of each step to the requests that arrive meanwhile; shorter ones are not cut
+    long_prompt_chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -435,6 +438,9 @@ class Scheduler:
             num_new = min(num_new, group.fork_at - start)
         threshold = self.config.long_prefill_token_threshold
         capped = min(num_new, threshold) if 0 < threshold < num_new else num_new
+        chunk = self.config.long_prompt_chunk
+        if 0 < chunk < capped and request.num_tokens - start > self.config.max_num_batched_tokens:
+            capped = chunk
         images = request.images
         if images is not None and images.bidirectional:  # Gemma 3: an image's tokens in one step (0: not this one)
             whole = images.whole_images_end(start, start + capped) - start

@@ -162,7 +162,8 @@ class EngineCore:
             max_loras=config.lora_config.max_loras if config.lora_config is not None else 0,
             pooling_type=None if config.pooler is None else config.pooler.pooling_type,
             whole_prompts=config.whole_prompts,
-            long_prefill_token_threshold=config.resolved_long_prefill_token_threshold,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            long_prompt_chunk=config.resolved_long_prompt_chunk,
             **_spec_scheduler_options(spec),
         )
         self.scheduler = Scheduler(

@@ -648,6 +648,32 @@ def test_long_prefill_token_threshold_cuts_every_long_prompt_and_admits_the_ones
     assert blocks == [[0, 1, 5, 7], [2, 3, 6], [4, 8]]
 
 
+def test_a_prompt_longer_than_the_budget_computes_long_prompt_chunk_a_step_and_shorter_ones_are_not_cut():
+    """long_prompt_chunk 4 of a budget of 16: the 40-token prompt computes 4 tokens a step while more than 16 are
+    left, so a 10-token prompt arriving during its prefill (not cut: it is shorter than the budget) is prefilled in
+    the next step and decodes beside it; with 16 left the long prompt takes the whole step, as it always did."""
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=1024, long_prompt_chunk=4),
+        KVCacheManager(32, 4),
+    )
+    s.add_request(make_request("long", 40))
+    steps = [dict(run_step(s).num_scheduled_tokens)]
+    s.add_request(make_request("new", 10))
+    steps += [dict(run_step(s).num_scheduled_tokens) for _ in range(7)]
+    assert steps == [
+        {"long": 4},
+        {"long": 4, "new": 10},
+        {"long": 4, "new": 1},
+        {"long": 4, "new": 1},
+        {"long": 4, "new": 1},
+        {"long": 4, "new": 1},  # 24 computed: 16 left, no more than the budget
+        {"long": 16},
+        {"long": 1, "new": 1},
+    ]
+    # long's as its chunks needed them (an 11th for its 41st token); new's 3 for its prompt, a 4th for its 13th token
+    assert [s.kv.get_block_ids(r) for r in ("long", "new")] == [[0, 1, 5, 6, 7, 9, 10, 11, 12, 13, 14], [2, 3, 4, 8]]
+
+
 def test_long_prefill_token_threshold_off_gives_the_budget_to_the_first_prompt():
     s = make_scheduler(num_blocks=32, budget=16)
     for request_id, n in (("a", 14), ("b", 9)):
