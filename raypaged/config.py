@@ -57,6 +57,7 @@ DEFAULT_GPU_SWAP_SPACE_GIB = 4.0
 # a step's default token budget: a GPU's step stays short at 8192 tokens, a CPU's would take seconds, and every running
 # stream waits for it (on CPU the prefill GEMMs run at the same rate from a few hundred rows, so chunks cost nothing)
 DEFAULT_STEP_TOKENS = {"cuda": 8192, "cpu": 512}
+CPU_LONG_PROMPT_CHUNK = 128  # --long-prompt-chunk's default on CPU (with a budget above 256): a step of about 0.35 s
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD")
 WAKE_TAGS = ("weights", "kv_cache")  # what sleep mode frees and wake_up(tags) brings back, in that order
 SLEEP_MODE_OFF = "sleep mode is off: start the engine with --enable-sleep-mode (LLM(enable_sleep_mode=True))"
@@ -293,8 +294,8 @@ class EngineConfig:
     long_prompt_chunk: int | None = _flag(
         None,
         "most tokens a prompt with more than a step's budget left computes in a step (0: the budget's), so the "
-        "requests arriving during its prefill share each step; shorter prompts are not cut; default a quarter of "
-        "--max-num-batched-tokens on CPU, 0 on CUDA",
+        "requests arriving during its prefill share each step; shorter prompts are not cut; default 128 on CPU "
+        "(with a budget above 256), 0 on CUDA",
         type=human_int,
     )
     kv_cache_space: float | None = _flag(None, "GiB of KV cache on CPU (default 4)", type=float)
@@ -788,7 +789,7 @@ class EngineConfig:
             # on CPU a 512-token chunk is a 1.3 s step, and a prompt longer than the budget took every step's budget:
             # a request arriving during a 6,000-token prefill waited 19 s for it; chunks of 128 cost that prompt nothing
             cpu = self.resolved_device == "cpu" and not self.whole_prompts
-            self.long_prompt_chunk = self.max_num_batched_tokens // 4 if cpu else 0
+            self.long_prompt_chunk = CPU_LONG_PROMPT_CHUNK if cpu and self.max_num_batched_tokens > 256 else 0
         if self.long_prompt_chunk < 0:
             raise ValueError(f"--long-prompt-chunk must be 0 or more, got {self.long_prompt_chunk}")
         if self.long_prompt_chunk and self.whole_prompts:

@@ -45,9 +45,9 @@ def test_the_flag_reaches_the_engine_and_a_negative_one_is_refused(tiny_model_di
     assert str(refused.value) == "--long-prefill-token-threshold must be 0 or more, got -1"
 
 
-def test_long_prompt_chunk_is_a_quarter_of_the_budget_on_cpu_and_a_negative_one_is_refused(tiny_model_dir):
-    """On CPU a prompt longer than a step's budget leaves three quarters of each step to the requests arriving
-    during its prefill; ``--long-prompt-chunk 0`` gives it the whole budget."""
+def test_long_prompt_chunk_is_128_on_cpu_and_a_negative_one_is_refused(tiny_model_dir):
+    """On CPU a prompt longer than a step's budget computes 128 tokens a step, leaving the rest to the requests
+    arriving during its prefill (a budget of 256 or less: none); ``--long-prompt-chunk 0`` gives it the budget."""
 
     def config(*flags: str):
         [parsed] = engine_configs(build_parser().parse_args(["serve", str(tiny_model_dir), *flags]))
@@ -55,7 +55,8 @@ def test_long_prompt_chunk_is_a_quarter_of_the_budget_on_cpu_and_a_negative_one_
 
     default = config()
     assert (default.resolved_max_num_batched_tokens, default.resolved_long_prompt_chunk) == (512, 128)
-    assert config("--max-num-batched-tokens", "2k").resolved_long_prompt_chunk == 500
+    assert config("--max-num-batched-tokens", "2k").resolved_long_prompt_chunk == 128
+    assert config("--max-num-batched-tokens", "256").resolved_long_prompt_chunk == 0
     assert config("--long-prompt-chunk", "0").resolved_long_prompt_chunk == 0
     assert default.long_prefill_token_threshold == 0  # vLLM's flag keeps vLLM's default
     with pytest.raises(ValueError) as refused:
