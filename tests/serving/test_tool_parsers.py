@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from raypaged.serving.gateway.tool_parsers import PARSERS, StreamingToolCalls, get_parser
+from raypaged.serving.gateway.tool_parsers import PARSERS, get_parser
 
 WEATHER = {"city": "Paris", "days": 2}
 CASES = {
@@ -45,7 +45,7 @@ def test_each_format_gives_its_calls_and_the_content_before(name):
 @pytest.mark.parametrize("piece", [1, 3, 7])
 def test_streamed_in_pieces_content_comes_first_and_calls_at_the_end(name, piece):
     output, content = CASES[name]
-    stream = StreamingToolCalls(get_parser(name))
+    stream = get_parser(name).stream()
     sent = "".join(stream.feed(output[i : i + piece]) for i in range(0, len(output), piece))
     rest, calls = stream.finish()
     assert sent + rest == (content or "")
@@ -56,7 +56,7 @@ def test_streamed_in_pieces_content_comes_first_and_calls_at_the_end(name, piece
 def test_plain_text_is_content_and_streams_whole(name):
     text = "The weather in Paris is mild; no tool needed."
     assert get_parser(name).extract(text) == (text, [])
-    stream = StreamingToolCalls(get_parser(name))
+    stream = get_parser(name).stream()
     assert "".join(stream.feed(c) for c in text) + stream.finish()[0] == text
 
 
@@ -72,18 +72,18 @@ def test_plain_text_is_content_and_streams_whole(name):
 )
 def test_a_section_that_does_not_parse_is_content(name, output):
     assert get_parser(name).extract(output) == (output, [])
-    stream = StreamingToolCalls(get_parser(name))
+    stream = get_parser(name).stream()
     sent = "".join(stream.feed(c) for c in output)
     assert sent + stream.finish()[0] == output
 
 
 def test_a_marker_split_across_deltas_is_held_back_not_sent():
-    stream = StreamingToolCalls(get_parser("hermes"))
+    stream = get_parser("hermes").stream()
     assert stream.feed("Sure <tool") == "Sure "
     assert stream.feed("_call>") == ""
     assert stream.feed('{"name": "f", "arguments": {"x": 1}}</tool_call>') == ""
     assert _calls(stream.finish()[1]) == [("f", {"x": 1})]
-    stream = StreamingToolCalls(get_parser("hermes"))
+    stream = get_parser("hermes").stream()
     assert stream.feed("a <tool") == "a "
     assert stream.feed("box") == "<toolbox"
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from raypaged.serving.gateway.responses import ResponseShape
-from raypaged.serving.gateway.tool_parsers import PARSERS, StreamingToolCalls, ToolParser, get_parser
+from raypaged.serving.gateway.tool_parsers import PARSERS, ToolParser, get_parser
 from raypaged.serving.gateway.tools import Tool, ToolPlan
 from tests.serving.conftest import serving, streamed_calls, streamed_chunks, tiny_config
 
@@ -95,7 +95,7 @@ def _calls(calls) -> list[tuple[str, dict]]:
 
 
 def _streamed(parser: ToolParser, pieces: list[str]) -> tuple[str, list]:
-    stream = StreamingToolCalls(parser)
+    stream = parser.stream()
     sent = "".join(stream.feed(piece) for piece in pieces)
     rest, calls = stream.finish()
     return sent + rest, calls
@@ -138,7 +138,7 @@ def test_streamed_in_pieces_content_comes_first_and_calls_at_the_end(name, piece
 def test_a_stream_cut_in_two_anywhere_sends_only_the_content_and_gives_the_calls(name):
     output, content = CASES[name]
     for cut in range(1, len(output)):
-        stream = StreamingToolCalls(_parser(name))
+        stream = _parser(name).stream()
         first = stream.feed(output[:cut])
         assert (content or "").startswith(first), (cut, first)  # never a piece of a marker
         second = stream.feed(output[cut:])
@@ -161,12 +161,12 @@ def test_a_stream_cut_in_two_anywhere_sends_only_the_content_and_gives_the_calls
 )
 def test_a_marker_split_across_deltas_is_held_back_and_a_lookalike_is_content(name, marker):
     for cut in range(1, len(marker)):
-        stream = StreamingToolCalls(_parser(name))
+        stream = _parser(name).stream()
         assert stream.feed("Sure " + marker[:cut]) == "Sure "
         assert stream.feed(marker[cut:]) == ""
         assert stream.feed("garbage") == ""
         assert stream.finish() == (marker + "garbage", [])  # a section that does not parse is content
-        stream = StreamingToolCalls(_parser(name))
+        stream = _parser(name).stream()
         assert stream.feed("a " + marker[:cut]) == "a "
         assert stream.feed("\x00") == marker[:cut] + "\x00"
 
@@ -322,7 +322,7 @@ def test_llama4_pythonic_reads_calls_with_or_without_the_python_markers():
     parser = get_parser("llama4_pythonic")
     assert _calls(parser.extract('  [get_weather(city="Paris", days=2)]')[1]) == [("get_weather", WEATHER)]
     assert _calls(parser.extract("<|python_start|>[get_time()]<|python_end|><|python_end|>")[1]) == [("get_time", {})]
-    stream = StreamingToolCalls(parser)
+    stream = parser.stream()
     assert [stream.feed(p) for p in ("<|python", "_st", "Hello")] == ["", "", "<|python_stHello"]
 
 

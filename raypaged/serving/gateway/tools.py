@@ -162,8 +162,7 @@ class ToolStream:
         max_calls = None if self.plan.parallel else 1
         if self.plan.mode == "auto" and self.plan.parser is not None:
             self._parsed = self.plan.parser.stream()
-            if self._parsed.calls is not None:
-                self._parsed.calls.max_calls = max_calls
+            self._parsed.calls.max_calls = max_calls
         elif self.plan.mode == "required":
             self._required = RequiredCalls(max_calls)
 
@@ -196,19 +195,12 @@ class ToolStream:
             return {}, [self._named] if self._named is not None else []
         if self._required is not None:
             return self._required.finish(self.plan)
-        if self._parsed is not None:
-            content, calls = self._parsed.finish()
-            calls = calls[: None if self.plan.parallel else 1]
-        else:
+        if self._parsed is None:
             return {}, []
+        content, calls = self._parsed.finish()
+        calls = calls[: None if self.plan.parallel else 1]
         delta: dict[str, Any] = {"content": content} if content else {}
-        streamed = self._parsed.calls
-        deltas = (
-            streamed.settle(calls)
-            if streamed is not None
-            else [{"index": i, **call.as_openai()} for i, call in enumerate(calls)]
-        )
-        if deltas:
+        if deltas := self._parsed.calls.settle(calls):
             delta["tool_calls"] = deltas
         return delta, calls
 

@@ -95,22 +95,20 @@ class ToolParser(ABC):
             return text, []
         return (text[:start] if text[:start].strip() else None), calls
 
-    def scanner(self) -> Scanner | None:
-        """What reads this format's calls as the section streams in (``None``: the calls come whole once the
-        output ended)."""
+    def scanner(self) -> Scanner:
+        """What reads this format's calls as the section streams in: a format of JSON calls (``json_calls``) is
+        read by a ``CallScanner``; the others give their own."""
         if self.json_calls is None:
-            return None
+            raise NotImplementedError(f"the {self.name} tool-call parser gives no scanner")
         from raypaged.serving.gateway.tool_parsers.streamed import CallScanner  # which imports this module
 
         return CallScanner(*self.json_calls)
 
     def stream(self) -> StreamingToolCalls:
-        """One streamed output through this parser: its calls stream as they are written where a scanner reads
-        them."""
+        """One streamed output through this parser: its calls stream as they are written."""
         from raypaged.serving.gateway.tool_parsers.streamed import StreamedCalls  # which imports this module
 
-        scanner = self.scanner()
-        return StreamingToolCalls(self, None if scanner is None else StreamedCalls(scanner))
+        return StreamingToolCalls(self, StreamedCalls(self.scanner()))
 
     def for_tools(self, parameters: Mapping[str, Mapping[str, Any] | None]) -> ToolParser:
         """This parser for a request whose tools take these ``parameters`` schemas (by function name): a format
@@ -154,7 +152,7 @@ class StreamingToolCalls:
     stream as they are written too (``calls``: their names once whole, then their arguments), and
     the parsed calls then settle what was sent."""
 
-    def __init__(self, parser: ToolParser, calls: StreamedCalls | None = None) -> None:
+    def __init__(self, parser: ToolParser, calls: StreamedCalls) -> None:
         self.parser = parser
         self.calls = calls
         self.text = ""
@@ -174,7 +172,7 @@ class StreamingToolCalls:
 
     def call_deltas(self) -> list[dict[str, Any]]:
         """The tool-call deltas of the section's text fed since the last call (none before the section)."""
-        if self.calls is None or self._section is None:
+        if self._section is None:
             return []
         start = max(self._scanned, self._section)
         self._scanned = len(self.text)
@@ -186,7 +184,7 @@ class StreamingToolCalls:
         content, calls = self.parser.extract(self.text)
         if calls:
             return "", calls
-        if self.calls is not None and self.calls.started:
+        if self.calls.started:
             return "", []
         rest = self.text[self._sent :]
         self._sent = len(self.text)
