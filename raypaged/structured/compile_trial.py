@@ -120,7 +120,7 @@ def _start() -> _Child:
         connection = Connection(os.dup(ours.fileno()))
     child = _Child(process, connection)
     if not connection.poll(START_S) or not _ready(connection):
-        exit_code = process.poll()
+        exit_code = _exit_code(process)
         _kill(child)
         why = f"exited with code {exit_code}" if exit_code is not None else f"did not start within {START_S:g} s"
         raise RuntimeError(
@@ -128,6 +128,14 @@ def _start() -> _Child:
             "max_compile_s: null in --structured-outputs-config compiles without it"
         )
     return child
+
+
+def _exit_code(process: subprocess.Popen[bytes]) -> int | None:
+    """The code of a child that closed its end; its socket closes a moment before the kernel reports it exited."""
+    try:
+        return process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _ready(connection: Connection) -> bool:
