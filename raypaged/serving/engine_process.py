@@ -41,6 +41,7 @@ from typing import Any
 
 import grpc
 
+from raypaged.linked_child import start_linked
 from raypaged.serving.inprocess import InProcessStub, LinkedCall, Metadata, rpc_error
 from raypaged.serving.proto import generate_pb2 as pb
 
@@ -294,13 +295,7 @@ class EngineProcess:
     def launch(self) -> None:
         if self._process is not None:
             return
-        self._socket, theirs = socket.socketpair()
-        with theirs:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "raypaged.serving.engine_process", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                env=self.env,
-            )
+        self._socket, self._process = start_linked("raypaged.serving.engine_process", env=self.env)
 
     def discard(self) -> None:
         if self._process is not None and self._link is None:

@@ -17,8 +17,6 @@ again), talking over a socket pair.
 from __future__ import annotations
 
 import hashlib
-import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
+
+from raypaged.linked_child import start_linked
 
 if TYPE_CHECKING:
     import xgrammar
@@ -112,12 +112,8 @@ def _start_spare() -> None:
 
 
 def _start() -> _Child:
-    ours, theirs = socket.socketpair()
-    with ours, theirs:
-        process = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL
-        )
-        connection = Connection(os.dup(ours.fileno()))
+    ours, process = start_linked(__name__, stdin=subprocess.DEVNULL)
+    connection = Connection(ours.detach())
     child = _Child(process, connection)
     if not connection.poll(START_S) or not _ready(connection):
         exit_code = _exit_code(process)
