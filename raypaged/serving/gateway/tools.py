@@ -205,18 +205,17 @@ class ToolStream:
         return delta, calls
 
 
-class RequiredCalls(StreamedCalls):
+class RequiredCalls(StreamedCalls[CallScanner]):
     """The ``required`` tool choice's output (a JSON array of ``{"name", "parameters"}`` objects) streamed as
     tool-call deltas."""
 
     def __init__(self, max_calls: int | None = None) -> None:
-        self.json = CallScanner(("parameters",), call_depth=1)
-        super().__init__(self.json, max_calls)
+        super().__init__(CallScanner(("parameters",), call_depth=1), max_calls)
 
     def finish(self, plan: ToolPlan) -> tuple[dict[str, Any], list[ToolCall]]:
         """The last delta and the calls. An output cut before its calls were whole (``max_tokens``, a stop
         string) has no calls; what was streamed of them stays, and no content follows."""
-        content, calls = plan.extract(self.json.text)
+        content, calls = plan.extract(self.scanner.text)
         if not calls:
             return ({"content": content} if content and not self.started else {}), []
         deltas = self.settle(calls)

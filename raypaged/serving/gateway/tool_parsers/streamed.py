@@ -19,7 +19,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from raypaged.serving.gateway.tool_parsers.base import ToolCall, TypedArgumentsParser
 from raypaged.structured.harmony import held_back
@@ -294,11 +294,14 @@ class TagScanner(BuiltScanner):
         self.properties = self.properties_of(name)
 
 
-class StreamedCalls:
+S = TypeVar("S", bound=Scanner)
+
+
+class StreamedCalls(Generic[S]):
     """The tool-call deltas of the calls a :class:`Scanner` reads: each call's id, type and name (with its
     arguments so far) once its name is whole, then its arguments as they grow; at most ``max_calls``."""
 
-    def __init__(self, scanner: Scanner, max_calls: int | None = None) -> None:
+    def __init__(self, scanner: S, max_calls: int | None = None) -> None:
         self.scanner = scanner
         self.max_calls = max_calls
         self._sent: list[tuple[ToolCall, int]] = []  # per call announced: its id and name, argument characters sent
