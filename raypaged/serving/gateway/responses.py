@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from raypaged.outputs import FinishReason
 from raypaged.serving.gateway.reasoning import ReasoningParser, ReasoningStream
@@ -185,6 +186,18 @@ def _without_tokens(delta: AnyDelta) -> CompletionDelta:
     )
 
 
+class _TokenValues(Protocol):
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def top_logprobs(self) -> Sequence[AnyTopLogprobs]: ...
+
+
+def _values(tokens: _TokenValues) -> int:
+    """Tokens and their top logprobs' ids: about how many values they put in an answer's body."""
+    return len(tokens.token_ids) + sum(len(top.token_ids) for top in tokens.top_logprobs)
+
+
 @dataclass
 class PromptParts:
     """What the engine sent once about one prompt: its text (echo) and its logprobs."""
@@ -203,8 +216,7 @@ class PromptParts:
 
     def size(self) -> int:
         """About how many values its logprobs hold."""
-        found = self.logprobs
-        return 0 if found is None else len(found.token_ids) + sum(len(top.token_ids) for top in found.top_logprobs)
+        return 0 if self.logprobs is None else _values(self.logprobs)
 
     def completion_logprobs(self, as_ids: bool = False) -> dict:
         """The prompt's tokens in completions' logprobs format: the first without a logprob."""
@@ -311,8 +323,7 @@ class Accumulator:
 
     def size(self) -> int:
         """About how many values the body will hold: its tokens, their top logprobs and the prompts' logprobs."""
-        tokens = sum(len(c.token_ids) + sum(len(top.token_ids) for top in c.top_logprobs) for c in self.choices)
-        return tokens + sum(prompt.size() for prompt in self.prompts)
+        return sum(_values(c) for c in self.choices) + sum(prompt.size() for prompt in self.prompts)
 
     def body(self, pause: Callable[[], None] = no_pause) -> dict:
         """The response body, with ``pause`` after each choice is built (see ``answer_json``)."""
