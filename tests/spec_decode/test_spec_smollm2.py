@@ -183,8 +183,9 @@ def test_sampling_with_speculation_keeps_the_models_distribution(smollm2_dir, ba
     n-gram draft (the prompt repeats, so most samples have a draft to accept or reject). Binned into
     the 5 likeliest second tokens and the rest, its counts with and without speculation pass a
     chi-square test of homogeneity at p = 0.001 (5 degrees of freedom: critical value 20.52). A
-    verifier that accepted every draft, or none, fails it (see the last asserts)."""
-    prompt = "one two three four one two three four one two three four one two"
+    verifier that accepted every draft, or none, fails it (see the last asserts). The prompt's 17 tokens
+    fill a KV block, which the prefix cache shares among the samples (a 14-token prompt doubled the time)."""
+    prompt = "one two three four one two three four one two three four one two three four one"
     params = SamplingParams(temperature=0.8, max_tokens=3)
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
     llm = make_llm(smollm2_dir, spec, seed=1)
