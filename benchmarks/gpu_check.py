@@ -77,7 +77,7 @@ def seconds_per_call(fn, iters: int = 10, warmup: int = 3) -> float:
 
 
 def run_gpu_tests() -> bool:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "--soak", "-m", "gpu", "tests/gpu"]  # every case of each matrix
     return subprocess.run(cmd, cwd=ROOT, timeout=480).returncode == 0
 
 

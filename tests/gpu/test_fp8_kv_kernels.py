@@ -102,6 +102,7 @@ def decode_case(*args, **kwargs):
     base.decode_case(*args, caches=lambda dtype, *shape: fp8_caches(*shape), **kwargs)
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("partition_size", [None, 32], ids=["v1", "v2"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128])
@@ -177,6 +178,7 @@ def KERNEL_IDS(value):  # noqa: N802 (used as a constant)
     return str(value) if isinstance(value, torch.dtype) else {None: "auto", False: "fma"}[value]
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128])
 @pytest.mark.parametrize("dtype, tensor_cores", KERNEL_CHOICES, ids=KERNEL_IDS)
@@ -184,6 +186,7 @@ def test_varlen_prefill_over_fp8_matches_torch(dtype, tensor_cores, head_size, b
     prefill_case(dtype, head_size, block_size, 8, 2, MIXED, seed=head_size + block_size, tensor_cores=tensor_cores)
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads", [(8, 8), (12, 2), (32, 1), (96, 1)], ids=["mha", "gqa6", "mqa32", "mqa96"]
 )

@@ -63,7 +63,7 @@ def test_every_part_of_gpu_check_runs_on_the_host(tmp_path):
 
 
 def test_the_gpu_tests_are_collected_without_the_packages_the_device_lacks():
-    command = [sys.executable, "-c", AS_ON_THE_DEVICE, "pytest", "-q", "--co", "-m", "gpu", "tests/gpu"]
+    command = [sys.executable, "-c", AS_ON_THE_DEVICE, "pytest", "-q", "--co", "--soak", "-m", "gpu", "tests/gpu"]
     env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # the plugins of packages it lacks, too
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

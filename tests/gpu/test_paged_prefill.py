@@ -103,6 +103,7 @@ def kernels_for(dtype):
     return [None] if dtype == torch.float32 else [None, False]
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128])
 @pytest.mark.parametrize(
@@ -123,6 +124,7 @@ def test_mixed_spans_in_one_call_match_torch(dtype, tensor_cores, head_size, blo
     )
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads",
     [(8, 8), (16, 4), (32, 4), (12, 2), (32, 1), (96, 1)],

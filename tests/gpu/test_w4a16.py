@@ -141,6 +141,7 @@ def check_products(layer: QuantLinear, reference: torch.Tensor, seed: int) -> No
                 assert torch.equal(w4a16_gemv(x, weight), y), (dtype, rows)  # deterministic: no atomics
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize(("k", "n", "group"), CASES, ids=[f"{k}x{n}-g{g}" for k, n, g in CASES])
 @pytest.mark.parametrize("name", FORMATS)
 def test_kernels_equal_the_formats_reference(name, k, n, group):

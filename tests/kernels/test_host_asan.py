@@ -69,7 +69,8 @@ FEW = (
 
 def test_the_kernels_tests_run_clean_under_the_sanitizer(soak):
     selection = [] if soak else ["-k", FEW]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", *selection]
+    # --soak: the selection's cases whether or not the pairwise cover of CI holds them
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--soak", "tests/gpu", *selection]
     run = subprocess.run(command, cwd=ROOT, env=sanitized(), capture_output=True, text=True, timeout=1800)
     assert "AddressSanitizer" not in run.stderr + run.stdout, (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
