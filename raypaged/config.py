@@ -298,7 +298,9 @@ class EngineConfig:
         "(with a budget above 256), 0 on CUDA",
         type=human_int,
     )
-    kv_cache_space: float | None = _flag(None, "GiB of KV cache on CPU (default 4)", type=float)
+    kv_cache_space: float | None = _flag(
+        None, "GiB of KV cache on CPU (default $RAYPAGED_CPU_KVCACHE_SPACE, or 4)", type=float
+    )
     kv_cache_memory_bytes: int | None = _flag(
         None,
         "bytes of KV cache per shard, on a device or on CPU, in place of --gpu-memory-utilization's profiling "

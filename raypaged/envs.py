@@ -44,6 +44,12 @@ def cpu_threads_per_shard() -> int | None:
     return _positive("RAYPAGED_CPU_THREADS_PER_SHARD", int)
 
 
+def cpu_kv_cache_space() -> float | None:
+    """GiB of KV cache per CPU worker when no flag sizes it: ``$RAYPAGED_CPU_KVCACHE_SPACE`` (vLLM's
+    ``VLLM_CPU_KVCACHE_SPACE``), read where the worker runs."""
+    return _positive("RAYPAGED_CPU_KVCACHE_SPACE", float)
+
+
 def step_timeout_s() -> float:
     """Seconds the driver waits for one step of a Ray shard group before treating the group as
     lost (a hung shard): ``$RAYPAGED_STEP_TIMEOUT_S`` or 120."""

@@ -182,7 +182,7 @@ class Worker:
         ``kv_cache_memory_bytes`` bytes of blocks where it is given (vLLM's, on any device); else on CUDA the
         device blocks fill what ``gpu_memory_utilization`` of the device leaves after the weights, the peak
         activations of a profiled worst-case step, and memory held outside torch (cupy, NCCL, the CUDA
-        context); on CPU ``kv_cache_space`` GiB.
+        context); on CPU ``kv_cache_space`` GiB (else ``$RAYPAGED_CPU_KVCACHE_SPACE``, else 4).
         """
         if self.config.encoder:  # no cache: as many blocks as a full batch of the longest prompts takes
             config = self.config
@@ -208,7 +208,7 @@ class Worker:
                     f"(raise --gpu-memory-utilization, or lower --max-num-batched-tokens)"
                 )
             return kv_bytes // per_block, num_cpu_blocks
-        space = self.config.kv_cache_space or DEFAULT_CPU_KV_CACHE_SPACE_GIB
+        space = self.config.kv_cache_space or envs.cpu_kv_cache_space() or DEFAULT_CPU_KV_CACHE_SPACE_GIB
         return max(1, int(space * _GIB) // per_block), num_cpu_blocks
 
     @torch.inference_mode()
