@@ -3,6 +3,7 @@ random Llamas; the CPU kernels built without AVX-512."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -12,49 +13,14 @@ import torch
 
 from raypaged.attention import cpu_ops
 from raypaged.model.default_model import default_model_dir
+from tests.pairwise import pytest_addoption, pytest_collection_modifyitems  # noqa: F401 (the hooks of the run)
+
+# 512 MiB of KV cache for each CPU engine the tests start without sizing it (servers, Ray shards and engine
+# processes inherit it): zeroing the default 4 GiB took 3-4 s of every start on 2 cores
+os.environ.setdefault("RAYPAGED_CPU_KVCACHE_SPACE", "0.5")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 RAY_NUM_CPUS = 8  # logical CPUs: enough for a tp=4 placement group on a 2-core machine
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--soak",
-        action="store_true",
-        default=False,
-        help="tests/reliability at soak sizes (minutes), not the CI sizes; every case of a pairwise matrix",
-    )
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Of each test marked ``pairwise``, only the cases that cover every pair of its parameters' values,
-    unless ``--soak``: the rest are reported as deselected."""
-    if config.getoption("--soak"):
-        return
-    matrices: dict[str, list[pytest.Function]] = {}
-    for item in items:
-        if isinstance(item, pytest.Function) and item.get_closest_marker("pairwise") and hasattr(item, "callspec"):
-            matrices.setdefault(item.nodeid.split("[")[0], []).append(item)
-    dropped: set[str] = set()
-    for cases in matrices.values():
-        kept = pairwise_cover([case.callspec.params for case in cases])
-        dropped |= {case.nodeid for index, case in enumerate(cases) if index not in kept}
-    if dropped:
-        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in dropped])
-        items[:] = [item for item in items if item.nodeid not in dropped]
-
-
-def pairwise_cover(cases: Sequence[dict[str, object]]) -> set[int]:
-    """The indices of a few cases that hold every pair of values (of two parameters) that any case holds:
-    greedily the case with the most pairs not yet held, the first of equals."""
-    pairs = [{(a, repr(params[a]), b, repr(params[b])) for a in params for b in params if a < b} for params in cases]
-    left = set().union(*pairs)
-    kept: set[int] = set()
-    while left:
-        best = max(range(len(cases)), key=lambda index: len(pairs[index] & left))
-        kept.add(best)
-        left -= pairs[best]
-    return kept
 
 
 @pytest.fixture(scope="session")
