@@ -86,7 +86,8 @@ class GrammarBackend:
                         self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
                     )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-                self._trial_tokenizer = compile_trial.Tokenizer.of(info)
+                if self.config.max_compile_s is not None:  # serializing the vocabulary takes about 40 ms
+                    self._trial_tokenizer = compile_trial.Tokenizer.of(info)
             return self._compiler
 
     def compile(
