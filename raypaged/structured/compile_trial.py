@@ -115,8 +115,9 @@ def _start() -> _Child:
     ours, process = start_linked(__name__, stdin=subprocess.DEVNULL)
     connection = Connection(ours.detach())
     child = _Child(process, connection)
-    if not connection.poll(START_S) or not _ready(connection):
-        exit_code = _exit_code(process)
+    answered = connection.poll(START_S)  # "ready", or the end of a child that exited
+    if not answered or not _ready(connection):
+        exit_code = _exit_code(process) if answered else None
         _kill(child)
         why = f"exited with code {exit_code}" if exit_code is not None else f"did not start within {START_S:g} s"
         raise RuntimeError(
