@@ -119,17 +119,19 @@ class RayExecutor(Executor):
         self.step_channel = self._choose_step_channel(self._wanted_channel, [bundle_nodes[b] for b in bundles])
         actor_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(WorkerActor)
         # the driver's $RAYPAGED_* switches are the shards' too, on whichever node they run and whenever Ray started
+        # (set by the actor itself: a runtime_env of env_vars would keep it off Ray's started workers, 0.45 s more)
         switches = {name: value for name, value in os.environ.items() if name.startswith("RAYPAGED_")}
         self.workers = [
             actor_class.options(
                 num_cpus=0 if on_gpu else 1,
                 num_gpus=1 if on_gpu else 0,
-                runtime_env={"env_vars": switches} if switches else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=bundle
                 ),
             ).remote(
-                None if on_gpu else list(bundle_nodes.values()).count(bundle_nodes[bundle]), self.cpu_threads_override
+                None if on_gpu else list(bundle_nodes.values()).count(bundle_nodes[bundle]),
+                self.cpu_threads_override,
+                switches,
             )
             for bundle in bundles
         ]

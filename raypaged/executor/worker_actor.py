@@ -35,13 +35,19 @@ def threads_per_shard(num_cores: int, shards_on_node: int, override: int | None)
 class WorkerActor:
     """One shard: a :class:`Worker` once ``start`` has run.
 
-    On CPU (``shards_on_node`` given) the actor first limits itself to
-    :func:`threads_per_shard` threads: ``torch.set_num_threads`` and
-    ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` in its environment (Ray's own default
-    is one thread per ``num_cpus=1`` actor whatever the machine).
+    ``switches`` (the driver's ``$RAYPAGED_*`` variables) go into the actor's environment first. On CPU
+    (``shards_on_node`` given) the actor then limits itself to :func:`threads_per_shard` threads:
+    ``torch.set_num_threads`` and ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` in its environment (Ray's own
+    default is one thread per ``num_cpus=1`` actor whatever the machine).
     """
 
-    def __init__(self, shards_on_node: int | None = None, threads_override: int | None = None) -> None:
+    def __init__(
+        self,
+        shards_on_node: int | None = None,
+        threads_override: int | None = None,
+        switches: dict[str, str] | None = None,
+    ) -> None:
+        os.environ.update(switches or {})
         if shards_on_node is not None:
             num_threads = threads_per_shard(node_cores(), shards_on_node, threads_override)
             os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(num_threads)
