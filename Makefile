@@ -21,8 +21,10 @@ serve: install
 protos: install
 	$(PY) -m raypaged.serving.protogen
 
+# bytecode is cached even where $$PYTHONDONTWRITEBYTECODE is set: the servers, engine processes and Ray shards the
+# tests start (hundreds) would each compile raypaged anew, about 0.17 s of CPU apiece
 test: install
-	$(PY) -m pytest -q --durations=25 tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --durations=25 tests
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py --quick
