@@ -13,7 +13,7 @@ import torch
 
 from raypaged.attention import cpu_ops
 from raypaged.model.default_model import default_model_dir
-from tests.pairwise import pytest_addoption, pytest_collection_modifyitems  # noqa: F401 (the hooks of the run)
+from tests.pairwise import pytest_addoption, pytest_collection_modifyitems, soak  # noqa: F401 (the run's hooks, --soak)
 
 # 512 MiB of KV cache for each CPU engine the tests start without sizing it (servers, Ray shards and engine
 # processes inherit it): zeroing the default 4 GiB took 3-4 s of every start on 2 cores
@@ -21,11 +21,6 @@ os.environ.setdefault("RAYPAGED_CPU_KVCACHE_SPACE", "0.5")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 RAY_NUM_CPUS = 8  # logical CPUs: enough for a tp=4 placement group on a 2-core machine
-
-
-@pytest.fixture(scope="session")
-def soak(request: pytest.FixtureRequest) -> bool:
-    return bool(request.config.getoption("--soak"))
 
 
 @pytest.fixture(scope="session")

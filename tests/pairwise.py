@@ -1,4 +1,4 @@
-"""``--soak`` and the pairwise cover that CI runs of a test marked ``pairwise`` (hooks that
+"""``--soak`` (and its ``soak`` fixture) and the pairwise cover that CI runs of a test marked ``pairwise`` (hooks that
 ``tests/conftest.py`` takes; no torch here, so a pytest run of a few files loads them fast)."""
 
 from __future__ import annotations
@@ -15,6 +15,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="tests/reliability at soak sizes (minutes), not the CI sizes; every case of a pairwise matrix",
     )
+
+
+@pytest.fixture(scope="session")
+def soak(request: pytest.FixtureRequest) -> bool:
+    """Whether this run is ``--soak``."""
+    return bool(request.config.getoption("--soak"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
