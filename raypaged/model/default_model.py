@@ -117,11 +117,12 @@ def read_llama_gguf(gguf_path: Path) -> tuple[dict, dict]:
     weights = {}
     for tensor in reader.tensors:
         stem, suffix = tensor.name.rsplit(".", 1)
-        if stem.startswith("blk."):
-            _, layer, part = stem.split(".", 2)
-            name = f"model.layers.{layer}.{_LLAMA_LAYER_TENSORS[part]}.{suffix}"
-        else:
-            name = f"{_LLAMA_TENSORS[stem]}.{suffix}"
+        _, layer, part = stem.split(".", 2) if stem.startswith("blk.") else ("", "", "")
+        module = f"model.layers.{layer}.{_LLAMA_LAYER_TENSORS[part]}" if part in _LLAMA_LAYER_TENSORS else None
+        module = _LLAMA_TENSORS.get(stem, module)
+        if module is None:
+            raise ValueError(f"{gguf_path}: tensor {tensor.name!r} is not one of a llama's")
+        name = f"{module}.{suffix}"
         values = dequantize(tensor.data, tensor.tensor_type)
         if stem.endswith(".attn_q") or stem.endswith(".attn_k"):
             n = heads if stem.endswith(".attn_q") else kv_heads
@@ -138,8 +139,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     keywords, weights = read_llama_gguf(gguf_path)
     config = LlamaConfig(**keywords, dtype="float32")
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     as_dict = config.to_dict()
     as_dict["architectures"] = ["LlamaForCausalLM"]

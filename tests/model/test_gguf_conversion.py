@@ -18,8 +18,9 @@ SHAPE = dict(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256)
 Q4_1, Q8_0, F32 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
 
 
-def write_gguf(path: Path, tied: bool, architecture: str = "llama") -> Path:
-    """A random llama.cpp-layout llama: Q4_1 and Q8_0 matrices, F32 norms (and an F32 head unless ``tied``)."""
+def write_gguf(path: Path, tied: bool, architecture: str = "llama", extra: str | None = None) -> Path:
+    """A random llama.cpp-layout llama: Q4_1 and Q8_0 matrices, F32 norms (and an F32 head unless ``tied``; an F32
+    tensor named ``extra`` too, if given)."""
     rng = np.random.default_rng(0)
     hidden, ffn, head_dim = SHAPE["hidden"], SHAPE["ffn"], SHAPE["hidden"] // SHAPE["heads"]
     writer = GGUFWriter(str(path), architecture)
@@ -59,6 +60,8 @@ def write_gguf(path: Path, tied: bool, architecture: str = "llama") -> Path:
     add("output_norm.weight", hidden, 0, F32)
     if not tied:
         add("output.weight", SHAPE["vocab"], hidden, F32)
+    if extra is not None:
+        add(extra, hidden, 0, F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -89,4 +92,10 @@ def test_another_architecture_is_refused_by_name(tmp_path):
     with pytest.raises(
         ValueError, match=re.escape(f"{path}: GGUF architecture 'qwen2' is not supported here; llama is")
     ):
+        read_llama_gguf(path)
+
+
+def test_a_tensor_no_llama_has_is_refused_by_name(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", tied=True, extra="blk.0.attn_gate.weight")
+    with pytest.raises(ValueError, match=re.escape(f"{path}: tensor 'blk.0.attn_gate.weight' is not one of a llama's")):
         read_llama_gguf(path)
