@@ -42,6 +42,7 @@ from raypaged.inputs.limits import (
     check_messages,
     check_priority,
     check_prompt_len,
+    check_sampling,
     check_text,
     check_token_ids,
 )
@@ -432,6 +433,7 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 model = self._model(generate.model)
                 config = model.engine.config
                 params = sampling_params_from_proto(generate, config.limits, config.generation_defaults)
+                check_sampling(params, config.hf_config.vocab_size, config.limits)  # as the input processor does
                 prompt_token_ids = []
             config = model.engine.config
             check_count("completions", len(request.completions), config.limits.max_num_samples, "max_num_samples")

@@ -743,6 +743,45 @@ def test_a_rendered_responses_request_generates_what_the_responses_route_answers
             "stream_state.read_offset is not used by this server: send back the stream_state it answered",
             "stream_state.read_offset",
         ),
+        # a choice index or n past the limit is refused before anything is sized by it (index 4294967295 once made
+        # a 500, an index of 2^31 a list of 2^31 slots: the server's memory gone)
+        (
+            "/v1/completions/derender",
+            {"stream": True, "generate_chunk": {"request_id": "g", "choices": [{"index": 10**8, "token_ids": [5]}]}},
+            "n has 100000001 samples, more than the limit of 128 (--max-num-samples)",
+            "n",
+        ),
+        (
+            "/v1/completions/derender",
+            {"generate_responses": [{"request_id": "g", "choices": [{"index": 2**32 - 1, "token_ids": [5]}]}]},
+            "choice 4294967295 is past any request's n (at most 4294967295)",
+            "index",
+        ),
+        (
+            "/v1/completions/derender",
+            {"generate_responses": [{"request_id": "g", "choices": [{"index": 10**8, "token_ids": [5]}]}]},
+            "a generate answer has choices [100000000], not 0..n-1",
+            None,
+        ),
+        (
+            "/v1/chat/completions/derender",
+            {
+                "generate_response": {"request_id": "g", "choices": [{"index": 0, "token_ids": [5]}]},
+                "chat_request": {**CHAT, "n": 10**8},
+            },
+            "n has 100000000 samples, more than the limit of 128 (--max-num-samples)",
+            "n",
+        ),
+        (
+            "/v1/chat/completions/derender",
+            {
+                "stream": True,
+                "generate_chunk": {"request_id": "g", "choices": [{"index": 0, "token_ids": [5]}]},
+                "chat_request": {**CHAT, "n": 10**8},
+            },
+            "n has 100000000 samples, more than the limit of 128 (--max-num-samples)",
+            "n",
+        ),
         (
             "/inference/v1/generate",
             {"token_ids": [5], "sampling_params": {}, "output_mode": "derender"},

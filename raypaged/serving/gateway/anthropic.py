@@ -29,8 +29,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from raypaged.serving.gateway.errors import APIError
+from raypaged.serving.gateway.schemas import UINT32_MAX
 
-_UINT32_MAX = 2**32 - 1
 _INT32_MAX = 2**31 - 1
 
 
@@ -241,7 +241,7 @@ class ToolChoice(_Part):
 
 class Thinking(_Part):
     type: Literal["enabled", "disabled"]
-    budget_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)  # tokens of thinking at most (enabled only)
+    budget_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)  # tokens of thinking at most (enabled only)
 
     @model_validator(mode="after")
     def _budget_when_enabled(self) -> Thinking:
@@ -335,7 +335,7 @@ class CountTokensRequest(_Cacheable):
 class MessagesRequest(CountTokensRequest):
     """The body of ``POST /v1/messages``."""
 
-    max_tokens: int = Field(ge=1, le=_UINT32_MAX)
+    max_tokens: int = Field(ge=1, le=UINT32_MAX)
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None

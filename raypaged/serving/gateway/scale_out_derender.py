@@ -33,7 +33,7 @@ from raypaged.serving.gateway.scale_out_derender_body import (
     TokensResponseBody,
     UsageBody,
 )
-from raypaged.serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, body_doc
+from raypaged.serving.gateway.schemas import UINT32_MAX, ChatCompletionRequest, CompletionRequest, body_doc
 from raypaged.serving.messages import Usage
 from raypaged.serving.proto import generate_pb2 as pb
 
@@ -111,6 +111,8 @@ class _Target:
             logprobs = [c.logprobs for c in choices if c.logprobs is not None]
             num_candidates = max((len(e.top_logprobs) for lp in logprobs for e in lp.content or ()), default=1)
             n = max((c.index + 1 for c in choices), default=1)
+            if n > UINT32_MAX:  # the n its choices imply; the engine checks it against the limit
+                raise APIError(400, f"choice {n - 1} is past any request's n (at most {UINT32_MAX})", "index")
             request_of = pb.GenerateRequest(model=model, sampling=pb.SamplingParameters(n=n))
             if logprobs:
                 request_of.logprobs = num_candidates  # every candidate shown
@@ -132,18 +134,22 @@ class _Target:
         if len(answers) != len(self.requests):
             raise APIError(400, f"{len(answers)} generate answers for a request of {len(self.requests)} prompts")
         shape.id = answers[0].request_id
-        accumulator = Accumulator(shape, len(answers))
-        usages = []
+        derendered, usages = [], []
         for index, (answer, request) in enumerate(zip(answers, self.requests)):
-            if sorted(c.index for c in answer.choices) != list(range(shape.n)):
+            if sorted(c.index for c in answer.choices) != list(range(len(answer.choices))) or not answer.choices:
                 raise APIError(400, f"a generate answer has choices {[c.index for c in answer.choices]}, not 0..n-1")
             replay = _replay(request, answer.request_id, prompt_token_ids[index] or answer.prompt_token_ids)
             with_logprobs = replay.HasField("logprobs")
             completions = [c.completion(with_logprobs) for c in sorted(answer.choices, key=lambda c: c.index)]
-            derendered = await self._derender(http, replay, completions)
-            for response in derendered:
-                accumulator.add(index, response)
+            # the engine checks the request (its n within the limit) before anything here is sized by that n
+            derendered.append(await self._derender(http, replay, completions))
+            if len(answer.choices) != shape.n:
+                raise APIError(400, f"a generate answer has choices {[c.index for c in answer.choices]}, not 0..n-1")
             usages.append(_usage(answer.usage, prompt_tokens[index], sum(len(c.token_ids) for c in completions)))
+        accumulator = Accumulator(shape, len(answers))
+        for index, responses in enumerate(derendered):
+            for response in responses:
+                accumulator.add(index, response)
         body = accumulator.body()
         body["usage"] = shape.usage(usages)
         return body
@@ -162,7 +168,6 @@ class _Target:
         state = body.stream_state or StreamStateBody()
         shape = self.shape
         shape.id = generate_chunk.request_id
-        writer = ChunkWriter(shape, 1, include_usage=False)
         choices: list[dict] = []
         prompt_ids = None
         if generate_chunk.choices:
@@ -186,6 +191,8 @@ class _Target:
             completion.token_ids[:0] = state.output_token_ids
             completion.step_lens.extend([*state.output_chunk_lens, len(new)])
             steps = await self._derender(http, replay, [completion])
+            # made once the engine checked the request: a writer keeps a slot for each of its n choices
+            writer = ChunkWriter(shape, 1, include_usage=False)
             if newest.candidates and steps:
                 await self._add_logprobs(http, steps[-1].outputs[0], newest)
             for step in steps:

@@ -25,13 +25,13 @@ logger = logging.getLogger("raypaged")
 Body = TypeVar("Body", bound=BaseModel)
 
 # integer bounds of the gRPC fields the values travel in
-_UINT32_MAX = 2**32 - 1
+UINT32_MAX = 2**32 - 1
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
-Unsigned = Annotated[int, Field(ge=0, le=_UINT32_MAX)]
+Unsigned = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 Int32 = Annotated[int, Field(ge=-_INT32_MAX - 1, le=_INT32_MAX)]
 Int64 = Annotated[int, Field(ge=-_INT64_MAX - 1, le=_INT64_MAX)]
-LogprobCount = Annotated[int, Field(ge=-1, le=_UINT32_MAX - 1)]  # -1: the whole vocabulary (vLLM's)
+LogprobCount = Annotated[int, Field(ge=-1, le=UINT32_MAX - 1)]  # -1: the whole vocabulary (vLLM's)
 RequestId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]  # vLLM's request_id
 CacheSalt = Annotated[str, Field(min_length=1, max_length=1024)]  # vLLM's: prefix-cache blocks shared per salt
 Prompts = str | list[str] | list[Unsigned] | list[list[Unsigned]]  # a text, texts, token ids, lists of token ids
@@ -141,8 +141,8 @@ class _GenerationBody(BaseModel):
         return defaults_for_nulls(data)
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=_UINT32_MAX)  # the engine caps n and best_of (--max-num-samples)
-    best_of: int | None = Field(None, ge=1, le=_UINT32_MAX)
+    n: int = Field(1, ge=1, le=UINT32_MAX)  # the engine caps n and best_of (--max-num-samples)
+    best_of: int | None = Field(None, ge=1, le=UINT32_MAX)
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: Unsigned | None = None
@@ -174,14 +174,14 @@ class _GenerationBody(BaseModel):
     request_id: RequestId | None = None
     include_stop_str_in_output: bool = False
     add_special_tokens: bool = True  # (each API's default: its subclass's)
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=_UINT32_MAX - 1)  # the prompt's last N (-1: the context)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=UINT32_MAX - 1)  # the prompt's last N (-1: the context)
     truncation_side: Literal["left", "right"] | None = None  # "right": truncate_prompt_tokens keeps the first N
-    stream_interval: int | None = Field(None, ge=1, le=_UINT32_MAX)  # tokens per chunk, at least --stream-interval
+    stream_interval: int | None = Field(None, ge=1, le=UINT32_MAX)  # tokens per chunk, at least --stream-interval
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI's string key) -> bias in [-100, 100]
     allowed_token_ids: list[Unsigned] | None = None
     bad_words: list[str] | None = None
     # vLLM's: a reasoning section holds at most this many tokens, then its end is forced (-1: no budget)
-    thinking_token_budget: int | None = Field(None, ge=-1, le=_UINT32_MAX)
+    thinking_token_budget: int | None = Field(None, ge=-1, le=UINT32_MAX)
     # vLLM's: with logprobs, these tokens' logprobs at each generated position in place of the most likely ones
     logprob_token_ids: list[Unsigned] | None = None
     cache_salt: CacheSalt | None = None
@@ -372,7 +372,7 @@ def _token_id(key: str) -> int | None:
         value = int(key)
     except ValueError:
         return None
-    return value if 0 <= value <= _UINT32_MAX else None
+    return value if 0 <= value <= UINT32_MAX else None
 
 
 class CompletionRequest(_GenerationBody):
