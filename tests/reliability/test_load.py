@@ -140,8 +140,12 @@ def test_concurrent_streams_all_finish_identical_to_unloaded_with_preemption(ser
     assert failures == []
     # unloaded: the same prompts with room for all of them, so nothing waits or is preempted
     reference_started = time.monotonic()
+    longest = max(len(prompt_ids(i)) for i in range(num_clients)) + max_tokens
     unloaded = LLM(
-        model=str(tiny_model_dir), num_gpu_blocks_override=4096, max_model_len=MAX_MODEL_LEN, max_num_seqs=num_clients
+        model=str(tiny_model_dir),
+        num_gpu_blocks_override=num_clients * -(-longest // 16),  # blocks of 16 for every sequence at its longest
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=num_clients,
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     expected = unloaded.generate(
