@@ -120,6 +120,13 @@ class InputProcessor:
         return tuple(dict.fromkeys(ids))
 
     # ---- text ------------------------------------------------------------------
+    def checked_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` checked against the limits and the vocabulary, with their logprobs resolved against it
+        (what outputs are built by)."""
+        vocab_size = self.config.hf_config.vocab_size
+        check_sampling(params, vocab_size, self.config.limits)
+        return params.with_vocabulary_logprobs(vocab_size)
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
@@ -644,8 +651,7 @@ class InputProcessor:
         if config.pooler is not None:
             raise _not_generative(config)
         lora = None if lora_request is None else self.check_lora(lora_request)
-        check_sampling(params, config.hf_config.vocab_size, config.limits)
-        params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
+        params = self.checked_params(params)
         image_inputs = None
         if multi_modal is not None and (multi_modal.images or multi_modal.processor_kwargs):
             prompt_token_ids, image_inputs = self._multi_modal_prompt(prompt, prompt_token_ids, params, multi_modal)

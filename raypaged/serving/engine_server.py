@@ -42,7 +42,6 @@ from raypaged.inputs.limits import (
     check_messages,
     check_priority,
     check_prompt_len,
-    check_sampling,
     check_text,
     check_token_ids,
 )
@@ -432,15 +431,15 @@ class EngineServicer(pb_grpc.TextGenerationServiceServicer):
                 self._caller(context)
                 model = self._model(generate.model)
                 config = model.engine.config
-                params = sampling_params_from_proto(generate, config.limits, config.generation_defaults)
-                check_sampling(params, config.hf_config.vocab_size, config.limits)  # as the input processor does
+                params = model.inputs.checked_params(
+                    sampling_params_from_proto(generate, config.limits, config.generation_defaults)
+                )
                 prompt_token_ids = []
             config = model.engine.config
             check_count("completions", len(request.completions), config.limits.max_num_samples, "max_num_samples")
             for completion in request.completions:
                 check_count("token_ids", len(completion.token_ids), config.resolved_max_model_len, "max_model_len")
                 check_token_ids("token_ids", completion.token_ids, config.hf_config.vocab_size)
-            params = params.with_vocabulary_logprobs(config.hf_config.vocab_size)
             responses = await model.off_loop(
                 derendered,
                 model.tokenizer,
