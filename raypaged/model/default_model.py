@@ -124,8 +124,8 @@ def read_llama_gguf(gguf_path: Path) -> tuple[dict, dict]:
             raise ValueError(f"{gguf_path}: tensor {tensor.name!r} is not one of a llama's")
         name = f"{module}.{suffix}"
         values = dequantize(tensor.data, tensor.tensor_type)
-        if stem.endswith(".attn_q") or stem.endswith(".attn_k"):
-            n = heads if stem.endswith(".attn_q") else kv_heads
+        if part in ("attn_q", "attn_k"):
+            n = heads if part == "attn_q" else kv_heads
             rows = values.shape[0]
             values = values.reshape(n, rows // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
         weights[name] = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 tensors are the file's pages

@@ -136,15 +136,17 @@ class _Target:
         shape.id = answers[0].request_id
         derendered, usages = [], []
         for index, (answer, request) in enumerate(zip(answers, self.requests)):
-            if sorted(c.index for c in answer.choices) != list(range(len(answer.choices))) or not answer.choices:
-                raise APIError(400, f"a generate answer has choices {[c.index for c in answer.choices]}, not 0..n-1")
+            indices = sorted(c.index for c in answer.choices)
+            not_0_to_n = APIError(400, f"a generate answer has choices {[c.index for c in answer.choices]}, not 0..n-1")
+            if not indices or indices != list(range(len(indices))):
+                raise not_0_to_n
             replay = _replay(request, answer.request_id, prompt_token_ids[index] or answer.prompt_token_ids)
             with_logprobs = replay.HasField("logprobs")
             completions = [c.completion(with_logprobs) for c in sorted(answer.choices, key=lambda c: c.index)]
             # the engine checks the request (its n within the limit) before anything here is sized by that n
             derendered.append(await self._derender(http, replay, completions))
-            if len(answer.choices) != shape.n:
-                raise APIError(400, f"a generate answer has choices {[c.index for c in answer.choices]}, not 0..n-1")
+            if len(indices) != shape.n:
+                raise not_0_to_n
             usages.append(_usage(answer.usage, prompt_tokens[index], sum(len(c.token_ids) for c in completions)))
         accumulator = Accumulator(shape, len(answers))
         for index, responses in enumerate(derendered):
