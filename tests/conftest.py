@@ -115,18 +115,27 @@ def peft_smollm2(smollm2_dir, smollm2_adapters):
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Transformers' own greedy decoding of one prompt, EOS ignored."""
-    ids = torch.tensor([prompt_ids])
+    return hf_greedy_batch(model, [prompt_ids], max_new_tokens)[0]
+
+
+def hf_greedy_batch(model, prompts: Sequence[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Transformers' own greedy decoding of the prompts in one left-padded batch (as its batched ``generate`` is
+    used), EOS ignored: one forward a token for all of them, where decoding them one by one reads the weights once
+    per prompt and token."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
         out = model.generate(
             ids,
-            attention_mask=torch.ones_like(ids),
+            attention_mask=mask,
             do_sample=False,
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             eos_token_id=None,
             pad_token_id=0,
         )
-    return out[0, len(prompt_ids) :].tolist()
+    return out[:, width:].tolist()
 
 
 # the tiny random models' shape: SmolLM2's vocabulary and tokenizer, 8 heads over 2 KV heads of 8

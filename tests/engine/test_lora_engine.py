@@ -12,7 +12,7 @@ from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine
 from raypaged.lora.request import LoRARequest
 from raypaged.sampling_params import SamplingParams
-from tests.conftest import hf_greedy, make_peft_adapter
+from tests.conftest import hf_greedy_batch, make_peft_adapter
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
@@ -30,12 +30,12 @@ def expected(smollm2_dir, adapters, peft_smollm2) -> dict[tuple[str | None, str]
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     with peft_smollm2.disable_adapter():
-        found = {(None, p): hf_greedy(peft_smollm2, tokenizer(p)["input_ids"], MAX_TOKENS) for p in PROMPTS}
+        found = dict(zip([(None, p) for p in PROMPTS], hf_greedy_batch(peft_smollm2, ids, MAX_TOKENS)))
     for name in adapters:
         peft_smollm2.set_adapter(name)
-        for prompt in PROMPTS:
-            found[(name, prompt)] = hf_greedy(peft_smollm2, tokenizer(prompt)["input_ids"], MAX_TOKENS)
+        found |= zip([(name, p) for p in PROMPTS], hf_greedy_batch(peft_smollm2, ids, MAX_TOKENS))
     return found
 
 

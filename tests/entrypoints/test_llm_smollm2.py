@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from raypaged import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy_batch
 
 PROMPTS = [
     "The capital of France is",
@@ -27,7 +27,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
 @pytest.fixture(scope="module")
 def hf_references(smollm2_llm, hf_smollm2):
     tokenizer = smollm2_llm.get_tokenizer()
-    return [hf_greedy(hf_smollm2, tokenizer(p)["input_ids"], NUM_NEW) for p in PROMPTS]
+    return hf_greedy_batch(hf_smollm2, [tokenizer(p)["input_ids"] for p in PROMPTS], NUM_NEW)
 
 
 def test_greedy_batch_equals_transformers(smollm2_llm, hf_references):
