@@ -15,6 +15,7 @@ replaces the whole shard group with an empty KV cache of the same size.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import time
@@ -35,6 +36,7 @@ from raypaged.executor.base import Executor, PendingStep, WorkerLostError
 from raypaged.executor.step_times import StepTimes
 from raypaged.executor.worker_actor import CONCURRENCY_GROUPS, WorkerActor
 from raypaged.model.parallel import PipelineStage, TensorParallel
+from raypaged.model.portable_config import portable_config
 from raypaged.worker.model_runner import fail_alone
 
 logger = logging.getLogger("raypaged")
@@ -136,10 +138,14 @@ class RayExecutor(Executor):
             for bundle in bundles
         ]
         init_method = ray.get(self.workers[0].rendezvous_address.remote())
+        shard_config = copy.copy(config)  # the models' configs on transformers' base class (portable_config)
+        shard_config.hf_config = portable_config(config.hf_config)
+        if config.draft_hf_config is not None:
+            shard_config.draft_hf_config = portable_config(config.draft_hf_config)
         self._call_all(
             [
                 worker.start.remote(
-                    config,
+                    shard_config,
                     self.eos_token_id,
                     TensorParallel(rank % tp_size, tp_size, pp=PipelineStage(rank // tp_size, pp_size, tp_size)),
                     init_method,

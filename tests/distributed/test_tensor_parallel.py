@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import pytest
 import ray
@@ -110,6 +111,30 @@ def test_the_drivers_switches_reach_the_shards(ray_session, tiny_llama, monkeypa
         assert seen == ["1", "1"]
     finally:
         executor.shutdown()
+
+
+def test_shards_read_the_models_config_on_transformers_base_class(ray_session, tiny_llama):
+    """The shards get the LlamaConfig's values on a base PretrainedConfig: unpickling it never imports the class's
+    module (and with it torch.distributed.tensor), and the tokens stay tp 1's (test_tiny_llama_tp_matches_tp1)."""
+    executor = RayExecutor(EngineConfig(model=str(tiny_llama), device="cpu", tensor_parallel_size=2), eos_token_id=2)
+    try:
+        seen = ray.get(
+            [
+                w.__ray_call__.remote(
+                    lambda actor: (
+                        type(actor.worker.config.hf_config).__name__,
+                        actor.worker.config.hf_config.to_dict(),
+                        "transformers.models.llama.configuration_llama" in sys.modules,
+                        "torch.distributed.tensor" in sys.modules,
+                    )
+                )
+                for w in executor.workers
+            ]
+        )
+    finally:
+        executor.shutdown()
+    expected = executor.config.hf_config.to_dict()
+    assert seen == [("ShardModelConfig", expected, False, False)] * 2
 
 
 def test_bad_thread_override(ray_session, tiny_llama, monkeypatch):
