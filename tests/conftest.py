@@ -14,6 +14,7 @@ import torch
 from raypaged.attention import cpu_ops
 from raypaged.model.default_model import default_model_dir
 from tests.pairwise import pytest_addoption, pytest_collection_modifyitems, soak  # noqa: F401 (the run's hooks, --soak)
+from tests.prebuild import pytest_collection_finish, pytest_sessionfinish  # noqa: F401 (kernels built meanwhile)
 
 # 512 MiB of KV cache for each CPU engine the tests start without sizing it (servers, Ray shards and engine
 # processes inherit it): zeroing the default 4 GiB took 3-4 s of every start on 2 cores
