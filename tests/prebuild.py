@@ -31,7 +31,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     flavours: tuple[str | None, ...] = (None, "address") if _ASAN_USER in paths and host.asan_runtime() else (None,)
     sources = [loader.kernel_source(path.name) for path in sorted(loader.KERNEL_DIR.glob("*.cu"))]
-    directory = envs.cache_dir() / "host_kernels"  # now: a test may point $RAYPAGED_CACHE_DIR elsewhere meanwhile
+    directory = host.cache_folder()  # now: a test may point $RAYPAGED_CACHE_DIR elsewhere meanwhile
     thread = threading.Thread(target=_prebuild, args=(sources, flavours, directory), name="prebuild-host-kernels")
     thread.start()
     _threads.append(thread)

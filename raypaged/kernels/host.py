@@ -213,6 +213,11 @@ def _module(source: str, defines: tuple[str, ...], sanitize: str | None) -> ctyp
     return ctypes.CDLL(str(build(source, defines, sanitize)))
 
 
+def cache_folder() -> Path:
+    """Where the host builds are cached: ``host_kernels`` in ``$RAYPAGED_CACHE_DIR`` (or its default)."""
+    return envs.cache_dir() / "host_kernels"
+
+
 def build(
     source: str,
     defines: tuple[str, ...] = (),
@@ -223,14 +228,13 @@ def build(
     """The host build of a kernel source in the cache (compiled there first if it is not yet): the library
     :func:`module` loads. One process or thread compiles a build at a time (a lock file beside it), so a build
     another one is making is waited for, not made twice. ``nice``: the compiler runs at the lowest CPU priority
-    (:func:`prebuild`); ``directory``: the cache's ``host_kernels`` folder, if not the one of ``$RAYPAGED_CACHE_DIR``
-    now."""
+    (:func:`prebuild`); ``directory``: the builds' folder, if not :func:`cache_folder` now."""
     unit = host_source(source, defines)
     flags = ["-std=c++17", "-O2", "-march=native", "-fPIC", "-shared", "-w"]
     if sanitize:
         flags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"]
     key = hashlib.sha256("\0".join([unit, *(h.read_text() for h in HEADERS), *flags]).encode()).hexdigest()[:24]
-    directory = directory or envs.cache_dir() / "host_kernels"
+    directory = directory or cache_folder()
     library = directory / f"{key}.so"
     if library.exists():
         return library
@@ -252,11 +256,10 @@ def build(
 
 
 def prebuild(sources: list[str], sanitize: tuple[str | None, ...] = (None,), directory: Path | None = None) -> None:
-    """Compile the host builds of ``sources`` (kernel texts) into the cache (``directory``: its ``host_kernels``
-    folder, else the one of ``$RAYPAGED_CACHE_DIR`` now), once for each ``sanitize`` value, at the lowest CPU
-    priority, loading none: for a thread that warms the cache while other work runs (the test suite's first
-    minutes)."""
-    directory = directory or envs.cache_dir() / "host_kernels"
+    """Compile the host builds of ``sources`` (kernel texts) into ``directory`` (else :func:`cache_folder` now),
+    once for each ``sanitize`` value, at the lowest CPU priority, loading none: for a thread that warms the cache
+    while other work runs (the test suite's first minutes)."""
+    directory = directory or cache_folder()
     for flavour in sanitize:
         for source in sources:
             build(source, (), flavour, nice=True, directory=directory)

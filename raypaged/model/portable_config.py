@@ -39,13 +39,14 @@ def portable_config(config: PretrainedConfig) -> PretrainedConfig:
     state = vars(config)
     if cls is PretrainedConfig or _defines_code(cls) or any(isinstance(v, PretrainedConfig) for v in state.values()):
         return config
+    names = _class_names(cls)
     portable = ShardModelConfig.__new__(ShardModelConfig)
     portable.__dict__.update(state)  # shared values: the shards get them pickled
-    for name in _class_names(cls) - state.keys():
+    portable.__dict__["class_values"] = frozenset(names - state.keys())
+    for name in portable.class_values:
         if (value := _value(config, name)) is not _MISSING:
             portable.__dict__[name] = value
-    portable.__dict__["class_values"] = frozenset(_class_names(cls) - state.keys())
-    if not all(_same(_value(portable, name), _value(config, name)) for name in _class_names(cls) | state.keys()):
+    if not all(_same(_value(portable, name), _value(config, name)) for name in names | state.keys()):
         return config
     if portable.to_dict() != config.to_dict():
         return config
