@@ -34,10 +34,12 @@ from raypaged.quantization.quantizer import PROJECTIONS, quantize_8bit, quantize
 from raypaged.quantization.w8a8 import PackedInt8Weight, int8_linear, pack_int8_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.entrypoints.test_bf16_cpu_smollm2 import write_bf16_checkpoint  # noqa: E402
 from tests.quantization.test_smollm2 import agree, tokens_and_perplexity  # noqa: E402  (the acceptance measures)
 
-# name -> (quantizer scheme or None for the float folder, quantizer options, LLM options)
+# name -> (quantizer scheme, None for the float folder or "bf16" for its bf16 copy, quantizer options, LLM options)
 SCHEMES = {
+    "bf16": ("bf16", {}, {"dtype": "auto"}),  # the checkpoint as the Hub has it: fp32 compute from bf16 linears
     "online-fp8": (None, {}, {"quantization": "fp8"}),
     "kv-fp8": (None, {}, {"kv_cache_dtype": "fp8"}),
     "fp8": ("fp8", {}, {}),
@@ -139,11 +141,10 @@ def w6_alternating(
     llms = {
         name: LLM(
             model=str(path),
-            dtype="float32",
             device="cpu",
             kv_cache_space=args.kv_cache_gib,
             enable_prefix_caching=False,
-            **options,
+            **{"dtype": "float32", **options},
         )
         for name, (path, options) in engines.items()
     }
@@ -175,8 +176,11 @@ def model_folder(name: str, args: argparse.Namespace) -> Path:
     if scheme is None:
         return default_model_dir()
     path = args.work_dir / f"SmolLM2-135M-Instruct-{name}"
-    if not (path / "config.json").exists():
-        quantize_checkpoint(default_model_dir(), path, scheme, **options)
+    if (path / "config.json").exists():
+        return path
+    if scheme == "bf16":
+        return write_bf16_checkpoint(default_model_dir(), path)
+    quantize_checkpoint(default_model_dir(), path, scheme, **options)
     return path
 
 

@@ -52,15 +52,20 @@ int raypaged_int8_linear_f32(const int8_t *x_q, int64_t m, int64_t k, int64_t ld
 void raypaged_linear_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                          const float *bias, float *y, int64_t ldy, int gated, int threads);
 
-/* The fp32 linear that runs next (cpu_gemm.c: raypaged_linear_f32_then): its packed weight, in and out
- * features, gated (nonzero: packed gated) */
+/* The linear that runs next (cpu_gemm.c: raypaged_linear_f32_then, raypaged_linear_bf16_then): its packed
+ * weight, in and out features, gated (nonzero: packed gated), bf16 (nonzero: raypaged_pack_weight_bf16's layout) */
 struct linear_next {
-    const float *packed;
+    const void *packed;
     int64_t k, n;
-    int gated;
+    int gated, bf16;
 };
 
 void raypaged_linear_f32_then(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
+                              const float *bias, float *y, int64_t ldy, int gated, int threads,
+                              const struct linear_next *then);
+
+/* The same product from a weight of bf16 values packed by raypaged_pack_weight_bf16: 0, or -1 without scratch memory */
+int raypaged_linear_bf16_then(const float *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *packed, int64_t n,
                               const float *bias, float *y, int64_t ldy, int gated, int threads,
                               const struct linear_next *then);
 

@@ -29,15 +29,16 @@ struct step_prefill {
     int64_t table_stride, table_width, num_spans, query_start, num_tokens;
 };
 
-/* One projection: an fp32 weight packed for cpu_gemm.c (colsum NULL), or an int8 one packed for cpu_int8.c's
- * VNNI GEMM (colsum its packed columns' sums, weight_scale [n], input_scale > 0 a static activation scale or 0
- * for per-token scales); a gate | up one packed gated; bias NULL where none */
+/* One projection: an fp32 weight packed for cpu_gemm.c (colsum NULL; bf16 nonzero: its bf16 layout), or an int8
+ * one packed for cpu_int8.c's VNNI GEMM (colsum its packed columns' sums, weight_scale [n], input_scale > 0 a
+ * static activation scale or 0 for per-token scales); a gate | up one packed gated; bias NULL where none */
 struct step_linear {
     const void *weight;
     const float *bias;
     const int32_t *colsum;
     const float *weight_scale;
     float input_scale;
+    int bf16;
 };
 
 /* One layer's norms (q_norm, k_norm: per head over q and k before rotary, as Qwen3's; NULL where none),
@@ -74,16 +75,21 @@ struct int8_scratch {
 
 /* y [m, n] = x [m, k] @ W^T (+ bias) as the layer's Python path runs the projection (layers.linear, or
  * w8a8.int8_linear and then QuantLinear's bias add); silu (a gate | up, packed gated): y [m, n / 2] =
- * silu(gate) * up, stored from the GEMM's tiles. Returns 0, or -20 when the int8 GEMM has no scratch. */
+ * silu(gate) * up, stored from the GEMM's tiles. Returns 0, or -20 when the int8 or bf16 GEMM has no scratch. */
 static int project(const struct step_linear *l, const float *x, int64_t m, int64_t k, int64_t n, float *y, int silu,
                    const struct int8_scratch *s, int threads, const struct step_linear *then, int64_t then_k,
                    int64_t then_n, int then_gated) {
     if (!l->colsum) {
-        /* the next projection's first panels asked for meanwhile, where it is fp32 too */
+        /* the next projection's first panels asked for meanwhile, where it is a float one too */
         const struct linear_next next = {.packed = then ? then->weight : NULL, .k = then_k, .n = then_n,
-                                         .gated = then_gated};
-        raypaged_linear_f32_then(x, m, k, k, l->weight, n, l->bias, y, silu ? n / 2 : n, silu ? 2 : 0, threads,
-                                 then && !then->colsum ? &next : NULL);
+                                         .gated = then_gated, .bf16 = then ? then->bf16 : 0};
+        const struct linear_next *after = then && !then->colsum ? &next : NULL;
+        if (l->bf16)
+            return raypaged_linear_bf16_then(x, m, k, k, l->weight, n, l->bias, y, silu ? n / 2 : n, silu ? 2 : 0,
+                                             threads, after)
+                       ? -20
+                       : 0;
+        raypaged_linear_f32_then(x, m, k, k, l->weight, n, l->bias, y, silu ? n / 2 : n, silu ? 2 : 0, threads, after);
         return 0;
     }
     const int fixed = l->input_scale > 0.0f;
@@ -104,7 +110,8 @@ static int project(const struct step_linear *l, const float *x, int64_t m, int64
  * none) the spans after them (query_start == num_decodes, num_tokens == tokens - num_decodes).
  * Returns 0, or the first failure: the rotary kernel's status - 10 (-11: a position outside the table, -12: a
  * slot outside the cache), the decode kernel's (-1 memory, -2 a context past its table, -3 a bad block id),
- * -20 (the int8 GEMM's scratch memory), or the prefill kernel's status - 30 (-31 .. -35, as cpu_prefill.c's). */
+ * -20 (the int8 or bf16 GEMM's scratch memory), or the prefill kernel's status - 30 (-31 .. -35, as
+ * cpu_prefill.c's). */
 int raypaged_step_layers(const struct step_layer *layers, int64_t num_layers, const struct step_shape *s,
                          const float *final_norm, float *x, float *residual, int64_t tokens, const int64_t *positions,
                          const int64_t *slots, const float *cos_sin, int64_t num_decodes, const int64_t *block_tables,

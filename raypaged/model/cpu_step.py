@@ -1,5 +1,5 @@
 """A step's decoder layers in one C call (``attention/cpu_step.c``): on CPU, where the model runs the CPU
-backend's fused path on packed weights, fp32 (``cpu_gemm.c``) or W8A8 int8 (``cpu_int8.c``). A step is its
+backend's fused path on packed weights, fp32 or bf16 (``cpu_gemm.c``) or W8A8 int8 (``cpu_int8.c``). A step is its
 decode tokens and its prefill spans (whole prompts, chunks, prefix-cache hits), in any mix.
 
 The C loop calls the kernels the fused path calls one Python call at a time, in the same order, so it gives
@@ -27,17 +27,25 @@ from raypaged.model.mla import MlaAttention
 from raypaged.model.moe import SparseMoeBlock
 from raypaged.model.parallel import RowParallelLinear
 from raypaged.quantization.linear import QuantLinear
-from raypaged.quantization.w8a8 import INT8_SCRATCH_ERROR, PackedInt8Weight, W8A8Method
+from raypaged.quantization.w8a8 import PackedInt8Weight, W8A8Method
 
 if TYPE_CHECKING:
     from raypaged.lora.layers import LoRAStep
     from raypaged.model.llama import LayerKVCache, LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+STEP_SCRATCH_ERROR = "the one-call CPU step could not allocate its scratch memory (int8 or bf16 GEMMs, q/k norms)"
 
 
 class _Linear(ctypes.Structure):  # cpu_step.c: struct step_linear
-    _fields_ = [("weight", _P), ("bias", _P), ("colsum", _P), ("weight_scale", _P), ("input_scale", ctypes.c_float)]
+    _fields_ = [
+        ("weight", _P),
+        ("bias", _P),
+        ("colsum", _P),
+        ("weight_scale", _P),
+        ("input_scale", ctypes.c_float),
+        ("bf16", ctypes.c_int),
+    ]
 
 
 class _Layer(ctypes.Structure):  # cpu_step.c: struct step_layer
@@ -141,8 +149,8 @@ def _lora_steps(model: LlamaModel) -> list[LoRAStep]:
 
 
 def _linear_reason(linear: nn.Module, row_parallel: bool, gate_up: bool) -> str | None:
-    """Why one projection cannot run in the one call: it must be fp32 packed for cpu_gemm.c (a gate | up
-    packed gated) or W8A8 int8 packed for cpu_int8.c's VNNI GEMM, and not sharded; a LoRA-wrapped one is
+    """Why one projection cannot run in the one call: it must be packed for cpu_gemm.c, fp32 or bf16 (a gate | up
+    packed gated), or W8A8 int8 packed for cpu_int8.c's VNNI GEMM, and not sharded; a LoRA-wrapped one is
     judged by its base (the one call runs only steps with no adapter: :meth:`CpuStep.adapters_active`)."""
     linear = _base(linear)
     if type(linear) is QuantLinear:
@@ -177,6 +185,7 @@ def _linear_fields(entry: ctypes.Structure, linear: nn.Module) -> None:
     entry.weight, entry.bias = weight.data_ptr(), None if bias is None else bias.data_ptr()
     entry.colsum = entry.weight_scale = None
     entry.input_scale = 0.0
+    entry.bf16 = int(isinstance(weight, PackedWeight) and weight.bf16)
     if isinstance(linear, QuantLinear):
         entry.colsum = cast(PackedInt8Weight, weight).colsum.data_ptr()
         entry.weight_scale = cast(torch.Tensor, linear.weight_scale).data_ptr()
@@ -375,7 +384,7 @@ class CpuStep:
             torch.get_num_threads(),
         )
         if status == -20:
-            raise MemoryError(INT8_SCRATCH_ERROR)
+            raise MemoryError(STEP_SCRATCH_ERROR)
         if status <= -30 and varlen is not None:
             cu_seqlens_q, context_lens, varlen_tables = spans
             cpu_ops.raise_for_prefill_status(

@@ -35,14 +35,21 @@ class PackedWeight(nn.Parameter):
     ``gated``: an MLP's ``gate | up`` weight (``[2 * h, in]``) in the gated layout, each panel holding
     ``panel / 2`` gate rows and the same up rows (``h`` padded to whole panels with zeros), so that
     :func:`silu_and_mul_linear` computes ``silu(gate) * up`` without writing the ``[rows, 2 * h]``
-    activations; :func:`linear` on it gives the plain layout's bits."""
+    activations; :func:`linear` on it gives the plain layout's bits.
+
+    ``bf16``: the weight's values rounded to bf16 (exact for a bf16 checkpoint's) and packed as ``cpu_gemm.c`` says
+    for ``raypaged_linear_bf16``: half the bytes; inputs and outputs stay fp32. Where the CPU has AVX512-BF16 the
+    panels hold pairs of input features (``[panels, ceil(in / 2), panel, 2]``) and the inputs are rounded to bf16
+    too; elsewhere they are ``[panels, in, panel]``, widened to fp32 before the fp32 tiles run, which gives the
+    bits of the fp32 weight of the same values."""
 
     out_features: int
     in_features: int
     gated: bool
+    bf16: bool
 
     @staticmethod
-    def pack(weight: torch.Tensor, gated: bool = False) -> PackedWeight:
+    def pack(weight: torch.Tensor, gated: bool = False, bf16: bool = False) -> PackedWeight:
         """Needs the CPU kernels (``cpu_ops.builds()``)."""
         lib = cpu_ops.library()
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(1) != 1:
@@ -54,18 +61,30 @@ class PackedWeight(nn.Parameter):
         width = lib.raypaged_gemm_panel_width()
         if gated:
             weight = gated_rows(weight, width)
-        data = torch.empty(-(-weight.shape[0] // width), in_features, width)
-        lib.raypaged_pack_weight_f32(
-            weight.data_ptr(), weight.shape[0], in_features, weight.stride(0), data.data_ptr(), torch.get_num_threads()
-        )
+        panels, threads = -(-weight.shape[0] // width), torch.get_num_threads()
+        args = (weight.data_ptr(), weight.shape[0], in_features, weight.stride(0))
+        if not bf16:
+            data = torch.empty(panels, in_features, width)
+            lib.raypaged_pack_weight_f32(*args, data.data_ptr(), threads)
+        elif lib.raypaged_gemm_bf16_pairs():
+            data = torch.empty(panels, -(-in_features // 2), width, 2, dtype=torch.bfloat16)
+            lib.raypaged_pack_weight_bf16(*args, data.data_ptr(), threads)
+        else:
+            data = torch.empty(panels, in_features, width, dtype=torch.bfloat16)
+            lib.raypaged_pack_weight_bf16(*args, data.data_ptr(), threads)
         packed = PackedWeight(data, requires_grad=False)
-        packed.out_features, packed.in_features, packed.gated = out_features, in_features, gated
+        packed.out_features, packed.in_features, packed.gated, packed.bf16 = out_features, in_features, gated, bf16
         return packed
 
-    def unpack(self) -> torch.Tensor:  # -> [out_features, in_features]
-        rows = self.detach().transpose(1, 2).reshape(-1, self.in_features)
+    def unpack(self) -> torch.Tensor:  # -> [out_features, in_features], fp32
+        panels = self.detach().float()
+        if panels.dim() == 4:  # bf16 pairs: [panels, in / 2, panel, 2] -> [panels, panel, in]
+            panels = panels.permute(0, 2, 1, 3).reshape(panels.shape[0], panels.shape[2], -1)[:, :, : self.in_features]
+        else:
+            panels = panels.transpose(1, 2)
+        rows = panels.reshape(-1, self.in_features)
         if self.gated:
-            return ungated_rows(rows, self.shape[2], self.out_features)
+            return ungated_rows(rows, panels.shape[1], self.out_features)
         return rows[: self.out_features].clone()
 
 
@@ -95,8 +114,8 @@ def _packed_linear(
     out_features, in_features = weight.out_features, weight.in_features
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != in_features:
         raise ValueError(
-            f"a packed [{out_features} x {in_features}] float32 CPU weight takes float32 CPU inputs of "
-            f"{in_features} features, got {x.dtype} {tuple(x.shape)} on {x.device}"
+            f"a packed [{out_features} x {in_features}] {'bf16' if weight.bf16 else 'float32'} CPU weight takes "
+            f"float32 CPU inputs of {in_features} features, got {x.dtype} {tuple(x.shape)} on {x.device}"
         )
     rows = x.reshape(-1, in_features)
     if rows.stride(1) != 1:
@@ -105,19 +124,14 @@ def _packed_linear(
         bias = bias.detach().to(torch.float32).contiguous()
     outputs = out_features // 2 if silu else out_features
     y = torch.empty(rows.shape[0], outputs)
-    lib.raypaged_linear_f32(
-        rows.data_ptr(),
-        rows.shape[0],
-        in_features,
-        rows.stride(0),
-        weight.data_ptr(),
-        out_features,
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        outputs,
-        2 if silu else int(weight.gated),
-        torch.get_num_threads(),
+    args = (
+        *(rows.data_ptr(), rows.shape[0], in_features, rows.stride(0), weight.data_ptr(), out_features),
+        *(None if bias is None else bias.data_ptr(), y.data_ptr(), outputs, 2 if silu else int(weight.gated)),
     )
+    if not weight.bf16:
+        lib.raypaged_linear_f32(*args, torch.get_num_threads())
+    elif lib.raypaged_linear_bf16(*args, torch.get_num_threads()):
+        raise MemoryError(f"no memory for the scratch of a bf16 linear of {rows.shape[0]} x {in_features} inputs")
     return y.view(*x.shape[:-1], outputs)
 
 
@@ -146,28 +160,38 @@ def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32 and device.type == "cpu" and (_ONEDNN_LINEAR or cpu_ops.builds())
 
 
-def pack_weight(weight: torch.Tensor, gated: bool = False) -> nn.Parameter:
+def bf16_linears_on_cpu(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model of ``dtype`` on ``device`` computes in fp32 with its float linears' weights packed in bf16
+    (:class:`PackedWeight`'s ``bf16``): a bf16 model on a CPU where the C kernels build. torch's own bf16 path ran
+    SmolLM2's W6 at 0.4x fp32 on 2 Zen 5 cores (AVX512-BF16), and slower still without BF16 instructions."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and cpu_ops.builds()
+
+
+def pack_weight(weight: torch.Tensor, gated: bool = False, bf16: bool = False) -> nn.Parameter:
     """An fp32 CPU weight ``[out, in]`` packed once at load for :func:`linear`: a :class:`PackedWeight`
     for ``cpu_gemm.c`` where the C kernels build (``gated``: an MLP's gate | up weight, packed for
-    :func:`silu_and_mul_linear` as well), else oneDNN's blocked layout (which has no gated form).
+    :func:`silu_and_mul_linear` as well; ``bf16``: its values in bf16, :func:`bf16_linears_on_cpu`), else
+    oneDNN's blocked layout (which has no gated form).
 
     ``cpu_gemm.c`` against oneDNN's packed weight, SmolLM2's decode step at 32 rows on 2 Zen 5 cores: 26 ->
     19.6 ms (46 -> 35 ms with both on AVX2); as fast or faster at each projection from 1 to 512 rows.
     """
     if cpu_ops.builds():
-        return PackedWeight.pack(weight.detach(), gated)
+        return PackedWeight.pack(weight.detach(), gated, bf16)
+    if bf16:
+        raise ValueError("bf16 weights pack only for the CPU kernels, which do not build here")
     return pack_weight_onednn(weight)
 
 
-def pack_linears(module: nn.Module) -> None:
+def pack_linears(module: nn.Module, bf16: bool = False) -> None:
     """Every plain ``nn.Linear`` inside ``module`` (an image encoder's) made a :class:`Linear` with its weight packed
-    (:func:`pack_weight`): for fp32 on the CPU (:func:`packs_weights`), after loading."""
+    (:func:`pack_weight`, in bf16 with ``bf16``): for fp32 on the CPU (:func:`packs_weights`), after loading."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 packed = Linear(child.in_features, child.out_features, child.bias is not None, device="meta")
                 packed.weight, packed.bias = child.weight, child.bias
-                packed.pack()
+                packed.pack(bf16=bf16)
                 setattr(parent, name, packed)
 
 
@@ -465,9 +489,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def pack(self, gated: bool = False) -> None:
+    def pack(self, gated: bool = False, bf16: bool = False) -> None:
         """The weight packed for :func:`linear` (:func:`pack_weight`); after loading, on a CPU in fp32."""
-        self.weight = pack_weight(self.weight, gated)
+        self.weight = pack_weight(self.weight, gated, bf16)
 
     def silu_and_mul(self, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``act(self(x))`` for a gate | up projection, ``act`` being the step's silu_and_mul; where the

@@ -693,23 +693,24 @@ class LlamaForCausalLM(nn.Module):
         """Each layer's fp8 KV cache scales."""
         return [attn.kv_scales for attn in self.attentions()]
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, bf16: bool = False) -> None:
         """Every float linear's weight, the LM head's too, packed for ``layers.linear`` (after loading; fp32 on a
-        CPU); the MLPs' gate | up weights gated, for their fused silu_and_mul."""
+        CPU); the MLPs' gate | up weights gated, for their fused silu_and_mul; ``bf16``: the float linears' values
+        in bf16 (``layers.bf16_linears_on_cpu``)."""
         gate_ups = {id(module.gate_up_proj) for module in self.modules() if isinstance(module, LlamaMLP)}
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(gated=id(module) in gate_ups)
+                module.pack(gated=id(module) in gate_ups, bf16=bf16)
             elif isinstance(module, RowParallelLinear):
-                module.pack()
+                module.pack(bf16)
             elif isinstance(module, QuantLinear) and id(module) in gate_ups:
                 module.method.pack_gated(module)
         if not self.has_head:
             return
         if self.lm_head is not None:
-            self.lm_head.pack_head(tied=False)
+            self.lm_head.pack_head(tied=False, bf16=bf16)
         elif self.model.embed_tokens is not None:  # tied (a pipeline stage before the last has no head)
-            self.model.embed_tokens.pack_head(tied=True)
+            self.model.embed_tokens.pack_head(tied=True, bf16=bf16)
 
     def stack_experts(self) -> list[bool]:
         """Each layer of experts' weights stacked for grouped GEMMs (``SparseMoeBlock.stack_experts``); whether each

@@ -73,10 +73,12 @@ def load_image_encoder(
     device: torch.device,
     load_format: str,
     seed: int,
+    bf16_linears: bool = False,
 ) -> ImageEncoder:
     """An image-text checkpoint's vision tower and projector (whole on every tensor-parallel rank), in ``dtype``:
     LLaVA-1.5's, LLaVA-NeXT's (which packs each image's grid of patches), or Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's
-    (images of any size in patches, merged; Qwen3-VL's with deepstack features)."""
+    (images of any size in patches, merged; Qwen3-VL's with deepstack features). ``bf16_linears``: as
+    :func:`load_model`'s."""
     encoder: ImageEncoder
     select = is_vision_tensor
     with torch.device(device), default_dtype(dtype):
@@ -115,7 +117,7 @@ def load_image_encoder(
         encoder.load_weights(iter_checkpoint(model_path, select))
     encoder = encoder.to(dtype).eval()
     if packs_weights(dtype, device):  # its linears through the model's CPU GEMM
-        pack_linears(encoder)
+        pack_linears(encoder, bf16_linears)
     return encoder
 
 
@@ -131,6 +133,7 @@ def load_model(
     quant_config: QuantizationConfig | None = None,
     head: bool = True,
     num_labels: int = 0,
+    bf16_linears: bool = False,
 ) -> LlamaForCausalLM:
     """This rank's shard of the model: each checkpoint tensor is read, sliced and dropped in turn.
 
@@ -140,7 +143,8 @@ def load_model(
     ``quant_config`` does online (fp8 only: other schemes need their checkpoint's tensors).
     ``quant_config``: the projections' scheme; their quantized tensors keep their own dtypes. ``head`` False: an
     embedding model's, without the language-model head (a checkpoint's ``lm_head`` tensors are skipped); ``num_labels``:
-    a classifier's, with its ``score`` head of that many labels.
+    a classifier's, with its ``score`` head of that many labels. ``bf16_linears`` (``layers.bf16_linears_on_cpu``):
+    a bf16 model on CPU, built and computed in fp32 (``dtype``) with its float linears' weights packed in bf16.
     An fp32 model on a CPU ends with its float linears' weights packed for oneDNN (``pack_weights``); a bf16 mixture
     of experts on an H100 or H200 with its experts' weights stacked for grouped GEMMs (``stack_experts``).
     """
@@ -164,7 +168,7 @@ def load_model(
         return cast(LlamaForCausalLM, model.eval())  # the runner's model: the same calls as a decoder's
     finish_loading(model)
     if packs_weights(dtype, device):
-        model.pack_weights()
+        model.pack_weights(bf16_linears)
     elif model.architecture.moe is not None and grouped_gemms_run(dtype, device):
         model.stack_experts()
     return model.eval()

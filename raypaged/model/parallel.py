@@ -131,9 +131,9 @@ class RowParallelLinear(nn.Module):
         """This rank's share of ``y``, before the all-reduce (a LoRA term may be added to it first)."""
         return linear(x, self.weight)
 
-    def pack(self) -> None:
-        """The weight in oneDNN's layout (:func:`pack_weight`); after loading, on a CPU in fp32."""
-        self.weight = pack_weight(self.weight)
+    def pack(self, bf16: bool = False) -> None:
+        """The weight packed for :func:`linear` (:func:`pack_weight`); after loading, on a CPU in fp32."""
+        self.weight = pack_weight(self.weight, bf16=bf16)
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The ranks' shares summed, plus the bias once."""
@@ -197,10 +197,10 @@ class VocabParallelEmbedding(nn.Module):
         local = linear(hidden, weight)  # [num_seqs, vocab / size]
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
 
-    def pack_head(self, tied: bool) -> None:
-        """The LM head's weight in oneDNN's layout (:func:`pack_weight`), after loading, on a CPU in fp32;
+    def pack_head(self, tied: bool, bf16: bool = False) -> None:
+        """The LM head's weight packed for :func:`linear` (:func:`pack_weight`), after loading, on a CPU in fp32;
         ``tied``: the embedding still looks its rows up, so the packed head is a copy beside them."""
         if tied:
-            self.head_weight = pack_weight(self.weight)
+            self.head_weight = pack_weight(self.weight, bf16=bf16)
         else:
-            self.weight = pack_weight(self.weight)
+            self.weight = pack_weight(self.weight, bf16=bf16)

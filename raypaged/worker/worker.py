@@ -17,7 +17,8 @@ from raypaged.attention.backend import cuda_cache_unsupported_reason, select_bac
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
-from raypaged.model.architecture import attention_backends, torch_attention_reason
+from raypaged.model.architecture import architecture_of, attention_backends, torch_attention_reason
+from raypaged.model.layers import bf16_linears_on_cpu
 from raypaged.model.llama import LlamaForCausalLM, cache_head_dim, num_kv_heads_per_rank
 from raypaged.model.loader import load_image_encoder, load_model
 from raypaged.model.parallel import TensorParallel
@@ -51,7 +52,17 @@ class Worker:
         tp = self.tp = dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel)
         self.device = torch.device(config.resolved_device)
         self.dtype = getattr(torch, config.resolved_dtype)
-        self.cache_dtype = getattr(torch, config.resolved_kv_cache_dtype)
+        # a bf16 decoder without experts on a CPU computes in fp32 from bf16 weights in its float linears, and
+        # caches K/V in fp32 (the CPU kernels'); experts and encoders stay bf16 (fp32 would double their memory)
+        self.bf16_linears = (
+            bf16_linears_on_cpu(self.dtype, self.device)
+            and not config.encoder
+            and architecture_of(config.hf_config).moe is None
+        )
+        if self.bf16_linears:
+            self.dtype = torch.float32
+        explicit = config.kv_cache_dtype != "auto"
+        self.cache_dtype = getattr(torch, config.resolved_kv_cache_dtype) if explicit else self.dtype
         self.eos_token_id = eos_token_id
         pp = tp.pp
         if tp.size * pp.size > 1:
@@ -91,11 +102,18 @@ class Worker:
             config.quant_config,
             head=config.pooler is None,
             num_labels=0 if config.pooler is None else len(config.pooler.labels),
+            bf16_linears=self.bf16_linears,
         )
         self.image_encoder = None  # an image-text model's vision tower and projector (LlavaImageEncoder)
         if config.image_hf_config is not None and tp.pp.first:  # images enter at the first pipeline stage
             self.image_encoder = load_image_encoder(
-                config.model_path, config.image_hf_config, self.dtype, self.device, config.load_format, config.seed
+                config.model_path,
+                config.image_hf_config,
+                self.dtype,
+                self.device,
+                config.load_format,
+                config.seed,
+                self.bf16_linears,
             )
         # the CUDA kernels read a cache of the model's dtype, and an fp8 e4m3 one with $RAYPAGED_FP8_KV_KERNELS=1: for
         # any other an fp8 cache is read and written in torch (the CPU kernels read and write an fp8 e4m3 cache
@@ -135,6 +153,7 @@ class Worker:
                 tp,
                 config.load_format,
                 config.seed,
+                bf16_linears=self.bf16_linears,
             )
             self.draft_backend = select_backend(
                 config.attention_backend,
@@ -145,7 +164,7 @@ class Worker:
             )
             self.draft_model.set_attention_backend(self.draft_backend)
             if self.draft_model.checkpoint_kv_scales:  # its cache is the model's dtype
-                _drop_kv_scales(self.draft_model, config.resolved_dtype)
+                _drop_kv_scales(self.draft_model, self.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -272,7 +291,7 @@ class Worker:
         from_checkpoint = self.model.checkpoint_kv_scales
         if self.cache_dtype.itemsize != 1:
             if from_checkpoint:
-                _drop_kv_scales(self.model, self.config.resolved_kv_cache_dtype)
+                _drop_kv_scales(self.model, self.cache_dtype)
         elif self.config.calculate_kv_scales:
             logger.info(
                 "fp8 KV cache: each layer's K/V scales come from the first step's keys and values%s",
@@ -370,12 +389,12 @@ class Worker:
         return self.runner.execute_model(scheduler_output)
 
 
-def _drop_kv_scales(model: LlamaForCausalLM, cache_dtype: str) -> None:
+def _drop_kv_scales(model: LlamaForCausalLM, cache_dtype: torch.dtype) -> None:
     """A checkpoint's K/V scales set back to 1.0 over a cache that is not fp8 (vLLM does the same), said in the log."""
     logger.info(
         "the checkpoint's KV cache scales apply to an fp8 KV cache (--kv-cache-dtype fp8); this cache is %s, which "
         "stores K/V as they are",
-        cache_dtype,
+        str(cache_dtype).removeprefix("torch."),
     )
     for scales in model.kv_scales():
         scales.set(1.0, 1.0)

@@ -51,6 +51,21 @@ def test_steps_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs
     ref.assert_same_steps(got, expected)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_bf16_weights_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs, monkeypatch):
+    """A bf16 model on CPU (layers.bf16_linears_on_cpu): the one call runs its bf16 linears, and the next
+    projection's first panels prefetched are bf16 ones too."""
+    model = ref.random_model(tiny_config(architecture), torch.float32, "cpu")
+    model.pack_weights(bf16=True)
+    got = ref.run_steps(model, CPU, "cpu")
+    assert one_call_runs == [15, 4, 2, 2]
+    expected = ref.run_steps_layer_by_layer(monkeypatch, model, CPU)
+    ref.assert_same_steps(got, expected)
+    fp32 = ref.random_model(tiny_config(architecture), torch.float32, "cpu")
+    fp32.pack_weights()
+    assert not torch.equal(ref.run_steps(fp32, CPU, "cpu")[0][0], got[0][0])  # the weights were rounded
+
+
 def test_an_fp8_cache_with_kv_scales_gives_the_layer_paths_bits(one_call_runs, monkeypatch):
     """Each layer's own K/V scales: the one call divides what it writes and folds them into the attention as the
     layers do (AttentionBackend.attend), to the bit; the scales change the cache's bytes."""

