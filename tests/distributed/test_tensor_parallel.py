@@ -137,6 +137,33 @@ def test_shards_read_the_models_config_on_transformers_base_class(ray_session, t
     assert seen == [("ShardModelConfig", expected, False, False)] * 2
 
 
+def test_bf16_shards_run_bf16_linears_and_match_tp1(ray_session, tiny_llama):
+    """A bf16 model on CPU shards: each shard computes in fp32 from its share of the bf16 weights
+    (layers.bf16_linears_on_cpu), and the tokens are one bf16 shard's."""
+    options = {"model": str(tiny_llama), "device": "cpu", "dtype": "bfloat16", "num_gpu_blocks_override": 128}
+    one = LLM(**options)
+    expected = greedy_tokens(one, TINY_PROMPTS, TINY_PARAMS)
+    one.shutdown()
+    llm = LLM(**options, tensor_parallel_size=2)
+    try:
+        seen = ray.get(
+            [
+                w.__ray_call__.remote(
+                    lambda actor: (
+                        actor.worker.bf16_linears,
+                        str(actor.worker.cache_dtype),
+                        sorted({str(p.dtype) for p in actor.worker.model.parameters() if getattr(p, "bf16", False)}),
+                    )
+                )
+                for w in llm.llm_engine.executor.workers
+            ]
+        )
+        assert seen == [(True, "torch.float32", ["torch.bfloat16"])] * 2
+        assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == expected
+    finally:
+        llm.shutdown()
+
+
 def test_bad_thread_override(ray_session, tiny_llama, monkeypatch):
     monkeypatch.setenv("RAYPAGED_CPU_THREADS_PER_SHARD", "0")
     with pytest.raises(ValueError, match=r"^\$RAYPAGED_CPU_THREADS_PER_SHARD must be a positive int, got '0'$"):
