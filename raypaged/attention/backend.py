@@ -16,8 +16,8 @@ the CUDA ones with ``$RAYPAGED_FUSED_KERNELS``). A step whose spans do not form 
 covering block tables (see ``build_varlen_prefill``) takes the per-span path.
 
 KV cache dtype: the CUDA kernels read a cache of the model's dtype, and with ``$RAYPAGED_FP8_KV_KERNELS`` an fp8
-e4m3 one (``--kv-cache-dtype fp8``, narrowed and widened in the kernels); the CPU kernels float32 and fp8 e4m3 ones;
-torch any (``cuda_cache_unsupported_reason``, ``cpu_unsupported_reason``).
+e4m3 one (``--kv-cache-dtype fp8``, narrowed and widened in the kernels); the CPU kernels float32, fp8 e4m3 and bf16
+ones; torch any (``cuda_cache_unsupported_reason``, ``cpu_unsupported_reason``).
 """
 
 from __future__ import annotations
@@ -333,8 +333,8 @@ def cpu_unsupported_reason(
         return f"the model runs in {str(dtype).removeprefix('torch.')} (the kernel reads float32)"
     if cache_dtype is not None and cache_dtype not in cpu_ops.CACHE_DTYPES:
         return (
-            f"the KV cache is {str(cache_dtype).removeprefix('torch.')} (the kernels read float32 and "
-            f"float8_e4m3fn caches)"
+            f"the KV cache is {str(cache_dtype).removeprefix('torch.')} (the kernels read float32, float8_e4m3fn "
+            f"and bfloat16 caches)"
         )
     return cpu_ops.unavailable_reason()
 

@@ -7,13 +7,13 @@
 #include <stdint.h>
 
 int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
-                          const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                          const void *k_cache, const void *v_cache, int format, int64_t num_blocks,
                           const int64_t *block_tables, int64_t table_stride, int64_t table_width,
                           const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                           int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale, int num_threads);
 
 int raypaged_paged_decode_windowed(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
-                                   const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                                   const void *k_cache, const void *v_cache, int format, int64_t num_blocks,
                                    const int64_t *block_tables, int64_t table_stride, int64_t table_width,
                                    const int64_t *context_lens, const int64_t *starts, const float *sinks,
                                    float softcap, float *out, int64_t num_seqs, int64_t num_heads,
@@ -21,7 +21,7 @@ int raypaged_paged_decode_windowed(const float *query, int64_t query_seq_stride,
                                    int num_threads);
 
 int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64_t query_head_stride,
-                           int64_t num_tokens, const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                           int64_t num_tokens, const void *k_cache, const void *v_cache, int format, int64_t num_blocks,
                            const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
                            int64_t table_stride, int64_t table_width, float *out, int64_t num_spans,
                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
@@ -35,7 +35,7 @@ void raypaged_fused_add_rms_norm_f32(float *x, float *residual, const float *w, 
 
 int raypaged_rotary_and_cache_f32(const int64_t *positions, float *q, int64_t q_stride, float *k, int64_t k_stride,
                                   const float *v, int64_t v_stride, const float *cos_sin, int64_t max_positions,
-                                  void *k_cache, void *v_cache, int fp8, float k_scale, float v_scale,
+                                  void *k_cache, void *v_cache, int format, float k_scale, float v_scale,
                                   int64_t num_blocks, const int64_t *slots, int64_t tokens, int64_t heads,
                                   int64_t kv_heads, int64_t D, int64_t R, int64_t block_size, int num_threads);
 

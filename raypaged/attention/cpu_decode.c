@@ -1,4 +1,4 @@
-/* Paged decode attention on CPU, fp32 (over a float32 or an fp8 e4m3 cache, whose rows are widened block by block):
+/* Paged decode attention on CPU, fp32 (over a float32, fp8 e4m3 or bf16 cache, whose rows are widened block by block):
  * one query token per sequence attends to its first
  * context_lens[s] cached tokens, read straight through its block table (no gather copy).
  *
@@ -43,7 +43,7 @@
 
 #include "cpu_api.h"
 #include "cpu_exp.h"
-#include "cpu_fp8.h"
+#include "cpu_cache.h"
 
 #define PARTITION_TOKENS 512
 /* below this many work items a step's partitions shrink (to whole blocks, at least MIN_PARTITION_TOKENS) */
@@ -265,18 +265,18 @@ static void softmax_rows(float *scores, int64_t H, int64_t n, float *stats, floa
 struct partition {
     const int64_t *table;
     int64_t block_size, num_kv_heads, G, D, start, end;
-    int fp8;
+    int format; /* cpu_cache.h */
 };
 
 /* One pass over a partition's blocks, a block run at a time and each KV head's rows of it in turn (widened from
- * fp8 into `widened` first, when fp8 is set), the next block's rows of that head asked for meanwhile (after the
+ * fp8 or bf16 into `widened` first), the next block's rows of that head asked for meanwhile (after the
  * last run: the first block of `then`, the next pass's cache, unless NULL). The K pass (is_v 0) writes the
  * scores (rows n = end - start apart, G of each KV head in turn); the V pass (is_v 1) adds the weights in
  * their place times the V rows into acc [H, D]. */
 static void pass(const struct partition *w, const float *q, float scale, const void *cache, const void *then,
                  int is_v, float *scores, float *acc, float *widened) {
     const int64_t G = w->G, D = w->D, n = w->end - w->start, head_floats = w->block_size * D;
-    const int64_t head_bytes = (w->fp8 ? 1 : sizeof(float)) * head_floats, block_bytes = head_bytes * w->num_kv_heads;
+    const int64_t head_bytes = cache_element_bytes(w->format) * head_floats, block_bytes = head_bytes * w->num_kv_heads;
     for (int64_t pos = w->start, run; pos < w->end; pos += run) {
         const int64_t block = w->table[pos / w->block_size], offset = pos % w->block_size;
         run = w->block_size - offset < w->end - pos ? w->block_size - offset : w->end - pos;
@@ -289,8 +289,8 @@ static void pass(const struct partition *w, const float *q, float scale, const v
             if (next) prefetch_bytes(next + h * head_bytes, head_bytes);
             const int64_t row = (block * w->num_kv_heads + h) * head_floats + offset * D;
             const float *rows = (const float *)cache + row;
-            if (w->fp8) {
-                widen_fp8_e4m3((const uint8_t *)cache + row, run * D, widened);
+            if (w->format != CACHE_F32) {
+                widen_cache(cache, w->format, row, run * D, widened);
                 rows = widened;
             }
             float *s = scores + h * G * n + (pos - w->start);
@@ -305,10 +305,10 @@ static void pass(const struct partition *w, const float *q, float scale, const v
 /* One work item: all H query heads (q [H, D]) over its partition, in two passes over its blocks with the
  * softmax between (no rescaling as a running max rises). Writes each head's max and sum (stats[2 * h],
  * stats[2 * h + 1]) and unnormalized output (acc[h * D ..]); scores holds H * (end - start) floats, widened
- * block_size * D (fp8 caches). */
+ * block_size * D (fp8 and bf16 caches). */
 static void attend_partition(const struct partition *w, const float *q, const void *k_cache, const void *v_cache,
                              float scale, float softcap, float *scores, float *acc, float *stats, float *widened) {
-    const int64_t H = w->G * w->num_kv_heads, head_bytes = (w->fp8 ? 1 : sizeof(float)) * w->block_size * w->D;
+    const int64_t H = w->G * w->num_kv_heads, head_bytes = cache_element_bytes(w->format) * w->block_size * w->D;
     const int64_t first = w->table[w->start / w->block_size] * head_bytes * w->num_kv_heads;
     prefetch_bytes((const char *)k_cache + first, head_bytes * w->num_kv_heads);
     pass(w, q, scale, k_cache, v_cache, 0, scores, acc, widened);
@@ -317,17 +317,17 @@ static void attend_partition(const struct partition *w, const float *q, const vo
     pass(w, q, scale, v_cache, NULL, 1, scores, acc, widened);
 }
 
-/* The caches hold float32, or fp8 e4m3 when fp8 is set, read as stored (a layer's K/V scales are the caller's: it
+/* The caches hold float32, fp8 e4m3 or bf16 (format: cpu_cache.h), read as stored (K/V scales are the caller's: it
  * passes scale * k_scale and multiplies the output by v_scale, as AttentionBackend.attend does).
  * Returns 0; -1 when scratch memory could not be allocated; -2 when a context length is beyond its
  * block table's width; -3 when a block id in use is outside the cache. Nothing is read from the
  * cache before these checks pass. */
 int raypaged_paged_decode(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
-                          const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                          const void *k_cache, const void *v_cache, int format, int64_t num_blocks,
                           const int64_t *block_tables, int64_t table_stride, int64_t table_width,
                           const int64_t *context_lens, float *out, int64_t num_seqs, int64_t num_heads,
                           int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale, int num_threads) {
-    return raypaged_paged_decode_windowed(query, query_seq_stride, query_head_stride, k_cache, v_cache, fp8,
+    return raypaged_paged_decode_windowed(query, query_seq_stride, query_head_stride, k_cache, v_cache, format,
                                           num_blocks, block_tables, table_stride, table_width, context_lens, NULL,
                                           NULL, 0.0f, out, num_seqs, num_heads, num_kv_heads, block_size, head_dim,
                                           scale, num_threads);
@@ -342,7 +342,7 @@ static inline int64_t first_seen(const int64_t *starts, int64_t s, int64_t len) 
 /* ``starts`` (NULL: every sequence from 0), ``sinks`` ([num_heads], NULL: none) and ``softcap`` (0: none): see the
  * top of this file. Returns as raypaged_paged_decode. */
 int raypaged_paged_decode_windowed(const float *query, int64_t query_seq_stride, int64_t query_head_stride,
-                                   const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                                   const void *k_cache, const void *v_cache, int format, int64_t num_blocks,
                                    const int64_t *block_tables, int64_t table_stride, int64_t table_width,
                                    const int64_t *context_lens, const int64_t *starts, const float *sinks,
                                    float softcap, float *out, int64_t num_seqs, int64_t num_heads,
@@ -383,7 +383,8 @@ int raypaged_paged_decode_windowed(const float *query, int64_t query_seq_stride,
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *local = malloc(sizeof(float) * (H * part + 2 * H * D + 2 * H + (fp8 ? block_size * D : 0)));
+        const int64_t widened_floats = format != CACHE_F32 ? block_size * D : 0;
+        float *local = malloc(sizeof(float) * (H * part + 2 * H * D + 2 * H + widened_floats));
         if (local == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -409,7 +410,7 @@ int raypaged_paged_decode_windowed(const float *query, int64_t query_seq_stride,
             const int64_t start = seen_from + (item - first[s]) * part, end = start + part < len ? start + part : len;
             const struct partition w = {
                 .table = block_tables + s * table_stride, .block_size = block_size, .num_kv_heads = num_kv_heads,
-                .G = G, .D = D, .start = start, .end = end, .fp8 = fp8};
+                .G = G, .D = D, .start = start, .end = end, .format = format};
             if (parts == 1) {
                 attend_partition(&w, q, k_cache, v_cache, scale, softcap, local, acc, stats, widened);
                 for (int64_t h = 0; h < H; ++h) {

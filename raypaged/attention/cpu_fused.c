@@ -13,7 +13,7 @@
 #include <string.h>
 
 #include "cpu_api.h"
-#include "cpu_fp8.h"
+#include "cpu_cache.h"
 #include "cpu_silu.h"
 
 #define PARALLEL_ELEMENTS 65536
@@ -69,13 +69,17 @@ __attribute__((optimize("fp-contract=off"))) static inline void rotate_head(floa
     }
 }
 
-/* One head's row into the cache: a copy, or divided by the layer's scale and narrowed to fp8 e4m3 as torch's
- * (x / scale).to(torch.float8_e4m3fn) */
-static inline void cache_row(void *cache, int64_t row, const float *x, int64_t D, int fp8, float scale) {
-    if (fp8) {
+/* One head's row into a cache of `format` (cpu_cache.h): a copy; divided by the layer's scale and narrowed to fp8
+ * e4m3 as torch's (x / scale).to(torch.float8_e4m3fn); or rounded to bf16 as torch's x.to(torch.bfloat16) */
+static inline void cache_row(void *cache, int64_t row, const float *x, int64_t D, int format, float scale) {
+    if (format == CACHE_FP8_E4M3) {
         uint8_t *dst = (uint8_t *)cache + row;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) dst[d] = f32_to_fp8_e4m3(x[d] / scale);
+    } else if (format == CACHE_BF16) {
+        uint16_t *dst = (uint16_t *)cache + row;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = f32_to_bf16(x[d]);
     } else {
         memcpy((float *)cache + row, x, sizeof(float) * D);
     }
@@ -83,13 +87,13 @@ static inline void cache_row(void *cache, int64_t row, const float *x, int64_t D
 
 /* Rotates the first R features of each head of q (heads of D at q + t * q_stride) and k in place by each
  * token's position (R = D but for a partial rotation, as Phi-3's; the others pass), then writes the whole
- * k and v of each token with a slot >= 0 into the caches ([blocks, kv_heads, block_size, D]; float32, or,
- * when fp8 is set, fp8 e4m3 holding k / k_scale and v / v_scale). Returns 0; -1 when a position is outside
+ * k and v of each token with a slot >= 0 into the caches ([blocks, kv_heads, block_size, D]; float32, bf16, or fp8
+ * e4m3 holding k / k_scale and v / v_scale, as format says: cpu_cache.h). Returns 0; -1 when a position is outside
  * cos_sin ([max_positions, 2, R / 2]); -2 when a slot is outside the cache. Nothing is written before these
  * checks pass. */
 int raypaged_rotary_and_cache_f32(const int64_t *positions, float *q, int64_t q_stride, float *k, int64_t k_stride,
                                   const float *v, int64_t v_stride, const float *cos_sin, int64_t max_positions,
-                                  void *k_cache, void *v_cache, int fp8, float k_scale, float v_scale,
+                                  void *k_cache, void *v_cache, int format, float k_scale, float v_scale,
                                   int64_t num_blocks, const int64_t *slots, int64_t tokens, int64_t heads,
                                   int64_t kv_heads, int64_t D, int64_t R, int64_t block_size, int num_threads) {
     for (int64_t t = 0; t < tokens; ++t) {
@@ -109,8 +113,8 @@ int raypaged_rotary_and_cache_f32(const int64_t *positions, float *q, int64_t q_
         const int64_t block = slot / block_size, offset = slot % block_size;
         for (int64_t h = 0; h < kv_heads; ++h) {
             const int64_t row = ((block * kv_heads + h) * block_size + offset) * D;
-            cache_row(k_cache, row, kt + h * D, D, fp8, k_scale);
-            cache_row(v_cache, row, v + t * v_stride + h * D, D, fp8, v_scale);
+            cache_row(k_cache, row, kt + h * D, D, format, k_scale);
+            cache_row(v_cache, row, v + t * v_stride + h * D, D, format, v_scale);
         }
     }
     return 0;

@@ -115,8 +115,9 @@ def rotary_and_cache(
     value_cache, slot_mapping)``, in one pass over the tokens (a negative slot: rotated, not cached); ``cos_sin``
     ``[max_positions, 2, R / 2]`` rotates the first ``R`` features of each head (a partial rotation where
     ``R < head_dim``), as ``layers.apply_rotary_``. The cache
-    may be float32 or fp8 e4m3, which holds ``key / k_scale`` and ``value / v_scale`` (written as
-    ``(key / k_scale).to(torch.float8_e4m3fn)`` writes it; the scales are an fp8 cache's only).
+    may be float32, bfloat16 (written as ``key.to(torch.bfloat16)`` writes it) or fp8 e4m3, which holds ``key /
+    k_scale`` and ``value / v_scale`` (written as ``(key / k_scale).to(torch.float8_e4m3fn)`` writes it; the
+    scales are an fp8 cache's only).
     The arguments' shapes are those of ``raypaged.kernels.fused_ops.rotary_and_cache``; here the token
     stride of query, key and value is free."""
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -143,8 +144,9 @@ def rotary_and_cache(
         ("positions", "query", "key", "value", "cos_sin", "key_cache", "value_cache", "slot_mapping"),
         (positions, query, key, value, cos_sin, key_cache, value_cache, slot_mapping),
     )
-    if key_cache.dtype == torch.float32 and (k_scale, v_scale) != (1.0, 1.0):
-        raise ValueError(f"K/V scales ({k_scale}, {v_scale}) apply to an fp8 cache, not a float32 one")
+    if key_cache.dtype != torch.float8_e4m3fn and (k_scale, v_scale) != (1.0, 1.0):
+        name = str(key_cache.dtype).removeprefix("torch.")
+        raise ValueError(f"K/V scales ({k_scale}, {v_scale}) apply to an fp8 cache, not a {name} one")
     if not tokens:
         return
     status = cpu_ops.library().raypaged_rotary_and_cache_f32(
@@ -159,7 +161,7 @@ def rotary_and_cache(
         cos_sin.shape[0],
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        key_cache.dtype != torch.float32,
+        cpu_ops.cache_format(key_cache.dtype),
         k_scale,
         v_scale,
         num_blocks,

@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "cpu_api.h"
+#include "cpu_cache.h"
 #include "cpu_silu.h"
 #include "cpu_tiles.h"
 
@@ -81,14 +82,6 @@ void raypaged_pack_weight_f32(const float *w, int64_t n, int64_t k, int64_t ldw,
     }
 }
 
-/* fp32 -> bf16 rounded to nearest even, any NaN the quiet NaN 0x7fc0: torch's .to(torch.bfloat16) */
-static inline uint16_t bf16_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* bf16 values per panel of a weight of k input features: k rounded up to pairs, or k, times NR */
 static inline int64_t bf16_panel_size(int64_t k) { return (BF16_PAIRS ? (k + 1) / 2 * 2 : k) * NR; }
 
@@ -107,7 +100,7 @@ void raypaged_pack_weight_bf16(const float *w, int64_t n, int64_t k, int64_t ldw
         for (int64_t kk = 0; kk < k; kk++)
             for (int j = 0; j < NR; j++) {
                 const int64_t col = p * NR + j;
-                const uint16_t value = col < n ? bf16_of(w[col * ldw + kk]) : 0;
+                const uint16_t value = col < n ? f32_to_bf16(w[col * ldw + kk]) : 0;
                 dst[BF16_PAIRS ? kk / 2 * 2 * NR + 2 * j + (kk & 1) : kk * NR + j] = value;
             }
     }
@@ -299,10 +292,10 @@ static void to_bf16_pairs(const float *x, int64_t m, int64_t k, int64_t ldx, uin
         const float *row = x + r * ldx;
         uint16_t *dst = (uint16_t *)(pairs + r * width);
         int64_t kk = 0;
-        for (; kk + 32 <= k; kk += 32) /* the same rounding as bf16_of */
+        for (; kk + 32 <= k; kk += 32) /* the same rounding as f32_to_bf16 */
             _mm512_storeu_si512(
                 dst + kk, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + kk + 16), _mm512_loadu_ps(row + kk)));
-        for (; kk < k; kk++) dst[kk] = bf16_of(row[kk]);
+        for (; kk < k; kk++) dst[kk] = f32_to_bf16(row[kk]);
         if (k & 1) dst[k] = 0;
     }
 }

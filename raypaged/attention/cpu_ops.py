@@ -185,16 +185,24 @@ def builds() -> bool:
     return unavailable_reason() is None
 
 
-CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn)  # fp8: K/V divided by their layer's scales, then narrowed
+# the KV cache dtypes the kernels read and write, by their code in cpu_cache.h (enum cache_format); fp8: K/V divided
+# by their layer's scales, then narrowed; bf16: a bf16 model's (layers.bf16_linears_on_cpu), rounded to nearest even
+CACHE_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2}
+CACHE_DTYPES = tuple(CACHE_FORMATS)
+
+
+def cache_format(dtype: torch.dtype) -> int:
+    """The kernels' code of a cache of ``dtype`` (one of :data:`CACHE_DTYPES`)."""
+    return CACHE_FORMATS[dtype]
 
 
 def _check_query_and_caches(
     kernel: str, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-) -> bool:
-    """The checks the decode and prefill kernels share; returns whether the caches are fp8."""
+) -> int:
+    """The checks the decode and prefill kernels share; returns the caches' format (:func:`cache_format`)."""
     if query.dtype != torch.float32 or key_cache.dtype not in CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
         raise ValueError(
-            f"the CPU {kernel} kernel reads a float32 query from float32 or float8_e4m3fn caches, got "
+            f"the CPU {kernel} kernel reads a float32 query from float32, float8_e4m3fn or bfloat16 caches, got "
             f"query {query.dtype}, caches {key_cache.dtype} and {value_cache.dtype}"
         )
     if query.device.type != "cpu" or key_cache.device.type != "cpu":
@@ -207,7 +215,7 @@ def _check_query_and_caches(
         )
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or query.stride(2) != 1:
         raise ValueError(f"the CPU {kernel} kernel needs contiguous caches and a query with contiguous rows")
-    return key_cache.dtype == torch.float8_e4m3fn
+    return cache_format(key_cache.dtype)
 
 
 def raise_for_status(
@@ -243,7 +251,7 @@ def paged_attention_decode(
     ``sinks`` (gpt-oss's per-head sink logits) and ``softcap`` (Gemma 2's) inside the kernel."""
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-    fp8 = _check_query_and_caches("decode", query, key_cache, value_cache)
+    form = _check_query_and_caches("decode", query, key_cache, value_cache)
     if block_tables.dtype != torch.long or context_lens.dtype != torch.long:
         raise ValueError(
             f"block tables and context lengths must be long, got {block_tables.dtype} and {context_lens.dtype}"
@@ -270,7 +278,7 @@ def paged_attention_decode(
         query.stride(1),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        fp8,
+        form,
         num_blocks,
         block_tables.data_ptr(),
         block_tables.stride(0),
@@ -308,7 +316,7 @@ def paged_prefill_attention(
     span's block table. Offsets, lengths and block ids are checked before anything is read."""
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-    fp8 = _check_query_and_caches("prefill", query, key_cache, value_cache)
+    form = _check_query_and_caches("prefill", query, key_cache, value_cache)
     if cu_seqlens_q.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.dtype != torch.long:
         raise ValueError(
             f"cu_seqlens_q and context_lens must be int32 and block_tables long, got "
@@ -343,7 +351,7 @@ def paged_prefill_attention(
         num_tokens,
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        fp8,
+        form,
         num_blocks,
         cu_seqlens_q.data_ptr(),
         context_lens.data_ptr(),

@@ -1,4 +1,4 @@
-/* Paged prefill attention on CPU, fp32 (over a float32 or an fp8 e4m3 cache): every prefill span of a step in one
+/* Paged prefill attention on CPU, fp32 (over a float32, fp8 e4m3 or bf16 cache): every prefill span of a step in one
  * call, each reading its
  * context straight through its block table (no gather copy), its own K/V of this step included
  * (written to the cache just before). The contract of raypaged.kernels.paged_prefill_attention:
@@ -32,7 +32,7 @@
 
 #include "cpu_api.h"
 #include "cpu_exp.h"
-#include "cpu_fp8.h"
+#include "cpu_cache.h"
 
 #if defined(__AVX512F__)
 #define ROW_LANES 16 /* rows per vector */
@@ -207,7 +207,8 @@ static void transpose(const float *const *src, int64_t n, int64_t m, float *cons
 }
 
 /* One work item's scratch, floats: qt and ot ([D][width] each), the scores ([CHUNK][width]), max and sum
- * ([width] each), the chunk's K and V rows widened from an fp8 cache ([CHUNK][D] each), a row of zeros ([D]) */
+ * ([width] each), the chunk's K and V rows widened from an fp8 or bf16 cache ([CHUNK][D] each), a row of zeros
+ * ([D]) */
 static inline int64_t scratch_floats(int64_t width, int64_t D) {
     return 2 * D * width + CHUNK * width + 2 * width + 2 * CHUNK * D + D;
 }
@@ -216,9 +217,9 @@ static inline int64_t scratch_floats(int64_t width, int64_t D) {
  * table's width; -3 when a block id in use is outside the cache (the codes of cpu_decode.c); -4 when the
  * spans' query offsets do not ascend within the query's rows or a span has no query token; -5 when a
  * span's query is longer than its context. Nothing is read from the cache before these checks pass. The
- * caches hold float32, or fp8 e4m3 when fp8 is set, read as stored (K/V scales: as cpu_decode.c's). */
+ * caches hold float32, fp8 e4m3 or bf16 (format: cpu_cache.h), read as stored (K/V scales: as cpu_decode.c's). */
 int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64_t query_head_stride,
-                           int64_t num_tokens, const void *k_cache, const void *v_cache, int fp8, int64_t num_blocks,
+                           int64_t num_tokens, const void *k_cache, const void *v_cache, int format, int64_t num_blocks,
                            const int32_t *cu_seqlens_q, const int32_t *context_lens, const int64_t *block_tables,
                            int64_t table_stride, int64_t table_width, float *out, int64_t num_spans,
                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
@@ -299,9 +300,9 @@ int raypaged_paged_prefill(const float *query, int64_t query_token_stride, int64
                     const int64_t run = block_size - offset < n - j ? block_size - offset : n - j;
                     const int64_t at = ((block * num_kv_heads + head) * block_size + offset) * D; /* in elements */
                     const float *k_rows = (const float *)k_cache + at, *v_rows = (const float *)v_cache + at;
-                    if (fp8) {
-                        widen_fp8_e4m3((const uint8_t *)k_cache + at, run * D, widened + j * D);
-                        widen_fp8_e4m3((const uint8_t *)v_cache + at, run * D, widened + (CHUNK + j) * D);
+                    if (format != CACHE_F32) {
+                        widen_cache(k_cache, format, at, run * D, widened + j * D);
+                        widen_cache(v_cache, format, at, run * D, widened + (CHUNK + j) * D);
                         k_rows = widened + j * D;
                         v_rows = widened + (CHUNK + j) * D;
                     }

@@ -57,7 +57,7 @@ struct step_shape {
     int64_t hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, block_size, num_blocks,
         max_positions;
     float eps, scale, residual_scale;
-    int fp8;
+    int cache_format; /* cpu_cache.h */
 };
 
 /* x [n] *= scale, as torch's x.mul_(scale) (nothing at 1) */
@@ -145,7 +145,7 @@ int raypaged_step_layers(const struct step_layer *layers, int64_t num_layers, co
                                   threads);
         }
         status = raypaged_rotary_and_cache_f32(positions, q, q_stride, k, k_stride, qkv + q_width + kv_width, qkv_width,
-                                               cos_sin, s->max_positions, l->k_cache, l->v_cache, s->fp8,
+                                               cos_sin, s->max_positions, l->k_cache, l->v_cache, s->cache_format,
                                                l->k_scale, l->v_scale, s->num_blocks, slots, tokens, s->num_heads,
                                                s->num_kv_heads, D, l->nope ? 0 : s->rotary_dim, s->block_size,
                                                threads); /* rotating 0 features: the cache write alone */
@@ -156,14 +156,14 @@ int raypaged_step_layers(const struct step_layer *layers, int64_t num_layers, co
         /* the scales fold into the attention as AttentionBackend.attend folds them: every token's reads the cache */
         const float cached_scale = s->scale * l->k_scale;
         if (num_decodes > 0)
-            status = raypaged_paged_decode(q, q_stride, D, l->k_cache, l->v_cache, s->fp8, s->num_blocks,
+            status = raypaged_paged_decode(q, q_stride, D, l->k_cache, l->v_cache, s->cache_format, s->num_blocks,
                                            block_tables, table_stride, table_width, context_lens, attn, num_decodes,
                                            s->num_heads, s->num_kv_heads, s->block_size, D, cached_scale, threads);
         if (status) break;
         if (prefill) {
             const int64_t first = prefill->query_start;
             status = raypaged_paged_prefill(q + first * q_stride, q_stride, D, prefill->num_tokens, l->k_cache,
-                                            l->v_cache, s->fp8, s->num_blocks, prefill->cu_seqlens_q,
+                                            l->v_cache, s->cache_format, s->num_blocks, prefill->cu_seqlens_q,
                                             prefill->context_lens, prefill->block_tables, prefill->table_stride,
                                             prefill->table_width, attn + first * q_width, prefill->num_spans,
                                             s->num_heads, s->num_kv_heads, s->block_size, D, cached_scale, threads);

@@ -82,7 +82,7 @@ class _Shape(ctypes.Structure):  # cpu_step.c: struct step_shape
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("residual_scale", ctypes.c_float),
-        ("fp8", ctypes.c_int),
+        ("cache_format", ctypes.c_int),
     ]
 
 
@@ -279,7 +279,7 @@ class CpuStep:
         shape.block_size, shape.num_blocks = key_cache.shape[2], key_cache.shape[0]
         shape.max_positions, shape.eps, shape.scale = self.cos_sin.shape[0], self.eps, self.scale
         shape.rotary_dim, shape.residual_scale = self.rotary_dim, self.residual_scale
-        shape.fp8 = int(key_cache.dtype != torch.float32)
+        shape.cache_format = cpu_ops.cache_format(key_cache.dtype)
         for entry, layer, (qkv, o, gate_up, down), (k, v) in zip(
             self.layers, _layers(model), self.linears, kv_caches, strict=True
         ):

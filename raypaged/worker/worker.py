@@ -52,8 +52,10 @@ class Worker:
         tp = self.tp = dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel)
         self.device = torch.device(config.resolved_device)
         self.dtype = getattr(torch, config.resolved_dtype)
-        # a bf16 decoder without experts on a CPU computes in fp32 from bf16 weights in its float linears, and
-        # caches K/V in fp32 (the CPU kernels'); experts and encoders stay bf16 (fp32 would double their memory)
+        self.cache_dtype = getattr(torch, config.resolved_kv_cache_dtype)
+        # a bf16 decoder without experts on a CPU computes in fp32 from bf16 weights in its float linears, over a
+        # bf16 KV cache (--kv-cache-dtype auto) that the CPU kernels widen as they read it; experts and encoders
+        # stay bf16 throughout (fp32 would double their memory)
         self.bf16_linears = (
             bf16_linears_on_cpu(self.dtype, self.device)
             and not config.encoder
@@ -61,8 +63,6 @@ class Worker:
         )
         if self.bf16_linears:
             self.dtype = torch.float32
-        explicit = config.kv_cache_dtype != "auto"
-        self.cache_dtype = getattr(torch, config.resolved_kv_cache_dtype) if explicit else self.dtype
         self.eos_token_id = eos_token_id
         pp = tp.pp
         if tp.size * pp.size > 1:

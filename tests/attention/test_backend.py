@@ -31,10 +31,11 @@ def test_selection():
     assert select_backend("auto", cpu, 64, 16, torch.bfloat16) is TORCH  # the kernel reads float32 only
     assert select_backend("auto", cpu, 64, 16, torch.float32, torch.float8_e4m3fn) is CPU  # fp8 K/V widened in C
     assert select_backend("auto", cpu, 64, 16, torch.float32, torch.float8_e5m2) is TORCH
+    assert select_backend("auto", cpu, 64, 16, torch.float32, torch.bfloat16) is CPU  # a bf16 model's, widened in C
     with pytest.raises(
         ValueError,
         match=r"^attention_backend 'cpu' cannot run: the KV cache is float8_e5m2 \(the "
-        r"kernels read float32 and float8_e4m3fn caches\)$",
+        r"kernels read float32, float8_e4m3fn and bfloat16 caches\)$",
     ):
         select_backend("cpu", cpu, 64, 16, torch.float32, torch.float8_e5m2)
     assert select_backend("auto", CUDA, 64, 128) is TORCH  # a block size with no kernel falls back

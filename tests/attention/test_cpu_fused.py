@@ -67,17 +67,18 @@ def test_silu_and_mul_equals_the_reference(rows, threads):
 
 
 @pytest.mark.parametrize("rotary_dim", [64, 40], ids=["whole-heads", "partial"])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn, torch.bfloat16])
 @pytest.mark.parametrize("rows", ROWS)
 def test_rotary_and_cache_equals_rotate_then_cache_bit_for_bit(rows, threads, cache_dtype, rotary_dim):
-    """float32 caches, and fp8 e4m3 ones narrowed as torch's .to() narrows (ties to even, saturation at 448,
-    subnormals, NaN); whole heads rotated, or their first 40 features (a partial rotation, as Phi-3's)."""
+    """float32 caches, and fp8 e4m3 and bf16 ones narrowed as torch's .to() narrows (ties to even, fp8's saturation
+    at 448, bf16's overflow to infinity, subnormals, NaN); whole heads rotated, or their first 40 features (a partial
+    rotation, as Phi-3's)."""
     torch.manual_seed(rows)
     heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim) * 3
     v0 = (heads + kv_heads) * head_dim
-    qkv[0, v0 : v0 + 10] = torch.tensor(
-        [1000.0, -500.0, 464.0, 449.0, 0.0029296875, -1e-3, 1e-9, float("nan"), float("inf"), -0.0]
+    qkv[0, v0 : v0 + 12] = torch.tensor(
+        [1000.0, -500.0, 464.0, 449.0, 0.0029296875, -1e-3, 1e-9, float("nan"), float("inf"), -0.0, 3.4e38, 1 + 2**-8]
     )  # V is cached as it is: each case exactly
     cos_sin = torch.randn(512, 2, rotary_dim // 2)
     positions = torch.randint(0, 512, (rows,))
@@ -93,8 +94,10 @@ def test_rotary_and_cache_equals_rotate_then_cache_bit_for_bit(rows, threads, ca
     ref.rotary_and_cache(positions, *split(expected), cos_sin, caches[0], caches[1], slots)
     cpu_fused.rotary_and_cache(positions, *split(qkv), cos_sin, caches[2], caches[3], slots)
     assert torch.equal(qkv.view(torch.int32), expected.view(torch.int32))
-    bits = [cache.view(torch.uint8) for cache in caches]
+    # a NaN as a NaN: torch's own bf16 rounding gives 0x7fc0 one by one and 0xffff in its vector loops
+    bits = [torch.where(cache.isnan(), 0, cache).view(torch.uint8) for cache in caches]
     assert torch.equal(bits[2], bits[0]) and torch.equal(bits[3], bits[1])
+    assert torch.equal(caches[3].isnan(), caches[1].isnan()) and int(caches[3].isnan().sum()) == 1
     assert int((caches[2].float() != 7.0).any(-1).sum()) == kv_heads * int((slots >= 0).sum())
 
 

@@ -158,8 +158,8 @@ def test_decode_errors():
         decode(query, key_cache, value_cache, bad, lens, 0.125)
     with pytest.raises(
         ValueError,
-        match=r"^the CPU decode kernel reads a float32 query from float32 or "
-        r"float8_e4m3fn caches, got query torch.bfloat16, caches torch.float32 and "
+        match=r"^the CPU decode kernel reads a float32 query from float32, float8_e4m3fn or "
+        r"bfloat16 caches, got query torch.bfloat16, caches torch.float32 and "
         r"torch.float32$",
     ):
         decode(query.bfloat16(), key_cache, value_cache, tables, lens, 0.125)
@@ -381,8 +381,8 @@ def test_prefill_errors():
         call(out=torch.empty(24, 9, 64))
     with pytest.raises(
         ValueError,
-        match=r"^the CPU prefill kernel reads a float32 query from float32 or "
-        r"float8_e4m3fn caches, got query torch.bfloat16",
+        match=r"^the CPU prefill kernel reads a float32 query from float32, float8_e4m3fn or "
+        r"bfloat16 caches, got query torch.bfloat16",
     ):
         call(query=query.bfloat16())
 
@@ -419,6 +419,36 @@ def test_fp8_cache_on_the_avx2_path(avx2_build):
         rtol=1e-5,
         atol=2e-6,
     )
+
+
+def to_bf16(*caches):
+    """Caches rounded to bf16 as the torch path writes them, and the fp32 caches of the same values."""
+    rounded = tuple(cache.to(torch.bfloat16) for cache in caches)
+    return rounded, tuple(cache.float() for cache in rounded)
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_decode_over_a_bf16_cache_is_the_fp32_caches_of_its_values_bit_for_bit(build, monkeypatch):
+    """A bf16 model's cache (layers.bf16_linears_on_cpu): the kernel widens its rows exactly; long contexts,
+    partitions, an odd block size; and a stale NaN beyond every context is never read."""
+    if build == "avx2":
+        use_kernels_without_avx512(monkeypatch)
+    query, key_cache, value_cache, tables, lens = random_step(15, [1, 15, 100, 700, 1300], 8)
+    (bf16_k, bf16_v), (fp32_k, fp32_v) = to_bf16(key_cache, value_cache)
+    got = cpu_ops.paged_attention_decode(query, bf16_k, bf16_v, tables, lens, 0.125)
+    assert torch.equal(got, cpu_ops.paged_attention_decode(query, fp32_k, fp32_v, tables, lens, 0.125))
+    assert not torch.equal(got, cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125))
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_prefill_over_a_bf16_cache_is_the_fp32_caches_of_its_values_bit_for_bit(build, monkeypatch):
+    if build == "avx2":
+        use_kernels_without_avx512(monkeypatch)
+    query, key_cache, value_cache, cu, context_lens, tables = prefill_step(16, PREFILL_SPANS)
+    (bf16_k, bf16_v), (fp32_k, fp32_v) = to_bf16(key_cache, value_cache)
+    got = cpu_ops.paged_prefill_attention(query, bf16_k, bf16_v, cu, context_lens, tables, 0.125, 130)
+    fp32 = cpu_ops.paged_prefill_attention(query, fp32_k, fp32_v, cu, context_lens, tables, 0.125, 130)
+    assert torch.equal(got, fp32)
 
 
 def test_every_fp8_code_is_widened_as_torch_widens_it():

@@ -138,8 +138,8 @@ def test_shards_read_the_models_config_on_transformers_base_class(ray_session, t
 
 
 def test_bf16_shards_run_bf16_linears_and_match_tp1(ray_session, tiny_llama):
-    """A bf16 model on CPU shards: each shard computes in fp32 from its share of the bf16 weights
-    (layers.bf16_linears_on_cpu), and the tokens are one bf16 shard's."""
+    """A bf16 model on CPU shards: each shard computes in fp32 from its share of the bf16 weights over a bf16 KV
+    cache (layers.bf16_linears_on_cpu), and the tokens are one bf16 shard's."""
     options = {"model": str(tiny_llama), "device": "cpu", "dtype": "bfloat16", "num_gpu_blocks_override": 128}
     one = LLM(**options)
     expected = greedy_tokens(one, TINY_PROMPTS, TINY_PARAMS)
@@ -158,7 +158,7 @@ def test_bf16_shards_run_bf16_linears_and_match_tp1(ray_session, tiny_llama):
                 for w in llm.llm_engine.executor.workers
             ]
         )
-        assert seen == [(True, "torch.float32", ["torch.bfloat16"])] * 2
+        assert seen == [(True, "torch.bfloat16", ["torch.bfloat16"])] * 2
         assert greedy_tokens(llm, TINY_PROMPTS, TINY_PARAMS) == expected
     finally:
         llm.shutdown()

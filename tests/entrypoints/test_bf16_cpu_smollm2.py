@@ -1,7 +1,8 @@
 """A bf16 checkpoint on CPU, as the Hub publishes SmolLM2 (``--dtype auto`` keeps bf16): the engine computes in
-fp32 from bf16 weights in its float linears (layers.bf16_linears_on_cpu) and caches K/V in fp32, through the
-one-call CPU step. Without AVX512-BF16 that is the fp32 engine's arithmetic on the same weights, token for token
-and logprob for logprob; with it the linears' inputs are rounded to bf16 as well."""
+fp32 from bf16 weights in its float linears (layers.bf16_linears_on_cpu) over a bf16 KV cache, through the
+one-call CPU step. Its greedy tokens follow the fp32 engine's on the same weights, with AVX512-BF16 (the linears'
+inputs rounded to bf16) and without it (the weights widened in registers); the kernels' own tests check each part
+bit for bit (tests/model/test_packed_bf16_weights.py, tests/attention/test_cpu_ops.py)."""
 
 import json
 import shutil
@@ -49,7 +50,7 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
 def assert_bf16_linears(llm: LLM) -> None:
     worker = llm.llm_engine.executor.worker
     assert llm.llm_engine.config.resolved_dtype == "bfloat16"
-    assert worker.dtype == worker.cache_dtype == torch.float32 and worker.bf16_linears
+    assert worker.dtype == torch.float32 and worker.cache_dtype == torch.bfloat16 and worker.bf16_linears
     model = worker.model
     linears = [m.weight for m in model.modules() if isinstance(m, (Linear, RowParallelLinear))]
     assert len(linears) == 30 * 4 and all(isinstance(w, PackedWeight) and w.bf16 for w in linears)
@@ -57,24 +58,30 @@ def assert_bf16_linears(llm: LLM) -> None:
     assert model.model.cpu_step is not None  # the step's layers in one C call
 
 
-def test_without_bf16_instructions_the_tokens_and_logprobs_are_the_fp32_engines(bf16_dir, monkeypatch):
-    use_kernels_without_avx512(monkeypatch)  # widened bf16 panels, as on AVX2-only machines
-    llm = LLM(model=str(bf16_dir), num_gpu_blocks_override=256, max_model_len=512)
-    assert_bf16_linears(llm)
-    got = run(llm)
-    assert got == run(LLM(model=str(bf16_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512))
-
-
-def test_natively_the_tokens_follow_the_fp32_engines(bf16_dir):
-    """Here the linears' inputs are rounded to bf16 where the CPU has AVX512-BF16: the first 16 greedy tokens agree
-    with the fp32 engine's on the same weights for at least 7 of the 8 prompts."""
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_the_tokens_follow_the_fp32_engines(bf16_dir, build, monkeypatch):
+    """The first 16 greedy tokens agree with the fp32 engine's on the same weights for at least 7 of the 8 prompts,
+    the first logprobs within 0.1 (measured: 8 of 8, 0.056 with AVX512-BF16 and 0.005 built for AVX2, on 2 Zen 5
+    cores); natively (with AVX512-BF16 where the CPU has it) and built for AVX2."""
+    if build == "avx2":
+        use_kernels_without_avx512(monkeypatch)
     llm = LLM(model=str(bf16_dir), num_gpu_blocks_override=256, max_model_len=512)
     assert_bf16_linears(llm)
     got = run(llm)
     fp32 = run(LLM(model=str(bf16_dir), dtype="float32", num_gpu_blocks_override=256, max_model_len=512))
     assert sum(tokens == expected for (tokens, _), (expected, _) in zip(got, fp32)) >= 7
     first = [logprobs[0] for _, logprobs in got]
-    torch.testing.assert_close(first, [logprobs[0] for _, logprobs in fp32], rtol=0, atol=0.05)
+    torch.testing.assert_close(first, [logprobs[0] for _, logprobs in fp32], rtol=0, atol=0.1)
+    assert got != fp32  # bf16 K/V (and, natively with AVX512-BF16, inputs): not the fp32 arithmetic
+
+
+def test_a_bf16_kv_cache_holds_twice_the_fp32_blocks_in_the_same_memory(bf16_dir):
+    blocks = []
+    for dtype in ("auto", "float32"):
+        llm = LLM(model=str(bf16_dir), dtype=dtype, kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
+        blocks.append(llm.stats()["num_gpu_blocks_total"])
+        llm.shutdown()
+    assert blocks[0] == 2 * blocks[1]
 
 
 def test_a_bf16_checkpoint_in_float32_keeps_fp32_weights(bf16_dir):

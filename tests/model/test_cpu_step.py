@@ -53,14 +53,15 @@ def test_steps_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
 def test_bf16_weights_in_one_call_give_the_layer_paths_bits(architecture, one_call_runs, monkeypatch):
-    """A bf16 model on CPU (layers.bf16_linears_on_cpu): the one call runs its bf16 linears, and the next
-    projection's first panels prefetched are bf16 ones too."""
+    """A bf16 model on CPU (layers.bf16_linears_on_cpu): the one call runs its bf16 linears over a bf16 cache, and
+    the next projection's first panels prefetched are bf16 ones too."""
     model = ref.random_model(tiny_config(architecture), torch.float32, "cpu")
     model.pack_weights(bf16=True)
-    got = ref.run_steps(model, CPU, "cpu")
+    got = ref.run_steps(model, CPU, "cpu", cache_dtype=torch.bfloat16)
     assert one_call_runs == [15, 4, 2, 2]
-    expected = ref.run_steps_layer_by_layer(monkeypatch, model, CPU)
+    expected = ref.run_steps_layer_by_layer(monkeypatch, model, CPU, cache_dtype=torch.bfloat16)
     ref.assert_same_steps(got, expected)
+    assert got[1][0][0].dtype == torch.bfloat16
     fp32 = ref.random_model(tiny_config(architecture), torch.float32, "cpu")
     fp32.pack_weights()
     assert not torch.equal(ref.run_steps(fp32, CPU, "cpu")[0][0], got[0][0])  # the weights were rounded
