@@ -25,7 +25,8 @@ raypaged and transformers serve the default model's safetensors folder in fp32, 
 the shipped GGUF (Q4_1) dequantized; llama-server serves that GGUF itself, so all three
 compute with the same weight values, llama.cpp from 4-bit storage with 8-bit activations.
 `raypaged-w8a8` serves the same folder quantized by the reference quantizer (W8A8 int8,
-SmoothQuant 0.6: raypaged's fast CPU path), written once under the cache directory.
+SmoothQuant 0.6: raypaged's fast CPU path), written once under the cache directory; `raypaged-bf16` serves
+the same folder with `--dtype bfloat16` (its linears' weights and the KV cache in bf16: README, "bf16 models on CPU").
 llama-server is a benchmark-only peer: build it with `benchmarks/build_llama_server.sh`
 (or pass `--llama-server PATH`); it gets one slot per client of the largest level
 (`--parallel`), each slot the context a W1 request needs.
@@ -77,12 +78,13 @@ from raypaged.model.default_model import default_model_dir, shipped_gguf
 SYSTEMS = {
     "raypaged": "`raypaged serve`",
     "raypaged-w8a8": "`raypaged serve` W8A8 int8",
+    "raypaged-bf16": "`raypaged serve --dtype bfloat16`",
     "raypaged-dp2": "`raypaged serve -dp 2` (two engine processes, half the threads each)",
     "transformers": "`transformers serve --continuous-batching`",
     "llama.cpp": "`llama-server` (shipped GGUF, Q4_1)",
 }
 PEERS = ("transformers", "llama.cpp")
-OURS = ("raypaged", "raypaged-w8a8", "raypaged-dp2")
+OURS = ("raypaged", "raypaged-w8a8", "raypaged-bf16", "raypaged-dp2")
 LLAMA_SLOT_CONTEXT = 512  # tokens per llama-server slot: a 200-token prompt, 100 generated, and room
 VENV_BIN = Path(sys.executable).parent
 STARTUP_TIMEOUT_S = 300
@@ -234,7 +236,7 @@ def server_command(system: str, model_dir: Path, port: int, args: argparse.Names
             "--grpc-port",
             str(free_port()),
             "--dtype",
-            "float32",
+            "bfloat16" if system == "raypaged-bf16" else "float32",
             "--kv-cache-space",
             str(args.kv_cache_gib),
             "--disable-log-requests",
@@ -642,6 +644,7 @@ def plot(runs: list[SystemRun], info: dict, path: Path) -> None:
     colors = {
         "raypaged": "tab:green",
         "raypaged-w8a8": "tab:olive",
+        "raypaged-bf16": "tab:purple",
         "raypaged-dp2": "tab:cyan",
         "transformers": "tab:gray",
         "llama.cpp": "tab:orange",

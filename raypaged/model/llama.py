@@ -696,7 +696,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, bf16: bool = False) -> None:
         """Every float linear's weight, the LM head's too, packed for ``layers.linear`` (after loading; fp32 on a
         CPU); the MLPs' gate | up weights gated, for their fused silu_and_mul; ``bf16``: the float linears' values
-        in bf16 (``layers.bf16_linears_on_cpu``)."""
+        in bf16, and the embedding rows too (``layers.bf16_linears_on_cpu``)."""
         gate_ups = {id(module.gate_up_proj) for module in self.modules() if isinstance(module, LlamaMLP)}
         for module in self.modules():
             if isinstance(module, Linear):
@@ -705,12 +705,12 @@ class LlamaForCausalLM(nn.Module):
                 module.pack(bf16)
             elif isinstance(module, QuantLinear) and id(module) in gate_ups:
                 module.method.pack_gated(module)
-        if not self.has_head:
-            return
-        if self.lm_head is not None:
+        if self.has_head and self.lm_head is not None:
             self.lm_head.pack_head(tied=False, bf16=bf16)
-        elif self.model.embed_tokens is not None:  # tied (a pipeline stage before the last has no head)
+        elif self.has_head and self.model.embed_tokens is not None:  # tied (a stage before the last has no head)
             self.model.embed_tokens.pack_head(tied=True, bf16=bf16)
+        if bf16 and self.model.embed_tokens is not None:
+            self.model.embed_tokens.keep_rows_in_bf16()
 
     def stack_experts(self) -> list[bool]:
         """Each layer of experts' weights stacked for grouped GEMMs (``SparseMoeBlock.stack_experts``); whether each

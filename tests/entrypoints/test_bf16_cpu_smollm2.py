@@ -54,7 +54,7 @@ def assert_bf16_linears(llm: LLM) -> None:
     model = worker.model
     linears = [m.weight for m in model.modules() if isinstance(m, (Linear, RowParallelLinear))]
     assert len(linears) == 30 * 4 and all(isinstance(w, PackedWeight) and w.bf16 for w in linears)
-    assert model.model.embed_tokens.head_weight.bf16 and model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.model.embed_tokens.head_weight.bf16 and model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.model.cpu_step is not None  # the step's layers in one C call
 
 

@@ -12,7 +12,7 @@ from raypaged.model.layers import Linear, PackedWeight, linear, pack_weight, sil
 from raypaged.model.loader import load_model
 from raypaged.model.parallel import RowParallelLinear
 from tests.conftest import make_tiny_model, use_kernels_without_avx512
-from tests.model.test_packed_weights import integer_case
+from tests.model.test_packed_weights import assert_rows_alike_in_any_batch_and_thread_count, integer_case
 
 HAS_BF16 = "avx512_bf16" in open("/proc/cpuinfo").read()
 
@@ -107,20 +107,7 @@ def test_with_bf16_instructions_a_product_is_the_rounded_inputs_product_within_f
 def test_a_row_gets_the_same_bits_in_any_batch_and_with_any_thread_count(build):
     torch.manual_seed(1)
     weight, x, b = torch.randn(200, 576), torch.randn(37, 576), torch.randn(200)
-    packed = pack_weight(weight, bf16=True)
-    batched = linear(x, packed, b)
-    for row in (0, 9, 36):
-        assert torch.equal(linear(x[row : row + 1], packed, b), batched[row : row + 1])
-    assert torch.equal(linear(x[5:21], packed, b), batched[5:21])
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 7, 16):  # more threads than panels: the rows are split too
-            torch.set_num_threads(count)
-            torch.full(batched.shape, float("nan"))  # freed at once: what an output row left unwritten would hold
-            assert torch.equal(linear(x, packed, b), batched)
-            assert torch.equal(linear(x[:3], packed, b), batched[:3])
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_alike_in_any_batch_and_thread_count(x, pack_weight(weight, bf16=True), b)
 
 
 @pytest.mark.parametrize(("rows", "in_features", "half"), [(1, 5, 1), (4, 64, 24), (9, 81, 25), (515, 33, 37)])
@@ -149,7 +136,7 @@ def test_a_bf16_weight_refuses_other_inputs_by_shape_and_dtype(build):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_a_bf16_model_on_cpu_loads_in_fp32_with_every_float_linear_and_the_head_in_bf16(
+def test_a_bf16_model_on_cpu_loads_in_fp32_with_every_float_linear_the_head_and_the_embeddings_in_bf16(
     build, tmp_path, smollm2_dir, tied
 ):
     path = make_tiny_model(tmp_path, smollm2_dir, "llama", tie_word_embeddings=tied)
@@ -161,8 +148,12 @@ def test_a_bf16_model_on_cpu_loads_in_fp32_with_every_float_linear_and_the_head_
     for got, fp32 in zip(linears, (m for m in reference.modules() if isinstance(m, (Linear, RowParallelLinear)))):
         assert got.weight.gated == fp32.weight.gated
         assert torch.equal(bits(got.weight.unpack()), bits(fp32.weight.unpack()))
-    embed = model.model.embed_tokens
-    assert embed.weight.dtype == torch.float32 and torch.equal(embed.weight, reference.model.embed_tokens.weight)
+    embed = model.model.embed_tokens  # rows kept in bf16, each looked up widened
+    assert embed.weight.dtype == torch.bfloat16 and torch.equal(
+        bits(embed.weight), bits(reference.model.embed_tokens.weight)
+    )
+    ids = torch.tensor([0, 5, 511])
+    assert torch.equal(embed(ids), reference.model.embed_tokens.weight[ids].bfloat16().float())
     head = embed.head_weight if tied else model.lm_head.weight
     expected = reference.model.embed_tokens.weight if tied else reference.lm_head.weight.unpack()
     assert head.bf16 and torch.equal(bits(head.unpack()), bits(expected))
