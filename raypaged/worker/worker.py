@@ -55,9 +55,11 @@ class Worker:
         self.cache_dtype = getattr(torch, config.resolved_kv_cache_dtype)
         # a bf16 decoder without experts on a CPU computes in fp32 from bf16 weights in its float linears, over a
         # bf16 KV cache (--kv-cache-dtype auto) that the CPU kernels widen as they read it; experts and encoders
-        # stay bf16 throughout (fp32 would double their memory)
+        # stay bf16 throughout (fp32 would double their memory), and so does a model whose attention backend is
+        # named as another than the CPU kernels (torch's, or the CUDA kernels' host build)
         self.bf16_linears = (
             bf16_linears_on_cpu(self.dtype, self.device)
+            and config.attention_backend in ("auto", "cpu")
             and not config.encoder
             and architecture_of(config.hf_config).moe is None
         )

@@ -90,3 +90,12 @@ def test_a_bf16_checkpoint_in_float32_keeps_fp32_weights(bf16_dir):
     assert not worker.bf16_linears and worker.dtype == worker.cache_dtype == torch.float32
     assert not any(getattr(p, "bf16", False) for p in worker.model.parameters())
     llm.shutdown()
+
+
+def test_the_torch_attention_backend_keeps_torchs_bf16_path(bf16_dir):
+    llm = LLM(model=str(bf16_dir), attention_backend="torch", num_gpu_blocks_override=16, max_model_len=256)
+    worker = llm.llm_engine.executor.worker
+    assert not worker.bf16_linears and worker.dtype == worker.cache_dtype == torch.bfloat16
+    assert not any(isinstance(p, PackedWeight) for p in worker.model.parameters())
+    assert len(llm.generate("The capital of France is", GREEDY)[0].outputs[0].token_ids) == 16
+    llm.shutdown()
