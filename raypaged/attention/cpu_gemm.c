@@ -224,19 +224,26 @@ static inline __attribute__((always_inline)) void any_tile_rows(const float *x, 
     }
 }
 
-/* over an fp32 panel */
+/* over an fp32 panel, the next (fp32) panel prefetched */
 static void tile_rows(const float *x, int64_t ldx, const float *panel, int64_t k, const float *bias, float *y,
                       int64_t ldy, int rows, int cols, enum store store, int64_t half, const char *prefetch,
-                      int share, int step_bytes) {
-    any_tile_rows(x, ldx, panel, k, bias, y, ldy, rows, cols, store, half, prefetch, share, step_bytes, 0);
+                      int share) {
+    any_tile_rows(x, ldx, panel, k, bias, y, ldy, rows, cols, store, half, prefetch, share, NR * 4, 0);
 }
 
 #if !BF16_PAIRS
+/* over a bf16 panel of [k][NR] widened into an fp32 buffer, the next (bf16) panel prefetched */
+static void tile_rows_widened(const float *x, int64_t ldx, const float *panel, int64_t k, const float *bias, float *y,
+                              int64_t ldy, int rows, int cols, enum store store, int64_t half, const char *prefetch,
+                              int share) {
+    any_tile_rows(x, ldx, panel, k, bias, y, ldy, rows, cols, store, half, prefetch, share, NR * 2, 0);
+}
+
 /* over a bf16 panel of [k][NR], widened as it is loaded: the same bits as over its widened fp32 copy */
 static void tile_rows_widening(const float *x, int64_t ldx, const uint16_t *panel, int64_t k, const float *bias,
                                float *y, int64_t ldy, int rows, int cols, enum store store, int64_t half,
-                               const char *prefetch, int share, int step_bytes) {
-    any_tile_rows(x, ldx, panel, k, bias, y, ldy, rows, cols, store, half, prefetch, share, step_bytes, 1);
+                               const char *prefetch, int share) {
+    any_tile_rows(x, ldx, panel, k, bias, y, ldy, rows, cols, store, half, prefetch, share, NR * 2, 1);
 }
 #endif
 
@@ -355,7 +362,6 @@ static void chunk_panel(const void *call_ptr, int64_t chunk, int64_t chunk_end, 
         for (int64_t i = 0; i < c->k * NR; i += VEC) *(vec_t *)(wide + i) = widen((const uint16_t *)panel + i);
         fp32_panel = wide;
     }
-    const int step_bytes = (int)(bytes / c->k); /* of the next panel, per kk of a tile over fp32 values */
     for (int64_t row = chunk; row < chunk_end; row += MR) {
         int rows = chunk_end - row < MR ? (int)(chunk_end - row) : MR;
         const char *prefetch = next_panel_part(panel + bytes, bytes, p + 1 < c->panels, (row - chunk) / MR, share);
@@ -375,12 +381,17 @@ static void chunk_panel(const void *call_ptr, int64_t chunk, int64_t chunk_end, 
 #if !BF16_PAIRS
         if (widening) {
             tile_rows_widening(c->x + row * c->ldx, c->ldx, (const uint16_t *)panel, c->k, b, y, c->ldy, rows, cols,
-                               c->store, half, prefetch, share, step_bytes);
+                               c->store, half, prefetch, share);
+            continue;
+        }
+        if (c->bf16) {
+            tile_rows_widened(c->x + row * c->ldx, c->ldx, fp32_panel, c->k, b, y, c->ldy, rows, cols, c->store, half,
+                              prefetch, share);
             continue;
         }
 #endif
         tile_rows(c->x + row * c->ldx, c->ldx, fp32_panel, c->k, b, y, c->ldy, rows, cols, c->store, half, prefetch,
-                  share, step_bytes);
+                  share);
     }
 }
 
