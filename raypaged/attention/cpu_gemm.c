@@ -359,7 +359,7 @@ static void chunk_panel(const void *call_ptr, int64_t chunk, int64_t chunk_end, 
     const int widening = c->bf16 && !BF16_PAIRS && chunk_end - chunk <= WIDEN_IN_TILES * MR;
     if (c->bf16 && !BF16_PAIRS && !widening) {
         float *wide = c->wide + omp_get_thread_num() * c->k * NR;
-        for (int64_t i = 0; i < c->k * NR; i += VEC) *(vec_t *)(wide + i) = widen((const uint16_t *)panel + i);
+        widen_bf16((const uint16_t *)panel, c->k * NR, wide);
         fp32_panel = wide;
     }
     for (int64_t row = chunk; row < chunk_end; row += MR) {

@@ -37,16 +37,19 @@ class PackedWeight(nn.Parameter):
     :func:`silu_and_mul_linear` computes ``silu(gate) * up`` without writing the ``[rows, 2 * h]``
     activations; :func:`linear` on it gives the plain layout's bits.
 
-    ``bf16``: the weight's values rounded to bf16 (exact for a bf16 checkpoint's) and packed as ``cpu_gemm.c`` says
-    for ``raypaged_linear_bf16``: half the bytes; inputs and outputs stay fp32. Where the CPU has AVX512-BF16 the
-    panels hold pairs of input features (``[panels, ceil(in / 2), panel, 2]``) and the inputs are rounded to bf16
-    too; elsewhere they are ``[panels, in, panel]``, widened to fp32 before the fp32 tiles run, which gives the
-    bits of the fp32 weight of the same values."""
+    ``bf16`` (its dtype is bf16): the weight's values rounded to bf16 (exact for a bf16 checkpoint's) and packed
+    as ``cpu_gemm.c`` says for ``raypaged_linear_bf16``: half the bytes; inputs and outputs stay fp32. Where the CPU
+    has AVX512-BF16 the panels hold pairs of input features (``[panels, ceil(in / 2), panel, 2]``) and the inputs
+    are rounded to bf16 too; elsewhere they are ``[panels, in, panel]``, widened to fp32 before the fp32 tiles run,
+    which gives the bits of the fp32 weight of the same values."""
 
     out_features: int
     in_features: int
     gated: bool
-    bf16: bool
+
+    @property
+    def bf16(self) -> bool:
+        return self.dtype == torch.bfloat16
 
     @staticmethod
     def pack(weight: torch.Tensor, gated: bool = False, bf16: bool = False) -> PackedWeight:
@@ -61,19 +64,17 @@ class PackedWeight(nn.Parameter):
         width = lib.raypaged_gemm_panel_width()
         if gated:
             weight = gated_rows(weight, width)
-        panels, threads = -(-weight.shape[0] // width), torch.get_num_threads()
-        args = (weight.data_ptr(), weight.shape[0], in_features, weight.stride(0))
+        panels = -(-weight.shape[0] // width)
         if not bf16:
-            data = torch.empty(panels, in_features, width)
-            lib.raypaged_pack_weight_f32(*args, data.data_ptr(), threads)
-        elif lib.raypaged_gemm_bf16_pairs():
-            data = torch.empty(panels, -(-in_features // 2), width, 2, dtype=torch.bfloat16)
-            lib.raypaged_pack_weight_bf16(*args, data.data_ptr(), threads)
+            data, pack = torch.empty(panels, in_features, width), lib.raypaged_pack_weight_f32
         else:
-            data = torch.empty(panels, in_features, width, dtype=torch.bfloat16)
-            lib.raypaged_pack_weight_bf16(*args, data.data_ptr(), threads)
+            pairs = lib.raypaged_gemm_bf16_pairs()
+            shape = (panels, -(-in_features // 2), width, 2) if pairs else (panels, in_features, width)
+            data, pack = torch.empty(shape, dtype=torch.bfloat16), lib.raypaged_pack_weight_bf16
+        threads = torch.get_num_threads()
+        pack(weight.data_ptr(), weight.shape[0], in_features, weight.stride(0), data.data_ptr(), threads)
         packed = PackedWeight(data, requires_grad=False)
-        packed.out_features, packed.in_features, packed.gated, packed.bf16 = out_features, in_features, gated, bf16
+        packed.out_features, packed.in_features, packed.gated = out_features, in_features, gated
         return packed
 
     def unpack(self) -> torch.Tensor:  # -> [out_features, in_features], fp32

@@ -176,13 +176,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         if self.tp.size == 1:
-            out = nn.functional.embedding(input_ids, self.weight)
-            out = out.float() if self.widen_rows else out
+            out = self._rows(input_ids)
         else:
             local = input_ids - self.vocab_start
             inside = (local >= 0) & (local < self.weight.shape[0])
-            out = nn.functional.embedding(local.masked_fill(~inside, 0), self.weight)
-            out = out.float() if self.widen_rows else out
+            out = self._rows(local.masked_fill(~inside, 0))
             out.masked_fill_(~inside.unsqueeze(-1), 0)
             out = self.tp.all_reduce(out)
         if self.multiplier == 1.0:
@@ -190,6 +188,10 @@ class VocabParallelEmbedding(nn.Module):
         if self.multiplier_in_dtype:
             return out.mul_(torch.tensor(self.multiplier, dtype=torch.float32, device=out.device).to(out.dtype))
         return out.mul_(self.multiplier)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] of this rank's rows -> [num_tokens, hidden]
+        rows = nn.functional.embedding(ids, self.weight)
+        return rows.float() if self.widen_rows else rows
 
     def load_shard(self, tensor: torch.Tensor) -> None:
         self.weight.data.copy_(shard_rows(tensor, self.vocab_start, self.weight.shape[0]))

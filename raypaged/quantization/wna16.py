@@ -75,7 +75,7 @@ def packed_w4(weight: quant_ops.W4A16Weight) -> PackedWeight:
         weight.qweight.shape[1], weight.group_size, data.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     packed = PackedWeight(data, requires_grad=False)
-    packed.out_features, packed.in_features, packed.gated, packed.bf16 = n, k, False, False
+    packed.out_features, packed.in_features, packed.gated = n, k, False
     return packed
 
 
