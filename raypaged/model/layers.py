@@ -53,8 +53,11 @@ class PackedWeight(nn.Parameter):
 
     @staticmethod
     def pack(weight: torch.Tensor, gated: bool = False, bf16: bool = False) -> PackedWeight:
-        """Needs the CPU kernels (``cpu_ops.builds()``)."""
+        """Needs the CPU kernels (``cpu_ops.builds()``). A bf16 weight packs only ``bf16``, widened one weight at a
+        time (a bf16 model is loaded in bf16: no fp32 copy of it is ever held whole)."""
         lib = cpu_ops.library()
+        if bf16 and weight.dtype == torch.bfloat16:
+            weight = weight.float()
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or weight.stride(1) != 1:
             raise ValueError(
                 f"only a 2-D float32 CPU weight with contiguous rows packs, got {weight.dtype} "

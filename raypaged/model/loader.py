@@ -149,13 +149,15 @@ def load_model(
     of experts on an H100 or H200 with its experts' weights stacked for grouped GEMMs (``stack_experts``).
     """
     model: LlamaForCausalLM | Encoder
-    with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never takes fp32's memory
+    # built in its dtype: a bf16 model never takes fp32's memory, nor does one computing in fp32 from bf16 linears
+    # (bf16_linears), whose float linears and embeddings keep their bf16 weights until packed, the rest made fp32
+    with torch.device(device), default_dtype(torch.bfloat16 if bf16_linears else dtype):
         if is_encoder(hf_config):  # their own modules: no KV cache, no fused, packed or quantized paths
             model = build_encoder(hf_config, num_labels)
         else:
             model = LlamaForCausalLM(hf_config, max_positions, tp, quant_config, head, num_labels)
     if load_format == "dummy":
-        fill_dummy(model, dtype, device, seed + tp.rank)
+        fill_dummy(model, dtype, device, seed + tp.rank, bf16_linears)
     else:
         if mistral_format.reads_mistral_weights(model_path, load_format, hf_config):
             consolidated = iter_checkpoint(model_path, pattern=mistral_format.WEIGHTS_GLOB)
@@ -163,7 +165,7 @@ def load_model(
         else:
             tensors = iter_checkpoint(model_path)
         model.load_weights(tensors)
-        cast_model(model, dtype)
+        cast_model(model, dtype, bf16_linears)
     if isinstance(model, Encoder):
         return cast(LlamaForCausalLM, model.eval())  # the runner's model: the same calls as a decoder's
     finish_loading(model)
@@ -186,10 +188,12 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def fill_dummy(model: LlamaForCausalLM | Encoder, dtype: torch.dtype, device: torch.device, seed: int) -> None:
+def fill_dummy(
+    model: LlamaForCausalLM | Encoder, dtype: torch.dtype, device: torch.device, seed: int, bf16_linears: bool = False
+) -> None:
     """Every weight drawn uniformly from [-1e-3, 1e-3] (norms scale by 1: Gemma's (1 + weight) ones hold 0) in
-    ``dtype``."""
-    cast_model(model, dtype)
+    ``dtype`` (the float linears' and embeddings' in bf16 with ``bf16_linears``, as ``cast_model`` keeps them)."""
+    cast_model(model, dtype, bf16_linears)
     unit = 0.0 if isinstance(model, LlamaForCausalLM) and model.architecture.gemma else 1.0
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

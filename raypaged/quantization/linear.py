@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from raypaged.model.layers import Linear, Router
-from raypaged.model.parallel import RowParallelLinear, TensorParallel
+from raypaged.model.parallel import RowParallelLinear, TensorParallel, VocabParallelEmbedding
 from raypaged.quantization.base import LinearMethod, LinearShape, QuantizationConfig, TensorSpec
 
 
@@ -163,10 +163,14 @@ def finish_loading(model: nn.Module) -> None:
             module.finish()
 
 
-def cast_model(model: nn.Module, dtype: torch.dtype) -> None:
-    """``model.to(dtype)`` except the quantized tensors, which keep their own dtypes."""
+def cast_model(model: nn.Module, dtype: torch.dtype, keep_bf16_weights: bool = False) -> None:
+    """``model.to(dtype)`` except the quantized tensors, which keep their own dtypes. ``keep_bf16_weights``: a bf16
+    model computing in fp32 on a CPU (``layers.bf16_linears_on_cpu``) keeps its float linears' and embeddings'
+    weights as loaded, for ``pack_weights`` to pack in bf16 (and, after it, their packed or bf16 rows)."""
     for module in model.modules():
         keep = module.keeps_dtype if isinstance(module, (QuantLinear, Router)) else set()
+        if keep_bf16_weights and isinstance(module, (Linear, RowParallelLinear, VocabParallelEmbedding)):
+            keep = {"weight", "head_weight"}
         for name, param in module.named_parameters(recurse=False):
             if name not in keep and param.is_floating_point():
                 param.data = param.data.to(dtype)

@@ -17,7 +17,7 @@ from raypaged.attention.backend import cuda_cache_unsupported_reason, select_bac
 from raypaged.attention.metadata import AttentionMetadata, PrefillSpan
 from raypaged.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from raypaged.core.outputs import ModelRunnerOutput, SchedulerOutput
-from raypaged.model.architecture import architecture_of, attention_backends, torch_attention_reason
+from raypaged.model.architecture import attention_backends, torch_attention_reason
 from raypaged.model.layers import bf16_linears_on_cpu
 from raypaged.model.llama import LlamaForCausalLM, cache_head_dim, num_kv_heads_per_rank
 from raypaged.model.loader import load_image_encoder, load_model
@@ -53,15 +53,14 @@ class Worker:
         self.device = torch.device(config.resolved_device)
         self.dtype = getattr(torch, config.resolved_dtype)
         self.cache_dtype = getattr(torch, config.resolved_kv_cache_dtype)
-        # a bf16 decoder without experts on a CPU computes in fp32 from bf16 weights in its float linears, over a
-        # bf16 KV cache (--kv-cache-dtype auto) that the CPU kernels widen as they read it; experts and encoders
-        # stay bf16 throughout (fp32 would double their memory), and so does a model whose attention backend is
-        # named as another than the CPU kernels (torch's, or the CUDA kernels' host build)
+        # a bf16 decoder on a CPU (its experts too) computes in fp32 from bf16 weights in its float linears, over a
+        # bf16 KV cache (--kv-cache-dtype auto) that the CPU kernels widen as they read it; it is built and loaded in
+        # bf16, so it never takes fp32's memory. Encoders stay bf16 throughout, and so does a model whose attention
+        # backend is named as another than the CPU kernels (torch's, or the CUDA kernels' host build)
         self.bf16_linears = (
             bf16_linears_on_cpu(self.dtype, self.device)
             and config.attention_backend in ("auto", "cpu")
             and not config.encoder
-            and architecture_of(config.hf_config).moe is None
         )
         if self.bf16_linears:
             self.dtype = torch.float32

@@ -7,24 +7,26 @@ refused by name."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from raypaged import LLM, SamplingParams
 from raypaged.config import EngineConfig
 from raypaged.model.architecture import MoeSpec, architecture_of
+from raypaged.model.layers import PackedWeight
 from raypaged.model.llama import LlamaForCausalLM, check_tensor_parallel
 from raypaged.model.loader import iter_checkpoint, load_model
 from raypaged.model.moe import SparseMoeBlock
 from raypaged.model.parallel import TensorParallel
 from raypaged.quantization import quantizer
 from raypaged.quantization.linear import QuantLinear
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, use_kernels_without_avx512
 from tests.model.conftest import (
     LOGPROB_PROMPTS,
     LOGPROB_TOKENS,
@@ -486,3 +488,63 @@ def test_glm4_moe_router_stays_fp32_and_its_mtp_layer_is_skipped(model_dirs, mon
         load_weights(
             LlamaForCausalLM(config, 64), [*tensors.items(), ("model.layers.4.eh_proj.weight", torch.zeros(1))]
         )
+
+
+def bf16_copy(path: Path, out: Path) -> Path:
+    """The model at ``path`` as a bf16 checkpoint at ``out``: its tensors rounded to bf16, its config's dtype
+    bfloat16."""
+    shutil.copytree(path, out)
+    for file in out.glob("*.safetensors"):
+        save_file({name: tensor.to(torch.bfloat16) for name, tensor in load_file(file).items()}, file)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    return out
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_bf16_moe_on_cpu_runs_each_expert_from_bf16_packed_weights_with_the_fp32_blocks_bits(
+    model, model_dirs, tmp_path, monkeypatch
+):
+    """A bf16 mixture of experts on a CPU computes in fp32 from bf16 weights packed for the C GEMMs, its experts' as
+    the dense layers' (layers.bf16_linears_on_cpu): half fp32's memory, as torch's bf16 model. Built for AVX2, where
+    the bf16 panels are widened to fp32, each sparse block gives the fp32 block's bits on the same weights; routers
+    (GLM-4.5's fp32 one too) and shared-expert gates are fp32."""
+    use_kernels_without_avx512(monkeypatch)
+    path, cpu = bf16_copy(model_dirs[model], tmp_path / model), torch.device("cpu")
+    config = AutoConfig.from_pretrained(path)
+    got = load_model(path, config, 64, torch.float32, cpu, bf16_linears=True)
+    want = load_model(path, config, 64, torch.float32, cpu)
+    blocks = [(g.mlp, w.mlp) for g, w in zip(got.model.layers, want.model.layers) if isinstance(g.mlp, SparseMoeBlock)]
+    assert len(blocks) == 2  # Qwen2-MoE's and GLM-4.5's third layer dense
+    x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for block, fp32 in blocks:
+        experts = [block.experts, [block.shared_expert] if block.shared_expert is not None else []]
+        linears = [lin.weight for mlps in experts for mlp in mlps for lin in (mlp.gate_up_proj, mlp.down_proj)]
+        assert linears and all(isinstance(w, PackedWeight) and w.bf16 for w in linears)
+        assert block.gate.weight.dtype == torch.float32
+        assert torch.equal(block(x), fp32(x))
+
+
+def test_a_bf16_moe_checkpoint_serves_from_bf16_weights_and_follows_the_fp32_engine(model_dirs, tmp_path):
+    """``--dtype auto`` on a bf16 Qwen2-MoE checkpoint (a shared expert, a dense layer): every float linear, each
+    expert's included, packed in bf16 over a bf16 KV cache; natively (with AVX512-BF16 where the CPU has it, the
+    linears' inputs rounded to bf16) its greedy tokens follow the fp32 engine's on the same weights."""
+    path = bf16_copy(model_dirs["qwen2_moe"], tmp_path / "qwen2_moe")
+    params = SamplingParams(temperature=0, max_tokens=LOGPROB_TOKENS, ignore_eos=True, logprobs=0)
+    requests = [{"prompt_token_ids": p} for p in LOGPROB_PROMPTS]
+    runs = []
+    for dtype in ("auto", "float32"):
+        llm = LLM(model=str(path), dtype=dtype, num_gpu_blocks_override=64, block_size=4)
+        worker = llm.llm_engine.executor.worker
+        if dtype == "auto":
+            assert worker.bf16_linears and worker.cache_dtype == torch.bfloat16
+            experts = [m for m in worker.model.modules() if isinstance(m, SparseMoeBlock)]
+            assert len(experts) == 2 and all(e.experts[0].down_proj.weight.bf16 for e in experts)
+        runs.append([o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)])
+        llm.shutdown()
+    assert sum(got.token_ids == fp32.token_ids for got, fp32 in zip(*runs)) >= 3  # measured: 4 of 4 over 2 tokens,
+    # 3 of 4 over 12 (a random model's near ties), the first logprobs within 0.001
+    assert all(got.token_ids[:2] == fp32.token_ids[:2] for got, fp32 in zip(*runs))
+    first = [[o.logprobs[0][o.token_ids[0]].logprob for o in run] for run in runs]
+    torch.testing.assert_close(first[0], first[1], rtol=0, atol=0.01)
+    assert first[0] != first[1]  # bf16 K/V and weights: not the fp32 arithmetic
