@@ -96,9 +96,25 @@ def resolve_model_path(
     for ``None`` or the default model's id without a revision or download folder, the bundled default model."""
     if model is None or (model == DEFAULT_MODEL and revision is None and download_dir is None):
         return default_model_dir()
+    path = Path(model).expanduser()
+    if formats[1] == "gguf" or (what == "model" and path.suffix == ".gguf" and path.is_file()):
+        return _gguf_model_dir(model, revision, download_dir)
     from raypaged.model.hub import resolve_model_files
 
     return resolve_model_files(model, revision, download_dir, what, weights, token, formats)
+
+
+def _gguf_model_dir(model: str, revision: str | None, download_dir: str | None) -> Path:
+    """The converted folder of the GGUF file ``model`` (``model/gguf_checkpoint.py``)."""
+    path = Path(model).expanduser()
+    if not path.is_file() or path.suffix != ".gguf":
+        raise ValueError(f"--load-format gguf reads a local .gguf file, and model {model!r} is not one")
+    for flag, value in (("--revision", revision), ("--download-dir", download_dir)):
+        if value is not None:
+            raise ValueError(f"{flag} {value} applies to Hugging Face Hub ids, but model {model!r} is a GGUF file")
+    from raypaged.model.gguf_checkpoint import gguf_model_dir
+
+    return gguf_model_dir(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,8 +444,9 @@ class EngineConfig:
     load_format: str = _flag(
         "auto",
         "dummy: random weights of the model folder's shape (benchmarks; no checkpoint read); mistral: the folder's "
-        "consolidated*.safetensors in Mistral's names (auto reads them when the config is params.json)",
-        choices=("auto", "dummy", "mistral"),
+        "consolidated*.safetensors in Mistral's names (auto reads them when the config is params.json); gguf: the "
+        "model is a llama.cpp GGUF file, converted once (auto does the same for a path ending .gguf)",
+        choices=("auto", "dummy", "mistral", "gguf"),
     )
     # vLLM's --config-format: hf reads config.json, mistral params.json, auto config.json if the folder has one,
     # else params.json
@@ -659,8 +676,8 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}")
         if self.attention_backend not in ("auto", "torch", "cpu", "cuda"):
             raise ValueError(f"attention_backend must be auto, torch, cpu or cuda, got {self.attention_backend!r}")
-        if self.load_format not in ("auto", "dummy", "mistral"):
-            raise ValueError(f"load_format must be auto, dummy or mistral, got {self.load_format!r}")
+        if self.load_format not in ("auto", "dummy", "mistral", "gguf"):
+            raise ValueError(f"load_format must be auto, dummy, mistral or gguf, got {self.load_format!r}")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(
                 f"--tokenizer-mode {self.tokenizer_mode} is not supported: hf (the Hugging Face tokenizer), mistral "
@@ -974,6 +991,14 @@ class EngineConfig:
         """The tokenizer's folder: the model's unless ``tokenizer``/``tokenizer_revision`` name another
         (a folder or a Hub id, whose tokenizer files alone are fetched), as vLLM's ``--tokenizer``."""
         if self.tokenizer is None and self.tokenizer_revision is None:
+            from raypaged.model.gguf_checkpoint import TOKENIZER_ERROR
+
+            if (self.model_path / TOKENIZER_ERROR).is_file():
+                raise ValueError(
+                    f"transformers cannot read the tokenizer of GGUF file {self.model!r} "
+                    f"({(self.model_path / TOKENIZER_ERROR).read_text()}): name the original model's with --tokenizer "
+                    "(a folder or a Hub id)"
+                )
             return self.model_path
         name = self.model if self.tokenizer is None else self.tokenizer
         revision = self.revision if self.tokenizer_revision is None else self.tokenizer_revision

@@ -27,6 +27,11 @@ def _supported() -> str:
 def resolve_quantization(flag: str | None, checkpoint_config: dict[str, Any] | None) -> QuantizationConfig | None:
     """The scheme the model runs: the checkpoint's ``quantization_config``, which ``flag``
     (``--quantization``) may repeat but not contradict; without one, ``flag`` quantizes online."""
+    if flag == "gguf":  # vLLM's for a GGUF file, whose quantized weights its kernels run
+        raise ValueError(
+            "--quantization gguf is not supported: a GGUF file is served dequantized (drop --quantization; "
+            f"--quantization fp8 quantizes it again online; supported: {_supported()})"
+        )
     if flag is not None and flag not in QUANTIZATION_METHODS:
         raise ValueError(f"--quantization {flag} is not supported (supported: {_supported()})")
     if checkpoint_config is None:

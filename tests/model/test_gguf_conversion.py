@@ -1,42 +1,78 @@
-"""The default model's GGUF conversion: one pass over the file gives transformers' own GGUF loading's weights, bit
-for bit, and its config."""
+"""GGUF files (llama.cpp's format), served as vLLM serves them: one pass over the file gives transformers' own GGUF
+loading's weights, bit for bit, and its config, for each architecture (llama, qwen2 with q/k/v biases, qwen3 with q/k
+norms); the engine's greedy tokens then equal transformers' on the GGUF; the converted folder is cached by the file's
+identity; what the conversion could not carry is refused by name."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, quants
-from transformers import AutoModelForCausalLM, LlamaConfig
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from raypaged.model.default_model import read_llama_gguf
+from raypaged import LLM, SamplingParams
+from raypaged.config import EngineConfig
+from raypaged.model import gguf_checkpoint
+from raypaged.model.default_model import default_model_dir, shipped_gguf
+from raypaged.model.gguf_checkpoint import TOKENIZER_ERROR, read_gguf
+from raypaged.model.synthetic import write_synthetic_model
+from tests.conftest import hf_greedy
 
 SHAPE = dict(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256)
 Q4_1, Q8_0, F32 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
 
 
-def write_gguf(path: Path, tied: bool, architecture: str = "llama", extra: str | None = None) -> Path:
-    """A random llama.cpp-layout llama: Q4_1 and Q8_0 matrices, F32 norms (and an F32 head unless ``tied``; an F32
-    tensor named ``extra`` too, if given)."""
+def write_gguf(
+    path: Path,
+    tied: bool,
+    architecture: str = "llama",
+    extra: str | None = None,
+    metadata: dict[str, object] | None = None,
+    tokenizer: bool = False,
+) -> Path:
+    """A random llama.cpp-layout model of ``architecture``: Q4_1 and Q8_0 matrices, F32 norms (and an F32 head unless
+    ``tied``; an F32 tensor named ``extra`` too, if given); qwen2's q/k/v with F32 biases, qwen3's q/k norms (its
+    head_dim, key_length, 128 as transformers assumes, instead of 16). ``metadata``: more keys, after
+    ``<architecture>.``; ``tokenizer``: a byte-level BPE of 255 bytes and ``<|endoftext|>``, as llama.cpp writes
+    GPT-2-style tokenizers (else the file has none)."""
     rng = np.random.default_rng(0)
-    hidden, ffn, head_dim = SHAPE["hidden"], SHAPE["ffn"], SHAPE["hidden"] // SHAPE["heads"]
+    hidden, ffn = SHAPE["hidden"], SHAPE["ffn"]
+    head_dim = 128 if architecture == "qwen3" else hidden // SHAPE["heads"]  # transformers reads no key_length
+    q_rows, kv_rows = SHAPE["heads"] * head_dim, SHAPE["kv_heads"] * head_dim
     writer = GGUFWriter(str(path), architecture)
-    writer.add_name("tiny llama")
+    writer.add_name(f"tiny {architecture}")
     writer.add_block_count(SHAPE["layers"])
     writer.add_context_length(128)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(SHAPE["heads"])
     writer.add_head_count_kv(SHAPE["kv_heads"])
-    writer.add_rope_dimension_count(head_dim)
+    if architecture == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(SHAPE["vocab"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if tokenizer:
+        byte_tokens = bytes_to_unicode()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([byte_tokens[i] for i in range(SHAPE["vocab"] - 1)] + ["<|endoftext|>"])
+        writer.add_token_types([1] * (SHAPE["vocab"] - 1) + [3])  # the last a control token, as GPT-2's
+        writer.add_token_scores([0.0] * SHAPE["vocab"])
+        writer.add_token_merges([])
+    for key, value in (metadata or {}).items():
+        writer.add_key_value(f"{architecture}.{key}", value, GGUFValueType.get_type(value))
 
     def add(name: str, rows: int, cols: int, kind: GGMLQuantizationType) -> None:
         values = rng.standard_normal((rows, cols)).astype(np.float32) if cols else rng.random(rows, np.float32)
@@ -49,10 +85,16 @@ def write_gguf(path: Path, tied: bool, architecture: str = "llama", extra: str |
     for layer in range(SHAPE["layers"]):
         prefix = f"blk.{layer}"
         add(f"{prefix}.attn_norm.weight", hidden, 0, F32)
-        add(f"{prefix}.attn_q.weight", hidden, hidden, Q4_1)
-        add(f"{prefix}.attn_k.weight", SHAPE["kv_heads"] * head_dim, hidden, Q4_1)
-        add(f"{prefix}.attn_v.weight", SHAPE["kv_heads"] * head_dim, hidden, Q8_0)
-        add(f"{prefix}.attn_output.weight", hidden, hidden, Q4_1)
+        add(f"{prefix}.attn_q.weight", q_rows, hidden, Q4_1)
+        add(f"{prefix}.attn_k.weight", kv_rows, hidden, Q4_1)
+        add(f"{prefix}.attn_v.weight", kv_rows, hidden, Q8_0)
+        if architecture == "qwen2":
+            for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                add(f"{prefix}.attn_{part}.bias", rows, 0, F32)
+        if architecture == "qwen3":
+            add(f"{prefix}.attn_q_norm.weight", head_dim, 0, F32)
+            add(f"{prefix}.attn_k_norm.weight", head_dim, 0, F32)
+        add(f"{prefix}.attn_output.weight", hidden, q_rows, Q4_1)
         add(f"{prefix}.ffn_norm.weight", hidden, 0, F32)
         add(f"{prefix}.ffn_gate.weight", ffn, hidden, Q4_1)
         add(f"{prefix}.ffn_up.weight", ffn, hidden, Q4_1)
@@ -69,10 +111,15 @@ def write_gguf(path: Path, tied: bool, architecture: str = "llama", extra: str |
     return path
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "own-head"])
-def test_weights_and_config_equal_transformers_gguf_loading(tmp_path, tied):
-    path = write_gguf(tmp_path / "tiny.gguf", tied)
-    keywords, weights = read_llama_gguf(path)
+ARCHITECTURES = [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True)]
+IDS = ["llama-tied", "llama", "qwen2", "qwen3-tied"]
+
+
+@pytest.mark.parametrize(("architecture", "tied"), ARCHITECTURES, ids=IDS)
+def test_weights_and_config_equal_transformers_gguf_loading(tmp_path, architecture, tied):
+    path = write_gguf(tmp_path / "tiny.gguf", tied, architecture)
+    gguf_architecture, keywords, weights = read_gguf(path)
+    assert gguf_architecture == architecture
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     expected = reference.state_dict()
     if tied:
@@ -80,22 +127,135 @@ def test_weights_and_config_equal_transformers_gguf_loading(tmp_path, tied):
     assert sorted(weights) == sorted(expected)
     for name, tensor in expected.items():
         assert weights[name].dtype == torch.float32 and torch.equal(weights[name], tensor), name
-    assert "model.layers.1.self_attn.k_proj.weight" in weights  # q/k rows reordered, as transformers does
     expected_config = reference.config.to_dict()
     del expected_config["quantization_config"]  # how transformers loaded it, not the model
     expected_config.update(_name_or_path="", architectures=None)  # where it came from
-    assert LlamaConfig(**keywords, dtype="float32").to_dict() == expected_config
+    assert AutoConfig.for_model(architecture, **keywords, dtype="float32").to_dict() == expected_config
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A word-level tokenizer of the tiny models' 256 tokens (their GGUF files hold none, as a file may not)."""
+    return write_synthetic_model(tmp_path_factory.mktemp("tokenizer"), vocab_size=SHAPE["vocab"], hidden_size=64)
+
+
+@pytest.mark.parametrize(("architecture", "tied"), ARCHITECTURES, ids=IDS)
+def test_a_gguf_file_serves_transformers_greedy_tokens(tmp_path, monkeypatch, tokenizer_dir, architecture, tied):
+    """``LLM(model="x.gguf", tokenizer=...)`` as vLLM's: converted once into the cache, the engine's greedy tokens
+    those of transformers' model loaded from the same file."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", tied, architecture)
+    prompts = [[5, 9, 30, 31, 100], [7] * 9, list(range(40, 61))]
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    expected = [hf_greedy(reference, p, 8) for p in prompts]
+    llm = LLM(model=str(path), tokenizer=str(tokenizer_dir), num_gpu_blocks_override=32, block_size=4)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    (folder,) = (tmp_path / "cache" / "models" / "gguf").iterdir()
+    assert folder.name.startswith("tiny-") and (folder / TOKENIZER_ERROR).is_file()  # the file has no tokenizer
+
+
+def test_a_gguf_files_own_tokenizer_serves_text(tmp_path, monkeypatch):
+    """Where transformers reads the file's tokenizer, the folder has it: text in and out, no --tokenizer."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", tied=True, tokenizer=True)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    llm = LLM(model=str(path), num_gpu_blocks_override=32, block_size=4)
+    try:
+        (output,) = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert output.prompt_token_ids == list(b"hello world")
+    assert output.outputs[0].token_ids == hf_greedy(reference, list(b"hello world"), 6)
+    assert output.outputs[0].text == bytes(output.outputs[0].token_ids).decode("utf-8", errors="replace")
+
+
+def test_the_folder_is_converted_once_and_anew_for_a_changed_file(tmp_path, monkeypatch, tokenizer_dir):
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", tied=True)
+    conversions = []
+    convert = gguf_checkpoint.convert_gguf
+    monkeypatch.setattr(gguf_checkpoint, "convert_gguf", lambda *args: conversions.append(args[0]) or convert(*args))
+    configs = [EngineConfig(model=str(path), tokenizer=str(tokenizer_dir), device="cpu") for _ in range(2)]
+    assert configs[0].model_path == configs[1].model_path and conversions == [path.resolve()]
+    assert configs[0].hf_config.architectures == ["LlamaForCausalLM"] and configs[0].resolved_dtype == "float32"
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    changed = EngineConfig(model=str(path), load_format="gguf", tokenizer=str(tokenizer_dir), device="cpu")
+    assert changed.model_path != configs[0].model_path and len(conversions) == 2
+
+
+def test_the_shipped_gguf_is_the_default_models_folder():
+    config = EngineConfig(model=str(shipped_gguf()), device="cpu")
+    assert config.model_path == config.tokenizer_path == default_model_dir()
+
+
+def test_a_gguf_without_a_tokenizer_transformers_reads_asks_for_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", tied=True)
+    with pytest.raises(
+        ValueError,
+        match=rf"^transformers cannot read the tokenizer of GGUF file '{re.escape(str(path))}' \(.+\): name the "
+        r"original model's with --tokenizer \(a folder or a Hub id\)$",
+    ):
+        EngineConfig(model=str(path), device="cpu")
+
+
+def test_the_load_format_gguf_needs_a_gguf_file_and_takes_no_hub_options(tmp_path, tokenizer_dir):
+    with pytest.raises(ValueError, match=r"^--load-format gguf reads a local \.gguf file, and model '.+' is not one$"):
+        EngineConfig(model=str(tokenizer_dir), load_format="gguf", device="cpu")
+    path = write_gguf(tmp_path / "tiny.gguf", tied=True)
+    with pytest.raises(ValueError, match=r"^--revision v2 applies to Hugging Face Hub ids, but model '.+' is a GGUF"):
+        EngineConfig(model=str(path), revision="v2", tokenizer=str(tokenizer_dir), device="cpu")
+
+
+def test_quantization_gguf_is_refused_by_name(tmp_path, monkeypatch, tokenizer_dir):
+    """vLLM runs a GGUF file's quantized weights with ``--quantization gguf``; raypaged serves them dequantized."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", tied=True)
+    with pytest.raises(
+        ValueError, match=r"^--quantization gguf is not supported: a GGUF file is served dequantized \(drop --quan"
+    ):
+        EngineConfig(model=str(path), quantization="gguf", tokenizer=str(tokenizer_dir), device="cpu")
 
 
 def test_another_architecture_is_refused_by_name(tmp_path):
-    path = write_gguf(tmp_path / "tiny.gguf", tied=True, architecture="qwen2")
+    path = write_gguf(tmp_path / "tiny.gguf", tied=True, architecture="gemma")
     with pytest.raises(
-        ValueError, match=re.escape(f"{path}: GGUF architecture 'qwen2' is not supported here; llama is")
+        ValueError,
+        match=re.escape(f"{path}: GGUF architecture 'gemma' is not supported here; llama, qwen2, qwen3 are"),
     ):
-        read_llama_gguf(path)
+        read_gguf(path)
 
 
 def test_a_tensor_no_llama_has_is_refused_by_name(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf", tied=True, extra="blk.0.attn_gate.weight")
     with pytest.raises(ValueError, match=re.escape(f"{path}: tensor 'blk.0.attn_gate.weight' is not one of a llama's")):
-        read_llama_gguf(path)
+        read_gguf(path)
+
+
+def test_llama_3_rope_factors_are_refused_by_name(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", tied=True, extra="rope_freqs.weight")
+    with pytest.raises(ValueError, match=re.escape(f"{path}: tensor 'rope_freqs.weight' (rope scaling, as Llama 3.1")):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "what"),
+    [
+        ("rope.scaling.type", "yarn", "rope scaling"),
+        ("expert_count", 8, "experts"),
+        ("attention.sliding_window", 64, "a sliding window"),
+    ],
+)
+def test_metadata_the_folder_cannot_carry_is_refused_by_name(tmp_path, key, value, what):
+    path = write_gguf(tmp_path / "tiny.gguf", tied=True, architecture="qwen2", metadata={key: value})
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"{path}: qwen2.{key} = {value!r} ({what}) is not supported in GGUF files here: serve the"),
+    ):
+        read_gguf(path)

