@@ -20,7 +20,8 @@ def default_model_dir() -> Path:
     """The cached safetensors folder of the default model, converting it on first use."""
     from raypaged.model.gguf_checkpoint import converted_once
 
-    return converted_once(shipped_gguf(), envs.cache_dir() / "models" / "SmolLM2-135M-Instruct", DEFAULT_MODEL)
+    target = envs.cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    return converted_once(shipped_gguf(), target, DEFAULT_MODEL, "float32")
 
 
 def shipped_gguf() -> Path:

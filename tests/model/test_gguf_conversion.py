@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from raypaged import LLM, SamplingParams
+from raypaged.attention import cpu_ops
 from raypaged.config import EngineConfig
 from raypaged.model import gguf_checkpoint
 from raypaged.model.default_model import default_model_dir, shipped_gguf
@@ -154,7 +156,7 @@ def test_a_gguf_file_serves_transformers_greedy_tokens(tmp_path, monkeypatch, to
     prompts = [[5, 9, 30, 31, 100], [7] * 9, list(range(40, 61))]
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     expected = [hf_greedy(reference, p, 8) for p in prompts]
-    llm = LLM(model=str(path), tokenizer=str(tokenizer_dir), num_gpu_blocks_override=32, block_size=4)
+    llm = LLM(model=str(path), tokenizer=str(tokenizer_dir), dtype="float32", num_gpu_blocks_override=32, block_size=4)
     try:
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -170,7 +172,7 @@ def test_a_gguf_files_own_tokenizer_serves_text(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "tiny.gguf", tied=True, tokenizer=True)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
-    llm = LLM(model=str(path), num_gpu_blocks_override=32, block_size=4)
+    llm = LLM(model=str(path), dtype="float32", num_gpu_blocks_override=32, block_size=4)
     try:
         (output,) = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     finally:
@@ -178,6 +180,24 @@ def test_a_gguf_files_own_tokenizer_serves_text(tmp_path, monkeypatch):
     assert output.prompt_token_ids == list(b"hello world")
     assert output.outputs[0].token_ids == hf_greedy(reference, list(b"hello world"), 6)
     assert output.outputs[0].text == bytes(output.outputs[0].token_ids).decode("utf-8", errors="replace")
+
+
+def test_dtype_auto_serves_a_gguf_file_in_bf16(tmp_path, monkeypatch, tokenizer_dir):
+    """The folder's weights are fp32 (transformers' exactly) and its config's dtype bfloat16: ``--dtype auto`` runs
+    the bf16 model (on a CPU, its linears packed in bf16 over a bf16 cache: half fp32's memory)."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", tied=True)
+    llm = LLM(model=str(path), tokenizer=str(tokenizer_dir), num_gpu_blocks_override=32, block_size=4)
+    try:
+        worker = llm.llm_engine.executor.worker
+        assert llm.llm_engine.config.resolved_dtype == "bfloat16" and worker.cache_dtype == torch.bfloat16
+        assert worker.bf16_linears == (cpu_ops.unavailable_reason() is None)
+        (output,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(output.outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+    (folder,) = (tmp_path / "cache" / "models" / "gguf").iterdir()
+    assert {t.dtype for t in load_file(folder / "model.safetensors").values()} == {torch.float32}
 
 
 def test_the_folder_is_converted_once_and_anew_for_a_changed_file(tmp_path, monkeypatch, tokenizer_dir):
@@ -188,7 +208,7 @@ def test_the_folder_is_converted_once_and_anew_for_a_changed_file(tmp_path, monk
     monkeypatch.setattr(gguf_checkpoint, "convert_gguf", lambda *args: conversions.append(args[0]) or convert(*args))
     configs = [EngineConfig(model=str(path), tokenizer=str(tokenizer_dir), device="cpu") for _ in range(2)]
     assert configs[0].model_path == configs[1].model_path and conversions == [path.resolve()]
-    assert configs[0].hf_config.architectures == ["LlamaForCausalLM"] and configs[0].resolved_dtype == "float32"
+    assert configs[0].hf_config.architectures == ["LlamaForCausalLM"] and configs[0].resolved_dtype == "bfloat16"
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     changed = EngineConfig(model=str(path), load_format="gguf", tokenizer=str(tokenizer_dir), device="cpu")
@@ -284,7 +304,7 @@ def test_llama_3_rope_factors_become_its_rope_parameters_and_serve_its_tokens(tm
     scaled.load_state_dict(unscaled.state_dict())
     prompt = list(range(30, 90))
     expected = hf_greedy(scaled, prompt, 8)
-    llm = LLM(model=str(path), tokenizer=str(tokenizer_dir), num_gpu_blocks_override=64, block_size=4)
+    llm = LLM(model=str(path), tokenizer=str(tokenizer_dir), dtype="float32", num_gpu_blocks_override=64, block_size=4)
     try:
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
         (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
