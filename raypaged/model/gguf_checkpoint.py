@@ -19,10 +19,14 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raypaged import envs
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("raypaged")
 
@@ -76,14 +80,17 @@ _LAYER_TENSORS = {
 }
 # written into a converted folder whose GGUF tokenizer transformers could not read: why
 TOKENIZER_ERROR = "raypaged_tokenizer_error.txt"
+# the most bytes of weights a converted folder's safetensors file holds (a 7B model's fp32 weights: 14 files), so
+# that a conversion never holds more than one file's worth at once
+SHARD_BYTES = 2 << 30
 # part of every converted folder's cache key: a new one where the conversion changes
 _CONVERSION_VERSION = 2
 
 
-def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], dict]:
+def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
     """A GGUF file's architecture (a key of :data:`ARCHITECTURES`), transformers config keywords and float32
-    weights by transformers' names, read in one pass (q/k rows put back in the order transformers' rotary embedding
-    expects where llama.cpp interleaved them)."""
+    weights by transformers' names, each dequantized as the iterator reaches it (q/k rows put back in the order
+    transformers' rotary embedding expects where llama.cpp interleaved them). Every tensor's name is checked first."""
     import numpy as np
     import torch
     from gguf import GGUFReader, dequantize
@@ -127,11 +134,12 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], dict]:
     if model_type != "qwen2":  # Qwen2's q/k/v always have biases; Llama's and Qwen3's where the file has them
         config["attention_bias"] = "blk.0.attn_q.bias" in names
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    weights = {}
+    places: dict[str, str | None] = {}  # each tensor's name in the folder (None: rope_freqs, which becomes rope parameters)
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight" and architecture == "llama":  # Llama 3.1's and later's rope scaling
             factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
             config["rope_scaling"] = llama3_rope(factors, config, gguf_path)
+            places[tensor.name] = None
             continue
         stem, suffix = tensor.name.rsplit(".", 1)
         _, layer, part = stem.split(".", 2) if stem.startswith("blk.") else ("", "", "")
@@ -139,14 +147,21 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], dict]:
         module = _TENSORS.get(stem, module)
         if module is None or suffix not in ("weight", "bias"):
             raise ValueError(f"{gguf_path}: tensor {tensor.name!r} is not one of a {architecture}'s")
-        name = f"{module}.{suffix}"
-        values = dequantize(tensor.data, tensor.tensor_type)
-        if interleaved and part in ("attn_q", "attn_k"):
-            n = heads if part == "attn_q" else kv_heads
-            rows = values.shape[0]
-            values = values.reshape(n, rows // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
-        weights[name] = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 tensors are the file's pages
-    return architecture, config, weights
+        places[tensor.name] = f"{module}.{suffix}"
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for tensor in reader.tensors:
+            if (name := places[tensor.name]) is None:
+                continue
+            values = dequantize(tensor.data, tensor.tensor_type)
+            part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+            if interleaved and part in ("attn_q", "attn_k"):
+                n = heads if part == "attn_q" else kv_heads
+                rows = values.shape[0]
+                values = values.reshape(n, rows // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+            yield name, torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 tensors are the file's
+
+    return architecture, config, weights()
 
 
 def llama3_rope_factors(parameters: dict[str, Any], theta: float, head_dim: int) -> Any:
@@ -188,13 +203,21 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name_or_path: str, dtype: str) 
     """A GGUF file dequantized into ``out_dir`` (config, fp32 safetensors, generation config, and the file's tokenizer
     where transformers reads it; where it does not, :data:`TOKENIZER_ERROR` says why); ``dtype`` the config's, which
     ``--dtype auto`` serves."""
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     gguf_architecture, keywords, weights = read_gguf(gguf_path)
     model_type, architecture, _ = ARCHITECTURES[gguf_architecture]
     config = AutoConfig.for_model(model_type, **keywords, dtype=dtype)
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    shards: list[list[str]] = []  # each shard's tensor names, written as soon as it is full
+    shard: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        shard[name] = tensor
+        if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
+            shards.append(_write_shard(shard, out_dir, len(shards)))
+            shard = {}
+    if shard or not shards:
+        shards.append(_write_shard(shard, out_dir, len(shards)))
+    _name_shards(shards, out_dir)
     as_dict = config.to_dict()
     as_dict["architectures"] = [architecture]
     as_dict["_name_or_path"] = name_or_path
@@ -204,6 +227,29 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name_or_path: str, dtype: str) 
         AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
     except Exception as e:  # transformers reads only some GGUF tokenizers: --tokenizer names the original
         (out_dir / TOKENIZER_ERROR).write_text(f"{type(e).__name__}: {e}")
+
+
+def _write_shard(tensors: dict[str, torch.Tensor], out_dir: Path, index: int) -> list[str]:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(out_dir / f"shard-{index}.safetensors"), metadata={"format": "pt"})
+    return list(tensors)
+
+
+def _name_shards(shards: list[list[str]], out_dir: Path) -> None:
+    """The shards named as Hugging Face names them: ``model.safetensors`` alone, else ``model-0000i-of-0000n`` with
+    their index (``model.safetensors.index.json``)."""
+    if len(shards) == 1:
+        (out_dir / "shard-0.safetensors").rename(out_dir / "model.safetensors")
+        return
+    weight_map = {}
+    for index, names in enumerate(shards):
+        file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        (out_dir / f"shard-{index}.safetensors").rename(out_dir / file)
+        weight_map.update(dict.fromkeys(names, file))
+    size = sum((out_dir / file).stat().st_size for file in set(weight_map.values()))
+    index_file = {"metadata": {"total_size": size}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2))
 
 
 def converted_once(gguf_path: Path, target: Path, name_or_path: str, dtype: str) -> Path:

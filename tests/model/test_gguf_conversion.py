@@ -125,7 +125,8 @@ IDS = ["llama-tied", "llama", "qwen2", "qwen3-tied"]
 @pytest.mark.parametrize(("architecture", "tied"), ARCHITECTURES, ids=IDS)
 def test_weights_and_config_equal_transformers_gguf_loading(tmp_path, architecture, tied):
     path = write_gguf(tmp_path / "tiny.gguf", tied, architecture)
-    gguf_architecture, keywords, weights = read_gguf(path)
+    gguf_architecture, keywords, tensors = read_gguf(path)
+    weights = dict(tensors)
     assert gguf_architecture == architecture
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     expected = reference.state_dict()
@@ -179,6 +180,24 @@ def test_a_gguf_files_own_tokenizer_serves_text(tmp_path, monkeypatch):
     assert output.prompt_token_ids == list(b"hello world")
     assert output.outputs[0].token_ids == hf_greedy(reference, list(b"hello world"), 6)
     assert output.outputs[0].text == bytes(output.outputs[0].token_ids).decode("utf-8", errors="replace")
+
+
+def test_a_large_file_converts_into_shards_hugging_face_reads(tmp_path, monkeypatch, tokenizer_dir):
+    """A conversion holds at most one file's worth of weights (SHARD_BYTES, 2 GiB: a 7B model never wholly in
+    memory): shards named and indexed as Hugging Face's, which transformers loads as the GGUF's model."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_checkpoint, "SHARD_BYTES", 100_000)
+    path = write_gguf(tmp_path / "tiny.gguf", tied=False)
+    folder = EngineConfig(model=str(path), tokenizer=str(tokenizer_dir), device="cpu").model_path
+    files = sorted(file.name for file in folder.glob("*.safetensors"))
+    assert len(files) > 2 and files == [
+        f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)
+    ]
+    assert max((folder / file).stat().st_size for file in files) < 100_000 + 4 * SHAPE["vocab"] * SHAPE["hidden"] + 4096
+    converted = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
+    assert sorted(converted) == sorted(reference)
+    assert all(torch.equal(converted[name], tensor) for name, tensor in reference.items())
 
 
 def test_dtype_auto_serves_a_gguf_file_in_bf16(tmp_path, monkeypatch, tokenizer_dir):
