@@ -7,6 +7,7 @@ exactly 100 tokens greedily in fp32 with the same threads, as ``offline_throughp
 
     python benchmarks/moe_bench.py --quick
     python benchmarks/moe_bench.py --systems raypaged,hf-static --num-prompts 64
+    python benchmarks/moe_bench.py --quick --systems raypaged --dtype bfloat16 --name moe_bench_bf16
 """
 
 from __future__ import annotations
@@ -67,12 +68,20 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_w6_args(parser, 128, 8)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="raypaged's dtype (bfloat16: raypaged alone; with --attention-backend torch, torch's own bf16 path)",
+    )
     parser.add_argument("--name", default="moe_bench", help="results file stem under benchmarks/results/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     w6_counts(args, 128, 8)
     args.tensor_parallel_size, args.pipeline_parallel_size, args.device = [1], [1], "cpu"
     check_args(parser, args, SYSTEMS)
+    if args.dtype != "float32" and args.systems != ["raypaged"]:
+        parser.error("--dtype bfloat16 runs raypaged alone (--systems raypaged): the peers run fp32")
     return args
 
 
@@ -85,7 +94,8 @@ def main() -> None:
     results = run_systems(model_dir, prompts, args)
     raypaged = next((r for r in results if r.system == "raypaged"), None)
     report = {
-        "workload": {"prompts": len(prompts), "model": "random Qwen3-MoE", "shape": SHAPE},
+        "workload": {"prompts": len(prompts), "model": "random Qwen3-MoE", "shape": SHAPE, "dtype": args.dtype},
+        "attention_backend": args.attention_backend,
         "parameters": count_parameters(model_dir),
         "name": args.name,
         "load_average": {"start": args.load_at_start, "end": load_average()},

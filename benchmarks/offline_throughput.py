@@ -168,7 +168,7 @@ def bench_raypaged(
     # no prefix caching: a repeat would find the previous run's prompts cached and skip their prefill
     llm = LLM(
         model=str(model_dir),
-        dtype="float32",
+        dtype=getattr(args, "dtype", "float32"),  # moe_bench's --dtype; the others run fp32
         device=args.device,
         kv_cache_space=args.kv_cache_gib / (tp * pp),  # per shard: the same total, each stage its layers'
         tensor_parallel_size=tp,
