@@ -26,7 +26,9 @@ the shipped GGUF (Q4_1) dequantized; llama-server serves that GGUF itself, so al
 compute with the same weight values, llama.cpp from 4-bit storage with 8-bit activations.
 `raypaged-w8a8` serves the same folder quantized by the reference quantizer (W8A8 int8,
 SmoothQuant 0.6: raypaged's fast CPU path), written once under the cache directory; `raypaged-bf16` serves
-the same folder with `--dtype bfloat16` (its linears' weights and the KV cache in bf16: README, "bf16 models on CPU").
+the same folder with `--dtype bfloat16` (its linears' weights and the KV cache in bf16: README, "bf16 models on CPU");
+`raypaged-gguf` serves the GGUF file llama-server serves, as a user would (`raypaged serve FILE.gguf`: converted once
+into a folder whose dtype is bf16, README "GGUF files"), so it runs what `raypaged-bf16` runs.
 llama-server is a benchmark-only peer: build it with `benchmarks/build_llama_server.sh`
 (or pass `--llama-server PATH`); it gets one slot per client of the largest level
 (`--parallel`), each slot the context a W1 request needs.
@@ -79,12 +81,13 @@ SYSTEMS = {
     "raypaged": "`raypaged serve`",
     "raypaged-w8a8": "`raypaged serve` W8A8 int8",
     "raypaged-bf16": "`raypaged serve --dtype bfloat16`",
+    "raypaged-gguf": "`raypaged serve` of the shipped GGUF (Q4_1) file",
     "raypaged-dp2": "`raypaged serve -dp 2` (two engine processes, half the threads each)",
     "transformers": "`transformers serve --continuous-batching`",
     "llama.cpp": "`llama-server` (shipped GGUF, Q4_1)",
 }
 PEERS = ("transformers", "llama.cpp")
-OURS = ("raypaged", "raypaged-w8a8", "raypaged-bf16", "raypaged-dp2")
+OURS = ("raypaged", "raypaged-w8a8", "raypaged-bf16", "raypaged-gguf", "raypaged-dp2")
 LLAMA_SLOT_CONTEXT = 512  # tokens per llama-server slot: a 200-token prompt, 100 generated, and room
 VENV_BIN = Path(sys.executable).parent
 STARTUP_TIMEOUT_S = 300
@@ -226,7 +229,8 @@ def w8a8_model(model_dir: Path) -> Path:
 
 def server_command(system: str, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
     if system in OURS:
-        model = [str(w8a8_model(model_dir))] if system == "raypaged-w8a8" else []
+        model = {"raypaged-w8a8": [str(w8a8_model(model_dir))], "raypaged-gguf": [str(shipped_gguf())]}.get(system, [])
+        dtype = {"raypaged-bf16": "bfloat16", "raypaged-gguf": "auto"}.get(system, "float32")
         return [
             str(VENV_BIN / "raypaged"),
             "serve",
@@ -236,7 +240,7 @@ def server_command(system: str, model_dir: Path, port: int, args: argparse.Names
             "--grpc-port",
             str(free_port()),
             "--dtype",
-            "bfloat16" if system == "raypaged-bf16" else "float32",
+            dtype,
             "--kv-cache-space",
             str(args.kv_cache_gib),
             "--disable-log-requests",
@@ -645,6 +649,7 @@ def plot(runs: list[SystemRun], info: dict, path: Path) -> None:
         "raypaged": "tab:green",
         "raypaged-w8a8": "tab:olive",
         "raypaged-bf16": "tab:purple",
+        "raypaged-gguf": "tab:pink",
         "raypaged-dp2": "tab:cyan",
         "transformers": "tab:gray",
         "llama.cpp": "tab:orange",
