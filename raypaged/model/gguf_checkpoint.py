@@ -130,11 +130,15 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
     if "general.name" in fields:
         config["_model_name_or_path"] = fields["general.name"]
     names = {tensor.name for tensor in reader.tensors}
+    if "vocab_size" not in config:  # llama.cpp often leaves it out: the embedding's rows (its shape is ggml's order)
+        (embedding,) = (tensor for tensor in reader.tensors if tensor.name == "token_embd.weight")
+        config["vocab_size"] = int(embedding.shape[-1])
     config["tie_word_embeddings"] = "output.weight" not in names
     if model_type != "qwen2":  # Qwen2's q/k/v always have biases; Llama's and Qwen3's where the file has them
         config["attention_bias"] = "blk.0.attn_q.bias" in names
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    places: dict[str, str | None] = {}  # each tensor's name in the folder (None: rope_freqs, which becomes rope parameters)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)  # absent: as many as the query heads
+    places: dict[str, str | None] = {}  # each tensor's folder name (None: rope_freqs, made rope parameters)
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight" and architecture == "llama":  # Llama 3.1's and later's rope scaling
             factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)

@@ -37,6 +37,7 @@ def write_gguf(
     extra: str | None = None,
     metadata: dict[str, object] | None = None,
     tokenizer: bool = False,
+    vocab_size: bool = True,
     rope_theta: float = 10000.0,
     rope_factors: np.ndarray | None = None,
 ) -> Path:
@@ -45,7 +46,7 @@ def write_gguf(
     head_dim, key_length, 128 as transformers assumes, instead of 16). ``metadata``: more keys, after
     ``<architecture>.``; ``tokenizer``: a byte-level BPE of 255 bytes and ``<|endoftext|>``, as llama.cpp writes
     GPT-2-style tokenizers (else the file has none); ``rope_factors``: a ``rope_freqs`` tensor of them, as llama.cpp
-    writes Llama 3's rope scaling."""
+    writes Llama 3's rope scaling; ``vocab_size`` False: no vocab_size key, as llama.cpp often writes none."""
     rng = np.random.default_rng(0)
     hidden, ffn = SHAPE["hidden"], SHAPE["ffn"]
     head_dim = 128 if architecture == "qwen3" else hidden // SHAPE["heads"]  # transformers reads no key_length
@@ -65,7 +66,8 @@ def write_gguf(
         writer.add_value_length(head_dim)
     writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(SHAPE["vocab"])
+    if vocab_size:
+        writer.add_vocab_size(SHAPE["vocab"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     if tokenizer:
@@ -260,6 +262,11 @@ def test_quantization_gguf_is_refused_by_name(tmp_path, monkeypatch, tokenizer_d
         ValueError, match=r"^--quantization gguf is not supported: a GGUF file is served dequantized \(drop --quan"
     ):
         EngineConfig(model=str(path), quantization="gguf", tokenizer=str(tokenizer_dir), device="cpu")
+
+
+def test_without_a_vocab_size_the_embeddings_rows_are_the_vocabulary(tmp_path):
+    _, keywords, _ = read_gguf(write_gguf(tmp_path / "tiny.gguf", tied=True, vocab_size=False))
+    assert keywords["vocab_size"] == SHAPE["vocab"]
 
 
 def test_another_architecture_is_refused_by_name(tmp_path):
