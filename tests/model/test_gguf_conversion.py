@@ -26,6 +26,9 @@ from raypaged.model.gguf_checkpoint import TOKENIZER_ERROR, read_gguf
 from raypaged.model.synthetic import write_synthetic_model
 from tests.conftest import hf_greedy
 
+# the mixtures of experts: experts, each one's width and the shared expert's (transformers reads neither width from a
+# GGUF file: its config's defaults, which the files here match)
+EXPERTS = {"qwen2moe": (4, 1408, 5632), "qwen3moe": (4, 768, 0)}
 SHAPE = dict(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256)
 Q4_1, Q8_0, F32 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
 
@@ -52,7 +55,7 @@ def write_gguf(
     head_dim = 128 if architecture == "qwen3" else hidden // SHAPE["heads"]  # transformers reads no key_length
     q_rows, kv_rows = SHAPE["heads"] * head_dim, SHAPE["kv_heads"] * head_dim
     writer = GGUFWriter(str(path), architecture)
-    writer.add_name(f"tiny {architecture}")
+    writer.add_name("tiny model")
     writer.add_block_count(SHAPE["layers"])
     writer.add_context_length(128)
     writer.add_embedding_length(hidden)
@@ -66,6 +69,13 @@ def write_gguf(
         writer.add_value_length(head_dim)
     writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
+    if architecture in EXPERTS:
+        experts, expert_ffn, shared_ffn = EXPERTS[architecture]
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(2)
+        writer.add_expert_feed_forward_length(expert_ffn)
+        if shared_ffn:
+            writer.add_expert_shared_feed_forward_length(shared_ffn)
     if vocab_size:
         writer.add_vocab_size(SHAPE["vocab"])
     writer.add_bos_token_id(1)
@@ -95,17 +105,33 @@ def write_gguf(
         add(f"{prefix}.attn_q.weight", q_rows, hidden, Q4_1)
         add(f"{prefix}.attn_k.weight", kv_rows, hidden, Q4_1)
         add(f"{prefix}.attn_v.weight", kv_rows, hidden, Q8_0)
-        if architecture == "qwen2":
+        if architecture in ("qwen2", "qwen2moe"):
             for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
                 add(f"{prefix}.attn_{part}.bias", rows, 0, F32)
-        if architecture == "qwen3":
+        if architecture in ("qwen3", "qwen3moe"):
             add(f"{prefix}.attn_q_norm.weight", head_dim, 0, F32)
             add(f"{prefix}.attn_k_norm.weight", head_dim, 0, F32)
         add(f"{prefix}.attn_output.weight", hidden, q_rows, Q4_1)
         add(f"{prefix}.ffn_norm.weight", hidden, 0, F32)
-        add(f"{prefix}.ffn_gate.weight", ffn, hidden, Q4_1)
-        add(f"{prefix}.ffn_up.weight", ffn, hidden, Q4_1)
-        add(f"{prefix}.ffn_down.weight", hidden, ffn, Q8_0)
+        if architecture not in EXPERTS:
+            add(f"{prefix}.ffn_gate.weight", ffn, hidden, Q4_1)
+            add(f"{prefix}.ffn_up.weight", ffn, hidden, Q4_1)
+            add(f"{prefix}.ffn_down.weight", hidden, ffn, Q8_0)
+            continue
+        experts, expert_ffn, shared_ffn = EXPERTS[architecture]
+        add(f"{prefix}.ffn_gate_inp.weight", experts, hidden, F32)
+        for part, shape in (
+            ("gate", (expert_ffn, hidden)),
+            ("up", (expert_ffn, hidden)),
+            ("down", (hidden, expert_ffn)),
+        ):
+            values = rng.standard_normal((experts, *shape)).astype(np.float32)
+            writer.add_tensor(f"{prefix}.ffn_{part}_exps.weight", quants.quantize(values, Q8_0), raw_dtype=Q8_0)
+        if shared_ffn:
+            add(f"{prefix}.ffn_gate_inp_shexp.weight", hidden, 0, F32)
+            add(f"{prefix}.ffn_gate_shexp.weight", shared_ffn, hidden, Q8_0)
+            add(f"{prefix}.ffn_up_shexp.weight", shared_ffn, hidden, Q8_0)
+            add(f"{prefix}.ffn_down_shexp.weight", hidden, shared_ffn, Q8_0)
     add("output_norm.weight", hidden, 0, F32)
     if not tied:
         add("output.weight", SHAPE["vocab"], hidden, F32)
@@ -120,8 +146,32 @@ def write_gguf(
     return path
 
 
-ARCHITECTURES = [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True)]
-IDS = ["llama-tied", "llama", "qwen2", "qwen3-tied"]
+ARCHITECTURES = [
+    ("llama", True),
+    ("llama", False),
+    ("qwen2", False),
+    ("qwen3", True),
+    ("qwen2moe", False),
+    ("qwen3moe", True),
+]
+IDS = ["llama-tied", "llama", "qwen2", "qwen3-tied", "qwen2moe", "qwen3moe-tied"]
+
+
+def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' stacked experts (``experts.gate_up_proj`` [experts, 2 x width, hidden], gate first, and
+    ``experts.down_proj``) as each expert's tensors, by the names checkpoints give them."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            stem = name.removesuffix("gate_up_proj")
+            for expert, (gate, up) in enumerate(rows.chunk(2, dim=0) for rows in tensor):
+                out[f"{stem}{expert}.gate_proj.weight"], out[f"{stem}{expert}.up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):
+            stem = name.removesuffix("down_proj")
+            out.update({f"{stem}{expert}.down_proj.weight": rows for expert, rows in enumerate(tensor)})
+        else:
+            out[name] = tensor
+    return out
 
 
 @pytest.mark.parametrize(("architecture", "tied"), ARCHITECTURES, ids=IDS)
@@ -131,7 +181,7 @@ def test_weights_and_config_equal_transformers_gguf_loading(tmp_path, architectu
     weights = dict(tensors)
     assert gguf_architecture == architecture
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
-    expected = reference.state_dict()
+    expected = per_expert(reference.state_dict())
     if tied:
         expected.pop("lm_head.weight")
     assert sorted(weights) == sorted(expected)
@@ -140,7 +190,8 @@ def test_weights_and_config_equal_transformers_gguf_loading(tmp_path, architectu
     expected_config = reference.config.to_dict()
     del expected_config["quantization_config"]  # how transformers loaded it, not the model
     expected_config.update(_name_or_path="", architectures=None)  # where it came from
-    assert AutoConfig.for_model(architecture, **keywords, dtype="float32").to_dict() == expected_config
+    model_type = gguf_checkpoint.ARCHITECTURES[architecture][0]
+    assert AutoConfig.for_model(model_type, **keywords, dtype="float32").to_dict() == expected_config
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +324,9 @@ def test_another_architecture_is_refused_by_name(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf", tied=True, architecture="gemma")
     with pytest.raises(
         ValueError,
-        match=re.escape(f"{path}: GGUF architecture 'gemma' is not supported here; llama, qwen2, qwen3 are"),
+        match=re.escape(
+            f"{path}: GGUF architecture 'gemma' is not supported here; llama, qwen2, qwen3, qwen2moe, qwen3moe are"
+        ),
     ):
         read_gguf(path)
 
