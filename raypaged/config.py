@@ -107,8 +107,12 @@ def resolve_model_path(
 def _gguf_model_dir(model: str, revision: str | None, download_dir: str | None) -> Path:
     """The converted folder of the GGUF file ``model`` (``model/gguf_checkpoint.py``)."""
     path = Path(model).expanduser()
-    if not path.is_file() or path.suffix != ".gguf":
-        raise ValueError(f"--load-format gguf reads a local .gguf file, and model {model!r} is not one")
+    magic = b""
+    if path.is_file():
+        with path.open("rb") as file:
+            magic = file.read(4)
+    if magic != b"GGUF":  # every GGUF file's first bytes
+        raise ValueError(f"--load-format gguf reads a local GGUF file, and model {model!r} is not one")
     for flag, value in (("--revision", revision), ("--download-dir", download_dir)):
         if value is not None:
             raise ValueError(f"{flag} {value} applies to Hugging Face Hub ids, but model {model!r} is a GGUF file")

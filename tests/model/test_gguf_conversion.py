@@ -298,11 +298,22 @@ def test_a_gguf_without_a_tokenizer_transformers_reads_asks_for_one(tmp_path, mo
 
 
 def test_the_load_format_gguf_needs_a_gguf_file_and_takes_no_hub_options(tmp_path, tokenizer_dir):
-    with pytest.raises(ValueError, match=r"^--load-format gguf reads a local \.gguf file, and model '.+' is not one$"):
-        EngineConfig(model=str(tokenizer_dir), load_format="gguf", device="cpu")
+    for not_gguf in (tokenizer_dir, tokenizer_dir / "config.json"):
+        with pytest.raises(
+            ValueError, match=r"^--load-format gguf reads a local GGUF file, and model '.+' is not one$"
+        ):
+            EngineConfig(model=str(not_gguf), load_format="gguf", device="cpu")
     path = write_gguf(tmp_path / "tiny.gguf", tied=True)
     with pytest.raises(ValueError, match=r"^--revision v2 applies to Hugging Face Hub ids, but model '.+' is a GGUF"):
         EngineConfig(model=str(path), revision="v2", tokenizer=str(tokenizer_dir), device="cpu")
+
+
+def test_load_format_gguf_reads_a_gguf_file_of_any_name(tmp_path, monkeypatch, tokenizer_dir):
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", tied=True).rename(tmp_path / "weights.bin")
+    config = EngineConfig(model=str(path), load_format="gguf", tokenizer=str(tokenizer_dir), device="cpu")
+    assert config.model_path.parent == tmp_path / "cache" / "models" / "gguf"
+    assert config.model_path.name.startswith("weights-") and config.hf_config.num_hidden_layers == SHAPE["layers"]
 
 
 def test_quantization_gguf_is_refused_by_name(tmp_path, monkeypatch, tokenizer_dir):
