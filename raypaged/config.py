@@ -96,29 +96,21 @@ def resolve_model_path(
     for ``None`` or the default model's id without a revision or download folder, the bundled default model."""
     if model is None or (model == DEFAULT_MODEL and revision is None and download_dir is None):
         return default_model_dir()
+    from raypaged.model.hub import refuse_hub_options, resolve_model_files
+
     path = Path(model).expanduser()
     if formats[1] == "gguf" or (what == "model" and path.suffix == ".gguf" and path.is_file()):
-        return _gguf_model_dir(model, revision, download_dir)
-    from raypaged.model.hub import resolve_model_files
+        magic = b""
+        if path.is_file():
+            with path.open("rb") as file:
+                magic = file.read(4)
+        if magic != b"GGUF":  # every GGUF file's first bytes
+            raise ValueError(f"--load-format gguf reads a local GGUF file, and model {model!r} is not one")
+        refuse_hub_options(model, revision, download_dir, kind="a GGUF file")
+        from raypaged.model.gguf_checkpoint import gguf_model_dir
 
+        return gguf_model_dir(path)
     return resolve_model_files(model, revision, download_dir, what, weights, token, formats)
-
-
-def _gguf_model_dir(model: str, revision: str | None, download_dir: str | None) -> Path:
-    """The converted folder of the GGUF file ``model`` (``model/gguf_checkpoint.py``)."""
-    path = Path(model).expanduser()
-    magic = b""
-    if path.is_file():
-        with path.open("rb") as file:
-            magic = file.read(4)
-    if magic != b"GGUF":  # every GGUF file's first bytes
-        raise ValueError(f"--load-format gguf reads a local GGUF file, and model {model!r} is not one")
-    for flag, value in (("--revision", revision), ("--download-dir", download_dir)):
-        if value is not None:
-            raise ValueError(f"{flag} {value} applies to Hugging Face Hub ids, but model {model!r} is a GGUF file")
-    from raypaged.model.gguf_checkpoint import gguf_model_dir
-
-    return gguf_model_dir(path)
 
 
 @dataclass(frozen=True, slots=True)

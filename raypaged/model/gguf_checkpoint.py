@@ -168,7 +168,8 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
         config["attention_bias"] = "blk.0.attn_q.bias" in names
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)  # absent: as many as the query heads
-    places: dict[str, str | None] = {}  # each tensor's folder name (None: rope_freqs, made rope parameters)
+    # each tensor's folder name and its part of a layer ("" outside the layers; None: rope_freqs, made rope parameters)
+    places: dict[str, tuple[str, str] | None] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight" and architecture == "llama":  # Llama 3.1's and later's rope scaling
             factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
@@ -183,19 +184,19 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
         module = _TENSORS.get(stem, module)
         if module is None or suffix not in ("weight", "bias"):
             raise ValueError(f"{gguf_path}: tensor {tensor.name!r} is not one of a {architecture}'s")
-        places[tensor.name] = f"{module}.{suffix}"
+        places[tensor.name] = f"{module}.{suffix}", part
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for tensor in reader.tensors:
-            if (name := places[tensor.name]) is None:
+            if (place := places[tensor.name]) is None:
                 continue
+            name, part = place
             values = dequantize(tensor.data, tensor.tensor_type)
-            part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
             if interleaved and part in ("attn_q", "attn_k"):
                 n = heads if part == "attn_q" else kv_heads
                 rows = values.shape[0]
                 values = values.reshape(n, rows // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
-            if part in _EXPERT_TENSORS and architecture in _EXPERTS:  # [experts, out, in]: each expert's
+            if part in _EXPERT_TENSORS:  # [experts, out, in] (only mixtures of experts have them): each expert's
                 for expert, rows in enumerate(values):
                     yield name.format(expert), torch.from_numpy(np.array(rows, dtype=np.float32))
                 continue
@@ -252,11 +253,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name_or_path: str, dtype: str) 
     config = AutoConfig.for_model(model_type, **keywords, dtype=dtype)
     shards: list[list[str]] = []  # each shard's tensor names, written as soon as it is full
     shard: dict[str, torch.Tensor] = {}
+    shard_bytes = 0
     for name, tensor in weights:
         shard[name] = tensor
-        if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
+        shard_bytes += tensor.nbytes
+        if shard_bytes >= SHARD_BYTES:
             shards.append(_write_shard(shard, out_dir, len(shards)))
-            shard = {}
+            shard, shard_bytes = {}, 0
     if shard or not shards:
         shards.append(_write_shard(shard, out_dir, len(shards)))
     _name_shards(shards, out_dir)

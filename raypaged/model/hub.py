@@ -42,6 +42,19 @@ MODEL_FILES = (
 )
 
 
+def refuse_hub_options(
+    name: str, revision: str | None, download_dir: str | None, what: str = "model", kind: str = "a local folder"
+) -> None:
+    """A ``ValueError`` naming the flag where ``--revision`` (``--tokenizer-revision``) or ``--download-dir``, which
+    apply to Hub ids, is given for ``name``, which is ``kind`` on disk."""
+    for flag, value in (
+        (f"--{what}-revision" if what != "model" else "--revision", revision),
+        ("--download-dir", download_dir),
+    ):
+        if value is not None:
+            raise ValueError(f"{flag} {value} applies to Hugging Face Hub ids, but {what} {name!r} is {kind}")
+
+
 def resolve_model_files(
     name: str,
     revision: str | None,
@@ -75,14 +88,7 @@ def resolve_model_files(
             raise ValueError(
                 f"{what} {name!r} is not a model folder (no config.json, nor Mistral's params.json, there)"
             )
-        for flag, value in (
-            (f"--{what}-revision" if what != "model" else "--revision", revision),
-            ("--download-dir", download_dir),
-        ):
-            if value is not None:
-                raise ValueError(
-                    f"{flag} {value} applies to Hugging Face Hub ids, but {what} {name!r} is a local folder"
-                )
+        refuse_hub_options(name, revision, download_dir, what, "a local folder")
         return path
     if not weights:
         return _snapshot(name, revision, download_dir, what, ("config.json", *TOKENIZER_FILES), token)
