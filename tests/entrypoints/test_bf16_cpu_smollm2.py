@@ -23,15 +23,17 @@ pytestmark = pytest.mark.skipif(cpu_ops.unavailable_reason() is not None, reason
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 
 
-def write_bf16_checkpoint(smollm2_dir: Path, path: Path) -> Path:
-    """SmolLM2-135M-Instruct as the Hub has it: bf16 tensors, config dtype bfloat16 (also benchmarks/quant_bench.py's
-    bf16 model)"""
+def write_bf16_checkpoint(model_dir: Path, path: Path) -> Path:
+    """The model folder ``model_dir`` as a bf16 checkpoint at ``path``, as the Hub has most (SmolLM2-135M-Instruct's
+    too): its safetensors tensors in bf16, its config's dtype bfloat16, its other files as they are (also
+    benchmarks/quant_bench.py's bf16 model and tests/model/test_moe_vs_hf.py's bf16 mixtures of experts)"""
     path.mkdir(parents=True, exist_ok=True)
-    tensors = load_file(smollm2_dir / "model.safetensors")
-    save_file({name: tensor.to(torch.bfloat16) for name, tensor in tensors.items()}, path / "model.safetensors")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(smollm2_dir / name, path / name)
-    config = json.loads((smollm2_dir / "config.json").read_text())
+    for file in model_dir.iterdir():
+        if file.suffix == ".safetensors":
+            save_file({name: tensor.to(torch.bfloat16) for name, tensor in load_file(file).items()}, path / file.name)
+        elif file.is_file() and file.name != "config.json":
+            shutil.copy(file, path / file.name)
+    config = json.loads((model_dir / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))  # last: the folder is whole
     return path
 

@@ -7,13 +7,12 @@ refused by name."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from raypaged import LLM, SamplingParams
@@ -27,6 +26,7 @@ from raypaged.model.parallel import TensorParallel
 from raypaged.quantization import quantizer
 from raypaged.quantization.linear import QuantLinear
 from tests.conftest import hf_greedy, use_kernels_without_avx512
+from tests.entrypoints.test_bf16_cpu_smollm2 import write_bf16_checkpoint
 from tests.model.conftest import (
     LOGPROB_PROMPTS,
     LOGPROB_TOKENS,
@@ -490,17 +490,6 @@ def test_glm4_moe_router_stays_fp32_and_its_mtp_layer_is_skipped(model_dirs, mon
         )
 
 
-def bf16_copy(path: Path, out: Path) -> Path:
-    """The model at ``path`` as a bf16 checkpoint at ``out``: its tensors rounded to bf16, its config's dtype
-    bfloat16."""
-    shutil.copytree(path, out)
-    for file in out.glob("*.safetensors"):
-        save_file({name: tensor.to(torch.bfloat16) for name, tensor in load_file(file).items()}, file)
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
-    return out
-
-
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_a_bf16_moe_on_cpu_runs_each_expert_from_bf16_packed_weights_with_the_fp32_blocks_bits(
     model, model_dirs, tmp_path, monkeypatch
@@ -510,7 +499,7 @@ def test_a_bf16_moe_on_cpu_runs_each_expert_from_bf16_packed_weights_with_the_fp
     the bf16 panels are widened to fp32, each sparse block gives the fp32 block's bits on the same weights; routers
     (GLM-4.5's fp32 one too) and shared-expert gates are fp32."""
     use_kernels_without_avx512(monkeypatch)
-    path, cpu = bf16_copy(model_dirs[model], tmp_path / model), torch.device("cpu")
+    path, cpu = write_bf16_checkpoint(model_dirs[model], tmp_path / model), torch.device("cpu")
     config = AutoConfig.from_pretrained(path)
     got = load_model(path, config, 64, torch.float32, cpu, bf16_linears=True)
     want = load_model(path, config, 64, torch.float32, cpu)
@@ -529,7 +518,7 @@ def test_a_bf16_moe_checkpoint_serves_from_bf16_weights_and_follows_the_fp32_eng
     """``--dtype auto`` on a bf16 Qwen2-MoE checkpoint (a shared expert, a dense layer): every float linear, each
     expert's included, packed in bf16 over a bf16 KV cache; natively (with AVX512-BF16 where the CPU has it, the
     linears' inputs rounded to bf16) its greedy tokens follow the fp32 engine's on the same weights."""
-    path = bf16_copy(model_dirs["qwen2_moe"], tmp_path / "qwen2_moe")
+    path = write_bf16_checkpoint(model_dirs["qwen2_moe"], tmp_path / "qwen2_moe")
     params = SamplingParams(temperature=0, max_tokens=LOGPROB_TOKENS, ignore_eos=True, logprobs=0)
     requests = [{"prompt_token_ids": p} for p in LOGPROB_PROMPTS]
     runs = []
