@@ -525,6 +525,13 @@ class EngineConfig:
     allowed_media_domains: list[str] | None = _flag(
         None, "requests' http(s) image URLs only to these host names (default: any)", nargs="+", metavar="HOST"
     )
+    # vLLM's --hf-config-path: the config of another folder or Hub id (the original model's, for a GGUF file)
+    hf_config_path: str | None = _flag(
+        None,
+        "folder or Hugging Face Hub id whose config (config.json, or params.json with --config-format mistral) is "
+        "read in place of the model's: the original model's, for a GGUF file (default: the model's own)",
+        metavar="PATH",
+    )
     hf_overrides: dict[str, Any] | None = _flag(
         None,
         "JSON object read as if it were in the model's config.json, e.g. '{\"max_position_embeddings\": 4096}' "
@@ -741,14 +748,15 @@ class EngineConfig:
         from raypaged.model.architecture import image_model_config, language_model_config
         from raypaged.model.mistral_format import mistral_config, reads_mistral_config
 
-        if reads_mistral_config(self.model_path, self.config_format):  # params.json (vLLM's --config-format mistral)
-            whole = mistral_config(self.model_path)
+        config_dir = self._resolve_hf_config_dir()
+        if reads_mistral_config(config_dir, self.config_format):  # params.json (vLLM's --config-format mistral)
+            whole = mistral_config(config_dir)
             if self.hf_overrides:
-                whole = overridden_hf_config(self.model_path, self.hf_overrides, whole.to_dict())
+                whole = overridden_hf_config(config_dir, self.hf_overrides, whole.to_dict())
         elif self.hf_overrides:
-            whole = overridden_hf_config(self.model_path, self.hf_overrides)
+            whole = overridden_hf_config(config_dir, self.hf_overrides)
         else:
-            whole = AutoConfig.from_pretrained(self.model_path)
+            whole = AutoConfig.from_pretrained(config_dir)
         self.image_hf_config = image_model_config(whole)
         self.hf_config = language_model_config(whole)
         if self.image_hf_config is not None:
@@ -982,6 +990,23 @@ class EngineConfig:
         config = self.reasoning_config
         assert config is None or isinstance(config, ReasoningConfig), "__post_init__ parses reasoning_config"
         return (config or ReasoningConfig()).delimiters(self.parsed_structured_outputs_config.reasoning_parser)
+
+    def _resolve_hf_config_dir(self) -> Path:
+        """The folder whose config is the model's: ``hf_config_path``'s (a folder, or a Hub id's snapshot of its
+        config and tokenizer files at ``revision``), else the model's own."""
+        if self.hf_config_path is None:
+            return self.model_path
+        local = Path(self.hf_config_path).expanduser().exists()
+        path = resolve_model_path(
+            self.hf_config_path,
+            None if local else self.revision,
+            None if local else self.download_dir,
+            what="--hf-config-path",
+            weights=False,
+            token=self.hf_token,
+        )
+        logger.info("config of %s: %s's", self.model, self.hf_config_path)
+        return path
 
     def _resolve_tokenizer_path(self) -> Path:
         """The tokenizer's folder: the model's unless ``tokenizer``/``tokenizer_revision`` name another

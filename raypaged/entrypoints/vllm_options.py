@@ -105,13 +105,6 @@ DEFAULT_ONLY: list[Option] = [
         "raypaged runs its own implementation of each supported architecture",
     ),
     (
-        "hf_config_path",
-        (),
-        str,
-        (None,),
-        "the model folder's config.json is read ({hf_overrides} changes it)",
-    ),
-    (
         "prefix_caching_hash_algo",
         (),
         str,

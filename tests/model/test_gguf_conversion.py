@@ -593,3 +593,28 @@ def test_phi3s_sliding_window_is_the_configs(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf", False, "phi3", metadata={"attention.sliding_window": 47})
     assert read_gguf(path)[1]["sliding_window"] == 47
     assert EngineConfig(model=str(path), device="cpu", tokenizer=str(path.parent)).max_model_len == 47
+
+
+def test_hf_config_path_gives_the_original_models_config(tmp_path, monkeypatch, tokenizer_dir):
+    """vLLM's ``--hf-config-path``: the config of another folder (the original model's) in place of the one made from
+    the file's metadata, here with a linear rope scaling the metadata lacks; the engine's tokens and logprobs are
+    transformers' on that config, and differ from the file's own. A folder without a config is refused by name."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", True)
+    _, keywords, weights = read_gguf(path)
+    scaling = {"rope_type": "linear", "factor": 4.0}
+    original = AutoConfig.for_model("llama", **keywords, rope_scaling=scaling, architectures=["LlamaForCausalLM"])
+    original.save_pretrained(tmp_path / "original")
+    model = AutoModelForCausalLM.from_config(original, dtype=torch.float32)
+    model.load_state_dict(dict(weights), strict=False)
+    prompt = list(range(40, 61))
+    got = serves_as(model.eval(), path, tokenizer_dir, prompt, hf_config_path=str(tmp_path / "original"))
+    own = transformers_model(path, "llama")
+    tokens = hf_greedy(model, prompt, 8)
+    assert not torch.allclose(got, greedy_logprobs(own, prompt, tokens), rtol=0, atol=1e-3)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(
+        ValueError, match=re.escape(f"--hf-config-path '{empty}' is not a model folder (no config.json, nor Mistral's")
+    ):
+        EngineConfig(model=str(path), tokenizer=str(tokenizer_dir), device="cpu", hf_config_path=str(empty))
