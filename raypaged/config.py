@@ -92,12 +92,17 @@ def resolve_model_path(
 ) -> Path:
     """A local folder for ``model``: a folder as given, a Hugging Face Hub id's cached snapshot (see
     ``model/hub.py``: ``what`` names the flag in its errors, ``weights=False`` fetches no weights, ``formats``
-    (``--config-format``, ``--load-format``) pick the weights of a repository that holds two formats), or,
+    (``--config-format``, ``--load-format``) pick the weights of a repository that holds two formats), a GGUF
+    file's converted folder (a local file, or ``org/name:QUANT``: that repository's file of that type), or,
     for ``None`` or the default model's id without a revision or download folder, the bundled default model."""
     if model is None or (model == DEFAULT_MODEL and revision is None and download_dir is None):
         return default_model_dir()
-    from raypaged.model.hub import refuse_hub_options, resolve_model_files
+    from raypaged.model.hub import is_gguf_hub_id, refuse_hub_options, resolve_gguf_hub_file, resolve_model_files
 
+    if what == "model" and formats[1] in ("auto", "gguf") and is_gguf_hub_id(model):  # org/name:QUANT, as vLLM's
+        from raypaged.model.gguf_checkpoint import gguf_model_dir
+
+        return gguf_model_dir(resolve_gguf_hub_file(model, revision, download_dir, token))
     path = Path(model).expanduser()
     if formats[1] == "gguf" or (what == "model" and path.suffix == ".gguf" and path.is_file()):
         magic = b""

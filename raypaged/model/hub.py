@@ -10,7 +10,10 @@ cached snapshot of the revision (``refs/<branch or tag>``, or a commit hash) is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from raypaged.inputs.tokenizer import SENTENCEPIECE_GLOB, TEKKEN
@@ -121,7 +124,38 @@ def _snapshot(
     """The cached snapshot folder of ``repo_id`` at ``revision``, downloading it where the network allows (the files
     of ``patterns`` but those of ``ignored``)."""
     from huggingface_hub import constants, snapshot_download
+
+    cache = _cache(download_dir)
+    at = f" at revision {revision!r}" if revision is not None else ""
+    with _hub_errors(repo_id, revision, cache, what):
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=cache,
+            allow_patterns=list(patterns),
+            ignore_patterns=list(ignored) or None,
+            local_files_only=constants.HF_HUB_OFFLINE,
+            token=token,
+        )
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{what} {repo_id!r}{at}: its snapshot {path} holds no config.json")
+    logger.info("%s %s%s: %s", what, repo_id, at, path)
+    return path
+
+
+def _cache(download_dir: str | None) -> Path:
+    from huggingface_hub import constants
+
+    return Path(download_dir).expanduser() if download_dir is not None else Path(constants.HF_HUB_CACHE)
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str | None, cache: Path, what: str) -> Iterator[None]:
+    """huggingface_hub's failures for ``repo_id`` as ``ValueError``s naming it and what to change."""
+    from huggingface_hub import constants
     from huggingface_hub.errors import (
+        EntryNotFoundError,
         GatedRepoError,
         HFValidationError,
         LocalEntryNotFoundError,
@@ -129,23 +163,13 @@ def _snapshot(
         RevisionNotFoundError,
     )
 
-    cache = Path(download_dir).expanduser() if download_dir is not None else Path(constants.HF_HUB_CACHE)
     at = f" at revision {revision!r}" if revision is not None else ""
-    offline = constants.HF_HUB_OFFLINE
     try:
-        folder = snapshot_download(
-            repo_id,
-            revision=revision,
-            cache_dir=cache,
-            allow_patterns=list(patterns),
-            ignore_patterns=list(ignored) or None,
-            local_files_only=offline,
-            token=token,
-        )
+        yield
     except HFValidationError:
         raise ValueError(f"{what} {repo_id!r} is neither a local folder nor a Hugging Face Hub id (org/name)") from None
     except LocalEntryNotFoundError as exc:
-        if offline:
+        if constants.HF_HUB_OFFLINE:
             raise ValueError(
                 f"{what} {repo_id!r}{at} is not a local folder and not in the Hugging Face cache {cache} "
                 "(HF_HUB_OFFLINE=1: nothing is downloaded); unset HF_HUB_OFFLINE to download it, or give its "
@@ -167,8 +191,64 @@ def _snapshot(
         ) from None
     except RevisionNotFoundError:
         raise ValueError(f"{what} {repo_id!r} has no revision {revision!r} on the Hugging Face Hub") from None
-    path = Path(folder)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{what} {repo_id!r}{at}: its snapshot {path} holds no config.json")
-    logger.info("%s %s%s: %s", what, repo_id, at, path)
+    except EntryNotFoundError as exc:
+        raise ValueError(f"{what} {repo_id!r}{at}: {str(exc).splitlines()[0]}") from None
+
+
+# vLLM's and llama.cpp's GGUF Hub ids: ``org/name:QUANT``, one GGUF file of the repository by its quantization type
+GGUF_HUB_ID = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+):(?P<quant>[\w.-]+)")
+# a GGUF file split into parts, as llama.cpp's gguf-split names them
+_GGUF_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def is_gguf_hub_id(name: str) -> bool:
+    """Whether ``name`` is ``org/name:QUANT`` and no local path."""
+    return GGUF_HUB_ID.fullmatch(name) is not None and not Path(name).expanduser().exists()
+
+
+def gguf_quant_of(filename: str, quant: str) -> bool:
+    """Whether GGUF file ``filename`` is of quantization type ``quant`` (in any case, between the name's - . _
+    separators, as ``Qwen3-0.6B-Q4_K_M.gguf`` or ``qwen2.5-0.5b-instruct-q4_k_m.gguf``), not a vision projector."""
+    name = Path(filename).name
+    if not name.endswith(".gguf") or name.lower().startswith("mmproj"):
+        return False
+    stem = _GGUF_PART.sub(".gguf", name)[: -len(".gguf")]
+    return re.search(rf"(^|[-._]){re.escape(quant)}$", stem, re.IGNORECASE) is not None
+
+
+def resolve_gguf_hub_file(name: str, revision: str | None, download_dir: str | None, token: str | bool | None) -> Path:
+    """The local GGUF file of ``org/name:QUANT`` at ``revision``: the repository's one ``.gguf`` file of that
+    quantization type, downloaded alone where the network allows (offline, from the cached snapshot). None, several
+    or one split into parts (merge them with llama.cpp's ``llama-gguf-split --merge``) is a ``ValueError`` naming
+    the files there are."""
+    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+
+    match = GGUF_HUB_ID.fullmatch(name)
+    assert match is not None
+    repo_id, quant = match["repo"], match["quant"]
+    cache = _cache(download_dir)
+    offline = constants.HF_HUB_OFFLINE
+    with _hub_errors(repo_id, revision, cache, "model"):
+        if offline:  # the cached snapshot's files (nothing is fetched)
+            folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
+            files = sorted(str(path.relative_to(folder)) for path in folder.rglob("*.gguf"))
+        else:
+            files = sorted(HfApi(token=token).list_repo_files(repo_id, revision=revision))
+    chosen = [file for file in files if gguf_quant_of(file, quant)]
+    ggufs = [file for file in files if file.endswith(".gguf")]
+    if not chosen:
+        raise ValueError(
+            f"model {name!r}: {repo_id} has no GGUF file of type {quant} (its GGUF files: {', '.join(ggufs) or 'none'})"
+        )
+    if len(chosen) > 1:
+        parts = "split into parts: merge them with llama.cpp's llama-gguf-split --merge and serve the merged file"
+        why = parts if all(_GGUF_PART.search(file) for file in chosen) else "several files are of that type"
+        raise ValueError(f"model {name!r}: {', '.join(chosen)} in {repo_id} are {quant}, {why}")
+    with _hub_errors(repo_id, revision, cache, "model"):
+        path = Path(
+            hf_hub_download(
+                repo_id, chosen[0], revision=revision, cache_dir=cache, local_files_only=offline, token=token
+            )
+        )
+    logger.info("model %s: %s", name, path)
     return path

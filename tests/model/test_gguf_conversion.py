@@ -8,12 +8,14 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
+from huggingface_hub import constants as hf_constants
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -23,6 +25,7 @@ from raypaged.attention import cpu_ops
 from raypaged.config import EngineConfig
 from raypaged.model import gguf_checkpoint
 from raypaged.model.gguf_checkpoint import TOKENIZER_ERROR, read_gguf
+from raypaged.model.hub import resolve_gguf_hub_file
 from raypaged.model.synthetic import write_synthetic_model
 from tests.conftest import hf_greedy
 
@@ -618,3 +621,65 @@ def test_hf_config_path_gives_the_original_models_config(tmp_path, monkeypatch, 
         ValueError, match=re.escape(f"--hf-config-path '{empty}' is not a model folder (no config.json, nor Mistral's")
     ):
         EngineConfig(model=str(path), tokenizer=str(tokenizer_dir), device="cpu", hf_config_path=str(empty))
+
+
+GGUF_REPO, GGUF_COMMIT = "tiny-org/tiny-GGUF", "c" * 40
+
+
+@pytest.fixture
+def gguf_hub(tmp_path, monkeypatch) -> Path:
+    """A Hugging Face cache (offline) holding GGUF_REPO at main as huggingface_hub lays it out: the tiny llama in
+    Q8_0, a vision projector of that type too, a Q4_K and a Q4_K_M, and a Q2_K in two parts; its snapshot folder."""
+    cache = tmp_path / "hub"
+    repo = cache / ("models--" + GGUF_REPO.replace("/", "--"))
+    snapshot = repo / "snapshots" / GGUF_COMMIT
+    snapshot.mkdir(parents=True)
+    write_gguf(snapshot / "tiny-Q8_0.gguf", tied=True)
+    for name in ("mmproj-tiny-Q8_0.gguf", "tiny-Q4_K.gguf", "tiny-Q4_K_M.gguf", "README.md"):
+        shutil.copy(snapshot / "tiny-Q8_0.gguf", snapshot / name)
+    for part in (1, 2):
+        (snapshot / f"tiny-Q2_K-0000{part}-of-00002.gguf").write_bytes(b"GGUF")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(GGUF_COMMIT)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    return snapshot
+
+
+def test_a_hub_id_and_quantization_type_serve_that_gguf_file(gguf_hub, tokenizer_dir):
+    """vLLM's ``org/name:QUANT``: the repository's one GGUF file of that type (any case; never a vision projector
+    of it), served as that file is."""
+    prompt = [5, 9, 30, 31, 100]
+    reference = AutoModelForCausalLM.from_pretrained(gguf_hub, gguf_file="tiny-Q8_0.gguf", dtype=torch.float32)
+    llm = LLM(model=f"{GGUF_REPO}:q8_0", tokenizer=str(tokenizer_dir), dtype="float32", num_gpu_blocks_override=32)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert output.outputs[0].token_ids == hf_greedy(reference, prompt, 8)
+    assert resolve_gguf_hub_file(f"{GGUF_REPO}:Q4_K", None, None, None) == gguf_hub / "tiny-Q4_K.gguf"  # not Q4_K_M
+
+
+@pytest.mark.parametrize(
+    ("quant", "message"),
+    [
+        (
+            "Q5_K_M",
+            "tiny-org/tiny-GGUF has no GGUF file of type Q5_K_M (its GGUF files: mmproj-tiny-Q8_0.gguf, "
+            "tiny-Q2_K-00001-of-00002.gguf, "
+            "tiny-Q2_K-00002-of-00002.gguf, tiny-Q4_K.gguf, tiny-Q4_K_M.gguf, tiny-Q8_0.gguf)",
+        ),
+        (
+            "Q2_K",
+            "tiny-Q2_K-00001-of-00002.gguf, tiny-Q2_K-00002-of-00002.gguf in tiny-org/tiny-GGUF are Q2_K, split into "
+            "parts: merge them with llama.cpp's llama-gguf-split --merge and serve the merged file",
+        ),
+    ],
+)
+def test_a_quantization_type_the_repository_has_no_one_file_of_is_refused_naming_its_files(gguf_hub, quant, message):
+    with pytest.raises(ValueError, match=re.escape(f"model '{GGUF_REPO}:{quant}': {message}")):
+        EngineConfig(model=f"{GGUF_REPO}:{quant}", device="cpu")
