@@ -161,7 +161,7 @@ TOKENIZER_ERROR = "raypaged_tokenizer_error.txt"
 # that a conversion never holds more than one file's worth at once
 SHARD_BYTES = 2 << 30
 # part of every converted folder's cache key: a new one where the conversion changes
-_CONVERSION_VERSION = 2
+_CONVERSION_VERSION = 3
 
 
 def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
@@ -402,11 +402,30 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name_or_path: str, dtype: str) 
     as_dict["architectures"] = [architecture]
     as_dict["_name_or_path"] = name_or_path
     (out_dir / "config.json").write_text(json.dumps(as_dict, indent=2))
-    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    generation = GenerationConfig.from_model_config(config)
+    if len(ends := end_of_generation_ids(gguf_path)) > 1:
+        generation.eos_token_id = ends
+    generation.save_pretrained(out_dir)
     try:
         AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
     except Exception as e:  # transformers reads only some GGUF tokenizers: --tokenizer names the original
         (out_dir / TOKENIZER_ERROR).write_text(f"{type(e).__name__}: {e}")
+
+
+# the tokens that end a generation, as llama.cpp stops on them: the end of the text, of a turn (Gemma's
+# <end_of_turn>, Llama 3's <|eot_id|>) and of a message (Llama 3.1's <|eom_id|>)
+_END_TOKENS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def end_of_generation_ids(gguf_path: Path) -> list[int]:
+    """The ids of the GGUF file's end of text, of a turn and of a message (those it names, each once): what the
+    converted folder's generation config ends a generation on, as llama.cpp does (transformers' GGUF loading keeps
+    the end of text alone)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_path).fields
+    ids = [int(fields[key].contents()) for key in _END_TOKENS if key in fields]
+    return list(dict.fromkeys(ids))
 
 
 def _write_shard(tensors: dict[str, torch.Tensor], out_dir: Path, index: int) -> list[str]:

@@ -5,6 +5,7 @@ identity; what the conversion could not carry is refused by name."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -50,6 +51,7 @@ def write_gguf(
     rope_factors: np.ndarray | None = None,
     layers: int | None = None,
     longrope: tuple[np.ndarray, np.ndarray] | None = None,
+    end_of_turn: int | None = None,
 ) -> Path:
     """A random llama.cpp-layout model of ``architecture``: Q4_1 and Q8_0 matrices, F32 norms (and an F32 head unless
     ``tied``; an F32 tensor named ``extra`` too, if given); qwen2's q/k/v with F32 biases, qwen3's q/k norms (its
@@ -97,6 +99,8 @@ def write_gguf(
         writer.add_vocab_size(SHAPE["vocab"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if end_of_turn is not None:
+        writer.add_eot_token_id(end_of_turn)
     if architecture == "phi3":  # as Phi-3's files have (Phi3Config's default, 32000, is past the tiny vocabulary)
         writer.add_pad_token_id(0)
     if tokenizer:
@@ -683,3 +687,24 @@ def test_a_hub_id_and_quantization_type_serve_that_gguf_file(gguf_hub, tokenizer
 def test_a_quantization_type_the_repository_has_no_one_file_of_is_refused_naming_its_files(gguf_hub, quant, message):
     with pytest.raises(ValueError, match=re.escape(f"model '{GGUF_REPO}:{quant}': {message}")):
         EngineConfig(model=f"{GGUF_REPO}:{quant}", device="cpu")
+
+
+def test_the_end_of_a_turn_ends_a_generation_as_in_llama_cpp(tmp_path, monkeypatch, tokenizer_dir):
+    """A chat model's file names its end of turn (and of message) beside its end of text, and llama.cpp stops on
+    each: so does the converted folder's generation config (transformers' GGUF loading keeps the end of text
+    alone). Here the end of turn is the token the model gives first: the generation stops there."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    prompt = [5, 9, 30, 31, 100]
+    path = write_gguf(tmp_path / "plain.gguf", True)
+    first = hf_greedy(AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name), prompt, 1)[0]
+    path = write_gguf(tmp_path / "chat.gguf", True, end_of_turn=first)
+    assert gguf_checkpoint.end_of_generation_ids(path) == [2, first]
+    llm = LLM(model=str(path), tokenizer=str(tokenizer_dir), dtype="float32", num_gpu_blocks_override=32)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8)
+        (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert output.outputs[0].token_ids == [first] and output.outputs[0].finish_reason == "stop"
+    folder = EngineConfig(model=str(path), tokenizer=str(tokenizer_dir), device="cpu").model_path
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [2, first]
