@@ -23,7 +23,9 @@ step's shapes (all prompt tokens in steps of the 8,192-token budget, then 99 dec
 sequences; the gate | up projection with its SiLU stored from the tiles, as the model runs it), measured
 in the same process with the same threads; raypaged's fraction of it is the share
 of its time spent in GEMMs at library speed. ``--attention-backend torch`` runs raypaged's decode
-attention as torch gather + SDPA instead of the CPU kernel.
+attention as torch gather + SDPA instead of the CPU kernel. ``--sampling article`` samples every token as the
+article's example does (``SamplingParams(temperature=0.8, top_p=0.95)``; transformers with ``do_sample=True`` and
+the same values) instead of greedily: the systems' tokens then differ, and none is compared.
 
 Writes benchmarks/results/NAME.{json,png} (NAME: offline_throughput) and prints Markdown tables.
 """
@@ -55,6 +57,8 @@ from common import (
 
 from raypaged.model.default_model import default_model_dir
 
+# --sampling: greedy, or the article's own example's sampling (section 5: temperature 0.8, top_p 0.95)
+SAMPLING = {"greedy": {"temperature": 0.0}, "article": {"temperature": 0.8, "top_p": 0.95}}
 SYSTEMS = {
     "raypaged": "raypaged `LLM.generate`",
     "hf-single": "transformers `generate`, one request at a time",
@@ -94,6 +98,12 @@ def add_w6_args(parser: argparse.ArgumentParser, prompts: int, single: int) -> N
     parser.add_argument("--batch-size", type=int, default=16, help="static batch size of hf-static")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="raypaged KV cache (split over the shards)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {list(SYSTEMS)}")
+    parser.add_argument(
+        "--sampling",
+        default="greedy",
+        choices=list(SAMPLING),
+        help="greedy, or article: temperature 0.8 and top_p 0.95, the article's example (tokens then differ)",
+    )
 
 
 def w6_counts(args: argparse.Namespace, prompts: int, single: int) -> None:
@@ -176,7 +186,7 @@ def bench_raypaged(
         attention_backend=args.attention_backend,
         enable_prefix_caching=False,
     )
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(**SAMPLING[args.sampling], max_tokens=MAX_TOKENS, ignore_eos=True)
     executor = llm.llm_engine.executor
 
     def run(batch: Prompts, sampling: SamplingParams) -> Prompts:
@@ -227,8 +237,13 @@ def executor_thread_settings(executor) -> list[dict]:
     return ray.get([worker.thread_settings.remote() for worker in executor.workers])
 
 
-def hf_generate(model: torch.nn.Module, batch: Prompts, pad_id: int, max_new_tokens: int) -> Prompts:
-    """Greedy generate on a left-padded batch; exactly ``max_new_tokens`` new tokens per row."""
+def hf_generate(
+    model: torch.nn.Module, batch: Prompts, pad_id: int, max_new_tokens: int, sampling: str = "greedy"
+) -> Prompts:
+    """Generate on a left-padded batch (greedy, or sampled as ``SAMPLING[sampling]``); exactly ``max_new_tokens``
+    new tokens per row."""
+    values = SAMPLING[sampling]
+    options = {"do_sample": True, **values} if values["temperature"] > 0 else {"do_sample": False}
     width = max(map(len, batch))
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -238,7 +253,7 @@ def hf_generate(model: torch.nn.Module, batch: Prompts, pad_id: int, max_new_tok
     out = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        do_sample=False,
+        **options,
         pad_token_id=pad_id,
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
@@ -253,7 +268,7 @@ def bench_hf(
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
 
     def run() -> Prompts:
-        return [tokens for batch in batches for tokens in hf_generate(model, batch, pad_id, MAX_TOKENS)]
+        return [tokens for batch in batches for tokens in hf_generate(model, batch, pad_id, MAX_TOKENS, args.sampling)]
 
     hf_generate(model, prompts[: min(2, batch_size)], pad_id, 8)
     seconds, outputs = timed_runs(run, args.repeats)
@@ -450,7 +465,7 @@ def run_systems(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> 
                 result, outputs[system] = bench_hf(model, subset, batch_size, system, args)
                 results.append(result)
     for r in results:
-        if r.system != "raypaged" and "raypaged" in outputs:
+        if r.system != "raypaged" and "raypaged" in outputs and args.sampling == "greedy":  # sampled ones differ
             r.extra["same_tokens_as_raypaged"] = agreement(outputs["raypaged"], outputs[r.system])
     return results
 
@@ -464,7 +479,8 @@ def build_report(
             "id": "W6",
             "prompt_len": PROMPT_LEN,
             "max_tokens": MAX_TOKENS,
-            "greedy": True,
+            "greedy": args.sampling == "greedy",
+            "sampling": SAMPLING[args.sampling],
             "dtype": "float32",
             "seed": args.seed,
             "num_prompts": args.num_prompts,

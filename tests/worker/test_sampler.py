@@ -138,6 +138,29 @@ def test_top_p_alone_ranks_the_whole_vocabulary_only_when_the_likeliest_fall_sho
             assert torch.allclose(warped[row], reference_warp(logits[row], p), atol=1e-6)
 
 
+def test_each_top_p_row_ranks_only_as_many_tokens_as_its_mass_needs(monkeypatch):
+    """One batch of a peaked row (its 64 likeliest tokens suffice), a middling one (its 1,024 do) and a flat one:
+    each equals a full sort of its own, and only the flat row sorts the whole vocabulary."""
+    torch.manual_seed(2)
+    logits = torch.stack([torch.randn(5000) * 8, torch.randn(5000) * 2.5, torch.randn(5000) * 0.01])
+    mass = [logits[r].softmax(-1).topk(k).values.sum().item() for r, k in ((0, 64), (1, 64), (1, 1024))]
+    assert mass[0] > 0.9 and mass[1] < 0.9 < mass[2]
+    sorted_rows = []
+    original = torch.Tensor.sort
+
+    def spy(self, *args, **kwargs):
+        sorted_rows.append(self.shape[0])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sort", spy)
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 3
+    warped = sampler._warped(logits.clone(), params)[1]
+    assert sorted_rows == [1]
+    monkeypatch.undo()
+    for row, p in enumerate(params):
+        assert torch.allclose(warped[row], reference_warp(logits[row], p), atol=1e-6)
+
+
 def penalties_row_by_row(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
     """Penalties, logit bias, allowed tokens and min_tokens bans one row at a time (the arithmetic
     the batched ops must reproduce to the bit)."""
@@ -254,3 +277,66 @@ def test_logprob_token_ids_show_the_chosen_and_the_asked_tokens_with_their_own_r
     for t, entry in first.top_logprobs.items():
         assert (entry.logprob, entry.rank) == (pytest.approx(row[t].item(), abs=1e-6), rank[t])
     assert len(second.top_logprobs) == 2 + (int(logits[1].argmax()) not in logits[1].topk(2).indices.tolist())
+
+
+def inverse_cdf(row: list[float], u: float) -> int:
+    """The first token whose cumulative weight (summed in order, in float64) exceeds u times the row's total."""
+    total = sum(row)
+    cumulative = 0.0
+    for token, weight in enumerate(row):
+        cumulative += weight
+        if cumulative > u * total:
+            return token
+    raise AssertionError("no token")
+
+
+@pytest.mark.parametrize("vocab", [700, 1024, 2500])  # one short block, one whole block, two and a short one
+def test_each_unseeded_row_draws_the_inverse_cdf_token_of_its_uniform(vocab):
+    """The generator gives one float64 uniform per unseeded row, in row order; the token is the inverse CDF's of
+    the row's weights (not summing to one, many of them 0, whole blocks of them too)."""
+    rows = 300
+    weights = torch.rand(rows, vocab, generator=torch.Generator().manual_seed(1)) ** 4
+    weights[weights < 0.3] = 0.0  # most tokens weigh nothing
+    weights[: rows // 2, : min(vocab // 2, 1024)] = 0.0  # half the rows: their first block, or half, weigh nothing
+    generator = torch.Generator().manual_seed(7)
+    uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(7), dtype=torch.float64).tolist()
+    drawn = sampler._draw(weights, inputs(SamplingParams(temperature=1.0), rows), generator).tolist()
+    expected = [inverse_cdf(row, u) for row, u in zip(weights.double().tolist(), uniforms)]
+    assert drawn == expected
+    assert all(weights[i, token] > 0 for i, token in enumerate(drawn))
+
+
+def test_draws_follow_the_probabilities_and_never_take_a_token_of_weight_zero():
+    """20,000 draws of one row whose weight sits at block edges: counts pass a chi-square test against the
+    probabilities at p = 0.001 (3 degrees of freedom: 16.27), no other token is drawn; a u at the very top of
+    [0, 1) still draws a weighted token."""
+    row = torch.zeros(3000)
+    chosen = {0: 0.1, 1023: 0.2, 1024: 0.3, 2999: 0.4}
+    for token, weight in chosen.items():
+        row[token] = weight
+    draws = sampler._draw(row.expand(20000, -1), inputs(SamplingParams(temperature=1.0), 20000), torch.Generator())
+    counts = torch.bincount(draws, minlength=3000)
+    assert set(torch.nonzero(counts).flatten().tolist()) == set(chosen)
+    chi2 = sum((counts[t].item() - 20000 * w) ** 2 / (20000 * w) for t, w in chosen.items())
+    assert chi2 < 16.27, counts[list(chosen)]
+
+
+def test_a_uniform_at_the_top_of_its_range_draws_the_last_weighted_token(monkeypatch):
+    """u = the largest float64 below 1, on a row whose last weighted block's float32 sum (40.0000032) exceeds its
+    tokens' float64 one: still the last token of weight above 0, never one of weight 0 after it."""
+    original = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: original(*args, **kwargs).fill_(1.0 - 2.0**-53))
+    row = torch.zeros(1, 3000)
+    row[0, 2048:2448] = 0.1
+    assert row[:, 2048:].sum().item() > row[:, 2048:].double().sum().item()
+    assert sampler._draw(row, inputs(SamplingParams(temperature=1.0), 1), torch.Generator()).tolist() == [2447]
+
+
+def test_a_seeded_rows_token_does_not_depend_on_its_batch():
+    weights = torch.rand(6, 5000, generator=torch.Generator().manual_seed(2))
+    seeded = [SamplingInput(SamplingParams(temperature=1.0, seed=s), [5], [10, 11], 2) for s in range(6)]
+    alone = [sampler._draw(weights[i : i + 1], [seeded[i]], torch.Generator()).item() for i in range(6)]
+    mixed = inputs(SamplingParams(temperature=1.0), 6)
+    batch = [x for pair in zip(seeded, mixed) for x in pair]
+    together = sampler._draw(weights.repeat_interleave(2, dim=0), batch, torch.Generator().manual_seed(3))
+    assert together[::2].tolist() == alone
