@@ -94,6 +94,8 @@ _HEAD_DIM = {
 _REFUSED = {
     "expert_count": "experts",
     "attention.sliding_window": "a sliding window",
+    "attention.sliding_window_pattern": "a sliding window pattern",
+    "attention.scale": "a query scale",
     "rope.scaling.attn_factor": "a rope attention factor",
 }
 # llama.cpp's rope scaling types -> transformers' (its factor, and yarn's original context, from the metadata)
@@ -184,6 +186,7 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
         if (
             (key == "expert_count" and architecture in _EXPERTS)
             or (key == "attention.sliding_window" and architecture in (*_GEMMA, "phi3"))
+            or (key == "attention.sliding_window_pattern" and architecture in _GEMMA)  # its layers', below
             or (key == "rope.scaling.attn_factor" and architecture == "phi3")  # its longrope's: checked below
         ):
             continue
@@ -224,6 +227,8 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
         if config["num_hidden_layers"] == _GEMMA_27B_LAYERS[architecture]:
             width = config["hidden_size"] // config["num_attention_heads"]
         config["query_pre_attn_scalar"] = width
+        if (pattern := fields.get(f"{architecture}.attention.sliding_window_pattern")) is not None:
+            config["layer_types"] = gemma_layer_types(pattern, config["num_hidden_layers"], gguf_path)
     if (scaling := rope_scaling(architecture, fields, gguf_path)) is not None:
         config["rope_scaling"] = scaling
     for key, field in _TOKEN_IDS.items():
@@ -288,6 +293,18 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
             yield name, torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: F32 tensors are the file's
 
     return architecture, config, weights()
+
+
+def gemma_layer_types(pattern: int | list[bool], layers: int, gguf_path: Path) -> list[str]:
+    """The config's ``layer_types`` of a GGUF file's ``sliding_window_pattern``, as llama.cpp reads it: a flag per
+    layer (true: sliding), or N: every Nth layer global, the others sliding (0: every layer sliding)."""
+    if isinstance(pattern, int):
+        sliding = [pattern == 0 or layer % pattern < pattern - 1 for layer in range(layers)]
+    elif len(pattern) == layers:
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        raise ValueError(f"{gguf_path}: sliding_window_pattern has {len(pattern)} flags for {layers} layers")
+    return ["sliding_attention" if flag else "full_attention" for flag in sliding]
 
 
 def rope_scaling(architecture: str, fields: dict[str, Any], gguf_path: Path) -> dict[str, Any] | None:

@@ -463,6 +463,8 @@ def test_rope_factors_other_than_llama_3s_are_refused_by_name(tmp_path):
         ("rope.scaling.attn_factor", 1.5, "a rope attention factor"),
         ("expert_count", 8, "experts"),
         ("attention.sliding_window", 64, "a sliding window"),
+        ("attention.sliding_window_pattern", 4, "a sliding window pattern"),
+        ("attention.scale", 0.125, "a query scale"),
     ],
 )
 def test_metadata_the_folder_cannot_carry_is_refused_by_name(tmp_path, key, value, what):
@@ -708,3 +710,23 @@ def test_the_end_of_a_turn_ends_a_generation_as_in_llama_cpp(tmp_path, monkeypat
     assert output.outputs[0].token_ids == [first] and output.outputs[0].finish_reason == "stop"
     folder = EngineConfig(model=str(path), tokenizer=str(tokenizer_dir), device="cpu").model_path
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [2, first]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [
+        ([True, False, True, True, False, True], "SFSSFS"),  # a flag per layer (true: sliding)
+        (3, "SSFSSF"),  # every third layer global
+    ],
+)
+def test_a_gemma_files_sliding_window_pattern_gives_its_layers_windows(
+    tmp_path, monkeypatch, tokenizer_dir, pattern, expected
+):
+    """Newer llama.cpp files carry which layers slide (``sliding_window_pattern``): the config's ``layer_types``
+    follow it, and the engine's tokens are those of transformers' model of that config."""
+    monkeypatch.setenv("RAYPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", True, "gemma3", metadata={"attention.sliding_window_pattern": pattern})
+    _, keywords, _ = read_gguf(path)
+    names = {"S": "sliding_attention", "F": "full_attention"}
+    assert keywords["layer_types"] == [names[letter] for letter in expected]
+    serves_as(transformers_model(path, "gemma3_text"), path, tokenizer_dir, list(range(40, 61)))
