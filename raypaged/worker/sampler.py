@@ -1,7 +1,8 @@
 """Pick one token per sequence from its logits.
 
 Order: penalties and ``min_tokens`` masking on the raw logits, then greedy
-argmax or temperature → top-k → top-p → min-p → a draw. A row whose masks (a
+argmax or temperature → top-k → top-p → min-p → a draw by inverse CDF (one uniform a row;
+a row with a top-k or top-p and no min-p is drawn among its candidates alone). A row whose masks (a
 grammar's, ``allowed_token_ids``, ``bad_words``) leave no token is never drawn
 from: ``sample`` raises :class:`NoTokenLeft` naming it (``min_tokens`` alone
 never empties a row: it yields where a row allows nothing but ending). Logprobs are those of
@@ -12,9 +13,9 @@ what else is in the batch, nor on preemption.
 Everything runs where the logits are (the GPU with CUDA): parameters become small
 tensors on that device, and only the chosen tokens, their logprobs and the top
 logprobs asked for cross to the host; no batch x vocabulary copy. Unseeded rows draw
-their noise from the runner's generator on that device; a seeded row's noise comes
-from a CPU generator (one vocabulary row, copied over), so a seeded request draws
-the same noise on every device.
+their uniforms from the runner's generator on that device; a seeded row's comes
+from a CPU generator (one number, copied over), so a seeded request draws
+the same uniform on every device.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def sample(
     token: ``NoTokenLeft``)."""
     raw = logits.float()
     raw_logprobs = torch.log_softmax(raw, dim=-1)
-    logits = _apply_penalties(raw.clone(), inputs)
+    # penalties, biases and bans write into a copy; without any, the raw logits are read as they are
+    logits = _apply_penalties(raw.clone(), inputs) if any(map(_penalized, inputs)) else raw
     dead = None  # rows their masks left no token (their draws, in range, are void)
     if grammar_masked or any(s.params.allowed_token_ids is not None or s.params.bad_words_token_ids for s in inputs):
         dead = torch.isneginf(logits.amax(dim=-1))
@@ -78,6 +80,12 @@ def sample(
     )
     if greedy:
         token_ids[greedy] = logits[greedy].argmax(dim=-1)
+    # rows drawn among their candidates alone; the others (and, below, their shown logprobs) as warped whole
+    among = [i for i in sampled if _drawn_among_candidates(inputs[i].params, shows_processed and _asks(inputs[i]))]
+    if among:
+        token_ids[among] = _draw_candidates(logits[among], [inputs[i] for i in among], generator)
+        drawn = set(among)
+        sampled = [i for i in sampled if i not in drawn]
     if sampled:
         warped, probs = _warped(logits[sampled], [inputs[i].params for i in sampled], shows_processed)
         token_ids[sampled] = _draw(probs, [inputs[i] for i in sampled], generator)
@@ -116,6 +124,11 @@ def sample(
             )
         results.append(SampledToken(token_list[i], chosen[i], top))
     return results
+
+
+def _asks(row: SamplingInput) -> bool:
+    """Whether the row shows logprobs."""
+    return row.params.logprobs is not None or bool(row.params.logprob_token_ids)
 
 
 def _shown_logprobs(
@@ -262,6 +275,21 @@ def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch
     return logits
 
 
+def _penalized(row: SamplingInput) -> bool:
+    """Whether ``_apply_penalties`` changes any of the row's logits (a superset: a presence penalty before any
+    output, or a min_tokens without stop tokens, changes nothing but is counted)."""
+    p = row.params
+    return bool(
+        p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+        or p.logit_bias
+        or p.allowed_token_ids is not None
+        or p.bad_words_token_ids
+        or len(row.output_token_ids) < p.min_tokens
+    )
+
+
 def _allowed_tokens(logits: torch.Tensor, inputs: list[SamplingInput]) -> None:
     """Rows with ``allowed_token_ids`` keep those logits and no other."""
     allowed = {i: ids for i, s in enumerate(inputs) if (ids := s.params.allowed_token_ids) is not None}
@@ -397,62 +425,108 @@ def _warped(
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """``logits`` [rows, vocab] with every token outside each row's top-k, then top-p, set to -inf.
+    """``logits`` [rows, vocab] with every token outside each row's top-k, then top-p, set to -inf
+    (``_ranked_groups``)."""
+    out = torch.full_like(logits, float("-inf"))
+    groups = _ranked_groups(logits, params)
+    if len(groups) == 1:  # every row in one group, in order
+        _, ranked, order = groups[0]
+        return out.scatter_(1, order, ranked)
+    for rows, ranked, order in groups:
+        out[rows] = out[rows].scatter_(1, order, ranked)
+    return out
+
+
+RankedGroup = tuple[list[int], torch.Tensor, torch.Tensor]  # rows, their ranked logits (a cut one -inf), columns
+
+
+def _ranked_groups(logits: torch.Tensor, params: list[SamplingParams]) -> list[RankedGroup]:
+    """Each row's likeliest tokens, those outside its top-k, then top-p, -inf: groups of rows (their indices in
+    ``logits``), each with its rows' ranked logits [rows, width] (descending) and their columns.
 
     When every row has a top-k, only the largest k columns are ranked (``topk``), not the
-    whole vocabulary: top-p after top-k only ever looks at those. Rows with top-p alone rank their
-    likeliest ``_TOP_P_CANDIDATES[0]`` tokens, the rows those hold less than ``top_p`` of the mass then
-    their likeliest ``_TOP_P_CANDIDATES[1]``, and only the rows still short sort the whole vocabulary (a
+    whole vocabulary: top-p after top-k only ever looks at those (and renormalizes over them). Rows with top-p
+    alone rank their likeliest ``_TOP_P_CANDIDATES[0]`` tokens, the rows those hold less than ``top_p`` of the
+    mass then their likeliest ``_TOP_P_CANDIDATES[1]``, and only the rows still short sort the whole vocabulary (a
     token past the candidates could then be kept): each row pays for the tokens its own mass needs.
     """
     vocab = logits.shape[-1]
     top_ks = [p.top_k for p in params if p.top_k is not None]
     if len(top_ks) == len(params):  # every row has a top-k
         ranked, order = logits.topk(min(max(top_ks), vocab), dim=-1)  # descending
-        return _kept(logits, ranked, order, None, params)  # top-p renormalizes over each row's top-k
-    out = torch.full_like(logits, float("-inf"))
+        return [(list(range(len(params))), _cut(ranked, None, params), order)]
+    groups: list[RankedGroup] = []
     pending = list(range(len(params)))
     log_total = logits.logsumexp(dim=-1, keepdim=True)
     for width in (*_TOP_P_CANDIDATES, vocab):
-        rows = logits[pending]
+        rows = logits[pending] if len(pending) < len(params) else logits
         if width >= vocab:
             ranked, order = rows.sort(dim=-1, descending=True)
-            out[pending] = _kept(rows, ranked, order, None, [params[i] for i in pending])
+            groups.append((pending, _cut(ranked, None, [params[i] for i in pending]), order))
             break
         ranked, order = rows.topk(width, dim=-1)
         ranked_probs = (ranked - log_total[pending]).exp()
         top_p = torch.tensor([params[i].top_p for i in pending], dtype=ranked.dtype, device=ranked.device)
         enough = (ranked_probs.sum(dim=-1) >= top_p).tolist()
-        done = [j for j, ok in enumerate(enough) if ok]
-        if done:
-            kept = _kept(rows[done], ranked[done], order[done], ranked_probs[done], [params[pending[j]] for j in done])
-            out[[pending[j] for j in done]] = kept
-        pending = [pending[j] for j, ok in enumerate(enough) if not ok]
-        if not pending:
+        if all(enough):
+            groups.append((pending, _cut(ranked, ranked_probs, [params[i] for i in pending]), order))
             break
-    return out
+        if done := [j for j, ok in enumerate(enough) if ok]:
+            cut = _cut(ranked[done], ranked_probs[done], [params[pending[j]] for j in done])
+            groups.append(([pending[j] for j in done], cut, order[done]))
+        pending = [pending[j] for j, ok in enumerate(enough) if not ok]
+    return groups
 
 
-def _kept(
-    logits: torch.Tensor,
-    ranked: torch.Tensor,
-    order: torch.Tensor,
-    ranked_probs: torch.Tensor | None,
-    params: list[SamplingParams],
-) -> torch.Tensor:
-    """``logits`` with every token but each row's top-k, then top-p, of its ``ranked`` likeliest (``order``: their
-    columns; ``ranked_probs``: their probabilities over the whole row, or None to renormalize over them) -inf."""
+def _cut(ranked: torch.Tensor, ranked_probs: torch.Tensor | None, params: list[SamplingParams]) -> torch.Tensor:
+    """``ranked`` (each row's likeliest logits, descending) with every token past the row's top-k, then its
+    top-p, -inf; ``ranked_probs``: their probabilities over the whole row, or None to renormalize over them."""
     width = ranked.shape[-1]
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
-    top_k = torch.tensor([min(p.top_k or logits.shape[-1], width) for p in params], device=logits.device)
-    drop = torch.arange(width, device=logits.device)[None, :] >= top_k[:, None]
+    top_p = torch.tensor([p.top_p for p in params], dtype=ranked.dtype, device=ranked.device)
+    top_k = torch.tensor([min(p.top_k or width, width) for p in params], device=ranked.device)
+    drop = torch.arange(width, device=ranked.device)[None, :] >= top_k[:, None]
     ranked = ranked.masked_fill(drop, float("-inf"))
     if ranked_probs is None:
         ranked_probs = ranked.softmax(dim=-1)
     mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs
     drop |= mass_before >= top_p[:, None]
     drop[:, 0] = False
-    return torch.full_like(logits, float("-inf")).scatter(1, order, ranked.masked_fill(drop, float("-inf")))
+    return ranked.masked_fill(drop, float("-inf"))
+
+
+def _drawn_among_candidates(params: SamplingParams, asks_processed: bool) -> bool:
+    """Whether a sampled row draws among its top-k / top-p candidates alone (``_draw_candidates``): it has a
+    top-k or a top-p below 1, no min-p (which can keep tokens past the candidates), and shows no processed
+    logprobs (which are of the whole warped row). A row's own parameters decide, never its batch."""
+    return (params.top_k is not None or params.top_p < 1.0) and not params.min_p and not asks_processed
+
+
+def _draw_candidates(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator) -> torch.Tensor:
+    """One token per row, as ``_warped`` then ``_draw`` would draw it (the same distribution, and for the same
+    uniform the same token, to float rounding), but from each row's top-k / top-p candidates alone: no row of
+    the whole vocabulary is cut, normalized or accumulated. Each group's candidates are put in vocabulary order
+    and drawn by inverse CDF, as ``_draw`` walks a row."""
+    params = [s.params for s in inputs]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    logits = logits / temperature[:, None]
+    uniforms = _uniforms(inputs, generator, logits.device)
+    tokens = torch.empty(len(inputs), dtype=torch.long, device=logits.device)
+    with_k = [i for i, p in enumerate(params) if p.top_k is not None]
+    only_p = [i for i, p in enumerate(params) if p.top_k is None]
+    for subset in (with_k, only_p):  # as _warped: top-p renormalizes over a top-k
+        if not subset:
+            continue
+        part = logits[subset] if len(subset) < len(params) else logits
+        for rows, ranked, order in _ranked_groups(part, [params[i] for i in subset]):
+            columns, position = order.sort(dim=-1)
+            weights = ranked.softmax(dim=-1).gather(1, position)
+            cdf = weights.cumsum(dim=-1, dtype=torch.float64)
+            total = cdf[:, -1:]
+            u = uniforms[[subset[r] for r in rows]][:, None]
+            target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+            chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+            tokens[[subset[r] for r in rows]] = columns.gather(1, chosen).squeeze(1)
+    return tokens
 
 
 # the draw's blocks of the vocabulary: a row's blocks are summed, then one block's tokens accumulated
@@ -473,15 +547,7 @@ def _draw(probs: torch.Tensor, inputs: list[SamplingInput], generator: torch.Gen
     49,152 tokens on a CPU core, against about 10 us here."""
     rows, vocab = probs.shape
     device = probs.device
-    u = torch.empty(rows, dtype=torch.float64, device=device)
-    unseeded = [i for i, s in enumerate(inputs) if s.params.seed is None]
-    if unseeded:
-        u[unseeded] = torch.rand(len(unseeded), generator=generator, device=device, dtype=torch.float64)
-    for i, s in enumerate(inputs):
-        if s.params.seed is not None:
-            stream = (s.params.seed, len(s.output_token_ids)) + ((s.sample_index,) if s.sample_index else ())
-            row_gen = torch.Generator().manual_seed(hash(stream) & 0x7FFF_FFFF_FFFF_FFFF)
-            u[i] = torch.rand(1, generator=row_gen, dtype=torch.float64).item()
+    u = _uniforms(inputs, generator, device)
     full = vocab // DRAW_BLOCK
     sums = [probs[:, : full * DRAW_BLOCK].view(rows, full, DRAW_BLOCK).sum(dim=-1)] if full else []
     if vocab > full * DRAW_BLOCK:  # the last, shorter block
@@ -500,3 +566,18 @@ def _draw(probs: torch.Tensor, inputs: list[SamplingInput], generator: torch.Gen
     offset = torch.minimum((target - before).clamp_(min=0.0), torch.nextafter(last, zero))
     token = torch.searchsorted(inner_cdf, offset, right=True).clamp_(max=DRAW_BLOCK - 1)
     return (block * DRAW_BLOCK + token).squeeze(1).clamp_(max=vocab - 1)
+
+
+def _uniforms(inputs: list[SamplingInput], generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Each row's uniform in [0, 1) (float64): ``generator``'s, in row order, for the unseeded rows; a seeded
+    row's from a CPU stream of its seed, its position and its sample index."""
+    u = torch.empty(len(inputs), dtype=torch.float64, device=device)
+    unseeded = [i for i, s in enumerate(inputs) if s.params.seed is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), generator=generator, device=device, dtype=torch.float64)
+    for i, s in enumerate(inputs):
+        if s.params.seed is not None:
+            stream = (s.params.seed, len(s.output_token_ids)) + ((s.sample_index,) if s.sample_index else ())
+            row_gen = torch.Generator().manual_seed(hash(stream) & 0x7FFF_FFFF_FFFF_FFFF)
+            u[i] = torch.rand(1, generator=row_gen, dtype=torch.float64).item()
+    return u

@@ -340,3 +340,32 @@ def test_a_seeded_rows_token_does_not_depend_on_its_batch():
     batch = [x for pair in zip(seeded, mixed) for x in pair]
     together = sampler._draw(weights.repeat_interleave(2, dim=0), batch, torch.Generator().manual_seed(3))
     assert together[::2].tolist() == alone
+
+
+def test_rows_drawn_among_their_candidates_take_the_tokens_of_the_whole_row_draw():
+    """A row with a top-k or a top-p (no min-p) is drawn from its candidates alone: for the same uniforms, the
+    tokens of warping and drawing the whole row, over rows whose mass needs 64, 1,024 or all of their tokens."""
+    rows, vocab = 240, 3000
+    generator = torch.Generator().manual_seed(4)
+    scales = torch.tensor([8.0, 2.5, 0.01])[torch.arange(rows) % 3][:, None]
+    logits = torch.randn(rows, vocab, generator=generator) * scales
+    choices = [
+        SamplingParams(temperature=0.8, top_p=0.95),
+        SamplingParams(temperature=1.0, top_k=40),
+        SamplingParams(temperature=0.7, top_k=200, top_p=0.9),
+        SamplingParams(temperature=1.2, top_p=0.5, seed=3),
+    ]
+    batch = [SamplingInput(choices[i % 4], [5], list(range(i % 7)), 2) for i in range(rows)]
+    assert all(sampler._drawn_among_candidates(s.params, False) for s in batch)
+    among = sampler._draw_candidates(logits.clone(), batch, torch.Generator().manual_seed(9))
+    probs = sampler._warped(logits.clone(), [s.params for s in batch])[1]
+    whole = sampler._draw(probs, batch, torch.Generator().manual_seed(9))
+    assert among.tolist() == whole.tolist()
+
+
+def test_min_p_and_processed_logprobs_keep_a_row_on_the_whole_row_draw():
+    top_p = SamplingParams(temperature=1.0, top_p=0.9)
+    assert sampler._drawn_among_candidates(top_p, asks_processed=False)
+    assert not sampler._drawn_among_candidates(top_p, asks_processed=True)  # its logprobs are of the warped row
+    assert not sampler._drawn_among_candidates(SamplingParams(temperature=1.0, top_p=0.9, min_p=0.1), False)
+    assert not sampler._drawn_among_candidates(SamplingParams(temperature=1.0), False)  # every token a candidate
