@@ -56,9 +56,11 @@ def test_the_answer_after_the_reasoning_follows_the_schema(reasoning_llm):
         '<think>The Colosseum is in Rome, Italy.</think>\n{"city": "Rome", "country": "Italy"}'
     )
     assert greedy.outputs[0].finish_reason == "stop"
+    # at temperature 0.8 SmolLM2 closes about two thirds of deepseek_r1's sections (21 of 32 seeds) and every
+    # qwen3 one: 16 seeds, of which at least 6 must close, leave the answers' schema well tested
     sampled = llm.chat(
-        [ONE_SHOT] * 8,
-        [SamplingParams(temperature=0.8, seed=i, max_tokens=120, structured_outputs=constraint) for i in range(8)],
+        [ONE_SHOT] * 16,
+        [SamplingParams(temperature=0.8, seed=i, max_tokens=120, structured_outputs=constraint) for i in range(16)],
         use_tqdm=False,
     )
     closed = 0
@@ -71,7 +73,7 @@ def test_the_answer_after_the_reasoning_follows_the_schema(reasoning_llm):
         closed += 1
         jsonschema.validate(json.loads(content), PLACE)
         assert completion.finish_reason == "stop"
-    assert closed >= 5
+    assert closed >= 6
 
 
 def test_a_prompt_that_closed_the_section_is_constrained_from_the_first_token(reasoning_llm):
