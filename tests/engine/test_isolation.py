@@ -252,14 +252,14 @@ def test_a_grammar_failure_in_a_beam_ends_that_beam_search_alone(llm, undisturbe
 
 
 def test_a_sampling_failure_in_a_beam_ends_that_beam_search_alone(llm, undisturbed, monkeypatch):
-    real = sampler._apply_penalties
+    real = sampler._penalized  # asked of every row the sampler takes
 
-    def failing(logits, inputs):
-        if any(s.params.logprobs == 6 for s in inputs):  # the beams of a width-3 search
+    def failing(row):
+        if row.params.logprobs == 6:  # the beams of a width-3 search
             raise RuntimeError("injected sampling fault")
-        return real(logits, inputs)
+        return real(row)
 
-    monkeypatch.setattr(sampler, "_apply_penalties", failing)
+    monkeypatch.setattr(sampler, "_penalized", failing)
     engine = llm.llm_engine
     search = engine.add_beam_search(PROMPTS[VICTIM], BeamSearchParams(beam_width=3, max_tokens=10))
     plain = [engine.add_request(prompt, PLAIN) for prompt in PROMPTS[:3]]
