@@ -504,9 +504,11 @@ def _drawn_among_candidates(params: SamplingParams, asks_processed: bool) -> boo
 def _draw_candidates(logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator) -> torch.Tensor:
     """One token per row, as ``_warped`` then ``_draw`` would draw it (the same distribution, and for the same
     uniform the same token, to float rounding), but from each row's top-k / top-p candidates alone: no row of
-    the whole vocabulary is cut, normalized or accumulated. Each group's candidates are put in vocabulary order
-    and drawn by inverse CDF, as ``_draw`` walks a row."""
+    the whole vocabulary is cut, normalized or accumulated (but for rows whose top-p needed all of it, drawn as
+    ``_draw`` draws). Each group's candidates are put in vocabulary order and drawn by inverse CDF, as ``_draw``
+    walks a row."""
     params = [s.params for s in inputs]
+    vocab = logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     logits = logits / temperature[:, None]
     uniforms = _uniforms(inputs, generator, logits.device)
@@ -518,14 +520,18 @@ def _draw_candidates(logits: torch.Tensor, inputs: list[SamplingInput], generato
             continue
         part = logits[subset] if len(subset) < len(params) else logits
         for rows, ranked, order in _ranked_groups(part, [params[i] for i in subset]):
+            at = [subset[r] for r in rows]
+            if ranked.shape[-1] == vocab:  # rows that sorted their whole vocabulary: drawn as the whole row is
+                warped = torch.full_like(ranked, float("-inf")).scatter_(1, order, ranked)
+                tokens[at] = _inverse_cdf(warped.softmax(dim=-1), uniforms[at])
+                continue
             columns, position = order.sort(dim=-1)
             weights = ranked.softmax(dim=-1).gather(1, position)
             cdf = weights.cumsum(dim=-1, dtype=torch.float64)
             total = cdf[:, -1:]
-            u = uniforms[[subset[r] for r in rows]][:, None]
-            target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+            target = torch.minimum(uniforms[at][:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
             chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
-            tokens[[subset[r] for r in rows]] = columns.gather(1, chosen).squeeze(1)
+            tokens[at] = columns.gather(1, chosen).squeeze(1)
     return tokens
 
 
@@ -545,9 +551,13 @@ def _draw(probs: torch.Tensor, inputs: list[SamplingInput], generator: torch.Gen
     weight 0 is never drawn. That is one pass over the row's weights and no random number per token: the
     exponential race (argmax p / E, E ~ Exp(1)) drew one exponential per token, about 1.2 ms a row of SmolLM2's
     49,152 tokens on a CPU core, against about 10 us here."""
+    return _inverse_cdf(probs, _uniforms(inputs, generator, probs.device))
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``_draw``'s token of each row of ``probs`` for its uniform in ``u`` (float64, one a row)."""
     rows, vocab = probs.shape
     device = probs.device
-    u = _uniforms(inputs, generator, device)
     full = vocab // DRAW_BLOCK
     sums = [probs[:, : full * DRAW_BLOCK].view(rows, full, DRAW_BLOCK).sum(dim=-1)] if full else []
     if vocab > full * DRAW_BLOCK:  # the last, shorter block
