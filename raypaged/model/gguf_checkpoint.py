@@ -62,6 +62,21 @@ _GEMMA_CONFIG = {
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
 }
+# each architecture's metadata (after "<architecture>.") beyond _CONFIG -> the config's field; Phi-3's window:
+# raypaged keeps max_model_len within it, as for its folders
+_ARCHITECTURE_CONFIG = {
+    "qwen2moe": _EXPERT_CONFIG,
+    "qwen3moe": _EXPERT_CONFIG,
+    "gemma2": _GEMMA_CONFIG,
+    "gemma3": _GEMMA_CONFIG,
+    "phi3": {"attention.sliding_window": "sliding_window"},
+}
+# _REFUSED's metadata an architecture reads otherwise: Gemma's layers' windows, Phi-3's longrope attention factor
+_READ_BELOW = {
+    "gemma2": ("attention.sliding_window_pattern",),
+    "gemma3": ("attention.sliding_window_pattern",),
+    "phi3": ("rope.scaling.attn_factor",),
+}
 # Gemma's 27B models, by their layer count, whose queries llama.cpp scales by (hidden / heads) ** -0.5 as their
 # checkpoints' query_pre_attn_scalar says (every other Gemma's is its head_dim)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -89,8 +104,8 @@ _HEAD_DIM = {
     "gemma2": "attention.key_length",
     "gemma3": "attention.key_length",
 }
-# metadata the folder's config could not carry (after "<architecture>."), refused where present (experts outside
-# _EXPERTS, a sliding window outside Gemma's and Phi-3's; rope scaling other than _ROPE_SCALING's)
+# metadata the folder's config could not carry (after "<architecture>."), refused where present unless the
+# architecture's config carries it (_ARCHITECTURE_CONFIG) or it is read otherwise (_READ_BELOW)
 _REFUSED = {
     "expert_count": "experts",
     "attention.sliding_window": "a sliding window",
@@ -182,13 +197,9 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
             f"{gguf_path}: GGUF architecture {architecture!r} is not supported here; {', '.join(ARCHITECTURES)} are"
         )
     _, _, interleaved = ARCHITECTURES[architecture]
-    for key, what in _REFUSED.items():
-        if (
-            (key == "expert_count" and architecture in _EXPERTS)
-            or (key == "attention.sliding_window" and architecture in (*_GEMMA, "phi3"))
-            or (key == "attention.sliding_window_pattern" and architecture in _GEMMA)  # its layers', below
-            or (key == "rope.scaling.attn_factor" and architecture == "phi3")  # its longrope's: checked below
-        ):
+    mapping = {**_CONFIG, **_ARCHITECTURE_CONFIG.get(architecture, {})}
+    for key, what in _REFUSED.items():  # refused unless this architecture's config carries it or it is read below
+        if key in mapping or key in _READ_BELOW.get(architecture, ()):
             continue
         value = fields.get(f"{architecture}.{key}")
         if value not in (None, 0, "none"):
@@ -196,13 +207,6 @@ def read_gguf(gguf_path: Path) -> tuple[str, dict[str, Any], Iterator[tuple[str,
                 f"{gguf_path}: {architecture}.{key} = {value!r} ({what}) is not supported in GGUF files here: "
                 "serve the original model's folder"
             )
-    mapping = dict(_CONFIG)
-    if architecture in _EXPERTS:
-        mapping.update(_EXPERT_CONFIG)
-    if architecture in _GEMMA:
-        mapping.update(_GEMMA_CONFIG)
-    if architecture == "phi3":  # Phi-3's window: raypaged keeps max_model_len within it, as for its folders
-        mapping["attention.sliding_window"] = "sliding_window"
     config: dict[str, Any] = dict(_DEFAULTS.get(architecture, {}))
     config.update(
         (field, fields[f"{architecture}.{key}"]) for key, field in mapping.items() if f"{architecture}.{key}" in fields
