@@ -526,11 +526,8 @@ def _draw_candidates(logits: torch.Tensor, inputs: list[SamplingInput], generato
                 tokens[at] = _inverse_cdf(warped.softmax(dim=-1), uniforms[at])
                 continue
             columns, position = order.sort(dim=-1)
-            weights = ranked.softmax(dim=-1).gather(1, position)
-            cdf = weights.cumsum(dim=-1, dtype=torch.float64)
-            total = cdf[:, -1:]
-            target = torch.minimum(uniforms[at][:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-            chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+            cdf = ranked.softmax(dim=-1).gather(1, position).cumsum(dim=-1, dtype=torch.float64)
+            chosen, _ = _first_past(cdf, uniforms[at][:, None] * cdf[:, -1:])
             tokens[at] = columns.gather(1, chosen).squeeze(1)
     return tokens
 
@@ -563,19 +560,22 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if vocab > full * DRAW_BLOCK:  # the last, shorter block
         sums.append(probs[:, full * DRAW_BLOCK :].sum(dim=-1, keepdim=True))
     blocks_cdf = torch.cat(sums, dim=-1).double().cumsum(dim=-1)  # [rows, blocks]
-    total = blocks_cdf[:, -1:]
-    zero = torch.zeros_like(total)
-    target = torch.minimum(u[:, None] * total, torch.nextafter(total, zero))  # below the total: a weighted block
-    block = torch.searchsorted(blocks_cdf, target, right=True).clamp_(max=blocks_cdf.shape[-1] - 1)
-    before = torch.where(block > 0, blocks_cdf.gather(1, (block - 1).clamp(min=0)), zero)
+    block, target = _first_past(blocks_cdf, u[:, None] * blocks_cdf[:, -1:])
+    before = torch.where(block > 0, blocks_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
     columns = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=device)  # [rows, DRAW_BLOCK]
     inside = probs.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(columns >= vocab, 0.0)
-    inner_cdf = inside.cumsum(dim=-1, dtype=torch.float64)
-    last = inner_cdf[:, -1:]
-    # the block's float64 sum may fall a rounding short of its float32 one: stay below it (a weighted token)
-    offset = torch.minimum((target - before).clamp_(min=0.0), torch.nextafter(last, zero))
-    token = torch.searchsorted(inner_cdf, offset, right=True).clamp_(max=DRAW_BLOCK - 1)
+    # the block's float64 sum may fall a rounding short of its float32 one: _first_past stays below it
+    token, _ = _first_past(inside.cumsum(dim=-1, dtype=torch.float64), (target - before).clamp_(min=0.0))
     return (block * DRAW_BLOCK + token).squeeze(1).clamp_(max=vocab - 1)
+
+
+def _first_past(cdf: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first column whose cumulative weight in ``cdf`` [rows, columns] (float64) exceeds its ``target``
+    [rows, 1], with ``target`` kept below the row's total so that the column weighs above 0 (u x total may round
+    up to the total); the columns [rows, 1] and the targets as kept."""
+    total = cdf[:, -1:]
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1), target
 
 
 def _uniforms(inputs: list[SamplingInput], generator: torch.Generator, device: torch.device) -> torch.Tensor:
