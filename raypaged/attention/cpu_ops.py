@@ -3,8 +3,8 @@ one call (``cpu_prefill.c``), built with the host's C compiler into one library 
 ``cpu_fused.c`` (wrapped by ``cpu_fused``), the float ends of the int8 linear (``cpu_int8.c``, wrapped in
 ``raypaged.quantization.w8a8``), the fp32 linear on packed weights (``cpu_gemm.c``, wrapped in
 ``raypaged.model.layers``), a step's layers in one call (``cpu_step.c``, wrapped in
-``raypaged.model.cpu_step``) and greedy sampling's argmax and log-probability (``cpu_sample.c``, in
-``raypaged.worker.sampler``).
+``raypaged.model.cpu_step``) and sampling: greedy rows' argmax and log-probability, and plain sampled rows' draw
+(``cpu_sample.c``, in ``raypaged.worker.sampler``).
 
 The torch path (``torch_ops.paged_attention_decode``) copies every sequence's K/V blocks into a
 dense tensor before SDPA, so each cached token is read, written and read again. The C kernel reads
@@ -94,6 +94,7 @@ _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_step_layers": ((_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64,
                               _PTR, _PTR, _PTR, _PTR, _PTR, _INT), _INT),
     "raypaged_greedy_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT), _INT),
+    "raypaged_sample_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT), _INT),
     "raypaged_dequantize_fp8_f32": ((_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _INT), None),
     "raypaged_fake_quantize_fp8_f32": ((_PTR, _I64, _I64, _I64, _I64, _F32, _F32, _PTR, _INT), None),
     "raypaged_dequantize_w4_packed_f32": ((_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _INT), None),

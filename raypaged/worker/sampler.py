@@ -257,6 +257,72 @@ def _greedy_on_cpu(logits: torch.Tensor) -> tuple[list[int], list[float]] | None
     return None if refused else (token_ids.tolist(), logprobs.tolist())
 
 
+@functools.cache
+def _sample_kernel() -> Callable[..., int] | None:
+    """``cpu_sample.c``'s draw, or None where the CPU kernels do not build."""
+    from raypaged.attention import cpu_ops
+
+    try:
+        return cpu_ops.library().raypaged_sample_f32
+    except cpu_ops.KernelUnavailable:
+        return None
+
+
+def sampled_fast_path(
+    logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator
+) -> list[SampledToken] | None:
+    """``sample`` for a batch of CPU logits whose rows are plain (no penalties, bias, bans or ``min_tokens`` mask in
+    force, no logprobs shown), greedy or sampled: every row's token and raw log-probability in one C call
+    (``cpu_sample.c``), with no copy of the logits, no sort and no [rows, vocab] tensor written. The same
+    distribution as ``sample``: for the same uniform, the same token to float rounding (top-p's cut and the draw's
+    boundaries are summed in another order). None (``sample`` then runs) off the CPU, without the kernel, for a
+    row that is not plain, or for a batch with a row whose max or sum is not finite."""
+    if logits.device.type != "cpu" or _sample_kernel() is None or any(_penalized(s) or _asks(s) for s in inputs):
+        return None
+    params = [s.params for s in inputs]
+    uniforms = torch.zeros(len(inputs), dtype=torch.float64)
+    if sampled := [i for i, p in enumerate(params) if not p.greedy]:
+        uniforms[sampled] = _uniforms([inputs[i] for i in sampled], generator, logits.device)
+    if (drawn := _draw_on_cpu(logits, params, uniforms)) is None:
+        return None
+    return [SampledToken(t, lp, None) for t, lp in zip(*drawn)]
+
+
+def _draw_on_cpu(
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+) -> tuple[list[int], list[float]] | None:
+    """``cpu_sample.c``'s token (each row's ``params``, drawn by its uniform in ``uniforms``, float64) and raw
+    log-probability of each row of CPU ``logits`` [rows, vocab]; None without the kernel, for rows that are not
+    contiguous, or for a batch with a row whose max or sum is not finite (torch defines those cases)."""
+    kernel = _sample_kernel() if logits.dim() == 2 else None
+    logits = logits.float()
+    if kernel is None or logits.stride(1) != 1 or logits.shape[1] == 0:
+        return None
+    rows = len(params)
+    token_ids = torch.empty(rows, dtype=torch.long)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)  # held until the call returns
+    top_k = torch.tensor([p.top_k or 0 for p in params], dtype=torch.int64)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    uniforms = uniforms.to(torch.float64).contiguous()
+    refused = kernel(
+        logits.data_ptr(),
+        rows,
+        logits.shape[1],
+        logits.stride(0),
+        temperature.data_ptr(),
+        top_k.data_ptr(),
+        top_p.data_ptr(),
+        min_p.data_ptr(),
+        uniforms.data_ptr(),
+        token_ids.data_ptr(),
+        logprobs.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return None if refused else (token_ids.tolist(), logprobs.tolist())
+
+
 # the likeliest tokens a top-p row ranks first, then next, before it sorts its whole vocabulary
 _TOP_P_CANDIDATES = (64, 1024)
 

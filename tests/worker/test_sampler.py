@@ -1,5 +1,7 @@
 """The sampler: the greedy fast path equals the general one, and top-k/top-p rows equal a full sort of each row."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -369,3 +371,132 @@ def test_min_p_and_processed_logprobs_keep_a_row_on_the_whole_row_draw():
     assert not sampler._drawn_among_candidates(top_p, asks_processed=True)  # its logprobs are of the warped row
     assert not sampler._drawn_among_candidates(SamplingParams(temperature=1.0, top_p=0.9, min_p=0.1), False)
     assert not sampler._drawn_among_candidates(SamplingParams(temperature=1.0), False)  # every token a candidate
+
+
+CPU_DRAW = pytest.mark.skipif(sampler._sample_kernel() is None, reason="the CPU kernels do not build here")
+ROW_CHOICES = [
+    SamplingParams(temperature=0.8, top_p=0.95),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=1.0, top_k=40),
+    SamplingParams(temperature=0.7, top_k=200, top_p=0.9),
+    SamplingParams(temperature=1.2, top_p=0.5, seed=3),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=0.5, top_k=50, top_p=0.8, min_p=0.2),
+    SamplingParams(temperature=0.0),
+]
+
+
+def cpu_draw(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> tuple[list, list]:
+    drawn = sampler._draw_on_cpu(logits, params, uniforms)
+    assert drawn is not None
+    return drawn
+
+
+def torch_draw(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> list[int]:
+    """The torch path's tokens for these uniforms: ``_warped`` then the inverse CDF; a greedy row's argmax."""
+    tokens = logits.argmax(-1)
+    if sampled := [i for i, p in enumerate(params) if not p.greedy]:
+        probs = sampler._warped(logits[sampled].clone(), [params[i] for i in sampled])[1]
+        tokens[sampled] = sampler._inverse_cdf(probs, uniforms[sampled])
+    return tokens.tolist()
+
+
+@CPU_DRAW
+@pytest.mark.parametrize("vocab", [1, 5, 17, 1000, 1025, 3000])
+def test_cpu_draw_takes_the_torch_paths_token_for_each_uniform(vocab):
+    """Rows whose mass needs a few, many or all of their tokens (a flat row's top-p is found by splitting its
+    histogram's buckets), under temperature, top-k, top-p, min-p and their combinations, and greedy rows: for the
+    same uniforms, the tokens of warping and drawing each whole row, and the raw log-probability."""
+    rows = 240
+    generator = torch.Generator().manual_seed(vocab)
+    scales = torch.tensor([8.0, 2.5, 0.01])[torch.arange(rows) % 3][:, None]
+    logits = torch.randn(rows, vocab, generator=generator) * scales
+    params = [ROW_CHOICES[i % len(ROW_CHOICES)] for i in range(rows)]
+    uniforms = torch.rand(rows, generator=generator, dtype=torch.float64)
+    tokens, logprobs = cpu_draw(logits, params, uniforms)
+    assert tokens == torch_draw(logits, params, uniforms)
+    raw = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    assert logprobs == pytest.approx(raw.tolist(), abs=1e-5)
+
+
+def stable_reference_draw(row: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """One row in float64, tied logits in index order: temperature, top-k, top-p over the top-k's mass, min-p,
+    then the inverse CDF of the kept weights."""
+    x = row.double() / p.temperature
+    ranked, order = x.sort(descending=True, stable=True)
+    weights = (ranked - ranked[0]).exp()
+    keep = torch.ones_like(weights, dtype=torch.bool)
+    if p.top_k is not None:
+        keep[p.top_k :] = False
+    mass = weights.masked_fill(~keep, 0.0).cumsum(-1)
+    keep &= (mass - weights) < p.top_p * mass[-1]
+    keep &= weights >= p.min_p
+    kept = torch.zeros_like(x).index_put_((order,), weights.masked_fill(~keep, 0.0))
+    return inverse_cdf(kept.tolist(), u)
+
+
+@CPU_DRAW
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 5000])
+def test_cpu_draw_keeps_tied_tokens_in_index_order_and_never_draws_a_masked_one(vocab):
+    """Logits of six values (at 5,000 tokens, about 800 ties each: more than the kernel sorts) and rows masked to
+    -inf in part (a grammar's mask), most of them, or all but one: top-k and top-p keep tied tokens lowest index
+    first, and a -inf token is never drawn, however far a top-k reaches past the finite ones."""
+    rows = 120
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(0, 6, (rows, vocab), generator=generator).float() * 0.75
+    masked = torch.rand(rows, vocab, generator=generator) < torch.tensor([0.0, 0.5, 0.99])[torch.arange(rows) % 3, None]
+    logits[masked] = float("-inf")
+    logits[torch.arange(rows), torch.randint(0, vocab, (rows,), generator=generator)] = 4.5  # one finite at least
+    logits[-1] = float("-inf")
+    logits[-1, vocab // 2] = 0.0
+    choices = [
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=1.0, top_k=max(1, vocab // 2)),
+        SamplingParams(temperature=0.9, top_p=0.6),
+        SamplingParams(temperature=1.1, top_k=10, top_p=0.83),
+        SamplingParams(temperature=1.0, min_p=0.3),
+        SamplingParams(temperature=1.0, top_k=min(vocab, 4000), top_p=0.97),
+    ]
+    params = [choices[i % len(choices)] for i in range(rows)]
+    uniforms = torch.rand(rows, generator=generator, dtype=torch.float64)
+    tokens, _ = cpu_draw(logits, params, uniforms)
+    expected = [stable_reference_draw(logits[i], params[i], uniforms[i].item()) for i in range(rows)]
+    assert tokens == expected
+    assert all(logits[i, t] > float("-inf") for i, t in enumerate(tokens))
+    assert tokens[-1] == vocab // 2
+
+
+@CPU_DRAW
+def test_cpu_draw_leaves_a_row_with_nan_or_no_finite_logit_to_torch():
+    logits = torch.randn(3, 100)
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 3
+    uniforms = torch.full((3,), 0.5, dtype=torch.float64)
+    assert sampler._draw_on_cpu(logits, params, uniforms) is not None
+    for bad in (float("nan"), float("-inf")):
+        broken = logits.clone()
+        broken[1, :] = bad
+        assert sampler._draw_on_cpu(broken, params, uniforms) is None
+    broken[1, :] = 0.0
+    broken[1, 40] = float("nan")
+    assert sampler._draw_on_cpu(broken, params, uniforms) is None
+
+
+@CPU_DRAW
+def test_sampled_fast_path_draws_seeded_rows_as_sample_does_and_declines_what_it_cannot_do():
+    """A batch of seeded rows: the tokens ``sample`` draws; a row with a penalty, a bias, a ban, a min_tokens ban
+    in force or logprobs to show sends the whole batch to ``sample``."""
+    torch.manual_seed(3)
+    logits = torch.randn(8, 2000) * 3
+    batch = [SamplingInput(dataclasses.replace(ROW_CHOICES[i], seed=100 + i), [5], list(range(i)), 2) for i in range(8)]
+    fast = sampler.sampled_fast_path(logits, batch, torch.Generator())
+    general = sample(logits, batch, torch.Generator())
+    assert [t.token_id for t in fast] == [t.token_id for t in general]
+    assert [t.logprob for t in fast] == pytest.approx([t.logprob for t in general], abs=1e-5)
+    for declined in (
+        SamplingParams(temperature=1.0, logprobs=0),
+        SamplingParams(temperature=1.0, presence_penalty=0.5),
+        SamplingParams(temperature=1.0, logit_bias={3: 1.0}),
+        SamplingParams(temperature=1.0, bad_words_token_ids=[[4]]),
+        SamplingParams(temperature=1.0, min_tokens=20, max_tokens=30),
+    ):
+        assert sampler.sampled_fast_path(logits, batch[:7] + inputs(declined, 1), torch.Generator()) is None
