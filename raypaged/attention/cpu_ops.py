@@ -94,7 +94,7 @@ _SIGNATURES = {  # symbol: (argument types, result type)
     "raypaged_step_layers": ((_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64,
                               _PTR, _PTR, _PTR, _PTR, _PTR, _INT), _INT),
     "raypaged_greedy_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT), _INT),
-    "raypaged_sample_f32": ((_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT), _INT),
+    "raypaged_sample_f32": ((_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT), _INT),
     "raypaged_dequantize_fp8_f32": ((_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _INT), None),
     "raypaged_fake_quantize_fp8_f32": ((_PTR, _I64, _I64, _I64, _I64, _F32, _F32, _PTR, _INT), None),
     "raypaged_dequantize_w4_packed_f32": ((_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _INT), None),

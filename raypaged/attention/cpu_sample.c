@@ -300,11 +300,13 @@ static int64_t draw(const float *x, const float *w, int64_t vocab, prefix keep, 
     return last;
 }
 
-/* Writes token_ids[r] and logprobs[r] (the raw log-probability) for rows [0, rows): a row of temperature 0 takes
- * its argmax; top_k 0 and top_p 1 keep every token. Returns 0, or 1 + the first row left to torch. */
-int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_t row_stride, const float *temperature,
-                        const int64_t *top_k, const float *top_p, const float *min_p, const double *uniforms,
-                        int64_t *token_ids, float *logprobs, int num_threads) {
+/* Writes token_ids[r] and logprobs[r] for rows [0, rows) of `logits`: a row of temperature 0 takes its argmax; top_k
+ * 0 and top_p 1 keep every token. The log-probability is of the same row of `raw` (the logits before penalties and
+ * bans), or of `logits` when `raw` is NULL. Returns 0, or 1 + the first row left to torch. */
+int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_t row_stride, const float *raw,
+                        int64_t raw_stride, const float *temperature, const int64_t *top_k, const float *top_p,
+                        const float *min_p, const double *uniforms, int64_t *token_ids, float *logprobs,
+                        int num_threads) {
     int64_t refused = rows; /* the lowest row whose max or sum is not finite, or that found no memory */
 #pragma omp parallel num_threads(num_threads) reduction(min : refused)
     {
@@ -318,11 +320,17 @@ int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_
         const int ready = s != NULL && weights != NULL && tokens != NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; ++r) {
-            const float *x = logits + r * row_stride;
-            float max;
+            const float *x = logits + r * row_stride, *y = raw == NULL ? x : raw + r * raw_stride;
+            float max, raw_max;
             int64_t chosen = row_argmax(x, vocab, &max);
-            const double raw_sum = isfinite(max) ? row_exp_sum(x, vocab, max, 1.0f, NULL) : NAN;
-            if (!ready || !isfinite(raw_sum)) {
+            double sum = isfinite(max) ? row_exp_sum(x, vocab, max, 1.0f, NULL) : NAN, raw_sum = sum;
+            if (y != x) { /* the logprob is of the raw row */
+                row_argmax(y, vocab, &raw_max);
+                raw_sum = isfinite(raw_max) ? row_exp_sum(y, vocab, raw_max, 1.0f, NULL) : NAN;
+            } else {
+                raw_max = max;
+            }
+            if (!ready || !isfinite(sum) || !isfinite(raw_sum)) {
                 refused = r < refused ? r : refused;
                 continue;
             }
@@ -342,7 +350,7 @@ int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_
                 chosen = draw(x, weights, vocab, keep, min_p[r], uniforms[r]);
             }
             token_ids[r] = chosen;
-            logprobs[r] = (float)((double)(x[chosen] - max) - log(raw_sum));
+            logprobs[r] = (float)((double)(y[chosen] - raw_max) - log(raw_sum));
         }
         free(tokens);
         free(weights);

@@ -65,8 +65,7 @@ def sample(
     token: ``NoTokenLeft``)."""
     raw = logits.float()
     raw_logprobs = torch.log_softmax(raw, dim=-1)
-    # penalties, biases and bans write into a copy; without any, the raw logits are read as they are
-    logits = _apply_penalties(raw.clone(), inputs) if any(map(_penalized, inputs)) else raw
+    logits = _processed(raw, inputs)
     dead = None  # rows their masks left no token (their draws, in range, are void)
     if grammar_masked or any(s.params.allowed_token_ids is not None or s.params.bad_words_token_ids for s in inputs):
         dead = torch.isneginf(logits.amax(dim=-1))
@@ -271,32 +270,36 @@ def _sample_kernel() -> Callable[..., int] | None:
 def sampled_fast_path(
     logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator
 ) -> list[SampledToken] | None:
-    """``sample`` for a batch of CPU logits whose rows are plain (no penalties, bias, bans or ``min_tokens`` mask in
-    force, no logprobs shown), greedy or sampled: every row's token and raw log-probability in one C call
-    (``cpu_sample.c``), with no copy of the logits, no sort and no [rows, vocab] tensor written. The same
-    distribution as ``sample``: for the same uniform, the same token to float rounding (top-p's cut and the draw's
-    boundaries are summed in another order). None (``sample`` then runs) off the CPU, without the kernel, for a
-    row that is not plain, or for a batch with a row whose max or sum is not finite."""
-    if logits.device.type != "cpu" or _sample_kernel() is None or any(_penalized(s) or _asks(s) for s in inputs):
+    """``sample`` for a batch of CPU logits whose rows show no logprobs, greedy or sampled: every row's token and raw
+    log-probability in one C call (``cpu_sample.c``), with no sort and no [rows, vocab] tensor written (penalties,
+    biases and bans apply as in ``sample``, to a copy, when a row has any). The same distribution as ``sample``: for
+    the same uniform, the same token to float rounding (top-p's cut and the draw's boundaries are summed in another
+    order). None (``sample`` then runs) off the CPU, without the kernel, for a batch with a row that shows logprobs,
+    or with a row whose max or sum is not finite (a row its bans left no token among them)."""
+    if logits.device.type != "cpu" or _sample_kernel() is None or any(map(_asks, inputs)):
         return None
+    raw = logits.float()
+    processed = _processed(raw, inputs)
     params = [s.params for s in inputs]
     uniforms = torch.zeros(len(inputs), dtype=torch.float64)
     if sampled := [i for i, p in enumerate(params) if not p.greedy]:
         uniforms[sampled] = _uniforms([inputs[i] for i in sampled], generator, logits.device)
-    if (drawn := _draw_on_cpu(logits, params, uniforms)) is None:
+    if (drawn := _draw_on_cpu(processed, params, uniforms, raw)) is None:
         return None
     return [SampledToken(t, lp, None) for t, lp in zip(*drawn)]
 
 
 def _draw_on_cpu(
-    logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor, raw: torch.Tensor | None = None
 ) -> tuple[list[int], list[float]] | None:
-    """``cpu_sample.c``'s token (each row's ``params``, drawn by its uniform in ``uniforms``, float64) and raw
-    log-probability of each row of CPU ``logits`` [rows, vocab]; None without the kernel, for rows that are not
-    contiguous, or for a batch with a row whose max or sum is not finite (torch defines those cases)."""
+    """``cpu_sample.c``'s token (each row's ``params``, drawn by its uniform in ``uniforms``, float64) of each row of
+    CPU ``logits`` [rows, vocab], and its log-probability in ``raw`` (the logits before penalties and bans; by
+    default ``logits``); None without the kernel, for rows that are not contiguous, or for a batch with a row whose
+    max or sum is not finite (torch defines those cases)."""
     kernel = _sample_kernel() if logits.dim() == 2 else None
     logits = logits.float()
-    if kernel is None or logits.stride(1) != 1 or logits.shape[1] == 0:
+    raw = logits if raw is None else raw.float()
+    if kernel is None or logits.stride(1) != 1 or raw.stride(1) != 1 or logits.shape[1] == 0:
         return None
     rows = len(params)
     token_ids = torch.empty(rows, dtype=torch.long)
@@ -311,6 +314,8 @@ def _draw_on_cpu(
         rows,
         logits.shape[1],
         logits.stride(0),
+        None if raw is logits else raw.data_ptr(),
+        raw.stride(0),
         temperature.data_ptr(),
         top_k.data_ptr(),
         top_p.data_ptr(),
@@ -339,6 +344,11 @@ def _apply_penalties(logits: torch.Tensor, inputs: list[SamplingInput]) -> torch
     _bad_words(logits, inputs)
     _min_tokens_bans(logits, inputs)
     return logits
+
+
+def _processed(raw: torch.Tensor, inputs: list[SamplingInput]) -> torch.Tensor:
+    """The logits drawn from: penalties, biases and bans applied to a copy of ``raw``; without any, ``raw`` itself."""
+    return _apply_penalties(raw.clone(), inputs) if any(map(_penalized, inputs)) else raw
 
 
 def _penalized(row: SamplingInput) -> bool:

@@ -483,20 +483,30 @@ def test_cpu_draw_leaves_a_row_with_nan_or_no_finite_logit_to_torch():
 
 @CPU_DRAW
 def test_sampled_fast_path_draws_seeded_rows_as_sample_does_and_declines_what_it_cannot_do():
-    """A batch of seeded rows: the tokens ``sample`` draws; a row with a penalty, a bias, a ban, a min_tokens ban
-    in force or logprobs to show sends the whole batch to ``sample``."""
+    """Batches of seeded rows, plain, then with penalties, a bias, bans and a min_tokens ban in force (applied to a
+    copy as ``sample`` applies them; the logprob stays the raw row's): the tokens and logprobs ``sample`` gives. A
+    row with logprobs to show sends the whole batch to ``sample``, and so does a row its bans leave no token."""
     torch.manual_seed(3)
     logits = torch.randn(8, 2000) * 3
     batch = [SamplingInput(dataclasses.replace(ROW_CHOICES[i], seed=100 + i), [5], list(range(i)), 2) for i in range(8)]
-    fast = sampler.sampled_fast_path(logits, batch, torch.Generator())
-    general = sample(logits, batch, torch.Generator())
-    assert [t.token_id for t in fast] == [t.token_id for t in general]
-    assert [t.logprob for t in fast] == pytest.approx([t.logprob for t in general], abs=1e-5)
-    for declined in (
-        SamplingParams(temperature=1.0, logprobs=0),
-        SamplingParams(temperature=1.0, presence_penalty=0.5),
-        SamplingParams(temperature=1.0, logit_bias={3: 1.0}),
-        SamplingParams(temperature=1.0, bad_words_token_ids=[[4]]),
-        SamplingParams(temperature=1.0, min_tokens=20, max_tokens=30),
-    ):
-        assert sampler.sampled_fast_path(logits, batch[:7] + inputs(declined, 1), torch.Generator()) is None
+    penalized = [
+        dataclasses.replace(ROW_CHOICES[0], seed=7, repetition_penalty=1.3),
+        dataclasses.replace(ROW_CHOICES[1], seed=8, presence_penalty=0.5, frequency_penalty=0.7),
+        dataclasses.replace(ROW_CHOICES[2], seed=9, logit_bias={int(logits[2].argmax()): -100.0, 3: 5.0}),
+        dataclasses.replace(ROW_CHOICES[3], seed=10, allowed_token_ids=[3, 5, 8, 13, 21]),
+        dataclasses.replace(ROW_CHOICES[7], bad_words_token_ids=[[int(logits[5].argmax())]]),
+        dataclasses.replace(ROW_CHOICES[7], min_tokens=20, max_tokens=30, stop_token_ids=[int(logits[6].argmax())]),
+        dataclasses.replace(ROW_CHOICES[7], repetition_penalty=2.0),
+    ]
+    mixed = batch[:1] + [SamplingInput(p, [5, 6, 7], [1, 1, 2, 3, 5, 8], 2) for p in penalized]
+    for rows in (batch, mixed):
+        fast = sampler.sampled_fast_path(logits, rows, torch.Generator())
+        general = sample(logits, rows, torch.Generator())
+        assert [t.token_id for t in fast] == [t.token_id for t in general]
+        assert [t.logprob for t in fast] == pytest.approx([t.logprob for t in general], abs=1e-5)
+    assert fast[4].token_id in [3, 5, 8, 13, 21]  # mixed's row 4: penalized[3]
+    assert fast[5].token_id != int(logits[5].argmax()) and fast[6].token_id != int(logits[6].argmax())
+    shows_logprobs = SamplingParams(temperature=1.0, logprobs=0)
+    assert sampler.sampled_fast_path(logits, batch[:7] + inputs(shows_logprobs, 1), torch.Generator()) is None
+    no_token = SamplingParams(temperature=1.0, allowed_token_ids=[3], bad_words_token_ids=[[3]])
+    assert sampler.sampled_fast_path(logits, batch[:7] + inputs(no_token, 1), torch.Generator()) is None
