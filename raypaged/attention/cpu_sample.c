@@ -208,13 +208,13 @@ static inline float floor_at(float max, double depth, float temperature) {
     return floor_x > -FLT_MAX ? (float)floor_x : -INFINITY;
 }
 
-/* The shortest prefix of the order whose count reaches `count` (when count > 0), else whose weight reaches `mass`;
+/* The shortest prefix of the order whose count reaches `count` (when count > 0), else whose weight (of `w`, NULL for
+ * none) reaches `mass`;
  * the whole row when none does (a mass that the bucket sums reach and the tokens' running sum misses by rounding).
  * Only the tokens of logit at least `floor_x` (a prefix of the order) are looked at: for a count, while they are
  * fewer, those 4x as far below the max, then all; for a mass, the caller chose `floor_x` to be enough. */
-static prefix shortest_prefix(const float *x, int64_t vocab, float max, int64_t count, double mass, float floor_x,
-                              scratch *s) {
-    const float *w = s->weights;
+static prefix shortest_prefix(const float *x, const float *w, int64_t vocab, float max, int64_t count, double mass,
+                              float floor_x, scratch *s) {
     int64_t n_before = 0; /* the count and weight of the order before the tokens being split */
     double m_before = 0.0;
     int64_t n = gather(x, vocab, floor_x, s->tokens);
@@ -237,7 +237,7 @@ static prefix shortest_prefix(const float *x, int64_t vocab, float max, int64_t 
         for (int64_t j = 0; j < n; ++j) {
             const int c = tokens[j].x > -INFINITY ? bucket(hi, tokens[j].x, split_scale, HIST - 2) : HIST - 1;
             s->count[c] += 1;
-            s->mass[c] += w[tokens[j].i];
+            s->mass[c] += w != NULL ? w[tokens[j].i] : 0.0f;
         }
         const int b = walk(s, HIST, count, mass, &n_before, &m_before);
         int64_t left = 0;
@@ -256,7 +256,7 @@ static prefix shortest_prefix(const float *x, int64_t vocab, float max, int64_t 
             if (sorted || (tokens[j].x == hi) == (pass == 0)) {
                 at = tokens[j];
                 n_before += 1;
-                m_before += w[at.i];
+                m_before += w != NULL ? w[at.i] : 0.0f;
                 if (REACHED(count, mass, n_before, m_before)) return (prefix){at.x, at.i, m_before};
             }
     return (prefix){at.x, at.i, m_before}; /* the bucket's sum reached it, the tokens' running one did not */
@@ -300,12 +300,39 @@ static int64_t draw(const float *x, const float *w, int64_t vocab, prefix keep, 
     return last;
 }
 
+/* 1 + the number of the row's logits above `value`: its rank (1: the likeliest). */
+static int64_t rank_of(const float *y, int64_t vocab, float value) {
+    const vecf zero = {0}, v = zero + value;
+    veci above = (veci)(zero - zero); /* each lane's count */
+    int64_t t = 0;
+    for (; t + LANES <= vocab; t += LANES) above -= load(y + t) > v; /* a true compare is -1 */
+    int64_t count = 1;
+    for (int l = 0; l < LANES; ++l) count += above[l];
+    for (; t < vocab; ++t) count += y[t] > value;
+    return count;
+}
+
+/* The row's `n` largest logits, in the order (descending, then index ascending), into s->tokens[0, n); n. */
+static int64_t top_tokens(const float *y, int64_t vocab, float max, int64_t n, scratch *s) {
+    if (n <= 0) return 0;
+    const prefix last = shortest_prefix(y, NULL, vocab, max, n, 0.0, floor_at(max, TOP_K_DEPTH, 1.0f), s);
+    const int64_t found = gather(y, vocab, last.x, s->tokens); /* the prefix, and ties after its last token */
+    int64_t in = 0;
+    for (int64_t j = 0; j < found; ++j)
+        if (kept(s->tokens[j].x, s->tokens[j].i, last)) s->tokens[in++] = s->tokens[j];
+    qsort(s->tokens, (size_t)in, sizeof(token), by_order);
+    return in < n ? in : n;
+}
+
 /* Writes token_ids[r] and logprobs[r] for rows [0, rows) of `logits`: a row of temperature 0 takes its argmax; top_k
  * 0 and top_p 1 keep every token. The log-probability is of the same row of `raw` (the logits before penalties and
- * bans), or of `logits` when `raw` is NULL. Returns 0, or 1 + the first row left to torch. */
+ * bans), or of `logits` when `raw` is NULL. With `tops`, a row whose tops[r] is not negative also gets the token's
+ * rank in that row (ranks[r]) and the row's tops[r] likeliest tokens and their log-probabilities, likeliest first
+ * (top_ids and top_logprobs, [rows, max_top]). Returns 0, or 1 + the first row left to torch. */
 int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_t row_stride, const float *raw,
                         int64_t raw_stride, const float *temperature, const int64_t *top_k, const float *top_p,
                         const float *min_p, const double *uniforms, int64_t *token_ids, float *logprobs,
+                        const int64_t *tops, int64_t max_top, int64_t *ranks, int64_t *top_ids, float *top_logprobs,
                         int num_threads) {
     int64_t refused = rows; /* the lowest row whose max or sum is not finite, or that found no memory */
 #pragma omp parallel num_threads(num_threads) reduction(min : refused)
@@ -338,19 +365,29 @@ int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_
             if (t > 0.0f) {
                 prefix keep = {-INFINITY, vocab, row_exp_sum(x, vocab, max, t, weights)};
                 if (top_k[r] > 0 && top_k[r] < vocab)
-                    keep = shortest_prefix(x, vocab, max, top_k[r], 0.0, floor_at(max, TOP_K_DEPTH, t), s);
+                    keep = shortest_prefix(x, weights, vocab, max, top_k[r], 0.0, floor_at(max, TOP_K_DEPTH, t), s);
                 if (top_p[r] < 1.0f) {
                     /* within the top-k; without one, past this depth every token weighs below exp(-depth), all of
                      * them together below 1 - top_p of the kept mass (at least the max's 1): the prefix ends before */
                     const double depth = log((double)vocab / (1.0 - top_p[r])) + 1.0;
                     const float floor_x = keep.i < vocab ? keep.x : floor_at(max, depth, t);
-                    const prefix p = shortest_prefix(x, vocab, max, 0, (double)top_p[r] * keep.mass, floor_x, s);
+                    const double mass = (double)top_p[r] * keep.mass;
+                    const prefix p = shortest_prefix(x, weights, vocab, max, 0, mass, floor_x, s);
                     keep = ahead(p.x, p.i, keep.x, keep.i) ? p : keep;
                 }
                 chosen = draw(x, weights, vocab, keep, min_p[r], uniforms[r]);
             }
             token_ids[r] = chosen;
-            logprobs[r] = (float)((double)(y[chosen] - raw_max) - log(raw_sum));
+            const double log_sum = log(raw_sum);
+            logprobs[r] = (float)((double)(y[chosen] - raw_max) - log_sum);
+            if (tops != NULL && tops[r] >= 0) {
+                ranks[r] = rank_of(y, vocab, y[chosen]);
+                const int64_t n = top_tokens(y, vocab, raw_max, tops[r] < vocab ? tops[r] : vocab, s);
+                for (int64_t j = 0; j < n; ++j) {
+                    top_ids[r * max_top + j] = s->tokens[j].i;
+                    top_logprobs[r * max_top + j] = (float)((double)(s->tokens[j].x - raw_max) - log_sum);
+                }
+            }
         }
         free(tokens);
         free(weights);

@@ -510,7 +510,7 @@ class ModelRunner:
         try:
             tokens = greedy_fast_path(logits, inputs)
             if tokens is None:
-                tokens = sampled_fast_path(logits, inputs, self.generator)  # plain rows on CPU, in C
+                tokens = sampled_fast_path(logits, inputs, self.generator, self.logprobs_mode)  # on CPU, in C
             if tokens is None:
                 tokens = sample(logits, inputs, self.generator, self.logprobs_mode, grammar is not None)  # on device
             out = self._runner_output(rows, tokens)

@@ -24,6 +24,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -268,15 +269,21 @@ def _sample_kernel() -> Callable[..., int] | None:
 
 
 def sampled_fast_path(
-    logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator
+    logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator, logprobs_mode: str = RAW_LOGPROBS
 ) -> list[SampledToken] | None:
-    """``sample`` for a batch of CPU logits whose rows show no logprobs, greedy or sampled: every row's token and raw
-    log-probability in one C call (``cpu_sample.c``), with no sort and no [rows, vocab] tensor written (penalties,
-    biases and bans apply as in ``sample``, to a copy, when a row has any). The same distribution as ``sample``: for
-    the same uniform, the same token to float rounding (top-p's cut and the draw's boundaries are summed in another
-    order). None (``sample`` then runs) off the CPU, without the kernel, for a batch with a row that shows logprobs,
-    or with a row whose max or sum is not finite (a row its bans left no token among them)."""
-    if logits.device.type != "cpu" or _sample_kernel() is None or any(map(_asks, inputs)):
+    """``sample`` for a batch of CPU logits, greedy or sampled: every row's token, raw log-probability and the raw
+    logprobs it shows (its rank and the top ``logprobs``) in one C call (``cpu_sample.c``), with no sort and no
+    [rows, vocab] tensor written (penalties, biases and bans apply as in ``sample``, to a copy, when a row has any).
+    The same distribution as ``sample``: for the same uniform, the same token to float rounding (top-p's cut and the
+    draw's boundaries are summed in another order). None (``sample`` then runs) off the CPU, without the kernel, for
+    a batch with a row asking for ``logprob_token_ids`` or (in another ``logprobs_mode`` than raw logprobs) showing
+    logprobs, or with a row whose max or sum is not finite (a row its bans left no token among them)."""
+    if (
+        logits.device.type != "cpu"
+        or _sample_kernel() is None
+        or any(s.params.logprob_token_ids for s in inputs)
+        or (logprobs_mode != RAW_LOGPROBS and any(map(_asks, inputs)))
+    ):
         return None
     raw = logits.float()
     processed = _processed(raw, inputs)
@@ -286,16 +293,30 @@ def sampled_fast_path(
         uniforms[sampled] = _uniforms([inputs[i] for i in sampled], generator, logits.device)
     if (drawn := _draw_on_cpu(processed, params, uniforms, raw)) is None:
         return None
-    return [SampledToken(t, lp, None) for t, lp in zip(*drawn)]
+    return [
+        SampledToken(token, logprob, None if n is None else logprob_entry(token, logprob, rank, ids[:n], values[:n]))
+        for n, token, logprob, rank, ids, values in zip((p.logprobs for p in params), *drawn)
+    ]
+
+
+class Drawn(NamedTuple):
+    """``_draw_on_cpu``'s rows: each token, its raw log-probability, and for the rows showing logprobs its rank and
+    the row's likeliest tokens and their log-probabilities (empty lists for the others, and 0 ranks)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 def _draw_on_cpu(
     logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor, raw: torch.Tensor | None = None
-) -> tuple[list[int], list[float]] | None:
+) -> Drawn | None:
     """``cpu_sample.c``'s token (each row's ``params``, drawn by its uniform in ``uniforms``, float64) of each row of
     CPU ``logits`` [rows, vocab], and its log-probability in ``raw`` (the logits before penalties and bans; by
-    default ``logits``); None without the kernel, for rows that are not contiguous, or for a batch with a row whose
-    max or sum is not finite (torch defines those cases)."""
+    default ``logits``), with the raw logprobs a row's ``logprobs`` asks for; None without the kernel, for rows that
+    are not contiguous, or for a batch with a row whose max or sum is not finite (torch defines those cases)."""
     kernel = _sample_kernel() if logits.dim() == 2 else None
     logits = logits.float()
     raw = logits if raw is None else raw.float()
@@ -309,6 +330,12 @@ def _draw_on_cpu(
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     uniforms = uniforms.to(torch.float64).contiguous()
+    shown = [-1 if p.logprobs is None else min(p.logprobs, logits.shape[1]) for p in params]
+    max_top = max(max(shown), 0)
+    tops = torch.tensor(shown, dtype=torch.int64)
+    ranks = torch.zeros(rows, dtype=torch.int64)
+    top_ids = torch.zeros(rows, max_top, dtype=torch.int64)
+    top_logprobs = torch.zeros(rows, max_top, dtype=torch.float32)
     refused = kernel(
         logits.data_ptr(),
         rows,
@@ -323,9 +350,16 @@ def _draw_on_cpu(
         uniforms.data_ptr(),
         token_ids.data_ptr(),
         logprobs.data_ptr(),
+        tops.data_ptr() if max(shown) >= 0 else None,
+        max_top,
+        ranks.data_ptr(),
+        top_ids.data_ptr(),
+        top_logprobs.data_ptr(),
         torch.get_num_threads(),
     )
-    return None if refused else (token_ids.tolist(), logprobs.tolist())
+    if refused:
+        return None
+    return Drawn(token_ids.tolist(), logprobs.tolist(), ranks.tolist(), top_ids.tolist(), top_logprobs.tolist())
 
 
 # the likeliest tokens a top-p row ranks first, then next, before it sorts its whole vocabulary

@@ -1,4 +1,5 @@
-"""The sampler: the greedy fast path equals the general one, and top-k/top-p rows equal a full sort of each row."""
+"""The sampler: the greedy fast path and the CPU draw in C equal the general path, and top-k/top-p rows equal a full
+sort of each row."""
 
 import dataclasses
 
@@ -389,7 +390,7 @@ ROW_CHOICES = [
 def cpu_draw(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> tuple[list, list]:
     drawn = sampler._draw_on_cpu(logits, params, uniforms)
     assert drawn is not None
-    return drawn
+    return drawn.token_ids, drawn.logprobs
 
 
 def torch_draw(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> list[int]:
@@ -506,7 +507,41 @@ def test_sampled_fast_path_draws_seeded_rows_as_sample_does_and_declines_what_it
         assert [t.logprob for t in fast] == pytest.approx([t.logprob for t in general], abs=1e-5)
     assert fast[4].token_id in [3, 5, 8, 13, 21]  # mixed's row 4: penalized[3]
     assert fast[5].token_id != int(logits[5].argmax()) and fast[6].token_id != int(logits[6].argmax())
-    shows_logprobs = SamplingParams(temperature=1.0, logprobs=0)
-    assert sampler.sampled_fast_path(logits, batch[:7] + inputs(shows_logprobs, 1), torch.Generator()) is None
+    asks_ids = SamplingParams(temperature=1.0, logprobs=0, logprob_token_ids=[4])
+    assert sampler.sampled_fast_path(logits, batch[:7] + inputs(asks_ids, 1), torch.Generator()) is None
     no_token = SamplingParams(temperature=1.0, allowed_token_ids=[3], bad_words_token_ids=[[3]])
     assert sampler.sampled_fast_path(logits, batch[:7] + inputs(no_token, 1), torch.Generator()) is None
+
+
+@CPU_DRAW
+def test_sampled_fast_path_shows_the_raw_logprobs_sample_shows():
+    """Rows showing 0, 1, 5 and 20 logprobs beside rows showing none, greedy, sampled and penalized: the chosen
+    token's rank and the likeliest tokens in order, with their log-probabilities, as ``sample`` gives them (raw
+    logprobs); another logprobs mode goes to ``sample``."""
+    from raypaged.sampling_params import PROCESSED_LOGPROBS
+
+    torch.manual_seed(5)
+    logits = torch.randn(8, 3000) * torch.tensor([0.5, 2.0, 4.0, 8.0] * 2)[:, None]
+    shown = [0, 1, 5, 20, None, 5, 3, None]
+    batch = [
+        SamplingInput(
+            dataclasses.replace(ROW_CHOICES[i], seed=30 + i, logprobs=shown[i], repetition_penalty=1.0 + 0.2 * (i % 2)),
+            [5, 6],
+            [int(logits[i].argmax()), 7],
+            2,
+        )
+        for i in range(8)
+    ]
+    fast = sampler.sampled_fast_path(logits, batch, torch.Generator())
+    general = sample(logits, batch, torch.Generator())
+    assert [t.token_id for t in fast] == [t.token_id for t in general]
+    for row, (f, g) in enumerate(zip(fast, general)):
+        assert f.logprob == pytest.approx(g.logprob, abs=1e-5)
+        if shown[row] is None:
+            assert f.top_logprobs is None and g.top_logprobs is None
+            continue
+        assert list(f.top_logprobs) == list(g.top_logprobs) and len(f.top_logprobs) >= shown[row]
+        for token_id, entry in f.top_logprobs.items():
+            assert entry.rank == g.top_logprobs[token_id].rank
+            assert entry.logprob == pytest.approx(g.top_logprobs[token_id].logprob, abs=1e-5)
+    assert sampler.sampled_fast_path(logits, batch, torch.Generator(), PROCESSED_LOGPROBS) is None
