@@ -71,7 +71,7 @@ class PhaseTimer:
         self._wrap(runner, "prepare_inputs", "prepare")
         self._wrap(engine.executor, "execute_model", "_execute")
         self._wrap(engine, "step", "_step")
-        for name in ("sample", "greedy_fast_path", "sampled_fast_path"):
+        for name in ("sample", "greedy_fast_path"):
             self._wrap(model_runner_module, name, "sample")
 
     def _wrap(self, owner: object, name: str, phase: str) -> None:

@@ -19,7 +19,8 @@
  * DRAW_BLOCK, picks the block holding u x the total, then the token within it.
  *
  * A row whose max is not finite (a NaN, or +-inf at the max) or whose sum is not finite (a NaN past the max) is left
- * to torch: the function returns that row's index + 1, and the caller takes the general path for the whole batch.
+ * to torch: greedy returns that row's index + 1, and the caller takes the general path for the whole batch; the
+ * sampled draw gives that row token -1, and the caller draws it (it alone) in torch.
  * Rows are split between the threads; each row is one thread's, so the result does not depend on the thread count.
  */
 #include <float.h>
@@ -328,14 +329,14 @@ static int64_t top_tokens(const float *y, int64_t vocab, float max, int64_t n, s
  * 0 and top_p 1 keep every token. The log-probability is of the same row of `raw` (the logits before penalties and
  * bans), or of `logits` when `raw` is NULL. With `tops`, a row whose tops[r] is not negative also gets the token's
  * rank in that row (ranks[r]) and the row's tops[r] likeliest tokens and their log-probabilities, likeliest first
- * (top_ids and top_logprobs, [rows, max_top]). Returns 0, or 1 + the first row left to torch. */
+ * (top_ids and top_logprobs, [rows, max_top]). A row left to torch gets token -1; returns their number. */
 int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_t row_stride, const float *raw,
                         int64_t raw_stride, const float *temperature, const int64_t *top_k, const float *top_p,
                         const float *min_p, const double *uniforms, int64_t *token_ids, float *logprobs,
                         const int64_t *tops, int64_t max_top, int64_t *ranks, int64_t *top_ids, float *top_logprobs,
                         int num_threads) {
-    int64_t refused = rows; /* the lowest row whose max or sum is not finite, or that found no memory */
-#pragma omp parallel num_threads(num_threads) reduction(min : refused)
+    int64_t refused = 0; /* rows whose max or sum is not finite, or that found no memory */
+#pragma omp parallel num_threads(num_threads) reduction(+ : refused)
     {
         scratch *s = malloc(sizeof(scratch));
         float *weights = malloc((size_t)vocab * sizeof(float));
@@ -358,7 +359,8 @@ int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_
                 raw_max = max;
             }
             if (!ready || !isfinite(sum) || !isfinite(raw_sum)) {
-                refused = r < refused ? r : refused;
+                token_ids[r] = -1;
+                refused += 1;
                 continue;
             }
             const float t = temperature[r];
@@ -393,5 +395,5 @@ int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_
         free(weights);
         free(s);
     }
-    return refused < rows ? (int)(refused + 1) : 0;
+    return (int)refused;
 }

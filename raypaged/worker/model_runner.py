@@ -35,7 +35,6 @@ from raypaged.worker.sampler import (
     greedy_fast_path,
     logprob_entry,
     sample,
-    sampled_fast_path,
     token_ranks,
 )
 
@@ -509,8 +508,6 @@ class ModelRunner:
         inputs = [self._sampling_input(self.requests[request_id], j) for request_id, j in rows]
         try:
             tokens = greedy_fast_path(logits, inputs)
-            if tokens is None:
-                tokens = sampled_fast_path(logits, inputs, self.generator, self.logprobs_mode)  # on CPU, in C
             if tokens is None:
                 tokens = sample(logits, inputs, self.generator, self.logprobs_mode, grammar is not None)  # on device
             out = self._runner_output(rows, tokens)

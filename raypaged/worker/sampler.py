@@ -15,7 +15,9 @@ tensors on that device, and only the chosen tokens, their logprobs and the top
 logprobs asked for cross to the host; no batch x vocabulary copy. Unseeded rows draw
 their uniforms from the runner's generator on that device; a seeded row's comes
 from a CPU generator (one number, copied over), so a seeded request draws
-the same uniform on every device.
+the same uniform on every device. On CPU the rows are drawn in C (``cpu_sample.c``: no sort, no
+[rows, vocab] tensor written), but for rows that ask for ``logprob_token_ids`` or processed logprobs,
+which torch draws; a row's own parameters pick its path, and both give the same token for the same uniform.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -63,7 +65,43 @@ def sample(
     logprobs, best_of and beam ranking) is its raw log-probability; the logprobs rows ask for are of
     ``logprobs_mode`` (vLLM's ``--logprobs-mode``, see ``LOGPROBS_MODES``). ``grammar_masked``: a grammar's
     bitmask was applied to some rows (with ``allowed_token_ids`` and ``bad_words``, what can leave a row no
-    token: ``NoTokenLeft``)."""
+    token: ``NoTokenLeft``).
+
+    On CPU the rows ``_in_c`` takes are drawn by ``cpu_sample.c`` in one call, the others (and any row the kernel
+    leaves: a max or sum that is not finite) in torch. Which path draws a row depends on that row alone, never on
+    its batch, and both give the same token for the same uniform (to float rounding)."""
+    count = len(inputs)
+    tokens: list[SampledToken | None] = [None] * count
+    on_cpu = logits.device.type == "cpu" and _sample_kernel() is not None
+    if on_cpu and (in_c := [i for i, s in enumerate(inputs) if _in_c(s.params, logprobs_mode)]):
+        part = logits if len(in_c) == count else logits[in_c]
+        for i, token in zip(in_c, _sample_in_c(part, [inputs[i] for i in in_c], generator) or []):
+            tokens[i] = token
+    if rest := [i for i, token in enumerate(tokens) if token is None]:
+        part = logits if len(rest) == count else logits[rest]
+        try:
+            drawn = _sample_in_torch(part, [inputs[i] for i in rest], generator, logprobs_mode, grammar_masked)
+        except NoTokenLeft as empty:
+            raise NoTokenLeft([rest[r] for r in empty.rows]) from None
+        for i, token in zip(rest, drawn):
+            tokens[i] = token
+    return cast(list[SampledToken], tokens)
+
+
+def _in_c(params: SamplingParams, logprobs_mode: str) -> bool:
+    """Whether ``cpu_sample.c`` draws a row of these parameters on CPU: it asks for no ``logprob_token_ids`` and
+    shows no logprobs in a mode other than raw logprobs."""
+    return not params.logprob_token_ids and (params.logprobs is None or logprobs_mode == RAW_LOGPROBS)
+
+
+def _sample_in_torch(
+    logits: torch.Tensor,
+    inputs: list[SamplingInput],
+    generator: torch.Generator,
+    logprobs_mode: str = RAW_LOGPROBS,
+    grammar_masked: bool = False,
+) -> list[SampledToken]:
+    """``sample`` in torch ops, where the logits are (the GPU with CUDA)."""
     raw = logits.float()
     raw_logprobs = torch.log_softmax(raw, dim=-1)
     logits = _processed(raw, inputs)
@@ -268,23 +306,14 @@ def _sample_kernel() -> Callable[..., int] | None:
         return None
 
 
-def sampled_fast_path(
-    logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator, logprobs_mode: str = RAW_LOGPROBS
-) -> list[SampledToken] | None:
-    """``sample`` for a batch of CPU logits, greedy or sampled: every row's token, raw log-probability and the raw
-    logprobs it shows (its rank and the top ``logprobs``) in one C call (``cpu_sample.c``), with no sort and no
-    [rows, vocab] tensor written (penalties, biases and bans apply as in ``sample``, to a copy, when a row has any).
-    The same distribution as ``sample``: for the same uniform, the same token to float rounding (top-p's cut and the
-    draw's boundaries are summed in another order). None (``sample`` then runs) off the CPU, without the kernel, for
-    a batch with a row asking for ``logprob_token_ids`` or (in another ``logprobs_mode`` than raw logprobs) showing
-    logprobs, or with a row whose max or sum is not finite (a row its bans left no token among them)."""
-    if (
-        logits.device.type != "cpu"
-        or _sample_kernel() is None
-        or any(s.params.logprob_token_ids for s in inputs)
-        or (logprobs_mode != RAW_LOGPROBS and any(map(_asks, inputs)))
-    ):
-        return None
+def _sample_in_c(
+    logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator
+) -> list[SampledToken | None] | None:
+    """``sample``'s tokens of CPU logits in one C call (``cpu_sample.c``): each row's token, raw log-probability and
+    the raw logprobs it shows (its rank and the top ``logprobs``), with no sort and no [rows, vocab] tensor written
+    (penalties, biases and bans apply as in torch, to a copy, when a row has any). None for a row the kernel leaves
+    to torch (a max or sum that is not finite: a row its bans left no token among them); None in all for logits it
+    cannot read."""
     raw = logits.float()
     processed = _processed(raw, inputs)
     params = [s.params for s in inputs]
@@ -294,14 +323,16 @@ def sampled_fast_path(
     if (drawn := _draw_on_cpu(processed, params, uniforms, raw)) is None:
         return None
     return [
-        SampledToken(token, logprob, None if n is None else logprob_entry(token, logprob, rank, ids[:n], values[:n]))
-        for n, token, logprob, rank, ids, values in zip((p.logprobs for p in params), *drawn)
+        None
+        if token < 0
+        else SampledToken(token, logprob, None if n is None else logprob_entry(token, logprob, rank, ids[:n], vals[:n]))
+        for n, token, logprob, rank, ids, vals in zip((p.logprobs for p in params), *drawn)
     ]
 
 
 class Drawn(NamedTuple):
-    """``_draw_on_cpu``'s rows: each token, its raw log-probability, and for the rows showing logprobs its rank and
-    the row's likeliest tokens and their log-probabilities (empty lists for the others, and 0 ranks)."""
+    """``_draw_on_cpu``'s rows: each token (-1 for a row left to torch), its raw log-probability, and for the rows
+    showing logprobs its rank and the row's likeliest tokens and their log-probabilities (zeros for the others)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -315,8 +346,8 @@ def _draw_on_cpu(
 ) -> Drawn | None:
     """``cpu_sample.c``'s token (each row's ``params``, drawn by its uniform in ``uniforms``, float64) of each row of
     CPU ``logits`` [rows, vocab], and its log-probability in ``raw`` (the logits before penalties and bans; by
-    default ``logits``), with the raw logprobs a row's ``logprobs`` asks for; None without the kernel, for rows that
-    are not contiguous, or for a batch with a row whose max or sum is not finite (torch defines those cases)."""
+    default ``logits``), with the raw logprobs a row's ``logprobs`` asks for; a row whose max or sum is not finite
+    gets token -1 (torch defines those cases). None without the kernel, or for rows that are not contiguous."""
     kernel = _sample_kernel() if logits.dim() == 2 else None
     logits = logits.float()
     raw = logits if raw is None else raw.float()
@@ -336,7 +367,7 @@ def _draw_on_cpu(
     ranks = torch.zeros(rows, dtype=torch.int64)
     top_ids = torch.zeros(rows, max_top, dtype=torch.int64)
     top_logprobs = torch.zeros(rows, max_top, dtype=torch.float32)
-    refused = kernel(
+    kernel(
         logits.data_ptr(),
         rows,
         logits.shape[1],
@@ -357,8 +388,6 @@ def _draw_on_cpu(
         top_logprobs.data_ptr(),
         torch.get_num_threads(),
     )
-    if refused:
-        return None
     return Drawn(token_ids.tolist(), logprobs.tolist(), ranks.tolist(), top_ids.tolist(), top_logprobs.tolist())
 
 

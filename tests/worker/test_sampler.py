@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from raypaged.sampling_params import SamplingParams
+from raypaged.sampling_params import RAW_LOGPROBS, SamplingParams
 from raypaged.worker import sampler
 from raypaged.worker.sampler import SamplingInput, greedy_fast_path, sample
 
@@ -22,7 +22,7 @@ def test_greedy_fast_path_equals_sample():
     logits = torch.randn(6, 1000) * 4
     batch = inputs(SamplingParams(temperature=0.0, max_tokens=8), 6)
     fast = greedy_fast_path(logits, batch)
-    general = sample(logits, batch, torch.Generator().manual_seed(0))
+    general = sampler._sample_in_torch(logits, batch, torch.Generator().manual_seed(0))
     assert [(t.token_id, t.top_logprobs) for t in fast] == [(t.token_id, t.top_logprobs) for t in general]
     assert [t.token_id for t in fast] == logits.argmax(-1).tolist()
     assert [t.logprob for t in fast] == pytest.approx([t.logprob for t in general], abs=2e-6)
@@ -469,24 +469,28 @@ def test_cpu_draw_keeps_tied_tokens_in_index_order_and_never_draws_a_masked_one(
 
 @CPU_DRAW
 def test_cpu_draw_leaves_a_row_with_nan_or_no_finite_logit_to_torch():
+    """Such a row gets token -1 (``sample`` draws it in torch, which names a row of -inf alone), and the other rows
+    their tokens as without it."""
     logits = torch.randn(3, 100)
     params = [SamplingParams(temperature=1.0, top_p=0.9)] * 3
     uniforms = torch.full((3,), 0.5, dtype=torch.float64)
-    assert sampler._draw_on_cpu(logits, params, uniforms) is not None
+    clean = cpu_draw(logits, params, uniforms)[0]
+    assert min(clean) >= 0
     for bad in (float("nan"), float("-inf")):
         broken = logits.clone()
         broken[1, :] = bad
-        assert sampler._draw_on_cpu(broken, params, uniforms) is None
+        assert cpu_draw(broken, params, uniforms)[0] == [clean[0], -1, clean[2]]
     broken[1, :] = 0.0
     broken[1, 40] = float("nan")
-    assert sampler._draw_on_cpu(broken, params, uniforms) is None
+    assert cpu_draw(broken, params, uniforms)[0] == [clean[0], -1, clean[2]]
 
 
 @CPU_DRAW
-def test_sampled_fast_path_draws_seeded_rows_as_sample_does_and_declines_what_it_cannot_do():
+def test_rows_drawn_in_c_take_the_tokens_and_logprobs_of_torch_and_each_row_picks_its_own_path():
     """Batches of seeded rows, plain, then with penalties, a bias, bans and a min_tokens ban in force (applied to a
-    copy as ``sample`` applies them; the logprob stays the raw row's): the tokens and logprobs ``sample`` gives. A
-    row with logprobs to show sends the whole batch to ``sample``, and so does a row its bans leave no token."""
+    copy as torch applies them; the logprob stays the raw row's): C's tokens and logprobs are torch's. A row asking
+    for ``logprob_token_ids`` is drawn in torch, and a row its bans leave no token is named, without changing any
+    other row's token."""
     torch.manual_seed(3)
     logits = torch.randn(8, 2000) * 3
     batch = [SamplingInput(dataclasses.replace(ROW_CHOICES[i], seed=100 + i), [5], list(range(i)), 2) for i in range(8)]
@@ -501,23 +505,30 @@ def test_sampled_fast_path_draws_seeded_rows_as_sample_does_and_declines_what_it
     ]
     mixed = batch[:1] + [SamplingInput(p, [5, 6, 7], [1, 1, 2, 3, 5, 8], 2) for p in penalized]
     for rows in (batch, mixed):
-        fast = sampler.sampled_fast_path(logits, rows, torch.Generator())
-        general = sample(logits, rows, torch.Generator())
-        assert [t.token_id for t in fast] == [t.token_id for t in general]
-        assert [t.logprob for t in fast] == pytest.approx([t.logprob for t in general], abs=1e-5)
-    assert fast[4].token_id in [3, 5, 8, 13, 21]  # mixed's row 4: penalized[3]
-    assert fast[5].token_id != int(logits[5].argmax()) and fast[6].token_id != int(logits[6].argmax())
+        in_c = sampler._sample_in_c(logits, rows, torch.Generator())
+        in_torch = sampler._sample_in_torch(logits, rows, torch.Generator())
+        assert [t.token_id for t in in_c] == [t.token_id for t in in_torch]
+        assert [t.logprob for t in in_c] == pytest.approx([t.logprob for t in in_torch], abs=1e-5)
+        assert [t.token_id for t in sample(logits, rows, torch.Generator())] == [t.token_id for t in in_c]
+    assert in_c[4].token_id in [3, 5, 8, 13, 21]  # mixed's row 4: penalized[3]
+    assert in_c[5].token_id != int(logits[5].argmax()) and in_c[6].token_id != int(logits[6].argmax())
+    alone = [t.token_id for t in sample(logits[:7], batch[:7], torch.Generator())]
     asks_ids = SamplingParams(temperature=1.0, logprobs=0, logprob_token_ids=[4])
-    assert sampler.sampled_fast_path(logits, batch[:7] + inputs(asks_ids, 1), torch.Generator()) is None
+    assert not sampler._in_c(asks_ids, RAW_LOGPROBS)
+    beside = sample(logits, batch[:7] + inputs(asks_ids, 1), torch.Generator())
+    assert [t.token_id for t in beside[:7]] == alone and list(beside[7].top_logprobs)[1:] == [4]
     no_token = SamplingParams(temperature=1.0, allowed_token_ids=[3], bad_words_token_ids=[[3]])
-    assert sampler.sampled_fast_path(logits, batch[:7] + inputs(no_token, 1), torch.Generator()) is None
+    assert sampler._sample_in_c(logits[:2], [*inputs(no_token, 1), batch[0]], torch.Generator())[0] is None
+    with pytest.raises(sampler.NoTokenLeft) as raised:
+        sample(logits, batch[:6] + inputs(no_token, 1) + batch[6:7], torch.Generator())
+    assert raised.value.rows == [6]
 
 
 @CPU_DRAW
-def test_sampled_fast_path_shows_the_raw_logprobs_sample_shows():
+def test_rows_drawn_in_c_show_the_raw_logprobs_torch_shows():
     """Rows showing 0, 1, 5 and 20 logprobs beside rows showing none, greedy, sampled and penalized: the chosen
-    token's rank and the likeliest tokens in order, with their log-probabilities, as ``sample`` gives them (raw
-    logprobs); another logprobs mode goes to ``sample``."""
+    token's rank and the likeliest tokens in order, with their log-probabilities, as torch gives them (raw
+    logprobs); in another logprobs mode, rows showing logprobs are drawn in torch."""
     from raypaged.sampling_params import PROCESSED_LOGPROBS
 
     torch.manual_seed(5)
@@ -532,16 +543,16 @@ def test_sampled_fast_path_shows_the_raw_logprobs_sample_shows():
         )
         for i in range(8)
     ]
-    fast = sampler.sampled_fast_path(logits, batch, torch.Generator())
-    general = sample(logits, batch, torch.Generator())
-    assert [t.token_id for t in fast] == [t.token_id for t in general]
-    for row, (f, g) in enumerate(zip(fast, general)):
-        assert f.logprob == pytest.approx(g.logprob, abs=1e-5)
+    in_c = sampler._sample_in_c(logits, batch, torch.Generator())
+    in_torch = sampler._sample_in_torch(logits, batch, torch.Generator())
+    assert [t.token_id for t in in_c] == [t.token_id for t in in_torch]
+    for row, (c, t) in enumerate(zip(in_c, in_torch)):
+        assert c.logprob == pytest.approx(t.logprob, abs=1e-5)
         if shown[row] is None:
-            assert f.top_logprobs is None and g.top_logprobs is None
+            assert c.top_logprobs is None and t.top_logprobs is None
             continue
-        assert list(f.top_logprobs) == list(g.top_logprobs) and len(f.top_logprobs) >= shown[row]
-        for token_id, entry in f.top_logprobs.items():
-            assert entry.rank == g.top_logprobs[token_id].rank
-            assert entry.logprob == pytest.approx(g.top_logprobs[token_id].logprob, abs=1e-5)
-    assert sampler.sampled_fast_path(logits, batch, torch.Generator(), PROCESSED_LOGPROBS) is None
+        assert list(c.top_logprobs) == list(t.top_logprobs) and len(c.top_logprobs) >= shown[row]
+        for token_id, entry in c.top_logprobs.items():
+            assert entry.rank == t.top_logprobs[token_id].rank
+            assert entry.logprob == pytest.approx(t.top_logprobs[token_id].logprob, abs=1e-5)
+    assert [sampler._in_c(s.params, PROCESSED_LOGPROBS) for s in batch] == [n is None for n in shown]
