@@ -20,6 +20,8 @@ from safetensors import safe_open
 MAX_TOKENS = 100
 PROMPT_LEN = (50, 200)
 RESULTS_DIR = Path(__file__).parent / "results"
+# --sampling: greedy, or the article's own example's sampling (section 5: temperature 0.8, top_p 0.95)
+SAMPLING = {"greedy": {"temperature": 0.0}, "article": {"temperature": 0.8, "top_p": 0.95}}
 CONTENTION_NOTE = (
     "taken on a shared machine while other work (tests) may run: numbers under contention are "
     "indicative only; compare systems within one run, not across runs"

@@ -1,8 +1,8 @@
 """W7: the engine's host cost per sequence-step, where the model costs almost nothing (CPU).
 
 A synthetic Llama (1 layer, hidden 64, random weights, SmolLM2's byte-level BPE
-tokenizer) runs greedy decode batches of 1/32/128/256/512 sequences through
-``LLMEngine.step()``. Every phase of a step is timed: schedule, prepare inputs,
+tokenizer) runs greedy decode batches (sampled with ``--sampling article``) of
+1/32/128/256/512 sequences through ``LLMEngine.step()``. Every phase of a step is timed: schedule, prepare inputs,
 model (forward and logits), sample, update (scheduler bookkeeping), output
 (detokenizing, stop strings, building outputs). Reported in microseconds per
 sequence-step. A second measurement runs 32 sequences for 4,000 tokens and
@@ -12,6 +12,7 @@ servers do.
 
     python benchmarks/engine_overhead.py            # batches 1..512, 4,000-token run
     python benchmarks/engine_overhead.py --quick    # batches 1, 32, 256; 1,000-token run
+    python benchmarks/engine_overhead.py --quick --sampling article --name engine_overhead_sampled
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import CONTENTION_NOTE, load_average, machine_info, pyplot, write_json
+from common import CONTENTION_NOTE, SAMPLING, load_average, machine_info, pyplot, write_json
 
 from raypaged.config import EngineConfig
 from raypaged.engine.llm_engine import LLMEngine
@@ -114,19 +115,23 @@ def make_engine(model_dir: Path, num_seqs: int, max_model_len: int) -> LLMEngine
     )
 
 
-def add_requests(engine: LLMEngine, num_seqs: int, max_tokens: int, stop: list[str]) -> None:
+def add_requests(engine: LLMEngine, num_seqs: int, max_tokens: int, stop: list[str], sampling: str) -> None:
     generator = torch.Generator().manual_seed(0)
     for i in range(num_seqs):
         prompt = torch.randint(100, 40000, (PROMPT_LEN,), generator=generator).tolist()
         params = SamplingParams(
-            temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=stop, output_kind=RequestOutputKind.DELTA
+            **SAMPLING[sampling],
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            stop=stop,
+            output_kind=RequestOutputKind.DELTA,
         )  # what the servers ask for
         engine.add_request(None, params, request_id=f"r{i}", prompt_token_ids=prompt)
 
 
-def decode_batch(model_dir: Path, num_seqs: int, steps: int, stop: list[str]) -> dict:
+def decode_batch(model_dir: Path, num_seqs: int, steps: int, stop: list[str], sampling: str) -> dict:
     engine = make_engine(model_dir, num_seqs, 256)
-    add_requests(engine, num_seqs, steps + 12, stop)
+    add_requests(engine, num_seqs, steps + 12, stop, sampling)
     timer = PhaseTimer(engine)
     for _ in range(10):  # prefill and warm-up
         engine.step()
@@ -147,9 +152,9 @@ def decode_batch(model_dir: Path, num_seqs: int, steps: int, stop: list[str]) ->
     }
 
 
-def long_generation(model_dir: Path, num_seqs: int, num_tokens: int, window: int) -> dict:
+def long_generation(model_dir: Path, num_seqs: int, num_tokens: int, window: int, sampling: str) -> dict:
     engine = make_engine(model_dir, num_seqs, num_tokens + PROMPT_LEN + 8)
-    add_requests(engine, num_seqs, num_tokens, [])
+    add_requests(engine, num_seqs, num_tokens, [], sampling)
     timer = PhaseTimer(engine)
     engine.step()  # prefill
     per_step: list[float] = []
@@ -194,6 +199,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=None, help="measured decode steps per batch size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the model is tiny)")
+    parser.add_argument(
+        "--sampling", default="greedy", choices=list(SAMPLING), help="greedy, or article: temperature 0.8, top_p 0.95"
+    )
+    parser.add_argument("--name", default="engine_overhead", help="results file stem under benchmarks/results/")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = (1, 32, 256) if args.quick else (1, 32, 128, 256, 512)
@@ -204,27 +213,28 @@ def main() -> None:
         "load_average_start": load_average(),
         "note": CONTENTION_NOTE,
         "phases": PHASES,
+        "sampling": SAMPLING[args.sampling],
     }
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_model(Path(tmp))
         rows = []
         for num_seqs in batches:
-            row = decode_batch(model_dir, num_seqs, steps, stop=[])
+            row = decode_batch(model_dir, num_seqs, steps, [], args.sampling)
             rows.append(row)
             split = " ".join(f"{k}={v:.1f}" for k, v in row["us_per_seq_step"].items())
             print(
                 f"batch {num_seqs:4d}: host {row['host_us_per_seq_step']:6.1f} µs/seq-step ({split}); "
                 f"{row['wall_ms_per_step']:.2f} ms/step"
             )
-        stops = decode_batch(model_dir, 32, steps, stop=["never-matched stop", "another one"])
+        stops = decode_batch(model_dir, 32, steps, ["never-matched stop", "another one"], args.sampling)
         print(f"batch 32 with two stop strings: output {stops['us_per_seq_step']['output']:.1f} µs/seq-step")
-        long = long_generation(model_dir, 32, num_tokens, 100)
+        long = long_generation(model_dir, 32, num_tokens, 100, args.sampling)
         print(
             f"{num_tokens}-token generation at 32: output {long['output_us_first']:.1f} µs/seq-step over the first "
             f"100 steps, {long['output_us_last']:.1f} over the last 100 ({long['last_over_first']:.2f}x)"
         )
     report.update(batches=rows, with_stop_strings=stops, long_generation=long, load_average_end=load_average())
-    path = write_json("engine_overhead", report)
+    path = write_json(args.name, report)
     plot(rows, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
 

@@ -44,6 +44,7 @@ from common import (
     MAX_TOKENS,
     PROMPT_LEN,
     RESULTS_DIR,
+    SAMPLING,
     Prompts,
     build_prompts,
     check_args,
@@ -57,8 +58,6 @@ from common import (
 
 from raypaged.model.default_model import default_model_dir
 
-# --sampling: greedy, or the article's own example's sampling (section 5: temperature 0.8, top_p 0.95)
-SAMPLING = {"greedy": {"temperature": 0.0}, "article": {"temperature": 0.8, "top_p": 0.95}}
 SYSTEMS = {
     "raypaged": "raypaged `LLM.generate`",
     "hf-single": "transformers `generate`, one request at a time",
