@@ -301,6 +301,36 @@ static int64_t draw(const float *x, const float *w, int64_t vocab, prefix keep, 
     return last;
 }
 
+/* This thread's scratch for rows of `vocab` tokens, kept from call to call (OpenMP's threads live on, and a fresh
+ * ~600 KB allocation a call would be mapped and zeroed anew by the kernel each time), grown when a vocabulary is
+ * larger; NULL when memory runs out. */
+static scratch *thread_scratch(int64_t vocab) {
+    static __thread scratch *kept = NULL;
+    static __thread int64_t capacity = 0;
+    if (kept != NULL && capacity >= vocab) return kept;
+    if (kept != NULL) {
+        free(kept->weights);
+        free(kept->tokens);
+        free(kept);
+        kept = NULL;
+        capacity = 0;
+    }
+    scratch *s = malloc(sizeof(scratch));
+    float *weights = malloc((size_t)vocab * sizeof(float));
+    token *tokens = malloc((size_t)vocab * sizeof(token));
+    if (s == NULL || weights == NULL || tokens == NULL) {
+        free(s);
+        free(weights);
+        free(tokens);
+        return NULL;
+    }
+    s->weights = weights;
+    s->tokens = tokens;
+    kept = s;
+    capacity = vocab;
+    return kept;
+}
+
 /* 1 + the number of the row's logits above `value`: its rank (1: the likeliest). */
 static int64_t rank_of(const float *y, int64_t vocab, float value) {
     const vecf zero = {0}, v = zero + value;
@@ -338,14 +368,9 @@ int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_
     int64_t refused = 0; /* rows whose max or sum is not finite, or that found no memory */
 #pragma omp parallel num_threads(num_threads) reduction(+ : refused)
     {
-        scratch *s = malloc(sizeof(scratch));
-        float *weights = malloc((size_t)vocab * sizeof(float));
-        token *tokens = malloc((size_t)vocab * sizeof(token));
-        if (s != NULL) {
-            s->weights = weights;
-            s->tokens = tokens;
-        }
-        const int ready = s != NULL && weights != NULL && tokens != NULL;
+        scratch *s = thread_scratch(vocab);
+        const int ready = s != NULL;
+        float *weights = ready ? s->weights : NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; ++r) {
             const float *x = logits + r * row_stride, *y = raw == NULL ? x : raw + r * raw_stride;
@@ -391,9 +416,6 @@ int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_
                 }
             }
         }
-        free(tokens);
-        free(weights);
-        free(s);
     }
     return (int)refused;
 }
