@@ -95,18 +95,15 @@ def _in_c(params: SamplingParams, logprobs_mode: str) -> bool:
 
 
 def _sample_in_torch(
-    logits: torch.Tensor,
-    inputs: list[SamplingInput],
-    generator: torch.Generator,
-    logprobs_mode: str = RAW_LOGPROBS,
-    grammar_masked: bool = False,
+    logits: torch.Tensor, inputs: list[SamplingInput], generator: torch.Generator, logprobs_mode: str, masked: bool
 ) -> list[SampledToken]:
-    """``sample`` in torch ops, where the logits are (the GPU with CUDA)."""
+    """``sample`` in torch ops, where the logits are (the GPU with CUDA); ``masked``: ``sample``'s
+    ``grammar_masked``."""
     raw = logits.float()
     raw_logprobs = torch.log_softmax(raw, dim=-1)
     logits = _processed(raw, inputs)
     dead = None  # rows their masks left no token (their draws, in range, are void)
-    if grammar_masked or any(s.params.allowed_token_ids is not None or s.params.bad_words_token_ids for s in inputs):
+    if masked or any(s.params.allowed_token_ids is not None or s.params.bad_words_token_ids for s in inputs):
         dead = torch.isneginf(logits.amax(dim=-1))
 
     token_ids = torch.empty(len(inputs), dtype=torch.long, device=logits.device)
@@ -237,18 +234,7 @@ def greedy_fast_path(logits: torch.Tensor, inputs: list[SamplingInput]) -> list[
     they are (on a GPU only two numbers per row cross to the host); ``None`` when any row
     needs the general path (or has no finite logit, which the general path names)."""
     for s in inputs:
-        p = s.params
-        if (
-            not p.greedy
-            or p.logprobs is not None
-            or p.repetition_penalty != 1.0
-            or p.presence_penalty
-            or p.frequency_penalty
-            or len(s.output_token_ids) < p.min_tokens
-            or p.logit_bias
-            or p.allowed_token_ids is not None
-            or p.bad_words_token_ids
-        ):
+        if not s.params.greedy or s.params.logprobs is not None or _penalized(s):
             return None
     logits = logits.float()
     if (picked := _greedy_on_cpu(logits)) is not None:
@@ -261,14 +247,24 @@ def greedy_fast_path(logits: torch.Tensor, inputs: list[SamplingInput]) -> list[
 
 
 @functools.cache
-def _greedy_kernel() -> Callable[..., int] | None:
-    """``cpu_sample.c``'s argmax and log-probability, or None where the CPU kernels do not build."""
+def _cpu_kernel(name: str) -> Callable[..., int] | None:
+    """``cpu_sample.c``'s function ``name``, or None where the CPU kernels do not build."""
     from raypaged.attention import cpu_ops
 
     try:
-        return cpu_ops.library().raypaged_greedy_f32
+        return getattr(cpu_ops.library(), name)
     except cpu_ops.KernelUnavailable:
         return None
+
+
+def _greedy_kernel() -> Callable[..., int] | None:
+    """The argmax and log-probability of each row."""
+    return _cpu_kernel("raypaged_greedy_f32")
+
+
+def _sample_kernel() -> Callable[..., int] | None:
+    """The draw of each row, with its logprobs."""
+    return _cpu_kernel("raypaged_sample_f32")
 
 
 def _greedy_on_cpu(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
@@ -293,17 +289,6 @@ def _greedy_on_cpu(logits: torch.Tensor) -> tuple[list[int], list[float]] | None
         torch.get_num_threads(),
     )
     return None if refused else (token_ids.tolist(), logprobs.tolist())
-
-
-@functools.cache
-def _sample_kernel() -> Callable[..., int] | None:
-    """``cpu_sample.c``'s draw, or None where the CPU kernels do not build."""
-    from raypaged.attention import cpu_ops
-
-    try:
-        return cpu_ops.library().raypaged_sample_f32
-    except cpu_ops.KernelUnavailable:
-        return None
 
 
 def _sample_in_c(

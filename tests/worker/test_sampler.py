@@ -22,7 +22,7 @@ def test_greedy_fast_path_equals_sample():
     logits = torch.randn(6, 1000) * 4
     batch = inputs(SamplingParams(temperature=0.0, max_tokens=8), 6)
     fast = greedy_fast_path(logits, batch)
-    general = sampler._sample_in_torch(logits, batch, torch.Generator().manual_seed(0))
+    general = sampler._sample_in_torch(logits, batch, torch.Generator().manual_seed(0), RAW_LOGPROBS, False)
     assert [(t.token_id, t.top_logprobs) for t in fast] == [(t.token_id, t.top_logprobs) for t in general]
     assert [t.token_id for t in fast] == logits.argmax(-1).tolist()
     assert [t.logprob for t in fast] == pytest.approx([t.logprob for t in general], abs=2e-6)
@@ -506,7 +506,7 @@ def test_rows_drawn_in_c_take_the_tokens_and_logprobs_of_torch_and_each_row_pick
     mixed = batch[:1] + [SamplingInput(p, [5, 6, 7], [1, 1, 2, 3, 5, 8], 2) for p in penalized]
     for rows in (batch, mixed):
         in_c = sampler._sample_in_c(logits, rows, torch.Generator())
-        in_torch = sampler._sample_in_torch(logits, rows, torch.Generator())
+        in_torch = sampler._sample_in_torch(logits, rows, torch.Generator(), RAW_LOGPROBS, False)
         assert [t.token_id for t in in_c] == [t.token_id for t in in_torch]
         assert [t.logprob for t in in_c] == pytest.approx([t.logprob for t in in_torch], abs=1e-5)
         assert [t.token_id for t in sample(logits, rows, torch.Generator())] == [t.token_id for t in in_c]
@@ -544,7 +544,7 @@ def test_rows_drawn_in_c_show_the_raw_logprobs_torch_shows():
         for i in range(8)
     ]
     in_c = sampler._sample_in_c(logits, batch, torch.Generator())
-    in_torch = sampler._sample_in_torch(logits, batch, torch.Generator())
+    in_torch = sampler._sample_in_torch(logits, batch, torch.Generator(), RAW_LOGPROBS, False)
     assert [t.token_id for t in in_c] == [t.token_id for t in in_torch]
     for row, (c, t) in enumerate(zip(in_c, in_torch)):
         assert c.logprob == pytest.approx(t.logprob, abs=1e-5)
