@@ -403,6 +403,11 @@ int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_
                     keep = ahead(p.x, p.i, keep.x, keep.i) ? p : keep;
                 }
                 chosen = draw(x, weights, vocab, keep, min_p[r], uniforms[r]);
+                if (chosen < 0) { /* no kept token weighs anything: never so while the max is kept, as it always is */
+                    token_ids[r] = -1;
+                    refused += 1;
+                    continue;
+                }
             }
             token_ids[r] = chosen;
             const double log_sum = log(raw_sum);
