@@ -3,8 +3,8 @@ one call (``cpu_prefill.c``), built with the host's C compiler into one library 
 ``cpu_fused.c`` (wrapped by ``cpu_fused``), the float ends of the int8 linear (``cpu_int8.c``, wrapped in
 ``raypaged.quantization.w8a8``), the fp32 linear on packed weights (``cpu_gemm.c``, wrapped in
 ``raypaged.model.layers``), a step's layers in one call (``cpu_step.c``, wrapped in
-``raypaged.model.cpu_step``) and sampling: greedy rows' argmax and log-probability, and plain sampled rows' draw
-(``cpu_sample.c``, in ``raypaged.worker.sampler``).
+``raypaged.model.cpu_step``) and sampling: greedy rows' argmax and log-probability, and every row's draw with its raw
+logprobs (``cpu_sample.c``, in ``raypaged.worker.sampler``).
 
 The torch path (``torch_ops.paged_attention_decode``) copies every sequence's K/V blocks into a
 dense tensor before SDPA, so each cached token is read, written and read again. The C kernel reads

@@ -158,19 +158,21 @@ typedef struct {
     double mass[HIST];
 } scratch;
 
-/* The bucket of a logit x: (top - x) x scale clamped to [0, last]; never decreasing as x decreases. */
-static inline int bucket(float top, float x, float scale, int last) {
+/* The bucket of a logit x: (top - x) x scale clamped to [0, HIST - 2], never decreasing as x decreases; a -inf goes
+ * in the last, HIST - 1. */
+static inline int bucket(float top, float x, float scale) {
+    if (!(x > -INFINITY)) return HIST - 1;
     const float d = (top - x) * scale;
-    return d < (float)last ? (int)d : last;
+    return d < (float)(HIST - 2) ? (int)d : HIST - 2;
 }
 
 /* Whether a prefix of count n and weight m reaches `count` (when count > 0), else `mass`. */
 #define REACHED(count, mass, n, m) ((count) > 0 ? (n) >= (count) : (m) >= (mass))
 
-/* The first of the histogram's `buckets` at which the order's prefix reaches `count` or `mass`, the counts and
- * weights of the buckets before it added to *n and *m; the last bucket holding a token when none does (rounding). */
-static int walk(const scratch *s, int buckets, int64_t count, double mass, int64_t *n, double *m) {
-    int last = buckets - 1;
+/* The first bucket of the histogram at which the order's prefix reaches `count` or `mass`, the counts and weights of
+ * the buckets before it added to *n and *m; the last bucket holding a token when none does (rounding). */
+static int walk(const scratch *s, int64_t count, double mass, int64_t *n, double *m) {
+    int last = HIST - 1;
     while (last > 0 && s->count[last] == 0) --last;
     int b = 0;
     for (; b < last && !REACHED(count, mass, *n + s->count[b], *m + s->mass[b]); ++b) {
@@ -210,8 +212,8 @@ static inline float floor_at(float max, double depth, float temperature) {
 }
 
 /* The shortest prefix of the order whose count reaches `count` (when count > 0), else whose weight (of `w`, NULL for
- * none) reaches `mass`;
- * the whole row when none does (a mass that the bucket sums reach and the tokens' running sum misses by rounding).
+ * none) reaches `mass`; when none does (a mass that a bucket's sum reaches and its tokens' running sum misses by
+ * rounding), the prefix through that bucket's last token.
  * Only the tokens of logit at least `floor_x` (a prefix of the order) are looked at: for a count, while they are
  * fewer, those 4x as far below the max, then all; for a mass, the caller chose `floor_x` to be enough. */
 static prefix shortest_prefix(const float *x, const float *w, int64_t vocab, float max, int64_t count, double mass,
@@ -236,15 +238,14 @@ static prefix shortest_prefix(const float *x, const float *w, int64_t vocab, flo
         memset(s->count, 0, sizeof(s->count));
         memset(s->mass, 0, sizeof(s->mass));
         for (int64_t j = 0; j < n; ++j) {
-            const int c = tokens[j].x > -INFINITY ? bucket(hi, tokens[j].x, split_scale, HIST - 2) : HIST - 1;
+            const int c = bucket(hi, tokens[j].x, split_scale);
             s->count[c] += 1;
             s->mass[c] += w != NULL ? w[tokens[j].i] : 0.0f;
         }
-        const int b = walk(s, HIST, count, mass, &n_before, &m_before);
+        const int b = walk(s, count, mass, &n_before, &m_before);
         int64_t left = 0;
         for (int64_t j = 0; j < n; ++j) {
-            const int c = tokens[j].x > -INFINITY ? bucket(hi, tokens[j].x, split_scale, HIST - 2) : HIST - 1;
-            if (c == b) tokens[left++] = tokens[j];
+            if (bucket(hi, tokens[j].x, split_scale) == b) tokens[left++] = tokens[j];
         }
         n = left;
     }
