@@ -375,23 +375,26 @@ int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; ++r) {
             const float *x = logits + r * row_stride, *y = raw == NULL ? x : raw + r * raw_stride;
+            const float t = temperature[r];
             float max, raw_max;
             int64_t chosen = row_argmax(x, vocab, &max);
-            double sum = isfinite(max) ? row_exp_sum(x, vocab, max, 1.0f, NULL) : NAN, raw_sum = sum;
+            /* a sampled row whose logprob is of the raw row has its sum checked by its weights' pass below */
+            double sum = !isfinite(max) ? NAN : y != x && t > 0.0f ? 0.0 : row_exp_sum(x, vocab, max, 1.0f, NULL);
+            double raw_sum = sum;
             if (y != x) { /* the logprob is of the raw row */
                 row_argmax(y, vocab, &raw_max);
                 raw_sum = isfinite(raw_max) ? row_exp_sum(y, vocab, raw_max, 1.0f, NULL) : NAN;
             } else {
                 raw_max = max;
             }
+            if (ready && t > 0.0f && isfinite(sum)) sum = row_exp_sum(x, vocab, max, t, weights);
             if (!ready || !isfinite(sum) || !isfinite(raw_sum)) {
                 token_ids[r] = -1;
                 refused += 1;
                 continue;
             }
-            const float t = temperature[r];
             if (t > 0.0f) {
-                prefix keep = {-INFINITY, vocab, row_exp_sum(x, vocab, max, t, weights)};
+                prefix keep = {-INFINITY, vocab, sum};
                 if (top_k[r] > 0 && top_k[r] < vocab)
                     keep = shortest_prefix(x, weights, vocab, max, top_k[r], 0.0, floor_at(max, TOP_K_DEPTH, t), s);
                 if (top_p[r] < 1.0f) {

@@ -483,6 +483,13 @@ def test_cpu_draw_leaves_a_row_with_nan_or_no_finite_logit_to_torch():
     broken[1, :] = 0.0
     broken[1, 40] = float("nan")
     assert cpu_draw(broken, params, uniforms)[0] == [clean[0], -1, clean[2]]
+    # a NaN past the max of a penalized copy (the logprob from the clean raw row): found by a sampled row's weights
+    # and by a greedy row's sum
+    for row in (params[1], SamplingParams(temperature=0.0)):
+        copy = logits.clone()
+        copy[1, int(logits[1].argmin())] = float("nan")
+        drawn = sampler._draw_on_cpu(copy, [params[0], row, params[2]], uniforms, logits)
+        assert drawn is not None and drawn.token_ids == [clean[0], -1, clean[2]]
 
 
 @CPU_DRAW
