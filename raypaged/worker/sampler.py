@@ -89,9 +89,9 @@ def sample(
 
 
 def _in_c(params: SamplingParams, logprobs_mode: str) -> bool:
-    """Whether ``cpu_sample.c`` draws a row of these parameters on CPU: it asks for no ``logprob_token_ids`` and
-    shows no logprobs in a mode other than raw logprobs."""
-    return not params.logprob_token_ids and (params.logprobs is None or logprobs_mode == RAW_LOGPROBS)
+    """Whether ``cpu_sample.c`` draws a row of these parameters on CPU: it shows no logprobs (top or asked tokens')
+    in a mode other than raw logprobs."""
+    return logprobs_mode == RAW_LOGPROBS or (params.logprobs is None and not params.logprob_token_ids)
 
 
 def _sample_in_torch(
@@ -307,12 +307,19 @@ def _sample_in_c(
         uniforms[sampled] = _uniforms([inputs[i] for i in sampled], generator, logits.device)
     if (drawn := _draw_on_cpu(processed, params, uniforms, raw)) is None:
         return None
-    return [
+    tokens = [
         None
         if token < 0
         else SampledToken(token, logprob, None if n is None else logprob_entry(token, logprob, rank, ids[:n], vals[:n]))
         for n, token, logprob, rank, ids, vals in zip((p.logprobs for p in params), *drawn)
     ]
+    if asking := [i for i, p in enumerate(params) if p.logprob_token_ids and drawn.token_ids[i] >= 0]:
+        raw_logprobs = raw[asking] - torch.logsumexp(raw[asking], dim=-1, keepdim=True)  # the rows' log-softmax
+        for row, i in zip(raw_logprobs, asking):
+            token, asked = tokens[i], params[i].logprob_token_ids
+            assert token is not None and asked
+            token.top_logprobs = _asked_entry(row, token.token_id, token.logprob, drawn.ranks[i], asked)
+    return tokens
 
 
 class Drawn(NamedTuple):
@@ -346,7 +353,10 @@ def _draw_on_cpu(
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     uniforms = uniforms.to(torch.float64).contiguous()
-    shown = [-1 if p.logprobs is None else min(p.logprobs, logits.shape[1]) for p in params]
+    # a row asking for tokens' logprobs gets its token's rank (0 top tokens)
+    shown = [
+        0 if p.logprob_token_ids else -1 if p.logprobs is None else min(p.logprobs, logits.shape[1]) for p in params
+    ]
     max_top = max(max(shown), 0)
     tops = torch.tensor(shown, dtype=torch.int64)
     ranks = torch.zeros(rows, dtype=torch.int64)

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from raypaged.sampling_params import RAW_LOGPROBS, SamplingParams
+from raypaged.sampling_params import PROCESSED_LOGPROBS, RAW_LOGPROBS, SamplingParams
 from raypaged.worker import sampler
 from raypaged.worker.sampler import SamplingInput, greedy_fast_path, sample
 
@@ -521,8 +521,8 @@ def test_rows_drawn_in_c_take_the_tokens_and_logprobs_of_torch_and_each_row_pick
     assert in_c[5].token_id != int(logits[5].argmax()) and in_c[6].token_id != int(logits[6].argmax())
     alone = [t.token_id for t in sample(logits[:7], batch[:7], torch.Generator())]
     asks_ids = SamplingParams(temperature=1.0, logprobs=0, logprob_token_ids=[4])
-    assert not sampler._in_c(asks_ids, RAW_LOGPROBS)
-    beside = sample(logits, batch[:7] + inputs(asks_ids, 1), torch.Generator())
+    assert sampler._in_c(asks_ids, RAW_LOGPROBS) and not sampler._in_c(asks_ids, PROCESSED_LOGPROBS)
+    beside = sample(logits, batch[:7] + inputs(asks_ids, 1), torch.Generator(), PROCESSED_LOGPROBS)
     assert [t.token_id for t in beside[:7]] == alone and list(beside[7].top_logprobs)[1:] == [4]
     no_token = SamplingParams(temperature=1.0, allowed_token_ids=[3], bad_words_token_ids=[[3]])
     assert sampler._sample_in_c(logits[:2], [*inputs(no_token, 1), batch[0]], torch.Generator())[0] is None
@@ -563,3 +563,40 @@ def test_rows_drawn_in_c_show_the_raw_logprobs_torch_shows():
             assert entry.rank == t.top_logprobs[token_id].rank
             assert entry.logprob == pytest.approx(t.top_logprobs[token_id].logprob, abs=1e-5)
     assert [sampler._in_c(s.params, PROCESSED_LOGPROBS) for s in batch] == [n is None for n in shown]
+
+
+@CPU_DRAW
+def test_rows_drawn_in_c_show_the_asked_tokens_logprobs_torch_shows():
+    """Rows asking for ``logprob_token_ids`` (greedy, sampled and penalized; the chosen token among the asked ones
+    or not, an id asked twice, the row's least likely token) beside rows showing their top logprobs and rows showing
+    none: each asked token's raw log-probability and rank, in the asked order after the chosen token, as torch
+    gives them."""
+    torch.manual_seed(6)
+    logits = torch.randn(6, 3000) * torch.tensor([0.5, 2.0, 4.0, 8.0, 3.0, 1.0])[:, None]
+    asked = [[5, 9, 5], [int(logits[1].argmax()), 3], None, [int(logits[3].argmin()), 0, 2999], [7], None]
+    batch = [
+        SamplingInput(
+            dataclasses.replace(
+                ROW_CHOICES[(i * 3) % 8],
+                seed=60 + i,
+                logprobs=None if i == 5 else 2,
+                logprob_token_ids=asked[i],
+                repetition_penalty=1.0 + 0.3 * (i % 2),
+            ),
+            [5, 6],
+            [int(logits[i].argmax()), 9],
+            2,
+        )
+        for i in range(6)
+    ]
+    in_c = sampler._sample_in_c(logits, batch, torch.Generator())
+    in_torch = sampler._sample_in_torch(logits, batch, torch.Generator(), RAW_LOGPROBS, False)
+    assert [t.token_id for t in in_c] == [t.token_id for t in in_torch]
+    for row, (c, t) in enumerate(zip(in_c, in_torch)):
+        if asked[row] is None:
+            assert (c.top_logprobs is None) == (t.top_logprobs is None) == (row == 5)
+            continue
+        assert list(c.top_logprobs) == list(t.top_logprobs) == list(dict.fromkeys([c.token_id, *asked[row]]))
+        for token_id, entry in c.top_logprobs.items():
+            assert entry.rank == t.top_logprobs[token_id].rank
+            assert entry.logprob == pytest.approx(t.top_logprobs[token_id].logprob, abs=1e-5)
