@@ -531,6 +531,27 @@ def test_rows_drawn_in_c_take_the_tokens_and_logprobs_of_torch_and_each_row_pick
     assert raised.value.rows == [6]
 
 
+def batch_of(logits: torch.Tensor, params: list[SamplingParams]) -> list[SamplingInput]:
+    """Rows of these parameters after the prompt [5, 6], each having generated its own likeliest token and 7."""
+    return [SamplingInput(p, [5, 6], [int(logits[i].argmax()), 7], 2) for i, p in enumerate(params)]
+
+
+def drawn_both_ways(logits: torch.Tensor, batch: list[SamplingInput]) -> tuple[list, list]:
+    """The batch drawn in C and in torch (the same uniforms), which take the same tokens."""
+    in_c = sampler._sample_in_c(logits, batch, torch.Generator())
+    in_torch = sampler._sample_in_torch(logits, batch, torch.Generator(), RAW_LOGPROBS, False)
+    assert in_c is not None and [t.token_id for t in in_c] == [t.token_id for t in in_torch]
+    return in_c, in_torch
+
+
+def assert_same_entries(c, t) -> None:
+    """The same shown tokens in the same order, each with torch's rank and log-probability."""
+    assert list(c.top_logprobs) == list(t.top_logprobs)
+    for token_id, entry in c.top_logprobs.items():
+        assert entry.rank == t.top_logprobs[token_id].rank
+        assert entry.logprob == pytest.approx(t.top_logprobs[token_id].logprob, abs=1e-5)
+
+
 @CPU_DRAW
 def test_rows_drawn_in_c_show_the_raw_logprobs_torch_shows():
     """Rows showing 0, 1, 5 and 20 logprobs beside rows showing none, greedy, sampled and penalized: the chosen
@@ -541,27 +562,20 @@ def test_rows_drawn_in_c_show_the_raw_logprobs_torch_shows():
     torch.manual_seed(5)
     logits = torch.randn(8, 3000) * torch.tensor([0.5, 2.0, 4.0, 8.0] * 2)[:, None]
     shown = [0, 1, 5, 20, None, 5, 3, None]
-    batch = [
-        SamplingInput(
-            dataclasses.replace(ROW_CHOICES[i], seed=30 + i, logprobs=shown[i], repetition_penalty=1.0 + 0.2 * (i % 2)),
-            [5, 6],
-            [int(logits[i].argmax()), 7],
-            2,
-        )
-        for i in range(8)
-    ]
-    in_c = sampler._sample_in_c(logits, batch, torch.Generator())
-    in_torch = sampler._sample_in_torch(logits, batch, torch.Generator(), RAW_LOGPROBS, False)
-    assert [t.token_id for t in in_c] == [t.token_id for t in in_torch]
-    for row, (c, t) in enumerate(zip(in_c, in_torch)):
+    batch = batch_of(
+        logits,
+        [
+            dataclasses.replace(ROW_CHOICES[i], seed=30 + i, logprobs=shown[i], repetition_penalty=1.0 + 0.2 * (i % 2))
+            for i in range(8)
+        ],
+    )
+    for row, (c, t) in enumerate(zip(*drawn_both_ways(logits, batch))):
         assert c.logprob == pytest.approx(t.logprob, abs=1e-5)
         if shown[row] is None:
             assert c.top_logprobs is None and t.top_logprobs is None
             continue
-        assert list(c.top_logprobs) == list(t.top_logprobs) and len(c.top_logprobs) >= shown[row]
-        for token_id, entry in c.top_logprobs.items():
-            assert entry.rank == t.top_logprobs[token_id].rank
-            assert entry.logprob == pytest.approx(t.top_logprobs[token_id].logprob, abs=1e-5)
+        assert_same_entries(c, t)
+        assert len(c.top_logprobs) >= shown[row]
     assert [sampler._in_c(s.params, PROCESSED_LOGPROBS) for s in batch] == [n is None for n in shown]
 
 
@@ -573,30 +587,23 @@ def test_rows_drawn_in_c_show_the_asked_tokens_logprobs_torch_shows():
     gives them."""
     torch.manual_seed(6)
     logits = torch.randn(6, 3000) * torch.tensor([0.5, 2.0, 4.0, 8.0, 3.0, 1.0])[:, None]
-    asked = [[5, 9, 5], [int(logits[1].argmax()), 3], None, [int(logits[3].argmin()), 0, 2999], [7], None]
-    batch = [
-        SamplingInput(
+    asked = [[5, 7, 5], [int(logits[1].argmax()), 3], None, [int(logits[3].argmin()), 0, 2999], [7], None]
+    batch = batch_of(
+        logits,
+        [
             dataclasses.replace(
                 ROW_CHOICES[(i * 3) % 8],
                 seed=60 + i,
                 logprobs=None if i == 5 else 2,
                 logprob_token_ids=asked[i],
                 repetition_penalty=1.0 + 0.3 * (i % 2),
-            ),
-            [5, 6],
-            [int(logits[i].argmax()), 9],
-            2,
-        )
-        for i in range(6)
-    ]
-    in_c = sampler._sample_in_c(logits, batch, torch.Generator())
-    in_torch = sampler._sample_in_torch(logits, batch, torch.Generator(), RAW_LOGPROBS, False)
-    assert [t.token_id for t in in_c] == [t.token_id for t in in_torch]
-    for row, (c, t) in enumerate(zip(in_c, in_torch)):
+            )
+            for i in range(6)
+        ],
+    )
+    for row, (c, t) in enumerate(zip(*drawn_both_ways(logits, batch))):
         if asked[row] is None:
             assert (c.top_logprobs is None) == (t.top_logprobs is None) == (row == 5)
             continue
-        assert list(c.top_logprobs) == list(t.top_logprobs) == list(dict.fromkeys([c.token_id, *asked[row]]))
-        for token_id, entry in c.top_logprobs.items():
-            assert entry.rank == t.top_logprobs[token_id].rank
-            assert entry.logprob == pytest.approx(t.top_logprobs[token_id].logprob, abs=1e-5)
+        assert_same_entries(c, t)
+        assert list(c.top_logprobs) == list(dict.fromkeys([c.token_id, *asked[row]]))
