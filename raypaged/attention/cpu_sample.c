@@ -378,23 +378,30 @@ int raypaged_sample_f32(const float *logits, int64_t rows, int64_t vocab, int64_
             const float t = temperature[r];
             float max, raw_max;
             int64_t chosen = row_argmax(x, vocab, &max);
-            /* a sampled row whose logprob is of the raw row has its sum checked by its weights' pass below */
-            double sum = !isfinite(max) ? NAN : y != x && t > 0.0f ? 0.0 : row_exp_sum(x, vocab, max, 1.0f, NULL);
-            double raw_sum = sum;
-            if (y != x) { /* the logprob is of the raw row */
+            double raw_sum; /* the logprob's: of the raw row */
+            if (y != x) {
                 row_argmax(y, vocab, &raw_max);
                 raw_sum = isfinite(raw_max) ? row_exp_sum(y, vocab, raw_max, 1.0f, NULL) : NAN;
             } else {
                 raw_max = max;
+                raw_sum = isfinite(max) ? row_exp_sum(x, vocab, max, 1.0f, NULL) : NAN;
             }
-            if (ready && t > 0.0f && isfinite(sum)) sum = row_exp_sum(x, vocab, max, t, weights);
-            if (!ready || !isfinite(sum) || !isfinite(raw_sum)) {
+            /* a sampled row's weights and their mass (which also finds a NaN past the max); a greedy row drawing from
+             * a penalized copy checks that copy by a sum of its own */
+            double mass = raw_sum;
+            if (!ready || !isfinite(max))
+                mass = NAN;
+            else if (t > 0.0f)
+                mass = row_exp_sum(x, vocab, max, t, weights);
+            else if (y != x)
+                mass = row_exp_sum(x, vocab, max, 1.0f, NULL);
+            if (!isfinite(mass) || !isfinite(raw_sum)) {
                 token_ids[r] = -1;
                 refused += 1;
                 continue;
             }
             if (t > 0.0f) {
-                prefix keep = {-INFINITY, vocab, sum};
+                prefix keep = {-INFINITY, vocab, mass};
                 if (top_k[r] > 0 && top_k[r] < vocab)
                     keep = shortest_prefix(x, weights, vocab, max, top_k[r], 0.0, floor_at(max, TOP_K_DEPTH, t), s);
                 if (top_p[r] < 1.0f) {

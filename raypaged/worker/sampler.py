@@ -307,14 +307,16 @@ def _sample_in_c(
         uniforms[sampled] = _uniforms([inputs[i] for i in sampled], generator, logits.device)
     if (drawn := _draw_on_cpu(processed, params, uniforms, raw)) is None:
         return None
+    shown = (None if p.logprob_token_ids else p.logprobs for p in params)  # an asking row's entry is built below
     tokens = [
         None
         if token < 0
         else SampledToken(token, logprob, None if n is None else logprob_entry(token, logprob, rank, ids[:n], vals[:n]))
-        for n, token, logprob, rank, ids, vals in zip((p.logprobs for p in params), *drawn)
+        for n, token, logprob, rank, ids, vals in zip(shown, *drawn)
     ]
     if asking := [i for i, p in enumerate(params) if p.logprob_token_ids and drawn.token_ids[i] >= 0]:
-        raw_logprobs = raw[asking] - torch.logsumexp(raw[asking], dim=-1, keepdim=True)  # the rows' log-softmax
+        rows = raw[asking]
+        raw_logprobs = rows - torch.logsumexp(rows, dim=-1, keepdim=True)  # the rows' log-softmax
         for row, i in zip(raw_logprobs, asking):
             token, asked = tokens[i], params[i].logprob_token_ids
             assert token is not None and asked
